@@ -1,0 +1,13 @@
+"""offload: stream a causal LM's decoder layers from RAM or disk to the compute device.
+
+Contract: the public API is `OffloadedCausalLM`, `parse_size`, `plan_offload`, `OffloadPlan`,
+`OffloadError` (and `format_bytes`). This package never imports `specexec_cli`.
+"""
+
+from .errors import OffloadError
+from .model import OffloadedCausalLM, OffloadStats
+from .plan import OffloadPlan, plan_offload
+from .sizes import format_bytes, parse_size
+
+__all__ = ["OffloadError", "OffloadedCausalLM", "OffloadStats", "OffloadPlan", "plan_offload",
+           "parse_size", "format_bytes"]

@@ -1,0 +1,196 @@
+"""Load-time placement: read the checkpoint into resident buffers, RAM arenas and disk plans.
+
+Contract: `load_weights(...)` validates every decoder-layer tensor against the meta-built HF
+model (name and shape; a missing tensor or mismatch raises OffloadError naming the file),
+computes per-layer packed sizes, picks the placement with `plan_offload`, checks the host and
+device bytes that placement needs against what is free BEFORE allocating anything (OffloadError
+otherwise), then fills: resident layers into `DevicePool` buffers, RAM-tier layers into one
+page-aligned host region (page-locked once on CUDA), and records file spans for disk-tier
+layers. NF4 quantization happens here, once per layer; quant states stay on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+from torch import nn
+
+from .errors import OffloadError
+from .nf4 import Nf4Linear
+from .plan import OffloadPlan, plan_offload
+from .sizes import format_bytes
+from .st_index import SafetensorsIndex
+from .storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
+                      aligned_empty, file_layout, fill_packed, packed_layout, pin_host)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+AUTO_RAM_FRACTION = 0.8
+CUDA_HEADROOM = 1 << 30   # left free on the GPU for KV cache and activations in "auto"
+
+
+def resolve_dtype(dtype, config, device: torch.device) -> tuple[torch.dtype, torch.dtype, bool]:
+    """(storage dtype of non-quantized params, compute dtype, nf4?)"""
+    if isinstance(dtype, str) and dtype.lower() == "nf4":
+        return torch.bfloat16, torch.bfloat16, True
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPES:
+            raise OffloadError(f"unsupported dtype {dtype!r}; use float32, bfloat16, float16 or nf4")
+        dtype = _DTYPES[dtype.lower()]
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise OffloadError(f"unsupported dtype {dtype}; use float32, bfloat16, float16 or nf4")
+    return dtype, dtype, False
+
+
+@dataclass
+class LoadedWeights:
+    embed: nn.Module
+    norm: nn.Module
+    lm_head: nn.Module
+    rotary: nn.Module
+    plan: OffloadPlan
+    pool: DevicePool
+    store: LayerStore
+    resident: dict[int, tuple[torch.Tensor, LayerLayout]]
+    qstates: dict[int, dict]
+
+
+def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
+    specs = []
+    for name, p in layer.named_parameters():
+        mod_name, _, attr = name.rpartition(".")
+        mod = layer.get_submodule(mod_name) if mod_name else layer
+        if isinstance(mod, Nf4Linear) and attr == "weight":
+            specs.append(ParamSpec(name, mod.logical_shape, torch.uint8, nf4=True))
+        else:
+            specs.append(ParamSpec(name, tuple(p.shape), storage_dtype))
+    return specs
+
+
+def _budgets(offload, device, total, max_dev, max_host, free_ram):
+    """Resolve None budgets per offload mode (explicit values always win)."""
+    if offload == "ram":
+        return (0 if max_dev is None else max_dev), (total if max_host is None else max_host)
+    if offload == "disk":
+        return (0 if max_dev is None else max_dev), (0 if max_host is None else max_host)
+    ram_cap = int(free_ram * AUTO_RAM_FRACTION)
+    if max_dev is None:
+        if device.type == "cuda":
+            max_dev = max(0, torch.cuda.mem_get_info(device)[0] - CUDA_HEADROOM)
+        else:
+            max_dev = total if total <= ram_cap else 0
+    return max_dev, (ram_cap if max_host is None else max_host)
+
+
+def _check_fits(plan: OffloadPlan, device: torch.device, free_ram: int, root: Path) -> None:
+    host = plan.host_bytes + (plan.device_bytes if device.type == "cpu" else 0)
+    if host > free_ram:
+        raise OffloadError(
+            f"{root}: placement needs {format_bytes(host)} host RAM but {format_bytes(free_ram)} is free; "
+            "lower --max-host-memory / --max-device-memory or use --offload disk")
+    if device.type == "cuda":
+        free_dev = torch.cuda.mem_get_info(device)[0]
+        if plan.device_bytes > free_dev:
+            raise OffloadError(
+                f"{root}: placement needs {format_bytes(plan.device_bytes)} device memory but "
+                f"{format_bytes(free_dev)} is free; lower --max-device-memory or --slots")
+
+
+@torch.no_grad()
+def _load_globals(index: SafetensorsIndex, hf, config, device, dtype):
+    """Materialize embed_tokens, norm, lm_head (tied if configured) and rotary_emb on the device."""
+    base = hf.model
+    embed = base.embed_tokens.to_empty(device=device).to(dtype)
+    embed.weight.copy_(index.read("model.embed_tokens.weight"))
+    norm = base.norm.to_empty(device=device).to(dtype)
+    norm.weight.copy_(index.read("model.norm.weight"))
+    lm_head = hf.lm_head.to_empty(device=device).to(dtype)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in index.entries:
+        lm_head.weight = embed.weight
+    else:
+        lm_head.weight.copy_(index.read("lm_head.weight"))
+    rotary = type(base.rotary_emb)(config).to(device)
+    for mod in (embed, norm, lm_head):
+        mod.requires_grad_(False)
+    return embed, norm, lm_head, rotary
+
+
+def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: torch.dtype,
+                 compute_dtype: torch.dtype, nf4: bool, offload: str, max_dev, max_host, slots: int,
+                 progress: Callable[[int, int, str], None] | None) -> LoadedWeights:
+    index = SafetensorsIndex(path)
+    layers = hf.model.layers
+    specs = [layer_specs(layer, storage_dtype) for layer in layers]
+    layouts = [packed_layout(s) for s in specs]
+    files = []
+    for i, s in enumerate(specs):
+        entries = {sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s}
+        _check_shapes(entries, s)
+        files.append(file_layout(entries))
+    free_ram = psutil.virtual_memory().available
+    layer_bytes = [lay.nbytes for lay in layouts]
+    dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
+    plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
+    _check_fits(plan, device, free_ram, path)
+    embed, norm, lm_head, rotary = _load_globals(index, hf, config, device, compute_dtype)
+    pool, total = DevicePool(device), len(layers)
+    resident, ram, disk, qstates = {}, {}, {}, {}
+    ram_region = pin_host(aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers)))
+    offset = 0
+    for done, i in enumerate(range(total)):
+        if progress is not None:
+            progress(done, total, f"{'quantizing' if nf4 else 'loading'} layer {i}")
+        qs = qstates.setdefault(i, {}) if nf4 else None
+        prefix = f"model.layers.{i}."
+        if i in plan.resident:
+            resident[i] = (_fill_resident(index, prefix, specs[i], layouts[i], pool, device, qs), layouts[i])
+        elif i in plan.ram_layers:
+            buf = ram_region[offset:offset + layouts[i].nbytes]
+            offset += layouts[i].nbytes
+            fill_packed(index, prefix, specs[i], layouts[i], buf, device, qs)
+            ram[i] = (buf, layouts[i])
+        else:
+            disk[i] = _disk_layer(index, prefix, specs[i], layouts[i], files[i], storage_dtype, device, qs)
+    if progress is not None:
+        progress(total, total, "loaded")
+    reader = DirectReader()
+    if disk:
+        reader.probe(next(iter(disk.values())).spans[0].file)
+        plan.direct_io = reader.direct
+    store = LayerStore(device, pool, slots, ram, disk, reader)
+    plan.device_bytes = pool.allocated
+    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates)
+
+
+def _check_shapes(entries, specs: list[ParamSpec]) -> None:
+    for sp in specs:
+        e = entries[sp.name]
+        if tuple(e.shape) != tuple(sp.shape):
+            raise OffloadError(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)}, config.json "
+                               f"implies {list(sp.shape)}; the checkpoint does not match its config")
+
+
+def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device, qs) -> torch.Tensor:
+    buf = pool.alloc(layout.nbytes)
+    if device.type == "cpu":
+        fill_packed(index, prefix, specs, layout, buf, device, qs)
+    else:
+        host = aligned_empty(layout.nbytes)
+        fill_packed(index, prefix, specs, layout, host, device, qs)
+        buf.copy_(host)
+    return buf
+
+
+def _disk_layer(index, prefix, specs, layout, file_lay, storage_dtype, device, qs) -> DiskLayer:
+    raw, spans = file_lay
+    convert = any(sp.nf4 or raw.slices[sp.name].dtype != sp.dtype for sp in specs)
+    if qs is not None:
+        # Quant states are computed once here and kept on the device; each pass re-packs only bytes.
+        fill_packed(index, prefix, specs, layout, aligned_empty(layout.nbytes), device, qs)
+    return DiskLayer(spans, raw, layout, specs, convert)

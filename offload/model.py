@@ -1,0 +1,210 @@
+"""OffloadedCausalLM: a HF Llama/Mistral/Qwen2 causal LM whose decoder layers stream.
+
+Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, max_device_memory,
+max_host_memory, slots, progress)` builds the HF model on the meta device, materializes only
+embed_tokens / norm / lm_head / rotary_emb on the compute device, and keeps every decoder
+layer's weights in one buffer per layer (see storage.py) placed by `plan_offload`.
+`model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=)` runs the HF
+decoder-layer modules unchanged, re-pointing their parameters at the staged buffer before each
+layer, and returns a `CausalLMOutputWithPast` whose logits equal HF's for the same inputs
+(4-D additive tree masks, arbitrary positions and a caller-owned DynamicCache included; with
+attention_mask=None it behaves like HF's plain causal path). The KV cache stays on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import OffloadError
+from .loader import LoadedWeights, load_weights, resolve_dtype
+from .nf4 import Nf4Linear
+from .plan import OffloadPlan
+from .prefetch import Prefetcher
+
+
+@dataclass
+class OffloadStats:
+    passes: int = 0
+    streamed_bytes: int = 0             # total bytes of streamed layers consumed, all passes
+    streamed_bytes_per_pass: int = 0    # of the last pass
+    io_seconds: float = 0.0             # time the copy thread spent producing layers
+    wait_seconds: float = 0.0           # time compute waited for a layer to be ready
+    last_pass_seconds: float = 0.0
+
+
+def _import_causal_lm(model_type: str):
+    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+    return {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}.get(model_type)
+
+
+def _load_config(path: Path):
+    from transformers import AutoConfig
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise OffloadError(f"{cfg_file}: not found; point at a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad config.json
+        raise OffloadError(f"{cfg_file}: cannot parse ({exc.__class__.__name__}); fix or re-download it") from None
+    if _import_causal_lm(config.model_type) is None:
+        raise OffloadError(f"{cfg_file}: unsupported model_type {config.model_type!r}; "
+                           "supported: llama, mistral, qwen2")
+    return config
+
+
+class OffloadedCausalLM(nn.Module):
+    def __init__(self, config, device: torch.device, dtype: torch.dtype, hf: nn.Module, w: LoadedWeights,
+                 slots: int):
+        super().__init__()
+        self.config, self.device, self.dtype = config, device, dtype
+        self.embed_tokens, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
+        self.rotary_emb = w.rotary
+        self.layers = hf.model.layers          # meta-device HF decoder layers, re-bound per pass
+        self.plan: OffloadPlan = w.plan
+        self.pool, self.store = w.pool, w.store
+        self.stats = OffloadStats()
+        self.compute_hook: Callable[[int], None] | None = None   # test hook, after each layer
+        self._bindings = [self._binding_table(layer) for layer in self.layers]
+        for i, (buf, layout) in w.resident.items():
+            self._bind(i, buf, layout)
+        for i, states in w.qstates.items():
+            for name, state in states.items():
+                self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
+        self.prefetcher = Prefetcher(self.plan.streamed, self.store.load, slots, device)
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, offload="auto",
+                        max_device_memory: int | None = None, max_host_memory: int | None = None,
+                        slots: int = 2, progress: Callable[[int, int, str], None] | None = None):
+        path = Path(path)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if offload not in ("ram", "disk", "auto"):
+            raise OffloadError(f"offload must be ram, disk or auto, got {offload!r}")
+        config = _load_config(path)
+        storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
+        with torch.device("meta"):
+            hf = _import_causal_lm(config.model_type)(config)
+        if nf4:
+            _swap_nf4_linears(hf.model.layers, compute_dtype)
+        w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
+                         max_device_memory, max_host_memory, slots, progress)
+        return cls(config, device, compute_dtype, hf, w, slots)
+
+    @staticmethod
+    def _binding_table(layer: nn.Module) -> list[tuple[nn.Module, str, str]]:
+        table = []
+        for name, _ in layer.named_parameters():
+            mod_name, _, attr = name.rpartition(".")
+            table.append((layer.get_submodule(mod_name) if mod_name else layer, attr, name))
+        return table
+
+    def _bind(self, i: int, buf: torch.Tensor, layout) -> None:
+        """Point layer i's parameters at views into `buf` (no copy)."""
+        for mod, attr, name in self._bindings[i]:
+            mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
+
+    def _masks(self, h, attention_mask, cache, position_ids) -> dict[str, torch.Tensor | None]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kw = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                  past_key_values=cache, position_ids=position_ids)
+        masks = {}
+        for t in set(self._layer_types()):
+            fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
+            masks[t] = fn(**kw)
+        return masks
+
+    def _layer_types(self) -> list[str]:
+        n = self.config.num_hidden_layers
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return list(types[:n])
+        sliding = self.config.model_type == "mistral" and getattr(self.config, "sliding_window", None)
+        return ["sliding_attention" if sliding else "full_attention"] * n
+
+    def _layer_stream(self):
+        """All layers in order: resident ones as-is, streamed ones from the prefetcher."""
+        streamed = self.prefetcher.pass_()
+        resident = set(self.plan.resident)
+        for i in range(len(self.layers)):
+            if i in resident:
+                yield i
+                continue
+            lid, buf = next(streamed)
+            assert lid == i, f"prefetcher yielded layer {lid}, expected {i}"
+            self._bind(i, buf, self.store.layout(i))
+            self.stats.streamed_bytes_per_pass += self.store.layout(i).nbytes
+            yield i
+        for _ in streamed:   # resume once more: releases the last slot, queues the next pass
+            raise AssertionError("prefetcher yielded more layers than the plan streams")
+
+    @torch.no_grad()
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, inputs_embeds=None, logits_to_keep: int = 0, **kwargs):
+        from transformers import DynamicCache
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        t0 = time.perf_counter()
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(h.shape[1], device=h.device) + past).unsqueeze(0)
+        masks = self._masks(h, attention_mask, past_key_values, position_ids)
+        pos_emb = self.rotary_emb(h, position_ids)
+        types = self._layer_types()
+        self.stats.streamed_bytes_per_pass = 0
+        for i in self._layer_stream():
+            h = self.layers[i](h, attention_mask=masks[types[i]], position_ids=position_ids,
+                               past_key_values=past_key_values, use_cache=use_cache,
+                               position_embeddings=pos_emb, **kwargs)
+            if self.compute_hook is not None:
+                self.compute_hook(i)
+        h = self.norm(h)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        self._account(t0)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+
+    def _account(self, t0: float) -> None:
+        s = self.stats
+        s.passes += 1
+        s.streamed_bytes += s.streamed_bytes_per_pass
+        s.io_seconds = self.store.io_seconds
+        s.wait_seconds = self.prefetcher.wait_seconds
+        s.last_pass_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the copy thread and close file descriptors (idempotent)."""
+        self.prefetcher.close()
+        self.store.reader.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _swap_nf4_linears(layers: nn.ModuleList, compute_dtype: torch.dtype) -> None:
+    """Replace every nn.Linear inside the decoder layers by an Nf4Linear of the same shape."""
+    for layer in layers:
+        for name, mod in list(layer.named_modules()):
+            if isinstance(mod, nn.Linear):
+                parent_name, _, child = name.rpartition(".")
+                parent = layer.get_submodule(parent_name) if parent_name else layer
+                q = Nf4Linear(mod.in_features, mod.out_features, mod.bias is not None, compute_dtype)
+                q.logical_shape = tuple(mod.weight.shape)
+                setattr(parent, child, q)

@@ -1,0 +1,60 @@
+"""bitsandbytes NF4: the one place that knows bnb's quirks.
+
+Contract: `quantize_nf4(weight, device)` returns (packed uint8 tensor of shape ((n+1)//2, 1),
+QuantState on `device`) exactly as `bitsandbytes.nn.Linear4bit` would produce for the same
+weight (blocksize 64, double-quantized statistics, NF4). `Nf4Linear` computes the same
+`bnb.matmul_4bit(x.to(compute_dtype), W, bias, quant_state).to(x.dtype)` as Linear4bit.forward;
+its packed `weight` parameter is re-pointed at a streamed buffer each pass, while the small
+quant state (absmax, code, nested state) stays resident on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+NF4_BLOCKSIZE = 64
+NF4_COMPRESS_STATISTICS = True
+
+
+def quantize_nf4(weight: torch.Tensor, device: torch.device):
+    """Quantize a 2-D weight (out, in) to NF4 the way Linear4bit.cuda()/.to() does."""
+    import bitsandbytes.functional as bnbf
+
+    w = weight.to(device=device).contiguous()
+    if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        w = w.float()
+    packed, state = bnbf.quantize_4bit(
+        w, blocksize=NF4_BLOCKSIZE, compress_statistics=NF4_COMPRESS_STATISTICS,
+        quant_type="nf4", quant_storage=torch.uint8,
+    )
+    return packed, state
+
+
+def packed_nf4_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Shape of quantize_4bit's packed output: two 4-bit codes per byte, one column."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return ((numel + 1) // 2, 1)
+
+
+class Nf4Linear(nn.Module):
+    """Drop-in for nn.Linear whose weight is an NF4-packed uint8 view."""
+
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, compute_dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        self.quant_state = None
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8, device="meta"), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False)
+                     if has_bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import bitsandbytes as bnb
+
+        in_dtype = x.dtype
+        bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
+        out = bnb.matmul_4bit(x.to(self.compute_dtype), self.weight, bias=bias, quant_state=self.quant_state)
+        return out.to(in_dtype)

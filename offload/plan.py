@@ -1,0 +1,96 @@
+"""Placement plan: which decoder layers stay on the device, which stream from RAM or disk.
+
+Contract: `plan_offload` is a pure function of per-layer byte sizes and budgets.
+- Layers are taken in order; a prefix whose bytes fit `max_device_memory` stays resident
+  (None = unlimited, so every layer is resident and tier is "none").
+- The remaining ("streamed") layers get host arenas while their cumulative bytes fit
+  `max_host_memory` (None = `free_ram`); the rest are read from disk on every pass.
+- Streamed layers need `slots` device staging buffers of the largest streamed layer; those
+  count in `device_bytes` on top of the resident layers.
+The returned `OffloadPlan` is what `OffloadedCausalLM.plan` exposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sizes import format_bytes
+
+
+@dataclass
+class OffloadPlan:
+    resident: list[int]
+    streamed: list[int]
+    ram_layers: list[int]
+    disk_layers: list[int]
+    layer_bytes: list[int]
+    slots: int
+    host_bytes: int
+    device_bytes: int
+    direct_io: bool | None = None  # set once the disk reader knows whether O_DIRECT works
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tier(self) -> str:
+        if self.disk_layers:
+            return "disk"
+        return "ram" if self.streamed else "none"
+
+    @property
+    def bytes_per_layer(self) -> int:
+        return max(self.layer_bytes) if self.layer_bytes else 0
+
+    @property
+    def slot_bytes(self) -> int:
+        return max((self.layer_bytes[i] for i in self.streamed), default=0)
+
+    def describe(self) -> str:
+        """One line, e.g. `offload: 3 layers resident, 5 streamed from disk (O_DIRECT), 41.9 MB/layer`."""
+        head = f"offload: {len(self.resident)} layers resident"
+        per = f"{format_bytes(self.bytes_per_layer)}/layer"
+        if not self.streamed:
+            return f"{head}, none streamed, {per}"
+        io = "O_DIRECT" if self.direct_io is not False else "buffered reads"
+        if not self.disk_layers:
+            src = "from RAM"
+        elif not self.ram_layers:
+            src = f"from disk ({io})"
+        else:
+            src = f"({len(self.ram_layers)} from RAM, {len(self.disk_layers)} from disk, {io})"
+        return f"{head}, {len(self.streamed)} streamed {src}, {per}"
+
+
+def plan_offload(
+    layer_bytes: list[int],
+    max_device_memory: int | None,
+    max_host_memory: int | None,
+    free_ram: int,
+    slots: int = 2,
+) -> OffloadPlan:
+    """Place layers: resident prefix within the device budget, then RAM, then disk."""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    device_budget = float("inf") if max_device_memory is None else max_device_memory
+    host_budget = free_ram if max_host_memory is None else max_host_memory
+    resident: list[int] = []
+    used = 0
+    for i, nbytes in enumerate(layer_bytes):
+        if used + nbytes > device_budget:
+            break
+        resident.append(i)
+        used += nbytes
+    streamed = [i for i in range(len(layer_bytes)) if i not in set(resident)]
+    ram_layers: list[int] = []
+    host = 0
+    for i in streamed:
+        if host + layer_bytes[i] > host_budget:
+            break
+        ram_layers.append(i)
+        host += layer_bytes[i]
+    disk_layers = [i for i in streamed if i not in set(ram_layers)]
+    slot_bytes = max((layer_bytes[i] for i in streamed), default=0)
+    return OffloadPlan(
+        resident=resident, streamed=streamed, ram_layers=ram_layers, disk_layers=disk_layers,
+        layer_bytes=list(layer_bytes), slots=slots, host_bytes=host,
+        device_bytes=used + (slots * slot_bytes if streamed else 0),
+    )

@@ -1,0 +1,44 @@
+"""Byte-size parsing and formatting.
+
+Contract: `parse_size` turns "0", "1024", "512MB", "24GB", "1.5GiB" (case-insensitive, optional
+space, optional trailing "B") into an int number of bytes; decimal units (KB, MB, GB, TB) are
+powers of 1000, binary units (KiB, MiB, GiB, TiB) powers of 1024. Anything else raises
+ValueError with a message showing accepted forms. `format_bytes` is the inverse for display.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a human byte size ("512MB", "1.5GiB", "1024") into bytes."""
+    if isinstance(text, bool):
+        raise ValueError(f"invalid size {text!r}: expected e.g. 0, 1024, 512MB, 24GB, 1.5GiB")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"invalid size {text!r}: sizes cannot be negative")
+        return text
+    match = _PATTERN.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"invalid size {text!r}: expected e.g. 0, 1024, 512MB, 24GB, 1.5GiB")
+    return int(round(float(match.group(1)) * _UNITS[unit]))
+
+
+def format_bytes(n: int | float) -> str:
+    """Render bytes with decimal units, e.g. 41.9 MB."""
+    n = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

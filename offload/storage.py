@@ -1,0 +1,308 @@
+"""Host/device storage for decoder-layer weights: packed arenas, O_DIRECT reads, staging slots.
+
+Contract:
+- A layer's parameters live in ONE contiguous uint8 buffer described by a `LayerLayout`
+  (name -> offset/dtype/shape). RAM-tier and resident layers use a packed layout (each tensor
+  256-byte aligned, NF4 weights as packed uint8). Disk-tier layers whose file dtype already is
+  the compute dtype use the file's own layout: the aligned covering span(s) of the layer's
+  tensors are read with O_DIRECT straight into the staging slot and the tensors are views at
+  their file offsets, so a layer costs one read and (on CUDA) one host-to-device copy.
+- `DirectReader` opens files with O_DIRECT and reads 4096-aligned ranges into page-aligned
+  buffers (anonymous mmap). Where O_DIRECT is unsupported (EINVAL, e.g. some tmpfs) it falls
+  back to buffered reads and warns once.
+- `DevicePool` is the only allocator of device-resident weight bytes (resident layers and
+  staging slots); it counts bytes so tests can check the budget.
+- `LayerStore.load(layer, slot)` is the prefetcher's copy job: it produces layer `layer` in the
+  device buffer of `slot` (or, for the RAM tier on CPU, returns the host arena itself).
+  On CUDA it issues the copy on the caller's current stream (the prefetcher's side stream).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import OffloadError
+from .nf4 import packed_nf4_shape, quantize_nf4
+from .st_index import SafetensorsIndex, TensorEntry, read_exact
+
+IO_ALIGN = 4096      # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
+ARENA_ALIGN = 256    # per-tensor alignment inside a packed arena
+MERGE_GAP = 64 * 1024
+READ_CHUNK = 64 * 1024 * 1024
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Slice:
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LayerLayout:
+    slices: dict[str, Slice]
+    nbytes: int
+
+    def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        s = self.slices[name]
+        return buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str                 # relative to the layer, e.g. "self_attn.q_proj.weight"
+    shape: tuple[int, ...]    # logical (unquantized) shape
+    dtype: torch.dtype        # storage dtype when not nf4
+    nf4: bool = False
+
+
+def packed_layout(specs: list[ParamSpec]) -> LayerLayout:
+    """Pack tensors back to back, each ARENA_ALIGN-aligned; NF4 weights as (n/2, 1) uint8."""
+    slices, off = {}, 0
+    for sp in specs:
+        shape, dtype = (packed_nf4_shape(sp.shape), torch.uint8) if sp.nf4 else (sp.shape, sp.dtype)
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        off = align_up(off, ARENA_ALIGN)
+        slices[sp.name] = Slice(off, nbytes, dtype, tuple(shape))
+        off += nbytes
+    return LayerLayout(slices, align_up(off, ARENA_ALIGN))
+
+
+@dataclass(frozen=True)
+class Span:
+    file: Path
+    offset: int      # IO_ALIGN-aligned file offset
+    length: int      # IO_ALIGN-aligned length to request
+    needed: int      # bytes that must actually arrive (the span's last tensor may end before EOF pad)
+    buf_offset: int  # IO_ALIGN-aligned destination offset in the staging buffer
+
+
+def file_layout(entries: dict[str, TensorEntry]) -> tuple[LayerLayout, list[Span]]:
+    """Covering aligned spans of a layer's tensors (merged when gaps are small) + views into them."""
+    order = sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
+    groups: list[list[tuple[str, TensorEntry]]] = []
+    for name, e in order:
+        last = groups[-1][-1][1] if groups else None
+        if last is not None and last.file == e.file and e.begin - last.end <= MERGE_GAP:
+            groups[-1].append((name, e))
+        else:
+            groups.append([(name, e)])
+    spans, slices, buf_off = [], {}, 0
+    for group in groups:
+        first, end = group[0][1], max(e.end for _, e in group)
+        start = first.begin // IO_ALIGN * IO_ALIGN
+        length = align_up(end - start, IO_ALIGN)
+        spans.append(Span(first.file, start, length, end - start, buf_off))
+        for name, e in group:
+            slices[name] = Slice(buf_off + e.begin - start, e.nbytes, e.dtype, e.shape)
+        buf_off += length
+    return LayerLayout(slices, buf_off), spans
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """Page-aligned host uint8 buffer (anonymous mmap), usable as an O_DIRECT target."""
+    mm = mmap.mmap(-1, max(align_up(nbytes, IO_ALIGN), IO_ALIGN))
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+def pin_host(buf: torch.Tensor) -> torch.Tensor:
+    """Page-lock an existing host region in one call (cudaHostRegister), never per tensor."""
+    if not torch.cuda.is_available() or buf.numel() == 0:
+        return buf
+    rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(rc) != 0:
+        warnings.warn(f"offload: cudaHostRegister failed ({rc}); host->device copies will be pageable")
+    return buf
+
+
+class DevicePool:
+    """Allocator for device-resident weight bytes; counts what it hands out."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.allocated = 0
+        self.count = 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        self.allocated += nbytes
+        self.count += 1
+        if self.device.type == "cpu":
+            return aligned_empty(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+class DirectReader:
+    """O_DIRECT reader with a once-warned buffered fallback."""
+
+    def __init__(self, direct: bool = True):
+        self.direct = direct
+        self._fds: dict[tuple[Path, bool], int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, path: Path) -> int:
+        key = (path, self.direct)
+        if key not in self._fds:
+            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct else 0)
+            try:
+                self._fds[key] = os.open(path, flags)
+            except OSError as exc:
+                if self.direct and exc.errno == errno.EINVAL:
+                    self._fallback(path)
+                    return self._fd(path)
+                raise OffloadError(f"{path}: cannot open ({exc.strerror}); check the model directory") from None
+        return self._fds[key]
+
+    def _fallback(self, path: Path) -> None:
+        warnings.warn(f"offload: O_DIRECT unsupported for {path}; using buffered reads (page cache)")
+        self.direct = False
+
+    def read_span(self, span: Span, buf: torch.Tensor) -> None:
+        """Read one aligned span into buf[span.buf_offset:]; buf must be page-aligned."""
+        mv = memoryview(buf.numpy()).cast("B")[span.buf_offset:span.buf_offset + span.length]
+        with self._lock:
+            done = 0
+            while done < span.needed:
+                want = min(READ_CHUNK, span.length - done)
+                try:
+                    n = os.preadv(self._fd(span.file), [mv[done:done + want]], span.offset + done)
+                except OSError as exc:
+                    if self.direct and exc.errno == errno.EINVAL:
+                        self._fallback(span.file)
+                        continue
+                    raise OffloadError(f"{span.file}: read failed ({exc.strerror})") from None
+                if n <= 0:
+                    raise OffloadError(f"{span.file}: truncated at byte {span.offset + done}; re-download it")
+                done += n
+
+    def probe(self, path: Path) -> None:
+        """Try one aligned O_DIRECT read so the plan can say whether O_DIRECT works here."""
+        if path.stat().st_size >= IO_ALIGN:
+            self.read_span(Span(path, 0, IO_ALIGN, IO_ALIGN, 0), aligned_empty(IO_ALIGN))
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def store_param(src: torch.Tensor, spec: ParamSpec, dst: torch.Tensor, device: torch.device,
+                qstates: dict | None) -> None:
+    """Write one parameter into its arena view: cast to the storage dtype, or NF4-quantize."""
+    if spec.nf4:
+        packed, state = quantize_nf4(src, device)
+        dst.copy_(packed.view(dst.shape))
+        if qstates is not None:
+            qstates[spec.name] = state
+    else:
+        dst.copy_(src.to(spec.dtype).view(dst.shape))
+
+
+@torch.no_grad()
+def fill_packed(index: SafetensorsIndex, prefix: str, specs: list[ParamSpec], layout: LayerLayout,
+                buf: torch.Tensor, device: torch.device, qstates: dict | None) -> None:
+    """Load-time fill of a packed host arena from the files (direct byte read when no cast)."""
+    for sp in specs:
+        e = index.get(prefix + sp.name)
+        if tuple(e.shape) != tuple(sp.shape):
+            raise OffloadError(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)}, config.json "
+                               f"implies {list(sp.shape)}; the checkpoint does not match its config")
+        dst = layout.view(buf, sp.name)
+        if not sp.nf4 and e.dtype == sp.dtype and buf.device.type == "cpu":
+            read_exact(e.file, e.begin, buf[layout.slices[sp.name].offset:][:e.nbytes])
+        else:
+            store_param(index.read(e.name), sp, dst, device, qstates)
+
+
+@dataclass
+class DiskLayer:
+    spans: list[Span]
+    raw: LayerLayout           # views into the read buffer (file dtypes)
+    packed: LayerLayout        # compute layout when a cast/quantization is needed
+    specs: list[ParamSpec]
+    convert: bool              # False: the read buffer IS the compute buffer
+
+    @property
+    def layout(self) -> LayerLayout:
+        return self.packed if self.convert else self.raw
+
+
+class LayerStore:
+    """Produces streamed layers in staging slots; the prefetcher's copy job (`load`)."""
+
+    def __init__(self, device: torch.device, pool: DevicePool, slots: int,
+                 ram: dict[int, tuple[torch.Tensor, LayerLayout]], disk: dict[int, DiskLayer],
+                 reader: DirectReader):
+        self.device, self.pool, self.slots = device, pool, slots
+        self.ram, self.disk, self.reader = ram, disk, reader
+        self.io_hook = None          # test hook: callable(layer_id), runs on the copy thread
+        self.io_seconds = 0.0
+        self.bytes_moved = 0
+        cuda = device.type == "cuda"
+        sizes = [lay.nbytes for _, lay in ram.values()] if cuda else []
+        sizes += [d.layout.nbytes for d in disk.values()]
+        self.slot_bytes = max(sizes, default=0)
+        self.dev_slots = [pool.alloc(self.slot_bytes) for _ in range(slots)] if self.slot_bytes else []
+        raw_max = max((d.raw.nbytes for d in disk.values() if d.convert or cuda), default=0)
+        # Host-side read buffers (page-aligned; pinned on CUDA): only when reads can't land in the slot.
+        self.raw_slots = [pin_host(aligned_empty(raw_max)) for _ in range(slots)] if raw_max else []
+        pk_max = max((d.packed.nbytes for d in disk.values() if d.convert), default=0) if cuda else 0
+        self.pack_slots = [pin_host(aligned_empty(pk_max)) for _ in range(slots)] if pk_max else []
+        self.copy_done = [None] * slots
+
+    def layout(self, layer: int) -> LayerLayout:
+        return self.ram[layer][1] if layer in self.ram else self.disk[layer].layout
+
+    def load(self, layer: int, slot: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        if self.io_hook is not None:
+            self.io_hook(layer)
+        if self.copy_done[slot] is not None:
+            self.copy_done[slot].synchronize()   # host buffer of this slot no longer read by a copy
+        host = self.ram[layer][0] if layer in self.ram else self._read_disk(layer, slot)
+        nbytes = self.layout(layer).nbytes
+        if self.device.type == "cpu":
+            out = host
+        else:
+            out = self.dev_slots[slot]
+            out[:nbytes].copy_(host[:nbytes], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.copy_done[slot] = ev
+        self.bytes_moved += nbytes
+        self.io_seconds += time.perf_counter() - t0
+        return out
+
+    def _read_disk(self, layer: int, slot: int) -> torch.Tensor:
+        d = self.disk[layer]
+        direct_to_slot = self.device.type == "cpu" and not d.convert
+        target = self.dev_slots[slot] if direct_to_slot else self.raw_slots[slot]
+        for span in d.spans:
+            self.reader.read_span(span, target)
+        if not d.convert:
+            return target
+        out = self.dev_slots[slot] if self.device.type == "cpu" else self.pack_slots[slot]
+        for sp in d.specs:
+            store_param(d.raw.view(target, sp.name), sp, d.packed.view(out, sp.name), torch.device("cpu"), None)
+        return out
