@@ -1,0 +1,267 @@
+"""The `specx` command line (typer). The only module that imports typer.
+
+Contract: parses flags into `LoadOptions` / `GenerationConfig`, loads models, drives
+`engine.generate`, streams generated text to stdout and statistics to stderr (via display.py).
+User errors become one line on stderr and exit code 2; `SPECX_DEBUG=1` re-raises instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from specexec_cli import display
+from specexec_cli.errors import SpecxError, debug_enabled
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="specx: run big language models on one machine with layer offloading and lossless "
+    "SpecExec speculative decoding.",
+)  # fmt: skip
+
+
+
+@app.callback()
+def _root() -> None:
+    """specx: fast, lossless speculative decoding for models bigger than your GPU."""
+
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+
+# Options shared by run / chat / bench.
+Target = Annotated[Optional[str], typer.Option(help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
+Draft = Annotated[Optional[str], typer.Option(help="Draft model (same tokenizer as the target).")]
+Method = Annotated[str, typer.Option(help="Decoding method: ar (baseline) or specexec.")]
+Budget = Annotated[str, typer.Option(help="Draft tree nodes verified per target pass, or 'auto'.")]
+MaxDepth = Annotated[int, typer.Option(help="Deepest tree node (tokens below the root).")]
+MaxBeams = Annotated[int, typer.Option(help="Tree nodes expanded per draft forward.")]
+MaxBranch = Annotated[int, typer.Option(help="Children kept per expanded node.")]
+MaxNew = Annotated[int, typer.Option(help="Stop after this many generated tokens.")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")]
+TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
+TopP = Annotated[float, typer.Option(help="Nucleus mass in (0, 1] (1 = off).")]
+Seed = Annotated[int, typer.Option(help="Sampling seed.")]
+Dtype = Annotated[str, typer.Option(help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda (auto = cuda when available).")]
+AllowPickle = Annotated[bool, typer.Option(help="Allow pickle (.bin) checkpoints, which can run code.")]
+TrustRemote = Annotated[bool, typer.Option(help="Allow custom modelling code from the model dir.")]
+Offload = Annotated[str, typer.Option(help="Target weights: none (all on device) | ram | disk | auto.")]
+MaxGpu = Annotated[Optional[str], typer.Option(help="Device memory for resident target layers, e.g. 20GB.")]
+MaxRam = Annotated[Optional[str], typer.Option(help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.")]
+NoLive = Annotated[bool, typer.Option("--no-live", help="No live panel; one summary line on stderr.")]
+StatsJson = Annotated[Optional[Path], typer.Option(help="Write run statistics as JSON to this file.")]
+NoTemplate = Annotated[bool, typer.Option("--no-chat-template", help="Do not apply the tokenizer's chat template.")]
+
+
+@contextmanager
+def user_errors():
+    """SpecxError/ValueError → one-line error + exit 2; Ctrl-C → exit 130."""
+    try:
+        yield
+    except (SpecxError, ValueError) as exc:
+        if debug_enabled():
+            raise
+        display.print_error(str(exc))
+        raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+    except KeyboardInterrupt:
+        if debug_enabled():
+            raise
+        print("\ninterrupted", file=sys.stderr)
+        raise typer.Exit(130) from None
+
+
+def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
+    """Default to the embedded demo pair, with a notice."""
+    if target is None:
+        if draft is not None:
+            raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
+        if not (DEMO_DIR / "target" / "config.json").exists():
+            raise SpecxError("no --target given and the demo pair is not installed; pass --target and --draft")
+        display.print_notice(
+            "using the embedded demo pair (tiny Python-code models); pass --target DIR --draft DIR for real models"
+        )
+        target, draft = str(DEMO_DIR / "target"), str(DEMO_DIR / "draft")
+    if method != "ar" and draft is None:
+        raise SpecxError(f"--method {method} needs --draft; use --method ar to decode without one")
+    return target, (None if method == "ar" else draft)
+
+
+def parse_budget(budget: str, device: str) -> int:
+    """'auto' → a device-appropriate default; otherwise a positive integer."""
+    if budget == "auto":
+        import torch
+
+        on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        return 1024 if on_cuda else 64
+    try:
+        value = int(budget)
+    except ValueError:
+        raise SpecxError(f"--budget must be a positive integer or 'auto' (got {budget!r})") from None
+    if value < 1:
+        raise SpecxError(f"--budget must be >= 1 (got {value})")
+    return value
+
+
+def parse_size_opt(value: str | None, flag: str) -> int | None:
+    if value is None:
+        return None
+    from offload import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise SpecxError(f"{flag}: {exc}") from None
+
+
+def read_prompt(path: str) -> str:
+    """PROMPT_FILE or '-' (stdin) → text; missing, empty and non-UTF-8 input are user errors."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except FileNotFoundError:
+        raise SpecxError(f"prompt file {path} not found; pass an existing file or - for stdin") from None
+    except IsADirectoryError:
+        raise SpecxError(f"prompt file {path} is a directory; pass a text file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecxError(f"prompt file {path} is not UTF-8 text; re-save it as UTF-8") from None
+    if not text.strip():
+        raise SpecxError(f"prompt file {path} is empty; write a prompt into it")
+    return text
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
+                      top_k, top_p, seed, device):
+    """Validate the decoding flags and build the engine's config."""
+    from specexec_cli.draft import TreeShape
+    from specexec_cli.engine import GenerationConfig, available_methods
+    from specexec_cli.sampling import SamplingParams, validate
+
+    if method not in available_methods():
+        raise SpecxError(f"--method must be one of {', '.join(available_methods())} (got {method!r})")
+    for flag, value in (("--max-depth", max_depth), ("--max-beams", max_beams), ("--max-branch", max_branch),
+                        ("--max-new-tokens", max_new_tokens)):
+        if value < 1:
+            raise SpecxError(f"{flag} must be >= 1 (got {value})")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    validate(sampling)
+    shape = TreeShape(parse_budget(budget, device), max_depth, max_beams, max_branch)
+    return GenerationConfig(method=method, shape=shape, sampling=sampling, seed=seed, max_new_tokens=max_new_tokens)
+
+
+def config_record(cfg, offload_plan: str | None = None) -> dict:
+    """The config part of the --stats-json record."""
+    rec = dict(
+        method=cfg.method, budget=cfg.shape.budget, max_depth=cfg.shape.max_depth,
+        max_beams=cfg.shape.max_beams, max_branch=cfg.shape.max_branch, temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+    )  # fmt: skip
+    if offload_plan is not None:
+        rec["offload"] = offload_plan
+    return rec
+
+
+def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
+                 max_ram):
+    """Resolve defaults, load both models, print the offload plan (if any) in one line."""
+    from specexec_cli.loading import LoadOptions, load_models
+
+    if offload not in ("none", "ram", "disk", "auto"):
+        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
+    target, draft = pick_models(target, draft, method)
+    opts = LoadOptions(
+        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code, offload=offload,
+        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+    )  # fmt: skip
+    models = load_models(opts)
+    plan = getattr(models.target, "plan", None)
+    if plan is not None:
+        display.print_notice(plan.describe())
+    return models
+
+
+def streamed_bytes(model) -> int:
+    stats = getattr(model, "stats", None)
+    return int(getattr(stats, "streamed_bytes", 0) or 0)
+
+
+def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None):
+    """Stream text to stdout while the panel (or summary line) shows stats; always save stats."""
+    from specexec_cli.engine import DecodeState, generate
+    from specexec_cli.stats import RunStats
+
+    plan = getattr(models.target, "plan", None)
+    stats = RunStats(config=config_record(cfg, plan.describe() if plan is not None else None))
+    state = state if state is not None else DecodeState()
+    streamed0 = streamed_bytes(models.target)
+    ended_line = True
+    try:
+        with display.LiveView(live) as view:
+            for ev in generate(models, state, ids, cfg):
+                if ev.text:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    ended_line = ev.text.endswith("\n")
+                stats.add(ev)
+                stats.streamed_bytes = streamed_bytes(models.target) - streamed0
+                view.update(stats)
+    finally:
+        if not ended_line:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if stats_json is not None:
+            stats_json.write_text(json.dumps(stats.to_json(), indent=1) + "\n")
+    return stats
+
+
+def live_enabled(no_live: bool) -> bool:
+    return not no_live and sys.stderr.isatty()
+
+
+@app.command()
+def run(
+    prompt_file: Annotated[str, typer.Argument(help="Prompt text file, or - for stdin.")],
+    target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
+    max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
+    temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
+    no_chat_template: NoTemplate = False, no_live: NoLive = False, stats_json: StatsJson = None,
+) -> None:
+    """Generate a continuation of PROMPT_FILE; text goes to stdout, statistics to stderr."""
+    with user_errors():
+        cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
+                                top_k, top_p, seed, device)
+        text = read_prompt(prompt_file)
+        models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
+                              max_gpu_memory, max_ram)
+        ids = encode_prompt(models.tokenizer, text, not no_chat_template)
+        decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json)
+
+
+def main() -> None:
+    """Console-script entry: unexpected errors are one line too, unless SPECX_DEBUG=1."""
+    try:
+        app()
+    except SystemExit:
+        raise
+    except Exception as exc:  # an internal error: still no traceback by default
+        if debug_enabled():
+            raise
+        display.print_error(f"internal error: {exc.__class__.__name__}: {exc} (rerun with SPECX_DEBUG=1 for a traceback)")
+        sys.exit(1)

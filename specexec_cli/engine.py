@@ -1,0 +1,248 @@
+"""The decoding loop: prefill, then one speculative (or plain) step per target pass, as events.
+
+Contract: `generate(models, state, prompt_ids, config)` is a generator of `StepEvent`s — one for the
+prefill and one per target pass — and never prints. The first event carries the token the prefill
+yields. `DecodeState` holds the committed tokens and both caches, so a chat can call `generate`
+again with only the new turn's tokens and prefill nothing twice. Invariants between steps:
+the target cache holds ids[:-1] (the last committed token is the next root) and the draft cache
+holds ids[:draft_len] for some draft_len < len(ids). Every method keeps them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import torch
+
+from specexec_cli import kvcache
+from specexec_cli.draft import DraftContext, TreeShape, grow_tree
+from specexec_cli.errors import SpecxError
+from specexec_cli.sampling import SamplingParams, select
+from specexec_cli.tree import causal_mask, subtree, top_budget, verify_mask
+from specexec_cli.verify import accept_tree
+
+
+class ContextOverflow(SpecxError):
+    """The prompt (or conversation) does not fit in the models' context window."""
+
+
+@dataclass
+class Models:
+    """Everything loaded once per process."""
+
+    target: object  # HF causal LM (resident or offloaded)
+    draft: object | None  # small HF causal LM on the device; None for --method ar
+    tokenizer: object  # shared by both models (checked at load time)
+    eos_ids: frozenset[int]  # any of these ends generation
+    ctx_limit: int  # max positions both models support
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    method: str = "specexec"  # name in STEP_METHODS
+    shape: TreeShape = TreeShape(budget=64, max_depth=64)
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    max_new_tokens: int = 256
+
+
+@dataclass
+class DecodeState:
+    """A conversation's committed tokens and both models' KV caches."""
+
+    ids: list[int] = field(default_factory=list)  # prompt + generated tokens, all turns
+    target_cache: object = field(default_factory=kvcache.new_cache)
+    target_len: int = 0  # committed tokens in the target cache
+    draft_cache: object = field(default_factory=kvcache.new_cache)
+    draft_len: int = 0  # committed tokens in the draft cache
+
+
+@dataclass
+class StepResult:
+    """What one target pass of a method produced."""
+
+    tokens: list[int]  # emitted tokens (accepted draft tokens + the target's own token)
+    accepted: int  # how many of `tokens` came from the draft's tree
+    tree_size: int = 0  # draft nodes the target verified (root excluded)
+    tree_depth: int = 0  # deepest verified node
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+
+@dataclass
+class StepEvent:
+    """One streamed update: what the CLI prints and what RunStats accumulates."""
+
+    text: str  # newly decodable text (may be "" while a UTF-8 sequence is incomplete)
+    tokens: list[int]  # token ids emitted by this step
+    accepted: int  # of which came from the draft (from_draft)
+    pass_index: int  # 0 = prefill, then 1, 2, ... target passes
+    tree_size: int
+    tree_depth: int
+    draft_seconds: float
+    target_seconds: float
+    prefill_seconds: float  # whole prefill time (set on every event)
+    decode_seconds: float  # wall time since the prefill ended
+    new_tokens: int  # generated so far, this call
+    prompt_tokens: int  # tokens prefilled by this call
+    finish: str | None = None  # "eos" | "length" | "context" on the last event
+
+    @property
+    def tps(self) -> float:
+        """Generated tokens per decode second (prefill excluded)."""
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+StepFn = Callable[[Models, DecodeState, GenerationConfig, torch.Generator, int], StepResult]
+
+
+def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int) -> StepResult:
+    """Plain autoregressive decoding: one target pass over the root yields one token."""
+    t0 = time.perf_counter()
+    root = torch.tensor(st.ids[-1:], dtype=torch.long)
+    mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target))
+    logits = kvcache.forward(m.target, st.target_cache, root, torch.tensor([len(st.ids) - 1]), mask)
+    tok = select(logits[-1], cfg.sampling, gen)
+    st.target_len += 1
+    st.ids.append(tok)
+    return StepResult([tok], 0, target_seconds=time.perf_counter() - t0)
+
+
+def speculative_step(
+    m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int
+) -> StepResult:
+    """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches."""
+    n = len(st.ids)
+    depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
+    if depth < 1 or cfg.shape.budget < 1:
+        return ar_step(m, st, cfg, gen, limit)
+    shape = replace(cfg.shape, max_depth=depth)
+    t0 = time.perf_counter()
+    # 1) grow the tree with the draft; keep the best `budget` nodes (ancestor-closed)
+    pending = st.ids[st.draft_len :]
+    ctx = DraftContext(n_cached=st.draft_len, pending=pending, root_pos=n - 1)
+    tree = grow_tree(m.draft, st.draft_cache, ctx, shape, cfg.sampling)
+    vt = subtree(tree, top_budget(tree.logp, shape.budget))
+    t1 = time.perf_counter()
+    # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
+    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target))
+    logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
+    # 3) walk the tree with the target's own samples
+    acc = accept_tree(vt, logits, cfg.sampling, gen, m.eos_ids, limit)
+    t2 = time.perf_counter()
+    # 4) trim caches to the accepted path; the last emitted token becomes the next root
+    in_cache = acc.path if acc.bonus else acc.path[:-1]
+    keep = torch.tensor([0] + in_cache, dtype=torch.long)
+    kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
+    st.target_len += int(keep.numel())
+    base = st.draft_len + len(pending) - 1  # draft cache row of the root
+    nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
+    run = tree.slot[nodes][tree.slot[nodes] >= 0]  # accepted nodes the draft already ran
+    kvcache.compact(st.draft_cache, base + 1, base + run)
+    st.draft_len = base + 1 + int(run.numel())
+    st.ids.extend(acc.tokens)
+    t3 = time.perf_counter()
+    return StepResult(
+        tokens=acc.tokens,
+        accepted=len(acc.path),
+        tree_size=vt.size - 1,
+        tree_depth=int(vt.depth.max()),
+        draft_seconds=t1 - t0 + (t3 - t2),
+        target_seconds=t2 - t1,
+    )
+
+
+STEP_METHODS: dict[str, StepFn] = {"ar": ar_step, "specexec": speculative_step}
+
+
+def available_methods() -> dict[str, StepFn]:
+    """Core methods plus those in specexec_cli.methods (imported lazily: they import this module)."""
+    from specexec_cli.methods import METHODS
+
+    return {**STEP_METHODS, **METHODS}
+
+
+def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen) -> int:
+    """Run both models over the not-yet-cached tokens; returns the first generated token."""
+    st.ids.extend(new_ids)
+    todo = torch.tensor(st.ids[st.target_len :], dtype=torch.long)
+    mask = causal_mask(st.target_len, todo.numel(), kvcache.model_dtype(m.target))
+    positions = torch.arange(st.target_len, len(st.ids))
+    logits = kvcache.forward(m.target, st.target_cache, todo, positions, mask)
+    st.target_len = len(st.ids)
+    if m.draft is not None and cfg.method != "ar":
+        todo = torch.tensor(st.ids[st.draft_len :], dtype=torch.long)
+        mask = causal_mask(st.draft_len, todo.numel(), kvcache.model_dtype(m.draft))
+        kvcache.forward(m.draft, st.draft_cache, todo, torch.arange(st.draft_len, len(st.ids)), mask)
+        st.draft_len = len(st.ids)
+    tok = select(logits[-1], cfg.sampling, gen)
+    st.ids.append(tok)
+    return tok
+
+
+class TextStream:
+    """Incremental detokenizer: feed token ids, get the newly printable text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def feed(self, tokens: list[int]) -> str:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        new, self.printed = text[self.printed :], len(text)
+        return new
+
+
+def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:
+    total = len(st.ids) + len(new_ids)
+    if total + 1 > m.ctx_limit:
+        raise ContextOverflow(
+            f"prompt needs {total} tokens but the context holds {m.ctx_limit}; shorten the prompt"
+            + (" or /clear the conversation" if st.ids else "")
+        )
+
+
+def finish_reason(m: Models, st: DecodeState, tokens: list[int], produced: int, cfg) -> str | None:
+    if any(t in m.eos_ids for t in tokens):
+        return "eos"
+    if produced >= cfg.max_new_tokens:
+        return "length"
+    if len(st.ids) >= m.ctx_limit:
+        return "context"
+    return None
+
+
+def generate(
+    m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None
+) -> Iterator[StepEvent]:
+    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens or the context end."""
+    check_fits(m, st, new_ids)
+    step_fn = available_methods()[cfg.method]
+    gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
+    stream = TextStream(m.tokenizer)
+    n_prompt = len(st.ids) + len(new_ids) - st.target_len
+    t0 = time.perf_counter()
+    first = prefill(m, st, new_ids, cfg, gen)
+    t_prefill = time.perf_counter() - t0
+    res, produced, pass_index = StepResult([first], 0), 0, 0
+    while True:
+        produced += len(res.tokens)
+        finish = finish_reason(m, st, res.tokens, produced, cfg)
+        yield StepEvent(
+            text=stream.feed(res.tokens), tokens=res.tokens, accepted=res.accepted,
+            pass_index=pass_index, tree_size=res.tree_size, tree_depth=res.tree_depth,
+            draft_seconds=res.draft_seconds, target_seconds=res.target_seconds,
+            prefill_seconds=t_prefill, decode_seconds=time.perf_counter() - t0 - t_prefill,
+            new_tokens=produced, prompt_tokens=n_prompt, finish=finish,
+        )  # fmt: skip
+        if finish:
+            return
+        limit = min(cfg.max_new_tokens - produced, m.ctx_limit - len(st.ids))
+        res = step_fn(m, st, cfg, gen, limit)
+        pass_index += 1

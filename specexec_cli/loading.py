@@ -1,0 +1,188 @@
+"""Load the target, the draft and the shared tokenizer from local HF directories.
+
+Contract: `load_models(options)` returns `engine.Models` or raises `SpecxError` with a one-line fix.
+Paths are local model dirs or hub ids resolved from the local HF cache only (never downloads).
+Weights load from safetensors unless the user opts into pickle (`--allow-pickle`); remote code
+runs only with `--trust-remote-code`. Draft and target must map the same strings to the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specexec_cli.engine import Models
+from specexec_cli.errors import SpecxError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    target: str  # local dir or cached hub id
+    draft: str | None  # None → no draft (method ar)
+    dtype: str = "auto"  # auto | bf16 | fp16 | fp32 (target also: nf4)
+    device: str = "auto"  # auto | cpu | cuda
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    offload: str = "none"  # none | ram | disk | auto
+    max_gpu_memory: int | None = None  # bytes for resident target layers on the device
+    max_ram: int | None = None  # bytes for host-resident target layers
+    progress: object = None  # optional callable(done, total, what) for load progress
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpecxError("--device cuda but no CUDA device is available; use --device cpu")
+    if name not in ("cpu", "cuda"):
+        raise SpecxError(f"--device must be auto, cpu or cuda (got {name!r})")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto → bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and less exact)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise SpecxError(f"--dtype must be one of auto, {', '.join(DTYPES)}, nf4 (got {name!r})")
+    return DTYPES[name]
+
+
+def resolve_path(name: str, flag: str) -> Path:
+    """A local model dir, or a hub id looked up in the local HF cache (offline)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:
+        raise SpecxError(
+            f"{flag} {name}: no such directory and not in the local HF cache; "
+            "pass a local model dir (downloads are never attempted)"
+        ) from None
+
+
+def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
+    """Validate the dir; returns True when weights are safetensors."""
+    if not (path / "config.json").is_file():
+        raise SpecxError(f"{flag} {path}: missing config.json; is this a Hugging Face model directory?")
+    if any(path.glob("*.safetensors")):
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            missing = sorted(s for s in shards if not (path / s).is_file())
+            if missing:
+                raise SpecxError(f"{flag} {path}: shard {missing[0]} is missing; re-download the model")
+        return True
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        if allow_pickle:
+            return False
+        raise SpecxError(
+            f"{flag} {path}: only pickle (.bin) weights found, which can run arbitrary code; "
+            "convert to safetensors or pass --allow-pickle if you trust the source"
+        )
+    raise SpecxError(f"{flag} {path}: no weights (*.safetensors) found; the model directory is incomplete")
+
+
+def load_tokenizer(path: Path, flag: str, trust: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    except Exception as exc:
+        raise SpecxError(f"{flag} {path}: cannot load the tokenizer ({exc.__class__.__name__}); "
+                         "the model directory needs tokenizer files") from None
+
+
+def check_same_vocab(target_tok, draft_tok) -> None:
+    """Draft and target must map identical strings to identical ids."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = next((s for s in tv if dv.get(s) != tv[s]), None) or next(s for s in dv if s not in tv)
+        raise SpecxError(
+            f"draft and target tokenizers differ (e.g. {diff!r}: target id {tv.get(diff)}, draft id "
+            f"{dv.get(diff)}); pick a draft from the same model family"
+        )
+
+
+def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    safe = check_weights(path, flag, opts.allow_pickle)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=safe, trust_remote_code=opts.trust_remote_code,
+            attn_implementation="sdpa",
+        )
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise SpecxError(f"{flag} {path}: needs custom code; pass --trust-remote-code if you trust it") from None
+        raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0]})") from None
+    except (OSError, RuntimeError, KeyError) as exc:
+        raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
+    return model.to(device).eval()
+
+
+def load_target(path: Path, opts: LoadOptions, device: torch.device):
+    if opts.offload == "none" and opts.dtype != "nf4":
+        return load_hf(path, "--target", opts, device, resolve_dtype(opts.dtype, device))
+    from offload import OffloadedCausalLM, OffloadError
+
+    check_weights(path, "--target", False)
+    dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
+    try:
+        return OffloadedCausalLM.from_pretrained(
+            path, device=device, dtype=dtype, offload="ram" if opts.offload == "none" else opts.offload,
+            max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
+        )
+    except OffloadError as exc:
+        raise SpecxError(str(exc)) from None
+
+
+def eos_ids(tokenizer, model) -> frozenset[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def context_limit(*models) -> int:
+    limits = [getattr(m.config, "max_position_embeddings", None) or 2048 for m in models if m is not None]
+    return min(limits)
+
+
+def quiet_transformers() -> None:
+    """No tqdm bars or warnings from transformers: stderr belongs to our panel."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_models(opts: LoadOptions) -> Models:
+    quiet_transformers()
+    device = resolve_device(opts.device)
+    tpath = resolve_path(opts.target, "--target")
+    check_weights(tpath, "--target", opts.allow_pickle)
+    tok = load_tokenizer(tpath, "--target", opts.trust_remote_code)
+    draft = None
+    if opts.draft is not None:
+        dpath = resolve_path(opts.draft, "--draft")
+        check_weights(dpath, "--draft", opts.allow_pickle)
+        check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
+        ddtype = resolve_dtype("auto" if opts.dtype == "nf4" else opts.dtype, device)
+        draft = load_hf(dpath, "--draft", opts, device, ddtype)
+    target = load_target(tpath, opts, device)
+    return Models(target, draft, tok, eos_ids(tok, target), context_limit(target, draft))

@@ -1,0 +1,106 @@
+"""Run statistics: data first, display second.
+
+Contract: `RunStats` accumulates `engine.StepEvent`s and knows nothing about printing. `to_json()`
+gives the `--stats-json` record; `summary_line()` the one plain line for non-TTY stderr. Times are
+wall seconds measured by the engine; tokens_per_second excludes the prefill.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+
+def peak_memory_bytes() -> dict:
+    """Peak device memory (CUDA) and current process RSS (host)."""
+    import psutil
+
+    out = {"host_rss_bytes": psutil.Process().memory_info().rss}
+    if torch.cuda.is_available():
+        out["device_peak_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+@dataclass
+class RunStats:
+    """Totals over one generate() call (one `run`, one chat turn, or a chat session)."""
+
+    config: dict = field(default_factory=dict)  # method, budget, max_depth, sampling, seed, ...
+    prompt_tokens: int = 0  # tokens prefilled
+    token_ids: list[int] = field(default_factory=list)  # generated ids, prefill token included
+    target_passes: int = 0  # target forward passes after the prefill
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # wall time after the prefill
+    draft_seconds: float = 0.0  # tree growth + cache trimming
+    target_seconds: float = 0.0  # target verification passes
+    pass_tokens: list[int] = field(default_factory=list)  # tokens emitted by each pass
+    pass_seconds: list[float] = field(default_factory=list)  # draft + target time of each pass
+    tree_sizes: list[int] = field(default_factory=list)
+    tree_depths: list[int] = field(default_factory=list)
+    streamed_bytes: int = 0  # target weight bytes streamed over the decode (offload only)
+    finish: str | None = None
+
+    def add(self, ev) -> None:
+        self.token_ids.extend(ev.tokens)
+        self.prefill_seconds = ev.prefill_seconds
+        self.decode_seconds = ev.decode_seconds
+        self.finish = ev.finish
+        if ev.pass_index == 0:
+            self.prompt_tokens += ev.prompt_tokens
+            return
+        self.target_passes += 1
+        self.draft_seconds += ev.draft_seconds
+        self.target_seconds += ev.target_seconds
+        self.pass_tokens.append(len(ev.tokens))
+        self.pass_seconds.append(ev.draft_seconds + ev.target_seconds)
+        self.tree_sizes.append(ev.tree_size)
+        self.tree_depths.append(ev.tree_depth)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return sum(self.pass_tokens) / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def accept_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.pass_tokens).items()))
+
+    @property
+    def streamed_gbps(self) -> float:
+        return self.streamed_bytes / self.target_seconds / 1e9 if self.target_seconds > 0 else 0.0
+
+    def to_json(self) -> dict:
+        rec = dict(self.config)
+        rec.update(
+            prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens, token_ids=list(self.token_ids),
+            target_passes=self.target_passes, tokens_per_pass=round(self.tokens_per_pass, 4),
+            wall_seconds=round(self.prefill_seconds + self.decode_seconds, 4),
+            prefill_seconds=round(self.prefill_seconds, 4), decode_seconds=round(self.decode_seconds, 4),
+            draft_seconds=round(self.draft_seconds, 4), target_seconds=round(self.target_seconds, 4),
+            tokens_per_second=round(self.tokens_per_second, 3),
+            accept_histogram={str(k): v for k, v in self.accept_histogram.items()},
+            pass_seconds=[round(s, 5) for s in self.pass_seconds],
+            mean_tree_size=round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
+            streamed_bytes=self.streamed_bytes, finish_reason=self.finish, **peak_memory_bytes(),
+        )  # fmt: skip
+        if self.target_passes and self.streamed_bytes:
+            rec["streamed_bytes_per_pass"] = self.streamed_bytes // self.target_passes
+        return rec
+
+    def summary_line(self) -> str:
+        cfg = self.config
+        return (
+            f"specx: {self.new_tokens} tokens in {self.decode_seconds:.2f}s "
+            f"({self.tokens_per_second:.2f} tok/s), {self.tokens_per_pass:.2f} tokens/pass over "
+            f"{self.target_passes} target passes, method {cfg.get('method')} budget {cfg.get('budget')}, "
+            f"draft {self.draft_seconds:.2f}s target {self.target_seconds:.2f}s prefill {self.prefill_seconds:.2f}s"
+        )

@@ -1,0 +1,62 @@
+"""Acceptance rules: turn the target's logits over a verified tree into emitted tokens.
+
+Contract: `accept_tree` walks the tree from the root. At each node it draws the target's token from
+the target's processed distribution at that node (argmax when T=0) with the run's generator. If the
+token is a child in the tree it descends; otherwise the token is the bonus token and the walk ends.
+Each emitted token is an exact sample from the target given the tokens before it: the tree only
+caches the target's work, so the output distribution is the target's, whatever the draft proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specexec_cli.sampling import SamplingParams, select
+from specexec_cli.tree import VerifyTree
+
+
+@dataclass
+class Acceptance:
+    """What one target pass produced."""
+
+    tokens: list[int]  # emitted tokens, in order: accepted draft tokens, then the bonus (if drawn)
+    path: list[int]  # VerifyTree indices of the accepted draft nodes (root excluded)
+    bonus: bool  # True when the last emitted token came from the target, not from the tree
+
+
+def child_with_token(vt: VerifyTree, node: int, token: int) -> int:
+    """Index of `node`'s child carrying `token`, or -1."""
+    hit = ((vt.parents == node) & (vt.tokens == token)).nonzero()
+    return int(hit[0, 0]) if hit.numel() else -1
+
+
+def accept_tree(
+    vt: VerifyTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    eos_ids: frozenset[int],
+    limit: int,
+) -> Acceptance:
+    """Walk the tree; emit at most `limit` tokens and stop after an EOS.
+
+    logits: (n, V) target logits, row i = the distribution after VerifyTree node i.
+    """
+    if params.greedy:
+        choice = logits.argmax(-1).cpu()  # (n,) every node's greedy token in one op
+    tokens: list[int] = []
+    path: list[int] = []
+    node = 0
+    while len(tokens) < limit:
+        tok = int(choice[node]) if params.greedy else select(logits[node], params, generator)
+        tokens.append(tok)
+        child = child_with_token(vt, node, tok)
+        if child < 0:
+            return Acceptance(tokens, path, bonus=True)
+        path.append(child)
+        node = child
+        if tok in eos_ids:
+            break
+    return Acceptance(tokens, path, bonus=False)

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny seeded Llama models with a character-level tokenizer, saved in HF format.
+
+The models go through the real `from_pretrained` path. Vocab is tiny (48 symbols) so statistical
+tests can compare full distributions.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHARS = ["<eos>"] + list(string.ascii_lowercase + " .,:()=\n") + list("0123456789")[: 48 - 35]
+VOCAB = {c: i for i, c in enumerate(CHARS)}
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per symbol, decode concatenates."""
+    tok = Tokenizer(models.BPE(vocab=dict(VOCAB), merges=[], unk_token=None, ignore_merges=True))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+    return fast
+
+
+def make_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, noise_from: Path | None = None,
+               noise: float = 0.0, max_pos: int = 512) -> Path:
+    """Save a seeded random Llama (or a noisy copy of another) with the tokenizer at `path`."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(CHARS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights → peakier, more structured distributions
+            p.mul_(3.0)
+        if noise_from is not None:
+            ref = LlamaForCausalLM.from_pretrained(noise_from, dtype=torch.float32)
+            model.load_state_dict(ref.state_dict())
+            for p in model.parameters():
+                p.add_(noise * p.std() * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(target, draft): 3-layer target; 2-layer draft that is a noisy copy of... a different model."""
+    root = tmp_path_factory.mktemp("models")
+    target = make_model(root / "target", seed=1, layers=3)
+    draft = make_model(root / "draft", seed=2, layers=3, noise_from=target, noise=0.3)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def random_draft(tmp_path_factory) -> Path:
+    """An unrelated random draft: low acceptance, exercises the bonus-token path."""
+    return make_model(tmp_path_factory.mktemp("models") / "rdraft", seed=7, layers=2)
+
+
+@pytest.fixture(scope="session")
+def shared_pair() -> tuple[Path, Path]:
+    """The trained pair in ../shared/models; skipped in a user's clone where it is absent."""
+    target, draft = SHARED / "models" / "target", SHARED / "models" / "draft"
+    if not (target / "config.json").exists() or not (draft / "config.json").exists():
+        pytest.skip("../shared/models is not present")
+    return target, draft
