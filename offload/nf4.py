@@ -17,13 +17,12 @@ NF4_BLOCKSIZE = 64
 NF4_COMPRESS_STATISTICS = True
 
 
-def quantize_nf4(weight: torch.Tensor, device: torch.device):
-    """Quantize a 2-D weight (out, in) to NF4 the way Linear4bit.cuda()/.to() does."""
+def quantize_nf4(weight: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Quantize a 2-D weight (out, in) to NF4 the way Linear4bit.to(device) does on a `dtype` model
+    (the weight is first cast to the compute dtype, as HF does before quantizing)."""
     import bitsandbytes.functional as bnbf
 
-    w = weight.to(device=device).contiguous()
-    if w.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        w = w.float()
+    w = weight.to(device=device, dtype=dtype).contiguous()
     packed, state = bnbf.quantize_4bit(
         w, blocksize=NF4_BLOCKSIZE, compress_statistics=NF4_COMPRESS_STATISTICS,
         quant_type="nf4", quant_storage=torch.uint8,

@@ -1,0 +1,244 @@
+"""Tests for the offload package's I/O side: nf4 vs bitsandbytes Linear4bit, device-byte budget,
+compute/IO overlap, O_DIRECT fallback, other architectures, and OffloadError messages.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM
+
+import offload.storage as storage
+from offload import OffloadedCausalLM, OffloadError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+VOCAB = 96
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, max_position_embeddings=128)
+
+
+def _make(cls, cfg, path, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cls(cfg).to(dtype).eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=4, **SMALL), tmp_path_factory.mktemp("m"))
+
+
+def _ids(n=7, seed=0):
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- nf4
+
+def _linear4bit_reference(path):
+    """HF bf16 model whose decoder-layer linears are bitsandbytes Linear4bit (NF4) on the same weights."""
+    from bitsandbytes.nn import Linear4bit, Params4bit
+
+    ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for layer in ref.model.layers:
+        for name, mod in list(layer.named_modules()):
+            if isinstance(mod, nn.Linear):
+                q = Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                               compute_dtype=torch.bfloat16, quant_type="nf4")
+                q.weight = Params4bit(mod.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                      compress_statistics=True, blocksize=64)
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent), child, q.to("cpu"))
+    return ref
+
+
+@pytest.mark.parametrize("offload", ["ram", "disk"])
+def test_nf4_matches_bnb_linear4bit(tmp_path, offload):
+    path = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, **SMALL), tmp_path, seed=5,
+                 dtype=torch.bfloat16)
+    ref = _linear4bit_reference(path)
+    model = OffloadedCausalLM.from_pretrained(path, dtype="nf4", offload=offload)
+    try:
+        assert model.dtype == torch.bfloat16
+        # packed NF4 bytes per layer: 4 bits per linear weight + bf16 norms, far below bf16 size
+        assert model.plan.bytes_per_layer < 0.35 * (2 * 4 * 64 * 64 + 2 * 3 * 64 * 128)
+        ids = _ids()
+        with torch.no_grad():
+            expected = ref(input_ids=ids).logits.float()
+        for _ in range(2):
+            torch.testing.assert_close(model(input_ids=ids).logits.float(), expected, atol=1e-2, rtol=1e-2)
+    finally:
+        model.close()
+
+
+# ---------------------------------------------------------------- device budget
+
+def test_device_bytes_bounded_by_resident_plus_slots(llama_dir, monkeypatch):
+    allocs = []
+    real_alloc = storage.DevicePool.alloc
+
+    def counting_alloc(self, nbytes):
+        allocs.append(nbytes)
+        return real_alloc(self, nbytes)
+
+    monkeypatch.setattr(storage.DevicePool, "alloc", counting_alloc)
+    layer = OffloadedCausalLM.from_pretrained(llama_dir, offload="ram").plan.layer_bytes[0]
+    allocs.clear()
+    model = OffloadedCausalLM.from_pretrained(llama_dir, offload="disk", max_device_memory=layer, slots=2)
+    try:
+        for _ in range(3):
+            model(input_ids=_ids())
+        p = model.plan
+        largest = max(model.store.layout(i).nbytes for i in p.streamed)
+        assert p.resident == [0] and len(p.streamed) == 3
+        assert sum(allocs) == model.pool.allocated == p.device_bytes
+        assert sum(allocs) <= sum(p.layer_bytes[i] for i in p.resident) + 2 * largest
+        assert len(allocs) == 1 + 2   # one buffer per resident layer + one per slot, no growth per pass
+        assert model.stats.passes == 3 and model.stats.streamed_bytes == 3 * model.stats.streamed_bytes_per_pass
+    finally:
+        model.close()
+
+
+# ---------------------------------------------------------------- overlap
+
+def test_pass_time_is_max_of_compute_and_io_not_sum(tmp_path):
+    path = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=6, **SMALL), tmp_path)
+    model = OffloadedCausalLM.from_pretrained(path, offload="disk", slots=2)
+    delay, n = 0.06, 6
+    try:
+        ids = _ids(3)
+        model(input_ids=ids)  # warm-up
+        model.store.io_hook = lambda layer: time.sleep(delay)
+        model.compute_hook = lambda layer: time.sleep(delay)
+        model(input_ids=ids)
+        time.sleep(3 * delay)   # between passes: the next pass's first layers load now
+        t0 = time.perf_counter()
+        model(input_ids=ids)
+        elapsed = time.perf_counter() - t0
+        serial = 2 * n * delay
+        assert elapsed < 0.75 * serial, f"pass took {elapsed:.3f}s; serial would be {serial:.3f}s"
+        assert elapsed >= n * delay * 0.95
+    finally:
+        model.close()
+
+
+# ---------------------------------------------------------------- O_DIRECT fallback
+
+def test_odirect_einval_falls_back_to_buffered_reads(llama_dir, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    ref = OffloadedCausalLM.from_pretrained(llama_dir, offload="ram")
+    with pytest.warns(UserWarning, match="O_DIRECT unsupported"):
+        model = OffloadedCausalLM.from_pretrained(llama_dir, offload="disk")
+    try:
+        assert model.plan.direct_io is False and "buffered reads" in model.plan.describe()
+        ids = _ids()
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=0, rtol=0)
+    finally:
+        model.close()
+        ref.close()
+
+
+# ---------------------------------------------------------------- other architectures
+
+@pytest.mark.parametrize("cls,cfg", [
+    (Qwen2ForCausalLM, Qwen2Config(num_hidden_layers=2, tie_word_embeddings=False, **SMALL)),
+    (MistralForCausalLM, MistralConfig(num_hidden_layers=2, sliding_window=None, **SMALL)),
+])
+def test_qwen2_and_mistral(tmp_path, cls, cfg):
+    path = _make(cls, cfg, tmp_path, seed=7)
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    model = OffloadedCausalLM.from_pretrained(path, offload="disk", slots=1)
+    try:
+        ids = _ids()
+        with torch.no_grad():
+            expected = ref(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+    finally:
+        model.close()
+
+
+# ---------------------------------------------------------------- errors name the file
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_shard_names_file(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path / "m")
+    f = path / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 1000)
+    with pytest.raises(OffloadError, match=r"model\.safetensors.*truncated"):
+        OffloadedCausalLM.from_pretrained(path, offload="disk")
+
+
+def test_corrupt_header_names_file(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path / "m")
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:40] = b"\xff" * 32
+    f.write_bytes(bytes(data))
+    with pytest.raises(OffloadError, match=r"model\.safetensors.*corrupt"):
+        OffloadedCausalLM.from_pretrained(path)
+
+
+def test_missing_tensor_names_file(llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(llama_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(OffloadError, match=r"model\.safetensors.*model\.layers\.2\.mlp\.up_proj\.weight"):
+        OffloadedCausalLM.from_pretrained(path)
+
+
+def test_unsupported_architecture_names_config(llama_dir, tmp_path):
+    path = _copy(llama_dir, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(OffloadError, match=r"config\.json.*unsupported model_type 'gpt2'"):
+        OffloadedCausalLM.from_pretrained(path)
+
+
+def test_budget_that_cannot_fit_reports_bytes_before_loading(llama_dir, monkeypatch):
+    import psutil
+
+    class Tiny:
+        available = 10_000
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny())
+    with pytest.raises(OffloadError, match=r"needs .* host RAM but 10.0 kB is free"):
+        OffloadedCausalLM.from_pretrained(llama_dir, offload="ram")
+
+
+# ---------------------------------------------------------------- CUDA (thin; skipped on CPU)
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("offload", ["ram", "disk"])
+def test_cuda_streams_match_cpu(llama_dir, offload):
+    cpu = OffloadedCausalLM.from_pretrained(llama_dir, offload="auto")
+    gpu = OffloadedCausalLM.from_pretrained(llama_dir, device="cuda", offload=offload, max_device_memory=0)
+    try:
+        ids = _ids()
+        for _ in range(2):
+            out = gpu(input_ids=ids.cuda()).logits.cpu()
+            torch.testing.assert_close(out, cpu(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    finally:
+        gpu.close()
+        cpu.close()
