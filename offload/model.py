@@ -31,7 +31,7 @@ from .prefetch import Prefetcher
 @dataclass
 class OffloadStats:
     passes: int = 0
-    streamed_bytes: int = 0             # total bytes of streamed layers consumed, all passes
+    streamed_bytes: int = 0             # bytes of streamed layers moved (file bytes read for disk), all passes
     streamed_bytes_per_pass: int = 0    # of the last pass
     io_seconds: float = 0.0             # time the copy thread spent producing layers
     wait_seconds: float = 0.0           # time compute waited for a layer to be ready
@@ -143,7 +143,7 @@ class OffloadedCausalLM(nn.Module):
             lid, buf = next(streamed)
             assert lid == i, f"prefetcher yielded layer {lid}, expected {i}"
             self._bind(i, buf, self.store.layout(i))
-            self.stats.streamed_bytes_per_pass += self.store.layout(i).nbytes
+            self.stats.streamed_bytes_per_pass += self.store.link_bytes(i)
             yield i
         for _ in streamed:   # resume once more: releases the last slot, queues the next pass
             raise AssertionError("prefetcher yielded more layers than the plan streams")

@@ -274,6 +274,10 @@ class LayerStore:
     def layout(self, layer: int) -> LayerLayout:
         return self.ram[layer][1] if layer in self.ram else self.disk[layer].layout
 
+    def link_bytes(self, layer: int) -> int:
+        """Bytes that cross the link for one load: the file bytes read (disk) or the arena (RAM)."""
+        return self.ram[layer][1].nbytes if layer in self.ram else sum(s.length for s in self.disk[layer].spans)
+
     def load(self, layer: int, slot: int) -> torch.Tensor:
         t0 = time.perf_counter()
         if self.io_hook is not None:
