@@ -46,6 +46,7 @@ class GenerationConfig:
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
     max_new_tokens: int = 256
+    extra: dict = field(default_factory=dict, hash=False, compare=False)  # method options (methods/common.py)
 
 
 @dataclass

@@ -2,9 +2,13 @@
 
 Contract: `METHODS` maps a `--method` name to a `engine.StepFn`. Every step keeps the engine's
 cache invariants (see engine.py) and is lossless: greedy ids equal the target's, and at T > 0 the
-output distribution is the target's processed distribution.
+output distribution is the target's processed distribution. Method options (γ, branching, the
+Sequoia profile path) travel in `GenerationConfig.extra`; see `common.MethodSettings`.
 """
 
 from __future__ import annotations
 
-METHODS: dict = {}
+from specexec_cli.methods.chain import chain_step
+from specexec_cli.methods.specinfer import specinfer_step
+
+METHODS: dict = {"chain": chain_step, "specinfer": specinfer_step}
