@@ -9,6 +9,7 @@ Sequoia profile path) travel in `GenerationConfig.extra`; see `common.MethodSett
 from __future__ import annotations
 
 from specexec_cli.methods.chain import chain_step
+from specexec_cli.methods.sequoia import sequoia_step
 from specexec_cli.methods.specinfer import specinfer_step
 
-METHODS: dict = {"chain": chain_step, "specinfer": specinfer_step}
+METHODS: dict = {"chain": chain_step, "specinfer": specinfer_step, "sequoia": sequoia_step}
