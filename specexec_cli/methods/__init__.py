@@ -11,5 +11,7 @@ from __future__ import annotations
 from specexec_cli.methods.chain import chain_step
 from specexec_cli.methods.sequoia import sequoia_step
 from specexec_cli.methods.specinfer import specinfer_step
+from specexec_cli.methods.staged import staged_step
 
-METHODS: dict = {"chain": chain_step, "specinfer": specinfer_step, "sequoia": sequoia_step}
+METHODS: dict = {"chain": chain_step, "specinfer": specinfer_step, "sequoia": sequoia_step,
+           "staged": staged_step}
