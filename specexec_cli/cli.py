@@ -56,6 +56,7 @@ MaxRam = Annotated[Optional[str], typer.Option(help="Host RAM for target layers,
 NoLive = Annotated[bool, typer.Option("--no-live", help="No live panel; one summary line on stderr.")]
 StatsJson = Annotated[Optional[Path], typer.Option(help="Write run statistics as JSON to this file.")]
 NoTemplate = Annotated[bool, typer.Option("--no-chat-template", help="Do not apply the tokenizer's chat template.")]
+ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.")]
 
 
 @contextmanager
@@ -92,8 +93,8 @@ def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str
 
 
 def parse_budget(budget: str, device: str) -> int:
-    """'auto' → a device-appropriate default; otherwise a positive integer."""
-    if budget == "auto":
+    """'auto' → the starting budget (a budget.BudgetTuner then re-tunes it); else a positive integer."""
+    if budget.strip().lower() == "auto":
         import torch
 
         on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -176,7 +177,7 @@ def config_record(cfg, offload_plan: str | None = None) -> dict:
 
 
 def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
-                 max_ram):
+                 max_ram, progress=None):
     """Resolve defaults, load both models, print the offload plan (if any) in one line."""
     from specexec_cli.loading import LoadOptions, load_models
 
@@ -187,6 +188,7 @@ def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
         target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
         trust_remote_code=trust_remote_code, offload=offload,
         max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+        progress=progress,
     )  # fmt: skip
     models = load_models(opts)
     plan = getattr(models.target, "plan", None)
@@ -200,7 +202,7 @@ def streamed_bytes(model) -> int:
     return int(getattr(stats, "streamed_bytes", 0) or 0)
 
 
-def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None):
+def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None):
     """Stream text to stdout while the panel (or summary line) shows stats; always save stats."""
     from specexec_cli.engine import DecodeState, generate
     from specexec_cli.stats import RunStats
@@ -211,15 +213,18 @@ def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, stat
     streamed0 = streamed_bytes(models.target)
     ended_line = True
     try:
-        with display.LiveView(live) as view:
-            for ev in generate(models, state, ids, cfg):
+        with display.LiveView(live, link_gbps=link_gbps) as view:
+            events = tuner.drive(models, state, ids, cfg) if tuner else generate(models, state, ids, cfg)
+            for ev in events:
                 if ev.text:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
                     ended_line = ev.text.endswith("\n")
                 stats.add(ev)
                 stats.streamed_bytes = streamed_bytes(models.target) - streamed0
-                view.update(stats)
+                if tuner is not None:
+                    stats.config.update(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth)
+                view.update(stats, {"budget": "auto"} if tuner else None)
     finally:
         if not ended_line:
             sys.stdout.write("\n")
@@ -242,16 +247,116 @@ def run(
     dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     no_chat_template: NoTemplate = False, no_live: NoLive = False, stats_json: StatsJson = None,
+    profile: ProfileOpt = None,
 ) -> None:
     """Generate a continuation of PROMPT_FILE; text goes to stdout, statistics to stderr."""
     with user_errors():
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
         text = read_prompt(prompt_file)
-        models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
-                              max_gpu_memory, max_ram)
+        with display.LoadProgress(live_enabled(no_live)) as progress:
+            models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
+                                  max_gpu_memory, max_ram, progress)
         ids = encode_prompt(models.tokenizer, text, not no_chat_template)
-        decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json)
+        tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
+        decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link)
+
+
+def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
+    """(BudgetTuner for --budget auto with specexec else None, link peak GB/s, the profile or None)."""
+    from specexec_cli.budget import make_tuner
+    from specexec_cli.profiler import find_profile, link_peak
+
+    profile = find_profile(profile_path)
+    on_cuda = getattr(models.target, "device", None) is not None and models.target.device.type == "cuda"
+    auto = budget.strip().lower() == "auto" and cfg.method == "specexec"
+    return (make_tuner(profile, cfg.shape, on_cuda) if auto else None), link_peak(profile, offload, on_cuda), profile
+
+
+System = Annotated[Optional[str], typer.Option(help="System prompt for the conversation.")]
+TurnStats = Annotated[Optional[Path], typer.Option(help="Append one JSON line of statistics per turn to this file.")]
+
+
+def read_stdin_line(prompt: str) -> str:
+    """Scripted chat: one line of piped stdin per user turn; EOF ends the chat."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@app.command()
+def chat(
+    target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
+    max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
+    temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
+    system: System = None, no_chat_template: NoTemplate = False, no_live: NoLive = False,
+    stats_json: TurnStats = None, profile: ProfileOpt = None,
+) -> None:
+    """Chat with the model; caches are reused across turns. Piped stdin: one turn per line. /help lists commands."""
+    from specexec_cli.chat import ChatSession, run_chat
+
+    with user_errors():
+        cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
+                                top_k, top_p, seed, device)
+        interactive = sys.stdin.isatty()
+        live = interactive and live_enabled(no_live)
+        with display.LoadProgress(live) as progress:
+            models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
+                                  max_gpu_memory, max_ram, progress)
+        tuner, link, prof = hardware_fit(budget, cfg, profile, models, offload)
+        session = ChatSession(models, cfg, system=system, use_template=not no_chat_template, tuner=tuner,
+                              profile=prof, config_record=config_record)  # fmt: skip
+        if not session.templated and not no_chat_template:
+            display.print_notice("the tokenizer has no chat template; using a plain 'User: ...\\nAssistant:' format")
+        if interactive:
+            display.print_notice("type /help for commands, /exit or Ctrl-D to leave")
+        views = lambda: display.LiveView(live, transient=True, link_gbps=link, summary=False)  # noqa: E731
+        code = run_chat(session, input if interactive else read_stdin_line, write_stdout, display.print_info, views,
+                        stats_json, prompt="you> " if interactive else "")  # fmt: skip
+    raise typer.Exit(code)
+
+
+@app.command()
+def profile(
+    target: Annotated[Optional[str], typer.Option(help="Also time this target's forward, t_target(n).")] = None,
+    draft: Annotated[Optional[str], typer.Option(help="Also time this draft's tree growth.")] = None,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
+    max_tokens: Annotated[int, typer.Option(help="Largest tree size n to time (powers of two, at most 4096).")] = 4096,
+    disk_mb: Annotated[int, typer.Option(help="MB to read for the disk bandwidth probe.")] = 256,
+    out: Annotated[Optional[Path], typer.Option(help="Profile file. Default: $XDG_CONFIG_HOME/specx/profiles/<hostname>.json.")] = None,
+    no_live: NoLive = False,
+) -> None:
+    """Measure this machine (CPU, RAM, GPUs, disk, matmul) and, with --target, the models; write a profile."""
+    from specexec_cli import profiler
+
+    with user_errors():
+        if max_tokens < 1 or disk_mb < 1:
+            raise SpecxError("--max-tokens and --disk-mb must be >= 1")
+        if draft is not None and target is None:
+            raise SpecxError("--draft given without --target; pass both to time the models")
+        models_part = None
+        folder = Path(target).expanduser() if target and Path(target).expanduser().is_dir() else Path.cwd()
+        hardware = profiler.probe_hardware(folder, disk_mb << 20)
+        if target is not None:
+            with display.LoadProgress(live_enabled(no_live)) as progress:
+                models = load_for_cli(target, draft, "specexec" if draft else "ar", dtype, device, allow_pickle,
+                                      trust_remote_code, offload, max_gpu_memory, max_ram, progress)
+                models_part = profiler.measure_models(models, max_tokens, progress)
+            models_part.update(target=str(target), draft=draft and str(draft), dtype=dtype, offload=offload,
+                               device=str(getattr(models.target, "device", device)))  # fmt: skip
+        prof = profiler.build_profile(hardware, models_part, profiler.recommend(models_part))
+        path = profiler.write_profile(prof, out)
+        display.print_profile(prof)
+        display.print_notice(f"wrote {path}")
 
 
 def main() -> None:
