@@ -1,0 +1,46 @@
+"""Regenerate the README's flags reference from `specx <command> --help`.
+
+Contract: replaces the text between `<!-- flags:begin -->` and `<!-- flags:end -->` in README.md
+with one fenced block per command (run, chat, profile, bench; commands that do not exist are
+skipped). Run after changing any option: `python tools/gen_flags.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+COMMANDS = ["run", "chat", "profile", "bench"]
+
+
+def help_text(command: str) -> str | None:
+    env = dict(os.environ, COLUMNS="110", TERM="dumb", NO_COLOR="1", _TYPER_FORCE_DISABLE_TERMINAL="1")
+    out = subprocess.run([sys.executable, "-m", "specexec_cli", command, "--help"], capture_output=True,
+                         text=True, env=env, cwd=ROOT)
+    if out.returncode != 0:
+        return None
+    return "\n".join(line.rstrip() for line in out.stdout.strip().splitlines())
+
+
+def main() -> None:
+    blocks = []
+    for command in COMMANDS:
+        text = help_text(command)
+        if text is not None:
+            blocks.append(f"### `specx {command}`\n\n```text\n{text}\n```\n")
+    readme = ROOT / "README.md"
+    body = readme.read_text()
+    if BEGIN not in body:
+        sys.exit(f"README.md has no {BEGIN} marker")
+    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n" + "\n".join(blocks) + END, body, flags=re.S)
+    readme.write_text(new)
+    print(f"updated {len(blocks)} command(s) in README.md")
+
+
+if __name__ == "__main__":
+    main()
