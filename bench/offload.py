@@ -66,8 +66,15 @@ def make_random_llama(root: Path, layers: int, hidden: int, dtype: torch.dtype, 
     return root
 
 
-def odirect_bandwidth(model_dir: Path) -> float:
-    """Bytes/s reading every safetensors file of the model with O_DIRECT in 64 MiB requests."""
+def odirect_bandwidth(model_dir: Path, runs: int = 2) -> float:
+    """Best bytes/s over `runs` full O_DIRECT reads of every safetensors file (64 MiB requests).
+
+    Best-of-runs because a VM's virtual disk may be cached on the host side: passes (which
+    re-read the same files) would otherwise beat a cold single-read "floor"."""
+    return max(_read_all(model_dir) for _ in range(runs))
+
+
+def _read_all(model_dir: Path) -> float:
     files = SafetensorsIndex(model_dir).files
     reader, buf, total = DirectReader(), aligned_empty(READ_CHUNK), 0
     t0 = time.perf_counter()

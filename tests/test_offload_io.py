@@ -108,23 +108,35 @@ def test_device_bytes_bounded_by_resident_plus_slots(llama_dir, monkeypatch):
 
 # ---------------------------------------------------------------- overlap
 
+def _best_pass(model, ids, gap, tries=3):
+    """Fastest of `tries` passes, each after `gap` idle seconds (when the next pass prefetches)."""
+    best = float("inf")
+    for _ in range(tries):
+        time.sleep(gap)
+        t0 = time.perf_counter()
+        model(input_ids=ids)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def test_pass_time_is_max_of_compute_and_io_not_sum(tmp_path):
-    path = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=6, **SMALL), tmp_path)
+    """With IO and compute each slowed by `delay` per layer, a pass costs ~compute, not compute+IO.
+
+    Compared against a compute-only pass measured the same way, so scheduler noise on a busy
+    2-core machine hits both sides; serial execution would add n*delay, overlap adds ~0."""
+    n, delay = 6, 0.08
+    path = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=n, **SMALL), tmp_path)
     model = OffloadedCausalLM.from_pretrained(path, offload="disk", slots=2)
-    delay, n = 0.06, 6
     try:
         ids = _ids(3)
         model(input_ids=ids)  # warm-up
-        model.store.io_hook = lambda layer: time.sleep(delay)
         model.compute_hook = lambda layer: time.sleep(delay)
-        model(input_ids=ids)
-        time.sleep(3 * delay)   # between passes: the next pass's first layers load now
-        t0 = time.perf_counter()
-        model(input_ids=ids)
-        elapsed = time.perf_counter() - t0
-        serial = 2 * n * delay
-        assert elapsed < 0.75 * serial, f"pass took {elapsed:.3f}s; serial would be {serial:.3f}s"
-        assert elapsed >= n * delay * 0.95
+        compute_only = _best_pass(model, ids, gap=0.1)
+        model.store.io_hook = lambda layer: time.sleep(delay)
+        both = _best_pass(model, ids, gap=3 * delay)
+        assert both < compute_only + 0.5 * n * delay, (
+            f"pass with IO took {both:.3f}s vs {compute_only:.3f}s compute-only; serial adds {n * delay:.2f}s")
+        assert compute_only >= n * delay
     finally:
         model.close()
 
