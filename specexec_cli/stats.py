@@ -92,8 +92,7 @@ class RunStats:
             mean_tree_size=round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
             streamed_bytes=self.streamed_bytes, finish_reason=self.finish, **peak_memory_bytes(),
         )  # fmt: skip
-        if self.target_passes and self.streamed_bytes:
-            rec["streamed_bytes_per_pass"] = self.streamed_bytes // self.target_passes
+        rec["streamed_bytes_per_pass"] = self.streamed_bytes // self.target_passes if self.target_passes else 0
         return rec
 
     def summary_line(self) -> str:
