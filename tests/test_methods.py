@@ -1,0 +1,179 @@
+"""Losslessness of the extra methods (chain, specinfer, sequoia, staged) on tiny CPU models.
+
+- Greedy: ids equal HF `generate(do_sample=False)` of the target, at two budgets.
+- T = 1: the first token of a speculative pass (after the prefill token, so it goes through the
+  acceptance / residual path) follows the target's exact distribution (chi-square, pooled bins),
+  with an unrelated draft so rejections and residual draws happen.
+- Pure functions with many samples: the multi-step residual rule (several siblings) reproduces p,
+  and the tree walk's second token given the first follows the target's row for that first token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specexec_cli import kvcache
+from specexec_cli.draft import TreeShape
+from specexec_cli.engine import DecodeState, GenerationConfig, available_methods, generate, prefill
+from specexec_cli.loading import LoadOptions, load_models
+from specexec_cli.methods.common import choose_child, sample_children, with_settings
+from specexec_cli.sampling import SamplingParams, process_logits
+from specexec_cli.tree import causal_mask
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+METHODS = ["chain", "specinfer", "sequoia", "staged"]
+PROMPT = "def add(a, b):\n    return a"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the box is shared; tiny models gain nothing from threads
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    return load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def rpair(tiny_pair, random_draft):
+    return load_models(LoadOptions(str(tiny_pair[0]), str(random_draft), device="cpu"))
+
+
+def config(method, budget, temperature=0.0, max_new=40, depth=16, **opts):
+    cfg = GenerationConfig(method=method, shape=TreeShape(budget, depth), max_new_tokens=max_new,
+                           sampling=SamplingParams(temperature=temperature))
+    return with_settings(cfg, **opts)
+
+
+def pooled_chisquare(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """p-value of observed counts vs probs; bins with expected < min_expected pooled into one."""
+    n = counts.sum()
+    exp = probs.double() * n
+    small = exp < min_expected
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    if exp[-1] < min_expected:  # fold a still-small pool into the smallest kept bin
+        obs, exp = obs[:-1].clone(), exp[:-1].clone()
+        j = int(exp.argmin())
+        obs[j] += counts[small].sum()
+        exp[j] += probs[small].double().sum() * n
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("budget", [4, 24])
+def test_greedy_equals_hf_generate(pair, method, budget):
+    ids = list(pair.tokenizer(PROMPT)["input_ids"])
+    ref = pair.target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, pad_token_id=0)
+    ref = ref[0, len(ids):].tolist()
+    cfg = config(method, budget, max_new=30, gamma=3, branching=(3, 2, 1))
+    out = [t for ev in generate(pair, DecodeState(), ids, cfg) for t in ev.tokens]
+    assert out == ref
+
+
+def target_probs(m, ids: list[int], params: SamplingParams) -> torch.Tensor:
+    """The target's processed distribution of the token after `ids` (plain causal forward)."""
+    mask = causal_mask(0, len(ids), kvcache.model_dtype(m.target))
+    logits = kvcache.forward(m.target, kvcache.new_cache(), torch.tensor(ids), torch.arange(len(ids)), mask)
+    return process_logits(logits[-1], params)
+
+
+def speculative_samples(m, cfg, n: int, ids: list[int], first: int) -> list[list[int]]:
+    """`n` independent speculative passes from the same prefilled state (caches restored each time)."""
+    step = available_methods()[cfg.method]
+    st = DecodeState()
+    prefill(m, st, ids, cfg, torch.Generator().manual_seed(0))
+    st.ids[-1] = first  # pin the prefill token so every sample shares one context
+    base_ids, tl, dl = list(st.ids), st.target_len, st.draft_len
+    out = []
+    for seed in range(n):
+        res = step(m, st, cfg, torch.Generator().manual_seed(1000 + seed), 8)
+        out.append(res.tokens)
+        kvcache.crop(st.target_cache, tl)
+        kvcache.crop(st.draft_cache, dl)
+        st.ids, st.target_len, st.draft_len = list(base_ids), tl, dl
+    return out
+
+
+FIRST_TOKEN_CFG = {  # depth-1 trees: the first token is all they decide, and each sample costs 2 forwards
+    "chain": dict(budget=4, depth=1, gamma=1),
+    "specinfer": dict(budget=8, depth=1, branching=(4,)),
+    "sequoia": dict(budget=6, depth=1),
+    "staged": dict(budget=6, depth=1),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_first_speculative_token_distribution(rpair, method):
+    ids = list(rpair.tokenizer(PROMPT)["input_ids"])
+    opts = dict(FIRST_TOKEN_CFG[method])
+    cfg = config(method, opts.pop("budget"), temperature=1.0, depth=opts.pop("depth"), **opts)
+    first = int(target_probs(rpair, ids, cfg.sampling).argmax())
+    p = target_probs(rpair, ids + [first], cfg.sampling)
+    samples = speculative_samples(rpair, cfg, 600, ids, first)
+    counts = torch.bincount(torch.tensor([s[0] for s in samples]), minlength=p.numel())
+    assert pooled_chisquare(counts, p) > 1e-3
+
+
+def synthetic_tree(g, v=6, k=3):
+    """Root with k children sampled from q0, each with k children from its own q: (vt, logits, qrows)."""
+    from specexec_cli.tree import VerifyTree
+
+    q = {i: torch.softmax(2 * torch.randn(v, generator=g), 0) for i in range(k + 1)}
+    tokens, parents = [0], [-1]
+    for x in sample_children(q[0], k, g):
+        tokens.append(x)
+        parents.append(0)
+    for c in range(1, k + 1):
+        for x in sample_children(q[c], k, g):
+            tokens.append(x)
+            parents.append(c)
+    depth = [0] + [1] * k + [2] * (len(tokens) - k - 1)
+    vt = VerifyTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depth), torch.arange(len(tokens)))
+    return vt, q
+
+
+def test_accept_sampled_second_token_exact():
+    """Pure walk on synthetic trees: token 2 | token 1 = x follows the target's row for x."""
+    from specexec_cli.methods.common import accept_sampled
+
+    g = torch.Generator().manual_seed(3)
+    v, params = 6, SamplingParams(temperature=1.0)
+    root_logits = 2 * torch.randn(v, generator=g)
+    next_logits = 2 * torch.randn(v, v, generator=g)  # row x: the target after token x
+    counts = torch.zeros(v, v, dtype=torch.long)
+    for _ in range(5000):
+        vt, q = synthetic_tree(g, v)
+        rows = torch.stack([root_logits] + [next_logits[int(t)] for t in vt.tokens[1:]])  # depth-2 rows unused
+        acc = accept_sampled(vt, rows, q, params, g, frozenset(), 2)
+        if len(acc.tokens) == 2:
+            counts[acc.tokens[0], acc.tokens[1]] += 1
+    x = int(counts.sum(1).argmax())
+    assert counts[x].sum() > 300
+    assert pooled_chisquare(counts[x], torch.softmax(next_logits[x], 0)) > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_multi_step_rule_is_exact(k):
+    g = torch.Generator().manual_seed(k)
+    p = torch.softmax(2 * torch.randn(6, generator=g), 0)
+    q = torch.softmax(2 * torch.randn(6, generator=g), 0)
+    counts = torch.zeros(6, dtype=torch.long)
+    for _ in range(20000):
+        kids = sample_children(q, k, g)
+        pick, resid = choose_child(p, q, kids, g)
+        tok = kids[pick] if pick >= 0 else int(torch.multinomial(resid, 1, generator=g))
+        counts[tok] += 1
+    assert pooled_chisquare(counts, p) > 1e-3
+
+
+def test_sample_children_without_replacement_respects_support():
+    q = torch.tensor([0.5, 0.0, 0.5, 0.0])
+    kids = sample_children(q, 4, torch.Generator().manual_seed(0))
+    assert sorted(kids) == [0, 2]
