@@ -176,7 +176,8 @@ class BudgetTuner:
         obs = self.by_budget.get(budget)
         if obs and obs[0] >= MIN_OBSERVED:
             return obs[1] / obs[0]
-        lam = PRIOR_PASSES * math.log2(1 + 64) ** 2  # prior as PRIOR_PASSES passes at B = 64
+        # the prior weighs as much as PRIOR_PASSES passes at the observed budgets (B = 64 before data)
+        lam = PRIOR_PASSES * (self.sxx / self.passes if self.passes else math.log2(1 + 64) ** 2)
         a = (self.sxy + lam * PRIOR_A) / (self.sxx + lam)
         return min(1.0 + a * math.log2(1 + budget), self.depth_cap + 1.0)
 

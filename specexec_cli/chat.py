@@ -58,9 +58,12 @@ def rewind(st: DecodeState, keep: int) -> None:
 
     Also repairs a state interrupted mid-pass: cache rows beyond the recorded lengths are dropped.
     """
+    # Rows [0, keep) of either cache hold exactly ids[:keep]: the engine writes a pass's rows
+    # (tree, then compaction) before it raises target_len/draft_len, and raises those before it
+    # extends ids, so clamping the lengths to `keep` never keeps a row for an uncommitted token.
     del st.ids[keep:]
-    st.target_len = min(st.target_len, max(len(st.ids) - 1, 0), keep)
-    st.draft_len = min(st.draft_len, max(len(st.ids) - 1, 0), keep)
+    st.target_len = min(st.target_len, keep)
+    st.draft_len = min(st.draft_len, keep)
     kvcache.crop(st.target_cache, st.target_len)
     kvcache.crop(st.draft_cache, st.draft_len)
 

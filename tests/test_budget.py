@@ -1,0 +1,136 @@
+"""Budget chooser: analytically known optima, online statistics, and the live shape holder."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from specexec_cli.budget import (BudgetTuner, LiveConfig, ShapeHolder, TimingModel, candidate_budgets,
+                                 choose_budget, interpolate, make_tuner)
+from specexec_cli.draft import TreeShape
+from specexec_cli.engine import GenerationConfig
+
+
+def test_candidates_are_power_of_two_trees():
+    assert candidate_budgets(100) == [1, 3, 7, 15, 31, 63]
+    assert candidate_budgets(1) == [1]
+
+
+def test_saturating_acceptance_flat_target_picks_the_saturation_point():
+    # E(B) = 1 + min(B, 8): nothing gained past 8 nodes; any draft cost makes bigger trees worse.
+    b, rate = choose_budget(lambda b: 1 + min(b, 8), lambda b: 0.001 * b, lambda n: 1.0, range(1, 100))
+    assert b == 8
+    assert rate == pytest.approx(9 / 1.008)
+
+
+def test_log_acceptance_with_a_knee_picks_the_knee():
+    # t_target flat up to n = 128 then linear; E = 1 + log2(1 + B) grows slower than linear, so the
+    # best tree fills the flat region exactly: B + 1 = 128.
+    t = lambda n: max(1.0, n / 128)  # noqa: E731
+    e = lambda b: 1 + math.log2(1 + b)  # noqa: E731
+    b, _ = choose_budget(e, lambda b: 0.0, t, candidate_budgets(4095))
+    assert b == 127
+    dense = max(range(1, 4096), key=lambda b: e(b) / t(b + 1))
+    assert dense == 127
+
+
+def test_linear_target_cost_analytic_optimum():
+    # E = 1 + a ln(1 + B), cost c + d B: the optimum solves a(c + dB)/(1+B) = d(1 + a ln(1+B)).
+    a, c, d = 1.0, 1.0, 0.01
+    e = lambda b: 1 + a * math.log(1 + b)  # noqa: E731
+    b, _ = choose_budget(e, lambda b: 0.0, lambda n: c + d * (n - 1), range(1, 2000))
+    f = lambda x: a * (c + d * x) / (1 + x) - d * (1 + a * math.log(1 + x))  # noqa: E731
+    lo, hi = 1.0, 2000.0
+    for _ in range(60):  # bisection on the first-order condition (f decreases through 0)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) > 0 else (lo, mid)
+    assert abs(b - lo) <= 1
+
+
+def test_expensive_draft_prefers_small_trees():
+    e = lambda b: 1 + 0.5 * math.log2(1 + b)  # noqa: E731
+    cheap, _ = choose_budget(e, lambda b: 1e-4 * b, lambda n: 1.0 + n / 512, candidate_budgets(4095))
+    dear, _ = choose_budget(e, lambda b: 0.05 * b, lambda n: 1.0 + n / 512, candidate_budgets(4095))
+    assert dear < cheap
+
+
+def test_interpolation_is_loglog_and_extrapolates_linearly():
+    pts = {1: 1.0, 4: 4.0}
+    assert interpolate(pts, 2) == pytest.approx(2.0)
+    assert interpolate(pts, 8) == pytest.approx(8.0)
+    assert interpolate(pts, 0.5) == 1.0
+
+
+def event(tokens: int, tree: int, draft=0.01, target=0.1, accepted=None):
+    return SimpleNamespace(pass_index=1, tree_size=tree, tokens=[0] * tokens,
+                           accepted=tokens - 1 if accepted is None else accepted,
+                           draft_seconds=draft, target_seconds=target)
+
+
+def test_tuner_learns_high_acceptance_and_grows_the_budget():
+    # t(n) = 1 + n/64. Prior slope 0.5 → B = 15 is best; a learned slope of 3 moves the optimum to 31.
+    pts = {n: 1 + n / 64 for n in (1 << k for k in range(13))}
+    timing = TimingModel(pts, draft_step_seconds=1e-6, source="profile")
+    tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=4095, retune_every=4)
+    assert tuner.shape.budget == 15
+    for _ in range(96):
+        b = tuner.shape.budget
+        tuner.observe(event(tokens=1 + int(3 * math.log2(1 + b)), tree=b, target=timing.t_target(b + 1), draft=1e-6))
+    assert tuner.shape.budget == 31
+    assert 16 <= tuner.shape.max_depth <= 64  # accepted lengths reach 15+: the depth follows
+
+
+def test_tuner_shrinks_when_nothing_is_accepted():
+    timing = TimingModel({1: 1.0, 64: 1.2, 4096: 60.0}, draft_step_seconds=0.01, source="profile")
+    tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=4095, retune_every=4)
+    for _ in range(64):
+        tuner.observe(event(tokens=1, tree=tuner.shape.budget, accepted=0))
+    assert tuner.shape.budget <= 3
+    assert tuner.expected_tokens(1023) < 1.7
+
+
+def test_depth_follows_observed_acceptance_and_respects_the_user_cap():
+    tuner = BudgetTuner(TimingModel.prior(), TreeShape(64, 16), retune_every=1000)
+    for _ in range(50):
+        tuner.observe(event(tokens=4, tree=tuner.shape.budget))
+    assert tuner.choose_depth(255) <= 16
+    assert tuner.choose_depth(255) >= 4
+
+
+def test_live_config_reads_the_holder_each_access():
+    holder = ShapeHolder(TreeShape(8, 4))
+    cfg = LiveConfig.wrap(GenerationConfig(seed=3, max_new_tokens=9), holder)
+    assert cfg.shape.budget == 8 and cfg.seed == 3 and cfg.max_new_tokens == 9
+    holder.shape = TreeShape(31, 6)
+    assert cfg.shape == TreeShape(31, 6)
+    assert replace(cfg, seed=4).shape == TreeShape(31, 6)
+
+
+def test_make_tuner_uses_profile_timings_when_present():
+    prof = {"models": {"target_seconds": {"1": 1.0, "256": 1.0, "512": 2.0}, "draft_step_seconds": 1e-4}}
+    tuner = make_tuner(prof, TreeShape(64, 64), on_cuda=False)
+    assert tuner.timing.source == "profile" and tuner.max_budget == 511
+    assert make_tuner(None, TreeShape(64, 64), on_cuda=False).timing.source == "prior"
+
+
+def test_tuned_generation_is_lossless(tiny_pair):
+    """Swapping budgets between passes must not change greedy output."""
+    import torch
+
+    from specexec_cli.engine import DecodeState, generate
+    from specexec_cli.loading import LoadOptions, load_models
+
+    m = load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", device="cpu"))
+    ids = m.tokenizer("def f(x):\n  return")["input_ids"]
+    cfg = GenerationConfig(shape=TreeShape(16, 16), max_new_tokens=40)
+    ref = [t for ev in generate(m, DecodeState(), ids, cfg) for t in ev.tokens]
+    tuner = BudgetTuner(TimingModel.prior(), TreeShape(16, 16), max_budget=255, retune_every=1)
+    seen, out = set(), []
+    for i, ev in enumerate(tuner.drive(m, DecodeState(), ids, cfg, torch.Generator().manual_seed(0))):
+        out.extend(ev.tokens)
+        tuner.holder.shape = TreeShape([1, 7, 63][i % 3], 8)  # force a different shape every pass
+        seen.add(tuner.shape.budget)
+    assert out == ref and len(seen) == 3
