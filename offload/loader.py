@@ -36,7 +36,10 @@ CUDA_HEADROOM = 1 << 30   # left free on the GPU for KV cache and activations in
 def resolve_dtype(dtype, config, device: torch.device) -> tuple[torch.dtype, torch.dtype, bool]:
     """(storage dtype of non-quantized params, compute dtype, nf4?)"""
     if isinstance(dtype, str) and dtype.lower() == "nf4":
-        return torch.bfloat16, torch.bfloat16, True
+        # NF4 linears; everything else (norms, embeddings) and the matmuls in the compute dtype:
+        # bf16 on accelerators, fp32 on CPU (CPU bf16 matmuls without AVX512-BF16 are ~25x slower).
+        compute = torch.float32 if device.type == "cpu" else torch.bfloat16
+        return compute, compute, True
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):

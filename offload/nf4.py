@@ -3,7 +3,8 @@
 Contract: `quantize_nf4(weight, device)` returns (packed uint8 tensor of shape ((n+1)//2, 1),
 QuantState on `device`) exactly as `bitsandbytes.nn.Linear4bit` would produce for the same
 weight (blocksize 64, double-quantized statistics, NF4). `Nf4Linear` computes the same
-`bnb.matmul_4bit(x.to(compute_dtype), W, bias, quant_state).to(x.dtype)` as Linear4bit.forward;
+`bnb.matmul_4bit(x.to(compute_dtype), W, bias, quant_state).to(x.dtype)` as Linear4bit.forward
+(weights are quantized from their bf16 values; compute is bf16 on CUDA, fp32 on CPU);
 its packed `weight` parameter is re-pointed at a streamed buffer each pass, while the small
 quant state (absmax, code, nested state) stays resident on the device.
 """

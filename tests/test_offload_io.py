@@ -42,8 +42,8 @@ def _ids(n=7, seed=0):
 
 # ---------------------------------------------------------------- nf4
 
-def _linear4bit_reference(path):
-    """HF bf16 model whose decoder-layer linears are bitsandbytes Linear4bit (NF4) on the same weights."""
+def _linear4bit_reference(path, compute_dtype):
+    """HF model whose decoder-layer linears are bitsandbytes Linear4bit (NF4) on the same bf16 weights."""
     from bitsandbytes.nn import Linear4bit, Params4bit
 
     ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -51,11 +51,16 @@ def _linear4bit_reference(path):
         for name, mod in list(layer.named_modules()):
             if isinstance(mod, nn.Linear):
                 q = Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                               compute_dtype=torch.bfloat16, quant_type="nf4")
+                               compute_dtype=compute_dtype, quant_type="nf4")
                 q.weight = Params4bit(mod.weight.data.clone(), requires_grad=False, quant_type="nf4",
                                       compress_statistics=True, blocksize=64)
                 parent, _, child = name.rpartition(".")
                 setattr(layer.get_submodule(parent), child, q.to("cpu"))
+    # norms / embeddings / lm_head in the compute dtype; Linear4bit keeps its packed weights
+    for mod in ref.modules():
+        if not isinstance(mod, Linear4bit):
+            for name, p in mod.named_parameters(recurse=False):
+                p.data = p.data.to(compute_dtype)
     return ref
 
 
@@ -63,19 +68,41 @@ def _linear4bit_reference(path):
 def test_nf4_matches_bnb_linear4bit(tmp_path, offload):
     path = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, **SMALL), tmp_path, seed=5,
                  dtype=torch.bfloat16)
-    ref = _linear4bit_reference(path)
+    ref = _linear4bit_reference(path, torch.float32)
     model = OffloadedCausalLM.from_pretrained(path, dtype="nf4", offload=offload)
     try:
-        assert model.dtype == torch.bfloat16
-        # packed NF4 bytes per layer: 4 bits per linear weight + bf16 norms, far below bf16 size
+        assert model.dtype == torch.float32   # nf4 computes in fp32 on CPU, bf16 on CUDA
+        # packed NF4 bytes per layer: 4 bits per linear weight + norms, far below bf16 size
         assert model.plan.bytes_per_layer < 0.35 * (2 * 4 * 64 * 64 + 2 * 3 * 64 * 128)
         ids = _ids()
         with torch.no_grad():
             expected = ref(input_ids=ids).logits.float()
         for _ in range(2):
-            torch.testing.assert_close(model(input_ids=ids).logits.float(), expected, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(model(input_ids=ids).logits.float(), expected, atol=1e-5, rtol=1e-5)
     finally:
         model.close()
+
+
+def test_nf4_linear_matches_linear4bit_bf16():
+    """The bf16 compute path (used on CUDA) against Linear4bit on one layer's weight."""
+    from bitsandbytes.nn import Linear4bit, Params4bit
+
+    from offload.nf4 import Nf4Linear, quantize_nf4
+
+    torch.manual_seed(3)
+    w, b = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(48, dtype=torch.bfloat16)
+    ref = Linear4bit(64, 48, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4")
+    ref.weight = Params4bit(w.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64)
+    ref.bias = nn.Parameter(b.clone(), requires_grad=False)
+    ref = ref.to("cpu")
+    packed, state = quantize_nf4(w, torch.device("cpu"))
+    ours = Nf4Linear(64, 48, True, torch.bfloat16)
+    ours.weight, ours.bias = nn.Parameter(packed, requires_grad=False), nn.Parameter(b.clone(), requires_grad=False)
+    ours.quant_state = state
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(packed, ref.weight.data)
+        torch.testing.assert_close(ours(x), ref(x), atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- device budget
