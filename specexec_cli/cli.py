@@ -36,7 +36,7 @@ DEMO_DIR = Path(__file__).resolve().parent / "demo"
 # Options shared by run / chat / bench.
 Target = Annotated[Optional[str], typer.Option(help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
 Draft = Annotated[Optional[str], typer.Option(help="Draft model (same tokenizer as the target).")]
-Method = Annotated[str, typer.Option(help="Decoding method: ar (baseline) or specexec.")]
+Method = Annotated[str, typer.Option(help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
 Budget = Annotated[str, typer.Option(help="Draft tree nodes verified per target pass, or 'auto'.")]
 MaxDepth = Annotated[int, typer.Option(help="Deepest tree node (tokens below the root).")]
 MaxBeams = Annotated[int, typer.Option(help="Tree nodes expanded per draft forward.")]
@@ -56,6 +56,8 @@ MaxRam = Annotated[Optional[str], typer.Option(help="Host RAM for target layers,
 NoLive = Annotated[bool, typer.Option("--no-live", help="No live panel; one summary line on stderr.")]
 StatsJson = Annotated[Optional[Path], typer.Option(help="Write run statistics as JSON to this file.")]
 NoTemplate = Annotated[bool, typer.Option("--no-chat-template", help="Do not apply the tokenizer's chat template.")]
+Gamma = Annotated[int, typer.Option(help="--method chain: draft tokens proposed per target pass.")]
+Branching = Annotated[Optional[str], typer.Option(help="--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).")]
 ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.")]
 
 
@@ -247,12 +249,13 @@ def run(
     dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     no_chat_template: NoTemplate = False, no_live: NoLive = False, stats_json: StatsJson = None,
-    profile: ProfileOpt = None,
+    profile: ProfileOpt = None, gamma: Gamma = 5, branching: Branching = None,
 ) -> None:
     """Generate a continuation of PROMPT_FILE; text goes to stdout, statistics to stderr."""
     with user_errors():
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
+        cfg = method_options(cfg, gamma, branching, profile)
         text = read_prompt(prompt_file)
         with display.LoadProgress(live_enabled(no_live)) as progress:
             models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
@@ -260,6 +263,16 @@ def run(
         ids = encode_prompt(models.tokenizer, text, not no_chat_template)
         tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
         decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link)
+
+
+def method_options(cfg, gamma: int, branching: str | None, profile: Path | None):
+    """Attach the extra methods' options (γ, branching; the profile caches Sequoia's acceptance vector)."""
+    from specexec_cli.methods.common import parse_branching, with_settings
+
+    if gamma < 1:
+        raise SpecxError(f"--gamma must be >= 1 (got {gamma})")
+    widths = parse_branching(branching) if branching else None
+    return with_settings(cfg, gamma=gamma, branching=widths, sequoia_profile=str(profile) if profile else None)
 
 
 def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
@@ -357,6 +370,52 @@ def profile(
         path = profiler.write_profile(prof, out)
         display.print_profile(prof)
         display.print_notice(f"wrote {path}")
+
+
+@app.command()
+def bench(
+    prompts: Annotated[Path, typer.Option(help="JSONL file with a \"prompt\" field per line.")],
+    out: Annotated[Path, typer.Option(help="Output dir for results.json and the plots.")],
+    target: Target = None, draft: Draft = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated methods to compare.")] = "ar,chain,specinfer,sequoia,specexec,staged",
+    budgets: Annotated[str, typer.Option(help="Comma-separated tree budgets (ar/chain run once: budget-independent).")] = "16,64,256,1024",
+    temperatures: Annotated[str, typer.Option(help="Comma-separated temperatures.")] = "0,0.7",
+    max_new_tokens: MaxNew = 128, num_prompts: Annotated[int, typer.Option(help="Use the first N prompts (0 = all).")] = 0,
+    max_depth: MaxDepth = 64, gamma: Gamma = 5, branching: Branching = None, seed: Seed = 0,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
+    no_chat_template: NoTemplate = False, no_live: NoLive = False, profile: ProfileOpt = None,
+) -> None:
+    """Compare decoding methods over budgets and temperatures on a prompt set; writes JSON, a table and plots."""
+    from specexec_cli import bench as bench_mod
+    from specexec_cli.engine import GenerationConfig, available_methods
+
+    with user_errors():
+        names = bench_mod.parse_list(methods, str, "--methods")
+        unknown = [m for m in names if m not in available_methods()]
+        if unknown:
+            raise SpecxError(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(available_methods())}")
+        opts = method_options(GenerationConfig(), gamma, branching, profile).extra
+        grid = bench_mod.BenchGrid(names, bench_mod.parse_list(budgets, int, "--budgets"),
+                                   bench_mod.parse_list(temperatures, float, "--temperatures"), max_new_tokens,
+                                   max_depth, seed, opts)  # fmt: skip
+        if min(grid.budgets) < 1 or min(grid.temperatures) < 0:
+            raise SpecxError("--budgets must be >= 1 and --temperatures >= 0")
+        texts = bench_mod.load_prompts(prompts, num_prompts)
+        live = live_enabled(no_live)
+        with display.LoadProgress(live) as progress:
+            models = load_for_cli(target, draft, "ar" if set(names) == {"ar"} else "specexec", dtype, device,
+                                  allow_pickle, trust_remote_code, offload, max_gpu_memory, max_ram, progress)
+        ids = [encode_prompt(models.tokenizer, t, not no_chat_template) for t in texts]
+        with display.BenchProgress(live) as progress:
+            records = bench_mod.run_bench(models, ids, grid, progress)
+        path = bench_mod.write_json(out, records)
+        display.print_bench_table(records)
+        try:
+            plots = bench_mod.write_plots(out, records)
+            display.print_notice(f"wrote {path}, " + ", ".join(str(p) for p in plots))
+        except ImportError:
+            display.print_notice(f"wrote {path}; matplotlib is missing, so no plots (pip install 'specx[plot]')")
 
 
 def main() -> None:

@@ -198,3 +198,32 @@ def print_profile(profile: dict) -> None:
                       f"(~{rec['expected_tokens_per_pass']} tokens/pass with the prior acceptance curve, "
                       f"{rec['timing']} timings)")
     stderr_console().print(table)
+
+
+class BenchProgress(LoadProgress):
+    """`specx bench` progress: bar, cells done/total, elapsed and ETA; a callable(done, total, what)."""
+
+    def __enter__(self) -> "BenchProgress":
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                      console=stderr_console(), transient=True)  # fmt: skip
+            self._progress.__enter__()
+        return self
+
+
+def print_bench_table(records: list[dict]) -> None:
+    """One row per bench cell (method × budget × temperature) on stderr."""
+    table = Table(title="specx bench", header_style="bold cyan")
+    for col in ("T", "budget", "method", "tok/pass", "tok/s", "draft s", "target s", "tree", "lossless"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    for r in records:
+        lossless = {True: "[green]yes[/green]", False: "[bold red]NO[/bold red]", None: "n/a"}[r["lossless"]]
+        budget = f"{r['budget']}*" if r.get("budget_independent") else str(r["budget"])
+        table.add_row(f"{r['temperature']:g}", budget, r["method"], f"{r['tokens_per_pass']:.2f}",
+                      f"{r['tokens_per_second']:.2f}", f"{r['draft_seconds']:.1f}", f"{r['target_seconds']:.1f}",
+                      f"{r['mean_tree_size']:g}", lossless)  # fmt: skip
+    stderr_console().print(table)
+    stderr_console().print("[dim]* budget-independent method (ar; chain uses --gamma): one run, repeated per budget[/dim]")
