@@ -1,0 +1,79 @@
+"""specx profile: probes, model timings, the versioned JSON and where it is stored/found."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from specexec_cli import profiler
+from specexec_cli.budget import candidate_budgets, make_tuner
+from specexec_cli.cli import app
+from specexec_cli.draft import TreeShape
+from specexec_cli.errors import SpecxError
+
+REQUIRED = {"schema", "version", "created", "hostname", "cpu", "memory", "gpus", "disk", "matmul", "models",
+            "recommended"}
+
+
+@pytest.fixture(autouse=True)
+def xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "xdg"
+
+
+def test_profile_with_models_writes_a_valid_profile(tiny_pair, tmp_path, xdg):
+    out = tmp_path / "p.json"
+    args = ["profile", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--dtype", "fp32",
+            "--device", "cpu", "--max-tokens", "8", "--disk-mb", "4", "--out", str(out), "--no-live"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.stderr
+    prof = json.loads(out.read_text())
+    assert REQUIRED <= set(prof) and prof["schema"] == "specx-profile" and prof["version"] == profiler.VERSION
+    assert prof["cpu"]["logical_cores"] >= 1 and prof["memory"]["total_bytes"] > 0
+    assert prof["disk"]["read_gbps"] > 0 and prof["disk"]["method"] in ("o_direct", "buffered")
+    assert prof["matmul"]["fp32_gflops"] > 0 and prof["matmul"]["bf16_gflops"] > 0
+    m = prof["models"]
+    assert sorted(map(int, m["target_seconds"])) == [1, 2, 4, 8]
+    assert all(v > 0 for v in m["target_seconds"].values()) and m["draft_step_seconds"] > 0
+    assert prof["recommended"]["budget"] in candidate_budgets(7)
+    assert "recommended" in res.stderr and "--budget" in res.stderr  # the table
+    # the last profile written on this machine is what run/chat pick up without --profile
+    assert json.loads((xdg / "specx" / "profiles" / "last.json").read_text())[socket.gethostname()] == str(out)
+    assert profiler.find_profile(None)["created"] == prof["created"]
+    assert make_tuner(prof, TreeShape(64, 64), False).timing.source == "profile"
+
+
+def test_hardware_only_profile_goes_to_the_per_machine_path(xdg):
+    res = CliRunner().invoke(app, ["profile", "--disk-mb", "4", "--no-live"])
+    assert res.exit_code == 0, res.stderr
+    path = xdg / "specx" / "profiles" / f"{socket.gethostname()}.json"
+    prof = profiler.read_profile(path)
+    assert prof["models"] is None and prof["recommended"]["timing"] == "prior"
+    assert not list(xdg.parent.glob(".specx-probe-*"))  # the disk probe's temp file is gone
+
+
+def test_bad_profiles_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "specx-profile", "version": 99}))
+    with pytest.raises(SpecxError, match="re-run `specx profile`"):
+        profiler.read_profile(bad)
+    with pytest.raises(SpecxError, match="not found"):
+        profiler.read_profile(tmp_path / "missing.json")
+    (tmp_path / "junk.json").write_text("{")
+    with pytest.raises(SpecxError, match="unreadable"):
+        profiler.read_profile(tmp_path / "junk.json")
+    res = CliRunner().invoke(app, ["profile", "--draft", "x"])
+    assert res.exit_code == 2 and "--draft given without --target" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_reference_profile_is_valid():
+    from pathlib import Path
+
+    ref = Path(__file__).resolve().parents[1] / "profiles" / "reference-cpu.json"
+    prof = profiler.read_profile(ref)
+    assert REQUIRED <= set(prof)
+    assert make_tuner(prof, TreeShape(64, 64), False).timing.source == "profile"
