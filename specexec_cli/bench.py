@@ -57,6 +57,22 @@ def parse_list(text: str, kind, flag: str) -> tuple:
     return values
 
 
+def make_grid(methods: str, budgets: str, temperatures: str, max_new_tokens: int, max_depth: int, seed: int,
+              options: dict) -> BenchGrid:
+    """Validated grid from the CLI's comma-separated flags."""
+    from specexec_cli.engine import available_methods
+
+    names = parse_list(methods, str, "--methods")
+    unknown = [m for m in names if m not in available_methods()]
+    if unknown:
+        raise SpecxError(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(available_methods())}")
+    grid = BenchGrid(names, parse_list(budgets, int, "--budgets"), parse_list(temperatures, float, "--temperatures"),
+                     max_new_tokens, max_depth, seed, options)  # fmt: skip
+    if min(grid.budgets) < 1 or min(grid.temperatures) < 0 or max_new_tokens < 1 or max_depth < 1:
+        raise SpecxError("--budgets, --max-new-tokens and --max-depth must be >= 1, --temperatures >= 0")
+    return grid
+
+
 def load_prompts(path: Path, limit: int | None) -> list[str]:
     """JSONL with a "prompt" field per line (plain text lines are accepted too)."""
     if not path.is_file():
@@ -210,3 +226,13 @@ def write_plots(out: Path, records: list[dict]) -> list[Path]:
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def save(out: Path, records: list[dict]) -> str:
+    """results.json and (with matplotlib) the plots; returns a one-line note of what was written."""
+    path = write_json(out, records)
+    try:
+        plots = write_plots(out, records)
+    except ImportError:
+        return f"wrote {path}; matplotlib is missing, so no plots (pip install 'specx[plot]')"
+    return f"wrote {path}, " + ", ".join(str(p) for p in plots)

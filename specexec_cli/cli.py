@@ -252,10 +252,12 @@ def run(
     profile: ProfileOpt = None, gamma: Gamma = 5, branching: Branching = None,
 ) -> None:
     """Generate a continuation of PROMPT_FILE; text goes to stdout, statistics to stderr."""
+    from specexec_cli.methods.common import flag_options, with_settings
+
     with user_errors():
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
-        cfg = method_options(cfg, gamma, branching, profile)
+        cfg = with_settings(cfg, **flag_options(gamma, branching, profile))
         text = read_prompt(prompt_file)
         with display.LoadProgress(live_enabled(no_live)) as progress:
             models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
@@ -263,16 +265,6 @@ def run(
         ids = encode_prompt(models.tokenizer, text, not no_chat_template)
         tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
         decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link)
-
-
-def method_options(cfg, gamma: int, branching: str | None, profile: Path | None):
-    """Attach the extra methods' options (γ, branching; the profile caches Sequoia's acceptance vector)."""
-    from specexec_cli.methods.common import parse_branching, with_settings
-
-    if gamma < 1:
-        raise SpecxError(f"--gamma must be >= 1 (got {gamma})")
-    widths = parse_branching(branching) if branching else None
-    return with_settings(cfg, gamma=gamma, branching=widths, sequoia_profile=str(profile) if profile else None)
 
 
 def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
@@ -388,34 +380,21 @@ def bench(
 ) -> None:
     """Compare decoding methods over budgets and temperatures on a prompt set; writes JSON, a table and plots."""
     from specexec_cli import bench as bench_mod
-    from specexec_cli.engine import GenerationConfig, available_methods
+    from specexec_cli.methods.common import flag_options
 
     with user_errors():
-        names = bench_mod.parse_list(methods, str, "--methods")
-        unknown = [m for m in names if m not in available_methods()]
-        if unknown:
-            raise SpecxError(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(available_methods())}")
-        opts = method_options(GenerationConfig(), gamma, branching, profile).extra
-        grid = bench_mod.BenchGrid(names, bench_mod.parse_list(budgets, int, "--budgets"),
-                                   bench_mod.parse_list(temperatures, float, "--temperatures"), max_new_tokens,
-                                   max_depth, seed, opts)  # fmt: skip
-        if min(grid.budgets) < 1 or min(grid.temperatures) < 0:
-            raise SpecxError("--budgets must be >= 1 and --temperatures >= 0")
+        grid = bench_mod.make_grid(methods, budgets, temperatures, max_new_tokens, max_depth, seed,
+                                   flag_options(gamma, branching, profile))
         texts = bench_mod.load_prompts(prompts, num_prompts)
         live = live_enabled(no_live)
         with display.LoadProgress(live) as progress:
-            models = load_for_cli(target, draft, "ar" if set(names) == {"ar"} else "specexec", dtype, device,
+            models = load_for_cli(target, draft, "ar" if set(grid.methods) == {"ar"} else "specexec", dtype, device,
                                   allow_pickle, trust_remote_code, offload, max_gpu_memory, max_ram, progress)
         ids = [encode_prompt(models.tokenizer, t, not no_chat_template) for t in texts]
         with display.BenchProgress(live) as progress:
             records = bench_mod.run_bench(models, ids, grid, progress)
-        path = bench_mod.write_json(out, records)
         display.print_bench_table(records)
-        try:
-            plots = bench_mod.write_plots(out, records)
-            display.print_notice(f"wrote {path}, " + ", ".join(str(p) for p in plots))
-        except ImportError:
-            display.print_notice(f"wrote {path}; matplotlib is missing, so no plots (pip install 'specx[plot]')")
+        display.print_notice(bench_mod.save(out, records))
 
 
 def main() -> None:
