@@ -177,3 +177,33 @@ def test_sample_children_without_replacement_respects_support():
     q = torch.tensor([0.5, 0.0, 0.5, 0.0])
     kids = sample_children(q, 4, torch.Generator().manual_seed(0))
     assert sorted(kids) == [0, 2]
+
+
+def test_ngram_index_proposes_latest_continuation():
+    from specexec_cli.methods.staged import NgramIndex
+
+    idx = NgramIndex([1, 2, 3, 9, 1, 2, 4, 1, 2])
+    assert idx.propose([7, 1, 2], 2) == [4, 1]  # latest earlier match of (1, 2) wins
+    assert idx.propose([5, 9], 3) == [1, 2, 4]  # falls back to the 1-gram (9,)
+    assert idx.propose([8], 3) == []
+
+
+def test_staged_saves_draft_forwards_and_stays_exact(shared_pair):
+    """On real code the n-gram stage lets the draft skip forwards; the output is unchanged."""
+    import json
+
+    m = load_models(LoadOptions(str(shared_pair[0]), str(shared_pair[1]), device="cpu"))
+    prompt = json.loads((shared_pair[0].parents[1] / "bench" / "prompts.jsonl").read_text().splitlines()[2])["prompt"]
+    ids = list(m.tokenizer(prompt)["input_ids"])
+    calls = []
+    hook = m.draft.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        outs, forwards = {}, {}
+        for method in ("specexec", "staged"):
+            calls.clear()
+            outs[method] = [t for ev in generate(m, DecodeState(), ids, config(method, 16, max_new=32)) for t in ev.tokens]
+            forwards[method] = len(calls)
+    finally:
+        hook.remove()
+    assert outs["staged"] == outs["specexec"]
+    assert forwards["staged"] < forwards["specexec"]
