@@ -53,7 +53,7 @@ def hf_greedy(m, ids, n):
 
 def test_second_turn_prefills_only_new_tokens_and_stays_lossless(tiny_pair, models, tmp_path):
     log = tmp_path / "turns.jsonl"
-    res = chat(tiny_pair, "def f(x):\nclass a:\n", "--max-new-tokens", "24", "--budget", "16", "--stats-json", str(log))
+    res = chat(tiny_pair, "def f(x):\nclass a:\n", "--max-new-tokens", "16", "--budget", "8", "--stats-json", str(log))
     assert res.exit_code == 0, res.stderr
     t1, t2 = turns(log)
     assert (t1["turn"], t2["turn"]) == (1, 2)
