@@ -78,7 +78,8 @@ class OffloadedCausalLM(nn.Module):
         for i, states in w.qstates.items():
             for name, state in states.items():
                 self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
-        self.prefetcher = Prefetcher(self.plan.streamed, self.store.load, slots, device)
+        self.prefetcher = Prefetcher(self.plan.streamed, self.store.load, slots, device,
+                                     is_free=self.store.is_free)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, offload="auto",

@@ -29,8 +29,9 @@ import torch
 
 class Prefetcher:
     def __init__(self, order: list[int], load: Callable[[int, int], torch.Tensor], slots: int,
-                 device: torch.device):
+                 device: torch.device, is_free: Callable[[int], bool] | None = None):
         self.order, self.load, self.slots, self.device = list(order), load, slots, device
+        self.is_free = is_free   # layers whose load is a no-op run inline, same protocol
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.free_events: list = [None] * slots
@@ -52,8 +53,14 @@ class Prefetcher:
     def _submit(self, k: int) -> None:
         if k in self.pending or k >= len(self.order):
             return
-        slot = k % self.slots
-        self.pending[k] = self._pool.submit(self._job, self.order[k], slot, self.free_events[slot])
+        slot, layer = k % self.slots, self.order[k]
+        if self.is_free is not None and self.is_free(layer):
+            # Nothing to move (RAM tier on CPU: the arena is the device buffer): no thread hop.
+            fut: Future = Future()
+            fut.set_result(self._job(layer, slot, None))
+            self.pending[k] = fut
+            return
+        self.pending[k] = self._pool.submit(self._job, layer, slot, self.free_events[slot])
 
     def _release(self, k: int, buf: torch.Tensor) -> None:
         if self.cuda:

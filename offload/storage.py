@@ -274,6 +274,10 @@ class LayerStore:
     def layout(self, layer: int) -> LayerLayout:
         return self.ram[layer][1] if layer in self.ram else self.disk[layer].layout
 
+    def is_free(self, layer: int) -> bool:
+        """True when loading is a no-op (RAM tier on CPU, no test hook): nothing to overlap."""
+        return self.device.type == "cpu" and layer in self.ram and self.io_hook is None
+
     def link_bytes(self, layer: int) -> int:
         """Bytes that cross the link for one load: the file bytes read (disk) or the arena (RAM)."""
         return self.ram[layer][1].nbytes if layer in self.ram else sum(s.length for s in self.disk[layer].spans)
