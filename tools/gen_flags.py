@@ -24,7 +24,8 @@ def help_text(command: str) -> str | None:
                          text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
         return None
-    return "\n".join(line.rstrip() for line in out.stdout.strip().splitlines())
+    lines = (line.rstrip() for line in out.stdout.strip().splitlines())
+    return "\n".join(lines).replace("python -m specexec_cli", "specx")
 
 
 def main() -> None:
