@@ -111,10 +111,35 @@ def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Genera
     return StepResult([tok], 0, target_seconds=time.perf_counter() - t0)
 
 
+def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
+    """Keep the accepted path in both caches (compacted in place) and extend st.ids.
+
+    Target cache afterwards: ids[:-1] (root + accepted nodes; the last emitted token is the next
+    root). Draft cache: prefix + root + the accepted nodes the draft already ran (a path prefix).
+    """
+    in_cache = acc.path if acc.bonus else acc.path[:-1]
+    keep = torch.tensor([0] + in_cache, dtype=torch.long)
+    kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
+    st.target_len += int(keep.numel())
+    base = st.draft_len + n_pending - 1  # draft cache row of the root
+    nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
+    run = tree.slot[nodes][tree.slot[nodes] >= 0]  # accepted nodes the draft already ran
+    kvcache.compact(st.draft_cache, base + 1, base + run)
+    st.draft_len = base + 1 + int(run.numel())
+    st.ids.extend(acc.tokens)
+
+
+def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape, params: SamplingParams):
+    return grow_tree(m.draft, st.draft_cache, ctx, shape, params)
+
+
 def speculative_step(
-    m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int
+    m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int, grow=default_grow
 ) -> StepResult:
-    """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches."""
+    """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches.
+
+    `grow(m, st, ctx, shape, sampling) -> Tree` lets a method swap the tree-growth stage only.
+    """
     n = len(st.ids)
     depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
     if depth < 1 or cfg.shape.budget < 1:
@@ -124,7 +149,7 @@ def speculative_step(
     # 1) grow the tree with the draft; keep the best `budget` nodes (ancestor-closed)
     pending = st.ids[st.draft_len :]
     ctx = DraftContext(n_cached=st.draft_len, pending=pending, root_pos=n - 1)
-    tree = grow_tree(m.draft, st.draft_cache, ctx, shape, cfg.sampling)
+    tree = grow(m, st, ctx, shape, cfg.sampling)
     vt = subtree(tree, top_budget(tree.logp, shape.budget))
     t1 = time.perf_counter()
     # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
@@ -134,16 +159,7 @@ def speculative_step(
     acc = accept_tree(vt, logits, cfg.sampling, gen, m.eos_ids, limit)
     t2 = time.perf_counter()
     # 4) trim caches to the accepted path; the last emitted token becomes the next root
-    in_cache = acc.path if acc.bonus else acc.path[:-1]
-    keep = torch.tensor([0] + in_cache, dtype=torch.long)
-    kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
-    st.target_len += int(keep.numel())
-    base = st.draft_len + len(pending) - 1  # draft cache row of the root
-    nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
-    run = tree.slot[nodes][tree.slot[nodes] >= 0]  # accepted nodes the draft already ran
-    kvcache.compact(st.draft_cache, base + 1, base + run)
-    st.draft_len = base + 1 + int(run.numel())
-    st.ids.extend(acc.tokens)
+    commit_tree(st, tree, vt, acc, len(pending))
     t3 = time.perf_counter()
     return StepResult(
         tokens=acc.tokens,

@@ -6,14 +6,12 @@ Fixtures build tiny random checkpoints with save_pretrained so the real loading 
 
 from __future__ import annotations
 
-import json
-import time
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from offload import OffloadedCausalLM, OffloadError, parse_size, plan_offload
+from offload import OffloadedCausalLM, parse_size, plan_offload
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96

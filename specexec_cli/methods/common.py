@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specexec_cli import kvcache
 from specexec_cli.sampling import SamplingParams, process_logits, sample
 from specexec_cli.tree import Tree, VerifyTree
 from specexec_cli.verify import Acceptance
@@ -143,18 +142,7 @@ def accept_sampled(
 
 
 def commit(st, tree: Tree, vt: VerifyTree, acc: Acceptance, n_pending: int) -> None:
-    """Keep the accepted path in both caches; extend st.ids (same layout as engine.speculative_step).
+    """Keep the accepted path in both caches; see engine.commit_tree (one implementation)."""
+    from specexec_cli.engine import commit_tree
 
-    Target cache: ids[:-1] afterwards (root + accepted nodes; the last emitted token is the next root).
-    Draft cache: prefix + root + the accepted nodes the draft already ran (a prefix of the path).
-    """
-    in_cache = acc.path if acc.bonus else acc.path[:-1]
-    keep = torch.tensor([0] + in_cache, dtype=torch.long)
-    kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
-    st.target_len += int(keep.numel())
-    base = st.draft_len + n_pending - 1  # draft cache row of the root
-    nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
-    run = tree.slot[nodes][tree.slot[nodes] >= 0]
-    kvcache.compact(st.draft_cache, base + 1, base + run)
-    st.draft_len = base + 1 + int(run.numel())
-    st.ids.extend(acc.tokens)
+    commit_tree(st, tree, vt, acc, n_pending)

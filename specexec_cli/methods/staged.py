@@ -23,16 +23,11 @@ causally together. The tree is then pruned to the top-`budget` nodes and verifie
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-
 import torch
 
 from specexec_cli import kvcache
 from specexec_cli.draft import DraftContext, TreeShape, expand, step_batch
-from specexec_cli.methods.common import commit
-from specexec_cli.tree import Tree, ancestors, attention_mask, causal_mask, subtree, top_budget, verify_mask
-from specexec_cli.verify import accept_tree
+from specexec_cli.tree import Tree, ancestors, attention_mask, causal_mask
 
 NGRAM = 3  # longest suffix matched by the prompt-lookup model (falls back to shorter ones)
 CHAIN_LEN = 8  # tokens proposed per node
@@ -157,26 +152,9 @@ def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram
 
 def staged_step(m, st, cfg, gen, limit: int):
     """engine.speculative_step with `grow_staged` in place of `grow_tree`."""
-    from specexec_cli.engine import StepResult, ar_step
+    from specexec_cli.engine import speculative_step
 
-    n = len(st.ids)
-    depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
-    if depth < 1 or cfg.shape.budget < 1:
-        return ar_step(m, st, cfg, gen, limit)
-    shape = replace(cfg.shape, max_depth=depth)
-    t0 = time.perf_counter()
-    pending = st.ids[st.draft_len :]
-    ctx = DraftContext(n_cached=st.draft_len, pending=pending, root_pos=n - 1)
-    tree = grow_staged(m.draft, st.draft_cache, ctx, shape, cfg.sampling, NgramIndex(st.ids), st.ids)
-    vt = subtree(tree, top_budget(tree.logp, shape.budget))
-    t1 = time.perf_counter()
-    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target))
-    logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
-    acc = accept_tree(vt, logits, cfg.sampling, gen, m.eos_ids, limit)
-    t2 = time.perf_counter()
-    commit(st, tree, vt, acc, len(pending))
-    t3 = time.perf_counter()
-    return StepResult(
-        tokens=acc.tokens, accepted=len(acc.path), tree_size=vt.size - 1, tree_depth=int(vt.depth.max()),
-        draft_seconds=t1 - t0 + (t3 - t2), target_seconds=t2 - t1,
-    )  # fmt: skip
+    def grow(m, st, ctx, shape, params):
+        return grow_staged(m.draft, st.draft_cache, ctx, shape, params, NgramIndex(st.ids), st.ids)
+
+    return speculative_step(m, st, cfg, gen, limit, grow=grow)
