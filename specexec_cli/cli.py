@@ -17,6 +17,7 @@ import typer
 
 from specexec_cli import display
 from specexec_cli.errors import SpecxError, debug_enabled
+from specexec_cli.loading import encode_prompt, read_prompt
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -119,32 +120,6 @@ def parse_size_opt(value: str | None, flag: str) -> int | None:
         return parse_size(value)
     except ValueError as exc:
         raise SpecxError(f"{flag}: {exc}") from None
-
-
-def read_prompt(path: str) -> str:
-    """PROMPT_FILE or '-' (stdin) → text; missing, empty and non-UTF-8 input are user errors."""
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except FileNotFoundError:
-        raise SpecxError(f"prompt file {path} not found; pass an existing file or - for stdin") from None
-    except IsADirectoryError:
-        raise SpecxError(f"prompt file {path} is a directory; pass a text file") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SpecxError(f"prompt file {path} is not UTF-8 text; re-save it as UTF-8") from None
-    if not text.strip():
-        raise SpecxError(f"prompt file {path} is empty; write a prompt into it")
-    return text
-
-
-def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(text)["input_ids"])
 
 
 def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,

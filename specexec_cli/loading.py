@@ -1,6 +1,7 @@
 """Load the target, the draft and the shared tokenizer from local HF directories.
 
-Contract: `load_models(options)` returns `engine.Models` or raises `SpecxError` with a one-line fix.
+Contract: `load_models(options)` returns `engine.Models`, and `read_prompt`/`encode_prompt` turn a
+prompt file into token ids; each raises `SpecxError` with a one-line fix on bad input.
 Paths are local model dirs or hub ids resolved from the local HF cache only (never downloads).
 Weights load from safetensors unless the user opts into pickle (`--allow-pickle`); remote code
 runs only with `--trust-remote-code`. Draft and target must map the same strings to the same ids.
@@ -9,6 +10,7 @@ runs only with `--trust-remote-code`. Draft and target must map the same strings
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +66,7 @@ def resolve_path(name: str, flag: str) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(name, local_files_only=True))
-    except Exception:
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError) or not a valid repo id
         raise SpecxError(
             f"{flag} {name}: no such directory and not in the local HF cache; "
             "pass a local model dir (downloads are never attempted)"
@@ -186,3 +188,29 @@ def load_models(opts: LoadOptions) -> Models:
         draft = load_hf(dpath, "--draft", opts, device, ddtype)
     target = load_target(tpath, opts, device)
     return Models(target, draft, tok, eos_ids(tok, target), context_limit(target, draft))
+
+
+def read_prompt(path: str) -> str:
+    """PROMPT_FILE or '-' (stdin) → text; missing, empty and non-UTF-8 input are user errors."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except FileNotFoundError:
+        raise SpecxError(f"prompt file {path} not found; pass an existing file or - for stdin") from None
+    except IsADirectoryError:
+        raise SpecxError(f"prompt file {path} is a directory; pass a text file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecxError(f"prompt file {path} is not UTF-8 text; re-save it as UTF-8") from None
+    if not text.strip():
+        raise SpecxError(f"prompt file {path} is empty; write a prompt into it")
+    return text
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(text)["input_ids"])
