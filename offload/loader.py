@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .errors import OffloadError
+from .families import restore_buffers
 from .nf4 import Nf4Linear
 from .plan import OffloadPlan, plan_offload
 from .sizes import format_bytes
@@ -78,6 +79,8 @@ def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]
 
 def _budgets(offload, device, total, max_dev, max_host, free_ram):
     """Resolve None budgets per offload mode (explicit values always win)."""
+    if offload == "none":
+        return None, 0
     if offload == "ram":
         return (0 if max_dev is None else max_dev), (total if max_host is None else max_host)
     if offload == "disk":
@@ -118,6 +121,7 @@ def _load_globals(index: SafetensorsIndex, hf, config, device, dtype):
         lm_head.weight = embed.weight
     else:
         lm_head.weight.copy_(index.read("lm_head.weight"))
+    restore_buffers(embed)
     rotary = type(base.rotary_emb)(config).to(device)
     for mod in (embed, norm, lm_head):
         mod.requires_grad_(False)

@@ -1,4 +1,4 @@
-"""OffloadedCausalLM: a HF Llama/Mistral/Qwen2 causal LM whose decoder layers stream.
+"""OffloadedCausalLM: a HF causal LM (families.SUPPORTED) whose decoder layers stream.
 
 Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, max_device_memory,
 max_host_memory, slots, progress)` builds the HF model on the meta device, materializes only
@@ -9,6 +9,8 @@ decoder-layer modules unchanged, re-pointing their parameters at the staged buff
 layer, and returns a `CausalLMOutputWithPast` whose logits equal HF's for the same inputs
 (4-D additive tree masks, arbitrary positions and a caller-owned DynamicCache included; with
 attention_mask=None it behaves like HF's plain causal path). The KV cache stays on the device.
+Per-family differences (soft-capping, sliding windows under tree masks) come from families.py;
+offload="none" keeps every layer resident (the exact non-streamed path for those families).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from .errors import OffloadError
+from .families import Family, apply_final_softcap, causal_lm_class, window_mask
 from .loader import LoadedWeights, load_weights, resolve_dtype
 from .nf4 import Nf4Linear
 from .plan import OffloadPlan
@@ -38,12 +41,6 @@ class OffloadStats:
     last_pass_seconds: float = 0.0
 
 
-def _import_causal_lm(model_type: str):
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-
-    return {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}.get(model_type)
-
-
 def _load_config(path: Path):
     from transformers import AutoConfig
 
@@ -54,9 +51,11 @@ def _load_config(path: Path):
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - any parse failure is a bad config.json
         raise OffloadError(f"{cfg_file}: cannot parse ({exc.__class__.__name__}); fix or re-download it") from None
-    if _import_causal_lm(config.model_type) is None:
-        raise OffloadError(f"{cfg_file}: unsupported model_type {config.model_type!r}; "
-                           "supported: llama, mistral, qwen2")
+    try:
+        causal_lm_class(config)
+    except OffloadError as exc:
+        raise OffloadError(f"{cfg_file}: {exc}") from None
+    config._attn_implementation = Family.of(config).attn_implementation
     return config
 
 
@@ -65,6 +64,7 @@ class OffloadedCausalLM(nn.Module):
                  slots: int):
         super().__init__()
         self.config, self.device, self.dtype = config, device, dtype
+        self.family = Family.of(config)
         self.embed_tokens, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.rotary_emb = w.rotary
         self.layers = hf.model.layers          # meta-device HF decoder layers, re-bound per pass
@@ -89,12 +89,12 @@ class OffloadedCausalLM(nn.Module):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if offload not in ("ram", "disk", "auto"):
-            raise OffloadError(f"offload must be ram, disk or auto, got {offload!r}")
+        if offload not in ("none", "ram", "disk", "auto"):
+            raise OffloadError(f"offload must be none, ram, disk or auto, got {offload!r}")
         config = _load_config(path)
         storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
         with torch.device("meta"):
-            hf = _import_causal_lm(config.model_type)(config)
+            hf = causal_lm_class(config)(config)
         if nf4:
             _swap_nf4_linears(hf.model.layers, compute_dtype)
         w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
@@ -120,18 +120,22 @@ class OffloadedCausalLM(nn.Module):
         kw = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
                   past_key_values=cache, position_ids=position_ids)
         masks = {}
-        for t in set(self._layer_types()):
+        for t in set(self.family.layer_types):
             fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
             masks[t] = fn(**kw)
+        custom = attention_mask is not None and attention_mask.dim() == 4
+        if custom and "sliding_attention" in masks:
+            # HF returns a caller's 4-D mask as-is: add the window by absolute position. Cache rows
+            # [0, past) hold positions 0..past-1 (committed tokens); the new rows hold position_ids.
+            k_len = attention_mask.shape[-1]
+            q_pos = position_ids[0]
+            past = torch.arange(k_len - q_pos.numel(), device=q_pos.device)
+            masks["sliding_attention"] = window_mask(attention_mask, q_pos, torch.cat([past, q_pos]),
+                                                     self.family.sliding_window)
         return masks
 
     def _layer_types(self) -> list[str]:
-        n = self.config.num_hidden_layers
-        types = getattr(self.config, "layer_types", None)
-        if types:
-            return list(types[:n])
-        sliding = self.config.model_type == "mistral" and getattr(self.config, "sliding_window", None)
-        return ["sliding_attention" if sliding else "full_attention"] * n
+        return list(self.family.layer_types)
 
     def _layer_stream(self):
         """All layers in order: resident ones as-is, streamed ones from the prefetcher."""
@@ -175,7 +179,7 @@ class OffloadedCausalLM(nn.Module):
         h = self.norm(h)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h)
+        logits = apply_final_softcap(self.lm_head(h), self.family.final_softcap)
         self._account(t0)
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 

@@ -116,14 +116,34 @@ def check_same_vocab(target_tok, draft_tok) -> None:
         )
 
 
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def needs_offload_path(path: Path) -> bool:
+    """Checkpoints HF's resident model cannot run exactly under specx's 4-D tree masks (sliding
+    windows are ignored for custom masks) or loads differently (pre-quantized 4-bit): the offload
+    path serves them, all layers resident, with `--offload none`."""
+    cfg = read_config(path)
+    sliding = "sliding_attention" in (cfg.get("layer_types") or [])
+    sliding |= bool(cfg.get("sliding_window")) and (cfg.get("model_type") == "mistral"
+                                                    or bool(cfg.get("use_sliding_window")))
+    return sliding or bool(cfg.get("attn_logit_softcapping")) or "quantization_config" in cfg
+
+
 def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     safe = check_weights(path, flag, opts.allow_pickle)
+    # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
+    attn = "eager" if read_config(path).get("attn_logit_softcapping") else "sdpa"
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, use_safetensors=safe, trust_remote_code=opts.trust_remote_code,
-            attn_implementation="sdpa",
+            attn_implementation=attn,
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
@@ -135,7 +155,7 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
 
 
 def load_target(path: Path, opts: LoadOptions, device: torch.device):
-    if opts.offload == "none" and opts.dtype != "nf4":
+    if opts.offload == "none" and opts.dtype != "nf4" and not needs_offload_path(path):
         return load_hf(path, "--target", opts, device, resolve_dtype(opts.dtype, device))
     from offload import OffloadedCausalLM, OffloadError
 
@@ -143,7 +163,7 @@ def load_target(path: Path, opts: LoadOptions, device: torch.device):
     dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
     try:
         return OffloadedCausalLM.from_pretrained(
-            path, device=device, dtype=dtype, offload="ram" if opts.offload == "none" else opts.offload,
+            path, device=device, dtype=dtype, offload=opts.offload,
             max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
         )
     except OffloadError as exc:

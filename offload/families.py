@@ -1,0 +1,83 @@
+"""Model families: what differs between the decoder-only LMs the offload path runs.
+
+Contract: `causal_lm_class(config)` returns the HF *ForCausalLM class for a supported
+`model_type` or raises OffloadError naming the type and `SUPPORTED`. `Family.of(config)` gives
+the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder layers:
+- attention implementation (Gemma-2 soft-caps attention scores, which only "eager" computes),
+- `final_softcap`: logits <- cap * tanh(logits / cap) (Gemma-2),
+- sliding-window layers (`layer_types`, or Mistral/Qwen's global `sliding_window`).
+`window_mask(mask, q_pos, k_pos, window)` puts a sliding window on top of an additive 4-D mask by
+ABSOLUTE positions: HF returns caller-built 4-D (tree) masks unchanged, so without this a
+sliding layer would attend past its window whenever a tree mask is passed.
+Embedding scaling (Gemma-2's sqrt(hidden) factor) lives in HF's embedding module itself; the
+loader re-creates its non-persistent `embed_scale` buffer (`restore_buffers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import OffloadError
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+
+
+def causal_lm_class(config):
+    import transformers
+
+    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+    name = names.get(config.model_type)
+    if name is None:
+        raise OffloadError(f"unsupported model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
+    return getattr(transformers, name)
+
+
+@dataclass(frozen=True)
+class Family:
+    attn_implementation: str        # "sdpa", or "eager" where attention logits are soft-capped
+    final_softcap: float | None     # Gemma-2 final_logit_softcapping (None = off)
+    layer_types: tuple[str, ...]    # per decoder layer: "full_attention" | "sliding_attention"
+    sliding_window: int | None      # keys with q_pos - k_pos >= window are masked on sliding layers
+
+    @classmethod
+    def of(cls, config) -> "Family":
+        n = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        if types:
+            types = tuple(types[:n])
+        else:
+            # Mistral (and Qwen with use_sliding_window) apply one window to every layer.
+            on = bool(window) and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False))
+            types = ("sliding_attention" if on else "full_attention",) * n
+        if "sliding_attention" not in types:
+            window = None
+        soft_attn = getattr(config, "attn_logit_softcapping", None)
+        return cls(attn_implementation="eager" if soft_attn else "sdpa",
+                   final_softcap=getattr(config, "final_logit_softcapping", None),
+                   layer_types=types, sliding_window=window)
+
+
+def window_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Additive (B, 1, Q, K) mask with keys at distance >= window from the query also masked.
+
+    q_pos: (Q,) absolute positions of the queries; k_pos: (K,) of the keys (cache row order).
+    """
+    far = (q_pos[:, None] - k_pos[None, :]) >= window          # (Q, K)
+    return mask.masked_fill(far[None, None], torch.finfo(mask.dtype).min)
+
+
+def apply_final_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def restore_buffers(module: torch.nn.Module) -> None:
+    """Re-create non-persistent buffers lost by `to_empty` (Gemma-2's scaled embedding)."""
+    for mod in module.modules():
+        if hasattr(mod, "scalar_embed_scale") and hasattr(mod, "embed_scale"):
+            mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=mod.weight.device)
