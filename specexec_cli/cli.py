@@ -51,8 +51,11 @@ Dtype = Annotated[str, typer.Option(help="auto | bf16 | fp16 | fp32 | nf4 (nf4: 
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda (auto = cuda when available).")]
 AllowPickle = Annotated[bool, typer.Option(help="Allow pickle (.bin) checkpoints, which can run code.")]
 TrustRemote = Annotated[bool, typer.Option(help="Allow custom modelling code from the model dir.")]
-Offload = Annotated[str, typer.Option(help="Target weights: none (all on device) | ram | disk | auto.")]
-MaxGpu = Annotated[Optional[str], typer.Option(help="Device memory for resident target layers, e.g. 20GB.")]
+Offload = Annotated[str, typer.Option(help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.")]
+MaxGpu = Annotated[Optional[str], typer.Option(help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB. Default: the device's free memory.")]
+Ctx = Annotated[int, typer.Option(help="Context tokens the KV caches are preallocated for (capped by the models' max positions).")]
+Embeddings = Annotated[str, typer.Option(help="Target input embeddings: auto | device | host (host: only looked-up rows move).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.")]
 MaxRam = Annotated[Optional[str], typer.Option(help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.")]
 NoLive = Annotated[bool, typer.Option("--no-live", help="No live panel; one summary line on stderr.")]
 StatsJson = Annotated[Optional[Path], typer.Option(help="Write run statistics as JSON to this file.")]
@@ -174,6 +177,56 @@ def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     return models
 
 
+def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
+                 max_ram, ctx, embeddings, cfg, budget):
+    """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit."""
+    from dataclasses import replace
+
+    from specexec_cli.loading import LoadOptions
+    from specexec_cli.planning import make_plan
+
+    if offload not in ("none", "ram", "disk", "auto"):
+        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
+    if ctx < 1:
+        raise SpecxError(f"--ctx must be >= 1 (got {ctx})")
+    target, draft = pick_models(target, draft, method)
+    opts = LoadOptions(
+        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings,
+        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+    )  # fmt: skip
+    plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto")
+    if plan is not None and plan.budget != cfg.shape.budget and plan.fits:
+        cfg = replace(cfg, shape=replace(cfg.shape, budget=plan.budget))
+    return replace(opts, plan=plan), plan, cfg
+
+
+def show_plan(plan, stats_json: Path | None) -> None:
+    """--dry-run: the plan table on stdout, {"plan": ...} in --stats-json; exit 2 when it cannot fit."""
+    if plan is None:
+        raise SpecxError("--dry-run reads safetensors headers; pickle checkpoints cannot be planned")
+    display.print_plan(plan.to_json())
+    if stats_json is not None:
+        stats_json.write_text(json.dumps({"plan": plan.to_json()}, indent=1) + "\n")
+    if not plan.fits:
+        raise SpecxError(plan.reason)
+
+
+def load_planned(opts, plan, progress):
+    """Refuse a plan that cannot fit (before any weight is read), then load and print the placement."""
+    from dataclasses import replace
+
+    from specexec_cli.loading import load_models
+
+    if plan is not None and not plan.fits:
+        raise SpecxError(plan.reason)
+    models = load_models(replace(opts, progress=progress))
+    placed = getattr(models.target, "plan", None)
+    if placed is not None:
+        display.print_notice(placed.describe())
+    return models
+
+
 def streamed_bytes(model) -> int:
     stats = getattr(model, "stats", None)
     return int(getattr(stats, "streamed_bytes", 0) or 0)
@@ -221,10 +274,11 @@ def run(
     target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
     max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
-    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     no_chat_template: NoTemplate = False, no_live: NoLive = False, stats_json: StatsJson = None,
-    profile: ProfileOpt = None, gamma: Gamma = 5, branching: Branching = None,
+    profile: ProfileOpt = None, gamma: Gamma = 5, branching: Branching = None, ctx: Ctx = 8192,
+    embeddings: Embeddings = "auto", dry_run: DryRun = False,
 ) -> None:
     """Generate a continuation of PROMPT_FILE; text goes to stdout, statistics to stderr."""
     from specexec_cli.methods.common import flag_options, with_settings
@@ -233,10 +287,13 @@ def run(
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
         cfg = with_settings(cfg, **flag_options(gamma, branching, profile))
+        opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
+                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget)
+        if dry_run:
+            return show_plan(plan, stats_json)
         text = read_prompt(prompt_file)
         with display.LoadProgress(live_enabled(no_live)) as progress:
-            models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
-                                  max_gpu_memory, max_ram, progress)
+            models = load_planned(opts, plan, progress)
         ids = encode_prompt(models.tokenizer, text, not no_chat_template)
         tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
         decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link)
@@ -275,10 +332,11 @@ def chat(
     target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
     max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
-    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     system: System = None, no_chat_template: NoTemplate = False, no_live: NoLive = False,
-    stats_json: TurnStats = None, profile: ProfileOpt = None,
+    stats_json: TurnStats = None, profile: ProfileOpt = None, ctx: Ctx = 8192, embeddings: Embeddings = "auto",
+    dry_run: DryRun = False,
 ) -> None:
     """Chat with the model; caches are reused across turns. Piped stdin: one turn per line. /help lists commands."""
     from specexec_cli.chat import ChatSession, run_chat
@@ -286,11 +344,14 @@ def chat(
     with user_errors():
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
+        opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
+                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget)
+        if dry_run:
+            return show_plan(plan, stats_json)
         interactive = sys.stdin.isatty()
         live = interactive and live_enabled(no_live)
         with display.LoadProgress(live) as progress:
-            models = load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
-                                  max_gpu_memory, max_ram, progress)
+            models = load_planned(opts, plan, progress)
         tuner, link, prof = hardware_fit(budget, cfg, profile, models, offload)
         session = ChatSession(models, cfg, system=system, use_template=not no_chat_template, tuner=tuner,
                               profile=prof, config_record=config_record)  # fmt: skip
@@ -349,9 +410,10 @@ def bench(
     temperatures: Annotated[str, typer.Option(help="Comma-separated temperatures.")] = "0,0.7",
     max_new_tokens: MaxNew = 128, num_prompts: Annotated[int, typer.Option(help="Use the first N prompts (0 = all).")] = 0,
     max_depth: MaxDepth = 64, gamma: Gamma = 5, branching: Branching = None, seed: Seed = 0,
-    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     no_chat_template: NoTemplate = False, no_live: NoLive = False, profile: ProfileOpt = None,
+    ctx: Ctx = 8192, embeddings: Embeddings = "auto",
 ) -> None:
     """Compare decoding methods over budgets and temperatures on a prompt set; writes JSON, a table and plots."""
     from specexec_cli import bench as bench_mod
@@ -362,9 +424,15 @@ def bench(
                                    flag_options(gamma, branching, profile))
         texts = bench_mod.load_prompts(prompts, num_prompts)
         live = live_enabled(no_live)
+        from specexec_cli.draft import TreeShape
+        from specexec_cli.engine import GenerationConfig
+
+        widest = GenerationConfig(shape=TreeShape(max(grid.budgets), max_depth))  # the plan covers the largest cell
+        opts, plan, _ = plan_for_cli(target, draft, "ar" if set(grid.methods) == {"ar"} else "specexec", dtype,
+                                     device, allow_pickle, trust_remote_code, offload, max_gpu_memory, max_ram, ctx,
+                                     embeddings, widest, str(max(grid.budgets)))
         with display.LoadProgress(live) as progress:
-            models = load_for_cli(target, draft, "ar" if set(grid.methods) == {"ar"} else "specexec", dtype, device,
-                                  allow_pickle, trust_remote_code, offload, max_gpu_memory, max_ram, progress)
+            models = load_planned(opts, plan, progress)
         ids = [encode_prompt(models.tokenizer, t, not no_chat_template) for t in texts]
         with display.BenchProgress(live) as progress:
             records = bench_mod.run_bench(models, ids, grid, progress)

@@ -227,3 +227,29 @@ def print_bench_table(records: list[dict]) -> None:
                       f"{r['mean_tree_size']:g}", lossless)  # fmt: skip
     stderr_console().print(table)
     stderr_console().print("[dim]* budget-independent method (ar; chain uses --gamma): one run, repeated per budget[/dim]")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def print_plan(plan: dict, title: str = "specx memory plan") -> None:
+    """The --dry-run plan (MemoryPlan.to_json()) on stdout: component, where it lives, bytes."""
+    dev = "cuda" if plan.get("device") == "cuda" else "cpu"
+    table = Table(title=title, header_style="bold cyan")
+    for col, justify in (("component", "left"), ("where", "left"), ("bytes", "right"), ("GB", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for name, n in plan["device_bytes"].items():
+        table.add_row(name, dev, f"{n:,}", _gb(n))
+    table.add_row("[bold]device total[/bold]", dev, f"{plan['device_total']:,}",
+                  f"{_gb(plan['device_total'])} of {_gb(plan['device_capacity'])}", end_section=True)
+    for name, n in plan["host_bytes"].items():
+        table.add_row(name, "ram", f"{n:,}", _gb(n))
+    table.add_row("[bold]host total[/bold]", "ram", f"{plan['host_total']:,}",
+                  f"{_gb(plan['host_total'])} of {_gb(plan['host_capacity'])}", end_section=True)
+    table.add_row("layers read per pass", "disk", f"{plan['disk_bytes_per_pass']:,}", _gb(plan["disk_bytes_per_pass"]))
+    streamed = plan["streamed_layers"]
+    table.caption = (f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
+                     f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
+                     + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]"))
+    Console(highlight=False).print(table)

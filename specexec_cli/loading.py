@@ -30,10 +30,13 @@ class LoadOptions:
     device: str = "auto"  # auto | cpu | cuda
     allow_pickle: bool = False
     trust_remote_code: bool = False
-    offload: str = "none"  # none | ram | disk | auto
-    max_gpu_memory: int | None = None  # bytes for resident target layers on the device
+    offload: str = "none"  # none | ram | disk | auto (the CLI default is auto)
+    max_gpu_memory: int | None = None  # cap on all device bytes (the memory plan's capacity)
     max_ram: int | None = None  # bytes for host-resident target layers
     progress: object = None  # optional callable(done, total, what) for load progress
+    ctx: int = 8192  # context the KV caches are sized for (capped by max positions)
+    embeddings: str = "auto"  # target input embeddings: auto | device | host
+    plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
 
 
 def resolve_device(name: str) -> torch.device:
@@ -155,7 +158,9 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
 
 
 def load_target(path: Path, opts: LoadOptions, device: torch.device):
-    if opts.offload == "none" and opts.dtype != "nf4" and not needs_offload_path(path):
+    pickled = not check_weights(path, "--target", opts.allow_pickle)   # offloading reads safetensors only
+    if ((opts.offload == "none" or (pickled and opts.offload == "auto")) and opts.dtype != "nf4"
+            and not needs_offload_path(path)):
         return load_hf(path, "--target", opts, device, resolve_dtype(opts.dtype, device))
     from offload import OffloadedCausalLM, OffloadError
 

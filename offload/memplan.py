@@ -1,0 +1,345 @@
+"""Device-memory plan: every byte the process will put on the compute device, before any is read.
+
+Contract: `plan_memory(target, draft, request)` is a pure function of two `Checkpoint`s (config.json
+plus safetensors headers, never weight bytes) and a `PlanRequest` (dtype, ctx, budget, caps, free
+memory). It returns a `MemoryPlan` with one entry per device component:
+- embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (embeddings may
+  live on the host instead: only the looked-up rows then cross the link);
+- resident_layers: packed layer arenas (storage.packed_layout) of the resident prefix;
+- staging_slots: `slots` device buffers of the largest streamed layer (storage.LayerStore rules);
+- quant_states: NF4 absmax/code/nested statistics of EVERY target linear (they stay resident);
+- draft: the draft's parameters + rotary buffers in its dtype (tied head counted once);
+- kv_target / kv_draft: preallocated caches of `kv_rows` rows (context + largest tree);
+- activations: the largest single pass (a prefill chunk or a verify pass), attention scores
+  for the implementation used (sdpa: scores + softmax output in compute dtype; eager: plus an
+  fp32 softmax copy), GQA-expanded K/V, MLP intermediates, a dequantized NF4 weight, the mask,
+  and the pass's logits with fp32 copies for sampling;
+- cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only): CUDA_CONTEXT
+  + STATIC_SLACK of the long-lived bytes + CHURN_SLACK of the activations.
+Components counted by `storage.DevicePool` (all but activations and cuda_context) match the
+loader's allocations byte for byte; tests check that on CPU.
+Capacity: `--max-gpu-memory` when given, else the free memory the device reports; on CPU the
+"device" is host RAM, capped at RAM_FRACTION of available RAM, and host-tier layers share it.
+Layers stay resident while the whole plan fits, then go to RAM (up to --max-ram or what is
+left of RAM_FRACTION), then to disk. `fits` is False (with a one-line `reason` naming the fix)
+when even zero resident layers do not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import OffloadError
+from .sizes import format_bytes
+from .st_index import SafetensorsIndex, TensorEntry
+from .membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
+                       kv_rows, nf4_state_bytes, pass_tokens, rotary_bytes, torch_dtype)
+from .storage import ParamSpec, file_layout, packed_layout
+
+CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
+STATIC_SLACK = 0.02            # caching-allocator rounding of long-lived blocks (weights, caches)
+CHURN_SLACK = 0.10             # fragmentation from per-pass temporaries, as a share of activations
+RAM_FRACTION = 0.8             # share of available RAM specx allows itself without --max-ram
+BUDGET_FLOOR = 16              # --budget auto never shrinks below this to fit
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the plan reads of one model directory."""
+
+    config: dict                          # parsed config.json
+    tensors: dict[str, TensorEntry]       # safetensors headers: name -> dtype, shape, file range
+    root: Path                            # the directory (for messages)
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """config.json + safetensors headers (8 + header bytes per file); never the weight bytes."""
+    root = Path(path)
+    cfg_file = root / "config.json"
+    try:
+        config = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise OffloadError(f"{cfg_file}: not found; point at a Hugging Face model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OffloadError(f"{cfg_file}: not valid JSON; fix or re-download it") from None
+    return Checkpoint(config, SafetensorsIndex(root).entries, root)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The user's options, resolved (no 'auto' dtype/device left)."""
+
+    device: str                      # "cuda" | "cpu": where compute runs
+    dtype: str                       # target weights: bf16 | fp16 | fp32 | nf4
+    draft_dtype: str | None          # draft weights: bf16 | fp16 | fp32; None = no draft
+    ram_free: int                    # available host RAM (psutil)
+    device_free: int | None = None   # free device memory as reported; None = unknown (no GPU here)
+    offload: str = "auto"            # none | ram | disk | auto
+    ctx: int = 8192                  # tokens the KV caches hold (capped by max positions)
+    budget: int = 64                 # draft tree nodes verified per pass
+    budget_auto: bool = False        # the plan may lower `budget` (down to BUDGET_FLOOR) to fit
+    max_beams: int = 32              # draft nodes per tree-growth forward
+    slots: int = 2                   # staging buffers for streamed layers
+    max_gpu_memory: int | None = None  # cap on ALL device bytes
+    max_ram: int | None = None       # cap on host bytes for streamed layers
+    embeddings: str = "auto"         # device | host | auto
+    attn: str = "sdpa"               # attention implementation: sdpa | eager
+
+
+@dataclass
+class MemoryPlan:
+    device_bytes: dict[str, int]     # component -> bytes on the compute device
+    host_bytes: dict[str, int]       # component -> bytes in host RAM (pinned on CUDA)
+    device_capacity: int             # the cap all device bytes must fit
+    host_capacity: int               # RAM the host components may use
+    disk_bytes_per_pass: int         # bytes read from disk per target pass
+    resident: list[int]              # layer ids kept on the device
+    ram_layers: list[int]            # streamed from host RAM
+    disk_layers: list[int]           # streamed from disk
+    layer_bytes: list[int]           # packed bytes per layer
+    embeddings: str                  # "device" | "host"
+    ctx: int                         # context the caches are sized for
+    budget: int                      # tree budget the activations are sized for
+    kv_rows: tuple[int, int]         # (target, draft) rows preallocated per cache
+    pass_tokens: int                 # most tokens one target pass processes (prefill chunk)
+    device: str = "cuda"
+    fits: bool = True
+    reason: str = ""                 # one line when not fits
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device_bytes.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_bytes.values())
+
+    def to_json(self) -> dict:
+        return dict(
+            device_bytes=dict(self.device_bytes), device_total=self.device_total,
+            device_capacity=self.device_capacity, host_bytes=dict(self.host_bytes),
+            host_total=self.host_total, host_capacity=self.host_capacity,
+            disk_bytes_per_pass=self.disk_bytes_per_pass, resident_layers=len(self.resident),
+            streamed_layers={"ram": len(self.ram_layers), "disk": len(self.disk_layers)},
+            fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
+            kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
+        )  # fmt: skip
+
+
+def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorEntry]]:
+    """Parameters of decoder layer i from the headers (rotary inv_freq buffers are not parameters)."""
+    prefix = f"model.layers.{i}."
+    out = {}
+    for name, e in ck.tensors.items():
+        if name.startswith(prefix) and not name.endswith("inv_freq"):
+            rel = name[len(prefix):]
+            q = nf4 and rel.endswith("_proj.weight") and len(e.shape) == 2
+            out[rel] = (ParamSpec(rel, tuple(e.shape), torch.uint8 if q else storage, nf4=q), e)
+    if not out:
+        raise OffloadError(f"{ck.root}: no tensors for model.layers.{i}; the checkpoint does not match config.json")
+    return out
+
+
+@dataclass
+class _Layers:
+    packed: list[int]                # packed arena bytes
+    disk_slot: list[int]             # device slot bytes when streamed from disk
+    raw: list[int]                   # file-layout read buffer bytes
+    convert: list[bool]              # disk bytes need a cast / quantization
+    span_bytes: list[int]            # bytes read from disk per pass
+    quant: int                       # NF4 quant-state bytes of all layers
+
+
+def _layers(ck: Checkpoint, arch: Arch, req: PlanRequest) -> _Layers:
+    # nf4: non-linear params (norms, biases) are stored in the compute dtype
+    storage = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
+    if req.dtype != "nf4":
+        storage = torch_dtype(req.dtype)
+    nf4 = req.dtype == "nf4"
+    out = _Layers([], [], [], [], [], 0)
+    for i in range(arch.layers):
+        specs = layer_specs(ck, i, storage, nf4)
+        packed = packed_layout([s for s, _ in specs.values()]).nbytes
+        raw, spans = file_layout({n: e for n, (_, e) in specs.items()})
+        convert = any(s.nf4 or e.dtype != s.dtype for s, e in specs.values())
+        out.packed.append(packed)
+        out.disk_slot.append(packed if convert else raw.nbytes)
+        out.raw.append(raw.nbytes)
+        out.convert.append(convert)
+        out.span_bytes.append(sum(s.length for s in spans))
+        out.quant += sum(nf4_state_bytes(math.prod(s.shape)) for s, _ in specs.values() if s.nf4)
+    return out
+
+
+def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(device, host) bytes of embeddings, final norm, lm_head and rotary buffers."""
+    c = compute_bytes(req)
+    table = a.vocab * a.hidden * c
+    shared = a.tied and "lm_head.weight" not in ck.tensors and emb == "device"
+    dev = {"embeddings": table if emb == "device" else 0, "final_norm": a.hidden * c,
+           "lm_head": 0 if shared else table, "rotary": rotary_bytes(a)}
+    return dev, ({"embeddings": table} if emb == "host" else {})
+
+
+@dataclass
+class _Placement:
+    resident: list[int]
+    ram: list[int]
+    disk: list[int]
+    device: dict[str, int]
+    host: dict[str, int]
+
+
+def _place(lay: _Layers, r: int, req: PlanRequest, ram_budget: int) -> _Placement:
+    """Layers [0, r) resident; the rest in RAM while `ram_budget` lasts, then disk; buffer sizes
+    follow storage.LayerStore (CUDA stages every streamed layer; CPU stages only disk layers)."""
+    n, cuda = len(lay.packed), req.device == "cuda"
+    ram, used = [], 0
+    for i in range(r, n):
+        if used + lay.packed[i] > ram_budget:
+            break
+        ram.append(i)
+        used += lay.packed[i]
+    disk = list(range(r + len(ram), n))
+    slot = max([lay.disk_slot[i] for i in disk] + ([lay.packed[i] for i in ram] if cuda else []), default=0)
+    raw = max((lay.raw[i] for i in disk if cuda or lay.convert[i]), default=0)
+    pack = max((lay.packed[i] for i in disk if lay.convert[i]), default=0) if cuda else 0
+    device = {"resident_layers": sum(lay.packed[:r]), "staging_slots": req.slots * slot}
+    host = {"ram_layers": used, "read_buffers": req.slots * raw, "pack_buffers": req.slots * pack}
+    return _Placement(list(range(r)), ram, disk, device, host)
+
+
+def _margin(dev: dict[str, int], cuda: bool) -> int:
+    """CUDA context + workspaces + allocator slack (long-lived blocks barely fragment; temporaries do)."""
+    if not cuda:
+        return 0
+    static = sum(v for k, v in dev.items() if k != "activations")
+    return CUDA_CONTEXT + int(STATIC_SLACK * static + CHURN_SLACK * dev.get("activations", 0))
+
+
+def capacity(req: PlanRequest) -> int:
+    """--max-gpu-memory, else what the device reports free (CPU: RAM_FRACTION of available RAM)."""
+    if req.max_gpu_memory is not None:
+        return req.max_gpu_memory
+    if req.device == "cpu":
+        return int(RAM_FRACTION * req.ram_free)
+    if req.device_free is None:
+        raise OffloadError("no CUDA device here to ask for free memory; pass --max-gpu-memory "
+                           "(e.g. 24GB) to plan for a card of that size")
+    return req.device_free
+
+
+def _resident_choices(req: PlanRequest, n: int) -> range | list[int]:
+    if req.offload == "none":
+        return [n]
+    if req.offload in ("ram", "disk") and req.max_gpu_memory is None:
+        return [0]   # explicit streaming without a device cap: every layer streams (as before)
+    return range(n, -1, -1)
+
+
+def _ram_budget(req: PlanRequest, device_pre: int, host_fixed: int) -> int:
+    """Host bytes the RAM tier may use: --max-ram, else what RAM_FRACTION leaves after the other
+    host buffers (and, on CPU, after the "device" components, which live in the same RAM)."""
+    if req.max_ram is not None:
+        return req.max_ram
+    if req.offload == "ram":
+        return 1 << 62
+    if req.offload == "disk":
+        return 0
+    shared = device_pre if req.device == "cpu" else 0
+    return max(0, int(RAM_FRACTION * req.ram_free) - shared - host_fixed)
+
+
+def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest,
+              budget: int, emb: str) -> MemoryPlan:
+    ta = arch_of(target.config)
+    da = arch_of(draft.config) if draft is not None else None
+    cuda, c = req.device == "cuda", compute_bytes(req)
+    rows = kv_rows(req.ctx, budget, req.max_beams)
+    fixed, ghost = _globals(target, ta, req, emb)
+    fixed.update(quant_states=lay.quant, draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
+                 kv_target=kv_bytes(ta, rows[0], c),
+                 kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
+                 activations=activation_bytes(ta, da, req, rows, budget))
+    cap = capacity(req)
+    best = None
+    for r in _resident_choices(req, len(lay.packed)):
+        pre = sum(fixed.values()) + sum(lay.packed[:r])
+        buffers = req.slots * max(lay.raw)   # disk read buffers, if anything ends up on disk
+        pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers))
+        dev = {**fixed, **pl.device}
+        dev["cuda_context"] = _margin(dev, cuda)
+        host = {**ghost, **pl.host}
+        best = (pl, dev, host)
+        if sum(dev.values()) <= cap:
+            break
+    pl, dev, host = best
+    host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
+    plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
+                      pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
+                      min(pass_tokens(budget), req.ctx), req.device)
+    plan.fits, plan.reason = _verdict(plan, req)
+    return plan
+
+
+def _verdict(plan: MemoryPlan, req: PlanRequest) -> tuple[bool, str]:
+    where = "GPU memory" if req.device == "cuda" else "RAM for the model"
+    if plan.device_total > plan.device_capacity:
+        fixes = ["a smaller --ctx or --budget"]
+        if req.dtype != "nf4":
+            fixes.append("--dtype nf4")
+        if req.draft_dtype is not None:
+            fixes.append("a smaller draft")
+        if plan.embeddings == "device" and req.device == "cuda":
+            fixes.append("--embeddings host")
+        if req.offload == "none":
+            fixes.append("--offload auto")
+        fix = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
+        return False, (f"the memory plan needs {format_bytes(plan.device_total)} of {where} but has "
+                       f"{format_bytes(plan.device_capacity)}; fix: {fix}")
+    if plan.host_total > plan.host_capacity:
+        return False, (f"the memory plan needs {format_bytes(plan.host_total)} of host RAM but "
+                       f"{format_bytes(plan.host_capacity)} is available; fix: a smaller --max-ram "
+                       "(the rest streams from disk) or --offload disk")
+    return True, ""
+
+
+def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) -> MemoryPlan:
+    """The plan for these checkpoints and options; see the module docstring."""
+    if req.offload not in ("none", "ram", "disk", "auto"):
+        raise OffloadError(f"offload must be none, ram, disk or auto, got {req.offload!r}")
+    if req.embeddings not in ("auto", "device", "host"):
+        raise OffloadError(f"--embeddings must be auto, device or host, got {req.embeddings!r}")
+    if req.ctx < 1 or req.budget < 0 or req.slots < 1:
+        raise OffloadError("--ctx and --slots must be >= 1 and --budget >= 0")
+    limits = [arch_of(target.config).max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
+    from dataclasses import replace
+
+    req = replace(req, ctx=min([req.ctx] + limits))
+    lay = _layers(target, arch_of(target.config), req)
+    budgets = [req.budget]
+    while req.budget_auto and budgets[-1] // 2 >= BUDGET_FLOOR:
+        budgets.append(budgets[-1] // 2)
+    if req.device == "cpu" or req.embeddings != "auto":
+        embs = ["device" if req.embeddings == "auto" else req.embeddings]
+    else:
+        embs = ["device", "host"]
+    last = None
+    for budget in budgets:
+        fitting = None
+        for emb in embs:
+            plan = _plan_one(target, draft, lay, req, budget, emb)
+            streams = bool(plan.ram_layers or plan.disk_layers)
+            if plan.fits and (emb == "host" or not streams or len(embs) == 1):
+                return plan   # host embeddings only when something streams: they free room for layers
+            fitting = plan if plan.fits else fitting
+            last = plan
+        if fitting is not None:
+            return fitting
+    return last

@@ -1,0 +1,71 @@
+"""The CLI side of the device-memory plan: options -> offload.memplan request -> plan, before loading.
+
+Contract: `make_plan(opts, shape, budget_auto)` resolves the target/draft directories, reads only
+their config.json and safetensors headers, asks the device (if any) for its free memory and
+psutil for available RAM, and returns an `offload.memplan.MemoryPlan`. It never reads weights,
+so `--dry-run` needs no GPU: `--device cuda --max-gpu-memory 24GB` plans for a 24 GB card on any
+machine. `require_fit(plan)` raises SpecxError with the plan's one-line reason when it does not fit.
+Pickle checkpoints (only with --allow-pickle) have no headers to plan from: `make_plan` returns None.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from specexec_cli.errors import SpecxError
+
+DEFAULT_CTX = 8192
+
+
+def plan_device(name: str) -> str:
+    """'auto' -> cuda when present; 'cuda' is allowed without a GPU (a plan for a card elsewhere)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise SpecxError(f"--device must be auto, cpu or cuda (got {name!r})")
+    return name
+
+
+def plan_dtypes(dtype: str, device: str, has_draft: bool) -> tuple[str, str | None]:
+    """(target, draft) dtype names: auto = bf16 on CUDA, fp32 on CPU; an nf4 target keeps an auto draft."""
+    auto = "bf16" if device == "cuda" else "fp32"
+    if dtype not in ("auto", "bf16", "fp16", "fp32", "nf4"):
+        raise SpecxError(f"--dtype must be one of auto, bf16, fp16, fp32, nf4 (got {dtype!r})")
+    target = auto if dtype == "auto" else dtype
+    draft = (auto if dtype in ("auto", "nf4") else dtype) if has_draft else None
+    return target, draft
+
+
+def make_plan(opts, shape, budget_auto: bool):
+    """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring)."""
+    from offload import OffloadError
+    from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+
+    from specexec_cli.loading import check_weights, resolve_path
+
+    device = plan_device(opts.device)
+    tpath = resolve_path(opts.target, "--target")
+    dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None else None
+    safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
+    if not all(safe):
+        return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
+    tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None)
+    free = None
+    if device == "cuda" and torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    req = PlanRequest(
+        device=device, dtype=tdtype, draft_dtype=ddtype, ram_free=psutil.virtual_memory().available,
+        device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
+        max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
+        embeddings=opts.embeddings,
+    )  # fmt: skip
+    try:
+        return plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)
+    except OffloadError as exc:
+        raise SpecxError(str(exc)) from None
+
+
+def require_fit(plan) -> None:
+    if not plan.fits:
+        raise SpecxError(plan.reason)

@@ -1,0 +1,205 @@
+"""Memory plans at real sizes: sparse 70B-class checkpoints, every component recomputed here.
+
+The expected bytes below are derived from the public config values with plain arithmetic (not by
+calling offload.memplan), so a wrong formula, a missing component or a plan over its cap fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+from tests.sparse_ckpt import write_sparse
+
+GB = 10**9
+MIB = 1024**2
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sparse")
+    out = {name: read_checkpoint(write_sparse(name, root / name))
+           for name in ("llama-3.1-70b", "llama-3.2-1b", "qwen2.5-72b", "qwen2.5-0.5b")}
+    du = sum(os.stat(p).st_blocks * 512 for p in root.rglob("*.safetensors"))
+    assert du < 50 * MIB, "sparse checkpoints must not allocate their data"
+    return out
+
+
+def cfg(ck) -> dict:
+    return ck.config
+
+
+def a256(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def linears(c: dict) -> list[int]:
+    """numel of q, k, v, o, gate, up, down of one layer."""
+    h, i, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    kv, hd = c["num_key_value_heads"], c.get("head_dim") or h // heads
+    return [heads * hd * h, kv * hd * h, kv * hd * h, h * heads * hd, i * h, i * h, h * i]
+
+
+def small_params(c: dict) -> list[int]:
+    """numel of the non-linear layer tensors: two norms (+ q/k/v biases for Qwen2)."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv, hd = c["num_key_value_heads"], c.get("head_dim") or h // heads
+    return [h, h] + ([heads * hd, kv * hd, kv * hd] if c["model_type"] == "qwen2" else [])
+
+
+def layer_bytes(c: dict, nf4: bool, elem: int) -> int:
+    lin = sum(a256(n // 2) if nf4 else a256(n * elem) for n in linears(c))
+    return lin + sum(a256(n * elem) for n in small_params(c))
+
+
+def qstate(n: int) -> int:
+    blocks = -(-n // 64)
+    return blocks + 4 * -(-blocks // 256) + 1024 + 64 + 4
+
+
+def model_params(c: dict) -> int:
+    h, v = c["hidden_size"], c["vocab_size"]
+    per_layer = sum(linears(c)) + sum(small_params(c))
+    heads = 1 if c.get("tie_word_embeddings") else 2
+    return heads * v * h + h + c["num_hidden_layers"] * per_layer
+
+
+def kv(c: dict, rows: int, elem: int) -> int:
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * hd * rows * elem
+
+
+def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int) -> int:
+    h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or h // heads
+    return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + 2 * heads * s * hd * e
+            + heads * t * s * 2 * e + 4 * t * c["intermediate_size"] * e + 2 * t * s * e + deq * e
+            + logit_rows * c["vocab_size"] * (e + 8))
+
+
+def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) -> dict:
+    """Every device component from the configs alone (CUDA, sdpa)."""
+    h, v, ctx, b = t["hidden_size"], t["vocab_size"], plan.ctx, plan.budget
+    table = v * h * elem
+    rows_t, rows_d = ctx + b + 1, ctx + 2 * b + 32 + 1
+    deq = t["intermediate_size"] * h if nf4 else 0
+    chunk = min(max(b + 1, 256), ctx)
+    act = max(one_pass(t, b + 1, rows_t, elem, b + 1, deq), one_pass(t, chunk, ctx, elem, 1, deq),
+              one_pass(d, 32, rows_d, delem, 32, 0), one_pass(d, chunk, ctx, delem, 1, 0))
+    lb = layer_bytes(t, nf4, elem)
+    streamed = t["num_hidden_layers"] - len(plan.resident)
+    hd, dhd = t.get("head_dim") or h // t["num_attention_heads"], d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    exp = {
+        "embeddings": table if plan.embeddings == "device" else 0,
+        "final_norm": h * elem,
+        "lm_head": table,
+        "rotary": hd // 2 * 8,
+        "quant_states": t["num_hidden_layers"] * sum(qstate(n) for n in linears(t)) if nf4 else 0,
+        "draft": model_params(d) * delem + dhd // 2 * 8,
+        "kv_target": kv(t, rows_t, elem),
+        "kv_draft": kv(d, rows_d, delem),
+        "activations": act,
+        "resident_layers": len(plan.resident) * lb,
+    }
+    slot = lb if (nf4 or not plan.disk_layers) else plan.device_bytes["staging_slots"] // 2
+    exp["staging_slots"] = 2 * slot if streamed else 0
+    static = sum(exp.values()) - act
+    exp["cuda_context"] = 600 * MIB + int(0.02 * static + 0.10 * act)
+    return exp
+
+
+def request(**kw) -> PlanRequest:
+    base = dict(device="cuda", dtype="nf4", draft_dtype="bf16", ram_free=128 * GB, budget=1024, budget_auto=True)
+    base.update(kw)
+    return PlanRequest(**base)
+
+
+@pytest.mark.parametrize("cap_gb", [24, 16, 12])
+def test_nf4_70b_with_1b_draft_fits_each_card(ckpts, cap_gb):
+    t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
+    plan = plan_memory(t, d, request(max_gpu_memory=cap_gb * GB))
+    assert plan.fits, plan.reason
+    assert plan.device_total <= cap_gb * GB == plan.device_capacity
+    assert plan.device_bytes == expected_device(cfg(t), cfg(d), plan, True, 2, 2)
+    assert plan.device_total == sum(plan.device_bytes.values())
+    lb = layer_bytes(cfg(t), True, 2)
+    assert plan.host_bytes["ram_layers"] == len(plan.ram_layers) * lb
+    assert len(plan.resident) + len(plan.ram_layers) + len(plan.disk_layers) == 80
+    # resident layers are maximal: one more would break the cap (slack grows by 2% of it too)
+    if plan.ram_layers or plan.disk_layers:
+        assert plan.device_total + lb * 1.02 > cap_gb * GB or len(plan.ram_layers) + len(plan.disk_layers) == 1
+    # the largest budget that fits, among 1024, 512, ...: the next one up must not fit
+    if plan.budget < 1024:
+        bigger = plan_memory(t, d, request(max_gpu_memory=cap_gb * GB, budget=plan.budget * 2, budget_auto=False))
+        assert not bigger.fits
+
+
+def test_plans_shrink_with_the_card(ckpts):
+    t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
+    plans = [plan_memory(t, d, request(max_gpu_memory=g * GB)) for g in (24, 16, 12)]
+    assert [p.budget for p in plans] == sorted((p.budget for p in plans), reverse=True)
+    assert len(plans[0].resident) > 0 and plans[0].embeddings == "host"   # 128k vocab: embeddings stay home
+
+
+def test_bf16_70b_on_24gb_with_64gb_ram_spills_to_disk(ckpts):
+    t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
+    plan = plan_memory(t, d, request(dtype="bf16", ram_free=64 * GB, max_gpu_memory=24 * GB))
+    assert plan.fits, plan.reason
+    assert plan.device_total <= 24 * GB
+    assert plan.disk_layers and plan.ram_layers
+    exp = expected_device(cfg(t), cfg(d), plan, False, 2, 2)
+    assert plan.device_bytes == exp
+    lb = layer_bytes(cfg(t), False, 2)          # bf16 file layout == compute layout: slots hold raw spans
+    slot = plan.device_bytes["staging_slots"] // 2
+    assert lb <= slot <= lb + 2 * 4096
+    assert plan.host_bytes["ram_layers"] == len(plan.ram_layers) * lb
+    assert plan.host_total <= int(0.8 * 64 * GB) + plan.host_bytes["read_buffers"]
+    raw = sum(n * 2 for n in linears(cfg(t)) + small_params(cfg(t)))
+    assert len(plan.disk_layers) * raw <= plan.disk_bytes_per_pass <= len(plan.disk_layers) * (raw + 8192)
+
+
+def test_qwen_72b_with_biases(ckpts):
+    t, d = ckpts["qwen2.5-72b"], ckpts["qwen2.5-0.5b"]
+    plan = plan_memory(t, d, request(max_gpu_memory=24 * GB))
+    assert plan.fits, plan.reason
+    assert plan.device_bytes == expected_device(cfg(t), cfg(d), plan, True, 2, 2)
+    assert plan.device_total <= 24 * GB
+
+
+def test_ctx_is_capped_by_max_positions_and_sizes_the_caches(ckpts):
+    t, d = ckpts["qwen2.5-72b"], ckpts["qwen2.5-0.5b"]
+    big = plan_memory(t, d, request(max_gpu_memory=80 * GB, ctx=10**6, budget=64, budget_auto=False))
+    assert big.ctx == 32768 and big.kv_rows == (32768 + 65, 32768 + 128 + 33)
+    small = plan_memory(t, d, request(max_gpu_memory=80 * GB, ctx=2048, budget=64, budget_auto=False))
+    assert small.device_bytes["kv_target"] * (32768 + 65) == big.device_bytes["kv_target"] * (2048 + 65)
+
+
+def test_unfittable_is_refused_in_one_line(ckpts):
+    t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
+    plan = plan_memory(t, d, request(max_gpu_memory=6 * GB))
+    assert not plan.fits and "\n" not in plan.reason
+    assert "needs" in plan.reason and "has 6.0 GB" in plan.reason and "--ctx" in plan.reason
+    whole = plan_memory(t, d, request(dtype="bf16", offload="none", max_gpu_memory=80 * GB))
+    assert not whole.fits and "--offload auto" in whole.reason and "--dtype nf4" in whole.reason
+
+
+def test_cpu_target_bigger_than_ram_streams_without_flags(ckpts):
+    t = ckpts["llama-3.1-70b"]
+    plan = plan_memory(t, None, PlanRequest(device="cpu", dtype="bf16", draft_dtype=None, ram_free=24 * GB, ctx=2048))
+    assert plan.fits, plan.reason
+    assert plan.disk_layers and plan.device_bytes["cuda_context"] == 0
+    assert plan.device_total + plan.host_total <= 24 * GB
+
+
+def test_plan_json_keys(ckpts):
+    plan = plan_memory(ckpts["qwen2.5-72b"], ckpts["qwen2.5-0.5b"], request(max_gpu_memory=24 * GB)).to_json()
+    for key in ("device_bytes", "device_total", "device_capacity", "host_bytes", "host_total",
+                "disk_bytes_per_pass", "resident_layers", "streamed_layers", "fits"):
+        assert key in plan
+    assert set(plan["streamed_layers"]) == {"ram", "disk"}
+    json.dumps(plan)
+    assert math.isclose(plan["device_total"], sum(plan["device_bytes"].values()))
