@@ -1,7 +1,9 @@
 """Load-time placement: read the checkpoint into resident buffers, RAM arenas and disk plans.
 
-Contract: `load_weights(...)` validates every decoder-layer tensor against the meta-built HF
-model (name and shape; a missing tensor or mismatch raises OffloadError naming the file),
+Contract: `load_weights(...)` first checks the checkpoint strictly against the meta-built HF
+model (`st_index.check_tensor_set`: every parameter present with its shape and a float dtype,
+no unexpected tensor; a tied lm_head may be absent), raising OffloadError naming the file and
+the first offending tensor, so no parameter is ever left uninitialised; it then
 computes per-layer packed sizes, picks the placement with `plan_offload`, checks the host and
 device bytes that placement needs against what is free BEFORE allocating anything (OffloadError
 otherwise), then fills: resident layers into `DevicePool` buffers, RAM-tier layers into one
@@ -24,7 +26,7 @@ from .families import restore_buffers
 from .nf4 import Nf4Linear
 from .plan import OffloadPlan, plan_offload
 from .sizes import format_bytes
-from .st_index import SafetensorsIndex
+from .st_index import SafetensorsIndex, check_tensor_set
 from .storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
                       aligned_empty, file_layout, fill_packed, packed_layout, pin_host)
 
@@ -134,12 +136,11 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     index = SafetensorsIndex(path)
     layers = hf.model.layers
     specs = [layer_specs(layer, storage_dtype) for layer in layers]
+    check_tensor_set(index, expected_tensors(hf, specs), f"model_type {config.model_type!r}",
+                     tied=tied_aliases(hf, config))
     layouts = [packed_layout(s) for s in specs]
-    files = []
-    for i, s in enumerate(specs):
-        entries = {sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s}
-        _check_shapes(entries, s)
-        files.append(file_layout(entries))
+    files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s})
+             for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes for lay in layouts]
     dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
@@ -175,12 +176,21 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates)
 
 
-def _check_shapes(entries, specs: list[ParamSpec]) -> None:
-    for sp in specs:
-        e = entries[sp.name]
-        if tuple(e.shape) != tuple(sp.shape):
-            raise OffloadError(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)}, config.json "
-                               f"implies {list(sp.shape)}; the checkpoint does not match its config")
+def expected_tensors(hf: nn.Module, specs: list[list[ParamSpec]]) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold -> its file shape (logical shape for NF4 linears)."""
+    expected = {f"model.layers.{i}.{sp.name}": tuple(sp.shape) for i, s in enumerate(specs) for sp in s}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        if not name.startswith("model.layers."):
+            expected[name] = tuple(p.shape)
+    return expected
+
+
+def tied_aliases(hf: nn.Module, config) -> dict[str, str]:
+    """alias -> source of tied weights (lm_head -> embed_tokens) when config.json ties them."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    keys = getattr(hf, "_tied_weights_keys", None)
+    return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device, qs) -> torch.Tensor:

@@ -3,9 +3,13 @@
 Contract: `SafetensorsIndex(model_dir)` finds `model.safetensors` or the shards listed in
 `model.safetensors.index.json`, parses each header itself (8-byte little-endian length, then
 JSON), and exposes one `TensorEntry` per tensor with its absolute byte range in its file.
-Headers are validated up front: unparsable JSON, a header or data region longer than the
-file (truncation), byte ranges that disagree with dtype x shape, or a weight_map naming a
-missing shard raise `OffloadError` naming the file. `read(name)` returns a CPU tensor in the
+Headers are validated up front, before any tensor byte is allocated: unparsable or non-object
+JSON, a header or data region longer than the file (truncation), an unknown dtype, negative
+or non-integer dims/offsets, byte ranges that disagree with dtype x shape (so a huge declared
+shape is refused by arithmetic, never allocated), overlapping tensors, or a weight_map naming
+a missing shard raise `OffloadError` naming the file and the first offending tensor.
+`check_tensor_set(index, expected, ...)` is the strict-loading check shared by every loader:
+missing, unexpected, wrong-shape or non-float tensors are refused in one line. `read(name)` returns a CPU tensor in the
 file's dtype via buffered reads (used at load time only; streaming uses storage.DirectReader).
 """
 
@@ -25,7 +29,8 @@ from .errors import OffloadError
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32,
+    "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -45,46 +50,73 @@ class TensorEntry:
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Parse one safetensors file's header into entries with absolute offsets."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise OffloadError(f"{path}: truncated safetensors file (no header); re-download it")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > _MAX_HEADER or 8 + hlen > size:
-            raise OffloadError(f"{path}: corrupt or truncated safetensors header; re-download it")
-        raw = fh.read(hlen)
+    """Parse one safetensors file's header into entries with absolute offsets (validated)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise OffloadError(f"{path}: truncated safetensors file (no header); re-download it")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen < 2 or hlen > _MAX_HEADER or 8 + hlen > size:
+                raise OffloadError(f"{path}: corrupt or truncated safetensors header (declares {hlen} bytes, "
+                                   f"file has {size}); re-download it")
+            raw = fh.read(hlen)
+    except OSError as exc:
+        raise OffloadError(f"{path}: cannot read ({exc.strerror}); check the model directory") from None
     try:
         meta = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise OffloadError(f"{path}: corrupt safetensors header (bad JSON); re-download it") from None
     if not isinstance(meta, dict):
-        raise OffloadError(f"{path}: corrupt safetensors header; re-download it")
+        raise OffloadError(f"{path}: corrupt safetensors header (not a JSON object); re-download it")
     data_start = 8 + hlen
     entries = {}
     for name, info in meta.items():
         if name == "__metadata__":
             continue
         entries[name] = _entry(path, name, info, data_start, size)
+    _check_overlaps(path, entries)
     return entries
 
 
+def _ints(values, what: str, path: Path, name: str) -> tuple[int, ...]:
+    if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
+        raise OffloadError(f"{path}: tensor {name!r} has a bad {what} {str(values)[:60]}; re-download it")
+    return tuple(values)
+
+
 def _entry(path: Path, name: str, info, data_start: int, size: int) -> TensorEntry:
-    try:
-        dtype = ST_DTYPES[info["dtype"]]
-        shape = tuple(int(d) for d in info["shape"])
-        lo, hi = (int(x) for x in info["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise OffloadError(f"{path}: corrupt header entry for {name!r}; re-download it") from None
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise OffloadError(f"{path}: corrupt header entry for {name!r}; re-download it")
+    dtype = ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise OffloadError(f"{path}: tensor {name!r} has unknown dtype {str(info['dtype'])[:30]!r}; "
+                           "re-download it or convert it to safetensors again")
+    shape = _ints(info["shape"], "shape", path, name)
+    offsets = _ints(info["data_offsets"], "data_offsets", path, name)
+    if len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise OffloadError(f"{path}: tensor {name!r} has bad data_offsets {list(offsets)}; re-download it")
+    lo, hi = offsets
+    # Python ints: a huge declared shape makes `expected` huge, never an allocation.
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if hi - lo != expected or lo < 0:
-        raise OffloadError(f"{path}: tensor {name!r} byte range does not match its shape; re-download it")
+    if hi - lo != expected:
+        raise OffloadError(f"{path}: tensor {name!r} byte range does not match its shape {list(shape)[:8]}; "
+                           "re-download it")
     if data_start + hi > size:
         raise OffloadError(
             f"{path}: truncated (tensor {name!r} ends at byte {data_start + hi}, file has {size}); re-download it"
         )
     return TensorEntry(name, path, dtype, shape, data_start + lo, data_start + hi)
+
+
+def _check_overlaps(path: Path, entries: dict[str, TensorEntry]) -> None:
+    """Tensors must not share bytes (a crafted header could alias one region under many names)."""
+    prev = None
+    for e in sorted((e for e in entries.values() if e.nbytes), key=lambda e: (e.begin, e.end)):
+        if prev is not None and e.begin < prev.end:
+            raise OffloadError(f"{path}: tensors {prev.name!r} and {e.name!r} overlap in the file; re-download it")
+        prev = e
 
 
 class SafetensorsIndex:
@@ -95,21 +127,27 @@ class SafetensorsIndex:
         self.files = self._discover()
         self.entries: dict[str, TensorEntry] = {}
         for f in self.files:
-            self.entries.update(read_header(f))
+            for name, e in read_header(f).items():
+                if name in self.entries:
+                    raise OffloadError(f"{f}: tensor {name!r} is also in {self.entries[name].file.name}; "
+                                       "the shards disagree, re-download the model")
+                self.entries[name] = e
         # The file to name in "missing tensor" errors: the index json when sharded.
         idx = self.root / "model.safetensors.index.json"
         self.source_name = idx if idx.exists() else self.files[0]
+        if idx.exists():
+            for name, shard in read_weight_map(idx).items():
+                if name not in self.entries or self.entries[name].file.name != Path(shard).name:
+                    raise OffloadError(f"{idx}: tensor {name!r} is listed in {shard} but not stored there; "
+                                       "re-download the model")
 
     def _discover(self) -> list[Path]:
         idx = self.root / "model.safetensors.index.json"
         if idx.exists():
-            try:
-                weight_map = json.loads(idx.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise OffloadError(f"{idx}: corrupt shard index (no weight_map); re-download it") from None
+            weight_map = read_weight_map(idx)
             files = [self.root / f for f in sorted(set(weight_map.values()))]
             for f in files:
-                if not f.exists():
+                if not f.is_file():
                     raise OffloadError(f"{f}: shard listed in {idx.name} is missing; re-download it")
             return files
         single = self.root / "model.safetensors"
@@ -134,6 +172,57 @@ class SafetensorsIndex:
         out = torch.empty(e.nbytes, dtype=torch.uint8)
         read_exact(e.file, e.begin, out)
         return out.view(e.dtype).view(e.shape) if e.shape else out.view(e.dtype).reshape(())
+
+
+def read_weight_map(idx: Path) -> dict[str, str]:
+    """The index's tensor -> shard map; shard names must be plain files inside the model dir."""
+    try:
+        weight_map = json.loads(idx.read_bytes())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError):
+        raise OffloadError(f"{idx}: corrupt shard index (no weight_map); re-download it") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise OffloadError(f"{idx}: corrupt shard index (weight_map is not a tensor -> file map); re-download it")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise OffloadError(f"{idx}: tensor {name!r} maps to a bad shard name {str(shard)[:60]!r}; "
+                               "re-download the model")
+    return weight_map
+
+
+def check_tensor_set(index: SafetensorsIndex, expected: dict[str, tuple[int, ...]], what: str,
+                     tied: dict[str, str] | None = None, float_names: set[str] | None = None,
+                     extra_ok=lambda name: False) -> None:
+    """Strict loading: the checkpoint holds exactly the `expected` tensors, shapes and float dtypes.
+
+    expected: every parameter the architecture needs -> its shape in the file.
+    what: the architecture, for messages (e.g. "model_type 'llama'").
+    tied: alias -> source for tied weights (e.g. lm_head.weight -> embed_tokens): an alias may be
+      absent (the one documented exception) but if stored it must still have the right shape.
+    float_names: tensors that must be stored as a floating dtype (default: all of `expected`).
+    extra_ok(name): True for stored tensors a format legitimately adds (quantization states).
+    Raises OffloadError naming the file and the first offending tensor (sorted order).
+    """
+    tied = tied or {}
+    missing = sorted(n for n in expected if n not in index.entries and n not in tied)
+    unexpected = sorted(n for n in index.entries if n not in expected and not extra_ok(n))
+    if missing:
+        raise OffloadError(
+            f"{index.source_name}: tensor {missing[0]!r} that {what} needs is missing ({len(missing)} missing, "
+            f"{len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download")
+    if unexpected:
+        e = index.entries[unexpected[0]]
+        raise OffloadError(
+            f"{e.file}: unexpected tensor {e.name!r} ({len(unexpected)} not used by {what}); the checkpoint "
+            "does not match config.json - fix it or re-download")
+    floats = set(expected) if float_names is None else float_names
+    for name in sorted(n for n in expected if n in index.entries):
+        e = index.entries[name]
+        if tuple(e.shape) != tuple(expected[name]):
+            raise OffloadError(f"{e.file}: tensor {name!r} has shape {list(e.shape)}, config.json implies "
+                               f"{list(expected[name])}; the checkpoint does not match its config")
+        if name in floats and not e.dtype.is_floating_point:
+            raise OffloadError(f"{e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
+                               "the checkpoint is corrupt or not in this format - re-download it")
 
 
 def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from specexec_cli.engine import Models
 from specexec_cli.errors import SpecxError
+from specexec_cli.strict import check_config, check_files, check_loading_info, load_config, precheck
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -80,13 +81,9 @@ def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
     """Validate the dir; returns True when weights are safetensors."""
     if not (path / "config.json").is_file():
         raise SpecxError(f"{flag} {path}: missing config.json; is this a Hugging Face model directory?")
+    check_config(path, flag)
     if any(path.glob("*.safetensors")):
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-            missing = sorted(s for s in shards if not (path / s).is_file())
-            if missing:
-                raise SpecxError(f"{flag} {path}: shard {missing[0]} is missing; re-download the model")
+        check_files(path, flag)  # headers, offsets and shards validated before anything is allocated
         return True
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
         if allow_pickle:
@@ -121,9 +118,10 @@ def check_same_vocab(target_tok, draft_tok) -> None:
 
 def read_config(path: Path) -> dict:
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        data = json.loads((path / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):  # a broken config.json is reported by check_config
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def needs_offload_path(path: Path) -> bool:
@@ -141,12 +139,15 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     from transformers import AutoModelForCausalLM
 
     safe = check_weights(path, flag, opts.allow_pickle)
+    index = check_files(path, flag) if safe else None
+    config = load_config(path, flag, opts.trust_remote_code)
+    precheck(index, config, flag, path, dtype, opts.trust_remote_code)
     # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
     attn = "eager" if read_config(path).get("attn_logit_softcapping") else "sdpa"
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, use_safetensors=safe, trust_remote_code=opts.trust_remote_code,
-            attn_implementation=attn,
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype, use_safetensors=safe, trust_remote_code=opts.trust_remote_code,
+            attn_implementation=attn, output_loading_info=True,
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
@@ -154,6 +155,7 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
         raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0]})") from None
     except (OSError, RuntimeError, KeyError) as exc:
         raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
+    check_loading_info(info, index, flag, path, config.model_type)
     return model.to(device).eval()
 
 
