@@ -132,7 +132,8 @@ def _load_globals(index: SafetensorsIndex, hf, config, device, dtype):
 
 def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: torch.dtype,
                  compute_dtype: torch.dtype, nf4: bool, offload: str, max_dev, max_host, slots: int,
-                 progress: Callable[[int, int, str], None] | None) -> LoadedWeights:
+                 progress: Callable[[int, int, str], None] | None, host_slots: int | None = None,
+                 staging_bytes: int | None = None) -> LoadedWeights:
     index = SafetensorsIndex(path)
     layers = hf.model.layers
     specs = [layer_specs(layer, storage_dtype) for layer in layers]
@@ -171,7 +172,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     if disk:
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
-    store = LayerStore(device, pool, slots, ram, disk, reader)
+    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots=host_slots, staging_bytes=staging_bytes)
     plan.device_bytes = pool.allocated
     return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates)
 

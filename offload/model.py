@@ -36,8 +36,11 @@ class OffloadStats:
     passes: int = 0
     streamed_bytes: int = 0             # bytes of streamed layers moved (file bytes read for disk), all passes
     streamed_bytes_per_pass: int = 0    # of the last pass
-    io_seconds: float = 0.0             # time the copy thread spent producing layers
-    wait_seconds: float = 0.0           # time compute waited for a layer to be ready
+    io_seconds: float = 0.0             # time the read thread spent producing layers (all passes)
+    wait_seconds: float = 0.0           # = stall_seconds (kept for older readers)
+    stall_seconds: float = 0.0          # time compute blocked waiting for a streamed layer, all passes
+    last_pass_stall_seconds: float = 0.0   # of the last pass
+    link_busy_seconds: float = 0.0      # time the link stage moved bytes, all passes and between them
     last_pass_seconds: float = 0.0
 
 
@@ -78,13 +81,15 @@ class OffloadedCausalLM(nn.Module):
         for i, states in w.qstates.items():
             for name, state in states.items():
                 self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
-        self.prefetcher = Prefetcher(self.plan.streamed, self.store.load, slots, device,
-                                     is_free=self.store.is_free)
+        self.prefetcher = Prefetcher(self.plan.streamed, self.store.read, self.store.copy, self.store.slots,
+                                     self.store.host_slots, device, is_free=self.store.is_free)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, offload="auto",
                         max_device_memory: int | None = None, max_host_memory: int | None = None,
-                        slots: int = 2, progress: Callable[[int, int, str], None] | None = None):
+                        slots: int = 2, progress: Callable[[int, int, str], None] | None = None,
+                        host_slots: int | None = None, staging_bytes: int | None = None):
+        """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB)."""
         path = Path(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -98,7 +103,8 @@ class OffloadedCausalLM(nn.Module):
         if nf4:
             _swap_nf4_linears(hf.model.layers, compute_dtype)
         w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
-                         max_device_memory, max_host_memory, slots, progress)
+                         max_device_memory, max_host_memory, slots, progress,
+                         host_slots=host_slots, staging_bytes=staging_bytes)
         return cls(config, device, compute_dtype, hf, w, slots)
 
     @staticmethod
@@ -170,6 +176,7 @@ class OffloadedCausalLM(nn.Module):
         pos_emb = self.rotary_emb(h, position_ids)
         types = self._layer_types()
         self.stats.streamed_bytes_per_pass = 0
+        stall0 = self.prefetcher.stall_seconds
         for i in self._layer_stream():
             h = self.layers[i](h, attention_mask=masks[types[i]], position_ids=position_ids,
                                past_key_values=past_key_values, use_cache=use_cache,
@@ -180,16 +187,22 @@ class OffloadedCausalLM(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = apply_final_softcap(self.lm_head(h), self.family.final_softcap)
-        self._account(t0)
+        self._account(t0, stall0)
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
-    def _account(self, t0: float) -> None:
-        s = self.stats
+    def _account(self, t0: float, stall0: float) -> None:
+        s, pf = self.stats, self.prefetcher
         s.passes += 1
         s.streamed_bytes += s.streamed_bytes_per_pass
         s.io_seconds = self.store.io_seconds
-        s.wait_seconds = self.prefetcher.wait_seconds
+        s.stall_seconds = s.wait_seconds = pf.stall_seconds
+        s.last_pass_stall_seconds = pf.stall_seconds - stall0
+        s.link_busy_seconds = pf.link_busy_seconds()
         s.last_pass_seconds = time.perf_counter() - t0
+
+    def link_busy_seconds(self, now: float | None = None) -> float:
+        """Cumulative time the weight stream moved bytes up to `now` (perf_counter), passes and gaps."""
+        return self.prefetcher.link_busy_seconds(now)
 
     def close(self) -> None:
         """Stop the copy thread and close file descriptors (idempotent)."""

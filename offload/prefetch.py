@@ -1,25 +1,38 @@
-"""Layer prefetcher: yields streamed layer i on the device while layer i+1.. are being loaded.
+"""Layer prefetcher: a ring of staging slots that keeps the weight stream busy across passes.
 
 Contract (one protocol for every tier and device):
-    pf = Prefetcher(order, load, slots, device)      # load(layer, slot) -> device buffer
-    for layer_id, buf in pf.pass_():                 # streamed layers, in `order`
-        compute(layer_id, buf)                       # buf valid until the generator resumes
+    pf = Prefetcher(order, read, copy, slots, host_slots, device, is_free)
+    for layer_id, buf in pf.pass_():     # streamed layers, in `order`
+        compute(layer_id, buf)           # buf valid until the generator resumes
     pf.close()
-- The k-th streamed layer of a pass goes to slot k % slots. Jobs run FIFO on ONE background
-  thread (the "copy engine"): at most `slots` layers are in flight or ready at once.
-- Resuming the generator releases the slot just used and queues the layer `slots` ahead into
-  it. When a pass ends, the first `slots` layers of the NEXT pass are queued at once, so their
-  transfer overlaps whatever the caller does between passes (the draft's tree growth).
-- CUDA: jobs run under a side stream. The job first waits (stream.wait_event) on the event the
-  compute stream recorded when it released the slot, issues the copy, and records a ready
-  event; the compute stream waits on that event before using the buffer. Buffers are marked
-  with record_stream. No device-wide synchronize anywhere.
-- If a pass is abandoned (exception mid-forward), in-flight jobs are drained and the next pass
-  starts clean.
+- Two stages, each a FIFO job queue on ONE background thread:
+    A "read":  read(layer, h) -> host tensor, into host staging slot h (disk read / cast; for a
+               RAM-tier layer the arena itself, run inline: `is_free(layer)`).
+    B "copy":  copy(layer, host, d) -> device tensor in device slot d (CUDA only). On CPU the host
+               staging slot IS the usable buffer and stage B does not exist.
+- Every streamed layer gets a global sequence number j (pass after pass, the order repeats), and
+  goes to host slot j % host_slots and device slot j % slots. Read A(j) may start once the slot's
+  previous user is done: on CPU once compute released j - host_slots, on CUDA once copy
+  B(j - host_slots) has finished (its event). Copy B(j) may start once compute released
+  j - slots. So disk reads run up to `host_slots` layers ahead, independent of device slots.
+- Submission never stops at a pass boundary: when compute releases the last layers of a pass,
+  the freed slots are filled at once with the NEXT pass's first layers, so the link works while
+  the caller does something else (the draft growing its tree).
+- Pass ids: each job is tagged with the pass that will consume it. At the start of a pass, any
+  job tagged with another pass (a pass abandoned halfway: an exception or Ctrl-C inside a layer)
+  is waited for and discarded, and the ring restarts empty; a stale job is never handed out.
+- CUDA: copies run on a side stream. B(j) first waits (stream.wait_event) on the event compute
+  recorded when it released the device slot, issues the copy, records a ready event; compute
+  waits on that event before using the buffer (record_stream marks the buffer). Host slots are
+  reused after event.synchronize() on the copy thread only. No device-wide synchronize.
+- Measurement: `link_busy_seconds(now)` is the cumulative time the link stage moved bytes (CPU:
+  the read thread inside read jobs; CUDA: copy-stream time between timing events, counted once
+  the events completed); `stall_seconds` the time compute blocked waiting for a layer.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
@@ -27,86 +40,196 @@ from typing import Callable, Iterator
 import torch
 
 
-class Prefetcher:
-    def __init__(self, order: list[int], load: Callable[[int, int], torch.Tensor], slots: int,
-                 device: torch.device, is_free: Callable[[int], bool] | None = None):
-        self.order, self.load, self.slots, self.device = list(order), load, slots, device
-        self.is_free = is_free   # layers whose load is a no-op run inline, same protocol
-        self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self.free_events: list = [None] * slots
-        self.pending: dict[int, Future] = {}
-        self.wait_seconds = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy") if order else None
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
-    def _job(self, layer: int, slot: int, free_event):
-        if not self.cuda:
-            return self.load(layer, slot), None
+
+class Prefetcher:
+    def __init__(self, order: list[int], read: Callable[[int, int], torch.Tensor],
+                 copy: Callable[[int, torch.Tensor, int], torch.Tensor] | None, slots: int,
+                 host_slots: int | None, device: torch.device,
+                 is_free: Callable[[int], bool] | None = None):
+        self.order, self.read, self.copy, self.device = list(order), read, copy, device
+        n = max(1, len(self.order))
+        self.cuda = device.type == "cuda"
+        self.slots = max(1, min(slots, n))                              # device slots (D)
+        self.host_slots = max(self.slots, min(host_slots or slots, n))  # host staging slots (H >= D)
+        self.is_free = is_free
+        self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.free_events: list = [None] * self.slots   # CUDA: compute released device slot d
+        self.jobs_a: dict[int, tuple[int, Future]] = {}   # seq -> (pass id, read future)
+        self.jobs_b: dict[int, tuple[int, Future]] = {}   # seq -> (pass id, copy future), CUDA
+        self.host_owner: dict[int, Future] = {}           # host slot -> copy future of its last layer
+        self.pass_id = 1        # id of the pass that consumes seqs [start, start + len(order))
+        self.start = 0
+        self.started = False    # has pass `pass_id` begun?
+        self.completed = False  # ... and did it release its last layer?
+        self.next_a = self.next_b = 0   # next seq to submit to each stage
+        self.stall_seconds = 0.0
+        self._busy_lock = threading.Lock()
+        self._busy_done = 0.0          # completed link time (CPU: read jobs)
+        self._busy_t0: float | None = None   # start of the read job now running (CPU)
+        self._timed: list = []         # CUDA: (start, end) events of issued copies
+        workers = 1 if order else 0
+        self._pool_a = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-read") if workers else None
+        self._pool_b = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
+                        if workers and self.cuda else None)
+
+    # ------------------------------------------------------------ jobs (background threads)
+
+    def _job_a(self, layer: int, h: int, prev_copy: Future | None) -> torch.Tensor:
+        if prev_copy is not None:    # CUDA: host slot h still feeds the copy of seq j - host_slots
+            _, ready = prev_copy.result()
+            ready.synchronize()      # waits for that one copy only, on this thread
+        with self._busy_lock:
+            self._busy_t0 = time.perf_counter()
+        try:
+            return self.read(layer, h)
+        finally:
+            with self._busy_lock:
+                self._busy_done += time.perf_counter() - self._busy_t0
+                self._busy_t0 = None
+
+    def _job_b(self, layer: int, d: int, fut_a: Future, free_event):
+        host = fut_a.result()
         with torch.cuda.stream(self.copy_stream):
             if free_event is not None:
                 self.copy_stream.wait_event(free_event)
-            buf = self.load(layer, slot)
-            ready = torch.cuda.Event()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
+            buf = self.copy(layer, host, d)
+            ready = torch.cuda.Event(enable_timing=True)
             ready.record(self.copy_stream)
+        with self._busy_lock:
+            self._timed.append((start, ready))
         return buf, ready
 
-    def _submit(self, k: int) -> None:
-        if k in self.pending or k >= len(self.order):
-            return
-        slot, layer = k % self.slots, self.order[k]
-        if self.is_free is not None and self.is_free(layer):
-            # Nothing to move (RAM tier on CPU: the arena is the device buffer): no thread hop.
-            fut: Future = Future()
-            fut.set_result(self._job(layer, slot, None))
-            self.pending[k] = fut
-            return
-        self.pending[k] = self._pool.submit(self._job, layer, slot, self.free_events[slot])
+    # ------------------------------------------------------------ submission (caller's thread)
 
-    def _release(self, k: int, buf: torch.Tensor) -> None:
+    def _tag(self, seq: int) -> int:
+        return self.pass_id + (seq - self.start) // len(self.order)
+
+    def _submit_a(self, seq: int) -> None:
+        layer, h = self.order[(seq - self.start) % len(self.order)], seq % self.host_slots
+        if self.is_free is not None and self.is_free(layer):
+            fut = _done(self.read(layer, h))   # nothing to move: no thread hop
+        else:
+            fut = self._pool_a.submit(self._job_a, layer, h, self.host_owner.get(h) if self.cuda else None)
+        self.jobs_a[seq] = (self._tag(seq), fut)
+        self.next_a = seq + 1
+
+    def _submit_b(self, seq: int) -> None:
+        layer, d = self.order[(seq - self.start) % len(self.order)], seq % self.slots
+        _, fut_a = self.jobs_a.pop(seq)
+        fut = self._pool_b.submit(self._job_b, layer, d, fut_a, self.free_events[d])
+        self.host_owner[seq % self.host_slots] = fut
+        self.jobs_b[seq] = (self._tag(seq), fut)
+        self.next_b = seq + 1
+
+    def _fill(self, released: int) -> None:
+        """Queue every job the ring allows once compute released all seqs < `released`."""
+        if not self.cuda:
+            while self.next_a < released + self.host_slots:
+                self._submit_a(self.next_a)
+            return
+        while True:
+            if self.next_b < min(released + self.slots, self.next_a):
+                self._submit_b(self.next_b)
+            elif self.next_a < self.next_b + self.host_slots:
+                self._submit_a(self.next_a)
+            else:
+                return
+
+    def _take(self, seq: int) -> torch.Tensor:
+        jobs = self.jobs_b if self.cuda else self.jobs_a
+        _, fut = jobs.pop(seq)
+        t0 = time.perf_counter()
+        out = fut.result()
+        self.stall_seconds += time.perf_counter() - t0
+        if not self.cuda:
+            return out
+        buf, ready = out
+        torch.cuda.current_stream(self.device).wait_event(ready)
+        return buf
+
+    def _release(self, seq: int, buf: torch.Tensor) -> None:
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
             buf.record_stream(stream)
             ev = torch.cuda.Event()
             ev.record(stream)
-            self.free_events[k % self.slots] = ev
+            self.free_events[seq % self.slots] = ev
 
     def prefetch_next_pass(self) -> None:
-        """Queue the first `slots` layers of a pass (no-op for those already queued)."""
-        for k in range(min(self.slots, len(self.order))):
-            self._submit(k)
+        """Fill the free slots with the coming pass's first layers (no-op when already queued)."""
+        if not self.order:
+            return
+        if not self.started:
+            self._fill(self.start)
+        elif self.completed:
+            self._fill(self.start + len(self.order))
 
     def pass_(self) -> Iterator[tuple[int, torch.Tensor]]:
         if not self.order:
             return
-        finished = False
-        try:
-            self.prefetch_next_pass()
-            for k, layer in enumerate(self.order):
-                self._submit(k)
-                t0 = time.perf_counter()
-                buf, ready = self.pending.pop(k).result()
-                self.wait_seconds += time.perf_counter() - t0
-                if ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(ready)
-                yield layer, buf
-                self._release(k, buf)
-                self._submit(k + self.slots)
-            finished = True
-        finally:
-            if not finished:
-                self._drain()
-        self.prefetch_next_pass()
+        if self.started:                      # the previous pass ran (to its end or not)
+            self.pass_id += 1
+            self.start += len(self.order)
+        self.started, self.completed = True, False
+        stale = [seq for seq, (tag, _) in (*self.jobs_a.items(), *self.jobs_b.items()) if tag != self.pass_id]
+        if stale:                             # left by a pass abandoned halfway: never hand them out
+            self._drain()
+            self.start = self.next_a = self.next_b = max(self.next_a, self.next_b)
+        begin = self.start
+        for k, layer in enumerate(self.order):
+            seq = begin + k
+            self._fill(seq)
+            buf = self._take(seq)
+            yield layer, buf
+            self._release(seq, buf)
+        self.completed = True
+        self._fill(begin + len(self.order))   # the next pass's first layers, right away
+
+    # ------------------------------------------------------------ accounting and shutdown
+
+    def link_busy_seconds(self, now: float | None = None) -> float:
+        """Cumulative link time up to `now` (perf_counter); CUDA counts copies whose events completed."""
+        with self._busy_lock:
+            if self.cuda:
+                keep = []
+                for start, end in self._timed:
+                    if end.query():
+                        self._busy_done += start.elapsed_time(end) / 1e3
+                    else:
+                        keep.append((start, end))
+                self._timed = keep
+                return self._busy_done
+            running = self._busy_t0
+            busy = self._busy_done
+        if running is not None:
+            busy += max(0.0, (time.perf_counter() if now is None else now) - running)
+        return busy
+
+    def wait_idle(self) -> None:
+        """Block until every queued job finished (measurement helper; keeps their results)."""
+        for _, fut in (*self.jobs_a.values(), *self.jobs_b.values()):
+            fut.exception()
 
     def _drain(self) -> None:
-        for fut in self.pending.values():
+        for _, fut in (*self.jobs_a.values(), *self.jobs_b.values()):
             try:
                 fut.result()
-            except Exception:  # noqa: BLE001 - the pass already failed; its error propagates
+            except Exception:  # noqa: BLE001 - the pass that queued it already failed
                 pass
-        self.pending.clear()
+        self.jobs_a.clear()
+        self.jobs_b.clear()
+        self.host_owner.clear()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._drain()
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool_a, self._pool_b):
+            if pool is not None:
+                self._drain()
+                pool.shutdown(wait=True)
+        self._pool_a = self._pool_b = None

@@ -249,68 +249,96 @@ class DiskLayer:
 
 
 class LayerStore:
-    """Produces streamed layers in staging slots; the prefetcher's copy job (`load`)."""
+    """Produces streamed layers: `read` fills a host staging slot, `copy` a device slot (CUDA).
+
+    Buffers (all allocated once, here):
+    - CPU: `host_slots` usable buffers from the pool (a disk read or cast lands in the buffer
+      compute reads; RAM-tier layers use their arena directly and need none).
+    - CUDA: `slots` device buffers from the pool; `host_slots` pinned host staging buffers for
+      disk layers (RAM-tier layers copy straight from their pinned arena).
+    - One raw read buffer for layers whose file dtype must be cast (one read thread).
+    """
 
     def __init__(self, device: torch.device, pool: DevicePool, slots: int,
                  ram: dict[int, tuple[torch.Tensor, LayerLayout]], disk: dict[int, DiskLayer],
-                 reader: DirectReader):
-        self.device, self.pool, self.slots = device, pool, slots
+                 reader: DirectReader, host_slots: int | None = None, staging_bytes: int | None = None):
+        self.device, self.pool = device, pool
         self.ram, self.disk, self.reader = ram, disk, reader
-        self.io_hook = None          # test hook: callable(layer_id), runs on the copy thread
+        self.io_hook = None          # test hook: callable(layer_id), runs on the read thread
         self.io_seconds = 0.0
         self.bytes_moved = 0
         cuda = device.type == "cuda"
+        n_streamed = len(ram) + len(disk)
         sizes = [lay.nbytes for _, lay in ram.values()] if cuda else []
         sizes += [d.layout.nbytes for d in disk.values()]
         self.slot_bytes = max(sizes, default=0)
-        self.dev_slots = [pool.alloc(self.slot_bytes) for _ in range(slots)] if self.slot_bytes else []
-        raw_max = max((d.raw.nbytes for d in disk.values() if d.convert or cuda), default=0)
-        # Host-side read buffers (page-aligned; pinned on CUDA): only when reads can't land in the slot.
-        self.raw_slots = [pin_host(aligned_empty(raw_max)) for _ in range(slots)] if raw_max else []
-        pk_max = max((d.packed.nbytes for d in disk.values() if d.convert), default=0) if cuda else 0
-        self.pack_slots = [pin_host(aligned_empty(pk_max)) for _ in range(slots)] if pk_max else []
-        self.copy_done = [None] * slots
+        self.slots = max(1, min(slots, n_streamed or 1))
+        stage = max((d.layout.nbytes for d in disk.values()), default=0)
+        self.host_slots = staging_slots(self.slots, host_slots, staging_bytes, stage, n_streamed)
+        n_dev = self.slots if cuda else self.host_slots
+        self.dev_slots = [pool.alloc(self.slot_bytes) for _ in range(n_dev)] if self.slot_bytes else []
+        raw_max = max((d.raw.nbytes for d in disk.values() if d.convert), default=0)
+        self.scratch = aligned_empty(raw_max) if raw_max else None
+        self.host_stage = [pin_host(aligned_empty(stage)) for _ in range(self.host_slots)] if cuda and stage else []
 
     def layout(self, layer: int) -> LayerLayout:
         return self.ram[layer][1] if layer in self.ram else self.disk[layer].layout
 
     def is_free(self, layer: int) -> bool:
-        """True when loading is a no-op (RAM tier on CPU, no test hook): nothing to overlap."""
-        return self.device.type == "cpu" and layer in self.ram and self.io_hook is None
+        """True when reading is a no-op (a RAM-tier arena, no test hook): nothing to overlap."""
+        return layer in self.ram and self.io_hook is None
 
     def link_bytes(self, layer: int) -> int:
         """Bytes that cross the link for one load: the file bytes read (disk) or the arena (RAM)."""
         return self.ram[layer][1].nbytes if layer in self.ram else sum(s.length for s in self.disk[layer].spans)
 
-    def load(self, layer: int, slot: int) -> torch.Tensor:
+    def read(self, layer: int, h: int) -> torch.Tensor:
+        """Stage A: layer's bytes in host staging slot h (CPU: the buffer compute reads)."""
         t0 = time.perf_counter()
         if self.io_hook is not None:
             self.io_hook(layer)
-        if self.copy_done[slot] is not None:
-            self.copy_done[slot].synchronize()   # host buffer of this slot no longer read by a copy
-        host = self.ram[layer][0] if layer in self.ram else self._read_disk(layer, slot)
-        nbytes = self.layout(layer).nbytes
-        if self.device.type == "cpu":
-            out = host
+        if layer in self.ram:
+            out = self.ram[layer][0]
         else:
-            out = self.dev_slots[slot]
-            out[:nbytes].copy_(host[:nbytes], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.copy_done[slot] = ev
-        self.bytes_moved += nbytes
+            out = self._read_disk(layer, self.host_stage[h] if self.host_stage else self.dev_slots[h])
+        if self.device.type == "cpu":
+            self.bytes_moved += self.link_bytes(layer)
         self.io_seconds += time.perf_counter() - t0
         return out
 
-    def _read_disk(self, layer: int, slot: int) -> torch.Tensor:
+    def copy(self, layer: int, host: torch.Tensor, d: int) -> torch.Tensor:
+        """Stage B (CUDA): async copy into device slot d on the caller's current (side) stream."""
+        nbytes = self.layout(layer).nbytes
+        out = self.dev_slots[d]
+        out[:nbytes].copy_(host[:nbytes], non_blocking=True)
+        self.bytes_moved += nbytes
+        return out
+
+    def load(self, layer: int, slot: int) -> torch.Tensor:
+        """Read then copy in one call (tools and tests that bypass the prefetcher)."""
+        host = self.read(layer, slot % self.host_slots)
+        return host if self.device.type == "cpu" else self.copy(layer, host, slot % self.slots)
+
+    def _read_disk(self, layer: int, dest: torch.Tensor) -> torch.Tensor:
         d = self.disk[layer]
-        direct_to_slot = self.device.type == "cpu" and not d.convert
-        target = self.dev_slots[slot] if direct_to_slot else self.raw_slots[slot]
+        target = self.scratch if d.convert else dest
         for span in d.spans:
             self.reader.read_span(span, target)
         if not d.convert:
-            return target
-        out = self.dev_slots[slot] if self.device.type == "cpu" else self.pack_slots[slot]
+            return dest
         for sp in d.specs:
-            store_param(d.raw.view(target, sp.name), sp, d.packed.view(out, sp.name), torch.device("cpu"), None)
-        return out
+            store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name), torch.device("cpu"), None)
+        return dest
+
+
+DEFAULT_STAGING_BYTES = 1 << 30   # host staging for disk read-ahead when nobody plans it
+
+
+def staging_slots(slots: int, host_slots: int | None, staging_bytes: int | None, layer_bytes: int,
+                  n_streamed: int) -> int:
+    """Host staging ring size: explicit `host_slots`, else as many disk layers as `staging_bytes`
+    (default 1 GiB) holds; never fewer than the device slots nor more than the streamed layers."""
+    if host_slots is None:
+        budget = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
+        host_slots = budget // layer_bytes if layer_bytes else slots
+    return max(slots, min(host_slots, max(n_streamed, 1)))

@@ -118,7 +118,8 @@ def test_device_bytes_bounded_by_resident_plus_slots(llama_dir, monkeypatch):
     monkeypatch.setattr(storage.DevicePool, "alloc", counting_alloc)
     layer = OffloadedCausalLM.from_pretrained(llama_dir, offload="ram").plan.layer_bytes[0]
     allocs.clear()
-    model = OffloadedCausalLM.from_pretrained(llama_dir, offload="disk", max_device_memory=layer, slots=2)
+    model = OffloadedCausalLM.from_pretrained(llama_dir, offload="disk", max_device_memory=layer, slots=2,
+                                              host_slots=2)
     try:
         for _ in range(3):
             model(input_ids=_ids())
