@@ -23,7 +23,7 @@ from specexec_cli.engine import DecodeState, GenerationConfig, generate
 from specexec_cli.errors import SpecxError
 from specexec_cli.methods.common import MethodSettings, with_settings
 from specexec_cli.sampling import SamplingParams
-from specexec_cli.stats import RunStats
+from specexec_cli.stats import LinkMeter, RunStats
 
 BUDGETLESS = ("ar", "chain")  # methods whose verified size does not depend on --budgets
 
@@ -107,9 +107,10 @@ def cell_config(cell: Cell, grid: BenchGrid) -> GenerationConfig:
 
 
 def run_one(models, ids: list[int], cfg: GenerationConfig) -> RunStats:
-    stats = RunStats()
+    stats, meter = RunStats(), LinkMeter(models.target)
     for ev in generate(models, DecodeState(), ids, cfg):
         stats.add(ev)
+        meter.step(stats, ev)
     return stats
 
 
@@ -166,7 +167,17 @@ def summarise(runs: list[RunStats]) -> dict:
         decode_seconds=round(decode, 3), draft_seconds=round(sum(r.draft_seconds for r in runs), 3),
         target_seconds=round(sum(r.target_seconds for r in runs), 3),
         mean_tree_size=round(sum(sizes) / len(sizes), 2) if sizes else 0.0,
+        **_link_summary(runs),
     )  # fmt: skip
+
+
+def _link_summary(runs: list[RunStats]) -> dict:
+    """Offloaded target only: mean per-pass link-busy fraction and total stall seconds."""
+    busy = [x for r in runs for x in r.link_busy]
+    if not busy:
+        return {}
+    return dict(link_busy_fraction=round(sum(busy) / len(busy), 4),
+                stall_seconds=round(sum(x for r in runs for x in r.stall), 4))
 
 
 def make_records(runs: dict[Cell, list[RunStats]], grid: BenchGrid) -> list[dict]:

@@ -235,12 +235,13 @@ def streamed_bytes(model) -> int:
 def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None):
     """Stream text to stdout while the panel (or summary line) shows stats; always save stats."""
     from specexec_cli.engine import DecodeState, generate
-    from specexec_cli.stats import RunStats
+    from specexec_cli.stats import LinkMeter, RunStats
 
     plan = getattr(models.target, "plan", None)
     stats = RunStats(config=config_record(cfg, plan.describe() if plan is not None else None))
     state = state if state is not None else DecodeState()
     streamed0 = streamed_bytes(models.target)
+    meter = LinkMeter(models.target)
     ended_line = True
     try:
         with display.LiveView(live, link_gbps=link_gbps) as view:
@@ -251,6 +252,7 @@ def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, stat
                     sys.stdout.flush()
                     ended_line = ev.text.endswith("\n")
                 stats.add(ev)
+                meter.step(stats, ev)
                 stats.streamed_bytes = streamed_bytes(models.target) - streamed0
                 if tuner is not None:
                     stats.config.update(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth)

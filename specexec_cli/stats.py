@@ -40,6 +40,8 @@ class RunStats:
     tree_sizes: list[int] = field(default_factory=list)
     tree_depths: list[int] = field(default_factory=list)
     streamed_bytes: int = 0  # target weight bytes streamed over the decode (offload only)
+    link_busy: list[float] = field(default_factory=list)  # per pass: link busy s / step wall s (offload only)
+    stall: list[float] = field(default_factory=list)  # per pass: s the target waited for a streamed layer
     finish: str | None = None
 
     def add(self, ev) -> None:
@@ -75,6 +77,11 @@ class RunStats:
         return dict(sorted(Counter(self.pass_tokens).items()))
 
     @property
+    def link_busy_fraction(self) -> float:
+        """Mean over passes of (time the weight stream moved bytes ÷ wall time of the step, draft included)."""
+        return sum(self.link_busy) / len(self.link_busy) if self.link_busy else 0.0
+
+    @property
     def streamed_gbps(self) -> float:
         return self.streamed_bytes / self.target_seconds / 1e9 if self.target_seconds > 0 else 0.0
 
@@ -93,6 +100,10 @@ class RunStats:
             streamed_bytes=self.streamed_bytes, finish_reason=self.finish, **peak_memory_bytes(),
         )  # fmt: skip
         rec["streamed_bytes_per_pass"] = self.streamed_bytes // self.target_passes if self.target_passes else 0
+        if self.link_busy:
+            rec.update(link_busy_fraction=round(self.link_busy_fraction, 4), stall_seconds=round(sum(self.stall), 4),
+                       link_busy_per_pass=[round(x, 4) for x in self.link_busy],
+                       stall_seconds_per_pass=[round(x, 4) for x in self.stall])
         return rec
 
     def summary_line(self) -> str:
@@ -103,3 +114,34 @@ class RunStats:
             f"{self.target_passes} target passes, method {cfg.get('method')} budget {cfg.get('budget')}, "
             f"draft {self.draft_seconds:.2f}s target {self.target_seconds:.2f}s prefill {self.prefill_seconds:.2f}s"
         )
+
+
+class LinkMeter:
+    """Per-step link accounting for an offloaded target (a no-op for a resident one).
+
+    Call `step(stats, event)` after every `RunStats.add`: between two step events it reads the
+    target's cumulative link-busy and stall counters (offload.OffloadedCausalLM) and appends
+    busy ÷ wall and the stall to `stats`. The window is wall time between events, so it holds
+    the draft's tree growth as well as the target pass; the prefill is excluded.
+    """
+
+    def __init__(self, target):
+        self.busy = getattr(target, "link_busy_seconds", None)
+        self.prefetcher = getattr(target, "prefetcher", None)
+        self.last: tuple[float, float, float] | None = None
+
+    def _read(self) -> tuple[float, float, float]:
+        import time
+
+        now = time.perf_counter()
+        return now, self.busy(now), self.prefetcher.stall_seconds
+
+    def step(self, stats: RunStats, ev) -> None:
+        if self.busy is None or not getattr(self.prefetcher, "order", None):
+            return
+        snap = self._read()
+        if self.last is not None and ev.pass_index > 0:
+            wall = snap[0] - self.last[0]
+            stats.link_busy.append((snap[1] - self.last[1]) / wall if wall > 0 else 0.0)
+            stats.stall.append(snap[2] - self.last[2])
+        self.last = snap

@@ -170,3 +170,31 @@ def test_disk_tier_reads_only_layer_bytes(tmp_path):
         assert abs(per_pass / layer_bytes - 1) < 0.03, (per_pass, layer_bytes)
     finally:
         model.close()
+
+
+def test_link_meter_reports_busy_fraction_and_stall_per_pass(monkeypatch):
+    """RunStats gets busy ÷ wall and stall per step from the target's counters; prefill excluded."""
+    import time as time_mod
+    from types import SimpleNamespace
+
+    from specexec_cli.stats import LinkMeter, RunStats
+
+    clock = {"t": 100.0}
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["t"])
+    pf = SimpleNamespace(order=[0, 1], stall_seconds=0.0)
+    busy = {"s": 0.0}
+    target = SimpleNamespace(prefetcher=pf, link_busy_seconds=lambda now: busy["s"])
+    stats, meter = RunStats(), LinkMeter(target)
+    steps = [(0, 5.0, 4.0, 1.0), (1, 2.0, 1.5, 0.25), (2, 4.0, 1.0, 0.0)]   # (pass, wall, busy, stall)
+    for idx, wall, b, st in steps:
+        clock["t"] += wall
+        busy["s"] += b
+        pf.stall_seconds += st
+        ev = SimpleNamespace(tokens=[1], prefill_seconds=1.0, decode_seconds=1.0, finish=None, pass_index=idx,
+                             prompt_tokens=3, draft_seconds=0.1, target_seconds=0.2, tree_size=0, tree_depth=0)
+        stats.add(ev)
+        meter.step(stats, ev)
+    assert stats.link_busy == [0.75, 0.25] and stats.stall == [0.25, 0.0]
+    rec = stats.to_json()
+    assert rec["link_busy_fraction"] == 0.5 and rec["stall_seconds"] == 0.25
+    assert "link_busy_fraction" not in RunStats().to_json()   # resident target: no link fields
