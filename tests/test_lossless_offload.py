@@ -32,6 +32,7 @@ DTYPES = ["fp32", "bf16", "nf4"]
 OFFLOADS = ["ram", "disk", "auto"]
 PROMPT = "def add(a, b):\n    return a"
 N_NEW = 24
+CTX = 512
 OPTS = dict(gamma=4, branching=(3, 2, 1, 1))
 
 
@@ -168,10 +169,24 @@ def test_multi_turn_chat_equals_ar(dirs, dtype, offload):
 def cli_run(prompt, target, draft, dtype, offload, method, stats, extra=()):
     args = ["run", str(prompt), "--target", str(target), "--draft", str(draft), "--device", "cpu", "--dtype", dtype,
             "--offload", offload, "--method", method, "--max-new-tokens", str(N_NEW), "--budget", "16",
-            "--max-depth", "6", "--gamma", "4", "--branching", "3,2,1,1", "--stats-json", str(stats), *extra]
+            "--max-depth", "6", "--gamma", "4", "--branching", "3,2,1,1", "--stats-json", str(stats), "--ctx", str(CTX), *extra]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     return json.loads(stats.read_text())
+
+
+def cli_auto_budgets(target, draft, dtype) -> tuple[str, ...]:
+    """--max-gpu-memory one byte short of the all-resident plan: auto keeps a prefix resident and streams the rest."""
+    from specexec_cli.planning import make_plan
+
+    def plan(**caps):
+        opts = LoadOptions(str(target), str(draft), dtype=dtype, device="cpu", offload="auto", ctx=CTX, **caps)
+        return make_plan(opts, TreeShape(16, 6), False)
+
+    cap = plan().device_total - 1
+    p = plan(max_gpu_memory=cap)
+    assert p.fits and p.resident and (p.ram_layers or p.disk_layers), (p.resident, p.ram_layers, p.disk_layers)
+    return ("--max-gpu-memory", str(cap))
 
 
 @pytest.mark.parametrize("offload", OFFLOADS)
@@ -180,10 +195,7 @@ def test_cli_run_equals_ar(dirs, tmp_path, dtype, offload):
     """`specx run` with each --offload × --dtype: every method's ids equal `--method ar`'s."""
     prompt = tmp_path / "p.txt"
     prompt.write_text(PROMPT)
-    extra = ()
-    if offload == "auto":
-        lb = layer_bytes(dirs[0], dtype)
-        extra = ("--max-gpu-memory", str(lb), "--max-ram", str(lb))
+    extra = cli_auto_budgets(dirs[0], dirs[1], dtype) if offload == "auto" else ()
     ar = cli_run(prompt, dirs[0], dirs[1], dtype, offload, "ar", tmp_path / "ar.json", extra)
     assert len(ar["token_ids"]) >= 12
     for method in METHODS:
