@@ -8,7 +8,10 @@ computes per-layer packed sizes, picks the placement with `plan_offload`, checks
 device bytes that placement needs against what is free BEFORE allocating anything (OffloadError
 otherwise), then fills: resident layers into `DevicePool` buffers, RAM-tier layers into one
 page-aligned host region (page-locked once on CUDA), and records file spans for disk-tier
-layers. NF4 quantization happens here, once per layer; quant states stay on the device.
+layers. NF4 layers come from a pre-quantized checkpoint (prequant.py; a 16-bit one goes through
+quant_cache.py first): their packed uint8 weights are the only streamed bytes, read as stored
+(never re-quantized); quant states and the small 16-bit tensors (norms, biases) are loaded once
+onto the device ("pinned") and stay bound.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from .errors import OffloadError
 from .families import restore_buffers
 from .nf4 import Nf4Linear
 from .plan import OffloadPlan, plan_offload
+from .prequant import is_quant_part, load_quant_state
 from .sizes import format_bytes
 from .st_index import SafetensorsIndex, check_tensor_set
 from .storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
                       aligned_empty, file_layout, fill_packed, packed_layout, pin_host)
+from .nf4 import packed_nf4_shape
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -37,7 +42,8 @@ CUDA_HEADROOM = 1 << 30   # left free on the GPU for KV cache and activations in
 
 
 def resolve_dtype(dtype, config, device: torch.device) -> tuple[torch.dtype, torch.dtype, bool]:
-    """(storage dtype of non-quantized params, compute dtype, nf4?)"""
+    """(storage dtype of non-quantized params, compute dtype, nf4?); a pre-quantized checkpoint
+    with an explicit 16/32-bit dtype computes in that dtype (as transformers would)."""
     if isinstance(dtype, str) and dtype.lower() == "nf4":
         # NF4 linears; everything else (norms, embeddings) and the matmuls in the compute dtype:
         # bf16 on accelerators, fp32 on CPU (CPU bf16 matmuls without AVX512-BF16 are ~25x slower).
@@ -64,7 +70,8 @@ class LoadedWeights:
     pool: DevicePool
     store: LayerStore
     resident: dict[int, tuple[torch.Tensor, LayerLayout]]
-    qstates: dict[int, dict]
+    qstates: dict[int, dict]                                # layer -> param name -> QuantState (nf4)
+    pinned: dict[int, tuple[torch.Tensor, LayerLayout]]     # nf4: norms/biases, bound once
 
 
 def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
@@ -136,9 +143,17 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
                  staging_bytes: int | None = None) -> LoadedWeights:
     index = SafetensorsIndex(path)
     layers = hf.model.layers
-    specs = [layer_specs(layer, storage_dtype) for layer in layers]
-    check_tensor_set(index, expected_tensors(hf, specs), f"model_type {config.model_type!r}",
-                     tied=tied_aliases(hf, config))
+    all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
+    expected, packed = expected_tensors(hf, all_specs)
+    check_tensor_set(index, expected, f"model_type {config.model_type!r}", tied=tied_aliases(hf, config),
+                     float_names=set(expected) - packed, extra_ok=lambda n: is_quant_part(n, packed))
+    for name in sorted(packed):
+        if index.entries[name].dtype != torch.uint8:
+            raise OffloadError(f"{index.entries[name].file}: tensor {name!r} is {index.entries[name].dtype}, "
+                               "expected packed 4-bit uint8; the checkpoint is corrupt - re-download it")
+    # nf4: only the packed weights stream; the small rest is pinned on the device once.
+    specs = [[sp for sp in s if sp.nf4 or not nf4] for s in all_specs]
+    pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
     layouts = [packed_layout(s) for s in specs]
     files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s})
              for i, s in enumerate(specs)]
@@ -149,23 +164,26 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     _check_fits(plan, device, free_ram, path)
     embed, norm, lm_head, rotary = _load_globals(index, hf, config, device, compute_dtype)
     pool, total = DevicePool(device), len(layers)
-    resident, ram, disk, qstates = {}, {}, {}, {}
+    resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
     ram_region = pin_host(aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers)))
     offset = 0
     for done, i in enumerate(range(total)):
         if progress is not None:
-            progress(done, total, f"{'quantizing' if nf4 else 'loading'} layer {i}")
-        qs = qstates.setdefault(i, {}) if nf4 else None
+            progress(done, total, f"loading layer {i}")
         prefix = f"model.layers.{i}."
+        if nf4:
+            qstates[i] = {sp.name: load_quant_state(index, prefix + sp.name, device, sp.shape) for sp in specs[i]}
+            lay = packed_layout(pinned_specs[i])
+            pinned[i] = (_fill_resident(index, prefix, pinned_specs[i], lay, pool, device), lay)
         if i in plan.resident:
-            resident[i] = (_fill_resident(index, prefix, specs[i], layouts[i], pool, device, qs), layouts[i])
+            resident[i] = (_fill_resident(index, prefix, specs[i], layouts[i], pool, device), layouts[i])
         elif i in plan.ram_layers:
             buf = ram_region[offset:offset + layouts[i].nbytes]
             offset += layouts[i].nbytes
-            fill_packed(index, prefix, specs[i], layouts[i], buf, device, qs)
+            fill_packed(index, prefix, specs[i], layouts[i], buf, device)
             ram[i] = (buf, layouts[i])
         else:
-            disk[i] = _disk_layer(index, prefix, specs[i], layouts[i], files[i], storage_dtype, device, qs)
+            disk[i] = _disk_layer(specs[i], layouts[i], files[i])
     if progress is not None:
         progress(total, total, "loaded")
     reader = DirectReader()
@@ -174,16 +192,23 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         plan.direct_io = reader.direct
     store = LayerStore(device, pool, slots, ram, disk, reader, host_slots=host_slots, staging_bytes=staging_bytes)
     plan.device_bytes = pool.allocated
-    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates)
+    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned)
 
 
-def expected_tensors(hf: nn.Module, specs: list[list[ParamSpec]]) -> dict[str, tuple[int, ...]]:
-    """Every tensor the checkpoint must hold -> its file shape (logical shape for NF4 linears)."""
-    expected = {f"model.layers.{i}.{sp.name}": tuple(sp.shape) for i, s in enumerate(specs) for sp in s}
+def expected_tensors(hf: nn.Module, specs: list[list[ParamSpec]]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(every tensor the checkpoint must hold -> its file shape, the names stored packed 4-bit).
+    A packed NF4 weight is stored as uint8 (ceil(n/2), 1) next to its quant state tensors."""
+    expected, packed = {}, set()
+    for i, s in enumerate(specs):
+        for sp in s:
+            name = f"model.layers.{i}.{sp.name}"
+            expected[name] = packed_nf4_shape(sp.shape) if sp.nf4 else tuple(sp.shape)
+            if sp.nf4:
+                packed.add(name)
     for name, p in hf.named_parameters(remove_duplicate=False):
         if not name.startswith("model.layers."):
             expected[name] = tuple(p.shape)
-    return expected
+    return expected, packed
 
 
 def tied_aliases(hf: nn.Module, config) -> dict[str, str]:
@@ -194,21 +219,19 @@ def tied_aliases(hf: nn.Module, config) -> dict[str, str]:
     return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device, qs) -> torch.Tensor:
+def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device) -> torch.Tensor:
     buf = pool.alloc(layout.nbytes)
     if device.type == "cpu":
-        fill_packed(index, prefix, specs, layout, buf, device, qs)
+        fill_packed(index, prefix, specs, layout, buf, device)
     else:
         host = aligned_empty(layout.nbytes)
-        fill_packed(index, prefix, specs, layout, host, device, qs)
+        fill_packed(index, prefix, specs, layout, host, device)
         buf.copy_(host)
     return buf
 
 
-def _disk_layer(index, prefix, specs, layout, file_lay, storage_dtype, device, qs) -> DiskLayer:
+def _disk_layer(specs, layout, file_lay) -> DiskLayer:
     raw, spans = file_lay
-    convert = any(sp.nf4 or raw.slices[sp.name].dtype != sp.dtype for sp in specs)
-    if qs is not None:
-        # Quant states are computed once here and kept on the device; each pass re-packs only bytes.
-        fill_packed(index, prefix, specs, layout, aligned_empty(layout.nbytes), device, qs)
+    # Packed nf4 bytes are streamed as stored; only a 16-bit dtype change needs a per-pass cast.
+    convert = any(raw.slices[sp.name].dtype != layout.slices[sp.name].dtype for sp in specs)
     return DiskLayer(spans, raw, layout, specs, convert)

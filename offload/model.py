@@ -29,6 +29,9 @@ from .loader import LoadedWeights, load_weights, resolve_dtype
 from .nf4 import Nf4Linear
 from .plan import OffloadPlan
 from .prefetch import Prefetcher
+from .prequant import bnb4_config, is_packed
+from .quant_cache import ensure_nf4_cache
+from .st_index import SafetensorsIndex
 
 
 @dataclass
@@ -56,6 +59,7 @@ def _load_config(path: Path):
         raise OffloadError(f"{cfg_file}: cannot parse ({exc.__class__.__name__}); fix or re-download it") from None
     try:
         causal_lm_class(config)
+        bnb4_config(config)
     except OffloadError as exc:
         raise OffloadError(f"{cfg_file}: {exc}") from None
     config._attn_implementation = Family.of(config).attn_implementation
@@ -76,7 +80,7 @@ class OffloadedCausalLM(nn.Module):
         self.stats = OffloadStats()
         self.compute_hook: Callable[[int], None] | None = None   # test hook, after each layer
         self._bindings = [self._binding_table(layer) for layer in self.layers]
-        for i, (buf, layout) in w.resident.items():
+        for i, (buf, layout) in [*w.pinned.items(), *w.resident.items()]:
             self._bind(i, buf, layout)
         for i, states in w.qstates.items():
             for name, state in states.items():
@@ -97,11 +101,18 @@ class OffloadedCausalLM(nn.Module):
         if offload not in ("none", "ram", "disk", "auto"):
             raise OffloadError(f"offload must be none, ram, disk or auto, got {offload!r}")
         config = _load_config(path)
+        if _wants_nf4(dtype) and bnb4_config(config) is None:
+            # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
+            path = ensure_nf4_cache(path, progress=progress)
+            config = _load_config(path)
         storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
+        nf4 = bnb4_config(config) is not None
         with torch.device("meta"):
             hf = causal_lm_class(config)(config)
         if nf4:
-            _swap_nf4_linears(hf.model.layers, compute_dtype)
+            index = SafetensorsIndex(path)
+            _swap_nf4_linears(hf.model.layers, compute_dtype,
+                              lambda name: is_packed(index, f"model.{name}.weight"))
         w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
                          max_device_memory, max_host_memory, slots, progress,
                          host_slots=host_slots, staging_bytes=staging_bytes)
@@ -116,9 +127,10 @@ class OffloadedCausalLM(nn.Module):
         return table
 
     def _bind(self, i: int, buf: torch.Tensor, layout) -> None:
-        """Point layer i's parameters at views into `buf` (no copy)."""
+        """Point layer i's parameters that `layout` holds at views into `buf` (no copy)."""
         for mod, attr, name in self._bindings[i]:
-            mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
+            if name in layout.slices:
+                mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
 
     def _masks(self, h, attention_mask, cache, position_ids) -> dict[str, torch.Tensor | None]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -216,11 +228,16 @@ class OffloadedCausalLM(nn.Module):
             pass
 
 
-def _swap_nf4_linears(layers: nn.ModuleList, compute_dtype: torch.dtype) -> None:
-    """Replace every nn.Linear inside the decoder layers by an Nf4Linear of the same shape."""
-    for layer in layers:
+def _wants_nf4(dtype) -> bool:
+    return isinstance(dtype, str) and dtype.lower() == "nf4"
+
+
+def _swap_nf4_linears(layers: nn.ModuleList, compute_dtype: torch.dtype, packed: Callable[[str], bool]) -> None:
+    """Replace each nn.Linear of the decoder layers that the checkpoint stores packed (`packed` of
+    its name, e.g. "layers.0.self_attn.q_proj") by an Nf4Linear of the same shape."""
+    for i, layer in enumerate(layers):
         for name, mod in list(layer.named_modules()):
-            if isinstance(mod, nn.Linear):
+            if isinstance(mod, nn.Linear) and packed(f"layers.{i}.{name}"):
                 parent_name, _, child = name.rpartition(".")
                 parent = layer.get_submodule(parent_name) if parent_name else layer
                 q = Nf4Linear(mod.in_features, mod.out_features, mod.bias is not None, compute_dtype)

@@ -7,9 +7,16 @@ weight (blocksize 64, double-quantized statistics, NF4). `Nf4Linear` computes th
 (weights are quantized from their bf16 values; compute is bf16 on CUDA, fp32 on CPU);
 its packed `weight` parameter is re-pointed at a streamed buffer each pass, while the small
 quant state (absmax, code, nested state) stays resident on the device.
+On a CPU with AVX512-BF16, Linear4bit.forward (so transformers' generate of a 4-bit model)
+re-lays the weight out for bnb's fused bf16 CPU kernel and computes there; `Nf4Linear` does the
+same (a byte re-layout of the packed weight in each forward, nothing re-quantized), so its
+outputs equal Linear4bit's on every machine.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
 
 import torch
 from torch import nn
@@ -56,5 +63,30 @@ class Nf4Linear(nn.Module):
 
         in_dtype = x.dtype
         bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
-        out = bnb.matmul_4bit(x.to(self.compute_dtype), self.weight, bias=bias, quant_state=self.quant_state)
+        weight, state = self.weight, self.quant_state
+        if x.device.type == "cpu" and _cpu_bf16_kernel() is not None and _cpu_layout_fits(state):
+            weight, state = self._cpu_layout(weight)
+        out = bnb.matmul_4bit(x.to(self.compute_dtype), weight, bias=bias, quant_state=state)
         return out.to(in_dtype)
+
+    def _cpu_layout(self, weight: torch.Tensor):
+        """(weight, state) in bnb's AVX512-BF16 CPU layout, exactly as Linear4bit.forward makes them;
+        the converter rewrites the state it is given, so it gets a shallow copy."""
+        return _cpu_bf16_kernel()(weight.detach(), copy.copy(self.quant_state))
+
+
+def _cpu_layout_fits(state) -> bool:
+    """The CPU layout needs out_features % 32 == 0 and whole absmax blocks per row (Linear4bit
+    itself fails otherwise); other shapes keep the standard dequantize + matmul path."""
+    n, k = state.shape
+    return n % 32 == 0 and k % state.blocksize == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_bf16_kernel():
+    """bnb's weight converter when Linear4bit would use its fused CPU kernel here, else None."""
+    try:
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu, has_avx512bf16
+    except ImportError:   # older bitsandbytes: Linear4bit has no CPU re-layout either
+        return None
+    return _convert_weight_packed_for_cpu if has_avx512bf16() else None

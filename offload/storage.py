@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .errors import OffloadError
-from .nf4 import packed_nf4_shape, quantize_nf4
+from .nf4 import packed_nf4_shape
 from .st_index import SafetensorsIndex, TensorEntry, read_exact
 
 IO_ALIGN = 4096      # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
@@ -207,32 +207,31 @@ class DirectReader:
             self._fds.clear()
 
 
-def store_param(src: torch.Tensor, spec: ParamSpec, dst: torch.Tensor, device: torch.device,
-                qstates: dict | None) -> None:
-    """Write one parameter into its arena view: cast to the storage dtype, or NF4-quantize."""
+def store_param(src: torch.Tensor, spec: ParamSpec, dst: torch.Tensor) -> None:
+    """Write one parameter into its arena view: packed nf4 bytes as they are, else cast."""
     if spec.nf4:
-        packed, state = quantize_nf4(src, device)
-        dst.copy_(packed.view(dst.shape))
-        if qstates is not None:
-            qstates[spec.name] = state
+        if src.dtype != torch.uint8:
+            raise OffloadError(f"{spec.name}: expected packed 4-bit uint8 bytes, got {src.dtype}")
+        dst.copy_(src.view(dst.shape))
     else:
         dst.copy_(src.to(spec.dtype).view(dst.shape))
 
 
 @torch.no_grad()
 def fill_packed(index: SafetensorsIndex, prefix: str, specs: list[ParamSpec], layout: LayerLayout,
-                buf: torch.Tensor, device: torch.device, qstates: dict | None) -> None:
-    """Load-time fill of a packed host arena from the files (direct byte read when no cast)."""
+                buf: torch.Tensor, device: torch.device) -> None:
+    """Load-time fill of a packed arena from the files (direct byte read when no cast)."""
     for sp in specs:
         e = index.get(prefix + sp.name)
-        if tuple(e.shape) != tuple(sp.shape):
+        want = packed_nf4_shape(sp.shape) if sp.nf4 else tuple(sp.shape)
+        if tuple(e.shape) != tuple(want):
             raise OffloadError(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)}, config.json "
-                               f"implies {list(sp.shape)}; the checkpoint does not match its config")
+                               f"implies {list(want)}; the checkpoint does not match its config")
         dst = layout.view(buf, sp.name)
-        if not sp.nf4 and e.dtype == sp.dtype and buf.device.type == "cpu":
+        if e.dtype == dst.dtype and buf.device.type == "cpu":
             read_exact(e.file, e.begin, buf[layout.slices[sp.name].offset:][:e.nbytes])
         else:
-            store_param(index.read(e.name), sp, dst, device, qstates)
+            store_param(index.read(e.name), sp, dst)
 
 
 @dataclass
@@ -327,7 +326,7 @@ class LayerStore:
         if not d.convert:
             return dest
         for sp in d.specs:
-            store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name), torch.device("cpu"), None)
+            store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name))
         return dest
 
 

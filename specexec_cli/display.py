@@ -149,10 +149,11 @@ class LoadProgress:
 
     def __enter__(self) -> "LoadProgress":
         if self.enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                      TimeElapsedColumn(), console=stderr_console(), transient=True)  # fmt: skip
+                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                      console=stderr_console(), transient=True)  # fmt: skip
             self._progress.__enter__()
         return self
 
@@ -161,6 +162,8 @@ class LoadProgress:
             return
         if self._task is None:
             self._task = self._progress.add_task(what, total=total)
+        elif done < self._progress.tasks[0].completed:   # a new phase (quantizing -> loading): fresh ETA
+            self._progress.reset(self._task, total=total)
         self._progress.update(self._task, completed=done, total=total, description=what)
 
     def __exit__(self, *exc) -> None:

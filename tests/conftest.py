@@ -50,6 +50,16 @@ def make_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, noise_f
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def specx_cache(tmp_path_factory) -> Path:
+    """The 4-bit cache (SPECX_CACHE) of every test run lives in a temp dir, never in ~/.cache."""
+    import os
+
+    path = tmp_path_factory.mktemp("specx-cache")
+    os.environ["SPECX_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(target, draft): 3-layer target; 2-layer draft that is a noisy copy of... a different model."""

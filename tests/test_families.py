@@ -39,10 +39,10 @@ FAMILIES = {
 }
 
 
-def make_family(name: str, path, seed: int = 0, dtype=torch.float32):
+def make_family(name: str, path, seed: int = 0, dtype=torch.float32, **over):
     """Save a seeded random checkpoint of family `name` (weights scaled up for peaky logits)."""
     cfg_cls, extra = FAMILIES[name]
-    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **over})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():

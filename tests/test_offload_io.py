@@ -61,7 +61,7 @@ def _linear4bit_reference(path, compute_dtype):
         if not isinstance(mod, Linear4bit):
             for name, p in mod.named_parameters(recurse=False):
                 p.data = p.data.to(compute_dtype)
-    return ref
+    return ref.eval()   # the fresh Linear4bit modules too: eval picks bnb's CPU kernel where HF would
 
 
 @pytest.mark.parametrize("offload", ["ram", "disk"])
@@ -90,13 +90,13 @@ def test_nf4_linear_matches_linear4bit_bf16():
     from offload.nf4 import Nf4Linear, quantize_nf4
 
     torch.manual_seed(3)
-    w, b = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(48, dtype=torch.bfloat16)
-    ref = Linear4bit(64, 48, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4")
+    w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    ref = Linear4bit(64, 96, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4")
     ref.weight = Params4bit(w.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64)
     ref.bias = nn.Parameter(b.clone(), requires_grad=False)
-    ref = ref.to("cpu")
+    ref = ref.to("cpu").eval()   # eval: the inference kernel transformers' generate uses
     packed, state = quantize_nf4(w, torch.device("cpu"))
-    ours = Nf4Linear(64, 48, True, torch.bfloat16)
+    ours = Nf4Linear(64, 96, True, torch.bfloat16)
     ours.weight, ours.bias = nn.Parameter(packed, requires_grad=False), nn.Parameter(b.clone(), requires_grad=False)
     ours.quant_state = state
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)

@@ -1,0 +1,202 @@
+"""The 4-bit cache: a 16-bit checkpoint quantized ONCE into a pre-quantized bitsandbytes checkpoint.
+
+Contract:
+- `write_quantized(src, out, progress, tokenizer)` writes a self-contained checkpoint in
+  prequant.py's format: one safetensors shard per decoder layer (every nn.Linear weight of the
+  layer NF4-packed, blocksize 64, double-quantized; everything else as stored), one shard for the
+  non-layer tensors (embeddings, final norm, lm_head, unchanged), `model.safetensors.index.json`,
+  `config.json` with `quantization_config`, and (tokenizer=True) the source's tokenizer and
+  generation files, so transformers' `from_pretrained` loads it too. Weights are quantized from
+  their 16-bit values (fp32 sources: from bf16), as transformers does for a 16-bit model.
+  Everything is written into a temporary sibling directory, `specx-manifest.json` (file names and
+  sizes, the source fingerprint) is written LAST, then the directory is renamed into place: a
+  directory without a matching manifest is partial or stale and is never used.
+- `ensure_nf4_cache(src, progress)` returns the cache directory for `src` under `$SPECX_CACHE`
+  (default ~/.cache/specx), building it first when missing, partial or stale. Its name carries a
+  key over the source files' names, sizes and mtimes and the quantization settings.
+- `progress(done, total, what)` is called once per layer while quantizing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import OffloadError
+from .nf4 import NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, quantize_nf4
+from .prequant import quant_tensors
+from .st_index import SafetensorsIndex
+
+MANIFEST = "specx-manifest.json"
+FORMAT_VERSION = 1
+SETTINGS = {"format": FORMAT_VERSION, "quant_type": "nf4", "blocksize": NF4_BLOCKSIZE,
+            "double_quant": NF4_COMPRESS_STATISTICS, "quant_from": "16-bit source dtype (fp32 -> bf16)"}
+_WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
+_SIDE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.model|vocab\..*|"
+                         r"merges\.txt|chat_template\.(jinja|json)|added_tokens\.json)$")
+Progress = Callable[[int, int, str], None]
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SPECX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specx"
+
+
+def source_fingerprint(src: Path) -> list[tuple[str, int, int]]:
+    """(name, size, mtime_ns) of the files that define the weights."""
+    files = [src / n for n in _WEIGHT_FILES if (src / n).exists()] + sorted(src.glob("*.safetensors"))
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+
+def cache_key(src: Path) -> str:
+    blob = json.dumps({"files": source_fingerprint(src), "settings": SETTINGS}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def cache_dir(src: Path) -> Path:
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
+    return cache_root() / f"{name}-nf4-{cache_key(src)}"
+
+
+def is_complete(out: Path, key: str | None = None) -> bool:
+    """A manifest written last, matching `key` (when given), and every file at its recorded size."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+        if key is not None and manifest.get("key") != key:
+            return False
+        return all((out / name).stat().st_size == size for name, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def ensure_nf4_cache(src: Path, progress: Progress | None = None) -> Path:
+    src = Path(src)
+    out, key = cache_dir(src), cache_key(src)
+    if not is_complete(out, key):
+        write_quantized(src, out, progress, tokenizer=True, key=key)
+        _drop_stale(src, out)
+    return out
+
+
+def _drop_stale(src: Path, keep: Path) -> None:
+    """Remove older caches of the same source (their key no longer matches its files)."""
+    for old in keep.parent.glob(keep.name.rsplit("-", 1)[0] + "-*"):
+        try:
+            same = json.loads((old / MANIFEST).read_text()).get("source") == str(src.resolve())
+        except (OSError, ValueError, AttributeError):
+            same = False
+        if old != keep and same:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _quantized_names(config) -> set[str]:
+    """Names of the decoder-layer nn.Linear weights, e.g. model.layers.0.mlp.up_proj.weight."""
+    from .families import causal_lm_class
+
+    with torch.device("meta"):
+        hf = causal_lm_class(config)(config)
+    return {f"model.layers.{i}.{name}.weight" for i, layer in enumerate(hf.model.layers)
+            for name, mod in layer.named_modules() if isinstance(mod, torch.nn.Linear)}
+
+
+def _quant_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _shard(index: SafetensorsIndex, names: list[str], linears: set[str]) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name in names:
+        t = index.read(name)
+        if name in linears:
+            packed, state = quantize_nf4(t, torch.device("cpu"), _quant_dtype(t))
+            tensors.update(quant_tensors(name, packed, state))
+        else:
+            tensors[name] = t.contiguous()
+    return tensors
+
+
+def write_quantized(src: Path, out: Path, progress: Progress | None = None, tokenizer: bool = True,
+                    key: str | None = None) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    src, out = Path(src), Path(out)
+    config = AutoConfig.from_pretrained(src)
+    if getattr(config, "quantization_config", None) is not None:
+        raise OffloadError(f"{src / 'config.json'}: already quantized; quantize a 16-bit checkpoint")
+    index = SafetensorsIndex(src)
+    linears = _quantized_names(config)
+    n = config.num_hidden_layers
+    per_layer = [[k for k in index.entries if k.startswith(f"model.layers.{i}.")] for i in range(n)]
+    rest = sorted(set(index.entries) - {k for names in per_layer for k in names})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        weight_map, dtype = {}, None
+        for i, names in enumerate([*per_layer, rest]):
+            if progress is not None:
+                progress(i, n, f"quantizing layer {i} to nf4 (once)" if i < n else "writing embeddings")
+            tensors = _shard(index, names, linears)
+            dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+            fname = f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors"
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in tensors})
+        total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_config(src, tmp, dtype or torch.bfloat16)
+        if tokenizer:
+            for f in src.iterdir():
+                if f.is_file() and _SIDE_FILES.match(f.name):
+                    shutil.copy2(f, tmp / f.name)
+        files = {f.name: f.stat().st_size for f in tmp.iterdir()}
+        _write_json(tmp / MANIFEST, {"key": key, "source": str(src.resolve()), "settings": SETTINGS,
+                                     "source_files": source_fingerprint(src), "files": files})
+        _publish(tmp, out, key)
+        if progress is not None:
+            progress(n, n, "quantized")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish(tmp: Path, out: Path, key: str | None) -> None:
+    """Atomic rename into place, replacing a stale/partial `out`; a concurrent builder may win."""
+    if out.exists():
+        if is_complete(out, key) and key is not None:
+            shutil.rmtree(tmp)
+            return
+        shutil.rmtree(out)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if key is not None and is_complete(out, key):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        raise
+
+
+def _write_config(src: Path, out: Path, dtype: torch.dtype) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    name = str(dtype).removeprefix("torch.")
+    cfg["quantization_config"] = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+        "_load_in_4bit": True, "_load_in_8bit": False,
+        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": NF4_COMPRESS_STATISTICS,
+        "bnb_4bit_compute_dtype": name, "bnb_4bit_quant_storage": "uint8",
+        "llm_int8_enable_fp32_cpu_offload": False, "llm_int8_has_fp16_weight": False,
+        "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
+    }
+    _write_json(out / "config.json", cfg)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,196 @@
+"""Pre-quantized bitsandbytes 4-bit checkpoints and the nf4 cache of 16-bit checkpoints.
+
+Fixtures make the checkpoints with transformers + bitsandbytes on CPU (BitsAndBytesConfig,
+save_pretrained) from tiny random models, so the format is transformers' own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
+
+import offload.quant_cache as qc
+from offload import OffloadedCausalLM, OffloadError
+from tests.test_families import make_family
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+VOCAB = 48
+Q4 = dict(intermediate_size=128)   # bitsandbytes' CPU kernel wants in_features % 64 == 0
+
+
+def _bnb_save(src, out, quant_type="nf4", double=True, dtype=torch.float32):
+    cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
+                             bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, dtype=dtype, device_map="cpu")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=[("llama31", "nf4", True), ("qwen2", "fp4", False)],
+            ids=["llama-nf4-dq", "qwen2-fp4"])
+def prequant_dir(request, tmp_path_factory):
+    family, qtype, double = request.param
+    root = tmp_path_factory.mktemp("prequant")
+    src = make_family(family, root / "src", seed=11, **Q4)
+    return _bnb_save(src, root / "q4", qtype, double)
+
+
+def _hf_q(path, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map="cpu").eval()
+
+
+def _ids(n, seed=0):
+    return torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, n):
+    cache, out, x = DynamicCache(), [], ids
+    for _ in range(n):
+        x = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        out.append(int(x))
+    return out
+
+
+@pytest.fixture()
+def no_quantize(monkeypatch):
+    """Any call into bitsandbytes' quantizer fails the test: packed bytes must be used as stored."""
+    import bitsandbytes.functional as bnbf
+
+    def boom(*a, **k):
+        raise AssertionError("re-quantized a pre-quantized checkpoint")
+
+    monkeypatch.setattr(bnbf, "quantize_4bit", boom)
+    monkeypatch.setattr(qc, "quantize_nf4", boom)
+
+
+@pytest.mark.parametrize("offload", ["none", "ram", "disk"])
+def test_prequant_equals_transformers(prequant_dir, offload, no_quantize):
+    hf = _hf_q(prequant_dir)
+    model = OffloadedCausalLM.from_pretrained(prequant_dir, dtype=torch.float32, offload=offload)
+    try:
+        assert model.plan.tier == offload
+        if offload == "disk":   # packed bytes land in the slot as read: no per-pass conversion
+            assert all(not d.convert for d in model.store.disk.values())
+        ids = _ids(12)
+        with torch.no_grad():
+            ref = hf(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, atol=1e-5, rtol=0)
+        prompt = _ids(4, seed=1)
+        with torch.no_grad():
+            want = hf.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert _greedy(model, prompt, 16) == want[0, 4:].tolist()
+    finally:
+        model.close()
+
+
+def test_prequant_disk_streams_only_packed_bytes(prequant_dir):
+    """A disk pass reads about the packed weight bytes (plus quant-state/alignment slack), far below
+    what the same linears take in 16-bit."""
+    model = OffloadedCausalLM.from_pretrained(prequant_dir, dtype=torch.float32, offload="disk")
+    try:
+        model(input_ids=_ids(3))
+        packed = sum(s.nbytes for i in model.plan.disk_layers for s in model.store.disk[i].layout.slices.values())
+        bf16 = 2 * 2 * packed          # two 4-bit codes per packed byte, two bytes per bf16 value
+        assert model.stats.streamed_bytes_per_pass < packed + len(model.plan.disk_layers) * 3 * 4096
+        assert packed < 0.3 * bf16
+    finally:
+        model.close()
+
+
+def test_8bit_checkpoint_refused_by_name(prequant_dir, tmp_path):
+    path = tmp_path / "q8"
+    shutil.copytree(prequant_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"].update(load_in_4bit=False, _load_in_4bit=False, load_in_8bit=True, _load_in_8bit=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(OffloadError, match=r"config\.json.*'bitsandbytes 8-bit' is not supported"):
+        OffloadedCausalLM.from_pretrained(path)
+
+
+# ---------------------------------------------------------------- the nf4 cache of 16-bit checkpoints
+
+@pytest.fixture()
+def bf16_dir(tmp_path):
+    return make_family("qwen3", tmp_path / "bf16", seed=12, dtype=torch.bfloat16, **Q4)
+
+
+def _count_quantize(monkeypatch):
+    calls = []
+    real = qc.quantize_nf4
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(qc, "quantize_nf4", counting)
+    return calls
+
+
+def test_cache_built_once_then_reused(bf16_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    calls = _count_quantize(monkeypatch)
+    seen = []
+    a = OffloadedCausalLM.from_pretrained(bf16_dir, dtype="nf4", offload="disk",
+                                          progress=lambda d, t, what: seen.append(what))
+    n_linear = len(calls)
+    assert n_linear == 3 * 7 and any("quantizing layer 2" in w for w in seen)
+    (cache,) = (tmp_path / "cache").iterdir()
+    assert (cache / qc.MANIFEST).exists() and not list((tmp_path / "cache").glob(".*tmp*"))
+    b = OffloadedCausalLM.from_pretrained(bf16_dir, dtype="nf4", offload="disk")
+    assert len(calls) == n_linear, "a warm cache must not quantize again"
+    ids = _ids(9)
+    torch.testing.assert_close(b(input_ids=ids).logits, a(input_ids=ids).logits, atol=0, rtol=0)
+    assert all(not d.convert for d in b.store.disk.values())
+    a.close()
+    b.close()
+
+
+def test_stale_or_partial_cache_is_rebuilt(bf16_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    calls = _count_quantize(monkeypatch)
+    first = qc.ensure_nf4_cache(bf16_dir)
+    built = len(calls)
+    # partial: a shard cut short after the manifest was written (or a crash mid-write)
+    shard = sorted(first.glob("model-*.safetensors"))[0]
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size - 10)
+    assert not qc.is_complete(first, qc.cache_key(bf16_dir))
+    assert qc.ensure_nf4_cache(bf16_dir) == first and len(calls) == 2 * built
+    assert qc.is_complete(first, qc.cache_key(bf16_dir))
+    # stale: the source changes (new mtime) -> new key, rebuilt, the old cache removed
+    src = bf16_dir / "model.safetensors"
+    os.utime(src, ns=(src.stat().st_atime_ns, src.stat().st_mtime_ns + 10**9))
+    second = qc.ensure_nf4_cache(bf16_dir)
+    assert second != first and len(calls) == 3 * built and not first.exists()
+    # a directory without the manifest is never used
+    (second / qc.MANIFEST).unlink()
+    assert not qc.is_complete(second)
+
+
+def test_quantized_checkpoint_loads_in_transformers(bf16_dir, tmp_path):
+    """`write_quantized` output (what `specx quantize` writes): transformers and specx agree."""
+    out = tmp_path / "out"
+    qc.write_quantized(bf16_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    hf = _hf_q(out, dtype=torch.bfloat16)
+    assert isinstance(hf.model.layers[0].mlp.up_proj, __import__("bitsandbytes").nn.Linear4bit)
+    model = OffloadedCausalLM.from_pretrained(out, dtype=torch.bfloat16, offload="disk")
+    try:
+        ids = _ids(10)
+        with torch.no_grad():
+            ref = hf(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, atol=0, rtol=0)
+        prompt = _ids(4, seed=2)
+        with torch.no_grad():
+            want = hf.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert _greedy(model, prompt, 12) == want[0, 4:].tolist()
+    finally:
+        model.close()
+    assert transformers is not None
