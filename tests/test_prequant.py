@@ -194,3 +194,34 @@ def test_quantized_checkpoint_loads_in_transformers(bf16_dir, tmp_path):
     finally:
         model.close()
     assert transformers is not None
+
+
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_specx_run_on_prequant_target(prequant_dir, offload, tmp_path):
+    """`specx run`: ar ids == transformers' greedy generate of the 4-bit checkpoint; specexec == ar."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.cli import app
+    from tests.conftest import make_tokenizer
+
+    target, draft = tmp_path / "t", tmp_path / "d"
+    shutil.copytree(prequant_dir, target)
+    shutil.copytree(prequant_dir.parent / "src", draft)       # the 16-bit model it was quantized from
+    for path in (target, draft):
+        make_tokenizer().save_pretrained(path)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def area(r):\n  return 3.14 * r")
+    ids = {}
+    for method in ("ar", "specexec"):
+        stats = tmp_path / f"{method}.json"
+        r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(target), "--draft", str(draft), "--device",
+                                     "cpu", "--offload", offload, "--method", method, "--budget", "8",
+                                     "--max-new-tokens", "16", "--stats-json", str(stats)])
+        assert r.exit_code == 0, r.output
+        ids[method] = json.loads(stats.read_text())["token_ids"]
+    tok = transformers.AutoTokenizer.from_pretrained(target)
+    prompt_ids = torch.tensor([tok(prompt.read_text())["input_ids"]])
+    with torch.no_grad():
+        want = _hf_q(target).generate(prompt_ids, max_new_tokens=16, do_sample=False)
+    assert ids["ar"] == want[0, prompt_ids.shape[1]:].tolist()[:len(ids["ar"])]
+    assert ids["specexec"] == ids["ar"]
