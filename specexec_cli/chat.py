@@ -7,7 +7,9 @@ and an optional `budget.BudgetTuner`). Each turn prefills only tokens not alread
   committed ids (re-tokenized reply, template quirks) the caches are cropped to the divergence
   point first, so only the tail is recomputed;
 - without one, each turn appends "User: …\nAssistant:" (a trailing EOS is dropped first: it is
-  never in either cache, so this is free).
+  never in either cache, so this is free);
+- `code=True` (a code model such as the demo pair): each turn is code to continue — the message
+  and a newline are appended to the conversation as they are, and the reply continues them.
 `run_chat` is the read–eval loop (commands, multi-line input, Ctrl-C handling) and takes plain
 callables for input, stdout text, stderr notices and the live view, so it imports neither typer
 nor rich. Ctrl-C during a reply stops after the current target pass (a second Ctrl-C interrupts at
@@ -40,7 +42,8 @@ HELP = """commands:
   /stats                session totals
   /exit                 leave (also Ctrl-D)
   \"\"\" ... \"\"\"            multi-line message
-Ctrl-C stops a reply (the partial reply is kept); Ctrl-C at the prompt exits."""
+Up/Down recall earlier messages. Ctrl-C stops a reply (the partial reply is kept);
+Ctrl-C at the prompt clears the line."""
 
 SETTINGS = ("temperature", "top_p", "top_k", "budget", "max_new_tokens", "seed")
 
@@ -99,10 +102,11 @@ class ChatSession:
 
     def __init__(self, models, cfg: GenerationConfig, *, system: str | None = None, use_template: bool = True,
                  tuner=None, profile: dict | None = None,
-                 config_record: Callable[[GenerationConfig], dict] = lambda cfg: {}):
+                 config_record: Callable[[GenerationConfig], dict] = lambda cfg: {}, code: bool = False):
         self.models, self.cfg, self.system = models, cfg, system
         tok = models.tokenizer
-        self.templated = bool(use_template and getattr(tok, "chat_template", None))
+        self.code = code  # each turn is code to continue: no chat format at all
+        self.templated = bool(use_template and getattr(tok, "chat_template", None)) and not code
         self.profile, self.config_record = profile, config_record
         self.tuner = tuner  # a budget.BudgetTuner for --budget auto, else None
         self.flag = StopFlag()
@@ -131,6 +135,9 @@ class ChatSession:
         if st.ids and st.ids[-1] in self.models.eos_ids:
             st.ids.pop()  # the last committed token is in neither cache: dropping it is free
         first = not st.ids
+        if self.code:  # the message continues the code so far, on a line of its own
+            sep = "" if first or self.models.tokenizer.decode(st.ids[-1:]).endswith("\n") else "\n"
+            return list(tok(f"{sep}{text}\n", add_special_tokens=first)["input_ids"])
         head = f"{self.system}\n\n" if first and self.system else ("" if first else "\n")
         return list(tok(f"{head}User: {text}\nAssistant:", add_special_tokens=first)["input_ids"])
 

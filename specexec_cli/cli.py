@@ -15,54 +15,91 @@ from typing import Annotated, Optional
 
 import typer
 
-from specexec_cli import display
+# Start-up contract: importing this module (and so `specx --help`, `--version` and every argument
+# error) loads typer and rich only. torch/transformers are imported inside the command bodies.
+from specexec_cli import __version__, display, paths
 from specexec_cli.errors import SpecxError, debug_enabled
-from specexec_cli.loading import encode_prompt, read_prompt
+
+class _PlainHelp:
+    """Help without a `<type>` column where a metavar or nothing says more (arguments, -h)."""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+    def format_help(self, ctx, formatter):
+        for param in self.params:
+            if isinstance(param, typer.core.TyperArgument) and param.metavar:
+                param.display_type_rich = lambda ctx: None
+        return super().format_help(ctx, formatter)
+
+
+class Command(_PlainHelp, typer.core.TyperCommand):
+    pass
+
+
+class Group(_PlainHelp, typer.core.TyperGroup):
+    pass
+
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    cls=Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="specx: run big language models on one machine with layer offloading and lossless "
     "SpecExec speculative decoding.",
 )  # fmt: skip
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"specx {__version__}")
+        raise typer.Exit()
+
 
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True, metavar="",
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """specx: fast, lossless speculative decoding for models bigger than your GPU."""
 
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
-# Options shared by run / chat / bench.
-Target = Annotated[Optional[str], typer.Option(help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
-Draft = Annotated[Optional[str], typer.Option(help="Draft model (same tokenizer as the target).")]
-Method = Annotated[str, typer.Option(help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
-Budget = Annotated[str, typer.Option(help="Draft tree nodes verified per target pass, or 'auto'.")]
-MaxDepth = Annotated[int, typer.Option(help="Deepest tree node (tokens below the root).")]
-MaxBeams = Annotated[int, typer.Option(help="Tree nodes expanded per draft forward.")]
-MaxBranch = Annotated[int, typer.Option(help="Children kept per expanded node.")]
-MaxNew = Annotated[int, typer.Option(help="Stop after this many generated tokens.")]
-Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")]
-TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
-TopP = Annotated[float, typer.Option(help="Nucleus mass in (0, 1] (1 = off).")]
-Seed = Annotated[int, typer.Option(help="Sampling seed.")]
-Dtype = Annotated[str, typer.Option(help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
-Device = Annotated[str, typer.Option(help="auto | cpu | cuda (auto = cuda when available).")]
-AllowPickle = Annotated[bool, typer.Option(help="Allow pickle (.bin) checkpoints, which can run code.")]
-TrustRemote = Annotated[bool, typer.Option(help="Allow custom modelling code from the model dir.")]
-Offload = Annotated[str, typer.Option(help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.")]
-MaxGpu = Annotated[Optional[str], typer.Option(help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB. Default: the device's free memory.")]
-Ctx = Annotated[int, typer.Option(help="Context tokens the KV caches are preallocated for (capped by the models' max positions).")]
-Embeddings = Annotated[str, typer.Option(help="Target input embeddings: auto | device | host (host: only looked-up rows move).")]
-DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.")]
-MaxRam = Annotated[Optional[str], typer.Option(help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.")]
-NoLive = Annotated[bool, typer.Option("--no-live", help="No live panel; one summary line on stderr.")]
-StatsJson = Annotated[Optional[Path], typer.Option(help="Write run statistics as JSON to this file.")]
-NoTemplate = Annotated[bool, typer.Option("--no-chat-template", help="Do not apply the tokenizer's chat template.")]
-Gamma = Annotated[int, typer.Option(help="--method chain: draft tokens proposed per target pass.")]
-Branching = Annotated[Optional[str], typer.Option(help="--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).")]
-ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.")]
+# Help panels. Short flags follow llama-cli where they do not clash: -m model (target), -md draft
+# model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
+MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
+Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target).")]
+Method = Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DECODING, help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
+Budget = Annotated[str, typer.Option(metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'.")]
+MaxDepth = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")]
+MaxBeams = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Tree nodes expanded per draft forward.")]
+MaxBranch = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Children kept per expanded node.")]
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", metavar="N", rich_help_panel=DECODING, help="Stop after this many generated tokens.")]
+Temperature = Annotated[float, typer.Option("--temperature", "--temp", metavar="T", rich_help_panel=DECODING, help="0 = greedy; > 0 samples.")]
+TopK = Annotated[int, typer.Option(metavar="K", rich_help_panel=DECODING, help="Keep the k most likely tokens (0 = off).")]
+TopP = Annotated[float, typer.Option(metavar="P", rich_help_panel=DECODING, help="Nucleus mass in (0, 1] (1 = off).")]
+Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
+Dtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
+Device = Annotated[str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")]
+AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
+TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]
+Offload = Annotated[str, typer.Option(metavar="MODE", rich_help_panel=OFFLOAD, help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.")]
+MaxGpu = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB. Default: the device's free memory.")]
+Ctx = Annotated[int, typer.Option(metavar="N", rich_help_panel=OFFLOAD, help="Context tokens the KV caches are preallocated for (capped by the models' max positions).")]
+Embeddings = Annotated[str, typer.Option(metavar="WHERE", rich_help_panel=OFFLOAD, help="Target input embeddings: auto | device | host (host: only looked-up rows move).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", metavar="", rich_help_panel=OFFLOAD, help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.")]
+MaxRam = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.")]
+NoLive = Annotated[bool, typer.Option("--no-live", metavar="", rich_help_panel=OUTPUT, help="No live panel; one summary line on stderr.")]
+Color = Annotated[Optional[bool], typer.Option("--color/--no-color", metavar="", show_default=False, rich_help_panel=OUTPUT, help="Colour the tokens accepted from the draft's tree. Default: on when stdout is a terminal and NO_COLOR is unset.")]
+StatsJson = Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Write run statistics as JSON to this file.")]
+NoTemplate = Annotated[bool, typer.Option("--no-chat-template", metavar="", rich_help_panel=MODELS, help="Do not apply the tokenizer's chat template.")]
+Gamma = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="--method chain: draft tokens proposed per target pass.")]
+Branching = Annotated[Optional[str], typer.Option(metavar="LIST", rich_help_panel=DECODING, help="--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).")]
+ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", metavar="FILE", rich_help_panel=DECODING, help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.")]
 
 
 @contextmanager
@@ -128,16 +165,16 @@ def parse_size_opt(value: str | None, flag: str) -> int | None:
 def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                       top_k, top_p, seed, device):
     """Validate the decoding flags and build the engine's config."""
+    for flag, value in (("--max-depth", max_depth), ("--max-beams", max_beams), ("--max-branch", max_branch),
+                        ("--max-new-tokens", max_new_tokens)):
+        if value < 1:
+            raise SpecxError(f"{flag} must be >= 1 (got {value})")
     from specexec_cli.draft import TreeShape
     from specexec_cli.engine import GenerationConfig, available_methods
     from specexec_cli.sampling import SamplingParams, validate
 
     if method not in available_methods():
         raise SpecxError(f"--method must be one of {', '.join(available_methods())} (got {method!r})")
-    for flag, value in (("--max-depth", max_depth), ("--max-beams", max_beams), ("--max-branch", max_branch),
-                        ("--max-new-tokens", max_new_tokens)):
-        if value < 1:
-            raise SpecxError(f"{flag} must be >= 1 (got {value})")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     validate(sampling)
     shape = TreeShape(parse_budget(budget, device), max_depth, max_beams, max_branch)
@@ -227,65 +264,58 @@ def load_planned(opts, plan, progress):
     return models
 
 
-def streamed_bytes(model) -> int:
-    stats = getattr(model, "stats", None)
-    return int(getattr(stats, "streamed_bytes", 0) or 0)
-
-
-def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None):
-    """Stream text to stdout while the panel (or summary line) shows stats; always save stats."""
-    from specexec_cli.engine import DecodeState, generate
-    from specexec_cli.stats import LinkMeter, RunStats
+def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None,
+                     color: bool = False):
+    """See streaming.decode_to_stdout; the config record comes from the flags."""
+    from specexec_cli import streaming
 
     plan = getattr(models.target, "plan", None)
-    stats = RunStats(config=config_record(cfg, plan.describe() if plan is not None else None))
-    state = state if state is not None else DecodeState()
-    streamed0 = streamed_bytes(models.target)
-    meter = LinkMeter(models.target)
-    ended_line = True
-    try:
-        with display.LiveView(live, link_gbps=link_gbps) as view:
-            events = tuner.drive(models, state, ids, cfg) if tuner else generate(models, state, ids, cfg)
-            for ev in events:
-                if ev.text:
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-                    ended_line = ev.text.endswith("\n")
-                stats.add(ev)
-                meter.step(stats, ev)
-                stats.streamed_bytes = streamed_bytes(models.target) - streamed0
-                if tuner is not None:
-                    stats.config.update(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth)
-                view.update(stats, {"budget": "auto"} if tuner else None)
-    finally:
-        if not ended_line:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        if stats_json is not None:
-            stats_json.write_text(json.dumps(stats.to_json(), indent=1) + "\n")
-    return stats
+    record = config_record(cfg, plan.describe() if plan is not None else None)
+    return streaming.decode_to_stdout(models, ids, cfg, record, live, stats_json, state, tuner, link_gbps, color)
 
 
 def live_enabled(no_live: bool) -> bool:
     return not no_live and sys.stderr.isatty()
 
 
-@app.command()
+def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
+    """PROMPT_FILE (or - for stdin) or -p TEXT: exactly one of them."""
+    from specexec_cli.loading import read_prompt
+
+    if prompt is not None and prompt_file is not None:
+        raise SpecxError("give either PROMPT_FILE or -p/--prompt TEXT, not both")
+    if prompt is not None:
+        if not prompt.strip():
+            raise SpecxError("-p/--prompt is empty; pass some text")
+        return prompt
+    if prompt_file is None:
+        raise SpecxError("no prompt: pass a PROMPT_FILE (or - for stdin) or -p TEXT")
+    return read_prompt(prompt_file)
+
+
+@app.command(cls=Command)
 def run(
-    prompt_file: Annotated[str, typer.Argument(help="Prompt text file, or - for stdin.")],
+    prompt_file: Annotated[Optional[str], typer.Argument(metavar="PROMPT_FILE", show_default=False, help="Prompt text file, or - for stdin (or use -p TEXT).")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", metavar="TEXT", help="Prompt text, instead of PROMPT_FILE.")] = None,
     target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
     max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
     dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
-    no_chat_template: NoTemplate = False, no_live: NoLive = False, stats_json: StatsJson = None,
+    no_chat_template: NoTemplate = False, no_live: NoLive = False, color: Color = None, stats_json: StatsJson = None,
     profile: ProfileOpt = None, gamma: Gamma = 5, branching: Branching = None, ctx: Ctx = 8192,
     embeddings: Embeddings = "auto", dry_run: DryRun = False,
 ) -> None:
-    """Generate a continuation of PROMPT_FILE; text goes to stdout, statistics to stderr."""
-    from specexec_cli.methods.common import flag_options, with_settings
+    """Generate a continuation of PROMPT_FILE (or -p TEXT); text goes to stdout, statistics to stderr."""
+    from specexec_cli.terminal import use_color
 
     with user_errors():
+        paths.check_output_file(stats_json, "--stats-json")
+        if prompt is not None or not dry_run:
+            text = prompt_text(prompt_file, prompt)
+        from specexec_cli.loading import encode_prompt
+        from specexec_cli.methods.common import flag_options, with_settings
+
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
         cfg = with_settings(cfg, **flag_options(gamma, branching, profile))
@@ -293,12 +323,12 @@ def run(
                                        max_gpu_memory, max_ram, ctx, embeddings, cfg, budget)
         if dry_run:
             return show_plan(plan, stats_json)
-        text = read_prompt(prompt_file)
         with display.LoadProgress(live_enabled(no_live)) as progress:
             models = load_planned(opts, plan, progress)
         ids = encode_prompt(models.tokenizer, text, not no_chat_template)
         tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
-        decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link)
+        decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link,
+                         color=use_color(color))
 
 
 def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
@@ -312,38 +342,29 @@ def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
     return (make_tuner(profile, cfg.shape, on_cuda) if auto else None), link_peak(profile, offload, on_cuda), profile
 
 
-System = Annotated[Optional[str], typer.Option(help="System prompt for the conversation.")]
-TurnStats = Annotated[Optional[Path], typer.Option(help="Append one JSON line of statistics per turn to this file.")]
+System = Annotated[Optional[str], typer.Option(metavar="TEXT", rich_help_panel=MODELS, help="System prompt for the conversation.")]
+TurnStats = Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Append one JSON line of statistics per turn to this file.")]
 
 
-def read_stdin_line(prompt: str) -> str:
-    """Scripted chat: one line of piped stdin per user turn; EOF ends the chat."""
-    line = sys.stdin.readline()
-    if not line:
-        raise EOFError
-    return line.rstrip("\n")
-
-
-def write_stdout(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-@app.command()
+@app.command(cls=Command)
 def chat(
     target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
     max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
     dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
-    system: System = None, no_chat_template: NoTemplate = False, no_live: NoLive = False,
+    system: System = None, no_chat_template: NoTemplate = False, no_live: NoLive = False, color: Color = None,
     stats_json: TurnStats = None, profile: ProfileOpt = None, ctx: Ctx = 8192, embeddings: Embeddings = "auto",
     dry_run: DryRun = False,
 ) -> None:
     """Chat with the model; caches are reused across turns. Piped stdin: one turn per line. /help lists commands."""
-    from specexec_cli.chat import ChatSession, run_chat
+    from specexec_cli import chat_input
+    from specexec_cli.terminal import TextSink, use_color
 
     with user_errors():
+        paths.check_output_file(stats_json, "--stats-json")
+        from specexec_cli.chat import ChatSession, run_chat
+
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
         opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
@@ -356,32 +377,39 @@ def chat(
             models = load_planned(opts, plan, progress)
         tuner, link, prof = hardware_fit(budget, cfg, profile, models, offload)
         session = ChatSession(models, cfg, system=system, use_template=not no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record)  # fmt: skip
-        if not session.templated and not no_chat_template:
+                              profile=prof, config_record=config_record, code=target is None)  # fmt: skip
+        if session.code:
+            display.print_notice("the demo pair is a Python code model: each message is code for it to continue")
+        elif not session.templated and not no_chat_template:
             display.print_notice("the tokenizer has no chat template; using a plain 'User: ...\\nAssistant:' format")
         if interactive:
             display.print_notice("type /help for commands, /exit or Ctrl-D to leave")
-        views = lambda: display.LiveView(live, transient=True, link_gbps=link, summary=False)  # noqa: E731
-        code = run_chat(session, input if interactive else read_stdin_line, write_stdout, display.print_info, views,
-                        stats_json, prompt="you> " if interactive else "")  # fmt: skip
+        sink = TextSink(color=use_color(color))
+        views = lambda: display.LiveView(live, transient=True, link_gbps=link, summary="turn",  # noqa: E731
+                                         end_text=sink.end_line)
+        read = chat_input.terminal_reader() if interactive else chat_input.read_stdin_line
+        code = run_chat(session, read, sink, display.print_info, views, stats_json,
+                        prompt="you> " if interactive else "")  # fmt: skip
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=Command)
 def profile(
-    target: Annotated[Optional[str], typer.Option(help="Also time this target's forward, t_target(n).")] = None,
-    draft: Annotated[Optional[str], typer.Option(help="Also time this draft's tree growth.")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Also time this target's forward, t_target(n).")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Also time this draft's tree growth.")] = None,
     dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
-    max_tokens: Annotated[int, typer.Option(help="Largest tree size n to time (powers of two, at most 4096).")] = 4096,
-    disk_mb: Annotated[int, typer.Option(help="MB to read for the disk bandwidth probe.")] = 256,
-    out: Annotated[Optional[Path], typer.Option(help="Profile file. Default: $XDG_CONFIG_HOME/specx/profiles/<hostname>.json.")] = None,
+    max_tokens: Annotated[int, typer.Option(metavar="N", help="Largest tree size n to time (powers of two, at most 4096).")] = 4096,
+    disk_mb: Annotated[int, typer.Option(metavar="MB", help="MB to read for the disk bandwidth probe.")] = 256,
+    out: Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Profile file. Default: $XDG_CONFIG_HOME/specx/profiles/<hostname>.json.")] = None,
     no_live: NoLive = False,
 ) -> None:
     """Measure this machine (CPU, RAM, GPUs, disk, matmul) and, with --target, the models; write a profile."""
     from specexec_cli import profiler
 
     with user_errors():
+        if out is not None:
+            paths.check_output_file(out, "--out")
         if max_tokens < 1 or disk_mb < 1:
             raise SpecxError("--max-tokens and --disk-mb must be >= 1")
         if draft is not None and target is None:
@@ -402,15 +430,15 @@ def profile(
         display.print_notice(f"wrote {path}")
 
 
-@app.command()
+@app.command(cls=Command)
 def bench(
-    prompts: Annotated[Path, typer.Option(help="JSONL file with a \"prompt\" field per line.")],
-    out: Annotated[Path, typer.Option(help="Output dir for results.json and the plots.")],
+    prompts: Annotated[Path, typer.Option(metavar="FILE", help="JSONL file with a \"prompt\" field per line.")],
+    out: Annotated[Path, typer.Option(metavar="DIR", rich_help_panel=OUTPUT, help="Output dir for results.json and the plots.")],
     target: Target = None, draft: Draft = None,
-    methods: Annotated[str, typer.Option(help="Comma-separated methods to compare.")] = "ar,chain,specinfer,sequoia,specexec,staged",
-    budgets: Annotated[str, typer.Option(help="Comma-separated tree budgets (ar/chain run once: budget-independent).")] = "16,64,256,1024",
-    temperatures: Annotated[str, typer.Option(help="Comma-separated temperatures.")] = "0,0.7",
-    max_new_tokens: MaxNew = 128, num_prompts: Annotated[int, typer.Option(help="Use the first N prompts (0 = all).")] = 0,
+    methods: Annotated[str, typer.Option(metavar="LIST", rich_help_panel=DECODING, help="Comma-separated methods to compare.")] = "ar,chain,specinfer,sequoia,specexec,staged",
+    budgets: Annotated[str, typer.Option(metavar="LIST", rich_help_panel=DECODING, help="Comma-separated tree budgets (ar/chain run once: budget-independent).")] = "16,64,256,1024",
+    temperatures: Annotated[str, typer.Option(metavar="LIST", rich_help_panel=DECODING, help="Comma-separated temperatures.")] = "0,0.7",
+    max_new_tokens: MaxNew = 128, num_prompts: Annotated[int, typer.Option(metavar="N", help="Use the first N prompts (0 = all).")] = 0,
     max_depth: MaxDepth = 64, gamma: Gamma = 5, branching: Branching = None, seed: Seed = 0,
     dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
@@ -419,9 +447,11 @@ def bench(
 ) -> None:
     """Compare decoding methods over budgets and temperatures on a prompt set; writes JSON, a table and plots."""
     from specexec_cli import bench as bench_mod
+    from specexec_cli.loading import encode_prompt
     from specexec_cli.methods.common import flag_options
 
     with user_errors():
+        paths.check_output_dir(out, "--out")
         grid = bench_mod.make_grid(methods, budgets, temperatures, max_new_tokens, max_depth, seed,
                                    flag_options(gamma, branching, profile))
         texts = bench_mod.load_prompts(prompts, num_prompts)

@@ -1,22 +1,31 @@
 """Rich rendering of RunStats on stderr: the live panel and the plain summary line.
 
 Contract: the only module that imports rich. `LiveView` is a context manager fed with the RunStats
-after each step; it draws a Live panel on a stderr console when `live` is true (a TTY and no
-`--no-live`), and otherwise prints one plain summary line on stderr at the end.
-stdout is never touched here.
+after each step. When `live` is true (stderr is a terminal and no `--no-live`) it draws the panel:
+- stdout is the terminal too: the panel lives in the bottom rows, below a scroll region
+  (`BottomPanel`), and generated text scrolls above it untouched — the panel is drawn with
+  cursor save/restore and never goes through stdout;
+- stdout is piped: a plain rich `Live` on stderr (nothing else writes to the terminal).
+Otherwise (or when the terminal is too small) it prints one plain summary line at the end.
+Every message that can carry user text, file names or model text is escaped or printed without
+markup. stdout is never written here. Importing this module loads rich's console only.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.live import Live
-from rich.panel import Panel
-from rich.table import Table
+from rich.markup import escape
 
-from specexec_cli.stats import RunStats
+if TYPE_CHECKING:
+    from rich.panel import Panel
+
+    from specexec_cli.stats import RunStats
 
 SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -53,6 +62,9 @@ def memory_line() -> str:
 
 
 def render(stats: RunStats, extra: dict | None = None, link_gbps: float | None = None) -> Panel:
+    from rich.panel import Panel
+    from rich.table import Table
+
     cfg = stats.config
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold cyan", justify="right")
@@ -78,30 +90,96 @@ def render(stats: RunStats, extra: dict | None = None, link_gbps: float | None =
         grid.add_row("streamed", f"{stats.streamed_gbps:.2f} GB/s{peak}")
     grid.add_row("memory", memory_line())
     for key, value in (extra or {}).items():
-        grid.add_row(key, str(value))
+        grid.add_row(escape(str(key)), escape(str(value)))
     title = f"specx · {stats.new_tokens} tokens · {stats.target_passes} passes"
     return Panel(grid, title=title, border_style="blue", expand=False)
 
 
+PANEL_ROWS = 10  # rows reserved at the bottom: 2 borders + up to 8 grid rows
+
+
+class BottomPanel:
+    """The bottom `rows` lines of the terminal, kept out of the text's way by a scroll region.
+
+    `open` sets the scroll region (DECSTBM) to the rows above the panel, as apt does for its
+    progress line; text printed on stdout then scrolls inside it. `draw` paints the panel's lines
+    with the cursor saved and restored (DECSC/DECRC), so the text's cursor never moves. `close`
+    clears the panel rows and gives the whole screen back. All escapes go to `out` (stderr).
+    """
+
+    def __init__(self, out, rows: int = PANEL_ROWS):
+        self.out, self.rows = out, rows
+        self.size = os.get_terminal_size(out.fileno())
+        self.ok = self.size.lines >= rows + 4  # too small a terminal: the caller falls back
+
+    def _region(self, lines: int) -> str:
+        return f"\x1b7\x1b[1;{lines - self.rows}r\x1b8"  # DECSTBM homes the cursor: save/restore
+
+    def open(self) -> None:
+        # newlines scroll the screen when the cursor is in the last `rows` rows; then go back up
+        self._write("\n" * self.rows + f"\x1b[{self.rows}A" + self._region(self.size.lines))
+
+    def draw(self, lines: list[str]) -> None:
+        size = os.get_terminal_size(self.out.fileno())
+        buf = ""
+        if size != self.size:  # resized: move the region to the new bottom
+            self.size = size
+            buf += self._region(size.lines)
+        top = size.lines - self.rows + 1
+        buf += "\x1b7"
+        for i in range(self.rows):
+            buf += f"\x1b[{top + i};1H\x1b[2K" + (lines[i] if i < len(lines) else "")
+        self._write(buf + "\x1b8")
+
+    def close(self) -> None:
+        top = self.size.lines - self.rows + 1
+        clear = "".join(f"\x1b[{top + i};1H\x1b[2K" for i in range(self.rows))
+        self._write("\x1b7" + clear + "\x1b[r\x1b8")  # DECSTBM reset also homes: save/restore
+
+    def _write(self, data: str) -> None:
+        sys.stdout.flush()  # text already written must land before the cursor moves
+        self.out.write(data)
+        self.out.flush()
+
+
+def panel_lines(panel, width: int, rows: int) -> list[str]:
+    """The panel rendered with ANSI styles, as at most `rows` lines no wider than `width`."""
+    console = Console(file=io.StringIO(), width=width, force_terminal=True, highlight=False,
+                      color_system=None if os.environ.get("NO_COLOR") else "standard")
+    with console.capture() as cap:
+        console.print(panel, crop=True, overflow="crop")
+    return cap.get().splitlines()[:rows]
+
+
 class LiveView:
-    """`with LiveView(live) as view: view.update(stats)`; prints the summary line when not live."""
+    """`with LiveView(live) as view: view.update(stats)`; see the module docstring for the modes.
+
+    summary: True = the full summary line (or the final panel) at the end, "turn" = a short
+    per-reply line (tok/s, tokens/pass) live or not, False = nothing at the end.
+    """
 
     def __init__(self, live: bool, console: Console | None = None, transient: bool = False,
-                 link_gbps: float | None = None, summary: bool = True):
+                 link_gbps: float | None = None, summary: bool | str = True, end_text=None):
         self.live, self.transient, self.link_gbps, self.summary = live, transient, link_gbps, summary
+        self.end_text = end_text  # called first on exit: ends the text's last line (TextSink.end_line)
         self._last_draw = 0.0
         self.extra: dict | None = None
         self.console = console or stderr_console()
-        self._live: Live | None = None
+        self._live = None  # rich Live (stdout piped)
+        self._bottom: BottomPanel | None = None  # scroll-region panel (stdout is the terminal)
         self.stats: RunStats | None = None
 
     def __enter__(self) -> "LiveView":
-        if self.live:
-            # Text on a terminal stdout is printed above the panel; piped stdout is left alone.
-            self._live = Live(
-                console=self.console, refresh_per_second=8, transient=self.transient,
-                redirect_stdout=sys.stdout.isatty(), redirect_stderr=False,
-            )  # fmt: skip
+        if self.live and sys.stdout.isatty():
+            bottom = BottomPanel(sys.stderr)
+            if bottom.ok:
+                self._bottom = bottom
+                bottom.open()
+        elif self.live:
+            from rich.live import Live
+
+            self._live = Live(console=self.console, refresh_per_second=8, transient=self.transient,
+                              redirect_stdout=False, redirect_stderr=False)  # fmt: skip
             self._live.__enter__()
         return self
 
@@ -109,26 +187,51 @@ class LiveView:
         self.stats, self.extra = stats, extra
         now = time.monotonic()
         # re-render at most ~10x/s (and always on the last step): rendering costs ~ms per call
-        if self._live is not None and (now - self._last_draw > 0.1 or stats.finish):
+        if now - self._last_draw > 0.1 or stats.finish:
             self._last_draw = now
-            self._live.update(render(stats, extra, self.link_gbps))
+            self._draw()
+
+    def _draw(self) -> None:
+        if self.stats is None:
+            return
+        if self._bottom is not None:
+            panel = render(self.stats, self.extra, self.link_gbps)
+            self._bottom.draw(panel_lines(panel, self._bottom.size.columns, self._bottom.rows))
+        elif self._live is not None:
+            self._live.update(render(self.stats, self.extra, self.link_gbps))
 
     def __exit__(self, *exc) -> None:
+        if self.end_text is not None:
+            self.end_text()
         if self._live is not None:
-            if self.stats is not None:  # the throttle may have skipped the last step
-                self._live.update(render(self.stats, self.extra, self.link_gbps))
+            self._draw()  # the throttle may have skipped the last step
             self._live.__exit__(*exc)
-        elif self.stats is not None and self.summary:
+        elif self._bottom is not None:
+            self._bottom.close()
+            if not self.transient and self.stats is not None and self.summary is True:
+                self.console.print(render(self.stats, self.extra, self.link_gbps))
+        if self.stats is None:
+            return
+        if self.summary == "turn":
+            print(turn_line(self.stats), file=sys.stderr, flush=True)
+        elif self.summary and self._live is None and self._bottom is None:
             print(self.stats.summary_line(), file=sys.stderr, flush=True)
+
+
+def turn_line(stats: RunStats) -> str:
+    """The one line after each chat reply."""
+    return (f"[{stats.new_tokens} tokens · {stats.tokens_per_second:.2f} tok/s · "
+            f"{stats.tokens_per_pass:.2f} tokens/pass · {stats.target_passes} passes]")
 
 
 def print_notice(message: str) -> None:
     """A one-line notice on stderr (loading plans, demo-pair notice)."""
-    stderr_console().print(f"[dim]{message}[/dim]")
+    stderr_console().print(f"[dim]{escape(message)}[/dim]", soft_wrap=True)
 
 
 def print_error(message: str) -> None:
-    stderr_console().print(f"[bold red]error:[/bold red] {message}", soft_wrap=True)
+    """`error: message` on stderr; the message is escaped (it may name files or quote input)."""
+    stderr_console().print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
 
 
 def print_info(message: str) -> None:

@@ -199,6 +199,14 @@ def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfi
     return tok
 
 
+class TextChunk(str):
+    """Newly printable text that also knows how many of its leading characters are the text of
+    tokens accepted from the draft's tree (the rest is the target's own token): `draft_chars`.
+    A plain str everywhere else, so writers that ignore colour need no change."""
+
+    draft_chars: int = 0
+
+
 class TextStream:
     """Incremental detokenizer: feed token ids, get the newly printable text."""
 
@@ -214,6 +222,13 @@ class TextStream:
             return ""
         new, self.printed = text[self.printed :], len(text)
         return new
+
+    def feed_split(self, tokens: list[int], accepted: int) -> TextChunk:
+        """feed(tokens) as a TextChunk whose draft_chars covers tokens[:accepted]."""
+        head = self.feed(tokens[:accepted]) if accepted else ""
+        chunk = TextChunk(head + self.feed(tokens[accepted:]))
+        chunk.draft_chars = len(head)
+        return chunk
 
 
 def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:
@@ -252,7 +267,7 @@ def generate(
         produced += len(res.tokens)
         finish = finish_reason(m, st, res.tokens, produced, cfg)
         yield StepEvent(
-            text=stream.feed(res.tokens), tokens=res.tokens, accepted=res.accepted,
+            text=stream.feed_split(res.tokens, res.accepted), tokens=res.tokens, accepted=res.accepted,
             pass_index=pass_index, tree_size=res.tree_size, tree_depth=res.tree_depth,
             draft_seconds=res.draft_seconds, target_seconds=res.target_seconds,
             prefill_seconds=t_prefill, decode_seconds=time.perf_counter() - t0 - t_prefill,

@@ -1,12 +1,14 @@
 """Regenerate the README's flags reference from `specx <command> --help`.
 
 Contract: replaces the text between `<!-- flags:begin -->` and `<!-- flags:end -->` in README.md
-with one fenced block per command (run, chat, profile, bench; commands that do not exist are
-skipped). Run after changing any option: `python tools/gen_flags.py`.
+with one fenced block per command (run, chat, profile, bench, quantize; commands that do not exist
+are skipped). Run after changing any option: `python tools/gen_flags.py`; `--check` only reports
+(exit 1) when the README is out of date, and `--help` prints usage without touching anything.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -15,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
-COMMANDS = ["run", "chat", "profile", "bench"]
+COMMANDS = ["run", "chat", "profile", "bench", "quantize"]
 
 
 def help_text(command: str) -> str | None:
@@ -28,7 +30,10 @@ def help_text(command: str) -> str | None:
     return "\n".join(lines).replace("python -m specexec_cli", "specx")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Regenerate the flags reference in README.md from `specx <command> --help`.")
+    parser.add_argument("--check", action="store_true", help="only check: exit 1 if README.md is out of date")
+    args = parser.parse_args(argv)
     blocks = []
     for command in COMMANDS:
         text = help_text(command)
@@ -37,11 +42,17 @@ def main() -> None:
     readme = ROOT / "README.md"
     body = readme.read_text()
     if BEGIN not in body:
-        sys.exit(f"README.md has no {BEGIN} marker")
-    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n" + "\n".join(blocks) + END, body, flags=re.S)
+        print(f"README.md has no {BEGIN} marker", file=sys.stderr)
+        return 2
+    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", lambda _: f"{BEGIN}\n" + "\n".join(blocks) + END, body,
+                 flags=re.S)  # fmt: skip
+    if args.check:
+        print("README.md flags are up to date" if new == body else "README.md flags are out of date; run tools/gen_flags.py")
+        return 0 if new == body else 1
     readme.write_text(new)
     print(f"updated {len(blocks)} command(s) in README.md")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -56,6 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--target-minutes", type=float, default=10.0)
     p.add_argument("--draft-minutes", type=float, default=4.0)
+    p.add_argument("--target-steps", type=int, default=0,
+                   help="train the target for exactly this many steps (0 = use --target-minutes)")
+    p.add_argument("--draft-steps", type=int, default=0,
+                   help="train the draft for exactly this many steps (0 = use --draft-minutes)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--eval-seqs", type=int, default=96, help="held-out sequences for eval")
     p.add_argument("--threads", type=int, default=2)
@@ -154,15 +158,19 @@ def sample_batch(stream: torch.Tensor, batch: int, gen: torch.Generator) -> torc
     return torch.stack([stream[s: s + SEQ_LEN + 1] for s in starts.tolist()])
 
 
-def train_loop(model, stream, args, minutes, peak_lr, teacher=None, alpha=0.5, tag=""):
-    """Time-limited AdamW training; with ``teacher`` mixes CE and KL(teacher||model)."""
+def train_loop(model, stream, args, minutes, peak_lr, teacher=None, alpha=0.5, tag="", steps=0):
+    """AdamW training for `steps` steps (or, when 0, a time budget of `minutes`); with
+    ``teacher`` mixes CE and KL(teacher||model). The LR schedule follows the used fraction."""
     gen = torch.Generator().manual_seed(args.seed + (1 if teacher is not None else 0))
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
     budget, cap = minutes * 60.0, minutes * 60.0 * args.wall_cap_factor
     t0, c0, step, ema = time.time(), time.process_time(), 0, None
     model.train()
-    while (frac := budget_fraction(t0, c0, budget, cap, args.threads)) < 1.0:
+    def used() -> float:
+        return step / steps if steps else budget_fraction(t0, c0, budget, cap, args.threads)
+
+    while (frac := used()) < 1.0:
         for g in opt.param_groups:
             g["lr"] = lr_at(frac, peak_lr)
         batch = sample_batch(stream, args.batch_size, gen)
@@ -275,6 +283,18 @@ def write_readme(out: Path, info: dict) -> None:
         f"- draft top-1 agreement with target: {100 * q['top1_agreement']:.1f}%",
         "",
     ]
+    if info.get("sample"):
+        smp = info["sample"]
+        lines += [
+            "## Greedy 64-token continuation of `examples/prompt.txt` (target, fp32)",
+            "",
+            f"{100 * smp['nonblank_fraction']:.0f}% of its {smp['lines']} lines are non-blank:",
+            "",
+            "```python",
+            smp["text"].rstrip("\n"),
+            "```",
+            "",
+        ]
     (out / "README.md").write_text("\n".join(lines))
 
 
@@ -305,13 +325,14 @@ def main(argv=None) -> int:
 
     target, t_params = build_model("target", tokenizer, args.seed)
     t_stats = train_loop(target, train_ids, args, args.target_minutes, args.target_lr,
-                         tag="target")
+                         tag="target", steps=args.target_steps)
     draft, d_params = build_model("draft", tokenizer, args.seed + 1)
     for p in target.parameters():
         p.requires_grad_(False)
     teacher = target if args.distill_alpha < 1.0 else None
     d_stats = train_loop(draft, train_ids, args, args.draft_minutes, args.draft_lr,
-                         teacher=teacher, alpha=args.distill_alpha, tag="draft")
+                         teacher=teacher, alpha=args.distill_alpha, tag="draft",
+                         steps=args.draft_steps)
 
     save_model(target, tokenizer, out / "target")
     save_model(draft, tokenizer, out / "draft")
@@ -330,9 +351,35 @@ def main(argv=None) -> int:
         "draft": {**d_stats, "params": d_params, "mb": dir_mb(out / "draft"),
                   "shape": shape_of(draft)},
     }
+    prompt = Path(__file__).resolve().parents[1] / "examples" / "prompt.txt"
+    info["sample"] = greedy_sample(out, prompt) if prompt.exists() else None
+    print(json.dumps(info["sample"], indent=1), flush=True)
     write_readme(out, info)
     print(json.dumps({k: info[k] for k in ("target", "draft")}, indent=1))
     return 0
+
+
+@torch.no_grad()
+def greedy_sample(out: Path, prompt_path: Path, n: int = 64) -> dict:
+    """The shipped target's greedy n-token continuation of `prompt_path` (what `specx run` shows
+    with the demo pair: decoding is lossless), and the fraction of its lines that are non-blank."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "target")
+    model = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
+    ids = tok(prompt_path.read_text(), return_tensors="pt")["input_ids"]
+    for _ in range(n):
+        nxt = model(input_ids=ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+        if nxt.item() == tok.eos_token_id:
+            break
+    n_prompt = len(tok(prompt_path.read_text())["input_ids"])
+    text = tok.decode(ids[0, n_prompt:], skip_special_tokens=True)
+    lines = text.split("\n")
+    if lines and not lines[-1]:
+        lines.pop()  # a trailing newline does not start a line
+    nonblank = sum(bool(line.strip()) for line in lines)
+    return {"text": text, "nonblank_fraction": nonblank / max(len(lines), 1), "lines": len(lines)}
 
 
 def command_line() -> str:

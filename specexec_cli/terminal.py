@@ -1,0 +1,84 @@
+"""Raw generated text on stdout, optionally coloured by where each token came from.
+
+Contract: `TextSink` is the one writer of generated text. It writes the text exactly as decoded,
+never through a markup parser, and flushes after every chunk. With colour on, the leading
+`draft_chars` characters of a chunk (text of tokens accepted from the draft's tree) are wrapped in
+an SGR colour and the rest (the target's own token) is left in the default colour; the colour is
+reset at every newline so a line never starts inside an escape sequence. It imports neither rich
+nor torch. `use_color` decides the default: on for a terminal stdout unless NO_COLOR is set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+DRAFT_SGR = "\x1b[36m"  # cyan: tokens accepted from the draft's tree
+RESET_SGR = "\x1b[0m"
+
+
+def use_color(flag: bool | None, stream: TextIO | None = None) -> bool:
+    """--color/--no-color when given; else on for a terminal unless NO_COLOR is set (no-color.org)."""
+    stream = stream if stream is not None else sys.stdout
+    if not _isatty(stream):
+        return False  # piped stdout never gets escape codes, whatever the flag says
+    if flag is not None:
+        return flag
+    return not os.environ.get("NO_COLOR")
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def paint(text: str, sgr: str) -> str:
+    """`text` in colour `sgr`, closed before each newline and reopened after it."""
+    if not text:
+        return ""
+    lines = text.split("\n")
+    return "\n".join(f"{sgr}{line}{RESET_SGR}" if line else "" for line in lines)
+
+
+@dataclass
+class TextSink:
+    """Callable writer: sink(text[, draft_chars]); draft_chars defaults to text.draft_chars. Tracks whether the output ends a line."""
+
+    color: bool = False  # wrap draft-accepted text in DRAFT_SGR
+    stream: TextIO = field(default_factory=lambda: sys.stdout)  # where the text goes
+    ended_line: bool = True  # the last character written was a newline (or nothing was written)
+    wrote: bool = False  # any text at all was written
+    owed: bool = False  # end_line() wrote a newline the caller may still write: it is dropped once
+
+    def __call__(self, text: str, draft_chars: int | None = None) -> None:
+        if not text:
+            return
+        if draft_chars is None:  # engine.TextChunk carries it; a plain str has none
+            draft_chars = getattr(text, "draft_chars", 0)
+        if self.owed and text.startswith("\n"):  # the newline end_line() already wrote
+            text, draft_chars = text[1:], max(draft_chars - 1, 0)
+        self.owed = False
+        if not text:
+            return
+        if self.color and draft_chars > 0:
+            out = paint(text[:draft_chars], DRAFT_SGR) + text[draft_chars:]
+        else:
+            out = text
+        self.stream.write(out)
+        self.stream.flush()
+        self.ended_line, self.wrote = text.endswith("\n"), True
+
+    def end_line(self) -> None:
+        """Finish a partial last line now, so a summary printed next does not run into it.
+
+        A caller that ends the reply with its own "\n" afterwards (chat does) gets that newline
+        dropped, so the text on stdout is the same whether or not end_line() ran first.
+        """
+        if not self.ended_line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.ended_line, self.owed = True, True
