@@ -276,6 +276,8 @@ class LoadProgress:
 
 def print_profile(profile: dict) -> None:
     """The `specx profile` result as a Rich table on stderr, then the recommended budget."""
+    from rich.table import Table
+
     gb = 1e9
     table = Table(title=f"specx profile · {profile.get('hostname')}", show_header=False, expand=False)
     table.add_column(style="bold cyan", justify="right")
@@ -322,6 +324,8 @@ class BenchProgress(LoadProgress):
 
 def print_bench_table(records: list[dict]) -> None:
     """One row per bench cell (method × budget × temperature) on stderr."""
+    from rich.table import Table
+
     table = Table(title="specx bench", header_style="bold cyan")
     for col in ("T", "budget", "method", "tok/pass", "tok/s", "draft s", "target s", "tree", "lossless"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
@@ -341,6 +345,8 @@ def _gb(n: int) -> str:
 
 def print_plan(plan: dict, title: str = "specx memory plan") -> None:
     """The --dry-run plan (MemoryPlan.to_json()) on stdout: component, where it lives, bytes."""
+    from rich.table import Table
+
     dev = "cuda" if plan.get("device") == "cuda" else "cpu"
     table = Table(title=title, header_style="bold cyan")
     for col, justify in (("component", "left"), ("where", "left"), ("bytes", "right"), ("GB", "right")):
