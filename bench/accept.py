@@ -1,11 +1,14 @@
-"""Tokens per target pass of `--method specexec` vs budget, on the shared trained pair.
+"""Tokens per target pass vs budget, per method, on the shared trained pair, with 95% intervals.
 
-Run by hand (not a test): `python bench/accept.py [--prompts N] [--max-new-tokens 48] [--out FILE]`.
-For each budget in {1, 16, 64, 256, 1024, 2048} and temperature in {0, 0.7} it decodes every prompt
-from ../shared/bench/prompts.jsonl with the engine and reports tokens per target pass (total
-emitted by target passes / passes; the prefill token is excluded), and the tok/s measured in the
-same run. At T=0 it also checks the ids against the target's HF greedy `generate`. Writes JSON and
-prints a table.
+Run by hand (not a test), under the shared lock:
+`flock /tmp/specx-bench.lock python bench/accept.py [--prompts 0:40] [--budgets 16,128,1024]
+ [--methods specexec,sequoia,specinfer,chain] [--temperatures 0,0.7] [--seeds 3] [--readme]`.
+For each (temperature, budget, method) it decodes every selected prompt of
+../shared/bench/prompts.jsonl (at T > 0 once per seed) with the engine and reports tokens per
+target pass = tokens emitted by target passes ÷ passes (the prefill token is excluded), pooled over
+the prompts, with a 95% percentile-bootstrap interval that resamples prompts (a prompt's seeds stay
+together). At T = 0 every run's ids are checked against the target's HF greedy `generate`.
+Writes JSON; `--readme` also rewrites the table between the `accept:begin/end` markers in README.md.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,77 +27,120 @@ SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
 from specexec_cli.draft import TreeShape  # noqa: E402
-from specexec_cli.engine import DecodeState, GenerationConfig, generate  # noqa: E402
+from specexec_cli.engine import DecodeState, GenerationConfig  # noqa: E402
 from specexec_cli.loading import LoadOptions, load_models  # noqa: E402
+from specexec_cli.methods import generate  # noqa: E402
 from specexec_cli.sampling import SamplingParams  # noqa: E402
 from specexec_cli.stats import RunStats  # noqa: E402
 
 
-def load_prompts(n: int) -> list[str]:
+def load_prompts(spec: str) -> list[tuple[int, str]]:
+    """'a:b' (or 'n' = '0:n') → [(index, prompt)] from the shared prompt file."""
     lines = (SHARED / "bench" / "prompts.jsonl").read_text().splitlines()
-    return [json.loads(line)["prompt"] for line in lines[:n]]
+    a, b = (int(x) for x in spec.split(":")) if ":" in spec else (0, int(spec))
+    return [(i, json.loads(lines[i])["prompt"]) for i in range(a, min(b, len(lines)))]
 
 
-def run_cell(models, prompts, budget, temperature, args) -> dict:
+def interval(tokens: np.ndarray, passes: np.ndarray, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap of sum(tokens)/sum(passes), resampling prompts (rows)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(tokens), size=(draws, len(tokens)))
+    ratios = tokens[idx].sum(1) / np.maximum(passes[idx].sum(1), 1)
+    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def run_cell(models, prompts, refs, method, budget, temperature, args) -> dict:
     shape = TreeShape(budget, args.max_depth, args.max_beams, args.max_branch)
-    cfg = GenerationConfig(shape=shape, sampling=SamplingParams(temperature), max_new_tokens=args.max_new_tokens)
-    total = RunStats()
-    lossless = True if temperature == 0 else None
-    for i, prompt in enumerate(prompts):
-        ids = models.tokenizer(prompt)["input_ids"]
-        stats = RunStats()
-        for ev in generate(models, DecodeState(), ids, GenerationConfig(**{**cfg.__dict__, "seed": i})):
-            stats.add(ev)
-        if temperature == 0 and args.check:
-            ref = models.target.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)
-            lossless = lossless and stats.token_ids == ref[0, len(ids) :].tolist()
-        total.pass_tokens += stats.pass_tokens
-        total.target_passes += stats.target_passes
-        total.decode_seconds += stats.decode_seconds
-        total.draft_seconds += stats.draft_seconds
-        total.target_seconds += stats.target_seconds
-        total.token_ids += stats.token_ids
-    return dict(
-        budget=budget, temperature=temperature, prompts=len(prompts), tokens_per_pass=round(total.tokens_per_pass, 3),
-        tokens_per_second=round(total.tokens_per_second, 2), target_passes=total.target_passes,
-        draft_seconds=round(total.draft_seconds, 2), target_seconds=round(total.target_seconds, 2),
-        accept_histogram={str(k): v for k, v in total.accept_histogram.items()}, lossless=lossless,
-    )  # fmt: skip
+    extra = {"scores": args.scores} if args.scores else {}
+    seeds = range(args.seeds) if temperature > 0 else range(1)
+    tokens, passes, lossless, t0 = [], [], True, time.time()
+    for (i, prompt), ref in zip(prompts, refs):
+        tok = npass = 0
+        for seed in seeds:
+            cfg = GenerationConfig(method=method, shape=shape, sampling=SamplingParams(temperature), seed=1000 * seed + i,
+                                   max_new_tokens=args.max_new_tokens, extra=dict(extra, gamma=args.gamma))
+            stats = RunStats()
+            for ev in generate(models, DecodeState(), models.tokenizer(prompt)["input_ids"], cfg):
+                stats.add(ev)
+            tok, npass = tok + sum(stats.pass_tokens), npass + stats.target_passes
+            if temperature == 0 and ref is not None:
+                lossless = lossless and stats.token_ids == ref
+        tokens.append(tok)
+        passes.append(npass)
+    t, p = np.array(tokens, float), np.array(passes, float)
+    lo, hi = interval(t, p)
+    return dict(method=method, budget=budget, temperature=temperature, prompts=len(prompts), seeds=len(seeds),
+                tokens_per_pass=round(t.sum() / max(p.sum(), 1), 3), ci95=[round(lo, 3), round(hi, 3)],
+                target_passes=int(p.sum()), lossless=lossless if temperature == 0 and refs[0] is not None else None,
+                seconds=round(time.time() - t0, 1))  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one row per (T, budget), one column per method: tokens/pass [95% interval]."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    out = ["| T | budget | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for key in dict.fromkeys((r["temperature"], r["budget"]) for r in rows):
+        cells = {r["method"]: r for r in rows if (r["temperature"], r["budget"]) == key}
+        fmt = [f"{c['tokens_per_pass']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if (c := cells.get(m)) else ""
+               for m in methods]  # fmt: skip
+        out.append(f"| {key[0]:g} | {key[1]} | " + " | ".join(fmt) + " |")
+    return "\n".join(out)
+
+
+def write_readme(text: str) -> None:
+    path = ROOT / "README.md"
+    doc = path.read_text()
+    begin, end = "<!-- accept:begin -->", "<!-- accept:end -->"
+    if begin not in doc or end not in doc:
+        sys.exit("README.md has no <!-- accept:begin --> / <!-- accept:end --> markers")
+    head, rest = doc.split(begin, 1)
+    path.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--budgets", default="1,16,64,256,1024,2048")
-    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--prompts", default="0:40", help="prompt index range a:b, or a count n (= 0:n)")
+    ap.add_argument("--budgets", default="16,128,1024")
+    ap.add_argument("--methods", default="specexec")
+    ap.add_argument("--temperatures", default="0")
+    ap.add_argument("--seeds", type=int, default=3, help="runs per prompt at T > 0")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--max-depth", type=int, default=64)
     ap.add_argument("--max-beams", type=int, default=32)
     ap.add_argument("--max-branch", type=int, default=32)
+    ap.add_argument("--gamma", type=int, default=5, help="chain: draft tokens per pass")
+    ap.add_argument("--scores", default=None, help="specexec node scores: calibrated+ngram | calibrated | draft")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the HF greedy comparison")
+    ap.add_argument("--readme", action="store_true", help="rewrite the README table from this run")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accept.json"))
     args = ap.parse_args()
     if not (SHARED / "models" / "target").exists():
         sys.exit("bench/accept.py needs ../shared/models (the trained pair); it is not present")
     models = load_models(LoadOptions(str(SHARED / "models/target"), str(SHARED / "models/draft"), dtype="fp32", device="cpu"))
     prompts = load_prompts(args.prompts)
-    rows = []
-    t0 = time.time()
+    refs = [None] * len(prompts)
+    if args.check and "0" in [f"{float(t):g}" for t in args.temperatures.split(",")]:
+        refs = [models.target.generate(torch.tensor([ids := models.tokenizer(p)["input_ids"]]), do_sample=False,
+                                       max_new_tokens=args.max_new_tokens)[0, len(ids) :].tolist() for _, p in prompts]
+    rows, t0 = [], time.time()
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for budget in [int(b) for b in args.budgets.split(",")]:
-            rows.append(run_cell(models, prompts, budget, temperature, args))
-            r = rows[-1]
-            print(f"T={temperature:<4} budget={budget:<5} tokens/pass={r['tokens_per_pass']:<6} "
-                  f"tok/s={r['tokens_per_second']:<7} lossless={r['lossless']}  [{time.time() - t0:.0f}s]", flush=True)
+            for method in args.methods.split(","):
+                r = run_cell(models, prompts, refs, method, budget, temperature, args)
+                rows.append(r)
+                print(f"T={temperature:<4g} budget={budget:<5} {method:<10} tokens/pass={r['tokens_per_pass']:<6} "
+                      f"95%=[{r['ci95'][0]}, {r['ci95'][1]}] lossless={r['lossless']}  [{time.time() - t0:.0f}s]",
+                      flush=True)  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, max_beams=args.max_beams,
-                max_branch=args.max_branch, dtype="fp32", device="cpu", torch=torch.__version__)
+    meta = dict(vars(args), dtype="fp32", device="cpu", torch=torch.__version__, command=" ".join(sys.argv))
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print("\n| T | budget | tokens/pass | tok/s | lossless |\n|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['temperature']} | {r['budget']} | {r['tokens_per_pass']} | {r['tokens_per_second']} | {r['lossless']} |")
-    print(f"\nwrote {out}")
+    text = table(rows)
+    print("\n" + text + f"\n\nwrote {out}")
+    if args.readme:
+        write_readme(f"`python bench/accept.py {' '.join(sys.argv[1:])}` — tokens per target pass, "
+                     f"prompts {args.prompts} of prompts.jsonl, {args.max_new_tokens} new tokens, "
+                     "95% bootstrap interval over prompts:\n\n" + text)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, generate
+from specexec_cli.engine import DecodeState, GenerationConfig
+from specexec_cli.methods import generate
 from specexec_cli.errors import SpecxError
 from specexec_cli.methods.common import MethodSettings, with_settings
 from specexec_cli.sampling import SamplingParams
@@ -60,7 +61,7 @@ def parse_list(text: str, kind, flag: str) -> tuple:
 def make_grid(methods: str, budgets: str, temperatures: str, max_new_tokens: int, max_depth: int, seed: int,
               options: dict) -> BenchGrid:
     """Validated grid from the CLI's comma-separated flags."""
-    from specexec_cli.engine import available_methods
+    from specexec_cli.methods import available_methods
 
     names = parse_list(methods, str, "--methods")
     unknown = [m for m in names if m not in available_methods()]

@@ -248,7 +248,7 @@ class BudgetTuner:
 
     def drive(self, models, state, ids, cfg: GenerationConfig, gen=None):
         """engine.generate with a live shape; yields the engine's events unchanged."""
-        from specexec_cli.engine import generate
+        from specexec_cli.methods import generate
 
         for ev in generate(models, state, ids, LiveConfig.wrap(cfg, self.holder), gen):
             self.observe(ev)

@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from specexec_cli import kvcache
-from specexec_cli.engine import ContextOverflow, DecodeState, GenerationConfig, generate
+from specexec_cli.engine import ContextOverflow, DecodeState, GenerationConfig
+from specexec_cli.methods import generate
 from specexec_cli.errors import SpecxError
 from specexec_cli.sampling import validate
 from specexec_cli.stats import RunStats

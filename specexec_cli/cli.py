@@ -170,7 +170,8 @@ def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_
         if value < 1:
             raise SpecxError(f"{flag} must be >= 1 (got {value})")
     from specexec_cli.draft import TreeShape
-    from specexec_cli.engine import GenerationConfig, available_methods
+    from specexec_cli.engine import GenerationConfig
+    from specexec_cli.methods import available_methods
     from specexec_cli.sampling import SamplingParams, validate
 
     if method not in available_methods():

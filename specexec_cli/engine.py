@@ -16,8 +16,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from specexec_cli import kvcache
-from specexec_cli.draft import DraftContext, TreeShape, grow_tree
+from specexec_cli import calibrate, kvcache, transfers
+from specexec_cli.draft import DraftContext, Scoring, TreeShape, grow_tree
+from specexec_cli.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
 from specexec_cli.sampling import SamplingParams, select
 from specexec_cli.tree import causal_mask, subtree, top_budget, verify_mask
@@ -41,7 +42,7 @@ class Models:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    method: str = "specexec"  # name in STEP_METHODS
+    method: str = "specexec"  # name in methods.METHODS (the core ones in STEP_METHODS)
     shape: TreeShape = TreeShape(budget=64, max_depth=64)
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
@@ -89,6 +90,8 @@ class StepEvent:
     new_tokens: int  # generated so far, this call
     prompt_tokens: int  # tokens prefilled by this call
     finish: str | None = None  # "eos" | "length" | "context" on the last event
+    host_transfers: int = 0  # device→host copies this step made (transfers.to_host calls)
+    host_transfer_bytes: int = 0  # their payload bytes
 
     @property
     def tps(self) -> float:
@@ -129,8 +132,28 @@ def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
     st.ids.extend(acc.tokens)
 
 
-def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape, params: SamplingParams):
-    return grow_tree(m.draft, st.draft_cache, ctx, shape, params)
+DEFAULT_SCORES = "draft"  # node scores of --method specexec (see tree_scoring)
+
+
+def sampling_key(params: SamplingParams) -> str:
+    return f"T={params.temperature:g},top_k={params.top_k},top_p={params.top_p:g}"
+
+
+def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring | None:
+    """SpecExec's node scores, chosen by cfg.extra "scores" (default DEFAULT_SCORES): "draft" (raw
+    cumulative draft log-probs, plain SpecExec) | "calibrated" | "calibrated+ngram" (calibrate.py)."""
+    mode = (cfg.extra or {}).get("scores", DEFAULT_SCORES)
+    if mode not in ("calibrated+ngram", "calibrated", "draft"):
+        raise SpecxError(f"scores must be calibrated+ngram, calibrated or draft (got {mode!r})")
+    if mode == "draft":
+        return None
+    cal = calibrate.for_pair(m.target, m.draft, sampling_key(cfg.sampling), (cfg.extra or {}).get("sequoia_profile"))
+    ngram = NgramIndex(st.ids) if mode == "calibrated+ngram" else None
+    return Scoring(cal=cal, ngram=ngram, committed=st.ids)
+
+
+def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None):
+    return grow_tree(m.draft, st.draft_cache, ctx, shape, params, scoring)
 
 
 def speculative_step(
@@ -138,7 +161,7 @@ def speculative_step(
 ) -> StepResult:
     """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches.
 
-    `grow(m, st, ctx, shape, sampling) -> Tree` lets a method swap the tree-growth stage only.
+    `grow(m, st, ctx, shape, sampling, scoring) -> Tree` lets a method swap the tree-growth stage only.
     """
     n = len(st.ids)
     depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
@@ -149,14 +172,17 @@ def speculative_step(
     # 1) grow the tree with the draft; keep the best `budget` nodes (ancestor-closed)
     pending = st.ids[st.draft_len :]
     ctx = DraftContext(n_cached=st.draft_len, pending=pending, root_pos=n - 1)
-    tree = grow(m, st, ctx, shape, cfg.sampling)
+    scoring = tree_scoring(m, st, cfg) if grow is default_grow else None
+    tree = grow(m, st, ctx, shape, cfg.sampling, scoring)
     vt = subtree(tree, top_budget(tree.logp, shape.budget))
     t1 = time.perf_counter()
     # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
-    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target))
+    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
     logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
     # 3) walk the tree with the target's own samples
     acc = accept_tree(vt, logits, cfg.sampling, gen, m.eos_ids, limit)
+    if scoring is not None and scoring.cal is not None:  # learn which features the target accepts
+        calibrate.observe_pass(scoring.cal, tree, vt.draft_ids[acc.path].tolist(), acc.tokens)
     t2 = time.perf_counter()
     # 4) trim caches to the accepted path; the last emitted token becomes the next root
     commit_tree(st, tree, vt, acc, len(pending))
@@ -171,14 +197,17 @@ def speculative_step(
     )
 
 
-STEP_METHODS: dict[str, StepFn] = {"ar": ar_step, "specexec": speculative_step}
+STEP_METHODS: dict[str, StepFn] = {"ar": ar_step, "specexec": speculative_step}  # core methods only
 
 
-def available_methods() -> dict[str, StepFn]:
-    """Core methods plus those in specexec_cli.methods (imported lazily: they import this module)."""
-    from specexec_cli.methods import METHODS
-
-    return {**STEP_METHODS, **METHODS}
+def core_step(method: str) -> StepFn:
+    """The step of a core method; the others live in specexec_cli.methods (which imports this module)."""
+    if method not in STEP_METHODS:
+        raise SpecxError(
+            f"method {method!r} is not a core engine method; use specexec_cli.methods.generate "
+            "(or pass step_fn=specexec_cli.methods.step_for(name))"
+        )
+    return STEP_METHODS[method]
 
 
 def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen) -> int:
@@ -251,11 +280,15 @@ def finish_reason(m: Models, st: DecodeState, tokens: list[int], produced: int, 
 
 
 def generate(
-    m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None
+    m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None,
+    step_fn: StepFn | None = None,
 ) -> Iterator[StepEvent]:
-    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens or the context end."""
+    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens or the context end.
+
+    `step_fn` runs one target pass; None = the core method `cfg.method` names (ar, specexec).
+    """
     check_fits(m, st, new_ids)
-    step_fn = available_methods()[cfg.method]
+    step_fn = step_fn or core_step(cfg.method)
     gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
     stream = TextStream(m.tokenizer)
     n_prompt = len(st.ids) + len(new_ids) - st.target_len
@@ -263,6 +296,7 @@ def generate(
     first = prefill(m, st, new_ids, cfg, gen)
     t_prefill = time.perf_counter() - t0
     res, produced, pass_index = StepResult([first], 0), 0, 0
+    moved = transfers.TransferCount()
     while True:
         produced += len(res.tokens)
         finish = finish_reason(m, st, res.tokens, produced, cfg)
@@ -272,9 +306,12 @@ def generate(
             draft_seconds=res.draft_seconds, target_seconds=res.target_seconds,
             prefill_seconds=t_prefill, decode_seconds=time.perf_counter() - t0 - t_prefill,
             new_tokens=produced, prompt_tokens=n_prompt, finish=finish,
+            host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
         )  # fmt: skip
         if finish:
             return
         limit = min(cfg.max_new_tokens - produced, m.ctx_limit - len(st.ids))
+        before = transfers.snapshot()
         res = step_fn(m, st, cfg, gen, limit)
+        moved = transfers.since(before)
         pass_index += 1

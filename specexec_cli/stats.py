@@ -42,6 +42,8 @@ class RunStats:
     streamed_bytes: int = 0  # target weight bytes streamed over the decode (offload only)
     link_busy: list[float] = field(default_factory=list)  # per pass: link busy s / step wall s (offload only)
     stall: list[float] = field(default_factory=list)  # per pass: s the target waited for a streamed layer
+    host_transfers: int = 0  # device→host copies made by the target passes' steps (transfers.py)
+    host_transfer_bytes: int = 0  # their payload bytes
     finish: str | None = None
 
     def add(self, ev) -> None:
@@ -59,6 +61,8 @@ class RunStats:
         self.pass_seconds.append(ev.draft_seconds + ev.target_seconds)
         self.tree_sizes.append(ev.tree_size)
         self.tree_depths.append(ev.tree_depth)
+        self.host_transfers += getattr(ev, "host_transfers", 0)
+        self.host_transfer_bytes += getattr(ev, "host_transfer_bytes", 0)
 
     @property
     def new_tokens(self) -> int:
@@ -104,6 +108,9 @@ class RunStats:
             rec.update(link_busy_fraction=round(self.link_busy_fraction, 4), stall_seconds=round(sum(self.stall), 4),
                        link_busy_per_pass=[round(x, 4) for x in self.link_busy],
                        stall_seconds_per_pass=[round(x, 4) for x in self.stall])
+        passes = max(self.target_passes, 1)
+        rec["host_transfers_per_pass"] = round(self.host_transfers / passes, 2)
+        rec["host_transfer_bytes_per_pass"] = round(self.host_transfer_bytes / passes, 1)
         return rec
 
     def summary_line(self) -> str:

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from specexec_cli import display
-from specexec_cli.engine import DecodeState, generate
+from specexec_cli.engine import DecodeState
+from specexec_cli.methods import generate
 from specexec_cli.stats import LinkMeter, RunStats
 from specexec_cli.terminal import TextSink
 

@@ -2,7 +2,9 @@
 
 Contract: a tree is stored as flat CPU tensors indexed by node id in creation order, so a parent's
 id is always smaller than its children's (node 0 is the root, parent -1). Everything here is tensor
-ops: the only Python loops run over tree *depth*, never over node pairs.
+ops: the only Python loops run over tree *depth*, never over node pairs. Masks are built on the
+`device` they are asked for (the model's): only the small (B, depth) ancestor table crosses to it,
+never a (B, context) mask.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ class Tree:
     tokens: torch.Tensor  # (N,) long, token id of each node; node 0 is the root (last committed token)
     parents: torch.Tensor  # (N,) long, parent node id; -1 for the root
     depth: torch.Tensor  # (N,) long, root = 0
-    logp: torch.Tensor  # (N,) float, cumulative draft log-probability of the path root → node
+    logp: torch.Tensor  # (N,) float, cumulative log score of the path root → node (draft or calibrated)
     slot: torch.Tensor  # (N,) long, position of the node's K/V in the draft's tree cache; -1 = not run yet
+    feat: torch.Tensor  # (N,) long, calibration feature the node was scored with (calibrate.py); -1 = none
     n_slots: int = 0  # how many nodes the draft has run (its cached tree tokens)
 
     @classmethod
@@ -32,15 +35,18 @@ class Tree:
             depth=torch.zeros(1, **long),
             logp=torch.zeros(1),
             slot=torch.full((1,), -1, **long),
+            feat=torch.full((1,), -1, **long),
         )
 
     @property
     def size(self) -> int:
         return int(self.tokens.numel())
 
-    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, feat=None) -> torch.Tensor:
         """Append nodes (vectorised); returns their new ids. `logp` is cumulative."""
         start = self.size
+        feat = torch.full_like(tokens, -1, dtype=torch.long) if feat is None else feat.long()
+        self.feat = torch.cat([self.feat, feat])
         self.tokens = torch.cat([self.tokens, tokens.long()])
         self.parents = torch.cat([self.parents, parents.long()])
         self.depth = torch.cat([self.depth, self.depth[parents] + 1])
@@ -70,7 +76,7 @@ def ancestors(parents: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mask(
-    n_past: int, anc_cols: torch.Tensor, self_cols: torch.Tensor, n_cols: int, dtype: torch.dtype
+    n_past: int, anc_cols: torch.Tensor, self_cols: torch.Tensor, n_cols: int, dtype: torch.dtype, device=None
 ) -> torch.Tensor:
     """Additive 4-D mask (1, 1, B, n_cols) for a batch of B tree tokens.
 
@@ -79,22 +85,24 @@ def attention_mask(
     blocked with dtype-min, the form HF attention adds to the scores.
     """
     b = self_cols.numel()
-    allowed = torch.zeros(b, n_cols, dtype=torch.bool)
+    anc_cols, self_cols = anc_cols.to(device), self_cols.to(device)
+    allowed = torch.zeros(b, n_cols, dtype=torch.bool, device=device)
     allowed[:, :n_past] = True
-    rows = torch.arange(b).unsqueeze(1).expand_as(anc_cols)
-    valid = anc_cols >= 0
-    allowed[rows[valid], anc_cols[valid]] = True
-    allowed[torch.arange(b), self_cols] = True
-    mask = torch.zeros(b, n_cols, dtype=dtype)
+    # scatter each row's ancestor columns; padding (-1) goes to a spare column that is cut off
+    allowed = torch.cat([allowed, torch.zeros(b, 1, dtype=torch.bool, device=device)], dim=1)
+    allowed.scatter_(1, torch.where(anc_cols >= 0, anc_cols, n_cols), True)
+    allowed = allowed[:, :n_cols]
+    allowed[torch.arange(b, device=device), self_cols] = True
+    mask = torch.zeros(b, n_cols, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 
-def causal_mask(n_past: int, n_new: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(n_past: int, n_new: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """Additive (1, 1, n_new, n_past + n_new) mask for a plain chain of new tokens."""
-    rows = torch.arange(n_new).unsqueeze(1)
-    cols = torch.arange(n_past + n_new).unsqueeze(0)
-    mask = torch.zeros(n_new, n_past + n_new, dtype=dtype)
+    rows = torch.arange(n_new, device=device).unsqueeze(1)
+    cols = torch.arange(n_past + n_new, device=device).unsqueeze(0)
+    mask = torch.zeros(n_new, n_past + n_new, dtype=dtype, device=device)
     mask.masked_fill_(cols > rows + n_past, torch.finfo(dtype).min)
     return mask[None, None]
 
@@ -137,9 +145,9 @@ def subtree(tree: Tree, keep: torch.Tensor) -> VerifyTree:
     )
 
 
-def verify_mask(vt: VerifyTree, n_past: int, dtype: torch.dtype) -> torch.Tensor:
+def verify_mask(vt: VerifyTree, n_past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """(1, 1, n, n_past + n) mask for the target's one pass over the whole tree."""
     idx = torch.arange(vt.size)
     anc = ancestors(vt.parents, idx)
     cols = torch.where(anc >= 0, anc + n_past, anc)
-    return attention_mask(n_past, cols, idx + n_past, n_past + vt.size, dtype)
+    return attention_mask(n_past, cols, idx + n_past, n_past + vt.size, dtype, device)

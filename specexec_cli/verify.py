@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specexec_cli.sampling import SamplingParams, select
+from specexec_cli.transfers import to_host
 from specexec_cli.tree import VerifyTree
 
 
@@ -45,12 +46,12 @@ def accept_tree(
     logits: (n, V) target logits, row i = the distribution after VerifyTree node i.
     """
     if params.greedy:
-        choice = logits.argmax(-1).cpu()  # (n,) every node's greedy token in one op
+        choice = to_host(logits.argmax(-1))  # (n,) every node's greedy token: one small copy
     tokens: list[int] = []
     path: list[int] = []
     node = 0
     while len(tokens) < limit:
-        tok = int(choice[node]) if params.greedy else select(logits[node], params, generator)
+        tok = int(choice[node]) if params.greedy else select(to_host(logits[node]), params, generator)
         tokens.append(tok)
         child = child_with_token(vt, node, tok)
         if child < 0:

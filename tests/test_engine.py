@@ -59,9 +59,12 @@ def test_greedy_with_unrelated_draft(tiny_pair, random_draft):
 
 
 def test_self_draft_chain_accepts_every_token(self_models):
-    """draft == target and a chain-shaped tree: each pass emits the whole chain plus the bonus."""
+    """draft == target and a chain-shaped tree: each pass emits the whole chain plus the bonus.
+
+    Plain draft scores: n-gram branches would add children beside the draft's max_branch=1 child."""
     ids = self_models.tokenizer(PROMPTS[1])["input_ids"]
-    got, events, _ = run(self_models, ids, budget=6, max_depth=6, max_branch=1, max_new_tokens=43)
+    got, events, _ = run(self_models, ids, budget=6, max_depth=6, max_branch=1, max_new_tokens=43,
+                         extra={"scores": "draft"})
     passes = [ev for ev in events if ev.pass_index > 0]
     assert all(len(ev.tokens) == 7 for ev in passes[:-1] if ev.finish is None)
     assert got == hf_greedy(self_models, ids, 43)[: len(got)]

@@ -16,7 +16,8 @@ from scipy.stats import chisquare
 
 from specexec_cli import kvcache
 from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, available_methods, generate, prefill
+from specexec_cli.engine import DecodeState, GenerationConfig, prefill
+from specexec_cli.methods import available_methods, generate
 from specexec_cli.loading import LoadOptions, load_models
 from specexec_cli.methods.common import choose_child, sample_children, with_settings
 from specexec_cli.sampling import SamplingParams, process_logits

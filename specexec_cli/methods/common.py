@@ -21,7 +21,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from specexec_cli.engine import commit_tree
 from specexec_cli.sampling import SamplingParams, process_logits, sample
+from specexec_cli.transfers import to_host
 from specexec_cli.tree import Tree, VerifyTree
 from specexec_cli.verify import Acceptance
 
@@ -127,7 +129,7 @@ def accept_sampled(
     path: list[int] = []
     node = 0
     while len(tokens) < limit:
-        p = process_logits(logits[node], params).cpu()
+        p = to_host(process_logits(logits[node], params))
         kids = children_of(vt, node)
         pick, p = choose_child(p, qrows[node], [int(vt.tokens[c]) for c in kids], gen) if kids else (-1, p)
         if pick < 0:
@@ -143,6 +145,4 @@ def accept_sampled(
 
 def commit(st, tree: Tree, vt: VerifyTree, acc: Acceptance, n_pending: int) -> None:
     """Keep the accepted path in both caches; see engine.commit_tree (one implementation)."""
-    from specexec_cli.engine import commit_tree
-
     commit_tree(st, tree, vt, acc, n_pending)

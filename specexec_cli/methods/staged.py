@@ -27,6 +27,7 @@ import torch
 
 from specexec_cli import kvcache
 from specexec_cli.draft import DraftContext, TreeShape, expand, step_batch
+from specexec_cli.engine import speculative_step
 from specexec_cli.tree import Tree, ancestors, attention_mask, causal_mask
 
 NGRAM = 3  # longest suffix matched by the prompt-lookup model (falls back to shorter ones)
@@ -152,9 +153,7 @@ def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram
 
 def staged_step(m, st, cfg, gen, limit: int):
     """engine.speculative_step with `grow_staged` in place of `grow_tree`."""
-    from specexec_cli.engine import speculative_step
-
-    def grow(m, st, ctx, shape, params):
+    def grow(m, st, ctx, shape, params, scoring=None):
         return grow_staged(m.draft, st.draft_cache, ctx, shape, params, NgramIndex(st.ids), st.ids)
 
     return speculative_step(m, st, cfg, gen, limit, grow=grow)

@@ -9,6 +9,9 @@ ancestors), and each node's children are
     (`common.sample_children`), verified by the multi-step residual rule (`common.accept_sampled`).
 Template children that cannot be filled (q has a smaller support) are dropped with their subtrees.
 `static_step` is the whole engine step; afterwards the caches keep the engine's invariants.
+Host transfers (`transfers.to_host`): one per level. At T = 0 it is the level's (B, 2k) top-k
+scores and ids, computed on the device; at T > 0 the multi-step residual rule needs the level's
+(B, V) draft distributions on the host, so that copy grows with the vocabulary.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from specexec_cli import kvcache
-from specexec_cli.draft import DraftContext, run_pending
+from specexec_cli.draft import DraftContext, run_pending, top_children
+from specexec_cli.engine import StepResult, ar_step
 from specexec_cli.methods.common import accept_sampled, commit, sample_children
-from specexec_cli.sampling import SamplingParams, draft_logprobs, process_logits
+from specexec_cli.sampling import SamplingParams, process_logits
+from specexec_cli.transfers import to_host
 from specexec_cli.tree import Tree, ancestors, attention_mask, subtree, verify_mask
 from specexec_cli.verify import accept_tree
 
@@ -62,15 +67,21 @@ def level_template(widths: tuple[int, ...]) -> Template:
     return Template(tuple(parents))
 
 
-def pick_children(logits: torch.Tensor, k: int, params: SamplingParams, gen: torch.Generator):
-    """(V,) draft logits → (tokens, their draft log-probs, q) with q None at T = 0."""
-    logp = draft_logprobs(logits, params).cpu()
+def pick_level(logits: torch.Tensor, ks: list[int], params: SamplingParams, gen: torch.Generator):
+    """(B, V) device logits, children wanted per row → per row (tokens, log-probs, q); q None at T = 0.
+
+    One host copy for the whole level: top-k on the device at T = 0, the (B, V) distributions at T > 0.
+    """
     if params.greedy:
-        toks = torch.topk(logp, min(k, logp.numel())).indices.tolist()
-        return toks, logp[toks], None
-    q = process_logits(logits, params).cpu()
-    toks = sample_children(q, k, gen)
-    return toks, logp[toks], q
+        kmax = min(max(ks), logits.shape[-1])
+        vals, idx, _ = top_children(logits, kmax, params, None)
+        return [(idx[r, :k].tolist(), vals[r, :k], None) for r, k in enumerate(ks)]
+    q_all = to_host(process_logits(logits, params))  # (B, V)
+    out = []
+    for r, k in enumerate(ks):
+        toks = sample_children(q_all[r], k, gen)
+        out.append((toks, q_all[r][toks].clamp(min=1e-30).log(), q_all[r]))
+    return out
 
 
 def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, params, gen):
@@ -88,8 +99,8 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
     dtype = kvcache.model_dtype(draft)
     for depth in range(1, depth_cap + 1):
         nxt: list[tuple[int, int]] = []
-        for row, (node, t) in enumerate(frontier):
-            toks, lp, q = pick_children(logits[row], len(kids[t]), params, gen)
+        picks = pick_level(logits, [len(kids[t]) for _, t in frontier], params, gen)
+        for (node, t), (toks, lp, q) in zip(frontier, picks):
             if not toks:
                 continue
             if q is not None:
@@ -103,7 +114,7 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
         anc = ancestors(tree.parents, nodes)  # (B, D) all already run
         anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
         self_cols = base + tree.n_slots + torch.arange(nodes.numel())
-        mask = attention_mask(base, anc_cols, self_cols, base + tree.n_slots + nodes.numel(), dtype)
+        mask = attention_mask(base, anc_cols, self_cols, base + tree.n_slots + nodes.numel(), dtype, draft.device)
         logits = kvcache.forward(draft, cache, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], mask)
         tree.mark_run(nodes)
         frontier = nxt
@@ -112,8 +123,6 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
 
 def static_step(m, st, cfg, gen, limit: int, tpl: Template):
     """Grow `tpl` with the draft, verify in one target pass, accept, trim caches → engine.StepResult."""
-    from specexec_cli.engine import StepResult, ar_step
-
     n = len(st.ids)
     depth_cap = min(tpl.depth(), limit - 1, m.ctx_limit - n - 1)  # the bonus token needs one slot
     if depth_cap < 1 or tpl.size < 1:
@@ -124,7 +133,7 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
     tree, qrows = grow_static(m.draft, st.draft_cache, ctx, tpl, depth_cap, cfg.sampling, gen)
     vt = subtree(tree, torch.arange(1, tree.size))
     t1 = time.perf_counter()
-    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target))
+    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
     logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
     if cfg.sampling.greedy:
         acc = accept_tree(vt, logits, cfg.sampling, gen, m.eos_ids, limit)

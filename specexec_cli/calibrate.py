@@ -1,0 +1,122 @@
+"""Calibrated node scores: the probability that the target accepts a tree node, learned online.
+
+Contract: the draft's probabilities are not acceptance probabilities (a small draft is over- or
+under-confident, and an n-gram proposal has no draft probability at all). `Calibration` maps a
+candidate child's *feature* to an estimate of P(the target's token at the parent == this child):
+  - draft children (the draft ran the parent): the bin of the draft log-probability (`LP_EDGES`)
+    crossed with the n-gram flag g (0 = prompt lookup did not propose this token; 1..3 = it did,
+    matching a suffix of g tokens);
+  - n-gram chain children (proposed beyond a node the draft has not run): g × position j in the
+    chain (2..CHAIN_LEN), with no draft probability.
+Each feature cell holds `hits` and `tests` on top of a prior (mean `m0`, weight `w0`):
+estimate = (hits + w0·m0) / (tests + w0), always in (0, 1). A node's score is the sum of log
+estimates along its path, so a child never outscores its parent and the top-`budget` set stays a
+tree. `observe` updates the counts after each target pass: every child (in the whole grown tree,
+kept or not) of a node on the accepted path was tested, because the target's token at that node is
+known; hit = the child carries that token. This is an unbiased sample of the cell's acceptance rate
+at T = 0 and at T > 0 (where the target's token is a sample of its processed distribution).
+Calibrations live per (target, draft, sampling) in the process (`for_pair`), so later prompts
+start from what earlier ones learned; the prior comes from `DEFAULT_PRIOR` (measured on the
+shared pair, see bench/accept.py) or from a profile JSON's `node_calibration` entry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+LP_EDGES = torch.tensor([-0.02, -0.1, -0.25, -0.5, -0.8, -1.2, -1.7, -2.3, -3.0, -4.0, -5.5, -8.0])
+LP_CENTERS = [-0.01, -0.06, -0.17, -0.37, -0.65, -1.0, -1.45, -2.0, -2.65, -3.5, -4.75, -6.75, -9.0]
+N_BINS = len(LP_CENTERS)  # bins of the draft log-probability (bin 0 = most likely)
+N_FLAGS = 4  # n-gram flag g: 0 = not proposed, 1..3 = proposed with a g-token suffix match
+CHAIN_LEN = 8  # longest n-gram chain grown beyond an expanded node (positions 1..CHAIN_LEN)
+N_DRAFT = N_BINS * N_FLAGS  # draft-child feature ids [0, N_DRAFT)
+N_FEATURES = N_DRAFT + (N_FLAGS - 1) * CHAIN_LEN  # then chain features (g, j) for g >= 1
+PROFILE_KEY = "node_calibration"
+PRIOR_WEIGHT = 8.0  # pseudo-tests behind each prior mean
+
+
+def draft_feature(logp: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """Feature ids of draft children: (…) draft log-probs and n-gram flags (0..3) → (…) long."""
+    bins = torch.bucketize(-logp.float(), -LP_EDGES)  # -edges ascend; bin 0 = lp > -0.02
+    return flag.long() * N_BINS + bins.clamp(max=N_BINS - 1)
+
+
+def chain_feature(flag: int, pos: int) -> int:
+    """Feature id of the n-gram chain node at position `pos` (2..CHAIN_LEN) for match length `flag`."""
+    return N_DRAFT + (flag - 1) * CHAIN_LEN + (min(pos, CHAIN_LEN) - 1)
+
+
+def builtin_prior() -> torch.Tensor:
+    """Prior means when nothing was measured: the draft's own probability, raised for n-gram hits."""
+    m0 = torch.empty(N_FEATURES)
+    p = torch.tensor(LP_CENTERS).exp()
+    for g in range(N_FLAGS):
+        m0[g * N_BINS : (g + 1) * N_BINS] = p if g == 0 else torch.clamp(p + 0.15 * g, max=0.95)
+        if g:
+            pos = torch.arange(1, CHAIN_LEN + 1, dtype=torch.float)
+            m0[N_DRAFT + (g - 1) * CHAIN_LEN : N_DRAFT + g * CHAIN_LEN] = 0.25 * g * 0.9 ** (pos - 1)
+    return m0
+
+
+@dataclass
+class Calibration:
+    """Per-feature acceptance counts on top of a prior; see the module docstring."""
+
+    m0: torch.Tensor = field(default_factory=builtin_prior)  # (N_FEATURES,) prior means
+    w0: float = PRIOR_WEIGHT  # prior weight in pseudo-tests
+    hits: torch.Tensor = field(default_factory=lambda: torch.zeros(N_FEATURES))  # accepted tests
+    tests: torch.Tensor = field(default_factory=lambda: torch.zeros(N_FEATURES))  # tested candidates
+
+    def log_accept(self) -> torch.Tensor:
+        """(N_FEATURES,) log of the estimated acceptance probability per feature."""
+        est = (self.hits + self.w0 * self.m0) / (self.tests + self.w0)
+        return est.clamp(1e-6, 1 - 1e-6).log()
+
+    def observe(self, feats: torch.Tensor, hit: torch.Tensor) -> None:
+        """Add tested candidates: feature ids (n,) and whether each was the target's token (n,)."""
+        ok = feats >= 0
+        self.tests += torch.bincount(feats[ok], minlength=N_FEATURES).float()
+        self.hits += torch.bincount(feats[ok], weights=hit[ok].float(), minlength=N_FEATURES).float()
+
+    def rates(self) -> list[float]:
+        return [round(float(x), 4) for x in self.log_accept().exp()]
+
+
+def observe_pass(cal: Calibration, tree, path_nodes: list[int], tokens: list[int]) -> None:
+    """Update `cal` from one pass: `path_nodes` = draft-tree ids of the accepted nodes, `tokens` = emitted.
+
+    tokens[i] is the target's token at the i-th node of [root] + path_nodes, so the children of
+    that node were tested against it.
+    """
+    parents = ([0] + list(path_nodes))[: len(tokens)]
+    target_tok = torch.full((tree.size,), -1, dtype=torch.long)
+    target_tok[torch.tensor(parents, dtype=torch.long)] = torch.tensor(tokens[: len(parents)], dtype=torch.long)
+    par = tree.parents.clamp(min=0)
+    tested = (tree.parents >= 0) & (target_tok[par] >= 0)
+    hit = tree.tokens[tested] == target_tok[par][tested]
+    cal.observe(tree.feat[tested], hit)
+
+
+_PAIRS: dict[tuple, Calibration] = {}  # (id(target), id(draft), sampling key) → calibration
+
+
+def for_pair(target, draft, sampling_key: str, profile: str | None = None) -> Calibration:
+    """The process-wide calibration of this pair and sampling; the prior from `profile` if it has one."""
+    key = (id(target), id(draft), sampling_key)
+    if key not in _PAIRS:
+        _PAIRS[key] = Calibration(m0=profile_prior(profile, sampling_key))
+    return _PAIRS[key]
+
+
+def profile_prior(profile: str | None, sampling_key: str) -> torch.Tensor:
+    """Prior means from a profile JSON's `node_calibration[sampling_key]`, else `builtin_prior()`."""
+    path = Path(profile) if profile else None
+    if path is not None and path.is_file():
+        stored = (json.loads(path.read_text() or "{}").get(PROFILE_KEY) or {}).get(sampling_key)
+        if stored and len(stored) == N_FEATURES:
+            return torch.tensor(stored, dtype=torch.float).clamp(1e-4, 1 - 1e-4)
+    return builtin_prior()

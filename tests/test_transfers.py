@@ -1,0 +1,98 @@
+"""Device→host traffic of a speculative step: counted by transfers.to_host, small, vocabulary-free.
+
+On the CPU the copies are no-ops, but every one still goes through `to_host`, so these tests see the
+pattern a GPU run has: how many synchronisations per draft forward and how many bytes each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specexec_cli import transfers
+from specexec_cli.draft import TreeShape
+from specexec_cli.engine import DecodeState, GenerationConfig, Models
+from specexec_cli.methods import generate
+from specexec_cli.sampling import SamplingParams
+from specexec_cli.stats import RunStats
+
+SHAPE = TreeShape(budget=48, max_depth=8, max_beams=8, max_branch=4)
+
+
+class NullTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def tiny_llama(vocab: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+def pair(vocab: int) -> Models:
+    return Models(tiny_llama(vocab, 1), tiny_llama(vocab, 2), NullTokenizer(), frozenset({-1}), 256)
+
+
+def run_steps(m: Models, method: str, temperature: float = 0.0, scores: str = "calibrated+ngram"):
+    """Decode 24 tokens; per target pass: (draft forwards, host transfers, bytes). Also the RunStats."""
+    forwards = []
+    hook = m.draft.register_forward_pre_hook(lambda *_: forwards.append(1))
+    cfg = GenerationConfig(method=method, shape=SHAPE, sampling=SamplingParams(temperature), max_new_tokens=24,
+                           extra={"scores": scores, "gamma": 4})  # fmt: skip
+    stats, steps = RunStats(), []
+    try:
+        ids = [(7 * i) % 50 + 1 for i in range(20)] * 2  # repeated text: n-gram branches fire
+        for ev in generate(m, DecodeState(), ids, cfg):
+            stats.add(ev)
+            if ev.pass_index > 0:
+                steps.append((len(forwards), ev.host_transfers, ev.host_transfer_bytes, len(ev.tokens)))
+            forwards.clear()
+    finally:
+        hook.remove()
+    return steps, stats
+
+
+def test_to_host_counts_calls_and_bytes():
+    before = transfers.snapshot()
+    out = transfers.to_host(torch.zeros(3, 5, dtype=torch.float32))
+    assert out.device.type == "cpu"
+    moved = transfers.since(before)
+    assert (moved.calls, moved.bytes) == (1, 60)
+
+
+@pytest.mark.parametrize("method", ["specexec", "chain", "specinfer", "sequoia"])
+def test_bytes_per_draft_forward_do_not_grow_with_vocab(method):
+    """Same tree limits, 16x the vocabulary: the bytes copied per draft forward stay put (T = 0)."""
+    per_forward = {}
+    for vocab in (256, 4096):
+        steps, _ = run_steps(pair(vocab), method)
+        fwd = sum(s[0] for s in steps)
+        per_forward[vocab] = sum(s[2] for s in steps) / fwd
+    bound = SHAPE.max_beams * (2 * SHAPE.max_branch + 1) * 4 + 48 * 8  # one (B, 2k+1) fp32 block + verify ids
+    assert per_forward[4096] <= bound < 4096 * 4
+    assert per_forward[4096] <= 1.5 * per_forward[256]
+
+
+@pytest.mark.parametrize("method", ["specexec", "chain", "specinfer", "sequoia"])
+def test_transfers_per_step_are_one_per_draft_forward_plus_verify(method):
+    """T = 0: one copy per draft forward (its top-k) and one for the target's argmax over the tree."""
+    steps, stats = run_steps(pair(256), method)
+    assert steps
+    for forwards, calls, _, _ in steps:
+        assert calls <= forwards + 1
+    rec = stats.to_json()
+    assert rec["host_transfers_per_pass"] == pytest.approx(stats.host_transfers / stats.target_passes, abs=0.01)
+    assert rec["host_transfer_bytes_per_pass"] > 0
+
+
+def test_sampled_specexec_copies_one_row_per_emitted_token():
+    """T > 0: the verify walk copies one (V,) target row per emitted token, the draft still only its top-k."""
+    vocab = 256
+    steps, _ = run_steps(pair(vocab), "specexec", temperature=0.8)
+    for forwards, calls, nbytes, emitted in steps:
+        assert calls <= forwards + emitted
+        assert nbytes <= forwards * SHAPE.max_beams * (2 * SHAPE.max_branch + 1) * 4 + emitted * vocab * 4
