@@ -19,7 +19,8 @@ import specexec_cli.engine as engine
 import specexec_cli.methods.staged as staged
 import specexec_cli.methods.static_tree as static_tree
 from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, available_methods, generate, prefill
+from specexec_cli.engine import DecodeState, GenerationConfig, prefill
+from specexec_cli.methods import available_methods, generate
 from specexec_cli.methods.common import with_settings
 from specexec_cli.sampling import SamplingParams
 from tests.fakes import fake_models, greedy_reference, noisy, random_table

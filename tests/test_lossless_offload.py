@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from specexec_cli import kvcache
 from specexec_cli.cli import app
 from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, generate
+from specexec_cli.engine import DecodeState, GenerationConfig
+from specexec_cli.methods import generate
 from specexec_cli.loading import LoadOptions, load_models
 from specexec_cli.methods.common import with_settings
 from tests.conftest import make_model, make_tokenizer
