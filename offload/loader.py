@@ -117,30 +117,62 @@ def _check_fits(plan: OffloadPlan, device: torch.device, free_ram: int, root: Pa
                 f"{format_bytes(free_dev)} is free; lower --max-device-memory or --slots")
 
 
+class HostEmbedding(nn.Module):
+    """Input embeddings kept in host RAM: only the T looked-up rows cross to the device."""
+
+    def __init__(self, inner: nn.Module, device: torch.device):
+        super().__init__()
+        self.inner, self.device = inner, device
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids.to("cpu")).to(self.device)
+
+
+def _materialize(mod: nn.Module, weight_name: str, index: SafetensorsIndex, dtype, pool: DevicePool | None,
+                 component: str, device) -> nn.Module:
+    """Give `mod` (built on meta) its weight from the file: a counted pool buffer on the device,
+    or a plain host tensor when `pool` is None (host embeddings)."""
+    src = index.read(weight_name)
+    w = pool.copy(src.to(dtype), component) if pool is not None else src.to(dtype).clone()
+    mod = mod.to_empty(device=device if pool is not None else "cpu") if _has_other_state(mod) else mod
+    mod.weight = nn.Parameter(w, requires_grad=False)
+    return mod
+
+
+def _has_other_state(mod: nn.Module) -> bool:
+    return any(n != "weight" for n, _ in mod.named_parameters()) or any(True for _ in mod.buffers())
+
+
 @torch.no_grad()
-def _load_globals(index: SafetensorsIndex, hf, config, device, dtype):
-    """Materialize embed_tokens, norm, lm_head (tied if configured) and rotary_emb on the device."""
+def _load_globals(index: SafetensorsIndex, hf, config, device, dtype, pool: DevicePool, embeddings: str = "device"):
+    """Materialize embed_tokens (on the device, or host RAM), norm, lm_head (tied if configured and
+    the embeddings are on the device) and rotary_emb; every device byte is counted by `pool`."""
     base = hf.model
-    embed = base.embed_tokens.to_empty(device=device).to(dtype)
-    embed.weight.copy_(index.read("model.embed_tokens.weight"))
-    norm = base.norm.to_empty(device=device).to(dtype)
-    norm.weight.copy_(index.read("model.norm.weight"))
-    lm_head = hf.lm_head.to_empty(device=device).to(dtype)
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in index.entries:
+    host = embeddings == "host"
+    embed = _materialize(base.embed_tokens, "model.embed_tokens.weight", index, dtype,
+                         None if host else pool, "embeddings", device)
+    norm = _materialize(base.norm, "model.norm.weight", index, dtype, pool, "final_norm", device)
+    tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in index.entries
+    if tied and not host:
+        lm_head = hf.lm_head
         lm_head.weight = embed.weight
     else:
-        lm_head.weight.copy_(index.read("lm_head.weight"))
+        lm_head = _materialize(hf.lm_head, "model.embed_tokens.weight" if tied else "lm_head.weight", index, dtype,
+                               pool, "lm_head", device)
     restore_buffers(embed)
     rotary = type(base.rotary_emb)(config).to(device)
+    pool.adopt("rotary", rotary.buffers())
     for mod in (embed, norm, lm_head):
         mod.requires_grad_(False)
-    return embed, norm, lm_head, rotary
+    return (HostEmbedding(embed, device) if host else embed), norm, lm_head, rotary
 
 
 def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: torch.dtype,
                  compute_dtype: torch.dtype, nf4: bool, offload: str, max_dev, max_host, slots: int,
                  progress: Callable[[int, int, str], None] | None, host_slots: int | None = None,
-                 staging_bytes: int | None = None) -> LoadedWeights:
+                 staging_bytes: int | None = None, memplan=None, pool: DevicePool | None = None) -> LoadedWeights:
+    """`memplan` (offload.memplan.MemoryPlan) fixes placement and embeddings; without it the
+    budgets below decide (library use). `pool` counts every device byte (a fresh one if None)."""
     index = SafetensorsIndex(path)
     layers = hf.model.layers
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
@@ -159,11 +191,15 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
              for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes for lay in layouts]
-    dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
-    plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
-    _check_fits(plan, device, free_ram, path)
-    embed, norm, lm_head, rotary = _load_globals(index, hf, config, device, compute_dtype)
-    pool, total = DevicePool(device), len(layers)
+    if memplan is not None:
+        plan = _from_memplan(memplan, layer_bytes, slots)
+    else:
+        dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
+        plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
+        _check_fits(plan, device, free_ram, path)
+    pool, total = pool if pool is not None else DevicePool(device), len(layers)
+    embed, norm, lm_head, rotary = _load_globals(index, hf, config, device, compute_dtype, pool,
+                                                 memplan.embeddings if memplan is not None else "device")
     resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
     ram_region = pin_host(aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers)))
     offset = 0
@@ -174,7 +210,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         if nf4:
             qstates[i] = {sp.name: load_quant_state(index, prefix + sp.name, device, sp.shape) for sp in specs[i]}
             lay = packed_layout(pinned_specs[i])
-            pinned[i] = (_fill_resident(index, prefix, pinned_specs[i], lay, pool, device), lay)
+            pinned[i] = (_fill_resident(index, prefix, pinned_specs[i], lay, pool, device, "pinned_params"), lay)
         if i in plan.resident:
             resident[i] = (_fill_resident(index, prefix, specs[i], layouts[i], pool, device), layouts[i])
         elif i in plan.ram_layers:
@@ -191,7 +227,10 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
     store = LayerStore(device, pool, slots, ram, disk, reader, host_slots=host_slots, staging_bytes=staging_bytes)
-    plan.device_bytes = pool.allocated
+    for states in qstates.values():
+        for state in states.values():
+            _own_quant_state(state, pool)
+    plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots"))
     return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned)
 
 
@@ -219,8 +258,28 @@ def tied_aliases(hf: nn.Module, config) -> dict[str, str]:
     return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device) -> torch.Tensor:
-    buf = pool.alloc(layout.nbytes)
+def _from_memplan(memplan, layer_bytes: list[int], slots: int) -> OffloadPlan:
+    """The layer placement the memory plan chose (it already checked every byte against the caps)."""
+    if memplan.layer_bytes != layer_bytes:
+        raise OffloadError("memory plan and loader disagree on layer sizes; this is a bug, please report it")
+    streamed = memplan.ram_layers + memplan.disk_layers
+    return OffloadPlan(resident=list(memplan.resident), streamed=streamed, ram_layers=list(memplan.ram_layers),
+                       disk_layers=list(memplan.disk_layers), layer_bytes=list(layer_bytes), slots=slots,
+                       host_bytes=sum(layer_bytes[i] for i in memplan.ram_layers), device_bytes=0)
+
+
+def _own_quant_state(state, pool: DevicePool) -> None:
+    """Move an NF4 QuantState's tensors into counted pool buffers ("quant_states"), one copy each."""
+    for st in (state, state.state2) if getattr(state, "nested", False) else (state,):
+        for attr in ("absmax", "code", "offset"):
+            t = getattr(st, attr, None)
+            if isinstance(t, torch.Tensor):
+                setattr(st, attr, pool.copy(t, "quant_states"))
+
+
+def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device,
+                   component: str = "resident_layers") -> torch.Tensor:
+    buf = pool.alloc(layout.nbytes, component)
     if device.type == "cpu":
         fill_packed(index, prefix, specs, layout, buf, device)
     else:

@@ -6,8 +6,9 @@ memory). It returns a `MemoryPlan` with one entry per device component:
 - embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (embeddings may
   live on the host instead: only the looked-up rows then cross the link);
 - resident_layers: packed layer arenas (storage.packed_layout) of the resident prefix;
-- staging_slots: `slots` device buffers of the largest streamed layer (storage.LayerStore rules);
+- staging_slots: device buffers of the largest streamed layer (storage.LayerStore rules);
 - quant_states: NF4 absmax/code/nested statistics of EVERY target linear (they stay resident);
+- pinned_params: NF4 only: every layer's norms and biases (only packed linears stream);
 - draft: the draft's parameters + rotary buffers in its dtype (tied head counted once);
 - kv_target / kv_draft: preallocated caches of `kv_rows` rows (context + largest tree);
 - activations: the largest single pass (a prefill chunk or a verify pass), attention scores
@@ -39,7 +40,8 @@ from .sizes import format_bytes
 from .st_index import SafetensorsIndex, TensorEntry
 from .membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
                        kv_rows, nf4_state_bytes, pass_tokens, rotary_bytes, torch_dtype)
-from .storage import ParamSpec, file_layout, packed_layout
+from .nf4 import packed_nf4_shape
+from .storage import IO_ALIGN, ParamSpec, align_up, file_layout, packed_layout, staging_slots
 
 CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
 STATIC_SLACK = 0.02            # caching-allocator rounding of long-lived blocks (weights, caches)
@@ -129,18 +131,23 @@ class MemoryPlan:
             streamed_layers={"ram": len(self.ram_layers), "disk": len(self.disk_layers)},
             fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
             kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
+            notes=list(self.notes),
         )  # fmt: skip
 
 
 def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorEntry]]:
-    """Parameters of decoder layer i from the headers (rotary inv_freq buffers are not parameters)."""
+    """Parameters of decoder layer i from the headers (rotary inv_freq buffers and a pre-quantized
+    checkpoint's quant-state parts are not parameters). NF4 specs carry the LOGICAL shape: a
+    packed uint8 (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""
     prefix = f"model.layers.{i}."
     out = {}
     for name, e in ck.tensors.items():
-        if name.startswith(prefix) and not name.endswith("inv_freq"):
-            rel = name[len(prefix):]
-            q = nf4 and rel.endswith("_proj.weight") and len(e.shape) == 2
-            out[rel] = (ParamSpec(rel, tuple(e.shape), torch.uint8 if q else storage, nf4=q), e)
+        rel = name[len(prefix):]
+        if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(("weight", "bias")):
+            continue
+        q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
+        shape = (2 * e.shape[0],) if q and e.dtype == torch.uint8 else tuple(e.shape)
+        out[rel] = (ParamSpec(rel, shape, torch.uint8 if q else storage, nf4=q), e)
     if not out:
         raise OffloadError(f"{ck.root}: no tensors for model.layers.{i}; the checkpoint does not match config.json")
     return out
@@ -154,26 +161,41 @@ class _Layers:
     convert: list[bool]              # disk bytes need a cast / quantization
     span_bytes: list[int]            # bytes read from disk per pass
     quant: int                       # NF4 quant-state bytes of all layers
+    pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
+    estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
 
 
 def _layers(ck: Checkpoint, arch: Arch, req: PlanRequest) -> _Layers:
-    # nf4: non-linear params (norms, biases) are stored in the compute dtype
-    storage = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
-    if req.dtype != "nf4":
-        storage = torch_dtype(req.dtype)
+    """Per-layer sizes as loader.load_weights computes them. NF4 (offload.prequant/quant_cache):
+    only the packed linears stream, read as stored (no per-pass conversion); norms and biases
+    are pinned on the device in the compute dtype. From a 16-bit checkpoint the streamed file is
+    the 4-bit cache, whose spans are estimated (each packed weight rounded up to whole 4 KiB
+    pages, plus one page); from a pre-quantized checkpoint they are exact."""
     nf4 = req.dtype == "nf4"
+    storage = (torch.float32 if compute_bytes(req) == 4 else torch.bfloat16) if nf4 else torch_dtype(req.dtype)
     out = _Layers([], [], [], [], [], 0)
     for i in range(arch.layers):
         specs = layer_specs(ck, i, storage, nf4)
-        packed = packed_layout([s for s, _ in specs.values()]).nbytes
-        raw, spans = file_layout({n: e for n, (_, e) in specs.items()})
-        convert = any(s.nf4 or e.dtype != s.dtype for s, e in specs.values())
+        streamed = {n: se for n, se in specs.items() if se[0].nf4 or not nf4}
+        packed = packed_layout([sp for sp, _ in streamed.values()]).nbytes
+        prequant = all(e.dtype == torch.uint8 for _, e in streamed.values())
+        if nf4 and not prequant:
+            raw = sum(align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN
+                      for sp, _ in streamed.values())
+            spans, convert = raw, False
+            out.estimated = True
+        else:
+            lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
+            raw, spans = lay.nbytes, sum(sp.length for sp in span_list)
+            convert = any(e.dtype != (torch.uint8 if sp.nf4 else sp.dtype) for sp, e in streamed.values())
         out.packed.append(packed)
-        out.disk_slot.append(packed if convert else raw.nbytes)
-        out.raw.append(raw.nbytes)
+        out.disk_slot.append(packed if convert else raw)
+        out.raw.append(raw)
         out.convert.append(convert)
-        out.span_bytes.append(sum(s.length for s in spans))
-        out.quant += sum(nf4_state_bytes(math.prod(s.shape)) for s, _ in specs.values() if s.nf4)
+        out.span_bytes.append(spans)
+        out.quant += sum(nf4_state_bytes(math.prod(sp.shape)) for sp, _ in streamed.values() if sp.nf4)
+        if nf4:
+            out.pinned += packed_layout([sp for sp, _ in specs.values() if not sp.nf4]).nbytes
     return out
 
 
@@ -197,8 +219,10 @@ class _Placement:
 
 
 def _place(lay: _Layers, r: int, req: PlanRequest, ram_budget: int) -> _Placement:
-    """Layers [0, r) resident; the rest in RAM while `ram_budget` lasts, then disk; buffer sizes
-    follow storage.LayerStore (CUDA stages every streamed layer; CPU stages only disk layers)."""
+    """Layers [0, r) resident; the rest in RAM while `ram_budget` lasts, then disk. Buffers follow
+    storage.LayerStore: device slots (CUDA: `slots`, CPU: the host ring, since CPU compute reads
+    the ring) of the largest streamed layout; a pinned staging ring of disk layouts (CUDA); one
+    raw scratch buffer for disk layers that need a cast or quantization."""
     n, cuda = len(lay.packed), req.device == "cuda"
     ram, used = [], 0
     for i in range(r, n):
@@ -207,11 +231,14 @@ def _place(lay: _Layers, r: int, req: PlanRequest, ram_budget: int) -> _Placemen
         ram.append(i)
         used += lay.packed[i]
     disk = list(range(r + len(ram), n))
+    streamed = n - r
     slot = max([lay.disk_slot[i] for i in disk] + ([lay.packed[i] for i in ram] if cuda else []), default=0)
-    raw = max((lay.raw[i] for i in disk if cuda or lay.convert[i]), default=0)
-    pack = max((lay.packed[i] for i in disk if lay.convert[i]), default=0) if cuda else 0
-    device = {"resident_layers": sum(lay.packed[:r]), "staging_slots": req.slots * slot}
-    host = {"ram_layers": used, "read_buffers": req.slots * raw, "pack_buffers": req.slots * pack}
+    stage = max((lay.disk_slot[i] for i in disk), default=0)
+    slots = max(1, min(req.slots, streamed or 1))
+    ring = staging_slots(slots, None, None, stage, streamed)
+    scratch = max((lay.raw[i] for i in disk if lay.convert[i]), default=0)
+    device = {"resident_layers": sum(lay.packed[:r]), "staging_slots": (slots if cuda else ring) * slot}
+    host = {"ram_layers": used, "stage_buffers": ring * stage if cuda else 0, "read_buffers": scratch}
     return _Placement(list(range(r)), ram, disk, device, host)
 
 
@@ -263,7 +290,7 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
     cuda, c = req.device == "cuda", compute_bytes(req)
     rows = kv_rows(req.ctx, budget, req.max_beams)
     fixed, ghost = _globals(target, ta, req, emb)
-    fixed.update(quant_states=lay.quant, draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
+    fixed.update(quant_states=lay.quant, pinned_params=lay.pinned, draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
                  kv_target=kv_bytes(ta, rows[0], c),
                  kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
                  activations=activation_bytes(ta, da, req, rows, budget))
@@ -271,7 +298,7 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
     best = None
     for r in _resident_choices(req, len(lay.packed)):
         pre = sum(fixed.values()) + sum(lay.packed[:r])
-        buffers = req.slots * max(lay.raw)   # disk read buffers, if anything ends up on disk
+        buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))   # disk staging, if anything ends up on disk
         pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers))
         dev = {**fixed, **pl.device}
         dev["cuda_context"] = _margin(dev, cuda)
@@ -285,6 +312,10 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
                       pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
                       min(pass_tokens(budget), req.ctx), req.device)
     plan.fits, plan.reason = _verdict(plan, req)
+    if lay.estimated:
+        plan.notes.append(f"nf4: the first load writes a 4-bit cache of this checkpoint "
+                          f"(~{format_bytes(sum(lay.packed) + lay.quant)}) under $SPECX_CACHE; staging sizes are "
+                          "estimated until it exists")
     return plan
 
 

@@ -92,8 +92,11 @@ class OffloadedCausalLM(nn.Module):
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, offload="auto",
                         max_device_memory: int | None = None, max_host_memory: int | None = None,
                         slots: int = 2, progress: Callable[[int, int, str], None] | None = None,
-                        host_slots: int | None = None, staging_bytes: int | None = None):
-        """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB)."""
+                        host_slots: int | None = None, staging_bytes: int | None = None,
+                        memplan=None, pool=None):
+        """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB).
+        `memplan`: an offload.memplan.MemoryPlan fixing placement and embeddings (else the budgets
+        decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte."""
         path = Path(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -115,7 +118,7 @@ class OffloadedCausalLM(nn.Module):
                               lambda name: is_packed(index, f"model.{name}.weight"))
         w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
                          max_device_memory, max_host_memory, slots, progress,
-                         host_slots=host_slots, staging_bytes=staging_bytes)
+                         host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool)
         return cls(config, device, compute_dtype, hf, w, slots)
 
     @staticmethod

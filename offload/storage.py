@@ -10,8 +10,8 @@ Contract:
 - `DirectReader` opens files with O_DIRECT and reads 4096-aligned ranges into page-aligned
   buffers (anonymous mmap). Where O_DIRECT is unsupported (EINVAL, e.g. some tmpfs) it falls
   back to buffered reads and warns once.
-- `DevicePool` is the only allocator of device-resident weight bytes (resident layers and
-  staging slots); it counts bytes so tests can check the budget.
+- `DevicePool` is the one counting allocator of device bytes (globals, resident layers, staging
+  slots, quant states, KV caches; library-made tensors are adopted), per memory-plan component.
 - `LayerStore.load(layer, slot)` is the prefetcher's copy job: it produces layer `layer` in the
   device buffer of `slot` (or, for the RAM tier on CPU, returns the host arena itself).
   On CUDA it issues the copy on the caller's current stream (the prefetcher's side stream).
@@ -137,19 +137,57 @@ def pin_host(buf: torch.Tensor) -> torch.Tensor:
 
 
 class DevicePool:
-    """Allocator for device-resident weight bytes; counts what it hands out."""
+    """The one counting allocator of device bytes, per component (see memplan for the names).
+
+    `alloc`/`empty` hand out fresh buffers; `adopt` counts tensors a library created on the
+    device (HF draft weights, rotary buffers), each storage once; `free` un-counts a buffer that
+    is dropped (a regrown KV slab). `allocated` is the total, `by_component` the breakdown that
+    tests compare with the memory plan. On CPU large buffers are page-aligned (O_DIRECT targets).
+    """
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.allocated = 0
+        self.device = torch.device(device)
+        self.by_component: dict[str, int] = {}
         self.count = 0
+        self._adopted: set[int] = set()
 
-    def alloc(self, nbytes: int) -> torch.Tensor:
-        self.allocated += nbytes
+    @property
+    def allocated(self) -> int:
+        return sum(self.by_component.values())
+
+    def _count(self, component: str, nbytes: int) -> None:
+        self.by_component[component] = self.by_component.get(component, 0) + nbytes
         self.count += 1
+
+    def alloc(self, nbytes: int, component: str = "resident_layers") -> torch.Tensor:
+        """A uint8 buffer of `nbytes` on the device."""
+        self._count(component, nbytes)
         if self.device.type == "cpu":
-            return aligned_empty(nbytes)
+            return aligned_empty(nbytes) if nbytes >= IO_ALIGN else torch.empty(nbytes, dtype=torch.uint8)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def empty(self, shape, dtype: torch.dtype, component: str) -> torch.Tensor:
+        """A typed tensor of `shape`, carved from one counted buffer."""
+        numel = _numel(shape)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.alloc(nbytes, component).view(dtype).view(tuple(shape))
+
+    def copy(self, src: torch.Tensor, component: str) -> torch.Tensor:
+        """A counted device copy of `src`."""
+        return self.empty(src.shape, src.dtype, component).copy_(src)
+
+    def adopt(self, component: str, tensors) -> None:
+        """Count device tensors allocated elsewhere (each underlying storage once)."""
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.data_ptr() in self._adopted or t.device.type != self.device.type:
+                continue
+            self._adopted.add(st.data_ptr())
+            self._count(component, st.nbytes())
+
+    def free(self, component: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self.by_component[component] = self.by_component.get(component, 0) - t.numel() * t.element_size()
 
 
 class DirectReader:
@@ -275,7 +313,7 @@ class LayerStore:
         stage = max((d.layout.nbytes for d in disk.values()), default=0)
         self.host_slots = staging_slots(self.slots, host_slots, staging_bytes, stage, n_streamed)
         n_dev = self.slots if cuda else self.host_slots
-        self.dev_slots = [pool.alloc(self.slot_bytes) for _ in range(n_dev)] if self.slot_bytes else []
+        self.dev_slots = [pool.alloc(self.slot_bytes, "staging_slots") for _ in range(n_dev)] if self.slot_bytes else []
         raw_max = max((d.raw.nbytes for d in disk.values() if d.convert), default=0)
         self.scratch = aligned_empty(raw_max) if raw_max else None
         self.host_stage = [pin_host(aligned_empty(stage)) for _ in range(self.host_slots)] if cuda and stage else []

@@ -37,7 +37,10 @@ class Models:
     draft: object | None  # small HF causal LM on the device; None for --method ar
     tokenizer: object  # shared by both models (checked at load time)
     eos_ids: frozenset[int]  # any of these ends generation
-    ctx_limit: int  # max positions both models support
+    ctx_limit: int  # max positions both models support (and --ctx, when planned)
+    pool: object = None  # offload.storage.DevicePool counting device bytes; None = plain torch allocations
+    kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
+    pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
 
 
 @dataclass(frozen=True)
@@ -210,20 +213,37 @@ def core_step(method: str) -> StepFn:
     return STEP_METHODS[method]
 
 
+def run_prompt(model, cache, ids: list[int], start: int, chunk: int) -> torch.Tensor:
+    """Feed ids[start:] causally in passes of at most `chunk` tokens (0 = one pass); returns the
+    (V,) logits of the last token only, so a long prompt never builds a (T, V) logits tensor."""
+    step = chunk if chunk > 0 else max(1, len(ids) - start)
+    logits = None
+    for a in range(start, len(ids), step):
+        b = min(a + step, len(ids))
+        mask = causal_mask(a, b - a, kvcache.model_dtype(model))
+        logits = kvcache.forward(model, cache, torch.tensor(ids[a:b], dtype=torch.long), torch.arange(a, b), mask,
+                                 last_only=True)
+    return logits[-1]
+
+
+def reserve_caches(m: Models, st: DecodeState) -> None:
+    """Preallocate both caches for the planned rows (no-op when unplanned or already allocated)."""
+    if m.kv_rows is not None:
+        kvcache.reserve(st.target_cache, m.target, m.kv_rows[0], m.pool, "kv_target")
+        if m.draft is not None:
+            kvcache.reserve(st.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_draft")
+
+
 def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen) -> int:
     """Run both models over the not-yet-cached tokens; returns the first generated token."""
+    reserve_caches(m, st)
     st.ids.extend(new_ids)
-    todo = torch.tensor(st.ids[st.target_len :], dtype=torch.long)
-    mask = causal_mask(st.target_len, todo.numel(), kvcache.model_dtype(m.target))
-    positions = torch.arange(st.target_len, len(st.ids))
-    logits = kvcache.forward(m.target, st.target_cache, todo, positions, mask)
+    last = run_prompt(m.target, st.target_cache, st.ids, st.target_len, m.pass_tokens)
     st.target_len = len(st.ids)
     if m.draft is not None and cfg.method != "ar":
-        todo = torch.tensor(st.ids[st.draft_len :], dtype=torch.long)
-        mask = causal_mask(st.draft_len, todo.numel(), kvcache.model_dtype(m.draft))
-        kvcache.forward(m.draft, st.draft_cache, todo, torch.arange(st.draft_len, len(st.ids)), mask)
+        run_prompt(m.draft, st.draft_cache, st.ids, st.draft_len, m.pass_tokens)
         st.draft_len = len(st.ids)
-    tok = select(logits[-1], cfg.sampling, gen)
+    tok = select(last, cfg.sampling, gen)
     st.ids.append(tok)
     return tok
 

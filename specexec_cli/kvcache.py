@@ -1,23 +1,137 @@
 """Model calls and KV-cache surgery shared by every decoding method.
 
 Contract: a model is any HF-style causal LM (resident or `offload.OffloadedCausalLM`) that takes
-`input_ids, attention_mask (4-D additive), position_ids, past_key_values` and returns `.logits`.
-Caches are `transformers.DynamicCache`; `compact` rewrites each layer's K/V in place so that the
-rows kept after a speculative pass become contiguous, with no model re-run.
+`input_ids, attention_mask (4-D additive), position_ids, past_key_values, logits_to_keep` and
+returns `.logits`. Caches are `SlabCache`s: a `transformers.Cache` whose layers keep K and V in
+one preallocated (1, kv_heads, capacity, head_dim) slab each and a `length`; `update` writes the
+new rows in place and returns views of rows [0, length), so HF attention sees exactly what a
+DynamicCache would hold. `reserve` allocates every layer's slabs up front (through an optional
+counting allocator, e.g. offload's DevicePool) for the rows the memory plan sized; `compact`
+moves the kept rows of a speculative pass together in place and `crop` only moves `length`, so a
+planned cache never reallocates. An unreserved cache (tests, profiling) starts small and grows
+by doubling; a reserved cache that must grow warns once, since the plan under-counted.
+`compact`/`crop` also accept plain DynamicCaches.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+MIN_ROWS = 256   # first slab of an unreserved cache
 
 
-def new_cache() -> DynamicCache:
+def _torch_alloc(shape, dtype, device, component):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class SlabLayer(CacheLayerMixin):
+    """One decoder layer's K/V: slabs `keys`/`values` (1, H, capacity, D), rows [0, length) valid."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, owner: "SlabCache"):
+        super().__init__()
+        self.owner = owner
+        self.length = 0
+
+    def allocate(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.keys = self.owner.alloc(shape, dtype, device, self.owner.component)
+        self.values = self.owner.alloc(shape, dtype, device, self.owner.component)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, t, d = key_states.shape
+        rows = self.owner.capacity or max(MIN_ROWS, 2 * t)
+        self.allocate((b, h, rows, d), key_states.dtype, key_states.device)
+
+    def _grow(self, rows: int) -> None:
+        old_k, old_v = self.keys, self.values
+        b, h, cap, d = old_k.shape
+        if self.owner.capacity is not None and not self.owner.warned:
+            warnings.warn(f"KV cache needs {rows} rows but the memory plan reserved {cap}; growing it")
+            self.owner.warned = True
+        self.owner.release(old_k, old_v)
+        self.allocate((b, h, max(rows, 2 * cap), d), old_k.dtype, old_k.device)
+        self.keys[:, :, : self.length] = old_k[:, :, : self.length]
+        self.values[:, :, : self.length] = old_v[:, :, : self.length]
+        self.owner.reallocations += 1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            self._grow(end)
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF convention: a negative count removes that many rows; a positive one is the new length."""
+        self.length = max(0, self.length + tokens_to_remove if tokens_to_remove < 0 else min(self.length, tokens_to_remove))
+
+
+class SlabCache(Cache):
+    """A `transformers.Cache` of `SlabLayer`s; see the module docstring."""
+
+    def __init__(self, capacity: int | None = None, alloc=None, component: str = "kv"):
+        super().__init__(layers=[])
+        self.capacity = capacity      # rows per slab once reserved; None = grow on demand
+        self.alloc = alloc or _torch_alloc   # callable(shape, dtype, device, component) -> tensor
+        self.component = component    # allocator counter name, e.g. "kv_target"
+        self.release = lambda *tensors: None   # set by `reserve` when the allocator counts frees
+        self.reallocations = 0        # slab regrowths (0 for a correctly planned cache)
+        self.warned = False
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SlabLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+
+def new_cache() -> SlabCache:
     """An empty full-attention cache (tree masks need every position, so no sliding layers)."""
-    return DynamicCache()
+    return SlabCache()
 
 
-def cache_len(cache: DynamicCache) -> int:
+def reserve(cache, model, rows: int, pool=None, component: str = "kv") -> None:
+    """Allocate every layer's slabs for `rows` positions now (no-op if already allocated)."""
+    if not isinstance(cache, SlabCache) or cache.layers:
+        return
+    cfg = getattr(model.config, "text_config", None) or model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    cache.capacity, cache.component = rows, component
+    if pool is not None:
+        cache.alloc = lambda shape, dtype, device, comp: pool.empty(shape, dtype, comp)
+        cache.release = lambda *ts: pool.free(component, *ts)
+    dtype, device = model_dtype(model), model.device
+    for _ in range(cfg.num_hidden_layers):
+        layer = SlabLayer(cache)
+        layer.allocate((1, kv_heads, rows, head_dim), dtype, device)
+        cache.layers.append(layer)
+
+
+def cache_len(cache) -> int:
     return cache.get_seq_length()
 
 
@@ -26,10 +140,12 @@ def model_dtype(model) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
-def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+            last_only: bool = False) -> torch.Tensor:
     """One model pass over T new tokens. tokens/positions: (T,) long; mask: (1, 1, T, past+T).
 
-    Returns (T, V) logits; the tokens' K/V are appended to `cache`.
+    Returns (T, V) logits, or (1, V) for the last token with `last_only` (prefill: no (T, V)
+    tensor is ever built); the tokens' K/V are appended to `cache`.
     """
     device = model.device
     with torch.inference_mode():
@@ -39,15 +155,16 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
             attention_mask=mask.to(device=device, dtype=model_dtype(model)),
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1 if last_only else 0,
         )
     return out.logits[0]
 
 
 @torch.inference_mode()
-def compact(cache: DynamicCache, start: int, rows: torch.Tensor) -> None:
+def compact(cache, start: int, rows: torch.Tensor) -> None:
     """Keep cache rows [0, start) plus the absolute rows `rows` (ascending, all >= start).
 
-    The kept rows are moved to [start, start + len(rows)) and the rest is cut off.
+    The kept rows are moved to [start, start + len(rows)) in place and the rest is cut off.
     """
     n = int(rows.numel())
     for layer in cache.layers:
@@ -56,10 +173,14 @@ def compact(cache: DynamicCache, start: int, rows: torch.Tensor) -> None:
         idx = rows.to(layer.keys.device)
         for name in ("keys", "values"):
             t = getattr(layer, name)  # (B, H, S, D)
-            t[:, :, start : start + n] = t.index_select(2, idx)
-            setattr(layer, name, t[:, :, : start + n])
+            if n:
+                t[:, :, start : start + n] = t.index_select(2, idx)
+            if not isinstance(layer, SlabLayer):
+                setattr(layer, name, t[:, :, : start + n])
+        if isinstance(layer, SlabLayer):
+            layer.length = start + n
 
 
-def crop(cache: DynamicCache, length: int) -> None:
+def crop(cache, length: int) -> None:
     """Cut the cache back to its first `length` positions."""
     compact(cache, length, torch.empty(0, dtype=torch.long))

@@ -159,7 +159,7 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     return model.to(device).eval()
 
 
-def load_target(path: Path, opts: LoadOptions, device: torch.device):
+def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
     pickled = not check_weights(path, "--target", opts.allow_pickle)   # offloading reads safetensors only
     if ((opts.offload == "none" or (pickled and opts.offload == "auto")) and opts.dtype != "nf4"
             and not needs_offload_path(path)):
@@ -172,6 +172,7 @@ def load_target(path: Path, opts: LoadOptions, device: torch.device):
         return OffloadedCausalLM.from_pretrained(
             path, device=device, dtype=dtype, offload=opts.offload,
             max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
+            memplan=opts.plan, pool=pool,
         )
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
@@ -213,8 +214,17 @@ def load_models(opts: LoadOptions) -> Models:
         check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
         ddtype = resolve_dtype("auto" if opts.dtype == "nf4" else opts.dtype, device)
         draft = load_hf(dpath, "--draft", opts, device, ddtype)
-    target = load_target(tpath, opts, device)
-    return Models(target, draft, tok, eos_ids(tok, target), context_limit(target, draft))
+    from offload.storage import DevicePool
+
+    pool = DevicePool(device)   # counts every device byte, per memory-plan component
+    if draft is not None:
+        pool.adopt("draft", [*draft.parameters(), *draft.buffers()])
+    target = load_target(tpath, opts, device, pool)
+    if getattr(target, "pool", None) is not pool:
+        pool.adopt("target", [*target.parameters(), *target.buffers()])   # HF-resident target (--offload none)
+    plan = opts.plan
+    return Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
+                  kv_rows=plan.kv_rows if plan is not None else None, pass_tokens=plan.pass_tokens if plan else 0)
 
 
 def read_prompt(path: str) -> str:

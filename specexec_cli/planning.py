@@ -37,6 +37,25 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool) -> tuple[str, str | No
     return target, draft
 
 
+def nf4_source(path, dtype: str):
+    """(checkpoint the loader will stream, target dtype): a pre-quantized 4-bit checkpoint is nf4;
+    a 16-bit one with --dtype nf4 streams from its 4-bit cache when that exists (exact sizes),
+    else the plan estimates the cache's layout from the 16-bit headers."""
+    import json
+
+    from offload.quant_cache import cache_dir, cache_key, is_complete
+
+    try:
+        quantized = "quantization_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        quantized = False
+    if quantized:
+        return path, "nf4"
+    if dtype == "nf4" and is_complete(cache_dir(path), cache_key(path)):
+        return cache_dir(path), dtype
+    return path, dtype
+
+
 def make_plan(opts, shape, budget_auto: bool):
     """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring)."""
     from offload import OffloadError
@@ -51,6 +70,7 @@ def make_plan(opts, shape, budget_auto: bool):
     if not all(safe):
         return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
     tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None)
+    tpath, tdtype = nf4_source(tpath, tdtype)
     free = None
     if device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]

@@ -52,8 +52,15 @@ def small_params(c: dict) -> list[int]:
 
 
 def layer_bytes(c: dict, nf4: bool, elem: int) -> int:
-    lin = sum(a256(n // 2) if nf4 else a256(n * elem) for n in linears(c))
-    return lin + sum(a256(n * elem) for n in small_params(c))
+    """Streamed bytes of one layer: nf4 streams only the packed linears (norms/biases are pinned)."""
+    if nf4:
+        return sum(a256(n // 2) for n in linears(c))
+    return sum(a256(n * elem) for n in linears(c) + small_params(c))
+
+
+def nf4_file_estimate(c: dict) -> int:
+    """The 4-bit cache's layer span estimate: each packed weight in whole 4 KiB pages, plus one."""
+    return sum((n // 2 + 4095) // 4096 * 4096 + 4096 for n in linears(c))
 
 
 def qstate(n: int) -> int:
@@ -104,8 +111,12 @@ def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) ->
         "kv_draft": kv(d, rows_d, delem),
         "activations": act,
         "resident_layers": len(plan.resident) * lb,
+        "pinned_params": t["num_hidden_layers"] * sum(a256(n * elem) for n in small_params(t)) if nf4 else 0,
     }
-    slot = lb if (nf4 or not plan.disk_layers) else plan.device_bytes["staging_slots"] // 2
+    if nf4:
+        slot = max(lb if plan.ram_layers else 0, nf4_file_estimate(t) if plan.disk_layers else 0)
+    else:
+        slot = lb if not plan.disk_layers else plan.device_bytes["staging_slots"] // 2
     exp["staging_slots"] = 2 * slot if streamed else 0
     static = sum(exp.values()) - act
     exp["cuda_context"] = 600 * MIB + int(0.02 * static + 0.10 * act)
@@ -157,7 +168,7 @@ def test_bf16_70b_on_24gb_with_64gb_ram_spills_to_disk(ckpts):
     slot = plan.device_bytes["staging_slots"] // 2
     assert lb <= slot <= lb + 2 * 4096
     assert plan.host_bytes["ram_layers"] == len(plan.ram_layers) * lb
-    assert plan.host_total <= int(0.8 * 64 * GB) + plan.host_bytes["read_buffers"]
+    assert plan.host_total <= int(0.8 * 64 * GB) + plan.host_bytes["stage_buffers"] + plan.host_bytes["read_buffers"]
     raw = sum(n * 2 for n in linears(cfg(t)) + small_params(cfg(t)))
     assert len(plan.disk_layers) * raw <= plan.disk_bytes_per_pass <= len(plan.disk_layers) * (raw + 8192)
 
