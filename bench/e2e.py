@@ -214,8 +214,7 @@ def main() -> None:
             runs[c].append(r)
             print(f"prompt {i + 1}/{len(prompts)} {c:<16} {r['tokens_after_first']:>3} tok "
                   f"{r['seconds_after_first']:7.1f}s  ({time.perf_counter() - t0:.0f}s wall)", flush=True)
-    plan = models.target.plan
-    layer_bytes = sum(plan.layer_bytes[i] for i in plan.streamed)
+    layer_bytes = sum(sl.nbytes for d in models.target.store.disk.values() for sl in d.raw.slices.values())
     report(runs, args, layer_bytes)
     models.target.close()
 

@@ -191,47 +191,71 @@ class DevicePool:
 
 
 class DirectReader:
-    """O_DIRECT reader with a once-warned buffered fallback."""
+    """O_DIRECT reader with a once-warned buffered fallback.
 
-    def __init__(self, direct: bool = True):
+    A span is read in `chunk`-byte requests (IO_ALIGN multiples), `depth` of them in flight at
+    once (depth > 1: a small thread pool; preadv releases the GIL). bench/offload.py measures the
+    best (depth, chunk) for the disk and can set them here.
+    """
+
+    def __init__(self, direct: bool = True, depth: int = 1, chunk: int = READ_CHUNK):
         self.direct = direct
+        self.depth, self.chunk = max(1, depth), align_up(max(chunk, IO_ALIGN), IO_ALIGN)
         self._fds: dict[tuple[Path, bool], int] = {}
         self._lock = threading.Lock()
+        self._pool = None
 
     def _fd(self, path: Path) -> int:
-        key = (path, self.direct)
-        if key not in self._fds:
+        with self._lock:
+            key = (path, self.direct)
+            if key in self._fds:
+                return self._fds[key]
             flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct else 0)
             try:
                 self._fds[key] = os.open(path, flags)
+                return self._fds[key]
             except OSError as exc:
-                if self.direct and exc.errno == errno.EINVAL:
-                    self._fallback(path)
-                    return self._fd(path)
-                raise OffloadError(f"{path}: cannot open ({exc.strerror}); check the model directory") from None
-        return self._fds[key]
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise OffloadError(f"{path}: cannot open ({exc.strerror}); check the model directory") from None
+        self._fallback(path)
+        return self._fd(path)
 
     def _fallback(self, path: Path) -> None:
-        warnings.warn(f"offload: O_DIRECT unsupported for {path}; using buffered reads (page cache)")
+        if self.direct:
+            warnings.warn(f"offload: O_DIRECT unsupported for {path}; using buffered reads (page cache)")
         self.direct = False
+
+    def _read_range(self, span: Span, mv: memoryview, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of the span (offsets relative to the span), short reads retried."""
+        done = lo
+        while done < hi:
+            try:
+                n = os.preadv(self._fd(span.file), [mv[done:hi]], span.offset + done)
+            except OSError as exc:
+                if self.direct and exc.errno == errno.EINVAL:
+                    self._fallback(span.file)
+                    continue
+                raise OffloadError(f"{span.file}: read failed ({exc.strerror})") from None
+            if n <= 0:
+                if done >= min(hi, span.needed):
+                    return   # the aligned tail past EOF: nothing more to read
+                raise OffloadError(f"{span.file}: truncated at byte {span.offset + done}; re-download it")
+            done += n
 
     def read_span(self, span: Span, buf: torch.Tensor) -> None:
         """Read one aligned span into buf[span.buf_offset:]; buf must be page-aligned."""
         mv = memoryview(buf.numpy()).cast("B")[span.buf_offset:span.buf_offset + span.length]
-        with self._lock:
-            done = 0
-            while done < span.needed:
-                want = min(READ_CHUNK, span.length - done)
-                try:
-                    n = os.preadv(self._fd(span.file), [mv[done:done + want]], span.offset + done)
-                except OSError as exc:
-                    if self.direct and exc.errno == errno.EINVAL:
-                        self._fallback(span.file)
-                        continue
-                    raise OffloadError(f"{span.file}: read failed ({exc.strerror})") from None
-                if n <= 0:
-                    raise OffloadError(f"{span.file}: truncated at byte {span.offset + done}; re-download it")
-                done += n
+        ranges = [(lo, min(lo + self.chunk, span.length)) for lo in range(0, span.needed, self.chunk)]
+        if self.depth == 1 or len(ranges) == 1:
+            for lo, hi in ranges:
+                self._read_range(span, mv, lo, hi)
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="offload-io")
+        for fut in [self._pool.submit(self._read_range, span, mv, lo, hi) for lo, hi in ranges]:
+            fut.result()
 
     def probe(self, path: Path) -> None:
         """Try one aligned O_DIRECT read so the plan can say whether O_DIRECT works here."""
@@ -239,6 +263,9 @@ class DirectReader:
             self.read_span(Span(path, 0, IO_ALIGN, IO_ALIGN, 0), aligned_empty(IO_ALIGN))
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)

@@ -158,7 +158,7 @@ def test_disk_tier_reads_only_layer_bytes(tmp_path):
         model.close()
         pytest.skip("O_DIRECT unsupported here: buffered reads count readahead")
     try:
-        layer_bytes = sum(model.plan.layer_bytes)
+        layer_bytes = sum(sl.nbytes for d in model.store.disk.values() for sl in d.raw.slices.values())
         model(input_ids=_ids())
         passes = 4
         model.prefetcher.wait_idle()
@@ -198,3 +198,18 @@ def test_link_meter_reports_busy_fraction_and_stall_per_pass(monkeypatch):
     rec = stats.to_json()
     assert rec["link_busy_fraction"] == 0.5 and rec["stall_seconds"] == 0.25
     assert "link_busy_fraction" not in RunStats().to_json()   # resident target: no link fields
+
+
+def test_reader_queue_depth_and_chunk_read_the_same_bytes(model_dir):
+    """Several small requests in flight (bench/offload.py's best config) give identical layers."""
+    ref = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0)
+    model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0)
+    try:
+        model.store.reader.depth, model.store.reader.chunk = 3, 8192
+        ids = _ids()
+        for _ in range(2):
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=0, rtol=0)
+        assert model.store.reader._pool is not None   # the threaded path really ran
+    finally:
+        model.close()
+        ref.close()
