@@ -115,7 +115,7 @@ class OffloadedCausalLM(nn.Module):
         if nf4:
             index = SafetensorsIndex(path)
             _swap_nf4_linears(hf.model.layers, compute_dtype,
-                              lambda name: is_packed(index, f"model.{name}.weight"))
+                              lambda name: is_packed(index.entries, f"model.{name}.weight"))
         w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
                          max_device_memory, max_host_memory, slots, progress,
                          host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool)

@@ -10,7 +10,7 @@ Contract:
   double quantization also `X.weight.nested_absmax`, `X.weight.nested_quant_map`, and the
   JSON-in-uint8 `X.weight.quant_state.bitsandbytes__nf4|fp4` (blocksize, dtype, logical shape).
   Non-quantized tensors (embeddings, norms, biases, lm_head) are plain 16/32-bit tensors.
-- `is_packed(index, name)`: whether `name` is stored that way; `load_quant_state` rebuilds the
+- `is_packed(entries, name)`: whether `name` is stored that way; `load_quant_state` rebuilds the
   bitsandbytes QuantState (never re-quantizes); `quant_tensors(name, packed, state)` is the
   inverse used by the 4-bit cache writer.
 """
@@ -42,10 +42,10 @@ def bnb4_config(config) -> dict | None:
     return qc
 
 
-def _state_key(index, name: str) -> str | None:
+def _state_key(entries, name: str) -> str | None:
     for kind in QS_KINDS:
         key = f"{name}.quant_state.bitsandbytes__{kind}"
-        if key in index.entries:
+        if key in entries:
             return key
     return None
 
@@ -59,15 +59,16 @@ def is_quant_part(name: str, packed: set[str]) -> bool:
     return part == "quant_state" and base in packed and name.rsplit("__", 1)[-1] in QS_KINDS
 
 
-def is_packed(index, name: str) -> bool:
-    return _state_key(index, name) is not None
+def is_packed(entries, name: str) -> bool:
+    """`entries`: tensor name -> header entry (SafetensorsIndex.entries)."""
+    return _state_key(entries, name) is not None
 
 
 def load_quant_state(index, name: str, device: torch.device, logical_shape: tuple[int, ...]):
     """QuantState of packed weight `name`, its small tensors on `device`; checks the logical shape."""
     from bitsandbytes.functional import QuantState
 
-    key = _state_key(index, name)
+    key = _state_key(index.entries, name)
     if key is None:
         raise OffloadError(f"{index.source_name}: {name!r} has no bitsandbytes quant_state; the checkpoint "
                            "is incomplete")
