@@ -169,11 +169,16 @@ def write_quantized(src: Path, out: Path, progress: Progress | None = None, toke
 
 
 def _publish(tmp: Path, out: Path, key: str | None) -> None:
-    """Atomic rename into place, replacing a stale/partial `out`; a concurrent builder may win."""
+    """Atomic rename into place, replacing a stale/partial `out`; a concurrent builder may win.
+    Only an empty directory or one of ours (it has a manifest, or none yet) is ever replaced."""
     if out.exists():
         if is_complete(out, key) and key is not None:
             shutil.rmtree(tmp)
             return
+        ours = out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).exists() or key is not None)
+        if not ours:
+            shutil.rmtree(tmp)
+            raise OffloadError(f"{out}: exists and is not a specx 4-bit checkpoint; choose another directory")
         shutil.rmtree(out)
     try:
         os.rename(tmp, out)

@@ -85,6 +85,7 @@ TopP = Annotated[float, typer.Option(metavar="P", rich_help_panel=DECODING, help
 Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
 Dtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
 Device = Annotated[str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")]
+DraftDtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.")]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
 TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]
 Offload = Annotated[str, typer.Option(metavar="MODE", rich_help_panel=OFFLOAD, help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.")]
@@ -216,7 +217,7 @@ def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
 
 
 def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
-                 max_ram, ctx, embeddings, cfg, budget):
+                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto"):
     """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit."""
     from dataclasses import replace
 
@@ -230,7 +231,7 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     target, draft = pick_models(target, draft, method)
     opts = LoadOptions(
         target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
-        trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings,
+        trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings, draft_dtype=draft_dtype,
         max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
     )  # fmt: skip
     plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto")
@@ -301,7 +302,8 @@ def run(
     target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
     max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
-    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", draft_dtype: DraftDtype = "auto", device: Device = "auto", offload: Offload = "auto",
+    max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     no_chat_template: NoTemplate = False, no_live: NoLive = False, color: Color = None, stats_json: StatsJson = None,
     profile: ProfileOpt = None, gamma: Gamma = 5, branching: Branching = None, ctx: Ctx = 8192,
@@ -321,7 +323,7 @@ def run(
                                 top_k, top_p, seed, device)
         cfg = with_settings(cfg, **flag_options(gamma, branching, profile))
         opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
-                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget)
+                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget, draft_dtype)
         if dry_run:
             return show_plan(plan, stats_json)
         with display.LoadProgress(live_enabled(no_live)) as progress:
@@ -352,7 +354,8 @@ def chat(
     target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
     max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
     temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
-    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", draft_dtype: DraftDtype = "auto", device: Device = "auto", offload: Offload = "auto",
+    max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     system: System = None, no_chat_template: NoTemplate = False, no_live: NoLive = False, color: Color = None,
     stats_json: TurnStats = None, profile: ProfileOpt = None, ctx: Ctx = 8192, embeddings: Embeddings = "auto",
@@ -369,7 +372,7 @@ def chat(
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
         opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
-                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget)
+                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget, draft_dtype)
         if dry_run:
             return show_plan(plan, stats_json)
         interactive = sys.stdin.isatty()
@@ -441,7 +444,8 @@ def bench(
     temperatures: Annotated[str, typer.Option(metavar="LIST", rich_help_panel=DECODING, help="Comma-separated temperatures.")] = "0,0.7",
     max_new_tokens: MaxNew = 128, num_prompts: Annotated[int, typer.Option(metavar="N", help="Use the first N prompts (0 = all).")] = 0,
     max_depth: MaxDepth = 64, gamma: Gamma = 5, branching: Branching = None, seed: Seed = 0,
-    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", draft_dtype: DraftDtype = "auto", device: Device = "auto", offload: Offload = "auto",
+    max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     no_chat_template: NoTemplate = False, no_live: NoLive = False, profile: ProfileOpt = None,
     ctx: Ctx = 8192, embeddings: Embeddings = "auto",
@@ -463,7 +467,7 @@ def bench(
         widest = GenerationConfig(shape=TreeShape(max(grid.budgets), max_depth))  # the plan covers the largest cell
         opts, plan, _ = plan_for_cli(target, draft, "ar" if set(grid.methods) == {"ar"} else "specexec", dtype,
                                      device, allow_pickle, trust_remote_code, offload, max_gpu_memory, max_ram, ctx,
-                                     embeddings, widest, str(max(grid.budgets)))
+                                     embeddings, widest, str(max(grid.budgets)), draft_dtype)
         with display.LoadProgress(live) as progress:
             models = load_planned(opts, plan, progress)
         ids = [encode_prompt(models.tokenizer, t, not no_chat_template) for t in texts]
@@ -471,6 +475,24 @@ def bench(
             records = bench_mod.run_bench(models, ids, grid, progress)
         display.print_bench_table(records)
         display.print_notice(bench_mod.save(out, records))
+
+
+@app.command()
+def quantize(
+    target: Annotated[str, typer.Option("--target", "-m", metavar="DIR", help="16-bit (bf16/fp16/fp32) safetensors model: local HF dir or cached hub id.")],
+    out: Annotated[Path, typer.Option(metavar="DIR", help="New directory for the 4-bit checkpoint (must not exist or be empty).")],
+    no_live: NoLive = False,
+) -> None:
+    """Write a pre-quantized 4-bit (bitsandbytes NF4) copy of a 16-bit model that specx and transformers load."""
+    with user_errors():
+        from offload import format_bytes
+
+        from specexec_cli.quantize import quantize_checkpoint
+
+        with display.LoadProgress(live_enabled(no_live)) as progress:
+            res = quantize_checkpoint(target, out, progress)
+        display.print_notice(f"quantized {target} -> {res.out}: {format_bytes(res.source_bytes)} -> "
+                             f"{format_bytes(res.out_bytes)} in {res.seconds:.1f}s; use --target {res.out}")
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ class LoadOptions:
     target: str  # local dir or cached hub id
     draft: str | None  # None → no draft (method ar)
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32 (target also: nf4)
+    draft_dtype: str = "auto"  # auto | bf16 | fp16 | fp32, independent of the target's (mixed precision)
     device: str = "auto"  # auto | cpu | cuda
     allow_pickle: bool = False
     trust_remote_code: bool = False
@@ -57,6 +58,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise SpecxError(f"--dtype must be one of auto, {', '.join(DTYPES)}, nf4 (got {name!r})")
     return DTYPES[name]
+
+
+def draft_dtype_name(dtype: str, draft_dtype: str) -> str:
+    """The draft's dtype name: --draft-dtype when given, else the target's (auto for an nf4 target)."""
+    if draft_dtype != "auto":
+        if draft_dtype not in DTYPES:
+            raise SpecxError(f"--draft-dtype must be one of auto, {', '.join(DTYPES)} (got {draft_dtype!r})")
+        return draft_dtype
+    return "auto" if dtype == "nf4" else dtype
 
 
 def resolve_path(name: str, flag: str) -> Path:
@@ -199,6 +209,10 @@ def quiet_transformers() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    import logging
+
+    # bitsandbytes warns at import about an optional CPU kernel package; not the user's concern.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def load_models(opts: LoadOptions) -> Models:
@@ -212,7 +226,7 @@ def load_models(opts: LoadOptions) -> Models:
         dpath = resolve_path(opts.draft, "--draft")
         check_weights(dpath, "--draft", opts.allow_pickle)
         check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
-        ddtype = resolve_dtype("auto" if opts.dtype == "nf4" else opts.dtype, device)
+        ddtype = resolve_dtype(draft_dtype_name(opts.dtype, opts.draft_dtype), device)
         draft = load_hf(dpath, "--draft", opts, device, ddtype)
     from offload.storage import DevicePool
 

@@ -27,13 +27,18 @@ def plan_device(name: str) -> str:
     return name
 
 
-def plan_dtypes(dtype: str, device: str, has_draft: bool) -> tuple[str, str | None]:
-    """(target, draft) dtype names: auto = bf16 on CUDA, fp32 on CPU; an nf4 target keeps an auto draft."""
+def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "auto") -> tuple[str, str | None]:
+    """(target, draft) dtype names: auto = bf16 on CUDA, fp32 on CPU; an nf4 target keeps an auto draft;
+    an explicit --draft-dtype wins for the draft (mixed precision)."""
     auto = "bf16" if device == "cuda" else "fp32"
     if dtype not in ("auto", "bf16", "fp16", "fp32", "nf4"):
         raise SpecxError(f"--dtype must be one of auto, bf16, fp16, fp32, nf4 (got {dtype!r})")
     target = auto if dtype == "auto" else dtype
     draft = (auto if dtype in ("auto", "nf4") else dtype) if has_draft else None
+    if has_draft and draft_dtype != "auto":
+        from specexec_cli.loading import draft_dtype_name
+
+        draft = draft_dtype_name(dtype, draft_dtype)
     return target, draft
 
 
@@ -69,7 +74,7 @@ def make_plan(opts, shape, budget_auto: bool):
     safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
     if not all(safe):
         return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
-    tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None)
+    tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
     tpath, tdtype = nf4_source(tpath, tdtype)
     free = None
     if device == "cuda" and torch.cuda.is_available():
