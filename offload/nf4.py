@@ -23,11 +23,34 @@ from torch import nn
 
 NF4_BLOCKSIZE = 64
 NF4_COMPRESS_STATISTICS = True
+# The oldest bitsandbytes this module is tested with (pyproject requires it too). Releases before
+# it called matmul_4bit with `weight.t()` and took the weight's orientation from B's shape, so the
+# packed (n/2, 1) view passed here would be read transposed for square weights; refuse them.
+MIN_BNB = (0, 50, 2)
+
+
+@functools.lru_cache(maxsize=1)
+def require_bnb() -> None:
+    """OffloadError (one line, with the fix) when bitsandbytes is missing or older than MIN_BNB."""
+    from .errors import OffloadError
+
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise OffloadError("--dtype nf4 needs bitsandbytes; pip install 'bitsandbytes>=0.50.2'") from None
+    parts = []
+    for piece in bitsandbytes.__version__.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_BNB:
+        raise OffloadError(f"bitsandbytes {bitsandbytes.__version__} is older than 0.50.2, which specx's NF4 "
+                           "path needs; pip install -U 'bitsandbytes>=0.50.2'")
 
 
 def quantize_nf4(weight: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.bfloat16):
     """Quantize a 2-D weight (out, in) to NF4 the way Linear4bit.to(device) does on a `dtype` model
     (the weight is first cast to the compute dtype, as HF does before quantizing)."""
+    require_bnb()
     import bitsandbytes.functional as bnbf
 
     w = weight.to(device=device, dtype=dtype).contiguous()
@@ -51,6 +74,7 @@ class Nf4Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, has_bias: bool, compute_dtype: torch.dtype):
         super().__init__()
+        require_bnb()
         self.in_features, self.out_features = in_features, out_features
         self.compute_dtype = compute_dtype
         self.quant_state = None

@@ -126,14 +126,53 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1    # cudaHostRegisterPortable: pinned for every CUDA context
+OWN_PINNED_MAX = 1 << 30           # fallback pinned copies only up to this size (torch rounds pinned sizes up)
+
+
 def pin_host(buf: torch.Tensor) -> torch.Tensor:
-    """Page-lock an existing host region in one call (cudaHostRegister), never per tensor."""
+    """Page-lock an existing host region in one call (cudaHostRegister, portable), never per tensor.
+
+    Returns the buffer to use. If registration fails (locked-memory limits, an already registered
+    range), CUDA's last error is cleared at once, since torch would otherwise raise it at the next
+    unrelated kernel launch, and the region falls back to a pinned buffer of torch's own (up to
+    OWN_PINNED_MAX, page-aligned for O_DIRECT) or stays pageable, with a warning either way.
+    """
     if not torch.cuda.is_available() or buf.numel() == 0:
         return buf
-    rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-    if int(rc) != 0:
-        warnings.warn(f"offload: cudaHostRegister failed ({rc}); host->device copies will be pageable")
+    rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), CUDA_HOST_REGISTER_PORTABLE))
+    if rc == 0:
+        return buf
+    clear_cuda_error()
+    if buf.numel() <= OWN_PINNED_MAX:
+        try:
+            own = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            own = None
+            clear_cuda_error()
+        if own is not None and own.data_ptr() % IO_ALIGN == 0:
+            warnings.warn(f"offload: cudaHostRegister failed (cudaError {rc}); using a pinned copy instead")
+            return own.copy_(buf)
+    warnings.warn(f"offload: cudaHostRegister failed (cudaError {rc}); host->device copies of "
+                  f"{buf.numel() >> 20} MiB will be pageable (slower); raise `ulimit -l` to pin")
     return buf
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's sticky-until-read last error (cudaGetLastError) on this thread."""
+    rt = torch.cuda.cudart()
+    get_last = getattr(rt, "cudaGetLastError", None)
+    if get_last is not None:
+        get_last()
+        return
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:   # RTLD_NOLOAD: only the runtime torch already loaded (its error state is the one to clear)
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL).cudaGetLastError()
+            return
+        except OSError:
+            continue
 
 
 class DevicePool:
