@@ -264,10 +264,10 @@ class LoadProgress:
         if self._progress is None:
             return
         if self._task is None:
-            self._task = self._progress.add_task(what, total=total)
+            self._task = self._progress.add_task(escape(what), total=total)
         elif done < self._progress.tasks[0].completed:   # a new phase (quantizing -> loading): fresh ETA
             self._progress.reset(self._task, total=total)
-        self._progress.update(self._task, completed=done, total=total, description=what)
+        self._progress.update(self._task, completed=done, total=total, description=escape(what))
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
@@ -279,20 +279,20 @@ def print_profile(profile: dict) -> None:
     from rich.table import Table
 
     gb = 1e9
-    table = Table(title=f"specx profile · {profile.get('hostname')}", show_header=False, expand=False)
+    table = Table(title=f"specx profile · {escape(str(profile.get('hostname')))}", show_header=False, expand=False)
     table.add_column(style="bold cyan", justify="right")
     table.add_column()
     cpu, mem, disk, mm = profile["cpu"], profile["memory"], profile["disk"], profile["matmul"]
-    table.add_row("cpu", f"{cpu['model']} · {cpu['physical_cores']} cores / {cpu['logical_cores']} threads "
+    table.add_row("cpu", f"{escape(str(cpu['model']))} · {cpu['physical_cores']} cores / {cpu['logical_cores']} threads "
                   f"({cpu['usable_cores']} usable)")
     table.add_row("ram", f"{mem['total_bytes'] / gb:.1f} GB total · {mem['available_bytes'] / gb:.1f} GB free")
     for g in profile.get("gpus") or []:
-        table.add_row(f"gpu {g['index']}", f"{g['name']} · {g['total_bytes'] / gb:.1f} GB · "
+        table.add_row(f"gpu {g['index']}", f"{escape(str(g['name']))} · {g['total_bytes'] / gb:.1f} GB · "
                       f"pinned H2D {g['h2d_pinned_gbps']:.2f} GB/s")
     if not profile.get("gpus"):
         table.add_row("gpu", "none (CUDA not available)")
     note = f" · {disk['note']}" if disk.get("note") else ""
-    table.add_row("disk", f"{disk.get('read_gbps')} GB/s {disk.get('method')} read of {disk.get('path')}{note}")
+    table.add_row("disk", escape(f"{disk.get('read_gbps')} GB/s {disk.get('method')} read of {disk.get('path')}{note}"))
     table.add_row("matmul", f"bf16 {mm['bf16_gflops']} GFLOP/s · fp32 {mm['fp32_gflops']} GFLOP/s ({mm['device']})")
     models = profile.get("models")
     if models:

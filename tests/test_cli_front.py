@@ -152,3 +152,11 @@ def test_text_sink_colours_only_the_draft_prefix_and_never_changes_text():
     sink.end_line()
     sink("\n")  # the caller's own end-of-reply newline is the one end_line() wrote
     assert plain.getvalue() == "ab\ncd[/b]e\n"
+
+
+def test_chat_save_to_a_missing_dir_is_one_clean_line(tiny_pair, tmp_path):
+    r = runner.invoke(app, ["chat", "-m", tiny_pair[0], "-md", tiny_pair[1], "--device", "cpu"],
+                      input=f"/save {tmp_path}/missing/[v2].json\n/save {tmp_path}/ok.json\n")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "error: /save: cannot write" in r.stderr and "[v2].json" in r.stderr, r.stderr
+    assert json.loads((tmp_path / "ok.json").read_text())["schema"] == "specx-chat"
