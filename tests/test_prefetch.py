@@ -213,3 +213,26 @@ def test_reader_queue_depth_and_chunk_read_the_same_bytes(model_dir):
     finally:
         model.close()
         ref.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ring_two_stages_match_cpu_and_survive_abandon(model_dir):
+    """CUDA: disk reads into 4 pinned host slots, copies into 2 device slots; equals the CPU model,
+    also after a pass abandoned halfway."""
+    cpu = OffloadedCausalLM.from_pretrained(model_dir, offload="ram")
+    gpu = OffloadedCausalLM.from_pretrained(model_dir, device="cuda", offload="disk", max_device_memory=0,
+                                            slots=2, host_slots=4)
+    try:
+        assert gpu.prefetcher.slots == 2 and gpu.prefetcher.host_slots == 4
+        ids = _ids()
+        expected = cpu(input_ids=ids).logits
+        gpu.compute_hook = lambda layer: (_ for _ in ()).throw(Boom()) if layer == 3 else None
+        with pytest.raises(Boom):
+            gpu(input_ids=ids.cuda())
+        gpu.compute_hook = None
+        for _ in range(3):
+            torch.testing.assert_close(gpu(input_ids=ids.cuda()).logits.cpu(), expected, atol=1e-4, rtol=1e-4)
+        assert gpu.link_busy_seconds() > 0
+    finally:
+        gpu.close()
+        cpu.close()
