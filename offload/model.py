@@ -84,7 +84,9 @@ class OffloadedCausalLM(nn.Module):
             self._bind(i, buf, layout)
         for i, states in w.qstates.items():
             for name, state in states.items():
-                self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
+                mod = self.layers[i].get_submodule(name.rsplit(".", 1)[0])
+                mod.quant_state = state
+                mod.static_weight = i in w.resident    # bound once: a CPU kernel re-layout is cached
         self.prefetcher = Prefetcher(self.plan.streamed, self.store.read, self.store.copy, self.store.slots,
                                      self.store.host_slots, device, is_free=self.store.is_free)
 

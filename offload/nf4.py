@@ -9,8 +9,8 @@ its packed `weight` parameter is re-pointed at a streamed buffer each pass, whil
 quant state (absmax, code, nested state) stays resident on the device.
 On a CPU with AVX512-BF16, Linear4bit.forward (so transformers' generate of a 4-bit model)
 re-lays the weight out for bnb's fused bf16 CPU kernel and computes there; `Nf4Linear` does the
-same (a byte re-layout of the packed weight in each forward, nothing re-quantized), so its
-outputs equal Linear4bit's on every machine.
+same (`cpu_relayout`: nibble moves on the packed bytes, once for resident layers, per pass for
+streamed ones; nothing re-quantized), so its outputs equal Linear4bit's on every machine.
 """
 
 from __future__ import annotations
@@ -94,9 +94,54 @@ class Nf4Linear(nn.Module):
         return out.to(in_dtype)
 
     def _cpu_layout(self, weight: torch.Tensor):
-        """(weight, state) in bnb's AVX512-BF16 CPU layout, exactly as Linear4bit.forward makes them;
-        the converter rewrites the state it is given, so it gets a shallow copy."""
-        return _cpu_bf16_kernel()(weight.detach(), copy.copy(self.quant_state))
+        """(weight, state) in bnb's AVX512-BF16 CPU layout, the values Linear4bit.forward makes.
+        The state is converted once per quant state; the weight bytes per call (a streamed slot
+        holds another layer next pass) unless `static_weight` (resident layers: converted once)."""
+        cached = getattr(self, "_cpu_cache", None)
+        if cached is None or cached[0] is not self.quant_state:
+            cached = self._cpu_cache = (self.quant_state, cpu_state(self.quant_state), None)
+        if cached[2] is not None:
+            return cached[2], cached[1]
+        w = cpu_relayout(weight.detach(), tuple(self.quant_state.shape))
+        if getattr(self, "static_weight", False):
+            self._cpu_cache = (cached[0], cached[1], w)
+        return w, cached[1]
+
+
+def cpu_state(state):
+    """A copy of `state` converted like bitsandbytes' _convert_weight_packed_for_cpu converts it:
+    double-quantized absmax expanded to fp32, then (K/blocksize, N) bf16; dtype bf16."""
+    import bitsandbytes.functional as bnbf
+
+    st = copy.copy(state)
+    st.original_dtype, st.original_nested = st.dtype, st.nested
+    st.original_qshape = torch.Size([(st.shape[0] * st.shape[1] + 1) // 2, 1])
+    if st.nested:
+        absmax = bnbf.dequantize_blockwise(st.absmax, st.state2)
+        absmax += st.offset
+        st.absmax, st.nested = absmax.float(), False
+        del st.state2
+    n, k = st.shape
+    st.absmax = st.absmax.reshape(n, k // st.blocksize).T.to(torch.bfloat16).contiguous()
+    st.dtype, st.packing_format_for_cpu = torch.bfloat16, True
+    return st
+
+
+def cpu_relayout(packed: torch.Tensor, shape: tuple[int, int], block_n: int = 32) -> torch.Tensor:
+    """Packed NF4 bytes (row-major (N, K) codes, high nibble first) -> bnb's CPU kernel layout (N, K/2).
+
+    bnb groups rows in blocks of 32 and, for each column pair (2kk, 2kk+1), writes 32 bytes:
+    byte 2j + c = code(n0 + 16 + j, 2kk + c) << 4 | code(n0 + j, 2kk + c), j < 16, c in {0, 1}.
+    With W[n, kk] = code(n, 2kk) << 4 | code(n, 2kk + 1) that is, per byte, nibble moves only:
+    c = 0: (W[n0+16+j] & 0xF0) | (W[n0+j] >> 4);  c = 1: (W[n0+16+j] << 4) | (W[n0+j] & 0x0F).
+    Byte ops on the packed tensor, equal to bitsandbytes' int32 unpack/repack (tested)."""
+    n, k = shape
+    # (N/32, half, kk, j): the two 16-row halves of each block, columns transposed to the front
+    w = packed.reshape(n // block_n, 2, block_n // 2, k // 2).transpose(2, 3)
+    lo, hi = w[:, 0].contiguous(), w[:, 1].contiguous()
+    even = (hi & 0xF0) | (lo >> 4)
+    odd = (hi << 4) | (lo & 0x0F)
+    return torch.stack((even, odd), dim=-1).reshape(n, k // 2)    # (N/32, kk, j, c) -> (N, K/2)
 
 
 def _cpu_layout_fits(state) -> bool:

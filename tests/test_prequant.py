@@ -225,3 +225,21 @@ def test_specx_run_on_prequant_target(prequant_dir, offload, tmp_path):
         want = _hf_q(target).generate(prompt_ids, max_new_tokens=16, do_sample=False)
     assert ids["ar"] == want[0, prompt_ids.shape[1]:].tolist()[:len(ids["ar"])]
     assert ids["specexec"] == ids["ar"]
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (96, 64), (256, 192)])
+def test_cpu_relayout_equals_bitsandbytes(shape):
+    """The byte-op re-layout for bnb's AVX512-BF16 CPU kernel equals bnb's own converter."""
+    import copy
+
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    from offload.nf4 import cpu_relayout, cpu_state, quantize_nf4
+
+    torch.manual_seed(shape[0])
+    packed, state = quantize_nf4(torch.randn(*shape, dtype=torch.bfloat16), torch.device("cpu"))
+    want_w, want_s = _convert_weight_packed_for_cpu(packed.clone(), copy.copy(state))
+    got_s = cpu_state(state)
+    assert torch.equal(cpu_relayout(packed, shape), want_w)
+    assert torch.equal(got_s.absmax, want_s.absmax) and got_s.dtype == want_s.dtype and got_s.packing_format_for_cpu
+    assert state.nested and not got_s.nested     # the original state is untouched
