@@ -53,7 +53,7 @@ class TableLM(torch.nn.Module):
         self.tokens_run = 0
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True,
-                **_):
+                logits_to_keep=0, **_):
         toks, pos = input_ids[0].numpy(), position_ids[0].numpy()
         n_new = toks.size
         self.calls += 1
@@ -84,6 +84,8 @@ class TableLM(torch.nn.Module):
         last = tok_at[rows, pos]
         prev = np.where(pos > 0, tok_at[rows, np.maximum(pos - 1, 0)], last)
         out = self.table[torch.from_numpy(prev), torch.from_numpy(last)]  # (T, V)
+        if logits_to_keep:
+            out = out[-logits_to_keep:]
         return _Out(out[None])
 
 

@@ -132,7 +132,37 @@ def test_bad_flags(tiny_pair, prompt, flags, needle):
     assert_user_error(invoke("run", prompt, *models_args(tiny_pair), *flags), needle)
 
 
-def test_debug_env_reraises(tiny_pair, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECX_DEBUG", "1")
-    r = invoke("run", tmp_path / "nope.txt", *models_args(tiny_pair))
-    assert r.exit_code != 0 and r.exception is not None
+def specx_command() -> list[str]:
+    """The installed `specx` console script (pyproject's entry point) when present, else its target."""
+    import shutil
+    import sys
+
+    exe = shutil.which("specx")
+    if exe:
+        return [exe]
+    return [sys.executable, "-c", "import sys; from specexec_cli.cli import main; sys.argv[0] = 'specx'; sys.exit(main())"]
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_debug_env_reraises(tmp_path, debug):
+    """Through the real entry point in a subprocess: one clean line and exit 2 without SPECX_DEBUG,
+    the full traceback with SPECX_DEBUG=1."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "SPECX_DEBUG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if debug:
+        env["SPECX_DEBUG"] = "1"
+    r = subprocess.run([*specx_command(), "run", str(tmp_path / "nope.txt"), "--method", "ar"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode != 0 and r.stdout == ""
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    if debug:
+        assert "Traceback (most recent call last)" in r.stderr and "nope.txt" in r.stderr, r.stderr
+    else:
+        assert r.returncode == 2, r.stderr
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "nope.txt" in lines[0] and "not found" in lines[0].lower(), lines

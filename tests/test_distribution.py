@@ -40,7 +40,8 @@ import torch
 from scipy.stats import chi2, kstest, norm
 
 from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, generate
+from specexec_cli.engine import DecodeState, GenerationConfig
+from specexec_cli.methods import generate
 from specexec_cli.methods.common import with_settings
 from specexec_cli.sampling import SamplingParams
 from tests.fakes import fake_models, next_logits, noisy, random_table

@@ -1,0 +1,50 @@
+"""The README's flags reference is exactly what `specx <command> --help` prints (tools/gen_flags.py).
+
+`gen_flags.main(["--check"])` renders every command's help and compares it with the README's
+`<!-- flags:begin -->` … `<!-- flags:end -->` block, without writing. A stale reference fails here;
+the fix is `python tools/gen_flags.py`. The second test proves the check can fail: one command's
+help text changed by a single option must be reported as out of date.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gen_flags():
+    spec = importlib.util.spec_from_file_location("gen_flags", ROOT / "tools" / "gen_flags.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def helps(gen_flags):
+    """Each command's rendered help, computed once (one subprocess per command)."""
+    env = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), env]).rstrip(os.pathsep)
+    try:
+        return {cmd: gen_flags.help_text(cmd) for cmd in gen_flags.COMMANDS}
+    finally:
+        os.environ["PYTHONPATH"] = env
+
+
+def test_readme_flags_match_help(gen_flags, helps, monkeypatch, capsys):
+    assert helps["run"] and "--max-new-tokens" in helps["run"]
+    monkeypatch.setattr(gen_flags, "help_text", helps.get)
+    rc = gen_flags.main(["--check"])
+    assert rc == 0, capsys.readouterr().out + "\nrun: python tools/gen_flags.py"
+
+
+def test_check_reports_a_stale_reference(gen_flags, helps, monkeypatch, capsys):
+    stale = dict(helps, run=helps["run"].replace("--max-new-tokens", "--max-tokens"))
+    monkeypatch.setattr(gen_flags, "help_text", stale.get)
+    assert gen_flags.main(["--check"]) == 1
+    assert "out of date" in capsys.readouterr().out
