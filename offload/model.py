@@ -112,8 +112,12 @@ class OffloadedCausalLM(nn.Module):
             config = _load_config(path)
         storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
         nf4 = bnb4_config(config) is not None
-        with torch.device("meta"):
-            hf = causal_lm_class(config)(config)
+        try:
+            with torch.device("meta"):
+                hf = causal_lm_class(config)(config)
+        except (RuntimeError, ValueError, TypeError, ArithmeticError) as exc:  # impossible sizes in config.json
+            raise OffloadError(f"{path / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
+                               f"{str(exc)[:100]}); fix or re-download it") from None
         if nf4:
             index = SafetensorsIndex(path)
             _swap_nf4_linears(hf.model.layers, compute_dtype,

@@ -18,7 +18,7 @@ import torch
 
 from specexec_cli.engine import Models
 from specexec_cli.errors import SpecxError
-from specexec_cli.strict import check_config, check_files, check_loading_info, load_config, precheck
+from specexec_cli.strict import check_architecture, check_config, check_files, check_loading_info, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -91,9 +91,10 @@ def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
     """Validate the dir; returns True when weights are safetensors."""
     if not (path / "config.json").is_file():
         raise SpecxError(f"{flag} {path}: missing config.json; is this a Hugging Face model directory?")
-    check_config(path, flag)
+    cfg = check_config(path, flag)
     if any(path.glob("*.safetensors")):
-        check_files(path, flag)  # headers, offsets and shards validated before anything is allocated
+        # Headers, offsets and shards, then config.json vs headers: all before anything is allocated.
+        check_architecture(path, flag, check_files(path, flag), cfg)
         return True
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
         if allow_pickle:
@@ -151,7 +152,6 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     safe = check_weights(path, flag, opts.allow_pickle)
     index = check_files(path, flag) if safe else None
     config = load_config(path, flag, opts.trust_remote_code)
-    precheck(index, config, flag, path, dtype, opts.trust_remote_code)
     # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
     attn = "eager" if read_config(path).get("attn_logit_softcapping") else "sdpa"
     try:

@@ -8,10 +8,10 @@ documented exception. Three stages, cheapest first:
 1. `check_config`: config.json is a JSON object naming a `model_type`.
 2. `check_files`: every safetensors header parses and fits its file (offload.st_index does the
    byte-level validation before anything is allocated); returns the index, or None for pickle.
-3. `precheck` (before allocating the model): the architecture built on the meta device must
-   agree with the headers on the shape and float dtype of every tensor both name, and the
-   weights config.json implies must not dwarf the files (a huge `hidden_size` is refused
-   instead of allocated). `check_loading_info` (after `from_pretrained(output_loading_info=True)`)
+3. `check_architecture` (before the memory plan and before allocating): the architecture
+   built on the meta device must agree with the headers (see its docstring), and the weights
+   config.json implies must not dwarf the files (a huge `hidden_size` is refused instead of
+   allocated). `check_loading_info` (after `from_pretrained(output_loading_info=True)`)
    refuses missing, unexpected and mismatched tensors as HF reports them; HF's report already
    understands key renames, tied weights and pre-quantized formats (bnb `.absmax`, ...).
 """
@@ -25,9 +25,9 @@ import torch
 
 from specexec_cli.errors import SpecxError
 
-# The float dtype a model is loaded in can be at most this many times the file's bytes
-# (bf16 file -> fp32 model is 2x); beyond that config.json describes a different model.
-MAX_EXPANSION = 4
+# The 16-bit size of the weights config.json implies may be at most this many times the files'
+# bytes (an 8-bit file is 2x); beyond that config.json describes a different model.
+MAX_EXPANSION = 2
 SLACK_BYTES = 64 << 20
 
 
@@ -87,12 +87,38 @@ def meta_model(config, flag: str, path: Path, trust: bool):
                          f"({exc.__class__.__name__}: {first}); fix config.json or re-download") from None
 
 
-def precheck(index, config, flag: str, path: Path, dtype: torch.dtype, trust: bool) -> None:
-    """Before allocating: shapes, float dtypes and total size agree between config and headers."""
-    if index is None or getattr(config, "quantization_config", None) is not None:
-        return  # pickle: no headers; pre-quantized: shapes differ by design, HF's report decides
-    model = meta_model(config, flag, path, trust)
+_CHECKED: set[str] = set()   # model dirs whose architecture check passed (it runs once per dir)
+
+
+def check_architecture(path: Path, flag: str, index, cfg: dict) -> None:
+    """Before allocating: config.json's architecture (built on the meta device) vs the headers.
+
+    Families specx runs (offload.families.SUPPORTED) store exactly HF's parameter names, so the
+    full check applies: missing, unexpected, reshaped or non-float tensors are refused. Other
+    types may rename keys on load, so only tensors both sides name are compared here (shape,
+    float dtype) and HF's loading report decides the rest. Either way the weights config.json
+    implies must not dwarf the files: a wrong architecture is refused, never allocated.
+    Skipped for pickle, pre-quantized (`quantization_config`) and custom-code (`auto_map`) dirs.
+    """
+    from offload import OffloadError
+    from offload.families import SUPPORTED
+    from offload.st_index import check_tensor_set
+
+    key = str(path.resolve())
+    if index is None or key in _CHECKED or "quantization_config" in cfg or "auto_map" in cfg:
+        return
+    config = load_config(path, flag, trust=False)
+    model = meta_model(config, flag, path, trust=False)
     params = dict(model.named_parameters(remove_duplicate=False))
+    if config.model_type in SUPPORTED:
+        tied = getattr(model, "_tied_weights_keys", None) if getattr(config, "tie_word_embeddings", False) else None
+        expected = {n: tuple(p.shape) for n, p in params.items()}
+        floats = {n for n, p in params.items() if p.dtype.is_floating_point}
+        try:
+            check_tensor_set(index, expected, f"model_type {config.model_type!r}",
+                             tied=dict(tied) if isinstance(tied, dict) else None, float_names=floats)
+        except OffloadError as exc:
+            raise SpecxError(f"{flag} {exc}") from None
     for name in sorted(n for n in params if n in index.entries):
         e, p = index.entries[name], params[name]
         if tuple(e.shape) != tuple(p.shape):
@@ -101,12 +127,12 @@ def precheck(index, config, flag: str, path: Path, dtype: torch.dtype, trust: bo
         if p.dtype.is_floating_point and not e.dtype.is_floating_point:
             raise SpecxError(f"{flag} {e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
                              "the checkpoint is corrupt - re-download it")
-    unique = {id(p): p for p in params.values()}.values()
-    need = sum(p.numel() for p in unique) * torch.empty((), dtype=dtype).element_size()
+    need = sum(p.numel() for p in {id(p): p for p in params.values()}.values()) * 2   # at 16 bits
     have = sum(f.stat().st_size for f in index.files)
     if need > MAX_EXPANSION * have + SLACK_BYTES:
-        raise SpecxError(f"{flag} {path / 'config.json'}: describes {need >> 20} MiB of weights but the "
+        raise SpecxError(f"{flag} {path / 'config.json'}: describes {need >> 20} MiB of 16-bit weights but the "
                          f"checkpoint holds {have >> 20} MiB; config.json does not match the weights")
+    _CHECKED.add(key)
 
 
 def check_loading_info(info: dict, index, flag: str, path: Path, model_type: str) -> None:

@@ -120,7 +120,7 @@ def test_tied_embeddings_without_lm_head_load(base, tmp_path, offload):
                    edit_config=lambda c: c.update(tie_word_embeddings=True))
     r = run(tied, tmp_path, offload)
     assert r.exit_code == 0, r.output
-    assert r.stdout.strip() != "" or "3 tokens" in r.stderr
+    assert "error" not in r.stderr and "specx:" in r.stderr  # decoded to the end
 
 
 def test_untied_lm_head_missing_is_refused(base, tmp_path):
