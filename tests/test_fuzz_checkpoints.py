@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from typer.testing import CliRunner
 
 from specexec_cli.cli import app
@@ -107,31 +108,40 @@ def copy_good(good: Path, tmp_path: Path) -> Path:
     return out
 
 
-FACTORIES = ("empty", "zeros", "ones", "full", "empty_strided")
+class AllocGuard(TorchDispatchMode):
+    """Fails any torch op that allocates a non-meta tensor bigger than `limit` bytes.
+
+    A dispatch mode sees every aten op issued while it is active (our code's and transformers'),
+    and unlike patching `torch.empty` it leaves no trace in modules imported meanwhile.
+    """
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.biggest = limit, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default) and \
+                str(kwargs.get("device", "cpu")) != "meta":
+            numel = math.prod(int(d) for d in args[0])
+            itemsize = torch.tensor([], dtype=kwargs.get("dtype") or torch.get_default_dtype()).element_size()
+            self._check(numel * itemsize, func)
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._check(t.untyped_storage().nbytes(), func)
+        return out
+
+    def _check(self, nbytes: int, func) -> None:
+        self.biggest = max(self.biggest, nbytes)
+        if nbytes > self.limit:
+            raise AssertionError(f"{func} allocates {nbytes} bytes > the model files' {self.limit}")
 
 
 @pytest.fixture()
-def alloc_guard(monkeypatch):
-    """Fail any torch factory call asking for more bytes than `limit[0]` (set per model dir)."""
-    limit = [0]
-    for name in FACTORIES:
-        original = getattr(torch, name)
-
-        def guarded(*args, _orig=original, _name=name, **kw):
-            size = args[0] if args and isinstance(args[0], (tuple, list, torch.Size)) else args
-            if _name == "full":
-                size = args[0]
-            try:
-                numel = math.prod(int(d) for d in size)
-            except (TypeError, ValueError):
-                numel = 0
-            itemsize = torch.tensor([], dtype=kw.get("dtype") or torch.get_default_dtype()).element_size()
-            if limit[0] and numel * itemsize > limit[0]:
-                raise AssertionError(f"torch.{_name} asked for {numel * itemsize} bytes > the files' {limit[0]}")
-            return _orig(*args, **kw)
-
-        monkeypatch.setattr(torch, name, guarded)
-    return limit
+def alloc_guard():
+    """A list holding the byte limit for run_cli (set to the model dir's size per run)."""
+    return [0]
 
 
 def dir_bytes(model: Path) -> int:
@@ -141,10 +151,12 @@ def dir_bytes(model: Path) -> int:
 def run_cli(model: Path, tmp_path: Path, offload: str, guard: list | None = None):
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):")
-    if guard is not None:
-        guard[0] = dir_bytes(model)
-    return runner.invoke(app, ["run", str(prompt), "--target", str(model), "--method", "ar", "--device", "cpu",
-                               "--max-new-tokens", "2", "--no-live", "--offload", offload])
+    args = ["run", str(prompt), "--target", str(model), "--method", "ar", "--device", "cpu",
+            "--max-new-tokens", "2", "--no-live", "--offload", offload]
+    if guard is None:
+        return runner.invoke(app, args)
+    with AllocGuard(dir_bytes(model)):
+        return runner.invoke(app, args)
 
 
 def assert_one_line_error(result, model: Path):
@@ -291,13 +303,14 @@ def test_sharded_copy_itself_loads(good, tmp_path):
         assert r.exit_code == 0, r.output
 
 
-def test_alloc_guard_is_live(alloc_guard):
-    alloc_guard[0] = 1 << 20
-    with pytest.raises(AssertionError):
-        torch.empty(1 << 21, dtype=torch.uint8)
-    with pytest.raises(AssertionError):
-        torch.zeros((1024, 1024))
-    assert torch.empty(16).numel() == 16
+def test_alloc_guard_is_live():
+    with AllocGuard(1 << 20):
+        with pytest.raises(AssertionError):
+            torch.empty(1 << 21, dtype=torch.uint8)
+        with pytest.raises(AssertionError):
+            torch.zeros((1024, 1024))
+        assert torch.empty(16).numel() == 16
+        assert torch.empty(1 << 30, device="meta").numel() == 1 << 30
 
 
 def run_subprocess(model: Path, tmp_path: Path, offload: str):
