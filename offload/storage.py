@@ -383,6 +383,7 @@ class LayerStore:
         raw_max = max((d.raw.nbytes for d in disk.values() if d.convert), default=0)
         self.scratch = aligned_empty(raw_max) if raw_max else None
         self.host_stage = [pin_host(aligned_empty(stage)) for _ in range(self.host_slots)] if cuda and stage else []
+        self._link_bytes: dict[int, int] = {}
 
     def layout(self, layer: int) -> LayerLayout:
         return self.ram[layer][1] if layer in self.ram else self.disk[layer].layout
@@ -393,7 +394,10 @@ class LayerStore:
 
     def link_bytes(self, layer: int) -> int:
         """Bytes that cross the link for one load: the file bytes read (disk) or the arena (RAM)."""
-        return self.ram[layer][1].nbytes if layer in self.ram else sum(s.length for s in self.disk[layer].spans)
+        if layer not in self._link_bytes:    # cached: called on the compute thread once per layer per pass
+            self._link_bytes[layer] = (self.ram[layer][1].nbytes if layer in self.ram
+                                       else sum(s.length for s in self.disk[layer].spans))
+        return self._link_bytes[layer]
 
     def read(self, layer: int, h: int) -> torch.Tensor:
         """Stage A: layer's bytes in host staging slot h (CPU: the buffer compute reads)."""
