@@ -76,3 +76,18 @@ def test_old_bitsandbytes_is_refused_in_one_line(monkeypatch):
             nf4.require_bnb()
     finally:
         nf4.require_bnb.cache_clear()
+
+
+def test_bench_gpu_without_cuda_exits_with_a_clear_message(monkeypatch, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["gpu.py"])
+    with pytest.raises(SystemExit) as exc:
+        mod.main()
+    assert exc.value.code == 2 and "--smoke" in capsys.readouterr().err
