@@ -342,7 +342,10 @@ def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
     profile = find_profile(profile_path)
     on_cuda = getattr(models.target, "device", None) is not None and models.target.device.type == "cuda"
     auto = budget.strip().lower() == "auto" and cfg.method == "specexec"
-    return (make_tuner(profile, cfg.shape, on_cuda) if auto else None), link_peak(profile, offload, on_cuda), profile
+    tuner = make_tuner(profile, cfg.shape, on_cuda) if auto else None
+    if tuner is not None and getattr(models, "kv_rows", None) is not None:
+        tuner.max_budget = min(tuner.max_budget, cfg.shape.budget)   # the memory plan sized caches for this
+    return tuner, link_peak(profile, offload, on_cuda), profile
 
 
 System = Annotated[Optional[str], typer.Option(metavar="TEXT", rich_help_panel=MODELS, help="System prompt for the conversation.")]
