@@ -75,6 +75,50 @@ def run_cell(models, prompts, refs, method, budget, temperature, args) -> dict:
                 seconds=round(time.time() - t0, 1))  # fmt: skip
 
 
+class ReuseMeter:
+    """How much of a pass's draft work the next pass could reuse (issue: reuse across passes).
+
+    After acceptance the next root is the bonus token. If the draft had already put that token in
+    the tree under the last accepted node, the subtree below it (the nodes the draft already ran
+    there) could seed the next tree with its cache rows. Counts those run nodes against all run nodes.
+    """
+
+    def __init__(self):
+        self.passes = self.hits = self.reusable = self.run = 0
+
+    def install(self):
+        import specexec_cli.engine as engine
+
+        real = engine.commit_tree
+
+        def commit(st, tree, vt, acc, n_pending):
+            self.observe(tree, vt, acc)
+            return real(st, tree, vt, acc, n_pending)
+
+        engine.commit_tree = commit
+
+    def observe(self, tree, vt, acc) -> None:
+        self.passes += 1
+        self.run += tree.n_slots - 1  # nodes the draft ran this pass (root excluded)
+        if not acc.bonus:
+            return
+        last = int(vt.draft_ids[acc.path[-1]]) if acc.path else 0
+        hit = ((tree.parents == last) & (tree.tokens == acc.tokens[-1])).nonzero()
+        if hit.numel() == 0:
+            return
+        self.hits += 1
+        inside = torch.zeros(tree.size, dtype=torch.bool)
+        inside[int(hit[0, 0])] = True
+        for i in range(int(hit[0, 0]) + 1, tree.size):  # parents precede children
+            inside[i] = inside[int(tree.parents[i])]
+        self.reusable += int((inside & (tree.slot >= 0)).sum())
+
+    def report(self) -> dict:
+        return dict(passes=self.passes, bonus_in_tree=round(self.hits / max(self.passes, 1), 3),
+                    reusable_run_nodes_per_pass=round(self.reusable / max(self.passes, 1), 2),
+                    run_nodes_per_pass=round(self.run / max(self.passes, 1), 2))
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: one row per (T, budget), one column per method: tokens/pass [95% interval]."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -112,6 +156,7 @@ def main() -> None:
     ap.add_argument("--scores", default=None, help="specexec node scores: calibrated+ngram | calibrated | draft")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the HF greedy comparison")
     ap.add_argument("--readme", action="store_true", help="rewrite the README table from this run")
+    ap.add_argument("--reuse", action="store_true", help="measure how much draft work the next pass could reuse")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accept.json"))
     args = ap.parse_args()
     if not (SHARED / "models" / "target").exists():
@@ -122,18 +167,30 @@ def main() -> None:
     if args.check and "0" in [f"{float(t):g}" for t in args.temperatures.split(",")]:
         refs = [models.target.generate(torch.tensor([ids := models.tokenizer(p)["input_ids"]]), do_sample=False,
                                        max_new_tokens=args.max_new_tokens)[0, len(ids) :].tolist() for _, p in prompts]
+    meter = ReuseMeter() if args.reuse else None
+    if meter:
+        meter.install()
     rows, t0 = [], time.time()
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for budget in [int(b) for b in args.budgets.split(",")]:
             for method in args.methods.split(","):
+                if meter:
+                    meter.__init__()
                 r = run_cell(models, prompts, refs, method, budget, temperature, args)
+                if meter:
+                    r["reuse"] = meter.report()
+                    print("  reuse:", r["reuse"])
                 rows.append(r)
                 print(f"T={temperature:<4g} budget={budget:<5} {method:<10} tokens/pass={r['tokens_per_pass']:<6} "
                       f"95%=[{r['ci95'][0]}, {r['ci95'][1]}] lossless={r['lossless']}  [{time.time() - t0:.0f}s]",
                       flush=True)  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(vars(args), dtype="fp32", device="cpu", torch=torch.__version__, command=" ".join(sys.argv))
+    from specexec_cli import calibrate
+
+    learned = {k[2]: dict(rates=c.rates(), tests=[int(x) for x in c.tests]) for k, c in calibrate._PAIRS.items()}
+    meta = dict(vars(args), dtype="fp32", device="cpu", torch=torch.__version__, command=" ".join(sys.argv),
+                calibration=learned)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = table(rows)
     print("\n" + text + f"\n\nwrote {out}")
