@@ -135,7 +135,7 @@ def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
     st.ids.extend(acc.tokens)
 
 
-DEFAULT_SCORES = "draft"  # node scores of --method specexec (see tree_scoring)
+DEFAULT_SCORES = "calibrated+ngram"  # node scores of --method specexec (see tree_scoring)
 
 
 def sampling_key(params: SamplingParams) -> str:
