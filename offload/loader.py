@@ -125,7 +125,8 @@ class HostEmbedding(nn.Module):
         self.inner, self.device = inner, device
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.inner(input_ids.to("cpu")).to(self.device)
+        # callers pass CPU ids (OffloadedCausalLM.input_device): no device->host sync per pass
+        return self.inner(input_ids.to("cpu")).to(self.device, non_blocking=True)
 
 
 def _materialize(mod: nn.Module, weight_name: str, index: SafetensorsIndex, dtype, pool: DevicePool | None,

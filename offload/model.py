@@ -127,6 +127,11 @@ class OffloadedCausalLM(nn.Module):
                          host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool)
         return cls(config, device, compute_dtype, hf, w, slots)
 
+    @property
+    def input_device(self) -> torch.device:
+        """Where input_ids should live: the host when the embeddings do (only rows then move)."""
+        return torch.device("cpu") if type(self.embed_tokens).__name__ == "HostEmbedding" else self.device
+
     @staticmethod
     def _binding_table(layer: nn.Module) -> list[tuple[nn.Module, str, str]]:
         table = []

@@ -150,7 +150,7 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
     device = model.device
     with torch.inference_mode():
         out = model(
-            input_ids=tokens.to(device)[None],  # (1, T)
+            input_ids=tokens.to(getattr(model, "input_device", device))[None],  # (1, T); host embeddings: CPU
             position_ids=positions.to(device)[None],  # (1, T)
             attention_mask=mask.to(device=device, dtype=model_dtype(model)),
             past_key_values=cache,

@@ -67,3 +67,18 @@ def test_kv_caches_never_reallocate(tiny_pair):
     ptrs = [layer.keys.data_ptr() for layer in st.target_cache.layers]
     list(generate(models, st, [4, 6], replace(cfg, max_new_tokens=3))) if len(st.ids) + 3 < 64 else None
     assert [layer.keys.data_ptr() for layer in st.target_cache.layers] == ptrs
+
+
+def test_host_embeddings_generate_the_same_tokens(tiny_pair):
+    shape = TreeShape(budget=8, max_depth=4, max_beams=4)
+    cfg = GenerationConfig(method="specexec", shape=shape, max_new_tokens=12)
+    out = {}
+    for emb in ("device", "host"):
+        opts = LoadOptions(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", offload="auto",
+                           ctx=96, embeddings=emb)
+        models = load_models(replace(opts, plan=make_plan(opts, shape, budget_auto=False)))
+        assert (type(models.target.embed_tokens).__name__ == "HostEmbedding") == (emb == "host")
+        st = DecodeState()
+        list(generate(models, st, [3, 5, 7, 9], cfg))
+        out[emb] = st.ids
+    assert out["host"] == out["device"]
