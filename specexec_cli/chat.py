@@ -18,6 +18,7 @@ once; the caches are then cropped back to the committed ids) and keeps the parti
 
 from __future__ import annotations
 
+import _thread
 import json
 import signal
 import threading
@@ -26,12 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 
 from specexec_cli import kvcache
 from specexec_cli.engine import ContextOverflow, DecodeState, GenerationConfig
 from specexec_cli.methods import generate
-from specexec_cli.errors import SpecxError
+from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
 from specexec_cli.sampling import validate
 from specexec_cli.stats import RunStats
 
@@ -72,16 +74,32 @@ def rewind(st: DecodeState, keep: int) -> None:
     kvcache.crop(st.draft_cache, st.draft_len)
 
 
+GRACE_SECONDS = 1.0   # after the first Ctrl-C, a reply still running this long is interrupted mid-pass
+
+
 class StopFlag:
-    """Set by the first Ctrl-C during a reply; a second Ctrl-C raises KeyboardInterrupt."""
+    """Ctrl-C during a reply: the first sets `stop` (the reply ends after the current target pass)
+    and arms a timer; if the pass is still running GRACE_SECONDS later (a long streamed pass),
+    the timer interrupts it like a second Ctrl-C would, so a reply always stops within ~1 s."""
 
     def __init__(self):
         self.stop = False
+        self.timer: threading.Timer | None = None
 
     def handler(self, signum, frame):
         if self.stop:
             raise KeyboardInterrupt
         self.stop = True
+        self.timer = threading.Timer(GRACE_SECONDS, _thread.interrupt_main)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def disarm(self) -> None:
+        """Cancel the grace timer and wait for it (a fired one raises KeyboardInterrupt here)."""
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+            timer.join()
 
 
 @contextmanager
@@ -95,7 +113,10 @@ def interrupt_guard(flag: StopFlag):
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, old)
+        try:
+            flag.disarm()
+        finally:
+            signal.signal(signal.SIGINT, old)
 
 
 class ChatSession:
@@ -179,9 +200,14 @@ class ChatSession:
                     if self.flag.stop and not ev.finish:
                         stats.finish = "interrupted"
                         break
-        except KeyboardInterrupt:  # a second Ctrl-C landed mid-pass: drop uncommitted cache rows
-            rewind(self.state, len(self.state.ids))
+        except KeyboardInterrupt:  # a second Ctrl-C (or the grace timer) landed mid-pass
+            rewind(self.state, len(self.state.ids))   # drop uncommitted cache rows
             stats.finish = "interrupted"
+        except RuntimeError as exc:  # device OOM mid-pass: keep what was generated, go on chatting
+            if not is_oom(exc):
+                raise
+            rewind(self.state, len(self.state.ids))
+            stats.finish = "oom"
         finally:
             events.close()
         reply = self.models.tokenizer.decode(out_ids, skip_special_tokens=True)
@@ -200,7 +226,8 @@ class ChatSession:
         """The --stats-json line: run keys plus turn, prefill_tokens and context_tokens."""
         rec = stats.to_json()
         rec.update(turn=len(self.turn_stats), prefill_tokens=stats.prompt_tokens,
-                   context_tokens=len(self.state.ids), finish_reason=stats.finish)  # fmt: skip
+                   context_tokens=len(self.state.ids), finish_reason=stats.finish,
+                   host_rss_bytes=psutil.Process().memory_info().rss)  # fmt: skip
         return rec
 
     # -- commands ---------------------------------------------------------------------------------
@@ -239,10 +266,7 @@ class ChatSession:
         data = dict(schema="specx-chat", version=1, system=self.system, templated=self.templated,
                     settings=self.settings(), messages=self.messages,
                     context_tokens=len(self.state.ids))  # fmt: skip
-        try:
-            Path(path).expanduser().write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
-        except OSError as exc:
-            raise SpecxError(f"/save: cannot write {path} ({exc.strerror}); pick a writable path") from None
+        write_output(Path(path), json.dumps(data, indent=1, ensure_ascii=False) + "\n", "/save")
         return f"saved {sum(m['role'] != 'system' for m in self.messages)} messages to {path}"
 
     def summary(self) -> str:
@@ -362,6 +386,9 @@ def turn(session: ChatSession, text: str, write, info, view_factory, stats_json:
         write("\n")
     if stats.finish == "interrupted":
         info("(reply stopped; the partial reply is kept)")
+    elif stats.finish == "oom":
+        err = oom_error(None, session.cfg.shape.budget, session.models.ctx_limit)
+        info(f"error: {err} (the partial reply is kept; /set budget N lowers it here)")
     elif stats.finish == "context":
         info("the context window is full; type /clear to start a new conversation")
     if stats_json is not None:

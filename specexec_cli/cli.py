@@ -8,6 +8,8 @@ User errors become one line on stderr and exit code 2; `SPECX_DEBUG=1` re-raises
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +20,7 @@ import typer
 # Start-up contract: importing this module (and so `specx --help`, `--version` and every argument
 # error) loads typer and rich only. torch/transformers are imported inside the command bodies.
 from specexec_cli import __version__, display, paths
-from specexec_cli.errors import SpecxError, debug_enabled
+from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oom, oom_error
 
 class _PlainHelp:
     """Help without a `<type>` column where a metavar or nothing says more (arguments, -h)."""
@@ -105,7 +107,7 @@ ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", metavar="FILE",
 
 @contextmanager
 def user_errors():
-    """SpecxError/ValueError → one-line error + exit 2; Ctrl-C → exit 130."""
+    """SpecxError/ValueError → one-line error + exit 2; device OOM → one line + exit 3; Ctrl-C → exit 130."""
     try:
         yield
     except (SpecxError, ValueError) as exc:
@@ -116,8 +118,15 @@ def user_errors():
     except KeyboardInterrupt:
         if debug_enabled():
             raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not break the clean exit
         print("\ninterrupted", file=sys.stderr)
-        raise typer.Exit(130) from None
+        raise typer.Exit(INTERRUPT_EXIT) from None
+    except RuntimeError as exc:  # torch.OutOfMemoryError outside a decode loop (e.g. while loading)
+        if debug_enabled() or not is_oom(exc):
+            raise
+        err = oom_error(None, "?")
+        display.print_error(str(err))
+        raise typer.Exit(err.exit_code) from None
 
 
 def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
@@ -316,7 +325,7 @@ def run(
         paths.check_output_file(stats_json, "--stats-json")
         if prompt is not None or not dry_run:
             text = prompt_text(prompt_file, prompt)
-        from specexec_cli.loading import encode_prompt
+        from specexec_cli.loading import close_models, encode_prompt
         from specexec_cli.methods.common import flag_options, with_settings
 
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
@@ -328,10 +337,13 @@ def run(
             return show_plan(plan, stats_json)
         with display.LoadProgress(live_enabled(no_live)) as progress:
             models = load_planned(opts, plan, progress)
-        ids = encode_prompt(models.tokenizer, text, not no_chat_template)
-        tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
-        decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link,
-                         color=use_color(color))
+        try:
+            ids = encode_prompt(models.tokenizer, text, not no_chat_template)
+            tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
+            decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link,
+                             color=use_color(color))
+        finally:
+            close_models(models)  # stop the prefetch thread, close files (also on Ctrl-C and errors)
 
 
 def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
@@ -498,11 +510,27 @@ def quantize(
                              f"{format_bytes(res.out_bytes)} in {res.seconds:.1f}s; use --target {res.out}")
 
 
+def fast_exit(code: int) -> None:
+    """Leave at once after Ctrl-C: the models are closed and the output flushed; tearing down
+    torch/transformers modules would only add seconds before the shell prompt returns."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def main() -> None:
     """Console-script entry: unexpected errors are one line too, unless SPECX_DEBUG=1."""
+    # Ctrl-C/SIGINT always stops specx (exit 130), even when started from a shell script as a
+    # background job, which would otherwise inherit SIGINT as ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         app()
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code == INTERRUPT_EXIT:
+            fast_exit(INTERRUPT_EXIT)
         raise
     except Exception as exc:  # an internal error: still no traceback by default
         if debug_enabled():

@@ -2,14 +2,23 @@
 
 Contract: anything the user can fix raises `SpecxError` with a one-line message that names the
 fix. The CLI turns it into `error: ...` on stderr and exit code 2 (usage), with no traceback
-unless `SPECX_DEBUG=1`.
+unless `SPECX_DEBUG=1`. Also here, for every command alike:
+- `write_output(path, text, what)`: write a user-named output file (--stats-json, /save) so that a
+  full disk or an unwritable path is one `SpecxError` line and never a half-written file
+  (regular files go through a temp file + rename; devices such as /dev/full are written in place).
+- `oom_error(exc_or_none, plan, budget)`: the one line for a device out-of-memory during a pass,
+  naming the plan and the fix (a lower --budget or --ctx); exit code 3 (`OOM_EXIT`).
+- `INTERRUPT_EXIT` (130): the exit code of a command stopped by Ctrl-C.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 USAGE_EXIT = 2
+OOM_EXIT = 3
+INTERRUPT_EXIT = 130
 
 
 class SpecxError(Exception):
@@ -23,3 +32,41 @@ class SpecxError(Exception):
 def debug_enabled() -> bool:
     """True when SPECX_DEBUG asks for full tracebacks instead of one-line errors."""
     return os.environ.get("SPECX_DEBUG", "") not in ("", "0", "false", "no")
+
+
+def write_output(path: Path, text: str, what: str) -> None:
+    """Write `text` to the user's `path` completely or not at all; OSError -> one SpecxError line."""
+    path = Path(path).expanduser()
+    regular = not path.exists() or path.is_file()
+    tmp = path.with_name(f".{path.name}.specx-tmp") if regular else path
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            if regular:
+                os.fsync(fh.fileno())  # ENOSPC surfaces here at the latest, before the rename
+        if regular:
+            os.replace(tmp, path)
+    except OSError as exc:
+        if regular:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise SpecxError(f"{what} {path}: cannot write ({exc.strerror or exc}); "
+                         "free some disk space or pick a writable path") from None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA or another accelerator), without importing torch here."""
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()[:200] \
+        and isinstance(exc, RuntimeError)
+
+
+def oom_error(plan: str | None, budget, ctx=None) -> SpecxError:
+    """The one line for a device OOM during a pass: what was planned, and what to lower."""
+    where = f"plan: {plan}; " if plan else ""
+    ctx_part = f" or --ctx (now {ctx})" if ctx else " or --ctx"
+    return SpecxError(f"out of device memory during a pass ({where}budget {budget}); "
+                      f"lower --budget (now {budget}){ctx_part}, or --max-gpu-memory to stream more layers",
+                      exit_code=OOM_EXIT)

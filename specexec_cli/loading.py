@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -215,7 +215,21 @@ def quiet_transformers() -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
+def close_models(models) -> None:
+    """Stop offloaded models' prefetch threads and close their files (idempotent, never raises)."""
+    for model in (getattr(models, "target", None), getattr(models, "draft", None)):
+        close = getattr(model, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - shutting down after an error or Ctrl-C
+                pass
+
+
 def load_models(opts: LoadOptions) -> Models:
+    from specexec_cli import testhooks
+
+    opts = replace(opts, progress=testhooks.slow_progress(opts.progress))
     quiet_transformers()
     device = resolve_device(opts.device)
     tpath = resolve_path(opts.target, "--target")
@@ -237,8 +251,10 @@ def load_models(opts: LoadOptions) -> Models:
     if getattr(target, "pool", None) is not pool:
         pool.adopt("target", [*target.parameters(), *target.buffers()])   # HF-resident target (--offload none)
     plan = opts.plan
-    return Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
-                  kv_rows=plan.kv_rows if plan is not None else None, pass_tokens=plan.pass_tokens if plan else 0)
+    models = Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
+                    kv_rows=plan.kv_rows if plan is not None else None, pass_tokens=plan.pass_tokens if plan else 0)
+    testhooks.install(models)
+    return models
 
 
 def read_prompt(path: str) -> str:

@@ -10,10 +10,12 @@ when decoding stops early (Ctrl-C, an error); its path was validated before the 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from specexec_cli import display
 from specexec_cli.engine import DecodeState
+from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
 from specexec_cli.methods import generate
 from specexec_cli.stats import LinkMeter, RunStats
 from specexec_cli.terminal import TextSink
@@ -45,9 +47,24 @@ def decode_to_stdout(models, ids: list[int], cfg, record: dict, live: bool, stat
                     if tuner is not None:
                         stats.config.update(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth)
                     view.update(stats, {"budget": "auto"} if tuner else None)
+            except RuntimeError as exc:  # torch.OutOfMemoryError mid-pass: one line with plan and fix
+                if not is_oom(exc):
+                    raise
+                raise oom_error(record.get("offload"), stats.config.get("budget"), models.ctx_limit) from None
             finally:
                 sink.end_line()  # before the view closes: the summary must not run into the text
     finally:
         if stats_json is not None:
-            stats_json.write_text(json.dumps(stats.to_json(), indent=1) + "\n")
+            save_stats(stats_json, stats)
     return stats
+
+
+def save_stats(path: Path, stats: RunStats) -> None:
+    """Write --stats-json; a full disk is one error line, and never hides a Ctrl-C or another error."""
+    propagating = sys.exc_info()[0]   # called from a `finally`: is a Ctrl-C or an error on its way?
+    try:
+        write_output(path, json.dumps(stats.to_json(), indent=1) + "\n", "--stats-json")
+    except SpecxError as exc:
+        if propagating is None:
+            raise
+        display.print_error(str(exc))
