@@ -188,6 +188,7 @@ class ChatSession:
         ids = self.turn_ids(messages, text)
         stats = RunStats(config=self.config_record(self.cfg))
         out_ids: list[int] = []
+        shown: list[str] = []   # text already written (the detokenizer may hold back a tail)
         events = self._events(ids)
         try:
             with interrupt_guard(self.flag):
@@ -195,6 +196,7 @@ class ChatSession:
                     out_ids.extend(ev.tokens)
                     if ev.text:
                         write(ev.text)
+                        shown.append(ev.text)
                     stats.add(ev)
                     self._show(stats, view)
                     if self.flag.stop and not ev.finish:
@@ -211,6 +213,9 @@ class ChatSession:
         finally:
             events.close()
         reply = self.models.tokenizer.decode(out_ids, skip_special_tokens=True)
+        printed = "".join(shown)
+        if stats.finish in ("interrupted", "oom") and len(reply) > len(printed) and reply.startswith(printed):
+            write(reply[len(printed):])   # a stop mid-pass: show the held-back tail that is kept
         self.messages = messages + [{"role": "assistant", "content": reply}]
         self.turn_stats.append(stats)
         return stats
