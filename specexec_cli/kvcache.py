@@ -85,8 +85,10 @@ class SlabLayer(CacheLayerMixin):
         self.length = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        """HF convention: a negative count removes that many rows; a positive one is the new length."""
-        self.length = max(0, self.length + tokens_to_remove if tokens_to_remove < 0 else min(self.length, tokens_to_remove))
+        """HF convention: remove the last `-tokens_to_remove` rows (a negative count; 0 = no-op)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of rows to remove")
+        self.length = max(0, self.length + tokens_to_remove)
 
 
 class SlabCache(Cache):

@@ -7,8 +7,9 @@ import types
 import pytest
 import torch
 
-from offload import storage
+from offload import devmem
 from offload.errors import OffloadError
+from offload.storage import aligned_empty
 
 
 class FakeCudart:
@@ -33,9 +34,9 @@ def fake_cuda(monkeypatch, rc: int) -> FakeCudart:
 
 def test_pin_host_registers_portable(monkeypatch):
     rt = fake_cuda(monkeypatch, 0)
-    buf = storage.aligned_empty(8192)
-    assert storage.pin_host(buf) is buf
-    assert rt.calls == [(buf.data_ptr(), 8192, storage.CUDA_HOST_REGISTER_PORTABLE)] and rt.cleared == 0
+    buf = aligned_empty(8192)
+    assert devmem.pin_host(buf) is buf
+    assert rt.calls == [(buf.data_ptr(), 8192, devmem.CUDA_HOST_REGISTER_PORTABLE)] and rt.cleared == 0
 
 
 def test_failed_register_clears_the_error_and_falls_back(monkeypatch):
@@ -44,23 +45,23 @@ def test_failed_register_clears_the_error_and_falls_back(monkeypatch):
 
     def pinned_empty(n, dtype, pin_memory=False):
         assert pin_memory
-        made.append(storage.aligned_empty(n))   # page-aligned, like cudaHostAlloc
+        made.append(aligned_empty(n))   # page-aligned, like cudaHostAlloc
         return made[-1]
 
-    monkeypatch.setattr(storage, "torch", types.SimpleNamespace(**{**vars(torch), "empty": pinned_empty}))
-    buf = storage.aligned_empty(8192)
+    monkeypatch.setattr(devmem, "torch", types.SimpleNamespace(**{**vars(torch), "empty": pinned_empty}))
+    buf = aligned_empty(8192)
     buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     with pytest.warns(UserWarning, match="pinned copy"):
-        out = storage.pin_host(buf)
+        out = devmem.pin_host(buf)
     assert rt.cleared == 1 and out is made[0] and out[:4].tolist() == [1, 2, 3, 4]
 
 
 def test_failed_register_of_a_huge_region_stays_pageable(monkeypatch):
     rt = fake_cuda(monkeypatch, 2)
-    monkeypatch.setattr(storage, "OWN_PINNED_MAX", 4096)
-    buf = storage.aligned_empty(8192)
+    monkeypatch.setattr(devmem, "OWN_PINNED_MAX", 4096)
+    buf = aligned_empty(8192)
     with pytest.warns(UserWarning, match="pageable"):
-        assert storage.pin_host(buf) is buf
+        assert devmem.pin_host(buf) is buf
     assert rt.cleared == 1
 
 
