@@ -86,7 +86,8 @@ class OffloadedCausalLM(nn.Module):
             for name, state in states.items():
                 mod = self.layers[i].get_submodule(name.rsplit(".", 1)[0])
                 mod.quant_state = state
-                mod.static_weight = i in w.resident    # bound once: a CPU kernel re-layout is cached
+                # bytes that never change (resident; RAM arena on CPU): bnb's CPU re-layout once, in place
+                mod.static_weight = i in w.resident or (device.type == "cpu" and i in self.plan.ram_layers)
         self.prefetcher = Prefetcher(self.plan.streamed, self.store.read, self.store.copy, self.store.slots,
                                      self.store.host_slots, device, is_free=self.store.is_free)
 

@@ -95,16 +95,19 @@ class Nf4Linear(nn.Module):
 
     def _cpu_layout(self, weight: torch.Tensor):
         """(weight, state) in bnb's AVX512-BF16 CPU layout, the values Linear4bit.forward makes.
-        The state is converted once per quant state; the weight bytes per call (a streamed slot
-        holds another layer next pass) unless `static_weight` (resident layers: converted once)."""
+        The state is converted once per quant state. A `static_weight` (a resident or CPU RAM-tier
+        layer: its bytes never change) is re-laid out once, in place, as Linear4bit does; a
+        streamed slot holds another layer next pass, so its bytes are re-laid out per call."""
         cached = getattr(self, "_cpu_cache", None)
         if cached is None or cached[0] is not self.quant_state:
             cached = self._cpu_cache = (self.quant_state, cpu_state(self.quant_state), None)
-        if cached[2] is not None:
-            return cached[2], cached[1]
+        if cached[2] is not None and cached[2] == weight.data_ptr():
+            return weight, cached[1]
         w = cpu_relayout(weight.detach(), tuple(self.quant_state.shape))
         if getattr(self, "static_weight", False):
-            self._cpu_cache = (cached[0], cached[1], w)
+            weight.detach().view(-1).copy_(w.view(-1))
+            self._cpu_cache = (cached[0], cached[1], weight.data_ptr())
+            return weight, cached[1]
         return w, cached[1]
 
 
@@ -135,13 +138,17 @@ def cpu_relayout(packed: torch.Tensor, shape: tuple[int, int], block_n: int = 32
     With W[n, kk] = code(n, 2kk) << 4 | code(n, 2kk + 1) that is, per byte, nibble moves only:
     c = 0: (W[n0+16+j] & 0xF0) | (W[n0+j] >> 4);  c = 1: (W[n0+16+j] << 4) | (W[n0+j] & 0x0F).
     Byte ops on the packed tensor, equal to bitsandbytes' int32 unpack/repack (tested)."""
+    import numpy as np
+
     n, k = shape
-    # (N/32, half, kk, j): the two 16-row halves of each block, columns transposed to the front
-    w = packed.reshape(n // block_n, 2, block_n // 2, k // 2).transpose(2, 3)
-    lo, hi = w[:, 0].contiguous(), w[:, 1].contiguous()
-    even = (hi & 0xF0) | (lo >> 4)
-    odd = (hi << 4) | (lo & 0x0F)
-    return torch.stack((even, odd), dim=-1).reshape(n, k // 2)    # (N/32, kk, j, c) -> (N, K/2)
+    # (N/32, half, j, kk): the two 16-row halves of each 32-row block. numpy: torch's strided
+    # uint8 copies are ~15x slower for the transposes below.
+    a = packed.detach().reshape(n // block_n, 2, block_n // 2, k // 2).numpy()
+    lo, hi = a[:, 0], a[:, 1]
+    out = np.empty((n // block_n, k // 2, block_n // 2, 2), dtype=np.uint8)      # (N/32, kk, j, c)
+    out[..., 0] = ((hi & 0xF0) | (lo >> 4)).transpose(0, 2, 1)
+    out[..., 1] = ((hi << 4) | (lo & 0x0F)).transpose(0, 2, 1)
+    return torch.from_numpy(out.reshape(n, k // 2))
 
 
 def _cpu_layout_fits(state) -> bool:
