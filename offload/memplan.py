@@ -270,17 +270,22 @@ def _resident_choices(req: PlanRequest, n: int) -> range | list[int]:
     return range(n, -1, -1)
 
 
-def _ram_budget(req: PlanRequest, device_pre: int, host_fixed: int) -> int:
+def _ram_budget(req: PlanRequest, device_pre: int, host_fixed: int, resident: int) -> int:
     """Host bytes the RAM tier may use: --max-ram, else what RAM_FRACTION leaves after the other
-    host buffers (and, on CPU, after the "device" components, which live in the same RAM)."""
+    host buffers (and, on CPU, after the "device" components, which live in the same RAM).
+    On CPU with --offload auto, --max-ram caps ALL target layer bytes in RAM, resident ones too."""
     if req.max_ram is not None:
-        return req.max_ram
+        return req.max_ram - resident if _cpu_auto(req) else req.max_ram
     if req.offload == "ram":
         return 1 << 62
     if req.offload == "disk":
         return 0
     shared = device_pre if req.device == "cpu" else 0
     return max(0, int(RAM_FRACTION * req.ram_free) - shared - host_fixed)
+
+
+def _cpu_auto(req: PlanRequest) -> bool:
+    return req.device == "cpu" and req.offload == "auto"
 
 
 def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest,
@@ -297,9 +302,11 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
     cap = capacity(req)
     best = None
     for r in _resident_choices(req, len(lay.packed)):
+        if _cpu_auto(req) and req.max_ram is not None and sum(lay.packed[:r]) > req.max_ram:
+            continue   # CPU: resident layers live in the RAM --max-ram allows
         pre = sum(fixed.values()) + sum(lay.packed[:r])
         buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))   # disk staging, if anything ends up on disk
-        pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers))
+        pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers, sum(lay.packed[:r])))
         dev = {**fixed, **pl.device}
         dev["cuda_context"] = _margin(dev, cuda)
         host = {**ghost, **pl.host}

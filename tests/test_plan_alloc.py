@@ -82,3 +82,29 @@ def test_host_embeddings_generate_the_same_tokens(tiny_pair):
         list(generate(models, st, [3, 5, 7, 9], cfg))
         out[emb] = st.ids
     assert out["host"] == out["device"]
+
+
+def test_target_bigger_than_allowed_ram_streams_with_no_offload_flags(tiny_pair, tmp_path):
+    """CPU, default --offload auto, --max-ram below the target's layers: some layers stream from
+    disk, and the generated tokens equal a fully resident run's."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.cli import app
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def f(x):\n  return")
+    opts = LoadOptions(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", offload="auto")
+    layer = make_plan(opts, TreeShape(budget=16, max_depth=8), budget_auto=False).layer_bytes[0]
+    capped = make_plan(replace(opts, max_ram=layer), TreeShape(budget=16, max_depth=8), budget_auto=False)
+    assert capped.fits and capped.disk_layers and len(capped.resident) + len(capped.ram_layers) <= 1
+    ids = {}
+    for name, extra in (("resident", ["--offload", "none"]), ("capped", ["--max-ram", str(layer)])):
+        out = tmp_path / f"{name}.json"
+        res = CliRunner().invoke(app, ["run", str(prompt), "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]),
+                                       "--device", "cpu", "--budget", "16", "--max-new-tokens", "12", "--no-live",
+                                       "--stats-json", str(out), *extra])
+        assert res.exit_code == 0, res.output
+        ids[name] = __import__("json").loads(out.read_text())["token_ids"]
+        if name == "capped":
+            assert "from disk" in res.stderr
+    assert ids["capped"] == ids["resident"]
