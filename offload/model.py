@@ -26,7 +26,7 @@ from torch import nn
 from .errors import OffloadError
 from .families import Family, apply_final_softcap, causal_lm_class, window_mask
 from .loader import LoadedWeights, load_weights, resolve_dtype
-from .nf4 import Nf4Linear
+from .nf4 import Nf4Linear, cpu_relayout, needs_cpu_layout
 from .plan import OffloadPlan
 from .prefetch import Prefetcher
 from .prequant import bnb4_config, is_packed
@@ -84,10 +84,8 @@ class OffloadedCausalLM(nn.Module):
             self._bind(i, buf, layout)
         for i, states in w.qstates.items():
             for name, state in states.items():
-                mod = self.layers[i].get_submodule(name.rsplit(".", 1)[0])
-                mod.quant_state = state
-                # bytes that never change (resident; RAM arena on CPU): bnb's CPU re-layout once, in place
-                mod.static_weight = i in w.resident or (device.type == "cpu" and i in self.plan.ram_layers)
+                self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
+        self._prelay_cpu(w)
         self.prefetcher = Prefetcher(self.plan.streamed, self.store.read, self.store.copy, self.store.slots,
                                      self.store.host_slots, device, is_free=self.store.is_free)
 
@@ -132,6 +130,29 @@ class OffloadedCausalLM(nn.Module):
     def input_device(self) -> torch.device:
         """Where input_ids should live: the host when the embeddings do (only rows then move)."""
         return torch.device("cpu") if type(self.embed_tokens).__name__ == "HostEmbedding" else self.device
+
+    def _prelay_cpu(self, w: LoadedWeights) -> None:
+        """On a CPU where bitsandbytes computes 4-bit linears with its fused AVX512-BF16 kernel
+        (as transformers' Linear4bit does), put the packed bytes in that kernel's layout once per
+        byte arrival: resident and RAM-tier arenas now, streamed slots on the copy thread after
+        each read. Same bytes, moved nibbles (nf4.cpu_relayout); nothing is re-quantized."""
+        if self.device.type != "cpu":
+            return
+        self._relayout = {i: [(n, tuple(s.shape)) for n, s in states.items() if needs_cpu_layout(s)]
+                          for i, states in w.qstates.items()}
+        if not any(self._relayout.values()):
+            return
+        for i, names in self._relayout.items():
+            for name, _ in names:
+                self.layers[i].get_submodule(name.rsplit(".", 1)[0]).prelaid = True
+        for i, (buf, layout) in [*w.resident.items(), *self.store.ram.items()]:
+            self._relayout_layer(i, buf, layout)
+        self.store.after_disk_read = lambda i, buf: self._relayout_layer(i, buf, self.store.layout(i))
+
+    def _relayout_layer(self, i: int, buf: torch.Tensor, layout) -> None:
+        for name, shape in self._relayout.get(i, ()):
+            view = layout.view(buf, name)
+            view.view(-1).copy_(cpu_relayout(view, shape).view(-1))
 
     @staticmethod
     def _binding_table(layer: nn.Module) -> list[tuple[nn.Module, str, str]]:

@@ -88,27 +88,27 @@ class Nf4Linear(nn.Module):
         in_dtype = x.dtype
         bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
         weight, state = self.weight, self.quant_state
-        if x.device.type == "cpu" and _cpu_bf16_kernel() is not None and _cpu_layout_fits(state):
+        if x.device.type == "cpu" and needs_cpu_layout(state):
             weight, state = self._cpu_layout(weight)
         out = bnb.matmul_4bit(x.to(self.compute_dtype), weight, bias=bias, quant_state=state)
         return out.to(in_dtype)
 
     def _cpu_layout(self, weight: torch.Tensor):
         """(weight, state) in bnb's AVX512-BF16 CPU layout, the values Linear4bit.forward makes.
-        The state is converted once per quant state. A `static_weight` (a resident or CPU RAM-tier
-        layer: its bytes never change) is re-laid out once, in place, as Linear4bit does; a
-        streamed slot holds another layer next pass, so its bytes are re-laid out per call."""
+        The state is converted once per quant state. With `prelaid` the bytes already are in that
+        layout (OffloadedCausalLM re-lays resident/RAM layers out once at load and streamed ones
+        on the copy thread after each read); otherwise they are re-laid out here, per call."""
         cached = getattr(self, "_cpu_cache", None)
         if cached is None or cached[0] is not self.quant_state:
-            cached = self._cpu_cache = (self.quant_state, cpu_state(self.quant_state), None)
-        if cached[2] is not None and cached[2] == weight.data_ptr():
+            cached = self._cpu_cache = (self.quant_state, cpu_state(self.quant_state))
+        if getattr(self, "prelaid", False):
             return weight, cached[1]
-        w = cpu_relayout(weight.detach(), tuple(self.quant_state.shape))
-        if getattr(self, "static_weight", False):
-            weight.detach().view(-1).copy_(w.view(-1))
-            self._cpu_cache = (cached[0], cached[1], weight.data_ptr())
-            return weight, cached[1]
-        return w, cached[1]
+        return cpu_relayout(weight.detach(), tuple(self.quant_state.shape)), cached[1]
+
+
+def needs_cpu_layout(state) -> bool:
+    """True when Linear4bit would compute this weight with bnb's fused AVX512-BF16 CPU kernel."""
+    return _cpu_bf16_kernel() is not None and _cpu_layout_fits(state)
 
 
 def cpu_state(state):

@@ -267,6 +267,7 @@ class LayerStore:
         self.device, self.pool = device, pool
         self.ram, self.disk, self.reader = ram, disk, reader
         self.io_hook = None          # test hook: callable(layer_id), runs on the read thread
+        self.after_disk_read = None  # callable(layer, host buffer) after a disk read (CPU 4-bit layout)
         self.io_seconds = 0.0
         self.bytes_moved = 0
         cuda = device.type == "cuda"
@@ -307,6 +308,8 @@ class LayerStore:
             out = self.ram[layer][0]
         else:
             out = self._read_disk(layer, self.host_stage[h] if self.host_stage else self.dev_slots[h])
+            if self.after_disk_read is not None:
+                self.after_disk_read(layer, out)     # e.g. the CPU 4-bit kernel's byte layout
         if self.device.type == "cpu":
             self.bytes_moved += self.link_bytes(layer)
         self.io_seconds += time.perf_counter() - t0
