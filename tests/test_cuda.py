@@ -18,7 +18,7 @@ from tests.conftest import make_model
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-HIDDEN, LAYERS = 2048, 4
+HIDDEN, LAYERS = 2048, 8   # 8 layers: the pipeline fill (one layer's copy) is 1/8 of a pass
 
 
 @pytest.fixture(scope="module")
