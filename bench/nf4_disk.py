@@ -57,7 +57,7 @@ def one_pass(model, ids) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, default=Path("/tmp/target-xl"))
-    ap.add_argument("--passes", type=int, default=5, help="measured passes per model (after 2 warm-ups)")
+    ap.add_argument("--passes", type=int, default=3, help="measured passes per model (after 2 warm-ups)")
     ap.add_argument("--tokens", default="1,32", help="tokens per pass, comma-separated (each measured separately)")
     ap.add_argument("--out", type=Path, default=Path("nf4_disk.json"))
     args = ap.parse_args()
