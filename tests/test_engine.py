@@ -171,3 +171,9 @@ def test_max_new_tokens_and_eos_stop(self_models, method):
     assert events[-1].finish == "eos" and events[-1].tokens[-1] in eos
     if method != "ar":
         assert events[-1].accepted >= 1  # the EOS was a draft node the walk accepted (its subtree dropped)
+    # a chat goes on after an EOS: the caches must hold exactly the committed tokens but the last
+    st = DecodeState()
+    cfg = with_settings(GenerationConfig(method=method, shape=TreeShape(16, 6), max_new_tokens=40), gamma=5)
+    list(generate(self_models, st, self_models.tokenizer(EOS_PROMPT)["input_ids"], cfg))
+    assert st.target_len == st.target_cache.get_seq_length() == len(st.ids) - 1
+    assert st.draft_cache.get_seq_length() == st.draft_len < len(st.ids)

@@ -203,3 +203,22 @@ def test_cli_run_equals_ar(dirs, tmp_path, dtype, offload):
         spec = cli_run(prompt, dirs[0], dirs[1], dtype, offload, method, tmp_path / f"{method}.json", extra)
         assert spec["token_ids"] == ar["token_ids"], method
         assert spec["tokens_per_pass"] > 1.5, (method, spec["tokens_per_pass"])
+
+
+def test_cli_chat_two_turns_equals_ar(dirs):
+    """`specx chat` (piped stdin: one turn per line) on an nf4 disk-tier target: every method prints
+    exactly the replies `--method ar` prints, turn after turn (KV caches reused across turns)."""
+    turns = "def add(a, b):\nclass b:\n"
+
+    def chat(method):
+        args = ["chat", "--target", str(dirs[0]), "--draft", str(dirs[1]), "--device", "cpu", "--dtype", "nf4",
+                "--offload", "disk", "--method", method, "--max-new-tokens", "12", "--budget", "16",
+                "--max-depth", "6", "--ctx", str(CTX)]
+        r = CliRunner().invoke(app, args, input=turns)
+        assert r.exit_code == 0, r.output
+        return r.stdout
+
+    ref = chat("ar")
+    assert len(ref.strip()) >= 12
+    for method in METHODS:
+        assert chat(method) == ref, method
