@@ -68,5 +68,5 @@ def oom_error(plan: str | None, budget, ctx=None) -> SpecxError:
     where = f"plan: {plan}; " if plan else ""
     ctx_part = f" or --ctx (now {ctx})" if ctx else " or --ctx"
     return SpecxError(f"out of device memory during a pass ({where}budget {budget}); "
-                      f"lower --budget (now {budget}){ctx_part}, or --max-gpu-memory to stream more layers",
+                      f"lower --budget (now {budget}){ctx_part}, or a lower --max-gpu-memory to stream more layers",
                       exit_code=OOM_EXIT)
