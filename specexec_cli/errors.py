@@ -13,6 +13,7 @@ unless `SPECX_DEBUG=1`. Also here, for every command alike:
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -53,8 +54,8 @@ def write_output(path: Path, text: str, what: str) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
-        raise SpecxError(f"{what} {path}: cannot write ({exc.strerror or exc}); "
-                         "free some disk space or pick a writable path") from None
+        fix = "free some disk space or pick another path" if exc.errno == errno.ENOSPC else "pick a writable path"
+        raise SpecxError(f"{what}: cannot write {path} ({exc.strerror or exc}); {fix}") from None
 
 
 def is_oom(exc: BaseException) -> bool:

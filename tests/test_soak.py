@@ -96,7 +96,7 @@ def test_save_to_full_disk_and_unwritable_file_keep_the_conversation(small_pair,
     assert r.exit_code == 0, r.output
     assert "Traceback" not in r.output
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-    assert any("/save /dev/full" in e and "No space left" in e for e in errors), r.stderr
+    assert any("/save: cannot write /dev/full" in e and "No space left" in e for e in errors), r.stderr
     if os.geteuid() != 0:   # root ignores directory permissions
         assert any(f"{locked}/c.json" in e for e in errors), r.stderr
         assert not list(locked.iterdir())   # no half-written file left behind
@@ -113,7 +113,7 @@ def test_stats_json_on_full_disk(small_pair, tmp_path):
                             "--no-live", "--max-new-tokens", "4", "--offload", "none", "--stats-json", "/dev/full"])
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output
-    assert "--stats-json /dev/full" in r.stderr and "No space left" in r.stderr
+    assert "--stats-json: cannot write /dev/full" in r.stderr and "No space left" in r.stderr
     c = runner.invoke(app, chat_args(small_pair, "--stats-json", "/dev/full"), input="one\ntwo\n")
     assert c.exit_code == 0, c.output
     assert c.stderr.count("error:") == 2 and "chat: 2 turns" in c.stderr, c.stderr
