@@ -364,4 +364,7 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
     table.caption = (f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
                      f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
                      + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]"))
-    Console(highlight=False).print(table)
+    console = Console(highlight=False)
+    console.print(table)
+    for note in plan.get("notes") or []:
+        console.print(f"[dim]note: {escape(note)}[/dim]")
