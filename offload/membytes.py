@@ -88,8 +88,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return {2: torch.float16 if "16" in name and "b" not in name else torch.bfloat16, 4: torch.float32}[dtype_bytes(name)]
 
 
-def draft_bytes(ck: Checkpoint, dtype: str) -> int:
-    """Draft parameters in `dtype` (a tied lm_head shares the embedding) + rotary buffers."""
+def draft_bytes(ck, dtype: str) -> int:
+    """Draft parameters in `dtype` (a tied lm_head shares the embedding) + rotary buffers;
+    `ck` is a memplan.Checkpoint (its config and safetensors headers)."""
     a, b = arch_of(ck.config), dtype_bytes(dtype)
     total = 0
     for name, e in ck.tensors.items():
