@@ -5,3 +5,24 @@ The package is the CLI front end (`cli.py`) over a lossless decoding engine (`en
 """
 
 __version__ = "0.1.0"
+
+
+def _quiet_startup_interrupt() -> None:
+    """Ctrl-C while the `specx` CLI is still importing: exit 130 at once, no traceback.
+
+    cli.main() replaces this with the normal KeyboardInterrupt handler. Installed only when this
+    process is the CLI (`specx` script or `python -m specexec_cli`), never for library users.
+    """
+    import os
+    import signal
+    import sys
+
+    if os.path.basename(sys.argv[0] if sys.argv else "") not in ("specx", "-m"):
+        return
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+    except ValueError:  # not the main thread
+        pass
+
+
+_quiet_startup_interrupt()
