@@ -179,6 +179,7 @@ def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_
                         ("--max-new-tokens", max_new_tokens)):
         if value < 1:
             raise SpecxError(f"{flag} must be >= 1 (got {value})")
+    n_budget = parse_budget(budget, device)  # before the imports below: a bad number never loads torch
     from specexec_cli.draft import TreeShape
     from specexec_cli.engine import GenerationConfig
     from specexec_cli.methods import available_methods
@@ -188,7 +189,7 @@ def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_
         raise SpecxError(f"--method must be one of {', '.join(available_methods())} (got {method!r})")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     validate(sampling)
-    shape = TreeShape(parse_budget(budget, device), max_depth, max_beams, max_branch)
+    shape = TreeShape(n_budget, max_depth, max_beams, max_branch)
     return GenerationConfig(method=method, shape=shape, sampling=sampling, seed=seed, max_new_tokens=max_new_tokens)
 
 
@@ -291,8 +292,6 @@ def live_enabled(no_live: bool) -> bool:
 
 def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
     """PROMPT_FILE (or - for stdin) or -p TEXT: exactly one of them."""
-    from specexec_cli.loading import read_prompt
-
     if prompt is not None and prompt_file is not None:
         raise SpecxError("give either PROMPT_FILE or -p/--prompt TEXT, not both")
     if prompt is not None:
@@ -301,6 +300,8 @@ def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
         return prompt
     if prompt_file is None:
         raise SpecxError("no prompt: pass a PROMPT_FILE (or - for stdin) or -p TEXT")
+    from specexec_cli.loading import read_prompt
+
     return read_prompt(prompt_file)
 
 
@@ -325,11 +326,11 @@ def run(
         paths.check_output_file(stats_json, "--stats-json")
         if prompt is not None or not dry_run:
             text = prompt_text(prompt_file, prompt)
+        cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
+                                top_k, top_p, seed, device)
         from specexec_cli.loading import close_models, encode_prompt
         from specexec_cli.methods.common import flag_options, with_settings
 
-        cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
-                                top_k, top_p, seed, device)
         cfg = with_settings(cfg, **flag_options(gamma, branching, profile))
         opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
                                        max_gpu_memory, max_ram, ctx, embeddings, cfg, budget, draft_dtype)

@@ -42,7 +42,8 @@ def probe(*args: str, tmp_path: Path) -> tuple[str, str]:
     "args, code",
     [(["--help"], 0), (["run", "--help"], 0), (["chat", "--help"], 0), (["--version"], 0),
      (["run", "--no-such-flag"], 2), (["run", "x.txt", "--max-new-tokens", "lots"], 2),
-     (["run", "--stats-json", "/nonexistent-dir/s.json", "-p", "hi"], 2)],
+     (["run", "--stats-json", "/nonexistent-dir/s.json", "-p", "hi"], 2), (["run", "-p", "x", "--budget", "lots"], 2),
+     (["run", "-p", "x", "--max-depth", "0"], 2)],
 )  # fmt: skip
 def test_help_version_and_argument_errors_import_no_torch(args, code, tmp_path):
     _, err = probe(*args, tmp_path=tmp_path)
