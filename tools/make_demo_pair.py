@@ -25,8 +25,12 @@ Method: a Llama-architecture target and a smaller Llama draft are trained
         draft uses plain next-token cross-entropy on the same data;
         ``--distill-alpha a < 1`` instead trains it on a*CE + (1-a)*KL to the
         target's soft labels (costs a target forward per draft step).
-Determinism: seeds are fixed, but loops are time-limited, so the number of
-        steps (and therefore the exact weights) depends on machine speed.
+        ``--target-steps N`` / ``--draft-steps N`` instead train exactly N steps
+        (the schedule then follows the step fraction), which is what the
+        shipped pair uses; the README also records the target's greedy 64-token
+        continuation of ``examples/prompt.txt`` and its share of non-blank lines.
+Determinism: seeds are fixed; with --*-steps the weights depend only on the
+        seed and the thread count, with --*-minutes also on machine speed.
 """
 from __future__ import annotations
 
@@ -262,7 +266,8 @@ def write_readme(out: Path, info: dict) -> None:
         f"   seq len {SEQ_LEN}, batch {info['batch']}, peak lr "
         f"{info['lrs']}.",
         f"- draft objective: {info['draft_obj']}.",
-        "- loops are time-limited, so re-running gives a similar but not bit-identical pair.",
+        "- with --target-steps/--draft-steps the step counts are fixed; time-limited loops",
+        "  (the --*-minutes budgets) give a similar but not bit-identical pair.",
         "",
         "| model | params | layers x hidden | steps | train tokens | wall time | CPU time | size on disk |",
         "|---|---|---|---|---|---|---|---|",
