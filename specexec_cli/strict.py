@@ -107,6 +107,11 @@ def check_architecture(path: Path, flag: str, index, cfg: dict) -> None:
     key = str(path.resolve())
     if index is None or key in _CHECKED or "quantization_config" in cfg or "auto_map" in cfg:
         return
+    layers = (cfg.get("text_config") or cfg).get("num_hidden_layers", 0)
+    if not isinstance(layers, int) or layers < 0 or layers > len(index.entries):
+        # Every layer stores at least one tensor; checked before building (a huge count would hang).
+        raise SpecxError(f"{flag} {path / 'config.json'}: num_hidden_layers {str(layers)[:20]} does not match the "
+                         f"{len(index.entries)} tensors of the checkpoint; fix config.json or re-download")
     config = load_config(path, flag, trust=False)
     model = meta_model(config, flag, path, trust=False)
     params = dict(model.named_parameters(remove_duplicate=False))

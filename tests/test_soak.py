@@ -68,6 +68,8 @@ def test_200_turn_piped_chat_keeps_rss_flat(long_pair, tmp_path):
     assert len(records) == TURNS and all(r["host_rss_bytes"] > 0 for r in records)
     assert all(r["finish_reason"] != "context" for r in records)   # the context never filled up
     grew = outside[TURNS] - outside[EARLY]
+    print(f"soak RSS (outside): turn {EARLY} {outside[EARLY] / 2**20:.1f} MiB, turn {TURNS} "
+          f"{outside[TURNS] / 2**20:.1f} MiB, grew {grew / 2**20:.1f} MiB")
     assert grew < FLAT_BYTES, f"RSS grew {grew / 2**20:.1f} MiB between turn {EARLY} and {TURNS}"
     inside = records[TURNS - 1]["host_rss_bytes"] - records[EARLY - 1]["host_rss_bytes"]
     assert inside < FLAT_BYTES
