@@ -169,3 +169,28 @@ def test_bench_cell_interrupted(pair, tmp_path):
     proc.wait_marker("target")
     rc, elapsed = proc.interrupt()
     assert_stopped(rc, elapsed, proc, False)
+
+
+def test_interrupted_disk_pass_then_close_stops_threads_and_files(pair):
+    """KeyboardInterrupt inside a streamed disk pass, then `close_models` (what `run` does on Ctrl-C):
+    no prefetch thread is left running and every file descriptor the reader opened is closed."""
+    import torch
+
+    from offload import OffloadedCausalLM
+    from specexec_cli.loading import close_models
+
+    model = OffloadedCausalLM.from_pretrained(pair[0], device="cpu", dtype=torch.float32, offload="disk")
+    reader = model.store.reader
+
+    def ctrl_c(layer):
+        if layer == 0:
+            raise KeyboardInterrupt
+
+    model.compute_hook = ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert reader._fds, "the disk pass should have opened the shard"
+    close_models(type("M", (), {"target": model, "draft": None})())
+    assert not reader._fds
+    alive = [t.name for t in threading.enumerate() if t.name.startswith(("offload-read", "offload-copy"))]
+    assert not alive, alive
