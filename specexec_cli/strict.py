@@ -77,7 +77,9 @@ def load_config(path: Path, flag: str, trust: bool):
 def meta_model(config, flag: str, path: Path, trust: bool):
     """The architecture config.json describes, built on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()   # stderr carries only our one line (this runs before the load)
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
