@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from offload import OffloadedCausalLM, OffloadError
 from offload.families import SUPPORTED
+from tests.test_offload import _tree_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 48
@@ -93,18 +94,6 @@ def test_family_logits_and_greedy_equal_hf(family_dir, offload):
         model.close()
 
 
-def _tree_mask(parents, past):
-    t = len(parents)
-    allowed = torch.zeros(t, past + t, dtype=torch.bool)
-    allowed[:, :past] = True
-    for i, p in enumerate(parents):
-        allowed[i, past + i] = True
-        while p >= 0:
-            allowed[i, past + p] = True
-            p = parents[p]
-    return torch.zeros(t, past + t).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
-
-
 def test_tree_mask_respects_sliding_window_by_position(family_dir):
     """Tree nodes' logits equal HF's logits for the node's own root-to-node path."""
     name, path = family_dir
@@ -120,7 +109,7 @@ def test_tree_mask_respects_sliding_window_by_position(family_dir):
         tree = _ids(len(parents), seed=4)
         past = prefix.shape[1]
         pos = torch.tensor([[past + d for d in depth]])
-        got = model(input_ids=tree, attention_mask=_tree_mask(parents, past), position_ids=pos,
+        got = model(input_ids=tree, attention_mask=_tree_mask(parents, past, torch.float32), position_ids=pos,
                     past_key_values=cache, use_cache=True).logits[0]
         for node in (6, 7):
             path_nodes, p = [], node

@@ -1,0 +1,207 @@
+"""Flag validation and model set-up for the `specx` commands, without typer.
+
+Contract: every function here turns raw flag values into engine/loader objects (GenerationConfig,
+LoadOptions, a MemoryPlan, loaded Models) or raises `SpecxError` with a one-line fix. Nothing here
+imports torch or transformers at module level, so `specx --help` and argument errors stay fast;
+cli.py (the only typer importer) declares the flags and calls these.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from specexec_cli import display
+from specexec_cli.errors import SpecxError
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+
+def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
+    """Default to the embedded demo pair, with a notice."""
+    if target is None:
+        if draft is not None:
+            raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
+        if not (DEMO_DIR / "target" / "config.json").exists():
+            raise SpecxError("no --target given and the demo pair is not installed; pass --target and --draft")
+        display.print_notice(
+            "using the embedded demo pair (tiny Python-code models); pass --target DIR --draft DIR for real models"
+        )
+        target, draft = str(DEMO_DIR / "target"), str(DEMO_DIR / "draft")
+    if method != "ar" and draft is None:
+        raise SpecxError(f"--method {method} needs --draft; use --method ar to decode without one")
+    return target, (None if method == "ar" else draft)
+
+
+def parse_budget(budget: str, device: str) -> int:
+    """'auto' → the starting budget (a budget.BudgetTuner then re-tunes it); else a positive integer."""
+    if budget.strip().lower() == "auto":
+        import torch
+
+        on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        return 1024 if on_cuda else 64
+    try:
+        value = int(budget)
+    except ValueError:
+        raise SpecxError(f"--budget must be a positive integer or 'auto' (got {budget!r})") from None
+    if value < 1:
+        raise SpecxError(f"--budget must be >= 1 (got {value})")
+    return value
+
+
+def parse_size_opt(value: str | None, flag: str) -> int | None:
+    if value is None:
+        return None
+    from offload import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise SpecxError(f"{flag}: {exc}") from None
+
+
+def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
+                      top_k, top_p, seed, device):
+    """Validate the decoding flags and build the engine's config."""
+    for flag, value in (("--max-depth", max_depth), ("--max-beams", max_beams), ("--max-branch", max_branch),
+                        ("--max-new-tokens", max_new_tokens)):
+        if value < 1:
+            raise SpecxError(f"{flag} must be >= 1 (got {value})")
+    n_budget = parse_budget(budget, device)  # before the imports below: a bad number never loads torch
+    from specexec_cli.draft import TreeShape
+    from specexec_cli.engine import GenerationConfig
+    from specexec_cli.methods import available_methods
+    from specexec_cli.sampling import SamplingParams, validate
+
+    if method not in available_methods():
+        raise SpecxError(f"--method must be one of {', '.join(available_methods())} (got {method!r})")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    validate(sampling)
+    shape = TreeShape(n_budget, max_depth, max_beams, max_branch)
+    return GenerationConfig(method=method, shape=shape, sampling=sampling, seed=seed, max_new_tokens=max_new_tokens)
+
+
+def config_record(cfg, offload_plan: str | None = None) -> dict:
+    """The config part of the --stats-json record."""
+    rec = dict(
+        method=cfg.method, budget=cfg.shape.budget, max_depth=cfg.shape.max_depth,
+        max_beams=cfg.shape.max_beams, max_branch=cfg.shape.max_branch, temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+    )  # fmt: skip
+    if offload_plan is not None:
+        rec["offload"] = offload_plan
+    return rec
+
+
+def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
+                 max_ram, progress=None):
+    """Resolve defaults, load both models, print the offload plan (if any) in one line."""
+    from specexec_cli.loading import LoadOptions, load_models
+
+    if offload not in ("none", "ram", "disk", "auto"):
+        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
+    target, draft = pick_models(target, draft, method)
+    opts = LoadOptions(
+        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code, offload=offload,
+        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+        progress=progress,
+    )  # fmt: skip
+    models = load_models(opts)
+    plan = getattr(models.target, "plan", None)
+    if plan is not None:
+        display.print_notice(plan.describe())
+    return models
+
+
+def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
+                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto"):
+    """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit."""
+    from dataclasses import replace
+
+    from specexec_cli.loading import LoadOptions
+    from specexec_cli.planning import make_plan
+
+    if offload not in ("none", "ram", "disk", "auto"):
+        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
+    if ctx < 1:
+        raise SpecxError(f"--ctx must be >= 1 (got {ctx})")
+    target, draft = pick_models(target, draft, method)
+    opts = LoadOptions(
+        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings, draft_dtype=draft_dtype,
+        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+    )  # fmt: skip
+    plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto")
+    if plan is not None and plan.budget != cfg.shape.budget and plan.fits:
+        cfg = replace(cfg, shape=replace(cfg.shape, budget=plan.budget))
+    return replace(opts, plan=plan), plan, cfg
+
+
+def show_plan(plan, stats_json: Path | None) -> None:
+    """--dry-run: the plan table on stdout, {"plan": ...} in --stats-json; exit 2 when it cannot fit."""
+    if plan is None:
+        raise SpecxError("--dry-run reads safetensors headers; pickle checkpoints cannot be planned")
+    display.print_plan(plan.to_json())
+    if stats_json is not None:
+        stats_json.write_text(json.dumps({"plan": plan.to_json()}, indent=1) + "\n")
+    if not plan.fits:
+        raise SpecxError(plan.reason)
+
+
+def load_planned(opts, plan, progress):
+    """Refuse a plan that cannot fit (before any weight is read), then load and print the placement."""
+    from dataclasses import replace
+
+    from specexec_cli.loading import load_models
+
+    if plan is not None and not plan.fits:
+        raise SpecxError(plan.reason)
+    models = load_models(replace(opts, progress=progress))
+    placed = getattr(models.target, "plan", None)
+    if placed is not None:
+        display.print_notice(placed.describe())
+    return models
+
+
+def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None,
+                     color: bool = False):
+    """See streaming.decode_to_stdout; the config record comes from the flags."""
+    from specexec_cli import streaming
+
+    plan = getattr(models.target, "plan", None)
+    record = config_record(cfg, plan.describe() if plan is not None else None)
+    return streaming.decode_to_stdout(models, ids, cfg, record, live, stats_json, state, tuner, link_gbps, color)
+
+
+def live_enabled(no_live: bool) -> bool:
+    return not no_live and sys.stderr.isatty()
+
+
+def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
+    """PROMPT_FILE (or - for stdin) or -p TEXT: exactly one of them."""
+    if prompt is not None and prompt_file is not None:
+        raise SpecxError("give either PROMPT_FILE or -p/--prompt TEXT, not both")
+    if prompt is not None:
+        if not prompt.strip():
+            raise SpecxError("-p/--prompt is empty; pass some text")
+        return prompt
+    if prompt_file is None:
+        raise SpecxError("no prompt: pass a PROMPT_FILE (or - for stdin) or -p TEXT")
+    from specexec_cli.loading import read_prompt
+
+    return read_prompt(prompt_file)
+
+
+def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
+    """(BudgetTuner for --budget auto with specexec else None, link peak GB/s, the profile or None)."""
+    from specexec_cli.budget import make_tuner
+    from specexec_cli.profiler import find_profile, link_peak
+
+    profile = find_profile(profile_path)
+    on_cuda = getattr(models.target, "device", None) is not None and models.target.device.type == "cuda"
+    auto = budget.strip().lower() == "auto" and cfg.method == "specexec"
+    tuner = make_tuner(profile, cfg.shape, on_cuda) if auto else None
+    if tuner is not None and getattr(models, "kv_rows", None) is not None:
+        tuner.max_budget = min(tuner.max_budget, cfg.shape.budget)   # the memory plan sized caches for this
+    return tuner, link_peak(profile, offload, on_cuda), profile
