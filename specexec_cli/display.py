@@ -30,7 +30,12 @@ if TYPE_CHECKING:
 SPARKS = "▁▂▃▄▅▆▇█"
 
 
+_LIVE_CONSOLE: Console | None = None  # the console of an active progress bar: notices print above it
+
+
 def stderr_console() -> Console:
+    if _LIVE_CONSOLE is not None:
+        return _LIVE_CONSOLE
     return Console(file=sys.stderr, highlight=False)
 
 
@@ -258,7 +263,14 @@ class LoadProgress:
                                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                       console=stderr_console(), transient=True)  # fmt: skip
             self._progress.__enter__()
+            self._show_notices_above()
         return self
+
+    def _show_notices_above(self) -> None:
+        """Route print_notice/print_error through the bar's console while it is shown (a second
+        console on stderr would write into the bar's line)."""
+        global _LIVE_CONSOLE
+        self._outer, _LIVE_CONSOLE = _LIVE_CONSOLE, self._progress.console
 
     def __call__(self, done: int, total: int, what: str) -> None:
         if self._progress is None:
@@ -270,7 +282,9 @@ class LoadProgress:
         self._progress.update(self._task, completed=done, total=total, description=escape(what))
 
     def __exit__(self, *exc) -> None:
+        global _LIVE_CONSOLE
         if self._progress is not None:
+            _LIVE_CONSOLE = self._outer
             self._progress.__exit__(*exc)
 
 
@@ -310,16 +324,6 @@ def print_profile(profile: dict) -> None:
 
 class BenchProgress(LoadProgress):
     """`specx bench` progress: bar, cells done/total, elapsed and ETA; a callable(done, total, what)."""
-
-    def __enter__(self) -> "BenchProgress":
-        if self.enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                      console=stderr_console(), transient=True)  # fmt: skip
-            self._progress.__enter__()
-        return self
 
 
 def print_bench_table(records: list[dict]) -> None:

@@ -68,6 +68,9 @@ def test_run_screen_shows_exactly_the_generated_text(run_text):
     at = find_block(screen, want)
     assert at >= 0, f"screen:\n{term.text()}\n--- expected rows:\n" + "\n".join(want)
     assert any("tokens/pass" in row for row in screen[at + len(want):]), "the final panel sits below the text"
+    # notices printed while the load bar is shown sit on their own rows, not in the bar's line
+    assert any(row.startswith("offload: ") for row in screen), term.text()
+    assert not any("loading" in row for row in screen), "the transient load bar was left on screen"
 
 
 def test_no_live_summary_starts_on_its_own_line(run_text):
