@@ -1,7 +1,7 @@
 """Tokens per target pass vs budget, per method, on the shared trained pair, with 95% intervals.
 
 Run by hand (not a test), under the shared lock:
-`flock /tmp/specx-bench.lock python bench/accept.py [--prompts 0:40] [--budgets 16,128,1024]
+`python bench/accept.py [--prompts 0:40] [--budgets 16,128,1024]
  [--methods specexec,sequoia,specinfer,chain] [--temperatures 0,0.7] [--seeds 3] [--readme]`.
 For each (temperature, budget, method) it decodes every selected prompt of
 ../shared/bench/prompts.jsonl (at T > 0 once per seed) with the engine and reports tokens per

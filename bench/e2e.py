@@ -20,7 +20,7 @@ method's ids are checked against specx-ar's (`lossless`). Ratios reported:
   specexec_auto ÷ hf-assisted                  (target >= 3)
 Writes JSON (--out/e2e.json), prints a markdown table, and a bar plot if matplotlib is present.
 
-    flock /tmp/specx-bench.lock python bench/e2e.py --target /tmp/target-xl \
+    python bench/e2e.py --target /tmp/target-xl \
         --draft ../shared/models/draft --num-prompts 3 --max-new-tokens 16 --budgets 15,63
 """
 

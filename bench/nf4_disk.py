@@ -1,7 +1,7 @@
 """Disk tier, nf4 (warm 4-bit cache) vs bf16: kernel-counted bytes read and wall time per pass.
 
 Usage (CPU-heavy: run under the shared lock):
-    flock /tmp/specx-bench.lock python bench/nf4_disk.py --target /tmp/target-xl --out nf4_disk.json
+    python bench/nf4_disk.py --target /tmp/target-xl --out nf4_disk.json
 
 Both models stream every decoder layer from disk (O_DIRECT) with the same ring (2 device slots,
 2 host slots, so reads happen inside the pass, not all ahead of it). For each `--tokens` size,
