@@ -37,6 +37,9 @@ from specexec_cli.engine import GenerationConfig
 PRIOR_A = 0.5  # prior tokens-per-pass slope per doubling of the budget
 PRIOR_PASSES = 8.0  # weight of the prior, in passes
 KNEE_CPU, KNEE_CUDA = 32, 512  # tree tokens where the prior target pass starts to grow linearly
+# ... when the target's layers stream every pass: the pass is bound by moving the weights, so it
+# stays flat to far larger trees before compute shows
+KNEE_STREAMED_CPU, KNEE_STREAMED_CUDA = 256, 4096
 MIN_OBSERVED = 12  # passes at one budget before its empirical mean replaces the fitted curve
 
 
@@ -97,8 +100,11 @@ class TimingModel:
     source: str = "prior"  # "profile" or "prior"
 
     @classmethod
-    def prior(cls, on_cuda: bool = False) -> "TimingModel":
-        knee = KNEE_CUDA if on_cuda else KNEE_CPU
+    def prior(cls, on_cuda: bool = False, streamed: bool = False) -> "TimingModel":
+        if streamed:
+            knee = KNEE_STREAMED_CUDA if on_cuda else KNEE_STREAMED_CPU
+        else:
+            knee = KNEE_CUDA if on_cuda else KNEE_CPU
         points = {n: 1.0 + n / knee for n in (1 << k for k in range(13))}
         return cls(points, draft_step_seconds=0.05, source="prior")  # draft step ≈ 1/20 target pass
 
@@ -255,9 +261,15 @@ class BudgetTuner:
             yield ev
 
 
-def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool) -> BudgetTuner:
-    """A tuner from a profile's timings (if it has model timings) or the built-in prior."""
+def weights_stream(target) -> bool:
+    """True when the target streams decoder layers every pass (an offloaded model with streamed layers)."""
+    return bool(getattr(getattr(target, "plan", None), "streamed", None))
+
+
+def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: bool = False) -> BudgetTuner:
+    """A tuner from a profile's timings (if it has model timings) or the built-in prior
+    (`streamed`: the target's layers stream every pass, so its pass time is flat longer)."""
     timing = TimingModel.from_profile(profile) if profile else None
-    timing = timing or TimingModel.prior(on_cuda)
+    timing = timing or TimingModel.prior(on_cuda, streamed)
     cap = max(timing.target_points) - 1 if timing.source == "profile" else (4095 if on_cuda else 1023)
     return BudgetTuner(timing, shape, max_budget=max(1, cap))

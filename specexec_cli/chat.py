@@ -18,11 +18,8 @@ once; the caches are then cropped back to the committed ids) and keeps the parti
 
 from __future__ import annotations
 
-import _thread
 import json
-import signal
-import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -34,6 +31,7 @@ from specexec_cli import kvcache
 from specexec_cli.engine import ContextOverflow, DecodeState, GenerationConfig
 from specexec_cli.methods import generate
 from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
+from specexec_cli.interrupts import StopFlag, interrupt_guard
 from specexec_cli.sampling import validate
 from specexec_cli.stats import RunStats
 
@@ -74,51 +72,6 @@ def rewind(st: DecodeState, keep: int) -> None:
     kvcache.crop(st.draft_cache, st.draft_len)
 
 
-GRACE_SECONDS = 1.0   # after the first Ctrl-C, a reply still running this long is interrupted mid-pass
-
-
-class StopFlag:
-    """Ctrl-C during a reply: the first sets `stop` (the reply ends after the current target pass)
-    and arms a timer; if the pass is still running GRACE_SECONDS later (a long streamed pass),
-    the timer interrupts it like a second Ctrl-C would, so a reply always stops within ~1 s."""
-
-    def __init__(self):
-        self.stop = False
-        self.timer: threading.Timer | None = None
-
-    def handler(self, signum, frame):
-        if self.stop:
-            raise KeyboardInterrupt
-        self.stop = True
-        self.timer = threading.Timer(GRACE_SECONDS, _thread.interrupt_main)
-        self.timer.daemon = True
-        self.timer.start()
-
-    def disarm(self) -> None:
-        """Cancel the grace timer and wait for it (a fired one raises KeyboardInterrupt here)."""
-        timer, self.timer = self.timer, None
-        if timer is not None:
-            timer.cancel()
-            timer.join()
-
-
-@contextmanager
-def interrupt_guard(flag: StopFlag):
-    """Route SIGINT to `flag` while a reply streams (main thread only; elsewhere a no-op)."""
-    flag.stop = False
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    old = signal.signal(signal.SIGINT, flag.handler)
-    try:
-        yield flag
-    finally:
-        try:
-            flag.disarm()
-        finally:
-            signal.signal(signal.SIGINT, old)
-
-
 class ChatSession:
     """One conversation; see the module docstring for how turns reuse the caches."""
 
@@ -136,10 +89,10 @@ class ChatSession:
         self.clear()
 
     def _make_tuner(self):
-        from specexec_cli.budget import make_tuner
+        from specexec_cli.budget import make_tuner, weights_stream
 
         on_cuda = getattr(self.models.target, "device", torch.device("cpu")).type == "cuda"
-        return make_tuner(self.profile, self.cfg.shape, on_cuda)
+        return make_tuner(self.profile, self.cfg.shape, on_cuda, weights_stream(self.models.target))
 
     def clear(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []

@@ -195,13 +195,13 @@ def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
 
 def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
     """(BudgetTuner for --budget auto with specexec else None, link peak GB/s, the profile or None)."""
-    from specexec_cli.budget import make_tuner
+    from specexec_cli.budget import make_tuner, weights_stream
     from specexec_cli.profiler import find_profile, link_peak
 
     profile = find_profile(profile_path)
     on_cuda = getattr(models.target, "device", None) is not None and models.target.device.type == "cuda"
     auto = budget.strip().lower() == "auto" and cfg.method == "specexec"
-    tuner = make_tuner(profile, cfg.shape, on_cuda) if auto else None
+    tuner = make_tuner(profile, cfg.shape, on_cuda, weights_stream(models.target)) if auto else None
     if tuner is not None and getattr(models, "kv_rows", None) is not None:
         tuner.max_budget = min(tuner.max_budget, cfg.shape.budget)   # the memory plan sized caches for this
     return tuner, link_peak(profile, offload, on_cuda), profile

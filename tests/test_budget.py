@@ -134,3 +134,17 @@ def test_tuned_generation_is_lossless(tiny_pair):
         tuner.holder.shape = TreeShape([1, 7, 31][i % 3], 8)  # force a different shape every pass
         seen.add(tuner.shape.budget)
     assert out == ref and len(seen) == 3
+
+
+def test_streamed_target_prior_starts_with_a_larger_tree():
+    """A target whose layers stream every pass costs about the same for 8 or 32 tree tokens, so the
+    prior (no profile) must not start at the resident-CPU budget."""
+    from specexec_cli.budget import make_tuner, weights_stream
+
+    streamed = SimpleNamespace(plan=SimpleNamespace(streamed=[2, 3]))
+    resident = SimpleNamespace(plan=SimpleNamespace(streamed=[]))
+    assert weights_stream(streamed) and not weights_stream(resident) and not weights_stream(object())
+    shape = TreeShape(budget=64, max_depth=64)
+    b_resident = make_tuner(None, shape, False, weights_stream(resident)).shape.budget
+    b_streamed = make_tuner(None, shape, False, weights_stream(streamed)).shape.budget
+    assert b_streamed > b_resident, (b_streamed, b_resident)

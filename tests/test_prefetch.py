@@ -114,7 +114,7 @@ def test_ring_fills_with_next_pass_layers_between_passes(model_dir):
 
 
 def test_link_busy_and_stall_measure_the_read_stage(model_dir):
-    n, delay = 6, 0.04
+    n, delay = 6, 0.1
     model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=2,
                                               host_slots=2)
     try:
@@ -131,8 +131,9 @@ def test_link_busy_and_stall_measure_the_read_stage(model_dir):
         # 4 layers read inside the pass + 2 for the next one, each >= delay
         assert busy >= (n - 2 + 2) * delay
         assert busy <= wall + 3 * delay + 0.1
-        # compute is ~free, so compute waits for most of the 4 layers not prefetched
-        assert stall >= (n - 2) * delay * 0.8
+        # compute is cheap next to `delay`, so compute waits for most of each of the 4 layers not
+        # prefetched (each wait is `delay` minus one layer's compute, which overlaps the read)
+        assert stall >= (n - 2) * delay * 0.5
         assert model.stats.stall_seconds == pytest.approx(model.prefetcher.stall_seconds)
     finally:
         model.close()
