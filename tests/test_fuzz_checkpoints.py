@@ -202,13 +202,18 @@ def test_seeded_header_byte_flips(good, tmp_path, alloc_guard):
     assert checked >= 7
 
 
-def _cfg(fn):
+def _edit_json(name: str, fn):
+    """A corruption that loads the model dir's JSON file `name`, lets `fn` edit it, writes it back."""
     def corrupt(model: Path):
-        path = model / "config.json"
-        cfg = json.loads(path.read_text())
-        fn(cfg)
-        path.write_text(json.dumps(cfg))
+        path = model / name
+        data = json.loads(path.read_text())
+        fn(data)
+        path.write_text(json.dumps(data))
     return corrupt
+
+
+def _cfg(fn):
+    return _edit_json("config.json", fn)
 
 
 def _write(name: str, text: bytes):
@@ -265,12 +270,7 @@ def sharded(good: Path, tmp_path: Path) -> Path:
 
 
 def _index(fn):
-    def corrupt(model: Path):
-        path = model / "model.safetensors.index.json"
-        idx = json.loads(path.read_text())
-        fn(idx)
-        path.write_text(json.dumps(idx))
-    return corrupt
+    return _edit_json("model.safetensors.index.json", fn)
 
 
 def _first(idx):
