@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload import OffloadedCausalLM  # noqa: E402
+from offload.nf4 import packing_for  # noqa: E402
 from offload.quant_cache import cache_dir, ensure_nf4_cache, is_complete, cache_key  # noqa: E402
 from offload.st_index import SafetensorsIndex  # noqa: E402
 
@@ -63,12 +64,14 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    built = not is_complete(cache_dir(args.target), cache_key(args.target))
+    packing = packing_for("cpu")     # the cache OffloadedCausalLM uses for dtype="nf4" on this CPU
+    built = not is_complete(cache_dir(args.target, packing), cache_key(args.target, packing))
     t0 = time.perf_counter()
-    cache = ensure_nf4_cache(args.target, progress=lambda d, t, w: print(f"  {w} ({d}/{t})", file=sys.stderr))
+    cache = ensure_nf4_cache(args.target, progress=lambda d, t, w: print(f"  {w} ({d}/{t})", file=sys.stderr),
+                             packing=packing)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    assert ensure_nf4_cache(args.target) == cache
+    assert ensure_nf4_cache(args.target, packing=packing) == cache
     warm_lookup_s = time.perf_counter() - t0
 
     ring = dict(offload="disk", slots=2, host_slots=2)
@@ -76,7 +79,7 @@ def main() -> None:
               "nf4": OffloadedCausalLM.from_pretrained(args.target, dtype="nf4", **ring)}
     assert all(not d.convert for d in models["nf4"].store.disk.values()), "an nf4 disk layer converts"
     bf16_layers = layer_bytes(args.target)
-    rec = {"target": str(args.target), "cache": str(cache), "cache_built_now": built, "cache_build_seconds": build_s,
+    rec = {"target": str(args.target), "cache": str(cache), "cache_packing": packing, "cache_built_now": built, "cache_build_seconds": build_s,
            "warm_cache_lookup_seconds": warm_lookup_s, "passes": args.passes, "bf16_layer_bytes": bf16_layers,
            "torch_threads": torch.get_num_threads(), "direct_io": {k: m.plan.direct_io for k, m in models.items()},
            "bf16_converts_per_pass": any(d.convert for d in models["bf16"].store.disk.values()),

@@ -26,7 +26,7 @@ from torch import nn
 from .errors import OffloadError
 from .families import Family, apply_final_softcap, causal_lm_class, window_mask
 from .loader import LoadedWeights, load_weights, resolve_dtype
-from .nf4 import Nf4Linear, cpu_relayout, needs_cpu_layout
+from .nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
 from .plan import OffloadPlan
 from .prefetch import Prefetcher
 from .prequant import bnb4_config, is_packed
@@ -68,8 +68,9 @@ def _load_config(path: Path):
 
 class OffloadedCausalLM(nn.Module):
     def __init__(self, config, device: torch.device, dtype: torch.dtype, hf: nn.Module, w: LoadedWeights,
-                 slots: int):
+                 slots: int, packing: str = "standard"):
         super().__init__()
+        self.packing = packing                 # byte layout of the checkpoint's packed 4-bit weights
         self.config, self.device, self.dtype = config, device, dtype
         self.family = Family.of(config)
         self.embed_tokens, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
@@ -107,8 +108,12 @@ class OffloadedCausalLM(nn.Module):
         config = _load_config(path)
         if _wants_nf4(dtype) and bnb4_config(config) is None:
             # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
-            path = ensure_nf4_cache(path, progress=progress)
+            path = ensure_nf4_cache(path, progress=progress, packing=packing_for(device))
             config = _load_config(path)
+        packing = getattr(config, "specx_packing", "standard")
+        if packing != "standard" and packing != packing_for(device):
+            raise OffloadError(f"{path}: its 4-bit bytes are packed for {packing} and cannot compute on {device}; "
+                               "load the 16-bit source with --dtype nf4 (specx builds the cache it needs)")
         storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
         nf4 = bnb4_config(config) is not None
         try:
@@ -124,7 +129,7 @@ class OffloadedCausalLM(nn.Module):
         w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
                          max_device_memory, max_host_memory, slots, progress,
                          host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool)
-        return cls(config, device, compute_dtype, hf, w, slots)
+        return cls(config, device, compute_dtype, hf, w, slots, packing)
 
     @property
     def input_device(self) -> torch.device:
@@ -135,7 +140,8 @@ class OffloadedCausalLM(nn.Module):
         """On a CPU where bitsandbytes computes 4-bit linears with its fused AVX512-BF16 kernel
         (as transformers' Linear4bit does), put the packed bytes in that kernel's layout once per
         byte arrival: resident and RAM-tier arenas now, streamed slots on the copy thread after
-        each read. Same bytes, moved nibbles (nf4.cpu_relayout); nothing is re-quantized."""
+        each read. Same bytes, moved nibbles (nf4.cpu_relayout); nothing is re-quantized.
+        A cache packed for this kernel (CPU_PACKING) already stores them so: nothing moves."""
         if self.device.type != "cpu":
             return
         self._relayout = {i: [(n, tuple(s.shape)) for n, s in states.items() if needs_cpu_layout(s)]
@@ -145,6 +151,8 @@ class OffloadedCausalLM(nn.Module):
         for i, names in self._relayout.items():
             for name, _ in names:
                 self.layers[i].get_submodule(name.rsplit(".", 1)[0]).prelaid = True
+        if self.packing == CPU_PACKING:
+            return
         for i, (buf, layout) in [*w.resident.items(), *self.store.ram.items()]:
             self._relayout_layer(i, buf, layout)
         self.store.after_disk_read = lambda i, buf: self._relayout_layer(i, buf, self.store.layout(i))

@@ -106,9 +106,19 @@ class Nf4Linear(nn.Module):
         return cpu_relayout(weight.detach(), tuple(self.quant_state.shape)), cached[1]
 
 
+CPU_PACKING = "bnb-cpu-avx512bf16"   # bytes already in bnb's fused CPU kernel layout (cpu_relayout)
+
+
+def packing_for(device) -> str:
+    """The byte layout the 4-bit cache stores for compute on `device`: CPU_PACKING where
+    Linear4bit computes with bnb's fused AVX512-BF16 CPU kernel (so streamed bytes need no
+    re-layout after each read), else "standard" (bnb's serialized layout, as save_pretrained writes)."""
+    return CPU_PACKING if torch.device(device).type == "cpu" and _cpu_bf16_kernel() is not None else "standard"
+
+
 def needs_cpu_layout(state) -> bool:
     """True when Linear4bit would compute this weight with bnb's fused AVX512-BF16 CPU kernel."""
-    return _cpu_bf16_kernel() is not None and _cpu_layout_fits(state)
+    return _cpu_bf16_kernel() is not None and cpu_layout_fits(state)
 
 
 def cpu_state(state):
@@ -151,7 +161,7 @@ def cpu_relayout(packed: torch.Tensor, shape: tuple[int, int], block_n: int = 32
     return torch.from_numpy(out.reshape(n, k // 2))
 
 
-def _cpu_layout_fits(state) -> bool:
+def cpu_layout_fits(state) -> bool:
     """The CPU layout needs out_features % 32 == 0 and whole absmax blocks per row (Linear4bit
     itself fails otherwise); other shapes keep the standard dequantize + matmul path."""
     n, k = state.shape

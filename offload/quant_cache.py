@@ -11,9 +11,15 @@ Contract:
   Everything is written into a temporary sibling directory, `specx-manifest.json` (file names and
   sizes, the source fingerprint) is written LAST, then the directory is renamed into place: a
   directory without a matching manifest is partial or stale and is never used.
-- `ensure_nf4_cache(src, progress)` returns the cache directory for `src` under `$SPECX_CACHE`
-  (default ~/.cache/specx), building it first when missing, partial or stale. Its name carries a
-  key over the source files' names, sizes and mtimes and the quantization settings.
+- `ensure_nf4_cache(src, progress, packing)` returns the cache directory for `src` under
+  `$SPECX_CACHE` (default ~/.cache/specx), building it first when missing, partial or stale. Its
+  name carries a key over the source files' names, sizes and mtimes, the quantization settings
+  and the packing.
+- `packing` (nf4.packing_for(device)): "standard" keeps bnb's serialized byte layout (what
+  `specx quantize` writes). nf4.CPU_PACKING stores the packed bytes of every linear that bnb's
+  fused AVX512-BF16 CPU kernel computes already in that kernel's layout (the same nibbles moved
+  as Linear4bit moves them at its first forward), so a disk-tier pass reads them and converts
+  nothing; config.json then carries `"specx_packing"` and only specx on such a CPU loads it.
 - `progress(done, total, what)` is called once per layer while quantizing.
 """
 
@@ -31,12 +37,12 @@ from typing import Callable
 import torch
 
 from .errors import OffloadError
-from .nf4 import NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, quantize_nf4
+from .nf4 import CPU_PACKING, NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, cpu_layout_fits, cpu_relayout, quantize_nf4
 from .prequant import quant_tensors
 from .st_index import SafetensorsIndex
 
 MANIFEST = "specx-manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SETTINGS = {"format": FORMAT_VERSION, "quant_type": "nf4", "blocksize": NF4_BLOCKSIZE,
             "double_quant": NF4_COMPRESS_STATISTICS, "quant_from": "16-bit source dtype (fp32 -> bf16)"}
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
@@ -56,14 +62,18 @@ def source_fingerprint(src: Path) -> list[tuple[str, int, int]]:
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
 
-def cache_key(src: Path) -> str:
-    blob = json.dumps({"files": source_fingerprint(src), "settings": SETTINGS}, sort_keys=True)
+def settings(packing: str = "standard") -> dict:
+    return {**SETTINGS, "packing": packing}
+
+
+def cache_key(src: Path, packing: str = "standard") -> str:
+    blob = json.dumps({"files": source_fingerprint(src), "settings": settings(packing)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def cache_dir(src: Path) -> Path:
+def cache_dir(src: Path, packing: str = "standard") -> Path:
     name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
-    return cache_root() / f"{name}-nf4-{cache_key(src)}"
+    return cache_root() / f"{name}-nf4-{cache_key(src, packing)}"
 
 
 def is_complete(out: Path, key: str | None = None) -> bool:
@@ -77,20 +87,22 @@ def is_complete(out: Path, key: str | None = None) -> bool:
         return False
 
 
-def ensure_nf4_cache(src: Path, progress: Progress | None = None) -> Path:
+def ensure_nf4_cache(src: Path, progress: Progress | None = None, packing: str = "standard") -> Path:
     src = Path(src)
-    out, key = cache_dir(src), cache_key(src)
+    out, key = cache_dir(src, packing), cache_key(src, packing)
     if not is_complete(out, key):
-        write_quantized(src, out, progress, tokenizer=True, key=key)
-        _drop_stale(src, out)
+        write_quantized(src, out, progress, tokenizer=True, key=key, packing=packing)
+        _drop_stale(src, out, packing)
     return out
 
 
-def _drop_stale(src: Path, keep: Path) -> None:
-    """Remove older caches of the same source (their key no longer matches its files)."""
+def _drop_stale(src: Path, keep: Path, packing: str) -> None:
+    """Remove older caches of the same source and packing (their key no longer matches its files)."""
     for old in keep.parent.glob(keep.name.rsplit("-", 1)[0] + "-*"):
         try:
-            same = json.loads((old / MANIFEST).read_text()).get("source") == str(src.resolve())
+            manifest = json.loads((old / MANIFEST).read_text())
+            same = (manifest.get("source") == str(src.resolve())
+                    and manifest.get("settings", {}).get("packing", "standard") == packing)
         except (OSError, ValueError, AttributeError):
             same = False
         if old != keep and same:
@@ -111,12 +123,15 @@ def _quant_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def _shard(index: SafetensorsIndex, names: list[str], linears: set[str]) -> dict[str, torch.Tensor]:
+def _shard(index: SafetensorsIndex, names: list[str], linears: set[str], packing: str) -> dict[str, torch.Tensor]:
     tensors = {}
     for name in names:
         t = index.read(name)
         if name in linears:
             packed, state = quantize_nf4(t, torch.device("cpu"), _quant_dtype(t))
+            if packing == CPU_PACKING and cpu_layout_fits(state):
+                # same ((N*K+1)//2, 1) shape, bytes in the kernel's (N, K/2) block layout
+                packed = cpu_relayout(packed, tuple(state.shape)).reshape(packed.shape)
             tensors.update(quant_tensors(name, packed, state))
         else:
             tensors[name] = t.contiguous()
@@ -124,7 +139,7 @@ def _shard(index: SafetensorsIndex, names: list[str], linears: set[str]) -> dict
 
 
 def write_quantized(src: Path, out: Path, progress: Progress | None = None, tokenizer: bool = True,
-                    key: str | None = None) -> None:
+                    key: str | None = None, packing: str = "standard") -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -145,20 +160,20 @@ def write_quantized(src: Path, out: Path, progress: Progress | None = None, toke
         for i, names in enumerate([*per_layer, rest]):
             if progress is not None:
                 progress(i, n, f"quantizing layer {i} to nf4 (once)" if i < n else "writing embeddings")
-            tensors = _shard(index, names, linears)
+            tensors = _shard(index, names, linears, packing)
             dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
             fname = f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors"
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in tensors})
         total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
         _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_config(src, tmp, dtype or torch.bfloat16)
+        _write_config(src, tmp, dtype or torch.bfloat16, packing)
         if tokenizer:
             for f in src.iterdir():
                 if f.is_file() and _SIDE_FILES.match(f.name):
                     shutil.copy2(f, tmp / f.name)
         files = {f.name: f.stat().st_size for f in tmp.iterdir()}
-        _write_json(tmp / MANIFEST, {"key": key, "source": str(src.resolve()), "settings": SETTINGS,
+        _write_json(tmp / MANIFEST, {"key": key, "source": str(src.resolve()), "settings": settings(packing),
                                      "source_files": source_fingerprint(src), "files": files})
         _publish(tmp, out, key)
         if progress is not None:
@@ -189,8 +204,10 @@ def _publish(tmp: Path, out: Path, key: str | None) -> None:
         raise
 
 
-def _write_config(src: Path, out: Path, dtype: torch.dtype) -> None:
+def _write_config(src: Path, out: Path, dtype: torch.dtype, packing: str) -> None:
     cfg = json.loads((src / "config.json").read_text())
+    if packing != "standard":
+        cfg["specx_packing"] = packing
     name = str(dtype).removeprefix("torch.")
     cfg["quantization_config"] = {
         "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,

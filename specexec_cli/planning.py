@@ -42,12 +42,13 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
     return target, draft
 
 
-def nf4_source(path, dtype: str):
+def nf4_source(path, dtype: str, device: str = "cpu"):
     """(checkpoint the loader will stream, target dtype): a pre-quantized 4-bit checkpoint is nf4;
     a 16-bit one with --dtype nf4 streams from its 4-bit cache when that exists (exact sizes),
     else the plan estimates the cache's layout from the 16-bit headers."""
     import json
 
+    from offload.nf4 import packing_for
     from offload.quant_cache import cache_dir, cache_key, is_complete
 
     try:
@@ -56,8 +57,9 @@ def nf4_source(path, dtype: str):
         quantized = False
     if quantized:
         return path, "nf4"
-    if dtype == "nf4" and is_complete(cache_dir(path), cache_key(path)):
-        return cache_dir(path), dtype
+    packing = packing_for(device)
+    if dtype == "nf4" and is_complete(cache_dir(path, packing), cache_key(path, packing)):
+        return cache_dir(path, packing), dtype
     return path, dtype
 
 
@@ -75,7 +77,7 @@ def make_plan(opts, shape, budget_auto: bool):
     if not all(safe):
         return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
     tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
-    tpath, tdtype = nf4_source(tpath, tdtype)
+    tpath, tdtype = nf4_source(tpath, tdtype, device)
     free = None
     if device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]

@@ -173,6 +173,67 @@ def test_stale_or_partial_cache_is_rebuilt(bf16_dir, tmp_path, monkeypatch):
     assert not qc.is_complete(second)
 
 
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("model-*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_cache_packed_for_the_cpu_kernel_holds_moved_nibbles(bf16_dir, tmp_path, monkeypatch):
+    """A CPU_PACKING cache stores each fitting linear's bytes exactly as cpu_relayout moves the
+    standard bytes (the layout Linear4bit makes at its first CPU forward); everything else equal."""
+    from offload import nf4
+    from offload.st_index import SafetensorsIndex
+
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    std, packed = tmp_path / "std", qc.ensure_nf4_cache(bf16_dir, packing=nf4.CPU_PACKING)
+    qc.write_quantized(bf16_dir, std)
+    assert packed != qc.cache_dir(bf16_dir) and qc.is_complete(packed, qc.cache_key(bf16_dir, nf4.CPU_PACKING))
+    assert json.loads((packed / "config.json").read_text())["specx_packing"] == nf4.CPU_PACKING
+    assert "specx_packing" not in json.loads((std / "config.json").read_text())
+    src, a, b = SafetensorsIndex(bf16_dir).entries, _tensors(std), _tensors(packed)
+    assert a.keys() == b.keys()
+    moved = 0
+    for name, t in a.items():
+        shape = tuple(src[name].shape) if name in src else ()
+        if t.dtype == torch.uint8 and len(shape) == 2 and shape[0] % 32 == 0 and shape[1] % 64 == 0:
+            assert torch.equal(b[name], nf4.cpu_relayout(t, shape).reshape(t.shape)) and not torch.equal(b[name], t)
+            moved += 1
+        else:
+            assert torch.equal(b[name], t), name
+    assert moved == 3 * 7
+
+
+@pytest.mark.skipif(__import__("offload.nf4", fromlist=["x"]).packing_for("cpu") == "standard",
+                    reason="bitsandbytes has no fused AVX512-BF16 CPU kernel on this CPU")
+def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkeypatch):
+    """On a CPU where Linear4bit uses the fused kernel, `--dtype nf4` streams the kernel-packed
+    cache: no byte moves after a disk read, and logits equal the standard 4-bit checkpoint's
+    (whose bytes are re-laid out after each read) bit for bit. Elsewhere it is refused by name."""
+    import offload.model as om
+
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    std = tmp_path / "std"
+    qc.write_quantized(bf16_dir, std)
+    ids = _ids(9)
+    a = OffloadedCausalLM.from_pretrained(std, dtype="nf4", offload="disk")
+    want = [a(input_ids=ids).logits for _ in range(2)]
+    a.close()
+
+    def no_relayout(*args):
+        raise AssertionError("a kernel-packed layer was re-laid out")
+
+    monkeypatch.setattr(om, "cpu_relayout", no_relayout)
+    b = OffloadedCausalLM.from_pretrained(bf16_dir, dtype="nf4", offload="disk")
+    assert b.packing == "bnb-cpu-avx512bf16" and b.plan.streamed
+    for w in want:                       # two passes: the second streams from the read-ahead ring
+        torch.testing.assert_close(b(input_ids=ids).logits, w, atol=0, rtol=0)
+    b.close()
+    monkeypatch.setattr(om, "packing_for", lambda device: "standard")
+    with pytest.raises(OffloadError, match="packed for bnb-cpu-avx512bf16"):
+        OffloadedCausalLM.from_pretrained(qc.cache_dir(bf16_dir, "bnb-cpu-avx512bf16"), dtype="nf4")
+
+
 def test_quantized_checkpoint_loads_in_transformers(bf16_dir, tmp_path):
     """`write_quantized` output (what `specx quantize` writes): transformers and specx agree."""
     out = tmp_path / "out"
