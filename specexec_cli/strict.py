@@ -44,6 +44,12 @@ def check_config(path: Path, flag: str) -> dict:
         raise SpecxError(f"{flag} {cfg_file}: must hold a JSON object; fix or re-download it")
     if not isinstance(data.get("model_type"), str) or not data["model_type"]:
         raise SpecxError(f"{flag} {cfg_file}: no \"model_type\" field; fix or re-download it")
+    from offload.families import SUPPORTED
+
+    if data["model_type"] not in SUPPORTED:
+        # Tree verification needs exact 4-D masks and positions, which specx checks per family.
+        raise SpecxError(f"{flag} {cfg_file}: unsupported model_type {data['model_type'][:40]!r}; "
+                         f"supported: {', '.join(SUPPORTED)}")
     return data
 
 

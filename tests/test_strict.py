@@ -101,8 +101,8 @@ def test_mismatched_checkpoint_is_refused(base, tmp_path, offload, case):
 def test_model_type_bert_on_llama_weights_is_refused(base, tmp_path):
     """The issue's report: config.json says bert, the weights are Llama → must not run at random."""
     bad = variant(base, tmp_path, edit_config=lambda c: c.update(model_type="bert", architectures=["BertLMHeadModel"]))
-    assert_refused(run(bad, tmp_path, "none"), "model.safetensors", "bert")
-    assert_refused(run(bad, tmp_path, "disk"), "config.json", "bert")
+    for offload in ("none", "disk"):
+        assert_refused(run(bad, tmp_path, offload), "config.json", "unsupported model_type 'bert'", "supported: llama")
 
 
 def test_config_far_bigger_than_weights_is_refused_before_allocating(base, tmp_path):
