@@ -8,6 +8,10 @@ candidate child's *feature* to an estimate of P(the target's token at the parent
     matching a suffix of g tokens);
   - n-gram chain children (proposed beyond a node the draft has not run): g × position j in the
     chain (2..CHAIN_LEN), with no draft probability.
+  - at T > 0 the draft's children are ranked under the target's coupled-draw noise (draft.py), and
+    the bin is that of the perturbed-score gap (`COUPLED_EDGES`: the top child's lead over the
+    runner-up, or another child's distance below the top) instead of the draft log-probability;
+    such calibrations have their own sampling key (ending in ",race") and prior.
 Each feature cell holds `hits` and `tests` on top of a prior (mean `m0`, weight `w0`):
 estimate = (hits + w0·m0) / (tests + w0), always in (0, 1). A node's score is the sum of log
 estimates along its path, so a child never outscores its parent and the top-`budget` set stays a
@@ -31,6 +35,8 @@ import torch
 LP_EDGES = torch.tensor([-0.02, -0.1, -0.25, -0.5, -0.8, -1.2, -1.7, -2.3, -3.0, -4.0, -5.5, -8.0])
 LP_CENTERS = [-0.01, -0.06, -0.17, -0.37, -0.65, -1.0, -1.45, -2.0, -2.65, -3.5, -4.75, -6.75, -9.0]
 N_BINS = len(LP_CENTERS)  # bins of the draft log-probability (bin 0 = most likely)
+COUPLED_EDGES = torch.tensor([4.0, 2.5, 1.6, 1.0, 0.5, 0.2, 0.0, -0.5, -1.0, -2.0, -3.0, -5.0])
+COUPLED_PRIOR = [0.97, 0.93, 0.88, 0.82, 0.72, 0.62, 0.5, 0.3, 0.18, 0.1, 0.05, 0.02, 0.005]
 N_FLAGS = 4  # n-gram flag g: 0 = not proposed, 1..3 = proposed with a g-token suffix match
 CHAIN_LEN = 8  # longest n-gram chain grown beyond an expanded node (positions 1..CHAIN_LEN)
 N_DRAFT = N_BINS * N_FLAGS  # draft-child feature ids [0, N_DRAFT)
@@ -45,15 +51,23 @@ def draft_feature(logp: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
     return flag.long() * N_BINS + bins.clamp(max=N_BINS - 1)
 
 
+def coupled_feature(gap: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """Feature ids of draft children ranked under coupled-draw noise: (…) perturbed-score gaps
+    (top child: lead over the runner-up, >= 0; others: distance below the top, <= 0) and flags."""
+    bins = torch.bucketize(-gap.float(), -COUPLED_EDGES)  # bin 0 = a lead above 4 nats
+    return flag.long() * N_BINS + bins.clamp(max=N_BINS - 1)
+
+
 def chain_feature(flag: int, pos: int) -> int:
     """Feature id of the n-gram chain node at position `pos` (2..CHAIN_LEN) for match length `flag`."""
     return N_DRAFT + (flag - 1) * CHAIN_LEN + (min(pos, CHAIN_LEN) - 1)
 
 
-def builtin_prior() -> torch.Tensor:
-    """Prior means when nothing was measured: the draft's own probability, raised for n-gram hits."""
+def builtin_prior(coupled: bool = False) -> torch.Tensor:
+    """Prior means when nothing was measured: the draft's own probability (coupled: a guess per
+    gap bin), raised for n-gram hits."""
     m0 = torch.empty(N_FEATURES)
-    p = torch.tensor(LP_CENTERS).exp()
+    p = torch.tensor(COUPLED_PRIOR) if coupled else torch.tensor(LP_CENTERS).exp()
     for g in range(N_FLAGS):
         m0[g * N_BINS : (g + 1) * N_BINS] = p if g == 0 else torch.clamp(p + 0.15 * g, max=0.95)
         if g:
@@ -119,4 +133,4 @@ def profile_prior(profile: str | None, sampling_key: str) -> torch.Tensor:
         stored = (json.loads(path.read_text() or "{}").get(PROFILE_KEY) or {}).get(sampling_key)
         if stored and len(stored) == N_FEATURES:
             return torch.tensor(stored, dtype=torch.float).clamp(1e-4, 1 - 1e-4)
-    return builtin_prior()
+    return builtin_prior(coupled=sampling_key.endswith(",race"))

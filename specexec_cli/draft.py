@@ -16,6 +16,10 @@ Scores: without a `Scoring`, a node's score is its cumulative draft log-probabil
 SpecExec). With one, it is the cumulative log of the *calibrated* acceptance probability
 (`calibrate.Calibration`), and prompt-lookup proposals (`ngram.NgramIndex`) enter the tree as extra
 children and as chains beyond them, competing with the draft's children for the same budget.
+At T > 0 with calibrated scores the children are the draft's top-k under the target's coupled-draw
+noise (sampling.PositionNoise at the child's position), and a child's feature is its perturbed
+score's gap to the best other child (calibrate.coupled_feature): the top child is the target's
+own draw whenever the draft's distribution is close to the target's.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specexec_cli import kvcache
-from specexec_cli.calibrate import CHAIN_LEN, Calibration, chain_feature, draft_feature
+from specexec_cli.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
 from specexec_cli.ngram import NgramIndex
-from specexec_cli.sampling import SamplingParams, draft_logprobs
+from specexec_cli.sampling import PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs
 from specexec_cli.transfers import to_host
 from specexec_cli.tree import Tree, ancestors, attention_mask, causal_mask, top_budget
 
@@ -59,6 +63,7 @@ class Scoring:
     ngram: NgramIndex | None = None  # prompt lookup over the committed tokens; None = no n-gram branches
     committed: list[int] = field(default_factory=list)  # committed ids (the root is the last one)
     chain_kids: dict = field(default_factory=dict)  # parent node → {token: node} for n-gram chain nodes
+    noise: PositionNoise | None = None  # T > 0: the target's coupled-draw noise; None = greedy or uncoupled
 
     def tail(self, tree: Tree, node: int, n: int) -> list[int]:
         """The last `n` tokens of committed + the path root → node (the n-gram lookup key)."""
@@ -77,18 +82,36 @@ def run_pending(draft, cache, ctx: DraftContext) -> torch.Tensor:
     return kvcache.forward(draft, cache, tokens, positions, mask)[-1]
 
 
-def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None):
+def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None):
     """(B, V) device logits → host (B, k) draft log-probs and ids, and (B,) log-probs of `extra` ids.
 
+    With `noise` ((B, V) coupled-draw noise rows) the ranking is by perturbed score s = log q - log E
+    and the values are gaps instead: the top child's s minus the runner-up's (>= 0), every other
+    child's (and `extra`'s) s minus the top child's (<= 0).
     One counted copy: ids travel as float32 next to the scores (exact below 2^24 > any vocabulary).
     """
     logp = draft_logprobs(logits, params)  # (B, V), stays on the device
-    top = torch.topk(logp, k, dim=-1)
-    cols = [top.values, top.indices.to(top.values.dtype)]
+    if noise is not None:  # the draft's race: the target's noise on the draft's (untruncated) log-probs
+        logp = coupled_logprobs(logp, noise)
+    top = torch.topk(logp, min(k + 1, logp.shape[-1]) if noise is not None else k, dim=-1)
+    values, ids = top.values[:, :k], top.indices[:, :k]
+    if noise is not None:
+        runner_up = top.values[:, 1:2] if top.values.shape[1] > 1 else torch.full_like(values[:, :1], float("-inf"))
+        values = torch.cat([values[:, :1] - runner_up, values[:, 1:] - values[:, :1]], dim=1)
+    cols = [values, ids.to(values.dtype)]
     if extra is not None:
-        cols.append(logp.gather(1, extra.clamp(min=0).to(logp.device)[:, None]))
+        ex = logp.gather(1, extra.clamp(min=0).to(logp.device)[:, None])
+        cols.append(ex - top.values[:, :1] if noise is not None else ex)
     host = to_host(torch.cat(cols, dim=1))
     return host[:, :k], host[:, k : 2 * k].long(), (host[:, 2 * k] if extra is not None else None)
+
+
+def noise_rows(tree: Tree, nodes: torch.Tensor, scoring, vocab: int, device):
+    """(B, V) coupled-draw noise for the children of `nodes` (calibrated scores at T > 0), else None."""
+    if scoring is None or scoring.cal is None or scoring.noise is None:
+        return None
+    first = len(scoring.committed)  # absolute position of the root's children
+    return scoring.noise.rows((first + tree.depth[nodes]).tolist(), vocab, device)
 
 
 def threshold(tree: Tree, budget: int) -> float:
@@ -108,7 +131,8 @@ def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeSha
     use_ngram = scoring is not None and scoring.ngram is not None
     props = [proposal(tree, int(n), shape, scoring) for n in nodes.tolist()] if use_ngram else []
     first = torch.tensor([p[0][0] if p[0] else -1 for p in props], dtype=torch.long) if use_ngram else None
-    vals, idx, extra_lp = top_children(logits, k, params, first)
+    noise = noise_rows(tree, nodes, scoring, logits.shape[-1], logits.device)
+    vals, idx, extra_lp = top_children(logits, k, params, first, noise)
     parents = nodes.unsqueeze(1).expand_as(idx)
     if scoring is None or scoring.cal is None:
         add_children(tree, parents, idx, tree.logp[nodes].unsqueeze(1) + vals, None, shape, scoring)
@@ -123,7 +147,7 @@ def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeSha
         vals = torch.cat([vals, extra_lp[:, None]], 1)
         flags = torch.cat([flags, torch.where(missing, g, 0)[:, None]], 1)
         parents = nodes.unsqueeze(1).expand_as(idx)
-    feats = draft_feature(vals, flags)
+    feats = coupled_feature(vals, flags) if noise is not None else draft_feature(vals, flags)
     cum = tree.logp[nodes].unsqueeze(1) + scoring.cal.log_accept()[feats]
     cum = torch.where(idx >= 0, cum, float("-inf"))
     add_children(tree, parents, idx, cum, feats, shape, scoring)

@@ -20,7 +20,7 @@ from specexec_cli import calibrate, kvcache, transfers
 from specexec_cli.draft import DraftContext, Scoring, TreeShape, grow_tree
 from specexec_cli.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
-from specexec_cli.sampling import SamplingParams, select
+from specexec_cli.sampling import PositionNoise, SamplingParams, coupled_select
 from specexec_cli.tree import causal_mask, subtree, top_budget, verify_mask
 from specexec_cli.verify import accept_tree
 
@@ -62,6 +62,20 @@ class DecodeState:
     target_len: int = 0  # committed tokens in the target cache
     draft_cache: object = field(default_factory=kvcache.new_cache)
     draft_len: int = 0  # committed tokens in the draft cache
+    noise: PositionNoise | None = None  # coupled draws of the current generate call (sampling.py)
+
+
+def new_noise(gen: torch.Generator) -> PositionNoise:
+    """Coupled-draw noise keyed by one draw of `gen` (successive calls get unrelated noise)."""
+    return PositionNoise(int(torch.randint(0, 2**62, (1,), generator=gen)))
+
+
+def draw(st: DecodeState, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """The target's token at position len(st.ids) from its (V,) logits: a coupled draw (exact)."""
+    if params.greedy:
+        return coupled_select(logits, params, None)
+    st.noise = st.noise or new_noise(gen)
+    return coupled_select(logits, params, st.noise.at(len(st.ids), logits.shape[-1]))
 
 
 @dataclass
@@ -111,7 +125,7 @@ def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Genera
     root = torch.tensor(st.ids[-1:], dtype=torch.long)
     mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target))
     logits = kvcache.forward(m.target, st.target_cache, root, torch.tensor([len(st.ids) - 1]), mask)
-    tok = select(logits[-1], cfg.sampling, gen)
+    tok = draw(st, logits[-1], cfg.sampling, gen)
     st.target_len += 1
     st.ids.append(tok)
     return StepResult([tok], 0, target_seconds=time.perf_counter() - t0)
@@ -139,7 +153,9 @@ DEFAULT_SCORES = "calibrated+ngram"  # node scores of --method specexec (see tre
 
 
 def sampling_key(params: SamplingParams) -> str:
-    return f"T={params.temperature:g},top_k={params.top_k},top_p={params.top_p:g}"
+    """Calibration key; ",race": children ranked under the coupled-draw noise (T > 0)."""
+    race = "" if params.greedy else ",race"
+    return f"T={params.temperature:g},top_k={params.top_k},top_p={params.top_p:g}{race}"
 
 
 def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring | None:
@@ -152,7 +168,8 @@ def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring |
         return None
     cal = calibrate.for_pair(m.target, m.draft, sampling_key(cfg.sampling), (cfg.extra or {}).get("sequoia_profile"))
     ngram = NgramIndex(st.ids) if mode == "calibrated+ngram" else None
-    return Scoring(cal=cal, ngram=ngram, committed=st.ids)
+    noise = st.noise if not cfg.sampling.greedy else None
+    return Scoring(cal=cal, ngram=ngram, committed=st.ids, noise=noise)
 
 
 def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None):
@@ -175,6 +192,7 @@ def speculative_step(
     # 1) grow the tree with the draft; keep the best `budget` nodes (ancestor-closed)
     pending = st.ids[st.draft_len :]
     ctx = DraftContext(n_cached=st.draft_len, pending=pending, root_pos=n - 1)
+    st.noise = st.noise or new_noise(gen)
     scoring = tree_scoring(m, st, cfg) if grow is default_grow else None
     tree = grow(m, st, ctx, shape, cfg.sampling, scoring)
     vt = subtree(tree, top_budget(tree.logp, shape.budget))
@@ -183,7 +201,7 @@ def speculative_step(
     mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
     logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
     # 3) walk the tree with the target's own samples
-    acc = accept_tree(vt, logits, cfg.sampling, gen, m.eos_ids, limit)
+    acc = accept_tree(vt, logits, cfg.sampling, st.noise, n, m.eos_ids, limit)
     if scoring is not None and scoring.cal is not None:  # learn which features the target accepts
         calibrate.observe_pass(scoring.cal, tree, vt.draft_ids[acc.path].tolist(), acc.tokens)
     t2 = time.perf_counter()
@@ -243,7 +261,7 @@ def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfi
     if m.draft is not None and cfg.method != "ar":
         run_prompt(m.draft, st.draft_cache, st.ids, st.draft_len, m.pass_tokens)
         st.draft_len = len(st.ids)
-    tok = select(last, cfg.sampling, gen)
+    tok = draw(st, last, cfg.sampling, gen)
     st.ids.append(tok)
     return tok
 
@@ -310,6 +328,7 @@ def generate(
     check_fits(m, st, new_ids)
     step_fn = step_fn or core_step(cfg.method)
     gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
+    st.noise = new_noise(gen)  # this call's coupled draws
     stream = TextStream(m.tokenizer)
     n_prompt = len(st.ids) + len(new_ids) - st.target_len
     t0 = time.perf_counter()
@@ -333,5 +352,6 @@ def generate(
         limit = min(cfg.max_new_tokens - produced, m.ctx_limit - len(st.ids))
         before = transfers.snapshot()
         res = step_fn(m, st, cfg, gen, limit)
+        st.noise.forget(len(st.ids))
         moved = transfers.since(before)
         pass_index += 1

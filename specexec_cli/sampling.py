@@ -4,6 +4,14 @@ Contract: every decoding method turns raw logits into the target's *processed* d
 `process_logits` (temperature, then top-k, then top-p), and draws from it with `sample`, which takes
 an explicit `torch.Generator`. Same inputs + same generator state → same token. T == 0 means greedy:
 the processed distribution is one-hot on the argmax, so every method reduces to greedy decoding.
+
+Coupled draws (`ar` and `specexec` at T > 0): the token at absolute position `pos` is
+argmax_i p_i / E_i with E ~ Exponential(1)^V drawn by `PositionNoise` from (key, pos) alone (the
+exponential race, i.e. Gumbel-max: P(token = j) = p_j exactly). Noise at different positions is
+independent, and the prefix before `pos` depends only on noise at earlier positions, so every
+emitted token is an exact sample of the processed distribution given its prefix. The draft sees the
+same noise when it picks tree children, so its top child is the target's draw whenever the two
+distributions roughly agree; and the emitted text for a seed does not depend on the draft or budget.
 """
 
 from __future__ import annotations
@@ -87,3 +95,56 @@ def draft_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """Draft scores used to rank tree nodes: log-softmax at the run temperature (T=0 → T=1)."""
     t = params.temperature if params.temperature > 0 else 1.0
     return torch.log_softmax(logits.float() / t, dim=-1)
+
+
+def _mix(key: int, pos: int) -> int:
+    """A 63-bit seed from (key, position): splitmix64 finalizer, so nearby positions are unrelated."""
+    z = (key * 0x9E3779B97F4A7C15 + pos * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1
+
+
+class PositionNoise:
+    """Exponential(1) noise per absolute position, a pure function of (key, pos); see the contract.
+
+    Rows are drawn on the CPU (identical on every device) and cached per device; `forget(n)` drops
+    positions below n once they are committed."""
+
+    def __init__(self, key: int):
+        self.key = key
+        self._rows: dict[tuple[int, str], torch.Tensor] = {}  # (pos, device) → (V,) float32
+
+    def at(self, pos: int, vocab: int, device="cpu") -> torch.Tensor:
+        """(V,) noise of position `pos` on `device`."""
+        dev = str(torch.device(device))
+        row = self._rows.get((pos, dev))
+        if row is None or row.numel() != vocab:
+            cpu = self._rows.get((pos, "cpu"))
+            if cpu is None or cpu.numel() != vocab:
+                g = torch.Generator().manual_seed(_mix(self.key, pos))
+                cpu = self._rows[(pos, "cpu")] = torch.empty(vocab).exponential_(generator=g)
+            row = self._rows[(pos, dev)] = cpu.to(device)
+        return row
+
+    def rows(self, positions: list[int], vocab: int, device) -> torch.Tensor:
+        """(B, V) noise rows for `positions` on `device`."""
+        return torch.stack([self.at(p, vocab, device) for p in positions])
+
+    def forget(self, below: int) -> None:
+        for k in [k for k in self._rows if k[0] < below]:
+            del self._rows[k]
+
+
+def coupled_select(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> int:
+    """One (V,) logits row → the exponential-race draw argmax(p / E) of the processed distribution
+    (greedy: argmax, no noise); `noise` = PositionNoise row E of the token's position."""
+    if params.greedy:
+        return int(logits.argmax(-1))
+    probs = process_logits(logits, params)
+    return int((probs / noise.to(probs.device)).argmax())
+
+
+def coupled_logprobs(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Draft log-probs (B, V) perturbed by the same race: log q - log E (argmax = the draft's race draw)."""
+    return logp - noise.log()

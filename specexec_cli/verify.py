@@ -1,8 +1,9 @@
 """Acceptance rules: turn the target's logits over a verified tree into emitted tokens.
 
 Contract: `accept_tree` walks the tree from the root. At each node it draws the target's token from
-the target's processed distribution at that node (argmax when T=0) with the run's generator. If the
-token is a child in the tree it descends; otherwise the token is the bonus token and the walk ends.
+the target's processed distribution at that node (argmax when T=0; at T > 0 the coupled draw of
+sampling.py with the noise of the token's absolute position). If the token is a child in the tree
+it descends; otherwise the token is the bonus token and the walk ends.
 Each emitted token is an exact sample from the target given the tokens before it: the tree only
 caches the target's work, so the output distribution is the target's, whatever the draft proposed.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specexec_cli.sampling import SamplingParams, select
+from specexec_cli.sampling import PositionNoise, SamplingParams, coupled_select
 from specexec_cli.transfers import to_host
 from specexec_cli.tree import VerifyTree
 
@@ -37,13 +38,15 @@ def accept_tree(
     vt: VerifyTree,
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
+    noise: PositionNoise | None,
+    first_pos: int,
     eos_ids: frozenset[int],
     limit: int,
 ) -> Acceptance:
     """Walk the tree; emit at most `limit` tokens and stop after an EOS.
 
-    logits: (n, V) target logits, row i = the distribution after VerifyTree node i.
+    logits: (n, V) target logits, row i = the distribution after VerifyTree node i; the token
+    drawn at node i lands at absolute position first_pos + depth(i) (the root's child: first_pos).
     """
     if params.greedy:
         choice = to_host(logits.argmax(-1))  # (n,) every node's greedy token: one small copy
@@ -51,7 +54,11 @@ def accept_tree(
     path: list[int] = []
     node = 0
     while len(tokens) < limit:
-        tok = int(choice[node]) if params.greedy else select(to_host(logits[node]), params, generator)
+        if params.greedy:
+            tok = int(choice[node])
+        else:
+            row = to_host(logits[node])
+            tok = coupled_select(row, params, noise.at(first_pos + int(vt.depth[node]), row.shape[-1]))
         tokens.append(tok)
         child = child_with_token(vt, node, tok)
         if child < 0:

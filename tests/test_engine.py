@@ -10,6 +10,7 @@ import torch
 from specexec_cli.draft import TreeShape
 from specexec_cli.engine import DecodeState, GenerationConfig
 from specexec_cli.methods import generate
+from specexec_cli.sampling import SamplingParams
 from specexec_cli.loading import LoadOptions, load_models
 
 PROMPTS = ["def f(x):\n  return", "def add(a, b):\n    return a", "for i in range(10):\n"]  # >= 48 tokens, no EOS
@@ -177,3 +178,22 @@ def test_max_new_tokens_and_eos_stop(self_models, method):
     list(generate(self_models, st, self_models.tokenizer(EOS_PROMPT)["input_ids"], cfg))
     assert st.target_len == st.target_cache.get_seq_length() == len(st.ids) - 1
     assert st.draft_cache.get_seq_length() == st.draft_len < len(st.ids)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(0.8), SamplingParams(0.7, top_k=20, top_p=0.9)],
+                         ids=["T0.8", "T0.7-topk-topp"])
+def test_sampled_text_does_not_depend_on_draft_or_budget(models, sampling):
+    """At T > 0 `ar` and `specexec` draw each token by the exponential race with position-keyed
+    noise, so a seed gives the same ids whatever the tree: every budget, scoring and draft equals
+    the target alone; a different seed gives different text."""
+    ids = models.tokenizer(PROMPTS[1])["input_ids"]
+    ref, _, _ = run(models, ids, method="ar", sampling=sampling, seed=5, max_new_tokens=40)
+    accepted = 0
+    for budget, scores in [(4, None), (32, None), (32, "draft"), (200, "calibrated")]:
+        extra = {"scores": scores} if scores else {}
+        got, events, _ = run(models, ids, budget=budget, sampling=sampling, seed=5, max_new_tokens=40, extra=extra)
+        assert got == ref, (budget, scores)
+        accepted += sum(ev.accepted for ev in events)
+    assert accepted >= 10  # the trees really carried tokens
+    other, _, _ = run(models, ids, method="ar", sampling=sampling, seed=6, max_new_tokens=40)
+    assert other != ref

@@ -136,7 +136,7 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
     mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
     logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
     if cfg.sampling.greedy:
-        acc = accept_tree(vt, logits, cfg.sampling, gen, m.eos_ids, limit)
+        acc = accept_tree(vt, logits, cfg.sampling, None, n, m.eos_ids, limit)
     else:  # VerifyTree index i holds draft node vt.draft_ids[i]; here they coincide (whole tree kept)
         acc = accept_sampled(vt, logits, qrows, cfg.sampling, gen, m.eos_ids, limit)
     t2 = time.perf_counter()
