@@ -118,19 +118,31 @@ def observe_pass(cal: Calibration, tree, path_nodes: list[int], tokens: list[int
 _PAIRS: dict[tuple, Calibration] = {}  # (id(target), id(draft), sampling key) → calibration
 
 
-def for_pair(target, draft, sampling_key: str, profile: str | None = None) -> Calibration:
-    """The process-wide calibration of this pair and sampling; the prior from `profile` if it has one."""
+def for_pair(target, draft, sampling_key: str, profile: str | None = None, stored: dict | None = None) -> Calibration:
+    """The process-wide calibration of this pair and sampling; the prior from `stored` (a profile's
+    `node_calibration` dict) or the profile file `profile` if either has this key."""
     key = (id(target), id(draft), sampling_key)
     if key not in _PAIRS:
-        _PAIRS[key] = Calibration(m0=profile_prior(profile, sampling_key))
+        _PAIRS[key] = Calibration(m0=profile_prior(profile, sampling_key, stored))
     return _PAIRS[key]
 
 
-def profile_prior(profile: str | None, sampling_key: str) -> torch.Tensor:
-    """Prior means from a profile JSON's `node_calibration[sampling_key]`, else `builtin_prior()`."""
+def fresh(target, draft, sampling_key: str) -> Calibration:
+    """Start this pair's calibration over from the built-in prior (what `specx profile` measures)."""
+    _PAIRS[(id(target), id(draft), sampling_key)] = cal = Calibration(m0=builtin_prior(sampling_key.endswith(",race")))
+    return cal
+
+
+def profile_prior(profile: str | None, sampling_key: str, stored: dict | None = None) -> torch.Tensor:
+    """Prior means from `stored[sampling_key]` or a profile JSON's `node_calibration[sampling_key]`,
+    else `builtin_prior()`."""
+    rates = (stored or {}).get(sampling_key)
     path = Path(profile) if profile else None
-    if path is not None and path.is_file():
-        stored = (json.loads(path.read_text() or "{}").get(PROFILE_KEY) or {}).get(sampling_key)
-        if stored and len(stored) == N_FEATURES:
-            return torch.tensor(stored, dtype=torch.float).clamp(1e-4, 1 - 1e-4)
+    if not rates and path is not None and path.is_file():
+        try:
+            rates = (json.loads(path.read_text() or "{}").get(PROFILE_KEY) or {}).get(sampling_key)
+        except (OSError, ValueError, AttributeError):
+            rates = None
+    if isinstance(rates, list) and len(rates) == N_FEATURES:
+        return torch.tensor(rates, dtype=torch.float).clamp(1e-4, 1 - 1e-4)
     return builtin_prior(coupled=sampling_key.endswith(",race"))

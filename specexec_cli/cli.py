@@ -155,6 +155,7 @@ def run(
             text = prompt_text(prompt_file, prompt)
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
+        from specexec_cli.calprobe import pair_prior
         from specexec_cli.loading import close_models, encode_prompt
         from specexec_cli.methods.common import flag_options, with_settings
 
@@ -167,7 +168,8 @@ def run(
             models = load_planned(opts, plan, progress)
         try:
             ids = encode_prompt(models.tokenizer, text, not no_chat_template)
-            tuner, link, _ = hardware_fit(budget, cfg, profile, models, offload)
+            tuner, link, prof = hardware_fit(budget, cfg, profile, models, offload)
+            cfg = with_settings(cfg, node_calibration=pair_prior(prof, target, draft))
             decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link,
                              color=use_color(color))
         finally:
@@ -196,7 +198,9 @@ def chat(
 
     with user_errors():
         paths.check_output_file(stats_json, "--stats-json")
+        from specexec_cli.calprobe import pair_prior
         from specexec_cli.chat import ChatSession, run_chat
+        from specexec_cli.methods.common import with_settings
 
         cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                                 top_k, top_p, seed, device)
@@ -209,6 +213,7 @@ def chat(
         with display.LoadProgress(live) as progress:
             models = load_planned(opts, plan, progress)
         tuner, link, prof = hardware_fit(budget, cfg, profile, models, offload)
+        cfg = with_settings(cfg, node_calibration=pair_prior(prof, target, draft))
         session = ChatSession(models, cfg, system=system, use_template=not no_chat_template, tuner=tuner,
                               profile=prof, config_record=config_record, code=target is None)  # fmt: skip
         if session.code:
@@ -234,6 +239,7 @@ def profile(
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     max_tokens: Annotated[int, typer.Option(metavar="N", help="Largest tree size n to time (powers of two, at most 4096).")] = 4096,
     disk_mb: Annotated[int, typer.Option(metavar="MB", help="MB to read for the disk bandwidth probe.")] = 256,
+    calibration_tokens: Annotated[int, typer.Option(metavar="N", help="With --draft: tokens per probe prompt for the tree-node calibration prior (0 = skip).")] = 48,
     out: Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Profile file. Default: $XDG_CONFIG_HOME/specx/profiles/<hostname>.json.")] = None,
     no_live: NoLive = False,
 ) -> None:
@@ -243,11 +249,11 @@ def profile(
     with user_errors():
         if out is not None:
             paths.check_output_file(out, "--out")
-        if max_tokens < 1 or disk_mb < 1:
-            raise SpecxError("--max-tokens and --disk-mb must be >= 1")
+        if max_tokens < 1 or disk_mb < 1 or calibration_tokens < 0:
+            raise SpecxError("--max-tokens and --disk-mb must be >= 1, --calibration-tokens >= 0")
         if draft is not None and target is None:
             raise SpecxError("--draft given without --target; pass both to time the models")
-        models_part = None
+        models_part = node_cal = None
         folder = Path(target).expanduser() if target and Path(target).expanduser().is_dir() else Path.cwd()
         hardware = profiler.probe_hardware(folder, disk_mb << 20)
         if target is not None:
@@ -255,9 +261,13 @@ def profile(
                 models = load_for_cli(target, draft, "specexec" if draft else "ar", dtype, device, allow_pickle,
                                       trust_remote_code, offload, max_gpu_memory, max_ram, progress)
                 models_part = profiler.measure_models(models, max_tokens, progress)
+                if draft is not None and calibration_tokens > 0:
+                    from specexec_cli.calprobe import measure_calibration
+
+                    node_cal = measure_calibration(models, calibration_tokens, progress)
             models_part.update(target=str(target), draft=draft and str(draft), dtype=dtype, offload=offload,
                                device=str(getattr(models.target, "device", device)))  # fmt: skip
-        prof = profiler.build_profile(hardware, models_part, profiler.recommend(models_part))
+        prof = profiler.build_profile(hardware, models_part, profiler.recommend(models_part), node_cal)
         path = profiler.write_profile(prof, out)
         display.print_profile(prof)
         display.print_notice(f"wrote {path}")

@@ -166,7 +166,9 @@ def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring |
         raise SpecxError(f"scores must be calibrated+ngram, calibrated or draft (got {mode!r})")
     if mode == "draft":
         return None
-    cal = calibrate.for_pair(m.target, m.draft, sampling_key(cfg.sampling), (cfg.extra or {}).get("sequoia_profile"))
+    extra = cfg.extra or {}
+    cal = calibrate.for_pair(m.target, m.draft, sampling_key(cfg.sampling), extra.get("sequoia_profile"),
+                             extra.get(calibrate.PROFILE_KEY))
     ngram = NgramIndex(st.ids) if mode == "calibrated+ngram" else None
     noise = st.noise if not cfg.sampling.greedy else None
     return Scoring(cal=cal, ngram=ngram, committed=st.ids, noise=noise)

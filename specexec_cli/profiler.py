@@ -279,14 +279,19 @@ def measure_models(models, max_tokens: int, progress=None) -> dict:
     return out
 
 
-def build_profile(hardware: dict, models_part: dict | None, recommended: dict | None) -> dict:
+def build_profile(hardware: dict, models_part: dict | None, recommended: dict | None,
+                  node_calibration: dict | None = None) -> dict:
+    """The profile dict; `node_calibration` (calprobe.py) is stored only when it was measured."""
     from specexec_cli import __version__
 
-    return dict(
+    prof = dict(
         schema=SCHEMA, version=VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), hostname=socket.gethostname(),
         specx_version=__version__, torch_version=torch.__version__, **hardware, models=models_part,
         recommended=recommended,
     )  # fmt: skip
+    if node_calibration:
+        prof["node_calibration"] = node_calibration
+    return prof
 
 
 def validate_profile(data: object, where: str) -> dict:

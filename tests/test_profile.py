@@ -28,7 +28,8 @@ def xdg(tmp_path, monkeypatch):
 def test_profile_with_models_writes_a_valid_profile(tiny_pair, tmp_path, xdg):
     out = tmp_path / "p.json"
     args = ["profile", "--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--dtype", "fp32",
-            "--device", "cpu", "--max-tokens", "8", "--disk-mb", "4", "--out", str(out), "--no-live"]
+            "--device", "cpu", "--max-tokens", "8", "--disk-mb", "4", "--out", str(out), "--no-live",
+            "--calibration-tokens", "12"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.stderr
     prof = json.loads(out.read_text())
@@ -77,3 +78,37 @@ def test_reference_profile_is_valid():
     prof = profiler.read_profile(ref)
     assert REQUIRED <= set(prof)
     assert make_tuner(prof, TreeShape(64, 64), False).timing.source == "profile"
+
+
+def test_profile_node_calibration_is_the_prior_of_later_runs(tiny_pair, tmp_path, xdg):
+    """`specx profile --target --draft` stores what the calibration learned per sampling key; a
+    later `specx run` with the same pair (found as this machine's last profile) starts from it."""
+    import torch
+
+    from specexec_cli import calibrate
+
+    out = tmp_path / "p.json"
+    base = ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--dtype", "fp32", "--device", "cpu"]
+    res = CliRunner().invoke(app, ["profile", *base, "--max-tokens", "4", "--disk-mb", "4", "--out", str(out),
+                                   "--no-live", "--calibration-tokens", "16"])
+    assert res.exit_code == 0, res.stderr
+    stored = json.loads(out.read_text())["node_calibration"]
+    assert set(stored) == {"T=0,top_k=0,top_p=1", "T=0.7,top_k=0,top_p=1,race"}
+    for key, rates in stored.items():
+        assert len(rates) == calibrate.N_FEATURES and all(0 < r < 1 for r in rates)
+        prior = calibrate.builtin_prior(key.endswith(",race"))
+        assert not torch.allclose(torch.tensor(rates), prior, atol=1e-3), "nothing was learned"
+    calibrate._PAIRS.clear()
+    res = CliRunner().invoke(app, ["run", "-p", "def f(x):", *base, "--budget", "8", "--max-new-tokens", "4",
+                                   "--no-live"])
+    assert res.exit_code == 0, res.stderr
+    (cal,) = [c for k, c in calibrate._PAIRS.items() if k[2] == "T=0,top_k=0,top_p=1"]
+    torch.testing.assert_close(cal.m0, torch.tensor(stored["T=0,top_k=0,top_p=1"]).clamp(1e-4, 1 - 1e-4))
+    calibrate._PAIRS.clear()
+    other = tmp_path / "other"
+    __import__("shutil").copytree(tiny_pair[1], other)     # another draft: the stored prior does not apply
+    res = CliRunner().invoke(app, ["run", "-p", "def f(x):", *base[:2], "--draft", str(other), *base[4:],
+                                   "--budget", "8", "--max-new-tokens", "4", "--no-live"])
+    assert res.exit_code == 0, res.stderr
+    (cal,) = [c for k, c in calibrate._PAIRS.items() if k[2] == "T=0,top_k=0,top_p=1"]
+    torch.testing.assert_close(cal.m0, calibrate.builtin_prior())
