@@ -206,7 +206,8 @@ def test_cache_packed_for_the_cpu_kernel_holds_moved_nibbles(bf16_dir, tmp_path,
 
 @pytest.mark.skipif(__import__("offload.nf4", fromlist=["x"]).packing_for("cpu") == "standard",
                     reason="bitsandbytes has no fused AVX512-BF16 CPU kernel on this CPU")
-def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("offload", ["none", "ram", "disk"])
+def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkeypatch, offload):
     """On a CPU where Linear4bit uses the fused kernel, `--dtype nf4` streams the kernel-packed
     cache: no byte moves after a disk read, and logits equal the standard 4-bit checkpoint's
     (whose bytes are re-laid out after each read) bit for bit. Elsewhere it is refused by name."""
@@ -216,7 +217,7 @@ def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkey
     std = tmp_path / "std"
     qc.write_quantized(bf16_dir, std)
     ids = _ids(9)
-    a = OffloadedCausalLM.from_pretrained(std, dtype="nf4", offload="disk")
+    a = OffloadedCausalLM.from_pretrained(std, dtype="nf4", offload=offload)
     want = [a(input_ids=ids).logits for _ in range(2)]
     a.close()
 
@@ -224,8 +225,8 @@ def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkey
         raise AssertionError("a kernel-packed layer was re-laid out")
 
     monkeypatch.setattr(om, "cpu_relayout", no_relayout)
-    b = OffloadedCausalLM.from_pretrained(bf16_dir, dtype="nf4", offload="disk")
-    assert b.packing == "bnb-cpu-avx512bf16" and b.plan.streamed
+    b = OffloadedCausalLM.from_pretrained(bf16_dir, dtype="nf4", offload=offload)
+    assert b.packing == "bnb-cpu-avx512bf16" and bool(b.plan.streamed) == (offload != "none")
     for w in want:                       # two passes: the second streams from the read-ahead ring
         torch.testing.assert_close(b(input_ids=ids).logits, w, atol=0, rtol=0)
     b.close()
