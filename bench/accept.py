@@ -72,7 +72,7 @@ def run_cell(models, prompts, refs, method, budget, temperature, args) -> dict:
     return dict(method=method, budget=budget, temperature=temperature, prompts=len(prompts), seeds=len(seeds),
                 tokens_per_pass=round(t.sum() / max(p.sum(), 1), 3), ci95=[round(lo, 3), round(hi, 3)],
                 target_passes=int(p.sum()), lossless=lossless if temperature == 0 and refs[0] is not None else None,
-                seconds=round(time.time() - t0, 1))  # fmt: skip
+                seconds=round(time.time() - t0, 1), per_prompt_tokens=tokens, per_prompt_passes=passes)  # fmt: skip
 
 
 class ReuseMeter:
@@ -141,6 +141,36 @@ def write_readme(text: str) -> None:
     path.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
 
 
+def merged_table(files: list[str], readme: bool) -> None:
+    """One table from several runs (a sweep split across processes); the commands are listed."""
+    rows, commands = [], []
+    for f in files:
+        data = json.loads(Path(f).read_text())
+        rows += data["rows"]
+        commands.append(f"`python bench/accept.py {' '.join(data['meta']['command'].split()[1:])}`")
+    rows.sort(key=lambda r: (r["temperature"], r["budget"]))
+    text = table(rows)
+    print(text)
+    if readme:
+        lossless = all(r["lossless"] for r in rows if r["temperature"] == 0)
+        write_readme("Tokens per target pass on the shared pair, 95% bootstrap interval over prompts (at T > 0 "
+                     "a prompt's seeds stay together), from " + "; ".join(commands) +
+                     f". Every T=0 run equals the target's greedy `generate`: {lossless}.\n\n" + text)
+
+
+def save(args, rows: list[dict]) -> Path:
+    """Write the JSON: the rows so far, the settings and what the calibration learned."""
+    from specexec_cli import calibrate
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    learned = {k[2]: dict(rates=c.rates(), tests=[int(x) for x in c.tests]) for k, c in calibrate._PAIRS.items()}
+    meta = dict(vars(args), dtype="fp32", device="cpu", torch=torch.__version__, command=" ".join(sys.argv),
+                calibration=learned)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="0:40", help="prompt index range a:b, or a count n (= 0:n)")
@@ -158,7 +188,11 @@ def main() -> None:
     ap.add_argument("--readme", action="store_true", help="rewrite the README table from this run")
     ap.add_argument("--reuse", action="store_true", help="measure how much draft work the next pass could reuse")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accept.json"))
+    ap.add_argument("--from-json", nargs="+", metavar="FILE",
+                    help="no decoding: merge the rows of earlier runs' JSON files into one table (with --readme)")
     args = ap.parse_args()
+    if args.from_json:
+        return merged_table(args.from_json, args.readme)
     if not (SHARED / "models" / "target").exists():
         sys.exit("bench/accept.py needs ../shared/models (the trained pair); it is not present")
     models = load_models(LoadOptions(str(SHARED / "models/target"), str(SHARED / "models/draft"), dtype="fp32", device="cpu"))
@@ -181,17 +215,11 @@ def main() -> None:
                     r["reuse"] = meter.report()
                     print("  reuse:", r["reuse"])
                 rows.append(r)
+                save(args, rows)  # after every cell, so an interrupted sweep keeps what it measured
                 print(f"T={temperature:<4g} budget={budget:<5} {method:<10} tokens/pass={r['tokens_per_pass']:<6} "
                       f"95%=[{r['ci95'][0]}, {r['ci95'][1]}] lossless={r['lossless']}  [{time.time() - t0:.0f}s]",
                       flush=True)  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from specexec_cli import calibrate
-
-    learned = {k[2]: dict(rates=c.rates(), tests=[int(x) for x in c.tests]) for k, c in calibrate._PAIRS.items()}
-    meta = dict(vars(args), dtype="fp32", device="cpu", torch=torch.__version__, command=" ".join(sys.argv),
-                calibration=learned)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = save(args, rows)
     text = table(rows)
     print("\n" + text + f"\n\nwrote {out}")
     if args.readme:
