@@ -27,7 +27,6 @@ import json
 import math
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -35,6 +34,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from offload.timing import device_seconds as timed  # noqa: E402
 DEMO = ROOT / "specexec_cli" / "demo"
 SHAPE_70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8)
 SHAPE_SMOKE = dict(hidden_size=256, intermediate_size=896, num_attention_heads=4, num_key_value_heads=2)
@@ -100,20 +101,6 @@ def link_gbps(device: torch.device) -> float:
         t = timed(lambda: dst.copy_(src, non_blocking=True), device)
         best = min(best, t)
     return n / best / 1e9
-
-
-def timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def pass_rows(path: Path, device: torch.device, tokens: list[int], repeats: int, gbps: float) -> tuple[list, str]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from offload import OffloadedCausalLM
+from offload.timing import device_seconds
 from tests.conftest import make_model
 
 pytestmark = [pytest.mark.cuda,
@@ -55,13 +56,7 @@ def test_streamed_logits_equal_resident(big_dir, dtype, tier):
 
 
 def _event_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return device_seconds(fn, torch.device("cuda")) * 1000
 
 
 def _cycles_per_ms() -> float:
