@@ -48,6 +48,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_pair_readme import write_readme  # noqa: E402
+
 EOT = "<|endoftext|>"
 SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
 SEQ_LEN = 256
@@ -243,66 +246,6 @@ def dir_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
-def write_readme(out: Path, info: dict) -> None:
-    q, t, d = info["quality"], info["target"], info["draft"]
-    lines = [
-        "# Embedded demo pair (target + draft)",
-        "",
-        "Tiny Llama-architecture models trained from scratch on the Python standard",
-        "library so that `specx run` works offline out of the box. They write",
-        "stdlib-flavoured Python and are **not** useful for anything else.",
-        "",
-        "## How it was made",
-        "",
-        f"Command (run from the repo root): `{info['command']}`",
-        "",
-        f"- seed: {info['seed']}; torch {torch.__version__}, {info['threads']} CPU threads",
-        f"- corpus: {info['corpus']}",
-        f"- tokenizer: byte-level BPE, vocab {info['vocab']}, `{EOT}` = BOS/EOS/PAD "
-        "(identical files in both dirs)",
-        "- training: AdamW (0.9, 0.95, wd 0.1), warmup + cosine driven by the used fraction",
-        "  of a budget in CPU-seconds per thread (capped in wall time; the machine was",
-        "  shared with other jobs, so wall time exceeds CPU budget),",
-        f"   seq len {SEQ_LEN}, batch {info['batch']}, peak lr "
-        f"{info['lrs']}.",
-        f"- draft objective: {info['draft_obj']}.",
-        "- with --target-steps/--draft-steps the step counts are fixed; time-limited loops",
-        "  (the --*-minutes budgets) give a similar but not bit-identical pair.",
-        "",
-        "| model | params | layers x hidden | steps | train tokens | wall time | CPU time | size on disk |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, m in (("target", t), ("draft", d)):
-        lines.append(f"| {name} | {m['params']:,} | {m['shape']} | {m['steps']} | "
-                     f"{m['tokens']:,} | {m['seconds']:.0f} s | {m['cpu_seconds']:.0f} s | "
-                     f"{m['mb']:.2f} MB |")
-    lines += [
-        "",
-        "Weights stored as bf16 safetensors (`config.dtype = bfloat16`).",
-        "",
-        "## Measured quality (held-out stdlib files, bf16 weights reloaded as fp32)",
-        "",
-        f"- held-out tokens evaluated: {q['eval_tokens']:,}",
-        f"- target teacher-forced loss: {q['target_loss']:.3f} nats/token",
-        f"- draft teacher-forced loss: {q['draft_loss']:.3f} nats/token",
-        f"- draft top-1 agreement with target: {100 * q['top1_agreement']:.1f}%",
-        "",
-    ]
-    if info.get("sample"):
-        smp = info["sample"]
-        lines += [
-            "## Greedy 64-token continuation of `examples/prompt.txt` (target, fp32)",
-            "",
-            f"{100 * smp['nonblank_fraction']:.0f}% of its {smp['lines']} lines are non-blank:",
-            "",
-            "```python",
-            smp["text"].rstrip("\n"),
-            "```",
-            "",
-        ]
-    (out / "README.md").write_text("\n".join(lines))
-
-
 def build_model(kind: str, tokenizer, seed: int):
     from transformers import LlamaForCausalLM
 
@@ -359,7 +302,7 @@ def main(argv=None) -> int:
     prompt = Path(__file__).resolve().parents[1] / "examples" / "prompt.txt"
     info["sample"] = greedy_sample(out, prompt) if prompt.exists() else None
     print(json.dumps(info["sample"], indent=1), flush=True)
-    write_readme(out, info)
+    write_readme(out, info, EOT, SEQ_LEN)
     print(json.dumps({k: info[k] for k in ("target", "draft")}, indent=1))
     return 0
 
