@@ -7,6 +7,7 @@ User errors become one line on stderr and exit code 2; `SPECX_DEBUG=1` re-raises
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -350,6 +351,9 @@ def main() -> None:
     # Ctrl-C/SIGINT always stops specx (exit 130), even when started from a shell script as a
     # background job, which would otherwise inherit SIGINT as ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # bitsandbytes warns when imported (the plan may import it before any model loads) about an
+    # optional CPU kernel package it cannot download; not the user's concern.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         app()
     except SystemExit as exc:
