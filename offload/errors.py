@@ -10,3 +10,8 @@ from __future__ import annotations
 
 class OffloadError(Exception):
     """A user-fixable problem with the model files or the memory budgets."""
+
+
+class OffloadNotice(UserWarning):
+    """A one-line notice about a slower fallback (no O_DIRECT, pageable copies); the CLI prints
+    these as notices, library users see ordinary warnings."""

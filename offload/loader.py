@@ -32,7 +32,8 @@ from .prequant import is_quant_part, load_quant_state
 from .sizes import format_bytes
 from .st_index import SafetensorsIndex, check_tensor_set
 from .storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
-                      aligned_empty, file_layout, fill_packed, packed_layout, pin_host)
+                      aligned_empty, file_layout, fill_packed, packed_layout)
+from .hostmem import HostPins
 from .nf4 import packed_nf4_shape
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -202,7 +203,11 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     embed, norm, lm_head, rotary = _load_globals(index, hf, config, device, compute_dtype, pool,
                                                  memplan.embeddings if memplan is not None else "device")
     resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
-    ram_region = pin_host(aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers)))
+    pins = HostPins(device)   # CUDA only: nothing is page-locked for --device cpu
+    ram_region = aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers))
+    ram_pinned = pins.pin(ram_region, "the RAM tier")
+    if pins.failures:
+        pins.notice("RAM-tier layers will stream through the smaller pinned staging ring (slower)")
     offset = 0
     for done, i in enumerate(range(total)):
         if progress is not None:
@@ -227,7 +232,8 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     if disk:
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
-    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots=host_slots, staging_bytes=staging_bytes)
+    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots=host_slots, staging_bytes=staging_bytes,
+                       pins=pins, ram_pinned=ram_pinned)
     for states in qstates.values():
         for state in states.values():
             _own_quant_state(state, pool)

@@ -41,7 +41,7 @@ from .st_index import SafetensorsIndex, TensorEntry
 from .membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
                        kv_rows, nf4_state_bytes, pass_tokens, rotary_bytes, torch_dtype)
 from .nf4 import packed_nf4_shape
-from .storage import IO_ALIGN, ParamSpec, align_up, file_layout, packed_layout, staging_slots
+from .storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout, staging_slots
 
 CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
 STATIC_SLACK = 0.02            # caching-allocator rounding of long-lived blocks (weights, caches)
@@ -156,11 +156,13 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
 @dataclass
 class _Layers:
     packed: list[int]                # packed arena bytes
-    disk_slot: list[int]             # device slot bytes when streamed from disk
+    disk_slot: list[int]             # compute slot bytes when streamed from disk (aligned layout)
     raw: list[int]                   # file-layout read buffer bytes
     convert: list[bool]              # disk bytes need a cast / quantization
     span_bytes: list[int]            # bytes read from disk per pass
     quant: int                       # NF4 quant-state bytes of all layers
+    stage: list[int] = field(default_factory=list)     # CUDA pinned staging bytes (file layout unless cast)
+    repack: list[bool] = field(default_factory=list)   # compute slot != file layout (cast, or tensors off the 256-byte grid)
     pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
     estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
 
@@ -182,16 +184,19 @@ def _layers(ck: Checkpoint, arch: Arch, req: PlanRequest) -> _Layers:
         if nf4 and not prequant:
             raw = sum(align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN
                       for sp, _ in streamed.values())
-            spans, convert = raw, False
+            spans, convert, aligned = raw, False, False   # cache offsets unknown yet: assume a repack
             out.estimated = True
         else:
             lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
             raw, spans = lay.nbytes, sum(sp.length for sp in span_list)
             convert = any(e.dtype != (torch.uint8 if sp.nf4 else sp.dtype) for sp, e in streamed.values())
+            aligned = is_aligned(lay)
         out.packed.append(packed)
-        out.disk_slot.append(packed if convert else raw)
+        out.disk_slot.append(raw if aligned and not convert else packed)
+        out.stage.append(packed if convert else raw)
         out.raw.append(raw)
         out.convert.append(convert)
+        out.repack.append(convert or not aligned)
         out.span_bytes.append(spans)
         out.quant += sum(nf4_state_bytes(math.prod(sp.shape)) for sp, _ in streamed.values() if sp.nf4)
         if nf4:
@@ -233,10 +238,11 @@ def _place(lay: _Layers, r: int, req: PlanRequest, ram_budget: int) -> _Placemen
     disk = list(range(r + len(ram), n))
     streamed = n - r
     slot = max([lay.disk_slot[i] for i in disk] + ([lay.packed[i] for i in ram] if cuda else []), default=0)
-    stage = max((lay.disk_slot[i] for i in disk), default=0)
+    stage = max(((lay.stage if cuda else lay.disk_slot)[i] for i in disk), default=0)
     slots = max(1, min(req.slots, streamed or 1))
     ring = staging_slots(slots, None, None, stage, streamed)
-    scratch = max((lay.raw[i] for i in disk if lay.convert[i]), default=0)
+    # one raw read buffer: disk layers that need a cast, and on CPU those re-laid onto the 256-byte grid
+    scratch = max((lay.raw[i] for i in disk if lay.convert[i] or (lay.repack[i] and not cuda)), default=0)
     device = {"resident_layers": sum(lay.packed[:r]), "staging_slots": (slots if cuda else ring) * slot}
     host = {"ram_layers": used, "stage_buffers": ring * stage if cuda else 0, "read_buffers": scratch}
     return _Placement(list(range(r)), ram, disk, device, host)

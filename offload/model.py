@@ -4,7 +4,7 @@ Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, max_d
 max_host_memory, slots, progress)` builds the HF model on the meta device, materializes only
 embed_tokens / norm / lm_head / rotary_emb on the compute device, and keeps every decoder
 layer's weights in one buffer per layer (see storage.py) placed by `plan_offload`.
-`model(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=)` runs the HF
+`model(input_ids=, attention_mask=, position_ids=, cache=, use_cache=)` (or `past_key_values=`) runs the HF
 decoder-layer modules unchanged, re-pointing their parameters at the staged buffer before each
 layer, and returns a `CausalLMOutputWithPast` whose logits equal HF's for the same inputs
 (4-D additive tree masks, arbitrary positions and a caller-owned DynamicCache included; with
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .errors import OffloadError
+from .hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
 from .families import Family, apply_final_softcap, causal_lm_class, window_mask
 from .loader import LoadedWeights, load_weights, resolve_dtype
 from .nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
@@ -180,11 +181,11 @@ class OffloadedCausalLM(nn.Module):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         kw = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
-                  past_key_values=cache, position_ids=position_ids)
+                  position_ids=position_ids)
         masks = {}
         for t in set(self.family.layer_types):
             fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
-            masks[t] = fn(**kw)
+            masks[t] = fn(**kw, **cache_kwargs(fn, cache))
         custom = attention_mask is not None and attention_mask.dim() == 4
         if custom and "sliding_attention" in masks:
             # HF returns a caller's 4-D mask as-is: add the window by absolute position. Cache rows
@@ -216,12 +217,14 @@ class OffloadedCausalLM(nn.Module):
             raise AssertionError("prefetcher yielded more layers than the plan streams")
 
     @torch.no_grad()
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=None, inputs_embeds=None, logits_to_keep: int = 0, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                use_cache=None, inputs_embeds=None, logits_to_keep: int = 0, past_key_values=None,
+                **kwargs):
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         t0 = time.perf_counter()
+        past_key_values = pick_cache(cache, past_key_values)
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -233,10 +236,10 @@ class OffloadedCausalLM(nn.Module):
         types = self._layer_types()
         self.stats.streamed_bytes_per_pass = 0
         stall0 = self.prefetcher.stall_seconds
+        cache_kw = cache_kwargs(type(self.layers[0]), past_key_values)
         for i in self._layer_stream():
             h = self.layers[i](h, attention_mask=masks[types[i]], position_ids=position_ids,
-                               past_key_values=past_key_values, use_cache=use_cache,
-                               position_embeddings=pos_emb, **kwargs)
+                               use_cache=use_cache, position_embeddings=pos_emb, **cache_kw, **kwargs)
             if self.compute_hook is not None:
                 self.compute_hook(i)
         h = self.norm(h)
@@ -244,7 +247,8 @@ class OffloadedCausalLM(nn.Module):
             h = h[:, -logits_to_keep:]
         logits = apply_final_softcap(self.lm_head(h), self.family.final_softcap)
         self._account(t0, stall0)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(logits=logits,
+                                      **output_cache_kwargs(CausalLMOutputWithPast, past_key_values))
 
     def _account(self, t0: float, stall0: float) -> None:
         s, pf = self.stats, self.prefetcher
@@ -261,9 +265,11 @@ class OffloadedCausalLM(nn.Module):
         return self.prefetcher.link_busy_seconds(now)
 
     def close(self) -> None:
-        """Stop the copy thread and close file descriptors (idempotent)."""
+        """Stop the copy threads (waiting for copies in flight), close the files, unpin host memory
+        (idempotent)."""
         self.prefetcher.close()
         self.store.reader.close()
+        self.store.close()
 
     def __del__(self):
         try:

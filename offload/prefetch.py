@@ -23,7 +23,9 @@ Contract (one protocol for every tier and device):
   is waited for and discarded, and the ring restarts empty; a stale job is never handed out.
 - CUDA: copies run on a side stream. B(j) first waits (stream.wait_event) on the event compute
   recorded when it released the device slot, issues the copy, records a ready event; compute
-  waits on that event before using the buffer (record_stream marks the buffer). Host slots are
+  waits on that event before using the buffer, and `record_stream` marks the buffer with the
+  stream that CONSUMES it (compute's), never the copy stream that filled it. `close()` waits
+  for copies still in flight before the buffers can go. Host slots are
   reused after event.synchronize() on the copy thread only. No device-wide synchronize.
 - Measurement: `link_busy_seconds(now)` is the cumulative time the link stage moved bytes (CPU:
   the read thread inside read jobs; CUDA: copy-stream time between timing events, counted once
@@ -228,8 +230,14 @@ class Prefetcher:
         self.host_owner.clear()
 
     def close(self) -> None:
+        """Wait for every job and for copies still in flight on the copy stream, then stop the
+        threads: the slots and pinned buffers may be freed (or unpinned) right after (idempotent)."""
+        if self._pool_a is None and self._pool_b is None:
+            return
+        self._drain()
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()   # issued != finished: the DMA may still read host memory
         for pool in (self._pool_a, self._pool_b):
             if pool is not None:
-                self._drain()
                 pool.shutdown(wait=True)
         self._pool_a = self._pool_b = None

@@ -11,7 +11,11 @@ Contract:
   buffers (anonymous mmap). Where O_DIRECT is unsupported (EINVAL, e.g. some tmpfs) it falls
   back to buffered reads and warns once.
 - `DevicePool` (devmem.py, re-exported) is the one counting allocator of device bytes, per
-  memory-plan component; `pin_host` page-locks host regions.
+  memory-plan component; `HostPins` (hostmem.py) page-locks host regions and unpins them on close.
+- Alignment: every tensor handed to a layer starts on an ARENA_ALIGN (256-byte) boundary, in
+  every tier. A disk layer whose file offsets are not all aligned (safetensors packs tensors back
+  to back) is read as stored and re-laid into its packed layout: on CUDA by per-tensor copies
+  into the device slot (no extra host pass), on CPU by a copy from the read buffer.
 - `LayerStore.load(layer, slot)` is the prefetcher's copy job: it produces layer `layer` in the
   device buffer of `slot` (or, for the RAM tier on CPU, returns the host arena itself).
   On CUDA it issues the copy on the caller's current stream (the prefetcher's side stream).
@@ -20,7 +24,6 @@ Contract:
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import threading
 import time
@@ -30,20 +33,14 @@ from pathlib import Path
 
 import torch
 
-from .errors import OffloadError
-from .devmem import (CUDA_HOST_REGISTER_PORTABLE, OWN_PINNED_MAX, DevicePool,  # noqa: F401 (re-exported)
-                     clear_cuda_error, pin_host)
+from .errors import OffloadError, OffloadNotice
+from .devmem import DevicePool  # noqa: F401 (re-exported)
+from .hostmem import ARENA_ALIGN, IO_ALIGN, HostPins, align_up, aligned_empty  # noqa: F401 (re-exported)
 from .nf4 import packed_nf4_shape
 from .st_index import SafetensorsIndex, TensorEntry, read_exact
 
-IO_ALIGN = 4096      # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
-ARENA_ALIGN = 256    # per-tensor alignment inside a packed arena
 MERGE_GAP = 64 * 1024
 READ_CHUNK = 64 * 1024 * 1024
-
-
-def align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass(frozen=True)
@@ -122,12 +119,6 @@ def _numel(shape) -> int:
     return n
 
 
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """Page-aligned host uint8 buffer (anonymous mmap), usable as an O_DIRECT target."""
-    mm = mmap.mmap(-1, max(align_up(nbytes, IO_ALIGN), IO_ALIGN))
-    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
-
-
 class DirectReader:
     """O_DIRECT reader with a once-warned buffered fallback.
 
@@ -160,7 +151,8 @@ class DirectReader:
 
     def _fallback(self, path: Path) -> None:
         if self.direct:
-            warnings.warn(f"offload: O_DIRECT unsupported for {path}; using buffered reads (page cache)")
+            warnings.warn(f"offload: O_DIRECT unsupported for {path}; using buffered reads (page cache)",
+                          OffloadNotice, stacklevel=2)
         self.direct = False
 
     def _read_range(self, span: Span, mv: memoryview, lo: int, hi: int) -> None:
@@ -237,16 +229,32 @@ def fill_packed(index: SafetensorsIndex, prefix: str, specs: list[ParamSpec], la
             store_param(index.read(e.name), sp, dst)
 
 
+def is_aligned(layout: LayerLayout, align: int = ARENA_ALIGN) -> bool:
+    """True when every tensor of `layout` starts on an `align` boundary."""
+    return all(s.offset % align == 0 for s in layout.slices.values())
+
+
 @dataclass
 class DiskLayer:
     spans: list[Span]
-    raw: LayerLayout           # views into the read buffer (file dtypes)
-    packed: LayerLayout        # compute layout when a cast/quantization is needed
+    raw: LayerLayout           # views into the read buffer (file dtypes, file offsets)
+    packed: LayerLayout        # aligned compute layout (cast / quantized where needed)
     specs: list[ParamSpec]
-    convert: bool              # False: the read buffer IS the compute buffer
+    convert: bool              # a dtype cast is needed: the read buffer is never the compute buffer
+
+    @property
+    def repack(self) -> bool:
+        """The compute buffer uses `packed`: a cast, or file offsets off the 256-byte grid."""
+        return self.convert or not is_aligned(self.raw)
 
     @property
     def layout(self) -> LayerLayout:
+        """The layout layers bind to (device slot on CUDA, host slot on CPU)."""
+        return self.packed if self.repack else self.raw
+
+    @property
+    def host_layout(self) -> LayerLayout:
+        """CUDA: what the pinned staging slot holds (file layout unless a cast is needed)."""
         return self.packed if self.convert else self.raw
 
 
@@ -257,40 +265,54 @@ class LayerStore:
     - CPU: `host_slots` usable buffers from the pool (a disk read or cast lands in the buffer
       compute reads; RAM-tier layers use their arena directly and need none).
     - CUDA: `slots` device buffers from the pool; `host_slots` pinned host staging buffers for
-      disk layers (RAM-tier layers copy straight from their pinned arena).
-    - One raw read buffer for layers whose file dtype must be cast (one read thread).
+      disk layers (RAM-tier layers copy straight from their pinned arena, or through the staging
+      ring when the arena could not be pinned).
+    - One raw read buffer for layers whose file layout must be re-laid (CPU) or cast (one read thread).
+    `pins` owns every page-locked region (the RAM arena included); `close()` unpins them.
     """
 
     def __init__(self, device: torch.device, pool: DevicePool, slots: int,
                  ram: dict[int, tuple[torch.Tensor, LayerLayout]], disk: dict[int, DiskLayer],
-                 reader: DirectReader, host_slots: int | None = None, staging_bytes: int | None = None):
+                 reader: DirectReader, host_slots: int | None = None, staging_bytes: int | None = None,
+                 pins: HostPins | None = None, ram_pinned: bool = True):
         self.device, self.pool = device, pool
         self.ram, self.disk, self.reader = ram, disk, reader
         self.io_hook = None          # test hook: callable(layer_id), runs on the read thread
         self.after_disk_read = None  # callable(layer, host buffer) after a disk read (CPU 4-bit layout)
         self.io_seconds = 0.0
         self.bytes_moved = 0
+        self.pins = pins if pins is not None else HostPins(device)
+        self.pins.attach(self)
         cuda = device.type == "cuda"
+        self.ram_staged = cuda and bool(ram) and not ram_pinned   # RAM arena pageable: copy via the ring
         n_streamed = len(ram) + len(disk)
         sizes = [lay.nbytes for _, lay in ram.values()] if cuda else []
         sizes += [d.layout.nbytes for d in disk.values()]
         self.slot_bytes = max(sizes, default=0)
         self.slots = max(1, min(slots, n_streamed or 1))
-        stage = max((d.layout.nbytes for d in disk.values()), default=0)
+        stage = max((d.host_layout.nbytes if cuda else d.layout.nbytes for d in disk.values()), default=0)
+        if self.ram_staged:
+            stage = max([stage] + [lay.nbytes for _, lay in ram.values()])
         self.host_slots = staging_slots(self.slots, host_slots, staging_bytes, stage, n_streamed)
         n_dev = self.slots if cuda else self.host_slots
         self.dev_slots = [pool.alloc(self.slot_bytes, "staging_slots") for _ in range(n_dev)] if self.slot_bytes else []
-        raw_max = max((d.raw.nbytes for d in disk.values() if d.convert), default=0)
+        raw_max = max((d.raw.nbytes for d in disk.values() if d.convert or (d.repack and not cuda)), default=0)
         self.scratch = aligned_empty(raw_max) if raw_max else None
-        self.host_stage = [pin_host(aligned_empty(stage)) for _ in range(self.host_slots)] if cuda and stage else []
+        self.host_stage = [aligned_empty(stage) for _ in range(self.host_slots)] if cuda and stage else []
+        if self.host_stage and not all([self.pins.pin(b, "the staging ring") for b in self.host_stage]):
+            self.pins.notice("host->device copies of disk layers will be pageable (slower)")
         self._link_bytes: dict[int, int] = {}
+
+    def close(self) -> None:
+        """Unpin every page-locked region (the caller has waited for copies in flight)."""
+        self.pins.release()
 
     def layout(self, layer: int) -> LayerLayout:
         return self.ram[layer][1] if layer in self.ram else self.disk[layer].layout
 
     def is_free(self, layer: int) -> bool:
         """True when reading is a no-op (a RAM-tier arena, no test hook): nothing to overlap."""
-        return layer in self.ram and self.io_hook is None
+        return layer in self.ram and self.io_hook is None and not self.ram_staged
 
     def link_bytes(self, layer: int) -> int:
         """Bytes that cross the link for one load: the file bytes read (disk) or the arena (RAM)."""
@@ -306,6 +328,8 @@ class LayerStore:
             self.io_hook(layer)
         if layer in self.ram:
             out = self.ram[layer][0]
+            if self.ram_staged:    # pageable arena: one host memcpy into the pinned ring
+                out = self.host_stage[h][:out.numel()].copy_(out)
         else:
             out = self._read_disk(layer, self.host_stage[h] if self.host_stage else self.dev_slots[h])
             if self.after_disk_read is not None:
@@ -316,9 +340,20 @@ class LayerStore:
         return out
 
     def copy(self, layer: int, host: torch.Tensor, d: int) -> torch.Tensor:
-        """Stage B (CUDA): async copy into device slot d on the caller's current (side) stream."""
-        nbytes = self.layout(layer).nbytes
+        """Stage B (CUDA): async copy into device slot d on the caller's current (side) stream.
+
+        A disk layer read in its file layout with tensors off the 256-byte grid is copied tensor
+        by tensor into its aligned packed layout (one cudaMemcpyAsync each, same bytes)."""
         out = self.dev_slots[d]
+        dl = self.disk.get(layer)
+        if dl is not None and dl.repack and not dl.convert:
+            for name, src in dl.raw.slices.items():
+                dst = dl.packed.slices[name]
+                out[dst.offset:dst.offset + src.nbytes].copy_(host[src.offset:src.offset + src.nbytes],
+                                                              non_blocking=True)
+                self.bytes_moved += src.nbytes
+            return out
+        nbytes = self.layout(layer).nbytes
         out[:nbytes].copy_(host[:nbytes], non_blocking=True)
         self.bytes_moved += nbytes
         return out
@@ -330,10 +365,12 @@ class LayerStore:
 
     def _read_disk(self, layer: int, dest: torch.Tensor) -> torch.Tensor:
         d = self.disk[layer]
-        target = self.scratch if d.convert else dest
+        cpu = self.device.type == "cpu"
+        via_scratch = d.convert or (d.repack and cpu)
+        target = self.scratch if via_scratch else dest
         for span in d.spans:
             self.reader.read_span(span, target)
-        if not d.convert:
+        if not via_scratch:
             return dest
         for sp in d.specs:
             store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name))

@@ -354,6 +354,7 @@ def main() -> None:
     # bitsandbytes warns when imported (the plan may import it before any model loads) about an
     # optional CPU kernel package it cannot download; not the user's concern.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    display.route_offload_notices()
     try:
         app()
     except SystemExit as exc:

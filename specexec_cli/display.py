@@ -229,6 +229,24 @@ def turn_line(stats: RunStats) -> str:
             f"{stats.tokens_per_pass:.2f} tokens/pass · {stats.target_passes} passes]")
 
 
+def route_offload_notices() -> None:
+    """Show the offload engine's fallback notices (offload.errors.OffloadNotice) as one-line
+    notices; every other warning keeps Python's default display."""
+    import warnings
+
+    from offload.errors import OffloadNotice
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, OffloadNotice):
+            print_notice(str(message))
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def print_notice(message: str) -> None:
     """A one-line notice on stderr (loading plans, demo-pair notice)."""
     stderr_console().print(f"[dim]{escape(message)}[/dim]", soft_wrap=True)

@@ -75,7 +75,7 @@ def draw(st: DecodeState, logits: torch.Tensor, params: SamplingParams, gen: tor
     if params.greedy:
         return coupled_select(logits, params, None)
     st.noise = st.noise or new_noise(gen)
-    return coupled_select(logits, params, st.noise.at(len(st.ids), logits.shape[-1]))
+    return coupled_select(logits, params, st.noise.at(len(st.ids), logits.shape[-1], logits.device))
 
 
 @dataclass

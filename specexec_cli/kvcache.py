@@ -20,6 +20,8 @@ import warnings
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from offload.hfcompat import cache_kwargs
+
 MIN_ROWS = 256   # first slab of an unreserved cache
 
 
@@ -155,9 +157,9 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
             input_ids=tokens.to(getattr(model, "input_device", device))[None],  # (1, T); host embeddings: CPU
             position_ids=positions.to(device)[None],  # (1, T)
             attention_mask=mask.to(device=device, dtype=model_dtype(model)),
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
+            **cache_kwargs(model, cache),
         )
     return out.logits[0]
 

@@ -108,8 +108,10 @@ def _mix(key: int, pos: int) -> int:
 class PositionNoise:
     """Exponential(1) noise per absolute position, a pure function of (key, pos); see the contract.
 
-    Rows are drawn on the CPU (identical on every device) and cached per device; `forget(n)` drops
-    positions below n once they are committed."""
+    Rows are drawn on the device that uses them, by a generator of that device seeded from
+    (key, pos), so no row ever crosses the host link (the same seed gives the same rows on every
+    CPU, and on every GPU, but CPU and CUDA streams differ); cached per (position, device);
+    `forget(n)` drops positions below n once they are committed."""
 
     def __init__(self, key: int):
         self.key = key
@@ -120,11 +122,8 @@ class PositionNoise:
         dev = str(torch.device(device))
         row = self._rows.get((pos, dev))
         if row is None or row.numel() != vocab:
-            cpu = self._rows.get((pos, "cpu"))
-            if cpu is None or cpu.numel() != vocab:
-                g = torch.Generator().manual_seed(_mix(self.key, pos))
-                cpu = self._rows[(pos, "cpu")] = torch.empty(vocab).exponential_(generator=g)
-            row = self._rows[(pos, dev)] = cpu.to(device)
+            g = torch.Generator(device=dev).manual_seed(_mix(self.key, pos))
+            row = self._rows[(pos, dev)] = torch.empty(vocab, device=dev).exponential_(generator=g)
         return row
 
     def rows(self, positions: list[int], vocab: int, device) -> torch.Tensor:
@@ -142,7 +141,7 @@ def coupled_select(logits: torch.Tensor, params: SamplingParams, noise: torch.Te
     if params.greedy:
         return int(logits.argmax(-1))
     probs = process_logits(logits, params)
-    return int((probs / noise.to(probs.device)).argmax())
+    return int((probs / noise).argmax())   # noise drawn on probs' device (PositionNoise.at)
 
 
 def coupled_logprobs(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ def accept_tree(
             tok = int(choice[node])
         else:
             row = to_host(logits[node])
-            tok = coupled_select(row, params, noise.at(first_pos + int(vt.depth[node]), row.shape[-1]))
+            tok = coupled_select(row, params, noise.at(first_pos + int(vt.depth[node]), row.shape[-1], row.device))
         tokens.append(tok)
         child = child_with_token(vt, node, tok)
         if child < 0:

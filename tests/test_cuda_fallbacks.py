@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from offload import devmem
-from offload.errors import OffloadError
-from offload.storage import aligned_empty
+from offload import hostmem
+from offload.errors import OffloadError, OffloadNotice
+from offload.hostmem import HostPins, aligned_empty
 
 
 class FakeCudart:
+    """cudaHostRegister / cudaHostUnregister recorders; `rc` is what registration returns."""
+
     def __init__(self, rc: int):
-        self.rc, self.calls, self.cleared = rc, [], 0
+        self.rc, self.calls, self.unregistered = rc, [], []
 
     def cudaHostRegister(self, ptr, size, flags):
         self.calls.append((ptr, size, flags))
         return self.rc
 
-    def cudaGetLastError(self):
-        self.cleared += 1
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
         return 0
 
 
@@ -29,40 +29,73 @@ def fake_cuda(monkeypatch, rc: int) -> FakeCudart:
     rt = FakeCudart(rc)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    probes = []
+    monkeypatch.setattr(hostmem, "_probe_launch", lambda: probes.append(1))
+    rt.probes = probes
     return rt
 
 
-def test_pin_host_registers_portable(monkeypatch):
+def test_pin_registers_portable_once_and_release_unregisters_once(monkeypatch):
     rt = fake_cuda(monkeypatch, 0)
-    buf = aligned_empty(8192)
-    assert devmem.pin_host(buf) is buf
-    assert rt.calls == [(buf.data_ptr(), 8192, devmem.CUDA_HOST_REGISTER_PORTABLE)] and rt.cleared == 0
+    pins, buf = HostPins("cuda"), aligned_empty(8192)
+    assert pins.pin(buf, "test")
+    assert rt.calls == [(buf.data_ptr(), 8192, hostmem.CUDA_HOST_REGISTER_PORTABLE)] and rt.probes == []
+    pins.release()
+    pins.release()   # idempotent: close() and then the owner's finalizer
+    assert rt.unregistered == [buf.data_ptr()]
 
 
-def test_failed_register_clears_the_error_and_falls_back(monkeypatch):
-    rt = fake_cuda(monkeypatch, 2)   # cudaErrorMemoryAllocation
-    made = []
+def test_owner_garbage_collected_unregisters(monkeypatch):
+    import gc
 
-    def pinned_empty(n, dtype, pin_memory=False):
-        assert pin_memory
-        made.append(aligned_empty(n))   # page-aligned, like cudaHostAlloc
-        return made[-1]
+    rt = fake_cuda(monkeypatch, 0)
 
-    monkeypatch.setattr(devmem, "torch", types.SimpleNamespace(**{**vars(torch), "empty": pinned_empty}))
-    buf = aligned_empty(8192)
-    buf[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    with pytest.warns(UserWarning, match="pinned copy"):
-        out = devmem.pin_host(buf)
-    assert rt.cleared == 1 and out is made[0] and out[:4].tolist() == [1, 2, 3, 4]
+    class Owner:
+        pass
+
+    owner, pins, buf = Owner(), HostPins("cuda"), aligned_empty(8192)
+    pins.attach(owner)
+    pins.pin(buf, "test")
+    ptr = buf.data_ptr()
+    del owner, buf
+    gc.collect()
+    assert rt.unregistered == [ptr]
 
 
-def test_failed_register_of_a_huge_region_stays_pageable(monkeypatch):
-    rt = fake_cuda(monkeypatch, 2)
-    monkeypatch.setattr(devmem, "OWN_PINNED_MAX", 4096)
-    buf = aligned_empty(8192)
-    with pytest.warns(UserWarning, match="pageable"):
-        assert devmem.pin_host(buf) is buf
-    assert rt.cleared == 1
+def test_cpu_device_pins_nothing_even_where_cuda_exists(monkeypatch):
+    rt = fake_cuda(monkeypatch, 0)
+    pins = HostPins("cpu")
+    assert not pins.pin(aligned_empty(8192), "test") and rt.calls == []
+
+
+def test_failed_register_clears_the_error_and_says_so_in_one_line(monkeypatch):
+    rt = fake_cuda(monkeypatch, 2)   # cudaErrorMemoryAllocation (WSL2's pinned cap, ulimit -l)
+    pins = HostPins("cuda")
+    assert not pins.pin(aligned_empty(8192), "the RAM tier")
+    assert rt.probes == [1] and pins.pinned_bytes == 0
+    with pytest.warns(OffloadNotice, match=r"could not pin .* the RAM tier \(cudaError 2\); slower") as rec:
+        pins.notice("slower")
+    assert len(rec) == 1 and "\n" not in str(rec[0].message)
+    pins.release()
+    assert rt.unregistered == []   # nothing registered, nothing to undo
+
+
+def test_unpinned_ram_arena_streams_through_the_staging_ring(tiny_pair):
+    """The fallback path of a failed RAM-tier registration (CUDA), driven on CPU: each RAM-tier
+    layer is memcpy'd into a staging slot, whose bytes equal the arena's."""
+    from offload import OffloadedCausalLM
+
+    model = OffloadedCausalLM.from_pretrained(tiny_pair[0], offload="ram")
+    try:
+        store = model.store
+        layer = next(iter(store.ram))
+        arena = store.ram[layer][0]
+        store.ram_staged, store.host_stage = True, [aligned_empty(arena.numel())]
+        assert not store.is_free(layer)
+        out = store.read(layer, 0)
+        assert out.data_ptr() == store.host_stage[0].data_ptr() and torch.equal(out, arena)
+    finally:
+        model.close()
 
 
 def test_old_bitsandbytes_is_refused_in_one_line(monkeypatch):

@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from offload.hfcompat import cache_kwargs
 from offload import OffloadedCausalLM, OffloadError
 from offload.families import SUPPORTED
 from tests.test_offload import _tree_mask
@@ -69,7 +70,7 @@ def _ids(n, seed=0):
 def _greedy(model, ids, n):
     cache, out, x = DynamicCache(), [], ids
     for _ in range(n):
-        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=x, **cache_kwargs(model, cache), use_cache=True).logits
         x = logits[:, -1:].argmax(-1)
         out.append(int(x))
     return out
@@ -102,7 +103,7 @@ def test_tree_mask_respects_sliding_window_by_position(family_dir):
     try:
         prefix = _ids(2 * WINDOW, seed=3)
         cache = DynamicCache()
-        model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        model(input_ids=prefix, **cache_kwargs(model, cache), use_cache=True)
         # chain 0-1-2-3-4-5-6 (deeper than the window) plus a branch 7 under node 1
         parents = [-1, 0, 1, 2, 3, 4, 5, 1]
         depth = [0, 1, 2, 3, 4, 5, 6, 2]
@@ -110,7 +111,7 @@ def test_tree_mask_respects_sliding_window_by_position(family_dir):
         past = prefix.shape[1]
         pos = torch.tensor([[past + d for d in depth]])
         got = model(input_ids=tree, attention_mask=_tree_mask(parents, past, torch.float32), position_ids=pos,
-                    past_key_values=cache, use_cache=True).logits[0]
+                    **cache_kwargs(model, cache), use_cache=True).logits[0]
         for node in (6, 7):
             path_nodes, p = [], node
             while p >= 0:

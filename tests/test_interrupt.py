@@ -45,8 +45,10 @@ class Proc:
         self.out: list[str] = []
         self.err: queue.Queue[str] = queue.Queue()
         self.err_text: list[str] = []
-        threading.Thread(target=self._pump_out, daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
+        self.pumps = [threading.Thread(target=self._pump_out, daemon=True),
+                      threading.Thread(target=self._pump_err, daemon=True)]
+        for t in self.pumps:
+            t.start()
 
     def _pump_out(self):
         for ch in iter(lambda: self.p.stdout.read(1), ""):
@@ -79,8 +81,17 @@ class Proc:
         self.p.send_signal(signal.SIGINT)
         rc = self.p.wait(timeout=30)
         elapsed = time.time() - t0
-        time.sleep(0.2)  # let the reader threads drain the pipes
+        self.close()
         return rc, elapsed
+
+    def close(self) -> None:
+        """Once the process exited: let the reader threads drain the pipes, then close them."""
+        self.p.wait(timeout=30)
+        for t in self.pumps:
+            t.join(timeout=5)
+        for f in (self.p.stdin, self.p.stdout, self.p.stderr):
+            if f is not None and not f.closed:
+                f.close()
 
     @property
     def stdout(self) -> str:
@@ -150,7 +161,7 @@ def test_chat_reply_interrupted_returns_to_prompt(pair, tmp_path):
     proc.p.stdin.write("/set max_new_tokens 3\nsecond message\n")
     proc.p.stdin.close()
     rc = proc.p.wait(timeout=120)
-    time.sleep(0.2)
+    proc.close()
     assert rc == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "partial reply is kept" in proc.stderr

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from offload import OffloadedCausalLM, parse_size, plan_offload
+from offload.hfcompat import cache_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96
@@ -142,17 +143,17 @@ def test_tree_mask_cache_positions(llama_dir, offload, slots):
         prefix = _ids(6, seed=1)
         caches = [DynamicCache(config=model.config), DynamicCache()]
         with torch.no_grad():
-            a = ref(input_ids=prefix, past_key_values=caches[0], use_cache=True).logits
-        b = model(input_ids=prefix, past_key_values=caches[1], use_cache=True).logits
+            a = ref(input_ids=prefix, **cache_kwargs(ref, caches[0]), use_cache=True).logits
+        b = model(input_ids=prefix, **cache_kwargs(model, caches[1]), use_cache=True).logits
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
         # A tree of 5 nodes: 0 -> (1, 2), 1 -> 3, 2 -> 4; positions follow depth, not index.
         tree = _ids(5, seed=2)
         mask = _tree_mask([-1, 0, 0, 1, 2], past=6, dtype=torch.float32)
         pos = torch.tensor([[6, 7, 7, 8, 8]])
         with torch.no_grad():
-            a = ref(input_ids=tree, attention_mask=mask, position_ids=pos, past_key_values=caches[0],
+            a = ref(input_ids=tree, attention_mask=mask, position_ids=pos, **cache_kwargs(ref, caches[0]),
                     use_cache=True).logits
-        b = model(input_ids=tree, attention_mask=mask, position_ids=pos, past_key_values=caches[1],
+        b = model(input_ids=tree, attention_mask=mask, position_ids=pos, **cache_kwargs(model, caches[1]),
                   use_cache=True).logits
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
         # Compaction like the engine's: keep prefix + accepted nodes 0, 2, 4, then decode one more.
@@ -162,8 +163,8 @@ def test_tree_mask_cache_positions(llama_dir, offload, slots):
                 lay.keys, lay.values = lay.keys[:, :, keep], lay.values[:, :, keep]
         nxt, pos = _ids(1, seed=4), torch.tensor([[9]])
         with torch.no_grad():
-            a = ref(input_ids=nxt, position_ids=pos, past_key_values=caches[0], use_cache=True).logits
-        b = model(input_ids=nxt, position_ids=pos, past_key_values=caches[1], use_cache=True).logits
+            a = ref(input_ids=nxt, position_ids=pos, **cache_kwargs(ref, caches[0]), use_cache=True).logits
+        b = model(input_ids=nxt, position_ids=pos, **cache_kwargs(model, caches[1]), use_cache=True).logits
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
         for ca, cb in zip(caches[0].layers, caches[1].layers):
             torch.testing.assert_close(cb.keys, ca.keys, atol=1e-5, rtol=0)

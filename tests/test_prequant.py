@@ -16,6 +16,7 @@ import transformers
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
 
 import offload.quant_cache as qc
+from offload.hfcompat import cache_kwargs
 from offload import OffloadedCausalLM, OffloadError
 from tests.test_families import make_family
 
@@ -52,7 +53,7 @@ def _ids(n, seed=0):
 def _greedy(model, ids, n):
     cache, out, x = DynamicCache(), [], ids
     for _ in range(n):
-        x = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        x = model(input_ids=x, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
         out.append(int(x))
     return out
 

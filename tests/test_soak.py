@@ -63,6 +63,8 @@ def test_200_turn_piped_chat_keeps_rss_flat(long_pair, tmp_path):
         assert proc.wait(timeout=60) == 0, err
     finally:
         proc.kill()
+        proc.wait()
+        proc.stderr.close()
     assert "Traceback" not in err and f"chat: {TURNS} turns" in err
     records = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(records) == TURNS and all(r["host_rss_bytes"] > 0 for r in records)

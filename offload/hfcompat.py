@@ -1,0 +1,64 @@
+"""The one place where transformers' API drift across the declared version range is absorbed.
+
+Contract: transformers 5.24 renamed the KV-cache keyword `past_key_values` to `cache` (decoder
+layers, causal-LM forwards, `create_causal_mask`, model outputs) and warns on the old name until
+5.40, where it goes away. `cache_kwargs(fn, cache)` returns `{name: cache}` with the name that
+`fn` accepts in the installed version, so every call site works from the oldest declared version
+(5.0, which only knows `past_key_values`) to the newest. `output_cache_kwargs(cls, cache)` does the
+same for ModelOutput dataclasses. Names are looked up once per callable and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from functools import lru_cache
+
+NEW, OLD = "cache", "past_key_values"
+
+
+@lru_cache(maxsize=None)
+def _cache_name(fn) -> str:
+    """The cache keyword of `fn` (its signature, following decorators' __wrapped__)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):   # builtins or C callables: the installed convention
+        return installed_name()
+    if NEW in params or OLD in params:
+        return NEW if NEW in params else OLD
+    return installed_name()           # (*args, **kwargs) wrappers: whatever transformers expects
+
+
+@lru_cache(maxsize=1)
+def installed_name() -> str:
+    """The installed transformers' convention, read off `create_causal_mask`'s signature."""
+    from transformers.masking_utils import create_causal_mask
+
+    return NEW if NEW in inspect.signature(create_causal_mask).parameters else OLD
+
+
+def cache_name(fn) -> str:
+    """`cache` or `past_key_values`: the name `fn` takes its KV cache under."""
+    target = getattr(fn, "forward", fn)   # an nn.Module: look at its forward's signature
+    return _cache_name(getattr(target, "__func__", target))
+
+
+def cache_kwargs(fn, cache) -> dict:
+    """`{cache_name(fn): cache}`, to splat into a call of `fn`."""
+    return {cache_name(fn): cache}
+
+
+@lru_cache(maxsize=None)
+def _output_name(cls) -> str:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return NEW if NEW in names else OLD
+
+
+def output_cache_kwargs(cls, cache) -> dict:
+    """`{field: cache}` for a ModelOutput class whose cache field is `cache` or `past_key_values`."""
+    return {_output_name(cls): cache}
+
+
+def pick_cache(cache=None, past_key_values=None):
+    """Our own forwards accept both spellings; `cache` wins when both are given."""
+    return cache if cache is not None else past_key_values

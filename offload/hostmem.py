@@ -1,0 +1,113 @@
+"""Aligned host allocation and CUDA page-locking: the one place both storage and devmem use.
+
+Contract:
+- `aligned_empty(nbytes, align)` returns a host uint8 buffer whose first byte sits on an `align`
+  boundary: large buffers are anonymous mmaps (page-aligned, usable as O_DIRECT targets), small
+  ones are carved from a slightly larger torch buffer. Every tensor that a layer reads from a
+  slot or an arena starts at an ARENA_ALIGN (256-byte) boundary: CUDA kernels that load 128-bit
+  vectors (bitsandbytes' among them) fault on less, and 256 matches the CUDA allocator's own.
+- `HostPins` page-locks host regions for one owner (a LayerStore) with ONE portable
+  cudaHostRegister per region and unregisters every region it registered on `release()` (the
+  owner's close) or, failing that, when the owner is garbage-collected: the buffers stay
+  referenced until they are unregistered, so memory is never unmapped while still registered.
+  Nothing is pinned unless the compute device is CUDA (`--device cpu` pins nothing).
+  A failed registration returns False after clearing CUDA's sticky-until-read last error through
+  a torch call that reads it (else the next unrelated kernel launch would raise it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+import weakref
+
+import torch
+
+from .errors import OffloadNotice
+
+IO_ALIGN = 4096      # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
+PAGE = IO_ALIGN
+ARENA_ALIGN = 256    # every tensor in a slot, arena or pool buffer starts on this boundary
+CUDA_HOST_REGISTER_PORTABLE = 1    # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def aligned_empty(nbytes: int, align: int = PAGE) -> torch.Tensor:
+    """Host uint8 buffer of `nbytes` starting on an `align` boundary (page-aligned when large)."""
+    if nbytes >= PAGE or align > ARENA_ALIGN:
+        mm = mmap.mmap(-1, max(align_up(nbytes, IO_ALIGN), IO_ALIGN))
+        return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    skip = -raw.data_ptr() % align
+    return raw[skip:skip + nbytes]
+
+
+def clear_cuda_error() -> None:
+    """Consume CUDA's last error on this thread with a torch launch that checks it.
+
+    torch's launch check reads (and so resets) cudaGetLastError and raises what it found; the
+    second launch proves the state is clean. No library is located by file name.
+    """
+    if not torch.cuda.is_available():
+        return
+    for _ in range(2):
+        try:
+            _probe_launch()
+            return
+        except RuntimeError:
+            continue
+
+
+def _probe_launch() -> None:
+    torch.zeros(1, device="cuda")   # a fill kernel: its launch check reads cudaGetLastError
+
+
+def _unregister(entries: list) -> None:
+    for ptr, _buf in entries:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    entries.clear()
+
+
+class HostPins:
+    """Page-locked host regions of one owner; `release()` (or the owner's death) unregisters them."""
+
+    def __init__(self, device: torch.device):
+        self.enabled = torch.device(device).type == "cuda" and torch.cuda.is_available()
+        self._entries: list[tuple[int, torch.Tensor]] = []   # (pointer, buffer kept alive until unpinned)
+        self._finalizer = None
+        self.failures: list[str] = []                       # one line per region left pageable
+
+    def attach(self, owner) -> None:
+        """Unpin when `owner` is garbage-collected, should nobody call `release()`."""
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(owner, _unregister, self._entries)
+
+    def notice(self, consequence: str) -> None:
+        """One warning line for the latest failed registration and what it costs."""
+        if self.failures:
+            warnings.warn(f"offload: {self.failures[-1]}; {consequence}", OffloadNotice, stacklevel=3)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.numel() for _, b in self._entries)
+
+    def pin(self, buf: torch.Tensor, what: str) -> bool:
+        """Register `buf` (one cudaHostRegister). True when pinned; False leaves it pageable."""
+        if not self.enabled or buf.numel() == 0:
+            return False
+        rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), CUDA_HOST_REGISTER_PORTABLE))
+        if rc != 0:
+            clear_cuda_error()
+            self.failures.append(f"could not pin {buf.numel() / 2**30:.1f} GiB of host memory for {what} "
+                                 f"(cudaError {rc})")
+            return False
+        self._entries.append((buf.data_ptr(), buf))
+        return True
+
+    def release(self) -> None:
+        """Unregister every region this owner pinned (idempotent)."""
+        if self.enabled:
+            _unregister(self._entries)
