@@ -123,7 +123,7 @@ def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Genera
     """Plain autoregressive decoding: one target pass over the root yields one token."""
     t0 = time.perf_counter()
     root = torch.tensor(st.ids[-1:], dtype=torch.long)
-    mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target))
+    mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target), m.target.device)
     logits = kvcache.forward(m.target, st.target_cache, root, torch.tensor([len(st.ids) - 1]), mask)
     tok = draw(st, logits[-1], cfg.sampling, gen)
     st.target_len += 1
@@ -240,8 +240,8 @@ def run_prompt(model, cache, ids: list[int], start: int, chunk: int) -> torch.Te
     logits = None
     for a in range(start, len(ids), step):
         b = min(a + step, len(ids))
-        mask = causal_mask(a, b - a, kvcache.model_dtype(model))
-        logits = kvcache.forward(model, cache, torch.tensor(ids[a:b], dtype=torch.long), torch.arange(a, b), mask,
+        # mask None: the model's own causal path (SDPA's is_causal; no dense (T, past + T) mask)
+        logits = kvcache.forward(model, cache, torch.tensor(ids[a:b], dtype=torch.long), torch.arange(a, b), None,
                                  last_only=True)
     return logits[-1]
 

@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from offload.hfcompat import cache_kwargs
+from specexec_cli.transfers import upload
 
 MIN_ROWS = 256   # first slab of an unreserved cache
 
@@ -152,11 +153,19 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
     tensor is ever built); the tokens' K/V are appended to `cache`.
     """
     device = model.device
+    ids_device = torch.device(getattr(model, "input_device", device))   # host embeddings: ids stay on the CPU
+    if ids_device == torch.device(device):
+        tokens, positions = upload(device, tokens, positions)            # one copy for both
+    else:
+        (positions,) = upload(device, positions)
+    if mask is not None:
+        assert mask.device == torch.device(device), "build masks on the model's device (tree.py)"
+        mask = mask.to(dtype=model_dtype(model))
     with torch.inference_mode():
         out = model(
-            input_ids=tokens.to(getattr(model, "input_device", device))[None],  # (1, T); host embeddings: CPU
-            position_ids=positions.to(device)[None],  # (1, T)
-            attention_mask=mask.to(device=device, dtype=model_dtype(model)),
+            input_ids=tokens[None],  # (1, T)
+            position_ids=positions[None],  # (1, T)
+            attention_mask=mask,   # (1, 1, T, past + T) additive, or None: plain causal (prefill)
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
             **cache_kwargs(model, cache),
@@ -171,10 +180,14 @@ def compact(cache, start: int, rows: torch.Tensor) -> None:
     The kept rows are moved to [start, start + len(rows)) in place and the rest is cut off.
     """
     n = int(rows.numel())
+    on_device: dict[torch.device, torch.Tensor] = {}   # rows moved once per device, not per layer
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None:
             continue
-        idx = rows.to(layer.keys.device)
+        dev = layer.keys.device
+        if n and dev not in on_device:
+            on_device[dev] = upload(dev, rows)[0]
+        idx = on_device.get(dev)
         for name in ("keys", "values"):
             t = getattr(layer, name)  # (B, H, S, D)
             if n:

@@ -215,13 +215,13 @@ def time_target(models, n_values: list[int], min_seconds: float = 0.2) -> dict[i
     ids = (models.tokenizer(SAMPLE_CODE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
     cache = kvcache.new_cache()
     ctx = len(ids)
-    kvcache.forward(m, cache, torch.tensor(ids), torch.arange(ctx), causal_mask(0, ctx, dtype))
+    kvcache.forward(m, cache, torch.tensor(ids), torch.arange(ctx), causal_mask(0, ctx, dtype, m.device))
     out = {}
     for n in n_values:
         toks = torch.tensor((ids * (n // max(ctx, 1) + 1))[:n])
 
         def one_pass():
-            kvcache.forward(m, cache, toks, torch.arange(ctx, ctx + n), causal_mask(ctx, n, dtype))
+            kvcache.forward(m, cache, toks, torch.arange(ctx, ctx + n), causal_mask(ctx, n, dtype, m.device))
             kvcache.crop(cache, ctx)
 
         out[n] = _timed(one_pass, min_seconds, 20)
@@ -239,11 +239,11 @@ def time_draft(models, budgets: list[int], beams: int = 32, max_depth: int = 64)
     ids = (models.tokenizer(SAMPLE_CODE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
     ctx = len(ids) - 1
     cache = kvcache.new_cache()
-    kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype))
+    kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype, m.device))
     toks = torch.tensor((ids * 4)[:beams])
 
     def step():
-        kvcache.forward(d, cache, toks, torch.arange(ctx, ctx + beams), causal_mask(ctx, beams, dtype))
+        kvcache.forward(d, cache, toks, torch.arange(ctx, ctx + beams), causal_mask(ctx, beams, dtype, d.device))
         kvcache.crop(cache, ctx)
 
     grow = {}

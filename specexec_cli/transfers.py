@@ -1,12 +1,16 @@
-"""The one door from the device to the host: every device→host copy in draft, verify and commit.
+"""The one door between host and device: every copy in draft, verify and commit goes through here.
 
 Contract: code on the speculative step's hot path never calls `.cpu()`, `.item()`, `.tolist()`
 or `int(tensor)` on a tensor that may live on the device; it calls `to_host` (or `host_list`),
 which copies the tensor to the host and adds one call and its bytes to the process-wide
-`COUNTER`. Each call is one blocking synchronisation on CUDA, so the counter is the step's
-synchronisation count. Calls are counted on the CPU too (where the copy is a no-op), so CPU tests
-can check the transfer pattern a GPU run would have: how many copies per draft forward and how
-many bytes each (which must not grow with the vocabulary). `snapshot`/`since` measure one step.
+`COUNTER`. Small host-built tensors (token ids, positions, tree ancestor columns, kept cache rows)
+reach the device only through `upload`, which packs any number of them into ONE copy and counts
+it (`uploads` is the part of `calls` that went host→device). On CUDA a device→host copy is a
+blocking synchronisation and a pageable host→device copy of a fresh tensor one more, so the
+counter is the step's synchronisation count. Calls are counted on the CPU too (where the copy is
+a no-op), so CPU tests check the transfer pattern a GPU run would have: how many copies per draft
+forward and per commit (constant in tree depth and in layer count) and how many bytes each
+(which must not grow with the vocabulary). `snapshot`/`since` measure one step.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch
 class TransferCount:
     """Device→host copies made through `to_host` (cumulative, or a difference of two snapshots)."""
 
-    calls: int = 0  # copies (= blocking synchronisations on CUDA)
+    calls: int = 0  # copies either way (= blocking synchronisations on CUDA)
     bytes: int = 0  # payload bytes copied
+    uploads: int = 0  # of `calls`, host→device copies (`upload`)
 
 
 COUNTER = TransferCount()  # process-wide running total
@@ -39,10 +44,33 @@ def host_list(t: torch.Tensor) -> list:
     return to_host(t).tolist()
 
 
+def upload(device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host-built long tensors → the device in ONE counted copy: flattened, concatenated, moved,
+    and split back into views of their shapes. Tensors already on a CUDA device pass through."""
+    device = torch.device(device)
+    host = [t for t in tensors if t.device.type == "cpu"]
+    if not host or not tensors:
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1).to(torch.long) for t in host])   # (sum numel,) one buffer
+    COUNTER.calls += 1
+    COUNTER.uploads += 1
+    COUNTER.bytes += flat.numel() * flat.element_size()
+    moved = flat.to(device, non_blocking=False)
+    out, at = [], 0
+    for t in tensors:
+        if t.device.type != "cpu":
+            out.append(t)
+            continue
+        out.append(moved[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
 def snapshot() -> TransferCount:
-    return TransferCount(COUNTER.calls, COUNTER.bytes)
+    return TransferCount(COUNTER.calls, COUNTER.bytes, COUNTER.uploads)
 
 
 def since(before: TransferCount) -> TransferCount:
     """Copies made after `before` was taken."""
-    return TransferCount(COUNTER.calls - before.calls, COUNTER.bytes - before.bytes)
+    return TransferCount(COUNTER.calls - before.calls, COUNTER.bytes - before.bytes,
+                         COUNTER.uploads - before.uploads)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specexec_cli.transfers import upload
+
 
 @dataclass
 class Tree:
@@ -85,7 +87,8 @@ def attention_mask(
     blocked with dtype-min, the form HF attention adds to the scores.
     """
     b = self_cols.numel()
-    anc_cols, self_cols = anc_cols.to(device), self_cols.to(device)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    anc_cols, self_cols = upload(device, anc_cols, self_cols)   # (B, D), (B,): one small copy
     allowed = torch.zeros(b, n_cols, dtype=torch.bool, device=device)
     allowed[:, :n_past] = True
     # scatter each row's ancestor columns; padding (-1) goes to a spare column that is cut off

@@ -103,7 +103,7 @@ def expected_tokens(tpl: Template, a: tuple[float, ...]) -> float:
 def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
     """(n, V) logits of `model` over `ids` with a fresh cache."""
     cache = kvcache.new_cache()
-    mask = causal_mask(0, len(ids), kvcache.model_dtype(model))
+    mask = causal_mask(0, len(ids), kvcache.model_dtype(model), model.device)
     return kvcache.forward(model, cache, torch.tensor(ids), torch.arange(len(ids)), mask).float().cpu()
 
 

@@ -90,7 +90,7 @@ def first_forward(draft, cache, ctx: DraftContext, tree: Tree, shape, params, ng
     chain = ngram.propose(ngram.ids, min(CHAIN_LEN, shape.max_depth - 1))
     toks = ctx.pending + chain
     start_pos = ctx.root_pos - len(ctx.pending) + 1
-    mask = causal_mask(ctx.n_cached, len(toks), kvcache.model_dtype(draft))
+    mask = causal_mask(ctx.n_cached, len(toks), kvcache.model_dtype(draft), draft.device)
     logits = kvcache.forward(draft, cache, torch.tensor(toks), torch.arange(start_pos, start_pos + len(toks)), mask)
     base = ctx.n_cached + len(ctx.pending) - 1  # row of the root
     tree.mark_run(torch.zeros(1, dtype=torch.long))
@@ -137,7 +137,7 @@ def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram
             chains.append(chain)
             room -= len(chain)
         toks, depth, anc_cols, self_cols = batch_rows(tree, nodes, chains, base)
-        mask = attention_mask(base, anc_cols, self_cols, int(self_cols[-1]) + 1, dtype)
+        mask = attention_mask(base, anc_cols, self_cols, int(self_cols[-1]) + 1, dtype, draft.device)
         logits = kvcache.forward(draft, cache, toks, ctx.root_pos + depth, mask)
         b = nodes.numel()
         tree.mark_run(nodes)
