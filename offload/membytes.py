@@ -110,7 +110,8 @@ def kv_bytes(a: Arch, rows: int, elem: int) -> int:
     return 2 * a.layers * a.kv_heads * a.head_dim * rows * elem
 
 
-def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq_numel: int = 0) -> int:
+def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq_numel: int = 0,
+               fused: bool = False) -> int:
     """Transient device bytes of one pass of T new tokens over S key positions (one layer alive).
 
     hidden states (residual, normed, attention/MLP outputs: 4 x T x hidden), q/k/v before and
@@ -118,26 +119,54 @@ def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq_
     (H x T x S: sdpa's math path keeps scores and softmax output; eager adds an fp32 softmax),
     MLP gate/up/act/product (4 x T x I), the 4-D additive mask and its expanded copy (2 x T x S),
     one dequantized NF4 weight, and the pass's logits plus fp32 copies for sampling (V x (c + 8)).
+    `fused`: a causal prefill pass under CUDA SDPA (flash / memory-efficient kernels, no additive
+    mask): no H x T x S scores and only a T x S boolean mask are ever materialized.
     """
     hidden = 4 * t * a.hidden * c
     qkv = 2 * t * (a.heads + 2 * a.kv_heads) * a.head_dim * c
     gqa = 2 * a.heads * s * a.head_dim * c if a.kv_heads != a.heads else 0
-    scores = a.heads * t * s * (2 * c + (4 if attn == "eager" else 0))
+    scores = 0 if fused else a.heads * t * s * (2 * c + (4 if attn == "eager" else 0))
     mlp = 4 * t * a.intermediate * c
-    mask = 2 * t * s * c
+    mask = t * s if fused else 2 * t * s * c
     logits = logit_rows * a.vocab * (c + 8)
     return hidden + qkv + gqa + scores + mlp + mask + deq_numel * c + logits
 
 
-def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budget: int) -> int:
+PREFILL_SHARE = 5   # a prefill pass may take up to 1/5 of the device (CPU: of the RAM) for activations
+
+
+def fused_prefill(req) -> bool:
+    """Prefill passes run the model's causal path (engine.run_prompt passes no additive mask):
+    on CUDA, SDPA's fused kernels never materialize the scores."""
+    return req.device == "cuda" and req.attn == "sdpa"
+
+
+def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
+    """Prompt tokens per target pass: the whole --ctx when its activations fit 1/PREFILL_SHARE of
+    `capacity` (or the verify pass's, if larger), else the largest halving of it that does, never
+    below pass_tokens(budget). Every prefill pass streams every offloaded layer once, so a prompt
+    that fits --ctx costs one weight stream whenever the memory allows."""
+    c = compute_bytes(req)
+    deq = ta.intermediate * ta.hidden if req.dtype == "nf4" else 0
+    floor = min(pass_tokens(budget), req.ctx)
+    fused = fused_prefill(req)
+    allow = max(capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused))
+    chunk = req.ctx
+    while chunk > floor and pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused) > allow:
+        chunk = max(floor, chunk // 2)
+    return chunk
+
+
+def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budget: int,
+                     chunk: int | None = None) -> int:
     """The largest pass of either model: target verify pass, target prefill chunk, draft passes."""
     c = compute_bytes(req)
     deq = ta.intermediate * ta.hidden if req.dtype == "nf4" else 0
-    chunk = min(pass_tokens(budget), req.ctx)
+    chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
     worst = max(pass_bytes(ta, budget + 1, rows[0], c, req.attn, budget + 1, deq),
-                pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq))
+                pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused_prefill(req)))
     if da is not None:
         dc = dtype_bytes(req.draft_dtype)
         worst = max(worst, pass_bytes(da, req.max_beams, rows[1], dc, req.attn, req.max_beams),
-                    pass_bytes(da, chunk, req.ctx, dc, req.attn, 1))
+                    pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req)))
     return worst

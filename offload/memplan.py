@@ -39,7 +39,7 @@ from .errors import OffloadError
 from .sizes import format_bytes
 from .st_index import SafetensorsIndex, TensorEntry
 from .membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
-                       kv_rows, nf4_state_bytes, pass_tokens, rotary_bytes, torch_dtype)
+                       kv_rows, nf4_state_bytes, pass_tokens, prefill_chunk, rotary_bytes, torch_dtype)
 from .nf4 import packed_nf4_shape
 from .storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout, staging_slots
 
@@ -113,6 +113,7 @@ class MemoryPlan:
     fits: bool = True
     reason: str = ""                 # one line when not fits
     notes: list[str] = field(default_factory=list)
+    elsewhere: str = ""              # planned for another machine (explicit caps): why THIS host cannot run it
 
     @property
     def device_total(self) -> int:
@@ -131,7 +132,7 @@ class MemoryPlan:
             streamed_layers={"ram": len(self.ram_layers), "disk": len(self.disk_layers)},
             fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
             kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
-            notes=list(self.notes),
+            notes=list(self.notes), elsewhere=self.elsewhere,
         )  # fmt: skip
 
 
@@ -296,6 +297,16 @@ def _cpu_auto(req: PlanRequest) -> bool:
 
 def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest,
               budget: int, emb: str) -> MemoryPlan:
+    """The plan with the biggest prefill chunk (membytes.prefill_chunk) that still fits: halved
+    down to pass_tokens(budget) before a plan is declared not to fit."""
+    plan = _plan_chunk(target, draft, lay, req, budget, emb, None)
+    while not plan.fits and plan.pass_tokens // 2 >= min(pass_tokens(budget), req.ctx):
+        plan = _plan_chunk(target, draft, lay, req, budget, emb, plan.pass_tokens // 2)
+    return plan
+
+
+def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest,
+                budget: int, emb: str, chunk: int | None) -> MemoryPlan:
     ta = arch_of(target.config)
     da = arch_of(draft.config) if draft is not None else None
     cuda, c = req.device == "cuda", compute_bytes(req)
@@ -304,8 +315,11 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
     fixed.update(quant_states=lay.quant, pinned_params=lay.pinned, draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
                  kv_target=kv_bytes(ta, rows[0], c),
                  kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
-                 activations=activation_bytes(ta, da, req, rows, budget))
+                 activations=0)
     cap = capacity(req)
+    if chunk is None:
+        chunk = prefill_chunk(ta, req, budget, cap if cap < 1 << 61 else req.ram_free)
+    fixed["activations"] = activation_bytes(ta, da, req, rows, budget, chunk)
     best = None
     for r in _resident_choices(req, len(lay.packed)):
         if _cpu_auto(req) and req.max_ram is not None and sum(lay.packed[:r]) > req.max_ram:
@@ -323,7 +337,7 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
                       pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
-                      min(pass_tokens(budget), req.ctx), req.device)
+                      chunk, req.device)
     plan.fits, plan.reason = _verdict(plan, req)
     if lay.estimated:
         plan.notes.append(f"nf4: the first load writes a 4-bit cache of this checkpoint "

@@ -155,8 +155,11 @@ def load_planned(opts, plan, progress):
 
     from specexec_cli.loading import load_models
 
+    from specexec_cli.planning import require_host
+
     if plan is not None and not plan.fits:
         raise SpecxError(plan.reason)
+    require_host(plan)
     models = load_models(replace(opts, progress=progress))
     placed = getattr(models.target, "plan", None)
     if placed is not None:

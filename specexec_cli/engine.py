@@ -63,6 +63,7 @@ class DecodeState:
     draft_cache: object = field(default_factory=kvcache.new_cache)
     draft_len: int = 0  # committed tokens in the draft cache
     noise: PositionNoise | None = None  # coupled draws of the current generate call (sampling.py)
+    prefill_streams: int = 0  # target passes the latest prefill took
 
 
 def new_noise(gen: torch.Generator) -> PositionNoise:
@@ -107,8 +108,9 @@ class StepEvent:
     new_tokens: int  # generated so far, this call
     prompt_tokens: int  # tokens prefilled by this call
     finish: str | None = None  # "eos" | "length" | "context" on the last event
-    host_transfers: int = 0  # device→host copies this step made (transfers.to_host calls)
+    host_transfers: int = 0  # host<->device copies this step made (transfers.to_host / upload calls)
     host_transfer_bytes: int = 0  # their payload bytes
+    prefill_streams: int = 0  # target passes of the prefill (each streams every offloaded layer once)
 
     @property
     def tps(self) -> float:
@@ -254,10 +256,16 @@ def reserve_caches(m: Models, st: DecodeState) -> None:
             kvcache.reserve(st.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_draft")
 
 
+def prefill_passes(n_new: int, chunk: int) -> int:
+    """Target passes `run_prompt` makes over n_new tokens in chunks of `chunk` (0 = one pass)."""
+    return 0 if n_new <= 0 else (1 if chunk <= 0 else -(-n_new // chunk))
+
+
 def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen) -> int:
     """Run both models over the not-yet-cached tokens; returns the first generated token."""
     reserve_caches(m, st)
     st.ids.extend(new_ids)
+    st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
     last = run_prompt(m.target, st.target_cache, st.ids, st.target_len, m.pass_tokens)
     st.target_len = len(st.ids)
     if m.draft is not None and cfg.method != "ar":
@@ -348,6 +356,7 @@ def generate(
             prefill_seconds=t_prefill, decode_seconds=time.perf_counter() - t0 - t_prefill,
             new_tokens=produced, prompt_tokens=n_prompt, finish=finish,
             host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
+            prefill_streams=st.prefill_streams if pass_index == 0 else 0,
         )  # fmt: skip
         if finish:
             return

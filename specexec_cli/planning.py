@@ -81,16 +81,50 @@ def make_plan(opts, shape, budget_auto: bool):
     free = None
     if device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
+    ram, shortfall = for_stated_machine(device, opts.max_gpu_memory, opts.max_ram, free,
+                                        psutil.virtual_memory().available)
     req = PlanRequest(
-        device=device, dtype=tdtype, draft_dtype=ddtype, ram_free=psutil.virtual_memory().available,
+        device=device, dtype=tdtype, draft_dtype=ddtype, ram_free=ram,
         device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
         max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
         embeddings=opts.embeddings,
     )  # fmt: skip
     try:
-        return plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)
+        plan = plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
+    if shortfall:
+        plan.elsewhere = shortfall
+        plan.notes.insert(0, f"planned for the machine the caps describe: {shortfall}")
+    return plan
+
+
+def for_stated_machine(device: str, max_gpu: int | None, max_ram: int | None, dev_free: int | None,
+                       ram_free: int) -> tuple[int, str]:
+    """(RAM to plan with, why this host differs or "").
+
+    Explicit --max-ram (and, for CUDA, --max-gpu-memory) describe the machine to plan for, which
+    may be bigger than this one (`--dry-run` is how users size a purchase): the plan then assumes
+    that machine's RAM (--max-ram as RAM_FRACTION of it) and says in one line what this host lacks;
+    only a real run refuses it (`require_host`)."""
+    from offload.memplan import RAM_FRACTION
+    from offload.sizes import format_bytes
+
+    lacks = []
+    if max_ram is not None and max_ram > RAM_FRACTION * ram_free:
+        lacks.append(f"--max-ram {format_bytes(max_ram)} but this host has {format_bytes(ram_free)} of RAM available")
+        ram_free = int(max_ram / RAM_FRACTION) + 1
+    if device == "cuda" and max_gpu is not None and (dev_free is None or max_gpu > dev_free):
+        have = "no CUDA device" if dev_free is None else f"{format_bytes(dev_free)} of GPU memory free"
+        lacks.append(f"--max-gpu-memory {format_bytes(max_gpu)} but this host has {have}")
+    return ram_free, "; ".join(lacks)
+
+
+def require_host(plan) -> None:
+    """A real run of a plan made for another machine: refuse it in one line, before loading."""
+    if plan is not None and plan.elsewhere:
+        raise SpecxError(f"this plan is for another machine ({plan.elsewhere}); fix: lower the caps to "
+                         "what this host has, or drop them to let specx measure it")
 
 
 def require_fit(plan) -> None:

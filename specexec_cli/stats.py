@@ -44,6 +44,7 @@ class RunStats:
     stall: list[float] = field(default_factory=list)  # per pass: s the target waited for a streamed layer
     host_transfers: int = 0  # device→host copies made by the target passes' steps (transfers.py)
     host_transfer_bytes: int = 0  # their payload bytes
+    prefill_streams: int = 0  # target passes spent on prefills (each one full weight stream when offloaded)
     finish: str | None = None
 
     def add(self, ev) -> None:
@@ -53,6 +54,7 @@ class RunStats:
         self.finish = ev.finish
         if ev.pass_index == 0:
             self.prompt_tokens += ev.prompt_tokens
+            self.prefill_streams += getattr(ev, "prefill_streams", 0)
             return
         self.target_passes += 1
         self.draft_seconds += ev.draft_seconds
@@ -101,7 +103,8 @@ class RunStats:
             accept_histogram={str(k): v for k, v in self.accept_histogram.items()},
             pass_seconds=[round(s, 5) for s in self.pass_seconds],
             mean_tree_size=round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
-            streamed_bytes=self.streamed_bytes, finish_reason=self.finish, **peak_memory_bytes(),
+            streamed_bytes=self.streamed_bytes, finish_reason=self.finish, prefill_streams=self.prefill_streams,
+            **peak_memory_bytes(),
         )  # fmt: skip
         rec["streamed_bytes_per_pass"] = self.streamed_bytes // self.target_passes if self.target_passes else 0
         if self.link_busy:

@@ -80,11 +80,13 @@ def kv(c: dict, rows: int, elem: int) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * hd * rows * elem
 
 
-def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int) -> int:
+def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: bool = False) -> int:
+    """fused: a causal prefill pass under CUDA SDPA (no scores, a T x S boolean mask)."""
     h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or h // heads
+    scores, mask = (0, t * s) if fused else (heads * t * s * 2 * e, 2 * t * s * e)
     return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + 2 * heads * s * hd * e
-            + heads * t * s * 2 * e + 4 * t * c["intermediate_size"] * e + 2 * t * s * e + deq * e
+            + scores + 4 * t * c["intermediate_size"] * e + mask + deq * e
             + logit_rows * c["vocab_size"] * (e + 8))
 
 
@@ -94,9 +96,10 @@ def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) ->
     table = v * h * elem
     rows_t, rows_d = ctx + b + 1, ctx + 2 * b + 32 + 1
     deq = t["intermediate_size"] * h if nf4 else 0
-    chunk = min(max(b + 1, 256), ctx)
-    act = max(one_pass(t, b + 1, rows_t, elem, b + 1, deq), one_pass(t, chunk, ctx, elem, 1, deq),
-              one_pass(d, 32, rows_d, delem, 32, 0), one_pass(d, chunk, ctx, delem, 1, 0))
+    chunk = plan.pass_tokens   # the prefill chunk the plan chose (test_prefill_chunk_* check the choice)
+    assert min(max(b + 1, 256), ctx) <= chunk <= ctx
+    act = max(one_pass(t, b + 1, rows_t, elem, b + 1, deq), one_pass(t, chunk, ctx, elem, 1, deq, True),
+              one_pass(d, 32, rows_d, delem, 32, 0), one_pass(d, chunk, ctx, delem, 1, 0, True))
     lb = layer_bytes(t, nf4, elem)
     streamed = t["num_hidden_layers"] - len(plan.resident)
     hd, dhd = t.get("head_dim") or h // t["num_attention_heads"], d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
@@ -214,3 +217,26 @@ def test_plan_json_keys(ckpts):
     assert set(plan["streamed_layers"]) == {"ram", "disk"}
     json.dumps(plan)
     assert math.isclose(plan["device_total"], sum(plan["device_bytes"].values()))
+
+
+def test_prefill_chunk_streams_a_full_context_prompt_once_at_24gb(ckpts):
+    """70B nf4 + 1B draft on a 24 GB card, ctx 8192: the prefill pass takes the whole context, so a
+    prompt that fits --ctx costs one weight stream (it was 256 tokens per pass: 32 streams)."""
+    t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
+    plan = plan_memory(t, d, request(max_gpu_memory=24 * GB, ctx=8192, budget=256, budget_auto=False))
+    assert plan.fits, plan.reason
+    assert plan.pass_tokens == 8192
+
+
+@pytest.mark.parametrize("cap_gb", [16, 12])
+def test_prefill_chunk_shrinks_before_a_plan_is_refused(ckpts, cap_gb):
+    t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
+    plan = plan_memory(t, d, request(max_gpu_memory=cap_gb * GB, ctx=8192))
+    assert plan.fits, plan.reason
+    assert 256 <= plan.pass_tokens <= 8192 and plan.device_total <= cap_gb * GB
+
+
+def test_cpu_plan_prefills_the_whole_context_in_one_pass(ckpts):
+    plan = plan_memory(ckpts["llama-3.2-1b"], None, request(device="cpu", dtype="bf16", ram_free=24 * GB, ctx=4096,
+                                                             budget=64, budget_auto=False))
+    assert plan.fits and plan.pass_tokens == 4096
