@@ -42,13 +42,27 @@ AUTO_RAM_FRACTION = 0.8
 CUDA_HEADROOM = 1 << 30   # left free on the GPU for KV cache and activations in "auto"
 
 
+def accelerator_half(device=None) -> torch.dtype:
+    """The 16-bit compute dtype of a CUDA device: bf16 where the GPU has it natively (compute
+    capability 8.0+), else fp16 (Turing, Volta, Pascal emulate bf16 slowly or not at all). The
+    one place where this quirk is decided; without a CUDA device (planning for another machine)
+    bf16."""
+    if not torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:     # older torch: no emulation flag
+        native = torch.cuda.get_device_capability(device)[0] >= 8
+    return torch.bfloat16 if native else torch.float16
+
+
 def resolve_dtype(dtype, config, device: torch.device) -> tuple[torch.dtype, torch.dtype, bool]:
     """(storage dtype of non-quantized params, compute dtype, nf4?); a pre-quantized checkpoint
     with an explicit 16/32-bit dtype computes in that dtype (as transformers would)."""
     if isinstance(dtype, str) and dtype.lower() == "nf4":
         # NF4 linears; everything else (norms, embeddings) and the matmuls in the compute dtype:
         # bf16 on accelerators, fp32 on CPU (CPU bf16 matmuls without AVX512-BF16 are ~25x slower).
-        compute = torch.float32 if device.type == "cpu" else torch.bfloat16
+        compute = torch.float32 if device.type == "cpu" else accelerator_half(device)
         return compute, compute, True
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.float32

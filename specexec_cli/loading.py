@@ -52,9 +52,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto → bf16 on CUDA, fp32 on CPU (CPU bf16 matmuls are slow and less exact)."""
+    """auto → bf16 on CUDA (fp16 on GPUs without native bf16), fp32 on CPU (CPU bf16 matmuls are
+    slow and less exact)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        from offload.loader import accelerator_half
+
+        return accelerator_half(device) if device.type == "cuda" else torch.float32
     if name not in DTYPES:
         raise SpecxError(f"--dtype must be one of auto, {', '.join(DTYPES)}, nf4 (got {name!r})")
     return DTYPES[name]

@@ -30,7 +30,11 @@ def plan_device(name: str) -> str:
 def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "auto") -> tuple[str, str | None]:
     """(target, draft) dtype names: auto = bf16 on CUDA, fp32 on CPU; an nf4 target keeps an auto draft;
     an explicit --draft-dtype wins for the draft (mixed precision)."""
-    auto = "bf16" if device == "cuda" else "fp32"
+    auto = "fp32"
+    if device == "cuda":
+        from offload.loader import accelerator_half
+
+        auto = "bf16" if accelerator_half() == torch.bfloat16 else "fp16"
     if dtype not in ("auto", "bf16", "fp16", "fp32", "nf4"):
         raise SpecxError(f"--dtype must be one of auto, bf16, fp16, fp32, nf4 (got {dtype!r})")
     target = auto if dtype == "auto" else dtype

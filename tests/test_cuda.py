@@ -145,5 +145,8 @@ def test_device_memory_peak_within_plan(big_dir, tmp_path):
     for comp in ("embeddings", "lm_head", "resident_layers", "staging_slots", "draft", "kv_target", "kv_draft"):
         assert models.pool.by_component.get(comp, 0) == plan.device_bytes[comp], comp
     peak = torch.cuda.max_memory_allocated() - base
-    assert peak <= plan.device_total - plan.device_bytes["cuda_context"], (peak, plan.to_json())
+    # The caching allocator rounds every block up to a multiple of 512 bytes (allocated stats
+    # count the rounded size): allow that per counted buffer, plus 2 MiB for transient tensors.
+    slack = 512 * models.pool.count + 2 * 1024**2
+    assert peak <= plan.device_total - plan.device_bytes["cuda_context"] + slack, (peak, slack, plan.to_json())
     models.target.close()

@@ -125,3 +125,28 @@ def test_bench_gpu_without_cuda_exits_with_a_clear_message(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         mod.main()
     assert exc.value.code == 2 and "--smoke" in capsys.readouterr().err
+
+
+def test_auto_dtype_is_fp16_on_gpus_without_native_bf16(monkeypatch):
+    from offload.loader import accelerator_half
+    from specexec_cli.loading import resolve_dtype
+    from specexec_cli.planning import plan_dtypes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, want, name in ((False, torch.float16, "fp16"), (True, torch.bfloat16, "bf16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        assert accelerator_half() == want
+        assert resolve_dtype("auto", torch.device("cuda")) == want
+        assert plan_dtypes("auto", "cuda", True) == (name, name)
+
+
+def test_expandable_segments_are_requested_unless_the_user_chose():
+    from offload.devmem import ALLOC_ENV, configure_allocator
+
+    env = {}
+    assert configure_allocator(env, "linux", "Linux version 6.8") and env[ALLOC_ENV] == "expandable_segments:True"
+    env = {ALLOC_ENV: "max_split_size_mb:128"}
+    assert not configure_allocator(env, "linux", "") and env[ALLOC_ENV] == "max_split_size_mb:128"
+    for platform, version in (("win32", ""), ("linux", "Linux version 5.15 microsoft-standard-WSL2")):
+        env = {}
+        assert not configure_allocator(env, platform, version) and env == {}
