@@ -6,47 +6,16 @@ Contract:
   library made on the device via `adopt` (each storage once), dropped buffers via `free`.
 - Every buffer it hands out starts on a 256-byte boundary (hostmem.ARENA_ALIGN) on CPU as on
   CUDA (whose allocator aligns to 512), so views carved at aligned offsets stay aligned.
-- `configure_allocator()` (called by the CLI before CUDA starts) turns on expandable segments.
 Host pinning lives in hostmem.py; nothing here reads files.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .hostmem import ARENA_ALIGN, aligned_empty
-
-
-ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-
-
-def configure_allocator(environ=None, platform: str | None = None, proc_version: str | None = None) -> bool:
-    """Ask torch's CUDA caching allocator for expandable segments before CUDA initialises.
-
-    The streamed regime allocates and frees pass-sized activations between long-lived slots,
-    caches and pinned layers; with fixed segments that churn fragments the card until a 24 GB plan
-    meets an OOM with gigabytes "reserved but unallocated". Expandable segments map physical
-    pages into one growing virtual range instead. Left alone when the user set the variable, and
-    off on Windows/WSL, where torch does not support them (and would warn). Returns True when set.
-    """
-    import sys
-
-    environ = os.environ if environ is None else environ
-    platform = sys.platform if platform is None else platform
-    if proc_version is None:
-        try:
-            proc_version = open("/proc/version").read()
-        except OSError:
-            proc_version = ""
-    if ALLOC_ENV in environ or "PYTORCH_ALLOC_CONF" in environ:
-        return False
-    if platform != "linux" or "microsoft" in proc_version.lower():
-        return False
-    environ[ALLOC_ENV] = "expandable_segments:True"
-    return True
 
 
 class DevicePool:

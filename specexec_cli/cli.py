@@ -355,7 +355,7 @@ def main() -> None:
     # optional CPU kernel package it cannot download; not the user's concern.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     display.route_offload_notices()
-    from offload.devmem import configure_allocator
+    from specexec_cli.allocator import configure_allocator
 
     configure_allocator()   # before anything touches CUDA
     try:

@@ -84,6 +84,10 @@ class SlabLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.keys.shape[-2] if self.is_initialized else -1
 
+    def get_max_cache_shape(self) -> int:
+        """-1: a growing cache, as DynamicLayer says (abstract in transformers < 5.2x)."""
+        return -1
+
     def reset(self) -> None:
         self.length = 0
 

@@ -141,10 +141,11 @@ def test_auto_dtype_is_fp16_on_gpus_without_native_bf16(monkeypatch):
 
 
 def test_expandable_segments_are_requested_unless_the_user_chose():
-    from offload.devmem import ALLOC_ENV, configure_allocator
+    from specexec_cli.allocator import ALLOC_ENV, configure_allocator
 
     env = {}
-    assert configure_allocator(env, "linux", "Linux version 6.8") and env[ALLOC_ENV] == "expandable_segments:True"
+    assert configure_allocator(env, "linux", "Linux version 6.8")
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}   # torch 2.13's name
     env = {ALLOC_ENV: "max_split_size_mb:128"}
     assert not configure_allocator(env, "linux", "") and env[ALLOC_ENV] == "max_split_size_mb:128"
     for platform, version in (("win32", ""), ("linux", "Linux version 5.15 microsoft-standard-WSL2")):

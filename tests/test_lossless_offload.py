@@ -177,7 +177,9 @@ def cli_run(prompt, target, draft, dtype, offload, method, stats, extra=()):
 
 
 def cli_auto_budgets(target, draft, dtype) -> tuple[str, ...]:
-    """--max-gpu-memory one byte short of the all-resident plan: auto keeps a prefix resident and streams the rest."""
+    """--max-gpu-memory one byte short of the all-resident plan: auto keeps a prefix resident and streams the rest.
+    (A tighter cap may first shrink the prefill chunk, which can let every layer stay resident: then
+    go one byte short of that plan, until something streams.)"""
     from specexec_cli.planning import make_plan
 
     def plan(**caps):
@@ -186,6 +188,11 @@ def cli_auto_budgets(target, draft, dtype) -> tuple[str, ...]:
 
     cap = plan().device_total - 1
     p = plan(max_gpu_memory=cap)
+    for _ in range(4):
+        if p.ram_layers or p.disk_layers:
+            break
+        cap = p.device_total - 1
+        p = plan(max_gpu_memory=cap)
     assert p.fits and p.resident and (p.ram_layers or p.disk_layers), (p.resident, p.ram_layers, p.disk_layers)
     return ("--max-gpu-memory", str(cap))
 

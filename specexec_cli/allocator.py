@@ -1,0 +1,49 @@
+"""CUDA caching-allocator settings, applied by the CLI before anything imports torch.
+
+Contract: `configure_allocator()` sets PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF before torch
+2.9) to expandable_segments:True in the process environment unless the user set an allocator configuration, or the platform (Windows,
+WSL) does not support it. Imports nothing heavy: `specx --help` must not load torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"   # torch < 2.9
+NEW_ENV = "PYTORCH_ALLOC_CONF"          # torch >= 2.9: the device-generic name (the old one still read)
+
+
+def _env_name() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("torch").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return ALLOC_ENV
+    return NEW_ENV if (major, minor) >= (2, 9) else ALLOC_ENV
+
+
+def configure_allocator(environ=None, platform: str | None = None, proc_version: str | None = None) -> bool:
+    """Ask torch's CUDA caching allocator for expandable segments before CUDA initialises.
+
+    The streamed regime allocates and frees pass-sized activations between long-lived slots,
+    caches and pinned layers; with fixed segments that churn fragments the card until a 24 GB plan
+    meets an OOM with gigabytes "reserved but unallocated". Expandable segments map physical
+    pages into one growing virtual range instead. Left alone when the user set the variable, and
+    off on Windows/WSL, where torch does not support them (and would warn). Returns True when set.
+    """
+    import sys
+
+    environ = os.environ if environ is None else environ
+    platform = sys.platform if platform is None else platform
+    if proc_version is None:
+        try:
+            proc_version = open("/proc/version").read()
+        except OSError:
+            proc_version = ""
+    if ALLOC_ENV in environ or NEW_ENV in environ:
+        return False
+    if platform != "linux" or "microsoft" in proc_version.lower():
+        return False
+    environ[_env_name()] = "expandable_segments:True"
+    return True
