@@ -62,12 +62,13 @@ class TableLM(torch.nn.Module):
         keys, _ = past_key_values.update(kv, kv, 0)
         keys = keys[0, 0].numpy().astype(np.int64)  # (S, 2) every cached (token, position), new rows last
         n_cols = keys.shape[0]
-        if attention_mask is None:
-            raise MaskError("the engine must pass an explicit 4-D mask")
-        mask = attention_mask[0, 0]
-        if tuple(mask.shape) != (n_new, n_cols):
-            raise MaskError(f"mask shape {tuple(mask.shape)} != ({n_new}, {n_cols})")
-        visible = (mask > torch.finfo(mask.dtype).min / 2).numpy()  # (T, S) bool
+        if attention_mask is None:   # the plain causal path (prefill): row i sees columns [0, past + i]
+            visible = np.arange(n_cols)[None] <= (n_cols - n_new + np.arange(n_new))[:, None]
+        else:
+            mask = attention_mask[0, 0]
+            if tuple(mask.shape) != (n_new, n_cols):
+                raise MaskError(f"mask shape {tuple(mask.shape)} != ({n_new}, {n_cols})")
+            visible = (mask > torch.finfo(mask.dtype).min / 2).numpy()  # (T, S) bool
         # onehot[s, p]: column s holds position p; counts[i, p]: visible columns of row i at position p
         onehot = np.zeros((n_cols, int(keys[:, 1].max()) + 2), dtype=np.int64)
         onehot[np.arange(n_cols), keys[:, 1]] = 1
