@@ -239,7 +239,7 @@ def time_draft(models, budgets: list[int], beams: int = 32, max_depth: int = 64)
     ids = (models.tokenizer(SAMPLE_CODE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
     ctx = len(ids) - 1
     cache = kvcache.new_cache()
-    kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype, m.device))
+    kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype, d.device))
     toks = torch.tensor((ids * 4)[:beams])
 
     def step():
