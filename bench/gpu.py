@@ -5,15 +5,19 @@ Contract (run by hand, on a machine with CUDA; `--smoke` runs a tiny version on 
    64 heads, 8 KV heads, bf16, random weights, std 0.02) with the embedded demo pair's 8192-token
    vocabulary and tokenizer, as many layers as --layers, the free disk (80%) and RAM allow; it
    is reused when its config matches.
-2. Measures pinned host-to-device bandwidth (1 GiB pinned buffer, CUDA events, best of 5;
-   on CPU: a host memcpy).
+2. Measures pinned host-to-device bandwidth (1 GiB pinned buffer, CUDA events, the MEDIAN of 5
+   copies; on CPU: a host memcpy) and, when layers stream from disk, the disk's O_DIRECT read
+   bandwidth over the checkpoint's layer files (median of 3 reads of up to 2 GiB).
 3. Loads the target with every layer streamed (RAM tier when the layers fit 70% of free RAM,
-   else disk) and times a forward of n tokens for n in --tokens (best of --repeats):
-   floor = streamed bytes per pass / pinned bandwidth; ratio = pass / floor.
+   else disk) and times a forward of n tokens for n in --tokens: the MEDIAN of --repeats passes
+   (the minimum is reported beside it; a best-of figure alone is biased low). floor = streamed
+   bytes per pass / the bandwidth of the slowest tier on the path (PCIe for the RAM tier,
+   min(disk, PCIe) for the disk tier), from the same median estimator; ratio = pass / floor.
 4. Generates --max-new-tokens with `ar` and with `specexec` (demo draft, --budget) from the same
-   prompt and reports both tok/s side by side. Random target weights make the draft's acceptance
-   near zero, so this row measures specexec's overhead on this machine, NOT its speedup; pass
-   --target/--draft (a real pair) for that.
+   prompt and reports both tok/s side by side, on a plan capped at --max-gpu-memory (default
+   24GB) so that layers stream even on an 80 GB card. Random target weights make the draft's
+   acceptance near zero, so this row measures specexec's overhead on this machine, NOT its
+   speedup; pass --target/--draft (a real pair) for that.
 Writes JSON (--out) and prints a short table.
 
     python bench/gpu.py --out gpu.json                    # CUDA
@@ -26,6 +30,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -92,43 +97,80 @@ def write_checkpoint(out: Path, shape: dict, layers: int, device: torch.device) 
 
 
 def link_gbps(device: torch.device) -> float:
-    """Pinned host->device GB/s (CPU: host memcpy), best of 5 copies of 1 GiB (smoke: 64 MiB)."""
+    """Pinned host->device GB/s (CPU: host memcpy): 1 GiB (smoke: 64 MiB) / the median of 5 timed
+    copies after one warm-up."""
     n = (1 << 30) if device.type == "cuda" else (64 << 20)
     src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dst = torch.empty(n, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(6):
-        t = timed(lambda: dst.copy_(src, non_blocking=True), device)
-        best = min(best, t)
-    return n / best / 1e9
+    dst.copy_(src, non_blocking=True)
+    times = [timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(5)]
+    return n / statistics.median(times) / 1e9
 
 
-def pass_rows(path: Path, device: torch.device, tokens: list[int], repeats: int, gbps: float) -> tuple[list, str]:
+def disk_gbps(path: Path, limit: int = 2 << 30) -> float:
+    """O_DIRECT read GB/s of the checkpoint's layer files (what the disk tier reads): the median
+    of 3 sequential passes over up to `limit` bytes, 64 MiB requests, page cache bypassed."""
+    import time
+
+    from offload.storage import IO_ALIGN, DirectReader, Span, aligned_empty
+
+    chunk = 64 << 20
+    buf, reader = aligned_empty(chunk), DirectReader()
+    spans, total = [], 0
+    for f in sorted(path.glob("layer-*.safetensors")):
+        size = f.stat().st_size // IO_ALIGN * IO_ALIGN
+        for off in range(0, size, chunk):
+            n = min(chunk, size - off, limit - total)
+            if n <= 0:
+                break
+            spans.append(Span(f, off, n, n, 0))
+            total += n
+    times = []
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for span in spans:
+                reader.read_span(span, buf)
+            times.append(time.perf_counter() - t0)
+    finally:
+        reader.close()
+    return total / statistics.median(times) / 1e9 if total else float("inf")
+
+
+def pass_rows(path: Path, device: torch.device, tokens: list[int], repeats: int, gbps: float,
+              force: str = "auto") -> tuple[list, str, dict]:
+    """Median pass time per n over every-layer-streamed passes; floor from the slowest tier's GB/s."""
     from offload import OffloadedCausalLM
 
     layer_bytes = sum(math.prod(s) for s in layer_tensors(json.loads((path / "config.json").read_text())).values())
     n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    in_ram = 2 * layer_bytes * n_layers < 0.7 * psutil.virtual_memory().available
+    in_ram = 2 * layer_bytes * n_layers < 0.7 * psutil.virtual_memory().available if force == "auto" else force == "ram"
     kw = dict(max_device_memory=0) if in_ram else dict(max_device_memory=0, max_host_memory=0)
-    model = OffloadedCausalLM.from_pretrained(path, device=device, dtype="bf16", offload="ram" if in_ram else "disk",
-                                              **kw)
+    tier = dict(tier="ram" if in_ram else "disk", link_gbps=gbps)
+    if not in_ram:
+        tier["disk_gbps"] = disk_gbps(path)
+    floor_gbps = tier["floor_gbps"] = gbps if in_ram else min(gbps, tier["disk_gbps"])
+    model = OffloadedCausalLM.from_pretrained(path, device=device, dtype="bf16", offload=tier["tier"], **kw)
     rows = []
     try:
         with torch.no_grad():
             for n in tokens:
                 x = torch.randint(0, model.config.vocab_size, (1, n), device=device)
                 model(input_ids=x)   # warm-up at this size
-                best = min(timed(lambda: model(input_ids=x), device) for _ in range(repeats))
-                floor = model.stats.streamed_bytes_per_pass / (gbps * 1e9)
-                rows.append(dict(tokens=n, pass_seconds=best, floor_seconds=floor, ratio=best / floor))
-                print(f"n={n:5d} pass {1000 * best:8.1f} ms  floor {1000 * floor:8.1f} ms  ratio {best / floor:5.2f}",
-                      file=sys.stderr)
-        return rows, model.plan.describe()
+                times = [timed(lambda: model(input_ids=x), device) for _ in range(repeats)]
+                med = statistics.median(times)
+                floor = model.stats.streamed_bytes_per_pass / (floor_gbps * 1e9)
+                rows.append(dict(tokens=n, pass_seconds=med, pass_seconds_min=min(times), floor_seconds=floor,
+                                 ratio=med / floor))
+                print(f"n={n:5d} pass {1000 * med:8.1f} ms (min {1000 * min(times):8.1f})  floor {1000 * floor:8.1f} ms"
+                      f"  ratio {med / floor:5.2f}", file=sys.stderr)
+        return rows, model.plan.describe(), tier
     finally:
         model.close()
 
 
-def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_tokens: int) -> list[dict]:
+def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_tokens: int,
+                max_gpu: int | None) -> list[dict]:
     from dataclasses import replace
 
     from specexec_cli.draft import TreeShape
@@ -137,10 +179,14 @@ def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_
     from specexec_cli.planning import make_plan
 
     shape = TreeShape(budget=budget, max_depth=32)
-    opts = LoadOptions(target=target, draft=draft, dtype="bf16", device=device.type, offload="auto", ctx=2048)
+    opts = LoadOptions(target=target, draft=draft, dtype="bf16", device=device.type, offload="auto", ctx=2048,
+                       max_gpu_memory=max_gpu if device.type == "cuda" else None)
     plan = make_plan(opts, shape, budget_auto=False)
     if not plan.fits:
         raise SystemExit(f"bench/gpu.py: {plan.reason}")
+    if device.type == "cuda" and not (plan.ram_layers or plan.disk_layers):
+        print("bench/gpu.py: note: every layer fits under --max-gpu-memory; the decode rows do not stream",
+              file=sys.stderr)
     models = load_models(replace(opts, plan=plan))
     ids = encode_prompt(models.tokenizer, "def fibonacci(n):\n", False)
     rows = []
@@ -162,8 +208,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--target", help="real target for the ar/specexec rows (default: the synthetic one)")
     ap.add_argument("--draft", default=str(DEMO / "draft"))
+    ap.add_argument("--max-gpu-memory", default="24GB",
+                    help="cap for the decode rows' plan, so that layers stream even on a large card")
+    ap.add_argument("--tier", choices=["auto", "ram", "disk"], default="auto",
+                    help="where the streamed layers live for the pass rows (auto: RAM when they fit 70%% of it)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, runs on CPU")
     args = ap.parse_args()
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its optional-CPU-kernel notice
     if not torch.cuda.is_available() and not args.smoke:
         print("bench/gpu.py: no CUDA device here; run it on a GPU machine, or pass --smoke for a tiny CPU run",
               file=sys.stderr)
@@ -175,14 +228,18 @@ def main() -> None:
     write_checkpoint(ckpt, shape, layers, device)
     gbps = link_gbps(device)
     tokens = [int(t) for t in args.tokens.split(",")]
-    passes, placement = pass_rows(ckpt, device, tokens, args.repeats, gbps)
-    decode = decode_rows(args.target or str(ckpt), args.draft, device, args.budget, args.max_new_tokens)
+    passes, placement, tier = pass_rows(ckpt, device, tokens, args.repeats, gbps, args.tier)
+    from offload import parse_size
+
+    cap = parse_size(args.max_gpu_memory)
+    decode = decode_rows(args.target or str(ckpt), args.draft, device, args.budget, args.max_new_tokens, cap)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", layers=layers,
-                  shape=shape, link_gbps=gbps, placement=placement, passes=passes, decode=decode,
-                  synthetic_target=args.target is None)
+                  shape=shape, placement=placement, passes=passes, decode=decode,
+                  synthetic_target=args.target is None, estimator="median", max_gpu_memory=cap, **tier)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{result['device']} · {layers} layers · link {gbps:.1f} GB/s · {placement}")
-    print(f"{'tokens':>7} {'pass ms':>9} {'floor ms':>9} {'ratio':>6}")
+    print(f"{'tokens':>7} {'pass ms':>9} {'floor ms':>9} {'ratio':>6}   (median of {args.repeats}; floor at "
+          f"{tier['floor_gbps']:.2f} GB/s, the {tier['tier']} tier's slowest link)")
     for r in passes:
         print(f"{r['tokens']:>7} {1000 * r['pass_seconds']:>9.1f} {1000 * r['floor_seconds']:>9.1f} {r['ratio']:>6.2f}")
     print("  ".join(f"{r['method']}: {r['tps']:.2f} tok/s" for r in decode)
