@@ -151,7 +151,8 @@ def chat(
     with user_errors():
         paths.check_output_file(stats_json, "--stats-json")
         from specexec_cli.calprobe import pair_prior
-        from specexec_cli.chat import ChatSession, run_chat
+        from specexec_cli.chat import ChatSession
+        from specexec_cli.chat_repl import run_chat
         from specexec_cli.methods.common import with_settings
 
         opts, plan, cfg = flags.plan(flags.config())
