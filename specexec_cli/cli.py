@@ -181,6 +181,31 @@ def chat(
     raise typer.Exit(code)
 
 
+SERVER = "Server"
+Host = Annotated[str, typer.Option(metavar="ADDR", rich_help_panel=SERVER, help="Address to listen on (0.0.0.0 = every interface; use --api-key there).")]
+Port = Annotated[int, typer.Option(metavar="N", rich_help_panel=SERVER, help="TCP port.")]
+ModelName = Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=SERVER, help="Model id in /v1/models and responses. Default: the target's name.")]
+ApiKey = Annotated[Optional[str], typer.Option(metavar="KEY", envvar="SPECX_API_KEY", show_envvar=True, show_default=False, rich_help_panel=SERVER, help="Require 'Authorization: Bearer KEY' on every route but /health.")]
+MaxQueue = Annotated[int, typer.Option(metavar="N", rich_help_panel=SERVER, help="Requests that may wait while one generates; past it, 429 with Retry-After.")]
+Cors = Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", show_default=False, rich_help_panel=SERVER, help="Allow browser pages from ORIGIN (repeatable; * = any). Default: no CORS.")]
+
+
+@app.command(cls=Command)
+@model_flags
+def serve(
+    host: Host = "127.0.0.1", port: Port = 8000, model_name: ModelName = None, api_key: ApiKey = None,
+    max_queue: MaxQueue = 8, cors: Cors = None, system: System = None, *, flags: ModelFlags,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) with a chat page at /."""
+    with user_errors():
+        from specexec_cli.serve.server import ServeOptions, run_server
+
+        options = ServeOptions(host=host, port=port, model_name=model_name, api_key=api_key, max_queue=max_queue,
+                               cors=list(cors or []), system=system)  # fmt: skip
+        code = run_server(flags, options)
+    raise typer.Exit(code)
+
+
 @app.command(cls=Command)
 def profile(
     target: Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Also time this target's forward, t_target(n).")] = None,
