@@ -118,10 +118,10 @@ def run_server(flags, o: ServeOptions) -> int:
     if flags.dry_run:
         show_plan(plan, None)
         return 0
-    sock = bind(o.host, o.port)
     if not is_loopback(o.host) and not o.api_key:
         display.print_notice(f"warning: listening on {o.host} without --api-key: anyone who can reach this "
                              "port can use the model; pass --api-key KEY (or set SPECX_API_KEY)")  # fmt: skip
+    sock = bind(o.host, o.port)
     quiet_warnings()
     return serve_on(sock, flags, o, opts, plan, cfg)
 
