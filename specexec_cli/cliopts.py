@@ -53,11 +53,11 @@ class ModelFlags:
 
     def config(self):
         """The validated GenerationConfig (unset sampling values neutral until `plan` fills them)."""
-        from specexec_cli.methods.common import flag_options, with_settings
-
         cfg = generation_config(self.method, self.budget, self.max_depth, self.max_beams, self.max_branch,
                                 self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed,
                                 self.device)  # fmt: skip
+        from specexec_cli.methods.common import flag_options, with_settings  # after: a bad flag never loads torch
+
         return with_settings(cfg, **flag_options(self.gamma, self.branching, self.profile))
 
     def plan(self, cfg):
