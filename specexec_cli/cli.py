@@ -20,8 +20,11 @@ import typer
 # Start-up contract: importing this module (and so `specx --help`, `--version` and every argument
 # error) loads typer and rich only. torch/transformers are imported inside the command bodies.
 from specexec_cli import __version__, display, paths
-from specexec_cli.cliflags import *  # noqa: F401,F403 - the flag declarations (Target, Draft, ...)
-from specexec_cli.cliflags import MODELS, OUTPUT, model_flags
+from specexec_cli.cliflags import (  # the flag declarations
+    AllowPickle, Branching, Color, Ctx, DECODING, Device, Draft, DraftDtype, Dtype, Embeddings, Gamma,
+    MODELS, MaxDepth, MaxGpu, MaxNew, MaxRam, NoLive, NoTemplate, OUTPUT, Offload, ProfileOpt, Seed, StatsJson,
+    Target, TrustRemote, model_flags,
+)
 from specexec_cli.cliopts import (  # noqa: F401 - DEMO_DIR and the helpers are part of cli's API
     DEMO_DIR, ModelFlags, config_record, decode_to_stdout, generation_config, hardware_fit, live_enabled, load_for_cli,
     load_planned, plan_for_cli, prompt_text, show_plan,

@@ -145,7 +145,8 @@ def test_full_queue_is_429_with_retry_after(server):
 def test_bad_flags_are_one_line(tmp_path):
     runner = CliRunner()
     for args, text in ((["--port", "70000"], "--port"), (["--max-queue", "-1"], "--max-queue"),
-                       (["--cors", "example.test"], "--cors"), (["--target", str(tmp_path / "none"), "--method", "ar"], "--target")):
+                       (["--cors", "example.test"], "--cors"),
+                       (["--target", str(tmp_path / "none"), "--method", "ar"], "--target")):
         res = runner.invoke(app, ["serve", *args])
         assert res.exit_code == 2 and text in res.stderr and "Traceback" not in res.stderr, (args, res.stderr)
 

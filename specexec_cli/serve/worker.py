@@ -256,5 +256,6 @@ class Worker:
             return
         parts.append(text)
         live = {"tokens_per_pass": round(stats.tokens_per_pass, 3), "target_passes": stats.target_passes,
-                "tokens_per_second": round(stats.tokens_per_second, 2) if stats.target_passes else 0.0, "completion_tokens": stats.new_tokens}
+                "tokens_per_second": round(stats.tokens_per_second, 2) if stats.target_passes else 0.0,
+                "completion_tokens": stats.new_tokens}
         job.emit(Delta(text, spans(mask), live))
