@@ -137,7 +137,7 @@ def run(
             close_models(models)  # stop the prefetch thread, close files (also on Ctrl-C and errors)
 
 
-System = Annotated[Optional[str], typer.Option(metavar="TEXT", rich_help_panel=MODELS, help="System prompt for the conversation.")]
+System = Annotated[Optional[str], typer.Option(metavar="TEXT", rich_help_panel=MODELS, help="System prompt for the conversation (serve: for requests that send none).")]
 TurnStats = Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Append one JSON line of statistics per turn to this file.")]
 
 

@@ -186,7 +186,10 @@ class Worker:
 
         session = self.session
         if work.messages is not None:
-            ids, param = session.conversation_ids(work.messages), "messages"
+            messages = work.messages
+            if session.system and not any(m["role"] == "system" for m in messages):  # specx serve --system
+                messages = [{"role": "system", "content": session.system}, *messages]
+            ids, param = session.conversation_ids(messages), "messages"
         else:
             ids, param = encode_prompt(session.models.tokenizer, work.prompt, False), "prompt"
         if not ids:
