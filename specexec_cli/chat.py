@@ -1,7 +1,8 @@
-"""Interactive and scripted multi-turn chat over one DecodeState (KV caches reused across turns).
+"""A multi-turn conversation over one DecodeState (KV caches reused across turns and requests).
 
 Contract: `ChatSession` owns the conversation (messages, one `engine.DecodeState`, the sampling RNG
-and an optional `budget.BudgetTuner`). Each turn prefills only tokens not already in the caches:
+and an optional `budget.BudgetTuner`); `specx chat` (chat_repl.py) and `specx serve` (serve/) both
+decode through it. Each turn prefills only tokens not already in the caches:
 - with a chat template, the whole conversation is rendered and tokenized, and the suffix after the
   longest common prefix with the committed ids is prefilled; if the rendering diverges from the
   committed ids (re-tokenized reply, template quirks) the caches are cropped to the divergence
@@ -10,41 +11,30 @@ and an optional `budget.BudgetTuner`). Each turn prefills only tokens not alread
   never in either cache, so this is free);
 - `code=True` (a code model such as the demo pair): each turn is code to continue — the message
   and a newline are appended to the conversation as they are, and the reply continues them.
-`run_chat` is the read–eval loop (commands, multi-line input, Ctrl-C handling) and takes plain
-callables for input, stdout text, stderr notices and the live view, so it imports neither typer
-nor rich. Ctrl-C during a reply stops after the current target pass (a second Ctrl-C interrupts at
-once; the caches are then cropped back to the committed ids) and keeps the partial reply.
+A server gets whole conversations (or prompts) per request: `conversation_ids` renders one the same
+way, `prefill_ids` rewinds to the common prefix, and `decode` streams the events with per-request
+settings; `StopScanner` ends a reply at a stop string. Ctrl-C during a chat reply stops after the
+current target pass (a second Ctrl-C interrupts at once; the caches are then cropped back to the
+committed ids) and keeps the partial reply.
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 import torch
 
 from specexec_cli import kvcache
-from specexec_cli.engine import ContextOverflow, DecodeState, GenerationConfig
+from specexec_cli.engine import DecodeState, GenerationConfig, StepEvent
 from specexec_cli.methods import generate
-from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
+from specexec_cli.errors import SpecxError, is_oom, write_output
 from specexec_cli.interrupts import StopFlag, interrupt_guard
 from specexec_cli.sampling import validate
 from specexec_cli.stats import RunStats
-
-HELP = """commands:
-  /help                 this list
-  /clear                forget the conversation (and the KV caches)
-  /save FILE            write the conversation as JSON
-  /set NAME VALUE       temperature, top_p, top_k, budget (N or auto), max_new_tokens, seed
-  /stats                session totals
-  /exit                 leave (also Ctrl-D)
-  \"\"\" ... \"\"\"            multi-line message
-Up/Down recall earlier messages. Ctrl-C stops a reply (the partial reply is kept);
-Ctrl-C at the prompt clears the line."""
 
 SETTINGS = ("temperature", "top_p", "top_k", "budget", "max_new_tokens", "seed")
 
@@ -120,17 +110,45 @@ class ChatSession:
         """The ids to prefill for the new user turn (rewinding the state if the rendering diverged)."""
         if not self.templated:
             return self._plain(text)
-        full = self._render(messages)
+        return self.prefill_ids(self._render(messages))
+
+    def conversation_ids(self, messages: list[dict]) -> list[int]:
+        """A whole conversation (ending in a user turn) as ids ready for the assistant's reply:
+        the chat template, else the text the turn-by-turn formats build (`plain_prompt`)."""
+        if self.templated:
+            return self._render(messages)
+        return list(self.models.tokenizer(plain_prompt(messages, self.code))["input_ids"])
+
+    def prefill_ids(self, full: list[int]) -> list[int]:
+        """Rewind the state to the longest common prefix of `full` and the committed ids; returns
+        the ids still to prefill (at least one: the last prompt token's logits start the reply)."""
         keep = min(common_prefix(full, self.state.ids), len(full) - 1)
         if keep < len(self.state.ids):
             rewind(self.state, keep)
         return full[keep:]
 
     # -- one reply --------------------------------------------------------------------------------
-    def _events(self, ids: list[int]):
+    def _events(self, ids: list[int], cfg: GenerationConfig, gen: torch.Generator):
         if self.tuner is not None:
-            return self.tuner.drive(self.models, self.state, ids, self.cfg, self.gen)
-        return generate(self.models, self.state, ids, self.cfg, self.gen)
+            return self.tuner.drive(self.models, self.state, ids, cfg, gen)
+        return generate(self.models, self.state, ids, cfg, gen)
+
+    def decode(self, ids: list[int], cfg: GenerationConfig | None = None,
+               gen: torch.Generator | None = None) -> Iterator[StepEvent]:
+        """The engine's events for a reply to `ids` (prefilled on top of the state), with the session's
+        or the given settings and RNG. Closing it between events leaves the caches consistent; an
+        error or interrupt mid-pass crops them back to the committed ids.
+        Raises ContextOverflow (state unchanged) on the first event when the prompt does not fit."""
+        events = self._events(ids, cfg or self.cfg, gen if gen is not None else self.gen)
+        try:
+            yield from events
+        except GeneratorExit:   # closed between events: the caches are consistent
+            raise
+        except BaseException:
+            rewind(self.state, len(self.state.ids))   # drop cache rows of the unfinished pass
+            raise
+        finally:
+            events.close()
 
     def reply(self, text: str, write: Callable[[str], None], view=None) -> RunStats:
         """Generate the assistant's reply to `text`, streaming it through `write`.
@@ -142,7 +160,7 @@ class ChatSession:
         stats = RunStats(config=self.config_record(self.cfg))
         out_ids: list[int] = []
         shown: list[str] = []   # text already written (the detokenizer may hold back a tail)
-        events = self._events(ids)
+        events = self.decode(ids)
         try:
             with interrupt_guard(self.flag):
                 for ev in events:
@@ -255,103 +273,49 @@ def _float(name: str, value: str) -> float:
         raise SpecxError(f"/set {name} needs a number (got {value!r})") from None
 
 
-def read_message(read_line: Callable[[str], str], first: str) -> str:
-    """A line, or a \"\"\"-fenced block spanning several lines (fences may carry text)."""
-    if not first.lstrip().startswith('"""'):
-        return first
-    body = first.lstrip()[3:]
-    if body.rstrip().endswith('"""') and body.strip():
-        return body.rstrip()[:-3]
-    lines = [body] if body else []
-    while True:
-        line = read_line("... ")
-        if line.rstrip().endswith('"""'):
-            lines.append(line.rstrip()[:-3])
-            return "\n".join(x for x in lines if x is not None).strip("\n")
-        lines.append(line)
+def plain_prompt(messages: list[dict], code: bool) -> str:
+    """A conversation without a chat template, as `ChatSession._plain` builds it turn by turn:
+    code mode joins the messages as code (each user message on lines of its own); otherwise a
+    system prompt, then "User: …\nAssistant:" turns with the replies after them."""
+    text = ""
+    for msg in messages:
+        role, content = msg["role"], msg["content"]
+        if role == "assistant":
+            text += content
+        elif code:
+            text += ("" if not text or text.endswith("\n") else "\n") + content + "\n"
+        elif role == "system":
+            text += f"{content}\n\n"
+        else:
+            text += ("\n" if text and not text.endswith("\n\n") else "") + f"User: {content}\nAssistant:"
+    return text
 
 
-def command(session: ChatSession, line: str, info: Callable[[str], None]) -> bool:
-    """Run a /command; returns False for /exit."""
-    name, _, arg = line[1:].strip().partition(" ")
-    arg = arg.strip()
-    if name in ("exit", "quit"):
-        return False
-    if name == "help":
-        info(HELP)
-    elif name == "clear":
-        session.clear()
-        info("conversation cleared")
-    elif name == "save" and arg:
-        info(session.save(arg))
-    elif name == "set" and len(arg.split()) == 2:
-        info(session.set_option(*arg.split()))
-    elif name == "set" and not arg:
-        info(", ".join(f"{k} = {v}" for k, v in session.settings().items()))
-    elif name == "stats":
-        info(session.summary())
-    elif name in ("save", "set"):
-        info(f"usage: /{name} {'FILE' if name == 'save' else 'NAME VALUE'} (see /help)")
-    else:
-        info(f"unknown command /{name}; type /help for the list")
-    return True
+class StopScanner:
+    """Ends a reply at the first of `stops` (strings): feed it the streamed text, get back the text
+    that is safe to show. A tail that could still become a stop string is held back until it
+    cannot; `stopped` turns true once one is found (the stop string itself is never shown)."""
 
+    def __init__(self, stops: list[str] | None = None):
+        self.stops = [s for s in (stops or []) if s]
+        self.pending = ""
+        self.stopped = False
 
-def run_chat(session: ChatSession, read_line: Callable[[str], str], write: Callable[[str], None],
-             info: Callable[[str], None], view_factory: Callable[[], object] = nullcontext,
-             stats_json: Path | None = None, prompt: str = "") -> int:
-    """The chat loop. Returns the exit code (0); EOF, /exit and Ctrl-C at the prompt all end it."""
-    try:
-        while True:
-            try:
-                line = read_line(prompt)
-            except (EOFError, KeyboardInterrupt):
-                break
-            if not line.strip():
-                continue
-            if line.startswith("/"):
-                try:
-                    if not command(session, line, info):
-                        break
-                except SpecxError as exc:
-                    info(f"error: {exc}")
-                continue
-            try:
-                text = read_message(read_line, line)
-            except (EOFError, KeyboardInterrupt):
-                break
-            turn(session, text, write, info, view_factory, stats_json)
-    finally:
-        info(session.summary())
-    return 0
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        if self.stopped:
+            return ""
+        buf = self.pending + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self.pending = True, ""
+            return buf[:cut]
+        hold = max((n for s in self.stops for n in range(1, len(s)) if buf.endswith(s[:n])), default=0)
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold]
 
-
-def turn(session: ChatSession, text: str, write, info, view_factory, stats_json: Path | None) -> None:
-    """One user turn: stream the reply, end it with a newline, log the stats line."""
-    ended = [True]
-
-    def out(chunk: str) -> None:
-        write(chunk)
-        ended[0] = chunk.endswith("\n")
-
-    try:
-        with view_factory() as view:
-            stats = session.reply(text, out, view)
-    except ContextOverflow as exc:
-        info(f"error: the conversation no longer fits: {exc}. Type /clear to start a new one.")
-        return
-    if not ended[0] or not stats.token_ids:
-        write("\n")
-    if stats.finish == "interrupted":
-        info("(reply stopped; the partial reply is kept)")
-    elif stats.finish == "oom":
-        err = oom_error(None, session.cfg.shape.budget, session.models.ctx_limit)
-        info(f"error: {err} (the partial reply is kept; /set budget N lowers it here)")
-    elif stats.finish == "context":
-        info("the context window is full; type /clear to start a new conversation")
-    if stats_json is not None:
-        try:
-            with open(stats_json, "a") as f:
-                f.write(json.dumps(session.turn_record(stats)) + "\n")
-        except OSError as exc:
-            info(f"error: cannot append to {stats_json} ({exc.strerror})")
+    def flush(self) -> str:
+        """The held-back tail once the reply ended without a stop string."""
+        tail, self.pending = ("" if self.stopped else self.pending), ""
+        return tail

@@ -1,6 +1,6 @@
 """Reading chat input: a line editor with persistent history on a terminal, plain lines when piped.
 
-Contract: both readers are callables `read(prompt) -> str` for `chat.run_chat`; EOFError ends the
+Contract: both readers are callables `read(prompt) -> str` for `chat_repl.run_chat`; EOFError ends the
 chat. `terminal_reader()` uses prompt_toolkit: Emacs-style line editing, Up/Down recall from a
 history file kept across sessions in `paths.state_dir()/chat_history`, Ctrl-C clears the line
 and prompts again (never exits), Ctrl-D on an empty line raises EOFError. When stdout is not a

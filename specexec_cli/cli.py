@@ -1,4 +1,4 @@
-"""The `specx` command line (typer). The only module that imports typer.
+"""The `specx` command line (typer). With cliflags.py (the flag declarations), the only typer importer.
 
 Contract: parses flags into `LoadOptions` / `GenerationConfig`, loads models, drives
 `engine.generate`, streams generated text to stdout and statistics to stderr (via display.py).
@@ -20,8 +20,13 @@ import typer
 # Start-up contract: importing this module (and so `specx --help`, `--version` and every argument
 # error) loads typer and rich only. torch/transformers are imported inside the command bodies.
 from specexec_cli import __version__, display, paths
+from specexec_cli.cliflags import (  # the flag declarations
+    AllowPickle, Branching, Color, Ctx, DECODING, Device, Draft, DraftDtype, Dtype, Embeddings, Gamma,
+    MODELS, MaxDepth, MaxGpu, MaxNew, MaxRam, NoLive, NoTemplate, OUTPUT, Offload, ProfileOpt, Seed, StatsJson,
+    Target, TrustRemote, model_flags,
+)
 from specexec_cli.cliopts import (  # noqa: F401 - DEMO_DIR and the helpers are part of cli's API
-    DEMO_DIR, config_record, decode_to_stdout, generation_config, hardware_fit, live_enabled, load_for_cli,
+    DEMO_DIR, ModelFlags, config_record, decode_to_stdout, generation_config, hardware_fit, live_enabled, load_for_cli,
     load_planned, plan_for_cli, prompt_text, show_plan,
 )
 from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oom, oom_error
@@ -74,41 +79,6 @@ def _root(
 
 
 
-# Help panels. Short flags follow llama-cli where they do not clash: -m model (target), -md draft
-# model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
-MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
-Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target).")]
-Method = Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DECODING, help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
-Budget = Annotated[str, typer.Option(metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'.")]
-MaxDepth = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")]
-MaxBeams = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Tree nodes expanded per draft forward.")]
-MaxBranch = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Children kept per expanded node.")]
-MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", metavar="N", rich_help_panel=DECODING, help="Stop after this many generated tokens.")]
-Temperature = Annotated[float, typer.Option("--temperature", "--temp", metavar="T", rich_help_panel=DECODING, help="0 = greedy; > 0 samples.")]
-TopK = Annotated[int, typer.Option(metavar="K", rich_help_panel=DECODING, help="Keep the k most likely tokens (0 = off).")]
-TopP = Annotated[float, typer.Option(metavar="P", rich_help_panel=DECODING, help="Nucleus mass in (0, 1] (1 = off).")]
-Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
-Dtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
-Device = Annotated[str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")]
-DraftDtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.")]
-AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
-TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]
-Offload = Annotated[str, typer.Option(metavar="MODE", rich_help_panel=OFFLOAD, help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.")]
-MaxGpu = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB. Default: the device's free memory.")]
-Ctx = Annotated[int, typer.Option(metavar="N", rich_help_panel=OFFLOAD, help="Context tokens the KV caches are preallocated for (capped by the models' max positions).")]
-Embeddings = Annotated[str, typer.Option(metavar="WHERE", rich_help_panel=OFFLOAD, help="Target input embeddings: auto | device | host (host: only looked-up rows move).")]
-DryRun = Annotated[bool, typer.Option("--dry-run", metavar="", rich_help_panel=OFFLOAD, help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.")]
-MaxRam = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.")]
-NoLive = Annotated[bool, typer.Option("--no-live", metavar="", rich_help_panel=OUTPUT, help="No live panel; one summary line on stderr.")]
-Color = Annotated[Optional[bool], typer.Option("--color/--no-color", metavar="", show_default=False, rich_help_panel=OUTPUT, help="Colour the tokens accepted from the draft's tree. Default: on when stdout is a terminal and NO_COLOR is unset.")]
-StatsJson = Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Write run statistics as JSON to this file.")]
-NoTemplate = Annotated[bool, typer.Option("--no-chat-template", metavar="", rich_help_panel=MODELS, help="Do not apply the tokenizer's chat template.")]
-Gamma = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="--method chain: draft tokens proposed per target pass.")]
-Branching = Annotated[Optional[str], typer.Option(metavar="LIST", rich_help_panel=DECODING, help="--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).")]
-ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", metavar="FILE", rich_help_panel=DECODING, help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.")]
-
-
 @contextmanager
 def user_errors():
     """SpecxError/ValueError → one-line error + exit 2; device OOM → one line + exit 3; Ctrl-C → exit 130."""
@@ -134,64 +104,48 @@ def user_errors():
 
 
 @app.command(cls=Command)
+@model_flags
 def run(
     prompt_file: Annotated[Optional[str], typer.Argument(metavar="PROMPT_FILE", show_default=False, help="Prompt text file, or - for stdin (or use -p TEXT).")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", metavar="TEXT", help="Prompt text, instead of PROMPT_FILE.")] = None,
-    target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
-    max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
-    temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
-    dtype: Dtype = "auto", draft_dtype: DraftDtype = "auto", device: Device = "auto", offload: Offload = "auto",
-    max_gpu_memory: MaxGpu = None,
-    max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
-    no_chat_template: NoTemplate = False, no_live: NoLive = False, color: Color = None, stats_json: StatsJson = None,
-    profile: ProfileOpt = None, gamma: Gamma = 5, branching: Branching = None, ctx: Ctx = 8192,
-    embeddings: Embeddings = "auto", dry_run: DryRun = False,
+    no_live: NoLive = False, color: Color = None, stats_json: StatsJson = None, *, flags: ModelFlags,
 ) -> None:
     """Generate a continuation of PROMPT_FILE (or -p TEXT); text goes to stdout, statistics to stderr."""
     from specexec_cli.terminal import use_color
 
     with user_errors():
         paths.check_output_file(stats_json, "--stats-json")
-        if prompt is not None or not dry_run:
+        if prompt is not None or not flags.dry_run:
             text = prompt_text(prompt_file, prompt)
-        cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
-                                top_k, top_p, seed, device)
+        cfg = flags.config()
         from specexec_cli.calprobe import pair_prior
         from specexec_cli.loading import close_models, encode_prompt
-        from specexec_cli.methods.common import flag_options, with_settings
+        from specexec_cli.methods.common import with_settings
 
-        cfg = with_settings(cfg, **flag_options(gamma, branching, profile))
-        opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
-                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget, draft_dtype)
-        if dry_run:
+        opts, plan, cfg = flags.plan(cfg)
+        if flags.dry_run:
             return show_plan(plan, stats_json)
         with display.LoadProgress(live_enabled(no_live)) as progress:
             models = load_planned(opts, plan, progress)
         try:
-            ids = encode_prompt(models.tokenizer, text, not no_chat_template)
-            tuner, link, prof = hardware_fit(budget, cfg, profile, models, offload)
-            cfg = with_settings(cfg, node_calibration=pair_prior(prof, target, draft))
+            ids = encode_prompt(models.tokenizer, text, not flags.no_chat_template)
+            tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
+            cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
             decode_to_stdout(models, ids, cfg, live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link,
                              color=use_color(color))
         finally:
             close_models(models)  # stop the prefetch thread, close files (also on Ctrl-C and errors)
 
 
-System = Annotated[Optional[str], typer.Option(metavar="TEXT", rich_help_panel=MODELS, help="System prompt for the conversation.")]
+System = Annotated[Optional[str], typer.Option(metavar="TEXT", rich_help_panel=MODELS, help="System prompt for the conversation (serve: for requests that send none).")]
 TurnStats = Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Append one JSON line of statistics per turn to this file.")]
 
 
 @app.command(cls=Command)
+@model_flags
 def chat(
-    target: Target = None, draft: Draft = None, method: Method = "specexec", budget: Budget = "auto",
-    max_depth: MaxDepth = 64, max_beams: MaxBeams = 32, max_branch: MaxBranch = 32, max_new_tokens: MaxNew = 256,
-    temperature: Temperature = 0.0, top_k: TopK = 0, top_p: TopP = 1.0, seed: Seed = 0,
-    dtype: Dtype = "auto", draft_dtype: DraftDtype = "auto", device: Device = "auto", offload: Offload = "auto",
-    max_gpu_memory: MaxGpu = None,
-    max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
-    system: System = None, no_chat_template: NoTemplate = False, no_live: NoLive = False, color: Color = None,
-    stats_json: TurnStats = None, profile: ProfileOpt = None, ctx: Ctx = 8192, embeddings: Embeddings = "auto",
-    dry_run: DryRun = False,
+    system: System = None, no_live: NoLive = False, color: Color = None, stats_json: TurnStats = None, *,
+    flags: ModelFlags,
 ) -> None:
     """Chat with the model; caches are reused across turns. Piped stdin: one turn per line. /help lists commands."""
     from specexec_cli import chat_input
@@ -200,26 +154,24 @@ def chat(
     with user_errors():
         paths.check_output_file(stats_json, "--stats-json")
         from specexec_cli.calprobe import pair_prior
-        from specexec_cli.chat import ChatSession, run_chat
+        from specexec_cli.chat import ChatSession
+        from specexec_cli.chat_repl import run_chat
         from specexec_cli.methods.common import with_settings
 
-        cfg = generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
-                                top_k, top_p, seed, device)
-        opts, plan, cfg = plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload,
-                                       max_gpu_memory, max_ram, ctx, embeddings, cfg, budget, draft_dtype)
-        if dry_run:
+        opts, plan, cfg = flags.plan(flags.config())
+        if flags.dry_run:
             return show_plan(plan, stats_json)
         interactive = sys.stdin.isatty()
         live = interactive and live_enabled(no_live)
         with display.LoadProgress(live) as progress:
             models = load_planned(opts, plan, progress)
-        tuner, link, prof = hardware_fit(budget, cfg, profile, models, offload)
-        cfg = with_settings(cfg, node_calibration=pair_prior(prof, target, draft))
-        session = ChatSession(models, cfg, system=system, use_template=not no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=target is None)  # fmt: skip
+        tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
+        cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
+        session = ChatSession(models, cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
+                              profile=prof, config_record=config_record, code=flags.target is None)  # fmt: skip
         if session.code:
             display.print_notice("the demo pair is a Python code model: each message is code for it to continue")
-        elif not session.templated and not no_chat_template:
+        elif not session.templated and not flags.no_chat_template:
             display.print_notice("the tokenizer has no chat template; using a plain 'User: ...\\nAssistant:' format")
         if interactive:
             display.print_notice("type /help for commands, /exit or Ctrl-D to leave")
@@ -229,6 +181,31 @@ def chat(
         read = chat_input.terminal_reader() if interactive else chat_input.read_stdin_line
         code = run_chat(session, read, sink, display.print_info, views, stats_json,
                         prompt="you> " if interactive else "")  # fmt: skip
+    raise typer.Exit(code)
+
+
+SERVER = "Server"
+Host = Annotated[str, typer.Option(metavar="ADDR", rich_help_panel=SERVER, help="Address to listen on (0.0.0.0 = every interface; use --api-key there).")]
+Port = Annotated[int, typer.Option(metavar="N", rich_help_panel=SERVER, help="TCP port.")]
+ModelName = Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_panel=SERVER, help="Model id in /v1/models and responses. Default: the target's name.")]
+ApiKey = Annotated[Optional[str], typer.Option(metavar="KEY", envvar="SPECX_API_KEY", show_envvar=True, show_default=False, rich_help_panel=SERVER, help="Require 'Authorization: Bearer KEY' on every route but /health.")]
+MaxQueue = Annotated[int, typer.Option(metavar="N", rich_help_panel=SERVER, help="Requests that may wait while one generates; past it, 429 with Retry-After.")]
+Cors = Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", show_default=False, rich_help_panel=SERVER, help="Allow browser pages from ORIGIN (repeatable; * = any). Default: no CORS.")]
+
+
+@app.command(cls=Command)
+@model_flags
+def serve(
+    host: Host = "127.0.0.1", port: Port = 8000, model_name: ModelName = None, api_key: ApiKey = None,
+    max_queue: MaxQueue = 8, cors: Cors = None, system: System = None, *, flags: ModelFlags,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) with a chat page at /."""
+    with user_errors():
+        from specexec_cli.serve.server import ServeOptions, run_server
+
+        options = ServeOptions(host=host, port=port, model_name=model_name, api_key=api_key, max_queue=max_queue,
+                               cors=list(cors or []), system=system)  # fmt: skip
+        code = run_server(flags, options)
     raise typer.Exit(code)
 
 

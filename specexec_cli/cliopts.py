@@ -10,12 +10,82 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from specexec_cli import display
 from specexec_cli.errors import SpecxError
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """The flags `run`, `chat` and `serve` share (declared once in cliflags.SHARED)."""
+
+    target: str | None = None
+    draft: str | None = None
+    method: str = "specexec"
+    budget: str = "auto"
+    max_depth: int = 64
+    max_beams: int = 32
+    max_branch: int = 32
+    max_new_tokens: int = 256
+    temperature: float | None = None  # None: the target's generation_config.json (gendefaults.py)
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    dtype: str = "auto"
+    draft_dtype: str = "auto"
+    device: str = "auto"
+    offload: str = "auto"
+    max_gpu_memory: str | None = None
+    max_ram: str | None = None
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    no_chat_template: bool = False
+    profile: Path | None = None
+    gamma: int = 5
+    branching: str | None = None
+    ctx: int = 8192
+    embeddings: str = "auto"
+    dry_run: bool = False
+
+    def config(self):
+        """The validated GenerationConfig (unset sampling values neutral until `plan` fills them)."""
+        cfg = generation_config(self.method, self.budget, self.max_depth, self.max_beams, self.max_branch,
+                                self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                                self.device)  # fmt: skip
+        from specexec_cli.methods.common import flag_options, with_settings  # after: a bad flag never loads torch
+
+        return with_settings(cfg, **flag_options(self.gamma, self.branching, self.profile))
+
+    def plan(self, cfg):
+        """(LoadOptions, MemoryPlan, cfg) from headers only; unset sampling flags come from the
+        target's generation_config.json."""
+        from dataclasses import replace
+
+        opts, plan, cfg = plan_for_cli(self.target, self.draft, self.method, self.dtype, self.device,
+                                       self.allow_pickle, self.trust_remote_code, self.offload, self.max_gpu_memory,
+                                       self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype)
+        sampling = self.sampling(self.checkpoint_defaults(opts.target))
+        return opts, plan, replace(cfg, sampling=sampling)
+
+    def sampling(self, defaults):
+        from specexec_cli.gendefaults import merge
+
+        return merge(defaults, self.temperature, self.top_k, self.top_p)
+
+    @staticmethod
+    def checkpoint_defaults(target: str):
+        """The target's generation_config.json sampling (greedy when the dir cannot be resolved)."""
+        from specexec_cli.gendefaults import GREEDY, checkpoint_sampling
+        from specexec_cli.loading import resolve_path
+
+        try:
+            return checkpoint_sampling(resolve_path(target, "--target"))
+        except SpecxError:
+            return GREEDY
 
 def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
     """Default to the embedded demo pair, with a notice."""
@@ -75,8 +145,9 @@ def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_
 
     if method not in available_methods():
         raise SpecxError(f"--method must be one of {', '.join(available_methods())} (got {method!r})")
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    validate(sampling)
+    sampling = SamplingParams(temperature=0.0 if temperature is None else temperature,
+                              top_k=0 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p)
+    validate(sampling)  # unset (None) values are checked once filled from the checkpoint (ModelFlags.plan)
     shape = TreeShape(n_budget, max_depth, max_beams, max_branch)
     return GenerationConfig(method=method, shape=shape, sampling=sampling, seed=seed, max_new_tokens=max_new_tokens)
 

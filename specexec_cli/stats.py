@@ -42,9 +42,10 @@ class RunStats:
     streamed_bytes: int = 0  # target weight bytes streamed over the decode (offload only)
     link_busy: list[float] = field(default_factory=list)  # per pass: link busy s / step wall s (offload only)
     stall: list[float] = field(default_factory=list)  # per pass: s the target waited for a streamed layer
-    host_transfers: int = 0  # device→host copies made by the target passes' steps (transfers.py)
+    host_transfers: int = 0  # host<->device copies made by the target passes' steps (transfers.py)
     host_transfer_bytes: int = 0  # their payload bytes
     prefill_streams: int = 0  # target passes spent on prefills (each one full weight stream when offloaded)
+    draft_accepted: int = 0  # emitted tokens that came from the draft's tree (StepEvent.accepted)
     finish: str | None = None
 
     def add(self, ev) -> None:
@@ -60,6 +61,7 @@ class RunStats:
         self.draft_seconds += ev.draft_seconds
         self.target_seconds += ev.target_seconds
         self.pass_tokens.append(len(ev.tokens))
+        self.draft_accepted += ev.accepted
         self.pass_seconds.append(ev.draft_seconds + ev.target_seconds)
         self.tree_sizes.append(ev.tree_size)
         self.tree_depths.append(ev.tree_depth)
@@ -115,6 +117,18 @@ class RunStats:
         rec["host_transfers_per_pass"] = round(self.host_transfers / passes, 2)
         rec["host_transfer_bytes_per_pass"] = round(self.host_transfer_bytes / passes, 1)
         return rec
+
+    def speculative(self) -> dict:
+        """The speculative-decoding view `specx serve` attaches to responses (field `specx`)."""
+        return dict(
+            tokens_per_pass=round(self.tokens_per_pass, 4), target_passes=self.target_passes,
+            draft_tokens_proposed=sum(self.tree_sizes), draft_tokens_accepted=self.draft_accepted,
+            prefill_tokens=self.prompt_tokens, prefill_seconds=round(self.prefill_seconds, 4),
+            decode_seconds=round(self.decode_seconds, 4), pass_seconds=round(sum(self.pass_seconds), 4),
+            draft_seconds=round(self.draft_seconds, 4), target_seconds=round(self.target_seconds, 4),
+            tokens_per_second=round(self.tokens_per_second, 3), method=self.config.get("method"),
+            budget=self.config.get("budget"),
+        )  # fmt: skip
 
     def summary_line(self) -> str:
         cfg = self.config

@@ -1,7 +1,7 @@
 """Regenerate the README's flags reference from `specx <command> --help`.
 
 Contract: replaces the text between `<!-- flags:begin -->` and `<!-- flags:end -->` in README.md
-with one fenced block per command (run, chat, profile, bench, quantize; commands that do not exist
+with one fenced block per command (run, chat, serve, profile, bench, quantize; commands that do not exist
 are skipped). Run after changing any option: `python tools/gen_flags.py`; `--check` only reports
 (exit 1) when the README is out of date, and `--help` prints usage without touching anything.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
-COMMANDS = ["run", "chat", "profile", "bench", "quantize"]
+COMMANDS = ["run", "chat", "serve", "profile", "bench", "quantize"]
 
 
 def help_text(command: str) -> str | None:

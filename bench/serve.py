@@ -1,0 +1,138 @@
+"""`specx serve` against `specx run` on the shared pair, interleaved in one run.  Run by hand.
+
+Contract: starts one `specx serve` process (the same flags as the `specx run` calls) and, per
+prompt, alternates `specx run --no-chat-template --stats-json` (a fresh process: its engine-timed
+tok/s) with a streamed /v1/completions request through the `openai` client (tok/s = tokens after
+the first ÷ wall time from the first to the last content chunk, as a user sees it; also the time
+to first token). All greedy, so both must print the same text (`same_text`). Then a five-turn
+chat conversation twice: with prefix reuse (turns sent back to back) and without it (an unrelated
+request between turns evicts the conversation from the caches), reporting the prefill tokens of
+every turn (`specx.prefill_tokens`). Writes --out/serve.json and prints markdown tables; the
+README's numbers come from here. The ratio server ÷ run should be >= 0.95.
+
+    python bench/serve.py --num-prompts 5 --max-new-tokens 128 --out /tmp/serve-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+TURNS = ["def parse(line):", "class Config:", "import os", "def main():", "x = parse(line)"]
+
+
+def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "specexec_cli", "serve", "--port", str(port), *flags], env=env,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                return proc, base
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit("the server did not become ready")
+
+
+def run_cli(flags: list[str], prompt: str, n: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = Path(tmp) / "s.json"
+        out = subprocess.run([sys.executable, "-m", "specexec_cli", "run", "-p", prompt, "--no-chat-template", "-n",
+                              str(n), "--no-live", "--stats-json", str(stats), *flags], capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)  # fmt: skip
+        rec = json.loads(stats.read_text())
+    return {"text": out.stdout, "tokens": rec["new_tokens"], "tok_s": rec["tokens_per_second"]}
+
+
+def run_server(client, prompt: str, n: int) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    parts, usage, stats = [], None, {}
+    for chunk in client.completions.create(model="specx", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):  # fmt: skip
+        if chunk.choices and chunk.choices[0].text:
+            last = time.perf_counter()
+            first = first or last
+            parts.append(chunk.choices[0].text)
+        stats = (chunk.model_extra or {}).get("specx") or stats
+        usage = chunk.usage or usage
+    tokens = usage.completion_tokens
+    rate = (tokens - 1) / (last - first) if last and first and last > first else 0.0
+    return {"text": "".join(parts), "tokens": tokens, "tok_s": rate, "ttft_s": (first or t0) - t0,
+            "engine_tok_s": stats.get("tokens_per_second")}
+
+
+def conversation(client, n: int, reuse: bool) -> list[int]:
+    msgs, prefill = [], []
+    for turn in TURNS:
+        msgs.append({"role": "user", "content": turn})
+        res = client.chat.completions.create(model="specx", messages=msgs, max_tokens=n, temperature=0)
+        prefill.append(res.model_extra["specx"]["prefill_tokens"])
+        msgs.append({"role": "assistant", "content": res.choices[0].message.content})
+        if not reuse:  # evict: another conversation takes the caches
+            client.completions.create(model="specx", prompt="# unrelated\n", max_tokens=1, temperature=0)
+    return prefill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=str(SHARED / "models" / "target"))
+    ap.add_argument("--draft", default=str(SHARED / "models" / "draft"))
+    ap.add_argument("--prompts", default=str(SHARED / "bench" / "prompts.jsonl"))
+    ap.add_argument("--num-prompts", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--turn-tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("bench-serve"))
+    ap.add_argument("flags", nargs="*", help="extra flags for both specx run and specx serve (after --)")
+    args = ap.parse_args()
+    from openai import OpenAI
+
+    flags = ["--target", args.target, "--draft", args.draft, *args.flags]
+    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    proc, base = start_server(flags)
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
+    rows = []
+    try:
+        for i, prompt in enumerate(prompts[: args.num_prompts]):
+            order = ("run", "serve") if i % 2 == 0 else ("serve", "run")  # alternate: drift hits both alike
+            res = {k: run_cli(flags, prompt, args.max_new_tokens) if k == "run" else
+                   run_server(client, prompt, args.max_new_tokens) for k in order}  # fmt: skip
+            rows.append({"prompt": i, "run": res["run"], "serve": res["serve"],
+                         "same_text": res["run"]["text"] in (res["serve"]["text"], res["serve"]["text"] + "\n")})
+        turns = {"reuse": conversation(client, args.turn_tokens, True),
+                 "no_reuse": conversation(client, args.turn_tokens, False)}  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    run_rate = sum(r["run"]["tok_s"] for r in rows) / len(rows)
+    serve_rate = sum(r["serve"]["tok_s"] for r in rows) / len(rows)
+    summary = {"run_tok_s": run_rate, "serve_tok_s": serve_rate, "ratio": serve_rate / run_rate if run_rate else 0,
+               "ttft_s": sum(r["serve"]["ttft_s"] for r in rows) / len(rows), "turn_prefill": turns,
+               "all_same_text": all(r["same_text"] for r in rows)}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve.json").write_text(json.dumps({"summary": summary, "prompts": rows}, indent=1) + "\n")
+    print("| prompt | run tok/s | serve tok/s | TTFT s | same text |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prompt']} | {r['run']['tok_s']:.1f} | {r['serve']['tok_s']:.1f} | {r['serve']['ttft_s']:.2f} "
+              f"| {r['same_text']} |")
+    print(f"\nserver / run = {summary['ratio']:.3f}\n\n| turn | prefill (reuse) | prefill (no reuse) |\n|---|---|---|")
+    for t, (a, b) in enumerate(zip(turns["reuse"], turns["no_reuse"]), 1):
+        print(f"| {t} | {a} | {b} |")
+
+
+if __name__ == "__main__":
+    main()

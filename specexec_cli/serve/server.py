@@ -1,0 +1,188 @@
+"""Run `specx serve`: plan, bind, start uvicorn at once, load the models on the worker thread.
+
+Contract: `run_server(flags, options)` returns the process exit code. Flag and plan errors raise
+`SpecxError` before anything binds (one line, exit 2 via cli.user_errors); a port that cannot be
+bound is one too. The server answers /health (503 "loading") while the worker loads; a load that
+fails prints one line and stops the server with exit code 2. SIGINT/SIGTERM stop the running
+generation at its next target pass, answer it, refuse what is queued, and exit 0.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specexec_cli import display
+from specexec_cli.errors import SpecxError
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = 8
+    cors: list[str] = field(default_factory=list)
+    system: str | None = None
+
+
+def check_options(o: ServeOptions) -> None:
+    if not 1 <= o.port <= 65535:
+        raise SpecxError(f"--port must be in 1..65535 (got {o.port})")
+    if o.max_queue < 0:
+        raise SpecxError(f"--max-queue must be >= 0 (got {o.max_queue})")
+    if o.api_key is not None and not o.api_key.strip():
+        raise SpecxError("--api-key (or SPECX_API_KEY) is empty; pass a non-empty key or leave it unset")
+    for origin in o.cors:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise SpecxError(f"--cors {origin!r}: pass an origin such as http://localhost:3000 (or *)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, or a one-line SpecxError (port in use, unknown host)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SpecxError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        hint = "; pass another --port" if exc.errno in (98, 48) else ""
+        raise SpecxError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def default_name(target: str) -> str:
+    from specexec_cli.cliopts import DEMO_DIR
+
+    path = Path(target)
+    if path.resolve() == (DEMO_DIR / "target").resolve():
+        return "specx-demo"
+    return path.name if path.is_dir() else target
+
+
+def make_loader(flags, opts, plan, cfg, system):
+    """The worker's load(): models, the budget tuner and a ChatSession; returns (session, defaults)."""
+
+    def load():
+        from specexec_cli.calprobe import pair_prior
+        from specexec_cli.chat import ChatSession
+        from specexec_cli.cliopts import config_record, hardware_fit, load_planned
+        from specexec_cli.methods.common import with_settings
+
+        models = load_planned(opts, plan, None)
+        tuner, _, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
+        run_cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
+        session = ChatSession(models, run_cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
+                              profile=prof, config_record=config_record, code=flags.target is None)  # fmt: skip
+        return session, flags.checkpoint_defaults(opts.target)
+
+    return load
+
+
+def quiet_warnings() -> None:
+    """Library deprecation notices (per forward call site) must not reach the server's terminal."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def run_server(flags, o: ServeOptions) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise SpecxError(f"specx serve needs {exc.name}: pip install 'fastapi>=0.115' 'uvicorn>=0.30'") from None
+    check_options(o)
+    from specexec_cli.cliopts import show_plan
+
+    opts, plan, cfg = flags.plan(flags.config())
+    if flags.dry_run:
+        show_plan(plan, None)
+        return 0
+    if not is_loopback(o.host) and not o.api_key:
+        display.print_notice(f"warning: listening on {o.host} without --api-key: anyone who can reach this "
+                             "port can use the model; pass --api-key KEY (or set SPECX_API_KEY)")  # fmt: skip
+    sock = bind(o.host, o.port)
+    quiet_warnings()
+    return serve_on(sock, flags, o, opts, plan, cfg)
+
+
+def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
+    import uvicorn
+
+    from specexec_cli.serve.app import create_app
+    from specexec_cli.serve.metrics import Metrics
+    from specexec_cli.serve.worker import Worker
+
+    name = o.model_name or default_name(opts.target)
+    worker = Worker(make_loader(flags, opts, plan, cfg, o.system), o.max_queue, Metrics())
+    app = create_app(worker, name, api_key=o.api_key, cors=o.cors)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
+    server = GracefulServer(config, worker)
+    failure: list[str] = []
+
+    def failed(exc: BaseException) -> None:
+        failure.append(str(exc) if isinstance(exc, (SpecxError, ValueError)) else
+                       f"internal error while loading: {exc.__class__.__name__}: {exc}")  # fmt: skip
+        server.should_exit = True
+
+    def ready_notice() -> None:
+        host = f"[{o.host}]" if ":" in o.host else o.host
+        display.print_notice(f"specx serve: {name} on http://{host}:{o.port} (OpenAI API at /v1, chat page at /)")
+
+    worker.on_failed = failed
+    worker.on_ready = ready_notice
+    display.print_notice(f"specx serve: loading {name} ...")
+    worker.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        close_session(worker)
+    if failure:
+        display.print_error(failure[0])
+        return 2
+    return 0
+
+
+def close_session(worker) -> None:
+    session = getattr(worker, "session", None)
+    if session is not None:
+        from specexec_cli.loading import close_models
+
+        close_models(session.models)
+
+
+class GracefulServer:
+    """uvicorn.Server whose SIGINT/SIGTERM also stop the worker at a pass boundary, and which exits
+    normally afterwards instead of re-raising the signal (exit code 0)."""
+
+    def __new__(cls, config, worker):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                worker.shutdown()
+                super().handle_exit(sig, frame)
+                self._captured_signals.clear()
+
+        return _Server(config)

@@ -1,0 +1,264 @@
+"""The one worker thread of `specx serve`: loads the models, then runs requests one at a time, FIFO.
+
+Contract: `Worker(load, max_queue, metrics)` owns the `chat.ChatSession` (its caches hold the last
+conversation, so a request that resends it prefills only the new suffix). `submit(job)` never
+blocks: it queues the job or raises `APIError` (503 while loading or stopping, 429 with
+Retry-After when `max_queue` requests already wait). A `Job` reports to its asyncio queue, in
+order: `Started` (or `Failed`), `Delta`s of text, then `Done` — pushed with
+`loop.call_soon_threadsafe`, so the event loop never waits on the model. `job.cancel()` (a client
+that went away) and `shutdown()` (SIGINT/SIGTERM) stop the running generation after the current
+target pass; the caches stay consistent. Decoding itself is `ChatSession.decode`: none here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from specexec_cli.serve.models import APIError, Work, usage_body
+
+FINISH = {"eos": "stop", "length": "length", "context": "length"}
+
+
+@dataclass
+class Started:
+    prompt_tokens: int  # the whole prompt
+    cached_tokens: int  # of which were already in the caches (not prefilled)
+
+
+@dataclass
+class Delta:
+    text: str
+    spans: list  # [[chars, "draft" | "target"], ...]: which model's tokens the text came from
+    live: dict  # running tokens/s, tokens per pass, passes
+
+
+@dataclass
+class Done:
+    text: str  # the whole completion (stop string removed)
+    finish: str  # "stop" | "length" | "cancelled"
+    usage: dict
+    specx: dict  # RunStats.speculative()
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+class Job:
+    """One request: the worker's reports land in `events` (an asyncio.Queue on `loop`)."""
+
+    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop, endpoint: str):
+        self.work, self.loop, self.endpoint = work, loop, endpoint
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def emit(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def spans(mask: list[bool]) -> list:
+    """Run-length [[n, "draft"|"target"], ...] of a per-character origin mask."""
+    out: list = []
+    for is_draft in mask:
+        kind = "draft" if is_draft else "target"
+        if out and out[-1][1] == kind:
+            out[-1][0] += 1
+        else:
+            out.append([1, kind])
+    return out
+
+
+@dataclass
+class Worker:
+    """See the module docstring. `load()` returns (ChatSession, default SamplingParams)."""
+
+    load: Callable[[], tuple]
+    max_queue: int
+    metrics: object
+    on_failed: Callable[[BaseException], None] = lambda exc: None
+    on_ready: Callable[[], None] = lambda: None
+    state: str = "loading"  # loading | ready | failed
+    jobs: queue.Queue = field(default_factory=queue.Queue)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    pending: int = 0  # submitted and not finished (the running one included)
+    busy: bool = False
+    job_seconds: float = 5.0  # running mean of a request's wall time (for Retry-After)
+
+    def __post_init__(self):
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._main, name="specx-worker", daemon=True)
+        self.session = self.defaults = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def queue_depth(self) -> int:
+        return max(0, self.pending - (1 if self.busy else 0))
+
+    def submit(self, job: Job) -> None:
+        if self.state != "ready" or self.stopping.is_set():
+            raise APIError(503, "the model is still loading; retry shortly" if self.state == "loading" else
+                           "the server is shutting down", type="server_error", code="unavailable",
+                           headers={"Retry-After": "5"})  # fmt: skip
+        with self.lock:
+            if self.pending > self.max_queue:
+                wait = max(1, round(self.job_seconds * self.pending))
+                raise APIError(429, f"{self.pending - 1} requests are already waiting (--max-queue "
+                               f"{self.max_queue}); retry after {wait}s", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
+            self.pending += 1
+        self.jobs.put(job)
+
+    def shutdown(self) -> None:
+        """Stop the running generation at the next pass boundary and refuse what is queued."""
+        self.stopping.set()
+        self.jobs.put(None)
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.session, self.defaults = self.load()
+        except BaseException as exc:  # noqa: BLE001 - reported by on_failed (one line, exit 2)
+            self.state = "failed"
+            self.on_failed(exc)
+            return
+        self.state = "ready"
+        self.on_ready()
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            if self.stopping.is_set():
+                job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
+                self._finished(job, "rejected", 0.0)
+                continue
+            self._serve(job)
+        while not self.jobs.empty():  # refuse whatever queued behind the sentinel
+            job = self.jobs.get()
+            if job is not None:
+                job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
+                self._finished(job, "rejected", 0.0)
+
+    def _finished(self, job: Job, outcome: str, seconds: float) -> None:
+        with self.lock:
+            self.pending -= 1
+            if seconds:
+                self.job_seconds = 0.8 * self.job_seconds + 0.2 * seconds
+        self.metrics.request(job.endpoint, outcome)
+
+    def _serve(self, job: Job) -> None:
+        from specexec_cli.errors import is_oom
+
+        t0, outcome = time.perf_counter(), "ok"
+        self.busy = True
+        try:
+            if job.cancelled.is_set():
+                outcome = "cancelled"
+            else:
+                outcome = self._generate(job)
+        except APIError as exc:
+            job.emit(Failed(exc))
+            outcome = "error"
+        except Exception as exc:  # noqa: BLE001 - never a dead worker; the client gets a 5xx line
+            oom = isinstance(exc, RuntimeError) and is_oom(exc)
+            msg = "out of device memory; use a smaller prompt or budget" if oom else f"internal error: {exc}"
+            job.emit(Failed(APIError(503 if oom else 500, msg, type="server_error")))
+            outcome = "error"
+        finally:
+            self.busy = False
+            self._finished(job, outcome, time.perf_counter() - t0)
+
+    def _prompt(self, work: Work) -> list[int]:
+        from specexec_cli.loading import encode_prompt
+
+        session = self.session
+        if work.messages is not None:
+            messages = work.messages
+            if session.system and not any(m["role"] == "system" for m in messages):  # specx serve --system
+                messages = [{"role": "system", "content": session.system}, *messages]
+            ids, param = session.conversation_ids(messages), "messages"
+        else:
+            ids, param = encode_prompt(session.models.tokenizer, work.prompt, False), "prompt"
+        if not ids:
+            raise APIError(400, f"{param}: the prompt is empty (no tokens)", param=param)
+        limit = session.models.ctx_limit
+        if len(ids) + 1 > limit:
+            raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {limit} (--ctx); "
+                           "shorten it", param=param, code="context_length_exceeded")  # fmt: skip
+        return ids
+
+    def _config(self, work: Work):
+        import torch
+
+        from specexec_cli.cliopts import config_record
+        from specexec_cli.gendefaults import merge
+        from specexec_cli.stats import RunStats
+
+        base = self.session.cfg
+        seed = work.seed if work.seed is not None else secrets.randbits(63)
+        cfg = replace(base, sampling=merge(self.defaults, work.temperature, work.top_k, work.top_p),
+                      max_new_tokens=work.max_tokens or base.max_new_tokens, seed=seed)  # fmt: skip
+        gen = torch.Generator().manual_seed(seed % 2**64)
+        return cfg, gen, RunStats(config=config_record(cfg))
+
+    def _generate(self, job: Job) -> str:
+        from specexec_cli.chat import StopScanner
+
+        session, work = self.session, job.work
+        full = self._prompt(work)
+        cfg, gen, stats = self._config(work)
+        ids = session.prefill_ids(full)
+        prefill = len(session.state.ids) + len(ids) - session.state.target_len
+        job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill))
+        scanner, pending, parts = StopScanner(work.stops), [], []
+        finish, events = "length", session.decode(ids, cfg, gen)
+        try:
+            for ev in events:
+                stats.add(ev)
+                text = str(ev.text)
+                draft = getattr(ev.text, "draft_chars", 0)
+                mask = pending + [True] * draft + [False] * (len(text) - draft)
+                out = scanner.feed(text)
+                pending = mask[len(mask) - len(scanner.pending):] if scanner.pending else []
+                self._emit(job, out, mask[: len(out)], stats, parts)
+                if scanner.stopped:
+                    finish = "stop"
+                elif ev.finish:
+                    finish = FINISH.get(ev.finish, "length")
+                elif job.cancelled.is_set():
+                    finish = "cancelled"
+                elif self.stopping.is_set():
+                    finish = "length"
+                else:
+                    continue
+                break
+        finally:
+            events.close()
+        self._emit(job, scanner.flush(), pending, stats, parts)
+        usage = usage_body(len(full), stats.new_tokens, len(full) - prefill)
+        self.metrics.finished(stats, len(full), len(full) - prefill)
+        job.emit(Done("".join(parts), finish, usage, stats.speculative()))
+        return "cancelled" if finish == "cancelled" else "ok"
+
+    @staticmethod
+    def _emit(job: Job, text: str, mask: list[bool], stats, parts: list[str]) -> None:
+        if not text:
+            return
+        parts.append(text)
+        live = {"tokens_per_pass": round(stats.tokens_per_pass, 3), "target_passes": stats.target_passes,
+                "tokens_per_second": round(stats.tokens_per_second, 2) if stats.target_passes else 0.0,
+                "completion_tokens": stats.new_tokens}
+        job.emit(Delta(text, spans(mask), live))

@@ -1,0 +1,100 @@
+"""Helpers for the `specx serve` tests: start a real server process on a free port, raw HTTP.
+
+`Server.start(args)` runs `python -m specexec_cli serve --port <free> ...` and waits for /health
+to answer 200; `stop()` sends SIGTERM and returns the exit code. `http()` is raw HTTP via
+http.client (no client library between the test and the bytes on the wire).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, stderr_path: Path):
+        self.proc, self.port, self.stderr_path = proc, port, stderr_path
+        self.base = f"http://127.0.0.1:{port}"
+
+    @classmethod
+    def start(cls, args: list[str], tmp: Path, env: dict | None = None, timeout: float = 120) -> "Server":
+        port = free_port()
+        full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                        XDG_CONFIG_HOME=str(tmp / "xdg"), PYTHONUNBUFFERED="1", **(env or {}))
+        full_env.pop("SPECX_DEBUG", None)
+        err = tmp / f"serve-{port}.err"
+        cmd = [sys.executable, "-m", "specexec_cli", "serve", "--port", str(port), *args]
+        with open(err, "w") as err_file:   # the child keeps its own descriptor; ours closes here
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=full_env, cwd=tmp)
+        server = cls(proc, port, err)
+        server.wait_ready(timeout)
+        return server
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}: {self.stderr()}")
+            try:
+                status, _, _ = self.http("GET", "/health", timeout=2)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready in {timeout}s: {self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def http(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60):
+        """(status, headers dict, parsed JSON or text) of one raw HTTP request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=data, headers=hdrs)
+            res = conn.getresponse()
+            raw = res.read().decode()
+            try:
+                parsed = json.loads(raw)
+            except ValueError:
+                parsed = raw
+            return res.status, {k.lower(): v for k, v in res.getheaders()}, parsed
+        finally:
+            conn.close()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def sse_events(lines) -> list:
+    """Parse `data: ...` SSE lines into JSON objects (and the string "[DONE]")."""
+    out = []
+    for line in lines:
+        line = line.decode() if isinstance(line, bytes) else line
+        if line.startswith("data: "):
+            data = line[len("data: "):].strip()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
