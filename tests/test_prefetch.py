@@ -192,7 +192,7 @@ def test_link_meter_reports_busy_fraction_and_stall_per_pass(monkeypatch):
         busy["s"] += b
         pf.stall_seconds += st
         ev = SimpleNamespace(tokens=[1], prefill_seconds=1.0, decode_seconds=1.0, finish=None, pass_index=idx,
-                             prompt_tokens=3, draft_seconds=0.1, target_seconds=0.2, tree_size=0, tree_depth=0)
+                             prompt_tokens=3, draft_seconds=0.1, target_seconds=0.2, tree_size=0, tree_depth=0, accepted=0)
         stats.add(ev)
         meter.step(stats, ev)
     assert stats.link_busy == [0.75, 0.25] and stats.stall == [0.25, 0.0]

@@ -83,11 +83,13 @@ def test_defaults_come_from_the_checkpoint_and_requests_override_them(worker):
 def test_queue_bound_is_429_with_retry_after(worker):
     with worker.lock:
         worker.pending += worker.max_queue + 1
+    loop = asyncio.new_event_loop()
     try:
         with pytest.raises(APIError) as err:
-            worker.submit(Job(Work(prompt="x"), asyncio.new_event_loop(), "completions"))
+            worker.submit(Job(Work(prompt="x"), loop, "completions"))
         assert err.value.status == 429 and int(err.value.headers["Retry-After"]) >= 1
     finally:
+        loop.close()
         with worker.lock:
             worker.pending -= worker.max_queue + 1
 
