@@ -183,12 +183,22 @@ def _load_globals(index: SafetensorsIndex, hf, config, device, dtype, pool: Devi
     return (HostEmbedding(embed, device) if host else embed), norm, lm_head, rotary
 
 
+@dataclass(frozen=True)
+class Subset:
+    """Load only some decoder layers and borrow the rest of the model (a self-draft's substitutes)."""
+
+    layers: frozenset          # decoder-layer ids to load; the others get no weights here
+    shared: tuple              # (embed, norm, lm_head, rotary) modules to use as they are, by reference
+
+
 def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: torch.dtype,
                  compute_dtype: torch.dtype, nf4: bool, offload: str, max_dev, max_host, slots: int,
                  progress: Callable[[int, int, str], None] | None, host_slots: int | None = None,
-                 staging_bytes: int | None = None, memplan=None, pool: DevicePool | None = None) -> LoadedWeights:
+                 staging_bytes: int | None = None, memplan=None, pool: DevicePool | None = None,
+                 subset: Subset | None = None) -> LoadedWeights:
     """`memplan` (offload.memplan.MemoryPlan) fixes placement and embeddings; without it the
-    budgets below decide (library use). `pool` counts every device byte (a fresh one if None)."""
+    budgets below decide (library use). `pool` counts every device byte (a fresh one if None).
+    `subset`: only those layers get weights (the others count 0 bytes), the globals are shared."""
     index = SafetensorsIndex(path)
     layers = hf.model.layers
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
@@ -206,7 +216,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s})
              for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
-    layer_bytes = [lay.nbytes for lay in layouts]
+    layer_bytes = [lay.nbytes if subset is None or i in subset.layers else 0 for i, lay in enumerate(layouts)]
     if memplan is not None:
         plan = _from_memplan(memplan, layer_bytes, slots)
     else:
@@ -214,8 +224,8 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
         _check_fits(plan, device, free_ram, path)
     pool, total = pool if pool is not None else DevicePool(device), len(layers)
-    embed, norm, lm_head, rotary = _load_globals(index, hf, config, device, compute_dtype, pool,
-                                                 memplan.embeddings if memplan is not None else "device")
+    embed, norm, lm_head, rotary = subset.shared if subset is not None else _load_globals(
+        index, hf, config, device, compute_dtype, pool, memplan.embeddings if memplan is not None else "device")
     resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
     pins = HostPins(device)   # CUDA only: nothing is page-locked for --device cpu
     ram_region = aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers))
@@ -227,6 +237,8 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         if progress is not None:
             progress(done, total, f"loading layer {i}")
         prefix = f"model.layers.{i}."
+        if subset is not None and i not in subset.layers:
+            continue
         if nf4:
             qstates[i] = {sp.name: load_quant_state(index, prefix + sp.name, device, sp.shape) for sp in specs[i]}
             lay = packed_layout(pinned_specs[i])

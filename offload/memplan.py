@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -91,6 +91,7 @@ class PlanRequest:
     max_ram: int | None = None       # cap on host bytes for streamed layers
     embeddings: str = "auto"         # device | host | auto
     attn: str = "sdpa"               # attention implementation: sdpa | eager
+    self_draft: bool = False         # --draft self: the draft is 4-bit substitutes of the streamed layers
 
 
 @dataclass
@@ -164,6 +165,7 @@ class _Layers:
     quant: int                       # NF4 quant-state bytes of all layers
     stage: list[int] = field(default_factory=list)     # CUDA pinned staging bytes (file layout unless cast)
     repack: list[bool] = field(default_factory=list)   # compute slot != file layout (cast, or tensors off the 256-byte grid)
+    substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's 4-bit substitute
     pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
     estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
 
@@ -308,7 +310,7 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
 def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest,
                 budget: int, emb: str, chunk: int | None) -> MemoryPlan:
     ta = arch_of(target.config)
-    da = arch_of(draft.config) if draft is not None else None
+    da = arch_of(draft.config) if draft is not None else (ta if req.self_draft else None)
     cuda, c = req.device == "cuda", compute_bytes(req)
     rows = kv_rows(req.ctx, budget, req.max_beams)
     fixed, ghost = _globals(target, ta, req, emb)
@@ -324,6 +326,8 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req:
     for r in _resident_choices(req, len(lay.packed)):
         if _cpu_auto(req) and req.max_ram is not None and sum(lay.packed[:r]) > req.max_ram:
             continue   # CPU: resident layers live in the RAM --max-ram allows
+        if req.self_draft:   # every layer from r on streams: each has a substitute on the device
+            fixed["draft"] = sum(lay.substitute[r:])
         pre = sum(fixed.values()) + sum(lay.packed[:r])
         buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))   # disk staging, if anything ends up on disk
         pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers, sum(lay.packed[:r])))
@@ -347,12 +351,18 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req:
 
 
 def _verdict(plan: MemoryPlan, req: PlanRequest) -> tuple[bool, str]:
+    if req.self_draft and req.dtype == "nf4":
+        return False, ("--draft self: the target is already 4-bit, so 4-bit substitutes would be the target "
+                       "itself; fix: --dtype bf16 for the target, or a small --draft DIR")
     where = "GPU memory" if req.device == "cuda" else "RAM for the model"
     if plan.device_total > plan.device_capacity:
         fixes = ["a smaller --ctx or --budget"]
-        if req.dtype != "nf4":
+        if req.self_draft:
+            fixes.append(f"a small --draft DIR (the 4-bit substitutes alone need "
+                         f"{format_bytes(plan.device_bytes.get('draft', 0))})")
+        elif req.dtype != "nf4":
             fixes.append("--dtype nf4")
-        if req.draft_dtype is not None:
+        if req.draft_dtype is not None and not req.self_draft:
             fixes.append("a smaller draft")
         if plan.embeddings == "device" and req.device == "cuda":
             fixes.append("--embeddings host")
@@ -381,6 +391,9 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
 
     req = replace(req, ctx=min([req.ctx] + limits))
     lay = _layers(target, arch_of(target.config), req)
+    if req.self_draft:
+        q = _layers(target, arch_of(target.config), replace(req, dtype="nf4"))
+        lay.substitute = [b + (q.quant + q.pinned) // len(q.packed) for b in q.packed]
     budgets = [req.budget]
     while req.budget_auto and budgets[-1] // 2 >= BUDGET_FLOOR:
         budgets.append(budgets[-1] // 2)

@@ -96,10 +96,12 @@ class OffloadedCausalLM(nn.Module):
                         max_device_memory: int | None = None, max_host_memory: int | None = None,
                         slots: int = 2, progress: Callable[[int, int, str], None] | None = None,
                         host_slots: int | None = None, staging_bytes: int | None = None,
-                        memplan=None, pool=None):
+                        memplan=None, pool=None, subset=None, nf4_compute: torch.dtype | None = None):
         """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB).
         `memplan`: an offload.memplan.MemoryPlan fixing placement and embeddings (else the budgets
-        decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte."""
+        decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte;
+        `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft.py);
+        `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16)."""
         path = Path(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -116,6 +118,8 @@ class OffloadedCausalLM(nn.Module):
             raise OffloadError(f"{path}: its 4-bit bytes are packed for {packing} and cannot compute on {device}; "
                                "load the 16-bit source with --dtype nf4 (specx builds the cache it needs)")
         storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
+        if nf4 and nf4_compute is not None:
+            storage_dtype = compute_dtype = nf4_compute
         nf4 = bnb4_config(config) is not None
         try:
             with torch.device("meta"):
@@ -129,8 +133,11 @@ class OffloadedCausalLM(nn.Module):
                               lambda name: is_packed(index.entries, f"model.{name}.weight"))
         w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
                          max_device_memory, max_host_memory, slots, progress,
-                         host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool)
-        return cls(config, device, compute_dtype, hf, w, slots, packing)
+                         host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool,
+                         subset=subset)
+        model = cls(config, device, compute_dtype, hf, w, slots, packing)
+        model.source = path   # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
+        return model
 
     @property
     def input_device(self) -> torch.device:

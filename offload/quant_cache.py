@@ -31,12 +31,13 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .errors import OffloadError
+from .errors import OffloadError, OffloadNotice
 from .nf4 import CPU_PACKING, NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, cpu_layout_fits, cpu_relayout, quantize_nf4
 from .prequant import quant_tensors
 from .st_index import SafetensorsIndex
@@ -88,12 +89,32 @@ def is_complete(out: Path, key: str | None = None) -> bool:
 
 
 def ensure_nf4_cache(src: Path, progress: Progress | None = None, packing: str = "standard") -> Path:
+    """The cache directory for `src`, (re)built when missing, partial, stale or unreadable; a cache
+    that exists but cannot be used is rebuilt with an OffloadNotice, never used."""
     src = Path(src)
     out, key = cache_dir(src, packing), cache_key(src, packing)
-    if not is_complete(out, key):
+    bad = _unusable(out, key)
+    if bad:
+        if out.exists():
+            warnings.warn(f"offload: the 4-bit cache {out} is {bad}; rebuilding it", OffloadNotice, stacklevel=2)
+            shutil.rmtree(out, ignore_errors=True)
         write_quantized(src, out, progress, tokenizer=True, key=key, packing=packing)
         _drop_stale(src, out, packing)
     return out
+
+
+def _unusable(out: Path, key: str) -> str:
+    """Why the cache at `out` cannot be used ("" when it can): incomplete, stale, or a shard whose
+    safetensors header does not parse (a corrupt file of the recorded size)."""
+    if not is_complete(out, key):
+        return "incomplete or stale"
+    from .st_index import SafetensorsIndex
+
+    try:
+        SafetensorsIndex(out)
+    except (OffloadError, OSError, ValueError):
+        return "corrupt (unreadable safetensors header)"
+    return ""
 
 
 def _drop_stale(src: Path, keep: Path, packing: str) -> None:

@@ -90,14 +90,14 @@ class ModelFlags:
 def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
     """Default to the embedded demo pair, with a notice."""
     if target is None:
-        if draft is not None:
+        if draft is not None and draft != "self":
             raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
         if not (DEMO_DIR / "target" / "config.json").exists():
             raise SpecxError("no --target given and the demo pair is not installed; pass --target and --draft")
         display.print_notice(
             "using the embedded demo pair (tiny Python-code models); pass --target DIR --draft DIR for real models"
         )
-        target, draft = str(DEMO_DIR / "target"), str(DEMO_DIR / "draft")
+        target, draft = str(DEMO_DIR / "target"), (draft or str(DEMO_DIR / "draft"))
     if method != "ar" and draft is None:
         raise SpecxError(f"--method {method} needs --draft; use --method ar to decode without one")
     return target, (None if method == "ar" else draft)

@@ -172,6 +172,32 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     return model.to(device).eval()
 
 
+SELF = "self"   # --draft self: the target's own low-bit substitute (offload/selfdraft.py)
+
+
+def load_self_draft(target, opts: LoadOptions, pool):
+    """The target's self-draft, its substitutes counted as the plan's "draft" component; None (with
+    a notice) when every target layer is resident, so that decoding runs without a draft."""
+    from offload.selfdraft import SelfDraftError, build_self_draft, check_self_draft
+
+    from specexec_cli import display
+
+    nothing = "--draft self: every target layer is resident, so there is nothing to substitute; decoding without a draft"
+    if getattr(target, "plan", None) is None:    # an HF-resident target (--offload none)
+        display.print_notice(nothing)
+        return None
+    try:
+        check_self_draft(target, target.source)
+    except SelfDraftError as exc:
+        if "every target layer is resident" in str(exc):
+            display.print_notice(nothing)
+            return None
+        raise SpecxError(str(exc)) from None
+    draft = build_self_draft(target, target.source, opts.progress)
+    pool.by_component["draft"] = pool.by_component.get("draft", 0) + draft.pool.allocated
+    return draft
+
+
 def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
     pickled = not check_weights(path, "--target", opts.allow_pickle)   # offloading reads safetensors only
     if ((opts.offload == "none" or (pickled and opts.offload == "auto")) and opts.dtype != "nf4"
@@ -239,7 +265,7 @@ def load_models(opts: LoadOptions) -> Models:
     check_weights(tpath, "--target", opts.allow_pickle)
     tok = load_tokenizer(tpath, "--target", opts.trust_remote_code)
     draft = None
-    if opts.draft is not None:
+    if opts.draft is not None and opts.draft != SELF:
         dpath = resolve_path(opts.draft, "--draft")
         check_weights(dpath, "--draft", opts.allow_pickle)
         check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
@@ -253,6 +279,8 @@ def load_models(opts: LoadOptions) -> Models:
     target = load_target(tpath, opts, device, pool)
     if getattr(target, "pool", None) is not pool:
         pool.adopt("target", [*target.parameters(), *target.buffers()])   # HF-resident target (--offload none)
+    if opts.draft == SELF:
+        draft = load_self_draft(target, opts, pool)
     plan = opts.plan
     models = Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
                     kv_rows=plan.kv_rows if plan is not None else None, pass_tokens=plan.pass_tokens if plan else 0)

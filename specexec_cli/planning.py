@@ -76,12 +76,15 @@ def make_plan(opts, shape, budget_auto: bool):
 
     device = plan_device(opts.device)
     tpath = resolve_path(opts.target, "--target")
-    dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None else None
+    self_draft = opts.draft == "self"
+    dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None and not self_draft else None
     safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
     if not all(safe):
         return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
     tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
     tpath, tdtype = nf4_source(tpath, tdtype, device)
+    if self_draft:
+        ddtype = "fp32" if tdtype == "fp32" else ("bf16" if tdtype == "nf4" else tdtype)   # substitutes compute so
     free = None
     if device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
@@ -91,7 +94,7 @@ def make_plan(opts, shape, budget_auto: bool):
         device=device, dtype=tdtype, draft_dtype=ddtype, ram_free=ram,
         device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
         max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
-        embeddings=opts.embeddings,
+        embeddings=opts.embeddings, self_draft=self_draft,
     )  # fmt: skip
     try:
         plan = plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)

@@ -34,5 +34,6 @@ def step_for(method: str):
 
 
 def generate(m, st, new_ids, cfg, gen=None):
-    """engine.generate with `cfg.method`'s step function."""
-    return engine.generate(m, st, new_ids, cfg, gen, step_fn=step_for(cfg.method))
+    """engine.generate with `cfg.method`'s step function (`ar` when the models have no draft:
+    `--draft self` on a target with nothing to substitute)."""
+    return engine.generate(m, st, new_ids, cfg, gen, step_fn=step_for(cfg.method if m.draft is not None else "ar"))

@@ -1,0 +1,92 @@
+"""`--draft self` against the shared trained draft: tokens per target pass and tokens/s, one run.
+
+Run by hand (not a test): `python bench/selfdraft.py [--prompts 0:40] [--budgets 64,256]
+[--temperatures 0] [--seeds 3]`. The shared target (../shared/models/target) is loaded twice with
+EVERY layer streamed from disk (`offload="disk"`, `max_ram=0`), so no layer is resident and the
+self-draft is the 4-bit NF4 substitute throughout: once with the shared 2.9M draft, once with
+`--draft self`. For each (temperature, budget) both drafts decode every prompt of
+../shared/bench/prompts.jsonl with specexec (bench/accept.py's `run_cell`: tokens per target pass
+pooled over prompts with a 95% bootstrap interval over prompts), interleaved cell by cell so disk
+drift hits both alike. At T = 0 every run's ids are checked against the same target's own
+`--method ar` decoding. tokens/s is wall time on this CPU, where a substitute costs as much compute
+as the target (on a GPU it costs a fraction of a pass; bench/gpu.py measures that). Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from accept import SHARED, load_prompts, run_cell  # noqa: E402
+
+from specexec_cli.engine import DecodeState, GenerationConfig  # noqa: E402
+from specexec_cli.loading import LoadOptions, load_models, quiet_transformers  # noqa: E402
+from specexec_cli.methods import generate  # noqa: E402
+
+
+def load(draft: str):
+    target = str(SHARED / "models" / "target")
+    return load_models(LoadOptions(target, draft, dtype="fp32", device="cpu", offload="disk", max_ram=0))
+
+
+def ar_refs(models, prompts, n: int) -> list[list[int]]:
+    refs = []
+    for _, p in prompts:
+        cfg = GenerationConfig(method="ar", max_new_tokens=n)
+        refs.append([t for ev in generate(models, DecodeState(), models.tokenizer(p)["input_ids"], cfg)
+                     for t in ev.tokens])
+    return refs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default="0:40")
+    ap.add_argument("--budgets", default="64,256")
+    ap.add_argument("--temperatures", default="0")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft.json"))
+    args = ap.parse_args()
+    for name, default in (("max_depth", 64), ("max_beams", 32), ("max_branch", 32), ("gamma", 5), ("scores", None)):
+        setattr(args, name, default)
+    if not (SHARED / "models" / "target").exists():
+        sys.exit("bench/selfdraft.py needs ../shared/models (the trained pair); it is not present")
+    quiet_transformers()
+    pairs = {"shared-2.9M": load(str(SHARED / "models" / "draft")), "self-nf4": load("self")}
+    assert not pairs["self-nf4"].target.plan.resident, "every target layer must stream"
+    prompts = load_prompts(args.prompts)
+    refs = ar_refs(pairs["shared-2.9M"], prompts, args.max_new_tokens)
+    rows = []
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            for name, models in pairs.items():
+                t0 = time.time()
+                r = run_cell(models, prompts, refs if temperature == 0 else [None] * len(prompts), "specexec",
+                             budget, temperature, args)
+                r.update(draft=name, tokens_per_second=round(sum(r["per_prompt_tokens"]) / (time.time() - t0), 2))
+                rows.append(r)
+                print(f"T={temperature:g} budget={budget:<5} {name:<12} tokens/pass={r['tokens_per_pass']:<6} "
+                      f"95%={r['ci95']} tok/s={r['tokens_per_second']} lossless={r['lossless']}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(vars(args), command=" ".join(sys.argv), torch=torch.__version__, device="cpu", target_dtype="fp32",
+                substitutes="nf4 (bitsandbytes, blocksize 64, double quant)", offload="disk, max_ram=0")
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("\n| T | budget | draft | tokens/pass [95%] | tok/s | lossless |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['temperature']:g} | {r['budget']} | {r['draft']} | {r['tokens_per_pass']:.2f} "
+              f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}] | {r['tokens_per_second']} | {r['lossless']} |")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""`--draft self`: the target's 4-bit substitutes as its draft (offload/selfdraft.py).
+
+What must hold: lossless at T = 0 through `specx run` (ids equal `--method ar`'s) with the target
+in RAM or on disk, fp32 or bf16; the embeddings, norm, lm_head, rotary buffers and resident layers
+are the target's own objects (no second copy: the draft's own device bytes are its substitutes
+only); nothing to substitute (all resident) runs without a draft and says so; a 4-bit target is
+refused in one line; the substitutes' cache is built once, reused, rebuilt when the target's files
+change, and a corrupt cache is rebuilt with a notice, never used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import offload.quant_cache as qc
+from offload import OffloadedCausalLM
+from offload.errors import OffloadNotice
+from offload.nf4 import packing_for
+from offload.selfdraft import build_self_draft, shares_with
+from specexec_cli.cli import app
+from tests.conftest import make_model
+
+runner = CliRunner()
+PROMPT = "def add(a, b):\n    return"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("selfdraft") / "t", seed=21, layers=4, hidden=64)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def run(tmp_path, target, *extra):
+    prompt, stats = tmp_path / "p.txt", tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
+    prompt.write_text(PROMPT)
+    res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
+                              "--no-chat-template", "--temperature", "0", "--max-new-tokens", "24", "--budget", "16",
+                              "--stats-json", str(stats), *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(stats.read_text()), res
+
+
+@pytest.mark.parametrize("offload", ["ram", "disk"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_self_draft_is_lossless_at_t0(tmp_path, target, offload, dtype):
+    ar, _ = run(tmp_path, target, "--method", "ar", "--offload", offload, "--dtype", dtype)
+    sd, _ = run(tmp_path, target, "--draft", "self", "--offload", offload, "--dtype", dtype, "--max-ram", "0"
+                if offload == "disk" else "1GB")
+    assert sd["token_ids"] == ar["token_ids"]
+    assert sd["tokens_per_pass"] > 1.0
+
+
+def test_everything_resident_runs_without_a_draft(tmp_path, target):
+    ar, _ = run(tmp_path, target, "--method", "ar", "--offload", "none")
+    sd, res = run(tmp_path, target, "--draft", "self", "--offload", "none")
+    assert sd["token_ids"] == ar["token_ids"]
+    assert "nothing to substitute" in res.stderr
+
+
+def test_a_4bit_target_is_refused_in_one_line(tmp_path, target):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT)
+    res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
+                              "--draft", "self", "--dtype", "nf4", "--offload", "disk"])
+    err = res.stderr.strip()
+    assert res.exit_code != 0 and len(err.splitlines()) == 1 and "already 4-bit" in err and "fix:" in err
+
+
+def test_shared_modules_are_the_targets_own(target):
+    t = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="ram", max_device_memory=1)
+    d = build_self_draft(t, t.source)
+    try:
+        assert shares_with(d, t) and d.substituted == list(range(4))
+        assert d.embed_tokens.weight.data_ptr() == t.embed_tokens.weight.data_ptr()
+        # the draft's own device bytes: the substitutes only (no embeddings, no lm_head copy)
+        assert 0 < d.pool.allocated < sum(t.plan.layer_bytes) / 2
+        assert set(d.pool.by_component) <= {"resident_layers", "pinned_params", "quant_states"}
+    finally:
+        d.close()
+        t.close()
+
+
+def test_substitute_cache_is_reused_rebuilt_on_change_and_on_corruption(target, tmp_path, monkeypatch):
+    src = tmp_path / "t"
+    src.mkdir()
+    for f in target.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    built = []
+    real = qc.write_quantized
+    monkeypatch.setattr(qc, "write_quantized", lambda *a, **k: (built.append(1), real(*a, **k))[1])
+
+    def load():
+        t = OffloadedCausalLM.from_pretrained(src, dtype=torch.float32, offload="disk")
+        d = build_self_draft(t, t.source)
+        d.close()
+        t.close()
+
+    load()
+    load()
+    assert len(built) == 1                        # second load: the cache is reused
+    shard = next(src.glob("*.safetensors"))
+    os.utime(shard, (shard.stat().st_atime, shard.stat().st_mtime + 10))
+    load()
+    assert len(built) == 2                        # the target's files changed: rebuilt
+    cache = qc.cache_dir(src, packing_for(torch.device("cpu")))
+    layer_shard = sorted(p for p in cache.glob("*.safetensors"))[0]
+    size = layer_shard.stat().st_size
+    layer_shard.write_bytes(b"\xff" * size)       # same size, garbage header
+    with pytest.warns(OffloadNotice, match="corrupt"):
+        load()
+    assert len(built) == 3
