@@ -40,11 +40,12 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def run(tmp_path, target, *extra):
+def run(tmp_path, target, *extra, temperature="0"):
     prompt, stats = tmp_path / "p.txt", tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
     prompt.write_text(PROMPT)
     res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
-                              "--no-chat-template", "--temperature", "0", "--max-new-tokens", "24", "--budget", "16",
+                              "--no-chat-template", "--temperature", temperature, "--seed", "7", "--max-new-tokens", "24",
+                              "--budget", "16",
                               "--stats-json", str(stats), *extra])
     assert res.exit_code == 0, res.output
     return json.loads(stats.read_text()), res
@@ -58,6 +59,15 @@ def test_self_draft_is_lossless_at_t0(tmp_path, target, offload, dtype):
                 if offload == "disk" else "1GB")
     assert sd["token_ids"] == ar["token_ids"]
     assert sd["tokens_per_pass"] > 1.0
+
+
+def test_sampled_ids_equal_ar_with_the_same_seed(tmp_path, target):
+    """T > 0: the target's draws are coupled to per-position noise (sampling.py), so every lossless
+    draft yields exactly the ids `--method ar` samples with the same seed."""
+    ar, _ = run(tmp_path, target, "--method", "ar", "--offload", "disk", temperature="0.8")
+    sd, _ = run(tmp_path, target, "--draft", "self", "--offload", "disk", "--max-ram", "0", temperature="0.8")
+    greedy, _ = run(tmp_path, target, "--method", "ar", "--offload", "disk")
+    assert sd["token_ids"] == ar["token_ids"] != greedy["token_ids"]   # really sampled, and equal
 
 
 def test_everything_resident_runs_without_a_draft(tmp_path, target):
