@@ -4,7 +4,9 @@ Contract: starts one `specx serve` process (the same flags as the `specx run` ca
 prompt, alternates `specx run --no-chat-template --stats-json` (a fresh process: its engine-timed
 tok/s) with a streamed /v1/completions request through the `openai` client (tok/s = tokens after
 the first ÷ wall time from the first to the last content chunk, as a user sees it; also the time
-to first token). All greedy, so both must print the same text (`same_text`). Then a five-turn
+to first token). Rates are total tokens / total time over the prompts whose reply has >= 2 tokens
+(one that stops at its first token has no streaming rate); the server's own engine rate is beside
+them, so HTTP/SSE overhead shows as serve ÷ engine. All greedy, so both must print the same text (`same_text`). Then a five-turn
 chat conversation twice: with prefix reuse (turns sent back to back) and without it (an unrelated
 request between turns evicts the conversation from the caches), reporting the prefill tokens of
 every turn (`specx.prefill_tokens`). Writes --out/serve.json and prints markdown tables; the
@@ -51,7 +53,7 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
 def run_cli(flags: list[str], prompt: str, n: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "s.json"
-        out = subprocess.run([sys.executable, "-m", "specexec_cli", "run", "-p", prompt, "--no-chat-template", "-n",
+        out = subprocess.run([sys.executable, "-m", "specexec_cli", "run", "-p", prompt, "--no-chat-template", "--temperature", "0", "-n",
                               str(n), "--no-live", "--stats-json", str(stats), *flags], capture_output=True,
                              text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)  # fmt: skip
         rec = json.loads(stats.read_text())
@@ -80,12 +82,28 @@ def conversation(client, n: int, reuse: bool) -> list[int]:
     msgs, prefill = [], []
     for turn in TURNS:
         msgs.append({"role": "user", "content": turn})
+        if not reuse:  # evict: another conversation takes the caches before every turn
+            client.completions.create(model="specx", prompt="# unrelated\n", max_tokens=1, temperature=0)
         res = client.chat.completions.create(model="specx", messages=msgs, max_tokens=n, temperature=0)
         prefill.append(res.model_extra["specx"]["prefill_tokens"])
         msgs.append({"role": "assistant", "content": res.choices[0].message.content})
-        if not reuse:  # evict: another conversation takes the caches
-            client.completions.create(model="specx", prompt="# unrelated\n", max_tokens=1, temperature=0)
     return prefill
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Aggregate rates (total tokens / total time) over the prompts that produced >= 2 tokens: a reply that
+    ends at its first token has no streaming rate."""
+    timed = [r for r in rows if r["run"]["tokens"] >= 2 and r["serve"]["tokens"] >= 2]
+
+    def rate(side: str, key: str, skip_first: bool) -> float:
+        toks = sum(r[side]["tokens"] - skip_first for r in timed)
+        secs = sum((r[side]["tokens"] - skip_first) / r[side][key] for r in timed if r[side][key])
+        return toks / secs if secs else 0.0
+
+    run, serve = rate("run", "tok_s", False), rate("serve", "tok_s", True)
+    return {"prompts_timed": len(timed), "run_tok_s": run, "serve_tok_s": serve,
+            "serve_engine_tok_s": rate("serve", "engine_tok_s", False), "ratio": serve / run if run else 0.0,
+            "ttft_s": sum(r["serve"]["ttft_s"] for r in timed) / max(1, len(timed))}
 
 
 def main() -> None:
@@ -118,18 +136,16 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    run_rate = sum(r["run"]["tok_s"] for r in rows) / len(rows)
-    serve_rate = sum(r["serve"]["tok_s"] for r in rows) / len(rows)
-    summary = {"run_tok_s": run_rate, "serve_tok_s": serve_rate, "ratio": serve_rate / run_rate if run_rate else 0,
-               "ttft_s": sum(r["serve"]["ttft_s"] for r in rows) / len(rows), "turn_prefill": turns,
-               "all_same_text": all(r["same_text"] for r in rows)}  # fmt: skip
+    summary = dict(summarize(rows), turn_prefill=turns, all_same_text=all(r["same_text"] for r in rows))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve.json").write_text(json.dumps({"summary": summary, "prompts": rows}, indent=1) + "\n")
     print("| prompt | run tok/s | serve tok/s | TTFT s | same text |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['prompt']} | {r['run']['tok_s']:.1f} | {r['serve']['tok_s']:.1f} | {r['serve']['ttft_s']:.2f} "
               f"| {r['same_text']} |")
-    print(f"\nserver / run = {summary['ratio']:.3f}\n\n| turn | prefill (reuse) | prefill (no reuse) |\n|---|---|---|")
+    print(f"\nover {summary['prompts_timed']} prompts with >= 2 tokens: run {summary['run_tok_s']:.1f} tok/s, server "
+          f"{summary['serve_tok_s']:.1f} (its engine {summary['serve_engine_tok_s']:.1f}), TTFT {summary['ttft_s']:.3f} s")
+    print(f"server / run = {summary['ratio']:.3f}\n\n| turn | prefill (reuse) | prefill (no reuse) |\n|---|---|---|")
     for t, (a, b) in enumerate(zip(turns["reuse"], turns["no_reuse"]), 1):
         print(f"| {t} | {a} | {b} |")
 

@@ -122,3 +122,24 @@ def test_checkpoint_sampling(tmp_path):
     assert with_config({"do_sample": True, "top_p": 7}) == SamplingParams(1.0, 50, 1.0)
     assert with_config("{not json") == GREEDY and checkpoint_sampling(tmp_path / "missing") == GREEDY
     assert merge(SamplingParams(0.6, 50, 0.9), temperature=0) == SamplingParams(0.0, 50, 0.9)
+
+
+def test_budget_auto_reports_the_tuned_shape(tiny_pair):
+    """With --budget auto the response names the budget the tuner ran (the flag's 64 is only its start)."""
+    from specexec_cli.budget import make_tuner
+
+    models = load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", device="cpu"))
+    shape = TreeShape(64, 8)
+    tuner = make_tuner(None, shape, on_cuda=False)
+    tuner.holder.shape = TreeShape(5, 3)   # as a retune would leave it
+    session = ChatSession(models, GenerationConfig(shape=shape, max_new_tokens=6), tuner=tuner,
+                          config_record=lambda c: {"budget": c.shape.budget}, code=True)
+    w = Worker(lambda: (session, GREEDY), max_queue=2, metrics=Metrics())
+    w.start()
+    try:
+        while w.state == "loading":
+            time.sleep(0.01)
+        done = run(w, Work(prompt="def f(x):"))[-1]
+    finally:
+        w.shutdown()
+    assert isinstance(done, Done) and done.specx["budget"] == tuner.shape.budget != 64

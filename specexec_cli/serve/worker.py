@@ -247,6 +247,8 @@ class Worker:
                 break
         finally:
             events.close()
+        if session.tuner is not None:   # --budget auto: report the shape the tuner ran, not the flag's
+            stats.config.update(budget=session.tuner.shape.budget, max_depth=session.tuner.shape.max_depth)
         self._emit(job, scanner.flush(), pending, stats, parts)
         usage = usage_body(len(full), stats.new_tokens, len(full) - prefill)
         self.metrics.finished(stats, len(full), len(full) - prefill)
