@@ -91,7 +91,9 @@ class PlanRequest:
     max_ram: int | None = None       # cap on host bytes for streamed layers
     embeddings: str = "auto"         # device | host | auto
     attn: str = "sdpa"               # attention implementation: sdpa | eager
-    self_draft: bool = False         # --draft self: the draft is 4-bit substitutes of the streamed layers
+    self_draft: bool = False         # --draft self: the draft is low-bit substitutes of the streamed layers
+    draft_bits: int | None = None    # --draft-bits 4 | 3 | 2 of those substitutes; None = the plan chooses
+    sixteen_bit: bool = True         # --draft self: a 16-bit checkpoint exists to quantize substitutes from
 
 
 @dataclass
@@ -115,6 +117,7 @@ class MemoryPlan:
     reason: str = ""                 # one line when not fits
     notes: list[str] = field(default_factory=list)
     elsewhere: str = ""              # planned for another machine (explicit caps): why THIS host cannot run it
+    substitute_bits: int | None = None   # --draft self: the bits of the substitutes this plan counts
 
     @property
     def device_total(self) -> int:
@@ -133,7 +136,7 @@ class MemoryPlan:
             streamed_layers={"ram": len(self.ram_layers), "disk": len(self.disk_layers)},
             fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
             kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
-            notes=list(self.notes), elsewhere=self.elsewhere,
+            notes=list(self.notes), elsewhere=self.elsewhere, substitute_bits=self.substitute_bits,
         )  # fmt: skip
 
 
@@ -165,7 +168,7 @@ class _Layers:
     quant: int                       # NF4 quant-state bytes of all layers
     stage: list[int] = field(default_factory=list)     # CUDA pinned staging bytes (file layout unless cast)
     repack: list[bool] = field(default_factory=list)   # compute slot != file layout (cast, or tensors off the 256-byte grid)
-    substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's 4-bit substitute
+    substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's substitute
     pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
     estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
 
@@ -351,14 +354,14 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req:
 
 
 def _verdict(plan: MemoryPlan, req: PlanRequest) -> tuple[bool, str]:
-    if req.self_draft and req.dtype == "nf4":
+    if req.self_draft and req.dtype == "nf4" and req.draft_bits == 4:
         return False, ("--draft self: the target is already 4-bit, so 4-bit substitutes would be the target "
-                       "itself; fix: --dtype bf16 for the target, or a small --draft DIR")
+                       "itself; fix: --draft-bits 3 or 2, --dtype bf16 for the target, or a small --draft DIR")
     where = "GPU memory" if req.device == "cuda" else "RAM for the model"
     if plan.device_total > plan.device_capacity:
         fixes = ["a smaller --ctx or --budget"]
         if req.self_draft:
-            fixes.append(f"a small --draft DIR (the 4-bit substitutes alone need "
+            fixes.append(f"a small --draft DIR (the {req.draft_bits}-bit substitutes alone need "
                          f"{format_bytes(plan.device_bytes.get('draft', 0))})")
         elif req.dtype != "nf4":
             fixes.append("--dtype nf4")
@@ -392,8 +395,39 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
     req = replace(req, ctx=min([req.ctx] + limits))
     lay = _layers(target, arch_of(target.config), req)
     if req.self_draft:
-        q = _layers(target, arch_of(target.config), replace(req, dtype="nf4"))
-        lay.substitute = [b + (q.quant + q.pinned) // len(q.packed) for b in q.packed]
+        return _plan_self(target, lay, req)
+    return _plan_budgets(target, draft, lay, req)
+
+
+def _plan_self(target: Checkpoint, lay: _Layers, req: PlanRequest) -> MemoryPlan:
+    """--draft self: a plan per candidate substitute width (offload/selfplan.py); the best one."""
+    from .selfplan import candidate_bits, choose, substitute_bytes
+
+    a = arch_of(target.config)
+    nf4 = _layers(target, a, replace(req, dtype="nf4"))
+    prequant = not req.sixteen_bit
+    tried = []
+    for bits in candidate_bits(req, prequant) or [4]:
+        lay.substitute = substitute_bytes(target, a, req, bits, nf4)
+        plan = _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
+        plan.substitute_bits = bits
+        tried.append((bits, plan))
+    if prequant:
+        plan = tried[0][1]
+        plan.fits, plan.reason = False, ("--draft self: a pre-quantized checkpoint has no 16-bit weights to make "
+                                         "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
+                                         "or a small --draft DIR")
+        return plan
+    (bits, plan), lines = choose(tried)
+    plan.notes.extend(lines if len(tried) > 1 else [])
+    plan.notes.append(f"self-draft: {bits}-bit substitutes of the {len(plan.ram_layers) + len(plan.disk_layers)} "
+                      f"streamed layers ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
+                      f"{len(plan.resident)} layers resident and shared")
+    return plan
+
+
+def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest) -> MemoryPlan:
+    """The plan at `req.budget`, halved (budget auto) and with host embeddings tried, until one fits."""
     budgets = [req.budget]
     while req.budget_auto and budgets[-1] // 2 >= BUDGET_FLOOR:
         budgets.append(budgets[-1] // 2)

@@ -1,17 +1,19 @@
 """The target's own low-bit substitute as its draft (`--draft self`, after SubSpec).
 
-Contract: `build_self_draft(target, source, progress)` returns an `OffloadedCausalLM` that runs the
+Contract: `build_self_draft(target, progress, bits)` returns an `OffloadedCausalLM` that runs the
 target's architecture where
 - the embeddings, final norm, lm_head, rotary buffers and every RESIDENT decoder layer are the
   target's own module objects (shared by reference: no second copy, no second read), and
-- every layer the target STREAMS is replaced by a 4-bit NF4 substitute (bitsandbytes blocksize
-  64, double-quantized) that stays on the device, so the draft never touches the weight stream.
-The substitutes are the packed weights of the target's nf4 cache (offload/quant_cache.py): built
-once from the 16-bit checkpoint with a progress bar, reused on later loads, rebuilt when the
-checkpoint changes or the cache is incomplete. `SelfDraftError` (an OffloadError) says in one
-line why no self-draft can be built: nothing streams, or the target already is 4-bit (its
-substitutes would be the target itself). Device bytes of the substitutes are counted in their
-own DevicePool (`draft.pool`); the caller adds them to its plan's "draft" component.
+- every layer the target STREAMS is replaced by a low-bit substitute that stays on the device, so
+  the draft never touches the weight stream: `bits` 4 = NF4 (bitsandbytes blocksize 64, double-
+  quantized: the packed weights of the target's nf4 cache, offload/quant_cache.py); 3 or 2 = HQQ
+  (offload/lowbit.py, its own per-layer cache). Both are built once from the 16-bit checkpoint with
+  a progress bar, reused on later loads, rebuilt when the checkpoint changes, never used corrupt.
+An nf4 target (loaded from a 16-bit checkpoint through the nf4 cache) takes 3- or 2-bit
+substitutes made from that 16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line
+why no self-draft can be built: nothing streams, 4-bit substitutes of a 4-bit target (the target
+itself), or a pre-quantized checkpoint (no 16-bit weights). Device bytes of the substitutes are
+counted in their own DevicePool (`draft.pool`); the caller adds them to its plan's "draft" component.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .errors import OffloadError
 from .loader import Subset
 from .prequant import bnb4_config
 
-SUBSTITUTE_BITS = 4
+SUBSTITUTE_BITS = (4, 3, 2)
 
 
 class SelfDraftError(OffloadError):
@@ -35,31 +37,73 @@ def streamed_layers(target) -> list[int]:
     return sorted(set(range(len(target.layers))) - set(target.plan.resident))
 
 
-def check_self_draft(target, source: Path) -> list[int]:
+def sixteen_bit_source(target) -> Path | None:
+    """The 16-bit checkpoint behind `target`: its source, or the one its nf4 cache was built from
+    (None for a pre-quantized checkpoint)."""
+    source = Path(target.source)
+    if bnb4_config(target.config) is None:
+        return source
+    import json
+
+    from .quant_cache import MANIFEST
+
+    try:
+        return Path(json.loads((source / MANIFEST).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_self_draft(target, bits: int = 4) -> list[int]:
     """The layers to substitute, or SelfDraftError when a self-draft makes no sense here."""
-    if bnb4_config(target.config) is not None or getattr(target, "nf4", False):
+    if bits not in SUBSTITUTE_BITS:
+        raise SelfDraftError(f"--draft-bits must be 4, 3 or 2 (got {bits})")
+    quantized = bnb4_config(target.config) is not None
+    if quantized and bits == 4:
         raise SelfDraftError("--draft self: the target is already 4-bit, so 4-bit substitutes would be the "
-                             "target itself; fix: load the target in 16 bits (--dtype bf16) or pass a small --draft DIR")
+                             "target itself; fix: --draft-bits 3 or 2, load the target in 16 bits (--dtype bf16), "
+                             "or pass a small --draft DIR")
+    if quantized and sixteen_bit_source(target) is None:
+        raise SelfDraftError("--draft self: a pre-quantized checkpoint has no 16-bit weights to make substitutes "
+                             "from; fix: --target the 16-bit checkpoint with --dtype nf4, or a small --draft DIR")
     layers = streamed_layers(target)
     if not layers:
         raise SelfDraftError("--draft self: every target layer is resident, so there is nothing to substitute")
     return layers
 
 
-def build_self_draft(target, source: str | Path, progress: Callable[[int, int, str], None] | None = None):
-    """The self-draft of an OffloadedCausalLM `target` loaded from `source` (see the contract)."""
+def build_self_draft(target, progress: Callable[[int, int, str], None] | None = None, bits: int = 4):
+    """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract)."""
     from .devmem import DevicePool
     from .model import OffloadedCausalLM
 
-    layers = check_self_draft(target, Path(source))
+    layers = check_self_draft(target, bits)
+    source = sixteen_bit_source(target)
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
-    draft = OffloadedCausalLM.from_pretrained(
-        source, device=target.device, dtype="nf4", offload="none", progress=progress,
-        pool=DevicePool(target.device), subset=Subset(frozenset(layers), shared), nf4_compute=target.dtype)
+    if bits == 4:
+        draft = OffloadedCausalLM.from_pretrained(
+            source, device=target.device, dtype="nf4", offload="none", progress=progress,
+            pool=DevicePool(target.device), subset=Subset(frozenset(layers), shared), nf4_compute=target.dtype)
+    else:
+        draft = _hqq_draft(target, source, layers, bits, shared, progress)
     for i in range(len(draft.layers)):
         if i not in layers:
             draft.layers[i] = target.layers[i]   # resident in the target: the same module, bound once
-    draft.substituted = layers
+    draft.substituted, draft.substitute_bits = layers, bits
+    return draft
+
+
+def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progress):
+    """A weightless skeleton of the target's architecture whose substituted layers get HQQ weights."""
+    from .devmem import DevicePool
+    from .lowbit import ensure_lowbit_layers, lowbit_layer, shard_path
+    from .model import OffloadedCausalLM
+
+    cache = ensure_lowbit_layers(source, layers, bits, progress)
+    draft = OffloadedCausalLM.from_pretrained(
+        source, device=target.device, dtype=target.dtype, offload="none", pool=DevicePool(target.device),
+        subset=Subset(frozenset(), shared))
+    for i in layers:
+        draft.layers[i] = lowbit_layer(draft.layers[i], shard_path(cache, i), target.device, target.dtype, draft.pool)
     return draft
 
 

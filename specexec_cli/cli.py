@@ -21,7 +21,7 @@ import typer
 # error) loads typer and rich only. torch/transformers are imported inside the command bodies.
 from specexec_cli import __version__, display, paths
 from specexec_cli.cliflags import (  # the flag declarations
-    AllowPickle, Branching, Color, Ctx, DECODING, Device, Draft, DraftDtype, Dtype, Embeddings, Gamma,
+    AllowPickle, Branching, Color, Ctx, DECODING, Device, Draft, DraftBits, DraftDtype, Dtype, Embeddings, Gamma,
     MODELS, MaxDepth, MaxGpu, MaxNew, MaxRam, NoLive, NoTemplate, OUTPUT, Offload, ProfileOpt, Seed, StatsJson,
     Target, TrustRemote, model_flags,
 )
@@ -261,8 +261,8 @@ def bench(
     temperatures: Annotated[str, typer.Option(metavar="LIST", rich_help_panel=DECODING, help="Comma-separated temperatures.")] = "0,0.7",
     max_new_tokens: MaxNew = 128, num_prompts: Annotated[int, typer.Option(metavar="N", help="Use the first N prompts (0 = all).")] = 0,
     max_depth: MaxDepth = 64, gamma: Gamma = 5, branching: Branching = None, seed: Seed = 0,
-    dtype: Dtype = "auto", draft_dtype: DraftDtype = "auto", device: Device = "auto", offload: Offload = "auto",
-    max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", draft_dtype: DraftDtype = "auto", draft_bits: DraftBits = "auto", device: Device = "auto",
+    offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     no_chat_template: NoTemplate = False, no_live: NoLive = False, profile: ProfileOpt = None,
     ctx: Ctx = 8192, embeddings: Embeddings = "auto",
@@ -284,7 +284,7 @@ def bench(
         widest = GenerationConfig(shape=TreeShape(max(grid.budgets), max_depth))  # the plan covers the largest cell
         opts, plan, _ = plan_for_cli(target, draft, "ar" if set(grid.methods) == {"ar"} else "specexec", dtype,
                                      device, allow_pickle, trust_remote_code, offload, max_gpu_memory, max_ram, ctx,
-                                     embeddings, widest, str(max(grid.budgets)), draft_dtype)
+                                     embeddings, widest, str(max(grid.budgets)), draft_dtype, draft_bits)
         with display.LoadProgress(live) as progress:
             models = load_planned(opts, plan, progress)
         ids = [encode_prompt(models.tokenizer, t, not no_chat_template) for t in texts]

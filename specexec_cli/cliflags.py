@@ -36,6 +36,7 @@ TopP = Annotated[Optional[float], typer.Option(metavar="P", show_default=False, 
 Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
 Dtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
 Device = Annotated[str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")]
+DraftBits = Annotated[str, typer.Option(metavar="BITS", rich_help_panel=MODELS, help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, pip install 'specx[lowbit]'); auto: the memory plan picks the most expected tokens/s.")]
 DraftDtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.")]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
 TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]
@@ -56,7 +57,8 @@ ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", metavar="FILE",
 
 # The shared flags, in help order: each ModelFlags field with its declaration (defaults from ModelFlags).
 SHARED = {
-    "target": Target, "draft": Draft, "dtype": Dtype, "draft_dtype": DraftDtype, "device": Device,
+    "target": Target, "draft": Draft, "dtype": Dtype, "draft_dtype": DraftDtype, "draft_bits": DraftBits,
+    "device": Device,
     "allow_pickle": AllowPickle, "trust_remote_code": TrustRemote, "no_chat_template": NoTemplate,
     "method": Method, "budget": Budget, "max_depth": MaxDepth, "max_beams": MaxBeams, "max_branch": MaxBranch,
     "max_new_tokens": MaxNew, "temperature": Temperature, "top_k": TopK, "top_p": TopP, "seed": Seed,

@@ -37,6 +37,7 @@ class ModelFlags:
     seed: int = 0
     dtype: str = "auto"
     draft_dtype: str = "auto"
+    draft_bits: str = "auto"
     device: str = "auto"
     offload: str = "auto"
     max_gpu_memory: str | None = None
@@ -67,7 +68,8 @@ class ModelFlags:
 
         opts, plan, cfg = plan_for_cli(self.target, self.draft, self.method, self.dtype, self.device,
                                        self.allow_pickle, self.trust_remote_code, self.offload, self.max_gpu_memory,
-                                       self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype)
+                                       self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype,
+                                       self.draft_bits)  # fmt: skip
         sampling = self.sampling(self.checkpoint_defaults(opts.target))
         return opts, plan, replace(cfg, sampling=sampling)
 
@@ -185,8 +187,20 @@ def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     return models
 
 
+def parse_draft_bits(value: str, draft: str | None) -> int | None:
+    """--draft-bits: None for auto, else 4 | 3 | 2, and only with --draft self."""
+    value = str(value).strip().lower()
+    if value == "auto":
+        return None
+    if value not in ("4", "3", "2"):
+        raise SpecxError(f"--draft-bits must be auto, 4, 3 or 2 (got {value!r})")
+    if draft != "self":
+        raise SpecxError("--draft-bits applies to --draft self only; drop it or pass --draft self")
+    return int(value)
+
+
 def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
-                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto"):
+                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto", draft_bits="auto"):
     """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit."""
     from dataclasses import replace
 
@@ -198,10 +212,12 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     if ctx < 1:
         raise SpecxError(f"--ctx must be >= 1 (got {ctx})")
     target, draft = pick_models(target, draft, method)
+    bits = parse_draft_bits(draft_bits, draft)
     opts = LoadOptions(
         target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
         trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings, draft_dtype=draft_dtype,
         max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+        draft_bits=bits,
     )  # fmt: skip
     plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto")
     if plan is not None and plan.budget != cfg.shape.budget and plan.fits:

@@ -39,6 +39,7 @@ class LoadOptions:
     ctx: int = 8192  # context the KV caches are sized for (capped by max positions)
     embeddings: str = "auto"  # target input embeddings: auto | device | host
     plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
+    draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
 
 
 def resolve_device(name: str) -> torch.device:
@@ -178,7 +179,9 @@ SELF = "self"   # --draft self: the target's own low-bit substitute (offload/sel
 def load_self_draft(target, opts: LoadOptions, pool):
     """The target's self-draft, its substitutes counted as the plan's "draft" component; None (with
     a notice) when every target layer is resident, so that decoding runs without a draft."""
-    from offload.selfdraft import SelfDraftError, build_self_draft, check_self_draft
+    from offload import OffloadError
+    from offload.prequant import bnb4_config
+    from offload.selfdraft import build_self_draft
 
     from specexec_cli import display
 
@@ -186,14 +189,15 @@ def load_self_draft(target, opts: LoadOptions, pool):
     if getattr(target, "plan", None) is None:    # an HF-resident target (--offload none)
         display.print_notice(nothing)
         return None
+    plan_bits = getattr(opts.plan, "substitute_bits", None)
+    bits = opts.draft_bits or plan_bits or (3 if bnb4_config(target.config) is not None else 4)
     try:
-        check_self_draft(target, target.source)
-    except SelfDraftError as exc:
+        draft = build_self_draft(target, opts.progress, bits)
+    except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
         if "every target layer is resident" in str(exc):
             display.print_notice(nothing)
             return None
         raise SpecxError(str(exc)) from None
-    draft = build_self_draft(target, target.source, opts.progress)
     pool.by_component["draft"] = pool.by_component.get("draft", 0) + draft.pool.allocated
     return draft
 

@@ -46,20 +46,24 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
     return target, draft
 
 
+def prequantized(path) -> bool:
+    """config.json carries a quantization_config (a pre-quantized 4-bit checkpoint)."""
+    import json
+
+    try:
+        return "quantization_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def nf4_source(path, dtype: str, device: str = "cpu"):
     """(checkpoint the loader will stream, target dtype): a pre-quantized 4-bit checkpoint is nf4;
     a 16-bit one with --dtype nf4 streams from its 4-bit cache when that exists (exact sizes),
     else the plan estimates the cache's layout from the 16-bit headers."""
-    import json
-
     from offload.nf4 import packing_for
     from offload.quant_cache import cache_dir, cache_key, is_complete
 
-    try:
-        quantized = "quantization_config" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        quantized = False
-    if quantized:
+    if prequantized(path):
         return path, "nf4"
     packing = packing_for(device)
     if dtype == "nf4" and is_complete(cache_dir(path, packing), cache_key(path, packing)):
@@ -82,6 +86,7 @@ def make_plan(opts, shape, budget_auto: bool):
     if not all(safe):
         return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
     tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
+    sixteen_bit = not prequantized(tpath)   # else no 16-bit weights to make self-draft substitutes from
     tpath, tdtype = nf4_source(tpath, tdtype, device)
     if self_draft:
         ddtype = "fp32" if tdtype == "fp32" else ("bf16" if tdtype == "nf4" else tdtype)   # substitutes compute so
@@ -94,7 +99,8 @@ def make_plan(opts, shape, budget_auto: bool):
         device=device, dtype=tdtype, draft_dtype=ddtype, ram_free=ram,
         device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
         max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
-        embeddings=opts.embeddings, self_draft=self_draft,
+        embeddings=opts.embeddings, self_draft=self_draft, draft_bits=getattr(opts, "draft_bits", None),
+        sixteen_bit=sixteen_bit,
     )  # fmt: skip
     try:
         plan = plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)

@@ -93,7 +93,6 @@ def probe_gpus(copy_bytes: int = 512 << 20) -> list[dict]:
 
         secs = _timed(copy, 0.5, 10)
         out.append(dict(index=i, name=props.name, total_bytes=props.total_memory, h2d_pinned_gbps=round(copy_bytes / secs / 1e9, 3)))
-        del host, dev
     return out
 
 

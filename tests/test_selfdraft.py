@@ -3,9 +3,10 @@
 What must hold: lossless at T = 0 through `specx run` (ids equal `--method ar`'s) with the target
 in RAM or on disk, fp32 or bf16; the embeddings, norm, lm_head, rotary buffers and resident layers
 are the target's own objects (no second copy: the draft's own device bytes are its substitutes
-only); nothing to substitute (all resident) runs without a draft and says so; a 4-bit target is
-refused in one line; the substitutes' cache is built once, reused, rebuilt when the target's files
-change, and a corrupt cache is rebuilt with a notice, never used.
+only); nothing to substitute (all resident) runs without a draft and says so; 4-bit substitutes
+of a 4-bit target are refused in one line (tests/test_selfdraft_lowbit.py: its 3/2-bit ones);
+the substitutes' cache is built once, reused, rebuilt when the target's files change, and a
+corrupt cache is rebuilt with a notice, never used.
 """
 
 from __future__ import annotations
@@ -77,18 +78,18 @@ def test_everything_resident_runs_without_a_draft(tmp_path, target):
     assert "nothing to substitute" in res.stderr
 
 
-def test_a_4bit_target_is_refused_in_one_line(tmp_path, target):
+def test_4bit_substitutes_of_a_4bit_target_are_refused_in_one_line(tmp_path, target):
     prompt = tmp_path / "p.txt"
     prompt.write_text(PROMPT)
     res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
-                              "--draft", "self", "--dtype", "nf4", "--offload", "disk"])
+                              "--draft", "self", "--draft-bits", "4", "--dtype", "nf4", "--offload", "disk"])
     err = res.stderr.strip()
     assert res.exit_code != 0 and len(err.splitlines()) == 1 and "already 4-bit" in err and "fix:" in err
 
 
 def test_shared_modules_are_the_targets_own(target):
     t = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="ram", max_device_memory=1)
-    d = build_self_draft(t, t.source)
+    d = build_self_draft(t)
     try:
         assert shares_with(d, t) and d.substituted == list(range(4))
         assert d.embed_tokens.weight.data_ptr() == t.embed_tokens.weight.data_ptr()
@@ -111,7 +112,7 @@ def test_substitute_cache_is_reused_rebuilt_on_change_and_on_corruption(target, 
 
     def load():
         t = OffloadedCausalLM.from_pretrained(src, dtype=torch.float32, offload="disk")
-        d = build_self_draft(t, t.source)
+        d = build_self_draft(t)
         d.close()
         t.close()
 

@@ -1,0 +1,231 @@
+"""HQQ low-bit substitutes of decoder layers: the self-draft's 3- and 2-bit layers (offload/selfdraft.py).
+
+Contract:
+- `GROUPS[bits]`: the HQQ group size per bit width; each group of weights (along the input
+  dimension, HQQ's axis 1) has one scale and one zero in the compute dtype.
+- `ensure_lowbit_layers(src, layers, bits, progress)` returns the cache directory of the 16-bit
+  checkpoint `src` at `bits` (under $SPECX_CACHE; its name carries a key over the source files'
+  names, sizes and mtimes and the settings, so a changed checkpoint gets a new directory and the
+  old one is removed). It holds one `layer-NNNNN.safetensors` per decoder layer asked for: per
+  nn.Linear `<name>.W_q` (HQQ's bit-packed codes), `<name>.scale`, `<name>.zero` (calibration-free
+  HQQ, quantized on the CPU from the stored 16-bit values), every other tensor of the layer as
+  stored. A shard is written under a temporary name and renamed into place, so a present shard is
+  whole; one whose header does not parse is rebuilt with an OffloadNotice, never used; shards
+  already there are reused (the streamed set can grow between runs). `progress(done, total, what)`
+  is called per layer quantized.
+- `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
+  the substitute: every nn.Linear becomes a `LowbitLinear`, every other parameter is materialized;
+  device bytes are counted in `pool` under "draft".
+- `lowbit_weight_bytes(shape, bits, scale_bytes)`: device bytes of one quantized weight from its
+  shape alone (what the memory plan counts).
+HQQ is optional (`pip install 'specx[lowbit]'`); without it `hqq_quantizer()` raises an OffloadError
+naming that install. Its import-time deprecation warnings (torch.jit, inside torch) are kept here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import OffloadError, OffloadNotice
+
+GROUPS = {4: 64, 3: 64, 2: 32}
+FORMAT = 1
+PACKING = {4: "4bit_u8", 3: "3bit_32", 2: "2bit_u8"}
+ROWS_PER_WORD = {4: 2, 3: 10, 2: 4}   # group rows packed into one stored element (uint8, int32, uint8)
+
+
+def hqq_quantizer():
+    """HQQ's Quantizer (imported once, its import-time warnings silenced), or a one-line error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from hqq.core.quantize import Quantizer
+    except ImportError:
+        raise OffloadError("--draft-bits 3 and 2 quantize with HQQ, which is not installed; "
+                           "fix: pip install 'specx[lowbit]' (or --draft-bits 4)") from None
+    return Quantizer
+
+
+def lowbit_weight_bytes(shape: tuple[int, ...], bits: int, scale_bytes: int = 2) -> int:
+    """Device bytes of a (out, in) weight at `bits`: packed codes + one scale and zero per group."""
+    group = GROUPS[bits]
+    rows = math.prod(shape) // group
+    words = math.ceil(rows / ROWS_PER_WORD[bits]) * group
+    return words * (4 if bits == 3 else 1) + 2 * rows * scale_bytes
+
+
+def check_shape(name: str, shape: tuple[int, ...], bits: int) -> None:
+    group = GROUPS[bits]
+    if math.prod(shape) % (group * (1 if bits == 3 else ROWS_PER_WORD[bits])):
+        raise OffloadError(f"{name}: shape {tuple(shape)} does not split into {bits}-bit groups of {group}; "
+                           "fix: --draft-bits 4 or a small --draft DIR")
+
+
+class LowbitLinear(nn.Module):
+    """y = x W^T (+ b) with W dequantized from HQQ codes at every call: W = (codes - zero) * scale."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                 shape: tuple[int, int], bits: int):
+        super().__init__()
+        self.register_buffer("W_q", codes)      # (rows / per-word, group) packed codes, rows = out*in/group
+        self.register_buffer("scale", scale)    # (rows, 1) compute dtype
+        self.register_buffer("zero", zero)      # (rows, 1) compute dtype
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.shape, self.bits = tuple(shape), bits
+        self.in_features, self.out_features = shape[1], shape[0]
+
+    def weight_now(self) -> torch.Tensor:
+        unpack = hqq_quantizer().unpack[PACKING[self.bits]]
+        codes = unpack(self.W_q, dtype=self.scale.dtype)[: self.scale.shape[0]]   # 3-bit pads rows to x10
+        return ((codes - self.zero) * self.scale).reshape(self.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight_now().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={GROUPS[self.bits]}"
+
+
+def quantize_weight(w: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """HQQ (axis 1, group GROUPS[bits], proximal optimization) on the CPU: codes, scale, zero."""
+    codes, meta = hqq_quantizer().quantize(w.float(), nbits=bits, group_size=GROUPS[bits], axis=1,
+                                           optimize=True, bitpack=True, device="cpu")
+    return {"W_q": codes.contiguous(), "scale": meta["scale"].float().contiguous(),
+            "zero": meta["zero"].float().contiguous()}
+
+
+# -- the cache ------------------------------------------------------------------------------------
+def _settings(bits: int) -> dict:
+    return {"format": FORMAT, "method": "hqq", "bits": bits, "group": GROUPS[bits], "axis": 1}
+
+
+def cache_dir(src: Path, bits: int) -> Path:
+    from .quant_cache import cache_root, source_fingerprint
+
+    blob = json.dumps({"files": source_fingerprint(src), "settings": _settings(bits)}, sort_keys=True)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
+    return cache_root() / f"{name}-hqq{bits}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}"
+
+
+def shard_path(out: Path, i: int) -> Path:
+    return out / f"layer-{i:05d}.safetensors"
+
+
+def _readable(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return bool(list(f.keys()))
+    except Exception:  # noqa: BLE001 - any failure to parse the header means a corrupt shard
+        return False
+
+
+def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
+                         progress: Callable[[int, int, str], None] | None = None) -> Path:
+    """The cache directory of `src` at `bits` with a shard for every layer in `layers` (see contract)."""
+    from .quant_cache import _quantized_names
+    from .st_index import SafetensorsIndex
+
+    if bits not in GROUPS:
+        raise OffloadError(f"--draft-bits must be 4, 3 or 2, got {bits}")
+    src = Path(src)
+    out = cache_dir(src, bits)
+    missing = []
+    for i in layers:
+        p = shard_path(out, i)
+        if p.exists() and not _readable(p):
+            warnings.warn(f"offload: the {bits}-bit substitute {p} is corrupt (unreadable safetensors header); "
+                          "rebuilding it", OffloadNotice, stacklevel=2)
+            p.unlink()
+        if not p.exists():
+            missing.append(i)
+    if not missing:
+        return out
+    hqq_quantizer()   # fail before any work when HQQ is absent
+    from transformers import AutoConfig
+
+    index, linears = SafetensorsIndex(src), _quantized_names(AutoConfig.from_pretrained(src))
+    out.mkdir(parents=True, exist_ok=True)
+    _drop_stale(src, out, bits)
+    for done, i in enumerate(missing):
+        if progress is not None:
+            progress(done, len(missing), f"quantizing layer {i} to {bits}-bit HQQ (once)")
+        _write_shard(index, i, linears, bits, shard_path(out, i))
+    if progress is not None:
+        progress(len(missing), len(missing), "quantized")
+    return out
+
+
+def _write_shard(index, i: int, linears: set[str], bits: int, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    prefix, tensors = f"model.layers.{i}.", {}
+    for name in sorted(k for k in index.entries if k.startswith(prefix)):
+        t, short = index.read(name), name[len(prefix):]
+        if name in linears:
+            check_shape(name, tuple(t.shape), bits)
+            for part, q in quantize_weight(t, bits).items():
+                tensors[f"{short.removesuffix('.weight')}.{part}"] = q
+        else:
+            tensors[short] = t.contiguous()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt", "specx": json.dumps(_settings(bits))})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _drop_stale(src: Path, keep: Path, bits: int) -> None:
+    """Remove this checkpoint's caches at `bits` whose key no longer matches its files."""
+    for old in keep.parent.glob(keep.name.rsplit("-", 1)[0] + "-*"):
+        if old != keep and old.is_dir() and all(p.suffix == ".safetensors" for p in old.iterdir()):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# -- building the substitute layer ----------------------------------------------------------------
+def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute: torch.dtype, pool) -> nn.Module:
+    """The meta-device decoder layer `skeleton` with its weights from `shard` (see contract)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(shard))
+    bits = json.loads(_header_settings(shard))["bits"]
+
+    def put(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return pool.copy(t.to(dtype) if dtype is not None else t, "draft")
+
+    for name, mod in list(skeleton.named_modules()):
+        if isinstance(mod, nn.Linear):
+            bias = tensors.get(f"{name}.bias")
+            sub = LowbitLinear(put(tensors[f"{name}.W_q"]), put(tensors[f"{name}.scale"], compute),
+                               put(tensors[f"{name}.zero"], compute), None if bias is None else put(bias, compute),
+                               (mod.out_features, mod.in_features), bits)  # fmt: skip
+            parent, _, leaf = name.rpartition(".")
+            setattr(skeleton.get_submodule(parent) if parent else skeleton, leaf, sub)
+    for name, p in list(skeleton.named_parameters()):
+        if p.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            mod = skeleton.get_submodule(owner) if owner else skeleton
+            setattr(mod, leaf, nn.Parameter(put(tensors[name], compute), requires_grad=False))
+    return skeleton
+
+
+def _header_settings(shard: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(shard), "pt") as f:
+        return f.metadata()["specx"]

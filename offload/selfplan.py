@@ -1,0 +1,77 @@
+"""The memory plan of a self-draft (`--draft self`): substitute bytes per bit width, and the bits.
+
+Contract:
+- `substitute_bytes(ck, arch, req, bits, nf4_layers)` lists, per decoder layer, the device bytes
+  of its substitute: bits 4 = the layer's NF4 packing from the nf4 cache (`nf4_layers`, memplan's
+  _Layers at dtype nf4: packed bytes + its share of quant states and norms), bits 3 / 2 = HQQ
+  codes + one scale and zero per group (offload.lowbit) + the layer's other parameters, all in the
+  draft's compute dtype.
+- `candidate_bits(req, prequant)`: the widths a plan may choose: `req.draft_bits` when set; else
+  4, 3, 2 for a 16-bit target, 3, 2 for an nf4 one (4-bit substitutes would be the target itself);
+  none for a pre-quantized checkpoint (no 16-bit weights to quantize from).
+- `choose(plans)` picks, among fitting (bits, plan) pairs, the one with the most expected tokens/s:
+  TOKENS_PER_PASS[bits] (measured, see below) ÷ the plan's pass time (its streamed bytes over the
+  link and disk priors LINK_BPS / DISK_BPS, plus a fixed compute floor). It returns the choice and
+  one line per candidate with those figures, which `--dry-run` prints.
+"""
+
+from __future__ import annotations
+
+import math
+
+TOKENS_PER_PASS = {4: 7.42, 3: 7.1, 2: 5.9}
+"""Tokens per target pass of the self-draft by substitute bits: 4 measured on the shared pair
+(bench/selfdraft.py, specexec, budget 64, T=0: bench/results/selfdraft.json); 3 and 2 from
+bench/results/selfdraft_bits.json at the same settings. Only their ratios matter here."""
+LINK_BPS = {"cuda": 24e9, "cpu": 10e9}     # RAM tier -> compute device (PCIe 4 x16 effective; memcpy)
+DISK_BPS = {"cuda": 3e9, "cpu": 2e9}       # NVMe O_DIRECT reads
+FLOOR_S = 0.05                              # per-pass compute and latency that streaming does not hide
+
+
+def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
+    from .lowbit import lowbit_weight_bytes
+    from .membytes import dtype_bytes
+
+    if bits == 4:
+        q = nf4_layers
+        return [b + (q.quant + q.pinned) // len(q.packed) for b in q.packed]
+    c = dtype_bytes(req.draft_dtype)
+    out = []
+    for i in range(arch.layers):
+        prefix, total = f"model.layers.{i}.", 0
+        for name, e in ck.tensors.items():
+            if not name.startswith(prefix) or not name.endswith(("weight", "bias")) or name.endswith("inv_freq"):
+                continue
+            quantized = name.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype.itemsize == 1)
+            numel = math.prod(e.shape) * (2 if e.dtype.itemsize == 1 and quantized else 1)
+            total += lowbit_weight_bytes((numel,), bits, c) if quantized else numel * c
+        out.append(total)
+    return out
+
+
+def candidate_bits(req, prequant: bool) -> list[int]:
+    if prequant:
+        return []
+    if req.draft_bits is not None:
+        return [req.draft_bits]
+    return [3, 2] if req.dtype == "nf4" else [4, 3, 2]
+
+
+def pass_seconds(plan) -> float:
+    """Expected target pass time from the plan's streamed bytes (priors, not a measurement)."""
+    ram = sum(plan.layer_bytes[i] for i in plan.ram_layers)
+    return FLOOR_S + ram / LINK_BPS[plan.device] + plan.disk_bytes_per_pass / DISK_BPS[plan.device]
+
+
+def choose(plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list[str]]:
+    """The (bits, plan) with the most expected tokens/s among those that fit (else the last tried)."""
+    lines, best, best_rate = [], None, -1.0
+    for bits, plan in plans:
+        t = pass_seconds(plan)
+        rate = TOKENS_PER_PASS[bits] / t if plan.fits else 0.0
+        lines.append(f"self-draft {bits}-bit: substitutes {plan.device_bytes.get('draft', 0) / 1e9:.1f} GB, "
+                     f"{len(plan.resident)} resident layers, ~{TOKENS_PER_PASS[bits]:.1f} tokens/pass x "
+                     f"{t:.2f} s/pass expected -> " + (f"~{rate:.1f} tokens/s" if plan.fits else "does not fit"))
+        if plan.fits and rate > best_rate:
+            best, best_rate = (bits, plan), rate
+    return best or plans[-1], lines
