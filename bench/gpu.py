@@ -13,9 +13,11 @@ Contract (run by hand, on a machine with CUDA; `--smoke` runs a tiny version on 
    (the minimum is reported beside it; a best-of figure alone is biased low). floor = streamed
    bytes per pass / the bandwidth of the slowest tier on the path (PCIe for the RAM tier,
    min(disk, PCIe) for the disk tier), from the same median estimator; ratio = pass / floor.
-4. Generates --max-new-tokens with `ar` and with `specexec` (demo draft, --budget) from the same
-   prompt and reports both tok/s side by side, on a plan capped at --max-gpu-memory (default
-   24GB) so that layers stream even on an 80 GB card. Random target weights make the draft's
+4. Generates --max-new-tokens with `ar`, with `specexec` (demo draft, --budget), and with
+   specexec and `--draft self` at each --self-bits width (built on the same loaded target, so
+   every draft runs on ONE streaming plan), from the same prompt, and reports tok/s and tokens per
+   pass side by side, on a plan capped at --max-gpu-memory (default 24GB) so that layers stream
+   even on an 80 GB card. Random target weights make the draft's
    acceptance near zero, so this row measures specexec's overhead on this machine, NOT its
    speedup; pass --target/--draft (a real pair) for that.
 Writes JSON (--out) and prints a short table.
@@ -170,7 +172,7 @@ def pass_rows(path: Path, device: torch.device, tokens: list[int], repeats: int,
 
 
 def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_tokens: int,
-                max_gpu: int | None) -> list[dict]:
+                max_gpu: int | None, self_bits: list[int]) -> list[dict]:
     from dataclasses import replace
 
     from specexec_cli.draft import TreeShape
@@ -189,12 +191,30 @@ def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_
               file=sys.stderr)
     models = load_models(replace(opts, plan=plan))
     ids = encode_prompt(models.tokenizer, "def fibonacci(n):\n", False)
+    runs = [("ar", "none", models), ("specexec", Path(draft).name, models)]
+    runs += [("specexec", f"self-{b}bit", replace(models, draft=self_draft(models.target, opts, b))) for b in self_bits]
     rows = []
-    for method in ("ar", "specexec"):
+    for method, name, pair in runs:   # one target, one streaming plan: only the draft changes
         cfg = GenerationConfig(method=method, shape=shape, max_new_tokens=new_tokens)
-        last = list(generate(models, DecodeState(), ids, cfg))[-1]
-        rows.append(dict(method=method, tokens=last.new_tokens, decode_seconds=last.decode_seconds, tps=last.tps))
+        last = list(generate(pair, DecodeState(), ids, cfg))[-1]   # pass 0 is the prefill (first token)
+        rows.append(dict(method=method, draft=name, tokens=last.new_tokens, decode_seconds=last.decode_seconds,
+                         tps=last.tps, target_passes=last.pass_index,
+                         tokens_per_pass=round((last.new_tokens - 1) / max(1, last.pass_index), 3)))
     return rows
+
+
+def self_draft(target, opts, bits: int):
+    """`--draft self --draft-bits bits` built on the ALREADY LOADED target (its streamed layers get
+    substitutes), so the self-draft rows run on the same streaming plan as the shared draft's."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from specexec_cli.loading import load_self_draft
+
+    draft = load_self_draft(target, replace(opts, draft_bits=bits), SimpleNamespace(by_component={}))
+    if draft is None:
+        raise SystemExit("bench/gpu.py: every target layer is resident; nothing to substitute for --self-bits")
+    return draft
 
 
 def main() -> None:
@@ -213,6 +233,8 @@ def main() -> None:
     ap.add_argument("--tier", choices=["auto", "ram", "disk"], default="auto",
                     help="where the streamed layers live for the pass rows (auto: RAM when they fit 70%% of it)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, runs on CPU")
+    ap.add_argument("--self-bits", default="4,3,2",
+                    help="also decode with --draft self at these substitute widths ('' for none; 3, 2 need HQQ)")
     args = ap.parse_args()
     import logging
 
@@ -232,7 +254,8 @@ def main() -> None:
     from offload import parse_size
 
     cap = parse_size(args.max_gpu_memory)
-    decode = decode_rows(args.target or str(ckpt), args.draft, device, args.budget, args.max_new_tokens, cap)
+    bits = [int(b) for b in args.self_bits.split(",") if b.strip()]
+    decode = decode_rows(args.target or str(ckpt), args.draft, device, args.budget, args.max_new_tokens, cap, bits)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", layers=layers,
                   shape=shape, placement=placement, passes=passes, decode=decode,
                   synthetic_target=args.target is None, estimator="median", max_gpu_memory=cap, **tier)
@@ -242,7 +265,7 @@ def main() -> None:
           f"{tier['floor_gbps']:.2f} GB/s, the {tier['tier']} tier's slowest link)")
     for r in passes:
         print(f"{r['tokens']:>7} {1000 * r['pass_seconds']:>9.1f} {1000 * r['floor_seconds']:>9.1f} {r['ratio']:>6.2f}")
-    print("  ".join(f"{r['method']}: {r['tps']:.2f} tok/s" for r in decode)
+    print("  ".join(f"{r['method']}/{r['draft']}: {r['tps']:.2f} tok/s, {r['tokens_per_pass']} tok/pass" for r in decode)
           + ("  (random target: specexec overhead, not speedup)" if args.target is None else ""))
     print(f"wrote {args.out}")
 

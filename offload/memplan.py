@@ -390,40 +390,18 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
     if req.ctx < 1 or req.budget < 0 or req.slots < 1:
         raise OffloadError("--ctx and --slots must be >= 1 and --budget >= 0")
     limits = [arch_of(target.config).max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
-    from dataclasses import replace
-
     req = replace(req, ctx=min([req.ctx] + limits))
     lay = _layers(target, arch_of(target.config), req)
-    if req.self_draft:
-        return _plan_self(target, lay, req)
+    if req.self_draft:   # a plan per substitute width: offload/selfplan.py
+        from .selfplan import plan_self_draft
+
+        def plan_with(substitute: list[int], bits: int) -> MemoryPlan:
+            lay.substitute = substitute
+            return _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
+
+        return plan_self_draft(target, req, _layers(target, arch_of(target.config), replace(req, dtype="nf4")),
+                               plan_with)
     return _plan_budgets(target, draft, lay, req)
-
-
-def _plan_self(target: Checkpoint, lay: _Layers, req: PlanRequest) -> MemoryPlan:
-    """--draft self: a plan per candidate substitute width (offload/selfplan.py); the best one."""
-    from .selfplan import candidate_bits, choose, substitute_bytes
-
-    a = arch_of(target.config)
-    nf4 = _layers(target, a, replace(req, dtype="nf4"))
-    prequant = not req.sixteen_bit
-    tried = []
-    for bits in candidate_bits(req, prequant) or [4]:
-        lay.substitute = substitute_bytes(target, a, req, bits, nf4)
-        plan = _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
-        plan.substitute_bits = bits
-        tried.append((bits, plan))
-    if prequant:
-        plan = tried[0][1]
-        plan.fits, plan.reason = False, ("--draft self: a pre-quantized checkpoint has no 16-bit weights to make "
-                                         "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
-                                         "or a small --draft DIR")
-        return plan
-    (bits, plan), lines = choose(tried)
-    plan.notes.extend(lines if len(tried) > 1 else [])
-    plan.notes.append(f"self-draft: {bits}-bit substitutes of the {len(plan.ram_layers) + len(plan.disk_layers)} "
-                      f"streamed layers ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
-                      f"{len(plan.resident)} layers resident and shared")
-    return plan
 
 
 def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest) -> MemoryPlan:

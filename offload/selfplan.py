@@ -9,6 +9,11 @@ Contract:
 - `candidate_bits(req, prequant)`: the widths a plan may choose: `req.draft_bits` when set; else
   4, 3, 2 for a 16-bit target, 3, 2 for an nf4 one (4-bit substitutes would be the target itself);
   none for a pre-quantized checkpoint (no 16-bit weights to quantize from).
+- `plan_self_draft(target, req, nf4_layers, plan_with)` plans every candidate width through
+  `plan_with(substitute_bytes, bits)` (memplan's budget/embeddings search with those substitutes
+  counted as the "draft" component) and returns the chosen plan with `substitute_bits` set and notes
+  stating the bits, the resident layers and the figures behind the choice; a pre-quantized target
+  gets a refused plan naming the fix; a target with nothing streamed, a note that no draft runs.
 - `choose(plans)` picks, among fitting (bits, plan) pairs, the one with the most expected tokens/s:
   TOKENS_PER_PASS[bits] (measured, see below) ÷ the plan's pass time (its streamed bytes over the
   link and disk priors LINK_BPS / DISK_BPS, plus a fixed compute floor). It returns the choice and
@@ -18,6 +23,9 @@ Contract:
 from __future__ import annotations
 
 import math
+
+from .membytes import arch_of
+from .sizes import format_bytes
 
 TOKENS_PER_PASS = {4: 7.42, 3: 7.1, 2: 5.9}
 """Tokens per target pass of the self-draft by substitute bits: 4 measured on the shared pair
@@ -75,3 +83,30 @@ def choose(plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list[st
         if plan.fits and rate > best_rate:
             best, best_rate = (bits, plan), rate
     return best or plans[-1], lines
+
+
+def plan_self_draft(target, req, nf4_layers, plan_with):
+    """The chosen self-draft plan (see the contract)."""
+    a = arch_of(target.config)
+    tried = []
+    for bits in candidate_bits(req, not req.sixteen_bit) or [4]:
+        plan = plan_with(substitute_bytes(target, a, req, bits, nf4_layers), bits)
+        plan.substitute_bits = bits
+        tried.append((bits, plan))
+    if not req.sixteen_bit:
+        plan = tried[0][1]
+        plan.fits, plan.reason = False, ("--draft self: a pre-quantized checkpoint has no 16-bit weights to make "
+                                         "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
+                                         "or a small --draft DIR")
+        return plan
+    (bits, plan), lines = choose(tried)
+    if not plan.ram_layers and not plan.disk_layers:
+        plan.substitute_bits = None
+        plan.notes.append("self-draft: every target layer is resident, so there is nothing to substitute; "
+                          "decoding without a draft")
+        return plan
+    plan.notes.extend(lines if len(tried) > 1 else [])
+    plan.notes.append(f"self-draft: {bits}-bit substitutes of the {len(plan.ram_layers) + len(plan.disk_layers)} "
+                      f"streamed layers ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
+                      f"{len(plan.resident)} layers resident and shared")
+    return plan

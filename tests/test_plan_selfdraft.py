@@ -1,0 +1,74 @@
+"""Self-draft memory plans at real sizes (sparse Llama-3.1-70B headers): the substitutes' bytes are
+recomputed here from the public config with plain arithmetic (HQQ: packed codes plus one bf16
+scale and zero per group), and the plan's choice of bits and resident layers is checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+from tests.sparse_ckpt import write_sparse
+
+GB = 10**9
+H, KV, INTER, LAYERS = 8192, 1024, 28672, 80   # Llama-3.1-70B: hidden, kv heads x head dim, MLP, layers
+
+
+def hqq_layer_bytes(bits: int) -> int:
+    group = {3: 64, 2: 32}[bits]
+    per_word, word = {3: (10, 4), 2: (4, 1)}[bits]
+    total = 2 * H * 2   # two RMSNorm weights, bf16
+    for numel in (H * H, KV * H, KV * H, H * H, INTER * H, INTER * H, H * INTER):
+        rows = numel // group
+        total += -(-rows // per_word) * group * word + 2 * rows * 2
+    return total
+
+
+@pytest.fixture(scope="module")
+def llama70b(tmp_path_factory):
+    return read_checkpoint(write_sparse("llama-3.1-70b", tmp_path_factory.mktemp("sp") / "t"))
+
+
+def plan(ck, dtype: str, cap_gb: int, bits: int | None = None):
+    req = PlanRequest(device="cuda", dtype=dtype, draft_dtype="bf16", ram_free=64 * GB, max_gpu_memory=cap_gb * GB,
+                      ctx=8192, budget=1024, budget_auto=True, self_draft=True, draft_bits=bits)
+    return plan_memory(ck, None, req)
+
+
+def test_nf4_70b_at_48gb_trades_bits_for_resident_layers(llama70b):
+    p = plan(llama70b, "nf4", 48)
+    assert p.fits and p.device_total <= 48 * GB and p.substitute_bits in (3, 2)
+    streamed = LAYERS - len(p.resident)
+    assert 0 < streamed < LAYERS
+    assert p.device_bytes["draft"] == streamed * hqq_layer_bytes(p.substitute_bits)
+    assert any(f"{p.substitute_bits}-bit substitutes of the {streamed} streamed layers" in n for n in p.notes)
+    assert sum("self-draft 3-bit" in n or "self-draft 2-bit" in n for n in p.notes) == 2   # the figures behind it
+    three = plan(llama70b, "nf4", 48, bits=3)
+    assert three.fits and len(three.resident) < len(p.resident)     # wider substitutes leave fewer resident
+
+
+@pytest.mark.parametrize("cap_gb", [24, 16, 12])
+def test_nf4_70b_self_draft_on_small_cards_is_refused_with_the_reason(llama70b, cap_gb):
+    p = plan(llama70b, "nf4", cap_gb)
+    assert not p.fits and p.substitute_bits == 2
+    need = round(LAYERS * hqq_layer_bytes(2) / GB, 1)
+    assert f"the 2-bit substitutes alone need {need} GB" in p.reason and "a small --draft DIR" in p.reason
+
+
+def test_bf16_70b_at_80gb_counts_every_streamed_substitute(llama70b):
+    p = plan(llama70b, "bf16", 80)
+    assert p.fits and p.device_total <= 80 * GB
+    streamed = LAYERS - len(p.resident)
+    if p.substitute_bits != 4:
+        assert p.device_bytes["draft"] == streamed * hqq_layer_bytes(p.substitute_bits)
+    assert p.device_bytes["kv_draft"] > 0 and p.kv_rows[1] > 0
+
+
+def test_4bit_substitutes_of_an_nf4_target_are_refused(llama70b):
+    p = plan(llama70b, "nf4", 48, bits=4)
+    assert not p.fits and "already 4-bit" in p.reason and "--draft-bits 3 or 2" in p.reason
+
+
+def test_nothing_streamed_means_no_substitutes(llama70b):
+    p = plan(llama70b, "nf4", 80)
+    assert p.fits and not p.ram_layers and not p.disk_layers and p.substitute_bits is None
+    assert "nothing to substitute" in p.notes[-1]
