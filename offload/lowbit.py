@@ -46,8 +46,13 @@ PACKING = {4: "4bit_u8", 3: "3bit_32", 2: "2bit_u8"}
 ROWS_PER_WORD = {4: 2, 3: 10, 2: 4}   # group rows packed into one stored element (uint8, int32, uint8)
 
 
+_QUANTIZER: list = []   # HQQ's Quantizer class once imported (every draft forward unpacks through it)
+
+
 def hqq_quantizer():
     """HQQ's Quantizer (imported once, its import-time warnings silenced), or a one-line error."""
+    if _QUANTIZER:
+        return _QUANTIZER[0]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -55,6 +60,7 @@ def hqq_quantizer():
     except ImportError:
         raise OffloadError("--draft-bits 3 and 2 quantize with HQQ, which is not installed; "
                            "fix: pip install 'specx[lowbit]' (or --draft-bits 4)") from None
+    _QUANTIZER.append(Quantizer)
     return Quantizer
 
 
@@ -89,7 +95,7 @@ class LowbitLinear(nn.Module):
     def weight_now(self) -> torch.Tensor:
         unpack = hqq_quantizer().unpack[PACKING[self.bits]]
         codes = unpack(self.W_q, dtype=self.scale.dtype)[: self.scale.shape[0]]   # 3-bit pads rows to x10
-        return ((codes - self.zero) * self.scale).reshape(self.shape)
+        return codes.sub_(self.zero).mul_(self.scale).reshape(self.shape)   # in place: one temporary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight_now().to(x.dtype), self.bias)

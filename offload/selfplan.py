@@ -27,10 +27,10 @@ import math
 from .membytes import arch_of
 from .sizes import format_bytes
 
-TOKENS_PER_PASS = {4: 7.42, 3: 7.1, 2: 5.9}
-"""Tokens per target pass of the self-draft by substitute bits: 4 measured on the shared pair
-(bench/selfdraft.py, specexec, budget 64, T=0: bench/results/selfdraft.json); 3 and 2 from
-bench/results/selfdraft_bits.json at the same settings. Only their ratios matter here."""
+TOKENS_PER_PASS = {4: 7.42, 3: 7.12, 2: 6.80}
+"""Tokens per target pass of the self-draft by substitute bits, measured on the shared pair with every
+layer substituted (`python bench/selfdraft.py --prompts 0:40 --budgets 64,256 --bits 4,3,2`:
+specexec, budget 64, T=0, 40 prompts; bench/results/selfdraft_bits.json). Only their ratios matter."""
 LINK_BPS = {"cuda": 24e9, "cpu": 10e9}     # RAM tier -> compute device (PCIe 4 x16 effective; memcpy)
 DISK_BPS = {"cuda": 3e9, "cpu": 2e9}       # NVMe O_DIRECT reads
 FLOOR_S = 0.05                              # per-pass compute and latency that streaming does not hide
@@ -77,7 +77,7 @@ def choose(plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list[st
     for bits, plan in plans:
         t = pass_seconds(plan)
         rate = TOKENS_PER_PASS[bits] / t if plan.fits else 0.0
-        lines.append(f"self-draft {bits}-bit: substitutes {plan.device_bytes.get('draft', 0) / 1e9:.1f} GB, "
+        lines.append(f"self-draft {bits}-bit: substitutes {format_bytes(plan.device_bytes.get('draft', 0))}, "
                      f"{len(plan.resident)} resident layers, ~{TOKENS_PER_PASS[bits]:.1f} tokens/pass x "
                      f"{t:.2f} s/pass expected -> " + (f"~{rate:.1f} tokens/s" if plan.fits else "does not fit"))
         if plan.fits and rate > best_rate:
