@@ -130,3 +130,22 @@ def test_substitute_cache_is_reused_rebuilt_on_change_and_on_corruption(target, 
     with pytest.warns(OffloadNotice, match="corrupt"):
         load()
     assert len(built) == 3
+
+
+def test_profile_measures_the_self_draft_and_runs_start_from_it(tmp_path, target):
+    """`specx profile --draft self` times the self-draft's tree growth and measures its node
+    calibration prior; a later `--draft self` run of the same target picks that prior up."""
+    from specexec_cli.calprobe import pair_prior
+
+    out = tmp_path / "prof.json"
+    res = runner.invoke(app, ["profile", "--target", str(target), "--draft", "self", "--device", "cpu",
+                              "--offload", "disk", "--max-ram", "0", "--max-tokens", "8", "--disk-mb", "1",
+                              "--calibration-tokens", "4", "--out", str(out), "--no-live"])
+    assert res.exit_code == 0, res.output
+    prof = json.loads(out.read_text())
+    assert prof["models"]["draft"] == "self" and prof["models"]["draft_step_seconds"] > 0
+    assert prof["node_calibration"] and pair_prior(prof, str(target), "self") is prof["node_calibration"]
+    sd, _ = run(tmp_path, target, "--draft", "self", "--offload", "disk", "--max-ram", "0", "--profile", str(out),
+                "--budget", "auto")
+    ar, _ = run(tmp_path, target, "--method", "ar", "--offload", "disk")
+    assert sd["token_ids"] == ar["token_ids"]
