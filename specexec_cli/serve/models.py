@@ -177,18 +177,23 @@ def chat_body(rid: str, created: int, model: str, text: str, finish: str, usage:
             "system_fingerprint": None, "choices": [choice], "usage": usage, "specx": specx}  # fmt: skip
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None,
-               specx: dict | None = None, usage: dict | None = None, with_usage: bool = False) -> dict:
-    """A chat.completion.chunk; delta None = the usage chunk (no choices)."""
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": None}  # fmt: skip
-    chunk["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
-                                                  "finish_reason": finish}]  # fmt: skip
+def _chunk(obj: str, rid: str, created: int, model: str, choice: dict | None, specx: dict | None,
+           usage: dict | None, with_usage: bool) -> dict:
+    """One streamed chunk of either endpoint; choice None = the usage chunk (no choices)."""
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+             "choices": [] if choice is None else [choice]}  # fmt: skip
     if with_usage:
         chunk["usage"] = usage
     if specx is not None:
         chunk["specx"] = specx
     return chunk
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None,
+               specx: dict | None = None, usage: dict | None = None, with_usage: bool = False) -> dict:
+    """A chat.completion.chunk; delta None = the usage chunk (no choices)."""
+    choice = None if delta is None else {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return _chunk("chat.completion.chunk", rid, created, model, choice, specx, usage, with_usage)
 
 
 def completion_body(rid: str, created: int, model: str, text: str, finish: str, usage: dict, specx: dict) -> dict:
@@ -200,12 +205,5 @@ def completion_body(rid: str, created: int, model: str, text: str, finish: str, 
 def completion_chunk(rid: str, created: int, model: str, text: str | None, finish: str | None = None,
                      specx: dict | None = None, usage: dict | None = None, with_usage: bool = False) -> dict:
     """A streamed text_completion; text None = the usage chunk (no choices)."""
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "system_fingerprint": None}  # fmt: skip
-    chunk["choices"] = [] if text is None else [{"index": 0, "text": text, "logprobs": None,
-                                                 "finish_reason": finish}]  # fmt: skip
-    if with_usage:
-        chunk["usage"] = usage
-    if specx is not None:
-        chunk["specx"] = specx
-    return chunk
+    choice = None if text is None else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return _chunk("text_completion", rid, created, model, choice, specx, usage, with_usage)
