@@ -3,8 +3,8 @@
 Run by hand (not a test): `python bench/selfdraft.py [--prompts 0:40] [--budgets 64,256]
 [--temperatures 0] [--seeds 3]`. The shared target (../shared/models/target) is loaded twice with
 EVERY layer streamed from disk (`offload="disk"`, `max_ram=0`), so no layer is resident and the
-self-draft is the 4-bit NF4 substitute throughout: once with the shared 2.9M draft, once with
-`--draft self`. For each (temperature, budget) both drafts decode every prompt of
+self-draft is the substitute throughout: once with the shared 2.9M draft, once per `--bits` width
+with `--draft self` (4: NF4; 3, 2: HQQ). For each (temperature, budget) both drafts decode every prompt of
 ../shared/bench/prompts.jsonl with specexec (bench/accept.py's `run_cell`: tokens per target pass
 pooled over prompts with a 95% bootstrap interval over prompts), interleaved cell by cell so disk
 drift hits both alike. At T = 0 every run's ids are checked against the same target's own
@@ -33,9 +33,10 @@ from specexec_cli.loading import LoadOptions, load_models, quiet_transformers  #
 from specexec_cli.methods import generate  # noqa: E402
 
 
-def load(draft: str):
+def load(draft: str, bits: int | None = None):
     target = str(SHARED / "models" / "target")
-    return load_models(LoadOptions(target, draft, dtype="fp32", device="cpu", offload="disk", max_ram=0))
+    return load_models(LoadOptions(target, draft, dtype="fp32", device="cpu", offload="disk", max_ram=0,
+                                   draft_bits=bits))
 
 
 def ar_refs(models, prompts, n: int) -> list[list[int]]:
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--bits", default="4", help="substitute widths to compare, e.g. 4,3,2 (3 and 2: HQQ)")
+    ap.add_argument("--no-shared", action="store_true", help="skip the shared draft (it was measured already)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft.json"))
     args = ap.parse_args()
     for name, default in (("max_depth", 64), ("max_beams", 32), ("max_branch", 32), ("gamma", 5), ("scores", None)):
@@ -61,10 +64,12 @@ def main() -> None:
     if not (SHARED / "models" / "target").exists():
         sys.exit("bench/selfdraft.py needs ../shared/models (the trained pair); it is not present")
     quiet_transformers()
-    pairs = {"shared-2.9M": load(str(SHARED / "models" / "draft")), "self-nf4": load("self")}
-    assert not pairs["self-nf4"].target.plan.resident, "every target layer must stream"
+    pairs = {} if args.no_shared else {"shared-2.9M": load(str(SHARED / "models" / "draft"))}
+    for bits in [int(b) for b in args.bits.split(",")]:
+        pairs["self-nf4" if bits == 4 else f"self-hqq{bits}"] = load("self", bits)
+    assert not any(m.target.plan.resident for m in pairs.values()), "every target layer must stream"
     prompts = load_prompts(args.prompts)
-    refs = ar_refs(pairs["shared-2.9M"], prompts, args.max_new_tokens)
+    refs = ar_refs(next(iter(pairs.values())), prompts, args.max_new_tokens)
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         for budget in [int(b) for b in args.budgets.split(",")]:
@@ -79,7 +84,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(vars(args), command=" ".join(sys.argv), torch=torch.__version__, device="cpu", target_dtype="fp32",
-                substitutes="nf4 (bitsandbytes, blocksize 64, double quant)", offload="disk, max_ram=0")
+                substitutes="4: nf4 (bitsandbytes, blocksize 64, double quant); 3, 2: HQQ axis 1, group 64 / 32",
+                offload="disk, max_ram=0")
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print("\n| T | budget | draft | tokens/pass [95%] | tok/s | lossless |\n|---|---|---|---|---|---|")
     for r in rows:
