@@ -181,8 +181,9 @@ def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_
     from specexec_cli.planning import make_plan
 
     shape = TreeShape(budget=budget, max_depth=32)
-    opts = LoadOptions(target=target, draft=draft, dtype="bf16", device=device.type, offload="auto", ctx=2048,
-                       max_gpu_memory=max_gpu if device.type == "cuda" else None)
+    cuda = device.type == "cuda"   # CPU smoke: every layer from disk, so that something streams there too
+    opts = LoadOptions(target=target, draft=draft, dtype="bf16", device=device.type, offload="auto" if cuda else "disk",
+                       ctx=2048, max_gpu_memory=max_gpu if cuda else None, max_ram=None if cuda else 0)
     plan = make_plan(opts, shape, budget_auto=False)
     if not plan.fits:
         raise SystemExit(f"bench/gpu.py: {plan.reason}")
