@@ -94,6 +94,7 @@ class PlanRequest:
     self_draft: bool = False         # --draft self: the draft is low-bit substitutes of the streamed layers
     draft_bits: int | None = None    # --draft-bits 4 | 3 | 2 of those substitutes; None = the plan chooses
     sixteen_bit: bool = True         # --draft self: a 16-bit checkpoint exists to quantize substitutes from
+    temperature: float = 0.0         # decoding temperature: the self-draft widths' tokens/pass depend on it
 
 
 @dataclass

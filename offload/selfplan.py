@@ -14,8 +14,8 @@ Contract:
   counted as the "draft" component) and returns the chosen plan with `substitute_bits` set and notes
   stating the bits, the resident layers and the figures behind the choice; a pre-quantized target
   gets a refused plan naming the fix; a target with nothing streamed, a note that no draft runs.
-- `choose(plans)` picks, among fitting (bits, plan) pairs, the one with the most expected tokens/s:
-  TOKENS_PER_PASS[bits] (measured, see below) ÷ the plan's pass time (its streamed bytes over the
+- `choose(plans, temperature)` picks, among fitting (bits, plan) pairs, the one with the most
+  expected tokens/s: `tokens_per_pass(bits, temperature)` (measured greedy and sampled, see below) ÷ the plan's pass time (its streamed bytes over the
   link and disk priors LINK_BPS / DISK_BPS, plus a fixed compute floor). It returns the choice and
   one line per candidate with those figures, which `--dry-run` prints.
 """
@@ -27,10 +27,15 @@ import math
 from .membytes import arch_of
 from .sizes import format_bytes
 
-TOKENS_PER_PASS = {4: 7.42, 3: 7.12, 2: 6.80}
+TOKENS_PER_PASS = {"greedy": {4: 7.42, 3: 7.12, 2: 6.80}, "sampled": {4: 14.38, 3: 10.40, 2: 7.27}}
 """Tokens per target pass of the self-draft by substitute bits, measured on the shared pair with every
-layer substituted (`python bench/selfdraft.py --prompts 0:40 --budgets 64,256 --bits 4,3,2`:
-specexec, budget 64, T=0, 40 prompts; bench/results/selfdraft_bits.json). Only their ratios matter."""
+layer substituted (bench/selfdraft.py, specexec, budget 64, 40 prompts): greedy at T=0
+(bench/results/selfdraft_bits.json), sampled at T=0.7 (bench/results/selfdraft_bits_t07.json: coupled
+draws reward a draft close to the target far more). Only the ratios within a row matter."""
+
+
+def tokens_per_pass(bits: int, temperature: float) -> float:
+    return TOKENS_PER_PASS["sampled" if temperature > 0 else "greedy"][bits]
 LINK_BPS = {"cuda": 24e9, "cpu": 10e9}     # RAM tier -> compute device (PCIe 4 x16 effective; memcpy)
 DISK_BPS = {"cuda": 3e9, "cpu": 2e9}       # NVMe O_DIRECT reads
 FLOOR_S = 0.05                              # per-pass compute and latency that streaming does not hide
@@ -71,14 +76,14 @@ def pass_seconds(plan) -> float:
     return FLOOR_S + ram / LINK_BPS[plan.device] + plan.disk_bytes_per_pass / DISK_BPS[plan.device]
 
 
-def choose(plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list[str]]:
+def choose(plans: list[tuple[int, object]], temperature: float = 0.0) -> tuple[tuple[int, object], list[str]]:
     """The (bits, plan) with the most expected tokens/s among those that fit (else the last tried)."""
     lines, best, best_rate = [], None, -1.0
     for bits, plan in plans:
-        t = pass_seconds(plan)
-        rate = TOKENS_PER_PASS[bits] / t if plan.fits else 0.0
+        t, tpp = pass_seconds(plan), tokens_per_pass(bits, temperature)
+        rate = tpp / t if plan.fits else 0.0
         lines.append(f"self-draft {bits}-bit: substitutes {format_bytes(plan.device_bytes.get('draft', 0))}, "
-                     f"{len(plan.resident)} resident layers, ~{TOKENS_PER_PASS[bits]:.1f} tokens/pass x "
+                     f"{len(plan.resident)} resident layers, ~{tpp:.1f} tokens/pass at T={temperature:g} x "
                      f"{t:.2f} s/pass expected -> " + (f"~{rate:.1f} tokens/s" if plan.fits else "does not fit"))
         if plan.fits and rate > best_rate:
             best, best_rate = (bits, plan), rate
@@ -99,7 +104,7 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
                                          "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
                                          "or a small --draft DIR")
         return plan
-    (bits, plan), lines = choose(tried)
+    (bits, plan), lines = choose(tried, req.temperature)
     if not plan.ram_layers and not plan.disk_layers:
         plan.substitute_bits = None
         plan.notes.append("self-draft: every target layer is resident, so there is nothing to substitute; "

@@ -69,7 +69,7 @@ class ModelFlags:
         opts, plan, cfg = plan_for_cli(self.target, self.draft, self.method, self.dtype, self.device,
                                        self.allow_pickle, self.trust_remote_code, self.offload, self.max_gpu_memory,
                                        self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype,
-                                       self.draft_bits)  # fmt: skip
+                                       self.draft_bits, self.temperature)  # fmt: skip
         sampling = self.sampling(self.checkpoint_defaults(opts.target))
         return opts, plan, replace(cfg, sampling=sampling)
 
@@ -200,8 +200,10 @@ def parse_draft_bits(value: str, draft: str | None) -> int | None:
 
 
 def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
-                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto", draft_bits="auto"):
-    """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit."""
+                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto", draft_bits="auto", temperature=None):
+    """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit.
+    `temperature`: the --temperature flag (None: the target's generation_config.json), which the
+    self-draft's choice of substitute bits depends on."""
     from dataclasses import replace
 
     from specexec_cli.loading import LoadOptions
@@ -219,7 +221,9 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
         max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
         draft_bits=bits,
     )  # fmt: skip
-    plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto")
+    if temperature is None:
+        temperature = ModelFlags.checkpoint_defaults(opts.target).temperature
+    plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto", temperature)
     if plan is not None and plan.budget != cfg.shape.budget and plan.fits:
         cfg = replace(cfg, shape=replace(cfg.shape, budget=plan.budget))
     return replace(opts, plan=plan), plan, cfg

@@ -71,8 +71,9 @@ def nf4_source(path, dtype: str, device: str = "cpu"):
     return path, dtype
 
 
-def make_plan(opts, shape, budget_auto: bool):
-    """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring)."""
+def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0):
+    """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring);
+    `temperature` (the decoding one) weighs the self-draft's substitute widths."""
     from offload import OffloadError
     from offload.memplan import PlanRequest, plan_memory, read_checkpoint
 
@@ -100,7 +101,7 @@ def make_plan(opts, shape, budget_auto: bool):
         device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
         max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
         embeddings=opts.embeddings, self_draft=self_draft, draft_bits=getattr(opts, "draft_bits", None),
-        sixteen_bit=sixteen_bit,
+        sixteen_bit=sixteen_bit, temperature=temperature,
     )  # fmt: skip
     try:
         plan = plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)

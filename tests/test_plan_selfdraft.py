@@ -28,9 +28,10 @@ def llama70b(tmp_path_factory):
     return read_checkpoint(write_sparse("llama-3.1-70b", tmp_path_factory.mktemp("sp") / "t"))
 
 
-def plan(ck, dtype: str, cap_gb: int, bits: int | None = None):
+def plan(ck, dtype: str, cap_gb: int, bits: int | None = None, temperature: float = 0.0):
     req = PlanRequest(device="cuda", dtype=dtype, draft_dtype="bf16", ram_free=64 * GB, max_gpu_memory=cap_gb * GB,
-                      ctx=8192, budget=1024, budget_auto=True, self_draft=True, draft_bits=bits)
+                      ctx=8192, budget=1024, budget_auto=True, self_draft=True, draft_bits=bits,
+                      temperature=temperature)
     return plan_memory(ck, None, req)
 
 
@@ -72,3 +73,13 @@ def test_nothing_streamed_means_no_substitutes(llama70b):
     p = plan(llama70b, "nf4", 80)
     assert p.fits and not p.ram_layers and not p.disk_layers and p.substitute_bits is None
     assert "nothing to substitute" in p.notes[-1]
+
+
+def test_the_width_follows_the_temperature(llama70b):
+    """Greedy, 2-bit's extra resident layers outweigh its small loss in tokens/pass; sampled (coupled
+    draws), 4-bit's far higher tokens/pass wins (offload/selfplan.py's measured figures)."""
+    greedy, sampled = plan(llama70b, "bf16", 80), plan(llama70b, "bf16", 80, temperature=0.7)
+    assert greedy.fits and sampled.fits
+    assert (greedy.substitute_bits, sampled.substitute_bits) == (2, 4)
+    assert len(sampled.resident) < len(greedy.resident)
+    assert any("at T=0.7" in n for n in sampled.notes)
