@@ -28,48 +28,20 @@ when even zero resident layers do not fit.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-
-import torch
 
 from .errors import OffloadError
 from .sizes import format_bytes
-from .st_index import SafetensorsIndex, TensorEntry
 from .membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
-                       kv_rows, nf4_state_bytes, pass_tokens, prefill_chunk, rotary_bytes, torch_dtype)
-from .nf4 import packed_nf4_shape
-from .storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout, staging_slots
+                       kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
+from .memlayers import Checkpoint, LayerSizes, layer_sizes, read_checkpoint  # noqa: F401 - read_checkpoint: API
+from .storage import staging_slots
 
 CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
 STATIC_SLACK = 0.02            # caching-allocator rounding of long-lived blocks (weights, caches)
 CHURN_SLACK = 0.10             # fragmentation from per-pass temporaries, as a share of activations
 RAM_FRACTION = 0.8             # share of available RAM specx allows itself without --max-ram
 BUDGET_FLOOR = 16              # --budget auto never shrinks below this to fit
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """What the plan reads of one model directory."""
-
-    config: dict                          # parsed config.json
-    tensors: dict[str, TensorEntry]       # safetensors headers: name -> dtype, shape, file range
-    root: Path                            # the directory (for messages)
-
-
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """config.json + safetensors headers (8 + header bytes per file); never the weight bytes."""
-    root = Path(path)
-    cfg_file = root / "config.json"
-    try:
-        config = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise OffloadError(f"{cfg_file}: not found; point at a Hugging Face model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise OffloadError(f"{cfg_file}: not valid JSON; fix or re-download it") from None
-    return Checkpoint(config, SafetensorsIndex(root).entries, root)
 
 
 @dataclass(frozen=True)
@@ -141,76 +113,6 @@ class MemoryPlan:
         )  # fmt: skip
 
 
-def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorEntry]]:
-    """Parameters of decoder layer i from the headers (rotary inv_freq buffers and a pre-quantized
-    checkpoint's quant-state parts are not parameters). NF4 specs carry the LOGICAL shape: a
-    packed uint8 (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""
-    prefix = f"model.layers.{i}."
-    out = {}
-    for name, e in ck.tensors.items():
-        rel = name[len(prefix):]
-        if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(("weight", "bias")):
-            continue
-        q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
-        shape = (2 * e.shape[0],) if q and e.dtype == torch.uint8 else tuple(e.shape)
-        out[rel] = (ParamSpec(rel, shape, torch.uint8 if q else storage, nf4=q), e)
-    if not out:
-        raise OffloadError(f"{ck.root}: no tensors for model.layers.{i}; the checkpoint does not match config.json")
-    return out
-
-
-@dataclass
-class _Layers:
-    packed: list[int]                # packed arena bytes
-    disk_slot: list[int]             # compute slot bytes when streamed from disk (aligned layout)
-    raw: list[int]                   # file-layout read buffer bytes
-    convert: list[bool]              # disk bytes need a cast / quantization
-    span_bytes: list[int]            # bytes read from disk per pass
-    quant: int                       # NF4 quant-state bytes of all layers
-    stage: list[int] = field(default_factory=list)     # CUDA pinned staging bytes (file layout unless cast)
-    repack: list[bool] = field(default_factory=list)   # compute slot != file layout (cast, or tensors off the 256-byte grid)
-    substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's substitute
-    pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
-    estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
-
-
-def _layers(ck: Checkpoint, arch: Arch, req: PlanRequest) -> _Layers:
-    """Per-layer sizes as loader.load_weights computes them. NF4 (offload.prequant/quant_cache):
-    only the packed linears stream, read as stored (no per-pass conversion); norms and biases
-    are pinned on the device in the compute dtype. From a 16-bit checkpoint the streamed file is
-    the 4-bit cache, whose spans are estimated (each packed weight rounded up to whole 4 KiB
-    pages, plus one page); from a pre-quantized checkpoint they are exact."""
-    nf4 = req.dtype == "nf4"
-    storage = (torch.float32 if compute_bytes(req) == 4 else torch.bfloat16) if nf4 else torch_dtype(req.dtype)
-    out = _Layers([], [], [], [], [], 0)
-    for i in range(arch.layers):
-        specs = layer_specs(ck, i, storage, nf4)
-        streamed = {n: se for n, se in specs.items() if se[0].nf4 or not nf4}
-        packed = packed_layout([sp for sp, _ in streamed.values()]).nbytes
-        prequant = all(e.dtype == torch.uint8 for _, e in streamed.values())
-        if nf4 and not prequant:
-            raw = sum(align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN
-                      for sp, _ in streamed.values())
-            spans, convert, aligned = raw, False, False   # cache offsets unknown yet: assume a repack
-            out.estimated = True
-        else:
-            lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
-            raw, spans = lay.nbytes, sum(sp.length for sp in span_list)
-            convert = any(e.dtype != (torch.uint8 if sp.nf4 else sp.dtype) for sp, e in streamed.values())
-            aligned = is_aligned(lay)
-        out.packed.append(packed)
-        out.disk_slot.append(raw if aligned and not convert else packed)
-        out.stage.append(packed if convert else raw)
-        out.raw.append(raw)
-        out.convert.append(convert)
-        out.repack.append(convert or not aligned)
-        out.span_bytes.append(spans)
-        out.quant += sum(nf4_state_bytes(math.prod(sp.shape)) for sp, _ in streamed.values() if sp.nf4)
-        if nf4:
-            out.pinned += packed_layout([sp for sp, _ in specs.values() if not sp.nf4]).nbytes
-    return out
-
-
 def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host) bytes of embeddings, final norm, lm_head and rotary buffers."""
     c = compute_bytes(req)
@@ -230,7 +132,7 @@ class _Placement:
     host: dict[str, int]
 
 
-def _place(lay: _Layers, r: int, req: PlanRequest, ram_budget: int) -> _Placement:
+def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Placement:
     """Layers [0, r) resident; the rest in RAM while `ram_budget` lasts, then disk. Buffers follow
     storage.LayerStore: device slots (CUDA: `slots`, CPU: the host ring, since CPU compute reads
     the ring) of the largest streamed layout; a pinned staging ring of disk layouts (CUDA); one
@@ -301,7 +203,7 @@ def _cpu_auto(req: PlanRequest) -> bool:
     return req.device == "cpu" and req.offload == "auto"
 
 
-def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest,
+def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest,
               budget: int, emb: str) -> MemoryPlan:
     """The plan with the biggest prefill chunk (membytes.prefill_chunk) that still fits: halved
     down to pass_tokens(budget) before a plan is declared not to fit."""
@@ -311,7 +213,7 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: P
     return plan
 
 
-def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest,
+def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest,
                 budget: int, emb: str, chunk: int | None) -> MemoryPlan:
     ta = arch_of(target.config)
     da = arch_of(draft.config) if draft is not None else (ta if req.self_draft else None)
@@ -392,7 +294,7 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
         raise OffloadError("--ctx and --slots must be >= 1 and --budget >= 0")
     limits = [arch_of(target.config).max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
     req = replace(req, ctx=min([req.ctx] + limits))
-    lay = _layers(target, arch_of(target.config), req)
+    lay = layer_sizes(target, arch_of(target.config), req)
     if req.self_draft:   # a plan per substitute width: offload/selfplan.py
         from .selfplan import plan_self_draft
 
@@ -400,12 +302,12 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
             lay.substitute = substitute
             return _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
 
-        return plan_self_draft(target, req, _layers(target, arch_of(target.config), replace(req, dtype="nf4")),
+        return plan_self_draft(target, req, layer_sizes(target, arch_of(target.config), replace(req, dtype="nf4")),
                                plan_with)
     return _plan_budgets(target, draft, lay, req)
 
 
-def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: _Layers, req: PlanRequest) -> MemoryPlan:
+def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest) -> MemoryPlan:
     """The plan at `req.budget`, halved (budget auto) and with host embeddings tried, until one fits."""
     budgets = [req.budget]
     while req.budget_auto and budgets[-1] // 2 >= BUDGET_FLOOR:

@@ -2,8 +2,8 @@
 
 Contract:
 - `substitute_bytes(ck, arch, req, bits, nf4_layers)` lists, per decoder layer, the device bytes
-  of its substitute: bits 4 = the layer's NF4 packing from the nf4 cache (`nf4_layers`, memplan's
-  _Layers at dtype nf4: packed bytes + its share of quant states and norms), bits 3 / 2 = HQQ
+  of its substitute: bits 4 = the layer's NF4 packing from the nf4 cache (`nf4_layers`, memlayers.
+  LayerSizes at dtype nf4: packed bytes + its share of quant states and norms), bits 3 / 2 = HQQ
   codes + one scale and zero per group (offload.lowbit) + the layer's other parameters, all in the
   draft's compute dtype.
 - `candidate_bits(req, prequant)`: the widths a plan may choose: `req.draft_bits` when set; else

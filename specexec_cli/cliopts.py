@@ -3,7 +3,7 @@
 Contract: every function here turns raw flag values into engine/loader objects (GenerationConfig,
 LoadOptions, a MemoryPlan, loaded Models) or raises `SpecxError` with a one-line fix. Nothing here
 imports torch or transformers at module level, so `specx --help` and argument errors stay fast;
-cli.py (the only typer importer) declares the flags and calls these.
+cli.py and cliflags.py (the only typer importers) declare the flags and call these.
 """
 
 from __future__ import annotations

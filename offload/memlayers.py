@@ -1,0 +1,116 @@
+"""Per-layer sizes for the memory plan, from config.json and safetensors headers only.
+
+Contract: `read_checkpoint(path)` reads what the plan may read of a model directory (config.json
+and the safetensors headers, never weight bytes) into a `Checkpoint`. `layer_sizes(ck, arch, req)`
+returns a `LayerSizes`: per decoder layer the bytes loader.load_weights will allocate or read for it
+(packed arena, disk slot, raw read buffer, staging, bytes read per pass, whether it converts or
+repacks), plus the NF4 quant-state and pinned-norm totals, for the target dtype in `req`
+(a memplan.PlanRequest). memplan.py places the layers; this module only sizes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import OffloadError
+from .membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
+from .nf4 import packed_nf4_shape
+from .st_index import SafetensorsIndex, TensorEntry
+from .storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the plan reads of one model directory."""
+
+    config: dict                          # parsed config.json
+    tensors: dict[str, TensorEntry]       # safetensors headers: name -> dtype, shape, file range
+    root: Path                            # the directory (for messages)
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """config.json + safetensors headers (8 + header bytes per file); never the weight bytes."""
+    root = Path(path)
+    cfg_file = root / "config.json"
+    try:
+        config = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise OffloadError(f"{cfg_file}: not found; point at a Hugging Face model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OffloadError(f"{cfg_file}: not valid JSON; fix or re-download it") from None
+    return Checkpoint(config, SafetensorsIndex(root).entries, root)
+
+
+def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorEntry]]:
+    """Parameters of decoder layer i from the headers (rotary inv_freq buffers and a pre-quantized
+    checkpoint's quant-state parts are not parameters). NF4 specs carry the LOGICAL shape: a
+    packed uint8 (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""
+    prefix = f"model.layers.{i}."
+    out = {}
+    for name, e in ck.tensors.items():
+        rel = name[len(prefix):]
+        if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(("weight", "bias")):
+            continue
+        q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
+        shape = (2 * e.shape[0],) if q and e.dtype == torch.uint8 else tuple(e.shape)
+        out[rel] = (ParamSpec(rel, shape, torch.uint8 if q else storage, nf4=q), e)
+    if not out:
+        raise OffloadError(f"{ck.root}: no tensors for model.layers.{i}; the checkpoint does not match config.json")
+    return out
+
+
+@dataclass
+class LayerSizes:
+    packed: list[int]                # packed arena bytes
+    disk_slot: list[int]             # compute slot bytes when streamed from disk (aligned layout)
+    raw: list[int]                   # file-layout read buffer bytes
+    convert: list[bool]              # disk bytes need a cast / quantization
+    span_bytes: list[int]            # bytes read from disk per pass
+    quant: int                       # NF4 quant-state bytes of all layers
+    stage: list[int] = field(default_factory=list)     # CUDA pinned staging bytes (file layout unless cast)
+    repack: list[bool] = field(default_factory=list)   # compute slot != file layout (cast, or tensors off the 256-byte grid)
+    substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's substitute
+    pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
+    estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
+
+
+def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
+    """Per-layer sizes as loader.load_weights computes them. NF4 (offload.prequant/quant_cache):
+    only the packed linears stream, read as stored (no per-pass conversion); norms and biases
+    are pinned on the device in the compute dtype. From a 16-bit checkpoint the streamed file is
+    the 4-bit cache, whose spans are estimated (each packed weight rounded up to whole 4 KiB
+    pages, plus one page); from a pre-quantized checkpoint they are exact."""
+    nf4 = req.dtype == "nf4"
+    storage = (torch.float32 if compute_bytes(req) == 4 else torch.bfloat16) if nf4 else torch_dtype(req.dtype)
+    out = LayerSizes([], [], [], [], [], 0)
+    for i in range(arch.layers):
+        specs = layer_specs(ck, i, storage, nf4)
+        streamed = {n: se for n, se in specs.items() if se[0].nf4 or not nf4}
+        packed = packed_layout([sp for sp, _ in streamed.values()]).nbytes
+        prequant = all(e.dtype == torch.uint8 for _, e in streamed.values())
+        if nf4 and not prequant:
+            raw = sum(align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN
+                      for sp, _ in streamed.values())
+            spans, convert, aligned = raw, False, False   # cache offsets unknown yet: assume a repack
+            out.estimated = True
+        else:
+            lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
+            raw, spans = lay.nbytes, sum(sp.length for sp in span_list)
+            convert = any(e.dtype != (torch.uint8 if sp.nf4 else sp.dtype) for sp, e in streamed.values())
+            aligned = is_aligned(lay)
+        out.packed.append(packed)
+        out.disk_slot.append(raw if aligned and not convert else packed)
+        out.stage.append(packed if convert else raw)
+        out.raw.append(raw)
+        out.convert.append(convert)
+        out.repack.append(convert or not aligned)
+        out.span_bytes.append(spans)
+        out.quant += sum(nf4_state_bytes(math.prod(sp.shape)) for sp, _ in streamed.values() if sp.nf4)
+        if nf4:
+            out.pinned += packed_layout([sp for sp, _ in specs.values() if not sp.nf4]).nbytes
+    return out
