@@ -91,8 +91,10 @@ class ModelFlags:
 
 def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
     """Default to the embedded demo pair, with a notice."""
+    from specexec_cli.loading import SELF
+
     if target is None:
-        if draft is not None and draft != "self":
+        if draft is not None and draft != SELF:
             raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
         if not (DEMO_DIR / "target" / "config.json").exists():
             raise SpecxError("no --target given and the demo pair is not installed; pass --target and --draft")
@@ -189,12 +191,14 @@ def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
 
 def parse_draft_bits(value: str, draft: str | None) -> int | None:
     """--draft-bits: None for auto, else 4 | 3 | 2, and only with --draft self."""
+    from specexec_cli.loading import SELF
+
     value = str(value).strip().lower()
     if value == "auto":
         return None
     if value not in ("4", "3", "2"):
         raise SpecxError(f"--draft-bits must be auto, 4, 3 or 2 (got {value!r})")
-    if draft != "self":
+    if draft != SELF:
         raise SpecxError("--draft-bits applies to --draft self only; drop it or pass --draft self")
     return int(value)
 

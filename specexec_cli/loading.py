@@ -181,22 +181,19 @@ def load_self_draft(target, opts: LoadOptions, pool):
     a notice) when every target layer is resident, so that decoding runs without a draft."""
     from offload import OffloadError
     from offload.prequant import bnb4_config
-    from offload.selfdraft import build_self_draft
+    from offload.selfdraft import build_self_draft, streamed_layers
 
     from specexec_cli import display
 
-    nothing = "--draft self: every target layer is resident, so there is nothing to substitute; decoding without a draft"
-    if getattr(target, "plan", None) is None:    # an HF-resident target (--offload none)
-        display.print_notice(nothing)
+    if getattr(target, "plan", None) is None or not streamed_layers(target):   # HF-resident, or nothing streams
+        display.print_notice("--draft self: every target layer is resident, so there is nothing to substitute; "
+                             "decoding without a draft")
         return None
-    plan_bits = getattr(opts.plan, "substitute_bits", None)
+    plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
     bits = opts.draft_bits or plan_bits or (3 if bnb4_config(target.config) is not None else 4)
     try:
         draft = build_self_draft(target, opts.progress, bits)
     except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
-        if "every target layer is resident" in str(exc):
-            display.print_notice(nothing)
-            return None
         raise SpecxError(str(exc)) from None
     pool.by_component["draft"] = pool.by_component.get("draft", 0) + draft.pool.allocated
     return draft

@@ -77,11 +77,11 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0):
     from offload import OffloadError
     from offload.memplan import PlanRequest, plan_memory, read_checkpoint
 
-    from specexec_cli.loading import check_weights, resolve_path
+    from specexec_cli.loading import SELF, check_weights, resolve_path
 
     device = plan_device(opts.device)
     tpath = resolve_path(opts.target, "--target")
-    self_draft = opts.draft == "self"
+    self_draft = opts.draft == SELF
     dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None and not self_draft else None
     safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
     if not all(safe):
@@ -90,7 +90,8 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0):
     sixteen_bit = not prequantized(tpath)   # else no 16-bit weights to make self-draft substitutes from
     tpath, tdtype = nf4_source(tpath, tdtype, device)
     if self_draft:
-        ddtype = "fp32" if tdtype == "fp32" else ("bf16" if tdtype == "nf4" else tdtype)   # substitutes compute so
+        # the substitutes compute in the target's compute dtype (an nf4 target: bf16/fp16 on CUDA, fp32 on CPU)
+        ddtype = tdtype if tdtype != "nf4" else ("bf16" if device == "cuda" else "fp32")
     free = None
     if device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]

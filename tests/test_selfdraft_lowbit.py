@@ -143,3 +143,22 @@ def test_a_prequantized_checkpoint_is_refused_in_one_line(tmp_path, target):
     _, res = run(tmp_path, tmp_path / "q", "--draft", "self", code=2)
     err = res.stderr.strip()
     assert len(err.splitlines()) == 1 and "pre-quantized" in err and "fix:" in err
+
+
+def test_nf4_target_plan_counts_the_substitutes_it_loads(target):
+    """An nf4 target computes in fp32 on CPU, so its substitutes' scales do too: planned == loaded."""
+    from dataclasses import replace
+
+    from specexec_cli.draft import TreeShape
+    from specexec_cli.loading import LoadOptions, load_models
+    from specexec_cli.planning import make_plan
+
+    opts = LoadOptions(str(target), "self", dtype="nf4", device="cpu", offload="disk", max_ram=0, ctx=256,
+                       draft_bits=3)
+    plan = make_plan(opts, TreeShape(16, 8), budget_auto=False)
+    models = load_models(replace(opts, plan=plan))
+    try:
+        assert plan.substitute_bits == 3 and plan.device_bytes["draft"] == models.draft.pool.allocated > 0
+    finally:
+        models.draft.close()
+        models.target.close()
