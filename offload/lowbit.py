@@ -42,6 +42,7 @@ from .errors import OffloadError, OffloadNotice
 
 GROUPS = {4: 64, 3: 64, 2: 32}
 FORMAT = 1
+SOURCE = "specx-source.json"   # in each cache directory: the checkpoint it was made from
 PACKING = {4: "4bit_u8", 3: "3bit_32", 2: "2bit_u8"}
 ROWS_PER_WORD = {4: 2, 3: 10, 2: 4}   # group rows packed into one stored element (uint8, int32, uint8)
 
@@ -165,7 +166,8 @@ def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
 
     index, linears = SafetensorsIndex(src), _quantized_names(AutoConfig.from_pretrained(src))
     out.mkdir(parents=True, exist_ok=True)
-    _drop_stale(src, out, bits)
+    (out / SOURCE).write_text(json.dumps({"source": str(src.resolve())}))
+    _drop_stale(src, out)
     for done, i in enumerate(missing):
         if progress is not None:
             progress(done, len(missing), f"quantizing layer {i} to {bits}-bit HQQ (once)")
@@ -196,10 +198,15 @@ def _write_shard(index, i: int, linears: set[str], bits: int, path: Path) -> Non
         raise
 
 
-def _drop_stale(src: Path, keep: Path, bits: int) -> None:
-    """Remove this checkpoint's caches at `bits` whose key no longer matches its files."""
+def _drop_stale(src: Path, keep: Path) -> None:
+    """Remove this checkpoint's caches at the same bits whose key no longer matches its files (a
+    same-named directory of another checkpoint names another source and is kept)."""
     for old in keep.parent.glob(keep.name.rsplit("-", 1)[0] + "-*"):
-        if old != keep and old.is_dir() and all(p.suffix == ".safetensors" for p in old.iterdir()):
+        try:
+            same = json.loads((old / SOURCE).read_text()).get("source") == str(src.resolve())
+        except (OSError, ValueError, AttributeError):
+            same = False
+        if old != keep and same:
             shutil.rmtree(old, ignore_errors=True)
 
 
