@@ -63,6 +63,12 @@ def chain_feature(flag: int, pos: int) -> int:
     return N_DRAFT + (flag - 1) * CHAIN_LEN + (min(pos, CHAIN_LEN) - 1)
 
 
+def gap_features(sampling_key: str) -> bool:
+    """True when a calibration's draft children are featured by gaps (`coupled_feature`): ranked under
+    the coupled-draw noise at T > 0 (",race"), or by their plain log-prob gap at T = 0 (",gap")."""
+    return sampling_key.endswith((",race", ",gap"))
+
+
 def builtin_prior(coupled: bool = False) -> torch.Tensor:
     """Prior means when nothing was measured: the draft's own probability (coupled: a guess per
     gap bin), raised for n-gram hits."""
@@ -129,7 +135,7 @@ def for_pair(target, draft, sampling_key: str, profile: str | None = None, store
 
 def fresh(target, draft, sampling_key: str) -> Calibration:
     """Start this pair's calibration over from the built-in prior (what `specx profile` measures)."""
-    _PAIRS[(id(target), id(draft), sampling_key)] = cal = Calibration(m0=builtin_prior(sampling_key.endswith(",race")))
+    _PAIRS[(id(target), id(draft), sampling_key)] = cal = Calibration(m0=builtin_prior(gap_features(sampling_key)))
     return cal
 
 
@@ -145,4 +151,4 @@ def profile_prior(profile: str | None, sampling_key: str, stored: dict | None = 
             rates = None
     if isinstance(rates, list) and len(rates) == N_FEATURES:
         return torch.tensor(rates, dtype=torch.float).clamp(1e-4, 1 - 1e-4)
-    return builtin_prior(coupled=sampling_key.endswith(",race"))
+    return builtin_prior(coupled=gap_features(sampling_key))

@@ -82,26 +82,28 @@ def run_pending(draft, cache, ctx: DraftContext) -> torch.Tensor:
     return kvcache.forward(draft, cache, tokens, positions, mask)[-1]
 
 
-def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None):
+def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None,
+                 gaps: bool = False):
     """(B, V) device logits → host (B, k) draft log-probs and ids, and (B,) log-probs of `extra` ids.
 
-    With `noise` ((B, V) coupled-draw noise rows) the ranking is by perturbed score s = log q - log E
-    and the values are gaps instead: the top child's s minus the runner-up's (>= 0), every other
-    child's (and `extra`'s) s minus the top child's (<= 0).
+    With `noise` ((B, V) coupled-draw noise rows) the ranking is by perturbed score s = log q - log E.
+    With `gaps` (or `noise`) the values are gaps instead: the top child's s minus the runner-up's
+    (>= 0), every other child's (and `extra`'s) s minus the top child's (<= 0); without noise, s = log q.
     One counted copy: ids travel as float32 next to the scores (exact below 2^24 > any vocabulary).
     """
     logp = draft_logprobs(logits, params)  # (B, V), stays on the device
     if noise is not None:  # the draft's race: the target's noise on the draft's (untruncated) log-probs
         logp = coupled_logprobs(logp, noise)
-    top = torch.topk(logp, min(k + 1, logp.shape[-1]) if noise is not None else k, dim=-1)
+    gaps = gaps or noise is not None
+    top = torch.topk(logp, min(k + 1, logp.shape[-1]) if gaps else k, dim=-1)
     values, ids = top.values[:, :k], top.indices[:, :k]
-    if noise is not None:
+    if gaps:
         runner_up = top.values[:, 1:2] if top.values.shape[1] > 1 else torch.full_like(values[:, :1], float("-inf"))
         values = torch.cat([values[:, :1] - runner_up, values[:, 1:] - values[:, :1]], dim=1)
     cols = [values, ids.to(values.dtype)]
     if extra is not None:
         ex = logp.gather(1, extra.clamp(min=0).to(logp.device)[:, None])
-        cols.append(ex - top.values[:, :1] if noise is not None else ex)
+        cols.append(ex - top.values[:, :1] if gaps else ex)
     host = to_host(torch.cat(cols, dim=1))
     return host[:, :k], host[:, k : 2 * k].long(), (host[:, 2 * k] if extra is not None else None)
 
@@ -132,7 +134,8 @@ def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeSha
     props = [proposal(tree, int(n), shape, scoring) for n in nodes.tolist()] if use_ngram else []
     first = torch.tensor([p[0][0] if p[0] else -1 for p in props], dtype=torch.long) if use_ngram else None
     noise = noise_rows(tree, nodes, scoring, logits.shape[-1], logits.device)
-    vals, idx, extra_lp = top_children(logits, k, params, first, noise)
+    gaps = scoring is not None and scoring.cal is not None and (noise is not None or params.greedy)
+    vals, idx, extra_lp = top_children(logits, k, params, first, noise, gaps)
     parents = nodes.unsqueeze(1).expand_as(idx)
     if scoring is None or scoring.cal is None:
         add_children(tree, parents, idx, tree.logp[nodes].unsqueeze(1) + vals, None, shape, scoring)
@@ -147,7 +150,7 @@ def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeSha
         vals = torch.cat([vals, extra_lp[:, None]], 1)
         flags = torch.cat([flags, torch.where(missing, g, 0)[:, None]], 1)
         parents = nodes.unsqueeze(1).expand_as(idx)
-    feats = coupled_feature(vals, flags) if noise is not None else draft_feature(vals, flags)
+    feats = coupled_feature(vals, flags) if gaps else draft_feature(vals, flags)
     cum = tree.logp[nodes].unsqueeze(1) + scoring.cal.log_accept()[feats]
     cum = torch.where(idx >= 0, cum, float("-inf"))
     add_children(tree, parents, idx, cum, feats, shape, scoring)

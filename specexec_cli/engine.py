@@ -5,7 +5,9 @@ prefill and one per target pass — and never prints. The first event carries th
 yields. `DecodeState` holds the committed tokens and both caches, so a chat can call `generate`
 again with only the new turn's tokens and prefill nothing twice. Invariants between steps:
 the target cache holds ids[:-1] (the last committed token is the next root) and the draft cache
-holds ids[:draft_len] for some draft_len < len(ids). Every method keeps them.
+holds ids[:draft_len] for some draft_len < len(ids). Every method keeps them. With `Models.shared_kv`
+the draft's cache is a view of the target's (kvcache.SharedCache): the draft never prefills, and
+each tree starts from the target's committed rows with only the root pending (`draft_context`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Models:
     pool: object = None  # offload.storage.DevicePool counting device bytes; None = plain torch allocations
     kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
     pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
+    shared_kv: bool = False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,11 @@ def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
     keep = torch.tensor([0] + in_cache, dtype=torch.long)
     kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
     st.target_len += int(keep.numel())
+    if isinstance(st.draft_cache, kvcache.SharedCache):   # the draft's committed rows are the target's
+        st.draft_len = st.target_len
+        st.draft_cache.follow(st.target_len)
+        st.ids.extend(acc.tokens)
+        return
     base = st.draft_len + n_pending - 1  # draft cache row of the root
     nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
     run = tree.slot[nodes][tree.slot[nodes] >= 0]  # accepted nodes the draft already ran
@@ -155,8 +163,9 @@ DEFAULT_SCORES = "calibrated+ngram"  # node scores of --method specexec (see tre
 
 
 def sampling_key(params: SamplingParams) -> str:
-    """Calibration key; ",race": children ranked under the coupled-draw noise (T > 0)."""
-    race = "" if params.greedy else ",race"
+    """Calibration key; ",race": children ranked under the coupled-draw noise (T > 0); ",gap": greedy
+    children featured by their log-prob gap to the draft's top child (T = 0). Both use gap features."""
+    race = ",gap" if params.greedy else ",race"
     return f"T={params.temperature:g},top_k={params.top_k},top_p={params.top_p:g}{race}"
 
 
@@ -174,6 +183,15 @@ def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring |
     ngram = NgramIndex(st.ids) if mode == "calibrated+ngram" else None
     noise = st.noise if not cfg.sampling.greedy else None
     return Scoring(cal=cal, ngram=ngram, committed=st.ids, noise=noise)
+
+
+def draft_context(st: DecodeState) -> DraftContext:
+    """Where the draft starts a tree: its cached committed rows and the committed tokens it has not
+    run yet (the last one is the root). A shared cache starts at the target's rows: only the root."""
+    if isinstance(st.draft_cache, kvcache.SharedCache):
+        st.draft_len = st.target_len
+        st.draft_cache.follow(st.target_len)
+    return DraftContext(n_cached=st.draft_len, pending=st.ids[st.draft_len :], root_pos=len(st.ids) - 1)
 
 
 def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None):
@@ -194,8 +212,7 @@ def speculative_step(
     shape = replace(cfg.shape, max_depth=depth)
     t0 = time.perf_counter()
     # 1) grow the tree with the draft; keep the best `budget` nodes (ancestor-closed)
-    pending = st.ids[st.draft_len :]
-    ctx = DraftContext(n_cached=st.draft_len, pending=pending, root_pos=n - 1)
+    ctx = draft_context(st)
     st.noise = st.noise or new_noise(gen)
     scoring = tree_scoring(m, st, cfg) if grow is default_grow else None
     tree = grow(m, st, ctx, shape, cfg.sampling, scoring)
@@ -210,7 +227,7 @@ def speculative_step(
         calibrate.observe_pass(scoring.cal, tree, vt.draft_ids[acc.path].tolist(), acc.tokens)
     t2 = time.perf_counter()
     # 4) trim caches to the accepted path; the last emitted token becomes the next root
-    commit_tree(st, tree, vt, acc, len(pending))
+    commit_tree(st, tree, vt, acc, len(ctx.pending))
     t3 = time.perf_counter()
     return StepResult(
         tokens=acc.tokens,
@@ -250,9 +267,11 @@ def run_prompt(model, cache, ids: list[int], start: int, chunk: int) -> torch.Te
 
 def reserve_caches(m: Models, st: DecodeState) -> None:
     """Preallocate both caches for the planned rows (no-op when unplanned or already allocated)."""
+    if m.shared_kv and not isinstance(st.draft_cache, kvcache.SharedCache):
+        st.draft_cache, st.draft_len = kvcache.SharedCache(st.target_cache), 0
     if m.kv_rows is not None:
         kvcache.reserve(st.target_cache, m.target, m.kv_rows[0], m.pool, "kv_target")
-        if m.draft is not None:
+        if m.draft is not None and not m.shared_kv:
             kvcache.reserve(st.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_draft")
 
 
@@ -268,7 +287,7 @@ def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfi
     st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
     last = run_prompt(m.target, st.target_cache, st.ids, st.target_len, m.pass_tokens)
     st.target_len = len(st.ids)
-    if m.draft is not None and cfg.method != "ar":
+    if m.draft is not None and cfg.method != "ar" and not m.shared_kv:   # shared KV: the target's rows serve
         run_prompt(m.draft, st.draft_cache, st.ids, st.draft_len, m.pass_tokens)
         st.draft_len = len(st.ids)
     tok = draw(st, last, cfg.sampling, gen)

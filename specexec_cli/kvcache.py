@@ -11,6 +11,12 @@ moves the kept rows of a speculative pass together in place and `crop` only move
 planned cache never reallocates. An unreserved cache (tests, profiling) starts small and grows
 by doubling; a reserved cache that must grow warns once, since the plan under-counted.
 `compact`/`crop` also accept plain DynamicCaches.
+
+Shared KV (`SharedCache`, a self-draft's cache): the draft reads the TARGET's K/V for the committed
+prefix and writes its own rows for the tree it grows into the target's slabs just past the target's
+committed rows, which the target's next verify pass overwrites. So the draft never prefills and its
+cache holds no bytes of its own; `follow(n)` puts the draft at the target's n committed rows before
+a tree, and moving rows (`compact` with rows) is refused: the target's rows are not the draft's to move.
 """
 
 from __future__ import annotations
@@ -116,6 +122,63 @@ class SlabCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
 
+class AliasLayer(SlabLayer):
+    """A draft layer whose K/V live in the target's SlabLayer `base` (same slabs, its own `length`)."""
+
+    def __init__(self, owner: "SharedCache", base: SlabLayer):
+        super().__init__(owner)
+        self.base = base
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.base.is_initialized
+
+    @is_initialized.setter
+    def is_initialized(self, value) -> None:   # CacheLayerMixin.__init__ assigns it; the base decides
+        pass
+
+    keys = property(lambda self: self.base.keys, lambda self, v: None)
+    values = property(lambda self: self.base.values, lambda self, v: None)
+    dtype = property(lambda self: self.base.dtype, lambda self, v: None)
+    device = property(lambda self: self.base.device, lambda self, v: None)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        base, end = self.base, self.length + key_states.shape[-2]
+        if not base.is_initialized:
+            base.lazy_initialization(key_states, value_states)
+        if end > base.keys.shape[-2]:   # grow the target's slabs, keeping the draft's rows too
+            committed, base.length = base.length, self.length
+            base._grow(end)
+            base.length = committed
+        base.keys[:, :, self.length : end] = key_states
+        base.values[:, :, self.length : end] = value_states
+        self.length = end
+        return base.keys[:, :, :end], base.values[:, :, :end]
+
+
+class SharedCache(Cache):
+    """The self-draft's view of the target's `SlabCache` (see the module docstring)."""
+
+    def __init__(self, target: SlabCache):
+        super().__init__(layers=[])
+        self.target = target
+        self.start = 0   # committed rows the draft reads (the latest `follow`); new layers start there
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.target.layers) <= layer_idx:
+            self.target.layers.append(SlabLayer(self.target))
+        while len(self.layers) <= layer_idx:
+            self.layers.append(AliasLayer(self, self.target.layers[len(self.layers)]))
+            self.layers[-1].length = self.start
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def follow(self, n: int) -> None:
+        """The draft starts from the target's first `n` committed rows (its own tree rows are dropped)."""
+        self.start = n
+        for layer in self.layers:
+            layer.length = n
+
+
 def new_cache() -> SlabCache:
     """An empty full-attention cache (tree masks need every position, so no sliding layers)."""
     return SlabCache()
@@ -184,6 +247,10 @@ def compact(cache, start: int, rows: torch.Tensor) -> None:
     The kept rows are moved to [start, start + len(rows)) in place and the rest is cut off.
     """
     n = int(rows.numel())
+    if isinstance(cache, SharedCache):   # the rows belong to the target: only the view's length moves
+        assert n == 0, "a shared draft cache never moves rows (they are the target's)"
+        cache.follow(start)
+        return
     on_device: dict[torch.device, torch.Tensor] = {}   # rows moved once per device, not per layer
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None:

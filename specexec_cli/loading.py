@@ -40,6 +40,7 @@ class LoadOptions:
     embeddings: str = "auto"  # target input embeddings: auto | device | host
     plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
     draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
+    shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -283,8 +284,12 @@ def load_models(opts: LoadOptions) -> Models:
     if opts.draft == SELF:
         draft = load_self_draft(target, opts, pool)
     plan = opts.plan
+    shared = draft is not None and opts.draft == SELF and opts.shared_kv
+    rows = tuple(plan.kv_rows) if plan is not None else None
+    if shared and rows is not None:   # the draft's tree rows live in the target's slabs, past its committed rows
+        rows = (max(rows), 0)
     models = Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
-                    kv_rows=plan.kv_rows if plan is not None else None, pass_tokens=plan.pass_tokens if plan else 0)
+                    kv_rows=rows, pass_tokens=plan.pass_tokens if plan else 0, shared_kv=shared)
     testhooks.install(models)
     return models
 

@@ -93,22 +93,22 @@ def test_profile_node_calibration_is_the_prior_of_later_runs(tiny_pair, tmp_path
                                    "--no-live", "--calibration-tokens", "16"])
     assert res.exit_code == 0, res.stderr
     stored = json.loads(out.read_text())["node_calibration"]
-    assert set(stored) == {"T=0,top_k=0,top_p=1", "T=0.7,top_k=0,top_p=1,race"}
+    assert set(stored) == {"T=0,top_k=0,top_p=1,gap", "T=0.7,top_k=0,top_p=1,race"}
     for key, rates in stored.items():
         assert len(rates) == calibrate.N_FEATURES and all(0 < r < 1 for r in rates)
-        prior = calibrate.builtin_prior(key.endswith(",race"))
+        prior = calibrate.builtin_prior(calibrate.gap_features(key))
         assert not torch.allclose(torch.tensor(rates), prior, atol=1e-3), "nothing was learned"
     calibrate._PAIRS.clear()
     res = CliRunner().invoke(app, ["run", "-p", "def f(x):", *base, "--budget", "8", "--max-new-tokens", "4",
                                    "--no-live"])
     assert res.exit_code == 0, res.stderr
-    (cal,) = [c for k, c in calibrate._PAIRS.items() if k[2] == "T=0,top_k=0,top_p=1"]
-    torch.testing.assert_close(cal.m0, torch.tensor(stored["T=0,top_k=0,top_p=1"]).clamp(1e-4, 1 - 1e-4))
+    (cal,) = [c for k, c in calibrate._PAIRS.items() if k[2] == "T=0,top_k=0,top_p=1,gap"]
+    torch.testing.assert_close(cal.m0, torch.tensor(stored["T=0,top_k=0,top_p=1,gap"]).clamp(1e-4, 1 - 1e-4))
     calibrate._PAIRS.clear()
     other = tmp_path / "other"
     __import__("shutil").copytree(tiny_pair[1], other)     # another draft: the stored prior does not apply
     res = CliRunner().invoke(app, ["run", "-p", "def f(x):", *base[:2], "--draft", str(other), *base[4:],
                                    "--budget", "8", "--max-new-tokens", "4", "--no-live"])
     assert res.exit_code == 0, res.stderr
-    (cal,) = [c for k, c in calibrate._PAIRS.items() if k[2] == "T=0,top_k=0,top_p=1"]
-    torch.testing.assert_close(cal.m0, calibrate.builtin_prior())
+    (cal,) = [c for k, c in calibrate._PAIRS.items() if k[2] == "T=0,top_k=0,top_p=1,gap"]
+    torch.testing.assert_close(cal.m0, calibrate.builtin_prior(coupled=True))

@@ -52,13 +52,34 @@ def run(tmp_path, target, *extra, temperature="0"):
     return json.loads(stats.read_text()), res
 
 
+def untied_prefix(target, ar: dict, dtype: str) -> int:
+    """Generated positions before the first where the target's top two logits (teacher-forced over
+    ar's ids) lie within 2 units in the last place of `dtype`. There a pass over a batch of another
+    shape may round either way (this random model's logits are flat: bf16 ties happen), so greedy
+    ids of two lossless decoders can only be required equal up to it; fp32 has no such ties here."""
+    from specexec_cli.loading import LoadOptions, load_models
+
+    m = load_models(LoadOptions(str(target), None, dtype=dtype, device="cpu", offload="none"))
+    ids = torch.tensor(m.tokenizer(PROMPT)["input_ids"] + ar["token_ids"])
+    with torch.inference_mode():
+        logits = m.target(input_ids=ids[None]).logits[0, ar["prompt_tokens"] - 1 : -1].float()
+    top = logits.topk(2, dim=-1).values
+    ulp = torch.finfo(m.target.dtype).eps * top[:, 0].abs().clamp(min=1.0)
+    ties = ((top[:, 0] - top[:, 1]) <= 2 * ulp).nonzero()
+    return int(ties[0, 0]) if ties.numel() else len(ar["token_ids"])
+
+
+@pytest.mark.parametrize("kv", ["shared", "own"])
 @pytest.mark.parametrize("offload", ["ram", "disk"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_self_draft_is_lossless_at_t0(tmp_path, target, offload, dtype):
+def test_self_draft_is_lossless_at_t0(tmp_path, target, offload, dtype, kv, monkeypatch):
+    monkeypatch.setattr("specexec_cli.loading.LoadOptions.shared_kv", kv == "shared")
     ar, _ = run(tmp_path, target, "--method", "ar", "--offload", offload, "--dtype", dtype)
     sd, _ = run(tmp_path, target, "--draft", "self", "--offload", offload, "--dtype", dtype, "--max-ram", "0"
                 if offload == "disk" else "1GB")
-    assert sd["token_ids"] == ar["token_ids"]
+    n = untied_prefix(target, ar, dtype)
+    assert n >= 8 and (dtype != "fp32" or n == len(ar["token_ids"]))
+    assert sd["token_ids"][:n] == ar["token_ids"][:n]
     assert sd["tokens_per_pass"] > 1.0
 
 

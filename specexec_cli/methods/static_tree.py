@@ -23,7 +23,7 @@ import torch
 
 from specexec_cli import kvcache
 from specexec_cli.draft import DraftContext, run_pending, top_children
-from specexec_cli.engine import StepResult, ar_step
+from specexec_cli.engine import StepResult, ar_step, draft_context
 from specexec_cli.methods.common import accept_sampled, commit, sample_children
 from specexec_cli.sampling import SamplingParams, process_logits
 from specexec_cli.transfers import to_host
@@ -128,8 +128,7 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
     if depth_cap < 1 or tpl.size < 1:
         return ar_step(m, st, cfg, gen, limit)
     t0 = time.perf_counter()
-    pending = st.ids[st.draft_len :]
-    ctx = DraftContext(n_cached=st.draft_len, pending=pending, root_pos=n - 1)
+    ctx = draft_context(st)
     tree, qrows = grow_static(m.draft, st.draft_cache, ctx, tpl, depth_cap, cfg.sampling, gen)
     vt = subtree(tree, torch.arange(1, tree.size))
     t1 = time.perf_counter()
@@ -140,7 +139,7 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
     else:  # VerifyTree index i holds draft node vt.draft_ids[i]; here they coincide (whole tree kept)
         acc = accept_sampled(vt, logits, qrows, cfg.sampling, gen, m.eos_ids, limit)
     t2 = time.perf_counter()
-    commit(st, tree, vt, acc, len(pending))
+    commit(st, tree, vt, acc, len(ctx.pending))
     t3 = time.perf_counter()
     return StepResult(
         tokens=acc.tokens, accepted=len(acc.path), tree_size=vt.size - 1, tree_depth=int(vt.depth.max()),
