@@ -33,10 +33,10 @@ from specexec_cli.loading import LoadOptions, load_models, quiet_transformers  #
 from specexec_cli.methods import generate  # noqa: E402
 
 
-def load(draft: str, bits: int | None = None, shared_kv: bool = True):
+def load(draft: str, bits: int | None = None, shared_kv: bool = True, skip: int = 0):
     target = str(SHARED / "models" / "target")
     return load_models(LoadOptions(target, draft, dtype="fp32", device="cpu", offload="disk", max_ram=0,
-                                   draft_bits=bits, shared_kv=shared_kv))
+                                   draft_bits=bits, shared_kv=shared_kv, draft_skip=skip))
 
 
 def ar_refs(models, prompts, n: int) -> list[list[int]]:
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--bits", default="4", help="substitute widths to compare, e.g. 4,3,2 (3 and 2: HQQ)")
     ap.add_argument("--no-shared", action="store_true", help="skip the shared draft (it was measured already)")
+    ap.add_argument("--skip", default="0", help="self-draft: deep layers left without a substitute, e.g. 0,1,2,3,4")
     ap.add_argument("--kv", default="shared", help="the self-draft's KV: shared (reads the target's), own, or both")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft.json"))
     args = ap.parse_args()
@@ -68,8 +69,10 @@ def main() -> None:
     pairs = {} if args.no_shared else {"shared-2.9M": load(str(SHARED / "models" / "draft"))}
     for bits in [int(b) for b in args.bits.split(",")]:
         for kv in ("shared", "own") if args.kv == "both" else (args.kv,):
-            name = ("self-nf4" if bits == 4 else f"self-hqq{bits}") + ("" if kv == "shared" else "-ownkv")
-            pairs[name] = load("self", bits, kv == "shared")
+            for skip in [int(k) for k in args.skip.split(",")]:
+                name = (("self-nf4" if bits == 4 else f"self-hqq{bits}") + ("" if kv == "shared" else "-ownkv")
+                        + (f"-skip{skip}" if skip else ""))
+                pairs[name] = load("self", bits, kv == "shared", skip)
     assert not any(m.target.plan.resident for m in pairs.values()), "every target layer must stream"
     prompts = load_prompts(args.prompts)
     refs = ar_refs(next(iter(pairs.values())), prompts, args.max_new_tokens)

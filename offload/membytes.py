@@ -158,8 +158,9 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
 
 
 def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budget: int,
-                     chunk: int | None = None) -> int:
-    """The largest pass of either model: target verify pass, target prefill chunk, draft passes."""
+                     chunk: int | None = None, draft_prefill: bool = True) -> int:
+    """The largest pass of either model: target verify pass, target prefill chunk, draft passes
+    (a draft that reads the target's KV never prefills: `draft_prefill` False)."""
     c = compute_bytes(req)
     deq = ta.intermediate * ta.hidden if req.dtype == "nf4" else 0
     chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
@@ -168,5 +169,5 @@ def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budg
     if da is not None:
         dc = dtype_bytes(req.draft_dtype)
         worst = max(worst, pass_bytes(da, req.max_beams, rows[1], dc, req.attn, req.max_beams),
-                    pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req)))
+                    pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req)) if draft_prefill else 0)
     return worst

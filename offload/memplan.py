@@ -91,6 +91,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     elsewhere: str = ""              # planned for another machine (explicit caps): why THIS host cannot run it
     substitute_bits: int | None = None   # --draft self: the bits of the substitutes this plan counts
+    skipped_layers: list[int] = field(default_factory=list)   # --draft self: streamed layers the draft skips
 
     @property
     def device_total(self) -> int:
@@ -110,6 +111,7 @@ class MemoryPlan:
             fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
             kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
             notes=list(self.notes), elsewhere=self.elsewhere, substitute_bits=self.substitute_bits,
+            skipped_layers=list(self.skipped_layers),
         )  # fmt: skip
 
 
@@ -219,6 +221,8 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     da = arch_of(draft.config) if draft is not None else (ta if req.self_draft else None)
     cuda, c = req.device == "cuda", compute_bytes(req)
     rows = kv_rows(req.ctx, budget, req.max_beams)
+    if req.self_draft:   # shared KV: the draft's tree rows live in the target's slabs (kvcache.SharedCache)
+        rows = (max(rows), 0)
     fixed, ghost = _globals(target, ta, req, emb)
     fixed.update(quant_states=lay.quant, pinned_params=lay.pinned, draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
                  kv_target=kv_bytes(ta, rows[0], c),
@@ -227,7 +231,8 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     cap = capacity(req)
     if chunk is None:
         chunk = prefill_chunk(ta, req, budget, cap if cap < 1 << 61 else req.ram_free)
-    fixed["activations"] = activation_bytes(ta, da, req, rows, budget, chunk)
+    fixed["activations"] = activation_bytes(ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget,
+                                            chunk, draft_prefill=not req.self_draft)
     best = None
     for r in _resident_choices(req, len(lay.packed)):
         if _cpu_auto(req) and req.max_ram is not None and sum(lay.packed[:r]) > req.max_ram:

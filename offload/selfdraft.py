@@ -4,7 +4,9 @@ Contract: `build_self_draft(target, progress, bits)` returns an `OffloadedCausal
 target's architecture where
 - the embeddings, final norm, lm_head, rotary buffers and every RESIDENT decoder layer are the
   target's own module objects (shared by reference: no second copy, no second read), and
-- every layer the target STREAMS is replaced by a low-bit substitute that stays on the device, so
+- every layer the target STREAMS is replaced by a low-bit substitute that stays on the device (or,
+  for the layers in `skip`, by a pass-through: where the substitutes of every streamed layer do not
+  fit, the plan has the draft skip a block of deep layers, `skip_block`), so
   the draft never touches the weight stream: `bits` 4 = NF4 (bitsandbytes blocksize 64, double-
   quantized: the packed weights of the target's nf4 cache, offload/quant_cache.py); 3 or 2 = HQQ
   (offload/lowbit.py, its own per-layer cache). Both are built once from the 16-bit checkpoint with
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
+
+from torch import nn
 
 from .errors import OffloadError
 from .loader import Subset
@@ -71,12 +75,31 @@ def check_self_draft(target, bits: int = 4) -> list[int]:
     return layers
 
 
-def build_self_draft(target, progress: Callable[[int, int, str], None] | None = None, bits: int = 4):
-    """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract)."""
+class PassThrough(nn.Module):
+    """A decoder layer the draft skips: hidden states go through unchanged (and it writes no KV)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def skip_block(n_layers: int, n_skip: int) -> list[int]:
+    """The `n_skip` layers a partial self-draft skips: a contiguous block of deep layers that ends
+    before the last one (the first layers and the last stay; after the finding that the deep layers
+    before the final one change the residual stream least, Gromov et al. 2024, "The Unreasonable
+    Ineffectiveness of the Deeper Layers")."""
+    n_skip = max(0, min(n_skip, n_layers - 2))
+    return list(range(n_layers - 1 - n_skip, n_layers - 1))
+
+
+def build_self_draft(target, progress: Callable[[int, int, str], None] | None = None, bits: int = 4,
+                     skip: list[int] | tuple = ()):
+    """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract);
+    the streamed layers in `skip` get no substitute (pass-throughs)."""
     from .devmem import DevicePool
     from .model import OffloadedCausalLM
 
-    layers = check_self_draft(target, bits)
+    layers = [i for i in check_self_draft(target, bits) if i not in set(skip)]
+    skipped = sorted(set(skip) & set(streamed_layers(target)))
     source = sixteen_bit_source(target)
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
     if bits == 4:
@@ -86,9 +109,11 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
     else:
         draft = _hqq_draft(target, source, layers, bits, shared, progress)
     for i in range(len(draft.layers)):
-        if i not in layers:
+        if i in skipped:
+            draft.layers[i] = PassThrough()
+        elif i not in layers:
             draft.layers[i] = target.layers[i]   # resident in the target: the same module, bound once
-    draft.substituted, draft.substitute_bits = layers, bits
+    draft.substituted, draft.substitute_bits, draft.skipped = layers, bits, skipped
     return draft
 
 

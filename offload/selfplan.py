@@ -14,6 +14,10 @@ Contract:
   counted as the "draft" component) and returns the chosen plan with `substitute_bits` set and notes
   stating the bits, the resident layers and the figures behind the choice; a pre-quantized target
   gets a refused plan naming the fix; a target with nothing streamed, a note that no draft runs.
+- Where no width fits with a substitute for every streamed layer, `partial` looks for the fewest
+  skipped layers (a deep block, selfdraft.skip_block) that make a width fit, and keeps it only while
+  the skipped fraction is within what was measured (SKIP_FACTOR) and the expected tokens/pass stays
+  above MIN_TOKENS_PER_PASS; otherwise the plan is refused with that reason and the fix.
 - `choose(plans, temperature)` picks, among fitting (bits, plan) pairs, the one with the most
   expected tokens/s: `tokens_per_pass(bits, temperature)` (measured greedy and sampled, see below) ÷ the plan's pass time (its streamed bytes over the
   link and disk priors LINK_BPS / DISK_BPS, plus a fixed compute floor). It returns the choice and
@@ -36,6 +40,23 @@ draws reward a draft close to the target far more). Only the ratios within a row
 
 def tokens_per_pass(bits: int, temperature: float) -> float:
     return TOKENS_PER_PASS["sampled" if temperature > 0 else "greedy"][bits]
+SKIP_FACTOR = {0.0: 1.0, 0.5: 0.5}  # PLACEHOLDER
+"""Tokens per pass of a self-draft that skips a deep block of this fraction of the layers, relative to
+one that skips none (bench/selfdraft.py --skip, shared pair, nf4 substitutes, budget 64, T = 0)."""
+MIN_TOKENS_PER_PASS = 1.5   # below this a partial self-draft is refused: a small trained draft does better
+
+
+def skip_factor(fraction: float) -> float | None:
+    """Linear interpolation of SKIP_FACTOR; None beyond the largest measured fraction."""
+    pts = sorted(SKIP_FACTOR.items())
+    if fraction > pts[-1][0] + 1e-9:
+        return None
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if fraction <= x1:
+            return y0 + (y1 - y0) * (fraction - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
 LINK_BPS = {"cuda": 24e9, "cpu": 10e9}     # RAM tier -> compute device (PCIe 4 x16 effective; memcpy)
 DISK_BPS = {"cuda": 3e9, "cpu": 2e9}       # NVMe O_DIRECT reads
 FLOOR_S = 0.05                              # per-pass compute and latency that streaming does not hide
@@ -76,14 +97,22 @@ def pass_seconds(plan) -> float:
     return FLOOR_S + ram / LINK_BPS[plan.device] + plan.disk_bytes_per_pass / DISK_BPS[plan.device]
 
 
+def expected_tokens_per_pass(bits: int, plan, temperature: float) -> float:
+    """Measured tokens/pass of this width, scaled for the layers the plan's draft skips."""
+    n = len(plan.layer_bytes)
+    factor = skip_factor(len(plan.skipped_layers) / n) if n else 1.0
+    return tokens_per_pass(bits, temperature) * (factor or 0.0)
+
+
 def choose(plans: list[tuple[int, object]], temperature: float = 0.0) -> tuple[tuple[int, object], list[str]]:
     """The (bits, plan) with the most expected tokens/s among those that fit (else the last tried)."""
     lines, best, best_rate = [], None, -1.0
     for bits, plan in plans:
-        t, tpp = pass_seconds(plan), tokens_per_pass(bits, temperature)
+        t, tpp = pass_seconds(plan), expected_tokens_per_pass(bits, plan, temperature)
         rate = tpp / t if plan.fits else 0.0
+        skip = f", {len(plan.skipped_layers)} skipped" if plan.skipped_layers else ""
         lines.append(f"self-draft {bits}-bit: substitutes {format_bytes(plan.device_bytes.get('draft', 0))}, "
-                     f"{len(plan.resident)} resident layers, ~{tpp:.1f} tokens/pass at T={temperature:g} x "
+                     f"{len(plan.resident)} resident layers{skip}, ~{tpp:.1f} tokens/pass at T={temperature:g} x "
                      f"{t:.2f} s/pass expected -> " + (f"~{rate:.1f} tokens/s" if plan.fits else "does not fit"))
         if plan.fits and rate > best_rate:
             best, best_rate = (bits, plan), rate
@@ -104,6 +133,8 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
                                          "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
                                          "or a small --draft DIR")
         return plan
+    if not any(p.fits for _, p in tried):
+        tried += [pair for pair in (partial(target, a, req, b, nf4_layers, plan_with) for b, _ in tried) if pair]
     (bits, plan), lines = choose(tried, req.temperature)
     if not plan.ram_layers and not plan.disk_layers:
         plan.substitute_bits = None
@@ -111,7 +142,47 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
                           "decoding without a draft")
         return plan
     plan.notes.extend(lines if len(tried) > 1 else [])
-    plan.notes.append(f"self-draft: {bits}-bit substitutes of the {len(plan.ram_layers) + len(plan.disk_layers)} "
-                      f"streamed layers ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
+    streamed, skipped = len(plan.ram_layers) + len(plan.disk_layers), len(plan.skipped_layers)
+    plan.notes.append(f"self-draft: {bits}-bit substitutes of {streamed - skipped} of the {streamed} streamed layers"
+                      + (f" (the draft skips layers {plan.skipped_layers[0]}-{plan.skipped_layers[-1]})"
+                         if skipped else "")
+                      + f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
                       f"{len(plan.resident)} layers resident and shared")
+    if not plan.fits:
+        plan.reason = refusal(plan, req, bits)
     return plan
+
+
+def partial(target, a, req, bits: int, nf4_layers, plan_with):
+    """(bits, plan) with the fewest skipped deep layers that fits at this width, or None."""
+    from .selfdraft import skip_block
+
+    full = substitute_bytes(target, a, req, bits, nf4_layers)
+
+    def attempt(n_skip: int):
+        skip = set(skip_block(a.layers, n_skip))
+        plan = plan_with([0 if i in skip else b for i, b in enumerate(full)], bits)
+        plan.substitute_bits, plan.skipped_layers = bits, sorted(skip - set(plan.resident))
+        return plan
+
+    lo, hi = 1, a.layers - 2   # binary search on the skipped count: more skipped, fewer bytes
+    if not attempt(hi).fits:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if attempt(mid).fits else (mid + 1, hi)
+    plan = attempt(lo)
+    factor = skip_factor(len(plan.skipped_layers) / a.layers)
+    if factor is None or tokens_per_pass(bits, req.temperature) * factor < MIN_TOKENS_PER_PASS:
+        plan.fits = False
+    return bits, plan
+
+
+def refusal(plan, req, bits: int) -> str:
+    """Why no self-draft fits here, in one line with the fix."""
+    if plan.skipped_layers:
+        return (f"--draft self does not fit in {format_bytes(plan.device_capacity)}: the {bits}-bit substitutes "
+                f"would have to leave out {len(plan.skipped_layers)} of {len(plan.layer_bytes)} layers, beyond "
+                f"what keeps the draft useful (measured up to {max(SKIP_FACTOR):.0%} left out); fix: a small "
+                f"--draft DIR, or a larger --max-gpu-memory")
+    return plan.reason

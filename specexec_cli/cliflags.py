@@ -23,7 +23,7 @@ from specexec_cli.cliopts import ModelFlags
 # model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
 MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
 Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target), or self: the target's own 4-bit substitutes of its streamed layers.")]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target), or self: the target's own low-bit substitutes of its streamed layers (--draft-bits).")]
 Method = Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DECODING, help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
 Budget = Annotated[str, typer.Option(metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'.")]
 MaxDepth = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")]

@@ -16,7 +16,7 @@ Shared KV (`SharedCache`, a self-draft's cache): the draft reads the TARGET's K/
 prefix and writes its own rows for the tree it grows into the target's slabs just past the target's
 committed rows, which the target's next verify pass overwrites. So the draft never prefills and its
 cache holds no bytes of its own; `follow(n)` puts the draft at the target's n committed rows before
-a tree, and moving rows (`compact` with rows) is refused: the target's rows are not the draft's to move.
+a tree; `compact` may move the draft's own tree rows past them, never the target's committed rows.
 """
 
 from __future__ import annotations
@@ -247,10 +247,12 @@ def compact(cache, start: int, rows: torch.Tensor) -> None:
     The kept rows are moved to [start, start + len(rows)) in place and the rest is cut off.
     """
     n = int(rows.numel())
-    if isinstance(cache, SharedCache):   # the rows belong to the target: only the view's length moves
-        assert n == 0, "a shared draft cache never moves rows (they are the target's)"
-        cache.follow(start)
-        return
+    if isinstance(cache, SharedCache):   # rows below the followed start are the target's committed ones
+        if n and start < cache.start:
+            raise RuntimeError("a shared draft cache never moves the target's committed rows")
+        if not n:
+            cache.follow(start)
+            return
     on_device: dict[torch.device, torch.Tensor] = {}   # rows moved once per device, not per layer
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None:

@@ -41,6 +41,7 @@ class LoadOptions:
     plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
     draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
     shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
+    draft_skip: int | None = None  # --draft self: deep layers run without a substitute; None = the plan's (0 unplanned)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -182,7 +183,7 @@ def load_self_draft(target, opts: LoadOptions, pool):
     a notice) when every target layer is resident, so that decoding runs without a draft."""
     from offload import OffloadError
     from offload.prequant import bnb4_config
-    from offload.selfdraft import build_self_draft, streamed_layers
+    from offload.selfdraft import build_self_draft, skip_block, streamed_layers
 
     from specexec_cli import display
 
@@ -192,8 +193,10 @@ def load_self_draft(target, opts: LoadOptions, pool):
         return None
     plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
     bits = opts.draft_bits or plan_bits or (3 if bnb4_config(target.config) is not None else 4)
+    skip = (skip_block(len(target.layers), opts.draft_skip) if opts.draft_skip is not None
+            else getattr(opts.plan, "skipped_layers", None) or [])
     try:
-        draft = build_self_draft(target, opts.progress, bits)
+        draft = build_self_draft(target, opts.progress, bits, skip)
     except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
         raise SpecxError(str(exc)) from None
     pool.by_component["draft"] = pool.by_component.get("draft", 0) + draft.pool.allocated
@@ -286,8 +289,8 @@ def load_models(opts: LoadOptions) -> Models:
     plan = opts.plan
     shared = draft is not None and opts.draft == SELF and opts.shared_kv
     rows = tuple(plan.kv_rows) if plan is not None else None
-    if shared and rows is not None:   # the draft's tree rows live in the target's slabs, past its committed rows
-        rows = (max(rows), 0)
+    if rows is not None and opts.draft == SELF and not shared and not rows[1]:   # planned for a shared KV
+        rows = (rows[0], rows[0])
     models = Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
                     kv_rows=rows, pass_tokens=plan.pass_tokens if plan else 0, shared_kv=shared)
     testhooks.install(models)

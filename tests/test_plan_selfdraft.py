@@ -35,24 +35,39 @@ def plan(ck, dtype: str, cap_gb: int, bits: int | None = None, temperature: floa
     return plan_memory(ck, None, req)
 
 
-def test_nf4_70b_at_48gb_trades_bits_for_resident_layers(llama70b):
-    p = plan(llama70b, "nf4", 48)
-    assert p.fits and p.device_total <= 48 * GB and p.substitute_bits in (3, 2)
+def test_nf4_70b_at_44gb_trades_bits_for_resident_layers(llama70b):
+    p = plan(llama70b, "nf4", 44)
+    assert p.fits and p.device_total <= 44 * GB and p.substitute_bits in (3, 2) and not p.skipped_layers
     streamed = LAYERS - len(p.resident)
     assert 0 < streamed < LAYERS
     assert p.device_bytes["draft"] == streamed * hqq_layer_bytes(p.substitute_bits)
-    assert any(f"{p.substitute_bits}-bit substitutes of the {streamed} streamed layers" in n for n in p.notes)
+    assert any(f"{p.substitute_bits}-bit substitutes of {streamed} of the {streamed} streamed layers" in n
+               for n in p.notes)
     assert sum("self-draft 3-bit" in n or "self-draft 2-bit" in n for n in p.notes) == 2   # the figures behind it
-    three = plan(llama70b, "nf4", 48, bits=3)
+    three = plan(llama70b, "nf4", 44, bits=3)
     assert three.fits and len(three.resident) < len(p.resident)     # wider substitutes leave fewer resident
 
 
-@pytest.mark.parametrize("cap_gb", [24, 16, 12])
+def test_nf4_70b_at_24gb_fits_by_skipping_a_deep_block(llama70b):
+    """At 24 GB the substitutes of all 80 layers need 25.7 GB even at 2 bits: the plan leaves the
+    fewest deep layers without one (the draft skips them) and counts every component."""
+    p = plan(llama70b, "nf4", 24)
+    assert p.fits and p.device_total <= 24 * GB and not p.resident, p.reason
+    skipped = p.skipped_layers
+    assert skipped == list(range(LAYERS - 1 - len(skipped), LAYERS - 1))    # a block ending before the last layer
+    assert p.device_bytes["draft"] == (LAYERS - len(skipped)) * hqq_layer_bytes(p.substitute_bits)
+    assert p.device_bytes["kv_draft"] == 0 and p.kv_rows[1] == 0            # the draft reads the target's KV
+    for component in ("lm_head", "quant_states", "kv_target", "activations", "staging_slots", "cuda_context"):
+        assert p.device_bytes[component] > 0
+    note = f"{p.substitute_bits}-bit substitutes of {LAYERS - len(skipped)} of the 80 streamed layers"
+    assert any(note in n and f"skips layers {skipped[0]}-{skipped[-1]}" in n for n in p.notes)
+
+
+@pytest.mark.parametrize("cap_gb", [16, 12])
 def test_nf4_70b_self_draft_on_small_cards_is_refused_with_the_reason(llama70b, cap_gb):
     p = plan(llama70b, "nf4", cap_gb)
-    assert not p.fits and p.substitute_bits == 2
-    need = round(LAYERS * hqq_layer_bytes(2) / GB, 1)
-    assert f"the 2-bit substitutes alone need {need} GB" in p.reason and "a small --draft DIR" in p.reason
+    assert not p.fits and p.skipped_layers
+    assert f"leave out {len(p.skipped_layers)} of 80 layers" in p.reason and "a small --draft DIR" in p.reason
 
 
 def test_bf16_70b_at_80gb_counts_every_streamed_substitute(llama70b):
@@ -61,7 +76,8 @@ def test_bf16_70b_at_80gb_counts_every_streamed_substitute(llama70b):
     streamed = LAYERS - len(p.resident)
     if p.substitute_bits != 4:
         assert p.device_bytes["draft"] == streamed * hqq_layer_bytes(p.substitute_bits)
-    assert p.device_bytes["kv_draft"] > 0 and p.kv_rows[1] > 0
+    # shared KV: one cache, sized for the context plus the draft's largest tree
+    assert p.device_bytes["kv_draft"] == 0 and p.kv_rows[1] == 0 and p.kv_rows[0] >= 8192 + 2 * p.budget
 
 
 def test_4bit_substitutes_of_an_nf4_target_are_refused(llama70b):

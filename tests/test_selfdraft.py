@@ -69,11 +69,9 @@ def untied_prefix(target, ar: dict, dtype: str) -> int:
     return int(ties[0, 0]) if ties.numel() else len(ar["token_ids"])
 
 
-@pytest.mark.parametrize("kv", ["shared", "own"])
 @pytest.mark.parametrize("offload", ["ram", "disk"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_self_draft_is_lossless_at_t0(tmp_path, target, offload, dtype, kv, monkeypatch):
-    monkeypatch.setattr("specexec_cli.loading.LoadOptions.shared_kv", kv == "shared")
+def test_self_draft_is_lossless_at_t0(tmp_path, target, offload, dtype):
     ar, _ = run(tmp_path, target, "--method", "ar", "--offload", offload, "--dtype", dtype)
     sd, _ = run(tmp_path, target, "--draft", "self", "--offload", offload, "--dtype", dtype, "--max-ram", "0"
                 if offload == "disk" else "1GB")
