@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--bits", default="4", help="substitute widths to compare, e.g. 4,3,2 (3 and 2: HQQ)")
     ap.add_argument("--no-shared", action="store_true", help="skip the shared draft (it was measured already)")
-    ap.add_argument("--skip", default="0", help="self-draft: deep layers left without a substitute, e.g. 0,1,2,3,4")
+    ap.add_argument("--skip", default="0", help="self-draft: middle layers left without a substitute (selfdraft.skip_block), e.g. 0,1,2,3,4")
     ap.add_argument("--kv", default="shared", help="the self-draft's KV: shared (reads the target's), own, or both")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft.json"))
     args = ap.parse_args()

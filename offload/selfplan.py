@@ -15,7 +15,7 @@ Contract:
   stating the bits, the resident layers and the figures behind the choice; a pre-quantized target
   gets a refused plan naming the fix; a target with nothing streamed, a note that no draft runs.
 - Where no width fits with a substitute for every streamed layer, `partial` looks for the fewest
-  skipped layers (a deep block, selfdraft.skip_block) that make a width fit, and keeps it only while
+  skipped layers (a middle block, selfdraft.skip_block) that make a width fit, and keeps it only while
   the skipped fraction is within what was measured (SKIP_FACTOR) and the expected tokens/pass stays
   above MIN_TOKENS_PER_PASS; otherwise the plan is refused with that reason and the fix.
 - `choose(plans, temperature)` picks, among fitting (bits, plan) pairs, the one with the most
@@ -31,18 +31,21 @@ import math
 from .membytes import arch_of
 from .sizes import format_bytes
 
-TOKENS_PER_PASS = {"greedy": {4: 7.42, 3: 7.12, 2: 6.80}, "sampled": {4: 14.38, 3: 10.40, 2: 7.27}}
+TOKENS_PER_PASS = {"greedy": {4: 24.23, 3: 18.07, 2: 13.39}, "sampled": {4: 14.38, 3: 10.40, 2: 7.27}}
 """Tokens per target pass of the self-draft by substitute bits, measured on the shared pair with every
-layer substituted (bench/selfdraft.py, specexec, budget 64, 40 prompts): greedy at T=0
-(bench/results/selfdraft_bits.json), sampled at T=0.7 (bench/results/selfdraft_bits_t07.json: coupled
-draws reward a draft close to the target far more). Only the ratios within a row matter."""
+layer substituted (bench/selfdraft.py, specexec, budget 64, 40 prompts): greedy at T=0 with 128 new
+tokens, gap-featured node scores and the shared KV cache (bench/results/selfdraft_t0_gap.json,
+selfdraft_t0_gap_hqq.json); sampled at T=0.7 with 48 new tokens (bench/results/selfdraft_bits_t07.json:
+coupled draws reward a draft close to the target far more). Only the ratios within a row matter."""
 
 
 def tokens_per_pass(bits: int, temperature: float) -> float:
     return TOKENS_PER_PASS["sampled" if temperature > 0 else "greedy"][bits]
-SKIP_FACTOR = {0.0: 1.0, 0.5: 0.5}  # PLACEHOLDER
-"""Tokens per pass of a self-draft that skips a deep block of this fraction of the layers, relative to
-one that skips none (bench/selfdraft.py --skip, shared pair, nf4 substitutes, budget 64, T = 0)."""
+SKIP_FACTOR = {0.0: 1.0, 0.125: 0.480, 0.25: 0.333, 0.375: 0.268, 0.5: 0.234}
+"""Tokens per pass of a self-draft that skips a middle block of this fraction of the layers, relative to
+one that skips none: 11.64 / 8.08 / 6.50 / 5.66 against 24.23 for 1-4 of the 8 layers skipped
+(bench/results/selfdraft_skip_middle.json: shared pair, nf4 substitutes, budget 64, T = 0, 128 tokens).
+A 15.7M model with 8 layers loses far more per skipped layer than a 70B with 80 (prior, pessimistic)."""
 MIN_TOKENS_PER_PASS = 1.5   # below this a partial self-draft is refused: a small trained draft does better
 
 
@@ -111,9 +114,11 @@ def choose(plans: list[tuple[int, object]], temperature: float = 0.0) -> tuple[t
         t, tpp = pass_seconds(plan), expected_tokens_per_pass(bits, plan, temperature)
         rate = tpp / t if plan.fits else 0.0
         skip = f", {len(plan.skipped_layers)} skipped" if plan.skipped_layers else ""
+        figures = (f"~{tpp:.1f} tokens/pass at T={temperature:g} x {t:.2f} s/pass expected" if tpp
+                   else "skips more layers than measured")
         lines.append(f"self-draft {bits}-bit: substitutes {format_bytes(plan.device_bytes.get('draft', 0))}, "
-                     f"{len(plan.resident)} resident layers{skip}, ~{tpp:.1f} tokens/pass at T={temperature:g} x "
-                     f"{t:.2f} s/pass expected -> " + (f"~{rate:.1f} tokens/s" if plan.fits else "does not fit"))
+                     f"{len(plan.resident)} resident layers{skip}, {figures} -> "
+                     + (f"~{rate:.1f} tokens/s" if plan.fits else "does not fit"))
         if plan.fits and rate > best_rate:
             best, best_rate = (bits, plan), rate
     return best or plans[-1], lines
@@ -154,7 +159,7 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
 
 
 def partial(target, a, req, bits: int, nf4_layers, plan_with):
-    """(bits, plan) with the fewest skipped deep layers that fits at this width, or None."""
+    """(bits, plan) with the fewest skipped middle layers that fits at this width, or None."""
     from .selfdraft import skip_block
 
     full = substitute_bytes(target, a, req, bits, nf4_layers)

@@ -41,7 +41,7 @@ class LoadOptions:
     plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
     draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
     shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
-    draft_skip: int | None = None  # --draft self: deep layers run without a substitute; None = the plan's (0 unplanned)
+    draft_skip: int | None = None  # --draft self: middle layers run without a substitute; None = the plan's (0 unplanned)
 
 
 def resolve_device(name: str) -> torch.device:

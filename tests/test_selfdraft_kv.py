@@ -2,8 +2,8 @@
 
 What must hold: with `shared_kv` (the default for `--draft self`) the draft's cache is a view of the
 target's slabs (same storage, no bytes of its own, no draft prefill) and every method stays lossless
-at T = 0, as it does with a cache of the draft's own; a draft that skips a block of deep layers
-(pass-throughs where the plan left no room for substitutes) is lossless too; a conversation whose
+at T = 0, as it does with a cache of the draft's own; a draft that skips a block of middle layers
+(a middle block of pass-throughs where the plan left no room for substitutes) is lossless too; a conversation whose
 turns rewind the caches stays equal to the target's own greedy decoding. fp32 throughout, so
 greedy ids compare exactly (bf16 ties: tests/test_selfdraft.py).
 """
@@ -82,9 +82,9 @@ def test_every_method_is_lossless_with_either_cache(target, ar_ids, method, shar
 
 def test_skipped_layers_are_pass_throughs_and_stay_lossless(target, ar_ids):
     models = load(target, draft_skip=2)
-    assert skip_block(6, 2) == [3, 4] and models.draft.skipped == [3, 4]
-    assert all(isinstance(models.draft.layers[i], PassThrough) for i in (3, 4))
-    assert models.draft.substituted == [0, 1, 2, 5]
+    assert skip_block(6, 2) == [2, 3] and models.draft.skipped == [2, 3]
+    assert all(isinstance(models.draft.layers[i], PassThrough) for i in (2, 3))
+    assert models.draft.substituted == [0, 1, 4, 5]
     assert decode(models) == ar_ids
 
 
