@@ -75,9 +75,11 @@ def main() -> None:
                 pairs[name] = load("self", bits, kv == "shared", skip)
     assert not any(m.target.plan.resident for m in pairs.values()), "every target layer must stream"
     prompts = load_prompts(args.prompts)
-    refs = ar_refs(next(iter(pairs.values())), prompts, args.max_new_tokens)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    greedy = 0.0 in temperatures   # the ar references check the T = 0 runs only
+    refs = ar_refs(next(iter(pairs.values())), prompts, args.max_new_tokens) if greedy else [None] * len(prompts)
     rows = []
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
+    for temperature in temperatures:
         for budget in [int(b) for b in args.budgets.split(",")]:
             for name, models in pairs.items():
                 t0 = time.time()
