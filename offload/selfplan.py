@@ -31,12 +31,12 @@ import math
 from .membytes import arch_of
 from .sizes import format_bytes
 
-TOKENS_PER_PASS = {"greedy": {4: 24.23, 3: 18.07, 2: 13.39}, "sampled": {4: 14.38, 3: 10.40, 2: 7.27}}
+TOKENS_PER_PASS = {"greedy": {4: 24.23, 3: 18.07, 2: 13.39}, "sampled": {4: 19.52, 3: 14.25, 2: 9.63}}
 """Tokens per target pass of the self-draft by substitute bits, measured on the shared pair with every
-layer substituted (bench/selfdraft.py, specexec, budget 64, 40 prompts): greedy at T=0 with 128 new
-tokens, gap-featured node scores and the shared KV cache (bench/results/selfdraft_t0_gap.json,
-selfdraft_t0_gap_hqq.json); sampled at T=0.7 with 48 new tokens (bench/results/selfdraft_bits_t07.json:
-coupled draws reward a draft close to the target far more). Only the ratios within a row matter."""
+layer substituted (bench/selfdraft.py, specexec, budget 64, 40 prompts, 128 new tokens, gap-featured
+node scores, the shared KV cache): greedy at T=0 (bench/results/selfdraft_t0_gap.json,
+selfdraft_t0_gap_hqq.json), sampled at T=0.7 with one seed per prompt (selfdraft_t07_gap.json,
+selfdraft_t07_gap_hqq.json). Only the ratios within a row matter."""
 
 
 def tokens_per_pass(bits: int, temperature: float) -> float:
