@@ -146,9 +146,7 @@ def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
     keep = torch.tensor([0] + in_cache, dtype=torch.long)
     kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
     st.target_len += int(keep.numel())
-    if isinstance(st.draft_cache, kvcache.SharedCache):   # the draft's committed rows are the target's
-        st.draft_len = st.target_len
-        st.draft_cache.follow(st.target_len)
+    if follow_target(st):   # a shared draft cache: its committed rows are the target's
         st.ids.extend(acc.tokens)
         return
     base = st.draft_len + n_pending - 1  # draft cache row of the root
@@ -185,12 +183,19 @@ def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring |
     return Scoring(cal=cal, ngram=ngram, committed=st.ids, noise=noise)
 
 
+def follow_target(st: DecodeState) -> bool:
+    """Put a shared draft cache (kvcache.SharedCache) at the target's committed rows; False if not shared."""
+    if not isinstance(st.draft_cache, kvcache.SharedCache):
+        return False
+    st.draft_len = st.target_len
+    st.draft_cache.follow(st.target_len)
+    return True
+
+
 def draft_context(st: DecodeState) -> DraftContext:
     """Where the draft starts a tree: its cached committed rows and the committed tokens it has not
     run yet (the last one is the root). A shared cache starts at the target's rows: only the root."""
-    if isinstance(st.draft_cache, kvcache.SharedCache):
-        st.draft_len = st.target_len
-        st.draft_cache.follow(st.target_len)
+    follow_target(st)
     return DraftContext(n_cached=st.draft_len, pending=st.ids[st.draft_len :], root_pos=len(st.ids) - 1)
 
 
