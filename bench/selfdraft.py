@@ -1,10 +1,11 @@
 """`--draft self` against the shared trained draft: tokens per target pass and tokens/s, one run.
 
 Run by hand (not a test): `python bench/selfdraft.py [--prompts 0:40] [--budgets 64,256]
-[--temperatures 0] [--seeds 3]`. The shared target (../shared/models/target) is loaded twice with
-EVERY layer streamed from disk (`offload="disk"`, `max_ram=0`), so no layer is resident and the
-self-draft is the substitute throughout: once with the shared 2.9M draft, once per `--bits` width
-with `--draft self` (4: NF4; 3, 2: HQQ). For each (temperature, budget) both drafts decode every prompt of
+[--temperatures 0] [--seeds 3] [--target DIR --dtype bf16]`. The target (../shared/models/target, or
+an inflated copy from ../shared/tools/inflate_llama.py: the same function at GB-scale layers) is
+loaded twice with EVERY layer streamed from disk (`offload="disk"`, `max_ram=0`), so no layer is
+resident and the self-draft is the substitute throughout: once with the shared 2.9M draft, once per
+`--bits` width with `--draft self` (4: NF4; 3, 2: HQQ). For each (temperature, budget) both drafts decode every prompt of
 ../shared/bench/prompts.jsonl with specexec (bench/accept.py's `run_cell`: tokens per target pass
 pooled over prompts with a 95% bootstrap interval over prompts), interleaved cell by cell so disk
 drift hits both alike. At T = 0 every run's ids are checked against the same target's own
@@ -33,10 +34,10 @@ from specexec_cli.loading import LoadOptions, load_models, quiet_transformers  #
 from specexec_cli.methods import generate  # noqa: E402
 
 
-def load(draft: str, bits: int | None = None, shared_kv: bool = True, skip: int = 0):
-    target = str(SHARED / "models" / "target")
-    return load_models(LoadOptions(target, draft, dtype="fp32", device="cpu", offload="disk", max_ram=0,
-                                   draft_bits=bits, shared_kv=shared_kv, draft_skip=skip))
+def load(target: str, dtype: str, draft: str, bits: int | None = None, shared_kv: bool = True, skip: int = 0,
+         rule: str = "influence"):
+    return load_models(LoadOptions(target, draft, dtype=dtype, device="cpu", offload="disk", max_ram=0,
+                                   draft_bits=bits, shared_kv=shared_kv, draft_skip=skip, draft_skip_rule=rule))
 
 
 def ar_refs(models, prompts, n: int) -> list[list[int]]:
@@ -46,6 +47,22 @@ def ar_refs(models, prompts, n: int) -> list[list[int]]:
         refs.append([t for ev in generate(models, DecodeState(), models.tokenizer(p)["input_ids"], cfg)
                      for t in ev.tokens])
     return refs
+
+
+def build_pairs(args) -> dict:
+    """name -> Models: the shared draft (unless --no-shared) and one self-draft per width, KV mode, skip and rule."""
+    pairs = {} if args.no_shared else {"shared-2.9M": load(args.target, args.dtype, str(SHARED / "models" / "draft"))}
+    for bits in [int(b) for b in args.bits.split(",")]:
+        for kv in ("shared", "own") if args.kv == "both" else (args.kv,):
+            for skip in [int(k) for k in args.skip.split(",")]:
+                rules = ("influence", "middle") if args.skip_rule == "both" and skip else (args.skip_rule,)
+                for rule in rules:
+                    name = (("self-nf4" if bits == 4 else f"self-hqq{bits}") + ("" if kv == "shared" else "-ownkv")
+                            + (f"-skip{skip}" if skip else "") + ("-middle" if skip and rule == "middle" else ""))
+                    pairs[name] = load(args.target, args.dtype, "self", bits, kv == "shared", skip, rule)
+                    if skip:
+                        print(f"{name}: leaves out layers {pairs[name].draft.skipped}", flush=True)
+    return pairs
 
 
 def main() -> None:
@@ -58,21 +75,20 @@ def main() -> None:
     ap.add_argument("--bits", default="4", help="substitute widths to compare, e.g. 4,3,2 (3 and 2: HQQ)")
     ap.add_argument("--no-shared", action="store_true", help="skip the shared draft (it was measured already)")
     ap.add_argument("--skip", default="0", help="self-draft: middle layers left without a substitute (selfdraft.skip_block), e.g. 0,1,2,3,4")
+    ap.add_argument("--skip-rule", default="influence", help="which layers --skip leaves out: influence (the "
+                    "least influential, offload/influence.py), middle (a middle block), or both")
     ap.add_argument("--kv", default="shared", help="the self-draft's KV: shared (reads the target's), own, or both")
+    ap.add_argument("--target", default=str(SHARED / "models" / "target"),
+                    help="e.g. an inflated copy of the shared target (../shared/tools/inflate_llama.py)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the target's compute dtype")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft.json"))
     args = ap.parse_args()
     for name, default in (("max_depth", 64), ("max_beams", 32), ("max_branch", 32), ("gamma", 5), ("scores", None)):
         setattr(args, name, default)
-    if not (SHARED / "models" / "target").exists():
-        sys.exit("bench/selfdraft.py needs ../shared/models (the trained pair); it is not present")
+    if not (SHARED / "models" / "draft").exists() or not Path(args.target).exists():
+        sys.exit("bench/selfdraft.py needs ../shared/models (the trained pair) and --target; one is not present")
     quiet_transformers()
-    pairs = {} if args.no_shared else {"shared-2.9M": load(str(SHARED / "models" / "draft"))}
-    for bits in [int(b) for b in args.bits.split(",")]:
-        for kv in ("shared", "own") if args.kv == "both" else (args.kv,):
-            for skip in [int(k) for k in args.skip.split(",")]:
-                name = (("self-nf4" if bits == 4 else f"self-hqq{bits}") + ("" if kv == "shared" else "-ownkv")
-                        + (f"-skip{skip}" if skip else ""))
-                pairs[name] = load("self", bits, kv == "shared", skip)
+    pairs = build_pairs(args)
     assert not any(m.target.plan.resident for m in pairs.values()), "every target layer must stream"
     prompts = load_prompts(args.prompts)
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -91,7 +107,7 @@ def main() -> None:
                       f"95%={r['ci95']} tok/s={r['tokens_per_second']} lossless={r['lossless']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(vars(args), command=" ".join(sys.argv), torch=torch.__version__, device="cpu", target_dtype="fp32",
+    meta = dict(vars(args), command=" ".join(sys.argv), torch=torch.__version__, device="cpu", target_dtype=args.dtype,
                 substitutes="4: nf4 (bitsandbytes, blocksize 64, double quant); 3, 2: HQQ axis 1, group 64 / 32",
                 offload="disk, max_ram=0")
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

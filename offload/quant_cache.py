@@ -63,6 +63,14 @@ def source_fingerprint(src: Path) -> list[tuple[str, int, int]]:
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
 
+def manifest_source(out: Path) -> Path | None:
+    """The 16-bit checkpoint a cache directory was built from (None: not one of our caches)."""
+    try:
+        return Path(json.loads((Path(out) / MANIFEST).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def settings(packing: str = "standard") -> dict:
     return {**SETTINGS, "packing": packing}
 

@@ -44,17 +44,10 @@ def streamed_layers(target) -> list[int]:
 def sixteen_bit_source(target) -> Path | None:
     """The 16-bit checkpoint behind `target`: its source, or the one its nf4 cache was built from
     (None for a pre-quantized checkpoint)."""
+    from .quant_cache import manifest_source
+
     source = Path(target.source)
-    if bnb4_config(target.config) is None:
-        return source
-    import json
-
-    from .quant_cache import MANIFEST
-
-    try:
-        return Path(json.loads((source / MANIFEST).read_text())["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return source if bnb4_config(target.config) is None else manifest_source(source)
 
 
 def check_self_draft(target, bits: int = 4) -> list[int]:

@@ -149,8 +149,7 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
     plan.notes.extend(lines if len(tried) > 1 else [])
     streamed, skipped = len(plan.ram_layers) + len(plan.disk_layers), len(plan.skipped_layers)
     plan.notes.append(f"self-draft: {bits}-bit substitutes of {streamed - skipped} of the {streamed} streamed layers"
-                      + (f" (the draft skips layers {plan.skipped_layers[0]}-{plan.skipped_layers[-1]})"
-                         if skipped else "")
+                      + (f" (the draft skips {skip_note(target, plan)})" if skipped else "")
                       + f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
                       f"{len(plan.resident)} layers resident and shared")
     if not plan.fits:
@@ -158,14 +157,24 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
     return plan
 
 
-def partial(target, a, req, bits: int, nf4_layers, plan_with):
-    """(bits, plan) with the fewest skipped middle layers that fits at this width, or None."""
-    from .selfdraft import skip_block
+def skip_order_for(target, n_layers: int) -> tuple[list[int], bool]:
+    """(the order layers are left out in, whether it comes from measured influence): the influence
+    stored for this checkpoint (or the 16-bit one behind its nf4 cache), else the middle-out order."""
+    from .influence import skip_order, stored_influence
+    from .quant_cache import manifest_source
 
+    root = getattr(target, "root", None)
+    influence = stored_influence(manifest_source(root) or root, n_layers) if root is not None else None
+    return skip_order(n_layers, influence), influence is not None
+
+
+def partial(target, a, req, bits: int, nf4_layers, plan_with):
+    """(bits, plan) with the fewest layers left out that fits at this width, or None."""
     full = substitute_bytes(target, a, req, bits, nf4_layers)
+    order, _ = skip_order_for(target, a.layers)
 
     def attempt(n_skip: int):
-        skip = set(skip_block(a.layers, n_skip))
+        skip = set(order[:n_skip])
         plan = plan_with([0 if i in skip else b for i, b in enumerate(full)], bits)
         plan.substitute_bits, plan.skipped_layers = bits, sorted(skip - set(plan.resident))
         return plan
@@ -181,6 +190,26 @@ def partial(target, a, req, bits: int, nf4_layers, plan_with):
     if factor is None or tokens_per_pass(bits, req.temperature) * factor < MIN_TOKENS_PER_PASS:
         plan.fits = False
     return bits, plan
+
+
+def format_layers(layers: list[int]) -> str:
+    """[3, 4, 5, 9] -> "3-5, 9"."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def skip_note(target, plan) -> str:
+    """Which layers the draft leaves out and how they were chosen."""
+    _, measured = skip_order_for(target, len(plan.layer_bytes))
+    if measured:
+        return f"layers {format_layers(plan.skipped_layers)}, the least influential as measured"
+    return (f"{len(plan.skipped_layers)} layers, the least influential as measured by one pass at the first load "
+            f"(until then: the middle block {format_layers(plan.skipped_layers)})")
 
 
 def refusal(plan, req, bits: int) -> str:

@@ -41,7 +41,8 @@ class LoadOptions:
     plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
     draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
     shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
-    draft_skip: int | None = None  # --draft self: middle layers run without a substitute; None = the plan's (0 unplanned)
+    draft_skip: int | None = None  # --draft self: layers run without a substitute; None = the plan's (0 unplanned)
+    draft_skip_rule: str = "influence"  # which layers: the least influential (measured once) | "middle" block
 
 
 def resolve_device(name: str) -> torch.device:
@@ -178,12 +179,42 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
 SELF = "self"   # --draft self: the target's own low-bit substitute (offload/selfdraft.py)
 
 
-def load_self_draft(target, opts: LoadOptions, pool):
+def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
+    """The streamed layers the self-draft leaves out: as many as the plan says (or `draft_skip`), the
+    least influential ones, measured by one target pass over offload.influence.CALIBRATION the first
+    time and stored; the plan's `skipped_layers` are updated to the choice."""
+    from offload.influence import CALIBRATION, layer_influence, pick_skipped, skip_order
+    from offload.influence import store_influence, stored_influence
+    from offload.selfdraft import sixteen_bit_source, streamed_layers
+
+    from specexec_cli import display
+
+    n = opts.draft_skip if opts.draft_skip is not None else len(getattr(opts.plan, "skipped_layers", None) or [])
+    if not n:
+        return []
+    n_layers, influence = len(target.layers), None
+    source = sixteen_bit_source(target) or Path(target.source)
+    if opts.draft_skip_rule != "middle":
+        influence = stored_influence(source, n_layers)
+    if influence is None and opts.draft_skip_rule != "middle":
+        display.print_notice(f"--draft self: one target pass to measure each layer's influence and leave out the "
+                             f"{n} least influential (stored for later loads)")
+        tok = tok or load_tokenizer(Path(target.source), "--target", False)
+        ids = torch.tensor([tok(CALIBRATION)["input_ids"]], device=target.input_device)
+        influence = layer_influence(target, ids)
+        store_influence(source, influence)
+    skipped = pick_skipped(skip_order(n_layers, influence), streamed_layers(target), n)
+    if opts.plan is not None and getattr(opts.plan, "skipped_layers", None):
+        opts.plan.skipped_layers = skipped
+    return skipped
+
+
+def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     """The target's self-draft, its substitutes counted as the plan's "draft" component; None (with
     a notice) when every target layer is resident, so that decoding runs without a draft."""
     from offload import OffloadError
     from offload.prequant import bnb4_config
-    from offload.selfdraft import build_self_draft, skip_block, streamed_layers
+    from offload.selfdraft import build_self_draft, streamed_layers
 
     from specexec_cli import display
 
@@ -193,10 +224,8 @@ def load_self_draft(target, opts: LoadOptions, pool):
         return None
     plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
     bits = opts.draft_bits or plan_bits or (3 if bnb4_config(target.config) is not None else 4)
-    skip = (skip_block(len(target.layers), opts.draft_skip) if opts.draft_skip is not None
-            else getattr(opts.plan, "skipped_layers", None) or [])
     try:
-        draft = build_self_draft(target, opts.progress, bits, skip)
+        draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
     except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
         raise SpecxError(str(exc)) from None
     pool.by_component["draft"] = pool.by_component.get("draft", 0) + draft.pool.allocated
@@ -285,7 +314,7 @@ def load_models(opts: LoadOptions) -> Models:
     if getattr(target, "pool", None) is not pool:
         pool.adopt("target", [*target.parameters(), *target.buffers()])   # HF-resident target (--offload none)
     if opts.draft == SELF:
-        draft = load_self_draft(target, opts, pool)
+        draft = load_self_draft(target, opts, pool, tok)
     plan = opts.plan
     shared = draft is not None and opts.draft == SELF and opts.shared_kv
     rows = tuple(plan.kv_rows) if plan is not None else None

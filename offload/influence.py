@@ -1,0 +1,120 @@
+"""Which decoder layers a partial self-draft leaves out: the least influential, measured once per model.
+
+Contract:
+- `layer_influence(model, ids)` runs ONE forward of `model` (an OffloadedCausalLM, or any model that
+  calls the modules in `model.layers` in order) over `ids` (1, T) with a hook on every decoder layer
+  and returns, per layer, its block influence (ShortGPT, Men et al. 2024): the mean over positions
+  1..T-1 of 1 - cos(h_in, h_out), h the residual stream entering and leaving the layer. Position 0 is
+  left out (the first token's state is an attention sink with an outsized norm). A layer that barely
+  turns the residual stream scores near 0: leaving it out changes the draft least.
+- `skip_order(n_layers, influence)` is the order in which layers are given up: ascending influence
+  when measured; without a measurement, middle-out, so that every prefix of length k is
+  `selfdraft.skip_block(n_layers, k)`. The first and the last layers never appear.
+- `pick_skipped(order, streamed, n)`: the first `n` layers of `order` that the target streams (a
+  resident layer is the target's own module in the draft, so leaving it out saves nothing).
+- `stored_influence(src)` / `store_influence(src, values)`: a small JSON under $SPECX_CACHE whose
+  name carries a key over `src`'s weight files (quant_cache.source_fingerprint) and CALIBRATION: a
+  missing, stale or unreadable file reads as None (measured again), never as figures.
+- `CALIBRATION`: the fixed text measured (prose, code and a dialogue), so a choice is reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import torch
+
+CALIBRATION = (
+    "The river rose through the night, and by morning the lower fields were under water. The farmers "
+    "moved the animals to the ridge, counted what they had lost, and began again, as their parents had.\n\n"
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+    "    \"\"\"Merge two ascending lists into one ascending list.\"\"\"\n"
+    "    out, i, j = [], 0, 0\n"
+    "    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n"
+    "            out.append(a[i]); i += 1\n"
+    "        else:\n"
+    "            out.append(b[j]); j += 1\n"
+    "    return out + a[i:] + b[j:]\n\n"
+    "User: How many minutes are there in a week?\n"
+    "Assistant: A week has 7 days of 24 hours, each of 60 minutes: 7 x 24 x 60 = 10,080 minutes.\n\n"
+    "In 1905 Einstein published four papers: on the photoelectric effect, Brownian motion, special "
+    "relativity and the equivalence of mass and energy, E = mc^2.\n"
+)
+MAX_TOKENS = 256   # one pass over at most this many calibration tokens
+VERSION = 1        # bump when CALIBRATION or the measure changes: stored figures then no longer apply
+
+
+def _hidden(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+@torch.no_grad()
+def layer_influence(model, ids: torch.Tensor) -> list[float]:
+    """Block influence of every decoder layer over `ids` (1, T), T >= 2 (see the contract)."""
+    sums = [0.0] * len(model.layers)
+
+    def hook(i):
+        def record(module, args, kwargs, output):
+            h_in = _hidden(args[0] if args else kwargs["hidden_states"])[0, 1:].float()   # (T-1, hidden)
+            h_out = _hidden(output)[0, 1:].float()
+            sums[i] = float((1 - torch.nn.functional.cosine_similarity(h_in, h_out, dim=-1)).mean())
+        return record
+
+    handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(model.layers)]
+    try:
+        model(input_ids=ids[:, :MAX_TOKENS], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return sums
+
+
+def skip_order(n_layers: int, influence: list[float] | None = None) -> list[int]:
+    """Layers 1..n-2 in the order a partial self-draft gives them up (see the contract)."""
+    inner = list(range(1, n_layers - 1))
+    if influence is not None:
+        return sorted(inner, key=lambda i: (influence[i], i))
+    from .selfdraft import skip_block
+
+    order: list[int] = []
+    for k in range(1, len(inner) + 1):   # skip_block's middle block grows by one layer at a time
+        order += sorted(set(skip_block(n_layers, k)) - set(order))
+    return order
+
+
+def pick_skipped(order: list[int], streamed, n: int) -> list[int]:
+    streamed = set(streamed)
+    return sorted([i for i in order if i in streamed][:n])
+
+
+def _path(src: Path) -> Path:
+    from .quant_cache import cache_root, source_fingerprint
+
+    blob = json.dumps({"files": source_fingerprint(src), "version": VERSION, "text": CALIBRATION}, sort_keys=True)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
+    return cache_root() / f"{name}-influence-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+
+
+def stored_influence(src: str | Path, n_layers: int) -> list[float] | None:
+    try:
+        values = json.loads(_path(Path(src)).read_text())["influence"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    ok = isinstance(values, list) and len(values) == n_layers and all(isinstance(v, (int, float)) for v in values)
+    return [float(v) for v in values] if ok else None
+
+
+def store_influence(src: str | Path, values: list[float]) -> None:
+    """Best effort: an unwritable cache only means measuring again next time."""
+    path = _path(Path(src))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"influence": values, "version": VERSION, "source": str(Path(src).resolve())}))
+        tmp.replace(path)
+    except OSError:
+        pass
