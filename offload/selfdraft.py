@@ -6,7 +6,7 @@ target's architecture where
   target's own module objects (shared by reference: no second copy, no second read), and
 - every layer the target STREAMS is replaced by a low-bit substitute that stays on the device (or,
   for the layers in `skip`, by a pass-through: where the substitutes of every streamed layer do not
-  fit, the plan has the draft skip a block of middle layers, `skip_block`), so
+  fit, the plan has the draft leave out the least influential layers, offload/influence.py), so
   the draft never touches the weight stream: `bits` 4 = NF4 (bitsandbytes blocksize 64, double-
   quantized: the packed weights of the target's nf4 cache, offload/quant_cache.py); 3 or 2 = HQQ
   (offload/lowbit.py, its own per-layer cache). Both are built once from the 16-bit checkpoint with
@@ -76,10 +76,11 @@ class PassThrough(nn.Module):
 
 
 def skip_block(n_layers: int, n_skip: int) -> list[int]:
-    """The `n_skip` layers a partial self-draft skips: a contiguous block in the middle of the stack
-    (the first and the last layers always stay). Measured on the shared 8-layer pair (nf4
-    substitutes, budget 64, 10 prompts): skipping one middle layer kept 10.6 tokens/pass where the
-    second-to-last left 6.6; bench/results/selfdraft_skip*.json hold the block-size sweeps."""
+    """A contiguous block of `n_skip` layers in the middle of the stack (the first and the last layers
+    always stay): what a partial self-draft leaves out before the layers' influence is measured
+    (offload/influence.py), and `--skip-rule middle` in bench/selfdraft.py. Measured on the shared
+    8-layer pair (nf4 substitutes, budget 64, 10 prompts): skipping one middle layer kept 10.6
+    tokens/pass where the second-to-last left 6.6; bench/results/selfdraft_skip*.json hold sweeps."""
     n_skip = max(0, min(n_skip, n_layers - 2))
     start = max(1, (n_layers - n_skip) // 2)
     return list(range(start, start + n_skip))

@@ -15,7 +15,8 @@ Contract:
   stating the bits, the resident layers and the figures behind the choice; a pre-quantized target
   gets a refused plan naming the fix; a target with nothing streamed, a note that no draft runs.
 - Where no width fits with a substitute for every streamed layer, `partial` looks for the fewest
-  skipped layers (a middle block, selfdraft.skip_block) that make a width fit, and keeps it only while
+  skipped layers that make a width fit (in influence.skip_order: by the influence stored for this
+  checkpoint, else the middle block the loader replaces after measuring), and keeps it only while
   the skipped fraction is within what was measured (SKIP_FACTOR) and the expected tokens/pass stays
   above MIN_TOKENS_PER_PASS; otherwise the plan is refused with that reason and the fix.
 - `choose(plans, temperature)` picks, among fitting (bits, plan) pairs, the one with the most
