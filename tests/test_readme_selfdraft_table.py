@@ -1,0 +1,36 @@
+"""The README's self-draft table is exactly what bench/selfdraft.py's JSON results hold
+(tools/selfdraft_table.py): a result added or changed without `python tools/selfdraft_table.py`
+fails here. The second test proves the check can fail (one figure changed must not be found)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("selfdraft_table", ROOT / "tools" / "selfdraft_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_table_is_the_bench_json(tool):
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index(tool.BEGIN) + len(tool.BEGIN):readme.index(tool.END)]
+    assert block.strip() == tool.table()
+    assert any(r["draft"] == "shared-2.9M" for r in tool.rows()) and any(r["draft"] == "self-nf4" for r in tool.rows())
+
+
+def test_a_changed_figure_is_caught(tool, monkeypatch):
+    real = tool.rows()
+    changed = [dict(r) for r in real]
+    changed[1]["tokens_per_pass"] += 1.0
+    monkeypatch.setattr(tool, "rows", lambda: changed)
+    readme = (ROOT / "README.md").read_text()
+    assert tool.table() not in readme
