@@ -150,9 +150,9 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
     plan.notes.extend(lines if len(tried) > 1 else [])
     streamed, skipped = len(plan.ram_layers) + len(plan.disk_layers), len(plan.skipped_layers)
     plan.notes.append(f"self-draft: {bits}-bit substitutes of {streamed - skipped} of the {streamed} streamed layers"
-                      + (f" (the draft skips {skip_note(target, plan)})" if skipped else "")
-                      + f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
-                      f"{len(plan.resident)} layers resident and shared")
+                      f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
+                      f"{len(plan.resident)} layers resident and shared"
+                      + (f"; the draft leaves out {skip_note(target, plan)}" if skipped else ""))
     if not plan.fits:
         plan.reason = refusal(plan, req, bits)
     return plan
@@ -209,8 +209,8 @@ def skip_note(target, plan) -> str:
     _, measured = skip_order_for(target, len(plan.layer_bytes))
     if measured:
         return f"layers {format_layers(plan.skipped_layers)}, the least influential as measured"
-    return (f"{len(plan.skipped_layers)} layers, the least influential as measured by one pass at the first load "
-            f"(until then: the middle block {format_layers(plan.skipped_layers)})")
+    return (f"the {len(plan.skipped_layers)} least influential layers, measured by one target pass at the first "
+            f"load (until then the middle block {format_layers(plan.skipped_layers)} stands in)")
 
 
 def refusal(plan, req, bits: int) -> str:

@@ -64,8 +64,9 @@ def test_nf4_70b_at_24gb_fits_by_skipping_a_middle_block(llama70b):
     for component in ("lm_head", "quant_states", "kv_target", "activations", "staging_slots", "cuda_context"):
         assert p.device_bytes[component] > 0
     note = f"{p.substitute_bits}-bit substitutes of {LAYERS - len(skipped)} of the 80 streamed layers"
-    assert any(note in n and f"skips {len(skipped)} layers, the least influential as measured by one pass at "
-               f"the first load (until then: the middle block {skipped[0]}-{skipped[-1]})" in n for n in p.notes)
+    assert any(note in n and f"the draft leaves out the {len(skipped)} least influential layers, measured by one "
+               f"target pass at the first load (until then the middle block {skipped[0]}-{skipped[-1]} stands in)" in n
+               for n in p.notes)
 
 
 @pytest.mark.parametrize("cap_gb", [16, 12])
