@@ -6,6 +6,7 @@ tests can compare full distributions.
 
 from __future__ import annotations
 
+import importlib.util
 import string
 from pathlib import Path
 
@@ -16,7 +17,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHARS = ["<eos>"] + list(string.ascii_lowercase + " .,:()=\n") + list("0123456789")[: 48 - 35]
 VOCAB = {c: i for i, c in enumerate(CHARS)}
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+def load_script(relpath: str):
+    """A script of the repository (tools/, bench/) imported as a module, without running its main."""
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:

@@ -113,13 +113,9 @@ def test_old_bitsandbytes_is_refused_in_one_line(monkeypatch):
 
 
 def test_bench_gpu_without_cuda_exits_with_a_clear_message(monkeypatch, capsys):
-    import importlib.util
-    from pathlib import Path
+    from tests.conftest import load_script
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/gpu.py")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("sys.argv", ["gpu.py"])
     with pytest.raises(SystemExit) as exc:

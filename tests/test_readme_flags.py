@@ -8,21 +8,16 @@ help text changed by a single option must be reported as out of date.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def gen_flags():
-    spec = importlib.util.spec_from_file_location("gen_flags", ROOT / "tools" / "gen_flags.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/gen_flags.py")
 
 
 @pytest.fixture(scope="module")

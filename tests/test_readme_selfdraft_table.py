@@ -4,20 +4,14 @@ fails here. The second test proves the check can fail (one figure changed must n
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("selfdraft_table", ROOT / "tools" / "selfdraft_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/selfdraft_table.py")
 
 
 def test_the_readme_table_is_the_bench_json(tool):
