@@ -6,7 +6,7 @@ the target's top two logits were there.  Run by hand (not a test).
 Contract: loads the target in bf16 with every layer streamed from disk and the given draft, decodes
 each prompt greedily with `--method ar` and with specexec, and for every prompt whose ids differ
 prints the first differing position, both tokens, and the target's top-two logits there from ONE
-forward over the prompt plus the common prefix, with their gap in bf16 ulps (eps x |top logit|).
+forward over the prompt plus the common prefix, with their gap in bf16 ulps (eps x max(|top logit|, 1)).
 A gap under about one ulp is a rounding tie: a one-token step and a tree batch reduce in different
 orders, so either token is the target's argmax within bf16's precision (fp32 runs match exactly:
 bench/selfdraft.py's default, tests/test_selfdraft.py). A larger gap would be a real loss.
