@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
-from specexec_cli.draft import TreeShape  # noqa: E402
-from specexec_cli.engine import DecodeState, GenerationConfig  # noqa: E402
-from specexec_cli.loading import LoadOptions, load_models  # noqa: E402
-from specexec_cli.methods import generate  # noqa: E402
-from specexec_cli.sampling import SamplingParams  # noqa: E402
-from specexec_cli.stats import RunStats  # noqa: E402
+from specexec_cli.core.draft import TreeShape  # noqa: E402
+from specexec_cli.core.engine import DecodeState, GenerationConfig  # noqa: E402
+from specexec_cli.session.loading import LoadOptions, load_models  # noqa: E402
+from specexec_cli.core.methods import generate  # noqa: E402
+from specexec_cli.core.sampling import SamplingParams  # noqa: E402
+from specexec_cli.core.stats import RunStats  # noqa: E402
 
 
 def load_prompts(spec: str) -> list[tuple[int, str]]:
@@ -87,7 +87,7 @@ class ReuseMeter:
         self.passes = self.hits = self.reusable = self.run = 0
 
     def install(self):
-        import specexec_cli.engine as engine
+        import specexec_cli.core.engine as engine
 
         real = engine.commit_tree
 
@@ -160,7 +160,7 @@ def merged_table(files: list[str], readme: bool) -> None:
 
 def save(args, rows: list[dict]) -> Path:
     """Write the JSON: the rows so far, the settings and what the calibration learned."""
-    from specexec_cli import calibrate
+    from specexec_cli.core import calibrate
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

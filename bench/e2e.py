@@ -109,11 +109,11 @@ def run_hf(model, draft, ids: list[int], max_new: int, eos: list[int]) -> dict:
 
 
 def run_specx(models, ids: list[int], max_new: int, budget: str) -> dict:
-    from specexec_cli.budget import make_tuner, weights_stream
-    from specexec_cli.draft import TreeShape
-    from specexec_cli.engine import DecodeState, GenerationConfig, generate
-    from specexec_cli.profiler import find_profile
-    from specexec_cli.stats import LinkMeter, RunStats
+    from specexec_cli.core.budget import make_tuner, weights_stream
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
+    from specexec_cli.tools.profiler import find_profile
+    from specexec_cli.core.stats import LinkMeter, RunStats
 
     method = "ar" if budget == "ar" else "specexec"
     shape = TreeShape(budget=64 if budget in ("ar", "auto") else int(budget), max_depth=64)
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--methods", default="hf-generate,hf-assisted,specx-ar,specx-specexec")
     ap.add_argument("--out", default="bench_e2e")
     args = ap.parse_args()
-    from specexec_cli.loading import LoadOptions, load_models
+    from specexec_cli.session.loading import LoadOptions, load_models
 
     torch.set_grad_enabled(False)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -175,10 +175,10 @@ def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_
                 max_gpu: int | None, self_bits: list[int]) -> list[dict]:
     from dataclasses import replace
 
-    from specexec_cli.draft import TreeShape
-    from specexec_cli.engine import DecodeState, GenerationConfig, generate
-    from specexec_cli.loading import LoadOptions, encode_prompt, load_models
-    from specexec_cli.planning import make_plan
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
+    from specexec_cli.session.loading import LoadOptions, encode_prompt, load_models
+    from specexec_cli.session.planning import make_plan
 
     shape = TreeShape(budget=budget, max_depth=32)
     cuda = device.type == "cuda"   # CPU smoke: every layer from disk, so that something streams there too
@@ -210,7 +210,7 @@ def self_draft(target, opts, bits: int):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from specexec_cli.loading import load_self_draft
+    from specexec_cli.session.loading import load_self_draft
 
     draft = load_self_draft(target, replace(opts, draft_bits=bits), SimpleNamespace(by_component={}))
     if draft is None:

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from accept import SHARED, load_prompts, run_cell  # noqa: E402
 
-from specexec_cli.engine import DecodeState, GenerationConfig  # noqa: E402
-from specexec_cli.loading import LoadOptions, load_models, quiet_transformers  # noqa: E402
-from specexec_cli.methods import generate  # noqa: E402
+from specexec_cli.core.engine import DecodeState, GenerationConfig  # noqa: E402
+from specexec_cli.session.loading import LoadOptions, load_models, quiet_transformers  # noqa: E402
+from specexec_cli.core.methods import generate  # noqa: E402
 
 
 def load(target: str, dtype: str, draft: str, bits: int | None = None, shared_kv: bool = True, skip: int = 0,

@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from accept import SHARED, load_prompts  # noqa: E402
 
-from specexec_cli.draft import TreeShape  # noqa: E402
-from specexec_cli.engine import DecodeState, GenerationConfig  # noqa: E402
-from specexec_cli.loading import LoadOptions, load_models, quiet_transformers  # noqa: E402
-from specexec_cli.methods import generate  # noqa: E402
+from specexec_cli.core.draft import TreeShape  # noqa: E402
+from specexec_cli.core.engine import DecodeState, GenerationConfig  # noqa: E402
+from specexec_cli.session.loading import LoadOptions, load_models, quiet_transformers  # noqa: E402
+from specexec_cli.core.methods import generate  # noqa: E402
 
 
 def decode(models, ids: list[int], method: str, budget: int, n: int) -> list[int]:

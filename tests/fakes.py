@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specexec_cli.engine import Models
+from specexec_cli.core.engine import Models
 
 
 class MaskError(AssertionError):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 KEYS = {"method", "budget", "temperature", "tokens_per_pass", "accept_histogram", "tokens_per_second",

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specexec_cli.budget import (BudgetTuner, LiveConfig, ShapeHolder, TimingModel, candidate_budgets,
+from specexec_cli.core.budget import (BudgetTuner, LiveConfig, ShapeHolder, TimingModel, candidate_budgets,
                                  choose_budget, interpolate, make_tuner)
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import GenerationConfig
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import GenerationConfig
 
 
 def test_candidates_are_power_of_two_trees():
@@ -120,8 +120,8 @@ def test_tuned_generation_is_lossless(tiny_pair):
     """Swapping budgets between passes must not change greedy output."""
     import torch
 
-    from specexec_cli.engine import DecodeState, generate
-    from specexec_cli.loading import LoadOptions, load_models
+    from specexec_cli.core.engine import DecodeState, generate
+    from specexec_cli.session.loading import LoadOptions, load_models
 
     m = load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", device="cpu"))
     ids = m.tokenizer("def f(x):\n  return")["input_ids"]
@@ -139,7 +139,7 @@ def test_tuned_generation_is_lossless(tiny_pair):
 def test_streamed_target_prior_starts_with_a_larger_tree():
     """A target whose layers stream every pass costs about the same for 8 or 32 tree tokens, so the
     prior (no profile) must not start at the resident-CPU budget."""
-    from specexec_cli.budget import make_tuner, weights_stream
+    from specexec_cli.core.budget import make_tuner, weights_stream
 
     streamed = SimpleNamespace(plan=SimpleNamespace(streamed=[2, 3]))
     resident = SimpleNamespace(plan=SimpleNamespace(streamed=[]))

@@ -14,11 +14,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec_cli.chat import ChatSession, common_prefix
-from specexec_cli.cli import app
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import GenerationConfig
-from specexec_cli.loading import LoadOptions, load_models
+from specexec_cli.session.chat import ChatSession, common_prefix
+from specexec_cli.terminal.app import app
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.session.loading import LoadOptions, load_models
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}a:{% endif %}")

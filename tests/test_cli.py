@@ -8,7 +8,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
 runner = CliRunner()
@@ -140,7 +140,7 @@ def specx_command() -> list[str]:
     exe = shutil.which("specx")
     if exe:
         return [exe]
-    return [sys.executable, "-c", "import sys; from specexec_cli.cli import main; sys.argv[0] = 'specx'; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from specexec_cli.terminal.app import main; sys.argv[0] = 'specx'; sys.exit(main())"]
 
 
 @pytest.mark.parametrize("debug", [False, True])

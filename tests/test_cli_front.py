@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
-from specexec_cli.terminal import DRAFT_SGR, TextSink, use_color
+from specexec_cli.terminal.app import app
+from specexec_cli.terminal.output import DRAFT_SGR, TextSink, use_color
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -21,7 +21,7 @@ runner = CliRunner()
 # Runs the CLI in a fresh interpreter and reports which heavy modules it imported.
 PROBE = """
 import sys
-from specexec_cli.cli import main
+from specexec_cli.terminal.app import main
 sys.argv = ["specx", *sys.argv[1:]]
 try:
     main()
@@ -140,7 +140,7 @@ def test_color_defaults(monkeypatch):
 
 
 def test_text_sink_colours_only_the_draft_prefix_and_never_changes_text():
-    from specexec_cli.engine import TextChunk
+    from specexec_cli.core.engine import TextChunk
 
     chunk = TextChunk("ab\ncd[/b]e")
     chunk.draft_chars = 5  # "ab\ncd" came from the draft's tree, "[/b]e" from the target

@@ -119,10 +119,10 @@ def test_no_device_wide_sync_in_a_streamed_pass(big_dir, monkeypatch):
 
 def test_device_memory_peak_within_plan(big_dir, tmp_path):
     """CLI path on the GPU: counted bytes equal the plan and the allocator's peak stays inside it."""
-    from specexec_cli.draft import TreeShape
-    from specexec_cli.engine import DecodeState, GenerationConfig, generate
-    from specexec_cli.loading import LoadOptions, load_models
-    from specexec_cli.planning import make_plan
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
+    from specexec_cli.session.loading import LoadOptions, load_models
+    from specexec_cli.session.planning import make_plan
 
     draft = make_model(tmp_path / "draft", seed=4, layers=2, hidden=256, max_pos=4096)
     torch.cuda.empty_cache()

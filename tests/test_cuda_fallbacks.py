@@ -125,8 +125,8 @@ def test_bench_gpu_without_cuda_exits_with_a_clear_message(monkeypatch, capsys):
 
 def test_auto_dtype_is_fp16_on_gpus_without_native_bf16(monkeypatch):
     from offload.loader import accelerator_half
-    from specexec_cli.loading import resolve_dtype
-    from specexec_cli.planning import plan_dtypes
+    from specexec_cli.session.loading import resolve_dtype
+    from specexec_cli.session.planning import plan_dtypes
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for native, want, name in ((False, torch.float16, "fp16"), (True, torch.bfloat16, "bf16")):
@@ -137,7 +137,7 @@ def test_auto_dtype_is_fp16_on_gpus_without_native_bf16(monkeypatch):
 
 
 def test_expandable_segments_are_requested_unless_the_user_chose():
-    from specexec_cli.allocator import ALLOC_ENV, configure_allocator
+    from specexec_cli.terminal.allocator import ALLOC_ENV, configure_allocator
 
     env = {}
     assert configure_allocator(env, "linux", "Linux version 6.8")

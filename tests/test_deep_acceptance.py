@@ -15,15 +15,15 @@ from collections import Counter
 import pytest
 import torch
 
-import specexec_cli.engine as engine
-import specexec_cli.methods.staged as staged
-import specexec_cli.methods.static_tree as static_tree
-from specexec_cli.calibrate import N_DRAFT
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, prefill
-from specexec_cli.methods import available_methods, generate
-from specexec_cli.methods.common import with_settings
-from specexec_cli.sampling import SamplingParams
+import specexec_cli.core.engine as engine
+import specexec_cli.core.methods.staged as staged
+import specexec_cli.core.methods.static_tree as static_tree
+from specexec_cli.core.calibrate import N_DRAFT
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig, prefill
+from specexec_cli.core.methods import available_methods, generate
+from specexec_cli.core.methods.common import with_settings
+from specexec_cli.core.sampling import SamplingParams
 from tests.fakes import fake_models, greedy_reference, noisy, random_table
 
 V = 8
@@ -133,7 +133,7 @@ def test_draft_computes_each_node_once(monkeypatch, method, shape, opts, tempera
     st, gen = DecodeState(), torch.Generator().manual_seed(0)
     prefill(m, st, PROMPT, cfg, gen)
     if method == "sequoia":  # its one-time calibration forward over the context is not a tree step
-        from specexec_cli.methods.sequoia import acceptance_vector
+        from specexec_cli.core.methods.sequoia import acceptance_vector
 
         acceptance_vector(m, st.ids, cfg.sampling, None)
     step = available_methods()[method]

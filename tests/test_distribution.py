@@ -4,7 +4,7 @@ Setup: the fake table LMs of tests/fakes.py (vocab 8, microseconds per forward, 
 position checked), a low-noise draft (passes accept 0..3 tokens, so acceptance, rejection, the
 residual draw and the bonus token all happen), T = 0.7 with top-k = 3 and top-p = 0.9 (temperature,
 top-k and nucleus all change the distribution; a draft processed one way for sampling and another
-for acceptance would show). The reference is computed here, independently of specexec_cli.sampling
+for acceptance would show). The reference is computed here, independently of specexec_cli.core.sampling
 (`ref_probs`), from the fake target's table.
 
 What is tested: the joint law of the emitted tokens, through the chain rule. Each emitted token,
@@ -39,11 +39,11 @@ import pytest
 import torch
 from scipy.stats import chi2, kstest, norm
 
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig
-from specexec_cli.methods import generate
-from specexec_cli.methods.common import with_settings
-from specexec_cli.sampling import SamplingParams
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.core.methods import generate
+from specexec_cli.core.methods.common import with_settings
+from specexec_cli.core.sampling import SamplingParams
 from tests.fakes import fake_models, next_logits, noisy, random_table
 
 V = 8

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from specexec_cli import kvcache
-from specexec_cli.calibrate import N_BINS, Calibration, chain_feature, draft_feature, observe_pass
-from specexec_cli.draft import DraftContext, Scoring, TreeShape, grow_tree
-from specexec_cli.ngram import NgramIndex
-from specexec_cli.sampling import SamplingParams
-from specexec_cli.tree import Tree, top_budget
+from specexec_cli.core import kvcache
+from specexec_cli.core.calibrate import N_BINS, Calibration, chain_feature, draft_feature, observe_pass
+from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
+from specexec_cli.core.ngram import NgramIndex
+from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.core.tree import Tree, top_budget
 from tests.test_transfers import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig
-from specexec_cli.methods import generate
-from specexec_cli.sampling import SamplingParams
-from specexec_cli.loading import LoadOptions, load_models
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.core.methods import generate
+from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.session.loading import LoadOptions, load_models
 
 PROMPTS = ["def f(x):\n  return", "def add(a, b):\n    return a", "for i in range(10):\n"]  # >= 48 tokens, no EOS
 EOS_PROMPT = "class a:\n  def b(self"  # the target's greedy continuation ends with EOS as its 16th token
@@ -74,7 +74,7 @@ def test_self_draft_chain_accepts_every_token(self_models):
 
 def test_self_draft_tree_accepts_greedy_path_as_deep_as_tree_holds_it(self_models, monkeypatch):
     """Each pass emits exactly (depth of the target's greedy path inside the tree) + 1 tokens."""
-    import specexec_cli.engine as engine
+    import specexec_cli.core.engine as engine
 
     trees = []
     real = engine.accept_tree
@@ -98,8 +98,8 @@ def test_self_draft_tree_accepts_greedy_path_as_deep_as_tree_holds_it(self_model
 
 def fresh_keys(model, ids):
     """Per-layer K of a fresh causal pass over `ids`: what a correctly compacted cache must hold."""
-    from specexec_cli import kvcache
-    from specexec_cli.tree import causal_mask
+    from specexec_cli.core import kvcache
+    from specexec_cli.core.tree import causal_mask
 
     cache = kvcache.new_cache()
     kvcache.forward(model, cache, torch.tensor(ids), torch.arange(len(ids)), causal_mask(0, len(ids), torch.float32))
@@ -152,7 +152,7 @@ ALL_METHODS = ["ar", "specexec", "chain", "specinfer", "sequoia", "staged"]
 def test_max_new_tokens_and_eos_stop(self_models, method):
     """Exactly max_new_tokens when no EOS comes (even when a pass could emit more), and generation
     stops exactly at the first EOS, inside an accepted run of a self-draft (finish reasons exact)."""
-    from specexec_cli.methods.common import with_settings
+    from specexec_cli.core.methods.common import with_settings
 
     def gen(prompt, n):
         ids = self_models.tokenizer(prompt)["input_ids"]

@@ -140,7 +140,7 @@ def test_family_runs_losslessly_through_specx_run(family_dir, offload, tmp_path)
     """`specx run`: specexec output == ar output on each family's target (draft: same family, other seed)."""
     from typer.testing import CliRunner
 
-    from specexec_cli.cli import app
+    from specexec_cli.terminal.app import app
     from tests.conftest import make_tokenizer
 
     name, src = family_dir

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from offload.influence import CALIBRATION, MAX_TOKENS, layer_influence, pick_skipped, skip_order, stored_influence
 from offload.selfdraft import PassThrough, skip_block
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig
-from specexec_cli.loading import LoadOptions, load_models
-from specexec_cli.methods import generate
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.core.methods import generate
 from tests.conftest import make_model
 
 IDLE = 3   # the layer made to do nothing
@@ -109,7 +109,7 @@ def test_a_changed_checkpoint_or_a_corrupt_file_is_measured_again(target, tmp_pa
 
 
 def test_the_plan_follows_a_stored_measurement(target):
-    from specexec_cli.planning import make_plan
+    from specexec_cli.session.planning import make_plan
 
     opts = LoadOptions(str(target), "self", dtype="fp32", device="cpu", offload="disk", max_ram=0)
     plan = make_plan(opts, TreeShape(16, 16), False, 0.0)

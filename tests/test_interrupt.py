@@ -188,7 +188,7 @@ def test_interrupted_disk_pass_then_close_stops_threads_and_files(pair):
     import torch
 
     from offload import OffloadedCausalLM
-    from specexec_cli.loading import close_models
+    from specexec_cli.session.loading import close_models
 
     model = OffloadedCausalLM.from_pretrained(pair[0], device="cpu", dtype=torch.float32, offload="disk")
     reader = model.store.reader

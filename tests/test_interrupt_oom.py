@@ -13,7 +13,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
 runner = CliRunner()

@@ -18,13 +18,13 @@ import torch
 from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
-from specexec_cli import kvcache
-from specexec_cli.cli import app
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig
-from specexec_cli.methods import generate
-from specexec_cli.loading import LoadOptions, load_models
-from specexec_cli.methods.common import with_settings
+from specexec_cli.core import kvcache
+from specexec_cli.terminal.app import app
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.core.methods import generate
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.core.methods.common import with_settings
 from tests.conftest import make_model, make_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -180,7 +180,7 @@ def cli_auto_budgets(target, draft, dtype) -> tuple[str, ...]:
     """--max-gpu-memory one byte short of the all-resident plan: auto keeps a prefix resident and streams the rest.
     (A tighter cap may first shrink the prefill chunk, which can let every layer stay resident: then
     go one byte short of that plan, until something streams.)"""
-    from specexec_cli.planning import make_plan
+    from specexec_cli.session.planning import make_plan
 
     def plan(**caps):
         opts = LoadOptions(str(target), str(draft), dtype=dtype, device="cpu", offload="auto", ctx=CTX, **caps)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig
-from specexec_cli.methods import generate
-from specexec_cli.loading import LoadOptions, load_models
-from specexec_cli.methods.common import choose_child, sample_children, with_settings
-from specexec_cli.sampling import SamplingParams
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.core.methods import generate
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.core.methods.common import choose_child, sample_children, with_settings
+from specexec_cli.core.sampling import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 METHODS = ["chain", "specinfer", "sequoia", "staged"]
@@ -71,7 +71,7 @@ def test_greedy_equals_hf_generate(pair, method, budget):
 
 def synthetic_tree(g, v=6, k=3):
     """Root with k children sampled from q0, each with k children from its own q: (vt, logits, qrows)."""
-    from specexec_cli.tree import VerifyTree
+    from specexec_cli.core.tree import VerifyTree
 
     q = {i: torch.softmax(2 * torch.randn(v, generator=g), 0) for i in range(k + 1)}
     tokens, parents = [0], [-1]
@@ -89,7 +89,7 @@ def synthetic_tree(g, v=6, k=3):
 
 def test_accept_sampled_second_token_exact():
     """Pure walk on synthetic trees: token 2 | token 1 = x follows the target's row for x."""
-    from specexec_cli.methods.common import accept_sampled
+    from specexec_cli.core.methods.common import accept_sampled
 
     g = torch.Generator().manual_seed(3)
     v, params = 6, SamplingParams(temperature=1.0)
@@ -128,7 +128,7 @@ def test_sample_children_without_replacement_respects_support():
 
 
 def test_ngram_index_proposes_latest_continuation():
-    from specexec_cli.methods.staged import NgramIndex
+    from specexec_cli.core.methods.staged import NgramIndex
 
     idx = NgramIndex([1, 2, 3, 9, 1, 2, 4, 1, 2])
     assert idx.propose([7, 1, 2], 2) == [4, 1]  # latest earlier match of (1, 2) wins

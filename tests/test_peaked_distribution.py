@@ -27,10 +27,10 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from specexec_cli import sampling
-from specexec_cli.methods import generate
-from specexec_cli.sampling import SamplingParams
-from specexec_cli.engine import DecodeState
+from specexec_cli.core import sampling
+from specexec_cli.core.methods import generate
+from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.core.engine import DecodeState
 from tests.fakes import fake_models, next_logits, noisy
 from tests.test_distribution import ALPHA, METHOD_CFG, check, method_config
 
@@ -72,7 +72,7 @@ def emitted(method: str, seed: int) -> list[tuple[list[float], int, int]]:
 
 
 def _ar_config():
-    from specexec_cli.engine import GenerationConfig
+    from specexec_cli.core.engine import GenerationConfig
 
     return GenerationConfig(method="ar", sampling=PARAMS, max_new_tokens=RUN_TOKENS)
 

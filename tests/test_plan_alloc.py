@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, generate
-from specexec_cli.loading import LoadOptions, load_models
-from specexec_cli.planning import make_plan
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.session.planning import make_plan
 
 COUNTED = ("embeddings", "final_norm", "lm_head", "rotary", "quant_states", "draft", "kv_target", "kv_draft",
            "resident_layers", "staging_slots")
@@ -89,7 +89,7 @@ def test_target_bigger_than_allowed_ram_streams_with_no_offload_flags(tiny_pair,
     disk, and the generated tokens equal a fully resident run's."""
     from typer.testing import CliRunner
 
-    from specexec_cli.cli import app
+    from specexec_cli.terminal.app import app
 
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):\n  return")

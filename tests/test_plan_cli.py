@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.sparse_ckpt import write_sparse
 
 runner = CliRunner()
@@ -22,7 +22,7 @@ def pair(tmp_path_factory):
 @pytest.fixture()
 def no_loading(monkeypatch):
     """Any attempt to load weights fails the test: the plan must decide first."""
-    import specexec_cli.loading as loading
+    import specexec_cli.session.loading as loading
 
     def boom(*a, **k):
         raise AssertionError("weights were loaded")

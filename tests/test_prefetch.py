@@ -178,7 +178,7 @@ def test_link_meter_reports_busy_fraction_and_stall_per_pass(monkeypatch):
     import time as time_mod
     from types import SimpleNamespace
 
-    from specexec_cli.stats import LinkMeter, RunStats
+    from specexec_cli.core.stats import LinkMeter, RunStats
 
     clock = {"t": 100.0}
     monkeypatch.setattr(time_mod, "perf_counter", lambda: clock["t"])

@@ -264,7 +264,7 @@ def test_specx_run_on_prequant_target(prequant_dir, offload, tmp_path):
     """`specx run`: ar ids == transformers' greedy generate of the 4-bit checkpoint; specexec == ar."""
     from typer.testing import CliRunner
 
-    from specexec_cli.cli import app
+    from specexec_cli.terminal.app import app
     from tests.conftest import make_tokenizer
 
     target, draft = tmp_path / "t", tmp_path / "d"

@@ -8,10 +8,10 @@ import socket
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli import profiler
-from specexec_cli.budget import candidate_budgets, make_tuner
-from specexec_cli.cli import app
-from specexec_cli.draft import TreeShape
+from specexec_cli.tools import profiler
+from specexec_cli.core.budget import candidate_budgets, make_tuner
+from specexec_cli.terminal.app import app
+from specexec_cli.core.draft import TreeShape
 from specexec_cli.errors import SpecxError
 
 REQUIRED = {"schema", "version", "created", "hostname", "cpu", "memory", "gpus", "disk", "matmul", "models",
@@ -85,7 +85,7 @@ def test_profile_node_calibration_is_the_prior_of_later_runs(tiny_pair, tmp_path
     later `specx run` with the same pair (found as this machine's last profile) starts from it."""
     import torch
 
-    from specexec_cli import calibrate
+    from specexec_cli.core import calibrate
 
     out = tmp_path / "p.json"
     base = ["--target", str(tiny_pair[0]), "--draft", str(tiny_pair[1]), "--dtype", "fp32", "--device", "cpu"]

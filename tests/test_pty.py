@@ -19,7 +19,7 @@ pytest.importorskip("pyte")
 if sys.platform == "win32":  # pragma: no cover
     pytest.skip("needs a POSIX pty", allow_module_level=True)
 
-from specexec_cli.cli import DEMO_DIR  # noqa: E402
+from specexec_cli.terminal.app import DEMO_DIR  # noqa: E402
 from tests.ptyterm import ROOT, PtyRun, find_block  # noqa: E402
 
 pytestmark = [

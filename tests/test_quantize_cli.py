@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.conftest import make_tokenizer
 from tests.test_families import make_family
 
@@ -70,7 +70,7 @@ def test_quantize_refuses_a_4bit_source(pair16, tmp_path):
 @pytest.mark.parametrize("dtype,draft_dtype,want", [("nf4", "bf16", torch.bfloat16), ("bf16", "fp16", torch.float16)])
 def test_mixed_precision_pair_is_lossless(pair16, tmp_path, dtype, draft_dtype, want):
     """bf16 draft + nf4 target, fp16 draft + bf16 target: specexec == ar, and the draft has its own dtype."""
-    from specexec_cli.loading import LoadOptions, load_models
+    from specexec_cli.session.loading import LoadOptions, load_models
 
     target, draft, prompt = pair16
     models = load_models(LoadOptions(target=str(target), draft=str(draft), dtype=dtype, draft_dtype=draft_dtype,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specexec_cli.sampling import SamplingParams, process_logits, sample, top_p_filter, validate
+from specexec_cli.core.sampling import SamplingParams, process_logits, sample, top_p_filter, validate
 
 
 def test_top_p_keeps_smallest_set_reaching_p():

@@ -23,7 +23,7 @@ from offload import OffloadedCausalLM
 from offload.errors import OffloadNotice
 from offload.nf4 import packing_for
 from offload.selfdraft import build_self_draft, shares_with
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
 runner = CliRunner()
@@ -57,7 +57,7 @@ def untied_prefix(target, ar: dict, dtype: str) -> int:
     ar's ids) lie within 2 units in the last place of `dtype`. There a pass over a batch of another
     shape may round either way (this random model's logits are flat: bf16 ties happen), so greedy
     ids of two lossless decoders can only be required equal up to it; fp32 has no such ties here."""
-    from specexec_cli.loading import LoadOptions, load_models
+    from specexec_cli.session.loading import LoadOptions, load_models
 
     m = load_models(LoadOptions(str(target), None, dtype=dtype, device="cpu", offload="none"))
     ids = torch.tensor(m.tokenizer(PROMPT)["input_ids"] + ar["token_ids"])
@@ -154,7 +154,7 @@ def test_substitute_cache_is_reused_rebuilt_on_change_and_on_corruption(target, 
 def test_profile_measures_the_self_draft_and_runs_start_from_it(tmp_path, target):
     """`specx profile --draft self` times the self-draft's tree growth and measures its node
     calibration prior; a later `--draft self` run of the same target picks that prior up."""
-    from specexec_cli.calprobe import pair_prior
+    from specexec_cli.session.calprobe import pair_prior
 
     out = tmp_path / "prof.json"
     res = runner.invoke(app, ["profile", "--target", str(target), "--draft", "self", "--device", "cpu",

@@ -22,11 +22,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig
-from specexec_cli.loading import LoadOptions, load_models
-from specexec_cli.methods import generate
-from specexec_cli.sampling import SamplingParams
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.core.methods import generate
+from specexec_cli.core.sampling import SamplingParams
 from tests.conftest import make_model
 
 N = 1000

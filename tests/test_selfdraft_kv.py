@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from offload.selfdraft import PassThrough, skip_block
-from specexec_cli import kvcache
-from specexec_cli.chat import ChatSession
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig
-from specexec_cli.loading import LoadOptions, load_models
-from specexec_cli.methods import generate
+from specexec_cli.core import kvcache
+from specexec_cli.session.chat import ChatSession
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.core.methods import generate
 from tests.conftest import make_model
 
 PROMPT = "def add(a, b):\n    return"
@@ -104,7 +104,7 @@ def test_turns_that_rewind_the_caches_stay_equal_to_the_target(target):
 def test_the_plans_skipped_layers_reach_the_draft(target, ar_ids):
     from dataclasses import replace
 
-    from specexec_cli.planning import make_plan
+    from specexec_cli.session.planning import make_plan
 
     opts = LoadOptions(str(target), "self", dtype="fp32", device="cpu", offload="disk", max_ram=0)
     plan = make_plan(opts, TreeShape(16, 16), False, 0.0)

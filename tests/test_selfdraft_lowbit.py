@@ -22,7 +22,7 @@ from offload import OffloadedCausalLM
 from offload.errors import OffloadError, OffloadNotice
 from offload.memplan import PlanRequest, plan_memory, read_checkpoint
 from offload.selfdraft import build_self_draft, shares_with
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
 pytest.importorskip("hqq", reason="the lowbit extra (HQQ) is not installed")
@@ -149,9 +149,9 @@ def test_nf4_target_plan_counts_the_substitutes_it_loads(target):
     """An nf4 target computes in fp32 on CPU, so its substitutes' scales do too: planned == loaded."""
     from dataclasses import replace
 
-    from specexec_cli.draft import TreeShape
-    from specexec_cli.loading import LoadOptions, load_models
-    from specexec_cli.planning import make_plan
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.session.loading import LoadOptions, load_models
+    from specexec_cli.session.planning import make_plan
 
     opts = LoadOptions(str(target), "self", dtype="nf4", device="cpu", offload="disk", max_ram=0, ctx=256,
                        draft_bits=3)

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from specexec_cli.methods.sequoia import PROFILE_KEY, acceptance_vector, expected_tokens, optimal_tree, sampling_key
-from specexec_cli.methods.static_tree import Template
-from specexec_cli.sampling import SamplingParams
+from specexec_cli.core.methods.sequoia import PROFILE_KEY, acceptance_vector, expected_tokens, optimal_tree, sampling_key
+from specexec_cli.core.methods.static_tree import Template
+from specexec_cli.core.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.serve_util import Server, sse_events
 
 MAX_NEW = 16

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.serve_util import Server, sse_events
 
 KEY = "s3cret-key"

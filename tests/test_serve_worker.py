@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from specexec_cli.chat import ChatSession, StopScanner, plain_prompt
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import GenerationConfig
-from specexec_cli.gendefaults import GREEDY, checkpoint_sampling, merge
-from specexec_cli.loading import LoadOptions, load_models
-from specexec_cli.sampling import SamplingParams
+from specexec_cli.session.chat import ChatSession, StopScanner, plain_prompt
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, merge
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.core.sampling import SamplingParams
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import APIError, Work
 from specexec_cli.serve.worker import Delta, Done, Failed, Job, Started, Worker
@@ -126,7 +126,7 @@ def test_checkpoint_sampling(tmp_path):
 
 def test_budget_auto_reports_the_tuned_shape(tiny_pair):
     """With --budget auto the response names the budget the tuner ran (the flag's 64 is only its start)."""
-    from specexec_cli.budget import make_tuner
+    from specexec_cli.core.budget import make_tuner
 
     models = load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", device="cpu"))
     shape = TreeShape(64, 8)

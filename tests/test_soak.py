@@ -16,7 +16,7 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from specexec_cli.cli import app
+from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
 runner = CliRunner()

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specexec_cli import transfers
-from specexec_cli.draft import TreeShape
-from specexec_cli.engine import DecodeState, GenerationConfig, Models
-from specexec_cli.methods import generate
-from specexec_cli.sampling import SamplingParams
-from specexec_cli.stats import RunStats
+from specexec_cli.core import transfers
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig, Models
+from specexec_cli.core.methods import generate
+from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.core.stats import RunStats
 
 SHAPE = TreeShape(budget=48, max_depth=8, max_beams=8, max_branch=4)
 

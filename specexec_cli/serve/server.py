@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specexec_cli import display
+from specexec_cli.session import notices
 from specexec_cli.errors import SpecxError
 
 
@@ -72,7 +72,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def default_name(target: str) -> str:
-    from specexec_cli.cliopts import DEMO_DIR
+    from specexec_cli.session.options import DEMO_DIR
 
     path = Path(target)
     if path.resolve() == (DEMO_DIR / "target").resolve():
@@ -84,10 +84,10 @@ def make_loader(flags, opts, plan, cfg, system):
     """The worker's load(): models, the budget tuner and a ChatSession; returns (session, defaults)."""
 
     def load():
-        from specexec_cli.calprobe import pair_prior
-        from specexec_cli.chat import ChatSession
-        from specexec_cli.cliopts import config_record, hardware_fit, load_planned
-        from specexec_cli.methods.common import with_settings
+        from specexec_cli.session.calprobe import pair_prior
+        from specexec_cli.session.chat import ChatSession
+        from specexec_cli.session.options import config_record, hardware_fit, load_planned
+        from specexec_cli.core.methods.common import with_settings
 
         models = load_planned(opts, plan, None)
         tuner, _, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
@@ -112,14 +112,14 @@ def run_server(flags, o: ServeOptions) -> int:
     except ImportError as exc:
         raise SpecxError(f"specx serve needs {exc.name}: pip install 'fastapi>=0.115' 'uvicorn>=0.30'") from None
     check_options(o)
-    from specexec_cli.cliopts import show_plan
+    from specexec_cli.session.options import show_plan
 
     opts, plan, cfg = flags.plan(flags.config())
     if flags.dry_run:
         show_plan(plan, None)
         return 0
     if not is_loopback(o.host) and not o.api_key:
-        display.print_notice(f"warning: listening on {o.host} without --api-key: anyone who can reach this "
+        notices.notice(f"warning: listening on {o.host} without --api-key: anyone who can reach this "
                              "port can use the model; pass --api-key KEY (or set SPECX_API_KEY)")  # fmt: skip
     sock = bind(o.host, o.port)
     quiet_warnings()
@@ -147,11 +147,11 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
 
     def ready_notice() -> None:
         host = f"[{o.host}]" if ":" in o.host else o.host
-        display.print_notice(f"specx serve: {name} on http://{host}:{o.port} (OpenAI API at /v1, chat page at /)")
+        notices.notice(f"specx serve: {name} on http://{host}:{o.port} (OpenAI API at /v1, chat page at /)")
 
     worker.on_failed = failed
     worker.on_ready = ready_notice
-    display.print_notice(f"specx serve: loading {name} ...")
+    notices.notice(f"specx serve: loading {name} ...")
     worker.start()
     try:
         server.run(sockets=[sock])
@@ -159,7 +159,7 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
         sock.close()
         close_session(worker)
     if failure:
-        display.print_error(failure[0])
+        notices.error(failure[0])
         return 2
     return 0
 
@@ -167,7 +167,7 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
 def close_session(worker) -> None:
     session = getattr(worker, "session", None)
     if session is not None:
-        from specexec_cli.loading import close_models
+        from specexec_cli.session.loading import close_models
 
         close_models(session.models)
 

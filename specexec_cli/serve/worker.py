@@ -182,7 +182,7 @@ class Worker:
             self._finished(job, outcome, time.perf_counter() - t0)
 
     def _prompt(self, work: Work) -> list[int]:
-        from specexec_cli.loading import encode_prompt
+        from specexec_cli.session.loading import encode_prompt
 
         session = self.session
         if work.messages is not None:
@@ -203,9 +203,9 @@ class Worker:
     def _config(self, work: Work):
         import torch
 
-        from specexec_cli.cliopts import config_record
-        from specexec_cli.gendefaults import merge
-        from specexec_cli.stats import RunStats
+        from specexec_cli.session.options import config_record
+        from specexec_cli.session.gendefaults import merge
+        from specexec_cli.core.stats import RunStats
 
         base = self.session.cfg
         seed = work.seed if work.seed is not None else secrets.randbits(63)
@@ -215,7 +215,7 @@ class Worker:
         return cfg, gen, RunStats(config=config_record(cfg))
 
     def _generate(self, job: Job) -> str:
-        from specexec_cli.chat import StopScanner
+        from specexec_cli.session.chat import StopScanner
 
         session, work = self.session, job.work
         full = self._prompt(work)

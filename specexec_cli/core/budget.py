@@ -1,0 +1,275 @@
+"""Hardware-fitted draft budget: a chooser plus online acceptance and timing statistics.
+
+Contract: `choose_budget(expected, t_draft, t_target, candidates)` is pure — it returns the budget
+B maximising  E[tokens per pass](B) / (t_draft(B) + t_target(B + 1)),  the decode speed in
+tokens/second (one target pass verifies B draft nodes plus the root, i.e. n = B + 1 tokens).
+`BudgetTuner` owns the statistics: `drive(models, state, ids, cfg)` wraps `engine.generate`,
+feeds every pass into the statistics and re-tunes budget and depth every `retune_every` passes.
+It needs no engine hook: the config it hands to the engine is a `LiveConfig`, a GenerationConfig
+whose `shape` is read from a mutable `ShapeHolder`, so a new shape takes effect at the next pass
+(the engine reads `cfg.shape` inside each step). Explicit `--budget N` never builds a tuner.
+
+Models (all corrected online, so priors only matter for the first passes):
+- tokens per pass  E(B) = 1 + a·log2(1 + B), capped at depth + 1 (SpecExec/Sequoia: accepted
+  length grows roughly logarithmically with the tree size). `a` is a least-squares fit through the
+  origin of (tokens − 1) on log2(1 + B) over the observed passes, regularised towards the prior
+  a0 = 0.5 with the weight of PRIOR_PASSES passes. Budgets observed often enough use their mean.
+- t_target(n): the profile's measured points (log-log interpolation, linear beyond the last
+  point). Without a profile, a built-in CPU prior t(n) = t1·(1 + n/KNEE) — flat while the pass is
+  bound by streaming the weights, linear once compute dominates. We chose a prior over a startup
+  measurement because one measured pass of an offloaded target costs a full weight stream; the
+  scale t1 is irrelevant to the argmax except against the draft, and both are rescaled by the
+  observed/predicted ratio as soon as passes are seen. Observed n-bins replace the model outright.
+- t_draft(B): the profile's measured tree-growth times per budget if present, else
+  steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one draft
+  forward per beam batch, plus the dependency chain of a tree whose depth grows ~log B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Iterable
+
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import GenerationConfig
+
+PRIOR_A = 0.5  # prior tokens-per-pass slope per doubling of the budget
+PRIOR_PASSES = 8.0  # weight of the prior, in passes
+KNEE_CPU, KNEE_CUDA = 32, 512  # tree tokens where the prior target pass starts to grow linearly
+# ... when the target's layers stream every pass: the pass is bound by moving the weights, so it
+# stays flat to far larger trees before compute shows
+KNEE_STREAMED_CPU, KNEE_STREAMED_CUDA = 256, 4096
+MIN_OBSERVED = 12  # passes at one budget before its empirical mean replaces the fitted curve
+
+
+def candidate_budgets(max_budget: int) -> list[int]:
+    """B = 2^k − 1, so the verified tree (B + root) is exactly a measured power-of-two n."""
+    out, n = [], 2
+    while n - 1 <= max_budget:
+        out.append(n - 1)
+        n *= 2
+    return out or [1]
+
+
+def choose_budget(
+    expected: Callable[[int], float], t_draft: Callable[[int], float], t_target: Callable[[int], float],
+    candidates: Iterable[int],
+) -> tuple[int, float]:
+    """argmax over candidates of expected(B) / (t_draft(B) + t_target(B + 1)); returns (B, tok/s).
+
+    Ties go to the smaller budget (less memory, less wasted draft work).
+    """
+    best, best_rate = None, -1.0
+    for b in sorted(candidates):
+        secs = t_draft(b) + t_target(b + 1)
+        rate = expected(b) / secs if secs > 0 else 0.0
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = b, rate
+    if best is None:
+        raise ValueError("choose_budget needs at least one candidate budget")
+    return best, best_rate
+
+
+def interpolate(points: dict[int, float], n: float) -> float:
+    """Log-log interpolation between measured points; flat below, proportional to n above."""
+    xs = sorted(points)
+    if n <= xs[0]:
+        return points[xs[0]]
+    if n >= xs[-1]:
+        return points[xs[-1]] * n / xs[-1]
+    hi = next(i for i, x in enumerate(xs) if x >= n)
+    x0, x1 = xs[hi - 1], xs[hi]
+    y0, y1 = max(points[x0], 1e-12), max(points[x1], 1e-12)
+    w = (math.log(n) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+
+
+def n_bin(n: int) -> int:
+    """Round a token count up to a power of two (the profile's measurement grid)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+@dataclass
+class TimingModel:
+    """Seconds per pass as a function of the budget; see the module docstring."""
+
+    target_points: dict[int, float]  # n tree tokens (root included) → seconds per target pass
+    draft_step_seconds: float  # one draft forward over max_beams nodes
+    draft_points: dict[int, float] = field(default_factory=dict)  # budget → grow_tree seconds
+    source: str = "prior"  # "profile" or "prior"
+
+    @classmethod
+    def prior(cls, on_cuda: bool = False, streamed: bool = False) -> "TimingModel":
+        if streamed:
+            knee = KNEE_STREAMED_CUDA if on_cuda else KNEE_STREAMED_CPU
+        else:
+            knee = KNEE_CUDA if on_cuda else KNEE_CPU
+        points = {n: 1.0 + n / knee for n in (1 << k for k in range(13))}
+        return cls(points, draft_step_seconds=0.05, source="prior")  # draft step ≈ 1/20 target pass
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> "TimingModel | None":
+        m = (profile or {}).get("models") or {}
+        pts = {int(k): float(v) for k, v in (m.get("target_seconds") or {}).items()}
+        if not pts or not m.get("draft_step_seconds"):
+            return None
+        draft = {int(k): float(v) for k, v in (m.get("draft_grow_seconds") or {}).items()}
+        return cls(pts, float(m["draft_step_seconds"]), draft, source="profile")
+
+    def t_target(self, n: int) -> float:
+        return interpolate(self.target_points, n)
+
+    def t_draft(self, budget: int, beams: int = 32) -> float:
+        if self.draft_points:
+            return interpolate(self.draft_points, budget)
+        steps = 1 + math.ceil(budget / max(beams, 1)) + math.log2(1 + budget)
+        return steps * self.draft_step_seconds
+
+
+class ShapeHolder:
+    """The mutable cell a LiveConfig reads its tree shape from."""
+
+    def __init__(self, shape: TreeShape):
+        self.shape = shape
+
+
+class LiveConfig(GenerationConfig):
+    """A GenerationConfig whose `shape` is read from a ShapeHolder at every access.
+
+    The dataclass __init__ assigns `shape` through the property setter, which creates the holder;
+    `dataclasses.replace` therefore still works (it gets a fresh holder with the current shape).
+    """
+
+    @property
+    def shape(self) -> TreeShape:  # type: ignore[override]
+        return self._holder.shape
+
+    @shape.setter
+    def shape(self, value: TreeShape) -> None:
+        object.__setattr__(self, "_holder", ShapeHolder(value))
+
+    @classmethod
+    def wrap(cls, cfg: GenerationConfig, holder: ShapeHolder) -> "LiveConfig":
+        live = cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init})
+        object.__setattr__(live, "_holder", holder)
+        return live
+
+
+class BudgetTuner:
+    """Online statistics → budget/depth; `drive` wraps engine.generate (see module docstring)."""
+
+    def __init__(self, timing: TimingModel, shape: TreeShape, max_budget: int = 1024, retune_every: int = 8,
+                 max_depth: int | None = None):
+        self.timing = timing
+        self.max_budget = max_budget
+        self.depth_cap = max_depth or shape.max_depth  # the user's --max-depth is an upper bound
+        self.retune_every = retune_every
+        self.holder = ShapeHolder(shape)
+        self.passes = 0
+        self.sxy = self.sxx = 0.0  # least-squares sums for the slope a
+        self.by_budget: dict[int, list[float]] = {}  # budget → [passes, tokens]
+        self.accepted_hist: dict[int, int] = {}  # accepted draft tokens per pass → count
+        self.target_obs: dict[int, list[float]] = {}  # n-bin → [count, seconds]
+        self.draft_obs: dict[int, list[float]] = {}  # budget → [count, seconds]
+        self.retune()
+
+    @property
+    def shape(self) -> TreeShape:
+        return self.holder.shape
+
+    def expected_tokens(self, budget: int) -> float:
+        obs = self.by_budget.get(budget)
+        if obs and obs[0] >= MIN_OBSERVED:
+            return obs[1] / obs[0]
+        # the prior weighs as much as PRIOR_PASSES passes at the observed budgets (B = 64 before data)
+        lam = PRIOR_PASSES * (self.sxx / self.passes if self.passes else math.log2(1 + 64) ** 2)
+        a = (self.sxy + lam * PRIOR_A) / (self.sxx + lam)
+        return min(1.0 + a * math.log2(1 + budget), self.depth_cap + 1.0)
+
+    def _ratio(self, obs: dict[int, list[float]], model: Callable[[int], float]) -> float:
+        """Geometric mean of observed/predicted seconds: rescales a model to this machine/moment."""
+        logs = [(c, math.log(max(s / c, 1e-9) / max(model(k), 1e-12))) for k, (c, s) in obs.items() if c]
+        total = sum(c for c, _ in logs)
+        return math.exp(sum(c * v for c, v in logs) / total) if total else 1.0
+
+    def t_target(self, n: int) -> float:
+        obs = self.target_obs.get(n_bin(n))
+        if obs and obs[0] >= 3:
+            return obs[1] / obs[0]
+        return self.timing.t_target(n) * self._ratio(self.target_obs, self.timing.t_target)
+
+    def t_draft(self, budget: int) -> float:
+        obs = self.draft_obs.get(budget)
+        if obs and obs[0] >= 3:
+            return obs[1] / obs[0]
+        model = lambda b: self.timing.t_draft(b, self.shape.max_beams)  # noqa: E731
+        return model(budget) * self._ratio(self.draft_obs, model)
+
+    def choose_depth(self, budget: int) -> int:
+        """Deep enough for the observed acceptance lengths, never above the user's --max-depth.
+
+        Survival of the accepted length: the smallest d with P(accepted ≥ d) < 2 %, times 1.5 for
+        margin; when ≥ 5 % of passes hit the current depth the data is censored, so double it.
+        """
+        total = sum(self.accepted_hist.values())
+        if total < MIN_OBSERVED:
+            guess = 2 * math.ceil(self.expected_tokens(budget)) + 2
+        else:
+            tail, guess = total, 1
+            for d in range(0, max(self.accepted_hist) + 2):
+                tail -= self.accepted_hist.get(d - 1, 0)
+                if tail / total < 0.02:
+                    guess = d
+                    break
+            guess = math.ceil(1.5 * guess) + 1
+            cur = self.shape.max_depth
+            if sum(v for k, v in self.accepted_hist.items() if k >= cur) / total >= 0.05:
+                guess = max(guess, 2 * cur)
+        return int(max(2, min(self.depth_cap, guess, budget)))
+
+    def retune(self) -> None:
+        cands = candidate_budgets(self.max_budget)
+        budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, cands)
+        self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
+
+    def observe(self, ev) -> None:
+        """Feed one engine StepEvent; the prefill event (pass 0) carries no acceptance data."""
+        if ev.pass_index == 0 or ev.tree_size == 0:
+            return
+        b, tokens = self.shape.budget, len(ev.tokens)
+        self.passes += 1
+        x = math.log2(1 + b)
+        self.sxy += x * (tokens - 1)
+        self.sxx += x * x
+        rec = self.by_budget.setdefault(b, [0, 0.0])
+        rec[0], rec[1] = rec[0] + 1, rec[1] + tokens
+        self.accepted_hist[ev.accepted] = self.accepted_hist.get(ev.accepted, 0) + 1
+        for store, key, secs in ((self.target_obs, n_bin(ev.tree_size + 1), ev.target_seconds),
+                                 (self.draft_obs, b, ev.draft_seconds)):
+            rec = store.setdefault(key, [0, 0.0])
+            rec[0], rec[1] = rec[0] + 1, rec[1] + secs
+        if self.passes % self.retune_every == 0:
+            self.retune()
+
+    def drive(self, models, state, ids, cfg: GenerationConfig, gen=None):
+        """engine.generate with a live shape; yields the engine's events unchanged."""
+        from specexec_cli.core.methods import generate
+
+        for ev in generate(models, state, ids, LiveConfig.wrap(cfg, self.holder), gen):
+            self.observe(ev)
+            yield ev
+
+
+def weights_stream(target) -> bool:
+    """True when the target streams decoder layers every pass (an offloaded model with streamed layers)."""
+    return bool(getattr(getattr(target, "plan", None), "streamed", None))
+
+
+def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: bool = False) -> BudgetTuner:
+    """A tuner from a profile's timings (if it has model timings) or the built-in prior
+    (`streamed`: the target's layers stream every pass, so its pass time is flat longer)."""
+    timing = TimingModel.from_profile(profile) if profile else None
+    timing = timing or TimingModel.prior(on_cuda, streamed)
+    cap = max(timing.target_points) - 1 if timing.source == "profile" else (4095 if on_cuda else 1023)
+    return BudgetTuner(timing, shape, max_budget=max(1, cap))

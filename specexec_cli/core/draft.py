@@ -1,0 +1,256 @@
+"""Grow a SpecExec token tree with the draft model, on the draft's device.
+
+Contract: `grow_tree` takes the draft's cache (holding `n_cached` committed tokens) and the committed
+tokens the draft has not yet run (`pending`, last one = the tree root), and returns a `Tree` of
+candidate continuations ranked by their score. Each draft forward computes only new tokens: the
+pending run first, then at most `max_beams` nodes per step, with a tree mask over the cached
+prefix and the already-run tree nodes (arXiv 2406.02532, "SpecExec").
+After the call the draft cache holds: prefix + pending + every node with `slot >= 0`, in slot order.
+
+Where the work happens: log-softmax and top-k run where the logits are; per draft forward exactly
+one (B, 2k [+1]) tensor of scores and token ids crosses to the host (`transfers.to_host`), so the
+bytes per forward do not depend on the vocabulary. The tree itself is a few small host tensors;
+masks are built on the draft's device from the (B, depth) ancestor table.
+
+Scores: without a `Scoring`, a node's score is its cumulative draft log-probability (plain
+SpecExec). With one, it is the cumulative log of the *calibrated* acceptance probability
+(`calibrate.Calibration`), and prompt-lookup proposals (`ngram.NgramIndex`) enter the tree as extra
+children and as chains beyond them, competing with the draft's children for the same budget.
+At T > 0 with calibrated scores the children are the draft's top-k under the target's coupled-draw
+noise (sampling.PositionNoise at the child's position), and a child's feature is its perturbed
+score's gap to the best other child (calibrate.coupled_feature): the top child is the target's
+own draw whenever the draft's distribution is close to the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specexec_cli.core import kvcache
+from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
+from specexec_cli.core.ngram import NgramIndex
+from specexec_cli.core.sampling import PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs
+from specexec_cli.core.transfers import to_host
+from specexec_cli.core.tree import Tree, ancestors, attention_mask, causal_mask, top_budget
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Limits on tree growth."""
+
+    budget: int  # draft nodes the target verifies (root excluded)
+    max_depth: int  # deepest node, in tokens below the root
+    max_beams: int = 32  # nodes expanded per draft forward
+    max_branch: int = 32  # children kept per expanded node
+
+
+@dataclass
+class DraftContext:
+    """Where the draft's cache stands when growth begins."""
+
+    n_cached: int  # committed tokens already in the draft cache
+    pending: list[int]  # committed tokens not in the cache yet; pending[-1] is the tree root
+    root_pos: int  # absolute position of the root token
+
+
+@dataclass
+class Scoring:
+    """Calibrated scores and n-gram branches for one tree (None fields = off)."""
+
+    cal: Calibration | None = None  # acceptance estimates per feature; None = raw draft log-probs
+    ngram: NgramIndex | None = None  # prompt lookup over the committed tokens; None = no n-gram branches
+    committed: list[int] = field(default_factory=list)  # committed ids (the root is the last one)
+    chain_kids: dict = field(default_factory=dict)  # parent node → {token: node} for n-gram chain nodes
+    noise: PositionNoise | None = None  # T > 0: the target's coupled-draw noise; None = greedy or uncoupled
+
+    def tail(self, tree: Tree, node: int, n: int) -> list[int]:
+        """The last `n` tokens of committed + the path root → node (the n-gram lookup key)."""
+        out = []
+        while node > 0 and len(out) < n:
+            out.append(int(tree.tokens[node]))
+            node = int(tree.parents[node])
+        return self.committed[len(self.committed) - (n - len(out)) :] + out[::-1] if len(out) < n else out[::-1]
+
+
+def run_pending(draft, cache, ctx: DraftContext) -> torch.Tensor:
+    """Run the pending tokens causally; returns the draft's (V,) logits at the root (on its device)."""
+    tokens = torch.tensor(ctx.pending, dtype=torch.long)
+    positions = torch.arange(ctx.root_pos - len(ctx.pending) + 1, ctx.root_pos + 1)
+    mask = causal_mask(ctx.n_cached, len(ctx.pending), kvcache.model_dtype(draft), draft.device)
+    return kvcache.forward(draft, cache, tokens, positions, mask)[-1]
+
+
+def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None,
+                 gaps: bool = False):
+    """(B, V) device logits → host (B, k) draft log-probs and ids, and (B,) log-probs of `extra` ids.
+
+    With `noise` ((B, V) coupled-draw noise rows) the ranking is by perturbed score s = log q - log E.
+    With `gaps` (or `noise`) the values are gaps instead: the top child's s minus the runner-up's
+    (>= 0), every other child's (and `extra`'s) s minus the top child's (<= 0); without noise, s = log q.
+    One counted copy: ids travel as float32 next to the scores (exact below 2^24 > any vocabulary).
+    """
+    logp = draft_logprobs(logits, params)  # (B, V), stays on the device
+    if noise is not None:  # the draft's race: the target's noise on the draft's (untruncated) log-probs
+        logp = coupled_logprobs(logp, noise)
+    gaps = gaps or noise is not None
+    top = torch.topk(logp, min(k + 1, logp.shape[-1]) if gaps else k, dim=-1)
+    values, ids = top.values[:, :k], top.indices[:, :k]
+    if gaps:
+        runner_up = top.values[:, 1:2] if top.values.shape[1] > 1 else torch.full_like(values[:, :1], float("-inf"))
+        values = torch.cat([values[:, :1] - runner_up, values[:, 1:] - values[:, :1]], dim=1)
+    cols = [values, ids.to(values.dtype)]
+    if extra is not None:
+        ex = logp.gather(1, extra.clamp(min=0).to(logp.device)[:, None])
+        cols.append(ex - top.values[:, :1] if gaps else ex)
+    host = to_host(torch.cat(cols, dim=1))
+    return host[:, :k], host[:, k : 2 * k].long(), (host[:, 2 * k] if extra is not None else None)
+
+
+def noise_rows(tree: Tree, nodes: torch.Tensor, scoring, vocab: int, device):
+    """(B, V) coupled-draw noise for the children of `nodes` (calibrated scores at T > 0), else None."""
+    if scoring is None or scoring.cal is None or scoring.noise is None:
+        return None
+    first = len(scoring.committed)  # absolute position of the root's children
+    return scoring.noise.rows((first + tree.depth[nodes]).tolist(), vocab, device)
+
+
+def threshold(tree: Tree, budget: int) -> float:
+    """Score a new node must beat to ever be kept: the current budget-th best (it only rises)."""
+    if tree.size - 1 < budget:
+        return float("-inf")
+    return float(torch.topk(tree.logp[1:], budget).values[-1])
+
+
+def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeShape, params, scoring=None) -> None:
+    """Add the top children of each of `nodes` (B,) given their draft logits (B, V).
+
+    Children whose score cannot beat the current `budget`-th best node are dropped: the threshold
+    only rises as the tree grows, so they could never be kept.
+    """
+    k = min(shape.max_branch, shape.budget, logits.shape[-1])
+    use_ngram = scoring is not None and scoring.ngram is not None
+    props = [proposal(tree, int(n), shape, scoring) for n in nodes.tolist()] if use_ngram else []
+    first = torch.tensor([p[0][0] if p[0] else -1 for p in props], dtype=torch.long) if use_ngram else None
+    noise = noise_rows(tree, nodes, scoring, logits.shape[-1], logits.device)
+    gaps = scoring is not None and scoring.cal is not None and (noise is not None or params.greedy)
+    vals, idx, extra_lp = top_children(logits, k, params, first, noise, gaps)
+    parents = nodes.unsqueeze(1).expand_as(idx)
+    if scoring is None or scoring.cal is None:
+        add_children(tree, parents, idx, tree.logp[nodes].unsqueeze(1) + vals, None, shape, scoring)
+        return
+    flags = torch.zeros_like(idx)
+    if use_ngram:
+        g = torch.tensor([p[1] for p in props], dtype=torch.long)
+        hit = (idx == first[:, None]) & (first[:, None] >= 0)
+        flags = torch.where(hit, g[:, None], flags)
+        missing = (first >= 0) & ~hit.any(1)  # proposal outside the draft's top-k: one extra child
+        idx = torch.cat([idx, torch.where(missing, first, -1)[:, None]], 1)
+        vals = torch.cat([vals, extra_lp[:, None]], 1)
+        flags = torch.cat([flags, torch.where(missing, g, 0)[:, None]], 1)
+        parents = nodes.unsqueeze(1).expand_as(idx)
+    feats = coupled_feature(vals, flags) if gaps else draft_feature(vals, flags)
+    cum = tree.logp[nodes].unsqueeze(1) + scoring.cal.log_accept()[feats]
+    cum = torch.where(idx >= 0, cum, float("-inf"))
+    add_children(tree, parents, idx, cum, feats, shape, scoring)
+    if use_ngram:
+        for node, (chain, g) in zip(nodes.tolist(), props):
+            add_chain(tree, node, chain, g, shape, scoring)
+
+
+def proposal(tree: Tree, node: int, shape: TreeShape, scoring: Scoring) -> tuple[list[int], int]:
+    """Prompt-lookup continuation below `node` (capped by the depth left) and its match length."""
+    room = min(CHAIN_LEN, shape.max_depth - int(tree.depth[node]))
+    if room < 1:
+        return [], 0
+    return scoring.ngram.match(scoring.tail(tree, node, scoring.ngram.n), room)
+
+
+def add_children(tree: Tree, parents, tokens, cum, feats, shape: TreeShape, scoring) -> None:
+    """Add (B, k) candidate children above the threshold; n-gram chain nodes already there are re-scored."""
+    keep = cum > threshold(tree, shape.budget)
+    if scoring is not None and scoring.chain_kids:
+        for b in range(parents.shape[0]):
+            kids = scoring.chain_kids.get(int(parents[b, 0]))
+            if not kids:
+                continue
+            for j in range(tokens.shape[1]):
+                node = kids.get(int(tokens[b, j]))
+                if node is not None:  # already in the tree as an n-gram chain node: keep the better score
+                    keep[b, j] = False
+                    if cum[b, j] > tree.logp[node]:
+                        tree.logp[node] = cum[b, j]
+                        tree.feat[node] = feats[b, j] if feats is not None else -1
+    tree.add(parents[keep], tokens[keep], cum[keep], feats[keep] if feats is not None else None)
+
+
+def child_of(tree: Tree, parent: int, token: int, scoring: Scoring) -> int:
+    """Id of `parent`'s child carrying `token`, or -1 (children of run nodes and chain nodes only)."""
+    node = scoring.chain_kids.get(parent, {}).get(token)
+    if node is not None:
+        return node
+    hit = ((tree.parents == parent) & (tree.tokens == token)).nonzero()
+    return int(hit[0, 0]) if hit.numel() else -1
+
+
+def add_chain(tree: Tree, node: int, chain: list[int], g: int, shape: TreeShape, scoring: Scoring) -> None:
+    """Grow the n-gram continuation chain[1:] below `node`'s child chain[0] (if that child was kept)."""
+    if len(chain) < 2:
+        return
+    log_acc = scoring.cal.log_accept()
+    parent = child_of(tree, node, chain[0], scoring)
+    for j, tok in enumerate(chain[1:], start=2):
+        if parent < 0:
+            return
+        existing = child_of(tree, parent, tok, scoring)
+        score = tree.logp[parent] + log_acc[chain_feature(g, j)]
+        if existing >= 0:
+            if score > tree.logp[existing] and int(tree.slot[parent]) < 0:
+                tree.logp[existing], tree.feat[existing] = score, chain_feature(g, j)
+            parent = existing
+            continue
+        if score <= threshold(tree, shape.budget):
+            return
+        new = int(tree.add(torch.tensor([parent]), torch.tensor([tok]), score[None], torch.tensor([chain_feature(g, j)]))[0])
+        scoring.chain_kids.setdefault(parent, {})[tok] = new
+        parent = new
+
+
+def step_batch(tree: Tree, shape: TreeShape) -> torch.Tensor:
+    """The best not-yet-run nodes among the current top-`budget`, at most `max_beams` of them."""
+    kept = top_budget(tree.logp, shape.budget)
+    parent_run = tree.slot[tree.parents[kept].clamp(min=0)] >= 0  # n-gram chain nodes wait for their parent
+    open_ = kept[(tree.slot[kept] < 0) & (tree.depth[kept] < shape.max_depth) & parent_run]
+    if open_.numel() > shape.max_beams:
+        best = torch.topk(tree.logp[open_], shape.max_beams).indices
+        open_ = torch.sort(open_[best]).values
+    return open_
+
+
+def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None) -> Tree:
+    """Grow the tree; see the module docstring for the cache layout it leaves behind."""
+    tree = Tree.new(ctx.pending[-1])
+    base = ctx.n_cached + len(ctx.pending) - 1  # cache index of the root = start of the tree slots
+    # 1) the pending run gives the root's distribution; the root is tree slot 0
+    root_logits = run_pending(draft, cache, ctx)
+    tree.mark_run(torch.zeros(1, dtype=torch.long))
+    if shape.max_depth < 1 or shape.budget < 1:
+        return tree
+    expand(tree, torch.zeros(1, dtype=torch.long), root_logits[None], shape, params, scoring)
+    dtype, device = kvcache.model_dtype(draft), draft.device
+    # 2) expand the best open nodes, one batched draft forward per step
+    for _ in range(shape.max_depth + shape.budget):
+        nodes = step_batch(tree, shape)
+        if nodes.numel() == 0:
+            break
+        anc = ancestors(tree.parents, nodes)  # (B, D) node ids, all already run
+        anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
+        self_cols = base + tree.n_slots + torch.arange(nodes.numel())
+        n_cols = base + tree.n_slots + nodes.numel()
+        mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, device)
+        positions = ctx.root_pos + tree.depth[nodes]
+        logits = kvcache.forward(draft, cache, tree.tokens[nodes], positions, mask)
+        tree.mark_run(nodes)
+        expand(tree, nodes, logits, shape, params, scoring)
+    return tree

@@ -1,0 +1,392 @@
+"""The decoding loop: prefill, then one speculative (or plain) step per target pass, as events.
+
+Contract: `generate(models, state, prompt_ids, config)` is a generator of `StepEvent`s — one for the
+prefill and one per target pass — and never prints. The first event carries the token the prefill
+yields. `DecodeState` holds the committed tokens and both caches, so a chat can call `generate`
+again with only the new turn's tokens and prefill nothing twice. Invariants between steps:
+the target cache holds ids[:-1] (the last committed token is the next root) and the draft cache
+holds ids[:draft_len] for some draft_len < len(ids). Every method keeps them. With `Models.shared_kv`
+the draft's cache is a view of the target's (kvcache.SharedCache): the draft never prefills, and
+each tree starts from the target's committed rows with only the root pending (`draft_context`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import torch
+
+from specexec_cli.core import calibrate, kvcache, transfers
+from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
+from specexec_cli.core.ngram import NgramIndex
+from specexec_cli.errors import SpecxError
+from specexec_cli.core.sampling import PositionNoise, SamplingParams, coupled_select
+from specexec_cli.core.tree import causal_mask, subtree, top_budget, verify_mask
+from specexec_cli.core.verify import accept_tree
+
+
+class ContextOverflow(SpecxError):
+    """The prompt (or conversation) does not fit in the models' context window."""
+
+
+@dataclass
+class Models:
+    """Everything loaded once per process."""
+
+    target: object  # HF causal LM (resident or offloaded)
+    draft: object | None  # small HF causal LM on the device; None for --method ar
+    tokenizer: object  # shared by both models (checked at load time)
+    eos_ids: frozenset[int]  # any of these ends generation
+    ctx_limit: int  # max positions both models support (and --ctx, when planned)
+    pool: object = None  # offload.storage.DevicePool counting device bytes; None = plain torch allocations
+    kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
+    pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
+    shared_kv: bool = False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    method: str = "specexec"  # name in methods.METHODS (the core ones in STEP_METHODS)
+    shape: TreeShape = TreeShape(budget=64, max_depth=64)
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    max_new_tokens: int = 256
+    extra: dict = field(default_factory=dict, hash=False, compare=False)  # method options (methods/common.py)
+
+
+@dataclass
+class DecodeState:
+    """A conversation's committed tokens and both models' KV caches."""
+
+    ids: list[int] = field(default_factory=list)  # prompt + generated tokens, all turns
+    target_cache: object = field(default_factory=kvcache.new_cache)
+    target_len: int = 0  # committed tokens in the target cache
+    draft_cache: object = field(default_factory=kvcache.new_cache)
+    draft_len: int = 0  # committed tokens in the draft cache
+    noise: PositionNoise | None = None  # coupled draws of the current generate call (sampling.py)
+    prefill_streams: int = 0  # target passes the latest prefill took
+
+
+def new_noise(gen: torch.Generator) -> PositionNoise:
+    """Coupled-draw noise keyed by one draw of `gen` (successive calls get unrelated noise)."""
+    return PositionNoise(int(torch.randint(0, 2**62, (1,), generator=gen)))
+
+
+def draw(st: DecodeState, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """The target's token at position len(st.ids) from its (V,) logits: a coupled draw (exact)."""
+    if params.greedy:
+        return coupled_select(logits, params, None)
+    st.noise = st.noise or new_noise(gen)
+    return coupled_select(logits, params, st.noise.at(len(st.ids), logits.shape[-1], logits.device))
+
+
+@dataclass
+class StepResult:
+    """What one target pass of a method produced."""
+
+    tokens: list[int]  # emitted tokens (accepted draft tokens + the target's own token)
+    accepted: int  # how many of `tokens` came from the draft's tree
+    tree_size: int = 0  # draft nodes the target verified (root excluded)
+    tree_depth: int = 0  # deepest verified node
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+
+@dataclass
+class StepEvent:
+    """One streamed update: what the CLI prints and what RunStats accumulates."""
+
+    text: str  # newly decodable text (may be "" while a UTF-8 sequence is incomplete)
+    tokens: list[int]  # token ids emitted by this step
+    accepted: int  # of which came from the draft (from_draft)
+    pass_index: int  # 0 = prefill, then 1, 2, ... target passes
+    tree_size: int
+    tree_depth: int
+    draft_seconds: float
+    target_seconds: float
+    prefill_seconds: float  # whole prefill time (set on every event)
+    decode_seconds: float  # wall time since the prefill ended
+    new_tokens: int  # generated so far, this call
+    prompt_tokens: int  # tokens prefilled by this call
+    finish: str | None = None  # "eos" | "length" | "context" on the last event
+    host_transfers: int = 0  # host<->device copies this step made (transfers.to_host / upload calls)
+    host_transfer_bytes: int = 0  # their payload bytes
+    prefill_streams: int = 0  # target passes of the prefill (each streams every offloaded layer once)
+
+    @property
+    def tps(self) -> float:
+        """Generated tokens per decode second (prefill excluded)."""
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+StepFn = Callable[[Models, DecodeState, GenerationConfig, torch.Generator, int], StepResult]
+
+
+def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int) -> StepResult:
+    """Plain autoregressive decoding: one target pass over the root yields one token."""
+    t0 = time.perf_counter()
+    root = torch.tensor(st.ids[-1:], dtype=torch.long)
+    mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target), m.target.device)
+    logits = kvcache.forward(m.target, st.target_cache, root, torch.tensor([len(st.ids) - 1]), mask)
+    tok = draw(st, logits[-1], cfg.sampling, gen)
+    st.target_len += 1
+    st.ids.append(tok)
+    return StepResult([tok], 0, target_seconds=time.perf_counter() - t0)
+
+
+def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
+    """Keep the accepted path in both caches (compacted in place) and extend st.ids.
+
+    Target cache afterwards: ids[:-1] (root + accepted nodes; the last emitted token is the next
+    root). Draft cache: prefix + root + the accepted nodes the draft already ran (a path prefix).
+    """
+    in_cache = acc.path if acc.bonus else acc.path[:-1]
+    keep = torch.tensor([0] + in_cache, dtype=torch.long)
+    kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
+    st.target_len += int(keep.numel())
+    if follow_target(st):   # a shared draft cache: its committed rows are the target's
+        st.ids.extend(acc.tokens)
+        return
+    base = st.draft_len + n_pending - 1  # draft cache row of the root
+    nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
+    run = tree.slot[nodes][tree.slot[nodes] >= 0]  # accepted nodes the draft already ran
+    kvcache.compact(st.draft_cache, base + 1, base + run)
+    st.draft_len = base + 1 + int(run.numel())
+    st.ids.extend(acc.tokens)
+
+
+DEFAULT_SCORES = "calibrated+ngram"  # node scores of --method specexec (see tree_scoring)
+
+
+def sampling_key(params: SamplingParams) -> str:
+    """Calibration key; ",race": children ranked under the coupled-draw noise (T > 0); ",gap": greedy
+    children featured by their log-prob gap to the draft's top child (T = 0). Both use gap features."""
+    race = ",gap" if params.greedy else ",race"
+    return f"T={params.temperature:g},top_k={params.top_k},top_p={params.top_p:g}{race}"
+
+
+def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring | None:
+    """SpecExec's node scores, chosen by cfg.extra "scores" (default DEFAULT_SCORES): "draft" (raw
+    cumulative draft log-probs, plain SpecExec) | "calibrated" | "calibrated+ngram" (calibrate.py)."""
+    mode = (cfg.extra or {}).get("scores", DEFAULT_SCORES)
+    if mode not in ("calibrated+ngram", "calibrated", "draft"):
+        raise SpecxError(f"scores must be calibrated+ngram, calibrated or draft (got {mode!r})")
+    if mode == "draft":
+        return None
+    extra = cfg.extra or {}
+    cal = calibrate.for_pair(m.target, m.draft, sampling_key(cfg.sampling), extra.get("sequoia_profile"),
+                             extra.get(calibrate.PROFILE_KEY))
+    ngram = NgramIndex(st.ids) if mode == "calibrated+ngram" else None
+    noise = st.noise if not cfg.sampling.greedy else None
+    return Scoring(cal=cal, ngram=ngram, committed=st.ids, noise=noise)
+
+
+def follow_target(st: DecodeState) -> bool:
+    """Put a shared draft cache (kvcache.SharedCache) at the target's committed rows; False if not shared."""
+    if not isinstance(st.draft_cache, kvcache.SharedCache):
+        return False
+    st.draft_len = st.target_len
+    st.draft_cache.follow(st.target_len)
+    return True
+
+
+def draft_context(st: DecodeState) -> DraftContext:
+    """Where the draft starts a tree: its cached committed rows and the committed tokens it has not
+    run yet (the last one is the root). A shared cache starts at the target's rows: only the root."""
+    follow_target(st)
+    return DraftContext(n_cached=st.draft_len, pending=st.ids[st.draft_len :], root_pos=len(st.ids) - 1)
+
+
+def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None):
+    return grow_tree(m.draft, st.draft_cache, ctx, shape, params, scoring)
+
+
+def speculative_step(
+    m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int, grow=default_grow
+) -> StepResult:
+    """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches.
+
+    `grow(m, st, ctx, shape, sampling, scoring) -> Tree` lets a method swap the tree-growth stage only.
+    """
+    n = len(st.ids)
+    depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
+    if depth < 1 or cfg.shape.budget < 1:
+        return ar_step(m, st, cfg, gen, limit)
+    shape = replace(cfg.shape, max_depth=depth)
+    t0 = time.perf_counter()
+    # 1) grow the tree with the draft; keep the best `budget` nodes (ancestor-closed)
+    ctx = draft_context(st)
+    st.noise = st.noise or new_noise(gen)
+    scoring = tree_scoring(m, st, cfg) if grow is default_grow else None
+    tree = grow(m, st, ctx, shape, cfg.sampling, scoring)
+    vt = subtree(tree, top_budget(tree.logp, shape.budget))
+    t1 = time.perf_counter()
+    # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
+    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
+    logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
+    # 3) walk the tree with the target's own samples
+    acc = accept_tree(vt, logits, cfg.sampling, st.noise, n, m.eos_ids, limit)
+    if scoring is not None and scoring.cal is not None:  # learn which features the target accepts
+        calibrate.observe_pass(scoring.cal, tree, vt.draft_ids[acc.path].tolist(), acc.tokens)
+    t2 = time.perf_counter()
+    # 4) trim caches to the accepted path; the last emitted token becomes the next root
+    commit_tree(st, tree, vt, acc, len(ctx.pending))
+    t3 = time.perf_counter()
+    return StepResult(
+        tokens=acc.tokens,
+        accepted=len(acc.path),
+        tree_size=vt.size - 1,
+        tree_depth=int(vt.depth.max()),
+        draft_seconds=t1 - t0 + (t3 - t2),
+        target_seconds=t2 - t1,
+    )
+
+
+STEP_METHODS: dict[str, StepFn] = {"ar": ar_step, "specexec": speculative_step}  # core methods only
+
+
+def core_step(method: str) -> StepFn:
+    """The step of a core method; the others live in specexec_cli.core.methods (which imports this module)."""
+    if method not in STEP_METHODS:
+        raise SpecxError(
+            f"method {method!r} is not a core engine method; use specexec_cli.core.methods.generate "
+            "(or pass step_fn=specexec_cli.core.methods.step_for(name))"
+        )
+    return STEP_METHODS[method]
+
+
+def run_prompt(model, cache, ids: list[int], start: int, chunk: int) -> torch.Tensor:
+    """Feed ids[start:] causally in passes of at most `chunk` tokens (0 = one pass); returns the
+    (V,) logits of the last token only, so a long prompt never builds a (T, V) logits tensor."""
+    step = chunk if chunk > 0 else max(1, len(ids) - start)
+    logits = None
+    for a in range(start, len(ids), step):
+        b = min(a + step, len(ids))
+        # mask None: the model's own causal path (SDPA's is_causal; no dense (T, past + T) mask)
+        logits = kvcache.forward(model, cache, torch.tensor(ids[a:b], dtype=torch.long), torch.arange(a, b), None,
+                                 last_only=True)
+    return logits[-1]
+
+
+def reserve_caches(m: Models, st: DecodeState) -> None:
+    """Preallocate both caches for the planned rows (no-op when unplanned or already allocated)."""
+    if m.shared_kv and not isinstance(st.draft_cache, kvcache.SharedCache):
+        st.draft_cache, st.draft_len = kvcache.SharedCache(st.target_cache), 0
+    if m.kv_rows is not None:
+        kvcache.reserve(st.target_cache, m.target, m.kv_rows[0], m.pool, "kv_target")
+        if m.draft is not None and not m.shared_kv:
+            kvcache.reserve(st.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_draft")
+
+
+def prefill_passes(n_new: int, chunk: int) -> int:
+    """Target passes `run_prompt` makes over n_new tokens in chunks of `chunk` (0 = one pass)."""
+    return 0 if n_new <= 0 else (1 if chunk <= 0 else -(-n_new // chunk))
+
+
+def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen) -> int:
+    """Run both models over the not-yet-cached tokens; returns the first generated token."""
+    reserve_caches(m, st)
+    st.ids.extend(new_ids)
+    st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
+    last = run_prompt(m.target, st.target_cache, st.ids, st.target_len, m.pass_tokens)
+    st.target_len = len(st.ids)
+    if m.draft is not None and cfg.method != "ar" and not m.shared_kv:   # shared KV: the target's rows serve
+        run_prompt(m.draft, st.draft_cache, st.ids, st.draft_len, m.pass_tokens)
+        st.draft_len = len(st.ids)
+    tok = draw(st, last, cfg.sampling, gen)
+    st.ids.append(tok)
+    return tok
+
+
+class TextChunk(str):
+    """Newly printable text that also knows how many of its leading characters are the text of
+    tokens accepted from the draft's tree (the rest is the target's own token): `draft_chars`.
+    A plain str everywhere else, so writers that ignore colour need no change."""
+
+    draft_chars: int = 0
+
+
+class TextStream:
+    """Incremental detokenizer: feed token ids, get the newly printable text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def feed(self, tokens: list[int]) -> str:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        new, self.printed = text[self.printed :], len(text)
+        return new
+
+    def feed_split(self, tokens: list[int], accepted: int) -> TextChunk:
+        """feed(tokens) as a TextChunk whose draft_chars covers tokens[:accepted]."""
+        head = self.feed(tokens[:accepted]) if accepted else ""
+        chunk = TextChunk(head + self.feed(tokens[accepted:]))
+        chunk.draft_chars = len(head)
+        return chunk
+
+
+def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:
+    total = len(st.ids) + len(new_ids)
+    if total + 1 > m.ctx_limit:
+        raise ContextOverflow(
+            f"prompt needs {total} tokens but the context holds {m.ctx_limit}; shorten the prompt"
+            + (" or /clear the conversation" if st.ids else "")
+        )
+
+
+def finish_reason(m: Models, st: DecodeState, tokens: list[int], produced: int, cfg) -> str | None:
+    if any(t in m.eos_ids for t in tokens):
+        return "eos"
+    if produced >= cfg.max_new_tokens:
+        return "length"
+    if len(st.ids) >= m.ctx_limit:
+        return "context"
+    return None
+
+
+def generate(
+    m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None,
+    step_fn: StepFn | None = None,
+) -> Iterator[StepEvent]:
+    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens or the context end.
+
+    `step_fn` runs one target pass; None = the core method `cfg.method` names (ar, specexec).
+    """
+    check_fits(m, st, new_ids)
+    step_fn = step_fn or core_step(cfg.method)
+    gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
+    st.noise = new_noise(gen)  # this call's coupled draws
+    stream = TextStream(m.tokenizer)
+    n_prompt = len(st.ids) + len(new_ids) - st.target_len
+    t0 = time.perf_counter()
+    first = prefill(m, st, new_ids, cfg, gen)
+    t_prefill = time.perf_counter() - t0
+    res, produced, pass_index = StepResult([first], 0), 0, 0
+    moved = transfers.TransferCount()
+    while True:
+        produced += len(res.tokens)
+        finish = finish_reason(m, st, res.tokens, produced, cfg)
+        yield StepEvent(
+            text=stream.feed_split(res.tokens, res.accepted), tokens=res.tokens, accepted=res.accepted,
+            pass_index=pass_index, tree_size=res.tree_size, tree_depth=res.tree_depth,
+            draft_seconds=res.draft_seconds, target_seconds=res.target_seconds,
+            prefill_seconds=t_prefill, decode_seconds=time.perf_counter() - t0 - t_prefill,
+            new_tokens=produced, prompt_tokens=n_prompt, finish=finish,
+            host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
+            prefill_streams=st.prefill_streams if pass_index == 0 else 0,
+        )  # fmt: skip
+        if finish:
+            return
+        limit = min(cfg.max_new_tokens - produced, m.ctx_limit - len(st.ids))
+        before = transfers.snapshot()
+        res = step_fn(m, st, cfg, gen, limit)
+        st.noise.forget(len(st.ids))
+        moved = transfers.since(before)
+        pass_index += 1

@@ -1,0 +1,276 @@
+"""Model calls and KV-cache surgery shared by every decoding method.
+
+Contract: a model is any HF-style causal LM (resident or `offload.OffloadedCausalLM`) that takes
+`input_ids, attention_mask (4-D additive), position_ids, past_key_values, logits_to_keep` and
+returns `.logits`. Caches are `SlabCache`s: a `transformers.Cache` whose layers keep K and V in
+one preallocated (1, kv_heads, capacity, head_dim) slab each and a `length`; `update` writes the
+new rows in place and returns views of rows [0, length), so HF attention sees exactly what a
+DynamicCache would hold. `reserve` allocates every layer's slabs up front (through an optional
+counting allocator, e.g. offload's DevicePool) for the rows the memory plan sized; `compact`
+moves the kept rows of a speculative pass together in place and `crop` only moves `length`, so a
+planned cache never reallocates. An unreserved cache (tests, profiling) starts small and grows
+by doubling; a reserved cache that must grow warns once, since the plan under-counted.
+`compact`/`crop` also accept plain DynamicCaches.
+
+Shared KV (`SharedCache`, a self-draft's cache): the draft reads the TARGET's K/V for the committed
+prefix and writes its own rows for the tree it grows into the target's slabs just past the target's
+committed rows, which the target's next verify pass overwrites. So the draft never prefills and its
+cache holds no bytes of its own; `follow(n)` puts the draft at the target's n committed rows before
+a tree; `compact` may move the draft's own tree rows past them, never the target's committed rows.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from offload.hfcompat import cache_kwargs
+from specexec_cli.core.transfers import upload
+
+MIN_ROWS = 256   # first slab of an unreserved cache
+
+
+def _torch_alloc(shape, dtype, device, component):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class SlabLayer(CacheLayerMixin):
+    """One decoder layer's K/V: slabs `keys`/`values` (1, H, capacity, D), rows [0, length) valid."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, owner: "SlabCache"):
+        super().__init__()
+        self.owner = owner
+        self.length = 0
+
+    def allocate(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.keys = self.owner.alloc(shape, dtype, device, self.owner.component)
+        self.values = self.owner.alloc(shape, dtype, device, self.owner.component)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, t, d = key_states.shape
+        rows = self.owner.capacity or max(MIN_ROWS, 2 * t)
+        self.allocate((b, h, rows, d), key_states.dtype, key_states.device)
+
+    def _grow(self, rows: int) -> None:
+        old_k, old_v = self.keys, self.values
+        b, h, cap, d = old_k.shape
+        if self.owner.capacity is not None and not self.owner.warned:
+            warnings.warn(f"KV cache needs {rows} rows but the memory plan reserved {cap}; growing it")
+            self.owner.warned = True
+        self.owner.release(old_k, old_v)
+        self.allocate((b, h, max(rows, 2 * cap), d), old_k.dtype, old_k.device)
+        self.keys[:, :, : self.length] = old_k[:, :, : self.length]
+        self.values[:, :, : self.length] = old_v[:, :, : self.length]
+        self.owner.reallocations += 1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            self._grow(end)
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else -1
+
+    def get_max_cache_shape(self) -> int:
+        """-1: a growing cache, as DynamicLayer says (abstract in transformers < 5.2x)."""
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF convention: remove the last `-tokens_to_remove` rows (a negative count; 0 = no-op)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of rows to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+
+
+class SlabCache(Cache):
+    """A `transformers.Cache` of `SlabLayer`s; see the module docstring."""
+
+    def __init__(self, capacity: int | None = None, alloc=None, component: str = "kv"):
+        super().__init__(layers=[])
+        self.capacity = capacity      # rows per slab once reserved; None = grow on demand
+        self.alloc = alloc or _torch_alloc   # callable(shape, dtype, device, component) -> tensor
+        self.component = component    # allocator counter name, e.g. "kv_target"
+        self.release = lambda *tensors: None   # set by `reserve` when the allocator counts frees
+        self.reallocations = 0        # slab regrowths (0 for a correctly planned cache)
+        self.warned = False
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SlabLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+
+class AliasLayer(SlabLayer):
+    """A draft layer whose K/V live in the target's SlabLayer `base` (same slabs, its own `length`)."""
+
+    def __init__(self, owner: "SharedCache", base: SlabLayer):
+        super().__init__(owner)
+        self.base = base
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.base.is_initialized
+
+    @is_initialized.setter
+    def is_initialized(self, value) -> None:   # CacheLayerMixin.__init__ assigns it; the base decides
+        pass
+
+    keys = property(lambda self: self.base.keys, lambda self, v: None)
+    values = property(lambda self: self.base.values, lambda self, v: None)
+    dtype = property(lambda self: self.base.dtype, lambda self, v: None)
+    device = property(lambda self: self.base.device, lambda self, v: None)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        base, end = self.base, self.length + key_states.shape[-2]
+        if not base.is_initialized:
+            base.lazy_initialization(key_states, value_states)
+        if end > base.keys.shape[-2]:   # grow the target's slabs, keeping the draft's rows too
+            committed, base.length = base.length, self.length
+            base._grow(end)
+            base.length = committed
+        base.keys[:, :, self.length : end] = key_states
+        base.values[:, :, self.length : end] = value_states
+        self.length = end
+        return base.keys[:, :, :end], base.values[:, :, :end]
+
+
+class SharedCache(Cache):
+    """The self-draft's view of the target's `SlabCache` (see the module docstring)."""
+
+    def __init__(self, target: SlabCache):
+        super().__init__(layers=[])
+        self.target = target
+        self.start = 0   # committed rows the draft reads (the latest `follow`); new layers start there
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.target.layers) <= layer_idx:
+            self.target.layers.append(SlabLayer(self.target))
+        while len(self.layers) <= layer_idx:
+            self.layers.append(AliasLayer(self, self.target.layers[len(self.layers)]))
+            self.layers[-1].length = self.start
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def follow(self, n: int) -> None:
+        """The draft starts from the target's first `n` committed rows (its own tree rows are dropped)."""
+        self.start = n
+        for layer in self.layers:
+            layer.length = n
+
+
+def new_cache() -> SlabCache:
+    """An empty full-attention cache (tree masks need every position, so no sliding layers)."""
+    return SlabCache()
+
+
+def reserve(cache, model, rows: int, pool=None, component: str = "kv") -> None:
+    """Allocate every layer's slabs for `rows` positions now (no-op if already allocated)."""
+    if not isinstance(cache, SlabCache) or cache.layers:
+        return
+    cfg = getattr(model.config, "text_config", None) or model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    cache.capacity, cache.component = rows, component
+    if pool is not None:
+        cache.alloc = lambda shape, dtype, device, comp: pool.empty(shape, dtype, comp)
+        cache.release = lambda *ts: pool.free(component, *ts)
+    dtype, device = model_dtype(model), model.device
+    for _ in range(cfg.num_hidden_layers):
+        layer = SlabLayer(cache)
+        layer.allocate((1, kv_heads, rows, head_dim), dtype, device)
+        cache.layers.append(layer)
+
+
+def cache_len(cache) -> int:
+    return cache.get_seq_length()
+
+
+def model_dtype(model) -> torch.dtype:
+    dtype = getattr(model, "dtype", torch.float32)
+    return dtype if dtype.is_floating_point else torch.float32
+
+
+def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+            last_only: bool = False) -> torch.Tensor:
+    """One model pass over T new tokens. tokens/positions: (T,) long; mask: (1, 1, T, past+T).
+
+    Returns (T, V) logits, or (1, V) for the last token with `last_only` (prefill: no (T, V)
+    tensor is ever built); the tokens' K/V are appended to `cache`.
+    """
+    device = model.device
+    ids_device = torch.device(getattr(model, "input_device", device))   # host embeddings: ids stay on the CPU
+    if ids_device == torch.device(device):
+        tokens, positions = upload(device, tokens, positions)            # one copy for both
+    else:
+        (positions,) = upload(device, positions)
+    if mask is not None:
+        assert mask.device == torch.device(device), "build masks on the model's device (tree.py)"
+        mask = mask.to(dtype=model_dtype(model))
+    with torch.inference_mode():
+        out = model(
+            input_ids=tokens[None],  # (1, T)
+            position_ids=positions[None],  # (1, T)
+            attention_mask=mask,   # (1, 1, T, past + T) additive, or None: plain causal (prefill)
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            **cache_kwargs(model, cache),
+        )
+    return out.logits[0]
+
+
+@torch.inference_mode()
+def compact(cache, start: int, rows: torch.Tensor) -> None:
+    """Keep cache rows [0, start) plus the absolute rows `rows` (ascending, all >= start).
+
+    The kept rows are moved to [start, start + len(rows)) in place and the rest is cut off.
+    """
+    n = int(rows.numel())
+    if isinstance(cache, SharedCache):   # rows below the followed start are the target's committed ones
+        if n and start < cache.start:
+            raise RuntimeError("a shared draft cache never moves the target's committed rows")
+        if not n:
+            cache.follow(start)
+            return
+    on_device: dict[torch.device, torch.Tensor] = {}   # rows moved once per device, not per layer
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None:
+            continue
+        dev = layer.keys.device
+        if n and dev not in on_device:
+            on_device[dev] = upload(dev, rows)[0]
+        idx = on_device.get(dev)
+        for name in ("keys", "values"):
+            t = getattr(layer, name)  # (B, H, S, D)
+            if n:
+                t[:, :, start : start + n] = t.index_select(2, idx)
+            if not isinstance(layer, SlabLayer):
+                setattr(layer, name, t[:, :, : start + n])
+        if isinstance(layer, SlabLayer):
+            layer.length = start + n
+
+
+def crop(cache, length: int) -> None:
+    """Cut the cache back to its first `length` positions."""
+    compact(cache, length, torch.empty(0, dtype=torch.long))

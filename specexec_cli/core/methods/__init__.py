@@ -1,0 +1,39 @@
+"""Every decoding method by name: the registry the CLI, chat and bench resolve `--method` with.
+
+Contract: `METHODS` maps a `--method` name to an `engine.StepFn`: the engine's core steps (`ar`,
+`specexec`) plus chain, SpecInfer, Sequoia and staged. The dependency points one way — this
+package imports `engine`, `engine` never imports it — so `generate` here is `engine.generate` with
+the step function resolved from `cfg.method`. Every step keeps the engine's cache invariants (see
+engine.py) and is lossless: greedy ids equal the target's, and at T > 0 the output distribution is
+the target's processed distribution. Method options (γ, branching, the Sequoia profile path)
+travel in `GenerationConfig.extra`; see `common.MethodSettings`.
+"""
+
+from __future__ import annotations
+
+from specexec_cli.core import engine
+from specexec_cli.errors import SpecxError
+from specexec_cli.core.methods.chain import chain_step
+from specexec_cli.core.methods.sequoia import sequoia_step
+from specexec_cli.core.methods.specinfer import specinfer_step
+from specexec_cli.core.methods.staged import staged_step
+
+METHODS: dict = {**engine.STEP_METHODS, "chain": chain_step, "specinfer": specinfer_step,
+                 "sequoia": sequoia_step, "staged": staged_step}  # fmt: skip
+
+
+def available_methods() -> dict:
+    return dict(METHODS)
+
+
+def step_for(method: str):
+    """The StepFn for a `--method` name; SpecxError naming the choices if unknown."""
+    if method not in METHODS:
+        raise SpecxError(f"--method must be one of {', '.join(METHODS)} (got {method!r})")
+    return METHODS[method]
+
+
+def generate(m, st, new_ids, cfg, gen=None):
+    """engine.generate with `cfg.method`'s step function (`ar` when the models have no draft:
+    `--draft self` on a target with nothing to substitute)."""
+    return engine.generate(m, st, new_ids, cfg, gen, step_fn=step_for(cfg.method if m.draft is not None else "ar"))

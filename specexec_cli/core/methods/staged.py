@@ -1,0 +1,159 @@
+"""Staged speculative decoding (arXiv 2308.04623) on top of the SpecExec tree.
+
+What is staged: there are three models in a cascade.
+  stage 1  the TARGET verifies the draft's token tree in one pass (`verify.accept_tree`, the
+           SpecExec walk — lossless whatever the tree, so this method is lossless too);
+  stage 2  the DRAFT grows that tree, as `draft.grow_tree` does: each draft forward expands the
+           best open nodes of the current top-`budget` set (SpecExec's cumulative-probability rule);
+  stage 3  an N-GRAM model (prompt lookup over the prompt + generated text, `NgramIndex`) speeds up
+           stage 2: for each node the draft is about to expand, it proposes a continuation of up to
+           `CHAIN_LEN` tokens. The proposals ride along in the SAME draft forward (tree mask: each
+           proposed token sees the prefix, the node's ancestors, the node and the earlier proposed
+           tokens), so the draft verifies them in batch instead of decoding them one by one.
+           Proposed token x_j is accepted by the draft when it is a child the draft itself put in
+           the tree (top `max_branch` and above the budget threshold) under the previously accepted
+           node; its logits from that forward are then exactly the logits a later draft forward
+           would have computed, so the node is expanded at once and marked run. The walk stops at
+           the first proposal the draft did not keep; rows of rejected proposals are dropped from
+           the draft cache (`kvcache.compact`).
+The first forward of a step runs the pending committed tokens and the root's n-gram chain
+causally together. The tree is then pruned to the top-`budget` nodes and verified exactly as in
+`engine.speculative_step`; the draft cache keeps the engine's layout (prefix + run nodes by slot).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specexec_cli.core import kvcache
+from specexec_cli.core.draft import DraftContext, TreeShape, expand, step_batch
+from specexec_cli.core.engine import speculative_step
+from specexec_cli.core.tree import Tree, ancestors, attention_mask, causal_mask
+
+NGRAM = 3  # longest suffix matched by the prompt-lookup model (falls back to shorter ones)
+CHAIN_LEN = 8  # tokens proposed per node
+INDEX_WINDOW = 4096  # most recent committed tokens the n-gram model looks up
+
+
+class NgramIndex:
+    """Prompt lookup: the continuation that followed the most recent earlier match of a suffix."""
+
+    def __init__(self, ids: list[int], n: int = NGRAM):
+        self.ids = ids[-INDEX_WINDOW:]
+        self.n = n
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram → end index of its latest occurrence
+        for k in range(1, n + 1):
+            for end in range(k, len(self.ids)):  # end < len: a continuation token exists
+                self.last[tuple(self.ids[end - k : end])] = end
+
+    def propose(self, tail: list[int], length: int) -> list[int]:
+        """Up to `length` tokens continuing `tail` (longest matching suffix wins); [] if none."""
+        for k in range(min(self.n, len(tail)), 0, -1):
+            end = self.last.get(tuple(tail[-k:]))
+            if end is not None:
+                return self.ids[end : end + length]
+        return []
+
+
+def path_tokens(tree: Tree, node: int) -> list[int]:
+    """Tokens root (excluded) → node (included)."""
+    out = []
+    while node > 0:
+        out.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return out[::-1]
+
+
+def accept_chain(tree: Tree, parent: int, chain: list[int], logits: torch.Tensor, shape, params) -> list[tuple[int, int]]:
+    """Walk a proposed chain under `parent`; returns [(node, chain index)] the draft kept (expanded)."""
+    kept = []
+    for j, tok in enumerate(chain):
+        hit = ((tree.parents == parent) & (tree.tokens == tok) & (tree.slot < 0)).nonzero()
+        if hit.numel() == 0 or int(tree.depth[int(hit[0, 0])]) >= shape.max_depth:
+            break
+        parent = int(hit[0, 0])
+        expand(tree, torch.tensor([parent]), logits[j][None], shape, params)
+        kept.append((parent, j))
+    return kept
+
+
+def commit_chains(tree: Tree, cache, start: int, kept: list[tuple[int, int]]) -> None:
+    """Keep only the accepted proposal rows (absolute, ascending) after `start`; give them slots."""
+    rows = torch.tensor([r for _, r in kept], dtype=torch.long)
+    kvcache.compact(cache, start, rows)
+    if kept:
+        tree.mark_run(torch.tensor([n for n, _ in kept]))
+
+
+def first_forward(draft, cache, ctx: DraftContext, tree: Tree, shape, params, ngram: NgramIndex) -> None:
+    """Pending tokens + the root's proposed chain, causally, in one forward; expand the root."""
+    chain = ngram.propose(ngram.ids, min(CHAIN_LEN, shape.max_depth - 1))
+    toks = ctx.pending + chain
+    start_pos = ctx.root_pos - len(ctx.pending) + 1
+    mask = causal_mask(ctx.n_cached, len(toks), kvcache.model_dtype(draft), draft.device)
+    logits = kvcache.forward(draft, cache, torch.tensor(toks), torch.arange(start_pos, start_pos + len(toks)), mask)
+    base = ctx.n_cached + len(ctx.pending) - 1  # row of the root
+    tree.mark_run(torch.zeros(1, dtype=torch.long))
+    expand(tree, torch.zeros(1, dtype=torch.long), logits[len(ctx.pending) - 1][None], shape, params)
+    kept = accept_chain(tree, 0, chain, logits[len(ctx.pending) :], shape, params)
+    commit_chains(tree, cache, base + 1, [(n, base + 1 + j) for n, j in kept])
+
+
+def batch_rows(tree: Tree, nodes: torch.Tensor, chains: list[list[int]], base: int):
+    """Tokens, positions, ancestor columns and self columns for nodes + their chains, one forward."""
+    col0 = base + tree.n_slots  # first new column
+    anc = ancestors(tree.parents, nodes)
+    anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc).tolist()
+    toks, pos, rows_anc = tree.tokens[nodes].tolist(), tree.depth[nodes].tolist(), list(anc_cols)
+    col = col0 + nodes.numel()
+    for i, chain in enumerate(chains):
+        seen = [c for c in anc_cols[i] if c >= 0] + [col0 + i]  # node's ancestors + the node itself
+        for j, tok in enumerate(chain):
+            toks.append(tok)
+            pos.append(pos[i] + 1 + j)
+            rows_anc.append(list(seen))
+            seen.append(col + j)
+        col += len(chain)
+    width = max((len(r) for r in rows_anc), default=0)
+    padded = torch.tensor([r + [-1] * (width - len(r)) for r in rows_anc], dtype=torch.long).reshape(len(toks), width)
+    return torch.tensor(toks), torch.tensor(pos), padded, torch.arange(col0, col)
+
+
+def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram: NgramIndex, committed: list[int]) -> Tree:
+    """SpecExec tree growth with n-gram proposals verified by the draft in batch (module docstring)."""
+    tree = Tree.new(ctx.pending[-1])
+    base = ctx.n_cached + len(ctx.pending) - 1
+    first_forward(draft, cache, ctx, tree, shape, params, ngram)
+    dtype = kvcache.model_dtype(draft)
+    for _ in range(shape.max_depth + shape.budget):
+        nodes = step_batch(tree, shape)
+        if nodes.numel() == 0:
+            break
+        room = shape.max_beams  # proposal tokens per forward, best nodes first
+        chains = []
+        for node in nodes.tolist():
+            want = min(CHAIN_LEN, room, shape.max_depth - int(tree.depth[node]) - 1)
+            chain = ngram.propose(committed + path_tokens(tree, node), want) if want > 0 else []
+            chains.append(chain)
+            room -= len(chain)
+        toks, depth, anc_cols, self_cols = batch_rows(tree, nodes, chains, base)
+        mask = attention_mask(base, anc_cols, self_cols, int(self_cols[-1]) + 1, dtype, draft.device)
+        logits = kvcache.forward(draft, cache, toks, ctx.root_pos + depth, mask)
+        b = nodes.numel()
+        tree.mark_run(nodes)
+        expand(tree, nodes, logits[:b], shape, params)
+        kept, offset = [], b
+        for node, chain in zip(nodes.tolist(), chains):
+            kept += [(n, base + tree.n_slots + offset - b + j) for n, j in
+                     accept_chain(tree, node, chain, logits[offset : offset + len(chain)], shape, params)]
+            offset += len(chain)
+        commit_chains(tree, cache, base + tree.n_slots, kept)
+    return tree
+
+
+def staged_step(m, st, cfg, gen, limit: int):
+    """engine.speculative_step with `grow_staged` in place of `grow_tree`."""
+    def grow(m, st, ctx, shape, params, scoring=None):
+        return grow_staged(m.draft, st.draft_cache, ctx, shape, params, NgramIndex(st.ids), st.ids)
+
+    return speculative_step(m, st, cfg, gen, limit, grow=grow)

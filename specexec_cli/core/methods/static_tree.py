@@ -1,0 +1,147 @@
+"""Static token trees (chain, SpecInfer, Sequoia): one shape, filled level by level by the draft.
+
+Contract: a `Template` is a fixed tree shape — `parents[i]` (< i; node 0 = root, parent -1), with
+the children of a node listed in rank order. `grow_static` fills it: one batched draft forward per
+level computes only that level's new nodes (tree mask over the cached prefix and the run
+ancestors), and each node's children are
+  - T = 0: the draft's top-k tokens (deterministic; verified by the greedy walk `verify.accept_tree`),
+  - T > 0: k tokens sampled WITHOUT replacement from the draft's processed distribution q
+    (`common.sample_children`), verified by the multi-step residual rule (`common.accept_sampled`).
+Template children that cannot be filled (q has a smaller support) are dropped with their subtrees.
+`static_step` is the whole engine step; afterwards the caches keep the engine's invariants.
+Host transfers (`transfers.to_host`): one per level. At T = 0 it is the level's (B, 2k) top-k
+scores and ids, computed on the device; at T > 0 the multi-step residual rule needs the level's
+(B, V) draft distributions on the host, so that copy grows with the vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specexec_cli.core import kvcache
+from specexec_cli.core.draft import DraftContext, run_pending, top_children
+from specexec_cli.core.engine import StepResult, ar_step, draft_context
+from specexec_cli.core.methods.common import accept_sampled, commit, sample_children
+from specexec_cli.core.sampling import SamplingParams, process_logits
+from specexec_cli.core.transfers import to_host
+from specexec_cli.core.tree import Tree, ancestors, attention_mask, subtree, verify_mask
+from specexec_cli.core.verify import accept_tree
+
+
+@dataclass(frozen=True)
+class Template:
+    """A static tree shape; children of each node appear in rank order (rank 1 first)."""
+
+    parents: tuple[int, ...]  # parents[0] == -1 (the root); parents[i] < i
+
+    @property
+    def size(self) -> int:
+        return len(self.parents) - 1  # draft nodes, root excluded
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for i, par in enumerate(self.parents[1:], start=1):
+            kids[par].append(i)
+        return kids
+
+    def depth(self) -> int:
+        d = [0] * len(self.parents)
+        for i, par in enumerate(self.parents[1:], start=1):
+            d[i] = d[par] + 1
+        return max(d)
+
+
+def level_template(widths: tuple[int, ...]) -> Template:
+    """Every node at depth d gets widths[d] children (SpecInfer's expansion ⟨k1, k2, ...⟩; chain: 1s)."""
+    parents, level = [-1], [0]
+    for w in widths:
+        nxt = []
+        for node in level:
+            for _ in range(w):
+                parents.append(node)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return Template(tuple(parents))
+
+
+def pick_level(logits: torch.Tensor, ks: list[int], params: SamplingParams, gen: torch.Generator):
+    """(B, V) device logits, children wanted per row → per row (tokens, log-probs, q); q None at T = 0.
+
+    One host copy for the whole level: top-k on the device at T = 0, the (B, V) distributions at T > 0.
+    """
+    if params.greedy:
+        kmax = min(max(ks), logits.shape[-1])
+        vals, idx, _ = top_children(logits, kmax, params, None)
+        return [(idx[r, :k].tolist(), vals[r, :k], None) for r, k in enumerate(ks)]
+    q_all = to_host(process_logits(logits, params))  # (B, V)
+    out = []
+    for r, k in enumerate(ks):
+        toks = sample_children(q_all[r], k, gen)
+        out.append((toks, q_all[r][toks].clamp(min=1e-30).log(), q_all[r]))
+    return out
+
+
+def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, params, gen):
+    """Fill `tpl` (nodes deeper than depth_cap dropped) → (Tree, {tree node id: q}); q only at T > 0.
+
+    Draft cache afterwards: prefix + pending + every node with slot >= 0, in slot order (as grow_tree).
+    """
+    tree = Tree.new(ctx.pending[-1])
+    base = ctx.n_cached + len(ctx.pending) - 1  # cache row of the root = tree slot 0
+    kids = tpl.children()
+    qrows: dict[int, torch.Tensor] = {}
+    logits = run_pending(draft, cache, ctx)[None]  # (1, V) at the root
+    tree.mark_run(torch.zeros(1, dtype=torch.long))
+    frontier = [(0, 0)]  # (tree node, template node) pairs whose logits are in `logits`
+    dtype = kvcache.model_dtype(draft)
+    for depth in range(1, depth_cap + 1):
+        nxt: list[tuple[int, int]] = []
+        picks = pick_level(logits, [len(kids[t]) for _, t in frontier], params, gen)
+        for (node, t), (toks, lp, q) in zip(frontier, picks):
+            if not toks:
+                continue
+            if q is not None:
+                qrows[node] = q
+            ids = tree.add(torch.full((len(toks),), node), torch.tensor(toks), tree.logp[node] + lp)
+            nxt += [(int(i), c) for i, c in zip(ids, kids[t]) if kids[c] and depth < depth_cap]
+        if not nxt:
+            break
+        # one draft forward over the next level's non-leaf nodes: (B,) tokens at root_pos + depth
+        nodes = torch.tensor([n for n, _ in nxt])
+        anc = ancestors(tree.parents, nodes)  # (B, D) all already run
+        anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
+        self_cols = base + tree.n_slots + torch.arange(nodes.numel())
+        mask = attention_mask(base, anc_cols, self_cols, base + tree.n_slots + nodes.numel(), dtype, draft.device)
+        logits = kvcache.forward(draft, cache, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], mask)
+        tree.mark_run(nodes)
+        frontier = nxt
+    return tree, qrows
+
+
+def static_step(m, st, cfg, gen, limit: int, tpl: Template):
+    """Grow `tpl` with the draft, verify in one target pass, accept, trim caches → engine.StepResult."""
+    n = len(st.ids)
+    depth_cap = min(tpl.depth(), limit - 1, m.ctx_limit - n - 1)  # the bonus token needs one slot
+    if depth_cap < 1 or tpl.size < 1:
+        return ar_step(m, st, cfg, gen, limit)
+    t0 = time.perf_counter()
+    ctx = draft_context(st)
+    tree, qrows = grow_static(m.draft, st.draft_cache, ctx, tpl, depth_cap, cfg.sampling, gen)
+    vt = subtree(tree, torch.arange(1, tree.size))
+    t1 = time.perf_counter()
+    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
+    logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
+    if cfg.sampling.greedy:
+        acc = accept_tree(vt, logits, cfg.sampling, None, n, m.eos_ids, limit)
+    else:  # VerifyTree index i holds draft node vt.draft_ids[i]; here they coincide (whole tree kept)
+        acc = accept_sampled(vt, logits, qrows, cfg.sampling, gen, m.eos_ids, limit)
+    t2 = time.perf_counter()
+    commit(st, tree, vt, acc, len(ctx.pending))
+    t3 = time.perf_counter()
+    return StepResult(
+        tokens=acc.tokens, accepted=len(acc.path), tree_size=vt.size - 1, tree_depth=int(vt.depth.max()),
+        draft_seconds=t1 - t0 + (t3 - t2), target_seconds=t2 - t1,
+    )  # fmt: skip

@@ -1,0 +1,156 @@
+"""Token-tree tensors: node storage, ancestor sets, tree attention masks and positions.
+
+Contract: a tree is stored as flat CPU tensors indexed by node id in creation order, so a parent's
+id is always smaller than its children's (node 0 is the root, parent -1). Everything here is tensor
+ops: the only Python loops run over tree *depth*, never over node pairs. Masks are built on the
+`device` they are asked for (the model's): only the small (B, depth) ancestor table crosses to it,
+never a (B, context) mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specexec_cli.core.transfers import upload
+
+
+@dataclass
+class Tree:
+    """A growing draft tree. All tensors are 1-D over node ids, on the CPU."""
+
+    tokens: torch.Tensor  # (N,) long, token id of each node; node 0 is the root (last committed token)
+    parents: torch.Tensor  # (N,) long, parent node id; -1 for the root
+    depth: torch.Tensor  # (N,) long, root = 0
+    logp: torch.Tensor  # (N,) float, cumulative log score of the path root → node (draft or calibrated)
+    slot: torch.Tensor  # (N,) long, position of the node's K/V in the draft's tree cache; -1 = not run yet
+    feat: torch.Tensor  # (N,) long, calibration feature the node was scored with (calibrate.py); -1 = none
+    n_slots: int = 0  # how many nodes the draft has run (its cached tree tokens)
+
+    @classmethod
+    def new(cls, root_token: int) -> "Tree":
+        long = dict(dtype=torch.long)
+        return cls(
+            tokens=torch.tensor([root_token], **long),
+            parents=torch.tensor([-1], **long),
+            depth=torch.zeros(1, **long),
+            logp=torch.zeros(1),
+            slot=torch.full((1,), -1, **long),
+            feat=torch.full((1,), -1, **long),
+        )
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, feat=None) -> torch.Tensor:
+        """Append nodes (vectorised); returns their new ids. `logp` is cumulative."""
+        start = self.size
+        feat = torch.full_like(tokens, -1, dtype=torch.long) if feat is None else feat.long()
+        self.feat = torch.cat([self.feat, feat])
+        self.tokens = torch.cat([self.tokens, tokens.long()])
+        self.parents = torch.cat([self.parents, parents.long()])
+        self.depth = torch.cat([self.depth, self.depth[parents] + 1])
+        self.logp = torch.cat([self.logp, logp.float()])
+        self.slot = torch.cat([self.slot, torch.full_like(tokens, -1, dtype=torch.long)])
+        return torch.arange(start, self.size)
+
+    def mark_run(self, nodes: torch.Tensor) -> None:
+        """Record that the draft has just run `nodes` (appended to its cache in this order)."""
+        self.slot[nodes] = torch.arange(self.n_slots, self.n_slots + nodes.numel())
+        self.n_slots += int(nodes.numel())
+
+
+def ancestors(parents: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """(B,) node ids → (B, D) their proper ancestors (parent first), padded with -1.
+
+    Pointer jumping one level per iteration, vectorised over the batch: D iterations for depth D.
+    """
+    cols = []
+    cur = parents[nodes]
+    while bool((cur >= 0).any()):
+        cols.append(cur)
+        cur = torch.where(cur >= 0, parents[cur.clamp(min=0)], cur)
+    if not cols:
+        return torch.full((nodes.numel(), 0), -1, dtype=torch.long)
+    return torch.stack(cols, dim=1)
+
+
+def attention_mask(
+    n_past: int, anc_cols: torch.Tensor, self_cols: torch.Tensor, n_cols: int, dtype: torch.dtype, device=None
+) -> torch.Tensor:
+    """Additive 4-D mask (1, 1, B, n_cols) for a batch of B tree tokens.
+
+    Every row sees the first `n_past` columns (the committed prefix), the columns listed in its row
+    of `anc_cols` (B, D; -1 = padding) and its own column `self_cols` (B,). Everything else is
+    blocked with dtype-min, the form HF attention adds to the scores.
+    """
+    b = self_cols.numel()
+    device = torch.device("cpu") if device is None else torch.device(device)
+    anc_cols, self_cols = upload(device, anc_cols, self_cols)   # (B, D), (B,): one small copy
+    allowed = torch.zeros(b, n_cols, dtype=torch.bool, device=device)
+    allowed[:, :n_past] = True
+    # scatter each row's ancestor columns; padding (-1) goes to a spare column that is cut off
+    allowed = torch.cat([allowed, torch.zeros(b, 1, dtype=torch.bool, device=device)], dim=1)
+    allowed.scatter_(1, torch.where(anc_cols >= 0, anc_cols, n_cols), True)
+    allowed = allowed[:, :n_cols]
+    allowed[torch.arange(b, device=device), self_cols] = True
+    mask = torch.zeros(b, n_cols, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def causal_mask(n_past: int, n_new: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Additive (1, 1, n_new, n_past + n_new) mask for a plain chain of new tokens."""
+    rows = torch.arange(n_new, device=device).unsqueeze(1)
+    cols = torch.arange(n_past + n_new, device=device).unsqueeze(0)
+    mask = torch.zeros(n_new, n_past + n_new, dtype=dtype, device=device)
+    mask.masked_fill_(cols > rows + n_past, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def top_budget(logp: torch.Tensor, budget: int) -> torch.Tensor:
+    """Ids of the `budget` best non-root nodes by cumulative log-prob, in creation order.
+
+    A child's score never exceeds its parent's, and a stable sort breaks ties by creation order
+    (parents first), so the chosen set is closed under ancestors.
+    """
+    order = torch.sort(-logp[1:], stable=True).indices[:budget] + 1
+    return torch.sort(order).values
+
+
+@dataclass
+class VerifyTree:
+    """The token tree the target verifies: the root plus the kept draft nodes, as one batch."""
+
+    tokens: torch.Tensor  # (n,) long; index 0 = root, then kept nodes in creation order
+    parents: torch.Tensor  # (n,) long local parent index; -1 for the root
+    depth: torch.Tensor  # (n,) long, root = 0
+    draft_ids: torch.Tensor  # (n,) long, node id in the draft Tree (for draft-cache compaction)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+
+def subtree(tree: Tree, keep: torch.Tensor) -> VerifyTree:
+    """Restrict `tree` to root + `keep` (an ancestor-closed id set in creation order)."""
+    ids = torch.cat([torch.zeros(1, dtype=torch.long), keep])
+    local = torch.full((tree.size,), -1, dtype=torch.long)
+    local[ids] = torch.arange(ids.numel())
+    par = tree.parents[ids]
+    return VerifyTree(
+        tokens=tree.tokens[ids],
+        parents=torch.where(par >= 0, local[par.clamp(min=0)], par),
+        depth=tree.depth[ids],
+        draft_ids=ids,
+    )
+
+
+def verify_mask(vt: VerifyTree, n_past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """(1, 1, n, n_past + n) mask for the target's one pass over the whole tree."""
+    idx = torch.arange(vt.size)
+    anc = ancestors(vt.parents, idx)
+    cols = torch.where(anc >= 0, anc + n_past, anc)
+    return attention_mask(n_past, cols, idx + n_past, n_past + vt.size, dtype, device)

@@ -1,0 +1,1 @@
+"""The session layer both front ends share: chat session, loading, planning, options, profiles, notices."""

@@ -1,0 +1,352 @@
+"""Load the target, the draft and the shared tokenizer from local HF directories.
+
+Contract: `load_models(options)` returns `engine.Models`, and `read_prompt`/`encode_prompt` turn a
+prompt file into token ids; each raises `SpecxError` with a one-line fix on bad input.
+Paths are local model dirs or hub ids resolved from the local HF cache only (never downloads).
+Weights load from safetensors unless the user opts into pickle (`--allow-pickle`); remote code
+runs only with `--trust-remote-code`. Draft and target must map the same strings to the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specexec_cli.core.engine import Models
+from specexec_cli.errors import SpecxError
+from specexec_cli.session.strict import check_architecture, check_config, check_files, check_loading_info, load_config
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    target: str  # local dir or cached hub id
+    draft: str | None  # None → no draft (method ar)
+    dtype: str = "auto"  # auto | bf16 | fp16 | fp32 (target also: nf4)
+    draft_dtype: str = "auto"  # auto | bf16 | fp16 | fp32, independent of the target's (mixed precision)
+    device: str = "auto"  # auto | cpu | cuda
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    offload: str = "none"  # none | ram | disk | auto (the CLI default is auto)
+    max_gpu_memory: int | None = None  # cap on all device bytes (the memory plan's capacity)
+    max_ram: int | None = None  # bytes for host-resident target layers
+    progress: object = None  # optional callable(done, total, what) for load progress
+    ctx: int = 8192  # context the KV caches are sized for (capped by max positions)
+    embeddings: str = "auto"  # target input embeddings: auto | device | host
+    plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
+    draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
+    shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
+    draft_skip: int | None = None  # --draft self: layers run without a substitute; None = the plan's (0 unplanned)
+    draft_skip_rule: str = "influence"  # which layers: the least influential (measured once) | "middle" block
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpecxError("--device cuda but no CUDA device is available; use --device cpu")
+    if name not in ("cpu", "cuda"):
+        raise SpecxError(f"--device must be auto, cpu or cuda (got {name!r})")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto → bf16 on CUDA (fp16 on GPUs without native bf16), fp32 on CPU (CPU bf16 matmuls are
+    slow and less exact)."""
+    if name == "auto":
+        from offload.loader import accelerator_half
+
+        return accelerator_half(device) if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise SpecxError(f"--dtype must be one of auto, {', '.join(DTYPES)}, nf4 (got {name!r})")
+    return DTYPES[name]
+
+
+def draft_dtype_name(dtype: str, draft_dtype: str) -> str:
+    """The draft's dtype name: --draft-dtype when given, else the target's (auto for an nf4 target)."""
+    if draft_dtype != "auto":
+        if draft_dtype not in DTYPES:
+            raise SpecxError(f"--draft-dtype must be one of auto, {', '.join(DTYPES)} (got {draft_dtype!r})")
+        return draft_dtype
+    return "auto" if dtype == "nf4" else dtype
+
+
+def resolve_path(name: str, flag: str) -> Path:
+    """A local model dir, or a hub id looked up in the local HF cache (offline)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError) or not a valid repo id
+        raise SpecxError(
+            f"{flag} {name}: no such directory and not in the local HF cache; "
+            "pass a local model dir (downloads are never attempted)"
+        ) from None
+
+
+def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
+    """Validate the dir; returns True when weights are safetensors."""
+    if not (path / "config.json").is_file():
+        raise SpecxError(f"{flag} {path}: missing config.json; is this a Hugging Face model directory?")
+    cfg = check_config(path, flag)
+    if any(path.glob("*.safetensors")):
+        # Headers, offsets and shards, then config.json vs headers: all before anything is allocated.
+        check_architecture(path, flag, check_files(path, flag), cfg)
+        return True
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        if allow_pickle:
+            return False
+        raise SpecxError(
+            f"{flag} {path}: only pickle (.bin) weights found, which can run arbitrary code; "
+            "convert to safetensors or pass --allow-pickle if you trust the source"
+        )
+    raise SpecxError(f"{flag} {path}: no weights (*.safetensors) found; the model directory is incomplete")
+
+
+def load_tokenizer(path: Path, flag: str, trust: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    except Exception as exc:
+        raise SpecxError(f"{flag} {path}: cannot load the tokenizer ({exc.__class__.__name__}); "
+                         "the model directory needs tokenizer files") from None
+
+
+def check_same_vocab(target_tok, draft_tok) -> None:
+    """Draft and target must map identical strings to identical ids."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = next((s for s in tv if dv.get(s) != tv[s]), None) or next(s for s in dv if s not in tv)
+        raise SpecxError(
+            f"draft and target tokenizers differ (e.g. {diff!r}: target id {tv.get(diff)}, draft id "
+            f"{dv.get(diff)}); pick a draft from the same model family"
+        )
+
+
+def read_config(path: Path) -> dict:
+    try:
+        data = json.loads((path / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):  # a broken config.json is reported by check_config
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def needs_offload_path(path: Path) -> bool:
+    """Checkpoints HF's resident model cannot run exactly under specx's 4-D tree masks (sliding
+    windows are ignored for custom masks) or loads differently (pre-quantized 4-bit): the offload
+    path serves them, all layers resident, with `--offload none`."""
+    cfg = read_config(path)
+    sliding = "sliding_attention" in (cfg.get("layer_types") or [])
+    sliding |= bool(cfg.get("sliding_window")) and (cfg.get("model_type") == "mistral"
+                                                    or bool(cfg.get("use_sliding_window")))
+    return sliding or bool(cfg.get("attn_logit_softcapping")) or "quantization_config" in cfg
+
+
+def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    safe = check_weights(path, flag, opts.allow_pickle)
+    index = check_files(path, flag) if safe else None
+    config = load_config(path, flag, opts.trust_remote_code)
+    # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
+    attn = "eager" if read_config(path).get("attn_logit_softcapping") else "sdpa"
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype, use_safetensors=safe, trust_remote_code=opts.trust_remote_code,
+            attn_implementation=attn, output_loading_info=True,
+        )
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise SpecxError(f"{flag} {path}: needs custom code; pass --trust-remote-code if you trust it") from None
+        raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0]})") from None
+    except (OSError, RuntimeError, KeyError) as exc:
+        raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
+    check_loading_info(info, index, flag, path, config.model_type)
+    return model.to(device).eval()
+
+
+SELF = "self"   # --draft self: the target's own low-bit substitute (offload/selfdraft.py)
+
+
+def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
+    """The streamed layers the self-draft leaves out: as many as the plan says (or `draft_skip`), the
+    least influential ones, measured by one target pass over offload.influence.CALIBRATION the first
+    time and stored; the plan's `skipped_layers` are updated to the choice."""
+    from offload.influence import CALIBRATION, layer_influence, pick_skipped, skip_order
+    from offload.influence import store_influence, stored_influence
+    from offload.selfdraft import sixteen_bit_source, streamed_layers
+
+    from specexec_cli.session import notices
+
+    n = opts.draft_skip if opts.draft_skip is not None else len(getattr(opts.plan, "skipped_layers", None) or [])
+    if not n:
+        return []
+    n_layers, influence = len(target.layers), None
+    source = sixteen_bit_source(target) or Path(target.source)
+    if opts.draft_skip_rule != "middle":
+        influence = stored_influence(source, n_layers)
+    if influence is None and opts.draft_skip_rule != "middle":
+        notices.notice(f"--draft self: one target pass to measure each layer's influence and leave out the "
+                             f"{n} least influential (stored for later loads)")
+        tok = tok or load_tokenizer(Path(target.source), "--target", False)
+        ids = torch.tensor([tok(CALIBRATION)["input_ids"]], device=target.input_device)
+        influence = layer_influence(target, ids)
+        store_influence(source, influence)
+    skipped = pick_skipped(skip_order(n_layers, influence), streamed_layers(target), n)
+    if opts.plan is not None and getattr(opts.plan, "skipped_layers", None):
+        opts.plan.skipped_layers = skipped
+    return skipped
+
+
+def load_self_draft(target, opts: LoadOptions, pool, tok=None):
+    """The target's self-draft, its substitutes counted as the plan's "draft" component; None (with
+    a notice) when every target layer is resident, so that decoding runs without a draft."""
+    from offload import OffloadError
+    from offload.prequant import bnb4_config
+    from offload.selfdraft import build_self_draft, streamed_layers
+
+    from specexec_cli.session import notices
+
+    if getattr(target, "plan", None) is None or not streamed_layers(target):   # HF-resident, or nothing streams
+        notices.notice("--draft self: every target layer is resident, so there is nothing to substitute; "
+                             "decoding without a draft")
+        return None
+    plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
+    bits = opts.draft_bits or plan_bits or (3 if bnb4_config(target.config) is not None else 4)
+    try:
+        draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
+    except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
+        raise SpecxError(str(exc)) from None
+    pool.by_component["draft"] = pool.by_component.get("draft", 0) + draft.pool.allocated
+    return draft
+
+
+def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
+    pickled = not check_weights(path, "--target", opts.allow_pickle)   # offloading reads safetensors only
+    if ((opts.offload == "none" or (pickled and opts.offload == "auto")) and opts.dtype != "nf4"
+            and not needs_offload_path(path)):
+        return load_hf(path, "--target", opts, device, resolve_dtype(opts.dtype, device))
+    from offload import OffloadedCausalLM, OffloadError
+
+    check_weights(path, "--target", False)
+    dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
+    try:
+        return OffloadedCausalLM.from_pretrained(
+            path, device=device, dtype=dtype, offload=opts.offload,
+            max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
+            memplan=opts.plan, pool=pool,
+        )
+    except OffloadError as exc:
+        raise SpecxError(str(exc)) from None
+
+
+def eos_ids(tokenizer, model) -> frozenset[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def context_limit(*models) -> int:
+    limits = [getattr(m.config, "max_position_embeddings", None) or 2048 for m in models if m is not None]
+    return min(limits)
+
+
+def quiet_transformers() -> None:
+    """No tqdm bars or warnings from transformers: stderr belongs to our panel."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    import logging
+
+    # bitsandbytes warns at import about an optional CPU kernel package; not the user's concern.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def close_models(models) -> None:
+    """Stop offloaded models' prefetch threads and close their files (idempotent, never raises)."""
+    for model in (getattr(models, "target", None), getattr(models, "draft", None)):
+        close = getattr(model, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - shutting down after an error or Ctrl-C
+                pass
+
+
+def load_models(opts: LoadOptions) -> Models:
+    from specexec_cli.core import testhooks
+
+    opts = replace(opts, progress=testhooks.slow_progress(opts.progress))
+    quiet_transformers()
+    device = resolve_device(opts.device)
+    tpath = resolve_path(opts.target, "--target")
+    check_weights(tpath, "--target", opts.allow_pickle)
+    tok = load_tokenizer(tpath, "--target", opts.trust_remote_code)
+    draft = None
+    if opts.draft is not None and opts.draft != SELF:
+        dpath = resolve_path(opts.draft, "--draft")
+        check_weights(dpath, "--draft", opts.allow_pickle)
+        check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
+        ddtype = resolve_dtype(draft_dtype_name(opts.dtype, opts.draft_dtype), device)
+        draft = load_hf(dpath, "--draft", opts, device, ddtype)
+    from offload.storage import DevicePool
+
+    pool = DevicePool(device)   # counts every device byte, per memory-plan component
+    if draft is not None:
+        pool.adopt("draft", [*draft.parameters(), *draft.buffers()])
+    target = load_target(tpath, opts, device, pool)
+    if getattr(target, "pool", None) is not pool:
+        pool.adopt("target", [*target.parameters(), *target.buffers()])   # HF-resident target (--offload none)
+    if opts.draft == SELF:
+        draft = load_self_draft(target, opts, pool, tok)
+    plan = opts.plan
+    shared = draft is not None and opts.draft == SELF and opts.shared_kv
+    rows = tuple(plan.kv_rows) if plan is not None else None
+    if rows is not None and opts.draft == SELF and not shared and not rows[1]:   # planned for a shared KV
+        rows = (rows[0], rows[0])
+    models = Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
+                    kv_rows=rows, pass_tokens=plan.pass_tokens if plan else 0, shared_kv=shared)
+    testhooks.install(models)
+    return models
+
+
+def read_prompt(path: str) -> str:
+    """PROMPT_FILE or '-' (stdin) → text; missing, empty and non-UTF-8 input are user errors."""
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except FileNotFoundError:
+        raise SpecxError(f"prompt file {path} not found; pass an existing file or - for stdin") from None
+    except IsADirectoryError:
+        raise SpecxError(f"prompt file {path} is a directory; pass a text file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecxError(f"prompt file {path} is not UTF-8 text; re-save it as UTF-8") from None
+    if not text.strip():
+        raise SpecxError(f"prompt file {path} is empty; write a prompt into it")
+    return text
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(text)["input_ids"])

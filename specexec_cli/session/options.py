@@ -1,0 +1,293 @@
+"""Flag validation and model set-up for the `specx` commands, without typer.
+
+Contract: every function here turns raw flag values into engine/loader objects (GenerationConfig,
+LoadOptions, a MemoryPlan, loaded Models) or raises `SpecxError` with a one-line fix. Nothing here
+imports torch or transformers at module level, so `specx --help` and argument errors stay fast;
+the terminal front end (terminal/app.py, terminal/flags.py) and serve/ both call these.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from specexec_cli.session import notices
+from specexec_cli.errors import SpecxError
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """The flags `run`, `chat` and `serve` share (declared once in cliflags.SHARED)."""
+
+    target: str | None = None
+    draft: str | None = None
+    method: str = "specexec"
+    budget: str = "auto"
+    max_depth: int = 64
+    max_beams: int = 32
+    max_branch: int = 32
+    max_new_tokens: int = 256
+    temperature: float | None = None  # None: the target's generation_config.json (gendefaults.py)
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    dtype: str = "auto"
+    draft_dtype: str = "auto"
+    draft_bits: str = "auto"
+    device: str = "auto"
+    offload: str = "auto"
+    max_gpu_memory: str | None = None
+    max_ram: str | None = None
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    no_chat_template: bool = False
+    profile: Path | None = None
+    gamma: int = 5
+    branching: str | None = None
+    ctx: int = 8192
+    embeddings: str = "auto"
+    dry_run: bool = False
+
+    def config(self):
+        """The validated GenerationConfig (unset sampling values neutral until `plan` fills them)."""
+        cfg = generation_config(self.method, self.budget, self.max_depth, self.max_beams, self.max_branch,
+                                self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed,
+                                self.device)  # fmt: skip
+        from specexec_cli.core.methods.common import flag_options, with_settings  # after: a bad flag never loads torch
+
+        return with_settings(cfg, **flag_options(self.gamma, self.branching, self.profile))
+
+    def plan(self, cfg):
+        """(LoadOptions, MemoryPlan, cfg) from headers only; unset sampling flags come from the
+        target's generation_config.json."""
+        from dataclasses import replace
+
+        opts, plan, cfg = plan_for_cli(self.target, self.draft, self.method, self.dtype, self.device,
+                                       self.allow_pickle, self.trust_remote_code, self.offload, self.max_gpu_memory,
+                                       self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype,
+                                       self.draft_bits, self.temperature)  # fmt: skip
+        sampling = self.sampling(self.checkpoint_defaults(opts.target))
+        return opts, plan, replace(cfg, sampling=sampling)
+
+    def sampling(self, defaults):
+        from specexec_cli.session.gendefaults import merge
+
+        return merge(defaults, self.temperature, self.top_k, self.top_p)
+
+    @staticmethod
+    def checkpoint_defaults(target: str):
+        """The target's generation_config.json sampling (greedy when the dir cannot be resolved)."""
+        from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling
+        from specexec_cli.session.loading import resolve_path
+
+        try:
+            return checkpoint_sampling(resolve_path(target, "--target"))
+        except SpecxError:
+            return GREEDY
+
+def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
+    """Default to the embedded demo pair, with a notice."""
+    from specexec_cli.session.loading import SELF
+
+    if target is None:
+        if draft is not None and draft != SELF:
+            raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
+        if not (DEMO_DIR / "target" / "config.json").exists():
+            raise SpecxError("no --target given and the demo pair is not installed; pass --target and --draft")
+        notices.notice(
+            "using the embedded demo pair (tiny Python-code models); pass --target DIR --draft DIR for real models"
+        )
+        target, draft = str(DEMO_DIR / "target"), (draft or str(DEMO_DIR / "draft"))
+    if method != "ar" and draft is None:
+        raise SpecxError(f"--method {method} needs --draft; use --method ar to decode without one")
+    return target, (None if method == "ar" else draft)
+
+
+def parse_budget(budget: str, device: str) -> int:
+    """'auto' → the starting budget (a budget.BudgetTuner then re-tunes it); else a positive integer."""
+    if budget.strip().lower() == "auto":
+        import torch
+
+        on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        return 1024 if on_cuda else 64
+    try:
+        value = int(budget)
+    except ValueError:
+        raise SpecxError(f"--budget must be a positive integer or 'auto' (got {budget!r})") from None
+    if value < 1:
+        raise SpecxError(f"--budget must be >= 1 (got {value})")
+    return value
+
+
+def parse_size_opt(value: str | None, flag: str) -> int | None:
+    if value is None:
+        return None
+    from offload import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise SpecxError(f"{flag}: {exc}") from None
+
+
+def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
+                      top_k, top_p, seed, device):
+    """Validate the decoding flags and build the engine's config."""
+    for flag, value in (("--max-depth", max_depth), ("--max-beams", max_beams), ("--max-branch", max_branch),
+                        ("--max-new-tokens", max_new_tokens)):
+        if value < 1:
+            raise SpecxError(f"{flag} must be >= 1 (got {value})")
+    n_budget = parse_budget(budget, device)  # before the imports below: a bad number never loads torch
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.core.engine import GenerationConfig
+    from specexec_cli.core.methods import available_methods
+    from specexec_cli.core.sampling import SamplingParams, validate
+
+    if method not in available_methods():
+        raise SpecxError(f"--method must be one of {', '.join(available_methods())} (got {method!r})")
+    sampling = SamplingParams(temperature=0.0 if temperature is None else temperature,
+                              top_k=0 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p)
+    validate(sampling)  # unset (None) values are checked once filled from the checkpoint (ModelFlags.plan)
+    shape = TreeShape(n_budget, max_depth, max_beams, max_branch)
+    return GenerationConfig(method=method, shape=shape, sampling=sampling, seed=seed, max_new_tokens=max_new_tokens)
+
+
+def config_record(cfg, offload_plan: str | None = None) -> dict:
+    """The config part of the --stats-json record."""
+    rec = dict(
+        method=cfg.method, budget=cfg.shape.budget, max_depth=cfg.shape.max_depth,
+        max_beams=cfg.shape.max_beams, max_branch=cfg.shape.max_branch, temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+    )  # fmt: skip
+    if offload_plan is not None:
+        rec["offload"] = offload_plan
+    return rec
+
+
+def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
+                 max_ram, progress=None):
+    """Resolve defaults, load both models, print the offload plan (if any) in one line."""
+    from specexec_cli.session.loading import LoadOptions, load_models
+
+    if offload not in ("none", "ram", "disk", "auto"):
+        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
+    target, draft = pick_models(target, draft, method)
+    opts = LoadOptions(
+        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code, offload=offload,
+        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+        progress=progress,
+    )  # fmt: skip
+    models = load_models(opts)
+    plan = getattr(models.target, "plan", None)
+    if plan is not None:
+        notices.notice(plan.describe())
+    return models
+
+
+def parse_draft_bits(value: str, draft: str | None) -> int | None:
+    """--draft-bits: None for auto, else 4 | 3 | 2, and only with --draft self."""
+    from specexec_cli.session.loading import SELF
+
+    value = str(value).strip().lower()
+    if value == "auto":
+        return None
+    if value not in ("4", "3", "2"):
+        raise SpecxError(f"--draft-bits must be auto, 4, 3 or 2 (got {value!r})")
+    if draft != SELF:
+        raise SpecxError("--draft-bits applies to --draft self only; drop it or pass --draft self")
+    return int(value)
+
+
+def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
+                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto", draft_bits="auto", temperature=None):
+    """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit.
+    `temperature`: the --temperature flag (None: the target's generation_config.json), which the
+    self-draft's choice of substitute bits depends on."""
+    from dataclasses import replace
+
+    from specexec_cli.session.loading import LoadOptions
+    from specexec_cli.session.planning import make_plan
+
+    if offload not in ("none", "ram", "disk", "auto"):
+        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
+    if ctx < 1:
+        raise SpecxError(f"--ctx must be >= 1 (got {ctx})")
+    target, draft = pick_models(target, draft, method)
+    bits = parse_draft_bits(draft_bits, draft)
+    opts = LoadOptions(
+        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings, draft_dtype=draft_dtype,
+        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
+        draft_bits=bits,
+    )  # fmt: skip
+    if temperature is None:
+        temperature = ModelFlags.checkpoint_defaults(opts.target).temperature
+    plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto", temperature)
+    if plan is not None and plan.budget != cfg.shape.budget and plan.fits:
+        cfg = replace(cfg, shape=replace(cfg.shape, budget=plan.budget))
+    return replace(opts, plan=plan), plan, cfg
+
+
+def show_plan(plan, stats_json: Path | None) -> None:
+    """--dry-run: the plan table on stdout, {"plan": ...} in --stats-json; exit 2 when it cannot fit."""
+    if plan is None:
+        raise SpecxError("--dry-run reads safetensors headers; pickle checkpoints cannot be planned")
+    notices.plan(plan.to_json())
+    if stats_json is not None:
+        stats_json.write_text(json.dumps({"plan": plan.to_json()}, indent=1) + "\n")
+    if not plan.fits:
+        raise SpecxError(plan.reason)
+
+
+def load_planned(opts, plan, progress):
+    """Refuse a plan that cannot fit (before any weight is read), then load and print the placement."""
+    from dataclasses import replace
+
+    from specexec_cli.session.loading import load_models
+
+    from specexec_cli.session.planning import require_host
+
+    if plan is not None and not plan.fits:
+        raise SpecxError(plan.reason)
+    require_host(plan)
+    models = load_models(replace(opts, progress=progress))
+    placed = getattr(models.target, "plan", None)
+    if placed is not None:
+        notices.notice(placed.describe())
+    return models
+
+
+
+
+def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
+    """PROMPT_FILE (or - for stdin) or -p TEXT: exactly one of them."""
+    if prompt is not None and prompt_file is not None:
+        raise SpecxError("give either PROMPT_FILE or -p/--prompt TEXT, not both")
+    if prompt is not None:
+        if not prompt.strip():
+            raise SpecxError("-p/--prompt is empty; pass some text")
+        return prompt
+    if prompt_file is None:
+        raise SpecxError("no prompt: pass a PROMPT_FILE (or - for stdin) or -p TEXT")
+    from specexec_cli.session.loading import read_prompt
+
+    return read_prompt(prompt_file)
+
+
+def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
+    """(BudgetTuner for --budget auto with specexec else None, link peak GB/s, the profile or None)."""
+    from specexec_cli.core.budget import make_tuner, weights_stream
+    from specexec_cli.session.profiles import find_profile, link_peak
+
+    profile = find_profile(profile_path)
+    on_cuda = getattr(models.target, "device", None) is not None and models.target.device.type == "cuda"
+    auto = budget.strip().lower() == "auto" and cfg.method == "specexec"
+    tuner = make_tuner(profile, cfg.shape, on_cuda, weights_stream(models.target)) if auto else None
+    if tuner is not None and getattr(models, "kv_rows", None) is not None:
+        tuner.max_budget = min(tuner.max_budget, cfg.shape.budget)   # the memory plan sized caches for this
+    return tuner, link_peak(profile, offload, on_cuda), profile

@@ -1,0 +1,147 @@
+"""The CLI side of the device-memory plan: options -> offload.memplan request -> plan, before loading.
+
+Contract: `make_plan(opts, shape, budget_auto)` resolves the target/draft directories, reads only
+their config.json and safetensors headers, asks the device (if any) for its free memory and
+psutil for available RAM, and returns an `offload.memplan.MemoryPlan`. It never reads weights,
+so `--dry-run` needs no GPU: `--device cuda --max-gpu-memory 24GB` plans for a 24 GB card on any
+machine. `require_fit(plan)` raises SpecxError with the plan's one-line reason when it does not fit.
+Pickle checkpoints (only with --allow-pickle) have no headers to plan from: `make_plan` returns None.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from specexec_cli.errors import SpecxError
+
+DEFAULT_CTX = 8192
+
+
+def plan_device(name: str) -> str:
+    """'auto' -> cuda when present; 'cuda' is allowed without a GPU (a plan for a card elsewhere)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise SpecxError(f"--device must be auto, cpu or cuda (got {name!r})")
+    return name
+
+
+def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "auto") -> tuple[str, str | None]:
+    """(target, draft) dtype names: auto = bf16 on CUDA, fp32 on CPU; an nf4 target keeps an auto draft;
+    an explicit --draft-dtype wins for the draft (mixed precision)."""
+    auto = "fp32"
+    if device == "cuda":
+        from offload.loader import accelerator_half
+
+        auto = "bf16" if accelerator_half() == torch.bfloat16 else "fp16"
+    if dtype not in ("auto", "bf16", "fp16", "fp32", "nf4"):
+        raise SpecxError(f"--dtype must be one of auto, bf16, fp16, fp32, nf4 (got {dtype!r})")
+    target = auto if dtype == "auto" else dtype
+    draft = (auto if dtype in ("auto", "nf4") else dtype) if has_draft else None
+    if has_draft and draft_dtype != "auto":
+        from specexec_cli.session.loading import draft_dtype_name
+
+        draft = draft_dtype_name(dtype, draft_dtype)
+    return target, draft
+
+
+def prequantized(path) -> bool:
+    """config.json carries a quantization_config (a pre-quantized 4-bit checkpoint)."""
+    import json
+
+    try:
+        return "quantization_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def nf4_source(path, dtype: str, device: str = "cpu"):
+    """(checkpoint the loader will stream, target dtype): a pre-quantized 4-bit checkpoint is nf4;
+    a 16-bit one with --dtype nf4 streams from its 4-bit cache when that exists (exact sizes),
+    else the plan estimates the cache's layout from the 16-bit headers."""
+    from offload.nf4 import packing_for
+    from offload.quant_cache import cache_dir, cache_key, is_complete
+
+    if prequantized(path):
+        return path, "nf4"
+    packing = packing_for(device)
+    if dtype == "nf4" and is_complete(cache_dir(path, packing), cache_key(path, packing)):
+        return cache_dir(path, packing), dtype
+    return path, dtype
+
+
+def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0):
+    """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring);
+    `temperature` (the decoding one) weighs the self-draft's substitute widths."""
+    from offload import OffloadError
+    from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+
+    from specexec_cli.session.loading import SELF, check_weights, resolve_path
+
+    device = plan_device(opts.device)
+    tpath = resolve_path(opts.target, "--target")
+    self_draft = opts.draft == SELF
+    dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None and not self_draft else None
+    safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
+    if not all(safe):
+        return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
+    tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
+    sixteen_bit = not prequantized(tpath)   # else no 16-bit weights to make self-draft substitutes from
+    tpath, tdtype = nf4_source(tpath, tdtype, device)
+    if self_draft:
+        # the substitutes compute in the target's compute dtype (an nf4 target: bf16/fp16 on CUDA, fp32 on CPU)
+        ddtype = tdtype if tdtype != "nf4" else ("bf16" if device == "cuda" else "fp32")
+    free = None
+    if device == "cuda" and torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    ram, shortfall = for_stated_machine(device, opts.max_gpu_memory, opts.max_ram, free,
+                                        psutil.virtual_memory().available)
+    req = PlanRequest(
+        device=device, dtype=tdtype, draft_dtype=ddtype, ram_free=ram,
+        device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
+        max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
+        embeddings=opts.embeddings, self_draft=self_draft, draft_bits=getattr(opts, "draft_bits", None),
+        sixteen_bit=sixteen_bit, temperature=temperature,
+    )  # fmt: skip
+    try:
+        plan = plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)
+    except OffloadError as exc:
+        raise SpecxError(str(exc)) from None
+    if shortfall:
+        plan.elsewhere = shortfall
+        plan.notes.insert(0, f"planned for the machine the caps describe: {shortfall}")
+    return plan
+
+
+def for_stated_machine(device: str, max_gpu: int | None, max_ram: int | None, dev_free: int | None,
+                       ram_free: int) -> tuple[int, str]:
+    """(RAM to plan with, why this host differs or "").
+
+    Explicit --max-ram (and, for CUDA, --max-gpu-memory) describe the machine to plan for, which
+    may be bigger than this one (`--dry-run` is how users size a purchase): the plan then assumes
+    that machine's RAM (--max-ram as RAM_FRACTION of it) and says in one line what this host lacks;
+    only a real run refuses it (`require_host`)."""
+    from offload.memplan import RAM_FRACTION
+    from offload.sizes import format_bytes
+
+    lacks = []
+    if max_ram is not None and max_ram > RAM_FRACTION * ram_free:
+        lacks.append(f"--max-ram {format_bytes(max_ram)} but this host has {format_bytes(ram_free)} of RAM available")
+        ram_free = int(max_ram / RAM_FRACTION) + 1
+    if device == "cuda" and max_gpu is not None and (dev_free is None or max_gpu > dev_free):
+        have = "no CUDA device" if dev_free is None else f"{format_bytes(dev_free)} of GPU memory free"
+        lacks.append(f"--max-gpu-memory {format_bytes(max_gpu)} but this host has {have}")
+    return ram_free, "; ".join(lacks)
+
+
+def require_host(plan) -> None:
+    """A real run of a plan made for another machine: refuse it in one line, before loading."""
+    if plan is not None and plan.elsewhere:
+        raise SpecxError(f"this plan is for another machine ({plan.elsewhere}); fix: lower the caps to "
+                         "what this host has, or drop them to let specx measure it")
+
+
+def require_fit(plan) -> None:
+    if not plan.fits:
+        raise SpecxError(plan.reason)

@@ -1,0 +1,396 @@
+"""Rich rendering of RunStats on stderr: the live panel and the plain summary line.
+
+Contract: the only module that imports rich. `LiveView` is a context manager fed with the RunStats
+after each step. When `live` is true (stderr is a terminal and no `--no-live`) it draws the panel:
+- stdout is the terminal too: the panel lives in the bottom rows, below a scroll region
+  (`BottomPanel`), and generated text scrolls above it untouched — the panel is drawn with
+  cursor save/restore and never goes through stdout;
+- stdout is piped: a plain rich `Live` on stderr (nothing else writes to the terminal).
+Otherwise (or when the terminal is too small) it prints one plain summary line at the end.
+Every message that can carry user text, file names or model text is escaped or printed without
+markup. stdout is never written here. Importing this module loads rich's console only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from rich.panel import Panel
+
+    from specexec_cli.core.stats import RunStats
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+_LIVE_CONSOLE: Console | None = None  # the console of an active progress bar: notices print above it
+
+
+def stderr_console() -> Console:
+    if _LIVE_CONSOLE is not None:
+        return _LIVE_CONSOLE
+    return Console(file=sys.stderr, highlight=False)
+
+
+def sparkline(values: list[int], width: int = 32) -> str:
+    vals = values[-width:]
+    if not vals:
+        return ""
+    top = max(vals) or 1
+    return "".join(SPARKS[min(len(SPARKS) - 1, int((v / top) * (len(SPARKS) - 1)))] for v in vals)
+
+
+def recent_tps(stats: RunStats, window: int = 8) -> float:
+    """tok/s over the last `window` passes (current speed)."""
+    toks, secs = stats.pass_tokens[-window:], stats.pass_seconds[-window:]
+    return sum(toks) / sum(secs) if secs and sum(secs) > 0 else 0.0
+
+
+def memory_line() -> str:
+    """Host RSS / available RAM, plus device memory in use when CUDA is present."""
+    import psutil
+    import torch
+
+    gb = 1e9
+    vm = psutil.virtual_memory()
+    line = f"host {psutil.Process().memory_info().rss / gb:.2f} GB used · {vm.available / gb:.1f} GB free"
+    if torch.cuda.is_available():
+        line += f" · gpu {torch.cuda.memory_allocated() / gb:.2f}/{torch.cuda.get_device_properties(0).total_memory / gb:.1f} GB"
+    return line
+
+
+def render(stats: RunStats, extra: dict | None = None, link_gbps: float | None = None) -> Panel:
+    from rich.panel import Panel
+    from rich.table import Table
+
+    cfg = stats.config
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold cyan", justify="right")
+    grid.add_column()
+    last = stats.pass_tokens[-1] if stats.pass_tokens else 0
+    passes = max(stats.target_passes, 1)
+    grid.add_row("speed", f"{recent_tps(stats):.2f} tok/s now · {stats.tokens_per_second:.2f} tok/s avg")
+    grid.add_row("tokens/pass", f"{stats.tokens_per_pass:.2f} mean · {last} last  {sparkline(stats.pass_tokens)}")
+    size = stats.tree_sizes[-1] if stats.tree_sizes else 0
+    depth = stats.tree_depths[-1] if stats.tree_depths else 0
+    grid.add_row("tree", f"{size} nodes · depth {depth} · budget {cfg.get('budget')} · max depth "
+                 f"{cfg.get('max_depth')} · {cfg.get('method')}")
+    other = max(stats.decode_seconds - stats.draft_seconds - stats.target_seconds, 0.0)
+    total = max(stats.decode_seconds, 1e-9)
+    grid.add_row(
+        "per pass",
+        f"draft {1000 * stats.draft_seconds / passes:.1f} ms · target {1000 * stats.target_seconds / passes:.1f} ms"
+        f"  (split {100 * stats.draft_seconds / total:.0f}/{100 * stats.target_seconds / total:.0f}/"
+        f"{100 * other / total:.0f} % draft/target/other)",
+    )
+    if stats.streamed_bytes:
+        peak = f" of {link_gbps:.2f} GB/s link peak" if link_gbps else ""
+        grid.add_row("streamed", f"{stats.streamed_gbps:.2f} GB/s{peak}")
+    grid.add_row("memory", memory_line())
+    for key, value in (extra or {}).items():
+        grid.add_row(escape(str(key)), escape(str(value)))
+    title = f"specx · {stats.new_tokens} tokens · {stats.target_passes} passes"
+    return Panel(grid, title=title, border_style="blue", expand=False)
+
+
+PANEL_ROWS = 10  # rows reserved at the bottom: 2 borders + up to 8 grid rows
+
+
+class BottomPanel:
+    """The bottom `rows` lines of the terminal, kept out of the text's way by a scroll region.
+
+    `open` sets the scroll region (DECSTBM) to the rows above the panel, as apt does for its
+    progress line; text printed on stdout then scrolls inside it. `draw` paints the panel's lines
+    with the cursor saved and restored (DECSC/DECRC), so the text's cursor never moves. `close`
+    clears the panel rows and gives the whole screen back. All escapes go to `out` (stderr).
+    """
+
+    def __init__(self, out, rows: int = PANEL_ROWS):
+        self.out, self.rows = out, rows
+        self.size = os.get_terminal_size(out.fileno())
+        self.ok = self.size.lines >= rows + 4  # too small a terminal: the caller falls back
+
+    def _region(self, lines: int) -> str:
+        return f"\x1b7\x1b[1;{lines - self.rows}r\x1b8"  # DECSTBM homes the cursor: save/restore
+
+    def open(self) -> None:
+        # newlines scroll the screen when the cursor is in the last `rows` rows; then go back up
+        self._write("\n" * self.rows + f"\x1b[{self.rows}A" + self._region(self.size.lines))
+
+    def draw(self, lines: list[str]) -> None:
+        size = os.get_terminal_size(self.out.fileno())
+        buf = ""
+        if size != self.size:  # resized: move the region to the new bottom
+            self.size = size
+            buf += self._region(size.lines)
+        top = size.lines - self.rows + 1
+        buf += "\x1b7"
+        for i in range(self.rows):
+            buf += f"\x1b[{top + i};1H\x1b[2K" + (lines[i] if i < len(lines) else "")
+        self._write(buf + "\x1b8")
+
+    def close(self) -> None:
+        top = self.size.lines - self.rows + 1
+        clear = "".join(f"\x1b[{top + i};1H\x1b[2K" for i in range(self.rows))
+        self._write("\x1b7" + clear + "\x1b[r\x1b8")  # DECSTBM reset also homes: save/restore
+
+    def _write(self, data: str) -> None:
+        sys.stdout.flush()  # text already written must land before the cursor moves
+        self.out.write(data)
+        self.out.flush()
+
+
+def panel_lines(panel, width: int, rows: int) -> list[str]:
+    """The panel rendered with ANSI styles, as at most `rows` lines no wider than `width`."""
+    console = Console(file=io.StringIO(), width=width, force_terminal=True, highlight=False,
+                      color_system=None if os.environ.get("NO_COLOR") else "standard")
+    with console.capture() as cap:
+        console.print(panel, crop=True, overflow="crop")
+    return cap.get().splitlines()[:rows]
+
+
+class LiveView:
+    """`with LiveView(live) as view: view.update(stats)`; see the module docstring for the modes.
+
+    summary: True = the full summary line (or the final panel) at the end, "turn" = a short
+    per-reply line (tok/s, tokens/pass) live or not, False = nothing at the end.
+    """
+
+    def __init__(self, live: bool, console: Console | None = None, transient: bool = False,
+                 link_gbps: float | None = None, summary: bool | str = True, end_text=None):
+        self.live, self.transient, self.link_gbps, self.summary = live, transient, link_gbps, summary
+        self.end_text = end_text  # called first on exit: ends the text's last line (TextSink.end_line)
+        self._last_draw = 0.0
+        self.extra: dict | None = None
+        self.console = console or stderr_console()
+        self._live = None  # rich Live (stdout piped)
+        self._bottom: BottomPanel | None = None  # scroll-region panel (stdout is the terminal)
+        self.stats: RunStats | None = None
+
+    def __enter__(self) -> "LiveView":
+        if self.live and sys.stdout.isatty():
+            bottom = BottomPanel(sys.stderr)
+            if bottom.ok:
+                self._bottom = bottom
+                bottom.open()
+        elif self.live:
+            from rich.live import Live
+
+            self._live = Live(console=self.console, refresh_per_second=8, transient=self.transient,
+                              redirect_stdout=False, redirect_stderr=False)  # fmt: skip
+            self._live.__enter__()
+        return self
+
+    def update(self, stats: RunStats, extra: dict | None = None) -> None:
+        self.stats, self.extra = stats, extra
+        now = time.monotonic()
+        # re-render at most ~10x/s (and always on the last step): rendering costs ~ms per call
+        if now - self._last_draw > 0.1 or stats.finish:
+            self._last_draw = now
+            self._draw()
+
+    def _draw(self) -> None:
+        if self.stats is None:
+            return
+        if self._bottom is not None:
+            panel = render(self.stats, self.extra, self.link_gbps)
+            self._bottom.draw(panel_lines(panel, self._bottom.size.columns, self._bottom.rows))
+        elif self._live is not None:
+            self._live.update(render(self.stats, self.extra, self.link_gbps))
+
+    def __exit__(self, *exc) -> None:
+        if self.end_text is not None:
+            self.end_text()
+        if self._live is not None:
+            self._draw()  # the throttle may have skipped the last step
+            self._live.__exit__(*exc)
+        elif self._bottom is not None:
+            self._bottom.close()
+            if not self.transient and self.stats is not None and self.summary is True:
+                self.console.print(render(self.stats, self.extra, self.link_gbps))
+        if self.stats is None:
+            return
+        if self.summary == "turn":
+            print(turn_line(self.stats), file=sys.stderr, flush=True)
+        elif self.summary and self._live is None and self._bottom is None:
+            print(self.stats.summary_line(), file=sys.stderr, flush=True)
+
+
+def turn_line(stats: RunStats) -> str:
+    """The one line after each chat reply."""
+    return (f"[{stats.new_tokens} tokens · {stats.tokens_per_second:.2f} tok/s · "
+            f"{stats.tokens_per_pass:.2f} tokens/pass · {stats.target_passes} passes]")
+
+
+def live_enabled(no_live: bool) -> bool:
+    """The live panel shows unless --no-live or stderr is not a terminal."""
+    return not no_live and sys.stderr.isatty()
+
+
+def route_offload_notices() -> None:
+    """Show the offload engine's fallback notices (offload.errors.OffloadNotice) as one-line
+    notices; every other warning keeps Python's default display."""
+    import warnings
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__name__ == "OffloadNotice":   # by name: importing offload would load torch
+            print_notice(str(message))
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
+def print_notice(message: str) -> None:
+    """A one-line notice on stderr (loading plans, demo-pair notice)."""
+    stderr_console().print(f"[dim]{escape(message)}[/dim]", soft_wrap=True)
+
+
+def print_error(message: str) -> None:
+    """`error: message` on stderr; the message is escaped (it may name files or quote input)."""
+    stderr_console().print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
+
+
+def print_info(message: str) -> None:
+    """Plain text on stderr (chat command output, summaries); no markup interpretation."""
+    print(message, file=sys.stderr, flush=True)
+
+
+class LoadProgress:
+    """A Rich progress bar on stderr for model loading / quantizing; a callable(done, total, what).
+
+    Disabled (a no-op callable) when `enabled` is false, e.g. stderr is not a terminal.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> "LoadProgress":
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                      console=stderr_console(), transient=True)  # fmt: skip
+            self._progress.__enter__()
+            self._show_notices_above()
+        return self
+
+    def _show_notices_above(self) -> None:
+        """Route print_notice/print_error through the bar's console while it is shown (a second
+        console on stderr would write into the bar's line)."""
+        global _LIVE_CONSOLE
+        self._outer, _LIVE_CONSOLE = _LIVE_CONSOLE, self._progress.console
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self._progress is None:
+            return
+        if self._task is None:
+            self._task = self._progress.add_task(escape(what), total=total)
+        elif done < self._progress.tasks[0].completed:   # a new phase (quantizing -> loading): fresh ETA
+            self._progress.reset(self._task, total=total)
+        self._progress.update(self._task, completed=done, total=total, description=escape(what))
+
+    def __exit__(self, *exc) -> None:
+        global _LIVE_CONSOLE
+        if self._progress is not None:
+            _LIVE_CONSOLE = self._outer
+            self._progress.__exit__(*exc)
+
+
+def print_profile(profile: dict) -> None:
+    """The `specx profile` result as a Rich table on stderr, then the recommended budget."""
+    from rich.table import Table
+
+    gb = 1e9
+    table = Table(title=f"specx profile · {escape(str(profile.get('hostname')))}", show_header=False, expand=False)
+    table.add_column(style="bold cyan", justify="right")
+    table.add_column()
+    cpu, mem, disk, mm = profile["cpu"], profile["memory"], profile["disk"], profile["matmul"]
+    table.add_row("cpu", f"{escape(str(cpu['model']))} · {cpu['physical_cores']} cores / {cpu['logical_cores']} threads "
+                  f"({cpu['usable_cores']} usable)")
+    table.add_row("ram", f"{mem['total_bytes'] / gb:.1f} GB total · {mem['available_bytes'] / gb:.1f} GB free")
+    for g in profile.get("gpus") or []:
+        table.add_row(f"gpu {g['index']}", f"{escape(str(g['name']))} · {g['total_bytes'] / gb:.1f} GB · "
+                      f"pinned H2D {g['h2d_pinned_gbps']:.2f} GB/s")
+    if not profile.get("gpus"):
+        table.add_row("gpu", "none (CUDA not available)")
+    note = f" · {disk['note']}" if disk.get("note") else ""
+    table.add_row("disk", escape(f"{disk.get('read_gbps')} GB/s {disk.get('method')} read of {disk.get('path')}{note}"))
+    table.add_row("matmul", f"bf16 {mm['bf16_gflops']} GFLOP/s · fp32 {mm['fp32_gflops']} GFLOP/s ({mm['device']})")
+    models = profile.get("models")
+    if models:
+        pts = ", ".join(f"{n}: {1000 * s:.1f}" for n, s in models["target_seconds"].items())
+        table.add_row("t_target(n) ms", pts)
+        if models.get("draft_step_seconds"):
+            table.add_row("draft step", f"{1000 * models['draft_step_seconds']:.1f} ms per {models['max_beams']}-node forward")
+    rec = profile.get("recommended")
+    if rec:
+        table.add_row("recommended", f"--budget {rec['budget']} --max-depth {rec['max_depth']} "
+                      f"(~{rec['expected_tokens_per_pass']} tokens/pass with the prior acceptance curve, "
+                      f"{rec['timing']} timings)")
+    stderr_console().print(table)
+
+
+class BenchProgress(LoadProgress):
+    """`specx bench` progress: bar, cells done/total, elapsed and ETA; a callable(done, total, what)."""
+
+
+def print_bench_table(records: list[dict]) -> None:
+    """One row per bench cell (method × budget × temperature) on stderr."""
+    from rich.table import Table
+
+    table = Table(title="specx bench", header_style="bold cyan")
+    for col in ("T", "budget", "method", "tok/pass", "tok/s", "draft s", "target s", "tree", "lossless"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
+    for r in records:
+        lossless = {True: "[green]yes[/green]", False: "[bold red]NO[/bold red]", None: "n/a"}[r["lossless"]]
+        budget = f"{r['budget']}*" if r.get("budget_independent") else str(r["budget"])
+        table.add_row(f"{r['temperature']:g}", budget, r["method"], f"{r['tokens_per_pass']:.2f}",
+                      f"{r['tokens_per_second']:.2f}", f"{r['draft_seconds']:.1f}", f"{r['target_seconds']:.1f}",
+                      f"{r['mean_tree_size']:g}", lossless)  # fmt: skip
+    stderr_console().print(table)
+    stderr_console().print("[dim]* budget-independent method (ar; chain uses --gamma): one run, repeated per budget[/dim]")
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def print_plan(plan: dict, title: str = "specx memory plan") -> None:
+    """The --dry-run plan (MemoryPlan.to_json()) on stdout: component, where it lives, bytes."""
+    from rich.table import Table
+
+    dev = "cuda" if plan.get("device") == "cuda" else "cpu"
+    table = Table(title=title, header_style="bold cyan")
+    for col, justify in (("component", "left"), ("where", "left"), ("bytes", "right"), ("GB", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for name, n in plan["device_bytes"].items():
+        table.add_row(name, dev, f"{n:,}", _gb(n))
+    table.add_row("[bold]device total[/bold]", dev, f"{plan['device_total']:,}",
+                  f"{_gb(plan['device_total'])} of {_gb(plan['device_capacity'])}", end_section=True)
+    for name, n in plan["host_bytes"].items():
+        table.add_row(name, "ram", f"{n:,}", _gb(n))
+    table.add_row("[bold]host total[/bold]", "ram", f"{plan['host_total']:,}",
+                  f"{_gb(plan['host_total'])} of {_gb(plan['host_capacity'])}", end_section=True)
+    table.add_row("layers read per pass", "disk", f"{plan['disk_bytes_per_pass']:,}", _gb(plan["disk_bytes_per_pass"]))
+    streamed = plan["streamed_layers"]
+    table.caption = (f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
+                     f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
+                     f"prefill {plan['pass_tokens']} tokens/pass · "
+                     + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]"))
+    console = Console(highlight=False)
+    console.print(table)
+    for note in plan.get("notes") or []:
+        console.print(f"[dim]note: {escape(note)}[/dim]")

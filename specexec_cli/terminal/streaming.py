@@ -1,0 +1,80 @@
+"""One `specx run` decode: engine events → raw text on stdout, the live view on stderr, stats.
+
+Contract: `decode_events` drives `engine.generate` (or a `budget.BudgetTuner`), writes every
+event's text through a `terminal.TextSink` (raw, optionally coloured by origin), feeds a
+`display.LiveView` and returns the `RunStats`. The last line of text is ended before the view
+closes, so the summary line or final panel never runs into it. `--stats-json` is written even
+when decoding stops early (Ctrl-C, an error); its path was validated before the models loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from specexec_cli.terminal import display
+from specexec_cli.core.engine import DecodeState
+from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
+from specexec_cli.core.methods import generate
+from specexec_cli.core.stats import LinkMeter, RunStats
+from specexec_cli.terminal.output import TextSink
+
+
+def streamed_bytes(model) -> int:
+    stats = getattr(model, "stats", None)
+    return int(getattr(stats, "streamed_bytes", 0) or 0)
+
+
+def decode_events(models, ids: list[int], cfg, record: dict, live: bool, stats_json: Path | None,
+                     state: DecodeState | None = None, tuner=None, link_gbps: float | None = None,
+                     color: bool = False) -> RunStats:
+    """Stream one continuation of `ids`; `record` is the config part of the stats JSON."""
+    stats = RunStats(config=record)
+    state = state if state is not None else DecodeState()
+    streamed0 = streamed_bytes(models.target)
+    meter = LinkMeter(models.target)
+    sink = TextSink(color=color)
+    try:
+        with display.LiveView(live, link_gbps=link_gbps) as view:
+            try:
+                events = tuner.drive(models, state, ids, cfg) if tuner else generate(models, state, ids, cfg)
+                for ev in events:
+                    sink(ev.text)
+                    stats.add(ev)
+                    meter.step(stats, ev)
+                    stats.streamed_bytes = streamed_bytes(models.target) - streamed0
+                    if tuner is not None:
+                        stats.config.update(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth)
+                    view.update(stats, {"budget": "auto"} if tuner else None)
+            except RuntimeError as exc:  # torch.OutOfMemoryError mid-pass: one line with plan and fix
+                if not is_oom(exc):
+                    raise
+                raise oom_error(record.get("offload"), stats.config.get("budget"), models.ctx_limit) from None
+            finally:
+                sink.end_line()  # before the view closes: the summary must not run into the text
+    finally:
+        if stats_json is not None:
+            save_stats(stats_json, stats)
+    return stats
+
+
+def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None,
+                     color: bool = False):
+    """decode_events with the config record made from the flags."""
+    from specexec_cli.session.options import config_record
+
+    plan = getattr(models.target, "plan", None)
+    record = config_record(cfg, plan.describe() if plan is not None else None)
+    return decode_events(models, ids, cfg, record, live, stats_json, state, tuner, link_gbps, color)
+
+
+def save_stats(path: Path, stats: RunStats) -> None:
+    """Write --stats-json; a full disk is one error line, and never hides a Ctrl-C or another error."""
+    propagating = sys.exc_info()[0]   # called from a `finally`: is a Ctrl-C or an error on its way?
+    try:
+        write_output(path, json.dumps(stats.to_json(), indent=1) + "\n", "--stats-json")
+    except SpecxError as exc:
+        if propagating is None:
+            raise
+        display.print_error(str(exc))

@@ -1,0 +1,1 @@
+"""Tools over the session layer: `specx profile` (profiler), `specx bench` and `specx quantize`."""

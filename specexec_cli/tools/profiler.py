@@ -1,0 +1,311 @@
+"""Hardware probes, t_target(n) / draft-step measurement, and profile JSON read/write.
+
+Contract: `probe_hardware(folder)` returns the machine part of a profile (CPU, RAM, GPUs with pinned
+host→device bandwidth, disk read bandwidth of `folder`, matmul throughput); `measure_models(models,
+max_tokens)` times the real target forward (offload path included) for n = 1, 2, 4, … tree tokens and
+the draft's tree growth. `build_profile` assembles the versioned dict documented in
+profiles/README.md, which session/profiles.py stores and finds. Nothing here prints; errors are
+SpecxError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import platform
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specexec_cli.errors import SpecxError
+from specexec_cli.session.profiles import (  # noqa: F401 - the store `specx profile` writes to
+    SCHEMA, VERSION, config_dir, default_profile_path, find_profile, link_peak, read_profile, validate_profile,
+    write_profile,
+)
+
+CONTEXT_TOKENS = 64  # committed tokens in the cache while timing a pass (a short conversation)
+CHUNK = 8 << 20  # disk read size: large enough to reach sequential bandwidth
+SAMPLE_CODE = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
+
+
+
+
+
+
+def _timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
+    """Fastest of repeated fn() calls filling ~min_seconds (after one warm-up call), at least 2.
+
+    The minimum, not the mean: on a shared machine other processes only ever add time.
+    """
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 2 or (time.perf_counter() - start < min_seconds and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def probe_cpu() -> dict:
+    import psutil
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return dict(model=name, physical_cores=psutil.cpu_count(logical=False), logical_cores=psutil.cpu_count(),
+                usable_cores=usable, torch_threads=torch.get_num_threads())  # fmt: skip
+
+
+def probe_memory() -> dict:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return dict(total_bytes=vm.total, available_bytes=vm.available)
+
+
+def probe_gpus(copy_bytes: int = 512 << 20) -> list[dict]:
+    """Name, memory and pinned host→device bandwidth (one large copy, median of a few)."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        host = torch.empty(copy_bytes, dtype=torch.uint8).pin_memory()
+        dev = torch.empty(copy_bytes, dtype=torch.uint8, device=f"cuda:{i}")
+
+        def copy():
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize(i)
+
+        secs = _timed(copy, 0.5, 10)
+        out.append(dict(index=i, name=props.name, total_bytes=props.total_memory, h2d_pinned_gbps=round(copy_bytes / secs / 1e9, 3)))
+    return out
+
+
+def _read_direct(paths: list[Path], total: int) -> tuple[int, float, str]:
+    """Read up to `total` bytes from `paths` in CHUNK reads; O_DIRECT if possible, else buffered."""
+    buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
+    done, secs, method = 0, 0.0, "o_direct"
+    while done < total:
+        for path in paths:
+            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if method == "o_direct" else 0)
+            try:
+                fd = os.open(path, flags)
+            except OSError:
+                if method != "o_direct":
+                    raise
+                method = "buffered"
+                fd = os.open(path, os.O_RDONLY)
+            try:
+                size, off = os.fstat(fd).st_size, 0
+                t0 = time.perf_counter()
+                while off < size and done < total:
+                    try:
+                        n = os.preadv(fd, [buf], off)
+                    except OSError:  # EINVAL: O_DIRECT unsupported on this filesystem
+                        if method != "o_direct":
+                            raise
+                        method = "buffered"
+                        os.close(fd)
+                        fd = os.open(path, os.O_RDONLY)
+                        continue
+                    if n <= 0:
+                        break
+                    off, done = off + n, done + n
+                secs += time.perf_counter() - t0
+            finally:
+                os.close(fd)
+            if done >= total:
+                break
+    buf.close()
+    return done, secs, method
+
+
+def probe_disk(folder: Path, nbytes: int = 256 << 20) -> dict:
+    """Read bandwidth of the disk under `folder`.
+
+    Prefers the model's own *.safetensors (read repeatedly up to `nbytes`, O_DIRECT bypasses the page
+    cache); otherwise writes a temporary `nbytes` file there. Buffered fallback → note in the result.
+    """
+    folder = Path(folder)
+    files = sorted(p for p in folder.glob("*.safetensors") if p.stat().st_size >= 64 << 10)
+    tmp = None
+    note = ""
+    if not files:
+        try:
+            fd, name = tempfile.mkstemp(prefix=".specx-probe-", dir=folder)
+        except OSError:
+            return dict(path=str(folder), read_gbps=None, method="none", note="folder not writable and no weights to read")
+        tmp = Path(name)
+        with os.fdopen(fd, "wb") as f:
+            block = os.urandom(1 << 20)
+            for _ in range(max(1, nbytes >> 20)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        files = [tmp]
+    try:
+        done, secs, method = _read_direct(files, nbytes)
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+    if method == "buffered":
+        note = "O_DIRECT unsupported here; buffered reads may be served by the page cache (optimistic)"
+    gbps = round(done / secs / 1e9, 3) if secs > 0 else None
+    return dict(path=str(folder), read_gbps=gbps, method=method, bytes_read=done, note=note)
+
+
+def probe_matmul() -> dict:
+    """Dense matmul throughput (GFLOP/s) for bf16 and fp32 on the default compute device.
+
+    CPU bf16 matmuls can be ~50x slower than fp32 (no native bf16 units), so bf16 uses a smaller
+    matrix on CPU to keep the probe under a few seconds.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = {"bf16": 4096 if device == "cuda" else 384, "fp32": 4096 if device == "cuda" else 1024}
+    out: dict = dict(device=device, sizes=sizes)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        size = sizes[name]
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+
+        def mm():
+            a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        out[f"{name}_gflops"] = round(2 * size**3 / _timed(mm, 0.3, 20) / 1e9, 2)
+    return out
+
+
+def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
+    return dict(cpu=probe_cpu(), memory=probe_memory(), gpus=probe_gpus(),
+                disk=probe_disk(folder or Path.cwd(), disk_bytes), matmul=probe_matmul())  # fmt: skip
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def time_target(models, n_values: list[int], min_seconds: float = 0.2) -> dict[int, float]:
+    """Seconds of one target pass over n new tokens on top of a CONTEXT_TOKENS-token cache.
+
+    Runs the real forward (streamed layers included when offloaded); a causal mask over n tokens
+    costs what a tree mask does. The cache is cropped back after every pass.
+    """
+    from specexec_cli.core import kvcache
+    from specexec_cli.core.tree import causal_mask
+
+    m, dtype = models.target, kvcache.model_dtype(models.target)
+    ids = (models.tokenizer(SAMPLE_CODE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
+    cache = kvcache.new_cache()
+    ctx = len(ids)
+    kvcache.forward(m, cache, torch.tensor(ids), torch.arange(ctx), causal_mask(0, ctx, dtype, m.device))
+    out = {}
+    for n in n_values:
+        toks = torch.tensor((ids * (n // max(ctx, 1) + 1))[:n])
+
+        def one_pass():
+            kvcache.forward(m, cache, toks, torch.arange(ctx, ctx + n), causal_mask(ctx, n, dtype, m.device))
+            kvcache.crop(cache, ctx)
+
+        out[n] = _timed(one_pass, min_seconds, 20)
+    return out
+
+
+def time_draft(models, budgets: list[int], beams: int = 32, max_depth: int = 64) -> dict:
+    """The draft's time per growth step (one forward over `beams` nodes) and per whole tree."""
+    from specexec_cli.core import kvcache
+    from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
+    from specexec_cli.core.sampling import SamplingParams
+    from specexec_cli.core.tree import causal_mask
+
+    d, dtype = models.draft, kvcache.model_dtype(models.draft)
+    ids = (models.tokenizer(SAMPLE_CODE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
+    ctx = len(ids) - 1
+    cache = kvcache.new_cache()
+    kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype, d.device))
+    toks = torch.tensor((ids * 4)[:beams])
+
+    def step():
+        kvcache.forward(d, cache, toks, torch.arange(ctx, ctx + beams), causal_mask(ctx, beams, dtype, d.device))
+        kvcache.crop(cache, ctx)
+
+    grow = {}
+    for b in budgets:
+        def tree():
+            grow_tree(d, cache, DraftContext(ctx, ids[-1:], ctx), TreeShape(b, max_depth, beams), SamplingParams())
+            kvcache.crop(cache, ctx)
+
+        grow[b] = _timed(tree, 0.2, 10)
+    return dict(draft_step_seconds=_timed(step), draft_grow_seconds=grow, max_beams=beams, max_depth=max_depth)
+
+
+def measure_models(models, max_tokens: int, progress=None) -> dict:
+    """t_target(n) for n = 1 … max_tokens (powers of two, capped by the context) and draft timings."""
+    limit = min(max_tokens, 4096, models.ctx_limit - CONTEXT_TOKENS)
+    ns = powers_of_two(limit)
+    out: dict = {}
+    times = {}
+    for i, n in enumerate(ns):
+        if progress:
+            progress(i, len(ns) + 1, f"target pass, {n} tokens")
+        times.update(time_target(models, [n]))
+    out["target_seconds"] = {str(n): round(s, 6) for n, s in times.items()}
+    if models.draft is not None:
+        if progress:
+            progress(len(ns), len(ns) + 1, "draft tree growth")
+        d = time_draft(models, [n - 1 for n in ns if n > 1])
+        out["draft_step_seconds"] = round(d.pop("draft_step_seconds"), 6)
+        out["draft_grow_seconds"] = {str(b): round(s, 6) for b, s in d.pop("draft_grow_seconds").items()}
+        out.update(d)
+    if progress:
+        progress(len(ns) + 1, len(ns) + 1, "done")
+    return out
+
+
+def build_profile(hardware: dict, models_part: dict | None, recommended: dict | None,
+                  node_calibration: dict | None = None) -> dict:
+    """The profile dict; `node_calibration` (calprobe.py) is stored only when it was measured."""
+    from specexec_cli import __version__
+
+    prof = dict(
+        schema=SCHEMA, version=VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), hostname=socket.gethostname(),
+        specx_version=__version__, torch_version=torch.__version__, **hardware, models=models_part,
+        recommended=recommended,
+    )  # fmt: skip
+    if node_calibration:
+        prof["node_calibration"] = node_calibration
+    return prof
+
+
+
+
+
+
+
+
+
+
+def recommend(models_part: dict | None, max_depth: int = 64) -> dict:
+    """The budget/depth the chooser picks from these timings and the prior acceptance curve."""
+    from specexec_cli.core.budget import make_tuner
+    from specexec_cli.core.draft import TreeShape
+
+    tuner = make_tuner({"models": models_part} if models_part else None, TreeShape(64, max_depth),
+                       torch.cuda.is_available())  # fmt: skip
+    return dict(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth, timing=tuner.timing.source,
+                expected_tokens_per_pass=round(tuner.expected_tokens(tuner.shape.budget), 3))  # fmt: skip
+

@@ -1,0 +1,50 @@
+"""`specx quantize`: write a self-contained pre-quantized 4-bit checkpoint from a 16-bit one.
+
+Contract: `quantize_checkpoint(target, out, progress)` resolves TARGET like --target (local dir or
+cached hub id, safetensors only), refuses an OUT that exists and is not empty, and writes there
+the same bitsandbytes NF4 format the `--dtype nf4` cache uses (offload.quant_cache): packed 4-bit
+decoder-layer linears with their quant state, 16-bit embeddings/norms/lm_head, config.json with
+`quantization_config`, tokenizer and generation files. transformers' `from_pretrained` and specx
+(`--target OUT`, any tier) both load it. Returns a `QuantizeResult`; errors are SpecxError.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specexec_cli.errors import SpecxError
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    out: Path               # the written checkpoint directory
+    source_bytes: int       # bytes of the source's safetensors files
+    out_bytes: int          # bytes of the written safetensors files
+    seconds: float          # wall time of the conversion
+
+
+def _st_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult:
+    from offload import OffloadError
+    from offload.quant_cache import write_quantized
+
+    from specexec_cli.session.loading import check_weights, resolve_path
+
+    src = resolve_path(target, "--target")
+    check_weights(src, "--target", False)
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpecxError(f"--out {out}: already exists and is not empty; pick a new directory")
+    if out.resolve() == src.resolve():
+        raise SpecxError("--out must differ from --target")
+    t0 = time.perf_counter()
+    try:
+        write_quantized(src, out, progress, tokenizer=True)
+    except OffloadError as exc:
+        raise SpecxError(str(exc)) from None
+    return QuantizeResult(out, _st_bytes(src), _st_bytes(out), time.perf_counter() - t0)
