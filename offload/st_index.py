@@ -19,12 +19,12 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import OffloadError
+from .formats.base import TensorInfo
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -35,18 +35,8 @@ ST_DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # absolute offset of the first byte in `file`
-    end: int    # absolute offset one past the last byte
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
+# One stored tensor: name, file, dtype, shape, absolute [begin, end) byte range (formats/base.py).
+TensorEntry = TensorInfo
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:

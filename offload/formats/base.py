@@ -1,0 +1,165 @@
+"""The one description of a checkpoint on disk, and the small interface every format reader implements.
+
+Contract:
+- `TensorInfo`: one STORED tensor (as the file holds it): its HF name, the dtype of its stored
+  elements (torch.uint8 for raw block-quantized bytes), `qtype` when the bytes are a quantized
+  block format rather than a plain array of `dtype` (GGUF "Q4_K", ...), its shape, its file and
+  absolute byte range, and a per-format `meta` dict. Field names match the older
+  `st_index.TensorEntry` (name, file, dtype, shape, begin, end, nbytes), which is an alias of it,
+  so storage.file_layout, the plan and the strict checks take either.
+- `Checkpoint`: everything specx needs to know about one model, read once by `open_checkpoint`
+  (offload/formats/__init__.py) from headers and metadata only (no tensor data): the format
+  name (FORMATS), the config (a config.json-style dict the plan reads, and the transformers
+  config object), the tensor index, the quantization parameters, the tokenizer source, the chat
+  template and the generation defaults. `packed` maps every HF weight that is NOT stored as one
+  plain float tensor (AWQ/GPTQ/compressed-tensors/bnb/GGUF-quantized linears) to the stored
+  tensors its reader's `load_weight` combines. Helpers: `layer_tensors(i)`, `layer_bytes(i)`,
+  `stored_parts(hf_name)`, `load_tokenizer()`.
+- `FormatReader` (a Protocol; each offload/formats/<format>.py module exposes `READER`):
+    name                       the reader's name, for messages ("safetensors", "awq", "gguf", ...)
+    detect(path) -> bool       cheap sniff (file names, config.json's quantization_config, magic
+                               bytes); True means "this reader owns the path", never raises
+    open(path) -> Checkpoint   parse and VALIDATE headers/metadata (strict loading: missing,
+                               unexpected, misshapen or truncated tensors are one-line
+                               OffloadErrors naming the file, the tensor and the fix); no tensor data
+    load_weight(ckpt, hf_weight_name, raw, device, dtype) -> torch.Tensor
+                               turn the stored tensors of one HF weight back into a `dtype` weight
+                               of its logical HF shape on `device`, with torch ops only. `raw`:
+                               stored name -> that tensor's bytes on `device`, either flat uint8
+                               or already viewed with its TensorInfo dtype/shape (`as_stored`
+                               normalises both). Called once per weight per pass when streamed.
+    temp_bytes(ckpt, hf_weight_name, elem) -> int
+                               peak device bytes `load_weight` allocates besides its output
+                               (unpacked codes, expanded scales/zeros) at `elem` bytes per
+                               weight element: the plan counts them with the output itself.
+- Alignment: readers never hand a kernel a tensor that starts off a 256-byte boundary; the
+  loader's packed and disk layouts guarantee it for the `raw` tensors (storage.ARENA_ALIGN).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+FORMATS = ("bf16", "fp16", "fp32", "bnb-nf4", "awq", "gptq", "compressed-tensors", "gguf")
+LAYER_PREFIX = "model.layers."
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str                   # HF tensor name (GGUF names are translated to HF's), e.g. model.layers.0.mlp.up_proj.qweight
+    file: Path                  # file that holds the bytes
+    dtype: torch.dtype          # element type of the stored bytes (torch.uint8 for block-quantized bytes)
+    shape: tuple[int, ...]      # stored shape in `dtype` elements; for a `qtype` tensor the LOGICAL HF shape
+    begin: int                  # absolute byte offset of the first byte in `file`
+    end: int                    # absolute byte offset one past the last byte
+    qtype: str | None = None    # block-quant type of the bytes when not a plain `dtype` array (GGUF "Q4_K"); None = plain
+    meta: dict = field(default_factory=dict, compare=False, hash=False)   # per-format extras (GGUF type id, permutation...)
+
+    @property
+    def nbytes(self) -> int:
+        """Byte count of the stored tensor."""
+        return self.end - self.begin
+
+    @property
+    def offset(self) -> int:
+        return self.begin
+
+
+@dataclass
+class Checkpoint:
+    path: Path                              # what the user named: a model directory or a .gguf file
+    format: str                             # one of FORMATS
+    config: dict                            # config.json-style dict (GGUF: built from metadata); the plan reads it
+    hf_config: object                       # transformers PretrainedConfig built from `config`
+    tensors: dict[str, TensorInfo]          # every stored tensor by name
+    files: list[Path]                       # the weight files, in order (the index json is not one)
+    reader: "FormatReader"                  # the reader that opened it; its load_weight dequantizes
+    quant: dict | None = None               # quantization parameters (bits, group_size, sym, desc_act, ...); None for 16/32-bit
+    packed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # HF weight -> stored tensors that make it
+    tokenizer_path: Path | None = None      # directory (or file) AutoTokenizer.from_pretrained reads
+    tokenizer_kwargs: dict = field(default_factory=dict)   # extra from_pretrained kwargs (GGUF: gguf_file=...)
+    chat_template: str | None = None        # Jinja chat template (tokenizer_config.json / GGUF metadata)
+    generation: dict = field(default_factory=dict)   # generation defaults (generation_config.json / GGUF metadata)
+    source_name: Path | None = None         # file to name in "missing tensor" messages (index json when sharded)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # every HF parameter -> logical shape (set by open)
+
+    @property
+    def root(self) -> Path:
+        """The model directory (a .gguf file's directory)."""
+        return self.path if self.path.is_dir() else self.path.parent
+
+    @property
+    def entries(self) -> dict[str, TensorInfo]:
+        """Alias of `tensors` (st_index.SafetensorsIndex spelling, used by the strict checks)."""
+        return self.tensors
+
+    @property
+    def num_layers(self) -> int:
+        cfg = self.config.get("text_config") or self.config
+        return int(cfg.get("num_hidden_layers", 0))
+
+    @property
+    def quantized(self) -> bool:
+        """True when decoder linears are stored packed (every format but bf16/fp16/fp32)."""
+        return self.format not in ("bf16", "fp16", "fp32")
+
+    def layer_tensors(self, i: int) -> dict[str, TensorInfo]:
+        """Stored tensors of decoder layer i, by full name."""
+        prefix = f"{LAYER_PREFIX}{i}."
+        return {n: t for n, t in self.tensors.items() if n.startswith(prefix)}
+
+    def layer_bytes(self, i: int) -> int:
+        """Bytes decoder layer i occupies as stored (what streams per pass)."""
+        return sum(t.nbytes for t in self.layer_tensors(i).values())
+
+    def stored_parts(self, hf_name: str) -> tuple[str, ...]:
+        """Stored tensors that make HF weight `hf_name` (itself when stored plain)."""
+        return self.packed.get(hf_name, (hf_name,))
+
+    def logical_shape(self, hf_name: str) -> tuple[int, ...]:
+        """The HF parameter's shape ((out_features, in_features) for a linear), however it is stored."""
+        if hf_name in self.shapes:
+            return tuple(self.shapes[hf_name])
+        return tuple(self.tensors[hf_name].shape)
+
+    def file_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def load_tokenizer(self, trust: bool = False):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_path or self.root, trust_remote_code=trust,
+                                             **self.tokenizer_kwargs)
+
+
+@runtime_checkable
+class FormatReader(Protocol):
+    name: str
+
+    def detect(self, path: Path) -> bool: ...
+
+    def open(self, path: Path) -> Checkpoint: ...
+
+    def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw: dict[str, torch.Tensor],
+                    device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int: ...
+
+
+def as_stored(info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
+    """`t` (flat uint8 bytes, or already typed) viewed as the stored tensor of `info`."""
+    if info.qtype is not None:
+        return t if t.dtype == torch.uint8 and t.dim() == 1 else t.reshape(-1).view(torch.uint8)
+    if t.dtype == info.dtype and tuple(t.shape) == tuple(info.shape):
+        return t
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat.view(info.dtype).view(info.shape) if info.shape else flat.view(info.dtype).reshape(())
+
+
+def numel(shape) -> int:
+    return math.prod(shape) if shape else 1

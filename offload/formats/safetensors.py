@@ -1,0 +1,102 @@
+"""Safetensors model directories in 16/32 bits, or pre-quantized bitsandbytes 4-bit (nf4/fp4).
+
+Contract: `READER` (base.FormatReader) claims any directory with config.json and *.safetensors
+(the quantized layouts awq/gptq/compressed-tensors are detected before it). `open` validates
+the headers (st_index: truncation, offsets, dtypes, shards), refuses a `quantization_config`
+other than bitsandbytes 4-bit in one line (prequant.bnb4_config), and checks the tensor set
+against config.json's architecture (validate.check_tensors; a bnb weight is its packed uint8
+tensor plus its quant-state parts). Format: "bnb-nf4" for bitsandbytes 4-bit (fp4 included),
+else the dtype of the decoder weights ("bf16" / "fp16" / "fp32").
+`load_weight` returns a plain weight cast to `dtype`; a bnb weight is dequantized with
+bitsandbytes' own `dequantize_4bit` (the loader normally computes bnb weights with Nf4Linear).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import OffloadError
+from . import hfdir, validate
+from .base import Checkpoint, as_stored, numel
+
+_FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def float_format(tensors) -> str:
+    """The dtype most decoder-weight bytes are stored in, as a format name."""
+    by = {}
+    for t in tensors.values():
+        if t.name.startswith("model.layers.") and t.dtype in _FLOAT_FORMATS:
+            by[t.dtype] = by.get(t.dtype, 0) + t.nbytes
+    if not by:
+        by = {t.dtype: t.nbytes for t in tensors.values() if t.dtype in _FLOAT_FORMATS}
+    return _FLOAT_FORMATS[max(by, key=by.get)] if by else "fp32"
+
+
+def bnb_parts(tensors) -> dict[str, tuple[str, ...]]:
+    """HF weight -> (packed uint8 tensor, its quant-state tensors) of every bnb-packed weight."""
+    from ..prequant import QS_KINDS, QS_PARTS
+
+    out = {}
+    for name in tensors:
+        for kind in QS_KINDS:
+            if name.endswith(f".quant_state.bitsandbytes__{kind}"):
+                base = name[: -len(f".quant_state.bitsandbytes__{kind}")]
+                out[base] = (base, *(f"{base}.{p}" for p in QS_PARTS if f"{base}.{p}" in tensors), name)
+    return out
+
+
+class SafetensorsReader:
+    name = "safetensors"
+
+    def detect(self, path: Path) -> bool:
+        return hfdir.is_st_dir(path)
+
+    def open(self, path: Path) -> Checkpoint:
+        from ..prequant import bnb4_config
+        from ..nf4 import packed_nf4_shape
+
+        cfg = hfdir.read_config(path)
+        index = hfdir.st_index(path)
+        config = hfdir.hf_config(path)
+        quant = bnb4_config(config)
+        packed = bnb_parts(index.entries) if quant is not None else {}
+        ckpt = Checkpoint(path=path, format="bnb-nf4" if quant is not None else float_format(index.entries),
+                          config=cfg, hf_config=config, tensors=index.entries, files=list(index.files),
+                          reader=self, quant=quant, packed=packed, source_name=index.source_name,
+                          **hfdir.side_info(path))
+
+        def parts(name, shape):
+            if name not in packed:
+                return None
+            return {p: (packed_nf4_shape(shape) if p == name else None) for p in packed[name]}
+
+        ckpt.shapes = validate.check_tensors(ckpt, parts)
+        for name in sorted(packed):
+            e = ckpt.tensors[name]
+            if e.dtype != torch.uint8:
+                raise OffloadError(f"{e.file}: tensor {name!r} is {e.dtype}, expected packed 4-bit uint8; "
+                                   "the checkpoint is corrupt - re-download it")
+        return ckpt
+
+    def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype) -> torch.Tensor:
+        if hf_weight_name not in ckpt.packed:
+            info = ckpt.tensors[hf_weight_name]
+            return as_stored(info, raw[hf_weight_name]).to(device=device, dtype=dtype)
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
+        names = ckpt.packed[hf_weight_name]
+        parts = {n[len(hf_weight_name) + 1:]: as_stored(ckpt.tensors[n], raw[n]).to(device) for n in names[1:]}
+        state = QuantState.from_dict(parts, device=torch.device(device))
+        packed = as_stored(ckpt.tensors[names[0]], raw[names[0]]).to(device)
+        return dequantize_4bit(packed, state).to(dtype)
+
+    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
+        if hf_weight_name not in ckpt.packed:
+            return 0
+        return numel(ckpt.logical_shape(hf_weight_name)) * 2   # bnb dequantizes into its compute dtype before the cast
+
+
+READER = SafetensorsReader()
