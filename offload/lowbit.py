@@ -16,6 +16,8 @@ Contract:
 - `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
   the substitute: every nn.Linear becomes a `LowbitLinear`, every other parameter is materialized;
   device bytes are counted in `pool` under "draft".
+- `LowbitLinear.forward` runs the fused path of offload/fused.py ($SPECX_LOWBIT_KERNEL=eager: the
+  eager reference, HQQ's unpack then a 16-bit weight then the matmul).
 - `lowbit_weight_bytes(shape, bits, scale_bytes)`: device bytes of one quantized weight from its
   shape alone (what the memory plan counts).
 HQQ is optional (`pip install 'specx[lowbit]'`); without it `hqq_quantizer()` raises an OffloadError
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from .errors import OffloadError, OffloadNotice
+from .fused import kernel_choice
 
 GROUPS = {4: 64, 3: 64, 2: 32}
 FORMAT = 1
@@ -81,7 +84,8 @@ def check_shape(name: str, shape: tuple[int, ...], bits: int) -> None:
 
 
 class LowbitLinear(nn.Module):
-    """y = x W^T (+ b) with W dequantized from HQQ codes at every call: W = (codes - zero) * scale."""
+    """y = x W^T (+ b), W = (codes - zero) * scale from HQQ codes: by default through one compiled
+    unpack+scale+matmul function (offload/fused.py), `kernel = "eager"` through HQQ's unpack."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
                  shape: tuple[int, int], bits: int):
@@ -92,6 +96,7 @@ class LowbitLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.shape, self.bits = tuple(shape), bits
         self.in_features, self.out_features = shape[1], shape[0]
+        self.kernel = kernel_choice()           # "fused" (offload/fused.py) or "eager" (the reference)
 
     def weight_now(self) -> torch.Tensor:
         unpack = hqq_quantizer().unpack[PACKING[self.bits]]
@@ -99,6 +104,15 @@ class LowbitLinear(nn.Module):
         return codes.sub_(self.zero).mul_(self.scale).reshape(self.shape)   # in place: one temporary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "eager":
+            return self.forward_eager(x)
+        from .fused import fused_linear
+
+        return fused_linear(x, self.W_q, self.scale, self.zero, self.bias, self.out_features, self.in_features,
+                            self.bits)
+
+    def forward_eager(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference: HQQ's own unpack, the weight rebuilt in 16 bits, then the matmul."""
         return nn.functional.linear(x, self.weight_now().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,79 @@
+"""Fused HQQ substitute linears: unpack + scale + matmul as one compiled function.
+
+Contract:
+- `unpack_codes(W_q, bits, rows)` turns HQQ's bit-packed codes (layouts "4bit_u8", "3bit_32",
+  "2bit_u8": slice k of the packed rows sits at bit offset (per_word - 1 - k) * bits) into the
+  (rows, group) integer codes with plain shift/mask ops, the same values HQQ's own unpack gives.
+- `dequant_linear(x, W_q, scale, zero, bias, shape, bits)` = x W^T (+ b) with
+  W = (codes - zero) * scale reshaped to `shape`: the reference math, written so that one
+  `torch.compile` graph covers it (the unpack, the scale and the cast fuse into one kernel that
+  reads the packed bytes once; the matmul follows).
+- `fused_linear(...)` runs that function compiled (dynamic shapes: one graph per bit width and
+  dtype, whatever the number of draft tokens). Where compilation is unavailable or fails (no C
+  compiler, an unsupported backend), it says so once through `fused_status()` and runs the same
+  function eagerly; nothing reaches the user's screen (compile-time warnings are kept here).
+- `kernel_choice()`: "fused" or "eager", from $SPECX_LOWBIT_KERNEL (auto | fused | eager; auto =
+  fused). offload/lowbit.LowbitLinear calls this per forward; its HQQ-unpack path stays the
+  reference that tests/test_fused.py compares against.
+Why no library kernel: the CUDA fused HQQ kernels (gemlite, HQQ's torchao_int4/bitblas/marlin
+backends) need Triton or CUDA builds absent from CPU installs and cover 4/2 bits only (no 3-bit
+packing); bitsandbytes has no HQQ format. The compiled function works on both devices and widths.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+PER_WORD = {4: 2, 3: 10, 2: 4}          # codes per stored element (uint8, int32, uint8)
+_STATE: dict = {"fn": None, "broken": None}   # compiled function; first compile failure (one line)
+
+
+def unpack_codes(W_q: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """(rows, group) integer codes from HQQ's packed (ceil(rows / per_word), group) tensor."""
+    k = PER_WORD[bits]
+    shifts = torch.arange(k - 1, -1, -1, device=W_q.device, dtype=W_q.dtype) * bits   # (k,) high slice first
+    codes = (W_q.unsqueeze(0) >> shifts.view(k, 1, 1)) & ((1 << bits) - 1)           # (k, step, group)
+    return codes.reshape(k * W_q.shape[0], W_q.shape[1])[:rows]                       # 3-bit pads rows to x10
+
+
+def dequant_linear(x: torch.Tensor, W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                   bias: torch.Tensor | None, out_features: int, in_features: int, bits: int) -> torch.Tensor:
+    """x (..., in) -> (..., out): the dequantized weight (out, in) never leaves this graph."""
+    codes = unpack_codes(W_q, bits, scale.shape[0]).to(scale.dtype)          # (rows, group), rows = out*in/group
+    w = ((codes - zero) * scale).reshape(out_features, in_features).to(x.dtype)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+def kernel_choice() -> str:
+    want = os.environ.get("SPECX_LOWBIT_KERNEL", "auto").strip().lower()
+    return "eager" if want == "eager" else "fused"
+
+
+def fused_status() -> str | None:
+    """None while the compiled path works; else why it fell back to eager (one line)."""
+    return _STATE["broken"]
+
+
+def _compiled():
+    if _STATE["fn"] is None:
+        _STATE["fn"] = torch.compile(dequant_linear, dynamic=True)
+    return _STATE["fn"]
+
+
+def fused_linear(x: torch.Tensor, W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None, out_features: int, in_features: int, bits: int) -> torch.Tensor:
+    """`dequant_linear` compiled; the same function eagerly once compilation has failed."""
+    args = (x, W_q, scale, zero, bias, out_features, in_features, bits)
+    if _STATE["broken"] is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return _compiled()(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any compiler/backend failure: the eager graph is the same math
+            _STATE["broken"] = f"torch.compile unavailable ({exc.__class__.__name__}); substitutes run eagerly"
+    return dequant_linear(*args)
