@@ -3,7 +3,9 @@
 Contract:
 - `TensorInfo`: one STORED tensor (as the file holds it): its HF name, the dtype of its stored
   elements (torch.uint8 for raw block-quantized bytes), `qtype` when the bytes are a quantized
-  block format rather than a plain array of `dtype` (GGUF "Q4_K", ...), its shape, its file and
+  block format rather than a plain array of `dtype` (GGUF "Q4_K", ...), its STORED shape (a
+  block-quantized tensor is a flat (nbytes,) uint8 vector; logical shapes live in
+  `Checkpoint.shapes`, which `open` fills for every HF parameter), its file and
   absolute byte range, and a per-format `meta` dict. Field names match the older
   `st_index.TensorEntry` (name, file, dtype, shape, begin, end, nbytes), which is an alias of it,
   so storage.file_layout, the plan and the strict checks take either.
@@ -54,7 +56,8 @@ class TensorInfo:
     name: str                   # HF tensor name (GGUF names are translated to HF's), e.g. model.layers.0.mlp.up_proj.qweight
     file: Path                  # file that holds the bytes
     dtype: torch.dtype          # element type of the stored bytes (torch.uint8 for block-quantized bytes)
-    shape: tuple[int, ...]      # stored shape in `dtype` elements; for a `qtype` tensor the LOGICAL HF shape
+    shape: tuple[int, ...]      # stored shape in `dtype` elements (a `qtype` tensor: (nbytes,) of uint8); the
+                                # LOGICAL HF shape of every parameter is Checkpoint.shapes[hf_name]
     begin: int                  # absolute byte offset of the first byte in `file`
     end: int                    # absolute byte offset one past the last byte
     qtype: str | None = None    # block-quant type of the bytes when not a plain `dtype` array (GGUF "Q4_K"); None = plain
