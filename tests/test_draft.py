@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_engine_does_not_import_methods():
     """The dependency points one way: methods/ imports engine, never the reverse (no cycle)."""
-    tree = ast.parse((ROOT / "specexec_cli" / "engine.py").read_text())
+    tree = ast.parse((ROOT / "specexec_cli" / "core" / "engine.py").read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
