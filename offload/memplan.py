@@ -67,6 +67,10 @@ class PlanRequest:
     draft_bits: int | None = None    # --draft-bits 4 | 3 | 2 of those substitutes; None = the plan chooses
     sixteen_bit: bool = True         # --draft self: a 16-bit checkpoint exists to quantize substitutes from
     temperature: float = 0.0         # decoding temperature: the self-draft widths' tokens/pass depend on it
+    memory_bps: float | None = None  # device memory bandwidth for the draft cost model; None = draftcost prior
+    link_bps: float | None = None    # host->device bandwidth; None = draftcost prior
+    bandwidth_source: str = ""       # where memory_bps comes from ("measured: ...", "published: ...")
+    compare_self: bool = False       # with a small draft: also model the self-draft's widths as candidates
 
 
 @dataclass
@@ -92,6 +96,9 @@ class MemoryPlan:
     elsewhere: str = ""              # planned for another machine (explicit caps): why THIS host cannot run it
     substitute_bits: int | None = None   # --draft self: the bits of the substitutes this plan counts
     skipped_layers: list[int] = field(default_factory=list)   # --draft self: streamed layers the draft skips
+    candidates: list[dict] = field(default_factory=list)   # draftcost.Candidate.to_json() of every candidate draft
+    choice: dict | None = None       # the candidate with the most modelled tokens/s (None: no draft fits)
+    machine: dict = field(default_factory=dict)   # draftcost.Machine the candidates were modelled with
 
     @property
     def device_total(self) -> int:
@@ -111,7 +118,10 @@ class MemoryPlan:
             fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
             kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
             notes=list(self.notes), elsewhere=self.elsewhere, substitute_bits=self.substitute_bits,
-            skipped_layers=list(self.skipped_layers),
+            skipped_layers=list(self.skipped_layers), layer_bytes_total=sum(self.layer_bytes),
+            ram_bytes_per_pass=sum(self.layer_bytes[i] for i in self.ram_layers),
+            candidates=list(self.candidates), choice=self.choice,
+            machine=dict(self.machine),
         )  # fmt: skip
 
 
@@ -307,9 +317,50 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
             lay.substitute = substitute
             return _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
 
-        return plan_self_draft(target, req, layer_sizes(target, arch_of(target.config), replace(req, dtype="nf4")),
-                               plan_with)
-    return _plan_budgets(target, draft, lay, req)
+        return _with_machine(plan_self_draft(target, req, layer_sizes(target, arch_of(target.config),
+                                                                      replace(req, dtype="nf4")), plan_with), req)
+    plan = _plan_budgets(target, draft, lay, req)
+    if draft is not None:
+        _small_candidates(plan, target, draft, req)
+    return _with_machine(plan, req)
+
+
+def _with_machine(plan: MemoryPlan, req: PlanRequest) -> MemoryPlan:
+    from dataclasses import asdict
+
+    from .draftcost import machine_for
+
+    plan.machine = asdict(machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source))
+    return plan
+
+
+def _small_candidates(plan: MemoryPlan, target: Checkpoint, draft: Checkpoint, req: PlanRequest) -> None:
+    """The small draft's candidate, and (`req.compare_self`, something streamed) the self-draft's widths
+    planned on their own; `choice` is the one with the most modelled tokens/s."""
+    from .draftcost import best, candidate, forwards_per_tree, machine_for, small_forward_bytes, tokens_per_pass
+
+    m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
+    da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)
+    weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), plan.ctx, dc)
+    cands = [candidate(str(draft.root), None, tokens_per_pass("small", req.temperature, plan.budget), plan, m,
+                       forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq)]
+    if req.compare_self and (plan.ram_layers or plan.disk_layers):
+        own = plan_memory(target, None, replace(req, self_draft=True, draft_dtype=_self_dtype(req), compare_self=False))
+        cands += [_as_candidate(c) for c in own.candidates]
+    plan.candidates = [c.to_json() for c in cands]
+    top = best(cands)
+    plan.choice = top.to_json() if top else None
+
+
+def _self_dtype(req: PlanRequest) -> str:
+    """The substitutes compute in the target's compute dtype (nf4: bf16 on CUDA, fp32 on CPU)."""
+    return req.dtype if req.dtype != "nf4" else ("bf16" if req.device == "cuda" else "fp32")
+
+
+def _as_candidate(d: dict):
+    from .draftcost import Candidate
+
+    return Candidate(**d)
 
 
 def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest) -> MemoryPlan:

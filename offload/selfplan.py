@@ -19,10 +19,10 @@ Contract:
   checkpoint, else the middle block the loader replaces after measuring), and keeps it only while
   the skipped fraction is within what was measured (SKIP_FACTOR) and the expected tokens/pass stays
   above MIN_TOKENS_PER_PASS; otherwise the plan is refused with that reason and the fix.
-- `choose(plans, temperature)` picks, among fitting (bits, plan) pairs, the one with the most
-  expected tokens/s: `tokens_per_pass(bits, temperature)` (measured greedy and sampled, see below) ÷ the plan's pass time (its streamed bytes over the
-  link and disk priors LINK_BPS / DISK_BPS, plus a fixed compute floor). It returns the choice and
-  one line per candidate with those figures, which `--dry-run` prints.
+- `choose(a, req, plans)` picks, among fitting (bits, plan) pairs, the one with the most modelled
+  tokens/s (offload/draftcost.py: measured tokens/pass at the plan's budget over the pass seconds plus
+  the draft seconds the stream does not hide) and returns every width's Candidate, which the plan
+  carries as `candidates` / `choice` and `--dry-run` prints.
 """
 
 from __future__ import annotations
@@ -32,16 +32,14 @@ import math
 from .membytes import arch_of
 from .sizes import format_bytes
 
-TOKENS_PER_PASS = {"greedy": {4: 24.23, 3: 18.07, 2: 13.39}, "sampled": {4: 19.52, 3: 14.25, 2: 9.63}}
-"""Tokens per target pass of the self-draft by substitute bits, measured on the shared pair with every
-layer substituted (bench/selfdraft.py, specexec, budget 64, 40 prompts, 128 new tokens, gap-featured
-node scores, the shared KV cache): greedy at T=0 (bench/results/selfdraft_t0_gap.json,
-selfdraft_t0_gap_hqq.json), sampled at T=0.7 with one seed per prompt (selfdraft_t07_gap.json,
-selfdraft_t07_gap_hqq.json). Only the ratios within a row matter."""
+
+def tokens_per_pass(bits: int, temperature: float, budget: int = 64) -> float:
+    """Measured tokens/pass of a self-draft with every layer substituted (offload/draftcost.TOKENS_PER_PASS)."""
+    from .draftcost import tokens_per_pass as measured
+
+    return measured(bits, temperature, budget)
 
 
-def tokens_per_pass(bits: int, temperature: float) -> float:
-    return TOKENS_PER_PASS["sampled" if temperature > 0 else "greedy"][bits]
 SKIP_FACTOR = {0.0: 1.0, 0.125: 0.480, 0.25: 0.333, 0.375: 0.268, 0.5: 0.234}
 """Tokens per pass of a self-draft that skips a middle block of this fraction of the layers, relative to
 one that skips none: 11.64 / 8.08 / 6.50 / 5.66 against 24.23 for 1-4 of the 8 layers skipped
@@ -59,11 +57,6 @@ def skip_factor(fraction: float) -> float | None:
         if fraction <= x1:
             return y0 + (y1 - y0) * (fraction - x0) / (x1 - x0)
     return pts[-1][1]
-
-
-LINK_BPS = {"cuda": 24e9, "cpu": 10e9}     # RAM tier -> compute device (PCIe 4 x16 effective; memcpy)
-DISK_BPS = {"cuda": 3e9, "cpu": 2e9}       # NVMe O_DIRECT reads
-FLOOR_S = 0.05                              # per-pass compute and latency that streaming does not hide
 
 
 def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
@@ -95,34 +88,36 @@ def candidate_bits(req, prequant: bool) -> list[int]:
     return [3, 2] if req.dtype == "nf4" else [4, 3, 2]
 
 
-def pass_seconds(plan) -> float:
-    """Expected target pass time from the plan's streamed bytes (priors, not a measurement)."""
-    ram = sum(plan.layer_bytes[i] for i in plan.ram_layers)
-    return FLOOR_S + ram / LINK_BPS[plan.device] + plan.disk_bytes_per_pass / DISK_BPS[plan.device]
-
-
 def expected_tokens_per_pass(bits: int, plan, temperature: float) -> float:
-    """Measured tokens/pass of this width, scaled for the layers the plan's draft skips."""
+    """Measured tokens/pass of this width at the plan's budget, scaled for the layers its draft skips."""
     n = len(plan.layer_bytes)
     factor = skip_factor(len(plan.skipped_layers) / n) if n else 1.0
-    return tokens_per_pass(bits, temperature) * (factor or 0.0)
+    return tokens_per_pass(bits, temperature, plan.budget) * (factor or 0.0)
 
 
-def choose(plans: list[tuple[int, object]], temperature: float = 0.0) -> tuple[tuple[int, object], list[str]]:
-    """The (bits, plan) with the most expected tokens/s among those that fit (else the last tried)."""
-    lines, best, best_rate = [], None, -1.0
+def self_candidate(a, req, bits: int, plan):
+    """The draftcost.Candidate of the self-draft at `bits` under this plan."""
+    from .draftcost import candidate, forwards_per_tree, machine_for, self_forward_bytes
+    from .membytes import dtype_bytes
+
+    m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
+    weight, kv, deq = self_forward_bytes(a, plan, bits, dtype_bytes(req.draft_dtype), req.dtype == "nf4")
+    return candidate("self", bits, expected_tokens_per_pass(bits, plan, req.temperature), plan, m,
+                     forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq)
+
+
+def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list]:
+    """The (bits, plan) with the most modelled tokens/s among those that fit (else the last tried),
+    and every width's draftcost.Candidate (one per width: the best-fitting plan tried for it)."""
+    from .draftcost import best
+
+    cands, pairs = {}, {}
     for bits, plan in plans:
-        t, tpp = pass_seconds(plan), expected_tokens_per_pass(bits, plan, temperature)
-        rate = tpp / t if plan.fits else 0.0
-        skip = f", {len(plan.skipped_layers)} skipped" if plan.skipped_layers else ""
-        figures = (f"~{tpp:.1f} tokens/pass at T={temperature:g} x {t:.2f} s/pass expected" if tpp
-                   else "skips more layers than measured")
-        lines.append(f"self-draft {bits}-bit: substitutes {format_bytes(plan.device_bytes.get('draft', 0))}, "
-                     f"{len(plan.resident)} resident layers{skip}, {figures} -> "
-                     + (f"~{rate:.1f} tokens/s" if plan.fits else "does not fit"))
-        if plan.fits and rate > best_rate:
-            best, best_rate = (bits, plan), rate
-    return best or plans[-1], lines
+        c = self_candidate(a, req, bits, plan)
+        if bits not in cands or (c.fits and c.tokens_per_second >= cands[bits].tokens_per_second):
+            cands[bits], pairs[bits] = c, (bits, plan)
+    top = best(list(cands.values()))
+    return (pairs[top.bits] if top else plans[-1]), list(cands.values())
 
 
 def plan_self_draft(target, req, nf4_layers, plan_with):
@@ -141,13 +136,14 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
         return plan
     if not any(p.fits for _, p in tried):
         tried += [pair for pair in (partial(target, a, req, b, nf4_layers, plan_with) for b, _ in tried) if pair]
-    (bits, plan), lines = choose(tried, req.temperature)
+    (bits, plan), cands = choose(a, req, tried)
     if not plan.ram_layers and not plan.disk_layers:
         plan.substitute_bits = None
         plan.notes.append("self-draft: every target layer is resident, so there is nothing to substitute; "
                           "decoding without a draft")
         return plan
-    plan.notes.extend(lines if len(tried) > 1 else [])
+    plan.candidates = [c.to_json() for c in cands]
+    plan.choice = next((c.to_json() for c in cands if c.bits == bits and c.fits), None)
     streamed, skipped = len(plan.ram_layers) + len(plan.disk_layers), len(plan.skipped_layers)
     plan.notes.append(f"self-draft: {bits}-bit substitutes of {streamed - skipped} of the {streamed} streamed layers"
                       f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
@@ -188,7 +184,7 @@ def partial(target, a, req, bits: int, nf4_layers, plan_with):
         lo, hi = (lo, mid) if attempt(mid).fits else (mid + 1, hi)
     plan = attempt(lo)
     factor = skip_factor(len(plan.skipped_layers) / a.layers)
-    if factor is None or tokens_per_pass(bits, req.temperature) * factor < MIN_TOKENS_PER_PASS:
+    if factor is None or tokens_per_pass(bits, req.temperature, plan.budget) * factor < MIN_TOKENS_PER_PASS:
         plan.fits = False
     return bits, plan
 

@@ -51,12 +51,13 @@ class ModelFlags:
     ctx: int = 8192
     embeddings: str = "auto"
     dry_run: bool = False
+    gpu: str | None = None  # --gpu NAME: plan for a card of the published table (profiles/cards.json)
 
     def config(self):
         """The validated GenerationConfig (unset sampling values neutral until `plan` fills them)."""
         cfg = generation_config(self.method, self.budget, self.max_depth, self.max_beams, self.max_branch,
                                 self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                                self.device)  # fmt: skip
+                                "cuda" if self.gpu else self.device)  # fmt: skip
         from specexec_cli.core.methods.common import flag_options, with_settings  # after: a bad flag never loads torch
 
         return with_settings(cfg, **flag_options(self.gamma, self.branching, self.profile))
@@ -69,7 +70,7 @@ class ModelFlags:
         opts, plan, cfg = plan_for_cli(self.target, self.draft, self.method, self.dtype, self.device,
                                        self.allow_pickle, self.trust_remote_code, self.offload, self.max_gpu_memory,
                                        self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype,
-                                       self.draft_bits, self.temperature)  # fmt: skip
+                                       self.draft_bits, self.temperature, self.gpu, self.profile)  # fmt: skip
         sampling = self.sampling(self.checkpoint_defaults(opts.target))
         return opts, plan, replace(cfg, sampling=sampling)
 
@@ -90,11 +91,13 @@ class ModelFlags:
             return GREEDY
 
 def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
-    """Default to the embedded demo pair, with a notice."""
+    """Default to the embedded demo pair, with a notice; a --target without --draft drafts with
+    --draft auto (planning.resolve_auto picks the draft, or none)."""
     from specexec_cli.session.loading import SELF
+    from specexec_cli.session.planning import AUTO
 
     if target is None:
-        if draft is not None and draft != SELF:
+        if draft is not None and draft not in (SELF, AUTO):
             raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
         if not (DEMO_DIR / "target" / "config.json").exists():
             raise SpecxError("no --target given and the demo pair is not installed; pass --target and --draft")
@@ -102,9 +105,7 @@ def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str
             "using the embedded demo pair (tiny Python-code models); pass --target DIR --draft DIR for real models"
         )
         target, draft = str(DEMO_DIR / "target"), (draft or str(DEMO_DIR / "draft"))
-    if method != "ar" and draft is None:
-        raise SpecxError(f"--method {method} needs --draft; use --method ar to decode without one")
-    return target, (None if method == "ar" else draft)
+    return target, (None if method == "ar" else draft or AUTO)
 
 
 def parse_budget(budget: str, device: str) -> int:
@@ -192,26 +193,31 @@ def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
 def parse_draft_bits(value: str, draft: str | None) -> int | None:
     """--draft-bits: None for auto, else 4 | 3 | 2, and only with --draft self."""
     from specexec_cli.session.loading import SELF
+    from specexec_cli.session.planning import AUTO
 
     value = str(value).strip().lower()
     if value == "auto":
         return None
     if value not in ("4", "3", "2"):
         raise SpecxError(f"--draft-bits must be auto, 4, 3 or 2 (got {value!r})")
-    if draft != SELF:
+    if draft not in (SELF, AUTO):
         raise SpecxError("--draft-bits applies to --draft self only; drop it or pass --draft self")
     return int(value)
 
 
 def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
-                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto", draft_bits="auto", temperature=None):
+                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto", draft_bits="auto", temperature=None,
+                 gpu=None, profile_path=None):
     """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit.
     `temperature`: the --temperature flag (None: the target's generation_config.json), which the
-    self-draft's choice of substitute bits depends on."""
+    self-draft's choice of substitute bits depends on. `gpu` (--gpu NAME) plans for a published card;
+    the profile (--profile, else this machine's last) lends its measured memory bandwidth. A missing
+    --draft (or --draft auto) becomes the draft the plan models fastest, or none."""
     from dataclasses import replace
 
     from specexec_cli.session.loading import LoadOptions
-    from specexec_cli.session.planning import make_plan
+    from specexec_cli.session.planning import AUTO, make_plan, resolve_auto
+    from specexec_cli.session.profiles import find_profile
 
     if offload not in ("none", "ram", "disk", "auto"):
         raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
@@ -227,7 +233,12 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     )  # fmt: skip
     if temperature is None:
         temperature = ModelFlags.checkpoint_defaults(opts.target).temperature
-    plan = make_plan(opts, cfg.shape, budget.strip().lower() == "auto", temperature)
+    auto_budget, profile = budget.strip().lower() == "auto", find_profile(profile_path)
+    plan = make_plan(opts, cfg.shape, auto_budget, temperature, gpu, profile)
+    if opts.draft == AUTO:
+        opts, plan = resolve_auto(opts, plan, lambda o: make_plan(o, cfg.shape, auto_budget, temperature, gpu, profile))
+        if opts.draft is None:
+            cfg = replace(cfg, method="ar")
     if plan is not None and plan.budget != cfg.shape.budget and plan.fits:
         cfg = replace(cfg, shape=replace(cfg.shape, budget=plan.budget))
     return replace(opts, plan=plan), plan, cfg

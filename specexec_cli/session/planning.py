@@ -10,12 +10,15 @@ Pickle checkpoints (only with --allow-pickle) have no headers to plan from: `mak
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import psutil
 import torch
 
 from specexec_cli.errors import SpecxError
 
 DEFAULT_CTX = 8192
+AUTO = "auto"   # --draft auto (or no --draft): the candidate with the most modelled tokens/s
 
 
 def plan_device(name: str) -> str:
@@ -71,17 +74,25 @@ def nf4_source(path, dtype: str, device: str = "cpu"):
     return path, dtype
 
 
-def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0):
+def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str | None = None,
+              profile: dict | None = None):
     """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring);
-    `temperature` (the decoding one) weighs the self-draft's substitute widths."""
+    `temperature` (the decoding one) weighs the self-draft's substitute widths; `gpu` (--gpu NAME) plans
+    for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
     from offload import OffloadError
     from offload.memplan import PlanRequest, plan_memory, read_checkpoint
 
     from specexec_cli.session.loading import SELF, check_weights, resolve_path
+    from specexec_cli.session.profiles import card, plan_bandwidths
 
+    if gpu is not None:
+        if opts.device == "cpu":
+            raise SpecxError(f"--gpu {gpu} plans for a CUDA card; drop --device cpu")
+        opts = replace(opts, device="cuda", max_gpu_memory=opts.max_gpu_memory or card(gpu)["memory_gib"] << 30)
     device = plan_device(opts.device)
+    memory_bps, link_bps, source = plan_bandwidths(device, gpu, profile)
     tpath = resolve_path(opts.target, "--target")
-    self_draft = opts.draft == SELF
+    self_draft = opts.draft in (SELF, AUTO)
     dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None and not self_draft else None
     safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
     if not all(safe):
@@ -102,7 +113,8 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0):
         device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
         max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
         embeddings=opts.embeddings, self_draft=self_draft, draft_bits=getattr(opts, "draft_bits", None),
-        sixteen_bit=sixteen_bit, temperature=temperature,
+        sixteen_bit=sixteen_bit, temperature=temperature, memory_bps=memory_bps, link_bps=link_bps,
+        bandwidth_source=source, compare_self=dpath is not None and sixteen_bit,
     )  # fmt: skip
     try:
         plan = plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)
@@ -145,3 +157,27 @@ def require_host(plan) -> None:
 def require_fit(plan) -> None:
     if not plan.fits:
         raise SpecxError(plan.reason)
+
+
+def resolve_auto(opts, plan, replan):
+    """--draft auto: (LoadOptions, plan) with the draft the plan chose, and one notice naming it.
+    The plan was made as a self-draft's (candidates: its widths); when nothing streams, the target is
+    pre-quantized or no width fits, decoding runs without a draft (`replan(opts)` plans for that)."""
+    from specexec_cli.session import notices
+    from specexec_cli.session.loading import SELF
+
+    if plan is not None and plan.fits and plan.substitute_bits is not None:
+        c = plan.choice or {}
+        notices.notice(f"--draft auto: the self-draft at {plan.substitute_bits} bits (modelled "
+                       f"{c.get('tokens_per_second', 0):.2f} tokens/s, the best of {len(plan.candidates)} "
+                       "candidates; --dry-run lists them)")
+        return replace(opts, draft=SELF), plan
+    if plan is not None and plan.fits:
+        why = "every target layer is resident"
+    elif plan is None:
+        why = "pickle weights have no headers to plan a self-draft from"
+    else:
+        why = f"no self-draft fits ({plan.reason})"
+    notices.notice(f"--draft auto: {why}, so decoding runs without a draft (pass --draft DIR for a small one)")
+    opts = replace(opts, draft=None)
+    return opts, (plan if plan is not None and plan.fits else replan(opts))

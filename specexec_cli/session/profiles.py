@@ -3,7 +3,11 @@
 Contract: `write_profile` / `read_profile` / `find_profile` store and find the versioned dict that
 `specx profile` (tools/profiler.py) builds, under $XDG_CONFIG_HOME/specx/profiles/ (default
 ~/.config), documented in profiles/README.md; `link_peak` is the streaming bandwidth a profile
-promises. Nothing here measures or prints; errors are SpecxError.
+promises. `card(name)` is one row of the published cards table (profiles/cards.json) that `--gpu NAME`
+plans with; `plan_bandwidths(device, gpu, profile)` the (memory, link) bandwidths and their source for
+the draft cost model (offload/draftcost.py): the card's published figures, else the profile's measured
+device memory bandwidth, else None (the model's priors). Nothing here measures or prints; errors are
+SpecxError.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pathlib import Path
 from specexec_cli.errors import SpecxError
 
 SCHEMA, VERSION = "specx-profile", 1
+CARDS = Path(__file__).resolve().parents[2] / "profiles" / "cards.json"
+PCIE_X16_GBPS = {3: 16, 4: 32, 5: 64}   # published per-direction rate of a x16 link, by PCIe generation
 
 
 def config_dir() -> Path:
@@ -87,3 +93,42 @@ def link_peak(profile: dict | None, offload: str, on_cuda: bool) -> float | None
         return (profile.get("disk") or {}).get("read_gbps")
     gpus = profile.get("gpus") or []
     return gpus[0].get("h2d_pinned_gbps") if on_cuda and gpus else None
+
+
+def cards() -> dict[str, dict]:
+    try:
+        return json.loads(CARDS.read_text())["cards"]
+    except (OSError, ValueError, KeyError):
+        raise SpecxError(f"the cards table {CARDS} is missing or unreadable; pass --device cuda "
+                         "--max-gpu-memory SIZE instead of --gpu") from None
+
+
+def card_key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum() or ch == "-").removeprefix("rtx").removeprefix("-")
+
+
+def card(name: str) -> dict:
+    """The published row of card `name` (case and spaces ignored: "RTX 4090", "4070 Ti", "h100")."""
+    table = cards()
+    row = table.get(card_key(name))
+    if row is None:
+        raise SpecxError(f"--gpu {name}: not in the cards table; known: {', '.join(table)} "
+                         "(or plan with --device cuda --max-gpu-memory SIZE)")
+    return row
+
+
+def plan_bandwidths(device: str, gpu: str | None, profile: dict | None) -> tuple[float | None, float | None, str]:
+    """(device memory B/s, host->device B/s, source) for the draft cost model; None where unknown."""
+    if gpu is not None:
+        row = card(gpu)
+        from offload.draftcost import LINK_EFFICIENCY
+
+        return (row["memory_gbps"] * 1e9, LINK_EFFICIENCY * PCIE_X16_GBPS[row["pcie_gen"]] * 1e9,
+                f"published: {row['name']}")
+    measured = ((profile or {}).get("device_memory") or {}).get(device)
+    link = None
+    if device == "cuda" and (profile or {}).get("gpus"):
+        link = (profile["gpus"][0].get("h2d_pinned_gbps") or 0) * 1e9 or None
+    if measured:
+        return measured["gbps"] * 1e9, link, f"measured: {measured.get('name', device)} ({profile.get('hostname', '?')})"
+    return None, link, ""

@@ -394,3 +394,25 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
     console.print(table)
     for note in plan.get("notes") or []:
         console.print(f"[dim]note: {escape(note)}[/dim]")
+    if plan.get("candidates"):
+        console.print(_candidates_table(plan))
+
+
+def _candidates_table(plan: dict):
+    """The candidate drafts of the plan (offload/draftcost.py), every figure modelled, the choice marked."""
+    from rich.table import Table
+
+    m = plan.get("machine") or {}
+    table = Table(title="candidate drafts (modelled, not measured)", header_style="bold cyan",
+                  caption=f"device memory {m.get('memory_bps', 0) / 1e9:.0f} GB/s ({escape(m.get('source', 'prior'))}), "
+                          f"link {m.get('link_bps', 0) / 1e9:.0f} GB/s, disk {m.get('disk_bps', 0) / 1e9:.1f} GB/s")
+    for col in ("draft", "bits", "tokens/pass", "pass s", "draft s", "tokens/s", ""):
+        table.add_column(col, justify="left" if col in ("draft", "") else "right", no_wrap=True)
+    choice = plan.get("choice") or {}
+    for c in plan["candidates"]:
+        chosen = c["draft"] == choice.get("draft") and c["bits"] == choice.get("bits")
+        table.add_row(escape(str(c["draft"])), "-" if c["bits"] is None else str(c["bits"]),
+                      f"{c['tokens_per_pass']:.2f}", f"{c['pass_seconds']:.3f}", f"{c['draft_seconds']:.3f}",
+                      f"{c['tokens_per_second']:.2f}" if c["fits"] else "-",
+                      "[green]chosen[/green]" if chosen else ("" if c["fits"] else "does not fit"))
+    return table

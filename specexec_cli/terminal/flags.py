@@ -2,8 +2,8 @@
 
 Contract: every flag is declared once here as an `Annotated` alias. `model_flags` adds the flags that
 `run`, `chat` and `serve` share (models, offload, budget, decoding: the fields of
-`cliopts.ModelFlags`) to a command and hands the command one `ModelFlags` value, so those flags
-have a single definition and the same defaults everywhere. With cli.py, the only typer importer.
+`session.options.ModelFlags`) to a command and hands the command one `ModelFlags` value, so those flags
+have a single definition and the same defaults everywhere. With terminal/app.py, the only typer importer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from specexec_cli.session.options import ModelFlags
 # model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
 MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
 Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target), or self: the target's own low-bit substitutes of its streamed layers (--draft-bits).")]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest, or none when nothing streams.")]
 Method = Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DECODING, help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
 Budget = Annotated[str, typer.Option(metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'.")]
 MaxDepth = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")]
@@ -36,7 +36,7 @@ TopP = Annotated[Optional[float], typer.Option(metavar="P", show_default=False, 
 Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
 Dtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
 Device = Annotated[str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")]
-DraftBits = Annotated[str, typer.Option(metavar="BITS", rich_help_panel=MODELS, help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, pip install 'specx[lowbit]'); auto: the memory plan picks the most expected tokens/s.")]
+DraftBits = Annotated[str, typer.Option(metavar="BITS", rich_help_panel=MODELS, help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, pip install 'specx\\[lowbit]'); auto: the memory plan picks the most expected tokens/s.")]
 DraftDtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.")]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
 TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]
@@ -45,6 +45,7 @@ MaxGpu = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=O
 Ctx = Annotated[int, typer.Option(metavar="N", rich_help_panel=OFFLOAD, help="Context tokens the KV caches are preallocated for (capped by the models' max positions).")]
 Embeddings = Annotated[str, typer.Option(metavar="WHERE", rich_help_panel=OFFLOAD, help="Target input embeddings: auto | device | host (host: only looked-up rows move).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", metavar="", rich_help_panel=OFFLOAD, help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.")]
+Gpu = Annotated[Optional[str], typer.Option("--gpu", metavar="NAME", show_default=False, rich_help_panel=OFFLOAD, help="Plan for this card's published memory and bandwidth (profiles/cards.json: 4090, 3090, 4080, 4070ti, a6000, l40s, a100, h100, ...), e.g. with --dry-run.")]
 MaxRam = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.")]
 NoLive = Annotated[bool, typer.Option("--no-live", metavar="", rich_help_panel=OUTPUT, help="No live panel; one summary line on stderr.")]
 Color = Annotated[Optional[bool], typer.Option("--color/--no-color", metavar="", show_default=False, rich_help_panel=OUTPUT, help="Colour the tokens accepted from the draft's tree. Default: on when stdout is a terminal and NO_COLOR is unset.")]
@@ -63,9 +64,9 @@ SHARED = {
     "method": Method, "budget": Budget, "max_depth": MaxDepth, "max_beams": MaxBeams, "max_branch": MaxBranch,
     "max_new_tokens": MaxNew, "temperature": Temperature, "top_k": TopK, "top_p": TopP, "seed": Seed,
     "gamma": Gamma, "branching": Branching, "profile": ProfileOpt, "offload": Offload, "max_gpu_memory": MaxGpu,
-    "max_ram": MaxRam, "ctx": Ctx, "embeddings": Embeddings, "dry_run": DryRun,
+    "max_ram": MaxRam, "ctx": Ctx, "embeddings": Embeddings, "dry_run": DryRun, "gpu": Gpu,
 }  # fmt: skip
-assert set(SHARED) == {f.name for f in fields(ModelFlags)}, "cliflags.SHARED and cliopts.ModelFlags disagree"
+assert set(SHARED) == {f.name for f in fields(ModelFlags)}, "terminal.flags.SHARED and session.options.ModelFlags disagree"
 
 
 def model_flags(fn):

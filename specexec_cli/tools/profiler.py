@@ -1,7 +1,8 @@
 """Hardware probes, t_target(n) / draft-step measurement, and profile JSON read/write.
 
 Contract: `probe_hardware(folder)` returns the machine part of a profile (CPU, RAM, GPUs with pinned
-host→device bandwidth, disk read bandwidth of `folder`, matmul throughput); `measure_models(models,
+host→device bandwidth, disk read bandwidth of `folder`, matmul throughput, device memory bandwidth from
+one large in-memory copy per device); `measure_models(models,
 max_tokens)` times the real target forward (offload path included) for n = 1, 2, 4, … tree tokens and
 the draft's tree growth. `build_profile` assembles the versioned dict documented in
 profiles/README.md, which session/profiles.py stores and finds. Nothing here prints; errors are
@@ -190,9 +191,37 @@ def probe_matmul() -> dict:
     return out
 
 
+def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> dict:
+    """Memory bandwidth of `device` from one large copy within it (CPU: host RAM to host RAM; CUDA:
+    device to device), fastest of repeated copies: each copy reads and writes `nbytes`, so the rate
+    counts 2 x nbytes per copy (what a kernel streaming weights through memory sees)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    secs = _timed(copy, 0.5, 20)
+    name = torch.cuda.get_device_name() if device == "cuda" else probe_cpu()["model"]
+    del src, dst
+    return dict(name=name, gbps=round(2 * nbytes / secs / 1e9, 3), bytes=nbytes, method="copy_ read + write")
+
+
+def probe_device_memory(nbytes: int = 256 << 20) -> dict:
+    """{"cpu": copy_bandwidth, "cuda": copy_bandwidth when a GPU is present}: the draft cost model's
+    device memory bandwidth (offload/draftcost.py)."""
+    out = {"cpu": copy_bandwidth("cpu", nbytes)}
+    if torch.cuda.is_available():
+        out["cuda"] = copy_bandwidth("cuda", max(nbytes, 1 << 30))
+    return out
+
+
 def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
     return dict(cpu=probe_cpu(), memory=probe_memory(), gpus=probe_gpus(),
-                disk=probe_disk(folder or Path.cwd(), disk_bytes), matmul=probe_matmul())  # fmt: skip
+                disk=probe_disk(folder or Path.cwd(), disk_bytes), matmul=probe_matmul(),
+                device_memory=probe_device_memory())  # fmt: skip
 
 
 def powers_of_two(limit: int) -> list[int]:

@@ -1,0 +1,122 @@
+"""The draft cost model on the 70B nf4 plans at 24 GB (sparse real-sized headers), through `--dry-run`.
+
+Every candidate's five figures are re-derived here by plain arithmetic from the model's stated formula
+(offload/draftcost.py docstring) and its inputs: the plan's bytes, the Llama-3.1-70B / 3.2-1B shapes
+from their public configs, the bandwidths the plan reports, and the measured tokens/pass table. The
+choice must be the candidate with the most modelled tokens/s."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from offload.draftcost import DEQUANT_ELEMS, TOKENS_PER_PASS
+from offload.selfplan import SKIP_FACTOR
+from specexec_cli.terminal.app import app
+from tests.sparse_ckpt import write_sparse
+
+H, KV_HEADS, HD, INTER, LAYERS, VOCAB = 8192, 8, 128, 28672, 80, 128256    # Llama-3.1-70B
+D_H, D_HD, D_INTER, D_LAYERS = 2048, 64, 8192, 16                         # Llama-3.2-1B (tied head)
+FIVE = ("tokens_per_pass", "pass_seconds", "draft_seconds", "tokens_per_second")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sparse_cost")
+    return write_sparse("llama-3.1-70b", root / "t"), write_sparse("llama-3.2-1b", root / "d")
+
+
+@pytest.fixture(scope="module")
+def runs(pair, tmp_path_factory):
+    """The two dry runs of the issue: --draft self and a 1B --draft, nf4 70B on a 24 GB card (--gpu 4090)."""
+    out = {}
+    for name, draft in (("self", "self"), ("small", str(pair[1]))):
+        path = tmp_path_factory.mktemp(name) / "plan.json"
+        res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(pair[0]), "--draft", draft, "--dtype", "nf4",
+                                       "--gpu", "4090", "--temperature", "0", "--dry-run", "--stats-json", str(path)])
+        assert res.exit_code == 0, res.output
+        out[name] = (json.loads(path.read_text())["plan"], res.stdout)
+    return out
+
+
+def measured_tpp(kind, budget: int) -> float:
+    row = sorted(TOKENS_PER_PASS[kind]["greedy"].items())
+    b = min(max(budget, row[0][0]), row[-1][0])
+    for (x0, y0), (x1, y1) in zip(row, row[1:]):
+        if b <= x1:
+            return y0 + (y1 - y0) * math.log(b / x0) / math.log(x1 / x0)
+
+
+def skip(fraction: float) -> float:
+    pts = sorted(SKIP_FACTOR.items())
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if fraction <= x1:
+            return y0 + (y1 - y0) * (fraction - x0) / (x1 - x0)
+
+
+def rederive(plan: dict, per_forward: int, tpp: float) -> dict:
+    """tokens/s = tpp / (pass + draft - hidden), each term from the formula with the plan's bytes."""
+    m, dev = plan["machine"], plan["device_bytes"]
+    draft_s = (1 + math.ceil(plan["budget"] / 32)) * per_forward / m["memory_bps"]
+    stream = plan["ram_bytes_per_pass"] / m["link_bps"] + plan["disk_bytes_per_pass"] / m["disk_bps"]
+    compute = (plan["layer_bytes_total"] + dev["kv_target"] + dev["lm_head"]) / m["memory_bps"]
+    pass_s = 0.05 + max(stream, compute)
+    hidden = min(draft_s, dev["staging_slots"] / (m["link_bps"] if plan["ram_bytes_per_pass"] else m["disk_bps"]))
+    return dict(tokens_per_pass=tpp, pass_seconds=pass_s, draft_seconds=draft_s,
+                tokens_per_second=tpp / (pass_s + draft_s - hidden))
+
+
+def check(cand: dict, want: dict) -> None:
+    for k in FIVE:
+        assert cand[k] == pytest.approx(want[k], rel=1e-3, abs=1e-4), k
+
+
+def test_both_dry_runs_list_candidates_with_five_figures_and_choose_the_fastest(runs):
+    for name, (plan, stdout) in runs.items():
+        assert plan["fits"] and plan["device_capacity"] == 24 << 30
+        assert plan["machine"]["memory_bps"] == 1008e9 and "published" in plan["machine"]["source"]
+        cands = plan["candidates"]
+        assert {(c["draft"] == "self", c["bits"]) for c in cands} >= {(True, 3), (True, 2)}
+        for c in cands:
+            assert c["draft"] and all(isinstance(c[k], (int, float)) for k in FIVE) and c["pass_seconds"] > 0.05
+        assert plan["choice"] == max((c for c in cands if c["fits"]), key=lambda c: c["tokens_per_second"])
+        assert "candidate drafts (modelled, not measured)" in stdout
+    small = runs["small"][0]["candidates"]
+    assert small[0]["bits"] is None and small[0]["draft"].endswith("d") and len(small) == 3
+    assert small[1:] == runs["self"][0]["candidates"]   # the self-draft's widths, planned on their own
+
+
+def test_the_self_drafts_figures_rederived(runs):
+    plan = runs["self"][0]
+    assert plan["substitute_bits"] == plan["choice"]["bits"]
+    run, resident = LAYERS - len(plan["skipped_layers"]), plan["resident_layers"]
+    linears = 2 * H * H + 2 * H * KV_HEADS * HD + 3 * H * INTER
+    dev = plan["device_bytes"]
+    weight = dev["resident_layers"] + dev["draft"] + VOCAB * H * 2   # resident nf4 layers + substitutes + bf16 head
+    kv = 2 * run * KV_HEADS * HD * plan["ctx"] * 2                   # the shared KV of every layer it runs
+    dequant = linears * 2 * ((run - resident) * DEQUANT_ELEMS["hqq-eager"]   # HQQ eager: 6 bf16 elements a weight
+                             + resident * DEQUANT_ELEMS["nf4-dequant"])     # bnb: dequantize + read, 2
+    bits = plan["choice"]["bits"]
+    tpp = measured_tpp(bits, plan["budget"]) * skip(len(plan["skipped_layers"]) / LAYERS)
+    check(plan["choice"], rederive(plan, weight + kv + dequant, tpp))
+    assert plan["choice"]["dequant_bytes"] == dequant and plan["choice"]["kv_bytes"] == kv
+
+
+def test_the_small_drafts_figures_rederived(runs):
+    plan = runs["small"][0]
+    params = VOCAB * D_H + D_H + D_LAYERS * (2 * D_H + 2 * D_H * D_H + 2 * D_H * 8 * D_HD + 3 * D_H * D_INTER)
+    weight = params * 2 + 2 * (D_HD // 2) * 4                       # bf16, tied head read once; rotary buffers
+    kv = 2 * D_LAYERS * 8 * D_HD * plan["ctx"] * 2
+    cand = plan["candidates"][0]
+    check(cand, rederive(plan, weight + kv, measured_tpp("small", plan["budget"])))
+    assert cand["weight_bytes"] == weight and cand["dequant_bytes"] == 0
+
+
+def test_unknown_card_is_one_line_naming_the_known_ones(pair):
+    res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(pair[0]), "--gpu", "5090", "--dry-run"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and "4090" in err and "h100" in err and "--max-gpu-memory" in err
