@@ -67,8 +67,10 @@ class ChatSession:
 
     def __init__(self, models, cfg: GenerationConfig, *, system: str | None = None, use_template: bool = True,
                  tuner=None, profile: dict | None = None,
-                 config_record: Callable[[GenerationConfig], dict] = lambda cfg: {}, code: bool = False):
+                 config_record: Callable[[GenerationConfig], dict] = lambda cfg: {}, code: bool = False,
+                 prompt_cache=None):
         self.models, self.cfg, self.system = models, cfg, system
+        self.prompt_cache = prompt_cache  # a prompt_cache.PromptCache of other conversations, or None
         tok = models.tokenizer
         self.code = code  # each turn is code to continue: no chat format at all
         self.templated = bool(use_template and getattr(tok, "chat_template", None)) and not code
@@ -92,7 +94,7 @@ class ChatSession:
     # -- tokens for a new turn -------------------------------------------------------------------
     def _render(self, messages: list[dict]) -> list[int]:
         tok = self.models.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = render_template(tok, messages)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def _plain(self, text: str) -> list[int]:
@@ -121,7 +123,11 @@ class ChatSession:
 
     def prefill_ids(self, full: list[int]) -> list[int]:
         """Rewind the state to the longest common prefix of `full` and the committed ids; returns
-        the ids still to prefill (at least one: the last prompt token's logits start the reply)."""
+        the ids still to prefill (at least one: the last prompt token's logits start the reply).
+        With a prompt cache, the snapshot sharing the longest prefix is restored first when it
+        reuses more than the live state (prompt_cache.PromptCache.prepare)."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.prepare(self.state, full, self.models)
         keep = min(common_prefix(full, self.state.ids), len(full) - 1)
         if keep < len(self.state.ids):
             rewind(self.state, keep)
@@ -271,6 +277,38 @@ def _float(name: str, value: str) -> float:
         return float(value)
     except ValueError:
         raise SpecxError(f"/set {name} needs a number (got {value!r})") from None
+
+
+class TemplateError(SpecxError):
+    """The chat template raised for this conversation (its message says why)."""
+
+
+def fold_system(messages: list[dict]) -> list[dict]:
+    """The conversation without system messages: their text opens the first user turn (as llama.cpp
+    and ollama do for templates that reject the system role, e.g. Gemma-2's)."""
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    first = next((m for m in rest if m["role"] == "user"), None)
+    if first is None:
+        return [{"role": "user", "content": system}, *rest]
+    first["content"] = f"{system}\n\n{first['content']}" if first["content"] else system
+    return rest
+
+
+def render_template(tok, messages: list[dict]) -> str:
+    """The chat template's text for `messages` plus the generation prompt. A template that raises
+    is tried again with the system messages folded into the first user turn; if that raises too
+    (or there is no system message), TemplateError carries the template's own message."""
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception()
+        first = exc
+    if any(m["role"] == "system" for m in messages):
+        try:
+            return tok.apply_chat_template(fold_system(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - what is still wrong once the system role is gone
+            first = exc
+    raise TemplateError(f"the chat template refused this conversation: {first}") from None
 
 
 def plain_prompt(messages: list[dict], code: bool) -> str:

@@ -1,0 +1,289 @@
+"""A prompt cache of several conversations: KV snapshots in host RAM, matched by longest token prefix.
+
+Contract: `PromptCache(capacity)` keeps `Snapshot`s of a `DecodeState` (the committed ids and host
+copies of the target's and the draft's cache rows; pinned on CUDA when `pin`). The device caches
+(the `DecodeState` a `ChatSession` decodes with) stay the one live entry; before each request
+`ChatSession.prefill_ids` calls `prepare(state, full_ids, models)`, which
+1. restores the snapshot sharing the longest prefix with the request into the device caches, when
+   it reuses more rows than the live state does (the live state is saved first when worth it);
+2. otherwise, when the request would rewind the live state and discard more rows than it keeps,
+   saves the live state before the rewind (so a title request does not cost the conversation).
+Restores are bit-exact copies of the rows the live state held, so a conversation's replies do not
+depend on what ran between its turns. Bytes are counted exactly (K and V of every layer's rows).
+
+Admission and eviction (what keeps an active conversation through the background requests that
+Open WebUI and LibreChat send after every reply: titles, tags, follow-up suggestions):
+- a snapshot of fewer than `min_tokens` rows is not kept (prefilling it is as cheap as copying);
+- a snapshot that extends another one's rows (the same conversation, one turn later; or the entry
+  the live state was restored from) replaces it; one that another entry already covers is not kept;
+- room is made by evicting least recently used entries first, except PROTECTED ones: an entry with
+  more rows than the newcomer, used within the last `protect_requests` requests. If evicting every
+  unprotected entry does not make room, the newcomer is refused and nothing is evicted.
+So a short one-shot request never pushes a longer conversation that is in use out; a conversation
+nobody continued for `protect_requests` requests can be evicted by anything, and one entry larger
+than the whole capacity is never kept. `stats` counts hits (restores), saves, evictions, refusals.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from specexec_cli.core import kvcache
+
+PROTECT_REQUESTS = 8   # requests during which a longer, recently used entry cannot be evicted by a shorter one
+MIN_TOKENS = 16        # snapshots shorter than this are not kept
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class Snapshot:
+    """A DecodeState's committed ids and host copies of both caches' rows."""
+
+    ids: list[int]  # the committed ids (the last one has no target row: it is the next root)
+    target_len: int  # target rows saved: they hold ids[:target_len]
+    draft_len: int  # draft rows saved (0 with no draft cache of its own, e.g. a self-draft's shared KV)
+    target: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each (1, kv_heads, target_len, head_dim)
+    draft: list[tuple[torch.Tensor, torch.Tensor]]  # per draft layer, (1, kv_heads, draft_len, head_dim)
+    nbytes: int  # host bytes of all those tensors
+    last_used: int = 0  # the cache's request clock when it was last saved or restored
+
+    def usable(self, full: list[int]) -> int:
+        """Rows of this snapshot a request for `full` can reuse (one prompt token is always prefilled)."""
+        return min(common_prefix(full, self.ids), self.target_len, len(full) - 1)
+
+
+@dataclass
+class CacheStats:
+    requests: int = 0  # prepare() calls
+    hits: int = 0  # requests that restored a snapshot
+    restored_tokens: int = 0  # rows those restores brought back
+    saves: int = 0  # snapshots kept
+    refused: int = 0  # snapshots not kept (too short, too large, or no room without evicting a protected one)
+    evictions: int = 0  # snapshots dropped to make room (superseded ones not counted)
+
+
+@dataclass
+class PromptCache:
+    """See the module docstring."""
+
+    capacity: int  # host bytes the snapshots may take
+    pin: bool = False  # pinned host memory (CUDA: faster, async copies)
+    protect_requests: int = PROTECT_REQUESTS
+    min_tokens: int = MIN_TOKENS
+    entries: list[Snapshot] = field(default_factory=list)
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self):
+        self.clock = 0  # requests seen (prepare calls)
+        self.source: Snapshot | None = None  # the entry the live state was last restored from
+        self.lock = threading.Lock()  # /metrics reads while the worker writes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    # -- per request ----------------------------------------------------------------------------
+    def prepare(self, st, full: list[int], models) -> int:
+        """Make the live state `st` the best start for a request for `full`; returns rows restored (0: none)."""
+        self.clock += 1
+        self.stats.requests += 1
+        live = min(common_prefix(full, st.ids), st.target_len, len(full) - 1)
+        best = max(self.entries, key=lambda e: e.usable(full), default=None)
+        rows = best.usable(full) if best is not None else 0
+        if rows >= live + self.min_tokens:   # worth a copy: it saves at least min_tokens of prefill
+            self.save(st, keep=best)
+            restore(best, st, models, rows)
+            best.last_used, self.source = self.clock, best
+            self.stats.hits += 1
+            self.stats.restored_tokens += rows
+            return rows
+        kept = min(common_prefix(full, st.ids), len(full) - 1)
+        if st.target_len - kept > kept:   # the rewind would discard more than it keeps
+            self.save(st)
+        return 0
+
+    # -- entries --------------------------------------------------------------------------------
+    def save(self, st, keep: Snapshot | None = None) -> bool:
+        """Keep a snapshot of `st` if the policy admits it; True when kept (or already covered).
+        `keep`: an entry that must survive (the one about to be restored)."""
+        n = st.target_len
+        if n < self.min_tokens:
+            return self._refuse()
+        ids = list(st.ids)
+        for e in self.entries:   # already covered: the same rows are in host RAM
+            if e.target_len >= n and common_prefix(e.ids, ids) >= n:
+                e.last_used = self.clock
+                return True
+        draft_len = st.draft_len if _own_rows(st.draft_cache) else 0
+        nbytes = _rows_bytes(st.target_cache, n) + _rows_bytes(st.draft_cache, draft_len)
+        stale = [e for e in self.entries if e is not keep and self._superseded(e, ids, n)]
+        room = self.capacity - sum(e.nbytes for e in self.entries if e not in stale)
+        victims = []
+        for e in sorted((e for e in self.entries if e not in stale), key=lambda e: e.last_used):
+            if room >= nbytes:
+                break
+            if e is keep or (e.target_len > n and self.clock - e.last_used < self.protect_requests):
+                continue   # a longer conversation in use: a shorter request never pushes it out
+            victims.append(e)
+            room += e.nbytes
+        if room < nbytes:
+            return self._refuse()
+        snap = Snapshot(ids, n, draft_len, _host_rows(st.target_cache, n, self.pin),
+                        _host_rows(st.draft_cache, draft_len, self.pin), nbytes, self.clock)  # fmt: skip
+        with self.lock:
+            self.entries = [e for e in self.entries if e not in stale and e not in victims] + [snap]
+        if self.source in stale or self.source in victims:
+            self.source = None
+        self.stats.saves += 1
+        self.stats.evictions += len(victims)
+        return True
+
+    def _superseded(self, e: Snapshot, ids: list[int], n: int) -> bool:
+        """`e`'s rows are a prefix of the new snapshot's, or it is the entry the live state came from
+        and the live state still holds every row that was reused from it (its tail is an old reply's
+        tokenization, replaced by the new one)."""
+        shared = common_prefix(e.ids, ids)
+        if e.target_len <= n and shared >= e.target_len:
+            return True
+        return e is self.source and shared >= min(n, e.target_len) - self.min_tokens
+
+    def _refuse(self) -> bool:
+        self.stats.refused += 1
+        return False
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries, self.source = [], None
+
+    def metrics(self) -> dict:
+        """Counters and gauges for /metrics (names without the specx_ prefix)."""
+        with self.lock:
+            s = self.stats
+            return {"prompt_cache_hits_total": s.hits, "prompt_cache_requests_total": s.requests,
+                    "prompt_cache_restored_tokens_total": s.restored_tokens, "prompt_cache_saves_total": s.saves,
+                    "prompt_cache_evictions_total": s.evictions, "prompt_cache_refused_total": s.refused,
+                    "prompt_cache_entries": len(self.entries), "prompt_cache_bytes": self.nbytes,
+                    "prompt_cache_capacity_bytes": self.capacity}  # fmt: skip
+
+
+# -- cache rows <-> host ---------------------------------------------------------------------------
+def _own_rows(cache) -> bool:
+    """A cache whose rows are its own (not a self-draft's view of the target's)."""
+    return not isinstance(cache, kvcache.SharedCache) and bool(getattr(cache, "layers", None))
+
+
+def _layers(cache) -> list:
+    return [l for l in getattr(cache, "layers", []) if getattr(l, "is_initialized", False)]
+
+
+def _rows_bytes(cache, n: int) -> int:
+    if n <= 0:
+        return 0
+    total = 0
+    for layer in _layers(cache):
+        b, h, _, d = layer.keys.shape
+        total += 2 * b * h * n * d * layer.keys.element_size()
+    return total
+
+
+@torch.inference_mode()
+def _host_rows(cache, n: int, pin: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Host copies of rows [0, n) of every layer's K and V."""
+    if n <= 0:
+        return []
+    out, on_cuda = [], False
+    for layer in _layers(cache):
+        pair = []
+        for t in (layer.keys, layer.values):
+            rows = t[:, :, :n]   # (1, H, n, D) view of the slab
+            on_cuda = on_cuda or rows.is_cuda
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin and rows.is_cuda)
+            host.copy_(rows, non_blocking=host.is_pinned())
+            pair.append(host)
+        out.append(tuple(pair))
+    if on_cuda:
+        torch.cuda.synchronize()   # the async copies land before anyone overwrites the slabs
+    return out
+
+
+@torch.inference_mode()   # the slabs are inference tensors (written under kvcache.forward's inference mode)
+def restore(snap: Snapshot, st, models, rows: int | None = None) -> None:
+    """Put the first `rows` positions of `snap` (default: all) into the live state: ids, lengths and
+    both caches' rows, bit-exact copies; the state is then what it was at the save, rewound to `rows`."""
+    from specexec_cli.core.engine import reserve_caches
+
+    n = snap.target_len if rows is None else min(rows, snap.target_len)
+    reserve_caches(models, st)   # planned slabs (or the self-draft's shared view) exist before the copy
+    _put_rows(st.target_cache, snap.target, n, models.target)
+    st.target_len = n
+    if isinstance(st.draft_cache, kvcache.SharedCache):
+        st.draft_cache.follow(0)
+        st.draft_len = 0
+    else:
+        st.draft_len = min(snap.draft_len, n)
+        _put_rows(st.draft_cache, snap.draft, st.draft_len, models.draft)
+    st.ids[:] = snap.ids if rows is None else snap.ids[:n]
+
+
+def _put_rows(cache, layers: list, n: int, model) -> None:
+    for layer in getattr(cache, "layers", []):
+        layer.length = 0
+    device = getattr(model, "device", torch.device("cpu")) if model is not None else torch.device("cpu")
+    for i, (k, v) in enumerate(layers):
+        k, v = k[:, :, :n], v[:, :, :n]
+        layer = cache.layers[i] if i < len(cache.layers) else None
+        if layer is not None and layer.is_initialized and layer.keys.shape[-2] >= n:
+            layer.keys[:, :, :n].copy_(k, non_blocking=k.is_pinned())
+            layer.values[:, :, :n].copy_(v, non_blocking=v.is_pinned())
+            layer.length = n
+        else:   # an unreserved cache: the slab is allocated (or grown) on the model's device
+            cache.update(k.to(device), v.to(device), i)
+
+
+# -- sizing ------------------------------------------------------------------------------------------
+DEFAULT_CONTEXTS = 8   # the default capacity holds this many full-context snapshots, RAM permitting
+
+
+def token_bytes(model) -> int:
+    """K and V bytes one position takes in `model`'s cache (all layers)."""
+    if model is None:
+        return 0
+    cfg = getattr(model.config, "text_config", None) or model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * kvcache.model_dtype(model).itemsize
+
+
+def host_room(plan) -> int:
+    """Host bytes the memory plan leaves free (its host capacity less what it places there), or,
+    without a plan, half of the RAM available now."""
+    if plan is not None:
+        return max(0, plan.host_capacity - plan.host_total)
+    import psutil
+
+    return psutil.virtual_memory().available // 2
+
+
+def make_prompt_cache(models, plan, capacity: int | None) -> PromptCache | None:
+    """The prompt cache for `--cache-ram` (None: the default; 0: no cache, the live state only).
+    Default: half the host RAM the plan leaves free, at most DEFAULT_CONTEXTS full-context snapshots.
+    Pinned on CUDA when the capacity fits in that free RAM (pinned pages cannot be swapped)."""
+    per_token = token_bytes(models.target) + (0 if models.shared_kv else token_bytes(models.draft))
+    room = host_room(plan)
+    if capacity is None:
+        capacity = min(room // 2, DEFAULT_CONTEXTS * per_token * models.ctx_limit)
+    if capacity <= 0:
+        return None
+    on_cuda = getattr(models.target, "device", torch.device("cpu")).type == "cuda"
+    return PromptCache(capacity, pin=on_cuda and capacity <= room)
