@@ -2,7 +2,8 @@
 
 `Server.start(args)` runs `python -m specexec_cli serve --port <free> ...` and waits for /health
 to answer 200; `stop()` sends SIGTERM and returns the exit code. `http()` is raw HTTP via
-http.client (no client library between the test and the bytes on the wire).
+http.client (no client library between the test and the bytes on the wire). `app_server(app)`
+runs an ASGI app (create_app over a fake worker) in real uvicorn on a thread of this process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +90,32 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def raw_http(port: int, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 30):
+    """(status, headers dict, parsed JSON or text) of one raw HTTP request to 127.0.0.1:port."""
+    return Server(None, port, None).http(method, path, body, headers, timeout)
+
+
+@contextmanager
+def app_server(app):
+    """Serve `app` with uvicorn on a free loopback port from a thread; yields the port."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, lifespan="off"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def sse_events(lines) -> list:

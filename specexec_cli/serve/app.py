@@ -5,17 +5,21 @@ model: they validate (models.py), hand a `worker.Job` to the worker and await it
 event loop stays free while a request generates. Every error, including malformed JSON, wrong
 types, unknown routes and internal failures, is answered in OpenAI's shape
 `{"error": {message, type, param, code}}` with a 4xx (5xx only for a server-side failure).
-Middleware, outermost first: CORS (only with `cors` origins), bearer auth (only with `api_key`;
-every route but /health, constant-time compare), a request-body limit (413). Streaming is SSE:
-`data: {json}` events (chat: the role first, then content deltas, then the finish_reason chunk,
-the usage chunk when asked for) and `data: [DONE]`. A stream's client that goes away cancels its
-job, which stops at the next target pass.
+Middleware (guards.py), outermost first: Observe (counts error responses; an unhandled exception
+becomes a 500 that carries only an error id, logged on stderr), CORS (only with `cors` origins),
+the Host check (only on a loopback `host` without `api_key`: DNS rebinding), bearer auth (only with
+`api_key`; every route but /health, constant-time compare), a request-body limit (413). Streaming
+is SSE: headers within HEADER_GRACE, then `data: {json}` events (chat: the role first, then content
+deltas, then the finish_reason chunk, the usage chunk when asked for) and `data: [DONE]`, with a
+`: keep-alive` comment every `keepalive` seconds without an event (queued, prefilling). A client
+that goes away (streamed or not, queued or running) cancels its job at once: a watcher awaits the
+ASGI `http.disconnect` message, no polling; the job gives its queue slot back or stops at the next
+target pass. `/metrics` adds refusals by status and type and the latency histograms (`Clock`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -28,22 +32,28 @@ from starlette.exceptions import HTTPException
 
 from specexec_cli import __version__
 from specexec_cli.serve import models as shapes
+from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe, is_loopback_name
 from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body
 from specexec_cli.serve.worker import Delta, Done, Failed, Job
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413
-POLL_SECONDS = 0.5  # how often a waiting non-streamed request checks that its client is still there
+HEADER_GRACE = 0.25  # seconds a stream waits for its first report before it sends its headers
+KEEPALIVE_SECONDS = 5.0  # an SSE comment this often while a stream has nothing to send
+KEEPALIVE_COMMENT = ": keep-alive\n\n"
 
 
 def create_app(worker, model_name: str, *, api_key: str | None = None, cors: list[str] | tuple = (),
-               max_body: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body: int = MAX_BODY_BYTES, host: str | None = None,
+               keepalive: float = KEEPALIVE_SECONDS) -> FastAPI:  # fmt: skip
     app = FastAPI(title="specx", version=__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     page = resources.files("specexec_cli.serve").joinpath("page.html").read_text(encoding="utf-8")
     started = int(time.time())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        if worker.stopping.is_set():
+            return JSONResponse({"status": "stopping"}, status_code=503)
         if worker.state == "ready":
             return {"status": "ok"}
         return JSONResponse({"status": worker.state if worker.state == "loading" else "error"}, status_code=503)
@@ -69,20 +79,23 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await answer(worker, Format(True, model_name, body), body, request)
+        return await answer(worker, Format(True, model_name, body), body, request, keepalive)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await answer(worker, Format(False, model_name, body), body, request)
+        return await answer(worker, Format(False, model_name, body), body, request, keepalive)
 
     app.add_middleware(BodyLimit, limit=max_body)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
+    elif host is not None and is_loopback_name(host.strip("[]").lower()):  # the --host the socket is bound to
+        app.add_middleware(HostCheck, host=host)
     if cors:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"])  # fmt: skip
+    app.add_middleware(Observe, metrics=worker.metrics)
     return app
 
 
@@ -126,60 +139,103 @@ class Format:
         return build(self.rid, self.created, self.model, item.text, finish, item.usage, item.specx)
 
 
-async def answer(worker, fmt: Format, req, request: Request):
-    """Queue the request, then stream its reports (SSE) or wait for the whole answer."""
+async def answer(worker, fmt: Format, req, request: Request, keepalive: float):
+    """Queue the request, then stream its reports (SSE) or wait for the whole answer. A stream waits
+    at most HEADER_GRACE for its first report (so an idle server still answers a bad prompt with a
+    4xx status), then sends its headers and keep-alive comments while it is queued or prefilling."""
     shapes.unsupported(req)
     job = Job(shapes.to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
+    clock = Clock(worker.metrics)
     worker.submit(job)
-    first = await next_report(job, request)
-    if first is None:
-        return Response(status_code=499)  # the client left while queued
-    if isinstance(first, Failed):
-        raise first.error
-    if req.stream:
-        return StreamingResponse(sse(job, fmt), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-    while True:
-        item = await next_report(job, request)
-        if item is None:
-            return Response(status_code=499)
-        if isinstance(item, Failed):
-            raise item.error
+    gone = asyncio.create_task(watch_disconnect(job, request))
+    try:
+        first = await next_report(job, gone, HEADER_GRACE if req.stream else None)
+        if gone.done():
+            return Response(status_code=499)  # the client left while queued
+        if isinstance(first, Failed):
+            raise first.error
+        if req.stream:   # from here starlette's StreamingResponse watches the client (sse cancels the job)
+            return StreamingResponse(sse(job, fmt, first, clock, keepalive), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        while True:
+            item = await next_report(job, gone)
+            if item is None:
+                return Response(status_code=499)
+            clock.saw(item)
+            if isinstance(item, Failed):
+                raise item.error
+            if isinstance(item, Done):
+                return JSONResponse(fmt.body(item))
+    finally:
+        gone.cancel()
+
+
+async def watch_disconnect(job: Job, request: Request) -> None:
+    """Return (with the job cancelled) when the ASGI server reports that the client disconnected."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a receive channel that fails is a client that is gone
+        pass
+    job.cancel()
+
+
+async def next_report(job: Job, gone: asyncio.Task, timeout: float | None = None):
+    """The job's next report; None once the client has disconnected (`gone` done; the job is
+    cancelled) or after `timeout` seconds without one."""
+    report = asyncio.ensure_future(job.events.get())
+    await asyncio.wait({report, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if report.done():
+        return report.result()
+    report.cancel()
+    return None
+
+
+class Clock:
+    """The latency histograms of one request: time to its first token, and to its end."""
+
+    def __init__(self, metrics):
+        self.metrics, self.t0, self.first = metrics, time.perf_counter(), False
+
+    def saw(self, item) -> None:
+        if isinstance(item, (Delta, Done)) and not self.first:  # an empty reply: its first token was EOS
+            self.first = True
+            self.metrics.observe("specx_time_to_first_token_seconds", time.perf_counter() - self.t0)
         if isinstance(item, Done):
-            return JSONResponse(fmt.body(item))
-
-
-async def next_report(job: Job, request: Request):
-    """The job's next report; None (and the job cancelled) once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), POLL_SECONDS)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                return None
+            self.metrics.observe("specx_request_seconds", time.perf_counter() - self.t0)
 
 
 def event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def sse(job: Job, fmt: Format):
-    """The SSE body; leaving it early (a disconnect) cancels the job at its next target pass."""
+async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float):
+    """The SSE body; leaving it early (a disconnect) cancels the job at its next target pass.
+    `first` is the report already taken (None: none yet); an SSE comment goes out every
+    `keepalive` seconds without a report (queued, prefilling), so proxies keep the connection."""
     try:
         for chunk in fmt.opening():
             yield event(chunk)
+        item = first
         while True:
-            item = await job.events.get()
+            if item is None:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield KEEPALIVE_COMMENT
+                    continue
+            clock.saw(item)
             if isinstance(item, Delta):
                 yield event(fmt.delta(item))
             elif isinstance(item, Done):
                 for chunk in fmt.closing(item):
                     yield event(chunk)
                 break
-            elif isinstance(item, Failed):
+            elif isinstance(item, Failed):  # after the 200 headers: counted here, not by guards.Observe
+                clock.metrics.refused(item.error.status, item.error.type)
                 yield event(item.error.body())
                 break
+            item = None
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()
@@ -202,10 +258,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))  # fmt: skip
 
-    @app.exception_handler(Exception)
-    async def internal(request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {exc.__class__.__name__}", "server_error"), status_code=500)
-
 
 def validation_body(errors) -> dict:
     """The first validation error as an OpenAI error (param = the field's dotted path)."""
@@ -217,68 +269,3 @@ def validation_body(errors) -> dict:
     param = ".".join(loc) or None
     message = f"{param}: {err.get('msg')}" if param else f"request body: {err.get('msg')}"
     return error_body(message, param=param, code=err.get("type"))
-
-
-async def send_error(send, status: int, body: dict, headers: dict | None = None) -> None:
-    raw = json.dumps(body).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": raw})
-
-
-class BearerAuth:
-    """401 without `Authorization: Bearer <key>` on every route but /health (constant-time compare)."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
-            if not ok:
-                body = error_body("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")  # fmt: skip
-                return await send_error(send, 401, body, {"WWW-Authenticate": "Bearer"})
-        await self.app(scope, receive, send)
-
-
-class BodyLimit:
-    """Read a request body up to `limit` bytes (413 past it), then hand it on."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        try:
-            too_big = declared is not None and int(declared) > self.limit
-        except ValueError:
-            return await send_error(send, 400, error_body("invalid Content-Length header"))
-        body = bytearray()
-        while not too_big:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            too_big = len(body) > self.limit
-            if not msg.get("more_body", False):
-                break
-        if too_big:
-            limit = f"{self.limit >> 20} MiB" if self.limit >= 1 << 20 else f"{self.limit} bytes"
-            return await send_error(send, 413, error_body(f"request body is larger than {limit}",
-                                                          code="request_too_large"))  # fmt: skip
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)

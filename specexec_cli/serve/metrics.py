@@ -1,12 +1,15 @@
 """Prometheus counters of `specx serve` (`GET /metrics`), as views of the requests' RunStats.
 
 Contract: `Metrics.request(endpoint, outcome)` counts finished requests, `Metrics.finished(stats,
-prompt_tokens, cached_tokens)` adds one generation's `stats.RunStats`, and `render(worker)` gives
-the text exposition format (version 0.0.4) with the live queue depth. Thread-safe; no client library.
+prompt_tokens, cached_tokens)` adds one generation's `stats.RunStats`, `refused(status, type)`
+counts an error answer, `observe(name, seconds)` adds a latency to one of the HISTOGRAMS (time to
+first token, whole request), and `render(worker)` gives the text exposition format (version
+0.0.4) with the live queue depth. Thread-safe; no client library.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import Counter
 
@@ -25,7 +28,43 @@ HELP = {
     "specx_queue_depth": ("gauge", "Requests waiting for the worker."),
     "specx_busy": ("gauge", "1 while a request is generating."),
     "specx_ready": ("gauge", "1 once the models are loaded."),
+    "specx_prompt_cache_requests_total": ("counter", "Requests that consulted the prompt cache (host-RAM KV snapshots)."),
+    "specx_prompt_cache_hits_total": ("counter", "Requests that restored a snapshot from the prompt cache."),
+    "specx_prompt_cache_restored_tokens_total": ("counter", "Prompt tokens restored from the prompt cache."),
+    "specx_prompt_cache_saves_total": ("counter", "Snapshots kept in the prompt cache."),
+    "specx_prompt_cache_evictions_total": ("counter", "Snapshots evicted to make room."),
+    "specx_prompt_cache_refused_total": ("counter", "Snapshots not kept (too short, too large, or no room)."),
+    "specx_prompt_cache_entries": ("gauge", "Snapshots in the prompt cache."),
+    "specx_prompt_cache_bytes": ("gauge", "Host bytes the prompt cache's snapshots take."),
+    "specx_prompt_cache_capacity_bytes": ("gauge", "Host bytes the prompt cache may take (--cache-ram)."),
 }
+
+
+REFUSED = ("specx_refused_requests_total", "Requests answered with an error, by HTTP status and error type.")
+BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)  # seconds (upper bounds)
+HISTOGRAMS = {
+    "specx_time_to_first_token_seconds": "Seconds from a generation request's arrival to its first token.",
+    "specx_request_seconds": "Seconds from a generation request's arrival to its last token.",
+}
+
+
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus `le` semantics: a bucket counts values <= its bound)."""
+
+    def __init__(self):
+        self.counts = [0] * (len(BUCKETS) + 1)  # per bucket, the last = above every bound (+Inf only)
+        self.sum, self.count = 0.0, 0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, value)] += 1
+        self.sum, self.count = self.sum + value, self.count + 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, n in zip([*map(str, BUCKETS), "+Inf"], self.counts):
+            running += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
+        return out + [f"{name}_sum {round(self.sum, 6)}", f"{name}_count {self.count}"]
 
 
 class Metrics:
@@ -33,10 +72,20 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: Counter = Counter()
         self.totals: Counter = Counter()
+        self.refusals: Counter = Counter()  # (status, error type) -> answers
+        self.histograms = {name: Histogram() for name in HISTOGRAMS}
 
     def request(self, endpoint: str, outcome: str) -> None:
         with self.lock:
             self.requests[(endpoint, outcome)] += 1
+
+    def refused(self, status: int, kind: str) -> None:
+        with self.lock:
+            self.refusals[(int(status), kind)] += 1
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self.lock:
+            self.histograms[name].add(seconds)
 
     def finished(self, stats, prompt_tokens: int, cached_tokens: int) -> None:
         view = stats.speculative()
@@ -59,8 +108,15 @@ class Metrics:
             passes = self.totals["specx_target_passes_total"]
             values["specx_tokens_per_pass"] = self.totals["pass_tokens"] / passes if passes else 0.0
             requests = dict(self.requests)
+            extra = [f"# HELP {REFUSED[0]} {REFUSED[1]}", f"# TYPE {REFUSED[0]} counter"]
+            extra += [f'{REFUSED[0]}{{status="{s}",type="{t}"}} {n}' for (s, t), n in sorted(self.refusals.items())]
+            for name, text in HISTOGRAMS.items():
+                extra += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *self.histograms[name].lines(name)]
         values.update(specx_queue_depth=worker.queue_depth(), specx_busy=int(worker.busy),
                       specx_ready=int(worker.state == "ready"))  # fmt: skip
+        cache = getattr(getattr(worker, "session", None), "prompt_cache", None)
+        if cache is not None:
+            values.update({f"specx_{k}": v for k, v in cache.metrics().items()})
         lines = []
         for name, (kind, text) in HELP.items():
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
@@ -69,4 +125,4 @@ class Metrics:
             else:
                 value = values.get(name, 0)
                 lines.append(f"{name} {value if isinstance(value, int) else round(value, 6)}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + extra) + "\n"

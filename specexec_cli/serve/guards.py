@@ -1,0 +1,200 @@
+"""The ASGI middleware of `specx serve`, and how a failure inside the server is logged.
+
+Contract: each class wraps an ASGI app and answers its refusal itself in OpenAI's error shape:
+`HostCheck` (403 for a `Host` header that names neither a loopback address nor the bound
+--host: DNS-rebinding protection for a loopback server without a key), `BearerAuth` (401 without
+`Authorization: Bearer <key>`), `BodyLimit` (413 past the body limit), and `Observe`, the
+outermost: it counts every error response by status and error type into the metrics, and turns
+an exception nobody handled into a 500 whose body carries only an error id. `log_failure(exc)`
+writes that id and the exception as one line on stderr (the traceback too with SPECX_DEBUG=1)
+and returns the id; the client never sees the exception's text (local paths stay local);
+`server_error(exc)` is the APIError the worker answers a failed generation with (OOM: a 400).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import sys
+import traceback
+import uuid
+
+from specexec_cli.serve.models import APIError, error_body
+from specexec_cli.session import notices
+
+
+def log_failure(exc: BaseException) -> str:
+    """Log `exc` on stderr under a new error id (one line; the traceback with SPECX_DEBUG=1)."""
+    eid = uuid.uuid4().hex[:12]
+    first = (str(exc).splitlines() or [""])[0]
+    notices.notice(f"specx serve: error {eid}: {exc.__class__.__name__}: {first}")
+    if os.environ.get("SPECX_DEBUG") == "1":
+        traceback.print_exception(exc, file=sys.stderr)
+    return eid
+
+
+def server_error(exc: BaseException) -> APIError:
+    """What a request whose generation raised `exc` is answered: device OOM is a 400 (SDKs do not
+    retry it) that says what to lower; anything else a 500 that carries only the logged error id."""
+    from specexec_cli.errors import is_oom
+
+    if is_oom(exc):
+        notices.notice(f"specx serve: out of device memory during a request ({exc.__class__.__name__})")
+        return APIError(400, "out of device memory for this request: lower max_tokens or send a shorter prompt; "
+                        "or restart the server with a smaller --budget or --ctx", code="device_out_of_memory")
+    return APIError(500, internal_body(log_failure(exc))["error"]["message"], type="server_error",
+                    code="internal_error")  # fmt: skip
+
+
+def internal_body(eid: str) -> dict:
+    return error_body(f"internal server error (error id {eid}); the server's log has the details",
+                      "server_error", code="internal_error")  # fmt: skip
+
+
+async def send_error(send, status: int, body: dict, headers: dict | None = None) -> None:
+    raw = json.dumps(body).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def host_name(header: str) -> str:
+    """The name of a Host header without its port: "[::1]:80" → "::1", "LocalHost.:8000" → "localhost"."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        name = header[1:header.find("]")] if "]" in header else header[1:]
+    else:
+        name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+    return name.rstrip(".")
+
+
+def is_loopback_name(name: str) -> bool:
+    """localhost, *.localhost (RFC 6761: browsers resolve it to loopback) or a loopback address."""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class HostCheck:
+    """403 for a request whose Host header is neither loopback nor the bound `host` (install it on a
+    loopback bind without a key: a web page whose domain resolves to 127.0.0.1 cannot use the model)."""
+
+    def __init__(self, app, host: str):
+        self.app, self.bound = app, host_name(host)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"host")
+            name = host_name(given.decode("latin-1")) if given is not None else None
+            if name is not None and not (is_loopback_name(name) or name == self.bound):
+                body = error_body(f"Host {given.decode('latin-1')!r} is not an address of this server: it listens "
+                                  "on loopback only (DNS-rebinding protection); use http://127.0.0.1:<port>/, or "
+                                  "start it with --api-key", "permission_error", code="host_not_allowed")  # fmt: skip
+                return await send_error(send, 403, body)
+        await self.app(scope, receive, send)
+
+
+class BearerAuth:
+    """401 without `Authorization: Bearer <key>` on every route but /health (constant-time compare)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+            if not ok:
+                body = error_body("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")  # fmt: skip
+                return await send_error(send, 401, body, {"WWW-Authenticate": "Bearer"})
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Read a request body up to `limit` bytes (413 past it), then hand it on."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        try:
+            too_big = declared is not None and int(declared) > self.limit
+        except ValueError:
+            return await send_error(send, 400, error_body("invalid Content-Length header"))
+        body = bytearray()
+        while not too_big:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            too_big = len(body) > self.limit
+            if not msg.get("more_body", False):
+                break
+        if too_big:
+            limit = f"{self.limit >> 20} MiB" if self.limit >= 1 << 20 else f"{self.limit} bytes"
+            return await send_error(send, 413, error_body(f"request body is larger than {limit}",
+                                                          code="request_too_large"))  # fmt: skip
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class Observe:
+    """Outermost: count error responses (status, error type) in `metrics`; an exception that reached
+    here is logged with an id and answered as a 500 carrying only the id (no traceback anywhere)."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        seen = {"status": 0, "counted": False, "ended": False}
+
+        async def watch(msg):
+            if msg["type"] == "http.response.start":
+                seen["status"] = msg["status"]
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                seen["ended"] = True
+            if msg["type"] == "http.response.body" and seen["status"] >= 400 and not seen["counted"]:
+                seen["counted"] = True
+                self.metrics.refused(seen["status"], error_type(msg.get("body", b"")))
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:  # noqa: BLE001 - every route's failure ends here: logged, answered by id
+            eid = log_failure(exc)
+            if not seen["status"]:
+                await watch({"type": "http.response.start", "status": 500,
+                             "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+                await watch({"type": "http.response.body", "body": json.dumps(internal_body(eid)).encode()})
+            elif not seen["ended"]:  # a stream that broke: end it (the client sees it stop, the log has why)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def error_type(raw: bytes) -> str:
+    """The `error.type` of an OpenAI error body ("unknown" when it is not one)."""
+    try:
+        kind = json.loads(raw)["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
+    return kind if isinstance(kind, str) and kind.replace("_", "").isalnum() else "unknown"
