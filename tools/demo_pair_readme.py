@@ -1,7 +1,8 @@
 """The demo pair's README.md: how tools/make_demo_pair.py made it and what it measured.
 
 Contract: `write_readme(out, info, eot, seq_len)` writes `out/README.md` from the `info` dict that
-make_demo_pair.main builds (command, seed, corpus, vocab, training settings, quality, sizes).
+make_demo_pair.main builds (command, seed, corpus, vocab, training settings, quality, sizes), ending
+with where the repository's docs/performance.md reports what specx measures with the pair.
 """
 
 from __future__ import annotations
@@ -68,4 +69,6 @@ def write_readme(out: Path, info: dict, eot: str, seq_len: int) -> None:
             "```",
             "",
         ]
+    lines += ["What specx measures with this pair (tokens per target pass, the budget it picks): the repository's",
+              "`docs/performance.md`, section \"The embedded demo pair\".", ""]
     (out / "README.md").write_text("\n".join(lines))

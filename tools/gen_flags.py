@@ -1,9 +1,9 @@
-"""Regenerate the README's flags reference from `specx <command> --help`.
+"""Regenerate the flags reference, docs/flags.md, from `specx <command> --help`.
 
-Contract: replaces the text between `<!-- flags:begin -->` and `<!-- flags:end -->` in README.md
+Contract: replaces the text between `<!-- flags:begin -->` and `<!-- flags:end -->` in docs/flags.md
 with one fenced block per command (run, chat, serve, profile, bench, quantize; commands that do not exist
 are skipped). Run after changing any option: `python tools/gen_flags.py`; `--check` only reports
-(exit 1) when the README is out of date, and `--help` prints usage without touching anything.
+(exit 1) when the page is out of date, and `--help` prints usage without touching anything.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGE = "docs/flags.md"
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 COMMANDS = ["run", "chat", "serve", "profile", "bench", "quantize"]
 
@@ -31,26 +32,26 @@ def help_text(command: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Regenerate the flags reference in README.md from `specx <command> --help`.")
-    parser.add_argument("--check", action="store_true", help="only check: exit 1 if README.md is out of date")
+    parser = argparse.ArgumentParser(description="Regenerate the flags reference in docs/flags.md from `specx <command> --help`.")
+    parser.add_argument("--check", action="store_true", help="only check: exit 1 if docs/flags.md is out of date")
     args = parser.parse_args(argv)
     blocks = []
     for command in COMMANDS:
         text = help_text(command)
         if text is not None:
             blocks.append(f"### `specx {command}`\n\n```text\n{text}\n```\n")
-    readme = ROOT / "README.md"
-    body = readme.read_text()
+    page = ROOT / PAGE
+    body = page.read_text()
     if BEGIN not in body:
-        print(f"README.md has no {BEGIN} marker", file=sys.stderr)
+        print(f"{PAGE} has no {BEGIN} marker", file=sys.stderr)
         return 2
     new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", lambda _: f"{BEGIN}\n" + "\n".join(blocks) + END, body,
                  flags=re.S)  # fmt: skip
     if args.check:
-        print("README.md flags are up to date" if new == body else "README.md flags are out of date; run tools/gen_flags.py")
+        print(f"{PAGE} is up to date" if new == body else f"{PAGE} is out of date; run python tools/gen_flags.py")
         return 0 if new == body else 1
-    readme.write_text(new)
-    print(f"updated {len(blocks)} command(s) in README.md")
+    page.write_text(new)
+    print(f"updated {len(blocks)} command(s) in {PAGE}")
     return 0
 
 

@@ -1,11 +1,12 @@
-"""Regenerate the README's self-draft table from bench/selfdraft.py's JSON results.
+"""Regenerate the self-draft table of docs/self-draft.md from bench/selfdraft.py's JSON results.
 
 Contract: reads every `bench/results/selfdraft_t0_gap*.json` and `selfdraft_t07_gap*.json` (the
 runs with gap-featured node scores, 128 new tokens, the shared target streamed from disk), sorts
 the rows by temperature, budget and draft, and replaces the text between `<!-- selfdraft table -->`
-and `<!-- /selfdraft table -->` in README.md. "x shared" divides by the shared draft's tokens per
+and `<!-- /selfdraft table -->` in docs/self-draft.md (tools/perf_tables.py puts the same table
+in docs/performance.md). "x shared" divides by the shared draft's tokens per
 pass in the same (temperature, budget) cell; "equals `--method ar`" is the run's own check (T = 0
-only). `--check` only reports (exit 1) when the README is out of date.
+only). `--check` only reports (exit 1) when the page is out of date.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGE = "docs/self-draft.md"
 BEGIN, END = "<!-- selfdraft table -->", "<!-- /selfdraft table -->"
 NAMES = {"shared-2.9M": "shared 2.9M draft", "self-nf4": "`--draft self --draft-bits 4` (nf4)",
          "self-nf4-ownkv": "nf4, own KV cache (not a mode)", "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
@@ -47,15 +49,15 @@ def table() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when the README's table is out of date")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the table in docs/self-draft.md is out of date")
     args = ap.parse_args()
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    page = ROOT / PAGE
+    text = page.read_text()
     i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
     new = text[:i] + "\n" + table() + "\n" + text[j:]
     if args.check:
         return int(new != text)
-    readme.write_text(new)
+    page.write_text(new)
     return 0
 
 

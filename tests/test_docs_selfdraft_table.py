@@ -1,4 +1,4 @@
-"""The README's self-draft table is exactly what bench/selfdraft.py's JSON results hold
+"""The self-draft table of docs/self-draft.md is exactly what bench/selfdraft.py's JSON results hold
 (tools/selfdraft_table.py): a result added or changed without `python tools/selfdraft_table.py`
 fails here. The second test proves the check can fail (one figure changed must not be found)."""
 
@@ -14,9 +14,9 @@ def tool():
     return load_script("tools/selfdraft_table.py")
 
 
-def test_the_readme_table_is_the_bench_json(tool):
-    readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index(tool.BEGIN) + len(tool.BEGIN):readme.index(tool.END)]
+def test_the_page_table_is_the_bench_json(tool):
+    page = (ROOT / tool.PAGE).read_text()
+    block = page[page.index(tool.BEGIN) + len(tool.BEGIN):page.index(tool.END)]
     assert block.strip() == tool.table()
     assert any(r["draft"] == "shared-2.9M" for r in tool.rows()) and any(r["draft"] == "self-nf4" for r in tool.rows())
 
@@ -26,5 +26,5 @@ def test_a_changed_figure_is_caught(tool, monkeypatch):
     changed = [dict(r) for r in real]
     changed[1]["tokens_per_pass"] += 1.0
     monkeypatch.setattr(tool, "rows", lambda: changed)
-    readme = (ROOT / "README.md").read_text()
-    assert tool.table() not in readme
+    page = (ROOT / tool.PAGE).read_text()
+    assert tool.table() not in page

@@ -1,6 +1,6 @@
-"""The README's flags reference is exactly what `specx <command> --help` prints (tools/gen_flags.py).
+"""docs/flags.md is exactly what `specx <command> --help` prints (tools/gen_flags.py).
 
-`gen_flags.main(["--check"])` renders every command's help and compares it with the README's
+`gen_flags.main(["--check"])` renders every command's help and compares it with docs/flags.md's
 `<!-- flags:begin -->` … `<!-- flags:end -->` block, without writing. A stale reference fails here;
 the fix is `python tools/gen_flags.py`. The second test proves the check can fail: one command's
 help text changed by a single option must be reported as out of date.
@@ -31,7 +31,7 @@ def helps(gen_flags):
         os.environ["PYTHONPATH"] = env
 
 
-def test_readme_flags_match_help(gen_flags, helps, monkeypatch, capsys):
+def test_flags_page_matches_help(gen_flags, helps, monkeypatch, capsys):
     assert helps["run"] and "--max-new-tokens" in helps["run"]
     monkeypatch.setattr(gen_flags, "help_text", helps.get)
     rc = gen_flags.main(["--check"])

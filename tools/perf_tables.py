@@ -1,0 +1,120 @@
+"""Regenerate the measured tables of README.md and docs/ from the JSON in bench/results/.
+
+Contract: every `<!-- perf:NAME -->` … `<!-- /perf:NAME -->` block in the files of `FILES` is replaced
+by `TABLES[NAME]()`, a markdown table computed from bench/results/ alone (an unknown NAME or an
+unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass of the trained
+draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
+table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
+inflated disk-tier target), `serve` and `serve-turns` (bench/serve.py). `--check` writes nothing
+and exits 1 naming the files whose tables differ from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+FILES = ["README.md", "docs/performance.md", "docs/self-draft.md"]
+BLOCK = re.compile(r"<!-- perf:([a-z0-9-]+) -->\n(.*?)<!-- /perf:\1 -->", re.S)
+OPEN = re.compile(r"<!-- perf:([a-z0-9-]+) -->")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import selfdraft_table  # noqa: E402  (tools/ is not a package)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def headline() -> str:
+    """One row per draft: tokens per pass at budget 1024, T = 0 and T = 0.7, against the trained draft."""
+    cells = {(r["draft"], r["temperature"]): r for r in selfdraft_table.rows() if r["budget"] == 1024}
+    lines = ["| draft | tokens per target pass, T = 0 | x trained draft | T = 0.7 | x trained draft | T = 0 ids equal `--method ar` |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for draft in ("shared-2.9M", "self-nf4", "self-hqq3", "self-hqq2"):
+        g, s = cells.get((draft, 0.0)), cells.get((draft, 0.7))
+        if g is None or s is None:
+            continue
+        g0, s0 = cells[("shared-2.9M", 0.0)], cells[("shared-2.9M", 0.7)]
+        name = "trained 2.9M draft" if draft == "shared-2.9M" else selfdraft_table.NAMES[draft]
+        lines.append(f"| {name} | {g['tokens_per_pass']:.2f} | {g['tokens_per_pass'] / g0['tokens_per_pass']:.1f}x | "
+                     f"{s['tokens_per_pass']:.2f} | {s['tokens_per_pass'] / s0['tokens_per_pass']:.1f}x | "
+                     f"{'yes' if g['lossless'] else 'NO'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def selfdraft_xl() -> str:
+    rows = sorted(load("selfdraft_xl.json")["rows"], key=lambda r: (r["budget"], r["draft"] != "shared-2.9M"))
+    lines = ["| budget | draft | tokens per target pass [95%] | tok/s (this CPU) |", "|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["ci95"]
+        lines.append(f"| {r['budget']} | {selfdraft_table.NAMES[r['draft']]} | {r['tokens_per_pass']:.2f} "
+                     f"[{lo:.2f}, {hi:.2f}] | {r['tokens_per_second']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def serve() -> str:
+    s = load("serve/serve.json")["summary"]
+    return "\n".join([
+        "| prompts timed | `specx run` tok/s | server tok/s (`openai` client, streamed) | server ÷ run | server engine tok/s | time to first token | every reply equals `specx run` |",
+        "|---|---|---|---|---|---|---|",
+        f"| {s['prompts_timed']} | {s['run_tok_s']:.1f} | {s['serve_tok_s']:.1f} | {s['ratio']:.2f} | "
+        f"{s['serve_engine_tok_s']:.1f} | {s['ttft_s']:.3f} s | {'yes' if s['all_same_text'] else 'NO'} |",
+    ])  # fmt: skip
+
+
+def serve_turns() -> str:
+    t = load("serve/serve.json")["summary"]["turn_prefill"]
+    lines = ["| turn | prefill tokens, prefix reused | prefill tokens, caches evicted |", "|---|---|---|"]
+    lines += [f"| {i} | {a} | {b} |" for i, (a, b) in enumerate(zip(t["reuse"], t["no_reuse"]), 1)]
+    return "\n".join(lines)
+
+
+TABLES = {"headline": headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
+          "serve": serve, "serve-turns": serve_turns}
+
+
+def render(text: str) -> str:
+    """`text` with every perf block regenerated; ValueError on an unknown or unclosed block."""
+    names = OPEN.findall(text)
+    closed = [m.group(1) for m in BLOCK.finditer(text)]
+    if names != closed:
+        raise ValueError(f"unclosed perf block(s): {sorted(set(names) - set(closed)) or names}")
+    unknown = sorted(set(names) - set(TABLES))
+    if unknown:
+        raise ValueError(f"unknown perf table(s) {unknown}; known: {sorted(TABLES)}")
+    return BLOCK.sub(lambda m: f"<!-- perf:{m.group(1)} -->\n{TABLES[m.group(1)]()}\n<!-- /perf:{m.group(1)} -->", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a table differs from its JSON")
+    args = ap.parse_args(argv)
+    stale = []
+    for rel in FILES:
+        path = ROOT / rel
+        if not path.exists():
+            continue
+        text = path.read_text()
+        try:
+            new = render(text)
+        except ValueError as exc:
+            print(f"{rel}: {exc}", file=sys.stderr)
+            return 2
+        if new != text:
+            stale.append(rel)
+            if not args.check:
+                path.write_text(new)
+    if args.check:
+        print("perf tables are up to date" if not stale else f"out of date: {', '.join(stale)}; run python tools/perf_tables.py")
+        return int(bool(stale))
+    print(f"updated {', '.join(stale) or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
