@@ -1,0 +1,269 @@
+"""GGUF checkpoints (llama.cpp, ollama, LM Studio): streamed as stored, dequantized on the device.
+
+Contract: `READER` (base.FormatReader) claims a .gguf file, a split model's part, a directory
+holding one GGUF model and no safetensors, or an ollama blob (GGUF magic, no extension);
+`open_ollama(name)` opens an ollama model by name (ollama.py). `open` reads headers and metadata
+only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
+- config: transformers' own config for the file (`AutoConfig.from_pretrained(dir, gguf_file=)`),
+  the families specx runs (GGUF_ARCHS; any other `general.architecture` is one OffloadError line);
+- tensors keyed by HF name (GGUF names mapped through gguf's TensorNameMap against the meta-built
+  HF model), each at its byte range in its part file. A tensor stored plain (F32/F16/BF16) that
+  needs no change keeps its float dtype; every other one (block-quantized, or a Llama-family Q/K
+  weight whose rows llama.cpp permuted, or a Gemma-2 norm stored +1) is `qtype` bytes
+  ((nbytes,) uint8) listed in `packed`, and `load_weight` turns it back into the HF weight on the
+  device (gguf_quants.dequantize, the permutation undone while writing rows);
+- strict checks at open: every HF parameter present (a tied lm_head may be absent) with its shape
+  and the byte count its type implies, no unexpected tensor, a tokenizer in the metadata;
+- tokenizer: transformers builds it from the metadata (tokenizer_kwargs gguf_file=); chat
+  template, BOS/EOS (EOT too) and sampling defaults (general.sampling.*, or ollama's params) in
+  `chat_template` / `generation`.
+Tensors in a GGUF file are 32-byte aligned: the loader re-lays them on 256-byte boundaries as it
+does for safetensors (storage.file_layout / DiskLayer.repack).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from ..errors import OffloadError
+from . import gguf_meta, gguf_quants as gq
+from .base import Checkpoint, TensorInfo, as_stored, numel
+
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2")   # GGUF architectures of families.SUPPORTED
+PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
+IGNORED = ("rope_freqs.weight",)   # llama.cpp's precomputed RoPE factors: HF derives them from the config
+_PLAIN = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
+
+
+class GgufReader:
+    name = "gguf"
+
+    def detect(self, path: Path) -> bool:
+        try:
+            if path.is_dir():
+                return any(path.glob("*.gguf")) and not any(path.glob("*.safetensors"))
+            return gguf_meta.is_gguf_file(path)
+        except OSError:
+            return False
+
+    def open(self, path: Path, ollama_params: dict | None = None) -> Checkpoint:
+        parts = gguf_meta.gguf_parts(path)
+        readers = [gguf_meta.read_part(p) for p in parts]
+        first, head = parts[0], readers[0]
+        arch = gguf_meta.value(head, "general.architecture")
+        if arch not in GGUF_ARCHS:
+            raise OffloadError(f"{first}: GGUF architecture {str(arch)[:40]!r} is not supported; supported: "
+                               f"{', '.join(GGUF_ARCHS)}")
+        _check_split(parts, readers)
+        if gguf_meta.value(head, "tokenizer.ggml.model") is None or "tokenizer.ggml.tokens" not in head.fields:
+            raise OffloadError(f"{first}: no tokenizer in its metadata (tokenizer.ggml.*); re-convert it with "
+                               "llama.cpp's convert_hf_to_gguf.py from a model directory that has one")
+        config = _hf_config(first)
+        hf_names, shapes = _hf_params(config, arch, first)
+        tensors, packed = {}, {}
+        for part, reader in zip(parts, readers):
+            for t in reader.tensors:
+                if t.name in IGNORED:
+                    continue
+                name = hf_names.get(t.name)
+                if name is None:
+                    raise OffloadError(f"{part}: unexpected tensor {t.name!r} (not used by {arch}); the file does "
+                                       "not match its metadata - re-download it")
+                if name in tensors:
+                    raise OffloadError(f"{part}: tensor {t.name!r} appears twice; the file is corrupt - re-download it")
+                tensors[name] = _info(name, part, t, config, arch)
+                if tensors[name].qtype is not None:
+                    packed[name] = (name,)
+        ckpt = Checkpoint(path=path, format="gguf", config=config.to_dict(), hf_config=config, tensors=tensors,
+                          files=list(parts), reader=self, quant=_quant(head, tensors), packed=packed,
+                          tokenizer_path=first.parent, tokenizer_kwargs={"gguf_file": first.name},
+                          chat_template=gguf_meta.value(head, "tokenizer.chat_template"),
+                          generation=_generation(head, ollama_params or {}), source_name=first)
+        ckpt.shapes = _check_tensors(ckpt, shapes, first)
+        return ckpt
+
+    def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype) -> torch.Tensor:
+        info = ckpt.tensors[hf_weight_name]
+        t = as_stored(info, raw[hf_weight_name]).to(device)
+        if info.qtype is None:
+            return t.to(dtype)
+        shape = ckpt.shapes[hf_weight_name]
+        heads = info.meta.get("permute")
+        rows_to = _rows_to(shape[0], heads, t.device) if heads else None
+        w = gq.dequantize(t, info.meta["ggml_type"], shape, dtype, rows_to=rows_to)
+        if info.meta.get("minus_one"):
+            w = w - 1
+        return w
+
+    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
+        info = ckpt.tensors.get(hf_weight_name)
+        if info is None or info.qtype is None:
+            return 0
+        shape = ckpt.shapes[hf_weight_name]
+        extra = 8 * shape[0] if info.meta.get("permute") else 0
+        return gq.temp_bytes(info.meta["ggml_type"], shape) + extra
+
+    def open_ollama(self, name: str) -> Checkpoint | None:
+        """The checkpoint of ollama model `name`, or None when ollama has no such model."""
+        from . import ollama
+
+        model = ollama.resolve(name)
+        if model is None:
+            return None
+        return self.open(model.blob, ollama_params=model.params)
+
+
+def _check_split(parts: list[Path], readers) -> None:
+    count = gguf_meta.value(readers[0], "split.count")
+    if count is not None and int(count) != len(parts):
+        raise OffloadError(f"{parts[0]}: its metadata says {count} parts but {len(parts)} were found; download "
+                           "every part into the same folder with its original name")
+
+
+def _hf_config(first: Path):
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from ..families import Family
+
+    hf_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.from_pretrained(first.parent, gguf_file=first.name)
+    except Exception as exc:  # noqa: BLE001 - any failure is metadata transformers cannot use
+        msg = (str(exc).splitlines() or [""])[0][:120]
+        raise OffloadError(f"{first}: its metadata does not describe a model transformers can build "
+                           f"({exc.__class__.__name__}: {msg}); re-download or re-convert it") from None
+    config._attn_implementation = Family.of(config).attn_implementation
+    return config
+
+
+def _hf_params(config, arch: str, first: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """(GGUF tensor name -> HF parameter name, HF parameter name -> shape) from the meta-built model."""
+    import gguf
+
+    from ..families import causal_lm_class
+
+    n = config.num_hidden_layers
+    if not isinstance(n, int) or not 0 < n <= 1024:
+        raise OffloadError(f"{first}: block_count {str(n)[:20]} is not a layer count; the file is corrupt")
+    try:
+        with torch.device("meta"):
+            hf = causal_lm_class(config)(config)
+    except (RuntimeError, ValueError, TypeError, ArithmeticError, AttributeError) as exc:
+        raise OffloadError(f"{first}: its metadata describes a model that cannot be built ({exc.__class__.__name__}: "
+                           f"{str(exc)[:100]}); the file is corrupt - re-download it") from None
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(arch_id, n)
+    names, shapes = {}, {}
+    for hf_name, p in hf.named_parameters(remove_duplicate=False):
+        shapes[hf_name] = tuple(p.shape)
+        base, _, suffix = hf_name.rpartition(".")
+        g = name_map.get_name(base)
+        if g is not None:
+            names[f"{g}.{suffix}"] = hf_name
+    return names, shapes
+
+
+def _info(name: str, part: Path, t, config, arch: str) -> TensorInfo:
+    """TensorInfo of one GGUF tensor (see the module contract for plain vs qtype)."""
+    tid = int(t.tensor_type)
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))    # ggml (ne0, ne1) -> torch (rows, cols)
+    begin = int(t.data_offset)
+    nbytes = gq.nbytes(tid, shape)
+    meta = {"ggml_type": tid, "shape": shape, "gguf_name": t.name}
+    rel = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if arch == "llama" and rel in PERMUTED:
+        meta["permute"] = int(getattr(config, PERMUTED[rel]))
+    if arch == "gemma2" and name.endswith("norm.weight"):
+        meta["minus_one"] = True      # llama.cpp stores Gemma's (1 + w) norm weights; HF adds the 1 itself
+    if tid in _PLAIN and len(meta) == 3:
+        return TensorInfo(name, part, _PLAIN[tid], shape, begin, begin + nbytes, None, meta)
+    return TensorInfo(name, part, torch.uint8, (nbytes,), begin, begin + nbytes, gq.NAMES[tid], meta)
+
+
+def _check_tensors(ckpt: Checkpoint, shapes: dict, first: Path) -> dict[str, tuple[int, ...]]:
+    """Strict loading: every HF parameter present with its shape (a tied lm_head may be absent)."""
+    tied = getattr(ckpt.hf_config, "tie_word_embeddings", False)
+    for name, shape in shapes.items():
+        info = ckpt.tensors.get(name)
+        if info is None:
+            if tied and name == "lm_head.weight":
+                continue
+            missing = sum(1 for n in shapes if n not in ckpt.tensors)
+            raise OffloadError(f"{first}: tensor {name!r} that {ckpt.hf_config.model_type!r} needs is missing "
+                               f"({missing} missing); the file is incomplete - re-download it")
+        if tuple(info.meta["shape"]) != tuple(shape):
+            raise OffloadError(f"{info.file}: tensor {info.meta['gguf_name']!r} has shape {list(info.meta['shape'])}, "
+                               f"the metadata implies {list(shape)}; the file does not match its metadata")
+    return dict(shapes)
+
+
+def _quant(head, tensors: dict[str, TensorInfo]) -> dict:
+    """What the file is quantized to: llama.cpp's file type and bytes per GGML type."""
+    import gguf
+
+    by: dict[str, int] = {}
+    for t in tensors.values():
+        key = gq.NAMES[t.meta["ggml_type"]]
+        by[key] = by.get(key, 0) + t.nbytes
+    ftype = gguf_meta.value(head, "general.file_type")
+    try:
+        ftype = gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_") if ftype is not None else None
+    except ValueError:
+        ftype = str(ftype)
+    return {"quant_method": "gguf", "file_type": ftype, "bytes_by_type": by}
+
+
+def _generation(head, ollama_params: dict) -> dict:
+    """generation_config.json-style defaults from the metadata (ollama's params override sampling)."""
+    v = functools.partial(gguf_meta.value, head)
+    gen = {}
+    bos, eos, eot = v("tokenizer.ggml.bos_token_id"), v("tokenizer.ggml.eos_token_id"), v("tokenizer.ggml.eot_token_id")
+    if bos is not None:
+        gen["bos_token_id"] = int(bos)
+    stops = [int(x) for x in (eos, eot, v("tokenizer.ggml.eom_token_id")) if x is not None]
+    if stops:
+        stops = list(dict.fromkeys(stops))
+        gen["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    pad = v("tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        gen["pad_token_id"] = int(pad)
+    for key, hf in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p")):
+        val = v(f"general.sampling.{key}")
+        if val is not None:
+            gen[hf] = val
+    for key, hf in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p")):
+        if isinstance(ollama_params.get(key), (int, float)):
+            gen[hf] = ollama_params[key]
+    if isinstance(ollama_params.get("stop"), list):
+        gen["stop_strings"] = [s for s in ollama_params["stop"] if isinstance(s, str)]
+    if "temperature" in gen:
+        gen["do_sample"] = gen["temperature"] > 0
+    return gen
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_cpu(rows: int, heads: int) -> torch.Tensor:
+    """HF row of each stored row of a Q/K weight llama.cpp permuted with `heads` heads.
+
+    llama.cpp stores W_g = W_hf.reshape(h, 2, d, C).swapaxes(1, 2): stored row (h, i, j) is HF row
+    (h, j, i) for i < d = rows / h / 2, j in {0, 1}."""
+    d = rows // heads // 2
+    return torch.arange(rows).reshape(heads, 2, d).transpose(1, 2).reshape(rows)
+
+
+def _rows_to(rows: int, heads: int, device) -> torch.Tensor:
+    if rows % (2 * heads):
+        raise OffloadError(f"a Q/K weight of {rows} rows does not split into {heads} heads; the file is corrupt")
+    return _rows_cpu(rows, heads).to(device)
+
+
+def dequantized_bytes(ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
+    """Bytes of one weight once dequantized at `elem` bytes per value."""
+    return numel(ckpt.shapes[hf_weight_name]) * elem
+
+
+READER = GgufReader()

@@ -1,0 +1,182 @@
+"""GGUF (ggml) block formats turned back into float weights with torch ops, on the tensor's device.
+
+Contract: `dequantize(raw, qtype, shape, dtype)` takes a tensor's bytes as stored in the GGUF file
+(uint8, any shape whose last dim holds whole rows: `row_bytes(qtype, shape[-1])` bytes per row) and
+returns the float tensor of logical `shape` (ggml order reversed, i.e. torch order: (rows, cols))
+in `dtype`, computed on `raw.device`. The arithmetic follows the reference dequantization of the
+`gguf` package (`gguf.quants.dequantize`, numpy) step for step in float32, so the float32 result is
+bitwise equal to it for every supported type; a 16-bit `dtype` is that result rounded once.
+Block layouts (block size, bytes per block) come from `gguf.GGML_QUANT_SIZES`; `SUPPORTED` names
+the types Q4_K_M, Q5_K_M, Q8_0, Q4_0 and 16/32-bit files use. Rows are processed in chunks of at
+most `CHUNK_ELEMS` values so the float32 temporaries stay bounded (`temp_bytes`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK_K = 256                      # super-block size of the K-quants
+CHUNK_ELEMS = 1 << 24           # float32 values per dequantization chunk (64 MiB of temporaries)
+
+# GGMLQuantizationType values (gguf.constants; kept numeric so this module imports without gguf)
+F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
+# type -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES states them
+BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18),
+         Q4_K: (QK_K, 144), Q5_K: (QK_K, 176), Q6_K: (QK_K, 210)}
+SUPPORTED = tuple(BLOCK)
+NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0",
+         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes one row of `cols` values takes; ValueError when cols is not a whole number of blocks."""
+    per, size = BLOCK[qtype]
+    if cols % per:
+        raise ValueError(f"row of {cols} values is not a multiple of the {NAMES[qtype]} block ({per})")
+    return cols // per * size
+
+
+def nbytes(qtype: int, shape) -> int:
+    """Bytes a tensor of logical torch `shape` takes in a GGUF file."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows * row_bytes(qtype, shape[-1])
+
+
+def temp_bytes(qtype: int, shape) -> int:
+    """Device bytes the dequantization of one tensor needs beyond its output (float32 chunk work)."""
+    if qtype == F32:
+        return 0
+    cols = shape[-1]
+    rows_per_chunk = max(1, CHUNK_ELEMS // max(cols, 1))
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    # a few float32 (and byte) temporaries of one chunk's size live at once
+    return 3 * 4 * min(rows, rows_per_chunk) * cols
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """(n, 2) uint8 -> (n, 1) float32 (little-endian half)."""
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, :2])                                            # (n, 1)
+    x = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)  # (n, 32)
+    return d * x
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs = b[:, 2:]                                                 # (n, 16): low nibbles 0..15, high 16..31
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=1).reshape(n, 32)
+    return d * (q.to(torch.int8) - 8).to(torch.float32)
+
+
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 packed bytes per block -> 8 six-bit scales and 8 six-bit mins (Q4_K/Q5_K), uint8 (n, 8)."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]                          # (n, 4) each
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k4_affine(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K block header -> per-32-value scale and offset, float32 (n, 8, 1)."""
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    return (d * sc.to(torch.float32)).reshape(n, -1, 1), (dmin * mn.to(torch.float32)).reshape(n, -1, 1)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scale, off = _k4_affine(b)
+    qs = b[:, 16:].reshape(n, 4, 1, 32)                           # 4 groups of 32 bytes -> 64 values each
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).to(torch.float32)
+    return (scale * q - off).reshape(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scale, off = _k4_affine(b)
+    qh = b[:, 16:48].reshape(n, 1, 32)                            # bit j of byte i: value 32*j + i
+    qs = b[:, 48:].reshape(n, 4, 1, 32)
+    ql = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
+    hi = (qh >> shifts) & 1                                       # (n, 8, 32)
+    q = (ql | (hi << 4)).to(torch.float32)
+    return (scale * q - off).reshape(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    ql, qh = b[:, :128], b[:, 128:192]
+    scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)   # (n, 16)
+    d = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
+    lo = ql.reshape(n, 2, 1, 64)
+    lo = torch.cat([lo & 0x0F, lo >> 4], dim=2).reshape(n, 8, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
+    hi = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
+    q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
+    return (d * q).reshape(n, QK_K)
+
+
+_BLOCK_FN = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+
+
+def _plain(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    flat = raw.contiguous().view(-1)
+    if qtype == F32:
+        return flat.view(torch.float32)
+    if qtype == F16:
+        return flat.view(torch.float16)
+    return flat.view(torch.bfloat16)
+
+
+@torch.no_grad()
+def dequantize(raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None, rows_to: torch.Tensor | None = None) -> torch.Tensor:
+    """Float tensor of `shape` in `dtype` from its stored GGUF bytes `raw` (see the module contract).
+    `out`: an optional preallocated (rows, cols) destination of `dtype` on raw's device.
+    `rows_to`: (rows,) int64 on raw's device, the output row of each stored row (a row
+    permutation undone while writing, e.g. llama.cpp's Q/K order); None keeps the order."""
+    if qtype not in BLOCK:
+        raise ValueError(f"GGUF type {qtype} is not supported")
+    shape = tuple(int(d) for d in shape)
+    cols = shape[-1]
+    rows = nbytes(qtype, shape) // row_bytes(qtype, cols)
+    if raw.dtype != torch.uint8 or raw.numel() != rows * row_bytes(qtype, cols):
+        raise ValueError(f"{NAMES[qtype]} tensor of shape {list(shape)} needs {rows * row_bytes(qtype, cols)} "
+                         f"bytes, got {raw.numel()} ({raw.dtype})")
+    if qtype in (F32, F16, BF16):
+        w = _plain(raw, qtype).view(rows, cols)
+        # F16 goes through float32 as the reference does (exact), then one rounding to dtype
+        w = w.to(torch.float32).to(dtype) if qtype == F16 and dtype != torch.float16 else w.to(dtype)
+        if rows_to is None and out is None:
+            return w.reshape(shape)
+        dst = out if out is not None else torch.empty(rows, cols, dtype=dtype, device=raw.device)
+        _put(dst, 0, rows, w, rows_to)
+        return dst.reshape(shape)
+    per, size = BLOCK[qtype]
+    blocks = raw.reshape(rows, cols // per, size)
+    dst = out if out is not None else torch.empty(rows, cols, dtype=dtype, device=raw.device)
+    step = max(1, CHUNK_ELEMS // cols)
+    fn = _BLOCK_FN[qtype]
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        vals = fn(blocks[r0:r1].reshape(-1, size))            # (chunk blocks, per) float32
+        _put(dst, r0, r1, vals.reshape(r1 - r0, cols), rows_to)
+    return dst.reshape(shape)
+
+
+def _put(dst: torch.Tensor, r0: int, r1: int, vals: torch.Tensor, rows_to: torch.Tensor | None) -> None:
+    """Stored rows [r0, r1) into dst, at their own rows or at rows_to[r0:r1]."""
+    if rows_to is None:
+        dst[r0:r1].copy_(vals)
+    else:
+        dst.index_copy_(0, rows_to[r0:r1], vals.to(dst.dtype))
