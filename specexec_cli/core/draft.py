@@ -8,9 +8,10 @@ prefix and the already-run tree nodes (arXiv 2406.02532, "SpecExec").
 After the call the draft cache holds: prefix + pending + every node with `slot >= 0`, in slot order.
 
 Where the work happens: log-softmax and top-k run where the logits are; per draft forward exactly
-one (B, 2k [+1]) tensor of scores and token ids crosses to the host (`transfers.to_host`), so the
+one upload (`kvcache.stage`: ids, positions, the mask's (B, depth) ancestor table and the n-gram
+proposals) and one (B, 2k [+1]) download of scores and token ids (`transfers.to_host`), so the
 bytes per forward do not depend on the vocabulary. The tree itself is a few small host tensors;
-masks are built on the draft's device from the (B, depth) ancestor table.
+masks are built on the draft's device from the staged ancestor table.
 
 Scores: without a `Scoring`, a node's score is its cumulative draft log-probability (plain
 SpecExec). With one, it is the cumulative log of the *calibrated* acceptance probability
@@ -19,7 +20,8 @@ children and as chains beyond them, competing with the draft's children for the 
 At T > 0 with calibrated scores the children are the draft's top-k under the target's coupled-draw
 noise (sampling.PositionNoise at the child's position), and a child's feature is its perturbed
 score's gap to the best other child (calibrate.coupled_feature): the top child is the target's
-own draw whenever the draft's distribution is close to the target's.
+own draw whenever the draft's distribution is close to the target's. The noise rows are computed on
+the draft's device (the hash of sampling.py) and picked by the staged positions: no row crosses.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 from specexec_cli.core import kvcache
 from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
 from specexec_cli.core.ngram import NgramIndex
-from specexec_cli.core.sampling import PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs
-from specexec_cli.core.transfers import to_host
+from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs
+from specexec_cli.core.transfers import to_host, upload
 from specexec_cli.core.tree import Tree, ancestors, attention_mask, causal_mask, top_budget
 
 
@@ -74,12 +76,34 @@ class Scoring:
         return self.committed[len(self.committed) - (n - len(out)) :] + out[::-1] if len(out) < n else out[::-1]
 
 
-def run_pending(draft, cache, ctx: DraftContext) -> torch.Tensor:
-    """Run the pending tokens causally; returns the draft's (V,) logits at the root (on its device)."""
+@dataclass
+class Staged:
+    """What one expansion needs beside the logits, prepared before its draft forward."""
+
+    props: list  # per expanded node: (n-gram continuation, match length); [] when n-gram is off
+    first: torch.Tensor | None  # (B,) long first proposed token per node (-1 = none), host; None = off
+    first_dev: torch.Tensor | None  # the same on the draft's device (staged with the forward's inputs)
+    child_pos: torch.Tensor | None  # (B,) long absolute position of each node's children, on the device
+
+
+def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor):
+    """Run the pending tokens causally → (the draft's (V,) logits at the root, on its device; the
+    root's position on the device; `extra` host tensors staged in the same upload)."""
     tokens = torch.tensor(ctx.pending, dtype=torch.long)
     positions = torch.arange(ctx.root_pos - len(ctx.pending) + 1, ctx.root_pos + 1)
+    tokens, positions, *extra = kvcache.stage(draft, tokens, positions, *extra)
     mask = causal_mask(ctx.n_cached, len(ctx.pending), kvcache.model_dtype(draft), draft.device)
-    return kvcache.forward(draft, cache, tokens, positions, mask)[-1]
+    return kvcache.forward(draft, cache, tokens, positions, mask)[-1], positions[-1:], extra
+
+
+def proposals(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring) -> tuple[list, torch.Tensor | None]:
+    """Per node of `nodes`: its n-gram proposal, and the (B,) first proposed tokens (-1 = none);
+    ([], None) when n-gram branches are off. Host work, done before the forward so the first
+    tokens ride in its upload."""
+    if scoring is None or scoring.ngram is None:
+        return [], None
+    props = [proposal(tree, int(n), shape, scoring) for n in nodes.tolist()]
+    return props, torch.tensor([p[0][0] if p[0] else -1 for p in props], dtype=torch.long)
 
 
 def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None,
@@ -101,19 +125,21 @@ def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: to
         runner_up = top.values[:, 1:2] if top.values.shape[1] > 1 else torch.full_like(values[:, :1], float("-inf"))
         values = torch.cat([values[:, :1] - runner_up, values[:, 1:] - values[:, :1]], dim=1)
     cols = [values, ids.to(values.dtype)]
-    if extra is not None:
-        ex = logp.gather(1, extra.clamp(min=0).to(logp.device)[:, None])
+    if extra is not None:   # (B,) long on logp's device
+        ex = logp.gather(1, extra.clamp(min=0)[:, None])
         cols.append(ex - top.values[:, :1] if gaps else ex)
     host = to_host(torch.cat(cols, dim=1))
     return host[:, :k], host[:, k : 2 * k].long(), (host[:, 2 * k] if extra is not None else None)
 
 
-def noise_rows(tree: Tree, nodes: torch.Tensor, scoring, vocab: int, device):
-    """(B, V) coupled-draw noise for the children of `nodes` (calibrated scores at T > 0), else None."""
-    if scoring is None or scoring.cal is None or scoring.noise is None:
+def noise_rows(child_pos: torch.Tensor | None, scoring, shape: TreeShape, vocab: int, device):
+    """(B, V) coupled-draw noise for children at the (B,) device positions `child_pos` (calibrated
+    scores at T > 0), else None: rows of the position block the tree can reach, picked on the device."""
+    if scoring is None or scoring.cal is None or scoring.noise is None or child_pos is None:
         return None
     first = len(scoring.committed)  # absolute position of the root's children
-    return scoring.noise.rows((first + tree.depth[nodes]).tolist(), vocab, device)
+    rows = scoring.noise.block(first, shape.max_depth, vocab, device, RACE)  # (max_depth, V)
+    return rows.index_select(0, child_pos - first)
 
 
 def threshold(tree: Tree, budget: int) -> float:
@@ -123,19 +149,35 @@ def threshold(tree: Tree, budget: int) -> float:
     return float(torch.topk(tree.logp[1:], budget).values[-1])
 
 
-def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeShape, params, scoring=None) -> None:
+def stage_here(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring, device) -> Staged:
+    """`Staged` inputs of an expansion whose forward did not carry them: one upload of their own
+    (none when there is neither an n-gram proposal nor coupled noise)."""
+    props, first = proposals(tree, nodes, shape, scoring)
+    child_pos = None
+    if scoring is not None and scoring.noise is not None:
+        child_pos = tree.depth[nodes] + len(scoring.committed)
+    moved = iter(upload(device, *(t for t in (first, child_pos) if t is not None)))
+    return Staged(props, first, next(moved) if first is not None else None,
+                  next(moved) if child_pos is not None else None)
+
+
+def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeShape, params, scoring=None,
+           staged: Staged | None = None) -> None:
     """Add the top children of each of `nodes` (B,) given their draft logits (B, V).
 
-    Children whose score cannot beat the current `budget`-th best node are dropped: the threshold
-    only rises as the tree grows, so they could never be kept.
+    `staged`: the n-gram proposals and child positions prepared with the forward's upload (None:
+    prepared here, with an upload of their own). Children whose score cannot beat the current
+    `budget`-th best node are dropped: the threshold only rises as the tree grows, so they could
+    never be kept.
     """
     k = min(shape.max_branch, shape.budget, logits.shape[-1])
     use_ngram = scoring is not None and scoring.ngram is not None
-    props = [proposal(tree, int(n), shape, scoring) for n in nodes.tolist()] if use_ngram else []
-    first = torch.tensor([p[0][0] if p[0] else -1 for p in props], dtype=torch.long) if use_ngram else None
-    noise = noise_rows(tree, nodes, scoring, logits.shape[-1], logits.device)
+    if staged is None:
+        staged = stage_here(tree, nodes, shape, scoring, logits.device)
+    props, first = staged.props, staged.first
+    noise = noise_rows(staged.child_pos, scoring, shape, logits.shape[-1], logits.device)
     gaps = scoring is not None and scoring.cal is not None and (noise is not None or params.greedy)
-    vals, idx, extra_lp = top_children(logits, k, params, first, noise, gaps)
+    vals, idx, extra_lp = top_children(logits, k, params, staged.first_dev, noise, gaps)
     parents = nodes.unsqueeze(1).expand_as(idx)
     if scoring is None or scoring.cal is None:
         add_children(tree, parents, idx, tree.logp[nodes].unsqueeze(1) + vals, None, shape, scoring)
@@ -233,24 +275,31 @@ def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: Samplin
     tree = Tree.new(ctx.pending[-1])
     base = ctx.n_cached + len(ctx.pending) - 1  # cache index of the root = start of the tree slots
     # 1) the pending run gives the root's distribution; the root is tree slot 0
-    root_logits = run_pending(draft, cache, ctx)
-    tree.mark_run(torch.zeros(1, dtype=torch.long))
+    root = torch.zeros(1, dtype=torch.long)
+    props, first = proposals(tree, root, shape, scoring)
+    root_logits, root_pos, extra = run_pending(draft, cache, ctx, *([first] if first is not None else []))
+    tree.mark_run(root)
     if shape.max_depth < 1 or shape.budget < 1:
         return tree
-    expand(tree, torch.zeros(1, dtype=torch.long), root_logits[None], shape, params, scoring)
+    expand(tree, root, root_logits[None], shape, params, scoring,
+           Staged(props, first, extra[0] if extra else None, root_pos + 1))
     dtype, device = kvcache.model_dtype(draft), draft.device
     # 2) expand the best open nodes, one batched draft forward per step
     for _ in range(shape.max_depth + shape.budget):
         nodes = step_batch(tree, shape)
         if nodes.numel() == 0:
             break
+        props, first = proposals(tree, nodes, shape, scoring)
         anc = ancestors(tree.parents, nodes)  # (B, D) node ids, all already run
         anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
         self_cols = base + tree.n_slots + torch.arange(nodes.numel())
         n_cols = base + tree.n_slots + nodes.numel()
+        # one upload: (B,) ids, (B,) positions, (B, D) ancestor columns, (B,) own columns [, (B,) proposals]
+        ids, positions, anc_cols, self_cols, *extra = kvcache.stage(
+            draft, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], anc_cols, self_cols,
+            *([first] if first is not None else []))
         mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, device)
-        positions = ctx.root_pos + tree.depth[nodes]
-        logits = kvcache.forward(draft, cache, tree.tokens[nodes], positions, mask)
+        logits = kvcache.forward(draft, cache, ids, positions, mask)
         tree.mark_run(nodes)
-        expand(tree, nodes, logits, shape, params, scoring)
+        expand(tree, nodes, logits, shape, params, scoring, Staged(props, first, extra[0] if extra else None, positions + 1))
     return tree

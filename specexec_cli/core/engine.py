@@ -22,8 +22,8 @@ from specexec_cli.core import calibrate, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
-from specexec_cli.core.sampling import PositionNoise, SamplingParams, coupled_select
-from specexec_cli.core.tree import causal_mask, subtree, top_budget, verify_mask
+from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
+from specexec_cli.core.tree import attention_mask, causal_mask, subtree, top_budget, verify_columns
 from specexec_cli.core.verify import accept_tree
 
 
@@ -75,11 +75,13 @@ def new_noise(gen: torch.Generator) -> PositionNoise:
 
 
 def draw(st: DecodeState, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """The target's token at position len(st.ids) from its (V,) logits: a coupled draw (exact)."""
-    if params.greedy:
-        return coupled_select(logits, params, None)
-    st.noise = st.noise or new_noise(gen)
-    return coupled_select(logits, params, st.noise.at(len(st.ids), logits.shape[-1], logits.device))
+    """The target's token at position len(st.ids) from its (V,) logits: the race of sampling.py
+    (argmax at T = 0), on the logits' device; one counted copy of the chosen id."""
+    rows = None
+    if not params.greedy:
+        st.noise = st.noise or new_noise(gen)
+        rows = st.noise.block(len(st.ids), 1, logits.shape[-1], logits.device, RACE)  # (1, V)
+    return int(transfers.to_host(race_choice(logits[None], params, rows, None))[0])
 
 
 @dataclass
@@ -164,7 +166,8 @@ def sampling_key(params: SamplingParams) -> str:
     """Calibration key; ",race": children ranked under the coupled-draw noise (T > 0); ",gap": greedy
     children featured by their log-prob gap to the draft's top child (T = 0). Both use gap features."""
     race = ",gap" if params.greedy else ",race"
-    return f"T={params.temperature:g},top_k={params.top_k},top_p={params.top_p:g}{race}"
+    t = 0.0 if params.greedy else params.temperature
+    return f"T={t:g},top_k={params.top_k},top_p={params.top_p:g}{race}"
 
 
 def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring | None:
@@ -203,6 +206,17 @@ def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape
     return grow_tree(m.draft, st.draft_cache, ctx, shape, params, scoring)
 
 
+def verify_pass(m: Models, st: DecodeState, vt, *extra: torch.Tensor) -> list[torch.Tensor]:
+    """The target's pass over root + tree → [(n, V) logits, (n,) positions, *extra] on its device.
+    Ids, positions, the mask's ancestor columns and the `extra` host tensors go up in one counted
+    upload (kvcache.stage)."""
+    anc_cols, self_cols, n_cols = verify_columns(vt, st.target_len)
+    ids, positions, anc, own, *extra = kvcache.stage(m.target, vt.tokens, len(st.ids) - 1 + vt.depth, anc_cols,
+                                                     self_cols, *extra)
+    mask = attention_mask(st.target_len, anc, own, n_cols, kvcache.model_dtype(m.target), m.target.device)
+    return [kvcache.forward(m.target, st.target_cache, ids, positions, mask), positions, *extra]
+
+
 def speculative_step(
     m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int, grow=default_grow
 ) -> StepResult:
@@ -224,10 +238,9 @@ def speculative_step(
     vt = subtree(tree, top_budget(tree.logp, shape.budget))
     t1 = time.perf_counter()
     # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
-    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
-    logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
-    # 3) walk the tree with the target's own samples
-    acc = accept_tree(vt, logits, cfg.sampling, st.noise, n, m.eos_ids, limit)
+    logits, positions = verify_pass(m, st, vt)
+    # 3) every node's token on the device, one (n,) copy, then the walk down the tree
+    acc = accept_tree(vt, logits, cfg.sampling, st.noise, n, m.eos_ids, limit, depth=positions - (n - 1))
     if scoring is not None and scoring.cal is not None:  # learn which features the target accepts
         calibrate.observe_pass(scoring.cal, tree, vt.draft_ids[acc.path].tolist(), acc.tokens)
     t2 = time.perf_counter()

@@ -212,6 +212,16 @@ def model_dtype(model) -> torch.dtype:
     return dtype if dtype.is_floating_point else torch.float32
 
 
+def stage(model, tokens: torch.Tensor, positions: torch.Tensor, *extra: torch.Tensor) -> list[torch.Tensor]:
+    """A pass's host-built inputs → the model's device in ONE counted upload (transfers.upload):
+    ids (kept on the host when the embeddings are), positions and any `extra` long tensors (mask
+    columns, n-gram proposals, ...). `forward` then takes the staged ids and positions without a copy."""
+    device = torch.device(model.device)
+    if torch.device(getattr(model, "input_device", device)) == device:
+        return upload(device, tokens, positions, *extra)
+    return [tokens, *upload(device, positions, *extra)]
+
+
 def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
             last_only: bool = False) -> torch.Tensor:
     """One model pass over T new tokens. tokens/positions: (T,) long; mask: (1, 1, T, past+T).

@@ -1,17 +1,25 @@
-"""Pure logits → probabilities and sampling functions.
+"""Pure logits → probabilities and sampling functions, and the counter-based race noise.
 
 Contract: every decoding method turns raw logits into the target's *processed* distribution with
-`process_logits` (temperature, then top-k, then top-p), and draws from it with `sample`, which takes
-an explicit `torch.Generator`. Same inputs + same generator state → same token. T == 0 means greedy:
-the processed distribution is one-hot on the argmax, so every method reduces to greedy decoding.
+`process_logits` (temperature, then top-k, then top-p). A temperature below `GREEDY_BELOW` is greedy:
+the processed distribution is one-hot on the argmax (no division by a tiny T, no NaN), so every
+method reduces to greedy decoding.
 
-Coupled draws (`ar` and `specexec` at T > 0): the token at absolute position `pos` is
-argmax_i p_i / E_i with E ~ Exponential(1)^V drawn by `PositionNoise` from (key, pos) alone (the
-exponential race, i.e. Gumbel-max: P(token = j) = p_j exactly). Noise at different positions is
-independent, and the prefix before `pos` depends only on noise at earlier positions, so every
-emitted token is an exact sample of the processed distribution given its prefix. The draft sees the
-same noise when it picks tree children, so its top child is the target's draw whenever the two
-distributions roughly agree; and the emitted text for a seed does not depend on the draft or budget.
+Coupled draws (every method that verifies with the race: `ar`, `specexec`, `staged`): the token at
+absolute position `pos` is argmax_i p_i / E_i, E_i ~ Exponential(1) (the exponential race, i.e.
+Gumbel-max: P(token = j) = p_j exactly). E_i is a pure function of (key, pos, i) computed by
+`race_uniform`: MurmurHash3's 32-bit block and finaliser over the words (key_lo, key_hi, pos, i),
+twice with two stream seeds, giving 52 random bits of an exact float64 uniform, then -log in
+float64 rounded to float32. Only integer ops whose products stay below 2^49 run on the device
+(int64 tensors, 16-bit limbs for each 32-bit multiply), so the bits are the same on every device,
+in every batching and order. Noise at different positions is independent, and the prefix before
+`pos` depends only on noise at earlier positions, so every emitted token is an exact sample of the
+processed distribution given its prefix. The draft ranks its children under the same E (it
+computes the rows itself, where it runs), so its top child is the target's draw whenever the two
+distributions roughly agree; the emitted text for a seed does not depend on the draft or budget.
+`race_choice` computes the chosen token of many rows at once on the logits' device.
+Other streams of the same hash (`CHILDREN`, `ACCEPT`, `RESIDUAL`) give the static-tree methods
+their sampling-without-replacement keys and acceptance uniforms on the device (methods/common.py).
 """
 
 from __future__ import annotations
@@ -20,16 +28,21 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (argmax), everywhere
+RACE, CHILDREN, ACCEPT, RESIDUAL = 0, 1, 2, 3  # noise streams (each uses hash seeds 2s and 2s + 1)
+CHUNK_ELEMENTS = 1 << 22  # rows × vocabulary processed at once (bounds the int64/fp32 temporaries)
+_M32 = 0xFFFFFFFF
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 → greedy (argmax); > 0 divides the logits
+    temperature: float = 0.0  # < GREEDY_BELOW → greedy (argmax); otherwise divides the logits
     top_k: int = 0  # keep the k most likely tokens; 0 → off
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 → off
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def validate(params: SamplingParams) -> None:
@@ -77,73 +90,126 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a (V,) distribution with an explicit generator (CPU for determinism)."""
+    """Draw one token id from a (V,) distribution with an explicit CPU generator (host-side helpers)."""
     probs = probs.detach().to("cpu", torch.float32)
     if probs.max() >= 1.0:  # one-hot (greedy): no randomness needed, keeps the generator untouched
         return int(probs.argmax())
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def select(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One (V,) logits row → one token id under `params`. Greedy skips the softmax entirely."""
-    if params.greedy:
-        return int(logits.argmax(-1))
-    return sample(process_logits(logits, params), generator)
-
-
 def draft_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Draft scores used to rank tree nodes: log-softmax at the run temperature (T=0 → T=1)."""
-    t = params.temperature if params.temperature > 0 else 1.0
+    """Draft scores used to rank tree nodes: log-softmax at the run temperature (greedy → T=1)."""
+    t = 1.0 if params.greedy else params.temperature
     return torch.log_softmax(logits.float() / t, dim=-1)
 
 
-def _mix(key: int, pos: int) -> int:
-    """A 63-bit seed from (key, position): splitmix64 finalizer, so nearby positions are unrelated."""
-    z = (key * 0x9E3779B97F4A7C15 + pos * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (z ^ (z >> 31)) >> 1
+# ---- the counter-based hash: works on Python ints and on int64 tensors alike (values in [0, 2^32))
+
+def _mul32(a, b: int):
+    """(a * b) mod 2^32 without overflowing int64: a split in 16-bit limbs (products < 2^48)."""
+    return ((a & 0xFFFF) * b + ((((a >> 16) * b) & 0xFFFF) << 16)) & _M32
+
+
+def _rotl(x, r: int):
+    return ((x << r) & _M32) | (x >> (32 - r))
+
+
+def _block(h, k):
+    """MurmurHash3 (x86_32) body step: mix one 32-bit word k into the state h."""
+    k = _mul32(_rotl(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    h = _rotl(h ^ k, 13)
+    return (_mul32(h, 5) + 0xE6546B64) & _M32
+
+
+def _fmix(h):
+    """MurmurHash3's finaliser (full avalanche)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def hash32(seed: int, key: int, pos, tok):
+    """MurmurHash3_x86_32 of the words (key_lo, key_hi, pos, tok) with `seed`; pos/tok broadcast."""
+    h = _block(_block(seed, key & _M32), (key >> 32) & _M32)   # a Python int: per key, not per element
+    return _fmix(_block(_block(h, pos), tok) ^ 16)
+
+
+def race_uniform(key: int, stream: int, pos: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """Float64 uniforms in (0, 1) of (key, stream, pos, tok): 52 hash bits u, (2u + 1) / 2^53 (exact)."""
+    hi = hash32(2 * stream, key, pos, tok)             # 32 bits
+    lo = hash32(2 * stream + 1, key, pos, tok) >> 12   # 20 bits
+    return ((hi << 21) | (lo << 1) | 1).double() * 2.0 ** -53
+
+
+def race_exponential(key: int, stream: int, pos: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """Float32 Exponential(1) variates -log U of `race_uniform` (computed in float64)."""
+    return (-torch.log(race_uniform(key, stream, pos, tok))).float()
 
 
 class PositionNoise:
-    """Exponential(1) noise per absolute position, a pure function of (key, pos); see the contract.
+    """Exponential(1) noise of every (position, token), a pure function of (key, stream, pos, token).
 
-    Rows are drawn on the device that uses them, by a generator of that device seeded from
-    (key, pos), so no row ever crosses the host link (the same seed gives the same rows on every
-    CPU, and on every GPU, but CPU and CUDA streams differ); cached per (position, device);
-    `forget(n)` drops positions below n once they are committed."""
+    Rows are computed on the device that uses them, from device-side aranges: nothing crosses the
+    host link, and the bits do not depend on the device. Cached per (stream, device) as one block of
+    consecutive positions (the positions a tree can reach); `forget(n)` drops positions below n.
+    Rows of a narrower vocabulary are prefixes of wider ones (the hash is per token id)."""
 
     def __init__(self, key: int):
         self.key = key
-        self._rows: dict[tuple[int, str], torch.Tensor] = {}  # (pos, device) → (V,) float32
+        self._blocks: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}  # (stream, device) → (start, (R, V))
 
-    def at(self, pos: int, vocab: int, device="cpu") -> torch.Tensor:
+    def _compute(self, start: int, count: int, vocab: int, device, stream: int) -> torch.Tensor:
+        pos = torch.arange(start, start + count, device=device)[:, None]  # (count, 1)
+        tok = torch.arange(vocab, device=device)[None, :]                  # (1, V)
+        step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+        return torch.cat([race_exponential(self.key, stream, pos[a:a + step], tok) for a in range(0, count, step)])
+
+    def block(self, start: int, count: int, vocab: int, device="cpu", stream: int = RACE) -> torch.Tensor:
+        """(count, vocab) float32 noise rows of positions start .. start + count - 1 on `device`."""
+        dev = torch.device(device)
+        slot = (stream, str(dev))
+        have_start, rows = self._blocks.get(slot, (start, None))
+        end = start + count
+        if rows is None or rows.shape[1] < vocab or start < have_start:
+            rows, have_start = self._compute(start, count, vocab, dev, stream), start
+        elif have_start + rows.shape[0] < end:   # extend the block by the missing positions only
+            have_end = have_start + rows.shape[0]
+            rows = torch.cat([rows, self._compute(have_end, end - have_end, rows.shape[1], dev, stream)])
+        self._blocks[slot] = (have_start, rows)
+        return rows[start - have_start:end - have_start, :vocab]
+
+    def at(self, pos: int, vocab: int, device="cpu", stream: int = RACE) -> torch.Tensor:
         """(V,) noise of position `pos` on `device`."""
-        dev = str(torch.device(device))
-        row = self._rows.get((pos, dev))
-        if row is None or row.numel() != vocab:
-            g = torch.Generator(device=dev).manual_seed(_mix(self.key, pos))
-            row = self._rows[(pos, dev)] = torch.empty(vocab, device=dev).exponential_(generator=g)
-        return row
-
-    def rows(self, positions: list[int], vocab: int, device) -> torch.Tensor:
-        """(B, V) noise rows for `positions` on `device`."""
-        return torch.stack([self.at(p, vocab, device) for p in positions])
+        return self.block(pos, 1, vocab, device, stream)[0]
 
     def forget(self, below: int) -> None:
-        for k in [k for k in self._rows if k[0] < below]:
-            del self._rows[k]
+        """Drop the rows of positions < below (committed)."""
+        for slot, (start, rows) in list(self._blocks.items()):
+            if start + rows.shape[0] <= below:
+                del self._blocks[slot]
+            elif start < below:
+                self._blocks[slot] = (below, rows[below - start:])
 
 
-def coupled_select(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> int:
-    """One (V,) logits row → the exponential-race draw argmax(p / E) of the processed distribution
-    (greedy: argmax, no noise); `noise` = PositionNoise row E of the token's position."""
+def race_choice(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None,
+                index: torch.Tensor | None) -> torch.Tensor:
+    """(R, V) logits → (R,) long chosen tokens on the logits' device, one batch: argmax at T = 0,
+    else the race argmax(p / E) with E = noise[index[r]] ((D, V) rows, (R,) long on the device;
+    index None: row r's noise is noise[r])."""
     if params.greedy:
-        return int(logits.argmax(-1))
-    probs = process_logits(logits, params)
-    return int((probs / noise).argmax())   # noise drawn on probs' device (PositionNoise.at)
+        return logits.argmax(-1)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    for a in range(0, logits.shape[0], step):   # (step, V) temporaries at a time
+        probs = process_logits(logits[a:a + step], params)
+        rows = noise[:, : probs.shape[-1]]
+        e = rows[a:a + step] if index is None else rows.index_select(0, index[a:a + step])
+        out[a:a + step] = (probs / e).argmax(-1)
+    return out
 
 
 def coupled_logprobs(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Draft log-probs (B, V) perturbed by the same race: log q - log E (argmax = the draft's race draw)."""
-    return logp - noise.log()
+    return logp - noise[:, : logp.shape[-1]].log()

@@ -5,7 +5,9 @@ or `int(tensor)` on a tensor that may live on the device; it calls `to_host` (or
 which copies the tensor to the host and adds one call and its bytes to the process-wide
 `COUNTER`. Small host-built tensors (token ids, positions, tree ancestor columns, kept cache rows)
 reach the device only through `upload`, which packs any number of them into ONE copy and counts
-it (`uploads` is the part of `calls` that went host→device). On CUDA a device→host copy is a
+it (`uploads` is the part of `calls` that went host→device). Its outputs are marked as uploaded:
+passing one to `upload` again (e.g. staged ids and positions handed on to `kvcache.forward`) is
+free and uncounted, on the CPU as on a GPU, so one step can stage everything a pass needs in one copy. On CUDA a device→host copy is a
 blocking synchronisation and a pageable host→device copy of a fresh tensor one more, so the
 counter is the step's synchronisation count. Calls are counted on the CPU too (where the copy is
 a no-op), so CPU tests check the transfer pattern a GPU run would have: how many copies per draft
@@ -44,11 +46,17 @@ def host_list(t: torch.Tensor) -> list:
     return to_host(t).tolist()
 
 
+def uploaded(t: torch.Tensor) -> bool:
+    """True for tensors already on an accelerator, or produced by `upload` (no copy needed)."""
+    return t.device.type != "cpu" or getattr(t, "_specx_uploaded", False)
+
+
 def upload(device, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Host-built long tensors → the device in ONE counted copy: flattened, concatenated, moved,
-    and split back into views of their shapes. Tensors already on a CUDA device pass through."""
+    and split back into views of their shapes (marked, see `uploaded`). Tensors already uploaded
+    pass through."""
     device = torch.device(device)
-    host = [t for t in tensors if t.device.type == "cpu"]
+    host = [t for t in tensors if not uploaded(t)]
     if not host or not tensors:
         return list(tensors)
     flat = torch.cat([t.reshape(-1).to(torch.long) for t in host])   # (sum numel,) one buffer
@@ -58,10 +66,12 @@ def upload(device, *tensors: torch.Tensor) -> list[torch.Tensor]:
     moved = flat.to(device, non_blocking=False)
     out, at = [], 0
     for t in tensors:
-        if t.device.type != "cpu":
+        if uploaded(t):
             out.append(t)
             continue
-        out.append(moved[at:at + t.numel()].view(t.shape))
+        view = moved[at:at + t.numel()].view(t.shape)
+        view._specx_uploaded = True
+        out.append(view)
         at += t.numel()
     return out
 

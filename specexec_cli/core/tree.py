@@ -4,7 +4,8 @@ Contract: a tree is stored as flat CPU tensors indexed by node id in creation or
 id is always smaller than its children's (node 0 is the root, parent -1). Everything here is tensor
 ops: the only Python loops run over tree *depth*, never over node pairs. Masks are built on the
 `device` they are asked for (the model's): only the small (B, depth) ancestor table crosses to it,
-never a (B, context) mask.
+never a (B, context) mask; when the caller has already staged that table with the pass's ids and
+positions (`kvcache.stage`), building the mask copies nothing.
 """
 
 from __future__ import annotations
@@ -148,9 +149,15 @@ def subtree(tree: Tree, keep: torch.Tensor) -> VerifyTree:
     )
 
 
-def verify_mask(vt: VerifyTree, n_past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """(1, 1, n, n_past + n) mask for the target's one pass over the whole tree."""
+def verify_columns(vt: VerifyTree, n_past: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Host inputs of `attention_mask` for the target's pass over the tree: (n, D) ancestor columns,
+    (n,) own columns and the column count (the caller may stage them with the pass's other inputs)."""
     idx = torch.arange(vt.size)
     anc = ancestors(vt.parents, idx)
-    cols = torch.where(anc >= 0, anc + n_past, anc)
-    return attention_mask(n_past, cols, idx + n_past, n_past + vt.size, dtype, device)
+    return torch.where(anc >= 0, anc + n_past, anc), idx + n_past, n_past + vt.size
+
+
+def verify_mask(vt: VerifyTree, n_past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """(1, 1, n, n_past + n) mask for the target's one pass over the whole tree."""
+    anc_cols, self_cols, n_cols = verify_columns(vt, n_past)
+    return attention_mask(n_past, anc_cols, self_cols, n_cols, dtype, device)

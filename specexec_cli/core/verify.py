@@ -1,11 +1,14 @@
-"""Acceptance rules: turn the target's logits over a verified tree into emitted tokens.
+"""Acceptance rule of the race methods: turn the target's logits over a verified tree into emitted tokens.
 
-Contract: `accept_tree` walks the tree from the root. At each node it draws the target's token from
-the target's processed distribution at that node (argmax when T=0; at T > 0 the coupled draw of
-sampling.py with the noise of the token's absolute position). If the token is a child in the tree
-it descends; otherwise the token is the bonus token and the walk ends.
-Each emitted token is an exact sample from the target given the tokens before it: the tree only
-caches the target's work, so the output distribution is the target's, whatever the draft proposed.
+Contract: `node_choices` computes, on the target's device and in one batch, the target's token at
+every node of the tree: argmax at T = 0, and at T > 0 the coupled draw of sampling.py (the race
+argmax p / E with the hash noise of the token's absolute position). `accept_tree` brings that ONE
+(n,) vector to the host (one counted copy per pass, `transfers.to_host`, in both modes) and walks
+the tree from the root: if the node's token is a child in the tree it descends; otherwise the token
+is the bonus token and the walk ends. Every emitted token is an exact sample from the target given
+the tokens before it: the tree only caches the target's work, so the output distribution is the
+target's, whatever the draft proposed. The static-tree methods reuse the walk with their own
+per-node choices (methods/common.py: the residual rule, also one batch on the device).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specexec_cli.core.sampling import PositionNoise, SamplingParams, coupled_select
-from specexec_cli.core.transfers import to_host
+from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
+from specexec_cli.core.transfers import to_host, upload
 from specexec_cli.core.tree import VerifyTree
 
 
@@ -34,31 +37,26 @@ def child_with_token(vt: VerifyTree, node: int, token: int) -> int:
     return int(hit[0, 0]) if hit.numel() else -1
 
 
-def accept_tree(
-    vt: VerifyTree,
-    logits: torch.Tensor,
-    params: SamplingParams,
-    noise: PositionNoise | None,
-    first_pos: int,
-    eos_ids: frozenset[int],
-    limit: int,
-) -> Acceptance:
-    """Walk the tree; emit at most `limit` tokens and stop after an EOS.
+def node_choices(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None, first_pos: int,
+                 depth: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """(n, V) target logits → (n,) long target tokens on the logits' device (module docstring).
 
-    logits: (n, V) target logits, row i = the distribution after VerifyTree node i; the token
-    drawn at node i lands at absolute position first_pos + depth(i) (the root's child: first_pos).
+    depth: (n,) long node depths ON the logits' device (root = 0; node i's token lands at absolute
+    position first_pos + depth[i]); max_depth: their maximum, known on the host.
     """
     if params.greedy:
-        choice = to_host(logits.argmax(-1))  # (n,) every node's greedy token: one small copy
+        return race_choice(logits, params, None, None)
+    rows = noise.block(first_pos, max_depth + 1, logits.shape[-1], logits.device, RACE)  # (D + 1, V)
+    return race_choice(logits, params, rows, depth)
+
+
+def walk(vt: VerifyTree, choice: list[int], eos_ids: frozenset[int], limit: int) -> Acceptance:
+    """Walk down the tree reading each node's chosen token; emit at most `limit`, stop after an EOS."""
     tokens: list[int] = []
     path: list[int] = []
     node = 0
     while len(tokens) < limit:
-        if params.greedy:
-            tok = int(choice[node])
-        else:
-            row = to_host(logits[node])
-            tok = coupled_select(row, params, noise.at(first_pos + int(vt.depth[node]), row.shape[-1], row.device))
+        tok = int(choice[node])
         tokens.append(tok)
         child = child_with_token(vt, node, tok)
         if child < 0:
@@ -68,3 +66,25 @@ def accept_tree(
         if tok in eos_ids:
             break
     return Acceptance(tokens, path, bonus=False)
+
+
+def accept_tree(
+    vt: VerifyTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    noise: PositionNoise | None,
+    first_pos: int,
+    eos_ids: frozenset[int],
+    limit: int,
+    depth: torch.Tensor | None = None,
+) -> Acceptance:
+    """Choose every node's token on the device, copy the (n,) vector once, walk (module docstring).
+
+    logits: (n, V) target logits, row i = the distribution after VerifyTree node i; the token
+    drawn at node i lands at absolute position first_pos + depth(i) (the root's child: first_pos).
+    depth: vt.depth already on the logits' device (staged with the pass's inputs); None = uploaded here.
+    """
+    if depth is None and not params.greedy:
+        (depth,) = upload(logits.device, vt.depth)
+    choice = node_choices(logits, params, noise, first_pos, depth, int(vt.depth.max()))
+    return walk(vt, to_host(choice.to(torch.int32)).tolist(), eos_ids, limit)

@@ -11,7 +11,14 @@ Contract:
   Given x_1..x_{i-1} (all rejected), step i is one round of ordinary speculative sampling with
   target p_i and draft q_i, and a rejected x_i has p_{i+1}(x_i) = 0 (rejection needs p_i(x_i) < q_i(x_i)),
   so zeroing it in q loses nothing: the emitted token is an exact sample of p. `sample_children` and
-  `choose_child` use the same `without` update, so the q_i of verification is the q_i of sampling.
+  `choose_child` (host, CPU generator: Sequoia's acceptance measurement) use the same `without`
+  update, so the q_i of verification is the q_i of sampling.
+- On the decoding path the rule runs on the device for every node of the tree at once
+  (`static_choices`, one (n,) vector copied per pass, walked by verify.walk): children sampled by
+  the Gumbel-top-k of q with the CHILDREN stream of sampling.py's hash (= sequential sampling
+  without replacement), acceptance uniforms from the ACCEPT stream, the final residual drawn by
+  the race with the RESIDUAL stream. Each stream is keyed by the children's absolute position, so
+  the randomness a path node uses is fresh given the emitted prefix (lossless).
 - `commit` trims both caches to the accepted path exactly as `engine.speculative_step` does.
 """
 
@@ -22,10 +29,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from specexec_cli.core.engine import commit_tree
-from specexec_cli.core.sampling import SamplingParams, process_logits, sample
+from specexec_cli.core.sampling import ACCEPT, RESIDUAL, PositionNoise, SamplingParams, process_logits, race_uniform
 from specexec_cli.core.transfers import to_host
 from specexec_cli.core.tree import Tree, VerifyTree
-from specexec_cli.core.verify import Acceptance
+from specexec_cli.core.verify import Acceptance, walk
 
 
 @dataclass(frozen=True)
@@ -111,36 +118,78 @@ def children_of(vt: VerifyTree, node: int) -> list[int]:
     return [int(c) for c in (vt.parents == node).nonzero().flatten()]
 
 
-def accept_sampled(
-    vt: VerifyTree,
-    logits: torch.Tensor,
-    qrows: dict[int, torch.Tensor],
-    params: SamplingParams,
-    gen: torch.Generator,
-    eos_ids: frozenset[int],
-    limit: int,
-) -> Acceptance:
-    """Walk a tree of children sampled w/o replacement from q (T > 0); emit at most `limit` tokens.
+def residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Row-wise `residual`: (R, V) norm(max(0, p - q)), p where the difference vanishes."""
+    r = torch.clamp(p - q, min=0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp(min=1e-30), p)
 
-    logits: (n, V) target logits over the VerifyTree; qrows: VerifyTree index → (V,) processed
-    draft distribution at that node (present for every node that has children).
+
+def without_rows(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Row-wise `without`: (R, V) q with token x[r] removed from row r, renormalised."""
+    q = q.scatter(1, x[:, None], 0.0)
+    total = q.sum(-1, keepdim=True)
+    return torch.where(total > 0, q / total.clamp(min=1e-30), q)
+
+
+def residual_choices(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, key: int, pos: torch.Tensor):
+    """The multi-step rule at R nodes at once, on the device → ((R,) accepted child token or -1,
+    (R, V) final residual p).
+
+    p, q: (R, V) processed target and draft rows; kids: (R, K) child tokens in sampling rank order
+    (-1 = none); pos: (R,) absolute position of the children. The uniform of child x is the ACCEPT
+    stream's hash of (key, pos, x): independent across a node's (distinct) children.
     """
-    tokens: list[int] = []
-    path: list[int] = []
-    node = 0
-    while len(tokens) < limit:
-        p = to_host(process_logits(logits[node], params))
-        kids = children_of(vt, node)
-        pick, p = choose_child(p, qrows[node], [int(vt.tokens[c]) for c in kids], gen) if kids else (-1, p)
-        if pick < 0:
-            tokens.append(sample(p, gen))
-            return Acceptance(tokens, path, bonus=True)
-        node = kids[pick]
-        tokens.append(int(vt.tokens[node]))
-        path.append(node)
-        if tokens[-1] in eos_ids:
-            break
-    return Acceptance(tokens, path, bonus=False)
+    accepted = torch.full((kids.shape[0],), -1, dtype=torch.long, device=kids.device)
+    for i in range(kids.shape[1]):
+        x = kids[:, i].clamp(min=0)
+        open_ = (kids[:, i] >= 0) & (accepted < 0)   # rows still deciding, with an i-th child
+        px = p.gather(1, x[:, None])[:, 0].double()
+        qx = q.gather(1, x[:, None])[:, 0].double()
+        u = race_uniform(key, ACCEPT, pos, x)                  # (R,) float64
+        hit = open_ & (qx > 0) & (u * qx < px)               # u < p/q without dividing
+        accepted = torch.where(hit, x, accepted)
+        step = (open_ & ~hit)[:, None]                        # rejected: p ← residual, q ← q without x
+        p, q = torch.where(step, residual_rows(p, q), p), torch.where(step, without_rows(q, x), q)
+    return accepted, p
+
+
+def static_choices(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise, first_pos: int,
+                   depth: torch.Tensor, max_depth: int, inner: torch.Tensor, kids: torch.Tensor,
+                   q: torch.Tensor) -> torch.Tensor:
+    """(n, V) target logits over a tree whose children were sampled w/o replacement → (n,) tokens
+    on the device: at a node with children the accepted child's token, or the draw from its final
+    residual; at a leaf a draw from p. Draws: argmax(r / E) with the RESIDUAL stream's noise.
+
+    depth: (n,) node depths; inner: (R,) indices of the nodes with children; kids: (R, K) their
+    child tokens (-1 = none); q: (R, V) their processed draft rows (all on the logits' device).
+    """
+    p = process_logits(logits, params)                                      # (n, V)
+    accepted, final = residual_choices(p.index_select(0, inner), q.to(p.device), kids, noise.key,
+                                       depth.index_select(0, inner) + first_pos)
+    p = p.index_copy(0, inner, final)
+    rows = noise.block(first_pos, max_depth + 1, p.shape[-1], p.device, RESIDUAL)  # (D + 1, V)
+    draw = (p / rows.index_select(0, depth)).argmax(-1)                     # (n,) residual draws
+    return draw.index_copy(0, inner, torch.where(accepted >= 0, accepted, draw.index_select(0, inner)))
+
+
+def accept_static(vt: VerifyTree, logits: torch.Tensor, params: SamplingParams, noise: PositionNoise,
+                  first_pos: int, staged: tuple, q: torch.Tensor, eos_ids: frozenset[int],
+                  limit: int) -> Acceptance:
+    """Every node's token on the device (`static_choices`), ONE (n,) copy to the host, then the walk
+    of verify.py. staged: (depth, inner, kids) on the device (see `static_choices`)."""
+    depth, inner, kids = staged
+    choice = static_choices(logits, params, noise, first_pos, depth, int(vt.depth.max()), inner, kids, q)
+    return walk(vt, to_host(choice.to(torch.int32)).tolist(), eos_ids, limit)
+
+
+def child_table(vt: VerifyTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host (R,) indices of the nodes with children and (R, K) their child tokens in rank order
+    (creation order), padded with -1."""
+    inner = torch.unique(vt.parents[1:]) if vt.size > 1 else torch.zeros(0, dtype=torch.long)
+    kids = [vt.tokens[vt.parents == i].tolist() for i in inner.tolist()]
+    width = max((len(k) for k in kids), default=0)
+    return inner, torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long).reshape(len(kids), width)
 
 
 def commit(st, tree: Tree, vt: VerifyTree, acc: Acceptance, n_pending: int) -> None:

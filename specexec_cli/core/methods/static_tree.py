@@ -5,13 +5,16 @@ the children of a node listed in rank order. `grow_static` fills it: one batched
 level computes only that level's new nodes (tree mask over the cached prefix and the run
 ancestors), and each node's children are
   - T = 0: the draft's top-k tokens (deterministic; verified by the greedy walk `verify.accept_tree`),
-  - T > 0: k tokens sampled WITHOUT replacement from the draft's processed distribution q
-    (`common.sample_children`), verified by the multi-step residual rule (`common.accept_sampled`).
+  - T > 0: k tokens sampled WITHOUT replacement from the draft's processed distribution q, on the
+    device: the top k of q / E (Gumbel-top-k, E the CHILDREN stream of sampling.py's hash at the
+    children's position), verified by the multi-step residual rule on the device
+    (`common.accept_static`).
 Template children that cannot be filled (q has a smaller support) are dropped with their subtrees.
 `static_step` is the whole engine step; afterwards the caches keep the engine's invariants.
-Host transfers (`transfers.to_host`): one per level. At T = 0 it is the level's (B, 2k) top-k
-scores and ids, computed on the device; at T > 0 the multi-step residual rule needs the level's
-(B, V) draft distributions on the host, so that copy grows with the vocabulary.
+Host transfers: per level one upload (ids, positions, mask columns: `kvcache.stage`) and one
+download of the level's (B, 2k [+1]) top-k block, in both modes; the draft rows q stay on the
+device (one (V,) float32 row per node with children, until the step ends). Per step one upload of
+the verify pass's inputs (with the child table at T > 0) and one (n,) download of the choices.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ import torch
 
 from specexec_cli.core import kvcache
 from specexec_cli.core.draft import DraftContext, run_pending, top_children
-from specexec_cli.core.engine import StepResult, ar_step, draft_context
-from specexec_cli.core.methods.common import accept_sampled, commit, sample_children
-from specexec_cli.core.sampling import SamplingParams, process_logits
+from specexec_cli.core.engine import StepResult, ar_step, draft_context, new_noise, verify_pass
+from specexec_cli.core.methods.common import accept_static, child_table, commit
+from specexec_cli.core.sampling import CHILDREN, PositionNoise, SamplingParams, process_logits
 from specexec_cli.core.transfers import to_host
-from specexec_cli.core.tree import Tree, ancestors, attention_mask, subtree, verify_mask
+from specexec_cli.core.tree import Tree, ancestors, attention_mask, subtree
 from specexec_cli.core.verify import accept_tree
 
 
@@ -67,25 +70,33 @@ def level_template(widths: tuple[int, ...]) -> Template:
     return Template(tuple(parents))
 
 
-def pick_level(logits: torch.Tensor, ks: list[int], params: SamplingParams, gen: torch.Generator):
-    """(B, V) device logits, children wanted per row → per row (tokens, log-probs, q); q None at T = 0.
+def pick_level(logits: torch.Tensor, ks: list[int], params: SamplingParams, noise: PositionNoise | None, pos: int):
+    """(B, V) device logits, children wanted per row → per row (tokens, log-probs, q row on the device
+    or None at T = 0); `pos`: absolute position of the children (all rows are one level).
 
-    One host copy for the whole level: top-k on the device at T = 0, the (B, V) distributions at T > 0.
+    One host copy for the whole level: the draft's top-k at T = 0; at T > 0 the top-k of q / E (the
+    CHILDREN stream), their log q and each row's support size (rows with a smaller support get fewer).
     """
+    kmax = min(max(ks), logits.shape[-1])
     if params.greedy:
-        kmax = min(max(ks), logits.shape[-1])
         vals, idx, _ = top_children(logits, kmax, params, None)
         return [(idx[r, :k].tolist(), vals[r, :k], None) for r, k in enumerate(ks)]
-    q_all = to_host(process_logits(logits, params))  # (B, V)
+    q = process_logits(logits, params)                                       # (B, V) on the device
+    e = noise.block(pos, 1, q.shape[-1], q.device, CHILDREN)                 # (1, V)
+    ids = torch.topk(q / e, kmax, dim=-1).indices                            # (B, k) w/o replacement
+    logq = q.gather(1, ids).clamp(min=1e-30).log()
+    support = (q > 0).sum(-1, keepdim=True).to(logq.dtype)
+    host = to_host(torch.cat([logq, ids.to(logq.dtype), support], 1))
     out = []
     for r, k in enumerate(ks):
-        toks = sample_children(q_all[r], k, gen)
-        out.append((toks, q_all[r][toks].clamp(min=1e-30).log(), q_all[r]))
+        k = min(k, kmax, int(host[r, 2 * kmax]))
+        out.append((host[r, kmax:kmax + k].long().tolist(), host[r, :k], q[r]))
     return out
 
 
-def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, params, gen):
-    """Fill `tpl` (nodes deeper than depth_cap dropped) → (Tree, {tree node id: q}); q only at T > 0.
+def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, params, noise=None):
+    """Fill `tpl` (nodes deeper than depth_cap dropped) → (Tree, {tree node id: q row on the device});
+    q only at T > 0 (`noise`: the step's PositionNoise, needed then).
 
     Draft cache afterwards: prefix + pending + every node with slot >= 0, in slot order (as grow_tree).
     """
@@ -93,19 +104,19 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
     base = ctx.n_cached + len(ctx.pending) - 1  # cache row of the root = tree slot 0
     kids = tpl.children()
     qrows: dict[int, torch.Tensor] = {}
-    logits = run_pending(draft, cache, ctx)[None]  # (1, V) at the root
+    logits = run_pending(draft, cache, ctx)[0][None]  # (1, V) at the root
     tree.mark_run(torch.zeros(1, dtype=torch.long))
     frontier = [(0, 0)]  # (tree node, template node) pairs whose logits are in `logits`
     dtype = kvcache.model_dtype(draft)
     for depth in range(1, depth_cap + 1):
         nxt: list[tuple[int, int]] = []
-        picks = pick_level(logits, [len(kids[t]) for _, t in frontier], params, gen)
+        picks = pick_level(logits, [len(kids[t]) for _, t in frontier], params, noise, ctx.root_pos + depth)
         for (node, t), (toks, lp, q) in zip(frontier, picks):
             if not toks:
                 continue
             if q is not None:
                 qrows[node] = q
-            ids = tree.add(torch.full((len(toks),), node), torch.tensor(toks), tree.logp[node] + lp)
+            ids = tree.add(torch.full((len(toks),), node), torch.tensor(toks, dtype=torch.long), tree.logp[node] + lp)
             nxt += [(int(i), c) for i, c in zip(ids, kids[t]) if kids[c] and depth < depth_cap]
         if not nxt:
             break
@@ -114,8 +125,10 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
         anc = ancestors(tree.parents, nodes)  # (B, D) all already run
         anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
         self_cols = base + tree.n_slots + torch.arange(nodes.numel())
+        ids, positions, anc_cols, self_cols = kvcache.stage(draft, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes],
+                                                            anc_cols, self_cols)  # one upload
         mask = attention_mask(base, anc_cols, self_cols, base + tree.n_slots + nodes.numel(), dtype, draft.device)
-        logits = kvcache.forward(draft, cache, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], mask)
+        logits = kvcache.forward(draft, cache, ids, positions, mask)
         tree.mark_run(nodes)
         frontier = nxt
     return tree, qrows
@@ -129,15 +142,19 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
         return ar_step(m, st, cfg, gen, limit)
     t0 = time.perf_counter()
     ctx = draft_context(st)
-    tree, qrows = grow_static(m.draft, st.draft_cache, ctx, tpl, depth_cap, cfg.sampling, gen)
+    st.noise = st.noise or new_noise(gen)
+    tree, qrows = grow_static(m.draft, st.draft_cache, ctx, tpl, depth_cap, cfg.sampling, st.noise)
     vt = subtree(tree, torch.arange(1, tree.size))
     t1 = time.perf_counter()
-    mask = verify_mask(vt, st.target_len, kvcache.model_dtype(m.target), m.target.device)
-    logits = kvcache.forward(m.target, st.target_cache, vt.tokens, n - 1 + vt.depth, mask)
     if cfg.sampling.greedy:
-        acc = accept_tree(vt, logits, cfg.sampling, None, n, m.eos_ids, limit)
+        logits, positions = verify_pass(m, st, vt)
+        acc = accept_tree(vt, logits, cfg.sampling, None, n, m.eos_ids, limit, depth=positions - (n - 1))
     else:  # VerifyTree index i holds draft node vt.draft_ids[i]; here they coincide (whole tree kept)
-        acc = accept_sampled(vt, logits, qrows, cfg.sampling, gen, m.eos_ids, limit)
+        inner, kids = child_table(vt)
+        logits, positions, inner, kids = verify_pass(m, st, vt, inner, kids)   # one upload for all four
+        q = torch.stack([qrows[i] for i in inner.tolist()]) if len(qrows) else logits.new_zeros(0, logits.shape[-1])
+        acc = accept_static(vt, logits, cfg.sampling, st.noise, n, (positions - (n - 1), inner, kids), q,
+                            m.eos_ids, limit)
     t2 = time.perf_counter()
     commit(st, tree, vt, acc, len(ctx.pending))
     t3 = time.perf_counter()
