@@ -1,6 +1,8 @@
 """specx: run big LLMs on one machine with layer offloading and SpecExec speculative decoding.
 
-The package is the CLI front end (`cli.py`) over a lossless decoding engine (`engine.py`).
+The package is grouped by layer (docs/architecture.md): two front ends, `terminal/` (the `specx`
+command line) and `serve/` (the HTTP API), over `tools/`, the shared `session/` layer and the
+lossless decoding core, `core/`.
 `offload/` is a separate library the loader uses for models that do not fit on the device.
 """
 

@@ -21,7 +21,7 @@ DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
 
 @dataclass(frozen=True)
 class ModelFlags:
-    """The flags `run`, `chat` and `serve` share (declared once in cliflags.SHARED)."""
+    """The flags `run`, `chat` and `serve` share (declared once in terminal/flags.py, SHARED)."""
 
     target: str | None = None
     draft: str | None = None
