@@ -1,7 +1,7 @@
 """Run `specx serve`: plan, bind, start uvicorn at once, load the models on the worker thread.
 
 Contract: `run_server(flags, options)` returns the process exit code. Flag and plan errors raise
-`SpecxError` before anything binds (one line, exit 2 via cli.user_errors); a port that cannot be
+`SpecxError` before anything binds (one line, exit 2 via terminal/app.py's user_errors); a port that cannot be
 bound is one too. The server answers /health (503 "loading") while the worker loads; a load that
 fails prints one line and stops the server with exit code 2. SIGINT/SIGTERM stop the running
 generation at its next target pass, answer it, refuse what is queued, and exit 0.
