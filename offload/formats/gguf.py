@@ -32,7 +32,7 @@ from ..errors import OffloadError
 from . import gguf_meta, gguf_quants as gq
 from .base import Checkpoint, TensorInfo, as_stored, numel
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2")   # GGUF architectures of families.SUPPORTED
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
 PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
 IGNORED = ("rope_freqs.weight",)   # llama.cpp's precomputed RoPE factors: HF derives them from the config
 _PLAIN = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
@@ -50,6 +50,10 @@ class GgufReader:
             return False
 
     def open(self, path: Path, ollama_params: dict | None = None) -> Checkpoint:
+        try:
+            import gguf  # noqa: F401 - the header parser and name map
+        except ImportError:
+            raise OffloadError(f"{path}: reading GGUF files needs the gguf package; pip install 'specx[gguf]'") from None
         parts = gguf_meta.gguf_parts(path)
         readers = [gguf_meta.read_part(p) for p in parts]
         first, head = parts[0], readers[0]
@@ -175,6 +179,8 @@ def _info(name: str, part: Path, t, config, arch: str) -> TensorInfo:
     nbytes = gq.nbytes(tid, shape)
     meta = {"ggml_type": tid, "shape": shape, "gguf_name": t.name}
     rel = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if arch == "llama" and rel.replace(".bias", ".weight") in PERMUTED and rel.endswith(".bias"):
+        raise OffloadError(f"{part}: Llama Q/K biases ({t.name!r}) are not supported in GGUF files yet")
     if arch == "llama" and rel in PERMUTED:
         meta["permute"] = int(getattr(config, PERMUTED[rel]))
     if arch == "gemma2" and name.endswith("norm.weight"):
