@@ -37,7 +37,7 @@ def causal_lm_class(config):
 
 @dataclass(frozen=True)
 class Family:
-    attn_implementation: str        # "sdpa", or "eager" where attention logits are soft-capped
+    attn_implementation: str        # "specx_gqa" (SDPA without repeated K/V), or "eager" where logits are soft-capped
     final_softcap: float | None     # Gemma-2 final_logit_softcapping (None = off)
     layer_types: tuple[str, ...]    # per decoder layer: "full_attention" | "sliding_attention"
     sliding_window: int | None      # keys with q_pos - k_pos >= window are masked on sliding layers
@@ -56,7 +56,9 @@ class Family:
         if "sliding_attention" not in types:
             window = None
         soft_attn = getattr(config, "attn_logit_softcapping", None)
-        return cls(attn_implementation="eager" if soft_attn else "sdpa",
+        from .attention import implementation   # "sdpa" runs as the GQA-aware specx_gqa (offload/attention.py)
+
+        return cls(attn_implementation="eager" if soft_attn else implementation("sdpa"),
                    final_softcap=getattr(config, "final_logit_softcapping", None),
                    layer_types=types, sliding_window=window)
 

@@ -1,0 +1,119 @@
+"""offload/attention.py: GQA attention without repeated K/V, against transformers' own kernels.
+
+A tiny seeded Llama (fp32) with 8:1 and 2:1 grouping runs a prefix, then a tree pass under a 4-D
+additive tree mask over the cache; the logits under NAME equal those of HF's "sdpa" and "eager"
+implementations of the same weights, and while NAME runs, transformers' `repeat_kv` (in its SDPA
+integration and in the Llama module) raises: no K/V is ever repeated. The streamed OffloadedCausalLM
+runs under NAME too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload import attention
+from offload.hfcompat import cache_kwargs
+
+
+def _model(heads: int, kv_heads: int, impl: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                      max_position_embeddings=128)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    model.config._attn_implementation = attention.implementation("sdpa") if impl == "sdpa*" else impl
+    return model
+
+
+def _tree(past: int):
+    """A 7-node tree (root, two children, grandchildren): ids, (1, 7) positions, (1, 1, 7, past+7) mask."""
+    parents = [-1, 0, 0, 1, 1, 2, 5]
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    n = len(parents)
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            allowed[i, j] = True
+            j = parents[j]
+    mask = torch.full((1, 1, n, past + n), torch.finfo(torch.float32).min)
+    mask[..., :past] = 0
+    mask[..., past:] = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    return torch.tensor([[5, 7, 9, 11, 13, 17, 19]]), torch.tensor([depth]) + past, mask
+
+
+def _logits(model, prefix, tree):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prefix, **cache_kwargs(model, cache), use_cache=True)
+        ids, pos, mask = tree
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
+                     use_cache=True).logits
+
+
+def _no_repeat(monkeypatch):
+    import transformers.integrations.sdpa_attention as hf_sdpa
+    import transformers.models.llama.modeling_llama as hf_llama
+
+    def boom(*a, **k):
+        raise AssertionError("repeat_kv called")
+
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", boom)
+    monkeypatch.setattr(hf_llama, "repeat_kv", boom)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 2)])
+def test_equal_logits_and_no_repeat(heads, kv_heads, monkeypatch):
+    prefix = torch.tensor([[1, 2, 3, 4, 5, 6, 8, 10, 12]])
+    tree = _tree(prefix.shape[1])
+    refs = {impl: _logits(_model(heads, kv_heads, impl), prefix, tree) for impl in ("sdpa", "eager")}
+    _no_repeat(monkeypatch)
+    with pytest.raises(AssertionError, match="repeat_kv"):   # the patch bites HF's own masked path
+        _logits(_model(heads, kv_heads, "sdpa"), prefix, tree)
+    ours = _logits(_model(heads, kv_heads, "sdpa*"), prefix, tree)
+    for impl, ref in refs.items():
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5, msg=f"{impl}")
+
+
+def test_implementation_names():
+    assert attention.implementation("sdpa") == attention.NAME
+    assert attention.implementation("eager") == "eager"          # Gemma-2's soft-capped attention
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert attention.NAME in AttentionInterface._global_mapping
+    assert attention.NAME in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
+
+def test_mask_repeated_once_per_forward():
+    mask = torch.zeros(1, 1, 3, 5)
+    a = attention._folded_mask(mask, 4)
+    assert a.shape == (1, 1, 12, 5) and attention._folded_mask(mask, 4) is a
+    mask[..., 0] = -1.0                                            # an in-place change: a new version, a new fold
+    b = attention._folded_mask(mask, 4)
+    assert b is not a and torch.equal(b[0, 0, 3:6], mask[0, 0])
+
+
+def test_offloaded_model_runs_gqa_attention(tmp_path, monkeypatch):
+    """The streamed decoder (offload/model.py) runs under NAME and matches HF's sdpa logits, no repeat."""
+    from offload.model import OffloadedCausalLM
+
+    hf = _model(8, 1, "sdpa")
+    hf.save_pretrained(tmp_path)
+    prefix = torch.tensor([[1, 2, 3, 4, 5, 6, 8, 10, 12]])
+    tree = _tree(prefix.shape[1])
+    ref = _logits(hf, prefix, tree)
+    model = OffloadedCausalLM.from_pretrained(tmp_path, offload="disk", max_host_memory=0)
+    try:
+        assert model.config._attn_implementation == attention.NAME
+        _no_repeat(monkeypatch)
+        torch.testing.assert_close(_logits(model, prefix, tree), ref, rtol=1e-5, atol=1e-5)
+    finally:
+        model.close()
