@@ -156,11 +156,13 @@ def needs_offload_path(path: Path) -> bool:
 def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    from offload.attention import implementation as gqa_attention   # SDPA without repeated K/V
+
     safe = check_weights(path, flag, opts.allow_pickle)
     index = check_files(path, flag) if safe else None
     config = load_config(path, flag, opts.trust_remote_code)
     # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
-    attn = "eager" if read_config(path).get("attn_logit_softcapping") else "sdpa"
+    attn = "eager" if read_config(path).get("attn_logit_softcapping") else gqa_attention("sdpa")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dtype, use_safetensors=safe, trust_remote_code=opts.trust_remote_code,
