@@ -26,11 +26,13 @@ from torch import nn
 
 from .errors import OffloadError
 from .families import restore_buffers
+from .formats import Checkpoint, open_checkpoint
+from .formats.qlinear import PackedLinear
 from .nf4 import Nf4Linear
 from .plan import OffloadPlan, plan_offload
 from .prequant import is_quant_part, load_quant_state
 from .sizes import format_bytes
-from .st_index import SafetensorsIndex, check_tensor_set
+from .st_index import check_tensor_set
 from .storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
                       aligned_empty, file_layout, fill_packed, packed_layout)
 from .hostmem import HostPins
@@ -90,12 +92,16 @@ class LoadedWeights:
 
 
 def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
+    """One spec per parameter: NF4 weights by logical shape, a PackedLinear's stored parts as
+    stored (AWQ/GPTQ/compressed-tensors/GGUF bytes stream unchanged), the rest in `storage_dtype`."""
     specs = []
     for name, p in layer.named_parameters():
         mod_name, _, attr = name.rpartition(".")
         mod = layer.get_submodule(mod_name) if mod_name else layer
         if isinstance(mod, Nf4Linear) and attr == "weight":
             specs.append(ParamSpec(name, mod.logical_shape, torch.uint8, nf4=True))
+        elif isinstance(mod, PackedLinear) and attr in mod.parts:
+            specs.append(ParamSpec(name, tuple(p.shape), p.dtype))
         else:
             specs.append(ParamSpec(name, tuple(p.shape), storage_dtype))
     return specs
@@ -133,22 +139,30 @@ def _check_fits(plan: OffloadPlan, device: torch.device, free_ram: int, root: Pa
 
 
 class HostEmbedding(nn.Module):
-    """Input embeddings kept in host RAM: only the T looked-up rows cross to the device."""
+    """Input embeddings kept in host RAM: only the T looked-up rows cross to the device, in ONE
+    copy per forward counted in `counter` (any object with `calls`, `bytes`, `uploads`: the
+    caller's transfer counter, e.g. specexec_cli's transfers.COUNTER; None counts nowhere)."""
 
-    def __init__(self, inner: nn.Module, device: torch.device):
+    def __init__(self, inner: nn.Module, device: torch.device, counter=None):
         super().__init__()
-        self.inner, self.device = inner, device
+        self.inner, self.device, self.counter = inner, device, counter
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # callers pass CPU ids (OffloadedCausalLM.input_device): no device->host sync per pass
-        return self.inner(input_ids.to("cpu")).to(self.device, non_blocking=True)
+        rows = self.inner(input_ids.to("cpu"))       # (B, T, hidden) on the host
+        if self.counter is not None:                 # counted on the CPU too, as every specx transfer
+            self.counter.calls += 1
+            self.counter.uploads += 1
+            self.counter.bytes += rows.numel() * rows.element_size()
+        return rows.to(self.device, non_blocking=True)
 
 
-def _materialize(mod: nn.Module, weight_name: str, index: SafetensorsIndex, dtype, pool: DevicePool | None,
+def _materialize(mod: nn.Module, weight_name: str, index: Checkpoint, dtype, pool: DevicePool | None,
                  component: str, device) -> nn.Module:
     """Give `mod` (built on meta) its weight from the file: a counted pool buffer on the device,
     or a plain host tensor when `pool` is None (host embeddings)."""
-    src = index.read(weight_name)
+    src = index.read(weight_name) if weight_name not in index.packed else index.reader.load_weight(
+        index, weight_name, {n: index.read(n) for n in index.stored_parts(weight_name)}, "cpu", dtype)  # GGUF
     w = pool.copy(src.to(dtype), component) if pool is not None else src.to(dtype).clone()
     mod = mod.to_empty(device=device if pool is not None else "cpu") if _has_other_state(mod) else mod
     mod.weight = nn.Parameter(w, requires_grad=False)
@@ -160,7 +174,7 @@ def _has_other_state(mod: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _load_globals(index: SafetensorsIndex, hf, config, device, dtype, pool: DevicePool, embeddings: str = "device"):
+def _load_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool, embeddings: str = "device"):
     """Materialize embed_tokens (on the device, or host RAM), norm, lm_head (tied if configured and
     the embeddings are on the device) and rotary_emb; every device byte is counted by `pool`."""
     base = hf.model
@@ -198,13 +212,18 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
                  subset: Subset | None = None) -> LoadedWeights:
     """`memplan` (offload.memplan.MemoryPlan) fixes placement and embeddings; without it the
     budgets below decide (library use). `pool` counts every device byte (a fresh one if None).
-    `subset`: only those layers get weights (the others count 0 bytes), the globals are shared."""
-    index = SafetensorsIndex(path)
+    `subset`: only those layers get weights (the others count 0 bytes), the globals are shared.
+    `path`: the opened Checkpoint (a directory is opened here, for library callers)."""
+    index = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    path = index.path
     layers = hf.model.layers
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
     expected, packed = expected_tensors(hf, all_specs)
+    floats = {f"model.layers.{i}.{sp.name}" for i, s in enumerate(all_specs) for sp in s if sp.dtype.is_floating_point}
+    expected.update({n: tuple(index.tensors[n].shape) for n in index.packed if not n.startswith("model.layers.")})
+    floats |= {n for n in expected if not n.startswith("model.layers.") and n not in index.packed}
     check_tensor_set(index, expected, f"model_type {config.model_type!r}", tied=tied_aliases(hf, config),
-                     float_names=set(expected) - packed, extra_ok=lambda n: is_quant_part(n, packed))
+                     float_names=floats - packed, extra_ok=lambda n: is_quant_part(n, packed))
     for name in sorted(packed):
         if index.entries[name].dtype != torch.uint8:
             raise OffloadError(f"{index.entries[name].file}: tensor {name!r} is {index.entries[name].dtype}, "

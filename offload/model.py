@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -30,9 +29,9 @@ from .loader import LoadedWeights, load_weights, resolve_dtype
 from .nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
 from .plan import OffloadPlan
 from .prefetch import Prefetcher
-from .prequant import bnb4_config, is_packed
 from .quant_cache import ensure_nf4_cache
-from .st_index import SafetensorsIndex
+from .formats import Checkpoint, open_checkpoint
+from .formats.qlinear import swap_packed_linears
 
 
 @dataclass
@@ -48,21 +47,11 @@ class OffloadStats:
     last_pass_seconds: float = 0.0
 
 
-def _load_config(path: Path):
-    from transformers import AutoConfig
+PACKED_FORMATS = ("awq", "gptq", "compressed-tensors", "gguf")   # streamed as stored, dequantized per pass
 
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise OffloadError(f"{cfg_file}: not found; point at a Hugging Face model directory")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad config.json
-        raise OffloadError(f"{cfg_file}: cannot parse ({exc.__class__.__name__}); fix or re-download it") from None
-    try:
-        causal_lm_class(config)
-        bnb4_config(config)
-    except OffloadError as exc:
-        raise OffloadError(f"{cfg_file}: {exc}") from None
+
+def _with_attn(config):
+    """The checkpoint's config with the attention kernel its family needs (Gemma-2: eager)."""
     config._attn_implementation = Family.of(config).attn_implementation
     return config
 
@@ -102,17 +91,19 @@ class OffloadedCausalLM(nn.Module):
         decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte;
         `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft.py);
         `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16)."""
-        path = Path(path)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if offload not in ("none", "ram", "disk", "auto"):
             raise OffloadError(f"offload must be none, ram, disk or auto, got {offload!r}")
-        config = _load_config(path)
-        if _wants_nf4(dtype) and bnb4_config(config) is None:
+        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)   # opened (validated) once
+        if _wants_nf4(dtype) and ckpt.format in PACKED_FORMATS:
+            raise OffloadError(f"{ckpt.path}: already a 4-bit {ckpt.format} checkpoint; drop --dtype nf4 (its "
+                               "weights stream as stored) or point at a 16-bit checkpoint")
+        if _wants_nf4(dtype) and ckpt.format != "bnb-nf4":
             # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
-            path = ensure_nf4_cache(path, progress=progress, packing=packing_for(device))
-            config = _load_config(path)
+            ckpt = open_checkpoint(ensure_nf4_cache(ckpt, progress=progress, packing=packing_for(device)))
+        path, config = ckpt.path, _with_attn(ckpt.hf_config)
         packing = getattr(config, "specx_packing", "standard")
         if packing != "standard" and packing != packing_for(device):
             raise OffloadError(f"{path}: its 4-bit bytes are packed for {packing} and cannot compute on {device}; "
@@ -120,7 +111,7 @@ class OffloadedCausalLM(nn.Module):
         storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
         if nf4 and nf4_compute is not None:
             storage_dtype = compute_dtype = nf4_compute
-        nf4 = bnb4_config(config) is not None
+        nf4 = ckpt.format == "bnb-nf4"
         try:
             with torch.device("meta"):
                 hf = causal_lm_class(config)(config)
@@ -128,15 +119,16 @@ class OffloadedCausalLM(nn.Module):
             raise OffloadError(f"{path / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
                                f"{str(exc)[:100]}); fix or re-download it") from None
         if nf4:
-            index = SafetensorsIndex(path)
-            _swap_nf4_linears(hf.model.layers, compute_dtype,
-                              lambda name: is_packed(index.entries, f"model.{name}.weight"))
-        w = load_weights(path, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
+            _swap_nf4_linears(hf.model.layers, compute_dtype, lambda name: f"model.{name}.weight" in ckpt.packed)
+        elif ckpt.packed:
+            swap_packed_linears(hf.model.layers, ckpt, compute_dtype)
+        w = load_weights(ckpt, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
                          max_device_memory, max_host_memory, slots, progress,
                          host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool,
                          subset=subset)
         model = cls(config, device, compute_dtype, hf, w, slots, packing)
         model.source = path   # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
+        model.checkpoint = ckpt   # its opened Checkpoint (formats.base)
         return model
 
     @property

@@ -11,7 +11,7 @@ Contract:
   Everything is written into a temporary sibling directory, `specx-manifest.json` (file names and
   sizes, the source fingerprint) is written LAST, then the directory is renamed into place: a
   directory without a matching manifest is partial or stale and is never used.
-- `ensure_nf4_cache(src, progress, packing)` returns the cache directory for `src` under
+- `ensure_nf4_cache(src, progress, packing)` (src: an opened formats.Checkpoint or its directory) returns the cache directory for `src` under
   `$SPECX_CACHE` (default ~/.cache/specx), building it first when missing, partial or stale. Its
   name carries a key over the source files' names, sizes and mtimes, the quantization settings
   and the packing.
@@ -40,7 +40,7 @@ import torch
 from .errors import OffloadError, OffloadNotice
 from .nf4 import CPU_PACKING, NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, cpu_layout_fits, cpu_relayout, quantize_nf4
 from .prequant import quant_tensors
-from .st_index import SafetensorsIndex
+from .formats import Checkpoint, open_checkpoint
 
 MANIFEST = "specx-manifest.json"
 FORMAT_VERSION = 2
@@ -98,15 +98,17 @@ def is_complete(out: Path, key: str | None = None) -> bool:
 
 def ensure_nf4_cache(src: Path, progress: Progress | None = None, packing: str = "standard") -> Path:
     """The cache directory for `src`, (re)built when missing, partial, stale or unreadable; a cache
-    that exists but cannot be used is rebuilt with an OffloadNotice, never used."""
-    src = Path(src)
+    that exists but cannot be used is rebuilt with an OffloadNotice, never used. `src`: the opened
+    16-bit Checkpoint (or its directory)."""
+    ckpt = src if isinstance(src, Checkpoint) else None
+    src = ckpt.path if ckpt is not None else Path(src)
     out, key = cache_dir(src, packing), cache_key(src, packing)
     bad = _unusable(out, key)
     if bad:
         if out.exists():
             warnings.warn(f"offload: the 4-bit cache {out} is {bad}; rebuilding it", OffloadNotice, stacklevel=2)
             shutil.rmtree(out, ignore_errors=True)
-        write_quantized(src, out, progress, tokenizer=True, key=key, packing=packing)
+        write_quantized(ckpt or src, out, progress, tokenizer=True, key=key, packing=packing)
         _drop_stale(src, out, packing)
     return out
 
@@ -138,21 +140,11 @@ def _drop_stale(src: Path, keep: Path, packing: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _quantized_names(config) -> set[str]:
-    """Names of the decoder-layer nn.Linear weights, e.g. model.layers.0.mlp.up_proj.weight."""
-    from .families import causal_lm_class
-
-    with torch.device("meta"):
-        hf = causal_lm_class(config)(config)
-    return {f"model.layers.{i}.{name}.weight" for i, layer in enumerate(hf.model.layers)
-            for name, mod in layer.named_modules() if isinstance(mod, torch.nn.Linear)}
-
-
 def _quant_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def _shard(index: SafetensorsIndex, names: list[str], linears: set[str], packing: str) -> dict[str, torch.Tensor]:
+def _shard(index: Checkpoint, names: list[str], linears: set[str], packing: str) -> dict[str, torch.Tensor]:
     tensors = {}
     for name in names:
         t = index.read(name)
@@ -169,15 +161,14 @@ def _shard(index: SafetensorsIndex, names: list[str], linears: set[str], packing
 
 def write_quantized(src: Path, out: Path, progress: Progress | None = None, tokenizer: bool = True,
                     key: str | None = None, packing: str = "standard") -> None:
+    """`src`: the opened 16-bit Checkpoint (a directory is opened here)."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig
 
-    src, out = Path(src), Path(out)
-    config = AutoConfig.from_pretrained(src)
-    if getattr(config, "quantization_config", None) is not None:
-        raise OffloadError(f"{src / 'config.json'}: already quantized; quantize a 16-bit checkpoint")
-    index = SafetensorsIndex(src)
-    linears = _quantized_names(config)
+    index = src if isinstance(src, Checkpoint) else open_checkpoint(src)
+    src, out, config = index.path, Path(out), index.hf_config
+    if index.quantized:
+        raise OffloadError(f"{src / 'config.json'}: already quantized ({index.format}); quantize a 16-bit checkpoint")
+    linears = {n for n, shape in index.shapes.items() if n.startswith("model.layers.") and len(shape) == 2}
     n = config.num_hidden_layers
     per_layer = [[k for k in index.entries if k.startswith(f"model.layers.{i}.")] for i in range(n)]
     rest = sorted(set(index.entries) - {k for names in per_layer for k in names})

@@ -130,6 +130,25 @@ class Checkpoint:
             return tuple(self.shapes[hf_name])
         return tuple(self.tensors[hf_name].shape)
 
+    def get(self, name: str) -> TensorInfo:
+        """The stored tensor `name`; a one-line OffloadError when the checkpoint lacks it."""
+        from ..errors import OffloadError
+
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise OffloadError(f"{self.source_name or self.path}: missing tensor {name!r}; the checkpoint is "
+                               "incomplete or does not match its config") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """Stored tensor `name` as a CPU tensor of its stored dtype and shape (load time only)."""
+        from ..st_index import read_exact
+
+        info = self.get(name)
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        read_exact(info.file, info.begin, out)
+        return as_stored(info, out)
+
     def file_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 

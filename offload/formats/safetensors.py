@@ -61,7 +61,10 @@ class SafetensorsReader:
         cfg = hfdir.read_config(path)
         index = hfdir.st_index(path)
         config = hfdir.hf_config(path)
-        quant = bnb4_config(config)
+        try:
+            quant = bnb4_config(config)
+        except OffloadError as exc:
+            raise OffloadError(f"{path / 'config.json'}: {exc}") from None
         packed = bnb_parts(index.entries) if quant is not None else {}
         ckpt = Checkpoint(path=path, format="bnb-nf4" if quant is not None else float_format(index.entries),
                           config=cfg, hf_config=config, tensors=index.entries, files=list(index.files),

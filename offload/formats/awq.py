@@ -1,0 +1,71 @@
+"""AWQ checkpoints (AutoAWQ / llm-awq "GEMM" layout), as transformers and vLLM read them.
+
+Contract: `READER` claims a safetensors directory whose config.json has
+`quantization_config.quant_method == "awq"`. Supported: 4 bits, `version` "gemm" (any case),
+with zero points, any group size dividing the input size. Other layouts are one-line errors:
+the GEMV layout (packed along the other dim) names the fix (re-export as GEMM), as do other
+bit widths and `zero_point: false`.
+Layout of one linear with in_features K, out_features N, group size g (G = K / g groups):
+  qweight (K, N/8) int32   eight 4-bit codes per word, along the OUTPUT dim, in AWQ's
+                           interleaved order: field i of word c holds column 8c + ORDER[i]
+  qzeros  (G, N/8) int32   the zero points, packed the same way
+  scales  (G, N) fp16      per-group scales
+  W[n, k] = (q[k, n] - z[k // g, n]) * s[k // g, n]   (HF weight (N, K) = the transpose)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import OffloadError
+from .packed import PackedReader, bits4, check_divides, group_size, unpack_cols
+
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # AWQ packs column 8c + ORDER[i] into field i
+REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)        # field holding column 8c + j
+
+
+def awq_unpack(w: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 -> (R, 8C) codes in column order."""
+    fields = unpack_cols(w)                                         # (R, 8C) in field order
+    idx = torch.tensor(REVERSE, device=w.device)
+    return fields.view(w.shape[0], -1, 8).index_select(2, idx).reshape(w.shape[0], -1)
+
+
+class AwqReader(PackedReader):
+    name = "awq"
+    method = "awq"
+    format = "awq"
+    suffixes = ("qweight", "qzeros", "scales")
+
+    def params(self, qc: dict, path: Path) -> dict:
+        version = str(qc.get("version", "gemm")).lower()
+        if version == "gemv" or version == "gemv_fast":
+            raise OffloadError(f"{path / 'config.json'}: AWQ {version.upper()} layout is not supported; "
+                               "use an AWQ checkpoint in the GEMM layout (re-export with version='gemm')")
+        if version != "gemm":
+            raise OffloadError(f"{path / 'config.json'}: AWQ version {version!r} is not supported; "
+                               "use an AWQ checkpoint in the GEMM layout")
+        bits4(qc, path, "AWQ")
+        if not qc.get("zero_point", True):
+            raise OffloadError(f"{path / 'config.json'}: AWQ without zero points is not supported; "
+                               "use an AWQ GEMM checkpoint with zero_point=true")
+        return {"method": "awq", "bits": 4, "group_size": group_size(qc, path), "version": "gemm"}
+
+    def shapes(self, q, out_f, in_f, present):
+        g = q["group_size"] if q["group_size"] > 0 else in_f
+        check_divides(in_f, g, "AWQ")
+        groups = in_f // g
+        return {"qweight": (in_f, out_f // 8), "qzeros": (groups, out_f // 8), "scales": (groups, out_f)}
+
+    def dequant(self, q, parts, out_f, in_f, dtype):
+        g = q["group_size"] if q["group_size"] > 0 else in_f
+        codes = awq_unpack(parts["qweight"]).to(dtype)                      # (K, N)
+        zeros = awq_unpack(parts["qzeros"]).to(dtype)                       # (G, N)
+        scales = parts["scales"].to(dtype)                                  # (G, N)
+        w = (codes.view(-1, g, out_f) - zeros[:, None]) * scales[:, None]   # (G, g, N): exact ints, one rounding
+        return w.reshape(in_f, out_f).t().contiguous()
+
+
+READER = AwqReader()

@@ -1,0 +1,145 @@
+"""What the packed-int4 safetensors layouts (AWQ, GPTQ, compressed-tensors) share.
+
+Contract: a `PackedReader` subclass names its `method` (config.json's
+`quantization_config.quant_method`), its `format`, the stored suffixes of one quantized linear
+(`suffixes`: e.g. qweight/qzeros/scales/g_idx; the first is the one that marks a linear as
+packed), and implements `params(qc, path) -> dict` (validated quantization parameters; one-line
+OffloadError for a layout specx cannot run), `shapes(q, out_f, in_f, present) -> {suffix: shape}`
+(the stored shapes config.json implies; `present` lists the stored suffixes) and
+`dequant(q, parts, out_f, in_f, dtype) -> (out_f, in_f) weight` (torch ops on the parts' device).
+`open` validates headers, parses the parameters, maps each HF linear weight
+`X.weight` to its stored tensors `X.<suffix>`, and checks the whole tensor set against the
+architecture (validate.check_tensors), the packed parts' dtypes included.
+Shared unpacking: `unpack_rows(w)` / `unpack_cols(w)` split int32 words into their eight 4-bit
+fields, bits [4j, 4j+4) becoming element j along rows (dim 0) or columns (dim 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import OffloadError
+from . import hfdir, validate
+from .base import Checkpoint, as_stored, numel
+
+INT32_PARTS = ("qweight", "qzeros", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx")
+
+
+def _shifts(device) -> torch.Tensor:
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
+
+
+def unpack_cols(w: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 -> (R, 8C) int32 in [0, 15]: word c's field j becomes column 8c + j."""
+    r, c = w.shape
+    return ((w.unsqueeze(-1) >> _shifts(w.device)) & 0xF).reshape(r, 8 * c)
+
+
+def unpack_rows(w: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 -> (8R, C) int32 in [0, 15]: word r's field j becomes row 8r + j."""
+    r, c = w.shape
+    return ((w.unsqueeze(1) >> _shifts(w.device).view(1, 8, 1)) & 0xF).reshape(8 * r, c)
+
+
+def group_count(in_f: int, group: int) -> int:
+    """Groups along the input dim (group -1 or 0: one group over all of it)."""
+    return 1 if group in (-1, 0) or group is None else -(-in_f // group)
+
+
+class PackedReader:
+    name = "packed"
+    method = ""
+    format = ""
+    suffixes: tuple[str, ...] = ()
+
+    def detect(self, path: Path) -> bool:
+        return hfdir.is_st_dir(path) and hfdir.quant_method(path) == self.method
+
+    def params(self, qc: dict, path: Path) -> dict:
+        raise NotImplementedError
+
+    def shapes(self, q: dict, out_f: int, in_f: int, present: set[str]) -> dict[str, tuple[int, ...] | None]:
+        raise NotImplementedError
+
+    def dequant(self, q: dict, parts: dict[str, torch.Tensor], out_f: int, in_f: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def open(self, path: Path) -> Checkpoint:
+        cfg = hfdir.read_config(path)
+        quant = self.params(hfdir.quant_config(cfg) or {}, path)
+        index = hfdir.st_index(path)
+        packed = self._group(index.entries)
+        ckpt = Checkpoint(path=path, format=self.format, config=cfg, hf_config=hfdir.hf_config(path),
+                          tensors=index.entries, files=list(index.files), reader=self, quant=quant,
+                          packed=packed, source_name=index.source_name, **hfdir.side_info(path))
+
+        def parts(name, shape):
+            if name not in packed or len(shape) != 2:
+                return None
+            base = name[: -len(".weight")]
+            present = {p[len(base) + 1:] for p in packed[name]}
+            want = self.shapes(quant, shape[0], shape[1], present)   # a stored part not in `want` is unexpected
+            return {f"{base}.{s}": want[s] for s in want}
+
+        ckpt.shapes = validate.check_tensors(ckpt, parts)
+        self._check_dtypes(ckpt)
+        return ckpt
+
+    def _group(self, entries) -> dict[str, tuple[str, ...]]:
+        """HF weight `X.weight` -> stored `X.<suffix>` for every linear stored packed."""
+        mark = self.suffixes[0]
+        out = {}
+        for name in entries:
+            if name.endswith(f".{mark}"):
+                base = name[: -len(mark) - 1]
+                out[f"{base}.weight"] = tuple(f"{base}.{s}" for s in self.suffixes if f"{base}.{s}" in entries)
+        return out
+
+    def _check_dtypes(self, ckpt: Checkpoint) -> None:
+        for names in ckpt.packed.values():
+            for n in names:
+                e = ckpt.tensors[n]
+                want_int = n.rsplit(".", 1)[-1] in INT32_PARTS
+                ints = (torch.int32, torch.int64) if n.endswith("g_idx") else (torch.int32,)
+                if want_int and e.dtype not in ints:
+                    raise OffloadError(f"{e.file}: tensor {n!r} is {e.dtype}, the {self.format} layout stores "
+                                       "int32 there; the checkpoint is corrupt or not in this format - re-download it")
+                if not want_int and n.rsplit(".", 1)[-1] != "weight_shape" and not e.dtype.is_floating_point:
+                    raise OffloadError(f"{e.file}: tensor {n!r} is {e.dtype} but must be a float; "
+                                       "the checkpoint is corrupt - re-download it")
+
+    def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype) -> torch.Tensor:
+        out_f, in_f = ckpt.logical_shape(hf_weight_name)
+        base = hf_weight_name[: -len(".weight")]
+        parts = {n[len(base) + 1:]: as_stored(ckpt.tensors[n], raw[n]).to(device)
+                 for n in ckpt.stored_parts(hf_weight_name)}
+        return self.dequant(ckpt.quant, parts, out_f, in_f, dtype)
+
+    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
+        """The int32 fields of every code (4 bytes each), then the codes, zeros and scales
+        expanded to one value per weight element in the compute dtype."""
+        return numel(ckpt.logical_shape(hf_weight_name)) * (4 + 3 * elem)
+
+
+def bits4(qc: dict, path: Path, what: str) -> None:
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise OffloadError(f"{path / 'config.json'}: {what} with {bits} bits is not supported; specx runs 4-bit "
+                           f"{what} (use a 4-bit checkpoint)")
+
+
+def group_size(qc: dict, path: Path, key: str = "group_size") -> int:
+    g = qc.get(key, qc.get("q_group_size", -1))
+    if not isinstance(g, int) or (g <= 0 and g != -1):
+        raise OffloadError(f"{path / 'config.json'}: bad quantization_config.{key} {str(g)[:20]!r}; "
+                           "fix or re-download the checkpoint")
+    return g
+
+
+def check_divides(in_f: int, group: int, what: str) -> None:
+    if group > 0 and in_f % group:
+        raise OffloadError(f"{what}: input size {in_f} is not a multiple of group_size {group}; "
+                           "the checkpoint does not match its config")

@@ -1,0 +1,59 @@
+"""PackedLinear: an nn.Linear stand-in whose weight stays in its checkpoint's packed form.
+
+Contract: `swap_packed_linears(layers, ckpt, compute_dtype)` replaces every decoder-layer
+nn.Linear the checkpoint stores packed (`ckpt.packed`: AWQ, GPTQ, compressed-tensors, and
+GGUF-quantized weights) by a `PackedLinear` whose parameters are exactly the stored tensors of
+that linear, named by their stored suffix (`qweight`, `scales`, ...) with their stored dtype and
+shape (block-quantized bytes: a flat uint8 vector), so the loader streams them as stored and
+binds views of the layer buffer to them like any parameter. `forward(x)` turns them into the
+weight with the format reader's `load_weight` on x's device, in `compute_dtype` (a temporary
+freed after the matmul), then computes `x @ W.T + bias` in that dtype and returns x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Checkpoint
+
+
+def _meta_param(info) -> nn.Parameter:
+    shape = (info.nbytes,) if info.qtype is not None else tuple(info.shape)
+    dtype = torch.uint8 if info.qtype is not None else info.dtype
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, ckpt: Checkpoint, hf_weight_name: str, has_bias: bool, compute_dtype: torch.dtype):
+        super().__init__()
+        self.ckpt, self.hf_name, self.compute_dtype = ckpt, hf_weight_name, compute_dtype
+        self.out_features, self.in_features = ckpt.logical_shape(hf_weight_name)
+        base = hf_weight_name[: -len(".weight")]
+        self.parts = {}                                # parameter attr -> stored tensor name
+        for stored in ckpt.stored_parts(hf_weight_name):
+            attr = stored[len(base) + 1:].replace(".", "_")
+            self.parts[attr] = stored
+            setattr(self, attr, _meta_param(ckpt.tensors[stored]))
+        self.bias = (nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False)
+                     if has_bias else None)
+
+    def dequantized(self, device) -> torch.Tensor:
+        raw = {stored: getattr(self, attr) for attr, stored in self.parts.items()}
+        return self.ckpt.reader.load_weight(self.ckpt, self.hf_name, raw, device, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized(x.device)                                  # (out, in) in compute dtype
+        bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
+        return F.linear(x.to(self.compute_dtype), w, bias).to(x.dtype)
+
+
+def swap_packed_linears(layers: nn.ModuleList, ckpt: Checkpoint, compute_dtype: torch.dtype) -> None:
+    for i, layer in enumerate(layers):
+        for name, mod in list(layer.named_modules()):
+            hf_name = f"model.layers.{i}.{name}.weight"
+            if isinstance(mod, nn.Linear) and hf_name in ckpt.packed:
+                parent_name, _, child = name.rpartition(".")
+                parent = layer.get_submodule(parent_name) if parent_name else layer
+                setattr(parent, child, PackedLinear(ckpt, hf_name, mod.bias is not None, compute_dtype))
