@@ -52,8 +52,13 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
     packed uint8 (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""
     prefix = f"model.layers.{i}."
     out = {}
+    packed = _packed_method(ck.config)
     for name, e in ck.tensors.items():
         rel = name[len(prefix):]
+        if packed and name.startswith(prefix) and (not rel.endswith((".weight", ".bias")) or not e.dtype.is_floating_point):
+            # AWQ/GPTQ/compressed-tensors parts (qweight, scales, ...) stream as stored (formats/qlinear.py)
+            out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
+            continue
         if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(("weight", "bias")):
             continue
         q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
@@ -62,6 +67,12 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
     if not out:
         raise OffloadError(f"{ck.root}: no tensors for model.layers.{i}; the checkpoint does not match config.json")
     return out
+
+
+def _packed_method(config: dict) -> bool:
+    """True for the packed-int4 layouts whose linears stream as stored (offload/formats)."""
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors")
 
 
 @dataclass

@@ -198,20 +198,27 @@ ModelName = Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_pane
 ApiKey = Annotated[Optional[str], typer.Option(metavar="KEY", envvar="SPECX_API_KEY", show_envvar=True, show_default=False, rich_help_panel=SERVER, help="Require 'Authorization: Bearer KEY' on every route but /health.")]
 MaxQueue = Annotated[int, typer.Option(metavar="N", rich_help_panel=SERVER, help="Requests that may wait while one generates; past it, 429 with Retry-After.")]
 Cors = Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", show_default=False, rich_help_panel=SERVER, help="Allow browser pages from ORIGIN (repeatable; * = any). Default: no CORS.")]
+CacheRam = Annotated[Optional[str], typer.Option(metavar="SIZE", show_default=False, rich_help_panel=SERVER, help="Host RAM for KV snapshots of recent conversations (prompt cache), e.g. 8GB; 0 = keep only the live one. Default: half the RAM the memory plan leaves free.")]
 
 
 @app.command(cls=Command)
 @model_flags
 def serve(
-    host: Host = "127.0.0.1", port: Port = 8000, model_name: ModelName = None, api_key: ApiKey = None,
-    max_queue: MaxQueue = 8, cors: Cors = None, system: System = None, *, flags: ModelFlags,
+    context: typer.Context, host: Host = "127.0.0.1", port: Port = 8000, model_name: ModelName = None,
+    api_key: ApiKey = None, max_queue: MaxQueue = 8, cors: Cors = None, system: System = None,
+    cache_ram: CacheRam = None, *, flags: ModelFlags,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) with a chat page at /."""
     with user_errors():
         from specexec_cli.serve.server import ServeOptions, run_server
+        from specexec_cli.session.options import parse_size_opt
 
+        # requests without max_tokens run to EOS or the context end unless -n was given explicitly
+        given = context.get_parameter_source("max_new_tokens")
+        cap = flags.max_new_tokens if given is not None and given.name != "DEFAULT" else None
         options = ServeOptions(host=host, port=port, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                               cors=list(cors or []), system=system)  # fmt: skip
+                               cors=list(cors or []), system=system, cache_ram=parse_size_opt(cache_ram, "--cache-ram"),
+                               max_new_tokens=cap)  # fmt: skip
         code = run_server(flags, options)
     raise typer.Exit(code)
 
@@ -317,6 +324,20 @@ def quantize(
             res = quantize_checkpoint(target, out, progress)
         display.print_notice(f"quantized {target} -> {res.out}: {format_bytes(res.source_bytes)} -> "
                              f"{format_bytes(res.out_bytes)} in {res.seconds:.1f}s; use --target {res.out}")
+
+
+@app.command()
+def info(
+    path: Annotated[str, typer.Argument(metavar="PATH", help="Model directory, .gguf file or cached hub id.")],
+) -> None:
+    """Describe a checkpoint (format, family, layers, bytes per layer, quantization, vocabulary, template) from its headers."""
+    with user_errors():
+        from specexec_cli.session.info import describe, rows
+
+        table = rows(describe(path))
+        width = max(len(k) for k, _ in table)
+        for key, value in table:
+            typer.echo(f"{key:<{width}}  {value}")
 
 
 def fast_exit(code: int) -> None:

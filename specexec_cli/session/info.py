@@ -1,0 +1,92 @@
+"""`specx info PATH`: what a checkpoint is, from its headers and metadata alone (no tensor data).
+
+Contract: `describe(path)` opens PATH once with offload.formats.open_checkpoint (a model
+directory, a .gguf file, or a cached hub id) and returns an `Info`: format, family, layers,
+bytes per decoder layer as stored (what streams per pass), quantization parameters,
+vocabulary size, chat template, and whether specx can run it (with the one-line reason when
+not: an unsupported layout, a corrupt or mismatched file). A path that does not exist is a
+SpecxError; a checkpoint specx cannot open is described as far as its config.json goes.
+`rows(info)` is the (label, value) table the terminal prints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specexec_cli.errors import SpecxError
+
+
+@dataclass
+class Info:
+    path: Path                          # what was described
+    format: str | None                  # formats.FORMATS name; None when it could not be opened
+    family: str | None                  # config model_type (llama, qwen2, ...)
+    layers: int | None                  # decoder layers
+    layer_bytes: list[int] = field(default_factory=list)   # stored bytes of each decoder layer
+    total_bytes: int = 0                # bytes of the weight files
+    quant: dict | None = None           # quantization parameters (None: 16/32-bit)
+    vocab: int | None = None            # vocabulary size from the config
+    template: str | None = None         # chat template (None: none found)
+    runnable: bool = False              # specx can load and run it
+    reason: str = ""                    # why not, one line (empty when runnable)
+
+
+def _resolve(name: str) -> Path:
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    from specexec_cli.session.loading import resolve_path
+
+    return resolve_path(name, "info")
+
+
+def _config_only(path: Path) -> dict:
+    try:
+        data = json.loads((path / "config.json").read_bytes()) if path.is_dir() else {}
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def describe(name: str) -> Info:
+    from offload import OffloadError
+    from offload.formats import open_checkpoint
+
+    path = _resolve(name)
+    try:
+        ck = open_checkpoint(path)
+    except OffloadError as exc:
+        cfg = _config_only(path)
+        qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
+        return Info(path, None, cfg.get("model_type"), cfg.get("num_hidden_layers"), quant=qc,
+                    vocab=cfg.get("vocab_size"), runnable=False, reason=str(exc))
+    cfg = ck.config.get("text_config") or ck.config
+    n = ck.num_layers
+    return Info(path, ck.format, cfg.get("model_type"), n, [ck.layer_bytes(i) for i in range(n)],
+                sum(f.stat().st_size for f in ck.files), ck.quant, cfg.get("vocab_size"), ck.chat_template,
+                runnable=True)
+
+
+def _quant_text(q: dict | None) -> str:
+    if not q:
+        return "none (16/32-bit weights)"
+    keys = ("method", "quant_method", "bits", "group_size", "strategy", "sym", "desc_act", "checkpoint_format",
+            "version", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+    return ", ".join(f"{k}={q[k]}" for k in keys if k in q) or json.dumps(q)[:120]
+
+
+def rows(info: Info) -> list[tuple[str, str]]:
+    from offload import format_bytes
+
+    lb = info.layer_bytes
+    per_layer = (f"{format_bytes(min(lb))}" if lb and min(lb) == max(lb)
+                 else f"{format_bytes(min(lb))} .. {format_bytes(max(lb))}" if lb else "unknown")
+    template = "none" if not info.template else f"yes ({len(info.template)} chars)"
+    run = "yes" if info.runnable else f"no: {info.reason}"
+    return [("path", str(info.path)), ("format", info.format or "unknown"), ("family", info.family or "unknown"),
+            ("layers", str(info.layers) if info.layers is not None else "unknown"),
+            ("bytes per layer", per_layer), ("weights", format_bytes(info.total_bytes) if info.total_bytes else "unknown"),
+            ("quantization", _quant_text(info.quant)), ("vocabulary", str(info.vocab or "unknown")),
+            ("chat template", template), ("specx can run it", run)]
