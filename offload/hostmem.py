@@ -12,7 +12,10 @@ Contract:
   referenced until they are unregistered, so memory is never unmapped while still registered.
   Nothing is pinned unless the compute device is CUDA (`--device cpu` pins nothing).
   A failed registration returns False after clearing CUDA's sticky-until-read last error through
-  a torch call that reads it (else the next unrelated kernel launch would raise it).
+  a torch call that reads it (else the next unrelated kernel launch would raise it). A failed
+  unregistration (its return code is checked) clears the error the same way, keeps the buffer
+  referenced for the life of the process (never unmapped while possibly still registered) and
+  `release()` says so in one OffloadNotice line.
 """
 
 from __future__ import annotations
@@ -65,9 +68,20 @@ def _probe_launch() -> None:
     torch.zeros(1, device="cuda")   # a fill kernel: its launch check reads cudaGetLastError
 
 
-def _unregister(entries: list) -> None:
-    for ptr, _buf in entries:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+_STILL_PINNED: list = []   # buffers whose cudaHostUnregister failed: never unmapped while maybe registered
+
+
+def _unregister(entries: list, failures: list | None = None) -> None:
+    """cudaHostUnregister every entry; a non-zero return clears CUDA's sticky error, keeps the
+    buffer referenced for the process's life (unmapping registered memory is undefined) and adds
+    one line to `failures`."""
+    for ptr, buf in entries:
+        rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if rc != 0:
+            clear_cuda_error()
+            _STILL_PINNED.append(buf)
+            if failures is not None:
+                failures.append(f"could not unpin {buf.numel() / 2**30:.1f} GiB of host memory (cudaError {rc})")
     entries.clear()
 
 
@@ -83,7 +97,7 @@ class HostPins:
     def attach(self, owner) -> None:
         """Unpin when `owner` is garbage-collected, should nobody call `release()`."""
         if self._finalizer is None:
-            self._finalizer = weakref.finalize(owner, _unregister, self._entries)
+            self._finalizer = weakref.finalize(owner, _unregister, self._entries, self.failures)
 
     def notice(self, consequence: str) -> None:
         """One warning line for the latest failed registration and what it costs."""
@@ -108,6 +122,11 @@ class HostPins:
         return True
 
     def release(self) -> None:
-        """Unregister every region this owner pinned (idempotent)."""
-        if self.enabled:
-            _unregister(self._entries)
+        """Unregister every region this owner pinned (idempotent); a failed unregistration leaves
+        its buffer alive (kept mapped) and says so in one OffloadNotice line."""
+        if self.enabled and self._entries:
+            before = len(self.failures)
+            _unregister(self._entries, self.failures)
+            if len(self.failures) > before:
+                warnings.warn(f"offload: {self.failures[-1]}; that memory stays allocated until the process exits",
+                              OffloadNotice, stacklevel=2)

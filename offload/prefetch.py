@@ -23,9 +23,10 @@ Contract (one protocol for every tier and device):
   is waited for and discarded, and the ring restarts empty; a stale job is never handed out.
 - CUDA: copies run on a side stream. B(j) first waits (stream.wait_event) on the event compute
   recorded when it released the device slot, issues the copy, records a ready event; compute
-  waits on that event before using the buffer, and `record_stream` marks the buffer with the
-  stream that CONSUMES it (compute's), never the copy stream that filled it. `close()` waits
-  for copies still in flight before the buffers can go. Host slots are
+  waits on that event before using the buffer. No `record_stream`: the device slots are allocated
+  once on the compute stream and live until `close()`, events order every reuse across the two
+  streams, and `close()` waits for copies still in flight on the copy stream before the buffers can
+  go (the one moment the allocator could hand their memory out again). Host slots are
   reused after event.synchronize() on the copy thread only. No device-wide synchronize.
 - Measurement: `link_busy_seconds(now)` is the cumulative time the link stage moved bytes (CPU:
   the read thread inside read jobs; CUDA: copy-stream time between timing events, counted once
@@ -159,8 +160,7 @@ class Prefetcher:
     def _release(self, seq: int, buf: torch.Tensor) -> None:
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
-            buf.record_stream(stream)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event()     # the copy into this slot after the next ring turn waits on it
             ev.record(stream)
             self.free_events[seq % self.slots] = ev
 

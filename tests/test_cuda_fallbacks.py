@@ -147,3 +147,62 @@ def test_expandable_segments_are_requested_unless_the_user_chose():
     for platform, version in (("win32", ""), ("linux", "Linux version 5.15 microsoft-standard-WSL2")):
         env = {}
         assert not configure_allocator(env, platform, version) and env == {}
+
+
+def test_failed_unregister_clears_the_error_keeps_the_buffer_and_says_so(monkeypatch):
+    rt = fake_cuda(monkeypatch, 0)
+    rt.cudaHostUnregister = lambda ptr: (rt.unregistered.append(ptr), 1)[1]   # cudaErrorInvalidValue
+    pins, buf = HostPins("cuda"), aligned_empty(8192)
+    assert pins.pin(buf, "test")
+    kept = len(hostmem._STILL_PINNED)
+    with pytest.warns(OffloadNotice, match=r"could not unpin .*\(cudaError 1\)") as rec:
+        pins.release()
+    assert len(rec) == 1 and rt.unregistered == [buf.data_ptr()] and rt.probes == [1]
+    assert hostmem._STILL_PINNED[kept] is buf      # never unmapped while it may still be registered
+    pins.release()                                  # idempotent: nothing left, no second notice
+    assert rt.unregistered == [buf.data_ptr()]
+
+
+def test_host_embedding_rows_are_one_counted_upload():
+    """--embeddings host: the looked-up rows cross in one copy per forward, counted like every
+    specx transfer (the session points `counter` at specexec_cli's transfers.COUNTER)."""
+    from offload.loader import HostEmbedding
+    from specexec_cli.core.transfers import TransferCount
+
+    counter = TransferCount()
+    emb = HostEmbedding(torch.nn.Embedding(11, 6), torch.device("cpu"), counter)
+    out = emb(torch.tensor([[1, 2, 3]]))
+    assert out.shape == (1, 3, 6)
+    assert (counter.calls, counter.uploads, counter.bytes) == (1, 1, 3 * 6 * 4)
+
+
+def test_session_counts_host_embedding_rows(tiny_pair):
+    from dataclasses import replace
+
+    from specexec_cli.core import transfers
+    from specexec_cli.core.engine import DecodeState, GenerationConfig
+    from specexec_cli.core.methods import generate
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.session.loading import LoadOptions, load_models
+    from specexec_cli.session.planning import make_plan
+
+    shape = TreeShape(budget=8, max_depth=4, max_beams=4)
+    opts = LoadOptions(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", offload="auto",
+                       ctx=96, embeddings="host")
+    models = load_models(replace(opts, plan=make_plan(opts, shape, budget_auto=False)))
+    emb = models.target.embed_tokens
+    assert type(emb).__name__ == "HostEmbedding" and emb.counter is transfers.COUNTER
+    deltas = []
+    real = emb.forward
+
+    def watched(ids):   # what each embedding call adds to the process-wide counter
+        before = transfers.snapshot()
+        out = real(ids)
+        d = transfers.since(before)
+        deltas.append((d.calls, d.uploads, d.bytes, ids.numel() * out.shape[-1] * out.element_size()))
+        return out
+
+    emb.forward = watched
+    list(generate(models, DecodeState(), [3, 5, 7, 9], GenerationConfig(method="specexec", shape=shape,
+                                                                         max_new_tokens=4)))
+    assert deltas and all(d[:3] == (1, 1, d[3]) for d in deltas), deltas
