@@ -244,13 +244,18 @@ def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
     check_weights(path, "--target", False)
     dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
     try:
-        return OffloadedCausalLM.from_pretrained(
+        model = OffloadedCausalLM.from_pretrained(
             path, device=device, dtype=dtype, offload=opts.offload,
             max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
             memplan=opts.plan, pool=pool,
         )
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
+    if hasattr(model.embed_tokens, "counter"):   # --embeddings host: each forward's rows, one counted upload
+        from specexec_cli.core import transfers
+
+        model.embed_tokens.counter = transfers.COUNTER
+    return model
 
 
 def eos_ids(tokenizer, model) -> frozenset[int]:
