@@ -11,6 +11,15 @@ pooled over prompts with a 95% bootstrap interval over prompts), interleaved cel
 drift hits both alike. At T = 0 every run's ids are checked against the same target's own
 `--method ar` decoding. tokens/s is wall time on this CPU, where a substitute costs as much compute
 as the target (on a GPU it costs a fraction of a pass; bench/gpu.py measures that). Writes JSON.
+
+`--kernels` measures instead what one draft pass costs with the HQQ substitutes' eager path (HQQ's
+unpack, a 16-bit weight rebuilt per call) against the fused one (offload/fused.py): a stack of
+`--layers` Llama decoder layers at `--hidden`/`--heads`/`--kv-heads`/`--inter` (head_dim 128, 8:1
+GQA by default: a 70B layer's shape scaled down in width) whose every linear is a LowbitLinear of
+random weights quantized by HQQ at each of `--bits`; one pass = `--forwards` draft forwards of
+`--width` tree tokens each over a `--context`-token KV cache under a 4-D additive tree mask (the
+shape of a budget `forwards * width` tree). Reports seconds per draft forward and per pass (median
+of `--repeats`), eager and fused, per width. Needs no ../shared.
 """
 
 from __future__ import annotations
@@ -65,8 +74,109 @@ def build_pairs(args) -> dict:
     return pairs
 
 
+def kernel_stack(args, bits: int, dtype: torch.dtype):
+    """`--layers` HF Llama decoder layers whose linears are HQQ LowbitLinears (random weights)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from offload.lowbit import LowbitLinear, quantize_weight
+
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                      num_hidden_layers=args.layers, vocab_size=256)
+    cfg._attn_implementation = "sdpa"
+    g = torch.Generator().manual_seed(bits)
+    layers = []
+    for i in range(args.layers):
+        layer = LlamaDecoderLayer(cfg, i).to(dtype)
+        for name, mod in list(layer.named_modules()):
+            if isinstance(mod, torch.nn.Linear):
+                w = torch.randn(mod.weight.shape, generator=g) * 0.02
+                q = quantize_weight(w, bits)
+                sub = LowbitLinear(q["W_q"], q["scale"].to(dtype), q["zero"].to(dtype), None, tuple(w.shape), bits)
+                parent, _, leaf = name.rpartition(".")
+                setattr(layer.get_submodule(parent), leaf, sub)
+        layers.append(layer.eval())
+    return cfg, layers, LlamaRotaryEmbedding(cfg)
+
+
+@torch.no_grad()
+def draft_pass_seconds(args, cfg, layers, rotary, kernel: str, dtype: torch.dtype) -> float:
+    """Wall seconds of one draft pass: `forwards` forwards of `width` tokens, KV growing from `context`."""
+    from transformers import DynamicCache
+
+    for layer in layers:
+        for mod in layer.modules():
+            if hasattr(mod, "kernel"):
+                mod.kernel = kernel
+    g = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=cfg)
+    ctx = torch.randn(1, args.context, args.hidden, generator=g).to(dtype)
+    pos = torch.arange(args.context)[None]
+    h = ctx
+    for layer in layers:     # the committed prefix: fills the cache (not timed)
+        h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rotary(h, pos), past_key_values=cache)
+    t0 = time.perf_counter()
+    past = args.context
+    for f in range(args.forwards):
+        x = torch.randn(1, args.width, args.hidden, generator=g).to(dtype)
+        pos = torch.full((1, args.width), args.context + f)
+        mask = torch.zeros(1, 1, args.width, past + args.width, dtype=dtype)   # (B, 1, Q, K) additive tree mask
+        mask[..., past:] = torch.finfo(dtype).min
+        mask[..., past:].diagonal(dim1=-2, dim2=-1).zero_()                    # each node sees itself
+        pe = rotary(x, pos)
+        for layer in layers:
+            x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, past_key_values=cache)
+        past += args.width
+    return time.perf_counter() - t0
+
+
+def kernels_main(args) -> None:
+    import statistics
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    rows = []
+    for bits in [int(b) for b in args.bits.split(",")]:
+        cfg, layers, rotary = kernel_stack(args, bits, dtype)
+        for kernel in ("eager", "fused"):
+            draft_pass_seconds(args, cfg, layers, rotary, kernel, dtype)          # warm-up (compiles the fused graph)
+            times = [draft_pass_seconds(args, cfg, layers, rotary, kernel, dtype) for _ in range(args.repeats)]
+            per_pass = statistics.median(times)
+            rows.append(dict(bits=bits, kernel=kernel, draft_seconds_per_pass=round(per_pass, 4),
+                             draft_seconds_per_forward=round(per_pass / args.forwards, 5), runs=[round(t, 4) for t in times]))
+            print(f"bits={bits} {kernel:<5} draft s/pass={per_pass:.4f} s/forward={per_pass / args.forwards:.5f}",
+                  flush=True)
+    from offload.fused import fused_status
+
+    out = Path(args.out if args.out != DEFAULT_OUT else ROOT / "bench" / "results" / "selfdraft_kernels.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(vars(args), command=" ".join(sys.argv), torch=torch.__version__, device="cpu",
+                threads=torch.get_num_threads(), fused_fallback=fused_status(),
+                pass_shape=f"{args.forwards} forwards x {args.width} tokens over a {args.context}-token cache")
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print("\n| bits | eager s/pass | fused s/pass | speed-up |\n|---|---|---|---|")
+    for bits in sorted({r["bits"] for r in rows}, reverse=True):
+        e, f = (next(r for r in rows if r["bits"] == bits and r["kernel"] == k)["draft_seconds_per_pass"]
+                for k in ("eager", "fused"))
+        print(f"| {bits} | {e:.4f} | {f:.4f} | {e / f:.2f}x |")
+    print(f"\nwrote {out}")
+
+
+DEFAULT_OUT = str(ROOT / "bench" / "results" / "selfdraft.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", action="store_true", help="draft seconds per pass, eager vs fused substitutes")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--inter", type=int, default=5632)
+    ap.add_argument("--forwards", type=int, default=8)
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", default="0:40")
     ap.add_argument("--budgets", default="64,256")
     ap.add_argument("--temperatures", default="0")
@@ -81,8 +191,10 @@ def main() -> None:
     ap.add_argument("--target", default=str(SHARED / "models" / "target"),
                     help="e.g. an inflated copy of the shared target (../shared/tools/inflate_llama.py)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the target's compute dtype")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft.json"))
+    ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
+    if args.kernels:
+        return kernels_main(args)
     for name, default in (("max_depth", 64), ("max_beams", 32), ("max_branch", 32), ("gamma", 5), ("scores", None)):
         setattr(args, name, default)
     if not (SHARED / "models" / "draft").exists() or not Path(args.target).exists():
