@@ -50,13 +50,15 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
 
 
 def prequantized(path) -> bool:
-    """config.json carries a quantization_config (a pre-quantized 4-bit checkpoint)."""
+    """config.json carries a bitsandbytes quantization_config (a pre-quantized NF4 checkpoint); AWQ,
+    GPTQ and compressed-tensors stream their own packed bytes at the compute dtype (offload/formats)."""
     import json
 
     try:
-        return "quantization_config" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
         return False
+    return qc is not None and not (isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors"))
 
 
 def nf4_source(path, dtype: str, device: str = "cpu"):
