@@ -8,7 +8,7 @@ Contract:
   names, sizes and mtimes and the settings, so a changed checkpoint gets a new directory and the
   old one is removed). It holds one `layer-NNNNN.safetensors` per decoder layer asked for: per
   nn.Linear `<name>.W_q` (HQQ's bit-packed codes), `<name>.scale`, `<name>.zero` (calibration-free
-  HQQ, quantized on the CPU from the stored 16-bit values), every other tensor of the layer as
+  HQQ, quantized from the stored 16-bit values on the GPU when there is one, else the CPU), every other tensor of the layer as
   stored. A shard is written under a temporary name and renamed into place, so a present shard is
   whole; one whose header does not parse is rebuilt with an OffloadNotice, never used; shards
   already there are reused (the streamed set can grow between runs). `progress(done, total, what)`
@@ -120,11 +120,13 @@ class LowbitLinear(nn.Module):
 
 
 def quantize_weight(w: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
-    """HQQ (axis 1, group GROUPS[bits], proximal optimization) on the CPU: codes, scale, zero."""
-    codes, meta = hqq_quantizer().quantize(w.float(), nbits=bits, group_size=GROUPS[bits], axis=1,
-                                           optimize=True, bitpack=True, device="cpu")
-    return {"W_q": codes.contiguous(), "scale": meta["scale"].float().contiguous(),
-            "zero": meta["zero"].float().contiguous()}
+    """HQQ (axis 1, group GROUPS[bits], proximal optimization) on the GPU when there is one, else
+    the CPU (a 70B layer's optimization takes minutes there): codes, scale, zero, on the host."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codes, meta = hqq_quantizer().quantize(w.float().to(device), nbits=bits, group_size=GROUPS[bits], axis=1,
+                                           optimize=True, bitpack=True, device=device)
+    return {"W_q": codes.cpu().contiguous(), "scale": meta["scale"].float().cpu().contiguous(),
+            "zero": meta["zero"].float().cpu().contiguous()}
 
 
 # -- the cache ------------------------------------------------------------------------------------

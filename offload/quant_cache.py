@@ -149,7 +149,9 @@ def _shard(index: Checkpoint, names: list[str], linears: set[str], packing: str)
     for name in names:
         t = index.read(name)
         if name in linears:
-            packed, state = quantize_nf4(t, torch.device("cpu"), _quant_dtype(t))
+            # on the GPU when there is one (minutes of CPU per 70B layer otherwise); quant_tensors moves to the host
+            dev = torch.device("cuda" if torch.cuda.is_available() and packing != CPU_PACKING else "cpu")
+            packed, state = quantize_nf4(t, dev, _quant_dtype(t))
             if packing == CPU_PACKING and cpu_layout_fits(state):
                 # same ((N*K+1)//2, 1) shape, bytes in the kernel's (N, K/2) block layout
                 packed = cpu_relayout(packed, tuple(state.shape)).reshape(packed.shape)
