@@ -165,3 +165,30 @@ def test_missing_part_refused(packed, tmp_path):
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(OffloadError, match=r"tensor 'model.layers.1.mlp.up_proj.scales' that model_type 'llama' needs"):
         open_checkpoint(out)
+
+
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_specx_run_awq_target(src, packed, offload, tmp_path):
+    """`specx run` on an AWQ target: --method ar ids == transformers' greedy ids of the weights the
+    codes mean; specexec (16-bit source as draft) == ar."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.terminal.app import app
+
+    path, refs = packed["awq"]
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def area(r):\n  return 3.14 * r")
+    ids = {}
+    for method in ("ar", "specexec"):
+        stats = tmp_path / f"{method}.json"
+        r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(path), "--draft", str(src), "--device", "cpu",
+                                     "--offload", offload, "--method", method, "--budget", "8",
+                                     "--max-new-tokens", "12", "--stats-json", str(stats)])
+        assert r.exit_code == 0, (r.output, r.exception)
+        ids[method] = json.loads(stats.read_text())["token_ids"]
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(path)(prompt.read_text())["input_ids"]
+    want = _greedy(_hf_reference(src, refs), prompt_ids, 12)
+    assert ids["ar"] == want[:len(ids["ar"])] and len(ids["ar"]) > 0
+    assert ids["specexec"] == ids["ar"]
