@@ -1,29 +1,31 @@
-"""GPU benchmark: 70B-shaped layers streamed to the device; pass / floor; ar vs specexec tok/s.
+"""GPU day: a 70B-shaped stack of a few layers streamed to the device, in phases that resume.
 
-Contract (run by hand, on a machine with CUDA; `--smoke` runs a tiny version on CPU):
-1. Writes a synthetic checkpoint of Llama-3-70B-shaped decoder layers (hidden 8192, MLP 28672,
-   64 heads, 8 KV heads, bf16, random weights, std 0.02) with the embedded demo pair's 8192-token
-   vocabulary and tokenizer, as many layers as --layers, the free disk (80%) and RAM allow; it
-   is reused when its config matches.
-2. Measures pinned host-to-device bandwidth (1 GiB pinned buffer, CUDA events, the MEDIAN of 5
-   copies; on CPU: a host memcpy) and, when layers stream from disk, the disk's O_DIRECT read
-   bandwidth over the checkpoint's layer files (median of 3 reads of up to 2 GiB).
-3. Loads the target with every layer streamed (RAM tier when the layers fit 70% of free RAM,
-   else disk) and times a forward of n tokens for n in --tokens: the MEDIAN of --repeats passes
-   (the minimum is reported beside it; a best-of figure alone is biased low). floor = streamed
-   bytes per pass / the bandwidth of the slowest tier on the path (PCIe for the RAM tier,
-   min(disk, PCIe) for the disk tier), from the same median estimator; ratio = pass / floor.
-4. Generates --max-new-tokens with `ar`, with `specexec` (demo draft, --budget), and with
-   specexec and `--draft self` at each --self-bits width (built on the same loaded target, so
-   every draft runs on ONE streaming plan), from the same prompt, and reports tok/s and tokens per
-   pass side by side, on a plan capped at --max-gpu-memory (default 24GB) so that layers stream
-   even on an 80 GB card. Random target weights make the draft's
-   acceptance near zero, so this row measures specexec's overhead on this machine, NOT its
-   speedup; pass --target/--draft (a real pair) for that.
-Writes JSON (--out) and prints a short table.
+Contract (run by hand on a CUDA machine, one phase per command, each inside 10 minutes on an H100
+with a 64 GiB disk and 128 GiB RAM; `--smoke` runs every phase with tiny shapes on the CPU):
+- Shapes: Llama-3-70B's layer (hidden 8192, MLP 28672, 64 heads of head_dim 128, 8 KV heads: 8:1
+  GQA) and vocabulary size (128256: embeddings and lm_head at full size, the demo tokenizer's ids),
+  random bf16 weights (std 0.02); a small draft of the same vocabulary (2 layers, hidden 512).
+- `write`: as many layers as --layers, 50% of available RAM and 85% of the free disk allow, where
+  the disk counts EVERY file the later phases write: the 16-bit checkpoint, the nf4 cache (its
+  packed layers plus its 16-bit copy of the globals), one HQQ cache per --self-bits width below 4
+  (fp32 scales and zeros), and the draft. Caches go to $SPECX_CACHE, by default beside --ckpt
+  (`<ckpt>-cache`) so that one disk holds and counts them all.
+- `quantize`: the nf4 cache and the HQQ substitutes of every layer, on the GPU when there is one
+  (offload/quant_cache.py, offload/lowbit.py); both caches reuse what an interrupted run left.
+- `passes`: every layer streamed (RAM tier when it fits 70% of RAM), the median of --repeats
+  forwards per token count, against the floor (streamed bytes / the slowest link's GB/s, pinned
+  host->device measured over 1 GiB, the disk's O_DIRECT reads when the layers stream from disk).
+- `decode`: `ar`, specexec with the small draft, and specexec with `--draft self` at each
+  --self-bits width, all on ONE loaded target and streaming plan (capped by --max-gpu-memory, by
+  default the globals + 2 layers + 4 GiB, so layers stream even on an 80 GB card): tokens/s,
+  tokens per pass, stall seconds per pass (compute waiting for a streamed layer) and draft seconds
+  per pass. Random weights make acceptance near zero: these rows measure costs, not speed-ups.
+- State: `<ckpt>/bench-state.json` records each finished phase and its figures; `--phase all`
+  runs the phases not done yet, a named phase runs (again) that one; every command rewrites --out
+  with all the figures so far and prints them. A changed shape/layer count/width starts over.
 
-    python bench/gpu.py --out gpu.json                    # CUDA
-    python bench/gpu.py --smoke --out gpu_smoke.json      # CPU smoke run (tiny shapes)
+    python bench/gpu.py --phase write      # then quantize, passes, decode (bench/README.md)
+    python bench/gpu.py --smoke            # CPU: every phase, tiny shapes
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -43,38 +47,84 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from offload.timing import device_seconds as timed  # noqa: E402
+
 DEMO = ROOT / "specexec_cli" / "demo"
-SHAPE_70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8)
-SHAPE_SMOKE = dict(hidden_size=256, intermediate_size=896, num_attention_heads=4, num_key_value_heads=2)
+PHASES = ("write", "quantize", "passes", "decode")
+SHAPE_70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                 head_dim=128, vocab_size=128256)
+SHAPE_SMOKE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=1,
+                   head_dim=32, vocab_size=8192)
+DRAFT_70B = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=4, num_key_value_heads=1,
+                 head_dim=128, num_hidden_layers=2)
+DRAFT_SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=32, num_hidden_layers=1)
 
 
 def layer_tensors(shape: dict) -> dict[str, list[int]]:
     h, i = shape["hidden_size"], shape["intermediate_size"]
-    hd = h // shape["num_attention_heads"]
+    hd = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q = shape["num_attention_heads"] * hd
     kv = shape["num_key_value_heads"] * hd
     return {"input_layernorm.weight": [h], "post_attention_layernorm.weight": [h],
-            "self_attn.q_proj.weight": [h, h], "self_attn.k_proj.weight": [kv, h],
-            "self_attn.v_proj.weight": [kv, h], "self_attn.o_proj.weight": [h, h],
+            "self_attn.q_proj.weight": [q, h], "self_attn.k_proj.weight": [kv, h],
+            "self_attn.v_proj.weight": [kv, h], "self_attn.o_proj.weight": [h, q],
             "mlp.gate_proj.weight": [i, h], "mlp.up_proj.weight": [i, h], "mlp.down_proj.weight": [h, i]}
 
 
-def layer_count(shape: dict, out: Path, want: int) -> int:
-    """As many layers as asked, 80% of the free disk and 50% of available RAM allow."""
-    per = sum(math.prod(s) for s in layer_tensors(shape).values()) * 2
-    disk = shutil.disk_usage(out.parent if not out.exists() else out).free
-    return max(1, min(want, int(0.8 * disk) // per, int(0.5 * psutil.virtual_memory().available) // per))
+def layer_params(shape: dict) -> tuple[int, int]:
+    """(linear weights, norm weights) of one decoder layer, in parameters."""
+    t = layer_tensors(shape)
+    return (sum(math.prod(d) for d in t.values() if len(d) == 2), sum(math.prod(d) for d in t.values() if len(d) == 1))
 
 
-def write_checkpoint(out: Path, shape: dict, layers: int, device: torch.device) -> Path:
+def disk_bytes(shape: dict, layers: int, bits: list[int], draft: dict) -> dict[str, int]:
+    """Bytes every phase writes, per file family: checkpoint, nf4 cache, HQQ caches, draft."""
+    from offload.lowbit import lowbit_weight_bytes
+
+    lin, norms = layer_params(shape)
+    glob = 2 * (2 * shape["vocab_size"] * shape["hidden_size"] + shape["hidden_size"])   # embed + lm_head + norm, bf16
+    nf4_layer = lin // 2 + lin // 64 + lin // (64 * 256) * 4 + 2 * norms    # codes, 8-bit absmax, nested fp32
+    hqq_layer = {b: sum(lowbit_weight_bytes(tuple(d), b, 4) for d in layer_tensors(shape).values() if len(d) == 2)
+                 + 2 * norms for b in bits if b in (3, 2)}
+    dl, dn = layer_params(dict(draft, vocab_size=shape["vocab_size"]))
+    return {"checkpoint": glob + layers * 2 * (lin + norms), "nf4_cache": glob + layers * nf4_layer,
+            **{f"hqq{b}_cache": layers * n for b, n in hqq_layer.items()},
+            "draft": 2 * (2 * shape["vocab_size"] * draft["hidden_size"] + draft["num_hidden_layers"] * (dl + dn))}
+
+
+def layer_count(shape: dict, want: int, bits: list[int], draft: dict, where: list[Path]) -> tuple[int, dict]:
+    """As many layers as asked, 85% of the free disk (all files counted) and 50% of RAM allow."""
+    free = min(shutil.disk_usage(existing(p)).free for p in where)
+    lin, norms = layer_params(shape)
+    fixed = sum(disk_bytes(shape, 0, bits, draft).values())
+    per = sum(disk_bytes(shape, 1, bits, draft).values()) - fixed
+    by_disk = (int(0.85 * free) - fixed) // per
+    by_ram = int(0.5 * psutil.virtual_memory().available) // (2 * (lin + norms))
+    layers = min(want, by_disk, by_ram)
+    if layers < 1:
+        raise SystemExit(f"bench/gpu.py: {free / 2**30:.1f} GiB free on disk holds no layer with its caches "
+                         f"({per / 2**30:.2f} GiB each, {fixed / 2**30:.1f} GiB fixed); free some disk or --ckpt elsewhere")
+    return layers, dict(free_disk=free, planned_disk=disk_bytes(shape, layers, bits, draft))
+
+
+def existing(p: Path) -> Path:
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def write_model(out: Path, shape: dict, layers: int, device: torch.device, seed: int = 0) -> Path:
+    """A random bf16 Llama of `shape` (config written last: a matching one marks a whole write)."""
     from safetensors.torch import save_file
 
     cfg = json.loads((DEMO / "target" / "config.json").read_text())
-    cfg.update(shape, num_hidden_layers=layers, head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-               tie_word_embeddings=False, max_position_embeddings=8192, dtype="bfloat16")
+    cfg.update(shape, num_hidden_layers=layers, tie_word_embeddings=False, max_position_embeddings=8192,
+               dtype="bfloat16")
+    cfg.pop("torch_dtype", None)
     if (out / "config.json").exists() and json.loads((out / "config.json").read_text()) == cfg:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(dims):
         return (torch.randn(dims, generator=gen, device=device, dtype=torch.bfloat16) * 0.02).cpu()
@@ -90,11 +140,11 @@ def write_checkpoint(out: Path, shape: dict, layers: int, device: torch.device) 
                    for n, d in layer_tensors(shape).items()}
         save_file(tensors, out / f"layer-{i:03d}.safetensors")
         weight_map.update(dict.fromkeys(tensors, f"layer-{i:03d}.safetensors"))
-        print(f"wrote layer {i + 1}/{layers}", file=sys.stderr)
+        print(f"{out.name}: wrote layer {i + 1}/{layers}", file=sys.stderr, flush=True)
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(DEMO / "target" / f, out / f)
-    (out / "config.json").write_text(json.dumps(cfg))   # last: a matching config marks a complete write
+    (out / "config.json").write_text(json.dumps(cfg))
     return out
 
 
@@ -171,42 +221,106 @@ def pass_rows(path: Path, device: torch.device, tokens: list[int], repeats: int,
         model.close()
 
 
-def decode_rows(target: str, draft: str, device: torch.device, budget: int, new_tokens: int,
-                max_gpu: int | None, self_bits: list[int]) -> list[dict]:
+def phase_write(args, ctx) -> dict:
+    t0 = time.perf_counter()
+    layers, sizing = layer_count(ctx["shape"], args.layers, ctx["bits"], ctx["draft_shape"],
+                                 [ctx["ckpt"], Path(os.environ["SPECX_CACHE"])])
+    if ctx["smoke"]:
+        layers = min(layers, 3)
+    write_model(ctx["ckpt"], ctx["shape"], layers, ctx["device"])
+    draft = dict(ctx["draft_shape"], vocab_size=ctx["shape"]["vocab_size"])
+    write_model(ctx["draft"], {k: v for k, v in draft.items() if k != "num_hidden_layers"},
+                draft["num_hidden_layers"], ctx["device"], seed=1)
+    return dict(layers=layers, seconds=round(time.perf_counter() - t0, 1), **sizing)
+
+
+def phase_quantize(args, ctx) -> dict:
+    from offload.lowbit import ensure_lowbit_layers
+    from offload.nf4 import packing_for
+    from offload.quant_cache import ensure_nf4_cache
+
+    out, layers = {}, list(range(ctx["layers"]))
+    t0 = time.perf_counter()
+    ensure_nf4_cache(ctx["ckpt"], packing=packing_for(ctx["device"]))
+    out["nf4_seconds"] = round(time.perf_counter() - t0, 1)
+    for b in (b for b in ctx["bits"] if b in (3, 2)):
+        t0 = time.perf_counter()
+        ensure_lowbit_layers(ctx["ckpt"], layers, b,
+                             lambda d, n, what: print(f"hqq{b}: {d}/{n} {what}", file=sys.stderr, flush=True))
+        out[f"hqq{b}_seconds"] = round(time.perf_counter() - t0, 1)
+    out["disk_used"] = sum(f.stat().st_size for d in (ctx["ckpt"], ctx["draft"], Path(os.environ["SPECX_CACHE"]))
+                           if d.exists() for f in d.rglob("*") if f.is_file())
+    return out
+
+
+def phase_passes(args, ctx) -> dict:
+    gbps = link_gbps(ctx["device"])
+    rows, placement, tier = pass_rows(ctx["ckpt"], ctx["device"], [int(t) for t in args.tokens.split(",")],
+                                      args.repeats, gbps, args.tier)
+    return dict(rows=rows, placement=placement, **tier)
+
+
+def decode_cap(args, ctx) -> int | None:
+    """The decode plan's device cap: --max-gpu-memory, or globals + 2 layers + 4 GiB (layers stream)."""
+    if ctx["device"].type != "cuda":
+        return None
+    if args.max_gpu_memory != "auto":
+        from offload import parse_size
+
+        return parse_size(args.max_gpu_memory)
+    lin, norms = layer_params(ctx["shape"])
+    glob = 2 * (2 * ctx["shape"]["vocab_size"] * ctx["shape"]["hidden_size"])
+    return glob + 2 * 2 * (lin + norms) + (4 << 30)
+
+
+def phase_decode(args, ctx) -> dict:
     from dataclasses import replace
 
     from specexec_cli.core.draft import TreeShape
-    from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
+    from specexec_cli.core.engine import GenerationConfig
     from specexec_cli.session.loading import LoadOptions, encode_prompt, load_models
     from specexec_cli.session.planning import make_plan
 
-    shape = TreeShape(budget=budget, max_depth=32)
-    cuda = device.type == "cuda"   # CPU smoke: every layer from disk, so that something streams there too
-    opts = LoadOptions(target=target, draft=draft, dtype="bf16", device=device.type, offload="auto" if cuda else "disk",
-                       ctx=2048, max_gpu_memory=max_gpu if cuda else None, max_ram=None if cuda else 0)
+    device, cuda = ctx["device"], ctx["device"].type == "cuda"
+    shape = TreeShape(budget=args.budget, max_depth=32)
+    opts = LoadOptions(target=str(ctx["ckpt"]), draft=str(ctx["draft"]), dtype="bf16", device=device.type,
+                       offload="auto" if cuda else "disk", ctx=2048, max_gpu_memory=decode_cap(args, ctx),
+                       max_ram=None if cuda else 0)
     plan = make_plan(opts, shape, budget_auto=False)
     if not plan.fits:
         raise SystemExit(f"bench/gpu.py: {plan.reason}")
-    if device.type == "cuda" and not (plan.ram_layers or plan.disk_layers):
-        print("bench/gpu.py: note: every layer fits under --max-gpu-memory; the decode rows do not stream",
-              file=sys.stderr)
     models = load_models(replace(opts, plan=plan))
     ids = encode_prompt(models.tokenizer, "def fibonacci(n):\n", False)
-    runs = [("ar", "none", models), ("specexec", Path(draft).name, models)]
-    runs += [("specexec", f"self-{b}bit", replace(models, draft=self_draft(models.target, opts, b))) for b in self_bits]
+    runs = [("ar", "none", models), ("specexec", "small-draft", models)]
+    runs += [("specexec", f"self-{b}bit", replace(models, draft=self_draft(models.target, opts, b))) for b in ctx["bits"]]
     rows = []
     for method, name, pair in runs:   # one target, one streaming plan: only the draft changes
-        cfg = GenerationConfig(method=method, shape=shape, max_new_tokens=new_tokens)
-        last = list(generate(pair, DecodeState(), ids, cfg))[-1]   # pass 0 is the prefill (first token)
-        rows.append(dict(method=method, draft=name, tokens=last.new_tokens, decode_seconds=last.decode_seconds,
-                         tps=last.tps, target_passes=last.pass_index,
-                         tokens_per_pass=round((last.new_tokens - 1) / max(1, last.pass_index), 3)))
-    return rows
+        rows.append(decode_row(pair, method, name, ids, GenerationConfig(method=method, shape=shape,
+                                                                          max_new_tokens=args.max_new_tokens)))
+        print(f"{method}/{name}: {rows[-1]}", file=sys.stderr, flush=True)
+    return dict(rows=rows, placement=models.target.plan.describe(), budget=args.budget)
+
+
+def decode_row(models, method: str, name: str, ids, cfg) -> dict:
+    """tokens/s, tokens per pass, stall and draft seconds per target pass of one generation."""
+    from specexec_cli.core.engine import DecodeState, generate
+
+    stall0 = models.target.stats.stall_seconds
+    draft_s = 0.0
+    for ev in generate(models, DecodeState(), ids, cfg):
+        draft_s += getattr(ev, "draft_seconds", 0.0)
+        last = ev
+    passes = max(1, last.pass_index)
+    return dict(method=method, draft=name, tokens=last.new_tokens, decode_seconds=round(last.decode_seconds, 3),
+                tokens_per_second=round(last.tps, 3), target_passes=last.pass_index,
+                tokens_per_pass=round((last.new_tokens - 1) / passes, 3),
+                stall_seconds_per_pass=round((models.target.stats.stall_seconds - stall0) / passes, 4),
+                draft_seconds_per_pass=round(draft_s / passes, 4))
 
 
 def self_draft(target, opts, bits: int):
     """`--draft self --draft-bits bits` built on the ALREADY LOADED target (its streamed layers get
-    substitutes), so the self-draft rows run on the same streaming plan as the shared draft's."""
+    substitutes), so the self-draft rows run on the same streaming plan as the small draft's."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -218,24 +332,52 @@ def self_draft(target, opts, bits: int):
     return draft
 
 
+RUNNERS = {"write": phase_write, "quantize": phase_quantize, "passes": phase_passes, "decode": phase_decode}
+
+
+def load_state(path: Path, key: dict) -> dict:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        state = {}
+    return state if state.get("key") == key else {"key": key, "done": {}}
+
+
+def report(state: dict) -> None:
+    done = state["done"]
+    if "write" in done:
+        w = done["write"]
+        print(f"write: {w['layers']} layers; disk planned {sum(w['planned_disk'].values()) / 2**30:.1f} GiB "
+              f"of {w['free_disk'] / 2**30:.1f} GiB free ({', '.join(f'{k} {v / 2**30:.1f}' for k, v in w['planned_disk'].items())})")
+    if "quantize" in done:
+        print("quantize: " + ", ".join(f"{k} {v}" for k, v in done["quantize"].items()))
+    if "passes" in done:
+        p = done["passes"]
+        print(f"passes ({p['tier']} tier, floor at {p['floor_gbps']:.2f} GB/s): " + "  ".join(
+            f"n={r['tokens']} {1000 * r['pass_seconds']:.1f} ms x{r['ratio']:.2f}" for r in p["rows"]))
+    if "decode" in done:
+        print("| method | draft | tokens/s | tokens/pass | stall s/pass | draft s/pass |\n|---|---|---|---|---|---|")
+        for r in done["decode"]["rows"]:
+            print(f"| {r['method']} | {r['draft']} | {r['tokens_per_second']} | {r['tokens_per_pass']} | "
+                  f"{r['stall_seconds_per_pass']} | {r['draft_seconds_per_pass']} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase", default="all", choices=("all",) + PHASES)
     ap.add_argument("--out", type=Path, default=Path("bench_gpu.json"))
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/specx-bench-70b-layers"))
-    ap.add_argument("--layers", type=int, default=80)
-    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", default="1,16,64,256,1024")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--target", help="real target for the ar/specexec rows (default: the synthetic one)")
-    ap.add_argument("--draft", default=str(DEMO / "draft"))
-    ap.add_argument("--max-gpu-memory", default="24GB",
-                    help="cap for the decode rows' plan, so that layers stream even on a large card")
+    ap.add_argument("--max-gpu-memory", default="auto",
+                    help="cap for the decode rows' plan (auto: globals + 2 layers + 4 GiB, so layers stream)")
     ap.add_argument("--tier", choices=["auto", "ram", "disk"], default="auto",
                     help="where the streamed layers live for the pass rows (auto: RAM when they fit 70%% of it)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, runs on CPU")
-    ap.add_argument("--self-bits", default="4,3,2",
-                    help="also decode with --draft self at these substitute widths ('' for none; 3, 2 need HQQ)")
+    ap.add_argument("--self-bits", default="4,3,2", help="--draft self widths to decode with ('' for none)")
     args = ap.parse_args()
     import logging
 
@@ -244,30 +386,31 @@ def main() -> None:
         print("bench/gpu.py: no CUDA device here; run it on a GPU machine, or pass --smoke for a tiny CPU run",
               file=sys.stderr)
         raise SystemExit(2)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    shape = SHAPE_SMOKE if args.smoke else SHAPE_70B
-    ckpt = args.ckpt.with_name(args.ckpt.name + "-smoke") if args.smoke else args.ckpt
-    layers = min(args.layers, 4) if args.smoke else layer_count(shape, ckpt, args.layers)
-    write_checkpoint(ckpt, shape, layers, device)
-    gbps = link_gbps(device)
-    tokens = [int(t) for t in args.tokens.split(",")]
-    passes, placement, tier = pass_rows(ckpt, device, tokens, args.repeats, gbps, args.tier)
-    from offload import parse_size
+    from specexec_cli.session.loading import quiet_transformers
 
-    cap = parse_size(args.max_gpu_memory)
+    quiet_transformers()
+    smoke = args.smoke
+    ckpt = args.ckpt.with_name(args.ckpt.name + "-smoke") if smoke else args.ckpt
+    os.environ.setdefault("SPECX_CACHE", str(ckpt.with_name(ckpt.name + "-cache")))
     bits = [int(b) for b in args.self_bits.split(",") if b.strip()]
-    decode = decode_rows(args.target or str(ckpt), args.draft, device, args.budget, args.max_new_tokens, cap, bits)
-    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", layers=layers,
-                  shape=shape, placement=placement, passes=passes, decode=decode,
-                  synthetic_target=args.target is None, estimator="median", max_gpu_memory=cap, **tier)
+    ctx = dict(smoke=smoke, ckpt=ckpt, draft=ckpt.with_name(ckpt.name + "-draft"), bits=bits,
+               device=torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu"),
+               shape=SHAPE_SMOKE if smoke else SHAPE_70B, draft_shape=DRAFT_SMOKE if smoke else DRAFT_70B)
+    state_file = ckpt.with_name(ckpt.name + "-bench-state.json")
+    state = load_state(state_file, dict(shape=ctx["shape"], want_layers=args.layers, bits=bits))
+    todo = [p for p in PHASES if p not in state["done"]] if args.phase == "all" else [args.phase]
+    for name in todo:
+        if name != "write" and "write" not in state["done"]:
+            raise SystemExit("bench/gpu.py: run --phase write first (then quantize, passes, decode)")
+        ctx["layers"] = state["done"].get("write", {}).get("layers")
+        print(f"bench/gpu.py: phase {name}", file=sys.stderr, flush=True)
+        state["done"][name] = RUNNERS[name](args, ctx)
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(state, indent=1))
+    result = dict(device=torch.cuda.get_device_name() if ctx["device"].type == "cuda" else "cpu",
+                  shape=ctx["shape"], draft_shape=ctx["draft_shape"], synthetic_weights=True, **state["done"])
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n{result['device']} · {layers} layers · link {gbps:.1f} GB/s · {placement}")
-    print(f"{'tokens':>7} {'pass ms':>9} {'floor ms':>9} {'ratio':>6}   (median of {args.repeats}; floor at "
-          f"{tier['floor_gbps']:.2f} GB/s, the {tier['tier']} tier's slowest link)")
-    for r in passes:
-        print(f"{r['tokens']:>7} {1000 * r['pass_seconds']:>9.1f} {1000 * r['floor_seconds']:>9.1f} {r['ratio']:>6.2f}")
-    print("  ".join(f"{r['method']}/{r['draft']}: {r['tps']:.2f} tok/s, {r['tokens_per_pass']} tok/pass" for r in decode)
-          + ("  (random target: specexec overhead, not speedup)" if args.target is None else ""))
+    report(state)
     print(f"wrote {args.out}")
 
 

@@ -159,7 +159,6 @@ def _readable(path: Path) -> bool:
 def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
                          progress: Callable[[int, int, str], None] | None = None) -> Path:
     """The cache directory of `src` at `bits` with a shard for every layer in `layers` (see contract)."""
-    from .quant_cache import _quantized_names
     from .st_index import SafetensorsIndex
 
     if bits not in GROUPS:
@@ -191,6 +190,16 @@ def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
     if progress is not None:
         progress(len(missing), len(missing), "quantized")
     return out
+
+
+def _quantized_names(config) -> set[str]:
+    """Names of the decoder-layer nn.Linear weights, e.g. model.layers.0.mlp.up_proj.weight."""
+    from .families import causal_lm_class
+
+    with torch.device("meta"):
+        hf = causal_lm_class(config)(config)
+    return {f"model.layers.{i}.{name}.weight" for i, layer in enumerate(hf.model.layers)
+            for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)}
 
 
 def _write_shard(index, i: int, linears: set[str], bits: int, path: Path) -> None:
