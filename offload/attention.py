@@ -44,6 +44,8 @@ def implementation(name: str) -> str:
 
 def _folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, 1, Q, K) -> (B, 1, G*Q, K): row g*Q + q is mask row q (one copy per forward)."""
+    if mask.is_inference():   # no version counter to key on (masks HF builds under inference mode)
+        return mask.repeat(1, 1, groups, 1)
     key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, mask.device, mask._version, groups)
     hit = _REPEATED.get("key")
     if hit == key:
