@@ -20,7 +20,8 @@ Contract (every figure is modelled from byte counts and bandwidths, none is meas
   log-linear in the budget between the measured budgets, clamped at the ends); for a self-draft that
   skips layers, scaled by selfplan.skip_factor.
 - `Candidate` holds one candidate's five figures and the inputs behind them; `best(cands)` is the
-  fitting candidate with the most modelled tokens/s.
+  fitting candidate with the most modelled tokens/s. `small_candidates` fills a small draft's plan
+  with its candidate and the self-draft's widths (offload/selfplan.py models those for --draft self).
 """
 
 from __future__ import annotations
@@ -34,11 +35,18 @@ LINK_BPS = {"cuda": 24e9, "cpu": 10e9}      # RAM tier -> compute device (PCIe 4
 DISK_BPS = {"cuda": 3e9, "cpu": 2e9}        # NVMe O_DIRECT reads
 LINK_EFFICIENCY = 0.75                      # effective / published PCIe x16 rate (24 of 32 GB/s on PCIe 4)
 
-DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "fused": 0, "none": 0}
+DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "none": 0}
 """Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
-hqq-eager (offload/lowbit.LowbitLinear: unpack writes 1, sub_ reads and writes 2, mul_ 2, the matmul reads 1),
-nf4-dequant (bitsandbytes above a few tokens: dequantize writes 1, the matmul reads 1), fused (one kernel
-reads the packed codes only), none (a 16-bit weight, read once, counted in the weight bytes)."""
+hqq-eager (offload/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2, the
+matmul reads 1), nf4-dequant (bitsandbytes above a few tokens: dequantize writes 1, the matmul reads 1),
+hqq-compiled (offload/fused.py: one compiled kernel writes the weight, the matmul reads it; on CPU the
+compiled graph folds the dequantization into the matmul: 0, see `dequant_elems`), none (a 16-bit weight)."""
+
+
+def dequant_elems(kernel: str, device: str) -> int:
+    """DEQUANT_ELEMS, with the compiled HQQ path's CPU graph writing no weight (measured: its only
+    allocation is the output; tests/test_plan_alloc.py)."""
+    return 0 if kernel == "hqq-compiled" and device == "cpu" else DEQUANT_ELEMS[kernel]
 
 TOKENS_PER_PASS = {
     "small": {"greedy": {16: 4.388, 64: 5.436, 256: 6.695, 1024: 7.848},
@@ -168,15 +176,16 @@ def linear_numel(a) -> int:
 
 
 def substitute_kernel(bits: int) -> str:
-    """The dequantizing path a substitute of `bits` runs: bitsandbytes NF4 at 4 bits, else offload.lowbit's."""
+    """The dequantizing path a substitute of `bits` runs: bitsandbytes NF4 at 4 bits; else offload.lowbit's
+    choice ($SPECX_LOWBIT_KERNEL: the compiled function of offload/fused.py unless "eager" or it failed)."""
     if bits == 4:
         return "nf4-dequant"
-    from . import lowbit
+    from .fused import fused_status, kernel_choice
 
-    return getattr(lowbit, "KERNEL", "hqq-eager")
+    return "hqq-eager" if kernel_choice() == "eager" or fused_status() else "hqq-compiled"
 
 
-def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool) -> tuple[int, int, int]:
+def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str = "cuda") -> tuple[int, int, int]:
     """(weight, KV, dequantization) bytes of one self-draft forward: the resident target layers, the
     substitutes and the head; the shared KV of every layer it runs at the full planned context; the
     dequantization traffic of the substitutes (and of an nf4 target's resident layers)."""
@@ -184,7 +193,7 @@ def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool) -> tuple[in
     n_sub = run - len(plan.resident)
     weight = sum(plan.layer_bytes[i] for i in plan.resident) + plan.device_bytes.get("draft", 0) + a.vocab * a.hidden * c
     kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * c
-    dequant = linear_numel(a) * c * (n_sub * DEQUANT_ELEMS[substitute_kernel(bits)]
+    dequant = linear_numel(a) * c * (n_sub * dequant_elems(substitute_kernel(bits), device)
                                      + (len(plan.resident) * DEQUANT_ELEMS["nf4-dequant"] if nf4_target else 0))
     return weight, kv, dequant
 
@@ -194,3 +203,25 @@ def small_forward_bytes(da, draft_param_bytes: int, ctx: int, dc: int) -> tuple[
     (an untied input embedding is only looked up, so left out), its own KV at the full context, none."""
     weight = draft_param_bytes - (0 if da.tied else da.vocab * da.hidden * dc)
     return weight, 2 * da.layers * da.kv_heads * da.head_dim * ctx * dc, 0
+
+
+def small_candidates(plan, target, draft, req, plan_memory) -> None:
+    """Set `plan.candidates` / `plan.choice` for a plan with a small draft: its candidate, and
+    (`req.compare_self`, something streamed) the self-draft's widths, each planned on its own by
+    `plan_memory` (memplan's); the choice is the one with the most modelled tokens/s."""
+    from dataclasses import replace
+
+    from .membytes import arch_of, draft_bytes, dtype_bytes
+
+    m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
+    da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)
+    weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), plan.ctx, dc)
+    cands = [candidate(str(draft.root), None, tokens_per_pass("small", req.temperature, plan.budget), plan, m,
+                       forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq)]
+    if req.compare_self and (plan.ram_layers or plan.disk_layers):
+        own_dtype = req.dtype if req.dtype != "nf4" else ("bf16" if req.device == "cuda" else "fp32")
+        own = plan_memory(target, None, replace(req, self_draft=True, draft_dtype=own_dtype, compare_self=False))
+        cands += [Candidate(**c) for c in own.candidates]
+    plan.candidates = [c.to_json() for c in cands]
+    top = best(cands)
+    plan.choice = top.to_json() if top else None

@@ -1,8 +1,8 @@
 """Byte formulas of the memory plan: model shapes, KV caches, NF4 quant states, pass activations.
 
 Contract: pure functions of config.json values (`Arch`), dtypes and token counts; no I/O.
-`req` arguments are `memplan.PlanRequest`s (only dtype, device, ctx, attn, draft_dtype and
-max_beams are read). Every formula states the tensors it counts; memplan.py sums them.
+`req` arguments are `memplan.PlanRequest`s (only dtype, device, ctx, attn, draft_dtype, max_beams,
+temperature, self_draft and draft_bits are read). Every formula states the tensors it counts; memplan.py sums them.
 """
 
 from __future__ import annotations
@@ -110,26 +110,67 @@ def kv_bytes(a: Arch, rows: int, elem: int) -> int:
     return 2 * a.layers * a.kv_heads * a.head_dim * rows * elem
 
 
-def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq_numel: int = 0,
-               fused: bool = False) -> int:
+def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq: int = 0,
+               fused: bool = False, sampling: int = 0) -> int:
     """Transient device bytes of one pass of T new tokens over S key positions (one layer alive).
 
     hidden states (residual, normed, attention/MLP outputs: 4 x T x hidden), q/k/v before and
-    after RoPE (2 x T x (H + 2 KV) x hd), GQA-expanded K/V (2 x H x S x hd), attention scores
-    (H x T x S: sdpa's math path keeps scores and softmax output; eager adds an fp32 softmax),
-    MLP gate/up/act/product (4 x T x I), the 4-D additive mask and its expanded copy (2 x T x S),
-    one dequantized NF4 weight, and the pass's logits plus fp32 copies for sampling (V x (c + 8)).
-    `fused`: a causal prefill pass under CUDA SDPA (flash / memory-efficient kernels, no additive
-    mask): no H x T x S scores and only a T x S boolean mask are ever materialized.
+    after RoPE (2 x T x (H + 2 KV) x hd), GQA-expanded K/V (2 x H x S x hd: transformers' sdpa path
+    repeats K/V whenever a mask is passed), attention scores only under eager attention (H x T x S:
+    scores and softmax output in c plus an fp32 softmax; sdpa's kernels with a mask, CUDA memory-
+    efficient and CPU flash, work in tiles and materialize none), MLP gate/up/act/product
+    (4 x T x I), the 4-D additive mask and a padded copy (2 x T x S), `deq` bytes of dequantization
+    temporaries (dequant_temp_bytes), the pass's logits in the compute dtype (the lm_head output,
+    rows x V x c) and `sampling` bytes of the step's sampling workspace (sampling_bytes).
+    `fused`: a causal prefill pass under CUDA SDPA (no additive mask): only a T x S boolean mask.
     """
     hidden = 4 * t * a.hidden * c
     qkv = 2 * t * (a.heads + 2 * a.kv_heads) * a.head_dim * c
     gqa = 2 * a.heads * s * a.head_dim * c if a.kv_heads != a.heads else 0
-    scores = 0 if fused else a.heads * t * s * (2 * c + (4 if attn == "eager" else 0))
+    scores = a.heads * t * s * (2 * c + 4) if attn == "eager" else 0
     mlp = 4 * t * a.intermediate * c
     mask = t * s if fused else 2 * t * s * c
-    logits = logit_rows * a.vocab * (c + 8)
-    return hidden + qkv + gqa + scores + mlp + mask + deq_numel * c + logits
+    return hidden + qkv + gqa + scores + mlp + mask + deq + logit_rows * a.vocab * c + sampling
+
+
+SAMPLING_CHUNK = 1 << 22   # rows x vocabulary the sampler processes at once (core/sampling.CHUNK_ELEMENTS)
+MAX_DEPTH = 64             # deepest tree (the --max-depth default): noise rows the race needs per pass
+
+
+def sampling_bytes(vocab: int, rows: int, temperature: float, draft: bool = False) -> int:
+    """The sampling workspace of one pass over `rows` logits rows. Target at T = 0: none (argmax of the
+    logits). Target at T > 0: the race in chunks of SAMPLING_CHUNK elements (fp32 processed
+    probabilities, their quotient by the noise, int64 hash temporaries: 3 x 8 bytes an element) and the
+    (depth + 1, V) fp32 noise rows. Draft: fp32 log-softmax of its rows (a float copy, the scaled copy,
+    the log-probabilities: 3 x 4 bytes an element)."""
+    if draft:
+        return rows * vocab * 12
+    if temperature <= 1e-5:
+        return 0
+    return 3 * 8 * min(SAMPLING_CHUNK, rows * vocab) + (min(rows - 1, MAX_DEPTH) + 1) * vocab * 4
+
+
+def dequant_temp_bytes(a: Arch, kernel: str, bits: int | None, c: int, device: str = "cuda") -> int:
+    """Dequantization temporaries of the largest linear (the MLP's I x hidden), alive while it runs:
+    nf4-dequant (bitsandbytes): the 16-bit weight, I x hidden x c; hqq-eager (offload.lowbit's
+    reference): HQQ's unpack output in c over the padded rows plus the two packed-size mask and shift
+    temporaries of one slice; hqq-compiled (offload/fused.py): on CUDA the weight the compiled kernel
+    writes for the matmul, I x hidden x c (to be confirmed on a GPU), on CPU none (the compiled graph
+    folds the dequantization into the matmul; measured); none: no temporary."""
+    return linear_dequant_bytes(a.intermediate * a.hidden, kernel, bits, c, device)
+
+
+def linear_dequant_bytes(numel: int, kernel: str, bits: int | None, c: int, device: str = "cuda") -> int:
+    """dequant_temp_bytes of one linear of `numel` weights."""
+    if kernel == "nf4-dequant" or (kernel == "hqq-compiled" and device == "cuda"):
+        return numel * c
+    if kernel != "hqq-eager":
+        return 0
+    from .lowbit import GROUPS, ROWS_PER_WORD
+
+    group, per = GROUPS[bits], ROWS_PER_WORD[bits]
+    words = math.ceil(numel // group / per) * group   # packed elements (uint8 / int32 at 3 bits)
+    return words * per * c + 2 * words * (4 if bits == 3 else 1)
 
 
 PREFILL_SHARE = 5   # a prefill pass may take up to 1/5 of the device (CPU: of the RAM) for activations
@@ -147,7 +188,7 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     below pass_tokens(budget). Every prefill pass streams every offloaded layer once, so a prompt
     that fits --ctx costs one weight stream whenever the memory allows."""
     c = compute_bytes(req)
-    deq = ta.intermediate * ta.hidden if req.dtype == "nf4" else 0
+    deq = dequant_temp_bytes(ta, "nf4-dequant", 4, c) if req.dtype == "nf4" else 0
     floor = min(pass_tokens(budget), req.ctx)
     fused = fused_prefill(req)
     allow = max(capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused))
@@ -157,17 +198,35 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     return chunk
 
 
+def draft_kernel(req) -> str:
+    """The dequantizing path of the draft's linears: a self-draft's substitutes (4 bits: bitsandbytes
+    NF4; 3 / 2: offload.lowbit's kernel), none for a small 16/32-bit draft."""
+    if not getattr(req, "self_draft", False) or req.draft_bits is None:
+        return "none"
+    from .draftcost import substitute_kernel
+
+    return substitute_kernel(req.draft_bits)
+
+
 def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budget: int,
                      chunk: int | None = None, draft_prefill: bool = True) -> int:
     """The largest pass of either model: target verify pass, target prefill chunk, draft passes
-    (a draft that reads the target's KV never prefills: `draft_prefill` False)."""
+    (a draft that reads the target's KV never prefills: `draft_prefill` False). A self-draft's pass
+    holds its substitutes' dequantization temporaries (and an nf4 target's, for resident layers)."""
     c = compute_bytes(req)
-    deq = ta.intermediate * ta.hidden if req.dtype == "nf4" else 0
+    deq = dequant_temp_bytes(ta, "nf4-dequant", 4, c) if req.dtype == "nf4" else 0
     chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
-    worst = max(pass_bytes(ta, budget + 1, rows[0], c, req.attn, budget + 1, deq),
-                pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused_prefill(req)))
+    temperature = getattr(req, "temperature", 0.0)
+    worst = max(pass_bytes(ta, budget + 1, rows[0], c, req.attn, budget + 1, deq,
+                           sampling=sampling_bytes(ta.vocab, budget + 1, temperature)),
+                pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused_prefill(req),
+                           sampling=sampling_bytes(ta.vocab, 1, temperature)))
     if da is not None:
         dc = dtype_bytes(req.draft_dtype)
-        worst = max(worst, pass_bytes(da, req.max_beams, rows[1], dc, req.attn, req.max_beams),
+        ddeq = dequant_temp_bytes(da, draft_kernel(req), req.draft_bits, dc, req.device)
+        if getattr(req, "self_draft", False):
+            ddeq = max(ddeq, deq)   # the self-draft also runs the target's resident (nf4) layers
+        worst = max(worst, pass_bytes(da, req.max_beams, rows[1], dc, req.attn, req.max_beams, ddeq,
+                                      sampling=sampling_bytes(da.vocab, req.max_beams, temperature, draft=True)),
                     pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req)) if draft_prefill else 0)
     return worst

@@ -6,7 +6,9 @@ memory). It returns a `MemoryPlan` with one entry per device component:
 - embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (embeddings may
   live on the host instead: only the looked-up rows then cross the link);
 - resident_layers: packed layer arenas (storage.packed_layout) of the resident prefix;
-- staging_slots: device buffers of the largest streamed layer (storage.LayerStore rules);
+- staging_slots: device buffers of the largest streamed layer (storage.LayerStore rules); on CUDA
+  the memory a fitting plan leaves over becomes more slots (`slots`, up to one per streamed layer),
+  so the stream reads that much of the next pass while the draft grows its tree;
 - quant_states: NF4 absmax/code/nested statistics of EVERY target linear (they stay resident);
 - pinned_params: NF4 only: every layer's norms and biases (only packed linears stream);
 - draft: the draft's parameters + rotary buffers in its dtype (tied head counted once);
@@ -99,6 +101,7 @@ class MemoryPlan:
     candidates: list[dict] = field(default_factory=list)   # draftcost.Candidate.to_json() of every candidate draft
     choice: dict | None = None       # the candidate with the most modelled tokens/s (None: no draft fits)
     machine: dict = field(default_factory=dict)   # draftcost.Machine the candidates were modelled with
+    slots: int = 2                   # device staging slots the loader allocates (leftover memory adds some)
 
     @property
     def device_total(self) -> int:
@@ -120,7 +123,7 @@ class MemoryPlan:
             notes=list(self.notes), elsewhere=self.elsewhere, substitute_bits=self.substitute_bits,
             skipped_layers=list(self.skipped_layers), layer_bytes_total=sum(self.layer_bytes),
             ram_bytes_per_pass=sum(self.layer_bytes[i] for i in self.ram_layers),
-            candidates=list(self.candidates), choice=self.choice,
+            candidates=list(self.candidates), choice=self.choice, slots=self.slots,
             machine=dict(self.machine),
         )  # fmt: skip
 
@@ -167,6 +170,21 @@ def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Place
     device = {"resident_layers": sum(lay.packed[:r]), "staging_slots": (slots if cuda else ring) * slot}
     host = {"ram_layers": used, "stage_buffers": ring * stage if cuda else 0, "read_buffers": scratch}
     return _Placement(list(range(r)), ram, disk, device, host)
+
+
+def _extra_slots(lay: LayerSizes, req: PlanRequest, pl: _Placement, dev: dict, host: dict, cap: int):
+    """CUDA: the device memory a fitting plan leaves over becomes more staging slots (up to one per
+    streamed layer, while the device and host totals fit): (placement, device, host, slots)."""
+    streamed, best = len(pl.ram) + len(pl.disk), (pl, dev, host, max(1, min(req.slots, len(pl.ram) + len(pl.disk))))
+    for n in range(req.slots + 1, streamed + 1):
+        more = _place(lay, len(pl.resident), replace(req, slots=n), sum(lay.packed[i] for i in pl.ram))
+        d = {**dev, **more.device}
+        d["cuda_context"] = _margin(d, True)
+        h = {**host, **more.host}
+        if sum(d.values()) > cap or sum(h.values()) > req.ram_free or more.ram != pl.ram:
+            break
+        best = (more, d, h, n)
+    return best
 
 
 def _margin(dev: dict[str, int], cuda: bool) -> int:
@@ -259,10 +277,16 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
         if sum(dev.values()) <= cap:
             break
     pl, dev, host = best
+    slots = max(1, min(req.slots, len(pl.ram) + len(pl.disk) or 1))
+    if cuda and (pl.ram or pl.disk) and sum(dev.values()) <= cap:
+        pl, dev, host, slots = _extra_slots(lay, req, pl, dev, host, cap)
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
                       pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
-                      chunk, req.device)
+                      chunk, req.device, slots=slots)
+    if slots > req.slots:
+        plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
+                          "over, so the stream reads that many layers of the next pass while the draft grows its tree")
     plan.fits, plan.reason = _verdict(plan, req)
     if lay.estimated:
         plan.notes.append(f"nf4: the first load writes a 4-bit cache of this checkpoint "
@@ -321,7 +345,9 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
                                                                       replace(req, dtype="nf4")), plan_with), req)
     plan = _plan_budgets(target, draft, lay, req)
     if draft is not None:
-        _small_candidates(plan, target, draft, req)
+        from .draftcost import small_candidates
+
+        small_candidates(plan, target, draft, req, plan_memory)
     return _with_machine(plan, req)
 
 
@@ -332,35 +358,6 @@ def _with_machine(plan: MemoryPlan, req: PlanRequest) -> MemoryPlan:
 
     plan.machine = asdict(machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source))
     return plan
-
-
-def _small_candidates(plan: MemoryPlan, target: Checkpoint, draft: Checkpoint, req: PlanRequest) -> None:
-    """The small draft's candidate, and (`req.compare_self`, something streamed) the self-draft's widths
-    planned on their own; `choice` is the one with the most modelled tokens/s."""
-    from .draftcost import best, candidate, forwards_per_tree, machine_for, small_forward_bytes, tokens_per_pass
-
-    m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
-    da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)
-    weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), plan.ctx, dc)
-    cands = [candidate(str(draft.root), None, tokens_per_pass("small", req.temperature, plan.budget), plan, m,
-                       forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq)]
-    if req.compare_self and (plan.ram_layers or plan.disk_layers):
-        own = plan_memory(target, None, replace(req, self_draft=True, draft_dtype=_self_dtype(req), compare_self=False))
-        cands += [_as_candidate(c) for c in own.candidates]
-    plan.candidates = [c.to_json() for c in cands]
-    top = best(cands)
-    plan.choice = top.to_json() if top else None
-
-
-def _self_dtype(req: PlanRequest) -> str:
-    """The substitutes compute in the target's compute dtype (nf4: bf16 on CUDA, fp32 on CPU)."""
-    return req.dtype if req.dtype != "nf4" else ("bf16" if req.device == "cuda" else "fp32")
-
-
-def _as_candidate(d: dict):
-    from .draftcost import Candidate
-
-    return Candidate(**d)
 
 
 def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest) -> MemoryPlan:

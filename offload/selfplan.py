@@ -101,7 +101,7 @@ def self_candidate(a, req, bits: int, plan):
     from .membytes import dtype_bytes
 
     m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
-    weight, kv, deq = self_forward_bytes(a, plan, bits, dtype_bytes(req.draft_dtype), req.dtype == "nf4")
+    weight, kv, deq = self_forward_bytes(a, plan, bits, dtype_bytes(req.draft_dtype), req.dtype == "nf4", req.device)
     return candidate("self", bits, expected_tokens_per_pass(bits, plan, req.temperature), plan, m,
                      forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq)
 

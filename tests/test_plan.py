@@ -11,6 +11,7 @@ import math
 import os
 
 import pytest
+from dataclasses import replace
 
 from offload.memplan import PlanRequest, plan_memory, read_checkpoint
 from tests.sparse_ckpt import write_sparse
@@ -80,14 +81,17 @@ def kv(c: dict, rows: int, elem: int) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * hd * rows * elem
 
 
-def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: bool = False) -> int:
-    """fused: a causal prefill pass under CUDA SDPA (no scores, a T x S boolean mask)."""
+def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: bool = False,
+             draft: bool = False) -> int:
+    """One sdpa pass: no H x T x S scores (the masked sdpa kernels tile them; fused: a causal prefill
+    with a T x S boolean mask), GQA-expanded K/V, the logits in the compute dtype; at T = 0 the target
+    samples nothing (argmax), a draft pass keeps 3 fp32 copies of its rows (log-softmax)."""
     h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or h // heads
-    scores, mask = (0, t * s) if fused else (heads * t * s * 2 * e, 2 * t * s * e)
+    mask = t * s if fused else 2 * t * s * e
     return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + 2 * heads * s * hd * e
-            + scores + 4 * t * c["intermediate_size"] * e + mask + deq * e
-            + logit_rows * c["vocab_size"] * (e + 8))
+            + 4 * t * c["intermediate_size"] * e + mask + deq * e
+            + logit_rows * c["vocab_size"] * (e + (12 if draft else 0)))
 
 
 def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) -> dict:
@@ -99,7 +103,7 @@ def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) ->
     chunk = plan.pass_tokens   # the prefill chunk the plan chose (test_prefill_chunk_* check the choice)
     assert min(max(b + 1, 256), ctx) <= chunk <= ctx
     act = max(one_pass(t, b + 1, rows_t, elem, b + 1, deq), one_pass(t, chunk, ctx, elem, 1, deq, True),
-              one_pass(d, 32, rows_d, delem, 32, 0), one_pass(d, chunk, ctx, delem, 1, 0, True))
+              one_pass(d, 32, rows_d, delem, 32, 0, draft=True), one_pass(d, chunk, ctx, delem, 1, 0, True))
     lb = layer_bytes(t, nf4, elem)
     streamed = t["num_hidden_layers"] - len(plan.resident)
     hd, dhd = t.get("head_dim") or h // t["num_attention_heads"], d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
@@ -240,3 +244,21 @@ def test_cpu_plan_prefills_the_whole_context_in_one_pass(ckpts):
     plan = plan_memory(ckpts["llama-3.2-1b"], None, request(device="cpu", dtype="bf16", ram_free=24 * GB, ctx=4096,
                                                              budget=64, budget_auto=False))
     assert plan.fits and plan.pass_tokens == 4096
+
+
+def test_leftover_device_memory_becomes_staging_slots(ckpts):
+    """CUDA: what a fitting plan leaves over on the device becomes more staging slots (the stream reads
+    that many layers of the next pass while the draft grows its tree), while the total stays under the cap."""
+    t = ckpts["llama-3.1-70b"]
+    base = PlanRequest(device="cuda", dtype="nf4", draft_dtype=None, ram_free=200 * GB, offload="disk",
+                       device_free=24 * GB, ctx=4096, budget=64)
+    plain = plan_memory(t, None, base)
+    assert plain.fits and plain.disk_layers and not plain.resident and plain.slots > 2
+    slot = plain.device_bytes["staging_slots"] // plain.slots
+    assert plain.device_total <= plain.device_capacity < plain.device_total + int(slot * 1.02) + 1
+    assert any(f"{plain.slots} device slots, {plain.slots - 2} of them from device memory left over" in n
+               for n in plain.notes)
+    # a device one byte short of that holds one slot fewer
+    fewer = plan_memory(t, None, replace(base, device_free=plain.device_total - 1))
+    assert fewer.slots == plain.slots - 1 and fewer.device_bytes["staging_slots"] == fewer.slots * slot
+    assert fewer.device_total <= plain.device_total - slot

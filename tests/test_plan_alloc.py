@@ -7,9 +7,11 @@ every component the allocator counts (activations and the CUDA margin are estima
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
@@ -108,3 +110,88 @@ def test_target_bigger_than_allowed_ram_streams_with_no_offload_flags(tiny_pair,
         if name == "capped":
             assert "from disk" in res.stderr
     assert ids["capped"] == ids["resident"]
+
+
+def temporaries(fn) -> tuple[int, torch.Tensor]:
+    """(peak bytes the CPU allocator held for tensors made inside fn() before its output was allocated,
+    the output): torch.profiler's memory events in time order (allocations as the allocating op's self
+    memory, frees as [memory] events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    deltas = [e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+              for e in sorted(prof.events(), key=lambda e: e.time_range.start)]
+    last = max(i for i, d in enumerate(deltas) if d == out.untyped_storage().nbytes())
+    now = peak = 0
+    for d in deltas[:last]:
+        now += d
+        peak = max(peak, now)
+    return peak, out
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_self_draft_dequant_temporaries_equal_the_plan(tiny_pair, bits, monkeypatch):
+    """--draft self at 3/2 bits under the eager reference kernel: what each substitute linear allocates
+    while it runs a draft forward (besides its output) equals the plan's dequantization term for it
+    (HQQ's unpack in the compute dtype plus two packed-size slice temporaries), the plan's activations
+    are its draft pass with the largest one, and the counted components equal the plan as above."""
+    pytest.importorskip("hqq")
+    from offload.draftcost import substitute_kernel
+    from offload.lowbit import LowbitLinear
+    from offload.memplan import PlanRequest
+    from offload.membytes import activation_bytes, arch_of, dequant_temp_bytes, linear_dequant_bytes
+
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")
+    assert substitute_kernel(bits) == "hqq-eager"
+    opts = LoadOptions(target=str(tiny_pair[0]), draft="self", device="cpu", offload="disk", ctx=96, draft_bits=bits)
+    shape = TreeShape(budget=8, max_depth=4, max_beams=4)
+    plan = make_plan(opts, shape, budget_auto=False)
+    assert plan.fits and plan.substitute_bits == bits, plan.reason
+    models = load_models(replace(opts, plan=plan))
+    try:
+        list(generate(models, DecodeState(), [3, 5, 7], GenerationConfig(method="specexec", shape=shape,
+                                                                         max_new_tokens=4)))
+        for comp in COUNTED:
+            assert models.pool.by_component.get(comp, 0) == plan.device_bytes[comp], comp
+        linears = [m for m in models.draft.modules() if isinstance(m, LowbitLinear)]
+        assert linears and {lin.kernel for lin in linears} == {"eager"}
+        for lin in linears:
+            x = torch.randn(shape.max_beams, lin.in_features)   # one draft forward's beams
+            peak, y = temporaries(lambda: lin(x))
+            assert peak == linear_dequant_bytes(lin.in_features * lin.out_features, "hqq-eager", bits, 4, "cpu"), lin
+            assert y.shape == (shape.max_beams, lin.out_features)
+        a = arch_of(json.loads((tiny_pair[0] / "config.json").read_text()))
+        assert dequant_temp_bytes(a, "hqq-eager", bits, 4, "cpu") > a.intermediate * a.hidden * 4
+        req = PlanRequest(device="cpu", dtype="fp32", draft_dtype="fp32", ram_free=1 << 34, ctx=96, budget=8,
+                          max_beams=4, self_draft=True, draft_bits=bits)
+        rows = (plan.kv_rows[0], plan.kv_rows[0])
+        planned = activation_bytes(a, a, req, rows, 8, plan.pass_tokens, False)
+        assert planned == plan.device_bytes["activations"]
+        monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "fused")   # the compiled kernel's CPU graph keeps no weight
+        assert activation_bytes(a, a, req, rows, 8, plan.pass_tokens, False) <= planned
+    finally:
+        models.target.close()
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+def test_compiled_substitute_keeps_no_weight_on_cpu(bits):
+    """The compiled path (offload/fused.py, the default) on CPU: besides its output, a substitute linear
+    allocates nothing while it runs a draft forward, which is what the plan counts for it there."""
+    pytest.importorskip("hqq")
+    from offload.fused import fused_status
+    from offload.lowbit import LowbitLinear, quantize_weight
+    from offload.membytes import linear_dequant_bytes
+
+    torch.manual_seed(0)
+    q = quantize_weight(torch.randn(256, 128), bits)
+    lin = LowbitLinear(q["W_q"], q["scale"], q["zero"], None, (256, 128), bits)
+    lin.kernel = "fused"
+    x = torch.randn(32, 128)
+    torch._dynamo.reset()
+    lin(x)   # compiled once, outside the measurement
+    if fused_status() is not None:
+        pytest.skip(fused_status())
+    peak, y = temporaries(lambda: lin(x))
+    assert peak == linear_dequant_bytes(256 * 128, "hqq-compiled", bits, 4, "cpu") == 0
+    assert linear_dequant_bytes(256 * 128, "hqq-eager", bits, 4, "cpu") > 256 * 128 * 4
