@@ -2,7 +2,9 @@
 
 Contract: `RunStats` accumulates `engine.StepEvent`s and knows nothing about printing. `to_json()`
 gives the `--stats-json` record; `summary_line()` the one plain line for non-TTY stderr. Times are
-wall seconds measured by the engine; tokens_per_second excludes the prefill.
+wall seconds measured by the engine; tokens_per_second excludes the prefill. With an offloaded target,
+`overlap` sets the mean stall per pass (the target waiting for a streamed layer) against the mean draft
+seconds per pass (tree growth, under which the stream keeps filling staging slots).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class RunStats:
     target_seconds: float = 0.0  # target verification passes
     pass_tokens: list[int] = field(default_factory=list)  # tokens emitted by each pass
     pass_seconds: list[float] = field(default_factory=list)  # draft + target time of each pass
+    draft_pass_seconds: list[float] = field(default_factory=list)  # tree-growth time of each pass
     tree_sizes: list[int] = field(default_factory=list)
     tree_depths: list[int] = field(default_factory=list)
     streamed_bytes: int = 0  # target weight bytes streamed over the decode (offload only)
@@ -63,6 +66,7 @@ class RunStats:
         self.pass_tokens.append(len(ev.tokens))
         self.draft_accepted += ev.accepted
         self.pass_seconds.append(ev.draft_seconds + ev.target_seconds)
+        self.draft_pass_seconds.append(ev.draft_seconds)
         self.tree_sizes.append(ev.tree_size)
         self.tree_depths.append(ev.tree_depth)
         self.host_transfers += getattr(ev, "host_transfers", 0)
@@ -93,6 +97,14 @@ class RunStats:
     def streamed_gbps(self) -> float:
         return self.streamed_bytes / self.target_seconds / 1e9 if self.target_seconds > 0 else 0.0
 
+    def overlap(self) -> dict:
+        """Mean seconds per pass the target stalled for a streamed layer against the draft's tree growth
+        (while the draft runs, the stream fills the free staging slots; bench/gpu.py reports both)."""
+        n = len(self.stall)
+        draft = self.draft_pass_seconds[-n:] if n else []
+        return dict(passes=n, stall_seconds_per_pass=round(sum(self.stall) / n, 5) if n else 0.0,
+                    draft_seconds_per_pass=round(sum(draft) / n, 5) if n else 0.0)
+
     def to_json(self) -> dict:
         rec = dict(self.config)
         rec.update(
@@ -104,6 +116,7 @@ class RunStats:
             tokens_per_second=round(self.tokens_per_second, 3),
             accept_histogram={str(k): v for k, v in self.accept_histogram.items()},
             pass_seconds=[round(s, 5) for s in self.pass_seconds],
+            draft_seconds_per_pass=[round(s, 5) for s in self.draft_pass_seconds],
             mean_tree_size=round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
             streamed_bytes=self.streamed_bytes, finish_reason=self.finish, prefill_streams=self.prefill_streams,
             **peak_memory_bytes(),
@@ -113,6 +126,7 @@ class RunStats:
             rec.update(link_busy_fraction=round(self.link_busy_fraction, 4), stall_seconds=round(sum(self.stall), 4),
                        link_busy_per_pass=[round(x, 4) for x in self.link_busy],
                        stall_seconds_per_pass=[round(x, 4) for x in self.stall])
+            rec["overlap"] = self.overlap()
         passes = max(self.target_passes, 1)
         rec["host_transfers_per_pass"] = round(self.host_transfers / passes, 2)
         rec["host_transfer_bytes_per_pass"] = round(self.host_transfer_bytes / passes, 1)
