@@ -1,4 +1,6 @@
-"""GPU checks (marked `cuda`, skipped without CUDA): exactness, overlap, no device-wide sync, memory peak.
+"""GPU checks (marked `cuda`, skipped without CUDA): exactness, overlap, no device-wide sync, memory peak;
+with 70B-shaped heads (head_dim 128, 8:1 GQA, a 128k vocabulary, scaled down in width): tree masks
+against HF without repeated K/V, the self-draft at 4 and 2 bits, T > 0 equal to ar for a seed, one served request.
 
 Models are conftest Llamas with hidden 2048 (one layer = 37.7M parameters: 75 MB in bf16, so every
 streamed layer is >= 64 MB; nf4 layers are the same weights packed). Timings use CUDA events.
@@ -150,3 +152,123 @@ def test_device_memory_peak_within_plan(big_dir, tmp_path):
     slack = 512 * models.pool.count + 2 * 1024**2
     assert peak <= plan.device_total - plan.device_bytes["cuda_context"] + slack, (peak, slack, plan.to_json())
     models.target.close()
+
+
+# -- 70B-shaped layers, scaled down in width and depth: head_dim 128, 8:1 GQA, a 128k vocabulary ---------
+GQA = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=1, head_dim=128,
+           vocab_size=128256)
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory):
+    """A seeded random Llama with a 70B layer's head geometry (bf16 on disk, 4 layers) and the test tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import make_tokenizer
+
+    path = tmp_path_factory.mktemp("cuda-gqa") / "m"
+    torch.manual_seed(5)
+    cfg = LlamaConfig(num_hidden_layers=4, max_position_embeddings=4096, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0, tie_word_embeddings=False, **GQA)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():   # peakier distributions, as conftest's models
+            p.mul_(3.0)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def _tree_inputs(past: int, device):
+    parents = [-1, 0, 0, 1, 1, 2, 5, 6]
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    n = len(parents)
+    mask = torch.full((1, 1, n, past + n), torch.finfo(torch.float32).min, device=device)
+    mask[..., :past] = 0
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[0, 0, i, past + j] = 0
+            j = parents[j]
+    ids_ = torch.tensor([[3, 5, 7, 9, 11, 13, 15, 17]], device=device)
+    return ids_, torch.tensor([depth], device=device) + past, mask
+
+
+def test_gqa_tree_mask_streamed_equals_hf(gqa_dir, monkeypatch):
+    """Streamed 8:1-GQA target under a tree mask (fp32): logits equal HF's own sdpa model's, and
+    transformers' repeat_kv is never called on our path."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    import transformers.integrations.sdpa_attention as hf_sdpa
+    from offload.hfcompat import cache_kwargs
+
+    hf = LlamaForCausalLM.from_pretrained(gqa_dir, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
+    ours = load(gqa_dir, "fp32", "disk", max_device_memory=0, max_host_memory=0)
+    prefix = ids(300)
+    try:
+        logits = []
+        for model in (hf, ours):
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
+                x, pos, mask = _tree_inputs(prefix.shape[1], "cuda")
+                logits.append(model(input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True,
+                                    **cache_kwargs(model, cache)).logits)
+            if model is hf:
+                monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a, **k: (_ for _ in ()).throw(AssertionError("repeat_kv")))
+        torch.testing.assert_close(logits[1], logits[0], rtol=2e-4, atol=2e-4)
+    finally:
+        ours.close()
+
+
+def _models(path, draft, **kw):
+    from specexec_cli.session.loading import LoadOptions, load_models
+
+    return load_models(LoadOptions(str(path), draft, dtype="bf16", device="cuda", offload="disk", max_ram=0, **kw))
+
+
+def _ids(models, method: str, temperature: float = 0.0, seed: int = 0, n: int = 24) -> list[int]:
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.core.engine import DecodeState, GenerationConfig
+    from specexec_cli.core.methods import generate
+    from specexec_cli.core.sampling import SamplingParams
+
+    cfg = GenerationConfig(method=method, shape=TreeShape(budget=64, max_depth=16), max_new_tokens=n,
+                           sampling=SamplingParams(temperature), seed=seed)
+    return [t for ev in generate(models, DecodeState(), [3, 5, 7, 9, 11], cfg) for t in ev.tokens]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_self_draft_on_gpu_is_lossless(gqa_dir, bits):
+    """--draft self at 4 (NF4) and 2 (HQQ, fused substitutes) bits: specexec's ids equal ar's at T = 0."""
+    from offload.fused import fused_status
+
+    models = _models(gqa_dir, "self", draft_bits=bits)
+    assert models.draft is not None and models.draft.substitute_bits == bits
+    assert _ids(models, "specexec") == _ids(models, "ar")
+    assert fused_status() is None, fused_status()   # the compiled substitute path ran on CUDA
+
+
+def test_sampled_specexec_equals_ar_for_a_seed(gqa_dir):
+    """T = 0.7: the race noise is shared by draft and target on the device, so specexec emits ar's ids."""
+    models = _models(gqa_dir, "self", draft_bits=4)
+    for seed in (1, 2):
+        assert _ids(models, "specexec", 0.7, seed) == _ids(models, "ar", 0.7, seed)
+
+
+def test_one_served_request(gqa_dir, tmp_path):
+    from tests.serve_util import Server
+
+    srv = Server.start(["--target", str(gqa_dir), "--draft", "self", "--dtype", "bf16", "--device", "cuda",
+                        "--offload", "disk", "--max-ram", "0", "--budget", "32", "--max-new-tokens", "8",
+                        "--model-name", "gqa"], tmp_path, timeout=600)
+    try:
+        status, _, body = srv.http("POST", "/v1/chat/completions",
+                                   {"model": "gqa", "messages": [{"role": "user", "content": "def f(x):"}],
+                                    "temperature": 0, "max_tokens": 8}, timeout=300)
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] is not None and body["usage"]["completion_tokens"] >= 1
+    finally:
+        assert srv.stop() == 0, srv.stderr()
