@@ -11,6 +11,7 @@ import http.client
 import json
 import signal
 import socket
+import time
 
 import httpx
 import pytest
@@ -52,8 +53,22 @@ CASES = [  # (id, path, body, status, param or None, substring of the message or
     ("messages-wrong-type", CHAT, {"messages": "hi"}, 400, "messages", None),
     ("messages-empty", CHAT, {"messages": []}, 400, "messages", None),
     ("unknown-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", None),
-    ("content-image", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, None, None),
+    ("content-image", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                                       {"type": "image_url", "image_url": {}}]}]},
+     400, "messages.0.content.1", "this model takes text only"),
+    ("content-audio", CHAT, {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     400, "messages.0.content.0", "text only"),
+    ("text-part-without-text", CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages.0.content.0", "text"),
+    ("content-missing", CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0.content", "missing"),
+    ("content-null-system", CHAT, {"messages": [{"role": "system", "content": None}, *MSG]}, 400,
+     "messages.0.content", "missing"),
+    ("prompt-token-ids", COMP, {"prompt": [1, 2, 3]}, 400, "prompt", "token-id prompts are not supported"),
+    ("prompt-token-id-lists", COMP, {"prompt": [[1, 2], [3]]}, 400, "prompt", "token-id"),
+    ("max-tokens-minus-2", CHAT, {"messages": MSG, "max_tokens": -2}, 400, "max_tokens", None),
+    ("max-completion-tokens-zero", CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", "at least 1"),
+    ("top-k-minus-2", CHAT, {"messages": MSG, "top_k": -2}, 400, "top_k", None),
     ("n-2", CHAT, {"messages": MSG, "n": 2}, 400, "n", "n must be 1"),
     ("temperature-negative", CHAT, {"messages": MSG, "temperature": -0.5}, 400, "temperature", None),
     ("temperature-string", CHAT, {"messages": MSG, "temperature": "hot"}, 400, "temperature", None),
@@ -92,6 +107,58 @@ def test_error_table(server, name, path, body, status, param, text):
         assert res["error"]["code"] == "context_length_exceeded"
 
 
+ACCEPTED = [  # (id, path, body): values other servers accept (docs/serve-clients.md, "Errors and security")
+    ("top-k-minus-1", CHAT, {"messages": MSG, "top_k": -1}),  # vLLM: -1 = off
+    ("stream-null", CHAT, {"messages": MSG, "stream": None}),  # vLLM: Optional[bool]
+    ("max-tokens-minus-1", CHAT, {"messages": MSG, "max_tokens": -1}),  # llama-server, ollama: -1 = no limit
+    ("max-tokens-null", COMP, {"prompt": "x", "max_tokens": None}),
+    ("max-completion-tokens-minus-1", CHAT, {"messages": MSG, "max_completion_tokens": -1}),
+    ("assistant-without-content", CHAT, {"messages": [*MSG, {"role": "assistant"}, *MSG]}),  # OpenAI: optional
+    ("text-parts", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                    {"type": "text", "text": "b"}]}]}),
+]  # fmt: skip
+
+
+def generate(server, path, body):
+    """POST a request that generates; a 429 is retried for 5 s (with --max-queue 0 the worker answers
+    a reply a moment before it frees its slot, so the next request can be refused in that moment)."""
+    deadline = time.monotonic() + 5
+    while True:
+        status, _, res = server.http("POST", path, body, AUTH)
+        if status != 429 or time.monotonic() > deadline:
+            return status, res
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("name,path,body", ACCEPTED, ids=[c[0] for c in ACCEPTED])
+def test_accepted_as_other_servers_do(server, name, path, body):
+    status, res = generate(server, path, {"max_tokens": 2, **body, "temperature": 0})
+    assert status == 200 and res["object"] in ("chat.completion", "text_completion"), res
+    assert res["usage"]["completion_tokens"] >= 1
+
+
+def test_text_parts_are_joined_by_newlines(server):
+    """The prompt of two text parts is the prompt of their texts joined by a newline."""
+    parts = [{"type": "text", "text": "def f(x):"}, {"type": "text", "text": "return x"}]
+    one = {"messages": [{"role": "user", "content": "def f(x):\nreturn x"}], "temperature": 0, "max_tokens": 4}
+    two = {**one, "messages": [{"role": "user", "content": parts}]}
+    joined, split = (generate(server, CHAT, body)[1] for body in (one, two))
+    assert joined["usage"]["prompt_tokens"] == split["usage"]["prompt_tokens"]
+    assert joined["choices"][0]["message"] == split["choices"][0]["message"]
+
+
+def test_with_a_key_the_key_decides_not_the_host(server):
+    foreign = {"Host": "attacker.example"}
+    assert server.http("GET", "/v1/models", None, {**foreign, **AUTH})[0] == 200
+    status, _, res = server.http("GET", "/v1/models", None, foreign)
+    assert status == 401 and res["error"]["code"] == "invalid_api_key"
+
+
+def test_health_answers_head(server):
+    status, _, body = server.http("HEAD", "/health")
+    assert status == 200 and body == ""
+
+
 def test_unknown_route_and_method(server):
     for method, path, status in (("GET", "/v1/nope", 404), ("GET", CHAT, 405), ("GET", "/v1/models/other", 404)):
         got, _, res = server.http(method, path, None, AUTH)
@@ -111,7 +178,8 @@ def test_body_over_the_limit_is_413(server):
 
 def test_api_key(server):
     assert server.http("GET", "/health")[0] == 200  # /health needs no key
-    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/"), ("POST", CHAT), ("POST", COMP)):
+    assert server.http("GET", "/")[0] == 200  # nor the page: it holds no data, it sends the key it is given
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/"), ("POST", CHAT), ("POST", COMP)):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             status, hdrs, res = server.http(method, path, {"messages": MSG}, headers)
             assert status == 401 and is_error_shape(res), (path, headers, res)
@@ -138,8 +206,11 @@ def test_full_queue_is_429_with_retry_after(server):
         status, hdrs, err = server.http("POST", COMP, {"prompt": "x"}, AUTH)
         assert status == 429 and is_error_shape(err) and int(hdrs["retry-after"]) >= 1
     _, _, metrics = server.http("GET", "/metrics", None, AUTH)
-    for name in ("specx_requests_total", "specx_queue_depth", "specx_tokens_per_pass", "specx_target_passes_total"):
+    for name in ("specx_requests_total", "specx_queue_depth", "specx_tokens_per_pass", "specx_target_passes_total",
+                 "specx_refused_requests_total", "specx_time_to_first_token_seconds", "specx_request_seconds"):
         assert f"# TYPE {name}" in metrics
+    assert 'specx_refused_requests_total{status="429",type="rate_limit_error"}' in metrics
+    assert 'specx_refused_requests_total{status="401",type="invalid_request_error"}' in metrics
 
 
 def test_bad_flags_are_one_line(tmp_path):

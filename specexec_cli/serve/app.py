@@ -8,7 +8,7 @@ types, unknown routes and internal failures, is answered in OpenAI's shape
 Middleware (guards.py), outermost first: Observe (counts error responses; an unhandled exception
 becomes a 500 that carries only an error id, logged on stderr), CORS (only with `cors` origins),
 the Host check (only on a loopback `host` without `api_key`: DNS rebinding), bearer auth (only with
-`api_key`; every route but /health, constant-time compare), a request-body limit (413). Streaming
+`api_key`; every route but /health and the page, constant-time compare), a request-body limit (413). Streaming
 is SSE: headers within HEADER_GRACE, then `data: {json}` events (chat: the role first, then content
 deltas, then the finish_reason chunk, the usage chunk when asked for) and `data: [DONE]`, with a
 `: keep-alive` comment every `keepalive` seconds without an event (queued, prefilling). A client
@@ -73,7 +73,7 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
     async def metrics():
         return PlainTextResponse(worker.metrics.render(worker), media_type="text/plain; version=0.0.4")
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
     async def index():
         return HTMLResponse(page)
 

@@ -3,7 +3,8 @@
 Contract: each class wraps an ASGI app and answers its refusal itself in OpenAI's error shape:
 `HostCheck` (403 for a `Host` header that names neither a loopback address nor the bound
 --host: DNS-rebinding protection for a loopback server without a key), `BearerAuth` (401 without
-`Authorization: Bearer <key>`), `BodyLimit` (413 past the body limit), and `Observe`, the
+`Authorization: Bearer <key>`, but for /health and the page at `/`, which holds no data: it asks
+for the key and sends it), `BodyLimit` (413 past the body limit), and `Observe`, the
 outermost: it counts every error response by status and error type into the metrics, and turns
 an exception nobody handled into a 500 whose body carries only an error id. `log_failure(exc)`
 writes that id and the exception as one line on stderr (the traceback too with SPECX_DEBUG=1)
@@ -100,14 +101,17 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
+OPEN_ROUTES = {"/health", "/"}  # no key needed: the health probe and the static chat page
+
+
 class BearerAuth:
-    """401 without `Authorization: Bearer <key>` on every route but /health (constant-time compare)."""
+    """401 without `Authorization: Bearer <key>` on every route but OPEN_ROUTES (constant-time compare)."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and not (scope["path"] in OPEN_ROUTES and scope["method"] in ("GET", "HEAD")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
