@@ -3,8 +3,10 @@
 Contract: `run_server(flags, options)` returns the process exit code. Flag and plan errors raise
 `SpecxError` before anything binds (one line, exit 2 via terminal/app.py's user_errors); a port that cannot be
 bound is one too. The server answers /health (503 "loading") while the worker loads; a load that
-fails prints one line and stops the server with exit code 2. SIGINT/SIGTERM stop the running
-generation at its next target pass, answer it, refuse what is queued, and exit 0.
+fails prints one line and stops the server with exit code 2. SIGINT/SIGTERM make /health answer
+503 "stopping", stop the running generation at its next target pass, answer it, refuse what is
+queued, join the worker thread, then close the models, and exit 0. The session gets a prompt cache
+of `cache_ram` bytes (None: a default from the memory plan; 0: none), see session/prompt_cache.py.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class ServeOptions:
     max_queue: int = 8
     cors: list[str] = field(default_factory=list)
     system: str | None = None
+    cache_ram: int | None = None  # prompt cache bytes (--cache-ram); None = from the plan, 0 = off
+    max_new_tokens: int | None = None  # --max-new-tokens when given: the max_tokens of requests that send none
 
 
 def check_options(o: ServeOptions) -> None:
@@ -35,6 +39,8 @@ def check_options(o: ServeOptions) -> None:
         raise SpecxError(f"--port must be in 1..65535 (got {o.port})")
     if o.max_queue < 0:
         raise SpecxError(f"--max-queue must be >= 0 (got {o.max_queue})")
+    if o.max_new_tokens is not None and o.max_new_tokens < 1:
+        raise SpecxError(f"--max-new-tokens must be >= 1 (got {o.max_new_tokens})")
     if o.api_key is not None and not o.api_key.strip():
         raise SpecxError("--api-key (or SPECX_API_KEY) is empty; pass a non-empty key or leave it unset")
     for origin in o.cors:
@@ -80,20 +86,23 @@ def default_name(target: str) -> str:
     return path.name if path.is_dir() else target
 
 
-def make_loader(flags, opts, plan, cfg, system):
-    """The worker's load(): models, the budget tuner and a ChatSession; returns (session, defaults)."""
+def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
+    """The worker's load(): models, the budget tuner, the prompt cache and a ChatSession; returns
+    (session, defaults)."""
 
     def load():
         from specexec_cli.session.calprobe import pair_prior
         from specexec_cli.session.chat import ChatSession
         from specexec_cli.session.options import config_record, hardware_fit, load_planned
+        from specexec_cli.session.prompt_cache import make_prompt_cache
         from specexec_cli.core.methods.common import with_settings
 
         models = load_planned(opts, plan, None)
         tuner, _, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
         run_cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
         session = ChatSession(models, run_cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=flags.target is None)  # fmt: skip
+                              profile=prof, config_record=config_record, code=flags.target is None,
+                              prompt_cache=make_prompt_cache(models, plan, cache_ram))  # fmt: skip
         return session, flags.checkpoint_defaults(opts.target)
 
     return load
@@ -134,8 +143,9 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
     from specexec_cli.serve.worker import Worker
 
     name = o.model_name or default_name(opts.target)
-    worker = Worker(make_loader(flags, opts, plan, cfg, o.system), o.max_queue, Metrics())
-    app = create_app(worker, name, api_key=o.api_key, cors=o.cors)
+    worker = Worker(make_loader(flags, opts, plan, cfg, o.system, o.cache_ram), o.max_queue, Metrics(),
+                    max_new_tokens=o.max_new_tokens)  # fmt: skip
+    app = create_app(worker, name, api_key=o.api_key, cors=o.cors, host=o.host)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = GracefulServer(config, worker)
     failure: list[str] = []
@@ -165,6 +175,10 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
 
 
 def close_session(worker) -> None:
+    """Join the worker (it ends its reply at a pass boundary once stopping), then close the models."""
+    worker.shutdown()
+    if worker.thread.is_alive() and worker.state != "loading":
+        worker.thread.join()
     session = getattr(worker, "session", None)
     if session is not None:
         from specexec_cli.session.loading import close_models

@@ -1,13 +1,16 @@
 """The one worker thread of `specx serve`: loads the models, then runs requests one at a time, FIFO.
 
 Contract: `Worker(load, max_queue, metrics)` owns the `chat.ChatSession` (its caches hold the last
-conversation, so a request that resends it prefills only the new suffix). `submit(job)` never
-blocks: it queues the job or raises `APIError` (503 while loading or stopping, 429 with
-Retry-After when `max_queue` requests already wait). A `Job` reports to its asyncio queue, in
-order: `Started` (or `Failed`), `Delta`s of text, then `Done` — pushed with
-`loop.call_soon_threadsafe`, so the event loop never waits on the model. `job.cancel()` (a client
-that went away) and `shutdown()` (SIGINT/SIGTERM) stop the running generation after the current
-target pass; the caches stay consistent. Decoding itself is `ChatSession.decode`: none here.
+conversation, its prompt cache the recent other ones, so a request that resends one prefills only
+the new suffix). `submit(job)` never blocks: it queues the job or raises `APIError` (503 while
+loading or stopping, 429 with Retry-After when `max_queue` requests already wait). A `Job` reports
+to its asyncio queue, in order: `Started` (or `Failed`), `Delta`s of text, then `Done` — pushed
+with `loop.call_soon_threadsafe`, so the event loop never waits on the model. `job.cancel()` (a
+client that went away) gives a queued job's slot back at once and stops a running one after the
+current target pass; `shutdown()` (SIGINT/SIGTERM) stops the running one likewise and refuses the
+queued ones; the caches stay consistent. A request without max_tokens generates to EOS or the
+context end, or to `max_new_tokens` when the server was given one. A chat template that raises is
+a 400 `chat_template_error`. Decoding itself is `ChatSession.decode`: none here.
 """
 
 from __future__ import annotations
@@ -23,6 +26,21 @@ from typing import Callable
 from specexec_cli.serve.models import APIError, Work, usage_body
 
 FINISH = {"eos": "stop", "length": "length", "context": "length"}
+PLAIN_STOPS = ["\nUser:"]  # the plain (no template) chat format: the model starting the next user turn
+
+
+def stop_end(stops: list[str], buf: str, cut: int) -> int:
+    """Where in `buf` the stop string that StopScanner found at `cut` ends (the shortest one there)."""
+    return cut + min((len(s) for s in stops if buf.startswith(s, cut)), default=0)
+
+
+def tokens_through(tokenizer, before: list[int], new: list[int], chars: int) -> int:
+    """How many of `new` (generated right after `before`) it takes to decode `chars` more characters."""
+    base = len(tokenizer.decode(before))
+    for k in range(1, len(new) + 1):
+        if len(tokenizer.decode(before + new[:k])) - base >= chars:
+            return k
+    return len(new)
 
 
 @dataclass
@@ -58,6 +76,9 @@ class Job:
         self.work, self.loop, self.endpoint = work, loop, endpoint
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.started = False  # the worker took it (set under Worker.lock)
+        self.released = False  # its --max-queue slot was given back (set under Worker.lock)
+        self.on_cancel: Callable[[], None] = lambda: None  # set by Worker.submit
 
     def emit(self, item) -> None:
         try:
@@ -66,7 +87,10 @@ class Job:
             pass
 
     def cancel(self) -> None:
-        self.cancelled.set()
+        """The client went away: a queued job gives its slot back now, a running one stops after this pass."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            self.on_cancel()
 
 
 def spans(mask: list[bool]) -> list:
@@ -96,6 +120,7 @@ class Worker:
     pending: int = 0  # submitted and not finished (the running one included)
     busy: bool = False
     job_seconds: float = 5.0  # running mean of a request's wall time (for Retry-After)
+    max_new_tokens: int | None = None  # the server's --max-new-tokens when given: the default max_tokens
 
     def __post_init__(self):
         self.lock = threading.Lock()
@@ -120,7 +145,23 @@ class Worker:
                                f"{self.max_queue}); retry after {wait}s", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
             self.pending += 1
+        job.on_cancel = lambda: self._cancel_queued(job)
         self.jobs.put(job)
+
+    def _cancel_queued(self, job: Job) -> None:
+        with self.lock:
+            if job.started:
+                return   # running: it stops at the next pass boundary
+        if self._release(job):
+            self.metrics.request(job.endpoint, "cancelled")
+
+    def _release(self, job: Job) -> bool:
+        """Give the job's --max-queue slot back (once); True the first time."""
+        with self.lock:
+            if job.released:
+                return False
+            job.released, self.pending = True, self.pending - 1
+            return True
 
     def shutdown(self) -> None:
         """Stop the running generation at the next pass boundary and refuse what is queued."""
@@ -141,6 +182,10 @@ class Worker:
             job = self.jobs.get()
             if job is None:
                 break
+            with self.lock:
+                if job.released:   # cancelled while queued: its slot is already free
+                    continue
+                job.started = True
             if self.stopping.is_set():
                 job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
                 self._finished(job, "rejected", 0.0)
@@ -153,15 +198,14 @@ class Worker:
                 self._finished(job, "rejected", 0.0)
 
     def _finished(self, job: Job, outcome: str, seconds: float) -> None:
+        if not self._release(job):
+            return
         with self.lock:
-            self.pending -= 1
             if seconds:
                 self.job_seconds = 0.8 * self.job_seconds + 0.2 * seconds
         self.metrics.request(job.endpoint, outcome)
 
     def _serve(self, job: Job) -> None:
-        from specexec_cli.errors import is_oom
-
         t0, outcome = time.perf_counter(), "ok"
         self.busy = True
         try:
@@ -172,16 +216,17 @@ class Worker:
         except APIError as exc:
             job.emit(Failed(exc))
             outcome = "error"
-        except Exception as exc:  # noqa: BLE001 - never a dead worker; the client gets a 5xx line
-            oom = isinstance(exc, RuntimeError) and is_oom(exc)
-            msg = "out of device memory; use a smaller prompt or budget" if oom else f"internal error: {exc}"
-            job.emit(Failed(APIError(503 if oom else 500, msg, type="server_error")))
+        except Exception as exc:  # noqa: BLE001 - never a dead worker; OOM is a 400, else a logged 500 by id
+            from specexec_cli.serve.guards import server_error
+
+            job.emit(Failed(server_error(exc)))
             outcome = "error"
         finally:
             self.busy = False
             self._finished(job, outcome, time.perf_counter() - t0)
 
     def _prompt(self, work: Work) -> list[int]:
+        from specexec_cli.session.chat import TemplateError
         from specexec_cli.session.loading import encode_prompt
 
         session = self.session
@@ -189,7 +234,10 @@ class Worker:
             messages = work.messages
             if session.system and not any(m["role"] == "system" for m in messages):  # specx serve --system
                 messages = [{"role": "system", "content": session.system}, *messages]
-            ids, param = session.conversation_ids(messages), "messages"
+            try:
+                ids, param = session.conversation_ids(messages), "messages"
+            except TemplateError as exc:
+                raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
         else:
             ids, param = encode_prompt(session.models.tokenizer, work.prompt, False), "prompt"
         if not ids:
@@ -200,7 +248,7 @@ class Worker:
                            "shorten it", param=param, code="context_length_exceeded")  # fmt: skip
         return ids
 
-    def _config(self, work: Work):
+    def _config(self, work: Work, prompt_tokens: int):
         import torch
 
         from specexec_cli.session.options import config_record
@@ -209,8 +257,10 @@ class Worker:
 
         base = self.session.cfg
         seed = work.seed if work.seed is not None else secrets.randbits(63)
+        room = self.session.models.ctx_limit - prompt_tokens   # no max_tokens: to EOS or the context end
+        limit = work.max_tokens or self.max_new_tokens or room
         cfg = replace(base, sampling=merge(self.defaults, work.temperature, work.top_k, work.top_p),
-                      max_new_tokens=work.max_tokens or base.max_new_tokens, seed=seed)  # fmt: skip
+                      max_new_tokens=max(1, limit), seed=seed)  # fmt: skip
         gen = torch.Generator().manual_seed(seed % 2**64)
         return cfg, gen, RunStats(config=config_record(cfg))
 
@@ -219,19 +269,25 @@ class Worker:
 
         session, work = self.session, job.work
         full = self._prompt(work)
-        cfg, gen, stats = self._config(work)
+        cfg, gen, stats = self._config(work, len(full))
         ids = session.prefill_ids(full)
         prefill = len(session.state.ids) + len(ids) - session.state.target_len
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill))
-        scanner, pending, parts = StopScanner(work.stops), [], []
-        finish, events = "length", session.decode(ids, cfg, gen)
+        plain = work.messages is not None and not session.templated and not session.code
+        scanner, pending, parts = StopScanner(work.stops + (PLAIN_STOPS if plain else [])), [], []
+        finish, events, generated, used = "length", session.decode(ids, cfg, gen), [], None
         try:
             for ev in events:
                 stats.add(ev)
                 text = str(ev.text)
                 draft = getattr(ev.text, "draft_chars", 0)
                 mask = pending + [True] * draft + [False] * (len(text) - draft)
+                held = scanner.pending
                 out = scanner.feed(text)
+                if scanner.stopped:  # completion_tokens counts none generated past the stop string
+                    chars = stop_end(scanner.stops, held + text, len(out)) - len(held)
+                    used = len(generated) + tokens_through(session.models.tokenizer, generated, ev.tokens, chars)
+                generated += ev.tokens
                 pending = mask[len(mask) - len(scanner.pending):] if scanner.pending else []
                 self._emit(job, out, mask[: len(out)], stats, parts)
                 if scanner.stopped:
@@ -250,7 +306,7 @@ class Worker:
         if session.tuner is not None:   # --budget auto: report the shape the tuner ran, not the flag's
             stats.config.update(budget=session.tuner.shape.budget, max_depth=session.tuner.shape.max_depth)
         self._emit(job, scanner.flush(), pending, stats, parts)
-        usage = usage_body(len(full), stats.new_tokens, len(full) - prefill)
+        usage = usage_body(len(full), stats.new_tokens if used is None else used, len(full) - prefill)
         self.metrics.finished(stats, len(full), len(full) - prefill)
         job.emit(Done("".join(parts), finish, usage, stats.speculative()))
         return "cancelled" if finish == "cancelled" else "ok"
