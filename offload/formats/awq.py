@@ -61,11 +61,11 @@ class AwqReader(PackedReader):
 
     def dequant(self, q, parts, out_f, in_f, dtype):
         g = q["group_size"] if q["group_size"] > 0 else in_f
-        codes = awq_unpack(parts["qweight"]).to(dtype)                      # (K, N)
         zeros = awq_unpack(parts["qzeros"]).to(dtype)                       # (G, N)
         scales = parts["scales"].to(dtype)                                  # (G, N)
-        w = (codes.view(-1, g, out_f) - zeros[:, None]) * scales[:, None]   # (G, g, N): exact ints, one rounding
-        return w.reshape(in_f, out_f).t().contiguous()
+        w = awq_unpack(parts["qweight"]).to(dtype).view(-1, g, out_f)       # (G, g, N) codes
+        w.sub_(zeros[:, None]).mul_(scales[:, None])                        # exact ints, one rounding
+        return w.view(in_f, out_f).t()                                      # (N, K) view
 
 
 READER = AwqReader()

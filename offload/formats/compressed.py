@@ -68,17 +68,19 @@ class CompressedReader(PackedReader):
         return out
 
     def dequant(self, q, parts, out_f, in_f, dtype):
-        codes = (unpack_cols(parts["weight_packed"])[:, :in_f] - 8).to(dtype)       # (N, K) signed
         scales = parts["weight_scale"].to(dtype)                                   # (N, G)
         zp = parts.get("weight_zero_point")
-        zeros = (unpack_rows(zp)[:out_f] - 8).to(dtype) if zp is not None else torch.zeros_like(scales)
+        # stored codes and zero points are the signed values + 8: the offsets cancel when both exist
+        zeros = (unpack_rows(zp)[:out_f].to(dtype) if zp is not None
+                 else torch.full_like(scales, 8))
+        w = unpack_cols(parts["weight_packed"])[:, :in_f].to(dtype)               # (N, K) codes + 8
         groups = scales.shape[1]
         gidx = parts.get("weight_g_idx")
         if gidx is None and in_f % groups == 0:
-            w = (codes.view(out_f, groups, -1) - zeros[:, :, None]) * scales[:, :, None]   # (N, G, g)
-            return w.reshape(out_f, in_f)
-        gi = gidx.long() if gidx is not None else torch.arange(in_f, device=codes.device) // q["group_size"]
-        return (codes - zeros.index_select(1, gi)) * scales.index_select(1, gi)
+            w.view(out_f, groups, -1).sub_(zeros[:, :, None]).mul_(scales[:, :, None])
+            return w
+        gi = gidx.long() if gidx is not None else torch.arange(in_f, device=w.device) // q["group_size"]
+        return w.sub_(zeros.index_select(1, gi)).mul_(scales.index_select(1, gi))
 
 
 READER = CompressedReader()

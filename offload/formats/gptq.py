@@ -47,19 +47,19 @@ class GptqReader(PackedReader):
 
     def dequant(self, q, parts, out_f, in_f, dtype):
         g = q["group_size"] if q["group_size"] > 0 else in_f
-        codes = unpack_rows(parts["qweight"]).to(dtype)                     # (K, N)
-        zeros = unpack_cols(parts["qzeros"])[:, :out_f]                     # (G, N)
+        zeros = unpack_cols(parts["qzeros"])[:, :out_f].to(dtype)           # (G, N)
         if q["checkpoint_format"] == "gptq":
-            zeros = zeros + 1                                                # v1 stores zero - 1
-        zeros, scales = zeros.to(dtype), parts["scales"].to(dtype)
+            zeros += 1                                                       # v1 stores zero - 1
+        scales = parts["scales"].to(dtype)
+        w = unpack_rows(parts["qweight"]).to(dtype)                         # (K, N) codes
         gidx = parts.get("g_idx")
         if gidx is None or _trivial(gidx, g):
             groups = scales.shape[0]
-            w = (codes.view(groups, -1, out_f) - zeros[:, None]) * scales[:, None]
+            w.view(groups, -1, out_f).sub_(zeros[:, None]).mul_(scales[:, None])
         else:
             gi = gidx.long()
-            w = (codes - zeros.index_select(0, gi)) * scales.index_select(0, gi)
-        return w.reshape(in_f, out_f).t().contiguous()
+            w.sub_(zeros.index_select(0, gi)).mul_(scales.index_select(0, gi))
+        return w.t()                                                         # (N, K) view
 
 
 def _trivial(gidx: torch.Tensor, g: int) -> bool:

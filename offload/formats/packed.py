@@ -11,7 +11,9 @@ OffloadError for a layout specx cannot run), `shapes(q, out_f, in_f, present) ->
 `X.weight` to its stored tensors `X.<suffix>`, and checks the whole tensor set against the
 architecture (validate.check_tensors), the packed parts' dtypes included.
 Shared unpacking: `unpack_rows(w)` / `unpack_cols(w)` split int32 words into their eight 4-bit
-fields, bits [4j, 4j+4) becoming element j along rows (dim 0) or columns (dim 1).
+fields (uint8), bits [4j, 4j+4) becoming element j along rows (dim 0) or columns (dim 1).
+`dequant` works in place on the codes converted to the compute dtype, and may return a
+transposed view (F.linear takes it as it is): its peak is the weight plus `temp_bytes`.
 """
 
 from __future__ import annotations
@@ -27,20 +29,21 @@ from .base import Checkpoint, as_stored, numel
 INT32_PARTS = ("qweight", "qzeros", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx")
 
 
-def _shifts(device) -> torch.Tensor:
-    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
+def _nibbles(w: torch.Tensor) -> torch.Tensor:
+    """(R, C) int32 -> (R, C, 8) uint8: field j (bits [4j, 4j+4)) of each word, via its bytes
+    (little-endian: byte b holds fields 2b and 2b + 1), so no int32 copy of every code is made."""
+    b = w.contiguous().view(torch.uint8).view(*w.shape, 4)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).view(*w.shape, 8)
 
 
 def unpack_cols(w: torch.Tensor) -> torch.Tensor:
-    """(R, C) int32 -> (R, 8C) int32 in [0, 15]: word c's field j becomes column 8c + j."""
-    r, c = w.shape
-    return ((w.unsqueeze(-1) >> _shifts(w.device)) & 0xF).reshape(r, 8 * c)
+    """(R, C) int32 -> (R, 8C) uint8 in [0, 15]: word c's field j becomes column 8c + j."""
+    return _nibbles(w).view(w.shape[0], -1)
 
 
 def unpack_rows(w: torch.Tensor) -> torch.Tensor:
-    """(R, C) int32 -> (8R, C) int32 in [0, 15]: word r's field j becomes row 8r + j."""
-    r, c = w.shape
-    return ((w.unsqueeze(1) >> _shifts(w.device).view(1, 8, 1)) & 0xF).reshape(8 * r, c)
+    """(R, C) int32 -> (8R, C) uint8 in [0, 15]: word r's field j becomes row 8r + j."""
+    return _nibbles(w).permute(0, 2, 1).reshape(8 * w.shape[0], w.shape[1])
 
 
 def group_count(in_f: int, group: int) -> int:
@@ -119,9 +122,10 @@ class PackedReader:
         return self.dequant(ckpt.quant, parts, out_f, in_f, dtype)
 
     def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
-        """The int32 fields of every code (4 bytes each), then the codes, zeros and scales
-        expanded to one value per weight element in the compute dtype."""
-        return numel(ckpt.logical_shape(hf_weight_name)) * (4 + 3 * elem)
+        """Besides the output (which the codes become in place): the uint8 codes (1 byte per
+        weight) while they are converted, or an act-order gather of zeros/scales in the compute
+        dtype (elem bytes per weight), whichever is larger."""
+        return numel(ckpt.logical_shape(hf_weight_name)) * max(1, elem)
 
 
 def bits4(qc: dict, path: Path, what: str) -> None:

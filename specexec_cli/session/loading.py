@@ -18,7 +18,7 @@ import torch
 
 from specexec_cli.core.engine import Models
 from specexec_cli.errors import SpecxError
-from specexec_cli.session.strict import check_architecture, check_config, check_files, check_loading_info, load_config
+from specexec_cli.session.strict import check_config, check_loading_info, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -98,10 +98,10 @@ def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
     """Validate the dir; returns True when weights are safetensors."""
     if not (path / "config.json").is_file():
         raise SpecxError(f"{flag} {path}: missing config.json; is this a Hugging Face model directory?")
-    cfg = check_config(path, flag)
+    check_config(path, flag)
     if any(path.glob("*.safetensors")):
         # Headers, offsets and shards, then config.json vs headers: all before anything is allocated.
-        check_architecture(path, flag, check_files(path, flag), cfg)
+        open_checkpoint(path, flag)
         return True
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
         if allow_pickle:
@@ -111,6 +111,30 @@ def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
             "convert to safetensors or pass --allow-pickle if you trust the source"
         )
     raise SpecxError(f"{flag} {path}: no weights (*.safetensors) found; the model directory is incomplete")
+
+
+_OPENED: dict[tuple, object] = {}   # fingerprint -> offload.formats.Checkpoint: each checkpoint opened once
+
+
+def _fingerprint(path: Path) -> tuple:
+    files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
+    return (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+def open_checkpoint(path: Path, flag: str):
+    """The validated `offload.formats.Checkpoint` of `path`, opened (headers read, strict checks run)
+    once per process and shared by the plan, the loader, the self-draft and `specx quantize`; a
+    changed file on disk opens it again. OffloadError -> one SpecxError line prefixed by `flag`."""
+    from offload import OffloadError
+    from offload.formats import open_checkpoint as open_ck
+
+    key = _fingerprint(path)
+    if key not in _OPENED:
+        try:
+            _OPENED[key] = open_ck(path)
+        except OffloadError as exc:
+            raise SpecxError(f"{flag} {exc}") from None
+    return _OPENED[key]
 
 
 def load_tokenizer(path: Path, flag: str, trust: bool):
@@ -159,7 +183,7 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     from offload.attention import implementation as gqa_attention   # SDPA without repeated K/V
 
     safe = check_weights(path, flag, opts.allow_pickle)
-    index = check_files(path, flag) if safe else None
+    index = open_checkpoint(path, flag) if safe else None
     config = load_config(path, flag, opts.trust_remote_code)
     # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
     attn = "eager" if read_config(path).get("attn_logit_softcapping") else gqa_attention("sdpa")
@@ -245,9 +269,9 @@ def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
     dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
     try:
         model = OffloadedCausalLM.from_pretrained(
-            path, device=device, dtype=dtype, offload=opts.offload,
+            open_checkpoint(path, "--target"), device=device, dtype=dtype, offload=opts.offload,
             max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
-            memplan=opts.plan, pool=pool, slots=getattr(opts.plan, "slots", 2),
+            memplan=opts.plan, pool=pool,
         )
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None

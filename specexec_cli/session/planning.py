@@ -82,9 +82,9 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
     `temperature` (the decoding one) weighs the self-draft's substitute widths; `gpu` (--gpu NAME) plans
     for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
     from offload import OffloadError
-    from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+    from offload.memplan import PlanRequest, plan_memory
 
-    from specexec_cli.session.loading import SELF, check_weights, resolve_path
+    from specexec_cli.session.loading import SELF, check_weights, open_checkpoint, resolve_path
     from specexec_cli.session.profiles import card, plan_bandwidths
 
     if gpu is not None:
@@ -119,7 +119,8 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
         bandwidth_source=source, compare_self=dpath is not None and sixteen_bit,
     )  # fmt: skip
     try:
-        plan = plan_memory(read_checkpoint(tpath), read_checkpoint(dpath) if dpath else None, req)
+        # the opened (validated) Checkpoints the loader will use too: headers are read once
+        plan = plan_memory(open_checkpoint(tpath, "--target"), open_checkpoint(dpath, "--draft") if dpath else None, req)
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
     if shortfall:

@@ -4,16 +4,15 @@ Contract: a model directory either loads with every parameter taken from its che
 refused with one `SpecxError` line naming the file and the first offending tensor. Never is a
 model run with randomly initialised weights (e.g. a Llama checkpoint whose config.json says
 `model_type: bert`). Tied embeddings (an absent lm_head when config.json ties it) are the one
-documented exception. Three stages, cheapest first:
-1. `check_config`: config.json is a JSON object naming a `model_type`.
-2. `check_files`: every safetensors header parses and fits its file (offload.st_index does the
-   byte-level validation before anything is allocated); returns the index, or None for pickle.
-3. `check_architecture` (before the memory plan and before allocating): the architecture
-   built on the meta device must agree with the headers (see its docstring), and the weights
-   config.json implies must not dwarf the files (a huge `hidden_size` is refused instead of
-   allocated). `check_loading_info` (after `from_pretrained(output_loading_info=True)`)
-   refuses missing, unexpected and mismatched tensors as HF reports them; HF's report already
-   understands key renames, tied weights and pre-quantized formats (bnb `.absmax`, ...).
+documented exception. Stages, cheapest first:
+1. `check_config`: config.json is a JSON object naming a supported `model_type`.
+2. Opening the checkpoint (session/loading.open_checkpoint -> offload.formats.open_checkpoint,
+   once per process): every safetensors header parses and fits its file, and the architecture
+   config.json describes (built on the meta device) agrees with the stored tensors, in the
+   format's stored form, before the memory plan and before anything is allocated
+   (offload/formats/validate.py; a config whose weights dwarf the files is refused there).
+3. `check_loading_info` (after `from_pretrained(output_loading_info=True)`, resident HF loads)
+   refuses missing, unexpected and mismatched tensors as HF reports them.
 """
 
 from __future__ import annotations
@@ -21,14 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from specexec_cli.errors import SpecxError
-
-# The 16-bit size of the weights config.json implies may be at most this many times the files'
-# bytes (an 8-bit file is 2x); beyond that config.json describes a different model.
-MAX_EXPANSION = 2
-SLACK_BYTES = 64 << 20
 
 
 def check_config(path: Path, flag: str) -> dict:
@@ -53,19 +45,6 @@ def check_config(path: Path, flag: str) -> dict:
     return data
 
 
-def check_files(path: Path, flag: str):
-    """Parse and validate every safetensors header; returns the SafetensorsIndex (None if pickle)."""
-    from offload import OffloadError
-    from offload.st_index import SafetensorsIndex
-
-    if not any(path.glob("*.safetensors")):
-        return None
-    try:
-        return SafetensorsIndex(path)
-    except OffloadError as exc:
-        raise SpecxError(f"{flag} {exc}") from None
-
-
 def load_config(path: Path, flag: str, trust: bool):
     """transformers' config object; any parse failure is a one-line error."""
     from transformers import AutoConfig
@@ -78,74 +57,6 @@ def load_config(path: Path, flag: str, trust: bool):
         first = (str(exc).splitlines() or [""])[0][:120]
         raise SpecxError(f"{flag} {path / 'config.json'}: cannot use it ({exc.__class__.__name__}: {first}); "
                          "fix or re-download it") from None
-
-
-def meta_model(config, flag: str, path: Path, trust: bool):
-    """The architecture config.json describes, built on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()   # stderr carries only our one line (this runs before the load)
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
-    except Exception as exc:  # noqa: BLE001 - unknown model_type, impossible sizes, ...
-        first = (str(exc).splitlines() or [""])[0][:120]
-        raise SpecxError(f"{flag} {path / 'config.json'}: does not describe a causal LM this build can run "
-                         f"({exc.__class__.__name__}: {first}); fix config.json or re-download") from None
-
-
-_CHECKED: set[str] = set()   # model dirs whose architecture check passed (it runs once per dir)
-
-
-def check_architecture(path: Path, flag: str, index, cfg: dict) -> None:
-    """Before allocating: config.json's architecture (built on the meta device) vs the headers.
-
-    Families specx runs (offload.families.SUPPORTED) store exactly HF's parameter names, so the
-    full check applies: missing, unexpected, reshaped or non-float tensors are refused. Other
-    types may rename keys on load, so only tensors both sides name are compared here (shape,
-    float dtype) and HF's loading report decides the rest. Either way the weights config.json
-    implies must not dwarf the files: a wrong architecture is refused, never allocated.
-    Skipped for pickle, pre-quantized (`quantization_config`) and custom-code (`auto_map`) dirs.
-    """
-    from offload import OffloadError
-    from offload.families import SUPPORTED
-    from offload.st_index import check_tensor_set
-
-    key = str(path.resolve())
-    if index is None or key in _CHECKED or "quantization_config" in cfg or "auto_map" in cfg:
-        return
-    layers = (cfg.get("text_config") or cfg).get("num_hidden_layers", 0)
-    if not isinstance(layers, int) or layers < 0 or layers > len(index.entries):
-        # Every layer stores at least one tensor; checked before building (a huge count would hang).
-        raise SpecxError(f"{flag} {path / 'config.json'}: num_hidden_layers {str(layers)[:20]} does not match the "
-                         f"{len(index.entries)} tensors of the checkpoint; fix config.json or re-download")
-    config = load_config(path, flag, trust=False)
-    model = meta_model(config, flag, path, trust=False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if config.model_type in SUPPORTED:
-        tied = getattr(model, "_tied_weights_keys", None) if getattr(config, "tie_word_embeddings", False) else None
-        expected = {n: tuple(p.shape) for n, p in params.items()}
-        floats = {n for n, p in params.items() if p.dtype.is_floating_point}
-        try:
-            check_tensor_set(index, expected, f"model_type {config.model_type!r}",
-                             tied=dict(tied) if isinstance(tied, dict) else None, float_names=floats)
-        except OffloadError as exc:
-            raise SpecxError(f"{flag} {exc}") from None
-    for name in sorted(n for n in params if n in index.entries):
-        e, p = index.entries[name], params[name]
-        if tuple(e.shape) != tuple(p.shape):
-            raise SpecxError(f"{flag} {e.file}: tensor {name!r} has shape {list(e.shape)}, config.json implies "
-                             f"{list(p.shape)}; the checkpoint does not match its config")
-        if p.dtype.is_floating_point and not e.dtype.is_floating_point:
-            raise SpecxError(f"{flag} {e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
-                             "the checkpoint is corrupt - re-download it")
-    need = sum(p.numel() for p in {id(p): p for p in params.values()}.values()) * 2   # at 16 bits
-    have = sum(f.stat().st_size for f in index.files)
-    if need > MAX_EXPANSION * have + SLACK_BYTES:
-        raise SpecxError(f"{flag} {path / 'config.json'}: describes {need >> 20} MiB of 16-bit weights but the "
-                         f"checkpoint holds {have >> 20} MiB; config.json does not match the weights")
-    _CHECKED.add(key)
 
 
 def check_loading_info(info: dict, index, flag: str, path: Path, model_type: str) -> None:

@@ -33,10 +33,11 @@ def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult
     from offload import OffloadError
     from offload.quant_cache import write_quantized
 
-    from specexec_cli.session.loading import check_weights, resolve_path
+    from specexec_cli.session.loading import check_weights, open_checkpoint, resolve_path
 
     src = resolve_path(target, "--target")
     check_weights(src, "--target", False)
+    ckpt = open_checkpoint(src, "--target")       # opened and validated once
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecxError(f"--out {out}: already exists and is not empty; pick a new directory")
@@ -44,7 +45,7 @@ def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult
         raise SpecxError("--out must differ from --target")
     t0 = time.perf_counter()
     try:
-        write_quantized(src, out, progress, tokenizer=True)
+        write_quantized(ckpt, out, progress, tokenizer=True)
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
     return QuantizeResult(out, _st_bytes(src), _st_bytes(out), time.perf_counter() - t0)
