@@ -101,7 +101,7 @@ class Candidate:
     budget: int = 0             # tree budget of its plan (tokens_per_pass is at this budget)
 
     def to_json(self) -> dict:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
     def line(self) -> str:
         """One dry-run line with the five figures, marked as modelled."""

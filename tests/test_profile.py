@@ -54,6 +54,8 @@ def test_hardware_only_profile_goes_to_the_per_machine_path(xdg):
     path = xdg / "specx" / "profiles" / f"{socket.gethostname()}.json"
     prof = profiler.read_profile(path)
     assert prof["models"] is None and prof["recommended"]["timing"] == "prior"
+    mem = prof["device_memory"]["cpu"]   # one large host copy: read + write bytes over its time
+    assert mem["gbps"] > 0 and mem["bytes"] > 0 and mem["method"] == "copy_ read + write"
     assert not list(xdg.parent.glob(".specx-probe-*"))  # the disk probe's temp file is gone
 
 
@@ -112,3 +114,26 @@ def test_profile_node_calibration_is_the_prior_of_later_runs(tiny_pair, tmp_path
     assert res.exit_code == 0, res.stderr
     (cal,) = [c for k, c in calibrate._PAIRS.items() if k[2] == "T=0,top_k=0,top_p=1,gap"]
     torch.testing.assert_close(cal.m0, calibrate.builtin_prior(coupled=True))
+
+
+def test_measured_bandwidth_feeds_the_draft_cost_model(tiny_pair, tmp_path):
+    """A profile's measured device memory bandwidth is what the dry run models the candidates with (and
+    says so); without one the plan names its prior."""
+    prof = profiler.build_profile(dict(cpu={}, memory={}, gpus=[], disk={}, matmul={},
+                                       device_memory={"cpu": {"name": "test cpu", "gbps": 12.5, "bytes": 1,
+                                                              "method": "copy_ read + write"}}), None, None)
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps(prof))
+    out = {}
+    for name, extra in (("measured", ["--profile", str(path)]), ("prior", [])):
+        stats = tmp_path / f"{name}.json"
+        res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(tiny_pair[0]), "--draft", "self",
+                                       "--device", "cpu", "--offload", "disk", "--dry-run", "--stats-json", str(stats),
+                                       *extra])
+        assert res.exit_code == 0, res.output
+        out[name] = json.loads(stats.read_text())["plan"]
+    assert out["measured"]["machine"]["memory_bps"] == 12.5e9
+    assert out["measured"]["machine"]["source"].startswith("measured: test cpu")
+    assert out["prior"]["machine"]["source"] == "prior" and out["prior"]["machine"]["memory_bps"] == 20e9
+    slow, fast = out["measured"]["choice"], out["prior"]["choice"]
+    assert slow["draft_seconds"] == pytest.approx(fast["draft_seconds"] * 20 / 12.5, rel=1e-3)
