@@ -32,6 +32,7 @@ class Arch:
     vocab: int
     tied: bool
     max_positions: int
+    packed: bool = False            # linears stored packed int4 (AWQ/GPTQ/compressed-tensors/GGUF): dequantized per pass
 
 
 def arch_of(config: dict) -> Arch:
@@ -42,9 +43,17 @@ def arch_of(config: dict) -> Arch:
         return Arch(hidden, int(c["intermediate_size"]), int(c["num_hidden_layers"]), heads,
                     int(c.get("num_key_value_heads") or heads), int(c.get("head_dim") or hidden // heads),
                     int(c["vocab_size"]), bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
-                    int(c.get("max_position_embeddings") or 2048))
+                    int(c.get("max_position_embeddings") or 2048), _packed(config))
     except (KeyError, TypeError, ValueError) as exc:
         raise OffloadError(f"config.json lacks {exc}; cannot plan memory for this model") from None
+
+
+PACKED_METHODS = ("awq", "gptq", "compressed-tensors", "gguf")   # offload/formats readers that dequantize per pass
+
+
+def _packed(config: dict) -> bool:
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") in PACKED_METHODS
 
 
 def dtype_bytes(name: str) -> int:
@@ -164,6 +173,8 @@ def linear_dequant_bytes(numel: int, kernel: str, bits: int | None, c: int, devi
     """dequant_temp_bytes of one linear of `numel` weights."""
     if kernel == "nf4-dequant" or (kernel == "hqq-compiled" and device == "cuda"):
         return numel * c
+    if kernel == "int4-unpack":   # formats/packed.py: the weight in c, plus uint8 codes or an act-order gather
+        return numel * (c + max(1, c))
     if kernel != "hqq-eager":
         return 0
     from .lowbit import GROUPS, ROWS_PER_WORD
@@ -188,7 +199,7 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     below pass_tokens(budget). Every prefill pass streams every offloaded layer once, so a prompt
     that fits --ctx costs one weight stream whenever the memory allows."""
     c = compute_bytes(req)
-    deq = dequant_temp_bytes(ta, "nf4-dequant", 4, c) if req.dtype == "nf4" else 0
+    deq = dequant_temp_bytes(ta, "nf4-dequant" if req.dtype == "nf4" else "int4-unpack" if ta.packed else "none", 4, c)
     floor = min(pass_tokens(budget), req.ctx)
     fused = fused_prefill(req)
     allow = max(capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused))
