@@ -101,13 +101,17 @@ def test_stop_strings(client, stream):
     stop = full[3:5]
     cut = full.index(stop)
     res = client.completions.create(model="tiny", prompt="x = (", max_tokens=MAX_NEW, temperature=0,
-                                    stop=[stop, "never-there"], stream=stream)  # fmt: skip
+                                    stop=[stop, "never-there"], stream=stream,
+                                    **({"stream_options": {"include_usage": True}} if stream else {}))  # fmt: skip
     if stream:
         chunks = list(res)
-        text, finish = "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].choices[0].finish_reason
+        finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        text, finish = "".join(c.choices[0].text for c in chunks if c.choices), finals[0].choices[0].finish_reason
+        usage = chunks[-1].usage
     else:
-        text, finish = res.choices[0].text, res.choices[0].finish_reason
+        text, finish, usage = res.choices[0].text, res.choices[0].finish_reason, res.usage
     assert (text, finish) == (full[:cut], "stop")
+    assert usage.completion_tokens == cut + len(stop)  # one token per character: none past the stop string
 
 
 def test_seeds(client):
@@ -175,3 +179,38 @@ def test_temperature_0_equals_specx_run(tiny_pair, client):
     assert run.exit_code == 0, run.stderr
     text = res.choices[0].text
     assert run.stdout in (text, text + "\n")
+
+
+def test_a_tiny_temperature_is_greedy(client):
+    """T = 1e-7 would overflow logits / T; below sampling.GREEDY_BELOW it is argmax, as T = 0."""
+    ref = chat(client, "def t(q):", temperature=0)
+    tiny = chat(client, "def t(q):", temperature=1e-7, seed=3)
+    assert tiny.choices[0].message.content == ref.choices[0].message.content
+    assert tiny.usage.completion_tokens == ref.usage.completion_tokens
+
+
+def test_loopback_without_key_checks_the_host_header(server):
+    """DNS rebinding: a page on attacker.example whose name resolves to 127.0.0.1 gets 403."""
+    for path in ("/v1/models", "/", "/health"):
+        status, _, res = server.http("GET", path, headers={"Host": "attacker.example"})
+        assert status == 403 and res["error"]["code"] == "host_not_allowed", (path, res)
+    status, _, res = server.http("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                                 {"Host": "attacker.example:8000"})  # fmt: skip
+    assert status == 403, res
+    for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]", "127.1.2.3:80"):
+        assert server.http("GET", "/v1/models", headers={"Host": host})[0] == 200, host
+
+
+def test_a_queued_stream_gets_its_headers_at_once(server, client):
+    long = {"model": "tiny", "messages": [{"role": "user", "content": "import re"}], "max_tokens": 400,
+            "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=long, timeout=60) as running:
+        next(running.iter_lines())  # the worker is busy with this one
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{server.base}/v1/chat/completions", json={**long, "max_tokens": 2},
+                          timeout=60) as queued:  # fmt: skip
+            assert queued.status_code == 200 and time.monotonic() - t0 < 5  # not after the 400 tokens
+            assert queued.headers["content-type"].startswith("text/event-stream")
+            running.close()  # the first client leaves; the queued one runs
+            events = sse_events(queued.iter_lines())
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
