@@ -197,3 +197,40 @@ def test_sampled_text_does_not_depend_on_draft_or_budget(models, sampling):
     assert accepted >= 10  # the trees really carried tokens
     other, _, _ = run(models, ids, method="ar", sampling=sampling, seed=6, max_new_tokens=40)
     assert other != ref
+
+
+def _shared_prompt(shared_pair, line: int = 2) -> str:
+    import json
+
+    return json.loads((shared_pair[0].parents[1] / "bench" / "prompts.jsonl").read_text().splitlines()[line])["prompt"]
+
+
+def test_shared_pair_sampled_specexec_equals_ar_and_moves_no_logits_row(shared_pair, tmp_path, monkeypatch):
+    """T = 0.7 on the trained pair: specexec's ids equal `ar`'s for the seed at every budget and with
+    the self-draft (the race noise is a function of the position, computed where each model runs),
+    and a sampled pass copies less than one fp32 vocabulary row more than a greedy one."""
+    from specexec_cli.core.stats import RunStats
+
+    m = load_models(LoadOptions(str(shared_pair[0]), str(shared_pair[1]), dtype="fp32", device="cpu"))
+    ids = m.tokenizer(_shared_prompt(shared_pair))["input_ids"][-200:]
+    hot = SamplingParams(0.7)
+    ref, _, _ = run(m, ids, method="ar", sampling=hot, seed=11, max_new_tokens=40)
+    accepted = 0
+    for budget in (4, 32, 128):
+        got, events, _ = run(m, ids, budget=budget, max_depth=16, sampling=hot, seed=11, max_new_tokens=40)
+        assert got == ref, budget
+        accepted += sum(ev.accepted for ev in events)
+    assert accepted >= 10
+    per_pass = {}
+    for t in (0.0, 0.7):
+        stats = RunStats()
+        for ev in run(m, ids, budget=32, max_depth=16, sampling=SamplingParams(t), seed=11, max_new_tokens=40)[1]:
+            stats.add(ev)
+        per_pass[t] = stats.to_json()["host_transfer_bytes_per_pass"]
+    vocab = m.target.config.vocab_size
+    assert per_pass[0.7] - per_pass[0.0] < vocab * 4, per_pass
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    sd = load_models(LoadOptions(str(shared_pair[0]), "self", dtype="fp32", device="cpu", offload="disk", max_ram=0))
+    sd_ref, _, _ = run(sd, ids, method="ar", sampling=hot, seed=11, max_new_tokens=40)
+    got, events, _ = run(sd, ids, budget=32, max_depth=16, sampling=hot, seed=11, max_new_tokens=40)
+    assert got == sd_ref and sum(ev.accepted for ev in events) >= 5

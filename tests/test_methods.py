@@ -3,7 +3,8 @@
 - Greedy: ids equal HF `generate(do_sample=False)` of the target, at two budgets.
 - Sampled distributions through the whole engine, with power: test_distribution.py.
 - Pure functions with many samples: the multi-step residual rule (several siblings) reproduces p,
-  and the tree walk's second token given the first follows the target's row for that first token.
+  on the host (Sequoia's measurement) and batched on the device with hash-noise children, and the
+  tree walk's second token given the first follows the target's row for that first token.
 """
 
 from __future__ import annotations
@@ -87,24 +88,49 @@ def synthetic_tree(g, v=6, k=3):
     return vt, q
 
 
-def test_accept_sampled_second_token_exact():
-    """Pure walk on synthetic trees: token 2 | token 1 = x follows the target's row for x."""
-    from specexec_cli.core.methods.common import accept_sampled
+def test_device_rule_second_token_exact():
+    """The batched device rule + walk on synthetic trees: token 2 | token 1 = x follows the target's
+    row for x (each trial has its own noise key, as each generate call does)."""
+    from specexec_cli.core.methods.common import accept_static, child_table
+    from specexec_cli.core.sampling import PositionNoise
 
     g = torch.Generator().manual_seed(3)
     v, params = 6, SamplingParams(temperature=1.0)
     root_logits = 2 * torch.randn(v, generator=g)
     next_logits = 2 * torch.randn(v, v, generator=g)  # row x: the target after token x
     counts = torch.zeros(v, v, dtype=torch.long)
-    for _ in range(5000):
+    for trial in range(4000):
         vt, q = synthetic_tree(g, v)
         rows = torch.stack([root_logits] + [next_logits[int(t)] for t in vt.tokens[1:]])  # depth-2 rows unused
-        acc = accept_sampled(vt, rows, q, params, g, frozenset(), 2)
+        inner, kids = child_table(vt)
+        qs = torch.stack([q[int(i)] for i in inner])
+        acc = accept_static(vt, rows, params, PositionNoise(trial), 10, (vt.depth, inner, kids), qs, frozenset(), 2)
         if len(acc.tokens) == 2:
             counts[acc.tokens[0], acc.tokens[1]] += 1
     x = int(counts.sum(1).argmax())
     assert counts[x].sum() > 300
     assert pooled_chisquare(counts[x], torch.softmax(next_logits[x], 0)) > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_device_rule_with_hashed_children_is_exact(k):
+    """Gumbel-top-k children (CHILDREN stream) + the batched residual rule (ACCEPT, RESIDUAL streams),
+    one node per position over 20000 positions: the emitted token follows p (chi-square)."""
+    from specexec_cli.core.methods.common import static_choices
+    from specexec_cli.core.sampling import CHILDREN, PositionNoise, process_logits
+
+    g = torch.Generator().manual_seed(10 + k)
+    v, n, params = 6, 20000, SamplingParams(temperature=1.0)
+    p_logits = 2 * torch.randn(v, generator=g)
+    q = process_logits(2 * torch.randn(v, generator=g), params)
+    noise = PositionNoise(k)
+    kids = torch.topk(q / noise.block(0, n, v, stream=CHILDREN), k, dim=-1).indices   # (n, k) w/o replacement
+    pos = torch.arange(n)   # node r at "depth" r: every node has positions (noise) of its own
+    tokens = static_choices(p_logits.expand(n, v), params, noise, 0, pos, n - 1, pos, kids, q.expand(n, v))
+    counts = torch.bincount(tokens, minlength=v)
+    assert pooled_chisquare(counts, process_logits(p_logits, params)) > 1e-3
+    first = torch.bincount(kids[:, 0], minlength=v)   # the first child is a draw of q
+    assert pooled_chisquare(first, q) > 1e-3
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

@@ -138,7 +138,7 @@ def noise_rows(child_pos: torch.Tensor | None, scoring, shape: TreeShape, vocab:
     if scoring is None or scoring.cal is None or scoring.noise is None or child_pos is None:
         return None
     first = len(scoring.committed)  # absolute position of the root's children
-    rows = scoring.noise.block(first, shape.max_depth, vocab, device, RACE)  # (max_depth, V)
+    rows = scoring.noise.block(first, shape.max_depth + 1, vocab, device, RACE)  # (D + 1, V), as the verify step
     return rows.index_select(0, child_pos - first)
 
 

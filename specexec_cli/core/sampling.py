@@ -169,6 +169,8 @@ class PositionNoise:
     def block(self, start: int, count: int, vocab: int, device="cpu", stream: int = RACE) -> torch.Tensor:
         """(count, vocab) float32 noise rows of positions start .. start + count - 1 on `device`."""
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:   # "cuda" and "cuda:0" share one block
+            dev = torch.device("cuda", torch.cuda.current_device())
         slot = (stream, str(dev))
         have_start, rows = self._blocks.get(slot, (start, None))
         end = start + count

@@ -128,7 +128,8 @@ def measure_acceptance(m, ids: list[int], params: SamplingParams, ranks: int = R
 
 
 def sampling_key(params: SamplingParams) -> str:
-    return f"T={params.temperature:g},top_k={params.top_k},top_p={params.top_p:g}"
+    t = 0.0 if params.greedy else params.temperature   # tiny temperatures are greedy
+    return f"T={t:g},top_k={params.top_k},top_p={params.top_p:g}"
 
 
 def acceptance_vector(m, ids: list[int], params: SamplingParams, profile: str | None) -> tuple[float, ...]:

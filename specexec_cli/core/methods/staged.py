@@ -137,8 +137,10 @@ def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram
             chains.append(chain)
             room -= len(chain)
         toks, depth, anc_cols, self_cols = batch_rows(tree, nodes, chains, base)
-        mask = attention_mask(base, anc_cols, self_cols, int(self_cols[-1]) + 1, dtype, draft.device)
-        logits = kvcache.forward(draft, cache, toks, ctx.root_pos + depth, mask)
+        n_cols = int(self_cols[-1]) + 1
+        toks, positions, anc_cols, self_cols = kvcache.stage(draft, toks, ctx.root_pos + depth, anc_cols, self_cols)
+        mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, draft.device)   # staged: no copy
+        logits = kvcache.forward(draft, cache, toks, positions, mask)
         b = nodes.numel()
         tree.mark_run(nodes)
         expand(tree, nodes, logits[:b], shape, params)

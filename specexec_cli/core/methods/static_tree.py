@@ -106,6 +106,8 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
     qrows: dict[int, torch.Tensor] = {}
     logits = run_pending(draft, cache, ctx)[0][None]  # (1, V) at the root
     tree.mark_run(torch.zeros(1, dtype=torch.long))
+    if not params.greedy:   # the children's noise of every level in one block (each level slices it)
+        noise.block(ctx.root_pos + 1, depth_cap, logits.shape[-1], logits.device, CHILDREN)
     frontier = [(0, 0)]  # (tree node, template node) pairs whose logits are in `logits`
     dtype = kvcache.model_dtype(draft)
     for depth in range(1, depth_cap + 1):
