@@ -1,8 +1,7 @@
 """Regenerate the flags reference, docs/flags.md, from `specx <command> --help`.
 
 Contract: replaces the text between `<!-- flags:begin -->` and `<!-- flags:end -->` in docs/flags.md
-with one fenced block per command (run, chat, serve, profile, bench, quantize; commands that do not exist
-are skipped). Run after changing any option: `python tools/gen_flags.py`; `--check` only reports
+with one fenced block per command of the typer app, in the order the app declares them. Run after changing any option: `python tools/gen_flags.py`; `--check` only reports
 (exit 1) when the page is out of date, and `--help` prints usage without touching anything.
 """
 
@@ -18,7 +17,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = "docs/flags.md"
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
-COMMANDS = ["run", "chat", "serve", "profile", "bench", "quantize"]
+
+
+def commands() -> list[str]:
+    """The app's commands, in declaration order (imports the app, not torch)."""
+    sys.path.insert(0, str(ROOT))
+    import typer
+
+    from specexec_cli.terminal.app import app
+
+    return list(typer.main.get_command(app).commands)
+
+
+COMMANDS = commands()
 
 
 def help_text(command: str) -> str | None:
