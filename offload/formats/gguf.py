@@ -4,7 +4,8 @@ Contract: `READER` (base.FormatReader) claims a .gguf file, a split model's part
 holding one GGUF model and no safetensors, or an ollama blob (GGUF magic, no extension);
 `open_ollama(name)` opens an ollama model by name (ollama.py). `open` reads headers and metadata
 only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
-- config: transformers' own config for the file (`AutoConfig.from_pretrained(dir, gguf_file=)`),
+- config: transformers' config for the file, built by its own GGUF key table (as
+  `AutoConfig.from_pretrained(dir, gguf_file=)` does, without parsing the vocabulary twice),
   the families specx runs (GGUF_ARCHS; any other `general.architecture` is one OffloadError line);
 - tensors keyed by HF name (GGUF names mapped through gguf's TensorNameMap against the meta-built
   HF model), each at its byte range in its part file. A tensor stored plain (F32/F16/BF16) that
@@ -65,7 +66,7 @@ class GgufReader:
         if gguf_meta.value(head, "tokenizer.ggml.model") is None or "tokenizer.ggml.tokens" not in head.fields:
             raise OffloadError(f"{first}: no tokenizer in its metadata (tokenizer.ggml.*); re-convert it with "
                                "llama.cpp's convert_hf_to_gguf.py from a model directory that has one")
-        config = _hf_config(first)
+        config = _hf_config(head, arch, readers, first)
         hf_names, shapes = _hf_params(config, arch, first)
         tensors, packed = {}, {}
         for part, reader in zip(parts, readers):
@@ -127,15 +128,37 @@ def _check_split(parts: list[Path], readers) -> None:
                            "every part into the same folder with its original name")
 
 
-def _hf_config(first: Path):
-    from transformers import AutoConfig
+def _config_dict(head, arch: str, readers) -> dict:
+    """config.json-style dict from the metadata, by transformers' own GGUF table (the one
+    `from_pretrained(gguf_file=)` uses), reading scalar keys only (never the vocabulary arrays)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    model_type = "mistral" if arch == "llama" and gguf_meta.value(head, "general.name") == "mistral" else arch
+    cfg = {"model_type": model_type}
+    for key in head.fields:
+        prefix, _, rest = key.partition(".")
+        table = GGUF_CONFIG_MAPPING.get(model_type if prefix == arch else prefix, {})
+        if prefix in ("general", arch, "tokenizer") and table.get(rest) not in (None, -1) and rest != "architecture":
+            cfg[table[rest]] = gguf_meta.value(head, key)
+    for key, val in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}).items():
+        cfg.setdefault(key, val)
+    cfg["tie_word_embeddings"] = all(t.name != "output.weight" for r in readers for t in r.tensors)
+    if "vocab_size" not in cfg:
+        cfg["vocab_size"] = len(head.fields["tokenizer.ggml.tokens"].data)
+    return cfg
+
+
+def _hf_config(head, arch: str, readers, first: Path):
+    """transformers' config object for the file (as `AutoConfig.from_pretrained(dir, gguf_file=)`)."""
+    from transformers import CONFIG_MAPPING
     from transformers.utils import logging as hf_logging
 
     from ..families import Family
 
     hf_logging.set_verbosity_error()
     try:
-        config = AutoConfig.from_pretrained(first.parent, gguf_file=first.name)
+        cfg = _config_dict(head, arch, readers)
+        config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
     except Exception as exc:  # noqa: BLE001 - any failure is metadata transformers cannot use
         msg = (str(exc).splitlines() or [""])[0][:120]
         raise OffloadError(f"{first}: its metadata does not describe a model transformers can build "
