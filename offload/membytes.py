@@ -124,8 +124,10 @@ def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq:
     """Transient device bytes of one pass of T new tokens over S key positions (one layer alive).
 
     hidden states (residual, normed, attention/MLP outputs: 4 x T x hidden), q/k/v before and
-    after RoPE (2 x T x (H + 2 KV) x hd), GQA-expanded K/V (2 x H x S x hd: transformers' sdpa path
-    repeats K/V whenever a mask is passed), attention scores only under eager attention (H x T x S:
+    after RoPE (2 x T x (H + 2 KV) x hd), grouped-query attention with G = H / KV > 1: under "sdpa"
+    (run as offload/attention.py's specx_gqa) a masked multi-query pass folds the group into the
+    query axis (a copy of q, T x H x hd, and the mask repeated G times, G x T x S), under eager
+    transformers repeats K/V (2 x H x S x hd); attention scores only under eager attention (H x T x S:
     scores and softmax output in c plus an fp32 softmax; sdpa's kernels with a mask, CUDA memory-
     efficient and CPU flash, work in tiles and materialize none), MLP gate/up/act/product
     (4 x T x I), the 4-D additive mask and a padded copy (2 x T x S), `deq` bytes of dequantization
@@ -135,7 +137,11 @@ def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq:
     """
     hidden = 4 * t * a.hidden * c
     qkv = 2 * t * (a.heads + 2 * a.kv_heads) * a.head_dim * c
-    gqa = 2 * a.heads * s * a.head_dim * c if a.kv_heads != a.heads else 0
+    gqa = 0
+    if a.kv_heads != a.heads and attn == "eager":
+        gqa = 2 * a.heads * s * a.head_dim * c
+    elif a.kv_heads != a.heads and t > 1 and not fused:
+        gqa = (a.heads // a.kv_heads) * t * s * c + t * a.heads * a.head_dim * c
     scores = a.heads * t * s * (2 * c + 4) if attn == "eager" else 0
     mlp = 4 * t * a.intermediate * c
     mask = t * s if fused else 2 * t * s * c

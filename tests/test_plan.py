@@ -84,12 +84,14 @@ def kv(c: dict, rows: int, elem: int) -> int:
 def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: bool = False,
              draft: bool = False) -> int:
     """One sdpa pass: no H x T x S scores (the masked sdpa kernels tile them; fused: a causal prefill
-    with a T x S boolean mask), GQA-expanded K/V, the logits in the compute dtype; at T = 0 the target
-    samples nothing (argmax), a draft pass keeps 3 fp32 copies of its rows (log-softmax)."""
+    with a T x S boolean mask), GQA without repeated K/V (specx_gqa: a folded copy of q and the mask
+    repeated per group member), the logits in the compute dtype; at T = 0 the target samples nothing
+    (argmax), a draft pass keeps 3 fp32 copies of its rows (log-softmax)."""
     h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or h // heads
     mask = t * s if fused else 2 * t * s * e
-    return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + 2 * heads * s * hd * e
+    fold = 0 if fused or t == 1 or heads == kvh else (heads // kvh) * t * s * e + t * heads * hd * e
+    return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + fold
             + 4 * t * c["intermediate_size"] * e + mask + deq * e
             + logit_rows * c["vocab_size"] * (e + (12 if draft else 0)))
 
