@@ -84,7 +84,9 @@ def kernel_stack(args, bits: int, dtype: torch.dtype):
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
                       num_hidden_layers=args.layers, vocab_size=256)
-    cfg._attn_implementation = "sdpa"
+    from offload.attention import implementation
+
+    cfg._attn_implementation = implementation("sdpa")   # the draft's attention in specx (no repeated K/V)
     g = torch.Generator().manual_seed(bits)
     layers = []
     for i in range(args.layers):
