@@ -72,7 +72,7 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
 def _packed_method(config: dict) -> bool:
     """True for the packed-int4 layouts whose linears stream as stored (offload/formats)."""
     qc = config.get("quantization_config")
-    return isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors")
+    return isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors", "gguf")
 
 
 @dataclass

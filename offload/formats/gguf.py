@@ -82,7 +82,8 @@ class GgufReader:
                 tensors[name] = _info(name, part, t, config, arch)
                 if tensors[name].qtype is not None:
                     packed[name] = (name,)
-        ckpt = Checkpoint(path=path, format="gguf", config=config.to_dict(), hf_config=config, tensors=tensors,
+        cfg = dict(config.to_dict(), quantization_config={"quant_method": "gguf"})   # the plan's packed-format marker
+        ckpt = Checkpoint(path=path, format="gguf", config=cfg, hf_config=config, tensors=tensors,
                           files=list(parts), reader=self, quant=_quant(head, tensors), packed=packed,
                           tokenizer_path=first.parent, tokenizer_kwargs={"gguf_file": first.name},
                           chat_template=gguf_meta.value(head, "tokenizer.chat_template"),

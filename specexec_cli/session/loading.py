@@ -79,10 +79,13 @@ def draft_dtype_name(dtype: str, draft_dtype: str) -> str:
 def resolve_path(name: str, flag: str) -> Path:
     """A local model dir, or a hub id looked up in the local HF cache (offline)."""
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists():
-        raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json")
+        raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json, or a .gguf file")
+    blob = ollama_blob(name, flag)
+    if blob is not None:
+        return blob
     try:
         from huggingface_hub import snapshot_download
 
@@ -95,7 +98,10 @@ def resolve_path(name: str, flag: str) -> Path:
 
 
 def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
-    """Validate the dir; returns True when weights are safetensors."""
+    """Validate the dir; returns True when weights are safetensors (or GGUF)."""
+    if is_gguf(path):
+        open_checkpoint(path, flag)
+        return True
     if not (path / "config.json").is_file():
         raise SpecxError(f"{flag} {path}: missing config.json; is this a Hugging Face model directory?")
     check_config(path, flag)
@@ -141,6 +147,8 @@ def load_tokenizer(path: Path, flag: str, trust: bool):
     from transformers import AutoTokenizer
 
     try:
+        if is_gguf(path):   # transformers builds it from the GGUF metadata
+            return open_checkpoint(path, flag).load_tokenizer(trust)
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     except Exception as exc:
         raise SpecxError(f"{flag} {path}: cannot load the tokenizer ({exc.__class__.__name__}); "
@@ -169,7 +177,9 @@ def read_config(path: Path) -> dict:
 def needs_offload_path(path: Path) -> bool:
     """Checkpoints HF's resident model cannot run exactly under specx's 4-D tree masks (sliding
     windows are ignored for custom masks) or loads differently (pre-quantized 4-bit): the offload
-    path serves them, all layers resident, with `--offload none`."""
+    path serves them, all layers resident, with `--offload none`. GGUF files too (streamed as stored)."""
+    if is_gguf(path):
+        return True
     cfg = read_config(path)
     sliding = "sliding_attention" in (cfg.get("layer_types") or [])
     sliding |= bool(cfg.get("sliding_window")) and (cfg.get("model_type") == "mistral"
@@ -183,6 +193,8 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     from offload.attention import implementation as gqa_attention   # SDPA without repeated K/V
 
     safe = check_weights(path, flag, opts.allow_pickle)
+    if is_gguf(path):   # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
+        return load_gguf_hf(path, flag, opts, device, dtype)
     index = open_checkpoint(path, flag) if safe else None
     config = load_config(path, flag, opts.trust_remote_code)
     # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
@@ -199,6 +211,39 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     except (OSError, RuntimeError, KeyError) as exc:
         raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
     check_loading_info(info, index, flag, path, config.model_type)
+    return model.to(device).eval()
+
+
+def is_gguf(path: Path) -> bool:
+    """A GGUF model: a .gguf file (or split part, or ollama blob), or a directory holding one and no
+    safetensors (offload/formats/gguf.py)."""
+    from offload.formats.gguf import READER
+
+    return READER.detect(Path(path))
+
+
+def ollama_blob(name: str, flag: str) -> Path | None:
+    """The GGUF blob of an ollama model name (read-only, $OLLAMA_MODELS honoured), or None."""
+    from offload import OffloadError
+    from offload.formats import ollama
+
+    try:
+        model = ollama.resolve(name)
+    except OffloadError as exc:
+        raise SpecxError(f"{flag} {exc}") from None
+    return model.blob if model is not None else None
+
+
+def load_gguf_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = open_checkpoint(path, flag)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ckpt.tokenizer_path, gguf_file=ckpt.tokenizer_kwargs["gguf_file"],
+                                                     dtype=dtype)
+    except (ValueError, OSError, RuntimeError, KeyError) as exc:
+        raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
+    model.checkpoint = ckpt
     return model.to(device).eval()
 
 
@@ -284,6 +329,9 @@ def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
 
 def eos_ids(tokenizer, model) -> frozenset[int]:
     ids = set()
+    gen = getattr(getattr(model, "checkpoint", None), "generation", None) or {}   # GGUF: EOS and EOT
+    eos = gen.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
     for src in (getattr(model, "generation_config", None), model.config):
         eos = getattr(src, "eos_token_id", None) if src is not None else None
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
