@@ -225,3 +225,7 @@ def small_candidates(plan, target, draft, req, plan_memory) -> None:
     plan.candidates = [c.to_json() for c in cands]
     top = best(cands)
     plan.choice = top.to_json() if top else None
+    if top is not None and top is not cands[0]:
+        plan.notes.append(f"draft cost model: the self-draft at {top.bits} bits is modelled faster "
+                          f"({top.tokens_per_second:.2f} against {cands[0].tokens_per_second:.2f} tokens/s for "
+                          f"{cands[0].draft}); --draft self (or no --draft) uses it")
