@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from openai import OpenAI
 
 from specexec_cli.core.draft import TreeShape
@@ -81,7 +82,10 @@ def client(port: int, key: str = "unused") -> OpenAI:
 
 
 def chat(port, **kw):
-    return client(port).chat.completions.create(model="m", messages=kw.pop("messages", MSG), **kw)
+    """One chat request through the openai SDK (a stream is read to its end)."""
+    with client(port) as sdk:
+        res = sdk.chat.completions.create(model="m", messages=kw.pop("messages", MSG), **kw)
+        return list(res) if kw.get("stream") else res
 
 
 # -- 5xx and OOM --------------------------------------------------------------------------------------
@@ -124,8 +128,10 @@ def test_an_app_failure_is_a_500_with_an_error_id(capfd):
     assert 'specx_refused_requests_total{status="500",type="server_error"} 1' in metrics
 
 
-def test_device_oom_is_a_400_that_says_what_to_lower():
-    worker = real_worker(ScriptedSession(error=RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")))
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("MPS backend out of memory")])  # fmt: skip
+def test_device_oom_is_a_400_that_says_what_to_lower(error):
+    worker = real_worker(ScriptedSession(error=error))
     with app_server(create_app(worker, "m")) as port:
         with pytest.raises(openai.BadRequestError) as err:  # a 4xx: the SDKs do not retry it
             chat(port)
@@ -208,7 +214,7 @@ def test_a_stream_sends_headers_at_once_and_keep_alive_comments():
         assert res.status_code == 200 and head_seconds < 1.0, head_seconds
         first_data = next(i for i, ln in enumerate(lines) if ln.startswith("data:") and '"content": "ok"' in ln)
         assert lines[:first_data].count(": keep-alive") >= 3, lines
-        chunks = list(client(port).chat.completions.create(model="m", messages=MSG, stream=True))
+        chunks = chat(port, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "ok"  # the SDK skips them
 
 
@@ -254,7 +260,7 @@ def test_a_stream_error_after_the_headers_is_an_error_event_and_counted():
     worker = real_worker(ScriptedSession(error=RuntimeError("CUDA out of memory"), delay=1.0))
     with app_server(create_app(worker, "m")) as port:
         with pytest.raises(openai.APIError, match="out of device memory"):
-            list(chat(port, stream=True))
+            chat(port, stream=True)
         _, _, text = raw_http(port, "GET", "/metrics")
     worker.shutdown()
     assert 'specx_refused_requests_total{status="400",type="invalid_request_error"} 1' in text
