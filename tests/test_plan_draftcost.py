@@ -124,3 +124,35 @@ def test_unknown_card_is_one_line_naming_the_known_ones(pair):
     assert res.exit_code == 2 and "Traceback" not in res.output
     err = res.stderr.strip()
     assert len(err.splitlines()) == 1 and "4090" in err and "h100" in err and "--max-gpu-memory" in err
+
+
+def test_auto_without_a_fitting_self_draft_decodes_without_one(capsys):
+    """--draft auto when the self-draft plan is refused (a pre-quantized target, a card too small): one
+    notice with the reason, the draft dropped, and the plan made again for no draft."""
+    from types import SimpleNamespace
+
+    from specexec_cli.session.loading import LoadOptions
+    from specexec_cli.session.planning import AUTO, resolve_auto
+
+    refused = SimpleNamespace(fits=False, reason="--draft self: a pre-quantized checkpoint has no 16-bit weights",
+                              substitute_bits=None, candidates=[], choice=None)
+    replanned = []
+    opts, plan = resolve_auto(LoadOptions(target="t", draft=AUTO), refused,
+                              lambda o: replanned.append(o) or SimpleNamespace(fits=True, substitute_bits=None))
+    assert opts.draft is None and replanned == [opts] and plan.fits
+    err = capsys.readouterr().err.strip()
+    assert err == ("--draft auto: no self-draft fits (--draft self: a pre-quantized checkpoint has no 16-bit "
+                   "weights), so decoding runs without a draft (pass --draft DIR for a small one)")
+
+
+def test_no_draft_flag_plans_the_auto_choice(pair, runs, tmp_path):
+    """No --draft on the streamed 70B: the same candidates as --draft self, and one stderr line naming the choice."""
+    path = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(pair[0]), "--dtype", "nf4", "--gpu", "4090",
+                                   "--max-ram", "48GB", "--temperature", "0", "--dry-run", "--stats-json", str(path)])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(path.read_text())["plan"]
+    assert plan["candidates"] == runs["self"][0]["candidates"] and plan["choice"] == runs["self"][0]["choice"]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("--draft auto:")]
+    assert lines == [f"--draft auto: the self-draft at {plan['choice']['bits']} bits (modelled "
+                     f"{plan['choice']['tokens_per_second']:.2f} tokens/s, the best of 2 candidates; --dry-run lists them)"]
