@@ -116,3 +116,27 @@ def test_info_unrunnable_names_reason(tmp_path):
     info = describe(str(path))
     assert not info.runnable and "GPTQ with 8 bits is not supported" in info.reason
     assert dict(rows(info))["specx can run it"].startswith("no: ")
+
+
+def test_specx_info_and_dry_run_cli(sparse70, tmp_path, monkeypatch):
+    """Through the CLI: `specx info` prints the table, `specx run --dry-run` plans the packed 70B
+    at 24 GB from headers alone (loading weights would fail the test)."""
+    from typer.testing import CliRunner
+
+    import specexec_cli.session.loading as loading
+    from specexec_cli.terminal.app import app
+
+    method, path = sparse70
+    res = CliRunner().invoke(app, ["info", str(path)])
+    assert res.exit_code == 0, res.output
+    assert f"format            {method}" in res.stdout and "specx can run it  yes" in res.stdout
+
+    monkeypatch.setattr(loading, "load_models", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["run", "unused.txt", "--target", str(path), "--device", "cuda", "--max-gpu-memory",
+                                   "24GB", "--dry-run", "--stats-json", str(out)])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(out.read_text())["plan"]
+    assert plan["fits"] and plan["device_total"] <= plan["device_capacity"] == 24 * 10**9
+    for comp in ("lm_head", "kv_target", "activations", "cuda_context", "staging_slots"):   # embeddings may live on the host
+        assert plan["device_bytes"][comp] > 0, comp
