@@ -206,3 +206,32 @@ def test_session_counts_host_embedding_rows(tiny_pair):
     list(generate(models, DecodeState(), [3, 5, 7, 9], GenerationConfig(method="specexec", shape=shape,
                                                                          max_new_tokens=4)))
     assert deltas and all(d[:3] == (1, 1, d[3]) for d in deltas), deltas
+
+
+def test_bench_gpu_smoke_runs_every_phase_on_cpu_and_resumes(tmp_path, monkeypatch, capsys):
+    """`bench/gpu.py --smoke`: every phase on CPU with tiny 70B-proportioned shapes (8:1 GQA), the
+    state file records each phase, and a second run with `--phase all` redoes nothing."""
+    import json
+
+    from tests.conftest import load_script
+
+    mod = load_script("bench/gpu.py")
+    out, ckpt = tmp_path / "gpu.json", tmp_path / "ck"
+    argv = ["gpu.py", "--smoke", "--ckpt", str(ckpt), "--out", str(out), "--tokens", "1", "--repeats", "1",
+            "--max-new-tokens", "4", "--budget", "8", "--self-bits", "2"]
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))             # this run's caches only
+    mod.main()
+    res = json.loads(out.read_text())
+    assert set(mod.PHASES) <= set(res) and res["shape"]["num_attention_heads"] == 8 * res["shape"]["num_key_value_heads"]
+    planned = res["write"]["planned_disk"]
+    assert set(planned) == {"checkpoint", "nf4_cache", "hqq2_cache", "draft"}
+    assert res["quantize"]["disk_used"] <= 1.2 * sum(planned.values())    # every cache written was counted
+    rows = {r["draft"]: r for r in res["decode"]["rows"]}
+    assert set(rows) == {"none", "small-draft", "self-2bit"}
+    assert all(k in rows["self-2bit"] for k in ("tokens_per_second", "tokens_per_pass", "stall_seconds_per_pass",
+                                                  "draft_seconds_per_pass"))
+    state = ckpt.with_name(ckpt.name + "-smoke-bench-state.json")
+    before = state.stat().st_mtime_ns
+    mod.main()                                                             # resumes: nothing left to run
+    assert state.stat().st_mtime_ns == before and "| self-2bit |" in capsys.readouterr().out
