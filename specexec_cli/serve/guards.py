@@ -178,7 +178,8 @@ class Observe:
                 seen["status"] = msg["status"]
             elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 seen["ended"] = True
-            if msg["type"] == "http.response.body" and seen["status"] >= 400 and not seen["counted"]:
+            refusal = seen["status"] >= 400 and seen["status"] != 499  # 499: the client left (counted as cancelled)
+            if msg["type"] == "http.response.body" and refusal and not seen["counted"]:
                 seen["counted"] = True
                 self.metrics.refused(seen["status"], error_type(msg.get("body", b"")))
             await send(msg)
