@@ -43,10 +43,10 @@ def _quant(w: np.ndarray, qtype, rng) -> np.ndarray:
 def _tokenizer(writer, vocab: int, chat_template: str | None) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
-    tokens = ["<eos>"] + [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab - 1)]
+    tokens = ["<eos>", "a", "b", "ab"] + [f"x{i}" for i in range(4, vocab)]
     writer.add_token_list(tokens)
     writer.add_token_types([3] + [1] * (vocab - 1))
-    writer.add_token_merges([])
+    writer.add_token_merges(["a b"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(0)
     if chat_template is not None:
@@ -64,6 +64,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
     from safetensors.torch import load_file
 
     sd = {k: v.to(torch.float32).numpy() for k, v in load_file(hf_dir / "model.safetensors").items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
     n = cfg["num_hidden_layers"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     writer = gguf.GGUFWriter(out, arch, split_max_tensors=(-(-len(sd) // split) if split > 1 else 0))
@@ -107,9 +108,11 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
     return out
 
 
-def write_sparse_llama(out: Path, dims: dict = LLAMA_70B, ftype: str = "Q4_K_M") -> Path:
+def write_sparse_llama(out: Path, dims: dict = LLAMA_70B, tokens: int | None = None) -> Path:
     """A real-sized Llama GGUF header (Q4_K_M's mix: Q4_K, with Q6_K for half the V/down weights
-    and the output, as llama-quantize chooses) whose tensor data is a hole (sparse file)."""
+    and the output, as llama-quantize chooses) whose tensor data is a hole (sparse file).
+    `tokens`: length of the vocabulary table written (default: the full vocabulary; the weights and
+    llama.vocab_size keep the real size either way, the plan never reads the table)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -128,7 +131,7 @@ def write_sparse_llama(out: Path, dims: dict = LLAMA_70B, ftype: str = "Q4_K_M")
     writer.add_rope_dimension_count(hd)
     writer.add_vocab_size(dims["vocab"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    _tokenizer(writer, dims["vocab"], "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    _tokenizer(writer, tokens or dims["vocab"], "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
     def add(name, shape, qtype):
         nbytes = gguf.quant_shape_to_byte_shape(shape, qtype)

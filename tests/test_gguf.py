@@ -1,0 +1,200 @@
+"""GGUF checkpoints (offload/formats/gguf.py): opened once from metadata, streamed as stored.
+
+Oracle: transformers loading the same file (`from_pretrained(dir, gguf_file=)`): its config, and
+its logits, which specx's must equal bitwise (fp32) with every layer resident, in RAM and on disk.
+Also: the disk tier reads each layer's GGUF bytes once per pass (within 3%), every tensor handed
+to a layer is 256-byte aligned although GGUF aligns to 32, split files, ollama names (read-only
+manifests under $OLLAMA_MODELS), metadata (template, stops, sampling), one-line errors, and a
+sparse real-sized Llama-3.1-70B Q4_K_M that plans at 24 GB and that `specx info` describes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from offload import OffloadError  # noqa: E402
+from offload.formats import open_checkpoint  # noqa: E402
+from offload.formats.gguf import READER  # noqa: E402
+from tests.conftest import make_model  # noqa: E402
+from tests.gguf_build import write_gguf, write_sparse_llama  # noqa: E402
+
+GB = 1024**3
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+IDS = torch.tensor([[1, 5, 9, 3, 22, 7, 7, 30]])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    hf = make_model(root / "hf", seed=7, layers=2, hidden=256)
+    f = write_gguf(hf, root / "m" / "tiny-q8_0.gguf", "Q8_0", chat_template=TEMPLATE,
+                   sampling={"temp": 0.6, "top_k": 20})
+    return hf, f
+
+
+def _hf_logits(f: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32)
+    with torch.no_grad():
+        return ref(input_ids=IDS).logits
+
+
+def _specx(f, offload: str):
+    from offload.model import OffloadedCausalLM
+
+    return OffloadedCausalLM.from_pretrained(f, device="cpu", dtype=torch.float32, offload=offload)
+
+
+def test_open_reads_metadata(tiny):
+    from transformers import AutoConfig
+
+    _, f = tiny
+    ck = open_checkpoint(f)
+    assert ck.format == "gguf" and ck.reader is READER and ck.files == [f]
+    ref = AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
+    got = ck.hf_config.to_dict()
+    assert {k: v for k, v in got.items() if k != "_name_or_path"} == {k: v for k, v in ref.items() if k != "_name_or_path"}
+    assert ck.chat_template == TEMPLATE
+    assert ck.generation["eos_token_id"] == 0 and ck.generation["top_k"] == 20 and ck.generation["do_sample"]
+    assert abs(ck.generation["temperature"] - 0.6) < 1e-6
+    assert ck.quant["bytes_by_type"]["Q8_0"] > 0 and ck.config["quantization_config"]["quant_method"] == "gguf"
+    q = ck.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert q.qtype == "Q8_0" and q.dtype == torch.uint8 and q.meta["permute"] == 4
+    assert ck.tensors["model.layers.0.input_layernorm.weight"].qtype is None   # F32 norms stay plain
+    assert set(ck.packed) == {n for n, t in ck.tensors.items() if t.qtype is not None}
+    assert any(t.begin % 256 for t in ck.tensors.values())    # GGUF's own 32-byte grid: re-laid by the loader
+    tok = ck.load_tokenizer()
+    assert tok.convert_ids_to_tokens(5) == "x5" and tok("ab")["input_ids"][-1] == 3
+
+
+@pytest.mark.parametrize("offload", ["none", "ram", "disk"])
+def test_logits_equal_transformers(tiny, offload):
+    _, f = tiny
+    model = _specx(f, offload)
+    try:
+        with torch.no_grad():
+            got = model(input_ids=IDS).logits
+        assert torch.equal(got, _hf_logits(f))
+        for i in model.plan.streamed:     # every tensor handed to a layer starts on a 256-byte boundary
+            assert all(s.offset % 256 == 0 for s in model.store.layout(i).slices.values())
+        if offload == "disk":
+            layer_bytes = sum(model.checkpoint.layer_bytes(i) for i in model.plan.streamed)
+            per_pass = model.stats.streamed_bytes_per_pass
+            assert layer_bytes <= per_pass <= 1.03 * layer_bytes, (per_pass, layer_bytes)
+    finally:
+        model.close()
+
+
+def test_split_file_equals_single(tiny, tmp_path):
+    hf, f = tiny
+    first = write_gguf(hf, tmp_path / "split.gguf", "Q8_0", split=3)
+    ck = open_checkpoint(first)
+    assert [p.name for p in ck.files] == [f"split-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    model = _specx(first, "disk")
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=IDS).logits, _hf_logits(f))
+    finally:
+        model.close()
+    ck.files[1].unlink()
+    with pytest.raises(OffloadError, match="part 2 of 3"):
+        open_checkpoint(first)
+
+
+def _ollama_store(root: Path, blob_src: Path, params: dict) -> Path:
+    def put(data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        (root / "blobs").mkdir(parents=True, exist_ok=True)
+        (root / "blobs" / f"sha256-{digest}").write_bytes(data)
+        return f"sha256:{digest}"
+
+    layers = [{"mediaType": "application/vnd.ollama.image.model", "digest": put(blob_src.read_bytes())},
+              {"mediaType": "application/vnd.ollama.image.params", "digest": put(json.dumps(params).encode())}]
+    man = root / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q8"
+    man.parent.mkdir(parents=True)
+    man.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    return root
+
+
+def test_ollama_name(tiny, tmp_path, monkeypatch):
+    from offload.formats import ollama
+
+    _, f = tiny
+    root = _ollama_store(tmp_path / "ollama", f, {"temperature": 0.3, "stop": ["<user>"]})
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+    assert ollama.resolve("tiny:latest") is None and ollama.resolve("not a name!") is None
+    ck = READER.open_ollama("tiny:q8")
+    assert ck.format == "gguf" and ck.files[0].parent == root / "blobs"
+    assert ck.generation["temperature"] == 0.3 and ck.generation["stop_strings"] == ["<user>"]
+    from specexec_cli.session.loading import resolve_path
+
+    assert resolve_path("library/tiny:q8", "--target") == ck.files[0]
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before    # read-only
+    ck.files[0].unlink()
+    with pytest.raises(OffloadError, match="missing; re-pull"):
+        ollama.resolve("tiny:q8")
+
+
+def test_unsupported_arch_and_missing_tokenizer(tiny, tmp_path):
+    hf, _ = tiny
+    with pytest.raises(OffloadError, match="architecture 'bert' is not supported"):
+        open_checkpoint(write_gguf(hf, tmp_path / "bert.gguf", "Q8_0", arch="bert"))
+    with pytest.raises(OffloadError, match=r"no tokenizer in its metadata"):
+        open_checkpoint(write_gguf(hf, tmp_path / "notok.gguf", "Q8_0", tokenizer=False))
+
+
+def test_directory_holding_one_gguf(tiny, tmp_path):
+    _, f = tiny
+    d = tmp_path / "dir"
+    d.mkdir()
+    shutil.copy(f, d / f.name)
+    assert open_checkpoint(d).files == [d / f.name]
+    shutil.copy(f, d / "other.gguf")
+    with pytest.raises(OffloadError, match="holds 2 GGUF models"):
+        open_checkpoint(d)
+
+
+@pytest.fixture(scope="module")
+def sparse70(tmp_path_factory):
+    return write_sparse_llama(tmp_path_factory.mktemp("s70") / "Llama-3.1-70B-Instruct-Q4_K_M.gguf", tokens=2048)
+
+
+def test_sparse_70b_q4_k_m_plans_at_24gb(sparse70):
+    from offload.memplan import PlanRequest, plan_memory
+
+    assert sparse70.stat().st_blocks * 512 < 64 << 20          # a hole: no tensor data on disk
+    ck = open_checkpoint(sparse70)
+    assert ck.quant["file_type"] == "Q4_K_M" and ck.num_layers == 80 and ck.hf_config.vocab_size == 128256
+    stored = [ck.layer_bytes(i) for i in range(80)]
+    assert 0.45 * GB < stored[0] < 0.55 * GB                   # ~42.5 GB over 80 layers, as stored
+    req = PlanRequest(device="cuda", dtype="bf16", draft_dtype=None, ram_free=200 * GB, device_free=24 * GB,
+                      ctx=4096, budget=64)
+    plan = plan_memory(ck, None, req)
+    assert plan.fits, plan.reason
+    norms_f32_to_bf16 = 2 * 8192 * (4 - 2)      # the two F32 norms of a layer are kept in bf16
+    assert all(0 <= b - (s - norms_f32_to_bf16) <= 256 * 16 for s, b in zip(stored, plan.layer_bytes))
+    assert sum(plan.device_bytes.values()) <= 24 * GB
+    assert plan.device_bytes["staging_slots"] >= 2 * max(plan.layer_bytes)   # two streamed layers in flight
+    assert plan.device_bytes["activations"] >= 28672 * 8192 * 2      # the largest linear dequantized in bf16
+    for comp in ("lm_head", "kv_target", "cuda_context"):
+        assert plan.device_bytes[comp] > 0, comp
+
+
+def test_specx_info_describes_sparse_70b(sparse70):
+    from specexec_cli.session.info import describe, rows
+
+    info = describe(str(sparse70))
+    assert info.runnable, info.reason
+    assert (info.format, info.family, info.layers, info.vocab) == ("gguf", "llama", 80, 128256)
+    table = dict(rows(info))
+    assert table["specx can run it"] == "yes" and "gguf" in table["format"]
