@@ -6,7 +6,8 @@ extension-less ollama blob). `read_part(file)` parses one part with the `gguf` p
 GGUFReader and refuses, in one OffloadError line naming the file (and tensor) and the fix, what
 would otherwise run on garbage: an empty or non-GGUF file, a header that does not parse, a tensor
 type id that is not a GGML type, a type specx cannot dequantize (named, with the supported ones),
-a tensor whose bytes (type and shape) run past the end of the file or overlap the next tensor,
+a tensor whose bytes (type and shape) run past the end of the file, overlap the next tensor or
+leave a gap before it (writers lay tensors back to back, padded to the alignment),
 and an offset off the file's alignment. `value(reader, key)` is one metadata value as a plain Python value.
 """
 
@@ -96,8 +97,11 @@ def _header_checked_reader():
                 spans.append((begin, begin + n, name))
             spans.sort()
             for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
-                if b1 < e0:
-                    raise OffloadError(f"{self.path}: tensors {n0!r} and {n1!r} overlap (their byte counts do not "
+                # writers lay tensors back to back, each padded to the alignment: anything else means a
+                # byte count that does not match the tensor's type and shape
+                if b1 != e0 + (-e0) % self.alignment:
+                    what = "overlap" if b1 < e0 else "leave a gap"
+                    raise OffloadError(f"{self.path}: tensors {n0!r} and {n1!r} {what} (their byte counts do not "
                                        "match their types and shapes); the file is corrupt - re-download it")
             return super()._build_tensors(start_offs, fields)
 
