@@ -22,8 +22,9 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from offload.formats import gguf_quants as gq  # noqa: E402
 
-QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
-HALF_AT = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+HALF_AT = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
+           T.Q6_K: (208,)}
 CACHE = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp"
 
 

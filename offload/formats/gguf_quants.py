@@ -7,7 +7,8 @@ in `dtype`, computed on `raw.device`. The arithmetic follows the reference dequa
 `gguf` package (`gguf.quants.dequantize`, numpy) step for step in float32, so the float32 result is
 bitwise equal to it for every supported type; a 16-bit `dtype` is that result rounded once.
 Block layouts (block size, bytes per block) come from `gguf.GGML_QUANT_SIZES`; `SUPPORTED` names
-the types Q4_K_M, Q5_K_M, Q8_0, Q4_0 and 16/32-bit files use. Rows are processed in chunks of at
+the types Q4_K_M, Q5_K_M, Q8_0, Q4_0 and 16/32-bit files use (Q5_0/Q4_1/Q5_1: llama-quantize's
+fallbacks for rows that are not a multiple of 256). Rows are processed in chunks of at
 most `CHUNK_ELEMS` values so the float32 temporaries stay bounded (`temp_bytes`).
 """
 
@@ -19,13 +20,13 @@ QK_K = 256                      # super-block size of the K-quants
 CHUNK_ELEMS = 1 << 24           # float32 values per dequantization chunk (64 MiB of temporaries)
 
 # GGMLQuantizationType values (gguf.constants; kept numeric so this module imports without gguf)
-F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 # type -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES states them
-BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18),
-         Q4_K: (QK_K, 144), Q5_K: (QK_K, 176), Q6_K: (QK_K, 210)}
+BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20),
+         Q5_0: (32, 22), Q5_1: (32, 24), Q4_K: (QK_K, 144), Q5_K: (QK_K, 176), Q6_K: (QK_K, 210)}
 SUPPORTED = tuple(BLOCK)
-NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0",
-         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
+         Q5_1: "Q5_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -74,6 +75,34 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
     qs = b[:, 2:]                                                 # (n, 16): low nibbles 0..15, high 16..31
     q = torch.stack([qs & 0x0F, qs >> 4], dim=1).reshape(n, 32)
     return d * (q.to(torch.int8) - 8).to(torch.float32)
+
+
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16) bytes -> (n, 32) values: low nibbles are values 0..15, high nibbles 16..31."""
+    return torch.stack([qs & 0x0F, qs >> 4], dim=1).reshape(qs.shape[0], 32)
+
+
+def _bits32(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) bytes of a little-endian uint32 -> (n, 32) of its bits, bit i at column i."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return ((qh.reshape(-1, 4, 1) >> shifts) & 1).reshape(qh.shape[0], 32)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    return d * _nibbles32(b[:, 4:]).to(torch.float32) + m
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[:, :2])
+    q = _nibbles32(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4)
+    return d * (q.to(torch.int8) - 16).to(torch.float32)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    q = _nibbles32(b[:, 8:]) | (_bits32(b[:, 4:8]) << 4)
+    return d * q.to(torch.float32) + m
 
 
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +155,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, QK_K)
 
 
-_BLOCK_FN = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+_BLOCK_FN = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k,
+             Q6_K: _q6_k}
 
 
 def _plain(raw: torch.Tensor, qtype: int) -> torch.Tensor:
