@@ -13,7 +13,15 @@ every turn (`specx.prefill_tokens`). Writes --out/serve.json and prints markdown
 serve tables of docs/performance.md come from its JSON
 (tools/perf_tables.py). The ratio server ÷ run should be >= 0.95.
 
+`--background`: instead, the prompt cache against the one-entry cache (`--cache-ram 0`: only the
+live device state, as before the prompt cache): one server each, both with a system prompt, the
+same five-turn streamed chat conversation (user turns: the bench prompts) with Open WebUI's
+background requests after every reply (a title and a follow-up suggestion request, not streamed,
+one user message with the history pasted in). Per turn: time to first token (the prefill), turn
+time, prompt and cached tokens; the replies must be equal (T = 0). Writes --out/cache.json.
+
     python bench/serve.py --num-prompts 5 --max-new-tokens 128 --out /tmp/serve-bench
+    python bench/serve.py --background --out bench/results/serve
 """
 
 from __future__ import annotations
@@ -91,6 +99,77 @@ def conversation(client, n: int, reuse: bool) -> list[int]:
     return prefill
 
 
+SYSTEM = ("You are a careful Python reviewer. Read the code the user sends, continue it in the same style, keep "
+          "names consistent, and do not repeat the code back.")  # fmt: skip
+
+
+def history(msgs: list[dict], last: int) -> str:
+    return "\n".join(f"{m['role'].upper()}: {m['content']}" for m in msgs[-last:])
+
+
+def background(client, msgs: list[dict]) -> None:
+    """Open WebUI's tasks after a reply: a title, then follow-up suggestions (not streamed)."""
+    for task, last in (("Generate a concise, 3-5 word title with an emoji summarizing the chat history.", 2),
+                       ("Suggest 3-5 relevant follow-up questions the user might ask next.", 6)):
+        prompt = f"### Task:\n{task}\n### Chat History:\n<chat_history>\n{history(msgs, last)}\n</chat_history>"
+        client.chat.completions.create(model="specx", messages=[{"role": "user", "content": prompt}], max_tokens=32,
+                                       temperature=0)  # fmt: skip
+
+
+def cached_turns(client, turns: list[str], n: int) -> list[dict]:
+    """Five streamed turns with the background requests between them; per turn: TTFT, turn time, tokens."""
+    msgs, rows = [], []
+    for turn in turns:
+        msgs.append({"role": "user", "content": turn})
+        t0 = time.perf_counter()
+        first, parts, usage, stats = None, [], None, {}
+        for chunk in client.chat.completions.create(model="specx", messages=msgs, max_tokens=n, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):  # fmt: skip
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                parts.append(chunk.choices[0].delta.content)
+            stats = (chunk.model_extra or {}).get("specx") or stats
+            usage = chunk.usage or usage
+        end = time.perf_counter()
+        rows.append({"ttft_s": (first or end) - t0, "turn_s": end - t0, "prompt_tokens": usage.prompt_tokens,
+                     "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                     "completion_tokens": usage.completion_tokens, "reply": "".join(parts)})  # fmt: skip
+        msgs.append({"role": "assistant", "content": rows[-1]["reply"]})
+        background(client, msgs)
+    return rows
+
+
+def cache_bench(args, flags: list[str], prompts: list[str]) -> None:
+    from openai import OpenAI
+
+    turns = [p[: args.turn_chars] for p in prompts[: args.num_prompts]]
+    sides = {}
+    for name, extra in (("cache", ["--cache-ram", args.cache_ram] if args.cache_ram else []),
+                        ("one_entry", ["--cache-ram", "0"])):
+        proc, base = start_server([*flags, "--system", SYSTEM, *extra])
+        try:
+            sides[name] = cached_turns(OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600),
+                                       turns, args.max_new_tokens)  # fmt: skip
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    later = slice(1, None)   # turns 2..5: the ones a cache can serve
+    summary = {k: {"ttft_s_turns_2_5": sum(r["ttft_s"] for r in v[later]),
+                   "turn_s_turns_2_5": sum(r["turn_s"] for r in v[later]),
+                   "cached_fraction_turns_2_5": sum(r["cached_tokens"] for r in v[later])
+                   / sum(r["prompt_tokens"] for r in v[later])} for k, v in sides.items()}  # fmt: skip
+    summary["same_replies"] = [r["reply"] for r in sides["cache"]] == [r["reply"] for r in sides["one_entry"]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"summary": summary, "flags": flags, "max_new_tokens": args.max_new_tokens, "turns": sides}
+    (args.out / "cache.json").write_text(json.dumps(record, indent=1) + "\n")
+    print("| turn | prompt | cached (cache) | TTFT s (cache) | cached (one entry) | TTFT s (one entry) |")
+    print("|---|---|---|---|---|---|")
+    for t, (a, b) in enumerate(zip(sides["cache"], sides["one_entry"]), 1):
+        print(f"| {t} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']:.3f} | {b['cached_tokens']} "
+              f"| {b['ttft_s']:.3f} |")
+    print(json.dumps(summary, indent=1))
+
+
 def summarize(rows: list[dict]) -> dict:
     """Aggregate rates (total tokens / total time) over the prompts that produced >= 2 tokens: a reply that
     ends at its first token has no streaming rate."""
@@ -116,12 +195,17 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--turn-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("bench-serve"))
+    ap.add_argument("--background", action="store_true", help="the prompt cache against --cache-ram 0 (see above)")
+    ap.add_argument("--cache-ram", default=None, help="--background: the cached server's --cache-ram (default: its own)")
+    ap.add_argument("--turn-chars", type=int, default=1200, help="--background: characters of each user turn")
     ap.add_argument("flags", nargs="*", help="extra flags for both specx run and specx serve (after --)")
     args = ap.parse_args()
     from openai import OpenAI
 
     flags = ["--target", args.target, "--draft", args.draft, *args.flags]
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if args.background:
+        return cache_bench(args, flags, prompts)
     proc, base = start_server(flags)
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
     rows = []

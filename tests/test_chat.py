@@ -124,6 +124,33 @@ def test_template_turns_reuse_the_prefix_and_recover_from_divergence(models):
         tok.chat_template = None
 
 
+NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+             "{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+
+
+def test_a_template_that_rejects_the_system_role_gets_it_folded(models):
+    """Gemma-2's template raises for a system message: `specx chat --system` folds it into the first
+    user turn (as llama.cpp and ollama do); a template error for another reason is a TemplateError."""
+    from specexec_cli.session.chat import TemplateError, render_template
+
+    tok = models.tokenizer
+    tok.chat_template = NO_SYSTEM
+    try:
+        s = ChatSession(models, GenerationConfig(shape=TreeShape(8, 8), max_new_tokens=6), system="be brief")
+        out: list[str] = []
+        s.reply("def f(x):", out.append)
+        s.reply("x = 1", out.append)
+        assert s.turn_stats[1].prompt_tokens < len(s.state.ids) // 2   # the folded rendering is stable: reused
+        assert render_template(tok, s.messages[:2]) == "u: be brief\n\ndef f(x):\na:"
+        with pytest.raises(TemplateError, match="roles must alternate"):
+            render_template(tok, [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+                                  {"role": "user", "content": "b"}])  # fmt: skip
+    finally:
+        tok.chat_template = None
+
+
 def test_ctrl_c_mid_reply_keeps_the_partial_reply(tiny_pair, random_draft, tmp_path):
     """SIGINT a real `specx chat` process mid-reply: partial reply kept, clean exit with a summary."""
     log, saved = tmp_path / "t.jsonl", tmp_path / "c.json"

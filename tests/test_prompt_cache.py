@@ -52,6 +52,19 @@ def test_a_short_request_never_evicts_a_longer_conversation_in_use():
     assert [e.target_len for e in cache.entries] == [39] and cache.stats.evictions == 1
 
 
+def test_a_continued_conversation_survives_a_longer_one_shot():
+    conv = state(list(range(1, 61)))
+    cache = PromptCache(capacity=100 * ROW_BYTES)
+    assert cache.save(conv)
+    cache.clock += 1
+    assert cache.prepare(state([0]), list(range(1, 61)) + [7, 8], NoModels) == 59   # turn 2 restores it
+    follow_up = state([400 + i for i in range(80)], seed=2)   # longer: the history pasted into one message
+    cache.clock += 1
+    assert not cache.save(follow_up) and [e.target_len for e in cache.entries] == [59]
+    cache.clock += cache.protect_requests
+    assert cache.save(follow_up) and [e.target_len for e in cache.entries] == [79]
+
+
 def test_lru_by_bytes_and_short_snapshots_are_not_kept():
     cache = PromptCache(capacity=100 * ROW_BYTES)
     a, b, c = (state([k * 1000 + i for i in range(41)], seed=k) for k in (1, 2, 3))
