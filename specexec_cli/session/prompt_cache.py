@@ -6,8 +6,9 @@ copies of the target's and the draft's cache rows; pinned on CUDA when `pin`). T
 `ChatSession.prefill_ids` calls `prepare(state, full_ids, models)`, which
 1. restores the snapshot sharing the longest prefix with the request into the device caches, when
    it reuses more rows than the live state does (the live state is saved first when worth it);
-2. otherwise, when the request would rewind the live state and discard more rows than it keeps,
-   saves the live state before the rewind (so a title request does not cost the conversation).
+2. otherwise, when the request would rewind the live state and discard at least `min_tokens`
+   rows, saves the live state before the rewind (so a title request that shares only the system
+   prompt does not cost the conversation; a reply re-tokenized differently discards a few rows).
 Restores are bit-exact copies of the rows the live state held, so a conversation's replies do not
 depend on what ran between its turns. Bytes are counted exactly (K and V of every layer's rows).
 
@@ -16,12 +17,16 @@ Open WebUI and LibreChat send after every reply: titles, tags, follow-up suggest
 - a snapshot of fewer than `min_tokens` rows is not kept (prefilling it is as cheap as copying);
 - a snapshot that extends another one's rows (the same conversation, one turn later; or the entry
   the live state was restored from) replaces it; one that another entry already covers is not kept;
-- room is made by evicting least recently used entries first, except PROTECTED ones: an entry with
-  more rows than the newcomer, used within the last `protect_requests` requests. If evicting every
-  unprotected entry does not make room, the newcomer is refused and nothing is evicted.
-So a short one-shot request never pushes a longer conversation that is in use out; a conversation
-nobody continued for `protect_requests` requests can be evicted by anything, and one entry larger
-than the whole capacity is never kept. `stats` counts hits (restores), saves, evictions, refusals.
+- room is made by evicting least recently used entries first, except PROTECTED ones: entries used
+  within the last `protect_requests` requests that have more rows than the newcomer or that were
+  continued (restored by a later request: a conversation, not a one-shot; a snapshot that extends
+  one inherits that). If evicting every unprotected entry does not make room, the newcomer is
+  refused and nothing is evicted.
+So a one-shot request (one user message with the history pasted in, as titles, tags and follow-up
+suggestions are) never pushes out a longer conversation in use, nor one already continued even
+when the one-shot's prompt is longer; a conversation nobody continued for `protect_requests`
+requests can be evicted by anything, and an entry larger than the whole capacity is never kept.
+`stats` counts hits (restores), saves, evictions, refusals.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Snapshot:
     draft: list[tuple[torch.Tensor, torch.Tensor]]  # per draft layer, (1, kv_heads, draft_len, head_dim)
     nbytes: int  # host bytes of all those tensors
     last_used: int = 0  # the cache's request clock when it was last saved or restored
+    continued: int = 0  # times a request restored it (or the snapshots it extends): > 0 = a conversation
 
     def usable(self, full: list[int]) -> int:
         """Rows of this snapshot a request for `full` can reuse (one prompt token is always prefilled)."""
@@ -104,11 +110,12 @@ class PromptCache:
             self.save(st, keep=best)
             restore(best, st, models, rows)
             best.last_used, self.source = self.clock, best
+            best.continued += 1
             self.stats.hits += 1
             self.stats.restored_tokens += rows
             return rows
         kept = min(common_prefix(full, st.ids), len(full) - 1)
-        if st.target_len - kept > kept:   # the rewind would discard more than it keeps
+        if st.target_len - kept >= self.min_tokens:   # the rewind would discard rows worth keeping
             self.save(st)
         return 0
 
@@ -132,14 +139,16 @@ class PromptCache:
         for e in sorted((e for e in self.entries if e not in stale), key=lambda e: e.last_used):
             if room >= nbytes:
                 break
-            if e is keep or (e.target_len > n and self.clock - e.last_used < self.protect_requests):
-                continue   # a longer conversation in use: a shorter request never pushes it out
+            recent = self.clock - e.last_used < self.protect_requests
+            if e is keep or (recent and (e.target_len > n or e.continued)):
+                continue   # a longer entry or a conversation, in use: protected
             victims.append(e)
             room += e.nbytes
         if room < nbytes:
             return self._refuse()
         snap = Snapshot(ids, n, draft_len, _host_rows(st.target_cache, n, self.pin),
-                        _host_rows(st.draft_cache, draft_len, self.pin), nbytes, self.clock)  # fmt: skip
+                        _host_rows(st.draft_cache, draft_len, self.pin), nbytes, self.clock,
+                        max((e.continued for e in stale), default=0))  # fmt: skip
         with self.lock:
             self.entries = [e for e in self.entries if e not in stale and e not in victims] + [snap]
         if self.source in stale or self.source in victims:
