@@ -221,6 +221,7 @@ def test_bench_gpu_smoke_runs_every_phase_on_cpu_and_resumes(tmp_path, monkeypat
             "--max-new-tokens", "4", "--budget", "8", "--self-bits", "2"]
     monkeypatch.setattr("sys.argv", argv)
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))             # this run's caches only
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")                     # no compile here (tests/test_fused.py)
     mod.main()
     res = json.loads(out.read_text())
     assert set(mod.PHASES) <= set(res) and res["shape"]["num_attention_heads"] == 8 * res["shape"]["num_key_value_heads"]
