@@ -8,12 +8,15 @@ gives every context a top token with processed probability in [0.84, 0.96] (abou
 processed distribution is exactly the table's (a top-p of 0.9 would legitimately cut the tail).
 
 Statistics: those of tests/test_distribution.py (top-1 z, rank chi-square, randomised PIT KS,
-all at alpha = 1e-3), pooled over all emitted tokens of a method.
+all at alpha = 1e-3), on all emitted tokens of a method and, separately, on the peaked stratum
+(tokens whose top probability c_i >= 0.9; a valid test under the null like any split).
 
 Power against the plant (asserted by `assert_catches_the_plant` on the records themselves): the
-planted bug raises the top-1 hit count by S = sum over tokens with c_i >= 0.9 of (1 - c_i), while
-the z statistic's standard deviation is sqrt(sum c_i (1 - c_i)); with S >= (3.29 + 1.28) sd the
-two-sided z test at alpha = 1e-3 detects it with power >= 0.9 (in practice S is ~6 sd here).
+planted bug raises the top-1 hit count of the peaked stratum by S = sum over its tokens of
+(1 - c_i), while that stratum's z statistic has standard deviation sqrt(sum c_i (1 - c_i)); with
+S >= (3.29 + 1.28) sd the two-sided z test at alpha = 1e-3 detects it with power >= 0.9 (S is
+~5-6 sd here). Pooled over all tokens the same shift is only ~2.5 sd (the other tokens add
+variance, not signal), so the pooled test alone would miss the plant about half the time.
 `test_the_planted_bug_is_caught` runs the plant (in the one function every method uses to turn
 logits into probabilities) and asserts the check fails, so this file cannot pass vacuously.
 """
@@ -81,20 +84,30 @@ def collect(method: str) -> list:
     return [rec for seed in range(RUNS) for rec in emitted(method, seed)]
 
 
+def peaked(records) -> list:
+    """The stratum the plant acts on: tokens whose top processed probability is >= 0.9."""
+    return [r for r in records if r[0][0] >= 0.9]
+
+
 def assert_catches_the_plant(records) -> None:
-    c = [r[0][0] for r in records]
-    shift = sum(1 - x for x in c if x >= 0.9)
+    c = [r[0][0] for r in peaked(records)]
+    shift = sum(1 - x for x in c)
     sd = math.sqrt(sum(x * (1 - x) for x in c))
-    need = norm.isf(ALPHA / 2) + norm.isf(0.9)
+    need = norm.isf(ALPHA / 2) + norm.isf(1 - 0.9)   # two-sided alpha, power 0.9
     assert shift >= need * sd, (shift, sd, len(records))
-    assert sum(x >= 0.9 for x in c) >= 0.25 * len(c)   # the table really is peaked around 0.9
+    assert len(c) >= 0.25 * len(records)   # the table really is peaked around 0.9
+
+
+def check_peaked(records, label: str) -> None:
+    check(records, f"{label}, all tokens")
+    check(peaked(records), f"{label}, tokens with p >= 0.9")
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_peaked_distributions_are_sampled_exactly(method):
     records = collect(method)
     assert_catches_the_plant(records)
-    check(records, f"{method} (peaked)")
+    check_peaked(records, f"{method} (peaked)")
 
 
 def _planted(original):
@@ -115,4 +128,4 @@ def test_the_planted_bug_is_caught(method, monkeypatch):
         if getattr(mod, "__name__", "").startswith("specexec_cli") and getattr(mod, "process_logits", None) is original:
             monkeypatch.setattr(mod, "process_logits", fake)
     with pytest.raises(AssertionError, match="p-values"):
-        check(collect(method), f"{method} (planted)")
+        check_peaked(collect(method), f"{method} (planted)")

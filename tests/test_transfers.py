@@ -88,13 +88,13 @@ def _bytes_bound(shape: TreeShape) -> int:
     return b * (2 * k + 1) * 4 + b * (d + 4) * 8 + n * (d + 5 + k) * 8 + n * 4 + 2 * n * 8
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("method", ["specexec", "chain", "specinfer", "sequoia"])
-def test_bytes_per_draft_forward_do_not_grow_with_vocab(method, temperature):
-    """Same tree limits, 16x the vocabulary: the bytes copied per draft forward stay put."""
+def test_bytes_per_draft_forward_do_not_grow_with_vocab(method):
+    """Same tree limits, 16x the vocabulary: the bytes copied per draft forward stay put (T = 0;
+    T > 0 is held to the same bound and to the greedy figure below)."""
     per_forward = {}
     for vocab in (256, 4096):
-        steps, _ = run_steps(pair(vocab), method, temperature)
+        steps, _ = run_steps(pair(vocab), method)
         fwd = sum(s[0] for s in steps)
         per_forward[vocab] = sum(s[2] for s in steps) / fwd
     assert per_forward[4096] <= _bytes_bound(SHAPE) < 4096 * 4   # less than one vocabulary row
@@ -124,8 +124,12 @@ def test_sampled_verify_copies_one_vector_per_pass(method):
     (every node's token, chosen on the device), whatever the number of emitted tokens; the bytes of
     a pass exceed the greedy figure for the same limits by less than one fp32 vocabulary row."""
     vocab = 4096
+    m = pair(vocab)
+    if method == "sequoia":   # measure its acceptance vector first: that calibration runs the draft once
+        from specexec_cli.core.methods.sequoia import acceptance_vector
+        acceptance_vector(m, list(range(1, 30)), SamplingParams(0.8), None)
     before = transfers.snapshot()
-    steps, sampled = run_steps(pair(vocab), method, temperature=0.8)
+    steps, sampled = run_steps(m, method, temperature=0.8)
     moved = transfers.since(before)
     downloads = moved.calls - moved.uploads
     assert steps and downloads
@@ -133,6 +137,8 @@ def test_sampled_verify_copies_one_vector_per_pass(method):
         assert calls <= 2 * forwards + 4
     total_forwards = sum(s[0] for s in steps)
     assert downloads == total_forwards + len(steps) + 1   # + 1: the prefill's draw
+    if total_forwards:
+        assert sum(s[2] for s in steps) / total_forwards <= _bytes_bound(SHAPE)
     assert any(s[3] > 1 for s in steps) or method == "ar"      # passes did emit several tokens
     _, greedy = run_steps(pair(vocab), method, temperature=0.0)
     t0, t1 = greedy.to_json(), sampled.to_json()

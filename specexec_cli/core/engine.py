@@ -23,8 +23,8 @@ from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
-from specexec_cli.core.tree import attention_mask, causal_mask, subtree, top_budget, verify_columns
-from specexec_cli.core.verify import accept_tree
+from specexec_cli.core.tree import causal_mask, subtree, top_budget
+from specexec_cli.core.verify import accept_tree, target_pass
 
 
 class ContextOverflow(SpecxError):
@@ -207,14 +207,8 @@ def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape
 
 
 def verify_pass(m: Models, st: DecodeState, vt, *extra: torch.Tensor) -> list[torch.Tensor]:
-    """The target's pass over root + tree → [(n, V) logits, (n,) positions, *extra] on its device.
-    Ids, positions, the mask's ancestor columns and the `extra` host tensors go up in one counted
-    upload (kvcache.stage)."""
-    anc_cols, self_cols, n_cols = verify_columns(vt, st.target_len)
-    ids, positions, anc, own, *extra = kvcache.stage(m.target, vt.tokens, len(st.ids) - 1 + vt.depth, anc_cols,
-                                                     self_cols, *extra)
-    mask = attention_mask(st.target_len, anc, own, n_cols, kvcache.model_dtype(m.target), m.target.device)
-    return [kvcache.forward(m.target, st.target_cache, ids, positions, mask), positions, *extra]
+    """verify.target_pass over root + tree from the state: [(n, V) logits, (n,) positions, *extra]."""
+    return target_pass(m.target, st.target_cache, vt, st.target_len, len(st.ids) - 1, *extra)
 
 
 def speculative_step(

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specexec_cli.core import kvcache
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
 from specexec_cli.core.transfers import to_host, upload
-from specexec_cli.core.tree import VerifyTree
+from specexec_cli.core.tree import VerifyTree, attention_mask, verify_columns
 
 
 @dataclass
@@ -35,6 +36,16 @@ def child_with_token(vt: VerifyTree, node: int, token: int) -> int:
     """Index of `node`'s child carrying `token`, or -1."""
     hit = ((vt.parents == node) & (vt.tokens == token)).nonzero()
     return int(hit[0, 0]) if hit.numel() else -1
+
+
+def target_pass(target, cache, vt: VerifyTree, n_past: int, root_pos: int, *extra: torch.Tensor) -> list[torch.Tensor]:
+    """The target's one pass over root + tree (cache holding n_past rows, the root at absolute
+    position root_pos) → [(n, V) logits, (n,) positions, *extra] on its device. Ids, positions, the
+    mask's ancestor columns and the `extra` host tensors go up in ONE counted upload (kvcache.stage)."""
+    anc_cols, self_cols, n_cols = verify_columns(vt, n_past)
+    ids, positions, anc, own, *extra = kvcache.stage(target, vt.tokens, root_pos + vt.depth, anc_cols, self_cols, *extra)
+    mask = attention_mask(n_past, anc, own, n_cols, kvcache.model_dtype(target), target.device)
+    return [kvcache.forward(target, cache, ids, positions, mask), positions, *extra]
 
 
 def node_choices(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None, first_pos: int,
