@@ -154,3 +154,15 @@ def test_restore_into_a_fresh_state_and_no_cache_at_zero(models):
     n = fresh.target_len
     assert all(torch.equal(a.keys[:, :, :n], b.keys[:, :, :n])
                for a, b in zip(fresh.target_cache.layers, session.state.target_cache.layers))  # fmt: skip
+
+
+def test_a_self_drafts_shared_cache_keeps_no_rows_of_its_own():
+    st = state(list(range(1, 41)))
+    st.draft_cache, st.draft_len = kvcache.SharedCache(st.target_cache), 39   # the draft reads the target's rows
+    cache = PromptCache(capacity=1000 * ROW_BYTES)
+    assert cache.save(st) and cache.entries[0].draft == [] and cache.entries[0].nbytes == 39 * ROW_BYTES
+    fresh = state([0])
+    fresh.draft_cache = kvcache.SharedCache(fresh.target_cache)
+    restore(cache.entries[0], fresh, NoModels)
+    assert fresh.target_len == 39 and fresh.draft_len == 0 and fresh.draft_cache.start == 0
+    assert all(torch.equal(a, b) for a, b in zip(rows(fresh, 39), rows(st, 39)))
