@@ -111,3 +111,22 @@ def test_tokens_per_pass_within_10pct_of_16bit(ggufs, tmp_path):
     for kind, f in ggufs.items():
         got = _specx(["--target", str(f), *common], tmp_path, kind)["tokens_per_pass"]
         assert abs(got - ref) <= 0.10 * ref, (kind, got, ref)
+
+
+def test_chat_uses_the_files_template_and_stops(ggufs, tmp_path):
+    """`specx chat` on the Q8_0 file: the turn is the template from the metadata around the user's
+    text, and the reply equals transformers' greedy continuation of exactly that (EOS stops it)."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.terminal.app import app
+
+    f, log = ggufs["q8_0"], tmp_path / "turns.jsonl"
+    res = CliRunner().invoke(app, ["chat", "--target", str(f), "--draft", str(DRAFT), "--device", "cpu",
+                                   "--temperature", "0", "--max-new-tokens", "16", "--budget", "8",
+                                   "--stats-json", str(log)], input=PROMPT + "\n")
+    assert res.exit_code == 0, res.output
+    turn = json.loads(log.read_text().splitlines()[0])
+    prompt_ids, want = _hf_greedy(f, 16)
+    assert turn["prefill_tokens"] == len(prompt_ids)
+    got = turn["token_ids"]
+    assert got == want[:len(got)] and (len(got) == len(want) or want[len(got) - 1] == 0), (got, want)
