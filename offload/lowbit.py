@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .errors import OffloadError, OffloadNotice
+from .formats.qlinear import PackedLinear
 from .fused import kernel_choice
 
 GROUPS = {4: 64, 3: 64, 2: 32}
@@ -158,12 +159,15 @@ def _readable(path: Path) -> bool:
 
 def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
                          progress: Callable[[int, int, str], None] | None = None) -> Path:
-    """The cache directory of `src` at `bits` with a shard for every layer in `layers` (see contract)."""
-    from .st_index import SafetensorsIndex
+    """The cache directory of `src` at `bits` with a shard for every layer in `layers` (see contract).
+    `src`: a model directory or its opened formats.Checkpoint (a packed AWQ/GPTQ/compressed-tensors
+    one gives its dequantized weights)."""
+    from .formats import Checkpoint, open_checkpoint
 
     if bits not in GROUPS:
         raise OffloadError(f"--draft-bits must be 4, 3 or 2, got {bits}")
-    src = Path(src)
+    ck = src if isinstance(src, Checkpoint) else None
+    src = ck.path if ck is not None else Path(src)
     out = cache_dir(src, bits)
     missing = []
     for i in layers:
@@ -177,9 +181,8 @@ def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
     if not missing:
         return out
     hqq_quantizer()   # fail before any work when HQQ is absent
-    from transformers import AutoConfig
-
-    index, linears = SafetensorsIndex(src), _quantized_names(AutoConfig.from_pretrained(src))
+    index = ck or open_checkpoint(src)
+    linears = {n for n, shape in index.shapes.items() if n.startswith("model.layers.") and len(shape) == 2}
     out.mkdir(parents=True, exist_ok=True)
     (out / SOURCE).write_text(json.dumps({"source": str(src.resolve())}))
     _drop_stale(src, out)
@@ -192,22 +195,12 @@ def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
     return out
 
 
-def _quantized_names(config) -> set[str]:
-    """Names of the decoder-layer nn.Linear weights, e.g. model.layers.0.mlp.up_proj.weight."""
-    from .families import causal_lm_class
-
-    with torch.device("meta"):
-        hf = causal_lm_class(config)(config)
-    return {f"model.layers.{i}.{name}.weight" for i, layer in enumerate(hf.model.layers)
-            for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)}
-
-
 def _write_shard(index, i: int, linears: set[str], bits: int, path: Path) -> None:
     from safetensors.torch import save_file
 
     prefix, tensors = f"model.layers.{i}.", {}
-    for name in sorted(k for k in index.entries if k.startswith(prefix)):
-        t, short = index.read(name), name[len(prefix):]
+    for name in sorted(k for k in index.shapes if k.startswith(prefix)):
+        t, short = index.dense(name), name[len(prefix):]
         if name in linears:
             check_shape(name, tuple(t.shape), bits)
             for part, q in quantize_weight(t, bits).items():
@@ -247,7 +240,7 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
         return pool.copy(t.to(dtype) if dtype is not None else t, "draft")
 
     for name, mod in list(skeleton.named_modules()):
-        if isinstance(mod, nn.Linear):
+        if isinstance(mod, (nn.Linear, PackedLinear)):
             bias = tensors.get(f"{name}.bias")
             sub = LowbitLinear(put(tensors[f"{name}.W_q"]), put(tensors[f"{name}.scale"], compute),
                                put(tensors[f"{name}.zero"], compute), None if bias is None else put(bias, compute),

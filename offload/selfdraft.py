@@ -14,7 +14,9 @@ target's architecture where
 An nf4 target (loaded from a 16-bit checkpoint through the nf4 cache) takes 3- or 2-bit
 substitutes made from that 16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line
 why no self-draft can be built: nothing streams, 4-bit substitutes of a 4-bit target (the target
-itself), or a pre-quantized checkpoint (no 16-bit weights). Device bytes of the substitutes are
+itself), or a pre-quantized bitsandbytes checkpoint (no 16-bit weights). A packed int4 target
+(AWQ, GPTQ, compressed-tensors) takes 3- or 2-bit HQQ substitutes made from its dequantized
+weights (formats.Checkpoint.dense). Device bytes of the substitutes are
 counted in their own DevicePool (`draft.pool`); the caller adds them to its plan's "draft" component.
 """
 
@@ -27,6 +29,7 @@ from torch import nn
 
 from .errors import OffloadError
 from .loader import Subset
+from .model import PACKED_FORMATS
 from .prequant import bnb4_config
 
 SUBSTITUTE_BITS = (4, 3, 2)
@@ -41,20 +44,31 @@ def streamed_layers(target) -> list[int]:
     return sorted(set(range(len(target.layers))) - set(target.plan.resident))
 
 
+def _format(target) -> str:
+    ck = getattr(target, "checkpoint", None)
+    return ck.format if ck is not None else ("bnb-nf4" if bnb4_config(target.config) is not None else "bf16")
+
+
+def packed_target(target) -> bool:
+    """AWQ / GPTQ / compressed-tensors / GGUF: substitutes come from the dequantized weights."""
+    return _format(target) in PACKED_FORMATS
+
+
 def sixteen_bit_source(target) -> Path | None:
     """The 16-bit checkpoint behind `target`: its source, or the one its nf4 cache was built from
-    (None for a pre-quantized checkpoint)."""
+    (None for a pre-quantized bitsandbytes checkpoint); a packed int4 target's own checkpoint,
+    whose weights are dequantized for the substitutes."""
     from .quant_cache import manifest_source
 
     source = Path(target.source)
-    return source if bnb4_config(target.config) is None else manifest_source(source)
+    return source if _format(target) != "bnb-nf4" else manifest_source(source)
 
 
 def check_self_draft(target, bits: int = 4) -> list[int]:
     """The layers to substitute, or SelfDraftError when a self-draft makes no sense here."""
     if bits not in SUBSTITUTE_BITS:
         raise SelfDraftError(f"--draft-bits must be 4, 3 or 2 (got {bits})")
-    quantized = bnb4_config(target.config) is not None
+    quantized = _format(target) == "bnb-nf4" or packed_target(target)
     if quantized and bits == 4:
         raise SelfDraftError("--draft self: the target is already 4-bit, so 4-bit substitutes would be the "
                              "target itself; fix: --draft-bits 3 or 2, load the target in 16 bits (--dtype bf16), "
@@ -97,7 +111,9 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
     skipped = sorted(set(skip) & set(streamed_layers(target)))
     source = sixteen_bit_source(target)
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
+    ck = getattr(target, "checkpoint", None)
     if bits == 4:
+        source = ck if ck is not None and Path(ck.path) == Path(source) else source   # not opened again
         draft = OffloadedCausalLM.from_pretrained(
             source, device=target.device, dtype="nf4", offload="none", progress=progress,
             pool=DevicePool(target.device), subset=Subset(frozenset(layers), shared), nf4_compute=target.dtype)
@@ -118,6 +134,9 @@ def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progr
     from .lowbit import ensure_lowbit_layers, lowbit_layer, shard_path
     from .model import OffloadedCausalLM
 
+    ck = getattr(target, "checkpoint", None)
+    if ck is not None and Path(ck.path) == Path(source):
+        source = ck                      # the target's opened checkpoint: not opened again
     cache = ensure_lowbit_layers(source, layers, bits, progress)
     draft = OffloadedCausalLM.from_pretrained(
         source, device=target.device, dtype=target.dtype, offload="none", pool=DevicePool(target.device),

@@ -68,6 +68,12 @@ def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
         return [b + (q.quant + q.pinned) // len(q.packed) for b in q.packed]
     c = dtype_bytes(req.draft_dtype)
     out = []
+    if getattr(ck, "packed", None):   # AWQ/GPTQ/compressed-tensors: substitutes of the dequantized weights
+        for i in range(arch.layers):
+            prefix = f"model.layers.{i}."
+            out.append(sum(lowbit_weight_bytes((math.prod(s),), bits, c) if n in ck.packed else math.prod(s) * c
+                           for n, s in ck.shapes.items() if n.startswith(prefix)))
+        return out
     for i in range(arch.layers):
         prefix, total = f"model.layers.{i}.", 0
         for name, e in ck.tensors.items():
@@ -80,12 +86,13 @@ def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
     return out
 
 
-def candidate_bits(req, prequant: bool) -> list[int]:
+def candidate_bits(req, prequant: bool, packed: bool = False) -> list[int]:
+    """`packed`: an AWQ/GPTQ/compressed-tensors target (already 4-bit: 3 or 2-bit substitutes only)."""
     if prequant:
         return []
     if req.draft_bits is not None:
         return [req.draft_bits]
-    return [3, 2] if req.dtype == "nf4" else [4, 3, 2]
+    return [3, 2] if req.dtype == "nf4" or packed else [4, 3, 2]
 
 
 def expected_tokens_per_pass(bits: int, plan, temperature: float) -> float:
@@ -124,7 +131,7 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
     """The chosen self-draft plan (see the contract)."""
     a = arch_of(target.config)
     tried = []
-    for bits in candidate_bits(req, not req.sixteen_bit) or [4]:
+    for bits in candidate_bits(req, not req.sixteen_bit, bool(getattr(target, "packed", None))) or [4]:
         plan = plan_with(substitute_bytes(target, a, req, bits, nf4_layers), bits)
         plan.substitute_bits = bits
         tried.append((bits, plan))

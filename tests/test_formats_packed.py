@@ -11,6 +11,7 @@ fp32 weight the codes mean, run by transformers' own LlamaForCausalLM.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -192,3 +193,50 @@ def test_specx_run_awq_target(src, packed, offload, tmp_path):
     want = _greedy(_hf_reference(src, refs), prompt_ids, 12)
     assert ids["ar"] == want[:len(ids["ar"])] and len(ids["ar"]) > 0
     assert ids["specexec"] == ids["ar"]
+
+
+def test_self_draft_on_gptq_target(src, packed, tmp_path):
+    """--draft self on a GPTQ target: 3-bit HQQ substitutes of its dequantized weights; specexec's
+    greedy ids equal ar's (verification is exact), and 4-bit substitutes are refused in one line."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.terminal.app import app
+
+    pytest.importorskip("hqq")
+    path, _ = packed["gptq-actorder"]
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def area(r):")
+    ids = {}
+    for method, extra in (("ar", []), ("specexec", ["--draft", "self", "--draft-bits", "3"])):
+        stats = tmp_path / f"{method}.json"
+        r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(path), "--device", "cpu", "--offload", "disk",
+                                     "--method", method, "--budget", "8", "--max-new-tokens", "10",
+                                     "--stats-json", str(stats), *extra])
+        assert r.exit_code == 0, (r.output, r.exception)
+        ids[method] = json.loads(stats.read_text())["token_ids"]
+        if method == "specexec":
+            assert json.loads(stats.read_text())["tokens_per_pass"] > 1   # the substitutes drafted
+    assert ids["specexec"] == ids["ar"] and ids["ar"]
+    r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(path), "--device", "cpu", "--offload", "disk",
+                                 "--method", "specexec", "--draft", "self", "--draft-bits", "4", "--max-new-tokens", "4"])
+    assert r.exit_code == 2 and "already 4-bit" in r.stderr, (r.output, r.exception)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.qweight",
+                             t["model.layers.0.self_attn.q_proj.qweight"].float()), "is torch.float32, the gptq layout"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.qzeros", t["model.layers.0.mlp.up_proj.qzeros"][:1].clone()),
+     "'model.layers.0.mlp.up_proj.qzeros' has shape [1, 16], config.json implies [2, 16]"),
+    (lambda t: t.__setitem__("model.layers.2.mlp.up_proj.bogus", torch.zeros(2)), "unexpected tensor"),
+])
+def test_corrupt_gptq_refused_in_one_line(packed, tmp_path, edit, needle):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "bad"
+    shutil.copytree(packed["gptq-sym"][0], out)
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(OffloadError, match=re.escape(needle)) as info:
+        open_checkpoint(out)
+    assert "\n" not in str(info.value)

@@ -16,7 +16,8 @@ Contract:
   template and the generation defaults. `packed` maps every HF weight that is NOT stored as one
   plain float tensor (AWQ/GPTQ/compressed-tensors/bnb/GGUF-quantized linears) to the stored
   tensors its reader's `load_weight` combines. Helpers: `layer_tensors(i)`, `layer_bytes(i)`,
-  `stored_parts(hf_name)`, `load_tokenizer()`.
+  `stored_parts(hf_name)`, `get`/`read(name)` (a stored tensor), `dense(hf_name)` (a parameter,
+  dequantized when packed), `load_tokenizer()`.
 - `FormatReader` (a Protocol; each offload/formats/<format>.py module exposes `READER`):
     name                       the reader's name, for messages ("safetensors", "awq", "gguf", ...)
     detect(path) -> bool       cheap sniff (file names, config.json's quantization_config, magic
@@ -148,6 +149,14 @@ class Checkpoint:
         out = torch.empty(info.nbytes, dtype=torch.uint8)
         read_exact(info.file, info.begin, out)
         return as_stored(info, out)
+
+    def dense(self, hf_name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """HF parameter `hf_name` as a CPU tensor: dequantized by the reader into `dtype` when
+        stored packed, else read as stored (the self-draft's substitutes are made from these)."""
+        if hf_name not in self.packed:
+            return self.read(hf_name)
+        raw = {n: self.read(n) for n in self.packed[hf_name]}
+        return self.reader.load_weight(self, hf_name, raw, torch.device("cpu"), dtype).contiguous()
 
     def file_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)

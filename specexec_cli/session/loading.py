@@ -284,7 +284,6 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     """The target's self-draft, its substitutes counted as the plan's "draft" component; None (with
     a notice) when every target layer is resident, so that decoding runs without a draft."""
     from offload import OffloadError
-    from offload.prequant import bnb4_config
     from offload.selfdraft import build_self_draft, streamed_layers
 
     from specexec_cli.session import notices
@@ -294,7 +293,8 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
                              "decoding without a draft")
         return None
     plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
-    bits = opts.draft_bits or plan_bits or (3 if bnb4_config(target.config) is not None else 4)
+    quantized = getattr(getattr(target, "checkpoint", None), "quantized", False)   # bnb / AWQ / GPTQ / ...
+    bits = opts.draft_bits or plan_bits or (3 if quantized else 4)
     try:
         draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
     except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
