@@ -162,3 +162,16 @@ def test_tiny_temperature_decodes_like_greedy():
             m = fake_models(table, noisy(table, 0.5, seed=1))
             outs[method, t] = [x for ev in generate(m, DecodeState(), [1, 2], cfg) for x in ev.tokens]
     assert len(set(map(tuple, outs.values()))) == 1
+
+
+def test_served_tiny_temperature_is_greedy():
+    """A request's temperature 1e-7 reaches the engine as greedy settings (the worker's merge)."""
+    from specexec_cli.serve.models import CompletionRequest, to_work
+    from specexec_cli.session.gendefaults import merge
+
+    work = to_work(CompletionRequest(prompt="x", temperature=1e-7))
+    params = merge(SamplingParams(0.6, top_p=0.9), work.temperature, work.top_k, work.top_p)
+    assert params.temperature == 1e-7 and params.greedy
+    logits = torch.randn(3, 50)
+    assert not torch.isnan(process_logits(logits, params)).any()
+    assert torch.equal(race_choice(logits, params, None, None), logits.argmax(-1))
