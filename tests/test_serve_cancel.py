@@ -74,7 +74,7 @@ def test_a_non_streamed_request_whose_client_left_frees_the_worker(server):
     time.sleep(0.5)   # a few passes into the reply
     sock.close()
     freed = wait_for(server, "specx_busy", 0)
-    assert freed < 2.0   # one pass is about 0.1 s; the whole reply would take 10 s or more
+    assert freed < 3.0   # one pass is about 0.1 s; the whole reply would take 10 s or more
     assert metric(server, CANCELLED) == cancelled + 1
     assert metric(server, "specx_completion_tokens_total") - tokens < 200
 
