@@ -198,3 +198,4 @@ def test_specx_info_describes_sparse_70b(sparse70):
     assert (info.format, info.family, info.layers, info.vocab) == ("gguf", "llama", 80, 128256)
     table = dict(rows(info))
     assert table["specx can run it"] == "yes" and "gguf" in table["format"]
+    assert table["quantization"] == "quant_method=gguf, file_type=Q4_K_M"

@@ -73,7 +73,7 @@ def _quant_text(q: dict | None) -> str:
     if not q:
         return "none (16/32-bit weights)"
     keys = ("method", "quant_method", "bits", "group_size", "strategy", "sym", "desc_act", "checkpoint_format",
-            "version", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant")
+            "version", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "file_type")
     return ", ".join(f"{k}={q[k]}" for k in keys if k in q) or json.dumps(q)[:120]
 
 
