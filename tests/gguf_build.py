@@ -54,7 +54,8 @@ def _tokenizer(writer, vocab: int, chat_template: str | None) -> None:
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, chat_template: str | None = None,
-               tokenizer: bool = True, arch: str = "llama", sampling: dict | None = None, seed: int = 0) -> Path:
+               tokenizer: bool = True, arch: str = "llama", sampling: dict | None = None, seed: int = 0,
+               extra: dict | None = None) -> Path:
     """A GGUF of the Llama at `hf_dir` (see the module docstring); returns the (first) file."""
     import gguf
     import torch
@@ -99,6 +100,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
         q = getattr(T, qtype)
         data = _quant(w, q, rng)
         writer.add_tensor(g, data, raw_shape=data.shape, raw_dtype=q if data.dtype == np.uint8 else None)
+    for g, w in (extra or {}).items():     # e.g. rope_freqs.weight
+        writer.add_tensor(g, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -199,3 +199,37 @@ def test_specx_info_describes_sparse_70b(sparse70):
     table = dict(rows(info))
     assert table["specx can run it"] == "yes" and "gguf" in table["format"]
     assert table["quantization"] == "quant_method=gguf, file_type=Q4_K_M"
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    """A Llama-3.1-style file's rope_freqs tensor is read as HF's llama3 RoPE scaling: the rotary's
+    inverse frequencies are llama.cpp's (base / rope_freqs), logits equal transformers' model of the
+    same weights with that scaling; a rope_freqs that is not llama3's is refused in one line."""
+    import numpy as np
+
+    from offload.formats.gguf import llama3_factors
+
+    hf = make_model(tmp_path / "hf", seed=11, layers=1, hidden=256)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(cfg, rope_theta=500000.0, rope_parameters={
+        "rope_type": "default", "rope_theta": 500000.0})))
+    freqs = np.array(llama3_factors(500000.0, 64, 8.0, 1.0, 4.0, 8192), dtype=np.float32)
+    assert len(set(freqs.tolist())) > 2                          # short, long and smoothed wavelengths
+    f = write_gguf(hf, tmp_path / "l3.gguf", "Q8_0", extra={"rope_freqs.weight": freqs})
+    ck = open_checkpoint(f)
+    assert ck.hf_config.rope_parameters["rope_type"] == "llama3" and ck.hf_config.rope_parameters["factor"] == 8.0
+    model = _specx(f, "none")
+    try:
+        plain = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+        assert torch.allclose(model.rotary_emb.inv_freq, plain / torch.from_numpy(freqs), rtol=1e-6)
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32)
+        ref.model.rotary_emb = type(ref.model.rotary_emb)(ck.hf_config)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    finally:
+        model.close()
+    bad = write_gguf(hf, tmp_path / "bad.gguf", "Q8_0", extra={"rope_freqs.weight": freqs[::-1].copy()})
+    with pytest.raises(OffloadError, match="not Llama-3's RoPE scaling"):
+        open_checkpoint(bad)

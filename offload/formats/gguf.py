@@ -35,7 +35,7 @@ from .base import Checkpoint, TensorInfo, as_stored, numel
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
 PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
-IGNORED = ("rope_freqs.weight",)   # llama.cpp's precomputed RoPE factors: HF derives them from the config
+IGNORED = ("rope_freqs.weight",)   # llama.cpp's llama3 RoPE factors: read into the config (_rope_from_freqs)
 _PLAIN = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
 
 
@@ -67,6 +67,7 @@ class GgufReader:
             raise OffloadError(f"{first}: no tokenizer in its metadata (tokenizer.ggml.*); re-convert it with "
                                "llama.cpp's convert_hf_to_gguf.py from a model directory that has one")
         config = _hf_config(head, arch, readers, first)
+        _rope_from_freqs(config, parts, readers)
         hf_names, shapes = _hf_params(config, arch, first)
         tensors, packed = {}, {}
         for part, reader in zip(parts, readers):
@@ -166,6 +167,49 @@ def _hf_config(head, arch: str, readers, first: Path):
                            f"({exc.__class__.__name__}: {msg}); re-download or re-convert it") from None
     config._attn_implementation = Family.of(config).attn_implementation
     return config
+
+
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, old: int) -> list[float]:
+    """llama.cpp's rope_freqs for HF's llama3 RoPE scaling (convert_hf_to_gguf.py): the divisor of
+    each of the dim/2 inverse frequencies (1 for short wavelengths, `factor` for long, smooth between)."""
+    import math
+
+    out = []
+    for k in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (k / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _rope_from_freqs(config, parts: list[Path], readers) -> None:
+    """Llama-3.1-style files carry llama3 RoPE scaling only as the `rope_freqs` tensor (dim/2 floats,
+    one small read): recognise it as HF's llama3 rope_parameters (Llama 3.1/3.3 values, `factor` =
+    its largest entry) so the model rotates as the original does; anything else is refused."""
+    import numpy as np
+
+    for part, reader in zip(parts, readers):
+        for t in reader.tensors:
+            if t.name != "rope_freqs.weight":
+                continue
+            theta = float(config.rope_parameters.get("rope_theta", 10000.0))
+            dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+            got = np.asarray(t.data, dtype=np.float32).reshape(-1) if int(t.tensor_type) == gq.F32 else None
+            want = (llama3_factors(theta, dim, float(got.max()), *LLAMA3_ROPE.values())
+                    if got is not None and got.size == dim // 2 else None)
+            if want is None or not np.allclose(got, want, rtol=1e-5, atol=1e-6):
+                raise OffloadError(f"{part}: its rope_freqs tensor is not Llama-3's RoPE scaling; specx cannot "
+                                   "rotate positions as this file expects")
+            config.rope_parameters = {"rope_type": "llama3", "factor": float(got.max()), **LLAMA3_ROPE,
+                                      "rope_theta": theta}
 
 
 def _hf_params(config, arch: str, first: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
