@@ -121,11 +121,11 @@ def test_compressed_dequant_equals_library(compressed, case):
         assert torch.equal(got, want), name
 
 
-@pytest.mark.parametrize("offload", ["none", "disk"])
-def test_compressed_greedy_equals_transformers(compressed, offload):
+@pytest.mark.parametrize("case, offload", [("ct-group-sym", "none"), ("ct-group-sym", "disk"), ("ct-channel", "disk")])
+def test_compressed_greedy_equals_transformers(compressed, case, offload):
     from transformers import AutoModelForCausalLM
 
-    path = compressed["ct-group-sym"]
+    path = compressed[case]
     ids = [2, 9, 4, 4]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()   # transformers + compressed-tensors
     want = _greedy(hf, ids, 10)
