@@ -130,3 +130,17 @@ def test_chat_uses_the_files_template_and_stops(ggufs, tmp_path):
     assert turn["prefill_tokens"] == len(prompt_ids)
     got = turn["token_ids"]
     assert got == want[:len(got)] and (len(got) == len(want) or want[len(got) - 1] == 0), (got, want)
+
+
+def test_gguf_draft(ggufs, tmp_path):
+    """--draft may be a GGUF too (the shared draft converted by llama.cpp): decoding stays lossless."""
+    draft = tmp_path / "draft" / "draft-q8_0.gguf"
+    draft.parent.mkdir()
+    subprocess.run([sys.executable, str(CACHE / "src" / "convert_hf_to_gguf.py"), str(DRAFT), "--outtype", "q8_0",
+                    "--outfile", str(draft)], check=True, capture_output=True, env=dict(os.environ, SPECX_GGUF_PRE="gpt-2"))
+    f = ggufs["q8_0"]
+    _, want = _hf_greedy(f, 16)
+    rec = _specx(["--target", str(f), "--draft", str(draft), "--method", "specexec", "--budget", "16",
+                  "--max-new-tokens", "16"], tmp_path, "gguf-draft")
+    got = rec["token_ids"]
+    assert got == want[:len(got)] and rec["tokens_per_pass"] > 1.0, (got, want)
