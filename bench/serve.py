@@ -14,11 +14,12 @@ serve tables of docs/performance.md come from its JSON
 (tools/perf_tables.py). The ratio server ÷ run should be >= 0.95.
 
 `--background`: instead, the prompt cache against the one-entry cache (`--cache-ram 0`: only the
-live device state, as before the prompt cache): one server each, both with a system prompt, the
-same five-turn streamed chat conversation (user turns: the bench prompts) with Open WebUI's
-background requests after every reply (a title and a follow-up suggestion request, not streamed,
-one user message with the history pasted in). Per turn: time to first token (the prefill), turn
-time, prompt and cached tokens; the replies must be equal (T = 0). Writes --out/cache.json.
+live device state, as before the prompt cache): one server each, both up at once and both with a
+system prompt, the same five-turn streamed chat conversation (user turns: the bench prompts) with
+Open WebUI's background requests after every reply (a title and a follow-up suggestion request,
+not streamed, one user message with the history pasted in), turn by turn in alternating order.
+Per turn: time to first token (restore + prefill, wall), the server's prefill seconds, turn time,
+prompt and cached tokens; the replies must be equal (T = 0). Writes --out/cache.json.
 
     python bench/serve.py --num-prompts 5 --max-new-tokens 128 --out /tmp/serve-bench
     python bench/serve.py --background --out bench/results/serve
@@ -116,45 +117,51 @@ def background(client, msgs: list[dict]) -> None:
                                        temperature=0)  # fmt: skip
 
 
-def cached_turns(client, turns: list[str], n: int) -> list[dict]:
-    """Five streamed turns with the background requests between them; per turn: TTFT, turn time, tokens."""
-    msgs, rows = [], []
-    for turn in turns:
-        msgs.append({"role": "user", "content": turn})
-        t0 = time.perf_counter()
-        first, parts, usage, stats = None, [], None, {}
-        for chunk in client.chat.completions.create(model="specx", messages=msgs, max_tokens=n, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}):  # fmt: skip
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.perf_counter()
-                parts.append(chunk.choices[0].delta.content)
-            stats = (chunk.model_extra or {}).get("specx") or stats
-            usage = chunk.usage or usage
-        end = time.perf_counter()
-        rows.append({"ttft_s": (first or end) - t0, "turn_s": end - t0, "prompt_tokens": usage.prompt_tokens,
-                     "cached_tokens": usage.prompt_tokens_details.cached_tokens,
-                     "completion_tokens": usage.completion_tokens, "reply": "".join(parts)})  # fmt: skip
-        msgs.append({"role": "assistant", "content": rows[-1]["reply"]})
-        background(client, msgs)
-    return rows
+def chat_turn(client, msgs: list[dict], turn: str, n: int) -> dict:
+    """One streamed turn (then the background requests): TTFT, turn time, tokens, the server's prefill time."""
+    msgs.append({"role": "user", "content": turn})
+    t0 = time.perf_counter()
+    first, parts, usage, stats = None, [], None, {}
+    for chunk in client.chat.completions.create(model="specx", messages=msgs, max_tokens=n, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):  # fmt: skip
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            parts.append(chunk.choices[0].delta.content)
+        stats = (chunk.model_extra or {}).get("specx") or stats
+        usage = chunk.usage or usage
+    end = time.perf_counter()
+    row = {"ttft_s": (first or end) - t0, "turn_s": end - t0, "prompt_tokens": usage.prompt_tokens,
+           "cached_tokens": usage.prompt_tokens_details.cached_tokens, "completion_tokens": usage.completion_tokens,
+           "prefill_s": stats.get("prefill_seconds"), "reply": "".join(parts)}  # fmt: skip
+    msgs.append({"role": "assistant", "content": row["reply"]})
+    background(client, msgs)
+    return row
 
 
 def cache_bench(args, flags: list[str], prompts: list[str]) -> None:
+    """Both servers up at once; turn by turn, alternating which goes first, so load drift hits both alike."""
     from openai import OpenAI
 
     turns = [p[: args.turn_chars] for p in prompts[: args.num_prompts]]
-    sides = {}
-    for name, extra in (("cache", ["--cache-ram", args.cache_ram] if args.cache_ram else []),
-                        ("one_entry", ["--cache-ram", "0"])):
-        proc, base = start_server([*flags, "--system", SYSTEM, *extra])
-        try:
-            sides[name] = cached_turns(OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600),
-                                       turns, args.max_new_tokens)  # fmt: skip
-        finally:
+    extra = {"cache": ["--cache-ram", args.cache_ram] if args.cache_ram else [], "one_entry": ["--cache-ram", "0"]}
+    procs, clients = [], {}
+    try:
+        for name, more in extra.items():
+            proc, base = start_server([*flags, "--system", SYSTEM, *more])
+            procs.append(proc)
+            clients[name] = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
+        sides = {name: [] for name in extra}
+        msgs = {name: [] for name in extra}
+        for i, turn in enumerate(turns):
+            for name in (("cache", "one_entry") if i % 2 == 0 else ("one_entry", "cache")):
+                sides[name].append(chat_turn(clients[name], msgs[name], turn, args.max_new_tokens))
+    finally:
+        for proc in procs:
             proc.terminate()
             proc.wait(60)
     later = slice(1, None)   # turns 2..5: the ones a cache can serve
     summary = {k: {"ttft_s_turns_2_5": sum(r["ttft_s"] for r in v[later]),
+                   "prefill_s_turns_2_5": sum(r["prefill_s"] for r in v[later]),
                    "turn_s_turns_2_5": sum(r["turn_s"] for r in v[later]),
                    "cached_fraction_turns_2_5": sum(r["cached_tokens"] for r in v[later])
                    / sum(r["prompt_tokens"] for r in v[later])} for k, v in sides.items()}  # fmt: skip
@@ -162,11 +169,11 @@ def cache_bench(args, flags: list[str], prompts: list[str]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"summary": summary, "flags": flags, "max_new_tokens": args.max_new_tokens, "turns": sides}
     (args.out / "cache.json").write_text(json.dumps(record, indent=1) + "\n")
-    print("| turn | prompt | cached (cache) | TTFT s (cache) | cached (one entry) | TTFT s (one entry) |")
-    print("|---|---|---|---|---|---|")
+    print("| turn | prompt | cached | TTFT s | prefill s | cached, one entry | TTFT s, one entry | prefill s, one entry |")
+    print("|---|---|---|---|---|---|---|---|")
     for t, (a, b) in enumerate(zip(sides["cache"], sides["one_entry"]), 1):
-        print(f"| {t} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']:.3f} | {b['cached_tokens']} "
-              f"| {b['ttft_s']:.3f} |")
+        print(f"| {t} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']:.3f} | {a['prefill_s']:.3f} "
+              f"| {b['cached_tokens']} | {b['ttft_s']:.3f} | {b['prefill_s']:.3f} |")
     print(json.dumps(summary, indent=1))
 
 
