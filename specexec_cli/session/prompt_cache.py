@@ -216,13 +216,23 @@ def _host_rows(cache, n: int, pin: bool) -> list[tuple[torch.Tensor, torch.Tenso
         for t in (layer.keys, layer.values):
             rows = t[:, :, :n]   # (1, H, n, D) view of the slab
             on_cuda = on_cuda or rows.is_cuda
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin and rows.is_cuda)
+            host = _host_empty(rows, pin and rows.is_cuda)
             host.copy_(rows, non_blocking=host.is_pinned())
             pair.append(host)
         out.append(tuple(pair))
     if on_cuda:
         torch.cuda.synchronize()   # the async copies land before anyone overwrites the slabs
     return out
+
+
+def _host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An empty host tensor shaped like `like`; pinned when asked and the host allows it (else pageable)."""
+    if pin:
+        try:
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        except RuntimeError:   # pinned pages refused (locked-memory limit): a pageable copy still works
+            pass
+    return torch.empty(like.shape, dtype=like.dtype)
 
 
 @torch.inference_mode()   # the slabs are inference tensors (written under kvcache.forward's inference mode)
