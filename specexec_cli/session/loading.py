@@ -316,7 +316,7 @@ def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
         model = OffloadedCausalLM.from_pretrained(
             open_checkpoint(path, "--target"), device=device, dtype=dtype, offload=opts.offload,
             max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
-            memplan=opts.plan, pool=pool,
+            memplan=opts.plan, pool=pool, slots=getattr(opts.plan, "slots", 2),
         )
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
