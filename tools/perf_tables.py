@@ -5,7 +5,7 @@ by `TABLES[NAME]()`, a markdown table computed from bench/results/ alone (an unk
 unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass of the trained
 draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
 table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
-inflated disk-tier target), `serve` and `serve-turns` (bench/serve.py). `--check` writes nothing
+inflated disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py). `--check` writes nothing
 and exits 1 naming the files whose tables differ from the JSON.
 """
 
@@ -74,8 +74,22 @@ def serve_turns() -> str:
     return "\n".join(lines)
 
 
+def serve_cache() -> str:
+    """bench/serve.py --background: turns 2-5 of a conversation with the prompt cache and with one entry."""
+    s = load("serve/cache.json")["summary"]
+    c, o = s["cache"], s["one_entry"]
+    return "\n".join([
+        "| turns 2-5 | prompt cache | one entry (`--cache-ram 0`) |", "|---|---|---|",
+        f"| prompt tokens not prefilled | {c['cached_fraction_turns_2_5']:.0%} | {o['cached_fraction_turns_2_5']:.0%} |",
+        f"| time to first token, summed | {c['ttft_s_turns_2_5']:.2f} s | {o['ttft_s_turns_2_5']:.2f} s |",
+        f"| server prefill seconds, summed | {c['prefill_s_turns_2_5']:.2f} s | {o['prefill_s_turns_2_5']:.2f} s |",
+        f"| turn time, summed | {c['turn_s_turns_2_5']:.2f} s | {o['turn_s_turns_2_5']:.2f} s |",
+        f"| replies the same on both servers | {'yes' if s['same_replies'] else 'NO'} | |",
+    ])  # fmt: skip
+
+
 TABLES = {"headline": headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
-          "serve": serve, "serve-turns": serve_turns}
+          "serve": serve, "serve-turns": serve_turns, "serve-cache": serve_cache}
 
 
 def render(text: str) -> str:
