@@ -143,3 +143,24 @@ def test_budget_auto_reports_the_tuned_shape(tiny_pair):
     finally:
         w.shutdown()
     assert isinstance(done, Done) and done.specx["budget"] == tuner.shape.budget != 64
+
+
+def test_slot_is_free_when_the_last_event_arrives(worker):
+    """A client that sends its next request the moment a reply ends must not get a 429: the slot is
+    given back before Done (and Failed) reach the client, checked at the instant each arrives."""
+    seen = []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        for prompt in ("x", "y", "z"):
+            job = Job(Work(prompt=prompt, max_tokens=3), loop, "completions")
+            worker.submit(job)
+            while True:
+                item = await asyncio.wait_for(job.events.get(), 60)
+                if isinstance(item, (Done, Failed)):
+                    with worker.lock:
+                        seen.append(worker.pending)
+                    break
+
+    asyncio.run(go())
+    assert seen == [0, 0, 0]

@@ -155,6 +155,12 @@ class Worker:
         if self._release(job):
             self.metrics.request(job.endpoint, "cancelled")
 
+    def _end(self, job: Job, event) -> None:
+        """The job's last event, sent after its --max-queue slot is free: a client that sends its next
+        request the moment this one ends must find the slot given back (no 429 on --max-queue 0)."""
+        self._release(job)
+        job.emit(event)
+
     def _release(self, job: Job) -> bool:
         """Give the job's --max-queue slot back (once); True the first time."""
         with self.lock:
@@ -198,8 +204,8 @@ class Worker:
                 self._finished(job, "rejected", 0.0)
 
     def _finished(self, job: Job, outcome: str, seconds: float) -> None:
-        if not self._release(job):
-            return
+        if not self._release(job) and not job.started:
+            return   # cancelled while queued: counted when its slot was given back
         with self.lock:
             if seconds:
                 self.job_seconds = 0.8 * self.job_seconds + 0.2 * seconds
@@ -214,12 +220,12 @@ class Worker:
             else:
                 outcome = self._generate(job)
         except APIError as exc:
-            job.emit(Failed(exc))
+            self._end(job, Failed(exc))
             outcome = "error"
         except Exception as exc:  # noqa: BLE001 - never a dead worker; OOM is a 400, else a logged 500 by id
             from specexec_cli.serve.guards import server_error
 
-            job.emit(Failed(server_error(exc)))
+            self._end(job, Failed(server_error(exc)))
             outcome = "error"
         finally:
             self.busy = False
@@ -308,7 +314,7 @@ class Worker:
         self._emit(job, scanner.flush(), pending, stats, parts)
         usage = usage_body(len(full), stats.new_tokens if used is None else used, len(full) - prefill)
         self.metrics.finished(stats, len(full), len(full) - prefill)
-        job.emit(Done("".join(parts), finish, usage, stats.speculative()))
+        self._end(job, Done("".join(parts), finish, usage, stats.speculative()))
         return "cancelled" if finish == "cancelled" else "ok"
 
     @staticmethod
