@@ -15,9 +15,11 @@ Contract:
   dtype, whatever the number of draft tokens). Where compilation is unavailable or fails (no C
   compiler, an unsupported backend), it says so once through `fused_status()` and runs the same
   function eagerly; nothing reaches the user's screen (compile-time warnings are kept here).
-- `kernel_choice()`: "fused" or "eager", from $SPECX_LOWBIT_KERNEL (auto | fused | eager; auto =
-  fused). offload/lowbit.LowbitLinear calls this per forward; its HQQ-unpack path stays the
-  reference that tests/test_fused.py compares against.
+- `kernel_choice(device)`: "fused" or "eager", from $SPECX_LOWBIT_KERNEL (auto | fused | eager;
+  auto = fused on CUDA, eager on CPU, where the compiled graph measured 0.3-0.7x the eager speed in
+  bench/selfdraft.py --kernels: ATen's vectorized eager unpack is not the bottleneck on a CPU).
+  offload/lowbit.LowbitLinear picks it at construction; its HQQ-unpack path stays the reference
+  that tests/test_fused.py compares against.
 Why no library kernel: the CUDA fused HQQ kernels (gemlite, HQQ's torchao_int4/bitblas/marlin
 backends) need Triton or CUDA builds absent from CPU installs and cover 4/2 bits only (no 3-bit
 packing); bitsandbytes has no HQQ format. The compiled function works on both devices and widths.
@@ -50,9 +52,13 @@ def dequant_linear(x: torch.Tensor, W_q: torch.Tensor, scale: torch.Tensor, zero
     return torch.nn.functional.linear(x, w, bias)
 
 
-def kernel_choice() -> str:
+def kernel_choice(device: torch.device | str = "cuda") -> str:
+    """$SPECX_LOWBIT_KERNEL fused | eager, or auto: fused on CUDA, eager on CPU (measured slower there:
+    bench/results/selfdraft_kernels.json)."""
     want = os.environ.get("SPECX_LOWBIT_KERNEL", "auto").strip().lower()
-    return "eager" if want == "eager" else "fused"
+    if want in ("fused", "eager"):
+        return want
+    return "fused" if torch.device(device).type == "cuda" else "eager"
 
 
 def fused_status() -> str | None:

@@ -16,8 +16,9 @@ Contract:
 - `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
   the substitute: every nn.Linear becomes a `LowbitLinear`, every other parameter is materialized;
   device bytes are counted in `pool` under "draft".
-- `LowbitLinear.forward` runs the fused path of offload/fused.py ($SPECX_LOWBIT_KERNEL=eager: the
-  eager reference, HQQ's unpack then a 16-bit weight then the matmul).
+- `LowbitLinear.forward` runs the fused path of offload/fused.py on CUDA and the eager reference
+  (HQQ's unpack, a 16-bit weight, the matmul) on CPU, where it measured faster;
+  $SPECX_LOWBIT_KERNEL=fused|eager overrides.
 - `lowbit_weight_bytes(shape, bits, scale_bytes)`: device bytes of one quantized weight from its
   shape alone (what the memory plan counts).
 HQQ is optional (`pip install 'specx[lowbit]'`); without it `hqq_quantizer()` raises an OffloadError
@@ -85,8 +86,8 @@ def check_shape(name: str, shape: tuple[int, ...], bits: int) -> None:
 
 
 class LowbitLinear(nn.Module):
-    """y = x W^T (+ b), W = (codes - zero) * scale from HQQ codes: by default through one compiled
-    unpack+scale+matmul function (offload/fused.py), `kernel = "eager"` through HQQ's unpack."""
+    """y = x W^T (+ b), W = (codes - zero) * scale from HQQ codes: `kernel = "fused"` through one
+    compiled unpack+scale+matmul function (offload/fused.py), "eager" through HQQ's unpack."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
                  shape: tuple[int, int], bits: int):
@@ -97,7 +98,7 @@ class LowbitLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.shape, self.bits = tuple(shape), bits
         self.in_features, self.out_features = shape[1], shape[0]
-        self.kernel = kernel_choice()           # "fused" (offload/fused.py) or "eager" (the reference)
+        self.kernel = kernel_choice(codes.device)   # "fused" (offload/fused.py) or "eager" (the reference)
 
     def weight_now(self) -> torch.Tensor:
         unpack = hqq_quantizer().unpack[PACKING[self.bits]]

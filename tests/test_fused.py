@@ -3,7 +3,7 @@
 Codes unpacked with shift/mask ops equal HQQ's own unpack bit for bit; the compiled
 unpack+scale+matmul equals the eager path (HQQ unpack, 16-bit weight, matmul) within the dtype's
 tolerance at 4, 3 and 2 bits for several token counts (one dynamic graph); a compiler failure falls
-back to the same math eagerly with nothing on stderr and no warning.
+back to the same math eagerly with nothing on stderr and no warning. `auto` runs it on CUDA only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_unpack_matches_hqq(bits):
 @pytest.mark.parametrize("bits", [4, 3, 2])
 def test_fused_equals_eager(bits, dtype, tol, capfd):
     lin = _layer(bits, dtype, bias=bits != 3)
-    assert lin.kernel == "fused"
+    lin.kernel = "fused"                           # auto picks eager on CPU; the fused path is what is tested
     for tokens in (1, 5, 33):                      # one compiled graph for every draft batch size
         x = torch.randn(2, tokens, IN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         got, ref = lin(x), lin.forward_eager(x)
@@ -54,6 +54,7 @@ def test_fused_equals_eager(bits, dtype, tol, capfd):
 
 def test_compile_failure_falls_back_quietly(monkeypatch, capfd):
     lin = _layer(2, torch.float32)
+    lin.kernel = "fused"
     x = torch.randn(1, 3, IN)
 
     def broken(*a, **k):
@@ -66,8 +67,11 @@ def test_compile_failure_falls_back_quietly(monkeypatch, capfd):
     assert capfd.readouterr().err == ""
 
 
-def test_env_selects_eager(monkeypatch):
-    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")
-    assert _layer(4, torch.float32).kernel == "eager"
+def test_kernel_choice_by_device_and_env(monkeypatch):
     monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "auto")
+    assert _layer(4, torch.float32).kernel == "eager"          # CPU: eager measured faster
+    assert fused.kernel_choice("cuda") == "fused"
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "fused")
     assert _layer(4, torch.float32).kernel == "fused"
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")
+    assert fused.kernel_choice("cuda") == "eager"
