@@ -278,7 +278,8 @@ def phase_decode(args, ctx) -> dict:
 
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import GenerationConfig
-    from specexec_cli.session.loading import LoadOptions, encode_prompt, load_models
+    from specexec_cli.session.loading import LoadOptions, load_models
+    from specexec_cli.session.prompts import encode_prompt
     from specexec_cli.session.planning import make_plan
 
     device, cuda = ctx["device"], ctx["device"].type == "cuda"

@@ -233,7 +233,7 @@ class Worker:
 
     def _prompt(self, work: Work) -> list[int]:
         from specexec_cli.session.chat import TemplateError
-        from specexec_cli.session.loading import encode_prompt
+        from specexec_cli.session.prompts import encode_prompt
 
         session = self.session
         if work.messages is not None:

@@ -1,7 +1,7 @@
-"""Load the target, the draft and the shared tokenizer from local HF directories.
+"""Load the target, the draft and the shared tokenizer from local HF directories, GGUF files or ollama names.
 
-Contract: `load_models(options)` returns `engine.Models`, and `read_prompt`/`encode_prompt` turn a
-prompt file into token ids; each raises `SpecxError` with a one-line fix on bad input.
+Contract: `load_models(options)` returns `engine.Models` (prompts: session/prompts.py); it raises
+`SpecxError` with a one-line fix on bad input.
 Paths are local model dirs or hub ids resolved from the local HF cache only (never downloads).
 Weights load from safetensors unless the user opts into pickle (`--allow-pickle`); remote code
 runs only with `--trust-remote-code`. Draft and target must map the same strings to the same ids.
@@ -10,7 +10,6 @@ runs only with `--trust-remote-code`. Draft and target must map the same strings
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -403,29 +402,3 @@ def load_models(opts: LoadOptions) -> Models:
                     kv_rows=rows, pass_tokens=plan.pass_tokens if plan else 0, shared_kv=shared)
     testhooks.install(models)
     return models
-
-
-def read_prompt(path: str) -> str:
-    """PROMPT_FILE or '-' (stdin) → text; missing, empty and non-UTF-8 input are user errors."""
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except FileNotFoundError:
-        raise SpecxError(f"prompt file {path} not found; pass an existing file or - for stdin") from None
-    except IsADirectoryError:
-        raise SpecxError(f"prompt file {path} is a directory; pass a text file") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SpecxError(f"prompt file {path} is not UTF-8 text; re-save it as UTF-8") from None
-    if not text.strip():
-        raise SpecxError(f"prompt file {path} is empty; write a prompt into it")
-    return text
-
-
-def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return list(tokenizer(text)["input_ids"])

@@ -285,7 +285,7 @@ def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
         return prompt
     if prompt_file is None:
         raise SpecxError("no prompt: pass a PROMPT_FILE (or - for stdin) or -p TEXT")
-    from specexec_cli.session.loading import read_prompt
+    from specexec_cli.session.prompts import read_prompt
 
     return read_prompt(prompt_file)
 

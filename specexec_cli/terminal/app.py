@@ -125,7 +125,8 @@ def run(
             text = prompt_text(prompt_file, prompt)
         cfg = flags.config()
         from specexec_cli.session.calprobe import pair_prior
-        from specexec_cli.session.loading import close_models, encode_prompt
+        from specexec_cli.session.loading import close_models
+        from specexec_cli.session.prompts import encode_prompt
         from specexec_cli.terminal.streaming import decode_to_stdout
         from specexec_cli.core.methods.common import with_settings
 
@@ -283,7 +284,7 @@ def bench(
 ) -> None:
     """Compare decoding methods over budgets and temperatures on a prompt set; writes JSON, a table and plots."""
     from specexec_cli.tools import bench as bench_mod
-    from specexec_cli.session.loading import encode_prompt
+    from specexec_cli.session.prompts import encode_prompt
     from specexec_cli.core.methods.common import flag_options
 
     with user_errors():
