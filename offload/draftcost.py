@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .membytes import substitute_kernel
+
 FLOOR_S = 0.05                              # per-pass latency streaming does not hide (kernel launches, sync)
 DEVICE_BPS = {"cuda": 1000e9, "cpu": 20e9}  # device memory bandwidth priors (a 4090-class card; DDR4/5 host)
 LINK_BPS = {"cuda": 24e9, "cpu": 10e9}      # RAM tier -> compute device (PCIe 4 x16 effective; memcpy)
@@ -173,16 +175,6 @@ def best(cands: list[Candidate]) -> Candidate | None:
 def linear_numel(a) -> int:
     """Weights of one decoder layer's linears: q and o (hidden x heads*hd), k and v (hidden x kv*hd), the MLP."""
     return 2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim + 3 * a.hidden * a.intermediate
-
-
-def substitute_kernel(bits: int) -> str:
-    """The dequantizing path a substitute of `bits` runs: bitsandbytes NF4 at 4 bits; else offload.lowbit's
-    choice ($SPECX_LOWBIT_KERNEL: the compiled function of offload/fused.py unless "eager" or it failed)."""
-    if bits == 4:
-        return "nf4-dequant"
-    from .fused import fused_status, kernel_choice
-
-    return "hqq-eager" if kernel_choice() == "eager" or fused_status() else "hqq-compiled"
 
 
 def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str = "cuda") -> tuple[int, int, int]:

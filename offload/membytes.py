@@ -215,13 +215,21 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     return chunk
 
 
+def substitute_kernel(bits: int) -> str:
+    """The dequantizing path a substitute of `bits` runs: bitsandbytes NF4 at 4 bits; else offload.lowbit's
+    choice ($SPECX_LOWBIT_KERNEL: the compiled function of offload/fused.py unless "eager" or it failed)."""
+    if bits == 4:
+        return "nf4-dequant"
+    from .fused import fused_status, kernel_choice
+
+    return "hqq-eager" if kernel_choice() == "eager" or fused_status() else "hqq-compiled"
+
+
 def draft_kernel(req) -> str:
     """The dequantizing path of the draft's linears: a self-draft's substitutes (4 bits: bitsandbytes
     NF4; 3 / 2: offload.lowbit's kernel), none for a small 16/32-bit draft."""
     if not getattr(req, "self_draft", False) or req.draft_bits is None:
         return "none"
-    from .draftcost import substitute_kernel
-
     return substitute_kernel(req.draft_bits)
 
 

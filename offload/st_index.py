@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import OffloadError
-from .formats.base import TensorInfo
+from .formats.base import TensorInfo, read_exact
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -213,18 +213,3 @@ def check_tensor_set(index: SafetensorsIndex, expected: dict[str, tuple[int, ...
         if name in floats and not e.dtype.is_floating_point:
             raise OffloadError(f"{e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
                                "the checkpoint is corrupt or not in this format - re-download it")
-
-
-def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
-    """Buffered read of `out.numel()` bytes at `offset` straight into a uint8 tensor."""
-    mv = memoryview(out.numpy()).cast("B")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(mv):
-            n = os.preadv(fd, [mv[done:]], offset + done)
-            if n <= 0:
-                raise OffloadError(f"{path}: truncated while reading at byte {offset + done}; re-download it")
-            done += n
-    finally:
-        os.close(fd)

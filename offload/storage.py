@@ -37,7 +37,8 @@ from .errors import OffloadError, OffloadNotice
 from .devmem import DevicePool  # noqa: F401 (re-exported)
 from .hostmem import ARENA_ALIGN, IO_ALIGN, HostPins, align_up, aligned_empty  # noqa: F401 (re-exported)
 from .nf4 import packed_nf4_shape
-from .st_index import SafetensorsIndex, TensorEntry, read_exact
+from .formats.base import read_exact
+from .st_index import SafetensorsIndex, TensorEntry
 
 MERGE_GAP = 64 * 1024
 READ_CHUNK = 64 * 1024 * 1024

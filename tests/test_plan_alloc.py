@@ -137,7 +137,7 @@ def test_self_draft_dequant_temporaries_equal_the_plan(tiny_pair, bits, monkeypa
     (HQQ's unpack in the compute dtype plus two packed-size slice temporaries), the plan's activations
     are its draft pass with the largest one, and the counted components equal the plan as above."""
     pytest.importorskip("hqq")
-    from offload.draftcost import substitute_kernel
+    from offload.membytes import substitute_kernel
     from offload.lowbit import LowbitLinear
     from offload.memplan import PlanRequest
     from offload.membytes import activation_bytes, arch_of, dequant_temp_bytes, linear_dequant_bytes

@@ -42,11 +42,14 @@ Contract:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from ..errors import OffloadError
 
 FORMATS = ("bf16", "fp16", "fp32", "bnb-nf4", "awq", "gptq", "compressed-tensors", "gguf")
 LAYER_PREFIX = "model.layers."
@@ -143,8 +146,6 @@ class Checkpoint:
 
     def read(self, name: str) -> torch.Tensor:
         """Stored tensor `name` as a CPU tensor of its stored dtype and shape (load time only)."""
-        from ..st_index import read_exact
-
         info = self.get(name)
         out = torch.empty(info.nbytes, dtype=torch.uint8)
         read_exact(info.file, info.begin, out)
@@ -194,3 +195,18 @@ def as_stored(info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
 
 def numel(shape) -> int:
     return math.prod(shape) if shape else 1
+
+
+def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Buffered read of `out.numel()` bytes at `offset` straight into a uint8 tensor."""
+    mv = memoryview(out.numpy()).cast("B")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(mv):
+            n = os.preadv(fd, [mv[done:]], offset + done)
+            if n <= 0:
+                raise OffloadError(f"{path}: truncated while reading at byte {offset + done}; re-download it")
+            done += n
+    finally:
+        os.close(fd)
