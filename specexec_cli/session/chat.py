@@ -33,18 +33,11 @@ from specexec_cli.core.engine import DecodeState, GenerationConfig, StepEvent
 from specexec_cli.core.methods import generate
 from specexec_cli.errors import SpecxError, is_oom, write_output
 from specexec_cli.session.interrupts import StopFlag, interrupt_guard
+from specexec_cli.session.prompt_cache import common_prefix
 from specexec_cli.core.sampling import validate
 from specexec_cli.core.stats import RunStats
 
 SETTINGS = ("temperature", "top_p", "top_k", "budget", "max_new_tokens", "seed")
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def rewind(st: DecodeState, keep: int) -> None:

@@ -17,32 +17,21 @@ documented exception. Stages, cheapest first:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from specexec_cli.errors import SpecxError
 
 
 def check_config(path: Path, flag: str) -> dict:
-    """config.json must be a JSON object with a string `model_type`; returns it."""
-    cfg_file = path / "config.json"
-    try:
-        data = json.loads(cfg_file.read_bytes())
-    except OSError as exc:
-        raise SpecxError(f"{flag} {cfg_file}: cannot read ({exc.strerror}); check the model directory") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise SpecxError(f"{flag} {cfg_file}: not valid JSON ({str(exc)[:80]}); fix or re-download it") from None
-    if not isinstance(data, dict):
-        raise SpecxError(f"{flag} {cfg_file}: must hold a JSON object; fix or re-download it")
-    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
-        raise SpecxError(f"{flag} {cfg_file}: no \"model_type\" field; fix or re-download it")
-    from offload.families import SUPPORTED
+    """config.json must be a JSON object with a supported string `model_type` (offload's check: tree
+    verification needs exact 4-D masks and positions, which specx checks per family); returns it."""
+    from offload import OffloadError
+    from offload.formats.hfdir import read_config
 
-    if data["model_type"] not in SUPPORTED:
-        # Tree verification needs exact 4-D masks and positions, which specx checks per family.
-        raise SpecxError(f"{flag} {cfg_file}: unsupported model_type {data['model_type'][:40]!r}; "
-                         f"supported: {', '.join(SUPPORTED)}")
-    return data
+    try:
+        return read_config(path)
+    except OffloadError as exc:
+        raise SpecxError(f"{flag} {exc}") from None
 
 
 def load_config(path: Path, flag: str, trust: bool):
