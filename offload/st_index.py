@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import OffloadError
-from .formats.base import TensorInfo, read_exact
+from .formats.base import TensorInfo, check_names, read_exact
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -193,17 +193,7 @@ def check_tensor_set(index: SafetensorsIndex, expected: dict[str, tuple[int, ...
     Raises OffloadError naming the file and the first offending tensor (sorted order).
     """
     tied = tied or {}
-    missing = sorted(n for n in expected if n not in index.entries and n not in tied)
-    unexpected = sorted(n for n in index.entries if n not in expected and not extra_ok(n))
-    if missing:
-        raise OffloadError(
-            f"{index.source_name}: tensor {missing[0]!r} that {what} needs is missing ({len(missing)} missing, "
-            f"{len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download")
-    if unexpected:
-        e = index.entries[unexpected[0]]
-        raise OffloadError(
-            f"{e.file}: unexpected tensor {e.name!r} ({len(unexpected)} not used by {what}); the checkpoint "
-            "does not match config.json - fix it or re-download")
+    check_names(index.entries, expected, tied, extra_ok, what, index.source_name)
     floats = set(expected) if float_names is None else float_names
     for name in sorted(n for n in expected if n in index.entries):
         e = index.entries[name]

@@ -210,3 +210,20 @@ def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
             done += n
     finally:
         os.close(fd)
+
+
+def check_names(entries: dict, expected, tied: dict, is_extra, what: str, source) -> None:
+    """Strict loading's name check: every `expected` tensor is stored (a `tied` alias may be absent)
+    and nothing else is, save what `is_extra(name)` allows. Raises OffloadError naming the first
+    offending tensor in sorted order (the file, for an unexpected one)."""
+    missing = sorted(n for n in expected if n not in entries and n not in tied)
+    unexpected = sorted(n for n in entries if n not in expected and not is_extra(n))
+    if missing:
+        raise OffloadError(
+            f"{source}: tensor {missing[0]!r} that {what} needs is missing ({len(missing)} missing, "
+            f"{len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download")
+    if unexpected:
+        e = entries[unexpected[0]]
+        raise OffloadError(
+            f"{e.file}: unexpected tensor {e.name!r} ({len(unexpected)} not used by {what}); the checkpoint "
+            "does not match config.json - fix it or re-download")

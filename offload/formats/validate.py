@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..errors import OffloadError
-from .base import Checkpoint
+from .base import Checkpoint, check_names
 
 MAX_EXPANSION = 2            # 16-bit bytes config.json implies / bytes of a 16-bit checkpoint's files
 SLACK_BYTES = 64 << 20
@@ -69,18 +69,8 @@ def check_tensors(ckpt: Checkpoint, parts: Parts | None = None) -> dict[str, tup
                 floats.add(name)
     tied = _tied(hf, ckpt.hf_config)
     src = ckpt.source_name or ckpt.path
-    missing = sorted(n for n in expected if n not in ckpt.tensors and n not in tied)
-    unexpected = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith("inv_freq"))
     what = f"model_type {ckpt.hf_config.model_type!r}"
-    if missing:
-        raise OffloadError(
-            f"{src}: tensor {missing[0]!r} that {what} needs is missing ({len(missing)} missing, "
-            f"{len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download")
-    if unexpected:
-        e = ckpt.tensors[unexpected[0]]
-        raise OffloadError(
-            f"{e.file}: unexpected tensor {e.name!r} ({len(unexpected)} not used by {what}); the checkpoint "
-            "does not match config.json - fix it or re-download")
+    check_names(ckpt.tensors, expected, tied, lambda n: n.endswith("inv_freq"), what, src)
     for name in sorted(n for n in expected if n in ckpt.tensors):
         e, want = ckpt.tensors[name], expected[name]
         if want is not None and tuple(e.shape) != tuple(want):
