@@ -11,7 +11,7 @@ with a 64 GiB disk and 128 GiB RAM; `--smoke` runs every phase with tiny shapes 
   (fp32 scales and zeros), and the draft. Caches go to $SPECX_CACHE, by default beside --ckpt
   (`<ckpt>-cache`) so that one disk holds and counts them all.
 - `quantize`: the nf4 cache and the HQQ substitutes of every layer, on the GPU when there is one
-  (offload/quant_cache.py, offload/lowbit.py); both caches reuse what an interrupted run left.
+  (offload/quant/quant_cache.py, offload/quant/lowbit.py); both caches reuse what an interrupted run left.
 - `passes`: every layer streamed (RAM tier when it fits 70% of RAM), the median of --repeats
   forwards per token count, against the floor (streamed bytes / the slowest link's GB/s, pinned
   host->device measured over 1 GiB, the disk's O_DIRECT reads when the layers stream from disk).
@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload.timing import device_seconds as timed  # noqa: E402
+from offload.stream.timing import device_seconds as timed  # noqa: E402
 
 DEMO = ROOT / "specexec_cli" / "demo"
 PHASES = ("write", "quantize", "passes", "decode")
@@ -79,7 +79,7 @@ def layer_params(shape: dict) -> tuple[int, int]:
 
 def disk_bytes(shape: dict, layers: int, bits: list[int], draft: dict) -> dict[str, int]:
     """Bytes every phase writes, per file family: checkpoint, nf4 cache, HQQ caches, draft."""
-    from offload.lowbit import lowbit_weight_bytes
+    from offload.quant.lowbit import lowbit_weight_bytes
 
     lin, norms = layer_params(shape)
     glob = 2 * (2 * shape["vocab_size"] * shape["hidden_size"] + shape["hidden_size"])   # embed + lm_head + norm, bf16
@@ -164,7 +164,7 @@ def disk_gbps(path: Path, limit: int = 2 << 30) -> float:
     of 3 sequential passes over up to `limit` bytes, 64 MiB requests, page cache bypassed."""
     import time
 
-    from offload.storage import IO_ALIGN, DirectReader, Span, aligned_empty
+    from offload.stream.storage import IO_ALIGN, DirectReader, Span, aligned_empty
 
     chunk = 64 << 20
     buf, reader = aligned_empty(chunk), DirectReader()
@@ -235,9 +235,9 @@ def phase_write(args, ctx) -> dict:
 
 
 def phase_quantize(args, ctx) -> dict:
-    from offload.lowbit import ensure_lowbit_layers
-    from offload.nf4 import packing_for
-    from offload.quant_cache import ensure_nf4_cache
+    from offload.quant.lowbit import ensure_lowbit_layers
+    from offload.quant.nf4 import packing_for
+    from offload.quant.quant_cache import ensure_nf4_cache
 
     out, layers = {}, list(range(ctx["layers"]))
     t0 = time.perf_counter()

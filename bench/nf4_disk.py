@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload import OffloadedCausalLM  # noqa: E402
-from offload.nf4 import packing_for  # noqa: E402
-from offload.quant_cache import cache_dir, ensure_nf4_cache, is_complete, cache_key  # noqa: E402
-from offload.st_index import SafetensorsIndex  # noqa: E402
+from offload.quant.nf4 import packing_for  # noqa: E402
+from offload.quant.quant_cache import cache_dir, ensure_nf4_cache, is_complete, cache_key  # noqa: E402
+from offload.formats.st_index import SafetensorsIndex  # noqa: E402
 
 
 def read_bytes() -> int:

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload import OffloadedCausalLM  # noqa: E402
-from offload.st_index import SafetensorsIndex  # noqa: E402
-from offload.storage import IO_ALIGN, DirectReader, Span, aligned_empty, align_up  # noqa: E402
+from offload.formats.st_index import SafetensorsIndex  # noqa: E402
+from offload.stream.storage import IO_ALIGN, DirectReader, Span, aligned_empty, align_up  # noqa: E402
 
 READ_SPAN = 256 * 1024 * 1024   # bytes per read_span call while measuring (a large layer's size)
 

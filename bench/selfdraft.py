@@ -13,7 +13,7 @@ drift hits both alike. At T = 0 every run's ids are checked against the same tar
 as the target (on a GPU it costs a fraction of a pass; bench/gpu.py measures that). Writes JSON.
 
 `--kernels` measures instead what one draft pass costs with the HQQ substitutes' eager path (HQQ's
-unpack, a 16-bit weight rebuilt per call) against the fused one (offload/fused.py): a stack of
+unpack, a 16-bit weight rebuilt per call) against the fused one (offload/quant/fused.py): a stack of
 `--layers` Llama decoder layers at `--hidden`/`--heads`/`--kv-heads`/`--inter` (head_dim 128, 8:1
 GQA by default: a 70B layer's shape scaled down in width) whose every linear is a LowbitLinear of
 random weights quantized by HQQ at each of `--bits`; one pass = `--forwards` draft forwards of
@@ -79,12 +79,12 @@ def kernel_stack(args, bits: int, dtype: torch.dtype):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from offload.lowbit import LowbitLinear, quantize_weight
+    from offload.quant.lowbit import LowbitLinear, quantize_weight
 
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.inter, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
                       num_hidden_layers=args.layers, vocab_size=256)
-    from offload.attention import implementation
+    from offload.arch.attention import implementation
 
     cfg._attn_implementation = implementation("sdpa")   # the draft's attention in specx (no repeated K/V)
     g = torch.Generator().manual_seed(bits)
@@ -148,7 +148,7 @@ def kernels_main(args) -> None:
                              draft_seconds_per_forward=round(per_pass / args.forwards, 5), runs=[round(t, 4) for t in times]))
             print(f"bits={bits} {kernel:<5} draft s/pass={per_pass:.4f} s/forward={per_pass / args.forwards:.5f}",
                   flush=True)
-    from offload.fused import fused_status
+    from offload.quant.fused import fused_status
 
     out = Path(args.out if args.out != DEFAULT_OUT else ROOT / "bench" / "results" / "selfdraft_kernels.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--no-shared", action="store_true", help="skip the shared draft (it was measured already)")
     ap.add_argument("--skip", default="0", help="self-draft: middle layers left without a substitute (selfdraft.skip_block), e.g. 0,1,2,3,4")
     ap.add_argument("--skip-rule", default="influence", help="which layers --skip leaves out: influence (the "
-                    "least influential, offload/influence.py), middle (a middle block), or both")
+                    "least influential, offload/selfdraft/influence.py), middle (a middle block), or both")
     ap.add_argument("--kv", default="shared", help="the self-draft's KV: shared (reads the target's), own, or both")
     ap.add_argument("--target", default=str(SHARED / "models" / "target"),
                     help="e.g. an inflated copy of the shared target (../shared/tools/inflate_llama.py)")

@@ -4,10 +4,10 @@ Contract: the public API is `OffloadedCausalLM`, `parse_size`, `plan_offload`, `
 `OffloadError` (and `format_bytes`). This package never imports `specexec_cli`.
 """
 
-from .errors import OffloadError
-from .model import OffloadedCausalLM, OffloadStats
-from .plan import OffloadPlan, plan_offload
-from .sizes import format_bytes, parse_size
+from offload.errors import OffloadError
+from offload.stream.model import OffloadedCausalLM, OffloadStats
+from offload.stream.placement import OffloadPlan, plan_offload
+from offload.sizes import format_bytes, parse_size
 
 __all__ = ["OffloadError", "OffloadedCausalLM", "OffloadStats", "OffloadPlan", "plan_offload",
            "parse_size", "format_bytes"]

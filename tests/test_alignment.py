@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from offload import OffloadedCausalLM
-from offload.st_index import SafetensorsIndex
+from offload.formats.st_index import SafetensorsIndex
 from tests.test_families import make_family
 from tests.test_prequant import Q4, _bnb_save
 
@@ -82,7 +82,7 @@ def test_every_tensor_handed_to_a_layer_is_256_aligned(ckpts, tier, dtype):
 def test_cuda_copy_re_lays_file_layout_onto_the_grid(ckpts):
     """LayerStore.copy (the CUDA host->device stage, run here on CPU tensors): a disk layer read
     in its misaligned file layout arrives in the device slot at aligned offsets, byte-identical."""
-    from offload.hostmem import aligned_empty
+    from offload.stream.hostmem import aligned_empty
 
     model = OffloadedCausalLM.from_pretrained(ckpts["bf16"], dtype=torch.bfloat16, offload="disk")
     try:

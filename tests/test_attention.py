@@ -1,4 +1,4 @@
-"""offload/attention.py: GQA attention without repeated K/V, against transformers' own kernels.
+"""offload/arch/attention.py: GQA attention without repeated K/V, against transformers' own kernels.
 
 A tiny seeded Llama (fp32) with 8:1 and 2:1 grouping runs a prefix, then a tree pass under a 4-D
 additive tree mask over the cache; the logits under NAME equal those of HF's "sdpa" and "eager"
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import attention
-from offload.hfcompat import cache_kwargs
+from offload.arch import attention
+from offload.arch.hfcompat import cache_kwargs
 
 
 def _model(heads: int, kv_heads: int, impl: str, seed: int = 0):
@@ -102,8 +102,8 @@ def test_mask_repeated_once_per_forward():
 
 
 def test_offloaded_model_runs_gqa_attention(tmp_path, monkeypatch):
-    """The streamed decoder (offload/model.py) runs under NAME and matches HF's sdpa logits, no repeat."""
-    from offload.model import OffloadedCausalLM
+    """The streamed decoder (offload/stream/model.py) runs under NAME and matches HF's sdpa logits, no repeat."""
+    from offload.stream.model import OffloadedCausalLM
 
     hf = _model(8, 1, "sdpa")
     hf.save_pretrained(tmp_path)

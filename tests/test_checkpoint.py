@@ -56,7 +56,7 @@ def test_unclaimed_path_is_one_line(tmp_path):
 
 
 def test_specx_run_opens_each_checkpoint_once(models, tmp_path, monkeypatch):
-    from offload import st_index
+    from offload.formats import st_index
     from offload.formats import safetensors as st_reader
     from specexec_cli.terminal.app import app
 

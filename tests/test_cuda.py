@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from offload import OffloadedCausalLM
-from offload.timing import device_seconds
+from offload.stream.timing import device_seconds
 from tests.conftest import make_model
 
 pytestmark = [pytest.mark.cuda,
@@ -202,7 +202,7 @@ def test_gqa_tree_mask_streamed_equals_hf(gqa_dir, monkeypatch):
     from transformers import DynamicCache, LlamaForCausalLM
 
     import transformers.integrations.sdpa_attention as hf_sdpa
-    from offload.hfcompat import cache_kwargs
+    from offload.arch.hfcompat import cache_kwargs
 
     hf = LlamaForCausalLM.from_pretrained(gqa_dir, dtype=torch.float32, attn_implementation="sdpa").cuda().eval()
     ours = load(gqa_dir, "fp32", "disk", max_device_memory=0, max_host_memory=0)
@@ -243,7 +243,7 @@ def _ids(models, method: str, temperature: float = 0.0, seed: int = 0, n: int = 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_self_draft_on_gpu_is_lossless(gqa_dir, bits):
     """--draft self at 4 (NF4) and 2 (HQQ, fused substitutes) bits: specexec's ids equal ar's at T = 0."""
-    from offload.fused import fused_status
+    from offload.quant.fused import fused_status
 
     models = _models(gqa_dir, "self", draft_bits=bits)
     assert models.draft is not None and models.draft.substitute_bits == bits

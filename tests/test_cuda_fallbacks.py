@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import hostmem
+from offload.stream import hostmem
 from offload.errors import OffloadError, OffloadNotice
-from offload.hostmem import HostPins, aligned_empty
+from offload.stream.hostmem import HostPins, aligned_empty
 
 
 class FakeCudart:
@@ -101,7 +101,7 @@ def test_unpinned_ram_arena_streams_through_the_staging_ring(tiny_pair):
 def test_old_bitsandbytes_is_refused_in_one_line(monkeypatch):
     import bitsandbytes
 
-    from offload import nf4
+    from offload.quant import nf4
 
     nf4.require_bnb.cache_clear()
     monkeypatch.setattr(bitsandbytes, "__version__", "0.45.0")
@@ -124,7 +124,7 @@ def test_bench_gpu_without_cuda_exits_with_a_clear_message(monkeypatch, capsys):
 
 
 def test_auto_dtype_is_fp16_on_gpus_without_native_bf16(monkeypatch):
-    from offload.loader import accelerator_half
+    from offload.stream.loader import accelerator_half
     from specexec_cli.session.loading import resolve_dtype
     from specexec_cli.session.planning import plan_dtypes
 
@@ -166,7 +166,7 @@ def test_failed_unregister_clears_the_error_keeps_the_buffer_and_says_so(monkeyp
 def test_host_embedding_rows_are_one_counted_upload():
     """--embeddings host: the looked-up rows cross in one copy per forward, counted like every
     specx transfer (the session points `counter` at specexec_cli's transfers.COUNTER)."""
-    from offload.loader import HostEmbedding
+    from offload.stream.loader import HostEmbedding
     from specexec_cli.core.transfers import TransferCount
 
     counter = TransferCount()

@@ -16,9 +16,9 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from offload.hfcompat import cache_kwargs
+from offload.arch.hfcompat import cache_kwargs
 from offload import OffloadedCausalLM, OffloadError
-from offload.families import SUPPORTED
+from offload.arch.families import SUPPORTED
 from tests.test_offload import _tree_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -1,4 +1,4 @@
-"""The fused substitute linear (offload/fused.py) against the eager HQQ reference (offload/lowbit.py).
+"""The fused substitute linear (offload/quant/fused.py) against the eager HQQ reference (offload/quant/lowbit.py).
 
 Codes unpacked with shift/mask ops equal HQQ's own unpack bit for bit; the compiled
 unpack+scale+matmul equals the eager path (HQQ unpack, 16-bit weight, matmul) within the dtype's
@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("hqq")
 
-from offload import fused  # noqa: E402
-from offload.lowbit import PACKING, LowbitLinear, hqq_quantizer, quantize_weight  # noqa: E402
+from offload.quant import fused  # noqa: E402
+from offload.quant.lowbit import PACKING, LowbitLinear, hqq_quantizer, quantize_weight  # noqa: E402
 
 OUT, IN = 96, 320   # rows = OUT*IN/group: not a multiple of 10 at 3 bits (HQQ pads; the slice must drop them)
 

@@ -49,7 +49,7 @@ def _hf_logits(f: Path) -> torch.Tensor:
 
 
 def _specx(f, offload: str):
-    from offload.model import OffloadedCausalLM
+    from offload.stream.model import OffloadedCausalLM
 
     return OffloadedCausalLM.from_pretrained(f, device="cpu", dtype=torch.float32, offload=offload)
 
@@ -170,7 +170,7 @@ def sparse70(tmp_path_factory):
 
 
 def test_sparse_70b_q4_k_m_plans_at_24gb(sparse70):
-    from offload.memplan import PlanRequest, plan_memory
+    from offload.planning.memplan import PlanRequest, plan_memory
 
     assert sparse70.stat().st_blocks * 512 < 64 << 20          # a hole: no tensor data on disk
     ck = open_checkpoint(sparse70)

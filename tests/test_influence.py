@@ -1,4 +1,4 @@
-"""Which layers a partial self-draft leaves out (offload/influence.py, loading.skipped_layers).
+"""Which layers a partial self-draft leaves out (offload/selfdraft/influence.py, loading.skipped_layers).
 
 What must hold: block influence is 1 - cos between a layer's input and output residual stream,
 equal to what HF's own hidden states give; a layer that does nothing (o_proj and down_proj zeroed)
@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from offload.influence import CALIBRATION, MAX_TOKENS, layer_influence, pick_skipped, skip_order, stored_influence
-from offload.selfdraft import PassThrough, skip_block
+from offload.selfdraft.influence import CALIBRATION, MAX_TOKENS, layer_influence, pick_skipped, skip_order, stored_influence
+from offload.selfdraft.build import PassThrough, skip_block
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
 from specexec_cli.session.loading import LoadOptions, load_models
@@ -118,8 +118,8 @@ def test_the_plan_follows_a_stored_measurement(target):
     models = load_models(replace(opts, plan=plan))
     assert models.draft.skipped == plan.skipped_layers == [IDLE], "the loader measures and updates the plan"
 
-    from offload.memlayers import read_checkpoint
-    from offload.selfplan import skip_note, skip_order_for
+    from offload.planning.memlayers import read_checkpoint
+    from offload.planning.selfplan import skip_note, skip_order_for
 
     order, measured = skip_order_for(read_checkpoint(target), 6)
     assert measured and order[0] == IDLE

@@ -14,7 +14,7 @@ import struct
 
 import pytest
 
-from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
 from specexec_cli.session.info import describe, rows
 from tests.sparse_ckpt import FIXTURES, tensor_shapes
 

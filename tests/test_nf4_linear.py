@@ -59,7 +59,7 @@ def test_nf4_linear_matches_linear4bit_bf16():
     """The bf16 compute path (used on CUDA) against Linear4bit on one layer's weight."""
     from bitsandbytes.nn import Linear4bit, Params4bit
 
-    from offload.nf4 import Nf4Linear, quantize_nf4
+    from offload.quant.nf4 import Nf4Linear, quantize_nf4
 
     torch.manual_seed(3)
     w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
@@ -88,7 +88,7 @@ def test_nf4_linear_matches_independent_dequantization():
     """Packed bytes, statistics and the bf16 matmul checked against NF4 decoded here from first principles:
     blocks of 64, code = nearest NF4 level of w / absmax(block), two codes per byte (first in the high
     nibble), absmax double-quantized to 8 bits (code book × absmax2 per 256 blocks + offset)."""
-    from offload.nf4 import Nf4Linear, quantize_nf4
+    from offload.quant.nf4 import Nf4Linear, quantize_nf4
 
     torch.manual_seed(4)
     out_f, in_f = 96, 64

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from offload import OffloadedCausalLM, parse_size, plan_offload
-from offload.hfcompat import cache_kwargs
+from offload.arch.hfcompat import cache_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96

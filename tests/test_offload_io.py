@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
     Qwen2ForCausalLM
 
-import offload.storage as storage
+import offload.stream.storage as storage
 from offload import OffloadedCausalLM, OffloadError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

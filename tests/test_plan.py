@@ -1,7 +1,7 @@
 """Memory plans at real sizes: sparse 70B-class checkpoints, every component recomputed here.
 
 The expected bytes below are derived from the public config values with plain arithmetic (not by
-calling offload.memplan), so a wrong formula, a missing component or a plan over its cap fails.
+calling offload.planning.memplan), so a wrong formula, a missing component or a plan over its cap fails.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import pytest
 from dataclasses import replace
 
-from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
 from tests.sparse_ckpt import write_sparse
 
 GB = 10**9

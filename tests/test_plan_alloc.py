@@ -137,10 +137,10 @@ def test_self_draft_dequant_temporaries_equal_the_plan(tiny_pair, bits, monkeypa
     (HQQ's unpack in the compute dtype plus two packed-size slice temporaries), the plan's activations
     are its draft pass with the largest one, and the counted components equal the plan as above."""
     pytest.importorskip("hqq")
-    from offload.membytes import substitute_kernel
-    from offload.lowbit import LowbitLinear
-    from offload.memplan import PlanRequest
-    from offload.membytes import activation_bytes, arch_of, dequant_temp_bytes, linear_dequant_bytes
+    from offload.planning.membytes import substitute_kernel
+    from offload.quant.lowbit import LowbitLinear
+    from offload.planning.memplan import PlanRequest
+    from offload.planning.membytes import activation_bytes, arch_of, dequant_temp_bytes, linear_dequant_bytes
 
     monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")
     assert substitute_kernel(bits) == "hqq-eager"
@@ -176,12 +176,12 @@ def test_self_draft_dequant_temporaries_equal_the_plan(tiny_pair, bits, monkeypa
 
 @pytest.mark.parametrize("bits", [3, 2])
 def test_compiled_substitute_keeps_no_weight_on_cpu(bits):
-    """The compiled path (offload/fused.py, the default) on CPU: besides its output, a substitute linear
+    """The compiled path (offload/quant/fused.py, the default) on CPU: besides its output, a substitute linear
     allocates nothing while it runs a draft forward, which is what the plan counts for it there."""
     pytest.importorskip("hqq")
-    from offload.fused import fused_status
-    from offload.lowbit import LowbitLinear, quantize_weight
-    from offload.membytes import linear_dequant_bytes
+    from offload.quant.fused import fused_status
+    from offload.quant.lowbit import LowbitLinear, quantize_weight
+    from offload.planning.membytes import linear_dequant_bytes
 
     torch.manual_seed(0)
     q = quantize_weight(torch.randn(256, 128), bits)

@@ -1,7 +1,7 @@
 """The draft cost model on the 70B nf4 plans at 24 GB (sparse real-sized headers), through `--dry-run`.
 
 Every candidate's five figures are re-derived here by plain arithmetic from the model's stated formula
-(offload/draftcost.py docstring) and its inputs: the plan's bytes, the Llama-3.1-70B / 3.2-1B shapes
+(offload/planning/draftcost.py docstring) and its inputs: the plan's bytes, the Llama-3.1-70B / 3.2-1B shapes
 from their public configs, the bandwidths the plan reports, and the measured tokens/pass table. The
 choice must be the candidate with the most modelled tokens/s."""
 
@@ -14,8 +14,8 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from offload.draftcost import TOKENS_PER_PASS
-from offload.selfplan import SKIP_FACTOR
+from offload.planning.draftcost import TOKENS_PER_PASS
+from offload.planning.selfplan import SKIP_FACTOR
 from specexec_cli.terminal.app import app
 from tests.sparse_ckpt import write_sparse
 

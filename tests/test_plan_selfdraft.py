@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from offload.memplan import PlanRequest, plan_memory, read_checkpoint
+from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
 from tests.sparse_ckpt import write_sparse
 
 GB = 10**9
@@ -102,7 +102,7 @@ def test_nothing_streamed_means_no_substitutes(llama70b):
 def test_the_width_choice_uses_the_runs_temperature(llama70b):
     """The expected tokens/pass behind the choice come from the greedy or the sampled measurements
     (offload/draftcost.TOKENS_PER_PASS) by the run's temperature, at the plan's budget."""
-    from offload.draftcost import TOKENS_PER_PASS
+    from offload.planning.draftcost import TOKENS_PER_PASS
 
     greedy, sampled = plan(llama70b, "bf16", 44), plan(llama70b, "bf16", 44, temperature=0.7)
     assert greedy.fits and sampled.fits

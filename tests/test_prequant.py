@@ -15,8 +15,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
 
-import offload.quant_cache as qc
-from offload.hfcompat import cache_kwargs
+import offload.quant.quant_cache as qc
+from offload.arch.hfcompat import cache_kwargs
 from offload import OffloadedCausalLM, OffloadError
 from tests.test_families import make_family
 
@@ -183,8 +183,8 @@ def _tensors(path):
 def test_cache_packed_for_the_cpu_kernel_holds_moved_nibbles(bf16_dir, tmp_path, monkeypatch):
     """A CPU_PACKING cache stores each fitting linear's bytes exactly as cpu_relayout moves the
     standard bytes (the layout Linear4bit makes at its first CPU forward); everything else equal."""
-    from offload import nf4
-    from offload.st_index import SafetensorsIndex
+    from offload.quant import nf4
+    from offload.formats.st_index import SafetensorsIndex
 
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
     std, packed = tmp_path / "std", qc.ensure_nf4_cache(bf16_dir, packing=nf4.CPU_PACKING)
@@ -205,14 +205,14 @@ def test_cache_packed_for_the_cpu_kernel_holds_moved_nibbles(bf16_dir, tmp_path,
     assert moved == 3 * 7
 
 
-@pytest.mark.skipif(__import__("offload.nf4", fromlist=["x"]).packing_for("cpu") == "standard",
+@pytest.mark.skipif(__import__("offload.quant.nf4", fromlist=["x"]).packing_for("cpu") == "standard",
                     reason="bitsandbytes has no fused AVX512-BF16 CPU kernel on this CPU")
 @pytest.mark.parametrize("offload", ["none", "ram", "disk"])
 def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkeypatch, offload):
     """On a CPU where Linear4bit uses the fused kernel, `--dtype nf4` streams the kernel-packed
     cache: no byte moves after a disk read, and logits equal the standard 4-bit checkpoint's
     (whose bytes are re-laid out after each read) bit for bit. Elsewhere it is refused by name."""
-    import offload.model as om
+    import offload.stream.model as om
 
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
     std = tmp_path / "std"
@@ -297,7 +297,7 @@ def test_cpu_relayout_equals_bitsandbytes(shape):
 
     from bitsandbytes.functional import _convert_weight_packed_for_cpu
 
-    from offload.nf4 import cpu_relayout, cpu_state, quantize_nf4
+    from offload.quant.nf4 import cpu_relayout, cpu_state, quantize_nf4
 
     torch.manual_seed(shape[0])
     packed, state = quantize_nf4(torch.randn(*shape, dtype=torch.bfloat16), torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""`--draft self`: the target's 4-bit substitutes as its draft (offload/selfdraft.py).
+"""`--draft self`: the target's 4-bit substitutes as its draft (offload/selfdraft/build.py).
 
 What must hold: lossless at T = 0 through `specx run` (ids equal `--method ar`'s) with the target
 in RAM or on disk, fp32 or bf16; the embeddings, norm, lm_head, rotary buffers and resident layers
@@ -18,11 +18,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import offload.quant_cache as qc
+import offload.quant.quant_cache as qc
 from offload import OffloadedCausalLM
 from offload.errors import OffloadNotice
-from offload.nf4 import packing_for
-from offload.selfdraft import build_self_draft, shares_with
+from offload.quant.nf4 import packing_for
+from offload.selfdraft.build import build_self_draft, shares_with
 from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 

@@ -1,4 +1,4 @@
-"""The self-draft's shared KV cache and its skipped layers (offload/selfdraft.py, kvcache.SharedCache).
+"""The self-draft's shared KV cache and its skipped layers (offload/selfdraft/build.py, kvcache.SharedCache).
 
 What must hold: with `shared_kv` (the default for `--draft self`) the draft's cache is a view of the
 target's slabs (same storage, no bytes of its own, no draft prefill) and every method stays lossless
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.selfdraft import PassThrough, skip_block
+from offload.selfdraft.build import PassThrough, skip_block
 from specexec_cli.core import kvcache
 from specexec_cli.session.chat import ChatSession
 from specexec_cli.core.draft import TreeShape

@@ -1,4 +1,4 @@
-"""`--draft self --draft-bits 3|2`: HQQ substitutes (offload/lowbit.py) and the plan's choice of bits.
+"""`--draft self --draft-bits 3|2`: HQQ substitutes (offload/quant/lowbit.py) and the plan's choice of bits.
 
 What must hold: lossless at T = 0 through `specx run` (ids equal `--method ar`'s) for 3 and 2 bits
 and for an nf4 target (whose 4-bit substitutes would be itself, so the plan picks 3 or 2 bits);
@@ -17,11 +17,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import offload.lowbit as lowbit
+import offload.quant.lowbit as lowbit
 from offload import OffloadedCausalLM
 from offload.errors import OffloadError, OffloadNotice
-from offload.memplan import PlanRequest, plan_memory, read_checkpoint
-from offload.selfdraft import build_self_draft, shares_with
+from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
+from offload.selfdraft.build import build_self_draft, shares_with
 from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
@@ -137,7 +137,7 @@ def test_bad_flags_and_missing_hqq_are_one_line_errors(tmp_path, target, monkeyp
 
 
 def test_a_prequantized_checkpoint_is_refused_in_one_line(tmp_path, target):
-    from offload.quant_cache import write_quantized
+    from offload.quant.quant_cache import write_quantized
 
     write_quantized(target, tmp_path / "q")
     _, res = run(tmp_path, tmp_path / "q", "--draft", "self", code=2)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from ..errors import OffloadError
-from .base import FORMATS, Checkpoint, FormatReader, TensorInfo, as_stored  # noqa: F401 - the package API
+from offload.errors import OffloadError
+from offload.formats.base import FORMATS, Checkpoint, FormatReader, TensorInfo, as_stored  # noqa: F401 - the package API
 
 READERS = ("gguf", "awq", "gptq", "compressed", "safetensors")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError
-from .packed import PackedReader, bits4, check_divides, group_size, unpack_cols
+from offload.errors import OffloadError
+from offload.formats.packed import PackedReader, bits4, check_divides, group_size, unpack_cols
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # AWQ packs column 8c + ORDER[i] into field i
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)        # field holding column 8c + j

@@ -49,7 +49,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..errors import OffloadError
+from offload.errors import OffloadError
 
 FORMATS = ("bf16", "fp16", "fp32", "bnb-nf4", "awq", "gptq", "compressed-tensors", "gguf")
 LAYER_PREFIX = "model.layers."
@@ -136,7 +136,7 @@ class Checkpoint:
 
     def get(self, name: str) -> TensorInfo:
         """The stored tensor `name`; a one-line OffloadError when the checkpoint lacks it."""
-        from ..errors import OffloadError
+        from offload.errors import OffloadError
 
         try:
             return self.tensors[name]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError
-from .packed import PackedReader, unpack_cols, unpack_rows
+from offload.errors import OffloadError
+from offload.formats.packed import PackedReader, unpack_cols, unpack_rows
 
 
 class CompressedReader(PackedReader):

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError
-from . import gguf_meta, gguf_quants as gq
-from .base import Checkpoint, TensorInfo, as_stored, numel
+from offload.errors import OffloadError
+from offload.formats import gguf_meta, gguf_quants as gq
+from offload.formats.base import Checkpoint, TensorInfo, as_stored, numel
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
 PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
@@ -115,7 +115,7 @@ class GgufReader:
 
     def open_ollama(self, name: str) -> Checkpoint | None:
         """The checkpoint of ollama model `name`, or None when ollama has no such model."""
-        from . import ollama
+        from offload.formats import ollama
 
         model = ollama.resolve(name)
         if model is None:
@@ -155,7 +155,7 @@ def _hf_config(head, arch: str, readers, first: Path):
     from transformers import CONFIG_MAPPING
     from transformers.utils import logging as hf_logging
 
-    from ..families import Family
+    from offload.arch.families import Family
 
     hf_logging.set_verbosity_error()
     try:
@@ -216,7 +216,7 @@ def _hf_params(config, arch: str, first: Path) -> tuple[dict[str, str], dict[str
     """(GGUF tensor name -> HF parameter name, HF parameter name -> shape) from the meta-built model."""
     import gguf
 
-    from ..families import causal_lm_class
+    from offload.arch.families import causal_lm_class
 
     n = config.num_hidden_layers
     if not isinstance(n, int) or not 0 < n <= 1024:

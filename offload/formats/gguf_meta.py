@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import OffloadError
-from . import gguf_quants as gq
+from offload.errors import OffloadError
+from offload.formats import gguf_quants as gq
 
 GGUF_MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError
-from .packed import PackedReader, bits4, group_count, group_size, unpack_cols, unpack_rows
+from offload.errors import OffloadError
+from offload.formats.packed import PackedReader, bits4, group_count, group_size, unpack_cols, unpack_rows
 
 
 class GptqReader(PackedReader):

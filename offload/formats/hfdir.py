@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import OffloadError
+from offload.errors import OffloadError
 
 
 def is_st_dir(path: Path) -> bool:
@@ -20,7 +20,7 @@ def is_st_dir(path: Path) -> bool:
 
 
 def read_config(root: Path) -> dict:
-    from ..families import SUPPORTED
+    from offload.arch.families import SUPPORTED
 
     cfg_file = root / "config.json"
     try:
@@ -96,6 +96,6 @@ def side_info(root: Path) -> dict:
 
 
 def st_index(root: Path):
-    from ..st_index import SafetensorsIndex
+    from offload.formats.st_index import SafetensorsIndex
 
     return SafetensorsIndex(root)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError
-from . import hfdir, validate
-from .base import Checkpoint, as_stored, numel
+from offload.errors import OffloadError
+from offload.formats import hfdir, validate
+from offload.formats.base import Checkpoint, as_stored, numel
 
 INT32_PARTS = ("qweight", "qzeros", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx")
 

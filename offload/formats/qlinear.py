@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Checkpoint
+from offload.formats.base import Checkpoint
 
 
 def _meta_param(info) -> nn.Parameter:

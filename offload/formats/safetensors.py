@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError
-from . import hfdir, validate
-from .base import Checkpoint, as_stored, numel
+from offload.errors import OffloadError
+from offload.formats import hfdir, validate
+from offload.formats.base import Checkpoint, as_stored, numel
 
 _FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -37,7 +37,7 @@ def float_format(tensors) -> str:
 
 def bnb_parts(tensors) -> dict[str, tuple[str, ...]]:
     """HF weight -> (packed uint8 tensor, its quant-state tensors) of every bnb-packed weight."""
-    from ..prequant import QS_KINDS, QS_PARTS
+    from offload.formats.prequant import QS_KINDS, QS_PARTS
 
     out = {}
     for name in tensors:
@@ -55,8 +55,8 @@ class SafetensorsReader:
         return hfdir.is_st_dir(path)
 
     def open(self, path: Path) -> Checkpoint:
-        from ..prequant import bnb4_config
-        from ..nf4 import packed_nf4_shape
+        from offload.formats.prequant import bnb4_config
+        from offload.formats.prequant import packed_nf4_shape
 
         cfg = hfdir.read_config(path)
         index = hfdir.st_index(path)

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import OffloadError
-from .base import Checkpoint, check_names
+from offload.errors import OffloadError
+from offload.formats.base import Checkpoint, check_names
 
 MAX_EXPANSION = 2            # 16-bit bytes config.json implies / bytes of a 16-bit checkpoint's files
 SLACK_BYTES = 64 << 20
@@ -27,7 +27,7 @@ Parts = Callable[[str, tuple[int, ...]], "dict[str, tuple[int, ...] | None] | No
 
 
 def meta_model(ckpt: Checkpoint):
-    from ..families import causal_lm_class
+    from offload.arch.families import causal_lm_class
 
     cfg = ckpt.config.get("text_config") or ckpt.config
     layers = cfg.get("num_hidden_layers", 0)

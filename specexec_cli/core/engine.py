@@ -40,7 +40,7 @@ class Models:
     tokenizer: object  # shared by both models (checked at load time)
     eos_ids: frozenset[int]  # any of these ends generation
     ctx_limit: int  # max positions both models support (and --ctx, when planned)
-    pool: object = None  # offload.storage.DevicePool counting device bytes; None = plain torch allocations
+    pool: object = None  # offload.stream.storage.DevicePool counting device bytes; None = plain torch allocations
     kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
     pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
     shared_kv: bool = False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)

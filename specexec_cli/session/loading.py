@@ -37,7 +37,7 @@ class LoadOptions:
     progress: object = None  # optional callable(done, total, what) for load progress
     ctx: int = 8192  # context the KV caches are sized for (capped by max positions)
     embeddings: str = "auto"  # target input embeddings: auto | device | host
-    plan: object = None  # offload.memplan.MemoryPlan from planning.make_plan; None = plan at load time
+    plan: object = None  # offload.planning.memplan.MemoryPlan from planning.make_plan; None = plan at load time
     draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
     shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
     draft_skip: int | None = None  # --draft self: layers run without a substitute; None = the plan's (0 unplanned)
@@ -58,7 +58,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto → bf16 on CUDA (fp16 on GPUs without native bf16), fp32 on CPU (CPU bf16 matmuls are
     slow and less exact)."""
     if name == "auto":
-        from offload.loader import accelerator_half
+        from offload.stream.loader import accelerator_half
 
         return accelerator_half(device) if device.type == "cuda" else torch.float32
     if name not in DTYPES:
@@ -189,7 +189,7 @@ def needs_offload_path(path: Path) -> bool:
 def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from offload.attention import implementation as gqa_attention   # SDPA without repeated K/V
+    from offload.arch.attention import implementation as gqa_attention   # SDPA without repeated K/V
 
     safe = check_weights(path, flag, opts.allow_pickle)
     if is_gguf(path):   # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
@@ -246,16 +246,16 @@ def load_gguf_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device,
     return model.to(device).eval()
 
 
-SELF = "self"   # --draft self: the target's own low-bit substitute (offload/selfdraft.py)
+SELF = "self"   # --draft self: the target's own low-bit substitute (offload/selfdraft/build.py)
 
 
 def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
     """The streamed layers the self-draft leaves out: as many as the plan says (or `draft_skip`), the
-    least influential ones, measured by one target pass over offload.influence.CALIBRATION the first
+    least influential ones, measured by one target pass over offload.selfdraft.influence.CALIBRATION the first
     time and stored; the plan's `skipped_layers` are updated to the choice."""
-    from offload.influence import CALIBRATION, layer_influence, pick_skipped, skip_order
-    from offload.influence import store_influence, stored_influence
-    from offload.selfdraft import sixteen_bit_source, streamed_layers
+    from offload.selfdraft.influence import CALIBRATION, layer_influence, pick_skipped, skip_order
+    from offload.selfdraft.influence import store_influence, stored_influence
+    from offload.selfdraft.build import sixteen_bit_source, streamed_layers
 
     from specexec_cli.session import notices
 
@@ -283,7 +283,7 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     """The target's self-draft, its substitutes counted as the plan's "draft" component; None (with
     a notice) when every target layer is resident, so that decoding runs without a draft."""
     from offload import OffloadError
-    from offload.selfdraft import build_self_draft, streamed_layers
+    from offload.selfdraft.build import build_self_draft, streamed_layers
 
     from specexec_cli.session import notices
 
@@ -383,7 +383,7 @@ def load_models(opts: LoadOptions) -> Models:
         check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
         ddtype = resolve_dtype(draft_dtype_name(opts.dtype, opts.draft_dtype), device)
         draft = load_hf(dpath, "--draft", opts, device, ddtype)
-    from offload.storage import DevicePool
+    from offload.stream.storage import DevicePool
 
     pool = DevicePool(device)   # counts every device byte, per memory-plan component
     if draft is not None:

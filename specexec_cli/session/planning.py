@@ -1,8 +1,8 @@
-"""The CLI side of the device-memory plan: options -> offload.memplan request -> plan, before loading.
+"""The CLI side of the device-memory plan: options -> offload.planning.memplan request -> plan, before loading.
 
 Contract: `make_plan(opts, shape, budget_auto)` resolves the target/draft directories, reads only
 their config.json and safetensors headers, asks the device (if any) for its free memory and
-psutil for available RAM, and returns an `offload.memplan.MemoryPlan`. It never reads weights,
+psutil for available RAM, and returns an `offload.planning.memplan.MemoryPlan`. It never reads weights,
 so `--dry-run` needs no GPU: `--device cuda --max-gpu-memory 24GB` plans for a 24 GB card on any
 machine. `require_fit(plan)` raises SpecxError with the plan's one-line reason when it does not fit.
 Pickle checkpoints (only with --allow-pickle) have no headers to plan from: `make_plan` returns None.
@@ -35,7 +35,7 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
     an explicit --draft-dtype wins for the draft (mixed precision)."""
     auto = "fp32"
     if device == "cuda":
-        from offload.loader import accelerator_half
+        from offload.stream.loader import accelerator_half
 
         auto = "bf16" if accelerator_half() == torch.bfloat16 else "fp16"
     if dtype not in ("auto", "bf16", "fp16", "fp32", "nf4"):
@@ -65,8 +65,8 @@ def nf4_source(path, dtype: str, device: str = "cpu"):
     """(checkpoint the loader will stream, target dtype): a pre-quantized 4-bit checkpoint is nf4;
     a 16-bit one with --dtype nf4 streams from its 4-bit cache when that exists (exact sizes),
     else the plan estimates the cache's layout from the 16-bit headers."""
-    from offload.nf4 import packing_for
-    from offload.quant_cache import cache_dir, cache_key, is_complete
+    from offload.quant.nf4 import packing_for
+    from offload.quant.quant_cache import cache_dir, cache_key, is_complete
 
     if prequantized(path):
         return path, "nf4"
@@ -82,7 +82,7 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
     `temperature` (the decoding one) weighs the self-draft's substitute widths; `gpu` (--gpu NAME) plans
     for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
     from offload import OffloadError
-    from offload.memplan import PlanRequest, plan_memory
+    from offload.planning.memplan import PlanRequest, plan_memory
 
     from specexec_cli.session.loading import SELF, check_weights, open_checkpoint, resolve_path
     from specexec_cli.session.profiles import card, plan_bandwidths
@@ -137,7 +137,7 @@ def for_stated_machine(device: str, max_gpu: int | None, max_ram: int | None, de
     may be bigger than this one (`--dry-run` is how users size a purchase): the plan then assumes
     that machine's RAM (--max-ram as RAM_FRACTION of it) and says in one line what this host lacks;
     only a real run refuses it (`require_host`)."""
-    from offload.memplan import RAM_FRACTION
+    from offload.planning.memplan import RAM_FRACTION
     from offload.sizes import format_bytes
 
     lacks = []

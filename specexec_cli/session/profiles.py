@@ -5,7 +5,7 @@ Contract: `write_profile` / `read_profile` / `find_profile` store and find the v
 ~/.config), documented in profiles/README.md; `link_peak` is the streaming bandwidth a profile
 promises. `card(name)` is one row of the published cards table (profiles/cards.json) that `--gpu NAME`
 plans with; `plan_bandwidths(device, gpu, profile)` the (memory, link) bandwidths and their source for
-the draft cost model (offload/draftcost.py): the card's published figures, else the profile's measured
+the draft cost model (offload/planning/draftcost.py): the card's published figures, else the profile's measured
 device memory bandwidth, else None (the model's priors). Nothing here measures or prints; errors are
 SpecxError.
 """
@@ -121,7 +121,7 @@ def plan_bandwidths(device: str, gpu: str | None, profile: dict | None) -> tuple
     """(device memory B/s, host->device B/s, source) for the draft cost model; None where unknown."""
     if gpu is not None:
         row = card(gpu)
-        from offload.draftcost import LINK_EFFICIENCY
+        from offload.planning.draftcost import LINK_EFFICIENCY
 
         return (row["memory_gbps"] * 1e9, LINK_EFFICIENCY * PCIE_X16_GBPS[row["pcie_gen"]] * 1e9,
                 f"published: {row['name']}")

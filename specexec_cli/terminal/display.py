@@ -399,7 +399,7 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
 
 
 def _candidates_table(plan: dict):
-    """The candidate drafts of the plan (offload/draftcost.py), every figure modelled, the choice marked."""
+    """The candidate drafts of the plan (offload/planning/draftcost.py), every figure modelled, the choice marked."""
     from rich.table import Table
 
     m = plan.get("machine") or {}

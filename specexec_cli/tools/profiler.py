@@ -211,7 +211,7 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> dict:
 
 def probe_device_memory(nbytes: int = 256 << 20) -> dict:
     """{"cpu": copy_bandwidth, "cuda": copy_bandwidth when a GPU is present}: the draft cost model's
-    device memory bandwidth (offload/draftcost.py)."""
+    device memory bandwidth (offload/planning/draftcost.py)."""
     out = {"cpu": copy_bandwidth("cpu", nbytes)}
     if torch.cuda.is_available():
         out["cuda"] = copy_bandwidth("cuda", max(nbytes, 1 << 30))

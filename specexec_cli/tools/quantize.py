@@ -2,7 +2,7 @@
 
 Contract: `quantize_checkpoint(target, out, progress)` resolves TARGET like --target (local dir or
 cached hub id, safetensors only), refuses an OUT that exists and is not empty, and writes there
-the same bitsandbytes NF4 format the `--dtype nf4` cache uses (offload.quant_cache): packed 4-bit
+the same bitsandbytes NF4 format the `--dtype nf4` cache uses (offload.quant.quant_cache): packed 4-bit
 decoder-layer linears with their quant state, 16-bit embeddings/norms/lm_head, config.json with
 `quantization_config`, tokenizer and generation files. transformers' `from_pretrained` and specx
 (`--target OUT`, any tier) both load it. Returns a `QuantizeResult`; errors are SpecxError.
@@ -31,7 +31,7 @@ def _st_bytes(path: Path) -> int:
 
 def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult:
     from offload import OffloadError
-    from offload.quant_cache import write_quantized
+    from offload.quant.quant_cache import write_quantized
 
     from specexec_cli.session.loading import check_weights, open_checkpoint, resolve_path
 

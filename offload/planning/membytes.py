@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import OffloadError
+from offload.errors import OffloadError
 
 NF4_BLOCK, NF4_NESTED_BLOCK = 64, 256
 PREFILL_CHUNK = 256            # prompt tokens per target pass at least (bigger when the tree is)
@@ -125,7 +125,7 @@ def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq:
 
     hidden states (residual, normed, attention/MLP outputs: 4 x T x hidden), q/k/v before and
     after RoPE (2 x T x (H + 2 KV) x hd), grouped-query attention with G = H / KV > 1: under "sdpa"
-    (run as offload/attention.py's specx_gqa) a masked multi-query pass folds the group into the
+    (run as offload/arch/attention.py's specx_gqa) a masked multi-query pass folds the group into the
     query axis (a copy of q, T x H x hd, and the mask repeated G times, G x T x S), under eager
     transformers repeats K/V (2 x H x S x hd); attention scores only under eager attention (H x T x S:
     scores and softmax output in c plus an fp32 softmax; sdpa's kernels with a mask, CUDA memory-
@@ -167,9 +167,9 @@ def sampling_bytes(vocab: int, rows: int, temperature: float, draft: bool = Fals
 
 def dequant_temp_bytes(a: Arch, kernel: str, bits: int | None, c: int, device: str = "cuda") -> int:
     """Dequantization temporaries of the largest linear (the MLP's I x hidden), alive while it runs:
-    nf4-dequant (bitsandbytes): the 16-bit weight, I x hidden x c; hqq-eager (offload.lowbit's
+    nf4-dequant (bitsandbytes): the 16-bit weight, I x hidden x c; hqq-eager (offload.quant.lowbit's
     reference): HQQ's unpack output in c over the padded rows plus the two packed-size mask and shift
-    temporaries of one slice; hqq-compiled (offload/fused.py): on CUDA the weight the compiled kernel
+    temporaries of one slice; hqq-compiled (offload/quant/fused.py): on CUDA the weight the compiled kernel
     writes for the matmul, I x hidden x c (to be confirmed on a GPU), on CPU none (the compiled graph
     folds the dequantization into the matmul; measured); none: no temporary."""
     return linear_dequant_bytes(a.intermediate * a.hidden, kernel, bits, c, device)
@@ -183,7 +183,7 @@ def linear_dequant_bytes(numel: int, kernel: str, bits: int | None, c: int, devi
         return numel * (c + max(1, c))
     if kernel != "hqq-eager":
         return 0
-    from .lowbit import GROUPS, ROWS_PER_WORD
+    from offload.quant.lowbit import GROUPS, ROWS_PER_WORD
 
     group, per = GROUPS[bits], ROWS_PER_WORD[bits]
     words = math.ceil(numel // group / per) * group   # packed elements (uint8 / int32 at 3 bits)
@@ -216,18 +216,18 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
 
 
 def substitute_kernel(bits: int) -> str:
-    """The dequantizing path a substitute of `bits` runs: bitsandbytes NF4 at 4 bits; else offload.lowbit's
-    choice ($SPECX_LOWBIT_KERNEL: the compiled function of offload/fused.py unless "eager" or it failed)."""
+    """The dequantizing path a substitute of `bits` runs: bitsandbytes NF4 at 4 bits; else offload.quant.lowbit's
+    choice ($SPECX_LOWBIT_KERNEL: the compiled function of offload/quant/fused.py unless "eager" or it failed)."""
     if bits == 4:
         return "nf4-dequant"
-    from .fused import fused_status, kernel_choice
+    from offload.quant.fused import fused_status, kernel_choice
 
     return "hqq-eager" if kernel_choice() == "eager" or fused_status() else "hqq-compiled"
 
 
 def draft_kernel(req) -> str:
     """The dequantizing path of the draft's linears: a self-draft's substitutes (4 bits: bitsandbytes
-    NF4; 3 / 2: offload.lowbit's kernel), none for a small 16/32-bit draft."""
+    NF4; 3 / 2: offload.quant.lowbit's kernel), none for a small 16/32-bit draft."""
     if not getattr(req, "self_draft", False) or req.draft_bits is None:
         return "none"
     return substitute_kernel(req.draft_bits)

@@ -4,7 +4,7 @@ Contract:
 - `substitute_bytes(ck, arch, req, bits, nf4_layers)` lists, per decoder layer, the device bytes
   of its substitute: bits 4 = the layer's NF4 packing from the nf4 cache (`nf4_layers`, memlayers.
   LayerSizes at dtype nf4: packed bytes + its share of quant states and norms), bits 3 / 2 = HQQ
-  codes + one scale and zero per group (offload.lowbit) + the layer's other parameters, all in the
+  codes + one scale and zero per group (offload.quant.lowbit) + the layer's other parameters, all in the
   draft's compute dtype.
 - `candidate_bits(req, prequant)`: the widths a plan may choose: `req.draft_bits` when set; else
   4, 3, 2 for a 16-bit target, 3, 2 for an nf4 one (4-bit substitutes would be the target itself);
@@ -20,7 +20,7 @@ Contract:
   the skipped fraction is within what was measured (SKIP_FACTOR) and the expected tokens/pass stays
   above MIN_TOKENS_PER_PASS; otherwise the plan is refused with that reason and the fix.
 - `choose(a, req, plans)` picks, among fitting (bits, plan) pairs, the one with the most modelled
-  tokens/s (offload/draftcost.py: measured tokens/pass at the plan's budget over the pass seconds plus
+  tokens/s (offload/planning/draftcost.py: measured tokens/pass at the plan's budget over the pass seconds plus
   the draft seconds the stream does not hide) and returns every width's Candidate, which the plan
   carries as `candidates` / `choice` and `--dry-run` prints.
 """
@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import math
 
-from .membytes import arch_of
-from .sizes import format_bytes
+from offload.planning.membytes import arch_of
+from offload.sizes import format_bytes
 
 
 def tokens_per_pass(bits: int, temperature: float, budget: int = 64) -> float:
     """Measured tokens/pass of a self-draft with every layer substituted (offload/draftcost.TOKENS_PER_PASS)."""
-    from .draftcost import tokens_per_pass as measured
+    from offload.planning.draftcost import tokens_per_pass as measured
 
     return measured(bits, temperature, budget)
 
@@ -60,8 +60,8 @@ def skip_factor(fraction: float) -> float | None:
 
 
 def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
-    from .lowbit import lowbit_weight_bytes
-    from .membytes import dtype_bytes
+    from offload.quant.lowbit import lowbit_weight_bytes
+    from offload.planning.membytes import dtype_bytes
 
     if bits == 4:
         q = nf4_layers
@@ -104,8 +104,8 @@ def expected_tokens_per_pass(bits: int, plan, temperature: float) -> float:
 
 def self_candidate(a, req, bits: int, plan):
     """The draftcost.Candidate of the self-draft at `bits` under this plan."""
-    from .draftcost import candidate, forwards_per_tree, machine_for, self_forward_bytes
-    from .membytes import dtype_bytes
+    from offload.planning.draftcost import candidate, forwards_per_tree, machine_for, self_forward_bytes
+    from offload.planning.membytes import dtype_bytes
 
     m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
     weight, kv, deq = self_forward_bytes(a, plan, bits, dtype_bytes(req.draft_dtype), req.dtype == "nf4", req.device)
@@ -116,7 +116,7 @@ def self_candidate(a, req, bits: int, plan):
 def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list]:
     """The (bits, plan) with the most modelled tokens/s among those that fit (else the last tried),
     and every width's draftcost.Candidate (one per width: the best-fitting plan tried for it)."""
-    from .draftcost import best
+    from offload.planning.draftcost import best
 
     cands, pairs = {}, {}
     for bits, plan in plans:
@@ -164,8 +164,8 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
 def skip_order_for(target, n_layers: int) -> tuple[list[int], bool]:
     """(the order layers are left out in, whether it comes from measured influence): the influence
     stored for this checkpoint (or the 16-bit one behind its nf4 cache), else the middle-out order."""
-    from .influence import skip_order, stored_influence
-    from .quant_cache import manifest_source
+    from offload.selfdraft.influence import skip_order, stored_influence
+    from offload.quant.quant_cache import manifest_source
 
     root = getattr(target, "root", None)
     influence = stored_influence(manifest_source(root) or root, n_layers) if root is not None else None

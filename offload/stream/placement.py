@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sizes import format_bytes
+from offload.sizes import format_bytes
 
 
 @dataclass

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from .errors import OffloadNotice
+from offload.errors import OffloadNotice
 
 IO_ALIGN = 4096      # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
 PAGE = IO_ALIGN

@@ -24,19 +24,19 @@ import psutil
 import torch
 from torch import nn
 
-from .errors import OffloadError
-from .families import restore_buffers
-from .formats import Checkpoint, open_checkpoint
-from .formats.qlinear import PackedLinear
-from .nf4 import Nf4Linear
-from .plan import OffloadPlan, plan_offload
-from .prequant import is_quant_part, load_quant_state
-from .sizes import format_bytes
-from .st_index import check_tensor_set
-from .storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
+from offload.errors import OffloadError
+from offload.arch.families import restore_buffers
+from offload.formats import Checkpoint, open_checkpoint
+from offload.formats.qlinear import PackedLinear
+from offload.quant.nf4 import Nf4Linear
+from offload.stream.placement import OffloadPlan, plan_offload
+from offload.formats.prequant import is_quant_part, load_quant_state
+from offload.sizes import format_bytes
+from offload.formats.st_index import check_tensor_set
+from offload.stream.storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
                       aligned_empty, file_layout, fill_packed, packed_layout)
-from .hostmem import HostPins
-from .nf4 import packed_nf4_shape
+from offload.stream.hostmem import HostPins
+from offload.formats.prequant import packed_nf4_shape
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -210,7 +210,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
                  progress: Callable[[int, int, str], None] | None, host_slots: int | None = None,
                  staging_bytes: int | None = None, memplan=None, pool: DevicePool | None = None,
                  subset: Subset | None = None) -> LoadedWeights:
-    """`memplan` (offload.memplan.MemoryPlan) fixes placement and embeddings; without it the
+    """`memplan` (offload.planning.memplan.MemoryPlan) fixes placement and embeddings; without it the
     budgets below decide (library use). `pool` counts every device byte (a fresh one if None).
     `subset`: only those layers get weights (the others count 0 bytes), the globals are shared.
     `path`: the opened Checkpoint (a directory is opened here, for library callers)."""

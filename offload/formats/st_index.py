@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import OffloadError
-from .formats.base import TensorInfo, check_names, read_exact
+from offload.errors import OffloadError
+from offload.formats.base import TensorInfo, check_names, read_exact
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -78,7 +78,7 @@ def skip_order(n_layers: int, influence: list[float] | None = None) -> list[int]
     inner = list(range(1, n_layers - 1))
     if influence is not None:
         return sorted(inner, key=lambda i: (influence[i], i))
-    from .selfdraft import skip_block
+    from offload.selfdraft.build import skip_block
 
     order: list[int] = []
     for k in range(1, len(inner) + 1):   # skip_block's middle block grows by one layer at a time
@@ -92,7 +92,7 @@ def pick_skipped(order: list[int], streamed, n: int) -> list[int]:
 
 
 def _path(src: Path) -> Path:
-    from .quant_cache import cache_root, source_fingerprint
+    from offload.quant.quant_cache import cache_root, source_fingerprint
 
     blob = json.dumps({"files": source_fingerprint(src), "version": VERSION, "text": CALIBRATION}, sort_keys=True)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"

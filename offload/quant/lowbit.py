@@ -1,4 +1,4 @@
-"""HQQ low-bit substitutes of decoder layers: the self-draft's 3- and 2-bit layers (offload/selfdraft.py).
+"""HQQ low-bit substitutes of decoder layers: the self-draft's 3- and 2-bit layers (offload/selfdraft/build.py).
 
 Contract:
 - `GROUPS[bits]`: the HQQ group size per bit width; each group of weights (along the input
@@ -16,7 +16,7 @@ Contract:
 - `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
   the substitute: every nn.Linear becomes a `LowbitLinear`, every other parameter is materialized;
   device bytes are counted in `pool` under "draft".
-- `LowbitLinear.forward` runs the fused path of offload/fused.py on CUDA and the eager reference
+- `LowbitLinear.forward` runs the fused path of offload/quant/fused.py on CUDA and the eager reference
   (HQQ's unpack, a 16-bit weight, the matmul) on CPU, where it measured faster;
   $SPECX_LOWBIT_KERNEL=fused|eager overrides.
 - `lowbit_weight_bytes(shape, bits, scale_bytes)`: device bytes of one quantized weight from its
@@ -41,9 +41,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .errors import OffloadError, OffloadNotice
-from .formats.qlinear import PackedLinear
-from .fused import kernel_choice
+from offload.errors import OffloadError, OffloadNotice
+from offload.formats.qlinear import PackedLinear
+from offload.quant.fused import kernel_choice
 
 GROUPS = {4: 64, 3: 64, 2: 32}
 FORMAT = 1
@@ -87,7 +87,7 @@ def check_shape(name: str, shape: tuple[int, ...], bits: int) -> None:
 
 class LowbitLinear(nn.Module):
     """y = x W^T (+ b), W = (codes - zero) * scale from HQQ codes: `kernel = "fused"` through one
-    compiled unpack+scale+matmul function (offload/fused.py), "eager" through HQQ's unpack."""
+    compiled unpack+scale+matmul function (offload/quant/fused.py), "eager" through HQQ's unpack."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
                  shape: tuple[int, int], bits: int):
@@ -98,7 +98,7 @@ class LowbitLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.shape, self.bits = tuple(shape), bits
         self.in_features, self.out_features = shape[1], shape[0]
-        self.kernel = kernel_choice(codes.device)   # "fused" (offload/fused.py) or "eager" (the reference)
+        self.kernel = kernel_choice(codes.device)   # "fused" (offload/quant/fused.py) or "eager" (the reference)
 
     def weight_now(self) -> torch.Tensor:
         unpack = hqq_quantizer().unpack[PACKING[self.bits]]
@@ -108,7 +108,7 @@ class LowbitLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "eager":
             return self.forward_eager(x)
-        from .fused import fused_linear
+        from offload.quant.fused import fused_linear
 
         return fused_linear(x, self.W_q, self.scale, self.zero, self.bias, self.out_features, self.in_features,
                             self.bits)
@@ -137,7 +137,7 @@ def _settings(bits: int) -> dict:
 
 
 def cache_dir(src: Path, bits: int) -> Path:
-    from .quant_cache import cache_root, source_fingerprint
+    from offload.quant.quant_cache import cache_root, source_fingerprint
 
     blob = json.dumps({"files": source_fingerprint(src), "settings": _settings(bits)}, sort_keys=True)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
@@ -163,7 +163,7 @@ def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
     """The cache directory of `src` at `bits` with a shard for every layer in `layers` (see contract).
     `src`: a model directory or its opened formats.Checkpoint (a packed AWQ/GPTQ/compressed-tensors
     one gives its dequantized weights)."""
-    from .formats import Checkpoint, open_checkpoint
+    from offload.formats import Checkpoint, open_checkpoint
 
     if bits not in GROUPS:
         raise OffloadError(f"--draft-bits must be 4, 3 or 2, got {bits}")

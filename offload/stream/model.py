@@ -22,16 +22,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .errors import OffloadError
-from .hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
-from .families import Family, apply_final_softcap, causal_lm_class, window_mask
-from .loader import LoadedWeights, load_weights, resolve_dtype
-from .nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
-from .plan import OffloadPlan
-from .prefetch import Prefetcher
-from .quant_cache import ensure_nf4_cache
-from .formats import Checkpoint, open_checkpoint
-from .formats.qlinear import swap_packed_linears
+from offload.errors import OffloadError
+from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
+from offload.arch.families import Family, apply_final_softcap, causal_lm_class, window_mask
+from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
+from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
+from offload.stream.placement import OffloadPlan
+from offload.stream.prefetch import Prefetcher
+from offload.quant.quant_cache import ensure_nf4_cache
+from offload.formats import Checkpoint, open_checkpoint
+from offload.formats.qlinear import swap_packed_linears
 
 
 @dataclass
@@ -87,9 +87,9 @@ class OffloadedCausalLM(nn.Module):
                         host_slots: int | None = None, staging_bytes: int | None = None,
                         memplan=None, pool=None, subset=None, nf4_compute: torch.dtype | None = None):
         """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB).
-        `memplan`: an offload.memplan.MemoryPlan fixing placement and embeddings (else the budgets
+        `memplan`: an offload.planning.memplan.MemoryPlan fixing placement and embeddings (else the budgets
         decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte;
-        `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft.py);
+        `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft/build.py);
         `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:

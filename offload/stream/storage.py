@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import OffloadError, OffloadNotice
-from .devmem import DevicePool  # noqa: F401 (re-exported)
-from .hostmem import ARENA_ALIGN, IO_ALIGN, HostPins, align_up, aligned_empty  # noqa: F401 (re-exported)
-from .nf4 import packed_nf4_shape
-from .formats.base import read_exact
-from .st_index import SafetensorsIndex, TensorEntry
+from offload.errors import OffloadError, OffloadNotice
+from offload.stream.devmem import DevicePool  # noqa: F401 (re-exported)
+from offload.stream.hostmem import ARENA_ALIGN, IO_ALIGN, HostPins, align_up, aligned_empty  # noqa: F401 (re-exported)
+from offload.formats.prequant import packed_nf4_shape
+from offload.formats.base import read_exact
+from offload.formats.st_index import SafetensorsIndex, TensorEntry
 
 MERGE_GAP = 64 * 1024
 READ_CHUNK = 64 * 1024 * 1024

@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from .errors import OffloadError
+from offload.errors import OffloadError
+
+
+def packed_nf4_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """Shape of quantize_4bit's packed output: two 4-bit codes per byte, one column."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    return ((numel + 1) // 2, 1)
 
 QS_KINDS = ("nf4", "fp4")
 QS_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import OffloadError
+from offload.errors import OffloadError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 
@@ -56,7 +56,7 @@ class Family:
         if "sliding_attention" not in types:
             window = None
         soft_attn = getattr(config, "attn_logit_softcapping", None)
-        from .attention import implementation   # "sdpa" runs as the GQA-aware specx_gqa (offload/attention.py)
+        from offload.arch.attention import implementation   # "sdpa" runs as the GQA-aware specx_gqa (offload/arch/attention.py)
 
         return cls(attn_implementation="eager" if soft_attn else implementation("sdpa"),
                    final_softcap=getattr(config, "final_logit_softcapping", None),

@@ -37,10 +37,10 @@ from typing import Callable
 
 import torch
 
-from .errors import OffloadError, OffloadNotice
-from .nf4 import CPU_PACKING, NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, cpu_layout_fits, cpu_relayout, quantize_nf4
-from .prequant import quant_tensors
-from .formats import Checkpoint, open_checkpoint
+from offload.errors import OffloadError, OffloadNotice
+from offload.quant.nf4 import CPU_PACKING, NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, cpu_layout_fits, cpu_relayout, quantize_nf4
+from offload.formats.prequant import quant_tensors
+from offload.formats import Checkpoint, open_checkpoint
 
 MANIFEST = "specx-manifest.json"
 FORMAT_VERSION = 2
@@ -118,7 +118,7 @@ def _unusable(out: Path, key: str) -> str:
     safetensors header does not parse (a corrupt file of the recorded size)."""
     if not is_complete(out, key):
         return "incomplete or stale"
-    from .st_index import SafetensorsIndex
+    from offload.formats.st_index import SafetensorsIndex
 
     try:
         SafetensorsIndex(out)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .errors import OffloadError
-from .membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
-from .nf4 import packed_nf4_shape
-from .st_index import SafetensorsIndex, TensorEntry
-from .storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
+from offload.errors import OffloadError
+from offload.planning.membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
+from offload.formats.prequant import packed_nf4_shape
+from offload.formats.st_index import SafetensorsIndex, TensorEntry
+from offload.stream.storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class LayerSizes:
 
 
 def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
-    """Per-layer sizes as loader.load_weights computes them. NF4 (offload.prequant/quant_cache):
+    """Per-layer sizes as loader.load_weights computes them. NF4 (offload.formats.prequant/quant_cache):
     only the packed linears stream, read as stored (no per-pass conversion); norms and biases
     are pinned on the device in the compute dtype. From a 16-bit checkpoint the streamed file is
     the 4-bit cache, whose spans are estimated (each packed weight rounded up to whole 4 KiB

@@ -6,10 +6,10 @@ target's architecture where
   target's own module objects (shared by reference: no second copy, no second read), and
 - every layer the target STREAMS is replaced by a low-bit substitute that stays on the device (or,
   for the layers in `skip`, by a pass-through: where the substitutes of every streamed layer do not
-  fit, the plan has the draft leave out the least influential layers, offload/influence.py), so
+  fit, the plan has the draft leave out the least influential layers, offload/selfdraft/influence.py), so
   the draft never touches the weight stream: `bits` 4 = NF4 (bitsandbytes blocksize 64, double-
-  quantized: the packed weights of the target's nf4 cache, offload/quant_cache.py); 3 or 2 = HQQ
-  (offload/lowbit.py, its own per-layer cache). Both are built once from the 16-bit checkpoint with
+  quantized: the packed weights of the target's nf4 cache, offload/quant/quant_cache.py); 3 or 2 = HQQ
+  (offload/quant/lowbit.py, its own per-layer cache). Both are built once from the 16-bit checkpoint with
   a progress bar, reused on later loads, rebuilt when the checkpoint changes, never used corrupt.
 An nf4 target (loaded from a 16-bit checkpoint through the nf4 cache) takes 3- or 2-bit
 substitutes made from that 16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line
@@ -27,10 +27,10 @@ from typing import Callable
 
 from torch import nn
 
-from .errors import OffloadError
-from .loader import Subset
-from .model import PACKED_FORMATS
-from .prequant import bnb4_config
+from offload.errors import OffloadError
+from offload.stream.loader import Subset
+from offload.stream.model import PACKED_FORMATS
+from offload.formats.prequant import bnb4_config
 
 SUBSTITUTE_BITS = (4, 3, 2)
 
@@ -58,7 +58,7 @@ def sixteen_bit_source(target) -> Path | None:
     """The 16-bit checkpoint behind `target`: its source, or the one its nf4 cache was built from
     (None for a pre-quantized bitsandbytes checkpoint); a packed int4 target's own checkpoint,
     whose weights are dequantized for the substitutes."""
-    from .quant_cache import manifest_source
+    from offload.quant.quant_cache import manifest_source
 
     source = Path(target.source)
     return source if _format(target) != "bnb-nf4" else manifest_source(source)
@@ -92,7 +92,7 @@ class PassThrough(nn.Module):
 def skip_block(n_layers: int, n_skip: int) -> list[int]:
     """A contiguous block of `n_skip` layers in the middle of the stack (the first and the last layers
     always stay): what a partial self-draft leaves out before the layers' influence is measured
-    (offload/influence.py), and `--skip-rule middle` in bench/selfdraft.py. Measured on the shared
+    (offload/selfdraft/influence.py), and `--skip-rule middle` in bench/selfdraft.py. Measured on the shared
     8-layer pair (nf4 substitutes, budget 64, 10 prompts): skipping one middle layer kept 10.6
     tokens/pass where the second-to-last left 6.6; bench/results/selfdraft_skip*.json hold sweeps."""
     n_skip = max(0, min(n_skip, n_layers - 2))
@@ -104,8 +104,8 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
                      skip: list[int] | tuple = ()):
     """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract);
     the streamed layers in `skip` get no substitute (pass-throughs)."""
-    from .devmem import DevicePool
-    from .model import OffloadedCausalLM
+    from offload.stream.devmem import DevicePool
+    from offload.stream.model import OffloadedCausalLM
 
     layers = [i for i in check_self_draft(target, bits) if i not in set(skip)]
     skipped = sorted(set(skip) & set(streamed_layers(target)))
@@ -130,9 +130,9 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
 
 def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progress):
     """A weightless skeleton of the target's architecture whose substituted layers get HQQ weights."""
-    from .devmem import DevicePool
-    from .lowbit import ensure_lowbit_layers, lowbit_layer, shard_path
-    from .model import OffloadedCausalLM
+    from offload.stream.devmem import DevicePool
+    from offload.quant.lowbit import ensure_lowbit_layers, lowbit_layer, shard_path
+    from offload.stream.model import OffloadedCausalLM
 
     ck = getattr(target, "checkpoint", None)
     if ck is not None and Path(ck.path) == Path(source):

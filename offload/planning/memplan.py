@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .errors import OffloadError
-from .sizes import format_bytes
-from .membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
+from offload.errors import OffloadError
+from offload.sizes import format_bytes
+from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
                        kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
-from .memlayers import Checkpoint, LayerSizes, layer_sizes, read_checkpoint  # noqa: F401 - read_checkpoint: API
-from .storage import staging_slots
+from offload.planning.memlayers import Checkpoint, LayerSizes, layer_sizes, read_checkpoint  # noqa: F401 - read_checkpoint: API
+from offload.stream.storage import staging_slots
 
 CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
 STATIC_SLACK = 0.02            # caching-allocator rounding of long-lived blocks (weights, caches)
@@ -334,8 +334,8 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
     limits = [arch_of(target.config).max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
     req = replace(req, ctx=min([req.ctx] + limits))
     lay = layer_sizes(target, arch_of(target.config), req)
-    if req.self_draft:   # a plan per substitute width: offload/selfplan.py
-        from .selfplan import plan_self_draft
+    if req.self_draft:   # a plan per substitute width: offload/planning/selfplan.py
+        from offload.planning.selfplan import plan_self_draft
 
         def plan_with(substitute: list[int], bits: int) -> MemoryPlan:
             lay.substitute = substitute
@@ -345,7 +345,7 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
                                                                       replace(req, dtype="nf4")), plan_with), req)
     plan = _plan_budgets(target, draft, lay, req)
     if draft is not None:
-        from .draftcost import small_candidates
+        from offload.planning.draftcost import small_candidates
 
         small_candidates(plan, target, draft, req, plan_memory)
     return _with_machine(plan, req)
@@ -354,7 +354,7 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
 def _with_machine(plan: MemoryPlan, req: PlanRequest) -> MemoryPlan:
     from dataclasses import asdict
 
-    from .draftcost import machine_for
+    from offload.planning.draftcost import machine_for
 
     plan.machine = asdict(machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source))
     return plan

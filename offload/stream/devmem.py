@@ -2,7 +2,7 @@
 
 Contract:
 - `DevicePool` is the one allocator of device bytes, counted per memory-plan component
-  (offload/memplan.py names them): fresh buffers via `alloc`/`empty`/`copy`, tensors that a
+  (offload/planning/memplan.py names them): fresh buffers via `alloc`/`empty`/`copy`, tensors that a
   library made on the device via `adopt` (each storage once), dropped buffers via `free`.
 - Every buffer it hands out starts on a 256-byte boundary (hostmem.ARENA_ALIGN) on CPU as on
   CUDA (whose allocator aligns to 512), so views carved at aligned offsets stay aligned.
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .hostmem import ARENA_ALIGN, aligned_empty
+from offload.stream.hostmem import ARENA_ALIGN, aligned_empty
 
 
 class DevicePool:

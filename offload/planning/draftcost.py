@@ -13,7 +13,7 @@ Contract (every figure is modelled from byte counts and bandwidths, none is meas
   KV cache and head from device memory.
 - `hidden_seconds(plan, draft_s, m)`: the part of the draft's time the weight stream hides: while the
   draft grows its tree the prefetcher fills the free staging slots with the next pass's first layers
-  (offload/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's stream
+  (offload/stream/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's stream
   runs under the draft.
 - tokens/s = tokens per pass / (pass seconds + draft seconds - hidden seconds).
 - `tokens_per_pass(kind, bits, temperature, budget)`: measured on the shared pair (TOKENS_PER_PASS,
@@ -21,7 +21,7 @@ Contract (every figure is modelled from byte counts and bandwidths, none is meas
   skips layers, scaled by selfplan.skip_factor.
 - `Candidate` holds one candidate's five figures and the inputs behind them; `best(cands)` is the
   fitting candidate with the most modelled tokens/s. `small_candidates` fills a small draft's plan
-  with its candidate and the self-draft's widths (offload/selfplan.py models those for --draft self).
+  with its candidate and the self-draft's widths (offload/planning/selfplan.py models those for --draft self).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .membytes import substitute_kernel
+from offload.planning.membytes import substitute_kernel
 
 FLOOR_S = 0.05                              # per-pass latency streaming does not hide (kernel launches, sync)
 DEVICE_BPS = {"cuda": 1000e9, "cpu": 20e9}  # device memory bandwidth priors (a 4090-class card; DDR4/5 host)
@@ -41,7 +41,7 @@ DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "none": 0}
 """Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
 hqq-eager (offload/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2, the
 matmul reads 1), nf4-dequant (bitsandbytes above a few tokens: dequantize writes 1, the matmul reads 1),
-hqq-compiled (offload/fused.py: one compiled kernel writes the weight, the matmul reads it; on CPU the
+hqq-compiled (offload/quant/fused.py: one compiled kernel writes the weight, the matmul reads it; on CPU the
 compiled graph folds the dequantization into the matmul: 0, see `dequant_elems`), none (a 16-bit weight)."""
 
 
@@ -203,7 +203,7 @@ def small_candidates(plan, target, draft, req, plan_memory) -> None:
     `plan_memory` (memplan's); the choice is the one with the most modelled tokens/s."""
     from dataclasses import replace
 
-    from .membytes import arch_of, draft_bytes, dtype_bytes
+    from offload.planning.membytes import arch_of, draft_bytes, dtype_bytes
 
     m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
     da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)

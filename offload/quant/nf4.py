@@ -21,6 +21,7 @@ import functools
 import torch
 from torch import nn
 
+
 NF4_BLOCKSIZE = 64
 NF4_COMPRESS_STATISTICS = True
 # The oldest bitsandbytes this module is tested with (pyproject requires it too). Releases before
@@ -32,7 +33,7 @@ MIN_BNB = (0, 50, 2)
 @functools.lru_cache(maxsize=1)
 def require_bnb() -> None:
     """OffloadError (one line, with the fix) when bitsandbytes is missing or older than MIN_BNB."""
-    from .errors import OffloadError
+    from offload.errors import OffloadError
 
     try:
         import bitsandbytes
@@ -59,14 +60,6 @@ def quantize_nf4(weight: torch.Tensor, device: torch.device, dtype: torch.dtype 
         quant_type="nf4", quant_storage=torch.uint8,
     )
     return packed, state
-
-
-def packed_nf4_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """Shape of quantize_4bit's packed output: two 4-bit codes per byte, one column."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return ((numel + 1) // 2, 1)
 
 
 class Nf4Linear(nn.Module):
