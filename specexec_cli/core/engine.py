@@ -20,6 +20,8 @@ import torch
 
 from specexec_cli.core import calibrate, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
+from specexec_cli.core.grammar import GrammarSpec
+from specexec_cli.core.logprobs import TokenLogprob
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
@@ -54,6 +56,8 @@ class GenerationConfig:
     seed: int = 0
     max_new_tokens: int = 256
     extra: dict = field(default_factory=dict, hash=False, compare=False)  # method options (methods/common.py)
+    grammar: GrammarSpec | None = None  # structured output (core/grammar.py); None = free text
+    logprobs: int | None = None  # None = off; k >= 0: each emitted token's logprob and its top-k (core/logprobs.py)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class DecodeState:
     draft_len: int = 0  # committed tokens in the draft cache
     noise: PositionNoise | None = None  # coupled draws of the current generate call (sampling.py)
     prefill_streams: int = 0  # target passes the latest prefill took
+    grammar: object = None  # constrain.GrammarRun of the current generate call; None = unconstrained
 
 
 def new_noise(gen: torch.Generator) -> PositionNoise:
@@ -94,6 +99,7 @@ class StepResult:
     tree_depth: int = 0  # deepest verified node
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # one per token when GenerationConfig.logprobs is set
 
 
 @dataclass
@@ -112,10 +118,11 @@ class StepEvent:
     decode_seconds: float  # wall time since the prefill ended
     new_tokens: int  # generated so far, this call
     prompt_tokens: int  # tokens prefilled by this call
-    finish: str | None = None  # "eos" | "length" | "context" on the last event
+    finish: str | None = None  # "eos" | "stop" (grammar complete) | "length" | "context" on the last event
     host_transfers: int = 0  # host<->device copies this step made (transfers.to_host / upload calls)
     host_transfer_bytes: int = 0  # their payload bytes
     prefill_streams: int = 0  # target passes of the prefill (each streams every offloaded layer once)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when GenerationConfig.logprobs is set
 
     @property
     def tps(self) -> float:
