@@ -215,6 +215,7 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     --draft (or --draft auto) becomes the draft the plan models fastest, or none."""
     from dataclasses import replace
 
+    from specexec_cli.session import deps
     from specexec_cli.session.loading import LoadOptions
     from specexec_cli.session.planning import AUTO, make_plan, resolve_auto
     from specexec_cli.session.profiles import find_profile
@@ -234,11 +235,17 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     if temperature is None:
         temperature = ModelFlags.checkpoint_defaults(opts.target).temperature
     auto_budget, profile = budget.strip().lower() == "auto", find_profile(profile_path)
+    deps.require_for_run(opts)   # a missing optional package: one line, exit 2, before anything loads
+
+    def replan(o):
+        return make_plan(o, cfg.shape, auto_budget, temperature, gpu, profile)
+
     plan = make_plan(opts, cfg.shape, auto_budget, temperature, gpu, profile)
+    opts, plan, skipped = deps.usable_draft(opts, plan, replan)   # widths whose package is missing are out
     if opts.draft == AUTO:
-        opts, plan = resolve_auto(opts, plan, lambda o: make_plan(o, cfg.shape, auto_budget, temperature, gpu, profile))
-        if opts.draft is None:
-            cfg = replace(cfg, method="ar")
+        opts, plan = resolve_auto(opts, plan, replan, skipped)
+    if opts.draft is None:
+        cfg = replace(cfg, method="ar")
     if plan is not None and plan.budget != cfg.shape.budget and plan.fits:
         cfg = replace(cfg, shape=replace(cfg.shape, budget=plan.budget))
     return replace(opts, plan=plan), plan, cfg

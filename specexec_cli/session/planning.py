@@ -162,8 +162,9 @@ def require_fit(plan) -> None:
         raise SpecxError(plan.reason)
 
 
-def resolve_auto(opts, plan, replan):
-    """--draft auto: (LoadOptions, plan) with the draft the plan chose, and one notice naming it.
+def resolve_auto(opts, plan, replan, skipped: str = ""):
+    """--draft auto: (LoadOptions, plan) with the draft the plan chose, and one notice naming it
+    (`skipped`: session/deps.py's clause naming the candidates whose package is missing).
     The plan was made as a self-draft's (candidates: its widths); when nothing streams, the target is
     pre-quantized or no width fits, decoding runs without a draft (`replan(opts)` plans for that)."""
     from specexec_cli.session import notices
@@ -173,7 +174,7 @@ def resolve_auto(opts, plan, replan):
         c = plan.choice or {}
         notices.notice(f"--draft auto: the self-draft at {plan.substitute_bits} bits (modelled "
                        f"{c.get('tokens_per_second', 0):.2f} tokens/s, the best of {len(plan.candidates)} "
-                       "candidates; --dry-run lists them)")
+                       f"candidates; --dry-run lists them){skipped}")
         return replace(opts, draft=SELF), plan
     if plan is not None and plan.fits:
         why = "every target layer is resident"

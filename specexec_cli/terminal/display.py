@@ -208,14 +208,17 @@ class LiveView:
     def __exit__(self, *exc) -> None:
         if self.end_text is not None:
             self.end_text()
+        # an error's line stands alone: no summary of a run that failed (Ctrl-C keeps it) or produced nothing
+        failed = exc and exc[0] is not None and not issubclass(exc[0], KeyboardInterrupt)
+        report = self.stats is not None and not failed and self.stats.new_tokens > 0
         if self._live is not None:
             self._draw()  # the throttle may have skipped the last step
             self._live.__exit__(*exc)
         elif self._bottom is not None:
             self._bottom.close()
-            if not self.transient and self.stats is not None and self.summary is True:
+            if not self.transient and report and self.summary is True:
                 self.console.print(render(self.stats, self.extra, self.link_gbps))
-        if self.stats is None:
+        if not report:
             return
         if self.summary == "turn":
             print(turn_line(self.stats), file=sys.stderr, flush=True)

@@ -1,0 +1,121 @@
+"""Optional dependencies: what a run needs, found before anything loads.
+
+Contract:
+- `OPTIONAL[module]`: for each optional package a path imports (hqq: the 3- and 2-bit self-draft,
+  offload/quant/lowbit.py; gguf: GGUF checkpoints, offload/formats/gguf.py; bitsandbytes: NF4, the
+  `--dtype nf4` target, pre-quantized bitsandbytes checkpoints and the 4-bit self-draft,
+  offload/quant/nf4.py), the pyproject.toml extra that installs it (None: a core dependency, which a
+  broken install can still lack) and its tested version range. A test holds the ranges to
+  pyproject.toml's.
+- `installed(module)`: whether `module` can be found (importlib.util.find_spec: nothing is imported,
+  so hqq's ~2 s import is not paid for a check; a module hidden as `sys.modules[name] = None` counts as
+  missing, as Python's import would).
+- `install_hint(module)`: the one fix, in install-from-source words (the project is not published on
+  PyPI; a `pip install` of its name would fetch someone else's package): `pip install -e '.[EXTRA]'`
+  in the clone, or the third-party package itself.
+- `require_for_run(opts)`: SpecxError (exit 2) naming the first package a run with these LoadOptions
+  needs and lacks: bitsandbytes for `--dtype nf4`, gguf for a GGUF target or draft, hqq for an
+  explicit `--draft-bits 3|2`.
+- `usable_draft(opts, plan, replan)`: for a self-draft whose width the plan chooses (`--draft self` or
+  `--draft auto` without `--draft-bits`): (opts, plan, skipped) where widths whose package is missing
+  are out of the choice. When the plan's pick needs one, the best fitting usable width of
+  `plan.candidates` is planned instead (`replan(opts)`); with none left, `--draft auto` runs without
+  a draft (one notice saying what was skipped and how to enable it) and `--draft self` is refused.
+  `skipped` is the clause for `--draft auto`'s one line ("" when nothing was skipped).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+from specexec_cli.errors import SpecxError
+
+# module -> (pyproject extra or None for a core dependency, tested version range, what needs it)
+OPTIONAL = {
+    "hqq": ("lowbit", ">=0.2.8,<0.3", "the 3- and 2-bit self-draft (--draft self --draft-bits 3|2)"),
+    "gguf": ("gguf", ">=0.17,<0.20", "GGUF checkpoints"),
+    "bitsandbytes": (None, ">=0.50.2,<0.51", "--dtype nf4 and the 4-bit self-draft"),
+}
+BITS_NEED = {4: "bitsandbytes", 3: "hqq", 2: "hqq"}   # self-draft substitute width -> the package it quantizes with
+
+
+def installed(module: str) -> bool:
+    """True when `module` can be imported (found on the path, not hidden); imports nothing."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):   # a parent hidden or broken, or a __spec__ of None
+        return False
+
+
+def install_hint(module: str) -> str:
+    """The install line for `module`, from a clone of specx (never `pip install specx`)."""
+    extra, spec, _ = OPTIONAL[module]
+    pkg = f"pip install '{module}{spec}'"
+    return pkg if extra is None else f"pip install -e '.[{extra}]' in your specx clone (or {pkg})"
+
+
+def missing_error(module: str, what: str | None = None) -> SpecxError:
+    """The one line (exit 2) for a run that needs `module` and lacks it."""
+    return SpecxError(f"{what or OPTIONAL[module][2]} needs {module}, which is not installed; "
+                      f"fix: {install_hint(module)}")
+
+
+def require_for_run(opts) -> None:
+    """Refuse, before loading, a run whose flags need a package that is missing (module docstring)."""
+    from specexec_cli.session.loading import is_gguf, resolve_path
+
+    if opts.dtype == "nf4" and not installed("bitsandbytes"):
+        raise missing_error("bitsandbytes", "--dtype nf4")
+    for name, flag in ((opts.target, "--target"), (opts.draft, "--draft")):
+        if name not in (None, "self", "auto") and not installed("gguf") and is_gguf(resolve_path(name, flag)):
+            raise missing_error("gguf", f"{flag} {name}: a GGUF checkpoint")
+    bits = getattr(opts, "draft_bits", None)
+    if opts.draft in ("self", "auto") and bits is not None and not installed(BITS_NEED[bits]):
+        need = BITS_NEED[bits]
+        raise missing_error(need, f"--draft-bits {bits}")
+
+
+def usable_bits(bits) -> bool:
+    return installed(BITS_NEED[bits])
+
+
+def skipped_clause(plan) -> str:
+    """'; skipped 3-bit and 2-bit: hqq is not installed, fix: ...' for the candidates whose package is missing."""
+    gone = sorted({c["bits"] for c in (getattr(plan, "candidates", None) or []) if c.get("bits") in BITS_NEED
+                   and not usable_bits(c["bits"])}, reverse=True)
+    if not gone:
+        return ""
+    need = sorted({BITS_NEED[b] for b in gone})
+    widths = " and ".join(f"{b}-bit" for b in gone)
+    return f"; skipped {widths}: " + "; ".join(f"{m} is not installed, fix: {install_hint(m)}" for m in need)
+
+
+def usable_draft(opts, plan, replan):
+    """(opts, plan, skipped) with the self-draft's width limited to what is installed (module docstring)."""
+    from specexec_cli.session import notices
+
+    choosing = opts.draft in ("self", "auto") and getattr(opts, "draft_bits", None) is None
+    if not choosing or plan is None:
+        return opts, plan, ""
+    skipped = skipped_clause(plan)
+    chosen = getattr(plan, "substitute_bits", None)
+    if chosen is None or usable_bits(chosen):
+        if skipped and opts.draft == "self":
+            notices.notice(f"--draft self: {chosen}-bit substitutes{skipped}")
+        return opts, plan, skipped
+    usable = [c for c in plan.candidates if c.get("fits") and c.get("bits") in BITS_NEED and usable_bits(c["bits"])]
+    if usable:
+        best = max(usable, key=lambda c: c.get("tokens_per_second", 0.0))
+        opts = replace(opts, draft_bits=best["bits"])
+        if opts.draft == "self":
+            notices.notice(f"--draft self: {best['bits']}-bit substitutes{skipped}")
+        return opts, replan(opts), skipped
+    if opts.draft == "self":
+        err = missing_error(BITS_NEED[chosen], f"--draft self on this target ({chosen}-bit substitutes)")
+        raise SpecxError(f"{err}, or pass a small --draft DIR")
+    notices.notice(f"--draft auto: no self-draft width is usable{skipped}, so decoding runs without a draft "
+                   "(pass --draft DIR for a small one)")
+    opts = replace(opts, draft=None, draft_bits=None)
+    return opts, replan(opts), ""
+

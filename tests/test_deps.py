@@ -1,0 +1,114 @@
+"""Optional dependencies (specexec_cli/session/deps.py): a run that lacks one is refused before loading,
+`--draft auto` skips the candidates it cannot build, and no summary is printed for a failed run.
+
+The end-to-end checks run `specx` in a subprocess where the package is hidden the way a fresh venv
+without the extra lacks it (`sys.modules[name] = None`: every import of it fails), on the embedded
+demo target streamed from disk.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from specexec_cli.session import deps
+from tests.conftest import ROOT
+
+DEMO = ROOT / "specexec_cli" / "demo" / "target"
+PROMPT = ROOT / "examples" / "prompt.txt"
+
+
+def specx_without(hidden: list[str], *args, tmp_path) -> subprocess.CompletedProcess:
+    """`specx ARGS` in a fresh interpreter in which each of `hidden` cannot be imported."""
+    code = ("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in hidden)
+            + "from specexec_cli.terminal.app import main\nsys.argv = ['specx'] + sys.argv[1:]\nmain()\n")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600)
+
+
+STREAMED_NF4 = ["run", PROMPT, "--target", DEMO, "--dtype", "nf4", "--offload", "disk", "--device", "cpu",
+                "--max-new-tokens", "24", "--temperature", "0", "--no-live"]
+
+
+@pytest.mark.slow
+def test_no_draft_without_hqq_runs_like_ar(tmp_path):
+    """The issue's must-hold: a streamed nf4 target, no --draft, hqq missing -> exit 0, --method ar's text."""
+    auto = specx_without(["hqq"], *STREAMED_NF4, tmp_path=tmp_path)
+    assert auto.returncode == 0, auto.stderr
+    ar = specx_without(["hqq"], *STREAMED_NF4, "--method", "ar", tmp_path=tmp_path)
+    assert ar.returncode == 0, ar.stderr
+    assert auto.stdout == ar.stdout and auto.stdout.strip()
+    line = next(x for x in auto.stderr.splitlines() if x.startswith("--draft auto"))
+    assert "skipped 3-bit and 2-bit" in line and "pip install -e '.[lowbit]'" in line, line
+    assert "Traceback" not in auto.stderr
+
+
+@pytest.mark.slow
+def test_explicit_lowbit_without_hqq_is_refused_before_loading(tmp_path):
+    for extra in (["--draft", "self", "--draft-bits", "3"], ["--draft", "self"]):
+        r = specx_without(["hqq"], *STREAMED_NF4, *extra, tmp_path=tmp_path)
+        assert r.returncode == 2, (extra, r.stderr)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert lines[-1].startswith("error: ") and "hqq" in lines[-1] and "pip install -e '.[lowbit]'" in lines[-1]
+        assert not any(x.startswith(("offload:", "specx:")) for x in lines), lines   # nothing loaded, no summary
+        assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_nf4_without_bitsandbytes_is_refused_before_loading(tmp_path):
+    r = specx_without(["bitsandbytes"], *STREAMED_NF4, "--method", "ar", tmp_path=tmp_path)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --dtype nf4 needs bitsandbytes") and "pip install 'bitsandbytes>=" in last
+
+
+def test_hidden_module_counts_as_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hqq", None)
+    assert not deps.installed("hqq") and not deps.usable_bits(3) and not deps.usable_bits(2)
+    assert deps.installed("torch")
+
+
+def test_gguf_target_without_gguf_is_refused(monkeypatch, tmp_path):
+    from specexec_cli.session.loading import LoadOptions
+
+    monkeypatch.setattr(deps, "installed", lambda m: m != "gguf")
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 60)
+    monkeypatch.setattr("specexec_cli.session.loading.is_gguf", lambda p: str(p).endswith(".gguf"))
+    with pytest.raises(deps.SpecxError, match=r"--target .*m\.gguf: a GGUF checkpoint needs gguf.*\.\[gguf\]"):
+        deps.require_for_run(LoadOptions(target=str(path), draft=None))
+
+
+def test_version_ranges_match_pyproject():
+    """The hints name the tested ranges, which pyproject.toml declares."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for spec in meta["dependencies"] + [s for v in meta["optional-dependencies"].values() for s in v]:
+        name, rng = re.match(r"([A-Za-z0-9_-]+)(.*)", spec).groups()
+        declared.setdefault(name, rng.replace(" ", ""))
+    for module, (extra, rng, _) in deps.OPTIONAL.items():
+        assert declared[module] == rng, module
+        if extra is not None:
+            assert any(s.startswith(module) for s in meta["optional-dependencies"][extra]), (module, extra)
+
+
+def test_no_summary_for_a_failed_or_empty_run(capsys):
+    from specexec_cli.core.stats import RunStats
+    from specexec_cli.terminal.display import LiveView
+
+    stats = RunStats(config={"method": "ar"})
+    with LiveView(False) as view:
+        view.update(stats)
+    assert "tokens in" not in capsys.readouterr().err          # nothing produced: no line
+    stats.token_ids.append(5)
+    with pytest.raises(RuntimeError), LiveView(False) as view:
+        view.update(stats)
+        raise RuntimeError("boom")
+    assert "tokens in" not in capsys.readouterr().err          # failed: the error stands alone
+    with LiveView(False) as view:
+        view.update(stats)
+    assert "specx: 1 tokens in" in capsys.readouterr().err      # the control: a run that produced a token
