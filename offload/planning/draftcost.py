@@ -39,16 +39,18 @@ LINK_EFFICIENCY = 0.75                      # effective / published PCIe x16 rat
 
 DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "none": 0}
 """Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
-hqq-eager (offload/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2, the
-matmul reads 1), nf4-dequant (bitsandbytes above a few tokens: dequantize writes 1, the matmul reads 1),
-hqq-compiled (offload/quant/fused.py: one compiled kernel writes the weight, the matmul reads it; on CPU the
-compiled graph folds the dequantization into the matmul: 0, see `dequant_elems`), none (a 16-bit weight)."""
+hqq-eager (offload/quant/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2,
+the matmul reads 1), nf4-dequant (bitsandbytes above a few tokens: dequantize writes 1, the matmul reads 1),
+hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it; on CPU
+Inductor's dynamic-shape graph writes it twice, see `dequant_elems`), none (a 16-bit weight)."""
 
 
 def dequant_elems(kernel: str, device: str) -> int:
-    """DEQUANT_ELEMS, with the compiled HQQ path's CPU graph writing no weight (measured: its only
-    allocation is the output; tests/test_plan_alloc.py)."""
-    return 0 if kernel == "hqq-compiled" and device == "cpu" else DEQUANT_ELEMS[kernel]
+    """DEQUANT_ELEMS on `device`: the compiled HQQ graph on CPU writes the weight twice ((rows, group),
+    then the (in, out) operand) and the matmul reads it once: 3 (offload/quant/fused.py's docstring).
+    Which kernel a run uses is membytes.substitute_kernel(bits, device): on CPU, eager unless
+    $SPECX_LOWBIT_KERNEL=fused."""
+    return 3 if kernel == "hqq-compiled" and device == "cpu" else DEQUANT_ELEMS[kernel]
 
 TOKENS_PER_PASS = {
     "small": {"greedy": {16: 4.388, 64: 5.436, 256: 6.695, 1024: 7.848},
@@ -101,6 +103,7 @@ class Candidate:
     hidden_seconds: float = 0.0  # draft time the weight stream hides
     resident_layers: int = 0    # target layers resident in its plan
     budget: int = 0             # tree budget of its plan (tokens_per_pass is at this budget)
+    kernel: str = "none"        # dequantizing path its draft linears run on the plan's device (membytes.substitute_kernel)
 
     def to_json(self) -> dict:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -156,14 +159,14 @@ def tokens_per_pass(kind, temperature: float, budget: int) -> float:
 
 
 def candidate(draft: str, bits: int | None, tpp: float, plan, m: Machine, forwards: int, weight: int, kv: int,
-              dequant: int) -> Candidate:
+              dequant: int, kernel: str = "none") -> Candidate:
     """The five figures of one candidate from its plan and the bytes of one draft forward."""
     t_pass = pass_seconds(plan, m)
     t_draft = draft_seconds(forwards, weight, kv, dequant, m.memory_bps)
     hidden = hidden_seconds(plan, t_draft, m)
     rate = tpp / (t_pass + t_draft - hidden) if plan.fits and tpp > 0 else 0.0
     return Candidate(draft, bits, tpp, t_pass, t_draft, rate, plan.fits, forwards, weight, kv, dequant, hidden,
-                     len(plan.resident), plan.budget)
+                     len(plan.resident), plan.budget, kernel)
 
 
 def best(cands: list[Candidate]) -> Candidate | None:
@@ -185,7 +188,7 @@ def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str
     n_sub = run - len(plan.resident)
     weight = sum(plan.layer_bytes[i] for i in plan.resident) + plan.device_bytes.get("draft", 0) + a.vocab * a.hidden * c
     kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * c
-    dequant = linear_numel(a) * c * (n_sub * dequant_elems(substitute_kernel(bits), device)
+    dequant = linear_numel(a) * c * (n_sub * dequant_elems(substitute_kernel(bits, device), device)
                                      + (len(plan.resident) * DEQUANT_ELEMS["nf4-dequant"] if nf4_target else 0))
     return weight, kv, dequant
 

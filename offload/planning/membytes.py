@@ -120,31 +120,34 @@ def kv_bytes(a: Arch, rows: int, elem: int) -> int:
 
 
 def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq: int = 0,
-               fused: bool = False, sampling: int = 0) -> int:
+               fused: bool = False, sampling: int = 0, device: str = "cuda") -> int:
     """Transient device bytes of one pass of T new tokens over S key positions (one layer alive).
 
     hidden states (residual, normed, attention/MLP outputs: 4 x T x hidden), q/k/v before and
-    after RoPE (2 x T x (H + 2 KV) x hd), grouped-query attention with G = H / KV > 1: under "sdpa"
-    (run as offload/arch/attention.py's specx_gqa) a masked multi-query pass folds the group into the
-    query axis (a copy of q, T x H x hd, and the mask repeated G times, G x T x S), under eager
-    transformers repeats K/V (2 x H x S x hd); attention scores only under eager attention (H x T x S:
-    scores and softmax output in c plus an fp32 softmax; sdpa's kernels with a mask, CUDA memory-
-    efficient and CPU flash, work in tiles and materialize none), MLP gate/up/act/product
-    (4 x T x I), the 4-D additive mask and a padded copy (2 x T x S), `deq` bytes of dequantization
-    temporaries (dequant_temp_bytes), the pass's logits in the compute dtype (the lm_head output,
-    rows x V x c) and `sampling` bytes of the step's sampling workspace (sampling_bytes).
-    `fused`: a causal prefill pass under CUDA SDPA (no additive mask): only a T x S boolean mask.
+    after RoPE (2 x T x (H + 2 KV) x hd), MLP gate/up/act/product (4 x T x I), the pass's mask,
+    attention's own temporaries, `deq` bytes of dequantization temporaries (dequant_temp_bytes), the
+    pass's logits in the compute dtype (rows x V x c) and `sampling` bytes of the sampling workspace
+    (sampling_bytes). The mask: a tree pass's additive (1, 1, T, S) mask at the width rounded to 8
+    (core/tree.py), T x S8 x c; a causal prefill chunk (`fused`) over a cache: transformers' boolean
+    T x S mask (none for the first chunk; the bigger case is counted). Attention under "sdpa" (run as
+    offload/arch/attention.py's specx_gqa) never repeats K/V and never builds scores: its temporaries
+    are attention.mask_bytes (CPU: none; CUDA: the prepared additive mask and a folded or per-group
+    copy, by the strategy the pass's size picks). Under eager, transformers repeats K/V
+    (2 x H x S x hd) and builds the scores (H x T x S: scores and softmax output in c plus an fp32 softmax).
     """
+    from offload.arch.attention import mask_bytes, padded
+
     hidden = 4 * t * a.hidden * c
     qkv = 2 * t * (a.heads + 2 * a.kv_heads) * a.head_dim * c
-    gqa = 0
-    if a.kv_heads != a.heads and attn == "eager":
-        gqa = 2 * a.heads * s * a.head_dim * c
-    elif a.kv_heads != a.heads and t > 1 and not fused:
-        gqa = (a.heads // a.kv_heads) * t * s * c + t * a.heads * a.head_dim * c
-    scores = a.heads * t * s * (2 * c + 4) if attn == "eager" else 0
+    groups = a.heads // a.kv_heads
+    if attn == "eager":
+        gqa = 2 * a.heads * s * a.head_dim * c if groups > 1 else 0
+        scores = a.heads * t * s * (2 * c + 4)
+    else:
+        gqa = mask_bytes(device, t, s, groups, a.kv_heads, a.head_dim, c, 1 if fused else c)
+        scores = 0
     mlp = 4 * t * a.intermediate * c
-    mask = t * s if fused else 2 * t * s * c
+    mask = t * s if fused else t * padded(s) * c
     return hidden + qkv + gqa + scores + mlp + mask + deq + logit_rows * a.vocab * c + sampling
 
 
@@ -194,9 +197,9 @@ PREFILL_SHARE = 5   # a prefill pass may take up to 1/5 of the device (CPU: of t
 
 
 def fused_prefill(req) -> bool:
-    """Prefill passes run the model's causal path (engine.run_prompt passes no additive mask):
-    on CUDA, SDPA's fused kernels never materialize the scores."""
-    return req.device == "cuda" and req.attn == "sdpa"
+    """Prefill passes run the model's causal path (engine.run_prompt passes no additive mask): under
+    sdpa a chunk over a cache gets transformers' boolean mask, the first chunk none (CPU and CUDA)."""
+    return req.attn == "sdpa"
 
 
 def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
@@ -208,21 +211,23 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     deq = dequant_temp_bytes(ta, "nf4-dequant" if req.dtype == "nf4" else "int4-unpack" if ta.packed else "none", 4, c)
     floor = min(pass_tokens(budget), req.ctx)
     fused = fused_prefill(req)
-    allow = max(capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused))
+    allow = max(capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused,
+                                                      device=req.device))
     chunk = req.ctx
-    while chunk > floor and pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused) > allow:
+    while chunk > floor and pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused, device=req.device) > allow:
         chunk = max(floor, chunk // 2)
     return chunk
 
 
-def substitute_kernel(bits: int) -> str:
-    """The dequantizing path a substitute of `bits` runs: bitsandbytes NF4 at 4 bits; else offload.quant.lowbit's
-    choice ($SPECX_LOWBIT_KERNEL: the compiled function of offload/quant/fused.py unless "eager" or it failed)."""
+def substitute_kernel(bits: int, device: str = "cuda") -> str:
+    """The dequantizing path a substitute of `bits` runs on `device`: bitsandbytes NF4 at 4 bits; else
+    offload.quant.lowbit's choice there ($SPECX_LOWBIT_KERNEL; auto: the compiled function of
+    offload/quant/fused.py on CUDA, the eager one on CPU; eager too once compiling failed)."""
     if bits == 4:
         return "nf4-dequant"
     from offload.quant.fused import fused_status, kernel_choice
 
-    return "hqq-eager" if kernel_choice() == "eager" or fused_status() else "hqq-compiled"
+    return "hqq-eager" if kernel_choice(device) == "eager" or fused_status() else "hqq-compiled"
 
 
 def draft_kernel(req) -> str:
@@ -230,7 +235,7 @@ def draft_kernel(req) -> str:
     NF4; 3 / 2: offload.quant.lowbit's kernel), none for a small 16/32-bit draft."""
     if not getattr(req, "self_draft", False) or req.draft_bits is None:
         return "none"
-    return substitute_kernel(req.draft_bits)
+    return substitute_kernel(req.draft_bits, req.device)
 
 
 def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budget: int,
@@ -243,15 +248,17 @@ def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budg
     chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
     temperature = getattr(req, "temperature", 0.0)
     worst = max(pass_bytes(ta, budget + 1, rows[0], c, req.attn, budget + 1, deq,
-                           sampling=sampling_bytes(ta.vocab, budget + 1, temperature)),
+                           sampling=sampling_bytes(ta.vocab, budget + 1, temperature), device=req.device),
                 pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused_prefill(req),
-                           sampling=sampling_bytes(ta.vocab, 1, temperature)))
+                           sampling=sampling_bytes(ta.vocab, 1, temperature), device=req.device))
     if da is not None:
         dc = dtype_bytes(req.draft_dtype)
         ddeq = dequant_temp_bytes(da, draft_kernel(req), req.draft_bits, dc, req.device)
         if getattr(req, "self_draft", False):
             ddeq = max(ddeq, deq)   # the self-draft also runs the target's resident (nf4) layers
         worst = max(worst, pass_bytes(da, req.max_beams, rows[1], dc, req.attn, req.max_beams, ddeq,
-                                      sampling=sampling_bytes(da.vocab, req.max_beams, temperature, draft=True)),
-                    pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req)) if draft_prefill else 0)
+                                      sampling=sampling_bytes(da.vocab, req.max_beams, temperature, draft=True),
+                                      device=req.device),
+                    pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req),
+                               device=req.device) if draft_prefill else 0)
     return worst

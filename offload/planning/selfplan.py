@@ -105,12 +105,13 @@ def expected_tokens_per_pass(bits: int, plan, temperature: float) -> float:
 def self_candidate(a, req, bits: int, plan):
     """The draftcost.Candidate of the self-draft at `bits` under this plan."""
     from offload.planning.draftcost import candidate, forwards_per_tree, machine_for, self_forward_bytes
-    from offload.planning.membytes import dtype_bytes
+    from offload.planning.membytes import dtype_bytes, substitute_kernel
 
     m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
     weight, kv, deq = self_forward_bytes(a, plan, bits, dtype_bytes(req.draft_dtype), req.dtype == "nf4", req.device)
     return candidate("self", bits, expected_tokens_per_pass(bits, plan, req.temperature), plan, m,
-                     forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq)
+                     forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq,
+                     substitute_kernel(bits, req.device))
 
 
 def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list]:
