@@ -92,13 +92,48 @@ def test_implementation_names():
     assert attention.NAME in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 
 
-def test_mask_repeated_once_per_forward():
-    mask = torch.zeros(1, 1, 3, 5)
-    a = attention._folded_mask(mask, 4)
-    assert a.shape == (1, 1, 12, 5) and attention._folded_mask(mask, 4) is a
-    mask[..., 0] = -1.0                                            # an in-place change: a new version, a new fold
-    b = attention._folded_mask(mask, 4)
-    assert b is not a and torch.equal(b[0, 0, 3:6], mask[0, 0])
+def test_prepared_mask_aligned_once_and_released():
+    """CUDA's mask preparation: a bool mask becomes additive at a width rounded to 8 (strides the
+    memory-efficient kernel takes without a copy), once per source mask, gone at release()."""
+    allowed = torch.rand(1, 1, 3, 13) > 0.5
+    a = attention._prepared(allowed, torch.float32, 4)
+    assert a.shape == (1, 1, 12, 13) and all(s % attention.ALIGN == 0 for s in a.stride()[:-1])
+    assert attention._prepared(allowed, torch.float32, 4) is a            # shared by every layer
+    want = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[0, 0]
+    for g in range(4):
+        assert torch.equal(a[0, 0, 3 * g:3 * g + 3], want)
+    aligned = torch.zeros(1, 1, 3, 16)[..., :13]                          # core/tree.py's layout
+    assert attention._prepared(aligned, torch.float32, 1) is aligned      # used as is, no copy
+    attention.release()
+    assert not attention._PREPARED
+    attention._prepared(allowed, torch.float32, 2)
+    del allowed                                                            # dies with its source mask
+    assert not attention._PREPARED
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("strategy", ["fold", "groups"])
+@pytest.mark.parametrize("as_bool", [False, True])
+def test_cuda_strategies_equal_gqa(q_len, strategy, as_bool):
+    """The fold and per-group paths CUDA runs (here on CPU, torch's own backend) equal one SDPA
+    call with enable_gqa, for tree-like masks given as bool or additive."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, q_len, 16), torch.randn(1, 2, 11, 16), torch.randn(1, 2, 11, 16)
+    allowed = torch.rand(1, 1, q_len, 11) > 0.4
+    allowed[..., 0] = True
+    mask = allowed if as_bool else torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    out = attention.without_gqa(q, k, v, mask, 4, 0.0, None, strategy, None)
+    attention.release()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_strategy_choice():
+    assert attention.mask_strategy("cpu", 2048, 8, 8, 128) == "gqa"
+    assert attention.mask_strategy("cuda", 1, 8, 8, 128) == "fold"
+    assert attention.mask_strategy("cuda", 256, 8, 8, 128) == "fold"      # folded mask <= one layer's K/V
+    assert attention.mask_strategy("cuda", 257, 8, 8, 128) == "groups"
+    assert attention.mask_strategy("cuda", 64, 1, 8, 128) == "none"
 
 
 def test_offloaded_model_runs_gqa_attention(tmp_path, monkeypatch):

@@ -83,15 +83,21 @@ def kv(c: dict, rows: int, elem: int) -> int:
 
 def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: bool = False,
              draft: bool = False) -> int:
-    """One sdpa pass: no H x T x S scores (the masked sdpa kernels tile them; fused: a causal prefill
-    with a T x S boolean mask), GQA without repeated K/V (specx_gqa: a folded copy of q and the mask
-    repeated per group member), the logits in the compute dtype; at T = 0 the target samples nothing
-    (argmax), a draft pass keeps 3 fp32 copies of its rows (log-softmax)."""
+    """One sdpa pass on CUDA: no H x T x S scores and no repeated K/V (specx_gqa); the mask (a tree
+    pass: additive at the width rounded to 8; a causal prefill chunk: HF's T x S boolean one) and, with
+    GQA and T > 1, its additive copy at the padded width (prefill) plus the fold (G x T x S8 and a q
+    copy) when G x T <= 2 x KV x hd, else the per-group outputs and their stacked copy; the logits in
+    the compute dtype; at T = 0 the target samples nothing (argmax), a draft pass keeps 3 fp32 copies
+    of its rows (log-softmax)."""
     h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = c.get("head_dim") or h // heads
-    mask = t * s if fused else 2 * t * s * e
-    fold = 0 if fused or t == 1 or heads == kvh else (heads // kvh) * t * s * e + t * heads * hd * e
-    return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + fold
+    s8, g = -(-s // 8) * 8, heads // kvh
+    mask = t * s if fused else t * s8 * e
+    attn = 0
+    if g > 1 and t > 1:
+        attn = (t * s8 * e if fused else 0) + (g * t * s8 * e + t * heads * hd * e if g * t <= 2 * kvh * hd
+                                              else 2 * t * heads * hd * e)
+    return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + attn
             + 4 * t * c["intermediate_size"] * e + mask + deq * e
             + logit_rows * c["vocab_size"] * (e + (12 if draft else 0)))
 

@@ -1,28 +1,44 @@
-"""GQA-aware attention for masked multi-query passes, registered with transformers.
+"""GQA-aware attention for masked passes, registered with transformers; it never repeats K/V.
 
 Contract: `register()` (idempotent) adds the attention function `NAME` ("specx_gqa") to
 transformers' AttentionInterface and, for mask building, maps the same name to transformers'
 own `sdpa_mask` in AttentionMaskInterface; `implementation(config_or_name)` is the name a model
 should run under ("specx_gqa" where HF would run "sdpa", otherwise the name unchanged: Gemma-2's
-soft-capped "eager" stays eager). The function is transformers' SDPA except where SDPA would
-repeat K/V: with G = heads / kv_heads > 1 and a mask shared by the heads ((B, 1, Q, K), a tree
-mask or a causal one), the G query heads of each KV head are folded into the query axis,
+soft-capped "eager" stays eager). The result equals HF's `sdpa`/`eager` to rounding (softmax rows
+are independent); without a mask, with per-head masks, soft-capping or position biases it is HF's
+`sdpa_attention_forward` as is. With G = heads / kv_heads > 1 and a mask shared by the heads
+((B, 1, Q, K): a tree mask, or the causal mask of a chunk over a cache), `mask_strategy` picks:
 
-    q (B, H, Q, D) -> (B, Hkv, G*Q, D),  mask (B, 1, Q, K) -> (B, 1, G*Q, K) (rows repeated G times),
+- "gqa" (CPU): one SDPA call with `enable_gqa`, backend pinned to the CPU flash kernel, which reads
+  each KV head for its G query heads and takes the (B, 1, Q, K) mask (bool or additive) as given:
+  no K/V copy, no mask copy (measured: tests/test_attention_memory.py).
+- "fold" (CUDA, Q = 1 or G*Q <= 2 * kv_heads * head_dim): the G query heads of each KV head are
+  folded into the query axis, q (B, H, Q, D) -> (B, Hkv, G*Q, D), mask -> (B, 1, G*Q, K) with row
+  g*Q + q = mask row q, one memory-efficient SDPA call. Q = 1: the fold is a stride-0 view of the
+  mask row. Q > 1: the folded mask is written once per forward at a width rounded up to 8 and
+  passed as a slice (the kernel copies any mask whose strides are not multiples of 8), shared by
+  every layer; it is no bigger than one layer's K/V, which the fold reads once instead of G times.
+- "groups" (CUDA, bigger Q): G memory-efficient SDPA calls, one per group member g over the query
+  heads kv*G + g, each with the (B, 1, Q, K) mask broadcast over the KV heads (a stride-0 view):
+  K/V are read G times, the mask is never repeated.
 
-so one SDPA call reads each KV head once (no (B, H, K, D) copy of the cache: 2*G*K*D*Hkv bytes
-per layer saved), and the (B, Hkv, G*Q, D) output unfolds back to (B, Q, H, D). The repeated mask
-is built once per forward (cached on the mask tensor's identity and version), not once per layer.
-Softmax rows are independent, so the result equals HF's `sdpa`/`eager` to rounding. Without a mask,
-with one query, with per-head masks or position biases it is HF's `sdpa_attention_forward` as is.
+On CUDA the mask itself is prepared once per forward: a bool mask (transformers' causal mask of a
+chunk over a cache) becomes additive in the query dtype, and an additive one at an unaligned width
+is re-laid at the rounded width; an aligned additive mask of the query dtype (core/tree.py builds
+them so) is used as is. Prepared masks die with their source mask or at `release()`, which the
+streaming model calls after every pass: nothing outlives a pass. The per-term bytes are
+`mask_bytes` (offload/planning/membytes.py counts them for the target and both drafts).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 NAME = "specx_gqa"
-_REPEATED: dict = {}   # key of the last mask folded -> its (B, 1, G*Q, K) repetition
+ALIGN = 8                # SDPA's memory-efficient kernel copies masks whose strides are not multiples of 8
+_PREPARED: dict = {}     # (id(mask), groups, dtype) -> (weakref to the source mask, prepared mask)
 
 
 def register() -> str:
@@ -42,17 +58,88 @@ def implementation(name: str) -> str:
     return register() if name == "sdpa" else name
 
 
-def _folded_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, 1, Q, K) -> (B, 1, G*Q, K): row g*Q + q is mask row q (one copy per forward)."""
-    if mask.is_inference():   # no version counter to key on (masks HF builds under inference mode)
-        return mask.repeat(1, 1, groups, 1)
-    key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, mask.device, mask._version, groups)
-    hit = _REPEATED.get("key")
-    if hit == key:
-        return _REPEATED["value"]
-    out = mask.repeat(1, 1, groups, 1)
-    _REPEATED.update(key=key, value=out, source=mask)   # `source` keeps the pointer from being reused
+def padded(width: int) -> int:
+    """`width` rounded up to a multiple of ALIGN."""
+    return -(-width // ALIGN) * ALIGN
+
+
+def mask_strategy(device: str, q_len: int, groups: int, kv_heads: int, head_dim: int) -> str:
+    """"gqa" | "fold" | "groups" for a masked pass (module docstring); "none" when G = 1."""
+    if groups <= 1:
+        return "none"
+    if device != "cuda":
+        return "gqa"
+    return "fold" if q_len == 1 or groups * q_len <= 2 * kv_heads * head_dim else "groups"
+
+
+def mask_bytes(device: str, q_len: int, keys: int, groups: int, kv_heads: int, head_dim: int, elem: int,
+               source: int) -> int:
+    """Device bytes the masked attention of one pass allocates beyond the caller's (1, 1, Q, K) mask,
+    alive for the whole pass (prepared once per forward) or one layer (query and output copies).
+    `source`: bytes per element of the mask handed in (1: bool, else additive in `elem`).
+    CPU ("gqa"): none. CUDA: the additive mask at the padded width (Q x K8 x elem) unless the source
+    already is one; "fold" with Q > 1: the folded mask G x Q x K8 x elem and the folded query copy
+    (Q x H x D x elem); "groups": the G per-group outputs and their stacked copy (2 x Q x H x D x elem)."""
+    strategy = mask_strategy(device, q_len, groups, kv_heads, head_dim)
+    if device != "cuda" or strategy == "none" or q_len == 1:
+        return 0
+    width, heads = padded(keys), groups * kv_heads
+    prepared = 0 if source == elem else q_len * width * elem
+    if strategy == "fold":
+        return prepared + groups * q_len * width * elem + q_len * heads * head_dim * elem
+    return prepared + 2 * q_len * heads * head_dim * elem
+
+
+def release() -> None:
+    """Drop every prepared mask (the end of a pass)."""
+    _PREPARED.clear()
+
+
+def _prepared(mask: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tensor:
+    """(B, 1, Q, K) bool or additive -> additive `dtype` (B, 1, groups*Q, K), row g*Q + q = row q,
+    with strides that are multiples of ALIGN; built once per source mask (see the module docstring)."""
+    aligned = all(s % ALIGN == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1
+    if groups == 1 and mask.dtype == dtype and aligned:
+        return mask
+    key = (id(mask), groups, dtype)
+    hit = _PREPARED.get(key)
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    b, _, q_len, keys = mask.shape
+    full = torch.empty(b, 1, groups * q_len, padded(keys), dtype=dtype, device=mask.device)
+    full.view(b, 1, groups, q_len, -1)[..., :keys].copy_(mask.unsqueeze(2))   # bool -> 1 / 0
+    if mask.dtype == torch.bool:   # allowed 1 -> 0, blocked 0 -> dtype min, in place: (x - 1) * max
+        full.sub_(1).mul_(torch.finfo(dtype).max)
+    out = full[..., :keys]
+    _PREPARED[key] = (weakref.ref(mask, lambda _, k=key: _PREPARED.pop(k, None)), out)
     return out
+
+
+def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
+    """SDPA pinned to `backend` (None: torch's own choice, on devices other than CPU and CUDA)."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backend) if backend is not None else nullcontext():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                                scale=scaling, enable_gqa=enable_gqa)
+
+
+def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, backend):
+    """"fold" or "groups" (module docstring) for a kernel that takes masks but not GQA (CUDA's
+    memory-efficient one, `backend`; tests run it on CPU with backend None)."""
+    b, heads, q_len, dim = query.shape
+    kv_heads, eff = key.shape[1], backend
+    if strategy == "fold":
+        q = query.reshape(b, kv_heads, groups * q_len, dim)   # head h = kv*G + g -> rows g*Q .. g*Q+Q-1
+        m = (_prepared(mask, query.dtype, 1).expand(-1, -1, groups, -1) if q_len == 1
+             else _prepared(mask, query.dtype, groups))
+        out = _sdpa(q, key, value, m, dropout, scaling, eff)
+        return out.reshape(b, heads, q_len, value.shape[-1])
+    m = _prepared(mask, query.dtype, 1).expand(-1, kv_heads, -1, -1)
+    outs = [_sdpa(query[:, g::groups], key, value, m, dropout, scaling, eff) for g in range(groups)]
+    return torch.stack(outs, dim=2).reshape(b, heads, q_len, value.shape[-1])   # (B, Hkv, G, Q, D) -> head kv*G+g
 
 
 def gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,18 +150,23 @@ def gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q_len, dim = query.shape
-    foldable = (groups > 1 and attention_mask is not None and q_len > 1 and attention_mask.dim() == 4
+    foldable = (groups > 1 and attention_mask is not None and attention_mask.dim() == 4
                 and attention_mask.shape[1] == 1 and kwargs.get("position_bias") is None
                 and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
     if not foldable:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    kv_heads = key.shape[1]
-    q = query.reshape(b, kv_heads, groups * q_len, dim)       # head h = kv*G + g -> rows g*Q .. g*Q+Q-1
-    mask = _folded_mask(attention_mask, groups)
-    if mask.shape[0] != b and mask.shape[0] != 1:
-        raise ValueError(f"attention mask batch {mask.shape[0]} does not match the query batch {b}")
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout,
-                                                           scale=scaling, is_causal=False)
-    out = out.reshape(b, heads, q_len, value.shape[-1])       # (B, Hkv, G*Q, D) -> (B, H, Q, D)
+    if attention_mask.shape[0] not in (1, b):
+        raise ValueError(f"attention mask batch {attention_mask.shape[0]} does not match the query batch {b}")
+    mask = attention_mask[..., : key.shape[-2]]   # HF may hand a mask wider than the cache
+    strategy = mask_strategy(query.device.type, q_len, groups, key.shape[1], dim)
+    if strategy == "gqa":
+        from torch.nn.attention import SDPBackend
+
+        backend = SDPBackend.FLASH_ATTENTION if query.device.type == "cpu" else None   # CPU flash: masks and GQA
+        out = _sdpa(query, key, value, mask, dropout, scaling, backend, enable_gqa=True)
+    else:
+        from torch.nn.attention import SDPBackend
+
+        out = without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, SDPBackend.EFFICIENT_ATTENTION)
     return out.transpose(1, 2).contiguous(), None

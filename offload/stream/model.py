@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError
+from offload.arch.attention import release as release_masks
 from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
 from offload.arch.families import Family, apply_final_softcap, causal_lm_class, window_mask
 from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
@@ -245,6 +246,7 @@ class OffloadedCausalLM(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = apply_final_softcap(self.lm_head(h), self.family.final_softcap)
+        release_masks()   # the masks attention prepared for this pass (arch/attention.py) die with it
         self._account(t0, stall0)
         return CausalLMOutputWithPast(logits=logits,
                                       **output_cache_kwargs(CausalLMOutputWithPast, past_key_values))

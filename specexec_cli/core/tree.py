@@ -97,7 +97,9 @@ def attention_mask(
     allowed.scatter_(1, torch.where(anc_cols >= 0, anc_cols, n_cols), True)
     allowed = allowed[:, :n_cols]
     allowed[torch.arange(b, device=device), self_cols] = True
-    mask = torch.zeros(b, n_cols, dtype=dtype, device=device)
+    # allocated at a width rounded up to 8 and passed as a slice: SDPA's memory-efficient kernel
+    # copies a mask whose row stride is not a multiple of 8 (offload/arch/attention.py)
+    mask = torch.zeros(b, -(-n_cols // 8) * 8, dtype=dtype, device=device)[:, :n_cols]
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
@@ -106,7 +108,7 @@ def causal_mask(n_past: int, n_new: int, dtype: torch.dtype, device=None) -> tor
     """Additive (1, 1, n_new, n_past + n_new) mask for a plain chain of new tokens."""
     rows = torch.arange(n_new, device=device).unsqueeze(1)
     cols = torch.arange(n_past + n_new, device=device).unsqueeze(0)
-    mask = torch.zeros(n_new, n_past + n_new, dtype=dtype, device=device)
+    mask = torch.zeros(n_new, -(-(n_past + n_new) // 8) * 8, dtype=dtype, device=device)[:, : n_past + n_new]
     mask.masked_fill_(cols > rows + n_past, torch.finfo(dtype).min)
     return mask[None, None]
 
