@@ -60,7 +60,11 @@ def family_dir(request, tmp_path_factory):
 
 
 def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # The reference runs each family's own attention. Gemma-2 soft-caps attention scores, which only
+    # "eager" computes: transformers < 5.21 defaulted Gemma-2 to "sdpa", which drops the cap (8e-5 in
+    # these logits), so the reference names eager (what 5.21+ picks by default, and what specx runs).
+    kw = {"attn_implementation": "eager"} if transformers.AutoConfig.from_pretrained(path).model_type == "gemma2" else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
 
 
 def _ids(n, seed=0):

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""The GPU day on an offline box with a fixed image, in three verbs (docs/gpu-status.md).
+
+Contract:
+- `pack [--python 3.12] [--dest .whl]`: the wheels the image lacks (tools/gpuday/pack.py) into the
+  git-ignored --dest; prints what a device call would carry; exit 1 above 62 MiB.
+- `run [--smoke] [--out DIR] [--phase NAME] [--budget-s S]`: the measurements, phase by phase
+  (tools/gpuday/run.py), each phase's JSON in --out; a phase already done is skipped, so a second
+  command resumes a cut one. Runs from the repo root with nothing installed (PYTHONPATH=. and the
+  pack's --target folder). `--smoke`: every phase tiny, on the CPU.
+- `rehearse`: on a CPU machine, a venv shaped like the image, the pack for this Python installed with
+  the box's install line, then `run --smoke` (tools/gpuday/rehearse.py).
+- `tables --out DIR`: the docs/gpu-status.md tables from a run's JSON (tools/gpuday/tables.py).
+Exit 2 on usage errors, one line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gpu_day.py", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("pack", help="fetch the wheels the image lacks; print the travel size")
+    p.add_argument("--python", default=None, help="the box's Python (default: the image's, 3.12)")
+    p.add_argument("--dest", type=Path, default=ROOT / ".whl")
+    r = sub.add_parser("run", help="the measurements, phase by phase, JSON in --out")
+    r.add_argument("--smoke", action="store_true", help="every phase tiny, on the CPU")
+    r.add_argument("--out", type=Path, default=Path("gpu-day-out"))
+    r.add_argument("--phase", action="append", default=None, help="run only this phase (repeatable); again if done")
+    r.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
+    h = sub.add_parser("rehearse", help="a venv shaped like the image, the pack installed, run --smoke")
+    h.add_argument("--venv", type=Path, default=None)
+    h.add_argument("--out", type=Path, default=None)
+    t = sub.add_parser("tables", help="docs/gpu-status.md's tables from a run's --out")
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--write", type=Path, default=None, help="rewrite the tables in this markdown file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.verb == "pack":
+        from tools.gpuday import image, pack
+
+        return pack.main(ROOT, args.dest.resolve(), args.python or image.PYTHON)
+    if args.verb == "run":
+        from tools.gpuday import run
+
+        return run.main(args.out.resolve(), args.smoke, args.phase, args.budget_s)
+    if args.verb == "rehearse":
+        from tools.gpuday import rehearse
+
+        return rehearse.main(ROOT, args.venv, args.out)
+    from tools.gpuday import tables
+
+    return tables.main(args.out, args.write)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

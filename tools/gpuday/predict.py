@@ -1,0 +1,59 @@
+"""The speed model's prediction beside each figure the GPU run measures, fed the card's measured rates.
+
+Contract:
+- `device(card)`: offload/planning/passcost.py's Device with the probe phase's MEASURED rates: the
+  pinned host->device link, device memory (a device copy, read + write counted), dense bf16 and fp32
+  (TF32 off) matmul FLOP/s. The per-forward floors are passcost's priors (their `sources` say so).
+- `target_pass(card, fmt, shape, layers, n, past, streamed_bytes)`: passcost.target_pass for the
+  timed stack: every layer in the RAM tier with the bytes the run actually streamed per layer, n
+  tree tokens at a context of `past`, bf16 compute, the format's dequantization kernel (KERNEL).
+- `draft_step(card, weight, kv, dequant, flops)`: passcost.draft_step for one draft forward.
+- `tokens_per_pass(budget)`: draftcost's prior for a small trained draft at T = 0.
+Every prediction is returned as {"seconds", "model", ...terms} so the tables can say which model spoke.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from offload.planning import draftcost, passcost
+from offload.planning.membytes import arch_of
+
+MODEL = "offload/planning/passcost.py"
+KERNEL = {"bf16": "none", "nf4": "nf4-dequant", "q4k": "int4-unpack"}   # passcost.DEQUANT_ELEMS keys
+C = 2   # bytes of the compute dtype (bf16)
+
+
+def device(card: dict) -> passcost.Device:
+    kind = "cuda" if card.get("device", "cpu") != "cpu" else "cpu"
+    src = f"measured: gpu_day probe ({card.get('device', kind)})"
+    rates = dict(memory_bps=card["memory_bps"], link_bps=card["link_bps"], flops16=card["bf16_flops"],
+                 flops32=card["fp32_flops"])
+    return passcost.device_for(kind, dict.fromkeys(rates, src), **rates)
+
+
+def arch(shape: dict, layers: int):
+    return arch_of(dict({k: v for k, v in shape.items() if k != "layers"}, num_hidden_layers=layers))
+
+
+def kv_bytes(shape: dict, layers: int, tokens: int, elem: int = C) -> int:
+    return 2 * layers * shape["num_key_value_heads"] * shape["head_dim"] * tokens * elem
+
+
+def target_pass(card: dict, fmt: str, shape: dict, layers: int, n: int, past: int, streamed_bytes: int) -> dict:
+    """Predicted seconds of one pass over n tree tokens on `past` cached ones, every layer streamed."""
+    plan = SimpleNamespace(layer_bytes=[streamed_bytes // max(1, layers)] * layers, ram_layers=list(range(layers)),
+                           disk_layers=[])
+    terms = passcost.target_pass(arch(shape, layers), plan, device(card), n, past, C, KERNEL[fmt])
+    return dict(terms.to_json(), model=MODEL)
+
+
+def draft_step(card: dict, weight: int, kv: int, dequant: int, flops: float) -> dict:
+    """Predicted seconds of one draft forward."""
+    dev = device(card)
+    return dict(seconds=passcost.draft_step(weight, kv, dequant, flops, dev, C), model=MODEL,
+                step_floor_s=dev.step_floor_s)
+
+
+def tokens_per_pass(budget: int) -> float:
+    return draftcost.tokens_per_pass("small", 0.0, budget)

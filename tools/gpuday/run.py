@@ -1,0 +1,133 @@
+"""`gpu_day.py run`: the GPU day's phases, resumable, every figure as JSON under --out.
+
+Contract:
+- PHASES run in order: env, probe, passes-bf16, passes-nf4, passes-q4k, draft, demo, cuda-tests.
+  Each writes `<out>/<phase>.json` = {phase, ok, seconds, data | error}; a phase whose file exists is
+  skipped (a second command resumes a cut one), `--phase NAME` runs that one again. A phase is not
+  started when the seconds spent so far plus its estimate (EST, an H100's) pass --budget-s, so one
+  command stays inside the box's 10 minutes; the run then exits 4 and names what is left.
+- `<out>/summary.json` gathers every phase file (what a device call brings back: one file).
+- Scratch (the synthetic checkpoints, specx's caches, the test and server temporaries, Inductor's
+  and Triton's caches) lives in `<out>/work` and is removed once every phase is done; nothing is
+  written outside --out.
+- Exit: 0 every phase ok; 1 a phase failed (its error in its file); 4 phases left for another command.
+- `--smoke`: the CPU, tiny shapes, every phase (tests/test_gpu_day.py runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PHASES = ("env", "probe", "passes-bf16", "passes-nf4", "passes-q4k", "draft", "demo", "cuda-tests")
+EST = {"env": 10, "probe": 30, "passes-bf16": 120, "passes-nf4": 120, "passes-q4k": 150, "draft": 120,
+       "demo": 90, "cuda-tests": 420}   # seconds on an H100 (estimates, not measurements)
+SELF_BITS = (4, 3, 2)
+
+
+def scratch_env(work: Path) -> None:
+    """Every cache specx, torch and the tests write, under `work` (set before torch is imported)."""
+    for var, sub in (("SPECX_CACHE", "specx-cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                     ("TRITON_CACHE_DIR", "triton"), ("XDG_CACHE_HOME", "xdg-cache"), ("HF_HOME", "hf"),
+                     ("TMPDIR", "tmp")):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(work / sub)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def runner(name: str):
+    from tools.gpuday import measure, phases
+
+    return {"env": phases.env, "probe": measure.probe, "passes-bf16": lambda c: measure.passes(c, "bf16"),
+            "passes-nf4": lambda c: measure.passes(c, "nf4"), "passes-q4k": lambda c: measure.passes(c, "q4k"),
+            "draft": measure.draft, "demo": phases.demo, "cuda-tests": phases.cuda_tests}[name]
+
+
+def context(out: Path, smoke: bool) -> dict:
+    import psutil
+    import torch
+
+    from tools.gpuday import stack
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    shape = stack.SMOKE_TARGET if smoke else stack.TARGET
+    layers = 2 if smoke else stack.layers_for(shape, 8, psutil.virtual_memory().available,
+                                               shutil.disk_usage(out).free)
+    ctx = dict(out=out / "work", device=device, smoke=smoke, layers=layers, bits=SELF_BITS)
+    probe = out / "probe.json"
+    if probe.exists():
+        ctx["card"] = json.loads(probe.read_text()).get("data")
+    return ctx
+
+
+def run_phase(name: str, ctx: dict, out: Path) -> bool:
+    from tools.gpuday.phases import PhaseError
+
+    print(f"gpu_day run: {name} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    rec = dict(phase=name, ok=True)
+    try:
+        rec["data"] = runner(name)(ctx)
+    except PhaseError as e:
+        rec.update(ok=False, error=str(e), data=e.data)
+    except Exception as e:   # noqa: BLE001 - a phase's failure is recorded, the next phase still runs
+        rec.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    if name == "probe" and rec["ok"]:
+        ctx["card"] = rec["data"]
+    print(f"gpu_day run: {name} {'ok' if rec['ok'] else 'FAILED: ' + rec['error']} ({rec['seconds']} s)",
+          file=sys.stderr, flush=True)
+    return rec["ok"]
+
+
+def summary(out: Path) -> dict:
+    phases = {}
+    for name in PHASES:
+        f = out / f"{name}.json"
+        if f.exists():
+            phases[name] = json.loads(f.read_text())
+    doc = dict(phases=phases, done=[n for n in PHASES if n in phases],
+               left=[n for n in PHASES if n not in phases], failed=[n for n, r in phases.items() if not r["ok"]])
+    (out / "summary.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return doc
+
+
+def main(out: Path, smoke: bool, only: list[str] | None, budget_s: float) -> int:
+    if only and (bad := [p for p in only if p not in PHASES]):
+        print(f"gpu_day run: unknown phase {bad[0]!r}; choose from {', '.join(PHASES)}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    scratch_env(out / "work")
+    import logging
+
+    import torch
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its optional-CPU-kernel notice
+    if not smoke and not torch.cuda.is_available():
+        print("gpu_day run: no CUDA device here; run it on the GPU box, or pass --smoke for a tiny CPU run",
+              file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    ctx = context(out, smoke)
+    todo = list(only) if only else [p for p in PHASES if not (out / f"{p}.json").exists()]
+    for name in todo:
+        if name not in ("env", "probe") and ctx.get("card") is None and name not in ("demo", "cuda-tests"):
+            run_phase("probe", ctx, out)
+        if not smoke and time.perf_counter() - t_start + EST[name] > budget_s:
+            print(f"gpu_day run: {name} left for the next command (budget {budget_s:.0f} s)", file=sys.stderr)
+            break
+        ok = run_phase(name, ctx, out)
+        if name == "env" and not ok:
+            break   # the install is wrong: nothing after it would mean anything
+    doc = summary(out)
+    print(json.dumps(dict(done=doc["done"], failed=doc["failed"], left=doc["left"])))
+    if not doc["left"]:
+        shutil.rmtree(out / "work", ignore_errors=True)
+    return 1 if doc["failed"] else (4 if doc["left"] else 0)
