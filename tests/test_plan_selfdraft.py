@@ -45,7 +45,8 @@ def test_nf4_70b_at_44gb_trades_bits_for_resident_layers(llama70b):
     assert p.device_bytes["draft"] == streamed * hqq_layer_bytes(p.substitute_bits)
     assert any(f"{p.substitute_bits}-bit substitutes of {streamed} of the {streamed} streamed layers" in n
                for n in p.notes)
-    assert sorted(c["bits"] for c in p.candidates) == [2, 3] and p.choice["bits"] == p.substitute_bits   # the figures
+    assert sorted(c["bits"] for c in p.candidates if c["draft"] == "self") == [2, 3]   # the widths' figures
+    assert p.choice["bits"] == p.substitute_bits and p.candidates[-1]["draft"] == "none"   # plain decoding listed
     two, three = plan(llama70b, "nf4", 44, bits=2), plan(llama70b, "nf4", 44, bits=3)
     assert two.fits and three.fits and len(three.resident) < len(two.resident)   # wider: fewer resident
     assert len(p.resident) == len((two, three)[p.substitute_bits - 2].resident)
@@ -107,8 +108,8 @@ def test_the_width_choice_uses_the_runs_temperature(llama70b):
     greedy, sampled = plan(llama70b, "bf16", 44), plan(llama70b, "bf16", 44, temperature=0.7)
     assert greedy.fits and sampled.fits
     for p, row in ((greedy, "greedy"), (sampled, "sampled")):
-        assert {c["bits"] for c in p.candidates} == {4, 3, 2}
-        for c in p.candidates:
+        assert {c["bits"] for c in p.candidates if c["draft"] == "self"} == {4, 3, 2}
+        for c in (c for c in p.candidates if c["draft"] == "self"):
             pts = sorted(TOKENS_PER_PASS[c["bits"]][row].items())   # log-linear between measured budgets
             (x0, y0), (x1, y1) = next((a, b) for a, b in zip(pts, pts[1:]) if c["budget"] <= b[0])
             want = y0 + (y1 - y0) * math.log(c["budget"] / x0) / math.log(x1 / x0)

@@ -1,56 +1,51 @@
-"""The draft cost model: what a candidate draft costs per target pass, and the tokens/s it buys.
+"""The draft cost model: what each candidate draft (and plain decoding) costs per target pass, and the tokens/s.
 
-Contract (every figure is modelled from byte counts and bandwidths, none is measured here):
-- `Machine`: the bandwidths a plan is for: device memory (`specx profile` measures it; `--gpu NAME`
-  takes the published figure of a card from profiles/cards.json; else DEVICE_BPS), the host->device
-  link and disk reads (LINK_BPS / DISK_BPS priors, or the card's published PCIe rate).
-- `draft_seconds(forwards, weight, kv, dequant, bps)` = forwards per tree x (weight bytes + KV bytes
-  read per draft forward + dequantization traffic) / device memory bandwidth.
+Contract (every figure is modelled; a matching profile's measured times replace the modelled ones):
+- The rates are a passcost.Device (`Machine` is the same class): `specx profile`'s measurements for
+  this machine, `--gpu NAME`'s published card figures, else passcost.PRIORS; each term names its source.
+- pass seconds = passcost.target_pass(...).seconds at n = budget + 1 tree tokens and the middle of the
+  planned context (MODEL_CTX_SHARE x ctx): per layer max(transfer, compute), summed, + head + floor.
+  Where the profile measured t_target(n) for this target with this placement (resident / RAM / disk
+  layer counts), its log-log interpolation at n is the pass instead (source "measured").
+- draft seconds = forwards_per_tree(budget, max_beams) x passcost.draft_step(bytes of one forward:
+  weights + KV at the planned context + dequantization traffic of its kernel, its FLOPs over max_beams
+  nodes): max(bytes / bandwidth, FLOPs / FLOP/s, the step floor). Where the profile timed this draft
+  (a small draft by path, the self-draft per width under the same placement), the measured tree time
+  at the budget (or forwards x the measured step) is the draft instead.
 - `forwards_per_tree(budget, max_beams)` = 1 (the pending tokens) + ceil(budget / max_beams): the draft
   grows its tree max_beams nodes per forward (core/draft.grow_tree) until it holds `budget` nodes.
-- `pass_seconds(plan, m)` = FLOOR_S + max(stream seconds, target compute seconds): streamed RAM-tier bytes
-  over the link plus disk bytes over the disk, overlapped with the target reading every layer, its
-  KV cache and head from device memory.
 - `hidden_seconds(plan, draft_s, m)`: the part of the draft's time the weight stream hides: while the
   draft grows its tree the prefetcher fills the free staging slots with the next pass's first layers
-  (offload/stream/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's stream
-  runs under the draft.
+  (offload/stream/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's
+  stream runs under the draft.
 - tokens/s = tokens per pass / (pass seconds + draft seconds - hidden seconds).
-- `tokens_per_pass(kind, bits, temperature, budget)`: measured on the shared pair (TOKENS_PER_PASS,
-  log-linear in the budget between the measured budgets, clamped at the ends); for a self-draft that
-  skips layers, scaled by selfplan.skip_factor.
-- `Candidate` holds one candidate's five figures and the inputs behind them; `best(cands)` is the
-  fitting candidate with the most modelled tokens/s. `small_candidates` fills a small draft's plan
-  with its candidate and the self-draft's widths (offload/planning/selfplan.py models those for --draft self).
+- `tokens_per_pass(kind, temperature, budget)`: measured on the shared pair (TOKENS_PER_PASS, log-linear
+  in the budget between the measured budgets, clamped at the ends); for a self-draft that skips layers,
+  scaled by selfplan.skip_factor. Plain decoding: 1 token per pass of 1 token, no draft.
+- `Candidate` holds one candidate's figures, the pass terms and their sources, and (`by_budget`) its
+  tokens/s at BUDGETS up to the plan's budget. `best(cands)` is the fitting candidate with the most
+  modelled tokens/s. `sweep` settles `--budget auto` (each candidate at its best modelled budget);
+  `finish(plan, cands, plain)` sets plan.candidates (plain decoding last: `--draft auto` may take it)
+  and plan.choice (the best draft).
+- `small_candidates` fills a small draft's plan with its candidate and the self-draft's widths
+  (offload/planning/selfplan.py models those for --draft self).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
 
 from offload.planning.membytes import substitute_kernel
+from offload.planning.passcost import (  # noqa: F401 - DEQUANT_ELEMS / dequant_elems: callers import them here
+    DEQUANT_ELEMS, Device, dequant_elems, device_for, draft_step, interpolate, linear_weights, target_pass,
+)
 
-FLOOR_S = 0.05                              # per-pass latency streaming does not hide (kernel launches, sync)
-DEVICE_BPS = {"cuda": 1000e9, "cpu": 20e9}  # device memory bandwidth priors (a 4090-class card; DDR4/5 host)
-LINK_BPS = {"cuda": 24e9, "cpu": 10e9}      # RAM tier -> compute device (PCIe 4 x16 effective; memcpy)
-DISK_BPS = {"cuda": 3e9, "cpu": 2e9}        # NVMe O_DIRECT reads
-LINK_EFFICIENCY = 0.75                      # effective / published PCIe x16 rate (24 of 32 GB/s on PCIe 4)
-
-DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "none": 0}
-"""Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
-hqq-eager (offload/quant/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2,
-the matmul reads 1), nf4-dequant (bitsandbytes above a few tokens: dequantize writes 1, the matmul reads 1),
-hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it; on CPU
-Inductor's dynamic-shape graph writes it twice, see `dequant_elems`), none (a 16-bit weight)."""
-
-
-def dequant_elems(kernel: str, device: str) -> int:
-    """DEQUANT_ELEMS on `device`: the compiled HQQ graph on CPU writes the weight twice ((rows, group),
-    then the (in, out) operand) and the matmul reads it once: 3 (offload/quant/fused.py's docstring).
-    Which kernel a run uses is membytes.substitute_kernel(bits, device): on CPU, eager unless
-    $SPECX_LOWBIT_KERNEL=fused."""
-    return 3 if kernel == "hqq-compiled" and device == "cpu" else DEQUANT_ELEMS[kernel]
+LINK_EFFICIENCY = 0.75      # effective / published PCIe x16 rate (24 of 32 GB/s on PCIe 4)
+MODEL_CTX_SHARE = 0.5       # attention is modelled at this share of the planned context (a cache filling up)
+BUDGETS = (16, 64, 256, 1024)   # budgets the dry run shows tokens/s at (those within the plan's budget)
+PLAIN = "none"              # Candidate.draft of plain decoding (no draft)
 
 TOKENS_PER_PASS = {
     "small": {"greedy": {16: 4.388, 64: 5.436, 256: 6.695, 1024: 7.848},
@@ -68,32 +63,31 @@ substitutes of every layer, 3 / 2 = HQQ; greedy at T = 0 (bench/results/selfdraf
 T = 0.7 (selfdraft_t07_gap*.json). A prior for other pairs: a 1B draft of a 70B is not the 2.9M of a 15.7M."""
 
 
-@dataclass(frozen=True)
-class Machine:
-    """The bandwidths a plan is modelled with."""
-
-    memory_bps: float   # device memory bandwidth, bytes/s (CPU: host memory)
-    link_bps: float     # RAM tier -> device, bytes/s
-    disk_bps: float     # disk reads, bytes/s
-    source: str         # where memory_bps comes from: "measured: ...", "published: ...", "prior"
+Machine = Device   # the rates a plan is modelled with (offload/planning/passcost.py)
 
 
 def machine_for(device: str, memory_bps: float | None = None, link_bps: float | None = None,
-                source: str = "") -> Machine:
-    """Given figures where known, the priors for `device` for the rest."""
-    return Machine(memory_bps or DEVICE_BPS[device], link_bps or LINK_BPS[device], DISK_BPS[device],
-                   source if memory_bps else "prior")
+                source: str = "") -> Device:
+    """Given bandwidths where known (from `source`), passcost.PRIORS for the rest."""
+    return device_for(device, {"memory_bps": source or "measured", "link_bps": source or "measured"},
+                      memory_bps=memory_bps, link_bps=link_bps)
+
+
+def device_of(req) -> Device:
+    """The request's Device (session/profiles.plan_device builds it from a profile or a card), else priors."""
+    return getattr(req, "cost_device", None) or machine_for(req.device, req.memory_bps, req.link_bps,
+                                                            req.bandwidth_source)
 
 
 @dataclass
 class Candidate:
     """One candidate draft with its modelled figures and the inputs behind them."""
 
-    draft: str                  # "self" or the --draft directory as given
+    draft: str                  # "self", the --draft directory as given, or "none" (plain decoding)
     bits: int | None            # substitute bits of a self-draft; None for a small draft (its own dtype)
     tokens_per_pass: float      # expected tokens emitted per target pass
-    pass_seconds: float         # modelled target pass (streaming overlapped with compute)
-    draft_seconds: float        # modelled tree growth per pass
+    pass_seconds: float         # target pass (modelled: streaming overlapped with compute; or measured)
+    draft_seconds: float        # tree growth per pass (modelled or measured)
     tokens_per_second: float    # tokens_per_pass / (pass_seconds + draft_seconds - hidden_seconds); 0 if not fits
     fits: bool = True           # its memory plan fits the device
     forwards: int = 0           # draft forwards per tree
@@ -104,13 +98,17 @@ class Candidate:
     resident_layers: int = 0    # target layers resident in its plan
     budget: int = 0             # tree budget of its plan (tokens_per_pass is at this budget)
     kernel: str = "none"        # dequantizing path its draft linears run on the plan's device (membytes.substitute_kernel)
+    terms: dict = field(default_factory=dict)     # passcost.PassTerms of its target pass (modelled, seconds)
+    sources: dict = field(default_factory=dict)   # "pass" / "draft" -> "measured" | "modelled"
+    by_budget: list = field(default_factory=list)  # [{budget, tokens_per_pass, pass_seconds, draft_seconds, tokens_per_second}]
 
     def to_json(self) -> dict:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
     def line(self) -> str:
         """One dry-run line with the five figures, marked as modelled."""
-        name = f"self-draft {self.bits}-bit" if self.draft == "self" else f"draft {self.draft}"
+        name = ("plain decoding" if self.draft == PLAIN else f"self-draft {self.bits}-bit" if self.draft == "self"
+                else f"draft {self.draft}")
         if not self.fits:
             return f"{name}: does not fit"
         return (f"{name}: {self.tokens_per_pass:.1f} tokens/pass, pass {self.pass_seconds:.2f} s, draft "
@@ -118,33 +116,136 @@ class Candidate:
                 f"tokens/s (modelled)")
 
 
+@dataclass(frozen=True)
+class Spec:
+    """What a candidate's draft is, independent of the budget."""
+
+    draft: str                  # Candidate.draft
+    bits: int | None            # Candidate.bits
+    key: str                    # its key in a profile's measured draft timings: "small", "self-4", ...; "" none
+    tpp: Callable[[int], float]  # expected tokens per pass at a budget
+    weight: int = 0             # weight bytes one draft forward reads
+    kv: int = 0                 # KV bytes one draft forward reads
+    dequant: int = 0            # dequantization traffic of one draft forward
+    flops_per_node: float = 0.0  # FLOPs one draft forward spends per tree node it runs
+    kernel: str = "none"        # its dequantizing path
+
+
+@dataclass(frozen=True)
+class Costing:
+    """The target-side inputs every candidate of one plan shares."""
+
+    arch: object                # the target's membytes.Arch
+    c: int                      # bytes per element of the target's compute dtype
+    kernel: str                 # dequantizing path of the target's layers (nf4-dequant, int4-unpack, none)
+    dev: Device                 # the rates
+    timings: dict               # a matching profile's measured figures (session/profiles.plan_timings); {} none
+    max_beams: int              # draft nodes per tree-growth forward
+    temperature: float          # decoding temperature (tokens per pass depend on it)
+
+
+def costing_for(a, req) -> Costing:
+    from offload.planning.membytes import compute_bytes
+
+    kernel = "nf4-dequant" if req.dtype == "nf4" else "int4-unpack" if a.packed else "none"
+    return Costing(a, compute_bytes(req), kernel, device_of(req), getattr(req, "timings", None) or {},
+                   req.max_beams, req.temperature)
+
+
 def forwards_per_tree(budget: int, max_beams: int) -> int:
     return 1 + math.ceil(budget / max(1, max_beams))
 
 
-def draft_seconds(forwards: int, weight: int, kv: int, dequant: int, bps: float) -> float:
-    return forwards * (weight + kv + dequant) / bps
+def placement(plan) -> list[int]:
+    """[resident, RAM, disk] layer counts: what a measured pass time applies to."""
+    return [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)]
 
 
-def stream_seconds(plan, m: Machine) -> float:
-    ram = sum(plan.layer_bytes[i] for i in plan.ram_layers)
-    return ram / m.link_bps + plan.disk_bytes_per_pass / m.disk_bps
+def measured(cost: Costing, plan, key: str) -> dict | None:
+    """The profile's figures for this placement (key "target" or a draft's), None where it measured none."""
+    t = cost.timings
+    if not t or t.get("placement") != placement(plan):
+        return None
+    return (t.get("draft") or {}).get(key) if key != "target" else ({"seconds": t["target_seconds"]}
+                                                                     if t.get("target_seconds") else None)
 
 
-def pass_seconds(plan, m: Machine) -> float:
-    """FLOOR_S + max(streaming, the target reading its layers, KV cache and head from device memory)."""
-    dev = plan.device_bytes
-    compute = (sum(plan.layer_bytes) + dev.get("kv_target", 0) + dev.get("lm_head", 0)
-               + dev.get("embeddings", 0) * (dev.get("lm_head", 0) == 0)) / m.memory_bps
-    return FLOOR_S + max(stream_seconds(plan, m), compute)
+def target_seconds(cost: Costing, plan, n: int) -> tuple[float, dict, str]:
+    """(pass seconds, modelled PassTerms as JSON, "measured" | "modelled") for a pass of n tokens."""
+    terms = target_pass(cost.arch, plan, cost.dev, n, int(plan.ctx * MODEL_CTX_SHARE), cost.c, cost.kernel)
+    got = measured(cost, plan, "target")
+    if got:
+        return interpolate({int(k): v for k, v in got["seconds"].items()}, n), terms.to_json(), "measured"
+    return terms.seconds, terms.to_json(), "modelled"
 
 
-def hidden_seconds(plan, draft_s: float, m: Machine) -> float:
+def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, str]:
+    """(draft seconds per tree, "measured" | "modelled")."""
+    if spec.draft == PLAIN:
+        return 0.0, "modelled"
+    forwards = forwards_per_tree(budget, cost.max_beams)
+    got = measured(cost, plan, spec.key) if spec.key else None
+    if got and got.get("grow_seconds"):
+        return interpolate({int(k): v for k, v in got["grow_seconds"].items()}, budget), "measured"
+    if got and got.get("step_seconds"):
+        return forwards * got["step_seconds"], "measured"
+    step = draft_step(spec.weight, spec.kv, spec.dequant, spec.flops_per_node * cost.max_beams, cost.dev, cost.c)
+    return forwards * step, "modelled"
+
+
+def hidden_seconds(plan, draft_s: float, m: Device) -> float:
     """Draft time under which the stream fills the free staging slots with the next pass's layers."""
     if not (plan.ram_layers or plan.disk_layers):
         return 0.0
     rate = m.link_bps if plan.ram_layers else m.disk_bps
     return min(draft_s, plan.device_bytes.get("staging_slots", 0) / rate)
+
+
+def evaluate(spec: Spec, cost: Costing, plan, budget: int) -> Candidate:
+    """The candidate `spec` under `plan` at `budget` (plain decoding: 1 token, budget 0)."""
+    plain = spec.draft == PLAIN
+    n = 1 if plain else budget + 1
+    t_pass, terms, pass_src = target_seconds(cost, plan, n)
+    t_draft, draft_src = tree_seconds(spec, cost, plan, budget)
+    hidden = hidden_seconds(plan, t_draft, cost.dev)
+    tpp = spec.tpp(budget)
+    rate = tpp / (t_pass + t_draft - hidden) if plan.fits and tpp > 0 else 0.0
+    return Candidate(spec.draft, spec.bits, tpp, t_pass, t_draft, rate, plan.fits,
+                     0 if plain else forwards_per_tree(budget, cost.max_beams), spec.weight, spec.kv, spec.dequant,
+                     hidden, len(plan.resident), 0 if plain else budget, spec.kernel, terms,
+                     {"pass": pass_src, "draft": draft_src})
+
+
+def sweep(spec: Spec, cost: Costing, plan, auto: bool) -> Candidate:
+    """The candidate at the plan's budget with its tokens/s at BUDGETS up to it; `auto` (--budget auto):
+    at the budget among those with the most modelled tokens/s."""
+    if spec.draft == PLAIN:
+        return evaluate(spec, cost, plan, 0)
+    budgets = sorted({b for b in BUDGETS if b < plan.budget} | {plan.budget})
+    rows = [evaluate(spec, cost, plan, b) for b in budgets]
+    top = max(rows, key=lambda c: c.tokens_per_second) if auto else rows[-1]
+    top.by_budget = [{k: getattr(c, k) for k in ("budget", "tokens_per_pass", "pass_seconds", "draft_seconds",
+                                                 "tokens_per_second")} for c in rows]
+    return top
+
+
+def plain_spec() -> Spec:
+    return Spec(PLAIN, None, "", lambda _b: 1.0)
+
+
+def best(cands: list[Candidate]) -> Candidate | None:
+    """The fitting candidate with the most modelled tokens/s (the first listed on a tie)."""
+    fitting = [c for c in cands if c.fits and c.tokens_per_second > 0]
+    return max(fitting, key=lambda c: c.tokens_per_second) if fitting else None
+
+
+def finish(plan, cands: list[Candidate], plain: Candidate | None) -> Candidate | None:
+    """Set plan.candidates (plain decoding listed last) and plan.choice (the best draft); returns it.
+    `--draft auto` compares the choice with the plain row (session/planning.resolve_auto)."""
+    top = best(cands)
+    plan.candidates = [c.to_json() for c in cands + ([plain] if plain is not None else [])]
+    plan.choice = top.to_json() if top else None
+    return top
 
 
 def tokens_per_pass(kind, temperature: float, budget: int) -> float:
@@ -158,26 +259,7 @@ def tokens_per_pass(kind, temperature: float, budget: int) -> float:
     return pts[-1][1]
 
 
-def candidate(draft: str, bits: int | None, tpp: float, plan, m: Machine, forwards: int, weight: int, kv: int,
-              dequant: int, kernel: str = "none") -> Candidate:
-    """The five figures of one candidate from its plan and the bytes of one draft forward."""
-    t_pass = pass_seconds(plan, m)
-    t_draft = draft_seconds(forwards, weight, kv, dequant, m.memory_bps)
-    hidden = hidden_seconds(plan, t_draft, m)
-    rate = tpp / (t_pass + t_draft - hidden) if plan.fits and tpp > 0 else 0.0
-    return Candidate(draft, bits, tpp, t_pass, t_draft, rate, plan.fits, forwards, weight, kv, dequant, hidden,
-                     len(plan.resident), plan.budget, kernel)
-
-
-def best(cands: list[Candidate]) -> Candidate | None:
-    """The fitting candidate with the most modelled tokens/s (the first listed on a tie)."""
-    fitting = [c for c in cands if c.fits and c.tokens_per_second > 0]
-    return max(fitting, key=lambda c: c.tokens_per_second) if fitting else None
-
-
-def linear_numel(a) -> int:
-    """Weights of one decoder layer's linears: q and o (hidden x heads*hd), k and v (hidden x kv*hd), the MLP."""
-    return 2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim + 3 * a.hidden * a.intermediate
+linear_numel = linear_weights   # weights of one decoder layer's linears (passcost.linear_weights)
 
 
 def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str = "cuda") -> tuple[int, int, int]:
@@ -201,25 +283,24 @@ def small_forward_bytes(da, draft_param_bytes: int, ctx: int, dc: int) -> tuple[
 
 
 def small_candidates(plan, target, draft, req, plan_memory) -> None:
-    """Set `plan.candidates` / `plan.choice` for a plan with a small draft: its candidate, and
-    (`req.compare_self`, something streamed) the self-draft's widths, each planned on its own by
-    `plan_memory` (memplan's); the choice is the one with the most modelled tokens/s."""
-    from dataclasses import replace
-
+    """Set `plan.candidates` / `plan.choice` for a plan with a small draft: its candidate, plain decoding,
+    and (`req.compare_self`, something streamed) the self-draft's widths, each planned on its own by
+    `plan_memory` (memplan's); the choice is the draft with the most modelled tokens/s."""
     from offload.planning.membytes import arch_of, draft_bytes, dtype_bytes
 
-    m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
     da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)
     weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), plan.ctx, dc)
-    cands = [candidate(str(draft.root), None, tokens_per_pass("small", req.temperature, plan.budget), plan, m,
-                       forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq)]
+    cost = costing_for(arch_of(target.config), req)
+    spec = Spec(str(draft.root), None, "small", lambda b: tokens_per_pass("small", req.temperature, b), weight, kv,
+                deq, 2.0 * weight / dc)
+    cands = [sweep(spec, cost, plan, req.budget_auto)]
     if req.compare_self and (plan.ram_layers or plan.disk_layers):
         own_dtype = req.dtype if req.dtype != "nf4" else ("bf16" if req.device == "cuda" else "fp32")
         own = plan_memory(target, None, replace(req, self_draft=True, draft_dtype=own_dtype, compare_self=False))
-        cands += [Candidate(**c) for c in own.candidates]
-    plan.candidates = [c.to_json() for c in cands]
-    top = best(cands)
-    plan.choice = top.to_json() if top else None
+        cands += [Candidate(**c) for c in own.candidates if c["draft"] != PLAIN]
+    if req.budget_auto and cands[0].fits:
+        plan.budget = cands[0].budget
+    top = finish(plan, cands, sweep(plain_spec(), cost, plan, False))
     if top is not None and top is not cands[0]:
         plan.notes.append(f"draft cost model: the self-draft at {top.bits} bits is modelled faster "
                           f"({top.tokens_per_second:.2f} against {cands[0].tokens_per_second:.2f} tokens/s for "

@@ -73,6 +73,8 @@ class PlanRequest:
     link_bps: float | None = None    # host->device bandwidth; None = draftcost prior
     bandwidth_source: str = ""       # where memory_bps comes from ("measured: ...", "published: ...")
     compare_self: bool = False       # with a small draft: also model the self-draft's widths as candidates
+    cost_device: object = None       # passcost.Device the candidates are modelled with (None: from the fields above)
+    timings: dict | None = None      # a matching profile's measured pass/draft times (session/profiles.plan_timings)
 
 
 @dataclass
@@ -354,9 +356,9 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
 def _with_machine(plan: MemoryPlan, req: PlanRequest) -> MemoryPlan:
     from dataclasses import asdict
 
-    from offload.planning.draftcost import machine_for
+    from offload.planning.draftcost import device_of
 
-    plan.machine = asdict(machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source))
+    plan.machine = asdict(device_of(req))
     return plan
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from offload.planning.membytes import arch_of
+from offload.planning.membytes import arch_of, substitute_kernel
 from offload.sizes import format_bytes
 
 
@@ -95,23 +95,25 @@ def candidate_bits(req, prequant: bool, packed: bool = False) -> list[int]:
     return [3, 2] if req.dtype == "nf4" or packed else [4, 3, 2]
 
 
-def expected_tokens_per_pass(bits: int, plan, temperature: float) -> float:
-    """Measured tokens/pass of this width at the plan's budget, scaled for the layers its draft skips."""
+def self_spec(a, req, bits: int, plan):
+    """The draftcost.Spec of the self-draft at `bits` under this plan: its bytes, FLOPs and kernel."""
+    from offload.planning.draftcost import Spec, linear_numel, self_forward_bytes
+    from offload.planning.membytes import dtype_bytes
+
+    c = dtype_bytes(req.draft_dtype)
+    weight, kv, deq = self_forward_bytes(a, plan, bits, c, req.dtype == "nf4", req.device)
+    run = len(plan.layer_bytes) - len(plan.skipped_layers)
     n = len(plan.layer_bytes)
-    factor = skip_factor(len(plan.skipped_layers) / n) if n else 1.0
-    return tokens_per_pass(bits, temperature, plan.budget) * (factor or 0.0)
+    factor = (skip_factor(len(plan.skipped_layers) / n) or 0.0) if n else 1.0
+    return Spec("self", bits, f"self-{bits}", lambda b: tokens_per_pass(bits, req.temperature, b) * factor,
+                weight, kv, deq, 2.0 * (linear_numel(a) * run + a.hidden * a.vocab), substitute_kernel(bits, req.device))
 
 
 def self_candidate(a, req, bits: int, plan):
-    """The draftcost.Candidate of the self-draft at `bits` under this plan."""
-    from offload.planning.draftcost import candidate, forwards_per_tree, machine_for, self_forward_bytes
-    from offload.planning.membytes import dtype_bytes, substitute_kernel
+    """The draftcost.Candidate of the self-draft at `bits` under this plan (its best budget under --budget auto)."""
+    from offload.planning.draftcost import costing_for, sweep
 
-    m = machine_for(req.device, req.memory_bps, req.link_bps, req.bandwidth_source)
-    weight, kv, deq = self_forward_bytes(a, plan, bits, dtype_bytes(req.draft_dtype), req.dtype == "nf4", req.device)
-    return candidate("self", bits, expected_tokens_per_pass(bits, plan, req.temperature), plan, m,
-                     forwards_per_tree(plan.budget, req.max_beams), weight, kv, deq,
-                     substitute_kernel(bits, req.device))
+    return sweep(self_spec(a, req, bits, plan), costing_for(a, req), plan, req.budget_auto)
 
 
 def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list]:
@@ -150,8 +152,13 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
         plan.notes.append("self-draft: every target layer is resident, so there is nothing to substitute; "
                           "decoding without a draft")
         return plan
-    plan.candidates = [c.to_json() for c in cands]
-    plan.choice = next((c.to_json() for c in cands if c.bits == bits and c.fits), None)
+    from offload.planning.draftcost import costing_for, finish, plain_spec, sweep
+
+    chosen = next((c for c in cands if c.bits == bits and c.fits), None)
+    if chosen is not None and req.budget_auto:
+        plan.budget = chosen.budget   # the budget with the most modelled tokens/s (within what the plan sized)
+    finish(plan, cands, sweep(plain_spec(), costing_for(a, req), plan, False))
+    plan.choice = chosen.to_json() if chosen else None
     streamed, skipped = len(plan.ram_layers) + len(plan.disk_layers), len(plan.skipped_layers)
     plan.notes.append(f"self-draft: {bits}-bit substitutes of {streamed - skipped} of the {streamed} streamed layers"
                       f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "

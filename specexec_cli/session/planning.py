@@ -85,14 +85,15 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
     from offload.planning.memplan import PlanRequest, plan_memory
 
     from specexec_cli.session.loading import SELF, check_weights, open_checkpoint, resolve_path
-    from specexec_cli.session.profiles import card, plan_bandwidths
+    from specexec_cli.session.profiles import card, cost_device_for, plan_timings, profile_matches
 
     if gpu is not None:
         if opts.device == "cpu":
             raise SpecxError(f"--gpu {gpu} plans for a CUDA card; drop --device cpu")
         opts = replace(opts, device="cuda", max_gpu_memory=opts.max_gpu_memory or card(gpu)["memory_gib"] << 30)
     device = plan_device(opts.device)
-    memory_bps, link_bps, source = plan_bandwidths(device, gpu, profile)
+    cost_device = cost_device_for(device, gpu, profile)
+    memory_bps, link_bps, source = cost_device.memory_bps, cost_device.link_bps, cost_device.source
     tpath = resolve_path(opts.target, "--target")
     self_draft = opts.draft in (SELF, AUTO)
     dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None and not self_draft else None
@@ -101,6 +102,7 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
         return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
     tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
     sixteen_bit = not prequantized(tpath)   # else no 16-bit weights to make self-draft substitutes from
+    timed, why = profile_matches(None if gpu else profile, tpath, tdtype)   # before the nf4 cache swaps the path
     tpath, tdtype = nf4_source(tpath, tdtype, device)
     if self_draft:
         # the substitutes compute in the target's compute dtype (an nf4 target: bf16/fp16 on CUDA, fp32 on CPU)
@@ -116,13 +118,16 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
         max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
         embeddings=opts.embeddings, self_draft=self_draft, draft_bits=getattr(opts, "draft_bits", None),
         sixteen_bit=sixteen_bit, temperature=temperature, memory_bps=memory_bps, link_bps=link_bps,
-        bandwidth_source=source, compare_self=dpath is not None and sixteen_bit,
+        bandwidth_source=source, compare_self=dpath is not None and sixteen_bit, cost_device=cost_device,
+        timings=plan_timings(timed),
     )  # fmt: skip
     try:
         # the opened (validated) Checkpoints the loader will use too: headers are read once
         plan = plan_memory(open_checkpoint(tpath, "--target"), open_checkpoint(dpath, "--draft") if dpath else None, req)
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
+    if why:
+        plan.notes.append(why)
     if shortfall:
         plan.elsewhere = shortfall
         plan.notes.insert(0, f"planned for the machine the caps describe: {shortfall}")

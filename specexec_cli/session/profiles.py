@@ -4,10 +4,12 @@ Contract: `write_profile` / `read_profile` / `find_profile` store and find the v
 `specx profile` (tools/profiler.py) builds, under $XDG_CONFIG_HOME/specx/profiles/ (default
 ~/.config), documented in profiles/README.md; `link_peak` is the streaming bandwidth a profile
 promises. `card(name)` is one row of the published cards table (profiles/cards.json) that `--gpu NAME`
-plans with; `plan_bandwidths(device, gpu, profile)` the (memory, link) bandwidths and their source for
-the draft cost model (offload/planning/draftcost.py): the card's published figures, else the profile's measured
-device memory bandwidth, else None (the model's priors). Nothing here measures or prints; errors are
-SpecxError.
+plans with; `cost_device_for(device, gpu, profile)` the passcost.Device the pass and draft cost model
+(offload/planning/passcost.py, draftcost.py) evaluates with: the card's published figures, else the
+profile's measured rates, else the priors, each term naming its source (`plan_bandwidths` is its
+(memory, link, source) view). `profile_matches(profile, target, dtype)` returns the profile's measured
+model timings only for this machine, this target and this dtype (else None and the one line saying why);
+`plan_timings` the part of them the plan uses. Nothing here measures or prints; errors are SpecxError.
 """
 
 from __future__ import annotations
@@ -65,7 +67,11 @@ def read_profile(path: Path) -> dict:
         raise SpecxError(f"profile {path} not found; run `specx profile` or pass an existing --profile") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise SpecxError(f"profile {path} is unreadable ({exc.__class__.__name__}); re-run `specx profile`") from None
-    return validate_profile(data, f"profile {path}")
+    prof = validate_profile(data, f"profile {path}")
+    if not isinstance(prof.get("models") or {}, dict):
+        raise SpecxError(f"profile {path} has a malformed \"models\" entry; re-run `specx profile`")
+    prof["_path"] = f"profile {path}"
+    return prof
 
 
 def find_profile(explicit: Path | None) -> dict | None:
@@ -119,16 +125,68 @@ def card(name: str) -> dict:
 
 def plan_bandwidths(device: str, gpu: str | None, profile: dict | None) -> tuple[float | None, float | None, str]:
     """(device memory B/s, host->device B/s, source) for the draft cost model; None where unknown."""
-    if gpu is not None:
-        row = card(gpu)
-        from offload.planning.draftcost import LINK_EFFICIENCY
+    dev = cost_device_for(device, gpu, profile)
+    known = dev.sources.get("memory_bps", "prior") != "prior"
+    link = dev.link_bps if dev.sources.get("link_bps", "prior") != "prior" else None
+    return (dev.memory_bps if known else None), link, (dev.source if known else "")
 
-        return (row["memory_gbps"] * 1e9, LINK_EFFICIENCY * PCIE_X16_GBPS[row["pcie_gen"]] * 1e9,
-                f"published: {row['name']}")
-    measured = ((profile or {}).get("device_memory") or {}).get(device)
-    link = None
-    if device == "cuda" and (profile or {}).get("gpus"):
-        link = (profile["gpus"][0].get("h2d_pinned_gbps") or 0) * 1e9 or None
-    if measured:
-        return measured["gbps"] * 1e9, link, f"measured: {measured.get('name', device)} ({profile.get('hostname', '?')})"
-    return None, link, ""
+
+def cost_device_for(device: str, gpu: str | None, profile: dict | None):
+    """The passcost.Device a plan is modelled with: `--gpu NAME`'s published card figures; else this
+    machine's profile (measured: memory bandwidth, link, disk, matmul FLOP/s); else the priors."""
+    from offload.planning.draftcost import LINK_EFFICIENCY
+    from offload.planning.passcost import device_for
+
+    if gpu is not None:
+        row, src = card(gpu), f"published: {card(gpu)['name']}"
+        given = dict(memory_bps=row["memory_gbps"] * 1e9, link_bps=LINK_EFFICIENCY * PCIE_X16_GBPS[row["pcie_gen"]] * 1e9,
+                     flops16=row.get("tensor16_tflops", 0) * 1e12, flops32=row.get("fp32_tflops", 0) * 1e12)
+        return device_for(device, {k: src for k in given}, **given)
+    prof = profile or {}
+    host = prof.get("hostname", "?")
+    given, srcs = {}, {}
+    mem = (prof.get("device_memory") or {}).get(device)
+    if mem:
+        given["memory_bps"], srcs["memory_bps"] = mem["gbps"] * 1e9, f"measured: {mem.get('name', device)} ({host})"
+    if device == "cuda" and prof.get("gpus"):
+        given["link_bps"] = (prof["gpus"][0].get("h2d_pinned_gbps") or 0) * 1e9
+    if (prof.get("disk") or {}).get("read_gbps") and (prof["disk"].get("method") == "o_direct"):
+        given["disk_bps"] = prof["disk"]["read_gbps"] * 1e9
+    mm = prof.get("matmul") or {}
+    if mm.get("device") == device:
+        given["flops16"] = (mm.get("bf16_gflops") or 0) * 1e9
+        given["flops32"] = (mm.get("fp32_gflops") or 0) * 1e9
+    floors = (prof.get("floors") or {}).get(device) or {}
+    given.update({k: floors[k] for k in ("forward_floor_s", "step_floor_s") if floors.get(k)})
+    for k in given:
+        srcs.setdefault(k, f"measured ({host})")
+    return device_for(device, srcs, **given)
+
+
+def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | None, str]:
+    """(the profile's measured model timings if they are for this machine and this target, why not or "").
+    Figures from another machine, another target or another --dtype are never used."""
+    if not profile:
+        return None, ""
+    name = profile.get("_path", "the profile")
+    if profile.get("hostname") != socket.gethostname():
+        return None, f"{name} was measured on {profile.get('hostname')!r}, not this machine: its figures are not used"
+    models = profile.get("models") or {}
+    if not models.get("target_seconds"):
+        return None, ""
+    same = models.get("target_resolved") == str(Path(target).resolve()) if target else False
+    if not same:
+        return None, (f"{name} timed another target ({models.get('target')}); its pass times are not used "
+                      "(run `specx profile --target` with this one)")
+    if models.get("plan_dtype") and models["plan_dtype"] != dtype:
+        return None, f"{name} timed this target at --dtype {models['plan_dtype']}, not {dtype}; its pass times are not used"
+    return models, ""
+
+
+def plan_timings(models: dict | None) -> dict | None:
+    """The measured figures draftcost.py replaces modelled ones with: the target's pass seconds by tree
+    size and the drafts' step/tree seconds, each for the placement they were measured under."""
+    if not models:
+        return None
+    return dict(placement=models.get("placement"), target_seconds=models.get("target_seconds"),
+                draft=models.get("draft_timings") or {})

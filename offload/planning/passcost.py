@@ -1,0 +1,175 @@
+"""The pass model: what one target pass and one draft forward cost, term by term, on one device.
+
+Contract (a roofline per layer; every figure is modelled, each rate says where it comes from):
+- `Device`: the rates a model is evaluated with -- device memory, host->device link and disk bytes/s,
+  dense matmul FLOP/s per compute dtype (16-bit: a card's published tensor rate with FP32
+  accumulate; 32-bit: FP32), the per-forward floors streaming does not hide (target pass, draft
+  step) -- and, in `sources`, each term's origin: "measured: ..." (`specx profile`), "published: ..."
+  (profiles/cards.json) or "prior" (PRIORS). `device_for(kind, **given)` fills the rest from PRIORS.
+- `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one target pass over n tree tokens
+  at a context of ctx committed tokens, compute dtype c bytes, layers dequantized by `kernel`:
+  per decoder layer i, max(transfer_i, compute_i), summed (the stream of layer i+1 overlaps the
+  compute of layer i), plus the head and one forward floor. transfer_i = its bytes over the link
+  (RAM tier) or the disk (disk tier), 0 if resident. compute_i = max(GEMM FLOPs / FLOP/s, weight
+  bytes / memory bandwidth) + dequantization traffic / memory bandwidth + attention, where GEMM FLOPs
+  = 2 x linear weights x n; dequantization traffic = weights x c x dequant_elems(kernel) (nf4 only
+  above NF4_GEMV_TOKENS: bitsandbytes' fused GEMV reads the packed bytes); attention = 4 x n x
+  (ctx + n) x heads x head_dim FLOPs (QK^T and PV) + the K/V bytes read, 2 x (ctx + n) x kv_heads x
+  head_dim x c. Head = max(2 x n x hidden x vocab FLOPs, its bytes / memory bandwidth).
+- `draft_step(weight, kv, dequant, flops, dev, c)` -> seconds of one draft forward =
+  max(bytes / memory bandwidth, FLOPs / FLOP/s, the step floor); a tree costs forwards x that.
+- PassTerms.seconds is the modelled pass; `bound` names the side that dominates it. Measured pass
+  times from a matching profile replace the sum where the plan has them (draftcost.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+NF4_GEMV_TOKENS = 4   # bitsandbytes runs its fused 4-bit GEMV up to this many tokens: no 16-bit weight written
+
+PRIORS = {
+    "cuda": dict(memory_bps=1000e9, link_bps=24e9, disk_bps=3e9, flops16=165e12, flops32=82e12,
+                 forward_floor_s=0.01, step_floor_s=0.006),
+    "cpu": dict(memory_bps=20e9, link_bps=10e9, disk_bps=2e9, flops16=5e9, flops32=100e9,
+                forward_floor_s=0.01, step_floor_s=0.01),
+}
+"""Priors where neither a profile nor a card says: a 4090-class card (1 TB/s, 165 TFLOP/s bf16 with FP32
+accumulate, PCIe 4 at 75%, NVMe) and a desktop CPU (DDR4/5, AVX2/512 fp32 GEMM; bf16 without native units
+runs ~20x slower). Floors: a target pass on CUDA pays its kernel launches and two host syncs (~10 ms for 80
+layers), a 1B draft step ~5-8 ms (launch-bound, not byte-bound); on a CPU the Python/dispatch overhead of a
+forward. All are replaced by `specx profile`'s measurements where one exists for this machine."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """The rates a pass is modelled with, and where each comes from."""
+
+    kind: str                  # "cuda" | "cpu"
+    memory_bps: float          # device memory bandwidth, bytes/s (CPU: host memory)
+    link_bps: float            # RAM tier -> device, bytes/s
+    disk_bps: float            # disk reads, bytes/s
+    flops16: float             # dense 16-bit matmul FLOP/s (card: published tensor rate, FP32 accumulate)
+    flops32: float             # dense fp32 matmul FLOP/s
+    forward_floor_s: float     # per target forward: launches, syncs, dispatch that streaming does not hide
+    step_floor_s: float        # per draft forward: the same floor for one tree-growth step
+    source: str = "prior"      # origin of memory_bps (the figure the plan's caption shows)
+    sources: dict = field(default_factory=dict)   # term -> "measured: ..." | "published: ..." | "prior"
+
+    def flops(self, c: int) -> float:
+        """FLOP/s of matmuls in a c-byte compute dtype."""
+        return self.flops16 if c <= 2 else self.flops32
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+TERMS = ("memory_bps", "link_bps", "disk_bps", "flops16", "flops32", "forward_floor_s", "step_floor_s")
+
+
+def device_for(kind: str, sources: dict | None = None, **given) -> Device:
+    """A Device of `kind` with the `given` rates (None = unknown) and PRIORS for the rest; `sources`
+    names the origin of each given rate (default "measured")."""
+    vals, srcs = {}, {}
+    for term in TERMS:
+        v = given.get(term)
+        vals[term] = v if v else PRIORS[kind][term]
+        srcs[term] = (sources or {}).get(term, "measured") if v else "prior"
+    return Device(kind, **vals, source=srcs["memory_bps"], sources=srcs)
+
+
+@dataclass
+class PassTerms:
+    """One modelled target pass, term by term (seconds summed over the layers)."""
+
+    tokens: int                # n tree tokens the pass verifies (root included)
+    ctx: int                   # committed tokens in the cache
+    stream: float              # sum of the streamed layers' transfer seconds
+    gemm: float                # sum of max(GEMM FLOPs / FLOP/s, weight bytes / memory bandwidth)
+    dequant: float             # sum of dequantization traffic / memory bandwidth
+    attention: float           # sum of attention FLOPs / FLOP/s + K/V bytes / memory bandwidth
+    head: float                # the lm_head over the n rows
+    floor: float               # the per-forward floor
+    seconds: float             # floor + head + sum over layers of max(transfer, compute)
+    bound: str                 # "stream" if the transfers dominate the sum, else "compute"
+
+    def to_json(self) -> dict:
+        return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "int4-unpack": 3, "none": 0}
+"""Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
+hqq-eager (offload/quant/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2,
+the matmul reads 1), nf4-dequant (bitsandbytes above NF4_GEMV_TOKENS: dequantize writes 1, the matmul
+reads 1), hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it;
+on CPU Inductor's dynamic-shape graph writes it twice, see `dequant_elems`), int4-unpack (offload/formats/
+packed.py for AWQ/GPTQ/compressed-tensors/GGUF: codes unpacked, the weight written, the matmul reads it),
+none (a 16-bit weight)."""
+
+
+def dequant_elems(kernel: str, device: str) -> int:
+    """DEQUANT_ELEMS on `device`: the compiled HQQ graph on CPU writes the weight twice ((rows, group),
+    then the (in, out) operand) and the matmul reads it once: 3 (offload/quant/fused.py's docstring).
+    Which kernel a run uses is membytes.substitute_kernel(bits, device): on CPU, eager unless
+    $SPECX_LOWBIT_KERNEL=fused."""
+    return 3 if kernel == "hqq-compiled" and device == "cpu" else DEQUANT_ELEMS[kernel]
+
+
+def interpolate(points: dict, x: float) -> float:
+    """Log-log interpolation of measured {x: seconds}; flat below the first point, proportional above the last."""
+    import math
+
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        return points[xs[-1]] * x / xs[-1]
+    hi = next(i for i, v in enumerate(xs) if v >= x)
+    x0, x1 = xs[hi - 1], xs[hi]
+    y0, y1 = max(points[x0], 1e-12), max(points[x1], 1e-12)
+    w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+
+
+def linear_weights(a) -> int:
+    """Weights of one decoder layer's linears: q and o (hidden x heads*hd), k and v (hidden x kv*hd), the MLP."""
+    return 2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim + 3 * a.hidden * a.intermediate
+
+
+def dequant_bytes(a, kernel: str, c: int, n: int, device: str) -> int:
+    """Dequantization traffic of one layer's linears in one pass of n tokens (see the contract)."""
+    if kernel == "nf4-dequant" and n <= NF4_GEMV_TOKENS:
+        return 0
+    return linear_weights(a) * c * dequant_elems(kernel, device)
+
+
+def attention_seconds(a, n: int, ctx: int, c: int, dev: Device) -> float:
+    """One layer's attention over n new tokens against ctx + n keys: FLOPs at the matmul rate plus K/V reads."""
+    keys = ctx + n
+    return 4 * n * keys * a.heads * a.head_dim / dev.flops(c) + 2 * keys * a.kv_heads * a.head_dim * c / dev.memory_bps
+
+
+def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
+    """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier."""
+    ram, disk = set(plan.ram_layers), set(plan.disk_layers)
+    gemm = max(2 * linear_weights(a) * n / dev.flops(c), 0.0)
+    deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.memory_bps
+    attn = attention_seconds(a, n, ctx, c, dev)
+    total = stream = gemm_s = 0.0
+    for i, size in enumerate(plan.layer_bytes):
+        rate = dev.link_bps if i in ram else dev.disk_bps if i in disk else 0.0
+        transfer = size / rate if rate else 0.0
+        layer_gemm = max(gemm, size / dev.memory_bps)
+        total += max(transfer, layer_gemm + deq + attn)
+        stream += transfer
+        gemm_s += layer_gemm
+    layers = len(plan.layer_bytes)
+    head = max(2 * n * a.hidden * a.vocab / dev.flops(c), a.hidden * a.vocab * c / dev.memory_bps)
+    compute = gemm_s + layers * (deq + attn)
+    return PassTerms(n, ctx, stream, gemm_s, layers * deq, layers * attn, head, dev.forward_floor_s,
+                     dev.forward_floor_s + head + total, "stream" if stream > compute else "compute")
+
+
+def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int) -> float:
+    """Seconds of one draft forward: max(bytes / memory bandwidth, FLOPs / FLOP/s, the step floor)."""
+    return max((weight + kv + dequant) / dev.memory_bps, flops / dev.flops(c), dev.step_floor_s)
