@@ -265,7 +265,7 @@ def report(runs: dict[str, list[dict]], args, layer_bytes: int) -> None:
         fig.savefig(out / "e2e.png", dpi=120)
         print(f"wrote {out / 'e2e.png'}")
     except ImportError:
-        print("matplotlib not installed: no plot (pip install 'specx[plot]')")
+        print("matplotlib not installed: no plot (pip install -e '.[plot]')")
     print(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}")
 
 

@@ -45,7 +45,7 @@ def test_bench_end_to_end(tiny_pair, tmp_path, one_thread):
     for method in ("ar", "chain", "specinfer", "sequoia", "specexec", "staged"):
         assert sum(method[:6] in row for row in rows) == 4, method  # (names may be cut to the width)
     pngs = ("tokens_per_pass.png", "tokens_per_second.png")
-    if importlib.util.find_spec("matplotlib") is None:  # the plots need the `specx[plot]` extra
+    if importlib.util.find_spec("matplotlib") is None:  # the plots need the `plot` extra
         assert "matplotlib is missing" in result.output and not any((out / n).exists() for n in pngs)
         pytest.skip("matplotlib is not installed: results.json and the table checked, PNG plots not")
     for name in pngs:

@@ -1,7 +1,7 @@
 """Every help string of `specx` renders as written: rich markup never eats a bracketed part.
 
-typer renders help through rich, so `pip install 'specx[lowbit]'` used to show as
-`pip install 'specx'`. A help text that means a literal `[` writes it escaped (`\\[`). Here every
+typer renders help through rich, which reads `pip install -e '.[lowbit]'` as markup and shows
+`pip install -e '.'` unless the bracket is escaped. A help text that means a literal `[` writes it escaped (`\\[`). Here every
 declared help text (the app's, each command's, each option's and argument's), with `\\[` read as
 `[`, must appear verbatim in that command's `--help`, rendered wide enough that nothing wraps.
 The last test proves the check fails on an unescaped bracket.
@@ -59,15 +59,15 @@ def test_the_app_help_renders_as_written():
 
 def test_the_lowbit_extra_is_shown_with_its_brackets():
     r = CliRunner().invoke(app, ["run", "--help"], env=WIDE)
-    assert "pip install 'specx[lowbit]'" in r.output
+    assert "pip install -e '.[lowbit]'" in r.output
 
 
 def test_an_unescaped_bracket_is_caught():
     demo = typer.Typer(add_completion=False)
 
     @demo.command()
-    def go(x: int = typer.Option(0, help="Unescaped: pip install 'specx[lowbit]'."),
-           y: int = typer.Option(0, help="Escaped: pip install 'specx\\[lowbit]'.")) -> None:
+    def go(x: int = typer.Option(0, help="Unescaped: pip install -e '.[lowbit]'."),
+           y: int = typer.Option(0, help="Escaped: pip install -e '.\\[lowbit]'.")) -> None:
         """Demo."""
 
     @demo.command()
@@ -75,4 +75,4 @@ def test_an_unescaped_bracket_is_caught():
         """Other."""
 
     cmd = typer.main.get_command(demo).commands["go"]
-    assert missing(demo, ["go"], cmd) == ["Unescaped: pip install 'specx[lowbit]'."]
+    assert missing(demo, ["go"], cmd) == ["Unescaped: pip install -e '.[lowbit]'."]

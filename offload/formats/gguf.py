@@ -54,7 +54,8 @@ class GgufReader:
         try:
             import gguf  # noqa: F401 - the header parser and name map
         except ImportError:
-            raise OffloadError(f"{path}: reading GGUF files needs the gguf package; pip install 'specx[gguf]'") from None
+            raise OffloadError(f"{path}: reading GGUF files needs the gguf package; fix: pip install "
+                               "'gguf>=0.17,<0.20' (specx's gguf extra)") from None
         parts = gguf_meta.gguf_parts(path)
         readers = [gguf_meta.read_part(p) for p in parts]
         first, head = parts[0], readers[0]

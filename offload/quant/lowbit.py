@@ -21,7 +21,7 @@ Contract:
   $SPECX_LOWBIT_KERNEL=fused|eager overrides.
 - `lowbit_weight_bytes(shape, bits, scale_bytes)`: device bytes of one quantized weight from its
   shape alone (what the memory plan counts).
-HQQ is optional (`pip install 'specx[lowbit]'`); without it `hqq_quantizer()` raises an OffloadError
+HQQ is optional (specx's `lowbit` extra, the `hqq` package); without it `hqq_quantizer()` raises an OffloadError
 naming that install. Its import-time deprecation warnings (torch.jit, inside torch) are kept here.
 """
 
@@ -64,8 +64,8 @@ def hqq_quantizer():
             warnings.simplefilter("ignore")
             from hqq.core.quantize import Quantizer
     except ImportError:
-        raise OffloadError("--draft-bits 3 and 2 quantize with HQQ, which is not installed; "
-                           "fix: pip install 'specx[lowbit]' (or --draft-bits 4)") from None
+        raise OffloadError("--draft-bits 3 and 2 quantize with HQQ, which is not installed; fix: "
+                           "pip install 'hqq>=0.2.8,<0.3' (specx's lowbit extra), or a small --draft DIR") from None
     _QUANTIZER.append(Quantizer)
     return Quantizer
 

@@ -4,7 +4,7 @@ Contract:
 - `OPTIONAL[module]`: for each optional package a path imports (hqq: the 3- and 2-bit self-draft,
   offload/quant/lowbit.py; gguf: GGUF checkpoints, offload/formats/gguf.py; bitsandbytes: NF4, the
   `--dtype nf4` target, pre-quantized bitsandbytes checkpoints and the 4-bit self-draft,
-  offload/quant/nf4.py), the pyproject.toml extra that installs it (None: a core dependency, which a
+  offload/quant/nf4.py; matplotlib: `specx bench`'s plots), the pyproject.toml extra that installs it (None: a core dependency, which a
   broken install can still lack) and its tested version range. A test holds the ranges to
   pyproject.toml's.
 - `installed(module)`: whether `module` can be found (importlib.util.find_spec: nothing is imported,
@@ -36,6 +36,7 @@ OPTIONAL = {
     "hqq": ("lowbit", ">=0.2.8,<0.3", "the 3- and 2-bit self-draft (--draft self --draft-bits 3|2)"),
     "gguf": ("gguf", ">=0.17,<0.20", "GGUF checkpoints"),
     "bitsandbytes": (None, ">=0.50.2,<0.51", "--dtype nf4 and the 4-bit self-draft"),
+    "matplotlib": ("plot", ">=3.7", "specx bench's plots"),
 }
 BITS_NEED = {4: "bitsandbytes", 3: "hqq", 2: "hqq"}   # self-draft substitute width -> the package it quantizes with
 
@@ -49,7 +50,7 @@ def installed(module: str) -> bool:
 
 
 def install_hint(module: str) -> str:
-    """The install line for `module`, from a clone of specx (never `pip install specx`)."""
+    """The install line for `module`, from a clone of specx (the index's `specx` is another project)."""
     extra, spec, _ = OPTIONAL[module]
     pkg = f"pip install '{module}{spec}'"
     return pkg if extra is None else f"pip install -e '.[{extra}]' in your specx clone (or {pkg})"

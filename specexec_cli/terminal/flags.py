@@ -36,7 +36,7 @@ TopP = Annotated[Optional[float], typer.Option(metavar="P", show_default=False, 
 Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
 Dtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
 Device = Annotated[str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")]
-DraftBits = Annotated[str, typer.Option(metavar="BITS", rich_help_panel=MODELS, help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, pip install 'specx\\[lowbit]'); auto: the memory plan picks the most expected tokens/s.")]
+DraftBits = Annotated[str, typer.Option(metavar="BITS", rich_help_panel=MODELS, help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, the lowbit extra: pip install -e '.\\[lowbit]' in your specx clone); auto: the memory plan picks the most expected tokens/s.")]
 DraftDtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.")]
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
 TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]

@@ -210,7 +210,7 @@ def write_json(out: Path, records: list[dict]) -> Path:
 def write_plots(out: Path, records: list[dict]) -> list[Path]:
     """tokens_per_pass.png and tokens_per_second.png (method vs budget, one panel per temperature).
 
-    Raises ImportError when matplotlib (the `specx[plot]` extra) is missing.
+    Raises ImportError when matplotlib (the `plot` extra) is missing.
     """
     import matplotlib
 
@@ -246,5 +246,7 @@ def save(out: Path, records: list[dict]) -> str:
     try:
         plots = write_plots(out, records)
     except ImportError:
-        return f"wrote {path}; matplotlib is missing, so no plots (pip install 'specx[plot]')"
+        from specexec_cli.session.deps import install_hint
+
+        return f"wrote {path}; matplotlib is missing, so no plots (fix: {install_hint('matplotlib')})"
     return f"wrote {path}, " + ", ".join(str(p) for p in plots)
