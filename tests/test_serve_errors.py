@@ -23,6 +23,7 @@ KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CTX = 64
 MSG = [{"role": "user", "content": "def f(x):"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +81,26 @@ CASES = [  # (id, path, body, status, param or None, substring of the message or
     ("stream-string", CHAT, {"messages": MSG, "stream": "yes"}, 400, "stream", None),
     ("seed-huge", CHAT, {"messages": MSG, "seed": 2**70}, 400, "seed", None),
     ("stop-too-many", CHAT, {"messages": MSG, "stop": [str(i) for i in range(20)]}, 400, "stop", None),
-    ("logprobs", CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("top-logprobs-without-logprobs", CHAT, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs"),
+    ("top-logprobs-21", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ("presence-penalty", CHAT, {"messages": MSG, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("frequency-penalty", COMP, {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty", "not supported"),
     ("logit-bias", CHAT, {"messages": MSG, "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
-    ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("tool-without-function", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools.0.function", None),
+    ("tool-choice-unknown", CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function",
+                                                                                     "function": {"name": "nope"}}},
+     400, "tool_choice", "not in tools"),
+    ("tool-choice-required-without-tools", CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice",
+     "needs tools"),
+    ("tool-message-without-call", CHAT, {"messages": [*MSG, {"role": "tool", "tool_call_id": "call_1", "content": "4"}]},
+     400, "messages.1.tool_call_id", "no earlier assistant message"),
+    ("tool-call-arguments-not-json", CHAT, {"messages": [*MSG, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{city: paris"}}]}, *MSG]},
+     400, "messages.1.tool_calls.0.function.arguments", "not JSON"),
+    ("json-schema-missing", CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400,
+     "response_format.json_schema.schema", "missing"),
+    ("tools-on-a-model-without-template", CHAT, {"messages": MSG, "tools": [TOOL], "tool_choice": "required"}, 400,
+     "tool_choice", "no chat template"),
     ("prompt-missing", COMP, {"max_tokens": 3}, 400, "prompt", None),
     ("prompt-list-of-two", COMP, {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("prompt-empty", COMP, {"prompt": ""}, 400, "prompt", "empty"),
@@ -113,6 +129,7 @@ ACCEPTED = [  # (id, path, body): values other servers accept (docs/serve-client
     ("max-tokens-null", COMP, {"prompt": "x", "max_tokens": None}),
     ("max-completion-tokens-minus-1", CHAT, {"messages": MSG, "max_completion_tokens": -1}),
     ("assistant-without-content", CHAT, {"messages": [*MSG, {"role": "assistant"}, *MSG]}),  # OpenAI: optional
+    ("tools-auto-on-a-model-without-template", CHAT, {"messages": MSG, "tools": [TOOL]}),  # Open WebUI: text
     ("text-parts", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                     {"type": "text", "text": "b"}]}]}),
 ]  # fmt: skip
@@ -192,6 +209,19 @@ def test_cors_only_for_the_given_origin(server):
     assert hdrs.get("access-control-allow-origin") != "http://evil.test"
 
 
+def test_a_refusal_is_one_log_line_with_the_request_id(server):
+    for body, headers, line in [
+        ({"messages": MSG, "n": 3}, AUTH, "400 invalid_request_error POST /v1/chat/completions request {}: n must be 1 "
+                                          "(got 3): one completion per request"),
+        ({"messages": MSG}, {}, "401 invalid_request_error/invalid_api_key POST /v1/chat/completions request {}: "
+                                "missing or wrong API key: send the header 'Authorization: Bearer <key>'"),
+    ]:  # fmt: skip
+        status, hdrs, _ = server.http("POST", CHAT, body, headers)
+        rid = hdrs["x-request-id"]
+        assert status in (400, 401) and len(rid) == 32
+        assert [ln for ln in server.stderr().splitlines() if rid in ln] == ["specx serve: " + line.format(rid)]
+
+
 def test_full_queue_is_429_with_retry_after(server):
     body = {"messages": MSG, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.base + CHAT, json=body, headers=AUTH, timeout=60) as res:
@@ -200,6 +230,8 @@ def test_full_queue_is_429_with_retry_after(server):
         next(lines)  # the role chunk: the worker is busy with this request now
         status, hdrs, err = server.http("POST", COMP, {"prompt": "x"}, AUTH)
         assert status == 429 and is_error_shape(err) and int(hdrs["retry-after"]) >= 1
+        assert f"specx serve: 429 rate_limit_error/queue_full POST /v1/completions request {hdrs['x-request-id']}: " \
+            in server.stderr()
     _, _, metrics = server.http("GET", "/metrics", None, AUTH)
     for name in ("specx_requests_total", "specx_queue_depth", "specx_tokens_per_pass", "specx_target_passes_total",
                  "specx_refused_requests_total", "specx_time_to_first_token_seconds", "specx_request_seconds"):

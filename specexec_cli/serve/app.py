@@ -31,9 +31,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException
 
 from specexec_cli import __version__
-from specexec_cli.serve import models as shapes
-from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe, is_loopback_name
-from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body
+from specexec_cli.serve import shapes
+from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe, is_loopback_name, log_refusal
+from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body, to_work, unsupported
 from specexec_cli.serve.worker import Delta, Done, Failed, Job
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413
@@ -79,11 +79,11 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await answer(worker, Format(True, model_name, body), body, request, keepalive)
+        return await answer(worker, Format(True, model_name, body, request_id(request)), body, request, keepalive)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await answer(worker, Format(False, model_name, body), body, request, keepalive)
+        return await answer(worker, Format(False, model_name, body, request_id(request)), body, request, keepalive)
 
     app.add_middleware(BodyLimit, limit=max_body)
     if api_key:
@@ -99,52 +99,76 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
     return app
 
 
+def request_id(request: Request) -> str | None:
+    """The id guards.Observe gave this request (None where the app runs without it)."""
+    return request.scope.get("state", {}).get("request_id")
+
+
 def model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "specx"}
 
 
 class Format:
-    """The response and chunk shapes of one request (chat or completions)."""
+    """The response and chunk shapes of one request (chat or completions); `rid` carries the id
+    guards.Observe gave the request (its log lines and the x-request-id header name it too)."""
 
-    def __init__(self, chat: bool, model: str, req):
+    def __init__(self, chat: bool, model: str, req, request_id: str | None = None):
         self.chat, self.model = chat, model
-        self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.request_id = request_id or uuid.uuid4().hex
+        self.rid = ("chatcmpl-" if chat else "cmpl-") + self.request_id
         self.created = int(time.time())
         self.usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.offset = 0  # completions: characters streamed so far (logprobs' text_offset)
 
-    def _chunk(self, content, finish=None, specx=None, usage=None, role=False):
+    def _chunk(self, content, finish=None, specx=None, usage=None, role=False, logprobs=None, delta=None):
         head = (self.rid, self.created, self.model)
         if not self.chat:
-            return shapes.completion_chunk(*head, content, finish, specx, usage, self.usage)
-        delta = None if content is None else ({"role": "assistant", "content": content} if role else
-                                              {"content": content} if content or not finish else {})
-        return shapes.chat_chunk(*head, delta, finish, specx, usage, self.usage)
+            lp = shapes.completion_logprobs(logprobs, self.offset)
+            self.offset += len(content or "")
+            return shapes.completion_chunk(*head, content, finish, specx, usage, self.usage, lp)
+        if delta is None and content is not None:
+            delta = {"role": "assistant", "content": content} if role else \
+                {"content": content} if content or not finish else {}
+        return shapes.chat_chunk(*head, delta, finish, specx, usage, self.usage, logprobs)
 
     def opening(self) -> list[dict]:
-        return [self._chunk("", role=True)] if self.chat else []
+        idle = {"spans": [], "tokens_per_pass": 0.0, "target_passes": 0, "tokens_per_second": 0.0,
+                "completion_tokens": 0}  # fmt: skip
+        return [self._chunk("", role=True, specx=idle)] if self.chat else []
 
     def delta(self, item: Delta) -> dict:
-        return self._chunk(item.text, specx={"spans": item.spans, **item.live})
+        return self._chunk(item.text, specx={"spans": item.spans, **item.live}, logprobs=item.logprobs)
 
     def closing(self, item: Done) -> list[dict]:
+        """The tool calls (each: its id and name, then its arguments), the finish_reason chunk, and
+        the usage chunk when asked for; every one with the reply's `specx`."""
+        chunks = []
+        for i, call in enumerate(item.tool_calls):
+            fn = call["function"]
+            head = {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
+            chunks.append(self._chunk(None, specx=item.specx, delta={"tool_calls": [head]}))
+            args = {"index": i, "function": {"arguments": fn["arguments"]}}
+            chunks.append(self._chunk(None, specx=item.specx, delta={"tool_calls": [args]}))
         finish = "length" if item.finish == "cancelled" else item.finish
-        chunks = [self._chunk("", finish, item.specx)]
+        chunks.append(self._chunk("", finish, item.specx))
         if self.usage:
-            chunks.append(self._chunk(None, usage=item.usage))
+            chunks.append(self._chunk(None, specx=item.specx, usage=item.usage))
         return chunks
 
     def body(self, item: Done) -> dict:
         finish = "length" if item.finish == "cancelled" else item.finish
-        build = shapes.chat_body if self.chat else shapes.completion_body
-        return build(self.rid, self.created, self.model, item.text, finish, item.usage, item.specx)
+        head = (self.rid, self.created, self.model, item.text, finish, item.usage, item.specx)
+        if self.chat:
+            return shapes.chat_body(*head, item.tool_calls, item.logprobs)
+        return shapes.completion_body(*head, item.logprobs)
 
 
 async def answer(worker, fmt: Format, req, request: Request, keepalive: float):
     """Queue the request, then stream its reports (SSE) or wait for the whole answer. A stream waits
     at most HEADER_GRACE for its first report (so an idle server still answers a bad prompt with a
     4xx status), then sends its headers and keep-alive comments while it is queued or prefilling."""
-    shapes.unsupported(req)
-    job = Job(shapes.to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
+    unsupported(req)
+    job = Job(to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
     clock = Clock(worker.metrics)
     worker.submit(job)
     gone = asyncio.create_task(watch_disconnect(job, request))
@@ -213,6 +237,7 @@ async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float):
     """The SSE body; leaving it early (a disconnect) cancels the job at its next target pass.
     `first` is the report already taken (None: none yet); an SSE comment goes out every
     `keepalive` seconds without a report (queued, prefilling), so proxies keep the connection."""
+    ended = False
     try:
         for chunk in fmt.opening():
             yield event(chunk)
@@ -231,13 +256,19 @@ async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float):
                 for chunk in fmt.closing(item):
                     yield event(chunk)
                 break
-            elif isinstance(item, Failed):  # after the 200 headers: counted here, not by guards.Observe
+            elif isinstance(item, Failed):  # after the 200 headers: counted and logged here, not by guards.Observe
                 clock.metrics.refused(item.error.status, item.error.type)
+                if item.error.status < 500:  # a 500 was logged by its error id
+                    log_refusal(item.error.status, item.error.body()["error"], fmt.request_id, "stream")
                 yield event(item.error.body())
                 break
             item = None
         yield "data: [DONE]\n\n"
+        ended = True
     finally:
+        if not ended:  # the client left mid-stream: the job stops at its next target pass
+            log_refusal(499, {"type": "cancelled", "message": "the client disconnected mid-stream"},
+                        fmt.request_id, "stream")
         job.cancel()
 
 

@@ -5,8 +5,11 @@ Contract: each class wraps an ASGI app and answers its refusal itself in OpenAI'
 --host: DNS-rebinding protection for a loopback server without a key), `BearerAuth` (401 without
 `Authorization: Bearer <key>`, but for /health and the page at `/`, which holds no data: it asks
 for the key and sends it), `BodyLimit` (413 past the body limit), and `Observe`, the
-outermost: it counts every error response by status and error type into the metrics, and turns
-an exception nobody handled into a 500 whose body carries only an error id. `log_failure(exc)`
+outermost: it gives every request an id (`scope["state"]["request_id"]`, sent back as
+`x-request-id`), counts every error response by status and error type into the metrics, writes one
+stderr line per refused or cancelled request (`log_refusal`: status, error type and code, request
+id, the message), and turns an exception nobody handled into a 500 whose body carries only an error
+id. `log_failure(exc)`
 writes that id and the exception as one line on stderr (the traceback too with SPECX_DEBUG=1)
 and returns the id; the client never sees the exception's text (local paths stay local);
 `server_error(exc)` is the APIError the worker answers a failed generation with (OOM: a 400).
@@ -34,6 +37,15 @@ def log_failure(exc: BaseException) -> str:
     if os.environ.get("SPECX_DEBUG") == "1":
         traceback.print_exception(exc, file=sys.stderr)
     return eid
+
+
+def log_refusal(status: int, error: dict, rid: str, where: str) -> None:
+    """One stderr line for a request answered `status` (4xx; 499 = the client left) with `error`
+    (the OpenAI error object): what a server operator needs to match it to the client's report."""
+    kind = "/".join(str(part) for part in (error.get("type"), error.get("code")) if part)
+    message = " ".join(str(error.get("message") or "").split())
+    message = message if len(message) <= LOG_MESSAGE_CHARS else message[:LOG_MESSAGE_CHARS - 3] + "..."
+    notices.notice(f"specx serve: {status} {kind} {where} request {rid}: {message}")
 
 
 def server_error(exc: BaseException) -> APIError:
@@ -101,6 +113,7 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
+LOG_MESSAGE_CHARS = 200  # a refusal's message is cut to this in its log line
 OPEN_ROUTES = {"/health", "/"}  # no key needed: the health probe and the static chat page
 
 
@@ -162,8 +175,10 @@ class BodyLimit:
 
 
 class Observe:
-    """Outermost: count error responses (status, error type) in `metrics`; an exception that reached
-    here is logged with an id and answered as a 500 carrying only the id (no traceback anywhere)."""
+    """Outermost: name the request (x-request-id), count error responses (status, error type) in
+    `metrics` and log each 4xx (499: the client left) in one line; an exception that reached here is
+    logged with an id and answered as a 500 carrying only the id (no traceback anywhere). A 500
+    from a handler was logged by `log_failure` already (its line names the error id)."""
 
     def __init__(self, app, metrics):
         self.app, self.metrics = app, metrics
@@ -171,17 +186,27 @@ class Observe:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        where = f"{scope['method']} {scope['path']}"
         seen = {"status": 0, "counted": False, "ended": False}
 
         async def watch(msg):
             if msg["type"] == "http.response.start":
                 seen["status"] = msg["status"]
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid.encode())]}
             elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
                 seen["ended"] = True
-            refusal = seen["status"] >= 400 and seen["status"] != 499  # 499: the client left (counted as cancelled)
-            if msg["type"] == "http.response.body" and refusal and not seen["counted"]:
+            status = seen["status"]
+            if msg["type"] == "http.response.body" and status >= 400 and not seen["counted"]:
                 seen["counted"] = True
-                self.metrics.refused(seen["status"], error_type(msg.get("body", b"")))
+                if status == 499:  # the client left: counted as cancelled, not as a refusal
+                    log_refusal(499, {"type": "cancelled", "message": "the client disconnected"}, rid, where)
+                else:
+                    error = error_object(msg.get("body", b""))
+                    self.metrics.refused(status, error_type(error))
+                    if status < 500 or (status == 503 and scope["path"] != "/health"):  # a 500: log_failure
+                        log_refusal(status, error, rid, where)
             await send(msg)
 
         try:
@@ -196,10 +221,16 @@ class Observe:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def error_type(raw: bytes) -> str:
-    """The `error.type` of an OpenAI error body ("unknown" when it is not one)."""
+def error_object(raw: bytes) -> dict:
+    """The `error` object of an OpenAI error body ({} when the body is not one)."""
     try:
-        kind = json.loads(raw)["error"]["type"]
+        error = json.loads(raw)["error"]
     except (ValueError, KeyError, TypeError):
-        return "unknown"
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def error_type(error: dict) -> str:
+    """The `type` of an OpenAI error object ("unknown" when it has none that is a plain name)."""
+    kind = error.get("type")
     return kind if isinstance(kind, str) and kind.replace("_", "").isalnum() else "unknown"

@@ -2,15 +2,15 @@
 
 Contract: `ChatRequest` and `CompletionRequest` validate a request body: wrong types, out-of-range
 values and unknown roles fail validation (app.py turns that into a 400 in OpenAI's error shape).
-Parameters that would change the output but are not supported (logprobs, penalties, logit_bias,
-tools, ...) are accepted by the model and refused by `unsupported()` with a 400 that names them,
-as are a message without content (but an assistant's), image/audio/file parts and token-id
-prompts. The values other servers accept mean what they mean there: `max_tokens` -1 or null = no
+Parameters that would change the output but are not supported (penalties, logit_bias, the legacy
+`functions`, ...) are accepted by the model and refused by `unsupported()` with a 400 that names
+them, as are a message without content (but an assistant's), image/audio/file parts and token-id
+prompts. Tools, tool calls, `response_format` and logprobs are checked and converted by
+structured.py. The values other servers accept mean what they mean there: `max_tokens` -1 or null = no
 limit (llama-server, ollama), `top_k` -1 = off (vLLM), `stream` null = false;
 parameters with no effect on the text (user, metadata, ...) are ignored. `to_work()` turns a
-request into the worker's `Work`. The `*_body`/`*_chunk` functions build the exact OpenAI shapes
-(dicts), each with the `specx` extension field when given. `APIError` is every error the server
-answers, with `error_body()` its JSON.
+request into the worker's `Work` (the response shapes are in shapes.py). `APIError` is every error
+the server answers, with `error_body()` its JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOPS = 16
+MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most, as OpenAI
 
 
 class APIError(Exception):
@@ -52,10 +53,58 @@ class ContentPart(Strict):
     text: Optional[str] = None
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: Union[str, dict]  # OpenAI: a JSON object as a string (an object is taken too)
+
+
+class ToolCallIn(Strict):
+    """A call in an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON Schema of the arguments object; None: no arguments
+    strict: Optional[bool] = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(default=None, alias="schema")  # "schema" would shadow BaseModel.schema
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None  # needed with type json_schema
+
+
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None  # None: only an assistant may omit it
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The content as one string: text parts joined by newlines (as OpenAI's and vLLM's servers do)."""
@@ -86,26 +135,29 @@ class Sampling(Strict):
     n: Optional[int] = Field(default=None, ge=1, le=128)
     user: Optional[str] = None
     # Accepted so that unsupported values are refused by name (see unsupported()), never ignored.
-    logprobs: Any = None
-    top_logprobs: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
     min_p: Any = None
     best_of: Any = None
-    tools: Any = None
     functions: Any = None
-    response_format: Any = None
+    response_format: Optional[ResponseFormat] = None
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None  # None: auto
+    parallel_tool_calls: Optional[bool] = None  # None: true
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(Sampling):
     prompt: Union[str, list[Union[str, int, list[int]]]]  # token ids are refused by name (to_work)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
     echo: Any = None
     suffix: Any = None
 
@@ -125,12 +177,10 @@ def unsupported(req: Sampling) -> None:
     if req.n not in (None, 1):
         raise APIError(400, f"n must be 1 (got {req.n}): one completion per request", param="n")
     checks = [
-        ("logprobs", _set(req.logprobs)), ("top_logprobs", _set(req.top_logprobs)),
         ("presence_penalty", _set(req.presence_penalty)), ("frequency_penalty", _set(req.frequency_penalty)),
         ("repetition_penalty", req.repetition_penalty not in (None, 1, 1.0)), ("logit_bias", _set(req.logit_bias)),
-        ("min_p", _set(req.min_p)), ("best_of", req.best_of not in (None, 1)), ("tools", _set(req.tools)),
+        ("min_p", _set(req.min_p)), ("best_of", req.best_of not in (None, 1)),
         ("functions", _set(req.functions)),
-        ("response_format", _set(req.response_format) and req.response_format != {"type": "text"}),
     ]  # fmt: skip
     if isinstance(req, CompletionRequest):
         checks += [("echo", _set(req.echo)), ("suffix", _set(req.suffix))]
@@ -149,7 +199,7 @@ TEXT_ONLY = {"image_url": "image", "input_image": "image", "image": "image", "in
 
 def check_messages(messages: list[Message]) -> None:
     """400 for a message without content (OpenAI requires it of every role but assistant) and for
-    content parts other than text, each with the param that names it."""
+    content parts other than text, each with the param that names it (tool calls: structured.py)."""
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
             raise APIError(400, f"messages.{i}.content is missing: a {m.role} message needs content (a string "
@@ -168,7 +218,7 @@ def check_messages(messages: list[Message]) -> None:
 class Work:
     """What the worker needs from a request: the prompt (messages or text) and the settings."""
 
-    messages: list[dict] | None = None  # chat: [{role, content}], roles system/user/assistant
+    messages: list[dict] | None = None  # chat: [{role, content, ...}] as templates take them (structured.py)
     prompt: str | None = None  # completions: plain text, no template
     max_tokens: int | None = None  # None: the server's --max-new-tokens, else to EOS or the context end
     temperature: float | None = None  # None: the checkpoint's generation_config.json
@@ -176,16 +226,24 @@ class Work:
     top_p: float | None = None
     seed: int | None = None  # None: fresh randomness
     stops: list[str] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)  # the request's tools (OpenAI function dicts)
+    tool_choice: str = "auto"  # "auto" | "none" | "required" | "function" (a named one: `tool_name`)
+    tool_name: str | None = None  # tool_choice "function": the function the reply must call
+    parallel_tool_calls: bool = True  # False: at most one call is returned
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
+    logprobs: int | None = None  # None: off; k: each token's logprob and its k top alternatives
 
 
 def to_work(req: Sampling) -> Work:
     """The request's `Work` (call `unsupported(req)` first)."""
+    from specexec_cli.serve import structured  # it imports APIError from here
+
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = 0 if req.top_k == -1 else req.top_k
     work = Work(temperature=req.temperature, top_k=top_k, top_p=req.top_p, seed=req.seed, stops=stops)
+    structured.apply(req, work)
     if isinstance(req, ChatRequest):
-        work.messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                         for m in req.messages]  # fmt: skip
+        work.messages = structured.template_messages(req.messages)
         work.max_tokens = limit(req.max_completion_tokens) or limit(req.max_tokens)
     else:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
@@ -202,49 +260,3 @@ def to_work(req: Sampling) -> Work:
 def limit(max_tokens: int | None) -> int | None:
     """A request's max_tokens as the worker's: -1 (llama-server's and ollama's "no limit") is None."""
     return None if max_tokens == -1 else max_tokens
-
-
-# -- response shapes ----------------------------------------------------------------------------
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
-
-
-def chat_body(rid: str, created: int, model: str, text: str, finish: str, usage: dict, specx: dict) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-              "logprobs": None, "finish_reason": finish}  # fmt: skip
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": None, "choices": [choice], "usage": usage, "specx": specx}  # fmt: skip
-
-
-def _chunk(obj: str, rid: str, created: int, model: str, choice: dict | None, specx: dict | None,
-           usage: dict | None, with_usage: bool) -> dict:
-    """One streamed chunk of either endpoint; choice None = the usage chunk (no choices)."""
-    chunk = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-             "choices": [] if choice is None else [choice]}  # fmt: skip
-    if with_usage:
-        chunk["usage"] = usage
-    if specx is not None:
-        chunk["specx"] = specx
-    return chunk
-
-
-def chat_chunk(rid: str, created: int, model: str, delta: dict | None, finish: str | None = None,
-               specx: dict | None = None, usage: dict | None = None, with_usage: bool = False) -> dict:
-    """A chat.completion.chunk; delta None = the usage chunk (no choices)."""
-    choice = None if delta is None else {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    return _chunk("chat.completion.chunk", rid, created, model, choice, specx, usage, with_usage)
-
-
-def completion_body(rid: str, created: int, model: str, text: str, finish: str, usage: dict, specx: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None, "choices": [choice], "usage": usage, "specx": specx}  # fmt: skip
-
-
-def completion_chunk(rid: str, created: int, model: str, text: str | None, finish: str | None = None,
-                     specx: dict | None = None, usage: dict | None = None, with_usage: bool = False) -> dict:
-    """A streamed text_completion; text None = the usage chunk (no choices)."""
-    choice = None if text is None else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return _chunk("text_completion", rid, created, model, choice, specx, usage, with_usage)

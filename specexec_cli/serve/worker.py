@@ -10,7 +10,9 @@ client that went away) gives a queued job's slot back at once and stops a runnin
 current target pass; `shutdown()` (SIGINT/SIGTERM) stops the running one likewise and refuses the
 queued ones; the caches stay consistent. A request without max_tokens generates to EOS or the
 context end, or to `max_new_tokens` when the server was given one. A chat template that raises is
-a 400 `chat_template_error`. Decoding itself is `ChatSession.decode`: none here.
+a 400 `chat_template_error`. Decoding itself is `ChatSession.decode`: none here; a request's tools,
+grammar and logprobs are planned by structured.py and its text filtered by reply.py (stop strings,
+tool calls), and `Done` carries the tool calls and the logprobs.
 """
 
 from __future__ import annotations
@@ -23,24 +25,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from specexec_cli.serve.models import APIError, Work, usage_body
+from specexec_cli.serve.models import APIError, Work
+from specexec_cli.serve.reply import Piece, Reply
+from specexec_cli.serve.shapes import usage_body
 
-FINISH = {"eos": "stop", "length": "length", "context": "length"}
+FINISH = {"eos": "stop", "length": "length", "context": "length", "grammar": "stop", "stop": "stop"}
 PLAIN_STOPS = ["\nUser:"]  # the plain (no template) chat format: the model starting the next user turn
-
-
-def stop_end(stops: list[str], buf: str, cut: int) -> int:
-    """Where in `buf` the stop string that StopScanner found at `cut` ends (the shortest one there)."""
-    return cut + min((len(s) for s in stops if buf.startswith(s, cut)), default=0)
-
-
-def tokens_through(tokenizer, before: list[int], new: list[int], chars: int) -> int:
-    """How many of `new` (generated right after `before`) it takes to decode `chars` more characters."""
-    base = len(tokenizer.decode(before))
-    for k in range(1, len(new) + 1):
-        if len(tokenizer.decode(before + new[:k])) - base >= chars:
-            return k
-    return len(new)
 
 
 @dataclass
@@ -54,14 +44,17 @@ class Delta:
     text: str
     spans: list  # [[chars, "draft" | "target"], ...]: which model's tokens the text came from
     live: dict  # running tokens/s, tokens per pass, passes
+    logprobs: list | None = None  # shapes.token_entry of the tokens since the last Delta (None: off)
 
 
 @dataclass
 class Done:
-    text: str  # the whole completion (stop string removed)
-    finish: str  # "stop" | "length" | "cancelled"
+    text: str  # the whole completion (stop string and tool calls removed)
+    finish: str  # "stop" | "length" | "tool_calls" | "cancelled"
     usage: dict
     specx: dict  # RunStats.speculative()
+    tool_calls: list = field(default_factory=list)  # OpenAI tool_calls dicts ([]: a text reply)
+    logprobs: list | None = None  # every token's shapes.token_entry (None: logprobs off)
 
 
 @dataclass
@@ -231,19 +224,24 @@ class Worker:
             self.busy = False
             self._finished(job, outcome, time.perf_counter() - t0)
 
-    def _prompt(self, work: Work) -> list[int]:
+    def _prompt(self, work: Work):
+        """The prompt's ids and the request's structured.Plan (tools rendered, grammar)."""
+        from specexec_cli.serve.structured import plan as plan_of
         from specexec_cli.session.chat import TemplateError
         from specexec_cli.session.prompts import encode_prompt
 
         session = self.session
+        plan = plan_of(work, session.models.tokenizer, session.templated, getattr(session.models, "eos_ids", None))
         if work.messages is not None:
             messages = work.messages
             if session.system and not any(m["role"] == "system" for m in messages):  # specx serve --system
                 messages = [{"role": "system", "content": session.system}, *messages]
             try:
-                ids, param = session.conversation_ids(messages), "messages"
+                ids = session.conversation_ids(messages, tools=plan.tools) if plan.tools else \
+                    session.conversation_ids(messages)
             except TemplateError as exc:
                 raise APIError(400, str(exc), param="messages", code="chat_template_error") from None
+            param = "messages"
         else:
             ids, param = encode_prompt(session.models.tokenizer, work.prompt, False), "prompt"
         if not ids:
@@ -252,9 +250,9 @@ class Worker:
         if len(ids) + 1 > limit:
             raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {limit} (--ctx); "
                            "shorten it", param=param, code="context_length_exceeded")  # fmt: skip
-        return ids
+        return ids, plan
 
-    def _config(self, work: Work, prompt_tokens: int):
+    def _config(self, work: Work, prompt_tokens: int, plan):
         import torch
 
         from specexec_cli.session.options import config_record
@@ -265,38 +263,30 @@ class Worker:
         seed = work.seed if work.seed is not None else secrets.randbits(63)
         room = self.session.models.ctx_limit - prompt_tokens   # no max_tokens: to EOS or the context end
         limit = work.max_tokens or self.max_new_tokens or room
+        extra = {"grammar": plan.grammar} if plan.grammar is not None else {}
+        if work.logprobs is not None:
+            extra["logprobs"] = work.logprobs
         cfg = replace(base, sampling=merge(self.defaults, work.temperature, work.top_k, work.top_p),
-                      max_new_tokens=max(1, limit), seed=seed)  # fmt: skip
+                      max_new_tokens=max(1, limit), seed=seed, **extra)  # fmt: skip
         gen = torch.Generator().manual_seed(seed % 2**64)
         return cfg, gen, RunStats(config=config_record(cfg))
 
     def _generate(self, job: Job) -> str:
-        from specexec_cli.session.chat import StopScanner
-
         session, work = self.session, job.work
-        full = self._prompt(work)
-        cfg, gen, stats = self._config(work, len(full))
+        full, plan = self._prompt(work)
+        cfg, gen, stats = self._config(work, len(full), plan)
         ids = session.prefill_ids(full)
         prefill = len(session.state.ids) + len(ids) - session.state.target_len
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill))
         plain = work.messages is not None and not session.templated and not session.code
-        scanner, pending, parts = StopScanner(work.stops + (PLAIN_STOPS if plain else [])), [], []
-        finish, events, generated, used = "length", session.decode(ids, cfg, gen), [], None
+        reply = Reply(session.models.tokenizer, work.stops + (PLAIN_STOPS if plain else []), plan.names,
+                      plan.forced, work.logprobs)  # fmt: skip
+        finish, events = "length", session.decode(ids, cfg, gen)
         try:
             for ev in events:
                 stats.add(ev)
-                text = str(ev.text)
-                draft = getattr(ev.text, "draft_chars", 0)
-                mask = pending + [True] * draft + [False] * (len(text) - draft)
-                held = scanner.pending
-                out = scanner.feed(text)
-                if scanner.stopped:  # completion_tokens counts none generated past the stop string
-                    chars = stop_end(scanner.stops, held + text, len(out)) - len(held)
-                    used = len(generated) + tokens_through(session.models.tokenizer, generated, ev.tokens, chars)
-                generated += ev.tokens
-                pending = mask[len(mask) - len(scanner.pending):] if scanner.pending else []
-                self._emit(job, out, mask[: len(out)], stats, parts)
-                if scanner.stopped:
+                self._emit(job, reply.feed(ev), stats)
+                if reply.stopped:
                     finish = "stop"
                 elif ev.finish:
                     finish = FINISH.get(ev.finish, "length")
@@ -311,18 +301,20 @@ class Worker:
             events.close()
         if session.tuner is not None:   # --budget auto: report the shape the tuner ran, not the flag's
             stats.config.update(budget=session.tuner.shape.budget, max_depth=session.tuner.shape.max_depth)
-        self._emit(job, scanner.flush(), pending, stats, parts)
-        usage = usage_body(len(full), stats.new_tokens if used is None else used, len(full) - prefill)
+        last, calls = reply.finish()
+        self._emit(job, last, stats)
+        if calls and finish != "cancelled":
+            calls, finish = calls if work.parallel_tool_calls else calls[:1], "tool_calls"
+        usage = usage_body(len(full), stats.new_tokens if reply.used is None else reply.used, len(full) - prefill)
         self.metrics.finished(stats, len(full), len(full) - prefill)
-        self._end(job, Done("".join(parts), finish, usage, stats.speculative()))
+        self._end(job, Done("".join(reply.parts), finish, usage, stats.speculative(), calls, reply.entries))
         return "cancelled" if finish == "cancelled" else "ok"
 
     @staticmethod
-    def _emit(job: Job, text: str, mask: list[bool], stats, parts: list[str]) -> None:
-        if not text:
+    def _emit(job: Job, piece: Piece | None, stats) -> None:
+        if piece is None:
             return
-        parts.append(text)
         live = {"tokens_per_pass": round(stats.tokens_per_pass, 3), "target_passes": stats.target_passes,
                 "tokens_per_second": round(stats.tokens_per_second, 2) if stats.target_passes else 0.0,
                 "completion_tokens": stats.new_tokens}
-        job.emit(Delta(text, spans(mask), live))
+        job.emit(Delta(piece.text, spans(piece.mask), live, piece.logprobs))

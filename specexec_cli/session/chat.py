@@ -85,9 +85,9 @@ class ChatSession:
         self.gen = torch.Generator().manual_seed(self.cfg.seed)
 
     # -- tokens for a new turn -------------------------------------------------------------------
-    def _render(self, messages: list[dict]) -> list[int]:
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         tok = self.models.tokenizer
-        text = render_template(tok, messages)
+        text = render_template(tok, messages, tools)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def _plain(self, text: str) -> list[int]:
@@ -107,11 +107,12 @@ class ChatSession:
             return self._plain(text)
         return self.prefill_ids(self._render(messages))
 
-    def conversation_ids(self, messages: list[dict]) -> list[int]:
-        """A whole conversation (ending in a user turn) as ids ready for the assistant's reply:
-        the chat template, else the text the turn-by-turn formats build (`plain_prompt`)."""
+    def conversation_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A whole conversation (ending in a user or tool turn) as ids ready for the assistant's reply:
+        the chat template (given `tools`, OpenAI function dicts, when the request has them), else the
+        text the turn-by-turn formats build (`plain_prompt`)."""
         if self.templated:
-            return self._render(messages)
+            return self._render(messages, tools)
         return list(self.models.tokenizer(plain_prompt(messages, self.code))["input_ids"])
 
     def prefill_ids(self, full: list[int]) -> list[int]:
@@ -288,17 +289,18 @@ def fold_system(messages: list[dict]) -> list[dict]:
     return rest
 
 
-def render_template(tok, messages: list[dict]) -> str:
-    """The chat template's text for `messages` plus the generation prompt. A template that raises
-    is tried again with the system messages folded into the first user turn; if that raises too
-    (or there is no system message), TemplateError carries the template's own message."""
+def render_template(tok, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The chat template's text for `messages` (and `tools`) plus the generation prompt. A template
+    that raises is tried again with the system messages folded into the first user turn; if that
+    raises too (or there is no system message), TemplateError carries the template's own message."""
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception()
         first = exc
     if any(m["role"] == "system" for m in messages):
         try:
-            return tok.apply_chat_template(fold_system(messages), add_generation_prompt=True, tokenize=False)
+            return tok.apply_chat_template(fold_system(messages), tools=tools, add_generation_prompt=True,
+                                           tokenize=False)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - what is still wrong once the system role is gone
             first = exc
     raise TemplateError(f"the chat template refused this conversation: {first}") from None

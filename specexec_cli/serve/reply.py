@@ -1,0 +1,103 @@
+"""One reply's text on its way to the client: stop strings, then tool calls, with the origin of
+every character and the logprobs of every token riding along.
+
+Contract: `Reply(tokenizer, stops, names, forced, logprobs)` is fed the engine's `StepEvent`s in
+order; `feed(ev)` returns the text that is safe to send now (a `Piece`: text, per-character origin
+mask, the logprob entries of the tokens so far) or None. Text passes `chat.StopScanner` (the stop
+string and all after it are dropped; `used` counts the tokens through it) and then, when the
+request has tools, `tools.ToolScanner` (a possible call is held until the reply ends). What is sent
+is always a prefix of what is held, so the origin mask of the unsent text is cut from its front.
+`finish()` returns the last piece and the reply's tool calls (OpenAI dicts; [] for text). Logprob
+entries (shapes.token_entry) ride on the next piece sent; those of tokens past a stop string are
+dropped; `entries` keeps them all for a response that is not streamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specexec_cli.serve.shapes import token_entry
+from specexec_cli.session.chat import StopScanner
+from specexec_cli.session.tools import ToolScanner
+
+
+def stop_end(stops: list[str], buf: str, cut: int) -> int:
+    """Where in `buf` the stop string that StopScanner found at `cut` ends (the shortest one there)."""
+    return cut + min((len(s) for s in stops if buf.startswith(s, cut)), default=0)
+
+
+def tokens_through(tokenizer, before: list[int], new: list[int], chars: int) -> int:
+    """How many of `new` (generated right after `before`) it takes to decode `chars` more characters."""
+    base = len(tokenizer.decode(before))
+    for k in range(1, len(new) + 1):
+        if len(tokenizer.decode(before + new[:k])) - base >= chars:
+            return k
+    return len(new)
+
+
+@dataclass
+class Piece:
+    text: str  # what the client may see now
+    mask: list  # per character: True = a draft-accepted token's text
+    logprobs: list | None  # logprob entries not sent before (None: logprobs off)
+
+
+class Reply:
+    """See the module docstring."""
+
+    def __init__(self, tokenizer, stops: list[str], names: list[str], forced: bool, logprobs: int | None):
+        self.tokenizer = tokenizer
+        self.stop = StopScanner(stops)
+        self.tools = ToolScanner(names, forced) if names else None
+        self.unsent: list[bool] = []  # the origin mask of the text fed and not sent yet
+        self.generated: list[int] = []  # token ids so far
+        self.used: int | None = None  # tokens through the stop string, once one is found
+        self.entries: list | None = [] if logprobs is not None else None
+        self.sent_entries = 0  # entries already attached to a piece
+        self.parts: list[str] = []  # the text sent, in order
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop.stopped
+
+    def feed(self, ev) -> Piece | None:
+        text = str(ev.text)
+        draft = getattr(ev.text, "draft_chars", 0)
+        self.unsent += [True] * draft + [False] * (len(text) - draft)
+        held = self.stop.pending
+        out = self.stop.feed(text)
+        if self.stop.stopped and self.used is None:  # completion_tokens counts none past the stop string
+            chars = stop_end(self.stop.stops, held + text, len(out)) - len(held)
+            self.used = len(self.generated) + tokens_through(self.tokenizer, self.generated, ev.tokens, chars)
+        self.generated += ev.tokens
+        self._logprobs(getattr(ev, "logprobs", None))
+        if self.tools is not None:
+            out = self.tools.feed(out)
+        return self._piece(out)
+
+    def finish(self) -> tuple[Piece | None, list[dict]]:
+        out = self.stop.flush()
+        if self.tools is not None:
+            out = self.tools.feed(out)
+            content, calls = self.tools.finish()
+            return self._piece(out + content, last=True), [c.body() for c in calls]
+        return self._piece(out, last=True), []
+
+    def _logprobs(self, items) -> None:
+        if self.entries is None or not items:
+            return
+        for item in items:
+            top = [(self.tokenizer.decode([tid]), float(lp)) for tid, lp in item.top]
+            self.entries.append(token_entry(self.tokenizer.decode([item.token]), float(item.logprob), top))
+        if self.used is not None:
+            del self.entries[self.used:]
+
+    def _piece(self, text: str, last: bool = False) -> Piece | None:
+        fresh = None
+        if self.entries is not None and (text or last):
+            fresh, self.sent_entries = self.entries[self.sent_entries:], len(self.entries)
+        if not text and not fresh:
+            return None
+        mask, self.unsent = self.unsent[:len(text)], self.unsent[len(text):]
+        self.parts.append(text)
+        return Piece(text, mask, fresh)

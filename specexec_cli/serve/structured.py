@@ -1,0 +1,153 @@
+"""Tools, tool calls, `response_format` and logprobs of a request: checked, then planned.
+
+Contract: at request time (event loop, no model) `apply(req, work)` checks the request's tools,
+`tool_choice`, `parallel_tool_calls`, `response_format` and logprobs fields and copies them into
+the worker's `Work`; `template_messages(messages)` turns the messages into what chat templates take
+(an assistant's `tool_calls` with their `arguments` as objects, a tool message with its call's id
+and function name). Each refusal is a 400 in OpenAI's shape whose `param` names the field: a
+`tool_choice` naming no tool of the request, a tool message answering no earlier call, arguments
+that are not a JSON object, a json_schema without a schema. On the worker (the tokenizer known)
+`plan(work, tok)` decides what the template renders and what the reply is constrained to: tools go
+to a template that reads them, else `tool_choice` auto/none answers in plain text and
+required/a named function is a 400; a forced call (tools.forced_call) or a `response_format`
+becomes a `GrammarSpec`, compiled here so that an invalid schema is a 400 before any decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from specexec_cli.serve.models import APIError, ChatRequest, NamedToolChoice, Work
+from specexec_cli.session import tools as toolcalls
+
+
+def apply(req, work: Work) -> None:
+    """Copy the request's tools, response format and logprobs into `work` (400 when invalid)."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        work.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        _tools(req, work)
+    else:
+        work.logprobs = req.logprobs
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return
+    if fmt.type == "json_object":
+        work.response_format = {"type": "json_object"}
+        return
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format.json_schema.schema is missing: type json_schema needs the JSON Schema "
+                       "the reply must follow", param="response_format.json_schema.schema")  # fmt: skip
+    work.response_format = {"type": "json_schema", "schema": fmt.json_schema.schema_}
+
+
+def _tools(req: ChatRequest, work: Work) -> None:
+    names: list[str] = []
+    for i, tool in enumerate(req.tools or []):
+        fn = tool.function
+        if fn.name in names:
+            raise APIError(400, f"tools.{i}.function.name: {fn.name!r} is declared twice", param=f"tools.{i}.function.name")
+        params = fn.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise APIError(400, f"tools.{i}.function.parameters must be the JSON Schema of an object (its \"type\" "
+                           f"is {params.get('type')!r})", param=f"tools.{i}.function.parameters")  # fmt: skip
+        names.append(fn.name)
+    work.tools = [tool.model_dump(exclude_none=True) for tool in req.tools or []]
+    work.parallel_tool_calls = req.parallel_tool_calls is not False
+    choice = req.tool_choice or "auto"
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            have = ", ".join(names) if names else "none"
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools (tools has: {have})",
+                           param="tool_choice")  # fmt: skip
+        work.tool_choice, work.tool_name = "function", name
+    elif choice == "required" and not names:
+        raise APIError(400, "tool_choice \"required\" needs tools: send the functions the reply may call",
+                       param="tool_choice")  # fmt: skip
+    else:
+        work.tool_choice = choice
+
+
+def template_messages(messages) -> list[dict]:
+    """The messages as chat templates take them (developer -> system; see the module docstring)."""
+    calls: dict[str, str] = {}  # call id -> function name, from the assistant messages so far
+    out = []
+    for i, m in enumerate(messages):
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.role == "assistant" and m.tool_calls:
+            msg["tool_calls"] = []
+            for j, call in enumerate(m.tool_calls):
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                try:
+                    args = toolcalls.parse_arguments(call.function.arguments)
+                except ValueError as exc:
+                    raise APIError(400, f"{param} must be a JSON object: {exc}", param=param) from None
+                calls[call.id] = call.function.name
+                msg["tool_calls"].append({"id": call.id, "type": "function",
+                                          "function": {"name": call.function.name, "arguments": args}})  # fmt: skip
+        if m.role == "tool":
+            param = f"messages.{i}.tool_call_id"
+            if m.tool_call_id is None:
+                raise APIError(400, f"{param} is missing: a tool message answers one tool call by its id", param=param,
+                               code="missing_required_parameter")  # fmt: skip
+            if m.tool_call_id not in calls:
+                raise APIError(400, f"{param}: no earlier assistant message has a tool call with id "
+                               f"{m.tool_call_id!r}", param=param)  # fmt: skip
+            msg["tool_call_id"], msg["name"] = m.tool_call_id, calls[m.tool_call_id]
+        out.append(msg)
+    return out
+
+
+@dataclass
+class Plan:
+    """What the worker does with a request's tools and formats."""
+
+    tools: list[dict] | None  # what the chat template renders (None: no tools)
+    names: list[str]  # the functions a reply's calls may name ([]: the reply is text)
+    forced: bool  # the grammar makes the whole reply one call
+    grammar: object | None  # a core.grammar.GrammarSpec, or None
+
+
+def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
+    """The request's Plan on this model (see the module docstring); 400s name the field."""
+    tools = work.tools if work.messages is not None and work.tool_choice != "none" else []
+    forcing = work.tool_choice in ("required", "function")
+    if tools and not (templated and toolcalls.renders_tools(tok)):
+        if forcing:
+            why = "has no chat template" if not templated else "has a chat template that does not render tools"
+            raise APIError(400, f"tool_choice {work.tool_name or work.tool_choice!r} cannot be honoured: this model "
+                           f"{why}; send tool_choice \"auto\" or \"none\" (the reply is then text)",
+                           param="tool_choice", code="tools_unsupported")  # fmt: skip
+        tools = []
+    if tools and forcing:
+        fmt = toolcalls.call_format(tok)
+        schema, prefix, suffix = toolcalls.forced_call(tools, work.tool_name, fmt)
+        param = "tools" if work.tool_name is None else f"tools.{_index(tools, work.tool_name)}.function.parameters"
+        grammar = _compile(tok, eos_ids, "json_schema", schema, prefix, suffix, param)
+    elif work.response_format is not None:
+        kind, schema = work.response_format["type"], work.response_format.get("schema")
+        grammar = _compile(tok, eos_ids, kind, schema, "", "", "response_format.json_schema.schema" if schema else "response_format")
+    else:
+        grammar = None
+    names = [t["function"]["name"] for t in tools]
+    return Plan(tools or None, names, bool(tools) and forcing, grammar)
+
+
+def _index(tools: list[dict], name: str) -> int:
+    return next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
+
+
+def _compile(tok, eos_ids, kind: str, schema: dict | None, prefix: str, suffix: str, param: str):
+    """A GrammarSpec checked by compiling it once (compile_grammar caches it for the decode)."""
+    from specexec_cli.core.grammar import GrammarError, GrammarSpec, compile_grammar
+
+    spec = GrammarSpec(kind, None if schema is None else json.dumps(schema), prefix, suffix)
+    try:
+        compile_grammar(tok, spec, eos_ids)
+    except GrammarError as exc:
+        code = "invalid_schema" if str(exc).startswith("invalid") else "structured_output_unsupported"
+        raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
+    return spec

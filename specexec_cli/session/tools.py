@@ -1,0 +1,230 @@
+"""Tool calls for chat templates: whether a template renders tools, which call format the model
+speaks, the tool-call parsers, and the JSON Schema that forces a call.
+
+Contract: `renders_tools(tok)` says whether the tokenizer's chat template uses the `tools` variable
+(transformers passes `tools=` to it); `call_format(tok)` names the family's call format from the
+template's text: "hermes" (Hermes, Qwen: `<tool_call>{json}</tool_call>`), "mistral"
+(`[TOOL_CALLS][{...}]`), "llama3" (Llama 3.1+: a bare `{"name": .., "parameters": ..}`), else
+"generic" (a bare `{"name": .., "arguments": ..}`). `parse_arguments` turns OpenAI's string
+`arguments` into the object templates expect (ValueError when it is not a JSON object).
+`parse_calls(text, names)` finds the calls in a finished reply, in any of those formats, and
+`ToolScanner` does the same for a stream: it passes text through until a call may have begun, holds
+the rest, and at the end returns the calls (or gives the held text back as content when it was
+none). Only calls to the request's own tools count. `forced_call(tools, name, fmt)` is the
+(JSON Schema, prefix, suffix) a grammar needs to force one call in the family's own format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+import jinja2
+import jinja2.meta
+
+FORMATS = ("hermes", "mistral", "llama3", "generic")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_OPEN = "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's call marker (a special token, usually decoded away)
+MID_OPENERS = (HERMES_OPEN, MISTRAL_OPEN)  # markers that may start a call after some content
+START_OPENERS = ("{", "[", "```", PYTHON_TAG)  # a reply starting with one of these may be a bare call
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str  # "call_" + 24 hex digits, new per call
+    name: str  # the function's name (one of the request's tools)
+    arguments: str  # a JSON object as text (what OpenAI's `function.arguments` holds)
+
+    def body(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def template_source(tok) -> str | None:
+    """The chat template transformers would use for a request with tools (None: no template)."""
+    try:
+        return tok.get_chat_template(None, tools=[{"type": "function", "function": {"name": "probe"}}])
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def renders_tools(tok) -> bool:
+    """True when the chat template reads the `tools` variable (so a request's tools reach the model)."""
+    source = template_source(tok)
+    if not source:
+        return False
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:  # tags of transformers' own environment ({% generation %}): by name
+        return re.search(r"\btools\b", source) is not None
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+
+def call_format(tok) -> str:
+    """The family's call format, from the template's text (see the module docstring)."""
+    source = template_source(tok) or ""
+    if HERMES_OPEN in source:
+        return "hermes"
+    if MISTRAL_OPEN in source:
+        return "mistral"
+    if PYTHON_TAG in source or "ipython" in source:
+        return "llama3"
+    return "generic"
+
+
+def parse_arguments(value) -> dict:
+    """OpenAI's `arguments` (a JSON string; an object is taken as it is) as the object templates
+    render; ValueError (saying why) when it is not a JSON object."""
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"a JSON object is needed, got {type(parsed).__name__}")
+    return parsed
+
+
+def new_call(name: str, arguments) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall("call_" + secrets.token_hex(12), name, text)
+
+
+def _as_call(obj, names) -> ToolCall | None:
+    """A parsed JSON value as a call: {"name", "arguments" | "parameters"} naming one of `names`."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = parse_arguments(args)
+        except ValueError:
+            return None
+    return new_call(obj["name"], args) if isinstance(args, dict) else None
+
+
+def _json_values(text: str) -> list | None:
+    """The JSON values `text` consists of (separated by whitespace, ';' or ','), or None."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n;,":
+            i += 1
+        if i == len(text):
+            return values
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _bare_calls(text: str, names) -> list[ToolCall] | None:
+    """Calls written as bare JSON (Llama 3.1+, Mistral once its marker is decoded away, generic):
+    one object, several, or a list of them; optionally in a ```json fence or after <|python_tag|>."""
+    text = text.strip().removeprefix(PYTHON_TAG).removeprefix(MISTRAL_OPEN).strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, re.DOTALL)
+    values = _json_values(fence.group(1) if fence else text)
+    if not values:
+        return None
+    items = [item for v in values for item in (v if isinstance(v, list) else [v])]
+    calls = [_as_call(item, names) for item in items]
+    return calls if calls and all(calls) else None
+
+
+def _mistral_named(text: str, names) -> list[ToolCall] | None:
+    """Mistral's newer format: [TOOL_CALLS]name[ARGS]{...} (repeated)."""
+    calls = []
+    for part in text.split(MISTRAL_OPEN)[1:]:
+        name, sep, rest = part.partition("[ARGS]")
+        name = name.split("[CALL_ID]")[0].strip()
+        values = _json_values(rest) if sep else None
+        if name not in names or not values or not isinstance(values[0], dict):
+            return None
+        calls.append(new_call(name, values[0]))
+    return calls or None
+
+
+def parse_calls(text: str, names) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished reply: the text before the first call marker is content; a
+    reply whose calls do not parse (or name no tool of the request) is all content, no calls."""
+    names = set(names)
+    for marker in MID_OPENERS:
+        at = text.find(marker)
+        if at < 0:
+            continue
+        if marker == HERMES_OPEN:
+            bodies = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text[at:], re.DOTALL)
+            calls = [c for body in bodies for c in (_bare_calls(body, names) or [None])]
+        else:
+            calls = _bare_calls(text[at:], names) or _mistral_named(text[at:], names) or [None]
+        if calls and all(calls):
+            return text[:at].rstrip(), calls
+        return text, []
+    calls = _bare_calls(text, names)
+    return ("", calls) if calls else (text, [])
+
+
+class ToolScanner:
+    """Streamed text with tool calls held back: `feed(text)` returns what is safe to show now;
+    `finish()` returns (the held text as content, []) or ("", calls). With `forced` (a grammar
+    makes the whole reply a call) everything is held."""
+
+    def __init__(self, names, forced: bool = False):
+        self.names, self.forced = set(names), forced
+        self.shown = False  # some content went out: only a marker can start a call now
+        self.held = ""  # text not shown yet: a possible call, or a tail that may begin a marker
+        self.calling = forced  # a call has (probably) begun: hold everything to the end
+
+    def feed(self, text: str) -> str:
+        buf = self.held + text
+        if self.calling:
+            self.held = buf
+            return ""
+        if not self.shown:
+            head = buf.lstrip()
+            if not head or any(o.startswith(head) for o in START_OPENERS + MID_OPENERS):
+                self.held = buf  # too short to tell, or exactly the start of a call
+                return ""
+            if head.startswith(START_OPENERS + MID_OPENERS):
+                self.calling, self.held = True, buf
+                return ""
+        at = min((i for i in (buf.find(m) for m in MID_OPENERS) if i >= 0), default=-1)
+        if at >= 0:
+            self.calling, self.held = True, buf[at:]
+            self.shown = self.shown or at > 0
+            return buf[:at]
+        hold = max((n for m in MID_OPENERS for n in range(1, len(m)) if buf.endswith(m[:n])), default=0)
+        self.held = buf[len(buf) - hold:] if hold else ""
+        out = buf[:len(buf) - hold]
+        self.shown = self.shown or bool(out)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        held, self.held = self.held, ""
+        content, calls = parse_calls(held, self.names)
+        return (content, calls) if calls else (held, [])
+
+
+def function_schema(tool: dict, args_key: str) -> dict:
+    """The JSON Schema of one call to `tool` ({"type": "function", "function": {...}}): its name as a
+    constant and its parameters (an object without any when it declares none) under `args_key`."""
+    fn = tool["function"]
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def forced_call(tools: list[dict], name: str | None, fmt: str) -> tuple[dict, str, str]:
+    """(schema, prefix, suffix) of exactly one call to the tool `name` (None: to any of `tools`),
+    written the way the family writes it (Hermes: inside <tool_call> tags; Llama 3.1+:
+    "parameters"; otherwise a bare {"name", "arguments"} object)."""
+    key = "parameters" if fmt == "llama3" else "arguments"
+    chosen = [t for t in tools if name is None or t["function"]["name"] == name]
+    schemas = [function_schema(t, key) for t in chosen]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if fmt == "hermes":
+        return schema, HERMES_OPEN + "\n", "\n" + HERMES_CLOSE
+    return schema, "", ""
