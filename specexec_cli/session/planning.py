@@ -123,7 +123,9 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
     )  # fmt: skip
     try:
         # the opened (validated) Checkpoints the loader will use too: headers are read once
-        plan = plan_memory(open_checkpoint(tpath, "--target"), open_checkpoint(dpath, "--draft") if dpath else None, req)
+        tck, dck = open_checkpoint(tpath, "--target"), open_checkpoint(dpath, "--draft") if dpath else None
+        check_window(opts.ctx, [(tck, "--target"), (dck, "--draft")])
+        plan = plan_memory(tck, dck, req)
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
     if why:
@@ -132,6 +134,20 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
         plan.elsewhere = shortfall
         plan.notes.insert(0, f"planned for the machine the caps describe: {shortfall}")
     return plan
+
+
+def check_window(ctx: int, checkpoints) -> None:
+    """An explicit --ctx beyond a model's window (max_position_embeddings) is refused in one line
+    before anything loads; the default (DEFAULT_CTX) is capped to the window by the plan instead."""
+    from offload.planning.membytes import arch_of
+
+    if ctx == DEFAULT_CTX:
+        return
+    for ck, flag in checkpoints:
+        window = arch_of(ck.config).max_positions if ck is not None else ctx
+        if ctx > window:
+            raise SpecxError(f"--ctx {ctx} is beyond the {flag} model's window of {window} positions "
+                             f"(max_position_embeddings in its config.json); fix: --ctx {window} or less")
 
 
 def for_stated_machine(device: str, max_gpu: int | None, max_ram: int | None, dev_free: int | None,

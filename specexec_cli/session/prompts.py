@@ -37,3 +37,18 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
         )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(text)["input_ids"])
+
+
+def check_prompt_fits(opts, plan, text: str, chat_template: bool) -> list[int]:
+    """The prompt's ids, encoded with the target's tokenizer alone before any weight loads; a prompt
+    that does not fit the context (`plan.ctx`: --ctx capped by the models' windows; without a plan,
+    --ctx) is refused in one line that names the fix, as the engine would after loading."""
+    from specexec_cli.session.loading import load_tokenizer, resolve_path
+
+    ids = encode_prompt(load_tokenizer(resolve_path(opts.target, "--target"), "--target", opts.trust_remote_code),
+                        text, chat_template)
+    limit = plan.ctx if plan is not None else opts.ctx
+    if len(ids) + 1 > limit:
+        raise SpecxError(f"prompt needs {len(ids)} tokens but the context holds {limit} (--ctx {opts.ctx}); fix: "
+                         f"a larger --ctx (the memory plan says whether it fits) or a shorter prompt")
+    return ids
