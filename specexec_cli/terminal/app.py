@@ -126,13 +126,14 @@ def run(
         cfg = flags.config()
         from specexec_cli.session.calprobe import pair_prior
         from specexec_cli.session.loading import close_models
-        from specexec_cli.session.prompts import encode_prompt
+        from specexec_cli.session.prompts import check_prompt_fits, encode_prompt
         from specexec_cli.terminal.streaming import decode_to_stdout
         from specexec_cli.core.methods.common import with_settings
 
         opts, plan, cfg = flags.plan(cfg)
         if flags.dry_run:
             return show_plan(plan, stats_json)
+        check_prompt_fits(opts, plan, text, not flags.no_chat_template)   # one line, exit 2, before loading
         with display.LoadProgress(display.live_enabled(no_live)) as progress:
             models = load_planned(opts, plan, progress)
         try:
