@@ -4,7 +4,7 @@
 Contract:
 - `pack [--python 3.12] [--dest .whl]`: the wheels the image lacks (tools/gpuday/pack.py) into the
   git-ignored --dest; prints what a device call would carry; exit 1 above 62 MiB.
-- `run [--smoke] [--out DIR] [--phase NAME] [--budget-s S]`: the measurements, phase by phase
+- `run [--smoke] [--out DIR] [--phase NAME] [--budget-s S] [--resume-from JSON]`: the measurements, phase by phase
   (tools/gpuday/run.py), each phase's JSON in --out; a phase already done is skipped, so a second
   command resumes a cut one. Runs from the repo root with nothing installed (PYTHONPATH=. and the
   pack's --target folder). `--smoke`: every phase tiny, on the CPU.
@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", type=Path, default=Path("gpu-day-out"))
     r.add_argument("--phase", action="append", default=None, help="run only this phase (repeatable); again if done")
     r.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
+    r.add_argument("--resume-from", type=Path, default=None, help="an earlier command's summary.json: skip its phases")
     h = sub.add_parser("rehearse", help="a venv shaped like the image, the pack installed, run --smoke")
     h.add_argument("--venv", type=Path, default=None)
     h.add_argument("--out", type=Path, default=None)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "run":
         from tools.gpuday import run
 
-        return run.main(args.out.resolve(), args.smoke, args.phase, args.budget_s)
+        return run.main(args.out.resolve(), args.smoke, args.phase, args.budget_s, args.resume_from)
     if args.verb == "rehearse":
         from tools.gpuday import rehearse
 

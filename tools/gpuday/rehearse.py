@@ -4,7 +4,8 @@ Contract:
 - A venv without system site-packages (default: $TMPDIR/specx-gpuday-image) holding the image's
   versions where they install here (transformers 5.17.0, as on the image) and the image's other
   packages the run touches (IMAGE_HERE), torch as the local CPU build 2.13.0 (the image's 2.11 CUDA
-  build would download GBs), and none of the packages the image lacks. Built once, reused.
+  build would download GBs), and none of the packages the image lacks (what a newer release of an
+  image package pulls in here, e.g. typer's pydantic, is uninstalled again). Built once, reused.
 - A pack for THIS machine's Python (pack.build, into <venv>/whl), installed exactly as on the box:
   `python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target
   <venv>/site <venv>/whl/*.whl`, then `PYTHONPATH=<venv>/site:. python tools/gpu_day.py run --smoke
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 from tools.gpuday import pack
+from tools.gpuday.image import IMAGE_PACKAGES, norm
 
 IMAGE_HERE = ["torch==2.13.0", "transformers==5.17.0", "accelerate==1.15.0", "safetensors==0.8.0", "tokenizers",
               "numpy", "rich", "typer", "psutil", "httpx", "jinja2", "pytest", "scipy", "packaging", "einops", "tqdm",
@@ -43,6 +45,11 @@ def image_venv(venv: Path) -> Path:
     shutil.rmtree(venv, ignore_errors=True)
     step([sys.executable, "-m", "venv", str(venv)])
     step([str(py), "-m", "pip", "install", "-q", *IMAGE_HERE])
+    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                            check=True).stdout.split()
+    extra = [n.split("==")[0] for n in listed if norm(n.split("==")[0]) not in IMAGE_PACKAGES]
+    if extra:   # pulled in here by a newer release of an image package (typer -> pydantic): not on the image
+        step([str(py), "-m", "pip", "uninstall", "-q", "-y", *extra])
     (venv / ".done").write_text("")
     return py
 
