@@ -224,37 +224,67 @@ def speculative_step(
     """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches.
 
     `grow(m, st, ctx, shape, sampling, scoring) -> Tree` lets a method swap the tree-growth stage only.
+    The stages before and after the target's pass are `grow_step` and `accept_step` (core/forest.py
+    runs them around one pass shared by several requests).
     """
+    ts = grow_step(m, st, cfg, gen, limit, grow)
+    if ts is None:
+        return ar_step(m, st, cfg, gen, limit)
+    # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
+    logits, positions = verify_pass(m, st, ts.vt)
+    return accept_step(m, st, cfg, ts, logits, positions)
+
+
+@dataclass
+class TreeStep:
+    """A grown tree waiting for the target's pass (speculative_step between stages 1 and 3)."""
+
+    tree: object  # the draft's whole Tree
+    vt: object  # the VerifyTree the target checks (best `budget` nodes, ancestor-closed)
+    n_pending: int  # committed tokens the draft ran this step (DraftContext.pending)
+    scoring: Scoring | None  # node scores to calibrate from the outcome
+    limit: int  # most tokens this step may emit
+    t0: float  # perf_counter when growth began
+    t1: float  # perf_counter when the tree was ready
+
+
+def grow_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int,
+              grow=default_grow) -> TreeStep | None:
+    """Stage 1: grow the tree with the draft and keep the best `budget` nodes; None = no room for
+    a tree (depth < 1 or budget < 1: a plain step instead)."""
     n = len(st.ids)
     depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
     if depth < 1 or cfg.shape.budget < 1:
-        return ar_step(m, st, cfg, gen, limit)
+        return None
     shape = replace(cfg.shape, max_depth=depth)
     t0 = time.perf_counter()
-    # 1) grow the tree with the draft; keep the best `budget` nodes (ancestor-closed)
     ctx = draft_context(st)
     st.noise = st.noise or new_noise(gen)
     scoring = tree_scoring(m, st, cfg) if grow is default_grow else None
     tree = grow(m, st, ctx, shape, cfg.sampling, scoring)
     vt = subtree(tree, top_budget(tree.logp, shape.budget))
-    t1 = time.perf_counter()
-    # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
-    logits, positions = verify_pass(m, st, vt)
+    return TreeStep(tree, vt, len(ctx.pending), scoring, limit, t0, time.perf_counter())
+
+
+def accept_step(m: Models, st: DecodeState, cfg: GenerationConfig, ts: TreeStep, logits: torch.Tensor,
+                positions: torch.Tensor) -> StepResult:
+    """Stages 3-4 after the target's (n_tree, V) logits at (n_tree,) positions: accept, trim both caches."""
+    n = len(st.ids)
     # 3) every node's token on the device, one (n,) copy, then the walk down the tree
-    acc = accept_tree(vt, logits, cfg.sampling, st.noise, n, m.eos_ids, limit, depth=positions - (n - 1))
-    if scoring is not None and scoring.cal is not None:  # learn which features the target accepts
-        calibrate.observe_pass(scoring.cal, tree, vt.draft_ids[acc.path].tolist(), acc.tokens)
+    acc = accept_tree(ts.vt, logits, cfg.sampling, st.noise, n, m.eos_ids, ts.limit, depth=positions - (n - 1))
+    if ts.scoring is not None and ts.scoring.cal is not None:  # learn which features the target accepts
+        calibrate.observe_pass(ts.scoring.cal, ts.tree, ts.vt.draft_ids[acc.path].tolist(), acc.tokens)
     t2 = time.perf_counter()
     # 4) trim caches to the accepted path; the last emitted token becomes the next root
-    commit_tree(st, tree, vt, acc, len(ctx.pending))
+    commit_tree(st, ts.tree, ts.vt, acc, ts.n_pending)
     t3 = time.perf_counter()
     return StepResult(
         tokens=acc.tokens,
         accepted=len(acc.path),
-        tree_size=vt.size - 1,
-        tree_depth=int(vt.depth.max()),
-        draft_seconds=t1 - t0 + (t3 - t2),
-        target_seconds=t2 - t1,
+        tree_size=ts.vt.size - 1,
+        tree_depth=int(ts.vt.depth.max()),
+        draft_seconds=ts.t1 - ts.t0 + (t3 - t2),
+        target_seconds=t2 - ts.t1,
     )
 
 

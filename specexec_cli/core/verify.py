@@ -42,10 +42,16 @@ def target_pass(target, cache, vt: VerifyTree, n_past: int, root_pos: int, *extr
     """The target's one pass over root + tree (cache holding n_past rows, the root at absolute
     position root_pos) → [(n, V) logits, (n,) positions, *extra] on its device. Ids, positions, the
     mask's ancestor columns and the `extra` host tensors go up in ONE counted upload (kvcache.stage)."""
+    ids, positions, mask, *extra = verify_inputs(target, vt, n_past, root_pos, *extra)
+    return [kvcache.forward(target, cache, ids, positions, mask), positions, *extra]
+
+
+def verify_inputs(target, vt: VerifyTree, n_past: int, root_pos: int, *extra: torch.Tensor) -> list[torch.Tensor]:
+    """target_pass's staged inputs: [ids, (n,) positions, (1, 1, n, n_past + n) mask, *extra]."""
     anc_cols, self_cols, n_cols = verify_columns(vt, n_past)
     ids, positions, anc, own, *extra = kvcache.stage(target, vt.tokens, root_pos + vt.depth, anc_cols, self_cols, *extra)
     mask = attention_mask(n_past, anc, own, n_cols, kvcache.model_dtype(target), target.device)
-    return [kvcache.forward(target, cache, ids, positions, mask), positions, *extra]
+    return [ids, positions, mask, *extra]
 
 
 def node_choices(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None, first_pos: int,

@@ -2,7 +2,8 @@
 
 Contract: `Metrics.request(endpoint, outcome)` counts finished requests, `Metrics.finished(stats,
 prompt_tokens, cached_tokens)` adds one generation's `stats.RunStats`, `refused(status, type)`
-counts an error answer, `observe(name, seconds)` adds a latency to one of the HISTOGRAMS (time to
+counts an error answer, `forest_pass(requests, tokens)` counts a target pass shared by several
+requests (--parallel), `observe(name, seconds)` adds a latency to one of the HISTOGRAMS (time to
 first token, whole request), and `render(worker)` gives the text exposition format (version
 0.0.4) with the live queue depth. Thread-safe; no client library.
 """
@@ -27,6 +28,10 @@ HELP = {
     "specx_tokens_per_pass": ("gauge", "Generated tokens per target pass, over all requests."),
     "specx_queue_depth": ("gauge", "Requests waiting for the worker."),
     "specx_busy": ("gauge", "1 while a request is generating."),
+    "specx_running_requests": ("gauge", "Requests generating now (up to --parallel)."),
+    "specx_forest_passes_total": ("counter", "Target passes shared by the requests decoding at once (--parallel)."),
+    "specx_forest_requests_per_pass": ("gauge", "Requests per shared target pass, on average (--parallel)."),
+    "specx_forest_tokens_per_pass": ("gauge", "Tokens all requests got per shared target pass (--parallel)."),
     "specx_ready": ("gauge", "1 once the models are loaded."),
     "specx_prompt_cache_requests_total": ("counter", "Requests that consulted the prompt cache (host-RAM KV snapshots)."),
     "specx_prompt_cache_hits_total": ("counter", "Requests that restored a snapshot from the prompt cache."),
@@ -87,6 +92,13 @@ class Metrics:
         with self.lock:
             self.histograms[name].add(seconds)
 
+    def forest_pass(self, requests: int, tokens: int) -> None:
+        """One target pass shared by `requests` requests that got `tokens` tokens from it (scheduler.py)."""
+        with self.lock:
+            self.totals["specx_forest_passes_total"] += 1
+            self.totals["forest_requests"] += requests
+            self.totals["forest_tokens"] += tokens
+
     def finished(self, stats, prompt_tokens: int, cached_tokens: int) -> None:
         view = stats.speculative()
         with self.lock:
@@ -107,12 +119,16 @@ class Metrics:
             values = {k: v for k, v in self.totals.items() if k in HELP}
             passes = self.totals["specx_target_passes_total"]
             values["specx_tokens_per_pass"] = self.totals["pass_tokens"] / passes if passes else 0.0
+            shared = self.totals["specx_forest_passes_total"]
+            values["specx_forest_requests_per_pass"] = self.totals["forest_requests"] / shared if shared else 0.0
+            values["specx_forest_tokens_per_pass"] = self.totals["forest_tokens"] / shared if shared else 0.0
             requests = dict(self.requests)
             extra = [f"# HELP {REFUSED[0]} {REFUSED[1]}", f"# TYPE {REFUSED[0]} counter"]
             extra += [f'{REFUSED[0]}{{status="{s}",type="{t}"}} {n}' for (s, t), n in sorted(self.refusals.items())]
             for name, text in HISTOGRAMS.items():
                 extra += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *self.histograms[name].lines(name)]
         values.update(specx_queue_depth=worker.queue_depth(), specx_busy=int(worker.busy),
+                      specx_running_requests=getattr(worker, "running", int(worker.busy)),
                       specx_ready=int(worker.state == "ready"))  # fmt: skip
         cache = getattr(getattr(worker, "session", None), "prompt_cache", None)
         if cache is not None:

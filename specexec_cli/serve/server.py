@@ -32,6 +32,7 @@ class ServeOptions:
     system: str | None = None
     cache_ram: int | None = None  # prompt cache bytes (--cache-ram); None = from the plan, 0 = off
     max_new_tokens: int | None = None  # --max-new-tokens when given: the max_tokens of requests that send none
+    parallel: int | None = None  # --parallel: requests decoding at once; None = what the plan fits (scheduler.parallel_fit)
 
 
 def check_options(o: ServeOptions) -> None:
@@ -39,6 +40,8 @@ def check_options(o: ServeOptions) -> None:
         raise SpecxError(f"--port must be in 1..65535 (got {o.port})")
     if o.max_queue < 0:
         raise SpecxError(f"--max-queue must be >= 0 (got {o.max_queue})")
+    if o.parallel is not None and o.parallel < 1:
+        raise SpecxError(f"--parallel must be >= 1 (got {o.parallel})")
     if o.max_new_tokens is not None and o.max_new_tokens < 1:
         raise SpecxError(f"--max-new-tokens must be >= 1 (got {o.max_new_tokens})")
     if o.api_key is not None and not o.api_key.strip():
@@ -124,6 +127,11 @@ def run_server(flags, o: ServeOptions) -> int:
     from specexec_cli.session.options import show_plan
 
     opts, plan, cfg = flags.plan(flags.config())
+    from specexec_cli.serve.scheduler import parallel_fit
+
+    o.parallel, note = parallel_fit(plan, o.parallel, cfg.method)
+    if note:
+        notices.notice(note)
     if flags.dry_run:
         show_plan(plan, None)
         return 0
@@ -144,7 +152,7 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
 
     name = o.model_name or default_name(opts.target)
     worker = Worker(make_loader(flags, opts, plan, cfg, o.system, o.cache_ram), o.max_queue, Metrics(),
-                    max_new_tokens=o.max_new_tokens)  # fmt: skip
+                    max_new_tokens=o.max_new_tokens, parallel=o.parallel or 1)  # fmt: skip
     app = create_app(worker, name, api_key=o.api_key, cors=o.cors, host=o.host)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = GracefulServer(config, worker)

@@ -114,17 +114,19 @@ class Worker:
     busy: bool = False
     job_seconds: float = 5.0  # running mean of a request's wall time (for Retry-After)
     max_new_tokens: int | None = None  # the server's --max-new-tokens when given: the default max_tokens
+    parallel: int = 1  # --parallel: requests decoding at once (> 1: one forest pass for all, scheduler.py)
+    running: int = 0  # requests generating now
 
     def __post_init__(self):
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._main, name="specx-worker", daemon=True)
-        self.session = self.defaults = None
+        self.session = self.defaults = self.scheduler = None
 
     def start(self) -> None:
         self.thread.start()
 
     def queue_depth(self) -> int:
-        return max(0, self.pending - (1 if self.busy else 0))
+        return max(0, self.pending - self.running)
 
     def submit(self, job: Job) -> None:
         if self.state != "ready" or self.stopping.is_set():
@@ -132,9 +134,9 @@ class Worker:
                            "the server is shutting down", type="server_error", code="unavailable",
                            headers={"Retry-After": "5"})  # fmt: skip
         with self.lock:
-            if self.pending > self.max_queue:
+            if self.pending >= self.max_queue + self.parallel:   # all --parallel busy, max_queue waiting
                 wait = max(1, round(self.job_seconds * self.pending))
-                raise APIError(429, f"{self.pending - 1} requests are already waiting (--max-queue "
+                raise APIError(429, f"{self.pending - self.parallel} requests are already waiting (--max-queue "
                                f"{self.max_queue}); retry after {wait}s", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
             self.pending += 1
@@ -177,9 +179,33 @@ class Worker:
             return
         self.state = "ready"
         self.on_ready()
+        self.scheduler = None
+        if self.parallel > 1:   # N job threads decoding through one forest (scheduler.py)
+            from specexec_cli.serve.scheduler import Scheduler
+
+            self.scheduler = Scheduler(self.session, self.parallel, self.metrics)
+            self.scheduler.start()
+        helpers = [threading.Thread(target=self._jobs, name=f"specx-job-{i}", daemon=True)
+                   for i in range(1, self.parallel)]
+        for t in helpers:
+            t.start()
+        self._jobs()
+        for t in helpers:
+            t.join()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        while not self.jobs.empty():  # refuse whatever queued behind the sentinel
+            job = self.jobs.get()
+            if job is not None:
+                job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
+                self._finished(job, "rejected", 0.0)
+
+    def _jobs(self) -> None:
+        """One job thread: requests FIFO until the shutdown sentinel (passed on to the other threads)."""
         while True:
             job = self.jobs.get()
             if job is None:
+                self.jobs.put(None)
                 break
             with self.lock:
                 if job.released:   # cancelled while queued: its slot is already free
@@ -190,11 +216,6 @@ class Worker:
                 self._finished(job, "rejected", 0.0)
                 continue
             self._serve(job)
-        while not self.jobs.empty():  # refuse whatever queued behind the sentinel
-            job = self.jobs.get()
-            if job is not None:
-                job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
-                self._finished(job, "rejected", 0.0)
 
     def _finished(self, job: Job, outcome: str, seconds: float) -> None:
         if not self._release(job) and not job.started:
@@ -206,7 +227,9 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         t0, outcome = time.perf_counter(), "ok"
-        self.busy = True
+        with self.lock:
+            self.running += 1
+            self.busy = True
         try:
             if job.cancelled.is_set():
                 outcome = "cancelled"
@@ -221,7 +244,9 @@ class Worker:
             self._end(job, Failed(server_error(exc)))
             outcome = "error"
         finally:
-            self.busy = False
+            with self.lock:
+                self.running -= 1
+                self.busy = self.running > 0
             self._finished(job, outcome, time.perf_counter() - t0)
 
     def _prompt(self, work: Work):
@@ -271,17 +296,26 @@ class Worker:
         gen = torch.Generator().manual_seed(seed % 2**64)
         return cfg, gen, RunStats(config=config_record(cfg))
 
+    def _open(self, job: Job, full: list[int], cfg, gen):
+        """(events, tokens to prefill): the session's one state, or a slot of the forest (--parallel)."""
+        session = self.session
+        if self.scheduler is None:
+            ids = session.prefill_ids(full)
+            prefill = len(session.state.ids) + len(ids) - session.state.target_len
+            return session.decode(ids, cfg, gen), prefill
+        stopped = lambda: job.cancelled.is_set() or self.stopping.is_set()  # noqa: E731
+        return self.scheduler.open(full, cfg, gen, stopped)
+
     def _generate(self, job: Job) -> str:
         session, work = self.session, job.work
         full, plan = self._prompt(work)
         cfg, gen, stats = self._config(work, len(full), plan)
-        ids = session.prefill_ids(full)
-        prefill = len(session.state.ids) + len(ids) - session.state.target_len
+        events, prefill = self._open(job, full, cfg, gen)
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill))
         plain = work.messages is not None and not session.templated and not session.code
         reply = Reply(session.models.tokenizer, work.stops + (PLAIN_STOPS if plain else []), plan.names,
                       plan.forced, work.logprobs)  # fmt: skip
-        finish, events = "length", session.decode(ids, cfg, gen)
+        finish = "length"
         try:
             for ev in events:
                 stats.add(ev)
@@ -297,6 +331,8 @@ class Worker:
                 else:
                     continue
                 break
+            else:   # the forest took it out before an event said so (scheduler.py: cancelled, stopping)
+                finish = "cancelled" if job.cancelled.is_set() else finish
         finally:
             events.close()
         if session.tuner is not None:   # --budget auto: report the shape the tuner ran, not the flag's

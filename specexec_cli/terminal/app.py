@@ -200,6 +200,7 @@ ModelName = Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_pane
 ApiKey = Annotated[Optional[str], typer.Option(metavar="KEY", envvar="SPECX_API_KEY", show_envvar=True, show_default=False, rich_help_panel=SERVER, help="Require 'Authorization: Bearer KEY' on every route but /health.")]
 MaxQueue = Annotated[int, typer.Option(metavar="N", rich_help_panel=SERVER, help="Requests that may wait while one generates; past it, 429 with Retry-After.")]
 Cors = Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", show_default=False, rich_help_panel=SERVER, help="Allow browser pages from ORIGIN (repeatable; * = any). Default: no CORS.")]
+Parallel = Annotated[Optional[int], typer.Option(metavar="N", show_default=False, rich_help_panel=SERVER, help="Requests decoding at once, all verified in one target pass (one weight stream); the tree budget is split between them. Default: 2 where the memory plan has room for their KV caches, else 1.")]
 CacheRam = Annotated[Optional[str], typer.Option(metavar="SIZE", show_default=False, rich_help_panel=SERVER, help="Host RAM for KV snapshots of recent conversations (prompt cache), e.g. 8GB; 0 = keep only the live one. Default: half the RAM the memory plan leaves free.")]
 
 
@@ -208,7 +209,7 @@ CacheRam = Annotated[Optional[str], typer.Option(metavar="SIZE", show_default=Fa
 def serve(
     context: typer.Context, host: Host = "127.0.0.1", port: Port = 8000, model_name: ModelName = None,
     api_key: ApiKey = None, max_queue: MaxQueue = 8, cors: Cors = None, system: System = None,
-    cache_ram: CacheRam = None, *, flags: ModelFlags,
+    cache_ram: CacheRam = None, parallel: Parallel = None, *, flags: ModelFlags,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) with a chat page at /."""
     with user_errors():
@@ -220,7 +221,7 @@ def serve(
         cap = flags.max_new_tokens if given is not None and given.name != "DEFAULT" else None
         options = ServeOptions(host=host, port=port, model_name=model_name, api_key=api_key, max_queue=max_queue,
                                cors=list(cors or []), system=system, cache_ram=parse_size_opt(cache_ram, "--cache-ram"),
-                               max_new_tokens=cap)  # fmt: skip
+                               max_new_tokens=cap, parallel=parallel)  # fmt: skip
         code = run_server(flags, options)
     raise typer.Exit(code)
 

@@ -1,0 +1,234 @@
+"""The forest thread of `specx serve --parallel N`: up to N requests decode together, one target pass each step.
+
+Contract: `Scheduler(session, parallel, metrics)` owns N sequence slots, each a `DecodeState` with
+its own KV caches (slot 0 is the session's own state; the others are reserved at first use under
+the device-pool component "kv_parallel", which the memory plan counts, see `parallel_fit`).
+A worker thread calls `open(full_ids, cfg, gen, cancelled)`; it blocks until the forest thread
+admits the request at the next pass boundary: the free slot sharing the longest prefix with the
+request is taken (least recently used on a tie), the prompt cache restores into it
+(`ChatSession.prefill_ids` on that slot), and a `core.forest.Lane` joins the `Forest`. `open`
+returns (events, tokens to prefill): the events are the ones `ChatSession.decode` yields for one
+request alone (the prefill chunk that yields the first token runs in the same pass as the other
+requests' trees). Closing the events (stop string, finished, worker stopping) or `cancelled()`
+turning true takes the lane out at the next pass boundary, its committed rows kept for the next
+request; an error of one lane (an out-of-memory while adding it included) is raised from its
+events and the others go on. `close()` stops the thread once no lane is left.
+The tree budget is split evenly between the decoding requests (core/forest.py `split_budget`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from specexec_cli.core import kvcache
+from specexec_cli.core.engine import DecodeState, StepEvent
+from specexec_cli.core.forest import FOREST_METHODS, Forest, Lane
+from specexec_cli.errors import SpecxError
+from specexec_cli.session.prompt_cache import common_prefix
+
+END = object()   # a lane's queue sentinel: taken out of the forest without a finishing event
+
+
+@dataclass
+class Ticket:
+    """One request's way in and its events out."""
+
+    full: list[int]  # the whole prompt's ids
+    cfg: object  # its engine.GenerationConfig
+    gen: object  # its torch.Generator
+    cancelled: Callable[[], bool]  # true once the client went away or the server stops
+    admitted: threading.Event = field(default_factory=threading.Event)
+    out: queue.Queue = field(default_factory=queue.Queue)  # StepEvents, then END or an exception
+    prefill: int = 0  # tokens the admission left to prefill
+    error: BaseException | None = None  # why admission refused it
+    closed: bool = False  # the reader stopped reading (set from the worker thread)
+    lane: Lane | None = None
+    slot: int = -1
+    opened: int = 0  # forest passes made when the request asked to join
+    first: int = -1  # the forest pass that gave its first token (first - opened: passes waited)
+
+    def events(self) -> Iterator[StepEvent]:
+        try:
+            while True:
+                item = self.out.get()
+                if item is END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish:
+                    return
+        finally:
+            self.closed = True
+
+
+@dataclass
+class Slot:
+    """One sequence's caches and who holds them."""
+
+    state: DecodeState  # committed ids and both caches
+    ticket: Ticket | None = None  # the request decoding in it; None = free
+    used: float = 0.0  # perf_counter when last taken (least recently used first)
+
+
+def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
+    """(N, note): how many sequences the plan's memory holds (`wanted`; None = the default, as many
+    as fit up to DEFAULT_PARALLEL). Each sequence past the first adds its own target and draft KV
+    (the plan's kv_target + kv_draft) as "kv_parallel"; an explicit N that does not fit is a
+    SpecxError naming the fix, the default lowers itself (never below 1)."""
+    if method not in FOREST_METHODS:
+        if wanted not in (None, 1):
+            raise SpecxError(f"--parallel {wanted} needs --method specexec or ar (this run uses --method {method})")
+        return 1, ""
+    if plan is None:
+        return wanted or DEFAULT_PARALLEL, ""
+    per = plan.device_bytes.get("kv_target", 0) + plan.device_bytes.get("kv_draft", 0)
+    room = plan.device_capacity - plan.device_total
+    fits = 1 + (room // per if per else 1 << 30)
+    if wanted is not None:
+        if wanted > fits:
+            raise SpecxError(f"--parallel {wanted}: the memory plan has room for the KV caches of {fits} "
+                             f"sequence{'s' if fits != 1 else ''} at --ctx {plan.ctx}; fix: --parallel {fits}, a smaller --ctx, "
+                             "or a lower --max-gpu-memory to stream more layers")  # fmt: skip
+        n = wanted
+    else:
+        n = max(1, min(DEFAULT_PARALLEL, fits))
+    if n > 1:
+        plan.device_bytes["kv_parallel"] = (n - 1) * per
+    note = "" if wanted is not None or n == DEFAULT_PARALLEL else \
+        f"--parallel {n}: the memory plan has room for the KV caches of {n} sequence{'s' if n != 1 else ''} only"
+    return n, note
+
+
+DEFAULT_PARALLEL = 2   # sequences per pass when --parallel is not given and the plan has room
+
+
+class Scheduler:
+    """See the module docstring."""
+
+    def __init__(self, session, parallel: int, metrics=None):
+        self.session, self.models, self.metrics = session, session.models, metrics
+        self.slots = [Slot(session.state)] + [Slot(DecodeState()) for _ in range(parallel - 1)]
+        self.forest = Forest(self.models)
+        self.cv = threading.Condition()
+        self.waiting: list[Ticket] = []
+        self.closing = False
+        self.waits: list[int] = []   # per request: forest passes from asking to join to its first token
+        self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
+
+    @property
+    def passes(self) -> int:
+        return self.forest.passes
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closing = True
+            self.cv.notify_all()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def open(self, full: list[int], cfg, gen, cancelled: Callable[[], bool]) -> tuple[Iterator[StepEvent], int]:
+        """Wait for admission at the next pass boundary (module docstring)."""
+        ticket = Ticket(list(full), cfg, gen, cancelled)
+        with self.cv:
+            ticket.opened = self.forest.passes
+            self.waiting.append(ticket)
+            self.cv.notify_all()
+        ticket.admitted.wait()
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.events(), ticket.prefill
+
+    # -- the forest thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.waiting and not self.forest.lanes and not self.closing:
+                    self.cv.wait()
+                if self.closing and not self.forest.lanes:
+                    for ticket in self.waiting:   # nothing is admitted once closing
+                        ticket.error = SpecxError("the server is shutting down")
+                        ticket.admitted.set()
+                    return
+                arrived, self.waiting = self.waiting, []
+            self._admit(arrived)
+            self._drop_stopped()
+            if self.forest.lanes:
+                self._pass()
+
+    def _admit(self, arrived: list[Ticket]) -> None:
+        for ticket in arrived:
+            free = [i for i, s in enumerate(self.slots) if s.ticket is None]
+            if not free:   # the worker runs at most N requests: a slot frees at the next boundary
+                with self.cv:
+                    self.waiting.append(ticket)
+                continue
+            i = max(free, key=lambda k: (common_prefix(ticket.full, self.slots[k].state.ids), -self.slots[k].used))
+            try:
+                self._start(ticket, i)
+            except Exception as exc:  # noqa: BLE001 - refused (OOM reserving its caches: a 400), others go on
+                self._reset(i)
+                ticket.error = exc
+            ticket.admitted.set()
+
+    def _start(self, ticket: Ticket, i: int) -> None:
+        slot, m = self.slots[i], self.models
+        if i > 0 and m.kv_rows is not None:   # slot 0 is the session's, reserved as "kv_target"/"kv_draft"
+            kvcache.reserve(slot.state.target_cache, m.target, m.kv_rows[0], m.pool, "kv_parallel")
+            if m.draft is not None and not m.shared_kv:
+                kvcache.reserve(slot.state.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_parallel")
+        ids = self.session.prefill_ids(ticket.full, slot.state)
+        st = slot.state
+        ticket.prefill = len(st.ids) + len(ids) - st.target_len
+        lane = Lane(m, st, ids, ticket.cfg, ticket.gen)
+        lane.ticket = ticket
+        ticket.lane, ticket.slot = lane, i
+        slot.ticket, slot.used = ticket, time.perf_counter()
+        self.forest.add(lane)
+
+    def _reset(self, i: int) -> None:
+        """A slot whose admission failed: an extra slot starts over (its caches may be half reserved),
+        the session's own keeps its committed rows only."""
+        if i > 0:
+            self.slots[i] = Slot(DecodeState())
+            return
+        st = self.slots[0].state
+        kvcache.crop(st.target_cache, st.target_len)
+        kvcache.crop(st.draft_cache, st.draft_len)
+
+    def _release(self, ticket: Ticket, item=None) -> None:
+        if item is not None:
+            ticket.out.put(item)
+        if ticket.slot >= 0:
+            self.slots[ticket.slot].ticket = None
+
+    def _drop_stopped(self) -> None:
+        for lane in list(self.forest.lanes):
+            ticket = lane.ticket
+            if ticket.closed or ticket.cancelled():
+                self.forest.remove(lane)   # committed rows stay: a follow-up request reuses them
+                self._release(ticket, END)
+
+    def _pass(self) -> None:
+        n = len(self.forest.lanes)
+        tokens = 0
+        for lane, ev in self.forest.step():
+            if isinstance(ev, BaseException):
+                self._release(lane.ticket, ev)
+            elif ev is not None:
+                tokens += len(ev.tokens)
+                if lane.ticket.first < 0:
+                    lane.ticket.first = self.forest.passes
+                    self.waits.append(self.forest.passes - lane.ticket.opened)
+                lane.ticket.out.put(ev)
+                if ev.finish:
+                    self._release(lane.ticket)
+        if self.metrics is not None:
+            self.metrics.forest_pass(n, tokens)
