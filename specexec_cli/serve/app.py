@@ -119,6 +119,7 @@ class Format:
         self.created = int(time.time())
         self.usage = bool(req.stream_options and req.stream_options.include_usage)
         self.offset = 0  # completions: characters streamed so far (logprobs' text_offset)
+        self.where = "POST /v1/" + ("chat/completions" if chat else "completions")  # the route, for log lines
 
     def _chunk(self, content, finish=None, specx=None, usage=None, role=False, logprobs=None, delta=None):
         head = (self.rid, self.created, self.model)
@@ -259,7 +260,7 @@ async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float):
             elif isinstance(item, Failed):  # after the 200 headers: counted and logged here, not by guards.Observe
                 clock.metrics.refused(item.error.status, item.error.type)
                 if item.error.status < 500:  # a 500 was logged by its error id
-                    log_refusal(item.error.status, item.error.body()["error"], fmt.request_id, "stream")
+                    log_refusal(item.error.status, item.error.body()["error"], fmt.request_id, fmt.where)
                 yield event(item.error.body())
                 break
             item = None
@@ -268,7 +269,7 @@ async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float):
     finally:
         if not ended:  # the client left mid-stream: the job stops at its next target pass
             log_refusal(499, {"type": "cancelled", "message": "the client disconnected mid-stream"},
-                        fmt.request_id, "stream")
+                        fmt.request_id, fmt.where)
         job.cancel()
 
 

@@ -1,0 +1,130 @@
+"""Tool calls without a model: each family's call format parsed out of a reply, the streamed
+scanner against the whole-reply parser, templates with and without tools, the messages templates
+get (OpenAI's string arguments as objects), and the reply filter (stop strings, then tool calls).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from specexec_cli.serve.models import ChatRequest
+from specexec_cli.serve.reply import Reply
+from specexec_cli.serve.structured import template_messages
+from specexec_cli.session.chat import render_template
+from specexec_cli.session.tools import ToolScanner, call_format, forced_call, parse_calls, renders_tools
+from tests.tool_models import PLAIN_TEMPLATE, TOOLS_TEMPLATE, WEATHER, make_tokenizer
+
+NAMES = {"get_weather", "get_time"}
+ARGS = {"city": "paris", "days": 2}
+
+REPLIES = [  # (id, reply text, content before the calls, [(name, arguments)])
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n'
+               "</tool_call>", "Let me look.", [("get_weather", ARGS)]),
+    ("hermes-two", '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}</tool_call>\n'
+                   '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "",
+     [("get_weather", ARGS), ("get_time", {})]),
+    ("hermes-unclosed", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}', "",
+     [("get_time", {"zone": "utc"})]),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "paris", "days": 2}}', "", [("get_weather", ARGS)]),
+    ("llama3-python-tag", '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_time", '
+                          '"parameters": {"zone": "cet"}}', "", [("get_time", {}), ("get_time", {"zone": "cet"})]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}]', "",
+     [("get_weather", ARGS)]),
+    ("mistral-decoded-away", '[{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}]', "",
+     [("get_weather", ARGS)]),
+    ("mistral-v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "paris", "days": 2}', "", [("get_weather", ARGS)]),
+    ("generic-fenced", '```json\n{"name": "get_weather", "arguments": "{\\"city\\": \\"paris\\", \\"days\\": 2}"}\n```',
+     "", [("get_weather", ARGS)]),
+    ("unknown-tool", '{"name": "rm_rf", "arguments": {}}', '{"name": "rm_rf", "arguments": {}}', []),
+    ("not-a-call", '{"city": "paris"}', '{"city": "paris"}', []),
+    ("broken-json", '<tool_call>{"name": "get_time", "arguments": {</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": {</tool_call>', []),
+    ("text", "It is sunny [1] in {paris}.", "It is sunny [1] in {paris}.", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text,content,calls", [r[1:] for r in REPLIES], ids=[r[0] for r in REPLIES])
+def test_each_family_format_parses(text, content, calls):
+    got_content, got = parse_calls(text, NAMES)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert all(c.id.startswith("call_") and len(c.id) == 29 for c in got)
+
+
+@pytest.mark.parametrize("text,content,calls", [r[1:] for r in REPLIES], ids=[r[0] for r in REPLIES])
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_the_streamed_scanner_finds_what_the_parser_finds(text, content, calls, size):
+    scanner = ToolScanner(NAMES)
+    shown = "".join(scanner.feed(text[i:i + size]) for i in range(0, len(text), size))
+    tail, got = scanner.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    if calls:  # the text before the first marker went out as it came; the calls were held
+        assert (shown + tail).rstrip() == content
+    else:  # no call: every character reaches the client, in order
+        assert shown + tail == text
+
+
+def test_text_streams_until_a_marker_could_begin():
+    scanner = ToolScanner(NAMES)
+    assert scanner.feed("Sure, ") == "Sure, "
+    assert scanner.feed("here <tool") == "here "  # "<tool" may be the start of <tool_call>
+    assert scanner.feed("kit> is fine") == "<toolkit> is fine"
+    forced = ToolScanner(NAMES, forced=True)
+    assert forced.feed("plain words") == "" and forced.finish() == ("plain words", [])
+
+
+def test_templates_with_and_without_tools():
+    tools, plain = make_tokenizer(TOOLS_TEMPLATE), make_tokenizer(PLAIN_TEMPLATE)
+    assert renders_tools(tools) and not renders_tools(plain)
+    assert call_format(tools) == "hermes" and call_format(plain) == "generic"
+    no_template = make_tokenizer(PLAIN_TEMPLATE)
+    no_template.chat_template = None
+    assert not renders_tools(no_template)
+
+
+def test_string_arguments_reach_the_template_as_objects():
+    req = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})  # fmt: skip
+    messages = template_messages(req.messages)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == ARGS
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"}
+    text = render_template(make_tokenizer(TOOLS_TEMPLATE), messages, [WEATHER])
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}</tool_call>' in text
+    assert '"name": "get_weather"' in text.split("<|user|>")[0]  # the tool list, before the conversation
+    assert text.endswith("<|tool|>\nsunny<|assistant|>\n")
+
+
+@pytest.mark.parametrize("fmt,prefix,key", [("hermes", "<tool_call>\n", "arguments"), ("llama3", "", "parameters"),
+                                            ("generic", "", "arguments")])  # fmt: skip
+def test_a_forced_call_is_the_family_format(fmt, prefix, key):
+    schema, got_prefix, suffix = forced_call([WEATHER], "get_weather", fmt)
+    assert got_prefix == prefix and (suffix == "\n</tool_call>") == (fmt == "hermes")
+    assert schema["properties"]["name"] == {"const": "get_weather"}
+    assert schema["properties"][key] == WEATHER["function"]["parameters"] and schema["required"] == ["name", key]
+
+
+class CharTok:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
+
+
+def event(text: str, draft: int = 0):
+    return SimpleNamespace(text=text, tokens=[ord(c) for c in text], logprobs=[
+        SimpleNamespace(token=ord(c), logprob=-0.5, top=[(ord(c), -0.5)]) for c in text])
+
+
+def test_the_reply_filter_stops_then_parses_and_logprobs_follow_the_text():
+    reply = Reply(CharTok(), ["STOP"], sorted(NAMES), False, 1)
+    pieces = [reply.feed(event(t)) for t in ['ok <tool_call>{"name": "get_time", ', '"arguments": {}}', "STOPjunk"]]
+    last, calls = reply.finish()
+    assert [p.text for p in pieces if p] == ["ok "] and last is not None and last.text == ""
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_time", "{}")]
+    assert reply.used == len('ok <tool_call>{"name": "get_time", "arguments": {}}STOP')
+    sent = [e["token"] for p in [*pieces, last] if p for e in p.logprobs]
+    assert "".join(sent) == 'ok <tool_call>{"name": "get_time", "arguments": {}}STOP'  # none past the stop
