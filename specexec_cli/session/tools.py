@@ -21,8 +21,6 @@ import re
 import secrets
 from dataclasses import dataclass
 
-import jinja2
-import jinja2.meta
 
 FORMATS = ("hermes", "mistral", "llama3", "generic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -52,6 +50,9 @@ def template_source(tok) -> str | None:
 
 def renders_tools(tok) -> bool:
     """True when the chat template reads the `tools` variable (so a request's tools reach the model)."""
+    import jinja2  # what transformers renders chat templates with
+    import jinja2.meta
+
     source = template_source(tok)
     if not source:
         return False
