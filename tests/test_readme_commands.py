@@ -3,8 +3,8 @@
 The README's ```bash blocks are read here (continuation lines joined, comments dropped, `&&` chains
 split), so the page and this test cannot drift apart:
 - the install commands pin the torch that `.ci/run` installs and name extras pyproject.toml has;
-  the test command's steps are the ones `.ci/run` runs, in order (installing itself is
-  tests/test_e2e.py, slow);
+  CONTRIBUTING.md's test command's steps are the ones `.ci/run` runs, in order (installing itself
+  is tests/test_e2e.py, slow);
 - every `specx ...` command in README.md and docs/*.md parses: its command exists and click accepts
   every flag and value count (nothing runs);
 - the quick start runs on the embedded demo pair (capped at 8 tokens here; as written, 256 tokens,
@@ -73,12 +73,13 @@ def test_install_and_test_commands_match_ci_and_pyproject():
         assert torch_pins and all(pin in ci for pin in torch_pins), (c, "the torch .ci/run installs")
         for extra in re.findall(r"\.\[(\w+)\]", c):
             assert extra in extras, f"README installs .[{extra}], pyproject has {sorted(extras)}"
-    # the README's test command, step by step, is what .ci/run runs, in order (CI may add set-up steps)
-    test_steps = next(line for line in README.read_text().splitlines() if "python -m pytest" in line).split("&&")
+    # CONTRIBUTING.md's test command, step by step, is what .ci/run runs, in order (CI may add set-up steps)
+    contributing = (ROOT / "CONTRIBUTING.md").read_text()
+    test_steps = next(line for line in contributing.splitlines() if "python -m pytest" in line).split("&&")
     ci_steps = [step.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")
                 for step in line.split("&&")]  # fmt: skip
     it = iter(ci_steps)
-    assert all(step.strip() in it for step in test_steps), ("the README's test command and .ci/run differ", ci_steps)
+    assert all(step.strip() in it for step in test_steps), ("CONTRIBUTING's test command and .ci/run differ", ci_steps)
     assert (ROOT / "tools" / "compat.sh").stat().st_mode & 0o111
 
 

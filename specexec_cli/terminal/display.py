@@ -350,21 +350,51 @@ class BenchProgress(LoadProgress):
     """`specx bench` progress: bar, cells done/total, elapsed and ETA; a callable(done, total, what)."""
 
 
-def print_bench_table(records: list[dict]) -> None:
-    """One row per bench cell (method × budget × temperature) on stderr."""
-    from rich.table import Table
+BENCH_COLUMNS = ("T", "budget", "method", "tok/pass", "tok/s", "draft", "target", "tree", "= ar")
+BENCH_NOTE = ("draft, target: seconds; tree: mean nodes per pass; = ar: the ids equal --method ar's (T = 0); "
+              "* budget-independent method (ar; chain uses --gamma): one run, repeated per budget")
 
-    table = Table(title="specx bench", header_style="bold cyan")
-    for col in ("T", "budget", "method", "tok/pass", "tok/s", "draft s", "target s", "tree", "lossless"):
+
+def bench_cells(r: dict) -> list[str]:
+    """One bench record's cells, in BENCH_COLUMNS order (markup only in `lossless`)."""
+    lossless = {True: "[green]yes[/green]", False: "[bold red]NO[/bold red]", None: "n/a"}[r["lossless"]]
+    budget = f"{r['budget']}*" if r.get("budget_independent") else str(r["budget"])
+    return [f"{r['temperature']:g}", budget, r["method"], f"{r['tokens_per_pass']:.2f}",
+            f"{r['tokens_per_second']:.2f}", f"{r['draft_seconds']:.1f}", f"{r['target_seconds']:.1f}",
+            f"{r['mean_tree_size']:g}", lossless]  # fmt: skip
+
+
+def bench_table(records: list[dict], width: int):
+    """The bench table when it fits `width` columns uncut, else one wrapped line per cell (a
+    narrow terminal never cuts a figure to "…")."""
+    from rich import box
+    from rich.measure import Measurement
+    from rich.table import Table
+    from rich.text import Text
+
+    console = stderr_console()
+    table = Table(title="specx bench", header_style="bold cyan", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in BENCH_COLUMNS:
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=True)
     for r in records:
-        lossless = {True: "[green]yes[/green]", False: "[bold red]NO[/bold red]", None: "n/a"}[r["lossless"]]
-        budget = f"{r['budget']}*" if r.get("budget_independent") else str(r["budget"])
-        table.add_row(f"{r['temperature']:g}", budget, r["method"], f"{r['tokens_per_pass']:.2f}",
-                      f"{r['tokens_per_second']:.2f}", f"{r['draft_seconds']:.1f}", f"{r['target_seconds']:.1f}",
-                      f"{r['mean_tree_size']:g}", lossless)  # fmt: skip
-    stderr_console().print(table)
-    stderr_console().print("[dim]* budget-independent method (ar; chain uses --gamma): one run, repeated per budget[/dim]")
+        table.add_row(*bench_cells(r))
+    if Measurement.get(console, console.options.update(width=10_000), table).maximum <= width:
+        return table
+    lines = [Text("specx bench", style="bold")]
+    for r in records:   # narrow: "T 0.7 budget 64 specexec: tok/pass 2.30, tok/s 1.10, ..." wrapped at spaces
+        c = bench_cells(r)
+        line = f"T {c[0]} budget {c[1]} {c[2]}: " + ", ".join(f"{h} {v}" for h, v in zip(BENCH_COLUMNS[3:], c[3:]))
+        lines.append(Text.from_markup(line))
+    from rich.console import Group
+
+    return Group(*lines)
+
+
+def print_bench_table(records: list[dict]) -> None:
+    """One row per bench cell (method × budget × temperature) on stderr; see bench_table."""
+    console = stderr_console()
+    console.print(bench_table(records, console.width))
+    console.print(f"[dim]{BENCH_NOTE}[/dim]")
 
 
 def _gb(n: int) -> str:
