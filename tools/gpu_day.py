@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The GPU day on an offline box with a fixed image, in three verbs (docs/gpu-status.md).
+"""The GPU day on an offline box with a fixed image, in four verbs (docs/gpu-status.md).
 
 Contract:
 - `pack [--python 3.12] [--dest .whl]`: the wheels the image lacks (tools/gpuday/pack.py) into the
   git-ignored --dest; prints what a device call would carry; exit 1 above 62 MiB.
-- `run [--smoke] [--out DIR] [--phase NAME] [--budget-s S] [--resume-from JSON]`: the measurements, phase by phase
-  (tools/gpuday/run.py), each phase's JSON in --out; a phase already done is skipped, so a second
+- `run [--smoke] [--out DIR] [--phase NAME] [--budget-s S] [--resume-from JSON] [--summary FILE]`: the
+  measurements, phase by phase (tools/gpuday/run.py), each phase's JSON in --out; a phase already done is skipped, so a second
   command resumes a cut one. Runs from the repo root with nothing installed (PYTHONPATH=. and the
   pack's --target folder). `--smoke`: every phase tiny, on the CPU.
 - `rehearse`: on a CPU machine, a venv shaped like the image, the pack for this Python installed with
@@ -37,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--phase", action="append", default=None, help="run only this phase (repeatable); again if done")
     r.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
     r.add_argument("--resume-from", type=Path, default=None, help="an earlier command's summary.json: skip its phases")
+    r.add_argument("--summary", type=Path, default=None, help="also write summary.json here after every phase")
     h = sub.add_parser("rehearse", help="a venv shaped like the image, the pack installed, run --smoke")
     h.add_argument("--venv", type=Path, default=None)
     h.add_argument("--out", type=Path, default=None)
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "run":
         from tools.gpuday import run
 
-        return run.main(args.out.resolve(), args.smoke, args.phase, args.budget_s, args.resume_from)
+        return run.main(args.out.resolve(), args.smoke, args.phase, args.budget_s, args.resume_from, args.summary)
     if args.verb == "rehearse":
         from tools.gpuday import rehearse
 

@@ -4,7 +4,7 @@ Contract: transformers 5.24 renamed the KV-cache keyword `past_key_values` to `c
 layers, causal-LM forwards, `create_causal_mask`, model outputs) and warns on the old name until
 5.40, where it goes away. `cache_kwargs(fn, cache)` returns `{name: cache}` with the name that
 `fn` accepts in the installed version, so every call site works from the oldest declared version
-(5.0, which only knows `past_key_values`) to the newest. `output_cache_kwargs(cls, cache)` does the
+(5.17, the GPU image's, which only knows `past_key_values`) to the newest. `output_cache_kwargs(cls, cache)` does the
 same for ModelOutput dataclasses. Names are looked up once per callable and cached.
 """
 

@@ -92,9 +92,7 @@ def passes(ctx: dict, fmt: str) -> dict:
     shape = stack.SMOKE_TARGET if smoke else stack.TARGET
     past, ns, repeats = (32, SMOKE_NS, 2) if smoke else (4096, NS, 3)
     path, dtype = target_path(ctx, fmt)
-    t0 = time.perf_counter()
     model = OffloadedCausalLM.from_pretrained(path, device=dev, dtype=dtype, offload="ram", max_device_memory=0)
-    load_s = time.perf_counter() - t0
     rows = []
     try:
         cdtype = kvcache.model_dtype(model)
@@ -119,7 +117,7 @@ def passes(ctx: dict, fmt: str) -> dict:
             streamed = model.stats.streamed_bytes_per_pass
             pred = predict.target_pass(card, fmt, shape, ctx["layers"], n, past, streamed)
             rows.append(dict(n=n, seconds=period, streamed_bytes=streamed, predicted=pred))
-        return dict(fmt=fmt, layers=ctx["layers"], past=past, repeats=repeats, load_seconds=load_s, shape=shape,
+        return dict(fmt=fmt, layers=ctx["layers"], past=past, repeats=repeats, shape=shape,
                     plan=model.plan.describe(), rows=rows)
     finally:
         model.close()

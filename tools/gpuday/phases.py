@@ -8,7 +8,8 @@ Contract (each returns the phase's JSON dict; `ctx` holds device, out, smoke):
   XML read back into passed / failed / skipped and each failure's first line. Smoke (CPU): the file
   skips as a whole, which checks that it still does.
 - `demo`: the embedded demo pair on the device in fp32 with TF32 off: greedy ids of specexec equal
-  ar's, tokens per target pass beside the cost model's prior, then one `specx serve` request.
+  ar's, tokens per target pass beside the cost model's prior, then one `specx serve` request (its
+  status and token count; no timings here: the timed figures, each with its prediction, are measure.py's).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def demo(ctx: dict) -> dict:
             for ev in generate(models, DecodeState(), ids, cfg):
                 toks += list(ev.tokens)
                 last = ev
-            runs[method] = dict(ids=toks, passes=last.pass_index, seconds=last.decode_seconds)
+            runs[method] = dict(ids=toks, passes=last.pass_index)
     finally:
         close_models(models)
     spec = runs["specexec"]
@@ -125,7 +126,7 @@ def demo(ctx: dict) -> dict:
                tokens_per_pass=(len(spec["ids"]) - 1) / max(1, spec["passes"]),
                predicted_tokens_per_pass=predict.tokens_per_pass(budget),
                predicted_model="draftcost.TOKENS_PER_PASS['small'] (the shared trained pair's, a prior)",
-               ar_seconds=runs["ar"]["seconds"], specexec_seconds=spec["seconds"], serve=serve_once(ctx))
+               serve=serve_once(ctx))
     if not out["equal"] or out["serve"]["status"] != 200:
         raise PhaseError("demo: specexec ids differ from ar's, or the served request failed", out)
     return out
@@ -147,5 +148,4 @@ def serve_once(ctx: dict) -> dict:
     finally:
         code = srv.stop()
     usage = body.get("usage", {}) if isinstance(body, dict) else {}
-    return dict(status=status, completion_tokens=usage.get("completion_tokens"), exit_code=code,
-                specx=body.get("specx") if isinstance(body, dict) else None)
+    return dict(status=status, completion_tokens=usage.get("completion_tokens"), exit_code=code)

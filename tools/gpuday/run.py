@@ -6,7 +6,9 @@ Contract:
   skipped (a second command resumes a cut one), `--phase NAME` runs that one again. A phase is not
   started when the seconds spent so far plus its estimate (EST, an H100's) pass --budget-s, so one
   command stays inside the box's 10 minutes; the run then exits 4 and names what is left.
-- `<out>/summary.json` gathers every phase file (what a device call brings back: one file).
+- `<out>/summary.json` gathers every phase file (what a device call brings back: one file), rewritten
+  after each phase, and copied to `--summary PATH` too when given (a folder that comes back even
+  when the command is killed at its limit).
 - Scratch (the synthetic checkpoints, specx's caches, the test and server temporaries, Inductor's
   and Triton's caches) lives in `<out>/work` and is removed once every phase is done; nothing is
   written outside --out.
@@ -89,7 +91,7 @@ def run_phase(name: str, ctx: dict, out: Path) -> bool:
     return rec["ok"]
 
 
-def summary(out: Path) -> dict:
+def summary(out: Path, copy_to: Path | None = None) -> dict:
     phases = {}
     for name in PHASES:
         f = out / f"{name}.json"
@@ -97,7 +99,10 @@ def summary(out: Path) -> dict:
             phases[name] = json.loads(f.read_text())
     doc = dict(phases=phases, done=[n for n in PHASES if n in phases],
                left=[n for n in PHASES if n not in phases], failed=[n for n, r in phases.items() if not r["ok"]])
-    (out / "summary.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    text = json.dumps(doc, indent=1, default=str) + "\n"
+    (out / "summary.json").write_text(text)
+    if copy_to is not None:
+        copy_to.write_text(text)
     return doc
 
 
@@ -115,7 +120,8 @@ def seed(out: Path, resume_from: Path) -> list[str]:
     return done
 
 
-def main(out: Path, smoke: bool, only: list[str] | None, budget_s: float, resume_from: Path | None = None) -> int:
+def main(out: Path, smoke: bool, only: list[str] | None, budget_s: float, resume_from: Path | None = None,
+         copy_to: Path | None = None) -> int:
     if only and (bad := [p for p in only if p not in PHASES]):
         print(f"gpu_day run: unknown phase {bad[0]!r}; choose from {', '.join(PHASES)}", file=sys.stderr)
         return 2
@@ -142,9 +148,10 @@ def main(out: Path, smoke: bool, only: list[str] | None, budget_s: float, resume
             print(f"gpu_day run: {name} left for the next command (budget {budget_s:.0f} s)", file=sys.stderr)
             break
         ok = run_phase(name, ctx, out)
+        summary(out, copy_to)   # after every phase: a command killed at its limit still leaves it
         if name == "env" and not ok:
             break   # the install is wrong: nothing after it would mean anything
-    doc = summary(out)
+    doc = summary(out, copy_to)
     print(json.dumps(dict(done=doc["done"], failed=doc["failed"], left=doc["left"])))
     if not doc["left"]:
         shutil.rmtree(out / "work", ignore_errors=True)
