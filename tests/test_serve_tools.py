@@ -222,13 +222,21 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     assert isinstance(out, Forecast)
 
 
-def test_the_serve_page_openai_example_runs(server, capsys):
-    page = (ROOT / "docs" / "serve.md").read_text()
-    code = next(b for b in re.findall(r"```python\n(.*?)```", page, re.DOTALL) if "from openai import" in b)
+@pytest.mark.parametrize("page,needle,printed", [("serve.md", "from openai import", "tokens_per_pass"),
+                                                 ("serve-clients.md", "from langchain_openai", "city=")])
+def test_the_pages_client_examples_run(server, capsys, page, needle, printed):
+    """The python examples of docs/serve.md (openai, streamed with usage) and docs/serve-clients.md
+    (langchain) as written, against this server."""
+    if needle.startswith("from langchain"):
+        pytest.importorskip("langchain_openai")
+    text = (ROOT / "docs" / page).read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if needle in b)
     assert "http://127.0.0.1:8000/v1" in code
-    exec(code.replace("http://127.0.0.1:8000/v1", f"{server.base}/v1"), {})  # noqa: S102 - the page's own example
-    out = capsys.readouterr().out
-    assert "tokens_per_pass" in out and "completion_tokens=" in out
+    code = code.replace("http://127.0.0.1:8000/v1", f"{server.base}/v1")
+    code = code.replace('temperature=0)', f'temperature=0, max_tokens={CALL_TOKENS})')  # this server's default is short
+    code = compile(code, page, "exec", dont_inherit=True)
+    exec(code, {"__name__": "__main__"})  # noqa: S102 - the page's own example, as a script runs it
+    assert printed in capsys.readouterr().out
 
 
 def test_a_client_leaving_mid_stream_is_one_log_line(server):
