@@ -59,6 +59,19 @@ def test_explicit_lowbit_without_hqq_is_refused_before_loading(tmp_path):
 
 
 @pytest.mark.slow
+def test_4bit_substitutes_of_an_nf4_target_name_the_fixes_that_work(tmp_path):
+    r = specx_without(["hqq"], *STREAMED_NF4, "--draft", "self", "--draft-bits", "4", tmp_path=tmp_path)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "already 4-bit" in last and "they need hqq: pip install -e '.[lowbit]'" in last and "--dtype bf16" in last
+    fixed = [a if a != "nf4" else "fp32" for a in STREAMED_NF4]   # the 16-bit route the line names
+    r = specx_without(["hqq"], *fixed, "--draft", "self", "--draft-bits", "4", tmp_path=tmp_path)
+    ar = specx_without(["hqq"], *fixed, "--method", "ar", tmp_path=tmp_path)
+    assert r.returncode == ar.returncode == 0, r.stderr
+    assert r.stdout == ar.stdout
+
+
+@pytest.mark.slow
 def test_nf4_without_bitsandbytes_is_refused_before_loading(tmp_path):
     r = specx_without(["bitsandbytes"], *STREAMED_NF4, "--method", "ar", tmp_path=tmp_path)
     assert r.returncode == 2, r.stderr

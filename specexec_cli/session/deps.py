@@ -15,7 +15,8 @@ Contract:
   in the clone, or the third-party package itself.
 - `require_for_run(opts)`: SpecxError (exit 2) naming the first package a run with these LoadOptions
   needs and lacks: bitsandbytes for `--dtype nf4`, gguf for a GGUF target or draft, hqq for an
-  explicit `--draft-bits 3|2`.
+  explicit `--draft-bits 3|2`; and `--draft-bits 4` on an nf4 target (the substitutes would be the
+  target itself), with the fixes that work on this install.
 - `usable_draft(opts, plan, replan)`: for a self-draft whose width the plan chooses (`--draft self` or
   `--draft auto` without `--draft-bits`): (opts, plan, skipped) where widths whose package is missing
   are out of the choice. When the plan's pick needs one, the best fitting usable width of
@@ -72,9 +73,13 @@ def require_for_run(opts) -> None:
         if name not in (None, "self", "auto") and not installed("gguf") and is_gguf(resolve_path(name, flag)):
             raise missing_error("gguf", f"{flag} {name}: a GGUF checkpoint")
     bits = getattr(opts, "draft_bits", None)
+    if opts.draft in ("self", "auto") and bits == 4 and opts.dtype == "nf4":
+        hqq = "" if installed("hqq") else f" (they need hqq: {install_hint('hqq')})"
+        raise SpecxError("--draft-bits 4: the target is already 4-bit (--dtype nf4), so its 4-bit substitutes would "
+                         f"be the target itself; fix: --draft-bits 3 or 2{hqq}, the target in 16 bits (--dtype bf16, "
+                         "or fp32 on a CPU) with --draft-bits 4, or a small --draft DIR")
     if opts.draft in ("self", "auto") and bits is not None and not installed(BITS_NEED[bits]):
-        need = BITS_NEED[bits]
-        raise missing_error(need, f"--draft-bits {bits}")
+        raise missing_error(BITS_NEED[bits], f"--draft-bits {bits}")
 
 
 def usable_bits(bits) -> bool:
