@@ -44,7 +44,6 @@ def probe(ctx: dict) -> dict:
     dst.copy_(src, non_blocking=True)
     link = n / statistics.median(device_seconds(lambda: dst.copy_(src, non_blocking=True), dev) for _ in range(5))
     a = torch.ones(n, dtype=torch.uint8, device=dev)
-    a.clone()
     mem = 2 * n / statistics.median(device_seconds(lambda: dst.copy_(a), dev) for _ in range(5))
     del src, dst, a
     out = dict(link_bps=link, memory_bps=mem, link_bytes=n)
@@ -218,6 +217,8 @@ def substitutes(ctx: dict) -> dict:
             secs = statistics.median(device_seconds(one, dev) for _ in range(5))
             rows.append(dict(b=b, seconds=secs, predicted=predict.draft_step(
                 card, packed, 0, dequant_bytes(predict.arch(shape, 1), kernel, 2, b, dev.type), 2.0 * b * numel)))
-        out[str(bits)] = dict(kernel=kernel, packed_bytes=packed, rows=rows)
+        from offload.quant.fused import fused_status
+
+        out[str(bits)] = dict(kernel=kernel, packed_bytes=packed, rows=rows, fused_status=fused_status())
         del lins
     return out

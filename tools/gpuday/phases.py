@@ -108,7 +108,7 @@ def demo(ctx: dict) -> dict:
     torch.backends.cudnn.allow_tf32 = False
     models = load_models(LoadOptions(str(DEMO / "target"), str(DEMO / "draft"), dtype="fp32", device=dev.type,
                                      offload="none", ctx=1024))
-    budget, new = 64, (16 if ctx["smoke"] else 96)
+    budget, new = (16, 8) if ctx["smoke"] else (64, 96)
     try:
         ids = encode_prompt(models.tokenizer, PROMPT, False)
         runs = {}
