@@ -8,16 +8,32 @@ in `dtype`, computed on `raw.device`. The arithmetic follows the reference dequa
 bitwise equal to it for every supported type; a 16-bit `dtype` is that result rounded once.
 Block layouts (block size, bytes per block) come from `gguf.GGML_QUANT_SIZES`; `SUPPORTED` names
 the types Q4_K_M, Q5_K_M, Q8_0, Q4_0 and 16/32-bit files use (Q5_0/Q4_1/Q5_1: llama-quantize's
-fallbacks for rows that are not a multiple of 256). Rows are processed in chunks of at
-most `CHUNK_ELEMS` values so the float32 temporaries stay bounded (`temp_bytes`).
+fallbacks for rows that are not a multiple of 256).
+
+Two kernels run the same arithmetic (`kernel_choice`, $SPECX_GGUF_KERNEL = auto | compiled | eager):
+- compiled (auto on CUDA): each type's block function and the cast to `dtype`, torch.compile'd, so
+  Inductor fuses them into kernels that read the packed bytes once and write each weight once, with
+  only per-sub-block scale/offset buffers in between (bench/dequant.py counts the bytes). A Q/K row
+  permutation is undone by gathering the packed rows first (0.56-1.06 bytes per weight for the
+  K-quants, instead of moving the written weight again). Bitwise equal to eager (tests/test_gguf_quants.py).
+  If compiling fails the process falls back to eager (`kernel_status` says why).
+- eager (auto on CPU, where each type compiles for ~20 s per process before its first use): rows in
+  chunks of at most `CHUNK_ELEMS` values so the float32 temporaries stay bounded (`temp_bytes`).
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import torch
 
 QK_K = 256                      # super-block size of the K-quants
 CHUNK_ELEMS = 1 << 24           # float32 values per dequantization chunk (64 MiB of temporaries)
+KERNEL_ENV = "SPECX_GGUF_KERNEL"   # auto | compiled | eager (see the module docstring)
+_SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)   # low nibble, high nibble
+_COMPILED: dict = {}            # ggml type -> its torch.compile'd fused block function
+_STATE = {"broken": None}       # why the compiled kernel fell back to eager (one line), or None
 
 # GGMLQuantizationType values (gguf.constants; kept numeric so this module imports without gguf)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
@@ -69,17 +85,25 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
     return d * x
 
 
+def _halves(qs: torch.Tensor, dim: int) -> torch.Tensor:
+    """Both nibbles of every byte along a new axis `dim` of size 2 (low nibble first), by a
+    broadcast shift: one elementwise expression (a compiled kernel keeps it in registers, where a
+    stack or cat of the two halves would write a buffer of codes)."""
+    shape = [1] * (qs.dim() + 1)
+    shape[dim] = 2
+    return (qs.unsqueeze(dim) >> _SHIFT4.to(qs.device).view(shape)) & 0x0F
+
+
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = _f16(b[:, :2])
-    qs = b[:, 2:]                                                 # (n, 16): low nibbles 0..15, high 16..31
-    q = torch.stack([qs & 0x0F, qs >> 4], dim=1).reshape(n, 32)
+    q = _halves(b[:, 2:], 1).reshape(n, 32)                      # (n, 16) bytes: low nibbles 0..15, high 16..31
     return d * (q.to(torch.int8) - 8).to(torch.float32)
 
 
 def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
     """(n, 16) bytes -> (n, 32) values: low nibbles are values 0..15, high nibbles 16..31."""
-    return torch.stack([qs & 0x0F, qs >> 4], dim=1).reshape(qs.shape[0], 32)
+    return _halves(qs, 1).reshape(qs.shape[0], 32)
 
 
 def _bits32(qh: torch.Tensor) -> torch.Tensor:
@@ -125,8 +149,7 @@ def _k4_affine(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scale, off = _k4_affine(b)
-    qs = b[:, 16:].reshape(n, 4, 1, 32)                           # 4 groups of 32 bytes -> 64 values each
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).to(torch.float32)
+    q = _halves(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32).to(torch.float32)   # 4 groups of 32 bytes -> 64 values
     return (scale * q - off).reshape(n, QK_K)
 
 
@@ -134,8 +157,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scale, off = _k4_affine(b)
     qh = b[:, 16:48].reshape(n, 1, 32)                            # bit j of byte i: value 32*j + i
-    qs = b[:, 48:].reshape(n, 4, 1, 32)
-    ql = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+    ql = _halves(b[:, 48:].reshape(n, 4, 32), 2).reshape(n, 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
     hi = (qh >> shifts) & 1                                       # (n, 8, 32)
     q = (ql | (hi << 4)).to(torch.float32)
@@ -147,8 +169,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql, qh = b[:, :128], b[:, 128:192]
     scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)   # (n, 16)
     d = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
-    lo = ql.reshape(n, 2, 1, 64)
-    lo = torch.cat([lo & 0x0F, lo >> 4], dim=2).reshape(n, 8, 32)
+    lo = _halves(ql.reshape(n, 2, 64), 2).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
     hi = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
     q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
@@ -194,6 +215,10 @@ def dequantize(raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.
         return dst.reshape(shape)
     per, size = BLOCK[qtype]
     blocks = raw.reshape(rows, cols // per, size)
+    if kernel_choice(raw.device) == "compiled" and _STATE["broken"] is None:
+        w = _compiled_rows(blocks, qtype, dtype, rows_to)
+        if w is not None:
+            return (out.copy_(w) if out is not None else w).reshape(shape)
     dst = out if out is not None else torch.empty(rows, cols, dtype=dtype, device=raw.device)
     step = max(1, CHUNK_ELEMS // cols)
     fn = _BLOCK_FN[qtype]
@@ -202,6 +227,48 @@ def dequantize(raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.
         vals = fn(blocks[r0:r1].reshape(-1, size))            # (chunk blocks, per) float32
         _put(dst, r0, r1, vals.reshape(r1 - r0, cols), rows_to)
     return dst.reshape(shape)
+
+
+def kernel_choice(device: torch.device | str = "cuda") -> str:
+    """$SPECX_GGUF_KERNEL compiled | eager, or auto: compiled on CUDA, eager elsewhere."""
+    want = os.environ.get(KERNEL_ENV, "auto").strip().lower()
+    if want in ("compiled", "eager"):
+        return want
+    return "compiled" if torch.device(device).type == "cuda" else "eager"
+
+
+def kernel_status() -> str | None:
+    """None while the compiled kernel works; else why this process fell back to eager."""
+    return _STATE["broken"]
+
+
+def _fused(qtype: int):
+    block = _BLOCK_FN[qtype]
+
+    def run(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return block(blocks).to(dtype)   # (n, size) bytes -> (n, per) values, rounded once to dtype
+    return run
+
+
+def _compiled_rows(blocks: torch.Tensor, qtype: int, dtype: torch.dtype,
+                   rows_to: torch.Tensor | None) -> torch.Tensor | None:
+    """(rows, blocks per row, size) bytes -> (rows, cols) in dtype by the compiled kernel, or None once
+    compiling failed. rows_to: stored row r goes to row rows_to[r], so output row j is stored row inv[j]."""
+    if rows_to is not None:
+        inv = torch.empty_like(rows_to)
+        inv[rows_to] = torch.arange(rows_to.numel(), device=rows_to.device)
+        blocks = blocks.index_select(0, inv)
+    rows, size = blocks.shape[0], blocks.shape[-1]
+    try:
+        fn = _COMPILED.get(qtype)
+        if fn is None:
+            fn = _COMPILED[qtype] = torch.compile(_fused(qtype), dynamic=True)
+        with warnings.catch_warnings():   # Inductor's codegen notes are not the user's business
+            warnings.simplefilter("ignore")
+            return fn(blocks.reshape(-1, size), dtype).reshape(rows, -1)
+    except Exception as exc:  # noqa: BLE001 - no compiler, unsupported backend: eager computes the same
+        _STATE["broken"] = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        return None
 
 
 def _put(dst: torch.Tensor, r0: int, r1: int, vals: torch.Tensor, rows_to: torch.Tensor | None) -> None:
