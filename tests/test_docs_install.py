@@ -4,7 +4,7 @@ specx is installed from a clone (`pip install -e '.[EXTRA]'`); the index's `spec
 project, so `pip install specx` or `pip install 'specx[lowbit]'` would fetch a stranger's package.
 Every `pip install` in README.md, CONTRIBUTING.md, docs/, bench/README.md, pyproject.toml and the
 source (help texts and errors are string literals there) may name only local paths (`.`, `-e .`,
-`'.[lowbit]'`) and third-party packages this project depends on (pyproject.toml's dependencies and
+`'.[lowbit]'`, with extras pyproject.toml declares) and third-party packages this project depends on (pyproject.toml's dependencies and
 extras) or documents (torch, playwright, sentencepiece). The last tests prove the scan catches the
 wrong forms and that the distribution's name is not one the index holds for another project.
 """
@@ -57,6 +57,9 @@ def bad_installs(text: str) -> list[str]:
                 break
             last = w != w.rstrip("),;:") or (w.endswith(".") and w != ".")
             w = w.rstrip("),;:") if w != "." else w
+            extras = re.fullmatch(r"\.\[([\w,-]+)\]", w)
+            if extras and not set(extras.group(1).split(",")) <= set(META["optional-dependencies"]):
+                bad.append(w)   # the clone with an extra pyproject.toml does not declare
             if not w.startswith(("-", ".", "/", "~", "$", "{")):   # not a flag, a local path or a placeholder
                 name = req_name(w)
                 if not name or name in OURS or name not in known:
@@ -79,6 +82,8 @@ def test_no_install_of_an_unpublished_or_unknown_distribution():
     ("pip install -e '.[lowbit]' in your specx clone (or pip install 'hqq>=0.2.8,<0.3')", []),
     ("pip install torch==2.13.0 -e '.[test]' && python -m pytest", []),
     ("pip install -U 'bitsandbytes>=0.50.2'", []),
+    ("pip install -e '.[nosuchextra]'", [".[nosuchextra]"]),
+    ("pip install -e '.[test,lowbit]'", []),
 ])
 def test_the_scan_tells_ours_from_theirs(line, bad):
     assert bad_installs(line) == bad

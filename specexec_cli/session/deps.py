@@ -11,7 +11,7 @@ Contract:
   so hqq's ~2 s import is not paid for a check; a module hidden as `sys.modules[name] = None` counts as
   missing, as Python's import would).
 - `install_hint(module)`: the one fix, in install-from-source words (the project is not published on
-  PyPI; a `pip install` of its name would fetch someone else's package): `pip install -e '.[EXTRA]'`
+  PyPI; a `pip install` of its name would fetch someone else's package): `pip install -e '.[lowbit]'`
   in the clone, or the third-party package itself.
 - `require_for_run(opts)`: SpecxError (exit 2) naming the first package a run with these LoadOptions
   needs and lacks: bitsandbytes for `--dtype nf4`, gguf for a GGUF target or draft, hqq for an
