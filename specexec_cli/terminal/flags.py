@@ -22,8 +22,8 @@ from specexec_cli.session.options import ModelFlags
 # Help panels. Short flags follow llama-cli where they do not clash: -m model (target), -md draft
 # model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
 MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
-Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir or cached hub id. Default: the embedded demo pair.")]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest, or none when nothing streams.")]
+Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir, cached hub id, .gguf file or ollama name (GGUF: the gguf extra). Default: the embedded demo pair.")]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest among those whose packages are installed, or none when nothing streams.")]
 Method = Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DECODING, help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
 Budget = Annotated[str, typer.Option(metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'.")]
 MaxDepth = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")]
@@ -41,7 +41,7 @@ DraftDtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS,
 AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
 TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]
 Offload = Annotated[str, typer.Option(metavar="MODE", rich_help_panel=OFFLOAD, help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.")]
-MaxGpu = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB. Default: the device's free memory.")]
+MaxGpu = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB (GB = 1e9 bytes, GiB = 2^30). Default: the device's free memory.")]
 Ctx = Annotated[int, typer.Option(metavar="N", rich_help_panel=OFFLOAD, help="Context tokens the KV caches are preallocated for (capped by the models' max positions).")]
 Embeddings = Annotated[str, typer.Option(metavar="WHERE", rich_help_panel=OFFLOAD, help="Target input embeddings: auto | device | host (host: only looked-up rows move).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", metavar="", rich_help_panel=OFFLOAD, help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.")]
