@@ -5,16 +5,18 @@ model: they validate (models.py), hand a `worker.Job` to the worker and await it
 event loop stays free while a request generates. Every error, including malformed JSON, wrong
 types, unknown routes and internal failures, is answered in OpenAI's shape
 `{"error": {message, type, param, code}}` with a 4xx (5xx only for a server-side failure).
-Middleware (guards.py), outermost first: Observe (counts error responses; an unhandled exception
+Middleware (guards.py), outermost first: Observe (request ids, counts and logs error responses; an unhandled exception
 becomes a 500 that carries only an error id, logged on stderr), CORS (only with `cors` origins),
 the Host check (only on a loopback `host` without `api_key`: DNS rebinding), bearer auth (only with
 `api_key`; every route but /health and the page, constant-time compare), a request-body limit (413). Streaming
 is SSE: headers within HEADER_GRACE, then `data: {json}` events (chat: the role first, then content
-deltas, then the finish_reason chunk, the usage chunk when asked for) and `data: [DONE]`, with a
+deltas, then the tool calls, then the finish_reason chunk, the usage chunk when asked for; every
+chunk with the `specx` field) and `data: [DONE]`, with a
 `: keep-alive` comment every `keepalive` seconds without an event (queued, prefilling). A client
 that goes away (streamed or not, queued or running) cancels its job at once: a watcher awaits the
 ASGI `http.disconnect` message, no polling; the job gives its queue slot back or stops at the next
-target pass. `/metrics` adds refusals by status and type and the latency histograms (`Clock`).
+target pass; a stream the client left, or that fails after its headers, gets its log line here
+(guards.log_refusal). `/metrics` adds refusals by status and type and the latency histograms (`Clock`).
 """
 
 from __future__ import annotations
