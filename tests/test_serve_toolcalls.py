@@ -6,6 +6,7 @@ get (OpenAI's string arguments as objects), and the reply filter (stop strings, 
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -128,3 +129,90 @@ def test_the_reply_filter_stops_then_parses_and_logprobs_follow_the_text():
     assert reply.used == len('ok <tool_call>{"name": "get_time", "arguments": {}}STOP')
     sent = [e["token"] for p in [*pieces, last] if p for e in p.logprobs]
     assert "".join(sent) == 'ok <tool_call>{"name": "get_time", "arguments": {}}STOP'  # none past the stop
+
+
+# -- auto mode through the real worker, app and HTTP stack, over a scripted reply ------------------
+class ScriptedToolSession:
+    """What the worker uses of a ChatSession: a templated one (TOOLS_TEMPLATE) whose `decode`
+    yields `script` as StepEvents of the byte-level tokenizer's tokens, the last one ending on EOS."""
+
+    system, templated, code, tuner, prompt_cache = None, True, False, None, None
+
+    def __init__(self, script):
+        from specexec_cli.core.draft import TreeShape
+        from specexec_cli.core.engine import DecodeState, GenerationConfig
+
+        self.script, self.prompts = script, []
+        self.tok = make_tokenizer(TOOLS_TEMPLATE)
+        self.models = SimpleNamespace(tokenizer=self.tok, ctx_limit=4096, eos_ids=frozenset({0}))
+        self.cfg, self.state = GenerationConfig(shape=TreeShape(4, 4), max_new_tokens=256), DecodeState()
+
+    def conversation_ids(self, messages, tools=None):
+        self.prompts.append(render_template(self.tok, messages, tools))
+        return self.tok(self.prompts[-1])["input_ids"]
+
+    def prefill_ids(self, full):
+        return full
+
+    def decode(self, ids, cfg, gen):
+        from specexec_cli.core.engine import StepEvent
+
+        for i, text in enumerate(self.script, 1):
+            yield StepEvent(text=text, tokens=self.tok(text)["input_ids"], accepted=0, pass_index=i, tree_size=1,
+                            tree_depth=1, draft_seconds=0.0, target_seconds=0.001, prefill_seconds=0.0,
+                            decode_seconds=0.001 * i, new_tokens=0, prompt_tokens=0,
+                            finish="eos" if i == len(self.script) else None)  # fmt: skip
+
+
+CALL_SCRIPT = ["Let me check. ", '<tool_call>\n{"name": "get_weather", ',
+               '"arguments": {"city": "rome", "days": 1}}\n</tool_call>\n<tool_call>\n{"name": "get_time", ',
+               '"arguments": {"zone": "utc"}}\n</tool_call>']  # fmt: skip
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    from specexec_cli.serve.app import create_app
+    from specexec_cli.serve.metrics import Metrics
+    from specexec_cli.serve.worker import Worker
+    from specexec_cli.session.gendefaults import GREEDY
+    from tests.serve_util import app_server
+
+    session = ScriptedToolSession(CALL_SCRIPT)
+    worker = Worker(lambda: (session, GREEDY), max_queue=4, metrics=Metrics())
+    worker.start()
+    while worker.state == "loading":
+        time.sleep(0.01)
+    with app_server(create_app(worker, "m")) as port:
+        from openai import OpenAI
+
+        yield session, OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+    worker.shutdown()
+
+
+def test_auto_mode_returns_the_calls_the_model_wrote(scripted):
+    session, sdk = scripted
+    ask = [{"role": "user", "content": "weather and time?"}]
+    res = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL])
+    choice = res.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "rome", "days": 1}), ("get_time", {"zone": "utc"})]
+    assert '"name": "get_time"' in session.prompts[-1]  # the tools reached the template
+    chunks = list(sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            calls.setdefault(d.index, ["", ""])
+            calls[d.index][0] += d.function.name or ""
+            calls[d.index][1] += d.function.arguments or ""
+    assert content == "Let me check. "
+    assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments)
+                                                  for c in choice.message.tool_calls]  # fmt: skip
+    one = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], parallel_tool_calls=False)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    text = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], tool_choice="none")
+    assert text.choices[0].finish_reason == "stop" and text.choices[0].message.tool_calls is None
+    assert text.choices[0].message.content == "".join(CALL_SCRIPT)
+    assert '"name": "get_time"' not in session.prompts[-1]  # tool_choice none: no tools rendered
