@@ -240,3 +240,19 @@ def test_corrupt_gptq_refused_in_one_line(packed, tmp_path, edit, needle):
     with pytest.raises(OffloadError, match=re.escape(needle)) as info:
         open_checkpoint(out)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["gptq-actorder", "awq", "ct-group-sym"])
+def test_compiled_dequant_equals_eager(packed, compressed, case, monkeypatch):
+    """The torch.compile'd dequantization (auto on CUDA) gives the eager kernel's values bitwise, and ran."""
+    from offload.formats import gguf_quants as gq
+
+    path = compressed[case] if case.startswith("ct") else packed[case][0]
+    ckpt = open_checkpoint(path)
+    for name in list(ckpt.packed)[:3]:
+        raw = _raw(ckpt, name)
+        monkeypatch.setenv(gq.KERNEL_ENV, "eager")
+        want = ckpt.reader.load_weight(ckpt, name, raw, torch.device("cpu"), torch.float16)
+        monkeypatch.setenv(gq.KERNEL_ENV, "compiled")
+        got = ckpt.reader.load_weight(ckpt, name, raw, torch.device("cpu"), torch.float16)
+        assert gq.kernel_status() is None and torch.equal(got, want), name

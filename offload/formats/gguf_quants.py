@@ -10,7 +10,7 @@ Block layouts (block size, bytes per block) come from `gguf.GGML_QUANT_SIZES`; `
 the types Q4_K_M, Q5_K_M, Q8_0, Q4_0 and 16/32-bit files use (Q5_0/Q4_1/Q5_1: llama-quantize's
 fallbacks for rows that are not a multiple of 256).
 
-Two kernels run the same arithmetic (`kernel_choice`, $SPECX_GGUF_KERNEL = auto | compiled | eager):
+Two kernels run the same arithmetic (`kernel_choice`, $SPECX_DEQUANT_KERNEL = auto | compiled | eager):
 - compiled (auto on CUDA): each type's block function and the cast to `dtype`, torch.compile'd, so
   Inductor fuses them into kernels that read the packed bytes once and write each weight once, with
   only per-sub-block scale/offset buffers in between (bench/dequant.py counts the bytes). A Q/K row
@@ -30,7 +30,7 @@ import torch
 
 QK_K = 256                      # super-block size of the K-quants
 CHUNK_ELEMS = 1 << 24           # float32 values per dequantization chunk (64 MiB of temporaries)
-KERNEL_ENV = "SPECX_GGUF_KERNEL"   # auto | compiled | eager (see the module docstring)
+KERNEL_ENV = "SPECX_DEQUANT_KERNEL"   # auto | compiled | eager, for GGUF and formats/packed.py alike
 _SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)   # low nibble, high nibble
 _COMPILED: dict = {}            # ggml type -> its torch.compile'd fused block function
 _STATE = {"broken": None}       # why the compiled kernel fell back to eager (one line), or None
@@ -230,7 +230,7 @@ def dequantize(raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.
 
 
 def kernel_choice(device: torch.device | str = "cuda") -> str:
-    """$SPECX_GGUF_KERNEL compiled | eager, or auto: compiled on CUDA, eager elsewhere."""
+    """$SPECX_DEQUANT_KERNEL compiled | eager, or auto: compiled on CUDA, eager elsewhere."""
     want = os.environ.get(KERNEL_ENV, "auto").strip().lower()
     if want in ("compiled", "eager"):
         return want
@@ -240,6 +240,21 @@ def kernel_choice(device: torch.device | str = "cuda") -> str:
 def kernel_status() -> str | None:
     """None while the compiled kernel works; else why this process fell back to eager."""
     return _STATE["broken"]
+
+
+def run_compiled(key, fn, *args):
+    """fn(*args) through torch.compile (compiled once per `key`, dynamic shapes), or None once
+    compiling failed in this process (the caller then runs eager; kernel_status says why)."""
+    try:
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            compiled = _COMPILED[key] = torch.compile(fn, dynamic=True)
+        with warnings.catch_warnings():   # Inductor's codegen notes are not the user's business
+            warnings.simplefilter("ignore")
+            return compiled(*args)
+    except Exception as exc:  # noqa: BLE001 - no compiler, unsupported backend: eager computes the same
+        _STATE["broken"] = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        return None
 
 
 def _fused(qtype: int):
@@ -259,16 +274,8 @@ def _compiled_rows(blocks: torch.Tensor, qtype: int, dtype: torch.dtype,
         inv[rows_to] = torch.arange(rows_to.numel(), device=rows_to.device)
         blocks = blocks.index_select(0, inv)
     rows, size = blocks.shape[0], blocks.shape[-1]
-    try:
-        fn = _COMPILED.get(qtype)
-        if fn is None:
-            fn = _COMPILED[qtype] = torch.compile(_fused(qtype), dynamic=True)
-        with warnings.catch_warnings():   # Inductor's codegen notes are not the user's business
-            warnings.simplefilter("ignore")
-            return fn(blocks.reshape(-1, size), dtype).reshape(rows, -1)
-    except Exception as exc:  # noqa: BLE001 - no compiler, unsupported backend: eager computes the same
-        _STATE["broken"] = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-        return None
+    w = run_compiled(qtype, _fused(qtype), blocks.reshape(-1, size), dtype)
+    return None if w is None else w.reshape(rows, -1)
 
 
 def _put(dst: torch.Tensor, r0: int, r1: int, vals: torch.Tensor, rows_to: torch.Tensor | None) -> None:

@@ -14,6 +14,9 @@ Shared unpacking: `unpack_rows(w)` / `unpack_cols(w)` split int32 words into the
 fields (uint8), bits [4j, 4j+4) becoming element j along rows (dim 0) or columns (dim 1).
 `dequant` works in place on the codes converted to the compute dtype, and may return a
 transposed view (F.linear takes it as it is): its peak is the weight plus `temp_bytes`.
+`load_weight` runs it torch.compile'd where gguf_quants.kernel_choice says so (auto: on CUDA), the
+unpacking, zero point and scale fused so each weight is written once; the same arithmetic, so the
+same values (tests/test_formats_packed.py compares both).
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.formats import hfdir, validate
+from offload.formats import gguf_quants as gq, hfdir, validate
 from offload.formats.base import Checkpoint, as_stored, numel
 
+_SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)
 INT32_PARTS = ("qweight", "qzeros", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx")
 
 
 def _nibbles(w: torch.Tensor) -> torch.Tensor:
     """(R, C) int32 -> (R, C, 8) uint8: field j (bits [4j, 4j+4)) of each word, via its bytes
     (little-endian: byte b holds fields 2b and 2b + 1), so no int32 copy of every code is made."""
-    b = w.contiguous().view(torch.uint8).view(*w.shape, 4)
-    return torch.stack((b & 0xF, b >> 4), dim=-1).view(*w.shape, 8)
+    b = w.contiguous().view(torch.uint8).view(*w.shape, 4, 1)
+    # both nibbles by a broadcast shift (low first): one elementwise expression that a compiled
+    # kernel fuses into the dequantization instead of writing a buffer of codes
+    return ((b >> _SHIFT4.to(b.device)) & 0xF).view(*w.shape, 8)
 
 
 def unpack_cols(w: torch.Tensor) -> torch.Tensor:
@@ -119,6 +125,11 @@ class PackedReader:
         base = hf_weight_name[: -len(".weight")]
         parts = {n[len(base) + 1:]: as_stored(ckpt.tensors[n], raw[n]).to(device)
                  for n in ckpt.stored_parts(hf_weight_name)}
+        if gq.kernel_choice(device) == "compiled" and gq.kernel_status() is None:
+            # torch.compile'd (auto on CUDA): unpack, zero, scale fused, each weight written once
+            w = gq.run_compiled(self.format, self.dequant, ckpt.quant, parts, out_f, in_f, dtype)
+            if w is not None:
+                return w
         return self.dequant(ckpt.quant, parts, out_f, in_f, dtype)
 
     def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:

@@ -33,6 +33,7 @@ class Arch:
     tied: bool
     max_positions: int
     packed: bool = False            # linears stored packed int4 (AWQ/GPTQ/compressed-tensors/GGUF): dequantized per pass
+    method: str = ""                # quantization_config.quant_method of a packed checkpoint ("gguf", "awq", ...)
 
 
 def arch_of(config: dict) -> Arch:
@@ -43,7 +44,8 @@ def arch_of(config: dict) -> Arch:
         return Arch(hidden, int(c["intermediate_size"]), int(c["num_hidden_layers"]), heads,
                     int(c.get("num_key_value_heads") or heads), int(c.get("head_dim") or hidden // heads),
                     int(c["vocab_size"]), bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
-                    int(c.get("max_position_embeddings") or 2048), _packed(config))
+                    int(c.get("max_position_embeddings") or 2048), _packed(config),
+                    (config.get("quantization_config") or {}).get("quant_method", "") if _packed(config) else "")
     except (KeyError, TypeError, ValueError) as exc:
         raise OffloadError(f"config.json lacks {exc}; cannot plan memory for this model") from None
 
@@ -174,7 +176,9 @@ def dequant_temp_bytes(a: Arch, kernel: str, bits: int | None, c: int, device: s
     reference): HQQ's unpack output in c over the padded rows plus the two packed-size mask and shift
     temporaries of one slice; hqq-compiled (offload/quant/fused.py): on CUDA the weight the compiled kernel
     writes for the matmul, I x hidden x c (to be confirmed on a GPU), on CPU none (the compiled graph
-    folds the dequantization into the matmul; measured); none: no temporary."""
+    folds the dequantization into the matmul; measured); int4-unpack (AWQ/GPTQ/compressed-tensors): the weight
+    in c plus uint8 codes or an act-order gather; gguf: the weight in c plus, eager, three fp32 chunk
+    temporaries, compiled, its sub-block scale buffers; none: no temporary."""
     return linear_dequant_bytes(a.intermediate * a.hidden, kernel, bits, c, device)
 
 
@@ -184,6 +188,12 @@ def linear_dequant_bytes(numel: int, kernel: str, bits: int | None, c: int, devi
         return numel * c
     if kernel == "int4-unpack":   # formats/packed.py: the weight in c, plus uint8 codes or an act-order gather
         return numel * (c + max(1, c))
+    if kernel == "gguf":          # formats/gguf_quants.py, eager: the weight plus 3 fp32 chunk temporaries;
+        from offload.formats.gguf_quants import CHUNK_ELEMS, kernel_choice   # compiled: the weight plus
+
+        if kernel_choice(device) == "compiled":     # sub-block scale buffers (measured 0.13-0.16 bytes a weight)
+            return numel * c + numel // 4
+        return numel * c + 12 * min(numel, CHUNK_ELEMS)
     if kernel != "hqq-eager":
         return 0
     from offload.quant.lowbit import GROUPS, ROWS_PER_WORD
@@ -208,7 +218,7 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     below pass_tokens(budget). Every prefill pass streams every offloaded layer once, so a prompt
     that fits --ctx costs one weight stream whenever the memory allows."""
     c = compute_bytes(req)
-    deq = dequant_temp_bytes(ta, "nf4-dequant" if req.dtype == "nf4" else "int4-unpack" if ta.packed else "none", 4, c)
+    deq = dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, req.device)
     floor = min(pass_tokens(budget), req.ctx)
     fused = fused_prefill(req)
     allow = max(capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused,
@@ -230,6 +240,16 @@ def substitute_kernel(bits: int, device: str = "cuda") -> str:
     return "hqq-eager" if kernel_choice(device) == "eager" or fused_status() else "hqq-compiled"
 
 
+def target_kernel(ta: Arch, req) -> str:
+    """The dequantizing path of the target's linears: bitsandbytes NF4, GGUF's kernel, the packed-int4
+    unpack (AWQ/GPTQ/compressed-tensors), or none for 16/32-bit weights."""
+    if req.dtype == "nf4":
+        return "nf4-dequant"
+    if not ta.packed:
+        return "none"
+    return "gguf" if ta.method == "gguf" else "int4-unpack"
+
+
 def draft_kernel(req) -> str:
     """The dequantizing path of the draft's linears: a self-draft's substitutes (4 bits: bitsandbytes
     NF4; 3 / 2: offload.quant.lowbit's kernel), none for a small 16/32-bit draft."""
@@ -244,7 +264,7 @@ def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budg
     (a draft that reads the target's KV never prefills: `draft_prefill` False). A self-draft's pass
     holds its substitutes' dequantization temporaries (and an nf4 target's, for resident layers)."""
     c = compute_bytes(req)
-    deq = dequant_temp_bytes(ta, "nf4-dequant", 4, c) if req.dtype == "nf4" else 0
+    deq = dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, req.device)
     chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
     temperature = getattr(req, "temperature", 0.0)
     worst = max(pass_bytes(ta, budget + 1, rows[0], c, req.attn, budget + 1, deq,
