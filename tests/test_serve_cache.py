@@ -83,7 +83,7 @@ def start(pair, tmp_path_factory, *extra: str) -> Server:
 
 @pytest.fixture(scope="module")
 def servers(pair, tmp_path_factory):
-    cached, plain = start(pair, tmp_path_factory), start(pair, tmp_path_factory, "--cache-ram", "0")
+    cached, plain = start(pair, tmp_path_factory), start(pair, tmp_path_factory, "--cache-ram", "0", "--parallel", "1")
     yield cached, plain
     for srv in (cached, plain):
         assert srv.stop() == 0, srv.stderr()

@@ -4,8 +4,8 @@ Contract: `Scheduler(session, parallel, metrics)` owns N sequence slots, each a 
 its own KV caches (slot 0 is the session's own state; the others are reserved at first use under
 the device-pool component "kv_parallel", which the memory plan counts, see `parallel_fit`).
 A worker thread calls `open(full_ids, cfg, gen, cancelled)`; it blocks until the forest thread
-admits the request at the next pass boundary: the free slot sharing the longest prefix with the
-request is taken (least recently used on a tie), the prompt cache restores into it
+admits the request at the next pass boundary: the free slot whose rows it reuses most, less the
+rows it would discard, is taken (least recently used on a tie), the prompt cache restores into it
 (`ChatSession.prefill_ids` on that slot), and a `core.forest.Lane` joins the `Forest`. `open`
 returns (events, tokens to prefill): the events are the ones `ChatSession.decode` yields for one
 request alone (the prefill chunk that yields the first token runs in the same pass as the other
@@ -170,13 +170,21 @@ class Scheduler:
                 with self.cv:
                     self.waiting.append(ticket)
                 continue
-            i = max(free, key=lambda k: (common_prefix(ticket.full, self.slots[k].state.ids), -self.slots[k].used))
+            i = max(free, key=lambda k: self._fit(ticket.full, k))
             try:
                 self._start(ticket, i)
             except Exception as exc:  # noqa: BLE001 - refused (OOM reserving its caches: a 400), others go on
                 self._reset(i)
                 ticket.error = exc
             ticket.admitted.set()
+
+    def _fit(self, full: list[int], k: int) -> tuple[int, float]:
+        """Slot k's worth for `full`: rows it reuses minus committed rows it would discard (so a
+        one-shot request sharing only a system prompt takes an empty slot, not a conversation's),
+        then least recently used first."""
+        ids = self.slots[k].state.ids
+        reuse = common_prefix(full, ids)
+        return reuse - (len(ids) - reuse), -self.slots[k].used
 
     def _start(self, ticket: Ticket, i: int) -> None:
         slot, m = self.slots[i], self.models
