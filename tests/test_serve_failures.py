@@ -104,7 +104,8 @@ def test_a_worker_failure_is_a_500_with_an_error_id_and_one_log_line(capfd, monk
     eid = re.search(r"error id ([0-9a-f]{12})", body["message"]).group(1)
     log = capfd.readouterr().err
     line = next(ln for ln in log.splitlines() if eid in ln)
-    assert line == f"specx serve: error {eid}: ValueError: cannot read /home/alice/models/secret.bin"
+    rid = err.value.response.headers["x-request-id"]
+    assert line == f"specx serve: error {eid} (request {rid}): ValueError: cannot read /home/alice/models/secret.bin"
     assert ("Traceback" in log) == debug
 
 
@@ -124,7 +125,7 @@ def test_an_app_failure_is_a_500_with_an_error_id(capfd):
     assert status == 500 and body["error"]["code"] == "internal_error" and "/srv" not in body["error"]["message"]
     eid = re.search(r"error id ([0-9a-f]{12})", body["error"]["message"]).group(1)
     log = capfd.readouterr().err
-    assert f"specx serve: error {eid}: KeyError" in log and "Traceback" not in log
+    assert re.search(rf"specx serve: error {eid} \(request [0-9a-f]{{32}}\): KeyError", log) and "Traceback" not in log
     assert 'specx_refused_requests_total{status="500",type="server_error"} 1' in metrics
 
 

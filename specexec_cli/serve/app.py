@@ -172,6 +172,7 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float):
     4xx status), then sends its headers and keep-alive comments while it is queued or prefilling."""
     unsupported(req)
     job = Job(to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
+    job.request_id = fmt.request_id
     clock = Clock(worker.metrics)
     worker.submit(job)
     gone = asyncio.create_task(watch_disconnect(job, request))

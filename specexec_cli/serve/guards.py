@@ -9,7 +9,7 @@ outermost: it gives every request an id (`scope["state"]["request_id"]`, sent ba
 `x-request-id`), counts every error response by status and error type into the metrics, writes one
 stderr line per refused or cancelled request (`log_refusal`: status, error type and code, request
 id, the message), and turns an exception nobody handled into a 500 whose body carries only an error
-id. `log_failure(exc)`
+id. `log_failure(exc, rid)`
 writes that id and the exception as one line on stderr (the traceback too with SPECX_DEBUG=1)
 and returns the id; the client never sees the exception's text (local paths stay local);
 `server_error(exc)` is the APIError the worker answers a failed generation with (OOM: a 400).
@@ -29,11 +29,13 @@ from specexec_cli.serve.models import APIError, error_body
 from specexec_cli.session import notices
 
 
-def log_failure(exc: BaseException) -> str:
-    """Log `exc` on stderr under a new error id (one line; the traceback with SPECX_DEBUG=1)."""
+def log_failure(exc: BaseException, rid: str | None = None) -> str:
+    """Log `exc` on stderr under a new error id, naming the request `rid` when known (one line; the
+    traceback with SPECX_DEBUG=1)."""
     eid = uuid.uuid4().hex[:12]
     first = (str(exc).splitlines() or [""])[0]
-    notices.notice(f"specx serve: error {eid}: {exc.__class__.__name__}: {first}")
+    request = f" (request {rid})" if rid else ""
+    notices.notice(f"specx serve: error {eid}{request}: {exc.__class__.__name__}: {first}")
     if os.environ.get("SPECX_DEBUG") == "1":
         traceback.print_exception(exc, file=sys.stderr)
     return eid
@@ -48,7 +50,7 @@ def log_refusal(status: int, error: dict, rid: str, where: str) -> None:
     notices.notice(f"specx serve: {status} {kind} {where} request {rid}: {message}")
 
 
-def server_error(exc: BaseException) -> APIError:
+def server_error(exc: BaseException, rid: str | None = None) -> APIError:
     """What a request whose generation raised `exc` is answered: device OOM is a 400 (SDKs do not
     retry it) that says what to lower; anything else a 500 that carries only the logged error id."""
     from specexec_cli.errors import is_oom
@@ -57,7 +59,7 @@ def server_error(exc: BaseException) -> APIError:
         notices.notice(f"specx serve: out of device memory during a request ({exc.__class__.__name__})")
         return APIError(400, "out of device memory for this request: lower max_tokens or send a shorter prompt; "
                         "or restart the server with a smaller --budget or --ctx", code="device_out_of_memory")
-    return APIError(500, internal_body(log_failure(exc))["error"]["message"], type="server_error",
+    return APIError(500, internal_body(log_failure(exc, rid))["error"]["message"], type="server_error",
                     code="internal_error")  # fmt: skip
 
 
@@ -212,7 +214,7 @@ class Observe:
         try:
             await self.app(scope, receive, watch)
         except Exception as exc:  # noqa: BLE001 - every route's failure ends here: logged, answered by id
-            eid = log_failure(exc)
+            eid = log_failure(exc, rid)
             if not seen["status"]:
                 await watch({"type": "http.response.start", "status": 500,
                              "headers": [(b"content-type", b"application/json")]})  # fmt: skip

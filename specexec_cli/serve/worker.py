@@ -72,6 +72,7 @@ class Job:
         self.started = False  # the worker took it (set under Worker.lock)
         self.released = False  # its --max-queue slot was given back (set under Worker.lock)
         self.on_cancel: Callable[[], None] = lambda: None  # set by Worker.submit
+        self.request_id: str | None = None  # guards.Observe's id of the request (its log lines name it)
 
     def emit(self, item) -> None:
         try:
@@ -241,7 +242,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - never a dead worker; OOM is a 400, else a logged 500 by id
             from specexec_cli.serve.guards import server_error
 
-            self._end(job, Failed(server_error(exc)))
+            self._end(job, Failed(server_error(exc, job.request_id)))
             outcome = "error"
         finally:
             with self.lock:
