@@ -13,7 +13,7 @@ every turn (`specx.prefill_tokens`). Writes --out/serve.json and prints markdown
 serve tables of docs/performance.md come from its JSON
 (tools/perf_tables.py). The ratio server ÷ run should be >= 0.95.
 
-`--background`: instead, the prompt cache against the one-entry cache (`--cache-ram 0`: only the
+`--background`: instead, the prompt cache against the one-entry cache (`--cache-ram 0 --parallel 1`: only the
 live device state, as before the prompt cache): one server each, both up at once and both with a
 system prompt, the same five-turn streamed chat conversation (user turns: the bench prompts) with
 Open WebUI's background requests after every reply (a title and a follow-up suggestion request,
@@ -143,7 +143,7 @@ def cache_bench(args, flags: list[str], prompts: list[str]) -> None:
     from openai import OpenAI
 
     turns = [p[: args.turn_chars] for p in prompts[: args.num_prompts]]
-    extra = {"cache": ["--cache-ram", args.cache_ram] if args.cache_ram else [], "one_entry": ["--cache-ram", "0"]}
+    extra = {"cache": ["--cache-ram", args.cache_ram] if args.cache_ram else [], "one_entry": ["--cache-ram", "0", "--parallel", "1"]}
     procs, clients = [], {}
     try:
         for name, more in extra.items():

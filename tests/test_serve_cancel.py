@@ -34,7 +34,7 @@ def start(tiny_pair, tmp, *extra) -> Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    srv = start(tiny_pair, tmp_path_factory.mktemp("cancel"), "--max-queue", "1")
+    srv = start(tiny_pair, tmp_path_factory.mktemp("cancel"), "--max-queue", "1", "--parallel", "1")  # one runs, one waits
     yield srv
     assert srv.stop() == 0, srv.stderr()
     assert "Traceback" not in srv.stderr(), srv.stderr()

@@ -189,3 +189,16 @@ def test_parallel_fit_counts_each_sequence_kv():
     assert parallel_fit(plan_with(10**9, 1000), None, "chain")[0] == 1
     with pytest.raises(SpecxError, match="needs --method specexec or ar"):
         parallel_fit(plan_with(10**9, 1000), 2, "chain")
+
+
+def test_serve_parallel_that_does_not_fit_is_one_line_exit_2():
+    from typer.testing import CliRunner
+
+    from specexec_cli.terminal.app import app
+
+    res = CliRunner().invoke(app, ["serve", "--dry-run", "--parallel", "100000000"])
+    assert res.exit_code == 2, res.output
+    assert "--parallel 100000000: the memory plan has room for the KV caches of" in res.output
+    assert "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["serve", "--dry-run", "--parallel", "0"])
+    assert res.exit_code == 2 and "--parallel must be >= 1" in res.output

@@ -93,7 +93,7 @@ def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
         if wanted > fits:
             raise SpecxError(f"--parallel {wanted}: the memory plan has room for the KV caches of {fits} "
                              f"sequence{'s' if fits != 1 else ''} at --ctx {plan.ctx}; fix: --parallel {fits}, a smaller --ctx, "
-                             "or a lower --max-gpu-memory to stream more layers")  # fmt: skip
+                             "or --offload ram (the memory resident layers take goes to the caches)")  # fmt: skip
         n = wanted
     else:
         n = max(1, min(DEFAULT_PARALLEL, fits))

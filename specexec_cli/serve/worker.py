@@ -304,6 +304,8 @@ class Worker:
             ids = session.prefill_ids(full)
             prefill = len(session.state.ids) + len(ids) - session.state.target_len
             return session.decode(ids, cfg, gen), prefill
+        if session.tuner is not None:   # --budget auto: the tuned shape so far (the forest does not re-tune it)
+            cfg = replace(cfg, shape=session.tuner.shape)
         stopped = lambda: job.cancelled.is_set() or self.stopping.is_set()  # noqa: E731
         return self.scheduler.open(full, cfg, gen, stopped)
 
