@@ -30,7 +30,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 def server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
     srv = Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                        "--budget", "8", "--max-new-tokens", "8", "--max-queue", "0", "--ctx", str(CTX),
+                        "--budget", "8", "--max-new-tokens", "8", "--max-queue", "0", "--parallel", "1", "--ctx", str(CTX),
                         "--cors", "http://example.test"], tmp_path_factory.mktemp("serve"),
                        env={"SPECX_API_KEY": KEY})  # fmt: skip
     yield srv
