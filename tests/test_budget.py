@@ -136,15 +136,18 @@ def test_tuned_generation_is_lossless(tiny_pair):
     assert out == ref and len(seen) == 3
 
 
-def test_streamed_target_prior_starts_with_a_larger_tree():
-    """A target whose layers stream every pass costs about the same for 8 or 32 tree tokens, so the
-    prior (no profile) must not start at the resident-CPU budget."""
-    from specexec_cli.core.budget import make_tuner, weights_stream
+def test_without_a_profile_the_tuner_starts_from_the_plans_model():
+    """No profile: --budget auto's tuner takes the memory plan's modelled seconds (its chosen candidate's
+    tokens/s by budget, offload/planning/draftcost.py), so it starts at the budget the dry run's model
+    ranks first, and may grow up to the largest budget the plan sized; no plan: the fallback prior."""
+    from specexec_cli.core.budget import make_tuner
 
-    streamed = SimpleNamespace(plan=SimpleNamespace(streamed=[2, 3]))
-    resident = SimpleNamespace(plan=SimpleNamespace(streamed=[]))
-    assert weights_stream(streamed) and not weights_stream(resident) and not weights_stream(object())
-    shape = TreeShape(budget=64, max_depth=64)
-    b_resident = make_tuner(None, shape, False, weights_stream(resident)).shape.budget
-    b_streamed = make_tuner(None, shape, False, weights_stream(streamed)).shape.budget
-    assert b_streamed > b_resident, (b_streamed, b_resident)
+    rows = [dict(budget=b, tokens_per_pass=tpp, pass_seconds=p, draft_seconds=d, hidden_seconds=0.0,
+                 tokens_per_second=tpp / (p + d))
+            for b, tpp, p, d in ((16, 4.0, 1.0, 0.02), (64, 6.0, 1.0, 0.06), (256, 8.0, 1.9, 0.25))]
+    plan = {"choice": {"by_budget": rows, "budget": 64}, "candidates": [{"draft": "none", "pass_seconds": 0.9}]}
+    tuner = make_tuner(None, TreeShape(budget=64, max_depth=64), False, True, plan)
+    assert tuner.timing.source == "plan" and tuner.max_budget == 256
+    assert tuner.timing.t_target(65) == 1.0 and tuner.timing.t_target(1) == 0.9
+    assert tuner.timing.t_draft(256) == 0.25
+    assert make_tuner(None, TreeShape(64, 64), False, True).timing.source == "prior"

@@ -135,5 +135,7 @@ def test_measured_bandwidth_feeds_the_draft_cost_model(tiny_pair, tmp_path):
     assert out["measured"]["machine"]["memory_bps"] == 12.5e9
     assert out["measured"]["machine"]["source"].startswith("measured: test cpu")
     assert out["prior"]["machine"]["source"] == "prior" and out["prior"]["machine"]["memory_bps"] == 20e9
-    slow, fast = out["measured"]["choice"], out["prior"]["choice"]
-    assert slow["draft_seconds"] == pytest.approx(fast["draft_seconds"] * 20 / 12.5, rel=1e-3)
+    assert out["measured"]["machine"]["sources"]["memory_bps"].startswith("measured")
+    assert out["prior"]["machine"]["sources"]["memory_bps"] == "prior"
+    slow, fast = out["measured"]["choice"], out["prior"]["choice"]   # the slower memory: no faster a draft step
+    assert slow["draft_seconds"] >= fast["draft_seconds"] and slow["terms"]["gemm"] >= fast["terms"]["gemm"]

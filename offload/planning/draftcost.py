@@ -189,7 +189,8 @@ def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, s
         return interpolate({int(k): v for k, v in got["grow_seconds"].items()}, budget), "measured"
     if got and got.get("step_seconds"):
         return forwards * got["step_seconds"], "measured"
-    step = draft_step(spec.weight, spec.kv, spec.dequant, spec.flops_per_node * cost.max_beams, cost.dev, cost.c)
+    step = draft_step(spec.weight, spec.kv, spec.dequant, spec.flops_per_node * cost.max_beams, cost.dev, cost.c,
+                      spec.kernel)
     return forwards * step, "modelled"
 
 
@@ -224,8 +225,8 @@ def sweep(spec: Spec, cost: Costing, plan, auto: bool) -> Candidate:
     budgets = sorted({b for b in BUDGETS if b < plan.budget} | {plan.budget})
     rows = [evaluate(spec, cost, plan, b) for b in budgets]
     top = max(rows, key=lambda c: c.tokens_per_second) if auto else rows[-1]
-    top.by_budget = [{k: getattr(c, k) for k in ("budget", "tokens_per_pass", "pass_seconds", "draft_seconds",
-                                                 "tokens_per_second")} for c in rows]
+    top.by_budget = [{"budget": c.budget, **{k: float(f"{getattr(c, k):.6g}") for k in (
+        "tokens_per_pass", "pass_seconds", "draft_seconds", "hidden_seconds", "tokens_per_second")}} for c in rows]
     return top
 
 

@@ -15,7 +15,8 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
   = 2 x linear weights x n; dequantization traffic = weights x c x dequant_elems(kernel) (nf4 only
   above NF4_GEMV_TOKENS: bitsandbytes' fused GEMV reads the packed bytes); attention = 4 x n x
   (ctx + n) x heads x head_dim FLOPs (QK^T and PV) + the K/V bytes read, 2 x (ctx + n) x kv_heads x
-  head_dim x c. Head = max(2 x n x hidden x vocab FLOPs, its bytes / memory bandwidth).
+  head_dim x c. Head = max(2 x n x hidden x vocab FLOPs, its bytes / memory bandwidth). Dequantization
+  traffic moves at the kernel's measured rate (`Device.dequant_bps`, `specx profile`) where there is one.
 - `draft_step(weight, kv, dequant, flops, dev, c)` -> seconds of one draft forward =
   max(bytes / memory bandwidth, FLOPs / FLOP/s, the step floor); a tree costs forwards x that.
 - PassTerms.seconds is the modelled pass; `bound` names the side that dominates it. Measured pass
@@ -55,6 +56,11 @@ class Device:
     step_floor_s: float        # per draft forward: the same floor for one tree-growth step
     source: str = "prior"      # origin of memory_bps (the figure the plan's caption shows)
     sources: dict = field(default_factory=dict)   # term -> "measured: ..." | "published: ..." | "prior"
+    dequant_bps: dict = field(default_factory=dict)   # kernel -> measured rate of its traffic; else memory_bps
+
+    def dequant_rate(self, kernel: str) -> float:
+        """Bytes/s the dequantization traffic of `kernel` moves at: measured where profiled, else memory bandwidth."""
+        return self.dequant_bps.get(kernel) or self.memory_bps
 
     def flops(self, c: int) -> float:
         """FLOP/s of matmuls in a c-byte compute dtype."""
@@ -67,15 +73,17 @@ class Device:
 TERMS = ("memory_bps", "link_bps", "disk_bps", "flops16", "flops32", "forward_floor_s", "step_floor_s")
 
 
-def device_for(kind: str, sources: dict | None = None, **given) -> Device:
+def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None = None, **given) -> Device:
     """A Device of `kind` with the `given` rates (None = unknown) and PRIORS for the rest; `sources`
-    names the origin of each given rate (default "measured")."""
+    names the origin of each given rate (default "measured"); `dequant_bps` the measured kernel rates."""
     vals, srcs = {}, {}
     for term in TERMS:
         v = given.get(term)
         vals[term] = v if v else PRIORS[kind][term]
         srcs[term] = (sources or {}).get(term, "measured") if v else "prior"
-    return Device(kind, **vals, source=srcs["memory_bps"], sources=srcs)
+    if dequant_bps:
+        srcs["dequant"] = (sources or {}).get("dequant", "measured")
+    return Device(kind, **vals, source=srcs["memory_bps"], sources=srcs, dequant_bps=dict(dequant_bps or {}))
 
 
 @dataclass
@@ -153,7 +161,7 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
     """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier."""
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
     gemm = max(2 * linear_weights(a) * n / dev.flops(c), 0.0)
-    deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.memory_bps
+    deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.dequant_rate(kernel)
     attn = attention_seconds(a, n, ctx, c, dev)
     total = stream = gemm_s = 0.0
     for i, size in enumerate(plan.layer_bytes):
@@ -170,6 +178,8 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
                      dev.forward_floor_s + head + total, "stream" if stream > compute else "compute")
 
 
-def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int) -> float:
-    """Seconds of one draft forward: max(bytes / memory bandwidth, FLOPs / FLOP/s, the step floor)."""
-    return max((weight + kv + dequant) / dev.memory_bps, flops / dev.flops(c), dev.step_floor_s)
+def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int, kernel: str = "none") -> float:
+    """Seconds of one draft forward: max(bytes / memory bandwidth (dequantization traffic at its kernel's
+    rate), FLOPs / FLOP/s, the step floor)."""
+    return max((weight + kv) / dev.memory_bps + dequant / dev.dequant_rate(kernel), flops / dev.flops(c),
+               dev.step_floor_s)

@@ -14,15 +14,15 @@ Models (all corrected online, so priors only matter for the first passes):
   length grows roughly logarithmically with the tree size). `a` is a least-squares fit through the
   origin of (tokens − 1) on log2(1 + B) over the observed passes, regularised towards the prior
   a0 = 0.5 with the weight of PRIOR_PASSES passes. Budgets observed often enough use their mean.
-- t_target(n): the profile's measured points (log-log interpolation, linear beyond the last
-  point). Without a profile, a built-in CPU prior t(n) = t1·(1 + n/KNEE) — flat while the pass is
-  bound by streaming the weights, linear once compute dominates. We chose a prior over a startup
-  measurement because one measured pass of an offloaded target costs a full weight stream; the
-  scale t1 is irrelevant to the argmax except against the draft, and both are rescaled by the
-  observed/predicted ratio as soon as passes are seen. Observed n-bins replace the model outright.
-- t_draft(B): the profile's measured tree-growth times per budget if present, else
-  steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one draft
-  forward per beam batch, plus the dependency chain of a tree whose depth grows ~log B).
+- t_target(n) and t_draft(B), in this order of preference: the profile's measured points; else the
+  memory plan's own pass model (offload/planning/passcost.py via the plan's chosen candidate: its
+  modelled pass seconds at n = B + 1 and draft seconds net of what the stream hides, per budget in
+  `by_budget`), so `--budget auto` starts where the dry run's model puts it; else (no plan: pickle
+  weights) FALLBACK_KNEE's t(n) = 1 + n/FALLBACK_KNEE. Interpolation is log-log between points,
+  linear beyond the last. Both are rescaled by the observed/predicted ratio as soon as passes are
+  seen; observed n-bins replace the model outright. Without measured or planned draft points,
+  t_draft(B) = steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one
+  draft forward per beam batch, plus the dependency chain of a tree whose depth grows ~log B).
 """
 
 from __future__ import annotations
@@ -36,10 +36,7 @@ from specexec_cli.core.engine import GenerationConfig
 
 PRIOR_A = 0.5  # prior tokens-per-pass slope per doubling of the budget
 PRIOR_PASSES = 8.0  # weight of the prior, in passes
-KNEE_CPU, KNEE_CUDA = 32, 512  # tree tokens where the prior target pass starts to grow linearly
-# ... when the target's layers stream every pass: the pass is bound by moving the weights, so it
-# stays flat to far larger trees before compute shows
-KNEE_STREAMED_CPU, KNEE_STREAMED_CUDA = 256, 4096
+FALLBACK_KNEE = 32  # without a profile or a plan (pickle weights): tree tokens where t(n) starts to grow
 MIN_OBSERVED = 12  # passes at one budget before its empirical mean replaces the fitted curve
 
 
@@ -100,13 +97,24 @@ class TimingModel:
     source: str = "prior"  # "profile" or "prior"
 
     @classmethod
-    def prior(cls, on_cuda: bool = False, streamed: bool = False) -> "TimingModel":
-        if streamed:
-            knee = KNEE_STREAMED_CUDA if on_cuda else KNEE_STREAMED_CPU
-        else:
-            knee = KNEE_CUDA if on_cuda else KNEE_CPU
-        points = {n: 1.0 + n / knee for n in (1 << k for k in range(13))}
+    def prior(cls) -> "TimingModel":
+        """Used only without a profile and without a memory plan (module docstring)."""
+        points = {n: 1.0 + n / FALLBACK_KNEE for n in (1 << k for k in range(13))}
         return cls(points, draft_step_seconds=0.05, source="prior")  # draft step ≈ 1/20 target pass
+
+    @classmethod
+    def from_plan(cls, plan: dict | None) -> "TimingModel | None":
+        """The plan's modelled pass and draft seconds per budget (its chosen candidate's `by_budget`)."""
+        rows = ((plan or {}).get("choice") or {}).get("by_budget") or []
+        if not rows:
+            return None
+        target = {int(r["budget"]) + 1: r["pass_seconds"] for r in rows}
+        plain = next((c for c in plan.get("candidates") or [] if c.get("draft") == "none"), None)
+        if plain:
+            target[1] = plain["pass_seconds"]
+        draft = {int(r["budget"]): max(r["draft_seconds"] - r.get("hidden_seconds", 0.0), 1e-6) for r in rows}
+        step = min(draft.values()) / 2
+        return cls(target, step, draft, source="plan")
 
     @classmethod
     def from_profile(cls, profile: dict) -> "TimingModel | None":
@@ -266,10 +274,18 @@ def weights_stream(target) -> bool:
     return bool(getattr(getattr(target, "plan", None), "streamed", None))
 
 
-def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: bool = False) -> BudgetTuner:
-    """A tuner from a profile's timings (if it has model timings) or the built-in prior
-    (`streamed`: the target's layers stream every pass, so its pass time is flat longer)."""
+def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: bool = False,
+               plan: dict | None = None) -> BudgetTuner:
+    """A tuner from a profile's timings (if it has model timings), else the memory plan's modelled ones
+    (`plan`: MemoryPlan.to_json(); capped at the largest budget it sized), else the fallback prior.
+    `streamed` is kept for callers; the plan's model already knows what streams."""
     timing = TimingModel.from_profile(profile) if profile else None
-    timing = timing or TimingModel.prior(on_cuda, streamed)
-    cap = max(timing.target_points) - 1 if timing.source == "profile" else (4095 if on_cuda else 1023)
+    planned = TimingModel.from_plan(plan)
+    timing = timing or planned or TimingModel.prior()
+    if timing.source == "profile":
+        cap = max(timing.target_points) - 1
+    elif planned is not None:
+        cap = max(planned.draft_points)
+    else:
+        cap = 4095 if on_cuda else 1023
     return BudgetTuner(timing, shape, max_budget=max(1, cap))

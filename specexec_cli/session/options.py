@@ -274,6 +274,7 @@ def load_planned(opts, plan, progress):
         raise SpecxError(plan.reason)
     require_host(plan)
     models = load_models(replace(opts, progress=progress))
+    models.plan_json = plan.to_json() if plan is not None else None   # --budget auto's model (core/budget.py)
     placed = getattr(models.target, "plan", None)
     if placed is not None:
         notices.notice(placed.describe())
@@ -305,7 +306,9 @@ def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
     profile = find_profile(profile_path)
     on_cuda = getattr(models.target, "device", None) is not None and models.target.device.type == "cuda"
     auto = budget.strip().lower() == "auto" and cfg.method == "specexec"
-    tuner = make_tuner(profile, cfg.shape, on_cuda, weights_stream(models.target)) if auto else None
+    plan = getattr(models, "plan_json", None)
+    tuner = make_tuner(profile, cfg.shape, on_cuda, weights_stream(models.target), plan) if auto else None
     if tuner is not None and getattr(models, "kv_rows", None) is not None:
-        tuner.max_budget = min(tuner.max_budget, cfg.shape.budget)   # the memory plan sized caches for this
+        sized = max([cfg.shape.budget] + [r["budget"] for r in ((plan or {}).get("choice") or {}).get("by_budget", [])])
+        tuner.max_budget = min(tuner.max_budget, sized)   # the memory plan sized caches for this
     return tuner, link_peak(profile, offload, on_cuda), profile

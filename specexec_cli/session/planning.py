@@ -186,18 +186,27 @@ def require_fit(plan) -> None:
 def resolve_auto(opts, plan, replan, skipped: str = ""):
     """--draft auto: (LoadOptions, plan) with the draft the plan chose, and one notice naming it
     (`skipped`: session/deps.py's clause naming the candidates whose package is missing).
-    The plan was made as a self-draft's (candidates: its widths); when nothing streams, the target is
-    pre-quantized or no width fits, decoding runs without a draft (`replan(opts)` plans for that)."""
+    The plan was made as a self-draft's (candidates: its widths and plain decoding); when nothing streams,
+    the target is pre-quantized, no width fits or plain decoding is modelled faster than the best width,
+    decoding runs without a draft (`replan(opts)` plans for that)."""
+    from offload.planning.draftcost import PLAIN
+
     from specexec_cli.session import notices
     from specexec_cli.session.loading import SELF
 
-    if plan is not None and plan.fits and plan.substitute_bits is not None:
-        c = plan.choice or {}
+    drafts = [c for c in (plan.candidates if plan is not None else []) if c["draft"] != PLAIN]
+    plain = next((c for c in (plan.candidates if plan is not None else []) if c["draft"] == PLAIN), None)
+    c = (plan.choice if plan is not None else None) or {}
+    faster = plain is not None and plain["tokens_per_second"] > c.get("tokens_per_second", 0)
+    if plan is not None and plan.fits and plan.substitute_bits is not None and not faster:
         notices.notice(f"--draft auto: the self-draft at {plan.substitute_bits} bits (modelled "
-                       f"{c.get('tokens_per_second', 0):.2f} tokens/s, the best of {len(plan.candidates)} "
+                       f"{c.get('tokens_per_second', 0):.2f} tokens/s, the best of {len(drafts)} "
                        f"candidates; --dry-run lists them){skipped}")
         return replace(opts, draft=SELF), plan
-    if plan is not None and plan.fits:
+    if plan is not None and plan.fits and plan.substitute_bits is not None:
+        why = (f"plain decoding is modelled faster ({plain['tokens_per_second']:.2f} tokens/s against "
+               f"{c.get('tokens_per_second', 0):.2f} for the self-draft at {plan.substitute_bits} bits)")
+    elif plan is not None and plan.fits:
         why = "every target layer is resident"
     elif plan is None:
         why = "pickle weights have no headers to plan a self-draft from"

@@ -6,10 +6,9 @@ Contract: `write_profile` / `read_profile` / `find_profile` store and find the v
 promises. `card(name)` is one row of the published cards table (profiles/cards.json) that `--gpu NAME`
 plans with; `cost_device_for(device, gpu, profile)` the passcost.Device the pass and draft cost model
 (offload/planning/passcost.py, draftcost.py) evaluates with: the card's published figures, else the
-profile's measured rates, else the priors, each term naming its source (`plan_bandwidths` is its
-(memory, link, source) view). `profile_matches(profile, target, dtype)` returns the profile's measured
-model timings only for this machine, this target and this dtype (else None and the one line saying why);
-`plan_timings` the part of them the plan uses. Nothing here measures or prints; errors are SpecxError.
+profile's measured rates, else the priors, each term naming its source. `profile_matches(profile,
+target, dtype)` returns the profile's measured model timings only for this machine, this target and
+this dtype (else None and the one line saying why); `plan_timings` the part of them the plan uses. Nothing here measures or prints; errors are SpecxError.
 """
 
 from __future__ import annotations
@@ -123,14 +122,6 @@ def card(name: str) -> dict:
     return row
 
 
-def plan_bandwidths(device: str, gpu: str | None, profile: dict | None) -> tuple[float | None, float | None, str]:
-    """(device memory B/s, host->device B/s, source) for the draft cost model; None where unknown."""
-    dev = cost_device_for(device, gpu, profile)
-    known = dev.sources.get("memory_bps", "prior") != "prior"
-    link = dev.link_bps if dev.sources.get("link_bps", "prior") != "prior" else None
-    return (dev.memory_bps if known else None), link, (dev.source if known else "")
-
-
 def cost_device_for(device: str, gpu: str | None, profile: dict | None):
     """The passcost.Device a plan is modelled with: `--gpu NAME`'s published card figures; else this
     machine's profile (measured: memory bandwidth, link, disk, matmul FLOP/s); else the priors."""
@@ -160,7 +151,11 @@ def cost_device_for(device: str, gpu: str | None, profile: dict | None):
     given.update({k: floors[k] for k in ("forward_floor_s", "step_floor_s") if floors.get(k)})
     for k in given:
         srcs.setdefault(k, f"measured ({host})")
-    return device_for(device, srcs, **given)
+    deq = prof.get("dequant") or {}
+    rates = {k: v["gbps"] * 1e9 for k, v in deq.items() if isinstance(v, dict) and v.get("gbps")} \
+        if deq.get("device") == device else {}
+    srcs["dequant"] = f"measured ({host})"
+    return device_for(device, srcs, rates, **given)
 
 
 def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | None, str]:

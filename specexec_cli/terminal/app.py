@@ -28,7 +28,7 @@ from specexec_cli.terminal.flags import (  # the flag declarations
     Target, TrustRemote, model_flags,
 )
 from specexec_cli.session.options import (  # noqa: F401 - DEMO_DIR and the helpers are part of cli's API
-    DEMO_DIR, ModelFlags, config_record, generation_config, hardware_fit, load_for_cli, load_planned, plan_for_cli,
+    DEMO_DIR, ModelFlags, config_record, generation_config, hardware_fit, load_planned, plan_for_cli,
     prompt_text, show_plan,
 )
 from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oom, oom_error
@@ -230,7 +230,7 @@ def serve(
 def profile(
     target: Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Also time this target's forward, t_target(n).")] = None,
     draft: Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Also time this draft's tree growth.")] = None,
-    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "none", max_gpu_memory: MaxGpu = None,
+    dtype: Dtype = "auto", device: Device = "auto", offload: Offload = "auto", max_gpu_memory: MaxGpu = None,
     max_ram: MaxRam = None, allow_pickle: AllowPickle = False, trust_remote_code: TrustRemote = False,
     max_tokens: Annotated[int, typer.Option(metavar="N", help="Largest tree size n to time (powers of two, at most 4096).")] = 4096,
     disk_mb: Annotated[int, typer.Option(metavar="MB", help="MB to read for the disk bandwidth probe.")] = 256,
@@ -252,16 +252,23 @@ def profile(
         folder = Path(target).expanduser() if target and Path(target).expanduser().is_dir() else Path.cwd()
         hardware = profiler.probe_hardware(folder, disk_mb << 20)
         if target is not None:
+            from specexec_cli.tools import modeltimes
+
+            cal: dict = {}
             with display.LoadProgress(display.live_enabled(no_live)) as progress:
-                models = load_for_cli(target, draft, "specexec" if draft else "ar", dtype, device, allow_pickle,
-                                      trust_remote_code, offload, max_gpu_memory, max_ram, progress)
-                models_part = profiler.measure_models(models, max_tokens, progress)
-                if draft is not None and calibration_tokens > 0:
+                def calibrate(models):
                     from specexec_cli.session.calprobe import measure_calibration
 
-                    node_cal = measure_calibration(models, calibration_tokens, progress)
-            models_part.update(target=str(target), draft=draft and str(draft), dtype=dtype, offload=offload,
-                               device=str(getattr(models.target, "device", device)))  # fmt: skip
+                    cal["node"] = measure_calibration(models, calibration_tokens, progress)
+
+                # planned and loaded as `specx run` with the same flags would (tools/modeltimes.py)
+                flags = dict(target=target, draft=draft, dtype=dtype, device=device, offload=offload,
+                             max_gpu_memory=max_gpu_memory, max_ram=max_ram, allow_pickle=allow_pickle,
+                             trust_remote_code=trust_remote_code)
+                models_part = modeltimes.measure(flags, max_tokens, progress,
+                                                 calibrate if draft is not None and calibration_tokens > 0 else None)
+            node_cal = cal.get("node")
+            models_part.update(dtype=dtype, offload=offload)
         prof = profiler.build_profile(hardware, models_part, profiler.recommend(models_part), node_cal)
         path = profiler.write_profile(prof, out)
         display.print_profile(prof)

@@ -1,10 +1,9 @@
 """Hardware probes, t_target(n) / draft-step measurement, and profile JSON read/write.
 
 Contract: `probe_hardware(folder)` returns the machine part of a profile (CPU, RAM, GPUs with pinned
-host→device bandwidth, disk read bandwidth of `folder`, matmul throughput, device memory bandwidth from
-one large in-memory copy per device); `measure_models(models,
-max_tokens)` times the real target forward (offload path included) for n = 1, 2, 4, … tree tokens and
-the draft's tree growth. `build_profile` assembles the versioned dict documented in
+host→device bandwidth, disk read bandwidth of `folder`, matmul throughput per dtype, device memory
+bandwidth from one large in-memory copy per device, each dequantizing kernel's effective traffic rate);
+tools/modeltimes.py times the models through the path a run takes. `build_profile` assembles the versioned dict documented in
 profiles/README.md, which session/profiles.py stores and finds. Nothing here prints; errors are
 SpecxError.
 """
@@ -29,9 +28,8 @@ from specexec_cli.session.profiles import (  # noqa: F401 - the store `specx pro
     write_profile,
 )
 
-CONTEXT_TOKENS = 64  # committed tokens in the cache while timing a pass (a short conversation)
 CHUNK = 8 << 20  # disk read size: large enough to reach sequential bandwidth
-SAMPLE_CODE = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
+DEQUANT_SHAPE = (1024, 1024)   # the weight the dequantization probe rebuilds
 
 
 
@@ -218,91 +216,67 @@ def probe_device_memory(nbytes: int = 256 << 20) -> dict:
     return out
 
 
+def dequantizers(device: str, dtype: torch.dtype) -> dict:
+    """kernel name -> a function rebuilding a DEQUANT_SHAPE weight in `dtype` the way that kernel does,
+    for the kernels whose package is installed: bitsandbytes NF4 (dequantize_4bit), HQQ 3-bit eager
+    (offload/quant/lowbit.LowbitLinear.weight_now)."""
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its optional-kernel notice is not the user's
+    w = torch.randn(*DEQUANT_SHAPE, dtype=torch.float32) * 0.02
+    out = {}
+    try:
+        import bitsandbytes.functional as bf
+
+        packed, state = bf.quantize_4bit(w.to(device, dtype), quant_type="nf4")
+        out["nf4-dequant"] = lambda: bf.dequantize_4bit(packed, state)
+    except Exception:  # noqa: BLE001 - bitsandbytes missing or without a kernel for this device
+        pass
+    try:
+        from offload.quant import lowbit
+
+        q = lowbit.quantize_weight(w, 3)
+        lin = lowbit.LowbitLinear(q["W_q"].to(device), q["scale"].to(device, dtype), q["zero"].to(device, dtype),
+                                  None, DEQUANT_SHAPE, 3)
+        out["hqq-eager"] = lin.weight_now
+    except Exception:  # noqa: BLE001 - hqq missing (the lowbit extra)
+        pass
+    return out
+
+
+def probe_dequant() -> dict:
+    """Effective bytes/s of each dequantizing kernel on the compute device: the traffic the pass model
+    counts for it (weights x compute-dtype bytes x passcost.dequant_elems) over the seconds it takes to
+    rebuild a DEQUANT_SHAPE weight (fastest of repeated calls)."""
+    from offload.planning.passcost import dequant_elems
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    out: dict = dict(device=device, shape=list(DEQUANT_SHAPE))
+    for kernel, fn in dequantizers(device, dtype).items():
+        def call():
+            with torch.no_grad():
+                fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        try:
+            secs = _timed(call, 0.3, 20)
+        except Exception:  # noqa: BLE001 - a kernel this device cannot run
+            continue
+        traffic = DEQUANT_SHAPE[0] * DEQUANT_SHAPE[1] * (2 if device == "cuda" else 4) * dequant_elems(kernel, device)
+        out[kernel] = dict(seconds=round(secs, 6), gbps=round(traffic / secs / 1e9, 3))
+    return out
+
+
 def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
     return dict(cpu=probe_cpu(), memory=probe_memory(), gpus=probe_gpus(),
                 disk=probe_disk(folder or Path.cwd(), disk_bytes), matmul=probe_matmul(),
-                device_memory=probe_device_memory())  # fmt: skip
+                device_memory=probe_device_memory(), dequant=probe_dequant())  # fmt: skip
 
 
 def powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(int(math.log2(max(1, limit))) + 1)]
-
-
-def time_target(models, n_values: list[int], min_seconds: float = 0.2) -> dict[int, float]:
-    """Seconds of one target pass over n new tokens on top of a CONTEXT_TOKENS-token cache.
-
-    Runs the real forward (streamed layers included when offloaded); a causal mask over n tokens
-    costs what a tree mask does. The cache is cropped back after every pass.
-    """
-    from specexec_cli.core import kvcache
-    from specexec_cli.core.tree import causal_mask
-
-    m, dtype = models.target, kvcache.model_dtype(models.target)
-    ids = (models.tokenizer(SAMPLE_CODE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
-    cache = kvcache.new_cache()
-    ctx = len(ids)
-    kvcache.forward(m, cache, torch.tensor(ids), torch.arange(ctx), causal_mask(0, ctx, dtype, m.device))
-    out = {}
-    for n in n_values:
-        toks = torch.tensor((ids * (n // max(ctx, 1) + 1))[:n])
-
-        def one_pass():
-            kvcache.forward(m, cache, toks, torch.arange(ctx, ctx + n), causal_mask(ctx, n, dtype, m.device))
-            kvcache.crop(cache, ctx)
-
-        out[n] = _timed(one_pass, min_seconds, 20)
-    return out
-
-
-def time_draft(models, budgets: list[int], beams: int = 32, max_depth: int = 64) -> dict:
-    """The draft's time per growth step (one forward over `beams` nodes) and per whole tree."""
-    from specexec_cli.core import kvcache
-    from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
-    from specexec_cli.core.sampling import SamplingParams
-    from specexec_cli.core.tree import causal_mask
-
-    d, dtype = models.draft, kvcache.model_dtype(models.draft)
-    ids = (models.tokenizer(SAMPLE_CODE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
-    ctx = len(ids) - 1
-    cache = kvcache.new_cache()
-    kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype, d.device))
-    toks = torch.tensor((ids * 4)[:beams])
-
-    def step():
-        kvcache.forward(d, cache, toks, torch.arange(ctx, ctx + beams), causal_mask(ctx, beams, dtype, d.device))
-        kvcache.crop(cache, ctx)
-
-    grow = {}
-    for b in budgets:
-        def tree():
-            grow_tree(d, cache, DraftContext(ctx, ids[-1:], ctx), TreeShape(b, max_depth, beams), SamplingParams())
-            kvcache.crop(cache, ctx)
-
-        grow[b] = _timed(tree, 0.2, 10)
-    return dict(draft_step_seconds=_timed(step), draft_grow_seconds=grow, max_beams=beams, max_depth=max_depth)
-
-
-def measure_models(models, max_tokens: int, progress=None) -> dict:
-    """t_target(n) for n = 1 … max_tokens (powers of two, capped by the context) and draft timings."""
-    limit = min(max_tokens, 4096, models.ctx_limit - CONTEXT_TOKENS)
-    ns = powers_of_two(limit)
-    out: dict = {}
-    times = {}
-    for i, n in enumerate(ns):
-        if progress:
-            progress(i, len(ns) + 1, f"target pass, {n} tokens")
-        times.update(time_target(models, [n]))
-    out["target_seconds"] = {str(n): round(s, 6) for n, s in times.items()}
-    if models.draft is not None:
-        if progress:
-            progress(len(ns), len(ns) + 1, "draft tree growth")
-        d = time_draft(models, [n - 1 for n in ns if n > 1])
-        out["draft_step_seconds"] = round(d.pop("draft_step_seconds"), 6)
-        out["draft_grow_seconds"] = {str(b): round(s, 6) for b, s in d.pop("draft_grow_seconds").items()}
-        out.update(d)
-    if progress:
-        progress(len(ns) + 1, len(ns) + 1, "done")
-    return out
 
 
 def build_profile(hardware: dict, models_part: dict | None, recommended: dict | None,

@@ -1,0 +1,167 @@
+"""`specx profile --target`: the model part of a profile, measured through the path a run takes.
+
+Contract: `measure(flags, max_tokens, progress)` plans and loads the target exactly as `specx run`
+would with the same flags (session/options.plan_for_cli + load_planned: --offload auto by default,
+--max-gpu-memory, --max-ram, --dtype, --ctx; --budget auto), then times
+- t_target(n): one target pass over n new tokens on a CONTEXT_TOKENS cache, for n = 1, 2, 4, ... up to
+  min(max_tokens, 4096, the plan's largest pass), each size after WARMUP untimed passes, the median
+  of repeated passes (a streamed pass reads its layers from RAM or disk every time, as a run's does);
+- each draft a run could take: a small --draft DIR ("small"), or with --draft self every width whose
+  package is installed ("self-4", "self-3", "self-2"), each planned and loaded on its own: one
+  tree-growth step (max_beams nodes) and the whole tree at each budget in TREE_BUDGETS;
+and records the placement ([resident, RAM, disk] layers), the resolved target path and the dtype the
+timings are for (session/profiles.profile_matches uses them only for that target and dtype, and
+offload/planning/draftcost.py only under that placement). Nothing here prints; errors are SpecxError.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CONTEXT_TOKENS = 64          # committed tokens in the cache while timing a pass (a short conversation)
+WARMUP = 2                   # untimed passes before each timed size (caches, allocator, page cache, threads)
+TREE_BUDGETS = (16, 64, 256, 1024)   # draft tree sizes timed (the dry run's budgets)
+SLOW_CALL = 2.0              # seconds: a call this slow is timed once (its noise is small against it)
+SAMPLE = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
+
+
+def median_time(fn, min_seconds: float = 0.3, max_reps: int = 15, warmup: int = WARMUP) -> float:
+    """Median of repeated fn() calls filling ~min_seconds (at least 3; one when a warm call takes over
+    SLOW_CALL seconds) after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while not times or (len(times) < 3 and times[0] < SLOW_CALL) or (
+            time.perf_counter() - start < min_seconds and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def context_ids(tokenizer) -> list[int]:
+    return (tokenizer(SAMPLE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
+
+
+def time_target(models, n_values: list[int]) -> dict[int, float]:
+    """Seconds of one target pass over n new tokens on a CONTEXT_TOKENS-token cache (cropped back after each)."""
+    from specexec_cli.core import kvcache
+    from specexec_cli.core.tree import causal_mask
+
+    m, dtype = models.target, kvcache.model_dtype(models.target)
+    ids = context_ids(models.tokenizer)
+    cache, ctx = kvcache.new_cache(), len(ids)
+    kvcache.forward(m, cache, torch.tensor(ids), torch.arange(ctx), causal_mask(0, ctx, dtype, m.device))
+    out = {}
+    for n in n_values:
+        toks = torch.tensor((ids * (n // max(ctx, 1) + 1))[:n])
+
+        def one_pass():
+            kvcache.forward(m, cache, toks, torch.arange(ctx, ctx + n), causal_mask(ctx, n, dtype, m.device))
+            kvcache.crop(cache, ctx)
+
+        out[n] = median_time(one_pass)
+    return out
+
+
+def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
+    """{step_seconds: one forward over `beams` nodes, grow_seconds: {budget: one whole tree}, max_beams}."""
+    from specexec_cli.core import kvcache
+    from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
+    from specexec_cli.core.sampling import SamplingParams
+    from specexec_cli.core.tree import causal_mask
+
+    d, dtype = models.draft, kvcache.model_dtype(models.draft)
+    ids = context_ids(models.tokenizer)
+    ctx = len(ids) - 1
+    cache = kvcache.new_cache()
+    kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype, d.device))
+    toks = torch.tensor((ids * 4)[:beams])
+
+    def step():
+        kvcache.forward(d, cache, toks, torch.arange(ctx, ctx + beams), causal_mask(ctx, beams, dtype, d.device))
+        kvcache.crop(cache, ctx)
+
+    grow = {}
+    for b in budgets:
+        def tree():
+            grow_tree(d, cache, DraftContext(ctx, ids[-1:], ctx), TreeShape(b, max_depth, beams), SamplingParams())
+            kvcache.crop(cache, ctx)
+
+        grow[str(b)] = round(median_time(tree, 0.3, 5, 1), 6)
+    return dict(step_seconds=round(median_time(step), 6), grow_seconds=grow, max_beams=beams)
+
+
+def draft_configs(draft: str | None) -> list[tuple[str | None, int | None, str]]:
+    """(--draft, --draft-bits, timing key) of every draft to time: the target alone first when no draft."""
+    from specexec_cli.session.deps import installed, BITS_NEED
+
+    if draft is None:
+        return [(None, None, "")]
+    if draft == "self":
+        return [("self", b, f"self-{b}") for b in (4, 3, 2) if installed(BITS_NEED[b])]
+    return [(draft, None, "small")]
+
+
+def plan_and_load(flags: dict, draft, bits, progress):
+    """(models, plan, cfg) planned and loaded as `specx run` with these flags would."""
+    from specexec_cli.session.options import generation_config, load_planned, plan_for_cli
+
+    method = "specexec" if draft else "ar"
+    cfg = generation_config(method, "auto", 64, flags.get("max_beams", 32), 32, 16, 0.0, None, None, 0,
+                            flags.get("device", "auto"))
+    opts, plan, cfg = plan_for_cli(flags["target"], draft, method, flags.get("dtype", "auto"),
+                                   flags.get("device", "auto"), flags.get("allow_pickle", False),
+                                   flags.get("trust_remote_code", False), flags.get("offload", "auto"),
+                                   flags.get("max_gpu_memory"), flags.get("max_ram"), flags.get("ctx", 8192),
+                                   "auto", cfg, "auto", draft_bits=str(bits) if bits else "auto", temperature=0.0)
+    return load_planned(opts, plan, progress), plan, cfg
+
+
+def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
+    """The profile's "models" part (see the contract); `on_first(models)` runs on the first loaded pair
+    (the node calibration of session/calprobe.py)."""
+    from specexec_cli.session.loading import close_models
+
+    configs = draft_configs(flags.get("draft"))
+    out: dict = dict(target=flags["target"], target_resolved=str(Path(flags["target"]).expanduser().resolve()),
+                     draft=flags.get("draft"), context_tokens=CONTEXT_TOKENS, draft_timings={})
+    for i, (draft, bits, key) in enumerate(configs):
+        models, plan, cfg = plan_and_load(flags, draft, bits, progress)
+        try:
+            if i == 0:
+                limit = min(max_tokens, 4096, models.ctx_limit - CONTEXT_TOKENS, plan.pass_tokens if plan else 4096)
+                ns = [1 << k for k in range(max(0, limit).bit_length()) if 1 << k <= limit]
+                if progress:
+                    progress(0, len(configs) + 1, f"target passes, 1 to {ns[-1]} tokens")
+                out["target_seconds"] = {str(n): round(s, 6) for n, s in time_target(models, ns).items()}
+                out["placement"] = ([len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)]
+                                    if plan else None)
+                out["plan_dtype"] = plan_dtype(plan, flags)
+                out["device"] = str(getattr(models.target, "device", flags.get("device", "auto")))
+                if on_first is not None:
+                    on_first(models)
+            if draft is not None:
+                if progress:
+                    progress(i + 1, len(configs) + 1, f"draft trees ({key})")
+                out["draft_timings"][key] = time_draft(models, TREE_BUDGETS, cfg.shape.max_beams)
+        finally:
+            close_models(models)
+    first = next(iter(out["draft_timings"].values()), None)
+    if first:   # what core/budget.TimingModel.from_profile reads (the first draft timed)
+        out["draft_step_seconds"], out["draft_grow_seconds"] = first["step_seconds"], first["grow_seconds"]
+        out["max_beams"], out["max_depth"] = first["max_beams"], 64
+    return out
+
+
+def plan_dtype(plan, flags: dict) -> str:
+    """The target dtype the plan resolved (what session/profiles.profile_matches compares)."""
+    from specexec_cli.session.planning import plan_device, plan_dtypes
+
+    device = plan_device(flags.get("device", "auto"))
+    return plan_dtypes(flags.get("dtype", "auto"), device, False)[0]
