@@ -67,7 +67,7 @@ class ToolCallIn(Strict):
 
 
 class FunctionDef(Strict):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")  # OpenAI's rule
+    name: str = Field(min_length=1, max_length=256)  # any name a template can render (MCP tools use ":" and ".")
     description: Optional[str] = None
     parameters: Optional[dict] = None  # a JSON Schema of the arguments object; None: no arguments
     strict: Optional[bool] = None
