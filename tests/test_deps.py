@@ -96,6 +96,20 @@ def test_gguf_target_without_gguf_is_refused(monkeypatch, tmp_path):
         deps.require_for_run(LoadOptions(target=str(path), draft=None))
 
 
+def test_prequantized_checkpoint_without_bitsandbytes_is_refused(monkeypatch, tmp_path):
+    import json
+
+    from specexec_cli.session.loading import LoadOptions
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "bitsandbytes", "load_in_4bit": True}}))
+    monkeypatch.setattr(deps, "installed", lambda m: m != "bitsandbytes")
+    with pytest.raises(deps.SpecxError, match=r"--target .*: a pre-quantized bitsandbytes checkpoint needs bitsandbytes"):
+        deps.require_for_run(LoadOptions(target=str(tmp_path), draft=None))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    deps.require_for_run(LoadOptions(target=str(tmp_path), draft=None))   # a 16-bit one needs nothing optional
+
+
 def test_version_ranges_match_pyproject():
     """The hints name the tested ranges, which pyproject.toml declares."""
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

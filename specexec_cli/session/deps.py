@@ -14,7 +14,8 @@ Contract:
   PyPI; a `pip install` of its name would fetch someone else's package): `pip install -e '.[lowbit]'`
   in the clone, or the third-party package itself.
 - `require_for_run(opts)`: SpecxError (exit 2) naming the first package a run with these LoadOptions
-  needs and lacks: bitsandbytes for `--dtype nf4`, gguf for a GGUF target or draft, hqq for an
+  needs and lacks: bitsandbytes for `--dtype nf4` or a pre-quantized bitsandbytes target or draft,
+  gguf for a GGUF target or draft, hqq for an
   explicit `--draft-bits 3|2`; and `--draft-bits 4` on an nf4 target (the substitutes would be the
   target itself), with the fixes that work on this install.
 - `usable_draft(opts, plan, replan)`: for a self-draft whose width the plan chooses (`--draft self` or
@@ -66,12 +67,18 @@ def missing_error(module: str, what: str | None = None) -> SpecxError:
 def require_for_run(opts) -> None:
     """Refuse, before loading, a run whose flags need a package that is missing (module docstring)."""
     from specexec_cli.session.loading import is_gguf, resolve_path
+    from specexec_cli.session.planning import prequantized
 
     if opts.dtype == "nf4" and not installed("bitsandbytes"):
         raise missing_error("bitsandbytes", "--dtype nf4")
     for name, flag in ((opts.target, "--target"), (opts.draft, "--draft")):
-        if name not in (None, "self", "auto") and not installed("gguf") and is_gguf(resolve_path(name, flag)):
+        if name in (None, "self", "auto"):
+            continue
+        path = resolve_path(name, flag)
+        if not installed("gguf") and is_gguf(path):
             raise missing_error("gguf", f"{flag} {name}: a GGUF checkpoint")
+        if not installed("bitsandbytes") and not is_gguf(path) and prequantized(path):
+            raise missing_error("bitsandbytes", f"{flag} {name}: a pre-quantized bitsandbytes checkpoint")
     bits = getattr(opts, "draft_bits", None)
     if opts.draft in ("self", "auto") and bits == 4 and opts.dtype == "nf4":
         hqq = "" if installed("hqq") else f" (they need hqq: {install_hint('hqq')})"
