@@ -32,6 +32,7 @@ streaming model calls after every pass: nothing outlives a pass. The per-term by
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -116,14 +117,21 @@ def _prepared(mask: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tens
 
 
 def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
-    """SDPA pinned to `backend` (None: torch's own choice, on devices other than CPU and CUDA)."""
+    """SDPA pinned to `backend` (None: torch's own choice, on devices other than CPU and CUDA); where the
+    pinned kernel cannot take these inputs, torch's own choice (which may be the math kernel)."""
     from contextlib import nullcontext
 
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(backend) if backend is not None else nullcontext():
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                                scale=scaling, enable_gqa=enable_gqa)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:   # torch warns why a pinned kernel cannot run before it raises: the fallback below says enough
+        with sdpa_kernel(backend) if backend is not None else nullcontext(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa)
+    except RuntimeError as exc:   # the pinned kernel refuses these inputs (head size, dtype, arch): torch's choice
+        if backend is None or not any(m in str(exc) for m in ("No available kernel", "No viable backend")):
+            raise
+        return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa)
 
 
 def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, backend):
