@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specexec_cli.core import kvcache
+from specexec_cli.core import constrain, kvcache
 from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs
@@ -66,6 +66,7 @@ class Scoring:
     committed: list[int] = field(default_factory=list)  # committed ids (the root is the last one)
     chain_kids: dict = field(default_factory=dict)  # parent node → {token: node} for n-gram chain nodes
     noise: PositionNoise | None = None  # T > 0: the target's coupled-draw noise; None = greedy or uncoupled
+    grammar: object = None  # constrain.GrammarRun: n-gram chains are cut where the grammar refuses; None = free
 
     def tail(self, tree: Tree, node: int, n: int) -> list[int]:
         """The last `n` tokens of committed + the path root → node (the n-gram lookup key)."""
@@ -84,6 +85,8 @@ class Staged:
     first: torch.Tensor | None  # (B,) long first proposed token per node (-1 = none), host; None = off
     first_dev: torch.Tensor | None  # the same on the draft's device (staged with the forward's inputs)
     child_pos: torch.Tensor | None  # (B,) long absolute position of each node's children, on the device
+    bits: torch.Tensor | None = None  # (B, W) int32 grammar masks of the nodes, on the device; None = free
+    bits_host: torch.Tensor | None = None  # the same rows on the host (children checked there)
 
 
 def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor):
@@ -175,12 +178,14 @@ def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeSha
     if staged is None:
         staged = stage_here(tree, nodes, shape, scoring, logits.device)
     props, first = staged.props, staged.first
+    logits = constrain.apply(logits, staged.bits)  # grammar: only valid children (forbidden -> -inf, dropped)
     noise = noise_rows(staged.child_pos, scoring, shape, logits.shape[-1], logits.device)
     gaps = scoring is not None and scoring.cal is not None and (noise is not None or params.greedy)
     vals, idx, extra_lp = top_children(logits, k, params, staged.first_dev, noise, gaps)
     parents = nodes.unsqueeze(1).expand_as(idx)
     if scoring is None or scoring.cal is None:
-        add_children(tree, parents, idx, tree.logp[nodes].unsqueeze(1) + vals, None, shape, scoring)
+        cum = valid_only(tree.logp[nodes].unsqueeze(1) + vals, idx, staged)
+        add_children(tree, parents, idx, cum, None, shape, scoring)
         return
     flags = torch.zeros_like(idx)
     if use_ngram:
@@ -194,11 +199,21 @@ def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeSha
         parents = nodes.unsqueeze(1).expand_as(idx)
     feats = coupled_feature(vals, flags) if gaps else draft_feature(vals, flags)
     cum = tree.logp[nodes].unsqueeze(1) + scoring.cal.log_accept()[feats]
-    cum = torch.where(idx >= 0, cum, float("-inf"))
+    cum = valid_only(torch.where(idx >= 0, cum, float("-inf")), idx, staged)
     add_children(tree, parents, idx, cum, feats, shape, scoring)
     if use_ngram:
         for node, (chain, g) in zip(nodes.tolist(), props):
+            if scoring.grammar is not None:  # only the grammar-valid head of the proposal
+                chain = chain[: scoring.grammar.valid_prefix(node, chain)]
             add_chain(tree, node, chain, g, shape, scoring)
+
+
+def valid_only(cum: torch.Tensor, idx: torch.Tensor, staged: Staged) -> torch.Tensor:
+    """(B, k) child scores with the children the grammar forbids at -inf (never added): their masked
+    draft log-prob is -inf, but a calibrated score is read from a feature bin, not from it."""
+    if staged.bits_host is None:
+        return cum
+    return cum.masked_fill(~constrain.host_allowed(staged.bits_host, idx), float("-inf"))
 
 
 def proposal(tree: Tree, node: int, shape: TreeShape, scoring: Scoring) -> tuple[list[int], int]:
@@ -270,19 +285,27 @@ def step_batch(tree: Tree, shape: TreeShape) -> torch.Tensor:
     return open_
 
 
-def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None) -> Tree:
-    """Grow the tree; see the module docstring for the cache layout it leaves behind."""
+def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None,
+              grammar=None) -> Tree:
+    """Grow the tree; see the module docstring for the cache layout it leaves behind. grammar: a
+    constrain.GrammarRun at the committed state; each expansion's draft logits are masked by its
+    nodes' grammar masks (computed before the forward, staged with its upload), so every node of
+    the tree is a grammar-valid continuation."""
     tree = Tree.new(ctx.pending[-1])
+    if grammar is not None:
+        grammar.begin(tree)
+        if scoring is not None:
+            scoring.grammar = grammar
     base = ctx.n_cached + len(ctx.pending) - 1  # cache index of the root = start of the tree slots
     # 1) the pending run gives the root's distribution; the root is tree slot 0
     root = torch.zeros(1, dtype=torch.long)
     props, first = proposals(tree, root, shape, scoring)
-    root_logits, root_pos, extra = run_pending(draft, cache, ctx, *([first] if first is not None else []))
+    bits = grammar.bitmask([0]) if grammar is not None else None  # (1, W) host: the committed state's mask
+    root_logits, root_pos, extra = run_pending(draft, cache, ctx, *[t for t in (first, bits) if t is not None])
     tree.mark_run(root)
     if shape.max_depth < 1 or shape.budget < 1:
         return tree
-    expand(tree, root, root_logits[None], shape, params, scoring,
-           Staged(props, first, extra[0] if extra else None, root_pos + 1))
+    expand(tree, root, root_logits[None], shape, params, scoring, staged_from(props, first, extra, root_pos + 1, bits))
     dtype, device = kvcache.model_dtype(draft), draft.device
     # 2) expand the best open nodes, one batched draft forward per step
     for _ in range(shape.max_depth + shape.budget):
@@ -290,16 +313,26 @@ def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: Samplin
         if nodes.numel() == 0:
             break
         props, first = proposals(tree, nodes, shape, scoring)
+        bits = grammar.bitmask(nodes.tolist()) if grammar is not None else None  # (B, W) host
         anc = ancestors(tree.parents, nodes)  # (B, D) node ids, all already run
         anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
         self_cols = base + tree.n_slots + torch.arange(nodes.numel())
         n_cols = base + tree.n_slots + nodes.numel()
-        # one upload: (B,) ids, (B,) positions, (B, D) ancestor columns, (B,) own columns [, (B,) proposals]
+        # one upload: (B,) ids, (B,) positions, (B, D) ancestor columns, (B,) own columns
+        # [, (B,) proposals][, (B, W) grammar masks]
         ids, positions, anc_cols, self_cols, *extra = kvcache.stage(
             draft, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], anc_cols, self_cols,
-            *([first] if first is not None else []))
+            *[t for t in (first, bits) if t is not None])
         mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, device)
         logits = kvcache.forward(draft, cache, ids, positions, mask)
         tree.mark_run(nodes)
-        expand(tree, nodes, logits, shape, params, scoring, Staged(props, first, extra[0] if extra else None, positions + 1))
+        expand(tree, nodes, logits, shape, params, scoring, staged_from(props, first, extra, positions + 1, bits))
     return tree
+
+
+def staged_from(props: list, first: torch.Tensor | None, extra: list, child_pos: torch.Tensor,
+                bits_host: torch.Tensor | None = None) -> Staged:
+    """`Staged` from a forward's staged extras, in order: [first proposals][, grammar masks]."""
+    moved = iter(extra)
+    first_dev = next(moved) if first is not None else None
+    return Staged(props, first, first_dev, child_pos, next(moved, None), bits_host)

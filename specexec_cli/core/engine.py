@@ -18,10 +18,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from specexec_cli.core import calibrate, kvcache, transfers
+from specexec_cli.core import calibrate, constrain, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
-from specexec_cli.core.grammar import GrammarSpec
-from specexec_cli.core.logprobs import TokenLogprob
+from specexec_cli.core.grammar import GrammarError, GrammarSpec, compile_grammar
+from specexec_cli.core.logprobs import TokenLogprob, token_logprobs
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
@@ -81,12 +81,20 @@ def new_noise(gen: torch.Generator) -> PositionNoise:
 
 def draw(st: DecodeState, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
     """The target's token at position len(st.ids) from its (V,) logits: the race of sampling.py
-    (argmax at T = 0), on the logits' device; one counted copy of the chosen id."""
-    rows = None
+    (argmax at T = 0), on the logits' device, masked by the grammar's committed state when the call
+    has one; one counted copy of the chosen id."""
+    rows = bits = None
     if not params.greedy:
         st.noise = st.noise or new_noise(gen)
         rows = st.noise.block(len(st.ids), 1, logits.shape[-1], logits.device, RACE)  # (1, V)
-    return int(transfers.to_host(race_choice(logits[None], params, rows, None))[0])
+    if st.grammar is not None:
+        (bits,) = transfers.upload(logits.device, st.grammar.root_bitmask())  # (1, W)
+    return int(transfers.to_host(race_choice(logits[None], params, rows, None, bits))[0])
+
+
+def logprobs_of(cfg: GenerationConfig, logits: torch.Tensor, rows: list[int], tokens: list[int]):
+    """StepResult.logprobs: the emitted tokens' logprobs from the pass's (n, V) logits (None when off)."""
+    return None if cfg.logprobs is None else token_logprobs(logits, rows, tokens, cfg.logprobs)
 
 
 @dataclass
@@ -142,7 +150,8 @@ def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Genera
     tok = draw(st, logits[-1], cfg.sampling, gen)
     st.target_len += 1
     st.ids.append(tok)
-    return StepResult([tok], 0, target_seconds=time.perf_counter() - t0)
+    return StepResult([tok], 0, target_seconds=time.perf_counter() - t0,
+                      logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
 
 
 def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
@@ -210,7 +219,7 @@ def draft_context(st: DecodeState) -> DraftContext:
 
 
 def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None):
-    return grow_tree(m.draft, st.draft_cache, ctx, shape, params, scoring)
+    return grow_tree(m.draft, st.draft_cache, ctx, shape, params, scoring, grammar=st.grammar)
 
 
 def verify_pass(m: Models, st: DecodeState, vt, *extra: torch.Tensor) -> list[torch.Tensor]:
@@ -231,7 +240,9 @@ def speculative_step(
     if ts is None:
         return ar_step(m, st, cfg, gen, limit)
     # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
-    logits, positions = verify_pass(m, st, ts.vt)
+    # (the grammar masks of the nodes, if any, ride in the pass's upload)
+    logits, positions, *bits = verify_pass(m, st, ts.vt, *([ts.bits] if ts.bits is not None else []))
+    ts.bits = bits[0] if bits else None
     return accept_step(m, st, cfg, ts, logits, positions)
 
 
@@ -246,6 +257,8 @@ class TreeStep:
     limit: int  # most tokens this step may emit
     t0: float  # perf_counter when growth began
     t1: float  # perf_counter when the tree was ready
+    bits: torch.Tensor | None = None  # (n_tree, W) int32 grammar masks of the verified nodes; None = free
+    ends: frozenset = frozenset()  # VerifyTree indices where the grammar is complete (the walk stops)
 
 
 def grow_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int,
@@ -263,7 +276,11 @@ def grow_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Gene
     scoring = tree_scoring(m, st, cfg) if grow is default_grow else None
     tree = grow(m, st, ctx, shape, cfg.sampling, scoring)
     vt = subtree(tree, top_budget(tree.logp, shape.budget))
-    return TreeStep(tree, vt, len(ctx.pending), scoring, limit, t0, time.perf_counter())
+    bits, ends = None, frozenset()
+    if st.grammar is not None and grow is default_grow:   # every verified node's mask (the draft's are reused)
+        ids = vt.draft_ids.tolist()
+        bits, ends = st.grammar.bitmask(ids), frozenset(i for i, s in enumerate(st.grammar.stopped(ids)) if s)
+    return TreeStep(tree, vt, len(ctx.pending), scoring, limit, t0, time.perf_counter(), bits, ends)
 
 
 def accept_step(m: Models, st: DecodeState, cfg: GenerationConfig, ts: TreeStep, logits: torch.Tensor,
@@ -271,7 +288,10 @@ def accept_step(m: Models, st: DecodeState, cfg: GenerationConfig, ts: TreeStep,
     """Stages 3-4 after the target's (n_tree, V) logits at (n_tree,) positions: accept, trim both caches."""
     n = len(st.ids)
     # 3) every node's token on the device, one (n,) copy, then the walk down the tree
-    acc = accept_tree(ts.vt, logits, cfg.sampling, st.noise, n, m.eos_ids, ts.limit, depth=positions - (n - 1))
+    bits = transfers.upload(logits.device, ts.bits)[0] if ts.bits is not None else None  # no copy when staged
+    acc = accept_tree(ts.vt, logits, cfg.sampling, st.noise, n, m.eos_ids, ts.limit, depth=positions - (n - 1),
+                      bits=bits, ends=ts.ends)
+    lps = logprobs_of(cfg, logits, ([0] + acc.path)[: len(acc.tokens)], acc.tokens)  # row of each token's draw
     if ts.scoring is not None and ts.scoring.cal is not None:  # learn which features the target accepts
         calibrate.observe_pass(ts.scoring.cal, ts.tree, ts.vt.draft_ids[acc.path].tolist(), acc.tokens)
     t2 = time.perf_counter()
@@ -285,6 +305,7 @@ def accept_step(m: Models, st: DecodeState, cfg: GenerationConfig, ts: TreeStep,
         tree_depth=int(ts.vt.depth.max()),
         draft_seconds=ts.t1 - ts.t0 + (t3 - t2),
         target_seconds=t2 - ts.t1,
+        logprobs=lps,
     )
 
 
@@ -329,8 +350,9 @@ def prefill_passes(n_new: int, chunk: int) -> int:
     return 0 if n_new <= 0 else (1 if chunk <= 0 else -(-n_new // chunk))
 
 
-def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen) -> int:
-    """Run both models over the not-yet-cached tokens; returns the first generated token."""
+def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen, logprobs=None) -> int:
+    """Run both models over the not-yet-cached tokens; returns the first generated token (its
+    TokenLogprob appended to the list `logprobs` when cfg.logprobs is set and a list is given)."""
     reserve_caches(m, st)
     st.ids.extend(new_ids)
     st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
@@ -341,6 +363,8 @@ def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfi
         st.draft_len = len(st.ids)
     tok = draw(st, last, cfg.sampling, gen)
     st.ids.append(tok)
+    if logprobs is not None:
+        logprobs.extend(logprobs_of(cfg, last[None], [0], [tok]) or [])
     return tok
 
 
@@ -388,6 +412,8 @@ def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:
 def finish_reason(m: Models, st: DecodeState, tokens: list[int], produced: int, cfg) -> str | None:
     if any(t in m.eos_ids for t in tokens):
         return "eos"
+    if st.grammar is not None and st.grammar.done:   # the grammar is complete: nothing more can follow
+        return "stop"
     if produced >= cfg.max_new_tokens:
         return "length"
     if len(st.ids) >= m.ctx_limit:
@@ -399,20 +425,44 @@ def generate(
     m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None,
     step_fn: StepFn | None = None,
 ) -> Iterator[StepEvent]:
-    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens or the context end.
+    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens, the context end or,
+    with `cfg.grammar`, the grammar's completion.
 
     `step_fn` runs one target pass; None = the core method `cfg.method` names (ar, specexec).
     """
     check_fits(m, st, new_ids)
     step_fn = step_fn or core_step(cfg.method)
+    st.grammar = start_constraints(m, st, cfg, len(st.ids) + len(new_ids), step_fn)
+    try:
+        yield from decode(m, st, new_ids, cfg, gen, step_fn)
+    finally:
+        st.grammar = None
+
+
+def start_constraints(m: Models, st: DecodeState, cfg: GenerationConfig, start: int, step_fn=None):
+    """The call's constrain.GrammarRun (None without cfg.grammar), the grammar starting after
+    st.ids[:start]; GrammarError when the grammar or the method cannot serve the request."""
+    if (cfg.grammar is not None or cfg.logprobs is not None) and step_fn not in (None, ar_step, speculative_step):
+        raise GrammarError(f"structured output and logprobs need --method specexec or ar (this run uses "
+                           f"--method {cfg.method})")
+    if cfg.logprobs is not None and cfg.logprobs < 0:
+        raise GrammarError(f"logprobs must be >= 0 alternatives per token (got {cfg.logprobs})")
+    if cfg.grammar is None:
+        return None
+    return constrain.GrammarRun(compile_grammar(m.tokenizer, cfg.grammar, m.eos_ids), st, start)
+
+
+def decode(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen, step_fn) -> Iterator[StepEvent]:
+    """generate's loop: the prefill's event, then one event per `step_fn` pass."""
     gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
     st.noise = new_noise(gen)  # this call's coupled draws
     stream = TextStream(m.tokenizer)
     n_prompt = len(st.ids) + len(new_ids) - st.target_len
     t0 = time.perf_counter()
-    first = prefill(m, st, new_ids, cfg, gen)
+    first_lp: list[TokenLogprob] = []
+    first = prefill(m, st, new_ids, cfg, gen, first_lp)
     t_prefill = time.perf_counter() - t0
-    res, produced, pass_index = StepResult([first], 0), 0, 0
+    res, produced, pass_index = StepResult([first], 0, logprobs=first_lp if cfg.logprobs is not None else None), 0, 0
     moved = transfers.TransferCount()
     while True:
         produced += len(res.tokens)
@@ -424,7 +474,7 @@ def generate(
             prefill_seconds=t_prefill, decode_seconds=time.perf_counter() - t0 - t_prefill,
             new_tokens=produced, prompt_tokens=n_prompt, finish=finish,
             host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
-            prefill_streams=st.prefill_streams if pass_index == 0 else 0,
+            prefill_streams=st.prefill_streams if pass_index == 0 else 0, logprobs=res.logprobs,
         )  # fmt: skip
         if finish:
             return

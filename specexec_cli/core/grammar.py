@@ -3,21 +3,24 @@
 Contract: `GrammarSpec` says what the reply must be (`kind` "json_object" | "json_schema", the schema
 as JSON text, a literal `prefix` and `suffix` around the JSON value); `compile_grammar(tokenizer,
 spec)` turns it into a `CompiledGrammar` (cached per tokenizer and spec) or raises `GrammarError`, one
-line naming what is wrong. A `CompiledGrammar` makes matchers: the parser state after a sequence of
-tokens, which answers "which tokens may come next" as a packed bitmask (bit t of 32-bit word t // 32
-set = token t allowed), whether the text so far is complete (`is_accepting`) and whether nothing
-more can follow (`is_stopped`: the reply ends there). EOS is allowed exactly where the grammar
-accepts; every id of `eos_ids` counts as EOS.
+line naming what is wrong. A `CompiledGrammar` makes matchers (xgrammar.GrammarMatcher): the parser
+state after a sequence of tokens, which answers "which tokens may come next" as a packed bitmask
+(bit t % 32 of int32 word t // 32 set = token t allowed). EOS (every id of `eos_ids`) is allowed
+exactly where the grammar accepts; where EOS is the only token allowed, the text is complete and
+nothing more can follow: the reply ends there (constrain.py).
 
-The engine is llguidance (measured against xgrammar at a 128k vocabulary: bench/grammar.py --engines,
-docs/performance.md); it is a core dependency, so a request with a grammar never fails for a missing
-package. JSON layout: no free whitespace, ", " between items and ": " after keys (a small model
-offered free whitespace can emit it forever); a schema's own "x-guidance" object overrides this.
+The engine is xgrammar, chosen by measured mask time at a 128k vocabulary against llguidance
+(bench/grammar.py --engines, docs/performance.md): an optional dependency (the `grammar` extra:
+it requires triton on Linux), so a request with a grammar on an install without it gets one line
+naming the install command. JSON layout: no free whitespace, ", " between items and ": " after keys
+(a small model offered free whitespace can emit it forever); the schema is read as written (JSON
+Schema's defaults: extra properties allowed unless "additionalProperties": false says otherwise).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 from specexec_cli.errors import SpecxError
 
 KINDS = ("json_object", "json_schema")
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # see docstring
+SEPARATORS = (", ", ": ")  # between items, after keys (module docstring)
+INSTALL = "pip install -e '.[grammar]' in your specx clone"  # what a missing xgrammar asks for
 CACHE_SIZE = 32  # compiled grammars kept (least recently used dropped)
 
 
@@ -45,11 +49,10 @@ class GrammarError(SpecxError):
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A grammar bound to one tokenizer: makes matchers (llguidance.LLMatcher) at the grammar's start."""
+    """A grammar bound to one tokenizer: makes matchers at the grammar's start."""
 
     spec: GrammarSpec  # what was compiled
-    text: str  # the llguidance (Lark) grammar text
-    lltok: object  # llguidance.LLTokenizer of the tokenizer, EOS = `eos_ids`
+    compiled: object  # xgrammar.CompiledGrammar
     vocab: int  # tokens the masks cover; bitmask rows have (vocab + 31) // 32 int32 words
     eos_ids: tuple[int, ...]  # tokens that end the reply (allowed where the grammar accepts)
 
@@ -60,54 +63,57 @@ class CompiledGrammar:
 
     def matcher(self):
         """A fresh matcher at the grammar's start (before the first generated token)."""
-        import llguidance
+        import xgrammar
 
-        m = llguidance.LLMatcher(self.lltok, self.text, log_level=0)
-        if m.is_error():
-            raise GrammarError(f"grammar failed to start: {first_line(m.get_error())}")
-        return m
+        return xgrammar.GrammarMatcher(self.compiled)
 
 
 _LOCK = threading.Lock()
-_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, object]] = {}  # (id, eos) -> (ref, LLTokenizer)
+_COMPILERS: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, object]] = {}  # (id, eos) -> (ref, GrammarCompiler)
 _COMPILED: dict[tuple[int, tuple[int, ...], GrammarSpec], CompiledGrammar] = {}  # insertion order = LRU order
 
 
 def first_line(msg: str) -> str:
-    """llguidance's message without its source excerpt and "at line(col): " location prefix."""
+    """xgrammar's message without its "[time] source.cc:line: " prefix, first line only."""
     line = (msg or "unknown error").strip().splitlines()[0]
-    if line.startswith("at ") and ": " in line:
-        line = line.split(": ", 1)[1]
-    return line
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", line)
 
 
-def json_schema_of(spec: GrammarSpec) -> dict:
-    """The schema object to compile, with the default JSON layout (GrammarError on bad input)."""
+def schema_text(spec: GrammarSpec) -> str:
+    """The JSON Schema to compile, as text (GrammarError on bad input)."""
     if spec.kind not in KINDS:
         raise GrammarError(f"grammar kind must be one of {', '.join(KINDS)} (got {spec.kind!r})")
     if spec.kind == "json_object":
-        schema: object = {"type": "object"}
-    else:
-        if not spec.schema:
-            raise GrammarError("json_schema needs a schema; pass the JSON Schema object")
-        try:
-            schema = json.loads(spec.schema)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON ({exc.msg} at character {exc.pos})") from None
-        if schema is True or schema == {}:
-            schema = {}
-        if not isinstance(schema, dict):
-            raise GrammarError("the JSON schema must be a JSON object (or true)")
-    layout = {**JSON_LAYOUT, **(schema.get("x-guidance") or {})}
-    return {**schema, "x-guidance": layout}
+        return '{"type": "object"}'
+    if not spec.schema:
+        raise GrammarError("json_schema needs a schema; pass the JSON Schema object")
+    try:
+        schema = json.loads(spec.schema)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"the JSON schema is not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if schema is True:
+        return "{}"
+    if not isinstance(schema, dict):
+        raise GrammarError("the JSON schema must be a JSON object (or true)")
+    return spec.schema
 
 
-def lark_text(spec: GrammarSpec) -> str:
-    """The Lark grammar: start: "prefix" value "suffix", value: %json {schema}."""
-    body = json.dumps(json_schema_of(spec), ensure_ascii=False)
-    seq = ([json.dumps(spec.prefix, ensure_ascii=False)] if spec.prefix else []) + ["value"]
-    seq += [json.dumps(spec.suffix, ensure_ascii=False)] if spec.suffix else []
-    return f"start: {' '.join(seq)}\nvalue: %json {body}\n"
+def build(spec: GrammarSpec):
+    """xgrammar.Grammar of [prefix] JSON value [suffix] (GrammarError naming what is wrong)."""
+    import xgrammar
+
+    text = schema_text(spec)
+    try:
+        parts = [xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS,
+                                                   strict_mode=False)]
+    except (RuntimeError, ValueError) as exc:
+        what = "JSON schema" if spec.kind == "json_schema" else "grammar"
+        raise GrammarError(f"invalid {what}: {first_line(str(exc))}") from None
+    if spec.prefix:
+        parts.insert(0, xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(spec.prefix, ensure_ascii=False)))
+    if spec.suffix:
+        parts.append(xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(spec.suffix, ensure_ascii=False)))
+    return parts[0] if len(parts) == 1 else xgrammar.Grammar.concat(*parts)
 
 
 def eos_of(tokenizer, eos_ids) -> tuple[int, ...]:
@@ -119,20 +125,23 @@ def eos_of(tokenizer, eos_ids) -> tuple[int, ...]:
     return ids
 
 
-def ll_tokenizer(tokenizer, eos: tuple[int, ...]):
-    """llguidance's view of `tokenizer` (about a second to build; cached per tokenizer object and EOS set)."""
+def compiler_for(tokenizer, eos: tuple[int, ...]):
+    """xgrammar's compiler for `tokenizer` (its token table read once; cached per tokenizer object and EOS set)."""
     key = (id(tokenizer), eos)
-    hit = _TOKENIZERS.get(key)
+    hit = _COMPILERS.get(key)
     if hit is not None and hit[0]() is tokenizer:
         return hit[1]
-    import llguidance.hf
-
     try:
-        lltok = llguidance.hf.from_tokenizer(tokenizer, eos_token=list(eos))
-    except (ValueError, TypeError) as exc:
-        raise GrammarError(f"structured output needs a fast (tokenizer.json) tokenizer: {first_line(str(exc))}") from None
-    _TOKENIZERS[key] = (weakref.ref(tokenizer), lltok)
-    return lltok
+        import xgrammar
+    except ImportError:
+        raise GrammarError(f"structured output needs the xgrammar package: {INSTALL}") from None
+    try:
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=list(eos))
+    except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        raise GrammarError(f"structured output cannot read this tokenizer: {first_line(str(exc))}") from None
+    compiler = xgrammar.GrammarCompiler(info)
+    _COMPILERS[key] = (weakref.ref(tokenizer), compiler)
+    return compiler
 
 
 def compile_grammar(tokenizer, spec: GrammarSpec, eos_ids=None) -> CompiledGrammar:
@@ -142,18 +151,15 @@ def compile_grammar(tokenizer, spec: GrammarSpec, eos_ids=None) -> CompiledGramm
     key = (id(tokenizer), eos, spec)
     with _LOCK:
         hit = _COMPILED.pop(key, None)
-        if hit is not None and _TOKENIZERS.get((id(tokenizer), eos), (lambda: None,))[0]() is tokenizer:
+        if hit is not None and _COMPILERS.get((id(tokenizer), eos), (lambda: None,))[0]() is tokenizer:
             _COMPILED[key] = hit
             return hit
-        import llguidance
-
-        text = lark_text(spec)
-        lltok = ll_tokenizer(tokenizer, eos)
-        err = llguidance.LLMatcher.validate_grammar(text, lltok)
-        if err:
-            what = "JSON schema" if spec.kind == "json_schema" else "grammar"
-            raise GrammarError(f"invalid {what}: {first_line(err)}")
-        compiled = CompiledGrammar(spec, text, lltok, int(lltok.vocab_size), eos)
+        compiler = compiler_for(tokenizer, eos)
+        grammar = build(spec)
+        try:
+            compiled = CompiledGrammar(spec, compiler.compile_grammar(grammar), len(tokenizer), eos)
+        except (RuntimeError, ValueError) as exc:
+            raise GrammarError(f"invalid grammar: {first_line(str(exc))}") from None
         _COMPILED[key] = compiled
         while len(_COMPILED) > CACHE_SIZE:
             _COMPILED.pop(next(iter(_COMPILED)))

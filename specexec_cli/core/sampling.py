@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specexec_cli.core import constrain
+
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (argmax), everywhere
 RACE, CHILDREN, ACCEPT, RESIDUAL = 0, 1, 2, 3  # noise streams (each uses hash seeds 2s and 2s + 1)
 CHUNK_ELEMENTS = 1 << 22  # rows × vocabulary processed at once (bounds the int64/fp32 temporaries)
@@ -196,16 +198,22 @@ class PositionNoise:
 
 
 def race_choice(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None,
-                index: torch.Tensor | None) -> torch.Tensor:
+                index: torch.Tensor | None, bits: torch.Tensor | None = None) -> torch.Tensor:
     """(R, V) logits → (R,) long chosen tokens on the logits' device, one batch: argmax at T = 0,
     else the race argmax(p / E) with E = noise[index[r]] ((D, V) rows, (R,) long on the device;
-    index None: row r's noise is noise[r])."""
-    if params.greedy:
+    index None: row r's noise is noise[r]). bits: (R, W) int32 grammar masks on the device
+    (constrain.py): the tokens they forbid go to -inf first, so the draw is from the processed
+    distribution of the masked logits (constrained decoding); None = unconstrained."""
+    if params.greedy and bits is None:
         return logits.argmax(-1)
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     for a in range(0, logits.shape[0], step):   # (step, V) temporaries at a time
-        probs = process_logits(logits[a:a + step], params)
+        chunk = logits[a:a + step] if bits is None else constrain.apply(logits[a:a + step], bits[a:a + step])
+        if params.greedy:
+            out[a:a + step] = chunk.argmax(-1)
+            continue
+        probs = process_logits(chunk, params)
         rows = noise[:, : probs.shape[-1]]
         e = rows[a:a + step] if index is None else rows.index_select(0, index[a:a + step])
         out[a:a + step] = (probs / e).argmax(-1)

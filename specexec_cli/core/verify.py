@@ -55,20 +55,22 @@ def verify_inputs(target, vt: VerifyTree, n_past: int, root_pos: int, *extra: to
 
 
 def node_choices(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None, first_pos: int,
-                 depth: torch.Tensor, max_depth: int) -> torch.Tensor:
+                 depth: torch.Tensor, max_depth: int, bits: torch.Tensor | None = None) -> torch.Tensor:
     """(n, V) target logits → (n,) long target tokens on the logits' device (module docstring).
 
     depth: (n,) long node depths ON the logits' device (root = 0; node i's token lands at absolute
-    position first_pos + depth[i]); max_depth: their maximum, known on the host.
+    position first_pos + depth[i]); max_depth: their maximum, known on the host. bits: (n, W) int32
+    grammar masks on the device, row i = the grammar after root -> node i (None = unconstrained).
     """
     if params.greedy:
-        return race_choice(logits, params, None, None)
+        return race_choice(logits, params, None, None, bits)
     rows = noise.block(first_pos, max_depth + 1, logits.shape[-1], logits.device, RACE)  # (D + 1, V)
-    return race_choice(logits, params, rows, depth)
+    return race_choice(logits, params, rows, depth, bits)
 
 
-def walk(vt: VerifyTree, choice: list[int], eos_ids: frozenset[int], limit: int) -> Acceptance:
-    """Walk down the tree reading each node's chosen token; emit at most `limit`, stop after an EOS."""
+def walk(vt: VerifyTree, choice: list[int], eos_ids: frozenset[int], limit: int, ends=frozenset()) -> Acceptance:
+    """Walk down the tree reading each node's chosen token; emit at most `limit`, stop after an EOS
+    or on reaching a node of `ends` (VerifyTree indices where a grammar is complete)."""
     tokens: list[int] = []
     path: list[int] = []
     node = 0
@@ -80,7 +82,7 @@ def walk(vt: VerifyTree, choice: list[int], eos_ids: frozenset[int], limit: int)
             return Acceptance(tokens, path, bonus=True)
         path.append(child)
         node = child
-        if tok in eos_ids:
+        if tok in eos_ids or child in ends:
             break
     return Acceptance(tokens, path, bonus=False)
 
@@ -94,14 +96,18 @@ def accept_tree(
     eos_ids: frozenset[int],
     limit: int,
     depth: torch.Tensor | None = None,
+    bits: torch.Tensor | None = None,
+    ends=frozenset(),
 ) -> Acceptance:
     """Choose every node's token on the device, copy the (n,) vector once, walk (module docstring).
 
     logits: (n, V) target logits, row i = the distribution after VerifyTree node i; the token
     drawn at node i lands at absolute position first_pos + depth(i) (the root's child: first_pos).
     depth: vt.depth already on the logits' device (staged with the pass's inputs); None = uploaded here.
+    bits: (n, W) int32 grammar masks on the logits' device (constrain.py), ends: VerifyTree indices
+    where the grammar is complete (the walk stops there); None / empty = unconstrained.
     """
     if depth is None and not params.greedy:
         (depth,) = upload(logits.device, vt.depth)
-    choice = node_choices(logits, params, noise, first_pos, depth, int(vt.depth.max()))
-    return walk(vt, to_host(choice.to(torch.int32)).tolist(), eos_ids, limit)
+    choice = node_choices(logits, params, noise, first_pos, depth, int(vt.depth.max()), bits)
+    return walk(vt, to_host(choice.to(torch.int32)).tolist(), eos_ids, limit, ends)

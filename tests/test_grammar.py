@@ -1,0 +1,219 @@
+"""Structured output inside the speculative step: constrained specexec is exactly constrained decoding.
+
+The models are tiny seeded Llamas whose character-level tokenizer can spell JSON (`JSON_CHARS`).
+The reference is written here, independently of specx's decoding code: plain greedy decoding with
+transformers' own forward over the whole sequence each step and xgrammar's own matcher
+(`reference_greedy`). `--method ar` with a grammar must equal it, and specexec (tree budgets 1..256,
+any draft) must equal `ar` token for token at T = 0 and, with the coupled draws, at T > 0 too.
+Outputs parse and validate against the schema; the reply ends ("stop") when the grammar is complete.
+The distribution at T > 0 is tested with power in tests/test_grammar_distribution.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.core.grammar import GrammarError, GrammarSpec, compile_grammar
+from specexec_cli.core.methods import generate
+from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.session.loading import LoadOptions, load_models
+
+JSON_CHARS = ["<eos>"] + list('{}[]",: ') + list("abcdefghijklmnopqrstuvwxyz") + list("0123456789") + ["\n", "<", ">", "/"]
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                    "maxItems": 3}},
+          "required": ["id", "name", "tags"], "additionalProperties": False}
+SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA))
+TOOL = GrammarSpec("json_schema", json.dumps(SCHEMA), prefix="<call>\n", suffix="\n</call>")
+
+
+def json_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character, byte-level (GPT-2's byte alphabet: " " is "Ġ", "\n" is "Ċ"), so
+    llguidance can read every token's bytes."""
+    byte_char = {" ": "\u0120", "\n": "\u010a"}
+    vocab = {byte_char.get(c, c): i for i, c in enumerate(JSON_CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def json_model(path, seed: int, layers: int, noise_from=None, noise: float = 0.0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(JSON_CHARS), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+        if noise_from is not None:
+            model.load_state_dict(LlamaForCausalLM.from_pretrained(noise_from, dtype=torch.float32).state_dict())
+            for p in model.parameters():
+                p.add_(noise * p.std() * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    json_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def json_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("json-models")
+    target = json_model(root / "target", seed=3, layers=2)
+    draft = json_model(root / "draft", seed=4, layers=2, noise_from=target, noise=0.3)
+    return load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu"))
+
+
+def run(m, ids, method="specexec", budget=64, temperature=0.0, spec=SPEC, n=80, **kw):
+    cfg = GenerationConfig(method=method, shape=TreeShape(budget, 32), max_new_tokens=n, grammar=spec,
+                           sampling=SamplingParams(temperature=temperature), **kw)
+    events = list(generate(m, DecodeState(), ids, cfg))
+    return [t for ev in events for t in ev.tokens], events
+
+
+def reference_greedy(m, ids: list[int], spec: GrammarSpec, n: int) -> list[int]:
+    """Constrained greedy decoding without specx's decoding code: transformers' forward over the
+    whole sequence, xgrammar's own matcher and mask, argmax; stops after EOS or where the grammar
+    allows nothing but EOS."""
+    import xgrammar
+
+    g = compile_grammar(m.tokenizer, spec)
+    matcher = xgrammar.GrammarMatcher(g.compiled)
+    bits = xgrammar.allocate_token_bitmask(1, g.vocab)
+    seq, out = list(ids), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = m.target(torch.tensor([seq])).logits[0, -1]
+        matcher.fill_next_token_bitmask(bits)
+        ok = torch.tensor([bool(int(bits[0, i // 32]) >> (i % 32) & 1) for i in range(logits.shape[0])])
+        tok = int(logits.masked_fill(~ok, float("-inf")).argmax())
+        out.append(tok)
+        seq.append(tok)
+        assert matcher.accept_token(tok)
+        matcher.fill_next_token_bitmask(bits)
+        only_eos = [i for i in range(g.vocab) if int(bits[0, i // 32]) >> (i % 32) & 1] == list(m.eos_ids)
+        if tok in m.eos_ids or only_eos:
+            break
+    return out
+
+
+PROMPTS = ["data:\n", "{\"x\": 1}\n", "abc"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ar_equals_reference_and_specexec_equals_ar(json_pair, prompt):
+    m = json_pair
+    ids = m.tokenizer(prompt)["input_ids"]
+    ref = reference_greedy(m, ids, SPEC, 80)
+    ar, ar_events = run(m, ids, method="ar")
+    assert ar == ref
+    for budget in (1, 8, 64, 256):
+        got, events = run(m, ids, budget=budget)
+        assert got == ar, budget
+        assert events[-1].finish == ar_events[-1].finish
+    text = m.tokenizer.decode(ar, skip_special_tokens=True)
+    if ar_events[-1].finish == "stop":
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_prefix_suffix_and_stop(json_pair):
+    m = json_pair
+    ids = m.tokenizer("call:")["input_ids"]
+    got, events = run(m, ids, spec=TOOL, n=200)
+    text = m.tokenizer.decode(got, skip_special_tokens=True)
+    assert events[-1].finish == "stop", text
+    assert text.startswith("<call>\n") and text.endswith("\n</call>")
+    jsonschema.validate(json.loads(text[len("<call>\n"):-len("\n</call>")]), SCHEMA)
+    assert 0 not in got   # the grammar stops after the suffix: no EOS needed
+    ar, _ = run(m, ids, method="ar", spec=TOOL, n=200)
+    assert got == ar
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_sampled_specexec_equals_sampled_ar(json_pair, temperature):
+    """The coupled draws make the emitted tokens a function of (seed, position, masked distribution):
+    at T > 0 constrained specexec and constrained ar give the same ids for the same seed."""
+    m = json_pair
+    ids = m.tokenizer("data:\n")["input_ids"]
+    for seed in range(4):
+        ar, ev = run(m, ids, method="ar", temperature=temperature, seed=seed, n=120)
+        got, _ = run(m, ids, temperature=temperature, seed=seed, n=120)
+        assert got == ar
+        if ev[-1].finish == "stop":
+            jsonschema.validate(json.loads(m.tokenizer.decode(ar, skip_special_tokens=True)), SCHEMA)
+
+
+def test_json_object_from_unconstrained_prompt(json_pair):
+    m = json_pair
+    ids = m.tokenizer("abc")["input_ids"]
+    got, events = run(m, ids, spec=GrammarSpec("json_object"), n=120)
+    text = m.tokenizer.decode(got, skip_special_tokens=True)
+    assert text.startswith("{")
+    if events[-1].finish == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_eos_only_where_the_grammar_accepts(json_pair):
+    """A target that wants EOS at once cannot end the reply before the JSON is complete."""
+    m = json_pair
+    ids = m.tokenizer("data:\n")["input_ids"]
+    bias = torch.zeros(len(JSON_CHARS))
+    bias[0] = 50.0   # EOS first by a mile, whatever the context
+    head = m.target.lm_head
+    old = head.bias
+    head.bias = torch.nn.Parameter(bias)
+    try:
+        got, events = run(m, ids, spec=GrammarSpec("json_schema", json.dumps({"type": "array", "maxItems": 0})))
+    finally:
+        head.bias = old
+    assert m.tokenizer.decode(got, skip_special_tokens=True) == "[]"
+    assert events[-1].finish == "stop"
+
+
+@pytest.mark.parametrize("spec, needle", [
+    (GrammarSpec("xml"), "kind must be one of"),
+    (GrammarSpec("json_schema", "{"), "not valid JSON"),
+    (GrammarSpec("json_schema", '{"type": "foo"}'), "invalid JSON schema"),
+    (GrammarSpec("json_schema", "[1]"), "must be a JSON object"),
+    (GrammarSpec("json_schema", None), "needs a schema"),
+])
+def test_bad_grammars_are_one_line_errors(json_pair, spec, needle):
+    with pytest.raises(GrammarError) as exc:
+        compile_grammar(json_pair.tokenizer, spec)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_compile_is_cached_per_tokenizer_and_spec(json_pair):
+    a = compile_grammar(json_pair.tokenizer, SPEC)
+    assert compile_grammar(json_pair.tokenizer, GrammarSpec("json_schema", json.dumps(SCHEMA))) is a
+    assert compile_grammar(json_pair.tokenizer, TOOL) is not a
+
+
+def test_other_methods_refuse_a_grammar(json_pair):
+    ids = json_pair.tokenizer("abc")["input_ids"]
+    with pytest.raises(GrammarError, match="--method specexec or ar"):
+        run(json_pair, ids, method="chain")
+
+
+def test_shared_pair_constrained_specexec_equals_ar(shared_pair):
+    target, draft = shared_pair
+    m = load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu"))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "size": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["name", "size", "ok"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    ids = m.tokenizer("def config():\n    return ")["input_ids"]
+    ar, ar_events = run(m, ids, method="ar", spec=spec, n=64)
+    got, events = run(m, ids, budget=128, spec=spec, n=64)
+    assert got == ar
+    assert events[-1].finish == ar_events[-1] .finish == "stop"
+    jsonschema.validate(json.loads(m.tokenizer.decode(got, skip_special_tokens=True)), schema)
+    assert len(got) / (len(events) - 1) > 1.5   # well over one token per target pass
