@@ -48,6 +48,18 @@ def test_no_draft_without_hqq_runs_like_ar(tmp_path):
 
 
 @pytest.mark.slow
+def test_no_draft_without_hqq_on_a_16bit_target_runs_like_ar(tmp_path):
+    """A 16-bit streamed target keeps the 4-bit self-draft (bitsandbytes) as a candidate; the output is ar's."""
+    fp32 = [a if a != "nf4" else "fp32" for a in STREAMED_NF4]
+    auto = specx_without(["hqq"], *fp32, tmp_path=tmp_path)
+    ar = specx_without(["hqq"], *fp32, "--method", "ar", tmp_path=tmp_path)
+    assert auto.returncode == ar.returncode == 0, auto.stderr
+    assert auto.stdout == ar.stdout and auto.stdout.strip()
+    line = next(x for x in auto.stderr.splitlines() if x.startswith("--draft auto"))
+    assert "3-bit" not in line.split("skipped")[0] and "2-bit" not in line.split("skipped")[0], line
+
+
+@pytest.mark.slow
 def test_explicit_lowbit_without_hqq_is_refused_before_loading(tmp_path):
     for extra in (["--draft", "self", "--draft-bits", "3"], ["--draft", "self"]):
         r = specx_without(["hqq"], *STREAMED_NF4, *extra, tmp_path=tmp_path)
