@@ -5,7 +5,8 @@ plus safetensors headers, never weight bytes) and a `PlanRequest` (dtype, ctx, b
 memory). It returns a `MemoryPlan` with one entry per device component:
 - embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (embeddings may
   live on the host instead: only the looked-up rows then cross the link);
-- resident_layers: packed layer arenas (storage.packed_layout) of the resident prefix;
+- resident_layers: packed layer arenas (storage.packed_layout) of the resident layers, spread evenly
+  through the stack (`resident_ids`) so the stream reads streamed layers while resident ones compute;
 - staging_slots: device buffers of the largest streamed layer (storage.LayerStore rules); on CUDA
   the memory a fitting plan leaves over becomes more slots (`slots`, up to one per streamed layer),
   so the stream reads that much of the next pass while the draft grows its tree;
@@ -13,10 +14,11 @@ memory). It returns a `MemoryPlan` with one entry per device component:
 - pinned_params: NF4 only: every layer's norms and biases (only packed linears stream);
 - draft: the draft's parameters + rotary buffers in its dtype (tied head counted once);
 - kv_target / kv_draft: preallocated caches of `kv_rows` rows (context + largest tree);
-- activations: the largest single pass (a prefill chunk or a verify pass), attention scores
-  for the implementation used (sdpa: scores + softmax output in compute dtype; eager: plus an
-  fp32 softmax copy), GQA-expanded K/V, MLP intermediates, a dequantized NF4 weight, the mask,
-  and the pass's logits with fp32 copies for sampling;
+- activations: the largest single pass (a prefill chunk or a verify pass): hidden states, q/k/v,
+  MLP intermediates, the mask and attention's own temporaries (membytes.pass_bytes: none beyond
+  the mask on CPU, the prepared and folded or per-group copies on CUDA; eager: repeated K/V and
+  the scores), the target's dequantization temporaries (nf4, GGUF, packed int4), the logits and
+  the sampler's workspace;
 - cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only): CUDA_CONTEXT
   + STATIC_SLACK of the long-lived bytes + CHURN_SLACK of the activations.
 Components counted by `storage.DevicePool` (all but activations and cuda_context) match the
@@ -149,19 +151,31 @@ class _Placement:
     host: dict[str, int]
 
 
+def resident_ids(n: int, r: int) -> list[int]:
+    """Which `r` of `n` layers stay resident: spread evenly through the stack (layer (2k+1)n // 2r for
+    k < r), so streamed layers sit between resident ones and the stream reads the next streamed layer
+    while resident layers compute; a prefix would leave the link idle for the whole resident run
+    once its slots are full. Layers run in index order either way."""
+    if r <= 0 or r >= n:
+        return list(range(max(0, min(r, n))))
+    return [(2 * k + 1) * n // (2 * r) for k in range(r)]
+
+
 def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Placement:
-    """Layers [0, r) resident; the rest in RAM while `ram_budget` lasts, then disk. Buffers follow
+    """`r` layers resident (resident_ids); the rest, in order, in RAM while `ram_budget` lasts, then disk. Buffers follow
     storage.LayerStore: device slots (CUDA: `slots`, CPU: the host ring, since CPU compute reads
     the ring) of the largest streamed layout; a pinned staging ring of disk layouts (CUDA); one
     raw scratch buffer for disk layers that need a cast or quantization."""
     n, cuda = len(lay.packed), req.device == "cuda"
+    resident = resident_ids(n, r)
+    rest = [i for i in range(n) if i not in set(resident)]
     ram, used = [], 0
-    for i in range(r, n):
+    for i in rest:
         if used + lay.packed[i] > ram_budget:
             break
         ram.append(i)
         used += lay.packed[i]
-    disk = list(range(r + len(ram), n))
+    disk = rest[len(ram):]
     streamed = n - r
     slot = max([lay.disk_slot[i] for i in disk] + ([lay.packed[i] for i in ram] if cuda else []), default=0)
     stage = max(((lay.stage if cuda else lay.disk_slot)[i] for i in disk), default=0)
@@ -169,9 +183,9 @@ def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Place
     ring = staging_slots(slots, None, None, stage, streamed)
     # one raw read buffer: disk layers that need a cast, and on CPU those re-laid onto the 256-byte grid
     scratch = max((lay.raw[i] for i in disk if lay.convert[i] or (lay.repack[i] and not cuda)), default=0)
-    device = {"resident_layers": sum(lay.packed[:r]), "staging_slots": (slots if cuda else ring) * slot}
+    device = {"resident_layers": sum(lay.packed[i] for i in resident), "staging_slots": (slots if cuda else ring) * slot}
     host = {"ram_layers": used, "stage_buffers": ring * stage if cuda else 0, "read_buffers": scratch}
-    return _Placement(list(range(r)), ram, disk, device, host)
+    return _Placement(resident, ram, disk, device, host)
 
 
 def _extra_slots(lay: LayerSizes, req: PlanRequest, pl: _Placement, dev: dict, host: dict, cap: int):
@@ -265,13 +279,15 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
                                             chunk, draft_prefill=not req.self_draft)
     best = None
     for r in _resident_choices(req, len(lay.packed)):
-        if _cpu_auto(req) and req.max_ram is not None and sum(lay.packed[:r]) > req.max_ram:
+        res = resident_ids(len(lay.packed), r)
+        kept = sum(lay.packed[i] for i in res)
+        if _cpu_auto(req) and req.max_ram is not None and kept > req.max_ram:
             continue   # CPU: resident layers live in the RAM --max-ram allows
-        if req.self_draft:   # every layer from r on streams: each has a substitute on the device
-            fixed["draft"] = sum(lay.substitute[r:])
-        pre = sum(fixed.values()) + sum(lay.packed[:r])
+        if req.self_draft:   # every streamed layer has a substitute on the device
+            fixed["draft"] = sum(v for i, v in enumerate(lay.substitute) if i not in set(res))
+        pre = sum(fixed.values()) + kept
         buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))   # disk staging, if anything ends up on disk
-        pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers, sum(lay.packed[:r])))
+        pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers, kept))
         dev = {**fixed, **pl.device}
         dev["cuda_context"] = _margin(dev, cuda)
         host = {**ghost, **pl.host}
