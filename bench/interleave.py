@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))   # `offload` is the package, not bench/offload.py beside this script
 
 
 def one(mode: str, args) -> dict:
