@@ -8,7 +8,8 @@ HTTP: the forest and the scheduler are what is measured), twice per round in alt
 - `one at a time`: a worker with --parallel 1, which runs them FIFO (today's specx serve);
 - `forest`: a worker with --parallel k, one target pass for all of them each step.
 Per configuration: the wall time from submission to the last reply, aggregate tokens/s (all
-completion tokens / that wall time), each request's time to first token (from submission) and the
+completion tokens / that wall time), each request's time to first text (from submission to its
+first streamed text, as a client sees it; leading text the reply filter holds back counts) and the
 target passes the loaded target counted (`stats.passes`: each streams every offloaded layer once).
 `ratio` = forest wall / one-at-a-time wall (the latter is the sum of the requests' sequential
 times); `same_text` checks every forest reply equals the one-at-a-time reply (T = 0). Writes

@@ -5,7 +5,8 @@ by `TABLES[NAME]()`, a markdown table computed from bench/results/ alone (an unk
 unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass of the trained
 draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
 table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
-inflated disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py). `--check` writes nothing
+inflated disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel` and
+`serve-parallel-xl` (bench/serve_parallel.py: the shared pair, the inflated target). `--check` writes nothing
 and exits 1 naming the files whose tables differ from the JSON.
 """
 
@@ -88,8 +89,24 @@ def serve_cache() -> str:
     ])  # fmt: skip
 
 
+def serve_parallel(name: str = "serve/parallel.json") -> str:
+    """bench/serve_parallel.py: k requests at once, one at a time against one forest (--parallel k)."""
+    rows = load(name)["rows"]
+    out = ["| requests at once | `--parallel` | wall s | aggregate tok/s | time to first text, mean / max | "
+           "target passes | wall ÷ one at a time | same replies |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for key, runs in (("one", row["one_at_a_time"]), ("forest", row.get("forest", []))):
+            for run in runs:
+                ttft = run["ttft_s"]
+                ratio, same = (f"{row['ratio']:.2f}", "yes" if row["same_text"] else "NO") if key == "forest" else ("", "")
+                out.append(f"| {row['concurrency']} | {run['parallel']} | {run['wall_s']:.2f} | {run['tokens_per_s']:.1f} | "
+                           f"{sum(ttft) / len(ttft):.2f} s / {max(ttft):.2f} s | {run['target_passes']} | {ratio} | {same} |")
+    return "\n".join(out)
+
+
 TABLES = {"headline": headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
-          "serve": serve, "serve-turns": serve_turns, "serve-cache": serve_cache}
+          "serve": serve, "serve-turns": serve_turns, "serve-cache": serve_cache, "serve-parallel": serve_parallel,
+          "serve-parallel-xl": lambda: serve_parallel("serve/parallel_xl.json")}
 
 
 def render(text: str) -> str:
