@@ -148,6 +148,8 @@ def _compile(tok, eos_ids, kind: str, schema: dict | None, prefix: str, suffix: 
     try:
         compile_grammar(tok, spec, eos_ids)
     except GrammarError as exc:
-        code = "invalid_schema" if str(exc).startswith("invalid") else "structured_output_unsupported"
+        # the engine missing, or a tokenizer it cannot read, is this server's limit; anything else the schema's fault
+        unsupported = any(word in str(exc) for word in ("xgrammar", "tokenizer"))
+        code = "structured_output_unsupported" if unsupported else "invalid_schema"
         raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
     return spec
