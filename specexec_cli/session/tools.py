@@ -16,6 +16,7 @@ none). Only calls to the request's own tools count. `forced_call(tools, name, fm
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -50,12 +51,16 @@ def template_source(tok) -> str | None:
 
 def renders_tools(tok) -> bool:
     """True when the chat template reads the `tools` variable (so a request's tools reach the model)."""
+    source = template_source(tok)
+    return bool(source) and _reads_tools(source)
+
+
+@functools.lru_cache(maxsize=16)
+def _reads_tools(source: str) -> bool:
+    """Whether a template's source uses the variable `tools` (parsed once per template)."""
     import jinja2  # what transformers renders chat templates with
     import jinja2.meta
 
-    source = template_source(tok)
-    if not source:
-        return False
     try:
         ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
     except jinja2.TemplateSyntaxError:  # tags of transformers' own environment ({% generation %}): by name
