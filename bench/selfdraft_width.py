@@ -127,9 +127,9 @@ def table(data: dict) -> str:
 
 
 def write_doc(data: dict, page: Path = ROOT / "docs" / "self-draft.md") -> None:
-    """Replace the block between <!-- perf:width --> and <!-- /perf:width --> with the table."""
+    """Replace the block between <!-- bench:selfdraft-width --> and <!-- /bench:selfdraft-width --> with the table."""
     text = page.read_text()
-    start, end = "<!-- perf:width -->", "<!-- /perf:width -->"
+    start, end = "<!-- bench:selfdraft-width -->", "<!-- /bench:selfdraft-width -->"
     if start not in text or end not in text:
         raise SystemExit(f"{page} has no {start} ... {end} block")
     head, rest = text.split(start, 1)

@@ -95,9 +95,9 @@ def table(data: dict) -> str:
 
 
 def write_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
-    """Replace the block between <!-- perf:speedmodel --> and <!-- /perf:speedmodel --> with the table."""
+    """Replace the block between <!-- bench:speedmodel --> and <!-- /bench:speedmodel --> with the table."""
     text = page.read_text()
-    start, end = "<!-- perf:speedmodel -->", "<!-- /perf:speedmodel -->"
+    start, end = "<!-- bench:speedmodel -->", "<!-- /bench:speedmodel -->"
     if start not in text or end not in text:
         raise SystemExit(f"{page} has no {start} ... {end} block")
     head, rest = text.split(start, 1)

@@ -8,7 +8,8 @@ would with the same flags (session/options.plan_for_cli + load_planned: --offloa
   of repeated passes (a streamed pass reads its layers from RAM or disk every time, as a run's does);
 - each draft a run could take: a small --draft DIR ("small"), or with --draft self every width whose
   package is installed ("self-4", "self-3", "self-2"), each planned and loaded on its own: one
-  tree-growth step (max_beams nodes) and the whole tree at each budget in TREE_BUDGETS;
+  tree-growth step (max_beams nodes) and the whole tree at each budget in TREE_BUDGETS up to
+  max_tokens;
 and records the placement ([resident, RAM, disk] layers), the resolved target path and the dtype the
 timings are for (session/profiles.profile_matches uses them only for that target and dtype, and
 offload/planning/draftcost.py only under that placement). Nothing here prints; errors are SpecxError.
@@ -149,7 +150,8 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
             if draft is not None:
                 if progress:
                     progress(i + 1, len(configs) + 1, f"draft trees ({key})")
-                out["draft_timings"][key] = time_draft(models, TREE_BUDGETS, cfg.shape.max_beams)
+                budgets = [b for b in TREE_BUDGETS if b <= max(TREE_BUDGETS[0], max_tokens)]
+                out["draft_timings"][key] = time_draft(models, budgets, cfg.shape.max_beams)
         finally:
             close_models(models)
     first = next(iter(out["draft_timings"].values()), None)
