@@ -46,7 +46,9 @@ def _tokenizer(writer, vocab: int, chat_template: str | None) -> None:
     tokens = ["<eos>", "a", "b", "ab"] + [f"x{i}" for i in range(4, vocab)]
     writer.add_token_list(tokens)
     writer.add_token_types([3] + [1] * (vocab - 1))
-    writer.add_token_merges(["a b"])
+    # the one merge listed twice: transformers < 5.2x unwraps a one-element metadata array into a scalar
+    # string and then splits it per character (its GGUF tokenizer then fails); a repeated merge changes nothing
+    writer.add_token_merges(["a b", "a b"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(0)
     if chat_template is not None:
