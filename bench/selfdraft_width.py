@@ -7,12 +7,13 @@ table. Every cell is one `specx run` as a user types it: the shared target (../s
 with every layer streamed from disk (`--offload disk --max-ram 0`), `--draft self`, the cell's
 `--budget` and `--temperature`, `-n` new tokens, `--no-chat-template`, and `--profile P` (a profile
 `specx profile --target ../shared/models/target --draft self --offload disk --max-ram 0` wrote on this
-machine); first with `--dry-run --stats-json` (the plan's modelled figures: the width it chooses and
-each width's modelled draft seconds and tokens/s), then for real (`--stats-json`: measured draft
-seconds per pass and tokens/s). The configurations of a (prompt, budget, temperature) run
+machine); once with `--dry-run --stats-json` and no `--draft-bits` (the plan's modelled figures: the
+width it chooses and each width's modelled draft seconds and tokens/s), then each configuration for
+real (`--stats-json`: measured draft seconds per pass and tokens/s). The configurations of a (prompt, budget, temperature) run
 back to back in a rotating order (interleaved, so machine load drifts over all alike): auto, 4, 3, 2.
 At T = 0 the texts of every width and of `--method ar` must be equal (lossless). Each run is wrapped in
-`flock /tmp/bench.lock` so that no other benchmark times at once. Writes JSON; prints a table.
+`flock /tmp/bench.lock` (or, with `--locked`, the whole script runs under it) so that no other
+benchmark times at once. Writes JSON; prints a table.
 """
 
 from __future__ import annotations
@@ -28,30 +29,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 CONFIGS = ("auto", "4", "3", "2")
+LOCK = ["flock", "/tmp/bench.lock"]   # emptied by --locked: the caller holds the lock for the whole run
 
 
 def run_specx(args: list[str], stats: Path) -> tuple[str, dict]:
     """(stdout, the --stats-json record) of one `specx` invocation under the bench lock."""
-    cmd = ["flock", "/tmp/bench.lock", "specx", *args, "--stats-json", str(stats)]
+    cmd = [*LOCK, "specx", *args, "--stats-json", str(stats)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
     return res.stdout, json.loads(stats.read_text())
 
 
-def cell(prompt: Path, config: str, budget: int, temperature: float, n: int, profile: str, tmp: Path) -> dict:
-    """One configuration: its plan (dry run) and its run."""
+def cell(prompt: Path, config: str, budget: int, temperature: float, n: int, profile: str, tmp: Path,
+         plan: dict) -> dict:
+    """One configuration's run, with the modelled figures of the width it runs from `plan` (the automatic
+    width's dry run: every width is planned there on its own, as an explicit --draft-bits plans it)."""
     base = ["run", str(prompt), "--target", str(SHARED / "models" / "target"), "--draft", "self", "--budget",
             str(budget), "--offload", "disk", "--max-ram", "0", "--temperature", str(temperature), "-n", str(n),
             "--no-chat-template", "--no-live", "--profile", profile]
     if config != "auto":
         base += ["--draft-bits", config]
-    _, dry = run_specx([*base, "--dry-run"], tmp / "dry.json")
-    plan = dry["plan"]
     text, rec = run_specx(base, tmp / "run.json")
     passes = max(1, rec["target_passes"])
     cands = {c["bits"]: c for c in plan["candidates"] if c["draft"] == "self"}
-    chosen = plan["substitute_bits"]
+    chosen = plan["substitute_bits"] if config == "auto" else int(config)
     return dict(config=config, bits=chosen, text=text, modelled_draft_seconds=cands[chosen]["draft_seconds"],
                 modelled_tokens_per_second=cands[chosen]["tokens_per_second"],
                 draft_source=cands[chosen].get("sources", {}).get("draft", "modelled"),
@@ -60,6 +62,15 @@ def cell(prompt: Path, config: str, budget: int, temperature: float, n: int, pro
                 new_tokens=rec["new_tokens"], modelled=[{k: c.get(k) for k in ("bits", "draft_seconds",
                                                                                "tokens_per_second")}
                                                         for c in cands.values()])
+
+
+def dry_plan(prompt: Path, budget: int, temperature: float, n: int, profile: str, tmp: Path) -> dict:
+    """The automatic width's `--dry-run` plan (every width's modelled candidate and the choice)."""
+    _, dry = run_specx(["run", str(prompt), "--target", str(SHARED / "models" / "target"), "--draft", "self",
+                        "--budget", str(budget), "--offload", "disk", "--max-ram", "0", "--temperature",
+                        str(temperature), "-n", str(n), "--no-chat-template", "--no-live", "--profile", profile,
+                        "--dry-run"], tmp / "dry.json")
+    return dry["plan"]
 
 
 def reference(prompt: Path, n: int, tmp: Path) -> str:
@@ -83,7 +94,8 @@ def measure(args) -> dict:
                 for temperature in (float(t) for t in args.temperatures.split(",")):
                     shift = k + len(out["cells"])
                     order = CONFIGS[shift % 4:] + CONFIGS[:shift % 4]   # rotate: interleaved over cells
-                    runs = [cell(prompt, c, budget, temperature, args.n, args.profile, tmp) for c in order]
+                    plan = dry_plan(prompt, budget, temperature, args.n, args.profile, tmp)
+                    runs = [cell(prompt, c, budget, temperature, args.n, args.profile, tmp, plan) for c in order]
                     for r in runs:
                         r["lossless"] = r["text"] == ref if temperature == 0 else None
                         del r["text"]
@@ -145,7 +157,11 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft_width.json"))
     ap.add_argument("--table", metavar="JSON", help="write docs/self-draft.md's table from this result instead")
+    ap.add_argument("--locked", action="store_true",
+                    help="the caller already holds /tmp/bench.lock (flock /tmp/bench.lock python ...)")
     args = ap.parse_args(argv)
+    if args.locked:
+        LOCK.clear()
     if args.table:
         write_doc(json.loads(Path(args.table).read_text()))
         return 0

@@ -9,7 +9,8 @@ plan a run makes), then per budget runs `specx run PROMPT --target T --draft D -
 flags and `--profile` that file: once with `--dry-run --stats-json` (the plan's candidate for D:
 modelled seconds per pass = pass + draft - hidden, each term measured by the profile where it
 applies, else modelled), once for real (`--stats-json`: decode seconds / target passes). Budgets run
-in a rotating order per setup (interleaved). Every `specx` call holds `flock /tmp/bench.lock`. The
+in a rotating order per setup (interleaved). Every `specx` call holds `flock /tmp/bench.lock` (or, with
+`--locked`, the whole script runs under it). The
 profile is written under a private XDG_CONFIG_HOME, so nothing else on this machine picks it up.
 """
 
@@ -25,11 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
+LOCK = ["flock", "/tmp/bench.lock"]   # emptied by --locked: the caller holds the lock for the whole run
 SETUPS = {"resident": ["--offload", "none"], "disk": ["--offload", "disk", "--max-ram", "0"]}
 
 
 def specx(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    res = subprocess.run(["flock", "/tmp/bench.lock", "specx", *args], capture_output=True, text=True, env=env,
+    res = subprocess.run([*LOCK, "specx", *args], capture_output=True, text=True, env=env,
                          timeout=1800)
     if res.returncode != 0:
         raise SystemExit(f"specx {' '.join(args)} failed:\n{res.stderr[-2000:]}")
@@ -111,7 +113,11 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speedmodel.json"))
     ap.add_argument("--table", metavar="JSON", help="write docs/performance.md's table from this result instead")
+    ap.add_argument("--locked", action="store_true",
+                    help="the caller already holds /tmp/bench.lock (flock /tmp/bench.lock python ...)")
     args = ap.parse_args(argv)
+    if args.locked:
+        LOCK.clear()
     if args.table:
         write_doc(json.loads(Path(args.table).read_text()))
         return 0
