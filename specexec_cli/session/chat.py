@@ -77,7 +77,8 @@ class ChatSession:
         from specexec_cli.core.budget import make_tuner, weights_stream
 
         on_cuda = getattr(self.models.target, "device", torch.device("cpu")).type == "cuda"
-        return make_tuner(self.profile, self.cfg.shape, on_cuda, weights_stream(self.models.target))
+        return make_tuner(self.profile, self.cfg.shape, on_cuda, weights_stream(self.models.target),
+                          getattr(self.models, "plan_json", None))   # the memory plan's speed model
 
     def clear(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
