@@ -152,3 +152,26 @@ def test_offloaded_model_runs_gqa_attention(tmp_path, monkeypatch):
         torch.testing.assert_close(_logits(model, prefix, tree), ref, rtol=1e-5, atol=1e-5)
     finally:
         model.close()
+
+
+def test_prepared_once_for_all_layers(monkeypatch):
+    """Every layer of a pass gets the same mask object from transformers: the CUDA path prepares it once."""
+    made = []
+    real = torch.empty
+
+    def counting(*a, **k):
+        out = real(*a, **k)
+        made.append(out.shape)
+        return out
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 8, 300, 16), torch.randn(1, 2, 311, 16)
+    allowed = torch.rand(1, 1, 300, 311) > 0.4
+    module = torch.nn.Module()
+    module.num_key_value_groups = 4
+    monkeypatch.setattr(attention, "mask_strategy", lambda *a: "groups")   # CUDA's choice for a 300-token pass
+    monkeypatch.setattr(torch, "empty", counting)
+    for _ in range(3):                                                     # three layers, one prepared mask
+        attention.gqa_attention_forward(module, q, k, k, allowed)
+    attention.release()
+    assert made.count((1, 1, 300, 312)) == 1

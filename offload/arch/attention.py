@@ -166,7 +166,8 @@ def gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
                                       is_causal=is_causal, **kwargs)
     if attention_mask.shape[0] not in (1, b):
         raise ValueError(f"attention mask batch {attention_mask.shape[0]} does not match the query batch {b}")
-    mask = attention_mask[..., : key.shape[-2]]   # HF may hand a mask wider than the cache
+    # the object transformers hands every layer (prepared masks are keyed on it); cut only if wider than the cache
+    mask = attention_mask if attention_mask.shape[-1] == key.shape[-2] else attention_mask[..., : key.shape[-2]]
     strategy = mask_strategy(query.device.type, q_len, groups, key.shape[1], dim)
     if strategy == "gqa":
         from torch.nn.attention import SDPBackend
