@@ -217,13 +217,15 @@ def main() -> None:
         rows.append(dict(type="nf4", **nf4))
     result = dict(command="python bench/dequant.py " + " ".join(sys.argv[1:]), device="cpu",
                   machine=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+                  load_average=[round(x, 2) for x in __import__("os").getloadavg()],   # a shared machine's noise
                   torch=torch.__version__, layer=shapes, rows=rows)
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     if args.readme:
-        write_readme(f"`{result['command']}` on this CPU ({result['threads']} threads), one "
+        write_readme(f"`{result['command']}` on this CPU ({result['threads']} threads, load average "
+                     f"{result['load_average'][0]} when it finished), one "
                      f"{sum(a * b for a, b in shapes.values()) / 1e6:.1f}M-parameter layer into bf16:\n\n" + table(result))
 
 
