@@ -89,3 +89,31 @@ def test_an_unparsable_profile_is_one_line_naming_it_exit_2(tiny_pair, tmp_path)
     assert res.exit_code == 2 and "Traceback" not in res.output
     err = res.stderr.strip()
     assert len(err.splitlines()) == 1 and str(bad) in err and "specx profile" in err
+
+
+def test_no_timed_size_carries_the_cold_start(monkeypatch):
+    """modeltimes.median_time runs WARMUP untimed calls first: a first call 100x slower than the rest
+    (a cold start: page cache, allocator, threads) is not in the figure."""
+    from specexec_cli.tools import modeltimes
+
+    clock = {"t": 0.0, "calls": 0}
+
+    def fake_call():
+        clock["calls"] += 1
+        clock["t"] += 1.0 if clock["calls"] == 1 else 0.01
+
+    monkeypatch.setattr(modeltimes.time, "perf_counter", lambda: clock["t"])
+    assert modeltimes.median_time(fake_call, min_seconds=0.05) == pytest.approx(0.01)
+    assert clock["calls"] >= modeltimes.WARMUP + 3
+
+
+def test_profile_times_every_draft_a_run_could_take(monkeypatch):
+    from specexec_cli.session import deps
+    from specexec_cli.tools import modeltimes
+
+    monkeypatch.setattr(deps, "installed", lambda m: m != "hqq")
+    assert modeltimes.draft_configs("self") == [("self", 4, "self-4")]    # 3/2 bits need hqq
+    monkeypatch.setattr(deps, "installed", lambda m: True)
+    assert [k for _, _, k in modeltimes.draft_configs("self")] == ["self-4", "self-3", "self-2"]
+    assert modeltimes.draft_configs("/d") == [("/d", None, "small")] and modeltimes.draft_configs(None) == [
+        (None, None, "")]
