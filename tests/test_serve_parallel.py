@@ -202,3 +202,21 @@ def test_serve_parallel_that_does_not_fit_is_one_line_exit_2():
     assert "Traceback" not in res.output
     res = CliRunner().invoke(app, ["serve", "--dry-run", "--parallel", "0"])
     assert res.exit_code == 2 and "--parallel must be >= 1" in res.output
+
+
+def test_an_error_of_the_whole_pass_fails_its_requests_and_the_next_one_runs(pair, monkeypatch):
+    from specexec_cli.core.forest import Forest
+
+    real, calls = Forest.step, []
+
+    def broken_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in the pass")
+        return real(self)
+
+    monkeypatch.setattr(Forest, "step", broken_once)
+    failed = run_all(pair, [WORKS[0]])[0]
+    assert isinstance(failed[-1], Failed) and failed[-1].error.status == 500
+    ok = run_all(pair, [WORKS[1]])[0]
+    assert isinstance(ok[-1], Done) and ok[-1].usage["completion_tokens"] == 24

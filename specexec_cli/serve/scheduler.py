@@ -158,10 +158,19 @@ class Scheduler:
                         ticket.admitted.set()
                     return
                 arrived, self.waiting = self.waiting, []
-            self._admit(arrived)
-            self._drop_stopped()
-            if self.forest.lanes:
-                self._pass()
+            try:
+                self._admit(arrived)
+                self._drop_stopped()
+                if self.forest.lanes:
+                    self._pass()
+            except Exception as exc:  # noqa: BLE001 - never a dead forest thread: its requests fail, new ones go on
+                for lane in list(self.forest.lanes):
+                    self.forest.remove(lane)
+                    self._release(lane.ticket, exc)
+                for ticket in arrived:
+                    if not ticket.admitted.is_set():
+                        ticket.error = exc
+                        ticket.admitted.set()
 
     def _admit(self, arrived: list[Ticket]) -> None:
         for ticket in arrived:
