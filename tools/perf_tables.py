@@ -5,8 +5,9 @@ by `TABLES[NAME]()`, a markdown table computed from bench/results/ alone (an unk
 unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass of the trained
 draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
 table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
-inflated disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel` and
-`serve-parallel-xl` (bench/serve_parallel.py: the shared pair, the inflated target). `--check` writes nothing
+inflated disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel`,
+`serve-parallel-xl` and `serve-parallel-xl-decode` (bench/serve_parallel.py: the shared pair, the
+inflated target with whole and with short prompts). `--check` writes nothing
 and exits 1 naming the files whose tables differ from the JSON.
 """
 
@@ -106,7 +107,8 @@ def serve_parallel(name: str = "serve/parallel.json") -> str:
 
 TABLES = {"headline": headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
           "serve": serve, "serve-turns": serve_turns, "serve-cache": serve_cache, "serve-parallel": serve_parallel,
-          "serve-parallel-xl": lambda: serve_parallel("serve/parallel_xl.json")}
+          "serve-parallel-xl": lambda: serve_parallel("serve/parallel_xl.json"),
+          "serve-parallel-xl-decode": lambda: serve_parallel("serve/parallel_xl_decode.json")}
 
 
 def render(text: str) -> str:
