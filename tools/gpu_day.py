@@ -5,9 +5,9 @@ Contract:
 - `pack [--python 3.12] [--dest .whl]`: the wheels the image lacks (tools/gpuday/pack.py) into the
   git-ignored --dest; prints what a device call would carry; exit 1 above 62 MiB.
 - `run [--smoke] [--out DIR] [--phase NAME] [--budget-s S] [--resume-from JSON] [--summary FILE]`: the
-  measurements, phase by phase (tools/gpuday/run.py), each phase's JSON in --out; a phase already done is skipped, so a second
-  command resumes a cut one. Runs from the repo root with nothing installed (PYTHONPATH=. and the
-  pack's --target folder). `--smoke`: every phase tiny, on the CPU.
+  measurements, phase by phase (tools/gpuday/run.py), each phase's JSON in --out; a phase already
+  done is skipped, so a second command resumes a cut one. Runs from the repo root with nothing
+  installed (PYTHONPATH=. and the pack's --target folder). `--smoke`: every phase tiny, on the CPU.
 - `rehearse`: on a CPU machine, a venv shaped like the image, the pack for this Python installed with
   the box's install line, then `run --smoke` (tools/gpuday/rehearse.py).
 - `tables --out DIR`: the docs/gpu-status.md tables from a run's JSON (tools/gpuday/tables.py).

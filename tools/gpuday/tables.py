@@ -57,8 +57,8 @@ def passes(summary: dict) -> str:
         cells = []
         for f, _ in done:
             r = by_n[f].get(n)
-            cells += ([_ms(r["seconds"]), _ms(r["predicted"]["seconds"]), f"{r['seconds'] / r['predicted']['seconds']:.2f}"]
-                      if r else ["", "", ""])
+            ratio = f"{r['seconds'] / r['predicted']['seconds']:.2f}" if r else ""
+            cells += [_ms(r["seconds"]), _ms(r["predicted"]["seconds"]), ratio] if r else ["", "", ""]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += [""] + [_missing(summary, f"passes-{f}") for f, d in fmts if not d]
     return "\n".join(lines).rstrip()
