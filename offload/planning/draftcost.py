@@ -10,8 +10,9 @@ Contract (every figure is modelled; a matching profile's measured times replace 
 - draft seconds = forwards_per_tree(budget, max_beams) x passcost.draft_step(bytes of one forward:
   weights + KV at the planned context + dequantization traffic of its kernel, its FLOPs over max_beams
   nodes): max(bytes / bandwidth, FLOPs / FLOP/s, the step floor). Where the profile timed this draft
-  (a small draft by path, the self-draft per width under the same placement), the measured tree time
-  at the budget (or forwards x the measured step) is the draft instead.
+  (a small draft by path, the self-draft per width under the same placement), the measured draft
+  seconds per pass of real decoding at the budget (else its tree time, else forwards x its step) is
+  the draft instead.
 - `forwards_per_tree(budget, max_beams)` = 1 (the pending tokens) + ceil(budget / max_beams): the draft
   grows its tree max_beams nodes per forward (core/draft.grow_tree) until it holds `budget` nodes.
 - `hidden_seconds(plan, draft_s, m)`: the part of the draft's time the weight stream hides: while the
@@ -185,6 +186,8 @@ def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, s
         return 0.0, "modelled"
     forwards = forwards_per_tree(budget, cost.max_beams)
     got = measured(cost, plan, spec.key) if spec.key else None
+    if got and got.get("pass_seconds"):   # a run's own draft figure per pass (tools/modeltimes.py)
+        return interpolate({int(k): v for k, v in got["pass_seconds"].items()}, budget), "measured"
     if got and got.get("grow_seconds"):
         return interpolate({int(k): v for k, v in got["grow_seconds"].items()}, budget), "measured"
     if got and got.get("step_seconds"):

@@ -8,8 +8,9 @@ would with the same flags (session/options.plan_for_cli + load_planned: --offloa
   of repeated passes (a streamed pass reads its layers from RAM or disk every time, as a run's does);
 - each draft a run could take: a small --draft DIR ("small"), or with --draft self every width whose
   package is installed ("self-4", "self-3", "self-2"), each planned and loaded on its own: one
-  tree-growth step (max_beams nodes) and the whole tree at each budget in TREE_BUDGETS up to
-  max_tokens;
+  tree-growth step (max_beams nodes), the whole tree at each budget in TREE_BUDGETS up to
+  max_tokens, and the draft seconds per pass of real specexec decoding at those budgets (the
+  engine's own figure: growth with node scoring and budget selection, plus the cache trim);
 and records the placement ([resident, RAM, disk] layers), the resolved target path and the dtype the
 timings are for (session/profiles.profile_matches uses them only for that target and dtype, and
 offload/planning/draftcost.py only under that placement). Nothing here prints; errors are SpecxError.
@@ -98,6 +99,29 @@ def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
     return dict(step_seconds=round(median_time(step), 6), grow_seconds=grow, max_beams=beams)
 
 
+def time_draft_in_runs(models, budgets, beams: int, passes: int = 4) -> dict:
+    """{budget: median draft seconds per pass} of real specexec decoding (T = 0) at each budget: the
+    engine's own draft figure (tree growth with its node scoring and budget selection, plus trimming the
+    caches to the accepted path), what a run's --stats-json draft_seconds counts; one untimed pass first."""
+    from specexec_cli.core.draft import TreeShape
+    from specexec_cli.core.engine import DecodeState, GenerationConfig
+    from specexec_cli.core.methods import generate
+
+    ids = context_ids(models.tokenizer)
+    out = {}
+    for b in budgets:
+        cfg = GenerationConfig(method="specexec", shape=TreeShape(b, 64, beams), max_new_tokens=10_000)
+        secs = []
+        for ev in generate(models, DecodeState(), ids, cfg):
+            if ev.pass_index >= 2:   # pass 0 is the prefill, pass 1 the warm-up
+                secs.append(ev.draft_seconds)
+            if len(secs) >= passes:
+                break
+        if secs:
+            out[str(b)] = round(statistics.median(secs), 6)
+    return out
+
+
 def draft_configs(draft: str | None) -> list[tuple[str | None, int | None, str]]:
     """(--draft, --draft-bits, timing key) of every draft to time: the target alone first when no draft."""
     from specexec_cli.session.deps import installed, BITS_NEED
@@ -152,6 +176,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
                     progress(i + 1, len(configs) + 1, f"draft trees ({key})")
                 budgets = [b for b in TREE_BUDGETS if b <= max(TREE_BUDGETS[0], max_tokens)]
                 out["draft_timings"][key] = time_draft(models, budgets, cfg.shape.max_beams)
+                out["draft_timings"][key]["pass_seconds"] = time_draft_in_runs(models, budgets, cfg.shape.max_beams)
         finally:
             close_models(models)
     first = next(iter(out["draft_timings"].values()), None)
