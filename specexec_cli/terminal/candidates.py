@@ -1,0 +1,81 @@
+"""The dry run's candidate tables: the candidate drafts and plain decoding, what bounds the chosen pass,
+and the chosen draft's tokens/s by budget (offload/planning/draftcost.py, passcost.py figures from
+MemoryPlan.to_json()). Contract: `candidates_table(plan)` returns a rich renderable that fits 80
+columns (long cells fold, a draft directory shows its last two path parts); figures a matching
+`specx profile` measured are marked `m`, every other one is modelled."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+
+def candidates_table(plan: dict):
+    """The candidate drafts of the plan (offload/planning/draftcost.py) and plain decoding, the choice
+    marked; then what bounds the chosen pass (passcost terms) and its tokens/s at a few budgets. Every
+    figure is modelled unless its source says measured (a matching `specx profile`); fits 80 columns."""
+    from rich.console import Group
+    from rich.table import Table
+
+    choice = plan.get("choice") or {}
+    table = Table(title="candidates (m = measured by specx profile, else modelled)", header_style="bold cyan")
+    for col in ("draft", "bits", "tok/pass", "pass s", "draft s", "hidden", "tok/s", ""):
+        table.add_column(col, justify="left" if col in ("draft", "") else "right", overflow="fold")
+    for c in plan["candidates"]:
+        chosen = c["draft"] == choice.get("draft") and c["bits"] == choice.get("bits")
+        src = c.get("sources") or {}
+        mark = {k: "m" if src.get(k) == "measured" else "" for k in ("pass", "draft")}
+        table.add_row(_short_draft(c["draft"]), "-" if c["bits"] is None else str(c["bits"]),
+                      f"{c['tokens_per_pass']:.2f}", f"{c['pass_seconds']:.3f}{mark['pass']}",
+                      f"{c['draft_seconds']:.3f}{mark['draft']}", f"{c.get('hidden_seconds', 0):.3f}",
+                      f"{c['tokens_per_second']:.2f}" if c["fits"] else "-",
+                      "[green]chosen[/green]" if chosen else ("" if c["fits"] else "no fit"))
+    parts = [table, _terms_table(plan, choice)] if choice.get("terms") else [table]
+    if len(choice.get("by_budget") or []) > 1:
+        parts.append(_budgets_table(choice))
+    return Group(*parts)
+
+
+def _short_draft(draft: str) -> str:
+    """A --draft directory by its last two path parts (the full path is in --stats-json)."""
+    from pathlib import PurePath
+
+    parts = PurePath(str(draft)).parts
+    return escape(str(PurePath(*parts[-2:])) if len(parts) > 2 else str(draft))
+
+
+def _terms_table(plan: dict, choice: dict):
+    """The chosen candidate's modelled target pass, term by term, and where each rate comes from."""
+    from rich.table import Table
+
+    m, t = plan.get("machine") or {}, choice["terms"]
+    src = m.get("sources") or {}
+    table = Table(title=f"what bounds the pass ({t['tokens']} tokens; modelled, seconds; {t['bound']}-bound)",
+                  header_style="bold cyan")
+    for col in ("term", "seconds", "rate", "source"):
+        table.add_column(col, justify="right" if col in ("seconds", "rate") else "left", overflow="fold")
+    flops = m.get("flops32" if plan.get("device") == "cpu" else "flops16", 0)
+    rows = (("stream", t["stream"], f"{m.get('link_bps', 0) / 1e9:.0f}/{m.get('disk_bps', 0) / 1e9:.1f} GB/s",
+             src.get("link_bps", "prior")),
+            ("GEMM", t["gemm"], f"{flops / 1e12:.3g} TFLOP/s", src.get("flops16" if plan.get("device") != "cpu"
+                                                                      else "flops32", "prior")),
+            ("dequant", t["dequant"], f"{m.get('memory_bps', 0) / 1e9:.0f} GB/s", src.get("dequant", src.get("memory_bps", "prior"))),
+            ("attention", t["attention"], "", "at half the planned context"),
+            ("head", t["head"], "", ""), ("floor", t["floor"], "", src.get("forward_floor_s", "prior")),
+            ("pass", t["seconds"], "", "layers overlap: sum of max(stream, compute)"))
+    for name, secs, rate, where in rows:
+        table.add_row(name, f"{secs:.4f}", rate, escape(str(where)))
+    return table
+
+
+def _budgets_table(choice: dict):
+    """The chosen draft's modelled tokens/s at a few budgets (the one --budget auto takes is marked)."""
+    from rich.table import Table
+
+    table = Table(title="tokens/s by budget (chosen draft)", header_style="bold cyan")
+    for col in ("budget", "tok/pass", "pass s", "draft s", "tok/s", ""):
+        table.add_column(col, justify="right")
+    for r in choice["by_budget"]:
+        table.add_row(str(int(r["budget"])), f"{r['tokens_per_pass']:.2f}", f"{r['pass_seconds']:.3f}",
+                      f"{r['draft_seconds']:.3f}", f"{r['tokens_per_second']:.2f}",
+                      "[green]used[/green]" if r["budget"] == choice.get("budget") else "")
+    return table
