@@ -15,7 +15,7 @@ Two measurements, each writing JSON (`--out`) and printing a table:
 * default: specx's decode on the shared pair (`--target`, `--draft`, fp32 on the CPU), the first
   `--n-prompts` prompts of `--prompts` (jsonl, field "prompt") each followed by `--suffix`, at
   T = 0: specexec without a grammar, specexec and `--method ar` with one (`--schema`, a JSON-schema
-  file; default `SCHEMA`). Per run: tokens per target pass (the prefill's token excluded), mask
+  file; default `DECODE_SCHEMA`). Per run: tokens per target pass (the prefill's token excluded), mask
   seconds per pass (host time in core/constrain.py: forks, mask rows, catching up the committed
   state; wall time, so on a loaded machine it carries others' load) and mask rows per pass, and
   whether constrained specexec's ids equal constrained ar's.
@@ -49,6 +49,15 @@ SCHEMA = {
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "tags", "address", "active"],
+    "additionalProperties": False,
+}
+# the decode runs' default: short strings, so a small model's replies complete within the token limit
+DECODE_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+                   "debug": {"type": "boolean"}},
+    "required": ["name", "size", "tags", "debug"],
     "additionalProperties": False,
 }
 DOCUMENT = ('{"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["math", "engines", '
@@ -175,7 +184,7 @@ def decode(args) -> dict:
     from specexec_cli.session.loading import LoadOptions, load_models
 
     m = load_models(LoadOptions(args.target, args.draft, dtype="fp32", device="cpu"))
-    schema = json.load(open(args.schema)) if args.schema else SCHEMA
+    schema = json.load(open(args.schema)) if args.schema else DECODE_SCHEMA
     spec = GrammarSpec("json_schema", json.dumps(schema))
     lines = open(args.prompts).read().splitlines()[: args.n_prompts]
     base = GenerationConfig(shape=TreeShape(args.budget, args.max_depth), max_new_tokens=args.max_new_tokens)
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default=os.path.join(shared, "bench", "prompts.jsonl"))
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--suffix", default="\nCONFIG = ", help="text after each prompt (the reply starts there)")
-    ap.add_argument("--schema", help="a JSON Schema file (default: the module's SCHEMA)")
+    ap.add_argument("--schema", help="a JSON Schema file (default: the module's DECODE_SCHEMA)")
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--max-depth", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=96)

@@ -22,6 +22,11 @@ noise (sampling.PositionNoise at the child's position), and a child's feature is
 score's gap to the best other child (calibrate.coupled_feature): the top child is the target's
 own draw whenever the draft's distribution is close to the target's. The noise rows are computed on
 the draft's device (the hash of sampling.py) and picked by the staged positions: no row crosses.
+
+With a grammar (`grow_tree(..., grammar=constrain.GrammarRun)`), the expanded nodes' mask rows are
+computed before their forward and ride in its upload; the draft's logits are masked with them and
+children the grammar forbids are never added (whatever their calibrated score), and n-gram chains
+stop at their first refused token: every node of the tree is a grammar-valid continuation.
 """
 
 from __future__ import annotations

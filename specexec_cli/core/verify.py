@@ -7,7 +7,10 @@ argmax p / E with the hash noise of the token's absolute position). `accept_tree
 the tree from the root: if the node's token is a child in the tree it descends; otherwise the token
 is the bonus token and the walk ends. Every emitted token is an exact sample from the target given
 the tokens before it: the tree only caches the target's work, so the output distribution is the
-target's, whatever the draft proposed. The static-tree methods reuse the walk with their own
+target's, whatever the draft proposed. With a grammar (constrain.py), every node's choice is drawn
+from its logits with the tokens the grammar forbids after root -> node at -inf (the node's mask
+row, uploaded with the pass's inputs), and the walk ends at a node where the grammar is complete:
+the output is exactly the target's constrained decoding. The static-tree methods reuse the walk with their own
 per-node choices (methods/common.py: the residual rule, also one batch on the device).
 """
 
