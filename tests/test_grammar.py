@@ -12,6 +12,7 @@ The distribution at T > 0 is tested with power in tests/test_grammar_distributio
 from __future__ import annotations
 
 import json
+import sys
 
 import jsonschema
 import pytest
@@ -66,6 +67,7 @@ def json_model(path, seed: int, layers: int, noise_from=None, noise: float = 0.0
 
 @pytest.fixture(scope="module")
 def json_pair(tmp_path_factory):
+    pytest.importorskip("xgrammar")   # the `grammar` extra
     root = tmp_path_factory.mktemp("json-models")
     target = json_model(root / "target", seed=3, layers=2)
     draft = json_model(root / "draft", seed=4, layers=2, noise_from=target, noise=0.3)
@@ -191,6 +193,12 @@ def test_bad_grammars_are_one_line_errors(json_pair, spec, needle):
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_missing_grammar_extra_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)   # as if not installed
+    with pytest.raises(GrammarError, match=r"needs the xgrammar package: pip install .*\[grammar\]"):
+        compile_grammar(json_tokenizer(), SPEC)   # a new tokenizer object: nothing cached for it
+
+
 def test_compile_is_cached_per_tokenizer_and_spec(json_pair):
     a = compile_grammar(json_pair.tokenizer, SPEC)
     assert compile_grammar(json_pair.tokenizer, GrammarSpec("json_schema", json.dumps(SCHEMA))) is a
@@ -204,6 +212,7 @@ def test_other_methods_refuse_a_grammar(json_pair):
 
 
 def test_shared_pair_constrained_specexec_equals_ar(shared_pair):
+    pytest.importorskip("xgrammar")
     target, draft = shared_pair
     m = load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu"))
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},

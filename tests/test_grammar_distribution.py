@@ -31,6 +31,8 @@ from specexec_cli.core.methods import generate
 from specexec_cli.core.sampling import SamplingParams
 from tests.fakes import TableLM, next_logits, noisy, random_table
 
+pytest.importorskip("xgrammar")   # the `grammar` extra
+
 TOKENS = ["<eos>", "[", "]", ",", " ", "1", "2", "0"]
 V = len(TOKENS)
 EOS, OPEN, CLOSE, COMMA, SPACE = 0, 1, 2, 3, 4
