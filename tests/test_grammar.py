@@ -258,3 +258,37 @@ def test_every_draft_node_is_grammar_valid(json_pair, monkeypatch):
     assert len(checked) > 100
     monkeypatch.undo()
     assert got == run(m, ids, method="ar", n=40)[0]
+
+
+def test_batched_mask_rows_equal_one_matcher_each(json_pair):
+    """Rows filled by the batch matcher (>= BATCH_MIN nodes) and one by one agree with a fresh
+    matcher per node; refused tokens give all-zero rows."""
+    import xgrammar
+
+    from specexec_cli.core import constrain
+    from specexec_cli.core.engine import DecodeState
+    from specexec_cli.core.tree import Tree
+
+    g = compile_grammar(json_pair.tokenizer, SPEC, json_pair.eos_ids)
+    st = DecodeState(ids=[5, 6, 1])   # the reply so far: "{" (id 1)
+    tree = Tree.new(1)
+    kids = tree.add(torch.zeros(len(JSON_CHARS), dtype=torch.long), torch.arange(len(JSON_CHARS)),
+                    torch.zeros(len(JSON_CHARS)))
+    below = [JSON_CHARS.index(c) for c in "intab"]   # below '"' (id 5): key starts, valid and not
+    tree.add(kids[5:6].repeat(len(below)), torch.tensor(below), torch.zeros(len(below)))
+    nodes = list(range(1, tree.size))
+    for batch_min in (1000, 1):
+        run = constrain.GrammarRun(g, st, 2)
+        run.begin(tree)
+        old, constrain.BATCH_MIN = constrain.BATCH_MIN, batch_min
+        try:
+            rows = run.bitmask(nodes)
+        finally:
+            constrain.BATCH_MIN = old
+        for i, node in enumerate(nodes):
+            path = [int(tree.tokens[node])] if int(tree.parents[node]) == 0 else [5, int(tree.tokens[node])]
+            m = xgrammar.GrammarMatcher(g.compiled)
+            want = torch.zeros(g.words, dtype=torch.int32)
+            if all(m.accept_token(t) for t in [1] + path):
+                m.fill_next_token_bitmask(want[None])
+            assert torch.equal(rows[i], want), (node, path)

@@ -1,18 +1,20 @@
 """One generate call's grammar state, following the speculative tree: token masks for batches of nodes.
 
 Contract: `GrammarRun(compiled, state, start)` holds the matcher at the committed state (`root`: the
-grammar after state.ids[start:], the tokens this call has emitted; `sync` catches it up, every
-method calls it first, so the caller never reports what it committed). Per draft tree (`begin(tree)`), each node that needs a mask gets
-a matcher of its own, forked from its parent's (a copy, then the node's token), so branches never
-share parser state and nothing is rolled back; a node whose token the grammar refuses is dead (an
-all-zero mask: no children). The root advances along
-the accepted path (the bonus token included), through `sync`. `bitmask(nodes)` computes the (B, W) int32 packed
-masks of many nodes in ONE call of xgrammar's batch matcher, on its threads (`BATCH_MIN` rows or
-more; fewer in the calling thread), cached per node: the masks the draft computed for expanded
-nodes serve the verification too. A node is complete
-(`stopped`) where its mask allows EOS and nothing else: the reply ends there. `allowed(bits, V)` and `apply` are
-pure steps on logits: a (B, W) bitmask on the logits' device -> (B, V) bool, disallowed tokens and
-columns beyond the tokenizer's vocabulary -> -inf. `stats` counts masks and their host seconds.
+grammar after state.ids[start:], the tokens this call has emitted). `sync` catches the root up
+along what was committed (the accepted path and the bonus token); every method calls it first, so
+callers never report what they committed. Per draft tree (`begin(tree)`), each node that needs a
+mask gets a matcher of its own, forked from its parent's (a copy, then the node's token), so
+branches never share parser state and nothing is rolled back; a node whose token the grammar
+refuses is dead (an all-zero mask: no children), and so is a node after EOS.
+
+`bitmask(nodes)` gives the (B, W) int32 packed mask rows of many nodes (bit t % 32 of word t // 32
+set = token t allowed): `BATCH_MIN` rows or more in ONE call of xgrammar's batch matcher on its
+threads, fewer in the calling thread; rows are cached per node, so the masks the draft computed for
+the nodes it expanded serve the verification too. A node is complete (`stopped`) where its mask
+allows EOS and nothing else: the reply ends there. `allowed(bits, V)` and `apply` are pure steps
+on logits: (B, W) rows on the logits' device -> (B, V) bool; forbidden tokens and columns beyond the
+tokenizer's vocabulary -> -inf. `stats` counts mask rows and the host seconds spent here.
 """
 
 from __future__ import annotations
