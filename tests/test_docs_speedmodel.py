@@ -1,0 +1,34 @@
+"""The speed-model tables of docs/self-draft.md and docs/performance.md are what their benchmarks'
+JSON says (bench/selfdraft_width.py, bench/speedmodel.py: `--table` writes them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [("bench/selfdraft_width.py", "selfdraft_width.json", "docs/self-draft.md", "selfdraft-width"),
+         ("bench/speedmodel.py", "speedmodel.json", "docs/performance.md", "speedmodel")]
+
+
+@pytest.mark.parametrize("script,result,page,block", CASES)
+def test_the_doc_table_is_the_benchmarks_json(script, result, page, block):
+    tool = load_script(script)
+    data = json.loads((ROOT / "bench" / "results" / result).read_text())
+    text = (ROOT / page).read_text()
+    start, end = f"<!-- bench:{block} -->\n", f"<!-- /bench:{block} -->"
+    assert text.count(start) == 1 and text.count(end) == 1
+    assert text.split(start, 1)[1].split(end, 1)[0] == tool.table(data) + "\n"
+
+
+def test_the_width_benchmark_meets_issue_41():
+    """Automatic width >= 0.9x the best explicit width's tokens/s in every cell, and lossless at T = 0."""
+    data = json.loads((ROOT / "bench" / "results" / "selfdraft_width.json").read_text())
+    auto = [r for r in data["summary"] if r["config"] == "auto"]
+    assert {(r["budget"], r["temperature"]) for r in auto} == {(64, 0.0), (64, 0.7), (256, 0.0), (256, 0.7)}
+    assert all(r["lossless"] in (True, None) for r in data["summary"])
+    assert [r["vs_best"] >= 0.9 for r in auto] == [True] * len(auto), auto
