@@ -8,70 +8,29 @@ the target cache holds ids[:-1] (the last committed token is the next root) and 
 holds ids[:draft_len] for some draft_len < len(ids). Every method keeps them. With `Models.shared_kv`
 the draft's cache is a view of the target's (kvcache.SharedCache): the draft never prefills, and
 each tree starts from the target's committed rows with only the root pending (`draft_context`).
+The dataclasses it reads and yields live in `state.py`, the detokenizer in `text.py`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 
 from specexec_cli.core import calibrate, constrain, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
-from specexec_cli.core.grammar import GrammarError, GrammarSpec, compile_grammar
+from specexec_cli.core.grammar import GrammarError, compile_grammar
 from specexec_cli.core.logprobs import TokenLogprob, token_logprobs
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
 from specexec_cli.core.tree import causal_mask, subtree, top_budget
 from specexec_cli.core.verify import accept_tree, target_pass
-
-
-class ContextOverflow(SpecxError):
-    """The prompt (or conversation) does not fit in the models' context window."""
-
-
-@dataclass
-class Models:
-    """Everything loaded once per process."""
-
-    target: object  # HF causal LM (resident or offloaded)
-    draft: object | None  # small HF causal LM on the device; None for --method ar
-    tokenizer: object  # shared by both models (checked at load time)
-    eos_ids: frozenset[int]  # any of these ends generation
-    ctx_limit: int  # max positions both models support (and --ctx, when planned)
-    pool: object = None  # offload.stream.storage.DevicePool counting device bytes; None = plain torch allocations
-    kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
-    pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
-    shared_kv: bool = False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    method: str = "specexec"  # name in methods.METHODS (the core ones in STEP_METHODS)
-    shape: TreeShape = TreeShape(budget=64, max_depth=64)
-    sampling: SamplingParams = SamplingParams()
-    seed: int = 0
-    max_new_tokens: int = 256
-    extra: dict = field(default_factory=dict, hash=False, compare=False)  # method options (methods/common.py)
-    grammar: GrammarSpec | None = None  # structured output (core/grammar.py); None = free text
-    logprobs: int | None = None  # None = off; k >= 0: each emitted token's logprob and its top-k (core/logprobs.py)
-
-
-@dataclass
-class DecodeState:
-    """A conversation's committed tokens and both models' KV caches."""
-
-    ids: list[int] = field(default_factory=list)  # prompt + generated tokens, all turns
-    target_cache: object = field(default_factory=kvcache.new_cache)
-    target_len: int = 0  # committed tokens in the target cache
-    draft_cache: object = field(default_factory=kvcache.new_cache)
-    draft_len: int = 0  # committed tokens in the draft cache
-    noise: PositionNoise | None = None  # coupled draws of the current generate call (sampling.py)
-    prefill_streams: int = 0  # target passes the latest prefill took
-    grammar: object = None  # constrain.GrammarRun of the current generate call; None = unconstrained
+from specexec_cli.core.state import (ContextOverflow, DecodeState, GenerationConfig, Models, StepEvent,  # noqa: F401
+                                     StepFn, StepResult)
+from specexec_cli.core.text import TextChunk, TextStream  # noqa: F401
 
 
 def new_noise(gen: torch.Generator) -> PositionNoise:
@@ -97,48 +56,6 @@ def logprobs_of(cfg: GenerationConfig, logits: torch.Tensor, rows: list[int], to
     return None if cfg.logprobs is None else token_logprobs(logits, rows, tokens, cfg.logprobs)
 
 
-@dataclass
-class StepResult:
-    """What one target pass of a method produced."""
-
-    tokens: list[int]  # emitted tokens (accepted draft tokens + the target's own token)
-    accepted: int  # how many of `tokens` came from the draft's tree
-    tree_size: int = 0  # draft nodes the target verified (root excluded)
-    tree_depth: int = 0  # deepest verified node
-    draft_seconds: float = 0.0
-    target_seconds: float = 0.0
-    logprobs: list[TokenLogprob] | None = None  # one per token when GenerationConfig.logprobs is set
-
-
-@dataclass
-class StepEvent:
-    """One streamed update: what the CLI prints and what RunStats accumulates."""
-
-    text: str  # newly decodable text (may be "" while a UTF-8 sequence is incomplete)
-    tokens: list[int]  # token ids emitted by this step
-    accepted: int  # of which came from the draft (from_draft)
-    pass_index: int  # 0 = prefill, then 1, 2, ... target passes
-    tree_size: int
-    tree_depth: int
-    draft_seconds: float
-    target_seconds: float
-    prefill_seconds: float  # whole prefill time (set on every event)
-    decode_seconds: float  # wall time since the prefill ended
-    new_tokens: int  # generated so far, this call
-    prompt_tokens: int  # tokens prefilled by this call
-    finish: str | None = None  # "eos" | "stop" (grammar complete) | "length" | "context" on the last event
-    host_transfers: int = 0  # host<->device copies this step made (transfers.to_host / upload calls)
-    host_transfer_bytes: int = 0  # their payload bytes
-    prefill_streams: int = 0  # target passes of the prefill (each streams every offloaded layer once)
-    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when GenerationConfig.logprobs is set
-
-    @property
-    def tps(self) -> float:
-        """Generated tokens per decode second (prefill excluded)."""
-        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-
-StepFn = Callable[[Models, DecodeState, GenerationConfig, torch.Generator, int], StepResult]
 
 
 def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int) -> StepResult:
@@ -366,38 +283,6 @@ def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfi
     if logprobs is not None:
         logprobs.extend(logprobs_of(cfg, last[None], [0], [tok]) or [])
     return tok
-
-
-class TextChunk(str):
-    """Newly printable text that also knows how many of its leading characters are the text of
-    tokens accepted from the draft's tree (the rest is the target's own token): `draft_chars`.
-    A plain str everywhere else, so writers that ignore colour need no change."""
-
-    draft_chars: int = 0
-
-
-class TextStream:
-    """Incremental detokenizer: feed token ids, get the newly printable text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def feed(self, tokens: list[int]) -> str:
-        self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            return ""
-        new, self.printed = text[self.printed :], len(text)
-        return new
-
-    def feed_split(self, tokens: list[int], accepted: int) -> TextChunk:
-        """feed(tokens) as a TextChunk whose draft_chars covers tokens[:accepted]."""
-        head = self.feed(tokens[:accepted]) if accepted else ""
-        chunk = TextChunk(head + self.feed(tokens[accepted:]))
-        chunk.draft_chars = len(head)
-        return chunk
 
 
 def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:

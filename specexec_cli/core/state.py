@@ -1,0 +1,108 @@
+"""What the decoding loop reads and yields: the loaded models, one call's configuration, a
+conversation's decode state, and the per-pass results and events.
+
+Contract: plain dataclasses, no behaviour beyond `StepEvent.tps`; `engine.py` drives them. Field
+comments say each value's unit and who sets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specexec_cli.core import kvcache
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.core.grammar import GrammarSpec
+from specexec_cli.core.logprobs import TokenLogprob
+from specexec_cli.core.sampling import PositionNoise, SamplingParams
+from specexec_cli.errors import SpecxError
+
+class ContextOverflow(SpecxError):
+    """The prompt (or conversation) does not fit in the models' context window."""
+
+
+@dataclass
+class Models:
+    """Everything loaded once per process."""
+
+    target: object  # HF causal LM (resident or offloaded)
+    draft: object | None  # small HF causal LM on the device; None for --method ar
+    tokenizer: object  # shared by both models (checked at load time)
+    eos_ids: frozenset[int]  # any of these ends generation
+    ctx_limit: int  # max positions both models support (and --ctx, when planned)
+    pool: object = None  # offload.stream.storage.DevicePool counting device bytes; None = plain torch allocations
+    kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
+    pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
+    shared_kv: bool = False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    method: str = "specexec"  # name in methods.METHODS (the core ones in STEP_METHODS)
+    shape: TreeShape = TreeShape(budget=64, max_depth=64)
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    max_new_tokens: int = 256
+    extra: dict = field(default_factory=dict, hash=False, compare=False)  # method options (methods/common.py)
+    grammar: GrammarSpec | None = None  # structured output (core/grammar.py); None = free text
+    logprobs: int | None = None  # None = off; k >= 0: each emitted token's logprob and its top-k (core/logprobs.py)
+
+
+@dataclass
+class DecodeState:
+    """A conversation's committed tokens and both models' KV caches."""
+
+    ids: list[int] = field(default_factory=list)  # prompt + generated tokens, all turns
+    target_cache: object = field(default_factory=kvcache.new_cache)
+    target_len: int = 0  # committed tokens in the target cache
+    draft_cache: object = field(default_factory=kvcache.new_cache)
+    draft_len: int = 0  # committed tokens in the draft cache
+    noise: PositionNoise | None = None  # coupled draws of the current generate call (sampling.py)
+    prefill_streams: int = 0  # target passes the latest prefill took
+    grammar: object = None  # constrain.GrammarRun of the current generate call; None = unconstrained
+
+
+@dataclass
+class StepResult:
+    """What one target pass of a method produced."""
+
+    tokens: list[int]  # emitted tokens (accepted draft tokens + the target's own token)
+    accepted: int  # how many of `tokens` came from the draft's tree
+    tree_size: int = 0  # draft nodes the target verified (root excluded)
+    tree_depth: int = 0  # deepest verified node
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # one per token when GenerationConfig.logprobs is set
+
+
+@dataclass
+class StepEvent:
+    """One streamed update: what the CLI prints and what RunStats accumulates."""
+
+    text: str  # newly decodable text (may be "" while a UTF-8 sequence is incomplete)
+    tokens: list[int]  # token ids emitted by this step
+    accepted: int  # of which came from the draft (from_draft)
+    pass_index: int  # 0 = prefill, then 1, 2, ... target passes
+    tree_size: int
+    tree_depth: int
+    draft_seconds: float
+    target_seconds: float
+    prefill_seconds: float  # whole prefill time (set on every event)
+    decode_seconds: float  # wall time since the prefill ended
+    new_tokens: int  # generated so far, this call
+    prompt_tokens: int  # tokens prefilled by this call
+    finish: str | None = None  # "eos" | "stop" (grammar complete) | "length" | "context" on the last event
+    host_transfers: int = 0  # host<->device copies this step made (transfers.to_host / upload calls)
+    host_transfer_bytes: int = 0  # their payload bytes
+    prefill_streams: int = 0  # target passes of the prefill (each streams every offloaded layer once)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when GenerationConfig.logprobs is set
+
+    @property
+    def tps(self) -> float:
+        """Generated tokens per decode second (prefill excluded)."""
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+StepFn = Callable[[Models, DecodeState, GenerationConfig, torch.Generator, int], StepResult]
