@@ -8,7 +8,8 @@ plans with; `cost_device_for(device, gpu, profile)` the passcost.Device the pass
 (offload/planning/passcost.py, draftcost.py) evaluates with: the card's published figures, else the
 profile's measured rates, else the priors, each term naming its source. `profile_matches(profile,
 target, dtype)` returns the profile's measured model timings only for this machine, this target and
-this dtype (else None and the one line saying why); `plan_timings` the part of them the plan uses. Nothing here measures or prints; errors are SpecxError.
+this dtype (else None and, for a --profile given explicitly, the one line saying why; this machine's
+last profile timing another model is skipped quietly); `plan_timings` the part of them the plan uses. Nothing here measures or prints; errors are SpecxError.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def read_profile(path: Path) -> dict:
 def find_profile(explicit: Path | None) -> dict | None:
     """--profile FILE, else the last profile written on this machine, else None (quietly)."""
     if explicit is not None:
-        return read_profile(explicit)
+        return dict(read_profile(explicit), _explicit=True)
     try:
         last = json.loads((config_dir() / "last.json").read_text()).get(socket.gethostname())
     except (OSError, ValueError, AttributeError):
@@ -170,6 +171,8 @@ def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | No
     if not models.get("target_seconds"):
         return None, ""
     same = models.get("target_resolved") == str(Path(target).resolve()) if target else False
+    if not profile.get("_explicit") and (not same or models.get("plan_dtype") not in (None, dtype)):
+        return None, ""   # this machine's last profile timed another model: quietly not used
     if not same:
         return None, (f"{name} timed another target ({models.get('target')}); its pass times are not used "
                       "(run `specx profile --target` with this one)")
