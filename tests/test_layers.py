@@ -7,7 +7,7 @@ quant > formats > arch; docs/architecture.md explains them). Here
 `lint-imports` runs on the real tree and must report every contract kept, and on a contract that
 inverts two layers it must report one broken, so the check can fail. Two rules import-linter does
 not state are checked by reading every module's imports (function-level ones too): rich is imported
-only by terminal/display.py, typer only by terminal/app.py and terminal/flags.py.
+only by terminal/display.py and terminal/candidates.py (the dry run's tables), typer only by terminal/app.py and terminal/flags.py.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ def importers(package: Path, library: str) -> set[str]:
 
 
 def test_rich_is_imported_only_by_the_display():
-    assert importers(ROOT / "specexec_cli", "rich") == {"specexec_cli/terminal/display.py"}
+    # the display, and the dry run's candidate tables it renders (split out of display.py for size)
+    assert importers(ROOT / "specexec_cli", "rich") == {"specexec_cli/terminal/display.py",
+                                                          "specexec_cli/terminal/candidates.py"}
     assert importers(ROOT / "offload", "rich") == set()
 
 

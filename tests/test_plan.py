@@ -104,7 +104,7 @@ def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: 
 
 def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) -> dict:
     """Every device component from the configs alone (CUDA, sdpa)."""
-    h, v, ctx, b = t["hidden_size"], t["vocab_size"], plan.ctx, plan.budget
+    h, v, ctx, b = t["hidden_size"], t["vocab_size"], plan.ctx, plan.sized_budget   # what the caches are sized for
     table = v * h * elem
     rows_t, rows_d = ctx + b + 1, ctx + 2 * b + 32 + 1
     deq = t["intermediate_size"] * h if nf4 else 0
@@ -158,16 +158,18 @@ def test_nf4_70b_with_1b_draft_fits_each_card(ckpts, cap_gb):
     # resident layers are maximal: one more would break the cap (slack grows by 2% of it too)
     if plan.ram_layers or plan.disk_layers:
         assert plan.device_total + lb * 1.02 > cap_gb * GB or len(plan.ram_layers) + len(plan.disk_layers) == 1
-    # the largest budget that fits, among 1024, 512, ...: the next one up must not fit
-    if plan.budget < 1024:
-        bigger = plan_memory(t, d, request(max_gpu_memory=cap_gb * GB, budget=plan.budget * 2, budget_auto=False))
+    # the caches are sized for the largest budget that fits, among 1024, 512, ...: the next one up must not
+    # fit (the speed model then starts the run at the budget it models fastest, at most that one)
+    assert plan.budget <= plan.sized_budget
+    if plan.sized_budget < 1024:
+        bigger = plan_memory(t, d, request(max_gpu_memory=cap_gb * GB, budget=plan.sized_budget * 2, budget_auto=False))
         assert not bigger.fits
 
 
 def test_plans_shrink_with_the_card(ckpts):
     t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
     plans = [plan_memory(t, d, request(max_gpu_memory=g * GB)) for g in (24, 16, 12)]
-    assert [p.budget for p in plans] == sorted((p.budget for p in plans), reverse=True)
+    assert [p.sized_budget for p in plans] == sorted((p.sized_budget for p in plans), reverse=True)
     assert len(plans[0].resident) > 0 and plans[0].embeddings == "host"   # 128k vocab: embeddings stay home
 
 

@@ -92,7 +92,7 @@ class MemoryPlan:
     layer_bytes: list[int]           # packed bytes per layer
     embeddings: str                  # "device" | "host"
     ctx: int                         # context the caches are sized for
-    budget: int                      # tree budget the activations are sized for
+    budget: int                      # tree budget the run starts at (--budget auto: the speed model's pick)
     kv_rows: tuple[int, int]         # (target, draft) rows preallocated per cache
     pass_tokens: int                 # most tokens one target pass processes (prefill chunk)
     device: str = "cuda"
@@ -106,6 +106,7 @@ class MemoryPlan:
     choice: dict | None = None       # the candidate with the most modelled tokens/s (None: no draft fits)
     machine: dict = field(default_factory=dict)   # draftcost.Machine the candidates were modelled with
     slots: int = 2                   # device staging slots the loader allocates (leftover memory adds some)
+    sized_budget: int = 0            # tree budget the activations and caches are sized for (>= budget; 0 = budget)
 
     @property
     def device_total(self) -> int:
@@ -123,6 +124,7 @@ class MemoryPlan:
             disk_bytes_per_pass=self.disk_bytes_per_pass, resident_layers=len(self.resident),
             streamed_layers={"ram": len(self.ram_layers), "disk": len(self.disk_layers)},
             fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
+            sized_budget=self.sized_budget or self.budget,
             kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
             notes=list(self.notes), elsewhere=self.elsewhere, substitute_bits=self.substitute_bits,
             skipped_layers=list(self.skipped_layers), layer_bytes_total=sum(self.layer_bytes),
@@ -301,7 +303,7 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
                       pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
-                      chunk, req.device, slots=slots)
+                      chunk, req.device, slots=slots, sized_budget=budget)
     if slots > req.slots:
         plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
                           "over, so the stream reads that many layers of the next pass while the draft grows its tree")
