@@ -18,7 +18,8 @@ Contract (every figure is modelled; a matching profile's measured times replace 
 - `hidden_seconds(plan, draft_s, m)`: the part of the draft's time the weight stream hides: while the
   draft grows its tree the prefetcher fills the free staging slots with the next pass's first layers
   (offload/stream/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's
-  stream runs under the draft.
+  stream runs under the draft -- on CUDA, whose copy engine works beside the kernels; on a CPU the
+  reads share the draft's cores and nothing is hidden.
 - tokens/s = tokens per pass / (pass seconds + draft seconds - hidden seconds).
 - `tokens_per_pass(kind, temperature, budget)`: measured on the shared pair (TOKENS_PER_PASS, log-linear
   in the budget between the measured budgets, clamped at the ends); for a self-draft that skips layers,
@@ -198,8 +199,12 @@ def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, s
 
 
 def hidden_seconds(plan, draft_s: float, m: Device) -> float:
-    """Draft time under which the stream fills the free staging slots with the next pass's layers."""
-    if not (plan.ram_layers or plan.disk_layers):
+    """Draft time under which the stream fills the free staging slots with the next pass's layers.
+
+    Only a device with a copy engine of its own (CUDA: DMA beside the kernels) reads while the draft
+    computes; on a CPU the reads and copies run on the cores the draft uses, so nothing is hidden
+    (measured on the disk tier: bench/results/speedmodel.json, s/pass = pass + draft)."""
+    if not (plan.ram_layers or plan.disk_layers) or m.kind != "cuda":
         return 0.0
     rate = m.link_bps if plan.ram_layers else m.disk_bps
     return min(draft_s, plan.device_bytes.get("staging_slots", 0) / rate)
