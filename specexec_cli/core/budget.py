@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterable
 
+from offload.planning.passcost import interpolate  # log-log between measured points, one home
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
 
@@ -66,20 +67,6 @@ def choose_budget(
     if best is None:
         raise ValueError("choose_budget needs at least one candidate budget")
     return best, best_rate
-
-
-def interpolate(points: dict[int, float], n: float) -> float:
-    """Log-log interpolation between measured points; flat below, proportional to n above."""
-    xs = sorted(points)
-    if n <= xs[0]:
-        return points[xs[0]]
-    if n >= xs[-1]:
-        return points[xs[-1]] * n / xs[-1]
-    hi = next(i for i, x in enumerate(xs) if x >= n)
-    x0, x1 = xs[hi - 1], xs[hi]
-    y0, y1 = max(points[x0], 1e-12), max(points[x1], 1e-12)
-    w = (math.log(n) - math.log(x0)) / (math.log(x1) - math.log(x0))
-    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
 
 
 def n_bin(n: int) -> int:
