@@ -166,7 +166,8 @@ def test_tiny_temperature_decodes_like_greedy():
 
 def test_served_tiny_temperature_is_greedy():
     """A request's temperature 1e-7 reaches the engine as greedy settings (the worker's merge)."""
-    from specexec_cli.serve.models import CompletionRequest, to_work
+    from specexec_cli.serve.models import CompletionRequest
+    from specexec_cli.serve.structured import to_work
     from specexec_cli.session.gendefaults import merge
 
     work = to_work(CompletionRequest(prompt="x", temperature=1e-7))

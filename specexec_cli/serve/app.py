@@ -35,7 +35,8 @@ from starlette.exceptions import HTTPException
 from specexec_cli import __version__
 from specexec_cli.serve import shapes
 from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe, is_loopback_name, log_refusal
-from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body, to_work, unsupported
+from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body, unsupported
+from specexec_cli.serve.structured import to_work
 from specexec_cli.serve.worker import Delta, Done, Failed, Job
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413

@@ -8,7 +8,7 @@ them, as are a message without content (but an assistant's), image/audio/file pa
 prompts. Tools, tool calls, `response_format` and logprobs are checked and converted by
 structured.py. The values other servers accept mean what they mean there: `max_tokens` -1 or null = no
 limit (llama-server, ollama), `top_k` -1 = off (vLLM), `stream` null = false;
-parameters with no effect on the text (user, metadata, ...) are ignored. `to_work()` turns a
+parameters with no effect on the text (user, metadata, ...) are ignored. `structured.to_work()` turns a
 request into the worker's `Work` (the response shapes are in shapes.py). `APIError` is every error
 the server answers, with `error_body()` its JSON.
 """
@@ -156,7 +156,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, list[Union[str, int, list[int]]]]  # token ids are refused by name (to_work)
+    prompt: Union[str, list[Union[str, int, list[int]]]]  # token ids are refused by name (structured.to_work)
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
     echo: Any = None
     suffix: Any = None
@@ -232,31 +232,3 @@ class Work:
     parallel_tool_calls: bool = True  # False: at most one call is returned
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
     logprobs: int | None = None  # None: off; k: each token's logprob and its k top alternatives
-
-
-def to_work(req: Sampling) -> Work:
-    """The request's `Work` (call `unsupported(req)` first)."""
-    from specexec_cli.serve import structured  # it imports APIError from here
-
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    top_k = 0 if req.top_k == -1 else req.top_k
-    work = Work(temperature=req.temperature, top_k=top_k, top_p=req.top_p, seed=req.seed, stops=stops)
-    structured.apply(req, work)
-    if isinstance(req, ChatRequest):
-        work.messages = structured.template_messages(req.messages)
-        work.max_tokens = limit(req.max_completion_tokens) or limit(req.max_tokens)
-    else:
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if any(not isinstance(p, str) for p in prompts):
-            raise APIError(400, "prompt: token-id prompts are not supported; send the prompt as a string",
-                           param="prompt", code="unsupported_content")  # fmt: skip
-        if len(prompts) != 1:
-            raise APIError(400, f"prompt must be one string (got a list of {len(prompts)}): one completion "
-                           "per request", param="prompt")  # fmt: skip
-        work.prompt, work.max_tokens = prompts[0], limit(req.max_tokens)
-    return work
-
-
-def limit(max_tokens: int | None) -> int | None:
-    """A request's max_tokens as the worker's: -1 (llama-server's and ollama's "no limit") is None."""
-    return None if max_tokens == -1 else max_tokens

@@ -1,6 +1,7 @@
 """Tools, tool calls, `response_format` and logprobs of a request: checked, then planned.
 
-Contract: at request time (event loop, no model) `apply(req, work)` checks the request's tools,
+Contract: at request time (event loop, no model) `to_work(req)` builds the worker's `Work` from a
+request (sampling, stops, the prompt or messages) and `apply(req, work)` checks the request's tools,
 `tool_choice`, `parallel_tool_calls`, `response_format` and logprobs fields and copies them into
 the worker's `Work`; `template_messages(messages)` turns the messages into what chat templates take
 (an assistant's `tool_calls` with their `arguments` as objects, a tool message with its call's id
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from specexec_cli.serve.models import APIError, ChatRequest, NamedToolChoice, Work
+from specexec_cli.serve.models import APIError, ChatRequest, NamedToolChoice, Sampling, Work
 from specexec_cli.session import tools as toolcalls
 
 
@@ -153,3 +154,29 @@ def _compile(tok, eos_ids, kind: str, schema: dict | None, prefix: str, suffix: 
         code = "structured_output_unsupported" if unsupported else "invalid_schema"
         raise APIError(400, f"{param}: {exc}", param=param, code=code) from None
     return spec
+
+
+def to_work(req: Sampling) -> Work:
+    """The request's `Work` (call `unsupported(req)` first)."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    top_k = 0 if req.top_k == -1 else req.top_k
+    work = Work(temperature=req.temperature, top_k=top_k, top_p=req.top_p, seed=req.seed, stops=stops)
+    apply(req, work)
+    if isinstance(req, ChatRequest):
+        work.messages = template_messages(req.messages)
+        work.max_tokens = limit(req.max_completion_tokens) or limit(req.max_tokens)
+    else:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if any(not isinstance(p, str) for p in prompts):
+            raise APIError(400, "prompt: token-id prompts are not supported; send the prompt as a string",
+                           param="prompt", code="unsupported_content")  # fmt: skip
+        if len(prompts) != 1:
+            raise APIError(400, f"prompt must be one string (got a list of {len(prompts)}): one completion "
+                           "per request", param="prompt")  # fmt: skip
+        work.prompt, work.max_tokens = prompts[0], limit(req.max_tokens)
+    return work
+
+
+def limit(max_tokens: int | None) -> int | None:
+    """A request's max_tokens as the worker's: -1 (llama-server's and ollama's "no limit") is None."""
+    return None if max_tokens == -1 else max_tokens
