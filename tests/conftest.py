@@ -68,6 +68,16 @@ def specx_cache(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("specx-cache")
     os.environ["SPECX_CACHE"] = str(path)
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-session"))   # module fixtures' profiles
+    return path
+
+
+@pytest.fixture(autouse=True)
+def specx_config(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's profiles (XDG_CONFIG_HOME/specx/profiles) live in a temp dir of its own: a profile one
+    test writes is never read by a later test's plan, nor left in the machine's ~/.config."""
+    path = tmp_path_factory.mktemp("xdg-config")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(path))
     return path
 
 

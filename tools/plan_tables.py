@@ -37,7 +37,9 @@ def plan(target: Path, draft: str, dtype: str, card: int, tmp: Path) -> tuple[di
             "--max-gpu-memory", f"{card}GB", "--max-ram", "64GB", "--ctx", "8192", "--dry-run", "--stats-json", str(out)]
     if draft != "self":
         args += ["--draft-dtype", "bf16"]
-    r = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    # an empty config dir: no profile this machine wrote (its measured rates) reaches the published tables
+    (tmp / "xdg").mkdir(exist_ok=True)
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "200", "XDG_CONFIG_HOME": str(tmp / "xdg")})
     if r.exit_code != 0:
         return None, next((ln.removeprefix("error: ") for ln in r.output.splitlines() if ln.startswith("error: ")), r.output)
     return json.loads(out.read_text())["plan"], ""
