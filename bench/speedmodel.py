@@ -98,12 +98,10 @@ def table(data: dict) -> str:
 
 def write_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
     """Replace the block between <!-- bench:speedmodel --> and <!-- /bench:speedmodel --> with the table."""
-    text = page.read_text()
-    start, end = "<!-- bench:speedmodel -->", "<!-- /bench:speedmodel -->"
-    if start not in text or end not in text:
-        raise SystemExit(f"{page} has no {start} ... {end} block")
-    head, rest = text.split(start, 1)
-    page.write_text(head + start + "\n" + table(data) + "\n" + end + rest.split(end, 1)[1])
+    sys.path.insert(0, str(ROOT / "bench"))
+    from docblock import write_block
+
+    write_block(page, "speedmodel", table(data))
 
 
 def main(argv=None) -> int:
