@@ -10,7 +10,9 @@ import shutil
 import time
 
 import pytest
+import torch
 
+from tests.conftest import make_model
 from tests.serve_util import Server
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -20,8 +22,25 @@ KEY = "page-key"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_pair, tmp_path_factory):
-    target, draft = tiny_pair
+def endless_pair(tmp_path_factory):
+    """(target, draft) whose greedy decoding never ends by itself: the target's <eos> row of lm_head is
+    zero, so <eos> scores 0 while 47 other logits of spread ~1.4 score around it, and greedy picks it
+    only when all 47 are negative (about 2^-47). A long context (4096) leaves room for a reply that is
+    still running when Stop is clicked, however slow or fast the machine is."""
+    from transformers import LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("endless")
+    target = make_model(root / "target", seed=1, layers=3, max_pos=4096)
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[0].zero_()
+    model.save_pretrained(target, safe_serialization=True)
+    return target, make_model(root / "draft", seed=2, layers=3, noise_from=target, noise=0.3, max_pos=4096)
+
+
+@pytest.fixture(scope="module")
+def server(endless_pair, tmp_path_factory):
+    target, draft = endless_pair
     srv = Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
                         "--budget", "8"], tmp_path_factory.mktemp("page"), env={"SPECX_API_KEY": KEY})  # fmt: skip
     yield srv
@@ -66,7 +85,8 @@ def test_page_streams_a_reply_with_stats_and_keeps_the_key(page):
 
 
 def test_stop_aborts_the_running_reply(page, server):
-    page.fill("#max", "400")
+    page.fill("#max", "4000")   # greedy never ends on <eos> (endless_pair): the reply runs until Stop
+    page.fill("#temp", "0")
     page.fill("#input", "import os")
     page.press("#input", "Enter")
     page.wait_for_selector(".msg.assistant span", timeout=30_000)
@@ -76,7 +96,7 @@ def test_stop_aborts_the_running_reply(page, server):
     assert not page.is_visible("#stop") and not page.is_disabled("#send")
     partial = page.inner_text(".msg.assistant")
     time.sleep(0.5)
-    assert page.inner_text(".msg.assistant") == partial and len(partial) < 400  # nothing more arrived
+    assert page.inner_text(".msg.assistant") == partial and len(partial) < 4000  # nothing more arrived
     deadline = time.monotonic() + 10
     while 'outcome="cancelled"' not in (metrics := server.http("GET", "/metrics", headers={
             "Authorization": f"Bearer {KEY}"})[2]):  # fmt: skip
