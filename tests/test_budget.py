@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from specexec_cli.core.budget import (BudgetTuner, LiveConfig, ShapeHolder, TimingModel, candidate_budgets,
-                                 choose_budget, interpolate, make_tuner)
+                                 choose_budget, choose_split, interpolate, make_tuner)
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
 
@@ -24,6 +24,38 @@ def test_saturating_acceptance_flat_target_picks_the_saturation_point():
     b, rate = choose_budget(lambda b: 1 + min(b, 8), lambda b: 0.001 * b, lambda n: 1.0, range(1, 100))
     assert b == 8
     assert rate == pytest.approx(9 / 1.008)
+
+
+def test_split_keeps_the_budget_on_a_stream_bound_pass_and_shrinks_it_once_compute_shows():
+    """k requests per pass: on a flat (stream-bound) pass each keeps the budget it has alone and the
+    aggregate rate grows about k-fold; on a pass whose time grows with its tokens each one's tree
+    shrinks, to the grid's best aggregate rate."""
+    e = lambda b: 1 + 0.6 * math.log2(1 + b)  # noqa: E731
+    d = lambda b: 1e-4 * b  # noqa: E731
+    flat = lambda n: 1.0  # noqa: E731
+    cands = candidate_budgets(1023)
+    one, rate1 = choose_budget(e, d, flat, cands)
+    assert (one, rate1) == choose_split(e, d, flat, 1, cands)
+    two, rate2 = choose_split(e, d, flat, 2, cands)
+    assert two == one and rate2 == pytest.approx(2 * e(one) / (2 * d(one) + 1.0))
+    dear = lambda n: 0.2 + n / 200  # noqa: E731 - compute-bound: seconds grow with the pass's tokens
+    b1, _ = choose_split(e, d, dear, 1, cands)
+    b4, rate4 = choose_split(e, d, dear, 4, cands)
+    assert b4 < b1
+    best = max(4 * e(b) / (4 * d(b) + dear(4 * (b + 1))) for b in cands)   # brute force over the same grid
+    assert rate4 == pytest.approx(best)
+
+
+def test_tuner_split_stays_inside_the_sized_budget_and_learns_from_forest_passes():
+    tuner = BudgetTuner(TimingModel({1: 1.0, 1024: 1.0}, 1e-4), TreeShape(255, 16), max_budget=255)
+    for k in (2, 3, 4):
+        shape = tuner.split(k)
+        assert k * (shape.budget + 1) <= 256 and shape.max_depth <= 16
+    assert tuner.split(1) == tuner.shape
+    ev = SimpleNamespace(pass_index=3, tree_size=31, tokens=[1, 2, 3, 4], accepted=3, target_seconds=2.0,
+                         draft_seconds=0.01)
+    tuner.observe(ev, budget=31, pass_tokens=64)   # one of two requests of a 64-token forest pass
+    assert tuner.by_budget[31] == [1, 4] and tuner.target_obs[64] == [1, 2.0] and tuner.draft_obs[31] == [1, 0.01]
 
 
 def test_log_acceptance_with_a_knee_picks_the_knee():

@@ -112,6 +112,32 @@ def test_budget_is_split_between_decoding_requests(disk):
     assert both and max(both) == 16 and max(one, default=32) == 32
 
 
+def test_forest_takes_each_requests_shape_from_shape_for(disk):
+    """--budget auto's forest: the speed model's split (`shape_for(k)`) replaces the even split; the
+    replies are still the ones alone (a tree's shape never changes the ids)."""
+    m, asked = disk, []
+
+    def shape_for(k: int) -> TreeShape:
+        asked.append(k)
+        return TreeShape(4 if k == 2 else 32, 8)
+
+    forest = Forest(m, shape_for=shape_for)
+    lanes = [lane(m, p, cfg_for(32)) for p in PROMPTS[:2]]
+    for ln in lanes:
+        forest.add(ln)
+    got, sizes = {id(ln): [] for ln in lanes}, {1: [], 2: []}
+    while forest.lanes:
+        k = len(forest.lanes)
+        for ln, ev in forest.step():
+            got[id(ln)].extend(ev.tokens if ev is not None else [])
+            if ev is not None and ev.pass_index > 0:
+                sizes[k].append(ev.tree_size)
+    assert set(asked) <= {1, 2} and 2 in asked
+    assert sizes[2] and max(sizes[2]) <= 4 and max(sizes[1], default=32) > 4
+    for ln, p in zip(lanes, PROMPTS):
+        assert got[id(ln)] == alone(m, p, cfg_for(32))[0]
+
+
 def test_request_joining_mid_reply_gets_its_first_token_next_pass(disk):
     m = disk
     forest = Forest(m)

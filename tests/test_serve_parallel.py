@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specexec_cli.core.budget import BudgetTuner, TimingModel
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
 from specexec_cli.errors import SpecxError
@@ -38,8 +39,9 @@ def models(tiny_pair):
     return m
 
 
-def start(models, parallel: int, max_queue: int = 4) -> Worker:
-    session = ChatSession(models, GenerationConfig(shape=TreeShape(16, 8), max_new_tokens=24), code=True)
+def start(models, parallel: int, max_queue: int = 4, tuner=None) -> Worker:
+    session = ChatSession(models, GenerationConfig(shape=TreeShape(16, 8), max_new_tokens=24), code=True,
+                          tuner=tuner)  # fmt: skip
     w = Worker(lambda: (session, GREEDY), max_queue=max_queue, metrics=Metrics(), parallel=parallel)
     w.start()
     while w.state == "loading":
@@ -93,6 +95,29 @@ def test_concurrent_requests_get_their_replies_alone_in_fewer_passes(models, pai
     assert shared < sum(d.specx["target_passes"] + 1 for d in alone)   # +1: each one's prefill pass
     assert pair.metrics.totals["forest_requests"] > shared   # some passes served both
     assert "specx_forest_tokens_per_pass" in pair.metrics.render(pair)
+
+
+def test_budget_auto_splits_by_the_speed_model_and_learns_from_forest_passes(models):
+    """--budget auto with --parallel 2: each request's tree comes from the tuner's split for two
+    requests (here the budget each has alone, not the even half of it), the tuner takes every
+    forest pass into its statistics (and re-tunes from them), and the replies are the ones each gets alone."""
+    timing = TimingModel({1: 1.0, 4096: 1.0}, 1e-5, {1: 1e-3, 1023: 1.0})   # a flat pass, drafting 1 ms/node
+    tuner = BudgetTuner(timing, TreeShape(15, 8), max_budget=1023)
+    split = tuner.split(2)
+    assert split.budget == tuner.shape.budget == 127   # a stream-bound pass: each keeps its tree
+    worker = start(models, 2, tuner=tuner)
+    try:
+        together = [items[-1] for items in run_all(worker, WORKS)]
+    finally:
+        worker.shutdown()
+        worker.thread.join(30)
+    assert tuner.passes > 0 and split.budget in tuner.by_budget   # its first forest passes ran the split
+    single = start(models, 1)
+    try:
+        assert [d.text for d in together] == [run_all(single, [w])[0][-1].text for w in WORKS]
+    finally:
+        single.shutdown()
+        single.thread.join(30)
 
 
 def test_request_sent_mid_reply_gets_its_first_token_within_two_passes(pair):

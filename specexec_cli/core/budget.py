@@ -2,12 +2,15 @@
 
 Contract: `choose_budget(expected, t_draft, t_target, candidates)` is pure — it returns the budget
 B maximising  E[tokens per pass](B) / (t_draft(B) + t_target(B + 1)),  the decode speed in
-tokens/second (one target pass verifies B draft nodes plus the root, i.e. n = B + 1 tokens).
+tokens/second (one target pass verifies B draft nodes plus the root, i.e. n = B + 1 tokens);
+`choose_split` is the same choice for k requests sharing each pass (serve --parallel's forest).
 `BudgetTuner` owns the statistics: `drive(models, state, ids, cfg)` wraps `engine.generate`,
 feeds every pass into the statistics and re-tunes budget and depth every `retune_every` passes.
 It needs no engine hook: the config it hands to the engine is a `LiveConfig`, a GenerationConfig
 whose `shape` is read from a mutable `ShapeHolder`, so a new shape takes effect at the next pass
-(the engine reads `cfg.shape` inside each step). Explicit `--budget N` never builds a tuner.
+(the engine reads `cfg.shape` inside each step); `split(k)` gives each of k requests in a forest
+pass its shape, and `observe(ev, budget, pass_tokens)` takes the forest's events. Explicit
+`--budget N` never builds a tuner.
 
 Models (all corrected online, so priors only matter for the first passes):
 - tokens per pass  E(B) = 1 + a·log2(1 + B), capped at depth + 1 (SpecExec/Sequoia: accepted
@@ -58,10 +61,23 @@ def choose_budget(
 
     Ties go to the smaller budget (less memory, less wasted draft work).
     """
+    return choose_split(expected, t_draft, t_target, 1, candidates)
+
+
+def choose_split(
+    expected: Callable[[int], float], t_draft: Callable[[int], float], t_target: Callable[[int], float],
+    lanes: int, candidates: Iterable[int],
+) -> tuple[int, float]:
+    """The per-request budget b when `lanes` requests share each target pass (a forest pass):
+    argmax over candidates of  lanes·E(b) / (lanes·t_draft(b) + t_target(lanes·(b + 1))),  the
+    aggregate tokens/second. Each request grows its own tree (the draft runs once per request) and
+    the pass verifies every tree together, so its compute grows with the total tokens: on a
+    stream-bound pass t_target is flat and each request keeps about the budget it has alone; once
+    compute shows, the budgets shrink. Returns (b, aggregate tok/s); ties go to the smaller b."""
     best, best_rate = None, -1.0
     for b in sorted(candidates):
-        secs = t_draft(b) + t_target(b + 1)
-        rate = expected(b) / secs if secs > 0 else 0.0
+        secs = lanes * t_draft(b) + t_target(lanes * (b + 1))
+        rate = lanes * expected(b) / secs if secs > 0 else 0.0
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = b, rate
     if best is None:
@@ -228,11 +244,22 @@ class BudgetTuner:
         budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, cands)
         self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
 
-    def observe(self, ev) -> None:
-        """Feed one engine StepEvent; the prefill event (pass 0) carries no acceptance data."""
+    def split(self, lanes: int) -> TreeShape:
+        """Each request's tree shape when `lanes` requests decode in one forest pass (`choose_split`
+        on the live statistics); their trees together stay within the budget the plan sized."""
+        if lanes <= 1:
+            return self.shape
+        cap = max(1, (self.max_budget + 1) // lanes - 1)
+        b, _ = choose_split(self.expected_tokens, self.t_draft, self.t_target, lanes, candidate_budgets(cap))
+        return replace(self.shape, budget=b, max_depth=self.choose_depth(b))
+
+    def observe(self, ev, budget: int | None = None, pass_tokens: int | None = None) -> None:
+        """Feed one engine StepEvent; the prefill event (pass 0) carries no acceptance data.
+        `budget`: the tree budget its step ran with (default: the current shape's); `pass_tokens`:
+        the tokens its target pass verified (a forest pass: every request's tree; default its own)."""
         if ev.pass_index == 0 or ev.tree_size == 0:
             return
-        b, tokens = self.shape.budget, len(ev.tokens)
+        b, tokens = budget or self.shape.budget, len(ev.tokens)
         self.passes += 1
         x = math.log2(1 + b)
         self.sxy += x * (tokens - 1)
@@ -240,7 +267,7 @@ class BudgetTuner:
         rec = self.by_budget.setdefault(b, [0, 0.0])
         rec[0], rec[1] = rec[0] + 1, rec[1] + tokens
         self.accepted_hist[ev.accepted] = self.accepted_hist.get(ev.accepted, 0) + 1
-        for store, key, secs in ((self.target_obs, n_bin(ev.tree_size + 1), ev.target_seconds),
+        for store, key, secs in ((self.target_obs, n_bin(pass_tokens or ev.tree_size + 1), ev.target_seconds),
                                  (self.draft_obs, b, ev.draft_seconds)):
             rec = store.setdefault(key, [0, 0.0])
             rec[0], rec[1] = rec[0] + 1, rec[1] + secs

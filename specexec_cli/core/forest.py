@@ -5,8 +5,10 @@ caches), settings, RNG and progress; `Forest(models)` holds the open lanes and `
 target pass for all of them and returns `(lane, StepEvent | None | exception)` per lane:
 1. each lane prepares its share of the pass (`Lane.begin`): a prefill chunk of its prompt (the
    last chunk's logits give its first token), or a draft tree grown as `engine.speculative_step`
-   grows it (`engine.grow_step`) with the tree budget split evenly over the lanes that are
-   decoding (a plain one-token step where no tree fits);
+   grows it (`engine.grow_step`) with the tree shape the forest gives it: `shape_for(k)` for k
+   decoding lanes where the forest has one (serve's --budget auto: the speed model's split,
+   `core.budget.BudgetTuner.split`), else its own budget split evenly over the k (an explicit
+   --budget is the size of the whole pass); a plain one-token step where no tree fits;
 2. `offload.stream.multi.forward_many` runs all shares in one pass: each decoder layer's weights
    are streamed once and every lane's tokens go through them against that lane's own cache;
 3. each lane accepts and commits its own path (`engine.accept_step`) and yields the `StepEvent`
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -32,6 +35,7 @@ from specexec_cli.core import kvcache, transfers
 from specexec_cli.core.engine import (DecodeState, GenerationConfig, Models, StepEvent, StepResult, TextStream,
                                       accept_step, check_fits, draw, finish_reason, grow_step, logprobs_of,
                                       new_noise, prefill_passes, reserve_caches, run_prompt, start_constraints)
+from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.tree import causal_mask
 from specexec_cli.core.verify import verify_inputs
 from specexec_cli.errors import is_oom
@@ -69,14 +73,15 @@ class Lane:
         self.passes = 0                  # forest passes this lane took part in (prefill chunks included)
         self.t0, self.t_prefill = time.perf_counter(), 0.0
         self.share: _Share | None = None
+        self.shape = cfg.shape   # the tree shape of its last pass (the forest's split)
         self.moved = transfers.TransferCount()
 
     @property
     def decoding(self) -> bool:
         return not self.prefilling
 
-    def begin(self, budget: int) -> ForwardJob:
-        """This lane's share of the next pass; `budget`: its tree budget in this pass."""
+    def begin(self, shape: TreeShape) -> ForwardJob:
+        """This lane's share of the next pass; `shape`: its tree shape in this pass."""
         before = transfers.snapshot()
         m, st = self.m, self.st
         if self.prefilling:
@@ -86,7 +91,7 @@ class Lane:
             self.share = _Share("prefill", end=b)
             job = ForwardJob(ids, pos, None, st.target_cache, last_only=True)
         else:
-            cfg = replace(self.cfg, shape=replace(self.cfg.shape, budget=budget))
+            cfg = replace(self.cfg, shape=shape)
             limit = min(self.cfg.max_new_tokens - self.produced, m.ctx_limit - len(st.ids))
             ts = grow_step(m, st, cfg, self.gen, limit)
             if ts is None:   # no room for a tree: the root alone (engine.ar_step)
@@ -166,9 +171,11 @@ def split_budget(budget: int, trees: int) -> int:
 class Forest:
     """The open lanes and the pass counter (module docstring)."""
 
-    def __init__(self, m: Models, budget: int | None = None):
+    def __init__(self, m: Models, budget: int | None = None, shape_for: Callable[[int], TreeShape] | None = None):
         self.m = m
         self.budget = budget   # total tree budget per pass; None = each lane's own cfg budget, split
+        self.shape_for = shape_for   # k decoding lanes -> each one's tree shape (replaces the even split)
+        self.last_tokens = 0   # tokens the last pass verified, every lane's share together
         self.lanes: list[Lane] = []
         self.passes = 0        # target passes made (each streams the weights once)
         self.pass_tokens = 0   # tokens emitted over all passes (aggregate tokens per pass = this / passes)
@@ -188,9 +195,12 @@ class Forest:
         out: list[tuple[Lane, StepEvent | None | BaseException]] = []
         trees = sum(lane.decoding for lane in self.lanes)
         jobs, ran = [], []
+        common = self.shape_for(trees) if self.shape_for is not None and trees else None
         for lane in list(self.lanes):
+            own = lane.cfg.shape
+            lane.shape = common or replace(own, budget=split_budget(self.budget or own.budget, trees))
             try:
-                jobs.append(lane.begin(split_budget(self.budget or lane.cfg.shape.budget, trees)))
+                jobs.append(lane.begin(lane.shape))
                 ran.append(lane)
             except Exception as exc:  # noqa: BLE001 - this lane fails alone (its rows dropped)
                 out.append(self._fail(lane, exc))
@@ -207,6 +217,7 @@ class Forest:
             return out + [self._fail(lane, exc) for lane in blamed]
         seconds = time.perf_counter() - t0
         self.passes += 1
+        self.last_tokens = sum(len(job.ids) for job in jobs)
         for lane, lg in zip(ran, logits):
             try:
                 ev = lane.end(lg, seconds)

@@ -13,7 +13,10 @@ requests' trees). Closing the events (stop string, finished, worker stopping) or
 turning true takes the lane out at the next pass boundary, its committed rows kept for the next
 request; an error of one lane (an out-of-memory while adding it included) is raised from its
 events and the others go on. `close()` stops the thread once no lane is left.
-The tree budget is split evenly between the decoding requests (core/forest.py `split_budget`).
+With --budget auto each decoding request's tree shape comes from the speed model's split (the
+session's `BudgetTuner.split(k)`, fed every forest pass), so a request joining never makes the pass
+slower than the stream by surprise; with an explicit --budget the budget is the whole pass's, split
+evenly (core/forest.py `split_budget`).
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ class Scheduler:
     def __init__(self, session, parallel: int, metrics=None):
         self.session, self.models, self.metrics = session, session.models, metrics
         self.slots = [Slot(session.state)] + [Slot(DecodeState()) for _ in range(parallel - 1)]
-        self.forest = Forest(self.models)
+        self.tuner = getattr(session, "tuner", None)   # --budget auto: the speed model's split and its statistics
+        self.forest = Forest(self.models, shape_for=self.tuner.split if self.tuner is not None else None)
         self.cv = threading.Condition()
         self.waiting: list[Ticket] = []
         self.closing = False
@@ -241,6 +245,8 @@ class Scheduler:
                 self._release(lane.ticket, ev)
             elif ev is not None:
                 tokens += len(ev.tokens)
+                if self.tuner is not None:
+                    self.tuner.observe(ev, budget=lane.shape.budget, pass_tokens=self.forest.last_tokens)
                 if lane.ticket.first < 0:
                     lane.ticket.first = self.forest.passes
                     self.waits.append(self.forest.passes - lane.ticket.opened)
