@@ -153,7 +153,7 @@ def merged_table(files: list[str], readme: bool) -> None:
     print(text)
     if readme:
         lossless = all(r["lossless"] for r in rows if r["temperature"] == 0)
-        write_readme("Tokens per target pass on the shared pair, 95% bootstrap interval over prompts (at T > 0 "
+        write_readme("Tokens per target pass on the 8-layer pair, 95% bootstrap interval over prompts (at T > 0 "
                      "a prompt's seeds stay together), from " + "; ".join(commands) +
                      f". Every T=0 run equals the target's greedy `generate`: {lossless}.\n\n" + text)
 

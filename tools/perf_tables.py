@@ -2,12 +2,12 @@
 
 Contract: every `<!-- perf:NAME -->` … `<!-- /perf:NAME -->` block in the files of `FILES` is replaced
 by `TABLES[NAME]()`, a markdown table computed from bench/results/ alone (an unknown NAME or an
-unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass of the trained
+unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass of the 2.9M-parameter
 draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
 table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
-inflated disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel`,
-`serve-parallel-xl` and `serve-parallel-xl-decode` (bench/serve_parallel.py: the shared pair, the
-inflated target with whole and with short prompts). `--check` writes nothing
+16-layer disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel`,
+`serve-parallel-xl` and `serve-parallel-xl-decode` (bench/serve_parallel.py: the 8-layer pair, the
+16-layer target with whole and with short prompts). `--check` writes nothing
 and exits 1 naming the files whose tables differ from the JSON.
 """
 
@@ -33,16 +33,16 @@ def load(name: str) -> dict:
 
 
 def headline() -> str:
-    """One row per draft: tokens per pass at budget 1024, T = 0 and T = 0.7, against the trained draft."""
+    """One row per draft: tokens per pass at budget 1024, T = 0 and T = 0.7, against the 2.9M-parameter draft."""
     cells = {(r["draft"], r["temperature"]): r for r in selfdraft_table.rows() if r["budget"] == 1024}
-    lines = ["| draft | tokens per target pass, T = 0 | x trained draft | T = 0.7 | x trained draft | T = 0 ids equal `--method ar` |",
+    lines = ["| draft | tokens per target pass, T = 0 | x 2.9M draft | T = 0.7 | x 2.9M draft | T = 0 ids equal `--method ar` |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for draft in ("shared-2.9M", "self-nf4", "self-hqq3", "self-hqq2"):
         g, s = cells.get((draft, 0.0)), cells.get((draft, 0.7))
         if g is None or s is None:
             continue
         g0, s0 = cells[("shared-2.9M", 0.0)], cells[("shared-2.9M", 0.7)]
-        name = "trained 2.9M draft" if draft == "shared-2.9M" else selfdraft_table.NAMES[draft]
+        name = selfdraft_table.NAMES[draft]
         lines.append(f"| {name} | {g['tokens_per_pass']:.2f} | {g['tokens_per_pass'] / g0['tokens_per_pass']:.1f}x | "
                      f"{s['tokens_per_pass']:.2f} | {s['tokens_per_pass'] / s0['tokens_per_pass']:.1f}x | "
                      f"{'yes' if g['lossless'] else 'NO'} |")  # fmt: skip

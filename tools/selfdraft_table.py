@@ -1,10 +1,10 @@
 """Regenerate the self-draft table of docs/self-draft.md from bench/selfdraft.py's JSON results.
 
 Contract: reads every `bench/results/selfdraft_t0_gap*.json` and `selfdraft_t07_gap*.json` (the
-runs with gap-featured node scores, 128 new tokens, the shared target streamed from disk), sorts
+runs with gap-featured node scores, 128 new tokens, the 8-layer target streamed from disk), sorts
 the rows by temperature, budget and draft, and replaces the text between `<!-- selfdraft table -->`
 and `<!-- /selfdraft table -->` in docs/self-draft.md (tools/perf_tables.py puts the same table
-in docs/performance.md). "x shared" divides by the shared draft's tokens per
+in docs/performance.md). "x 2.9M draft" divides by the 2.9M-parameter draft's (`shared-2.9M`) tokens per
 pass in the same (temperature, budget) cell; "equals `--method ar`" is the run's own check (T = 0
 only). `--check` only reports (exit 1) when the page is out of date.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = "docs/self-draft.md"
 BEGIN, END = "<!-- selfdraft table -->", "<!-- /selfdraft table -->"
-NAMES = {"shared-2.9M": "shared 2.9M draft", "self-nf4": "`--draft self --draft-bits 4` (nf4)",
+NAMES = {"shared-2.9M": "2.9M-parameter draft", "self-nf4": "`--draft self --draft-bits 4` (nf4)",
          "self-nf4-ownkv": "nf4, own KV cache (not a mode)", "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
          "self-hqq2": "`--draft self --draft-bits 2` (HQQ)"}
 
@@ -35,7 +35,7 @@ def rows() -> list[dict]:
 def table() -> str:
     rs = rows()
     base = {(r["temperature"], r["budget"]): r["tokens_per_pass"] for r in rs if r["draft"] == "shared-2.9M"}
-    lines = ["| T | budget | draft | tokens per target pass [95%] | x shared | tok/s (this CPU) | equals `--method ar` |",
+    lines = ["| T | budget | draft | tokens per target pass [95%] | x 2.9M draft | tok/s (this CPU) | equals `--method ar` |",
              "|---|---|---|---|---|---|---|"]
     for r in rs:
         b = base.get((r["temperature"], r["budget"]))
