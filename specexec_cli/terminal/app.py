@@ -20,7 +20,7 @@ import typer
 # Start-up contract: importing this module (and so `specx --help`, `--version` and every argument
 # error) loads typer and rich only. torch/transformers are imported inside the command bodies.
 from specexec_cli import __version__
-from specexec_cli.terminal import display
+from specexec_cli.terminal import candidates, display
 from specexec_cli.session import paths
 from specexec_cli.terminal.flags import (  # the flag declarations
     AllowPickle, Branching, Color, Ctx, DECODING, Device, Draft, DraftBits, DraftDtype, Dtype, Embeddings, Gamma,
@@ -35,7 +35,7 @@ from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oo
 from specexec_cli.session import notices
 
 # The session layer's notices, errors and dry-run plans render through this front end's display.
-notices.configure(notice=display.print_notice, error=display.print_error, plan=display.print_plan)
+notices.configure(notice=display.print_notice, error=display.print_error, plan=candidates.print_plan)
 
 
 class _PlainHelp:

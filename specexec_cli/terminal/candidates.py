@@ -1,11 +1,13 @@
-"""The dry run's candidate tables: the candidate drafts and plain decoding, what bounds the chosen pass,
-and the chosen draft's tokens/s by budget (offload/planning/draftcost.py, passcost.py figures from
-MemoryPlan.to_json()). Contract: `candidates_table(plan)` returns a rich renderable that fits 80
+"""The dry run's tables: the memory plan (`print_plan`: component, where it lives, bytes), then the
+candidate drafts and plain decoding, what bounds the chosen pass, and the chosen draft's tokens/s by
+budget (offload/planning/draftcost.py, passcost.py figures from MemoryPlan.to_json()). Contract:
+`print_plan(plan)` prints them on stdout; `candidates_table(plan)` returns a rich renderable that fits 80
 columns (long cells fold, a draft directory shows its last two path parts); figures a matching
 `specx profile` measured are marked `m`, every other one is modelled."""
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.markup import escape
 
 
@@ -79,3 +81,37 @@ def _budgets_table(choice: dict):
                       f"{r['draft_seconds']:.3f}", f"{r['tokens_per_second']:.2f}",
                       "[green]used[/green]" if r["budget"] == choice.get("budget") else "")
     return table
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def print_plan(plan: dict, title: str = "specx memory plan") -> None:
+    """The --dry-run plan (MemoryPlan.to_json()) on stdout: component, where it lives, bytes."""
+    from rich.table import Table
+
+    dev = "cuda" if plan.get("device") == "cuda" else "cpu"
+    table = Table(title=title, header_style="bold cyan")
+    for col, justify in (("component", "left"), ("where", "left"), ("bytes", "right"), ("GB", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for name, n in plan["device_bytes"].items():
+        table.add_row(name, dev, f"{n:,}", _gb(n))
+    table.add_row("[bold]device total[/bold]", dev, f"{plan['device_total']:,}",
+                  f"{_gb(plan['device_total'])} of {_gb(plan['device_capacity'])}", end_section=True)
+    for name, n in plan["host_bytes"].items():
+        table.add_row(name, "ram", f"{n:,}", _gb(n))
+    table.add_row("[bold]host total[/bold]", "ram", f"{plan['host_total']:,}",
+                  f"{_gb(plan['host_total'])} of {_gb(plan['host_capacity'])}", end_section=True)
+    table.add_row("layers read per pass", "disk", f"{plan['disk_bytes_per_pass']:,}", _gb(plan["disk_bytes_per_pass"]))
+    streamed = plan["streamed_layers"]
+    table.caption = (f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
+                     f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
+                     f"prefill {plan['pass_tokens']} tokens/pass · "
+                     + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]"))
+    console = Console(highlight=False)
+    console.print(table)
+    for note in plan.get("notes") or []:
+        console.print(f"[dim]note: {escape(note)}[/dim]")
+    if plan.get("candidates"):
+        console.print(candidates_table(plan))

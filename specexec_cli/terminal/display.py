@@ -395,39 +395,3 @@ def print_bench_table(records: list[dict]) -> None:
     console = stderr_console()
     console.print(bench_table(records, console.width))
     console.print(f"[dim]{BENCH_NOTE}[/dim]")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def print_plan(plan: dict, title: str = "specx memory plan") -> None:
-    """The --dry-run plan (MemoryPlan.to_json()) on stdout: component, where it lives, bytes."""
-    from rich.table import Table
-
-    dev = "cuda" if plan.get("device") == "cuda" else "cpu"
-    table = Table(title=title, header_style="bold cyan")
-    for col, justify in (("component", "left"), ("where", "left"), ("bytes", "right"), ("GB", "right")):
-        table.add_column(col, justify=justify, no_wrap=True)
-    for name, n in plan["device_bytes"].items():
-        table.add_row(name, dev, f"{n:,}", _gb(n))
-    table.add_row("[bold]device total[/bold]", dev, f"{plan['device_total']:,}",
-                  f"{_gb(plan['device_total'])} of {_gb(plan['device_capacity'])}", end_section=True)
-    for name, n in plan["host_bytes"].items():
-        table.add_row(name, "ram", f"{n:,}", _gb(n))
-    table.add_row("[bold]host total[/bold]", "ram", f"{plan['host_total']:,}",
-                  f"{_gb(plan['host_total'])} of {_gb(plan['host_capacity'])}", end_section=True)
-    table.add_row("layers read per pass", "disk", f"{plan['disk_bytes_per_pass']:,}", _gb(plan["disk_bytes_per_pass"]))
-    streamed = plan["streamed_layers"]
-    table.caption = (f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
-                     f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
-                     f"prefill {plan['pass_tokens']} tokens/pass · "
-                     + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]"))
-    console = Console(highlight=False)
-    console.print(table)
-    for note in plan.get("notes") or []:
-        console.print(f"[dim]note: {escape(note)}[/dim]")
-    if plan.get("candidates"):
-        from specexec_cli.terminal.candidates import candidates_table
-
-        console.print(candidates_table(plan))
