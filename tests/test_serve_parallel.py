@@ -197,23 +197,45 @@ def test_queue_bound_counts_the_running_requests(models):
         w.thread.join(30)
 
 
-def plan_with(room: int, kv: int) -> SimpleNamespace:
+def plan_with(room: int, kv: int, row: int = 0, budget: int = 63) -> SimpleNamespace:
     return SimpleNamespace(device_bytes={"kv_target": kv, "kv_draft": kv // 4, "rest": 100},
                            device_capacity=100 + kv + kv // 4 + room, ctx=4096,
-                           device_total=100 + kv + kv // 4)
+                           device_total=100 + kv + kv // 4, budget=budget, sized_budget=budget, row_bytes=row)
 
 
 def test_parallel_fit_counts_each_sequence_kv():
     plan = plan_with(room=3 * 1250, kv=1000)
     assert parallel_fit(plan, None, "specexec")[0] == 2 and plan.device_bytes["kv_parallel"] == 1250
     assert parallel_fit(plan_with(3 * 1250, 1000), 4, "specexec")[0] == 4
-    with pytest.raises(SpecxError, match=r"--parallel 5: the memory plan has room for the KV caches of 4 sequences"):
+    with pytest.raises(SpecxError, match=r"--parallel 5: the memory plan has room for the KV caches and forest "
+                                         r"passes of 4 sequences"):  # fmt: skip
         parallel_fit(plan_with(3 * 1250, 1000), 5, "specexec")
     lowered, note = parallel_fit(plan_with(100, 1000), None, "specexec")
     assert lowered == 1 and "room for the KV caches of 1 sequence only" in note
     assert parallel_fit(plan_with(10**9, 1000), None, "chain")[0] == 1
     with pytest.raises(SpecxError, match="needs --method specexec or ar"):
         parallel_fit(plan_with(10**9, 1000), 2, "chain")
+
+
+def test_parallel_fit_counts_every_trees_rows_in_a_forest_pass():
+    """N > 1: a forest pass holds the trees' hidden states, mask and logits rows (sized budget + N - 1
+    tokens x row_bytes) beside its largest single pass; a room that holds the second KV cache but
+    not those rows keeps one sequence."""
+    plan = plan_with(room=1250 + 64 * 10, kv=1000, row=10)   # budget 63: (63 + 1) x 10 bytes for two
+    assert parallel_fit(plan, None, "specexec")[0] == 2 and plan.device_bytes["forest_activations"] == 640
+    assert parallel_fit(plan_with(room=1250 + 639, kv=1000, row=10), None, "specexec")[0] == 1
+    with pytest.raises(SpecxError, match="room for the KV caches and forest passes of 1 sequence at"):
+        parallel_fit(plan_with(room=1250 + 639, kv=1000, row=10), 2, "specexec")
+
+
+def test_plan_row_bytes_are_a_tokens_hidden_mask_and_logits_rows(tiny_pair):
+    from offload.arch.attention import padded
+    from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
+
+    target = read_checkpoint(tiny_pair[0])
+    plan = plan_memory(target, read_checkpoint(tiny_pair[1]), PlanRequest(device="cpu", dtype="fp32", draft_dtype="fp32", ram_free=8 << 30, ctx=300))
+    cfg = target.config
+    assert plan.row_bytes == (cfg["hidden_size"] + padded(300) + cfg["vocab_size"]) * 4
 
 
 def test_serve_parallel_that_does_not_fit_is_one_line_exit_2():
@@ -223,7 +245,7 @@ def test_serve_parallel_that_does_not_fit_is_one_line_exit_2():
 
     res = CliRunner().invoke(app, ["serve", "--dry-run", "--parallel", "100000000"])
     assert res.exit_code == 2, res.output
-    assert "--parallel 100000000: the memory plan has room for the KV caches of" in res.output
+    assert "--parallel 100000000: the memory plan has room for the KV caches and forest passes of" in res.output
     assert "Traceback" not in res.output
     res = CliRunner().invoke(app, ["serve", "--dry-run", "--parallel", "0"])
     assert res.exit_code == 2 and "--parallel must be >= 1" in res.output

@@ -1,4 +1,5 @@
-"""Byte formulas of the memory plan: model shapes, KV caches, NF4 quant states, pass activations.
+"""Byte formulas of the memory plan: model shapes, KV caches, NF4 quant states, pass activations
+(and what each other request's tree adds to a forest pass).
 
 Contract: pure functions of config.json values (`Arch`), dtypes and token counts; no I/O.
 `req` arguments are `memplan.PlanRequest`s (only dtype, device, ctx, attn, draft_dtype, max_beams,
@@ -151,6 +152,15 @@ def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq:
     mlp = 4 * t * a.intermediate * c
     mask = t * s if fused else t * padded(s) * c
     return hidden + qkv + gqa + scores + mlp + mask + deq + logit_rows * a.vocab * c + sampling
+
+
+def forest_row_bytes(a: Arch, ctx: int, c: int) -> int:
+    """Device bytes one token of ANOTHER request's tree holds through a forest pass (serve --parallel:
+    offload/stream/multi.py keeps every request's hidden state and tree mask from the first layer to
+    the last, then its logits row): hidden x c, its mask row (padded(ctx) x c) and vocab x c."""
+    from offload.arch.attention import padded
+
+    return (a.hidden + padded(ctx) + a.vocab) * c
 
 
 SAMPLING_CHUNK = 1 << 22   # rows x vocabulary the sampler processes at once (core/sampling.CHUNK_ELEMENTS)

@@ -32,12 +32,12 @@ when even zero resident layers do not fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from offload.errors import OffloadError
 from offload.sizes import format_bytes
-from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes,
-                       kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
+from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes,
+                       forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
 from offload.planning.memlayers import Checkpoint, LayerSizes, layer_sizes, read_checkpoint  # noqa: F401 - read_checkpoint: API
 from offload.stream.storage import staging_slots
 
@@ -107,6 +107,7 @@ class MemoryPlan:
     machine: dict = field(default_factory=dict)   # draftcost.Machine the candidates were modelled with
     slots: int = 2                   # device staging slots the loader allocates (leftover memory adds some)
     sized_budget: int = 0            # tree budget the activations and caches are sized for (>= budget; 0 = budget)
+    row_bytes: int = 0               # device bytes per token of another request's tree in a forest pass
 
     @property
     def device_total(self) -> int:
@@ -303,7 +304,7 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
                       pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
-                      chunk, req.device, slots=slots, sized_budget=budget)
+                      chunk, req.device, slots=slots, sized_budget=budget, row_bytes=forest_row_bytes(ta, req.ctx, c))
     if slots > req.slots:
         plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
                           "over, so the stream reads that many layers of the next pass while the draft grows its tree")
@@ -372,8 +373,6 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
 
 
 def _with_machine(plan: MemoryPlan, req: PlanRequest) -> MemoryPlan:
-    from dataclasses import asdict
-
     from offload.planning.draftcost import device_of
 
     plan.machine = asdict(device_of(req))

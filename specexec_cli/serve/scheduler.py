@@ -81,8 +81,12 @@ class Slot:
 def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
     """(N, note): how many sequences the plan's memory holds (`wanted`; None = the default, as many
     as fit up to DEFAULT_PARALLEL). Each sequence past the first adds its own target and draft KV
-    (the plan's kv_target + kv_draft) as "kv_parallel"; an explicit N that does not fit is a
-    SpecxError naming the fix, the default lowers itself (never below 1)."""
+    (the plan's kv_target + kv_draft) as "kv_parallel", and the forest pass holds every tree's
+    hidden states, mask rows and logits rows to its end while a prefill chunk (the plan's largest
+    single pass) runs: (sized budget + N - 1) x the plan's row_bytes as "forest_activations" (the
+    trees together stay within the sized budget: core/budget.BudgetTuner.split, forest.split_budget).
+    An explicit N that does not fit is a SpecxError naming the fix; the default lowers itself
+    (never below 1)."""
     if method not in FOREST_METHODS:
         if wanted not in (None, 1):
             raise SpecxError(f"--parallel {wanted} needs --method specexec or ar (this run uses --method {method})")
@@ -91,10 +95,12 @@ def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
         return wanted or DEFAULT_PARALLEL, ""
     per = plan.device_bytes.get("kv_target", 0) + plan.device_bytes.get("kv_draft", 0)
     room = plan.device_capacity - plan.device_total
-    fits = 1 + (room // per if per else 1 << 30)
+    tree = (plan.sized_budget or plan.budget) * plan.row_bytes   # n > 1: every tree's rows in a forest pass
+    extra = lambda n: (n - 1) * (per + plan.row_bytes) + tree if n > 1 else 0  # noqa: E731
+    fits = 1 + max(0, (room - tree) // (per + plan.row_bytes)) if per + plan.row_bytes else 1 << 30
     if wanted is not None:
         if wanted > fits:
-            raise SpecxError(f"--parallel {wanted}: the memory plan has room for the KV caches of {fits} "
+            raise SpecxError(f"--parallel {wanted}: the memory plan has room for the KV caches and forest passes of {fits} "
                              f"sequence{'s' if fits != 1 else ''} at --ctx {plan.ctx}; fix: --parallel {fits}, a smaller --ctx, "
                              "or --offload ram (the memory resident layers take goes to the caches)")  # fmt: skip
         n = wanted
@@ -102,6 +108,7 @@ def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
         n = max(1, min(DEFAULT_PARALLEL, fits))
     if n > 1:
         plan.device_bytes["kv_parallel"] = (n - 1) * per
+        plan.device_bytes["forest_activations"] = extra(n) - (n - 1) * per
     note = "" if wanted is not None or n == DEFAULT_PARALLEL else \
         f"--parallel {n}: the memory plan has room for the KV caches of {n} sequence{'s' if n != 1 else ''} only"
     return n, note
