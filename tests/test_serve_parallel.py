@@ -204,14 +204,15 @@ def plan_with(room: int, kv: int, row: int = 0, budget: int = 63) -> SimpleNames
 
 
 def test_parallel_fit_counts_each_sequence_kv():
-    plan = plan_with(room=3 * 1250, kv=1000)
-    assert parallel_fit(plan, None, "specexec")[0] == 2 and plan.device_bytes["kv_parallel"] == 1250
+    plan = plan_with(room=3 * 1250, kv=1000)   # room for 3 more sequences: the default takes all 4
+    assert parallel_fit(plan, None, "specexec")[0] == 4 and plan.device_bytes["kv_parallel"] == 3 * 1250
+    assert parallel_fit(plan_with(room=10**9, kv=1000), None, "specexec")[0] == sched_mod.DEFAULT_PARALLEL == 8
     assert parallel_fit(plan_with(3 * 1250, 1000), 4, "specexec")[0] == 4
     with pytest.raises(SpecxError, match=r"--parallel 5: the memory plan has room for the KV caches and forest "
                                          r"passes of 4 sequences"):  # fmt: skip
         parallel_fit(plan_with(3 * 1250, 1000), 5, "specexec")
     lowered, note = parallel_fit(plan_with(100, 1000), None, "specexec")
-    assert lowered == 1 and "room for the KV caches of 1 sequence only" in note
+    assert lowered == 1 and "room for one sequence's KV caches only" in note
     assert parallel_fit(plan_with(10**9, 1000), None, "chain")[0] == 1
     with pytest.raises(SpecxError, match="needs --method specexec or ar"):
         parallel_fit(plan_with(10**9, 1000), 2, "chain")

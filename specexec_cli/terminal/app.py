@@ -200,7 +200,7 @@ ModelName = Annotated[Optional[str], typer.Option(metavar="NAME", rich_help_pane
 ApiKey = Annotated[Optional[str], typer.Option(metavar="KEY", envvar="SPECX_API_KEY", show_envvar=True, show_default=False, rich_help_panel=SERVER, help="Require 'Authorization: Bearer KEY' on every route but /health.")]
 MaxQueue = Annotated[int, typer.Option(metavar="N", rich_help_panel=SERVER, help="Requests that may wait while one generates; past it, 429 with Retry-After.")]
 Cors = Annotated[Optional[list[str]], typer.Option(metavar="ORIGIN", show_default=False, rich_help_panel=SERVER, help="Allow browser pages from ORIGIN (repeatable; * = any). Default: no CORS.")]
-Parallel = Annotated[Optional[int], typer.Option(metavar="N", show_default=False, rich_help_panel=SERVER, help="Requests decoding at once, all verified in one target pass (one weight stream); --budget auto sizes each one's tree for the shared pass, an explicit --budget is split between them. Default: 2 where the memory plan has room for their KV caches, else 1.")]
+Parallel = Annotated[Optional[int], typer.Option(metavar="N", show_default=False, rich_help_panel=SERVER, help="Requests decoding at once, all verified in one target pass (one weight stream); --budget auto sizes each one's tree for the shared pass, an explicit --budget is split between them. Default: as many as the memory plan has room for (their KV caches and trees), up to 8.")]
 CacheRam = Annotated[Optional[str], typer.Option(metavar="SIZE", show_default=False, rich_help_panel=SERVER, help="Host RAM for KV snapshots of recent conversations (prompt cache), e.g. 8GB; 0 = keep only the live one. Default: half the RAM the memory plan leaves free.")]
 
 
