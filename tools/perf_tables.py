@@ -6,8 +6,9 @@ unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass 
 draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
 table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
 16-layer disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel`,
-`serve-parallel-xl` and `serve-parallel-xl-decode` (bench/serve_parallel.py: the 8-layer pair, the
-16-layer target with whole and with short prompts). `--check` writes nothing
+`serve-parallel-xl`, `serve-parallel-xl-auto`, `serve-parallel-xl-even` and `serve-parallel-xl-8`
+(bench/serve_parallel.py: the 8-layer pair, then the 16-layer target with whole prompts, with short
+prompts under --budget auto and under an even split of --budget 16, and 8 requests at once). `--check` writes nothing
 and exits 1 naming the files whose tables differ from the JSON.
 """
 
@@ -91,24 +92,21 @@ def serve_cache() -> str:
 
 
 def serve_parallel(name: str = "serve/parallel.json") -> str:
-    """bench/serve_parallel.py: k requests at once, one at a time against one forest (--parallel k)."""
-    rows = load(name)["rows"]
-    out = ["| requests at once | `--parallel` | wall s | aggregate tok/s | time to first text, mean / max | "
-           "target passes | wall ÷ one at a time | same replies |", "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        for key, runs in (("one", row["one_at_a_time"]), ("forest", row.get("forest", []))):
-            for run in runs:
-                ttft = run["ttft_s"]
-                ratio, same = (f"{row['ratio']:.2f}", "yes" if row["same_text"] else "NO") if key == "forest" else ("", "")
-                out.append(f"| {row['concurrency']} | {run['parallel']} | {run['wall_s']:.2f} | {run['tokens_per_s']:.1f} | "
-                           f"{sum(ttft) / len(ttft):.2f} s / {max(ttft):.2f} s | {run['target_passes']} | {ratio} | {same} |")
-    return "\n".join(out)
+    """bench/serve_parallel.py's own table: k requests at once under --parallel 1 and --parallel p."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_parallel", ROOT / "bench" / "serve_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.table(load(name))
 
 
 TABLES = {"headline": headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
           "serve": serve, "serve-turns": serve_turns, "serve-cache": serve_cache, "serve-parallel": serve_parallel,
           "serve-parallel-xl": lambda: serve_parallel("serve/parallel_xl.json"),
-          "serve-parallel-xl-decode": lambda: serve_parallel("serve/parallel_xl_decode.json")}
+          "serve-parallel-xl-auto": lambda: serve_parallel("serve/parallel_xl_decode_auto.json"),
+          "serve-parallel-xl-even": lambda: serve_parallel("serve/parallel_xl_decode_16.json"),
+          "serve-parallel-xl-8": lambda: serve_parallel("serve/parallel_xl_decode_8.json")}
 
 
 def render(text: str) -> str:
