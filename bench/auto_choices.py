@@ -24,7 +24,8 @@ tokens per target pass, the budget in force at the end (stats-json `budget`: the
 choice for auto) and, for draft auto, the draft it chose (its stderr notice), and whether its ids equal plain decoding's (`none`) for every prompt.
 The summary gives auto ÷ best explicit for each choice. A row that fails (e.g. a missing package)
 is recorded with its error and left out of the ratios. `--table JSON` writes docs/performance.md's
-block `<!-- bench:auto-choices -->` (bench/docblock.py) from a result file.
+block `<!-- bench:auto-choices -->` (bench/docblock.py) from a result file; a `note` key in it
+(written by hand after reading the numbers: why auto won or lost) goes under the tables.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -149,7 +151,9 @@ def describe(r: dict) -> str:
     else:
         picked = "budget " + ", ".join(sorted({str(b) for b in r["budgets"]}, key=lambda s: int(s)))
     if r["row"] == "draft auto" and r.get("notice"):
-        picked += " (" + r["notice"].split(":", 1)[1].split(",")[0].strip() + ")"
+        why = r["notice"].split(":", 1)[1].strip()
+        why = why.split(" (modelled")[0] if " (modelled" in why else why.split(", so decoding")[0]
+        picked += "; " + why
     return picked
 
 
@@ -161,7 +165,7 @@ def table(summary: list[dict], ratios_: dict, label: str = "") -> str:
         row = {"budget auto": "auto (`--budget auto`)", "draft auto": "auto (no `--draft`)",
                "draft self": "`--draft self`", "draft none": "none (`--method ar`)"}.get(r["row"], row)
         if r["row"] == "budget auto":
-            row += ", also the explicit small draft"
+            row += "; also the draft row `--draft DRAFT`"
         tps = f"{r['tokens_per_second']:.2f}" if "tokens_per_second" in r else "-"
         tpp = f"{r['tokens_per_pass']:.2f}" if "tokens_per_pass" in r else "-"
         same = {True: "yes", False: "no", None: "-"}[r.get("lossless")]
@@ -183,15 +187,22 @@ def block(data: dict) -> str:
             "Decode tok/s = new tokens ÷ decode seconds (prefill excluded), summed over the prompts. The "
             "budget rows all use the small draft; the draft rows all use `--budget auto`. \"Ran with\" is "
             "the budget in force when each prompt's run ended (for `--budget auto`, where the tuner had "
-            "moved it) and the draft the automatic choice took. First with no `specx profile` on the "
-            "machine (a fresh install):\n")
-    out = head + "\n" + table(data["rows"], data["ratios"])
+            "moved it) and the draft the automatic choice took; ids = plain decoding: every prompt's ids "
+            "equal `--method ar`'s. Auto ÷ best explicit = the automatic row's tok/s ÷ the fastest explicit "
+            "row's (1.00: auto matched it). First with no `specx profile` on the machine (a fresh install):")
+    out = wrap(head) + "\n\n" + table(data["rows"], data["ratios"])
     if data.get("profiled"):
         pr = data["profiled"]
-        out += ("\n\nThen the two automatic rows again after `specx profile --target TARGET --draft DRAFT "
-                "--offload disk --max-ram 0 --dtype bf16` (run after the rows above; ratios against the "
-                "explicit rows above):\n\n" + table(pr["rows"], pr["ratios"], ", profiled"))
-    return out + ("\n\n" + data["note"] if data.get("note") else "")
+        out += "\n\n" + wrap("Then the two automatic rows again after `specx profile --target TARGET --draft "
+                             "DRAFT --offload disk --max-ram 0 --dtype bf16` (run after the rows above; ratios "
+                             "against the explicit rows above):") + "\n\n" + table(pr["rows"], pr["ratios"], ", profiled")
+    return out + ("\n\n" + wrap(data["note"]) if data.get("note") else "")
+
+
+def wrap(text: str) -> str:
+    """Prose paragraphs (blank-line separated) wrapped at 100 columns, as the page's own text."""
+    return "\n\n".join(textwrap.fill(par, 100, break_long_words=False, break_on_hyphens=False)
+                        for par in text.split("\n\n"))
 
 
 def write_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:

@@ -41,6 +41,7 @@ def test_table_block(tmp_path):
     assert "old" not in text and "../shared" not in text
     assert "auto ÷ best explicit = **0.40** (budget auto against budget 31)" in text
     assert "auto ÷ best explicit = **0.17** (draft auto against draft self)" in text
-    assert "plain decoding (plain decoding is modelled faster (1.35 tokens/s against 0.50" in text
+    assert "| plain decoding; plain decoding is modelled faster (1.35 tokens/s against 0.50 for the " \
+        "self-draft at 4 bits) |" in text
     assert "| budget | 63 | - | - | failed: boom | - |" in text
     assert "budget 15, 31" in text
