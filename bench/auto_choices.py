@@ -60,9 +60,9 @@ def run_one(prompt: Path, flags: list[str], args, env: dict, tmp: Path) -> dict:
     cmd = [*LOCK, "specx", "run", str(prompt), "--target", args.target, *SETUP, "--temperature", "0",
            "-n", str(args.n), "--no-chat-template", "--no-live", "--stats-json", str(stats), *flags]
     t0 = time.time()
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, check=False)
     if res.returncode != 0 or not stats.is_file():
-        return dict(error=(res.stderr.strip().splitlines() or ["rc %d" % res.returncode])[-1])
+        return dict(error=(res.stderr.strip().splitlines() or [f"rc {res.returncode}"])[-1])
     rec = json.loads(stats.read_text())
     notice = next((ln for ln in res.stderr.splitlines() if ln.startswith("--draft auto:")), None)
     return dict(new_tokens=rec["new_tokens"], decode_seconds=rec["decode_seconds"],
