@@ -21,7 +21,8 @@ install. `--profiled` then writes a `specx profile` of the setup and reruns the 
 `--profile` (after the rest, not interleaved; `--into JSON` adds that to an existing result instead).
 Per row: decode tok/s = Σ new tokens ÷ Σ decode seconds (stats-json; the prefill is excluded),
 tokens per target pass, the budget in force at the end (stats-json `budget`: the tuner's last
-choice for auto) and, for draft auto, the draft it chose (its stderr notice), and whether its ids equal plain decoding's (`none`) for every prompt.
+choice for auto) and, for draft auto, the draft it chose (its stderr notice), and whether its
+ids equal plain decoding's (`none`) for every prompt.
 The summary gives auto ÷ best explicit for each choice. A row that fails (e.g. a missing package)
 is recorded with its error and left out of the ratios. `--table JSON` writes docs/performance.md's
 block `<!-- bench:auto-choices -->` (bench/docblock.py) from a result file; a `note` key in it
@@ -95,7 +96,8 @@ def ratios(by: dict[str, dict]) -> dict:
                                    ("draft", "draft auto", ["budget auto", "draft self", "draft none"])):
         b = best(explicit)
         if b and "tokens_per_second" in by.get(auto, {}):
-            out[choice] = dict(auto=auto, best=b["row"], ratio=round(by[auto]["tokens_per_second"] / b["tokens_per_second"], 3))
+            ratio = round(by[auto]["tokens_per_second"] / b["tokens_per_second"], 3)
+            out[choice] = dict(auto=auto, best=b["row"], ratio=ratio)
     return out
 
 
@@ -195,7 +197,8 @@ def block(data: dict) -> str:
         pr = data["profiled"]
         out += "\n\n" + wrap("Then the two automatic rows again after `specx profile --target TARGET --draft "
                              "DRAFT --offload disk --max-ram 0 --dtype bf16` (run after the rows above; ratios "
-                             "against the explicit rows above):") + "\n\n" + table(pr["rows"], pr["ratios"], ", profiled")
+                             "against the explicit rows above):")
+        out += "\n\n" + table(pr["rows"], pr["ratios"], ", profiled")
     return out + ("\n\n" + wrap(data["note"]) if data.get("note") else "")
 
 
