@@ -100,6 +100,7 @@ class PassTerms:
     floor: float               # the per-forward floor
     seconds: float             # floor + head + sum over layers of max(transfer, compute)
     bound: str                 # "stream" if the transfers dominate the sum, else "compute"
+    flops: float = 0.0         # the matmul FLOP/s of the pass's compute dtype (Device.flops(c))
 
     def to_json(self) -> dict:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -175,7 +176,7 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), a.hidden * a.vocab * c / dev.memory_bps)
     compute = gemm_s + layers * (deq + attn)
     return PassTerms(n, ctx, stream, gemm_s, layers * deq, layers * attn, head, dev.forward_floor_s,
-                     dev.forward_floor_s + head + total, "stream" if stream > compute else "compute")
+                     dev.forward_floor_s + head + total, "stream" if stream > compute else "compute", dev.flops(c))
 
 
 def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int, kernel: str = "none") -> float:

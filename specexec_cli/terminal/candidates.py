@@ -55,11 +55,11 @@ def _terms_table(plan: dict, choice: dict):
                   header_style="bold cyan")
     for col in ("term", "seconds", "rate", "source"):
         table.add_column(col, justify="right" if col in ("seconds", "rate") else "left", overflow="fold")
-    flops = m.get("flops32" if plan.get("device") == "cpu" else "flops16", 0)
+    sixteen = t.get("flops", 0) == m.get("flops16")   # the compute dtype's rate: 16-bit or fp32
+    flops = t.get("flops") or m.get("flops32" if plan.get("device") == "cpu" else "flops16", 0)
     rows = (("stream", t["stream"], f"{m.get('link_bps', 0) / 1e9:.0f}/{m.get('disk_bps', 0) / 1e9:.1f} GB/s",
              src.get("link_bps", "prior")),
-            ("GEMM", t["gemm"], f"{flops / 1e12:.3g} TFLOP/s", src.get("flops16" if plan.get("device") != "cpu"
-                                                                      else "flops32", "prior")),
+            ("GEMM", t["gemm"], f"{flops / 1e12:.3g} TFLOP/s", src.get("flops16" if sixteen else "flops32", "prior")),
             ("dequant", t["dequant"], f"{m.get('memory_bps', 0) / 1e9:.0f} GB/s", src.get("dequant", src.get("memory_bps", "prior"))),
             ("attention", t["attention"], "", "at half the planned context"),
             ("head", t["head"], "", ""), ("floor", t["floor"], "", src.get("forward_floor_s", "prior")),
