@@ -183,3 +183,16 @@ def test_without_a_profile_the_tuner_starts_from_the_plans_model():
     assert tuner.timing.t_target(65) == 1.0 and tuner.timing.t_target(1) == 0.9
     assert tuner.timing.t_draft(256) == 0.25
     assert make_tuner(None, TreeShape(64, 64), False, True).timing.source == "prior"
+
+
+def test_the_tuner_models_the_draft_the_run_uses_not_the_one_ranked_first():
+    """An explicit small --draft whose plan ranks the self-draft first: --budget auto's tuner starts
+    from the small draft's own row (`used`, session/options.load_planned), not the self-draft's."""
+    def row(budget, draft_seconds):
+        return dict(budget=budget, tokens_per_pass=4.0, pass_seconds=1.0, draft_seconds=draft_seconds,
+                    hidden_seconds=0.0, tokens_per_second=1.0)
+
+    plan = {"choice": {"draft": "self", "by_budget": [row(16, 0.5), row(64, 0.7)]},
+            "used": {"draft": "/m/draft", "by_budget": [row(16, 0.02), row(64, 0.03)]}, "candidates": []}
+    assert TimingModel.from_plan(plan).t_draft(64) == 0.03
+    assert TimingModel.from_plan({**plan, "used": None}).t_draft(64) == 0.7

@@ -107,8 +107,9 @@ class TimingModel:
 
     @classmethod
     def from_plan(cls, plan: dict | None) -> "TimingModel | None":
-        """The plan's modelled pass and draft seconds per budget (its chosen candidate's `by_budget`)."""
-        rows = ((plan or {}).get("choice") or {}).get("by_budget") or []
+        """The plan's modelled pass and draft seconds per budget: `by_budget` of the candidate the run uses
+        (`used`: an explicit small draft's own row) or else of its chosen one."""
+        rows = ((plan or {}).get("used") or (plan or {}).get("choice") or {}).get("by_budget") or []
         if not rows:
             return None
         target = {int(r["budget"]) + 1: r["pass_seconds"] for r in rows}

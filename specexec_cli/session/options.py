@@ -266,7 +266,7 @@ def load_planned(opts, plan, progress):
     """Refuse a plan that cannot fit (before any weight is read), then load and print the placement."""
     from dataclasses import replace
 
-    from specexec_cli.session.loading import load_models
+    from specexec_cli.session.loading import SELF, load_models
 
     from specexec_cli.session.planning import require_host
 
@@ -275,6 +275,9 @@ def load_planned(opts, plan, progress):
     require_host(plan)
     models = load_models(replace(opts, progress=progress))
     models.plan_json = plan.to_json() if plan is not None else None   # --budget auto's model (core/budget.py)
+    if models.plan_json is not None and opts.draft not in (None, SELF):   # an explicit small draft: its own row,
+        models.plan_json["used"] = next((c for c in plan.candidates      # whichever draft the model ranks first
+                                         if c["draft"] not in ("self", "none")), None)
     placed = getattr(models.target, "plan", None)
     if placed is not None:
         notices.notice(placed.describe())
@@ -309,6 +312,7 @@ def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
     plan = getattr(models, "plan_json", None)
     tuner = make_tuner(profile, cfg.shape, on_cuda, weights_stream(models.target), plan) if auto else None
     if tuner is not None and getattr(models, "kv_rows", None) is not None:
-        sized = max([cfg.shape.budget] + [r["budget"] for r in ((plan or {}).get("choice") or {}).get("by_budget", [])])
+        rows = ((plan or {}).get("used") or (plan or {}).get("choice") or {}).get("by_budget", [])
+        sized = max([cfg.shape.budget] + [r["budget"] for r in rows])
         tuner.max_budget = min(tuner.max_budget, sized)   # the memory plan sized caches for this
     return tuner, link_peak(profile, offload, on_cuda), profile
