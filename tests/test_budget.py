@@ -196,3 +196,42 @@ def test_the_tuner_models_the_draft_the_run_uses_not_the_one_ranked_first():
             "used": {"draft": "/m/draft", "by_budget": [row(16, 0.02), row(64, 0.03)]}, "candidates": []}
     assert TimingModel.from_plan(plan).t_draft(64) == 0.03
     assert TimingModel.from_plan({**plan, "used": None}).t_draft(64) == 0.7
+
+
+def test_a_profile_prices_only_the_draft_it_timed():
+    """The profile timed a small draft; a self-draft run (or another small draft) takes the profile's
+    target passes but the plan's modelled drafting, never the small draft's 2.5 ms steps."""
+    small = {"step_seconds": 0.0025, "grow_seconds": {"16": 0.01, "128": 0.05}}
+    prof = {"models": {"target_seconds": {"1": 0.55, "128": 0.57}, "draft": "/m/draft", "draft_timings": {"small": small},
+                       "draft_step_seconds": 0.0025, "draft_grow_seconds": small["grow_seconds"]}}  # fmt: skip
+    planned = TimingModel({1: 0.7, 128: 0.8}, 0.2, {16: 0.5, 128: 2.0}, source="plan")
+    own = TimingModel.from_profile(prof, "small:/m/draft", planned)
+    assert own.t_draft(128) == 0.05 and own.t_target(128) == 0.57
+    for other in ("self-4", "small:/elsewhere/draft"):
+        got = TimingModel.from_profile(prof, other, planned)
+        assert got.t_draft(128) == 2.0 and got.t_target(128) == 0.57 and got.source == "profile"
+    assert TimingModel.from_profile(prof, "self-4") is None   # nothing to price its drafting with
+    assert TimingModel.from_profile(prof).t_draft(128) == 0.05   # no draft named: the first one timed
+    plan = {"draft_key": "self-4", "choice": {"by_budget": [dict(budget=b, tokens_per_pass=4.0, pass_seconds=0.8,
+            draft_seconds=d, hidden_seconds=0.0, tokens_per_second=1.0) for b, d in ((16, 0.5), (128, 2.0))]}}  # fmt: skip
+    assert make_tuner(prof, TreeShape(64, 64), False, True, plan).timing.t_draft(128) == 2.0
+
+
+def test_a_loaded_run_names_its_draft_for_the_tuner(tiny_pair):
+    """session/options.load_planned records which draft the run uses (`draft_key`) and, for a small draft,
+    its own candidate row (`used`), whatever the speed model ranks first."""
+    from pathlib import Path
+
+    from specexec_cli.session.loading import close_models
+    from specexec_cli.session.options import generation_config, load_planned, plan_for_cli
+
+    cfg = generation_config("specexec", "auto", 64, 32, 32, 16, 0.0, None, None, 0, "cpu")
+    opts, plan, cfg = plan_for_cli(str(tiny_pair[0]), str(tiny_pair[1]), "specexec", "fp32", "cpu", False, False,
+                                   "disk", None, None, 256, "auto", cfg, "auto", temperature=0.0)  # fmt: skip
+    models = load_planned(opts, plan, None)
+    try:
+        pj = models.plan_json
+        assert pj["draft_key"] == f"small:{Path(tiny_pair[1]).resolve()}"
+        assert pj["used"]["draft"] not in ("self", "none") and pj["used"]["by_budget"]
+    finally:
+        close_models(models)

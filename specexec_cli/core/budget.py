@@ -17,7 +17,8 @@ Models (all corrected online, so priors only matter for the first passes):
   length grows roughly logarithmically with the tree size). `a` is a least-squares fit through the
   origin of (tokens − 1) on log2(1 + B) over the observed passes, regularised towards the prior
   a0 = 0.5 with the weight of PRIOR_PASSES passes. Budgets observed often enough use their mean.
-- t_target(n) and t_draft(B), in this order of preference: the profile's measured points; else the
+- t_target(n) and t_draft(B), in this order of preference: the profile's measured points (t_draft
+  only from the timings it measured for the draft the run uses, else from the plan); else the
   memory plan's own pass model (offload/planning/passcost.py via the plan's chosen candidate: its
   modelled pass seconds at n = B + 1 and draft seconds net of what the stream hides, per budget in
   `by_budget`), so `--budget auto` starts where the dry run's model puts it; else (no plan: pickle
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Callable, Iterable
 
 from offload.planning.passcost import interpolate  # log-log between measured points, one home
@@ -121,13 +123,19 @@ class TimingModel:
         return cls(target, step, draft, source="plan")
 
     @classmethod
-    def from_profile(cls, profile: dict) -> "TimingModel | None":
+    def from_profile(cls, profile: dict, draft: str | None = None, planned: "TimingModel | None" = None
+                     ) -> "TimingModel | None":
+        """The profile's measured target passes, with the drafting times it measured for the run's draft
+        (`draft`: "self-N", or "small:PATH" for the small draft at that resolved path; None: the first draft
+        it timed). A draft the profile did not time is priced by `planned` (the plan's model), never by
+        another draft's timings; without `planned` there is no profile model (None)."""
         m = (profile or {}).get("models") or {}
         pts = {int(k): float(v) for k, v in (m.get("target_seconds") or {}).items()}
-        if not pts or not m.get("draft_step_seconds"):
+        timed = _draft_timing(m, draft)
+        if not pts or (timed is None and planned is None):
             return None
-        draft = {int(k): float(v) for k, v in (m.get("draft_grow_seconds") or {}).items()}
-        return cls(pts, float(m["draft_step_seconds"]), draft, source="profile")
+        step, grow = timed or (planned.draft_step_seconds, planned.draft_points)
+        return cls(pts, step, grow, source="profile")
 
     def t_target(self, n: int) -> float:
         return interpolate(self.target_points, n)
@@ -137,6 +145,19 @@ class TimingModel:
             return interpolate(self.draft_points, budget)
         steps = 1 + math.ceil(budget / max(beams, 1)) + math.log2(1 + budget)
         return steps * self.draft_step_seconds
+
+
+def _draft_timing(m: dict, draft: str | None) -> tuple[float, dict[int, float]] | None:
+    """(step seconds, grow seconds by budget) the profile's models part measured for `draft`, or None."""
+    if draft is None:
+        step, grow = m.get("draft_step_seconds"), m.get("draft_grow_seconds")
+    else:
+        key, _, path = draft.partition(":")
+        t = (m.get("draft_timings") or {}).get(key) or {}
+        if path and str(Path(m.get("draft") or "").expanduser().resolve()) != path:
+            t = {}   # the profile timed another small draft
+        step, grow = t.get("step_seconds"), t.get("grow_seconds")
+    return (float(step), {int(k): float(v) for k, v in (grow or {}).items()}) if step else None
 
 
 class ShapeHolder:
@@ -294,8 +315,8 @@ def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: 
     """A tuner from a profile's timings (if it has model timings), else the memory plan's modelled ones
     (`plan`: MemoryPlan.to_json(); capped at the largest budget it sized), else the fallback prior.
     `streamed` is kept for callers; the plan's model already knows what streams."""
-    timing = TimingModel.from_profile(profile) if profile else None
     planned = TimingModel.from_plan(plan)
+    timing = TimingModel.from_profile(profile, (plan or {}).get("draft_key"), planned) if profile else None
     timing = timing or planned or TimingModel.prior()
     if timing.source == "profile":
         cap = max(timing.target_points) - 1

@@ -275,9 +275,12 @@ def load_planned(opts, plan, progress):
     require_host(plan)
     models = load_models(replace(opts, progress=progress))
     models.plan_json = plan.to_json() if plan is not None else None   # --budget auto's model (core/budget.py)
-    if models.plan_json is not None and opts.draft not in (None, SELF):   # an explicit small draft: its own row,
-        models.plan_json["used"] = next((c for c in plan.candidates      # whichever draft the model ranks first
+    if models.plan_json is not None and opts.draft == SELF:   # the profile timings that may price its drafting
+        models.plan_json["draft_key"] = f"self-{plan.substitute_bits}"
+    elif models.plan_json is not None and opts.draft is not None:   # an explicit small draft: its own row,
+        models.plan_json["used"] = next((c for c in plan.candidates   # whichever draft the model ranks first
                                          if c["draft"] not in ("self", "none")), None)
+        models.plan_json["draft_key"] = f"small:{Path(opts.draft).expanduser().resolve()}"
     placed = getattr(models.target, "plan", None)
     if placed is not None:
         notices.notice(placed.describe())
