@@ -16,9 +16,10 @@ hits every row alike. Rows:
           small                       `--draft DRAFT` at `--budget auto` (the same run as budget auto)
           self                        `--draft self` at `--budget auto` (draft-bits auto)
           none                        `--method ar` (plain decoding; `--draft none` is not a flag)
+          self budget 15 | 63         `--draft self --budget B`: the explicit side of the self-draft's budget
 Every call runs under a private, empty XDG_CONFIG_HOME: no `specx profile` is found, as on a fresh
-install. `--profiled` then writes a `specx profile` of the setup and reruns the two auto rows with
-`--profile` (after the rest, not interleaved; `--into JSON` adds that to an existing result instead).
+install. `--profiled` then writes a `specx profile` of the setup and reruns the auto rows (budget
+auto, draft auto, draft self) with `--profile` (after the rest, not interleaved; `--into JSON` adds that to an existing result instead).
 Per row: decode tok/s = Σ new tokens ÷ Σ decode seconds (stats-json; the prefill is excluded),
 tokens per target pass, the budget in force at the end (stats-json `budget`: the tuner's last
 choice for auto) and, for draft auto, the draft it chose (its stderr notice), and whether its
@@ -46,12 +47,14 @@ SHARED = ROOT.parent / "shared"
 LOCK = ["flock", "/tmp/bench.lock"]
 SETUP = ["--offload", "disk", "--max-ram", "0", "--dtype", "bf16"]
 BUDGETS = ["auto", "15", "31", "63", "127"]
+SELF_BUDGETS = ["15", "63"]   # explicit budgets of the self-draft (its `--budget auto` is the "draft self" row)
 
 
 def rows(draft: str) -> dict[str, list[str]]:
     """Row name -> the flags that distinguish it."""
     out = {f"budget {b}": ["--draft", draft, "--budget", b] for b in BUDGETS}
     out.update({"draft auto": [], "draft self": ["--draft", "self"], "draft none": ["--method", "ar"]})
+    out.update({f"self budget {b}": ["--draft", "self", "--budget", b] for b in SELF_BUDGETS})
     return out
 
 
@@ -92,8 +95,10 @@ def ratios(by: dict[str, dict]) -> dict:
         return max(ok, key=lambda r: r["tokens_per_second"]) if ok else None
 
     out = {}
+    selfs = [f"self budget {b}" for b in SELF_BUDGETS]
     for choice, auto, explicit in (("budget", "budget auto", [f"budget {b}" for b in BUDGETS[1:]]),
-                                   ("draft", "draft auto", ["budget auto", "draft self", "draft none"])):
+                                   ("budget of the self-draft", "draft self", selfs),
+                                   ("draft", "draft auto", ["budget auto", "draft self", "draft none", *selfs])):
         b = best(explicit)
         if b and "tokens_per_second" in by.get(auto, {}):
             ratio = round(by[auto]["tokens_per_second"] / b["tokens_per_second"], 3)
@@ -126,7 +131,7 @@ def measure(args, names: list[str], profile: str | None) -> dict:
 
 
 def profiled(args, data: dict) -> dict:
-    """`specx profile` for the setup (private config dir), then the two auto rows with `--profile`;
+    """`specx profile` for the setup (private config dir), then the auto rows with `--profile`;
     their ids are checked against `data`'s plain decoding and their ratios against its explicit rows."""
     with tempfile.TemporaryDirectory() as d:
         prof = Path(d) / "profile.json"
@@ -134,11 +139,11 @@ def profiled(args, data: dict) -> dict:
                "--out", str(prof)]
         subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, XDG_CONFIG_HOME=d),
                        timeout=args.timeout)
-        out = measure(args, ["budget auto", "draft auto"], str(prof))
+        out = measure(args, ["budget auto", "draft auto", "draft self"], str(prof))
     ref = [r["token_ids"] for r in data["runs"]["draft none"]]
     for s in out["rows"]:
         s["lossless"] = all(r["token_ids"] == i for r, i in zip(out["runs"][s["row"]], ref))
-    by = {s["row"]: s for s in data["rows"] if s["row"] not in ("budget auto", "draft auto")}
+    by = {s["row"]: s for s in data["rows"] if s["row"] not in ("budget auto", "draft auto", "draft self")}
     by.update({s["row"]: s for s in out["rows"]})
     out["ratios"] = ratios(by)
     return out
@@ -165,7 +170,9 @@ def table(summary: list[dict], ratios_: dict, label: str = "") -> str:
     for r in summary:
         choice, _, row = r["row"].partition(" ")
         row = {"budget auto": "auto (`--budget auto`)", "draft auto": "auto (no `--draft`)",
-               "draft self": "`--draft self`", "draft none": "none (`--method ar`)"}.get(r["row"], row)
+               "draft self": "`--draft self` (`--budget auto`)", "draft none": "none (`--method ar`)"}.get(r["row"], row)
+        if r["row"].startswith("self budget"):
+            choice, row = "draft", f"`--draft self --budget {r['row'].rsplit(' ', 1)[1]}`"
         if r["row"] == "budget auto":
             row += "; also the draft row `--draft DRAFT`"
         tps = f"{r['tokens_per_second']:.2f}" if "tokens_per_second" in r else "-"
@@ -187,7 +194,8 @@ def block(data: dict) -> str:
             "a 16-layer bf16 Llama target of 1.4 GB with a 2.9M-parameter draft of the same tokenizer, "
             f"greedy, {k} prompts × {n} new tokens, one `specx run` per row and prompt in a rotating order. "
             "Decode tok/s = new tokens ÷ decode seconds (prefill excluded), summed over the prompts. The "
-            "budget rows all use the small draft; the draft rows all use `--budget auto`. \"Ran with\" is "
+            "budget rows all use the small draft; the draft rows use `--budget auto` but for two explicit "
+            "self-draft budgets. \"Ran with\" is "
             "the budget in force when each prompt's run ended (for `--budget auto`, where the tuner had "
             "moved it) and the draft the automatic choice took; ids = plain decoding: every prompt's ids "
             "equal `--method ar`'s. Auto ÷ best explicit = the automatic row's tok/s ÷ the fastest explicit "
@@ -195,7 +203,7 @@ def block(data: dict) -> str:
     out = wrap(head) + "\n\n" + table(data["rows"], data["ratios"])
     if data.get("profiled"):
         pr = data["profiled"]
-        out += "\n\n" + wrap("Then the two automatic rows again after `specx profile --target TARGET --draft "
+        out += "\n\n" + wrap("Then the automatic rows again after `specx profile --target TARGET --draft "
                              "DRAFT --offload disk --max-ram 0 --dtype bf16` (run after the rows above; ratios "
                              "against the explicit rows above):")
         out += "\n\n" + table(pr["rows"], pr["ratios"], ", profiled")
@@ -222,7 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", default="1,4,5", help="lines of prompts.jsonl (others end at EOS at once)")
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--profiled", action="store_true",
-                    help="also write a `specx profile` and rerun the two auto rows with it")
+                    help="also write a `specx profile` and rerun the auto rows with it")
     ap.add_argument("--into", metavar="JSON", help="with --profiled: add to this result instead of measuring")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per specx call, lock wait included")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_choices.json"))
