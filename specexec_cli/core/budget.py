@@ -19,7 +19,8 @@ Models (all corrected online, so priors only matter for the first passes):
   a0 = 0.5 with the weight of PRIOR_PASSES passes. Budgets observed often enough use their mean.
 - t_target(n) and t_draft(B), in this order of preference: the profile's measured points (t_draft
   only from the timings it measured for the draft the run uses, else from the plan); else the
-  memory plan's own pass model (offload/planning/passcost.py via the plan's chosen candidate: its
+  memory plan's own pass model (offload/planning/passcost.py via the candidate the run uses, else the
+  plan's chosen one: its
   modelled pass seconds at n = B + 1 and draft seconds net of what the stream hides, per budget in
   `by_budget`), so `--budget auto` starts where the dry run's model puts it; else (no plan: pickle
   weights) FALLBACK_KNEE's t(n) = 1 + n/FALLBACK_KNEE. Interpolation is log-log between points,

@@ -80,8 +80,9 @@ class Slot:
 
 def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
     """(N, note): how many sequences the plan's memory holds (`wanted`; None = the default, as many
-    as fit up to DEFAULT_PARALLEL; without a plan, UNPLANNED_PARALLEL). Each sequence past the first adds its own target and draft KV
-    (the plan's kv_target + kv_draft) as "kv_parallel", and the forest pass holds every tree's
+    as fit up to DEFAULT_PARALLEL; without a plan, UNPLANNED_PARALLEL). Each sequence past the first
+    adds its own target and draft KV (the plan's kv_target + kv_draft) as "kv_parallel", and the
+    forest pass holds every tree's
     hidden states, mask rows and logits rows to its end while a prefill chunk (the plan's largest
     single pass) runs: (sized budget + N - 1) x the plan's row_bytes as "forest_activations" (the
     trees together stay within the sized budget: core/budget.BudgetTuner.split, forest.split_budget).
