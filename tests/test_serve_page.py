@@ -69,7 +69,7 @@ def page(browser, server):
     context.close()
 
 
-def test_page_streams_a_reply_with_stats_and_keeps_the_key(page):
+def test_page_streams_a_reply_with_stats_and_keeps_the_key(page, server):
     page.fill("#max", "12")
     page.fill("#input", "def f(x):")
     page.press("#input", "Enter")
@@ -82,6 +82,7 @@ def test_page_streams_a_reply_with_stats_and_keeps_the_key(page):
     page.reload()
     assert page.input_value("#key") == KEY  # kept in localStorage
     page.wait_for_function("document.getElementById('model').textContent !== ''", timeout=30_000)
+    assert "favicon" not in server.stderr()   # the page names no icon: no 404 line per page load
 
 
 def test_stop_aborts_the_running_reply(page, server):
