@@ -21,7 +21,7 @@ import torch
 
 from offload import OffloadedCausalLM
 from offload.stream.timing import device_seconds
-from tests.conftest import make_model
+from tests.conftest import CHARS, make_model
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -49,7 +49,7 @@ def load(path, dtype, offload, **kw):
 
 def ids(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 48, (1, n), generator=g).cuda()
+    return torch.randint(0, len(CHARS), (1, n), generator=g).cuda()   # ids of the test vocabulary (45)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "nf4"])
