@@ -8,7 +8,8 @@ target pass for all of them and returns `(lane, StepEvent | None | exception)` p
    grows it (`engine.grow_step`) with the tree shape the forest gives it: `shape_for(k)` for k
    decoding lanes where the forest has one (serve's --budget auto: the speed model's split,
    `core.budget.BudgetTuner.split`), else its own budget split evenly over the k (an explicit
-   --budget is the size of the whole pass); a plain one-token step where no tree fits;
+   --budget is the size of the whole pass); a plain one-token step (`engine.ar_step`'s) where no
+   tree fits, under --method ar, and with no draft model (`core.methods.generate` runs ar then);
 2. `offload.stream.multi.forward_many` runs all shares in one pass: each decoder layer's weights
    are streamed once and every lane's tokens go through them against that lane's own cache;
 3. each lane accepts and commits its own path (`engine.accept_step`) and yields the `StepEvent`
@@ -75,6 +76,9 @@ class Lane:
         self.share: _Share | None = None
         self.shape = cfg.shape   # the tree shape of its last pass (the forest's split)
         self.moved = transfers.TransferCount()
+        # trees need a draft and a tree method: --method ar, or no draft at all (every layer resident,
+        # `--draft self` with nothing to substitute), decodes one token a pass as core.methods.generate does
+        self.trees = m.draft is not None and cfg.method != "ar"
 
     @property
     def decoding(self) -> bool:
@@ -93,8 +97,8 @@ class Lane:
         else:
             cfg = replace(self.cfg, shape=shape)
             limit = min(self.cfg.max_new_tokens - self.produced, m.ctx_limit - len(st.ids))
-            ts = grow_step(m, st, cfg, self.gen, limit)
-            if ts is None:   # no room for a tree: the root alone (engine.ar_step)
+            ts = grow_step(m, st, cfg, self.gen, limit) if self.trees else None
+            if ts is None:   # plain decoding, or no room for a tree: the root alone (engine.ar_step)
                 ids, pos = kvcache.stage(m.target, torch.tensor(st.ids[-1:]), torch.tensor([len(st.ids) - 1]))
                 mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target), m.target.device)
                 self.share = _Share("ar")

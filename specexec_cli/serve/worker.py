@@ -278,6 +278,20 @@ class Worker:
                            "shorten it", param=param, code="context_length_exceeded")  # fmt: skip
         return ids, plan
 
+    def _check_method(self, work: Work, plan) -> None:
+        """A grammar or logprobs on a method that cannot give them: a 400 naming the fix, before any
+        reply starts (the engine would refuse it mid-stream). Without a draft every method runs ar."""
+        from specexec_cli.core.forest import FOREST_METHODS
+
+        method = self.session.cfg.method if self.session.models.draft is not None else "ar"
+        if method in FOREST_METHODS or (plan.grammar is None and work.logprobs is None):
+            return
+        param = "response_format" if work.response_format is not None else \
+            "logprobs" if plan.grammar is None else "tool_choice"
+        raise APIError(400, f"{param}: structured output, forced tool calls and logprobs need --method specexec or ar "
+                       f"(this server runs --method {method}); restart it with --method specexec", param=param,
+                       code="structured_output_unsupported")  # fmt: skip
+
     def _config(self, work: Work, prompt_tokens: int, plan):
         import torch
 
@@ -312,6 +326,7 @@ class Worker:
     def _generate(self, job: Job) -> str:
         session, work = self.session, job.work
         full, plan = self._prompt(work)
+        self._check_method(work, plan)
         cfg, gen, stats = self._config(work, len(full), plan)
         events, prefill = self._open(job, full, cfg, gen)
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill))
