@@ -38,6 +38,8 @@ from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe,
 from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body, unsupported
 from specexec_cli.serve.structured import to_work
 from specexec_cli.serve.worker import Delta, Done, Failed, Job
+from specexec_cli.session import notices
+from specexec_cli.session.tools import renders_tools
 
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is refused with 413
 HEADER_GRACE = 0.25  # seconds a stream waits for its first report before it sends its headers
@@ -47,11 +49,12 @@ KEEPALIVE_COMMENT = ": keep-alive\n\n"
 
 def create_app(worker, model_name: str, *, api_key: str | None = None, cors: list[str] | tuple = (),
                max_body: int = MAX_BODY_BYTES, host: str | None = None,
-               keepalive: float = KEEPALIVE_SECONDS) -> FastAPI:  # fmt: skip
+               keepalive: float = KEEPALIVE_SECONDS, aliases: set[str] | frozenset = frozenset()) -> FastAPI:  # fmt: skip
     app = FastAPI(title="specx", version=__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     page = resources.files("specexec_cli.serve").joinpath("page.html").read_text(encoding="utf-8")
     started = int(time.time())
+    dropped = DroppedTools(worker)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -67,7 +70,7 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        if model_id != model_name:
+        if model_id != model_name and model_id not in aliases:  # the path, --target as given
             raise APIError(404, f"model {model_id!r} not found; this server has {model_name!r}", param="model",
                            code="model_not_found")  # fmt: skip
         return model_card(model_name, started)
@@ -82,7 +85,8 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await answer(worker, Format(True, model_name, body, request_id(request)), body, request, keepalive)
+        return await answer(worker, Format(True, model_name, body, request_id(request)), body, request, keepalive,
+                            dropped.note)  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -167,10 +171,12 @@ class Format:
         return shapes.completion_body(*head, item.logprobs)
 
 
-async def answer(worker, fmt: Format, req, request: Request, keepalive: float):
+async def answer(worker, fmt: Format, req, request: Request, keepalive: float, on_done=None):
     """Queue the request, then stream its reports (SSE) or wait for the whole answer. A stream waits
     at most HEADER_GRACE for its first report (so an idle server still answers a bad prompt with a
-    4xx status), then sends its headers and keep-alive comments while it is queued or prefilling."""
+    4xx status), then sends its headers and keep-alive comments while it is queued or prefilling.
+    `on_done(req, request_id)` runs once the request is answered (DroppedTools.note)."""
+    on_done = on_done or (lambda req, rid: None)
     unsupported(req)
     job = Job(to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
     job.request_id = fmt.request_id
@@ -184,7 +190,8 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float):
         if isinstance(first, Failed):
             raise first.error
         if req.stream:   # from here starlette's StreamingResponse watches the client (sse cancels the job)
-            return StreamingResponse(sse(job, fmt, first, clock, keepalive), media_type="text/event-stream",
+            body = sse(job, fmt, first, clock, keepalive, lambda: on_done(req, fmt.request_id))
+            return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         while True:
             item = await next_report(job, gone)
@@ -194,6 +201,7 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float):
             if isinstance(item, Failed):
                 raise item.error
             if isinstance(item, Done):
+                on_done(req, fmt.request_id)
                 return JSONResponse(fmt.body(item))
     finally:
         gone.cancel()
@@ -234,11 +242,34 @@ class Clock:
             self.metrics.observe("specx_request_seconds", time.perf_counter() - self.t0)
 
 
+class DroppedTools:
+    """One log line per server start, for the first answered chat request whose tools (tool_choice
+    "auto" or absent) the model could not see: its chat template does not render tools, or there is
+    none. Not one per request: a front end such as Open WebUI sends its tools with every message, and
+    the cause is the model's, the same for each. (A forced call is a 400 instead: structured.plan.)"""
+
+    def __init__(self, worker):
+        self.worker, self.logged = worker, False
+
+    def note(self, req, rid: str) -> None:
+        tools = getattr(req, "tools", None)
+        session = getattr(self.worker, "session", None)
+        if self.logged or not tools or req.tool_choice == "none" or session is None:
+            return
+        if session.templated and renders_tools(session.models.tokenizer):
+            return
+        self.logged = True
+        why = "does not render tools" if session.templated else "is not used (none, or --no-chat-template)"
+        notices.notice(f"specx serve: request {rid} sent {len(tools)} tools, dropped: this model's chat template "
+                       f"{why}, so the model never sees them and replies with text (tool_choice \"required\" or a "
+                       "named function is a 400); logged once, for the first such request")  # fmt: skip
+
+
 def event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float):
+async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float, on_done=lambda: None):
     """The SSE body; leaving it early (a disconnect) cancels the job at its next target pass.
     `first` is the report already taken (None: none yet); an SSE comment goes out every
     `keepalive` seconds without a report (queued, prefilling), so proxies keep the connection."""
@@ -258,6 +289,7 @@ async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float):
             if isinstance(item, Delta):
                 yield event(fmt.delta(item))
             elif isinstance(item, Done):
+                on_done()
                 for chunk in fmt.closing(item):
                     yield event(chunk)
                 break

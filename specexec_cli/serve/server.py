@@ -15,7 +15,6 @@ import ipaddress
 import socket
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from specexec_cli.session import notices
 from specexec_cli.errors import SpecxError
@@ -80,15 +79,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def default_name(target: str) -> str:
-    from specexec_cli.session.options import DEMO_DIR
-
-    path = Path(target)
-    if path.resolve() == (DEMO_DIR / "target").resolve():
-        return "specx-demo"
-    return path.name if path.is_dir() else target
-
-
 def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
     """The worker's load(): models, the budget tuner, the prompt cache and a ChatSession; returns
     (session, defaults)."""
@@ -150,10 +140,15 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
     from specexec_cli.serve.metrics import Metrics
     from specexec_cli.serve.worker import Worker
 
-    name = o.model_name or default_name(opts.target)
+    from specexec_cli.serve.names import aliases, model_id, resolve_target
+
+    resolved = resolve_target(opts.target)
+    auto = model_id(opts.target, resolved)  # a name, never a path; the path (and --target) still answer
+    name = o.model_name or auto
     worker = Worker(make_loader(flags, opts, plan, cfg, o.system, o.cache_ram), o.max_queue, Metrics(),
                     max_new_tokens=o.max_new_tokens, parallel=o.parallel or 1)  # fmt: skip
-    app = create_app(worker, name, api_key=o.api_key, cors=o.cors, host=o.host)
+    app = create_app(worker, name, api_key=o.api_key, cors=o.cors, host=o.host,
+                     aliases=aliases(opts.target, resolved, name) | ({auto} - {name}))  # fmt: skip
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = GracefulServer(config, worker)
     failure: list[str] = []

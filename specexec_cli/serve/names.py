@@ -1,0 +1,92 @@
+"""The model id `specx serve` lists in /v1/models and puts in every response, and the ids it also takes.
+
+Contract: `model_id(target, resolved)` is a name a person would call the model, never a machine
+path: the embedded demo pair is `specx-demo`; a `.gguf` file is its file name without the
+extension, the split-part suffix (`-00001-of-00003`) and the quantization tag that ends GGUF file
+names (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`, `Llama-3.2-1B-Instruct-Q4_K_M`
+-> `Llama-3.2-1B-Instruct`); an extension-less GGUF blob passed as a path is its `general.name`
+(else its file name); a directory is its name (a hub cache snapshot `models--org--name/snapshots/<hash>`
+is `org/name`); a name that is not a path (a cached hub id, an ollama name, an installed
+distribution that ships a GGUF) is kept as the user wrote it, except that a distribution's GGUF is
+named by its file as above. `aliases(target, resolved, name)` are the other ids a client may name
+the model by (the --target as given, its path, its absolute path): GET /v1/models/{id} answers for
+each of them with the card of `name`, so clients configured with the old path-shaped id still work.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# The quantization tag at the end of a GGUF file's stem, after ".", "-" or "_": Q4_1, Q4_K_M, IQ3_XS,
+# Q8_0, F16, BF16, F32, FP16 (llama.cpp's and the hub uploaders' spellings, any case).
+_QUANT = re.compile(r"[-._](?:I?Q\d(?:_[A-Z0-9]+)*|B?F16|F32|FP16|FP32)$", re.IGNORECASE)
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def gguf_stem(file_name: str) -> str:
+    """`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct` (the stem when nothing is left)."""
+    stem = file_name[:-len(".gguf")] if file_name.lower().endswith(".gguf") else file_name
+    stem = _SPLIT.sub("", stem)
+    bare = _QUANT.sub("", stem)
+    return bare or stem
+
+
+def _hub_snapshot(path: Path) -> str | None:
+    """`org/name` of a hub cache snapshot dir (`.../models--org--name/snapshots/<hash>`), else None."""
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return None
+
+
+def _gguf_name(path: Path) -> str:
+    """A GGUF file's name: its stem (see gguf_stem); an extension-less blob's general.name."""
+    if path.suffix.lower() == ".gguf":
+        return gguf_stem(path.name)
+    try:
+        from offload.formats import gguf_meta
+
+        name = gguf_meta.value(gguf_meta.read_part(path), "general.name")
+    except Exception:  # noqa: BLE001 - a header we cannot read names nothing; the file name does
+        name = None
+    return str(name).strip() if name and str(name).strip() else path.name
+
+
+def model_id(target: str, resolved: Path | None = None) -> str:
+    """The served model's id (see the module contract). `resolved`: the path --target resolved to
+    (None: `target` itself when it is a path)."""
+    from specexec_cli.session.options import DEMO_DIR
+
+    path = Path(target).expanduser()
+    if path.exists():
+        if path.resolve() == (DEMO_DIR / "target").resolve():
+            return "specx-demo"
+        if path.is_dir():
+            return _hub_snapshot(path.resolve()) or path.resolve().name
+        return _gguf_name(path)
+    if resolved is not None and resolved.is_file() and resolved.suffix.lower() == ".gguf":
+        return gguf_stem(resolved.name)  # an installed distribution's GGUF, named by its file
+    return target  # a hub id or an ollama name, as the user wrote it
+
+
+def aliases(target: str, resolved: Path | None, name: str) -> set[str]:
+    """Other ids that name the served model (see the module contract)."""
+    ids = {target}
+    for path in (Path(target).expanduser(), resolved):
+        if path is not None and path.exists():
+            ids |= {str(path), str(path.resolve())}
+    ids.discard(name)
+    return ids
+
+
+def resolve_target(target: str) -> Path | None:
+    """The path the --target resolves to (None where it does not: the server's plan has already
+    named any error)."""
+    from specexec_cli.errors import SpecxError
+    from specexec_cli.session.loading import resolve_path
+
+    try:
+        return resolve_path(target, "--target")
+    except (SpecxError, OSError):
+        return None
