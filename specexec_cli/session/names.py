@@ -8,8 +8,9 @@ name of an installed Python distribution that ships one GGUF file, such as `llm-
 a hub id in the local Hugging Face cache. Anything else, or a distribution that ships zero or
 several GGUF files, is one `SpecxError` line naming the fix.
 `default_target()` is the model of a run without --target: `$SPECX_DEFAULT_TARGET` when set (any
-of the names above), else SmolLM2-135M-Instruct when its distribution (DEFAULT_DIST) is installed,
-else the demo pair (`DEMO`). `is_demo(name)` says whether a name means the demo pair.
+of the names above), else SmolLM2-135M-Instruct when its distribution (DEFAULT_DIST) and the gguf
+package that reads it are installed, else the demo pair (`DEMO`); `real_model_steps()` are the
+installs that are missing for SmolLM2. `is_demo(name)` says whether a name means the demo pair.
 """
 
 from __future__ import annotations
@@ -44,10 +45,18 @@ def default_target() -> str:
     env = os.environ.get(DEFAULT_ENV, "").strip()
     if env:
         return env
+    return DEFAULT_DIST if not real_model_steps() else DEMO
+
+
+def real_model_steps() -> list[str]:
+    """The installs a run without --target lacks for SmolLM2 ([] when it runs SmolLM2): the
+    gguf extra that reads GGUF files, and the distribution that ships the file."""
     from offload.formats import pydist
+    from specexec_cli.session.deps import install_hint, installed
 
     dist = pydist.find(DEFAULT_DIST)
-    return DEFAULT_DIST if dist is not None and dist.files else DEMO
+    steps = [] if installed("gguf") else [install_hint("gguf")]
+    return steps if dist is not None and dist.files else steps + [GET_REAL]
 
 
 def _is_gguf(path: Path) -> bool:

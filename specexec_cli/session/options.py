@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexec_cli.session import notices
-from specexec_cli.session.names import DEMO_DIR, GET_REAL, default_target, is_demo  # noqa: F401 - DEMO_DIR: API
+from specexec_cli.session.names import DEMO_DIR, default_target, is_demo, real_model_steps  # noqa: F401 - DEMO_DIR: API
 from specexec_cli.errors import SpecxError
 
 
@@ -106,8 +106,9 @@ def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str
         if not (DEMO_DIR / "target" / "config.json").exists():
             raise SpecxError("the demo pair is not installed; pass --target (and --draft) for a real model")
         if not given:
-            notices.notice(f"using the embedded demo pair (tiny Python-code models); for a real model: "
-                           f"{GET_REAL}, or pass --target")
+            steps = real_model_steps()
+            get = f"for a real model: {' and '.join(steps)}, or pass --target" if steps else "pass --target for a real one"
+            notices.notice(f"using the embedded demo pair (tiny Python-code models); {get}")
         target, draft = str(DEMO_DIR / "target"), (draft or str(DEMO_DIR / "draft"))
     elif not given:
         from specexec_cli.session.names import resolve_path
