@@ -16,7 +16,7 @@ from specexec_cli.serve.reply import Reply
 from specexec_cli.serve.structured import template_messages
 from specexec_cli.session.chat import render_template
 from specexec_cli.session.tools import ToolScanner, call_format, forced_call, parse_calls, renders_tools
-from tests.tool_models import PLAIN_TEMPLATE, TOOLS_TEMPLATE, WEATHER, make_tokenizer
+from tests.tool_models import CLOCK, PLAIN_TEMPLATE, TOOLS_TEMPLATE, WEATHER, make_tokenizer
 
 NAMES = {"get_weather", "get_time"}
 ARGS = {"city": "paris", "days": 2}
@@ -59,13 +59,73 @@ def test_each_family_format_parses(text, content, calls):
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_the_streamed_scanner_finds_what_the_parser_finds(text, content, calls, size):
     scanner = ToolScanner(NAMES)
-    shown = "".join(scanner.feed(text[i:i + size]) for i in range(0, len(text), size))
-    tail, got = scanner.finish()
+    shown, deltas = "", []
+    for i in range(0, len(text), size):
+        shown += scanner.feed(text[i:i + size])
+        deltas += scanner.take()
+    tail, got, unsent = scanner.finish()
+    deltas += scanner.take()
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    if calls:  # the text before the first marker went out as it came; the calls were held
-        assert (shown + tail).rstrip() == content
-    else:  # no call: every character reaches the client, in order
-        assert shown + tail == text
+    if calls:  # the text before the first marker went out as it came; the calls as deltas
+        assert (shown + tail).rstrip() == content and unsent == ""
+        assert assemble(deltas) == [(c.id, c.name, c.arguments) for c in got]
+    else:  # no call: every character reaches the client (a response not streamed gets `unsent` too)
+        assert shown + tail + unsent == text
+
+
+def assemble(deltas: list[dict]) -> list[tuple]:
+    """(id, name, arguments) per call from OpenAI's delta.tool_calls entries, as clients join them."""
+    calls: dict[int, list] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], [None, "", ""])
+        call[0] = d.get("id", call[0])
+        call[1] += d.get("function", {}).get("name", "")
+        call[2] += d.get("function", {}).get("arguments", "")
+    return [tuple(v) for _, v in sorted(calls.items())]
+
+
+FORCED_TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
+
+
+def test_arguments_stream_piece_by_piece_as_they_are_written():
+    """OpenAI's shape: the first delta of a call has its index, id, type, name and arguments "";
+    the next ones carry pieces of the arguments, sent as soon as they are written."""
+    scanner = ToolScanner(NAMES, forced=True)
+    seen = []
+    for i in range(len(FORCED_TWO)):
+        assert scanner.feed(FORCED_TWO[i]) == ""
+        seen.append((i, scanner.take()))
+    head_at, (head, first) = next((i, d) for i, d in seen if d)
+    assert FORCED_TWO[:head_at + 1].endswith('"arguments": {')  # the arguments have begun: the call starts
+    assert head["index"] == 0 and head["type"] == "function" and head["id"].startswith("call_")
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert first == {"index": 0, "function": {"arguments": "{"}}
+    assert seen[head_at + 1][1] == [{"index": 0, "function": {"arguments": '"'}}]  # the very next character
+    pieces = [e for _, d in seen for e in d if "id" not in e and e["index"] == 0]
+    assert len(pieces) == len('{"city": "paris", "days": 2}')  # one piece per character fed
+    tail, calls, unsent = scanner.finish()
+    assert tail == "" and unsent == "" and [c.arguments for c in calls] == ['{"city": "paris", "days": 2}',
+                                                                            '{"zone": "utc"}']  # fmt: skip
+    assert assemble([e for _, d in seen for e in d]) == [(c.id, c.name, c.arguments) for c in calls]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    scanner = ToolScanner(NAMES, forced=True, limit=1)
+    scanner.feed(FORCED_TWO)
+    tail, calls, _ = scanner.finish()
+    assert [c.name for c in calls] == ["get_weather"]
+    assert {d["index"] for d in scanner.take()} <= {0}
+
+
+def test_a_call_cut_short_is_no_call():
+    """max_tokens inside the arguments: the deltas so far went out, the call does not count, and a
+    response that is not streamed gets the text as its content."""
+    cut = FORCED_TWO[:60]  # into {"city": "pa
+    scanner = ToolScanner(NAMES, forced=True)
+    scanner.feed(cut)
+    assert assemble(scanner.take())[0][1:] == ("get_weather", cut.split('"arguments": ')[1])
+    assert scanner.finish() == ("", [], cut)
 
 
 def test_text_streams_until_a_marker_could_begin():
@@ -74,7 +134,7 @@ def test_text_streams_until_a_marker_could_begin():
     assert scanner.feed("here <tool") == "here "  # "<tool" may be the start of <tool_call>
     assert scanner.feed("kit> is fine") == "<toolkit> is fine"
     forced = ToolScanner(NAMES, forced=True)
-    assert forced.feed("plain words") == "" and forced.finish() == ("plain words", [])
+    assert forced.feed("plain words") == "" and forced.finish() == ("plain words", [], "")
 
 
 def test_templates_with_and_without_tools():
@@ -102,12 +162,49 @@ def test_string_arguments_reach_the_template_as_objects():
 
 
 @pytest.mark.parametrize("fmt,prefix,key", [("hermes", "<tool_call>\n", "arguments"), ("llama3", "", "parameters"),
-                                            ("generic", "", "arguments")])  # fmt: skip
+                                            ("generic", "", "arguments"), ("mistral", "[TOOL_CALLS]", "arguments")])  # fmt: skip
 def test_a_forced_call_is_the_family_format(fmt, prefix, key):
-    schema, got_prefix, suffix = forced_call([WEATHER], "get_weather", fmt)
-    assert got_prefix == prefix and (suffix == "\n</tool_call>") == (fmt == "hermes")
+    schema, got_prefix, suffix, repeat = forced_call([WEATHER], "get_weather", fmt)
+    assert got_prefix == prefix and (suffix == "\n</tool_call>") == (fmt == "hermes") and repeat is None
+    if fmt == "mistral":   # Mistral's own format: a list of calls after [TOOL_CALLS]
+        assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
+        schema = schema["items"]
     assert schema["properties"]["name"] == {"const": "get_weather"}
     assert schema["properties"][key] == WEATHER["function"]["parameters"] and schema["required"] == ["name", key]
+
+
+def accepts(tok, spec, text: str) -> bool:
+    """Whether the compiled grammar takes `text` and then EOS."""
+    from specexec_cli.core.grammar import compile_grammar
+
+    matcher = compile_grammar(tok, spec).matcher()
+    return all(matcher.accept_token(t) for t in tok(text, add_special_tokens=False)["input_ids"]) and \
+        matcher.accept_token(tok.eos_token_id)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3", "generic"])
+def test_required_with_parallel_calls_admits_several_calls(fmt):
+    """tool_choice "required" with parallel_tool_calls: one or more calls (a named function, or
+    parallel_tool_calls false: exactly one), each in the family's format, and the stream parser
+    takes them all."""
+    pytest.importorskip("xgrammar")
+    from specexec_cli.core.grammar import GrammarSpec
+
+    tok = make_tokenizer(TOOLS_TEMPLATE)
+    key = "parameters" if fmt == "llama3" else "arguments"
+    one = [f'{{"name": "get_weather", "{key}": {{"city": "rome", "days": 1}}}}', f'{{"name": "get_time", "{key}": {{"zone": "cet"}}}}']
+    written = {"hermes": "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in one),
+               "mistral": "[TOOL_CALLS][" + ", ".join(one) + "]", "llama3": "; ".join(one), "generic": "\n".join(one)}[fmt]
+    first = written.split("; ")[0] if fmt == "llama3" else written.split("\n<tool_call>")[0] if fmt == "hermes" else \
+        "[TOOL_CALLS][" + one[0] + "]" if fmt == "mistral" else one[0]
+    for several in (False, True):
+        schema, prefix, suffix, repeat = forced_call([WEATHER, CLOCK], None, fmt, several)
+        spec = GrammarSpec("json_schema", json.dumps(schema), prefix, suffix, repeat)
+        assert accepts(tok, spec, first) and accepts(tok, spec, written) == several
+    scanner = ToolScanner(NAMES, forced=True)
+    scanner.feed(written)
+    assert [(c.name, json.loads(c.arguments)) for c in scanner.finish()[1]] == [
+        ("get_weather", {"city": "rome", "days": 1}), ("get_time", {"zone": "cet"})]
 
 
 class CharTok:
@@ -124,7 +221,8 @@ def test_the_reply_filter_stops_then_parses_and_logprobs_follow_the_text():
     reply = Reply(CharTok(), ["STOP"], sorted(NAMES), False, 1)
     pieces = [reply.feed(event(t)) for t in ['ok <tool_call>{"name": "get_time", ', '"arguments": {}}', "STOPjunk"]]
     last, calls = reply.finish()
-    assert [p.text for p in pieces if p] == ["ok "] and last is not None and last.text == ""
+    assert [p.text for p in pieces if p and p.text] == ["ok "] and last is not None and last.text == ""
+    assert assemble(pieces[1].tool_calls) == [(calls[0]["id"], "get_time", "{}")]  # streamed as it was written
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_time", "{}")]
     assert reply.used == len('ok <tool_call>{"name": "get_time", "arguments": {}}STOP')
     sent = [e["token"] for p in [*pieces, last] if p for e in p.logprobs]

@@ -1,7 +1,8 @@
 """Structured output as a grammar: JSON (any object, or one JSON Schema) between literal text, as token masks.
 
 Contract: `GrammarSpec` says what the reply must be (`kind` "json_object" | "json_schema", the schema
-as JSON text, a literal `prefix` and `suffix` around the JSON value); `compile_grammar(tokenizer,
+as JSON text, a literal `prefix` and `suffix` around the JSON value, and `repeat`: None for one such
+block, else the separator of one or more blocks, as several tool calls); `compile_grammar(tokenizer,
 spec)` turns it into a `CompiledGrammar` (cached per tokenizer and spec) or raises `GrammarError`, one
 line naming what is wrong. A `CompiledGrammar` makes matchers (xgrammar.GrammarMatcher): the parser
 state after a sequence of tokens, which answers "which tokens may come next" as a packed bitmask
@@ -35,12 +36,14 @@ CACHE_SIZE = 32  # compiled grammars kept (least recently used dropped)
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What the reply must be: [prefix] JSON value [suffix], then EOS."""
+    """What the reply must be: [prefix] JSON value [suffix], then EOS; with `repeat`, one or more
+    such blocks separated by it (several tool calls), then EOS."""
 
     kind: str  # "json_object" (any JSON object) | "json_schema" (the value validates against `schema`)
     schema: str | None = None  # the JSON Schema as JSON text (kind "json_schema"); ignored for json_object
     prefix: str = ""  # literal text the output must start with (e.g. "<tool_call>\n")
     suffix: str = ""  # literal text after the JSON value (e.g. "\n</tool_call>")
+    repeat: str | None = None  # None: one block; else the literal separator between repeated blocks
 
 
 class GrammarError(SpecxError):
@@ -99,7 +102,8 @@ def schema_text(spec: GrammarSpec) -> str:
 
 
 def build(spec: GrammarSpec):
-    """xgrammar.Grammar of [prefix] JSON value [suffix] (GrammarError naming what is wrong)."""
+    """xgrammar.Grammar of [prefix] JSON value [suffix], repeated when `spec.repeat` says so
+    (GrammarError naming what is wrong)."""
     import xgrammar
 
     text = schema_text(spec)
@@ -109,6 +113,14 @@ def build(spec: GrammarSpec):
     except (RuntimeError, ValueError) as exc:
         what = "JSON schema" if spec.kind == "json_schema" else "grammar"
         raise GrammarError(f"invalid {what}: {first_line(str(exc))}") from None
+    if spec.repeat is not None:   # block (repeat block)*: the JSON grammar's rules plus two of ours
+        def lit(text: str) -> str:
+            return json.dumps(text, ensure_ascii=False) if text else ""
+
+        block = " ".join(filter(None, (lit(spec.prefix), "root", lit(spec.suffix))))
+        sep = lit(spec.repeat)
+        ebnf = f"{parts[0]}\nspecx_block ::= {block}\nspecx_blocks ::= specx_block ({sep} specx_block)*\n"
+        return xgrammar.Grammar.from_ebnf(ebnf, root_rule_name="specx_blocks")
     if spec.prefix:
         parts.insert(0, xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(spec.prefix, ensure_ascii=False)))
     if spec.suffix:

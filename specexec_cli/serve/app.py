@@ -10,7 +10,7 @@ becomes a 500 that carries only an error id, logged on stderr), CORS (only with 
 the Host check (only on a loopback `host` without `api_key`: DNS rebinding), bearer auth (only with
 `api_key`; every route but /health and the page, constant-time compare), a request-body limit (413). Streaming
 is SSE: headers within HEADER_GRACE, then `data: {json}` events (chat: the role first, then content
-deltas, then the tool calls, then the finish_reason chunk, the usage chunk when asked for; every
+deltas and the tool calls' deltas as they are written, then the finish_reason chunk, the usage chunk when asked for; every
 chunk with the `specx` field) and `data: [DONE]`, with a
 `: keep-alive` comment every `keepalive` seconds without an event (queued, prefilling). A client
 that goes away (streamed or not, queued or running) cancels its job at once: a watcher awaits the
@@ -145,18 +145,15 @@ class Format:
         return [self._chunk("", role=True, specx=idle)] if self.chat else []
 
     def delta(self, item: Delta) -> dict:
-        return self._chunk(item.text, specx={"spans": item.spans, **item.live}, logprobs=item.logprobs)
+        specx = {"spans": item.spans, **item.live}
+        if item.tool_calls:   # a call's id and name, or a piece of its arguments
+            return self._chunk(None, specx=specx, delta={"tool_calls": item.tool_calls})
+        return self._chunk(item.text, specx=specx, logprobs=item.logprobs)
 
     def closing(self, item: Done) -> list[dict]:
-        """The tool calls (each: its id and name, then its arguments), the finish_reason chunk, and
-        the usage chunk when asked for; every one with the reply's `specx`."""
+        """The finish_reason chunk and the usage chunk when asked for, both with the reply's `specx`
+        (the tool calls went out as deltas while they were written)."""
         chunks = []
-        for i, call in enumerate(item.tool_calls):
-            fn = call["function"]
-            head = {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
-            chunks.append(self._chunk(None, specx=item.specx, delta={"tool_calls": [head]}))
-            args = {"index": i, "function": {"arguments": fn["arguments"]}}
-            chunks.append(self._chunk(None, specx=item.specx, delta={"tool_calls": [args]}))
         finish = "length" if item.finish == "cancelled" else item.finish
         chunks.append(self._chunk("", finish, item.specx))
         if self.usage:

@@ -1,13 +1,16 @@
 """One reply's text on its way to the client: stop strings, then tool calls, with the origin of
 every character and the logprobs of every token riding along.
 
-Contract: `Reply(tokenizer, stops, names, forced, logprobs)` is fed the engine's `StepEvent`s in
-order; `feed(ev)` returns the text that is safe to send now (a `Piece`: text, per-character origin
-mask, the logprob entries of the tokens so far) or None. Text passes `chat.StopScanner` (the stop
-string and all after it are dropped; `used` counts the tokens through it) and then, when the
-request has tools, `tools.ToolScanner` (a possible call is held until the reply ends). What is sent
-is always a prefix of what is held, so the origin mask of the unsent text is cut from its front.
-`finish()` returns the last piece and the reply's tool calls (OpenAI dicts; [] for text). Logprob
+Contract: `Reply(tokenizer, stops, names, forced, logprobs, limit)` is fed the engine's `StepEvent`s
+in order; `feed(ev)` returns what is safe to send now (a `Piece`: text, per-character origin mask,
+the logprob entries of the tokens so far, the tool calls' OpenAI deltas) or None. Text passes
+`chat.StopScanner` (the stop string and all after it are dropped; `used` counts the tokens through
+it) and then, when the request has tools, `tools.ToolScanner` (a call streams as deltas while it is
+written, or is held to the end when it is not written the canonical way; `limit` caps the calls).
+What is sent is always a prefix of what is held, so the origin mask of the unsent text is cut from
+its front. `finish()` returns the last piece and the reply's tool calls (OpenAI dicts; [] for
+text). `parts` is the content of a response that is not streamed: the text sent, plus the text of
+calls that streamed but never closed (a reply cut by max_tokens: its content, no tool_calls). Logprob
 entries (shapes.token_entry) ride on the next piece sent; those of tokens past a stop string are
 dropped; `entries` keeps them all for a response that is not streamed.
 """
@@ -35,26 +38,40 @@ def tokens_through(tokenizer, before: list[int], new: list[int], chars: int) -> 
     return len(new)
 
 
+def merge_deltas(entries: list[dict]) -> list[dict]:
+    """Tool-call delta entries with each run of argument pieces of one call joined into one."""
+    out: list[dict] = []
+    for e in entries:
+        if out and "id" not in e and "id" not in out[-1] and out[-1]["index"] == e["index"]:
+            joined = out[-1]["function"]["arguments"] + e["function"]["arguments"]
+            out[-1] = {"index": e["index"], "function": {"arguments": joined}}
+        else:
+            out.append(e)
+    return out
+
+
 @dataclass
 class Piece:
     text: str  # what the client may see now
     mask: list  # per character: True = a draft-accepted token's text
     logprobs: list | None  # logprob entries not sent before (None: logprobs off)
+    tool_calls: list | None = None  # OpenAI delta.tool_calls entries, in order (None: none now)
 
 
 class Reply:
     """See the module docstring."""
 
-    def __init__(self, tokenizer, stops: list[str], names: list[str], forced: bool, logprobs: int | None):
+    def __init__(self, tokenizer, stops: list[str], names: list[str], forced: bool, logprobs: int | None,
+                 limit: int | None = None):  # fmt: skip
         self.tokenizer = tokenizer
         self.stop = StopScanner(stops)
-        self.tools = ToolScanner(names, forced) if names else None
+        self.tools = ToolScanner(names, forced, limit) if names else None
         self.unsent: list[bool] = []  # the origin mask of the text fed and not sent yet
         self.generated: list[int] = []  # token ids so far
         self.used: int | None = None  # tokens through the stop string, once one is found
         self.entries: list | None = [] if logprobs is not None else None
         self.sent_entries = 0  # entries already attached to a piece
-        self.parts: list[str] = []  # the text sent, in order
+        self.parts: list[str] = []  # the content of a response not streamed (module docstring)
 
     @property
     def stopped(self) -> bool:
@@ -73,14 +90,18 @@ class Reply:
         self._logprobs(getattr(ev, "logprobs", None))
         if self.tools is not None:
             out = self.tools.feed(out)
+            return self._piece(out, calls=self.tools.take())
         return self._piece(out)
 
     def finish(self) -> tuple[Piece | None, list[dict]]:
         out = self.stop.flush()
         if self.tools is not None:
             out = self.tools.feed(out)
-            content, calls = self.tools.finish()
-            return self._piece(out + content, last=True), [c.body() for c in calls]
+            content, calls, unsent = self.tools.finish()
+            piece = self._piece(out + content, last=True, calls=self.tools.take())
+            if unsent:
+                self.parts.append(unsent)
+            return piece, [c.body() for c in calls]
         return self._piece(out, last=True), []
 
     def _logprobs(self, items) -> None:
@@ -92,12 +113,12 @@ class Reply:
         if self.used is not None:
             del self.entries[self.used:]
 
-    def _piece(self, text: str, last: bool = False) -> Piece | None:
+    def _piece(self, text: str, last: bool = False, calls: list | None = None) -> Piece | None:
         fresh = None
-        if self.entries is not None and (text or last):
+        if self.entries is not None and (text or last or calls):
             fresh, self.sent_entries = self.entries[self.sent_entries:], len(self.entries)
-        if not text and not fresh:
+        if not text and not fresh and not calls:
             return None
         mask, self.unsent = self.unsent[:len(text)], self.unsent[len(text):]
         self.parts.append(text)
-        return Piece(text, mask, fresh)
+        return Piece(text, mask, fresh, merge_deltas(calls) if calls else None)

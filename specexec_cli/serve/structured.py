@@ -10,8 +10,11 @@ and function name). Each refusal is a 400 in OpenAI's shape whose `param` names 
 that are not a JSON object, a json_schema without a schema. On the worker (the tokenizer known)
 `plan(work, tok)` decides what the template renders and what the reply is constrained to: tools go
 to a template that reads them, else `tool_choice` auto/none answers in plain text and
-required/a named function is a 400; a forced call (tools.forced_call) or a `response_format`
-becomes a `GrammarSpec`, compiled here so that an invalid schema is a 400 before any decoding.
+required/a named function is a 400; a forced call (tools.forced_call: `required` with
+parallel_tool_calls one or more calls, else exactly one) or a `response_format` becomes a
+`GrammarSpec`, compiled here so that an invalid schema is a 400 before any decoding. Under a grammar
+the request's stop strings do not apply (`Plan.stops`): the grammar alone ends the reply, so a stop
+string inside the JSON cannot cut it into an object that does not parse.
 """
 
 from __future__ import annotations
@@ -108,8 +111,13 @@ class Plan:
 
     tools: list[dict] | None  # what the chat template renders (None: no tools)
     names: list[str]  # the functions a reply's calls may name ([]: the reply is text)
-    forced: bool  # the grammar makes the whole reply one call
+    forced: bool  # the grammar makes the whole reply calls
     grammar: object | None  # a core.grammar.GrammarSpec, or None
+    limit: int | None = None  # the most calls a reply returns (parallel_tool_calls false: 1)
+
+    def stops(self, requested: list[str]) -> list[str]:
+        """The stop strings that apply: none under a grammar (it alone says where the reply ends)."""
+        return [] if self.grammar is not None else requested
 
 
 def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
@@ -124,28 +132,30 @@ def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
                            param="tool_choice", code="tools_unsupported")  # fmt: skip
         tools = []
     if tools and forcing:
-        fmt = toolcalls.call_format(tok)
-        schema, prefix, suffix = toolcalls.forced_call(tools, work.tool_name, fmt)
+        several = work.tool_choice == "required" and work.parallel_tool_calls  # a named function: one call
+        schema, prefix, suffix, repeat = toolcalls.forced_call(tools, work.tool_name, toolcalls.call_format(tok),
+                                                               several)  # fmt: skip
         param = "tools" if work.tool_name is None else f"tools.{_index(tools, work.tool_name)}.function.parameters"
-        grammar = _compile(tok, eos_ids, "json_schema", schema, prefix, suffix, param)
+        grammar = _compile(tok, eos_ids, "json_schema", schema, prefix, suffix, param, repeat)
     elif work.response_format is not None:
         kind, schema = work.response_format["type"], work.response_format.get("schema")
         grammar = _compile(tok, eos_ids, kind, schema, "", "", "response_format.json_schema.schema" if schema else "response_format")
     else:
         grammar = None
     names = [t["function"]["name"] for t in tools]
-    return Plan(tools or None, names, bool(tools) and forcing, grammar)
+    return Plan(tools or None, names, bool(tools) and forcing, grammar, None if work.parallel_tool_calls else 1)
 
 
 def _index(tools: list[dict], name: str) -> int:
     return next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
 
 
-def _compile(tok, eos_ids, kind: str, schema: dict | None, prefix: str, suffix: str, param: str):
+def _compile(tok, eos_ids, kind: str, schema: dict | None, prefix: str, suffix: str, param: str,
+             repeat: str | None = None):  # fmt: skip
     """A GrammarSpec checked by compiling it once (compile_grammar caches it for the decode)."""
     from specexec_cli.core.grammar import GrammarError, GrammarSpec, compile_grammar
 
-    spec = GrammarSpec(kind, None if schema is None else json.dumps(schema), prefix, suffix)
+    spec = GrammarSpec(kind, None if schema is None else json.dumps(schema), prefix, suffix, repeat)
     try:
         compile_grammar(tok, spec, eos_ids)
     except GrammarError as exc:

@@ -45,6 +45,7 @@ class Delta:
     spans: list  # [[chars, "draft" | "target"], ...]: which model's tokens the text came from
     live: dict  # running tokens/s, tokens per pass, passes
     logprobs: list | None = None  # shapes.token_entry of the tokens since the last Delta (None: off)
+    tool_calls: list | None = None  # one OpenAI delta.tool_calls entry (then text is "")
 
 
 @dataclass
@@ -331,8 +332,8 @@ class Worker:
         events, prefill = self._open(job, full, cfg, gen)
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill))
         plain = work.messages is not None and not session.templated and not session.code
-        reply = Reply(session.models.tokenizer, work.stops + (PLAIN_STOPS if plain else []), plan.names,
-                      plan.forced, work.logprobs)  # fmt: skip
+        reply = Reply(session.models.tokenizer, plan.stops(work.stops + (PLAIN_STOPS if plain else [])), plan.names,
+                      plan.forced, work.logprobs, plan.limit)  # fmt: skip
         finish = "length"
         try:
             for ev in events:
@@ -371,4 +372,7 @@ class Worker:
         live = {"tokens_per_pass": round(stats.tokens_per_pass, 3), "target_passes": stats.target_passes,
                 "tokens_per_second": round(stats.tokens_per_second, 2) if stats.target_passes else 0.0,
                 "completion_tokens": stats.new_tokens}
-        job.emit(Delta(piece.text, spans(piece.mask), live, piece.logprobs))
+        if piece.text or piece.logprobs or not piece.tool_calls:
+            job.emit(Delta(piece.text, spans(piece.mask), live, piece.logprobs))
+        for entry in piece.tool_calls or []:   # each in its own chunk, as OpenAI sends them
+            job.emit(Delta("", [], live, None, [entry]))

@@ -8,10 +8,12 @@ template's text: "hermes" (Hermes, Qwen: `<tool_call>{json}</tool_call>`), "mist
 "generic" (a bare `{"name": .., "arguments": ..}`). `parse_arguments` turns OpenAI's string
 `arguments` into the object templates expect (ValueError when it is not a JSON object).
 `parse_calls(text, names)` finds the calls in a finished reply, in any of those formats, and
-`ToolScanner` does the same for a stream: it passes text through until a call may have begun, holds
-the rest, and at the end returns the calls (or gives the held text back as content when it was
-none). Only calls to the request's own tools count. `forced_call(tools, name, fmt)` is the
-(JSON Schema, prefix, suffix) a grammar needs to force one call in the family's own format.
+`ToolScanner` does the same for a stream: it passes text through until a call may have begun; a call
+written the canonical way ({"name": .., "arguments": {..}} after the family's markers) then streams
+as OpenAI's deltas while it is written (id and name, then the arguments piece by piece), anything
+else is held and parsed at the end (its calls then sent whole, or the text given back as content).
+Only calls to the request's own tools count. `forced_call(tools, name, fmt, several)` is what a
+grammar needs to force one call (or one or more) in the family's own format.
 """
 
 from __future__ import annotations
@@ -173,22 +175,129 @@ def parse_calls(text: str, names) -> tuple[str, list[ToolCall]]:
     return ("", calls) if calls else (text, [])
 
 
-class ToolScanner:
-    """Streamed text with tool calls held back: `feed(text)` returns what is safe to show now;
-    `finish()` returns (the held text as content, []) or ("", calls). With `forced` (a grammar
-    makes the whole reply a call) everything is held."""
+SKIPPABLE = (HERMES_OPEN, HERMES_CLOSE, MISTRAL_OPEN, PYTHON_TAG, "[", "]", ",", ";")  # around streamed calls
+SCALAR = set("0123456789-+.eEtruefalsn \t\r\n,:")  # what JSON outside strings holds besides brackets
 
-    def __init__(self, names, forced: bool = False):
-        self.names, self.forced = set(names), forced
+
+class _Arguments:
+    """The arguments object of a streamed call, checked as it comes: brackets, strings and the
+    characters between them. `eat(text)` returns how much of `text` belongs to it; `done` once the
+    object closed, `broken` once a character could not continue JSON (the object ends there)."""
+
+    PAIRS = {"}": "{", "]": "["}
+
+    def __init__(self):
+        self.stack: list[str] = []
+        self.string = self.escape = self.done = self.broken = False
+        self.text = ""
+
+    def eat(self, text: str) -> int:
+        for i, c in enumerate(text):
+            if self.string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.string = False
+                elif c < " ":
+                    return self._end(text, i, broken=True)
+            elif c in "{[":
+                self.stack.append(c)
+            elif c in "}]":
+                if not self.stack or self.stack.pop() != self.PAIRS[c]:
+                    return self._end(text, i, broken=True)
+                if not self.stack:
+                    return self._end(text, i + 1, broken=False)
+            elif c == '"':
+                self.string = True
+            elif c not in SCALAR or not self.stack:
+                return self._end(text, i, broken=True)
+        self.text += text
+        return len(text)
+
+    def _end(self, text: str, n: int, broken: bool) -> int:
+        self.text += text[:n]
+        self.done, self.broken = not broken, broken
+        return n
+
+    def value(self) -> dict | None:
+        """The arguments as an object, once they closed as one (else None)."""
+        try:
+            value = json.loads(self.text) if self.done else None
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+
+def _header(text: str, names, first: bool):
+    """Where the next call's arguments begin in `text` and its name: (offset, name); "wait" while
+    `text` may still become one; None when it is no call written the canonical way
+    ({"name": "<a tool>", "arguments" | "parameters": {...}} after the family's markers)."""
+    i = 0
+    if not first:   # the previous call's object closes first
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i == len(text):
+            return "wait"
+        if text[i] != "}":
+            return None
+        i += 1
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        rest = text[i:]
+        if not rest or any(m.startswith(rest) and m != rest for m in SKIPPABLE):
+            return "wait"
+        mark = next((m for m in SKIPPABLE if rest.startswith(m)), None)
+        if mark is None:
+            break
+        i += len(mark)
+    heads = [(f'{{"name": "{n}", "{key}": {{', n) for n in names for key in ("arguments", "parameters")]
+    for head, name in heads:
+        if rest.startswith(head):
+            return i + len(head) - 1, name
+    return "wait" if any(head.startswith(rest) for head, _ in heads) else None
+
+
+class ToolScanner:
+    """Streamed text with tool calls taken out: `feed(text)` returns the content safe to show now
+    and queues the calls' OpenAI deltas (`take()`); `finish()` returns (content not shown yet, the
+    calls, text for a response that is not streamed only). A call written the canonical way streams
+    as it is written: its id and name once the name is complete, then its arguments piece by piece.
+    Any other text that may be a call is held to the end and parsed there (parse_calls); its calls
+    then go out whole. With `forced` (a grammar makes the whole reply calls) nothing is content;
+    `limit` caps the calls (parallel_tool_calls false: 1)."""
+
+    def __init__(self, names, forced: bool = False, limit: int | None = None):
+        self.names, self.forced, self.limit = set(names), forced, limit
         self.shown = False  # some content went out: only a marker can start a call now
-        self.held = ""  # text not shown yet: a possible call, or a tail that may begin a marker
-        self.calling = forced  # a call has (probably) begun: hold everything to the end
+        self.held = ""  # text not shown and not consumed by a streamed call
+        self.calling = forced  # a call has (probably) begun: no more content
+        self.hidden = ""  # every character since the call began (the content if no call comes of it)
+        self.args: _Arguments | None = None  # the arguments being streamed
+        self.streamed: list[tuple[ToolCall, _Arguments]] = []  # calls streamed so far (ids, names, arguments)
+        self.rest = False  # past the canonical calls: the remaining text is parsed at the end
+        self.deltas: list[dict] = []  # OpenAI tool_calls delta entries not taken yet
+
+    def take(self) -> list[dict]:
+        out, self.deltas = self.deltas, []
+        return out
 
     def feed(self, text: str) -> str:
-        buf = self.held + text
         if self.calling:
-            self.held = buf
+            self.held += text
+            self.hidden += text
+            self._advance()
             return ""
+        out = self._content(self.held + text)
+        if self.calling:
+            self.hidden = self.held
+            self._advance()
+        return out
+
+    def _content(self, buf: str) -> str:
+        """Before any call: the text safe to show; from where a call may begin, held."""
         if not self.shown:
             head = buf.lstrip()
             if not head or any(o.startswith(head) for o in START_OPENERS + MID_OPENERS):
@@ -208,10 +317,54 @@ class ToolScanner:
         self.shown = self.shown or bool(out)
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def _advance(self) -> None:
+        """Stream what the held text adds to the canonical calls (see the class docstring)."""
+        while not self.rest:
+            if self.args is not None:
+                n = self.args.eat(self.held)
+                frag, self.held = self.held[:n], self.held[n:]
+                if frag:
+                    self.deltas.append({"index": len(self.streamed) - 1, "function": {"arguments": frag}})
+                if not (self.args.done or self.args.broken):
+                    return
+                self.rest, self.args = self.args.broken, None
+                continue
+            full = self.limit is not None and len(self.streamed) >= self.limit
+            found = None if full else _header(self.held, self.names, first=not self.streamed)
+            if found == "wait":
+                return
+            if found is None:
+                self.rest = True
+                return
+            at, name = found
+            call = new_call(name, "")
+            self.held, self.args = self.held[at:], _Arguments()
+            self.streamed.append((call, self.args))
+            self.deltas.append({"index": len(self.streamed) - 1, **new_head(call)})
+
+    def finish(self) -> tuple[str, list[ToolCall], str]:
         held, self.held = self.held, ""
-        content, calls = parse_calls(held, self.names)
-        return (content, calls) if calls else (held, [])
+        if not self.calling:
+            return held, [], ""
+        calls = [ToolCall(c.id, c.name, a.text) for c, a in self.streamed if a.value() is not None]
+        content, extra = parse_calls(re.sub(r"^\s*}", "", held) if self.streamed else held, self.names)
+        room = None if self.limit is None else max(0, self.limit - len(calls))
+        extra = extra[:room]
+        for call in extra:   # calls not written the canonical way: whole, now
+            index = len(self.streamed)
+            self.streamed.append((call, None))
+            self.deltas += [{"index": index, **new_head(call)}, {"index": index, "function": {"arguments": call.arguments}}]
+        calls += extra
+        if calls:
+            return "" if self.streamed else content, calls, ""
+        if self.streamed:   # the calls streamed never closed: a response not streamed gets the text
+            return "", [], self.hidden
+        return held, [], ""
+
+
+def new_head(call: ToolCall) -> dict:
+    """A call's first delta: its id, type and name, its arguments still empty."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
 
 
 def function_schema(tool: dict, args_key: str) -> dict:
@@ -223,14 +376,18 @@ def function_schema(tool: dict, args_key: str) -> dict:
             "required": ["name", args_key], "additionalProperties": False}
 
 
-def forced_call(tools: list[dict], name: str | None, fmt: str) -> tuple[dict, str, str]:
-    """(schema, prefix, suffix) of exactly one call to the tool `name` (None: to any of `tools`),
-    written the way the family writes it (Hermes: inside <tool_call> tags; Llama 3.1+:
-    "parameters"; otherwise a bare {"name", "arguments"} object)."""
+def forced_call(tools: list[dict], name: str | None, fmt: str, several: bool = False):
+    """(schema, prefix, suffix, repeat) of a grammar.GrammarSpec for calls to the tool `name` (None:
+    to any of `tools`), written the way the family writes them: Hermes inside <tool_call> tags,
+    Mistral as a list after [TOOL_CALLS], Llama 3.1+ with "parameters", otherwise a bare {"name",
+    "arguments"} object. One call, or with `several` one or more (repeat: their separator)."""
     key = "parameters" if fmt == "llama3" else "arguments"
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     schemas = [function_schema(t, key) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if fmt == "mistral":   # [TOOL_CALLS][{...}, {...}]: the list holds the calls
+        items = {"type": "array", "items": schema, "minItems": 1, **({} if several else {"maxItems": 1})}
+        return items, MISTRAL_OPEN, "", None
     if fmt == "hermes":
-        return schema, HERMES_OPEN + "\n", "\n" + HERMES_CLOSE
-    return schema, "", ""
+        return schema, HERMES_OPEN + "\n", "\n" + HERMES_CLOSE, "\n" if several else None
+    return schema, "", "", ("; " if fmt == "llama3" else "\n") if several else None
