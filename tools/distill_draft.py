@@ -195,7 +195,7 @@ def train(student, recs: list[dict], args, deadline: float) -> dict:
     """AdamW with warmup + cosine over the used fraction of the time (or of --steps)."""
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     rng = random.Random(args.seed)
-    t0, step, last = time.time(), 0, 0.0
+    t0, step, losses = time.time(), 0, []
     for batch in batches(recs, args.batch_tokens, rng):
         frac = step / args.steps if args.steps else (time.time() - t0) / max(1e-9, deadline - t0)
         if frac >= 1:
@@ -209,10 +209,12 @@ def train(student, recs: list[dict], args, deadline: float) -> dict:
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         step += 1
+        losses.append(loss.item())
         if step % 20 == 0 or step == 1:
-            last = loss.item()
-            print(f"  step {step} frac {frac:.2f} lr {lr:.2e} loss {last:.3f} agree {agree / m:.3f}", flush=True)
-    return dict(steps=step, seconds=round(time.time() - t0, 1), last_loss=round(last, 4))
+            print(f"  step {step} frac {frac:.2f} lr {lr:.2e} loss {losses[-1]:.3f} agree {agree / m:.3f}", flush=True)
+    # first: the first step's loss; last: the mean of the last 5 steps (one batch is noisy)
+    return dict(steps=step, seconds=round(time.time() - t0, 1), first_loss=round(losses[0], 4) if losses else None,
+                last_loss=round(sum(losses[-5:]) / len(losses[-5:]), 4) if losses else None)
 
 
 def collect(args, tok, t_start: float) -> tuple[dict, object]:
