@@ -17,6 +17,9 @@ that goes away (streamed or not, queued or running) cancels its job at once: a w
 ASGI `http.disconnect` message, no polling; the job gives its queue slot back or stops at the next
 target pass; a stream the client left, or that fails after its headers, gets its log line here
 (guards.log_refusal). `/metrics` adds refusals by status and type and the latency histograms (`Clock`).
+The model is listed and answered as `model_name` (serve/names.py); GET /v1/models/{id} also takes
+`aliases` (its path). The first answered request whose tools the chat template cannot render leaves
+one log line per server start (`DroppedTools`).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ KEEPALIVE_COMMENT = ": keep-alive\n\n"
 
 
 def create_app(worker, model_name: str, *, api_key: str | None = None, cors: list[str] | tuple = (),
-               max_body: int = MAX_BODY_BYTES, host: str | None = None,
-               keepalive: float = KEEPALIVE_SECONDS, aliases: set[str] | frozenset = frozenset()) -> FastAPI:  # fmt: skip
+               max_body: int = MAX_BODY_BYTES, host: str | None = None, keepalive: float = KEEPALIVE_SECONDS,
+               aliases: set[str] | frozenset = frozenset()) -> FastAPI:  # fmt: skip
     app = FastAPI(title="specx", version=__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     page = resources.files("specexec_cli.serve").joinpath("page.html").read_text(encoding="utf-8")
