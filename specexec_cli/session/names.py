@@ -10,7 +10,8 @@ several GGUF files, is one `SpecxError` line naming the fix.
 `default_target()` is the model of a run without --target: `$SPECX_DEFAULT_TARGET` when set (any
 of the names above), else SmolLM2-135M-Instruct when its distribution (DEFAULT_DIST) and the gguf
 package that reads it are installed, else the demo pair (`DEMO`); `real_model_steps()` are the
-installs that are missing for SmolLM2. `is_demo(name)` says whether a name means the demo pair.
+installs that are missing for SmolLM2. `is_demo(name)`: the name or the path of the demo target;
+`is_demo_name(name)`: the name alone (the demo pair with its own draft).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ GET_REAL = f"pip install --no-deps {DEFAULT_DIST}"   # how a user gets the defau
 
 
 def is_demo(name: str | None) -> bool:
-    """`demo` (when no file or folder of that name is at hand) or the demo target's own folder."""
+    """`name` means the demo pair: `demo` (when no file or folder of that name is at hand) or the
+    demo target's own folder."""
     if name is None:
         return False
     path = Path(name).expanduser()
@@ -38,6 +40,11 @@ def is_demo(name: str | None) -> bool:
         return path.resolve() == (DEMO_DIR / "target").resolve()
     except OSError:
         return False
+
+
+def is_demo_name(name: str | None) -> bool:
+    """`name` is the name `demo` (not a path to the demo target, which drafts like any target)."""
+    return name == DEMO and not Path(name).exists()
 
 
 def default_target() -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexec_cli.session import notices
-from specexec_cli.session.names import DEMO_DIR, default_target, is_demo, real_model_steps  # noqa: F401 - DEMO_DIR: API
+from specexec_cli.session.names import DEMO_DIR, default_target, is_demo, is_demo_name, real_model_steps  # noqa: F401 - API
 from specexec_cli.errors import SpecxError
 
 
@@ -100,9 +100,9 @@ def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str
     given = target is not None
     if not given:
         target = default_target()
-        if is_demo(target) and draft is not None and draft not in (SELF, AUTO):
+        if is_demo_name(target) and draft is not None and draft not in (SELF, AUTO):
             raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
-    if is_demo(target):
+    if is_demo_name(target):
         if not (DEMO_DIR / "target" / "config.json").exists():
             raise SpecxError("the demo pair is not installed; pass --target (and --draft) for a real model")
         if not given:
