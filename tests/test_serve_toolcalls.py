@@ -162,7 +162,8 @@ def test_string_arguments_reach_the_template_as_objects():
 
 
 @pytest.mark.parametrize("fmt,prefix,key", [("hermes", "<tool_call>\n", "arguments"), ("llama3", "", "parameters"),
-                                            ("generic", "", "arguments"), ("mistral", "[TOOL_CALLS]", "arguments")])  # fmt: skip
+                                            ("generic", "", "arguments"),
+                                            ("mistral", "[TOOL_CALLS]", "arguments")])  # fmt: skip
 def test_a_forced_call_is_the_family_format(fmt, prefix, key):
     schema, got_prefix, suffix, repeat = forced_call([WEATHER], "get_weather", fmt)
     assert got_prefix == prefix and (suffix == "\n</tool_call>") == (fmt == "hermes") and repeat is None
@@ -192,11 +193,12 @@ def test_required_with_parallel_calls_admits_several_calls(fmt):
 
     tok = make_tokenizer(TOOLS_TEMPLATE)
     key = "parameters" if fmt == "llama3" else "arguments"
-    one = [f'{{"name": "get_weather", "{key}": {{"city": "rome", "days": 1}}}}', f'{{"name": "get_time", "{key}": {{"zone": "cet"}}}}']
-    written = {"hermes": "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in one),
-               "mistral": "[TOOL_CALLS][" + ", ".join(one) + "]", "llama3": "; ".join(one), "generic": "\n".join(one)}[fmt]
-    first = written.split("; ")[0] if fmt == "llama3" else written.split("\n<tool_call>")[0] if fmt == "hermes" else \
-        "[TOOL_CALLS][" + one[0] + "]" if fmt == "mistral" else one[0]
+    one = [f'{{"name": "get_weather", "{key}": {{"city": "rome", "days": 1}}}}',
+           f'{{"name": "get_time", "{key}": {{"zone": "cet"}}}}']
+    hermes = [f"<tool_call>\n{c}\n</tool_call>" for c in one]
+    first, written = {"hermes": (hermes[0], "\n".join(hermes)),
+                      "mistral": (f"[TOOL_CALLS][{one[0]}]", "[TOOL_CALLS][" + ", ".join(one) + "]"),
+                      "llama3": (one[0], "; ".join(one)), "generic": (one[0], "\n".join(one))}[fmt]  # fmt: skip
     for several in (False, True):
         schema, prefix, suffix, repeat = forced_call([WEATHER, CLOCK], None, fmt, several)
         spec = GrammarSpec("json_schema", json.dumps(schema), prefix, suffix, repeat)

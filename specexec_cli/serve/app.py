@@ -10,8 +10,8 @@ becomes a 500 that carries only an error id, logged on stderr), CORS (only with 
 the Host check (only on a loopback `host` without `api_key`: DNS rebinding), bearer auth (only with
 `api_key`; every route but /health and the page, constant-time compare), a request-body limit (413). Streaming
 is SSE: headers within HEADER_GRACE, then `data: {json}` events (chat: the role first, then content
-deltas and the tool calls' deltas as they are written, then the finish_reason chunk, the usage chunk when asked for; every
-chunk with the `specx` field) and `data: [DONE]`, with a
+deltas and the tool calls' deltas as they are written, then the finish_reason chunk, the usage
+chunk when asked for; every chunk with the `specx` field) and `data: [DONE]`, with a
 `: keep-alive` comment every `keepalive` seconds without an event (queued, prefilling). A client
 that goes away (streamed or not, queued or running) cancels its job at once: a watcher awaits the
 ASGI `http.disconnect` message, no polling; the job gives its queue slot back or stops at the next

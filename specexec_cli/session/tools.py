@@ -353,7 +353,8 @@ class ToolScanner:
         for call in extra:   # calls not written the canonical way: whole, now
             index = len(self.streamed)
             self.streamed.append((call, None))
-            self.deltas += [{"index": index, **new_head(call)}, {"index": index, "function": {"arguments": call.arguments}}]
+            self.deltas += [{"index": index, **new_head(call)},
+                            {"index": index, "function": {"arguments": call.arguments}}]
         calls += extra
         if calls:
             return "" if self.streamed else content, calls, ""
