@@ -80,8 +80,9 @@ def measure(args) -> dict:
                                     passes=rec["target_passes"], draft_seconds=rec.get("draft_seconds"),
                                     budget=rec.get("budget"), tree=rec.get("mean_tree_size"),
                                     notes=rec["draft_notes"])
+            ref = runs["ar"]["ids"]
             for r in runs.values():   # lossless: the same ids as --method ar
-                r["lossless"] = r.pop("ids") == runs["ar"]["ids"]
+                r["lossless"] = r.pop("ids") == ref
             out["cells"].append(dict(prompt=i, runs=[runs[c] for c in CONFIGS]))
             print(json.dumps(out["cells"][-1]), flush=True)
     return out

@@ -56,11 +56,27 @@ def test_the_embedding_starts_as_the_teachers_projected_on_its_principal_axes(tm
     emb = teacher.get_input_embeddings().weight.detach()
     student = tool.build_student(teacher.config, emb, hidden=32, layers=1)
     e = student.get_input_embeddings().weight.detach()
-    # E_s E_s^T is the best rank-32 approximation of E E^T (the inner products the logits are made of)
+    # up to one scale (mean row norm 1), E_s E_s^T is the best rank-32 approximation of E E^T (the inner
+    # products the logits are made of)
     u, s, _ = torch.linalg.svd(emb, full_matrices=False)
     best = (u[:, :32] * s[:32] ** 2) @ u[:, :32].T
-    assert torch.allclose(e @ e.T, best, atol=1e-4)
+    assert torch.allclose(e.norm(dim=1).mean(), torch.tensor(1.0))
+    scale = (u[:, :32] * s[:32]).norm(dim=1).mean()
+    assert torch.allclose(e @ e.T * scale**2, best, atol=1e-4)
     assert student.lm_head.weight.data_ptr() == student.get_input_embeddings().weight.data_ptr()
+
+
+def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_loss(distilled):
+    from transformers import AutoModelForCausalLM
+
+    _, draft, cache = distilled
+    tool = load_script("tools/distill_draft.py")
+    student = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
+    recs = torch.load(cache, weights_only=False)["text"][:3]
+    full, m, agree = tool.batch_loss(student, recs)
+    torch.manual_seed(0)   # 5000 uniform draws from 48 ids: every id is a candidate
+    sampled, m2, agree2 = tool.batch_loss(student, recs, negatives=5000)
+    assert (m, agree) == (m2, agree2) and torch.allclose(full, sampled, atol=1e-5)
 
 
 def test_specx_runs_it_as_the_draft_losslessly(distilled):

@@ -144,15 +144,23 @@ def build_student(teacher_cfg, embed: torch.Tensor, hidden: int, layers: int):
                                            or {"rope_theta": 10000.0, "rope_type": "default"}))
     student = LlamaForCausalLM(cfg)
     # E (V, d) ~ U S V^T: E V_h = U_h S_h keeps the most variance of the rows in `hidden` dimensions.
+    # Scaled to a mean row norm of 1: against a normalised final hidden state the first logits then have a
+    # spread of about 1 (the teacher's rows are longer and would start the loss far above log V).
     u, s, _ = torch.linalg.svd(embed.float(), full_matrices=False)
+    emb = u[:, :hidden] * s[:hidden]
     with torch.no_grad():
-        student.get_input_embeddings().weight.copy_(u[:, :hidden] * s[:hidden])
+        student.get_input_embeddings().weight.copy_(emb / emb.norm(dim=1).mean())
     student.tie_weights()
     return student
 
 
-def batch_loss(student, recs: list[dict]) -> tuple[torch.Tensor, int, int]:
-    """(mean soft cross-entropy over target positions, positions, top-1 agreements) of right-padded recs."""
+def batch_loss(student, recs: list[dict], negatives: int = 0) -> tuple[torch.Tensor, int, int]:
+    """(mean soft cross-entropy over target positions, positions, top-1 agreements) of right-padded recs.
+
+    negatives = 0: the student's softmax runs over the whole vocabulary. negatives > 0 (training): over a
+    sampled candidate set instead, the union of the batch's teacher top-k ids and `negatives` uniformly
+    drawn ids (sampled softmax: the head's cost falls from V to |set| columns; every teacher target is in
+    the set, and the random ids push the rest of the vocabulary down over the steps)."""
     L = max(len(r["ids"]) for r in recs)
     ids = torch.zeros(len(recs), L, dtype=torch.long)
     for b, r in enumerate(recs):
@@ -160,12 +168,18 @@ def batch_loss(student, recs: list[dict]) -> tuple[torch.Tensor, int, int]:
     hid = student.model(input_ids=ids).last_hidden_state          # (B, L, h); causal: padding is harmless
     rows = torch.cat([torch.full((len(r["pos"]),), b) for b, r in enumerate(recs)])
     pos = torch.cat([r["pos"].long() for r in recs])
-    logq = F.log_softmax(student.lm_head(hid[rows, pos]).float(), -1)    # (m, V)
-    idx = torch.cat([r["idx"].long() for r in recs])
+    idx = torch.cat([r["idx"].long() for r in recs])                     # (m, k) teacher ids
     p = F.softmax(torch.cat([r["vals"].float() for r in recs]), -1)      # (m, k), renormalised top-k
+    weight = student.lm_head.weight                                       # (V, h), tied to the embedding
+    if negatives:
+        cand = torch.unique(torch.cat([idx.flatten(), torch.randint(weight.shape[0], (negatives,))]))  # sorted
+        logq = F.log_softmax((hid[rows, pos] @ weight[cand].T).float(), -1)    # (m, |cand|)
+        col = torch.searchsorted(cand, idx)                                     # teacher ids -> columns
+        loss = -(p * logq.gather(1, col)).sum(-1).mean()
+        return loss, len(pos), int((cand[logq.argmax(-1)] == idx[:, 0]).sum())
+    logq = F.log_softmax(student.lm_head(hid[rows, pos]).float(), -1)    # (m, V)
     loss = -(p * logq.gather(1, idx)).sum(-1).mean()
-    agree = int((logq.argmax(-1) == idx[:, 0]).sum())
-    return loss, len(pos), agree
+    return loss, len(pos), int((logq.argmax(-1) == idx[:, 0]).sum())
 
 
 @torch.no_grad()
@@ -203,7 +217,7 @@ def train(student, recs: list[dict], args, deadline: float) -> dict:
         lr = args.lr * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * frac))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, m, agree = batch_loss(student, batch)
+        loss, m, agree = batch_loss(student, batch, args.negatives)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -302,7 +316,9 @@ def parse(argv):
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--text-batch", type=int, default=8)
     ap.add_argument("--topk", type=int, default=32, help="teacher logits kept per position")
-    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--negatives", type=int, default=4096,
+                    help="sampled-softmax negatives per training step (0: the full vocabulary)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--cache", help="torch file holding the teacher data (written, or read when it exists)")
     args = ap.parse_args(argv)
