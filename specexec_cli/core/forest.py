@@ -126,8 +126,11 @@ class Lane:
                 st.draft_len = len(st.ids)
             tok = draw(st, logits[-1], cfg.sampling, self.gen)
             st.ids.append(tok)
-            self.prefilling, self.t_prefill = False, time.perf_counter() - self.t0
-            res = StepResult([tok], 0, logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
+            resumed, self.prefilling = self.produced > 0, False   # resumed: this pass is a decoding step
+            if not resumed:
+                self.t_prefill = time.perf_counter() - self.t0
+            res = StepResult([tok], 0, target_seconds=seconds if resumed else 0.0,
+                             logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
         elif share.kind == "ar":
             tok = draw(st, logits[-1], cfg.sampling, self.gen)
             st.target_len += 1
@@ -137,7 +140,7 @@ class Lane:
             res = accept_step(m, st, cfg, share.tree, logits, share.positions)
             res.draft_seconds = share.tree.t1 - share.tree.t0 + time.perf_counter() - t0
             res.target_seconds = seconds
-        if share.kind != "prefill":
+        if share.kind != "prefill" or self.produced > 0:
             st.noise.forget(len(st.ids))
             self.pass_index += 1
         moved = transfers.since(before)
@@ -155,6 +158,25 @@ class Lane:
             host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
             prefill_streams=self.st.prefill_streams if self.pass_index == 0 else 0, logprobs=res.logprobs,
         )  # fmt: skip
+
+    def pause(self) -> list[int]:
+        """Leave the forest at a pass boundary without ending (serve's scheduler lends the slot to a
+        streamed request); returns the committed ids `resume` continues from. The grammar state and
+        the coupled draws stay with the lane, so the reply is the one it gets unpaused."""
+        self.grammar, self.noise = self.st.grammar, self.st.noise
+        return list(self.st.ids)
+
+    def resume(self, st: DecodeState, new_ids: list[int]) -> None:
+        """Continue on `st` (the same slot or another) whose committed ids plus `new_ids` are the ids
+        `pause` returned: those rows are prefilled in the next pass(es), whose last logits give the
+        next token as a plain step would (the same position and draws: the same token)."""
+        reserve_caches(self.m, st)
+        st.grammar, st.noise = self.grammar, self.noise
+        if st.grammar is not None:
+            st.grammar.state = st   # the ids it follows (the same ones, maybe in another state)
+        st.ids.extend(new_ids)
+        st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, self.m.pass_tokens)
+        self.st, self.share, self.prefilling = st, None, True
 
     def settle(self, leaving: bool = False) -> None:
         """Drop cache rows past the committed lengths (a pass that did not finish); `leaving`: the

@@ -180,6 +180,7 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float, o
     unsupported(req)
     job = Job(to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
     job.request_id = fmt.request_id
+    job.interactive = bool(req.stream)   # a person watching the stream: served before background requests
     clock = Clock(worker.metrics)
     worker.submit(job)
     gone = asyncio.create_task(watch_disconnect(job, request))

@@ -1,4 +1,4 @@
-"""The forest thread of `specx serve --parallel N`: up to N requests decode together, one target pass each step.
+"""The forest thread of `specx serve`: up to --parallel N requests decode together, one target pass each step.
 
 Contract: `Scheduler(session, parallel, metrics)` owns N sequence slots, each a `DecodeState` with
 its own KV caches (slot 0 is the session's own state; the others are reserved at first use under
@@ -13,6 +13,12 @@ requests' trees). Closing the events (stop string, finished, worker stopping) or
 turning true takes the lane out at the next pass boundary, its committed rows kept for the next
 request; an error of one lane (an out-of-memory while adding it included) is raised from its
 events and the others go on. `close()` stops the thread once no lane is left.
+Admission order: streamed requests (`interactive`) first, then by arrival. A streamed request that
+finds every slot busy with non-streamed ones pauses one of them at the pass boundary (`Lane.pause`):
+its ticket waits again, ahead of the non-streamed ones that arrived after it, and resumes
+(`Lane.resume`) in a free slot with the reply it gets unpaused; its rows stay in the slot until
+another request rewinds them, and the prompt cache keeps them then. Streamed requests are never
+paused. A ticket cancelled while waiting or paused leaves without taking a slot (`Withdrawn`).
 With --budget auto each decoding request's tree shape comes from the speed model's split (the
 session's `BudgetTuner.split(k)`, fed every forest pass), so a request joining never makes the pass
 slower than the stream by surprise; with an explicit --budget the budget is the whole pass's, split
@@ -36,6 +42,10 @@ from specexec_cli.session.prompt_cache import common_prefix
 END = object()   # a lane's queue sentinel: taken out of the forest without a finishing event
 
 
+class Withdrawn(SpecxError):
+    """open()'s request was cancelled (its client left, or the server stops) before it was admitted."""
+
+
 @dataclass
 class Ticket:
     """One request's way in and its events out."""
@@ -44,6 +54,8 @@ class Ticket:
     cfg: object  # its engine.GenerationConfig
     gen: object  # its torch.Generator
     cancelled: Callable[[], bool]  # true once the client went away or the server stops
+    interactive: bool = False  # a streamed request: admitted first, and may pause a non-streamed lane
+    seq: int = 0  # arrival order (first come, first served within a priority)
     admitted: threading.Event = field(default_factory=threading.Event)
     out: queue.Queue = field(default_factory=queue.Queue)  # StepEvents, then END or an exception
     prefill: int = 0  # tokens the admission left to prefill
@@ -53,6 +65,10 @@ class Ticket:
     slot: int = -1
     opened: int = 0  # forest passes made when the request asked to join
     first: int = -1  # the forest pass that gave its first token (first - opened: passes waited)
+    paused: list[int] | None = None  # the committed ids of a lane paused for a streamed request
+
+    def priority(self) -> tuple[bool, int]:
+        return not self.interactive, self.seq
 
     def events(self) -> Iterator[StepEvent]:
         try:
@@ -133,6 +149,8 @@ class Scheduler:
         self.waiting: list[Ticket] = []
         self.closing = False
         self.waits: list[int] = []   # per request: forest passes from asking to join to its first token
+        self.arrivals = 0   # open() calls (the default arrival order)
+        self.pauses = 0     # lanes paused for a streamed request
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
     @property
@@ -149,10 +167,14 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join()
 
-    def open(self, full: list[int], cfg, gen, cancelled: Callable[[], bool]) -> tuple[Iterator[StepEvent], int]:
-        """Wait for admission at the next pass boundary (module docstring)."""
-        ticket = Ticket(list(full), cfg, gen, cancelled)
+    def open(self, full: list[int], cfg, gen, cancelled: Callable[[], bool], interactive: bool = False,
+             seq: int | None = None) -> tuple[Iterator[StepEvent], int]:
+        """Wait for admission at the next pass boundary (module docstring); `interactive`: a streamed
+        request, `seq`: its arrival order (default: the order of the calls)."""
+        ticket = Ticket(list(full), cfg, gen, cancelled, interactive)
         with self.cv:
+            self.arrivals += 1
+            ticket.seq = self.arrivals if seq is None else seq
             ticket.opened = self.forest.passes
             self.waiting.append(ticket)
             self.cv.notify_all()
@@ -169,8 +191,7 @@ class Scheduler:
                     self.cv.wait()
                 if self.closing and not self.forest.lanes:
                     for ticket in self.waiting:   # nothing is admitted once closing
-                        ticket.error = SpecxError("the server is shutting down")
-                        ticket.admitted.set()
+                        self._refuse(ticket, SpecxError("the server is shutting down"))
                     return
                 arrived, self.waiting = self.waiting, []
             try:
@@ -183,24 +204,59 @@ class Scheduler:
                     self.forest.remove(lane)
                     self._release(lane.ticket, exc)
                 for ticket in arrived:
-                    if not ticket.admitted.is_set():
-                        ticket.error = exc
-                        ticket.admitted.set()
+                    unplaced = not ticket.admitted.is_set() if ticket.lane is None else ticket.slot < 0
+                    if unplaced and not any(t is ticket for t in self.waiting):
+                        self._refuse(ticket, exc)
+
+    @staticmethod
+    def _refuse(ticket: Ticket, exc: BaseException) -> None:
+        """`ticket` fails without a slot: a new one in open(), a paused one in its events."""
+        if ticket.lane is not None:
+            ticket.out.put(exc)   # END: taken out quietly
+        else:
+            ticket.error = exc
+        ticket.admitted.set()
 
     def _admit(self, arrived: list[Ticket]) -> None:
-        for ticket in arrived:
+        """Streamed requests first, then by arrival; a streamed one finding every slot busy pauses a
+        non-streamed lane (it waits at the head of the non-streamed ones and resumes where it was)."""
+        for ticket in sorted(arrived, key=Ticket.priority):
+            if ticket.closed or ticket.cancelled():   # gone before it (re)joined: no prefill for nobody
+                self._refuse(ticket, END if ticket.lane is not None else Withdrawn("withdrawn"))
+                continue
             free = [i for i, s in enumerate(self.slots) if s.ticket is None]
+            if not free and ticket.interactive:
+                free = self._pause_for(ticket)
             if not free:   # the worker runs at most N requests: a slot frees at the next boundary
                 with self.cv:
                     self.waiting.append(ticket)
                 continue
-            i = max(free, key=lambda k: self._fit(ticket.full, k))
+            i = max(free, key=lambda k: self._fit(ticket.full if ticket.paused is None else ticket.paused, k))
             try:
                 self._start(ticket, i)
             except Exception as exc:  # noqa: BLE001 - refused (OOM reserving its caches: a 400), others go on
                 self._reset(i)
+                if ticket.lane is not None:   # a paused one: its reader is past open(), the error ends it
+                    self._release(ticket, exc)
                 ticket.error = exc
             ticket.admitted.set()
+
+    def _pause_for(self, ticket: Ticket) -> list[int]:
+        """Pause the non-streamed lane whose slot suits `ticket` best; [its slot] or [] when every lane
+        is streamed. Its committed rows stay in the slot until the newcomer rewinds them (the prompt
+        cache keeps them then), so it resumes with little or nothing to prefill."""
+        busy = [i for i, s in enumerate(self.slots) if s.ticket is not None and not s.ticket.interactive]
+        if not busy:
+            return []
+        i = max(busy, key=lambda k: self._fit(ticket.full, k))
+        other = self.slots[i].ticket
+        other.paused = other.lane.pause()
+        self.forest.remove(other.lane)
+        self.slots[i].ticket, other.slot = None, -1
+        self.pauses += 1
+        with self.cv:
+            self.waiting.append(other)
+        return [i]
 
     def _fit(self, full: list[int], k: int) -> tuple[int, float]:
         """Slot k's worth for `full`: rows it reuses minus committed rows it would discard (so a
@@ -216,11 +272,16 @@ class Scheduler:
             kvcache.reserve(slot.state.target_cache, m.target, m.kv_rows[0], m.pool, "kv_parallel")
             if m.draft is not None and not m.shared_kv:
                 kvcache.reserve(slot.state.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_parallel")
-        ids = self.session.prefill_ids(ticket.full, slot.state)
         st = slot.state
-        ticket.prefill = len(st.ids) + len(ids) - st.target_len
-        lane = Lane(m, st, ids, ticket.cfg, ticket.gen)
-        lane.ticket = ticket
+        if ticket.paused is not None:   # a paused lane goes on from its committed ids
+            lane = ticket.lane
+            lane.resume(st, self.session.prefill_ids(ticket.paused, st))
+            ticket.paused = None
+        else:
+            ids = self.session.prefill_ids(ticket.full, st)
+            ticket.prefill = len(st.ids) + len(ids) - st.target_len
+            lane = Lane(m, st, ids, ticket.cfg, ticket.gen)
+            lane.ticket = ticket
         ticket.lane, ticket.slot = lane, i
         slot.ticket, slot.used = ticket, time.perf_counter()
         self.forest.add(lane)

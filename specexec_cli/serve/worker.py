@@ -1,20 +1,24 @@
-"""The one worker thread of `specx serve`: loads the models, then runs requests one at a time, FIFO.
+"""The worker of `specx serve`: loads the models, then serves requests, streamed ones first.
 
 Contract: `Worker(load, max_queue, metrics)` owns the `chat.ChatSession` (its caches hold the last
 conversation, its prompt cache the recent other ones, so a request that resends one prefills only
 the new suffix). `submit(job)` never blocks: it queues the job or raises `APIError` (503 while
-loading or stopping, 429 with Retry-After when `max_queue` requests already wait). A `Job` reports
+loading or stopping, 429 with Retry-After when `max_queue` requests already wait). Queued jobs are
+taken streamed (`job.interactive`) first, then in submission order. Where the forest runs the
+method (specexec, or ar: every method without a draft) every job goes through scheduler.py at any
+--parallel, which admits streamed requests first and pauses a non-streamed one for them; other
+methods decode one request at a time with `ChatSession.decode`. A `Job` reports
 to its asyncio queue, in order: `Started` (or `Failed`), `Delta`s of text, then `Done` — pushed
 with `loop.call_soon_threadsafe`, so the event loop never waits on the model. `job.cancel()` (a
-client that went away) gives a queued job's slot back at once and stops a running one after the
-current target pass; `shutdown()` (SIGINT/SIGTERM) stops the running one likewise and refuses the
-queued ones; the caches stay consistent. A request without max_tokens generates to EOS or the
-context end, or to `max_new_tokens` when the server was given one. A chat template that raises is
-a 400 `chat_template_error`. Decoding itself is `ChatSession.decode`: none here; a request's tools,
-grammar and logprobs are planned by structured.py and its text filtered by reply.py (stop strings,
-tool calls), and `Done` carries the tool calls and the logprobs.
+client that went away) gives a queued job's slot back (at once, or at the next pass boundary when
+it waits in the scheduler) and stops a running one after the current target pass; `shutdown()`
+(SIGINT/SIGTERM) stops the running ones likewise and refuses the queued ones (503); the caches stay
+consistent. A request without max_tokens generates to EOS or the context end, or to
+`max_new_tokens` when the server was given one. A chat template that raises is a 400
+`chat_template_error`; a grammar or logprobs on a method that cannot give them a 400 before the
+reply starts. A request's tools, grammar and logprobs are planned by structured.py and its text
+filtered by reply.py (stop strings, tool calls), and `Done` carries the tool calls and the logprobs.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +35,8 @@ from specexec_cli.serve.shapes import usage_body
 
 FINISH = {"eos": "stop", "length": "length", "context": "length", "grammar": "stop", "stop": "stop"}
 PLAIN_STOPS = ["\nUser:"]  # the plain (no template) chat format: the model starting the next user turn
+STOP = ((False, -1), None)  # the job queue's shutdown sentinel: ahead of every job
+MAX_THREADS = 64  # job threads waiting in the scheduler past --parallel (the rest wait in the job queue)
 
 
 @dataclass
@@ -74,6 +80,9 @@ class Job:
         self.released = False  # its --max-queue slot was given back (set under Worker.lock)
         self.on_cancel: Callable[[], None] = lambda: None  # set by Worker.submit
         self.request_id: str | None = None  # guards.Observe's id of the request (its log lines name it)
+        self.interactive = False  # a streamed request (a person waiting): served before non-streamed ones
+        self.seq = 0  # submission order (set by Worker.submit)
+        self.admitted = False  # decoding (or paused) rather than waiting (set by the thread serving it)
 
     def emit(self, item) -> None:
         try:
@@ -110,14 +119,15 @@ class Worker:
     on_failed: Callable[[BaseException], None] = lambda exc: None
     on_ready: Callable[[], None] = lambda: None
     state: str = "loading"  # loading | ready | failed
-    jobs: queue.Queue = field(default_factory=queue.Queue)
+    jobs: queue.PriorityQueue = field(default_factory=queue.PriorityQueue)  # (priority, Job | None)
     stopping: threading.Event = field(default_factory=threading.Event)
     pending: int = 0  # submitted and not finished (the running one included)
     busy: bool = False
     job_seconds: float = 5.0  # running mean of a request's wall time (for Retry-After)
     max_new_tokens: int | None = None  # the server's --max-new-tokens when given: the default max_tokens
     parallel: int = 1  # --parallel: requests decoding at once (> 1: one forest pass for all, scheduler.py)
-    running: int = 0  # requests generating now
+    running: int = 0  # requests generating now (admitted; a paused one too)
+    submitted: int = 0  # jobs submitted so far (their order)
 
     def __post_init__(self):
         self.lock = threading.Lock()
@@ -142,8 +152,10 @@ class Worker:
                                f"{self.max_queue}); retry after {wait}s", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
             self.pending += 1
+            self.submitted += 1
+            job.seq = self.submitted
         job.on_cancel = lambda: self._cancel_queued(job)
-        self.jobs.put(job)
+        self.jobs.put(((not job.interactive, job.seq), job))
 
     def _cancel_queued(self, job: Job) -> None:
         with self.lock:
@@ -169,7 +181,7 @@ class Worker:
     def shutdown(self) -> None:
         """Stop the running generation at the next pass boundary and refuse what is queued."""
         self.stopping.set()
-        self.jobs.put(None)
+        self.jobs.put(STOP)
 
     # -- the thread ----------------------------------------------------------------------------
     def _main(self) -> None:
@@ -181,14 +193,17 @@ class Worker:
             return
         self.state = "ready"
         self.on_ready()
-        self.scheduler = None
-        if self.parallel > 1:   # N job threads decoding through one forest (scheduler.py)
+        self.scheduler, threads = None, 1
+        if self.parallel > 1 or self._forest_runs_it():   # requests decode through one forest (scheduler.py)
             from specexec_cli.serve.scheduler import Scheduler
 
             self.scheduler = Scheduler(self.session, self.parallel, self.metrics)
             self.scheduler.start()
+            # a thread per request the queue admits: each one waits in the scheduler, which admits the
+            # streamed ones first and pauses a non-streamed one for them (up to MAX_THREADS waiting)
+            threads = self.parallel + min(self.max_queue, MAX_THREADS)
         helpers = [threading.Thread(target=self._jobs, name=f"specx-job-{i}", daemon=True)
-                   for i in range(1, self.parallel)]
+                   for i in range(1, threads)]
         for t in helpers:
             t.start()
         self._jobs()
@@ -197,17 +212,31 @@ class Worker:
         if self.scheduler is not None:
             self.scheduler.close()
         while not self.jobs.empty():  # refuse whatever queued behind the sentinel
-            job = self.jobs.get()
+            _, job = self.jobs.get()
             if job is not None:
                 job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
                 self._finished(job, "rejected", 0.0)
 
+    def _forest_runs_it(self) -> bool:
+        """The forest can run the session's method on its models (specexec, or ar: every method
+        without a draft); then even one sequence decodes through the scheduler, which can pause a
+        non-streamed request for a streamed one. Other methods run one request at a time."""
+        from specexec_cli.core.forest import FOREST_METHODS
+
+        models = self.session.models
+        return getattr(models, "target", None) is not None and self._method() in FOREST_METHODS
+
+    def _method(self) -> str:
+        """The method requests run with: the session's, or ar without a draft (core.methods.generate)."""
+        return self.session.cfg.method if getattr(self.session.models, "draft", None) is not None else "ar"
+
     def _jobs(self) -> None:
-        """One job thread: requests FIFO until the shutdown sentinel (passed on to the other threads)."""
+        """One job thread: streamed requests first, then in order, until the shutdown sentinel
+        (passed on to the other threads)."""
         while True:
-            job = self.jobs.get()
+            _, job = self.jobs.get()
             if job is None:
-                self.jobs.put(None)
+                self.jobs.put(STOP)
                 break
             with self.lock:
                 if job.released:   # cancelled while queued: its slot is already free
@@ -227,11 +256,15 @@ class Worker:
                 self.job_seconds = 0.8 * self.job_seconds + 0.2 * seconds
         self.metrics.request(job.endpoint, outcome)
 
-    def _serve(self, job: Job) -> None:
-        t0, outcome = time.perf_counter(), "ok"
+    def _admitted(self, job: Job) -> None:
+        """The job decodes from now on (it waited in the scheduler until here): counted as running."""
         with self.lock:
+            job.admitted = True
             self.running += 1
             self.busy = True
+
+    def _serve(self, job: Job) -> None:
+        t0, outcome = time.perf_counter(), "ok"
         try:
             if job.cancelled.is_set():
                 outcome = "cancelled"
@@ -247,7 +280,7 @@ class Worker:
             outcome = "error"
         finally:
             with self.lock:
-                self.running -= 1
+                self.running -= job.admitted
                 self.busy = self.running > 0
             self._finished(job, outcome, time.perf_counter() - t0)
 
@@ -284,7 +317,7 @@ class Worker:
         reply starts (the engine would refuse it mid-stream). Without a draft every method runs ar."""
         from specexec_cli.core.forest import FOREST_METHODS
 
-        method = self.session.cfg.method if self.session.models.draft is not None else "ar"
+        method = self._method()
         if method in FOREST_METHODS or (plan.grammar is None and work.logprobs is None):
             return
         param = "response_format" if work.response_format is not None else \
@@ -316,13 +349,23 @@ class Worker:
         """(events, tokens to prefill): the session's one state, or a slot of the forest (--parallel)."""
         session = self.session
         if self.scheduler is None:
+            self._admitted(job)
             ids = session.prefill_ids(full)
             prefill = len(session.state.ids) + len(ids) - session.state.target_len
             return session.decode(ids, cfg, gen), prefill
         if session.tuner is not None:   # --budget auto: the tuned shape so far (the forest does not re-tune it)
             cfg = replace(cfg, shape=session.tuner.shape)
         stopped = lambda: job.cancelled.is_set() or self.stopping.is_set()  # noqa: E731
-        return self.scheduler.open(full, cfg, gen, stopped)
+        from specexec_cli.serve.scheduler import Withdrawn
+
+        try:
+            opened = self.scheduler.open(full, cfg, gen, stopped, interactive=job.interactive, seq=job.seq)
+        except Withdrawn:   # never decoded: the server stops (503, as a queued job) or the client left
+            if self.stopping.is_set():
+                raise APIError(503, "the server is shutting down", type="server_error", code="unavailable") from None
+            opened = (ev for ev in ()), 0
+        self._admitted(job)
+        return opened
 
     def _generate(self, job: Job) -> str:
         session, work = self.session, job.work
