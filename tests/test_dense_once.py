@@ -107,3 +107,19 @@ def test_library_load_dequantizes_resident_layers(q41):
         assert streamed.plan.dense == []       # streamed layers dequantize per pass
     finally:
         streamed.close()
+
+
+def test_pass_model_knows_dense_layers(q41):
+    """The speed model: a layer dequantized once reads its weights in the compute dtype and pays no
+    dequantization; one dequantized per forward pays it."""
+    from offload.planning.membytes import arch_of
+    from offload.planning.passcost import device_for, linear_weights, target_pass
+
+    ck = open_checkpoint(q41)
+    plan = plan_memory(ck, None, _req())
+    a, dev = arch_of(ck.config), device_for("cpu")
+    once = target_pass(a, plan, dev, 1, 64, 4, "int4-unpack")
+    per = target_pass(a, replace(plan, dense_layers=[]), dev, 1, 64, 4, "int4-unpack")
+    assert once.dequant == 0 and per.dequant > 0
+    assert once.gemm == pytest.approx(3 * linear_weights(a) * 4 / dev.memory_bps)
+    assert once.seconds < per.seconds
