@@ -167,6 +167,7 @@ def test_masks_never_fork_the_parse_history(json_pair, monkeypatch):
         raise AssertionError("GrammarMatcher.fork called")
 
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", no_fork)
+    assert run(json_pair, ids, budget=64, n=60)[0] == ar
     for lanes, batch_min in ((1, 10**9), (3, 1)):   # one walker in this thread; three on the batch's threads
         monkeypatch.setattr(constrain, "LANES", lanes)
         monkeypatch.setattr(constrain, "BATCH_MIN", batch_min)

@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specexec_cli.core.grammar import CompiledGrammar, pack  # noqa: F401  (pack: re-exported)
@@ -81,12 +82,13 @@ class GrammarRun:
         self.walkers = [Walker(compiled.matcher())]  # more made on demand (`walker`)
         self.tree = None  # the draft Tree the node ids refer to (None: no tree yet)
         self.chains: dict[int, tuple[int, ...]] = {0: ()}  # tree node id -> its path below the root
-        self.rows: dict[int, torch.Tensor] = {}  # tree node id -> its (W,) int32 mask row
+        self.rows: dict[int, np.ndarray] = {}  # tree node id -> its (W,) int32 mask row
         self.dead: set[int] = set()  # tree nodes the grammar refused (or below one, or after EOS)
         self.stats = MaskStats()
         eos = torch.zeros(compiled.words * 32, dtype=torch.bool)
         eos[[t for t in compiled.eos_ids if t < eos.numel()]] = True
-        self.eos_bits = pack(eos)  # (W,) int32: the EOS tokens' bits
+        self.eos_bits = pack(eos).numpy()  # (W,) int32: the EOS tokens' bits
+        self.keep = compiled.keep.numpy()  # (W,) int32: the ids a reply may hold
 
     def begin(self, tree) -> None:
         """A new tree over the committed state: node 0 is the committed state."""
@@ -150,20 +152,22 @@ class GrammarRun:
         return True
 
     def bitmask(self, nodes: list[int]) -> torch.Tensor:
-        """(B, W) int32 host bitmask rows of tree nodes `nodes` (node 0 = the committed state)."""
+        """(B, W) int32 host bitmask rows of tree nodes `nodes` (node 0 = the committed state).
+        The host arrays are numpy's (one thread): torch's pool, woken for a (B, W) fill on a
+        loaded host, can cost milliseconds per call."""
         t0 = time.perf_counter()
         todo = [n for n in dict.fromkeys(nodes) if n not in self.rows]
         if todo:
-            bits = torch.zeros((len(todo), self.g.words), dtype=torch.int32)
+            bits = np.zeros((len(todo), self.g.words), dtype=np.int32)
             self.fill(todo, bits)   # dead nodes and nodes after EOS keep an all-zero row: no children
-            bits &= self.g.keep
+            bits &= self.keep
             self.rows.update(zip(todo, bits))
             self.stats.masks += len(todo)
-        out = torch.stack([self.rows[n] for n in nodes]) if nodes else torch.zeros((0, self.g.words), dtype=torch.int32)
+        out = np.stack([self.rows[n] for n in nodes]) if nodes else np.zeros((0, self.g.words), dtype=np.int32)
         self.stats.seconds += time.perf_counter() - t0
-        return out
+        return torch.from_numpy(out)
 
-    def fill(self, todo: list[int], bits: torch.Tensor) -> None:
+    def fill(self, todo: list[int], bits: np.ndarray) -> None:
         """bits[i] = xgrammar's mask after root -> todo[i] (left zero where dead or terminated):
         depth-first order, one walker in this thread, or LANES walkers a round at a time."""
         order = sorted(range(len(todo)), key=lambda i: self.chain(todo[i]))   # neighbours share ancestors
@@ -193,7 +197,7 @@ class GrammarRun:
     def stopped(self, nodes: list[int]) -> list[bool]:
         """Per tree node: the grammar is complete there and nothing more can follow (EOS is the only
         token its mask allows; the reply ends)."""
-        rows = self.bitmask(nodes)
+        rows = self.bitmask(nodes).numpy()
         return (((rows & ~self.eos_bits) == 0).all(1) & ((rows & self.eos_bits) != 0).any(1)).tolist()
 
     def valid_prefix(self, node: int, tokens: list[int]) -> int:
