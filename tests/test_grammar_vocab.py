@@ -147,6 +147,20 @@ def test_special_tokens_never_drawn(special_pair, monkeypatch, temperature, seed
     assert nodes and max(nodes) < N_TOK
 
 
+def test_a_dead_end_is_an_error_not_id_0():
+    """A literal only a special token spells: after "<" nothing is left (the special id is banned);
+    the plain step raises instead of drawing from an all -inf row."""
+    tok = json_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    g = compile_grammar(tok, GrammarSpec("json_object", prefix="<|im_start|>"), [0])
+    st = DecodeState(ids=[5])
+    gr = constrain.GrammarRun(g, st, 1)
+    assert constrain.allowed(gr.root_bitmask(), g.vocab)[0].nonzero().flatten().tolist() == [JSON_CHARS.index("<")]
+    st.ids.append(JSON_CHARS.index("<"))
+    with pytest.raises(constrain.GrammarDesync, match="allows no token of this vocabulary after 1 reply tokens"):
+        gr.root_bitmask()
+
+
 def test_keep_row_forbids_specials_but_not_eos(special_pair):
     m = special_pair
     g = compile_grammar(m.tokenizer, SPEC, m.eos_ids, output_width(m.target, m.draft))

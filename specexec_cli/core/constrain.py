@@ -190,9 +190,14 @@ class GrammarRun:
                 batch().batch_fill_next_token_bitmask(ms, bits, rows)
 
     def root_bitmask(self) -> torch.Tensor:
-        """(1, W) mask of the committed state (no tree: the plain step and the prefill)."""
+        """(1, W) mask of the committed state (no tree: the plain step and the prefill); GrammarDesync
+        where it allows nothing (a draw from an all -inf row would be id 0 at T = 0, NaN above)."""
         self.sync()
-        return self.bitmask([0])
+        row = self.bitmask([0])
+        if not row.any():
+            raise GrammarDesync(f"the grammar allows no token of this vocabulary after {self.pos - self.start} "
+                                "reply tokens (text it requires is spelled only by special tokens)")
+        return row
 
     def stopped(self, nodes: list[int]) -> list[bool]:
         """Per tree node: the grammar is complete there and nothing more can follow (EOS is the only
