@@ -19,8 +19,10 @@ tree. `observe` updates the counts after each target pass: every child (in the w
 kept or not) of a node on the accepted path was tested, because the target's token at that node is
 known; hit = the child carries that token. This is an unbiased sample of the cell's acceptance rate
 at T = 0 and at T > 0 (where the target's token is a sample of its processed distribution).
-Calibrations live per (target, draft, sampling) in the process (`for_pair`), so later prompts
-start from what earlier ones learned; the prior comes from `DEFAULT_PRIOR` (measured on the
+Calibrations live per (target, draft, sampling, constrained) in the process (`for_pair`), so later
+prompts start from what earlier ones learned; passes under a grammar (structured output) learn
+their own, from the same prior: the grammar forces many tokens the draft could not miss, so their
+acceptance rates would move every later free-text request's trees; the prior comes from `DEFAULT_PRIOR` (measured on the
 shared pair, see bench/accept.py) or from a profile JSON's `node_calibration` entry.
 """
 
@@ -121,13 +123,15 @@ def observe_pass(cal: Calibration, tree, path_nodes: list[int], tokens: list[int
     cal.observe(tree.feat[tested], hit)
 
 
-_PAIRS: dict[tuple, Calibration] = {}  # (id(target), id(draft), sampling key) → calibration
+_PAIRS: dict[tuple, Calibration] = {}  # (id(target), id(draft), sampling key, constrained) → calibration
 
 
-def for_pair(target, draft, sampling_key: str, profile: str | None = None, stored: dict | None = None) -> Calibration:
-    """The process-wide calibration of this pair and sampling; the prior from `stored` (a profile's
-    `node_calibration` dict) or the profile file `profile` if either has this key."""
-    key = (id(target), id(draft), sampling_key)
+def for_pair(target, draft, sampling_key: str, profile: str | None = None, stored: dict | None = None,
+             constrained: bool = False) -> Calibration:
+    """The process-wide calibration of this pair and sampling (`constrained`: the one of passes
+    under a grammar, kept apart); the prior from `stored` (a profile's `node_calibration` dict) or
+    the profile file `profile` if either has this key."""
+    key = (id(target), id(draft), sampling_key, constrained)
     if key not in _PAIRS:
         _PAIRS[key] = Calibration(m0=profile_prior(profile, sampling_key, stored))
     return _PAIRS[key]
@@ -135,7 +139,7 @@ def for_pair(target, draft, sampling_key: str, profile: str | None = None, store
 
 def fresh(target, draft, sampling_key: str) -> Calibration:
     """Start this pair's calibration over from the built-in prior (what `specx profile` measures)."""
-    _PAIRS[(id(target), id(draft), sampling_key)] = cal = Calibration(m0=builtin_prior(gap_features(sampling_key)))
+    _PAIRS[(id(target), id(draft), sampling_key, False)] = cal = Calibration(m0=builtin_prior(gap_features(sampling_key)))
     return cal
 
 

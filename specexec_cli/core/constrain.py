@@ -1,36 +1,49 @@
 """One generate call's grammar state, following the speculative tree: token masks for batches of nodes.
 
-Contract: `GrammarRun(compiled, state, start)` holds the matcher at the committed state (`root`: the
-grammar after state.ids[start:], the tokens this call has emitted). `sync` catches the root up
-along what was committed (the accepted path and the bonus token); every method calls it first, so
-callers never report what they committed. Per draft tree (`begin(tree)`), each node that needs a
-mask gets a matcher of its own, forked from its parent's (a copy, then the node's token), so
-branches never share parser state and nothing is rolled back; a node whose token the grammar
-refuses is dead (an all-zero mask: no children), and so is a node after EOS.
+Contract: `GrammarRun(compiled, state, start)` follows the committed state (the grammar after
+state.ids[start:], the tokens this call has emitted). `sync` catches it up along what was committed
+(the accepted path and the bonus token); every method calls it first, so callers never report what
+they committed. A committed token the grammar refuses is a `GrammarDesync` error, never skipped
+(the mask allowed it, so the masks and the parser disagree: a bug). Per draft tree (`begin(tree)`),
+a node's parser state is reached by walking: a matcher (a `Walker`) at the committed state plus
+the tokens of one path rolls back to the common ancestor and accepts the tokens down to the next
+node, O(depth) per node (xgrammar's fork would copy the whole parse history, O(reply length), per
+node). A node whose token the grammar or the vocabulary (`CompiledGrammar.keep`: no special token,
+no padding column) refuses is dead (an all-zero mask: no children), and so is every node below it
+and every node after EOS.
 
 `bitmask(nodes)` gives the (B, W) int32 packed mask rows of many nodes (bit t % 32 of word t // 32
-set = token t allowed): `BATCH_MIN` rows or more in ONE call of xgrammar's batch matcher on its
-threads, fewer in the calling thread; rows are cached per node, so the masks the draft computed for
-the nodes it expanded serve the verification too. A node is complete (`stopped`) where its mask
-allows EOS and nothing else: the reply ends there. `allowed(bits, V)` and `apply` are pure steps
-on logits: (B, W) rows on the logits' device -> (B, V) bool; forbidden tokens and columns beyond the
-tokenizer's vocabulary -> -inf. `stats` counts mask rows and the host seconds spent here.
+set = token t allowed), AND-ed with `keep`. The nodes are visited in depth-first order; with
+`BATCH_MIN` rows or more they are dealt to `LANES` walkers and filled a round of one row per walker
+at a time by xgrammar's batch matcher on its threads, fewer in the calling thread by one walker.
+Rows are cached per node, so the masks the draft computed for the nodes it expanded serve the
+verification too. A node is complete (`stopped`) where its mask allows EOS and nothing else: the
+reply ends there. `allowed(bits, V)` and `apply` are pure steps on logits: (B, W) rows on the
+logits' device -> (B, V) bool; forbidden tokens and columns beyond the rows -> -inf. `stats`
+counts mask rows and the host seconds spent here.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from specexec_cli.core.grammar import CompiledGrammar
+from specexec_cli.core.grammar import CompiledGrammar, pack  # noqa: F401  (pack: re-exported)
 
 _BATCH = None  # xgrammar.BatchGrammarMatcher shared by all runs (its own threads)
 # Fewer rows are filled in the calling thread: waking the batch's threads costs more than it saves
 # there, and torch's own CPU threads, idle meanwhile, then wake slowly (measured: a (4, 8)
 # log_softmax right after a threaded fill took ~12 ms instead of ~3 µs on a loaded 2-core host).
 BATCH_MIN = 32
+LANES = max(1, min(8, (os.cpu_count() or 2) // 2))  # walkers filling rows at once (xgrammar's "auto" threads)
+
+
+class GrammarDesync(RuntimeError):
+    """The grammar refused a token that was committed: the masks and the parser disagree (a bug)."""
 
 
 def batch():
@@ -47,7 +60,15 @@ class MaskStats:
     """Mask work of one generate call (bench/grammar.py reads it)."""
 
     masks: int = 0  # bitmask rows computed
-    seconds: float = 0.0  # host seconds in mask computation, forks and commits
+    seconds: float = 0.0  # host seconds in mask computation, walks and commits
+
+
+@dataclass
+class Walker:
+    """A matcher at the committed state plus the tokens of the tree nodes `path` (root excluded)."""
+
+    m: object  # xgrammar.GrammarMatcher
+    path: list[int] = field(default_factory=list)  # tree node ids, parent first, all accepted
 
 
 class GrammarRun:
@@ -55,112 +76,176 @@ class GrammarRun:
 
     def __init__(self, compiled: CompiledGrammar, state, start: int):
         self.g = compiled
-        self.root = compiled.matcher()  # state after state.ids[start:self.pos]
-        self.state = state  # engine.DecodeState whose ids the root follows
-        self.pos = start  # state.ids[:pos] are in the root (the prompt is not grammar text)
+        self.state = state  # engine.DecodeState whose ids the walkers follow
+        self.start = start  # state.ids[start:] are grammar text (the prompt is not)
+        self.pos = start  # state.ids[start:pos] are in every walker's committed state
+        self.walkers = [Walker(compiled.matcher())]  # more made on demand (`walker`)
         self.tree = None  # the draft Tree the node ids refer to (None: no tree yet)
-        self.nodes: dict[int, object] = {}  # tree node id -> its matcher (state after root -> node)
-        self.rows: dict[int, torch.Tensor] = {}  # tree node id -> its (W,) int32 mask row
-        self.dead: set[int] = set()  # tree nodes whose token the grammar refused (or below one)
+        self.chains: dict[int, tuple[int, ...]] = {0: ()}  # tree node id -> its path below the root
+        self.rows: dict[int, np.ndarray] = {}  # tree node id -> its (W,) int32 mask row
+        self.dead: set[int] = set()  # tree nodes the grammar refused (or below one, or after EOS)
         self.stats = MaskStats()
         eos = torch.zeros(compiled.words * 32, dtype=torch.bool)
         eos[[t for t in compiled.eos_ids if t < eos.numel()]] = True
-        self.eos_bits = pack(eos)  # (W,) int32: the EOS tokens' bits
+        self.eos_bits = pack(eos).numpy()  # (W,) int32: the EOS tokens' bits
+        self.keep = compiled.keep.numpy()  # (W,) int32: the ids a reply may hold
 
     def begin(self, tree) -> None:
-        """A new tree over the committed state: node 0 (the root) is `root`."""
+        """A new tree over the committed state: node 0 is the committed state."""
         self.sync()
-        self.tree, self.nodes, self.dead = tree, {0: self.root}, set()
+        for w in self.walkers:
+            self.home(w)
+        self.tree, self.chains, self.dead = tree, {0: ()}, set()
         self.rows = {0: self.rows[0]} if 0 in self.rows else {}
 
-    def matcher(self, node: int):
-        """The matcher after root -> node, forked from the nearest ancestor that has one."""
-        chain = []
-        while node not in self.nodes:
-            chain.append(node)
+    def walker(self, i: int) -> Walker:
+        """Walker i, made at the committed state if it does not exist yet."""
+        while len(self.walkers) <= i:
+            w = Walker(self.g.matcher())
+            self.accept_committed(w, self.state.ids[self.start:self.pos], self.start)
+            self.walkers.append(w)
+        return self.walkers[i]
+
+    def accept_committed(self, w: Walker, tokens: list[int], at: int) -> None:
+        """Walker `w` (at its committed state) accepts committed `tokens` (state.ids[at:...])."""
+        for i, t in enumerate(tokens):
+            if not (self.g.may_hold(int(t)) and w.m.accept_token(int(t))):
+                raise GrammarDesync(f"the grammar refused committed token {int(t)} at position {at + i}: "
+                                    "structured output fell out of step (a bug; please report it)")
+
+    def home(self, w: Walker) -> None:
+        """Roll `w` back to the committed state."""
+        if w.path:
+            w.m.rollback(len(w.path))
+            w.path.clear()
+
+    def chain(self, node: int) -> tuple[int, ...]:
+        """The tree nodes root -> `node` (root excluded, `node` last), memoised per node."""
+        up = []
+        while node not in self.chains:
+            up.append(node)
             node = int(self.tree.parents[node])
-        m = self.nodes[node]
-        for n in reversed(chain):  # parent first
-            if node in self.dead or m.is_terminated() or not (m := m.fork()).accept_token(int(self.tree.tokens[n])):
-                self.dead.add(n)
-            self.nodes[n] = m
-            node = n
-        return m
+        path = self.chains[node]
+        for n in reversed(up):   # parent first
+            path = self.chains[n] = path + (n,)
+        return path
+
+    def goto(self, w: Walker, node: int) -> bool:
+        """Move `w` to the state after root -> `node` (rollback to the common ancestor, then accept
+        down); False when the node is dead (`w` then stops at its deepest live ancestor)."""
+        if node in self.dead:
+            return False
+        chain, path = self.chain(node), w.path
+        k = 0
+        while k < len(path) and k < len(chain) and path[k] == chain[k]:
+            k += 1
+        if len(path) > k:
+            w.m.rollback(len(path) - k)
+            del path[k:]
+        for i in range(k, len(chain)):
+            n = chain[i]
+            t = int(self.tree.tokens[n])
+            if n in self.dead or w.m.is_terminated() or not self.g.may_hold(t) or not w.m.accept_token(t):
+                self.dead.update(chain[i:])
+                return False
+            path.append(n)
+        return True
 
     def bitmask(self, nodes: list[int]) -> torch.Tensor:
-        """(B, W) int32 host bitmask rows of tree nodes `nodes` (node 0 = the committed state)."""
+        """(B, W) int32 host bitmask rows of tree nodes `nodes` (node 0 = the committed state).
+        The host arrays are numpy's (one thread): torch's pool, woken for a (B, W) fill on a
+        loaded host, can cost milliseconds per call."""
         t0 = time.perf_counter()
         todo = [n for n in dict.fromkeys(nodes) if n not in self.rows]
         if todo:
-            bits = torch.zeros((len(todo), self.g.words), dtype=torch.int32)
-            ms = [self.matcher(n) if self.tree is not None else self.root for n in todo]
-            live = [i for i, (n, m) in enumerate(zip(todo, ms)) if n not in self.dead and not m.is_terminated()]
-            if len(live) >= BATCH_MIN:   # dead nodes and nodes after EOS keep an all-zero row: no children
-                batch().batch_fill_next_token_bitmask([ms[i] for i in live], bits, live)
-            for i in live if len(live) < BATCH_MIN else ():
-                ms[i].fill_next_token_bitmask(bits, i)
+            bits = np.zeros((len(todo), self.g.words), dtype=np.int32)
+            self.fill(todo, bits)   # dead nodes and nodes after EOS keep an all-zero row: no children
+            bits &= self.keep
             self.rows.update(zip(todo, bits))
             self.stats.masks += len(todo)
-        out = torch.stack([self.rows[n] for n in nodes]) if nodes else torch.zeros((0, self.g.words), dtype=torch.int32)
+        out = np.stack([self.rows[n] for n in nodes]) if nodes else np.zeros((0, self.g.words), dtype=np.int32)
         self.stats.seconds += time.perf_counter() - t0
-        return out
+        return torch.from_numpy(out)
+
+    def fill(self, todo: list[int], bits: np.ndarray) -> None:
+        """bits[i] = xgrammar's mask after root -> todo[i] (left zero where dead or terminated):
+        depth-first order, one walker in this thread, or LANES walkers a round at a time."""
+        order = sorted(range(len(todo)), key=lambda i: self.chain(todo[i]))   # neighbours share ancestors
+        lanes = min(LANES, len(todo)) if len(todo) >= BATCH_MIN else 1
+        if lanes == 1:
+            w = self.walkers[0]
+            for i in order:
+                if self.goto(w, todo[i]) and not w.m.is_terminated():
+                    w.m.fill_next_token_bitmask(bits, i)
+            return
+        per = -(-len(order) // lanes)
+        parts = [(self.walker(j), order[j * per:(j + 1) * per]) for j in range(lanes)]   # contiguous subtrees
+        for r in range(per):
+            ms, rows = [], []
+            for w, part in parts:
+                if r < len(part) and self.goto(w, todo[part[r]]) and not w.m.is_terminated():
+                    ms.append(w.m)
+                    rows.append(part[r])
+            if ms:
+                batch().batch_fill_next_token_bitmask(ms, bits, rows)
 
     def root_bitmask(self) -> torch.Tensor:
-        """(1, W) mask of the committed state (no tree: the plain step and the prefill)."""
+        """(1, W) mask of the committed state (no tree: the plain step and the prefill); GrammarDesync
+        where it allows nothing (a draw from an all -inf row would be id 0 at T = 0, NaN above)."""
         self.sync()
-        return self.bitmask([0])
+        row = self.bitmask([0])
+        if not row.any():
+            raise GrammarDesync(f"the grammar allows no token of this vocabulary after {self.pos - self.start} "
+                                "reply tokens (text it requires is spelled only by special tokens)")
+        return row
 
     def stopped(self, nodes: list[int]) -> list[bool]:
         """Per tree node: the grammar is complete there and nothing more can follow (EOS is the only
         token its mask allows; the reply ends)."""
-        rows = self.bitmask(nodes)
+        rows = self.bitmask(nodes).numpy()
         return (((rows & ~self.eos_bits) == 0).all(1) & ((rows & self.eos_bits) != 0).any(1)).tolist()
 
     def valid_prefix(self, node: int, tokens: list[int]) -> int:
-        """How many of `tokens` the grammar accepts in a row below tree node `node`."""
-        m = self.matcher(node)
-        if not tokens or node in self.dead or m.is_terminated():
-            return 0
-        m = m.fork()
-        for i, t in enumerate(tokens):
-            if not m.accept_token(int(t)):
-                return i
-        return len(tokens)
+        """How many of `tokens` the grammar (and `keep`) accepts in a row below tree node `node`."""
+        t0 = time.perf_counter()
+        w, n = self.walkers[0], 0
+        if tokens and self.goto(w, node) and not w.m.is_terminated():
+            while n < len(tokens) and self.g.may_hold(int(tokens[n])) and w.m.accept_token(int(tokens[n])):
+                n += 1
+            if n:
+                w.m.rollback(n)   # back to `node`: the walker's path holds tree nodes only
+        self.stats.seconds += time.perf_counter() - t0
+        return n
 
     def sync(self) -> None:
-        """Advance the root by the tokens committed since the last call; the tree's matchers and
-        mask rows are dropped when it moves (they were relative to the old root)."""
+        """Advance every walker by the tokens committed since the last call (GrammarDesync if the
+        grammar refuses one); the tree's paths and mask rows are dropped when it moves."""
         ids = self.state.ids
-        if self.pos == len(ids) and self.nodes.get(0) is self.root:
+        if self.pos == len(ids):
             return
         t0 = time.perf_counter()
-        for t in ids[self.pos:]:
-            if self.root.is_terminated():
-                break
-            self.root.accept_token(int(t))
+        for w in self.walkers:
+            self.home(w)
+            self.accept_committed(w, ids[self.pos:], self.pos)
         self.pos = len(ids)
-        self.tree, self.nodes, self.rows, self.dead = None, {0: self.root}, {}, set()
+        self.tree, self.chains, self.rows, self.dead = None, {0: ()}, {}, set()
         self.stats.seconds += time.perf_counter() - t0
 
     @property
     def done(self) -> bool:
         """The grammar is complete at the committed state: nothing more can follow."""
         self.sync()
-        if self.tree is None:
-            self.nodes = {0: self.root}
-        return bool(self.root.is_terminated() or self.stopped([0])[0])
-
-
-def pack(ok: torch.Tensor) -> torch.Tensor:
-    """(..., 32 W) bool -> (..., W) int32 packed rows (the inverse of `allowed`)."""
-    v = (ok.reshape(*ok.shape[:-1], -1, 32).long() << torch.arange(32)).sum(-1)  # (..., W) in [0, 2^32)
-    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+        w = self.walkers[0]
+        self.goto(w, 0)
+        return bool(w.m.is_terminated() or self.stopped([0])[0])
 
 
 def host_allowed(bits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, W) int32 host rows, (B, k) long token ids (-1 = none) -> (B, k) bool: the row allows the token."""
-    t = tokens.clamp(min=0)
-    return (((bits.gather(1, t // 32).long() >> (t % 32)) & 1) == 1) & (tokens >= 0)
+    """(B, W) int32 host rows, (B, k) long token ids (-1 = none) -> (B, k) bool: the row allows the
+    token; ids outside the rows' 32 W columns are not allowed (never gathered out of bounds)."""
+    inside = (tokens >= 0) & (tokens < bits.shape[-1] * 32)
+    t = torch.where(inside, tokens, 0)
+    return (((bits.gather(1, t // 32).long() >> (t % 32)) & 1) == 1) & inside
 
 
 def allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:

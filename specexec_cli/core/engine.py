@@ -21,7 +21,7 @@ import torch
 
 from specexec_cli.core import calibrate, constrain, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
-from specexec_cli.core.grammar import GrammarError, compile_grammar
+from specexec_cli.core.grammar import GrammarError, compile_grammar, output_width
 from specexec_cli.core.logprobs import TokenLogprob, token_logprobs
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.errors import SpecxError
@@ -113,7 +113,7 @@ def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring |
         return None
     extra = cfg.extra or {}
     cal = calibrate.for_pair(m.target, m.draft, sampling_key(cfg.sampling), extra.get("sequoia_profile"),
-                             extra.get(calibrate.PROFILE_KEY))
+                             extra.get(calibrate.PROFILE_KEY), constrained=st.grammar is not None)
     ngram = NgramIndex(st.ids) if mode == "calibrated+ngram" else None
     noise = st.noise if not cfg.sampling.greedy else None
     return Scoring(cal=cal, ngram=ngram, committed=st.ids, noise=noise)
@@ -334,7 +334,8 @@ def start_constraints(m: Models, st: DecodeState, cfg: GenerationConfig, start: 
         raise GrammarError(f"logprobs must be >= 0 alternatives per token (got {cfg.logprobs})")
     if cfg.grammar is None:
         return None
-    return constrain.GrammarRun(compile_grammar(m.tokenizer, cfg.grammar, m.eos_ids), st, start)
+    width = output_width(m.target, m.draft)   # the rows cover every column either model draws from
+    return constrain.GrammarRun(compile_grammar(m.tokenizer, cfg.grammar, m.eos_ids, width), st, start)
 
 
 def decode(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen, step_fn) -> Iterator[StepEvent]:

@@ -3,12 +3,19 @@
 Contract: `GrammarSpec` says what the reply must be (`kind` "json_object" | "json_schema", the schema
 as JSON text, a literal `prefix` and `suffix` around the JSON value, and `repeat`: None for one such
 block, else the separator of one or more blocks, as several tool calls); `compile_grammar(tokenizer,
-spec)` turns it into a `CompiledGrammar` (cached per tokenizer and spec) or raises `GrammarError`, one
-line naming what is wrong. A `CompiledGrammar` makes matchers (xgrammar.GrammarMatcher): the parser
-state after a sequence of tokens, which answers "which tokens may come next" as a packed bitmask
-(bit t % 32 of int32 word t // 32 set = token t allowed). EOS (every id of `eos_ids`) is allowed
-exactly where the grammar accepts; where EOS is the only token allowed, the text is complete and
-nothing more can follow: the reply ends there (constrain.py).
+spec, eos_ids, width)` turns it into a `CompiledGrammar` (cached per tokenizer, EOS set, width and
+spec) or raises `GrammarError`, one line naming what is wrong. A `CompiledGrammar` makes matchers
+(xgrammar.GrammarMatcher): the parser state after a sequence of tokens, which answers "which tokens
+may come next" as a packed bitmask (bit t % 32 of int32 word t // 32 set = token t allowed). EOS
+(every id of `eos_ids`) is allowed exactly where the grammar accepts; where EOS is the only token
+allowed, the text is complete and nothing more can follow: the reply ends there (constrain.py).
+
+Vocabulary: the rows cover `width` columns, the widest output layer of the models that draw
+(`output_width`; Qwen2.5 and Phi-3 pad theirs past the tokenizer's ids), and `keep` (one packed row)
+is every id a reply may hold: the tokenizer's ids below the width except its special tokens
+(control and reserved tokens such as `<|im_start|>`: text to xgrammar, gone from the decoded
+reply), plus the EOS ids. Every mask row is AND-ed with it (constrain.py): xgrammar fills rows by
+whole 32-bit words, so the bits past its vocabulary in the last word come back set.
 
 The engine is xgrammar, chosen by measured mask time at a 128k vocabulary against llguidance
 (bench/grammar.py --engines, docs/performance.md): an optional dependency (the `grammar` extra:
@@ -25,6 +32,8 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass
+
+import torch
 
 from specexec_cli.errors import SpecxError
 
@@ -50,14 +59,20 @@ class GrammarError(SpecxError):
     """A grammar that cannot be compiled (invalid schema, unknown kind, tokenizer without a fast backend)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A grammar bound to one tokenizer: makes matchers at the grammar's start."""
 
     spec: GrammarSpec  # what was compiled
     compiled: object  # xgrammar.CompiledGrammar
-    vocab: int  # tokens the masks cover; bitmask rows have (vocab + 31) // 32 int32 words
+    vocab: int  # columns the masks cover (the output layer's width); rows have (vocab + 31) // 32 int32 words
     eos_ids: tuple[int, ...]  # tokens that end the reply (allowed where the grammar accepts)
+    keep: torch.Tensor  # (words,) int32 packed: the ids a reply may hold (module docstring)
+    banned: frozenset[int]  # the ids below `vocab` that `keep` forbids (special tokens, padding columns)
+
+    def may_hold(self, token: int) -> bool:
+        """`keep`'s bit of one token id (ids outside [0, vocab) are never allowed)."""
+        return 0 <= token < self.vocab and token not in self.banned
 
     @property
     def words(self) -> int:
@@ -72,8 +87,53 @@ class CompiledGrammar:
 
 
 _LOCK = threading.Lock()
-_COMPILERS: dict[tuple[int, tuple[int, ...]], tuple[weakref.ref, object]] = {}  # (id, eos) -> (ref, GrammarCompiler)
-_COMPILED: dict[tuple[int, tuple[int, ...], GrammarSpec], CompiledGrammar] = {}  # insertion order = LRU order
+# (id(tokenizer), eos, width) -> (weakref to the tokenizer, xgrammar.GrammarCompiler, keep_row's pair)
+_COMPILERS: dict[tuple[int, tuple[int, ...], int], tuple[weakref.ref, object, tuple]] = {}
+_COMPILED: dict[tuple[int, tuple[int, ...], int, GrammarSpec], CompiledGrammar] = {}  # insertion order = LRU order
+
+
+def pack(ok: torch.Tensor) -> torch.Tensor:
+    """(..., 32 W) bool -> (..., W) int32 packed rows (bit t % 32 of word t // 32 = ok[t])."""
+    v = (ok.reshape(*ok.shape[:-1], -1, 32).long() << torch.arange(32)).sum(-1)  # (..., W) in [0, 2^32)
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def output_width(*models) -> int | None:
+    """Columns of the widest output layer among `models` (None entries skipped): the lm_head's rows,
+    else the config's vocab_size; None when no model says (fakes without either)."""
+    widths = []
+    for model in models:
+        head = getattr(model, "lm_head", None)
+        if head is None and hasattr(model, "get_output_embeddings"):
+            head = model.get_output_embeddings()
+        rows = getattr(head, "out_features", None)
+        if rows is None:
+            cfg = getattr(model, "config", None)
+            cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            rows = getattr(cfg, "vocab_size", None)
+        if isinstance(rows, int) and rows > 0:
+            widths.append(rows)
+    return max(widths) if widths else None
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: its named ones (bos, eos, pad, ...) and every added token
+    flagged special (control and reserved tokens), the ones decoding with skip_special_tokens drops."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(i))
+    return ids
+
+
+def keep_row(tokenizer, width: int, eos: tuple[int, ...]) -> tuple[torch.Tensor, frozenset[int]]:
+    """((W,) int32 packed row, banned ids): the row allows the ids below min(tokenizer size, width)
+    that are not special, and the EOS ids; banned = the ids below `width` it forbids."""
+    ok = torch.zeros((width + 31) // 32 * 32, dtype=torch.bool)
+    ok[: min(len(tokenizer), width)] = True
+    ok[[i for i in special_ids(tokenizer) if i < width]] = False
+    ok[[i for i in eos if i < width]] = True
+    return pack(ok), frozenset((~ok[:width]).nonzero().flatten().tolist())
 
 
 def first_line(msg: str) -> str:
@@ -137,39 +197,43 @@ def eos_of(tokenizer, eos_ids) -> tuple[int, ...]:
     return ids
 
 
-def compiler_for(tokenizer, eos: tuple[int, ...]):
-    """xgrammar's compiler for `tokenizer` (its token table read once; cached per tokenizer object and EOS set)."""
-    key = (id(tokenizer), eos)
+def compiler_for(tokenizer, eos: tuple[int, ...], width: int):
+    """(xgrammar's compiler, keep row) for `tokenizer` with masks `width` columns wide (its token
+    table read once; cached per tokenizer object, EOS set and width). xgrammar's vocab_size is the
+    output layer's width: the ids past the tokenizer's are padding to it, never allowed."""
+    key = (id(tokenizer), eos, width)
     hit = _COMPILERS.get(key)
     if hit is not None and hit[0]() is tokenizer:
-        return hit[1]
+        return hit[1], hit[2]
     try:
         import xgrammar
     except ImportError:
         raise GrammarError(f"structured output needs the xgrammar package: {INSTALL}") from None
     try:
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=list(eos))
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=width, stop_token_ids=list(eos))
     except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
         raise GrammarError(f"structured output cannot read this tokenizer: {first_line(str(exc))}") from None
-    compiler = xgrammar.GrammarCompiler(info)
-    _COMPILERS[key] = (weakref.ref(tokenizer), compiler)
-    return compiler
+    compiler, keep = xgrammar.GrammarCompiler(info), keep_row(tokenizer, width, eos)
+    _COMPILERS[key] = (weakref.ref(tokenizer), compiler, keep)
+    return compiler, keep   # keep: (row, banned ids)
 
 
-def compile_grammar(tokenizer, spec: GrammarSpec, eos_ids=None) -> CompiledGrammar:
-    """`spec` compiled for `tokenizer` (cached per (tokenizer, spec, eos_ids)); GrammarError naming
-    what is wrong. eos_ids: the tokens that end a reply (None: the tokenizer's EOS)."""
+def compile_grammar(tokenizer, spec: GrammarSpec, eos_ids=None, width: int | None = None) -> CompiledGrammar:
+    """`spec` compiled for `tokenizer` (cached per (tokenizer, eos_ids, width, spec)); GrammarError
+    naming what is wrong. eos_ids: the tokens that end a reply (None: the tokenizer's EOS); width:
+    the output layer's columns (`output_width`; None: the tokenizer's size)."""
     eos = eos_of(tokenizer, eos_ids)
-    key = (id(tokenizer), eos, spec)
+    width = width or len(tokenizer)
+    key = (id(tokenizer), eos, width, spec)
     with _LOCK:
         hit = _COMPILED.pop(key, None)
-        if hit is not None and _COMPILERS.get((id(tokenizer), eos), (lambda: None,))[0]() is tokenizer:
+        if hit is not None and _COMPILERS.get(key[:3], (lambda: None,))[0]() is tokenizer:
             _COMPILED[key] = hit
             return hit
-        compiler = compiler_for(tokenizer, eos)
+        compiler, keep = compiler_for(tokenizer, eos, width)
         grammar = build(spec)
         try:
-            compiled = CompiledGrammar(spec, compiler.compile_grammar(grammar), len(tokenizer), eos)
+            compiled = CompiledGrammar(spec, compiler.compile_grammar(grammar), width, eos, *keep)
         except (RuntimeError, ValueError) as exc:
             raise GrammarError(f"invalid grammar: {first_line(str(exc))}") from None
         _COMPILED[key] = compiled
