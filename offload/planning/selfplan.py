@@ -253,8 +253,8 @@ def skip_note(target, plan) -> str:
     if measured:
         return f"layers {format_layers(plan.skipped_layers)}, the least influential as measured"
     if plan.substitute_bits == 0:   # build.LAYER_SKIP: every layer is a candidate
-        return (f"the least influential, measured by one target pass at the first load (until then the "
-                f"middle block {format_layers(plan.skipped_layers)} stands in)")
+        return (f"the least influential, measured by one target pass at the first load; until then the "
+                f"middle block {format_layers(plan.skipped_layers)} stands in")
     return (f"the {len(plan.skipped_layers)} least influential layers, measured by one target pass at the first "
             f"load (until then the middle block {format_layers(plan.skipped_layers)} stands in)")
 
