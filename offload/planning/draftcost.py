@@ -62,15 +62,17 @@ TOKENS_PER_PASS = {
         "sampled": {16: 9.234, 64: 14.254, 256: 19.956, 1024: 22.734}},
     2: {"greedy": {16: 8.433, 64: 13.39, 256: 17.176, 1024: 20.444},
         "sampled": {16: 6.664, 64: 9.63, 256: 12.604, 1024: 14.426}},
-    "skip": {"greedy": {16: 1.0, 64: 1.0},
-             "sampled": {16: 1.0, 64: 1.0}},
+    "skip": {"greedy": {16: 2.824},
+             "sampled": {16: 2.824}},
 }
 """Tokens per target pass by draft and budget, measured on the shared pair (bench/selfdraft.py, specexec,
 40 prompts, 128 new tokens, gap-featured node scores, shared KV): "small" = the 2.9M shared draft, 4 = nf4
 substitutes of every layer, 3 / 2 = HQQ; greedy at T = 0 (bench/results/selfdraft_t0_gap*.json), sampled at
 T = 0.7 (selfdraft_t07_gap*.json). A prior for other pairs: a 1B draft of a 70B is not the 2.9M of a 15.7M.
-"skip" = the layer-skip self-draft of a resident target (selfplan.RESIDENT_SKIP of the layers left out),
-measured on the real SmolLM2-135M-Instruct Q4_1 (bench/selfdraft_resident.py, chat prompts)."""
+"skip" = the layer-skip self-draft of a resident target (selfplan.RESIDENT_SKIP of the layers left out, the
+least influential), measured on the real SmolLM2-135M-Instruct Q4_1 at budget 16, greedy, 2 chat prompts x 24
+tokens (bench/results/selfdraft_resident.json); one budget measured, so flat in the budget; the sampled
+row is the greedy figure standing in (not measured)."""
 
 
 Machine = Device   # the rates a plan is modelled with (offload/planning/passcost.py)

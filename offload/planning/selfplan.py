@@ -47,7 +47,9 @@ def tokens_per_pass(bits: int, temperature: float, budget: int = 64) -> float:
 
 
 RESIDENT_SKIP = 0.5
-"""Share of the layers the layer-skip self-draft of a resident target leaves out (bench/selfdraft_resident.py)."""
+"""Share of the layers the layer-skip self-draft of a resident target leaves out: on SmolLM2-135M (30 layers,
+budget 16, greedy) leaving out the 15 least influential kept 2.82 tokens per pass, as many as leaving out 10,
+at a cheaper draft forward; every other layer (10 left out) kept 1.92 (bench/results/selfdraft_resident.json)."""
 
 
 def default_skip(n_layers: int) -> int:
