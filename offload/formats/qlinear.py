@@ -8,6 +8,9 @@ shape (block-quantized bytes: a flat uint8 vector), so the loader streams them a
 binds views of the layer buffer to them like any parameter. `forward(x)` turns them into the
 weight with the format reader's `load_weight` on x's device, in `compute_dtype` (a temporary
 freed after the matmul), then computes `x @ W.T + bias` in that dtype and returns x's dtype.
+Dequantized once: when `dense` holds that weight (offload/quant/dense.py puts it there for a
+resident layer the memory plan has room for), forward uses it instead of dequantizing again;
+the same values, so the same outputs.
 """
 
 from __future__ import annotations
@@ -38,13 +41,20 @@ class PackedLinear(nn.Module):
             setattr(self, attr, _meta_param(ckpt.tensors[stored]))
         self.bias = (nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False)
                      if has_bias else None)
+        self.dense: torch.Tensor | None = None         # (out, in) in compute_dtype, once dequantized
+
+    def parts_device(self) -> torch.device:
+        """Where the stored parts are bound (meta until the loader binds them)."""
+        return getattr(self, next(iter(self.parts))).device
 
     def dequantized(self, device) -> torch.Tensor:
         raw = {stored: getattr(self, attr) for attr, stored in self.parts.items()}
         return self.ckpt.reader.load_weight(self.ckpt, self.hf_name, raw, device, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized(x.device)                                  # (out, in) in compute dtype
+        w = self.dense if self.dense is not None else self.dequantized(x.device)   # (out, in), compute dtype
+        if x.dtype == self.compute_dtype and self.bias is None:
+            return F.linear(x, w)
         bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
         return F.linear(x.to(self.compute_dtype), w, bias).to(x.dtype)
 

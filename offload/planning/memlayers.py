@@ -4,7 +4,7 @@ Contract: `read_checkpoint(path)` reads what the plan may read of a model direct
 and the safetensors headers, never weight bytes) into a `Checkpoint`. `layer_sizes(ck, arch, req)`
 returns a `LayerSizes`: per decoder layer the bytes loader.load_weights will allocate or read for it
 (packed arena, disk slot, raw read buffer, staging, bytes read per pass, whether it converts or
-repacks), plus the NF4 quant-state and pinned-norm totals, for the target dtype in `req`
+repacks, its packed linears dequantized once to the compute dtype), plus the NF4 quant-state and pinned-norm totals, for the target dtype in `req`
 (a memplan.PlanRequest). memplan.py places the layers; this module only sizes them.
 """
 
@@ -20,6 +20,7 @@ import torch
 from offload.errors import OffloadError
 from offload.planning.membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
 from offload.formats.prequant import packed_nf4_shape
+from offload.quant.dense import dense_bytes
 from offload.formats.st_index import SafetensorsIndex, TensorEntry
 from offload.stream.storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
 
@@ -87,6 +88,7 @@ class LayerSizes:
     repack: list[bool] = field(default_factory=list)   # compute slot != file layout (cast, or tensors off the 256-byte grid)
     substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's substitute
     pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
+    dense: list[int] = field(default_factory=list)   # packed linears dequantized once (quant/dense.py), per layer
     estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
 
 
@@ -124,4 +126,17 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
         out.quant += sum(nf4_state_bytes(math.prod(sp.shape)) for sp, _ in streamed.values() if sp.nf4)
         if nf4:
             out.pinned += packed_layout([sp for sp, _ in specs.values() if not sp.nf4]).nbytes
+        out.dense.append(0 if nf4 else dense_bytes(ck, i, compute_bytes(req)))
     return out
+
+
+def dense_fit(lay: LayerSizes, resident: list[int], room: int, slack: float = 1.0) -> list[int]:
+    """The resident layers, in order, whose dequantized-once linears (lay.dense) fit in `room`
+    bytes, each costing `slack` times its size (CUDA: the allocator's rounding)."""
+    dense, used = [], 0
+    for i in resident:
+        size = int(lay.dense[i] * slack) if i < len(lay.dense) else 0
+        if size and used + size <= room:
+            dense.append(i)
+            used += size
+    return dense

@@ -7,6 +7,9 @@ memory). It returns a `MemoryPlan` with one entry per device component:
   live on the host instead: only the looked-up rows then cross the link);
 - resident_layers: packed layer arenas (storage.packed_layout) of the resident layers, spread evenly
   through the stack (`resident_ids`) so the stream reads streamed layers while resident ones compute;
+- dequantized_layers: resident layers of a packed checkpoint (GGUF, AWQ, GPTQ, compressed-tensors)
+  whose linears are dequantized once to the compute dtype at load (quant/dense.py), in layer order
+  while the whole plan still fits (`dense_layers`); the others dequantize on every pass;
 - staging_slots: device buffers of the largest streamed layer (storage.LayerStore rules); on CUDA
   the memory a fitting plan leaves over becomes more slots (`slots`, up to one per streamed layer),
   so the stream reads that much of the next pass while the draft grows its tree;
@@ -38,7 +41,7 @@ from offload.errors import OffloadError
 from offload.sizes import format_bytes
 from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes,
                        forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
-from offload.planning.memlayers import Checkpoint, LayerSizes, layer_sizes, read_checkpoint  # noqa: F401 - read_checkpoint: API
+from offload.planning.memlayers import Checkpoint, LayerSizes, dense_fit, layer_sizes, read_checkpoint  # noqa: F401 - read_checkpoint: API
 from offload.stream.storage import staging_slots
 
 CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
@@ -108,6 +111,7 @@ class MemoryPlan:
     slots: int = 2                   # device staging slots the loader allocates (leftover memory adds some)
     sized_budget: int = 0            # tree budget the activations and caches are sized for (>= budget; 0 = budget)
     row_bytes: int = 0               # device bytes per token of another request's tree in a forest pass
+    dense_layers: list[int] = field(default_factory=list)   # resident layers dequantized once at load
 
     @property
     def device_total(self) -> int:
@@ -131,7 +135,7 @@ class MemoryPlan:
             skipped_layers=list(self.skipped_layers), layer_bytes_total=sum(self.layer_bytes),
             ram_bytes_per_pass=sum(self.layer_bytes[i] for i in self.ram_layers),
             candidates=list(self.candidates), choice=self.choice, slots=self.slots,
-            machine=dict(self.machine),
+            machine=dict(self.machine), dense_layers=list(self.dense_layers),
         )  # fmt: skip
 
 
@@ -301,6 +305,12 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     slots = max(1, min(req.slots, len(pl.ram) + len(pl.disk) or 1))
     if cuda and (pl.ram or pl.disk) and sum(dev.values()) <= cap:
         pl, dev, host, slots = _extra_slots(lay, req, pl, dev, host, cap)
+    # dequantize once (quant/dense.py) the resident layers the rest of the plan leaves room for
+    used = sum(dev.values()) + (0 if cuda else sum(host.values()))   # CPU: host tiers share the RAM
+    dense = dense_fit(lay, pl.resident, cap - used, 1 + STATIC_SLACK if cuda else 1)
+    if dense:
+        dev["dequantized_layers"] = sum(lay.dense[i] for i in dense)
+        dev["cuda_context"] = _margin({k: v for k, v in dev.items() if k != "cuda_context"}, cuda)
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
                       pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
@@ -308,6 +318,11 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     if slots > req.slots:
         plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
                           "over, so the stream reads that many layers of the next pass while the draft grows its tree")
+    plan.dense_layers = dense
+    if dense:
+        plan.notes.append(f"dequantized once: {len(dense)} of {len(pl.resident)} resident layers "
+                          f"({format_bytes(dev['dequantized_layers'])} in the compute dtype); "
+                          f"{'the others dequantize on every pass' if len(dense) < len(pl.resident) else 'none per pass'}")
     plan.fits, plan.reason = _verdict(plan, req)
     if lay.estimated:
         plan.notes.append(f"nf4: the first load writes a 4-bit cache of this checkpoint "

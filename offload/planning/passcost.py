@@ -9,7 +9,9 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
 - `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one target pass over n tree tokens
   at a context of ctx committed tokens, compute dtype c bytes, layers dequantized by `kernel`:
   per decoder layer i, max(transfer_i, compute_i), summed (the stream of layer i+1 overlaps the
-  compute of layer i), plus the head and one forward floor. transfer_i = its bytes over the link
+  compute of layer i), plus the head and one forward floor. A layer the plan dequantized once at load
+  (`plan.dense_layers`) reads its linears in c bytes per weight and has no dequantization term.
+  transfer_i = its bytes over the link
   (RAM tier) or the disk (disk tier), 0 if resident. compute_i = max(GEMM FLOPs / FLOP/s, weight
   bytes / memory bandwidth) + dequantization traffic / memory bandwidth + attention, where GEMM FLOPs
   = 2 x linear weights x n; dequantization traffic = weights x c x dequant_elems(kernel) (nf4 only
@@ -161,21 +163,24 @@ def attention_seconds(a, n: int, ctx: int, c: int, dev: Device) -> float:
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
     """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier."""
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
+    dense = set(getattr(plan, "dense_layers", ()))   # dequantized once at load: read in c, no dequantization
     gemm = max(2 * linear_weights(a) * n / dev.flops(c), 0.0)
     deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.dequant_rate(kernel)
     attn = attention_seconds(a, n, ctx, c, dev)
-    total = stream = gemm_s = 0.0
+    total = stream = gemm_s = deq_s = 0.0
     for i, size in enumerate(plan.layer_bytes):
         rate = dev.link_bps if i in ram else dev.disk_bps if i in disk else 0.0
         transfer = size / rate if rate else 0.0
-        layer_gemm = max(gemm, size / dev.memory_bps)
-        total += max(transfer, layer_gemm + deq + attn)
+        read, layer_deq = (linear_weights(a) * c, 0.0) if i in dense else (size, deq)
+        layer_gemm = max(gemm, read / dev.memory_bps)
+        total += max(transfer, layer_gemm + layer_deq + attn)
         stream += transfer
         gemm_s += layer_gemm
+        deq_s += layer_deq
     layers = len(plan.layer_bytes)
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), a.hidden * a.vocab * c / dev.memory_bps)
-    compute = gemm_s + layers * (deq + attn)
-    return PassTerms(n, ctx, stream, gemm_s, layers * deq, layers * attn, head, dev.forward_floor_s,
+    compute = gemm_s + deq_s + layers * attn
+    return PassTerms(n, ctx, stream, gemm_s, deq_s, layers * attn, head, dev.forward_floor_s,
                      dev.forward_floor_s + head + total, "stream" if stream > compute else "compute", dev.flops(c))
 
 

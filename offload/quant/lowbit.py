@@ -16,7 +16,8 @@ Contract:
 - `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
   the substitute: every nn.Linear becomes a `LowbitLinear`, every other parameter is materialized;
   device bytes are counted in `pool` under "draft".
-- `LowbitLinear.forward` runs the fused path of offload/quant/fused.py on CUDA and the eager reference
+- `LowbitLinear.forward` uses `dense` when offload/quant/dense.py dequantized it once (the eager
+  reference's weight), else runs the fused path of offload/quant/fused.py on CUDA and the eager reference
   (HQQ's unpack, a 16-bit weight, the matmul) on CPU, where it measured faster;
   $SPECX_LOWBIT_KERNEL=fused|eager overrides.
 - `lowbit_weight_bytes(shape, bits, scale_bytes)`: device bytes of one quantized weight from its
@@ -99,6 +100,7 @@ class LowbitLinear(nn.Module):
         self.shape, self.bits = tuple(shape), bits
         self.in_features, self.out_features = shape[1], shape[0]
         self.kernel = kernel_choice(codes.device)   # "fused" (offload/quant/fused.py) or "eager" (the reference)
+        self.dense: torch.Tensor | None = None      # weight_now() kept once (offload/quant/dense.py)
 
     def weight_now(self) -> torch.Tensor:
         unpack = hqq_quantizer().unpack[PACKING[self.bits]]
@@ -106,6 +108,8 @@ class LowbitLinear(nn.Module):
         return codes.sub_(self.zero).mul_(self.scale).reshape(self.shape)   # in place: one temporary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:                  # dequantized once: the eager reference's weight
+            return nn.functional.linear(x, self.dense.to(x.dtype), self.bias)
         if self.kernel == "eager":
             return self.forward_eager(x)
         from offload.quant.fused import fused_linear

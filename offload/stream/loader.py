@@ -11,7 +11,9 @@ page-aligned host region (page-locked once on CUDA), and records file spans for 
 layers. NF4 layers come from a pre-quantized checkpoint (prequant.py; a 16-bit one goes through
 quant_cache.py first): their packed uint8 weights are the only streamed bytes, read as stored
 (never re-quantized); quant states and the small 16-bit tensors (norms, biases) are loaded once
-onto the device ("pinned") and stay bound.
+onto the device ("pinned") and stay bound. `plan.dense` names the resident layers whose packed
+linears the model dequantizes once after binding them (the memory plan's `dense_layers`, or
+without one what the budgets leave room for: `_dense_auto`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from offload.errors import OffloadError
 from offload.arch.families import restore_buffers
 from offload.formats import Checkpoint, open_checkpoint
 from offload.formats.qlinear import PackedLinear
+from offload.quant.dense import dense_bytes
 from offload.quant.nf4 import Nf4Linear
 from offload.stream.placement import OffloadPlan, plan_offload
 from offload.formats.prequant import is_quant_part, load_quant_state
@@ -242,6 +245,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
         plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
         _check_fits(plan, device, free_ram, path)
+        plan.dense = _dense_auto(index, plan, layer_bytes, compute_dtype, device, free_ram, max_dev)
     pool, total = pool if pool is not None else DevicePool(device), len(layers)
     embed, norm, lm_head, rotary = subset.shared if subset is not None else _load_globals(
         index, hf, config, device, compute_dtype, pool, memplan.embeddings if memplan is not None else "device")
@@ -310,6 +314,29 @@ def tied_aliases(hf: nn.Module, config) -> dict[str, str]:
     return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
+def _dense_auto(index: Checkpoint, plan: OffloadPlan, layer_bytes: list[int], compute_dtype: torch.dtype,
+                device: torch.device, free_ram: int, max_dev: int | None) -> list[int]:
+    """Without a memory plan: the loaded resident layers, in order, whose packed linears are
+    dequantized once (quant/dense.py) while they fit what the budgets leave: on CPU
+    AUTO_RAM_FRACTION of free RAM after every planned layer byte; on CUDA the free memory less
+    CUDA_HEADROOM after the planned device bytes (and within --max-device-memory)."""
+    elem = torch.empty((), dtype=compute_dtype).element_size()
+    sizes = [dense_bytes(index, i, elem) if layer_bytes[i] else 0 for i in range(len(layer_bytes))]
+    planned = sum(layer_bytes[i] for i in plan.resident)
+    if device.type == "cpu":
+        room = int(free_ram * AUTO_RAM_FRACTION) - planned - plan.host_bytes
+    else:
+        room = torch.cuda.mem_get_info(device)[0] - CUDA_HEADROOM - plan.device_bytes
+    if max_dev is not None:
+        room = min(room, max_dev - planned)
+    dense, used = [], 0
+    for i in plan.resident:
+        if sizes[i] and used + sizes[i] <= room:
+            dense.append(i)
+            used += sizes[i]
+    return dense
+
+
 def _from_memplan(memplan, layer_bytes: list[int], slots: int) -> OffloadPlan:
     """The layer placement the memory plan chose (it already checked every byte against the caps)."""
     if memplan.layer_bytes != layer_bytes:
@@ -317,7 +344,8 @@ def _from_memplan(memplan, layer_bytes: list[int], slots: int) -> OffloadPlan:
     streamed = memplan.ram_layers + memplan.disk_layers
     return OffloadPlan(resident=list(memplan.resident), streamed=streamed, ram_layers=list(memplan.ram_layers),
                        disk_layers=list(memplan.disk_layers), layer_bytes=list(layer_bytes), slots=slots,
-                       host_bytes=sum(layer_bytes[i] for i in memplan.ram_layers), device_bytes=0)
+                       host_bytes=sum(layer_bytes[i] for i in memplan.ram_layers), device_bytes=0,
+                       dense=list(getattr(memplan, "dense_layers", [])))
 
 
 def _own_quant_state(state, pool: DevicePool) -> None:

@@ -11,6 +11,8 @@ layer, and returns a `CausalLMOutputWithPast` whose logits equal HF's for the sa
 attention_mask=None it behaves like HF's plain causal path). The KV cache stays on the device.
 Per-family differences (soft-capping, sliding windows under tree masks) come from families.py;
 offload="none" keeps every layer resident (the exact non-streamed path for those families).
+Resident layers of a packed checkpoint named in `plan.dense` are dequantized once here
+(quant/dense.py), the same values every pass would compute.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from offload.stream.prefetch import Prefetcher
 from offload.quant.quant_cache import ensure_nf4_cache
 from offload.formats import Checkpoint, open_checkpoint
 from offload.formats.qlinear import swap_packed_linears
+from offload.quant.dense import densify
 
 
 @dataclass
@@ -74,6 +77,8 @@ class OffloadedCausalLM(nn.Module):
         self._bindings = [self._binding_table(layer) for layer in self.layers]
         for i, (buf, layout) in [*w.pinned.items(), *w.resident.items()]:
             self._bind(i, buf, layout)
+        for i in self.plan.dense:   # resident packed linears: dequantized once, counted in the pool
+            densify(self.layers[i], self.pool)
         for i, states in w.qstates.items():
             for name, state in states.items():
                 self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state

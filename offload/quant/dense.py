@@ -1,0 +1,71 @@
+"""Dequantize once: a resident layer's packed linears keep their weight in the compute dtype.
+
+Contract: a linear that rebuilds its weight from packed bytes on every forward (formats/qlinear.py
+`PackedLinear`: GGUF, AWQ, GPTQ, compressed-tensors; quant/lowbit.py `LowbitLinear`: the
+self-draft's HQQ substitutes) has a `dense` attribute; while it is None, forward dequantizes
+per call; once set, forward multiplies by it. Both give the same values: `dense` is computed by
+the module's own dequantization (PackedLinear.dequantized, LowbitLinear.weight_now), so outputs
+are bitwise those of the per-forward path (the eager one for LowbitLinear).
+- `dense_linears(layer)`: [(name, module)] of such linears in `layer`.
+- `dense_bytes(ckpt, i, elem)`: bytes dequantizing layer i of a formats.Checkpoint once costs at
+  `elem` bytes per weight (the planner's figure; 0 for a layer with no packed linear).
+- `densify(layer, pool, component)`: dequantize every such linear of a layer whose parameters are
+  bound (resident) into one counted `pool` buffer each (DevicePool, component
+  "dequantized_layers" by default); returns the bytes it added. NF4 linears (bitsandbytes) are left
+  alone: bnb's own 4-bit kernels are what their outputs must equal.
+- `undensify(layer, pool, component)`: drop them again (the per-forward path comes back).
+Reuse (the self-draft): `densify(substitute_layer, draft.pool, "draft")` for a substitute the
+plan has room for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from offload.formats.qlinear import PackedLinear
+from offload.quant.lowbit import LowbitLinear
+
+COMPONENT = "dequantized_layers"
+
+
+def dense_linears(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in layer.named_modules() if isinstance(m, (PackedLinear, LowbitLinear))]
+
+
+def dense_bytes(ckpt, i: int, elem: int) -> int:
+    """Bytes of layer i's packed linears dequantized to `elem`-byte weights (ckpt: formats.Checkpoint;
+    anything without `packed`, e.g. a 16-bit model directory's headers, has none)."""
+    packed = getattr(ckpt, "packed", None) or {}
+    prefix = f"model.layers.{i}."
+    return sum(math.prod(ckpt.logical_shape(n)) * elem for n in packed if n.startswith(prefix))
+
+
+def _weight(mod: nn.Module) -> torch.Tensor:
+    if isinstance(mod, PackedLinear):
+        return mod.dequantized(mod.parts_device())
+    return mod.weight_now()
+
+
+@torch.no_grad()
+def densify(layer: nn.Module, pool, component: str = COMPONENT) -> int:
+    """Dequantize each packed linear of `layer` once into a counted buffer; the bytes added."""
+    added = 0
+    for _, mod in dense_linears(layer):
+        if mod.dense is not None:
+            continue
+        w = _weight(mod)                                       # (out, in), the compute dtype
+        if isinstance(mod, LowbitLinear):
+            w = w.to(mod.scale.dtype)
+        mod.dense = pool.empty(tuple(w.shape), w.dtype, component).copy_(w)   # contiguous (out, in)
+        added += mod.dense.numel() * mod.dense.element_size()
+    return added
+
+
+def undensify(layer: nn.Module, pool, component: str = COMPONENT) -> None:
+    for _, mod in dense_linears(layer):
+        if mod.dense is not None:
+            pool.free(component, mod.dense)
+            mod.dense = None
