@@ -31,7 +31,8 @@ Contract (every figure is modelled; a matching profile's measured times replace 
   and plan.choice (the best draft).
 - `skip_spec(a, plan, cost)`: the layer-skip self-draft of a resident target (offload/selfdraft/
   build.build_skip_draft): one forward reads the kept layers' bytes, the head and the shared KV of
-  the kept layers, dequantizes the kept layers as the target's kernel does, and spends 2 x (kept
+  the kept layers, dequantizes the kept layers as the target's kernel does (none for a layer
+  dequantized once at load, plan.dense_layers: its linears read in the compute dtype), and spends 2 x (kept
   layers' linear weights + the head) FLOPs per node; tokens per pass TOKENS_PER_PASS["skip"].
 - `small_candidates` fills a small draft's plan with its candidate and the self-draft's widths
   (offload/planning/selfplan.py models those for --draft self).
@@ -298,12 +299,14 @@ def skip_spec(a, plan, cost: Costing) -> Spec:
     """The Spec of the layer-skip self-draft under an all-resident `plan` (see the contract)."""
     from offload.selfdraft.build import LAYER_SKIP
 
-    skipped = set(plan.skipped_layers)
-    run = len(plan.layer_bytes) - len(skipped)
+    skipped, dense = set(plan.skipped_layers), set(getattr(plan, "dense_layers", ()))
+    kept = [i for i in range(len(plan.layer_bytes)) if i not in skipped]
+    run = len(kept)
     head = a.vocab * a.hidden * cost.c
-    weight = sum(b for i, b in enumerate(plan.layer_bytes) if i not in skipped) + head
+    # a layer dequantized once at load (plan.dense_layers) reads its linears in c bytes, with no dequantization
+    weight = sum(linear_numel(a) * cost.c if i in dense else plan.layer_bytes[i] for i in kept) + head
     kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * cost.c
-    dequant = run * linear_numel(a) * cost.c * dequant_elems(cost.kernel, cost.dev.kind)
+    dequant = sum(1 for i in kept if i not in dense) * linear_numel(a) * cost.c * dequant_elems(cost.kernel, cost.dev.kind)
     flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
     return Spec("self", LAYER_SKIP, "self-skip", lambda b: tokens_per_pass("skip", cost.temperature, b),
                 weight, kv, dequant, flops, cost.kernel)
