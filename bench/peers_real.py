@@ -45,9 +45,9 @@ SPECX = {   # name -> (tier, extra flags)
     "specx ar": ("resident", ["--method", "ar"]),
     "specx auto": ("resident", []),
     "specx --draft self": ("resident", ["--draft", "self"]),
-    "specx ar, disk": ("disk", ["--method", "ar", "--offload", "disk", "--max-ram", "0"]),
-    "specx auto, disk": ("disk", ["--offload", "disk", "--max-ram", "0"]),
-    "specx --draft self, disk": ("disk", ["--draft", "self", "--offload", "disk", "--max-ram", "0"]),
+    "specx ar (disk)": ("disk", ["--method", "ar", "--offload", "disk", "--max-ram", "0"]),
+    "specx auto (disk)": ("disk", ["--offload", "disk", "--max-ram", "0"]),
+    "specx --draft self (disk)": ("disk", ["--draft", "self", "--offload", "disk", "--max-ram", "0"]),
 }
 PEERS = ("llama-bench", "llama-completion", "llama-lookup", "transformers")
 REFERENCE = "llama-completion"
