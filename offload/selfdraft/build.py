@@ -144,8 +144,10 @@ def skeleton(target, source=None):
     from offload.stream.model import OffloadedCausalLM
 
     ck = getattr(target, "checkpoint", None)
-    if source is None or (ck is not None and Path(ck.path) == Path(source)):
-        source = ck if ck is not None else target.source   # the target's opened checkpoint: not opened again
+    if source is None:
+        source = ck if ck is not None else target.source
+    elif isinstance(source, (str, Path)) and ck is not None and Path(ck.path) == Path(source):
+        source = ck   # the target's opened checkpoint: not opened again
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
     return OffloadedCausalLM.from_pretrained(source, device=target.device, dtype=target.dtype, offload="none",
                                              pool=DevicePool(target.device), subset=Subset(frozenset(), shared))
