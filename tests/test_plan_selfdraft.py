@@ -94,10 +94,13 @@ def test_4bit_substitutes_of_an_nf4_target_are_refused(llama70b):
     assert not p.fits and "already 4-bit" in p.reason and "--draft-bits 3 or 2" in p.reason
 
 
-def test_nothing_streamed_means_no_substitutes(llama70b):
+def test_nothing_streamed_means_the_layer_skip_draft(llama70b):
+    from offload.planning.selfplan import default_skip
+
     p = plan(llama70b, "nf4", 80)
-    assert p.fits and not p.ram_layers and not p.disk_layers and p.substitute_bits is None
-    assert "nothing to substitute" in p.notes[-1]
+    assert p.fits and not p.ram_layers and not p.disk_layers and p.substitute_bits == 0
+    assert len(p.skipped_layers) == default_skip(LAYERS) and p.device_bytes["draft"] == 0
+    assert "layers left out" in p.notes[-1]
 
 
 def test_the_width_choice_uses_the_runs_temperature(llama70b):

@@ -3,7 +3,8 @@
 What must hold: lossless at T = 0 through `specx run` (ids equal `--method ar`'s) with the target
 in RAM or on disk, fp32 or bf16; the embeddings, norm, lm_head, rotary buffers and resident layers
 are the target's own objects (no second copy: the draft's own device bytes are its substitutes
-only); nothing to substitute (all resident) runs without a draft and says so; 4-bit substitutes
+only); nothing to substitute (all resident) drafts with the layer-skip draft instead
+(tests/test_selfdraft_skip.py); 4-bit substitutes
 of a 4-bit target are refused in one line (tests/test_selfdraft_lowbit.py: its 3/2-bit ones);
 the substitutes' cache is built once, reused, rebuilt when the target's files change, and a
 corrupt cache is rebuilt with a notice, never used.
@@ -90,11 +91,11 @@ def test_sampled_ids_equal_ar_with_the_same_seed(tmp_path, target):
     assert sd["token_ids"] == ar["token_ids"] != greedy["token_ids"]   # really sampled, and equal
 
 
-def test_everything_resident_runs_without_a_draft(tmp_path, target):
+def test_everything_resident_drafts_by_leaving_layers_out(tmp_path, target):
     ar, _ = run(tmp_path, target, "--method", "ar", "--offload", "none")
     sd, res = run(tmp_path, target, "--draft", "self", "--offload", "none")
-    assert sd["token_ids"] == ar["token_ids"]
-    assert "nothing to substitute" in res.stderr
+    assert sd["token_ids"] == ar["token_ids"] and sd["method"] == "specexec"
+    assert "nothing to substitute" not in res.stderr
 
 
 def test_4bit_substitutes_of_a_4bit_target_are_refused_in_one_line(tmp_path, target):

@@ -29,6 +29,11 @@ Contract (every figure is modelled; a matching profile's measured times replace 
   modelled tokens/s. `sweep` settles `--budget auto` (each candidate at its best modelled budget);
   `finish(plan, cands, plain)` sets plan.candidates (plain decoding last: `--draft auto` may take it)
   and plan.choice (the best draft).
+- `skip_spec(a, plan, cost)`: the layer-skip self-draft of a resident target (offload/selfdraft/
+  build.build_skip_draft): one forward reads the kept layers' bytes, the head and the shared KV of
+  the kept layers, dequantizes the kept layers as the target's kernel does (none for a layer
+  dequantized once at load, plan.dense_layers: its linears read in the compute dtype), and spends 2 x (kept
+  layers' linear weights + the head) FLOPs per node; tokens per pass TOKENS_PER_PASS["skip"].
 - `small_candidates` fills a small draft's plan with its candidate and the self-draft's widths
   (offload/planning/selfplan.py models those for --draft self).
 """
@@ -58,11 +63,17 @@ TOKENS_PER_PASS = {
         "sampled": {16: 9.234, 64: 14.254, 256: 19.956, 1024: 22.734}},
     2: {"greedy": {16: 8.433, 64: 13.39, 256: 17.176, 1024: 20.444},
         "sampled": {16: 6.664, 64: 9.63, 256: 12.604, 1024: 14.426}},
+    "skip": {"greedy": {16: 2.824},
+             "sampled": {16: 2.824}},
 }
 """Tokens per target pass by draft and budget, measured on the shared pair (bench/selfdraft.py, specexec,
 40 prompts, 128 new tokens, gap-featured node scores, shared KV): "small" = the 2.9M shared draft, 4 = nf4
 substitutes of every layer, 3 / 2 = HQQ; greedy at T = 0 (bench/results/selfdraft_t0_gap*.json), sampled at
-T = 0.7 (selfdraft_t07_gap*.json). A prior for other pairs: a 1B draft of a 70B is not the 2.9M of a 15.7M."""
+T = 0.7 (selfdraft_t07_gap*.json). A prior for other pairs: a 1B draft of a 70B is not the 2.9M of a 15.7M.
+"skip" = the layer-skip self-draft of a resident target (selfplan.RESIDENT_SKIP of the layers left out, the
+least influential), measured on the real SmolLM2-135M-Instruct Q4_1 at budget 16, greedy, 2 chat prompts x 24
+tokens (bench/results/selfdraft_resident.json); one budget measured, so flat in the budget; the sampled
+row is the greedy figure standing in (not measured)."""
 
 
 Machine = Device   # the rates a plan is modelled with (offload/planning/passcost.py)
@@ -109,8 +120,8 @@ class Candidate:
 
     def line(self) -> str:
         """One dry-run line with the five figures, marked as modelled."""
-        name = ("plain decoding" if self.draft == PLAIN else f"self-draft {self.bits}-bit" if self.draft == "self"
-                else f"draft {self.draft}")
+        name = ("plain decoding" if self.draft == PLAIN else "self-draft, layers skipped" if self.draft == "self"
+                and self.bits == 0 else f"self-draft {self.bits}-bit" if self.draft == "self" else f"draft {self.draft}")
         if not self.fits:
             return f"{name}: does not fit"
         return (f"{name}: {self.tokens_per_pass:.1f} tokens/pass, pass {self.pass_seconds:.2f} s, draft "
@@ -282,6 +293,23 @@ def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str
     dequant = linear_numel(a) * c * (n_sub * dequant_elems(substitute_kernel(bits, device), device)
                                      + (len(plan.resident) * DEQUANT_ELEMS["nf4-dequant"] if nf4_target else 0))
     return weight, kv, dequant
+
+
+def skip_spec(a, plan, cost: Costing) -> Spec:
+    """The Spec of the layer-skip self-draft under an all-resident `plan` (see the contract)."""
+    from offload.selfdraft.build import LAYER_SKIP
+
+    skipped, dense = set(plan.skipped_layers), set(getattr(plan, "dense_layers", ()))
+    kept = [i for i in range(len(plan.layer_bytes)) if i not in skipped]
+    run = len(kept)
+    head = a.vocab * a.hidden * cost.c
+    # a layer dequantized once at load (plan.dense_layers) reads its linears in c bytes, with no dequantization
+    weight = sum(linear_numel(a) * cost.c if i in dense else plan.layer_bytes[i] for i in kept) + head
+    kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * cost.c
+    dequant = sum(1 for i in kept if i not in dense) * linear_numel(a) * cost.c * dequant_elems(cost.kernel, cost.dev.kind)
+    flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
+    return Spec("self", LAYER_SKIP, "self-skip", lambda b: tokens_per_pass("skip", cost.temperature, b),
+                weight, kv, dequant, flops, cost.kernel)
 
 
 def small_forward_bytes(da, draft_param_bytes: int, ctx: int, dc: int) -> tuple[int, int, int]:

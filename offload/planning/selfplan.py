@@ -19,6 +19,12 @@ Contract:
   checkpoint, else the middle block the loader replaces after measuring), and keeps it only while
   the skipped fraction is within what was measured (SKIP_FACTOR) and the expected tokens/pass stays
   above MIN_TOKENS_PER_PASS; otherwise the plan is refused with that reason and the fix.
+- Where every layer is resident there is nothing to substitute: `skip_plan` plans the layer-skip
+  self-draft instead (offload/selfdraft/build.build_skip_draft: the target's own layers, default_skip
+  of them left out, in influence.skip_order's order; no bytes of its own, so the plan is the
+  target's with a shared KV cache) and models it against plain decoding (draftcost.skip_spec: its
+  forward runs the kept layers and the head; tokens per pass measured on the real model,
+  draftcost.TOKENS_PER_PASS["skip"]). Its `substitute_bits` is build.LAYER_SKIP (0).
 - `choose(a, req, plans)` picks, among fitting (bits, plan) pairs, the one with the most modelled
   tokens/s (offload/planning/draftcost.py: measured tokens/pass at the plan's budget over the pass seconds plus
   the draft seconds the stream does not hide) and returns every width's Candidate, which the plan
@@ -39,6 +45,16 @@ def tokens_per_pass(bits: int, temperature: float, budget: int = 64) -> float:
 
     return measured(bits, temperature, budget)
 
+
+RESIDENT_SKIP = 0.5
+"""Share of the layers the layer-skip self-draft of a resident target leaves out: on SmolLM2-135M (30 layers,
+budget 16, greedy) leaving out the 15 least influential kept 2.82 tokens per pass, as many as leaving out 10,
+at a cheaper draft forward; every other layer (10 left out) kept 1.92 (bench/results/selfdraft_resident.json)."""
+
+
+def default_skip(n_layers: int) -> int:
+    """Layers the layer-skip self-draft of a resident target leaves out (RESIDENT_SKIP of them, at least 1)."""
+    return max(1, min(n_layers - 2, round(n_layers * RESIDENT_SKIP)))
 
 SKIP_FACTOR = {0.0: 1.0, 0.125: 0.480, 0.25: 0.333, 0.375: 0.268, 0.5: 0.234}
 """Tokens per pass of a self-draft that skips a middle block of this fraction of the layers, relative to
@@ -140,6 +156,8 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
         tried.append((bits, plan))
     if not req.sixteen_bit:
         plan = tried[0][1]
+        if not plan.ram_layers and not plan.disk_layers:   # nothing to substitute: the layer-skip draft needs no 16 bits
+            return skip_plan(target, a, req, plan_with)
         plan.fits, plan.reason = False, ("--draft self: a pre-quantized checkpoint has no 16-bit weights to make "
                                          "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
                                          "or a small --draft DIR")
@@ -147,11 +165,8 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
     if not any(p.fits for _, p in tried):
         tried += [pair for pair in (partial(target, a, req, b, nf4_layers, plan_with) for b, _ in tried) if pair]
     (bits, plan), cands = choose(a, req, tried)
-    if not plan.ram_layers and not plan.disk_layers:
-        plan.substitute_bits = None
-        plan.notes.append("self-draft: every target layer is resident, so there is nothing to substitute; "
-                          "decoding without a draft")
-        return plan
+    if not plan.ram_layers and not plan.disk_layers:   # an explicit width refused keeps its reason
+        return plan if not plan.fits and req.draft_bits is not None else skip_plan(target, a, req, plan_with)
     from offload.planning.draftcost import costing_for, finish, plain_spec, sweep
 
     chosen = next((c for c in cands if c.bits == bits and c.fits), None)
@@ -166,6 +181,25 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
                       + (f"; the draft leaves out {skip_note(target, plan)}" if skipped else ""))
     if not plan.fits:
         plan.reason = refusal(plan, req, bits)
+    return plan
+
+
+def skip_plan(target, a, req, plan_with):
+    """Every layer resident: the plan of the layer-skip self-draft, its candidate and plain decoding's."""
+    from offload.planning.draftcost import costing_for, finish, plain_spec, skip_spec, sweep
+    from offload.selfdraft.build import LAYER_SKIP
+
+    plan = plan_with([0] * a.layers, None)   # no substitutes; its draft runs the target's (dequantizing) layers
+    order, _ = skip_order_for(target, a.layers)
+    plan.substitute_bits, plan.skipped_layers = LAYER_SKIP, sorted(order[:default_skip(a.layers)])
+    cost = costing_for(a, req)
+    cand = sweep(skip_spec(a, plan, cost), cost, plan, req.budget_auto)
+    if cand.fits and req.budget_auto:
+        plan.budget = cand.budget
+    finish(plan, [cand], sweep(plain_spec(), cost, plan, False))
+    plan.notes.append(f"self-draft: every target layer is resident, so the draft is the target itself with "
+                      f"{len(plan.skipped_layers)} of its {a.layers} layers left out ({skip_note(target, plan)}), "
+                      "sharing its weights and KV cache")
     return plan
 
 
@@ -220,6 +254,9 @@ def skip_note(target, plan) -> str:
     _, measured = skip_order_for(target, len(plan.layer_bytes))
     if measured:
         return f"layers {format_layers(plan.skipped_layers)}, the least influential as measured"
+    if plan.substitute_bits == 0:   # build.LAYER_SKIP: every layer is a candidate
+        return (f"the least influential, measured by one target pass at the first load; until then the "
+                f"middle block {format_layers(plan.skipped_layers)} stands in")
     return (f"the {len(plan.skipped_layers)} least influential layers, measured by one target pass at the first "
             f"load (until then the middle block {format_layers(plan.skipped_layers)} stands in)")
 

@@ -13,8 +13,14 @@ target's architecture where
   a progress bar, reused on later loads, rebuilt when the checkpoint changes, never used corrupt.
 An nf4 target (loaded from a 16-bit checkpoint through the nf4 cache) takes 3- or 2-bit
 substitutes made from that 16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line
-why no self-draft can be built: nothing streams, 4-bit substitutes of a 4-bit target (the target
-itself), or a pre-quantized bitsandbytes checkpoint (no 16-bit weights). A packed int4 target
+why no self-draft can be built: 4-bit substitutes of a 4-bit target (the target itself), or a
+pre-quantized bitsandbytes checkpoint (no 16-bit weights).
+Where NOTHING streams (every layer resident) there is nothing to substitute, and `build_self_draft`
+(with `skip`) or `build_skip_draft(target, skip)` returns the layer-skip self-draft instead
+(self-speculative decoding: LayerSkip, SWIFT, Draft & Verify): the target's own modules, every one
+shared by reference, with the layers in `skip` as pass-throughs; it reads no weight of its own and
+allocates nothing (`draft.pool` counts 0 bytes), its `substitute_bits` is LAYER_SKIP. Which layers it
+leaves out is offload/selfdraft/influence.py's rule; offload/planning/selfplan.py models its speed. A packed int4 target
 (AWQ, GPTQ, compressed-tensors) takes 3- or 2-bit HQQ substitutes made from its dequantized
 weights (formats.Checkpoint.dense). Device bytes of the substitutes are
 counted in their own DevicePool (`draft.pool`); the caller adds them to its plan's "draft" component.
@@ -33,6 +39,7 @@ from offload.stream.model import PACKED_FORMATS
 from offload.formats.prequant import bnb4_config
 
 SUBSTITUTE_BITS = (4, 3, 2)
+LAYER_SKIP = 0   # `substitute_bits` of the layer-skip self-draft: no substitutes, the target's layers, some left out
 
 
 class SelfDraftError(OffloadError):
@@ -40,7 +47,10 @@ class SelfDraftError(OffloadError):
 
 
 def streamed_layers(target) -> list[int]:
-    """Decoder layers the target does not keep on the device: the ones a substitute replaces."""
+    """Decoder layers the target does not keep on the device: the ones a substitute replaces (none for
+    an HF-resident target)."""
+    if getattr(target, "plan", None) is None:
+        return []
     return sorted(set(range(len(target.layers))) - set(target.plan.resident))
 
 
@@ -76,10 +86,7 @@ def check_self_draft(target, bits: int = 4) -> list[int]:
     if quantized and sixteen_bit_source(target) is None:
         raise SelfDraftError("--draft self: a pre-quantized checkpoint has no 16-bit weights to make substitutes "
                              "from; fix: --target the 16-bit checkpoint with --dtype nf4, or a small --draft DIR")
-    layers = streamed_layers(target)
-    if not layers:
-        raise SelfDraftError("--draft self: every target layer is resident, so there is nothing to substitute")
-    return layers
+    return streamed_layers(target)   # [] when every layer is resident: the layer-skip draft
 
 
 class PassThrough(nn.Module):
@@ -107,6 +114,8 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
     from offload.stream.devmem import DevicePool
     from offload.stream.model import OffloadedCausalLM
 
+    if not streamed_layers(target):
+        return build_skip_draft(target, skip)
     layers = [i for i in check_self_draft(target, bits) if i not in set(skip)]
     skipped = sorted(set(skip) & set(streamed_layers(target)))
     source = sixteen_bit_source(target)
@@ -128,19 +137,74 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
     return draft
 
 
+def skeleton(target, source=None):
+    """A weightless OffloadedCausalLM of the target's architecture whose globals are the target's
+    (no layer loaded: every decoder layer is a meta module until the caller binds one)."""
+    from offload.stream.devmem import DevicePool
+    from offload.stream.model import OffloadedCausalLM
+
+    ck = getattr(target, "checkpoint", None)
+    if source is None:
+        source = ck if ck is not None else target.source
+    elif isinstance(source, (str, Path)) and ck is not None and Path(ck.path) == Path(source):
+        source = ck   # the target's opened checkpoint: not opened again
+    shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
+    return OffloadedCausalLM.from_pretrained(source, device=target.device, dtype=target.dtype, offload="none",
+                                             pool=DevicePool(target.device), subset=Subset(frozenset(), shared))
+
+
+def build_skip_draft(target, skip):
+    """The layer-skip self-draft of a target whose every layer is resident (see the contract)."""
+    n = len(target_layers(target))
+    skip = sorted(set(int(i) for i in skip))
+    if not skip:
+        raise SelfDraftError("--draft self: every target layer is resident and no layer is left out, so the "
+                             "draft would be the target itself; fix: leave layers out, or pass a small --draft DIR")
+    if skip[0] < 0 or skip[-1] >= n or len(skip) >= n:
+        raise SelfDraftError(f"--draft self: the layers to leave out ({skip}) must be some of the {n} layers "
+                             f"0-{n - 1}, not all of them")
+    layers = [PassThrough() if i in skip else layer for i, layer in enumerate(target_layers(target))]
+    if getattr(target, "plan", None) is None:
+        draft = _hf_view(target, layers)
+    else:
+        draft = skeleton(target)
+        for i, layer in enumerate(layers):
+            draft.layers[i] = layer   # the target's module (bound once, resident) or a pass-through
+    draft.substituted, draft.substitute_bits, draft.skipped = [], LAYER_SKIP, skip
+    return draft
+
+
+def target_layers(target):
+    """The decoder layers of an OffloadedCausalLM (`.layers`) or of an HF causal LM (`.model.layers`)."""
+    return target.layers if getattr(target, "plan", None) is not None else target.model.layers
+
+
+def _hf_view(target, layers):
+    """A second view of an HF causal LM (`--offload none`): a shallow copy whose inner model holds
+    `layers`; every parameter, buffer, config and submodule is the target's own object."""
+    import copy
+
+    draft = copy.copy(target)
+    draft._modules = dict(target._modules)   # nn.Module keeps submodules here: a dict of its own
+    inner = copy.copy(target.model)
+    inner._modules = dict(target.model._modules)
+    inner.layers = nn.ModuleList(layers)
+    draft.model = inner
+    from offload.stream.devmem import DevicePool
+
+    draft.pool = DevicePool(target.device)   # counts nothing: no device bytes of its own
+    return draft
+
+
 def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progress):
     """A weightless skeleton of the target's architecture whose substituted layers get HQQ weights."""
-    from offload.stream.devmem import DevicePool
     from offload.quant.lowbit import ensure_lowbit_layers, lowbit_layer, shard_path
-    from offload.stream.model import OffloadedCausalLM
 
     ck = getattr(target, "checkpoint", None)
     if ck is not None and Path(ck.path) == Path(source):
         source = ck                      # the target's opened checkpoint: not opened again
     cache = ensure_lowbit_layers(source, layers, bits, progress)
-    draft = OffloadedCausalLM.from_pretrained(
-        source, device=target.device, dtype=target.dtype, offload="none", pool=DevicePool(target.device),
-        subset=Subset(frozenset(), shared))
+    draft = skeleton(target, source)
     for i in layers:
         draft.layers[i] = lowbit_layer(draft.layers[i], shard_path(cache, i), target.device, target.dtype, draft.pool)
     return draft

@@ -10,8 +10,13 @@ Contract:
 - `skip_order(n_layers, influence)` is the order in which layers are given up: ascending influence
   when measured; without a measurement, middle-out, so that every prefix of length k is
   `selfdraft.skip_block(n_layers, k)`. The first and the last layers never appear.
+- `rule_order(n_layers, rule, influence)`: the order under a named rule (RULES): "influence" (as
+  skip_order with the measurement), "middle" (skip_order without it), "alternate" (every other
+  layer, 1, 3, 5, ... taken middle-out, then the rest middle-out: Draft & Verify / SWIFT skip
+  layers spread over the stack rather than one block).
 - `pick_skipped(order, streamed, n)`: the first `n` layers of `order` that the target streams (a
-  resident layer is the target's own module in the draft, so leaving it out saves nothing).
+  resident layer is the target's own module in a substituting draft, so leaving it out saves
+  nothing); for the layer-skip draft of a resident target every layer is a candidate.
 - `stored_influence(src)` / `store_influence(src, values)`: a small JSON under $SPECX_CACHE whose
   name carries a key over `src`'s weight files (quant_cache.source_fingerprint) and CALIBRATION: a
   missing, stale or unreadable file reads as None (measured again), never as figures.
@@ -84,6 +89,19 @@ def skip_order(n_layers: int, influence: list[float] | None = None) -> list[int]
     for k in range(1, len(inner) + 1):   # skip_block's middle block grows by one layer at a time
         order += sorted(set(skip_block(n_layers, k)) - set(order))
     return order
+
+
+RULES = ("influence", "middle", "alternate")
+
+
+def rule_order(n_layers: int, rule: str, influence: list[float] | None = None) -> list[int]:
+    """Layers 1..n-2 in the order `rule` gives them up (see the contract)."""
+    if rule not in RULES:
+        raise ValueError(f"skip rule must be one of {', '.join(RULES)} (got {rule!r})")
+    if rule != "alternate":
+        return skip_order(n_layers, influence if rule == "influence" else None)
+    middle = skip_order(n_layers)   # middle-out
+    return [i for i in middle if i % 2 == 1] + [i for i in middle if i % 2 == 0]
 
 
 def pick_skipped(order: list[int], streamed, n: int) -> list[int]:

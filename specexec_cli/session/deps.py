@@ -90,7 +90,8 @@ def require_for_run(opts) -> None:
 
 
 def usable_bits(bits) -> bool:
-    return installed(BITS_NEED[bits])
+    """A width whose quantizer is installed (the layer-skip draft, bits 0, needs none)."""
+    return bits not in BITS_NEED or installed(BITS_NEED[bits])
 
 
 def skipped_clause(plan) -> str:

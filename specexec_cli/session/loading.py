@@ -44,7 +44,7 @@ class LoadOptions:
     draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
     shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
     draft_skip: int | None = None  # --draft self: layers run without a substitute; None = the plan's (0 unplanned)
-    draft_skip_rule: str = "influence"  # which layers: the least influential (measured once) | "middle" block
+    draft_skip_rule: str = "influence"  # which layers: the least influential (measured once) | "middle" | "alternate"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -220,50 +220,56 @@ SELF = "self"   # --draft self: the target's own low-bit substitute (offload/sel
 
 
 def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
-    """The streamed layers the self-draft leaves out: as many as the plan says (or `draft_skip`), the
-    least influential ones, measured by one target pass over offload.selfdraft.influence.CALIBRATION the first
-    time and stored; the plan's `skipped_layers` are updated to the choice."""
-    from offload.selfdraft.influence import CALIBRATION, layer_influence, pick_skipped, skip_order
+    """The layers the self-draft leaves out: as many as the plan says (or `draft_skip`; for the
+    layer-skip draft of a resident target without either, selfplan.default_skip), by
+    `draft_skip_rule` (influence.RULES): the least influential ones, measured by one target pass over
+    offload.selfdraft.influence.CALIBRATION the first time and stored, the middle block, or every
+    other layer; among the streamed layers, or every layer when none streams. The plan's
+    `skipped_layers` are updated to the choice."""
+    from offload.planning.selfplan import default_skip
+    from offload.selfdraft.influence import CALIBRATION, layer_influence, pick_skipped, rule_order
     from offload.selfdraft.influence import store_influence, stored_influence
-    from offload.selfdraft.build import sixteen_bit_source, streamed_layers
+    from offload.selfdraft.build import sixteen_bit_source, streamed_layers, target_layers
 
     from specexec_cli.session import notices
 
+    n_layers, streamed = len(target_layers(target)), streamed_layers(target)
     n = opts.draft_skip if opts.draft_skip is not None else len(getattr(opts.plan, "skipped_layers", None) or [])
+    if not n and not streamed and opts.draft_skip is None:
+        n = default_skip(n_layers)
     if not n:
         return []
-    n_layers, influence = len(target.layers), None
-    source = sixteen_bit_source(target) or Path(target.source)
-    if opts.draft_skip_rule != "middle":
+    influence, rule = None, opts.draft_skip_rule
+    if getattr(target, "plan", None) is None and rule == "influence":   # HF-resident: no hooks to measure with
+        rule = "middle"
+    source = (sixteen_bit_source(target) or Path(target.source)) if rule == "influence" else None
+    if rule == "influence":
         influence = stored_influence(source, n_layers)
-    if influence is None and opts.draft_skip_rule != "middle":
+    if influence is None and rule == "influence":
         notices.notice(f"--draft self: one target pass to measure each layer's influence and leave out the "
                              f"{n} least influential (stored for later loads)")
         tok = tok or load_tokenizer(Path(target.source), "--target", False)
         ids = torch.tensor([tok(CALIBRATION)["input_ids"]], device=target.input_device)
         influence = layer_influence(target, ids)
         store_influence(source, influence)
-    skipped = pick_skipped(skip_order(n_layers, influence), streamed_layers(target), n)
+    order = rule_order(n_layers, rule, influence)
+    skipped = pick_skipped(order, streamed or range(n_layers), n)
     if opts.plan is not None and getattr(opts.plan, "skipped_layers", None):
         opts.plan.skipped_layers = skipped
     return skipped
 
 
 def load_self_draft(target, opts: LoadOptions, pool, tok=None):
-    """The target's self-draft, its substitutes counted as the plan's "draft" component; None (with
-    a notice) when every target layer is resident, so that decoding runs without a draft."""
+    """The target's self-draft, its substitutes counted as the plan's "draft" component (where every
+    layer is resident, an HF-resident target's too: the layer-skip draft, which holds no bytes of its own)."""
     from offload import OffloadError
-    from offload.selfdraft.build import build_self_draft, streamed_layers
+    from offload.selfdraft.build import LAYER_SKIP, build_self_draft, streamed_layers
 
-    from specexec_cli.session import notices
-
-    if getattr(target, "plan", None) is None or not streamed_layers(target):   # HF-resident, or nothing streams
-        notices.notice("--draft self: every target layer is resident, so there is nothing to substitute; "
-                             "decoding without a draft")
-        return None
     plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
     quantized = getattr(getattr(target, "checkpoint", None), "quantized", False)   # bnb / AWQ / GPTQ / ...
     bits = opts.draft_bits or plan_bits or (3 if quantized else 4)
+    if not streamed_layers(target):
+        bits = LAYER_SKIP
     try:
         draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
     except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group

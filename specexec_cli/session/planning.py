@@ -183,31 +183,38 @@ def require_fit(plan) -> None:
         raise SpecxError(plan.reason)
 
 
+def self_name(bits) -> str:
+    """How a notice names the self-draft of `bits` (build.LAYER_SKIP: the layer-skip draft of a resident target)."""
+    return "the layer-skip self-draft" if bits == 0 else f"the self-draft at {bits} bits"
+
+
 def resolve_auto(opts, plan, replan, skipped: str = ""):
     """--draft auto: (LoadOptions, plan) with the draft the plan chose, and one notice naming it
     (`skipped`: session/deps.py's clause naming the candidates whose package is missing).
-    The plan was made as a self-draft's (candidates: its widths and plain decoding); when nothing streams,
-    the target is pre-quantized, no width fits or plain decoding is modelled faster than the best width,
-    decoding runs without a draft (`replan(opts)` plans for that)."""
+    The plan was made as a self-draft's (candidates: its widths, or the layer-skip draft where every
+    layer is resident, and plain decoding); when the target is pre-quantized, no width fits or plain
+    decoding is modelled faster than the best draft, decoding runs without a draft (`replan(opts)`
+    plans for that)."""
     from offload.planning.draftcost import PLAIN
 
     from specexec_cli.session import notices
     from specexec_cli.session.loading import SELF
 
     drafts = [c for c in (plan.candidates if plan is not None else []) if c["draft"] != PLAIN]
+    name = self_name(getattr(plan, "substitute_bits", None))
     plain = next((c for c in (plan.candidates if plan is not None else []) if c["draft"] == PLAIN), None)
     c = (plan.choice if plan is not None else None) or {}
     faster = plain is not None and plain["tokens_per_second"] > c.get("tokens_per_second", 0)
     if plan is not None and plan.fits and plan.substitute_bits is not None and not faster:
-        notices.notice(f"--draft auto: the self-draft at {plan.substitute_bits} bits (modelled "
+        notices.notice(f"--draft auto: {name} (modelled "
                        f"{c.get('tokens_per_second', 0):.2f} tokens/s, the best of {len(drafts)} "
                        f"candidates; --dry-run lists them){skipped}")
         return replace(opts, draft=SELF), plan
     if plan is not None and plan.fits and plan.substitute_bits is not None:
         why = (f"plain decoding is modelled faster ({plain['tokens_per_second']:.2f} tokens/s against "
-               f"{c.get('tokens_per_second', 0):.2f} for the self-draft at {plan.substitute_bits} bits)")
+               f"{c.get('tokens_per_second', 0):.2f} for {name})")
     elif plan is not None and plan.fits:
-        why = "every target layer is resident"
+        why = "every target layer is resident and the layer-skip draft was not modelled"
     elif plan is None:
         why = "pickle weights have no headers to plan a self-draft from"
     else:
