@@ -44,7 +44,7 @@ def test_training_lowers_the_loss_and_reports_it(distilled):
     _, draft, _ = distilled
     rep = json.loads((draft / "distill.json").read_text())
     assert rep["train"]["steps"] == 30
-    assert rep["replies"] == 4 and rep["reply_tokens"] > 0 and rep["text_tokens"] > 0
+    assert rep["replies"] == 4 and rep["reply_tokens"] > 0 and rep["text_tokens"] > 0 and not rep["data_from_cache"]
     assert rep["train"]["last_loss"] < rep["train"]["first_loss"]
 
 
@@ -94,7 +94,8 @@ def test_a_cached_run_reuses_the_teacher_data(distilled, tmp_path, monkeypatch):
     monkeypatch.setattr(tool, "load_teacher", lambda path: pytest.fail("the cache should replace the teacher"))
     assert tool.main(["--teacher", str(teacher), "--out", str(tmp_path / "d2"), "--steps", "2", "--cache", str(cache),
                       *ARGS]) == 0
-    assert json.loads((tmp_path / "d2" / "distill.json").read_text())["replies"] == 4
+    rep = json.loads((tmp_path / "d2" / "distill.json").read_text())
+    assert rep["replies"] == 4 and rep["data_from_cache"]
 
 
 def test_training_prompts_are_not_the_benchmarks():

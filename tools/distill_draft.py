@@ -23,7 +23,8 @@ Loss:   cross-entropy of the student's full-vocabulary log-softmax against the t
         (or over --steps, which trains exactly that many steps and ignores the clock).
 Output: DIR with config.json, model.safetensors (bf16), generation_config.json, the teacher's tokenizer
         files (same vocabulary: usable as `specx --draft DIR`) and distill.json (the command's settings,
-        data sizes, phase times and held-out top-1 agreement with the teacher, before and after training).
+        data sizes, phase times (of the run that wrote the data; `data_from_cache` says whether it came
+        from --cache) and held-out top-1 agreement with the teacher, before and after training).
 Budget: --minutes M caps the whole run's wall time: about 35% for replies, 20% for text, the rest training
         (less what loading took). Run it under `nice -n 19` on a shared machine; --threads sets torch's.
 """
@@ -233,8 +234,8 @@ def train(student, recs: list[dict], args, deadline: float) -> dict:
 
 def collect(args, tok, t_start: float) -> tuple[dict, object]:
     """The cached data (or a fresh teacher's replies and text logits) and the teacher's config/embedding."""
-    if args.cache and Path(args.cache).exists():
-        return torch.load(args.cache, weights_only=False), None
+    if args.cache and Path(args.cache).exists():   # its "times" are those of the run that wrote it
+        return dict(torch.load(args.cache, weights_only=False), from_cache=True), None
     t = time.time()
     teacher = load_teacher(Path(args.teacher))
     times = dict(load=round(time.time() - t, 1))
@@ -282,6 +283,7 @@ def main(argv=None) -> int:
     after = dict(replies=agreement(student, r_held), text=agreement(student, x_held))
     print(f"held-out top-1 agreement after: {after}", flush=True)
     save(student, tok, args, dict(before=before, after=after, train=fit, times=data["times"],
+                                  data_from_cache=data.get("from_cache", False),
                                   replies=len(data["replies"]), text_chunks=len(data["text"]),
                                   reply_tokens=sum(len(r["pos"]) for r in data["replies"]),
                                   text_tokens=sum(len(r["pos"]) for r in data["text"])))
