@@ -52,14 +52,21 @@ def hf_greedy(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from transformers import DynamicCache
+
+    from offload.arch.hfcompat import cache_kwargs
+    from specexec_cli.session.loading import quiet_transformers
+
+    quiet_transformers()   # no progress bars
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
-            got, r = [], model(input_ids=torch.tensor([ids]), use_cache=True)
+            cache = cache_kwargs(model.forward, DynamicCache())   # its keyword: `cache` from 5.24 on
+            got, r = [], model(input_ids=torch.tensor([ids]), use_cache=True, **cache)
             for _ in range(n):
                 got.append(int(r.logits[0, -1].argmax()))
-                r = model(input_ids=torch.tensor([[got[-1]]]), past_key_values=r.past_key_values, use_cache=True)
+                r = model(input_ids=torch.tensor([[got[-1]]]), use_cache=True, **cache)
             out.append(got)
     return out
 
