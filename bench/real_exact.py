@@ -112,7 +112,7 @@ def llamacpp_text(gguf: Path, prompt_text: str, n: int, binary: Path | None = No
                        timeout=600, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise RuntimeError(f"{binary.name} failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-    out = r.stdout   # the prompt's pieces, then the generated ones
+    out = r.stdout.removesuffix("\n")   # the prompt's pieces, then the generated ones, then the program's newline
     if out.startswith(prompt_text):
         return out[len(prompt_text):]
     head = prompt_text[-40:]   # a BOS piece or a re-rendered special can precede it: cut after the prompt's end
