@@ -52,14 +52,21 @@ def hf_greedy(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from transformers import DynamicCache
+
+    from offload.arch.hfcompat import cache_kwargs
+    from specexec_cli.session.loading import quiet_transformers
+
+    quiet_transformers()   # no progress bars
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
-            got, r = [], model(input_ids=torch.tensor([ids]), use_cache=True)
+            cache = cache_kwargs(model.forward, DynamicCache())   # its keyword: `cache` from 5.24 on
+            got, r = [], model(input_ids=torch.tensor([ids]), use_cache=True, **cache)
             for _ in range(n):
                 got.append(int(r.logits[0, -1].argmax()))
-                r = model(input_ids=torch.tensor([[got[-1]]]), past_key_values=r.past_key_values, use_cache=True)
+                r = model(input_ids=torch.tensor([[got[-1]]]), use_cache=True, **cache)
             out.append(got)
     return out
 
@@ -105,7 +112,7 @@ def llamacpp_text(gguf: Path, prompt_text: str, n: int, binary: Path | None = No
                        timeout=600, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise RuntimeError(f"{binary.name} failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-    out = r.stdout   # the prompt's pieces, then the generated ones
+    out = r.stdout.removesuffix("\n")   # the prompt's pieces, then the generated ones, then the program's newline
     if out.startswith(prompt_text):
         return out[len(prompt_text):]
     head = prompt_text[-40:]   # a BOS piece or a re-rendered special can precede it: cut after the prompt's end
