@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))   # `offload` is the package, not bench/offload.py beside this script
 
 PROMPTS = ROOT / "bench" / "prompts_chat.jsonl"
 LLAMACPP_BIN = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp" / "bin"
