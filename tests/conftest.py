@@ -113,3 +113,14 @@ def shared_pair() -> tuple[Path, Path]:
     if not (target / "config.json").exists() or not (draft / "config.json").exists():
         pytest.skip("../shared/models is not present")
     return target, draft
+
+
+def distribution_installed(name: str) -> bool:
+    """Whether the Python distribution `name` is installed (read from its metadata, never imported)."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True

