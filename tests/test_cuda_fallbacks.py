@@ -236,3 +236,26 @@ def test_bench_gpu_smoke_runs_every_phase_on_cpu_and_resumes(tmp_path, monkeypat
     before = state.stat().st_mtime_ns
     mod.main()                                                             # resumes: nothing left to run
     assert state.stat().st_mtime_ns == before and "| self-2bit |" in capsys.readouterr().out
+
+
+def test_a_plain_streamed_pass_never_asks_hf_for_packed_sequences(tiny_pair, monkeypatch):
+    """HF's mask builders, given positions with neither cache nor mask, look for packed sequences with
+    a host read (a device sync on CUDA: the sync-debug test on the H200 caught it). A pass whose
+    positions we made ourselves never hands them over."""
+    import transformers.masking_utils as mu
+
+    from offload import OffloadedCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("find_packed_sequence_indices was called")
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", refuse)
+    model = OffloadedCausalLM.from_pretrained(tiny_pair[0], device="cpu", dtype="fp32", offload="ram",
+                                              max_device_memory=0)
+    try:
+        out = model(input_ids=torch.tensor([[3, 5, 7, 9]])).logits
+        assert out.shape[:2] == (1, 4)
+        with pytest.raises(AssertionError, match="find_packed"):   # a caller's positions still go to HF
+            model(input_ids=torch.tensor([[3, 5, 7, 9]]), position_ids=torch.arange(4)[None])
+    finally:
+        model.close()

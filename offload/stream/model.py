@@ -182,11 +182,10 @@ class OffloadedCausalLM(nn.Module):
             if name in layout.slices:
                 mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
 
-    def _masks(self, h, attention_mask, cache, position_ids) -> dict[str, torch.Tensor | None]:
+    def _masks(self, h, attention_mask, cache, position_ids, given) -> dict[str, torch.Tensor | None]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        kw = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
-                  position_ids=position_ids)
+        kw = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask, position_ids=given)
         masks = {}
         for t in set(self.family.layer_types):
             fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
@@ -233,10 +232,13 @@ class OffloadedCausalLM(nn.Module):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        given = position_ids
         if position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(h.shape[1], device=h.device) + past).unsqueeze(0)
-        masks = self._masks(h, attention_mask, past_key_values, position_ids)
+        # only a caller's positions go to HF's mask builders: with neither cache nor mask they look
+        # for packed sequences, a host read (a device sync) that our contiguous positions never need
+        masks = self._masks(h, attention_mask, past_key_values, position_ids, given)
         pos_emb = self.rotary_emb(h, position_ids)
         types = self._layer_types()
         self.stats.streamed_bytes_per_pass = 0

@@ -70,7 +70,7 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
     for job in jobs:
         h = model.embed_tokens(job.ids[None])   # (1, T, hidden) on the device
         pos = job.positions[None]
-        lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos), model.rotary_emb(h, pos), pos,
+        lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
                            cache_kwargs(type(model.layers[0]), job.cache)))
     types = model._layer_types()
     model.stats.streamed_bytes_per_pass = 0

@@ -96,7 +96,7 @@ def attention_mask(
     allowed = torch.cat([allowed, torch.zeros(b, 1, dtype=torch.bool, device=device)], dim=1)
     allowed.scatter_(1, torch.where(anc_cols >= 0, anc_cols, n_cols), True)
     allowed = allowed[:, :n_cols]
-    allowed[torch.arange(b, device=device), self_cols] = True
+    allowed.scatter_(1, self_cols[:, None], True)   # a scatter, not an index_put: no host sync on CUDA
     # allocated at a width rounded up to 8 and passed as a slice: SDPA's memory-efficient kernel
     # copies a mask whose row stride is not a multiple of 8 (offload/arch/attention.py)
     mask = torch.zeros(b, -(-n_cols // 8) * 8, dtype=dtype, device=device)[:, :n_cols]
