@@ -148,6 +148,9 @@ def test_self_draft_dequant_temporaries_equal_the_plan(tiny_pair, bits, monkeypa
     shape = TreeShape(budget=8, max_depth=4, max_beams=4)
     plan = make_plan(opts, shape, budget_auto=False)
     assert plan.fits and plan.substitute_bits == bits, plan.reason
+    # the per-forward path (the plan had room to dequantize them once: tests/test_dense_selfdraft.py)
+    plan.dense_draft_layers = []
+    plan.device_bytes.pop("dequantized_draft", None)
     models = load_models(replace(opts, plan=plan))
     try:
         list(generate(models, DecodeState(), [3, 5, 7], GenerationConfig(method="specexec", shape=shape,

@@ -158,7 +158,9 @@ def test_nf4_target_plan_counts_the_substitutes_it_loads(target):
     plan = make_plan(opts, TreeShape(16, 8), budget_auto=False)
     models = load_models(replace(opts, plan=plan))
     try:
-        assert plan.substitute_bits == 3 and plan.device_bytes["draft"] == models.draft.pool.allocated > 0
+        counted = models.draft.pool.by_component
+        assert plan.substitute_bits == 3 and plan.device_bytes["draft"] == counted["draft"] > 0
+        assert plan.device_bytes.get("dequantized_draft", 0) == counted.get("dequantized_draft", 0)
     finally:
         models.draft.close()
         models.target.close()

@@ -288,9 +288,13 @@ def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str
     dequantization traffic of the substitutes (and of an nf4 target's resident layers)."""
     run = len(plan.layer_bytes) - len(plan.skipped_layers)
     n_sub = run - len(plan.resident)
-    weight = sum(plan.layer_bytes[i] for i in plan.resident) + plan.device_bytes.get("draft", 0) + a.vocab * a.hidden * c
+    # substitutes dequantized once at load (plan.dense_draft_layers) read their linears in c bytes, undequantized
+    n_dense = min(n_sub, len(getattr(plan, "dense_draft_layers", ())))
+    packed = plan.device_bytes.get("draft", 0) * (n_sub - n_dense) / max(n_sub, 1)
+    weight = (sum(plan.layer_bytes[i] for i in plan.resident) + int(packed) + n_dense * linear_numel(a) * c
+              + a.vocab * a.hidden * c)
     kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * c
-    dequant = linear_numel(a) * c * (n_sub * dequant_elems(substitute_kernel(bits, device), device)
+    dequant = linear_numel(a) * c * ((n_sub - n_dense) * dequant_elems(substitute_kernel(bits, device), device)
                                      + (len(plan.resident) * DEQUANT_ELEMS["nf4-dequant"] if nf4_target else 0))
     return weight, kv, dequant
 

@@ -140,3 +140,20 @@ def dense_fit(lay: LayerSizes, resident: list[int], room: int, slack: float = 1.
             dense.append(i)
             used += size
     return dense
+
+
+def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, room: int) -> tuple[list[int], int]:
+    """--draft self with HQQ substitutes (3 or 2 bits): the substituted layers, in order, whose linears
+    dequantized once to the compute dtype (quant/dense.py) fit in `room`, and their bytes. A layer's
+    linears hold q, o (hidden x heads*head_dim), k, v (hidden x kv_heads*head_dim) and the MLP's three
+    (hidden x intermediate) weights. NF4 substitutes stay packed: bitsandbytes' kernels define them."""
+    if not req.self_draft or req.draft_bits not in (2, 3):
+        return [], 0
+    a = arch
+    per = (2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim
+           + 3 * a.hidden * a.intermediate) * compute_bytes(req)
+    keep = set(resident)
+    subs = [i for i, v in enumerate(lay.substitute) if v and i not in keep]
+    n = min(len(subs), max(0, room) // per) if per else 0
+    return subs[:n], n * per
+

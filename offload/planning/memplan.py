@@ -41,7 +41,8 @@ from offload.errors import OffloadError
 from offload.sizes import format_bytes
 from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes,
                        forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
-from offload.planning.memlayers import Checkpoint, LayerSizes, dense_fit, layer_sizes, read_checkpoint  # noqa: F401 - read_checkpoint: API
+from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_fit, dense_substitutes,  # noqa: F401 - read_checkpoint: API
+                                        layer_sizes, read_checkpoint)
 from offload.stream.storage import staging_slots
 
 CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
@@ -112,6 +113,7 @@ class MemoryPlan:
     sized_budget: int = 0            # tree budget the activations and caches are sized for (>= budget; 0 = budget)
     row_bytes: int = 0               # device bytes per token of another request's tree in a forest pass
     dense_layers: list[int] = field(default_factory=list)   # resident layers dequantized once at load
+    dense_draft_layers: list[int] = field(default_factory=list)   # --draft self: substitutes dequantized once
 
     @property
     def device_total(self) -> int:
@@ -136,6 +138,7 @@ class MemoryPlan:
             ram_bytes_per_pass=sum(self.layer_bytes[i] for i in self.ram_layers),
             candidates=list(self.candidates), choice=self.choice, slots=self.slots,
             machine=dict(self.machine), dense_layers=list(self.dense_layers),
+            dense_draft_layers=list(self.dense_draft_layers),
         )  # fmt: skip
 
 
@@ -310,6 +313,11 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     dense = dense_fit(lay, pl.resident, cap - used, 1 + STATIC_SLACK if cuda else 1)
     if dense:
         dev["dequantized_layers"] = sum(lay.dense[i] for i in dense)
+    # then the self-draft's substitutes (quant/dense.py too), in what is still left
+    dense_draft, sub_bytes = dense_substitutes(lay, pl.resident, req, ta, cap - used - dev.get("dequantized_layers", 0))
+    if dense_draft:
+        dev["dequantized_draft"] = sub_bytes
+    if dense or dense_draft:
         dev["cuda_context"] = _margin({k: v for k, v in dev.items() if k != "cuda_context"}, cuda)
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
@@ -318,7 +326,10 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     if slots > req.slots:
         plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
                           "over, so the stream reads that many layers of the next pass while the draft grows its tree")
-    plan.dense_layers = dense
+    plan.dense_layers, plan.dense_draft_layers = dense, dense_draft
+    if dense_draft:
+        plan.notes.append(f"self-draft dequantized once: {len(dense_draft)} substitutes "
+                          f"({format_bytes(sub_bytes)} in the compute dtype), none rebuilt per draft forward")
     if dense:
         plan.notes.append(f"dequantized once: {len(dense)} of {len(pl.resident)} resident layers "
                           f"({format_bytes(dev['dequantized_layers'])} in the compute dtype); "

@@ -274,8 +274,19 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
         draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
     except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
         raise SpecxError(str(exc)) from None
-    pool.by_component["draft"] = pool.by_component.get("draft", 0) + draft.pool.allocated
+    densify_substitutes(draft, getattr(opts.plan, "dense_draft_layers", ()))
+    for comp, nbytes in draft.pool.by_component.items():   # "draft", and "dequantized_draft" where the plan had room
+        pool.by_component[comp] = pool.by_component.get(comp, 0) + nbytes
     return draft
+
+
+def densify_substitutes(draft, layers) -> None:
+    """The plan's `dense_draft_layers`: those HQQ substitutes dequantized once (offload/quant/dense.py),
+    counted in the draft's pool as "dequantized_draft"; the same values as rebuilding them per forward."""
+    from offload.quant.dense import densify
+
+    for i in layers:
+        densify(draft.layers[i], draft.pool, "dequantized_draft")
 
 
 def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
