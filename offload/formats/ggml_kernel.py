@@ -43,7 +43,7 @@ from torch import nn
 
 ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
 QTYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0 (gguf_quants numbering)
-MAX_ROWS = 16                        # activation rows up to which the kernel beats a dense GEMM
+MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
 _STATE: dict = {"lib": None, "broken": None, "tried": False}

@@ -36,10 +36,7 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef int16_t v16h __attribute__((vector_size(32)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef int8_t v16s __attribute__((vector_size(16)));
-typedef int8_t v16s_u __attribute__((vector_size(16), aligned(1), may_alias));
 typedef uint8_t v16b_u __attribute__((vector_size(16), aligned(1), may_alias));   /* unaligned load */
 typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
 
@@ -72,10 +69,10 @@ static inline float f16_to_f32(const uint8_t *p) {
 
 static inline v16f ldf(const float *p) { return *(const v16f_u *)p; }
 static inline v16b ldb(const uint8_t *p) { return *(const v16b_u *)p; }
-/* 16 int8 -> 16 floats, widened through int16 (GCC 12 widens int8 -> int32 with scalar code) */
+/* 16 int8 -> 16 floats: bytes ^ 0x80 (= q + 128, unsigned), widened, converted, minus 128 (all exact;
+   GCC 12 widens a signed byte vector with scalar code) */
 static inline v16f i8f(const uint8_t *p) {
-    v16s a = *(const v16s_u *)p;
-    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(a, v16h), v16i), v16f);
+    return __builtin_convertvector(__builtin_convertvector(ldb(p) ^ 0x80, v16i), v16f) - 128.0f;
 }
 
 static size_t block_bytes(int qtype) {
@@ -119,6 +116,25 @@ static inline float dot_row(int qtype, const uint8_t *row, const float *x, const
     return hsum(acc) + accm;
 }
 
+/* T == 1, R rows at once: R independent accumulator chains sharing each activation load. */
+#define R 4
+static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const float *x, const float *xs, int64_t nb,
+                            float *out) {
+    v16f acc[R] = {{0}}, lo, hi;
+    float accm[R] = {0};
+    size_t bb = block_bytes(qtype);
+    for (int64_t b = 0; b < nb; b++) {
+        v16f x0 = ldf(x + b * QK), x1 = ldf(x + b * QK + 16);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = row + r * rb + b * bb;
+            codes(qtype, blk, &lo, &hi);
+            acc[r] += f16_to_f32(blk) * (lo * x0 + hi * x1);
+            if (qtype == Q4_1) accm[r] += f16_to_f32(blk + 2) * xs[b];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + accm[r];
+}
+
 /* T > 1: y[t, ycol] for every t from one packed row, TB activation rows per pass over the row. */
 static inline void rows_multi(int qtype, const uint8_t *row, const float *x, float *y, int64_t ycol,
                               int64_t N, int64_t K, int64_t T) {
@@ -155,10 +171,17 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
     static void NAME(const uint8_t *w, const float *x, const float *xs, float *y, const int32_t *rowmap, \
                      int64_t N, int64_t K, int64_t T, int nthreads) {                               \
         size_t rb = (size_t)(K / QK) * block_bytes(QT);                                             \
-        if (T == 1) {                                                                               \
+        if (T == 1) {                    /* groups of R rows, then the N % R last rows one by one */ \
+            int64_t groups = N / R;                                                                 \
             _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                      \
-            for (int64_t n = 0; n < N; n++)                                                         \
-                y[rowmap ? rowmap[n] : n] = dot_row(QT, w + (size_t)n * rb, x, xs, K / QK);          \
+            for (int64_t g = 0; g <= groups; g++) {                                                 \
+                float out[R];                                                                       \
+                int64_t n0 = g * R, cnt = g < groups ? R : N - n0;                                  \
+                if (cnt == R) dot_rows(QT, w + (size_t)n0 * rb, rb, x, xs, K / QK, out);            \
+                else                                                                                \
+                    for (int64_t i = 0; i < cnt; i++) out[i] = dot_row(QT, w + (size_t)(n0 + i) * rb, x, xs, K / QK); \
+                for (int64_t i = 0; i < cnt; i++) y[rowmap ? rowmap[n0 + i] : n0 + i] = out[i];     \
+            }                                                                                       \
         } else {                                                                                    \
             _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                      \
             for (int64_t n = 0; n < N; n++)                                                         \
