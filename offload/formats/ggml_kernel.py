@@ -43,6 +43,7 @@ from torch import nn
 
 ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
 QTYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0 (gguf_quants numbering)
+BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
@@ -141,10 +142,11 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
     global CALLS
     lib = _library()
     k = x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.is_contiguous() else x2.contiguous()
     t = x2.shape[0]
-    raw = raw.contiguous()
-    if raw.dtype != torch.uint8 or raw.numel() * 32 != out_features * k * {2: 18, 3: 20, 8: 34}[qtype]:
+    raw = raw if raw.is_contiguous() else raw.contiguous()
+    if raw.dtype != torch.uint8 or raw.numel() * 32 != out_features * k * BYTES[qtype]:
         raise ValueError(f"packed weight of {raw.numel()} bytes does not hold a ({out_features}, {k}) "
                          f"type-{qtype} matrix")
     y = torch.empty(t, out_features, dtype=torch.float32)
