@@ -4,7 +4,8 @@ Oracle: dequantize-then-matmul (gguf_quants.dequantize, bitwise the `gguf` packa
 F.linear) in float64, which the kernel's fp32 result must match to fp32 accuracy (relative to
 sum |x| |w|) for Q4_0, Q4_1 and Q8_0, any number of activation rows, row counts that are odd or not
 a multiple of the thread count, and a row map (llama.cpp's Q/K order). Then the wiring: a CPU fp32
-GGUF model runs its linears and its head through the kernel for a decode step (counted calls), the
+GGUF model runs its linears and its head through the kernel for a decode step (counted calls), a
+wide batch through the fp32 copies, or through the kernel where a layer has none, the
 greedy ids of `--method ar` are the same with $SPECX_GGUF_KERNEL on and off, and every fallback (off,
 no compiler, a large batch, a bf16 compute dtype) takes the dequantizing path silently with one
 status line. With SmolLM2 installed (slow): its first 32 greedy ids equal with the kernel on and off.
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 pytest.importorskip("gguf")
 
 from offload.formats import ggml_kernel as gk, gguf_quants as gq  # noqa: E402
+from offload.quant.dense import undensify  # noqa: E402
 from tests.conftest import ROOT, distribution_installed, make_model  # noqa: E402
 from tests.gguf_build import write_gguf  # noqa: E402
 
@@ -112,11 +114,17 @@ def test_decode_step_runs_through_the_kernel(tiny, q, monkeypatch):
             ref = model(input_ids=ids).logits
         assert gk.CALLS - before == 2 * 7 + 1 and gk.kernel_status().startswith("$SPECX_GGUF_KERNEL=off")
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+        monkeypatch.delenv(gk.ENV)
+        wide = torch.arange(gk.MAX_ROWS + 1).view(1, -1) % 40
         before = gk.CALLS
-        with torch.no_grad():                                   # a batch above MAX_ROWS: the dense path
-            monkeypatch.delenv(gk.ENV)
-            model(input_ids=torch.arange(gk.MAX_ROWS + 1).view(1, -1) % 40)
+        with torch.no_grad():                                   # a batch above MAX_ROWS: the dense copies
+            model(input_ids=wide)
         assert gk.CALLS == before
+        for layer in model.layers:                              # no dense copy: the kernel at any batch
+            undensify(layer, model.pool)
+        with torch.no_grad():
+            model(input_ids=wide)
+        assert gk.CALLS - before == 2 * 7                       # the head still has its fp32 table
     finally:
         model.close()
 

@@ -8,10 +8,10 @@ Contract:
   gguf_quants.dequantize defines it and accumulated in fp32, so the result equals
   dequantize-then-matmul up to fp32 rounding order (activations are never quantized). Each call
   reads the packed bytes once (0.56-1.06 bytes per weight instead of 4).
-- `usable(x, qtype)`: whether `linear` serves this call: CPU fp32 input, a supported type
-  (`QTYPES`), at most `MAX_ROWS` activation rows (above that a library GEMM over the
-  dequantized weight is faster: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the
-  library built. The first use compiles the C source once per machine with the system C compiler
+- `usable(x, qtype, max_rows=MAX_ROWS)`: whether `linear` serves this call: CPU fp32 input, a
+  supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
+  a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
+  batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built. The first use compiles the C source once per machine with the system C compiler
   (`cc -O3 -march=native -fopenmp`, then weaker flag sets) into $SPECX_CACHE/kernels (default
   ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
 - `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
@@ -130,10 +130,11 @@ def kernel_status() -> str | None:
     return _STATE["broken"]
 
 
-def usable(x: torch.Tensor, qtype: int | None) -> bool:
+def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) -> bool:
+    """Whether `linear` serves x (see the contract); max_rows None: any number of rows."""
     rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and qtype in QTYPES
-            and 0 < rows <= MAX_ROWS and x.shape[-1] % 32 == 0 and enabled())
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and qtype in QTYPES and rows > 0
+            and (max_rows is None or rows <= max_rows) and x.shape[-1] % 32 == 0 and enabled())
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,

@@ -11,9 +11,10 @@ freed after the matmul), then computes `x @ W.T + bias` in that dtype and return
 Dequantized once: when `dense` holds that weight (offload/quant/dense.py puts it there for a
 resident layer the memory plan has room for), forward uses it instead of dequantizing again;
 the same values, so the same outputs.
-GGUF on CPU: for a few activation rows (decode, small trees) forward multiplies by the packed
-bytes directly (formats/ggml_kernel.py: fp32, the same math up to fp32 rounding order), reading
-0.56-1.06 bytes per weight instead of the 4 of `dense`; larger batches use `dense` or dequantize.
+GGUF on CPU (fp32): forward multiplies by the packed bytes directly (formats/ggml_kernel.py: the
+same math up to fp32 rounding order) for up to MAX_ROWS activation rows (decode, small trees),
+reading 0.56-1.06 bytes per weight instead of the 4 of `dense`, and for any batch when there is no
+`dense` (it beats dequantizing per call); larger batches with `dense` multiply by it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class PackedLinear(nn.Module):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         """x W^T (+ b) from the packed GGUF bytes on CPU, or None where the kernel does not apply."""
         raw = getattr(self, next(iter(self.parts)))
-        if raw.device.type != "cpu" or not ggml_kernel.usable(x, self.ggml_type):
+        limit = ggml_kernel.MAX_ROWS if self.dense is not None else None   # beats per-call dequantization at any T
+        if raw.device.type != "cpu" or not ggml_kernel.usable(x, self.ggml_type, limit):
             return None
         y = ggml_kernel.linear(x, raw, self.ggml_type, self.out_features, self.row_map)
         return y if self.bias is None else y + self.bias.to(y.dtype)
