@@ -182,3 +182,21 @@ def test_smollm2_first_32_greedy_ids_equal_kernel_on_and_off(tmp_path, monkeypat
     prompt = "What is the capital of France, and why is it famous?"
     on, off = (_ar_ids(f, o, prompt, 32, tmp_path, monkeypatch) for o in (False, True))
     assert len(on) == 32 and on == off
+
+
+def test_plan_counts_the_packed_head_as_the_loader_does(tiny, monkeypatch):
+    from offload.formats import open_checkpoint
+    from offload.planning.memplan import PlanRequest, plan_memory
+    from offload.stream.model import OffloadedCausalLM
+
+    ck = open_checkpoint(tiny["Q8_0"])
+    req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=8 << 30, ctx=64, budget=8)
+    table = 45 * 64 * 4                                         # the untied head's fp32 (vocab, hidden)
+    for env, packed in (("auto", ck.tensors["lm_head.weight"].nbytes), ("off", 0)):
+        monkeypatch.setenv(gk.ENV, env)
+        plan = plan_memory(ck, None, req)
+        model = OffloadedCausalLM.from_pretrained(ck, device="cpu", dtype=torch.float32, memplan=plan)
+        try:
+            assert plan.device_bytes["lm_head"] == model.pool.by_component["lm_head"] == table + packed
+        finally:
+            model.close()
