@@ -1,7 +1,7 @@
 """The packed GGUF CPU kernel (offload/formats/ggml_kernel.py) against the fp32 paths it replaces.
 
 Run by hand (not a test), under the bench lock:
-`flock /tmp/bench.lock python bench/gguf_kernel.py [--threads 1] [--rounds 2] [-n 48] [--skip-e2e]
+`flock /tmp/bench.lock python bench/gguf_kernel.py [--threads 1] [--rounds 2] [-n 48] [--skip-e2e|--skip-linears]
  [--out bench/results/gguf_kernel.json] [--doc]`.
 Two measurements, on `--threads` torch threads (the kernel uses as many):
 - per linear, SmolLM2-135M's shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 as
@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--skip-linears", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gguf_kernel.json"))
     ap.add_argument("--doc", action="store_true")
     args = ap.parse_args()
@@ -148,7 +149,7 @@ def main() -> None:
         raise SystemExit(f"the kernel is not available here: {ggml_kernel.kernel_status()}")
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    result = dict(commit=commit, threads=args.threads, layers_cycled=LAYERS, linears=per_linear())
+    result = dict(commit=commit, threads=args.threads, layers_cycled=LAYERS, linears=[] if args.skip_linears else per_linear())
     if not args.skip_e2e:
         from selfdraft_resident import real_model
 
