@@ -11,8 +11,9 @@ Contract:
 - `usable(x, qtype, max_rows=MAX_ROWS)`: whether `linear` serves this call: CPU fp32 input, a
   supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
   a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
-  batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built. The first use compiles the C source once per machine with the system C compiler
-  (`cc -O3 -march=native -fopenmp`, then weaker flag sets) into $SPECX_CACHE/kernels (default
+  batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built.
+  The first use compiles the C source once per machine with the system C compiler (`cc -O3
+  -march=native -fopenmp`, then weaker flag sets) into $SPECX_CACHE/kernels (default
   ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
 - `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
   the dequantizing path (no compiler, compile failure, turned off): one line, never printed.
@@ -93,7 +94,11 @@ def _load() -> ctypes.CDLL | None:
     if cc is None:
         _STATE["broken"] = "no C compiler (cc) found; GGUF linears dequantize instead"
         return None
-    src = SOURCE.read_text()
+    try:
+        src = SOURCE.read_text()
+    except OSError:
+        _STATE["broken"] = f"{SOURCE.name} is missing from the installation; GGUF linears dequantize instead"
+        return None
     base = hashlib.sha256((src + cc + _cpu_flags()).encode()).hexdigest()[:16]
     for flags in FLAG_SETS:
         key = hashlib.sha256((base + " ".join(flags)).encode()).hexdigest()[:16]
