@@ -150,6 +150,12 @@ def test_no_compiler_falls_back_silently(monkeypatch, tmp_path):
     assert "could not compile" in gk.kernel_status() or "build failed" in gk.kernel_status()
 
 
+def test_missing_source_falls_back_silently(monkeypatch, tmp_path):
+    monkeypatch.setattr(gk, "_STATE", {"lib": None, "broken": None, "tried": False})
+    monkeypatch.setattr(gk, "SOURCE", tmp_path / "ggml_gemv.c")
+    assert not gk.usable(torch.zeros(1, 32), gq.Q8_0) and "missing" in gk.kernel_status()
+
+
 def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, monkeypatch) -> list[int]:
     """Greedy ids of `specx run --method ar` (in process, through the CLI app)."""
     from typer.testing import CliRunner
