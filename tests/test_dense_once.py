@@ -27,6 +27,13 @@ from tests.gguf_build import write_gguf  # noqa: E402
 IDS = torch.tensor([[1, 5, 9, 3, 22, 7, 7, 30]])
 
 
+@pytest.fixture(autouse=True)
+def _dequantizing_path(monkeypatch):
+    """`dense` against per-forward dequantization: the CPU kernel, which serves batches this small
+    (offload/formats/ggml_kernel.py, tests/test_ggml_kernel.py), stays out of the comparison."""
+    monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")
+
+
 @pytest.fixture(scope="module")
 def q41(tmp_path_factory):
     root = tmp_path_factory.mktemp("dense")

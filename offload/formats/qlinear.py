@@ -11,6 +11,10 @@ freed after the matmul), then computes `x @ W.T + bias` in that dtype and return
 Dequantized once: when `dense` holds that weight (offload/quant/dense.py puts it there for a
 resident layer the memory plan has room for), forward uses it instead of dequantizing again;
 the same values, so the same outputs.
+GGUF on CPU (fp32): forward multiplies by the packed bytes directly (formats/ggml_kernel.py: the
+same math up to fp32 rounding order) for up to MAX_ROWS activation rows (decode, small trees),
+reading 0.56-1.06 bytes per weight instead of the 4 of `dense`, and for any batch when there is no
+`dense` (it beats dequantizing per call); larger batches with `dense` multiply by it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload.formats import ggml_kernel
 from offload.formats.base import Checkpoint
 
 
@@ -42,6 +47,8 @@ class PackedLinear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False)
                      if has_bias else None)
         self.dense: torch.Tensor | None = None         # (out, in) in compute_dtype, once dequantized
+        self.ggml_type = ggml_kernel.gguf_kernel_type(ckpt, hf_weight_name, "cpu", compute_dtype)
+        self.row_map = ggml_kernel.row_map(ckpt, hf_weight_name) if self.ggml_type is not None else None
 
     def parts_device(self) -> torch.device:
         """Where the stored parts are bound (meta until the loader binds them)."""
@@ -51,7 +58,18 @@ class PackedLinear(nn.Module):
         raw = {stored: getattr(self, attr) for attr, stored in self.parts.items()}
         return self.ckpt.reader.load_weight(self.ckpt, self.hf_name, raw, device, self.compute_dtype)
 
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x W^T (+ b) from the packed GGUF bytes on CPU, or None where the kernel does not apply."""
+        raw = getattr(self, next(iter(self.parts)))
+        limit = ggml_kernel.MAX_ROWS if self.dense is not None else None   # beats per-call dequantization at any T
+        if raw.device.type != "cpu" or not ggml_kernel.usable(x, self.ggml_type, limit):
+            return None
+        y = ggml_kernel.linear(x, raw, self.ggml_type, self.out_features, self.row_map)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ggml_type is not None and (y := self._kernel(x)) is not None:
+            return y
         w = self.dense if self.dense is not None else self.dequantized(x.device)   # (out, in), compute dtype
         if x.dtype == self.compute_dtype and self.bias is None:
             return F.linear(x, w)

@@ -3,7 +3,8 @@
 Contract: `plan_memory(target, draft, request)` is a pure function of two `Checkpoint`s (config.json
 plus safetensors headers, never weight bytes) and a `PlanRequest` (dtype, ctx, budget, caps, free
 memory). It returns a `MemoryPlan` with one entry per device component:
-- embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (embeddings may
+- embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (a GGUF head the CPU
+  kernel serves also keeps its packed bytes: formats/ggml_kernel.py; embeddings may
   live on the host instead: only the looked-up rows then cross the link);
 - resident_layers: packed layer arenas (storage.packed_layout) of the resident layers, spread evenly
   through the stack (`resident_ids`) so the stream reads streamed layers while resident ones compute;
@@ -37,7 +38,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+import torch
+
 from offload.errors import OffloadError
+from offload.formats.ggml_kernel import gguf_kernel_type
 from offload.sizes import format_bytes
 from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes,
                        forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
@@ -147,8 +151,11 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
     c = compute_bytes(req)
     table = a.vocab * a.hidden * c
     shared = a.tied and "lm_head.weight" not in ck.tensors and emb == "device"
+    head = "model.embed_tokens.weight" if a.tied and "lm_head.weight" not in ck.tensors else "lm_head.weight"
+    fp32 = torch.float32 if c == 4 else torch.bfloat16
+    packed = ck.tensors[head].nbytes if head in ck.tensors and gguf_kernel_type(ck, head, req.device, fp32) else 0
     dev = {"embeddings": table if emb == "device" else 0, "final_norm": a.hidden * c,
-           "lm_head": 0 if shared else table, "rotary": rotary_bytes(a)}
+           "lm_head": (0 if shared else table) + packed, "rotary": rotary_bytes(a)}
     return dev, ({"embeddings": table} if emb == "host" else {})
 
 

