@@ -157,3 +157,31 @@ def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, roo
     n = min(len(subs), max(0, room) // per) if per else 0
     return subs[:n], n * per
 
+
+@dataclass
+class Dense:
+    layers: list[int]   # layers whose linears are dequantized once at load, in order
+    nbytes: int         # their bytes in the compute dtype
+
+
+def dequantize_once(lay: LayerSizes, resident: list[int], req, arch: Arch, room: int, slack: float) -> tuple[Dense, Dense]:
+    """What the plan dequantizes once in `room`: resident layers of a packed checkpoint first
+    (dense_fit, each counted with `slack`), then --draft self's HQQ substitutes in what is left."""
+    dense = dense_fit(lay, resident, room, slack)
+    target = Dense(dense, sum(lay.dense[i] for i in dense))
+    return target, Dense(*dense_substitutes(lay, resident, req, arch, room - target.nbytes))
+
+
+def dense_notes(target: Dense, draft: Dense, n_resident: int) -> list[str]:
+    from offload.sizes import format_bytes
+
+    notes = []
+    if draft.layers:
+        notes.append(f"self-draft dequantized once: {len(draft.layers)} substitutes "
+                     f"({format_bytes(draft.nbytes)} in the compute dtype), none rebuilt per draft forward")
+    if target.layers:
+        rest = "the others dequantize on every pass" if len(target.layers) < n_resident else "none per pass"
+        notes.append(f"dequantized once: {len(target.layers)} of {n_resident} resident layers "
+                     f"({format_bytes(target.nbytes)} in the compute dtype); {rest}")
+    return notes
+

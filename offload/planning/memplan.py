@@ -45,8 +45,9 @@ from offload.formats.ggml_kernel import gguf_kernel_type
 from offload.sizes import format_bytes
 from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes,
                        forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
-from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_fit, dense_substitutes,  # noqa: F401 - read_checkpoint: API
+from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_notes, dequantize_once,  # noqa: F401 - read_checkpoint: API
                                         layer_sizes, read_checkpoint)
+from offload.planning.verdict import verdict
 from offload.stream.storage import staging_slots
 
 CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
@@ -317,14 +318,9 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
         pl, dev, host, slots = _extra_slots(lay, req, pl, dev, host, cap)
     # dequantize once (quant/dense.py) the resident layers the rest of the plan leaves room for
     used = sum(dev.values()) + (0 if cuda else sum(host.values()))   # CPU: host tiers share the RAM
-    dense = dense_fit(lay, pl.resident, cap - used, 1 + STATIC_SLACK if cuda else 1)
-    if dense:
-        dev["dequantized_layers"] = sum(lay.dense[i] for i in dense)
-    # then the self-draft's substitutes (quant/dense.py too), in what is still left
-    dense_draft, sub_bytes = dense_substitutes(lay, pl.resident, req, ta, cap - used - dev.get("dequantized_layers", 0))
-    if dense_draft:
-        dev["dequantized_draft"] = sub_bytes
-    if dense or dense_draft:
+    dense, dense_draft = dequantize_once(lay, pl.resident, req, ta, cap - used, 1 + STATIC_SLACK if cuda else 1)
+    dev.update({k: v for k, v in (("dequantized_layers", dense.nbytes), ("dequantized_draft", dense_draft.nbytes)) if v})
+    if dense.layers or dense_draft.layers:
         dev["cuda_context"] = _margin({k: v for k, v in dev.items() if k != "cuda_context"}, cuda)
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
@@ -333,48 +329,14 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     if slots > req.slots:
         plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
                           "over, so the stream reads that many layers of the next pass while the draft grows its tree")
-    plan.dense_layers, plan.dense_draft_layers = dense, dense_draft
-    if dense_draft:
-        plan.notes.append(f"self-draft dequantized once: {len(dense_draft)} substitutes "
-                          f"({format_bytes(sub_bytes)} in the compute dtype), none rebuilt per draft forward")
-    if dense:
-        plan.notes.append(f"dequantized once: {len(dense)} of {len(pl.resident)} resident layers "
-                          f"({format_bytes(dev['dequantized_layers'])} in the compute dtype); "
-                          f"{'the others dequantize on every pass' if len(dense) < len(pl.resident) else 'none per pass'}")
-    plan.fits, plan.reason = _verdict(plan, req)
+    plan.dense_layers, plan.dense_draft_layers = dense.layers, dense_draft.layers
+    plan.notes += dense_notes(dense, dense_draft, len(pl.resident))
+    plan.fits, plan.reason = verdict(plan, req)
     if lay.estimated:
         plan.notes.append(f"nf4: the first load writes a 4-bit cache of this checkpoint "
                           f"(~{format_bytes(sum(lay.packed) + lay.quant)}) under $SPECX_CACHE; staging sizes are "
                           "estimated until it exists")
     return plan
-
-
-def _verdict(plan: MemoryPlan, req: PlanRequest) -> tuple[bool, str]:
-    if req.self_draft and req.dtype == "nf4" and req.draft_bits == 4:
-        return False, ("--draft self: the target is already 4-bit, so 4-bit substitutes would be the target "
-                       "itself; fix: --draft-bits 3 or 2, --dtype bf16 for the target, or a small --draft DIR")
-    where = "GPU memory" if req.device == "cuda" else "RAM for the model"
-    if plan.device_total > plan.device_capacity:
-        fixes = ["a smaller --ctx or --budget"]
-        if req.self_draft:
-            fixes.append(f"a small --draft DIR (the {req.draft_bits}-bit substitutes alone need "
-                         f"{format_bytes(plan.device_bytes.get('draft', 0))})")
-        elif req.dtype != "nf4":
-            fixes.append("--dtype nf4")
-        if req.draft_dtype is not None and not req.self_draft:
-            fixes.append("a smaller draft")
-        if plan.embeddings == "device" and req.device == "cuda":
-            fixes.append("--embeddings host")
-        if req.offload == "none":
-            fixes.append("--offload auto")
-        fix = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
-        return False, (f"the memory plan needs {format_bytes(plan.device_total)} of {where} but has "
-                       f"{format_bytes(plan.device_capacity)}; fix: {fix}")
-    if plan.host_total > plan.host_capacity:
-        return False, (f"the memory plan needs {format_bytes(plan.host_total)} of host RAM but "
-                       f"{format_bytes(plan.host_capacity)} is available; fix: a smaller --max-ram "
-                       "(the rest streams from disk) or --offload disk")
-    return True, ""
 
 
 def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) -> MemoryPlan:
