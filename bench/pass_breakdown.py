@@ -75,9 +75,11 @@ def _weight_bytes(model) -> int:
 
     total = 0
     for mod in _linears(model):
-        packed = getattr(mod, "packed", None)
+        packed = getattr(mod, "packed", None)   # the GGUF head's blocks (ggml_kernel.PackedHead)
         if ggml_kernel.enabled() and packed is not None and getattr(mod, "qtype", None) in ggml_kernel.QTYPES:
             total += packed.numel() * packed.element_size()
+        elif ggml_kernel.enabled() and getattr(mod, "ggml_type", None) is not None:   # a PackedLinear's blocks
+            total += sum(getattr(mod, a).numel() * getattr(mod, a).element_size() for a in mod.parts)
         elif getattr(mod, "dense", None) is not None:
             total += mod.dense.numel() * mod.dense.element_size()
         elif hasattr(mod, "parts"):

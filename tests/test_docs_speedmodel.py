@@ -32,3 +32,15 @@ def test_the_width_benchmark_meets_issue_41():
     assert {(r["budget"], r["temperature"]) for r in auto} == {(64, 0.0), (64, 0.7), (256, 0.0), (256, 0.7)}
     assert all(r["lossless"] in (True, None) for r in data["summary"])
     assert [r["vs_best"] >= 0.9 for r in auto] == [True] * len(auto), auto
+
+
+def test_the_cpu_forward_floor_is_the_measured_one():
+    """The speed model's CPU per-forward floor is the floor bench/pass_breakdown.py measured on the real
+    model (a plain decoding pass beyond its matmuls, the GGUF kernel on), within 10%."""
+    import json
+
+    from offload.planning.passcost import PRIORS
+    from tests.conftest import ROOT
+
+    measured = json.loads((ROOT / "bench" / "results" / "pass_breakdown.json").read_text())["kernel"]["floor_s"]
+    assert abs(PRIORS["cpu"]["forward_floor_s"] - measured) <= 0.1 * measured, measured

@@ -41,7 +41,9 @@ PRIORS = {
 accumulate, PCIe 4 at 75%, NVMe) and a desktop CPU (DDR4/5, AVX2/512 fp32 GEMM; bf16 without native units
 runs ~20x slower). Floors: a target pass on CUDA pays its kernel launches and two host syncs (~10 ms for 80
 layers), a 1B draft step ~5-8 ms (launch-bound, not byte-bound); on a CPU the Python/dispatch overhead of a
-forward. All are replaced by `specx profile`'s measurements where one exists for this machine."""
+forward: 10 ms is the measured floor of a SmolLM2-135M plain decoding pass (30 layers: 10.4 ms beyond its
+matmuls, bench/pass_breakdown.py, bench/results/pass_breakdown.json; tests/test_docs_speedmodel.py holds
+the two together). All are replaced by `specx profile`'s measurements where one exists for this machine."""
 
 
 @dataclass(frozen=True)
