@@ -46,13 +46,13 @@ PROMPTS = ("Explain in simple terms how a refrigerator keeps food cold.",
            "Write a short poem about the sea.")
 
 
-def random_blocks(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
-    """GGUF bytes of an (n, k) weight: random codes, finite fp16 scales (and mins) in [-0.01, 0.01)."""
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
+    """GGUF bytes of an (n, k) weight: random codes, finite fp16 scales (and Q4_1 mins) in [-scale, scale)."""
     g = torch.Generator().manual_seed(seed)
     per, size = gq.BLOCK[qtype]
     b = torch.randint(0, 256, (n, k // per, size), dtype=torch.uint8, generator=g)
     halves = 2 if qtype == gq.Q4_1 else 1
-    sc = (torch.rand(n, k // per, halves, generator=g) * 0.02 - 0.01).to(torch.float16)
+    sc = ((torch.rand(n, k // per, halves, generator=g) * 2 - 1) * scale).to(torch.float16)
     b[..., :2 * halves] = sc.view(torch.uint8).reshape(n, k // per, 2 * halves)
     return b.reshape(-1)
 
@@ -163,13 +163,9 @@ def main() -> None:
 
 
 def write_doc(table: str) -> None:
-    path = ROOT / "docs" / "performance.md"
-    text = path.read_text()
-    begin, end = "<!-- bench:gguf-kernel -->", "<!-- /bench:gguf-kernel -->"
-    if begin not in text:
-        raise SystemExit(f"{path}: no {begin} marker; add the section first")
-    head, rest = text.split(begin, 1)
-    path.write_text(head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1])
+    from docblock import write_block   # bench/docblock.py
+
+    write_block(ROOT / "docs" / "performance.md", "gguf-kernel", table)
 
 
 if __name__ == "__main__":

@@ -242,13 +242,9 @@ def markdown(result: dict) -> str:
 
 
 def write_doc(table: str) -> None:
-    path = ROOT / "docs" / "performance.md"
-    text = path.read_text()
-    begin, end = "<!-- bench:peers-real -->", "<!-- /bench:peers-real -->"
-    if begin not in text:
-        raise SystemExit(f"{path}: no {begin} marker; add the section first")
-    head, rest = text.split(begin, 1)
-    path.write_text(head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1])
+    from docblock import write_block   # bench/docblock.py
+
+    write_block(ROOT / "docs" / "performance.md", "peers-real", table)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ pytest.importorskip("gguf")
 
 from offload.formats import ggml_kernel as gk, gguf_quants as gq  # noqa: E402
 from offload.quant.dense import undensify  # noqa: E402
-from tests.conftest import ROOT, distribution_installed, make_model  # noqa: E402
+from tests.conftest import ROOT, distribution_installed, load_script, make_model  # noqa: E402
 from tests.gguf_build import write_gguf  # noqa: E402
 
 if not gk.enabled():
@@ -32,14 +32,17 @@ if not gk.enabled():
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """GGUF bytes of an (n, k) weight: random codes, finite fp16 scales (and Q4_1 mins)."""
-    g = torch.Generator().manual_seed(seed)
-    per, size = gq.BLOCK[qtype]
-    b = torch.randint(0, 256, (n, k // per, size), dtype=torch.uint8, generator=g)
-    halves = 2 if qtype == gq.Q4_1 else 1
-    sc = (torch.rand(n, k // per, halves, generator=g) * 0.04 - 0.02).to(torch.float16)
-    b[..., :2 * halves] = sc.view(torch.uint8).reshape(n, k // per, 2 * halves)
-    return b.reshape(-1)
+    """GGUF bytes of an (n, k) weight (bench/gguf_kernel.py's), scales and mins in [-0.02, 0.02)."""
+    return _bench().random_blocks(qtype, n, k, seed, scale=0.02)
+
+
+def _bench():
+    if "bench" not in _BENCH:
+        _BENCH["bench"] = load_script("bench/gguf_kernel.py")
+    return _BENCH["bench"]
+
+
+_BENCH: dict = {}
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
