@@ -79,7 +79,8 @@ def model_pass(plan: dict, n: int) -> float:
 def rederive(plan: dict, cand: dict, traffic: int, flops: float, tpp: float) -> dict:
     """tokens/s = tpp / (pass + draft - hidden), each term from the model's formula with the plan's bytes."""
     dev, budget = plan["device_bytes"], cand["budget"]
-    draft_s = (1 + math.ceil(budget / BEAMS)) * max(traffic / MEM, flops * BEAMS / F16, STEP_FLOOR)
+    # forwards: the pending tokens, ceil(budget / beams) for the breadth, the accepted depth (tpp)
+    draft_s = (1 + math.ceil(budget / BEAMS) + math.ceil(tpp)) * max(traffic / MEM, flops * BEAMS / F16, STEP_FLOOR)
     pass_s = model_pass(plan, budget + 1)
     hidden = min(draft_s, dev["staging_slots"] / (LINK if plan["ram_bytes_per_pass"] else DISK))
     return dict(tokens_per_pass=tpp, pass_seconds=pass_s, draft_seconds=draft_s,

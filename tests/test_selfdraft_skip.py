@@ -122,13 +122,22 @@ class Opts:
     draft: str = "auto"
 
 
-@pytest.mark.parametrize("tpp, picked", [(50.0, "self"), (1.0, None)])
-def test_draft_auto_takes_the_layer_skip_draft_only_when_modelled_faster(target, monkeypatch, tpp, picked):
-    from offload.planning import draftcost
+@pytest.mark.parametrize("tpp, step_floor, picked", [(50.0, 0.0005, "self"), (1.0, None, None)])
+def test_draft_auto_takes_the_layer_skip_draft_only_when_modelled_faster(target, monkeypatch, tpp, step_floor,
+                                                                         picked):
+    """A draft that accepts 50 tokens a pass, on a device whose draft step costs little beside a target
+    pass, wins; one that accepts a single token never does. (Each draft forward pays the step floor, and a
+    tree of 50 accepted tokens takes 50+ forwards: with the CPU prior's 10 ms step floor on this tiny
+    target a draft step costs a whole pass, so no acceptance rate would pay for it.)"""
+    from offload.planning import draftcost, passcost
     from specexec_cli.session.planning import resolve_auto
 
     table = {"greedy": {16: tpp, 64: tpp}, "sampled": {16: tpp, 64: tpp}}
     monkeypatch.setitem(draftcost.TOKENS_PER_PASS, "skip", table)
+    if step_floor is not None:
+        monkeypatch.setitem(passcost.PRIORS, "cpu", {**passcost.PRIORS["cpu"], "step_floor_s": step_floor})
     p = plan_for(target)
     got, _ = resolve_auto(Opts(), p, lambda o: p)
+    rates = {c["draft"]: c["tokens_per_second"] for c in p.candidates}
+    assert (rates["self"] > rates["none"]) == (picked == "self")
     assert got.draft == picked
