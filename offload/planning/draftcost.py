@@ -13,8 +13,9 @@ Contract (every figure is modelled; a matching profile's measured times replace 
   (a small draft by path, the self-draft per width under the same placement), the measured draft
   seconds per pass of real decoding at the budget (else its tree time, else forwards x its step) is
   the draft instead.
-- `forwards_per_tree(budget, max_beams)` = 1 (the pending tokens) + ceil(budget / max_beams): the draft
-  grows its tree max_beams nodes per forward (core/draft.grow_tree) until it holds `budget` nodes.
+- `forwards_per_tree(budget, max_beams, tpp)` = 1 (the pending tokens) + ceil(budget / max_beams) +
+  ceil(tpp): the draft grows its tree max_beams nodes per forward (core/draft.grow_tree) until it holds
+  `budget` nodes, and at least as deep as the path the target accepts, one forward per level.
 - `hidden_seconds(plan, draft_s, m)`: the part of the draft's time the weight stream hides: while the
   draft grows its tree the prefetcher fills the free staging slots with the next pass's first layers
   (offload/stream/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's
