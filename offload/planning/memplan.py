@@ -46,7 +46,7 @@ from offload.sizes import format_bytes
 from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes,
                        forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
 from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_notes, dequantize_once,  # noqa: F401 - read_checkpoint: API
-                                        layer_sizes, read_checkpoint)
+                                        kernel_terms, layer_sizes, read_checkpoint)
 from offload.planning.verdict import verdict
 from offload.stream.storage import staging_slots
 
@@ -119,6 +119,7 @@ class MemoryPlan:
     row_bytes: int = 0               # device bytes per token of another request's tree in a forest pass
     dense_layers: list[int] = field(default_factory=list)   # resident layers dequantized once at load
     dense_draft_layers: list[int] = field(default_factory=list)   # --draft self: substitutes dequantized once
+    kernel: dict = field(default_factory=dict)   # memlayers.kernel_terms: what the GGUF CPU kernel multiplies packed
 
     @property
     def device_total(self) -> int:
@@ -143,7 +144,7 @@ class MemoryPlan:
             ram_bytes_per_pass=sum(self.layer_bytes[i] for i in self.ram_layers),
             candidates=list(self.candidates), choice=self.choice, slots=self.slots,
             machine=dict(self.machine), dense_layers=list(self.dense_layers),
-            dense_draft_layers=list(self.dense_draft_layers),
+            dense_draft_layers=list(self.dense_draft_layers), kernel=dict(self.kernel),
         )  # fmt: skip
 
 
@@ -330,6 +331,7 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
         plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
                           "over, so the stream reads that many layers of the next pass while the draft grows its tree")
     plan.dense_layers, plan.dense_draft_layers = dense.layers, dense_draft.layers
+    plan.kernel = kernel_terms(target, len(lay.packed), req)
     plan.notes += dense_notes(dense, dense_draft, len(pl.resident))
     plan.fits, plan.reason = verdict(plan, req)
     if lay.estimated:

@@ -10,7 +10,9 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
   at a context of ctx committed tokens, compute dtype c bytes, layers dequantized by `kernel`:
   per decoder layer i, max(transfer_i, compute_i), summed (the stream of layer i+1 overlaps the
   compute of layer i), plus the head and one forward floor. A layer the plan dequantized once at load
-  (`plan.dense_layers`) reads its linears in c bytes per weight and has no dequantization term.
+  (`plan.dense_layers`) reads its linears in c bytes per weight and has no dequantization term. A
+  layer or head the GGUF CPU kernel multiplies packed (`plan.kernel`: up to its rows for a layer with
+  an fp32 copy, at any n without one) reads its packed bytes at the kernel's rate, no dequantization.
   transfer_i = its bytes over the link
   (RAM tier) or the disk (disk tier), 0 if resident. compute_i = max(GEMM FLOPs / FLOP/s, weight
   bytes / memory bandwidth) + dequantization traffic / memory bandwidth + attention, where GEMM FLOPs
@@ -120,6 +122,12 @@ packed.py for AWQ/GPTQ/compressed-tensors/GGUF: codes unpacked, the weight writt
 none (a 16-bit weight)."""
 
 
+GGUF_KERNEL = "gguf-kernel"
+"""The exact GGUF CPU kernel (offload/formats/ggml_kernel.py) reads a layer's packed bytes once and
+dequantizes in registers: no dequantization traffic; its bytes move at `Device.dequant_rate(GGUF_KERNEL)`
+(`specx profile` times it on a one-token GEMV), else at the memory bandwidth."""
+
+
 def dequant_elems(kernel: str, device: str) -> int:
     """DEQUANT_ELEMS on `device`: the compiled HQQ graph on CPU writes the weight twice ((rows, group),
     then the (in, out) operand) and the matmul reads it once: 3 (offload/quant/fused.py's docstring).
@@ -162,25 +170,40 @@ def attention_seconds(a, n: int, ctx: int, c: int, dev: Device) -> float:
     return 4 * n * keys * a.heads * a.head_dim / dev.flops(c) + 2 * keys * a.kv_heads * a.head_dim * c / dev.memory_bps
 
 
+def _kernel_reads(plan, n: int) -> tuple[set, int]:
+    """(layers whose linears the GGUF CPU kernel multiplies packed in a pass of n tokens, the head's packed
+    bytes it reads then or 0): plan.kernel (memlayers.kernel_terms); a layer dequantized once at load
+    takes its fp32 copy above kernel["rows"] tokens, a layer without that copy the kernel at any n."""
+    k = getattr(plan, "kernel", None) or {}
+    small = n <= k.get("rows", 0)
+    dense = set(getattr(plan, "dense_layers", ()))
+    return {i for i in k.get("layers", ()) if small or i not in dense}, k.get("head_bytes", 0) if small else 0
+
+
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
     """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier."""
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
     dense = set(getattr(plan, "dense_layers", ()))   # dequantized once at load: read in c, no dequantization
-    gemm = max(2 * linear_weights(a) * n / dev.flops(c), 0.0)
+    packed, head_packed = _kernel_reads(plan, n)     # the GGUF kernel: its packed bytes at its own rate
+    flops = 2 * linear_weights(a) * n / dev.flops(c)
     deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.dequant_rate(kernel)
     attn = attention_seconds(a, n, ctx, c, dev)
     total = stream = gemm_s = deq_s = 0.0
     for i, size in enumerate(plan.layer_bytes):
         rate = dev.link_bps if i in ram else dev.disk_bps if i in disk else 0.0
         transfer = size / rate if rate else 0.0
-        read, layer_deq = (linear_weights(a) * c, 0.0) if i in dense else (size, deq)
-        layer_gemm = max(gemm, read / dev.memory_bps)
+        if i in packed:
+            read, layer_deq = size / dev.dequant_rate(GGUF_KERNEL), 0.0
+        else:
+            read, layer_deq = (linear_weights(a) * c if i in dense else size) / dev.memory_bps, 0.0 if i in dense else deq
+        layer_gemm = max(flops, read)
         total += max(transfer, layer_gemm + layer_deq + attn)
         stream += transfer
         gemm_s += layer_gemm
         deq_s += layer_deq
     layers = len(plan.layer_bytes)
-    head = max(2 * n * a.hidden * a.vocab / dev.flops(c), a.hidden * a.vocab * c / dev.memory_bps)
+    head_read = head_packed / dev.dequant_rate(GGUF_KERNEL) if head_packed else a.hidden * a.vocab * c / dev.memory_bps
+    head = max(2 * n * a.hidden * a.vocab / dev.flops(c), head_read)
     compute = gemm_s + deq_s + layers * attn
     return PassTerms(n, ctx, stream, gemm_s, deq_s, layers * attn, head, dev.forward_floor_s,
                      dev.forward_floor_s + head + total, "stream" if stream > compute else "compute", dev.flops(c))

@@ -266,7 +266,29 @@ def probe_dequant() -> dict:
             continue
         traffic = DEQUANT_SHAPE[0] * DEQUANT_SHAPE[1] * (2 if device == "cuda" else 4) * dequant_elems(kernel, device)
         out[kernel] = dict(seconds=round(secs, 6), gbps=round(traffic / secs / 1e9, 3))
+    if device == "cpu" and (got := probe_gguf_kernel()):
+        out[got.pop("kernel")] = got
     return out
+
+
+def probe_gguf_kernel(shape: tuple[int, int] = (8192, 4096)) -> dict | None:
+    """The exact GGUF CPU kernel (offload/formats/ggml_kernel.py) on a one-token GEMV over a Q4_1 weight
+    of `shape` (17 MB: past the caches, as a model's layers are): its packed bytes over the seconds
+    (fastest of repeated calls), the rate passcost reads a kernel-served layer at. None where the
+    kernel is off or cannot compile."""
+    from offload.formats import ggml_kernel
+    from offload.planning.passcost import GGUF_KERNEL
+
+    if not ggml_kernel.enabled():
+        return None
+    n, k = shape
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)   # Q4_1: d, m, 16 code bytes
+    blocks[..., :4] = (torch.rand(n, k // 32, 2, generator=g) * 0.02 - 0.01).to(torch.float16).view(torch.uint8)
+    raw, x = blocks.reshape(-1), torch.randn(1, k)
+    secs = _timed(lambda: ggml_kernel.linear(x, raw, 3, n), 0.3, 20)   # 3: GGML_TYPE_Q4_1
+    return dict(kernel=GGUF_KERNEL, seconds=round(secs, 6), gbps=round(raw.numel() / secs / 1e9, 3),
+                shape=[n, k], qtype="Q4_1")
 
 
 def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:

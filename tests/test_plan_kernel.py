@@ -1,0 +1,57 @@
+"""The pass model knows the exact GGUF CPU kernel (offload/formats/ggml_kernel.py).
+
+A resident layer of a GGUF whose linears the kernel serves is dequantized once at load (an fp32
+copy for trees) but a decode token multiplies the file's packed blocks: on SmolLM2 96 MB a token
+instead of 538 MB. The plan says which layers and head the kernel serves (`plan.kernel`), and
+passcost.target_pass reads their packed bytes at the kernel's measured rate up to its rows, the
+fp32 copy above them; with the kernel off, nothing changes from the dense model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from offload.planning.membytes import arch_of
+from offload.planning.passcost import GGUF_KERNEL, device_for, linear_weights, target_pass
+from specexec_cli.core.draft import TreeShape
+from specexec_cli.session.loading import LoadOptions
+from specexec_cli.session.planning import make_plan
+
+RATE, MEM = 12e9, 20e9
+
+
+def _plan(path, monkeypatch, kernel: bool):
+    monkeypatch.setenv("SPECX_GGUF_KERNEL", "on" if kernel else "off")
+    opts = LoadOptions(target=str(path), draft=None, device="cpu", offload="none", ctx=256)
+    plan = make_plan(opts, TreeShape(budget=16, max_depth=8, max_beams=4), budget_auto=False)
+    assert plan.fits, plan.reason
+    return plan
+
+
+def test_the_plan_names_what_the_kernel_serves(smollm2, monkeypatch):
+    from offload.formats import ggml_kernel
+    from offload.formats import open_checkpoint
+
+    plan = _plan(smollm2, monkeypatch, kernel=True)
+    head = open_checkpoint(smollm2).tensors["model.embed_tokens.weight"].nbytes
+    assert plan.dense_layers == list(range(30))
+    assert plan.kernel == dict(layers=list(range(30)), rows=ggml_kernel.MAX_ROWS, head_bytes=head)
+    assert _plan(smollm2, monkeypatch, kernel=False).kernel == dict(layers=[], rows=0, head_bytes=0)
+
+
+def test_a_decode_token_reads_packed_bytes_and_a_tree_the_fp32_copy(smollm2, monkeypatch):
+    from offload.formats import open_checkpoint
+
+    a = arch_of(open_checkpoint(smollm2).config)
+    plan = _plan(smollm2, monkeypatch, kernel=True)
+    dev = device_for("cpu", dequant_bps={GGUF_KERNEL: RATE}, memory_bps=MEM)
+    one = target_pass(a, plan, dev, 1, 64, 4, "int4-unpack")
+    assert one.gemm == pytest.approx(sum(plan.layer_bytes) / RATE)
+    assert one.dequant == 0
+    assert one.head == pytest.approx(plan.kernel["head_bytes"] / RATE)
+    tree = target_pass(a, plan, dev, 64, 64, 4, "int4-unpack")   # above the kernel's rows: the fp32 copy
+    per_layer = max(2 * linear_weights(a) * 64 / dev.flops32, linear_weights(a) * 4 / MEM)
+    assert tree.gemm == pytest.approx(30 * per_layer)
+    off = target_pass(a, _plan(smollm2, monkeypatch, kernel=False), dev, 1, 64, 4, "int4-unpack")
+    assert off.gemm == pytest.approx(30 * linear_weights(a) * 4 / MEM)   # every layer still dense: its fp32 copy
+    assert one.seconds < off.seconds
