@@ -71,7 +71,8 @@ def run_config(models, texts: list[str], parallel: int, args) -> dict:
     from specexec_cli.core.engine import GenerationConfig
     from specexec_cli.serve.metrics import Metrics
     from specexec_cli.serve.models import Work
-    from specexec_cli.serve.worker import Delta, Done, Failed, Job, Worker
+    from specexec_cli.serve.jobs import Delta, Done, Failed, Job
+    from specexec_cli.serve.worker import Worker
     from specexec_cli.session.chat import ChatSession
     from specexec_cli.session.gendefaults import GREEDY
 

@@ -24,7 +24,8 @@ from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig, StepEvent
 from specexec_cli.serve.app import create_app
 from specexec_cli.serve.metrics import Metrics
-from specexec_cli.serve.worker import Delta, Done, Started, Worker
+from specexec_cli.serve.jobs import Delta, Done, Started
+from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import plain_prompt
 from specexec_cli.session.gendefaults import GREEDY
 from tests.serve_util import app_server, raw_http

@@ -24,7 +24,8 @@ from specexec_cli.serve import scheduler as sched_mod
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import APIError, Work
 from specexec_cli.serve.scheduler import parallel_fit
-from specexec_cli.serve.worker import Delta, Done, Failed, Job, Worker
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job
+from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import ChatSession
 from specexec_cli.session.gendefaults import GREEDY
 from specexec_cli.session.loading import LoadOptions, load_models

@@ -18,7 +18,8 @@ from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import Work
-from specexec_cli.serve.worker import Done, Failed, Job, Started, Worker
+from specexec_cli.serve.jobs import Done, Failed, Job, Started
+from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import ChatSession
 from specexec_cli.session.gendefaults import GREEDY
 from specexec_cli.session.loading import LoadOptions, load_models

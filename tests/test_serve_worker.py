@@ -17,7 +17,8 @@ from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.core.sampling import SamplingParams
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import APIError, Work
-from specexec_cli.serve.worker import Delta, Done, Failed, Job, Started, Worker
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started
+from specexec_cli.serve.worker import Worker
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}a: {% endif %}")  # the reply follows "a: " as rendered

@@ -1,7 +1,7 @@
 """The FastAPI application of `specx serve`: OpenAI routes, health, metrics, the page, errors, auth.
 
 Contract: `create_app(worker, model_name, ...)` returns an ASGI app whose handlers never touch the
-model: they validate (models.py), hand a `worker.Job` to the worker and await its reports, so the
+model: they validate (models.py), hand a `jobs.Job` to the worker and await its reports, so the
 event loop stays free while a request generates. Every error, including malformed JSON, wrong
 types, unknown routes and internal failures, is answered in OpenAI's shape
 `{"error": {message, type, param, code}}` with a 4xx (5xx only for a server-side failure).
@@ -40,7 +40,7 @@ from specexec_cli.serve import shapes
 from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe, is_loopback_name, log_refusal
 from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body, unsupported
 from specexec_cli.serve.structured import to_work
-from specexec_cli.serve.worker import Delta, Done, Failed, Job
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job
 from specexec_cli.session import notices
 from specexec_cli.session.tools import renders_tools
 
