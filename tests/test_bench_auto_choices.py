@@ -45,3 +45,23 @@ def test_table_block(tmp_path):
         "self-draft at 4 bits) |" in text
     assert "| budget | 63 | - | - | failed: boom | - |" in text
     assert "budget 15, 31" in text
+
+
+def test_real_block_has_a_table_per_tier_and_the_width_ratio(tmp_path):
+    mod = load()
+    tiers = {}
+    for tier, plain in (("resident", 50.0), ("disk", 12.0)):
+        rows = [row("draft auto", plain, [16, 16], "ar"), row("draft self", 6.0, [15, 31]),
+                row("draft none", plain, [16, 16], "ar", lossless=None), row("self budget 15", 7.0, [15, 15]),
+                row("self budget 63", 5.0, [63, 63]), row("self bits 3", 6.6, [15, 15]),
+                dict(row="self bits 2", error="nothing to substitute")]
+        tiers[tier] = dict(rows=rows, ratios=mod.ratios({r["row"]: r for r in rows}))
+    assert tiers["disk"]["ratios"]["width of the self-draft"] == dict(auto="draft self", best="self bits 3",
+                                                                      ratio=round(6 / 6.6, 3))
+    assert tiers["disk"]["ratios"]["draft"]["ratio"] == 1.0
+    page = tmp_path / "perf.md"
+    page.write_text("<!-- bench:auto-choices-real -->\n<!-- /bench:auto-choices-real -->\n")
+    mod.write_real_doc(dict(prompts=[0, 1], n=32, tiers=tiers), page)
+    text = page.read_text()
+    assert "**every layer resident**" in text and "**streamed from disk" in text
+    assert "`--draft self --draft-bits 3`" in text and "failed: nothing to substitute" in text
