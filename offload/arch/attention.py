@@ -11,7 +11,9 @@ are independent); without a mask, with per-head masks, soft-capping or position 
 
 - "gqa" (CPU): one SDPA call with `enable_gqa`, backend pinned to the CPU flash kernel, which reads
   each KV head for its G query heads and takes the (B, 1, Q, K) mask (bool or additive) as given:
-  no K/V copy, no mask copy (measured: tests/test_attention_memory.py).
+  no K/V copy, no mask copy (measured: tests/test_attention_memory.py). An additive mask of the query
+  dtype without grad calls that kernel's op directly (`cpu_flash`: the same kernel, minus per-layer
+  dispatch in Python).
 - "fold" (CUDA, Q = 1 or G*Q <= 2 * kv_heads * head_dim): the G query heads of each KV head are
   folded into the query axis, q (B, H, Q, D) -> (B, Hkv, G*Q, D), mask -> (B, 1, G*Q, K) with row
   g*Q + q = mask row q, one memory-efficient SDPA call. Q = 1: the fold is a stride-0 view of the
@@ -39,6 +41,7 @@ import torch
 
 NAME = "specx_gqa"
 ALIGN = 8                # SDPA's memory-efficient kernel copies masks whose strides are not multiples of 8
+_FLASH_CPU = None        # torch's CPU flash attention op, looked up once (False: this torch has none)
 _PREPARED: dict = {}     # (id(mask), groups, dtype) -> (weakref to the source mask, prepared mask)
 
 
@@ -134,6 +137,26 @@ def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
         return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa)
 
 
+def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
+    """The CPU flash kernel called directly, as `_sdpa` pinned to it calls it for these inputs (no
+    context manager, no warnings filter, no backend selection per layer: the same kernel, the same
+    numbers); None where that is not known to be the same call (then `_sdpa`)."""
+    global _FLASH_CPU
+    ok = (dropout == 0.0 and q.dim() == 4 and q.dtype in (torch.float32, torch.bfloat16)
+          and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] == k.shape[-1] == v.shape[-1]
+          and (mask is None or mask.dtype == q.dtype) and not torch.is_grad_enabled())
+    if not ok:
+        return None
+    if _FLASH_CPU is None:
+        _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
+    if _FLASH_CPU is False:
+        return None
+    try:
+        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
+    except RuntimeError:   # the kernel refuses these inputs: the pinned call decides (and falls back)
+        return None
+
+
 def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, backend):
     """"fold" or "groups" (module docstring) for a kernel that takes masks but not GQA (CUDA's
     memory-efficient one, `backend`; tests run it on CPU with backend None)."""
@@ -172,8 +195,10 @@ def gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if strategy == "gqa":
         from torch.nn.attention import SDPBackend
 
-        backend = SDPBackend.FLASH_ATTENTION if query.device.type == "cpu" else None   # CPU flash: masks and GQA
-        out = _sdpa(query, key, value, mask, dropout, scaling, backend, enable_gqa=True)
+        out = cpu_flash(query, key, value, mask, dropout, scaling) if query.device.type == "cpu" else None
+        if out is None:
+            backend = SDPBackend.FLASH_ATTENTION if query.device.type == "cpu" else None   # CPU flash: masks and GQA
+            out = _sdpa(query, key, value, mask, dropout, scaling, backend, enable_gqa=True)
     else:
         from torch.nn.attention import SDPBackend
 

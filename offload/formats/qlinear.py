@@ -14,7 +14,8 @@ the same values, so the same outputs.
 GGUF on CPU (fp32): forward multiplies by the packed bytes directly (formats/ggml_kernel.py: the
 same math up to fp32 rounding order) for up to MAX_ROWS activation rows (decode, small trees),
 reading 0.56-1.06 bytes per weight instead of the 4 of `dense`, and for any batch when there is no
-`dense` (it beats dequantizing per call); larger batches with `dense` multiply by it.
+`dense` (it beats dequantizing per call); larger batches with `dense` multiply by it. Sibling linears reading one input (q/k/v, gate/up) share
+one kernel call where it applies (formats/qfuse.py: `group`), with the same outputs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from offload.formats import ggml_kernel
 from offload.formats.base import Checkpoint
+from offload.formats.qfuse import fuse_siblings
 
 
 def _meta_param(info) -> nn.Parameter:
@@ -49,6 +51,7 @@ class PackedLinear(nn.Module):
         self.dense: torch.Tensor | None = None         # (out, in) in compute_dtype, once dequantized
         self.ggml_type = ggml_kernel.gguf_kernel_type(ckpt, hf_weight_name, "cpu", compute_dtype)
         self.row_map = ggml_kernel.row_map(ckpt, hf_weight_name) if self.ggml_type is not None else None
+        self.group = None                              # a qfuse.FusedGroup computing its siblings in one call
 
     def parts_device(self) -> torch.device:
         """Where the stored parts are bound (meta until the loader binds them)."""
@@ -68,6 +71,8 @@ class PackedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None and (y := self.group.take(self, x)) is not None:
+            return y
         if self.ggml_type is not None and (y := self._kernel(x)) is not None:
             return y
         w = self.dense if self.dense is not None else self.dequantized(x.device)   # (out, in), compute dtype
@@ -85,3 +90,4 @@ def swap_packed_linears(layers: nn.ModuleList, ckpt: Checkpoint, compute_dtype: 
                 parent_name, _, child = name.rpartition(".")
                 parent = layer.get_submodule(parent_name) if parent_name else layer
                 setattr(parent, child, PackedLinear(ckpt, hf_name, mod.bias is not None, compute_dtype))
+        fuse_siblings(layer)

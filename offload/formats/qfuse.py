@@ -1,0 +1,121 @@
+"""Sibling GGUF linears that read the same input, computed as ONE kernel call over their stacked rows.
+
+Contract: `fuse_siblings(layer)` attaches a `FusedGroup` to the PackedLinears of each sibling set of a
+decoder layer (`SIBLINGS`: q/k/v of the attention, gate/up of the MLP) whose members all run the GGUF
+kernel on the same type and input width (`ggml_type`, `in_features`); `unfuse(layer)` detaches them.
+At call time, `FusedGroup.take(member, x)` returns that member's x W^T (+ its bias), or None (the
+member then computes alone, as without a group):
+- the first member called with an input x computes every member at once: `ggml_kernel.linear` over
+  the members' packed bytes as one (sum of outs, in) matrix, which is a view, never a copy: it
+  applies only while the members' bound bytes lie back to back in one buffer, in member order (the
+  loader's per-layer layout puts them so; checked on the bound pointers at every call, so a streamed
+  layer re-bound to another slot is re-checked), with the members' row maps stacked at their column
+  offsets. It keeps each member's column slice (a view of the one output);
+- each other member called with the SAME tensor object x, unmodified since (`x._version`; an
+  inference-mode tensor keeps no counter, so there the object alone decides: HF's attention and MLP
+  call the siblings back to back on one input), and the same bound bytes, gets its slice; once all
+  have, the group drops x and the output.
+Anything else (another input, an input over the kernel's row limit, not CPU fp32, bytes not
+adjacent) returns None. Each output row of the kernel is its own dot product over the stored row, so
+a member's slice is bit-for-bit what its own kernel call returns (tests/test_qfuse.py). One call
+instead of 3 + 2 per layer: less Python and dispatch per pass, and the threads split more rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.formats import ggml_kernel
+
+SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+class FusedGroup:
+    def __init__(self, members: list):
+        self.members = members
+        self.qtype = members[0].ggml_type
+        self.sizes = [m.out_features for m in members]
+        maps, off = [], 0
+        for m in members:   # stored row r of member i -> output column off_i + its own column
+            own = m.row_map if m.row_map is not None else torch.arange(m.out_features, dtype=torch.int32)
+            maps.append(own.to(torch.int32) + off)
+            off += m.out_features
+        self.row_map = torch.cat(maps)
+        self.out_features = off
+        self._span: tuple | None = None            # (bound pointers, the stacked bytes view or None)
+        self._x = self._ver = self._ptrs = None     # the input of the last fused call, while members wait
+        self._outs: dict = {}                       # member id -> its slice, not yet taken
+
+    def _raws(self) -> list[torch.Tensor]:
+        return [getattr(m, next(iter(m.parts))) for m in self.members]
+
+    def _stacked(self, raws: list[torch.Tensor], ptrs: tuple) -> torch.Tensor | None:
+        """The members' bytes as one flat uint8 view when they lie back to back in one buffer, else None."""
+        if self._span is not None and self._span[0] == ptrs:
+            return self._span[1]
+        first, view = raws[0], None
+        adjacent = all(r.device.type == "cpu" and r.dtype == torch.uint8 and r.dim() == 1 and r.is_contiguous()
+                       and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for r in raws)
+        adjacent = adjacent and all(ptrs[i] + raws[i].numel() == ptrs[i + 1] for i in range(len(raws) - 1))
+        if adjacent:
+            total = sum(r.numel() for r in raws)
+            view = first.as_strided((total,), (1,), first.storage_offset())
+        self._span = (ptrs, view)
+        return view
+
+    def take(self, member, x: torch.Tensor) -> torch.Tensor | None:
+        """member's output for x from the group's one call (see the module contract), or None."""
+        raws = self._raws()
+        ptrs = tuple(r.data_ptr() for r in raws)
+        key = id(member)
+        if x is self._x and _version(x) == self._ver and ptrs == self._ptrs and key in self._outs:
+            y = self._outs.pop(key)
+            if not self._outs:
+                self._x = None
+            return y
+        limit = ggml_kernel.MAX_ROWS if any(m.dense is not None for m in self.members) else None
+        if not ggml_kernel.usable(x, self.qtype, limit):
+            return None
+        raw = self._stacked(raws, ptrs)
+        if raw is None:
+            return None
+        y = ggml_kernel.linear(x, raw, self.qtype, self.out_features, self.row_map)
+        outs = {}
+        for m, part in zip(self.members, y.split(self.sizes, dim=-1)):
+            outs[id(m)] = part if m.bias is None else part + m.bias.to(part.dtype)
+        mine = outs.pop(key)
+        self._x, self._ver, self._ptrs, self._outs = x, _version(x), ptrs, outs
+        return mine
+
+
+def _version(x: torch.Tensor) -> int:
+    """x's in-place write counter; an inference tensor keeps none (-1: identity alone decides)."""
+    return -1 if x.is_inference() else x._version
+
+
+def fuse_siblings(layer: torch.nn.Module) -> int:
+    """Attach a FusedGroup to each eligible sibling set of `layer`; returns how many were attached."""
+    from offload.formats.qlinear import PackedLinear
+
+    n = 0
+    for names in SIBLINGS:
+        try:
+            mods = [layer.get_submodule(name) for name in names]
+        except AttributeError:
+            continue
+        if not all(isinstance(m, PackedLinear) and m.ggml_type is not None and len(m.parts) == 1 for m in mods):
+            continue
+        if len({(m.ggml_type, m.in_features) for m in mods}) != 1:
+            continue
+        group = FusedGroup(mods)
+        for m in mods:
+            m.group = group
+        n += 1
+    return n
+
+
+def unfuse(layer: torch.nn.Module) -> None:
+    """Detach every FusedGroup of `layer`: each linear computes alone again."""
+    for mod in layer.modules():
+        if getattr(mod, "group", None) is not None:
+            mod.group = None
