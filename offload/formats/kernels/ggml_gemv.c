@@ -87,6 +87,14 @@ static size_t block_bytes(int qtype) {
     return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
 }
 
+/* NO_FMA(v): keep v's product rounded on its own (the reference's d * q, then + m) where the compiler
+   would contract it into an fma; it needs v in one register (AVX-512), elsewhere it is a no-op. */
+#if defined(__AVX512F__)
+#define NO_FMA(v) __asm__("" : "+v"(v))
+#else
+#define NO_FMA(v) ((void)0)
+#endif
+
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__F16C__)
 #define FAST_CODES 1
 /* Nibble codes straight to fp32 bits, without int->float conversions: a small integer's fp32 bits are
@@ -112,6 +120,16 @@ static inline void codes4(int qtype, const uint8_t *q, v16f *lo, v16f *hi) {
     __m512i r = _mm512_permutexvar_epi8(spread, _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)q)));
     *lo = (v16f)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, r, tab);
     *hi = (v16f)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_srli_epi16(r, 4), tab);
+}
+/* A Q4 block's 16 possible values, w(k) = d * k + m (Q4_1) or d * (k - 8) (Q4_0), k = 0..15, as
+   gguf.quants.dequantize computes them (a product, then a sum: two fp32 roundings): vpermps reads only
+   an index dword's low 4 bits, so a nibble picks its value without masking or int->float conversion. */
+static inline v16f values16(int qtype, float d, float m) {
+    const v16f k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    if (qtype == Q4_0) return d * (k - 8.0f);
+    v16f dk = d * k;
+    NO_FMA(dk);
+    return dk + m;
 }
 /* 16 int8 -> 16 floats with the sign-extending widening (exact) */
 static inline v16f i8f_fast(const uint8_t *p) {
@@ -159,10 +177,18 @@ static inline void scales(int qtype, const uint8_t *blk, v16f *d, v16f *m) {
 #endif
 }
 
+/* The 16 lanes' sum as a tree (a serial chain of 15 adds cost ~60 cycles per output: more than the
+   18 blocks of a 576-wide row took to multiply). */
 static inline float hsum(v16f a) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += a[j];
-    return s;
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)a);
+#else
+    float s[16];
+    for (int j = 0; j < 16; j++) s[j] = a[j];
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+#endif
 }
 
 /* T == 1: one output from one packed row: per block d * (lo . x0 + hi . x1) (+ m * (x0 + x1) for
@@ -209,6 +235,15 @@ static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const floa
             for (int r = 0; r < R; r++) {
                 const uint8_t *blk = row + r * rb + b * bb;
                 __builtin_prefetch(blk + AHEAD, 0, 3);
+#if FAST_CODES
+                if (qtype != Q8_0) {           /* the block's 16 possible values, looked up by nibble */
+                    v16f w16 = values16(qtype, sc[r][2 * i], sc[r][2 * i + 1]);
+                    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + bb - 16)));
+                    acc[r] += (v16f)_mm512_permutexvar_ps(q, (__m512)w16) * x0;
+                    acc[r] += (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16) * x1;
+                    continue;
+                }
+#endif
                 codes(qtype, blk, &lo, &hi);
                 acc[r] += sc[r][2 * i] * (lo * x0 + hi * x1);
                 if (qtype == Q4_1) acc[r] += sc[r][2 * i + 1] * xsum;
@@ -218,6 +253,31 @@ static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const floa
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
+/* The block's 32 dequantized values w_j (lo = j < 16, hi = j >= 16) as gguf.quants.dequantize has
+   them: d * q + m rounded twice (no fma contraction), d * (q - 8), d * q. */
+static inline void block_values(int qtype, const uint8_t *blk, v16f *wlo, v16f *whi) {
+    v16f d, m, lo, hi;
+    scales(qtype, blk, &d, &m);
+#if FAST_CODES
+    if (qtype != Q8_0) {
+        v16f w16 = values16(qtype, d[0], m[0]);
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + block_bytes(qtype) - 16)));
+        *wlo = (v16f)_mm512_permutexvar_ps(q, (__m512)w16);
+        *whi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16);
+        return;
+    }
+#endif
+    codes(qtype, blk, &lo, &hi);
+    *wlo = d * lo;
+    *whi = d * hi;
+    if (qtype == Q4_1) {
+        NO_FMA(*wlo);
+        NO_FMA(*whi);
+        *wlo += m;
+        *whi += m;
+    }
+}
+
 /* T > 1: y[t, ycol] for every t from one packed row, TB activation rows per pass over the row. */
 static inline void rows_multi(int qtype, const uint8_t *row, const float *x, float *y, int64_t ycol,
                               int64_t N, int64_t K, int64_t T) {
@@ -225,19 +285,13 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
     int64_t nb = K / QK;
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
         int64_t nt = T - t0 < TB ? T - t0 : TB;
-        v16f acc[TB] = {{0}}, lo, hi;
+        v16f acc[TB] = {{0}};
         const float *xt = x + t0 * K;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bb;
             if (t0 == 0) __builtin_prefetch(blk + AHEAD, 0, 3);
-            codes(qtype, blk, &lo, &hi);
-            v16f d, m;
-            scales(qtype, blk, &d, &m);
-            v16f wlo = d * lo, whi = d * hi;                  /* the reference values w_j */
-            if (qtype == Q4_1) {
-                wlo += m;
-                whi += m;
-            }
+            v16f wlo, whi;                                    /* the reference values w_j */
+            block_values(qtype, blk, &wlo, &whi);
             if (nt == TB) {
                 for (int i = 0; i < TB; i++)
                     acc[i] += wlo * ldf(xt + i * K + b * QK) + whi * ldf(xt + i * K + b * QK + 16);
