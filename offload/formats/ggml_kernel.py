@@ -54,7 +54,8 @@ CALLS = 0
 
 
 def _off() -> bool:
-    return os.environ.get(ENV, "auto").strip().lower() in ("off", "0", "no", "false")
+    v = os.environ.get(ENV)                    # read on every call (tests and the CLI set it at run time)
+    return v is not None and v.strip().lower() in ("off", "0", "no", "false")
 
 
 def _cache_root() -> Path:
@@ -145,9 +146,12 @@ def kernel_status() -> str | None:
 
 def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) -> bool:
     """Whether `linear` serves x (see the contract); max_rows None: any number of rows."""
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and qtype in QTYPES and rows > 0
-            and (max_rows is None or rows <= max_rows) and x.shape[-1] % 32 == 0 and enabled())
+    if qtype not in QTYPES or x.dtype != torch.float32 or not x.is_cpu or not x.dim():
+        return False
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    return (rows > 0 and (max_rows is None or rows <= max_rows) and k % 32 == 0
+            and (_STATE.get("fn") is not None if _STATE["tried"] else enabled()) and not _off())
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
@@ -155,7 +159,7 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
     """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
     About 211 calls per decoding step: the Python side is kept to checks and one output allocation."""
     global CALLS
-    fn = _STATE["fn"] if _STATE["tried"] else _function()
+    fn = _STATE.get("fn") if _STATE["tried"] else _function()
     k = x.shape[-1]
     if not x.is_contiguous():
         x = x.contiguous()
