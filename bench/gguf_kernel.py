@@ -5,8 +5,8 @@ Run by hand (not a test), under the bench lock:
  [--out bench/results/gguf_kernel.json] [--doc]`.
 Two measurements, on `--threads` torch threads (the kernel uses as many):
 - per linear, SmolLM2-135M's shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 as
-  Q4_1; the tied head 49152x576 as Q8_0), T = 1, 4, 8, 16, 64 activation rows, median ms per call of
-  `kernel` (ggml_kernel.linear on the packed bytes), `dense` (F.linear on the weight dequantized
+  Q4_1; the tied head 49152x576 as Q8_0), T = 1, 2, 4, 8, 16, 64 activation rows, median ms per call of
+  `kernel` (ggml_kernel.linear on the packed bytes, also as GB/s of packed weight read per call), `dense` (F.linear on the weight dequantized
   once to fp32: today's resident path) and `dequant` (gguf_quants.dequantize + F.linear per call:
   the path without a dense copy). Each mode cycles through LAYERS distinct random weights of the
   shape, as a decode step does, so the weights come from memory, not a warm cache;
@@ -41,7 +41,7 @@ from offload.formats import ggml_kernel, gguf_quants as gq  # noqa: E402
 LAYERS = 30
 SHAPES = {"q/o": (576, 576, gq.Q4_1), "k/v": (192, 576, gq.Q4_1), "gate/up": (1536, 576, gq.Q4_1),
           "down": (576, 1536, gq.Q4_1), "head": (49152, 576, gq.Q8_0)}
-ROWS = (1, 4, 8, 16, 64)
+ROWS = (1, 2, 4, 8, 16, 64)
 PROMPTS = ("Explain in simple terms how a refrigerator keeps food cold.",
            "Write a short poem about the sea.")
 
@@ -82,7 +82,8 @@ def per_linear() -> list[dict]:
                 dequant=_median_ms(lambda i: F.linear(x, gq.dequantize(raws[i % copies], qtype, (n, k))),
                                    min(calls, 6)))
             rows.append(dict(linear=name, shape=[n, k], type=gq.NAMES[qtype], T=t,
-                             **{m: round(v, 4) for m, v in got.items()}))
+                             **{m: round(v, 4) for m, v in got.items()},
+                             kernel_gbps=round(raws[0].numel() / got["kernel"] / 1e6, 2)))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -121,11 +122,11 @@ def end_to_end(gguf: str, n: int, rounds: int, threads: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| linear (shape, type) | T | kernel ms | dense fp32 ms | dequant per call ms | dense / kernel |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| linear (shape, type) | T | kernel ms | kernel GB/s | dense fp32 ms | dequant per call ms | dense / kernel |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["linears"]:
         lines.append(f"| {r['linear']} ({r['shape'][0]}x{r['shape'][1]}, {r['type']}) | {r['T']} | {r['kernel']:.3f} | "
-                     f"{r['dense']:.3f} | {r['dequant']:.3f} | {r['dense'] / r['kernel']:.2f}x |")
+                     f"{r['kernel_gbps']:.1f} | {r['dense']:.3f} | {r['dequant']:.3f} | {r['dense'] / r['kernel']:.2f}x |")
     e = result.get("e2e")
     if e:
         lines += ["", "| specx run --method ar | decode tok/s (median) | kernel / off (same prompt, round) |",

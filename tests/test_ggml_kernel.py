@@ -58,7 +58,9 @@ def test_kernel_equals_dequantize_then_matmul(qtype, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n, k in ((37, 96), (5, 32), (192, 576), (1, 64)):
+        # (9, 2144): more blocks per row than one scale chunk (CH = 64); 15 / 16 x 1024: either side of
+        # the one-thread threshold (MIN_PAR = 512 products at T = 1)
+        for n, k in ((37, 96), (5, 32), (192, 576), (1, 64), (9, 2144), (15, 1024), (16, 1024)):
             raw = random_blocks(qtype, n, k, seed=n)
             w = gq.dequantize(raw, qtype, (n, k))
             for t in (1, 3, 17, 64):
@@ -82,8 +84,38 @@ def test_row_map_and_batch_dims():
     moved[rowmap.long()] = w                                     # stored row r is output column rowmap[r]
     assert y.shape == (2, 3, n)
     _check(y.reshape(6, n), x.reshape(6, k), moved)
+    for shape in ((k,), (2, 1, 3, k)):                            # 1-D and 4-D inputs keep their dims
+        x = torch.randn(*shape)
+        y = gk.linear(x, raw, gq.Q4_1, n, rowmap)
+        assert y.shape == (*shape[:-1], n)
+        _check(y.reshape(-1, n), x.reshape(-1, k), moved)
     with pytest.raises(ValueError):
         gk.linear(x, raw[:-1], gq.Q4_1, n)
+
+
+def test_portable_build_equals_the_reference(tmp_path):
+    """The C source without -march=native / OpenMP (the vector-extension path, no AVX-512 lookups)
+    gives the same fp32 sums as the reference, T = 1 (4-row groups and the tail) and T > 1."""
+    import ctypes
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path / "portable.so"
+    assert gk._compile(cc, str(gk.SOURCE), ["-O2"], out)
+    fn = ctypes.CDLL(str(out)).ggml_gemm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    for qtype in (gq.Q4_0, gq.Q4_1, gq.Q8_0):
+        for n, k in ((37, 96), (9, 2144)):
+            raw = random_blocks(qtype, n, k, seed=n + qtype)
+            w = gq.dequantize(raw, qtype, (n, k))
+            for t in (1, 5):
+                x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+                y = torch.empty(t, n)
+                assert fn(qtype, raw.data_ptr(), x.data_ptr(), y.data_ptr(), None, n, k, t, 1) == 0
+                _check(y, x, w)
 
 
 @pytest.fixture(scope="module")

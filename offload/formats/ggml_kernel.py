@@ -24,7 +24,8 @@ Contract:
 - `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
   tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
 - `CALLS`: how many times `linear` ran the kernel in this process (tests check it is used).
-Threads: torch.get_num_threads() at call time (rows split across them).
+Threads: torch.get_num_threads() at call time (rows split across them; one thread for products too
+small to pay for a fork/join: the C source's MIN_PAR).
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
-_STATE: dict = {"lib": None, "broken": None, "tried": False}
+_STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
 CALLS = 0
 
 
 def _off() -> bool:
-    return os.environ.get(ENV, "auto").strip().lower() in ("off", "0", "no", "false")
+    v = os.environ.get(ENV)                    # read on every call (tests and the CLI set it at run time)
+    return v is not None and v.strip().lower() in ("off", "0", "no", "false")
 
 
 def _cache_root() -> Path:
@@ -120,7 +122,14 @@ def _library() -> ctypes.CDLL | None:
     if not _STATE["tried"]:
         _STATE["tried"] = True
         _STATE["lib"] = _load()
+        _STATE["fn"] = None if _STATE["lib"] is None else _STATE["lib"].ggml_gemm
     return _STATE["lib"]
+
+
+def _function():
+    """ggml_gemm of the built library (building it on first call); None when there is none."""
+    _library()
+    return _STATE["fn"]
 
 
 def enabled() -> bool:
@@ -137,31 +146,40 @@ def kernel_status() -> str | None:
 
 def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) -> bool:
     """Whether `linear` serves x (see the contract); max_rows None: any number of rows."""
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and qtype in QTYPES and rows > 0
-            and (max_rows is None or rows <= max_rows) and x.shape[-1] % 32 == 0 and enabled())
+    if qtype not in QTYPES or x.dtype != torch.float32 or not x.is_cpu or not x.dim():
+        return False
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    return (rows > 0 and (max_rows is None or rows <= max_rows) and k % 32 == 0
+            and (_STATE.get("fn") is not None if _STATE["tried"] else enabled()) and not _off())
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
            rowmap: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract)."""
+    """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
+    About 211 calls per decoding step: the Python side is kept to checks and one output allocation."""
     global CALLS
-    lib = _library()
+    fn = _STATE.get("fn") if _STATE["tried"] else _function()
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    x2 = x2 if x2.is_contiguous() else x2.contiguous()
-    t = x2.shape[0]
-    raw = raw if raw.is_contiguous() else raw.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not raw.is_contiguous():
+        raw = raw.contiguous()
     if raw.dtype != torch.uint8 or raw.numel() * 32 != out_features * k * BYTES[qtype]:
         raise ValueError(f"packed weight of {raw.numel()} bytes does not hold a ({out_features}, {k}) "
                          f"type-{qtype} matrix")
-    y = torch.empty(t, out_features, dtype=torch.float32)
-    rc = lib.ggml_gemm(qtype, raw.data_ptr(), x2.data_ptr(), y.data_ptr(),
-                       None if rowmap is None else rowmap.data_ptr(), out_features, k, t, torch.get_num_threads())
+    t = x.numel() // k
+    lead = x.dim()                    # torch.empty from ints: ~1 us, from a torch.Size: ~2-3 us
+    f32 = torch.float32
+    y = (torch.empty(x.shape[0], x.shape[1], out_features, dtype=f32) if lead == 3 else
+         torch.empty(t, out_features, dtype=f32) if lead == 2 else
+         torch.empty(x.shape[:-1] + (out_features,), dtype=f32))
+    rc = fn(qtype, raw.data_ptr(), x.data_ptr(), y.data_ptr(), None if rowmap is None else rowmap.data_ptr(),
+            out_features, k, t, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"ggml_gemm failed ({rc})")
     CALLS += 1
-    return y.reshape(*x.shape[:-1], out_features)
+    return y
 
 
 def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:

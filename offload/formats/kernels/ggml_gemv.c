@@ -13,11 +13,15 @@ are never quantized. Block layouts (little-endian):
     nibbles: byte i holds value i (low 4 bits) and value i + 16 (high 4 bits).
 Returns 0, or -1 for an unsupported qtype / K not a multiple of 32 (nothing written).
 Two schedules, both reading each packed row from memory once per call:
-  T == 1: per block, the algebraic form d * (sum_j q_j x_j) (+ m * sum(x) for Q4_1, sum(x) per
-          block precomputed once): 16-lane partial sums, one horizontal sum per row;
+  T == 1: per block, the algebraic form d * (sum_j q_j x_j) (+ m * sum_j x_j for Q4_1, lane-wise):
+          4 rows at a time sharing each activation load, their scales converted to fp32 in chunks
+          of CH blocks first, 16-lane partial sums, one horizontal sum per row;
   T > 1:  per block, the 32 reference values w_j (d * q_j + m, ...) in two 16-lane registers,
           multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes).
-Threads: output rows split statically over `nthreads` (OpenMP when compiled with it).
+Threads: output rows split statically over `nthreads` (OpenMP when compiled with it); one thread
+below MIN_PAR products, where the fork/join would cost more than it saves.
+With AVX-512 VBMI (x86 -march=native on recent Xeons) the codes become floats by table lookups
+(vpermb/vpermw on fp32 bit patterns) and the fp16 scales in one vcvtph2ps: the same exact values.
 Portable C: GCC/Clang vector extensions (16 fp32 lanes), which the compiler maps onto AVX-512,
 AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit manipulation. */
 
@@ -27,13 +31,16 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define QK 32
 #define TB 4                                   /* activation rows per pass (T > 1) */
 #define AHEAD 4096        /* software prefetch distance in bytes: +20-45% on weights streamed from DRAM */
+/* below this many (row, block, activation row) products one thread is faster than two: an OpenMP
+   fork/join costs ~0.5-1 us, one product ~2.5 ns (measured, 2 cores, K = 576) */
+#define MIN_PAR 512
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -80,9 +87,70 @@ static size_t block_bytes(int qtype) {
     return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
 }
 
+/* NO_FMA(v): keep v's product rounded on its own (the reference's d * q, then + m) where the compiler
+   would contract it into an fma; it needs v in one register (AVX-512), elsewhere it is a no-op. */
+#if defined(__AVX512F__)
+#define NO_FMA(v) __asm__("" : "+v"(v))
+#else
+#define NO_FMA(v) ((void)0)
+#endif
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__F16C__)
+#define FAST_CODES 1
+/* Nibble codes straight to fp32 bits, without int->float conversions: a small integer's fp32 bits are
+   its bf16 bits << 16, so a table of 32 words (bf16 of code k & 15, Q4_0's minus 8) looked up by the
+   nibble (vpermw reads an index word's low 5 bits) and written to the high word of each dword (the low
+   words zeroed by the mask) is exactly float(code). vpermb first puts byte i of the block in the high
+   word of dword i. Exact: every code is an integer below 16 in magnitude. */
+static inline void codes4(int qtype, const uint8_t *q, v16f *lo, v16f *hi) {
+    const __m512i spread = _mm512_set_epi8(
+        0, 15, 0, 0, 0, 14, 0, 0, 0, 13, 0, 0, 0, 12, 0, 0, 0, 11, 0, 0, 0, 10, 0, 0, 0, 9, 0, 0, 0, 8, 0, 0,
+        0, 7, 0, 0, 0, 6, 0, 0, 0, 5, 0, 0, 0, 4, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0);
+    const __m512i tab4_1 = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+        0x4040, 0x4000, 0x3F80, 0x0000,
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+        0x4040, 0x4000, 0x3F80, 0x0000);                                   /* k & 15 */
+    const __m512i tab4_0 = _mm512_set_epi16(
+        0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080,
+        0xC0A0, 0xC0C0, 0xC0E0, 0xC100,
+        0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080,
+        0xC0A0, 0xC0C0, 0xC0E0, 0xC100);                                   /* (k & 15) - 8 */
+    __m512i tab = qtype == Q4_0 ? tab4_0 : tab4_1;
+    __m512i r = _mm512_permutexvar_epi8(spread, _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)q)));
+    *lo = (v16f)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, r, tab);
+    *hi = (v16f)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_srli_epi16(r, 4), tab);
+}
+/* A Q4 block's 16 possible values, w(k) = d * k + m (Q4_1) or d * (k - 8) (Q4_0), k = 0..15, as
+   gguf.quants.dequantize computes them (a product, then a sum: two fp32 roundings): vpermps reads only
+   an index dword's low 4 bits, so a nibble picks its value without masking or int->float conversion. */
+static inline v16f values16(int qtype, float d, float m) {
+    const v16f k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    if (qtype == Q4_0) return d * (k - 8.0f);
+    v16f dk = d * k;
+    NO_FMA(dk);
+    return dk + m;
+}
+/* 16 int8 -> 16 floats with the sign-extending widening (exact) */
+static inline v16f i8f_fast(const uint8_t *p) {
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+#define FAST_CODES 0
+#endif
+
 /* Integer codes of one block as floats (exact: |q| <= 128): lo = values 0..15, hi = 16..31;
    Q4_0's offset 8 is subtracted here (exact), so every type is then w = d * code (+ m). */
 static inline void codes(int qtype, const uint8_t *blk, v16f *lo, v16f *hi) {
+#if FAST_CODES
+    if (qtype == Q8_0) {
+        *lo = i8f_fast(blk + 2);
+        *hi = i8f_fast(blk + 18);
+    } else {
+        codes4(qtype, blk + (qtype == Q4_1 ? 4 : 2), lo, hi);
+    }
+    return;
+#endif
     if (qtype == Q8_0) {
         *lo = i8f(blk + 2);
         *hi = i8f(blk + 18);
@@ -97,45 +165,117 @@ static inline void codes(int qtype, const uint8_t *blk, v16f *lo, v16f *hi) {
     }
 }
 
-static inline float hsum(v16f a) {
-    float s = 0.0f;
-    for (int j = 0; j < 16; j++) s += a[j];
-    return s;
+/* The block's fp16 scale d (and Q4_1's min m) as 16-lane splats. */
+static inline void scales(int qtype, const uint8_t *blk, v16f *d, v16f *m) {
+#if FAST_CODES
+    __m128 dm = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk));    /* [d, m, ..]: blocks are >= 18 bytes */
+    *d = (v16f)_mm512_broadcastss_ps(dm);
+    if (qtype == Q4_1) *m = (v16f)_mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dm));
+#else
+    *d = (v16f){0} + f16_to_f32(blk);
+    if (qtype == Q4_1) *m = (v16f){0} + f16_to_f32(blk + 2);
+#endif
 }
 
-/* T == 1: one output from one packed row; xs[b] = sum of x over block b (Q4_1's m term). */
-static inline float dot_row(int qtype, const uint8_t *row, const float *x, const float *xs, int64_t nb) {
-    v16f acc = {0}, lo, hi;
-    float accm = 0.0f;
+/* The 16 lanes' sum as a tree (a serial chain of 15 adds cost ~60 cycles per output: more than the
+   18 blocks of a 576-wide row took to multiply). */
+static inline float hsum(v16f a) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)a);
+#else
+    float s[16];
+    for (int j = 0; j < 16; j++) s[j] = a[j];
+    for (int w = 8; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) s[j] += s[j + w];
+    return s[0];
+#endif
+}
+
+/* T == 1: one output from one packed row: per block d * (lo . x0 + hi . x1) (+ m * (x0 + x1) for
+   Q4_1, whose lanes sum to m * sum(x over the block)), in 16 lanes summed once at the end. */
+static inline float dot_row(int qtype, const uint8_t *row, const float *x, int64_t nb) {
+    v16f acc = {0}, lo, hi, d, m;
     size_t bb = block_bytes(qtype);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
+        v16f x0 = ldf(x + b * QK), x1 = ldf(x + b * QK + 16);
         __builtin_prefetch(blk + AHEAD, 0, 3);
         codes(qtype, blk, &lo, &hi);
-        acc += f16_to_f32(blk) * (lo * ldf(x + b * QK) + hi * ldf(x + b * QK + 16));
-        if (qtype == Q4_1) accm += f16_to_f32(blk + 2) * xs[b];
+        scales(qtype, blk, &d, &m);
+        acc += d * (lo * x0 + hi * x1);
+        if (qtype == Q4_1) acc += m * (x0 + x1);
     }
-    return hsum(acc) + accm;
+    return hsum(acc);
 }
 
-/* T == 1, R rows at once: R independent accumulator chains sharing each activation load. */
+/* T == 1, R rows at once: R independent accumulator chains sharing each activation load. The rows'
+   scales (and mins) of CH blocks are converted to fp32 first (sc[r][2i] = d, sc[r][2i + 1] = m), so
+   the inner loop broadcasts them from memory (a load, no shuffle) next to the codes' lookups. */
 #define R 4
-static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const float *x, const float *xs, int64_t nb,
-                            float *out) {
+#define CH 64
+static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const float *x, int64_t nb, float *out) {
     v16f acc[R] = {{0}}, lo, hi;
-    float accm[R] = {0};
+    float sc[R][2 * CH + 2];
     size_t bb = block_bytes(qtype);
-    for (int64_t b = 0; b < nb; b++) {
-        v16f x0 = ldf(x + b * QK), x1 = ldf(x + b * QK + 16);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *blk = row + r * rb + b * bb;
-            __builtin_prefetch(blk + AHEAD, 0, 3);
-            codes(qtype, blk, &lo, &hi);
-            acc[r] += f16_to_f32(blk) * (lo * x0 + hi * x1);
-            if (qtype == Q4_1) accm[r] += f16_to_f32(blk + 2) * xs[b];
+    for (int64_t b0 = 0; b0 < nb; b0 += CH) {
+        int64_t nc = nb - b0 < CH ? nb - b0 : CH;
+        for (int r = 0; r < R; r++)
+            for (int64_t i = 0; i < nc; i++) {
+                const uint8_t *blk = row + r * rb + (b0 + i) * bb;
+#if FAST_CODES
+                _mm_storeu_ps(&sc[r][2 * i], _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
+#else
+                sc[r][2 * i] = f16_to_f32(blk);
+                if (qtype == Q4_1) sc[r][2 * i + 1] = f16_to_f32(blk + 2);
+#endif
+            }
+        for (int64_t i = 0; i < nc; i++) {
+            int64_t b = b0 + i;
+            v16f x0 = ldf(x + b * QK), x1 = ldf(x + b * QK + 16), xsum = x0 + x1;
+            for (int r = 0; r < R; r++) {
+                const uint8_t *blk = row + r * rb + b * bb;
+                __builtin_prefetch(blk + AHEAD, 0, 3);
+#if FAST_CODES
+                if (qtype != Q8_0) {           /* the block's 16 possible values, looked up by nibble */
+                    v16f w16 = values16(qtype, sc[r][2 * i], sc[r][2 * i + 1]);
+                    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + bb - 16)));
+                    acc[r] += (v16f)_mm512_permutexvar_ps(q, (__m512)w16) * x0;
+                    acc[r] += (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16) * x1;
+                    continue;
+                }
+#endif
+                codes(qtype, blk, &lo, &hi);
+                acc[r] += sc[r][2 * i] * (lo * x0 + hi * x1);
+                if (qtype == Q4_1) acc[r] += sc[r][2 * i + 1] * xsum;
+            }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + accm[r];
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
+}
+
+/* The block's 32 dequantized values w_j (lo = j < 16, hi = j >= 16) as gguf.quants.dequantize has
+   them: d * q + m rounded twice (no fma contraction), d * (q - 8), d * q. */
+static inline void block_values(int qtype, const uint8_t *blk, v16f *wlo, v16f *whi) {
+    v16f d, m, lo, hi;
+    scales(qtype, blk, &d, &m);
+#if FAST_CODES
+    if (qtype != Q8_0) {
+        v16f w16 = values16(qtype, d[0], m[0]);
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + block_bytes(qtype) - 16)));
+        *wlo = (v16f)_mm512_permutexvar_ps(q, (__m512)w16);
+        *whi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16);
+        return;
+    }
+#endif
+    codes(qtype, blk, &lo, &hi);
+    *wlo = d * lo;
+    *whi = d * hi;
+    if (qtype == Q4_1) {
+        NO_FMA(*wlo);
+        NO_FMA(*whi);
+        *wlo += m;
+        *whi += m;
+    }
 }
 
 /* T > 1: y[t, ycol] for every t from one packed row, TB activation rows per pass over the row. */
@@ -145,19 +285,13 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
     int64_t nb = K / QK;
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
         int64_t nt = T - t0 < TB ? T - t0 : TB;
-        v16f acc[TB] = {{0}}, lo, hi;
+        v16f acc[TB] = {{0}};
         const float *xt = x + t0 * K;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = row + b * bb;
             if (t0 == 0) __builtin_prefetch(blk + AHEAD, 0, 3);
-            codes(qtype, blk, &lo, &hi);
-            float d = f16_to_f32(blk);
-            v16f wlo = d * lo, whi = d * hi;                  /* the reference values w_j */
-            if (qtype == Q4_1) {
-                float m = f16_to_f32(blk + 2);
-                wlo += m;
-                whi += m;
-            }
+            v16f wlo, whi;                                    /* the reference values w_j */
+            block_values(qtype, blk, &wlo, &whi);
             if (nt == TB) {
                 for (int i = 0; i < TB; i++)
                     acc[i] += wlo * ldf(xt + i * K + b * QK) + whi * ldf(xt + i * K + b * QK + 16);
@@ -172,7 +306,7 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
 
 /* One qtype's loops, so `qtype` is a constant inside them (the branches above fold away). */
 #define KERNEL(NAME, QT)                                                                            \
-    static void NAME(const uint8_t *w, const float *x, const float *xs, float *y, const int32_t *rowmap, \
+    static void NAME(const uint8_t *w, const float *x, float *y, const int32_t *rowmap, \
                      int64_t N, int64_t K, int64_t T, int nthreads) {                               \
         size_t rb = (size_t)(K / QK) * block_bytes(QT);                                             \
         if (T == 1) {                    /* groups of R rows, then the N % R last rows one by one */ \
@@ -181,9 +315,9 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
             for (int64_t g = 0; g <= groups; g++) {                                                 \
                 float out[R];                                                                       \
                 int64_t n0 = g * R, cnt = g < groups ? R : N - n0;                                  \
-                if (cnt == R) dot_rows(QT, w + (size_t)n0 * rb, rb, x, xs, K / QK, out);            \
+                if (cnt == R) dot_rows(QT, w + (size_t)n0 * rb, rb, x, K / QK, out);            \
                 else                                                                                \
-                    for (int64_t i = 0; i < cnt; i++) out[i] = dot_row(QT, w + (size_t)(n0 + i) * rb, x, xs, K / QK); \
+                    for (int64_t i = 0; i < cnt; i++) out[i] = dot_row(QT, w + (size_t)(n0 + i) * rb, x, K / QK); \
                 for (int64_t i = 0; i < cnt; i++) y[rowmap ? rowmap[n0 + i] : n0 + i] = out[i];     \
             }                                                                                       \
         } else {                                                                                    \
@@ -199,17 +333,9 @@ KERNEL(gemm_q8_0, Q8_0)
 int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
               int64_t N, int64_t K, int64_t T, int nthreads) {
     if (block_bytes(qtype) == 0 || K % QK != 0 || K <= 0 || N < 0 || T < 0) return -1;
-    if (nthreads < 1) nthreads = 1;
-    int64_t nb = K / QK;
-    float *xs = NULL;
-    if (T == 1 && qtype == Q4_1) {                      /* per-block sums of x: the m * sum(x) term */
-        xs = (float *)malloc(sizeof(float) * (size_t)nb);
-        if (xs == NULL) return -2;
-        for (int64_t b = 0; b < nb; b++) xs[b] = hsum(ldf(x + b * QK) + ldf(x + b * QK + 16));
-    }
-    if (qtype == Q4_0) gemm_q4_0(w, x, xs, y, rowmap, N, K, T, nthreads);
-    else if (qtype == Q4_1) gemm_q4_1(w, x, xs, y, rowmap, N, K, T, nthreads);
-    else gemm_q8_0(w, x, xs, y, rowmap, N, K, T, nthreads);
-    free(xs);
+    if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
+    if (qtype == Q4_0) gemm_q4_0(w, x, y, rowmap, N, K, T, nthreads);
+    else if (qtype == Q4_1) gemm_q4_1(w, x, y, rowmap, N, K, T, nthreads);
+    else gemm_q8_0(w, x, y, rowmap, N, K, T, nthreads);
     return 0;
 }
