@@ -95,15 +95,14 @@ def _version(x: torch.Tensor) -> int:
 
 def fuse_siblings(layer: torch.nn.Module) -> int:
     """Attach a FusedGroup to each eligible sibling set of `layer`; returns how many were attached."""
-    from offload.formats.qlinear import PackedLinear
-
     n = 0
     for names in SIBLINGS:
         try:
             mods = [layer.get_submodule(name) for name in names]
         except AttributeError:
             continue
-        if not all(isinstance(m, PackedLinear) and m.ggml_type is not None and len(m.parts) == 1 for m in mods):
+        # qlinear.PackedLinear members (told apart by their fields: qlinear imports this module, not back)
+        if not all(getattr(m, "ggml_type", None) is not None and len(getattr(m, "parts", ())) == 1 for m in mods):
             continue
         if len({(m.ggml_type, m.in_features) for m in mods}) != 1:
             continue
