@@ -165,3 +165,33 @@ def test_no_max_tokens_ends_at_the_context_end(models):
     finally:
         worker.shutdown()
         worker.thread.join(60)
+
+
+def test_background_requests_are_admitted_in_arrival_order_however_long_their_prompts_take(models, monkeypatch):
+    """--parallel 1, three background requests at once, the first one's prompt slowest to prepare (a
+    long chat template, many tools): the job threads prepare them side by side, and still the first
+    one decodes first and they end in arrival order (each waits for the ones taken before it)."""
+    worker = start(models, 1)
+    real = Worker._prompt
+
+    def prompt(self, work):
+        if work.prompt == "def b(x):":
+            time.sleep(0.5)   # the first request's prompt takes longest to prepare
+        return real(self, work)
+
+    monkeypatch.setattr(Worker, "_prompt", prompt)
+    try:
+        async def go():
+            loop, log = asyncio.get_running_loop(), []
+            bg = [job(loop, p, SHORT, False) for p in ("def b(x):", "def c(x):", "def d(x):")]
+            for j in bg:
+                worker.submit(j)
+            await asyncio.gather(*(collect(j, log, f"bg{i}") for i, j in enumerate(bg)))
+            return [(name, what) for name, what, _ in log]
+
+        order = asyncio.run(go())
+        assert [name for name, what in order if what == "first"] == ["bg0", "bg1", "bg2"], order
+        assert [name for name, what in order if what == "done"] == ["bg0", "bg1", "bg2"], order
+    finally:
+        worker.shutdown()
+        worker.thread.join(60)

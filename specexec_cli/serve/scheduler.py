@@ -19,6 +19,9 @@ its ticket waits again, ahead of the non-streamed ones that arrived after it, an
 (`Lane.resume`) in a free slot with the reply it gets unpaused; its rows stay in the slot until
 another request rewinds them, and the prompt cache keeps them then. Streamed requests are never
 paused. A ticket cancelled while waiting or paused leaves without taking a slot (`Withdrawn`).
+Arrival is the caller's `seq`: a caller that has taken a request but not opened it yet says so
+(`expect(seq)`, then `open` or `forget(seq)`), and no later non-streamed request is admitted before
+it, so preparing prompts on several threads cannot reorder the background requests.
 With --budget auto each decoding request's tree shape comes from the speed model's split (the
 session's `BudgetTuner.split(k)`, fed every forest pass), so a request joining never makes the pass
 slower than the stream by surprise; with an explicit --budget the budget is the whole pass's, split
@@ -150,6 +153,7 @@ class Scheduler:
         self.closing = False
         self.waits: list[int] = []   # per request: forest passes from asking to join to its first token
         self.arrivals = 0   # open() calls (the default arrival order)
+        self.expected: set[int] = set()   # seqs taken by the caller, not opened yet: later ones wait for them
         self.pauses = 0     # lanes paused for a streamed request
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
@@ -176,6 +180,7 @@ class Scheduler:
             self.arrivals += 1
             ticket.seq = self.arrivals if seq is None else seq
             ticket.opened = self.forest.passes
+            self.expected.discard(ticket.seq)
             self.waiting.append(ticket)
             self.cv.notify_all()
         ticket.admitted.wait()
@@ -183,17 +188,35 @@ class Scheduler:
             raise ticket.error
         return ticket.events(), ticket.prefill
 
+    def expect(self, seq: int) -> None:
+        """The caller took request `seq` and will open it: no later non-streamed one is admitted first."""
+        with self.cv:
+            self.expected.add(seq)
+
+    def forget(self, seq: int) -> None:
+        """Request `seq` will not be opened (or was): the ones after it may go."""
+        with self.cv:
+            self.expected.discard(seq)
+            self.cv.notify_all()
+
+    def _held(self, ticket: Ticket) -> bool:
+        """A new non-streamed ticket behind a request the caller took but has not opened yet (under cv)."""
+        return (not ticket.interactive and ticket.lane is None and bool(self.expected)
+                and ticket.seq > min(self.expected) and not ticket.cancelled())
+
     # -- the forest thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.waiting and not self.forest.lanes and not self.closing:
+                while (all(self._held(t) for t in self.waiting) and not self.forest.lanes
+                       and not self.closing):
                     self.cv.wait()
                 if self.closing and not self.forest.lanes:
                     for ticket in self.waiting:   # nothing is admitted once closing
                         self._refuse(ticket, SpecxError("the server is shutting down"))
                     return
-                arrived, self.waiting = self.waiting, []
+                arrived = [t for t in self.waiting if not self._held(t)]
+                self.waiting = [t for t in self.waiting if self._held(t)]
             try:
                 self._admit(arrived)
                 self._drop_stopped()

@@ -61,6 +61,7 @@ class Worker:
 
     def __post_init__(self):
         self.lock = threading.Lock()
+        self.taking = threading.Lock()   # one job thread takes from the queue (and announces it) at a time
         self.thread = threading.Thread(target=self._main, name="specx-worker", daemon=True)
         self.session = self.defaults = self.scheduler = None
 
@@ -162,21 +163,32 @@ class Worker:
 
     def _jobs(self) -> None:
         """One job thread: streamed requests first, then in order, until the shutdown sentinel
-        (passed on to the other threads)."""
+        (passed on to the other threads). A background job is announced to the scheduler as it is
+        taken (one taker at a time), so jobs prepared on other threads cannot overtake it there."""
         while True:
-            _, job = self.jobs.get()
+            with self.taking:
+                _, job = self.jobs.get()
+                if job is not None and self.scheduler is not None and not job.interactive:
+                    self.scheduler.expect(job.seq)
             if job is None:
                 self.jobs.put(STOP)
                 break
-            with self.lock:
-                if job.released:   # cancelled while queued: its slot is already free
-                    continue
-                job.started = True
-            if self.stopping.is_set():
-                job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
-                self._finished(job, "rejected", 0.0)
-                continue
-            self._serve(job)
+            try:
+                self._take(job)
+            finally:
+                if self.scheduler is not None:
+                    self.scheduler.forget(job.seq)
+
+    def _take(self, job: Job) -> None:
+        with self.lock:
+            if job.released:   # cancelled while queued: its slot is already free
+                return
+            job.started = True
+        if self.stopping.is_set():
+            job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
+            self._finished(job, "rejected", 0.0)
+            return
+        self._serve(job)
 
     def _finished(self, job: Job, outcome: str, seconds: float) -> None:
         if not self._release(job) and not job.started:
