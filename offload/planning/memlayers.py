@@ -200,11 +200,12 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req) -> dict:
     def served(name: str) -> bool:
         return gguf_kernel_type(ck, name, req.device, fp32) is not None
 
-    layers = []
-    for i in range(n_layers):
-        packed = [n for n, t in ck.tensors.items() if n.startswith(f"model.layers.{i}.") and t.qtype is not None]
-        if packed and all(served(n) for n in packed):
-            layers.append(i)
+    ok: dict[int, bool] = {}   # layer -> every packed tensor of it served (one pass over the names)
+    for name, t in ck.tensors.items():
+        if t.qtype is not None and name.startswith("model.layers."):
+            i = int(name.split(".", 3)[2])
+            ok[i] = ok.get(i, True) and served(name)
+    layers = [i for i in range(n_layers) if ok.get(i)]
     head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in ck.tensors), None)
     head_bytes = ck.tensors[head].nbytes if head and served(head) else 0
     return dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes)
