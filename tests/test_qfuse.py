@@ -25,6 +25,13 @@ from tests.gguf_build import write_gguf  # noqa: E402
 pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler: the GGUF kernel is off")
 
 
+@pytest.fixture(autouse=True)
+def layer_by_layer(monkeypatch):
+    """The groups serve HF's layers one by one: the one-call stack (stream/leanstack.py, which reads
+    the same stacked bytes in C, tests/test_leanstack.py) is off here."""
+    monkeypatch.setenv("SPECX_DECODE_STACK", "off")
+
+
 @pytest.fixture(scope="module")
 def q41(tmp_path_factory):
     root = tmp_path_factory.mktemp("qfuse")

@@ -48,6 +48,7 @@ QTYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0 (gguf_quants numbering)
 BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
+STACK_SOURCE = SOURCE.with_name("decode_stack.c")   # built into the same library (stream/leanstack.py)
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
 CALLS = 0
@@ -74,13 +75,13 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-def _compile(cc: str, src: str, flags: list[str], out: Path) -> bool:
+def _compile(cc: str, srcs: list[str], flags: list[str], out: Path) -> bool:
     """Build `out` atomically (a temp file renamed), so concurrent processes never load a half file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, src], capture_output=True, timeout=120)
+        done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, *srcs, "-lm"], capture_output=True, timeout=120)
         if done.returncode != 0:
             return False
         os.replace(tmp, out)
@@ -97,7 +98,7 @@ def _load() -> ctypes.CDLL | None:
         _STATE["broken"] = "no C compiler (cc) found; GGUF linears dequantize instead"
         return None
     try:
-        src = SOURCE.read_text()
+        src = SOURCE.read_text() + STACK_SOURCE.read_text()
     except OSError:
         _STATE["broken"] = f"{SOURCE.name} is missing from the installation; GGUF linears dequantize instead"
         return None
@@ -106,7 +107,7 @@ def _load() -> ctypes.CDLL | None:
         key = hashlib.sha256((base + " ".join(flags)).encode()).hexdigest()[:16]
         out = _cache_root() / "kernels" / f"ggml_gemv-{key}.so"
         try:
-            if out.exists() or _compile(cc, str(SOURCE), flags, out):
+            if out.exists() or _compile(cc, [str(SOURCE), str(STACK_SOURCE)], flags, out):
                 lib = ctypes.CDLL(str(out))
                 fn = lib.ggml_gemm
                 fn.restype = ctypes.c_int

@@ -63,6 +63,12 @@ class FusedGroup:
         self._span = (ptrs, view)
         return view
 
+    def stacked(self) -> torch.Tensor | None:
+        """The members' bytes as one flat view (their stored rows in member order), or None when
+        they are not back to back (stream/leanstack.py multiplies by it in C)."""
+        raws = self._raws()
+        return self._stacked(raws, tuple(r.data_ptr() for r in raws))
+
     def take(self, member, x: torch.Tensor) -> torch.Tensor | None:
         """member's output for x from the group's one call (see the module contract), or None."""
         raws = self._raws()

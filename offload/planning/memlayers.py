@@ -187,13 +187,16 @@ def dense_notes(target: Dense, draft: Dense, n_resident: int) -> list[str]:
 
 
 
-def kernel_terms(ck: Checkpoint, n_layers: int, req) -> dict:
+def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> dict:
     """What the exact GGUF CPU kernel (formats/ggml_kernel.py) serves, for the pass model: `layers` whose
     every packed linear it multiplies from the file's blocks, `rows` (a layer also dequantized once
     at load takes the kernel up to that many tokens, its fp32 copy above), `head_bytes` (the packed
-    output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype).
-    Decided as the loader decides it (gguf_kernel_type: CPU, fp32, a supported type), never compiled."""
+    output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype),
+    `stack` (passes of up to `rows` tokens run as one C call, stream/leanstack.py: every layer served,
+    none streamed (`streams`), a plain Llama). Decided as the loader decides it (gguf_kernel_type:
+    CPU, fp32, a supported type), never compiled."""
     from offload.formats.ggml_kernel import MAX_ROWS, gguf_kernel_type
+    from offload.stream.leanstack import family_reason
 
     fp32 = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
 
@@ -208,4 +211,5 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req) -> dict:
     layers = [i for i in range(n_layers) if ok.get(i)]
     head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in ck.tensors), None)
     head_bytes = ck.tensors[head].nbytes if head and served(head) else 0
-    return dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes)
+    stack = bool(n_layers) and len(layers) == n_layers and not streams and family_reason(ck.hf_config) is None
+    return dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes, stack=stack)

@@ -9,7 +9,8 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
 - `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one target pass over n tree tokens
   at a context of ctx committed tokens, compute dtype c bytes, layers dequantized by `kernel`:
   per decoder layer i, max(transfer_i, compute_i), summed (the stream of layer i+1 overlaps the
-  compute of layer i), plus the head and one forward floor. A layer the plan dequantized once at load
+  compute of layer i), plus the head and one forward floor (`forward_floor`: the one-call stack's
+  where it runs the pass, stream/leanstack.py). A layer the plan dequantized once at load
   (`plan.dense_layers`) reads its linears in c bytes per weight and has no dequantization term. A
   layer or head the GGUF CPU kernel multiplies packed (`plan.kernel`: up to its rows for a layer with
   an fp32 copy, at any n without one) reads its packed bytes at the kernel's rate, no dequantization.
@@ -33,11 +34,13 @@ from dataclasses import asdict, dataclass, field
 
 NF4_GEMV_TOKENS = 4   # bitsandbytes runs its fused 4-bit GEMV up to this many tokens: no 16-bit weight written
 
+STACK_FLOOR_CPU = 0.0006   # s: a SmolLM2-135M pass on the one-call stack beyond its matmuls (bench/pass_breakdown.py)
+
 PRIORS = {
     "cuda": dict(memory_bps=1000e9, link_bps=24e9, disk_bps=3e9, flops16=165e12, flops32=82e12,
-                 forward_floor_s=0.01, step_floor_s=0.006),
+                 forward_floor_s=0.01, step_floor_s=0.006, stack_floor_s=0.01),
     "cpu": dict(memory_bps=20e9, link_bps=10e9, disk_bps=2e9, flops16=5e9, flops32=100e9,
-                forward_floor_s=0.01, step_floor_s=0.01),
+                forward_floor_s=0.01, step_floor_s=0.01, stack_floor_s=STACK_FLOOR_CPU),
 }
 """Priors where neither a profile nor a card says: a 4090-class card (1 TB/s, 165 TFLOP/s bf16 with FP32
 accumulate, PCIe 4 at 75%, NVMe) and a desktop CPU (DDR4/5, AVX2/512 fp32 GEMM; bf16 without native units
@@ -45,7 +48,10 @@ runs ~20x slower). Floors: a target pass on CUDA pays its kernel launches and tw
 layers), a 1B draft step ~5-8 ms (launch-bound, not byte-bound); on a CPU the Python/dispatch overhead of a
 forward: 10 ms is the measured floor of a SmolLM2-135M plain decoding pass (30 layers: 10.4 ms beyond its
 matmuls, bench/pass_breakdown.py, bench/results/pass_breakdown.json; tests/test_docs_speedmodel.py holds
-the two together). All are replaced by `specx profile`'s measurements where one exists for this machine."""
+the two together). stack_floor_s is that floor for a pass the one-call stack runs (stream/leanstack.py:
+a resident plain-Llama GGUF model on the CPU, up to the kernel's rows): the embedding, the final norm, the
+head's call and the stack's own non-matmul work, measured the same way (STACK_FLOOR_CPU; CUDA never runs
+the stack). All are replaced by `specx profile`'s measurements where one exists for this machine."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Device:
     flops32: float             # dense fp32 matmul FLOP/s
     forward_floor_s: float     # per target forward: launches, syncs, dispatch that streaming does not hide
     step_floor_s: float        # per draft forward: the same floor for one tree-growth step
+    stack_floor_s: float       # per target forward the one-call stack runs (plan.kernel["stack"], n <= its rows)
     source: str = "prior"      # origin of memory_bps (the figure the plan's caption shows)
     sources: dict = field(default_factory=dict)   # term -> "measured: ..." | "published: ..." | "prior"
     dequant_bps: dict = field(default_factory=dict)   # kernel -> measured rate of its traffic; else memory_bps
@@ -76,7 +83,7 @@ class Device:
         return asdict(self)
 
 
-TERMS = ("memory_bps", "link_bps", "disk_bps", "flops16", "flops32", "forward_floor_s", "step_floor_s")
+TERMS = ("memory_bps", "link_bps", "disk_bps", "flops16", "flops32", "forward_floor_s", "step_floor_s", "stack_floor_s")
 
 
 def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None = None, **given) -> Device:
@@ -180,6 +187,13 @@ def _kernel_reads(plan, n: int) -> tuple[set, int]:
     return {i for i in k.get("layers", ()) if small or i not in dense}, k.get("head_bytes", 0) if small else 0
 
 
+def forward_floor(plan, dev: Device, n: int) -> float:
+    """The per-forward floor of a target pass of n tokens: the stack's where it runs the pass
+    (plan.kernel["stack"] and n within the kernel's rows), else the layer-by-layer forward's."""
+    k = getattr(plan, "kernel", None) or {}
+    return dev.stack_floor_s if k.get("stack") and n <= k.get("rows", 0) else dev.forward_floor_s
+
+
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
     """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier."""
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
@@ -205,8 +219,9 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
     head_read = head_packed / dev.dequant_rate(GGUF_KERNEL) if head_packed else a.hidden * a.vocab * c / dev.memory_bps
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), head_read)
     compute = gemm_s + deq_s + layers * attn
-    return PassTerms(n, ctx, stream, gemm_s, deq_s, layers * attn, head, dev.forward_floor_s,
-                     dev.forward_floor_s + head + total, "stream" if stream > compute else "compute", dev.flops(c))
+    floor = forward_floor(plan, dev, n)
+    return PassTerms(n, ctx, stream, gemm_s, deq_s, layers * attn, head, floor,
+                     floor + head + total, "stream" if stream > compute else "compute", dev.flops(c))
 
 
 def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int, kernel: str = "none") -> float:

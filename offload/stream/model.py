@@ -28,6 +28,7 @@ from offload.errors import OffloadError
 from offload.arch.attention import release as release_masks
 from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
 from offload.arch.families import Family, apply_final_softcap, causal_lm_class, window_mask
+from offload.stream.leanstack import LeanStack
 from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
 from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
 from offload.stream.placement import OffloadPlan
@@ -85,6 +86,7 @@ class OffloadedCausalLM(nn.Module):
         self._prelay_cpu(w)
         self.prefetcher = Prefetcher(self.plan.streamed, self.store.read, self.store.copy, self.store.slots,
                                      self.store.host_slots, device, is_free=self.store.is_free)
+        self.lean = LeanStack.build(self)   # every layer in one C call for small passes, where it applies
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, offload="auto",
@@ -236,19 +238,14 @@ class OffloadedCausalLM(nn.Module):
         if position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(h.shape[1], device=h.device) + past).unsqueeze(0)
-        # only a caller's positions go to HF's mask builders: with neither cache nor mask they look
-        # for packed sequences, a host read (a device sync) that our contiguous positions never need
-        masks = self._masks(h, attention_mask, past_key_values, position_ids, given)
         pos_emb = self.rotary_emb(h, position_ids)
-        types = self._layer_types()
         self.stats.streamed_bytes_per_pass = 0
         stall0 = self.prefetcher.stall_seconds
-        cache_kw = cache_kwargs(type(self.layers[0]), past_key_values)
-        for i in self._layer_stream():
-            h = self.layers[i](h, attention_mask=masks[types[i]], position_ids=position_ids,
-                               use_cache=use_cache, position_embeddings=pos_emb, **cache_kw, **kwargs)
-            if self.compute_hook is not None:
-                self.compute_hook(i)
+        if (self.lean is not None and use_cache and not kwargs and self.compute_hook is None
+                and self.lean.serves(h, attention_mask, past_key_values)):
+            h = self.lean(h, pos_emb, attention_mask, past_key_values)   # no layer is streamed: nothing to pull
+        else:
+            h = self._layers(h, attention_mask, past_key_values, position_ids, given, pos_emb, use_cache, kwargs)
         h = self.norm(h)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -257,6 +254,20 @@ class OffloadedCausalLM(nn.Module):
         self._account(t0, stall0)
         return CausalLMOutputWithPast(logits=logits,
                                       **output_cache_kwargs(CausalLMOutputWithPast, past_key_values))
+
+    def _layers(self, h, attention_mask, cache, position_ids, given, pos_emb, use_cache, kwargs):
+        """The decoder layers as HF runs them, streamed ones pulled from the prefetcher in order."""
+        # only a caller's positions go to HF's mask builders: with neither cache nor mask they look
+        # for packed sequences, a host read (a device sync) that our contiguous positions never need
+        masks = self._masks(h, attention_mask, cache, position_ids, given)
+        types = self._layer_types()
+        cache_kw = cache_kwargs(type(self.layers[0]), cache)
+        for i in self._layer_stream():
+            h = self.layers[i](h, attention_mask=masks[types[i]], position_ids=position_ids,
+                               use_cache=use_cache, position_embeddings=pos_emb, **cache_kw, **kwargs)
+            if self.compute_hook is not None:
+                self.compute_hook(i)
+        return h
 
     def _account(self, t0: float, stall0: float) -> None:
         s, pf = self.stats, self.prefetcher

@@ -1,0 +1,186 @@
+/* decode_stack.c: a Llama decoder stack over GGUF blocks for a few tokens, in one call
+(offload/stream/leanstack.py). Compiled into one library with ggml_gemv.c, whose ggml_gemm it calls.
+
+Contract: decode_stack(layers, nl, dims, h, T, cos, sin, mask, mask_cols, nthreads, flags) runs decoder
+layers layers[0..nl) in order over the hidden states h (T, D), in place, exactly as transformers'
+LlamaDecoderLayer computes them (fp32 throughout, up to the order of fp32 roundings):
+    x  = rmsnorm(h) * attn_norm              rmsnorm(h) = h * 1/sqrt(mean(h^2) + eps), per token
+    q|k|v = x Wqkv^T                         one ggml_gemm over the stacked q, k, v rows (row map
+                                             puts each stored row at its HF column)
+    q, k = rope(q), rope(k)                  q * cos + rotate_half(q) * sin, cos/sin (T, hd)
+    K[past + t], V[past + t] = k_t, v_t      written into the layer's slabs (Hkv, cap, hd)
+    a_t = softmax(scale * q_t K^T + m_t) V   per head over rows [0, past + T) of its KV head
+                                             (GQA: head h reads KV head h / (H / Hkv));
+                                             m = mask (T, mask_cols) additive, or NULL: causal
+                                             (row j visible to token t iff j <= past + t)
+    h += a Wo^T
+    x  = rmsnorm(h) * ffn_norm
+    g|u = x Wgu^T;  h += (silu(g) * u) Wdown^T        silu(g) = g / (1 + exp(-g))
+The caller checks capacity (past + T <= cap), shapes and types; the slabs' `length` bookkeeping
+stays the caller's. flags MATMULS_ONLY (1): each layer's four matmuls alone, on zeroed scratch,
+h and the slabs untouched (a timing probe). Returns 0, -1 when a ggml_gemm refuses (an unsupported
+type), -2 when scratch cannot be allocated.
+Threads: the matmuls split rows over `nthreads` (ggml_gemm); attention splits (head, token)
+pairs once the context is long enough to pay for a fork/join. Scratch is one malloc per call. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+              int64_t N, int64_t K, int64_t T, int nthreads);
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;                 /* (D) RMSNorm weights */
+    const uint8_t *qkv, *o, *gu, *down;                /* packed GGUF bytes: q|k|v, o, gate|up, down */
+    const int32_t *qkv_map, *o_map, *gu_map, *down_map;   /* HF column of each stored row, or NULL */
+    int32_t qkv_type, o_type, gu_type, down_type;      /* ggml type ids */
+    float *k, *v;                                      /* KV slabs (Hkv, cap, hd), rows [0, past) valid */
+    int64_t cap, past;                                 /* slab rows; rows valid before this call */
+} layer_t;
+
+typedef struct {
+    int64_t D, H, Hkv, hd, F;   /* hidden, query heads, KV heads, head dim, MLP width */
+    float eps, scale;           /* RMSNorm epsilon; attention scale (hd^-0.5) */
+} dims_t;
+
+#define MATMULS_ONLY 1           /* flags: only each layer's four matmuls, nothing written to h or the slabs */
+#define ATTN_PAR 2048           /* (head, token) x context rows below which attention stays on one thread */
+
+static void rmsnorm(const float *h, const float *w, float *out, int64_t T, int64_t D, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = h + t * D;
+        float ss = 0.f;
+        for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+        float inv = 1.f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; i++) out[t * D + i] = w[i] * (x[i] * inv);
+    }
+}
+
+/* x (hd) rotated in place: x_i cos_i - x_{i+half} sin_i ; x_{i+half} cos_{i+half} + x_i sin_{i+half} */
+static void rope(float *x, const float *c, const float *s, int64_t hd) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * c[i] + (-b) * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+/* One (head, token): out (hd) = softmax(scale q K^T + m) V over rows [0, n); p: n floats of scratch. */
+static void attend(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
+                   const float *m, int64_t causal_end, float *p, float *out) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        float s;
+        if (m == NULL && j > causal_end) s = -INFINITY;
+        else {
+            const float *kr = K + j * hd;
+            float d = 0.f;
+            for (int64_t i = 0; i < hd; i++) d += q[i] * kr[i];
+            s = d * scale + (m ? m[j] : 0.f);
+        }
+        p[j] = s;
+        if (s > mx) mx = s;
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        float e = p[j] == -INFINITY ? 0.f : expf(p[j] - mx);
+        p[j] = e;
+        sum += e;
+    }
+    float inv = 1.f / sum;
+    for (int64_t i = 0; i < hd; i++) out[i] = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        if (p[j] == 0.f) continue;
+        const float *vr = V + j * hd;
+        float w = p[j] * inv;
+        for (int64_t i = 0; i < hd; i++) out[i] += w * vr[i];
+    }
+}
+
+static void attention(const layer_t *l, const dims_t *d, const float *qkv, int64_t T, const float *mask,
+                      int64_t mask_cols, float *attn_out, float *probs, int nthreads) {
+    int64_t H = d->H, hd = d->hd, n = l->past + T, width = (d->H + 2 * d->Hkv) * hd;
+    int64_t group = d->H / d->Hkv, pairs = H * T;
+    int threads = pairs * n >= ATTN_PAR ? nthreads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t pr = 0; pr < pairs; pr++) {
+        int64_t h = pr / T, t = pr % T, g = h / group;
+        const float *q = qkv + t * width + h * hd;
+        const float *m = mask ? mask + t * mask_cols : NULL;
+        float *p = probs + (size_t)pr * n;
+        attend(q, l->k + (size_t)g * l->cap * hd, l->v + (size_t)g * l->cap * hd, n, hd, d->scale, m,
+               l->past + t, p, attn_out + t * H * hd + h * hd);
+    }
+}
+
+/* q|k|v of every token: rope on q and k heads, then k and v into slab rows past .. past + T - 1. */
+static void rope_and_store(const layer_t *l, const dims_t *d, float *qkv, int64_t T, const float *cos,
+                           const float *sin) {
+    int64_t hd = d->hd, width = (d->H + 2 * d->Hkv) * hd;
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * width;
+        const float *c = cos + t * hd, *s = sin + t * hd;
+        for (int64_t h = 0; h < d->H + d->Hkv; h++) rope(row + h * hd, c, s, hd);
+        for (int64_t g = 0; g < d->Hkv; g++) {
+            size_t at = ((size_t)g * l->cap + l->past + t) * hd;
+            memcpy(l->k + at, row + (d->H + g) * hd, hd * sizeof(float));
+            memcpy(l->v + at, row + (d->H + d->Hkv + g) * hd, hd * sizeof(float));
+        }
+    }
+}
+
+/* The four matmuls of a layer alone, on zeroed scratch (MATMULS_ONLY: what bench/pass_breakdown.py
+   subtracts from a whole pass to find the rest). */
+static int matmuls(const layer_t *l, const dims_t *d, int64_t T, float *x, float *qkv, float *a, float *y,
+                   float *gu, int nthreads) {
+    int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
+    return ggml_gemm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)
+        || ggml_gemm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)
+        || ggml_gemm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)
+        || ggml_gemm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads) ? -1 : 0;
+}
+
+static int layer(const layer_t *l, const dims_t *d, float *h, int64_t T, const float *cos, const float *sin,
+                 const float *mask, int64_t mask_cols, float *scr, int nthreads, int flags) {
+    int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
+    float *x = scr, *qkv = x + T * D, *a = qkv + T * width, *y = a + T * qd, *gu = y + T * D;
+    float *probs = gu + T * 2 * F;
+    if (flags & MATMULS_ONLY) return matmuls(l, d, T, x, qkv, a, y, gu, nthreads);
+    rmsnorm(h, l->attn_norm, x, T, D, d->eps);
+    if (ggml_gemm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)) return -1;
+    rope_and_store(l, d, qkv, T, cos, sin);
+    attention(l, d, qkv, T, mask, mask_cols, a, probs, nthreads);
+    if (ggml_gemm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)) return -1;
+    for (int64_t i = 0; i < T * D; i++) h[i] += y[i];
+    rmsnorm(h, l->ffn_norm, x, T, D, d->eps);
+    if (ggml_gemm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)) return -1;
+    for (int64_t t = 0; t < T; t++)             /* act (T, F) over the gate half's place */
+        for (int64_t i = 0; i < F; i++) {
+            float g = gu[t * 2 * F + i];
+            gu[t * F + i] = (g / (1.f + expf(-g))) * gu[t * 2 * F + F + i];
+        }
+    if (ggml_gemm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads)) return -1;
+    for (int64_t i = 0; i < T * D; i++) h[i] += y[i];
+    return 0;
+}
+
+int decode_stack(const layer_t *layers, int64_t nl, const dims_t *d, float *h, int64_t T, const float *cos,
+                 const float *sin, const float *mask, int64_t mask_cols, int nthreads, int flags) {
+    int64_t width = (d->H + 2 * d->Hkv) * d->hd, most = 0;
+    for (int64_t i = 0; i < nl; i++)
+        if (layers[i].past + T > most) most = layers[i].past + T;
+    size_t floats = (size_t)T * (d->D + width + d->H * d->hd + d->D + 2 * d->F) + (size_t)d->H * T * most;
+    float *scr = (flags & MATMULS_ONLY) ? calloc(floats, sizeof(float)) : malloc(floats * sizeof(float));
+    if (scr == NULL) return -2;
+    int rc = 0;
+    for (int64_t i = 0; i < nl && rc == 0; i++)
+        rc = layer(&layers[i], d, h, T, cos, sin, mask, mask_cols, scr, nthreads, flags);
+    free(scr);
+    return rc;
+}

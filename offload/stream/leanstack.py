@@ -1,0 +1,231 @@
+"""LeanStack: a resident Llama stack of GGUF layers, run for a few tokens as ONE C call per pass.
+
+Contract:
+- `LeanStack.build(model)` -> LeanStack | None for an OffloadedCausalLM; `why_not(model)` says, in
+  one line, why there is none (None when there is one). It is built when the model computes on the
+  CPU in fp32, its family is plain Llama (SiLU MLP, no biases, no sliding window, HF's
+  LlamaDecoderLayer), every decoder layer is resident, and every linear of every layer runs the GGUF
+  kernel (formats/ggml_kernel.py) with q/k/v and gate/up each stacked back to back in one buffer
+  (formats/qfuse.py), and $SPECX_DECODE_STACK is not "off". It holds, per layer, the pointers of the
+  norms and packed bytes (resident: bound once, never moved).
+- `serves(h, attention_mask, cache)`: whether this pass can run on the stack: h (1, T, D) fp32 with
+  T <= ggml_kernel.MAX_ROWS (decoding and small trees; larger passes multiply dense weights better),
+  attention_mask None or an additive (1, 1, T, past + T) fp32 mask, and a cache whose layer of each
+  decoder layer (by its attention's layer_idx) is a slab: `keys`/`values` (1, Hkv, cap, hd) fp32
+  contiguous CPU tensors and an int `length` (specexec_cli's SlabCache, without importing it), all
+  at the same `length` = past, with past + T <= cap (a pass that must grow the slabs takes the HF
+  path, which grows them).
+- `__call__(h, position_embeddings, attention_mask, cache)` -> h after the last decoder layer (a new
+  tensor; h is not written): decode_stack.c computes each layer as LlamaDecoderLayer does (the same
+  fp32 math up to the order of roundings: the same contract as the kernel's linears), writes the
+  new K/V rows at [past, past + T) of every slab and advances each layer's `length` by T, as HF's
+  cache update would. The final norm, the head and the logits stay the caller's.
+Why: HF's decoder layer is about 40 small torch ops per layer, about 0.33 ms of dispatch per layer
+on a 2-core CPU (bench/pass_breakdown.py), more than the 0.26 ms its matmuls take on a 135M model;
+one call per pass leaves only the matmuls and a few microseconds of C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from offload.formats import ggml_kernel
+
+ENV = "SPECX_DECODE_STACK"   # auto (default) | off
+
+
+class _Layer(ctypes.Structure):   # decode_stack.c's layer_t, field for field
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gu", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("qkv_map", ctypes.c_void_p), ("o_map", ctypes.c_void_p), ("gu_map", ctypes.c_void_p),
+                ("down_map", ctypes.c_void_p),
+                ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gu_type", ctypes.c_int32),
+                ("down_type", ctypes.c_int32),
+                ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("past", ctypes.c_int64)]
+
+
+class _Dims(ctypes.Structure):    # decode_stack.c's dims_t
+    _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("hd", ctypes.c_int64),
+                ("F", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _off() -> bool:
+    v = os.environ.get(ENV)
+    return v is not None and v.strip().lower() in ("off", "0", "no", "false")
+
+
+def _function():
+    lib = ggml_kernel._library()
+    if lib is None:
+        return None
+    fn = lib.decode_stack
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def family_reason(cfg) -> str | None:
+    """None when HF config `cfg` is a family decode_stack.c computes (plain Llama), else why not.
+    The planner asks the same (planning/memlayers.kernel_terms), so the model and the loader agree."""
+    if _off():
+        return f"${ENV}=off"
+    if getattr(cfg, "model_type", None) != "llama" or getattr(cfg, "hidden_act", None) != "silu":
+        return f"family {getattr(cfg, 'model_type', None)!r} is not plain Llama"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "the model's linears have biases"
+    return None
+
+
+def _config_reason(model) -> str | None:
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not a CPU fp32 model"
+    if model.plan.streamed:
+        return "some decoder layers stream"
+    return family_reason(model.config)
+
+
+def _packed(mod) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+    """(bytes, ggml type, row map) of a kernel-served PackedLinear bound on the CPU, else None."""
+    if getattr(mod, "ggml_type", None) is None or getattr(mod, "bias", None) is not None:
+        return None
+    raw = getattr(mod, next(iter(mod.parts)))
+    return (raw, mod.ggml_type, mod.row_map) if raw.device.type == "cpu" else None
+
+
+def _stacked(first) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+    group = getattr(first, "group", None)
+    view = group.stacked() if group is not None else None
+    return None if view is None else (view, group.qtype, group.row_map)
+
+
+def _layer_parts(layer) -> dict | None:
+    """The tensors decode_stack.c reads for one decoder layer, or None when it cannot run it."""
+    if type(layer).__name__ != "LlamaDecoderLayer":
+        return None
+    at, mlp = layer.self_attn, layer.mlp
+    parts = {"qkv": _stacked(at.q_proj), "o": _packed(at.o_proj), "gu": _stacked(mlp.gate_proj),
+             "down": _packed(mlp.down_proj)}
+    if any(v is None for v in parts.values()):
+        return None
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in norms):
+        return None
+    parts["norms"] = norms
+    parts["idx"] = at.layer_idx
+    return parts
+
+
+def why_not(model) -> str | None:
+    """One line on why `model` has no LeanStack, or None when it has one."""
+    reason = _config_reason(model)
+    if reason is not None:
+        return reason
+    if _function() is None:
+        return ggml_kernel.kernel_status() or "the GGUF kernel library is not built"
+    for i, layer in enumerate(model.layers):
+        if _layer_parts(layer) is None:
+            return f"decoder layer {i} is not a Llama layer of kernel-served GGUF linears"
+    return None
+
+
+class LeanStack:
+    def __init__(self, model, parts: list[dict]):
+        cfg = model.config
+        self.fn = _function()
+        heads = cfg.num_attention_heads
+        self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.hkv = getattr(cfg, "num_key_value_heads", None) or heads
+        self.dims = _Dims(cfg.hidden_size, heads, self.hkv, self.hd, cfg.intermediate_size,
+                          float(model.layers[0].input_layernorm.variance_epsilon), self.hd ** -0.5)
+        self.parts = parts                          # keeps every tensor the structs point at alive
+        self.idx = [p["idx"] for p in parts]        # cache layer of each decoder layer
+        self.structs = (_Layer * len(parts))()
+        for s, p in zip(self.structs, parts):
+            s.attn_norm, s.ffn_norm = p["norms"][0].data_ptr(), p["norms"][1].data_ptr()
+            for name in ("qkv", "o", "gu", "down"):
+                raw, qtype, rowmap = p[name]
+                setattr(s, name, raw.data_ptr())
+                setattr(s, f"{name}_type", qtype)
+                setattr(s, f"{name}_map", _ptr(rowmap))
+        self.calls = 0                              # passes run on the stack (tests check it is used)
+
+    @classmethod
+    def build(cls, model) -> "LeanStack | None":
+        if why_not(model) is not None:
+            return None
+        return cls(model, [_layer_parts(layer) for layer in model.layers])
+
+    def _slabs(self, cache, t: int) -> list | None:
+        """Each decoder layer's cache layer when all are slabs at one length with room for t rows."""
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) <= max(self.idx) or _off():
+            return None
+        picked, past = [], None
+        for i in self.idx:
+            layer = layers[i]
+            keys, values, length = getattr(layer, "keys", None), getattr(layer, "values", None), getattr(layer, "length", None)
+            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or not isinstance(length, int):
+                return None
+            if (keys.dtype != torch.float32 or keys.device.type != "cpu" or keys.dim() != 4 or keys.shape[0] != 1
+                    or keys.shape[1] != self.hkv or keys.shape[3] != self.hd or not keys.is_contiguous()
+                    or values.shape != keys.shape or values.dtype != keys.dtype or not values.is_contiguous()):
+                return None
+            if past is None:
+                past = length
+            if length != past or past + t > keys.shape[2]:
+                return None
+            picked.append(layer)
+        return picked
+
+    def serves(self, h: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> bool:
+        if h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
+            return False
+        t = h.shape[1]
+        if not 0 < t <= ggml_kernel.MAX_ROWS:
+            return False
+        slabs = self._slabs(cache, t)
+        if slabs is None:
+            return False
+        if attention_mask is None:
+            return True
+        m = attention_mask
+        return (m.dim() == 4 and m.dtype == torch.float32 and m.is_cpu and m.shape[0] == 1 and m.shape[1] == 1
+                and m.shape[2] == t and m.shape[3] == slabs[0].length + t)
+
+    def __call__(self, h: torch.Tensor, position_embeddings, attention_mask: torch.Tensor | None, cache):
+        t = h.shape[1]
+        slabs = self._slabs(cache, t)
+        h = h.contiguous().clone()
+        cos, sin = (e.reshape(t, self.hd).to(torch.float32).contiguous() for e in position_embeddings)
+        mask = None if attention_mask is None else attention_mask[0, 0].contiguous()
+        for s, layer in zip(self.structs, slabs):
+            s.k, s.v = layer.keys.data_ptr(), layer.values.data_ptr()
+            s.cap, s.past = layer.keys.shape[2], layer.length
+        rc = self.fn(ctypes.addressof(self.structs), len(self.structs), ctypes.addressof(self.dims), h.data_ptr(),
+                     t, cos.data_ptr(), sin.data_ptr(), _ptr(mask), 0 if mask is None else mask.shape[1],
+                     torch.get_num_threads(), 0)
+        if rc != 0:
+            raise RuntimeError(f"decode_stack failed ({rc})")
+        for layer in slabs:
+            layer.length += t
+        self.calls += 1
+        return h
+
+    def matmuls(self, tokens: int, past: int = 0) -> None:
+        """Only the stack's matmuls for a pass of `tokens` (decode_stack.c's MATMULS_ONLY, a timing
+        probe for bench/pass_breakdown.py): nothing is written to a cache or returned."""
+        for s in self.structs:
+            s.k = s.v = None
+            s.cap, s.past = past + tokens, past
+        rc = self.fn(ctypes.addressof(self.structs), len(self.structs), ctypes.addressof(self.dims), None,
+                     tokens, None, None, None, 0, torch.get_num_threads(), 1)
+        if rc != 0:
+            raise RuntimeError(f"decode_stack failed ({rc})")
