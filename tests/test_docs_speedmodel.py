@@ -44,3 +44,13 @@ def test_the_cpu_forward_floor_is_the_measured_one():
 
     measured = json.loads((ROOT / "bench" / "results" / "pass_breakdown.json").read_text())["kernel"]["floor_s"]
     assert abs(PRIORS["cpu"]["forward_floor_s"] - measured) <= 0.1 * measured, measured
+
+
+def test_the_cpu_stack_floor_is_the_measured_one():
+    """The one-call stack's floor (passcost.STACK_FLOOR_CPU) is what bench/pass_breakdown.py measured
+    for a pass on the stack (its "stack" mode), within 25% (a 2 ms figure on a shared machine)."""
+    from offload.planning.passcost import PRIORS
+
+    run = json.loads((ROOT / "bench" / "results" / "pass_breakdown.json").read_text())["stack"]
+    assert run["stack"], "the stack mode did not run on the stack"
+    assert abs(PRIORS["cpu"]["stack_floor_s"] - run["floor_s"]) <= 0.25 * run["floor_s"], run["floor_s"]

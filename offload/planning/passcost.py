@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 NF4_GEMV_TOKENS = 4   # bitsandbytes runs its fused 4-bit GEMV up to this many tokens: no 16-bit weight written
 
-STACK_FLOOR_CPU = 0.0006   # s: a SmolLM2-135M pass on the one-call stack beyond its matmuls (bench/pass_breakdown.py)
+STACK_FLOOR_CPU = 0.0018   # s: a SmolLM2-135M pass on the one-call stack beyond its matmuls (bench/pass_breakdown.py)
 
 PRIORS = {
     "cuda": dict(memory_bps=1000e9, link_bps=24e9, disk_bps=3e9, flops16=165e12, flops32=82e12,
