@@ -185,3 +185,31 @@ def test_real_model_greedy_ids_equal(smollm2, monkeypatch):
         assert on == _greedy(model, monkeypatch, on=False, n=32)
     finally:
         model.close()
+
+
+def test_layer_skip_draft_runs_its_kept_layers_on_the_stack(tiny, monkeypatch):
+    """The layer-skip self-draft shares the target's layers: its stack runs the kept ones, writes
+    their K/V rows into the target's slabs through the shared cache, and equals HF's path."""
+    from offload.selfdraft.build import build_skip_draft
+
+    model = _load(tiny)
+    try:
+        draft = build_skip_draft(model, [1])
+        assert draft.lean is not None and len(draft.lean.structs) == 2 and draft.lean.idx == [0, 2]
+        outs = {}
+        for on in (False, True):
+            _stack(monkeypatch, on)
+            target = kvcache.new_cache()
+            kvcache.forward(model, target, torch.arange(1, 10), torch.arange(9), None)
+            shared = kvcache.SharedCache(target)
+            shared.follow(9)
+            calls = draft.lean.calls
+            outs[on] = [kvcache.forward(draft, shared, torch.tensor([3]), torch.tensor([9]), None)]
+            outs[on].append(kvcache.forward(draft, shared, torch.tensor([4, 5]), torch.tensor([10, 10]),
+                                            _tree_mask(10)[..., :2, :12]))
+            assert draft.lean.calls - calls == (1 if on else 0)   # the first pass makes the shared layers
+            assert target.layers[0].length == 9 and shared.layers[2].length == 12
+        for a, b in zip(outs[False], outs[True]):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    finally:
+        model.close()

@@ -143,6 +143,8 @@ class Spec:
     dequant: int = 0            # dequantization traffic of one draft forward
     flops_per_node: float = 0.0  # FLOPs one draft forward spends per tree node it runs
     kernel: str = "none"        # its dequantizing path
+    packed: int = 0             # GGUF bytes one draft forward reads through the packed kernel
+    stack: bool = False         # its forwards run on the one-call stack (stream/leanstack.py): the stack's floor
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, s
     if got and got.get("step_seconds"):
         return forwards * got["step_seconds"], "measured"
     step = draft_step(spec.weight, spec.kv, spec.dequant, spec.flops_per_node * cost.max_beams, cost.dev, cost.c,
-                      spec.kernel)
+                      spec.kernel, spec.packed, spec.stack)
     return forwards * step, "modelled"
 
 
@@ -316,8 +318,13 @@ def skip_spec(a, plan, cost: Costing) -> Spec:
     kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * cost.c
     dequant = sum(1 for i in kept if i not in dense) * linear_numel(a) * cost.c * dequant_elems(cost.kernel, cost.dev.kind)
     flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
-    return Spec("self", LAYER_SKIP, "self-skip", lambda b: tokens_per_pass("skip", cost.temperature, b),
-                weight, kv, dequant, flops, cost.kernel)
+    tpp = lambda b: tokens_per_pass("skip", cost.temperature, b)   # noqa: E731
+    k = getattr(plan, "kernel", None) or {}
+    if k.get("stack") and cost.max_beams <= k.get("rows", 0):
+        # the kept layers on the one-call stack: their packed bytes and the packed head through the kernel
+        packed = sum(plan.layer_bytes[i] for i in kept) + k.get("head_bytes", 0)
+        return Spec("self", LAYER_SKIP, "self-skip", tpp, 0, kv, 0, flops, cost.kernel, packed, stack=True)
+    return Spec("self", LAYER_SKIP, "self-skip", tpp, weight, kv, dequant, flops, cost.kernel)
 
 
 def small_forward_bytes(da, draft_param_bytes: int, ctx: int, dc: int) -> tuple[int, int, int]:

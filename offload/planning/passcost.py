@@ -22,8 +22,9 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
   (ctx + n) x heads x head_dim FLOPs (QK^T and PV) + the K/V bytes read, 2 x (ctx + n) x kv_heads x
   head_dim x c. Head = max(2 x n x hidden x vocab FLOPs, its bytes / memory bandwidth). Dequantization
   traffic moves at the kernel's measured rate (`Device.dequant_bps`, `specx profile`) where there is one.
-- `draft_step(weight, kv, dequant, flops, dev, c)` -> seconds of one draft forward =
-  max(bytes / memory bandwidth, FLOPs / FLOP/s, the step floor); a tree costs forwards x that.
+- `draft_step(weight, kv, dequant, flops, dev, c, kernel, packed, stack)` -> seconds of one draft
+  forward = max(bytes / memory bandwidth (+ packed GGUF bytes at the kernel's rate), FLOPs / FLOP/s,
+  the step floor, or the stack's floor for a draft the one-call stack runs); a tree costs forwards x that.
 - PassTerms.seconds is the modelled pass; `bound` names the side that dominates it. Measured pass
   times from a matching profile replace the sum where the plan has them (draftcost.py).
 """
@@ -224,8 +225,11 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
                      floor + head + total, "stream" if stream > compute else "compute", dev.flops(c))
 
 
-def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int, kernel: str = "none") -> float:
+def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int, kernel: str = "none",
+               packed: int = 0, stack: bool = False) -> float:
     """Seconds of one draft forward: max(bytes / memory bandwidth (dequantization traffic at its kernel's
-    rate), FLOPs / FLOP/s, the step floor)."""
-    return max((weight + kv) / dev.memory_bps + dequant / dev.dequant_rate(kernel), flops / dev.flops(c),
-               dev.step_floor_s)
+    rate, `packed` GGUF bytes at the GGUF kernel's), FLOPs / FLOP/s, the step floor: the one-call
+    stack's with `stack`)."""
+    return max((weight + kv) / dev.memory_bps + dequant / dev.dequant_rate(kernel)
+               + packed / dev.dequant_rate(GGUF_KERNEL), flops / dev.flops(c),
+               dev.stack_floor_s if stack else dev.step_floor_s)

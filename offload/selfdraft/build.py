@@ -34,6 +34,7 @@ from typing import Callable
 from torch import nn
 
 from offload.errors import OffloadError
+from offload.stream.leanstack import LeanStack
 from offload.stream.loader import Subset
 from offload.stream.model import PACKED_FORMATS
 from offload.formats.prequant import bnb4_config
@@ -170,6 +171,7 @@ def build_skip_draft(target, skip):
         draft = skeleton(target)
         for i, layer in enumerate(layers):
             draft.layers[i] = layer   # the target's module (bound once, resident) or a pass-through
+        draft.lean = LeanStack.build(draft)   # the kept layers in one C call, where the target has one
     draft.substituted, draft.substitute_bits, draft.skipped = [], LAYER_SKIP, skip
     return draft
 

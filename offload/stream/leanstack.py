@@ -6,8 +6,10 @@ Contract:
   CPU in fp32, its family is plain Llama (SiLU MLP, no biases, no sliding window, HF's
   LlamaDecoderLayer), every decoder layer is resident, and every linear of every layer runs the GGUF
   kernel (formats/ggml_kernel.py) with q/k/v and gate/up each stacked back to back in one buffer
-  (formats/qfuse.py), and $SPECX_DECODE_STACK is not "off". It holds, per layer, the pointers of the
-  norms and packed bytes (resident: bound once, never moved).
+  (formats/qfuse.py), and $SPECX_DECODE_STACK is not "off"; a layer-skip self-draft's pass-through
+  layers are left out of the stack (offload/selfdraft/build.py builds its stack once its layers are
+  set). It holds, per layer, the pointers of the norms and packed bytes (resident: bound once, never
+  moved).
 - `serves(h, attention_mask, cache)`: whether this pass can run on the stack: h (1, T, D) fp32 with
   T <= ggml_kernel.MAX_ROWS (decoding and small trees; larger passes multiply dense weights better),
   attention_mask None or an additive (1, 1, T, past + T) fp32 mask, and a cache whose layer of each
@@ -107,7 +109,10 @@ def _stacked(first) -> tuple[torch.Tensor, int, torch.Tensor] | None:
 
 
 def _layer_parts(layer) -> dict | None:
-    """The tensors decode_stack.c reads for one decoder layer, or None when it cannot run it."""
+    """The tensors decode_stack.c reads for one decoder layer ({} for a layer-skip draft's pass-through,
+    which the stack leaves out), or None when it cannot run it."""
+    if type(layer).__name__ == "PassThrough":   # offload/selfdraft/build.py (told apart by name: stream < selfdraft)
+        return {}
     if type(layer).__name__ != "LlamaDecoderLayer":
         return None
     at, mlp = layer.self_attn, layer.mlp
@@ -130,10 +135,11 @@ def why_not(model) -> str | None:
         return reason
     if _function() is None:
         return ggml_kernel.kernel_status() or "the GGUF kernel library is not built"
-    for i, layer in enumerate(model.layers):
-        if _layer_parts(layer) is None:
+    parts = [_layer_parts(layer) for layer in model.layers]
+    for i, p in enumerate(parts):
+        if p is None:
             return f"decoder layer {i} is not a Llama layer of kernel-served GGUF linears"
-    return None
+    return None if any(parts) else "every decoder layer is skipped"
 
 
 class LeanStack:
@@ -161,7 +167,7 @@ class LeanStack:
     def build(cls, model) -> "LeanStack | None":
         if why_not(model) is not None:
             return None
-        return cls(model, [_layer_parts(layer) for layer in model.layers])
+        return cls(model, [p for p in map(_layer_parts, model.layers) if p])   # pass-throughs left out
 
     def _slabs(self, cache, t: int) -> list | None:
         """Each decoder layer's cache layer when all are slabs at one length with room for t rows."""
