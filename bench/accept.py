@@ -8,7 +8,7 @@ For each (temperature, budget, method) it decodes every selected prompt of
 target pass = tokens emitted by target passes ÷ passes (the prefill token is excluded), pooled over
 the prompts, with a 95% percentile-bootstrap interval that resamples prompts (a prompt's seeds stay
 together). At T = 0 every run's ids are checked against the target's HF greedy `generate`.
-Writes JSON; `--readme` also rewrites the table between the `accept:begin/end` markers in docs/performance.md.
+Writes JSON; `--readme` also rewrites the table between the `accept:begin/end` markers in CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -132,11 +132,11 @@ def table(rows: list[dict]) -> str:
 
 
 def write_readme(text: str) -> None:
-    path = ROOT / "docs" / "performance.md"
+    path = ROOT / "CONTRIBUTING.md"
     doc = path.read_text()
     begin, end = "<!-- accept:begin -->", "<!-- accept:end -->"
     if begin not in doc or end not in doc:
-        sys.exit("docs/performance.md has no <!-- accept:begin --> / <!-- accept:end --> markers")
+        sys.exit("CONTRIBUTING.md has no <!-- accept:begin --> / <!-- accept:end --> markers")
     head, rest = doc.split(begin, 1)
     path.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
 
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=5, help="chain: draft tokens per pass")
     ap.add_argument("--scores", default=None, help="specexec node scores: calibrated+ngram | calibrated | draft")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the HF greedy comparison")
-    ap.add_argument("--readme", action="store_true", help="rewrite the acceptance table in docs/performance.md from this run")
+    ap.add_argument("--readme", action="store_true", help="rewrite the acceptance table in CONTRIBUTING.md from this run")
     ap.add_argument("--reuse", action="store_true", help="measure how much draft work the next pass could reuse")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accept.json"))
     ap.add_argument("--from-json", nargs="+", metavar="FILE",

@@ -31,8 +31,9 @@ tokens per target pass, the budget in force at the end (stats-json `budget`: the
 choice for auto) and, for draft auto, the draft it chose (its stderr notice), and whether its
 ids equal plain decoding's (`none`) for every prompt.
 The summary gives auto ÷ best explicit for each choice. A row that fails (e.g. a missing package)
-is recorded with its error and left out of the ratios. `--table JSON` writes docs/performance.md's
-block `<!-- bench:auto-choices -->` (bench/docblock.py) from a result file; a `note` key in it
+is recorded with its error and left out of the ratios. `--table JSON` writes CONTRIBUTING.md's
+block `<!-- bench:auto-choices -->` (a --real result: docs/performance.md's `<!-- bench:auto-choices-real -->`;
+bench/docblock.py) from a result file; a `note` key in it
 (written by hand after reading the numbers: why auto won or lost) goes under the tables.
 """
 
@@ -232,7 +233,7 @@ def wrap(text: str) -> str:
                         for par in text.split("\n\n"))
 
 
-def write_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
+def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from docblock import write_block
 
@@ -282,7 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--into", metavar="JSON", help="with --profiled: add to this result instead of measuring")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per specx call, lock wait included")
     ap.add_argument("--out", default=None, help="default bench/results/auto_choices[_real].json")
-    ap.add_argument("--table", metavar="JSON", help="write docs/performance.md's block from this result instead")
+    ap.add_argument("--table", metavar="JSON", help="write the result's block (CONTRIBUTING.md, or docs/performance.md for --real) from this result instead")
     args = ap.parse_args(argv)
     args.chat, args.setup = args.real, SETUP
     out = Path(args.out or ROOT / "bench" / "results" / f"auto_choices{'_real' if args.real else ''}.json")

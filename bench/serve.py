@@ -10,7 +10,7 @@ them, so HTTP/SSE overhead shows as serve ÷ engine. All greedy, so both must pr
 chat conversation twice: with prefix reuse (turns sent back to back) and without it (an unrelated
 request between turns evicts the conversation from the caches), reporting the prefill tokens of
 every turn (`specx.prefill_tokens`). Writes --out/serve.json and prints markdown tables; the
-serve tables of docs/performance.md come from its JSON
+serve tables of CONTRIBUTING.md come from its JSON
 (tools/perf_tables.py). The ratio server ÷ run should be >= 0.95.
 
 `--background`: instead, the prompt cache against the one-entry cache (`--cache-ram 0 --parallel 1`: only the

@@ -2,7 +2,7 @@
 
 Run by hand (not a test): `python bench/speedmodel.py [--budgets 16,64,256,1024] [--prompt 1] [-n 64]
 [--out bench/results/speedmodel.json]`; `python bench/speedmodel.py --table bench/results/speedmodel.json`
-writes docs/performance.md's table. For each setup -- the shared pair (../shared/models) with
+writes CONTRIBUTING.md's table. For each setup -- the shared pair (../shared/models) with
 everything resident (`--offload none`), and the target streamed from disk (`--offload disk --max-ram 0`)
 -- it first writes a profile with `specx profile --target T --draft D` and the setup's flags (the same
 plan a run makes), then per budget runs `specx run PROMPT --target T --draft D --budget B` with those
@@ -96,7 +96,7 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
+def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
     """Replace the block between <!-- bench:speedmodel --> and <!-- /bench:speedmodel --> with the table."""
     sys.path.insert(0, str(ROOT / "bench"))
     from docblock import write_block
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speedmodel.json"))
-    ap.add_argument("--table", metavar="JSON", help="write docs/performance.md's table from this result instead")
+    ap.add_argument("--table", metavar="JSON", help="write CONTRIBUTING.md's table from this result instead")
     ap.add_argument("--locked", action="store_true",
                     help="the caller already holds /tmp/bench.lock (flock /tmp/bench.lock python ...)")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Every relative link and #anchor in README.md and docs/*.md resolves.
+"""Every relative link and #anchor in README.md, CONTRIBUTING.md, bench/README.md and docs/*.md resolves.
 
 A link `[text](path#anchor)` outside code must name a file or folder that exists (relative to the
 page that holds it) and, when it carries an anchor into a markdown page, a heading of that page as
@@ -68,7 +68,8 @@ def broken_links(page: Path) -> list[str]:
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md",
+            *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def test_every_relative_link_resolves():

@@ -56,7 +56,7 @@ def test_a_changed_figure_is_caught(tool, monkeypatch, capsys):
 
     monkeypatch.setattr(tool, "load", changed)
     assert tool.main(["--check"]) == 1
-    assert "docs/performance.md" in capsys.readouterr().out
+    assert "CONTRIBUTING.md" in capsys.readouterr().out
 
 
 def test_unknown_and_unclosed_blocks_are_errors(tool):

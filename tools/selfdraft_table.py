@@ -4,7 +4,7 @@ Contract: reads every `bench/results/selfdraft_t0_gap*.json` and `selfdraft_t07_
 runs with gap-featured node scores, 128 new tokens, the 8-layer target streamed from disk), sorts
 the rows by temperature, budget and draft, and replaces the text between `<!-- selfdraft table -->`
 and `<!-- /selfdraft table -->` in docs/self-draft.md (tools/perf_tables.py puts the same table
-in docs/performance.md). "x 2.9M draft" divides by the 2.9M-parameter draft's (`shared-2.9M`) tokens per
+in CONTRIBUTING.md). "x 2.9M draft" divides by the 2.9M-parameter draft's (`shared-2.9M`) tokens per
 pass in the same (temperature, budget) cell; "equals `--method ar`" is the run's own check (T = 0
 only). `--check` only reports (exit 1) when the page is out of date.
 """
