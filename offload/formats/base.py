@@ -165,6 +165,10 @@ class Checkpoint:
     def load_tokenizer(self, trust: bool = False):
         from transformers import AutoTokenizer
 
+        if "gguf_file" in self.tokenizer_kwargs and len(self.tokenizer_kwargs) == 1:   # built once per machine
+            from offload.formats.tokcache import gguf_tokenizer
+
+            return gguf_tokenizer(Path(self.tokenizer_path or self.root), self.tokenizer_kwargs["gguf_file"], trust)
         return AutoTokenizer.from_pretrained(self.tokenizer_path or self.root, trust_remote_code=trust,
                                              **self.tokenizer_kwargs)
 

@@ -15,7 +15,8 @@ only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
   device (gguf_quants.dequantize, the permutation undone while writing rows);
 - strict checks at open: every HF parameter present (a tied lm_head may be absent) with its shape
   and the byte count its type implies, no unexpected tensor, a tokenizer in the metadata;
-- tokenizer: transformers builds it from the metadata (tokenizer_kwargs gguf_file=); chat
+- tokenizer: transformers builds it from the metadata (tokenizer_kwargs gguf_file=; once per machine,
+  then read from tokenizer files: tokcache.py); chat
   template, BOS/EOS (EOT too) and sampling defaults (general.sampling.*, or ollama's params) in
   `chat_template` / `generation`.
 Tensors in a GGUF file are 32-byte aligned: the loader re-lays them on 256-byte boundaries as it
