@@ -234,14 +234,14 @@ def wrap(text: str) -> str:
 
 
 def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
 
     write_block(page, "auto-choices", block(data))
 
 
 def write_real_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
 
     write_block(page, "auto-choices-real", real_block(data))

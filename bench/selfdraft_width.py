@@ -140,7 +140,7 @@ def table(data: dict) -> str:
 
 def write_doc(data: dict, page: Path = ROOT / "docs" / "self-draft.md") -> None:
     """Replace the block between <!-- bench:selfdraft-width --> and <!-- /bench:selfdraft-width --> with the table."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
 
     write_block(page, "selfdraft-width", table(data))

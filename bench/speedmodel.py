@@ -98,7 +98,7 @@ def table(data: dict) -> str:
 
 def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
     """Replace the block between <!-- bench:speedmodel --> and <!-- /bench:speedmodel --> with the table."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
 
     write_block(page, "speedmodel", table(data))
