@@ -103,7 +103,7 @@ def test_portable_build_equals_the_reference(tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     out = tmp_path / "portable.so"
-    assert gk._compile(cc, [str(gk.SOURCE), str(gk.STACK_SOURCE)], ["-O2"], out)
+    assert gk._compile(cc, [str(f) for f in gk.sources_of(gk.SOURCE)], ["-O2", "-pthread"], out)
     fn = ctypes.CDLL(str(out)).ggml_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -246,3 +246,39 @@ def test_plan_counts_the_packed_head_as_the_loader_does(tiny, monkeypatch):
             assert plan.device_bytes["lm_head"] == model.pool.by_component["lm_head"] == table + packed
         finally:
             model.close()
+
+
+def test_threads_from_several_callers_and_after_fork():
+    """kernels/pool.c: callers on several Python threads at once (one job at a time, each on the pool's
+    workers) get the main thread's exact outputs and never hang; a forked child, which inherits none of
+    the workers, builds its own and computes the same."""
+    import os
+    import threading
+
+    raw = random_blocks(gq.Q4_1, 512, 1024, seed=3)
+    xs = [torch.randn(t, 1024, generator=torch.Generator().manual_seed(t)) for t in (1, 2, 5, 8)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref = [gk.linear(x, raw, gq.Q4_1, 512) for x in xs]
+        got: dict = {}
+
+        def run(i):
+            got[i] = [gk.linear(x, raw, gq.Q4_1, 512) for x in xs for _ in range(20)][::20]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a kernel call hung"
+        assert all(torch.equal(a, b) for i in range(4) for a, b in zip(got[i], ref))
+        with warnings.catch_warnings():   # Python 3.12+ warns that forking a threaded process may deadlock
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:   # the child: exit 0 only if it computes the same outputs
+            ok = all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512), r) for x, r in zip(xs, ref))
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(old)

@@ -213,3 +213,30 @@ def test_layer_skip_draft_runs_its_kept_layers_on_the_stack(tiny, monkeypatch):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     finally:
         model.close()
+
+
+def test_forward_many_runs_served_jobs_on_the_stack(tiny, monkeypatch):
+    """The server's pass (offload/stream/multi.forward_many): a job of a few tokens takes the stack, a
+    longer one the layers; each equals the model run on it alone."""
+    from offload.stream.multi import ForwardJob, forward_many
+
+    model = _load(tiny)
+    try:
+        caches = [kvcache.new_cache(), kvcache.new_cache()]
+        for c in caches:
+            kvcache.forward(model, c, torch.arange(1, 10), torch.arange(9), None)
+        alone = [kvcache.crop(c, 9) or c for c in caches]
+        jobs = [ForwardJob(torch.tensor([3]), torch.tensor([9]), None, caches[0]),
+                ForwardJob(torch.arange(12) % 20, torch.arange(9, 21), causal_mask(9, 12, torch.float32, "cpu"), caches[1])]
+        calls = model.lean.calls
+        many = forward_many(model, jobs)
+        assert model.lean.calls - calls == 1
+        for c in alone:
+            kvcache.crop(c, 9)
+        one = [kvcache.forward(model, caches[0], torch.tensor([3]), torch.tensor([9]), None),
+               kvcache.forward(model, caches[1], torch.arange(12) % 20, torch.arange(9, 21),
+                               causal_mask(9, 12, torch.float32, "cpu"))]
+        for a, b in zip(many, one):
+            assert torch.equal(a, b)
+    finally:
+        model.close()

@@ -12,8 +12,9 @@ Contract:
   supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
   a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
   batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built.
-  The first use compiles the C source once per machine with the system C compiler (`cc -O3
-  -march=native -fopenmp`, then weaker flag sets) into $SPECX_CACHE/kernels (default
+  The first use compiles the C sources (`sources_of`: the kernel, the decoder stack, their threads)
+  once per machine with the system C compiler (`cc -O3 -march=native -pthread`, then weaker flag
+  sets) into $SPECX_CACHE/kernels (default
   ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
 - `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
   the dequantizing path (no compiler, compile failure, turned off): one line, never printed.
@@ -24,8 +25,8 @@ Contract:
 - `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
   tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
 - `CALLS`: how many times `linear` ran the kernel in this process (tests check it is used).
-Threads: torch.get_num_threads() at call time (rows split across them; one thread for products too
-small to pay for a fork/join: the C source's MIN_PAR).
+Threads: torch.get_num_threads() at call time (rows split across them on kernels/pool.c's workers;
+one thread for products too small to pay for the hand-off: the C source's MIN_PAR).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ QTYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0 (gguf_quants numbering)
 BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
-STACK_SOURCE = SOURCE.with_name("decode_stack.c")   # built into the same library (stream/leanstack.py)
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"], ["-O3", "-fopenmp"], ["-O3"])
+COMPANIONS = ("decode_stack.c", "pool.c")   # built into the same library: the decoder stack, the threads
+FLAG_SETS = (["-O3", "-march=native", "-pthread"], ["-O3", "-march=native"], ["-O3", "-pthread"], ["-O3"])
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
 CALLS = 0
 
@@ -91,6 +92,11 @@ def _compile(cc: str, srcs: list[str], flags: list[str], out: Path) -> bool:
             os.unlink(tmp)
 
 
+def sources_of(main: Path) -> list[Path]:
+    """The C files the library is built from: the kernel `main` and its COMPANIONS beside it."""
+    return [main, *(main.with_name(n) for n in COMPANIONS)]
+
+
 def _load() -> ctypes.CDLL | None:
     """The compiled library (built on first use), or None with `_STATE['broken']` saying why."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -98,7 +104,8 @@ def _load() -> ctypes.CDLL | None:
         _STATE["broken"] = "no C compiler (cc) found; GGUF linears dequantize instead"
         return None
     try:
-        src = SOURCE.read_text() + STACK_SOURCE.read_text()
+        sources = sources_of(SOURCE)
+        src = "".join(f.read_text() for f in sources)
     except OSError:
         _STATE["broken"] = f"{SOURCE.name} is missing from the installation; GGUF linears dequantize instead"
         return None
@@ -107,7 +114,7 @@ def _load() -> ctypes.CDLL | None:
         key = hashlib.sha256((base + " ".join(flags)).encode()).hexdigest()[:16]
         out = _cache_root() / "kernels" / f"ggml_gemv-{key}.so"
         try:
-            if out.exists() or _compile(cc, [str(SOURCE), str(STACK_SOURCE)], flags, out):
+            if out.exists() or _compile(cc, [str(f) for f in sources], flags, out):
                 lib = ctypes.CDLL(str(out))
                 fn = lib.ggml_gemm
                 fn.restype = ctypes.c_int

@@ -9,7 +9,10 @@ cache, then the next layer. The stream is paid once for all jobs (`model.stats.p
 one). Each job runs exactly the modules, shapes and inputs it would alone, in the same order, so
 its logits equal `model(...)` on that job alone bit for bit; no tensor is shared between jobs
 (no flat KV, no cross-sequence mask), so nothing can leak from one sequence into another. Any
-other model (resident HF) runs the jobs' forwards one after the other, with the same result.
+other model (resident HF) runs the jobs' forwards one after the other, with the same result. A job
+the model's one-call stack serves (stream/leanstack.py: a resident Llama GGUF, a few tokens) runs
+through it instead of the layer loop, with the same logits as model(...) on it alone (which takes
+the stack too).
 Inputs are already on the model's devices (ids on `model.input_device` when it has one).
 """
 
@@ -62,19 +65,9 @@ class _Lane:
     cache_kw: dict  # {cache keyword: the job's cache}
 
 
-@torch.inference_mode()
-def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
-    """The OffloadedCausalLM.forward steps, with the per-layer step run for every job in turn."""
-    t0 = time.perf_counter()
-    lanes = []
-    for job in jobs:
-        h = model.embed_tokens(job.ids[None])   # (1, T, hidden) on the device
-        pos = job.positions[None]
-        lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
-                           cache_kwargs(type(model.layers[0]), job.cache)))
+def _layers(model, lanes: list[_Lane]) -> None:
+    """Each decoder layer once, in order (streamed ones from the prefetcher): every lane through it."""
     types = model._layer_types()
-    model.stats.streamed_bytes_per_pass = 0
-    stall0 = model.prefetcher.stall_seconds
     for i in model._layer_stream():   # layer i's weights are bound now: every sequence uses them
         layer = model.layers[i]
         for lane in lanes:
@@ -82,6 +75,27 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
                            use_cache=True, position_embeddings=lane.pos_emb, **lane.cache_kw)
         if model.compute_hook is not None:
             model.compute_hook(i)
+
+
+@torch.inference_mode()
+def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
+    """The OffloadedCausalLM.forward steps, with the per-layer step run for every job in turn."""
+    t0 = time.perf_counter()
+    lanes, layered = [], []   # every job's lane; those that go through the layers one by one
+    stack = getattr(model, "lean", None) if model.compute_hook is None else None
+    model.stats.streamed_bytes_per_pass = 0
+    stall0 = model.prefetcher.stall_seconds
+    for job in jobs:
+        h = model.embed_tokens(job.ids[None])   # (1, T, hidden) on the device
+        pos = job.positions[None]
+        if stack is not None and stack.serves(h, job.mask, job.cache):   # the whole stack in one call
+            lanes.append(_Lane(stack(h, model.rotary_emb(h, pos), job.mask, job.cache), {}, (), pos, {}))
+            continue
+        lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
+                           cache_kwargs(type(model.layers[0]), job.cache)))
+        layered.append(lanes[-1])
+    if layered or model.plan.streamed:   # a model with a stack streams nothing: no pass to pull
+        _layers(model, layered)
     out = []
     for lane, job in zip(lanes, jobs):
         h = model.norm(lane.h)

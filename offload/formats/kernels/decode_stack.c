@@ -21,18 +21,16 @@ stays the caller's. flags MATMULS_ONLY (1): each layer's four matmuls alone, on 
 h and the slabs untouched (a timing probe). Returns 0, -1 when a ggml_gemm refuses (an unsupported
 type), -2 when scratch cannot be allocated.
 Threads: the matmuls split rows over `nthreads` (ggml_gemm); attention splits (head, token)
-pairs once the context is long enough to pay for a fork/join. Scratch is one malloc per call. */
+pairs over pool.c's workers once the context is long enough to pay for the hand-off. Scratch is one malloc per call. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
               int64_t N, int64_t K, int64_t T, int nthreads);
+void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 
 typedef struct {
     const float *attn_norm, *ffn_norm;                 /* (D) RMSNorm weights */
@@ -114,20 +112,30 @@ static void attend(const float *q, const float *K, const float *V, int64_t n, in
     }
 }
 
+typedef struct {
+    const layer_t *l; const dims_t *d; const float *qkv, *mask; int64_t T, mask_cols; float *attn_out, *probs;
+} attn_args;
+
+static void attention_share(void *p, int ith, int nth) {   /* (head, token) pairs ith, ith + nth, ... */
+    const attn_args *a = p;
+    const layer_t *l = a->l;
+    const dims_t *d = a->d;
+    int64_t T = a->T, H = d->H, hd = d->hd, n = l->past + T, width = (d->H + 2 * d->Hkv) * hd;
+    int64_t group = d->H / d->Hkv;
+    for (int64_t pr = ith; pr < H * T; pr += nth) {
+        int64_t h = pr / T, t = pr % T, g = h / group;
+        const float *q = a->qkv + t * width + h * hd;
+        const float *m = a->mask ? a->mask + t * a->mask_cols : NULL;
+        attend(q, l->k + (size_t)g * l->cap * hd, l->v + (size_t)g * l->cap * hd, n, hd, d->scale, m,
+               l->past + t, a->probs + (size_t)pr * n, a->attn_out + t * H * hd + h * hd);
+    }
+}
+
 static void attention(const layer_t *l, const dims_t *d, const float *qkv, int64_t T, const float *mask,
                       int64_t mask_cols, float *attn_out, float *probs, int nthreads) {
-    int64_t H = d->H, hd = d->hd, n = l->past + T, width = (d->H + 2 * d->Hkv) * hd;
-    int64_t group = d->H / d->Hkv, pairs = H * T;
-    int threads = pairs * n >= ATTN_PAR ? nthreads : 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t pr = 0; pr < pairs; pr++) {
-        int64_t h = pr / T, t = pr % T, g = h / group;
-        const float *q = qkv + t * width + h * hd;
-        const float *m = mask ? mask + t * mask_cols : NULL;
-        float *p = probs + (size_t)pr * n;
-        attend(q, l->k + (size_t)g * l->cap * hd, l->v + (size_t)g * l->cap * hd, n, hd, d->scale, m,
-               l->past + t, p, attn_out + t * H * hd + h * hd);
-    }
+    attn_args a = {l, d, qkv, mask, T, mask_cols, attn_out, probs};
+    int64_t pairs = d->H * T, n = l->past + T;
+    pool_run(attention_share, &a, pairs * n >= ATTN_PAR ? nthreads : 1);
 }
 
 /* q|k|v of every token: rope on q and k heads, then k and v into slab rows past .. past + T - 1. */

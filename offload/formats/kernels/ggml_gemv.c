@@ -18,8 +18,8 @@ Two schedules, both reading each packed row from memory once per call:
           of CH blocks first, 16-lane partial sums, one horizontal sum per row;
   T > 1:  per block, the 32 reference values w_j (d * q_j + m, ...) in two 16-lane registers,
           multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes).
-Threads: output rows split statically over `nthreads` (OpenMP when compiled with it); one thread
-below MIN_PAR products, where the fork/join would cost more than it saves.
+Threads: output rows split statically over `nthreads` (pool.c's workers); one thread below MIN_PAR
+products, where handing work to a worker would cost more than it saves.
 With AVX-512 VBMI (x86 -march=native on recent Xeons) the codes become floats by table lookups
 (vpermb/vpermw on fp32 bit patterns) and the fp16 scales in one vcvtph2ps: the same exact values.
 Portable C: GCC/Clang vector extensions (16 fp32 lanes), which the compiler maps onto AVX-512,
@@ -28,9 +28,6 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -304,15 +301,28 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
     }
 }
 
-/* One qtype's loops, so `qtype` is a constant inside them (the branches above fold away). */
+/* One qtype's loops, so `qtype` is a constant inside them (the branches above fold away): the share
+   ith of nth of the output rows (a static split, as OpenMP's schedule(static) makes it). */
+typedef struct {
+    const uint8_t *w; const float *x; float *y; const int32_t *rowmap; int64_t N, K, T;
+} gemm_args;
+
+static inline void share(int64_t count, int ith, int nth, int64_t *lo, int64_t *hi) {
+    int64_t chunk = (count + nth - 1) / nth;
+    *lo = chunk * ith < count ? chunk * ith : count;
+    *hi = *lo + chunk < count ? *lo + chunk : count;
+}
+
 #define KERNEL(NAME, QT)                                                                            \
-    static void NAME(const uint8_t *w, const float *x, float *y, const int32_t *rowmap, \
-                     int64_t N, int64_t K, int64_t T, int nthreads) {                               \
+    static void NAME(void *p, int ith, int nth) {                                                   \
+        const gemm_args *a = p;                                                                     \
+        const uint8_t *w = a->w; const float *x = a->x; float *y = a->y;                            \
+        const int32_t *rowmap = a->rowmap; int64_t N = a->N, K = a->K, T = a->T, lo, hi;            \
         size_t rb = (size_t)(K / QK) * block_bytes(QT);                                             \
         if (T == 1) {                    /* groups of R rows, then the N % R last rows one by one */ \
             int64_t groups = N / R;                                                                 \
-            _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                      \
-            for (int64_t g = 0; g <= groups; g++) {                                                 \
+            share(groups + 1, ith, nth, &lo, &hi);                                                  \
+            for (int64_t g = lo; g < hi; g++) {                                                     \
                 float out[R];                                                                       \
                 int64_t n0 = g * R, cnt = g < groups ? R : N - n0;                                  \
                 if (cnt == R) dot_rows(QT, w + (size_t)n0 * rb, rb, x, K / QK, out);            \
@@ -321,8 +331,8 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
                 for (int64_t i = 0; i < cnt; i++) y[rowmap ? rowmap[n0 + i] : n0 + i] = out[i];     \
             }                                                                                       \
         } else {                                                                                    \
-            _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                      \
-            for (int64_t n = 0; n < N; n++)                                                         \
+            share(N, ith, nth, &lo, &hi);                                                           \
+            for (int64_t n = lo; n < hi; n++)                                                       \
                 rows_multi(QT, w + (size_t)n * rb, x, y, rowmap ? rowmap[n] : n, N, K, T);          \
         }                                                                                           \
     }
@@ -330,12 +340,13 @@ KERNEL(gemm_q4_0, Q4_0)
 KERNEL(gemm_q4_1, Q4_1)
 KERNEL(gemm_q8_0, Q8_0)
 
+void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
+
 int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
               int64_t N, int64_t K, int64_t T, int nthreads) {
     if (block_bytes(qtype) == 0 || K % QK != 0 || K <= 0 || N < 0 || T < 0) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
-    if (qtype == Q4_0) gemm_q4_0(w, x, y, rowmap, N, K, T, nthreads);
-    else if (qtype == Q4_1) gemm_q4_1(w, x, y, rowmap, N, K, T, nthreads);
-    else gemm_q8_0(w, x, y, rowmap, N, K, T, nthreads);
+    gemm_args a = {w, x, y, rowmap, N, K, T};
+    pool_run(qtype == Q4_0 ? gemm_q4_0 : qtype == Q4_1 ? gemm_q4_1 : gemm_q8_0, &a, nthreads);
     return 0;
 }
