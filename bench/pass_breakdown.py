@@ -161,7 +161,7 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
 
     def stack_mms():   # the stack's four matmuls per layer in C (no Python between them), then the head
         model.lean.matmuls(1, n)
-        model.lm_head(xs[model.lm_head.in_features])
+        model.lean.head(model.lm_head, xs[model.lm_head.in_features])   # on the same threads, as a pass runs it
     stacked = model.lean is not None and model.lean.serves(torch.zeros(1, 1, model.config.hidden_size), mask,
                                                            st.target_cache)
     matmuls = min(_median_time(stack_mms if stacked else mms, steps) for _ in range(rounds))

@@ -13,7 +13,7 @@ Contract:
   a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
   batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built.
   The first use compiles the C sources (`sources_of`: the kernel, the decoder stack, their threads)
-  once per machine with the system C compiler (`cc -O3 -march=native -pthread`, then weaker flag
+  once per machine with the system C compiler (`cc -O3 -march=native -fopenmp -pthread`, then weaker flag
   sets) into $SPECX_CACHE/kernels (default
   ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
 - `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
@@ -50,7 +50,8 @@ BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")   # built into the same library: the decoder stack, the threads
-FLAG_SETS = (["-O3", "-march=native", "-pthread"], ["-O3", "-march=native"], ["-O3", "-pthread"], ["-O3"])
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-pthread"], ["-O3", "-march=native", "-pthread"],
+             ["-O3", "-fopenmp", "-pthread"], ["-O3", "-pthread"])
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
 CALLS = 0
 
@@ -116,9 +117,9 @@ def _load() -> ctypes.CDLL | None:
         try:
             if out.exists() or _compile(cc, [str(f) for f in sources], flags, out):
                 lib = ctypes.CDLL(str(out))
-                fn = lib.ggml_gemm
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+                for fn in (lib.ggml_gemm, lib.ggml_gemm_pool):
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
                 return lib
         except (OSError, subprocess.SubprocessError) as exc:
             _STATE["broken"] = f"GGUF kernel build failed ({exc.__class__.__name__}); GGUF linears dequantize instead"
@@ -163,11 +164,15 @@ def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) 
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
-           rowmap: torch.Tensor | None = None) -> torch.Tensor:
+           rowmap: torch.Tensor | None = None, pool: bool = False) -> torch.Tensor:
     """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
-    About 211 calls per decoding step: the Python side is kept to checks and one output allocation."""
+    About 211 calls per decoding step: the Python side is kept to checks and one output allocation.
+    `pool`: on the decoder stack's worker threads (the head after stream/leanstack.py's pass) rather
+    than an OpenMP team shared with torch's ops: the same numbers either way."""
     global CALLS
     fn = _STATE.get("fn") if _STATE["tried"] else _function()
+    if pool:
+        fn = _STATE["lib"].ggml_gemm_pool
     k = x.shape[-1]
     if not x.is_contiguous():
         x = x.contiguous()

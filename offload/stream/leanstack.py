@@ -225,6 +225,15 @@ class LeanStack:
         self.calls += 1
         return h
 
+    @staticmethod
+    def head(lm_head, h: torch.Tensor) -> torch.Tensor:
+        """lm_head(h) after a stack pass: a packed GGUF head (ggml_kernel.PackedHead) on the stack's
+        worker threads, so one set of threads serves the whole pass; any other head as it is."""
+        packed = getattr(lm_head, "packed", None)
+        if isinstance(lm_head, ggml_kernel.PackedHead) and packed.is_cpu and ggml_kernel.usable(h, lm_head.qtype):
+            return ggml_kernel.linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True)
+        return lm_head(h)
+
     def matmuls(self, tokens: int, past: int = 0) -> None:
         """Only the stack's matmuls for a pass of `tokens` (decode_stack.c's MATMULS_ONLY, a timing
         probe for bench/pass_breakdown.py): nothing is written to a cache or returned."""

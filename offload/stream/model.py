@@ -241,15 +241,17 @@ class OffloadedCausalLM(nn.Module):
         pos_emb = self.rotary_emb(h, position_ids)
         self.stats.streamed_bytes_per_pass = 0
         stall0 = self.prefetcher.stall_seconds
-        if (self.lean is not None and use_cache and not kwargs and self.compute_hook is None
-                and self.lean.serves(h, attention_mask, past_key_values)):
+        stacked = (self.lean is not None and use_cache and not kwargs and self.compute_hook is None
+                   and self.lean.serves(h, attention_mask, past_key_values))
+        if stacked:
             h = self.lean(h, pos_emb, attention_mask, past_key_values)   # no layer is streamed: nothing to pull
         else:
             h = self._layers(h, attention_mask, past_key_values, position_ids, given, pos_emb, use_cache, kwargs)
         h = self.norm(h)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = apply_final_softcap(self.lm_head(h), self.family.final_softcap)
+        head = self.lean.head(self.lm_head, h) if stacked else self.lm_head(h)
+        logits = apply_final_softcap(head, self.family.final_softcap)
         release_masks()   # the masks attention prepared for this pass (arch/attention.py) die with it
         self._account(t0, stall0)
         return CausalLMOutputWithPast(logits=logits,

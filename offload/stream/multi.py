@@ -59,7 +59,7 @@ class _Lane:
     """A job's running state inside the layer loop."""
 
     h: torch.Tensor  # (1, T, hidden) hidden states
-    masks: dict  # layer type -> the mask the model's layers of that type take
+    masks: dict | None  # layer type -> the mask the model's layers of that type take; None: the stack ran it
     pos_emb: tuple  # rotary (cos, sin) for the job's positions
     position_ids: torch.Tensor  # (1, T)
     cache_kw: dict  # {cache keyword: the job's cache}
@@ -89,7 +89,7 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
         h = model.embed_tokens(job.ids[None])   # (1, T, hidden) on the device
         pos = job.positions[None]
         if stack is not None and stack.serves(h, job.mask, job.cache):   # the whole stack in one call
-            lanes.append(_Lane(stack(h, model.rotary_emb(h, pos), job.mask, job.cache), {}, (), pos, {}))
+            lanes.append(_Lane(stack(h, model.rotary_emb(h, pos), job.mask, job.cache), None, (), pos, {}))
             continue
         lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
                            cache_kwargs(type(model.layers[0]), job.cache)))
@@ -101,6 +101,7 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
         h = model.norm(lane.h)
         if job.last_only:
             h = h[:, -1:]
-        out.append(apply_final_softcap(model.lm_head(h), model.family.final_softcap)[0])
+        head = stack.head(model.lm_head, h) if lane.masks is None else model.lm_head(h)   # None: a stack lane
+        out.append(apply_final_softcap(head, model.family.final_softcap)[0])
     model._account(t0, stall0)
     return out

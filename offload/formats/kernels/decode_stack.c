@@ -28,8 +28,8 @@ pairs over pool.c's workers once the context is long enough to pay for the hand-
 #include <stdlib.h>
 #include <string.h>
 
-int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
-              int64_t N, int64_t K, int64_t T, int nthreads);
+int ggml_gemm_pool(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+                   int64_t N, int64_t K, int64_t T, int nthreads);   /* ggml_gemv.c, on pool.c's workers */
 void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 
 typedef struct {
@@ -159,10 +159,10 @@ static void rope_and_store(const layer_t *l, const dims_t *d, float *qkv, int64_
 static int matmuls(const layer_t *l, const dims_t *d, int64_t T, float *x, float *qkv, float *a, float *y,
                    float *gu, int nthreads) {
     int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
-    return ggml_gemm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)
-        || ggml_gemm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)
-        || ggml_gemm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)
-        || ggml_gemm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads) ? -1 : 0;
+    return ggml_gemm_pool(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)
+        || ggml_gemm_pool(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)
+        || ggml_gemm_pool(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)
+        || ggml_gemm_pool(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads) ? -1 : 0;
 }
 
 static int layer(const layer_t *l, const dims_t *d, float *h, int64_t T, const float *cos, const float *sin,
@@ -172,19 +172,19 @@ static int layer(const layer_t *l, const dims_t *d, float *h, int64_t T, const f
     float *probs = gu + T * 2 * F;
     if (flags & MATMULS_ONLY) return matmuls(l, d, T, x, qkv, a, y, gu, nthreads);
     rmsnorm(h, l->attn_norm, x, T, D, d->eps);
-    if (ggml_gemm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)) return -1;
+    if (ggml_gemm_pool(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)) return -1;
     rope_and_store(l, d, qkv, T, cos, sin);
     attention(l, d, qkv, T, mask, mask_cols, a, probs, nthreads);
-    if (ggml_gemm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)) return -1;
+    if (ggml_gemm_pool(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)) return -1;
     for (int64_t i = 0; i < T * D; i++) h[i] += y[i];
     rmsnorm(h, l->ffn_norm, x, T, D, d->eps);
-    if (ggml_gemm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)) return -1;
+    if (ggml_gemm_pool(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)) return -1;
     for (int64_t t = 0; t < T; t++)             /* act (T, F) over the gate half's place */
         for (int64_t i = 0; i < F; i++) {
             float g = gu[t * 2 * F + i];
             gu[t * F + i] = (g / (1.f + expf(-g))) * gu[t * 2 * F + F + i];
         }
-    if (ggml_gemm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads)) return -1;
+    if (ggml_gemm_pool(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads)) return -1;
     for (int64_t i = 0; i < T * D; i++) h[i] += y[i];
     return 0;
 }

@@ -18,8 +18,11 @@ Two schedules, both reading each packed row from memory once per call:
           of CH blocks first, 16-lane partial sums, one horizontal sum per row;
   T > 1:  per block, the 32 reference values w_j (d * q_j + m, ...) in two 16-lane registers,
           multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes).
-Threads: output rows split statically over `nthreads` (pool.c's workers); one thread below MIN_PAR
-products, where handing work to a worker would cost more than it saves.
+Threads: output rows split statically over `nthreads`: an OpenMP team (when compiled with it: the
+runtime torch's own ops use, so a linear called between them shares their threads), or pool.c's
+workers for ggml_gemm_pool (decode_stack.c: a whole pass of matmuls with no torch op between them,
+from whichever thread decodes); one thread below MIN_PAR products, where handing work to another
+thread would cost more than it saves.
 With AVX-512 VBMI (x86 -march=native on recent Xeons) the codes become floats by table lookups
 (vpermb/vpermw on fp32 bit patterns) and the fp16 scales in one vcvtph2ps: the same exact values.
 Portable C: GCC/Clang vector extensions (16 fp32 lanes), which the compiler maps onto AVX-512,
@@ -28,6 +31,9 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -342,11 +348,33 @@ KERNEL(gemm_q8_0, Q8_0)
 
 void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 
-int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
-              int64_t N, int64_t K, int64_t T, int nthreads) {
+/* on_pool: split over pool.c's workers (the decoder stack) rather than an OpenMP team (a linear called
+   alone from Python, between torch's own OpenMP ops, shares torch's threads: the same runtime). */
+static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+                int64_t N, int64_t K, int64_t T, int nthreads, int on_pool) {
     if (block_bytes(qtype) == 0 || K % QK != 0 || K <= 0 || N < 0 || T < 0) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
     gemm_args a = {w, x, y, rowmap, N, K, T};
-    pool_run(qtype == Q4_0 ? gemm_q4_0 : qtype == Q4_1 ? gemm_q4_1 : gemm_q8_0, &a, nthreads);
+    void (*fn)(void *, int, int) = qtype == Q4_0 ? gemm_q4_0 : qtype == Q4_1 ? gemm_q4_1 : gemm_q8_0;
+    if (on_pool) {
+        pool_run(fn, &a, nthreads);
+        return 0;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads)
+    fn(&a, omp_get_thread_num(), omp_get_num_threads());
+#else
+    for (int i = 0; i < nthreads; i++) fn(&a, i, nthreads);
+#endif
     return 0;
+}
+
+int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+              int64_t N, int64_t K, int64_t T, int nthreads) {
+    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 0);
+}
+
+int ggml_gemm_pool(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+                   int64_t N, int64_t K, int64_t T, int nthreads) {
+    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 1);
 }

@@ -15,7 +15,7 @@ between decoding steps), then sleeps on a condition variable until the next job.
 #include <stdint.h>
 
 #define POOL_MAX 256
-#define SPIN 100000
+#define SPIN 20000
 
 typedef void (*pool_fn)(void *arg, int ith, int nth);
 
