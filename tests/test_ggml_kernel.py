@@ -249,9 +249,10 @@ def test_plan_counts_the_packed_head_as_the_loader_does(tiny, monkeypatch):
 
 
 def test_threads_from_several_callers_and_after_fork():
-    """kernels/pool.c: callers on several Python threads at once (one job at a time, each on the pool's
-    workers) get the main thread's exact outputs and never hang; a forked child, which inherits none of
-    the workers, builds its own and computes the same."""
+    """kernels/pool.c: callers on several Python threads at once (one job at a time on the pool's
+    workers, or OpenMP teams) get the main thread's exact outputs and never hang; a forked child, which
+    inherits none of the pool's workers, builds its own and computes the same (a forked child must not
+    use OpenMP: GNU libgomp is not fork-safe, as for torch's own ops)."""
     import os
     import threading
 
@@ -263,8 +264,8 @@ def test_threads_from_several_callers_and_after_fork():
         ref = [gk.linear(x, raw, gq.Q4_1, 512) for x in xs]
         got: dict = {}
 
-        def run(i):
-            got[i] = [gk.linear(x, raw, gq.Q4_1, 512) for x in xs for _ in range(20)][::20]
+        def run(i):   # the pool (the decoder stack's path) and OpenMP in turns
+            got[i] = [gk.linear(x, raw, gq.Q4_1, 512, pool=j % 2 == 0) for x in xs for j in range(20)][::20]
         threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
@@ -275,8 +276,8 @@ def test_threads_from_several_callers_and_after_fork():
         with warnings.catch_warnings():   # Python 3.12+ warns that forking a threaded process may deadlock
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
-        if pid == 0:   # the child: exit 0 only if it computes the same outputs
-            ok = all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512), r) for x, r in zip(xs, ref))
+        if pid == 0:   # the child: exit 0 only if the pool's path computes the same (libgomp is not fork-safe)
+            ok = all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True), r) for x, r in zip(xs, ref))
             os._exit(0 if ok else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
