@@ -19,11 +19,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-def _cache_root() -> Path:
-    env = os.environ.get("SPECX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specx"
-
-
 def _key(file: Path) -> str:
     import tokenizers
     import transformers
@@ -35,6 +30,8 @@ def _key(file: Path) -> str:
 
 def gguf_tokenizer(directory: Path, filename: str, trust: bool = False):
     from transformers import AutoTokenizer
+
+    from offload.formats.ggml_kernel import _cache_root   # specx's one cache-directory rule
 
     saved = _cache_root() / "tokenizers" / _key(Path(directory) / filename)
     if (saved / "tokenizer_config.json").exists():
