@@ -2,7 +2,7 @@
 
 Run by hand (not a test): `python bench/selfdraft_width.py --profile P [--prompts 1:3] [--budgets 64,256]
 [--temperatures 0,0.7] [-n 64] [--out bench/results/selfdraft_width.json]`, then
-`python bench/selfdraft_width.py --table bench/results/selfdraft_width.json` writes docs/self-draft.md's
+`python bench/selfdraft_width.py --table bench/results/selfdraft_width.json` writes CONTRIBUTING.md's
 table. Every cell is one `specx run` as a user types it: the shared target (../shared/models/target)
 with every layer streamed from disk (`--offload disk --max-ram 0`), `--draft self`, the cell's
 `--budget` and `--temperature`, `-n` new tokens, `--no-chat-template`, and `--profile P` (a profile
@@ -138,7 +138,7 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(data: dict, page: Path = ROOT / "docs" / "self-draft.md") -> None:
+def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
     """Replace the block between <!-- bench:selfdraft-width --> and <!-- /bench:selfdraft-width --> with the table."""
     sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft_width.json"))
-    ap.add_argument("--table", metavar="JSON", help="write docs/self-draft.md's table from this result instead")
+    ap.add_argument("--table", metavar="JSON", help="write CONTRIBUTING.md's table from this result instead")
     ap.add_argument("--locked", action="store_true",
                     help="the caller already holds /tmp/bench.lock (flock /tmp/bench.lock python ...)")
     args = ap.parse_args(argv)

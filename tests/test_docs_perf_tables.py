@@ -42,7 +42,7 @@ def test_the_headline_is_the_real_model_from_disk(tool):
     cell = next(r for r in data["rows"] if r["draft"] == "self-hqq3" and r["temperature"] == 0 and r["budget"] == 16)
     head = tool.headline().splitlines()
     assert f"| {ar['tokens_per_second']:.2f} | 1.00x |" in head[2]
-    assert head[3].startswith(f"| `--draft self --draft-bits 3` (HQQ) | {cell['tokens_per_pass']:.2f} |")
+    assert head[3].startswith(f"| `--draft self --draft-bits 3` (HQQ) | 0 | {cell['tokens_per_pass']:.2f} |")
 
 
 def test_a_changed_figure_is_caught(tool, monkeypatch, capsys):

@@ -240,3 +240,42 @@ def test_forward_many_runs_served_jobs_on_the_stack(tiny, monkeypatch):
             assert torch.equal(a, b)
     finally:
         model.close()
+
+
+def test_forward_many_runs_every_stack_job_in_one_call(tiny, monkeypatch):
+    """Several requests decoding together (`specx serve --parallel`): every job the stack serves runs in
+    ONE decode_stack call (the weights read once for all) and one head call, and each job's logits and
+    the K/V rows written into its own cache equal, bit for bit, what that job gets alone."""
+    from offload.stream.multi import ForwardJob, forward_many
+
+    model = _load(tiny)
+    try:
+        prompts = [torch.arange(1, 10), torch.arange(4, 17) % 20, torch.arange(2, 8)]
+        caches = [kvcache.new_cache() for _ in prompts]
+        for c, p in zip(caches, prompts):
+            kvcache.forward(model, c, p, torch.arange(len(p)), None)
+        past = [len(p) for p in prompts]
+
+        def jobs():   # a 1-token step with a mask, a 5-node tree, a 2-token causal pass (last row only)
+            return [ForwardJob(torch.tensor([3]), torch.tensor([past[0]]), causal_mask(past[0], 1, torch.float32, "cpu"),
+                               caches[0]),
+                    ForwardJob(torch.tensor([5, 6, 7, 8, 9]), past[1] + torch.tensor([0, 1, 2, 1, 2]), _tree_mask(past[1]),
+                               caches[1]),
+                    ForwardJob(torch.tensor([11, 12]), past[2] + torch.arange(2), None, caches[2], last_only=True)]
+
+        calls = model.lean.calls
+        many = forward_many(model, jobs())
+        assert model.lean.calls - calls == 1
+        rows = [(c.layers[1].keys[:, :, : c.layers[1].length].clone(), c.layers[1].values[:, :, : c.layers[1].length].clone())
+                for c in caches]
+        for c, n in zip(caches, past):
+            kvcache.crop(c, n)
+        for i, job in enumerate(jobs()):
+            alone = forward_many(model, [job])[0]
+            assert torch.equal(many[i], alone), f"job {i}"
+            layer = caches[i].layers[1]
+            assert torch.equal(rows[i][0], layer.keys[:, :, : layer.length])
+            assert torch.equal(rows[i][1], layer.values[:, :, : layer.length])
+        assert many[2].shape[0] == 1 and many[1].shape[0] == 5
+    finally:
+        model.close()

@@ -6,7 +6,7 @@ unclosed block is an error, exit 2). Tables: `headline` (SmolLM2-135M-Instruct s
 bench/selfdraft.py --chat: tokens per target pass of the self-draft widths by budget at T = 0 and 0.7,
 tok/s against --method ar), `pair-headline` (the development pair: tokens per target pass of the
 2.9M-parameter draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
-table, the one tools/selfdraft_table.py writes into docs/self-draft.md), `selfdraft-xl` (the
+table of the trained pair, from tools/selfdraft_table.py), `selfdraft-xl` (the
 16-layer disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel`,
 `serve-parallel-xl`, `serve-parallel-xl-auto`, `serve-parallel-xl-even` and `serve-parallel-xl-8`
 (bench/serve_parallel.py: the 8-layer pair, then the 16-layer target with whole prompts, with short

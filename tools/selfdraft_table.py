@@ -1,24 +1,19 @@
-"""Regenerate the self-draft table of docs/self-draft.md from bench/selfdraft.py's JSON results.
+"""The trained pair's self-draft table (CONTRIBUTING.md `<!-- perf:selfdraft -->`, written by
+tools/perf_tables.py) from bench/selfdraft.py's JSON results.
 
-Contract: reads every `bench/results/selfdraft_t0_gap*.json` and `selfdraft_t07_gap*.json` (the
-runs with gap-featured node scores, 128 new tokens, the 8-layer target streamed from disk), sorts
-the rows by temperature, budget and draft, and replaces the text between `<!-- selfdraft table -->`
-and `<!-- /selfdraft table -->` in docs/self-draft.md (tools/perf_tables.py puts the same table
-in CONTRIBUTING.md). "x 2.9M draft" divides by the 2.9M-parameter draft's (`shared-2.9M`) tokens per
-pass in the same (temperature, budget) cell; "equals `--method ar`" is the run's own check (T = 0
-only). `--check` only reports (exit 1) when the page is out of date.
+Contract: `rows()` reads every `bench/results/selfdraft_t0_gap*.json` and `selfdraft_t07_gap*.json`
+(the runs with gap-featured node scores, 128 new tokens, the 8-layer target streamed from disk) and
+sorts them by temperature, budget and draft; `table()` is the markdown table. "x 2.9M draft" divides
+by the 2.9M-parameter draft's (`shared-2.9M`) tokens per pass in the same (temperature, budget) cell;
+"equals `--method ar`" is the run's own check (T = 0 only).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = "docs/self-draft.md"
-BEGIN, END = "<!-- selfdraft table -->", "<!-- /selfdraft table -->"
 NAMES = {"shared-2.9M": "2.9M-parameter draft", "self-nf4": "`--draft self --draft-bits 4` (nf4)",
          "self-nf4-ownkv": "nf4, own KV cache (not a mode)", "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
          "self-hqq2": "`--draft self --draft-bits 2` (HQQ)"}
@@ -45,21 +40,3 @@ def table() -> str:
         lines.append(f"| {r['temperature']:g} | {r['budget']} | {NAMES[r['draft']]} | {r['tokens_per_pass']:.2f} "
                      f"[{lo:.2f}, {hi:.2f}] | {times} | {r['tokens_per_second']} | {same} |")
     return "\n".join(lines)
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when the table in docs/self-draft.md is out of date")
-    args = ap.parse_args()
-    page = ROOT / PAGE
-    text = page.read_text()
-    i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
-    new = text[:i] + "\n" + table() + "\n" + text[j:]
-    if args.check:
-        return int(new != text)
-    page.write_text(new)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

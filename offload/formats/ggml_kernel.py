@@ -168,7 +168,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
     """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
     About 211 calls per decoding step: the Python side is kept to checks and one output allocation.
     `pool`: on the decoder stack's worker threads (the head after stream/leanstack.py's pass) rather
-    than an OpenMP team shared with torch's ops: the same numbers either way."""
+    than an OpenMP team shared with torch's ops, every row computed as a one-row call computes it (the
+    same numbers for one row; for several, row t does not depend on the others: ggml_gemv.c)."""
     global CALLS
     fn = _STATE.get("fn") if _STATE["tried"] else _function()
     if pool:

@@ -22,6 +22,10 @@ Contract:
   fp32 math up to the order of roundings: the same contract as the kernel's linears), writes the
   new K/V rows at [past, past + T) of every slab and advances each layer's `length` by T, as HF's
   cache update would. The final norm, the head and the logits stay the caller's.
+- `run(jobs)`: several sequences' passes, each `serves` accepts and each with its own cache, in ONE
+  call (offload/stream/multi.py, the server's requests decoding together): each packed weight is read
+  once for all of them, and each gets bit for bit the h and K/V rows `__call__` gives it alone
+  (ggml_gemm_pool computes every row as a one-row call does).
 Why: HF's decoder layer is about 40 small torch ops per layer, about 0.33 ms of dispatch per layer
 on a 2-core CPU (bench/pass_breakdown.py), more than the 0.26 ms its matmuls take on a 135M model;
 one call per pass leaves only the matmuls and a few microseconds of C.
@@ -49,6 +53,11 @@ class _Layer(ctypes.Structure):   # decode_stack.c's layer_t, field for field
                 ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("past", ctypes.c_int64)]
 
 
+class _LaneT(ctypes.Structure):   # decode_stack.c's lane_t
+    _fields_ = [("layers", ctypes.c_void_p), ("T", ctypes.c_int64), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("mask_cols", ctypes.c_int64)]
+
+
 class _Dims(ctypes.Structure):    # decode_stack.c's dims_t
     _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("hd", ctypes.c_int64),
                 ("F", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
@@ -63,10 +72,10 @@ def _function():
     lib = ggml_kernel._library()
     if lib is None:
         return None
-    fn = lib.decode_stack
+    fn = lib.decode_stack_lanes
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int]
     return fn
 
 
@@ -161,6 +170,7 @@ class LeanStack:
                 setattr(s, name, raw.data_ptr())
                 setattr(s, f"{name}_type", qtype)
                 setattr(s, f"{name}_map", _ptr(rowmap))
+        self.spare: list = []                       # layer_t arrays of the lanes beyond the first (run)
         self.calls = 0                              # passes run on the stack (tests check it is used)
 
     @classmethod
@@ -207,23 +217,38 @@ class LeanStack:
                 and m.shape[2] == t and m.shape[3] == slabs[0].length + t)
 
     def __call__(self, h: torch.Tensor, position_embeddings, attention_mask: torch.Tensor | None, cache):
-        t = h.shape[1]
-        slabs = self._slabs(cache, t)
-        h = h.contiguous().clone()
-        cos, sin = (e.reshape(t, self.hd).to(torch.float32).contiguous() for e in position_embeddings)
-        mask = None if attention_mask is None else attention_mask[0, 0].contiguous()
-        for s, layer in zip(self.structs, slabs):
-            s.k, s.v = layer.keys.data_ptr(), layer.values.data_ptr()
-            s.cap, s.past = layer.keys.shape[2], layer.length
-        rc = self.fn(ctypes.addressof(self.structs), len(self.structs), ctypes.addressof(self.dims), h.data_ptr(),
-                     t, cos.data_ptr(), sin.data_ptr(), _ptr(mask), 0 if mask is None else mask.shape[1],
-                     torch.get_num_threads(), 0)
+        return self.run([(h, position_embeddings, attention_mask, cache)])[0]
+
+    def run(self, jobs: list) -> list[torch.Tensor]:
+        """Several sequences' passes in ONE call: `jobs` = [(h, position_embeddings, attention_mask, cache)],
+        each one `serves` accepts, each its own cache -> each one's h after the last decoder layer, equal
+        bit for bit to its pass alone (decode_stack.c: rows are computed as alone, weights read once)."""
+        lanes, keep, rows = (_LaneT * len(jobs))(), [], []
+        while len(self.spare) < len(jobs) - 1:   # each lane beyond the first points at its own slabs
+            self.spare.append((_Layer * len(self.structs)).from_buffer_copy(self.structs))
+        for j, (lane, (h, emb, mask, cache)) in enumerate(zip(lanes, jobs)):
+            t = h.shape[1]
+            structs = self.structs if j == 0 else self.spare[j - 1]
+            slabs = self._slabs(cache, t)
+            for s, layer in zip(structs, slabs):
+                s.k, s.v = layer.keys.data_ptr(), layer.values.data_ptr()
+                s.cap, s.past = layer.keys.shape[2], layer.length
+            cos, sin = (e.reshape(t, self.hd).to(torch.float32).contiguous() for e in emb)
+            mask = None if mask is None else mask[0, 0].contiguous()
+            lane.layers, lane.T, lane.cos, lane.sin = ctypes.addressof(structs), t, cos.data_ptr(), sin.data_ptr()
+            lane.mask, lane.mask_cols = _ptr(mask), 0 if mask is None else mask.shape[1]
+            keep.append((cos, sin, mask, slabs))
+            rows.append(h[0])
+        flat = torch.cat(rows).contiguous()   # (sum T, D): a new tensor, the inputs stay as they were
+        rc = self.fn(ctypes.addressof(lanes), len(jobs), len(self.structs), ctypes.addressof(self.dims),
+                     flat.data_ptr(), torch.get_num_threads(), 0)
         if rc != 0:
             raise RuntimeError(f"decode_stack failed ({rc})")
-        for layer in slabs:
-            layer.length += t
+        for (*_, slabs), (h, *_) in zip(keep, jobs):
+            for layer in slabs:
+                layer.length += h.shape[1]
         self.calls += 1
-        return h
+        return [part[None] for part in flat.split([h.shape[1] for h, *_ in jobs])]
 
     @staticmethod
     def head(lm_head, h: torch.Tensor) -> torch.Tensor:
@@ -240,7 +265,8 @@ class LeanStack:
         for s in self.structs:
             s.k = s.v = None
             s.cap, s.past = past + tokens, past
-        rc = self.fn(ctypes.addressof(self.structs), len(self.structs), ctypes.addressof(self.dims), None,
-                     tokens, None, None, None, 0, torch.get_num_threads(), 1)
+        lane = _LaneT(ctypes.addressof(self.structs), tokens, None, None, None, 0)
+        rc = self.fn(ctypes.addressof(lane), 1, len(self.structs), ctypes.addressof(self.dims), None,
+                     torch.get_num_threads(), 1)
         if rc != 0:
             raise RuntimeError(f"decode_stack failed ({rc})")

@@ -9,10 +9,12 @@ cache, then the next layer. The stream is paid once for all jobs (`model.stats.p
 one). Each job runs exactly the modules, shapes and inputs it would alone, in the same order, so
 its logits equal `model(...)` on that job alone bit for bit; no tensor is shared between jobs
 (no flat KV, no cross-sequence mask), so nothing can leak from one sequence into another. Any
-other model (resident HF) runs the jobs' forwards one after the other, with the same result. A job
-the model's one-call stack serves (stream/leanstack.py: a resident Llama GGUF, a few tokens) runs
-through it instead of the layer loop, with the same logits as model(...) on it alone (which takes
-the stack too).
+other model (resident HF) runs the jobs' forwards one after the other, with the same result. The jobs
+the model's one-call stack serves (stream/leanstack.py: a resident Llama GGUF, a few tokens each) run
+through it instead of the layer loop, all of them in ONE call and then through the head together,
+so each packed weight is read once per pass rather than once per job; the stack and the head's
+kernel compute every row as they would for that job alone, so each job's logits still equal
+model(...) on it alone (which takes the stack too) bit for bit.
 Inputs are already on the model's devices (ids on `model.input_device` when it has one).
 """
 
@@ -79,29 +81,48 @@ def _layers(model, lanes: list[_Lane]) -> None:
 
 @torch.inference_mode()
 def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
-    """The OffloadedCausalLM.forward steps, with the per-layer step run for every job in turn."""
+    """The OffloadedCausalLM.forward steps, with the per-layer step run for every job in turn; the jobs
+    the one-call stack serves run through it together, in one call, and through the head together."""
     t0 = time.perf_counter()
-    lanes, layered = [], []   # every job's lane; those that go through the layers one by one
+    lanes, layered, stacked = [], [], []   # every job's lane; those run layer by layer; those on the stack
     stack = getattr(model, "lean", None) if model.compute_hook is None else None
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
     for job in jobs:
         h = model.embed_tokens(job.ids[None])   # (1, T, hidden) on the device
         pos = job.positions[None]
-        if stack is not None and stack.serves(h, job.mask, job.cache):   # the whole stack in one call
-            lanes.append(_Lane(stack(h, model.rotary_emb(h, pos), job.mask, job.cache), None, (), pos, {}))
+        if stack is not None and stack.serves(h, job.mask, job.cache):
+            lanes.append(_Lane(h, None, model.rotary_emb(h, pos), pos, {}))
+            stacked.append((len(lanes) - 1, job))
             continue
         lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
                            cache_kwargs(type(model.layers[0]), job.cache)))
         layered.append(lanes[-1])
+    if stacked:   # every stack job in one call: the packed weights read once for all of them
+        outs = stack.run([(lanes[i].h, lanes[i].pos_emb, job.mask, job.cache) for i, job in stacked])
+        for (i, _), h in zip(stacked, outs):
+            lanes[i].h = h
     if layered or model.plan.streamed:   # a model with a stack streams nothing: no pass to pull
         _layers(model, layered)
-    out = []
-    for lane, job in zip(lanes, jobs):
-        h = model.norm(lane.h)
-        if job.last_only:
-            h = h[:, -1:]
-        head = stack.head(model.lm_head, h) if lane.masks is None else model.lm_head(h)   # None: a stack lane
-        out.append(apply_final_softcap(head, model.family.final_softcap)[0])
+    out = [None] * len(jobs)
+    for i, (lane, job) in enumerate(zip(lanes, jobs)):
+        if lane.masks is not None:
+            out[i] = _logits(model, model.lm_head(_final(model, lane.h, job)))
+    if stacked:   # the stack jobs' rows through the head at once (each row computed as alone, as above)
+        rows = [_final(model, lanes[i].h, job)[0] for i, job in stacked]   # normed per job, as alone
+        logits = _logits(model, stack.head(model.lm_head, torch.cat(rows)[None])).split([len(r) for r in rows])
+        for (i, _), lg in zip(stacked, logits):
+            out[i] = lg
     model._account(t0, stall0)
     return out
+
+
+def _final(model, h: torch.Tensor, job: ForwardJob) -> torch.Tensor:
+    """The final norm of a job's hidden states (its last row only for `last_only`): (1, T or 1, hidden)."""
+    h = model.norm(h)
+    return h[:, -1:] if job.last_only else h
+
+
+def _logits(model, head: torch.Tensor) -> torch.Tensor:
+    """(T, V) logits from the head's (1, T, V) output."""
+    return apply_final_softcap(head, model.family.final_softcap)[0]

@@ -1,8 +1,9 @@
 /* decode_stack.c: a Llama decoder stack over GGUF blocks for a few tokens, in one call
 (offload/stream/leanstack.py). Compiled into one library with ggml_gemv.c, whose ggml_gemm it calls.
 
-Contract: decode_stack(layers, nl, dims, h, T, cos, sin, mask, mask_cols, nthreads, flags) runs decoder
-layers layers[0..nl) in order over the hidden states h (T, D), in place, exactly as transformers'
+Contract: decode_stack_lanes(lanes, L, nl, dims, h, nthreads, flags) runs decoder layers [0, nl) in order
+over the hidden states h, in place. For one lane (a sequence: its layer_t array `layers` with its
+slabs, T tokens, rotary tables cos/sin (T, hd), mask) over h (T, D), exactly as transformers'
 LlamaDecoderLayer computes them (fp32 throughout, up to the order of fp32 roundings):
     x  = rmsnorm(h) * attn_norm              rmsnorm(h) = h * 1/sqrt(mean(h^2) + eps), per token
     q|k|v = x Wqkv^T                         one ggml_gemm over the stacked q, k, v rows (row map
@@ -16,6 +17,12 @@ LlamaDecoderLayer computes them (fp32 throughout, up to the order of fp32 roundi
     h += a Wo^T
     x  = rmsnorm(h) * ffn_norm
     g|u = x Wgu^T;  h += (silu(g) * u) Wdown^T        silu(g) = g / (1 + exp(-g))
+With L lanes (offload/stream/multi.py: the requests `specx serve --parallel` decodes together) h holds
+their rows back to back, lane j its T_j rows with its own layer_t array (its slabs and past; the
+weights are read from lane 0's), rotary tables and mask. The norms, matmuls and MLP run over all rows together, so each
+packed weight is read once per pass, not once per sequence; rope, the K/V rows and attention run per
+lane over its own slabs. ggml_gemm_pool computes every row as a one-row call does, so each lane's rows
+and K/V are bit for bit what a call with that lane alone computes.
 The caller checks capacity (past + T <= cap), shapes and types; the slabs' `length` bookkeeping
 stays the caller's. flags MATMULS_ONLY (1): each layer's four matmuls alone, on zeroed scratch,
 h and the slabs untouched (a timing probe). Returns 0, -1 when a ggml_gemm refuses (an unsupported
@@ -165,41 +172,60 @@ static int matmuls(const layer_t *l, const dims_t *d, int64_t T, float *x, float
         || ggml_gemm_pool(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads) ? -1 : 0;
 }
 
-static int layer(const layer_t *l, const dims_t *d, float *h, int64_t T, const float *cos, const float *sin,
-                 const float *mask, int64_t mask_cols, float *scr, int nthreads, int flags) {
+/* One sequence's share of a pass (decode_stack_lanes): its rows of h and its own cache. */
+typedef struct {
+    const layer_t *layers;          /* nl layers: its slabs and past (the weights are lane 0's) */
+    int64_t T;                      /* its tokens: rows [row0, row0 + T) of h */
+    const float *cos, *sin;         /* (T, hd) rotary tables of its positions */
+    const float *mask;              /* (T, mask_cols) additive, or NULL: causal */
+    int64_t mask_cols;
+} lane_t;
+
+/* Decoder layer i over every lane: the row-wise steps (norms, matmuls, SiLU, residuals) over all rows
+   at once, each lane's rope, K/V rows and attention over its own slabs and mask. */
+static int layer(const lane_t *lanes, int64_t L, int64_t i, const dims_t *d, float *h, int64_t T, float *scr,
+                 int nthreads, int flags) {
+    const layer_t *l = &lanes[0].layers[i];
     int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
     float *x = scr, *qkv = x + T * D, *a = qkv + T * width, *y = a + T * qd, *gu = y + T * D;
     float *probs = gu + T * 2 * F;
     if (flags & MATMULS_ONLY) return matmuls(l, d, T, x, qkv, a, y, gu, nthreads);
     rmsnorm(h, l->attn_norm, x, T, D, d->eps);
     if (ggml_gemm_pool(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)) return -1;
-    rope_and_store(l, d, qkv, T, cos, sin);
-    attention(l, d, qkv, T, mask, mask_cols, a, probs, nthreads);
+    for (int64_t j = 0, row = 0; j < L; row += lanes[j].T, j++) {
+        const lane_t *ln = &lanes[j];
+        rope_and_store(&ln->layers[i], d, qkv + row * width, ln->T, ln->cos, ln->sin);
+        attention(&ln->layers[i], d, qkv + row * width, ln->T, ln->mask, ln->mask_cols, a + row * qd, probs,
+                  nthreads);
+    }
     if (ggml_gemm_pool(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)) return -1;
-    for (int64_t i = 0; i < T * D; i++) h[i] += y[i];
+    for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     rmsnorm(h, l->ffn_norm, x, T, D, d->eps);
     if (ggml_gemm_pool(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)) return -1;
     for (int64_t t = 0; t < T; t++)             /* act (T, F) over the gate half's place */
-        for (int64_t i = 0; i < F; i++) {
-            float g = gu[t * 2 * F + i];
-            gu[t * F + i] = (g / (1.f + expf(-g))) * gu[t * 2 * F + F + i];
+        for (int64_t k = 0; k < F; k++) {
+            float g = gu[t * 2 * F + k];
+            gu[t * F + k] = (g / (1.f + expf(-g))) * gu[t * 2 * F + F + k];
         }
     if (ggml_gemm_pool(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads)) return -1;
-    for (int64_t i = 0; i < T * D; i++) h[i] += y[i];
+    for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     return 0;
 }
 
-int decode_stack(const layer_t *layers, int64_t nl, const dims_t *d, float *h, int64_t T, const float *cos,
-                 const float *sin, const float *mask, int64_t mask_cols, int nthreads, int flags) {
-    int64_t width = (d->H + 2 * d->Hkv) * d->hd, most = 0;
-    for (int64_t i = 0; i < nl; i++)
-        if (layers[i].past + T > most) most = layers[i].past + T;
-    size_t floats = (size_t)T * (d->D + width + d->H * d->hd + d->D + 2 * d->F) + (size_t)d->H * T * most;
+int decode_stack_lanes(const lane_t *lanes, int64_t L, int64_t nl, const dims_t *d, float *h, int nthreads,
+                       int flags) {
+    int64_t width = (d->H + 2 * d->Hkv) * d->hd, T = 0, most = 0;
+    for (int64_t j = 0; j < L; j++) {
+        T += lanes[j].T;
+        for (int64_t i = 0; i < nl; i++)   /* attention scratch: the widest lane's (head, token) x rows */
+            if (lanes[j].T * (lanes[j].layers[i].past + lanes[j].T) > most)
+                most = lanes[j].T * (lanes[j].layers[i].past + lanes[j].T);
+    }
+    size_t floats = (size_t)T * (d->D + width + d->H * d->hd + d->D + 2 * d->F) + (size_t)d->H * most;
     float *scr = (flags & MATMULS_ONLY) ? calloc(floats, sizeof(float)) : malloc(floats * sizeof(float));
     if (scr == NULL) return -2;
     int rc = 0;
-    for (int64_t i = 0; i < nl && rc == 0; i++)
-        rc = layer(&layers[i], d, h, T, cos, sin, mask, mask_cols, scr, nthreads, flags);
+    for (int64_t i = 0; i < nl && rc == 0; i++) rc = layer(lanes, L, i, d, h, T, scr, nthreads, flags);
     free(scr);
     return rc;
 }

@@ -17,7 +17,11 @@ Two schedules, both reading each packed row from memory once per call:
           4 rows at a time sharing each activation load, their scales converted to fp32 in chunks
           of CH blocks first, 16-lane partial sums, one horizontal sum per row;
   T > 1:  per block, the 32 reference values w_j (d * q_j + m, ...) in two 16-lane registers,
-          multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes).
+          multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes);
+          ggml_gemm_pool instead computes every activation row with the T == 1 schedule (a group's
+          packed rows re-read from L1 for the next activation row), so row t of y is the same
+          number whatever T and the other rows are: a pass that several sequences share
+          (decode_stack.c's lanes) gives each exactly what it gets alone.
 Threads: output rows split statically over `nthreads`: an OpenMP team (when compiled with it: the
 runtime torch's own ops use, so a linear called between them shares their threads), or pool.c's
 workers for ggml_gemm_pool (decode_stack.c: a whole pass of matmuls with no torch op between them,
@@ -311,6 +315,7 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
    ith of nth of the output rows (a static split, as OpenMP's schedule(static) makes it). */
 typedef struct {
     const uint8_t *w; const float *x; float *y; const int32_t *rowmap; int64_t N, K, T;
+    int rowwise;   /* every activation row computed exactly as a T == 1 call computes it */
 } gemm_args;
 
 static inline void share(int64_t count, int ith, int nth, int64_t *lo, int64_t *hi) {
@@ -325,17 +330,21 @@ static inline void share(int64_t count, int ith, int nth, int64_t *lo, int64_t *
         const uint8_t *w = a->w; const float *x = a->x; float *y = a->y;                            \
         const int32_t *rowmap = a->rowmap; int64_t N = a->N, K = a->K, T = a->T, lo, hi;            \
         size_t rb = (size_t)(K / QK) * block_bytes(QT);                                             \
-        if (T == 1) {                    /* groups of R rows, then the N % R last rows one by one */ \
+        if (T == 1 || a->rowwise) {      /* groups of R rows, then the N % R last rows one by one; \
+                                            rowwise: each activation row as T == 1 computes it, the \
+                                            group's packed rows re-read from L1 for the next one */ \
             int64_t groups = N / R;                                                                 \
             share(groups + 1, ith, nth, &lo, &hi);                                                  \
-            for (int64_t g = lo; g < hi; g++) {                                                     \
-                float out[R];                                                                       \
-                int64_t n0 = g * R, cnt = g < groups ? R : N - n0;                                  \
-                if (cnt == R) dot_rows(QT, w + (size_t)n0 * rb, rb, x, K / QK, out);            \
-                else                                                                                \
-                    for (int64_t i = 0; i < cnt; i++) out[i] = dot_row(QT, w + (size_t)(n0 + i) * rb, x, K / QK); \
-                for (int64_t i = 0; i < cnt; i++) y[rowmap ? rowmap[n0 + i] : n0 + i] = out[i];     \
-            }                                                                                       \
+            for (int64_t g = lo; g < hi; g++)                                                       \
+                for (int64_t t = 0; t < T; t++) {                                                   \
+                    float out[R];                                                                   \
+                    const float *xt = x + t * K;                                                    \
+                    int64_t n0 = g * R, cnt = g < groups ? R : N - n0;                              \
+                    if (cnt == R) dot_rows(QT, w + (size_t)n0 * rb, rb, xt, K / QK, out);          \
+                    else                                                                            \
+                        for (int64_t i = 0; i < cnt; i++) out[i] = dot_row(QT, w + (size_t)(n0 + i) * rb, xt, K / QK); \
+                    for (int64_t i = 0; i < cnt; i++) y[t * N + (rowmap ? rowmap[n0 + i] : n0 + i)] = out[i]; \
+                }                                                                                   \
         } else {                                                                                    \
             share(N, ith, nth, &lo, &hi);                                                           \
             for (int64_t n = lo; n < hi; n++)                                                       \
@@ -354,7 +363,7 @@ static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int
                 int64_t N, int64_t K, int64_t T, int nthreads, int on_pool) {
     if (block_bytes(qtype) == 0 || K % QK != 0 || K <= 0 || N < 0 || T < 0) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
-    gemm_args a = {w, x, y, rowmap, N, K, T};
+    gemm_args a = {w, x, y, rowmap, N, K, T, on_pool};
     void (*fn)(void *, int, int) = qtype == Q4_0 ? gemm_q4_0 : qtype == Q4_1 ? gemm_q4_1 : gemm_q8_0;
     if (on_pool) {
         pool_run(fn, &a, nthreads);
