@@ -249,8 +249,8 @@ def test_plan_counts_the_packed_head_as_the_loader_does(tiny, monkeypatch):
 
 
 def test_threads_from_several_callers_and_after_fork():
-    """kernels/pool.c: the pool's path computes every row as a one-row call does (row t of a T-row call
-    does not depend on the other rows); callers on several Python threads at once (one job at a time on
+    """kernels/pool.c: the pool's row-wise path computes every row as a one-row call does; callers on
+    several Python threads at once (one job at a time on
     the pool's workers, or OpenMP teams) get the main thread's exact outputs and never hang; a forked child, which
     inherits none of the pool's workers, builds its own and computes the same (a forked child must not
     use OpenMP: GNU libgomp is not fork-safe, as for torch's own ops)."""
@@ -264,7 +264,7 @@ def test_threads_from_several_callers_and_after_fork():
     try:
         ref = [gk.linear(x, raw, gq.Q4_1, 512) for x in xs]
         rowwise = [torch.cat([gk.linear(r[None], raw, gq.Q4_1, 512) for r in x]) for x in xs]   # one row a call
-        assert all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True), r) for x, r in zip(xs, rowwise))
+        assert all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True, rowwise=True), r) for x, r in zip(xs, rowwise))
         got: dict = {}
 
         def run(i):   # the pool (the decoder stack's path) and OpenMP in turns
@@ -275,13 +275,12 @@ def test_threads_from_several_callers_and_after_fork():
         for t in threads:
             t.join(timeout=60)
         assert not any(t.is_alive() for t in threads), "a kernel call hung"
-        want = [(r, w) for r, w in zip(ref, rowwise) for _ in range(4)]
-        assert all(torch.equal(a, w if pooled else r) for i in range(4) for (a, pooled), (r, w) in zip(got[i], want))
+        assert all(torch.equal(a, r) for i in range(4) for (a, _), r in zip(got[i], [r for r in ref for _ in range(4)]))
         with warnings.catch_warnings():   # Python 3.12+ warns that forking a threaded process may deadlock
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
         if pid == 0:   # the child: exit 0 only if the pool's path computes the same (libgomp is not fork-safe)
-            ok = all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True), r) for x, r in zip(xs, rowwise))
+            ok = all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True), r) for x, r in zip(xs, ref))
             os._exit(0 if ok else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0

@@ -242,30 +242,32 @@ def test_forward_many_runs_served_jobs_on_the_stack(tiny, monkeypatch):
         model.close()
 
 
-def test_forward_many_runs_every_stack_job_in_one_call(tiny, monkeypatch):
-    """Several requests decoding together (`specx serve --parallel`): every job the stack serves runs in
-    ONE decode_stack call (the weights read once for all) and one head call, and each job's logits and
-    the K/V rows written into its own cache equal, bit for bit, what that job gets alone."""
+def test_forward_many_runs_one_token_stack_jobs_in_one_call(tiny, monkeypatch):
+    """Several requests decoding together (`specx serve --parallel`): the one-token jobs the stack serves
+    run in ONE decode_stack call (the weights read once for all) and one head call, a longer job in a
+    call of its own; each job's logits and the K/V rows written into its own cache equal, bit for bit,
+    what that job gets alone."""
     from offload.stream.multi import ForwardJob, forward_many
 
     model = _load(tiny)
     try:
-        prompts = [torch.arange(1, 10), torch.arange(4, 17) % 20, torch.arange(2, 8)]
+        prompts = [torch.arange(1, 10), torch.arange(4, 17) % 20, torch.arange(2, 8), torch.arange(3, 6)]
         caches = [kvcache.new_cache() for _ in prompts]
         for c, p in zip(caches, prompts):
             kvcache.forward(model, c, p, torch.arange(len(p)), None)
         past = [len(p) for p in prompts]
 
-        def jobs():   # a 1-token step with a mask, a 5-node tree, a 2-token causal pass (last row only)
+        def jobs():   # 1-token steps with and without a mask, a 5-node tree, a 2-token pass (last row only)
             return [ForwardJob(torch.tensor([3]), torch.tensor([past[0]]), causal_mask(past[0], 1, torch.float32, "cpu"),
                                caches[0]),
                     ForwardJob(torch.tensor([5, 6, 7, 8, 9]), past[1] + torch.tensor([0, 1, 2, 1, 2]), _tree_mask(past[1]),
                                caches[1]),
-                    ForwardJob(torch.tensor([11, 12]), past[2] + torch.arange(2), None, caches[2], last_only=True)]
+                    ForwardJob(torch.tensor([11, 12]), past[2] + torch.arange(2), None, caches[2], last_only=True),
+                    ForwardJob(torch.tensor([7]), torch.tensor([past[3]]), None, caches[3])]
 
         calls = model.lean.calls
         many = forward_many(model, jobs())
-        assert model.lean.calls - calls == 1
+        assert model.lean.calls - calls == 3   # the two one-token jobs together, the others alone
         rows = [(c.layers[1].keys[:, :, : c.layers[1].length].clone(), c.layers[1].values[:, :, : c.layers[1].length].clone())
                 for c in caches]
         for c, n in zip(caches, past):

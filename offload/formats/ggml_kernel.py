@@ -117,7 +117,7 @@ def _load() -> ctypes.CDLL | None:
         try:
             if out.exists() or _compile(cc, [str(f) for f in sources], flags, out):
                 lib = ctypes.CDLL(str(out))
-                for fn in (lib.ggml_gemm, lib.ggml_gemm_pool):
+                for fn in (lib.ggml_gemm, lib.ggml_gemm_pool, lib.ggml_gemm_pool_rows):
                     fn.restype = ctypes.c_int
                     fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
                 return lib
@@ -164,16 +164,17 @@ def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) 
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
-           rowmap: torch.Tensor | None = None, pool: bool = False) -> torch.Tensor:
+           rowmap: torch.Tensor | None = None, pool: bool = False, rowwise: bool = False) -> torch.Tensor:
     """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
     About 211 calls per decoding step: the Python side is kept to checks and one output allocation.
     `pool`: on the decoder stack's worker threads (the head after stream/leanstack.py's pass) rather
-    than an OpenMP team shared with torch's ops, every row computed as a one-row call computes it (the
-    same numbers for one row; for several, row t does not depend on the others: ggml_gemv.c)."""
+    than an OpenMP team shared with torch's ops: the same numbers either way. `rowwise` (with `pool`):
+    every row computed as a one-row call computes it (ggml_gemm_pool_rows: one-token sequences sharing
+    a pass each get what they get alone)."""
     global CALLS
     fn = _STATE.get("fn") if _STATE["tried"] else _function()
     if pool:
-        fn = _STATE["lib"].ggml_gemm_pool
+        fn = _STATE["lib"].ggml_gemm_pool_rows if rowwise else _STATE["lib"].ggml_gemm_pool
     k = x.shape[-1]
     if not x.is_contiguous():
         x = x.contiguous()

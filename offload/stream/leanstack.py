@@ -24,8 +24,8 @@ Contract:
   cache update would. The final norm, the head and the logits stay the caller's.
 - `run(jobs)`: several sequences' passes, each `serves` accepts and each with its own cache, in ONE
   call (offload/stream/multi.py, the server's requests decoding together): each packed weight is read
-  once for all of them, and each gets bit for bit the h and K/V rows `__call__` gives it alone
-  (ggml_gemm_pool computes every row as a one-row call does).
+  once for all of them, every matmul row computed as a one-row call computes it, so a one-token job
+  gets bit for bit the h and K/V rows `__call__` gives it alone.
 Why: HF's decoder layer is about 40 small torch ops per layer, about 0.33 ms of dispatch per layer
 on a 2-core CPU (bench/pass_breakdown.py), more than the 0.26 ms its matmuls take on a 135M model;
 one call per pass leaves only the matmuls and a few microseconds of C.
@@ -41,6 +41,7 @@ import torch
 from offload.formats import ggml_kernel
 
 ENV = "SPECX_DECODE_STACK"   # auto (default) | off
+ROWWISE = 2                  # decode_stack.c's flag: every matmul row as a one-row call computes it
 
 
 class _Layer(ctypes.Structure):   # decode_stack.c's layer_t, field for field
@@ -221,8 +222,9 @@ class LeanStack:
 
     def run(self, jobs: list) -> list[torch.Tensor]:
         """Several sequences' passes in ONE call: `jobs` = [(h, position_embeddings, attention_mask, cache)],
-        each one `serves` accepts, each its own cache -> each one's h after the last decoder layer, equal
-        bit for bit to its pass alone (decode_stack.c: rows are computed as alone, weights read once)."""
+        each one `serves` accepts, each its own cache -> each one's h after the last decoder layer. With
+        more than one job every matmul row is computed as a one-row call computes it (decode_stack.c's
+        ROWWISE), so one-token jobs get bit for bit what they get alone; the weights are read once."""
         lanes, keep, rows = (_LaneT * len(jobs))(), [], []
         while len(self.spare) < len(jobs) - 1:   # each lane beyond the first points at its own slabs
             self.spare.append((_Layer * len(self.structs)).from_buffer_copy(self.structs))
@@ -241,7 +243,7 @@ class LeanStack:
             rows.append(h[0])
         flat = torch.cat(rows).contiguous()   # (sum T, D): a new tensor, the inputs stay as they were
         rc = self.fn(ctypes.addressof(lanes), len(jobs), len(self.structs), ctypes.addressof(self.dims),
-                     flat.data_ptr(), torch.get_num_threads(), 0)
+                     flat.data_ptr(), torch.get_num_threads(), ROWWISE if len(jobs) > 1 else 0)
         if rc != 0:
             raise RuntimeError(f"decode_stack failed ({rc})")
         for (*_, slabs), (h, *_) in zip(keep, jobs):
@@ -251,12 +253,13 @@ class LeanStack:
         return [part[None] for part in flat.split([h.shape[1] for h, *_ in jobs])]
 
     @staticmethod
-    def head(lm_head, h: torch.Tensor) -> torch.Tensor:
+    def head(lm_head, h: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
         """lm_head(h) after a stack pass: a packed GGUF head (ggml_kernel.PackedHead) on the stack's
-        worker threads, so one set of threads serves the whole pass; any other head as it is."""
+        worker threads, so one set of threads serves the whole pass (`rowwise`: each row as a one-row
+        call computes it, for the rows of several one-token sequences); any other head as it is."""
         packed = getattr(lm_head, "packed", None)
         if isinstance(lm_head, ggml_kernel.PackedHead) and packed.is_cpu and ggml_kernel.usable(h, lm_head.qtype):
-            return ggml_kernel.linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True)
+            return ggml_kernel.linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True, rowwise=rowwise)
         return lm_head(h)
 
     def matmuls(self, tokens: int, past: int = 0) -> None:

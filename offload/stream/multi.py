@@ -11,9 +11,9 @@ its logits equal `model(...)` on that job alone bit for bit; no tensor is shared
 (no flat KV, no cross-sequence mask), so nothing can leak from one sequence into another. Any
 other model (resident HF) runs the jobs' forwards one after the other, with the same result. The jobs
 the model's one-call stack serves (stream/leanstack.py: a resident Llama GGUF, a few tokens each) run
-through it instead of the layer loop, all of them in ONE call and then through the head together,
-so each packed weight is read once per pass rather than once per job; the stack and the head's
-kernel compute every row as they would for that job alone, so each job's logits still equal
+through it instead of the layer loop: the one-token jobs (plain decoding) all in ONE call and one
+head call, each packed weight read once for all of them and every row computed as that job alone
+computes it; a job of several tokens in a call of its own. Either way each job's logits equal
 model(...) on it alone (which takes the stack too) bit for bit.
 Inputs are already on the model's devices (ids on `model.input_device` when it has one).
 """
@@ -98,9 +98,9 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
         lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
                            cache_kwargs(type(model.layers[0]), job.cache)))
         layered.append(lanes[-1])
-    if stacked:   # every stack job in one call: the packed weights read once for all of them
-        outs = stack.run([(lanes[i].h, lanes[i].pos_emb, job.mask, job.cache) for i, job in stacked])
-        for (i, _), h in zip(stacked, outs):
+    for group in _calls(stacked):   # one-token jobs in one call: the packed weights read once for all
+        outs = stack.run([(lanes[i].h, lanes[i].pos_emb, job.mask, job.cache) for i, job in group])
+        for (i, _), h in zip(group, outs):
             lanes[i].h = h
     if layered or model.plan.streamed:   # a model with a stack streams nothing: no pass to pull
         _layers(model, layered)
@@ -108,13 +108,21 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
     for i, (lane, job) in enumerate(zip(lanes, jobs)):
         if lane.masks is not None:
             out[i] = _logits(model, model.lm_head(_final(model, lane.h, job)))
-    if stacked:   # the stack jobs' rows through the head at once (each row computed as alone, as above)
-        rows = [_final(model, lanes[i].h, job)[0] for i, job in stacked]   # normed per job, as alone
-        logits = _logits(model, stack.head(model.lm_head, torch.cat(rows)[None])).split([len(r) for r in rows])
-        for (i, _), lg in zip(stacked, logits):
+    for group in _calls(stacked):   # through the head the same way (each row as alone when grouped)
+        rows = [_final(model, lanes[i].h, job)[0] for i, job in group]   # normed per job, as alone
+        head = stack.head(model.lm_head, torch.cat(rows)[None], rowwise=len(group) > 1)
+        for (i, _), lg in zip(group, _logits(model, head).split([len(r) for r in rows])):
             out[i] = lg
     model._account(t0, stall0)
     return out
+
+
+def _calls(stacked: list) -> list[list]:
+    """The stack's calls for its (lane index, job) pairs: every one-token job together (computed row by
+    row as alone, so each stays bit-identical to its pass alone), each longer job in a call of its own
+    (a tree or a prefill tail alone takes the faster several-row schedule)."""
+    ones = [p for p in stacked if len(p[1].ids) == 1]
+    return ([ones] if ones else []) + [[p] for p in stacked if len(p[1].ids) != 1]
 
 
 def _final(model, h: torch.Tensor, job: ForwardJob) -> torch.Tensor:

@@ -21,8 +21,10 @@ With L lanes (offload/stream/multi.py: the requests `specx serve --parallel` dec
 their rows back to back, lane j its T_j rows with its own layer_t array (its slabs and past; the
 weights are read from lane 0's), rotary tables and mask. The norms, matmuls and MLP run over all rows together, so each
 packed weight is read once per pass, not once per sequence; rope, the K/V rows and attention run per
-lane over its own slabs. ggml_gemm_pool computes every row as a one-row call does, so each lane's rows
-and K/V are bit for bit what a call with that lane alone computes.
+lane over its own slabs. flags ROWWISE (2) has the matmuls compute every row as a one-row call does
+(ggml_gemm_pool_rows), so one-token lanes sharing a call each get, bit for bit, the h and K/V rows a
+call with that lane alone computes (a lane of several tokens alone takes the faster several-row
+schedule, whose roundings differ).
 The caller checks capacity (past + T <= cap), shapes and types; the slabs' `length` bookkeeping
 stays the caller's. flags MATMULS_ONLY (1): each layer's four matmuls alone, on zeroed scratch,
 h and the slabs untouched (a timing probe). Returns 0, -1 when a ggml_gemm refuses (an unsupported
@@ -35,8 +37,12 @@ pairs over pool.c's workers once the context is long enough to pay for the hand-
 #include <stdlib.h>
 #include <string.h>
 
-int ggml_gemm_pool(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
-                   int64_t N, int64_t K, int64_t T, int nthreads);   /* ggml_gemv.c, on pool.c's workers */
+typedef int (*gemm_fn)(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+                       int64_t N, int64_t K, int64_t T, int nthreads);
+int ggml_gemm_pool(int, const uint8_t *, const float *, float *, const int32_t *, int64_t, int64_t, int64_t,
+                   int);   /* ggml_gemv.c, on pool.c's workers */
+int ggml_gemm_pool_rows(int, const uint8_t *, const float *, float *, const int32_t *, int64_t, int64_t,
+                        int64_t, int);   /* the same, each row as a one-row call computes it */
 void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 
 typedef struct {
@@ -54,6 +60,7 @@ typedef struct {
 } dims_t;
 
 #define MATMULS_ONLY 1           /* flags: only each layer's four matmuls, nothing written to h or the slabs */
+#define ROWWISE 2                /* flags: every matmul row computed as a one-row call does (ggml_gemm_pool_rows) */
 #define ATTN_PAR 2048           /* (head, token) x context rows below which attention stays on one thread */
 
 #define LANES 16
@@ -163,13 +170,13 @@ static void rope_and_store(const layer_t *l, const dims_t *d, float *qkv, int64_
 
 /* The four matmuls of a layer alone, on zeroed scratch (MATMULS_ONLY: what bench/pass_breakdown.py
    subtracts from a whole pass to find the rest). */
-static int matmuls(const layer_t *l, const dims_t *d, int64_t T, float *x, float *qkv, float *a, float *y,
-                   float *gu, int nthreads) {
+static int matmuls(gemm_fn mm, const layer_t *l, const dims_t *d, int64_t T, float *x, float *qkv, float *a,
+                   float *y, float *gu, int nthreads) {
     int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
-    return ggml_gemm_pool(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)
-        || ggml_gemm_pool(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)
-        || ggml_gemm_pool(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)
-        || ggml_gemm_pool(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads) ? -1 : 0;
+    return mm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)
+        || mm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)
+        || mm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)
+        || mm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads) ? -1 : 0;
 }
 
 /* One sequence's share of a pass (decode_stack_lanes): its rows of h and its own cache. */
@@ -189,25 +196,26 @@ static int layer(const lane_t *lanes, int64_t L, int64_t i, const dims_t *d, flo
     int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
     float *x = scr, *qkv = x + T * D, *a = qkv + T * width, *y = a + T * qd, *gu = y + T * D;
     float *probs = gu + T * 2 * F;
-    if (flags & MATMULS_ONLY) return matmuls(l, d, T, x, qkv, a, y, gu, nthreads);
+    gemm_fn mm = (flags & ROWWISE) ? ggml_gemm_pool_rows : ggml_gemm_pool;
+    if (flags & MATMULS_ONLY) return matmuls(mm, l, d, T, x, qkv, a, y, gu, nthreads);
     rmsnorm(h, l->attn_norm, x, T, D, d->eps);
-    if (ggml_gemm_pool(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)) return -1;
+    if (mm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)) return -1;
     for (int64_t j = 0, row = 0; j < L; row += lanes[j].T, j++) {
         const lane_t *ln = &lanes[j];
         rope_and_store(&ln->layers[i], d, qkv + row * width, ln->T, ln->cos, ln->sin);
         attention(&ln->layers[i], d, qkv + row * width, ln->T, ln->mask, ln->mask_cols, a + row * qd, probs,
                   nthreads);
     }
-    if (ggml_gemm_pool(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)) return -1;
+    if (mm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)) return -1;
     for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     rmsnorm(h, l->ffn_norm, x, T, D, d->eps);
-    if (ggml_gemm_pool(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)) return -1;
+    if (mm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)) return -1;
     for (int64_t t = 0; t < T; t++)             /* act (T, F) over the gate half's place */
         for (int64_t k = 0; k < F; k++) {
             float g = gu[t * 2 * F + k];
             gu[t * F + k] = (g / (1.f + expf(-g))) * gu[t * 2 * F + F + k];
         }
-    if (ggml_gemm_pool(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads)) return -1;
+    if (mm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads)) return -1;
     for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     return 0;
 }

@@ -18,10 +18,10 @@ Two schedules, both reading each packed row from memory once per call:
           of CH blocks first, 16-lane partial sums, one horizontal sum per row;
   T > 1:  per block, the 32 reference values w_j (d * q_j + m, ...) in two 16-lane registers,
           multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes);
-          ggml_gemm_pool instead computes every activation row with the T == 1 schedule (a group's
-          packed rows re-read from L1 for the next activation row), so row t of y is the same
-          number whatever T and the other rows are: a pass that several sequences share
-          (decode_stack.c's lanes) gives each exactly what it gets alone.
+          ggml_gemm_pool_rows instead computes every activation row with the T == 1 schedule (a
+          group's packed rows re-read from L1 for the next activation row), so row t of y is the
+          number a one-row call gives: one-token sequences that share a pass (decode_stack.c's
+          lanes) each get exactly what they get alone.
 Threads: output rows split statically over `nthreads`: an OpenMP team (when compiled with it: the
 runtime torch's own ops use, so a linear called between them shares their threads), or pool.c's
 workers for ggml_gemm_pool (decode_stack.c: a whole pass of matmuls with no torch op between them,
@@ -360,10 +360,10 @@ void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 /* on_pool: split over pool.c's workers (the decoder stack) rather than an OpenMP team (a linear called
    alone from Python, between torch's own OpenMP ops, shares torch's threads: the same runtime). */
 static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
-                int64_t N, int64_t K, int64_t T, int nthreads, int on_pool) {
+                int64_t N, int64_t K, int64_t T, int nthreads, int on_pool, int rowwise) {
     if (block_bytes(qtype) == 0 || K % QK != 0 || K <= 0 || N < 0 || T < 0) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
-    gemm_args a = {w, x, y, rowmap, N, K, T, on_pool};
+    gemm_args a = {w, x, y, rowmap, N, K, T, rowwise};
     void (*fn)(void *, int, int) = qtype == Q4_0 ? gemm_q4_0 : qtype == Q4_1 ? gemm_q4_1 : gemm_q8_0;
     if (on_pool) {
         pool_run(fn, &a, nthreads);
@@ -380,10 +380,16 @@ static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int
 
 int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
               int64_t N, int64_t K, int64_t T, int nthreads) {
-    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 0);
+    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 0, 0);
 }
 
 int ggml_gemm_pool(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
                    int64_t N, int64_t K, int64_t T, int nthreads) {
-    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 1);
+    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 1, 0);
+}
+
+/* ggml_gemm_pool with every activation row computed as a T == 1 call computes it (see the contract) */
+int ggml_gemm_pool_rows(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+                        int64_t N, int64_t K, int64_t T, int nthreads) {
+    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 1, 1);
 }
