@@ -81,6 +81,20 @@ def start_servers(args, tmp: Path) -> tuple[subprocess.Popen, subprocess.Popen, 
     return specx, owui, base, f"http://127.0.0.1:{op}", log
 
 
+def dismiss_dialogs(page) -> None:
+    """Close what a first visit shows over the chat (the release notes' "Okay, Let's Go!" dialog)."""
+    for _ in range(5):
+        page.wait_for_timeout(1000)
+        dialog = page.locator("div[role=dialog]")
+        if dialog.count() == 0 or not dialog.first.is_visible():
+            return
+        button = dialog.first.get_by_role("button", name=re.compile("okay|let's go|close|dismiss", re.I))
+        if button.count():
+            button.first.click()
+        else:
+            page.keyboard.press("Escape")
+
+
 def chat_in_browser(ui: str, token: str, model: str, prompt: str, shot: Path | None, limit: float) -> dict:
     """Open the chat page logged in, send `prompt`, watch the reply stream; the reply and its timings."""
     from playwright.sync_api import sync_playwright
@@ -94,6 +108,7 @@ def chat_in_browser(ui: str, token: str, model: str, prompt: str, shot: Path | N
         page.goto(f"{ui}/?models={model}")
         box = page.locator("#chat-input")
         box.wait_for(timeout=60_000)
+        dismiss_dialogs(page)
         box.click()
         page.keyboard.type(prompt)
         t0 = time.monotonic()
