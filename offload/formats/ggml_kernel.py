@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload.cachedir import cache_root
+
 ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
 QTYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0 (gguf_quants numbering)
 BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
@@ -59,12 +61,6 @@ CALLS = 0
 def _off() -> bool:
     v = os.environ.get(ENV)                    # read on every call (tests and the CLI set it at run time)
     return v is not None and v.strip().lower() in ("off", "0", "no", "false")
-
-
-def _cache_root() -> Path:
-    """specx's cache directory ($SPECX_CACHE, default ~/.cache/specx: quant/quant_cache.py's rule)."""
-    env = os.environ.get("SPECX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specx"
 
 
 def _cpu_flags() -> str:
@@ -113,7 +109,7 @@ def _load() -> ctypes.CDLL | None:
     base = hashlib.sha256((src + cc + _cpu_flags()).encode()).hexdigest()[:16]
     for flags in FLAG_SETS:
         key = hashlib.sha256((base + " ".join(flags)).encode()).hexdigest()[:16]
-        out = _cache_root() / "kernels" / f"ggml_gemv-{key}.so"
+        out = cache_root() / "kernels" / f"ggml_gemv-{key}.so"
         try:
             if out.exists() or _compile(cc, [str(f) for f in sources], flags, out):
                 lib = ctypes.CDLL(str(out))

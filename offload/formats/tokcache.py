@@ -31,9 +31,9 @@ def _key(file: Path) -> str:
 def gguf_tokenizer(directory: Path, filename: str, trust: bool = False):
     from transformers import AutoTokenizer
 
-    from offload.formats.ggml_kernel import _cache_root   # specx's one cache-directory rule
+    from offload.cachedir import cache_root
 
-    saved = _cache_root() / "tokenizers" / _key(Path(directory) / filename)
+    saved = cache_root() / "tokenizers" / _key(Path(directory) / filename)
     if (saved / "tokenizer_config.json").exists():
         tok = AutoTokenizer.from_pretrained(saved, trust_remote_code=trust)
     else:

@@ -35,6 +35,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from offload.cachedir import cache_root
+
 import torch
 
 from offload.errors import OffloadError, OffloadNotice
@@ -50,11 +52,6 @@ _WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
 _SIDE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.model|vocab\..*|"
                          r"merges\.txt|chat_template\.(jinja|json)|added_tokens\.json)$")
 Progress = Callable[[int, int, str], None]
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPECX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specx"
 
 
 def source_fingerprint(src: Path) -> list[tuple[str, int, int]]:

@@ -110,7 +110,8 @@ def pick_skipped(order: list[int], streamed, n: int) -> list[int]:
 
 
 def _path(src: Path) -> Path:
-    from offload.quant.quant_cache import cache_root, source_fingerprint
+    from offload.cachedir import cache_root
+    from offload.quant.quant_cache import source_fingerprint
 
     blob = json.dumps({"files": source_fingerprint(src), "version": VERSION, "text": CALIBRATION}, sort_keys=True)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
