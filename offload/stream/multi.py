@@ -98,7 +98,8 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
         lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
                            cache_kwargs(type(model.layers[0]), job.cache)))
         layered.append(lanes[-1])
-    for group in _calls(stacked):   # one-token jobs in one call: the packed weights read once for all
+    groups = _calls(stacked)
+    for group in groups:   # one-token jobs in one call: the packed weights read once for all
         outs = stack.run([(lanes[i].h, lanes[i].pos_emb, job.mask, job.cache) for i, job in group])
         for (i, _), h in zip(group, outs):
             lanes[i].h = h
@@ -108,7 +109,7 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
     for i, (lane, job) in enumerate(zip(lanes, jobs)):
         if lane.masks is not None:
             out[i] = _logits(model, model.lm_head(_final(model, lane.h, job)))
-    for group in _calls(stacked):   # through the head the same way (each row as alone when grouped)
+    for group in groups:   # through the head the same way (each row as alone when grouped)
         rows = [_final(model, lanes[i].h, job)[0] for i, job in group]   # normed per job, as alone
         head = stack.head(model.lm_head, torch.cat(rows)[None], rowwise=len(group) > 1)
         for (i, _), lg in zip(group, _logits(model, head).split([len(r) for r in rows])):
