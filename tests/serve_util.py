@@ -82,6 +82,20 @@ class Server:
         finally:
             conn.close()
 
+    def wait_idle(self, headers: dict | None = None, timeout: float = 60) -> None:
+        """Wait until /metrics shows no request running or queued: a stream the client closed is
+        cancelled at the worker's next pass, which on a loaded machine can come after the next test
+        has already sent its request (and, with --max-queue 0, been refused with a 429)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, _, text = self.http("GET", "/metrics", None, headers)
+            gauges = {ln.split()[0]: float(ln.split()[1]) for ln in str(text).splitlines()
+                      if ln.startswith(("specx_running_requests ", "specx_queue_depth "))}
+            if gauges and not any(gauges.values()):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"server still busy after {timeout}s: {self.stderr()}")
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

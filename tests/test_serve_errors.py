@@ -260,8 +260,10 @@ def test_open_host_without_key_warns(tmp_path):
 
 def test_sigterm_mid_stream_answers_and_exits_0(server):
     """Last in the module: it stops the server."""
+    server.wait_idle(AUTH)  # the 429 test's abandoned stream may still hold the only slot
     body = {"messages": MSG, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.base + CHAT, json=body, headers=AUTH, timeout=60) as res:
+        assert res.status_code == 200, res.read()
         lines = res.iter_lines()
         head = [next(lines) for _ in range(2)]
         server.proc.send_signal(signal.SIGTERM)
