@@ -46,14 +46,20 @@ PROMPTS = ("Explain in simple terms how a refrigerator keeps food cold.",
            "Write a short poem about the sea.")
 
 
+# byte offsets of each type's fp16 fields (scales d, mins, K-quants' dmin) inside its block
+FP16_AT = {gq.Q4_0: (0,), gq.Q4_1: (0, 2), gq.Q5_0: (0,), gq.Q5_1: (0, 2), gq.Q8_0: (0,), gq.Q4_K: (0, 2),
+           gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
+
+
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
-    """GGUF bytes of an (n, k) weight: random codes, finite fp16 scales (and Q4_1 mins) in [-scale, scale)."""
+    """GGUF bytes of an (n, k) weight: random codes (and K-quant sub-scales), finite fp16 scales and
+    mins in [-scale, scale)."""
     g = torch.Generator().manual_seed(seed)
     per, size = gq.BLOCK[qtype]
     b = torch.randint(0, 256, (n, k // per, size), dtype=torch.uint8, generator=g)
-    halves = 2 if qtype == gq.Q4_1 else 1
-    sc = ((torch.rand(n, k // per, halves, generator=g) * 2 - 1) * scale).to(torch.float16)
-    b[..., :2 * halves] = sc.view(torch.uint8).reshape(n, k // per, 2 * halves)
+    for at in FP16_AT[qtype]:
+        sc = ((torch.rand(n, k // per, 1, generator=g) * 2 - 1) * scale).to(torch.float16)
+        b[..., at:at + 2] = sc.view(torch.uint8).reshape(n, k // per, 2)
     return b.reshape(-1)
 
 

@@ -33,8 +33,9 @@ def _quant(w: np.ndarray, qtype, rng) -> np.ndarray:
         per, size = gguf.GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // per, size), dtype=np.uint8)
         at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]
+        scale = float(np.std(w)) / 150      # dequantized weights about as large as w's (6-bit sub-scales ~32, codes ~8)
         for off in at:
-            d = (rng.random(blocks.shape[:2]) * 0.01).astype(np.float16)
+            d = (rng.random(blocks.shape[:2]) * scale).astype(np.float16)
             blocks[..., off:off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
         return blocks.reshape(w.shape[0], -1)
     return gguf.quants.quantize(w.astype(np.float32), qtype)
@@ -57,8 +58,10 @@ def _tokenizer(writer, vocab: int, chat_template: str | None) -> None:
 
 def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, chat_template: str | None = None,
                tokenizer: bool = True, arch: str = "llama", sampling: dict | None = None, seed: int = 0,
-               extra: dict | None = None) -> Path:
-    """A GGUF of the Llama at `hf_dir` (see the module docstring); returns the (first) file."""
+               extra: dict | None = None, mix: dict | None = None) -> Path:
+    """A GGUF of the Llama at `hf_dir` (see the module docstring); returns the (first) file. `mix`:
+    {part of an HF weight name: qtype} for the weights of another type (a Q4_K_M file's v_proj and
+    down_proj are Q6_K)."""
     import gguf
     import torch
     from gguf import GGMLQuantizationType as T
@@ -99,7 +102,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
         if w.ndim == 1:
             writer.add_tensor(g, w.astype(np.float32))
             continue
-        q = getattr(T, qtype)
+        q = getattr(T, next((t for part, t in (mix or {}).items() if part in hf_name), qtype))
         data = _quant(w, q, rng)
         writer.add_tensor(g, data, raw_shape=data.shape, raw_dtype=q if data.dtype == np.uint8 else None)
     for g, w in (extra or {}).items():     # e.g. rope_freqs.weight

@@ -32,8 +32,9 @@ if not gk.enabled():
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """GGUF bytes of an (n, k) weight (bench/gguf_kernel.py's), scales and mins in [-0.02, 0.02)."""
-    return _bench().random_blocks(qtype, n, k, seed, scale=0.02)
+    """GGUF bytes of an (n, k) weight (bench/gguf_kernel.py's), scales and mins in [-0.02, 0.02) (a 32nd
+    of that for the K-quants, whose 6- or 8-bit sub-scales multiply them: weights of similar size)."""
+    return _bench().random_blocks(qtype, n, k, seed, scale=0.02 / (32 if gq.BLOCK[qtype][0] == 256 else 1))
 
 
 def _bench():
@@ -52,15 +53,19 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert err < 2e-6, err
 
 
-@pytest.mark.parametrize("qtype", [gq.Q4_0, gq.Q4_1, gq.Q8_0])
+# (9, 2144 / 2304): more sub-blocks per row than one scale chunk (CH = 64); 15 / 16 x 1024: either side
+# of the one-thread threshold (MIN_PAR = 512 products at T = 1); K-quant rows are whole 256-blocks
+SHAPES_32 = ((37, 96), (5, 32), (192, 576), (1, 64), (9, 2144), (15, 1024), (16, 1024))
+SHAPES_256 = ((37, 256), (5, 512), (192, 768), (1, 256), (9, 2304), (15, 1024), (16, 1024))
+
+
+@pytest.mark.parametrize("qtype", gk.QTYPES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_equals_dequantize_then_matmul(qtype, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        # (9, 2144): more blocks per row than one scale chunk (CH = 64); 15 / 16 x 1024: either side of
-        # the one-thread threshold (MIN_PAR = 512 products at T = 1)
-        for n, k in ((37, 96), (5, 32), (192, 576), (1, 64), (9, 2144), (15, 1024), (16, 1024)):
+        for n, k in SHAPES_256 if gq.BLOCK[qtype][0] == 256 else SHAPES_32:
             raw = random_blocks(qtype, n, k, seed=n)
             w = gq.dequantize(raw, qtype, (n, k))
             for t in (1, 3, 17, 64):
@@ -107,8 +112,8 @@ def test_portable_build_equals_the_reference(tmp_path):
     fn = ctypes.CDLL(str(out)).ggml_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    for qtype in (gq.Q4_0, gq.Q4_1, gq.Q8_0):
-        for n, k in ((37, 96), (9, 2144)):
+    for qtype in gk.QTYPES:
+        for n, k in ((37, 256), (9, 2304)) if gq.BLOCK[qtype][0] == 256 else ((37, 96), (9, 2144)):
             raw = random_blocks(qtype, n, k, seed=n + qtype)
             w = gq.dequantize(raw, qtype, (n, k))
             for t in (1, 5):
@@ -212,11 +217,16 @@ def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, monkeypatch) -> list[in
     return json.loads(stats.read_text())["token_ids"]
 
 
-def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stack", ["off", "auto"])
+def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path, monkeypatch, stack):
+    from offload.stream import leanstack
+
+    monkeypatch.setenv(leanstack.ENV, stack)     # the per-linear path, and the one-call stack
     before = gk.CALLS
     on = _ar_ids(tiny["Q4_0"], False, "abc de", 12, tmp_path, monkeypatch)
-    # every decode step: 14 linears (at least gate/up of each layer fused into one call) + the head
-    assert gk.CALLS - before >= 11 * 13
+    # every decode step: 14 linears (at least gate/up of each layer fused into one call) + the head, or
+    # on the stack the head alone from Python
+    assert gk.CALLS - before >= (11 * 13 if stack == "off" else 11)
     off = _ar_ids(tiny["Q4_0"], True, "abc de", 12, tmp_path, monkeypatch)
     assert len(on) == 12 and on == off
 

@@ -27,11 +27,19 @@ from tests.gguf_build import write_gguf  # noqa: E402
 pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler: the GGUF kernel is off")
 
 
-@pytest.fixture(scope="module", params=["Q4_1", "Q4_0", "Q8_0"])
+# name -> (type, {weights of another type}): the K-quant mixes llama-quantize makes (Q4_K_M: v and down
+# in Q6_K, so q/k/v are three calls of two types), and its fallbacks for rows not a multiple of 256
+MIXES = {"Q4_1": ("Q4_1", None), "Q4_0": ("Q4_0", None), "Q8_0": ("Q8_0", None),
+         "Q4_K_M": ("Q4_K", {"v_proj": "Q6_K", "down_proj": "Q6_K"}), "Q5_K": ("Q5_K", None),
+         "Q5_0+Q8_0": ("Q5_0", {"v_proj": "Q8_0", "up_proj": "Q5_1"})}
+
+
+@pytest.fixture(scope="module", params=list(MIXES))
 def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("lean")
     hf = make_model(root / "hf", seed=7, layers=3, hidden=256)
-    return write_gguf(hf, root / "m" / f"tiny-{request.param}.gguf", request.param)
+    qtype, mix = MIXES[request.param]
+    return write_gguf(hf, root / "m" / f"tiny-{request.param}.gguf", qtype, mix=mix)
 
 
 def _load(f, offload="none", **kw):

@@ -1,4 +1,4 @@
-"""Packed GGUF linears on CPU: x W^T read straight from the Q4_0/Q4_1/Q8_0 block bytes, in fp32.
+"""Packed GGUF linears on CPU: x W^T read straight from the GGUF block bytes, in fp32.
 
 Contract:
 - `linear(x, raw, qtype, out_features, rowmap=None)` -> (..., out) fp32: x (..., in) fp32 on CPU,
@@ -7,13 +7,15 @@ Contract:
   calls kernels/ggml_gemv.c: the weight is dequantized in fp32 registers exactly as
   gguf_quants.dequantize defines it and accumulated in fp32, so the result equals
   dequantize-then-matmul up to fp32 rounding order (activations are never quantized). Each call
-  reads the packed bytes once (0.56-1.06 bytes per weight instead of 4).
+  reads the packed bytes once (0.56-1.06 bytes per weight instead of 4). Types (`QTYPES`): Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M / Q6_K files hold;
+  K-quant rows need `in` to be a multiple of 256, which llama-quantize also requires).
 - `usable(x, qtype, max_rows=MAX_ROWS)`: whether `linear` serves this call: CPU fp32 input, a
   supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
   a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
   batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built.
   The first use compiles the C sources (`sources_of`: the kernel, the decoder stack, their threads)
-  once per machine with the system C compiler (`cc -O3 -march=native -fopenmp -pthread`, then weaker flag
+  and their header once per machine with the system C compiler (`cc -O3 -march=native -fopenmp -pthread`, then weaker flag
   sets) into $SPECX_CACHE/kernels (default
   ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
 - `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
@@ -45,13 +47,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload.cachedir import cache_root
+from offload.formats.gguf_quants import BLOCK
 
 ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
-QTYPES = (2, 3, 8)                   # Q4_0, Q4_1, Q8_0 (gguf_quants numbering)
-BYTES = {2: 18, 3: 20, 8: 34}        # bytes per block of 32 values
+QTYPES = (2, 3, 6, 7, 8, 12, 13, 14)   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering)
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")   # built into the same library: the decoder stack, the threads
+HEADERS = ("ggml_blocks.h",)                # included by the kernel: part of the build's hash
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-pthread"], ["-O3", "-march=native", "-pthread"],
              ["-O3", "-fopenmp", "-pthread"], ["-O3", "-pthread"])
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
@@ -102,7 +105,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     try:
         sources = sources_of(SOURCE)
-        src = "".join(f.read_text() for f in sources)
+        src = "".join(f.read_text() for f in [*sources, *(SOURCE.with_name(h) for h in HEADERS)])
     except OSError:
         _STATE["broken"] = f"{SOURCE.name} is missing from the installation; GGUF linears dequantize instead"
         return None
@@ -155,7 +158,7 @@ def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) 
         return False
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    return (rows > 0 and (max_rows is None or rows <= max_rows) and k % 32 == 0
+    return (rows > 0 and (max_rows is None or rows <= max_rows) and k % BLOCK[qtype][0] == 0
             and (_STATE.get("fn") is not None if _STATE["tried"] else enabled()) and not _off())
 
 
@@ -176,7 +179,8 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
         x = x.contiguous()
     if not raw.is_contiguous():
         raw = raw.contiguous()
-    if raw.dtype != torch.uint8 or raw.numel() * 32 != out_features * k * BYTES[qtype]:
+    per, size = BLOCK[qtype]
+    if raw.dtype != torch.uint8 or k % per or raw.numel() != out_features * (k // per) * size:
         raise ValueError(f"packed weight of {raw.numel()} bytes does not hold a ({out_features}, {k}) "
                          f"type-{qtype} matrix")
     t = x.numel() // k
@@ -200,7 +204,7 @@ def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:
         return None
     qtype = info.meta.get("ggml_type")
     ok = torch.device(device).type == "cpu" and dtype == torch.float32 and qtype in QTYPES
-    return qtype if ok and info.meta["shape"][-1] % 32 == 0 else None
+    return qtype if ok and info.meta["shape"][-1] % BLOCK[qtype][0] == 0 else None
 
 
 def row_map(ckpt, name: str) -> torch.Tensor | None:

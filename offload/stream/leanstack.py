@@ -5,8 +5,8 @@ Contract:
   one line, why there is none (None when there is one). It is built when the model computes on the
   CPU in fp32, its family is plain Llama (SiLU MLP, no biases, no sliding window, HF's
   LlamaDecoderLayer), every decoder layer is resident, and every linear of every layer runs the GGUF
-  kernel (formats/ggml_kernel.py) with q/k/v and gate/up each stacked back to back in one buffer
-  (formats/qfuse.py), and $SPECX_DECODE_STACK is not "off"; a layer-skip self-draft's pass-through
+  kernel (formats/ggml_kernel.py; q/k/v and gate/up each one call when stacked back to back in one
+  buffer by formats/qfuse.py, else one call each), and $SPECX_DECODE_STACK is not "off"; a layer-skip self-draft's pass-through
   layers are left out of the stack (offload/selfdraft/build.py builds its stack once its layers are
   set). It holds, per layer, the pointers of the norms and packed bytes (resident: bound once, never
   moved).
@@ -44,13 +44,13 @@ ENV = "SPECX_DECODE_STACK"   # auto (default) | off
 ROWWISE = 2                  # decode_stack.c's flag: every matmul row as a one-row call computes it
 
 
+class _Seg(ctypes.Structure):     # decode_stack.c's seg_t: one matmul's packed weight (rows 0: unused)
+    _fields_ = [("w", ctypes.c_void_p), ("map", ctypes.c_void_p), ("type", ctypes.c_int32), ("rows", ctypes.c_int64)]
+
+
 class _Layer(ctypes.Structure):   # decode_stack.c's layer_t, field for field
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-                ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gu", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("qkv_map", ctypes.c_void_p), ("o_map", ctypes.c_void_p), ("gu_map", ctypes.c_void_p),
-                ("down_map", ctypes.c_void_p),
-                ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32), ("gu_type", ctypes.c_int32),
-                ("down_type", ctypes.c_int32),
+                ("qkv", _Seg * 3), ("o", _Seg), ("gu", _Seg * 2), ("down", _Seg),
                 ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("past", ctypes.c_int64)]
 
 
@@ -104,18 +104,23 @@ def _config_reason(model) -> str | None:
     return family_reason(model.config)
 
 
-def _packed(mod) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
-    """(bytes, ggml type, row map) of a kernel-served PackedLinear bound on the CPU, else None."""
+def _packed(mod) -> tuple[torch.Tensor, int, torch.Tensor | None, int] | None:
+    """(bytes, ggml type, row map, rows) of a kernel-served PackedLinear bound on the CPU, else None."""
     if getattr(mod, "ggml_type", None) is None or getattr(mod, "bias", None) is not None:
         return None
     raw = getattr(mod, next(iter(mod.parts)))
-    return (raw, mod.ggml_type, mod.row_map) if raw.device.type == "cpu" else None
+    return (raw, mod.ggml_type, mod.row_map, mod.out_features) if raw.device.type == "cpu" else None
 
 
-def _stacked(first) -> tuple[torch.Tensor, int, torch.Tensor] | None:
-    group = getattr(first, "group", None)
+def _siblings(mods: list) -> list | None:
+    """The segments of sibling linears side by side: one over their stacked bytes (formats/qfuse.py's
+    group), or one each where they do not stack (types differ: a Q4_K_M file's v_proj has more bits)."""
+    group = getattr(mods[0], "group", None)
     view = group.stacked() if group is not None else None
-    return None if view is None else (view, group.qtype, group.row_map)
+    if view is not None:
+        return [(view, group.qtype, group.row_map, group.out_features)]
+    segs = [_packed(m) for m in mods]
+    return None if any(s is None for s in segs) else segs
 
 
 def _layer_parts(layer) -> dict | None:
@@ -126,8 +131,8 @@ def _layer_parts(layer) -> dict | None:
     if type(layer).__name__ != "LlamaDecoderLayer":
         return None
     at, mlp = layer.self_attn, layer.mlp
-    parts = {"qkv": _stacked(at.q_proj), "o": _packed(at.o_proj), "gu": _stacked(mlp.gate_proj),
-             "down": _packed(mlp.down_proj)}
+    parts = {"qkv": _siblings([at.q_proj, at.k_proj, at.v_proj]), "o": _packed(at.o_proj),
+             "gu": _siblings([mlp.gate_proj, mlp.up_proj]), "down": _packed(mlp.down_proj)}
     if any(v is None for v in parts.values()):
         return None
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -167,10 +172,11 @@ class LeanStack:
         for s, p in zip(self.structs, parts):
             s.attn_norm, s.ffn_norm = p["norms"][0].data_ptr(), p["norms"][1].data_ptr()
             for name in ("qkv", "o", "gu", "down"):
-                raw, qtype, rowmap = p[name]
-                setattr(s, name, raw.data_ptr())
-                setattr(s, f"{name}_type", qtype)
-                setattr(s, f"{name}_map", _ptr(rowmap))
+                segs = p[name] if isinstance(p[name], list) else [p[name]]
+                slots = getattr(s, name)
+                for i, (raw, qtype, rowmap, rows) in enumerate(segs):
+                    slot = slots[i] if isinstance(slots, ctypes.Array) else slots
+                    slot.w, slot.map, slot.type, slot.rows = raw.data_ptr(), _ptr(rowmap), qtype, rows
         self.spare: list = []                       # layer_t arrays of the lanes beyond the first (run)
         self.calls = 0                              # passes run on the stack (tests check it is used)
 

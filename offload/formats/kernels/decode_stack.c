@@ -7,7 +7,8 @@ slabs, T tokens, rotary tables cos/sin (T, hd), mask) over h (T, D), exactly as 
 LlamaDecoderLayer computes them (fp32 throughout, up to the order of fp32 roundings):
     x  = rmsnorm(h) * attn_norm              rmsnorm(h) = h * 1/sqrt(mean(h^2) + eps), per token
     q|k|v = x Wqkv^T                         one ggml_gemm over the stacked q, k, v rows (row map
-                                             puts each stored row at its HF column)
+                                             puts each stored row at its HF column), or one each
+                                             where their types differ (layer_t's segments)
     q, k = rope(q), rope(k)                  q * cos + rotate_half(q) * sin, cos/sin (T, hd)
     K[past + t], V[past + t] = k_t, v_t      written into the layer's slabs (Hkv, cap, hd)
     a_t = softmax(scale * q_t K^T + m_t) V   per head over rows [0, past + T) of its KV head
@@ -37,19 +38,22 @@ pairs over pool.c's workers once the context is long enough to pay for the hand-
 #include <stdlib.h>
 #include <string.h>
 
-typedef int (*gemm_fn)(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
-                       int64_t N, int64_t K, int64_t T, int nthreads);
-int ggml_gemm_pool(int, const uint8_t *, const float *, float *, const int32_t *, int64_t, int64_t, int64_t,
-                   int);   /* ggml_gemv.c, on pool.c's workers */
-int ggml_gemm_pool_rows(int, const uint8_t *, const float *, float *, const int32_t *, int64_t, int64_t,
-                        int64_t, int);   /* the same, each row as a one-row call computes it */
+int ggml_gemm_slice(int, const uint8_t *, const float *, float *, const int32_t *, int64_t, int64_t, int64_t,
+                    int64_t, int, int);   /* ggml_gemv.c, on pool.c's workers, into a slice of a wider y */
 void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
+
+typedef struct {                /* one matmul's packed weight, or an unused slot (rows 0) */
+    const uint8_t *w;           /* packed GGUF bytes, (rows, K) */
+    const int32_t *map;         /* HF column (within this segment) of each stored row, or NULL */
+    int32_t type;               /* ggml type id */
+    int64_t rows;               /* output columns */
+} seg_t;
 
 typedef struct {
     const float *attn_norm, *ffn_norm;                 /* (D) RMSNorm weights */
-    const uint8_t *qkv, *o, *gu, *down;                /* packed GGUF bytes: q|k|v, o, gate|up, down */
-    const int32_t *qkv_map, *o_map, *gu_map, *down_map;   /* HF column of each stored row, or NULL */
-    int32_t qkv_type, o_type, gu_type, down_type;      /* ggml type ids */
+    seg_t qkv[3];      /* q|k|v side by side: one segment of all rows when they share a type and lie back
+                          to back (formats/qfuse.py), else q, k and v (a Q4_K_M file's v has more bits) */
+    seg_t o, gu[2], down;                              /* gate|up: one segment, or gate and up */
     float *k, *v;                                      /* KV slabs (Hkv, cap, hd), rows [0, past) valid */
     int64_t cap, past;                                 /* slab rows; rows valid before this call */
 } layer_t;
@@ -168,15 +172,24 @@ static void rope_and_store(const layer_t *l, const dims_t *d, float *qkv, int64_
     }
 }
 
+/* y (T, ldy) = x W^T for the first n segments side by side (segment i at the columns after those
+   before it; they must fill ldy), each row as a one-row call computes it when `rowwise` */
+static int mm(const seg_t *s, int n, const float *x, float *y, int64_t ldy, int64_t K, int64_t T, int nthreads,
+              int rowwise) {
+    int64_t col = 0;
+    for (int i = 0; i < n && s[i].rows > 0; col += s[i].rows, i++)
+        if (ggml_gemm_slice(s[i].type, s[i].w, x, y + col, s[i].map, s[i].rows, K, T, ldy, nthreads, rowwise))
+            return -1;
+    return col == ldy ? 0 : -1;
+}
+
 /* The four matmuls of a layer alone, on zeroed scratch (MATMULS_ONLY: what bench/pass_breakdown.py
    subtracts from a whole pass to find the rest). */
-static int matmuls(gemm_fn mm, const layer_t *l, const dims_t *d, int64_t T, float *x, float *qkv, float *a,
+static int matmuls(int rw, const layer_t *l, const dims_t *d, int64_t T, float *x, float *qkv, float *a,
                    float *y, float *gu, int nthreads) {
     int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
-    return mm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)
-        || mm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)
-        || mm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)
-        || mm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads) ? -1 : 0;
+    return mm(l->qkv, 3, x, qkv, width, D, T, nthreads, rw) || mm(&l->o, 1, a, y, D, qd, T, nthreads, rw)
+        || mm(l->gu, 2, x, gu, 2 * F, D, T, nthreads, rw) || mm(&l->down, 1, gu, y, D, F, T, nthreads, rw) ? -1 : 0;
 }
 
 /* One sequence's share of a pass (decode_stack_lanes): its rows of h and its own cache. */
@@ -196,26 +209,26 @@ static int layer(const lane_t *lanes, int64_t L, int64_t i, const dims_t *d, flo
     int64_t D = d->D, F = d->F, qd = d->H * d->hd, width = qd + 2 * d->Hkv * d->hd;
     float *x = scr, *qkv = x + T * D, *a = qkv + T * width, *y = a + T * qd, *gu = y + T * D;
     float *probs = gu + T * 2 * F;
-    gemm_fn mm = (flags & ROWWISE) ? ggml_gemm_pool_rows : ggml_gemm_pool;
-    if (flags & MATMULS_ONLY) return matmuls(mm, l, d, T, x, qkv, a, y, gu, nthreads);
+    int rw = (flags & ROWWISE) != 0;
+    if (flags & MATMULS_ONLY) return matmuls(rw, l, d, T, x, qkv, a, y, gu, nthreads);
     rmsnorm(h, l->attn_norm, x, T, D, d->eps);
-    if (mm(l->qkv_type, l->qkv, x, qkv, l->qkv_map, width, D, T, nthreads)) return -1;
+    if (mm(l->qkv, 3, x, qkv, width, D, T, nthreads, rw)) return -1;
     for (int64_t j = 0, row = 0; j < L; row += lanes[j].T, j++) {
         const lane_t *ln = &lanes[j];
         rope_and_store(&ln->layers[i], d, qkv + row * width, ln->T, ln->cos, ln->sin);
         attention(&ln->layers[i], d, qkv + row * width, ln->T, ln->mask, ln->mask_cols, a + row * qd, probs,
                   nthreads);
     }
-    if (mm(l->o_type, l->o, a, y, l->o_map, D, qd, T, nthreads)) return -1;
+    if (mm(&l->o, 1, a, y, D, qd, T, nthreads, rw)) return -1;
     for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     rmsnorm(h, l->ffn_norm, x, T, D, d->eps);
-    if (mm(l->gu_type, l->gu, x, gu, l->gu_map, 2 * F, D, T, nthreads)) return -1;
+    if (mm(l->gu, 2, x, gu, 2 * F, D, T, nthreads, rw)) return -1;
     for (int64_t t = 0; t < T; t++)             /* act (T, F) over the gate half's place */
         for (int64_t k = 0; k < F; k++) {
             float g = gu[t * 2 * F + k];
             gu[t * F + k] = (g / (1.f + expf(-g))) * gu[t * 2 * F + F + k];
         }
-    if (mm(l->down_type, l->down, gu, y, l->down_map, D, F, T, nthreads)) return -1;
+    if (mm(&l->down, 1, gu, y, D, F, T, nthreads, rw)) return -1;
     for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     return 0;
 }

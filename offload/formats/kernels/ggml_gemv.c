@@ -2,21 +2,19 @@
 
 Contract: ggml_gemm(qtype, w, x, y, rowmap, N, K, T, nthreads) computes, for t < T and n < N,
     y[t * N + rowmap[n]] = sum_k x[t * K + k] * W[n, k]
-where W[n, :] is row n of the (N, K) weight stored as ggml blocks of 32 values (`w`: N rows of
-K/32 blocks; rowmap NULL = identity). W is dequantized in fp32 registers exactly as
+where W[n, :] is row n of the (N, K) weight stored as GGUF blocks (`w`: N rows of K/32 blocks, or
+K/256 for the K-quants; rowmap NULL = identity). W is dequantized in fp32 registers exactly as
 gguf.quants.dequantize defines it and every product and sum is fp32: the same number as
 dequantize-then-matmul up to the order of fp32 roundings (as one BLAS vs another). Activations
-are never quantized. Block layouts (little-endian):
-    Q4_0 (2): 18 bytes = fp16 d, 16 bytes of nibbles; value j = d * (q_j - 8)
-    Q4_1 (3): 20 bytes = fp16 d, fp16 m, 16 bytes of nibbles; value j = d * q_j + m
-    Q8_0 (8): 34 bytes = fp16 d, 32 int8; value j = d * q_j
-    nibbles: byte i holds value i (low 4 bits) and value i + 16 (high 4 bits).
-Returns 0, or -1 for an unsupported qtype / K not a multiple of 32 (nothing written).
+are never quantized. Types and block layouts: ggml_blocks.h (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K), each read as 32-value sub-blocks w_j = d * c_j (+ m).
+ggml_gemm_slice writes into a slice of a wider output instead (row stride ldy >= N).
+Returns 0, or -1 for an unsupported qtype / K not a whole number of blocks (nothing written).
 Two schedules, both reading each packed row from memory once per call:
-  T == 1: per block, the algebraic form d * (sum_j q_j x_j) (+ m * sum_j x_j for Q4_1, lane-wise):
+  T == 1: per sub-block, the algebraic form d * (sum_j c_j x_j) (+ m * sum_j x_j, lane-wise):
           4 rows at a time sharing each activation load, their scales converted to fp32 in chunks
           of CH blocks first, 16-lane partial sums, one horizontal sum per row;
-  T > 1:  per block, the 32 reference values w_j (d * q_j + m, ...) in two 16-lane registers,
+  T > 1:  per sub-block, the 32 reference values w_j (d * c_j + m) in two 16-lane registers,
           multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes);
           ggml_gemm_pool_rows instead computes every activation row with the T == 1 schedule (a
           group's packed rows re-read from L1 for the next activation row), so row t of y is the
@@ -27,7 +25,7 @@ runtime torch's own ops use, so a linear called between them shares their thread
 workers for ggml_gemm_pool (decode_stack.c: a whole pass of matmuls with no torch op between them,
 from whichever thread decodes); one thread below MIN_PAR products, where handing work to another
 thread would cost more than it saves.
-With AVX-512 VBMI (x86 -march=native on recent Xeons) the codes become floats by table lookups
+With AVX-512 VBMI (x86 -march=native on recent Xeons) Q4_0/Q4_1/Q8_0 codes become floats by table lookups
 (vpermb/vpermw on fp32 bit patterns) and the fp16 scales in one vcvtph2ps: the same exact values.
 Portable C: GCC/Clang vector extensions (16 fp32 lanes), which the compiler maps onto AVX-512,
 AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit manipulation. */
@@ -38,61 +36,15 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "ggml_blocks.h"
 
-#define QK 32
 #define TB 4                                   /* activation rows per pass (T > 1) */
 #define AHEAD 4096        /* software prefetch distance in bytes: +20-45% on weights streamed from DRAM */
 /* below this many (row, block, activation row) products one thread is faster than two: an OpenMP
    fork/join costs ~0.5-1 us, one product ~2.5 ns (measured, 2 cores, K = 576) */
 #define MIN_PAR 512
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef uint8_t v16b_u __attribute__((vector_size(16), aligned(1), may_alias));   /* unaligned load */
-typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
-
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#elif defined(__aarch64__)
-    __fp16 v;
-    memcpy(&v, &h, 2);
-    return (float)v;
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);                  /* inf / nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);           /* normal: rebias 15 -> 127 */
-    } else if (man == 0) {
-        bits = sign;                                               /* +-0 */
-    } else {                                                       /* subnormal: normalize */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline v16f ldf(const float *p) { return *(const v16f_u *)p; }
-static inline v16b ldb(const uint8_t *p) { return *(const v16b_u *)p; }
-/* 16 int8 -> 16 floats: bytes ^ 0x80 (= q + 128, unsigned), widened, converted, minus 128 (all exact;
-   GCC 12 widens a signed byte vector with scalar code) */
-static inline v16f i8f(const uint8_t *p) {
-    return __builtin_convertvector(__builtin_convertvector(ldb(p) ^ 0x80, v16i), v16f) - 128.0f;
-}
-
-static size_t block_bytes(int qtype) {
-    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
-}
+/* the types with the hand-tuned paths below (fp16 d at byte 0, Q4_1's m at 2, codes at the block's end) */
+static inline int legacy(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
 /* NO_FMA(v): keep v's product rounded on its own (the reference's d * q, then + m) where the compiler
    would contract it into an fma; it needs v in one register (AVX-512), elsewhere it is a no-op. */
@@ -146,42 +98,35 @@ static inline v16f i8f_fast(const uint8_t *p) {
 #define FAST_CODES 0
 #endif
 
-/* Integer codes of one block as floats (exact: |q| <= 128): lo = values 0..15, hi = 16..31;
-   Q4_0's offset 8 is subtracted here (exact), so every type is then w = d * code (+ m). */
-static inline void codes(int qtype, const uint8_t *blk, v16f *lo, v16f *hi) {
+/* Codes of sub-block s (ggml_blocks.h's `codes`), with the table lookups where the CPU has them. */
+static inline void codes_of(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
 #if FAST_CODES
     if (qtype == Q8_0) {
         *lo = i8f_fast(blk + 2);
         *hi = i8f_fast(blk + 18);
-    } else {
-        codes4(qtype, blk + (qtype == Q4_1 ? 4 : 2), lo, hi);
-    }
-    return;
-#endif
-    if (qtype == Q8_0) {
-        *lo = i8f(blk + 2);
-        *hi = i8f(blk + 18);
         return;
     }
-    v16b q = ldb(blk + (qtype == Q4_1 ? 4 : 2));
-    *lo = __builtin_convertvector(__builtin_convertvector(q & 0x0F, v16i), v16f);
-    *hi = __builtin_convertvector(__builtin_convertvector(q >> 4, v16i), v16f);
-    if (qtype == Q4_0) {
-        *lo -= 8.0f;
-        *hi -= 8.0f;
+    if (qtype == Q4_0 || qtype == Q4_1) {
+        codes4(qtype, blk + (qtype == Q4_1 ? 4 : 2), lo, hi);
+        return;
     }
+#endif
+    codes(qtype, blk, s, lo, hi);
 }
 
-/* The block's fp16 scale d (and Q4_1's min m) as 16-lane splats. */
-static inline void scales(int qtype, const uint8_t *blk, v16f *d, v16f *m) {
+/* Sub-block s's scales (dlo, dhi, m: ggml_blocks.h) into sc[0..2]; the legacy types' fp16 d (and m)
+   in one vcvtph2ps where the CPU has it (it writes sc[0..3]: callers leave room for a 4th float). */
+static inline void scales_of(int qtype, const uint8_t *blk, int s, float *sc) {
 #if FAST_CODES
-    __m128 dm = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk));    /* [d, m, ..]: blocks are >= 18 bytes */
-    *d = (v16f)_mm512_broadcastss_ps(dm);
-    if (qtype == Q4_1) *m = (v16f)_mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dm));
-#else
-    *d = (v16f){0} + f16_to_f32(blk);
-    if (qtype == Q4_1) *m = (v16f){0} + f16_to_f32(blk + 2);
+    if (legacy(qtype)) {
+        _mm_storeu_ps(sc, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));   /* [d, m, ..]: blocks are >= 18 bytes */
+        sc[2] = sc[1];
+        sc[1] = sc[0];
+        if (qtype != Q4_1) sc[2] = 0.0f;
+        return;
+    }
 #endif
+    subscales(qtype, blk, s, &sc[0], &sc[1], &sc[2]);
 }
 
 /* The 16 lanes' sum as a tree (a serial chain of 15 adds cost ~60 cycles per output: more than the
@@ -198,107 +143,110 @@ static inline float hsum(v16f a) {
 #endif
 }
 
-/* T == 1: one output from one packed row: per block d * (lo . x0 + hi . x1) (+ m * (x0 + x1) for
-   Q4_1, whose lanes sum to m * sum(x over the block)), in 16 lanes summed once at the end. */
+/* One sub-block's contribution in the algebraic form: dlo * (lo . x0) + dhi * (hi . x1) (one scale
+   when they are equal: every type but Q6_K), + m * (x0 + x1) for the types with a min. */
+static inline v16f term(int qtype, const float *sc, v16f lo, v16f hi, v16f x0, v16f x1, v16f xsum) {
+    v16f t = qtype == Q6_K ? sc[0] * (lo * x0) + sc[1] * (hi * x1) : sc[0] * (lo * x0 + hi * x1);
+    return has_min(qtype) ? t + sc[2] * xsum : t;
+}
+
+/* T == 1: one output from one packed row, per sub-block `term`, in 16 lanes summed once at the end. */
 static inline float dot_row(int qtype, const uint8_t *row, const float *x, int64_t nb) {
-    v16f acc = {0}, lo, hi, d, m;
-    size_t bb = block_bytes(qtype);
+    v16f acc = {0}, lo, hi;
+    float sc[4];
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bb;
+        int s;
+        const uint8_t *blk = sub(qtype, row, b, &s);
         v16f x0 = ldf(x + b * QK), x1 = ldf(x + b * QK + 16);
         __builtin_prefetch(blk + AHEAD, 0, 3);
-        codes(qtype, blk, &lo, &hi);
-        scales(qtype, blk, &d, &m);
-        acc += d * (lo * x0 + hi * x1);
-        if (qtype == Q4_1) acc += m * (x0 + x1);
+        codes_of(qtype, blk, s, &lo, &hi);
+        scales_of(qtype, blk, s, sc);
+        acc += term(qtype, sc, lo, hi, x0, x1, x0 + x1);
     }
     return hsum(acc);
 }
 
 /* T == 1, R rows at once: R independent accumulator chains sharing each activation load. The rows'
-   scales (and mins) of CH blocks are converted to fp32 first (sc[r][2i] = d, sc[r][2i + 1] = m), so
-   the inner loop broadcasts them from memory (a load, no shuffle) next to the codes' lookups. */
+   scales of CH sub-blocks are converted to fp32 first (sc[r][3i ..]: dlo, dhi, m), so the inner
+   loop broadcasts them from memory (a load, no shuffle) next to the codes' lookups. */
 #define R 4
 #define CH 64
 static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const float *x, int64_t nb, float *out) {
     v16f acc[R] = {{0}}, lo, hi;
-    float sc[R][2 * CH + 2];
-    size_t bb = block_bytes(qtype);
+    float sc[R][3 * CH + 1];
     for (int64_t b0 = 0; b0 < nb; b0 += CH) {
         int64_t nc = nb - b0 < CH ? nb - b0 : CH;
         for (int r = 0; r < R; r++)
             for (int64_t i = 0; i < nc; i++) {
-                const uint8_t *blk = row + r * rb + (b0 + i) * bb;
-#if FAST_CODES
-                _mm_storeu_ps(&sc[r][2 * i], _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));
-#else
-                sc[r][2 * i] = f16_to_f32(blk);
-                if (qtype == Q4_1) sc[r][2 * i + 1] = f16_to_f32(blk + 2);
-#endif
+                int s;
+                const uint8_t *blk = sub(qtype, row + r * rb, b0 + i, &s);
+                scales_of(qtype, blk, s, &sc[r][3 * i]);
             }
         for (int64_t i = 0; i < nc; i++) {
             int64_t b = b0 + i;
             v16f x0 = ldf(x + b * QK), x1 = ldf(x + b * QK + 16), xsum = x0 + x1;
             for (int r = 0; r < R; r++) {
-                const uint8_t *blk = row + r * rb + b * bb;
+                int s;
+                const uint8_t *blk = sub(qtype, row + r * rb, b, &s);
                 __builtin_prefetch(blk + AHEAD, 0, 3);
 #if FAST_CODES
-                if (qtype != Q8_0) {           /* the block's 16 possible values, looked up by nibble */
-                    v16f w16 = values16(qtype, sc[r][2 * i], sc[r][2 * i + 1]);
+                if (qtype == Q4_0 || qtype == Q4_1) {  /* the block's 16 possible values, looked up by nibble */
+                    size_t bb = block_bytes(qtype);
+                    v16f w16 = values16(qtype, sc[r][3 * i], sc[r][3 * i + 2]);
                     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + bb - 16)));
                     acc[r] += (v16f)_mm512_permutexvar_ps(q, (__m512)w16) * x0;
                     acc[r] += (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16) * x1;
                     continue;
                 }
 #endif
-                codes(qtype, blk, &lo, &hi);
-                acc[r] += sc[r][2 * i] * (lo * x0 + hi * x1);
-                if (qtype == Q4_1) acc[r] += sc[r][2 * i + 1] * xsum;
+                codes_of(qtype, blk, s, &lo, &hi);
+                acc[r] += term(qtype, &sc[r][3 * i], lo, hi, x0, x1, xsum);
             }
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]);
 }
 
-/* The block's 32 dequantized values w_j (lo = j < 16, hi = j >= 16) as gguf.quants.dequantize has
-   them: d * q + m rounded twice (no fma contraction), d * (q - 8), d * q. */
-static inline void block_values(int qtype, const uint8_t *blk, v16f *wlo, v16f *whi) {
-    v16f d, m, lo, hi;
-    scales(qtype, blk, &d, &m);
+/* Sub-block s's 32 dequantized values w_j (lo = j < 16, hi = j >= 16) as gguf.quants.dequantize has
+   them: the product d * c, then + m, rounded apart (no fma contraction). */
+static inline void values32(int qtype, const uint8_t *blk, int s, v16f *wlo, v16f *whi) {
+    v16f lo, hi;
+    float sc[4];
+    scales_of(qtype, blk, s, sc);
 #if FAST_CODES
-    if (qtype != Q8_0) {
-        v16f w16 = values16(qtype, d[0], m[0]);
+    if (qtype == Q4_0 || qtype == Q4_1) {
+        v16f w16 = values16(qtype, sc[0], sc[2]);
         __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + block_bytes(qtype) - 16)));
         *wlo = (v16f)_mm512_permutexvar_ps(q, (__m512)w16);
         *whi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16);
         return;
     }
 #endif
-    codes(qtype, blk, &lo, &hi);
-    *wlo = d * lo;
-    *whi = d * hi;
-    if (qtype == Q4_1) {
+    codes_of(qtype, blk, s, &lo, &hi);
+    *wlo = sc[0] * lo;
+    *whi = sc[1] * hi;
+    if (has_min(qtype)) {
         NO_FMA(*wlo);
         NO_FMA(*whi);
-        *wlo += m;
-        *whi += m;
+        *wlo += sc[2];
+        *whi += sc[2];
     }
 }
 
 /* T > 1: y[t, ycol] for every t from one packed row, TB activation rows per pass over the row. */
 static inline void rows_multi(int qtype, const uint8_t *row, const float *x, float *y, int64_t ycol,
-                              int64_t N, int64_t K, int64_t T) {
-    size_t bb = block_bytes(qtype);
+                              int64_t ldy, int64_t K, int64_t T) {
     int64_t nb = K / QK;
     for (int64_t t0 = 0; t0 < T; t0 += TB) {
         int64_t nt = T - t0 < TB ? T - t0 : TB;
         v16f acc[TB] = {{0}};
         const float *xt = x + t0 * K;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
+            int s;
+            const uint8_t *blk = sub(qtype, row, b, &s);
             if (t0 == 0) __builtin_prefetch(blk + AHEAD, 0, 3);
             v16f wlo, whi;                                    /* the reference values w_j */
-            block_values(qtype, blk, &wlo, &whi);
+            values32(qtype, blk, s, &wlo, &whi);
             if (nt == TB) {
                 for (int i = 0; i < TB; i++)
                     acc[i] += wlo * ldf(xt + i * K + b * QK) + whi * ldf(xt + i * K + b * QK + 16);
@@ -307,7 +255,7 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
                     acc[i] += wlo * ldf(xt + i * K + b * QK) + whi * ldf(xt + i * K + b * QK + 16);
             }
         }
-        for (int i = 0; i < nt; i++) y[(t0 + i) * N + ycol] = hsum(acc[i]);
+        for (int i = 0; i < nt; i++) y[(t0 + i) * ldy + ycol] = hsum(acc[i]);
     }
 }
 
@@ -315,6 +263,7 @@ static inline void rows_multi(int qtype, const uint8_t *row, const float *x, flo
    ith of nth of the output rows (a static split, as OpenMP's schedule(static) makes it). */
 typedef struct {
     const uint8_t *w; const float *x; float *y; const int32_t *rowmap; int64_t N, K, T;
+    int64_t ldy;   /* floats from one activation row's outputs to the next (N, or wider: a slice of y) */
     int rowwise;   /* every activation row computed exactly as a T == 1 call computes it */
 } gemm_args;
 
@@ -328,8 +277,8 @@ static inline void share(int64_t count, int ith, int nth, int64_t *lo, int64_t *
     static void NAME(void *p, int ith, int nth) {                                                   \
         const gemm_args *a = p;                                                                     \
         const uint8_t *w = a->w; const float *x = a->x; float *y = a->y;                            \
-        const int32_t *rowmap = a->rowmap; int64_t N = a->N, K = a->K, T = a->T, lo, hi;            \
-        size_t rb = (size_t)(K / QK) * block_bytes(QT);                                             \
+        const int32_t *rowmap = a->rowmap; int64_t N = a->N, K = a->K, T = a->T, ldy = a->ldy, lo, hi; \
+        size_t rb = row_bytes(QT, K);                                                               \
         if (T == 1 || a->rowwise) {      /* groups of R rows, then the N % R last rows one by one; \
                                             rowwise: each activation row as T == 1 computes it, the \
                                             group's packed rows re-read from L1 for the next one */ \
@@ -343,28 +292,46 @@ static inline void share(int64_t count, int ith, int nth, int64_t *lo, int64_t *
                     if (cnt == R) dot_rows(QT, w + (size_t)n0 * rb, rb, xt, K / QK, out);          \
                     else                                                                            \
                         for (int64_t i = 0; i < cnt; i++) out[i] = dot_row(QT, w + (size_t)(n0 + i) * rb, xt, K / QK); \
-                    for (int64_t i = 0; i < cnt; i++) y[t * N + (rowmap ? rowmap[n0 + i] : n0 + i)] = out[i]; \
+                    for (int64_t i = 0; i < cnt; i++) y[t * ldy + (rowmap ? rowmap[n0 + i] : n0 + i)] = out[i]; \
                 }                                                                                   \
         } else {                                                                                    \
             share(N, ith, nth, &lo, &hi);                                                           \
             for (int64_t n = lo; n < hi; n++)                                                       \
-                rows_multi(QT, w + (size_t)n * rb, x, y, rowmap ? rowmap[n] : n, N, K, T);          \
+                rows_multi(QT, w + (size_t)n * rb, x, y, rowmap ? rowmap[n] : n, a->ldy, K, T);     \
         }                                                                                           \
     }
 KERNEL(gemm_q4_0, Q4_0)
 KERNEL(gemm_q4_1, Q4_1)
+KERNEL(gemm_q5_0, Q5_0)
+KERNEL(gemm_q5_1, Q5_1)
 KERNEL(gemm_q8_0, Q8_0)
+KERNEL(gemm_q4_k, Q4_K)
+KERNEL(gemm_q5_k, Q5_K)
+KERNEL(gemm_q6_k, Q6_K)
+
+static void (*kernel_of(int qtype))(void *, int, int) {
+    switch (qtype) {
+    case Q4_0: return gemm_q4_0;
+    case Q4_1: return gemm_q4_1;
+    case Q5_0: return gemm_q5_0;
+    case Q5_1: return gemm_q5_1;
+    case Q8_0: return gemm_q8_0;
+    case Q4_K: return gemm_q4_k;
+    case Q5_K: return gemm_q5_k;
+    default: return gemm_q6_k;
+    }
+}
 
 void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 
 /* on_pool: split over pool.c's workers (the decoder stack) rather than an OpenMP team (a linear called
    alone from Python, between torch's own OpenMP ops, shares torch's threads: the same runtime). */
 static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
-                int64_t N, int64_t K, int64_t T, int nthreads, int on_pool, int rowwise) {
-    if (block_bytes(qtype) == 0 || K % QK != 0 || K <= 0 || N < 0 || T < 0) return -1;
+                int64_t N, int64_t K, int64_t T, int64_t ldy, int nthreads, int on_pool, int rowwise) {
+    if (block_bytes(qtype) == 0 || K % block_values(qtype) != 0 || K <= 0 || N < 0 || T < 0 || ldy < N) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
-    gemm_args a = {w, x, y, rowmap, N, K, T, rowwise};
-    void (*fn)(void *, int, int) = qtype == Q4_0 ? gemm_q4_0 : qtype == Q4_1 ? gemm_q4_1 : gemm_q8_0;
+    gemm_args a = {w, x, y, rowmap, N, K, T, ldy, rowwise};
+    void (*fn)(void *, int, int) = kernel_of(qtype);
     if (on_pool) {
         pool_run(fn, &a, nthreads);
         return 0;
@@ -380,16 +347,23 @@ static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int
 
 int ggml_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
               int64_t N, int64_t K, int64_t T, int nthreads) {
-    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 0, 0);
+    return gemm(qtype, w, x, y, rowmap, N, K, T, N, nthreads, 0, 0);
 }
 
 int ggml_gemm_pool(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
                    int64_t N, int64_t K, int64_t T, int nthreads) {
-    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 1, 0);
+    return gemm(qtype, w, x, y, rowmap, N, K, T, N, nthreads, 1, 0);
 }
 
 /* ggml_gemm_pool with every activation row computed as a T == 1 call computes it (see the contract) */
 int ggml_gemm_pool_rows(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
                         int64_t N, int64_t K, int64_t T, int nthreads) {
-    return gemm(qtype, w, x, y, rowmap, N, K, T, nthreads, 1, 1);
+    return gemm(qtype, w, x, y, rowmap, N, K, T, N, nthreads, 1, 1);
+}
+
+/* ggml_gemm_pool into a slice of a wider output: y[t * ldy + rowmap[n]] (ldy >= N), every row as a
+   one-row call computes it when `rowwise` (decode_stack.c: q, k and v of different types side by side) */
+int ggml_gemm_slice(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
+                    int64_t N, int64_t K, int64_t T, int64_t ldy, int nthreads, int rowwise) {
+    return gemm(qtype, w, x, y, rowmap, N, K, T, ldy, nthreads, 1, rowwise);
 }

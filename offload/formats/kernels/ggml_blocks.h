@@ -1,0 +1,195 @@
+/* ggml_blocks.h: one 32-value sub-block of a GGUF weight row as fp32 codes and scales (ggml_gemv.c).
+
+Contract: every supported type is read as 32-value sub-blocks b = 0 .. K/32 - 1 of a row, each
+    w_j = dlo * c_j + m   (j < 16),     w_j = dhi * c_j + m   (j >= 16)
+with c_j an exact small integer (the type's offset already subtracted), dlo/dhi/m fp32 scalars and
+m = 0 for types without a min. These are exactly the numbers gguf.quants.dequantize computes: the
+scale product d * sc of the K-quants is exact in fp32 (11-bit by 6- or 8-bit mantissas), and
+d * c + m rounds the product, then the sum (K-quants' "- dmin * mn" is "+ (-(dmin * mn))"). Layouts
+(little-endian; "nibbles": byte i holds value i in its low 4 bits, value i + 16 in its high 4 bits):
+    Q4_0 (2)  18 B / 32:  fp16 d, 16 B nibbles                      w = d * (q - 8)
+    Q4_1 (3)  20 B / 32:  fp16 d, fp16 m, 16 B nibbles              w = d * q + m
+    Q5_0 (6)  22 B / 32:  fp16 d, u32 qh, 16 B nibbles              w = d * (q | qh.bit(j) << 4 - 16)
+    Q5_1 (7)  24 B / 32:  fp16 d, fp16 m, u32 qh, 16 B nibbles      w = d * (q | qh.bit(j) << 4) + m
+    Q8_0 (8)  34 B / 32:  fp16 d, 32 int8                           w = d * q
+    Q4_K (12) 144 B / 256: fp16 d, fp16 dmin, 12 B of 6-bit (sc, mn) x 8, 128 B qs: sub-block s takes
+              the low (s even) or high (s odd) nibbles of qs[32 (s/2) .. + 32]; w = d sc * q - dmin mn
+    Q5_K (13) 176 B / 256: Q4_K's header, 32 B qh (bit s of byte i: value i of sub-block s), 128 B qs
+    Q6_K (14) 210 B / 256: 128 B ql, 64 B qh, 16 int8 scales (one per 16 values), fp16 d at 208:
+              sub-block s = 4 h + r: low 4 bits from ql[64 h + 32 (r & 1) + i] >> 4 (r >> 1), high 2
+              from qh[32 h + i] >> 2 r; w = d * sc * (q - 32)
+`sub(qtype, row, b, &s)`: the stored block holding sub-block b and b's index s in it; `codes` and
+`subscales` then give c_j (lo = j < 16, hi = j >= 16) and (dlo, dhi, m). */
+
+#ifndef GGML_BLOCKS_H
+#define GGML_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef uint8_t v16b_u __attribute__((vector_size(16), aligned(1), may_alias));   /* unaligned load */
+typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 v;
+    memcpy(&v, &h, 2);
+    return (float)v;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);                  /* inf / nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);           /* normal: rebias 15 -> 127 */
+    } else if (man == 0) {
+        bits = sign;                                               /* +-0 */
+    } else {                                                       /* subnormal: normalize */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline v16f ldf(const float *p) { return *(const v16f_u *)p; }
+static inline v16b ldb(const uint8_t *p) { return *(const v16b_u *)p; }
+static inline v16f b2f(v16b q) { return __builtin_convertvector(__builtin_convertvector(q, v16i), v16f); }
+/* 16 int8 -> 16 floats: bytes ^ 0x80 (= q + 128, unsigned), widened, converted, minus 128 (all exact;
+   GCC 12 widens a signed byte vector with scalar code) */
+static inline v16f i8f(const uint8_t *p) { return b2f(ldb(p) ^ 0x80) - 128.0f; }
+
+static inline int is_k(int qtype) { return qtype >= Q4_K; }
+static inline int has_min(int qtype) {
+    return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
+}
+/* bytes of one stored block (32 values, or 256 for the K-quants); 0: unsupported type */
+static inline size_t block_bytes(int qtype) {
+    switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+static inline int64_t block_values(int qtype) { return is_k(qtype) ? 256 : QK; }
+static inline size_t row_bytes(int qtype, int64_t K) { return (size_t)(K / block_values(qtype)) * block_bytes(qtype); }
+
+static inline const uint8_t *sub(int qtype, const uint8_t *row, int64_t b, int *s) {
+    if (!is_k(qtype)) {
+        *s = 0;
+        return row + b * block_bytes(qtype);
+    }
+    *s = (int)(b & 7);
+    return row + (b >> 3) * block_bytes(qtype);
+}
+
+/* the 5th bits of a Q5_0/Q5_1 block: bit j of qh for lanes j (lo) and 16 + j (hi), as 0 or 16 */
+static inline void fifth_bits(const uint8_t *qh4, v16b *lo, v16b *hi) {
+    const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    uint32_t qh;
+    memcpy(&qh, qh4, 4);
+    v16u bits = (v16u){0} + qh;
+    *lo = __builtin_convertvector(((bits >> lane) & 1) << 4, v16b);
+    *hi = __builtin_convertvector(((bits >> (lane + 16)) & 1) << 4, v16b);
+}
+
+/* Integer codes of sub-block s of stored block `blk` as floats, the type's offset subtracted (exact) */
+static inline void codes(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
+    v16b a, b, h0, h1;
+    switch (qtype) {
+    case Q8_0:
+        *lo = i8f(blk + 2);
+        *hi = i8f(blk + 18);
+        return;
+    case Q4_0: case Q4_1:
+        a = ldb(blk + (qtype == Q4_1 ? 4 : 2));
+        *lo = b2f(a & 0x0F) - (qtype == Q4_0 ? 8.0f : 0.0f);
+        *hi = b2f(a >> 4) - (qtype == Q4_0 ? 8.0f : 0.0f);
+        return;
+    case Q5_0: case Q5_1:
+        a = ldb(blk + (qtype == Q5_1 ? 8 : 6));
+        fifth_bits(blk + (qtype == Q5_1 ? 4 : 2), &h0, &h1);
+        *lo = b2f((a & 0x0F) | h0) - (qtype == Q5_0 ? 16.0f : 0.0f);
+        *hi = b2f((a >> 4) | h1) - (qtype == Q5_0 ? 16.0f : 0.0f);
+        return;
+    case Q4_K: case Q5_K: {
+        const uint8_t *qs = blk + (qtype == Q5_K ? 48 : 16) + 32 * (s >> 1);
+        int sh = 4 * (s & 1);
+        a = (ldb(qs) >> sh) & 0x0F;
+        b = (ldb(qs + 16) >> sh) & 0x0F;
+        if (qtype == Q5_K) {
+            a |= ((ldb(blk + 16) >> s) & 1) << 4;
+            b |= ((ldb(blk + 32) >> s) & 1) << 4;
+        }
+        *lo = b2f(a);
+        *hi = b2f(b);
+        return;
+    }
+    default: {   /* Q6_K */
+        int h = s >> 2, r = s & 3;
+        const uint8_t *ql = blk + 64 * h + 32 * (r & 1), *qh = blk + 128 + 32 * h;
+        int sl = 4 * (r >> 1), shh = 2 * r;
+        a = ((ldb(ql) >> sl) & 0x0F) | (((ldb(qh) >> shh) & 3) << 4);
+        b = ((ldb(ql + 16) >> sl) & 0x0F) | (((ldb(qh + 16) >> shh) & 3) << 4);
+        *lo = b2f(a) - 32.0f;
+        *hi = b2f(b) - 32.0f;
+        return;
+    }
+    }
+}
+
+/* Q4_K/Q5_K: sub-block s's 6-bit scale and min from the 12 packed bytes (llama.cpp's get_scale_min_k4) */
+static inline void scale_min_k4(const uint8_t *q, int s, int *sc, int *mn) {
+    if (s < 4) {
+        *sc = q[s] & 63;
+        *mn = q[s + 4] & 63;
+    } else {
+        *sc = (q[s + 4] & 0x0F) | ((q[s - 4] >> 6) << 4);
+        *mn = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+    }
+}
+
+/* sub-block s's scales: w = dlo * c + m (first 16 values), dhi * c + m (last 16) */
+static inline void subscales(int qtype, const uint8_t *blk, int s, float *dlo, float *dhi, float *m) {
+    int sc, mn;
+    *m = 0.0f;
+    switch (qtype) {
+    case Q4_K: case Q5_K:
+        scale_min_k4(blk + 4, s, &sc, &mn);
+        *dlo = *dhi = f16_to_f32(blk) * (float)sc;
+        *m = -(f16_to_f32(blk + 2) * (float)mn);
+        return;
+    case Q6_K: {
+        float d = f16_to_f32(blk + 208);
+        *dlo = d * (float)(int8_t)blk[192 + 2 * s];
+        *dhi = d * (float)(int8_t)blk[193 + 2 * s];
+        return;
+    }
+    default:
+        *dlo = *dhi = f16_to_f32(blk);
+        if (has_min(qtype)) *m = f16_to_f32(blk + 2);
+        return;
+    }
+}
+
+#endif
