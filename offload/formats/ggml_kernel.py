@@ -54,7 +54,7 @@ QTYPES = (2, 3, 6, 7, 8, 12, 13, 14)   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")   # built into the same library: the decoder stack, the threads
-HEADERS = ("ggml_blocks.h",)                # included by the kernel: part of the build's hash
+HEADERS = ("ggml_blocks.h", "ggml_fast.h")  # included by the kernel: part of the build's hash
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-pthread"], ["-O3", "-march=native", "-pthread"],
              ["-O3", "-fopenmp", "-pthread"], ["-O3", "-pthread"])
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}

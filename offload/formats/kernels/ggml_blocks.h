@@ -103,56 +103,67 @@ static inline const uint8_t *sub(int qtype, const uint8_t *row, int64_t b, int *
     return row + (b >> 3) * block_bytes(qtype);
 }
 
+/* 16 bytes widened to 32-bit lanes: every shift and mask below runs on 32-bit lanes (x86 has no
+   byte shifts: a byte vector shifted by a variable count is emulated element by element) */
+static inline v16i w32(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));   /* GCC 12 widens bytes with scalar code */
+#else
+    return __builtin_convertvector(ldb(p), v16i);
+#endif
+}
+static inline v16f i2f(v16i q) { return __builtin_convertvector(q, v16f); }
+
 /* the 5th bits of a Q5_0/Q5_1 block: bit j of qh for lanes j (lo) and 16 + j (hi), as 0 or 16 */
-static inline void fifth_bits(const uint8_t *qh4, v16b *lo, v16b *hi) {
+static inline void fifth_bits(const uint8_t *qh4, v16i *lo, v16i *hi) {
     const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     uint32_t qh;
     memcpy(&qh, qh4, 4);
     v16u bits = (v16u){0} + qh;
-    *lo = __builtin_convertvector(((bits >> lane) & 1) << 4, v16b);
-    *hi = __builtin_convertvector(((bits >> (lane + 16)) & 1) << 4, v16b);
+    *lo = (v16i)(((bits >> lane) & 1) << 4);
+    *hi = (v16i)(((bits >> (lane + 16)) & 1) << 4);
 }
 
 /* Integer codes of sub-block s of stored block `blk` as floats, the type's offset subtracted (exact) */
 static inline void codes(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
-    v16b a, b, h0, h1;
+    v16i a, b, h0, h1;
     switch (qtype) {
     case Q8_0:
         *lo = i8f(blk + 2);
         *hi = i8f(blk + 18);
         return;
     case Q4_0: case Q4_1:
-        a = ldb(blk + (qtype == Q4_1 ? 4 : 2));
-        *lo = b2f(a & 0x0F) - (qtype == Q4_0 ? 8.0f : 0.0f);
-        *hi = b2f(a >> 4) - (qtype == Q4_0 ? 8.0f : 0.0f);
+        a = w32(blk + (qtype == Q4_1 ? 4 : 2));
+        *lo = i2f(a & 0x0F) - (qtype == Q4_0 ? 8.0f : 0.0f);
+        *hi = i2f(a >> 4) - (qtype == Q4_0 ? 8.0f : 0.0f);
         return;
     case Q5_0: case Q5_1:
-        a = ldb(blk + (qtype == Q5_1 ? 8 : 6));
+        a = w32(blk + (qtype == Q5_1 ? 8 : 6));
         fifth_bits(blk + (qtype == Q5_1 ? 4 : 2), &h0, &h1);
-        *lo = b2f((a & 0x0F) | h0) - (qtype == Q5_0 ? 16.0f : 0.0f);
-        *hi = b2f((a >> 4) | h1) - (qtype == Q5_0 ? 16.0f : 0.0f);
+        *lo = i2f((a & 0x0F) | h0) - (qtype == Q5_0 ? 16.0f : 0.0f);
+        *hi = i2f((a >> 4) | h1) - (qtype == Q5_0 ? 16.0f : 0.0f);
         return;
     case Q4_K: case Q5_K: {
         const uint8_t *qs = blk + (qtype == Q5_K ? 48 : 16) + 32 * (s >> 1);
         int sh = 4 * (s & 1);
-        a = (ldb(qs) >> sh) & 0x0F;
-        b = (ldb(qs + 16) >> sh) & 0x0F;
+        a = (w32(qs) >> sh) & 0x0F;
+        b = (w32(qs + 16) >> sh) & 0x0F;
         if (qtype == Q5_K) {
-            a |= ((ldb(blk + 16) >> s) & 1) << 4;
-            b |= ((ldb(blk + 32) >> s) & 1) << 4;
+            a |= ((w32(blk + 16) >> s) & 1) << 4;
+            b |= ((w32(blk + 32) >> s) & 1) << 4;
         }
-        *lo = b2f(a);
-        *hi = b2f(b);
+        *lo = i2f(a);
+        *hi = i2f(b);
         return;
     }
     default: {   /* Q6_K */
         int h = s >> 2, r = s & 3;
         const uint8_t *ql = blk + 64 * h + 32 * (r & 1), *qh = blk + 128 + 32 * h;
         int sl = 4 * (r >> 1), shh = 2 * r;
-        a = ((ldb(ql) >> sl) & 0x0F) | (((ldb(qh) >> shh) & 3) << 4);
-        b = ((ldb(ql + 16) >> sl) & 0x0F) | (((ldb(qh + 16) >> shh) & 3) << 4);
-        *lo = b2f(a) - 32.0f;
-        *hi = b2f(b) - 32.0f;
+        a = ((w32(ql) >> sl) & 0x0F) | (((w32(qh) >> shh) & 3) << 4);
+        b = ((w32(ql + 16) >> sl) & 0x0F) | (((w32(qh + 16) >> shh) & 3) << 4);
+        *lo = i2f(a - 32);
+        *hi = i2f(b - 32);
         return;
     }
     }
@@ -189,6 +200,27 @@ static inline void subscales(int qtype, const uint8_t *blk, int s, float *dlo, f
         *dlo = *dhi = f16_to_f32(blk);
         if (has_min(qtype)) *m = f16_to_f32(blk + 2);
         return;
+    }
+}
+
+/* All 8 sub-blocks' scales of a K-quant block at once (sc[3 s ..]: dlo, dhi, m), the fp16 d (and dmin)
+   converted once: the same numbers as 8 `subscales` calls */
+static inline void k_scales8(int qtype, const uint8_t *blk, float *sc) {
+    if (qtype == Q6_K) {
+        float d = f16_to_f32(blk + 208);
+        for (int s = 0; s < 8; s++) {
+            sc[3 * s] = d * (float)(int8_t)blk[192 + 2 * s];
+            sc[3 * s + 1] = d * (float)(int8_t)blk[193 + 2 * s];
+            sc[3 * s + 2] = 0.0f;
+        }
+        return;
+    }
+    float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+    for (int s = 0; s < 8; s++) {
+        int c, mn;
+        scale_min_k4(blk + 4, s, &c, &mn);
+        sc[3 * s] = sc[3 * s + 1] = d * (float)c;
+        sc[3 * s + 2] = -(dmin * (float)mn);
     }
 }
 

@@ -43,91 +43,7 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 /* below this many (row, block, activation row) products one thread is faster than two: an OpenMP
    fork/join costs ~0.5-1 us, one product ~2.5 ns (measured, 2 cores, K = 576) */
 #define MIN_PAR 512
-/* the types with the hand-tuned paths below (fp16 d at byte 0, Q4_1's m at 2, codes at the block's end) */
-static inline int legacy(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
-
-/* NO_FMA(v): keep v's product rounded on its own (the reference's d * q, then + m) where the compiler
-   would contract it into an fma; it needs v in one register (AVX-512), elsewhere it is a no-op. */
-#if defined(__AVX512F__)
-#define NO_FMA(v) __asm__("" : "+v"(v))
-#else
-#define NO_FMA(v) ((void)0)
-#endif
-
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__F16C__)
-#define FAST_CODES 1
-/* Nibble codes straight to fp32 bits, without int->float conversions: a small integer's fp32 bits are
-   its bf16 bits << 16, so a table of 32 words (bf16 of code k & 15, Q4_0's minus 8) looked up by the
-   nibble (vpermw reads an index word's low 5 bits) and written to the high word of each dword (the low
-   words zeroed by the mask) is exactly float(code). vpermb first puts byte i of the block in the high
-   word of dword i. Exact: every code is an integer below 16 in magnitude. */
-static inline void codes4(int qtype, const uint8_t *q, v16f *lo, v16f *hi) {
-    const __m512i spread = _mm512_set_epi8(
-        0, 15, 0, 0, 0, 14, 0, 0, 0, 13, 0, 0, 0, 12, 0, 0, 0, 11, 0, 0, 0, 10, 0, 0, 0, 9, 0, 0, 0, 8, 0, 0,
-        0, 7, 0, 0, 0, 6, 0, 0, 0, 5, 0, 0, 0, 4, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0);
-    const __m512i tab4_1 = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
-        0x4040, 0x4000, 0x3F80, 0x0000,
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
-        0x4040, 0x4000, 0x3F80, 0x0000);                                   /* k & 15 */
-    const __m512i tab4_0 = _mm512_set_epi16(
-        0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080,
-        0xC0A0, 0xC0C0, 0xC0E0, 0xC100,
-        0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080,
-        0xC0A0, 0xC0C0, 0xC0E0, 0xC100);                                   /* (k & 15) - 8 */
-    __m512i tab = qtype == Q4_0 ? tab4_0 : tab4_1;
-    __m512i r = _mm512_permutexvar_epi8(spread, _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)q)));
-    *lo = (v16f)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, r, tab);
-    *hi = (v16f)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_srli_epi16(r, 4), tab);
-}
-/* A Q4 block's 16 possible values, w(k) = d * k + m (Q4_1) or d * (k - 8) (Q4_0), k = 0..15, as
-   gguf.quants.dequantize computes them (a product, then a sum: two fp32 roundings): vpermps reads only
-   an index dword's low 4 bits, so a nibble picks its value without masking or int->float conversion. */
-static inline v16f values16(int qtype, float d, float m) {
-    const v16f k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    if (qtype == Q4_0) return d * (k - 8.0f);
-    v16f dk = d * k;
-    NO_FMA(dk);
-    return dk + m;
-}
-/* 16 int8 -> 16 floats with the sign-extending widening (exact) */
-static inline v16f i8f_fast(const uint8_t *p) {
-    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#else
-#define FAST_CODES 0
-#endif
-
-/* Codes of sub-block s (ggml_blocks.h's `codes`), with the table lookups where the CPU has them. */
-static inline void codes_of(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
-#if FAST_CODES
-    if (qtype == Q8_0) {
-        *lo = i8f_fast(blk + 2);
-        *hi = i8f_fast(blk + 18);
-        return;
-    }
-    if (qtype == Q4_0 || qtype == Q4_1) {
-        codes4(qtype, blk + (qtype == Q4_1 ? 4 : 2), lo, hi);
-        return;
-    }
-#endif
-    codes(qtype, blk, s, lo, hi);
-}
-
-/* Sub-block s's scales (dlo, dhi, m: ggml_blocks.h) into sc[0..2]; the legacy types' fp16 d (and m)
-   in one vcvtph2ps where the CPU has it (it writes sc[0..3]: callers leave room for a 4th float). */
-static inline void scales_of(int qtype, const uint8_t *blk, int s, float *sc) {
-#if FAST_CODES
-    if (legacy(qtype)) {
-        _mm_storeu_ps(sc, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));   /* [d, m, ..]: blocks are >= 18 bytes */
-        sc[2] = sc[1];
-        sc[1] = sc[0];
-        if (qtype != Q4_1) sc[2] = 0.0f;
-        return;
-    }
-#endif
-    subscales(qtype, blk, s, &sc[0], &sc[1], &sc[2]);
-}
+#include "ggml_fast.h"
 
 /* The 16 lanes' sum as a tree (a serial chain of 15 adds cost ~60 cycles per output: more than the
    18 blocks of a 576-wide row took to multiply). */
@@ -177,10 +93,11 @@ static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const floa
     for (int64_t b0 = 0; b0 < nb; b0 += CH) {
         int64_t nc = nb - b0 < CH ? nb - b0 : CH;
         for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < nc; i++) {
+            for (int64_t i = 0; i < nc; i += is_k(qtype) ? 8 : 1) {   /* b0, CH: whole K-quant blocks */
                 int s;
                 const uint8_t *blk = sub(qtype, row + r * rb, b0 + i, &s);
-                scales_of(qtype, blk, s, &sc[r][3 * i]);
+                if (is_k(qtype)) k_scales8(qtype, blk, &sc[r][3 * i]);
+                else scales_of(qtype, blk, s, &sc[r][3 * i]);
             }
         for (int64_t i = 0; i < nc; i++) {
             int64_t b = b0 + i;
@@ -190,12 +107,10 @@ static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const floa
                 const uint8_t *blk = sub(qtype, row + r * rb, b, &s);
                 __builtin_prefetch(blk + AHEAD, 0, 3);
 #if FAST_CODES
-                if (qtype == Q4_0 || qtype == Q4_1) {  /* the block's 16 possible values, looked up by nibble */
-                    size_t bb = block_bytes(qtype);
-                    v16f w16 = values16(qtype, sc[r][3 * i], sc[r][3 * i + 2]);
-                    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + bb - 16)));
-                    acc[r] += (v16f)_mm512_permutexvar_ps(q, (__m512)w16) * x0;
-                    acc[r] += (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16) * x1;
+                v16f wlo, whi;                          /* the sub-block's values, looked up by code */
+                if (table_values(qtype, blk, s, &sc[r][3 * i], &wlo, &whi)) {
+                    acc[r] += wlo * x0;
+                    acc[r] += whi * x1;
                     continue;
                 }
 #endif
@@ -214,13 +129,7 @@ static inline void values32(int qtype, const uint8_t *blk, int s, v16f *wlo, v16
     float sc[4];
     scales_of(qtype, blk, s, sc);
 #if FAST_CODES
-    if (qtype == Q4_0 || qtype == Q4_1) {
-        v16f w16 = values16(qtype, sc[0], sc[2]);
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + block_bytes(qtype) - 16)));
-        *wlo = (v16f)_mm512_permutexvar_ps(q, (__m512)w16);
-        *whi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), (__m512)w16);
-        return;
-    }
+    if (table_values(qtype, blk, s, sc, wlo, whi)) return;
 #endif
     codes_of(qtype, blk, s, &lo, &hi);
     *wlo = sc[0] * lo;
