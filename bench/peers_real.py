@@ -16,7 +16,8 @@ text), on 2 threads:
   (N - 1) new tokens over the time beyond a 1-token generate;
 - specx, each as one `specx chat` process over all prompts (`/clear` between them, one --stats-json
   line per turn, rate = new tokens over the decoding seconds, prefill excluded): `--method ar`, its
-  own choice (no draft flags), `--draft self`; per tier: every layer resident (the default plan), and
+  own choice (no draft flags), `--draft self`, and `--method ar` with $SPECX_GGUF_KERNEL=off (the
+  fp32 copies instead of the packed kernel: the explicit alternative to that automatic choice); per tier: every layer resident (the default plan), and
   streamed from disk (`--offload disk --max-ram 0`).
 Each round runs every engine once, in a rotated order (interleaved, so load on the machine hits all
 alike); each engine's figure is the median over rounds of its tokens/s, and its ratio the median over
@@ -41,8 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 LLAMA = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp" / "bin"
 THREADS = 2
-SPECX = {   # name -> (tier, extra flags)
+SPECX = {   # name -> (tier, extra flags[, environment])
     "specx ar": ("resident", ["--method", "ar"]),
+    "specx ar, kernel off": ("resident", ["--method", "ar"], {"SPECX_GGUF_KERNEL": "off"}),
     "specx auto": ("resident", []),
     "specx --draft self": ("resident", ["--draft", "self"]),
     "specx ar (disk)": ("disk", ["--method", "ar", "--offload", "disk", "--max-ram", "0"]),
@@ -74,9 +76,10 @@ def rendered(gguf: str, questions: list[str]) -> list[str]:
             for q in questions]
 
 
-def sh(cmd: list[str], stdin: str | None = None, timeout: float = 600) -> str:
-    out = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+def sh(cmd: list[str], stdin: str | None = None, timeout: float = 600, env: dict | None = None) -> str:
+    # cwd ROOT: `python -m specexec_cli` imports this tree's package whatever directory the bench was started in
+    out = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
     if out.returncode != 0:
         raise RuntimeError(f"{cmd[0]} exited {out.returncode}: {(out.stderr or out.stdout)[-400:]}")
     return out.stdout + out.stderr
@@ -142,13 +145,13 @@ def transformers_generate(gguf: str, texts: list[str], n: int) -> dict:
     return json.loads([x for x in out.splitlines() if x.startswith("{")][-1])
 
 
-def specx(flags: list[str]):
+def specx(flags: list[str], env: dict | None = None):
     def run(gguf: str, texts: list[str], n: int, questions: list[str]) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             stats = Path(tmp) / "turns.jsonl"
             stdin = "\n/clear\n".join(questions) + "\n"
             sh([sys.executable, "-m", "specexec_cli", "chat", "--target", gguf, "-n", str(n), "--temperature", "0",
-                "--no-live", "--stats-json", str(stats), *flags], stdin=stdin)
+                "--no-live", "--stats-json", str(stats), *flags], stdin=stdin, env=env)
             turns = [json.loads(x) for x in stats.read_text().splitlines() if x.strip()]
         toks = sum(t["new_tokens"] for t in turns)
         secs = sum(t["decode_seconds"] for t in turns)
@@ -167,7 +170,7 @@ def engines(tiers: list[str], only: list[str] | None) -> dict:
         if name.startswith("llama-") and not (LLAMA / name).is_file():
             print(f"{name}: not built (tools/llamacpp.sh); left out", file=sys.stderr)
             del table[name]
-    table.update({name: specx(flags) for name, (tier, flags) in SPECX.items() if tier in tiers})
+    table.update({name: specx(*spec[1:]) for name, spec in SPECX.items() if spec[0] in tiers})
     return {k: v for k, v in table.items() if only is None or k in only or k == REFERENCE}
 
 

@@ -19,7 +19,8 @@ d * c + m rounds the product, then the sum (K-quants' "- dmin * mn" is "+ (-(dmi
               sub-block s = 4 h + r: low 4 bits from ql[64 h + 32 (r & 1) + i] >> 4 (r >> 1), high 2
               from qh[32 h + i] >> 2 r; w = d * sc * (q - 32)
 `sub(qtype, row, b, &s)`: the stored block holding sub-block b and b's index s in it; `codes` and
-`subscales` then give c_j (lo = j < 16, hi = j >= 16) and (dlo, dhi, m). */
+`subscales` then give c_j (lo = j < 16, hi = j >= 16) and the pair sc = (d, m), dlo = dhi = d, for
+every type but Q6_K, whose pair is (dlo, dhi), m = 0. */
 
 #ifndef GGML_BLOCKS_H
 #define GGML_BLOCKS_H
@@ -180,47 +181,42 @@ static inline void scale_min_k4(const uint8_t *q, int s, int *sc, int *mn) {
     }
 }
 
-/* sub-block s's scales: w = dlo * c + m (first 16 values), dhi * c + m (last 16) */
-static inline void subscales(int qtype, const uint8_t *blk, int s, float *dlo, float *dhi, float *m) {
-    int sc, mn;
-    *m = 0.0f;
+/* sub-block s's scale pair sc[0..1] (see the contract): (d, m), or Q6_K's (dlo, dhi) */
+static inline void subscales(int qtype, const uint8_t *blk, int s, float *sc) {
+    int c, mn;
     switch (qtype) {
     case Q4_K: case Q5_K:
-        scale_min_k4(blk + 4, s, &sc, &mn);
-        *dlo = *dhi = f16_to_f32(blk) * (float)sc;
-        *m = -(f16_to_f32(blk + 2) * (float)mn);
+        scale_min_k4(blk + 4, s, &c, &mn);
+        sc[0] = f16_to_f32(blk) * (float)c;
+        sc[1] = -(f16_to_f32(blk + 2) * (float)mn);
         return;
     case Q6_K: {
         float d = f16_to_f32(blk + 208);
-        *dlo = d * (float)(int8_t)blk[192 + 2 * s];
-        *dhi = d * (float)(int8_t)blk[193 + 2 * s];
+        sc[0] = d * (float)(int8_t)blk[192 + 2 * s];
+        sc[1] = d * (float)(int8_t)blk[193 + 2 * s];
         return;
     }
     default:
-        *dlo = *dhi = f16_to_f32(blk);
-        if (has_min(qtype)) *m = f16_to_f32(blk + 2);
+        sc[0] = f16_to_f32(blk);
+        sc[1] = has_min(qtype) ? f16_to_f32(blk + 2) : 0.0f;
         return;
     }
 }
 
-/* All 8 sub-blocks' scales of a K-quant block at once (sc[3 s ..]: dlo, dhi, m), the fp16 d (and dmin)
-   converted once: the same numbers as 8 `subscales` calls */
+/* All 8 sub-blocks' scale pairs of a K-quant block at once (sc[2 s], sc[2 s + 1]), the fp16 d (and
+   dmin) converted once: the same numbers as 8 `subscales` calls */
 static inline void k_scales8(int qtype, const uint8_t *blk, float *sc) {
     if (qtype == Q6_K) {
         float d = f16_to_f32(blk + 208);
-        for (int s = 0; s < 8; s++) {
-            sc[3 * s] = d * (float)(int8_t)blk[192 + 2 * s];
-            sc[3 * s + 1] = d * (float)(int8_t)blk[193 + 2 * s];
-            sc[3 * s + 2] = 0.0f;
-        }
+        for (int j = 0; j < 16; j++) sc[j] = d * (float)(int8_t)blk[192 + j];
         return;
     }
     float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
     for (int s = 0; s < 8; s++) {
         int c, mn;
         scale_min_k4(blk + 4, s, &c, &mn);
-        sc[3 * s] = sc[3 * s + 1] = d * (float)c;
-        sc[3 * s + 2] = -(dmin * (float)mn);
+        sc[2 * s] = d * (float)c;
+        sc[2 * s + 1] = -(dmin * (float)mn);
     }
 }
 

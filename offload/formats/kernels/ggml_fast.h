@@ -1,7 +1,7 @@
 /* ggml_fast.h: one sub-block's codes and scales for ggml_gemv.c's loops, with AVX-512 where the CPU has it.
 
 Contract: `codes_of(qtype, blk, s, &lo, &hi)` and `scales_of(qtype, blk, s, sc)` give what ggml_blocks.h's
-`codes` and `subscales` give (sc[0..2] = dlo, dhi, m; sc must have room for a 4th float), and with
+`codes` and `subscales` give (the scale pair sc[0..1]; sc must have room for 4 floats), and with
 FAST_CODES (AVX-512 VBMI, BW, F16C: -march=native on recent x86) `table_values` gives a sub-block's 32
 weights by table lookup for the types of at most 5-bit codes (returns 0 for the others). Every path
 gives the same exact numbers; only the instructions differ. NO_FMA keeps a product rounded on its own
@@ -72,21 +72,21 @@ static inline v16f affine16(float d, float m, float k0) {
     return dk + m;
 }
 /* Sub-block s's 32 weights w_j (lo: j < 16, hi: j >= 16) by table lookup, for the types of at most 5-bit
-   codes (1: done; 0: not such a type): the sub-block's 16 or 32 possible values (sc: dlo, dhi, m) are
+   codes (1: done; 0: not such a type): the sub-block's 16 or 32 possible values (sc: d, m) are
    computed once, and each code picks its own (vpermps reads an index's low 4 bits, vpermt2ps its low
    5: no masking of the other nibble, no int -> float conversion). The same values as the reference. */
 static inline int table_values(int qtype, const uint8_t *blk, int s, const float *sc, v16f *wlo, v16f *whi) {
     __m512i a, b;
     switch (qtype) {
     case Q4_0: case Q4_1: {
-        v16f w16 = values16(qtype, sc[0], sc[2]);
+        v16f w16 = values16(qtype, sc[0], sc[1]);
         a = u8x16(blk + block_bytes(qtype) - 16);
         *wlo = (v16f)_mm512_permutexvar_ps(a, (__m512)w16);
         *whi = (v16f)_mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), (__m512)w16);
         return 1;
     }
     case Q4_K: {
-        v16f w16 = affine16(sc[0], sc[2], 0.0f);
+        v16f w16 = affine16(sc[0], sc[1], 0.0f);
         const uint8_t *qs = blk + 16 + 32 * (s >> 1);
         a = u8x16(qs), b = u8x16(qs + 16);
         if (s & 1) { a = _mm512_srli_epi32(a, 4); b = _mm512_srli_epi32(b, 4); }
@@ -95,7 +95,7 @@ static inline int table_values(int qtype, const uint8_t *blk, int s, const float
         return 1;
     }
     case Q5_0: case Q5_1: case Q5_K: {
-        float m = qtype == Q5_0 ? 0.0f : sc[2], k0 = qtype == Q5_0 ? -16.0f : 0.0f;
+        float m = qtype == Q5_0 ? 0.0f : sc[1], k0 = qtype == Q5_0 ? -16.0f : 0.0f;
         v16f t0 = affine16(sc[0], m, k0), t1 = affine16(sc[0], m, k0 + 16.0f);   /* codes 0..15, 16..31 */
         __mmask16 hlo, hhi;
         if (qtype == Q5_K) {
@@ -157,19 +157,17 @@ static inline void codes_of(int qtype, const uint8_t *blk, int s, v16f *lo, v16f
     codes(qtype, blk, s, lo, hi);
 }
 
-/* Sub-block s's scales (dlo, dhi, m: ggml_blocks.h) into sc[0..2]; the legacy types' fp16 d (and m)
-   in one vcvtph2ps where the CPU has it (it writes sc[0..3]: callers leave room for a 4th float). */
+/* Sub-block s's scale pair (ggml_blocks.h) into sc[0..1]; the legacy types' fp16 d (and m) in one
+   vcvtph2ps where the CPU has it (it writes sc[0..3]: callers leave room; Q4_0's and Q8_0's sc[1] is
+   then not their m of 0 but the next bytes' value, which nothing reads: they have no min). */
 static inline void scales_of(int qtype, const uint8_t *blk, int s, float *sc) {
 #if FAST_CODES
     if (legacy(qtype)) {
         _mm_storeu_ps(sc, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));   /* [d, m, ..]: blocks are >= 18 bytes */
-        sc[2] = sc[1];
-        sc[1] = sc[0];
-        if (qtype != Q4_1) sc[2] = 0.0f;
         return;
     }
 #endif
-    subscales(qtype, blk, s, &sc[0], &sc[1], &sc[2]);
+    subscales(qtype, blk, s, sc);
 }
 
 #endif

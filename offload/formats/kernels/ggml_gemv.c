@@ -62,8 +62,9 @@ static inline float hsum(v16f a) {
 /* One sub-block's contribution in the algebraic form: dlo * (lo . x0) + dhi * (hi . x1) (one scale
    when they are equal: every type but Q6_K), + m * (x0 + x1) for the types with a min. */
 static inline v16f term(int qtype, const float *sc, v16f lo, v16f hi, v16f x0, v16f x1, v16f xsum) {
-    v16f t = qtype == Q6_K ? sc[0] * (lo * x0) + sc[1] * (hi * x1) : sc[0] * (lo * x0 + hi * x1);
-    return has_min(qtype) ? t + sc[2] * xsum : t;
+    if (qtype == Q6_K) return sc[0] * (lo * x0) + sc[1] * (hi * x1);
+    v16f t = sc[0] * (lo * x0 + hi * x1);
+    return has_min(qtype) ? t + sc[1] * xsum : t;
 }
 
 /* T == 1: one output from one packed row, per sub-block `term`, in 16 lanes summed once at the end. */
@@ -83,21 +84,21 @@ static inline float dot_row(int qtype, const uint8_t *row, const float *x, int64
 }
 
 /* T == 1, R rows at once: R independent accumulator chains sharing each activation load. The rows'
-   scales of CH sub-blocks are converted to fp32 first (sc[r][3i ..]: dlo, dhi, m), so the inner
+   scale pairs of CH sub-blocks are converted to fp32 first (sc[r][2i], sc[r][2i + 1]), so the inner
    loop broadcasts them from memory (a load, no shuffle) next to the codes' lookups. */
 #define R 4
 #define CH 64
 static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const float *x, int64_t nb, float *out) {
     v16f acc[R] = {{0}}, lo, hi;
-    float sc[R][3 * CH + 1];
+    float sc[R][2 * CH + 2];
     for (int64_t b0 = 0; b0 < nb; b0 += CH) {
         int64_t nc = nb - b0 < CH ? nb - b0 : CH;
         for (int r = 0; r < R; r++)
             for (int64_t i = 0; i < nc; i += is_k(qtype) ? 8 : 1) {   /* b0, CH: whole K-quant blocks */
                 int s;
                 const uint8_t *blk = sub(qtype, row + r * rb, b0 + i, &s);
-                if (is_k(qtype)) k_scales8(qtype, blk, &sc[r][3 * i]);
-                else scales_of(qtype, blk, s, &sc[r][3 * i]);
+                if (is_k(qtype)) k_scales8(qtype, blk, &sc[r][2 * i]);
+                else scales_of(qtype, blk, s, &sc[r][2 * i]);
             }
         for (int64_t i = 0; i < nc; i++) {
             int64_t b = b0 + i;
@@ -108,14 +109,14 @@ static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const floa
                 __builtin_prefetch(blk + AHEAD, 0, 3);
 #if FAST_CODES
                 v16f wlo, whi;                          /* the sub-block's values, looked up by code */
-                if (table_values(qtype, blk, s, &sc[r][3 * i], &wlo, &whi)) {
+                if (table_values(qtype, blk, s, &sc[r][2 * i], &wlo, &whi)) {
                     acc[r] += wlo * x0;
                     acc[r] += whi * x1;
                     continue;
                 }
 #endif
                 codes_of(qtype, blk, s, &lo, &hi);
-                acc[r] += term(qtype, &sc[r][3 * i], lo, hi, x0, x1, xsum);
+                acc[r] += term(qtype, &sc[r][2 * i], lo, hi, x0, x1, xsum);
             }
         }
     }
@@ -133,12 +134,12 @@ static inline void values32(int qtype, const uint8_t *blk, int s, v16f *wlo, v16
 #endif
     codes_of(qtype, blk, s, &lo, &hi);
     *wlo = sc[0] * lo;
-    *whi = sc[1] * hi;
+    *whi = (qtype == Q6_K ? sc[1] : sc[0]) * hi;
     if (has_min(qtype)) {
         NO_FMA(*wlo);
         NO_FMA(*whi);
-        *wlo += sc[2];
-        *whi += sc[2];
+        *wlo += sc[1];
+        *whi += sc[1];
     }
 }
 
