@@ -95,8 +95,10 @@ static inline int table_values(int qtype, const uint8_t *blk, int s, const float
         return 1;
     }
     case Q5_0: case Q5_1: case Q5_K: {
-        float m = qtype == Q5_0 ? 0.0f : sc[1], k0 = qtype == Q5_0 ? -16.0f : 0.0f;
-        v16f t0 = affine16(sc[0], m, k0), t1 = affine16(sc[0], m, k0 + 16.0f);   /* codes 0..15, 16..31 */
+        const v16f k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        v16f t0, t1;                                                         /* codes 0..15, 16..31 */
+        if (qtype == Q5_0) t0 = sc[0] * (k - 16.0f), t1 = sc[0] * k;       /* d * (q - 16): no min */
+        else t0 = affine16(sc[0], sc[1], 0.0f), t1 = affine16(sc[0], sc[1], 16.0f);
         __mmask16 hlo, hhi;
         if (qtype == Q5_K) {
             const uint8_t *qs = blk + 48 + 32 * (s >> 1);
