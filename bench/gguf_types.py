@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))   # after the package: bench/offload.py must not shadow offload/
 
+from offload.cachedir import cache_root  # noqa: E402  (before peers_real puts bench/ first on the path)
+
 import peers_real as peers  # noqa: E402
 
 ENGINES = ("llama-completion", "specx ar", "specx ar, kernel off")
@@ -37,8 +39,6 @@ ENGINES = ("llama-completion", "specx ar", "specx ar, kernel off")
 
 def requantized(kind: str) -> Path:
     """SmolLM2 requantized to `kind` by llama-quantize, made once into the cache."""
-    from offload.cachedir import cache_root
-
     out = cache_root() / "bench" / "gguf-types" / f"SmolLM2-135M-Instruct.{kind}.gguf"
     if not out.is_file():
         tool = peers.LLAMA / "llama-quantize"

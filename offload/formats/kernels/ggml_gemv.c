@@ -25,8 +25,10 @@ runtime torch's own ops use, so a linear called between them shares their thread
 workers for ggml_gemm_pool (decode_stack.c: a whole pass of matmuls with no torch op between them,
 from whichever thread decodes); one thread below MIN_PAR products, where handing work to another
 thread would cost more than it saves.
-With AVX-512 VBMI (x86 -march=native on recent Xeons) Q4_0/Q4_1/Q8_0 codes become floats by table lookups
-(vpermb/vpermw on fp32 bit patterns) and the fp16 scales in one vcvtph2ps: the same exact values.
+With AVX-512 VBMI (x86 -march=native on recent Xeons) the codes of at most 5 bits pick their weight
+from a per-sub-block table of its 16 or 32 possible values (vpermps / vpermt2ps), Q8_0's and Q6_K's
+are widened and converted, and the legacy types' fp16 scales come in one vcvtph2ps (ggml_fast.h):
+the same exact values.
 Portable C: GCC/Clang vector extensions (16 fp32 lanes), which the compiler maps onto AVX-512,
 AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit manipulation. */
 
