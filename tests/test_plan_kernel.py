@@ -55,3 +55,27 @@ def test_a_decode_token_reads_packed_bytes_and_a_tree_the_fp32_copy(smollm2, mon
     off = target_pass(a, _plan(smollm2, monkeypatch, kernel=False), dev, 1, 64, 4, "int4-unpack")
     assert off.gemm == pytest.approx(30 * linear_weights(a) * 4 / MEM)   # every layer still dense: its fp32 copy
     assert one.seconds < off.seconds
+
+
+def test_a_k_quant_layer_costs_its_types_measured_factor(tmp_path, monkeypatch):
+    """A Q4_K_M layer (Q4_K with Q6_K v/down): its packed bytes cost COST[type] times Q4_1's per byte."""
+    pytest.importorskip("gguf")
+    from offload.formats import ggml_kernel, open_checkpoint
+    from tests.conftest import make_model
+    from tests.gguf_build import write_gguf
+
+    hf = make_model(tmp_path / "hf", seed=3, layers=2, hidden=256)
+    f = write_gguf(hf, tmp_path / "m" / "tiny-Q4_K_M.gguf", "Q4_K", mix={"v_proj": "Q6_K", "down_proj": "Q6_K"})
+    plan = _plan(f, monkeypatch, kernel=True)
+    ck = open_checkpoint(f)
+    for i in range(2):
+        names = [n for n, t in ck.tensors.items() if n.startswith(f"model.layers.{i}.") and t.qtype is not None]
+        want = sum(ck.tensors[n].nbytes * ggml_kernel.COST[ck.tensors[n].meta["ggml_type"]] for n in names)
+        assert plan.kernel["cost"][i] == pytest.approx(want / sum(ck.tensors[n].nbytes for n in names), abs=1e-4)
+        assert ggml_kernel.COST[14] < plan.kernel["cost"][i] < ggml_kernel.COST[12]   # a mix of Q6_K and Q4_K bytes
+    assert plan.kernel["head_cost"] == ggml_kernel.COST[12]   # the head is Q4_K here
+    a = arch_of(ck.config)
+    dev = device_for("cpu", dequant_bps={GGUF_KERNEL: RATE}, memory_bps=MEM)
+    one = target_pass(a, plan, dev, 1, 64, 4, "int4-unpack")
+    assert one.gemm == pytest.approx(sum(b * plan.kernel["cost"][i] for i, b in enumerate(plan.layer_bytes)) / RATE)
+    assert one.head == pytest.approx(plan.kernel["head_bytes"] * ggml_kernel.COST[12] / RATE)

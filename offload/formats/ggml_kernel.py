@@ -24,6 +24,7 @@ Contract:
   this kernel may serve it (a GGUF tensor of a supported type, no +1 norm shift, CPU, fp32 compute,
   not turned off: decided without compiling, so the planner and the loader agree), else None.
 - `row_map(ckpt, name)`: the int32 output column of each stored row (None when not permuted).
+- `COST`: seconds per packed byte of each type relative to Q4_1's, measured (the planner's factor).
 - `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
   tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
 - `CALLS`: how many times `linear` ran the kernel in this process (tests check it is used).
@@ -51,6 +52,10 @@ from offload.formats.gguf_quants import BLOCK
 
 ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
 QTYPES = (2, 3, 6, 7, 8, 12, 13, 14)   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering)
+# seconds per packed byte relative to Q4_1's (what `specx profile` times), for the speed model: measured
+# by bench/gguf_kernel.py at T = 1 on one thread, the same shape in Q4_1 and in the type (gate/up for
+# Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate
+COST = {2: 1.0, 3: 1.0, 6: 1.33, 7: 1.33, 8: 1.0, 12: 2.12, 13: 2.52, 14: 2.06}
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")   # built into the same library: the decoder stack, the threads

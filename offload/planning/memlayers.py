@@ -193,9 +193,11 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     at load takes the kernel up to that many tokens, its fp32 copy above), `head_bytes` (the packed
     output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype),
     `stack` (passes of up to `rows` tokens run as one C call, stream/leanstack.py: every layer served,
-    none streamed (`streams`), a plain Llama). Decided as the loader decides it (gguf_kernel_type:
+    none streamed (`streams`), a plain Llama); where some type is slower per byte than Q4_1
+    (ggml_kernel.COST) also `cost` ({layer: its packed bytes' mean factor}, the others 1) and
+    `head_cost` (the head's factor). Decided as the loader decides it (gguf_kernel_type:
     CPU, fp32, a supported type), never compiled."""
-    from offload.formats.ggml_kernel import MAX_ROWS, gguf_kernel_type
+    from offload.formats.ggml_kernel import COST, MAX_ROWS, gguf_kernel_type
     from offload.stream.leanstack import family_reason
 
     fp32 = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
@@ -204,12 +206,21 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
         return gguf_kernel_type(ck, name, req.device, fp32) is not None
 
     ok: dict[int, bool] = {}   # layer -> every packed tensor of it served (one pass over the names)
+    weighed: dict[int, list] = {}   # layer -> [packed bytes, bytes x the type's COST]
     for name, t in ck.tensors.items():
         if t.qtype is not None and name.startswith("model.layers."):
             i = int(name.split(".", 3)[2])
             ok[i] = ok.get(i, True) and served(name)
+            w = weighed.setdefault(i, [0, 0.0])
+            w[0] += t.nbytes
+            w[1] += t.nbytes * COST.get(t.meta.get("ggml_type"), 1.0)
     layers = [i for i in range(n_layers) if ok.get(i)]
     head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in ck.tensors), None)
     head_bytes = ck.tensors[head].nbytes if head and served(head) else 0
     stack = bool(n_layers) and len(layers) == n_layers and not streams and family_reason(ck.hf_config) is None
-    return dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes, stack=stack)
+    out = dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes, stack=stack)
+    cost = {i: round(weighed[i][1] / weighed[i][0], 4) for i in layers if weighed[i][1] != weighed[i][0]}
+    head_cost = COST.get(ck.tensors[head].meta.get("ggml_type"), 1.0) if head_bytes else 1.0
+    if cost or head_cost != 1.0:   # types slower per byte than Q4_1 (ggml_kernel.COST): the speed model's factors
+        out.update(cost=cost, head_cost=head_cost)
+    return out

@@ -133,7 +133,8 @@ none (a 16-bit weight)."""
 GGUF_KERNEL = "gguf-kernel"
 """The exact GGUF CPU kernel (offload/formats/ggml_kernel.py) reads a layer's packed bytes once and
 dequantizes in registers: no dequantization traffic; its bytes move at `Device.dequant_rate(GGUF_KERNEL)`
-(`specx profile` times it on a one-token GEMV), else at the memory bandwidth."""
+(`specx profile` times it on a one-token GEMV of Q4_1), else at the memory bandwidth, times the type's
+measured factor (plan.kernel's `cost` and `head_cost`: ggml_kernel.COST)."""
 
 
 def dequant_elems(kernel: str, device: str) -> int:
@@ -200,6 +201,8 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
     dense = set(getattr(plan, "dense_layers", ()))   # dequantized once at load: read in c, no dequantization
     packed, head_packed = _kernel_reads(plan, n)     # the GGUF kernel: its packed bytes at its own rate
+    k = getattr(plan, "kernel", None) or {}
+    kcost, head_packed = k.get("cost", {}), head_packed * k.get("head_cost", 1.0)   # per type (ggml_kernel.COST)
     flops = 2 * linear_weights(a) * n / dev.flops(c)
     deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.dequant_rate(kernel)
     attn = attention_seconds(a, n, ctx, c, dev)
@@ -208,7 +211,7 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
         rate = dev.link_bps if i in ram else dev.disk_bps if i in disk else 0.0
         transfer = size / rate if rate else 0.0
         if i in packed:
-            read, layer_deq = size / dev.dequant_rate(GGUF_KERNEL), 0.0
+            read, layer_deq = size * kcost.get(i, 1.0) / dev.dequant_rate(GGUF_KERNEL), 0.0
         else:
             read, layer_deq = (linear_weights(a) * c if i in dense else size) / dev.memory_bps, 0.0 if i in dense else deq
         layer_gemm = max(flops, read)
