@@ -79,3 +79,19 @@ def test_a_k_quant_layer_costs_its_types_measured_factor(tmp_path, monkeypatch):
     one = target_pass(a, plan, dev, 1, 64, 4, "int4-unpack")
     assert one.gemm == pytest.approx(sum(b * plan.kernel["cost"][i] for i, b in enumerate(plan.layer_bytes)) / RATE)
     assert one.head == pytest.approx(plan.kernel["head_bytes"] * ggml_kernel.COST[12] / RATE)
+
+
+def test_the_layer_skip_draft_on_a_k_quant_stack_is_priced(tmp_path, monkeypatch):
+    """--draft self on a resident K-quant stack (beams within the kernel's rows) plans its layer-skip
+    draft through the kernel's per-type cost."""
+    pytest.importorskip("gguf")
+    from tests.conftest import make_model
+    from tests.gguf_build import write_gguf
+
+    hf = make_model(tmp_path / "hf", seed=3, layers=2, hidden=256)
+    f = write_gguf(hf, tmp_path / "m" / "tiny-Q4_K_M.gguf", "Q4_K", mix={"v_proj": "Q6_K", "down_proj": "Q6_K"})
+    monkeypatch.setenv("SPECX_GGUF_KERNEL", "on")
+    opts = LoadOptions(target=str(f), draft="self", device="cpu", offload="none", ctx=256)
+    plan = make_plan(opts, TreeShape(budget=16, max_depth=8, max_beams=4), budget_auto=False)
+    assert plan.fits and plan.kernel["stack"] and plan.kernel["cost"]
+    assert any(c["draft"] != "none" and c["tokens_per_second"] > 0 for c in plan.candidates)

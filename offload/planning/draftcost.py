@@ -322,8 +322,9 @@ def skip_spec(a, plan, cost: Costing) -> Spec:
     k = getattr(plan, "kernel", None) or {}
     if k.get("stack") and cost.max_beams <= k.get("rows", 0):
         # the kept layers on the one-call stack: their packed bytes and the packed head through the kernel
-        cost = k.get("cost", {})    # per type: ggml_kernel.COST
-        packed = sum(plan.layer_bytes[i] * cost.get(i, 1.0) for i in kept) + k.get("head_bytes", 0) * k.get("head_cost", 1.0)
+        factor = k.get("cost", {})    # per type: ggml_kernel.COST
+        packed = (sum(plan.layer_bytes[i] * factor.get(i, 1.0) for i in kept)
+                  + k.get("head_bytes", 0) * k.get("head_cost", 1.0))
         return Spec("self", LAYER_SKIP, "self-skip", tpp, 0, kv, 0, flops, cost.kernel, packed, stack=True)
     return Spec("self", LAYER_SKIP, "self-skip", tpp, weight, kv, dequant, flops, cost.kernel)
 
