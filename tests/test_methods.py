@@ -154,7 +154,7 @@ def test_sample_children_without_replacement_respects_support():
 
 
 def test_ngram_index_proposes_latest_continuation():
-    from specexec_cli.core.methods.staged import NgramIndex
+    from specexec_cli.core.ngram import NgramIndex
 
     idx = NgramIndex([1, 2, 3, 9, 1, 2, 4, 1, 2])
     assert idx.propose([7, 1, 2], 2) == [4, 1]  # latest earlier match of (1, 2) wins

@@ -8,29 +8,52 @@ the target cache holds ids[:-1] (the last committed token is the next root) and 
 holds ids[:draft_len] for some draft_len < len(ids). Every method keeps them. With `Models.shared_kv`
 the draft's cache is a view of the target's (kvcache.SharedCache): the draft never prefills, and
 each tree starts from the target's committed rows with only the root pending (`draft_context`).
-The dataclasses it reads and yields live in `state.py`, the detokenizer in `text.py`.
+
+One step machine for one request or many: a `Pass` is a step written as a generator that yields the
+`ForwardJob` of the one target pass it needs, is sent that pass's logits and returns the step's
+`StepResult` (`prefill_pass` yields one job per prompt chunk). A `Request` is one generate call:
+`begin()` gives its next pass's job, `end(logits)` the `StepEvent` (None while a prefill has chunks
+to go). `generate` runs one Request, each pass alone; core/forest.py runs many, their jobs in one
+shared pass. `ar_step`/`speculative_step` are those Passes run alone (`run_alone`); a method's StepFn
+that runs its own passes is a Pass that asks for none (`whole`). The dataclasses it reads and yields
+live in `state.py`, the detokenizer in `text.py`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from typing import Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import replace
 
 import torch
 
+from offload.stream.multi import ForwardJob
 from specexec_cli.core import calibrate, constrain, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
 from specexec_cli.core.grammar import GrammarError, compile_grammar, output_width
-from specexec_cli.core.logprobs import TokenLogprob, token_logprobs
+from specexec_cli.core.logprobs import token_logprobs
 from specexec_cli.core.ngram import NgramIndex
-from specexec_cli.errors import SpecxError
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
-from specexec_cli.core.tree import causal_mask, subtree, top_budget
-from specexec_cli.core.verify import accept_tree, target_pass
-from specexec_cli.core.state import (ContextOverflow, DecodeState, GenerationConfig, Models, StepEvent,  # noqa: F401
-                                     StepFn, StepResult)
+from specexec_cli.core.state import (  # noqa: F401 - re-exported: reserve_caches, prefill_passes
+    ContextOverflow,
+    DecodeState,
+    GenerationConfig,
+    Models,
+    StepEvent,
+    StepFn,
+    StepResult,
+    add_prompt,
+    check_fits,
+    finish_reason,
+    prefill_passes,
+    reserve_caches,
+)
 from specexec_cli.core.text import TextChunk, TextStream  # noqa: F401
+from specexec_cli.core.tree import causal_mask, subtree, top_budget
+from specexec_cli.core.verify import accept_tree, verify_inputs
+from specexec_cli.errors import SpecxError
+
+Pass = Generator[ForwardJob, torch.Tensor, StepResult]   # yields its target pass, is sent the logits
 
 
 def new_noise(gen: torch.Generator) -> PositionNoise:
@@ -56,19 +79,36 @@ def logprobs_of(cfg: GenerationConfig, logits: torch.Tensor, rows: list[int], to
     return None if cfg.logprobs is None else token_logprobs(logits, rows, tokens, cfg.logprobs)
 
 
+def forward_job(model, job: ForwardJob) -> torch.Tensor:
+    """One job's pass alone: kvcache.forward on its staged inputs (no copy: they are uploaded)."""
+    return kvcache.forward(model, job.cache, job.ids, job.positions, job.mask, last_only=job.last_only)
 
 
-def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int) -> StepResult:
+def run_alone(model, steps: Pass) -> StepResult:
+    """Drive a Pass by itself: every target pass it asks for runs at once."""
+    try:
+        job = next(steps)
+        while True:
+            job = steps.send(forward_job(model, job))
+    except StopIteration as done:
+        return done.value
+
+
+def ar_pass(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int) -> Pass:
     """Plain autoregressive decoding: one target pass over the root yields one token."""
     t0 = time.perf_counter()
-    root = torch.tensor(st.ids[-1:], dtype=torch.long)
+    root, pos = kvcache.stage(m.target, torch.tensor(st.ids[-1:], dtype=torch.long), torch.tensor([len(st.ids) - 1]))
     mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target), m.target.device)
-    logits = kvcache.forward(m.target, st.target_cache, root, torch.tensor([len(st.ids) - 1]), mask)
+    logits = yield ForwardJob(root, pos, mask, st.target_cache)
     tok = draw(st, logits[-1], cfg.sampling, gen)
     st.target_len += 1
     st.ids.append(tok)
     return StepResult([tok], 0, target_seconds=time.perf_counter() - t0,
                       logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
+
+
+def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int) -> StepResult:
+    return run_alone(m.target, ar_pass(m, st, cfg, gen, limit))
 
 
 def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
@@ -139,94 +179,55 @@ def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape
     return grow_tree(m.draft, st.draft_cache, ctx, shape, params, scoring, grammar=st.grammar)
 
 
-def verify_pass(m: Models, st: DecodeState, vt, *extra: torch.Tensor) -> list[torch.Tensor]:
-    """verify.target_pass over root + tree from the state: [(n, V) logits, (n,) positions, *extra]."""
-    return target_pass(m.target, st.target_cache, vt, st.target_len, len(st.ids) - 1, *extra)
-
-
-def speculative_step(
-    m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int, grow=default_grow
-) -> StepResult:
+def speculative_pass(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int,
+                     grow=default_grow) -> Pass:
     """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches.
 
     `grow(m, st, ctx, shape, sampling, scoring) -> Tree` lets a method swap the tree-growth stage only.
-    The stages before and after the target's pass are `grow_step` and `accept_step` (core/forest.py
-    runs them around one pass shared by several requests).
+    No room for a tree (depth < 1 or budget < 1): a plain step instead.
     """
-    ts = grow_step(m, st, cfg, gen, limit, grow)
-    if ts is None:
-        return ar_step(m, st, cfg, gen, limit)
-    # 2) one target pass over root + tree: (n_tree,) tokens at positions root_pos + depth
-    # (the grammar masks of the nodes, if any, ride in the pass's upload)
-    logits, positions, *bits = verify_pass(m, st, ts.vt, *([ts.bits] if ts.bits is not None else []))
-    ts.bits = bits[0] if bits else None
-    return accept_step(m, st, cfg, ts, logits, positions)
-
-
-@dataclass
-class TreeStep:
-    """A grown tree waiting for the target's pass (speculative_step between stages 1 and 3)."""
-
-    tree: object  # the draft's whole Tree
-    vt: object  # the VerifyTree the target checks (best `budget` nodes, ancestor-closed)
-    n_pending: int  # committed tokens the draft ran this step (DraftContext.pending)
-    scoring: Scoring | None  # node scores to calibrate from the outcome
-    limit: int  # most tokens this step may emit
-    t0: float  # perf_counter when growth began
-    t1: float  # perf_counter when the tree was ready
-    bits: torch.Tensor | None = None  # (n_tree, W) int32 grammar masks of the verified nodes; None = free
-    ends: frozenset = frozenset()  # VerifyTree indices where the grammar is complete (the walk stops)
-
-
-def grow_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int,
-              grow=default_grow) -> TreeStep | None:
-    """Stage 1: grow the tree with the draft and keep the best `budget` nodes; None = no room for
-    a tree (depth < 1 or budget < 1: a plain step instead)."""
     n = len(st.ids)
     depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
     if depth < 1 or cfg.shape.budget < 1:
-        return None
+        return (yield from ar_pass(m, st, cfg, gen, limit))
     shape = replace(cfg.shape, max_depth=depth)
+    # 1) propose: the draft grows the tree; the target checks the best `budget` nodes (ancestor-closed)
     t0 = time.perf_counter()
     ctx = draft_context(st)
     st.noise = st.noise or new_noise(gen)
     scoring = tree_scoring(m, st, cfg) if grow is default_grow else None
     tree = grow(m, st, ctx, shape, cfg.sampling, scoring)
     vt = subtree(tree, top_budget(tree.logp, shape.budget))
-    bits, ends = None, frozenset()
+    bits, ends = [], frozenset()
     if st.grammar is not None and grow is default_grow:   # every verified node's mask (the draft's are reused)
         ids = vt.draft_ids.tolist()
-        bits, ends = st.grammar.bitmask(ids), frozenset(i for i, s in enumerate(st.grammar.stopped(ids)) if s)
-    return TreeStep(tree, vt, len(ctx.pending), scoring, limit, t0, time.perf_counter(), bits, ends)
-
-
-def accept_step(m: Models, st: DecodeState, cfg: GenerationConfig, ts: TreeStep, logits: torch.Tensor,
-                positions: torch.Tensor) -> StepResult:
-    """Stages 3-4 after the target's (n_tree, V) logits at (n_tree,) positions: accept, trim both caches."""
-    n = len(st.ids)
-    # 3) every node's token on the device, one (n,) copy, then the walk down the tree
-    bits = transfers.upload(logits.device, ts.bits)[0] if ts.bits is not None else None  # no copy when staged
-    acc = accept_tree(ts.vt, logits, cfg.sampling, st.noise, n, m.eos_ids, ts.limit, depth=positions - (n - 1),
-                      bits=bits, ends=ts.ends)
+        bits, ends = [st.grammar.bitmask(ids)], frozenset(i for i, s in enumerate(st.grammar.stopped(ids)) if s)
+    t1 = time.perf_counter()
+    # 2) verify: one target pass over root + tree, tokens at root_pos + depth (the masks ride in its upload)
+    ids, positions, mask, *bits = verify_inputs(m.target, vt, st.target_len, n - 1, *bits)
+    logits = yield ForwardJob(ids, positions, mask, st.target_cache)
+    # 3) accept: every node's token on the device, one (n,) copy, then the walk down the tree
+    acc = accept_tree(vt, logits, cfg.sampling, st.noise, n, m.eos_ids, limit, depth=positions - (n - 1),
+                      bits=bits[0] if bits else None, ends=ends)
     lps = logprobs_of(cfg, logits, ([0] + acc.path)[: len(acc.tokens)], acc.tokens)  # row of each token's draw
-    if ts.scoring is not None and ts.scoring.cal is not None:  # learn which features the target accepts
-        calibrate.observe_pass(ts.scoring.cal, ts.tree, ts.vt.draft_ids[acc.path].tolist(), acc.tokens)
+    if scoring is not None and scoring.cal is not None:  # learn which features the target accepts
+        calibrate.observe_pass(scoring.cal, tree, vt.draft_ids[acc.path].tolist(), acc.tokens)
     t2 = time.perf_counter()
-    # 4) trim caches to the accepted path; the last emitted token becomes the next root
-    commit_tree(st, ts.tree, ts.vt, acc, ts.n_pending)
+    # 4) commit: trim both caches to the accepted path; the last emitted token becomes the next root
+    commit_tree(st, tree, vt, acc, len(ctx.pending))
     t3 = time.perf_counter()
-    return StepResult(
-        tokens=acc.tokens,
-        accepted=len(acc.path),
-        tree_size=ts.vt.size - 1,
-        tree_depth=int(ts.vt.depth.max()),
-        draft_seconds=ts.t1 - ts.t0 + (t3 - t2),
-        target_seconds=t2 - ts.t1,
-        logprobs=lps,
-    )
+    return StepResult(tokens=acc.tokens, accepted=len(acc.path), tree_size=vt.size - 1,
+                      tree_depth=int(vt.depth.max()), draft_seconds=t1 - t0 + (t3 - t2), target_seconds=t2 - t1,
+                      logprobs=lps)
+
+
+def speculative_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int,
+                     grow=default_grow) -> StepResult:
+    return run_alone(m.target, speculative_pass(m, st, cfg, gen, limit, grow))
 
 
 STEP_METHODS: dict[str, StepFn] = {"ar": ar_step, "specexec": speculative_step}  # core methods only
+PASSES: dict[StepFn, Callable[..., Pass]] = {ar_step: ar_pass, speculative_step: speculative_pass}
 
 
 def core_step(method: str) -> StepFn:
@@ -239,89 +240,54 @@ def core_step(method: str) -> StepFn:
     return STEP_METHODS[method]
 
 
-def run_prompt(model, cache, ids: list[int], start: int, chunk: int) -> torch.Tensor:
-    """Feed ids[start:] causally in passes of at most `chunk` tokens (0 = one pass); returns the
-    (V,) logits of the last token only, so a long prompt never builds a (T, V) logits tensor."""
+def whole(step_fn: StepFn) -> Callable[..., Pass]:
+    """A StepFn that runs its own target passes as a Pass that asks for none."""
+    def steps(m, st, cfg, gen, limit):
+        yield from ()
+        return step_fn(m, st, cfg, gen, limit)
+    return steps
+
+
+def prompt_chunks(model, cache, ids: list[int], start: int, chunk: int) -> Iterator[tuple[int, ForwardJob]]:
+    """ids[start:] as causal passes of at most `chunk` tokens (0 = one pass): (end, staged job) each.
+    The jobs keep the last token's logits only, so a long prompt never builds a (T, V) logits tensor."""
     step = chunk if chunk > 0 else max(1, len(ids) - start)
-    logits = None
     for a in range(start, len(ids), step):
         b = min(a + step, len(ids))
+        tokens, positions = kvcache.stage(model, torch.tensor(ids[a:b], dtype=torch.long), torch.arange(a, b))
         # mask None: the model's own causal path (SDPA's is_causal; no dense (T, past + T) mask)
-        logits = kvcache.forward(model, cache, torch.tensor(ids[a:b], dtype=torch.long), torch.arange(a, b), None,
-                                 last_only=True)
+        yield b, ForwardJob(tokens, positions, None, cache, last_only=True)
+
+
+def run_prompt(model, cache, ids: list[int], start: int, chunk: int) -> torch.Tensor:
+    """Feed ids[start:] alone in `prompt_chunks`; returns the (V,) logits of the last token."""
+    for _, job in prompt_chunks(model, cache, ids, start, chunk):
+        logits = forward_job(model, job)
     return logits[-1]
 
 
-def reserve_caches(m: Models, st: DecodeState) -> None:
-    """Preallocate both caches for the planned rows (no-op when unplanned or already allocated)."""
-    if m.shared_kv and not isinstance(st.draft_cache, kvcache.SharedCache):
-        st.draft_cache, st.draft_len = kvcache.SharedCache(st.target_cache), 0
-    if m.kv_rows is not None:
-        kvcache.reserve(st.target_cache, m.target, m.kv_rows[0], m.pool, "kv_target")
-        if m.draft is not None and not m.shared_kv:
-            kvcache.reserve(st.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_draft")
-
-
-def prefill_passes(n_new: int, chunk: int) -> int:
-    """Target passes `run_prompt` makes over n_new tokens in chunks of `chunk` (0 = one pass)."""
-    return 0 if n_new <= 0 else (1 if chunk <= 0 else -(-n_new // chunk))
+def prefill_pass(m: Models, st: DecodeState, cfg: GenerationConfig, gen) -> Pass:
+    """Run both models over the not-yet-cached tokens (the target's chunks one pass each); returns the
+    first generated token."""
+    for end, job in prompt_chunks(m.target, st.target_cache, st.ids, st.target_len, m.pass_tokens):
+        logits = yield job
+        st.target_len = end
+    if m.draft is not None and cfg.method != "ar" and not m.shared_kv:   # shared KV: the target's rows serve
+        run_prompt(m.draft, st.draft_cache, st.ids, st.draft_len, m.pass_tokens)
+        st.draft_len = len(st.ids)
+    tok = draw(st, logits[-1], cfg.sampling, gen)
+    st.ids.append(tok)
+    return StepResult([tok], 0, logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
 
 
 def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen, logprobs=None) -> int:
     """Run both models over the not-yet-cached tokens; returns the first generated token (its
     TokenLogprob appended to the list `logprobs` when cfg.logprobs is set and a list is given)."""
-    reserve_caches(m, st)
-    st.ids.extend(new_ids)
-    st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
-    last = run_prompt(m.target, st.target_cache, st.ids, st.target_len, m.pass_tokens)
-    st.target_len = len(st.ids)
-    if m.draft is not None and cfg.method != "ar" and not m.shared_kv:   # shared KV: the target's rows serve
-        run_prompt(m.draft, st.draft_cache, st.ids, st.draft_len, m.pass_tokens)
-        st.draft_len = len(st.ids)
-    tok = draw(st, last, cfg.sampling, gen)
-    st.ids.append(tok)
+    add_prompt(m, st, new_ids)
+    res = run_alone(m.target, prefill_pass(m, st, cfg, gen))
     if logprobs is not None:
-        logprobs.extend(logprobs_of(cfg, last[None], [0], [tok]) or [])
-    return tok
-
-
-def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:
-    total = len(st.ids) + len(new_ids)
-    if total + 1 > m.ctx_limit:
-        raise ContextOverflow(
-            f"prompt needs {total} tokens but the context holds {m.ctx_limit}; shorten the prompt"
-            + (" or /clear the conversation" if st.ids else "")
-        )
-
-
-def finish_reason(m: Models, st: DecodeState, tokens: list[int], produced: int, cfg) -> str | None:
-    if any(t in m.eos_ids for t in tokens):
-        return "eos"
-    if st.grammar is not None and st.grammar.done:   # the grammar is complete: nothing more can follow
-        return "stop"
-    if produced >= cfg.max_new_tokens:
-        return "length"
-    if len(st.ids) >= m.ctx_limit:
-        return "context"
-    return None
-
-
-def generate(
-    m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None,
-    step_fn: StepFn | None = None,
-) -> Iterator[StepEvent]:
-    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens, the context end or,
-    with `cfg.grammar`, the grammar's completion.
-
-    `step_fn` runs one target pass; None = the core method `cfg.method` names (ar, specexec).
-    """
-    check_fits(m, st, new_ids)
-    step_fn = step_fn or core_step(cfg.method)
-    st.grammar = start_constraints(m, st, cfg, len(st.ids) + len(new_ids), step_fn)
-    try:
-        yield from decode(m, st, new_ids, cfg, gen, step_fn)
-    finally:
-        st.grammar = None
+        logprobs.extend(res.logprobs or [])
+    return res.tokens[0]
 
 
 def start_constraints(m: Models, st: DecodeState, cfg: GenerationConfig, start: int, step_fn=None):
@@ -338,35 +304,103 @@ def start_constraints(m: Models, st: DecodeState, cfg: GenerationConfig, start: 
     return constrain.GrammarRun(compile_grammar(m.tokenizer, cfg.grammar, m.eos_ids, width), st, start)
 
 
-def decode(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen, step_fn) -> Iterator[StepEvent]:
-    """generate's loop: the prefill's event, then one event per `step_fn` pass."""
-    gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
-    st.noise = new_noise(gen)  # this call's coupled draws
-    stream = TextStream(m.tokenizer)
-    n_prompt = len(st.ids) + len(new_ids) - st.target_len
-    t0 = time.perf_counter()
-    first_lp: list[TokenLogprob] = []
-    first = prefill(m, st, new_ids, cfg, gen, first_lp)
-    t_prefill = time.perf_counter() - t0
-    res, produced, pass_index = StepResult([first], 0, logprobs=first_lp if cfg.logprobs is not None else None), 0, 0
-    moved = transfers.TransferCount()
-    while True:
-        produced += len(res.tokens)
-        finish = finish_reason(m, st, res.tokens, produced, cfg)
-        yield StepEvent(
-            text=stream.feed_split(res.tokens, res.accepted), tokens=res.tokens, accepted=res.accepted,
-            pass_index=pass_index, tree_size=res.tree_size, tree_depth=res.tree_depth,
-            draft_seconds=res.draft_seconds, target_seconds=res.target_seconds,
-            prefill_seconds=t_prefill, decode_seconds=time.perf_counter() - t0 - t_prefill,
-            new_tokens=produced, prompt_tokens=n_prompt, finish=finish,
-            host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
-            prefill_streams=st.prefill_streams if pass_index == 0 else 0, logprobs=res.logprobs,
-        )  # fmt: skip
-        if finish:
-            return
-        limit = min(cfg.max_new_tokens - produced, m.ctx_limit - len(st.ids))
-        before = transfers.snapshot()
-        res = step_fn(m, st, cfg, gen, limit)
-        st.noise.forget(len(st.ids))
+class Request:
+    """One generate call as a step machine (module docstring): the prefill, then one step per pass."""
+
+    def __init__(self, m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig,
+                 gen: torch.Generator | None = None, step_fn: StepFn | None = None):
+        check_fits(m, st, new_ids)
+        step_fn = step_fn or core_step(cfg.method)
+        st.grammar = start_constraints(m, st, cfg, len(st.ids) + len(new_ids), step_fn)
+        self.m, self.st, self.cfg, self.step = m, st, cfg, PASSES.get(step_fn) or whole(step_fn)
+        self.gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
+        st.noise = new_noise(self.gen)  # this call's coupled draws
+        self.stream, self.n_prompt = TextStream(m.tokenizer), len(st.ids) + len(new_ids) - st.target_len
+        self.t0, self.t_prefill = time.perf_counter(), 0.0
+        add_prompt(m, st, new_ids)
+        self.prefilling, self.produced, self.pass_index = True, 0, 0
+        self.passes = 0                  # target passes it took part in (prefill chunks included)
+        self.finish: str | None = None   # set with the last event
+        self.steps: Pass | None = None   # the step in flight, the job it waits for, then its result
+        self.job: ForwardJob | None = None
+        self.result: StepResult | None = None
+        self.own, self.moved = 0.0, transfers.TransferCount()   # the step's own seconds and copies
+
+    def begin(self, shape: TreeShape | None = None) -> ForwardJob | None:
+        """The job of this request's next target pass (`shape`: its tree shape there, None = its
+        config's); None when the step ran its own passes."""
+        t, before = time.perf_counter(), transfers.snapshot()
+        if self.steps is None:   # a new step: the prefill, or a decoding step within the limit
+            m, st, cfg = self.m, self.st, self.cfg if shape is None else replace(self.cfg, shape=shape)
+            limit = min(cfg.max_new_tokens - self.produced, m.ctx_limit - len(st.ids))
+            self.own, self.moved = 0.0, transfers.TransferCount()
+            self.steps = prefill_pass(m, st, cfg, self.gen) if self.prefilling else self.step(m, st, cfg, self.gen, limit)
+            self._send(None)
+        self._spent(t, before)
+        return self.job
+
+    def end(self, logits: torch.Tensor | None = None, seconds: float | None = None) -> StepEvent | None:
+        """Accept and commit the pass's `logits` (None when the step ran its own); the StepEvent, or
+        None while a prefill has chunks to go. `seconds`: the wall time of a pass shared with other
+        requests, the step's target time then (its draft time, where it has one, is its own time)."""
+        t, before = time.perf_counter(), transfers.snapshot()
+        if self.job is not None:
+            self.passes += 1
+            self._send(logits)
+        self._spent(t, before)
+        if self.job is not None:
+            return None
+        res, first = self.result, self.prefilling and not self.produced   # first: this call's prefill
+        self.steps, self.prefilling = None, False
+        if first:
+            self.t_prefill = time.perf_counter() - self.t0
+        else:   # a decoding step (or a resumed request's prefill, which stands for one)
+            self.st.noise.forget(len(self.st.ids))
+            self.pass_index += 1
+            if seconds is not None:
+                res.target_seconds, res.draft_seconds = seconds, self.own if res.draft_seconds else 0.0
+        return self._event(res, self.moved if not first else transfers.TransferCount())
+
+    def _send(self, logits: torch.Tensor | None) -> None:
+        try:
+            self.job = self.steps.send(logits)   # send(None) starts a fresh step
+        except StopIteration as done:
+            self.job, self.result = None, done.value
+
+    def _spent(self, t: float, before: transfers.TransferCount) -> None:
         moved = transfers.since(before)
-        pass_index += 1
+        self.own += time.perf_counter() - t
+        self.moved = transfers.TransferCount(self.moved.calls + moved.calls, self.moved.bytes + moved.bytes)
+
+    def _event(self, res: StepResult, moved: transfers.TransferCount) -> StepEvent:
+        self.produced += len(res.tokens)
+        self.finish = finish_reason(self.m, self.st, res.tokens, self.produced, self.cfg)
+        return StepEvent(
+            text=self.stream.feed_split(res.tokens, res.accepted), tokens=res.tokens, accepted=res.accepted,
+            pass_index=self.pass_index, tree_size=res.tree_size, tree_depth=res.tree_depth,
+            draft_seconds=res.draft_seconds, target_seconds=res.target_seconds,
+            prefill_seconds=self.t_prefill, decode_seconds=time.perf_counter() - self.t0 - self.t_prefill,
+            new_tokens=self.produced, prompt_tokens=self.n_prompt, finish=self.finish,
+            host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
+            prefill_streams=self.st.prefill_streams if self.pass_index == 0 else 0, logprobs=res.logprobs,
+        )  # fmt: skip
+
+
+def generate(
+    m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None,
+    step_fn: StepFn | None = None,
+) -> Iterator[StepEvent]:
+    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens, the context end or,
+    with `cfg.grammar`, the grammar's completion: one `Request`, each of its passes run alone.
+
+    `step_fn` runs one target pass; None = the core method `cfg.method` names (ar, specexec).
+    """
+    try:
+        req = Request(m, st, new_ids, cfg, gen, step_fn)
+        while req.finish is None:
+            job = req.begin()
+            ev = req.end(None if job is None else forward_job(m.target, job))
+            if ev is not None:
+                yield ev
+    finally:
+        st.grammar = None

@@ -1,19 +1,21 @@
 """The forest step: every open request's draft tree verified in ONE target pass (one weight stream).
 
-Contract: a `Lane` is one request: its own `DecodeState` (committed ids, its own target and draft
-caches), settings, RNG and progress; `Forest(models)` holds the open lanes and `step()` makes one
-target pass for all of them and returns `(lane, StepEvent | None | exception)` per lane:
-1. each lane prepares its share of the pass (`Lane.begin`): a prefill chunk of its prompt (the
-   last chunk's logits give its first token), or a draft tree grown as `engine.speculative_step`
-   grows it (`engine.grow_step`) with the tree shape the forest gives it: `shape_for(k)` for k
-   decoding lanes where the forest has one (serve's --budget auto: the speed model's split,
-   `core.budget.BudgetTuner.split`), else its own budget split evenly over the k (an explicit
-   --budget is the size of the whole pass); a plain one-token step (`engine.ar_step`'s) where no
-   tree fits, under --method ar, and with no draft model (`core.methods.generate` runs ar then);
+Contract: a `Lane` is one request: an `engine.Request` (its own `DecodeState`: committed ids, its
+own target and draft caches; settings, RNG and progress), the very step machine `engine.generate`
+runs alone; `Forest(models)` holds the open lanes and `step()` makes one target pass for all of them
+and returns `(lane, StepEvent | None | exception)` per lane:
+1. each lane prepares its share of the pass (`Request.begin`): a prefill chunk of its prompt (the
+   last chunk's logits give its first token), or the job of `engine.speculative_pass` with the tree
+   shape the forest gives it: `shape_for(k)` for k decoding lanes where the forest has one (serve's
+   --budget auto: the speed model's split, `core.budget.BudgetTuner.split`), else its own budget
+   split evenly over the k (an explicit --budget is the size of the whole pass); `engine.ar_pass`
+   (one token) under --method ar and with no draft model (`core.methods.generate` runs ar then),
+   and where no tree fits;
 2. `offload.stream.multi.forward_many` runs all shares in one pass: each decoder layer's weights
    are streamed once and every lane's tokens go through them against that lane's own cache;
-3. each lane accepts and commits its own path (`engine.accept_step`) and yields the `StepEvent`
-   that `engine.generate` would yield (a prefill chunk that is not the last yields None).
+3. each lane accepts and commits its own path (`Request.end`) and yields the `StepEvent` that
+   `engine.generate` would yield (a prefill chunk that is not the last yields None); its target
+   seconds are the shared pass's, its draft seconds its own work before and after it.
 Each lane's tokens, positions, masks and caches are exactly those it has alone, so its replies are
 the ones `engine.generate` gives it alone: the same ids at T = 0, and at T > 0 with a seed too (the
 coupled draws are a pure function of (seed, position, token), never of the tree). Nothing is
@@ -26,138 +28,40 @@ others go on at the next pass. Lanes join and leave between passes (`add`, `remo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import replace
 
-import torch
-
-from offload.stream.multi import ForwardJob, forward_many
-from specexec_cli.core import kvcache, transfers
-from specexec_cli.core.engine import (DecodeState, GenerationConfig, Models, StepEvent, StepResult, TextStream,
-                                      accept_step, check_fits, draw, finish_reason, grow_step, logprobs_of,
-                                      new_noise, prefill_passes, reserve_caches, run_prompt, start_constraints)
+from offload.stream.multi import forward_many
+from specexec_cli.core import kvcache
 from specexec_cli.core.draft import TreeShape
-from specexec_cli.core.tree import causal_mask
-from specexec_cli.core.verify import verify_inputs
+from specexec_cli.core.engine import (
+    DecodeState,
+    GenerationConfig,
+    Models,
+    Request,
+    StepEvent,
+    add_prompt,
+    ar_step,
+    speculative_step,
+)
 from specexec_cli.errors import is_oom
 
 FOREST_METHODS = ("specexec", "ar")   # methods whose step a forest runs (the others: one request at a time)
 
 
-@dataclass
-class _Share:
-    """What a lane computes in the pass in flight."""
+class Lane(Request):
+    """One request in the forest (module docstring); `shape`: its tree shape in its last pass."""
 
-    kind: str  # "prefill" | "tree" | "ar"
-    end: int = 0  # prefill: ids[:end] are in the target cache after this chunk
-    tree: object = None  # tree: engine.TreeStep
-    positions: torch.Tensor | None = None  # tree: (n,) node positions on the target's device
-
-
-class Lane:
-    """One request in the forest (module docstring); `events` of `engine.generate`, one per pass."""
-
-    def __init__(self, m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig,
-                 gen: torch.Generator | None = None):
-        check_fits(m, st, new_ids)
-        self.m, self.st, self.cfg = m, st, cfg
-        st.grammar = start_constraints(m, st, cfg, len(st.ids) + len(new_ids))   # per request, as generate()
-        self.gen = gen if gen is not None else torch.Generator().manual_seed(cfg.seed)
-        st.noise = new_noise(self.gen)   # this request's coupled draws, as generate() draws them
-        reserve_caches(m, st)
-        self.n_prompt = len(st.ids) + len(new_ids) - st.target_len
-        st.ids.extend(new_ids)
-        st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
-        self.stream = TextStream(m.tokenizer)
-        self.prefilling, self.produced, self.pass_index = True, 0, 0
-        self.finish: str | None = None   # set with the last event
-        self.passes = 0                  # forest passes this lane took part in (prefill chunks included)
-        self.t0, self.t_prefill = time.perf_counter(), 0.0
-        self.share: _Share | None = None
-        self.shape = cfg.shape   # the tree shape of its last pass (the forest's split)
-        self.moved = transfers.TransferCount()
+    def __init__(self, m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen=None):
         # trees need a draft and a tree method: --method ar, or no draft at all (every layer resident,
         # `--draft self` with nothing to substitute), decodes one token a pass as core.methods.generate does
-        self.trees = m.draft is not None and cfg.method != "ar"
+        trees = m.draft is not None and cfg.method != "ar"
+        super().__init__(m, st, new_ids, cfg, gen, speculative_step if trees else ar_step)
+        self.shape = cfg.shape
 
     @property
     def decoding(self) -> bool:
         return not self.prefilling
-
-    def begin(self, shape: TreeShape) -> ForwardJob:
-        """This lane's share of the next pass; `shape`: its tree shape in this pass."""
-        before = transfers.snapshot()
-        m, st = self.m, self.st
-        if self.prefilling:
-            a = st.target_len
-            b = len(st.ids) if m.pass_tokens <= 0 else min(len(st.ids), a + m.pass_tokens)
-            ids, pos = kvcache.stage(m.target, torch.tensor(st.ids[a:b], dtype=torch.long), torch.arange(a, b))
-            self.share = _Share("prefill", end=b)
-            job = ForwardJob(ids, pos, None, st.target_cache, last_only=True)
-        else:
-            cfg = replace(self.cfg, shape=shape)
-            limit = min(self.cfg.max_new_tokens - self.produced, m.ctx_limit - len(st.ids))
-            ts = grow_step(m, st, cfg, self.gen, limit) if self.trees else None
-            if ts is None:   # plain decoding, or no room for a tree: the root alone (engine.ar_step)
-                ids, pos = kvcache.stage(m.target, torch.tensor(st.ids[-1:]), torch.tensor([len(st.ids) - 1]))
-                mask = causal_mask(st.target_len, 1, kvcache.model_dtype(m.target), m.target.device)
-                self.share = _Share("ar")
-            else:
-                ids, pos, mask, *bits = verify_inputs(m.target, ts.vt, st.target_len, len(st.ids) - 1,
-                                                      *([ts.bits] if ts.bits is not None else []))
-                ts.bits = bits[0] if bits else None   # the nodes' grammar masks ride in the same upload
-                self.share = _Share("tree", tree=ts, positions=pos)
-            job = ForwardJob(ids, pos, mask, st.target_cache)
-        self.moved = transfers.since(before)
-        return job
-
-    def end(self, logits: torch.Tensor, seconds: float) -> StepEvent | None:
-        """Accept and commit this lane's share of the pass (`seconds`: the pass's wall time)."""
-        before = transfers.snapshot()
-        m, st, share, cfg = self.m, self.st, self.share, self.cfg
-        self.share, self.passes = None, self.passes + 1
-        t0 = time.perf_counter()
-        if share.kind == "prefill":
-            st.target_len = share.end
-            if share.end < len(st.ids):
-                return None   # more chunks to go
-            if m.draft is not None and cfg.method != "ar" and not m.shared_kv:
-                run_prompt(m.draft, st.draft_cache, st.ids, st.draft_len, m.pass_tokens)
-                st.draft_len = len(st.ids)
-            tok = draw(st, logits[-1], cfg.sampling, self.gen)
-            st.ids.append(tok)
-            resumed, self.prefilling = self.produced > 0, False   # resumed: this pass is a decoding step
-            if not resumed:
-                self.t_prefill = time.perf_counter() - self.t0
-            res = StepResult([tok], 0, target_seconds=seconds if resumed else 0.0,
-                             logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
-        elif share.kind == "ar":
-            tok = draw(st, logits[-1], cfg.sampling, self.gen)
-            st.target_len += 1
-            st.ids.append(tok)
-            res = StepResult([tok], 0, target_seconds=seconds, logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
-        else:
-            res = accept_step(m, st, cfg, share.tree, logits, share.positions)
-            res.draft_seconds = share.tree.t1 - share.tree.t0 + time.perf_counter() - t0
-            res.target_seconds = seconds
-        if share.kind != "prefill" or self.produced > 0:
-            st.noise.forget(len(st.ids))
-            self.pass_index += 1
-        moved = transfers.since(before)
-        return self._event(res, transfers.TransferCount(self.moved.calls + moved.calls, self.moved.bytes + moved.bytes))
-
-    def _event(self, res: StepResult, moved: transfers.TransferCount) -> StepEvent:
-        self.produced += len(res.tokens)
-        self.finish = finish_reason(self.m, self.st, res.tokens, self.produced, self.cfg)
-        return StepEvent(
-            text=self.stream.feed_split(res.tokens, res.accepted), tokens=res.tokens, accepted=res.accepted,
-            pass_index=self.pass_index, tree_size=res.tree_size, tree_depth=res.tree_depth,
-            draft_seconds=res.draft_seconds, target_seconds=res.target_seconds,
-            prefill_seconds=self.t_prefill, decode_seconds=time.perf_counter() - self.t0 - self.t_prefill,
-            new_tokens=self.produced, prompt_tokens=self.n_prompt, finish=self.finish,
-            host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
-            prefill_streams=self.st.prefill_streams if self.pass_index == 0 else 0, logprobs=res.logprobs,
-        )  # fmt: skip
 
     def pause(self) -> list[int]:
         """Leave the forest at a pass boundary without ending (serve's scheduler lends the slot to a
@@ -170,18 +74,16 @@ class Lane:
         """Continue on `st` (the same slot or another) whose committed ids plus `new_ids` are the ids
         `pause` returned: those rows are prefilled in the next pass(es), whose last logits give the
         next token as a plain step would (the same position and draws: the same token)."""
-        reserve_caches(self.m, st)
         st.grammar, st.noise = self.grammar, self.noise
         if st.grammar is not None:
             st.grammar.state = st   # the ids it follows (the same ones, maybe in another state)
-        st.ids.extend(new_ids)
-        st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, self.m.pass_tokens)
-        self.st, self.share, self.prefilling = st, None, True
+        add_prompt(self.m, st, new_ids)
+        self.st, self.steps, self.job, self.prefilling = st, None, None, True
 
     def settle(self, leaving: bool = False) -> None:
         """Drop cache rows past the committed lengths (a pass that did not finish); `leaving`: the
         request is over (its grammar state goes, as at the end of generate())."""
-        self.share = None
+        self.steps = self.job = None
         if leaving:
             self.st.grammar = None
         kvcache.crop(self.st.target_cache, self.st.target_len)

@@ -2,13 +2,16 @@
 conversation's decode state, and the per-pass results and events.
 
 Contract: plain dataclasses, no behaviour beyond `StepEvent.tps`; `engine.py` drives them. Field
-comments say each value's unit and who sets it.
+comments say each value's unit and who sets it. Below them, the rules the loop applies to a state
+between passes: whether a prompt fits (`check_fits`, else ContextOverflow), committing a prompt
+for its prefill (`add_prompt`: caches reserved, its passes counted) and why a reply ends
+(`finish_reason`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -18,6 +21,7 @@ from specexec_cli.core.grammar import GrammarSpec
 from specexec_cli.core.logprobs import TokenLogprob
 from specexec_cli.core.sampling import PositionNoise, SamplingParams
 from specexec_cli.errors import SpecxError
+
 
 class ContextOverflow(SpecxError):
     """The prompt (or conversation) does not fit in the models' context window."""
@@ -41,8 +45,8 @@ class Models:
 @dataclass(frozen=True)
 class GenerationConfig:
     method: str = "specexec"  # name in methods.METHODS (the core ones in STEP_METHODS)
-    shape: TreeShape = TreeShape(budget=64, max_depth=64)
-    sampling: SamplingParams = SamplingParams()
+    shape: TreeShape = TreeShape(budget=64, max_depth=64)  # noqa: RUF009 - frozen, shared safely
+    sampling: SamplingParams = SamplingParams()  # noqa: RUF009 - frozen
     seed: int = 0
     max_new_tokens: int = 256
     extra: dict = field(default_factory=dict, hash=False, compare=False)  # method options (methods/common.py)
@@ -106,3 +110,46 @@ class StepEvent:
 
 
 StepFn = Callable[[Models, DecodeState, GenerationConfig, torch.Generator, int], StepResult]
+
+
+def reserve_caches(m: Models, st: DecodeState) -> None:
+    """Preallocate both caches for the planned rows (no-op when unplanned or already allocated)."""
+    if m.shared_kv and not isinstance(st.draft_cache, kvcache.SharedCache):
+        st.draft_cache, st.draft_len = kvcache.SharedCache(st.target_cache), 0
+    if m.kv_rows is not None:
+        kvcache.reserve(st.target_cache, m.target, m.kv_rows[0], m.pool, "kv_target")
+        if m.draft is not None and not m.shared_kv:
+            kvcache.reserve(st.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_draft")
+
+
+def prefill_passes(n_new: int, chunk: int) -> int:
+    """Target passes engine.prompt_chunks makes over n_new tokens in chunks of `chunk` (0 = one pass)."""
+    return 0 if n_new <= 0 else (1 if chunk <= 0 else -(-n_new // chunk))
+
+
+def add_prompt(m: Models, st: DecodeState, new_ids: list[int]) -> None:
+    """Commit `new_ids` for the next prefill (caches reserved, its target passes counted)."""
+    reserve_caches(m, st)
+    st.ids.extend(new_ids)
+    st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
+
+
+def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:
+    total = len(st.ids) + len(new_ids)
+    if total + 1 > m.ctx_limit:
+        raise ContextOverflow(
+            f"prompt needs {total} tokens but the context holds {m.ctx_limit}; shorten the prompt"
+            + (" or /clear the conversation" if st.ids else "")
+        )
+
+
+def finish_reason(m: Models, st: DecodeState, tokens: list[int], produced: int, cfg) -> str | None:
+    if any(t in m.eos_ids for t in tokens):
+        return "eos"
+    if st.grammar is not None and st.grammar.done:   # the grammar is complete: nothing more can follow
+        return "stop"
+    if produced >= cfg.max_new_tokens:
+        return "length"
+    if len(st.ids) >= m.ctx_limit:
+        return "context"
+    return None

@@ -5,8 +5,9 @@ What is staged: there are three models in a cascade.
            SpecExec walk — lossless whatever the tree, so this method is lossless too);
   stage 2  the DRAFT grows that tree, as `draft.grow_tree` does: each draft forward expands the
            best open nodes of the current top-`budget` set (SpecExec's cumulative-probability rule);
-  stage 3  an N-GRAM model (prompt lookup over the prompt + generated text, `NgramIndex`) speeds up
-           stage 2: for each node the draft is about to expand, it proposes a continuation of up to
+  stage 3  an N-GRAM model (prompt lookup over the prompt + generated text: `ngram.NgramIndex`,
+           the index of specexec's n-gram branches) speeds up stage 2: for each node the draft is
+           about to expand, it proposes a continuation of up to
            `CHAIN_LEN` tokens. The proposals ride along in the SAME draft forward (tree mask: each
            proposed token sees the prefix, the node's ancestors, the node and the earlier proposed
            tokens), so the draft verifies them in batch instead of decoding them one by one.
@@ -28,31 +29,10 @@ import torch
 from specexec_cli.core import kvcache
 from specexec_cli.core.draft import DraftContext, TreeShape, expand, step_batch
 from specexec_cli.core.engine import speculative_step
+from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.tree import Tree, ancestors, attention_mask, causal_mask
 
-NGRAM = 3  # longest suffix matched by the prompt-lookup model (falls back to shorter ones)
 CHAIN_LEN = 8  # tokens proposed per node
-INDEX_WINDOW = 4096  # most recent committed tokens the n-gram model looks up
-
-
-class NgramIndex:
-    """Prompt lookup: the continuation that followed the most recent earlier match of a suffix."""
-
-    def __init__(self, ids: list[int], n: int = NGRAM):
-        self.ids = ids[-INDEX_WINDOW:]
-        self.n = n
-        self.last: dict[tuple[int, ...], int] = {}  # n-gram → end index of its latest occurrence
-        for k in range(1, n + 1):
-            for end in range(k, len(self.ids)):  # end < len: a continuation token exists
-                self.last[tuple(self.ids[end - k : end])] = end
-
-    def propose(self, tail: list[int], length: int) -> list[int]:
-        """Up to `length` tokens continuing `tail` (longest matching suffix wins); [] if none."""
-        for k in range(min(self.n, len(tail)), 0, -1):
-            end = self.last.get(tuple(tail[-k:]))
-            if end is not None:
-                return self.ids[end : end + length]
-        return []
 
 
 def path_tokens(tree: Tree, node: int) -> list[int]:

@@ -26,12 +26,17 @@ import torch
 
 from specexec_cli.core import kvcache
 from specexec_cli.core.draft import DraftContext, run_pending, top_children
-from specexec_cli.core.engine import StepResult, ar_step, draft_context, new_noise, verify_pass
+from specexec_cli.core.engine import StepResult, ar_step, draft_context, new_noise
 from specexec_cli.core.methods.common import accept_static, child_table, commit
-from specexec_cli.core.sampling import CHILDREN, PositionNoise, SamplingParams, process_logits
+from specexec_cli.core.sampling import (
+    CHILDREN,
+    PositionNoise,
+    SamplingParams,
+    process_logits,
+)
 from specexec_cli.core.transfers import to_host
 from specexec_cli.core.tree import Tree, ancestors, attention_mask, subtree
-from specexec_cli.core.verify import accept_tree
+from specexec_cli.core.verify import accept_tree, target_pass
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,11 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
         tree.mark_run(nodes)
         frontier = nxt
     return tree, qrows
+
+
+def verify_pass(m, st, vt, *extra: torch.Tensor) -> list[torch.Tensor]:
+    """verify.target_pass over root + tree from the state: [(n, V) logits, (n,) positions, *extra]."""
+    return target_pass(m.target, st.target_cache, vt, st.target_len, len(st.ids) - 1, *extra)
 
 
 def static_step(m, st, cfg, gen, limit: int, tpl: Template):
