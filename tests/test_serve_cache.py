@@ -6,7 +6,8 @@ system role and non-alternating roles. Both servers run with `--system`, so ever
   one user message with the history pasted in) prefills only the new turn on turns 2-5 and replies
   what the same conversation without them replies on a server with no prompt cache (T = 0);
 - a system message is folded (200), a template error for another reason is a 400 with its message;
-- no max_tokens and no --max-new-tokens: the reply runs past 256 tokens (the 512-position tiny pair).
+- no max_tokens and no --max-new-tokens: the reply stops at the flag's default, 256 tokens; max_tokens
+  -1 runs on past it (the 512-position tiny pair).
 """
 
 from __future__ import annotations
@@ -157,17 +158,18 @@ def no_eos_target(tiny_pair, root):
     return root
 
 
-def test_no_max_tokens_runs_to_eos_or_the_context_end(tiny_pair, tmp_path):
-    """No --max-new-tokens: a reply without max_tokens passes 256 tokens (the server's old default)."""
+def test_no_max_tokens_stops_at_the_default_and_minus_one_runs_on(tiny_pair, tmp_path):
+    """No --max-new-tokens: a reply without max_tokens stops at the flag's default (256 tokens, as
+    --help says); max_tokens -1 runs on to EOS or the context end, the same text further."""
     target = no_eos_target(tiny_pair, tmp_path / "noeos")
     srv = Server.start(["--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "fp32", "--device", "cpu",
                         "--budget", "8", "--model-name", "tiny"], tmp_path, env=ONE_THREAD)  # fmt: skip
     try:
         api = client(srv)
-        probe = api.completions.create(model="tiny", prompt="def parse(line):\n", max_tokens=300, temperature=0)
-        assert probe.choices[0].finish_reason == "length"   # its greedy continuation is longer than 256 tokens
         res = api.completions.create(model="tiny", prompt="def parse(line):\n", temperature=0)
-        assert res.usage.completion_tokens > 256
-        assert res.choices[0].text.startswith(probe.choices[0].text)
+        assert res.usage.completion_tokens == 256 and res.choices[0].finish_reason == "length"
+        full = api.completions.create(model="tiny", prompt="def parse(line):\n", temperature=0, max_tokens=-1)
+        assert full.usage.completion_tokens > 256
+        assert full.choices[0].text.startswith(res.choices[0].text)
     finally:
         assert srv.stop() == 0, srv.stderr()

@@ -11,6 +11,7 @@ import http.client
 import json
 import signal
 import socket
+import time
 
 import httpx
 import pytest
@@ -219,7 +220,11 @@ def test_a_refusal_is_one_log_line_with_the_request_id(server):
         status, hdrs, _ = server.http("POST", CHAT, body, headers)
         rid = hdrs["x-request-id"]
         assert status in (400, 401) and len(rid) == 32
-        assert [ln for ln in server.stderr().splitlines() if rid in ln] == ["specx serve: " + line.format(rid)]
+        deadline = time.monotonic() + 10   # the access line is written once the response has gone out
+        while len(lines := [ln for ln in server.stderr().splitlines() if rid in ln]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lines[0] == "specx serve: " + line.format(rid) and len(lines) == 2, lines
+        assert lines[1].startswith(f"specx serve: {status} POST /v1/chat/completions request {rid}: seconds=")
 
 
 def test_full_queue_is_429_with_retry_after(server):

@@ -150,8 +150,9 @@ def test_queued_streamed_requests_are_admitted_before_queued_background_ones(mod
 
 
 def test_no_max_tokens_ends_at_the_context_end(models):
-    """A request without max_tokens (Open WebUI's follow-ups) on a server without --max-new-tokens
-    runs to EOS or the context end: finish "length" with the context full, never a hang."""
+    """A request without max_tokens on a Worker without a default cap (`specx serve` always gives it
+    one, --max-new-tokens; max_tokens -1 is the same) runs to EOS or the context end: finish
+    "length" with the context full, never a hang."""
     worker = start(models, 2)
     try:
         async def go():

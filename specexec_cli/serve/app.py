@@ -16,7 +16,9 @@ chunk when asked for; every chunk with the `specx` field) and `data: [DONE]`, wi
 that goes away (streamed or not, queued or running) cancels its job at once: a watcher awaits the
 ASGI `http.disconnect` message, no polling; the job gives its queue slot back or stops at the next
 target pass; a stream the client left, or that fails after its headers, gets its log line here
-(guards.log_refusal). `/metrics` adds refusals by status and type and the latency histograms (`Clock`).
+(guards.log_refusal). `/metrics` adds refusals by status and type and the latency histograms (`Clock`,
+which also leaves each generation's tokens, finish reason and background task in
+`scope["state"]["access"]` for guards.Observe's access-log line).
 The model is listed and answered as `model_name` (serve/names.py); GET /v1/models/{id} also takes
 `aliases` (its path). The first answered request whose tools the chat template cannot render leaves
 one log line per server start (`DroppedTools`).
@@ -40,7 +42,7 @@ from specexec_cli.serve import shapes
 from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe, is_loopback_name, log_refusal
 from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body, unsupported
 from specexec_cli.serve.structured import to_work
-from specexec_cli.serve.jobs import Delta, Done, Failed, Job
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started
 from specexec_cli.session import notices
 from specexec_cli.session.tools import renders_tools
 
@@ -181,13 +183,15 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float, o
     job = Job(to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
     job.request_id = fmt.request_id
     job.interactive = bool(req.stream)   # a person watching the stream: served before background requests
-    clock = Clock(worker.metrics)
+    clock = Clock(worker.metrics, request.scope.get("state", {}).setdefault("access", {}))
     worker.submit(job)
     gone = asyncio.create_task(watch_disconnect(job, request))
     try:
         first = await next_report(job, gone, HEADER_GRACE if req.stream else None)
         if gone.done():
             return Response(status_code=499)  # the client left while queued
+        if not req.stream:
+            clock.saw(first)
         if isinstance(first, Failed):
             raise first.error
         if req.stream:   # from here starlette's StreamingResponse watches the client (sse cancels the job)
@@ -230,17 +234,28 @@ async def next_report(job: Job, gone: asyncio.Task, timeout: float | None = None
 
 
 class Clock:
-    """The latency histograms of one request: time to its first token, and to its end."""
+    """The latency histograms of one request (time to its first token, and to its end) and the
+    figures of its access-log line (`access`, which guards.Observe prints once the request ends)."""
 
-    def __init__(self, metrics):
+    def __init__(self, metrics, access: dict | None = None):
         self.metrics, self.t0, self.first = metrics, time.perf_counter(), False
+        self.access = {} if access is None else access
 
     def saw(self, item) -> None:
         if isinstance(item, (Delta, Done)) and not self.first:  # an empty reply: its first token was EOS
             self.first = True
             self.metrics.observe("specx_time_to_first_token_seconds", time.perf_counter() - self.t0)
-        if isinstance(item, Done):
+        if isinstance(item, Started):
+            self.access.update(prompt=item.prompt_tokens, cached=item.cached_tokens, completion=0, task=item.task)
+        elif isinstance(item, Delta):   # a client that leaves mid-reply: the tokens it was sent
+            self.access["completion"] = item.live.get("completion_tokens", 0)
+        elif isinstance(item, Done):
             self.metrics.observe("specx_request_seconds", time.perf_counter() - self.t0)
+            usage = item.usage
+            why = item.specx.get("stopped_by")
+            self.access.update(prompt=usage["prompt_tokens"], completion=usage["completion_tokens"],
+                               cached=usage["prompt_tokens_details"]["cached_tokens"],
+                               finish=f"{item.finish}:{why}" if why else item.finish)  # fmt: skip
 
 
 class DroppedTools:

@@ -8,8 +8,10 @@ for the key and sends it), `BodyLimit` (413 past the body limit), and `Observe`,
 outermost: it gives every request an id (`scope["state"]["request_id"]`, sent back as
 `x-request-id`), counts every error response by status and error type into the metrics, writes one
 stderr line per refused or cancelled request (`log_refusal`: status, error type and code, request
-id, the message), and turns an exception nobody handled into a 500 whose body carries only an error
-id. `log_failure(exc, rid)`
+id, the message), then, for every request but QUIET_ROUTES', one access-log line when it ends
+(`log_access`: status, 499 for a response the client left, route, id, and the tokens, seconds,
+finish reason and task app.Clock put in `scope["state"]["access"]`), and turns an exception nobody
+handled into a 500 whose body carries only an error id. `log_failure(exc, rid)`
 writes that id and the exception as one line on stderr (the traceback too with SPECX_DEBUG=1)
 and returns the id; the client never sees the exception's text (local paths stay local);
 `server_error(exc)` is the APIError the worker answers a failed generation with (OOM: a 400).
@@ -22,6 +24,7 @@ import ipaddress
 import json
 import os
 import sys
+import time
 import traceback
 import uuid
 
@@ -48,6 +51,17 @@ def log_refusal(status: int, error: dict, rid: str, where: str) -> None:
     message = " ".join(str(error.get("message") or "").split())
     message = message if len(message) <= LOG_MESSAGE_CHARS else message[:LOG_MESSAGE_CHARS - 3] + "..."
     notices.notice(f"specx serve: {status} {kind} {where} request {rid}: {message}")
+
+
+def log_access(status: int, where: str, rid: str, seconds: float, facts: dict) -> None:
+    """The access-log line of a finished request: status, route, request id, then (a generation)
+    its prompt, cached and completion tokens, its seconds, finish reason and background task."""
+    fields = [f"{k}={facts[k]}" for k in ("prompt", "cached", "completion") if facts.get(k) is not None]
+    fields.append(f"seconds={seconds:.2f}")
+    finish = facts.get("finish") or ("cancelled" if status == 499 and "prompt" in facts else None)
+    fields += [f"finish={finish}"] if finish else []
+    fields += [f"task={facts['task']}"] if facts.get("task") else []
+    notices.notice(f"specx serve: {status} {where} request {rid}: {' '.join(fields)}")
 
 
 def server_error(exc: BaseException, rid: str | None = None) -> APIError:
@@ -117,6 +131,7 @@ class HostCheck:
 
 LOG_MESSAGE_CHARS = 200  # a refusal's message is cut to this in its log line
 OPEN_ROUTES = {"/health", "/"}  # no key needed: the health probe and the static chat page
+QUIET_ROUTES = {"/health", "/metrics"}  # polled every few seconds: no access-log line (as llama-server)
 
 
 class BearerAuth:
@@ -211,6 +226,7 @@ class Observe:
                         log_refusal(status, error, rid, where)
             await send(msg)
 
+        t0 = time.perf_counter()
         try:
             await self.app(scope, receive, watch)
         except Exception as exc:  # noqa: BLE001 - every route's failure ends here: logged, answered by id
@@ -220,7 +236,12 @@ class Observe:
                              "headers": [(b"content-type", b"application/json")]})  # fmt: skip
                 await watch({"type": "http.response.body", "body": json.dumps(internal_body(eid)).encode()})
             elif not seen["ended"]:  # a stream that broke: end it (the client sees it stop, the log has why)
+                seen["ended"] = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if scope["path"] not in QUIET_ROUTES:   # a response that never ended: the client left
+                log_access(seen["status"] if seen["ended"] else 499, where, rid, time.perf_counter() - t0,
+                           scope["state"].get("access") or {})  # fmt: skip
 
 
 def error_object(raw: bytes) -> dict:

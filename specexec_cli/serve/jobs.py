@@ -20,6 +20,7 @@ from specexec_cli.serve.models import APIError, Work
 class Started:
     prompt_tokens: int  # the whole prompt
     cached_tokens: int  # of which were already in the caches (not prefilled)
+    task: str | None = None  # the client's background task (limits.task_of), for the access log
 
 
 @dataclass

@@ -5,7 +5,8 @@ prompt_tokens, cached_tokens)` adds one generation's `stats.RunStats`, `refused(
 counts an error answer, `forest_pass(requests, tokens)` counts a target pass shared by several
 requests (--parallel), `observe(name, seconds)` adds a latency to one of the HISTOGRAMS (time to
 first token, whole request), and `render(worker)` gives the text exposition format (version
-0.0.4) with the live queue depth. Thread-safe; no client library.
+0.0.4) with the live queue depth and `specx_prompt_cache_hit_ratio` (cached prompt tokens over
+prompt tokens, of every generation since the server started). Thread-safe; no client library.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ HELP = {
     "specx_requests_total": ("counter", "Finished requests by endpoint and outcome."),
     "specx_prompt_tokens_total": ("counter", "Prompt tokens of all requests."),
     "specx_cached_prompt_tokens_total": ("counter", "Prompt tokens reused from the KV caches (not prefilled)."),
+    "specx_prompt_cache_hit_ratio": ("gauge", "Cached prompt tokens / prompt tokens since start (0 before any)."),
     "specx_prefill_tokens_total": ("counter", "Tokens prefilled."),
     "specx_completion_tokens_total": ("counter", "Generated tokens."),
     "specx_target_passes_total": ("counter", "Target forward passes after the prefill."),
@@ -119,6 +121,9 @@ class Metrics:
             values = {k: v for k, v in self.totals.items() if k in HELP}
             passes = self.totals["specx_target_passes_total"]
             values["specx_tokens_per_pass"] = self.totals["pass_tokens"] / passes if passes else 0.0
+            prompt = self.totals["specx_prompt_tokens_total"]
+            values["specx_prompt_cache_hit_ratio"] = \
+                self.totals["specx_cached_prompt_tokens_total"] / prompt if prompt else 0.0
             shared = self.totals["specx_forest_passes_total"]
             values["specx_forest_requests_per_pass"] = self.totals["forest_requests"] / shared if shared else 0.0
             values["specx_forest_tokens_per_pass"] = self.totals["forest_tokens"] / shared if shared else 0.0

@@ -6,8 +6,9 @@ Parameters that would change the output but are not supported (penalties, logit_
 `functions`, ...) are accepted by the model and refused by `unsupported()` with a 400 that names
 them, as are a message without content (but an assistant's), image/audio/file parts and token-id
 prompts. Tools, tool calls, `response_format` and logprobs are checked and converted by
-structured.py. The values other servers accept mean what they mean there: `max_tokens` -1 or null = no
-limit (llama-server, ollama), `top_k` -1 = off (vLLM), `stream` null = false;
+structured.py. The values other servers accept mean what they mean there: `max_tokens` -1 = no
+limit (llama-server, ollama; null or absent: the server's default cap, limits.py), `top_k` -1 = off
+(vLLM), `stream` null = false;
 parameters with no effect on the text (user, metadata, ...) are ignored. `structured.to_work()` turns a
 request into the worker's `Work` (the response shapes are in shapes.py). `APIError` is every error
 the server answers, with `error_body()` its JSON.
@@ -120,11 +121,17 @@ class StreamOptions(Strict):
 
 
 
+class SpecxFields(Strict):
+    """The request's `specx` extension object (unknown keys in it are ignored, as elsewhere)."""
+
+    repetition_guard: bool | None = None  # None: the server's switch (off for a greedy request); limits.py
+
+
 class Sampling(Strict):
     """Fields both endpoints share."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31)  # -1 or None: no limit; 0 is refused
+    max_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31)  # -1: no limit; None: the default cap; 0 is refused
     temperature: Optional[float] = Field(default=None, ge=0, allow_inf_nan=False)
     top_p: Optional[float] = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = Field(default=None, ge=-1, le=2**31)  # -1 or 0: off
@@ -143,6 +150,7 @@ class Sampling(Strict):
     best_of: Any = None
     functions: Any = None
     response_format: Optional[ResponseFormat] = None
+    specx: SpecxFields | None = None  # specx's own extension fields
 
 
 class ChatRequest(Sampling):
@@ -171,7 +179,7 @@ def unsupported(req: Sampling) -> None:
     """Raise a 400 for a parameter that would change the output and that specx does not implement."""
     for name in ("max_tokens", "max_completion_tokens"):
         if getattr(req, name, None) == 0:
-            raise APIError(400, f"{name} must be at least 1 (or -1/null: to EOS or the context end)", param=name)
+            raise APIError(400, f"{name} must be at least 1 (or -1: to EOS or the context end)", param=name)
     if isinstance(req, ChatRequest):
         check_messages(req.messages)
     if req.n not in (None, 1):
@@ -220,7 +228,7 @@ class Work:
 
     messages: list[dict] | None = None  # chat: [{role, content, ...}] as templates take them (structured.py)
     prompt: str | None = None  # completions: plain text, no template
-    max_tokens: int | None = None  # None: the server's --max-new-tokens, else to EOS or the context end
+    max_tokens: int | None = None  # None: the server's default (limits.reply_limit); -1: to EOS or the context end
     temperature: float | None = None  # None: the checkpoint's generation_config.json
     top_k: int | None = None  # 0: off (the request's -1 too)
     top_p: float | None = None
@@ -232,3 +240,4 @@ class Work:
     parallel_tool_calls: bool = True  # False: at most one call is returned
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}
     logprobs: int | None = None  # None: off; k: each token's logprob and its k top alternatives
+    repetition_guard: bool | None = None  # the request's specx.repetition_guard (None: the server decides)

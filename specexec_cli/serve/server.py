@@ -7,6 +7,10 @@ fails prints one line and stops the server with exit code 2. SIGINT/SIGTERM make
 503 "stopping", stop the running generation at its next target pass, answer it, refuse what is
 queued, join the worker thread, then close the models, and exit 0. The session gets a prompt cache
 of `cache_ram` bytes (None: a default from the memory plan; 0: none), see session/prompt_cache.py.
+A request that sets no max_tokens gets --max-new-tokens, given or not (its default, 256, as --help
+says); Open WebUI's background tasks get limits.TASK_CAPS and the repetition guard watches replies
+(`task_caps`, `repetition_guard`: limits.py). Requests that set no sampling values sample with the
+--temperature/--top-k/--top-p given, then the checkpoint's, then llama-server's (`serve_defaults`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ class ServeOptions:
     cors: list[str] = field(default_factory=list)
     system: str | None = None
     cache_ram: int | None = None  # prompt cache bytes (--cache-ram); None = from the plan, 0 = off
-    max_new_tokens: int | None = None  # --max-new-tokens when given: the max_tokens of requests that send none
+    max_new_tokens: int | None = None  # --max-new-tokens when given; None: the flag's default (serve_on)
+    repetition_guard: bool = True  # the guard of limits.py watches replies (a request may switch it)
+    task_caps: bool = True  # Open WebUI's title/tags/follow-up requests get limits.TASK_CAPS
     parallel: int | None = None  # --parallel: requests decoding at once; None = what the plan fits (scheduler.parallel_fit)
 
 
@@ -97,9 +103,24 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
         session = ChatSession(models, run_cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
                               profile=prof, config_record=config_record, code=is_demo(opts.target),
                               prompt_cache=make_prompt_cache(models, plan, cache_ram))  # fmt: skip
-        return session, flags.checkpoint_defaults(opts.target)
+        return session, serve_defaults(flags, opts.target)
 
     return load
+
+
+def serve_defaults(flags, target: str):
+    """The SamplingParams of a request that sets none: the serve command's --temperature/--top-k/
+    --top-p where given, then the checkpoint's generation_config.json, then llama-server's
+    (gendefaults.serve_sampling; a target whose directory cannot be resolved, such as a GGUF file,
+    has no generation_config.json)."""
+    from specexec_cli.session.gendefaults import SERVE_DEFAULTS, merge, serve_sampling
+    from specexec_cli.session.loading import resolve_path
+
+    try:
+        base = serve_sampling(resolve_path(target, "--target"))
+    except SpecxError:
+        base = SERVE_DEFAULTS
+    return merge(base, flags.temperature, flags.top_k, flags.top_p)
 
 
 def quiet_warnings() -> None:
@@ -147,7 +168,8 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
     auto = model_id(opts.target, resolved)  # a name, never a path; the path (and --target) still answer
     name = o.model_name or auto
     worker = Worker(make_loader(flags, opts, plan, cfg, o.system, o.cache_ram), o.max_queue, Metrics(),
-                    max_new_tokens=o.max_new_tokens, parallel=o.parallel or 1)  # fmt: skip
+                    max_new_tokens=o.max_new_tokens or flags.max_new_tokens, parallel=o.parallel or 1,
+                    repetition_guard=o.repetition_guard, task_caps=o.task_caps)  # fmt: skip
     app = create_app(worker, name, api_key=o.api_key, cors=o.cors, host=o.host,
                      aliases=aliases(opts.target, resolved, name) | ({auto} - {name}))  # fmt: skip
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)

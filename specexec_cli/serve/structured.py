@@ -170,11 +170,12 @@ def to_work(req: Sampling) -> Work:
     """The request's `Work` (call `unsupported(req)` first)."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = 0 if req.top_k == -1 else req.top_k
-    work = Work(temperature=req.temperature, top_k=top_k, top_p=req.top_p, seed=req.seed, stops=stops)
+    work = Work(temperature=req.temperature, top_k=top_k, top_p=req.top_p, seed=req.seed, stops=stops,
+                repetition_guard=req.specx.repetition_guard if req.specx is not None else None)
     apply(req, work)
     if isinstance(req, ChatRequest):
         work.messages = template_messages(req.messages)
-        work.max_tokens = limit(req.max_completion_tokens) or limit(req.max_tokens)
+        work.max_tokens = req.max_completion_tokens or req.max_tokens
     else:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if any(not isinstance(p, str) for p in prompts):
@@ -183,10 +184,5 @@ def to_work(req: Sampling) -> Work:
         if len(prompts) != 1:
             raise APIError(400, f"prompt must be one string (got a list of {len(prompts)}): one completion "
                            "per request", param="prompt")  # fmt: skip
-        work.prompt, work.max_tokens = prompts[0], limit(req.max_tokens)
+        work.prompt, work.max_tokens = prompts[0], req.max_tokens   # -1: no limit (limits.reply_limit)
     return work
-
-
-def limit(max_tokens: int | None) -> int | None:
-    """A request's max_tokens as the worker's: -1 (llama-server's and ollama's "no limit") is None."""
-    return None if max_tokens == -1 else max_tokens

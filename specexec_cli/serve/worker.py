@@ -13,8 +13,10 @@ with `loop.call_soon_threadsafe`, so the event loop never waits on the model. `j
 client that went away) gives a queued job's slot back (at once, or at the next pass boundary when
 it waits in the scheduler) and stops a running one after the current target pass; `shutdown()`
 (SIGINT/SIGTERM) stops the running ones likewise and refuses the queued ones (503); the caches stay
-consistent. A request without max_tokens generates to EOS or the context end, or to
-`max_new_tokens` when the server was given one. A chat template that raises is a 400
+consistent. A request's length is limits.reply_limit's: its max_tokens, else `max_new_tokens`
+(None: to EOS or the context end), at most limits.TASK_CAPS for a background task with
+`task_caps`; with `repetition_guard` a reply that repeats one span (limits.RULE) ends "stop", its
+`specx` field saying `"stopped_by": "repetition"`. `Started` names the background task. A chat template that raises is a 400
 `chat_template_error`; a grammar or logprobs on a method that cannot give them a 400 before the
 reply starts. A request's tools, grammar and logprobs are planned by structured.py and its text
 filtered by reply.py (stop strings, tool calls), and `Done` carries the tool calls and the logprobs.
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started, spans
+from specexec_cli.serve.limits import RepetitionGuard, guard_on, reply_limit
 from specexec_cli.serve.models import APIError, Work
 from specexec_cli.serve.reply import Piece, Reply
 from specexec_cli.serve.shapes import usage_body
@@ -54,7 +57,9 @@ class Worker:
     pending: int = 0  # submitted and not finished (the running one included)
     busy: bool = False
     job_seconds: float = 5.0  # running mean of a request's wall time (for Retry-After)
-    max_new_tokens: int | None = None  # the server's --max-new-tokens when given: the default max_tokens
+    max_new_tokens: int | None = None  # the max_tokens of requests that send none (None: to EOS or the context end)
+    repetition_guard: bool = False  # limits.RepetitionGuard watches replies (server.py turns it on)
+    task_caps: bool = False  # background tasks get limits.TASK_CAPS (server.py turns it on)
     parallel: int = 1  # --parallel: requests decoding at once (> 1: one forest pass for all, scheduler.py)
     running: int = 0  # requests generating now (admitted; a paused one too)
     submitted: int = 0  # jobs submitted so far (their order)
@@ -268,17 +273,17 @@ class Worker:
                        f"(this server runs --method {method}); restart it with --method specexec", param=param,
                        code="structured_output_unsupported")  # fmt: skip
 
-    def _config(self, work: Work, prompt_tokens: int, plan):
+    def _config(self, work: Work, prompt_tokens: int, plan, limit: int | None):
         import torch
 
-        from specexec_cli.session.options import config_record
-        from specexec_cli.session.gendefaults import merge
         from specexec_cli.core.stats import RunStats
+        from specexec_cli.session.gendefaults import merge
+        from specexec_cli.session.options import config_record
 
         base = self.session.cfg
         seed = work.seed if work.seed is not None else secrets.randbits(63)
-        room = self.session.models.ctx_limit - prompt_tokens   # no max_tokens: to EOS or the context end
-        limit = work.max_tokens or self.max_new_tokens or room
+        room = self.session.models.ctx_limit - prompt_tokens   # no limit: to EOS or the context end
+        limit = limit or room
         extra = {"grammar": plan.grammar} if plan.grammar is not None else {}
         if work.logprobs is not None:
             extra["logprobs"] = work.logprobs
@@ -313,9 +318,11 @@ class Worker:
         session, work = self.session, job.work
         full, plan = self._prompt(work)
         self._check_method(work, plan)
-        cfg, gen, stats = self._config(work, len(full), plan)
+        limit, task = reply_limit(work, self.max_new_tokens, self.task_caps)
+        cfg, gen, stats = self._config(work, len(full), plan, limit)
+        guard = RepetitionGuard() if guard_on(work, self.repetition_guard) else None
         events, prefill = self._open(job, full, cfg, gen)
-        job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill))
+        job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill, task=task))
         plain = work.messages is not None and not session.templated and not session.code
         reply = Reply(session.models.tokenizer, plan.stops(work.stops + (PLAIN_STOPS if plain else [])), plan.names,
                       plan.forced, work.logprobs, plan.limit)  # fmt: skip
@@ -328,6 +335,8 @@ class Worker:
                     finish = "stop"
                 elif ev.finish:
                     finish = FINISH.get(ev.finish, "length")
+                elif guard is not None and guard.feed(ev.tokens):   # a loop that no longer ends
+                    finish = "stop"
                 elif job.cancelled.is_set():
                     finish = "cancelled"
                 elif self.stopping.is_set():
@@ -347,7 +356,10 @@ class Worker:
             calls, finish = calls if work.parallel_tool_calls else calls[:1], "tool_calls"
         usage = usage_body(len(full), stats.new_tokens if reply.used is None else reply.used, len(full) - prefill)
         self.metrics.finished(stats, len(full), len(full) - prefill)
-        self._end(job, Done("".join(reply.parts), finish, usage, stats.speculative(), calls, reply.entries))
+        specx = stats.speculative()
+        if guard is not None and guard.fired and finish == "stop":
+            specx["stopped_by"] = "repetition"
+        self._end(job, Done("".join(reply.parts), finish, usage, specx, calls, reply.entries))
         return "cancelled" if finish == "cancelled" else "ok"
 
     @staticmethod

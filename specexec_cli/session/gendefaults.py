@@ -3,8 +3,11 @@
 Contract: `checkpoint_sampling(model_dir)` returns the `SamplingParams` a request (or `run`/`chat`
 without --temperature/--top-k/--top-p) uses when it sets none: greedy unless the file says
 `do_sample: true`; then its temperature/top_k/top_p, with transformers' own defaults (1.0, 50, 1.0)
-for the ones it leaves out. A missing or unreadable file means greedy. `merge` lets explicitly set
-values win one by one. Pure file reading: no torch, no transformers.
+for the ones it leaves out. A missing or unreadable file means greedy. `serve_sampling(model_dir)`
+is what `specx serve` uses instead: the same where the file says anything about sampling, and
+llama-server's defaults (SERVE_DEFAULTS) for what it leaves unsaid, so that a server whose requests
+and checkpoint set nothing samples as llama-server and ollama do (`run`/`chat` stay greedy there).
+`merge` lets explicitly set values win one by one. Pure file reading: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from specexec_cli.core.sampling import SamplingParams
 
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' values when do_sample is set
 GREEDY = SamplingParams()
+# llama-server's sampling defaults (common/common.h: temp 0.8, top_k 40, top_p 0.95); its min_p 0.05
+# has no counterpart in core/sampling.py and is not applied
+SERVE_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
 
 
 def read_generation_config(model_dir: Path | str | None) -> dict:
@@ -46,6 +52,25 @@ def checkpoint_sampling(model_dir: Path | str | None) -> SamplingParams:
         return SamplingParams(**HF_DEFAULTS)
     if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
         return SamplingParams(**HF_DEFAULTS)   # a broken file: transformers' defaults, never an error
+    return params
+
+
+def serve_sampling(model_dir: Path | str | None) -> SamplingParams:
+    """`specx serve`'s sampling for requests that set none: the checkpoint's when its
+    generation_config.json has `do_sample` (transformers' reading, as `checkpoint_sampling`), its
+    own temperature/top_k/top_p over SERVE_DEFAULTS when it has some of those without `do_sample`,
+    else SERVE_DEFAULTS (no file, a GGUF, a file of token ids only)."""
+    cfg = read_generation_config(model_dir)
+    if "do_sample" in cfg:
+        return checkpoint_sampling(model_dir)
+    given = {name: cfg[name] for name in HF_DEFAULTS
+             if isinstance(cfg.get(name), (int, float)) and not isinstance(cfg.get(name), bool)}  # fmt: skip
+    try:
+        params = merge(SERVE_DEFAULTS, given.get("temperature"), given.get("top_k"), given.get("top_p"))
+    except (ValueError, OverflowError):
+        return SERVE_DEFAULTS
+    if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0):
+        return SERVE_DEFAULTS   # a broken file (NaN too): never an error
     return params
 
 

@@ -1,0 +1,97 @@
+"""How long one reply of `specx serve` may run: the default cap, the caps of a chat front end's
+background tasks, and the repetition guard.
+
+Contract: `reply_limit(work, default, task_caps)` returns (max new tokens or None, task or None): a
+request's own `max_tokens` wins, -1 (llama-server's and ollama's "no limit") is None (to EOS or the
+context end), none given is `default` (the server's --max-new-tokens); a request that `task_of`
+recognises as an Open WebUI background task (title, tags, follow-ups, ...: its one user message is a
+task prompt) gets at most TASK_CAPS[task] when `task_caps` is on, whatever it asked, since those
+front ends send 1000 or no max_tokens for a reply of a few dozen tokens. `guard_on(work, server)`
+says whether the repetition guard watches the request: its `specx.repetition_guard` when it sends
+one, else the server's switch, off for a request that asks for greedy decoding (temperature 0: the
+exact output of the target alone). `RepetitionGuard.feed(tokens)` is true once the reply's last
+tokens repeat one span RULE describes; the worker then ends the reply ("stop").
+"""
+
+from __future__ import annotations
+
+from specexec_cli.serve.models import Work
+
+# Open WebUI's default task templates (backend/open_webui/config.py) begin "### Task:" and paste the
+# chat between <chat_history> tags; the first words of the task tell the kinds apart. Caps in tokens:
+# a title or tag object is 10-30 tokens, 3-5 follow-up questions in JSON about 150.
+TASK_MARK, HISTORY_MARK = "### Task:", "<chat_history>"
+TASKS = (  # (words the task's first line starts with, lowercased; the task's name), first match wins
+    ("generate a concise", "title"), ("generate 1-3 broad tags", "tags"),
+    ("suggest 3-5 relevant follow-up", "follow_ups"), ("analyze the chat history", "queries"),
+    ("you are an autocompletion system", "autocomplete"), ("generate a detailed prompt", "image_prompt"),
+)  # fmt: skip
+TASK_CAPS = {"title": 64, "tags": 96, "follow_ups": 256, "queries": 128, "autocomplete": 64,
+             "image_prompt": 256, "task": 256}  # fmt: skip  # "task": a "### Task:" prompt of no known kind
+
+# The guard's rule: the reply's tail is one span of p tokens (1 <= p <= MAX_PERIOD) repeated, at
+# least MIN_REPEATS copies in a row and at least MIN_RUN tokens in all (so a short span must repeat
+# more: 8 copies of 8 tokens, 64 of one). A loop that long no longer ends on a small model's greedy or
+# near-greedy decoding; a reply shorter than MIN_RUN tokens is never cut.
+MAX_PERIOD, MIN_REPEATS, MIN_RUN = 256, 4, 64
+RULE = f"a span of up to {MAX_PERIOD} tokens repeated {MIN_REPEATS}+ times in a row, {MIN_RUN}+ tokens in all"
+
+
+def task_of(work: Work) -> str | None:
+    """The Open WebUI background task a chat request is (None: not one): its last user message
+    starts with "### Task:" and carries the pasted <chat_history>."""
+    if not work.messages:
+        return None
+    users = [m for m in work.messages if m.get("role") == "user"]
+    text = str(users[-1].get("content") or "").lstrip() if users else ""
+    if not text.startswith(TASK_MARK) or HISTORY_MARK not in text:
+        return None
+    first = " ".join(text[len(TASK_MARK):].split("\n", 2)[:2]).strip().lower()
+    return next((name for words, name in TASKS if first.startswith(words)), "task")
+
+
+def reply_limit(work: Work, default: int | None, task_caps: bool = False) -> tuple[int | None, str | None]:
+    """(most tokens the reply may have, None: to EOS or the context end; the background task or None)."""
+    asked = work.max_tokens
+    limit = default if asked is None else None if asked == -1 else asked
+    task = task_of(work) if task_caps else None
+    if task is not None:
+        cap = TASK_CAPS[task]
+        limit = cap if limit is None else min(limit, cap)
+    return limit, task
+
+
+def guard_on(work: Work, server: bool) -> bool:
+    """Whether the repetition guard watches this request (see the module docstring)."""
+    if work.repetition_guard is not None:
+        return work.repetition_guard
+    from specexec_cli.core.sampling import GREEDY_BELOW
+
+    greedy = work.temperature is not None and work.temperature < GREEDY_BELOW
+    return server and not greedy
+
+
+class RepetitionGuard:
+    """Watches a reply's tokens for RULE. `run[p]` counts the trailing tokens that equal the token p
+    before them, so each new token costs MAX_PERIOD comparisons, whatever the reply's length."""
+
+    def __init__(self, max_period: int = MAX_PERIOD, repeats: int = MIN_REPEATS, min_run: int = MIN_RUN):
+        self.max_period, self.repeats, self.min_run = max_period, repeats, min_run
+        self.ids: list[int] = []
+        self.run = [0] * (max_period + 1)
+        # the run of period p that fires: the tail of run[p] + p tokens is max(repeats * p, min_run) long
+        self.need = [0] + [max(repeats * p, min_run) - p for p in range(1, max_period + 1)]
+        self.fired = False
+
+    def feed(self, tokens) -> bool:
+        """Add the reply's next tokens; True once (and after) its tail repeats as RULE says."""
+        for token in tokens:
+            self.ids.append(int(token))
+            n = len(self.ids) - 1
+            ids, run, need, last = self.ids, self.run, self.need, self.ids[n]
+            for p in range(1, min(self.max_period, n) + 1):
+                # the tail of run[p] + p tokens has period p: its first copy, then run[p] equal tokens
+                run[p] = run[p] + 1 if ids[n - p] == last else 0
+                if run[p] >= need[p]:
+                    self.fired = True
+        return self.fired
