@@ -6,6 +6,9 @@ plan now lists the substitutes it has room to keep dequantized (`dense_draft_lay
 "dequantized_draft"), the loader does exactly that (the pool counts the plan's bytes), and, the
 values being those the per-forward path rebuilds, decoding is the same token for token and pass for
 pass. Where the room is short, a prefix of them is kept and the rest rebuild per forward.
+On a CPU in fp32 with the kernel built, the substitutes load as its blocks instead and none is
+dequantized (tests/test_lowbit_blocks.py); the tests of the dense path here ask for the fused
+kernel ($SPECX_LOWBIT_KERNEL=fused), as a GPU or a build without the kernel has it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ def _decode(opts, plan) -> tuple[list[int], int, dict, object]:
         models.close() if hasattr(models, "close") else None
 
 
+@pytest.fixture(autouse=True)
+def _fused(monkeypatch):
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "fused")
+
+
 @pytest.mark.parametrize("bits", [3, 2])
 def test_planned_counted_and_the_same_decoding(tiny_pair, bits):
     pytest.importorskip("hqq")
@@ -73,6 +81,11 @@ def test_short_room_keeps_a_prefix_and_nf4_or_no_self_draft_keeps_none():
     per = linear_numel(a) * 4
     lay = LayerSizes([], [], [], [], [], 0, substitute=[10, 10, 0, 10])   # layer 2: left out (no substitute)
     assert dense_substitutes(lay, [], Req, a, 10 * per) == ([0, 1, 3], 3 * per)
+    with pytest.MonkeyPatch.context() as mp:   # the kernel's blocks (the CPU default): nothing dequantized
+        mp.delenv("SPECX_LOWBIT_KERNEL")
+        from offload.quant.fused import kernel_choice
+        if kernel_choice("cpu", __import__("torch").float32) == "blocks":
+            assert dense_substitutes(lay, [], Req, a, 10 * per) == ([], 0)
     assert dense_substitutes(lay, [1], Req, a, 10 * per) == ([0, 3], 2 * per)   # resident: the target's own
     assert dense_substitutes(lay, [], Req, a, 2 * per + per // 2) == ([0, 1], 2 * per)
     Req.draft_bits = 4   # NF4 substitutes: bitsandbytes' kernels, never densified

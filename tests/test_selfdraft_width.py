@@ -22,6 +22,14 @@ from specexec_cli.session.planning import make_plan
 RUN_KERNEL = {"eager": "hqq-eager", "fused": "hqq-compiled"}   # LowbitLinear.kernel -> the cost model's name
 
 
+def blocks_built() -> bool:
+    import torch
+
+    from offload.quant.fused import kernel_choice
+
+    return kernel_choice("cpu", torch.float32) == "blocks"
+
+
 def plan_for(target, bits):
     opts = LoadOptions(target=str(target), draft="self", device="cpu", offload="disk", ctx=96, draft_bits=bits)
     plan = make_plan(opts, TreeShape(budget=8, max_depth=4, max_beams=4), budget_auto=False)
@@ -31,10 +39,12 @@ def plan_for(target, bits):
 
 def run_kernels(opts, plan) -> set[str]:
     from offload.quant.lowbit import LowbitLinear
+    from offload.quant.lowbit_pack import KernelLowbitLinear
 
     models = load_models(replace(opts, plan=plan))
     try:
-        return {RUN_KERNEL[m.kernel] for m in models.draft.modules() if isinstance(m, LowbitLinear)}
+        return ({RUN_KERNEL[m.kernel] for m in models.draft.modules() if isinstance(m, LowbitLinear)}
+                | {"sx-blocks" for m in models.draft.modules() if isinstance(m, KernelLowbitLinear)})
     finally:
         models.close() if hasattr(models, "close") else None
 
@@ -49,6 +59,9 @@ def test_each_width_is_costed_with_the_kernel_its_run_uses(tiny_pair, monkeypatc
     used = run_kernels(opts, plan)
     assert used == {cand["kernel"]}, (used, cand["kernel"])
     a = arch_of(__import__("json").loads((tiny_pair[0] / "config.json").read_text()))
+    if env == "auto" and blocks_built():   # the CPU default: the kernel's blocks, nothing dequantized
+        assert cand["kernel"] == "sx-blocks" and cand["dequant_bytes"] == 0 and plan.dense_draft_layers == []
+        return
     per_weight = {"hqq-eager": 6, "hqq-compiled": 3}[cand["kernel"]]   # CPU: eager reference / Inductor graph
     # substitutes dequantized once at load (the plan had room: all of them here) rebuild nothing per forward
     assert plan.dense_draft_layers == list(range(a.layers))
@@ -57,13 +70,13 @@ def test_each_width_is_costed_with_the_kernel_its_run_uses(tiny_pair, monkeypatc
 
 
 def test_cpu_auto_width_is_the_eager_kernels_choice(tiny_pair, monkeypatch):
-    """Without --draft-bits on the CPU (SPECX_LOWBIT_KERNEL=auto: eager HQQ), the 3/2-bit substitutes are
+    """Without --draft-bits on the CPU (SPECX_LOWBIT_KERNEL=eager: eager HQQ), the 3/2-bit substitutes are
     dequantized once where the plan has room (all of them here), so their candidates carry no
     dequantization traffic and read their linears in the compute dtype, while the 4-bit (nf4) one
     dequantizes per forward (two compute-dtype elements a weight); the chosen width is the candidate
     with the most modelled tokens/s."""
     pytest.importorskip("hqq")
-    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "auto")
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")
     _, plan = plan_for(tiny_pair[0], None)
     by_bits = {c["bits"]: c for c in plan.candidates if c["draft"] == "self"}
     assert {by_bits[b]["kernel"] for b in (3, 2)} == {"hqq-eager"} and by_bits[4]["kernel"] == "nf4-dequant"
@@ -73,3 +86,20 @@ def test_cpu_auto_width_is_the_eager_kernels_choice(tiny_pair, monkeypatch):
     assert all(by_bits[b]["weight_bytes"] >= linear_numel(a) * 4 * a.layers for b in (3, 2))
     top = max(by_bits.values(), key=lambda c: c["tokens_per_second"])
     assert plan.substitute_bits == top["bits"] == plan.choice["bits"]
+
+
+def test_cpu_auto_width_with_the_kernels_blocks(tiny_pair, monkeypatch):
+    """The CPU default (SPECX_LOWBIT_KERNEL=auto with the C kernel built): the 3/2-bit substitutes are
+    the kernel's blocks, read packed (under a byte a weight) and never dequantized."""
+    pytest.importorskip("hqq")
+    if not blocks_built():
+        pytest.skip("the C kernel is not built here")
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "auto")
+    _, plan = plan_for(tiny_pair[0], None)
+    by_bits = {c["bits"]: c for c in plan.candidates if c["draft"] == "self"}
+    a = arch_of(__import__("json").loads((tiny_pair[0] / "config.json").read_text()))
+    for b in (3, 2):
+        assert by_bits[b]["kernel"] == "sx-blocks" and by_bits[b]["dequant_bytes"] == 0
+    top = max(by_bits.values(), key=lambda c: c["tokens_per_second"])
+    assert plan.substitute_bits == top["bits"] == plan.choice["bits"] and plan.dense_draft_layers == []
+    assert 0 < plan.device_bytes["draft"] < linear_numel(a) * a.layers   # packed: under a byte a weight

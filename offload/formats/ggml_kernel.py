@@ -9,7 +9,9 @@ Contract:
   dequantize-then-matmul up to fp32 rounding order (activations are never quantized). Each call
   reads the packed bytes once (0.56-1.06 bytes per weight instead of 4). Types (`QTYPES`): Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M / Q6_K files hold;
-  K-quant rows need `in` to be a multiple of 256, which llama-quantize also requires).
+  K-quant rows need `in` to be a multiple of 256, which llama-quantize also requires), and specx's
+  own SX3 / SX2 (3- and 2-bit blocks of the self-draft's substitutes, quant/lowbit_pack.py, which
+  defines their numbers: `BLOCKS` gives every type's (values, bytes) per block).
 - `usable(x, qtype, max_rows=MAX_ROWS)`: whether `linear` serves this call: CPU fp32 input, a
   supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
   a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
@@ -51,11 +53,14 @@ from offload.cachedir import cache_root
 from offload.formats.gguf_quants import BLOCK
 
 ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
-QTYPES = (2, 3, 6, 7, 8, 12, 13, 14)   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering)
+SX3, SX2 = 130, 131                    # specx's own 3- and 2-bit blocks (the self-draft's, quant/lowbit_pack.py)
+QTYPES = (2, 3, 6, 7, 8, 12, 13, 14, SX3, SX2)   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering)
+BLOCKS = {**BLOCK, SX3: (64, 28), SX2: (32, 12)}   # type -> (values, bytes) of one stored block
 # seconds per packed byte relative to Q4_1's (what `specx profile` times), for the speed model: measured
 # by bench/gguf_kernel.py at T = 1 on one thread, the same shape in Q4_1 and in the type (gate/up for
 # Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate
-COST = {2: 1.0, 3: 1.0, 6: 1.33, 7: 1.33, 8: 1.0, 12: 2.12, 13: 2.52, 14: 2.06}
+COST = {2: 1.0, 3: 1.0, 6: 1.33, 7: 1.33, 8: 1.0, 12: 2.12, 13: 2.52, 14: 2.06,
+        130: 1.78, 131: 1.65}   # SX3, SX2: gate/up at T = 1 (576 x 1536, best of 200, 1 thread)
 MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")   # built into the same library: the decoder stack, the threads
@@ -163,7 +168,7 @@ def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) 
         return False
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    return (rows > 0 and (max_rows is None or rows <= max_rows) and k % BLOCK[qtype][0] == 0
+    return (rows > 0 and (max_rows is None or rows <= max_rows) and k % BLOCKS[qtype][0] == 0
             and (_STATE.get("fn") is not None if _STATE["tried"] else enabled()) and not _off())
 
 
@@ -184,7 +189,7 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
         x = x.contiguous()
     if not raw.is_contiguous():
         raw = raw.contiguous()
-    per, size = BLOCK[qtype]
+    per, size = BLOCKS[qtype]
     if raw.dtype != torch.uint8 or k % per or raw.numel() != out_features * (k // per) * size:
         raise ValueError(f"packed weight of {raw.numel()} bytes does not hold a ({out_features}, {k}) "
                          f"type-{qtype} matrix")

@@ -146,8 +146,9 @@ def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, roo
     """--draft self with HQQ substitutes (3 or 2 bits): the substituted layers, in order, whose linears
     dequantized once to the compute dtype (quant/dense.py) fit in `room`, and their bytes. A layer's
     linears hold q, o (hidden x heads*head_dim), k, v (hidden x kv_heads*head_dim) and the MLP's three
-    (hidden x intermediate) weights. NF4 substitutes stay packed: bitsandbytes' kernels define them."""
-    if not req.self_draft or req.draft_bits not in (2, 3):
+    (hidden x intermediate) weights. NF4 substitutes stay packed: bitsandbytes' kernels define them, and
+    so do the CPU kernel's blocks (quant/lowbit.blocks_serve: read directly, cheaper than any copy)."""
+    if not req.self_draft or req.draft_bits not in (2, 3) or substitutes_are_blocks(req, arch):
         return [], 0
     a = arch
     per = (2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim
@@ -156,6 +157,18 @@ def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, roo
     subs = [i for i, v in enumerate(lay.substitute) if v and i not in keep]
     n = min(len(subs), max(0, room) // per) if per else 0
     return subs[:n], n * per
+
+
+def substitutes_are_blocks(req, arch: Arch, bits: int | None = None) -> bool:
+    """Whether --draft self's HQQ substitutes load as the CPU kernel's blocks (quant/lowbit.blocks_serve
+    of a hidden-wide row): then nothing of theirs is dequantized and the draft runs the kernel."""
+    from offload.quant.lowbit import blocks_serve
+
+    bits = req.draft_bits if bits is None else bits   # `bits`: a width the planner weighs (--draft-bits unset)
+    if not getattr(req, "self_draft", False) or bits not in (2, 3):
+        return False
+    fp32 = torch.float32 if compute_bytes(req) == 4 else None
+    return blocks_serve((arch.hidden, arch.hidden), bits, req.device, fp32)
 
 
 @dataclass
@@ -193,7 +206,8 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     at load takes the kernel up to that many tokens, its fp32 copy above), `head_bytes` (the packed
     output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype),
     `stack` (passes of up to `rows` tokens run as one C call, stream/leanstack.py: every layer served,
-    none streamed (`streams`), a plain Llama); where some type is slower per byte than Q4_1
+    none streamed (`streams`), a plain Llama), `llama` (the family decode_stack.c computes: a self-draft
+    of kernel blocks runs on the stack then, whatever streams); where some type is slower per byte than Q4_1
     (ggml_kernel.COST) also `cost` ({layer: its packed bytes' mean factor}, the others 1) and
     `head_cost` (the head's factor). Decided as the loader decides it (gguf_kernel_type:
     CPU, fp32, a supported type), never compiled."""
@@ -217,8 +231,10 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     layers = [i for i in range(n_layers) if ok.get(i)]
     head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in ck.tensors), None)
     head_bytes = ck.tensors[head].nbytes if head and served(head) else 0
-    stack = bool(n_layers) and len(layers) == n_layers and not streams and family_reason(ck.hf_config) is None
-    out = dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes, stack=stack)
+    llama = family_reason(ck.config.get("text_config") or ck.config) is None
+    stack = bool(n_layers) and len(layers) == n_layers and not streams and llama
+    out = dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes, stack=stack,
+               llama=llama)
     cost = {i: round(weighed[i][1] / weighed[i][0], 4) for i in layers if weighed[i][1] != weighed[i][0]}
     head_cost = COST.get(ck.tensors[head].meta.get("ggml_type"), 1.0) if head_bytes else 1.0
     if cost or head_cost != 1.0:   # types slower per byte than Q4_1 (ggml_kernel.COST): the speed model's factors

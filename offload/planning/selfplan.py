@@ -76,18 +76,25 @@ def skip_factor(fraction: float) -> float | None:
 
 
 def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
-    from offload.quant.lowbit import lowbit_weight_bytes
+    import torch
+
     from offload.planning.membytes import dtype_bytes
+    from offload.quant.lowbit import blocks_serve, lowbit_weight_bytes
 
     if bits == 4:
         q = nf4_layers
         return [b + (q.quant + q.pinned) // len(q.packed) for b in q.packed]
     c = dtype_bytes(req.draft_dtype)
+    compute = torch.float32 if c == 4 else None
+
+    def sub(shape: tuple[int, ...]) -> int:   # one substitute weight: the kernel's blocks or HQQ's codes
+        blocks = blocks_serve(shape, bits, req.device, compute)
+        return lowbit_weight_bytes(shape if blocks else (math.prod(shape),), bits, c, blocks)
     out = []
     if getattr(ck, "packed", None):   # AWQ/GPTQ/compressed-tensors: substitutes of the dequantized weights
         for i in range(arch.layers):
             prefix = f"model.layers.{i}."
-            out.append(sum(lowbit_weight_bytes((math.prod(s),), bits, c) if n in ck.packed else math.prod(s) * c
+            out.append(sum(sub(tuple(s)) if n in ck.packed else math.prod(s) * c
                            for n, s in ck.shapes.items() if n.startswith(prefix)))
         return out
     for i in range(arch.layers):
@@ -97,7 +104,8 @@ def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
                 continue
             quantized = name.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype.itemsize == 1)
             numel = math.prod(e.shape) * (2 if e.dtype.itemsize == 1 and quantized else 1)
-            total += lowbit_weight_bytes((numel,), bits, c) if quantized else numel * c
+            shape = tuple(e.shape) if e.dtype.itemsize != 1 else (numel,)
+            total += sub(shape) if quantized else numel * c
         out.append(total)
     return out
 
@@ -121,8 +129,35 @@ def self_spec(a, req, bits: int, plan):
     run = len(plan.layer_bytes) - len(plan.skipped_layers)
     n = len(plan.layer_bytes)
     factor = (skip_factor(len(plan.skipped_layers) / n) or 0.0) if n else 1.0
-    return Spec("self", bits, f"self-{bits}", lambda b: tokens_per_pass(bits, req.temperature, b) * factor,
-                weight, kv, deq, 2.0 * (linear_numel(a) * run + a.hidden * a.vocab), substitute_kernel(bits, req.device))
+    tpp = lambda b: tokens_per_pass(bits, req.temperature, b) * factor   # noqa: E731
+    flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
+    blocks = blocks_forward(a, req, bits, plan)
+    if blocks is not None:   # every layer it runs through the CPU kernel's blocks (quant/lowbit_pack.py)
+        packed, weight, stack = blocks
+        return Spec("self", bits, f"self-{bits}", tpp, weight, kv, 0, flops, "sx-blocks", packed, stack)
+    return Spec("self", bits, f"self-{bits}", tpp, weight, kv, deq, flops, substitute_kernel(bits, req.device))
+
+
+def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
+    """(kernel-weighted packed bytes, other weight bytes, on the one-call stack) of one self-draft forward
+    whose substitutes are the CPU kernel's SX blocks and whose resident target layers the GGUF kernel
+    serves (then offload/selfdraft/build.py gives the draft a LeanStack); None otherwise. The packed
+    bytes carry ggml_kernel.COST's per-byte factors, as the target's do."""
+    from offload.formats.ggml_kernel import COST, MAX_ROWS, SX2, SX3
+    from offload.planning.memlayers import substitutes_are_blocks
+    from offload.planning.membytes import dtype_bytes
+
+    k = getattr(plan, "kernel", None) or {}
+    if bits not in (2, 3) or not substitutes_are_blocks(req, a, bits) or set(plan.resident) - set(k.get("layers", ())):
+        return None
+    factor = k.get("cost", {})
+    packed = plan.device_bytes.get("draft", 0) * COST[SX3 if bits == 3 else SX2]
+    packed += sum(plan.layer_bytes[i] * factor.get(i, 1.0) for i in plan.resident)
+    head = k.get("head_bytes", 0)
+    packed += head * k.get("head_cost", 1.0)
+    weight = 0 if head else a.vocab * a.hidden * dtype_bytes(req.draft_dtype)
+    stack = req.max_beams <= MAX_ROWS and bool(k.get("llama"))
+    return packed, weight, stack
 
 
 def self_candidate(a, req, bits: int, plan):

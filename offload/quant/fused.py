@@ -52,13 +52,21 @@ def dequant_linear(x: torch.Tensor, W_q: torch.Tensor, scale: torch.Tensor, zero
     return torch.nn.functional.linear(x, w, bias)
 
 
-def kernel_choice(device: torch.device | str = "cuda") -> str:
-    """$SPECX_LOWBIT_KERNEL fused | eager, or auto: fused on CUDA, eager on CPU (measured slower there:
-    bench/results/selfdraft_kernels.json)."""
+def kernel_choice(device: torch.device | str = "cuda", compute: torch.dtype | None = None) -> str:
+    """$SPECX_LOWBIT_KERNEL blocks | fused | eager, or auto: fused on CUDA; on a CPU computing in fp32
+    (`compute`) with the GGUF kernel built, blocks (the kernel's own SX3/SX2, quant/lowbit_pack.py);
+    else eager (fused measured slower on CPU: bench/results/selfdraft_kernels.json). "blocks" where
+    they cannot run falls back to eager."""
+    from offload.formats import ggml_kernel
+
     want = os.environ.get("SPECX_LOWBIT_KERNEL", "auto").strip().lower()
+    cpu = torch.device(device).type == "cpu"
+    blocks_ok = cpu and compute == torch.float32 and ggml_kernel.enabled()
     if want in ("fused", "eager"):
         return want
-    return "fused" if torch.device(device).type == "cuda" else "eager"
+    if want == "blocks" or cpu:
+        return "blocks" if blocks_ok else "eager"
+    return "fused"
 
 
 def fused_status() -> str | None:

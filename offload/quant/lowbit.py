@@ -16,12 +16,16 @@ Contract:
 - `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
   the substitute: every nn.Linear becomes a `LowbitLinear`, every other parameter is materialized;
   device bytes are counted in `pool` under "draft".
-- `LowbitLinear.forward` uses `dense` when offload/quant/dense.py dequantized it once (the eager
-  reference's weight), else runs the fused path of offload/quant/fused.py on CUDA and the eager reference
-  (HQQ's unpack, a 16-bit weight, the matmul) on CPU, where it measured faster;
-  $SPECX_LOWBIT_KERNEL=fused|eager overrides.
-- `lowbit_weight_bytes(shape, bits, scale_bytes)`: device bytes of one quantized weight from its
-  shape alone (what the memory plan counts).
+- On a CPU computing in fp32 with the GGUF kernel built, each bias-free linear becomes a
+  `KernelLowbitLinear` instead (offload/quant/lowbit_pack.py: the same HQQ codes, scales and zeros
+  repacked at load into the kernel's SX3/SX2 blocks, read directly; the draft's stack then runs in
+  one C call, stream/leanstack.py). Elsewhere `LowbitLinear.forward` uses `dense` when
+  offload/quant/dense.py dequantized it once (the eager reference's weight), else runs the fused
+  path of offload/quant/fused.py on CUDA and the eager reference (HQQ's unpack, a 16-bit weight, the
+  matmul). $SPECX_LOWBIT_KERNEL=blocks|fused|eager overrides (offload/quant/fused.kernel_choice).
+- `lowbit_weight_bytes(shape, bits, scale_bytes, blocks)`: device bytes of one quantized weight from its
+  shape alone (what the memory plan counts); `blocks_serve(shape, bits, device, compute)`: whether
+  that weight is held as the kernel's blocks (then `blocks=True` counts them).
 HQQ is optional (specx's `lowbit` extra, the `hqq` package); without it `hqq_quantizer()` raises an OffloadError
 naming that install. Its import-time deprecation warnings (torch.jit, inside torch) are kept here.
 """
@@ -45,6 +49,7 @@ from torch import nn
 from offload.errors import OffloadError, OffloadNotice
 from offload.formats.qlinear import PackedLinear
 from offload.quant.fused import kernel_choice
+from offload.quant.lowbit_pack import BLOCKS, TYPE_OF_BITS, KernelLowbitLinear, pack
 
 GROUPS = {4: 64, 3: 64, 2: 32}
 FORMAT = 1
@@ -71,9 +76,19 @@ def hqq_quantizer():
     return Quantizer
 
 
-def lowbit_weight_bytes(shape: tuple[int, ...], bits: int, scale_bytes: int = 2) -> int:
-    """Device bytes of a (out, in) weight at `bits`: packed codes + one scale and zero per group."""
+def blocks_serve(shape: tuple[int, ...], bits: int, device, compute: torch.dtype | None) -> bool:
+    """Whether a substitute of this (out, in) weight is stored as the CPU kernel's blocks
+    (quant/lowbit_pack.py): a CPU computing in fp32 with the kernel built, rows of whole groups."""
+    return (len(shape) == 2 and shape[-1] % GROUPS[bits] == 0 and bits in TYPE_OF_BITS
+            and kernel_choice(device, compute) == "blocks")
+
+
+def lowbit_weight_bytes(shape: tuple[int, ...], bits: int, scale_bytes: int = 2, blocks: bool = False) -> int:
+    """Device bytes of a (out, in) weight at `bits`: packed codes + one scale and zero per group; as
+    the kernel's blocks (`blocks`): one block of BLOCKS[type] bytes per group."""
     group = GROUPS[bits]
+    if blocks:
+        return math.prod(shape) // group * BLOCKS[TYPE_OF_BITS[bits]][1]
     rows = math.prod(shape) // group
     words = math.ceil(rows / ROWS_PER_WORD[bits]) * group
     return words * (4 if bits == 3 else 1) + 2 * rows * scale_bytes
@@ -247,9 +262,13 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
     for name, mod in list(skeleton.named_modules()):
         if isinstance(mod, (nn.Linear, PackedLinear)):
             bias = tensors.get(f"{name}.bias")
-            sub = LowbitLinear(put(tensors[f"{name}.W_q"]), put(tensors[f"{name}.scale"], compute),
-                               put(tensors[f"{name}.zero"], compute), None if bias is None else put(bias, compute),
-                               (mod.out_features, mod.in_features), bits)  # fmt: skip
+            shape = (mod.out_features, mod.in_features)
+            if bias is None and blocks_serve(shape, bits, device, compute):   # the kernel's blocks, read directly
+                sub = KernelLowbitLinear(put(_blocks(tensors, name, bits, shape)), TYPE_OF_BITS[bits], *shape)
+            else:
+                sub = LowbitLinear(put(tensors[f"{name}.W_q"]), put(tensors[f"{name}.scale"], compute),
+                                   put(tensors[f"{name}.zero"], compute), None if bias is None else put(bias, compute),
+                                   shape, bits)  # fmt: skip
             parent, _, leaf = name.rpartition(".")
             setattr(skeleton.get_submodule(parent) if parent else skeleton, leaf, sub)
     for name, p in list(skeleton.named_parameters()):
@@ -258,6 +277,13 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
             mod = skeleton.get_submodule(owner) if owner else skeleton
             setattr(mod, leaf, nn.Parameter(put(tensors[name], compute), requires_grad=False))
     return skeleton
+
+
+def _blocks(tensors: dict, name: str, bits: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Linear `name`'s HQQ codes, scale and zero from a shard as the kernel's blocks (lowbit_pack.pack)."""
+    scale = tensors[f"{name}.scale"]
+    codes = hqq_quantizer().unpack[PACKING[bits]](tensors[f"{name}.W_q"], dtype=torch.float32)
+    return pack(codes[: scale.shape[0]], scale, tensors[f"{name}.zero"], bits, shape[0])
 
 
 def _header_settings(shard: Path) -> str:

@@ -9,7 +9,8 @@ target's architecture where
   fit, the plan has the draft leave out the least influential layers, offload/selfdraft/influence.py), so
   the draft never touches the weight stream: `bits` 4 = NF4 (bitsandbytes blocksize 64, double-
   quantized: the packed weights of the target's nf4 cache, offload/quant/quant_cache.py); 3 or 2 = HQQ
-  (offload/quant/lowbit.py, its own per-layer cache). Both are built once from the 16-bit checkpoint with
+  (offload/quant/lowbit.py, its own per-layer cache; on a CPU in fp32 repacked into the GGUF kernel's
+  own blocks, so a draft of a Llama GGUF target runs each forward as one C call, stream/leanstack.py). Both are built once from the 16-bit checkpoint with
   a progress bar, reused on later loads, rebuilt when the checkpoint changes, never used corrupt.
 An nf4 target (loaded from a 16-bit checkpoint through the nf4 cache) takes 3- or 2-bit
 substitutes made from that 16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line
@@ -135,6 +136,7 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
         elif i not in layers:
             draft.layers[i] = target.layers[i]   # resident in the target: the same module, bound once
     draft.substituted, draft.substitute_bits, draft.skipped = layers, bits, skipped
+    draft.lean = LeanStack.build(draft)   # kernel-block substitutes (CPU fp32): the draft's pass in one C call
     return draft
 
 

@@ -89,9 +89,11 @@ def family_reason(cfg) -> str | None:
     The planner asks the same (planning/memlayers.kernel_terms), so the model and the loader agree."""
     if _off():
         return f"${ENV}=off"
-    if getattr(cfg, "model_type", None) != "llama" or getattr(cfg, "hidden_act", None) != "silu":
-        return f"family {getattr(cfg, 'model_type', None)!r} is not plain Llama"
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+    def get(key, default=None):   # a PretrainedConfig, or the planner's config.json-style dict
+        return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    if get("model_type") != "llama" or get("hidden_act") != "silu":
+        return f"family {get('model_type')!r} is not plain Llama"
+    if get("attention_bias", False) or get("mlp_bias", False):
         return "the model's linears have biases"
     return None
 

@@ -18,6 +18,12 @@ d * c + m rounds the product, then the sum (K-quants' "- dmin * mn" is "+ (-(dmi
     Q6_K (14) 210 B / 256: 128 B ql, 64 B qh, 16 int8 scales (one per 16 values), fp16 d at 208:
               sub-block s = 4 h + r: low 4 bits from ql[64 h + 32 (r & 1) + i] >> 4 (r >> 1), high 2
               from qh[32 h + i] >> 2 r; w = d * sc * (q - 32)
+Two specx types (not GGUF's: the self-draft's HQQ substitutes, offload/quant/lowbit_pack.py), whose
+codes are 2-bit fields of little-endian u32 words (value j of a 16-lane half at bits 2j .. 2j + 1):
+    SX3 (130)  28 B / 64: fp16 d, fp16 m, then per 32-value sub-block s (12 B at 4 + 12 s): u32 lo2
+              (values 0-15), u32 lo2 (values 16-31), u32 hb (bit j: the third bit of value j);
+              q = lo2 | hb << 2 (0..7), w = d * q + m
+    SX2 (131)  12 B / 32: fp16 d, fp16 m, u32 (values 0-15), u32 (values 16-31): w = d * q + m
 `sub(qtype, row, b, &s)`: the stored block holding sub-block b and b's index s in it; `codes` and
 `subscales` then give c_j (lo = j < 16, hi = j >= 16) and the pair sc = (d, m), dlo = dhi = d, for
 every type but Q6_K, whose pair is (dlo, dhi), m = 0. */
@@ -32,7 +38,7 @@ every type but Q6_K, whose pair is (dlo, dhi), m = 0. */
 #endif
 
 #define QK 32
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, SX3 = 130, SX2 = 131 };
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -74,9 +80,9 @@ static inline v16f b2f(v16b q) { return __builtin_convertvector(__builtin_conver
    GCC 12 widens a signed byte vector with scalar code) */
 static inline v16f i8f(const uint8_t *p) { return b2f(ldb(p) ^ 0x80) - 128.0f; }
 
-static inline int is_k(int qtype) { return qtype >= Q4_K; }
+static inline int is_k(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
 static inline int has_min(int qtype) {
-    return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K;
+    return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K || qtype == SX3 || qtype == SX2;
 }
 /* bytes of one stored block (32 values, or 256 for the K-quants); 0: unsupported type */
 static inline size_t block_bytes(int qtype) {
@@ -89,19 +95,22 @@ static inline size_t block_bytes(int qtype) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case SX3: return 28;
+    case SX2: return 12;
     default: return 0;
     }
 }
-static inline int64_t block_values(int qtype) { return is_k(qtype) ? 256 : QK; }
+static inline int64_t block_values(int qtype) { return is_k(qtype) ? 256 : qtype == SX3 ? 64 : QK; }
 static inline size_t row_bytes(int qtype, int64_t K) { return (size_t)(K / block_values(qtype)) * block_bytes(qtype); }
 
 static inline const uint8_t *sub(int qtype, const uint8_t *row, int64_t b, int *s) {
-    if (!is_k(qtype)) {
+    int64_t per = block_values(qtype) / QK;   /* sub-blocks per stored block: 1, 2 (SX3) or 8 */
+    if (per == 1) {
         *s = 0;
         return row + b * block_bytes(qtype);
     }
-    *s = (int)(b & 7);
-    return row + (b >> 3) * block_bytes(qtype);
+    *s = (int)(b % per);
+    return row + (b / per) * block_bytes(qtype);
 }
 
 /* 16 bytes widened to 32-bit lanes: every shift and mask below runs on 32-bit lanes (x86 has no
@@ -125,10 +134,41 @@ static inline void fifth_bits(const uint8_t *qh4, v16i *lo, v16i *hi) {
     *hi = (v16i)(((bits >> (lane + 16)) & 1) << 4);
 }
 
+/* SX3/SX2: 16 codes of 2 bits from one u32 (value j at bits 2j), plus SX3's third bits from hb >> h0 */
+static inline v16i bits2(const uint8_t *p) {
+    const v16u twice = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return (v16i)((((v16u){0} + w) >> twice) & 3);
+}
+static inline v16i bit3(const uint8_t *p, int h0) {
+    const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return (v16i)((((((v16u){0} + w) >> (lane + (uint32_t)h0)) & 1)) << 2);
+}
+
+/* SX3/SX2 sub-block s's integer codes (0..7 or 0..3) in 16-lane halves */
+static inline void sx_codes(int qtype, const uint8_t *blk, int s, v16i *lo, v16i *hi) {
+    if (qtype == SX2) {
+        *lo = bits2(blk + 4);
+        *hi = bits2(blk + 8);
+        return;
+    }
+    const uint8_t *q = blk + 4 + 12 * s;
+    *lo = bits2(q) | bit3(q + 8, 0);
+    *hi = bits2(q + 4) | bit3(q + 8, 16);
+}
+
 /* Integer codes of sub-block s of stored block `blk` as floats, the type's offset subtracted (exact) */
 static inline void codes(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
     v16i a, b, h0, h1;
     switch (qtype) {
+    case SX3: case SX2:
+        sx_codes(qtype, blk, s, &a, &b);
+        *lo = i2f(a);
+        *hi = i2f(b);
+        return;
     case Q8_0:
         *lo = i8f(blk + 2);
         *hi = i8f(blk + 18);

@@ -3,7 +3,8 @@
 Contract: `codes_of(qtype, blk, s, &lo, &hi)` and `scales_of(qtype, blk, s, sc)` give what ggml_blocks.h's
 `codes` and `subscales` give (the scale pair sc[0..1]; sc must have room for 4 floats), and with
 FAST_CODES (AVX-512 VBMI, BW, F16C: -march=native on recent x86) `table_values` gives a sub-block's 32
-weights by table lookup for the types of at most 5-bit codes (returns 0 for the others). Every path
+weights by table lookup for the types of at most 5-bit codes, specx's SX3/SX2 among them (returns 0
+for the others). Every path
 gives the same exact numbers; only the instructions differ. NO_FMA keeps a product rounded on its own
 where the reference rounds it before a sum. */
 
@@ -119,6 +120,14 @@ static inline int table_values(int qtype, const uint8_t *blk, int s, const float
         a = _mm512_mask_or_epi32(a, hlo, a, c16), b = _mm512_mask_or_epi32(b, hhi, b, c16);
         *wlo = (v16f)_mm512_permutex2var_ps((__m512)t0, a, (__m512)t1);
         *whi = (v16f)_mm512_permutex2var_ps((__m512)t0, b, (__m512)t1);
+        return 1;
+    }
+    case SX3: case SX2: {   /* 8 or 4 values: a code (0..7) picks its own from the affine table */
+        v16f w16 = affine16(sc[0], sc[1], 0.0f);
+        v16i lo, hi;
+        sx_codes(qtype, blk, s, &lo, &hi);
+        *wlo = (v16f)_mm512_permutexvar_ps((__m512i)lo, (__m512)w16);
+        *whi = (v16f)_mm512_permutexvar_ps((__m512i)hi, (__m512)w16);
         return 1;
     }
     default:

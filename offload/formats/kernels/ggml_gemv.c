@@ -7,7 +7,7 @@ K/256 for the K-quants; rowmap NULL = identity). W is dequantized in fp32 regist
 gguf.quants.dequantize defines it and every product and sum is fp32: the same number as
 dequantize-then-matmul up to the order of fp32 roundings (as one BLAS vs another). Activations
 are never quantized. Types and block layouts: ggml_blocks.h (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K), each read as 32-value sub-blocks w_j = d * c_j (+ m).
+Q5_K, Q6_K, and specx's 3- and 2-bit SX3, SX2), each read as 32-value sub-blocks w_j = d * c_j (+ m).
 ggml_gemm_slice writes into a slice of a wider output instead (row stride ldy >= N).
 Returns 0, or -1 for an unsupported qtype / K not a whole number of blocks (nothing written).
 Two schedules, both reading each packed row from memory once per call:
@@ -220,6 +220,8 @@ KERNEL(gemm_q8_0, Q8_0)
 KERNEL(gemm_q4_k, Q4_K)
 KERNEL(gemm_q5_k, Q5_K)
 KERNEL(gemm_q6_k, Q6_K)
+KERNEL(gemm_sx3, SX3)
+KERNEL(gemm_sx2, SX2)
 
 static void (*kernel_of(int qtype))(void *, int, int) {
     switch (qtype) {
@@ -230,6 +232,8 @@ static void (*kernel_of(int qtype))(void *, int, int) {
     case Q8_0: return gemm_q8_0;
     case Q4_K: return gemm_q4_k;
     case Q5_K: return gemm_q5_k;
+    case SX3: return gemm_sx3;
+    case SX2: return gemm_sx2;
     default: return gemm_q6_k;
     }
 }

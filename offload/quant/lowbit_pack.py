@@ -1,0 +1,109 @@
+"""The self-draft's HQQ substitutes in blocks the CPU kernel reads directly (specx's SX3 / SX2 types).
+
+Contract:
+- `SX3`, `SX2`: the kernel's type ids (formats/kernels/ggml_blocks.h has the byte layouts): 3-bit
+  codes in blocks of 64 values (28 bytes: 3.5 bits a weight), 2-bit in blocks of 32 (12 bytes: 3.0),
+  one fp16 pair (d, m) a block, w = d * q + m. `TYPE_OF_BITS[bits]`; `BLOCKS[type] = (values, bytes)`.
+- `pack(codes, scale, zero, bits)` -> (N, row bytes) uint8: HQQ's group-wise quantization
+  W[g] = (q[g] - zero[g]) * scale[g] (groups of offload/quant/lowbit.GROUPS[bits] consecutive input
+  values, row-major over the (N, K) weight) as blocks of the kernel: one block a group, d = scale,
+  m = -zero * scale (each rounded to fp16 once). `codes` (groups, group) integers in [0, 2^bits).
+- `dequantize(raw, qtype, N, K)` -> (N, K) fp32: the reference, exactly the kernel's numbers
+  (the fp32 product d * q, then + m, rounded apart).
+- `KernelLowbitLinear(raw, qtype, out, in)`: y = x W^T for fp32 CPU input through
+  formats/ggml_kernel.linear (any number of rows: the packed bytes read once per call, never a dense
+  copy); other inputs (another device or dtype) multiply by `dequantize`. It exposes what
+  stream/leanstack.py reads of a kernel-served linear (`ggml_type`, `parts`, `row_map`,
+  `out_features`, no bias), so a self-draft of such layers runs as one C call per pass.
+Why: the 3-bit self-draft's fp32 copies made each draft forward read 4 bytes a weight through ~40
+torch ops a layer; these blocks cost the kernel 0.375-0.44 bytes a weight (bench/spec_pass.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from offload.formats import ggml_kernel
+
+SX3, SX2 = ggml_kernel.SX3, ggml_kernel.SX2
+TYPE_OF_BITS = {3: SX3, 2: SX2}
+BLOCKS = {t: ggml_kernel.BLOCKS[t] for t in (SX3, SX2)}   # values, bytes of one block (= one HQQ group)
+_BITS = {SX3: 3, SX2: 2}
+
+
+def _words(fields: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., 32 // width) small ints -> (...,) int64 words: field j at bits width * j."""
+    shifts = torch.arange(fields.shape[-1], dtype=torch.int64) * width
+    return (fields.to(torch.int64) << shifts).sum(-1)
+
+
+def _u32_bytes(words: torch.Tensor) -> torch.Tensor:
+    """(..., n) int64 holding u32 values -> (..., 4 n) uint8, little-endian."""
+    b = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+    return b.to(torch.uint8).flatten(-2)
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, n_rows: int) -> torch.Tensor:
+    """HQQ (codes, scale, zero) of an (n_rows, K) weight -> its kernel blocks (see the contract)."""
+    qtype = TYPE_OF_BITS[bits]
+    values, nbytes = BLOCKS[qtype]
+    q = codes.to(torch.int64).reshape(-1, values)                 # (groups, group): one block each
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << bits):
+        raise ValueError(f"{bits}-bit codes outside [0, {1 << bits})")
+    s = scale.reshape(-1).float()
+    d = s.to(torch.float16)
+    m = (-zero.reshape(-1).float() * s).to(torch.float16)
+    head = torch.stack([d, m], dim=1).view(torch.uint8)           # (groups, 4): fp16 d, fp16 m
+    halves = q.reshape(q.shape[0], -1, 2, 16)                      # (groups, sub-blocks, half, 16)
+    lo2 = _words(halves & 3, 2)                                    # (groups, sub-blocks, 2)
+    if bits == 3:
+        hb = _words((q >> 2).reshape(q.shape[0], -1, 32), 1)       # (groups, sub-blocks)
+        lo2 = torch.cat([lo2, hb[..., None]], dim=-1)              # (groups, sub-blocks, 3)
+    body = _u32_bytes(lo2.flatten(1))
+    out = torch.cat([head, body], dim=1)
+    assert out.shape[1] == nbytes
+    return out.reshape(n_rows, -1).contiguous()
+
+
+def _fields(words: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """(...,) int64 words -> (..., n) fields of `width` bits (the inverse of _words)."""
+    shifts = torch.arange(n, dtype=torch.int64) * width
+    return (words[..., None] >> shifts) & ((1 << width) - 1)
+
+
+def dequantize(raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tensor:
+    """The (n_rows, k) fp32 weight the kernel computes with (see the contract)."""
+    values, nbytes = BLOCKS[qtype]
+    blk = raw.reshape(-1, nbytes)
+    dm = blk[:, :4].contiguous().view(torch.float16).float()       # (groups, 2)
+    w32 = blk[:, 4:].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    per = 3 if _BITS[qtype] == 3 else 2                             # words per 32-value sub-block
+    w32 = w32.reshape(blk.shape[0], -1, per)
+    q = torch.cat([_fields(w32[..., 0], 2, 16), _fields(w32[..., 1], 2, 16)], dim=-1)
+    if per == 3:
+        q = q | (_fields(w32[..., 2], 1, 32) << 2)
+    q = q.reshape(blk.shape[0], values).float()
+    return (q * dm[:, :1] + dm[:, 1:]).reshape(n_rows, k)
+
+
+class KernelLowbitLinear(nn.Module):
+    """A substitute linear of kernel blocks (see the contract)."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, out_features: int, in_features: int):
+        super().__init__()
+        self.register_buffer("packed", raw)     # (out, in / values * bytes) uint8 kernel blocks
+        self.parts = {"packed": "packed"}       # what leanstack.py reads: attribute of the bytes
+        self.ggml_type, self.bits = qtype, _BITS[qtype]
+        self.out_features, self.in_features = out_features, in_features
+        self.bias, self.row_map, self.group, self.dense = None, None, None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ggml_kernel.usable(x, self.ggml_type, max_rows=None):
+            return ggml_kernel.linear(x, self.packed, self.ggml_type, self.out_features)
+        w = dequantize(self.packed, self.ggml_type, self.out_features, self.in_features)
+        return F.linear(x, w.to(device=x.device, dtype=x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, kernel blocks"
