@@ -1,9 +1,11 @@
-"""Model families (Llama 3.x rope scaling, Mistral, Qwen2, Qwen3, Phi-3, Gemma-2) on the offload path.
+"""Model families (Llama 3.x rope scaling, Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, Gemma-3) on the offload path.
 
 For each family a tiny seeded random checkpoint checks: resident (offload none) and streamed
 (disk) logits equal HF's, greedy ids equal HF `generate`, and tree-masked logits equal HF's
 logits of each node's own path (which checks sliding windows by absolute position under tree
-masks: the sequences are longer than the window). An unsupported model_type is refused by name.
+masks: the sequences are longer than the window). Gemma-3's local and global layers rotate with
+different RoPE bases and its query scale is not head_dim's, so a layer given the wrong rotation or
+scale shows in the logits. An unsupported model_type is refused by name.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
                                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                                     tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
 }
 
 

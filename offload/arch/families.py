@@ -6,10 +6,12 @@ the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder l
 - attention implementation (Gemma-2 soft-caps attention scores, which only "eager" computes),
 - `final_softcap`: logits <- cap * tanh(logits / cap) (Gemma-2),
 - sliding-window layers (`layer_types`, or Mistral/Qwen's global `sliding_window`).
+Gemma-3 (`gemma3_text`, the text model; the multimodal `gemma3` is refused by name) runs as
+gemma3.py's subclass, whose layers pick their own RoPE base (local or global) from one rotary pass.
 `window_mask(mask, q_pos, k_pos, window)` puts a sliding window on top of an additive 4-D mask by
 ABSOLUTE positions: HF returns caller-built 4-D (tree) masks unchanged, so without this a
 sliding layer would attend past its window whenever a tree mask is passed.
-Embedding scaling (Gemma-2's sqrt(hidden) factor) lives in HF's embedding module itself; the
+Embedding scaling (Gemma-2's and Gemma-3's sqrt(hidden) factor) lives in HF's embedding module itself; the
 loader re-creates its non-persistent `embed_scale` buffer (`restore_buffers`).
 """
 
@@ -21,7 +23,7 @@ import torch
 
 from offload.errors import OffloadError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def causal_lm_class(config):
@@ -29,6 +31,10 @@ def causal_lm_class(config):
 
     names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+    if config.model_type == "gemma3_text":
+        from offload.arch import gemma3
+
+        return gemma3.causal_lm_class()
     name = names.get(config.model_type)
     if name is None:
         raise OffloadError(f"unsupported model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
@@ -79,7 +85,7 @@ def apply_final_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor
 
 
 def restore_buffers(module: torch.nn.Module) -> None:
-    """Re-create non-persistent buffers lost by `to_empty` (Gemma-2's scaled embedding)."""
+    """Re-create non-persistent buffers lost by `to_empty` (Gemma-2's and Gemma-3's scaled embedding)."""
     for mod in module.modules():
         if hasattr(mod, "scalar_embed_scale") and hasattr(mod, "embed_scale"):
             mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=mod.weight.device)

@@ -1,0 +1,72 @@
+"""Gemma-3 (`gemma3_text`) for a caller that computes one rotary pass and hands it to every layer.
+
+Contract: `causal_lm_class()` is a subclass of transformers' Gemma3ForCausalLM with the same
+parameters, buffers and outputs (HF's own forward is unchanged). What it changes: HF's Gemma-3
+rotates local (sliding-window) layers with one RoPE base (`rope_parameters["sliding_attention"]`,
+10k) and global layers with another (1M, optionally linearly scaled), so its rotary module takes
+a `layer_type` and its model loop picks each layer's pair. specx's streaming model computes
+`rotary_emb(h, position_ids)` once per pass and passes the result to every layer. Here:
+- `TypedRotary(h, position_ids)` (no layer type) returns a `TypedRope`: a (cos, sin) tuple (the
+  global layers' pair, so code that unpacks it as a tuple still gets a valid rotation) that also
+  carries every layer type's pair in `by_type`; with a `layer_type` it is HF's rotary as is;
+- each decoder layer is a `TypedLayer`, which replaces a `TypedRope` by its own type's pair before
+  HF's layer runs (a plain (cos, sin) passes through untouched).
+Everything else Gemma-3 needs is HF's: QK norms, pre/post feed-forward norms, the (1 + w) RMSNorm,
+the sqrt(hidden) embedding scale (`families.restore_buffers` re-creates that buffer) and
+`query_pre_attn_scalar`; sliding windows under tree masks come from `families.window_mask`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+class TypedRope(tuple):
+    """(cos, sin) of the global layers; `by_type[layer_type]` is each layer type's (cos, sin)."""
+
+    by_type: dict
+
+
+@lru_cache(maxsize=1)
+def _classes():
+    """(causal LM, rotary, layer) subclasses, built on first use (transformers imports lazily)."""
+    from transformers import Gemma3ForCausalLM
+    from transformers.models.gemma3.modeling_gemma3 import (
+        Gemma3DecoderLayer,
+        Gemma3RotaryEmbedding,
+    )
+
+    class TypedRotary(Gemma3RotaryEmbedding):
+        def forward(self, x, position_ids, layer_type=None):
+            if layer_type is not None:
+                return super().forward(x, position_ids, layer_type)
+            by_type = {}
+            for t in self.layer_types:      # sorted names of the layer types this config has
+                by_type[t] = super().forward(x, position_ids, t)
+            rope = TypedRope(by_type.get("full_attention") or next(iter(by_type.values())))
+            rope.by_type = by_type
+            return rope
+
+    class TypedLayer(Gemma3DecoderLayer):
+        def forward(self, hidden_states, position_embeddings=None, *args, **kwargs):
+            if isinstance(position_embeddings, TypedRope):
+                position_embeddings = position_embeddings.by_type[self.self_attn.layer_type]
+            return super().forward(hidden_states, position_embeddings, *args, **kwargs)
+
+    # hfcompat reads a layer's cache keyword (`cache` or `past_key_values`) off its forward's
+    # signature: point it at HF's own forward, which this one passes every keyword to
+    TypedLayer.forward.__wrapped__ = Gemma3DecoderLayer.forward
+
+    class SpecxGemma3ForCausalLM(Gemma3ForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            # same buffers and parameters: only the classes change, so nothing is re-initialised
+            self.model.rotary_emb.__class__ = TypedRotary
+            for layer in self.model.layers:
+                layer.__class__ = TypedLayer
+
+    return SpecxGemma3ForCausalLM, TypedRotary, TypedLayer
+
+
+def causal_lm_class():
+    return _classes()[0]
