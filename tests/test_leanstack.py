@@ -5,8 +5,8 @@ stores them), every layer resident: the stack is built, serves decoding and smal
 each pass's logits and the K/V rows it writes equal those of the same model with the stack turned
 off ($SPECX_DECODE_STACK=off: HF's LlamaDecoderLayer over the same kernel) up to fp32 rounding
 order; greedy decoding gives the same ids. Where it must not serve, the HF path runs: more tokens
-than the kernel's rows, a cache without room, a mask of the wrong width, the switch off, streamed
-layers. On the real model (SmolLM2, when installed) `--method ar`'s ids are the same either way.
+than the kernel's rows, a cache without room, a mask of the wrong width, the switch off. Streamed
+layers run on it one call per layer as each arrives, equal to HF's layers over the same bytes. On the real model (SmolLM2, when installed) `--method ar`'s ids are the same either way.
 """
 
 from __future__ import annotations
@@ -145,19 +145,37 @@ def test_hf_path_where_the_stack_must_not_serve(tiny, monkeypatch):
         model.close()
 
 
-def test_no_stack_when_switched_off_or_streamed(tiny, monkeypatch):
+def test_no_stack_when_switched_off(tiny, monkeypatch):
     monkeypatch.setenv(leanstack.ENV, "off")
     model = _load(tiny)
     try:
         assert model.lean is None and leanstack.why_not(model) == f"${leanstack.ENV}=off"
     finally:
         model.close()
-    monkeypatch.setenv(leanstack.ENV, "auto")
+
+
+def test_streamed_layers_run_on_the_stack_equal_to_hf_layers(tiny, monkeypatch):
+    """Every layer streamed from disk: each pass runs layer by layer on the stack as each layer's bytes
+    are bound (one C call per layer), every pass after the first (which allocates the slabs: HF's path),
+    with the logits and K/V rows of HF's layers over the same bytes, and the same greedy ids."""
     model = _load(tiny, offload="disk", max_host_memory=0)
     try:
-        assert model.lean is None and leanstack.why_not(model) == "some decoder layers stream"
+        assert model.lean is not None, leanstack.why_not(model)
+        assert model.lean.streamed == frozenset(model.plan.streamed) and len(model.plan.streamed) == 3
+        hf, hf_rows, hf_calls = _passes(model, monkeypatch, on=False)
+        st, st_rows, st_calls = _passes(model, monkeypatch, on=True)
+        ids = [_greedy(model, monkeypatch, on=on) for on in (True, False)]
+        with pytest.raises(RuntimeError, match="one pass at a time"):
+            model.lean.run([])
     finally:
         model.close()
+    assert hf_calls == 0 and st_calls == 4
+    for a, b in zip(hf, st):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    for a, b in zip(hf_rows, st_rows):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert ids[0] == ids[1]
 
 
 def _plan(path, offload: str):
@@ -178,7 +196,8 @@ def test_plan_says_the_stack_runs_small_passes(tiny, monkeypatch):
     dev = passcost.device_for("cpu")
     assert passcost.forward_floor(plan, dev, 1) == dev.stack_floor_s < dev.forward_floor_s
     assert passcost.forward_floor(plan, dev, ggml_kernel.MAX_ROWS + 1) == dev.forward_floor_s
-    assert not _plan(tiny, "disk").kernel["stack"]                  # streamed layers: layer by layer
+    disk = _plan(tiny, "disk").kernel                               # streamed layers: a call per layer
+    assert disk["stack"] and disk["stack_rows"] == leanstack.STACK_ROWS
     monkeypatch.setenv(leanstack.ENV, "off")
     assert not _plan(tiny, "none").kernel["stack"]
 

@@ -35,9 +35,10 @@ def test_the_plan_names_what_the_kernel_serves(smollm2, monkeypatch):
     plan = _plan(smollm2, monkeypatch, kernel=True)
     head = open_checkpoint(smollm2).tensors["model.embed_tokens.weight"].nbytes
     assert plan.dense_layers == list(range(30))
-    assert plan.kernel == dict(layers=list(range(30)), rows=ggml_kernel.MAX_ROWS, head_bytes=head, stack=True, llama=True)
+    assert plan.kernel == dict(layers=list(range(30)), rows=ggml_kernel.MAX_ROWS, head_bytes=head, stack=True, llama=True,
+                               stack_rows=ggml_kernel.MAX_ROWS)
     assert _plan(smollm2, monkeypatch, kernel=False).kernel == dict(layers=[], rows=0, head_bytes=0, stack=False,
-                                                                        llama=True)
+                                                                        llama=True, stack_rows=ggml_kernel.MAX_ROWS)
 
 
 def test_a_decode_token_reads_packed_bytes_and_a_tree_the_fp32_copy(smollm2, monkeypatch):

@@ -205,14 +205,15 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     every packed linear it multiplies from the file's blocks, `rows` (a layer also dequantized once
     at load takes the kernel up to that many tokens, its fp32 copy above), `head_bytes` (the packed
     output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype),
-    `stack` (passes of up to `rows` tokens run as one C call, stream/leanstack.py: every layer served,
-    none streamed (`streams`), a plain Llama), `llama` (the family decode_stack.c computes: a self-draft
+    `stack` (passes of up to `stack_rows` tokens run on the one-call stack, stream/leanstack.py: every
+    layer served, a plain Llama; with streamed layers (`streams`) one call per layer as each arrives, up
+    to its STACK_ROWS since streamed layers hold no fp32 copy), `llama` (the family decode_stack.c computes: a self-draft
     of kernel blocks runs on the stack then, whatever streams); where some type is slower per byte than Q4_1
     (ggml_kernel.COST) also `cost` ({layer: its packed bytes' mean factor}, the others 1) and
     `head_cost` (the head's factor). Decided as the loader decides it (gguf_kernel_type:
     CPU, fp32, a supported type), never compiled."""
     from offload.formats.ggml_kernel import COST, MAX_ROWS, gguf_kernel_type
-    from offload.stream.leanstack import family_reason
+    from offload.stream.leanstack import STACK_ROWS, family_reason
 
     fp32 = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
 
@@ -232,9 +233,9 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     head = next((n for n in ("lm_head.weight", "model.embed_tokens.weight") if n in ck.tensors), None)
     head_bytes = ck.tensors[head].nbytes if head and served(head) else 0
     llama = family_reason(ck.config.get("text_config") or ck.config) is None
-    stack = bool(n_layers) and len(layers) == n_layers and not streams and llama
+    stack = bool(n_layers) and len(layers) == n_layers and llama
     out = dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes, stack=stack,
-               llama=llama)
+               llama=llama, stack_rows=STACK_ROWS if streams else MAX_ROWS)
     cost = {i: round(weighed[i][1] / weighed[i][0], 4) for i in layers if weighed[i][1] != weighed[i][0]}
     head_cost = COST.get(ck.tensors[head].meta.get("ggml_type"), 1.0) if head_bytes else 1.0
     if cost or head_cost != 1.0:   # types slower per byte than Q4_1 (ggml_kernel.COST): the speed model's factors

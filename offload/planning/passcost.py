@@ -193,7 +193,7 @@ def forward_floor(plan, dev: Device, n: int) -> float:
     """The per-forward floor of a target pass of n tokens: the stack's where it runs the pass
     (plan.kernel["stack"] and n within the kernel's rows), else the layer-by-layer forward's."""
     k = getattr(plan, "kernel", None) or {}
-    return dev.stack_floor_s if k.get("stack") and n <= k.get("rows", 0) else dev.forward_floor_s
+    return dev.stack_floor_s if k.get("stack") and n <= k.get("stack_rows", k.get("rows", 0)) else dev.forward_floor_s
 
 
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:

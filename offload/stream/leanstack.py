@@ -11,7 +11,9 @@ Contract:
   set). It holds, per layer, the pointers of the norms and packed bytes (resident: bound once, never
   moved).
 - `serves(h, attention_mask, cache)`: whether this pass can run on the stack: h (1, T, D) fp32 with
-  T <= ggml_kernel.MAX_ROWS (decoding and small trees; larger passes multiply dense weights better),
+  T <= `max_rows`: ggml_kernel.MAX_ROWS where some linear holds an fp32 copy (decoding and small trees;
+  larger passes multiply dense weights better), STACK_ROWS where none does (a self-draft of kernel
+  blocks: the kernel serves its linears at every size, the stack only removes HF's per-op dispatch),
   attention_mask None or an additive (1, 1, T, past + T) fp32 mask, and a cache whose layer of each
   decoder layer (by its attention's layer_idx) is a slab: `keys`/`values` (1, Hkv, cap, hd) fp32
   contiguous CPU tensors and an int `length` (specexec_cli's SlabCache, without importing it), all
@@ -42,6 +44,7 @@ from offload.formats import ggml_kernel
 
 ENV = "SPECX_DECODE_STACK"   # auto (default) | off
 ROWWISE = 2                  # decode_stack.c's flag: every matmul row as a one-row call computes it
+STACK_ROWS = 64              # rows per pass of a stack with no fp32 copy (the self-draft's frontier, small trees)
 
 
 class _Seg(ctypes.Structure):     # decode_stack.c's seg_t: one matmul's packed weight (rows 0: unused)
@@ -101,9 +104,22 @@ def family_reason(cfg) -> str | None:
 def _config_reason(model) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "not a CPU fp32 model"
-    if model.plan.streamed:
-        return "some decoder layers stream"
     return family_reason(model.config)
+
+
+def _streamable(layer) -> bool:
+    """Whether a STREAMED decoder layer can run on the stack once its bytes are bound: a Llama layer
+    whose seven linears are kernel-served GGUF linears without bias (their pointers are read per pass)."""
+    if type(layer).__name__ != "LlamaDecoderLayer":
+        return False
+    at, mlp = layer.self_attn, layer.mlp
+    mods = (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return all(getattr(m, "ggml_type", None) is not None and getattr(m, "bias", None) is None for m in mods)
+
+
+def _streamed(model) -> frozenset:
+    plan = getattr(model, "plan", None)
+    return frozenset(getattr(plan, "streamed", None) or ())
 
 
 def _packed(mod) -> tuple[torch.Tensor, int, torch.Tensor | None, int] | None:
@@ -152,16 +168,30 @@ def why_not(model) -> str | None:
         return reason
     if _function() is None:
         return ggml_kernel.kernel_status() or "the GGUF kernel library is not built"
-    parts = [_layer_parts(layer) for layer in model.layers]
-    for i, p in enumerate(parts):
-        if p is None:
+    streamed = _streamed(model)
+    for i, layer in enumerate(model.layers):
+        ok = _streamable(layer) if i in streamed else _layer_parts(layer) is not None
+        if not ok:
             return f"decoder layer {i} is not a Llama layer of kernel-served GGUF linears"
-    return None if any(parts) else "every decoder layer is skipped"
+    return None if streamed or any(map(_layer_parts, model.layers)) else "every decoder layer is skipped"
+
+
+def _fill(s: _Layer, p: dict) -> None:
+    """Point layer_t `s` at the norms and packed segments of `_layer_parts`' dict `p`."""
+    s.attn_norm, s.ffn_norm = p["norms"][0].data_ptr(), p["norms"][1].data_ptr()
+    for name in ("qkv", "o", "gu", "down"):
+        segs = p[name] if isinstance(p[name], list) else [p[name]]
+        slots = getattr(s, name)
+        for i in range(len(slots) if isinstance(slots, ctypes.Array) else 1):   # unused slots: rows 0
+            slot = slots[i] if isinstance(slots, ctypes.Array) else slots
+            raw, qtype, rowmap, rows = segs[i] if i < len(segs) else (None, 0, None, 0)
+            slot.w, slot.map, slot.type, slot.rows = _ptr(raw), _ptr(rowmap), qtype, rows
 
 
 class LeanStack:
-    def __init__(self, model, parts: list[dict]):
+    def __init__(self, model, parts: list[dict], streamed: frozenset = frozenset()):
         cfg = model.config
+        self.streamed = streamed                    # decoder layers whose bytes are bound per pass (`stream`)
         self.fn = _function()
         heads = cfg.num_attention_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -172,20 +202,23 @@ class LeanStack:
         self.idx = [p["idx"] for p in parts]        # cache layer of each decoder layer
         self.structs = (_Layer * len(parts))()
         for s, p in zip(self.structs, parts):
-            s.attn_norm, s.ffn_norm = p["norms"][0].data_ptr(), p["norms"][1].data_ptr()
-            for name in ("qkv", "o", "gu", "down"):
-                segs = p[name] if isinstance(p[name], list) else [p[name]]
-                slots = getattr(s, name)
-                for i, (raw, qtype, rowmap, rows) in enumerate(segs):
-                    slot = slots[i] if isinstance(slots, ctypes.Array) else slots
-                    slot.w, slot.map, slot.type, slot.rows = raw.data_ptr(), _ptr(rowmap), qtype, rows
+            if "norms" in p:   # resident: bound once
+                _fill(s, p)
+        # rows a pass may have on the stack: with an fp32 copy of some linear, a library GEMM beats the
+        # kernel above MAX_ROWS; with none (a kernel-block self-draft) the kernel serves every size anyway
+        dense = any(getattr(m, "dense", None) is not None for layer in model.layers for m in layer.modules())
+        self.max_rows = ggml_kernel.MAX_ROWS if dense else STACK_ROWS
         self.spare: list = []                       # layer_t arrays of the lanes beyond the first (run)
         self.calls = 0                              # passes run on the stack (tests check it is used)
 
     @classmethod
-    def build(cls, model) -> "LeanStack | None":
+    def build(cls, model) -> LeanStack | None:
         if why_not(model) is not None:
             return None
+        streamed = _streamed(model)
+        if streamed:   # every layer kept; the streamed ones' pointers are bound per pass (`stream`)
+            return cls(model, [{"idx": layer.self_attn.layer_idx} if i in streamed else _layer_parts(layer)
+                               for i, layer in enumerate(model.layers)], streamed)
         return cls(model, [p for p in map(_layer_parts, model.layers) if p])   # pass-throughs left out
 
     def _slabs(self, cache, t: int) -> list | None:
@@ -214,7 +247,7 @@ class LeanStack:
         if h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
             return False
         t = h.shape[1]
-        if not 0 < t <= ggml_kernel.MAX_ROWS:
+        if not 0 < t <= self.max_rows:
             return False
         slabs = self._slabs(cache, t)
         if slabs is None:
@@ -233,6 +266,35 @@ class LeanStack:
         each one `serves` accepts, each its own cache -> each one's h after the last decoder layer. With
         more than one job every matmul row is computed as a one-row call computes it (decode_stack.c's
         ROWWISE), so one-token jobs get bit for bit what they get alone; the weights are read once."""
+        if self.streamed:
+            raise RuntimeError("a stack with streamed layers runs one pass at a time (LeanStack.stream)")
+        lanes, keep, flat = self._lanes(jobs)
+        self._call(lanes, len(jobs), len(self.structs), flat, ROWWISE if len(jobs) > 1 else 0)
+        self._advance(keep, jobs)
+        return [part[None] for part in flat.split([h.shape[1] for h, *_ in jobs])]
+
+    def stream(self, h: torch.Tensor, position_embeddings, attention_mask, cache, layers, modules) -> torch.Tensor:
+        """`__call__` for a model whose layers in `streamed` arrive one by one: `layers` yields each decoder
+        layer's index in order once its bytes are bound (OffloadedCausalLM._layer_stream), `modules` are
+        the decoder layers. Layer i is its own C call over the pass's rows (the math of `__call__`), its
+        streamed pointers read from the bound modules first, so the read of the next streamed layer
+        proceeds while this one computes and its slot is released only after the call returns."""
+        lanes, keep, flat = self._lanes([(h, position_embeddings, attention_mask, cache)])
+        base, size = ctypes.addressof(self.structs), ctypes.sizeof(_Layer)
+        for i in layers:
+            if i in self.streamed:
+                parts = _layer_parts(modules[i])
+                if parts is None:
+                    raise RuntimeError(f"streamed decoder layer {i} is not kernel-served once bound")
+                _fill(self.structs[i], parts)
+            lanes[0].layers = base + i * size   # this layer alone: its layer_t is the lane's layer 0
+            self._call(lanes, 1, 1, flat, 0)
+        self._advance(keep, [(h,)])
+        return flat[None]
+
+    def _lanes(self, jobs: list):
+        """decode_stack.c's lane_t array for `jobs` (each lane's slab pointers and past written into its
+        layer_t array), the tensors it points at (kept alive by the caller) and the rows (sum T, D)."""
         lanes, keep, rows = (_LaneT * len(jobs))(), [], []
         while len(self.spare) < len(jobs) - 1:   # each lane beyond the first points at its own slabs
             self.spare.append((_Layer * len(self.structs)).from_buffer_copy(self.structs))
@@ -250,15 +312,20 @@ class LeanStack:
             keep.append((cos, sin, mask, slabs))
             rows.append(h[0])
         flat = torch.cat(rows).contiguous()   # (sum T, D): a new tensor, the inputs stay as they were
-        rc = self.fn(ctypes.addressof(lanes), len(jobs), len(self.structs), ctypes.addressof(self.dims),
-                     flat.data_ptr(), torch.get_num_threads(), ROWWISE if len(jobs) > 1 else 0)
+        return lanes, keep, flat
+
+    def _call(self, lanes, n_lanes: int, n_layers: int, flat: torch.Tensor, flags: int) -> None:
+        rc = self.fn(ctypes.addressof(lanes), n_lanes, n_layers, ctypes.addressof(self.dims), flat.data_ptr(),
+                     torch.get_num_threads(), flags)
         if rc != 0:
             raise RuntimeError(f"decode_stack failed ({rc})")
+
+    def _advance(self, keep: list, jobs: list) -> None:
+        """Each job's slabs hold T more rows: HF's cache update, done once per pass."""
         for (*_, slabs), (h, *_) in zip(keep, jobs):
             for layer in slabs:
                 layer.length += h.shape[1]
         self.calls += 1
-        return [part[None] for part in flat.split([h.shape[1] for h, *_ in jobs])]
 
     @staticmethod
     def head(lm_head, h: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
@@ -273,6 +340,8 @@ class LeanStack:
     def matmuls(self, tokens: int, past: int = 0) -> None:
         """Only the stack's matmuls for a pass of `tokens` (decode_stack.c's MATMULS_ONLY, a timing
         probe for bench/pass_breakdown.py): nothing is written to a cache or returned."""
+        if self.streamed:
+            raise RuntimeError("the matmuls probe needs every layer resident")
         for s in self.structs:
             s.k = s.v = None
             s.cap, s.past = past + tokens, past

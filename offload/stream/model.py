@@ -243,7 +243,9 @@ class OffloadedCausalLM(nn.Module):
         stall0 = self.prefetcher.stall_seconds
         stacked = (self.lean is not None and use_cache and not kwargs and self.compute_hook is None
                    and self.lean.serves(h, attention_mask, past_key_values))
-        if stacked:
+        if stacked and self.lean.streamed:   # layer by layer as each streamed one is bound, one C call each
+            h = self.lean.stream(h, pos_emb, attention_mask, past_key_values, self._layer_stream(), self.layers)
+        elif stacked:
             h = self.lean(h, pos_emb, attention_mask, past_key_values)   # no layer is streamed: nothing to pull
         else:
             h = self._layers(h, attention_mask, past_key_values, position_ids, given, pos_emb, use_cache, kwargs)

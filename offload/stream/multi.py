@@ -86,6 +86,7 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
     t0 = time.perf_counter()
     lanes, layered, stacked = [], [], []   # every job's lane; those run layer by layer; those on the stack
     stack = getattr(model, "lean", None) if model.compute_hook is None else None
+    stack = None if stack is not None and stack.streamed else stack   # its streamed layers: per pass (forward)
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
     for job in jobs:
