@@ -5,7 +5,9 @@ convert_hf_to_gguf.py does for Llama: llama.cpp tensor names (gguf.TensorNameMap
 permuted per head, norms in F32, the other weights quantized with `gguf.quants.quantize` (Q8_0,
 Q4_0, F16, BF16) or, for K-quants (which gguf.quants cannot quantize), random blocks with finite
 scales; metadata keys as llama.cpp writes them, a GPT-2 style tokenizer table, an optional chat
-template and sampling defaults. `split` > 1 writes `-0000k-of-0000n.gguf` parts. `header_only`
+template and sampling defaults. `arch="gemma3"` converts a Gemma-3 directory as llama.cpp does for
+Gemma-3: no Q/K permutation, RMSNorm weights stored as 1 + w, the head size and sliding window
+keys, the global RoPE base, and a sentencepiece ("llama") vocabulary. `split` > 1 writes `-0000k-of-0000n.gguf` parts. `header_only`
 writes the header with the real byte ranges and leaves the data as a hole (a sparse file).
 `LLAMA_70B` are Llama-3.1-70B's shapes for the sparse real-sized file.
 """
@@ -39,6 +41,30 @@ def _quant(w: np.ndarray, qtype, rng) -> np.ndarray:
             blocks[..., off:off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
         return blocks.reshape(w.shape[0], -1)
     return gguf.quants.quantize(w.astype(np.float32), qtype)
+
+
+SPM_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "a", "b", "\u2581a", "\u2581b", "ab", "\u2581ab"]
+
+
+def _spm_tokenizer(writer, vocab: int) -> None:
+    """A Gemma-style sentencepiece table: pad 0, eos 1, bos 2 (added), unk 3."""
+    tokens = SPM_TOKENS + [f"x{i}" for i in range(len(SPM_TOKENS), vocab)]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(vocab)])
+    writer.add_token_types([3, 3, 3, 2] + [1] * (vocab - 4))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+
+
+def _gemma3_keys(writer, cfg: dict) -> None:
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_sliding_window(cfg["sliding_window"])
 
 
 def _tokenizer(writer, vocab: int, chat_template: str | None) -> None:
@@ -81,21 +107,32 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv)
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))))
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)     # Gemma-3: the global layers' base is the file's
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 1e4))))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    writer.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    gemma = arch == "gemma3"
+    if gemma:
+        _gemma3_keys(writer, cfg)
     writer.add_vocab_size(cfg["vocab_size"])
     for key, val in (sampling or {}).items():
         writer.add_float32(f"general.sampling.{key}", val) if isinstance(val, float) else \
             writer.add_int32(f"general.sampling.{key}", val)
-    if tokenizer:
+    if tokenizer and gemma:
+        _spm_tokenizer(writer, cfg["vocab_size"])
+    elif tokenizer:
         _tokenizer(writer, cfg["vocab_size"], chat_template)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if gemma else gguf.MODEL_ARCH.LLAMA, n)
     rng = np.random.default_rng(seed)
     for hf_name, w in sd.items():
         base, _, suffix = hf_name.rpartition(".")
         g = f"{name_map.get_name(base)}.{suffix}"
-        if hf_name.endswith("q_proj.weight"):
+        if gemma and hf_name.endswith("norm.weight"):
+            w = w + 1                    # llama.cpp's Gemma converter: HF's (1 + w) stored whole
+        elif gemma:
+            pass
+        elif hf_name.endswith("q_proj.weight"):
             w = permute(w, heads)
         elif hf_name.endswith("k_proj.weight"):
             w = permute(w, kv)

@@ -11,6 +11,10 @@ a `layer_type` and its model loop picks each layer's pair. specx's streaming mod
   carries every layer type's pair in `by_type`; with a `layer_type` it is HF's rotary as is;
 - each decoder layer is a `TypedLayer`, which replaces a `TypedRope` by its own type's pair before
   HF's layer runs (a plain (cos, sin) passes through untouched).
+A config with `PLUS_ONE` set (a GGUF file: llama.cpp stores Gemma's RMSNorm weights as 1 + w, and
+the loader streams layer norms as stored) gets `PlusOneNorm`s: from the stored s they compute HF's
+x_hat * (1 + (s - 1)), bitwise what HF computes from w = s - 1 as transformers' GGUF loading makes it
+(s - 1, then 1 + that, in fp32: equal to s for a converter's s = fl(1 + w), not for every s < 0.5).
 Everything else Gemma-3 needs is HF's: QK norms, pre/post feed-forward norms, the (1 + w) RMSNorm,
 the sqrt(hidden) embedding scale (`families.restore_buffers` re-creates that buffer) and
 `query_pre_attn_scalar`; sliding windows under tree masks come from `families.window_mask`.
@@ -19,6 +23,8 @@ the sqrt(hidden) embedding scale (`families.restore_buffers` re-creates that buf
 from __future__ import annotations
 
 from functools import lru_cache
+
+PLUS_ONE = "specx_norms_plus_one"   # config attribute: norm weights are stored as 1 + w (GGUF)
 
 
 class TypedRope(tuple):
@@ -33,6 +39,7 @@ def _classes():
     from transformers import Gemma3ForCausalLM
     from transformers.models.gemma3.modeling_gemma3 import (
         Gemma3DecoderLayer,
+        Gemma3RMSNorm,
         Gemma3RotaryEmbedding,
     )
 
@@ -57,6 +64,11 @@ def _classes():
     # signature: point it at HF's own forward, which this one passes every keyword to
     TypedLayer.forward.__wrapped__ = Gemma3DecoderLayer.forward
 
+    class PlusOneNorm(Gemma3RMSNorm):
+        def forward(self, x):
+            out = self._norm(x.float())
+            return (out * (1.0 + (self.weight.float() - 1.0))).type_as(x)
+
     class SpecxGemma3ForCausalLM(Gemma3ForCausalLM):
         def __init__(self, config):
             super().__init__(config)
@@ -64,6 +76,10 @@ def _classes():
             self.model.rotary_emb.__class__ = TypedRotary
             for layer in self.model.layers:
                 layer.__class__ = TypedLayer
+            if getattr(config, PLUS_ONE, False):
+                for mod in self.model.modules():
+                    if type(mod) is Gemma3RMSNorm:
+                        mod.__class__ = PlusOneNorm
 
     return SpecxGemma3ForCausalLM, TypedRotary, TypedLayer
 

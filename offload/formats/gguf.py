@@ -12,7 +12,8 @@ only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
   needs no change keeps its float dtype; every other one (block-quantized, or a Llama-family Q/K
   weight whose rows llama.cpp permuted, or a Gemma-2 norm stored +1) is `qtype` bytes
   ((nbytes,) uint8) listed in `packed`, and `load_weight` turns it back into the HF weight on the
-  device (gguf_quants.dequantize, the permutation undone while writing rows);
+  device (gguf_quants.dequantize, the permutation undone while writing rows). Gemma-3's norms stay
+  plain as stored (1 + w): its config says so (arch/gemma3.py PLUS_ONE) and its norms read them;
 - strict checks at open: every HF parameter present (a tied lm_head may be absent) with its shape
   and the byte count its type implies, no unexpected tensor, a tokenizer in the metadata;
 - tokenizer: transformers builds it from the metadata (tokenizer_kwargs gguf_file=; once per machine,
@@ -34,7 +35,8 @@ from offload.errors import OffloadError
 from offload.formats import gguf_meta, gguf_quants as gq
 from offload.formats.base import Checkpoint, TensorInfo, as_stored, numel
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
+HF_TYPE = {"gemma3": "gemma3_text"}   # a Gemma-3 GGUF holds the text model only (as transformers reads it)
 PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
 IGNORED = ("rope_freqs.weight",)   # llama.cpp's llama3 RoPE factors: read into the config (_rope_from_freqs)
 _PLAIN = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
@@ -146,6 +148,7 @@ def _config_dict(head, arch: str, readers) -> dict:
             cfg[table[rest]] = gguf_meta.value(head, key)
     for key, val in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}).items():
         cfg.setdefault(key, val)
+    cfg["model_type"] = HF_TYPE.get(model_type, model_type)
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for r in readers for t in r.tensors)
     if "vocab_size" not in cfg:
         cfg["vocab_size"] = len(head.fields["tokenizer.ggml.tokens"].data)
@@ -168,6 +171,10 @@ def _hf_config(head, arch: str, readers, first: Path):
         raise OffloadError(f"{first}: its metadata does not describe a model transformers can build "
                            f"({exc.__class__.__name__}: {msg}); re-download or re-convert it") from None
     config._attn_implementation = Family.of(config).attn_implementation
+    if arch == "gemma3":   # its norms stream as stored (1 + w): the family's PlusOneNorm reads them so
+        from offload.arch.gemma3 import PLUS_ONE
+
+        setattr(config, PLUS_ONE, True)
     return config
 
 
