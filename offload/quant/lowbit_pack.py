@@ -39,9 +39,9 @@ def _words(fields: torch.Tensor, width: int) -> torch.Tensor:
     return (fields.to(torch.int64) << shifts).sum(-1)
 
 
-def _u32_bytes(words: torch.Tensor) -> torch.Tensor:
-    """(..., n) int64 holding u32 values -> (..., 4 n) uint8, little-endian."""
-    b = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+def _le_bytes(words: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., n) int64 holding `width`-byte values -> (..., width n) uint8, little-endian."""
+    b = torch.stack([(words >> (8 * i)) & 0xFF for i in range(width)], dim=-1)
     return b.to(torch.uint8).flatten(-2)
 
 
@@ -57,11 +57,10 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
     m = (-zero.reshape(-1).float() * s).to(torch.float16)
     head = torch.stack([d, m], dim=1).view(torch.uint8)           # (groups, 4): fp16 d, fp16 m
     halves = q.reshape(q.shape[0], -1, 2, 16)                      # (groups, sub-blocks, half, 16)
-    lo2 = _words(halves & 3, 2)                                    # (groups, sub-blocks, 2)
-    if bits == 3:
-        hb = _words((q >> 2).reshape(q.shape[0], -1, 32), 1)       # (groups, sub-blocks)
-        lo2 = torch.cat([lo2, hb[..., None]], dim=-1)              # (groups, sub-blocks, 3)
-    body = _u32_bytes(lo2.flatten(1))
+    if bits == 3:   # a 48-bit field per half: value j at bits 3j
+        body = _le_bytes(_words(halves, 3), 6).flatten(1)
+    else:
+        body = _le_bytes(_words(halves, 2), 4).flatten(1)            # a u32 per half: value j at bits 2j
     out = torch.cat([head, body], dim=1)
     assert out.shape[1] == nbytes
     return out.reshape(n_rows, -1).contiguous()
@@ -78,13 +77,11 @@ def dequantize(raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tens
     values, nbytes = BLOCKS[qtype]
     blk = raw.reshape(-1, nbytes)
     dm = blk[:, :4].contiguous().view(torch.float16).float()       # (groups, 2)
-    w32 = blk[:, 4:].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    per = 3 if _BITS[qtype] == 3 else 2                             # words per 32-value sub-block
-    w32 = w32.reshape(blk.shape[0], -1, per)
-    q = torch.cat([_fields(w32[..., 0], 2, 16), _fields(w32[..., 1], 2, 16)], dim=-1)
-    if per == 3:
-        q = q | (_fields(w32[..., 2], 1, 32) << 2)
-    q = q.reshape(blk.shape[0], values).float()
+    body = blk[:, 4:].to(torch.int64)
+    width, bits = (6, 3) if _BITS[qtype] == 3 else (4, 2)           # bytes, bits of one half's field
+    fields = body.reshape(blk.shape[0], -1, width)                   # (groups, halves, bytes)
+    words = (fields << (8 * torch.arange(width, dtype=torch.int64))).sum(-1)
+    q = _fields(words, bits, 16).reshape(blk.shape[0], values).float()
     return (q * dm[:, :1] + dm[:, 1:]).reshape(n_rows, k)
 
 

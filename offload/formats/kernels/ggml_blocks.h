@@ -19,10 +19,10 @@ d * c + m rounds the product, then the sum (K-quants' "- dmin * mn" is "+ (-(dmi
               sub-block s = 4 h + r: low 4 bits from ql[64 h + 32 (r & 1) + i] >> 4 (r >> 1), high 2
               from qh[32 h + i] >> 2 r; w = d * sc * (q - 32)
 Two specx types (not GGUF's: the self-draft's HQQ substitutes, offload/quant/lowbit_pack.py), whose
-codes are 2-bit fields of little-endian u32 words (value j of a 16-lane half at bits 2j .. 2j + 1):
-    SX3 (130)  28 B / 64: fp16 d, fp16 m, then per 32-value sub-block s (12 B at 4 + 12 s): u32 lo2
-              (values 0-15), u32 lo2 (values 16-31), u32 hb (bit j: the third bit of value j);
-              q = lo2 | hb << 2 (0..7), w = d * q + m
+codes are fields of little-endian words (SX2: value j of a 16-lane half at bits 2j .. 2j + 1 of a u32):
+    SX3 (130)  28 B / 64: fp16 d, fp16 m, then per 32-value sub-block s (12 B at 4 + 12 s): two
+              little-endian 48-bit fields (6 B each: values 0-15, then 16-31), value j of a half
+              at bits 3j .. 3j + 2; q (0..7), w = d * q + m (one VBMI multishift spreads 16 codes)
     SX2 (131)  12 B / 32: fp16 d, fp16 m, u32 (values 0-15), u32 (values 16-31): w = d * q + m
 `sub(qtype, row, b, &s)`: the stored block holding sub-block b and b's index s in it; `codes` and
 `subscales` then give c_j (lo = j < 16, hi = j >= 16) and the pair sc = (d, m), dlo = dhi = d, for
@@ -141,11 +141,15 @@ static inline v16i bits2(const uint8_t *p) {
     memcpy(&w, p, 4);
     return (v16i)((((v16u){0} + w) >> twice) & 3);
 }
-static inline v16i bit3(const uint8_t *p, int h0) {
-    const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    uint32_t w;
-    memcpy(&w, p, 4);
-    return (v16i)((((((v16u){0} + w) >> (lane + (uint32_t)h0)) & 1)) << 2);
+/* SX3: 16 codes of 3 bits from one 48-bit field (value j at bits 3j): values 0-7 from its low 32 bits,
+   8-15 from bits 24-55, so every shift stays within a 32-bit lane */
+static inline v16i bits3(const uint8_t *p) {
+    const v16u shift = {0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21};
+    const v16u upper = {0, 0, 0, 0, 0, 0, 0, 0, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u};
+    uint64_t w = 0;
+    memcpy(&w, p, 6);
+    v16u base = (((v16u){0} + (uint32_t)w) & ~upper) | (((v16u){0} + (uint32_t)(w >> 24)) & upper);
+    return (v16i)((base >> shift) & 7);
 }
 
 /* SX3/SX2 sub-block s's integer codes (0..7 or 0..3) in 16-lane halves */
@@ -156,8 +160,8 @@ static inline void sx_codes(int qtype, const uint8_t *blk, int s, v16i *lo, v16i
         return;
     }
     const uint8_t *q = blk + 4 + 12 * s;
-    *lo = bits2(q) | bit3(q + 8, 0);
-    *hi = bits2(q + 4) | bit3(q + 8, 16);
+    *lo = bits3(q);
+    *hi = bits3(q + 6);
 }
 
 /* Integer codes of sub-block s of stored block `blk` as floats, the type's offset subtracted (exact) */

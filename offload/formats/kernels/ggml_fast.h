@@ -122,7 +122,25 @@ static inline int table_values(int qtype, const uint8_t *blk, int s, const float
         *whi = (v16f)_mm512_permutex2var_ps((__m512)t0, b, (__m512)t1);
         return 1;
     }
-    case SX3: case SX2: {   /* 8 or 4 values: a code (0..7) picks its own from the affine table */
+    case SX3: {   /* one multishift spreads 16 3-bit codes, one to a lane's low byte (bits 3j .. 3j + 7 of the
+                     field: bit 3 is the next code's), and the table repeats its 8 values so bit 3 does not matter */
+        const v16f k8 = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7};
+        const __m512i at = _mm512_set_epi64(45LL << 32 | 42, 39LL << 32 | 36, 33LL << 32 | 30, 27LL << 32 | 24,
+                                            21LL << 32 | 18, 15LL << 32 | 12, 9LL << 32 | 6, 3LL << 32 | 0);
+        const uint8_t *q = blk + 4 + 12 * s;
+        uint64_t w0, w1;
+        memcpy(&w0, q, 8);                  /* values 0-15 (and 2 bytes of the next field: never selected) */
+        memcpy(&w1, q + 4, 8);              /* values 16-31 at bits 16-63: within the sub-block's 12 bytes */
+        v16f dk = sc[0] * k8;
+        NO_FMA(dk);
+        v16f w8 = dk + sc[1];
+        a = _mm512_multishift_epi64_epi8(at, _mm512_set1_epi64((long long)w0));
+        b = _mm512_multishift_epi64_epi8(at, _mm512_set1_epi64((long long)(w1 >> 16)));
+        *wlo = (v16f)_mm512_permutexvar_ps(a, (__m512)w8);
+        *whi = (v16f)_mm512_permutexvar_ps(b, (__m512)w8);
+        return 1;
+    }
+    case SX2: {   /* 4 values: a code (0..3) picks its own from the affine table */
         v16f w16 = affine16(sc[0], sc[1], 0.0f);
         v16i lo, hi;
         sx_codes(qtype, blk, s, &lo, &hi);
