@@ -7,7 +7,8 @@ permutation, a sentencepiece vocabulary) in the real file's Q4_K_M mix (Q5_0, Q8
 Q4_K and Q6_K). Oracle: transformers' `from_pretrained(dir, gguf_file=)`. Its config equals
 specx's; fp32 logits are bitwise equal with every layer resident, in RAM and on disk (the
 dequantize path, as tests/test_gguf.py), with one norm's stored values where 1 + (s - 1) != s
-in fp32 (PlusOneNorm computes HF's 1 + w from w = s - 1); through `specx run` (no chat template in the file: the prompt is encoded as plain
+in fp32 (PlusOneNorm computes HF's 1 + w from w = s - 1), the C one-call stack declining the
+family so that HF's layers run; through `specx run` (no chat template in the file: the prompt is encoded as plain
 text, BOS first), `--method ar` resident and specexec streamed from disk with a Gemma-3 GGUF draft
 (the same weights in Q8_0) give transformers' greedy ids.
 """
@@ -107,6 +108,7 @@ def test_config_and_tensors_as_transformers_reads_them(files):
 
 @pytest.mark.parametrize("offload", ["none", "ram", "disk"])
 def test_logits_equal_transformers_bitwise(files, offload, monkeypatch):
+    from offload.stream.leanstack import family_reason
     from offload.stream.model import OffloadedCausalLM
 
     monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")   # the dequantize-then-matmul path (tests/test_gguf.py)
@@ -116,6 +118,8 @@ def test_logits_equal_transformers_bitwise(files, offload, monkeypatch):
     model = OffloadedCausalLM.from_pretrained(f, device="cpu", dtype=torch.float32, offload=offload)
     try:
         assert (model.plan.tier == "none") == (offload == "none")
+        # the C one-call stack computes plain Llama layers only: it declines Gemma-3, HF's layers run
+        assert model.lean is None and "not plain Llama" in family_reason(model.config)
         with torch.no_grad():
             got = model(input_ids=IDS).logits
         assert torch.equal(got, want), (got - want).abs().max()
