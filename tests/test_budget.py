@@ -120,8 +120,8 @@ def test_tuner_shrinks_when_nothing_is_accepted():
     tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=4095, retune_every=4)
     for _ in range(64):
         tuner.observe(event(tokens=1, tree=tuner.shape.budget, accepted=0))
-    assert tuner.shape.budget <= 3
-    assert tuner.expected_tokens(1023) < 1.7
+    assert tuner.shape.budget <= 3   # plain decoding (0) once MIN_OBSERVED passes measured trees accept nothing
+    assert tuner.expected_tokens(1023) < 1.8   # the slope rests on those passes (the prior still weighs in)
 
 
 def test_depth_follows_observed_acceptance_and_respects_the_user_cap():
@@ -235,3 +235,30 @@ def test_a_loaded_run_names_its_draft_for_the_tuner(tiny_pair):
         assert pj["used"]["draft"] not in ("self", "none") and pj["used"]["by_budget"]
     finally:
         close_models(models)
+
+
+def test_tuner_falls_back_to_plain_decoding_when_trees_measure_slower_and_probes_again():
+    """The model has trees pay; measured, 2 tokens a pass cost 0.3 s (draft 0.2 + target 0.1) where a
+    plain step's pass takes 0.1 s: after MIN_OBSERVED passes the tuner decodes plainly (budget PLAIN,
+    no draft forward), and after PROBE_EVERY plain passes it measures its best tree again."""
+    from specexec_cli.core.budget import MIN_OBSERVED, PLAIN, PROBE_EVERY
+
+    timing = TimingModel({1: 0.1, 16: 0.1, 256: 0.15, 4096: 60.0}, draft_step_seconds=0.001, source="profile")
+    tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=255, retune_every=4)
+    assert tuner.shape.budget > PLAIN
+    while tuner.passes < MIN_OBSERVED:
+        tuner.observe(event(tokens=2, tree=tuner.shape.budget, draft=0.2, target=0.1))
+    assert tuner.shape.budget == PLAIN
+    for _ in range(PROBE_EVERY - 1):
+        tuner.observe(event(tokens=1, tree=0, draft=0.0, target=0.1))
+    assert tuner.shape.budget == PLAIN
+    tuner.observe(event(tokens=1, tree=0, draft=0.0, target=0.1))
+    assert tuner.shape.budget > PLAIN
+
+
+def test_tuner_keeps_trees_that_measure_faster_than_plain_steps():
+    timing = TimingModel({1: 0.1, 16: 0.1, 256: 0.15, 4096: 60.0}, draft_step_seconds=0.001, source="profile")
+    tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=255, retune_every=4)
+    for _ in range(48):
+        tuner.observe(event(tokens=3, tree=tuner.shape.budget, draft=0.05, target=0.1))
+    assert tuner.shape.budget > 0

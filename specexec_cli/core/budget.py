@@ -28,6 +28,10 @@ Models (all corrected online, so priors only matter for the first passes):
   seen; observed n-bins replace the model outright. Without measured or planned draft points,
   t_draft(B) = steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one
   draft forward per beam batch, plus the dependency chain of a tree whose depth grows ~log B).
+- plain decoding (budget PLAIN = 0: the engine's step without a tree, no draft forward) competes
+  with every budget once MIN_OBSERVED speculative passes are measured: a reply whose trees measure
+  slower than plain steps falls back to them, and tries its best tree again every PROBE_EVERY plain
+  passes (`retune`, `probe`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ PRIOR_A = 0.5  # prior tokens-per-pass slope per doubling of the budget
 PRIOR_PASSES = 8.0  # weight of the prior, in passes
 FALLBACK_KNEE = 32  # without a profile or a plan (pickle weights): tree tokens where t(n) starts to grow
 MIN_OBSERVED = 12  # passes at one budget before its empirical mean replaces the fitted curve
+PLAIN = 0  # the budget of plain decoding: the engine's step without a tree (no draft forward)
+PROBE_EVERY = 64  # plain passes after which the tuner tries its best tree again (the reply may have changed)
 
 
 def candidate_budgets(max_budget: int) -> list[int]:
@@ -206,6 +212,7 @@ class BudgetTuner:
         self.accepted_hist: dict[int, int] = {}  # accepted draft tokens per pass → count
         self.target_obs: dict[int, list[float]] = {}  # n-bin → [count, seconds]
         self.draft_obs: dict[int, list[float]] = {}  # budget → [count, seconds]
+        self.plain_passes = 0  # plain passes observed (budget PLAIN, or no room for a tree)
         self.retune()
 
     @property
@@ -234,6 +241,8 @@ class BudgetTuner:
         return self.timing.t_target(n) * self._ratio(self.target_obs, self.timing.t_target)
 
     def t_draft(self, budget: int) -> float:
+        if budget == PLAIN:
+            return 0.0
         obs = self.draft_obs.get(budget)
         if obs and obs[0] >= 3:
             return obs[1] / obs[0]
@@ -265,8 +274,20 @@ class BudgetTuner:
         return int(max(2, min(self.depth_cap, guess, budget)))
 
     def retune(self) -> None:
+        """The budget with the most tokens/s on the live statistics. Plain decoding (PLAIN: one token a
+        pass of one token, no draft) competes once MIN_OBSERVED speculative passes are measured, so a
+        reply whose trees measure slower than plain steps falls back to them (its pass time: observed
+        plain passes, else the model rescaled by the observed passes)."""
         cands = candidate_budgets(self.max_budget)
+        if self.passes >= MIN_OBSERVED:
+            cands = [PLAIN, *cands]
         budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, cands)
+        self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
+
+    def probe(self) -> None:
+        """Back to the best tree for the next `retune_every` passes, which measure it again."""
+        budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target,
+                                  candidate_budgets(self.max_budget))
         self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
 
     def split(self, lanes: int) -> TreeShape:
@@ -282,7 +303,14 @@ class BudgetTuner:
         """Feed one engine StepEvent; the prefill event (pass 0) carries no acceptance data.
         `budget`: the tree budget its step ran with (default: the current shape's); `pass_tokens`:
         the tokens its target pass verified (a forest pass: every request's tree; default its own)."""
-        if ev.pass_index == 0 or ev.tree_size == 0:
+        if ev.pass_index == 0:
+            return
+        if ev.tree_size == 0:   # a plain pass: its seconds are t_target(1)
+            rec = self.target_obs.setdefault(1, [0, 0.0])
+            rec[0], rec[1] = rec[0] + 1, rec[1] + ev.target_seconds
+            self.plain_passes += 1
+            if self.shape.budget == PLAIN and self.plain_passes % PROBE_EVERY == 0:
+                self.probe()
             return
         b, tokens = budget or self.shape.budget, len(ev.tokens)
         self.passes += 1
