@@ -62,9 +62,15 @@ def _spm_tokenizer(writer, vocab: int) -> None:
 
 
 def _gemma3_keys(writer, cfg: dict) -> None:
+    import gguf
+
     writer.add_key_length(cfg["head_dim"])
     writer.add_value_length(cfg["head_dim"])
     writer.add_sliding_window(cfg["sliding_window"])
+    full = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
+    if full.get("rope_type") == "linear":    # Gemma-3 4B+: the global layers' linear RoPE scaling
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(full["factor"]))
 
 
 def _tokenizer(writer, vocab: int, chat_template: str | None) -> None:

@@ -10,7 +10,8 @@ dequantize path, as tests/test_gguf.py), with one norm's stored values where 1 +
 in fp32 (PlusOneNorm computes HF's 1 + w from w = s - 1), the C one-call stack declining the
 family so that HF's layers run; through `specx run` (no chat template in the file: the prompt is encoded as plain
 text, BOS first), `--method ar` resident and specexec streamed from disk with a Gemma-3 GGUF draft
-(the same weights in Q8_0) give transformers' greedy ids.
+(the same weights in Q8_0) give transformers' greedy ids. A file with Gemma-3 4B+'s linear RoPE
+scaling of the global layers (which transformers' GGUF loading leaves out) is read with it.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ PROMPT = "ab a b ab ab b a ab a b b ab"
 IDS = torch.tensor([[2, 5, 9, 4, 7, 10, 8, 6, 30, 3 * 7, 11, 40, 9, 5, 8, 7, 33, 2 * 7, 10, 6]])   # > WINDOW
 
 
-def _hf_gemma3(path: Path, seed: int) -> Path:
+def _hf_gemma3(path: Path, seed: int, full_rope: dict | None = None) -> Path:
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
         vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=1, head_dim=64, sliding_window=WINDOW, max_position_embeddings=512,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        rope_parameters={"full_attention": full_rope or {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
         bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
     torch.manual_seed(seed)
@@ -123,6 +124,31 @@ def test_logits_equal_transformers_bitwise(files, offload, monkeypatch):
         with torch.no_grad():
             got = model(input_ids=IDS).logits
         assert torch.equal(got, want), (got - want).abs().max()
+    finally:
+        model.close()
+
+
+def test_linear_rope_scaling_of_the_global_layers(tmp_path, monkeypatch):
+    """Gemma-3 4B+ files carry rope.scaling (linear, factor 8, global layers only), which
+    transformers' GGUF key table leaves out: specx reads it as HF's config states it, and its logits
+    equal transformers' model of the file given the original model's rotary (its config.json's)."""
+    from offload.stream.model import OffloadedCausalLM
+
+    monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")
+    linear = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    f = write_gguf(_hf_gemma3(tmp_path / "hf", 2, linear), tmp_path / "g" / "scaled.gguf", "Q8_0", arch="gemma3")
+    ck = open_checkpoint(f)
+    rope = ck.hf_config.rope_parameters
+    assert rope["full_attention"] == linear and rope["sliding_attention"]["rope_type"] == "default"
+    ref = _hf(f)
+    assert ref.config.rope_parameters["full_attention"]["rope_type"] == "default"   # what transformers misses
+    from transformers import AutoConfig
+
+    ref.model.rotary_emb = type(ref.model.rotary_emb)(AutoConfig.from_pretrained(tmp_path / "hf"))
+    model = OffloadedCausalLM.from_pretrained(f, device="cpu", dtype=torch.float32, offload="none")
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
     finally:
         model.close()
 

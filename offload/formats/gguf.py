@@ -6,7 +6,8 @@ holding one GGUF model and no safetensors, or an ollama blob (GGUF magic, no ext
 only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
 - config: transformers' config for the file, built by its own GGUF key table (as
   `AutoConfig.from_pretrained(dir, gguf_file=)` does, without parsing the vocabulary twice),
-  the families specx runs (GGUF_ARCHS; any other `general.architecture` is one OffloadError line);
+  the families specx runs (GGUF_ARCHS; any other `general.architecture` is one OffloadError line),
+  plus what that table leaves out: Gemma-3's linear RoPE scaling of its global layers;
 - tensors keyed by HF name (GGUF names mapped through gguf's TensorNameMap against the meta-built
   HF model), each at its byte range in its part file. A tensor stored plain (F32/F16/BF16) that
   needs no change keeps its float dtype; every other one (block-quantized, or a Llama-family Q/K
@@ -149,10 +150,25 @@ def _config_dict(head, arch: str, readers) -> dict:
     for key, val in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}).items():
         cfg.setdefault(key, val)
     cfg["model_type"] = HF_TYPE.get(model_type, model_type)
+    if arch == "gemma3":
+        _gemma3_rope_scaling(head, cfg)
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for r in readers for t in r.tensors)
     if "vocab_size" not in cfg:
         cfg["vocab_size"] = len(head.fields["tokenizer.ggml.tokens"].data)
     return cfg
+
+
+def _gemma3_rope_scaling(head, cfg: dict) -> None:
+    """Gemma-3 4B/12B/27B scale their global layers' RoPE linearly (factor 8; the local layers are
+    unscaled), which llama.cpp writes as rope.scaling.* and transformers' key table leaves out: read
+    it as HF's own config states it (`rope_scaling` on the full-attention layers)."""
+    kind = gguf_meta.value(head, "gemma3.rope.scaling.type")
+    factor = gguf_meta.value(head, "gemma3.rope.scaling.factor")
+    if kind in (None, "none") or factor in (None, 1.0):
+        return
+    if kind != "linear":
+        raise OffloadError(f"Gemma-3 GGUF with rope.scaling.type {str(kind)[:20]!r}: specx reads linear scaling only")
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
 
 
 def _hf_config(head, arch: str, readers, first: Path):
