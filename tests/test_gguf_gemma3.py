@@ -10,7 +10,7 @@ dequantize path, as tests/test_gguf.py), with one norm's stored values where 1 +
 in fp32 (PlusOneNorm computes HF's 1 + w from w = s - 1), the C one-call stack declining the
 family so that HF's layers run; through `specx run` (no chat template in the file: the prompt is encoded as plain
 text, BOS first), `--method ar` resident and specexec streamed from disk with a Gemma-3 GGUF draft
-(the same weights in Q8_0) give transformers' greedy ids. A file with Gemma-3 4B+'s linear RoPE
+(the same weights in Q8_0) give transformers' greedy ids, and `--draft self` gives ar's. A file with Gemma-3 4B+'s linear RoPE
 scaling of the global layers (which transformers' GGUF loading leaves out) is read with it.
 """
 
@@ -186,3 +186,14 @@ def test_specx_run_greedy_equals_transformers(files, tmp_path):
         assert rec["prompt_tokens"] == len(ids)          # the plain text as the tokenizer encodes it
     assert len(ar["token_ids"]) > WINDOW and len(set(ar["token_ids"])) > 4   # not one repeated token
     assert spec["tokens_per_pass"] > 1.0
+
+
+@pytest.mark.slow
+def test_self_draft_prints_what_ar_prints(files, tmp_path):
+    """`--draft self` (3-bit HQQ substitutes of the streamed Gemma-3 layers) at T = 0: ar's ids."""
+    pytest.importorskip("hqq")
+    f, n = files["target"], 3 * WINDOW
+    ar = _specx(["--target", str(f), "--method", "ar", "--max-new-tokens", str(n)], tmp_path, "ar")
+    spec = _specx(["--target", str(f), "--draft", "self", "--method", "specexec", "--offload", "disk",
+                   "--max-ram", "0", "--budget", "8", "--max-new-tokens", str(n)], tmp_path, "self")
+    assert spec["method"] == "specexec" and spec["token_ids"] == ar["token_ids"], (spec, ar)
