@@ -4,7 +4,9 @@ A tiny pair (2048 positions) whose tokenizer carries a Gemma-2-style chat templa
 system role and non-alternating roles. Both servers run with `--system`, so every request is folded.
 - a five-turn conversation with a title and a follow-up request between turns (Open WebUI's shapes:
   one user message with the history pasted in) prefills only the new turn on turns 2-5 and replies
-  what the same conversation without them replies on a server with no prompt cache (T = 0);
+  what the same conversation without them replies on a server with no prompt cache (T = 0); the
+  server runs --parallel 1, so the prompt cache is what keeps the conversation (with more sequences
+  its own sequence keeps it: tests/test_serve_prefix.py);
 - a system message is folded (200), a template error for another reason is a 400 with its message;
 - no max_tokens and no --max-new-tokens: the reply stops at the flag's default, 256 tokens; max_tokens
   -1 runs on past it (the 512-position tiny pair).
@@ -84,7 +86,8 @@ def start(pair, tmp_path_factory, *extra: str) -> Server:
 
 @pytest.fixture(scope="module")
 def servers(pair, tmp_path_factory):
-    cached, plain = start(pair, tmp_path_factory), start(pair, tmp_path_factory, "--cache-ram", "0", "--parallel", "1")
+    cached = start(pair, tmp_path_factory, "--parallel", "1")   # one sequence: the prompt cache keeps the conversation
+    plain = start(pair, tmp_path_factory, "--cache-ram", "0", "--parallel", "1")
     yield cached, plain
     for srv in (cached, plain):
         assert srv.stop() == 0, srv.stderr()

@@ -3,10 +3,14 @@
 Contract: `Scheduler(session, parallel, metrics)` owns N sequence slots, each a `DecodeState` with
 its own KV caches (slot 0 is the session's own state; the others are reserved at first use under
 the device-pool component "kv_parallel", which the memory plan counts, see `parallel_fit`).
-A worker thread calls `open(full_ids, cfg, gen, cancelled)`; it blocks until the forest thread
-admits the request at the next pass boundary: the free slot whose rows it reuses most, less the
-rows it would discard, is taken (least recently used on a tie), the prompt cache restores into it
-(`ChatSession.prefill_ids` on that slot), and a `core.forest.Lane` joins the `Forest`. `open`
+A worker thread calls `open(full_ids, cfg, gen, cancelled, background=...)`; it blocks until the
+forest thread admits the request at the next pass boundary: it takes the free slot slots.choose
+picks (the one that loses no conversation's rows, then shares the most with it), the rows a
+conversation there would lose go to the prompt cache, the longest prefix another slot holds is
+copied in (slots.donor), the prompt cache restores a longer one if it has it
+(`ChatSession.prefill_ids` on that slot), and a `core.forest.Lane` joins the `Forest`. A background
+request whose only choice would lose a conversation's rows waits while another background request
+decodes (slots.waits). `open`
 returns (events, tokens to prefill): the events are the ones `ChatSession.decode` yields for one
 request alone (the prefill chunk that yields the first token runs in the same pass as the other
 requests' trees). Closing the events (stop string, finished, worker stopping) or `cancelled()`
@@ -40,7 +44,8 @@ from specexec_cli.core import kvcache
 from specexec_cli.core.engine import DecodeState, StepEvent
 from specexec_cli.core.forest import FOREST_METHODS, Forest, Lane
 from specexec_cli.errors import SpecxError
-from specexec_cli.session.prompt_cache import common_prefix
+from specexec_cli.serve.slots import Slot, choose, donor, waits
+from specexec_cli.session.prompt_cache import common_prefix, copy_prefix
 
 END = object()   # a lane's queue sentinel: taken out of the forest without a finishing event
 
@@ -58,6 +63,7 @@ class Ticket:
     gen: object  # its torch.Generator
     cancelled: Callable[[], bool]  # true once the client went away or the server stops
     interactive: bool = False  # a streamed request: admitted first, and may pause a non-streamed lane
+    background: bool = False  # a client's background task (limits.task_of): nobody continues its prompt
     seq: int = 0  # arrival order (first come, first served within a priority)
     admitted: threading.Event = field(default_factory=threading.Event)
     out: queue.Queue = field(default_factory=queue.Queue)  # StepEvents, then END or an exception
@@ -86,15 +92,6 @@ class Ticket:
                     return
         finally:
             self.closed = True
-
-
-@dataclass
-class Slot:
-    """One sequence's caches and who holds them."""
-
-    state: DecodeState  # committed ids and both caches
-    ticket: Ticket | None = None  # the request decoding in it; None = free
-    used: float = 0.0  # perf_counter when last taken (least recently used first)
 
 
 def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
@@ -155,6 +152,7 @@ class Scheduler:
         self.arrivals = 0   # open() calls (the default arrival order)
         self.expected: set[int] = set()   # seqs taken by the caller, not opened yet: later ones wait for them
         self.pauses = 0     # lanes paused for a streamed request
+        self.copies = 0     # prompt prefixes copied from another sequence instead of prefilled
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
     @property
@@ -172,10 +170,11 @@ class Scheduler:
             self.thread.join()
 
     def open(self, full: list[int], cfg, gen, cancelled: Callable[[], bool], interactive: bool = False,
-             seq: int | None = None) -> tuple[Iterator[StepEvent], int]:
+             seq: int | None = None, background: bool = False) -> tuple[Iterator[StepEvent], int]:
         """Wait for admission at the next pass boundary (module docstring); `interactive`: a streamed
-        request, `seq`: its arrival order (default: the order of the calls)."""
-        ticket = Ticket(list(full), cfg, gen, cancelled, interactive)
+        request, `seq`: its arrival order (default: the order of the calls), `background`: a client's
+        background task (slots.py)."""
+        ticket = Ticket(list(full), cfg, gen, cancelled, interactive, background)
         with self.cv:
             self.arrivals += 1
             ticket.seq = self.arrivals if seq is None else seq
@@ -242,19 +241,20 @@ class Scheduler:
 
     def _admit(self, arrived: list[Ticket]) -> None:
         """Streamed requests first, then by arrival; a streamed one finding every slot busy pauses a
-        non-streamed lane (it waits at the head of the non-streamed ones and resumes where it was)."""
+        non-streamed lane (it waits at the head of the non-streamed ones and resumes where it was).
+        Each takes the free slot slots.choose picks; a non-streamed one that waits (no slot free, or
+        slots.waits) holds back the non-streamed ones after it."""
+        held = False
         for ticket in sorted(arrived, key=Ticket.priority):
             if ticket.closed or ticket.cancelled():   # gone before it (re)joined: no prefill for nobody
                 self._refuse(ticket, END if ticket.lane is not None else Withdrawn("withdrawn"))
                 continue
-            free = [i for i, s in enumerate(self.slots) if s.ticket is None]
-            if not free and ticket.interactive:
-                free = self._pause_for(ticket)
-            if not free:   # the worker runs at most N requests: a slot frees at the next boundary
+            i = -1 if held and not ticket.interactive else self._place(ticket)
+            if i < 0:   # the worker runs at most N requests: a slot frees at the next boundary
+                held = held or not ticket.interactive
                 with self.cv:
                     self.waiting.append(ticket)
                 continue
-            i = max(free, key=lambda k: self._fit(ticket.full if ticket.paused is None else ticket.paused, k))
             try:
                 self._start(ticket, i)
             except Exception as exc:  # noqa: BLE001 - refused (OOM reserving its caches: a 400), others go on
@@ -263,6 +263,20 @@ class Scheduler:
                     self._release(ticket, exc)
                 ticket.error = exc
             ticket.admitted.set()
+
+    def _place(self, ticket: Ticket) -> int:
+        """The slot `ticket` takes now, or -1: it waits (module docstring, slots.py)."""
+        free = [i for i, s in enumerate(self.slots) if s.ticket is None]
+        if not free and ticket.interactive:
+            free = self._pause_for(ticket)
+        if not free:
+            return -1
+        want = ticket.full if ticket.paused is None else ticket.paused
+        cache = self.session.prompt_cache
+        i, loss = choose(self.slots, free, want, cache)
+        if loss and cache is not None and ticket.background and cache.keep(self.slots[i].state, want):
+            loss = 0   # the prompt cache took the conversation's rows: nothing is lost
+        return -1 if waits(self.slots, loss, ticket.background) else i
 
     def _pause_for(self, ticket: Ticket) -> list[int]:
         """Pause the non-streamed lane whose slot suits `ticket` best; [its slot] or [] when every lane
@@ -276,6 +290,7 @@ class Scheduler:
         other.paused = other.lane.pause()
         self.forest.remove(other.lane)
         self.slots[i].ticket, other.slot = None, -1
+        self.slots[i].background = False   # its rows resume later: the prompt cache keeps them
         self.pauses += 1
         with self.cv:
             self.waiting.append(other)
@@ -296,18 +311,32 @@ class Scheduler:
             if m.draft is not None and not m.shared_kv:
                 kvcache.reserve(slot.state.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_parallel")
         st = slot.state
+        ids = self._prepare(ticket.full if ticket.paused is None else ticket.paused, i)
         if ticket.paused is not None:   # a paused lane goes on from its committed ids
             lane = ticket.lane
-            lane.resume(st, self.session.prefill_ids(ticket.paused, st))
+            lane.resume(st, ids)
             ticket.paused = None
         else:
-            ids = self.session.prefill_ids(ticket.full, st)
             ticket.prefill = len(st.ids) + len(ids) - st.target_len
             lane = Lane(m, st, ids, ticket.cfg, ticket.gen)
             lane.ticket = ticket
         ticket.lane, ticket.slot = lane, i
-        slot.ticket, slot.used = ticket, time.perf_counter()
+        slot.ticket, slot.used, slot.background = ticket, time.perf_counter(), ticket.background
         self.forest.add(lane)
+
+    def _prepare(self, want: list[int], i: int) -> list[int]:
+        """Slot i made the best start for `want`; returns the ids to prefill. A conversation's rows
+        it discards go to the prompt cache first (a background task's go nowhere), then the longest
+        prefix another sequence holds is copied across (slots.donor), then the prompt cache restores
+        a longer one if it has it (ChatSession.prefill_ids)."""
+        slot, cache = self.slots[i], self.session.prompt_cache
+        if cache is not None and not slot.background:
+            cache.keep(slot.state, want)
+        j, rows = donor(self.slots, i, want)
+        if j >= 0:
+            copy_prefix(self.slots[j].state, slot.state, rows, self.models)
+            self.copies += 1
+        return self.session.prefill_ids(want, slot.state, save=False)
 
     def _reset(self, i: int) -> None:
         """A slot whose admission failed: an extra slot starts over (its caches may be half reserved),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started, spans
-from specexec_cli.serve.limits import RepetitionGuard, guard_on, reply_limit
+from specexec_cli.serve.limits import RepetitionGuard, guard_on, reply_limit, task_of
 from specexec_cli.serve.models import APIError, Work
 from specexec_cli.serve.reply import Piece, Reply
 from specexec_cli.serve.shapes import usage_body
@@ -306,7 +306,8 @@ class Worker:
         from specexec_cli.serve.scheduler import Withdrawn
 
         try:
-            opened = self.scheduler.open(full, cfg, gen, stopped, interactive=job.interactive, seq=job.seq)
+            opened = self.scheduler.open(full, cfg, gen, stopped, interactive=job.interactive, seq=job.seq,
+                                         background=task_of(job.work) is not None)  # fmt: skip
         except Withdrawn:   # never decoded: the server stops (503, as a queued job) or the client left
             if self.stopping.is_set():
                 raise APIError(503, "the server is shutting down", type="server_error", code="unavailable") from None

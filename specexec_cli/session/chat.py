@@ -116,15 +116,16 @@ class ChatSession:
             return self._render(messages, tools)
         return list(self.models.tokenizer(plain_prompt(messages, self.code))["input_ids"])
 
-    def prefill_ids(self, full: list[int], state: DecodeState | None = None) -> list[int]:
+    def prefill_ids(self, full: list[int], state: DecodeState | None = None, save: bool = True) -> list[int]:
         """Rewind the state to the longest common prefix of `full` and the committed ids; returns
         the ids still to prefill (at least one: the last prompt token's logits start the reply).
         With a prompt cache, the snapshot sharing the longest prefix is restored first when it
-        reuses more than the live state (prompt_cache.PromptCache.prepare). `state`: another
-        sequence's state instead of the session's (serve --parallel's slots)."""
+        reuses more than the live state (prompt_cache.PromptCache.prepare; `save`: the rows the
+        request discards are kept there first). `state`: another sequence's state instead of the
+        session's (serve's sequences, whose scheduler decides what to keep)."""
         st = self.state if state is None else state
         if self.prompt_cache is not None:
-            self.prompt_cache.prepare(st, full, self.models)
+            self.prompt_cache.prepare(st, full, self.models, save=save)
         keep = min(common_prefix(full, st.ids), len(full) - 1)
         if keep < len(st.ids):
             rewind(st, keep)

@@ -9,8 +9,12 @@ copies of the target's and the draft's cache rows; pinned on CUDA when `pin`). T
 2. otherwise, when the request would rewind the live state and discard at least `min_tokens`
    rows, saves the live state before the rewind (so a title request that shares only the system
    prompt does not cost the conversation; a reply re-tokenized differently discards a few rows).
-Restores are bit-exact copies of the rows the live state held, so a conversation's replies do not
-depend on what ran between its turns. Bytes are counted exactly (K and V of every layer's rows).
+`prepare(..., save=False)` restores only: the caller decided what to keep (serve's scheduler keeps a
+finished background task's rows nowhere, see serve/slots.py). `keep(state, full_ids)` is step 2
+alone; `covered(state)` counts the state's rows some entry already holds. `copy_prefix(src, dst,
+rows, models)` copies one live state's first rows into another's device caches (serve's sequences).
+Restores and copies are bit-exact copies of the rows the source held, so a conversation's replies do
+not depend on what ran between its turns. Bytes are counted exactly (K and V of every layer's rows).
 
 Admission and eviction (what keeps an active conversation through the background requests that
 Open WebUI and LibreChat send after every reply: titles, tags, follow-up suggestions):
@@ -43,10 +47,15 @@ MIN_TOKENS = 16        # snapshots shorter than this are not kept
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
+    """Length of the longest common prefix. Slices compare in C, so whole blocks are skipped and only
+    the block holding the first difference is walked in Python (serve compares every sequence and
+    entry against each request: thousands of tokens, several times per admission)."""
+    n, i, step = min(len(a), len(b)), 0, 512
+    while i < n and a[i:i + step] == b[i:i + step]:
+        i += step
+    for j in range(i, min(i + step, n)):
+        if a[j] != b[j]:
+            return j
     return n
 
 
@@ -91,7 +100,7 @@ class PromptCache:
 
     def __post_init__(self):
         self.clock = 0  # requests seen (prepare calls)
-        self.source: Snapshot | None = None  # the entry the live state was last restored from
+        self.sources: dict[int, Snapshot] = {}  # id(state) -> the entry that state was last restored from
         self.lock = threading.Lock()  # /metrics reads while the worker writes
 
     @property
@@ -99,25 +108,35 @@ class PromptCache:
         return sum(e.nbytes for e in self.entries)
 
     # -- per request ----------------------------------------------------------------------------
-    def prepare(self, st, full: list[int], models) -> int:
-        """Make the live state `st` the best start for a request for `full`; returns rows restored (0: none)."""
+    def prepare(self, st, full: list[int], models, save: bool = True) -> int:
+        """Make the live state `st` the best start for a request for `full`; returns rows restored
+        (0: none). `save`: keep the live state's rows the request would discard (module docstring)."""
         self.clock += 1
         self.stats.requests += 1
         live = min(common_prefix(full, st.ids), st.target_len, len(full) - 1)
         best = max(self.entries, key=lambda e: e.usable(full), default=None)
         rows = best.usable(full) if best is not None else 0
         if rows >= live + self.min_tokens:   # worth a copy: it saves at least min_tokens of prefill
-            self.save(st, keep=best)
+            if save:
+                self.save(st, keep=best)
             restore(best, st, models, rows)
-            best.last_used, self.source = self.clock, best
+            best.last_used, self.sources[id(st)] = self.clock, best
             best.continued += 1
             self.stats.hits += 1
             self.stats.restored_tokens += rows
             return rows
-        kept = min(common_prefix(full, st.ids), len(full) - 1)
-        if st.target_len - kept >= self.min_tokens:   # the rewind would discard rows worth keeping
-            self.save(st)
+        if save:
+            self.keep(st, full)
         return 0
+
+    def keep(self, st, full: list[int]) -> bool:
+        """Save `st` when a request for `full` would rewind it past at least `min_tokens` rows."""
+        kept = min(common_prefix(full, st.ids), len(full) - 1)
+        return st.target_len - kept >= self.min_tokens and self.save(st)
+
+    def covered(self, st) -> int:
+        """How many of `st`'s first rows some entry holds (a restore would bring them back)."""
+        return max((min(common_prefix(e.ids, st.ids), e.target_len, st.target_len) for e in self.entries), default=0)
 
     # -- entries --------------------------------------------------------------------------------
     def save(self, st, keep: Snapshot | None = None) -> bool:
@@ -133,7 +152,7 @@ class PromptCache:
                 return True
         draft_len = st.draft_len if _own_rows(st.draft_cache) else 0
         nbytes = _rows_bytes(st.target_cache, n) + _rows_bytes(st.draft_cache, draft_len)
-        stale = [e for e in self.entries if e is not keep and self._superseded(e, ids, n)]
+        stale = [e for e in self.entries if e is not keep and self._superseded(e, ids, n, st)]
         room = self.capacity - sum(e.nbytes for e in self.entries if e not in stale)
         victims = []
         for e in sorted((e for e in self.entries if e not in stale), key=lambda e: e.last_used):
@@ -151,20 +170,21 @@ class PromptCache:
                         max((e.continued for e in stale), default=0))  # fmt: skip
         with self.lock:
             self.entries = [e for e in self.entries if e not in stale and e not in victims] + [snap]
-        if self.source in stale or self.source in victims:
-            self.source = None
+        gone = [k for k, e in self.sources.items() if any(e is x for x in (*stale, *victims))]
+        for k in gone:
+            del self.sources[k]
         self.stats.saves += 1
         self.stats.evictions += len(victims)
         return True
 
-    def _superseded(self, e: Snapshot, ids: list[int], n: int) -> bool:
+    def _superseded(self, e: Snapshot, ids: list[int], n: int, st=None) -> bool:
         """`e`'s rows are a prefix of the new snapshot's, or it is the entry the live state came from
         and the live state still holds every row that was reused from it (its tail is an old reply's
         tokenization, replaced by the new one)."""
         shared = common_prefix(e.ids, ids)
         if e.target_len <= n and shared >= e.target_len:
             return True
-        return e is self.source and shared >= min(n, e.target_len) - self.min_tokens
+        return e is self.sources.get(id(st)) and shared >= min(n, e.target_len) - self.min_tokens
 
     def _refuse(self) -> bool:
         self.stats.refused += 1
@@ -172,7 +192,7 @@ class PromptCache:
 
     def clear(self) -> None:
         with self.lock:
-            self.entries, self.source = [], None
+            self.entries, self.sources = [], {}
 
     def metrics(self) -> dict:
         """Counters and gauges for /metrics (names without the specx_ prefix)."""
@@ -252,6 +272,19 @@ def restore(snap: Snapshot, st, models, rows: int | None = None) -> None:
         st.draft_len = min(snap.draft_len, n)
         _put_rows(st.draft_cache, snap.draft, st.draft_len, models.draft)
     st.ids[:] = snap.ids if rows is None else snap.ids[:n]
+
+
+def copy_prefix(src, dst, rows: int, models) -> None:
+    """Make `dst` hold `src`'s first `rows` committed positions (ids and both caches' rows, copied
+    device to device): `restore` from a Snapshot whose tensors are views of `src`'s slabs. Rows below
+    `src.target_len` are committed, so a state decoding in another sequence can lend them between passes."""
+    n = min(rows, src.target_len)
+    own = _own_rows(src.draft_cache)
+    draft_len = min(src.draft_len, n) if own else 0
+    view = lambda cache, k: [(l.keys[:, :, :k], l.values[:, :, :k]) for l in _layers(cache)] if k else []
+    snap = Snapshot(list(src.ids[:n]), n, draft_len, view(src.target_cache, n),
+                    view(src.draft_cache, draft_len) if own else [], 0)  # fmt: skip
+    restore(snap, dst, models, n)
 
 
 def _put_rows(cache, layers: list, n: int, model) -> None:

@@ -1,0 +1,100 @@
+"""Which of `specx serve`'s sequences a request takes, and what it finds there (llama-server's slot selection).
+
+Contract: a `Slot` is one sequence's `DecodeState`, the request decoding in it (None: free), when it
+was last taken, and whether its rows are a finished background task's (`background`: limits.task_of,
+Open WebUI's title, tags and follow-up requests, whose prompts nobody sends again). `choose(slots,
+free, full, cache)` returns (index, rows lost) of the free slot a request for `full` takes:
+1. one that loses nothing: no rows of its cache that taking it throws away and nothing else keeps
+   (not the request itself, not another sequence, not a prompt-cache entry); an empty slot and a
+   background task's rows lose nothing; a few rows (under MIN_ROWS, a reply re-tokenized
+   differently) count as nothing;
+2. then one that displaces no conversation's rows (MIN_ROWS or more of them beyond what the request
+   reuses), though the prompt cache keeps them: a restore later would copy them back;
+3. then the most rows the slot already shares with the request (a conversation's next turn goes back
+   to the sequence that holds it, llama-server's prompt similarity);
+4. then the least recently used. When every free slot would lose rows, only this counts: the
+   conversation left longest is the one displaced (llama-server's least recently used slot).
+So a background request never takes a sequence holding a conversation while an empty one or a
+background task's is free, and a conversation displaced at last is the one the prompt cache keeps.
+`donor(slots, i, full)` is (index, rows) of the sequence holding the longest prefix of `full` when it
+holds at least MIN_ROWS more than slot i: the scheduler copies those rows across
+(prompt_cache.copy_prefix) instead of prefilling them, so a title request that shares a long system
+prompt with a conversation gets it cached without taking the conversation's sequence. `waits(...)`
+says whether a background request should wait for a sequence to free rather than take a
+conversation's that nothing keeps: only while another background request decodes (it ends soon:
+limits.TASK_CAPS), so nothing waits for ever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specexec_cli.core.engine import DecodeState
+from specexec_cli.session.prompt_cache import common_prefix
+
+MIN_ROWS = 16   # fewer rows than this are not worth a copy, nor counted as lost (prompt_cache.MIN_TOKENS)
+
+
+@dataclass
+class Slot:
+    """One sequence's caches and who holds them."""
+
+    state: DecodeState  # committed ids and both caches
+    ticket: object = None  # the scheduler.Ticket decoding in it; None = free
+    used: float = 0.0  # perf_counter when last taken (least recently used first)
+    background: bool = False  # its rows are a finished background task's: no request will continue them
+
+
+def reusable(full: list[int], st: DecodeState) -> int:
+    """Committed rows of `st` a request for `full` reuses (its last prompt token is always prefilled)."""
+    return max(0, min(common_prefix(full, st.ids), st.target_len, len(full) - 1))
+
+
+def displaced(slot: Slot, full: list[int]) -> int:
+    """A conversation's rows beyond what a request for `full` reuses (0: under MIN_ROWS, or none held)."""
+    gone = 0 if slot.background else slot.state.target_len - reusable(full, slot.state)
+    return gone if gone >= MIN_ROWS else 0
+
+
+def lost(slots: list[Slot], k: int, full: list[int], cache) -> int:
+    """Rows slot k's cache loses when a request for `full` takes it (module docstring, rule 1)."""
+    st = slots[k].state
+    if not displaced(slots[k], full):
+        return 0
+    kept = reusable(full, st)
+    if cache is not None:
+        kept = max(kept, cache.covered(st))
+    for j, other in enumerate(slots):   # the same rows in another sequence
+        if j != k and kept < st.target_len:
+            kept = max(kept, min(common_prefix(st.ids, other.state.ids), other.state.target_len))
+    gone = st.target_len - kept
+    return gone if gone >= MIN_ROWS else 0
+
+
+def choose(slots: list[Slot], free: list[int], full: list[int], cache) -> tuple[int, int]:
+    """(slot index, rows lost) of the free slot a request for `full` takes (module docstring)."""
+    def key(k: int) -> tuple:
+        if lost(slots, k, full, cache):   # every free slot loses rows: the conversation left longest goes
+            return False, False, 0, -slots[k].used
+        return True, not displaced(slots[k], full), reusable(full, slots[k].state), -slots[k].used
+
+    best = max(free, key=key)
+    return best, lost(slots, best, full, cache)
+
+
+def donor(slots: list[Slot], i: int, full: list[int]) -> tuple[int, int]:
+    """(index, rows) of the sequence to copy `full`'s prefix from into slot i, or (-1, 0): none holds
+    MIN_ROWS more of it than slot i does."""
+    own = reusable(full, slots[i].state)
+    best, rows = -1, own + MIN_ROWS - 1
+    for j, slot in enumerate(slots):
+        if j != i and (n := reusable(full, slot.state)) > rows:
+            best, rows = j, n
+    return (best, rows) if best >= 0 else (-1, 0)
+
+
+def waits(slots: list[Slot], loss: int, background: bool) -> bool:
+    """A background request whose best free slot would lose a conversation's rows waits while
+    another background request decodes (it frees a sequence within its task cap)."""
+    return background and loss > 0 and any(
+        s.ticket is not None and s.ticket.background and s.ticket.paused is None for s in slots)
