@@ -54,7 +54,7 @@ SHARED = ROOT.parent / "shared"
 LOCK = ["flock", "/tmp/bench.lock"]
 SETUP = ["--offload", "disk", "--max-ram", "0", "--dtype", "bf16"]
 BUDGETS = ["auto", "15", "31", "63", "127"]
-SELF_BUDGETS = ["15", "63"]   # explicit budgets of the self-draft (its `--budget auto` is the "draft self" row)
+SELF_BUDGETS = ["4", "8", "15"]   # explicit budgets of the self-draft (its `--budget auto` is the "draft self" row)
 SELF_BITS = ["3", "2"]        # explicit self-draft widths (--real: its `--draft-bits auto` is the "draft self" row)
 REAL_TIERS = {"resident": [], "disk": ["--offload", "disk", "--max-ram", "0"]}   # --real: the GGUF's own dtype
 

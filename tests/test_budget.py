@@ -120,7 +120,7 @@ def test_tuner_shrinks_when_nothing_is_accepted():
     tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=4095, retune_every=4)
     for _ in range(64):
         tuner.observe(event(tokens=1, tree=tuner.shape.budget, accepted=0))
-    assert tuner.shape.budget <= 3   # plain decoding (0) once MIN_OBSERVED passes measured trees accept nothing
+    assert tuner.shape.budget <= 3   # plain decoding (0) once PLAIN_AFTER passes measured trees accept nothing
     assert tuner.expected_tokens(1023) < 1.8   # the slope rests on those passes (the prior still weighs in)
 
 
@@ -238,16 +238,16 @@ def test_a_loaded_run_names_its_draft_for_the_tuner(tiny_pair):
 
 
 def test_tuner_falls_back_to_plain_decoding_when_trees_measure_slower_and_probes_again():
-    """The model has trees pay; measured, 2 tokens a pass cost 0.3 s (draft 0.2 + target 0.1) where a
-    plain step's pass takes 0.1 s: after MIN_OBSERVED passes the tuner decodes plainly (budget PLAIN,
+    """The model has trees pay; measured, 2 tokens a pass cost 0.6 s (draft 0.5 + target 0.1) where a
+    plain step's pass takes 0.1 s: after PLAIN_AFTER passes the tuner decodes plainly (budget PLAIN,
     no draft forward), and after PROBE_EVERY plain passes it measures its best tree again."""
-    from specexec_cli.core.budget import MIN_OBSERVED, PLAIN, PROBE_EVERY
+    from specexec_cli.core.budget import PLAIN, PLAIN_AFTER, PROBE_EVERY
 
     timing = TimingModel({1: 0.1, 16: 0.1, 256: 0.15, 4096: 60.0}, draft_step_seconds=0.001, source="profile")
     tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=255, retune_every=4)
     assert tuner.shape.budget > PLAIN
-    while tuner.passes < MIN_OBSERVED:
-        tuner.observe(event(tokens=2, tree=tuner.shape.budget, draft=0.2, target=0.1))
+    while tuner.passes < PLAIN_AFTER:
+        tuner.observe(event(tokens=2, tree=tuner.shape.budget, draft=0.5, target=0.1))
     assert tuner.shape.budget == PLAIN
     for _ in range(PROBE_EVERY - 1):
         tuner.observe(event(tokens=1, tree=0, draft=0.0, target=0.1))

@@ -64,15 +64,22 @@ FORWARD_FLOOR, STEP_FLOOR, BEAMS = 0.01, 0.006, 32                  # passcost.P
 LINEARS = 2 * H * H + 2 * H * KV_HEADS * HD + 3 * H * INTER        # one decoder layer's linear weights
 
 
-def model_pass(plan: dict, n: int) -> float:
+def model_ctx(plan: dict) -> int:
+    """draftcost.model_ctx: half the planned context, at most 1024 tokens (a chat turn's)."""
+    return min(plan["ctx"] // 2, 1024)
+
+
+def model_pass(plan: dict, n: int, compute_only: bool = False) -> float:
     """passcost.target_pass by hand: per layer max(transfer, GEMM-or-read + nf4 dequant + attention), summed,
-    + head + floor; the 70B's layers all have the same size (layer_bytes_total / 80)."""
-    size, ctx = plan["layer_bytes_total"] / LAYERS, plan["ctx"] // 2
+    + head + floor; the 70B's layers all have the same size (layer_bytes_total / 80). `compute_only`: the
+    pass's compute terms alone (what a draft cannot hide)."""
+    size, ctx = plan["layer_bytes_total"] / LAYERS, model_ctx(plan)
     compute = (max(2 * LINEARS * n / F16, size / MEM) + (LINEARS * 2 * 2 / MEM if n > 4 else 0)
                + 4 * n * (ctx + n) * H // HD * HD / F16 + 2 * (ctx + n) * KV_HEADS * HD * 2 / MEM)
     streamed = plan["streamed_layers"]
-    total = (plan["resident_layers"] * compute + streamed["ram"] * max(size / LINK, compute)
-             + streamed["disk"] * max(size / DISK, compute))
+    layers = plan["resident_layers"] + streamed["ram"] + streamed["disk"]
+    total = layers * compute if compute_only else (plan["resident_layers"] * compute + streamed["ram"] * max(
+        size / LINK, compute) + streamed["disk"] * max(size / DISK, compute))
     return FORWARD_FLOOR + max(2 * n * H * VOCAB / F16, H * VOCAB * 2 / MEM) + total
 
 
@@ -80,9 +87,11 @@ def rederive(plan: dict, cand: dict, traffic: int, flops: float, tpp: float) -> 
     """tokens/s = tpp / (pass + draft - hidden), each term from the model's formula with the plan's bytes."""
     dev, budget = plan["device_bytes"], cand["budget"]
     # forwards: the pending tokens, ceil(budget / beams) for the breadth, the accepted depth (tpp)
-    draft_s = (1 + math.ceil(budget / BEAMS) + math.ceil(tpp)) * max(traffic / MEM, flops * BEAMS / F16, STEP_FLOOR)
+    rows = max(1, min(BEAMS, round(budget / 3)))   # draftcost.draft_rows: the frontier one forward runs
+    draft_s = (1 + math.ceil(budget / BEAMS) + math.ceil(tpp)) * max(traffic / MEM, flops * rows / F16, STEP_FLOOR)
     pass_s = model_pass(plan, budget + 1)
-    hidden = min(draft_s, dev["staging_slots"] / (LINK if plan["ram_bytes_per_pass"] else DISK))
+    hidden = min(draft_s, dev["staging_slots"] / (LINK if plan["ram_bytes_per_pass"] else DISK),
+                 max(0.0, pass_s - model_pass(plan, budget + 1, compute_only=True)))   # stream time only
     return dict(tokens_per_pass=tpp, pass_seconds=pass_s, draft_seconds=draft_s,
                 tokens_per_second=tpp / (pass_s + draft_s - hidden))
 
@@ -121,7 +130,7 @@ def test_the_self_drafts_figures_rederived(runs):
     run, resident = LAYERS - len(plan["skipped_layers"]), plan["resident_layers"]
     dev = plan["device_bytes"]
     weight = dev["resident_layers"] + dev["draft"] + VOCAB * H * 2   # resident nf4 layers + substitutes + bf16 head
-    kv = 2 * run * KV_HEADS * HD * plan["ctx"] * 2                   # the shared KV of every layer it runs
+    kv = 2 * run * KV_HEADS * HD * model_ctx(plan) * 2               # the shared KV of every layer it runs
     # HQQ substitutes: the compiled path (the CUDA default) writes the bf16 weight once and the matmul reads it: 2
     # elements a weight; the eager reference ($SPECX_LOWBIT_KERNEL=eager) 6. bnb (the resident nf4 layers): 2.
     hqq = 6 if os.environ.get("SPECX_LOWBIT_KERNEL", "").lower() == "eager" else 2
@@ -137,7 +146,7 @@ def test_the_small_drafts_figures_rederived(runs):
     plan = runs["small"][0]
     params = VOCAB * D_H + D_H + D_LAYERS * (2 * D_H + 2 * D_H * D_H + 2 * D_H * 8 * D_HD + 3 * D_H * D_INTER)
     weight = params * 2 + 2 * (D_HD // 2) * 4                       # bf16, tied head read once; rotary buffers
-    kv = 2 * D_LAYERS * 8 * D_HD * plan["ctx"] * 2
+    kv = 2 * D_LAYERS * 8 * D_HD * model_ctx(plan) * 2
     cand = plan["candidates"][0]
     check(cand, rederive(plan, cand, weight + kv, 2 * weight / 2, measured_tpp("small", cand["budget"])))
     assert cand["weight_bytes"] == weight and cand["dequant_bytes"] == 0
@@ -158,7 +167,7 @@ def test_the_pass_grows_with_the_tree_at_least_by_its_gemm_flops(runs):
     runs under it: the next test shows the growth where compute bounds the pass)."""
     for plan, _ in runs.values():
         rows = plan["choice"]["by_budget"]
-        assert [r["budget"] for r in rows] == [b for b in (16, 64, 256, 1024) if b < rows[-1]["budget"]] + [
+        assert [r["budget"] for r in rows] == [b for b in (4, 8, 16, 64, 256, 1024) if b < rows[-1]["budget"]] + [
             rows[-1]["budget"]] and len(rows) >= 3   # the dry run's budgets up to what the memory plan sized
         for r in rows:
             n = r["budget"] + 1

@@ -4,12 +4,12 @@ Contract (every figure is modelled; a matching profile's measured times replace 
 - The rates are a passcost.Device (`Machine` is the same class): `specx profile`'s measurements for
   this machine, `--gpu NAME`'s published card figures, else passcost.PRIORS; each term names its source.
 - pass seconds = passcost.target_pass(...).seconds at n = budget + 1 tree tokens and the middle of the
-  planned context (MODEL_CTX_SHARE x ctx): per layer max(transfer, compute), summed, + head + floor.
+  planned context (`model_ctx`: MODEL_CTX_SHARE x ctx, at most MODEL_CTX_CAP tokens): per layer max(transfer, compute), summed, + head + floor.
   Where the profile measured t_target(n) for this target with this placement (resident / RAM / disk
   layer counts), its log-log interpolation at n is the pass instead (source "measured").
 - draft seconds = forwards_per_tree(budget, max_beams) x passcost.draft_step(bytes of one forward:
-  weights + KV at the planned context + dequantization traffic of its kernel, its FLOPs over max_beams
-  nodes): max(bytes / bandwidth, FLOPs / FLOP/s, the step floor). Where the profile timed this draft
+  weights + KV at `model_ctx` + dequantization traffic of its kernel, its FLOPs over
+  draft_rows(budget, max_beams) nodes: the frontier a forward runs, measured): max(bytes / bandwidth, FLOPs / FLOP/s, the step floor). Where the profile timed this draft
   (a small draft by path, the self-draft per width under the same placement), the measured draft
   seconds per pass of real decoding at the budget (else its tree time, else forwards x its step) is
   the draft instead.
@@ -19,8 +19,8 @@ Contract (every figure is modelled; a matching profile's measured times replace 
 - `hidden_seconds(plan, draft_s, m)`: the part of the draft's time the weight stream hides: while the
   draft grows its tree the prefetcher fills the free staging slots with the next pass's first layers
   (offload/stream/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's
-  stream runs under the draft -- on CUDA, whose copy engine works beside the kernels; on a CPU the
-  reads share the draft's cores and nothing is hidden.
+  stream runs under the draft -- on CUDA, whose copy engine works beside the kernels, and on a CPU
+  reading from disk (O_DIRECT: the storage's DMA); a CPU's copies from RAM share the draft's cores.
 - tokens/s = tokens per pass / (pass seconds + draft seconds - hidden seconds).
 - `tokens_per_pass(kind, temperature, budget)`: measured on the shared pair (TOKENS_PER_PASS, log-linear
   in the budget between the measured budgets, clamped at the ends); for a self-draft that skips layers,
@@ -52,7 +52,8 @@ from offload.planning.passcost import (  # noqa: F401 - DEQUANT_ELEMS / dequant_
 
 LINK_EFFICIENCY = 0.75      # effective / published PCIe x16 rate (24 of 32 GB/s on PCIe 4)
 MODEL_CTX_SHARE = 0.5       # attention is modelled at this share of the planned context (a cache filling up)
-BUDGETS = (16, 64, 256, 1024)   # budgets the dry run shows tokens/s at (those within the plan's budget)
+MODEL_CTX_CAP = 1024        # ... and at most at this many tokens: a chat turn's context, not the window's
+BUDGETS = (4, 8, 16, 64, 256, 1024)   # budgets the dry run shows tokens/s at (those within the plan's budget)
 PLAIN = "none"              # Candidate.draft of plain decoding (no draft)
 
 TOKENS_PER_PASS = {
@@ -75,6 +76,21 @@ T = 0.7 (selfdraft_t07_gap*.json). A prior for other pairs: a 1B draft of a 70B 
 least influential), measured on the real SmolLM2-135M-Instruct Q4_1 at budget 16, greedy, 2 chat prompts x 24
 tokens (bench/results/selfdraft_resident.json); one budget measured, so flat in the budget; the sampled
 row is the greedy figure standing in (not measured)."""
+
+
+SMALL_TARGET = 1e9
+"""Targets of at most this many weights take TOKENS_PER_PASS_SMALL's rows for the self-draft widths."""
+TOKENS_PER_PASS_SMALL = {
+    3: {"greedy": {4: 2.60, 8: 3.44, 16: 3.73, 32: 4.45, 64: 4.60},
+        "sampled": {4: 2.60, 8: 3.44, 16: 3.73, 32: 4.45, 64: 4.60}},
+    2: {"greedy": {4: 1.36, 8: 1.45, 16: 1.53},
+        "sampled": {4: 1.36, 8: 1.45, 16: 1.53}},
+}
+"""The self-draft's HQQ 3- / 2-bit substitutes of every layer measured on the real SmolLM2-135M-Instruct Q4_1,
+every layer streamed from disk, greedy, 2 chat prompts x 48 tokens (bench/spec_pass.py): a small real model
+accepts far less than the shared pair (3.7 and 1.5 where the pair took 10.8 and 8.4 at budget 16); the
+prior for targets up to SMALL_TARGET weights (a 70B's substitutes lose less of it: the pair's rows stay its
+prior). The sampled rows are the greedy figures standing in (not measured)."""
 
 
 Machine = Device   # the rates a plan is modelled with (offload/planning/passcost.py)
@@ -168,11 +184,29 @@ def costing_for(a, req) -> Costing:
                    req.max_beams, req.temperature)
 
 
+ROWS_PER_BUDGET = 1 / 3
+"""Tree nodes one draft forward runs, per node of the budget: 1.9 / 3.1 / 5.7 / 9.2 at budgets 4 / 8 / 16 /
+32 (SmolLM2, 3-bit self-draft from disk, bench/spec_pass.py): the best-first frontier, not max_beams."""
+
+
+def draft_rows(budget: int, max_beams: int) -> int:
+    """Rows of one draft forward of a tree of `budget` nodes (ROWS_PER_BUDGET, at most max_beams)."""
+    return max(1, min(max_beams, round(budget * ROWS_PER_BUDGET)))
+
+
 def forwards_per_tree(budget: int, max_beams: int, tokens_per_pass: float = 0.0) -> int:
     """1 (the pending tokens) + ceil(budget / max_beams) + the accepted depth: the tree grows at least as
     deep as the path the target accepts, one forward per level (measured on SmolLM2 from disk, 3-bit
     self-draft: 5.9 forwards per pass at budget 16 with 4.0 tokens per pass, 8.8 at 64 with 5.0)."""
     return 1 + math.ceil(budget / max(1, max_beams)) + math.ceil(tokens_per_pass)
+
+
+def model_ctx(plan) -> int:
+    """Context tokens a pass's attention and KV reads are priced at: MODEL_CTX_SHARE of the planned
+    context, at most MODEL_CTX_CAP (on SmolLM2 from disk a self-draft forward measured 13 ms where
+    pricing its KV at half the 8192-token window modelled 24; a long context shows in the measured
+    passes the budget tuner reads)."""
+    return min(int(plan.ctx * MODEL_CTX_SHARE), MODEL_CTX_CAP)
 
 
 def placement(plan) -> list[int]:
@@ -191,7 +225,7 @@ def measured(cost: Costing, plan, key: str) -> dict | None:
 
 def target_seconds(cost: Costing, plan, n: int) -> tuple[float, dict, str]:
     """(pass seconds, modelled PassTerms as JSON, "measured" | "modelled") for a pass of n tokens."""
-    terms = target_pass(cost.arch, plan, cost.dev, n, int(plan.ctx * MODEL_CTX_SHARE), cost.c, cost.kernel)
+    terms = target_pass(cost.arch, plan, cost.dev, n, model_ctx(plan), cost.c, cost.kernel)
     got = measured(cost, plan, "target")
     if got:
         return interpolate({int(k): v for k, v in got["seconds"].items()}, n), terms.to_json(), "measured"
@@ -210,18 +244,19 @@ def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, s
         return interpolate({int(k): v for k, v in got["grow_seconds"].items()}, budget), "measured"
     if got and got.get("step_seconds"):
         return forwards * got["step_seconds"], "measured"
-    step = draft_step(spec.weight, spec.kv, spec.dequant, spec.flops_per_node * cost.max_beams, cost.dev, cost.c,
-                      spec.kernel, spec.packed, spec.stack)
+    step = draft_step(spec.weight, spec.kv, spec.dequant, spec.flops_per_node * draft_rows(budget, cost.max_beams),
+                      cost.dev, cost.c, spec.kernel, spec.packed, spec.stack)
     return forwards * step, "modelled"
 
 
 def hidden_seconds(plan, draft_s: float, m: Device) -> float:
     """Draft time under which the stream fills the free staging slots with the next pass's layers.
 
-    Only a device with a copy engine of its own (CUDA: DMA beside the kernels) reads while the draft
-    computes; on a CPU the reads and copies run on the cores the draft uses, so nothing is hidden
-    (measured on the disk tier: bench/results/speedmodel.json, s/pass = pass + draft)."""
-    if not (plan.ram_layers or plan.disk_layers) or m.kind != "cuda":
+    Only a copy that runs beside the draft's kernels hides: on CUDA its copy engine, on a CPU the disk's
+    O_DIRECT reads (the storage's DMA: a 5-node verify pass from disk waited 3 ms for its layers where a
+    plain step waits 19, the rest read while the draft grew its tree; bench/spec_pass.py). A CPU's copies
+    from RAM run on the cores the draft uses, so they hide nothing."""
+    if not (plan.ram_layers or plan.disk_layers) or (m.kind != "cuda" and (plan.ram_layers or not plan.disk_layers)):
         return 0.0
     rate = m.link_bps if plan.ram_layers else m.disk_bps
     return min(draft_s, plan.device_bytes.get("staging_slots", 0) / rate)
@@ -233,7 +268,9 @@ def evaluate(spec: Spec, cost: Costing, plan, budget: int) -> Candidate:
     n = 1 if plain else budget + 1
     t_pass, terms, pass_src = target_seconds(cost, plan, n)
     t_draft, draft_src = tree_seconds(spec, cost, plan, budget)
-    hidden = hidden_seconds(plan, t_draft, cost.dev)
+    # what the draft hides is stream time only: the pass still computes (its modelled compute terms)
+    compute = terms["gemm"] + terms["dequant"] + terms["attention"] + terms["head"] + terms["floor"]
+    hidden = min(hidden_seconds(plan, t_draft, cost.dev), max(0.0, t_pass - compute))
     tpp = spec.tpp(budget)
     rate = tpp / (t_pass + t_draft - hidden) if plan.fits and tpp > 0 else 0.0
     return Candidate(spec.draft, spec.bits, tpp, t_pass, t_draft, rate, plan.fits,
@@ -274,9 +311,12 @@ def finish(plan, cands: list[Candidate], plain: Candidate | None) -> Candidate |
     return top
 
 
-def tokens_per_pass(kind, temperature: float, budget: int) -> float:
-    """TOKENS_PER_PASS[kind] at `budget`: log-linear between measured budgets, clamped at the ends."""
-    row = TOKENS_PER_PASS[kind]["sampled" if temperature > 0 else "greedy"]
+def tokens_per_pass(kind, temperature: float, budget: int, weights: float | None = None) -> float:
+    """TOKENS_PER_PASS[kind] at `budget` (TOKENS_PER_PASS_SMALL's for a self-draft width of a target of at
+    most SMALL_TARGET `weights`): log-linear between measured budgets, clamped at the ends."""
+    table = TOKENS_PER_PASS_SMALL if weights is not None and weights <= SMALL_TARGET and kind in TOKENS_PER_PASS_SMALL \
+        else TOKENS_PER_PASS
+    row = table[kind]["sampled" if temperature > 0 else "greedy"]
     pts = sorted(row.items())
     b = max(pts[0][0], min(pts[-1][0], max(1, budget)))
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -299,7 +339,7 @@ def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str
     packed = plan.device_bytes.get("draft", 0) * (n_sub - n_dense) / max(n_sub, 1)
     weight = (sum(plan.layer_bytes[i] for i in plan.resident) + int(packed) + n_dense * linear_numel(a) * c
               + a.vocab * a.hidden * c)
-    kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * c
+    kv = 2 * run * a.kv_heads * a.head_dim * model_ctx(plan) * c
     dequant = linear_numel(a) * c * ((n_sub - n_dense) * dequant_elems(substitute_kernel(bits, device), device)
                                      + (len(plan.resident) * DEQUANT_ELEMS["nf4-dequant"] if nf4_target else 0))
     return weight, kv, dequant
@@ -315,7 +355,7 @@ def skip_spec(a, plan, cost: Costing) -> Spec:
     head = a.vocab * a.hidden * cost.c
     # a layer dequantized once at load (plan.dense_layers) reads its linears in c bytes, with no dequantization
     weight = sum(linear_numel(a) * cost.c if i in dense else plan.layer_bytes[i] for i in kept) + head
-    kv = 2 * run * a.kv_heads * a.head_dim * plan.ctx * cost.c
+    kv = 2 * run * a.kv_heads * a.head_dim * model_ctx(plan) * cost.c
     dequant = sum(1 for i in kept if i not in dense) * linear_numel(a) * cost.c * dequant_elems(cost.kernel, cost.dev.kind)
     flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
     tpp = lambda b: tokens_per_pass("skip", cost.temperature, b)   # noqa: E731
@@ -343,7 +383,7 @@ def small_candidates(plan, target, draft, req, plan_memory) -> None:
     from offload.planning.membytes import arch_of, draft_bytes, dtype_bytes
 
     da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)
-    weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), plan.ctx, dc)
+    weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), model_ctx(plan), dc)
     cost = costing_for(arch_of(target.config), req)
     spec = Spec(str(draft.root), None, "small", lambda b: tokens_per_pass("small", req.temperature, b), weight, kv,
                 deq, 2.0 * weight / dc)

@@ -39,11 +39,12 @@ from offload.planning.membytes import arch_of, substitute_kernel
 from offload.sizes import format_bytes
 
 
-def tokens_per_pass(bits: int, temperature: float, budget: int = 64) -> float:
-    """Measured tokens/pass of a self-draft with every layer substituted (offload/draftcost.TOKENS_PER_PASS)."""
+def tokens_per_pass(bits: int, temperature: float, budget: int = 64, weights: float | None = None) -> float:
+    """Measured tokens/pass of a self-draft with every layer substituted (offload/draftcost.TOKENS_PER_PASS;
+    `weights`: the target's, which picks TOKENS_PER_PASS_SMALL for a small one)."""
     from offload.planning.draftcost import tokens_per_pass as measured
 
-    return measured(bits, temperature, budget)
+    return measured(bits, temperature, budget, weights)
 
 
 RESIDENT_SKIP = 0.5
@@ -129,7 +130,8 @@ def self_spec(a, req, bits: int, plan):
     run = len(plan.layer_bytes) - len(plan.skipped_layers)
     n = len(plan.layer_bytes)
     factor = (skip_factor(len(plan.skipped_layers) / n) or 0.0) if n else 1.0
-    tpp = lambda b: tokens_per_pass(bits, req.temperature, b) * factor   # noqa: E731
+    weights = a.layers * linear_numel(a) + a.vocab * a.hidden   # the target's: its size picks the prior
+    tpp = lambda b: tokens_per_pass(bits, req.temperature, b, weights) * factor   # noqa: E731
     flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
     blocks = blocks_forward(a, req, bits, plan)
     if blocks is not None:   # every layer it runs through the CPU kernel's blocks (quant/lowbit_pack.py)

@@ -29,7 +29,7 @@ Models (all corrected online, so priors only matter for the first passes):
   t_draft(B) = steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one
   draft forward per beam batch, plus the dependency chain of a tree whose depth grows ~log B).
 - plain decoding (budget PLAIN = 0: the engine's step without a tree, no draft forward) competes
-  with every budget once MIN_OBSERVED speculative passes are measured: a reply whose trees measure
+  with every budget from the PLAIN_AFTER-th measured speculative pass on: a reply whose trees measure
   slower than plain steps falls back to them, and tries its best tree again every PROBE_EVERY plain
   passes (`retune`, `probe`).
 """
@@ -50,6 +50,7 @@ PRIOR_PASSES = 8.0  # weight of the prior, in passes
 FALLBACK_KNEE = 32  # without a profile or a plan (pickle weights): tree tokens where t(n) starts to grow
 MIN_OBSERVED = 12  # passes at one budget before its empirical mean replaces the fitted curve
 PLAIN = 0  # the budget of plain decoding: the engine's step without a tree (no draft forward)
+PLAIN_AFTER = 4  # speculative passes measured before plain decoding competes (each may cost several steps)
 PROBE_EVERY = 64  # plain passes after which the tuner tries its best tree again (the reply may have changed)
 
 
@@ -275,11 +276,11 @@ class BudgetTuner:
 
     def retune(self) -> None:
         """The budget with the most tokens/s on the live statistics. Plain decoding (PLAIN: one token a
-        pass of one token, no draft) competes once MIN_OBSERVED speculative passes are measured, so a
+        pass of one token, no draft) competes once PLAIN_AFTER speculative passes are measured, so a
         reply whose trees measure slower than plain steps falls back to them (its pass time: observed
         plain passes, else the model rescaled by the observed passes)."""
         cands = candidate_budgets(self.max_budget)
-        if self.passes >= MIN_OBSERVED:
+        if self.passes >= PLAIN_AFTER:
             cands = [PLAIN, *cands]
         budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, cands)
         self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
@@ -324,7 +325,7 @@ class BudgetTuner:
                                  (self.draft_obs, b, ev.draft_seconds)):
             rec = store.setdefault(key, [0, 0.0])
             rec[0], rec[1] = rec[0] + 1, rec[1] + secs
-        if self.passes % self.retune_every == 0:
+        if self.passes % self.retune_every == 0 or self.passes == PLAIN_AFTER:
             self.retune()
 
     def drive(self, models, state, ids, cfg: GenerationConfig, gen=None):

@@ -22,15 +22,19 @@ def candidates_table(plan: dict):
     table = Table(title="candidates (m = measured by specx profile, else modelled)", header_style="bold cyan")
     for col in ("draft", "bits", "tok/pass", "pass s", "draft s", "hidden", "tok/s", ""):
         table.add_column(col, justify="left" if col in ("draft", "") else "right", overflow="fold")
+    plain = next((c for c in plan["candidates"] if c["draft"] == "none"), None)
+    plain_faster = plain is not None and plain["fits"] and plain["tokens_per_second"] > choice.get("tokens_per_second", 0)
     for c in plan["candidates"]:
         chosen = c["draft"] == choice.get("draft") and c["bits"] == choice.get("bits")
+        # --draft auto decodes plainly when plain decoding models faster than the best draft
+        label = ("best draft" if plain_faster else "chosen") if chosen else ("faster" if c is plain and plain_faster else "")
         src = c.get("sources") or {}
         mark = {k: "m" if src.get(k) == "measured" else "" for k in ("pass", "draft")}
         table.add_row(_short_draft(c["draft"]), "-" if c["bits"] is None else str(c["bits"]),
                       f"{c['tokens_per_pass']:.2f}", f"{c['pass_seconds']:.3f}{mark['pass']}",
                       f"{c['draft_seconds']:.3f}{mark['draft']}", f"{c.get('hidden_seconds', 0):.3f}",
                       f"{c['tokens_per_second']:.2f}" if c["fits"] else "-",
-                      "[green]chosen[/green]" if chosen else ("" if c["fits"] else "no fit"))
+                      f"[green]{label}[/green]" if label else ("" if c["fits"] else "no fit"))
     parts = [table, _terms_table(plan, choice)] if choice.get("terms") else [table]
     if len(choice.get("by_budget") or []) > 1:
         parts.append(_budgets_table(choice))
