@@ -3,8 +3,8 @@
 Contract: every `<!-- perf:NAME -->` … `<!-- /perf:NAME -->` block in the files of `FILES` is replaced
 by `TABLES[NAME]()`, a markdown table computed from bench/results/ alone (an unknown NAME or an
 unclosed block is an error, exit 2). Tables: `headline` (SmolLM2-135M-Instruct streamed from disk,
-bench/selfdraft.py --chat: tokens per target pass of the self-draft widths by budget at T = 0 and 0.7,
-tok/s against --method ar), `pair-headline` (the development pair: tokens per target pass of the
+bench/spec_pass.py: --method ar and the 3-bit self-draft by budget, tokens per target pass, tok/s
+against --method ar in the same run), `pair-headline` (the development pair: tokens per target pass of the
 2.9M-parameter draft and the self-draft widths at budget 1024, T = 0 and 0.7), `selfdraft` (the full self-draft
 table of the trained pair, from tools/selfdraft_table.py), `selfdraft-xl` (the
 16-layer disk-tier target), `serve`, `serve-turns` and `serve-cache` (bench/serve.py), `serve-parallel`,
@@ -40,28 +40,25 @@ REAL = {"none (ar)": "none (`--method ar`)", "self-hqq3": "`--draft self --draft
 
 
 def headline() -> str:
-    """SmolLM2 streamed from disk (bench/selfdraft.py --chat): one row per draft and temperature, tokens
-    per target pass by budget, the row's best tok/s against --method ar's, and whether its T = 0 ids
+    """SmolLM2 streamed from disk (bench/spec_pass.py): --method ar and the 3-bit self-draft at each budget,
+    tokens per target pass, tok/s and its ratio to --method ar's in the same run, and whether the T = 0 ids
     equal --method ar's."""
-    rs = load("real_selfdraft.json")["rows"]
-    budgets = sorted({r["budget"] for r in rs if r["method"] == "specexec"})
-    temps = sorted({r["temperature"] for r in rs if r["method"] == "specexec"})
-    ar = next(r for r in rs if r["method"] == "ar")
-    lines = ["| draft | T | " + " | ".join(f"budget {b}" for b in budgets)
-             + " | best tok/s (this CPU) | x `--method ar` | ids equal `--method ar` |",
-             "|---|---|" + "---|" * (len(budgets) + 3),
-             f"| {REAL['none (ar)']} | any | " + " | ".join("1" for _ in budgets)
-             + f" | {ar['tokens_per_second']:.2f} | 1.00x | - |"]
-    for draft in ("self-hqq3", "self-hqq2"):
-        for t in temps:
-            cells = {r["budget"]: r for r in rs if r["draft"] == draft and r["temperature"] == t}
-            if not cells:
-                continue
-            best = max(c["tokens_per_second"] for c in cells.values())
-            same = ("yes" if all(c["lossless"] for c in cells.values()) else "NO") if t == 0 else "-"
-            lines.append(f"| {REAL[draft]} | {t:g} | " + " | ".join(
-                f"{cells[b]['tokens_per_pass']:.2f}" if b in cells else "-" for b in budgets)
-                + f" | {best:.2f} | {best / ar['tokens_per_second']:.2f}x | {same} |")
+    rows = [r for r in load("spec_pass.json")["rows"] if r["tier"] == "disk"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r["config"], []).append(r)
+
+    def rate(rs):   # total tokens over total decode seconds
+        return sum(len(r["token_ids"]) for r in rs) / sum(len(r["token_ids"]) / r["tokens_per_second"] for r in rs)
+
+    ar = rate(groups["ar"])
+    lines = ["| decoding | tokens per target pass | tok/s (this CPU) | x `--method ar` | ids equal `--method ar` |",
+             "|---|---|---|---|---|"]
+    for config, rs in groups.items():
+        name = "`--method ar`" if config == "ar" else f"`--draft self --draft-bits 3 --budget {config.split('b')[-1]}`"
+        tpp = sum(r["tokens_per_pass"] for r in rs) / len(rs)
+        same = "-" if config == "ar" else ("yes" if all(r["ids_equal_ar"] for r in rs) else "NO")
+        lines.append(f"| {name} | {tpp:.2f} | {rate(rs):.1f} | {rate(rs) / ar:.2f}x | {same} |")
     return "\n".join(lines)
 
 
