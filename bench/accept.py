@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 from specexec_cli.core.draft import TreeShape  # noqa: E402
 from specexec_cli.core.engine import DecodeState, GenerationConfig  # noqa: E402
-from specexec_cli.session.loading import LoadOptions, load_models  # noqa: E402
 from specexec_cli.core.methods import generate  # noqa: E402
 from specexec_cli.core.sampling import SamplingParams  # noqa: E402
 from specexec_cli.core.stats import RunStats  # noqa: E402
+from specexec_cli.session.loading import LoadOptions, load_models  # noqa: E402
 
 
 def load_prompts(spec: str) -> list[tuple[int, str]]:
@@ -57,8 +57,14 @@ def run_cell(models, prompts, refs, method, budget, temperature, args) -> dict:
     for (i, prompt), ref in zip(prompts, refs):
         tok = npass = 0
         for seed in seeds:
-            cfg = GenerationConfig(method=method, shape=shape, sampling=SamplingParams(temperature), seed=1000 * seed + i,
-                                   max_new_tokens=args.max_new_tokens, extra=dict(extra, gamma=args.gamma))
+            cfg = GenerationConfig(
+                method=method,
+                shape=shape,
+                sampling=SamplingParams(temperature),
+                seed=1000 * seed + i,
+                max_new_tokens=args.max_new_tokens,
+                extra=dict(extra, gamma=args.gamma),
+            )
             stats = RunStats()
             for ev in generate(models, DecodeState(), models.tokenizer(prompt)["input_ids"], cfg):
                 stats.add(ev)
@@ -69,10 +75,20 @@ def run_cell(models, prompts, refs, method, budget, temperature, args) -> dict:
         passes.append(npass)
     t, p = np.array(tokens, float), np.array(passes, float)
     lo, hi = interval(t, p)
-    return dict(method=method, budget=budget, temperature=temperature, prompts=len(prompts), seeds=len(seeds),
-                tokens_per_pass=round(t.sum() / max(p.sum(), 1), 3), ci95=[round(lo, 3), round(hi, 3)],
-                target_passes=int(p.sum()), lossless=lossless if temperature == 0 and refs[0] is not None else None,
-                seconds=round(time.time() - t0, 1), per_prompt_tokens=tokens, per_prompt_passes=passes)  # fmt: skip
+    return dict(
+        method=method,
+        budget=budget,
+        temperature=temperature,
+        prompts=len(prompts),
+        seeds=len(seeds),
+        tokens_per_pass=round(t.sum() / max(p.sum(), 1), 3),
+        ci95=[round(lo, 3), round(hi, 3)],
+        target_passes=int(p.sum()),
+        lossless=lossless if temperature == 0 and refs[0] is not None else None,
+        seconds=round(time.time() - t0, 1),
+        per_prompt_tokens=tokens,
+        per_prompt_passes=passes,
+    )
 
 
 class ReuseMeter:
@@ -114,9 +130,12 @@ class ReuseMeter:
         self.reusable += int((inside & (tree.slot >= 0)).sum())
 
     def report(self) -> dict:
-        return dict(passes=self.passes, bonus_in_tree=round(self.hits / max(self.passes, 1), 3),
-                    reusable_run_nodes_per_pass=round(self.reusable / max(self.passes, 1), 2),
-                    run_nodes_per_pass=round(self.run / max(self.passes, 1), 2))
+        return dict(
+            passes=self.passes,
+            bonus_in_tree=round(self.hits / max(self.passes, 1), 3),
+            reusable_run_nodes_per_pass=round(self.reusable / max(self.passes, 1), 2),
+            run_nodes_per_pass=round(self.run / max(self.passes, 1), 2),
+        )
 
 
 def table(rows: list[dict]) -> str:
@@ -125,8 +144,10 @@ def table(rows: list[dict]) -> str:
     out = ["| T | budget | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
     for key in dict.fromkeys((r["temperature"], r["budget"]) for r in rows):
         cells = {r["method"]: r for r in rows if (r["temperature"], r["budget"]) == key}
-        fmt = [f"{c['tokens_per_pass']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if (c := cells.get(m)) else ""
-               for m in methods]  # fmt: skip
+        fmt = [
+            f"{c['tokens_per_pass']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if (c := cells.get(m)) else ""
+            for m in methods
+        ]
         out.append(f"| {key[0]:g} | {key[1]} | " + " | ".join(fmt) + " |")
     return "\n".join(out)
 
@@ -153,9 +174,13 @@ def merged_table(files: list[str], readme: bool) -> None:
     print(text)
     if readme:
         lossless = all(r["lossless"] for r in rows if r["temperature"] == 0)
-        write_readme("Tokens per target pass on the 8-layer pair, 95% bootstrap interval over prompts (at T > 0 "
-                     "a prompt's seeds stay together), from " + "; ".join(commands) +
-                     f". Every T=0 run equals the target's greedy `generate`: {lossless}.\n\n" + text)
+        write_readme(
+            "Tokens per target pass on the 8-layer pair, 95% bootstrap interval over prompts (at T > 0 "
+            "a prompt's seeds stay together), from "
+            + "; ".join(commands)
+            + f". Every T=0 run equals the target's greedy `generate`: {lossless}.\n\n"
+            + text
+        )
 
 
 def save(args, rows: list[dict]) -> Path:
@@ -165,8 +190,9 @@ def save(args, rows: list[dict]) -> Path:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     learned = {k[2]: dict(rates=c.rates(), tests=[int(x) for x in c.tests]) for k, c in calibrate._PAIRS.items()}
-    meta = dict(vars(args), dtype="fp32", device="cpu", torch=torch.__version__, command=" ".join(sys.argv),
-                calibration=learned)
+    meta = dict(
+        vars(args), dtype="fp32", device="cpu", torch=torch.__version__, command=" ".join(sys.argv), calibration=learned
+    )
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return out
 
@@ -185,22 +211,36 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=5, help="chain: draft tokens per pass")
     ap.add_argument("--scores", default=None, help="specexec node scores: calibrated+ngram | calibrated | draft")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the HF greedy comparison")
-    ap.add_argument("--readme", action="store_true", help="rewrite the acceptance table in CONTRIBUTING.md from this run")
+    ap.add_argument(
+        "--readme", action="store_true", help="rewrite the acceptance table in CONTRIBUTING.md from this run"
+    )
     ap.add_argument("--reuse", action="store_true", help="measure how much draft work the next pass could reuse")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accept.json"))
-    ap.add_argument("--from-json", nargs="+", metavar="FILE",
-                    help="no decoding: merge the rows of earlier runs' JSON files into one table (with --readme)")
+    ap.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="FILE",
+        help="no decoding: merge the rows of earlier runs' JSON files into one table (with --readme)",
+    )
     args = ap.parse_args()
     if args.from_json:
         return merged_table(args.from_json, args.readme)
     if not (SHARED / "models" / "target").exists():
         sys.exit("bench/accept.py needs ../shared/models (the trained pair); it is not present")
-    models = load_models(LoadOptions(str(SHARED / "models/target"), str(SHARED / "models/draft"), dtype="fp32", device="cpu"))
+    models = load_models(
+        LoadOptions(str(SHARED / "models/target"), str(SHARED / "models/draft"), dtype="fp32", device="cpu")
+    )
     prompts = load_prompts(args.prompts)
     refs = [None] * len(prompts)
     if args.check and "0" in [f"{float(t):g}" for t in args.temperatures.split(",")]:
-        refs = [models.target.generate(torch.tensor([ids := models.tokenizer(p)["input_ids"]]), do_sample=False,
-                                       max_new_tokens=args.max_new_tokens)[0, len(ids) :].tolist() for _, p in prompts]
+        refs = [
+            models.target.generate(
+                torch.tensor([ids := models.tokenizer(p)["input_ids"]]),
+                do_sample=False,
+                max_new_tokens=args.max_new_tokens,
+            )[0, len(ids) :].tolist()
+            for _, p in prompts
+        ]
     meter = ReuseMeter() if args.reuse else None
     if meter:
         meter.install()
@@ -216,16 +256,20 @@ def main() -> None:
                     print("  reuse:", r["reuse"])
                 rows.append(r)
                 save(args, rows)  # after every cell, so an interrupted sweep keeps what it measured
-                print(f"T={temperature:<4g} budget={budget:<5} {method:<10} tokens/pass={r['tokens_per_pass']:<6} "
-                      f"95%=[{r['ci95'][0]}, {r['ci95'][1]}] lossless={r['lossless']}  [{time.time() - t0:.0f}s]",
-                      flush=True)  # fmt: skip
+                print(
+                    f"T={temperature:<4g} budget={budget:<5} {method:<10} tokens/pass={r['tokens_per_pass']:<6} "
+                    f"95%=[{r['ci95'][0]}, {r['ci95'][1]}] lossless={r['lossless']}  [{time.time() - t0:.0f}s]",
+                    flush=True,
+                )
     out = save(args, rows)
     text = table(rows)
     print("\n" + text + f"\n\nwrote {out}")
     if args.readme:
-        write_readme(f"`python bench/accept.py {' '.join(sys.argv[1:])}` — tokens per target pass, "
-                     f"prompts {args.prompts} of prompts.jsonl, {args.max_new_tokens} new tokens, "
-                     "95% bootstrap interval over prompts:\n\n" + text)
+        write_readme(
+            f"`python bench/accept.py {' '.join(sys.argv[1:])}` — tokens per target pass, "
+            f"prompts {args.prompts} of prompts.jsonl, {args.max_new_tokens} new tokens, "
+            "95% bootstrap interval over prompts:\n\n" + text
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,15 @@ TYPES = {"Q4_0": gq.Q4_0, "Q8_0": gq.Q8_0, "Q4_K": gq.Q4_K, "Q5_K": gq.Q5_K, "Q6
 
 
 def linears(hidden: int, inter: int, kv: int) -> dict[str, tuple[int, int]]:
-    return {"q": (hidden, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, hidden),
-            "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    return {
+        "q": (hidden, hidden),
+        "k": (kv, hidden),
+        "v": (kv, hidden),
+        "o": (hidden, hidden),
+        "gate": (inter, hidden),
+        "up": (inter, hidden),
+        "down": (hidden, inter),
+    }
 
 
 def random_blocks(qtype: int, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:
@@ -56,7 +63,7 @@ def random_blocks(qtype: int, rows: int, cols: int, rng: np.random.Generator) ->
     b = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
     for off in HALF_AT[qtype]:
         half = (rng.standard_normal(b.shape[:2]) * 0.01).astype(np.float16)
-        b[..., off:off + 2] = half.view(np.uint8).reshape(*b.shape[:2], 2)
+        b[..., off : off + 2] = half.view(np.uint8).reshape(*b.shape[:2], 2)
     return torch.from_numpy(b.reshape(rows, -1))
 
 
@@ -71,7 +78,7 @@ class Traffic(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-            return out   # a view: no bytes move
+            return out  # a view: no bytes move
         seen = set()
         flat = list(args) + list((kwargs or {}).values())
         tensors = [t for a in flat for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
@@ -83,7 +90,7 @@ class Traffic(TorchDispatchMode):
         return out
 
 
-_BUFFERS = {"on": False, "bytes": 0}   # bytes of the buffers compiled code allocated while "on"
+_BUFFERS = {"on": False, "bytes": 0}  # bytes of the buffers compiled code allocated while "on"
 
 
 def _count_buffers() -> None:
@@ -96,6 +103,7 @@ def _count_buffers() -> None:
         if _BUFFERS["on"]:
             _BUFFERS["bytes"] += t.untyped_storage().nbytes()
         return t
+
     guards._empty_strided_cpu = counted
 
 
@@ -137,11 +145,17 @@ def run_gguf(layer, kernel: str, repeats: int) -> dict:
         moved = tr.bytes
     else:
         assert gq.kernel_status() is None, gq.kernel_status()
-        moved = packed + 2 * allocated_bytes(once) - 2 * params   # input + out + 2 x (allocations - out)
+        moved = packed + 2 * allocated_bytes(once) - 2 * params  # input + out + 2 x (allocations - out)
     sec = statistics.median(times)
-    return dict(kernel=kernel, params=params, packed_bytes=packed, seconds_per_layer=sec,
-                compile_seconds=max(0.0, first - sec) if kernel == "compiled" else 0.0,
-                bytes_per_param=moved / params, x_weight=moved / (2 * params))
+    return dict(
+        kernel=kernel,
+        params=params,
+        packed_bytes=packed,
+        seconds_per_layer=sec,
+        compile_seconds=max(0.0, first - sec) if kernel == "compiled" else 0.0,
+        bytes_per_param=moved / params,
+        x_weight=moved / (2 * params),
+    )
 
 
 def run_nf4(shapes, repeats: int) -> dict | None:
@@ -150,8 +164,12 @@ def run_nf4(shapes, repeats: int) -> dict | None:
     except ImportError:
         return None
     torch.manual_seed(0)
-    layer = [bnbf.quantize_4bit(torch.randn(*s, dtype=torch.bfloat16) * 0.02, quant_type="nf4", blocksize=64,
-                                compress_statistics=True) for s in shapes.values()]
+    layer = [
+        bnbf.quantize_4bit(
+            torch.randn(*s, dtype=torch.bfloat16) * 0.02, quant_type="nf4", blocksize=64, compress_statistics=True
+        )
+        for s in shapes.values()
+    ]
 
     def once():
         return [bnbf.dequantize_4bit(q, state) for q, state in layer]
@@ -165,17 +183,27 @@ def run_nf4(shapes, repeats: int) -> dict | None:
     with Traffic() as tr:
         once()
     params = sum(a * b for a, b in shapes.values())
-    return dict(kernel="bitsandbytes", params=params, packed_bytes=sum(q.numel() for q, _ in layer),
-                seconds_per_layer=statistics.median(times), compile_seconds=0.0,
-                bytes_per_param=tr.bytes / params, x_weight=tr.bytes / (2 * params))
+    return dict(
+        kernel="bitsandbytes",
+        params=params,
+        packed_bytes=sum(q.numel() for q, _ in layer),
+        seconds_per_layer=statistics.median(times),
+        compile_seconds=0.0,
+        bytes_per_param=tr.bytes / params,
+        x_weight=tr.bytes / (2 * params),
+    )
 
 
 def table(result: dict) -> str:
-    lines = ["| type | kernel | packed bytes / param | bytes moved / param | x the bf16 weight | s / layer | compile s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| type | kernel | packed bytes / param | bytes moved / param | x the bf16 weight | s / layer | compile s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['type']} | {r['kernel']} | {r['packed_bytes'] / r['params']:.3f} | {r['bytes_per_param']:.2f} "
-                     f"| {r['x_weight']:.2f} | {r['seconds_per_layer']:.3f} | {r['compile_seconds']:.1f} |")
+        lines.append(
+            f"| {r['type']} | {r['kernel']} | {r['packed_bytes'] / r['params']:.3f} | {r['bytes_per_param']:.2f} "
+            f"| {r['x_weight']:.2f} | {r['seconds_per_layer']:.3f} | {r['compile_seconds']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -210,23 +238,34 @@ def main() -> None:
         for kernel in args.kernels.split(","):
             row = dict(type=name, **run_gguf(layer, kernel, args.repeats))
             rows.append(row)
-            print(f"{name:7s} {kernel:9s} {row['bytes_per_param']:6.2f} B/param ({row['x_weight']:.2f}x) "
-                  f"{row['seconds_per_layer']:.3f} s/layer", flush=True)
+            print(
+                f"{name:7s} {kernel:9s} {row['bytes_per_param']:6.2f} B/param ({row['x_weight']:.2f}x) "
+                f"{row['seconds_per_layer']:.3f} s/layer",
+                flush=True,
+            )
     nf4 = run_nf4(shapes, args.repeats)
     if nf4 is not None:
         rows.append(dict(type="nf4", **nf4))
-    result = dict(command="python bench/dequant.py " + " ".join(sys.argv[1:]), device="cpu",
-                  machine=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
-                  load_average=[round(x, 2) for x in __import__("os").getloadavg()],   # a shared machine's noise
-                  torch=torch.__version__, layer=shapes, rows=rows)
+    result = dict(
+        command="python bench/dequant.py " + " ".join(sys.argv[1:]),
+        device="cpu",
+        machine=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        load_average=[round(x, 2) for x in __import__("os").getloadavg()],  # a shared machine's noise
+        torch=torch.__version__,
+        layer=shapes,
+        rows=rows,
+    )
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     if args.readme:
-        write_readme(f"`{result['command']}` on this CPU ({result['threads']} threads, load average "
-                     f"{result['load_average'][0]} when it finished), one "
-                     f"{sum(a * b for a, b in shapes.values()) / 1e6:.1f}M-parameter layer into bf16:\n\n" + table(result))
+        write_readme(
+            f"`{result['command']}` on this CPU ({result['threads']} threads, load average "
+            f"{result['load_average'][0]} when it finished), one "
+            f"{sum(a * b for a, b in shapes.values()) / 1e6:.1f}M-parameter layer into bf16:\n\n" + table(result)
+        )
 
 
 if __name__ == "__main__":

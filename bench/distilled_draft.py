@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCK = ["flock", "/tmp/bench.lock"]   # emptied by --locked
+LOCK = ["flock", "/tmp/bench.lock"]  # emptied by --locked
 # Chat prompts unlike tools/distill_data.py's training prompts (tests/test_distill_draft.py checks it).
 PROMPTS = (
     "What is the capital of France, and why is it famous?",
@@ -70,18 +70,39 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as d:
         stats = Path(d) / "stats.json"
         for k, i in enumerate(range(lo, hi)):
-            order = CONFIGS[k % len(CONFIGS):] + CONFIGS[:k % len(CONFIGS)]
+            order = CONFIGS[k % len(CONFIGS) :] + CONFIGS[: k % len(CONFIGS)]
             runs = {}
             for config in order:
-                _, rec = run_specx(["run", "-p", PROMPTS[i], "--target", args.target, "-n", str(args.n),
-                                       "--temperature", "0", "--no-live", *config_args(config, args.draft)], stats)
-                runs[config] = dict(config=config, ids=rec["token_ids"], tokens_per_pass=rec["tokens_per_pass"],
-                                    tokens_per_second=rec["tokens_per_second"], new_tokens=rec["new_tokens"],
-                                    passes=rec["target_passes"], draft_seconds=rec.get("draft_seconds"),
-                                    budget=rec.get("budget"), tree=rec.get("mean_tree_size"),
-                                    notes=rec["draft_notes"])
+                _, rec = run_specx(
+                    [
+                        "run",
+                        "-p",
+                        PROMPTS[i],
+                        "--target",
+                        args.target,
+                        "-n",
+                        str(args.n),
+                        "--temperature",
+                        "0",
+                        "--no-live",
+                        *config_args(config, args.draft),
+                    ],
+                    stats,
+                )
+                runs[config] = dict(
+                    config=config,
+                    ids=rec["token_ids"],
+                    tokens_per_pass=rec["tokens_per_pass"],
+                    tokens_per_second=rec["tokens_per_second"],
+                    new_tokens=rec["new_tokens"],
+                    passes=rec["target_passes"],
+                    draft_seconds=rec.get("draft_seconds"),
+                    budget=rec.get("budget"),
+                    tree=rec.get("mean_tree_size"),
+                    notes=rec["draft_notes"],
+                )
             ref = runs["ar"]["ids"]
-            for r in runs.values():   # lossless: the same ids as --method ar
+            for r in runs.values():  # lossless: the same ids as --method ar
                 r["lossless"] = r.pop("ids") == ref
             out["cells"].append(dict(prompt=i, runs=[runs[c] for c in CONFIGS]))
             print(json.dumps(out["cells"][-1]), flush=True)
@@ -94,20 +115,26 @@ def summary(data: dict) -> dict:
     for cfg in CONFIGS:
         rs = [r for c in data["cells"] for r in c["runs"] if r["config"] == cfg]
         secs = sum(r["new_tokens"] / r["tokens_per_second"] for r in rs if r["tokens_per_second"])
-        rows[cfg] = dict(tokens_per_pass=statistics.median(r["tokens_per_pass"] for r in rs),
-                         tokens_per_second=sum(r["new_tokens"] for r in rs) / secs,
-                         lossless=all(r["lossless"] for r in rs))
+        rows[cfg] = dict(
+            tokens_per_pass=statistics.median(r["tokens_per_pass"] for r in rs),
+            tokens_per_second=sum(r["new_tokens"] for r in rs) / secs,
+            lossless=all(r["lossless"] for r in rs),
+        )
     return rows
 
 
 def table(data: dict) -> str:
     rows = summary(data)
-    lines = ["| configuration | tokens/pass (median) | tokens/s | x `--method ar` | T = 0 ids = ar |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| configuration | tokens/pass (median) | tokens/s | x `--method ar` | T = 0 ids = ar |",
+        "|---|---|---|---|---|",
+    ]
     ar = rows["ar"]["tokens_per_second"]
     for cfg, r in rows.items():
-        lines.append(f"| {cfg} | {r['tokens_per_pass']:.2f} | {r['tokens_per_second']:.2f} | "
-                     f"{r['tokens_per_second'] / ar:.2f}x | {'yes' if r['lossless'] else 'NO'} |")
+        lines.append(
+            f"| {cfg} | {r['tokens_per_pass']:.2f} | {r['tokens_per_second']:.2f} | "
+            f"{r['tokens_per_second'] / ar:.2f}x | {'yes' if r['lossless'] else 'NO'} |"
+        )
     for where in ("", "-disk"):
         ratio = rows["distilled" + where]["tokens_per_second"] / rows["self" + where]["tokens_per_second"]
         lines.append(f"\ndistilled / self-draft tokens/s{' (disk)' if where else ' (resident)'}: {ratio:.2f}x")

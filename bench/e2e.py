@@ -69,7 +69,7 @@ class Timeline:
     """StoppingCriteria that timestamps every HF decoding step (never stops anything)."""
 
     def __init__(self):
-        self.points: list[tuple[float, int]] = []   # (perf_counter, sequence length) per step
+        self.points: list[tuple[float, int]] = []  # (perf_counter, sequence length) per step
 
     def __call__(self, input_ids, scores=None, **kwargs):
         self.points.append((time.perf_counter(), input_ids.shape[-1]))
@@ -82,8 +82,9 @@ def load_hf_disk(target: Path, dtype: torch.dtype, offload_dir: str):
     n = AutoConfig.from_pretrained(target).num_hidden_layers
     device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
     device_map.update({f"model.layers.{i}": "disk" for i in range(n)})
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, device_map=device_map,
-                                                 offload_folder=offload_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        target, dtype=dtype, device_map=device_map, offload_folder=offload_dir
+    ).eval()
     files = [*target.glob("*.safetensors"), *Path(offload_dir).rglob("*")]
     model.register_forward_pre_hook(lambda mod, args: drop_page_cache([f for f in files if f.is_file()]))
     return model, files
@@ -94,26 +95,37 @@ def run_hf(model, draft, ids: list[int], max_new: int, eos: list[int]) -> dict:
 
     tl = Timeline()
     inp = torch.tensor([ids])
-    kw = dict(max_new_tokens=max_new, do_sample=False, stopping_criteria=StoppingCriteriaList([tl]),
-              eos_token_id=eos, pad_token_id=eos[0], attention_mask=torch.ones_like(inp))
+    kw = dict(
+        max_new_tokens=max_new,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([tl]),
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        attention_mask=torch.ones_like(inp),
+    )
     if draft is not None:
         kw["assistant_model"] = draft
     passes0 = model.forward_calls
     b0 = kernel_read_bytes()
     with torch.no_grad():
-        out = model.generate(inp, **kw)[0, len(ids):].tolist()
+        out = model.generate(inp, **kw)[0, len(ids) :].tolist()
     passes = model.forward_calls - passes0
     (t_first, len_first), (t_last, len_last) = tl.points[0], tl.points[-1]
-    return dict(token_ids=out, tokens_after_first=len_last - len_first, seconds_after_first=t_last - t_first,
-                target_passes=passes, read_bytes=kernel_read_bytes() - b0)
+    return dict(
+        token_ids=out,
+        tokens_after_first=len_last - len_first,
+        seconds_after_first=t_last - t_first,
+        target_passes=passes,
+        read_bytes=kernel_read_bytes() - b0,
+    )
 
 
 def run_specx(models, ids: list[int], max_new: int, budget: str) -> dict:
     from specexec_cli.core.budget import make_tuner, weights_stream
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
-    from specexec_cli.tools.profiler import find_profile
     from specexec_cli.core.stats import LinkMeter, RunStats
+    from specexec_cli.tools.profiler import find_profile
 
     method = "ar" if budget == "ar" else "specexec"
     shape = TreeShape(budget=64 if budget in ("ar", "auto") else int(budget), max_depth=64)
@@ -125,30 +137,48 @@ def run_specx(models, ids: list[int], max_new: int, budget: str) -> dict:
     for ev in events:
         stats.add(ev)
         meter.step(stats, ev)
-    return dict(token_ids=stats.token_ids, tokens_after_first=stats.new_tokens - 1,
-                seconds_after_first=stats.decode_seconds, target_passes=models.target.stats.passes - p0,
-                decode_passes=stats.target_passes, tokens_per_pass=stats.tokens_per_pass,
-                mean_tree_size=sum(stats.tree_sizes) / max(1, len(stats.tree_sizes)),
-                link_busy_fraction=stats.link_busy_fraction, stall_seconds=sum(stats.stall),
-                draft_seconds=stats.draft_seconds, read_bytes=kernel_read_bytes() - b0)
+    return dict(
+        token_ids=stats.token_ids,
+        tokens_after_first=stats.new_tokens - 1,
+        seconds_after_first=stats.decode_seconds,
+        target_passes=models.target.stats.passes - p0,
+        decode_passes=stats.target_passes,
+        tokens_per_pass=stats.tokens_per_pass,
+        mean_tree_size=sum(stats.tree_sizes) / max(1, len(stats.tree_sizes)),
+        link_busy_fraction=stats.link_busy_fraction,
+        stall_seconds=sum(stats.stall),
+        draft_seconds=stats.draft_seconds,
+        read_bytes=kernel_read_bytes() - b0,
+    )
 
 
 def summarise(name: str, runs: list[dict], ref: list[list[int]]) -> dict:
     tokens = sum(r["tokens_after_first"] for r in runs)
     secs = sum(r["seconds_after_first"] for r in runs)
-    rec = dict(method=name, prompts=len(runs), tokens=tokens, seconds=round(secs, 3),
-               tok_s=round(tokens / secs, 4) if secs > 0 else 0.0,
-               target_passes=sum(r["target_passes"] for r in runs),
-               read_gb_per_pass=round(sum(r["read_bytes"] for r in runs) / max(1, sum(r["target_passes"] for r in runs)) / 1e9, 4),
-               lossless=all(r["token_ids"] == want[:len(r["token_ids"])] and len(r["token_ids"]) == len(want)
-                            for r, want in zip(runs, ref)))
+    rec = dict(
+        method=name,
+        prompts=len(runs),
+        tokens=tokens,
+        seconds=round(secs, 3),
+        tok_s=round(tokens / secs, 4) if secs > 0 else 0.0,
+        target_passes=sum(r["target_passes"] for r in runs),
+        read_gb_per_pass=round(
+            sum(r["read_bytes"] for r in runs) / max(1, sum(r["target_passes"] for r in runs)) / 1e9, 4
+        ),
+        lossless=all(
+            r["token_ids"] == want[: len(r["token_ids"])] and len(r["token_ids"]) == len(want)
+            for r, want in zip(runs, ref)
+        ),
+    )
     if "decode_passes" in runs[0]:
         passes = sum(r["decode_passes"] for r in runs)
-        rec.update(tokens_per_pass=round(sum(r["tokens_per_pass"] * r["decode_passes"] for r in runs) / max(1, passes), 3),
-                   mean_tree_size=round(sum(r["mean_tree_size"] for r in runs) / len(runs), 1),
-                   link_busy_fraction=round(sum(r["link_busy_fraction"] for r in runs) / len(runs), 3),
-                   stall_seconds=round(sum(r["stall_seconds"] for r in runs), 2),
-                   draft_seconds=round(sum(r["draft_seconds"] for r in runs), 2))
+        rec.update(
+            tokens_per_pass=round(sum(r["tokens_per_pass"] * r["decode_passes"] for r in runs) / max(1, passes), 3),
+            mean_tree_size=round(sum(r["mean_tree_size"] for r in runs) / len(runs), 1),
+            link_busy_fraction=round(sum(r["link_busy_fraction"] for r in runs) / len(runs), 3),
+            stall_seconds=round(sum(r["stall_seconds"] for r in runs), 2),
+            draft_seconds=round(sum(r["draft_seconds"] for r in runs), 2),
+        )
     return rec
 
 
@@ -163,6 +193,7 @@ def count_forwards(model) -> None:
 
     def hook(mod, args):
         mod.forward_calls += 1
+
     model.register_forward_pre_hook(hook)
 
 
@@ -172,8 +203,11 @@ def main() -> None:
     ap.add_argument("--draft", default=str(SHARED / "models" / "draft"))
     ap.add_argument("--prompts", default=str(SHARED / "bench" / "prompts.jsonl"))
     ap.add_argument("--num-prompts", type=int, default=3)
-    ap.add_argument("--prompt-index", default="1,4,5,10,11,12,13",
-                    help="lines of --prompts to use (the shared target ends most others at EOS at once)")
+    ap.add_argument(
+        "--prompt-index",
+        default="1,4,5,10,11,12,13",
+        help="lines of --prompts to use (the shared target ends most others at EOS at once)",
+    )
     ap.add_argument("--max-prompt-tokens", type=int, default=192)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--budgets", default="15,63", help="fixed SpecExec budgets besides auto")
@@ -185,14 +219,23 @@ def main() -> None:
 
     torch.set_grad_enabled(False)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    models = load_models(LoadOptions(target=args.target, draft=args.draft, dtype=args.dtype, device="cpu",
-                                     offload="disk", max_ram=0, max_gpu_memory=0))
+    models = load_models(
+        LoadOptions(
+            target=args.target,
+            draft=args.draft,
+            dtype=args.dtype,
+            device="cpu",
+            offload="disk",
+            max_ram=0,
+            max_gpu_memory=0,
+        )
+    )
     print(models.target.plan.describe(), f"read-ahead ring {models.target.store.host_slots} layers", flush=True)
     count_forwards(models.target)
     wanted = args.methods.split(",")
     cells = [m for m in ("hf-generate", "hf-assisted") if m in wanted]
     if "specx-ar" in wanted or "specx-specexec" in wanted:
-        cells.append("specx-ar")   # the reference ids and the ar rate
+        cells.append("specx-ar")  # the reference ids and the ar rate
     if "specx-specexec" in wanted:
         cells += ["specexec@auto"] + [f"specexec@{b}" for b in args.budgets.split(",") if b]
     offload_dir = tempfile.mkdtemp(prefix="e2e-hf-offload-")
@@ -200,20 +243,25 @@ def main() -> None:
     if any(c.startswith("hf-") for c in cells):
         hf, _ = load_hf_disk(Path(args.target), dtype, offload_dir)
         count_forwards(hf)
-    prompts = load_prompts(models.tokenizer, Path(args.prompts), args.num_prompts, args.prompt_index, args.max_prompt_tokens)
+    prompts = load_prompts(
+        models.tokenizer, Path(args.prompts), args.num_prompts, args.prompt_index, args.max_prompt_tokens
+    )
     eos = sorted(models.eos_ids)
-    run_specx(models, prompts[0][:16], 2, "ar")   # untimed warm-up (threads, kernels)
+    run_specx(models, prompts[0][:16], 2, "ar")  # untimed warm-up (threads, kernels)
     runs: dict[str, list[dict]] = {c: [] for c in cells}
     for i, ids in enumerate(prompts):
-        for c in cells[i % len(cells):] + cells[:i % len(cells)]:
+        for c in cells[i % len(cells) :] + cells[: i % len(cells)]:
             t0 = time.perf_counter()
             if c.startswith("hf-"):
                 r = run_hf(hf, models.draft if c == "hf-assisted" else None, ids, args.max_new_tokens, eos)
             else:
                 r = run_specx(models, ids, args.max_new_tokens, "ar" if c == "specx-ar" else c.split("@")[1])
             runs[c].append(r)
-            print(f"prompt {i + 1}/{len(prompts)} {c:<16} {r['tokens_after_first']:>3} tok "
-                  f"{r['seconds_after_first']:7.1f}s  ({time.perf_counter() - t0:.0f}s wall)", flush=True)
+            print(
+                f"prompt {i + 1}/{len(prompts)} {c:<16} {r['tokens_after_first']:>3} tok "
+                f"{r['seconds_after_first']:7.1f}s  ({time.perf_counter() - t0:.0f}s wall)",
+                flush=True,
+            )
     layer_bytes = sum(sl.nbytes for d in models.target.store.disk.values() for sl in d.raw.slices.values())
     report(runs, args, layer_bytes)
     models.target.close()
@@ -235,17 +283,20 @@ def report(runs: dict[str, list[dict]], args, layer_bytes: int) -> None:
             r["x_hf_assisted"] = round(r["tok_s"] / hfa["tok_s"], 2)
     if auto and hfa and hfa["tok_s"]:
         ratios["auto_vs_hf_assisted"] = round(auto["tok_s"] / hfa["tok_s"], 2)
-    ratios["layer_gb_per_pass"] = round(layer_bytes / 1e9, 4)   # compare with read_gb_per_pass
+    ratios["layer_gb_per_pass"] = round(layer_bytes / 1e9, 4)  # compare with read_gb_per_pass
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(json.dumps(dict(args=vars(args), records=recs, ratios=ratios,
-                                                  runs=runs), indent=1))
-    lines = ["| method | tokens | tok/s | × ar | × hf-assisted | tokens/pass | tree | link busy | GB read/pass | lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    (out / "e2e.json").write_text(json.dumps(dict(args=vars(args), records=recs, ratios=ratios, runs=runs), indent=1))
+    lines = [
+        "| method | tokens | tok/s | × ar | × hf-assisted | tokens/pass | tree | link busy | GB read/pass | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in recs:
-        lines.append(f"| {r['method']} | {r['tokens']} | {r['tok_s']:.3f} | {r.get('x_ar', '')} | "
-                     f"{r.get('x_hf_assisted', '')} | {r.get('tokens_per_pass', '')} | {r.get('mean_tree_size', '')} | "
-                     f"{r.get('link_busy_fraction', '')} | {r['read_gb_per_pass']} | {r['lossless']} |")
+        lines.append(
+            f"| {r['method']} | {r['tokens']} | {r['tok_s']:.3f} | {r.get('x_ar', '')} | "
+            f"{r.get('x_hf_assisted', '')} | {r.get('tokens_per_pass', '')} | {r.get('mean_tree_size', '')} | "
+            f"{r.get('link_busy_fraction', '')} | {r['read_gb_per_pass']} | {r['lossless']} |"
+        )
     table = "\n".join(lines)
     (out / "e2e.md").write_text(table + "\n\n" + json.dumps(ratios) + "\n")
     print(table)

@@ -28,11 +28,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "bench"))   # after the package: bench/offload.py must not shadow offload/
-
-from offload.cachedir import cache_root  # noqa: E402  (before peers_real puts bench/ first on the path)
+sys.path.append(str(ROOT / "bench"))  # after the package: bench/offload.py must not shadow offload/
 
 import peers_real as peers  # noqa: E402
+
+from offload.cachedir import cache_root  # noqa: E402  (before peers_real puts bench/ first on the path)
 
 ENGINES = ("llama-completion", "specx ar", "specx ar, kernel off")
 
@@ -46,8 +46,9 @@ def requantized(kind: str) -> Path:
             raise SystemExit(f"{tool} is missing; fix: bash tools/llamacpp.sh")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".part")
-        subprocess.run([str(tool), "--allow-requantize", peers.real_model(), str(tmp), kind], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [str(tool), "--allow-requantize", peers.real_model(), str(tmp), kind], check=True, capture_output=True
+        )
         tmp.rename(out)
     return out
 
@@ -78,7 +79,7 @@ def main() -> None:
     runs: dict = {k: {e: [] for e in ENGINES} for k in files}
     t0 = time.time()
     for r in range(args.rounds):
-        for kind, name in cells[r % len(cells):] + cells[: r % len(cells)]:
+        for kind, name in cells[r % len(cells) :] + cells[: r % len(cells)]:
             try:
                 got = table[name](str(files[kind]), texts[kind], args.n, questions)
             except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
@@ -86,14 +87,24 @@ def main() -> None:
             got["round"] = r
             runs[kind][name].append(got)
             print(f"round {r} {kind} {name}: {json.dumps(got)}", file=sys.stderr, flush=True)
-    result = dict(commit=peers.commit(), new_tokens=args.n, prompts=questions, rounds=args.rounds,
-                  threads=peers.THREADS, seconds=round(time.time() - t0, 1), loadavg=os.getloadavg(),
-                  files={k: dict(name=f.name, types=type_mix(f), rows=peers.summarize(runs[k], args.rounds))
-                         for k, f in files.items()}, runs=runs)
+    result = dict(
+        commit=peers.commit(),
+        new_tokens=args.n,
+        prompts=questions,
+        rounds=args.rounds,
+        threads=peers.THREADS,
+        seconds=round(time.time() - t0, 1),
+        loadavg=os.getloadavg(),
+        files={
+            k: dict(name=f.name, types=type_mix(f), rows=peers.summarize(runs[k], args.rounds))
+            for k, f in files.items()
+        },
+        runs=runs,
+    )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
     if args.doc:
-        from docblock import write_block   # bench/docblock.py
+        from docblock import write_block  # bench/docblock.py
 
         write_block(ROOT / "docs" / "performance.md", "gguf-types", markdown(result))
 

@@ -36,8 +36,8 @@ import sysconfig
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)   # `offload` is the package, not bench/offload.py beside this script
-sys.path.append(os.path.join(ROOT, "bench"))   # after the package: bench/offload.py must not shadow offload/
+sys.path.insert(0, ROOT)  # `offload` is the package, not bench/offload.py beside this script
+sys.path.append(os.path.join(ROOT, "bench"))  # after the package: bench/offload.py must not shadow offload/
 
 import grammar_masks  # noqa: E402  (bench/ is not a package)
 
@@ -48,9 +48,15 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0},
         "email": {"type": "string", "format": "email"},
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
-        "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
-                                                        "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["street", "city"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "city"],
+        },
         "active": {"type": "boolean"},
     },
     "required": ["name", "age", "tags", "address", "active"],
@@ -59,15 +65,20 @@ SCHEMA = {
 # the decode runs' default: short strings, so a small model's replies complete within the token limit
 DECODE_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"},
-                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-                   "debug": {"type": "boolean"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "size": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "debug": {"type": "boolean"},
+    },
     "required": ["name", "size", "tags", "debug"],
     "additionalProperties": False,
 }
-DOCUMENT = ('{"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["math", "engines", '
-            '"poetry"], "address": {"street": "12 St James Square", "city": "London", "zip": "01234"}, '
-            '"active": true}')
+DOCUMENT = (
+    '{"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["math", "engines", '
+    '"poetry"], "address": {"street": "12 St James Square", "city": "London", "zip": "01234"}, '
+    '"active": true}'
+)
 
 
 def build_tokenizer(out: str, vocab: int = 128256, corpus_bytes: int = 60_000_000) -> None:
@@ -89,8 +100,12 @@ def build_tokenizer(out: str, vocab: int = 128256, corpus_bytes: int = 60_000_00
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out)
 
 
@@ -121,8 +136,9 @@ def walk_xgrammar(hf_tok, schema: dict, ids: list[int], compact: bool) -> dict:
     info = xgr.TokenizerInfo.from_huggingface(hf_tok, vocab_size=len(hf_tok))
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     t0 = time.perf_counter()
-    compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=not compact,
-                                            separators=(", ", ": ") if compact else None)
+    compiled = compiler.compile_json_schema(
+        json.dumps(schema), any_whitespace=not compact, separators=(", ", ": ") if compact else None
+    )
     m = xgr.GrammarMatcher(compiled)
     compile_s = time.perf_counter() - t0
     bits = xgr.allocate_token_bitmask(1, len(hf_tok))
@@ -141,8 +157,9 @@ def engines(args) -> dict:
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     ids = tok.encode(DOCUMENT, add_special_tokens=False)
     rows = {}
-    for (name, fn), layout in itertools.product((("llguidance", walk_llguidance), ("xgrammar", walk_xgrammar)),
-                                                ("compact", "flexible")):
+    for (name, fn), layout in itertools.product(
+        (("llguidance", walk_llguidance), ("xgrammar", walk_xgrammar)), ("compact", "flexible")
+    ):
         try:
             runs = [fn(tok, SCHEMA, ids, layout == "compact") for _ in range(args.repeat)]
         except ImportError as exc:
@@ -150,16 +167,33 @@ def engines(args) -> dict:
             continue
         # per position, the fastest of the repeats (the machine is shared: slower ones carry others' load)
         s = [min(col) for col in zip(*(r["mask_s"] for r in runs))]
-        rows[f"{name} {layout}"] = {"engine": name, "layout": layout, "version": runs[0]["version"], "compile_s": min(r["compile_s"] for r in runs),
-                      "repeats": args.repeat, "masks": len(s), "mask_median_s": statistics.median(s),
-                      "mask_mean_s": statistics.mean(s), "mask_max_s": max(s), "mask_total_s": sum(s)}
+        rows[f"{name} {layout}"] = {
+            "engine": name,
+            "layout": layout,
+            "version": runs[0]["version"],
+            "compile_s": min(r["compile_s"] for r in runs),
+            "repeats": args.repeat,
+            "masks": len(s),
+            "mask_median_s": statistics.median(s),
+            "mask_mean_s": statistics.mean(s),
+            "mask_max_s": max(s),
+            "mask_total_s": sum(s),
+        }
     print("| engine | JSON whitespace | compile s | mask median µs | mask mean µs | mask max µs |")
     print("|---|---|---|---|---|---|")
     for r in rows.values():
-        print(f"| {r['engine']} {r['version']} | {r['layout']} | {r['compile_s']:.3f} | {r['mask_median_s'] * 1e6:.0f} | "
-              f"{r['mask_mean_s'] * 1e6:.0f} | {r['mask_max_s'] * 1e6:.0f} |")
-    return {"what": "engines", "vocab": len(tok), "tokenizer": args.tokenizer, "document_tokens": len(ids),
-            "schema": SCHEMA, "engines": rows}
+        print(
+            f"| {r['engine']} {r['version']} | {r['layout']} | {r['compile_s']:.3f} | {r['mask_median_s'] * 1e6:.0f} | "
+            f"{r['mask_mean_s'] * 1e6:.0f} | {r['mask_max_s'] * 1e6:.0f} |"
+        )
+    return {
+        "what": "engines",
+        "vocab": len(tok),
+        "tokenizer": args.tokenizer,
+        "document_tokens": len(ids),
+        "schema": SCHEMA,
+        "engines": rows,
+    }
 
 
 def decode_one(m, ids: list[int], cfg) -> dict:
@@ -169,7 +203,7 @@ def decode_one(m, ids: list[int], cfg) -> dict:
 
     st, run, tokens, passes, finish = DecodeState(), None, [], 0, None
     for ev in generate(m, st, list(ids), cfg):
-        run = run or st.grammar   # the call's GrammarRun (dropped when the call ends)
+        run = run or st.grammar  # the call's GrammarRun (dropped when the call ends)
         tokens += ev.tokens
         passes += ev.pass_index > 0
         finish = ev.finish
@@ -189,9 +223,13 @@ def decode(args) -> dict:
     from specexec_cli.session.loading import LoadOptions, load_models
 
     m = load_models(LoadOptions(args.target, args.draft, dtype="fp32", device="cpu"))
-    schema = json.load(open(args.schema)) if args.schema else DECODE_SCHEMA
+    schema = DECODE_SCHEMA
+    if args.schema:
+        with open(args.schema) as f:
+            schema = json.load(f)
     spec = GrammarSpec("json_schema", json.dumps(schema))
-    lines = open(args.prompts).read().splitlines()[: args.n_prompts]
+    with open(args.prompts) as f:
+        lines = f.read().splitlines()[: args.n_prompts]
     base = GenerationConfig(shape=TreeShape(args.budget, args.max_depth), max_new_tokens=args.max_new_tokens)
     rows = {"specexec, free": [], "specexec, grammar": [], "ar, grammar": []}
     for line in lines:
@@ -203,22 +241,37 @@ def decode(args) -> dict:
     table = {}
     for name, runs in rows.items():
         passes = sum(r["passes"] for r in runs)
-        tokens = sum(len(r["ids"]) - 1 for r in runs)   # the prefill's token came without a decode pass
-        table[name] = {"tokens": tokens, "passes": passes, "tokens_per_pass": tokens / passes,
-                       "mask_s_per_pass": (sum(r.get("mask_s", 0.0) for r in runs) / passes) if "grammar" in name else None,
-                       "masks_per_pass": (sum(r.get("masks", 0) for r in runs) / passes) if "grammar" in name else None,
-                       "finish": {f: sum(r["finish"] == f for r in runs) for f in {r["finish"] for r in runs}}}
-    print(f"| run | tokens per target pass | mask ms per pass | masks per pass | finish |")
+        tokens = sum(len(r["ids"]) - 1 for r in runs)  # the prefill's token came without a decode pass
+        table[name] = {
+            "tokens": tokens,
+            "passes": passes,
+            "tokens_per_pass": tokens / passes,
+            "mask_s_per_pass": (sum(r.get("mask_s", 0.0) for r in runs) / passes) if "grammar" in name else None,
+            "masks_per_pass": (sum(r.get("masks", 0) for r in runs) / passes) if "grammar" in name else None,
+            "finish": {f: sum(r["finish"] == f for r in runs) for f in {r["finish"] for r in runs}},
+        }
+    print("| run | tokens per target pass | mask ms per pass | masks per pass | finish |")
     print("|---|---|---|---|---|")
     for name, r in table.items():
         ms = "-" if r["mask_s_per_pass"] is None else f"{r['mask_s_per_pass'] * 1e3:.1f}"
         mp = "-" if r["masks_per_pass"] is None else f"{r['masks_per_pass']:.0f}"
         print(f"| {name} | {r['tokens_per_pass']:.2f} | {ms} | {mp} | {r['finish']} |")
     print(f"constrained specexec ids == constrained ar ids: {equal}")
-    return {"what": "decode", "target": args.target, "draft": args.draft, "prompts": len(lines),
-            "budget": args.budget, "max_depth": args.max_depth, "max_new_tokens": args.max_new_tokens,
-            "temperature": 0.0, "schema": schema, "prompt_suffix": args.suffix, "vocab": len(m.tokenizer),
-            "specexec_equals_ar": equal, "rows": table}
+    return {
+        "what": "decode",
+        "target": args.target,
+        "draft": args.draft,
+        "prompts": len(lines),
+        "budget": args.budget,
+        "max_depth": args.max_depth,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": 0.0,
+        "schema": schema,
+        "prompt_suffix": args.suffix,
+        "vocab": len(m.tokenizer),
+        "specexec_equals_ar": equal,
+        "rows": table,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=8, help="passes per reply length (--masks)")
     ap.add_argument("--branch", type=int, default=4, help="children per spine node (--masks)")
     ap.add_argument("--depth", type=int, default=16, help="spine depth (--masks)")
-    ap.add_argument("--repeat", type=int, default=5, help="walks per engine (--engines; per mask the fastest counts), runs per reply (--masks)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="walks per engine (--engines; per mask the fastest counts), runs per reply (--masks)",
+    )
     ap.add_argument("--out", help="JSON results file")
     shared = os.path.join(os.path.dirname(ROOT), "shared")
     ap.add_argument("--target", default=os.path.join(shared, "models", "target"))

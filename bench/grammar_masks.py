@@ -27,16 +27,59 @@ import os
 import statistics
 import time
 
-HEADER = ("| vocabulary | reply tokens | masks by | ms per pass (median) | ms per pass (max) | rows per pass |\n"
-          "|---|---|---|---|---|---|")
+HEADER = (
+    "| vocabulary | reply tokens | masks by | ms per pass (median) | ms per pass (max) | rows per pass |\n"
+    "|---|---|---|---|---|---|"
+)
 
-MASK_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {
-    "type": "object", "properties": {"title": {"type": "string"}, "n": {"type": "integer"}},
-    "required": ["title", "n"], "additionalProperties": False}}}, "required": ["notes"], "additionalProperties": False}
-MASK_WORDS = ("the quick brown fox jumps over a lazy dog while parsing tokens of grammar masks under "
-              "speculative trees with rollback").split()
-MASK_DOCUMENT = '{"notes": [' + ", ".join('{"title": "%s", "n": %d}' % (
-    " ".join(MASK_WORDS[(7 * i + 3 * j) % len(MASK_WORDS)] for j in range(8)), i) for i in range(600)) + ']}'
+MASK_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "notes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"title": {"type": "string"}, "n": {"type": "integer"}},
+                "required": ["title", "n"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["notes"],
+    "additionalProperties": False,
+}
+MASK_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "parsing",
+    "tokens",
+    "of",
+    "grammar",
+    "masks",
+    "under",
+    "speculative",
+    "trees",
+    "with",
+    "rollback",
+]
+MASK_DOCUMENT = (
+    '{"notes": ['
+    + ", ".join(
+        '{{"title": "{}", "n": {:d}}}'.format(
+            " ".join(MASK_WORDS[(7 * i + 3 * j) % len(MASK_WORDS)] for j in range(8)), i
+        )
+        for i in range(600)
+    )
+    + "]}"
+)
 
 
 class ForkRun:
@@ -56,7 +99,7 @@ class ForkRun:
 
     def begin(self, tree) -> None:
         t0, ids = time.perf_counter(), self.state.ids
-        for t in ids[self.pos:]:
+        for t in ids[self.pos :]:
             assert self.root.accept_token(int(t))
         self.pos, self.tree, self.nodes, self.rows, self.dead = len(ids), tree, {0: self.root}, {}, set()
         self.stats.seconds += time.perf_counter() - t0
@@ -107,18 +150,18 @@ def mask_tree(run, spine: list[int], branch: int, budget: int) -> None:
 
     tree = Tree.new(spine[0])
     run.begin(tree)
-    frontier, on_spine = [0], {0: 0}   # node -> its index in `spine` (spine nodes only)
+    frontier, on_spine = [0], {0: 0}  # node -> its index in `spine` (spine nodes only)
     while frontier and tree.size < budget:
-        rows = run.bitmask(frontier).numpy()   # (B, W) int32: bit t % 32 of word t // 32 (little-endian bytes)
+        rows = run.bitmask(frontier).numpy()  # (B, W) int32: bit t % 32 of word t // 32 (little-endian bytes)
         nxt = []
         for node, row in zip(frontier, rows):
             ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[: run.g.vocab]).tolist()
             if not ids:
                 continue
-            if node in on_spine and on_spine[node] + 1 < len(spine):   # the text's token and branch - 1 others
+            if node in on_spine and on_spine[node] + 1 < len(spine):  # the text's token and branch - 1 others
                 d = on_spine[node] + 1
                 picks = [spine[d]] + [ids[(j * 7919) % len(ids)] for j in range(1, branch)]
-            else:   # below a branch: one grammar-valid token
+            else:  # below a branch: one grammar-valid token
                 picks = [ids[len(ids) // 2]]
             for tok in dict.fromkeys(picks):
                 if tree.size >= budget:
@@ -142,7 +185,7 @@ def masks(args) -> dict:
     from specexec_cli.core.engine import DecodeState
     from specexec_cli.core.grammar import GrammarSpec, compile_grammar
 
-    torch.set_num_threads(1)   # the bench's own tree building (untimed); the timed mask code uses numpy
+    torch.set_num_threads(1)  # the bench's own tree building (untimed); the timed mask code uses numpy
     spec, out = GrammarSpec("json_schema", json.dumps(MASK_SCHEMA)), []
     for path in args.tokenizer:
         tok = AutoTokenizer.from_pretrained(path)
@@ -154,16 +197,35 @@ def masks(args) -> dict:
             for _ in range(args.repeat):
                 st = DecodeState(ids=doc[:reply])
                 run = cls(g, st, 0)
-                run.begin(None)   # catch up on the reply: untimed
+                run.begin(None)  # catch up on the reply: untimed
                 for p in range(args.passes):
                     run.stats.seconds, run.stats.masks = 0.0, 0
-                    mask_tree(run, doc[len(st.ids) - 1:len(st.ids) + args.depth], args.branch, args.budget)
+                    mask_tree(run, doc[len(st.ids) - 1 : len(st.ids) + args.depth], args.branch, args.budget)
                     best[p], rows = min(best[p], run.stats.seconds), run.stats.masks
-                    st.ids.extend(doc[len(st.ids):len(st.ids) + 3])
-            out.append({"vocab": len(tok), "tokenizer": path, "reply_tokens": reply, "algorithm": name,
-                        "mask_s_per_pass": statistics.median(best), "mask_s_max": max(best), "rows_per_pass": rows})
-            print(f"| {len(tok)} | {reply} | {name} | {out[-1]['mask_s_per_pass'] * 1e3:.2f} | "
-                  f"{out[-1]['mask_s_max'] * 1e3:.2f} | {rows} |", flush=True)
-    return {"what": "masks", "schema": MASK_SCHEMA, "passes": args.passes, "repeat": args.repeat,
-            "tree": {"budget": args.budget, "depth": args.depth, "branch": args.branch},
-            "lanes": constrain.LANES, "cpus": os.cpu_count(), "rows": out}
+                    st.ids.extend(doc[len(st.ids) : len(st.ids) + 3])
+            out.append(
+                {
+                    "vocab": len(tok),
+                    "tokenizer": path,
+                    "reply_tokens": reply,
+                    "algorithm": name,
+                    "mask_s_per_pass": statistics.median(best),
+                    "mask_s_max": max(best),
+                    "rows_per_pass": rows,
+                }
+            )
+            print(
+                f"| {len(tok)} | {reply} | {name} | {out[-1]['mask_s_per_pass'] * 1e3:.2f} | "
+                f"{out[-1]['mask_s_max'] * 1e3:.2f} | {rows} |",
+                flush=True,
+            )
+    return {
+        "what": "masks",
+        "schema": MASK_SCHEMA,
+        "passes": args.passes,
+        "repeat": args.repeat,
+        "tree": {"budget": args.budget, "depth": args.depth, "branch": args.branch},
+        "lanes": constrain.LANES,
+        "cpus": os.cpu_count(),
+        "rows": out,
+    }

@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
-sys.path.insert(0, str(ROOT))   # `offload` is the package, not bench/offload.py beside this script
+sys.path.insert(0, str(ROOT))  # `offload` is the package, not bench/offload.py beside this script
 
 
 def one(mode: str, args) -> dict:
@@ -39,18 +39,47 @@ def one(mode: str, args) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "s.json"
-            res = CliRunner().invoke(app, ["run", "-p", prompts[args.prompt]["prompt"], "--target", str(SHARED / "models" / "target"),
-                                           "--draft", str(SHARED / "models" / "draft"), "--device", "cpu", "--dtype", "fp32",
-                                           "--offload", "auto", "--max-ram", args.max_ram, "--max-new-tokens", "64",
-                                           "--no-live", "--temperature", "0", "--stats-json", str(out)])
+            res = CliRunner().invoke(
+                app,
+                [
+                    "run",
+                    "-p",
+                    prompts[args.prompt]["prompt"],
+                    "--target",
+                    str(SHARED / "models" / "target"),
+                    "--draft",
+                    str(SHARED / "models" / "draft"),
+                    "--device",
+                    "cpu",
+                    "--dtype",
+                    "fp32",
+                    "--offload",
+                    "auto",
+                    "--max-ram",
+                    args.max_ram,
+                    "--max-new-tokens",
+                    "64",
+                    "--no-live",
+                    "--temperature",
+                    "0",
+                    "--stats-json",
+                    str(out),
+                ],
+            )
             if res.exit_code:
                 sys.exit(f"specx run failed: {res.output[-300:]}")
             rec = json.loads(out.read_text())
     finally:
         mp.resident_ids = real
-    return dict(mode=mode, placement=rec.get("offload"), link_busy_fraction=rec.get("link_busy_fraction"),
-                tokens_per_second=rec.get("tokens_per_second"), stall_seconds=rec.get("stall_seconds"),
-                target_passes=rec.get("target_passes"), token_ids=rec.get("token_ids"))
+    return dict(
+        mode=mode,
+        placement=rec.get("offload"),
+        link_busy_fraction=rec.get("link_busy_fraction"),
+        tokens_per_second=rec.get("tokens_per_second"),
+        stall_seconds=rec.get("stall_seconds"),
+        target_passes=rec.get("target_passes"),
+        token_ids=rec.get("token_ids"),
+    )
 
 
 def main() -> None:
@@ -64,12 +93,19 @@ def main() -> None:
     summary = {}
     for mode in ("prefix", "spread"):
         rows = [r for r in runs if r["mode"] == mode]
-        summary[mode] = {k: statistics.median(r[k] for r in rows) for k in ("link_busy_fraction", "tokens_per_second",
-                                                                             "stall_seconds")}
+        summary[mode] = {
+            k: statistics.median(r[k] for r in rows)
+            for k in ("link_busy_fraction", "tokens_per_second", "stall_seconds")
+        }
         print(mode, rows[0]["placement"], summary[mode])
     same = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
-    result = dict(command="python bench/interleave.py " + " ".join(sys.argv[1:]), load_average=list(os.getloadavg()),
-                  same_token_ids=same, summary=summary, runs=[{k: v for k, v in r.items() if k != "token_ids"} for r in runs])
+    result = dict(
+        command="python bench/interleave.py " + " ".join(sys.argv[1:]),
+        load_average=list(os.getloadavg()),
+        same_token_ids=same,
+        summary=summary,
+        runs=[{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+    )
     (ROOT / args.out).write_text(json.dumps(result, indent=1) + "\n")
     print("token ids equal across runs:", same)
 

@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload import OffloadedCausalLM  # noqa: E402
-from offload.quant.nf4 import packing_for  # noqa: E402
-from offload.quant.quant_cache import cache_dir, ensure_nf4_cache, is_complete, cache_key  # noqa: E402
-from offload.formats.st_index import SafetensorsIndex  # noqa: E402
+from offload import OffloadedCausalLM
+from offload.formats.st_index import SafetensorsIndex
+from offload.quant.nf4 import packing_for
+from offload.quant.quant_cache import cache_dir, cache_key, ensure_nf4_cache, is_complete
 
 
 def read_bytes() -> int:
@@ -51,7 +51,7 @@ def one_pass(model, ids) -> tuple[float, int]:
     r0, t0 = read_bytes(), time.perf_counter()
     model(input_ids=ids)
     seconds = time.perf_counter() - t0
-    model.prefetcher.wait_idle()      # this model's read-ahead for its next pass, inside its window
+    model.prefetcher.wait_idle()  # this model's read-ahead for its next pass, inside its window
     return seconds, read_bytes() - r0
 
 
@@ -64,26 +64,38 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    packing = packing_for("cpu")     # the cache OffloadedCausalLM uses for dtype="nf4" on this CPU
+    packing = packing_for("cpu")  # the cache OffloadedCausalLM uses for dtype="nf4" on this CPU
     built = not is_complete(cache_dir(args.target, packing), cache_key(args.target, packing))
     t0 = time.perf_counter()
-    cache = ensure_nf4_cache(args.target, progress=lambda d, t, w: print(f"  {w} ({d}/{t})", file=sys.stderr),
-                             packing=packing)
+    cache = ensure_nf4_cache(
+        args.target, progress=lambda d, t, w: print(f"  {w} ({d}/{t})", file=sys.stderr), packing=packing
+    )
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     assert ensure_nf4_cache(args.target, packing=packing) == cache
     warm_lookup_s = time.perf_counter() - t0
 
     ring = dict(offload="disk", slots=2, host_slots=2)
-    models = {"bf16": OffloadedCausalLM.from_pretrained(args.target, dtype=torch.bfloat16, **ring),
-              "nf4": OffloadedCausalLM.from_pretrained(args.target, dtype="nf4", **ring)}
+    models = {
+        "bf16": OffloadedCausalLM.from_pretrained(args.target, dtype=torch.bfloat16, **ring),
+        "nf4": OffloadedCausalLM.from_pretrained(args.target, dtype="nf4", **ring),
+    }
     assert all(not d.convert for d in models["nf4"].store.disk.values()), "an nf4 disk layer converts"
     bf16_layers = layer_bytes(args.target)
-    rec = {"target": str(args.target), "cache": str(cache), "cache_packing": packing, "cache_built_now": built, "cache_build_seconds": build_s,
-           "warm_cache_lookup_seconds": warm_lookup_s, "passes": args.passes, "bf16_layer_bytes": bf16_layers,
-           "torch_threads": torch.get_num_threads(), "direct_io": {k: m.plan.direct_io for k, m in models.items()},
-           "bf16_converts_per_pass": any(d.convert for d in models["bf16"].store.disk.values()),
-           "by_tokens": {}}
+    rec = {
+        "target": str(args.target),
+        "cache": str(cache),
+        "cache_packing": packing,
+        "cache_built_now": built,
+        "cache_build_seconds": build_s,
+        "warm_cache_lookup_seconds": warm_lookup_s,
+        "passes": args.passes,
+        "bf16_layer_bytes": bf16_layers,
+        "torch_threads": torch.get_num_threads(),
+        "direct_io": {k: m.plan.direct_io for k, m in models.items()},
+        "bf16_converts_per_pass": any(d.convert for d in models["bf16"].store.disk.values()),
+        "by_tokens": {},
+    }
     print(f"{'tokens':>6} {'dtype':6} {'pass s (median)':>16} {'read MB/pass':>13} {'x bf16 layer bytes':>19}")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         ids = torch.randint(0, models["bf16"].config.vocab_size, (1, tokens))
@@ -94,20 +106,27 @@ def main() -> None:
                 if rnd >= 2:
                     results[name]["seconds"].append(s)
                     results[name]["read_bytes"].append(b)
-        med = {k: {"seconds": statistics.median(v["seconds"]), "read_bytes": statistics.median(v["read_bytes"])}
-               for k, v in results.items()}
+        med = {
+            k: {"seconds": statistics.median(v["seconds"]), "read_bytes": statistics.median(v["read_bytes"])}
+            for k, v in results.items()
+        }
         rec["by_tokens"][tokens] = {
-            "per_pass": results, "median": med,
+            "per_pass": results,
+            "median": med,
             "nf4_read_bytes_over_bf16_layer_bytes": med["nf4"]["read_bytes"] / bf16_layers,
             "bf16_read_bytes_over_bf16_layer_bytes": med["bf16"]["read_bytes"] / bf16_layers,
             "nf4_pass_over_bf16_pass": med["nf4"]["seconds"] / med["bf16"]["seconds"],
         }
         for k, v in med.items():
-            print(f"{tokens:6} {k:6} {v['seconds']:16.3f} {v['read_bytes'] / 1e6:13.1f} "
-                  f"{v['read_bytes'] / bf16_layers:19.3f}")
+            print(
+                f"{tokens:6} {k:6} {v['seconds']:16.3f} {v['read_bytes'] / 1e6:13.1f} "
+                f"{v['read_bytes'] / bf16_layers:19.3f}"
+            )
         r = rec["by_tokens"][tokens]
-        print(f"{tokens:6} nf4/bf16 pass time {r['nf4_pass_over_bf16_pass']:.3f} (limit 0.5); nf4 bytes / bf16 "
-              f"layer bytes {r['nf4_read_bytes_over_bf16_layer_bytes']:.3f} (limit 0.3)")
+        print(
+            f"{tokens:6} nf4/bf16 pass time {r['nf4_pass_over_bf16_pass']:.3f} (limit 0.5); nf4 bytes / bf16 "
+            f"layer bytes {r['nf4_read_bytes_over_bf16_layer_bytes']:.3f} (limit 0.3)"
+        )
     args.out.write_text(json.dumps(rec, indent=1) + "\n")
     print(f"cache build {build_s:.1f}s ({'built now' if built else 'warm'}); JSON: {args.out}")
     for m in models.values():

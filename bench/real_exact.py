@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))   # `offload` is the package, not bench/offload.py beside this script
+sys.path.insert(0, str(ROOT))  # `offload` is the package, not bench/offload.py beside this script
 
 PROMPTS = ROOT / "bench" / "prompts_chat.jsonl"
 LLAMACPP_BIN = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp" / "bin"
@@ -49,19 +49,17 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def hf_greedy(gguf: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers' greedy ids (fp32, its own GGUF dequantization), `n` per prompt, past EOS."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from transformers import DynamicCache
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     from offload.arch.hfcompat import cache_kwargs
     from specexec_cli.session.loading import quiet_transformers
 
-    quiet_transformers()   # no progress bars
+    quiet_transformers()  # no progress bars
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
-            cache = cache_kwargs(model.forward, DynamicCache())   # its keyword: `cache` from 5.24 on
+            cache = cache_kwargs(model.forward, DynamicCache())  # its keyword: `cache` from 5.24 on
             got, r = [], model(input_ids=torch.tensor([ids]), use_cache=True, **cache)
             for _ in range(n):
                 got.append(int(r.logits[0, -1].argmax()))
@@ -77,22 +75,44 @@ def specx_models(target: str, draft: str | None = None, bits: int | None = None)
     from specexec_cli.session.loading import LoadOptions, load_models
 
     offload = "none" if draft is None else "disk"
-    models = load_models(LoadOptions(target, draft, dtype="fp32", device="cpu", offload=offload,
-                                     max_ram=None if draft is None else 0, draft_bits=bits))
+    models = load_models(
+        LoadOptions(
+            target,
+            draft,
+            dtype="fp32",
+            device="cpu",
+            offload=offload,
+            max_ram=None if draft is None else 0,
+            draft_bits=bits,
+        )
+    )
     models.eos_ids = frozenset()
     return models
 
 
-def specx_ids(models, ids: list[int], n: int, method: str = "ar", budget: int = 16, max_depth: int = 16,
-              temperature: float = 0.0, seed: int = 0) -> tuple[list[int], int]:
+def specx_ids(
+    models,
+    ids: list[int],
+    n: int,
+    method: str = "ar",
+    budget: int = 16,
+    max_depth: int = 16,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[int], int]:
     """(the `n` ids specx emits after `ids`, target passes after the prefill) with a fresh state."""
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import generate
     from specexec_cli.core.sampling import SamplingParams
     from specexec_cli.core.state import DecodeState, GenerationConfig
 
-    cfg = GenerationConfig(method=method, shape=TreeShape(budget, max_depth), seed=seed, max_new_tokens=n,
-                           sampling=SamplingParams(temperature=temperature))
+    cfg = GenerationConfig(
+        method=method,
+        shape=TreeShape(budget, max_depth),
+        seed=seed,
+        max_new_tokens=n,
+        sampling=SamplingParams(temperature=temperature),
+    )
     events = list(generate(models, DecodeState(), ids, cfg))
     return [t for ev in events for t in ev.tokens], len(events) - 1
 
@@ -107,15 +127,20 @@ def llamacpp_text(gguf: Path, prompt_text: str, n: int, binary: Path | None = No
     binary = binary or LLAMACPP_BIN / "llama-simple"
     if not binary.is_file():
         return None
-    r = subprocess.run([str(binary), "-m", str(gguf), "-n", str(n), prompt_text], capture_output=True, text=True,
-                       timeout=600, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [str(binary), "-m", str(gguf), "-n", str(n), prompt_text],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"{binary.name} failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-    out = r.stdout.removesuffix("\n")   # the prompt's pieces, then the generated ones, then the program's newline
+    out = r.stdout.removesuffix("\n")  # the prompt's pieces, then the generated ones, then the program's newline
     if out.startswith(prompt_text):
-        return out[len(prompt_text):]
-    head = prompt_text[-40:]   # a BOS piece or a re-rendered special can precede it: cut after the prompt's end
-    return out[out.rindex(head) + len(head):] if head in out else out
+        return out[len(prompt_text) :]
+    head = prompt_text[-40:]  # a BOS piece or a re-rendered special can precede it: cut after the prompt's end
+    return out[out.rindex(head) + len(head) :] if head in out else out
 
 
 def text_first_diff(tokenizer, ids: list[int], text: str) -> int | None:
@@ -143,7 +168,7 @@ def run(target: str, prompts: list[str], n: int, budget: int) -> dict:
     t0 = time.perf_counter()
     hf_ids = hf_greedy(gguf, ids, n)
     t_hf = time.perf_counter() - t0
-    sd = specx_models(target, "self")   # the width the self-draft takes on its own (3 bits on a 4-bit file)
+    sd = specx_models(target, "self")  # the width the self-draft takes on its own (3 bits on a 4-bit file)
     t0 = time.perf_counter()
     spec = [specx_ids(sd, i, n, "specexec", budget) for i in ids]
     t_spec = time.perf_counter() - t0
@@ -153,26 +178,41 @@ def run(target: str, prompts: list[str], n: int, budget: int) -> dict:
         templ = tok.decode(ids[k], skip_special_tokens=False)
         llama = llamacpp_text(gguf, templ, n)
         eos = next((j for j, t in enumerate(hf_ids[k]) if t == tok.eos_token_id), n)
-        rows.append(dict(prompt=text, prompt_tokens=len(ids[k]), transformers=tok.decode(hf_ids[k][:eos]),
-                         ar_first_diff=first_diff(ar_ids[k], hf_ids[k]),
-                         specexec_first_diff=first_diff(spec[k][0], hf_ids[k]), specexec_passes=spec[k][1],
-                         llamacpp=llama, llamacpp_first_diff=None if llama is None else
-                         text_first_diff(tok, hf_ids[k][:eos], llama)))
-    return dict(target=str(gguf), n=n, budget=budget, llamacpp=str(LLAMACPP_BIN / "llama-simple")
-                if (LLAMACPP_BIN / "llama-simple").is_file() else None,
-                seconds=dict(specx_ar=round(t_ar, 1), transformers=round(t_hf, 1), specx_specexec=round(t_spec, 1)),
-                prompts=rows)
+        rows.append(
+            dict(
+                prompt=text,
+                prompt_tokens=len(ids[k]),
+                transformers=tok.decode(hf_ids[k][:eos]),
+                ar_first_diff=first_diff(ar_ids[k], hf_ids[k]),
+                specexec_first_diff=first_diff(spec[k][0], hf_ids[k]),
+                specexec_passes=spec[k][1],
+                llamacpp=llama,
+                llamacpp_first_diff=None if llama is None else text_first_diff(tok, hf_ids[k][:eos], llama),
+            )
+        )
+    return dict(
+        target=str(gguf),
+        n=n,
+        budget=budget,
+        llamacpp=str(LLAMACPP_BIN / "llama-simple") if (LLAMACPP_BIN / "llama-simple").is_file() else None,
+        seconds=dict(specx_ar=round(t_ar, 1), transformers=round(t_hf, 1), specx_specexec=round(t_spec, 1)),
+        prompts=rows,
+    )
 
 
 def table(res: dict) -> str:
     def cell(v):
         return "same" if v is None else f"token {v}"
 
-    lines = [f"| prompt | specx ar | specx specexec (--draft self, budget {res['budget']}) | llama.cpp |",
-             "|---|---|---|---|"]
+    lines = [
+        f"| prompt | specx ar | specx specexec (--draft self, budget {res['budget']}) | llama.cpp |",
+        "|---|---|---|---|",
+    ]
     for r in res["prompts"]:
         llama = "not built" if r["llamacpp"] is None else cell(r["llamacpp_first_diff"])
-        lines.append(f"| {r['prompt'][:48]} | {cell(r['ar_first_diff'])} | {cell(r['specexec_first_diff'])} | {llama} |")
+        lines.append(
+            f"| {r['prompt'][:48]} | {cell(r['ar_first_diff'])} | {cell(r['specexec_first_diff'])} | {llama} |"
+        )
     return "\n".join(lines)
 
 

@@ -110,17 +110,35 @@ def main() -> None:
                 secs, same, ar_secs = 0.0, True, 0.0
                 for ids, (ref, ref_s) in zip(prompts, refs):
                     out, p, s = run(spec, ids, "specexec", budget, args.n)
-                    a = ref_s if args.no_interleave else run(models, ids, "ar", 1, args.n)[2]   # interleaved
+                    a = ref_s if args.no_interleave else run(models, ids, "ar", 1, args.n)[2]  # interleaved
                     toks, passes, secs, ar_secs = toks + len(out), passes + p, secs + s, ar_secs + a
                     same = same and out == ref
-                row = dict(rule=rule, skip=k, layers=skip, budget=budget, tokens_per_pass=round(toks / max(passes, 1), 3),
-                           tokens_per_second=round(toks / secs, 2), ar_tokens_per_second=round(toks / ar_secs, 2),
-                           x_ar=round(ar_secs / secs, 3), equals_ar=same)
+                row = dict(
+                    rule=rule,
+                    skip=k,
+                    layers=skip,
+                    budget=budget,
+                    tokens_per_pass=round(toks / max(passes, 1), 3),
+                    tokens_per_second=round(toks / secs, 2),
+                    ar_tokens_per_second=round(toks / ar_secs, 2),
+                    x_ar=round(ar_secs / secs, 3),
+                    equals_ar=same,
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    Path(args.out).write_text(json.dumps(dict(target=Path(target).name, new_tokens=args.n, prompts=args.prompts,
-                                              median_x_ar=statistics.median(r["x_ar"] for r in rows if "x_ar" in r),
-                                              rows=rows), indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps(
+            dict(
+                target=Path(target).name,
+                new_tokens=args.n,
+                prompts=args.prompts,
+                median_x_ar=statistics.median(r["x_ar"] for r in rows if "x_ar" in r),
+                rows=rows,
+            ),
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

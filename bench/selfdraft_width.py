@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 CONFIGS = ("auto", "4", "3", "2")
-LOCK = ["flock", "/tmp/bench.lock"]   # emptied by --locked: the caller holds the lock for the whole run
+LOCK = ["flock", "/tmp/bench.lock"]  # emptied by --locked: the caller holds the lock for the whole run
 
 
 def run_specx(args: list[str], stats: Path) -> tuple[str, dict]:
@@ -41,42 +41,108 @@ def run_specx(args: list[str], stats: Path) -> tuple[str, dict]:
     return res.stdout, json.loads(stats.read_text())
 
 
-def cell(prompt: Path, config: str, budget: int, temperature: float, n: int, profile: str, tmp: Path,
-         plan: dict) -> dict:
+def cell(
+    prompt: Path, config: str, budget: int, temperature: float, n: int, profile: str, tmp: Path, plan: dict
+) -> dict:
     """One configuration's run, with the modelled figures of the width it runs from `plan` (the automatic
     width's dry run: every width is planned there on its own, as an explicit --draft-bits plans it)."""
-    base = ["run", str(prompt), "--target", str(SHARED / "models" / "target"), "--draft", "self", "--budget",
-            str(budget), "--offload", "disk", "--max-ram", "0", "--temperature", str(temperature), "-n", str(n),
-            "--no-chat-template", "--no-live", "--profile", profile]
+    base = [
+        "run",
+        str(prompt),
+        "--target",
+        str(SHARED / "models" / "target"),
+        "--draft",
+        "self",
+        "--budget",
+        str(budget),
+        "--offload",
+        "disk",
+        "--max-ram",
+        "0",
+        "--temperature",
+        str(temperature),
+        "-n",
+        str(n),
+        "--no-chat-template",
+        "--no-live",
+        "--profile",
+        profile,
+    ]
     if config != "auto":
         base += ["--draft-bits", config]
     text, rec = run_specx(base, tmp / "run.json")
     passes = max(1, rec["target_passes"])
     cands = {c["bits"]: c for c in plan["candidates"] if c["draft"] == "self"}
     chosen = plan["substitute_bits"] if config == "auto" else int(config)
-    return dict(config=config, bits=chosen, text=text, modelled_draft_seconds=cands[chosen]["draft_seconds"],
-                modelled_tokens_per_second=cands[chosen]["tokens_per_second"],
-                draft_source=cands[chosen].get("sources", {}).get("draft", "modelled"),
-                measured_draft_seconds=rec["draft_seconds"] / passes, tokens_per_pass=rec["tokens_per_pass"],
-                tokens_per_second=rec["tokens_per_second"], passes=rec["target_passes"],
-                new_tokens=rec["new_tokens"], modelled=[{k: c.get(k) for k in ("bits", "draft_seconds",
-                                                                               "tokens_per_second")}
-                                                        for c in cands.values()])
+    return dict(
+        config=config,
+        bits=chosen,
+        text=text,
+        modelled_draft_seconds=cands[chosen]["draft_seconds"],
+        modelled_tokens_per_second=cands[chosen]["tokens_per_second"],
+        draft_source=cands[chosen].get("sources", {}).get("draft", "modelled"),
+        measured_draft_seconds=rec["draft_seconds"] / passes,
+        tokens_per_pass=rec["tokens_per_pass"],
+        tokens_per_second=rec["tokens_per_second"],
+        passes=rec["target_passes"],
+        new_tokens=rec["new_tokens"],
+        modelled=[{k: c.get(k) for k in ("bits", "draft_seconds", "tokens_per_second")} for c in cands.values()],
+    )
 
 
 def dry_plan(prompt: Path, budget: int, temperature: float, n: int, profile: str, tmp: Path) -> dict:
     """The automatic width's `--dry-run` plan (every width's modelled candidate and the choice)."""
-    _, dry = run_specx(["run", str(prompt), "--target", str(SHARED / "models" / "target"), "--draft", "self",
-                        "--budget", str(budget), "--offload", "disk", "--max-ram", "0", "--temperature",
-                        str(temperature), "-n", str(n), "--no-chat-template", "--no-live", "--profile", profile,
-                        "--dry-run"], tmp / "dry.json")
+    _, dry = run_specx(
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(SHARED / "models" / "target"),
+            "--draft",
+            "self",
+            "--budget",
+            str(budget),
+            "--offload",
+            "disk",
+            "--max-ram",
+            "0",
+            "--temperature",
+            str(temperature),
+            "-n",
+            str(n),
+            "--no-chat-template",
+            "--no-live",
+            "--profile",
+            profile,
+            "--dry-run",
+        ],
+        tmp / "dry.json",
+    )
     return dry["plan"]
 
 
 def reference(prompt: Path, n: int, tmp: Path) -> str:
-    text, _ = run_specx(["run", str(prompt), "--target", str(SHARED / "models" / "target"), "--method", "ar",
-                         "--offload", "disk", "--max-ram", "0", "--temperature", "0", "-n", str(n),
-                         "--no-chat-template", "--no-live"], tmp / "ar.json")
+    text, _ = run_specx(
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(SHARED / "models" / "target"),
+            "--method",
+            "ar",
+            "--offload",
+            "disk",
+            "--max-ram",
+            "0",
+            "--temperature",
+            "0",
+            "-n",
+            str(n),
+            "--no-chat-template",
+            "--no-live",
+        ],
+        tmp / "ar.json",
+    )
     return text
 
 
@@ -93,7 +159,7 @@ def measure(args) -> dict:
             for budget in (int(b) for b in args.budgets.split(",")):
                 for temperature in (float(t) for t in args.temperatures.split(",")):
                     shift = k + len(out["cells"])
-                    order = CONFIGS[shift % 4:] + CONFIGS[:shift % 4]   # rotate: interleaved over cells
+                    order = CONFIGS[shift % 4 :] + CONFIGS[: shift % 4]  # rotate: interleaved over cells
                     plan = dry_plan(prompt, budget, temperature, args.n, args.profile, tmp)
                     runs = [cell(prompt, c, budget, temperature, args.n, args.profile, tmp, plan) for c in order]
                     for r in runs:
@@ -111,36 +177,50 @@ def summary(data: dict) -> list[dict]:
     for budget, temp in keys:
         cells = [c for c in data["cells"] if (c["budget"], c["temperature"]) == (budget, temp)]
         by = {cfg: [r for c in cells for r in c["runs"] if r["config"] == cfg] for cfg in CONFIGS}
-        tps = {cfg: sum(r["new_tokens"] for r in rs) / sum(r["new_tokens"] / r["tokens_per_second"] for r in rs)
-               for cfg, rs in by.items()}
+        tps = {
+            cfg: sum(r["new_tokens"] for r in rs) / sum(r["new_tokens"] / r["tokens_per_second"] for r in rs)
+            for cfg, rs in by.items()
+        }
         best = max(tps[c] for c in CONFIGS[1:])
         for cfg in CONFIGS:
             rs = by[cfg]
-            rows.append(dict(budget=budget, temperature=temp, config=cfg, bits=sorted({r["bits"] for r in rs}),
-                             modelled_draft_seconds=statistics.median(r["modelled_draft_seconds"] for r in rs),
-                             measured_draft_seconds=statistics.median(r["measured_draft_seconds"] for r in rs),
-                             modelled_tokens_per_second=statistics.median(r["modelled_tokens_per_second"] for r in rs),
-                             tokens_per_pass=statistics.median(r["tokens_per_pass"] for r in rs),
-                             tokens_per_second=tps[cfg], vs_best=tps[cfg] / best,
-                             lossless=None if temp else all(r["lossless"] for r in rs)))
+            rows.append(
+                dict(
+                    budget=budget,
+                    temperature=temp,
+                    config=cfg,
+                    bits=sorted({r["bits"] for r in rs}),
+                    modelled_draft_seconds=statistics.median(r["modelled_draft_seconds"] for r in rs),
+                    measured_draft_seconds=statistics.median(r["measured_draft_seconds"] for r in rs),
+                    modelled_tokens_per_second=statistics.median(r["modelled_tokens_per_second"] for r in rs),
+                    tokens_per_pass=statistics.median(r["tokens_per_pass"] for r in rs),
+                    tokens_per_second=tps[cfg],
+                    vs_best=tps[cfg] / best,
+                    lossless=None if temp else all(r["lossless"] for r in rs),
+                )
+            )
     return rows
 
 
 def table(data: dict) -> str:
-    head = ("| budget | T | `--draft-bits` | width used | draft s/pass modelled | draft s/pass measured | "
-            "tokens/pass | tokens/s modelled | tokens/s measured | x best explicit | T = 0 text = `--method ar` |")
+    head = (
+        "| budget | T | `--draft-bits` | width used | draft s/pass modelled | draft s/pass measured | "
+        "tokens/pass | tokens/s modelled | tokens/s measured | x best explicit | T = 0 text = `--method ar` |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in summary(data):
-        lines.append(f"| {r['budget']} | {r['temperature']:g} | {r['config']} | {'/'.join(map(str, r['bits']))} | "
-                     f"{r['modelled_draft_seconds']:.3f} | {r['measured_draft_seconds']:.3f} | {r['tokens_per_pass']:.1f} | "
-                     f"{r['modelled_tokens_per_second']:.1f} | {r['tokens_per_second']:.1f} | {r['vs_best']:.2f}x | "
-                     f"{'-' if r['lossless'] is None else 'yes' if r['lossless'] else 'NO'} |")
+        lines.append(
+            f"| {r['budget']} | {r['temperature']:g} | {r['config']} | {'/'.join(map(str, r['bits']))} | "
+            f"{r['modelled_draft_seconds']:.3f} | {r['measured_draft_seconds']:.3f} | {r['tokens_per_pass']:.1f} | "
+            f"{r['modelled_tokens_per_second']:.1f} | {r['tokens_per_second']:.1f} | {r['vs_best']:.2f}x | "
+            f"{'-' if r['lossless'] is None else 'yes' if r['lossless'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
 def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
     """Replace the block between <!-- bench:selfdraft-width --> and <!-- /bench:selfdraft-width --> with the table."""
-    sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
+    sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
 
     write_block(page, "selfdraft-width", table(data))
@@ -155,8 +235,11 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "selfdraft_width.json"))
     ap.add_argument("--table", metavar="JSON", help="write CONTRIBUTING.md's table from this result instead")
-    ap.add_argument("--locked", action="store_true",
-                    help="the caller already holds /tmp/bench.lock (flock /tmp/bench.lock python ...)")
+    ap.add_argument(
+        "--locked",
+        action="store_true",
+        help="the caller already holds /tmp/bench.lock (flock /tmp/bench.lock python ...)",
+    )
     args = ap.parse_args(argv)
     if args.locked:
         LOCK.clear()

@@ -48,8 +48,9 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "specexec_cli", "serve", "--port", str(port), *flags], env=env,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specexec_cli", "serve", "--port", str(port), *flags], env=env, stderr=subprocess.DEVNULL
+    )
     base = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:
@@ -63,9 +64,29 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
 def run_cli(flags: list[str], prompt: str, n: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "s.json"
-        out = subprocess.run([sys.executable, "-m", "specexec_cli", "run", "-p", prompt, "--no-chat-template", "--temperature", "0", "-n",
-                              str(n), "--no-live", "--stats-json", str(stats), *flags], capture_output=True,
-                             text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)  # fmt: skip
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specexec_cli",
+                "run",
+                "-p",
+                prompt,
+                "--no-chat-template",
+                "--temperature",
+                "0",
+                "-n",
+                str(n),
+                "--no-live",
+                "--stats-json",
+                str(stats),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            check=True,
+        )
         rec = json.loads(stats.read_text())
     return {"text": out.stdout, "tokens": rec["new_tokens"], "tok_s": rec["tokens_per_second"]}
 
@@ -74,8 +95,9 @@ def run_server(client, prompt: str, n: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     parts, usage, stats = [], None, {}
-    for chunk in client.completions.create(model="specx", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}):  # fmt: skip
+    for chunk in client.completions.create(
+        model="specx", prompt=prompt, max_tokens=n, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         if chunk.choices and chunk.choices[0].text:
             last = time.perf_counter()
             first = first or last
@@ -84,8 +106,13 @@ def run_server(client, prompt: str, n: int) -> dict:
         usage = chunk.usage or usage
     tokens = usage.completion_tokens
     rate = (tokens - 1) / (last - first) if last and first and last > first else 0.0
-    return {"text": "".join(parts), "tokens": tokens, "tok_s": rate, "ttft_s": (first or t0) - t0,
-            "engine_tok_s": stats.get("tokens_per_second")}
+    return {
+        "text": "".join(parts),
+        "tokens": tokens,
+        "tok_s": rate,
+        "ttft_s": (first or t0) - t0,
+        "engine_tok_s": stats.get("tokens_per_second"),
+    }
 
 
 def conversation(client, n: int, reuse: bool) -> list[int]:
@@ -100,8 +127,10 @@ def conversation(client, n: int, reuse: bool) -> list[int]:
     return prefill
 
 
-SYSTEM = ("You are a careful Python reviewer. Read the code the user sends, continue it in the same style, keep "
-          "names consistent, and do not repeat the code back.")  # fmt: skip
+SYSTEM = (
+    "You are a careful Python reviewer. Read the code the user sends, continue it in the same style, keep "
+    "names consistent, and do not repeat the code back."
+)
 
 
 def history(msgs: list[dict], last: int) -> str:
@@ -110,11 +139,14 @@ def history(msgs: list[dict], last: int) -> str:
 
 def background(client, msgs: list[dict]) -> None:
     """Open WebUI's tasks after a reply: a title, then follow-up suggestions (not streamed)."""
-    for task, last in (("Generate a concise, 3-5 word title with an emoji summarizing the chat history.", 2),
-                       ("Suggest 3-5 relevant follow-up questions the user might ask next.", 6)):
+    for task, last in (
+        ("Generate a concise, 3-5 word title with an emoji summarizing the chat history.", 2),
+        ("Suggest 3-5 relevant follow-up questions the user might ask next.", 6),
+    ):
         prompt = f"### Task:\n{task}\n### Chat History:\n<chat_history>\n{history(msgs, last)}\n</chat_history>"
-        client.chat.completions.create(model="specx", messages=[{"role": "user", "content": prompt}], max_tokens=32,
-                                       temperature=0)  # fmt: skip
+        client.chat.completions.create(
+            model="specx", messages=[{"role": "user", "content": prompt}], max_tokens=32, temperature=0
+        )
 
 
 def chat_turn(client, msgs: list[dict], turn: str, n: int) -> dict:
@@ -122,17 +154,24 @@ def chat_turn(client, msgs: list[dict], turn: str, n: int) -> dict:
     msgs.append({"role": "user", "content": turn})
     t0 = time.perf_counter()
     first, parts, usage, stats = None, [], None, {}
-    for chunk in client.chat.completions.create(model="specx", messages=msgs, max_tokens=n, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}):  # fmt: skip
+    for chunk in client.chat.completions.create(
+        model="specx", messages=msgs, max_tokens=n, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
             parts.append(chunk.choices[0].delta.content)
         stats = (chunk.model_extra or {}).get("specx") or stats
         usage = chunk.usage or usage
     end = time.perf_counter()
-    row = {"ttft_s": (first or end) - t0, "turn_s": end - t0, "prompt_tokens": usage.prompt_tokens,
-           "cached_tokens": usage.prompt_tokens_details.cached_tokens, "completion_tokens": usage.completion_tokens,
-           "prefill_s": stats.get("prefill_seconds"), "reply": "".join(parts)}  # fmt: skip
+    row = {
+        "ttft_s": (first or end) - t0,
+        "turn_s": end - t0,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "prefill_s": stats.get("prefill_seconds"),
+        "reply": "".join(parts),
+    }
     msgs.append({"role": "assistant", "content": row["reply"]})
     background(client, msgs)
     return row
@@ -143,7 +182,10 @@ def cache_bench(args, flags: list[str], prompts: list[str]) -> None:
     from openai import OpenAI
 
     turns = [p[: args.turn_chars] for p in prompts[: args.num_prompts]]
-    extra = {"cache": ["--cache-ram", args.cache_ram] if args.cache_ram else [], "one_entry": ["--cache-ram", "0", "--parallel", "1"]}
+    extra = {
+        "cache": ["--cache-ram", args.cache_ram] if args.cache_ram else [],
+        "one_entry": ["--cache-ram", "0", "--parallel", "1"],
+    }
     procs, clients = [], {}
     try:
         for name, more in extra.items():
@@ -153,27 +195,36 @@ def cache_bench(args, flags: list[str], prompts: list[str]) -> None:
         sides = {name: [] for name in extra}
         msgs = {name: [] for name in extra}
         for i, turn in enumerate(turns):
-            for name in (("cache", "one_entry") if i % 2 == 0 else ("one_entry", "cache")):
+            for name in ("cache", "one_entry") if i % 2 == 0 else ("one_entry", "cache"):
                 sides[name].append(chat_turn(clients[name], msgs[name], turn, args.max_new_tokens))
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(60)
-    later = slice(1, None)   # turns 2..5: the ones a cache can serve
-    summary = {k: {"ttft_s_turns_2_5": sum(r["ttft_s"] for r in v[later]),
-                   "prefill_s_turns_2_5": sum(r["prefill_s"] for r in v[later]),
-                   "turn_s_turns_2_5": sum(r["turn_s"] for r in v[later]),
-                   "cached_fraction_turns_2_5": sum(r["cached_tokens"] for r in v[later])
-                   / sum(r["prompt_tokens"] for r in v[later])} for k, v in sides.items()}  # fmt: skip
+    later = slice(1, None)  # turns 2..5: the ones a cache can serve
+    summary = {
+        k: {
+            "ttft_s_turns_2_5": sum(r["ttft_s"] for r in v[later]),
+            "prefill_s_turns_2_5": sum(r["prefill_s"] for r in v[later]),
+            "turn_s_turns_2_5": sum(r["turn_s"] for r in v[later]),
+            "cached_fraction_turns_2_5": sum(r["cached_tokens"] for r in v[later])
+            / sum(r["prompt_tokens"] for r in v[later]),
+        }
+        for k, v in sides.items()
+    }
     summary["same_replies"] = [r["reply"] for r in sides["cache"]] == [r["reply"] for r in sides["one_entry"]]
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"summary": summary, "flags": flags, "max_new_tokens": args.max_new_tokens, "turns": sides}
     (args.out / "cache.json").write_text(json.dumps(record, indent=1) + "\n")
-    print("| turn | prompt | cached | TTFT s | prefill s | cached, one entry | TTFT s, one entry | prefill s, one entry |")
+    print(
+        "| turn | prompt | cached | TTFT s | prefill s | cached, one entry | TTFT s, one entry | prefill s, one entry |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for t, (a, b) in enumerate(zip(sides["cache"], sides["one_entry"]), 1):
-        print(f"| {t} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']:.3f} | {a['prefill_s']:.3f} "
-              f"| {b['cached_tokens']} | {b['ttft_s']:.3f} | {b['prefill_s']:.3f} |")
+        print(
+            f"| {t} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']:.3f} | {a['prefill_s']:.3f} "
+            f"| {b['cached_tokens']} | {b['ttft_s']:.3f} | {b['prefill_s']:.3f} |"
+        )
     print(json.dumps(summary, indent=1))
 
 
@@ -188,9 +239,14 @@ def summarize(rows: list[dict]) -> dict:
         return toks / secs if secs else 0.0
 
     run, serve = rate("run", "tok_s", False), rate("serve", "tok_s", True)
-    return {"prompts_timed": len(timed), "run_tok_s": run, "serve_tok_s": serve,
-            "serve_engine_tok_s": rate("serve", "engine_tok_s", False), "ratio": serve / run if run else 0.0,
-            "ttft_s": sum(r["serve"]["ttft_s"] for r in timed) / max(1, len(timed))}
+    return {
+        "prompts_timed": len(timed),
+        "run_tok_s": run,
+        "serve_tok_s": serve,
+        "serve_engine_tok_s": rate("serve", "engine_tok_s", False),
+        "ratio": serve / run if run else 0.0,
+        "ttft_s": sum(r["serve"]["ttft_s"] for r in timed) / max(1, len(timed)),
+    }
 
 
 def main() -> None:
@@ -203,7 +259,9 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("bench-serve"))
     ap.add_argument("--background", action="store_true", help="the prompt cache against --cache-ram 0 (see above)")
-    ap.add_argument("--cache-ram", default=None, help="--background: the cached server's --cache-ram (default: its own)")
+    ap.add_argument(
+        "--cache-ram", default=None, help="--background: the cached server's --cache-ram (default: its own)"
+    )
     ap.add_argument("--turn-chars", type=int, default=1200, help="--background: characters of each user turn")
     ap.add_argument("flags", nargs="*", help="extra flags for both specx run and specx serve (after --)")
     args = ap.parse_args()
@@ -219,12 +277,24 @@ def main() -> None:
     try:
         for i, prompt in enumerate(prompts[: args.num_prompts]):
             order = ("run", "serve") if i % 2 == 0 else ("serve", "run")  # alternate: drift hits both alike
-            res = {k: run_cli(flags, prompt, args.max_new_tokens) if k == "run" else
-                   run_server(client, prompt, args.max_new_tokens) for k in order}  # fmt: skip
-            rows.append({"prompt": i, "run": res["run"], "serve": res["serve"],
-                         "same_text": res["run"]["text"] in (res["serve"]["text"], res["serve"]["text"] + "\n")})
-        turns = {"reuse": conversation(client, args.turn_tokens, True),
-                 "no_reuse": conversation(client, args.turn_tokens, False)}  # fmt: skip
+            res = {
+                k: run_cli(flags, prompt, args.max_new_tokens)
+                if k == "run"
+                else run_server(client, prompt, args.max_new_tokens)
+                for k in order
+            }
+            rows.append(
+                {
+                    "prompt": i,
+                    "run": res["run"],
+                    "serve": res["serve"],
+                    "same_text": res["run"]["text"] in (res["serve"]["text"], res["serve"]["text"] + "\n"),
+                }
+            )
+        turns = {
+            "reuse": conversation(client, args.turn_tokens, True),
+            "no_reuse": conversation(client, args.turn_tokens, False),
+        }
     finally:
         proc.terminate()
         proc.wait(60)
@@ -233,10 +303,14 @@ def main() -> None:
     (args.out / "serve.json").write_text(json.dumps({"summary": summary, "prompts": rows}, indent=1) + "\n")
     print("| prompt | run tok/s | serve tok/s | TTFT s | same text |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['prompt']} | {r['run']['tok_s']:.1f} | {r['serve']['tok_s']:.1f} | {r['serve']['ttft_s']:.2f} "
-              f"| {r['same_text']} |")
-    print(f"\nover {summary['prompts_timed']} prompts with >= 2 tokens: run {summary['run_tok_s']:.1f} tok/s, server "
-          f"{summary['serve_tok_s']:.1f} (its engine {summary['serve_engine_tok_s']:.1f}), TTFT {summary['ttft_s']:.3f} s")
+        print(
+            f"| {r['prompt']} | {r['run']['tok_s']:.1f} | {r['serve']['tok_s']:.1f} | {r['serve']['ttft_s']:.2f} "
+            f"| {r['same_text']} |"
+        )
+    print(
+        f"\nover {summary['prompts_timed']} prompts with >= 2 tokens: run {summary['run_tok_s']:.1f} tok/s, server "
+        f"{summary['serve_tok_s']:.1f} (its engine {summary['serve_engine_tok_s']:.1f}), TTFT {summary['ttft_s']:.3f} s"
+    )
     print(f"server / run = {summary['ratio']:.3f}\n\n| turn | prefill (reuse) | prefill (no reuse) |\n|---|---|---|")
     for t, (a, b) in enumerate(zip(turns["reuse"], turns["no_reuse"]), 1):
         print(f"| {t} | {a} | {b} |")

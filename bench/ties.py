@@ -28,8 +28,8 @@ from accept import SHARED, load_prompts  # noqa: E402
 
 from specexec_cli.core.draft import TreeShape  # noqa: E402
 from specexec_cli.core.engine import DecodeState, GenerationConfig  # noqa: E402
-from specexec_cli.session.loading import LoadOptions, load_models, quiet_transformers  # noqa: E402
 from specexec_cli.core.methods import generate  # noqa: E402
+from specexec_cli.session.loading import LoadOptions, load_models, quiet_transformers  # noqa: E402
 
 
 def decode(models, ids: list[int], method: str, budget: int, n: int) -> list[int]:
@@ -57,9 +57,11 @@ def main() -> None:
         logits = models.target(input_ids=torch.tensor([ids + ar[:k]])).logits[0, -1].float()
         top = logits.topk(2)
         ulp = torch.finfo(torch.bfloat16).eps * top.values[0].abs().clamp(min=1.0)
-        print(f"prompt {i}: first difference at token {k}: ar {ar[k] if k < len(ar) else 'end'}, specexec "
-              f"{spec[k] if k < len(spec) else 'end'}; the target's top two there {top.indices.tolist()} "
-              f"{[round(v, 4) for v in top.values.tolist()]}: gap {float((top.values[0] - top.values[1]) / ulp):.2f} ulp")
+        print(
+            f"prompt {i}: first difference at token {k}: ar {ar[k] if k < len(ar) else 'end'}, specexec "
+            f"{spec[k] if k < len(spec) else 'end'}; the target's top two there {top.indices.tolist()} "
+            f"{[round(v, 4) for v in top.values.tolist()]}: gap {float((top.values[0] - top.values[1]) / ulp):.2f} ulp"
+        )
 
 
 if __name__ == "__main__":

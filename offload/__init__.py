@@ -5,9 +5,16 @@ Contract: the public API is `OffloadedCausalLM`, `parse_size`, `plan_offload`, `
 """
 
 from offload.errors import OffloadError
+from offload.sizes import format_bytes, parse_size
 from offload.stream.model import OffloadedCausalLM, OffloadStats
 from offload.stream.placement import OffloadPlan, plan_offload
-from offload.sizes import format_bytes, parse_size
 
-__all__ = ["OffloadError", "OffloadedCausalLM", "OffloadStats", "OffloadPlan", "plan_offload",
-           "parse_size", "format_bytes"]
+__all__ = [
+    "OffloadError",
+    "OffloadPlan",
+    "OffloadStats",
+    "OffloadedCausalLM",
+    "format_bytes",
+    "parse_size",
+    "plan_offload",
+]

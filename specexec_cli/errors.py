@@ -60,14 +60,17 @@ def write_output(path: Path, text: str, what: str) -> None:
 
 def is_oom(exc: BaseException) -> bool:
     """torch.OutOfMemoryError (CUDA or another accelerator), without importing torch here."""
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()[:200] \
-        and isinstance(exc, RuntimeError)
+    return type(exc).__name__ == "OutOfMemoryError" or (
+        "out of memory" in str(exc).lower()[:200] and isinstance(exc, RuntimeError)
+    )
 
 
 def oom_error(plan: str | None, budget, ctx=None) -> SpecxError:
     """The one line for a device OOM during a pass: what was planned, and what to lower."""
     where = f"plan: {plan}; " if plan else ""
     ctx_part = f" or --ctx (now {ctx})" if ctx else " or --ctx"
-    return SpecxError(f"out of device memory during a pass ({where}budget {budget}); "
-                      f"lower --budget (now {budget}){ctx_part}, or a lower --max-gpu-memory to stream more layers",
-                      exit_code=OOM_EXIT)
+    return SpecxError(
+        f"out of device memory during a pass ({where}budget {budget}); "
+        f"lower --budget (now {budget}){ctx_part}, or a lower --max-gpu-memory to stream more layers",
+        exit_code=OOM_EXIT,
+    )

@@ -38,14 +38,29 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model(path: Path, seed: int, layers: int = 2, hidden: int = 64, noise_from: Path | None = None,
-               noise: float = 0.0, max_pos: int = 512) -> Path:
+def make_model(
+    path: Path,
+    seed: int,
+    layers: int = 2,
+    hidden: int = 64,
+    noise_from: Path | None = None,
+    noise: float = 0.0,
+    max_pos: int = 512,
+) -> Path:
     """Save a seeded random Llama (or a noisy copy of another) with the tokenizer at `path`."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=len(CHARS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=len(CHARS),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_pos,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -68,7 +83,7 @@ def specx_cache(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("specx-cache")
     os.environ["SPECX_CACHE"] = str(path)
-    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-session"))   # module fixtures' profiles
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-session"))  # module fixtures' profiles
     return path
 
 

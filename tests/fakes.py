@@ -52,8 +52,16 @@ class TableLM(torch.nn.Module):
         self.calls = 0
         self.tokens_run = 0
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None, use_cache=True,
-                logits_to_keep=0, **_):
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=True,
+        logits_to_keep=0,
+        **_,
+    ):
         toks, pos = input_ids[0].numpy(), position_ids[0].numpy()
         n_new = toks.size
         self.calls += 1
@@ -62,7 +70,7 @@ class TableLM(torch.nn.Module):
         keys, _ = past_key_values.update(kv, kv, 0)
         keys = keys[0, 0].numpy().astype(np.int64)  # (S, 2) every cached (token, position), new rows last
         n_cols = keys.shape[0]
-        if attention_mask is None:   # the plain causal path (prefill): row i sees columns [0, past + i]
+        if attention_mask is None:  # the plain causal path (prefill): row i sees columns [0, past + i]
             visible = np.arange(n_cols)[None] <= (n_cols - n_new + np.arange(n_new))[:, None]
         else:
             mask = attention_mask[0, 0]
@@ -103,8 +111,13 @@ def noisy(table: torch.Tensor, noise: float, seed: int) -> torch.Tensor:
 
 
 def fake_models(target_table, draft_table, eos: int | None = None, ctx_limit: int = 4096) -> Models:
-    return Models(target=TableLM(target_table), draft=TableLM(draft_table), tokenizer=FakeTokenizer(),
-                  eos_ids=frozenset() if eos is None else frozenset([eos]), ctx_limit=ctx_limit)
+    return Models(
+        target=TableLM(target_table),
+        draft=TableLM(draft_table),
+        tokenizer=FakeTokenizer(),
+        eos_ids=frozenset() if eos is None else frozenset([eos]),
+        ctx_limit=ctx_limit,
+    )
 
 
 def next_logits(table: torch.Tensor, ids: list[int]) -> torch.Tensor:

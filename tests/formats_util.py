@@ -54,7 +54,7 @@ def _pack(vals: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     word = torch.zeros(v.shape[:-1], dtype=torch.int64)
     for i, src in enumerate(order):
         word |= v[..., src] << (4 * i)
-    return (word - ((word >> 31) << 32)).to(torch.int32)      # wrap to signed int32
+    return (word - ((word >> 31) << 32)).to(torch.int32)  # wrap to signed int32
 
 
 def _linears(state: dict) -> list[str]:
@@ -63,7 +63,9 @@ def _linears(state: dict) -> list[str]:
 
 def _save(src: Path, out: Path, tensors: dict, qc: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"], cfg["dtype"] = qc, "float16"
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -80,8 +82,9 @@ def _groups(k: int, g: int, act_order: bool, seed: int) -> torch.Tensor:
     return idx
 
 
-def write_gptq(src: Path, out: Path, group: int = 32, sym: bool = True, act_order: bool = False,
-               v2: bool = False) -> dict[str, torch.Tensor]:
+def write_gptq(
+    src: Path, out: Path, group: int = 32, sym: bool = True, act_order: bool = False, v2: bool = False
+) -> dict[str, torch.Tensor]:
     state, tensors, refs = load_file(str(src / "model.safetensors")), {}, {}
     lin = _linears(state)
     for name, t in state.items():
@@ -91,15 +94,21 @@ def write_gptq(src: Path, out: Path, group: int = 32, sym: bool = True, act_orde
         w = state[name].float()
         n, k = w.shape
         groups = _groups(k, group, act_order, s)
-        codes, zeros, scales = rtn(w, groups, sym, zmin=0 if v2 else 1)   # v1 cannot store a zero of 0
+        codes, zeros, scales = rtn(w, groups, sym, zmin=0 if v2 else 1)  # v1 cannot store a zero of 0
         base = name[: -len(".weight")]
         tensors[f"{base}.qweight"] = _pack(codes.t().reshape(k // 8, 8, n).permute(0, 2, 1)).reshape(k // 8, n)
-        tensors[f"{base}.qzeros"] = _pack((zeros - (0 if v2 else 1)).t().contiguous())            # (G, N/8)
+        tensors[f"{base}.qzeros"] = _pack((zeros - (0 if v2 else 1)).t().contiguous())  # (G, N/8)
         tensors[f"{base}.scales"] = scales.t().contiguous()
         tensors[f"{base}.g_idx"] = groups.to(torch.int32)
         refs[name] = reference(codes, zeros, scales, groups)
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
-          "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    qc = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group,
+        "sym": sym,
+        "desc_act": act_order,
+        "checkpoint_format": "gptq_v2" if v2 else "gptq",
+    }
     _save(src, out, tensors, qc)
     return refs
 
@@ -112,13 +121,13 @@ def write_awq(src: Path, out: Path, group: int = 32) -> dict[str, torch.Tensor]:
             tensors[name] = t.half()
     for name in lin:
         w = state[name].float()
-        n, k = w.shape
+        _n, k = w.shape
         groups = torch.arange(k) // group
         codes, zeros, scales = rtn(w, groups, sym=False)
         base = name[: -len(".weight")]
-        tensors[f"{base}.qweight"] = _pack(codes.t().contiguous(), AWQ_ORDER)      # (K, N/8)
-        tensors[f"{base}.qzeros"] = _pack(zeros.t().contiguous(), AWQ_ORDER)       # (G, N/8)
-        tensors[f"{base}.scales"] = scales.t().contiguous()                        # (G, N)
+        tensors[f"{base}.qweight"] = _pack(codes.t().contiguous(), AWQ_ORDER)  # (K, N/8)
+        tensors[f"{base}.qzeros"] = _pack(zeros.t().contiguous(), AWQ_ORDER)  # (G, N/8)
+        tensors[f"{base}.scales"] = scales.t().contiguous()  # (G, N)
         refs[name] = reference(codes, zeros, scales, groups)
     qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     _save(src, out, tensors, qc)
@@ -128,16 +137,25 @@ def write_awq(src: Path, out: Path, group: int = 32) -> dict[str, torch.Tensor]:
 def write_compressed(src: Path, out: Path, strategy: str = "group", sym: bool = True, group: int = 32) -> None:
     """compressed-tensors' own pipeline: min-max qparams (its calculate_qparams), its compressor."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float16)
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, strategy=strategy,
-                            group_size=group if strategy == "group" else None)
-    apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=sym, strategy=strategy, group_size=group if strategy == "group" else None
+    )
+    apply_quantization_config(
+        model,
+        QuantizationConfig(
+            config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]
+        ),
+    )
     for m in model.modules():
         if hasattr(m, "weight_scale"):
             w = m.weight.data.float()

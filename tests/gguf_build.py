@@ -35,10 +35,10 @@ def _quant(w: np.ndarray, qtype, rng) -> np.ndarray:
         per, size = gguf.GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // per, size), dtype=np.uint8)
         at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]
-        scale = float(np.std(w)) / 150      # dequantized weights about as large as w's (6-bit sub-scales ~32, codes ~8)
+        scale = float(np.std(w)) / 150  # dequantized weights about as large as w's (6-bit sub-scales ~32, codes ~8)
         for off in at:
             d = (rng.random(blocks.shape[:2]) * scale).astype(np.float16)
-            blocks[..., off:off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+            blocks[..., off : off + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
         return blocks.reshape(w.shape[0], -1)
     return gguf.quants.quantize(w.astype(np.float32), qtype)
 
@@ -68,7 +68,7 @@ def _gemma3_keys(writer, cfg: dict) -> None:
     writer.add_value_length(cfg["head_dim"])
     writer.add_sliding_window(cfg["sliding_window"])
     full = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
-    if full.get("rope_type") == "linear":    # Gemma-3 4B+: the global layers' linear RoPE scaling
+    if full.get("rope_type") == "linear":  # Gemma-3 4B+: the global layers' linear RoPE scaling
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(full["factor"]))
 
@@ -88,9 +88,19 @@ def _tokenizer(writer, vocab: int, chat_template: str | None) -> None:
         writer.add_chat_template(chat_template)
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, chat_template: str | None = None,
-               tokenizer: bool = True, arch: str = "llama", sampling: dict | None = None, seed: int = 0,
-               extra: dict | None = None, mix: dict | None = None) -> Path:
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    qtype: str = "Q8_0",
+    split: int = 1,
+    chat_template: str | None = None,
+    tokenizer: bool = True,
+    arch: str = "llama",
+    sampling: dict | None = None,
+    seed: int = 0,
+    extra: dict | None = None,
+    mix: dict | None = None,
+) -> Path:
     """A GGUF of the Llama at `hf_dir` (see the module docstring); returns the (first) file. `mix`:
     {part of an HF weight name: qtype} for the weights of another type (a Q4_K_M file's v_proj and
     down_proj are Q6_K)."""
@@ -114,7 +124,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv)
     rope = cfg.get("rope_parameters") or {}
-    rope = rope.get("full_attention", rope)     # Gemma-3: the global layers' base is the file's
+    rope = rope.get("full_attention", rope)  # Gemma-3: the global layers' base is the file's
     writer.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 1e4))))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
@@ -123,8 +133,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
         _gemma3_keys(writer, cfg)
     writer.add_vocab_size(cfg["vocab_size"])
     for key, val in (sampling or {}).items():
-        writer.add_float32(f"general.sampling.{key}", val) if isinstance(val, float) else \
-            writer.add_int32(f"general.sampling.{key}", val)
+        writer.add_float32(f"general.sampling.{key}", val) if isinstance(val, float) else writer.add_int32(
+            f"general.sampling.{key}", val
+        )
     if tokenizer and gemma:
         _spm_tokenizer(writer, cfg["vocab_size"])
     elif tokenizer:
@@ -135,7 +146,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
         base, _, suffix = hf_name.rpartition(".")
         g = f"{name_map.get_name(base)}.{suffix}"
         if gemma and hf_name.endswith("norm.weight"):
-            w = w + 1                    # llama.cpp's Gemma converter: HF's (1 + w) stored whole
+            w = w + 1  # llama.cpp's Gemma converter: HF's (1 + w) stored whole
         elif gemma:
             pass
         elif hf_name.endswith("q_proj.weight"):
@@ -148,7 +159,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "Q8_0", split: int = 1, cha
         q = getattr(T, next((t for part, t in (mix or {}).items() if part in hf_name), qtype))
         data = _quant(w, q, rng)
         writer.add_tensor(g, data, raw_shape=data.shape, raw_dtype=q if data.dtype == np.uint8 else None)
-    for g, w in (extra or {}).items():     # e.g. rope_freqs.weight
+    for g, w in (extra or {}).items():  # e.g. rope_freqs.weight
         writer.add_tensor(g, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -190,11 +201,16 @@ def write_sparse_llama(out: Path, dims: dict = LLAMA_70B, tokens: int | None = N
 
     add("token_embd.weight", (dims["vocab"], d), T.Q4_K)
     for i in range(L):
-        six = i % 2 == 0          # Q4_K_M gives half the layers' attn_v / ffn_down Q6_K
-        for name, shape, qt in (("attn_q", (d, d), T.Q4_K), ("attn_k", (dims["kv_heads"] * hd, d), T.Q4_K),
-                                ("attn_v", (dims["kv_heads"] * hd, d), T.Q6_K if six else T.Q4_K),
-                                ("attn_output", (d, d), T.Q4_K), ("ffn_gate", (f, d), T.Q4_K),
-                                ("ffn_up", (f, d), T.Q4_K), ("ffn_down", (d, f), T.Q6_K if six else T.Q4_K)):
+        six = i % 2 == 0  # Q4_K_M gives half the layers' attn_v / ffn_down Q6_K
+        for name, shape, qt in (
+            ("attn_q", (d, d), T.Q4_K),
+            ("attn_k", (dims["kv_heads"] * hd, d), T.Q4_K),
+            ("attn_v", (dims["kv_heads"] * hd, d), T.Q6_K if six else T.Q4_K),
+            ("attn_output", (d, d), T.Q4_K),
+            ("ffn_gate", (f, d), T.Q4_K),
+            ("ffn_up", (f, d), T.Q4_K),
+            ("ffn_down", (d, f), T.Q6_K if six else T.Q4_K),
+        ):
             add(f"blk.{i}.{name}.weight", shape, qt)
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor_info(f"blk.{i}.{name}.weight", (d,), np.dtype(np.float32), d * 4)
@@ -211,5 +227,5 @@ def write_sparse_llama(out: Path, dims: dict = LLAMA_70B, tokens: int | None = N
         total += ti.nbytes + (-ti.nbytes) % writer.data_alignment
     writer.close()
     with open(out, "r+b") as fh:
-        fh.truncate(end + total)   # the data region: a hole, no bytes written
+        fh.truncate(end + total)  # the data region: a hole, no bytes written
     return out

@@ -41,8 +41,15 @@ class PtyRun:
         if pid == 0:  # child: the pty slave is fd 0/1/2; give it its size before python starts
             fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
             os.chdir(ROOT)
-            full_env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT), TERM="xterm-256color",
-                            COLUMNS=str(cols), LINES=str(rows), OMP_NUM_THREADS="1")
+            full_env = dict(
+                os.environ,
+                **(env or {}),
+                PYTHONPATH=str(ROOT),
+                TERM="xterm-256color",
+                COLUMNS=str(cols),
+                LINES=str(rows),
+                OMP_NUM_THREADS="1",
+            )
             os.execve(sys.executable, [sys.executable, "-m", "specexec_cli", *args], full_env)
         self.pid, self.fd, self.raw = pid, fd, b""
         self.screen = _Screen(cols, rows, fd)

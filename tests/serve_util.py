@@ -35,14 +35,19 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
 
     @classmethod
-    def start(cls, args: list[str], tmp: Path, env: dict | None = None, timeout: float = 120) -> "Server":
+    def start(cls, args: list[str], tmp: Path, env: dict | None = None, timeout: float = 120) -> Server:
         port = free_port()
-        full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                        XDG_CONFIG_HOME=str(tmp / "xdg"), PYTHONUNBUFFERED="1", **(env or {}))
+        full_env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            XDG_CONFIG_HOME=str(tmp / "xdg"),
+            PYTHONUNBUFFERED="1",
+            **(env or {}),
+        )
         full_env.pop("SPECX_DEBUG", None)
         err = tmp / f"serve-{port}.err"
         cmd = [sys.executable, "-m", "specexec_cli", "serve", "--port", str(port), *args]
-        with open(err, "w") as err_file:   # the child keeps its own descriptor; ours closes here
+        with open(err, "w") as err_file:  # the child keeps its own descriptor; ours closes here
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=full_env, cwd=tmp)
         server = cls(proc, port, err)
         server.wait_ready(timeout)
@@ -89,8 +94,11 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             _, _, text = self.http("GET", "/metrics", None, headers)
-            gauges = {ln.split()[0]: float(ln.split()[1]) for ln in str(text).splitlines()
-                      if ln.startswith(("specx_running_requests ", "specx_queue_depth "))}
+            gauges = {
+                ln.split()[0]: float(ln.split()[1])
+                for ln in str(text).splitlines()
+                if ln.startswith(("specx_running_requests ", "specx_queue_depth "))
+            }
             if gauges and not any(gauges.values()):
                 return
             time.sleep(0.1)
@@ -117,8 +125,9 @@ def app_server(app):
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="off"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -138,6 +147,6 @@ def sse_events(lines) -> list:
     for line in lines:
         line = line.decode() if isinstance(line, bytes) else line
         if line.startswith("data: "):
-            data = line[len("data: "):].strip()
+            data = line[len("data: ") :].strip()
             out.append(data if data == "[DONE]" else json.loads(data))
     return out

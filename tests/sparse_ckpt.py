@@ -29,14 +29,27 @@ def tensor_shapes(cfg: dict) -> dict[str, list[int]]:
     bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
     for i in range(n):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-                    p + "self_attn.q_proj.weight": [heads * hd, h], p + "self_attn.k_proj.weight": [kv * hd, h],
-                    p + "self_attn.v_proj.weight": [kv * hd, h], p + "self_attn.o_proj.weight": [h, heads * hd],
-                    p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
-                    p + "mlp.down_proj.weight": [h, inter]})
+        out.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_proj.weight": [heads * hd, h],
+                p + "self_attn.k_proj.weight": [kv * hd, h],
+                p + "self_attn.v_proj.weight": [kv * hd, h],
+                p + "self_attn.o_proj.weight": [h, heads * hd],
+                p + "mlp.gate_proj.weight": [inter, h],
+                p + "mlp.up_proj.weight": [inter, h],
+                p + "mlp.down_proj.weight": [h, inter],
+            }
+        )
         if bias:
-            out.update({p + "self_attn.q_proj.bias": [heads * hd], p + "self_attn.k_proj.bias": [kv * hd],
-                        p + "self_attn.v_proj.bias": [kv * hd]})
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": [heads * hd],
+                    p + "self_attn.k_proj.bias": [kv * hd],
+                    p + "self_attn.v_proj.bias": [kv * hd],
+                }
+            )
     return out
 
 
@@ -50,7 +63,7 @@ def _write_shard(path: Path, shapes: dict[str, list[int]]) -> None:
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(8 + len(raw) + off)   # a hole: no data blocks are written
+        fh.truncate(8 + len(raw) + off)  # a hole: no data blocks are written
 
 
 def write_sparse(config: str | Path, out_dir: Path, layers_per_shard: int = 10) -> Path:

@@ -70,7 +70,7 @@ def test_every_tensor_handed_to_a_layer_is_256_aligned(ckpts, tier, dtype):
     path = ckpts["prequant" if dtype == "prequant" else "bf16"]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     arg = "nf4" if dtype == "nf4" else torch_dtype
-    if dtype in ("bf16", "prequant"):   # the zero-copy file-layout path must really meet bad offsets
+    if dtype in ("bf16", "prequant"):  # the zero-copy file-layout path must really meet bad offsets
         assert _misaligned_in_file(path) > 0
     model = OffloadedCausalLM.from_pretrained(path, dtype=arg, offload=tier)
     try:

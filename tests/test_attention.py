@@ -19,9 +19,16 @@ from offload.arch.hfcompat import cache_kwargs
 def _model(heads: int, kv_heads: int, impl: str, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
-                      max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     model.config._attn_implementation = attention.implementation("sdpa") if impl == "sdpa*" else impl
@@ -54,8 +61,9 @@ def _logits(model, prefix, tree):
     with torch.no_grad():
         model(input_ids=prefix, **cache_kwargs(model, cache), use_cache=True)
         ids, pos, mask = tree
-        return model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
-                     use_cache=True).logits
+        return model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache), use_cache=True
+        ).logits
 
 
 def _no_repeat(monkeypatch):
@@ -75,7 +83,7 @@ def test_equal_logits_and_no_repeat(heads, kv_heads, monkeypatch):
     tree = _tree(prefix.shape[1])
     refs = {impl: _logits(_model(heads, kv_heads, impl), prefix, tree) for impl in ("sdpa", "eager")}
     _no_repeat(monkeypatch)
-    with pytest.raises(AssertionError, match="repeat_kv"):   # the patch bites HF's own masked path
+    with pytest.raises(AssertionError, match="repeat_kv"):  # the patch bites HF's own masked path
         _logits(_model(heads, kv_heads, "sdpa"), prefix, tree)
     ours = _logits(_model(heads, kv_heads, "sdpa*"), prefix, tree)
     for impl, ref in refs.items():
@@ -84,7 +92,7 @@ def test_equal_logits_and_no_repeat(heads, kv_heads, monkeypatch):
 
 def test_implementation_names():
     assert attention.implementation("sdpa") == attention.NAME
-    assert attention.implementation("eager") == "eager"          # Gemma-2's soft-capped attention
+    assert attention.implementation("eager") == "eager"  # Gemma-2's soft-capped attention
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -98,16 +106,16 @@ def test_prepared_mask_aligned_once_and_released():
     allowed = torch.rand(1, 1, 3, 13) > 0.5
     a = attention._prepared(allowed, torch.float32, 4)
     assert a.shape == (1, 1, 12, 13) and all(s % attention.ALIGN == 0 for s in a.stride()[:-1])
-    assert attention._prepared(allowed, torch.float32, 4) is a            # shared by every layer
+    assert attention._prepared(allowed, torch.float32, 4) is a  # shared by every layer
     want = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[0, 0]
     for g in range(4):
-        assert torch.equal(a[0, 0, 3 * g:3 * g + 3], want)
-    aligned = torch.zeros(1, 1, 3, 16)[..., :13]                          # core/tree.py's layout
-    assert attention._prepared(aligned, torch.float32, 1) is aligned      # used as is, no copy
+        assert torch.equal(a[0, 0, 3 * g : 3 * g + 3], want)
+    aligned = torch.zeros(1, 1, 3, 16)[..., :13]  # core/tree.py's layout
+    assert attention._prepared(aligned, torch.float32, 1) is aligned  # used as is, no copy
     attention.release()
     assert not attention._PREPARED
     attention._prepared(allowed, torch.float32, 2)
-    del allowed                                                            # dies with its source mask
+    del allowed  # dies with its source mask
     assert not attention._PREPARED
 
 
@@ -131,7 +139,7 @@ def test_cuda_strategies_equal_gqa(q_len, strategy, as_bool):
 def test_strategy_choice():
     assert attention.mask_strategy("cpu", 2048, 8, 8, 128) == "gqa"
     assert attention.mask_strategy("cuda", 1, 8, 8, 128) == "fold"
-    assert attention.mask_strategy("cuda", 256, 8, 8, 128) == "fold"      # folded mask <= one layer's K/V
+    assert attention.mask_strategy("cuda", 256, 8, 8, 128) == "fold"  # folded mask <= one layer's K/V
     assert attention.mask_strategy("cuda", 257, 8, 8, 128) == "groups"
     assert attention.mask_strategy("cuda", 64, 1, 8, 128) == "none"
 
@@ -169,9 +177,9 @@ def test_prepared_once_for_all_layers(monkeypatch):
     allowed = torch.rand(1, 1, 300, 311) > 0.4
     module = torch.nn.Module()
     module.num_key_value_groups = 4
-    monkeypatch.setattr(attention, "mask_strategy", lambda *a: "groups")   # CUDA's choice for a 300-token pass
+    monkeypatch.setattr(attention, "mask_strategy", lambda *a: "groups")  # CUDA's choice for a 300-token pass
     monkeypatch.setattr(torch, "empty", counting)
-    for _ in range(3):                                                     # three layers, one prepared mask
+    for _ in range(3):  # three layers, one prepared mask
         attention.gqa_attention_forward(module, q, k, k, allowed)
     attention.release()
     assert made.count((1, 1, 300, 312)) == 1

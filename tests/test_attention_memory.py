@@ -45,19 +45,20 @@ def _inputs(t: int, tree: bool):
     s = PAST + t
     q = torch.randn(1, HEADS, t, HEAD_DIM)
     k, v = torch.randn(1, KV_HEADS, s, HEAD_DIM), torch.randn(1, KV_HEADS, s, HEAD_DIM)
-    if tree:   # additive, at the width rounded to 8 (core/tree.py's layout), random ancestor sets
+    if tree:  # additive, at the width rounded to 8 (core/tree.py's layout), random ancestor sets
         allowed = torch.rand(t, s) > 0.5
         allowed[:, :PAST] = True
         mask = torch.zeros(t, attention.padded(s))[:, :s].masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    else:      # transformers' boolean causal mask of a chunk over PAST cached rows
+    else:  # transformers' boolean causal mask of a chunk over PAST cached rows
         mask = torch.ones(t, s, dtype=torch.bool).tril(PAST)
     return q, k, v, mask[None, None]
 
 
 def _planned(t: int, s: int, tree: bool) -> int:
     c = 4
-    return 2 * t * HEADS * HEAD_DIM * c + attention.mask_bytes("cpu", t, s, HEADS // KV_HEADS, KV_HEADS, HEAD_DIM, c,
-                                                                 c if tree else 1)
+    return 2 * t * HEADS * HEAD_DIM * c + attention.mask_bytes(
+        "cpu", t, s, HEADS // KV_HEADS, KV_HEADS, HEAD_DIM, c, c if tree else 1
+    )
 
 
 @pytest.mark.parametrize("t,tree", [(257, True), (1, True), (512, False)])
@@ -70,10 +71,11 @@ def test_attention_within_plan(t, tree):
     assert ours <= planned, (ours, planned)
     hf = peak_bytes(lambda: sdpa_attention_forward(_Module(), q, k, v, mask, is_causal=False))
     if t > 1:
-        assert hf > planned                # the bound bites: HF's masked path repeats K/V
+        assert hf > planned  # the bound bites: HF's masked path repeats K/V
     out = attention.gqa_attention_forward(_Module(), q, k, v, mask)[0]
-    torch.testing.assert_close(out, sdpa_attention_forward(_Module(), q, k, v, mask, is_causal=False)[0],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out, sdpa_attention_forward(_Module(), q, k, v, mask, is_causal=False)[0], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_decoder_layer_within_pass_bytes():
@@ -86,9 +88,16 @@ def test_decoder_layer_within_pass_bytes():
     from offload.planning.membytes import arch_of, pass_bytes
     from specexec_cli.core.kvcache import SlabCache, reserve
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=HEADS * HEAD_DIM, intermediate_size=1024, num_hidden_layers=1,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=HEADS * HEAD_DIM,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+    )
     cfg._attn_implementation = attention.register()
     layer = LlamaDecoderLayer(cfg, 0).eval()
     cache = SlabCache()

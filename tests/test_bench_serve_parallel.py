@@ -16,18 +16,30 @@ def test_auto_row_runs_the_servers_default_parallel(tiny_pair, tmp_path):
 
     mod = load_script("bench/serve_parallel.py")
     out = tmp_path / "p.json"
-    mod.main(["--target", str(tiny_pair[0]), "--concurrency", "2", "--parallel-list", "1,auto",
-              "--max-new-tokens", "3", "--out", str(out)])
+    mod.main(
+        [
+            "--target",
+            str(tiny_pair[0]),
+            "--concurrency",
+            "2",
+            "--parallel-list",
+            "1,auto",
+            "--max-new-tokens",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     record = json.loads(out.read_text())
     assert record["method"] == "ar" and record["prompts"].startswith("bench/prompts_chat.jsonl")
-    assert record["parallel_auto"] == DEFAULT_PARALLEL   # a tiny model's plan fits every default sequence
+    assert record["parallel_auto"] == DEFAULT_PARALLEL  # a tiny model's plan fits every default sequence
     (row,) = record["rows"]
     one, auto = row["by_parallel"]
     assert one["parallel"] == 1 and auto["parallel"] == "auto" and auto["resolved"] == DEFAULT_PARALLEL
     assert auto["runs"][0]["parallel"] == DEFAULT_PARALLEL and auto["same_text"] is True
     assert all(run["completion_tokens"] == 2 * 3 for b in row["by_parallel"] for run in b["runs"])
     vs = row["auto_over_best"]
-    assert vs["best_parallel"] == [1]   # the only explicit one
+    assert vs["best_parallel"] == [1]  # the only explicit one
     assert vs["per_round"] == [round(auto["runs"][0]["tokens_per_s"] / one["runs"][0]["tokens_per_s"], 3)]
     assert f"| 2 | auto (= {DEFAULT_PARALLEL}) |" in mod.table(record)
 
@@ -40,4 +52,4 @@ def test_parallel_list_and_old_tables():
     run = dict(wall_s=1.0, tokens_per_s=8.0, ttft_s=[0.5], target_passes=4, texts=["a"])
     by = [dict(parallel=p, runs=[run], ratio=1.0, same_text=True) for p in (1, 2)]
     old = dict(rows=[dict(concurrency=2, longest_share=0.5, by_parallel=by)])
-    assert "auto" not in mod.table(old)   # a result without auto keeps its columns
+    assert "auto" not in mod.table(old)  # a result without auto keeps its columns

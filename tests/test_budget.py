@@ -8,8 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from specexec_cli.core.budget import (BudgetTuner, LiveConfig, ShapeHolder, TimingModel, candidate_budgets,
-                                 choose_budget, choose_split, interpolate, make_tuner)
+from specexec_cli.core.budget import (
+    BudgetTuner,
+    LiveConfig,
+    ShapeHolder,
+    TimingModel,
+    candidate_budgets,
+    choose_budget,
+    choose_split,
+    interpolate,
+    make_tuner,
+)
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
 
@@ -42,7 +51,7 @@ def test_split_keeps_the_budget_on_a_stream_bound_pass_and_shrinks_it_once_compu
     b1, _ = choose_split(e, d, dear, 1, cands)
     b4, rate4 = choose_split(e, d, dear, 4, cands)
     assert b4 < b1
-    best = max(4 * e(b) / (4 * d(b) + dear(4 * (b + 1))) for b in cands)   # brute force over the same grid
+    best = max(4 * e(b) / (4 * d(b) + dear(4 * (b + 1))) for b in cands)  # brute force over the same grid
     assert rate4 == pytest.approx(best)
 
 
@@ -52,9 +61,10 @@ def test_tuner_split_stays_inside_the_sized_budget_and_learns_from_forest_passes
         shape = tuner.split(k)
         assert k * (shape.budget + 1) <= 256 and shape.max_depth <= 16
     assert tuner.split(1) == tuner.shape
-    ev = SimpleNamespace(pass_index=3, tree_size=31, tokens=[1, 2, 3, 4], accepted=3, target_seconds=2.0,
-                         draft_seconds=0.01)
-    tuner.observe(ev, budget=31, pass_tokens=64)   # one of two requests of a 64-token forest pass
+    ev = SimpleNamespace(
+        pass_index=3, tree_size=31, tokens=[1, 2, 3, 4], accepted=3, target_seconds=2.0, draft_seconds=0.01
+    )
+    tuner.observe(ev, budget=31, pass_tokens=64)  # one of two requests of a 64-token forest pass
     assert tuner.by_budget[31] == [1, 4] and tuner.target_obs[64] == [1, 2.0] and tuner.draft_obs[31] == [1, 0.01]
 
 
@@ -97,9 +107,14 @@ def test_interpolation_is_loglog_and_extrapolates_linearly():
 
 
 def event(tokens: int, tree: int, draft=0.01, target=0.1, accepted=None):
-    return SimpleNamespace(pass_index=1, tree_size=tree, tokens=[0] * tokens,
-                           accepted=tokens - 1 if accepted is None else accepted,
-                           draft_seconds=draft, target_seconds=target)
+    return SimpleNamespace(
+        pass_index=1,
+        tree_size=tree,
+        tokens=[0] * tokens,
+        accepted=tokens - 1 if accepted is None else accepted,
+        draft_seconds=draft,
+        target_seconds=target,
+    )
 
 
 def test_tuner_learns_high_acceptance_and_grows_the_budget():
@@ -120,8 +135,8 @@ def test_tuner_shrinks_when_nothing_is_accepted():
     tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=4095, retune_every=4)
     for _ in range(64):
         tuner.observe(event(tokens=1, tree=tuner.shape.budget, accepted=0))
-    assert tuner.shape.budget <= 3   # plain decoding (0) once PLAIN_AFTER passes measured trees accept nothing
-    assert tuner.expected_tokens(1023) < 1.8   # the slope rests on those passes (the prior still weighs in)
+    assert tuner.shape.budget <= 3  # plain decoding (0) once PLAIN_AFTER passes measured trees accept nothing
+    assert tuner.expected_tokens(1023) < 1.8  # the slope rests on those passes (the prior still weighs in)
 
 
 def test_depth_follows_observed_acceptance_and_respects_the_user_cap():
@@ -174,9 +189,17 @@ def test_without_a_profile_the_tuner_starts_from_the_plans_model():
     ranks first, and may grow up to the largest budget the plan sized; no plan: the fallback prior."""
     from specexec_cli.core.budget import make_tuner
 
-    rows = [dict(budget=b, tokens_per_pass=tpp, pass_seconds=p, draft_seconds=d, hidden_seconds=0.0,
-                 tokens_per_second=tpp / (p + d))
-            for b, tpp, p, d in ((16, 4.0, 1.0, 0.02), (64, 6.0, 1.0, 0.06), (256, 8.0, 1.9, 0.25))]
+    rows = [
+        dict(
+            budget=b,
+            tokens_per_pass=tpp,
+            pass_seconds=p,
+            draft_seconds=d,
+            hidden_seconds=0.0,
+            tokens_per_second=tpp / (p + d),
+        )
+        for b, tpp, p, d in ((16, 4.0, 1.0, 0.02), (64, 6.0, 1.0, 0.06), (256, 8.0, 1.9, 0.25))
+    ]
     plan = {"choice": {"by_budget": rows, "budget": 64}, "candidates": [{"draft": "none", "pass_seconds": 0.9}]}
     tuner = make_tuner(None, TreeShape(budget=64, max_depth=64), False, True, plan)
     assert tuner.timing.source == "plan" and tuner.max_budget == 256
@@ -188,12 +211,22 @@ def test_without_a_profile_the_tuner_starts_from_the_plans_model():
 def test_the_tuner_models_the_draft_the_run_uses_not_the_one_ranked_first():
     """An explicit small --draft whose plan ranks the self-draft first: --budget auto's tuner starts
     from the small draft's own row (`used`, session/options.load_planned), not the self-draft's."""
-    def row(budget, draft_seconds):
-        return dict(budget=budget, tokens_per_pass=4.0, pass_seconds=1.0, draft_seconds=draft_seconds,
-                    hidden_seconds=0.0, tokens_per_second=1.0)
 
-    plan = {"choice": {"draft": "self", "by_budget": [row(16, 0.5), row(64, 0.7)]},
-            "used": {"draft": "/m/draft", "by_budget": [row(16, 0.02), row(64, 0.03)]}, "candidates": []}
+    def row(budget, draft_seconds):
+        return dict(
+            budget=budget,
+            tokens_per_pass=4.0,
+            pass_seconds=1.0,
+            draft_seconds=draft_seconds,
+            hidden_seconds=0.0,
+            tokens_per_second=1.0,
+        )
+
+    plan = {
+        "choice": {"draft": "self", "by_budget": [row(16, 0.5), row(64, 0.7)]},
+        "used": {"draft": "/m/draft", "by_budget": [row(16, 0.02), row(64, 0.03)]},
+        "candidates": [],
+    }
     assert TimingModel.from_plan(plan).t_draft(64) == 0.03
     assert TimingModel.from_plan({**plan, "used": None}).t_draft(64) == 0.7
 
@@ -202,18 +235,39 @@ def test_a_profile_prices_only_the_draft_it_timed():
     """The profile timed a small draft; a self-draft run (or another small draft) takes the profile's
     target passes but the plan's modelled drafting, never the small draft's 2.5 ms steps."""
     small = {"step_seconds": 0.0025, "grow_seconds": {"16": 0.01, "128": 0.05}}
-    prof = {"models": {"target_seconds": {"1": 0.55, "128": 0.57}, "draft": "/m/draft", "draft_timings": {"small": small},
-                       "draft_step_seconds": 0.0025, "draft_grow_seconds": small["grow_seconds"]}}  # fmt: skip
+    prof = {
+        "models": {
+            "target_seconds": {"1": 0.55, "128": 0.57},
+            "draft": "/m/draft",
+            "draft_timings": {"small": small},
+            "draft_step_seconds": 0.0025,
+            "draft_grow_seconds": small["grow_seconds"],
+        }
+    }
     planned = TimingModel({1: 0.7, 128: 0.8}, 0.2, {16: 0.5, 128: 2.0}, source="plan")
     own = TimingModel.from_profile(prof, "small:/m/draft", planned)
     assert own.t_draft(128) == 0.05 and own.t_target(128) == 0.57
     for other in ("self-4", "small:/elsewhere/draft"):
         got = TimingModel.from_profile(prof, other, planned)
         assert got.t_draft(128) == 2.0 and got.t_target(128) == 0.57 and got.source == "profile"
-    assert TimingModel.from_profile(prof, "self-4") is None   # nothing to price its drafting with
-    assert TimingModel.from_profile(prof).t_draft(128) == 0.05   # no draft named: the first one timed
-    plan = {"draft_key": "self-4", "choice": {"by_budget": [dict(budget=b, tokens_per_pass=4.0, pass_seconds=0.8,
-            draft_seconds=d, hidden_seconds=0.0, tokens_per_second=1.0) for b, d in ((16, 0.5), (128, 2.0))]}}  # fmt: skip
+    assert TimingModel.from_profile(prof, "self-4") is None  # nothing to price its drafting with
+    assert TimingModel.from_profile(prof).t_draft(128) == 0.05  # no draft named: the first one timed
+    plan = {
+        "draft_key": "self-4",
+        "choice": {
+            "by_budget": [
+                dict(
+                    budget=b,
+                    tokens_per_pass=4.0,
+                    pass_seconds=0.8,
+                    draft_seconds=d,
+                    hidden_seconds=0.0,
+                    tokens_per_second=1.0,
+                )
+                for b, d in ((16, 0.5), (128, 2.0))
+            ]
+        },
+    }
     assert make_tuner(prof, TreeShape(64, 64), False, True, plan).timing.t_draft(128) == 2.0
 
 
@@ -226,8 +280,23 @@ def test_a_loaded_run_names_its_draft_for_the_tuner(tiny_pair):
     from specexec_cli.session.options import generation_config, load_planned, plan_for_cli
 
     cfg = generation_config("specexec", "auto", 64, 32, 32, 16, 0.0, None, None, 0, "cpu")
-    opts, plan, cfg = plan_for_cli(str(tiny_pair[0]), str(tiny_pair[1]), "specexec", "fp32", "cpu", False, False,
-                                   "disk", None, None, 256, "auto", cfg, "auto", temperature=0.0)  # fmt: skip
+    opts, plan, cfg = plan_for_cli(
+        str(tiny_pair[0]),
+        str(tiny_pair[1]),
+        "specexec",
+        "fp32",
+        "cpu",
+        False,
+        False,
+        "disk",
+        None,
+        None,
+        256,
+        "auto",
+        cfg,
+        "auto",
+        temperature=0.0,
+    )
     models = load_planned(opts, plan, None)
     try:
         pj = models.plan_json

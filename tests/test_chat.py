@@ -14,14 +14,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specexec_cli.session.chat import ChatSession, common_prefix
-from specexec_cli.terminal.app import app
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.session.chat import ChatSession, common_prefix
 from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.terminal.app import app
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}a:{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +38,11 @@ def models(tiny_pair):
 
 def chat(tiny_pair, text: str, *args: str):
     target, draft = tiny_pair
-    result = CliRunner().invoke(app, ["chat", "--target", str(target), "--draft", str(draft), "--dtype", "fp32",
-                                      "--device", "cpu", *args], input=text)
+    result = CliRunner().invoke(
+        app,
+        ["chat", "--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu", *args],
+        input=text,
+    )
     assert "Traceback" not in result.stderr, result.stderr
     return result
 
@@ -48,7 +53,7 @@ def turns(path: Path) -> list[dict]:
 
 def hf_greedy(m, ids, n):
     out = m.target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def test_second_turn_prefills_only_new_tokens_and_stays_lossless(tiny_pair, models, tmp_path):
@@ -73,8 +78,10 @@ def test_second_turn_prefills_only_new_tokens_and_stays_lossless(tiny_pair, mode
 
 def test_set_clear_save_round_trip_and_hints(tiny_pair, tmp_path):
     a, b, log = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "t.jsonl"
-    script = (f"def f(x):\n/set max_new_tokens 5\n/set temperature -1\n/set top_k many\n/set bogus 1\n"
-              f"/save {a}\n/clear\n\"\"\"\nx = 1\ny = 2\n\"\"\"\n/save {b}\n/stats\n/frobnicate\n/help\n/exit\nnever\n")
+    script = (
+        f"def f(x):\n/set max_new_tokens 5\n/set temperature -1\n/set top_k many\n/set bogus 1\n"
+        f'/save {a}\n/clear\n"""\nx = 1\ny = 2\n"""\n/save {b}\n/stats\n/frobnicate\n/help\n/exit\nnever\n'
+    )
     res = chat(tiny_pair, script, "--max-new-tokens", "12", "--stats-json", str(log))
     assert res.exit_code == 0, res.stderr
     err = res.stderr
@@ -85,7 +92,7 @@ def test_set_clear_save_round_trip_and_hints(tiny_pair, tmp_path):
     assert [m["role"] for m in saved_a["messages"]] == ["user", "assistant"]
     reply1 = saved_a["messages"][1]["content"]
     assert res.stdout.startswith(reply1)
-    assert [m["content"] for m in saved_b["messages"]][0] == "x = 1\ny = 2"  # multi-line, fresh history
+    assert next(m["content"] for m in saved_b["messages"]) == "x = 1\ny = 2"  # multi-line, fresh history
     t1, t2 = turns(log)
     assert t1["new_tokens"] <= 12 and t2["new_tokens"] <= 5
     assert t2["context_tokens"] == t2["prefill_tokens"] + t2["new_tokens"]  # /clear: full re-prefill
@@ -124,10 +131,12 @@ def test_template_turns_reuse_the_prefix_and_recover_from_divergence(models):
         tok.chat_template = None
 
 
-NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-             "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-             "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
-             "{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+NO_SYSTEM = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+)
 
 
 def test_a_template_that_rejects_the_system_role_gets_it_folded(models):
@@ -142,11 +151,17 @@ def test_a_template_that_rejects_the_system_role_gets_it_folded(models):
         out: list[str] = []
         s.reply("def f(x):", out.append)
         s.reply("x = 1", out.append)
-        assert s.turn_stats[1].prompt_tokens < len(s.state.ids) // 2   # the folded rendering is stable: reused
+        assert s.turn_stats[1].prompt_tokens < len(s.state.ids) // 2  # the folded rendering is stable: reused
         assert render_template(tok, s.messages[:2]) == "u: be brief\n\ndef f(x):\na:"
         with pytest.raises(TemplateError, match="roles must alternate"):
-            render_template(tok, [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
-                                  {"role": "user", "content": "b"}])  # fmt: skip
+            render_template(
+                tok,
+                [
+                    {"role": "system", "content": "s"},
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": "b"},
+                ],
+            )
     finally:
         tok.chat_template = None
 
@@ -156,9 +171,26 @@ def test_ctrl_c_mid_reply_keeps_the_partial_reply(tiny_pair, random_draft, tmp_p
     log, saved = tmp_path / "t.jsonl", tmp_path / "c.json"
     env = dict(os.environ, XDG_CONFIG_HOME=str(tmp_path / "xdg"), PYTHONUNBUFFERED="1")
     env.pop("SPECX_DEBUG", None)
-    cmd = [sys.executable, "-m", "specexec_cli", "chat", "--target", str(tiny_pair[0]), "--draft", str(random_draft),
-           "--dtype", "fp32", "--device", "cpu", "--budget", "256", "--max-new-tokens", "480",
-           "--stats-json", str(log)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specexec_cli",
+        "chat",
+        "--target",
+        str(tiny_pair[0]),
+        "--draft",
+        str(random_draft),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--budget",
+        "256",
+        "--max-new-tokens",
+        "480",
+        "--stats-json",
+        str(log),
+    ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         proc.stdin.write(b"def f(x):\n")

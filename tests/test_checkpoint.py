@@ -43,43 +43,63 @@ def test_fields_of_a_gptq_checkpoint(models, tmp_path):
     ck = open_checkpoint(tmp_path / "g")
     assert ck.format == "gptq" and ck.quantized and ck.quant["desc_act"] and not ck.quant["sym"]
     assert ck.packed["model.layers.0.self_attn.q_proj.weight"] == tuple(
-        f"model.layers.0.self_attn.q_proj.{p}" for p in ("qweight", "qzeros", "scales", "g_idx"))
+        f"model.layers.0.self_attn.q_proj.{p}" for p in ("qweight", "qzeros", "scales", "g_idx")
+    )
     assert ck.logical_shape("model.layers.0.mlp.down_proj.weight") == (64, 128)
 
 
 def test_unclaimed_path_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(OffloadError, match="no \\*.safetensors or .gguf weights found"):
+    with pytest.raises(OffloadError, match=r"no \*\.safetensors or \.gguf weights found"):
         open_checkpoint(tmp_path)
     with pytest.raises(OffloadError, match="no such file or directory"):
         open_checkpoint(tmp_path / "nope")
 
 
 def test_specx_run_opens_each_checkpoint_once(models, tmp_path, monkeypatch):
-    from offload.formats import st_index
     from offload.formats import safetensors as st_reader
+    from offload.formats import st_index
     from specexec_cli.terminal.app import app
 
     opened, headers = [], []
     real_open, real_init = st_reader.SafetensorsReader.open, st_index.SafetensorsIndex.__init__
     monkeypatch.setattr(st_reader.SafetensorsReader, "open", lambda self, p: opened.append(p) or real_open(self, p))
-    monkeypatch.setattr(st_index.SafetensorsIndex, "__init__",
-                        lambda self, p: headers.append(p) or real_init(self, p))
+    monkeypatch.setattr(st_index.SafetensorsIndex, "__init__", lambda self, p: headers.append(p) or real_init(self, p))
     prompt = tmp_path / "p.txt"
     prompt.write_text("ab")
-    r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(models[0]), "--draft", str(models[1]),
-                                 "--device", "cpu", "--offload", "disk", "--method", "specexec", "--budget", "4",
-                                 "--max-new-tokens", "4", "--no-live"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(models[0]),
+            "--draft",
+            str(models[1]),
+            "--device",
+            "cpu",
+            "--offload",
+            "disk",
+            "--method",
+            "specexec",
+            "--budget",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--no-live",
+        ],
+    )
     assert r.exit_code == 0, (r.output, r.exception)
-    assert sorted(map(str, opened)) == sorted(map(str, models)), opened   # plan, loader, checks: one open each
+    assert sorted(map(str, opened)) == sorted(map(str, models)), opened  # plan, loader, checks: one open each
     assert sorted(map(str, headers)) == sorted(map(str, models)), headers
 
 
 @pytest.mark.parametrize("offload", ["none", "ram", "disk"])
 def test_packed_tensors_are_256_byte_aligned(models, tmp_path, offload):
     write_gptq(models[0], tmp_path / "g", sym=True)
-    model = OffloadedCausalLM.from_pretrained(tmp_path / "g", dtype=torch.float32, offload=offload,
-                                              max_device_memory=0 if offload != "none" else None)
+    model = OffloadedCausalLM.from_pretrained(
+        tmp_path / "g", dtype=torch.float32, offload=offload, max_device_memory=0 if offload != "none" else None
+    )
     seen = []
 
     def check(layer):

@@ -43,9 +43,26 @@ def test_run_streams_only_text_and_writes_stats(tiny_pair, prompt, tmp_path):
     r = invoke("run", prompt, *models_args(tiny_pair), "--max-new-tokens", 20, "--stats-json", stats, "--budget", 8)
     assert r.exit_code == 0, r.output
     rec = json.loads(stats.read_text())
-    for key in ("method", "budget", "max_depth", "temperature", "top_p", "top_k", "seed", "prompt_tokens",
-                "new_tokens", "token_ids", "target_passes", "tokens_per_pass", "wall_seconds", "prefill_seconds",
-                "draft_seconds", "target_seconds", "tokens_per_second", "accept_histogram"):
+    for key in (
+        "method",
+        "budget",
+        "max_depth",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "prompt_tokens",
+        "new_tokens",
+        "token_ids",
+        "target_passes",
+        "tokens_per_pass",
+        "wall_seconds",
+        "prefill_seconds",
+        "draft_seconds",
+        "target_seconds",
+        "tokens_per_second",
+        "accept_histogram",
+    ):
         assert key in rec, key
     assert rec["budget"] == 8 and rec["new_tokens"] == len(rec["token_ids"]) <= 20
     assert sum(int(k) * v for k, v in rec["accept_histogram"].items()) == rec["new_tokens"] - 1
@@ -58,8 +75,19 @@ def test_run_streams_only_text_and_writes_stats(tiny_pair, prompt, tmp_path):
 
 def test_run_reads_stdin_and_method_ar(tiny_pair, tmp_path):
     stats = tmp_path / "s.json"
-    r = invoke("run", "-", "--target", tiny_pair[0], "--method", "ar", "--max-new-tokens", 5, "--stats-json", stats,
-               input="class a:\n")
+    r = invoke(
+        "run",
+        "-",
+        "--target",
+        tiny_pair[0],
+        "--method",
+        "ar",
+        "--max-new-tokens",
+        5,
+        "--stats-json",
+        stats,
+        input="class a:\n",
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads(stats.read_text())
     assert rec["method"] == "ar" and rec["tokens_per_pass"] in (0, 1.0)
@@ -124,9 +152,17 @@ def test_prompt_overflows_context(tmp_path):
 
 @pytest.mark.parametrize(
     "flags, needle",
-    [(["--budget", "0"], "--budget"), (["--budget", "lots"], "--budget"), (["--temperature", "-0.5"], "--temperature"),
-     (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"), (["--max-new-tokens", "0"], "--max-new-tokens"),
-     (["--method", "magic"], "--method"), (["--dtype", "int3"], "--dtype"), (["--offload", "cloud"], "--offload")],
+    [
+        (["--budget", "0"], "--budget"),
+        (["--budget", "lots"], "--budget"),
+        (["--temperature", "-0.5"], "--temperature"),
+        (["--top-p", "0"], "--top-p"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--method", "magic"], "--method"),
+        (["--dtype", "int3"], "--dtype"),
+        (["--offload", "cloud"], "--offload"),
+    ],
 )
 def test_bad_flags(tiny_pair, prompt, flags, needle):
     assert_user_error(invoke("run", prompt, *models_args(tiny_pair), *flags), needle)
@@ -140,7 +176,11 @@ def specx_command() -> list[str]:
     exe = shutil.which("specx")
     if exe:
         return [exe]
-    return [sys.executable, "-c", "import sys; from specexec_cli.terminal.app import main; sys.argv[0] = 'specx'; sys.exit(main())"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from specexec_cli.terminal.app import main; sys.argv[0] = 'specx'; sys.exit(main())",
+    ]
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -156,8 +196,14 @@ def test_debug_env_reraises(tmp_path, debug):
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if debug:
         env["SPECX_DEBUG"] = "1"
-    r = subprocess.run([*specx_command(), "run", str(tmp_path / "nope.txt"), "--method", "ar"], capture_output=True,
-                       text=True, env=env, cwd=tmp_path, timeout=300)
+    r = subprocess.run(
+        [*specx_command(), "run", str(tmp_path / "nope.txt"), "--method", "ar"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert r.returncode != 0 and r.stdout == ""
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     if debug:

@@ -33,18 +33,26 @@ print("HEAVY", sorted(m for m in ("torch", "transformers") if m in sys.modules),
 
 def probe(*args: str, tmp_path: Path) -> tuple[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), XDG_CONFIG_HOME=str(tmp_path), SPECX_DEBUG="")
-    out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
     return out.stdout, out.stderr
 
 
 @pytest.mark.parametrize(
     "args, code",
-    [(["--help"], 0), (["run", "--help"], 0), (["chat", "--help"], 0), (["--version"], 0),
-     (["run", "--no-such-flag"], 2), (["run", "x.txt", "--max-new-tokens", "lots"], 2),
-     (["run", "--stats-json", "/nonexistent-dir/s.json", "-p", "hi"], 2), (["run", "-p", "x", "--budget", "lots"], 2),
-     (["run", "-p", "x", "--max-depth", "0"], 2)],
-)  # fmt: skip
+    [
+        (["--help"], 0),
+        (["run", "--help"], 0),
+        (["chat", "--help"], 0),
+        (["--version"], 0),
+        (["run", "--no-such-flag"], 2),
+        (["run", "x.txt", "--max-new-tokens", "lots"], 2),
+        (["run", "--stats-json", "/nonexistent-dir/s.json", "-p", "hi"], 2),
+        (["run", "-p", "x", "--budget", "lots"], 2),
+        (["run", "-p", "x", "--max-depth", "0"], 2),
+    ],
+)
 def test_help_version_and_argument_errors_import_no_torch(args, code, tmp_path):
     _, err = probe(*args, tmp_path=tmp_path)
     assert f"HEAVY [] CODE {code}" in err, err
@@ -70,8 +78,20 @@ def test_help_is_grouped_and_free_of_type_noise():
 
 def test_stats_json_into_missing_dir_fails_before_loading(tmp_path):
     # a model path that does not exist: if the path check came after loading, the error would be the model's
-    r = runner.invoke(app, ["run", "-p", "x", "--target", str(tmp_path / "nomodel"), "--draft", str(tmp_path / "nd"),
-                            "--stats-json", str(tmp_path / "missing" / "s.json")])  # fmt: skip
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "x",
+            "--target",
+            str(tmp_path / "nomodel"),
+            "--draft",
+            str(tmp_path / "nd"),
+            "--stats-json",
+            str(tmp_path / "missing" / "s.json"),
+        ],
+    )
     assert r.exit_code == 2
     assert "missing" in r.stderr and "does not exist" in r.stderr and "nomodel" not in r.stderr
 
@@ -79,13 +99,27 @@ def test_stats_json_into_missing_dir_fails_before_loading(tmp_path):
 def test_chat_stats_json_and_bench_out_checked_first(tmp_path):
     afile = tmp_path / "a_file"
     afile.write_text("")
-    r = runner.invoke(app, ["chat", "--target", str(tmp_path / "nomodel"), "--draft", str(tmp_path / "nd"),
-                            "--stats-json", str(tmp_path)])  # fmt: skip
+    r = runner.invoke(
+        app,
+        ["chat", "--target", str(tmp_path / "nomodel"), "--draft", str(tmp_path / "nd"), "--stats-json", str(tmp_path)],
+    )
     assert r.exit_code == 2 and "is a directory" in r.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
-    r = runner.invoke(app, ["bench", "--prompts", str(prompts), "--out", str(afile / "sub"),
-                            "--target", str(tmp_path / "nomodel"), "--draft", str(tmp_path / "nd")])  # fmt: skip
+    r = runner.invoke(
+        app,
+        [
+            "bench",
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(afile / "sub"),
+            "--target",
+            str(tmp_path / "nomodel"),
+            "--draft",
+            str(tmp_path / "nd"),
+        ],
+    )
     assert r.exit_code == 2 and "a_file is a file" in r.stderr, r.stderr
 
 
@@ -111,8 +145,26 @@ def test_prompt_flag_and_file_are_exclusive(tmp_path):
 
 
 def test_prompt_flag_runs(tiny_pair):
-    r = runner.invoke(app, ["run", "-p", "def f(x):", "-m", tiny_pair[0], "-md", tiny_pair[1], "-n", "6", "-s", "1",
-                            "--budget", "4", "--device", "cpu"])  # fmt: skip
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "def f(x):",
+            "-m",
+            tiny_pair[0],
+            "-md",
+            tiny_pair[1],
+            "-n",
+            "6",
+            "-s",
+            "1",
+            "--budget",
+            "4",
+            "--device",
+            "cpu",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() and "tok/s" in r.stderr
 
@@ -120,8 +172,9 @@ def test_prompt_flag_runs(tiny_pair):
 def test_gen_flags_help_does_not_touch_the_flags_page():
     readme = ROOT / "docs" / "flags.md"
     before = readme.stat().st_mtime_ns, readme.read_bytes()
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_flags.py"), "--help"], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gen_flags.py"), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "--check" in out.stdout
     assert (readme.stat().st_mtime_ns, readme.read_bytes()) == before
 
@@ -156,8 +209,11 @@ def test_text_sink_colours_only_the_draft_prefix_and_never_changes_text():
 
 
 def test_chat_save_to_a_missing_dir_is_one_clean_line(tiny_pair, tmp_path):
-    r = runner.invoke(app, ["chat", "-m", tiny_pair[0], "-md", tiny_pair[1], "--device", "cpu"],
-                      input=f"/save {tmp_path}/missing/[v2].json\n/save {tmp_path}/ok.json\n")  # fmt: skip
+    r = runner.invoke(
+        app,
+        ["chat", "-m", tiny_pair[0], "-md", tiny_pair[1], "--device", "cpu"],
+        input=f"/save {tmp_path}/missing/[v2].json\n/save {tmp_path}/ok.json\n",
+    )
     assert r.exit_code == 0, r.output
     assert "error: /save: cannot write" in r.stderr and "[v2].json" in r.stderr, r.stderr
     assert json.loads((tmp_path / "ok.json").read_text())["schema"] == "specx-chat"

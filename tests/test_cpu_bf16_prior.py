@@ -17,7 +17,7 @@ def test_native_bf16_reads_the_cpu_flags(tmp_path):
     assert profiles.native_bf16(info) == "amx_bf16"
     info.write_text("flags : fpu sse2 avx2\n")
     assert profiles.native_bf16(info) is None
-    assert profiles.native_bf16(tmp_path / "missing") is None   # no /proc (macOS): the prior stays
+    assert profiles.native_bf16(tmp_path / "missing") is None  # no /proc (macOS): the prior stays
 
 
 def test_cpu_cost_device_takes_the_native_bf16_prior_unless_measured(monkeypatch):
@@ -28,7 +28,7 @@ def test_cpu_cost_device_takes_the_native_bf16_prior_unless_measured(monkeypatch
     assert profiles.cost_device_for("cpu", None, measured).flops16 == 300e9
     monkeypatch.setattr(profiles, "native_bf16", lambda: None)
     assert profiles.cost_device_for("cpu", None, None).flops16 == PRIORS["cpu"]["flops16"]
-    assert profiles.cost_device_for("cuda", None, None).flops16 == PRIORS["cuda"]["flops16"]   # CPU flags only
+    assert profiles.cost_device_for("cuda", None, None).flops16 == PRIORS["cuda"]["flops16"]  # CPU flags only
 
 
 def test_the_pass_terms_carry_the_rate_of_their_compute_dtype():
@@ -39,5 +39,5 @@ def test_the_pass_terms_carry_the_rate_of_their_compute_dtype():
     a = SimpleNamespace(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=48)
     plan = SimpleNamespace(ram_layers=[], disk_layers=[0, 1], layer_bytes=[10**6, 10**6])
     dev = device_for("cpu", flops16=200e9)
-    assert target_pass(a, plan, dev, 16, 0, 2).flops == 200e9                       # bf16 compute
-    assert target_pass(a, plan, dev, 16, 0, 4).flops == PRIORS["cpu"]["flops32"]    # fp32 compute
+    assert target_pass(a, plan, dev, 16, 0, 2).flops == 200e9  # bf16 compute
+    assert target_pass(a, plan, dev, 16, 0, 4).flops == PRIORS["cpu"]["flops32"]  # fp32 compute

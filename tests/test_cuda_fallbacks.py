@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.stream import hostmem
 from offload.errors import OffloadError, OffloadNotice
+from offload.stream import hostmem
 from offload.stream.hostmem import HostPins, aligned_empty
 
 
@@ -41,7 +41,7 @@ def test_pin_registers_portable_once_and_release_unregisters_once(monkeypatch):
     assert pins.pin(buf, "test")
     assert rt.calls == [(buf.data_ptr(), 8192, hostmem.CUDA_HOST_REGISTER_PORTABLE)] and rt.probes == []
     pins.release()
-    pins.release()   # idempotent: close() and then the owner's finalizer
+    pins.release()  # idempotent: close() and then the owner's finalizer
     assert rt.unregistered == [buf.data_ptr()]
 
 
@@ -69,7 +69,7 @@ def test_cpu_device_pins_nothing_even_where_cuda_exists(monkeypatch):
 
 
 def test_failed_register_clears_the_error_and_says_so_in_one_line(monkeypatch):
-    rt = fake_cuda(monkeypatch, 2)   # cudaErrorMemoryAllocation (WSL2's pinned cap, ulimit -l)
+    rt = fake_cuda(monkeypatch, 2)  # cudaErrorMemoryAllocation (WSL2's pinned cap, ulimit -l)
     pins = HostPins("cuda")
     assert not pins.pin(aligned_empty(8192), "the RAM tier")
     assert rt.probes == [1] and pins.pinned_bytes == 0
@@ -77,7 +77,7 @@ def test_failed_register_clears_the_error_and_says_so_in_one_line(monkeypatch):
         pins.notice("slower")
     assert len(rec) == 1 and "\n" not in str(rec[0].message)
     pins.release()
-    assert rt.unregistered == []   # nothing registered, nothing to undo
+    assert rt.unregistered == []  # nothing registered, nothing to undo
 
 
 def test_unpinned_ram_arena_streams_through_the_staging_ring(tiny_pair):
@@ -141,7 +141,7 @@ def test_expandable_segments_are_requested_unless_the_user_chose():
 
     env = {}
     assert configure_allocator(env, "linux", "Linux version 6.8")
-    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}   # torch 2.13's name
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # torch 2.13's name
     env = {ALLOC_ENV: "max_split_size_mb:128"}
     assert not configure_allocator(env, "linux", "") and env[ALLOC_ENV] == "max_split_size_mb:128"
     for platform, version in (("win32", ""), ("linux", "Linux version 5.15 microsoft-standard-WSL2")):
@@ -151,15 +151,15 @@ def test_expandable_segments_are_requested_unless_the_user_chose():
 
 def test_failed_unregister_clears_the_error_keeps_the_buffer_and_says_so(monkeypatch):
     rt = fake_cuda(monkeypatch, 0)
-    rt.cudaHostUnregister = lambda ptr: (rt.unregistered.append(ptr), 1)[1]   # cudaErrorInvalidValue
+    rt.cudaHostUnregister = lambda ptr: (rt.unregistered.append(ptr), 1)[1]  # cudaErrorInvalidValue
     pins, buf = HostPins("cuda"), aligned_empty(8192)
     assert pins.pin(buf, "test")
     kept = len(hostmem._STILL_PINNED)
     with pytest.warns(OffloadNotice, match=r"could not unpin .*\(cudaError 1\)") as rec:
         pins.release()
     assert len(rec) == 1 and rt.unregistered == [buf.data_ptr()] and rt.probes == [1]
-    assert hostmem._STILL_PINNED[kept] is buf      # never unmapped while it may still be registered
-    pins.release()                                  # idempotent: nothing left, no second notice
+    assert hostmem._STILL_PINNED[kept] is buf  # never unmapped while it may still be registered
+    pins.release()  # idempotent: nothing left, no second notice
     assert rt.unregistered == [buf.data_ptr()]
 
 
@@ -180,22 +180,23 @@ def test_session_counts_host_embedding_rows(tiny_pair):
     from dataclasses import replace
 
     from specexec_cli.core import transfers
+    from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import DecodeState, GenerationConfig
     from specexec_cli.core.methods import generate
-    from specexec_cli.core.draft import TreeShape
     from specexec_cli.session.loading import LoadOptions, load_models
     from specexec_cli.session.planning import make_plan
 
     shape = TreeShape(budget=8, max_depth=4, max_beams=4)
-    opts = LoadOptions(target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", offload="auto",
-                       ctx=96, embeddings="host")
+    opts = LoadOptions(
+        target=str(tiny_pair[0]), draft=str(tiny_pair[1]), device="cpu", offload="auto", ctx=96, embeddings="host"
+    )
     models = load_models(replace(opts, plan=make_plan(opts, shape, budget_auto=False)))
     emb = models.target.embed_tokens
     assert type(emb).__name__ == "HostEmbedding" and emb.counter is transfers.COUNTER
     deltas = []
     real = emb.forward
 
-    def watched(ids):   # what each embedding call adds to the process-wide counter
+    def watched(ids):  # what each embedding call adds to the process-wide counter
         before = transfers.snapshot()
         out = real(ids)
         d = transfers.since(before)
@@ -203,8 +204,11 @@ def test_session_counts_host_embedding_rows(tiny_pair):
         return out
 
     emb.forward = watched
-    list(generate(models, DecodeState(), [3, 5, 7, 9], GenerationConfig(method="specexec", shape=shape,
-                                                                         max_new_tokens=4)))
+    list(
+        generate(
+            models, DecodeState(), [3, 5, 7, 9], GenerationConfig(method="specexec", shape=shape, max_new_tokens=4)
+        )
+    )
     assert deltas and all(d[:3] == (1, 1, d[3]) for d in deltas), deltas
 
 
@@ -217,24 +221,44 @@ def test_bench_gpu_smoke_runs_every_phase_on_cpu_and_resumes(tmp_path, monkeypat
 
     mod = load_script("bench/gpu.py")
     out, ckpt = tmp_path / "gpu.json", tmp_path / "ck"
-    argv = ["gpu.py", "--smoke", "--ckpt", str(ckpt), "--out", str(out), "--tokens", "1", "--repeats", "1",
-            "--max-new-tokens", "4", "--budget", "8", "--self-bits", "2"]
+    argv = [
+        "gpu.py",
+        "--smoke",
+        "--ckpt",
+        str(ckpt),
+        "--out",
+        str(out),
+        "--tokens",
+        "1",
+        "--repeats",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--budget",
+        "8",
+        "--self-bits",
+        "2",
+    ]
     monkeypatch.setattr("sys.argv", argv)
-    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))             # this run's caches only
-    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")                     # no compile here (tests/test_fused.py)
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))  # this run's caches only
+    monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "eager")  # no compile here (tests/test_fused.py)
     mod.main()
     res = json.loads(out.read_text())
-    assert set(mod.PHASES) <= set(res) and res["shape"]["num_attention_heads"] == 8 * res["shape"]["num_key_value_heads"]
+    assert (
+        set(mod.PHASES) <= set(res) and res["shape"]["num_attention_heads"] == 8 * res["shape"]["num_key_value_heads"]
+    )
     planned = res["write"]["planned_disk"]
     assert set(planned) == {"checkpoint", "nf4_cache", "hqq2_cache", "draft"}
-    assert res["quantize"]["disk_used"] <= 1.2 * sum(planned.values())    # every cache written was counted
+    assert res["quantize"]["disk_used"] <= 1.2 * sum(planned.values())  # every cache written was counted
     rows = {r["draft"]: r for r in res["decode"]["rows"]}
     assert set(rows) == {"none", "small-draft", "self-2bit"}
-    assert all(k in rows["self-2bit"] for k in ("tokens_per_second", "tokens_per_pass", "stall_seconds_per_pass",
-                                                  "draft_seconds_per_pass"))
+    assert all(
+        k in rows["self-2bit"]
+        for k in ("tokens_per_second", "tokens_per_pass", "stall_seconds_per_pass", "draft_seconds_per_pass")
+    )
     state = ckpt.with_name(ckpt.name + "-smoke-bench-state.json")
     before = state.stat().st_mtime_ns
-    mod.main()                                                             # resumes: nothing left to run
+    mod.main()  # resumes: nothing left to run
     assert state.stat().st_mtime_ns == before and "| self-2bit |" in capsys.readouterr().out
 
 
@@ -250,12 +274,13 @@ def test_a_plain_streamed_pass_never_asks_hf_for_packed_sequences(tiny_pair, mon
         raise AssertionError("find_packed_sequence_indices was called")
 
     monkeypatch.setattr(mu, "find_packed_sequence_indices", refuse)
-    model = OffloadedCausalLM.from_pretrained(tiny_pair[0], device="cpu", dtype="fp32", offload="ram",
-                                              max_device_memory=0)
+    model = OffloadedCausalLM.from_pretrained(
+        tiny_pair[0], device="cpu", dtype="fp32", offload="ram", max_device_memory=0
+    )
     try:
         out = model(input_ids=torch.tensor([[3, 5, 7, 9]])).logits
         assert out.shape[:2] == (1, 4)
-        with pytest.raises(AssertionError, match="find_packed"):   # a caller's positions still go to HF
+        with pytest.raises(AssertionError, match="find_packed"):  # a caller's positions still go to HF
             model(input_ids=torch.tensor([[3, 5, 7, 9]]), position_ids=torch.arange(4)[None])
     finally:
         model.close()

@@ -70,13 +70,16 @@ def test_self_draft_sequoia_tree_is_deep():
     assert min(per_pass[:-1]) >= 3 and max(per_pass) == 7, per_pass
 
 
-@pytest.mark.parametrize("method,shape,opts", [
-    ("specexec", TreeShape(32, 8), {}),
-    ("staged", TreeShape(32, 8), {}),
-    ("chain", TreeShape(4, 8), dict(gamma=5)),
-    ("specinfer", TreeShape(32, 8), dict(branching=(2, 2, 1, 1, 1))),
-    ("sequoia", TreeShape(32, 8), {}),
-])
+@pytest.mark.parametrize(
+    "method,shape,opts",
+    [
+        ("specexec", TreeShape(32, 8), {}),
+        ("staged", TreeShape(32, 8), {}),
+        ("chain", TreeShape(4, 8), dict(gamma=5)),
+        ("specinfer", TreeShape(32, 8), dict(branching=(2, 2, 1, 1, 1))),
+        ("sequoia", TreeShape(32, 8), {}),
+    ],
+)
 def test_low_noise_draft_accepts_several_tokens_per_pass(method, shape, opts):
     m = fake_models(TABLE, noisy(TABLE, 0.4, seed=1))
     got, per_pass = run(m, method, shape, **opts)
@@ -97,6 +100,7 @@ def test_budget_gamma_and_branching_change_the_run():
 
 # ---------------------------------------------------------------- draft tokens computed per step
 
+
 def capture_trees(monkeypatch):
     """Record the Tree every growth function returns (the methods call them by module-global name)."""
     trees = []
@@ -106,6 +110,7 @@ def capture_trees(monkeypatch):
             out = fn(*a, **k)
             trees.append(out[0] if first_only else out)
             return out
+
         return inner
 
     monkeypatch.setattr(engine, "grow_tree", wrap(engine.grow_tree))
@@ -114,13 +119,16 @@ def capture_trees(monkeypatch):
     return trees
 
 
-@pytest.mark.parametrize("method,shape,opts,temperature", [
-    ("specexec", TreeShape(24, 8, max_beams=4), {}, 0.0),
-    ("specexec", TreeShape(24, 8, max_beams=4), {}, 0.8),
-    ("chain", TreeShape(4, 8), dict(gamma=4), 0.8),
-    ("specinfer", TreeShape(16, 8), dict(branching=(2, 2, 1)), 0.0),
-    ("sequoia", TreeShape(16, 8), {}, 0.8),
-])
+@pytest.mark.parametrize(
+    "method,shape,opts,temperature",
+    [
+        ("specexec", TreeShape(24, 8, max_beams=4), {}, 0.0),
+        ("specexec", TreeShape(24, 8, max_beams=4), {}, 0.8),
+        ("chain", TreeShape(4, 8), dict(gamma=4), 0.8),
+        ("specinfer", TreeShape(16, 8), dict(branching=(2, 2, 1)), 0.0),
+        ("sequoia", TreeShape(16, 8), {}, 0.8),
+    ],
+)
 def test_draft_computes_each_node_once(monkeypatch, method, shape, opts, temperature):
     """Per step: draft tokens computed == committed tokens not yet cached + tree nodes run (no re-runs).
 
@@ -128,8 +136,9 @@ def test_draft_computes_each_node_once(monkeypatch, method, shape, opts, tempera
     a step never recomputes the prefix; each tree node is run at most once (distinct slots)."""
     trees = capture_trees(monkeypatch)
     m = fake_models(TABLE, noisy(TABLE, 0.4, seed=1))
-    cfg = with_settings(GenerationConfig(method=method, shape=shape, max_new_tokens=N_NEW,
-                                         sampling=SamplingParams(temperature)), **opts)
+    cfg = with_settings(
+        GenerationConfig(method=method, shape=shape, max_new_tokens=N_NEW, sampling=SamplingParams(temperature)), **opts
+    )
     st, gen = DecodeState(), torch.Generator().manual_seed(0)
     prefill(m, st, PROMPT, cfg, gen)
     if method == "sequoia":  # its one-time calibration forward over the context is not a tree step

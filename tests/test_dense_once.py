@@ -16,13 +16,13 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload.formats import open_checkpoint  # noqa: E402
-from offload.formats.qlinear import PackedLinear  # noqa: E402
-from offload.planning.memplan import PlanRequest, plan_memory  # noqa: E402
-from offload.quant.dense import dense_bytes, dense_linears, undensify  # noqa: E402
-from offload.stream.model import OffloadedCausalLM  # noqa: E402
-from tests.conftest import make_model  # noqa: E402
-from tests.gguf_build import write_gguf  # noqa: E402
+from offload.formats import open_checkpoint
+from offload.formats.qlinear import PackedLinear
+from offload.planning.memplan import PlanRequest, plan_memory
+from offload.quant.dense import dense_bytes, dense_linears, undensify
+from offload.stream.model import OffloadedCausalLM
+from tests.conftest import make_model
+from tests.gguf_build import write_gguf
 
 IDS = torch.tensor([[1, 5, 9, 3, 22, 7, 7, 30]])
 
@@ -67,12 +67,12 @@ def test_plan_counts_and_loader_dequantizes_once(q41, monkeypatch):
         real = PackedLinear.dequantized
         monkeypatch.setattr(PackedLinear, "dequantized", lambda self, d: calls.append(1) or real(self, d))
         once = _logits(model)
-        assert calls == []                     # no dequantization during the forward
+        assert calls == []  # no dequantization during the forward
         for layer in model.layers:
             undensify(layer, model.pool)
         assert model.pool.by_component["dequantized_layers"] == 0
         per_pass = _logits(model)
-        assert calls                           # the per-forward path really ran
+        assert calls  # the per-forward path really ran
         assert torch.equal(once, per_pass)
     finally:
         model.close()
@@ -92,8 +92,9 @@ def test_cap_leaves_room_for_some(q41):
     try:
         dense = [[m.dense is not None for _, m in dense_linears(layer)] for layer in model.layers]
         assert all(dense[0]) and not any(dense[1]) and not any(dense[2])
-        ref = OffloadedCausalLM.from_pretrained(ck, device="cpu", dtype=torch.float32,
-                                                memplan=replace(plan, dense_layers=[]))
+        ref = OffloadedCausalLM.from_pretrained(
+            ck, device="cpu", dtype=torch.float32, memplan=replace(plan, dense_layers=[])
+        )
         try:
             assert torch.equal(_logits(model), _logits(ref))
         finally:
@@ -111,7 +112,7 @@ def test_library_load_dequantizes_resident_layers(q41):
         model.close()
     streamed = OffloadedCausalLM.from_pretrained(q41, device="cpu", dtype=torch.float32, offload="ram")
     try:
-        assert streamed.plan.dense == []       # streamed layers dequantize per pass
+        assert streamed.plan.dense == []  # streamed layers dequantize per pass
     finally:
         streamed.close()
 

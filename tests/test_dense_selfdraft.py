@@ -18,8 +18,8 @@ from dataclasses import replace
 import pytest
 
 from offload.planning.draftcost import linear_numel
-from offload.planning.memlayers import LayerSizes, dense_substitutes
 from offload.planning.membytes import arch_of
+from offload.planning.memlayers import LayerSizes, dense_substitutes
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
 from specexec_cli.core.methods import generate
@@ -44,8 +44,12 @@ def _decode(opts, plan) -> tuple[list[int], int, dict, object]:
         cfg = GenerationConfig(method="specexec", shape=SHAPE, max_new_tokens=24)
         events = list(generate(models, DecodeState(), [3, 5, 7, 9, 11], cfg))
         dense = [m.dense is not None for m in models.draft.modules() if isinstance(m, LowbitLinear)]
-        return ([t for ev in events for t in ev.tokens], sum(1 for ev in events if ev.tokens),
-                dict(models.pool.by_component), dense)
+        return (
+            [t for ev in events for t in ev.tokens],
+            sum(1 for ev in events if ev.tokens),
+            dict(models.pool.by_component),
+            dense,
+        )
     finally:
         models.close() if hasattr(models, "close") else None
 
@@ -60,7 +64,7 @@ def test_planned_counted_and_the_same_decoding(tiny_pair, bits):
     pytest.importorskip("hqq")
     opts, plan = _plan(tiny_pair[0], bits)
     a = arch_of(__import__("json").loads((tiny_pair[0] / "config.json").read_text()))
-    assert plan.dense_draft_layers == list(range(a.layers))   # every layer streams, each has a substitute
+    assert plan.dense_draft_layers == list(range(a.layers))  # every layer streams, each has a substitute
     assert plan.device_bytes["dequantized_draft"] == a.layers * linear_numel(a) * 4
     ids, passes, counted, dense = _decode(opts, plan)
     assert counted["dequantized_draft"] == plan.device_bytes["dequantized_draft"]
@@ -76,19 +80,29 @@ def test_short_room_keeps_a_prefix_and_nf4_or_no_self_draft_keeps_none():
         self_draft, draft_bits = True, 3
         dtype, draft_dtype, device = "fp32", None, "cpu"
 
-    a = arch_of(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=45, model_type="llama"))
+    a = arch_of(
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=45,
+            model_type="llama",
+        )
+    )
     per = linear_numel(a) * 4
-    lay = LayerSizes([], [], [], [], [], 0, substitute=[10, 10, 0, 10])   # layer 2: left out (no substitute)
+    lay = LayerSizes([], [], [], [], [], 0, substitute=[10, 10, 0, 10])  # layer 2: left out (no substitute)
     assert dense_substitutes(lay, [], Req, a, 10 * per) == ([0, 1, 3], 3 * per)
-    with pytest.MonkeyPatch.context() as mp:   # the kernel's blocks (the CPU default): nothing dequantized
+    with pytest.MonkeyPatch.context() as mp:  # the kernel's blocks (the CPU default): nothing dequantized
         mp.delenv("SPECX_LOWBIT_KERNEL")
         from offload.quant.fused import kernel_choice
+
         if kernel_choice("cpu", __import__("torch").float32) == "blocks":
             assert dense_substitutes(lay, [], Req, a, 10 * per) == ([], 0)
-    assert dense_substitutes(lay, [1], Req, a, 10 * per) == ([0, 3], 2 * per)   # resident: the target's own
+    assert dense_substitutes(lay, [1], Req, a, 10 * per) == ([0, 3], 2 * per)  # resident: the target's own
     assert dense_substitutes(lay, [], Req, a, 2 * per + per // 2) == ([0, 1], 2 * per)
-    Req.draft_bits = 4   # NF4 substitutes: bitsandbytes' kernels, never densified
+    Req.draft_bits = 4  # NF4 substitutes: bitsandbytes' kernels, never densified
     assert dense_substitutes(lay, [], Req, a, 10 * per) == ([], 0)
     Req.self_draft, Req.draft_bits = False, 3
     assert dense_substitutes(lay, [], Req, a, 10 * per) == ([], 0)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from specexec_cli.session import deps, preflight
 from tests.conftest import ROOT
@@ -24,14 +24,33 @@ PROMPT = ROOT / "examples" / "prompt.txt"
 
 def specx_without(hidden: list[str], *args, tmp_path) -> subprocess.CompletedProcess:
     """`specx ARGS` in a fresh interpreter in which each of `hidden` cannot be imported."""
-    code = ("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in hidden)
-            + "from specexec_cli.terminal.app import main\nsys.argv = ['specx'] + sys.argv[1:]\nmain()\n")
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=600)
+    code = (
+        "import sys\n"
+        + "".join(f"sys.modules[{m!r}] = None\n" for m in hidden)
+        + "from specexec_cli.terminal.app import main\nsys.argv = ['specx'] + sys.argv[1:]\nmain()\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
 
 
-STREAMED_NF4 = ["run", PROMPT, "--target", DEMO, "--dtype", "nf4", "--offload", "disk", "--device", "cpu",
-                "--max-new-tokens", "24", "--temperature", "0", "--no-live"]
+STREAMED_NF4 = [
+    "run",
+    PROMPT,
+    "--target",
+    DEMO,
+    "--dtype",
+    "nf4",
+    "--offload",
+    "disk",
+    "--device",
+    "cpu",
+    "--max-new-tokens",
+    "24",
+    "--temperature",
+    "0",
+    "--no-live",
+]
 
 
 @pytest.mark.slow
@@ -66,7 +85,7 @@ def test_explicit_lowbit_without_hqq_is_refused_before_loading(tmp_path):
         assert r.returncode == 2, (extra, r.stderr)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert lines[-1].startswith("error: ") and "hqq" in lines[-1] and "pip install -e '.[lowbit]'" in lines[-1]
-        assert not any(x.startswith(("offload:", "specx:")) for x in lines), lines   # nothing loaded, no summary
+        assert not any(x.startswith(("offload:", "specx:")) for x in lines), lines  # nothing loaded, no summary
         assert "Traceback" not in r.stderr
 
 
@@ -76,7 +95,7 @@ def test_4bit_substitutes_of_an_nf4_target_name_the_fixes_that_work(tmp_path):
     assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert "already 4-bit" in last and "they need hqq: pip install -e '.[lowbit]'" in last and "--dtype bf16" in last
-    fixed = [a if a != "nf4" else "fp32" for a in STREAMED_NF4]   # the 16-bit route the line names
+    fixed = [a if a != "nf4" else "fp32" for a in STREAMED_NF4]  # the 16-bit route the line names
     r = specx_without(["hqq"], *fixed, "--draft", "self", "--draft-bits", "4", tmp_path=tmp_path)
     ar = specx_without(["hqq"], *fixed, "--method", "ar", tmp_path=tmp_path)
     assert r.returncode == ar.returncode == 0, r.stderr
@@ -113,13 +132,18 @@ def test_prequantized_checkpoint_without_bitsandbytes_is_refused(monkeypatch, tm
 
     from specexec_cli.session.loading import LoadOptions
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
-        "quant_method": "bitsandbytes", "load_in_4bit": True}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
+        )
+    )
     monkeypatch.setattr(deps, "installed", lambda m: m != "bitsandbytes")
-    with pytest.raises(deps.SpecxError, match=r"--target .*: a pre-quantized bitsandbytes checkpoint needs bitsandbytes"):
+    with pytest.raises(
+        deps.SpecxError, match=r"--target .*: a pre-quantized bitsandbytes checkpoint needs bitsandbytes"
+    ):
         preflight.require_for_run(LoadOptions(target=str(tmp_path), draft=None))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    preflight.require_for_run(LoadOptions(target=str(tmp_path), draft=None))   # a 16-bit one needs nothing optional
+    preflight.require_for_run(LoadOptions(target=str(tmp_path), draft=None))  # a 16-bit one needs nothing optional
 
 
 def test_version_ranges_match_pyproject():
@@ -142,12 +166,12 @@ def test_no_summary_for_a_failed_or_empty_run(capsys):
     stats = RunStats(config={"method": "ar"})
     with LiveView(False) as view:
         view.update(stats)
-    assert "tokens in" not in capsys.readouterr().err          # nothing produced: no line
+    assert "tokens in" not in capsys.readouterr().err  # nothing produced: no line
     stats.token_ids.append(5)
     with pytest.raises(RuntimeError), LiveView(False) as view:
         view.update(stats)
         raise RuntimeError("boom")
-    assert "tokens in" not in capsys.readouterr().err          # failed: the error stands alone
+    assert "tokens in" not in capsys.readouterr().err  # failed: the error stands alone
     with LiveView(False) as view:
         view.update(stats)
-    assert "specx: 1 tokens in" in capsys.readouterr().err      # the control: a run that produced a token
+    assert "specx: 1 tokens in" in capsys.readouterr().err  # the control: a run that produced a token

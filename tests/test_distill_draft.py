@@ -11,8 +11,28 @@ from typer.testing import CliRunner
 from specexec_cli.terminal.app import app
 from tests.conftest import ROOT, load_script, make_model
 
-ARGS = ["--prompts", "4", "--gen-tokens", "8", "--gen-batch", "2", "--text-tokens", "1500", "--seq-len", "32",
-        "--text-batch", "4", "--hidden", "32", "--layers", "1", "--batch-tokens", "256", "--lr", "1e-2"]
+ARGS = [
+    "--prompts",
+    "4",
+    "--gen-tokens",
+    "8",
+    "--gen-batch",
+    "2",
+    "--text-tokens",
+    "1500",
+    "--seq-len",
+    "32",
+    "--text-batch",
+    "4",
+    "--hidden",
+    "32",
+    "--layers",
+    "1",
+    "--batch-tokens",
+    "256",
+    "--lr",
+    "1e-2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +43,12 @@ def distilled(tmp_path_factory):
     teacher = make_model(root / "teacher", seed=3, layers=2)
     tool = load_script("tools/distill_draft.py")
     cache = root / "cache.pt"
-    assert tool.main(["--teacher", str(teacher), "--out", str(root / "draft"), "--steps", "30",
-                      "--cache", str(cache), *ARGS]) == 0
+    assert (
+        tool.main(
+            ["--teacher", str(teacher), "--out", str(root / "draft"), "--steps", "30", "--cache", str(cache), *ARGS]
+        )
+        == 0
+    )
     return teacher, root / "draft", cache
 
 
@@ -74,7 +98,7 @@ def test_sampled_softmax_over_the_whole_vocabulary_is_the_full_loss(distilled):
     student = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
     recs = torch.load(cache, weights_only=False)["text"][:3]
     full, m, agree = tool.batch_loss(student, recs)
-    torch.manual_seed(0)   # 5000 uniform draws from 48 ids: every id is a candidate
+    torch.manual_seed(0)  # 5000 uniform draws from 48 ids: every id is a candidate
     sampled, m2, agree2 = tool.batch_loss(student, recs, negatives=5000)
     assert (m, agree) == (m2, agree2) and torch.allclose(full, sampled, atol=1e-5)
 
@@ -92,8 +116,12 @@ def test_a_cached_run_reuses_the_teacher_data(distilled, tmp_path, monkeypatch):
     teacher, _, cache = distilled
     tool = load_script("tools/distill_draft.py")
     monkeypatch.setattr(tool, "load_teacher", lambda path: pytest.fail("the cache should replace the teacher"))
-    assert tool.main(["--teacher", str(teacher), "--out", str(tmp_path / "d2"), "--steps", "2", "--cache", str(cache),
-                      *ARGS]) == 0
+    assert (
+        tool.main(
+            ["--teacher", str(teacher), "--out", str(tmp_path / "d2"), "--steps", "2", "--cache", str(cache), *ARGS]
+        )
+        == 0
+    )
     rep = json.loads((tmp_path / "d2" / "distill.json").read_text())
     assert rep["replies"] == 4 and rep["data_from_cache"]
 
@@ -136,6 +164,5 @@ def test_the_shipped_draft_has_a_name(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     assert resolve_path("smollm2-draft", "--draft") == SHIPPED.resolve()
-    (tmp_path / "smollm2-draft").mkdir()   # a folder of that name in the working directory wins
+    (tmp_path / "smollm2-draft").mkdir()  # a folder of that name in the working directory wins
     assert resolve_path("smollm2-draft", "--draft").resolve() == (tmp_path / "smollm2-draft").resolve()
-

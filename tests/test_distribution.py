@@ -163,6 +163,7 @@ def method_config(method: str):
 
     def make(params, n):
         return with_settings(GenerationConfig(method=method, shape=shape, sampling=params, max_new_tokens=n), **opts)
+
     return make
 
 

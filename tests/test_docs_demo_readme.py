@@ -7,10 +7,20 @@ from tests.conftest import ROOT, load_script
 from tests.test_docs_links import anchors
 
 MODEL = {"params": 1234, "shape": "2 x 64", "steps": 3, "tokens": 4096, "seconds": 1.0, "cpu_seconds": 2.0, "mb": 0.5}
-INFO = {"command": "python tools/make_demo_pair.py --out /tmp/x", "seed": 1, "threads": 2, "corpus": "stdlib",
-        "vocab": 4096, "batch": 8, "lrs": "0.004", "draft_obj": "cross-entropy", "target": MODEL, "draft": MODEL,
-        "quality": {"eval_tokens": 100, "target_loss": 2.0, "draft_loss": 2.5, "top1_agreement": 0.5},
-        "sample": {"nonblank_fraction": 0.9, "lines": 10, "text": "def f():\n    return 1\n"}}
+INFO = {
+    "command": "python tools/make_demo_pair.py --out /tmp/x",
+    "seed": 1,
+    "threads": 2,
+    "corpus": "stdlib",
+    "vocab": 4096,
+    "batch": 8,
+    "lrs": "0.004",
+    "draft_obj": "cross-entropy",
+    "target": MODEL,
+    "draft": MODEL,
+    "quality": {"eval_tokens": 100, "target_loss": 2.0, "draft_loss": 2.5, "top1_agreement": 0.5},
+    "sample": {"nonblank_fraction": 0.9, "lines": 10, "text": "def f():\n    return 1\n"},
+}
 
 
 def test_the_demo_readme_records_the_run_and_points_at_the_docs(tmp_path):

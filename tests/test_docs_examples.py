@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -43,10 +42,22 @@ SERVER = re.compile(r"(127\.0\.0\.1|localhost):8000")
 NOT_RUN = {
     ("README.md", "# see the memory plan first, without a GPU and without reading a single weight"): "70B",
     ("usage.md", "# 16-bit target (140 GB) with 64 GB of RAM: what does not fit in RAM streams from NVMe"): "70B",
-    ("usage.md", "specx chat --target ~/models/Llama-3.1-70B-Instruct --draft ~/models/Llama-3.2-1B-Instruct --dtype nf4 \\"): "70B",
-    ("usage.md", "specx serve --target ~/models/Llama-3.1-70B-Instruct --draft ~/models/Llama-3.2-1B-Instruct --offload ram"): "server",
-    ("usage.md", "specx profile --target ~/models/Llama-3.1-70B-Instruct --draft ~/models/Llama-3.2-1B-Instruct"): "70B",
-    ("usage.md", "specx quantize --target ~/models/Llama-3.1-70B-Instruct --out ~/models/Llama-3.1-70B-Instruct-nf4"): "70B",
+    (
+        "usage.md",
+        "specx chat --target ~/models/Llama-3.1-70B-Instruct --draft ~/models/Llama-3.2-1B-Instruct --dtype nf4 \\",
+    ): "70B",
+    (
+        "usage.md",
+        "specx serve --target ~/models/Llama-3.1-70B-Instruct --draft ~/models/Llama-3.2-1B-Instruct --offload ram",
+    ): "server",
+    (
+        "usage.md",
+        "specx profile --target ~/models/Llama-3.1-70B-Instruct --draft ~/models/Llama-3.2-1B-Instruct",
+    ): "70B",
+    (
+        "usage.md",
+        "specx quantize --target ~/models/Llama-3.1-70B-Instruct --out ~/models/Llama-3.1-70B-Instruct-nf4",
+    ): "70B",
     ("usage.md", "specx info ~/models/Llama-3.1-70B-Instruct"): "70B",
 }
 
@@ -56,7 +67,7 @@ class Block:
     page: str
     lang: str
     body: str
-    mark: str | None   # the REASON of a not-run mark, else None
+    mark: str | None  # the REASON of a not-run mark, else None
 
     @property
     def first(self) -> str:
@@ -70,7 +81,7 @@ def blocks() -> list[Block]:
         for m in FENCE.finditer(text):
             if m.group(1) in DISPLAY:
                 continue
-            before = text[:m.start()].rstrip("\n").splitlines()
+            before = text[: m.start()].rstrip("\n").splitlines()
             mark = MARK.search(before[-1]) if before else None
             out.append(Block(page.name, m.group(1), m.group(2), mark.group(1) if mark else None))
     return out
@@ -80,16 +91,29 @@ def runnable() -> list[Block]:
     return [b for b in blocks() if b.mark is None]
 
 
-LISTED_PAGES = {"README.md", "usage.md", "formats.md", "troubleshooting.md", "how-it-works.md", "architecture.md",
-                "coupled-sampling.md", "flags.md", "README"}
+LISTED_PAGES = {
+    "README.md",
+    "usage.md",
+    "formats.md",
+    "troubleshooting.md",
+    "how-it-works.md",
+    "architecture.md",
+    "coupled-sampling.md",
+    "flags.md",
+    "README",
+}
 
 
 def test_every_example_runs_or_is_listed():
     every = [b for b in blocks() if b.mark is not None]
     print("\nexamples not run:\n" + "\n".join(f"  {b.page}: {b.first[:70]} ({b.mark})" for b in every))
     marked = {(b.page, b.first) for b in every if b.page in LISTED_PAGES}
-    assert marked == set(NOT_RUN), ("marked not run, not in NOT_RUN", marked - set(NOT_RUN),
-                                    "in NOT_RUN, not marked", set(NOT_RUN) - marked)
+    assert marked == set(NOT_RUN), (
+        "marked not run, not in NOT_RUN",
+        marked - set(NOT_RUN),
+        "in NOT_RUN, not marked",
+        set(NOT_RUN) - marked,
+    )
     for b in runnable():
         assert b.lang in ("bash", "python"), f"{b.page}: an unmarked {b.lang or 'untagged'} block: {b.first}"
         assert "~/models/" not in b.body and "../shared" not in b.body, f"{b.page}: cannot run here: {b.first}"
@@ -98,7 +122,9 @@ def test_every_example_runs_or_is_listed():
 def test_the_mark_is_read():
     page = "x\n<!-- example: not run (needs a GPU) -->\n```bash\nnvidia-smi\n```\n\n```text\nout\n```\n"
     m = FENCE.search(page)
-    assert m.group(1) == "bash" and MARK.search(page[:m.start()].rstrip("\n").splitlines()[-1]).group(1) == "needs a GPU"
+    assert (
+        m.group(1) == "bash" and MARK.search(page[: m.start()].rstrip("\n").splitlines()[-1]).group(1) == "needs a GPU"
+    )
 
 
 def without_installs(script: str) -> str:
@@ -112,8 +138,10 @@ def without_installs(script: str) -> str:
 
 
 def test_install_steps_are_left_out():
-    assert without_installs("pip install torch==2.13.0 -e . && specx run examples/prompt.txt\n") == \
-        " specx run examples/prompt.txt\n"
+    assert (
+        without_installs("pip install torch==2.13.0 -e . && specx run examples/prompt.txt\n")
+        == " specx run examples/prompt.txt\n"
+    )
     assert without_installs("pip install -e '.[lowbit]'\nspecx chat \\\n  --x 1\n") == "specx chat  --x 1\n"
 
 
@@ -123,8 +151,14 @@ def scratch(tmp_path_factory):
     root = tmp_path_factory.mktemp("examples")
     for name in ("examples", "specexec_cli"):
         (root / name).symlink_to(ROOT / name)
-    env = dict(os.environ, SPECX_CACHE=str(root / ".cache"), XDG_CONFIG_HOME=str(root / ".config"),
-               XDG_STATE_HOME=str(root / ".state"), NO_COLOR="1", COLUMNS="80")
+    env = dict(
+        os.environ,
+        SPECX_CACHE=str(root / ".cache"),
+        XDG_CONFIG_HOME=str(root / ".config"),
+        XDG_STATE_HOME=str(root / ".state"),
+        NO_COLOR="1",
+        COLUMNS="80",
+    )
     return root, env
 
 
@@ -139,9 +173,14 @@ def server(scratch):
     """`specx serve` on the demo pair, on a free port, up until the module's blocks are done."""
     root, env = scratch
     port = free_port()
-    log = open(root / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "specexec_cli", "serve", "--port", str(port)], cwd=root, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    log = open(root / "serve.log", "w")  # noqa: SIM115 - the server writes to it until the fixture ends
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specexec_cli", "serve", "--port", str(port)],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -152,7 +191,7 @@ def server(scratch):
 
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
-            except Exception:   # not listening yet
+            except Exception:  # not listening yet
                 time.sleep(1)
         else:
             pytest.fail("specx serve did not come up in 300 s")

@@ -24,8 +24,26 @@ def gguf_pair(tmp_path_factory):
 
 
 def run(target, *extra):
-    args = ["run", "-p", "the cat sat on", "--target", str(target), "--offload", "disk", "--device", "cpu",
-            "-n", "24", "--temperature", "0", "--no-live", "--no-chat-template", "--budget", "16", *map(str, extra)]
+    args = [
+        "run",
+        "-p",
+        "the cat sat on",
+        "--target",
+        str(target),
+        "--offload",
+        "disk",
+        "--device",
+        "cpu",
+        "-n",
+        "24",
+        "--temperature",
+        "0",
+        "--no-live",
+        "--no-chat-template",
+        "--budget",
+        "16",
+        *map(str, extra),
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     return r
@@ -38,5 +56,5 @@ def test_gguf_target_self_drafts_losslessly(gguf_pair):
     assert ar.strip()
     auto = run(target)
     notice = next(ln for ln in auto.stderr.splitlines() if ln.startswith("--draft auto:"))
-    assert "self-draft at 3 bits" in notice and auto.stdout == ar   # a candidate, picked or not
+    assert "self-draft at 3 bits" in notice and auto.stdout == ar  # a candidate, picked or not
     assert run(target, "--draft", "self", "--draft-bits", "3").stdout == ar

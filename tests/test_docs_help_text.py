@@ -66,8 +66,10 @@ def test_an_unescaped_bracket_is_caught():
     demo = typer.Typer(add_completion=False)
 
     @demo.command()
-    def go(x: int = typer.Option(0, help="Unescaped: pip install -e '.[lowbit]'."),
-           y: int = typer.Option(0, help="Escaped: pip install -e '.\\[lowbit]'.")) -> None:
+    def go(
+        x: int = typer.Option(0, help="Unescaped: pip install -e '.[lowbit]'."),
+        y: int = typer.Option(0, help="Escaped: pip install -e '.\\[lowbit]'."),
+    ) -> None:
         """Demo."""
 
     @demo.command()

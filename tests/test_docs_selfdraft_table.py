@@ -20,7 +20,7 @@ PAGE, BEGIN, END = "CONTRIBUTING.md", "<!-- perf:selfdraft -->", "<!-- /perf:sel
 
 def test_the_page_table_is_the_bench_json(tool):
     page = (ROOT / PAGE).read_text()
-    block = page[page.index(BEGIN) + len(BEGIN):page.index(END)]
+    block = page[page.index(BEGIN) + len(BEGIN) : page.index(END)]
     assert block.strip() == tool.table()
     assert any(r["draft"] == "shared-2.9M" for r in tool.rows()) and any(r["draft"] == "self-nf4" for r in tool.rows())
 

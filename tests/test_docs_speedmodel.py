@@ -11,8 +11,10 @@ import pytest
 from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = [("bench/selfdraft_width.py", "selfdraft_width.json", "CONTRIBUTING.md", "selfdraft-width"),
-         ("bench/speedmodel.py", "speedmodel.json", "CONTRIBUTING.md", "speedmodel")]
+CASES = [
+    ("bench/selfdraft_width.py", "selfdraft_width.json", "CONTRIBUTING.md", "selfdraft-width"),
+    ("bench/speedmodel.py", "speedmodel.json", "CONTRIBUTING.md", "speedmodel"),
+]
 
 
 @pytest.mark.parametrize("script,result,page,block", CASES)

@@ -29,7 +29,11 @@ def test_engine_does_not_import_methods():
 
 def test_draft_feature_bins_and_flags():
     lp = torch.tensor([-0.001, -0.3, -20.0])
-    assert draft_feature(lp, torch.zeros(3, dtype=torch.long)).tolist() == [0, 3, N_BINS - 1]  # -0.3 lies in (-0.5, -0.25]
+    assert draft_feature(lp, torch.zeros(3, dtype=torch.long)).tolist() == [
+        0,
+        3,
+        N_BINS - 1,
+    ]  # -0.3 lies in (-0.5, -0.25]
     assert draft_feature(lp[:1], torch.tensor([2])).tolist() == [2 * N_BINS]
 
 
@@ -37,7 +41,9 @@ def test_observe_pass_counts_children_of_the_accepted_path():
     """Children of the root and of accepted nodes are tested against the target's token there."""
     tree = Tree.new(5)
     a, b = tree.add(torch.tensor([0, 0]), torch.tensor([7, 8]), torch.tensor([-0.1, -2.0]), torch.tensor([0, 1]))
-    tree.add(torch.tensor([int(a), int(a), int(b)]), torch.tensor([9, 3, 4]), torch.full((3,), -1.0), torch.tensor([2, 3, 4]))
+    tree.add(
+        torch.tensor([int(a), int(a), int(b)]), torch.tensor([9, 3, 4]), torch.full((3,), -1.0), torch.tensor([2, 3, 4])
+    )
     cal = Calibration()
     observe_pass(cal, tree, path_nodes=[int(a)], tokens=[7, 3])  # root → 7 accepted, then the target said 3
     assert cal.tests[:5].tolist() == [1, 1, 1, 1, 0]  # node b's child (feature 4) was never reached

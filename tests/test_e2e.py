@@ -23,16 +23,29 @@ def test_fresh_venv_install_and_demo_run(tmp_path):
     # the README's install step, from a copy so the checkout is untouched (non-editable install)
     install = subprocess.run(
         [str(py), "-m", "pip", "install", "-q", "torch==2.13.0", str(ROOT)],
-        capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert install.returncode == 0, install.stderr[-2000:]
     stats = tmp_path / "stats.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run(
-        [str(env_dir / "bin" / "specx"), "run", str(ROOT / "examples" / "prompt.txt"), "--max-new-tokens", "32",
-         "--stats-json", str(stats)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
-    )  # fmt: skip
+        [
+            str(env_dir / "bin" / "specx"),
+            "run",
+            str(ROOT / "examples" / "prompt.txt"),
+            "--max-new-tokens",
+            "32",
+            "--stats-json",
+            str(stats),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip(), "no generated text on stdout"
     assert "demo pair" in run.stderr
@@ -51,8 +64,24 @@ def test_no_draft_flag_drafts_with_the_plans_choice_and_matches_ar(shared_pair, 
 
     from specexec_cli.terminal.app import app
 
-    common = ["run", "-p", "def fib(n):", "--target", str(shared_pair[0]), "--offload", "disk", "--max-ram", "0",
-              "--temperature", "0", "--max-new-tokens", "16", "--budget", "16", "--no-live"]
+    common = [
+        "run",
+        "-p",
+        "def fib(n):",
+        "--target",
+        str(shared_pair[0]),
+        "--offload",
+        "disk",
+        "--max-ram",
+        "0",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--budget",
+        "16",
+        "--no-live",
+    ]
     out = {}
     for name, extra in (("auto", []), ("ar", ["--method", "ar"])):
         stats = tmp_path / f"{name}.json"
@@ -71,8 +100,25 @@ def test_no_draft_flag_with_everything_resident_weighs_the_layer_skip_draft(shar
 
     from specexec_cli.terminal.app import app
 
-    res = CliRunner().invoke(app, ["run", "-p", "def f():", "--target", str(shared_pair[0]), "--offload", "none",
-                                   "--temperature", "0", "--max-new-tokens", "4", "--no-live"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "def f():",
+            "--target",
+            str(shared_pair[0]),
+            "--offload",
+            "none",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "4",
+            "--no-live",
+        ],
+    )
     assert res.exit_code == 0, res.output
     chosen = [line for line in res.stderr.splitlines() if line.startswith("--draft auto:")]
-    assert len(chosen) == 1 and ("the layer-skip self-draft" in chosen[0] or "plain decoding is modelled faster" in chosen[0])
+    assert len(chosen) == 1 and (
+        "the layer-skip self-draft" in chosen[0] or "plain decoding is modelled faster" in chosen[0]
+    )

@@ -65,8 +65,9 @@ def test_self_draft_chain_accepts_every_token(self_models):
 
     Plain draft scores: n-gram branches would add children beside the draft's max_branch=1 child."""
     ids = self_models.tokenizer(PROMPTS[1])["input_ids"]
-    got, events, _ = run(self_models, ids, budget=6, max_depth=6, max_branch=1, max_new_tokens=43,
-                         extra={"scores": "draft"})
+    got, events, _ = run(
+        self_models, ids, budget=6, max_depth=6, max_branch=1, max_new_tokens=43, extra={"scores": "draft"}
+    )
     passes = [ev for ev in events if ev.pass_index > 0]
     assert all(len(ev.tokens) == 7 for ev in passes[:-1] if ev.finish is None)
     assert got == hf_greedy(self_models, ids, 43)[: len(got)]
@@ -123,13 +124,18 @@ def test_cache_invariants_after_each_step(request, pair):
     for ev in generate(models, state, ids, cfg):
         assert state.target_cache.get_seq_length() == state.target_len == len(state.ids) - 1
         assert state.draft_cache.get_seq_length() == state.draft_len < len(state.ids)
-        for model, cache, n in ((models.target, state.target_cache, state.target_len),
-                                (models.draft, state.draft_cache, state.draft_len)):
+        for model, cache, n in (
+            (models.target, state.target_cache, state.target_len),
+            (models.draft, state.draft_cache, state.draft_len),
+        ):
             for got, want in zip(valid_keys(cache), fresh_keys(model, state.ids[:n]), strict=True):
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         trimmed += ev.tree_size > ev.accepted
         multi += ev.accepted >= 2
-    assert len(state.ids) == len(ids) + 40 and trimmed >= 5 and multi >= (5 if pair == "self_models" else 0), (trimmed, multi)
+    assert len(state.ids) == len(ids) + 40 and trimmed >= 5 and multi >= (5 if pair == "self_models" else 0), (
+        trimmed,
+        multi,
+    )
 
 
 def test_multi_turn_prefills_only_new_tokens(models):
@@ -180,8 +186,9 @@ def test_max_new_tokens_and_eos_stop(self_models, method):
     assert st.draft_cache.get_seq_length() == st.draft_len < len(st.ids)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(0.8), SamplingParams(0.7, top_k=20, top_p=0.9)],
-                         ids=["T0.8", "T0.7-topk-topp"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(0.8), SamplingParams(0.7, top_k=20, top_p=0.9)], ids=["T0.8", "T0.7-topk-topp"]
+)
 def test_sampled_text_does_not_depend_on_draft_or_budget(models, sampling):
     """At T > 0 `ar` and `specexec` draw each token by the exponential race with position-keyed
     noise, so a seed gives the same ids whatever the tree: every budget, scoring and draft equals

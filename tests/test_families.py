@@ -18,33 +18,71 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from offload.arch.hfcompat import cache_kwargs
 from offload import OffloadedCausalLM, OffloadError
 from offload.arch.families import SUPPORTED
+from offload.arch.hfcompat import cache_kwargs
 from tests.test_offload import _tree_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 48
-WINDOW = 6   # sliding window, shorter than the test sequences
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+WINDOW = 6  # sliding window, shorter than the test sequences
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
 
 FAMILIES = {
-    "llama31": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16, "rope_theta": 500000.0})),
+    "llama31": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 500000.0,
+            },
+        ),
+    ),
     "mistral": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),
-    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
-                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
-                                    tie_word_embeddings=True)),
-    "gemma3": ("Gemma3TextConfig", {
-        "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": True,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+    ),
 }
 
 
@@ -70,7 +108,9 @@ def _hf(path):
     # The reference runs each family's own attention. Gemma-2 soft-caps attention scores, which only
     # "eager" computes: transformers < 5.21 defaulted Gemma-2 to "sdpa", which drops the cap (8e-5 in
     # these logits), so the reference names eager (what 5.21+ picks by default, and what specx runs).
-    kw = {"attn_implementation": "eager"} if transformers.AutoConfig.from_pretrained(path).model_type == "gemma2" else {}
+    kw = (
+        {"attn_implementation": "eager"} if transformers.AutoConfig.from_pretrained(path).model_type == "gemma2" else {}
+    )
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
 
 
@@ -101,7 +141,7 @@ def test_family_logits_and_greedy_equal_hf(family_dir, offload):
         prompt = _ids(5, seed=1)
         with torch.no_grad():
             want = hf.generate(prompt, max_new_tokens=3 * WINDOW, do_sample=False, min_new_tokens=3 * WINDOW)
-        assert _greedy(model, prompt, 3 * WINDOW) == want[0, prompt.shape[1]:].tolist(), name
+        assert _greedy(model, prompt, 3 * WINDOW) == want[0, prompt.shape[1] :].tolist(), name
     finally:
         model.close()
 
@@ -121,8 +161,13 @@ def test_tree_mask_respects_sliding_window_by_position(family_dir):
         tree = _ids(len(parents), seed=4)
         past = prefix.shape[1]
         pos = torch.tensor([[past + d for d in depth]])
-        got = model(input_ids=tree, attention_mask=_tree_mask(parents, past, torch.float32), position_ids=pos,
-                    **cache_kwargs(model, cache), use_cache=True).logits[0]
+        got = model(
+            input_ids=tree,
+            attention_mask=_tree_mask(parents, past, torch.float32),
+            position_ids=pos,
+            **cache_kwargs(model, cache),
+            use_cache=True,
+        ).logits[0]
         for node in (6, 7):
             path_nodes, p = [], node
             while p >= 0:
@@ -164,9 +209,29 @@ def test_family_runs_losslessly_through_specx_run(family_dir, offload, tmp_path)
     ids = {}
     for method in ("ar", "specexec"):
         stats = tmp_path / f"{method}.json"
-        r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(target), "--draft", str(draft),
-                                     "--device", "cpu", "--offload", offload, "--method", method, "--budget", "8",
-                                     "--max-new-tokens", str(4 * WINDOW), "--stats-json", str(stats)])
+        r = CliRunner().invoke(
+            app,
+            [
+                "run",
+                str(prompt),
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--device",
+                "cpu",
+                "--offload",
+                offload,
+                "--method",
+                method,
+                "--budget",
+                "8",
+                "--max-new-tokens",
+                str(4 * WINDOW),
+                "--stats-json",
+                str(stats),
+            ],
+        )
         assert r.exit_code == 0, r.output
         ids[method] = json.loads(stats.read_text())["token_ids"]
     assert len(ids["ar"]) > 2 * WINDOW and ids["specexec"] == ids["ar"], name

@@ -33,14 +33,15 @@ N_NEW = 24
 def disk(tiny_pair):
     m = load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", device="cpu", offload="disk"))
     assert m.target.plan.disk_layers and not m.target.plan.resident
-    m.eos_ids = frozenset()   # compare whole replies
+    m.eos_ids = frozenset()  # compare whole replies
     yield m
     m.target.close()
 
 
 def cfg_for(budget: int, temperature: float = 0.0, seed: int = 0, n: int = N_NEW) -> GenerationConfig:
-    return GenerationConfig(shape=TreeShape(budget, 8), sampling=SamplingParams(temperature=temperature),
-                            seed=seed, max_new_tokens=n)
+    return GenerationConfig(
+        shape=TreeShape(budget, 8), sampling=SamplingParams(temperature=temperature), seed=seed, max_new_tokens=n
+    )
 
 
 def alone(m, prompt: str, cfg: GenerationConfig) -> tuple[list[int], DecodeState, int]:
@@ -63,15 +64,20 @@ def test_forward_many_equals_each_job_alone_in_one_stream(disk):
     m, tok = disk, disk.tokenizer
     a, b = tok(PROMPTS[0])["input_ids"], tok(PROMPTS[1])["input_ids"]
     ref = []
-    for ids in (a, b):   # each job alone: its own forward, its own cache
+    for ids in (a, b):  # each job alone: its own forward, its own cache
         cache = kvcache.new_cache()
         ref.append((kvcache.forward(m.target, cache, torch.tensor(ids), torch.arange(len(ids)), None), cache))
     caches = [kvcache.new_cache(), kvcache.new_cache()]
-    mask = causal_mask(0, len(b), torch.float32)   # a 4-D mask for one job, causal None for the other
+    mask = causal_mask(0, len(b), torch.float32)  # a 4-D mask for one job, causal None for the other
     before = m.target.stats.passes
-    got = forward_many(m.target, [ForwardJob(torch.tensor(a), torch.arange(len(a)), None, caches[0]),
-                                  ForwardJob(torch.tensor(b), torch.arange(len(b)), mask, caches[1])])
-    assert m.target.stats.passes - before == 1   # one weight stream for both
+    got = forward_many(
+        m.target,
+        [
+            ForwardJob(torch.tensor(a), torch.arange(len(a)), None, caches[0]),
+            ForwardJob(torch.tensor(b), torch.arange(len(b)), mask, caches[1]),
+        ],
+    )
+    assert m.target.stats.passes - before == 1  # one weight stream for both
     for (logits, cache), out, mine in zip(ref, got, caches):
         assert torch.equal(out, logits)
         for x, y in zip(cache.layers, mine.layers):
@@ -93,9 +99,9 @@ def test_forest_replies_equal_each_request_alone(disk, temperature):
     for ln, (ids, st, _) in zip(lanes, refs):
         assert got[id(ln)] == ids
         assert ln.st.ids == st.ids
-        for x, y in zip(rows(ln.st), rows(st)):   # trees of other sizes: equal up to matmul blocking
+        for x, y in zip(rows(ln.st), rows(st)):  # trees of other sizes: equal up to matmul blocking
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
-    assert len({tuple(r[0]) for r in refs}) == len(refs)   # the replies differ: a leak would show
+    assert len({tuple(r[0]) for r in refs}) == len(refs)  # the replies differ: a leak would show
     assert forest.passes < sum(r[2] for r in refs)
 
 
@@ -151,7 +157,7 @@ def test_request_joining_mid_reply_gets_its_first_token_next_pass(disk):
     events = [ev for ln, ev in forest.step() if ln is late]
     assert forest.passes == joined_at + 1
     assert events and events[0] is not None and events[0].pass_index == 0 and len(events[0].tokens) == 1
-    assert first in forest.lanes   # the other reply goes on
+    assert first in forest.lanes  # the other reply goes on
     ids, _, _ = alone(m, PROMPTS[1], cfg_for(8))
     got = list(events[0].tokens)
     while late in forest.lanes:
@@ -168,8 +174,11 @@ def test_removed_request_leaves_the_others_unchanged(disk):
     got = []
     for i in range(40):
         if i == 3:
-            forest.remove(gone)   # a cancelled or disconnected request, at a pass boundary
-            assert gone.st.target_len == len(gone.st.ids) - 1 and gone.st.target_cache.get_seq_length() == gone.st.target_len
+            forest.remove(gone)  # a cancelled or disconnected request, at a pass boundary
+            assert (
+                gone.st.target_len == len(gone.st.ids) - 1
+                and gone.st.target_cache.get_seq_length() == gone.st.target_len
+            )
         got += [t for ln, ev in forest.step() if ln is kept and ev is not None for t in ev.tokens]
         if kept not in forest.lanes:
             break

@@ -22,8 +22,12 @@ from offload.formats import open_checkpoint
 from tests.conftest import make_model
 from tests.formats_util import write_awq, write_compressed, write_gptq
 
-GPTQ_CASES = {"gptq-sym": dict(sym=True), "gptq-asym": dict(sym=False), "gptq-actorder": dict(sym=False, act_order=True),
-              "gptq-v2": dict(sym=False, v2=True)}
+GPTQ_CASES = {
+    "gptq-sym": dict(sym=True),
+    "gptq-asym": dict(sym=False),
+    "gptq-actorder": dict(sym=False, act_order=True),
+    "gptq-v2": dict(sym=False, v2=True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +55,16 @@ def test_dequant_equals_reference(packed, case):
     assert ckpt.format == ("awq" if case == "awq" else "gptq")
     for name, ref in refs.items():
         w = ckpt.reader.load_weight(ckpt, name, _raw(ckpt, name), torch.device("cpu"), torch.float32)
-        assert torch.equal(w, ref), name                      # exact: small ints times fp16 scales
+        assert torch.equal(w, ref), name  # exact: small ints times fp16 scales
         w16 = ckpt.reader.load_weight(ckpt, name, _raw(ckpt, name), torch.device("cpu"), torch.float16)
-        assert torch.equal(w16, ref.half()), name             # one rounding, as an fp16 kernel makes
+        assert torch.equal(w16, ref.half()), name  # one rounding, as an fp16 kernel makes
 
 
 def _hf_reference(src, refs):
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
-    sd = {k: v.half().float() for k, v in hf.state_dict().items()}   # non-linear tensors are stored fp16
+    sd = {k: v.half().float() for k, v in hf.state_dict().items()}  # non-linear tensors are stored fp16
     sd.update(refs)
     hf.load_state_dict(sd)
     return hf.eval()
@@ -72,7 +76,7 @@ def _greedy(model, ids, n):
         for _ in range(n):
             logits = model(input_ids=torch.tensor([out])).logits
             out.append(int(logits[0, -1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @pytest.mark.parametrize("case", ["gptq-actorder", "awq"])
@@ -81,8 +85,9 @@ def test_greedy_ids_equal_transformers(src, packed, case, offload):
     path, refs = packed[case]
     ids = [3, 7, 11, 5]
     want = _greedy(_hf_reference(src, refs), ids, 10)
-    model = OffloadedCausalLM.from_pretrained(path, dtype=torch.float32, offload=offload, max_device_memory=0
-                                              if offload == "disk" else None)
+    model = OffloadedCausalLM.from_pretrained(
+        path, dtype=torch.float32, offload=offload, max_device_memory=0 if offload == "disk" else None
+    )
     try:
         assert _greedy(model, ids, 10) == want
     finally:
@@ -93,7 +98,11 @@ def test_greedy_ids_equal_transformers(src, packed, case, offload):
 def compressed(src, tmp_path_factory):
     root = tmp_path_factory.mktemp("ct")
     out = {}
-    for name, kw in {"ct-group-sym": dict(), "ct-group-asym": dict(sym=False), "ct-channel": dict(strategy="channel")}.items():
+    for name, kw in {
+        "ct-group-sym": dict(),
+        "ct-group-asym": dict(sym=False),
+        "ct-channel": dict(strategy="channel"),
+    }.items():
         write_compressed(src, root / name, **kw)
         out[name] = root / name
     return out
@@ -110,11 +119,14 @@ def test_compressed_dequant_equals_library(compressed, case):
         raw = _raw(ckpt, name)
         base = name[: -len(".weight")]
         shape = tuple(int(v) for v in raw[f"{base}.weight_shape"])
-        q = unpack_from_int32(raw[f"{base}.weight_packed"], 4, torch.Size(shape)).float()        # the library's unpacking
+        q = unpack_from_int32(raw[f"{base}.weight_packed"], 4, torch.Size(shape)).float()  # the library's unpacking
         scale = raw[f"{base}.weight_scale"].float()
         zp = raw.get(f"{base}.weight_zero_point")
-        z = (unpack_from_int32(zp, 4, torch.Size((shape[0], scale.shape[1])), packed_dim=0).float()
-             if zp is not None else torch.zeros_like(scale))
+        z = (
+            unpack_from_int32(zp, 4, torch.Size((shape[0], scale.shape[1])), packed_dim=0).float()
+            if zp is not None
+            else torch.zeros_like(scale)
+        )
         g = shape[1] // scale.shape[1]
         want = (q - z.repeat_interleave(g, 1)) * scale.repeat_interleave(g, 1)
         got = ckpt.reader.load_weight(ckpt, name, raw, torch.device("cpu"), torch.float32)
@@ -127,10 +139,11 @@ def test_compressed_greedy_equals_transformers(compressed, case, offload):
 
     path = compressed[case]
     ids = [2, 9, 4, 4]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()   # transformers + compressed-tensors
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # transformers + compressed-tensors
     want = _greedy(hf, ids, 10)
-    model = OffloadedCausalLM.from_pretrained(path, dtype=torch.float32, offload=offload,
-                                              max_device_memory=0 if offload == "disk" else None)
+    model = OffloadedCausalLM.from_pretrained(
+        path, dtype=torch.float32, offload=offload, max_device_memory=0 if offload == "disk" else None
+    )
     try:
         assert _greedy(model, ids, 10) == want
     finally:
@@ -182,16 +195,36 @@ def test_specx_run_awq_target(src, packed, offload, tmp_path):
     ids = {}
     for method in ("ar", "specexec"):
         stats = tmp_path / f"{method}.json"
-        r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(path), "--draft", str(src), "--device", "cpu",
-                                     "--offload", offload, "--method", method, "--budget", "8",
-                                     "--max-new-tokens", "12", "--stats-json", str(stats)])
+        r = CliRunner().invoke(
+            app,
+            [
+                "run",
+                str(prompt),
+                "--target",
+                str(path),
+                "--draft",
+                str(src),
+                "--device",
+                "cpu",
+                "--offload",
+                offload,
+                "--method",
+                method,
+                "--budget",
+                "8",
+                "--max-new-tokens",
+                "12",
+                "--stats-json",
+                str(stats),
+            ],
+        )
         assert r.exit_code == 0, (r.output, r.exception)
         ids[method] = json.loads(stats.read_text())["token_ids"]
     from transformers import AutoTokenizer
 
     prompt_ids = AutoTokenizer.from_pretrained(path)(prompt.read_text())["input_ids"]
     want = _greedy(_hf_reference(src, refs), prompt_ids, 12)
-    assert ids["ar"] == want[:len(ids["ar"])] and len(ids["ar"]) > 0
+    assert ids["ar"] == want[: len(ids["ar"])] and len(ids["ar"]) > 0
     assert ids["specexec"] == ids["ar"]
 
 
@@ -209,26 +242,75 @@ def test_self_draft_on_gptq_target(src, packed, tmp_path):
     ids = {}
     for method, extra in (("ar", []), ("specexec", ["--draft", "self", "--draft-bits", "3"])):
         stats = tmp_path / f"{method}.json"
-        r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(path), "--device", "cpu", "--offload", "disk",
-                                     "--method", method, "--budget", "8", "--max-new-tokens", "10",
-                                     "--stats-json", str(stats), *extra])
+        r = CliRunner().invoke(
+            app,
+            [
+                "run",
+                str(prompt),
+                "--target",
+                str(path),
+                "--device",
+                "cpu",
+                "--offload",
+                "disk",
+                "--method",
+                method,
+                "--budget",
+                "8",
+                "--max-new-tokens",
+                "10",
+                "--stats-json",
+                str(stats),
+                *extra,
+            ],
+        )
         assert r.exit_code == 0, (r.output, r.exception)
         ids[method] = json.loads(stats.read_text())["token_ids"]
         if method == "specexec":
-            assert json.loads(stats.read_text())["tokens_per_pass"] > 1   # the substitutes drafted
+            assert json.loads(stats.read_text())["tokens_per_pass"] > 1  # the substitutes drafted
     assert ids["specexec"] == ids["ar"] and ids["ar"]
-    r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(path), "--device", "cpu", "--offload", "disk",
-                                 "--method", "specexec", "--draft", "self", "--draft-bits", "4", "--max-new-tokens", "4"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(path),
+            "--device",
+            "cpu",
+            "--offload",
+            "disk",
+            "--method",
+            "specexec",
+            "--draft",
+            "self",
+            "--draft-bits",
+            "4",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert r.exit_code == 2 and "already 4-bit" in r.stderr, (r.output, r.exception)
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.qweight",
-                             t["model.layers.0.self_attn.q_proj.qweight"].float()), "is torch.float32, the gptq layout"),
-    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.qzeros", t["model.layers.0.mlp.up_proj.qzeros"][:1].clone()),
-     "'model.layers.0.mlp.up_proj.qzeros' has shape [1, 16], config.json implies [2, 16]"),
-    (lambda t: t.__setitem__("model.layers.2.mlp.up_proj.bogus", torch.zeros(2)), "unexpected tensor"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (
+            lambda t: t.__setitem__(
+                "model.layers.0.self_attn.q_proj.qweight", t["model.layers.0.self_attn.q_proj.qweight"].float()
+            ),
+            "is torch.float32, the gptq layout",
+        ),
+        (
+            lambda t: t.__setitem__(
+                "model.layers.0.mlp.up_proj.qzeros", t["model.layers.0.mlp.up_proj.qzeros"][:1].clone()
+            ),
+            "'model.layers.0.mlp.up_proj.qzeros' has shape [1, 16], config.json implies [2, 16]",
+        ),
+        (lambda t: t.__setitem__("model.layers.2.mlp.up_proj.bogus", torch.zeros(2)), "unexpected tensor"),
+    ],
+)
 def test_corrupt_gptq_refused_in_one_line(packed, tmp_path, edit, needle):
     from safetensors.torch import load_file, save_file
 

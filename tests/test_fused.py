@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("hqq")
 
-from offload.quant import fused  # noqa: E402
-from offload.quant.lowbit import PACKING, LowbitLinear, hqq_quantizer, quantize_weight  # noqa: E402
+from offload.quant import fused
+from offload.quant.lowbit import PACKING, LowbitLinear, hqq_quantizer, quantize_weight
 
-OUT, IN = 96, 320   # rows = OUT*IN/group: not a multiple of 10 at 3 bits (HQQ pads; the slice must drop them)
+OUT, IN = 96, 320  # rows = OUT*IN/group: not a multiple of 10 at 3 bits (HQQ pads; the slice must drop them)
 
 
 def _layer(bits: int, dtype: torch.dtype, bias: bool = True, seed: int = 0) -> LowbitLinear:
@@ -40,14 +40,14 @@ def test_unpack_matches_hqq(bits):
 @pytest.mark.parametrize("bits", [4, 3, 2])
 def test_fused_equals_eager(bits, dtype, tol, capfd):
     lin = _layer(bits, dtype, bias=bits != 3)
-    lin.kernel = "fused"                           # auto picks eager on CPU; the fused path is what is tested
-    for tokens in (1, 5, 33):                      # one compiled graph for every draft batch size
+    lin.kernel = "fused"  # auto picks eager on CPU; the fused path is what is tested
+    for tokens in (1, 5, 33):  # one compiled graph for every draft batch size
         x = torch.randn(2, tokens, IN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         got, ref = lin(x), lin.forward_eager(x)
         assert got.dtype == ref.dtype and got.shape == (2, tokens, OUT)
         scale = ref.float().abs().max().item()
         assert (got.float() - ref.float()).abs().max().item() <= tol * max(scale, 1.0), (bits, dtype, tokens)
-    assert fused.fused_status() is None, fused.fused_status()   # the compiled path ran, not the fallback
+    assert fused.fused_status() is None, fused.fused_status()  # the compiled path ran, not the fallback
     err = capfd.readouterr().err
     assert err == "", err
 
@@ -69,7 +69,7 @@ def test_compile_failure_falls_back_quietly(monkeypatch, capfd):
 
 def test_kernel_choice_by_device_and_env(monkeypatch):
     monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "auto")
-    assert _layer(4, torch.float32).kernel == "eager"          # CPU: eager measured faster
+    assert _layer(4, torch.float32).kernel == "eager"  # CPU: eager measured faster
     assert fused.kernel_choice("cuda") == "fused"
     monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "fused")
     assert _layer(4, torch.float32).kernel == "fused"

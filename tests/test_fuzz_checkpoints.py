@@ -42,7 +42,7 @@ def split(path: Path) -> tuple[dict, bytes]:
     """(header JSON, data bytes) of a safetensors file."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def pack(header, data: bytes, raw_header: bytes | None = None) -> bytes:
@@ -56,9 +56,11 @@ def first_tensor(header: dict) -> str:
 
 def entry_edit(fn):
     """A safetensors corruption that edits the first tensor's header entry."""
+
     def corrupt(header, data):
         fn(header[first_tensor(header)], header)
         return pack(header, data)
+
     return corrupt
 
 
@@ -76,7 +78,7 @@ def _overlap(header, data):
 ST_CASES = {
     "empty_file": lambda h, d: b"",
     "seven_bytes": lambda h, d: b"\x01\x02\x03\x04\x05\x06\x07",
-    "header_len_past_eof": lambda h, d: struct.pack("<Q", 10 ** 12) + b"{}",
+    "header_len_past_eof": lambda h, d: struct.pack("<Q", 10**12) + b"{}",
     "header_len_max_u64": lambda h, d: b"\xff" * 8 + b"{}" * 100,
     "non_json_header": lambda h, d: pack(None, d, raw_header=b"this is not json at all!"),
     "non_utf8_header": lambda h, d: pack(None, d, raw_header=b"\xff\xfe\xfd" * 40),
@@ -85,15 +87,17 @@ ST_CASES = {
     "truncated_data": lambda h, d: pack(h, d[: len(d) // 2]),
     "unknown_dtype": entry_edit(lambda e, h: e.update(dtype="F128")),
     "dtype_not_string": entry_edit(lambda e, h: e.update(dtype=[1])),
-    "offsets_past_eof": entry_edit(lambda e, h: e.update(data_offsets=[10 ** 9, 10 ** 9 + e["data_offsets"][1]
-                                                                        - e["data_offsets"][0]])),
+    "offsets_past_eof": entry_edit(
+        lambda e, h: e.update(data_offsets=[10**9, 10**9 + e["data_offsets"][1] - e["data_offsets"][0]])
+    ),
     "offsets_reversed": entry_edit(lambda e, h: e.update(data_offsets=e["data_offsets"][::-1])),
     "offsets_negative": entry_edit(lambda e, h: e.update(data_offsets=[-8, e["data_offsets"][1]])),
     "offsets_float": entry_edit(lambda e, h: e.update(data_offsets=[0.5, 3.5])),
     "offsets_three": entry_edit(lambda e, h: e.update(data_offsets=[0, 4, 8])),
-    "huge_shape": entry_edit(lambda e, h: e.update(shape=[2 ** 40, 2 ** 40])),
-    "huge_shape_consistent_offsets": entry_edit(lambda e, h: e.update(shape=[2 ** 30], dtype="U8",
-                                                                      data_offsets=[0, 2 ** 30])),
+    "huge_shape": entry_edit(lambda e, h: e.update(shape=[2**40, 2**40])),
+    "huge_shape_consistent_offsets": entry_edit(
+        lambda e, h: e.update(shape=[2**30], dtype="U8", data_offsets=[0, 2**30])
+    ),
     "negative_shape": entry_edit(lambda e, h: e.update(shape=[-1, 64])),
     "string_shape": entry_edit(lambda e, h: e.update(shape="64x64")),
     "entry_not_object": entry_edit(lambda e, h: h.update({first_tensor(h): 7})),
@@ -121,8 +125,10 @@ class AllocGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default) and \
-                str(kwargs.get("device", "cpu")) != "meta":
+        if (
+            func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+            and str(kwargs.get("device", "cpu")) != "meta"
+        ):
             numel = math.prod(int(d) for d in args[0])
             itemsize = torch.tensor([], dtype=kwargs.get("dtype") or torch.get_default_dtype()).element_size()
             self._check(numel * itemsize, func)
@@ -151,8 +157,21 @@ def dir_bytes(model: Path) -> int:
 def run_cli(model: Path, tmp_path: Path, offload: str, guard: list | None = None):
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):")
-    args = ["run", str(prompt), "--target", str(model), "--method", "ar", "--device", "cpu",
-            "--max-new-tokens", "2", "--no-live", "--offload", offload]
+    args = [
+        "run",
+        str(prompt),
+        "--target",
+        str(model),
+        "--method",
+        "ar",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "2",
+        "--no-live",
+        "--offload",
+        offload,
+    ]
     if guard is None:
         return runner.invoke(app, args)
     with AllocGuard(dir_bytes(model)):
@@ -179,7 +198,7 @@ def test_corrupt_safetensors(good, tmp_path, case, offload, alloc_guard):
 
 def test_seeded_header_byte_flips(good, tmp_path, alloc_guard):
     """Random bytes written into the header: refused unless the header still means the same."""
-    header, data = split(good / "model.safetensors")
+    header, _data = split(good / "model.safetensors")
     raw = (good / "model.safetensors").read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
     rng = random.Random(1234)
@@ -189,7 +208,7 @@ def test_seeded_header_byte_flips(good, tmp_path, alloc_guard):
         for _ in range(rng.randint(1, 4)):
             buf[8 + rng.randrange(n)] = rng.randrange(256)
         try:
-            same = json.loads(bytes(buf[8:8 + n])) == header
+            same = json.loads(bytes(buf[8 : 8 + n])) == header
         except ValueError:
             same = False
         if same:
@@ -204,11 +223,13 @@ def test_seeded_header_byte_flips(good, tmp_path, alloc_guard):
 
 def _edit_json(name: str, fn):
     """A corruption that loads the model dir's JSON file `name`, lets `fn` edit it, writes it back."""
+
     def corrupt(model: Path):
         path = model / name
         data = json.loads(path.read_text())
         fn(data)
         path.write_text(json.dumps(data))
+
     return corrupt
 
 
@@ -232,10 +253,10 @@ CONFIG_CASES = {
     "config_zero_heads": _cfg(lambda c: c.update(num_attention_heads=0)),
     "config_zero_layers": _cfg(lambda c: c.update(num_hidden_layers=0)),
     "config_more_layers": _cfg(lambda c: c.update(num_hidden_layers=5)),
-    "config_huge_vocab": _cfg(lambda c: c.update(vocab_size=10 ** 9)),
-    "config_billion_layers": _cfg(lambda c: c.update(num_hidden_layers=10 ** 9)),
+    "config_huge_vocab": _cfg(lambda c: c.update(vocab_size=10**9)),
+    "config_billion_layers": _cfg(lambda c: c.update(num_hidden_layers=10**9)),
     "config_layers_float": _cfg(lambda c: c.update(num_hidden_layers=2.5)),
-    "config_huge_hidden": _cfg(lambda c: c.update(hidden_size=2 ** 40)),
+    "config_huge_hidden": _cfg(lambda c: c.update(hidden_size=2**40)),
     "tokenizer_not_json": _write("tokenizer.json", b"not json"),
     "tokenizer_empty_object": _write("tokenizer.json", b"{}"),
     "tokenizer_truncated": lambda m: (m / "tokenizer.json").write_bytes((m / "tokenizer.json").read_bytes()[:200]),
@@ -259,8 +280,10 @@ def sharded(good: Path, tmp_path: Path) -> Path:
     sd = load_file(model / "model.safetensors")
     (model / "model.safetensors").unlink()
     names = sorted(sd)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     weight_map = {}
     for shard, keys in halves.items():
         save_file({k: sd[k] for k in keys}, model / shard, metadata={"format": "pt"})
@@ -279,13 +302,18 @@ def _first(idx):
 
 INDEX_CASES = {
     "missing_shard": lambda m: (m / "model-00002-of-00002.safetensors").unlink(),
-    "index_names_absent_shard": _index(lambda i: i["weight_map"].update({_first(i): "model-00003-of-00003.safetensors"})),
+    "index_names_absent_shard": _index(
+        lambda i: i["weight_map"].update({_first(i): "model-00003-of-00003.safetensors"})
+    ),
     "index_not_json": _write("model.safetensors.index.json", b"{weight_map"),
     "index_no_weight_map": _index(lambda i: i.pop("weight_map")),
     "index_weight_map_list": _index(lambda i: i.update(weight_map=[1, 2])),
     "index_path_traversal": _index(lambda i: i["weight_map"].update({_first(i): "../../etc/passwd"})),
-    "index_wrong_shard": _index(lambda i: i["weight_map"].update({
-        _first(i): next(s for s in set(i["weight_map"].values()) if s != i["weight_map"][_first(i)])})),
+    "index_wrong_shard": _index(
+        lambda i: i["weight_map"].update(
+            {_first(i): next(s for s in set(i["weight_map"].values()) if s != i["weight_map"][_first(i)])}
+        )
+    ),
     "shard_corrupt": lambda m: (m / "model-00001-of-00002.safetensors").write_bytes(b"\x00" * 64),
 }
 
@@ -322,9 +350,29 @@ def run_subprocess(model: Path, tmp_path: Path, offload: str):
     prompt.write_text("def f(x):")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("SPECX_DEBUG", None)
-    proc = subprocess.Popen([sys.executable, "-m", "specexec_cli", "run", str(prompt), "--target", str(model),
-                             "--method", "ar", "--device", "cpu", "--max-new-tokens", "2", "--no-live",
-                             "--offload", offload], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specexec_cli",
+            "run",
+            str(prompt),
+            "--target",
+            str(model),
+            "--method",
+            "ar",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "2",
+            "--no-live",
+            "--offload",
+            offload,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     out, err = proc.communicate(timeout=120)
     return proc.returncode, out.decode(), err.decode()
 

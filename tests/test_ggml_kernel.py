@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel as gk, gguf_quants as gq  # noqa: E402
-from offload.quant.dense import undensify  # noqa: E402
-from tests.conftest import ROOT, distribution_installed, load_script, make_model  # noqa: E402
-from tests.gguf_build import write_gguf  # noqa: E402
+from offload.formats import ggml_kernel as gk
+from offload.formats import gguf_quants as gq
+from offload.quant.dense import undensify
+from tests.conftest import distribution_installed, load_script, make_model
+from tests.gguf_build import write_gguf
 
 if not gk.enabled():
     pytest.skip(f"no GGUF kernel on this machine: {gk.kernel_status()}", allow_module_level=True)
@@ -48,7 +49,7 @@ _BENCH: dict = {}
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     ref = x.double() @ w.double().T
-    scale = x.double().abs() @ w.double().abs().T                 # the fp32 error bound's scale
+    scale = x.double().abs() @ w.double().abs().T  # the fp32 error bound's scale
     err = ((y.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
     assert err < 2e-6, err
 
@@ -56,7 +57,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 # (9, 2144 / 2304): more sub-blocks per row than one scale chunk (CH = 64); 15 / 16 x 1024: either side
 # of the one-thread threshold (MIN_PAR = 512 products at T = 1); K-quant rows are whole 256-blocks
 SHAPES_32 = ((37, 96), (5, 32), (192, 576), (1, 64), (9, 2144), (15, 1024), (16, 1024))
-GGUF_TYPES = tuple(q for q in gk.QTYPES if q in gq.BLOCK)   # specx's own SX blocks: test_lowbit_blocks.py
+GGUF_TYPES = tuple(q for q in gk.QTYPES if q in gq.BLOCK)  # specx's own SX blocks: test_lowbit_blocks.py
 SHAPES_256 = ((37, 256), (5, 512), (192, 768), (1, 256), (9, 2304), (15, 1024), (16, 1024))
 
 
@@ -87,10 +88,10 @@ def test_row_map_and_batch_dims():
     x = torch.randn(2, 3, k)
     y = gk.linear(x, raw, gq.Q4_1, n, rowmap)
     moved = torch.empty_like(w)
-    moved[rowmap.long()] = w                                     # stored row r is output column rowmap[r]
+    moved[rowmap.long()] = w  # stored row r is output column rowmap[r]
     assert y.shape == (2, 3, n)
     _check(y.reshape(6, n), x.reshape(6, k), moved)
-    for shape in ((k,), (2, 1, 3, k)):                            # 1-D and 4-D inputs keep their dims
+    for shape in ((k,), (2, 1, 3, k)):  # 1-D and 4-D inputs keep their dims
         x = torch.randn(*shape)
         y = gk.linear(x, raw, gq.Q4_1, n, rowmap)
         assert y.shape == (*shape[:-1], n)
@@ -149,7 +150,7 @@ def test_decode_step_runs_through_the_kernel(tiny, q, monkeypatch):
     model = _model(tiny[q])
     try:
         assert isinstance(model.lm_head, gk.PackedHead)
-        head = model.checkpoint.tensors["lm_head.weight"]           # untied: its fp32 table + its bytes, counted
+        head = model.checkpoint.tensors["lm_head.weight"]  # untied: its fp32 table + its bytes, counted
         assert model.pool.by_component["lm_head"] == model.lm_head.weight.numel() * 4 + head.nbytes
         before = gk.CALLS
         with torch.no_grad():
@@ -165,14 +166,14 @@ def test_decode_step_runs_through_the_kernel(tiny, q, monkeypatch):
         monkeypatch.delenv(gk.ENV)
         wide = torch.arange(gk.MAX_ROWS + 1).view(1, -1) % 40
         before = gk.CALLS
-        with torch.no_grad():                                   # a batch above MAX_ROWS: the dense copies
+        with torch.no_grad():  # a batch above MAX_ROWS: the dense copies
             model(input_ids=wide)
-        assert gk.CALLS == before
-        for layer in model.layers:                              # no dense copy: the kernel at any batch
+        assert before == gk.CALLS
+        for layer in model.layers:  # no dense copy: the kernel at any batch
             undensify(layer, model.pool)
         with torch.no_grad():
             model(input_ids=wide)
-        assert gk.CALLS - before == 2 * 7 - _fused_savings(model)   # the head still has its fp32 table
+        assert gk.CALLS - before == 2 * 7 - _fused_savings(model)  # the head still has its fp32 table
     finally:
         model.close()
 
@@ -183,7 +184,7 @@ def test_bf16_compute_never_uses_the_kernel(tiny):
         before = gk.CALLS
         with torch.no_grad():
             model(input_ids=torch.tensor([[1, 2]]))
-        assert gk.CALLS == before and not isinstance(model.lm_head, gk.PackedHead)
+        assert before == gk.CALLS and not isinstance(model.lm_head, gk.PackedHead)
     finally:
         model.close()
 
@@ -212,8 +213,27 @@ def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, monkeypatch) -> list[in
 
     monkeypatch.setenv(gk.ENV, "off" if off else "auto")
     stats = tmp_path / f"s{int(off)}.json"
-    res = CliRunner().invoke(app, ["run", "--target", str(f), "-p", prompt, "--method", "ar", "-n", str(n),
-                                   "--temperature", "0", "--no-live", "--device", "cpu", "--stats-json", str(stats)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "--target",
+            str(f),
+            "-p",
+            prompt,
+            "--method",
+            "ar",
+            "-n",
+            str(n),
+            "--temperature",
+            "0",
+            "--no-live",
+            "--device",
+            "cpu",
+            "--stats-json",
+            str(stats),
+        ],
+    )
     assert res.exit_code == 0, res.output
     return json.loads(stats.read_text())["token_ids"]
 
@@ -222,7 +242,7 @@ def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, monkeypatch) -> list[in
 def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path, monkeypatch, stack):
     from offload.stream import leanstack
 
-    monkeypatch.setenv(leanstack.ENV, stack)     # the per-linear path, and the one-call stack
+    monkeypatch.setenv(leanstack.ENV, stack)  # the per-linear path, and the one-call stack
     before = gk.CALLS
     on = _ar_ids(tiny["Q4_0"], False, "abc de", 12, tmp_path, monkeypatch)
     # every decode step: 14 linears (at least gate/up of each layer fused into one call) + the head, or
@@ -248,7 +268,7 @@ def test_plan_counts_the_packed_head_as_the_loader_does(tiny, monkeypatch):
 
     ck = open_checkpoint(tiny["Q8_0"])
     req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=8 << 30, ctx=64, budget=8)
-    table = 45 * 64 * 4                                         # the untied head's fp32 (vocab, hidden)
+    table = 45 * 64 * 4  # the untied head's fp32 (vocab, hidden)
     for env, packed in (("auto", ck.tensors["lm_head.weight"].nbytes), ("off", 0)):
         monkeypatch.setenv(gk.ENV, env)
         plan = plan_memory(ck, None, req)
@@ -274,12 +294,15 @@ def test_threads_from_several_callers_and_after_fork():
     torch.set_num_threads(2)
     try:
         ref = [gk.linear(x, raw, gq.Q4_1, 512) for x in xs]
-        rowwise = [torch.cat([gk.linear(r[None], raw, gq.Q4_1, 512) for r in x]) for x in xs]   # one row a call
-        assert all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True, rowwise=True), r) for x, r in zip(xs, rowwise))
+        rowwise = [torch.cat([gk.linear(r[None], raw, gq.Q4_1, 512) for r in x]) for x in xs]  # one row a call
+        assert all(
+            torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True, rowwise=True), r) for x, r in zip(xs, rowwise)
+        )
         got: dict = {}
 
-        def run(i):   # the pool (the decoder stack's path) and OpenMP in turns
+        def run(i):  # the pool (the decoder stack's path) and OpenMP in turns
             got[i] = [(gk.linear(x, raw, gq.Q4_1, 512, pool=j % 2 == 0), j % 2 == 0) for x in xs for j in range(4)]
+
         threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
@@ -287,10 +310,10 @@ def test_threads_from_several_callers_and_after_fork():
             t.join(timeout=60)
         assert not any(t.is_alive() for t in threads), "a kernel call hung"
         assert all(torch.equal(a, r) for i in range(4) for (a, _), r in zip(got[i], [r for r in ref for _ in range(4)]))
-        with warnings.catch_warnings():   # Python 3.12+ warns that forking a threaded process may deadlock
+        with warnings.catch_warnings():  # Python 3.12+ warns that forking a threaded process may deadlock
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
-        if pid == 0:   # the child: exit 0 only if the pool's path computes the same (libgomp is not fork-safe)
+        if pid == 0:  # the child: exit 0 only if the pool's path computes the same (libgomp is not fork-safe)
             ok = all(torch.equal(gk.linear(x, raw, gq.Q4_1, 512, pool=True), r) for x, r in zip(xs, ref))
             os._exit(0 if ok else 1)
         _, status = os.waitpid(pid, 0)

@@ -20,11 +20,11 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload import OffloadError  # noqa: E402
-from offload.formats import open_checkpoint  # noqa: E402
-from offload.formats.gguf import READER  # noqa: E402
-from tests.conftest import make_model  # noqa: E402
-from tests.gguf_build import write_gguf, write_sparse_llama  # noqa: E402
+from offload import OffloadError
+from offload.formats import open_checkpoint
+from offload.formats.gguf import READER
+from tests.conftest import make_model
+from tests.gguf_build import write_gguf, write_sparse_llama
 
 GB = 1024**3
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
@@ -42,8 +42,9 @@ def _dequantizing_path(monkeypatch):
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     hf = make_model(root / "hf", seed=7, layers=2, hidden=256)
-    f = write_gguf(hf, root / "m" / "tiny-q8_0.gguf", "Q8_0", chat_template=TEMPLATE,
-                   sampling={"temp": 0.6, "top_k": 20})
+    f = write_gguf(
+        hf, root / "m" / "tiny-q8_0.gguf", "Q8_0", chat_template=TEMPLATE, sampling={"temp": 0.6, "top_k": 20}
+    )
     return hf, f
 
 
@@ -69,16 +70,18 @@ def test_open_reads_metadata(tiny):
     assert ck.format == "gguf" and ck.reader is READER and ck.files == [f]
     ref = AutoConfig.from_pretrained(f.parent, gguf_file=f.name).to_dict()
     got = ck.hf_config.to_dict()
-    assert {k: v for k, v in got.items() if k != "_name_or_path"} == {k: v for k, v in ref.items() if k != "_name_or_path"}
+    assert {k: v for k, v in got.items() if k != "_name_or_path"} == {
+        k: v for k, v in ref.items() if k != "_name_or_path"
+    }
     assert ck.chat_template == TEMPLATE
     assert ck.generation["eos_token_id"] == 0 and ck.generation["top_k"] == 20 and ck.generation["do_sample"]
     assert abs(ck.generation["temperature"] - 0.6) < 1e-6
     assert ck.quant["bytes_by_type"]["Q8_0"] > 0 and ck.config["quantization_config"]["quant_method"] == "gguf"
     q = ck.tensors["model.layers.0.self_attn.q_proj.weight"]
     assert q.qtype == "Q8_0" and q.dtype == torch.uint8 and q.meta["permute"] == 4
-    assert ck.tensors["model.layers.0.input_layernorm.weight"].qtype is None   # F32 norms stay plain
+    assert ck.tensors["model.layers.0.input_layernorm.weight"].qtype is None  # F32 norms stay plain
     assert set(ck.packed) == {n for n, t in ck.tensors.items() if t.qtype is not None}
-    assert any(t.begin % 256 for t in ck.tensors.values())    # GGUF's own 32-byte grid: re-laid by the loader
+    assert any(t.begin % 256 for t in ck.tensors.values())  # GGUF's own 32-byte grid: re-laid by the loader
     tok = ck.load_tokenizer()
     assert tok.convert_ids_to_tokens(5) == "x5" and tok("ab")["input_ids"][-1] == 3
 
@@ -91,7 +94,7 @@ def test_logits_equal_transformers(tiny, offload):
         with torch.no_grad():
             got = model(input_ids=IDS).logits
         assert torch.equal(got, _hf_logits(f))
-        for i in model.plan.streamed:     # every tensor handed to a layer starts on a 256-byte boundary
+        for i in model.plan.streamed:  # every tensor handed to a layer starts on a 256-byte boundary
             assert all(s.offset % 256 == 0 for s in model.store.layout(i).slices.values())
         if offload == "disk":
             layer_bytes = sum(model.checkpoint.layer_bytes(i) for i in model.plan.streamed)
@@ -124,8 +127,10 @@ def _ollama_store(root: Path, blob_src: Path, params: dict) -> Path:
         (root / "blobs" / f"sha256-{digest}").write_bytes(data)
         return f"sha256:{digest}"
 
-    layers = [{"mediaType": "application/vnd.ollama.image.model", "digest": put(blob_src.read_bytes())},
-              {"mediaType": "application/vnd.ollama.image.params", "digest": put(json.dumps(params).encode())}]
+    layers = [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": put(blob_src.read_bytes())},
+        {"mediaType": "application/vnd.ollama.image.params", "digest": put(json.dumps(params).encode())},
+    ]
     man = root / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q8"
     man.parent.mkdir(parents=True)
     man.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
@@ -146,7 +151,7 @@ def test_ollama_name(tiny, tmp_path, monkeypatch):
     from specexec_cli.session.loading import resolve_path
 
     assert resolve_path("library/tiny:q8", "--target") == ck.files[0]
-    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before    # read-only
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before  # read-only
     ck.files[0].unlink()
     with pytest.raises(OffloadError, match="missing; re-pull"):
         ollama.resolve("tiny:q8")
@@ -179,20 +184,21 @@ def sparse70(tmp_path_factory):
 def test_sparse_70b_q4_k_m_plans_at_24gb(sparse70):
     from offload.planning.memplan import PlanRequest, plan_memory
 
-    assert sparse70.stat().st_blocks * 512 < 64 << 20          # a hole: no tensor data on disk
+    assert sparse70.stat().st_blocks * 512 < 64 << 20  # a hole: no tensor data on disk
     ck = open_checkpoint(sparse70)
     assert ck.quant["file_type"] == "Q4_K_M" and ck.num_layers == 80 and ck.hf_config.vocab_size == 128256
     stored = [ck.layer_bytes(i) for i in range(80)]
-    assert 0.45 * GB < stored[0] < 0.55 * GB                   # ~42.5 GB over 80 layers, as stored
-    req = PlanRequest(device="cuda", dtype="bf16", draft_dtype=None, ram_free=200 * GB, device_free=24 * GB,
-                      ctx=4096, budget=64)
+    assert 0.45 * GB < stored[0] < 0.55 * GB  # ~42.5 GB over 80 layers, as stored
+    req = PlanRequest(
+        device="cuda", dtype="bf16", draft_dtype=None, ram_free=200 * GB, device_free=24 * GB, ctx=4096, budget=64
+    )
     plan = plan_memory(ck, None, req)
     assert plan.fits, plan.reason
-    norms_f32_to_bf16 = 2 * 8192 * (4 - 2)      # the two F32 norms of a layer are kept in bf16
+    norms_f32_to_bf16 = 2 * 8192 * (4 - 2)  # the two F32 norms of a layer are kept in bf16
     assert all(0 <= b - (s - norms_f32_to_bf16) <= 256 * 16 for s, b in zip(stored, plan.layer_bytes))
     assert sum(plan.device_bytes.values()) <= 24 * GB
-    assert plan.device_bytes["staging_slots"] >= 2 * max(plan.layer_bytes)   # two streamed layers in flight
-    assert plan.device_bytes["activations"] >= 28672 * 8192 * 2      # the largest linear dequantized in bf16
+    assert plan.device_bytes["staging_slots"] >= 2 * max(plan.layer_bytes)  # two streamed layers in flight
+    assert plan.device_bytes["activations"] >= 28672 * 8192 * 2  # the largest linear dequantized in bf16
     for comp in ("lm_head", "kv_target", "cuda_context"):
         assert plan.device_bytes[comp] > 0, comp
 
@@ -218,10 +224,11 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
 
     hf = make_model(tmp_path / "hf", seed=11, layers=1, hidden=256)
     cfg = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps(dict(cfg, rope_theta=500000.0, rope_parameters={
-        "rope_type": "default", "rope_theta": 500000.0})))
+    (hf / "config.json").write_text(
+        json.dumps(dict(cfg, rope_theta=500000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    )
     freqs = np.array(llama3_factors(500000.0, 64, 8.0, 1.0, 4.0, 8192), dtype=np.float32)
-    assert len(set(freqs.tolist())) > 2                          # short, long and smoothed wavelengths
+    assert len(set(freqs.tolist())) > 2  # short, long and smoothed wavelengths
     f = write_gguf(hf, tmp_path / "l3.gguf", "Q8_0", extra={"rope_freqs.weight": freqs})
     ck = open_checkpoint(f)
     assert ck.hf_config.rope_parameters["rope_type"] == "llama3" and ck.hf_config.rope_parameters["factor"] == 8.0

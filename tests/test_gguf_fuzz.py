@@ -39,16 +39,21 @@ def _layout(path: Path) -> dict:
     fields = {}
     for t in r.tensors:
         pos = t.field.offset
-        sizes = [int(p.nbytes) for p in t.field.parts]       # name_len, name, n_dims, dims, type, offset
+        sizes = [int(p.nbytes) for p in t.field.parts]  # name_len, name, n_dims, dims, type, offset
         starts = [pos + sum(sizes[:k]) for k in range(len(sizes))]
         fields[t.name] = {"dims": starts[3], "type": starts[4], "offset": starts[5], "n_dims": int(t.field.parts[2][0])}
     first = r.tensors[0].field.offset
-    return {"fields": fields, "table": first, "data": r.data_offset, "size": path.stat().st_size,
-            "names": [t.name for t in r.tensors]}
+    return {
+        "fields": fields,
+        "table": first,
+        "data": r.data_offset,
+        "size": path.stat().st_size,
+        "names": [t.name for t in r.tensors],
+    }
 
 
 def _put(raw: bytearray, at: int, fmt: str, value) -> None:
-    raw[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    raw[at : at + struct.calcsize(fmt)] = struct.pack(fmt, value)
 
 
 def _cases(lay: dict) -> dict:
@@ -57,14 +62,15 @@ def _cases(lay: dict) -> dict:
     norm = lay["fields"]["blk.0.attn_norm.weight"]
     return {
         "truncated_header": lambda raw: raw[:20],
-        "truncated_metadata": lambda raw: raw[:lay["table"] - 7],
-        "truncated_tensor_table": lambda raw: raw[:lay["data"] - 40],
-        "truncated_data": lambda raw: raw[:lay["size"] - 1000],
+        "truncated_metadata": lambda raw: raw[: lay["table"] - 7],
+        "truncated_tensor_table": lambda raw: raw[: lay["data"] - 40],
+        "truncated_data": lambda raw: raw[: lay["size"] - 1000],
         "empty": lambda raw: bytearray(),
         "not_gguf": lambda raw: bytearray(b"GGUX") + raw[4:],
         "offset_past_end": lambda raw: _put(raw, last["offset"], "<Q", lay["size"] * 4) or raw,
-        "offset_off_alignment": lambda raw: _put(raw, q["offset"], "<Q",
-                                                 struct.unpack_from("<Q", raw, q["offset"])[0] + 4) or raw,
+        "offset_off_alignment": lambda raw: (
+            _put(raw, q["offset"], "<Q", struct.unpack_from("<Q", raw, q["offset"])[0] + 4) or raw
+        ),
         "overlapping": lambda raw: _put(raw, q["offset"], "<Q", 0) or raw,
         "type_not_ggml": lambda raw: _put(raw, q["type"], "<I", 99) or raw,
         "type_unsupported": lambda raw: _put(raw, q["type"], "<I", int(gguf.GGMLQuantizationType.IQ2_XS)) or raw,
@@ -78,10 +84,26 @@ def _cases(lay: dict) -> dict:
     }
 
 
-CASES = ("truncated_header", "truncated_metadata", "truncated_tensor_table", "truncated_data", "empty", "not_gguf",
-         "offset_past_end", "offset_off_alignment", "overlapping", "type_not_ggml", "type_unsupported",
-         "type_changes_bytes", "dim_changes_bytes", "dim_zero", "tensor_count_high", "tensor_count_low",
-         "kv_count_high", "version")
+CASES = (
+    "truncated_header",
+    "truncated_metadata",
+    "truncated_tensor_table",
+    "truncated_data",
+    "empty",
+    "not_gguf",
+    "offset_past_end",
+    "offset_off_alignment",
+    "overlapping",
+    "type_not_ggml",
+    "type_unsupported",
+    "type_changes_bytes",
+    "dim_changes_bytes",
+    "dim_zero",
+    "tensor_count_high",
+    "tensor_count_low",
+    "kv_count_high",
+    "version",
+)
 
 
 def _broken(good: Path, tmp_path: Path, case: str) -> Path:
@@ -128,8 +150,9 @@ def test_header_byte_flips(good, tmp_path, seed):
         _assert_one_line(exc, bad)
         return
     ref = open_checkpoint(good)
-    assert {n: (t.begin - ref.tensors[n].begin, t.qtype, t.shape) for n, t in ck.tensors.items()} == \
-        {n: (0, t.qtype, t.shape) for n, t in ref.tensors.items()}
+    assert {n: (t.begin - ref.tensors[n].begin, t.qtype, t.shape) for n, t in ck.tensors.items()} == {
+        n: (0, t.qtype, t.shape) for n, t in ref.tensors.items()
+    }
 
 
 @pytest.mark.parametrize("case", ["truncated_data", "type_unsupported", "overlapping"])
@@ -139,8 +162,25 @@ def test_specx_run_one_error_line(good, tmp_path, case):
     from specexec_cli.terminal.app import app
 
     bad = _broken(good, tmp_path, case)
-    res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(bad), "--method", "ar", "--device", "cpu",
-                                   "--max-new-tokens", "2", "--no-live", "--offload", "disk"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "x",
+            "--target",
+            str(bad),
+            "--method",
+            "ar",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "2",
+            "--no-live",
+            "--offload",
+            "disk",
+        ],
+    )
     assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
     assert "Traceback" not in res.output and res.stdout == ""
     lines = [x for x in res.stderr.splitlines() if x.strip()]

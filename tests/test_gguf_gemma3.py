@@ -28,27 +28,40 @@ from offload.formats import open_checkpoint
 from tests.gguf_build import write_gguf
 
 WINDOW = 8
-MIX = {"embed_tokens": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q4_K", "down_proj": "Q6_K"}   # the rest Q5_0
+MIX = {"embed_tokens": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q4_K", "down_proj": "Q6_K"}  # the rest Q5_0
 PROMPT = "ab a b ab ab b a ab a b b ab"
-IDS = torch.tensor([[2, 5, 9, 4, 7, 10, 8, 6, 30, 3 * 7, 11, 40, 9, 5, 8, 7, 33, 2 * 7, 10, 6]])   # > WINDOW
+IDS = torch.tensor([[2, 5, 9, 4, 7, 10, 8, 6, 30, 3 * 7, 11, 40, 9, 5, 8, 7, 33, 2 * 7, 10, 6]])  # > WINDOW
 
 
 def _hf_gemma3(path: Path, seed: int, full_rope: dict | None = None) -> Path:
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
-        vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, sliding_window=WINDOW, max_position_embeddings=512,
-        rope_parameters={"full_attention": full_rope or {"rope_type": "default", "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-        bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
+        vocab_size=64,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=WINDOW,
+        max_position_embeddings=512,
+        rope_parameters={
+            "full_attention": full_rope or {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     model = transformers.Gemma3ForCausalLM(cfg)
     with torch.no_grad():
         # Gemma scales embeddings by sqrt(hidden): small ones and large post-norms keep the layers'
         # output from drowning in the residual (else every position predicts its own token)
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):   # HF's w; stored 1 + w, some of it below 0.5
+            if name.endswith("norm.weight"):  # HF's w; stored 1 + w, some of it below 0.5
                 p.copy_(torch.randn_like(p) * 2.0 + (4.0 if "post" in name else 0.0))
             elif "embed" in name:
                 p.mul_(0.2)
@@ -100,7 +113,7 @@ def test_config_and_tensors_as_transformers_reads_them(files):
     assert got["model_type"] == "gemma3_text" and got[PLUS_ONE] is True
     assert got["layer_types"].count("full_attention") == 1 and got["sliding_window"] == WINDOW
     norm = ck.tensors["model.layers.0.self_attn.q_norm.weight"]
-    assert norm.qtype is None and norm.dtype == torch.float32     # streamed as stored: 1 + w
+    assert norm.qtype is None and norm.dtype == torch.float32  # streamed as stored: 1 + w
     by = ck.quant["bytes_by_type"]
     assert all(by.get(t, 0) > 0 for t in ("Q5_0", "Q8_0", "Q4_K", "Q6_K", "F32")), by
     stored = ck.read("model.layers.1.input_layernorm.weight")
@@ -112,7 +125,7 @@ def test_logits_equal_transformers_bitwise(files, offload, monkeypatch):
     from offload.stream.leanstack import family_reason
     from offload.stream.model import OffloadedCausalLM
 
-    monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")   # the dequantize-then-matmul path (tests/test_gguf.py)
+    monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")  # the dequantize-then-matmul path (tests/test_gguf.py)
     f = files["target"]
     with torch.no_grad():
         want = _hf(f)(input_ids=IDS).logits
@@ -141,7 +154,7 @@ def test_linear_rope_scaling_of_the_global_layers(tmp_path, monkeypatch):
     rope = ck.hf_config.rope_parameters
     assert rope["full_attention"] == linear and rope["sliding_attention"]["rope_type"] == "default"
     ref = _hf(f)
-    assert ref.config.rope_parameters["full_attention"]["rope_type"] == "default"   # what transformers misses
+    assert ref.config.rope_parameters["full_attention"]["rope_type"] == "default"  # what transformers misses
     from transformers import AutoConfig
 
     ref.model.rotary_emb = type(ref.model.rotary_emb)(AutoConfig.from_pretrained(tmp_path / "hf"))
@@ -159,8 +172,10 @@ def _specx(args: list[str], tmp_path: Path, name: str) -> dict:
     from specexec_cli.terminal.app import app
 
     stats = tmp_path / f"{name}.json"
-    res = CliRunner().invoke(app, ["run", "-p", PROMPT, "--device", "cpu", "--temperature", "0", "--no-live",
-                                   "--stats-json", str(stats), *args])
+    res = CliRunner().invoke(
+        app,
+        ["run", "-p", PROMPT, "--device", "cpu", "--temperature", "0", "--no-live", "--stats-json", str(stats), *args],
+    )
     assert res.exit_code == 0, res.output
     return json.loads(stats.read_text())
 
@@ -171,20 +186,40 @@ def test_specx_run_greedy_equals_transformers(files, tmp_path):
 
     f, n = files["target"], 3 * WINDOW
     tok = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
-    assert tok.chat_template is None                     # a base model's file: no template
+    assert tok.chat_template is None  # a base model's file: no template
     ids = tok(PROMPT)["input_ids"]
-    assert ids[0] == 2 and len(ids) > WINDOW             # BOS first; the prompt outruns the window
-    want = _hf(f).generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=1,
-                           pad_token_id=0)[0, len(ids):].tolist()
-    ar = _specx(["--target", str(f), "--method", "ar", "--offload", "none", "--max-new-tokens", str(n)],
-                tmp_path, "ar")
-    spec = _specx(["--target", str(f), "--draft", str(files["draft"]), "--method", "specexec", "--offload", "disk",
-                   "--max-ram", "0", "--budget", "8", "--max-new-tokens", str(n)], tmp_path, "spec")
+    assert ids[0] == 2 and len(ids) > WINDOW  # BOS first; the prompt outruns the window
+    want = (
+        _hf(f)
+        .generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=1, pad_token_id=0)[0, len(ids) :]
+        .tolist()
+    )
+    ar = _specx(["--target", str(f), "--method", "ar", "--offload", "none", "--max-new-tokens", str(n)], tmp_path, "ar")
+    spec = _specx(
+        [
+            "--target",
+            str(f),
+            "--draft",
+            str(files["draft"]),
+            "--method",
+            "specexec",
+            "--offload",
+            "disk",
+            "--max-ram",
+            "0",
+            "--budget",
+            "8",
+            "--max-new-tokens",
+            str(n),
+        ],
+        tmp_path,
+        "spec",
+    )
     for rec in (ar, spec):
         got = rec["token_ids"]
-        assert got == want[:len(got)] and (len(got) == len(want) or want[len(got) - 1] == 1), (got, want)
-        assert rec["prompt_tokens"] == len(ids)          # the plain text as the tokenizer encodes it
-    assert len(ar["token_ids"]) > WINDOW and len(set(ar["token_ids"])) > 4   # not one repeated token
+        assert got == want[: len(got)] and (len(got) == len(want) or want[len(got) - 1] == 1), (got, want)
+        assert rec["prompt_tokens"] == len(ids)  # the plain text as the tokenizer encodes it
+    assert len(ar["token_ids"]) > WINDOW and len(set(ar["token_ids"])) > 4  # not one repeated token
     assert spec["tokens_per_pass"] > 1.0
 
 
@@ -194,6 +229,24 @@ def test_self_draft_prints_what_ar_prints(files, tmp_path):
     pytest.importorskip("hqq")
     f, n = files["target"], 3 * WINDOW
     ar = _specx(["--target", str(f), "--method", "ar", "--max-new-tokens", str(n)], tmp_path, "ar")
-    spec = _specx(["--target", str(f), "--draft", "self", "--method", "specexec", "--offload", "disk",
-                   "--max-ram", "0", "--budget", "8", "--max-new-tokens", str(n)], tmp_path, "self")
+    spec = _specx(
+        [
+            "--target",
+            str(f),
+            "--draft",
+            "self",
+            "--method",
+            "specexec",
+            "--offload",
+            "disk",
+            "--max-ram",
+            "0",
+            "--budget",
+            "8",
+            "--max-new-tokens",
+            str(n),
+        ],
+        tmp_path,
+        "self",
+    )
     assert spec["method"] == "specexec" and spec["token_ids"] == ar["token_ids"], (spec, ar)

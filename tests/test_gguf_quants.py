@@ -23,8 +23,16 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from offload.formats import gguf_quants as gq  # noqa: E402
 
 QUANTIZED = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-HALF_AT = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
-           T.Q6_K: (208,)}
+HALF_AT = {
+    T.Q8_0: (0,),
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+}
 CACHE = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp"
 
 
@@ -34,7 +42,7 @@ def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     b = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
     for off in HALF_AT[qtype]:
         half = rng.standard_normal(b.shape[:2]).astype(np.float16)
-        b[..., off:off + 2] = half.view(np.uint8).reshape(*b.shape[:2], 2)
+        b[..., off : off + 2] = half.view(np.uint8).reshape(*b.shape[:2], 2)
     return b.reshape(rows, -1)
 
 
@@ -77,13 +85,13 @@ def test_rows_permutation_matches_transformers():
     from offload.formats.gguf import _rows_to
     from tests.gguf_build import permute
 
-    w = np.random.default_rng(2).standard_normal((8 * 16, 64)).astype(np.float32)   # 8 heads of 16 rows
+    w = np.random.default_rng(2).standard_normal((8 * 16, 64)).astype(np.float32)  # 8 heads of 16 rows
     stored = permute(w, 8)
     q = gguf.quants.quantize(stored, T.Q8_0)
     ref = LlamaTensorProcessor()._reverse_permute_weights(gguf.quants.dequantize(q, T.Q8_0), 8)
     got = gq.dequantize(torch.from_numpy(q), int(T.Q8_0), (128, 64), rows_to=_rows_to(128, 8, "cpu"))
     assert np.array_equal(got.numpy(), ref)
-    assert not np.array_equal(gguf.quants.dequantize(q, T.Q8_0), ref)   # the permutation is not the identity
+    assert not np.array_equal(gguf.quants.dequantize(q, T.Q8_0), ref)  # the permutation is not the identity
 
 
 def _every_tensor_matches(path: Path) -> int:
@@ -119,8 +127,9 @@ def test_llama_quantize_k_quants(tmp_path):
     seen = set()
     for ftype in ("Q4_K_M", "Q5_K_M"):
         out = tmp_path / f"m-{ftype}.gguf"
-        subprocess.run([str(CACHE / "bin" / "llama-quantize"), str(f16), str(out), ftype], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [str(CACHE / "bin" / "llama-quantize"), str(f16), str(out), ftype], check=True, capture_output=True
+        )
         assert _every_tensor_matches(out) > 0
         seen |= {t.tensor_type for t in gguf.GGUFReader(out).tensors}
     assert {T.Q4_K, T.Q5_K, T.Q6_K} <= seen

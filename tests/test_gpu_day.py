@@ -23,8 +23,13 @@ from tools.gpuday import pack, run, tables  # noqa: E402
 
 
 def gpu_day(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_day.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_day.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ def smoke(tmp_path_factory):
 def test_smoke_run_passes_every_phase(smoke):
     out, summary = smoke
     assert summary["done"] == list(run.PHASES) and summary["failed"] == [] and summary["left"] == []
-    assert not (out / "work").exists()   # scratch removed once every phase is done
+    assert not (out / "work").exists()  # scratch removed once every phase is done
     assert {p.name for p in out.iterdir()} == {f"{n}.json" for n in run.PHASES} | {"summary.json"}
     ph = {n: rec["data"] for n, rec in summary["phases"].items()}
     assert ph["env"]["missing"] == []
@@ -54,7 +59,7 @@ def test_smoke_run_passes_every_phase(smoke):
     for rows in [ph["draft"]["small"]["rows"]] + [s["rows"] for s in subs.values()]:
         assert rows and all(r["seconds"] > 0 and r["predicted"]["seconds"] > 0 for r in rows)
     assert ph["demo"]["equal"] and ph["demo"]["serve"]["status"] == 200 and ph["demo"]["tokens_per_pass"] >= 1
-    assert ph["cuda-tests"]["counts"]["skipped"] >= 10 and ph["cuda-tests"]["counts"]["failed"] == 0   # skips cleanly
+    assert ph["cuda-tests"]["counts"]["skipped"] >= 10 and ph["cuda-tests"]["counts"]["failed"] == 0  # skips cleanly
 
 
 @pytest.mark.slow
@@ -78,8 +83,12 @@ def test_tables_fill_every_block_of_the_doc(smoke):
 
 
 def test_resume_from_seeds_only_finished_phases(tmp_path):
-    prior = {"phases": {"env": {"phase": "env", "ok": True, "data": {}},
-                        "probe": {"phase": "probe", "ok": False, "error": "x"}}}
+    prior = {
+        "phases": {
+            "env": {"phase": "env", "ok": True, "data": {}},
+            "probe": {"phase": "probe", "ok": False, "error": "x"},
+        }
+    }
     (tmp_path / "s.json").write_text(json.dumps(prior))
     out = tmp_path / "out"
     out.mkdir()
@@ -101,9 +110,11 @@ def _fake_wheel(dest: Path, name: str, version: str, requires: list[str]) -> Pat
 
 
 def test_pack_takes_what_the_image_lacks_and_follows_requirements(tmp_path, monkeypatch):
-    deps = {"fastapi": ["starlette>=1", "pydantic>=2", "anyio>=4"],                 # anyio: on the image
-            "pydantic": ["pydantic-core==2.0", "typing-extensions>=4"],
-            "hqq": ["termcolor", "colorama; python_version < '3.0'"]}               # marker false: not followed
+    deps = {
+        "fastapi": ["starlette>=1", "pydantic>=2", "anyio>=4"],  # anyio: on the image
+        "pydantic": ["pydantic-core==2.0", "typing-extensions>=4"],
+        "hqq": ["termcolor", "colorama; python_version < '3.0'"],
+    }  # marker false: not followed
     fetched = []
 
     def fake_fetch(req, dest, python):
@@ -115,14 +126,25 @@ def test_pack_takes_what_the_image_lacks_and_follows_requirements(tmp_path, monk
     (tmp_path / "stale-0.1-py3-none-any.whl").write_text("")
     wheels = pack.build(ROOT, tmp_path, "3.12")
     names = {pack.norm(w.name.split("-")[0]) for w in wheels}
-    assert {"bitsandbytes", "fastapi", "uvicorn", "prompt-toolkit", "gguf", "hqq", "starlette", "pydantic",
-            "pydantic-core", "termcolor"} <= names
+    assert {
+        "bitsandbytes",
+        "fastapi",
+        "uvicorn",
+        "prompt-toolkit",
+        "gguf",
+        "hqq",
+        "starlette",
+        "pydantic",
+        "pydantic-core",
+        "termcolor",
+    } <= names
     assert not names & {"transformers", "torch", "anyio", "typing-extensions", "colorama", "accelerate", "rich"}
     assert len(fetched) == len(set(fetched)) and not (tmp_path / "stale-0.1-py3-none-any.whl").exists()
 
 
 def test_pack_fails_above_the_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(pack, "build", lambda root, dest, python: [])
-    monkeypatch.setattr(pack, "travel_bytes", lambda root, dest: dict(repo=70 << 20, pack=0, total=70 << 20,
-                                                                      limit=pack.LIMIT))
+    monkeypatch.setattr(
+        pack, "travel_bytes", lambda root, dest: dict(repo=70 << 20, pack=0, total=70 << 20, limit=pack.LIMIT)
+    )
     assert pack.main(ROOT, tmp_path, "3.12") == 1

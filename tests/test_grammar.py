@@ -27,11 +27,19 @@ from specexec_cli.core.methods import generate
 from specexec_cli.core.sampling import SamplingParams
 from specexec_cli.session.loading import LoadOptions, load_models
 
-JSON_CHARS = ["<eos>"] + list('{}[]",: ') + list("abcdefghijklmnopqrstuvwxyz") + list("0123456789") + ["\n", "<", ">", "/"]
-SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
-                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
-                                                    "maxItems": 3}},
-          "required": ["id", "name", "tags"], "additionalProperties": False}
+JSON_CHARS = (
+    ["<eos>"] + list('{}[]",: ') + list("abcdefghijklmnopqrstuvwxyz") + list("0123456789") + ["\n", "<", ">", "/"]
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 12},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["id", "name", "tags"],
+    "additionalProperties": False,
+}
 SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA))
 TOOL = GrammarSpec("json_schema", json.dumps(SCHEMA), prefix="<call>\n", suffix="\n</call>")
 
@@ -49,9 +57,19 @@ def json_tokenizer() -> PreTrainedTokenizerFast:
 
 def json_model(path, seed: int, layers: int, noise_from=None, noise: float = 0.0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(JSON_CHARS), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=len(JSON_CHARS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -67,7 +85,7 @@ def json_model(path, seed: int, layers: int, noise_from=None, noise: float = 0.0
 
 @pytest.fixture(scope="module")
 def json_pair(tmp_path_factory):
-    pytest.importorskip("xgrammar")   # the `grammar` extra
+    pytest.importorskip("xgrammar")  # the `grammar` extra
     root = tmp_path_factory.mktemp("json-models")
     target = json_model(root / "target", seed=3, layers=2)
     draft = json_model(root / "draft", seed=4, layers=2, noise_from=target, noise=0.3)
@@ -75,8 +93,14 @@ def json_pair(tmp_path_factory):
 
 
 def run(m, ids, method="specexec", budget=64, temperature=0.0, spec=SPEC, n=80, **kw):
-    cfg = GenerationConfig(method=method, shape=TreeShape(budget, 32), max_new_tokens=n, grammar=spec,
-                           sampling=SamplingParams(temperature=temperature), **kw)
+    cfg = GenerationConfig(
+        method=method,
+        shape=TreeShape(budget, 32),
+        max_new_tokens=n,
+        grammar=spec,
+        sampling=SamplingParams(temperature=temperature),
+        **kw,
+    )
     events = list(generate(m, DecodeState(), ids, cfg))
     return [t for ev in events for t in ev.tokens], events
 
@@ -133,8 +157,8 @@ def test_prefix_suffix_and_stop(json_pair):
     text = m.tokenizer.decode(got, skip_special_tokens=True)
     assert events[-1].finish == "stop", text
     assert text.startswith("<call>\n") and text.endswith("\n</call>")
-    jsonschema.validate(json.loads(text[len("<call>\n"):-len("\n</call>")]), SCHEMA)
-    assert 0 not in got   # the grammar stops after the suffix: no EOS needed
+    jsonschema.validate(json.loads(text[len("<call>\n") : -len("\n</call>")]), SCHEMA)
+    assert 0 not in got  # the grammar stops after the suffix: no EOS needed
     ar, _ = run(m, ids, method="ar", spec=TOOL, n=200)
     assert got == ar
 
@@ -168,7 +192,7 @@ def test_eos_only_where_the_grammar_accepts(json_pair):
     m = json_pair
     ids = m.tokenizer("data:\n")["input_ids"]
     bias = torch.zeros(len(JSON_CHARS))
-    bias[0] = 50.0   # EOS first by a mile, whatever the context
+    bias[0] = 50.0  # EOS first by a mile, whatever the context
     head = m.target.lm_head
     old = head.bias
     head.bias = torch.nn.Parameter(bias)
@@ -180,13 +204,16 @@ def test_eos_only_where_the_grammar_accepts(json_pair):
     assert events[-1].finish == "stop"
 
 
-@pytest.mark.parametrize("spec, needle", [
-    (GrammarSpec("xml"), "kind must be one of"),
-    (GrammarSpec("json_schema", "{"), "not valid JSON"),
-    (GrammarSpec("json_schema", '{"type": "foo"}'), "invalid JSON schema"),
-    (GrammarSpec("json_schema", "[1]"), "must be a JSON object"),
-    (GrammarSpec("json_schema", None), "needs a schema"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        (GrammarSpec("xml"), "kind must be one of"),
+        (GrammarSpec("json_schema", "{"), "not valid JSON"),
+        (GrammarSpec("json_schema", '{"type": "foo"}'), "invalid JSON schema"),
+        (GrammarSpec("json_schema", "[1]"), "must be a JSON object"),
+        (GrammarSpec("json_schema", None), "needs a schema"),
+    ],
+)
 def test_bad_grammars_are_one_line_errors(json_pair, spec, needle):
     with pytest.raises(GrammarError) as exc:
         compile_grammar(json_pair.tokenizer, spec)
@@ -194,9 +221,9 @@ def test_bad_grammars_are_one_line_errors(json_pair, spec, needle):
 
 
 def test_missing_grammar_extra_is_one_line(monkeypatch):
-    monkeypatch.setitem(sys.modules, "xgrammar", None)   # as if not installed
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if not installed
     with pytest.raises(GrammarError, match=r"needs the xgrammar package: pip install .*\[grammar\]"):
-        compile_grammar(json_tokenizer(), SPEC)   # a new tokenizer object: nothing cached for it
+        compile_grammar(json_tokenizer(), SPEC)  # a new tokenizer object: nothing cached for it
 
 
 def test_compile_is_cached_per_tokenizer_and_spec(json_pair):
@@ -215,17 +242,24 @@ def test_shared_pair_constrained_specexec_equals_ar(shared_pair):
     pytest.importorskip("xgrammar")
     target, draft = shared_pair
     m = load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu"))
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                               "size": {"type": "integer"}, "ok": {"type": "boolean"}},
-              "required": ["name", "size", "ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "size": {"type": "integer"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "size", "ok"],
+        "additionalProperties": False,
+    }
     spec = GrammarSpec("json_schema", json.dumps(schema))
     ids = m.tokenizer("def config():\n    return ")["input_ids"]
     ar, ar_events = run(m, ids, method="ar", spec=spec, n=64)
     got, events = run(m, ids, budget=128, spec=spec, n=64)
     assert got == ar
-    assert events[-1].finish == ar_events[-1] .finish == "stop"
+    assert events[-1].finish == ar_events[-1].finish == "stop"
     jsonschema.validate(json.loads(m.tokenizer.decode(got, skip_special_tokens=True)), schema)
-    assert len(got) / (len(events) - 1) > 1.5   # well over one token per target pass
+    assert len(got) / (len(events) - 1) > 1.5  # well over one token per target pass
 
 
 def test_every_draft_node_is_grammar_valid(json_pair, monkeypatch):
@@ -236,13 +270,13 @@ def test_every_draft_node_is_grammar_valid(json_pair, monkeypatch):
     from specexec_cli.core import engine
 
     m = json_pair
-    ids = m.tokenizer("{\"id\": 1, \"name\": \"ab\"}\ndata:\n")["input_ids"]   # n-gram matches to propose
+    ids = m.tokenizer('{"id": 1, "name": "ab"}\ndata:\n')["input_ids"]  # n-gram matches to propose
     g = compile_grammar(m.tokenizer, SPEC, m.eos_ids)
     grown, checked = engine.grow_tree, []
 
     def checking_grow(*args, grammar=None, **kw):
         tree = grown(*args, grammar=grammar, **kw)
-        reply = grammar.state.ids[len(ids):]
+        reply = grammar.state.ids[len(ids) :]
         for node in range(1, tree.size):
             path = []
             while node > 0:
@@ -270,11 +304,12 @@ def test_batched_mask_rows_equal_one_matcher_each(json_pair):
     from specexec_cli.core.tree import Tree
 
     g = compile_grammar(json_pair.tokenizer, SPEC, json_pair.eos_ids)
-    st = DecodeState(ids=[5, 6, 1])   # the reply so far: "{" (id 1)
+    st = DecodeState(ids=[5, 6, 1])  # the reply so far: "{" (id 1)
     tree = Tree.new(1)
-    kids = tree.add(torch.zeros(len(JSON_CHARS), dtype=torch.long), torch.arange(len(JSON_CHARS)),
-                    torch.zeros(len(JSON_CHARS)))
-    below = [JSON_CHARS.index(c) for c in "intab"]   # below '"' (id 5): key starts, valid and not
+    kids = tree.add(
+        torch.zeros(len(JSON_CHARS), dtype=torch.long), torch.arange(len(JSON_CHARS)), torch.zeros(len(JSON_CHARS))
+    )
+    below = [JSON_CHARS.index(c) for c in "intab"]  # below '"' (id 5): key starts, valid and not
     tree.add(kids[5:6].repeat(len(below)), torch.tensor(below), torch.zeros(len(below)))
     nodes = list(range(1, tree.size))
     for batch_min in (1000, 1):

@@ -31,7 +31,7 @@ from specexec_cli.core.methods import generate
 from specexec_cli.core.sampling import SamplingParams
 from tests.fakes import TableLM, next_logits, noisy, random_table
 
-pytest.importorskip("xgrammar")   # the `grammar` extra
+pytest.importorskip("xgrammar")  # the `grammar` extra
 
 TOKENS = ["<eos>", "[", "]", ",", " ", "1", "2", "0"]
 V = len(TOKENS)
@@ -68,7 +68,7 @@ def allowed_next(reply: list[int]) -> set[int]:
     while start > 0 and reply[start - 1] in DIGITS:
         start -= 1
     leading_zero = reply[start] == 7
-    return ({COMMA, CLOSE} if leading_zero else {COMMA, CLOSE} | DIGITS)
+    return {COMMA, CLOSE} if leading_zero else {COMMA, CLOSE} | DIGITS
 
 
 def reference_probs(logits: torch.Tensor, ok: set[int], masked_first: bool = True) -> torch.Tensor:
@@ -97,25 +97,33 @@ def reference_probs(logits: torch.Tensor, ok: set[int], masked_first: bool = Tru
 @pytest.fixture(scope="module")
 def tables():
     target = random_table(V, seed=11, scale=2.0)
-    target[:, :, CLOSE] -= 1.5   # longer arrays: more tokens per reply
+    target[:, :, CLOSE] -= 1.5  # longer arrays: more tokens per reply
     return target, noisy(target, 0.4, seed=12)
 
 
 def emitted(tables, method: str, runs: int):
     """(reference law, token) of every emitted token over `runs` seeded replies."""
     target, draft = tables
-    m = Models(target=TableLM(target), draft=TableLM(draft), tokenizer=tokenizer(), eos_ids=frozenset([EOS]),
-               ctx_limit=4096)
+    m = Models(
+        target=TableLM(target), draft=TableLM(draft), tokenizer=tokenizer(), eos_ids=frozenset([EOS]), ctx_limit=4096
+    )
     out = []
     for seed in range(runs):
-        cfg = GenerationConfig(method=method, shape=TreeShape(16, 8), sampling=PARAMS, seed=seed, max_new_tokens=40,
-                               grammar=SPEC)
+        cfg = GenerationConfig(
+            method=method, shape=TreeShape(16, 8), sampling=PARAMS, seed=seed, max_new_tokens=40, grammar=SPEC
+        )
         events = list(generate(m, DecodeState(), list(PROMPT), cfg))
         reply = [t for ev in events for t in ev.tokens]
         for i, tok in enumerate(reply):
             ok = allowed_next(reply[:i])
-            out.append((reference_probs(next_logits(target, PROMPT + reply[:i]), ok), tok, ok,
-                        next_logits(target, PROMPT + reply[:i])))
+            out.append(
+                (
+                    reference_probs(next_logits(target, PROMPT + reply[:i]), ok),
+                    tok,
+                    ok,
+                    next_logits(target, PROMPT + reply[:i]),
+                )
+            )
         if events[-1].finish == "stop":
             assert reply[-1] == CLOSE and not allowed_next(reply)
     return out
@@ -130,8 +138,8 @@ def rank_chi2(samples) -> tuple[float, int]:
         obs[int((order == tok).nonzero()[0, 0])] += 1
         exp += p[order]
     k = int((exp >= 5).sum())
-    o = torch.cat([obs[: k - 1], obs[k - 1:].sum()[None]])
-    e = torch.cat([exp[: k - 1], exp[k - 1:].sum()[None]])
+    o = torch.cat([obs[: k - 1], obs[k - 1 :].sum()[None]])
+    e = torch.cat([exp[: k - 1], exp[k - 1 :].sum()[None]])
     return float(((o - e) ** 2 / e).sum()), len(o) - 1
 
 
@@ -140,7 +148,7 @@ def test_constrained_sampling_follows_the_masked_law(tables, method):
     samples = emitted(tables, method, runs=200)
     assert len(samples) >= 1500, len(samples)
     for p, tok, _, _ in samples:
-        assert p[tok] > 0, (tok, p)   # never outside the grammar or the top-k / top-p cut
+        assert p[tok] > 0, (tok, p)  # never outside the grammar or the top-k / top-p cut
     stat, dof = rank_chi2(samples)
     assert dof >= 1
     assert chi2.sf(stat, dof) > 1e-3, (stat, dof)
@@ -149,6 +157,8 @@ def test_constrained_sampling_follows_the_masked_law(tables, method):
 def test_mask_order_matters_on_these_contexts(tables):
     """Power: masking after top-k/top-p would give another law on a good share of the contexts."""
     samples = emitted(tables, "ar", runs=30)
-    differ = sum(float((reference_probs(lg, ok) - reference_probs(lg, ok, masked_first=False)).abs().sum()) > 0.1
-                 for _, _, ok, lg in samples)
+    differ = sum(
+        float((reference_probs(lg, ok) - reference_probs(lg, ok, masked_first=False)).abs().sum()) > 0.1
+        for _, _, ok, lg in samples
+    )
     assert differ >= len(samples) // 5, (differ, len(samples))

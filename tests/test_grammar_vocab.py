@@ -26,7 +26,7 @@ from specexec_cli.core.tree import Tree
 from specexec_cli.session.loading import LoadOptions, load_models
 from tests.test_grammar import JSON_CHARS, SCHEMA, SPEC, json_tokenizer, run
 
-pytest.importorskip("xgrammar")   # the `grammar` extra
+pytest.importorskip("xgrammar")  # the `grammar` extra
 
 N_TOK = len(JSON_CHARS)  # 49 ids in the plain tokenizer
 WIDE = 92  # output columns of the padded models: 49..63 share the last word of a 49-id mask row, 64..91 beyond it
@@ -37,14 +37,24 @@ BIAS = 50.0  # logit added to every extra column: far above any real token
 def model(path, tok, width: int, seed: int, noise_from=None):
     """A 2-layer JSON Llama with `width` output columns and tokenizer `tok`, saved at `path`."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=width, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=width,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     lm = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in lm.parameters():
             p.mul_(3.0)
-        if noise_from is not None:   # a related draft: the target plus noise
+        if noise_from is not None:  # a related draft: the target plus noise
             lm.load_state_dict(LlamaForCausalLM.from_pretrained(noise_from, dtype=torch.float32).state_dict())
             for p in lm.parameters():
                 p.add_(0.3 * p.std() * torch.randn_like(p))
@@ -92,7 +102,7 @@ def checked(m, ids, temperature: float, seed: int, n: int = 120):
 def test_output_width_is_the_widest_head(padded_pair):
     assert output_width(padded_pair.target, padded_pair.draft) == WIDE
     assert output_width(padded_pair.target, None) == WIDE
-    assert output_width(object()) is None   # a model that says nothing: the tokenizer's size is used
+    assert output_width(object()) is None  # a model that says nothing: the tokenizer's size is used
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.7, 1), (0.7, 2)])
@@ -106,7 +116,7 @@ def test_padded_rows_cover_the_head_with_the_padding_off(padded_pair):
     m = padded_pair
     g = compile_grammar(m.tokenizer, SPEC, m.eos_ids, output_width(m.target, m.draft))
     assert g.vocab == WIDE and g.words == 3
-    st = DecodeState(ids=[5] + [JSON_CHARS.index(c) for c in '{"id": 1, "name": "a'])   # inside a string
+    st = DecodeState(ids=[5] + [JSON_CHARS.index(c) for c in '{"id": 1, "name": "a'])  # inside a string
     run_ = constrain.GrammarRun(g, st, 1)
     ok = constrain.allowed(run_.root_bitmask(), WIDE)[0]
     assert ok[JSON_CHARS.index("b")] and not ok[N_TOK:].any()
@@ -119,7 +129,7 @@ def test_a_refused_committed_token_is_an_error(json_pair):
     st = DecodeState(ids=[5, JSON_CHARS.index("{")])
     gr = constrain.GrammarRun(g, st, 1)
     gr.root_bitmask()
-    st.ids.append(JSON_CHARS.index("}"))   # {} lacks the required keys
+    st.ids.append(JSON_CHARS.index("}"))  # {} lacks the required keys
     with pytest.raises(constrain.GrammarDesync, match="refused committed token 2 at position 2"):
         gr.root_bitmask()
 
@@ -165,7 +175,7 @@ def test_keep_row_forbids_specials_but_not_eos(special_pair):
     m = special_pair
     g = compile_grammar(m.tokenizer, SPEC, m.eos_ids, output_width(m.target, m.draft))
     ok = constrain.allowed(g.keep[None], g.vocab)[0]
-    assert ok[0] and ok[1:N_TOK].all() and not ok[N_TOK:].any()   # <eos> (id 0) is special and ends the reply
+    assert ok[0] and ok[1:N_TOK].all() and not ok[N_TOK:].any()  # <eos> (id 0) is special and ends the reply
     assert g.banned == frozenset({N_TOK, N_TOK + 1})
 
 
@@ -174,7 +184,7 @@ def test_masks_never_fork_the_parse_history(json_pair, monkeypatch):
     and give the same ids."""
     import xgrammar
 
-    ids = json_pair.tokenizer("{\"id\": 1, \"name\": \"ab\"}\ndata:\n")["input_ids"]
+    ids = json_pair.tokenizer('{"id": 1, "name": "ab"}\ndata:\n')["input_ids"]
     ar, _ = run(json_pair, ids, method="ar", n=60)
 
     def no_fork(self):
@@ -182,7 +192,7 @@ def test_masks_never_fork_the_parse_history(json_pair, monkeypatch):
 
     monkeypatch.setattr(xgrammar.GrammarMatcher, "fork", no_fork)
     assert run(json_pair, ids, budget=64, n=60)[0] == ar
-    for lanes, batch_min in ((1, 10**9), (3, 1)):   # one walker in this thread; three on the batch's threads
+    for lanes, batch_min in ((1, 10**9), (3, 1)):  # one walker in this thread; three on the batch's threads
         monkeypatch.setattr(constrain, "LANES", lanes)
         monkeypatch.setattr(constrain, "BATCH_MIN", batch_min)
         got, _ = run(json_pair, ids, budget=64, n=60)
@@ -199,8 +209,8 @@ def test_walked_rows_equal_fresh_matchers_on_a_deep_tree(json_pair):
     st = DecodeState(ids=[5])
     tree = Tree.new(5)
     spine, paths = 0, {0: []}
-    for depth, t in enumerate(text):
-        for alt in {t, JSON_CHARS.index("x"), JSON_CHARS.index("7")}:   # the text, and two branches each
+    for _depth, t in enumerate(text):
+        for alt in {t, JSON_CHARS.index("x"), JSON_CHARS.index("7")}:  # the text, and two branches each
             (node,) = tree.add(torch.tensor([spine]), torch.tensor([alt]), torch.zeros(1)).tolist()
             paths[node] = paths[spine] + [alt]
             if alt == t:
@@ -234,14 +244,14 @@ def test_constrained_passes_keep_their_own_calibration(json_pair):
     run(m, m.tokenizer("data:\n")["input_ids"], budget=64, n=40)
     assert torch.equal(free.tests, before)
     assert calibrate.for_pair(m.target, m.draft, key, constrained=True).tests.sum() > 0
-    run(m, m.tokenizer("data:\n")["input_ids"], budget=64, n=20, spec=None)   # free text still learns
+    run(m, m.tokenizer("data:\n")["input_ids"], budget=64, n=20, spec=None)  # free text still learns
     assert free.tests.sum() > before.sum()
 
 
 def test_host_allowed_never_reads_past_the_rows():
     """Fewer allowed tokens than the draft's top-k: top-k returns -inf columns, possibly past the
     rows' 32 W ids; they are refused, not gathered out of bounds."""
-    bits = torch.tensor([[0b1010], [-1]], dtype=torch.int32)   # (2, 1): ids 1 and 3; ids 0..31
+    bits = torch.tensor([[0b1010], [-1]], dtype=torch.int32)  # (2, 1): ids 1 and 3; ids 0..31
     tokens = torch.tensor([[1, 2, 40], [31, 32, -1]])
     assert constrain.host_allowed(bits, tokens).tolist() == [[True, False, False], [True, False, False]]
 

@@ -25,8 +25,12 @@ SIZES = {"I32": 4, "F16": 2}
 def _parts(method: str, n: int, k: int, g: int = 128) -> dict[str, tuple[str, list[int]]]:
     if method == "awq":
         return {"qweight": ("I32", [k, n // 8]), "qzeros": ("I32", [k // g, n // 8]), "scales": ("F16", [k // g, n])}
-    return {"qweight": ("I32", [k // 8, n]), "qzeros": ("I32", [k // g, n // 8]), "scales": ("F16", [k // g, n]),
-            "g_idx": ("I32", [k])}
+    return {
+        "qweight": ("I32", [k // 8, n]),
+        "qzeros": ("I32", [k // g, n // 8]),
+        "scales": ("F16", [k // g, n]),
+        "g_idx": ("I32", [k]),
+    }
 
 
 def _write(path, header: dict) -> None:
@@ -39,15 +43,16 @@ def _write(path, header: dict) -> None:
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(8 + len(raw) + off)     # a hole: no data written
+        fh.truncate(8 + len(raw) + off)  # a hole: no data written
 
 
 def write_sparse_quant(method: str, out, per_shard: int = 10):
     cfg = json.loads((FIXTURES / "llama-3.1-70b.json").read_text())
-    cfg["quantization_config"] = ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                                   "version": "gemm"} if method == "awq" else
-                                  {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
-                                   "desc_act": False})
+    cfg["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+        if method == "awq"
+        else {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+    )
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(cfg))
     shards: dict[str, dict] = {}
@@ -95,8 +100,9 @@ def test_info_describes_sparse_70b(sparse70):
 
 def test_sparse_70b_plans_at_24gb(sparse70):
     method, path = sparse70
-    req = PlanRequest(device="cuda", dtype="bf16", draft_dtype=None, ram_free=200 * GB, device_free=24 * GB,
-                      ctx=4096, budget=64)
+    req = PlanRequest(
+        device="cuda", dtype="bf16", draft_dtype=None, ram_free=200 * GB, device_free=24 * GB, ctx=4096, budget=64
+    )
     plan = plan_memory(read_checkpoint(path), None, req)
     assert plan.fits, plan.reason
     stored = _expected_layer_bytes(method)
@@ -133,10 +139,30 @@ def test_specx_info_and_dry_run_cli(sparse70, tmp_path, monkeypatch):
 
     monkeypatch.setattr(loading, "load_models", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     out = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["run", "unused.txt", "--target", str(path), "--device", "cuda", "--max-gpu-memory",
-                                   "24GB", "--dry-run", "--stats-json", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "unused.txt",
+            "--target",
+            str(path),
+            "--device",
+            "cuda",
+            "--max-gpu-memory",
+            "24GB",
+            "--dry-run",
+            "--stats-json",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     plan = json.loads(out.read_text())["plan"]
     assert plan["fits"] and plan["device_total"] <= plan["device_capacity"] == 24 * 10**9
-    for comp in ("lm_head", "kv_target", "activations", "cuda_context", "staging_slots"):   # embeddings may live on the host
+    for comp in (
+        "lm_head",
+        "kv_target",
+        "activations",
+        "cuda_context",
+        "staging_slots",
+    ):  # embeddings may live on the host
         assert plan["device_bytes"][comp] > 0, comp

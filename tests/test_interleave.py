@@ -24,7 +24,7 @@ def test_resident_ids_are_spread(n, r):
     assert len(ids) == r and ids == sorted(set(ids)) and all(0 <= i < n for i in ids)
     if 0 < r < n:
         gaps = [b - a for a, b in zip([-1] + ids, ids + [n])]
-        assert max(gaps) - min(gaps) <= 2          # even spacing: no long resident run, no long streamed run
+        assert max(gaps) - min(gaps) <= 2  # even spacing: no long resident run, no long streamed run
         assert ids != list(range(r)) or r == n - 1
 
 
@@ -36,16 +36,35 @@ def pair(tmp_path_factory):
 
 def _run(pair, tmp_path, name, *flags):
     out = tmp_path / f"{name}.json"
-    res = CliRunner().invoke(app, ["run", "-p", "def f(x):", "--target", str(pair[0]), "--draft", str(pair[1]),
-                                   "--device", "cpu", "--dtype", "fp32", "--max-new-tokens", "24", "--no-live",
-                                   "--stats-json", str(out), *flags])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "def f(x):",
+            "--target",
+            str(pair[0]),
+            "--draft",
+            str(pair[1]),
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--max-new-tokens",
+            "24",
+            "--no-live",
+            "--stats-json",
+            str(out),
+            *flags,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return json.loads(out.read_text()), res.stderr
 
 
 def test_spread_placement_decodes_the_same_ids(pair, tmp_path):
     ref, _ = _run(pair, tmp_path, "resident", "--offload", "none")
-    got, err = _run(pair, tmp_path, "spread", "--offload", "auto", "--max-ram", "400KB")
+    got, _err = _run(pair, tmp_path, "spread", "--offload", "auto", "--max-ram", "400KB")
     assert "2 layers resident, 4 streamed from disk" in got["offload"], got["offload"]
     assert got["token_ids"] == ref["token_ids"]
     assert 0.0 <= got["link_busy_fraction"] <= 1.0 and len(got["link_busy_per_pass"]) == got["target_passes"]

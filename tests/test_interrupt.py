@@ -40,13 +40,22 @@ class Proc:
     def __init__(self, args: list[str], slow: str, stdin=None):
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SPECX_TEST_SLOW=slow)
         env.pop("SPECX_DEBUG", None)
-        self.p = subprocess.Popen([sys.executable, "-m", "specexec_cli", *args], stdin=stdin,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "specexec_cli", *args],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         self.out: list[str] = []
         self.err: queue.Queue[str] = queue.Queue()
         self.err_text: list[str] = []
-        self.pumps = [threading.Thread(target=self._pump_out, daemon=True),
-                      threading.Thread(target=self._pump_err, daemon=True)]
+        self.pumps = [
+            threading.Thread(target=self._pump_out, daemon=True),
+            threading.Thread(target=self._pump_err, daemon=True),
+        ]
         for t in self.pumps:
             t.start()
 
@@ -105,8 +114,22 @@ class Proc:
 def run_args(pair, tmp_path, *extra):
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):")
-    return ["run", str(prompt), "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu",
-            "--no-live", "--max-new-tokens", "400", "--budget", "8", *extra]
+    return [
+        "run",
+        str(prompt),
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "--no-live",
+        "--max-new-tokens",
+        "400",
+        "--budget",
+        "8",
+        *extra,
+    ]
 
 
 def assert_stopped(rc, elapsed, proc, text_expected: bool):
@@ -118,10 +141,13 @@ def assert_stopped(rc, elapsed, proc, text_expected: bool):
         assert proc.stdout.strip(), "the text generated so far was not printed"
 
 
-@pytest.mark.parametrize("phase,slow,offload,text", [
-    ("load", "load=0.5", "disk", False),
-    ("target", "target=0.5", "disk", False),        # the first target forward is the prefill
-])
+@pytest.mark.parametrize(
+    "phase,slow,offload,text",
+    [
+        ("load", "load=0.5", "disk", False),
+        ("target", "target=0.5", "disk", False),  # the first target forward is the prefill
+    ],
+)
 def test_run_interrupted_before_text(pair, tmp_path, phase, slow, offload, text):
     proc = Proc(run_args(pair, tmp_path, "--offload", offload), slow)
     proc.wait_marker(phase)
@@ -130,24 +156,43 @@ def test_run_interrupted_before_text(pair, tmp_path, phase, slow, offload, text)
     assert proc.stdout.strip() == ""
 
 
-@pytest.mark.parametrize("slow,offload", [
-    ("draft=0.1", "none"),       # most wall time is tree growth
-    ("copy=0.3", "disk"),        # most wall time is the prefetch thread's streamed reads
-])
+@pytest.mark.parametrize(
+    "slow,offload",
+    [
+        ("draft=0.1", "none"),  # most wall time is tree growth
+        ("copy=0.3", "disk"),  # most wall time is the prefetch thread's streamed reads
+    ],
+)
 def test_run_interrupted_mid_generation_keeps_text(pair, tmp_path, slow, offload):
     stats = tmp_path / "s.json"
     proc = Proc(run_args(pair, tmp_path, "--offload", offload, "--stats-json", str(stats)), slow)
     proc.wait_text()
     rc, elapsed = proc.interrupt()
     assert_stopped(rc, elapsed, proc, True)
-    rec = json.loads(stats.read_text())   # statistics of the partial run are still saved
+    rec = json.loads(stats.read_text())  # statistics of the partial run are still saved
     assert 0 < rec["new_tokens"] < 400
 
 
 def test_chat_reply_interrupted_returns_to_prompt(pair, tmp_path):
     stats = tmp_path / "turns.jsonl"
-    args = ["chat", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu", "--no-live",
-            "--max-new-tokens", "300", "--budget", "8", "--offload", "none", "--stats-json", str(stats)]
+    args = [
+        "chat",
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "--no-live",
+        "--max-new-tokens",
+        "300",
+        "--budget",
+        "8",
+        "--offload",
+        "none",
+        "--stats-json",
+        str(stats),
+    ]
     proc = Proc(args, "target=0.2", stdin=subprocess.PIPE)
     proc.p.stdin.write("first message\n")
     proc.p.stdin.flush()
@@ -166,16 +211,37 @@ def test_chat_reply_interrupted_returns_to_prompt(pair, tmp_path):
     assert "Traceback" not in proc.stderr
     assert "partial reply is kept" in proc.stderr
     turns = [json.loads(x) for x in stats.read_text().splitlines()]
-    assert [t["finish_reason"] for t in turns][0] == "interrupted" and len(turns) == 2
+    assert next(t["finish_reason"] for t in turns) == "interrupted" and len(turns) == 2
     assert turns[0]["new_tokens"] > 0 and all(t["host_rss_bytes"] > 0 for t in turns)
 
 
 def test_bench_cell_interrupted(pair, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
-    args = ["bench", "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--target", str(pair[0]),
-            "--draft", str(pair[1]), "--device", "cpu", "--no-live", "--methods", "ar,specexec", "--budgets", "4",
-            "--temperatures", "0", "--max-new-tokens", "200", "--offload", "none"]
+    args = [
+        "bench",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "out"),
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "--no-live",
+        "--methods",
+        "ar,specexec",
+        "--budgets",
+        "4",
+        "--temperatures",
+        "0",
+        "--max-new-tokens",
+        "200",
+        "--offload",
+        "none",
+    ]
     proc = Proc(args, "target=0.2")
     proc.wait_marker("target")
     rc, elapsed = proc.interrupt()

@@ -17,14 +17,16 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.conftest import ROOT
 
-CONTRACTS = [c["name"] for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]]
+CONTRACTS = [
+    c["name"] for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+]
 
 
 def lint_imports(*args: str) -> subprocess.CompletedProcess:
@@ -33,8 +35,9 @@ def lint_imports(*args: str) -> subprocess.CompletedProcess:
     if exe is None:
         pytest.fail("lint-imports is missing: pip install -e '.[test]' (import-linter)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    return subprocess.run([exe, "--no-cache", "--no-logo", *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        [exe, "--no-cache", "--no-logo", *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
 
 
 def test_every_import_linter_contract_is_kept():
@@ -48,9 +51,11 @@ def test_every_import_linter_contract_is_kept():
 
 def test_an_inverted_layer_is_reported_broken(tmp_path):
     cfg = tmp_path / "inverted.toml"
-    cfg.write_text('[tool.importlinter]\nroot_packages = ["specexec_cli"]\n\n[[tool.importlinter.contracts]]\n'
-                   'name = "core over terminal (false)"\ntype = "layers"\n'
-                   'layers = ["specexec_cli.core", "specexec_cli.terminal"]\n')  # fmt: skip
+    cfg.write_text(
+        '[tool.importlinter]\nroot_packages = ["specexec_cli"]\n\n[[tool.importlinter.contracts]]\n'
+        'name = "core over terminal (false)"\ntype = "layers"\n'
+        'layers = ["specexec_cli.core", "specexec_cli.terminal"]\n'
+    )
     r = lint_imports(str(cfg))
     assert r.returncode != 0 and "core over terminal (false) BROKEN" in r.stdout, r.stdout[-3000:] + r.stderr
 
@@ -60,8 +65,11 @@ def importers(package: Path, library: str) -> set[str]:
     found = set()
     for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])  # fmt: skip
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            )
             if any(n == library or n.startswith(library + ".") for n in names):
                 found.add(path.relative_to(ROOT).as_posix())
     return found
@@ -69,13 +77,18 @@ def importers(package: Path, library: str) -> set[str]:
 
 def test_rich_is_imported_only_by_the_display():
     # the display, and the dry run's candidate tables it renders (split out of display.py for size)
-    assert importers(ROOT / "specexec_cli", "rich") == {"specexec_cli/terminal/display.py",
-                                                          "specexec_cli/terminal/candidates.py"}
+    assert importers(ROOT / "specexec_cli", "rich") == {
+        "specexec_cli/terminal/display.py",
+        "specexec_cli/terminal/candidates.py",
+    }
     assert importers(ROOT / "offload", "rich") == set()
 
 
 def test_typer_is_imported_only_by_the_app_and_its_flags():
-    assert importers(ROOT / "specexec_cli", "typer") == {"specexec_cli/terminal/app.py", "specexec_cli/terminal/flags.py"}
+    assert importers(ROOT / "specexec_cli", "typer") == {
+        "specexec_cli/terminal/app.py",
+        "specexec_cli/terminal/flags.py",
+    }
     assert importers(ROOT / "offload", "typer") == set()
 
 

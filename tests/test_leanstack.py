@@ -16,22 +16,27 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel  # noqa: E402
-from offload.stream import leanstack  # noqa: E402
-from offload.stream.model import OffloadedCausalLM  # noqa: E402
-from specexec_cli.core import kvcache  # noqa: E402
-from specexec_cli.core.tree import causal_mask  # noqa: E402
-from tests.conftest import make_model  # noqa: E402
-from tests.gguf_build import write_gguf  # noqa: E402
+from offload.formats import ggml_kernel
+from offload.stream import leanstack
+from offload.stream.model import OffloadedCausalLM
+from specexec_cli.core import kvcache
+from specexec_cli.core.tree import causal_mask
+from tests.conftest import make_model
+from tests.gguf_build import write_gguf
 
 pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler: the GGUF kernel is off")
 
 
 # name -> (type, {weights of another type}): the K-quant mixes llama-quantize makes (Q4_K_M: v and down
 # in Q6_K, so q/k/v are three calls of two types), and its fallbacks for rows not a multiple of 256
-MIXES = {"Q4_1": ("Q4_1", None), "Q4_0": ("Q4_0", None), "Q8_0": ("Q8_0", None),
-         "Q4_K_M": ("Q4_K", {"v_proj": "Q6_K", "down_proj": "Q6_K"}), "Q5_K": ("Q5_K", None),
-         "Q5_0+Q8_0": ("Q5_0", {"v_proj": "Q8_0", "up_proj": "Q5_1"})}
+MIXES = {
+    "Q4_1": ("Q4_1", None),
+    "Q4_0": ("Q4_0", None),
+    "Q8_0": ("Q8_0", None),
+    "Q4_K_M": ("Q4_K", {"v_proj": "Q6_K", "down_proj": "Q6_K"}),
+    "Q5_K": ("Q5_K", None),
+    "Q5_0+Q8_0": ("Q5_0", {"v_proj": "Q8_0", "up_proj": "Q5_1"}),
+}
 
 
 @pytest.fixture(scope="module", params=list(MIXES))
@@ -70,10 +75,13 @@ def _passes(model, monkeypatch, on: bool) -> tuple[list[torch.Tensor], list[torc
     cache = kvcache.new_cache()
     calls = model.lean.calls if model.lean is not None else 0
     outs = [kvcache.forward(model, cache, torch.arange(1, 10), torch.arange(9), None)]
-    outs.append(kvcache.forward(model, cache, torch.tensor([11]), torch.tensor([9]), causal_mask(9, 1, torch.float32, "cpu")))
-    outs.append(kvcache.forward(model, cache, torch.tensor([3, 4, 5, 6, 7]), torch.tensor([10, 11, 12, 11, 12]),
-                                _tree_mask(10)))
-    kvcache.compact(cache, 10, torch.tensor([13, 14]))   # keep the second branch, as a verify pass would
+    outs.append(
+        kvcache.forward(model, cache, torch.tensor([11]), torch.tensor([9]), causal_mask(9, 1, torch.float32, "cpu"))
+    )
+    outs.append(
+        kvcache.forward(model, cache, torch.tensor([3, 4, 5, 6, 7]), torch.tensor([10, 11, 12, 11, 12]), _tree_mask(10))
+    )
+    kvcache.compact(cache, 10, torch.tensor([13, 14]))  # keep the second branch, as a verify pass would
     outs.append(kvcache.forward(model, cache, torch.tensor([8, 9, 10]), torch.arange(12, 15), None))
     outs.append(kvcache.forward(model, cache, torch.tensor([12]), torch.tensor([15]), None))
     layer = cache.layers[0]
@@ -85,12 +93,12 @@ def test_stack_built_and_equal_to_hf_layers(tiny, monkeypatch):
     model = _load(tiny)
     try:
         assert model.lean is not None, leanstack.why_not(model)
-        assert model.config.num_key_value_heads < model.config.num_attention_heads   # GQA is exercised
+        assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA is exercised
         hf, hf_rows, hf_calls = _passes(model, monkeypatch, on=False)
         st, st_rows, st_calls = _passes(model, monkeypatch, on=True)
     finally:
         model.close()
-    assert hf_calls == 0 and st_calls == 4        # every pass but the 9-token prefill (over the kernel's rows)
+    assert hf_calls == 0 and st_calls == 4  # every pass but the 9-token prefill (over the kernel's rows)
     for a, b in zip(hf, st):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
@@ -125,19 +133,21 @@ def test_hf_path_where_the_stack_must_not_serve(tiny, monkeypatch):
         kvcache.forward(model, cache, torch.arange(1, 10), torch.arange(9), None)
         calls = model.lean.calls
         over = ggml_kernel.MAX_ROWS + 1
-        kvcache.forward(model, cache, torch.arange(over), torch.arange(9, 9 + over), causal_mask(9, over, torch.float32, "cpu"))
+        kvcache.forward(
+            model, cache, torch.arange(over), torch.arange(9, 9 + over), causal_mask(9, over, torch.float32, "cpu")
+        )
         kvcache.crop(cache, 9)
-        assert not model.lean.serves(torch.zeros(1, 1, 256), torch.zeros(1, 1, 1, 9), cache)    # mask too narrow
+        assert not model.lean.serves(torch.zeros(1, 1, 256), torch.zeros(1, 1, 1, 9), cache)  # mask too narrow
         assert model.lean.serves(torch.zeros(1, 1, 256), torch.zeros(1, 1, 1, 10), cache)
-        assert not model.lean.serves(torch.zeros(1, 1, 256), None, kvcache.new_cache())          # no slabs yet
+        assert not model.lean.serves(torch.zeros(1, 1, 256), None, kvcache.new_cache())  # no slabs yet
         monkeypatch.setenv(leanstack.ENV, "off")
         kvcache.forward(model, cache, torch.tensor([3]), torch.tensor([9]), None)
         assert model.lean.calls == calls
         monkeypatch.setenv(leanstack.ENV, "auto")
         full = cache.layers[0].keys.shape[2]
         kvcache.crop(cache, 0)
-        kvcache.forward(model, cache, torch.arange(full - 2) % 20, torch.arange(full - 2), None)   # 2 rows left
-        kvcache.forward(model, cache, torch.arange(4), torch.arange(full - 2, full + 2), None)    # grows: HF path
+        kvcache.forward(model, cache, torch.arange(full - 2) % 20, torch.arange(full - 2), None)  # 2 rows left
+        kvcache.forward(model, cache, torch.arange(4), torch.arange(full - 2, full + 2), None)  # grows: HF path
         assert model.lean.calls == calls and cache.layers[0].keys.shape[2] > full
         kvcache.forward(model, cache, torch.tensor([3]), torch.tensor([full + 2]), None)
         assert model.lean.calls == calls + 1
@@ -183,8 +193,9 @@ def _plan(path, offload: str):
     from specexec_cli.session.loading import LoadOptions
     from specexec_cli.session.planning import make_plan
 
-    opts = LoadOptions(target=str(path), draft=None, device="cpu", offload=offload, ctx=256,
-                       max_ram=0 if offload == "disk" else None)
+    opts = LoadOptions(
+        target=str(path), draft=None, device="cpu", offload=offload, ctx=256, max_ram=0 if offload == "disk" else None
+    )
     return make_plan(opts, TreeShape(budget=16, max_depth=8, max_beams=4), budget_auto=False)
 
 
@@ -196,7 +207,7 @@ def test_plan_says_the_stack_runs_small_passes(tiny, monkeypatch):
     dev = passcost.device_for("cpu")
     assert passcost.forward_floor(plan, dev, 1) == dev.stack_floor_s < dev.forward_floor_s
     assert passcost.forward_floor(plan, dev, ggml_kernel.MAX_ROWS + 1) == dev.forward_floor_s
-    disk = _plan(tiny, "disk").kernel                               # streamed layers: a call per layer
+    disk = _plan(tiny, "disk").kernel  # streamed layers: a call per layer
     assert disk["stack"] and disk["stack_rows"] == leanstack.STACK_ROWS
     monkeypatch.setenv(leanstack.ENV, "off")
     assert not _plan(tiny, "none").kernel["stack"]
@@ -232,9 +243,12 @@ def test_layer_skip_draft_runs_its_kept_layers_on_the_stack(tiny, monkeypatch):
             shared.follow(9)
             calls = draft.lean.calls
             outs[on] = [kvcache.forward(draft, shared, torch.tensor([3]), torch.tensor([9]), None)]
-            outs[on].append(kvcache.forward(draft, shared, torch.tensor([4, 5]), torch.tensor([10, 10]),
-                                            _tree_mask(10)[..., :2, :12]))
-            assert draft.lean.calls - calls == (1 if on else 0)   # the first pass makes the shared layers
+            outs[on].append(
+                kvcache.forward(
+                    draft, shared, torch.tensor([4, 5]), torch.tensor([10, 10]), _tree_mask(10)[..., :2, :12]
+                )
+            )
+            assert draft.lean.calls - calls == (1 if on else 0)  # the first pass makes the shared layers
             assert target.layers[0].length == 9 and shared.layers[2].length == 12
         for a, b in zip(outs[False], outs[True]):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
@@ -253,16 +267,21 @@ def test_forward_many_runs_served_jobs_on_the_stack(tiny, monkeypatch):
         for c in caches:
             kvcache.forward(model, c, torch.arange(1, 10), torch.arange(9), None)
         alone = [kvcache.crop(c, 9) or c for c in caches]
-        jobs = [ForwardJob(torch.tensor([3]), torch.tensor([9]), None, caches[0]),
-                ForwardJob(torch.arange(12) % 20, torch.arange(9, 21), causal_mask(9, 12, torch.float32, "cpu"), caches[1])]
+        jobs = [
+            ForwardJob(torch.tensor([3]), torch.tensor([9]), None, caches[0]),
+            ForwardJob(torch.arange(12) % 20, torch.arange(9, 21), causal_mask(9, 12, torch.float32, "cpu"), caches[1]),
+        ]
         calls = model.lean.calls
         many = forward_many(model, jobs)
         assert model.lean.calls - calls == 1
         for c in alone:
             kvcache.crop(c, 9)
-        one = [kvcache.forward(model, caches[0], torch.tensor([3]), torch.tensor([9]), None),
-               kvcache.forward(model, caches[1], torch.arange(12) % 20, torch.arange(9, 21),
-                               causal_mask(9, 12, torch.float32, "cpu"))]
+        one = [
+            kvcache.forward(model, caches[0], torch.tensor([3]), torch.tensor([9]), None),
+            kvcache.forward(
+                model, caches[1], torch.arange(12) % 20, torch.arange(9, 21), causal_mask(9, 12, torch.float32, "cpu")
+            ),
+        ]
         for a, b in zip(many, one):
             assert torch.equal(a, b)
     finally:
@@ -284,19 +303,31 @@ def test_forward_many_runs_one_token_stack_jobs_in_one_call(tiny, monkeypatch):
             kvcache.forward(model, c, p, torch.arange(len(p)), None)
         past = [len(p) for p in prompts]
 
-        def jobs():   # 1-token steps with and without a mask, a 5-node tree, a 2-token pass (last row only)
-            return [ForwardJob(torch.tensor([3]), torch.tensor([past[0]]), causal_mask(past[0], 1, torch.float32, "cpu"),
-                               caches[0]),
-                    ForwardJob(torch.tensor([5, 6, 7, 8, 9]), past[1] + torch.tensor([0, 1, 2, 1, 2]), _tree_mask(past[1]),
-                               caches[1]),
-                    ForwardJob(torch.tensor([11, 12]), past[2] + torch.arange(2), None, caches[2], last_only=True),
-                    ForwardJob(torch.tensor([7]), torch.tensor([past[3]]), None, caches[3])]
+        def jobs():  # 1-token steps with and without a mask, a 5-node tree, a 2-token pass (last row only)
+            return [
+                ForwardJob(
+                    torch.tensor([3]), torch.tensor([past[0]]), causal_mask(past[0], 1, torch.float32, "cpu"), caches[0]
+                ),
+                ForwardJob(
+                    torch.tensor([5, 6, 7, 8, 9]),
+                    past[1] + torch.tensor([0, 1, 2, 1, 2]),
+                    _tree_mask(past[1]),
+                    caches[1],
+                ),
+                ForwardJob(torch.tensor([11, 12]), past[2] + torch.arange(2), None, caches[2], last_only=True),
+                ForwardJob(torch.tensor([7]), torch.tensor([past[3]]), None, caches[3]),
+            ]
 
         calls = model.lean.calls
         many = forward_many(model, jobs())
-        assert model.lean.calls - calls == 3   # the two one-token jobs together, the others alone
-        rows = [(c.layers[1].keys[:, :, : c.layers[1].length].clone(), c.layers[1].values[:, :, : c.layers[1].length].clone())
-                for c in caches]
+        assert model.lean.calls - calls == 3  # the two one-token jobs together, the others alone
+        rows = [
+            (
+                c.layers[1].keys[:, :, : c.layers[1].length].clone(),
+                c.layers[1].values[:, :, : c.layers[1].length].clone(),
+            )
+            for c in caches
+        ]
         for c, n in zip(caches, past):
             kvcache.crop(c, n)
         for i, job in enumerate(jobs()):

@@ -30,7 +30,7 @@ def reference(m, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """(n, V) log_softmax of transformers' logits before each emitted token (one causal forward)."""
     with torch.no_grad():
         logits = m.target(torch.tensor([prompt + tokens])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)], -1)
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], -1)
 
 
 def check(m, prompt, k: int, **kw):
@@ -45,7 +45,7 @@ def check(m, prompt, k: int, **kw):
         assert abs(lp.logprob - float(ref[i, lp.token])) < TOL
         top = torch.topk(ref[i], k)
         assert len(lp.top) == k
-        assert [t for t, _ in lp.top][:1] == top.indices.tolist()[:1]   # ties below the first may swap
+        assert [t for t, _ in lp.top][:1] == top.indices.tolist()[:1]  # ties below the first may swap
         for t, v in lp.top:
             assert abs(v - float(ref[i, t])) < TOL
         assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
@@ -58,7 +58,7 @@ def test_logprobs_equal_transformers_log_softmax(models, method, temperature):
     prompt = models.tokenizer("def f(x):\n  return")["input_ids"]
     events = check(models, prompt, 3, method=method, sampling=SamplingParams(temperature=temperature, top_p=0.9))
     if method == "specexec":
-        assert max(len(ev.tokens) for ev in events[1:]) > 1   # several tokens from one pass were checked
+        assert max(len(ev.tokens) for ev in events[1:]) > 1  # several tokens from one pass were checked
 
 
 def test_logprobs_under_a_grammar_are_the_models_own(json_pair):  # noqa: F811

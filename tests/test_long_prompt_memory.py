@@ -24,22 +24,39 @@ from tests.conftest import make_model
 pytestmark = pytest.mark.slow
 SPECX = [sys.executable, "-c", "from specexec_cli.terminal.app import main; main()"]
 LETTERS = "abcdefghijklmnopqrstuvwxyz .,"
-WRAPPER = ("import resource, subprocess, sys\n"
-           "r = subprocess.run(sys.argv[1:], stdin=sys.stdin, capture_output=True, text=True)\n"
-           "sys.stderr.write(r.stderr)\n"
-           "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
+WRAPPER = (
+    "import resource, subprocess, sys\n"
+    "r = subprocess.run(sys.argv[1:], stdin=sys.stdin, capture_output=True, text=True)\n"
+    "sys.stderr.write(r.stderr)\n"
+    "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("long")
-    return (make_model(root / "t", seed=1, layers=2, max_pos=16384),
-            make_model(root / "d", seed=2, layers=1, max_pos=16384), root)
+    return (
+        make_model(root / "t", seed=1, layers=2, max_pos=16384),
+        make_model(root / "d", seed=2, layers=1, max_pos=16384),
+        root,
+    )
 
 
 def _flags(pair, ctx: int = 16384) -> list[str]:
-    return ["--target", str(pair[0]), "--draft", str(pair[1]), "--dtype", "fp32", "--device", "cpu",
-            "--ctx", str(ctx), "--max-new-tokens", "8"]
+    return [
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--ctx",
+        str(ctx),
+        "--max-new-tokens",
+        "8",
+    ]
 
 
 def _text(n: int, seed: int) -> str:
@@ -49,8 +66,9 @@ def _text(n: int, seed: int) -> str:
 
 def _peak(args: list[str], stdin: str = "") -> int:
     """Peak RSS in bytes of `args` run as a child; asserts it exited 0."""
-    res = subprocess.run([sys.executable, "-c", WRAPPER, *args], input=stdin, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", WRAPPER, *args], input=stdin, capture_output=True, text=True, timeout=600
+    )
     code, kb = res.stdout.split()[-2:]
     assert code == "0", res.stderr[-500:]
     return int(kb) * 1024
@@ -58,8 +76,12 @@ def _peak(args: list[str], stdin: str = "") -> int:
 
 def _planned(pair) -> int:
     path = pair[2] / "plan.json"
-    res = subprocess.run(SPECX + ["run", "-p", "x", *_flags(pair), "--dry-run", "--stats-json", str(path)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        SPECX + ["run", "-p", "x", *_flags(pair), "--dry-run", "--stats-json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     dev = json.loads(path.read_text())["plan"]["device_bytes"]
     return dev["activations"] + dev["kv_target"] + dev["kv_draft"]
@@ -80,12 +102,15 @@ def test_long_prefill_and_chat_turn_within_plan(pair):
 def test_prompt_longer_than_ctx_and_ctx_beyond_window_are_one_line(pair):
     prompt = pair[2] / "over.txt"
     prompt.write_text(_text(3000, 2))
-    res = subprocess.run(SPECX + ["run", str(prompt), "--no-live", *_flags(pair, ctx=2048)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        SPECX + ["run", str(prompt), "--no-live", *_flags(pair, ctx=2048)], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "3000 tokens" in res.stderr and "2048" in res.stderr
-    res = subprocess.run(SPECX + ["run", "-p", "x", "--no-live", *_flags(pair, ctx=20000)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        SPECX + ["run", "-p", "x", "--no-live", *_flags(pair, ctx=20000)], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "error: --ctx 20000 is beyond the --target model's window of 16384 positions (max_position_embeddings "
-        "in its config.json); fix: --ctx 16384 or less"], res.stderr
+        "in its config.json); fix: --ctx 16384 or less"
+    ], res.stderr

@@ -19,12 +19,12 @@ from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 from specexec_cli.core import kvcache
-from specexec_cli.terminal.app import app
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
 from specexec_cli.core.methods import generate
-from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.core.methods.common import with_settings
+from specexec_cli.session.loading import LoadOptions, load_models
+from specexec_cli.terminal.app import app
 from tests.conftest import make_model, make_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -53,7 +53,8 @@ def dirs(tiny_pair, tmp_path_factory):
     draft = make_model(root / "ldraft", seed=9, layers=3, noise_from=target, noise=0.05)
     sharded = root / "sharded"
     LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).save_pretrained(
-        sharded, safe_serialization=True, max_shard_size="100KB")
+        sharded, safe_serialization=True, max_shard_size="100KB"
+    )
     make_tokenizer().save_pretrained(sharded)
     assert len(list(sharded.glob("model-*.safetensors"))) >= 3
     return target, draft, sharded
@@ -103,7 +104,9 @@ def compactions(monkeypatch):
 
 
 def scattered(calls) -> int:
-    return sum(1 for start, rows in calls if rows.numel() and not torch.equal(rows, torch.arange(start, start + rows.numel())))
+    return sum(
+        1 for start, rows in calls if rows.numel() and not torch.equal(rows, torch.arange(start, start + rows.numel()))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +115,7 @@ def hf_reference(dirs):
     ref = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ids = make_tokenizer()(PROMPT)["input_ids"]
     out = ref.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("offload", OFFLOADS)
@@ -167,10 +170,39 @@ def test_multi_turn_chat_equals_ar(dirs, dtype, offload):
 
 # ---------------------------------------------------------------- through the CLI
 
+
 def cli_run(prompt, target, draft, dtype, offload, method, stats, extra=()):
-    args = ["run", str(prompt), "--target", str(target), "--draft", str(draft), "--device", "cpu", "--dtype", dtype,
-            "--offload", offload, "--method", method, "--max-new-tokens", str(N_NEW), "--budget", "16",
-            "--max-depth", "6", "--gamma", "4", "--branching", "3,2,1,1", "--stats-json", str(stats), "--ctx", str(CTX), *extra]
+    args = [
+        "run",
+        str(prompt),
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--device",
+        "cpu",
+        "--dtype",
+        dtype,
+        "--offload",
+        offload,
+        "--method",
+        method,
+        "--max-new-tokens",
+        str(N_NEW),
+        "--budget",
+        "16",
+        "--max-depth",
+        "6",
+        "--gamma",
+        "4",
+        "--branching",
+        "3,2,1,1",
+        "--stats-json",
+        str(stats),
+        "--ctx",
+        str(CTX),
+        *extra,
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     return json.loads(stats.read_text())
@@ -218,9 +250,29 @@ def test_cli_chat_two_turns_equals_ar(dirs):
     turns = "def add(a, b):\nclass b:\n"
 
     def chat(method):
-        args = ["chat", "--target", str(dirs[0]), "--draft", str(dirs[1]), "--device", "cpu", "--dtype", "nf4",
-                "--offload", "disk", "--method", method, "--max-new-tokens", "12", "--budget", "16",
-                "--max-depth", "6", "--ctx", str(CTX)]
+        args = [
+            "chat",
+            "--target",
+            str(dirs[0]),
+            "--draft",
+            str(dirs[1]),
+            "--device",
+            "cpu",
+            "--dtype",
+            "nf4",
+            "--offload",
+            "disk",
+            "--method",
+            method,
+            "--max-new-tokens",
+            "12",
+            "--budget",
+            "16",
+            "--max-depth",
+            "6",
+            "--ctx",
+            str(CTX),
+        ]
         r = CliRunner().invoke(app, args, input=turns)
         assert r.exit_code == 0, r.output
         return r.stdout

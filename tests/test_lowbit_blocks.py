@@ -42,7 +42,7 @@ def test_pack_keeps_codes_and_rounds_scales_once(bits):
     w = lp.dequantize(raw, lp.TYPE_OF_BITS[bits], n, k)
     d = scale.half().float()
     m = (-zero * scale).half().float()
-    expect = (q.float() * d + m).reshape(n, k)   # the product, then the sum: two fp32 roundings
+    expect = (q.float() * d + m).reshape(n, k)  # the product, then the sum: two fp32 roundings
     assert torch.equal(w, expect)
     torch.testing.assert_close(w, ((q.float() - zero) * scale).reshape(n, k), rtol=0, atol=2e-4)
     with pytest.raises(ValueError, match="outside"):
@@ -53,7 +53,7 @@ def test_pack_keeps_codes_and_rounds_scales_once(bits):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_kernel_equals_dequantize_then_matmul(bits, threads, rows):
-    n, k = 37, 576                             # 37: groups of 4 output rows and a remainder
+    n, k = 37, 576  # 37: groups of 4 output rows and a remainder
     q, scale, zero = _random(bits, n, k, seed=rows)
     raw = lp.pack(q, scale, zero, bits, n)
     w = lp.dequantize(raw, lp.TYPE_OF_BITS[bits], n, k)
@@ -81,9 +81,17 @@ def test_portable_build_reads_the_blocks_alike(tmp_path, monkeypatch):
         raw = lp.pack(q, scale, zero, bits, n)
         x = torch.randn(2, k)
         y = torch.empty(2, n)
-        rc = lib.ggml_gemm(lp.TYPE_OF_BITS[bits], ctypes.c_void_p(raw.data_ptr()), ctypes.c_void_p(x.data_ptr()),
-                           ctypes.c_void_p(y.data_ptr()), None, ctypes.c_int64(n), ctypes.c_int64(k),
-                           ctypes.c_int64(2), 1)
+        rc = lib.ggml_gemm(
+            lp.TYPE_OF_BITS[bits],
+            ctypes.c_void_p(raw.data_ptr()),
+            ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_void_p(y.data_ptr()),
+            None,
+            ctypes.c_int64(n),
+            ctypes.c_int64(k),
+            ctypes.c_int64(2),
+            1,
+        )
         assert rc == 0
         torch.testing.assert_close(y, x @ lp.dequantize(raw, lp.TYPE_OF_BITS[bits], n, k).T, rtol=1e-5, atol=1e-5)
 
@@ -123,7 +131,7 @@ def test_self_draft_of_blocks_runs_on_its_stack_and_is_lossless(target, tmp_path
     t = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", max_host_memory=0)
     d = build_self_draft(t, bits=bits)
     try:
-        assert d.lean is not None and t.lean is None   # the target streams: only the draft has a stack
+        assert d.lean is not None and t.lean is None  # the target streams: only the draft has a stack
         assert all(type(m).__name__ == "KernelLowbitLinear" for m in d.layers[0].modules() if hasattr(m, "ggml_type"))
     finally:
         d.close()
@@ -131,10 +139,33 @@ def test_self_draft_of_blocks_runs_on_its_stack_and_is_lossless(target, tmp_path
     runner, got = CliRunner(), {}
     for name, extra in (("ar", ["--method", "ar"]), ("self", ["--draft", "self", "--draft-bits", str(bits)])):
         stats = tmp_path / f"{name}.json"
-        res = runner.invoke(app, ["run", "-p", "def add(a, b):", "--target", str(target), "--device", "cpu",
-                                  "--no-live", "--no-chat-template", "--temperature", "0", "-n", "24",
-                                  "--budget", "8", "--offload", "disk", "--max-ram", "0", "--stats-json", str(stats),
-                                  *extra])
+        res = runner.invoke(
+            app,
+            [
+                "run",
+                "-p",
+                "def add(a, b):",
+                "--target",
+                str(target),
+                "--device",
+                "cpu",
+                "--no-live",
+                "--no-chat-template",
+                "--temperature",
+                "0",
+                "-n",
+                "24",
+                "--budget",
+                "8",
+                "--offload",
+                "disk",
+                "--max-ram",
+                "0",
+                "--stats-json",
+                str(stats),
+                *extra,
+            ],
+        )
         assert res.exit_code == 0, res.output
         got[name] = json.loads(stats.read_text())
     assert got["self"]["token_ids"] == got["ar"]["token_ids"]

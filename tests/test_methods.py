@@ -16,9 +16,9 @@ from scipy.stats import chisquare
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
 from specexec_cli.core.methods import generate
-from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.core.methods.common import choose_child, sample_children, with_settings
 from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.session.loading import LoadOptions, load_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 METHODS = ["chain", "specinfer", "sequoia", "staged"]
@@ -39,8 +39,12 @@ def pair(tiny_pair):
 
 
 def config(method, budget, temperature=0.0, max_new=40, depth=16, **opts):
-    cfg = GenerationConfig(method=method, shape=TreeShape(budget, depth), max_new_tokens=max_new,
-                           sampling=SamplingParams(temperature=temperature))
+    cfg = GenerationConfig(
+        method=method,
+        shape=TreeShape(budget, depth),
+        max_new_tokens=max_new,
+        sampling=SamplingParams(temperature=temperature),
+    )
     return with_settings(cfg, **opts)
 
 
@@ -64,7 +68,7 @@ def pooled_chisquare(counts: torch.Tensor, probs: torch.Tensor, min_expected: fl
 def test_greedy_equals_hf_generate(pair, method, budget):
     ids = list(pair.tokenizer(PROMPT)["input_ids"])
     ref = pair.target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30, pad_token_id=0)
-    ref = ref[0, len(ids):].tolist()
+    ref = ref[0, len(ids) :].tolist()
     cfg = config(method, budget, max_new=30, gamma=3, branching=(3, 2, 1))
     out = [t for ev in generate(pair, DecodeState(), ids, cfg) for t in ev.tokens]
     assert out == ref
@@ -124,12 +128,12 @@ def test_device_rule_with_hashed_children_is_exact(k):
     p_logits = 2 * torch.randn(v, generator=g)
     q = process_logits(2 * torch.randn(v, generator=g), params)
     noise = PositionNoise(k)
-    kids = torch.topk(q / noise.block(0, n, v, stream=CHILDREN), k, dim=-1).indices   # (n, k) w/o replacement
-    pos = torch.arange(n)   # node r at "depth" r: every node has positions (noise) of its own
+    kids = torch.topk(q / noise.block(0, n, v, stream=CHILDREN), k, dim=-1).indices  # (n, k) w/o replacement
+    pos = torch.arange(n)  # node r at "depth" r: every node has positions (noise) of its own
     tokens = static_choices(p_logits.expand(n, v), params, noise, 0, pos, n - 1, pos, kids, q.expand(n, v))
     counts = torch.bincount(tokens, minlength=v)
     assert pooled_chisquare(counts, process_logits(p_logits, params)) > 1e-3
-    first = torch.bincount(kids[:, 0], minlength=v)   # the first child is a draw of q
+    first = torch.bincount(kids[:, 0], minlength=v)  # the first child is a draw of q
     assert pooled_chisquare(first, q) > 1e-3
 
 
@@ -175,7 +179,9 @@ def test_staged_saves_draft_forwards_and_stays_exact(shared_pair):
         outs, forwards = {}, {}
         for method in ("specexec", "staged"):
             calls.clear()
-            outs[method] = [t for ev in generate(m, DecodeState(), ids, config(method, 16, max_new=32)) for t in ev.tokens]
+            outs[method] = [
+                t for ev in generate(m, DecodeState(), ids, config(method, 16, max_new=32)) for t in ev.tokens
+            ]
             forwards[method] = len(calls)
     finally:
         hook.remove()

@@ -22,28 +22,37 @@ def _linear4bit_reference(path, compute_dtype):
     for layer in ref.model.layers:
         for name, mod in list(layer.named_modules()):
             if isinstance(mod, nn.Linear):
-                q = Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                               compute_dtype=compute_dtype, quant_type="nf4")
-                q.weight = Params4bit(mod.weight.data.clone(), requires_grad=False, quant_type="nf4",
-                                      compress_statistics=True, blocksize=64)
+                q = Linear4bit(
+                    mod.in_features,
+                    mod.out_features,
+                    bias=mod.bias is not None,
+                    compute_dtype=compute_dtype,
+                    quant_type="nf4",
+                )
+                q.weight = Params4bit(
+                    mod.weight.data.clone(),
+                    requires_grad=False,
+                    quant_type="nf4",
+                    compress_statistics=True,
+                    blocksize=64,
+                )
                 parent, _, child = name.rpartition(".")
                 setattr(layer.get_submodule(parent), child, q.to("cpu"))
     # norms / embeddings / lm_head in the compute dtype; Linear4bit keeps its packed weights
     for mod in ref.modules():
         if not isinstance(mod, Linear4bit):
-            for name, p in mod.named_parameters(recurse=False):
+            for _name, p in mod.named_parameters(recurse=False):
                 p.data = p.data.to(compute_dtype)
-    return ref.eval()   # the fresh Linear4bit modules too: eval picks bnb's CPU kernel where HF would
+    return ref.eval()  # the fresh Linear4bit modules too: eval picks bnb's CPU kernel where HF would
 
 
 @pytest.mark.parametrize("offload", ["ram", "disk"])
 def test_nf4_matches_bnb_linear4bit(tmp_path, offload):
-    path = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, **SMALL), tmp_path, seed=5,
-                 dtype=torch.bfloat16)
+    path = _make(LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, **SMALL), tmp_path, seed=5, dtype=torch.bfloat16)
     ref = _linear4bit_reference(path, torch.float32)
     model = OffloadedCausalLM.from_pretrained(path, dtype="nf4", offload=offload)
     try:
-        assert model.dtype == torch.float32   # nf4 computes in fp32 on CPU, bf16 on CUDA
+        assert model.dtype == torch.float32  # nf4 computes in fp32 on CPU, bf16 on CUDA
         # packed NF4 bytes per layer: 4 bits per linear weight + norms, far below bf16 size
         assert model.plan.bytes_per_layer < 0.35 * (2 * 4 * 64 * 64 + 2 * 3 * 64 * 128)
         ids = _ids()
@@ -66,7 +75,7 @@ def test_nf4_linear_matches_linear4bit_bf16():
     ref = Linear4bit(64, 96, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4")
     ref.weight = Params4bit(w.clone(), requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64)
     ref.bias = nn.Parameter(b.clone(), requires_grad=False)
-    ref = ref.to("cpu").eval()   # eval: the inference kernel transformers' generate uses
+    ref = ref.to("cpu").eval()  # eval: the inference kernel transformers' generate uses
     packed, state = quantize_nf4(w, torch.device("cpu"))
     ours = Nf4Linear(64, 96, True, torch.bfloat16)
     ours.weight, ours.bias = nn.Parameter(packed, requires_grad=False), nn.Parameter(b.clone(), requires_grad=False)
@@ -78,10 +87,26 @@ def test_nf4_linear_matches_linear4bit_bf16():
 
 
 # NF4 code book (QLoRA, arXiv 2305.14314, Appendix E): the 16 normal-float levels in [-1, 1]
-NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-                           0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-                           0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+NF4_LEVELS = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ]
+)
 
 
 def test_nf4_linear_matches_independent_dequantization():

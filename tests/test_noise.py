@@ -19,15 +19,26 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
-from specexec_cli.core.sampling import (ACCEPT, CHILDREN, RACE, PositionNoise, SamplingParams, hash32,
-                                        process_logits, race_choice, race_exponential, race_uniform)
+from specexec_cli.core.sampling import (
+    ACCEPT,
+    CHILDREN,
+    RACE,
+    PositionNoise,
+    SamplingParams,
+    hash32,
+    process_logits,
+    race_choice,
+    race_exponential,
+    race_uniform,
+)
 
-KEY = (0x1234_5678 << 32) | 0x9ABC_DEF0   # a 61-bit key, as engine.new_noise draws them
+KEY = (0x1234_5678 << 32) | 0x9ABC_DEF0  # a 61-bit key, as engine.new_noise draws them
 M32 = 0xFFFFFFFF
 
 
 def murmur3_reference(words: list[int], seed: int) -> int:
     """MurmurHash3_x86_32 over 32-bit words, straight from the published algorithm (Python ints)."""
+
     def rotl(x, r):
         return ((x << r) | (x >> (32 - r))) & M32
 
@@ -76,11 +87,11 @@ def test_hash_is_murmur3(seed):
 def test_same_bits_in_any_batching_and_order():
     vocab, start, count = 97, 40, 6
     noise = PositionNoise(KEY)
-    block = noise.block(start, count, vocab)                               # (6, 97) at once
-    rows = torch.stack([PositionNoise(KEY).at(start + i, vocab) for i in range(count)])   # row by row
+    block = noise.block(start, count, vocab)  # (6, 97) at once
+    rows = torch.stack([PositionNoise(KEY).at(start + i, vocab) for i in range(count)])  # row by row
     assert torch.equal(bits(block), bits(rows))
     g = torch.Generator().manual_seed(0)
-    pos = torch.randint(start, start + count, (500,), generator=g)          # scattered (pos, tok) pairs
+    pos = torch.randint(start, start + count, (500,), generator=g)  # scattered (pos, tok) pairs
     tok = torch.randint(0, vocab, (500,), generator=g)
     scattered = race_exponential(KEY, RACE, pos, tok)
     assert torch.equal(bits(scattered), bits(block[pos - start, tok]))
@@ -97,8 +108,11 @@ def test_same_bits_in_any_batching_and_order():
 def test_streams_and_keys_differ():
     pos, tok = torch.arange(8)[:, None], torch.arange(64)[None]
     a = race_exponential(KEY, RACE, pos, tok)
-    for other in (race_exponential(KEY, CHILDREN, pos, tok), race_exponential(KEY, ACCEPT, pos, tok),
-                  race_exponential(KEY + 1, RACE, pos, tok)):
+    for other in (
+        race_exponential(KEY, CHILDREN, pos, tok),
+        race_exponential(KEY, ACCEPT, pos, tok),
+        race_exponential(KEY + 1, RACE, pos, tok),
+    ):
         assert (a != other).float().mean() > 0.99
 
 
@@ -109,14 +123,14 @@ def test_same_bits_on_cuda():
     gpu = race_uniform(KEY, RACE, pos.cuda(), tok.cuda()).cpu()
     assert torch.equal(bits(cpu), bits(gpu))
     e_cpu, e_gpu = PositionNoise(KEY).block(3, 37, 5000), PositionNoise(KEY).block(3, 37, 5000, "cuda").cpu()
-    assert (bits(e_cpu) != bits(e_gpu)).sum() <= 2   # -log in float64 may differ by an ulp before rounding
+    assert (bits(e_cpu) != bits(e_gpu)).sum() <= 2  # -log in float64 may differ by an ulp before rounding
 
 
 def test_uniforms_are_uniform_and_independent():
-    u = race_uniform(KEY, RACE, torch.arange(1000)[:, None], torch.arange(100)[None])   # 1e5 draws
-    assert 0 < float(u.min()) and float(u.max()) < 1
+    u = race_uniform(KEY, RACE, torch.arange(1000)[:, None], torch.arange(100)[None])  # 1e5 draws
+    assert float(u.min()) > 0 and float(u.max()) < 1
     assert kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
-    for a, b in ((u[:-1], u[1:]), (u[:, :-1], u[:, 1:])):   # neighbouring positions, neighbouring tokens
+    for a, b in ((u[:-1], u[1:]), (u[:, :-1], u[:, 1:])):  # neighbouring positions, neighbouring tokens
         r = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
         assert abs(float(r)) < 4 / (a.numel() ** 0.5)
     # the 16 x 16 grid of (u at token t, u at token t + 1) pairs: every cell equally likely
@@ -135,7 +149,7 @@ def test_race_draws_the_processed_distribution():
     tokens = race_choice(logits.expand(n, 6), params, noise, torch.arange(n))
     p = process_logits(logits, params)
     counts = torch.bincount(tokens, minlength=6)
-    assert counts[5] == 0   # cut by top-k
+    assert counts[5] == 0  # cut by top-k
     assert chisquare(counts[:5].double().numpy(), (p[:5].double() / p[:5].double().sum() * n).numpy()).pvalue > 1e-3
 
 

@@ -6,7 +6,6 @@ Fixtures build tiny random checkpoints with save_pretrained so the real loading 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -19,9 +18,17 @@ VOCAB = 96
 
 
 def _llama_config(layers=4, tie=True, **kw):
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
-                       tie_word_embeddings=tie, **kw)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        **kw,
+    )
 
 
 def _save(model, path, **kw):
@@ -38,8 +45,9 @@ def llama_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sharded_dir(tmp_path_factory):
     torch.manual_seed(1)
-    path = _save(LlamaForCausalLM(_llama_config(tie=False)).eval(), tmp_path_factory.mktemp("sharded"),
-                 max_shard_size="200KB")
+    path = _save(
+        LlamaForCausalLM(_llama_config(tie=False)).eval(), tmp_path_factory.mktemp("sharded"), max_shard_size="200KB"
+    )
     assert (path / "model.safetensors.index.json").exists()
     return path
 
@@ -55,8 +63,11 @@ def _ids(n=7, seed=0):
 
 # ---------------------------------------------------------------- sizes and plan
 
-@pytest.mark.parametrize("text,expected", [("0", 0), ("1024", 1024), ("512MB", 512 * 10**6),
-                                           ("24GB", 24 * 10**9), ("1.5GiB", 3 * 2**29), ("2 kib", 2048)])
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("0", 0), ("1024", 1024), ("512MB", 512 * 10**6), ("24GB", 24 * 10**9), ("1.5GiB", 3 * 2**29), ("2 kib", 2048)],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -100,7 +111,7 @@ def test_streamed_logits_equal_hf(llama_dir, offload, kw, tier):
         ids = _ids()
         with torch.no_grad():
             expected = ref(input_ids=ids).logits
-        for _ in range(2):   # second pass runs on the layers prefetched at the end of the first
+        for _ in range(2):  # second pass runs on the layers prefetched at the end of the first
             torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
     finally:
         model.close()
@@ -109,8 +120,9 @@ def test_streamed_logits_equal_hf(llama_dir, offload, kw, tier):
 def test_sharded_mixed_tiers(sharded_dir):
     ref = _ref(sharded_dir)
     layer = OffloadedCausalLM.from_pretrained(sharded_dir, offload="ram").plan.layer_bytes[0]
-    model = OffloadedCausalLM.from_pretrained(sharded_dir, dtype=torch.float32, offload="auto",
-                                              max_device_memory=layer, max_host_memory=layer)
+    model = OffloadedCausalLM.from_pretrained(
+        sharded_dir, dtype=torch.float32, offload="auto", max_device_memory=layer, max_host_memory=layer
+    )
     try:
         p = model.plan
         assert (p.resident, p.ram_layers, p.disk_layers) == ([0], [1], [2, 3])
@@ -151,10 +163,12 @@ def test_tree_mask_cache_positions(llama_dir, offload, slots):
         mask = _tree_mask([-1, 0, 0, 1, 2], past=6, dtype=torch.float32)
         pos = torch.tensor([[6, 7, 7, 8, 8]])
         with torch.no_grad():
-            a = ref(input_ids=tree, attention_mask=mask, position_ids=pos, **cache_kwargs(ref, caches[0]),
-                    use_cache=True).logits
-        b = model(input_ids=tree, attention_mask=mask, position_ids=pos, **cache_kwargs(model, caches[1]),
-                  use_cache=True).logits
+            a = ref(
+                input_ids=tree, attention_mask=mask, position_ids=pos, **cache_kwargs(ref, caches[0]), use_cache=True
+            ).logits
+        b = model(
+            input_ids=tree, attention_mask=mask, position_ids=pos, **cache_kwargs(model, caches[1]), use_cache=True
+        ).logits
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
         # Compaction like the engine's: keep prefix + accepted nodes 0, 2, 4, then decode one more.
         keep = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 10])

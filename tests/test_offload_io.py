@@ -12,16 +12,21 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import offload.stream.storage as storage
 from offload import OffloadedCausalLM, OffloadError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=VOCAB, max_position_embeddings=128)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 
 
 def _make(cls, cfg, path, seed=0, dtype=torch.float32):
@@ -47,15 +52,14 @@ def test_device_bytes_bounded_by_resident_plus_slots(llama_dir, monkeypatch):
     real_alloc = storage.DevicePool.alloc
 
     def counting_alloc(self, nbytes, component="resident_layers"):
-        if component in ("resident_layers", "staging_slots"):   # weight buffers (globals are counted apart)
+        if component in ("resident_layers", "staging_slots"):  # weight buffers (globals are counted apart)
             allocs.append(nbytes)
         return real_alloc(self, nbytes, component)
 
     monkeypatch.setattr(storage.DevicePool, "alloc", counting_alloc)
     layer = OffloadedCausalLM.from_pretrained(llama_dir, offload="ram").plan.layer_bytes[0]
     allocs.clear()
-    model = OffloadedCausalLM.from_pretrained(llama_dir, offload="disk", max_device_memory=layer, slots=2,
-                                              host_slots=2)
+    model = OffloadedCausalLM.from_pretrained(llama_dir, offload="disk", max_device_memory=layer, slots=2, host_slots=2)
     try:
         for _ in range(3):
             model(input_ids=_ids())
@@ -65,13 +69,14 @@ def test_device_bytes_bounded_by_resident_plus_slots(llama_dir, monkeypatch):
         weights = model.pool.by_component["resident_layers"] + model.pool.by_component["staging_slots"]
         assert sum(allocs) == weights == p.device_bytes
         assert sum(allocs) <= sum(p.layer_bytes[i] for i in p.resident) + 2 * largest
-        assert len(allocs) == 1 + 2   # one buffer per resident layer + one per slot, no growth per pass
+        assert len(allocs) == 1 + 2  # one buffer per resident layer + one per slot, no growth per pass
         assert model.stats.passes == 3 and model.stats.streamed_bytes == 3 * model.stats.streamed_bytes_per_pass
     finally:
         model.close()
 
 
 # ---------------------------------------------------------------- overlap
+
 
 def _best_pass(model, ids, gap, tries=3):
     """Fastest of `tries` passes, each after `gap` idle seconds (when the next pass prefetches)."""
@@ -100,13 +105,15 @@ def test_pass_time_is_max_of_compute_and_io_not_sum(tmp_path):
         model.store.io_hook = lambda layer: time.sleep(delay)
         both = _best_pass(model, ids, gap=3 * delay)
         assert both < compute_only + 0.5 * n * delay, (
-            f"pass with IO took {both:.3f}s vs {compute_only:.3f}s compute-only; serial adds {n * delay:.2f}s")
+            f"pass with IO took {both:.3f}s vs {compute_only:.3f}s compute-only; serial adds {n * delay:.2f}s"
+        )
         assert compute_only >= n * delay
     finally:
         model.close()
 
 
 # ---------------------------------------------------------------- O_DIRECT fallback
+
 
 def test_odirect_einval_falls_back_to_buffered_reads(llama_dir, monkeypatch):
     real_open = os.open
@@ -216,10 +223,14 @@ def test_prefetch_never_overwrites_a_layer_in_use(tmp_path, host_slots):
 
 # ---------------------------------------------------------------- other architectures
 
-@pytest.mark.parametrize("cls,cfg", [
-    (Qwen2ForCausalLM, Qwen2Config(num_hidden_layers=2, tie_word_embeddings=False, **SMALL)),
-    (MistralForCausalLM, MistralConfig(num_hidden_layers=2, sliding_window=None, **SMALL)),
-])
+
+@pytest.mark.parametrize(
+    "cls,cfg",
+    [
+        (Qwen2ForCausalLM, Qwen2Config(num_hidden_layers=2, tie_word_embeddings=False, **SMALL)),
+        (MistralForCausalLM, MistralConfig(num_hidden_layers=2, sliding_window=None, **SMALL)),
+    ],
+)
 def test_qwen2_and_mistral(tmp_path, cls, cfg):
     path = _make(cls, cfg, tmp_path, seed=7)
     ref = cls.from_pretrained(path, dtype=torch.float32).eval()
@@ -234,6 +245,7 @@ def test_qwen2_and_mistral(tmp_path, cls, cfg):
 
 
 # ---------------------------------------------------------------- errors name the file
+
 
 def _copy(src, dst):
     shutil.copytree(src, dst)
@@ -290,6 +302,7 @@ def test_budget_that_cannot_fit_reports_bytes_before_loading(llama_dir, monkeypa
 
 
 # ---------------------------------------------------------------- CUDA (thin; skipped on CPU)
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("offload", ["ram", "disk"])

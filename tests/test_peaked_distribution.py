@@ -31,14 +31,14 @@ import torch
 from scipy.stats import norm
 
 from specexec_cli.core import sampling
+from specexec_cli.core.engine import DecodeState
 from specexec_cli.core.methods import generate
 from specexec_cli.core.sampling import SamplingParams
-from specexec_cli.core.engine import DecodeState
 from tests.fakes import fake_models, next_logits, noisy
 from tests.test_distribution import ALPHA, METHOD_CFG, check, method_config
 
 V = 8
-PARAMS = SamplingParams(temperature=1.0)        # processed distribution = the table's softmax
+PARAMS = SamplingParams(temperature=1.0)  # processed distribution = the table's softmax
 RUNS, RUN_TOKENS = 6, 250
 METHODS = ["ar", *sorted(METHOD_CFG)]
 
@@ -46,8 +46,8 @@ METHODS = ["ar", *sorted(METHOD_CFG)]
 def peaked_table(v: int, seed: int) -> torch.Tensor:
     """(v, v, v) logits: per context a random top token with p in [0.84, 0.96], the rest spread."""
     g = torch.Generator().manual_seed(seed)
-    top = 0.84 + 0.12 * torch.rand(v, v, generator=g)                 # (v, v) top probability
-    rest = torch.rand(v, v, v, generator=g) + 0.2                      # (v, v, v) tail weights
+    top = 0.84 + 0.12 * torch.rand(v, v, generator=g)  # (v, v) top probability
+    rest = torch.rand(v, v, v, generator=g) + 0.2  # (v, v, v) tail weights
     winner = torch.randint(0, v, (v, v), generator=g)
     rest.scatter_(2, winner[..., None], 0.0)
     probs = rest / rest.sum(-1, keepdim=True) * (1 - top)[..., None]
@@ -93,9 +93,9 @@ def assert_catches_the_plant(records) -> None:
     c = [r[0][0] for r in peaked(records)]
     shift = sum(1 - x for x in c)
     sd = math.sqrt(sum(x * (1 - x) for x in c))
-    need = norm.isf(ALPHA / 2) + norm.isf(1 - 0.9)   # two-sided alpha, power 0.9
+    need = norm.isf(ALPHA / 2) + norm.isf(1 - 0.9)  # two-sided alpha, power 0.9
     assert shift >= need * sd, (shift, sd, len(records))
-    assert len(c) >= 0.25 * len(records)   # the table really is peaked around 0.9
+    assert len(c) >= 0.25 * len(records)  # the table really is peaked around 0.9
 
 
 def check_peaked(records, label: str) -> None:
@@ -117,6 +117,7 @@ def _planted(original):
         top = probs.max(-1, keepdim=True)
         certain = torch.zeros_like(probs).scatter_(-1, top.indices, 1.0)
         return torch.where(top.values >= 0.9, certain, probs)
+
     return process_logits
 
 
@@ -124,7 +125,7 @@ def _planted(original):
 def test_the_planted_bug_is_caught(method, monkeypatch):
     original = sampling.process_logits
     fake = _planted(original)
-    for mod in list(sys.modules.values()):   # every module that bound the function by name
+    for mod in list(sys.modules.values()):  # every module that bound the function by name
         if getattr(mod, "__name__", "").startswith("specexec_cli") and getattr(mod, "process_logits", None) is original:
             monkeypatch.setattr(mod, "process_logits", fake)
     with pytest.raises(AssertionError, match="p-values"):

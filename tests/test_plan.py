@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 
 import pytest
-from dataclasses import replace
 
 from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
 from tests.sparse_ckpt import write_sparse
@@ -23,8 +23,10 @@ MIB = 1024**2
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("sparse")
-    out = {name: read_checkpoint(write_sparse(name, root / name))
-           for name in ("llama-3.1-70b", "llama-3.2-1b", "qwen2.5-72b", "qwen2.5-0.5b")}
+    out = {
+        name: read_checkpoint(write_sparse(name, root / name))
+        for name in ("llama-3.1-70b", "llama-3.2-1b", "qwen2.5-72b", "qwen2.5-0.5b")
+    }
     du = sum(os.stat(p).st_blocks * 512 for p in root.rglob("*.safetensors"))
     assert du < 50 * MIB, "sparse checkpoints must not allocate their data"
     return out
@@ -81,8 +83,9 @@ def kv(c: dict, rows: int, elem: int) -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * hd * rows * elem
 
 
-def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: bool = False,
-             draft: bool = False) -> int:
+def one_pass(
+    c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: bool = False, draft: bool = False
+) -> int:
     """One sdpa pass on CUDA: no H x T x S scores and no repeated K/V (specx_gqa); the mask (a tree
     pass: additive at the width rounded to 8; a causal prefill chunk: HF's T x S boolean one) and, with
     GQA and T > 1, its additive copy at the padded width (prefill) plus the fold (G x T x S8 and a q
@@ -95,26 +98,40 @@ def one_pass(c: dict, t: int, s: int, e: int, logit_rows: int, deq: int, fused: 
     mask = t * s if fused else t * s8 * e
     attn = 0
     if g > 1 and t > 1:
-        attn = (t * s8 * e if fused else 0) + (g * t * s8 * e + t * heads * hd * e if g * t <= 2 * kvh * hd
-                                              else 2 * t * heads * hd * e)
-    return (4 * t * h * e + 2 * t * (heads + 2 * kvh) * hd * e + attn
-            + 4 * t * c["intermediate_size"] * e + mask + deq * e
-            + logit_rows * c["vocab_size"] * (e + (12 if draft else 0)))
+        attn = (t * s8 * e if fused else 0) + (
+            g * t * s8 * e + t * heads * hd * e if g * t <= 2 * kvh * hd else 2 * t * heads * hd * e
+        )
+    return (
+        4 * t * h * e
+        + 2 * t * (heads + 2 * kvh) * hd * e
+        + attn
+        + 4 * t * c["intermediate_size"] * e
+        + mask
+        + deq * e
+        + logit_rows * c["vocab_size"] * (e + (12 if draft else 0))
+    )
 
 
 def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) -> dict:
     """Every device component from the configs alone (CUDA, sdpa)."""
-    h, v, ctx, b = t["hidden_size"], t["vocab_size"], plan.ctx, plan.sized_budget   # what the caches are sized for
+    h, v, ctx, b = t["hidden_size"], t["vocab_size"], plan.ctx, plan.sized_budget  # what the caches are sized for
     table = v * h * elem
     rows_t, rows_d = ctx + b + 1, ctx + 2 * b + 32 + 1
     deq = t["intermediate_size"] * h if nf4 else 0
-    chunk = plan.pass_tokens   # the prefill chunk the plan chose (test_prefill_chunk_* check the choice)
+    chunk = plan.pass_tokens  # the prefill chunk the plan chose (test_prefill_chunk_* check the choice)
     assert min(max(b + 1, 256), ctx) <= chunk <= ctx
-    act = max(one_pass(t, b + 1, rows_t, elem, b + 1, deq), one_pass(t, chunk, ctx, elem, 1, deq, True),
-              one_pass(d, 32, rows_d, delem, 32, 0, draft=True), one_pass(d, chunk, ctx, delem, 1, 0, True))
+    act = max(
+        one_pass(t, b + 1, rows_t, elem, b + 1, deq),
+        one_pass(t, chunk, ctx, elem, 1, deq, True),
+        one_pass(d, 32, rows_d, delem, 32, 0, draft=True),
+        one_pass(d, chunk, ctx, delem, 1, 0, True),
+    )
     lb = layer_bytes(t, nf4, elem)
     streamed = t["num_hidden_layers"] - len(plan.resident)
-    hd, dhd = t.get("head_dim") or h // t["num_attention_heads"], d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    hd, dhd = (
+        t.get("head_dim") or h // t["num_attention_heads"],
+        d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+    )
     exp = {
         "embeddings": table if plan.embeddings == "device" else 0,
         "final_norm": h * elem,
@@ -170,7 +187,7 @@ def test_plans_shrink_with_the_card(ckpts):
     t, d = ckpts["llama-3.1-70b"], ckpts["llama-3.2-1b"]
     plans = [plan_memory(t, d, request(max_gpu_memory=g * GB)) for g in (24, 16, 12)]
     assert [p.sized_budget for p in plans] == sorted((p.sized_budget for p in plans), reverse=True)
-    assert len(plans[0].resident) > 0 and plans[0].embeddings == "host"   # 128k vocab: embeddings stay home
+    assert len(plans[0].resident) > 0 and plans[0].embeddings == "host"  # 128k vocab: embeddings stay home
 
 
 def test_bf16_70b_on_24gb_with_64gb_ram_spills_to_disk(ckpts):
@@ -181,7 +198,7 @@ def test_bf16_70b_on_24gb_with_64gb_ram_spills_to_disk(ckpts):
     assert plan.disk_layers and plan.ram_layers
     exp = expected_device(cfg(t), cfg(d), plan, False, 2, 2)
     assert plan.device_bytes == exp
-    lb = layer_bytes(cfg(t), False, 2)          # bf16 file layout == compute layout: slots hold raw spans
+    lb = layer_bytes(cfg(t), False, 2)  # bf16 file layout == compute layout: slots hold raw spans
     slot = plan.device_bytes["staging_slots"] // 2
     assert lb <= slot <= lb + 2 * 4096
     assert plan.host_bytes["ram_layers"] == len(plan.ram_layers) * lb
@@ -225,8 +242,17 @@ def test_cpu_target_bigger_than_ram_streams_without_flags(ckpts):
 
 def test_plan_json_keys(ckpts):
     plan = plan_memory(ckpts["qwen2.5-72b"], ckpts["qwen2.5-0.5b"], request(max_gpu_memory=24 * GB)).to_json()
-    for key in ("device_bytes", "device_total", "device_capacity", "host_bytes", "host_total",
-                "disk_bytes_per_pass", "resident_layers", "streamed_layers", "fits"):
+    for key in (
+        "device_bytes",
+        "device_total",
+        "device_capacity",
+        "host_bytes",
+        "host_total",
+        "disk_bytes_per_pass",
+        "resident_layers",
+        "streamed_layers",
+        "fits",
+    ):
         assert key in plan
     assert set(plan["streamed_layers"]) == {"ram", "disk"}
     json.dumps(plan)
@@ -251,8 +277,11 @@ def test_prefill_chunk_shrinks_before_a_plan_is_refused(ckpts, cap_gb):
 
 
 def test_cpu_plan_prefills_the_whole_context_in_one_pass(ckpts):
-    plan = plan_memory(ckpts["llama-3.2-1b"], None, request(device="cpu", dtype="bf16", ram_free=24 * GB, ctx=4096,
-                                                             budget=64, budget_auto=False))
+    plan = plan_memory(
+        ckpts["llama-3.2-1b"],
+        None,
+        request(device="cpu", dtype="bf16", ram_free=24 * GB, ctx=4096, budget=64, budget_auto=False),
+    )
     assert plan.fits and plan.pass_tokens == 4096
 
 
@@ -260,14 +289,23 @@ def test_leftover_device_memory_becomes_staging_slots(ckpts):
     """CUDA: what a fitting plan leaves over on the device becomes more staging slots (the stream reads
     that many layers of the next pass while the draft grows its tree), while the total stays under the cap."""
     t = ckpts["llama-3.1-70b"]
-    base = PlanRequest(device="cuda", dtype="nf4", draft_dtype=None, ram_free=200 * GB, offload="disk",
-                       device_free=24 * GB, ctx=4096, budget=64)
+    base = PlanRequest(
+        device="cuda",
+        dtype="nf4",
+        draft_dtype=None,
+        ram_free=200 * GB,
+        offload="disk",
+        device_free=24 * GB,
+        ctx=4096,
+        budget=64,
+    )
     plain = plan_memory(t, None, base)
     assert plain.fits and plain.disk_layers and not plain.resident and plain.slots > 2
     slot = plain.device_bytes["staging_slots"] // plain.slots
     assert plain.device_total <= plain.device_capacity < plain.device_total + int(slot * 1.02) + 1
-    assert any(f"{plain.slots} device slots, {plain.slots - 2} of them from device memory left over" in n
-               for n in plain.notes)
+    assert any(
+        f"{plain.slots} device slots, {plain.slots - 2} of them from device memory left over" in n for n in plain.notes
+    )
     # a device one byte short of that holds one slot fewer
     fewer = plan_memory(t, None, replace(base, device_free=plain.device_total - 1))
     assert fewer.slots == plain.slots - 1 and fewer.device_bytes["staging_slots"] == fewer.slots * slot

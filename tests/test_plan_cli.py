@@ -38,8 +38,22 @@ def invoke(*args):
 def test_dry_run_plans_a_24gb_card_without_a_gpu(pair, tmp_path, no_loading, cmd):
     out = tmp_path / "plan.json"
     args = [cmd] + (["prompt-unused.txt"] if cmd == "run" else [])
-    res = invoke(*args, "--target", pair[0], "--draft", pair[1], "--dtype", "nf4", "--device", "cuda",
-                 "--max-gpu-memory", "24GB", "--dry-run", "--stats-json", out)
+    res = invoke(
+        *args,
+        "--target",
+        pair[0],
+        "--draft",
+        pair[1],
+        "--dtype",
+        "nf4",
+        "--device",
+        "cuda",
+        "--max-gpu-memory",
+        "24GB",
+        "--dry-run",
+        "--stats-json",
+        out,
+    )
     assert res.exit_code == 0, res.output
     plan = json.loads(out.read_text())["plan"]
     assert plan["fits"] and plan["device_total"] <= plan["device_capacity"] == 24 * 10**9
@@ -51,8 +65,23 @@ def test_dry_run_plans_a_24gb_card_without_a_gpu(pair, tmp_path, no_loading, cmd
 def test_unfittable_run_is_refused_before_loading(pair, tmp_path, no_loading):
     prompt = tmp_path / "p.txt"
     prompt.write_text("hello")
-    res = invoke("run", prompt, "--target", pair[0], "--draft", pair[1], "--dtype", "bf16", "--device", "cuda",
-                 "--offload", "none", "--max-gpu-memory", "24GB", "--no-live")
+    res = invoke(
+        "run",
+        prompt,
+        "--target",
+        pair[0],
+        "--draft",
+        pair[1],
+        "--dtype",
+        "bf16",
+        "--device",
+        "cuda",
+        "--offload",
+        "none",
+        "--max-gpu-memory",
+        "24GB",
+        "--no-live",
+    )
     assert res.exit_code == 2, res.output
     err = res.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in res.output
@@ -61,8 +90,23 @@ def test_unfittable_run_is_refused_before_loading(pair, tmp_path, no_loading):
 
 def test_dry_run_that_cannot_fit_exits_nonzero(pair, tmp_path, no_loading):
     out = tmp_path / "plan.json"
-    res = invoke("run", "x.txt", "--target", pair[0], "--draft", pair[1], "--dtype", "nf4", "--device", "cuda",
-                 "--max-gpu-memory", "6GB", "--dry-run", "--stats-json", out)
+    res = invoke(
+        "run",
+        "x.txt",
+        "--target",
+        pair[0],
+        "--draft",
+        pair[1],
+        "--dtype",
+        "nf4",
+        "--device",
+        "cuda",
+        "--max-gpu-memory",
+        "6GB",
+        "--dry-run",
+        "--stats-json",
+        out,
+    )
     assert res.exit_code == 2
     assert json.loads(out.read_text())["plan"]["fits"] is False
     assert "needs" in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -72,8 +116,20 @@ def test_dry_run_plans_for_a_bigger_machine_and_a_real_run_refuses_it(pair, tmp_
     """Explicit caps describe the machine to plan for (a purchase decision): the dry run plans for
     them even though this host has less, says so in one line and exits 0; a real run refuses."""
     out = tmp_path / "plan.json"
-    caps = ["--target", pair[0], "--draft", pair[1], "--dtype", "nf4", "--device", "cuda",
-            "--max-gpu-memory", "24GB", "--max-ram", "2TB"]
+    caps = [
+        "--target",
+        pair[0],
+        "--draft",
+        pair[1],
+        "--dtype",
+        "nf4",
+        "--device",
+        "cuda",
+        "--max-gpu-memory",
+        "24GB",
+        "--max-ram",
+        "2TB",
+    ]
     res = invoke("run", "unused.txt", *caps, "--dry-run", "--stats-json", out)
     assert res.exit_code == 0, res.output
     plan = json.loads(out.read_text())["plan"]
@@ -90,11 +146,30 @@ def test_a_prompt_within_ctx_streams_the_weights_once(tiny_pair, tmp_path):
     """A 400-token prompt through a disk-streamed target on CPU: one prefill pass (prefill_streams)
     where 256-token chunks took two, and the text equals the chunked baseline's."""
     prompt = tmp_path / "p.txt"
-    prompt.write_text("def f(x):\n    return x\n" * 17)   # 408 characters (char-level tokens)
+    prompt.write_text("def f(x):\n    return x\n" * 17)  # 408 characters (char-level tokens)
     out = tmp_path / "s.json"
-    res = invoke("run", prompt, "--target", tiny_pair[0], "--draft", tiny_pair[1], "--device", "cpu",
-                 "--offload", "disk", "--ctx", "500", "--max-new-tokens", "8", "--no-live", "--no-chat-template",
-                 "--temperature", "0", "--stats-json", out)
+    res = invoke(
+        "run",
+        prompt,
+        "--target",
+        tiny_pair[0],
+        "--draft",
+        tiny_pair[1],
+        "--device",
+        "cpu",
+        "--offload",
+        "disk",
+        "--ctx",
+        "500",
+        "--max-new-tokens",
+        "8",
+        "--no-live",
+        "--no-chat-template",
+        "--temperature",
+        "0",
+        "--stats-json",
+        out,
+    )
     assert res.exit_code == 0, res.output
     rec = json.loads(out.read_text())
     assert rec["prompt_tokens"] > 256 and rec["prefill_streams"] == 1

@@ -7,6 +7,7 @@ choice must be the candidate with the most modelled tokens/s."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -19,8 +20,8 @@ from offload.planning.selfplan import SKIP_FACTOR
 from specexec_cli.terminal.app import app
 from tests.sparse_ckpt import write_sparse
 
-H, KV_HEADS, HD, INTER, LAYERS, VOCAB = 8192, 8, 128, 28672, 80, 128256    # Llama-3.1-70B
-D_H, D_HD, D_INTER, D_LAYERS = 2048, 64, 8192, 16                         # Llama-3.2-1B (tied head)
+H, KV_HEADS, HD, INTER, LAYERS, VOCAB = 8192, 8, 128, 28672, 80, 128256  # Llama-3.1-70B
+D_H, D_HD, D_INTER, D_LAYERS = 2048, 64, 8192, 16  # Llama-3.2-1B (tied head)
 FIVE = ("tokens_per_pass", "pass_seconds", "draft_seconds", "tokens_per_second")
 
 
@@ -37,8 +38,29 @@ def runs(pair, tmp_path_factory):
     out = {}
     for name, draft in (("self", "self"), ("small", str(pair[1]))):
         path = tmp_path_factory.mktemp(name) / "plan.json"
-        res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(pair[0]), "--draft", draft, "--dtype", "nf4",
-                                       "--gpu", "4090", "--max-ram", "48GB", "--temperature", "0", "--dry-run", "--stats-json", str(path)])
+        res = CliRunner().invoke(
+            app,
+            [
+                "run",
+                "-p",
+                "x",
+                "--target",
+                str(pair[0]),
+                "--draft",
+                draft,
+                "--dtype",
+                "nf4",
+                "--gpu",
+                "4090",
+                "--max-ram",
+                "48GB",
+                "--temperature",
+                "0",
+                "--dry-run",
+                "--stats-json",
+                str(path),
+            ],
+        )
         assert res.exit_code == 0, res.output
         out[name] = (json.loads(path.read_text())["plan"], res.stdout)
     return out
@@ -47,21 +69,21 @@ def runs(pair, tmp_path_factory):
 def measured_tpp(kind, budget: int) -> float:
     row = sorted(TOKENS_PER_PASS[kind]["greedy"].items())
     b = min(max(budget, row[0][0]), row[-1][0])
-    for (x0, y0), (x1, y1) in zip(row, row[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(row):
         if b <= x1:
             return y0 + (y1 - y0) * math.log(b / x0) / math.log(x1 / x0)
 
 
 def skip(fraction: float) -> float:
     pts = sorted(SKIP_FACTOR.items())
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         if fraction <= x1:
             return y0 + (y1 - y0) * (fraction - x0) / (x1 - x0)
 
 
-F16, MEM, LINK, DISK = 165.2e12, 1008e9, 0.75 * 32e9, 3e9   # 4090: published bf16 tensor (FP32 acc.), memory, PCIe 4
-FORWARD_FLOOR, STEP_FLOOR, BEAMS = 0.01, 0.006, 32                  # passcost.PRIORS["cuda"] floors; --max-beams
-LINEARS = 2 * H * H + 2 * H * KV_HEADS * HD + 3 * H * INTER        # one decoder layer's linear weights
+F16, MEM, LINK, DISK = 165.2e12, 1008e9, 0.75 * 32e9, 3e9  # 4090: published bf16 tensor (FP32 acc.), memory, PCIe 4
+FORWARD_FLOOR, STEP_FLOOR, BEAMS = 0.01, 0.006, 32  # passcost.PRIORS["cuda"] floors; --max-beams
+LINEARS = 2 * H * H + 2 * H * KV_HEADS * HD + 3 * H * INTER  # one decoder layer's linear weights
 
 
 def model_ctx(plan: dict) -> int:
@@ -74,12 +96,23 @@ def model_pass(plan: dict, n: int, compute_only: bool = False) -> float:
     + head + floor; the 70B's layers all have the same size (layer_bytes_total / 80). `compute_only`: the
     pass's compute terms alone (what a draft cannot hide)."""
     size, ctx = plan["layer_bytes_total"] / LAYERS, model_ctx(plan)
-    compute = (max(2 * LINEARS * n / F16, size / MEM) + (LINEARS * 2 * 2 / MEM if n > 4 else 0)
-               + 4 * n * (ctx + n) * H // HD * HD / F16 + 2 * (ctx + n) * KV_HEADS * HD * 2 / MEM)
+    compute = (
+        max(2 * LINEARS * n / F16, size / MEM)
+        + (LINEARS * 2 * 2 / MEM if n > 4 else 0)
+        + 4 * n * (ctx + n) * H // HD * HD / F16
+        + 2 * (ctx + n) * KV_HEADS * HD * 2 / MEM
+    )
     streamed = plan["streamed_layers"]
     layers = plan["resident_layers"] + streamed["ram"] + streamed["disk"]
-    total = layers * compute if compute_only else (plan["resident_layers"] * compute + streamed["ram"] * max(
-        size / LINK, compute) + streamed["disk"] * max(size / DISK, compute))
+    total = (
+        layers * compute
+        if compute_only
+        else (
+            plan["resident_layers"] * compute
+            + streamed["ram"] * max(size / LINK, compute)
+            + streamed["disk"] * max(size / DISK, compute)
+        )
+    )
     return FORWARD_FLOOR + max(2 * n * H * VOCAB / F16, H * VOCAB * 2 / MEM) + total
 
 
@@ -87,13 +120,20 @@ def rederive(plan: dict, cand: dict, traffic: int, flops: float, tpp: float) -> 
     """tokens/s = tpp / (pass + draft - hidden), each term from the model's formula with the plan's bytes."""
     dev, budget = plan["device_bytes"], cand["budget"]
     # forwards: the pending tokens, ceil(budget / beams) for the breadth, the accepted depth (tpp)
-    rows = max(1, min(BEAMS, round(budget / 3)))   # draftcost.draft_rows: the frontier one forward runs
+    rows = max(1, min(BEAMS, round(budget / 3)))  # draftcost.draft_rows: the frontier one forward runs
     draft_s = (1 + math.ceil(budget / BEAMS) + math.ceil(tpp)) * max(traffic / MEM, flops * rows / F16, STEP_FLOOR)
     pass_s = model_pass(plan, budget + 1)
-    hidden = min(draft_s, dev["staging_slots"] / (LINK if plan["ram_bytes_per_pass"] else DISK),
-                 max(0.0, pass_s - model_pass(plan, budget + 1, compute_only=True)))   # stream time only
-    return dict(tokens_per_pass=tpp, pass_seconds=pass_s, draft_seconds=draft_s,
-                tokens_per_second=tpp / (pass_s + draft_s - hidden))
+    hidden = min(
+        draft_s,
+        dev["staging_slots"] / (LINK if plan["ram_bytes_per_pass"] else DISK),
+        max(0.0, pass_s - model_pass(plan, budget + 1, compute_only=True)),
+    )  # stream time only
+    return dict(
+        tokens_per_pass=tpp,
+        pass_seconds=pass_s,
+        draft_seconds=draft_s,
+        tokens_per_second=tpp / (pass_s + draft_s - hidden),
+    )
 
 
 def check(cand: dict, want: dict) -> None:
@@ -106,7 +146,7 @@ def drafts(plan: dict) -> list[dict]:
 
 
 def test_both_dry_runs_list_candidates_with_five_figures_and_choose_the_fastest(runs):
-    for name, (plan, stdout) in runs.items():
+    for _name, (plan, stdout) in runs.items():
         assert plan["fits"] and plan["device_capacity"] == 24 << 30
         m = plan["machine"]
         assert m["memory_bps"] == 1008e9 and "published" in m["source"] and m["flops16"] == F16
@@ -115,13 +155,13 @@ def test_both_dry_runs_list_candidates_with_five_figures_and_choose_the_fastest(
         assert {(c["draft"] == "self", c["bits"]) for c in cands} >= {(True, 3), (True, 2)}
         for c in plan["candidates"]:
             assert c["draft"] and all(isinstance(c[k], (int, float)) for k in FIVE) and c["pass_seconds"] > 0.01
-            assert c["sources"] == {"pass": "modelled", "draft": "modelled"}   # --gpu: no profile applies
+            assert c["sources"] == {"pass": "modelled", "draft": "modelled"}  # --gpu: no profile applies
         assert plan["choice"] == max((c for c in cands if c["fits"]), key=lambda c: c["tokens_per_second"])
         assert plan["candidates"][-1]["draft"] == "none" and plan["candidates"][-1]["tokens_per_pass"] == 1
         assert "candidates (m = measured" in stdout and "what bounds the pass" in stdout
     small = drafts(runs["small"][0])
     assert small[0]["bits"] is None and small[0]["draft"].endswith("d") and len(small) == 3
-    assert small[1:] == drafts(runs["self"][0])   # the self-draft's widths, planned on their own
+    assert small[1:] == drafts(runs["self"][0])  # the self-draft's widths, planned on their own
 
 
 def test_the_self_drafts_figures_rederived(runs):
@@ -129,8 +169,8 @@ def test_the_self_drafts_figures_rederived(runs):
     assert plan["substitute_bits"] == plan["choice"]["bits"]
     run, resident = LAYERS - len(plan["skipped_layers"]), plan["resident_layers"]
     dev = plan["device_bytes"]
-    weight = dev["resident_layers"] + dev["draft"] + VOCAB * H * 2   # resident nf4 layers + substitutes + bf16 head
-    kv = 2 * run * KV_HEADS * HD * model_ctx(plan) * 2               # the shared KV of every layer it runs
+    weight = dev["resident_layers"] + dev["draft"] + VOCAB * H * 2  # resident nf4 layers + substitutes + bf16 head
+    kv = 2 * run * KV_HEADS * HD * model_ctx(plan) * 2  # the shared KV of every layer it runs
     # HQQ substitutes: the compiled path (the CUDA default) writes the bf16 weight once and the matmul reads it: 2
     # elements a weight; the eager reference ($SPECX_LOWBIT_KERNEL=eager) 6. bnb (the resident nf4 layers): 2.
     hqq = 6 if os.environ.get("SPECX_LOWBIT_KERNEL", "").lower() == "eager" else 2
@@ -145,7 +185,7 @@ def test_the_self_drafts_figures_rederived(runs):
 def test_the_small_drafts_figures_rederived(runs):
     plan = runs["small"][0]
     params = VOCAB * D_H + D_H + D_LAYERS * (2 * D_H + 2 * D_H * D_H + 2 * D_H * 8 * D_HD + 3 * D_H * D_INTER)
-    weight = params * 2 + 2 * (D_HD // 2) * 4                       # bf16, tied head read once; rotary buffers
+    weight = params * 2 + 2 * (D_HD // 2) * 4  # bf16, tied head read once; rotary buffers
     kv = 2 * D_LAYERS * 8 * D_HD * model_ctx(plan) * 2
     cand = plan["candidates"][0]
     check(cand, rederive(plan, cand, weight + kv, 2 * weight / 2, measured_tpp("small", cand["budget"])))
@@ -168,11 +208,12 @@ def test_the_pass_grows_with_the_tree_at_least_by_its_gemm_flops(runs):
     for plan, _ in runs.values():
         rows = plan["choice"]["by_budget"]
         assert [r["budget"] for r in rows] == [b for b in (4, 8, 16, 64, 256, 1024) if b < rows[-1]["budget"]] + [
-            rows[-1]["budget"]] and len(rows) >= 3   # the dry run's budgets up to what the memory plan sized
+            rows[-1]["budget"]
+        ] and len(rows) >= 3  # the dry run's budgets up to what the memory plan sized
         for r in rows:
             n = r["budget"] + 1
             assert r["pass_seconds"] >= (LAYERS * 2 * LINEARS * n + 2 * n * H * VOCAB) / F16
-        assert all(b["pass_seconds"] >= a["pass_seconds"] for a, b in zip(rows, rows[1:]))
+        assert all(b["pass_seconds"] >= a["pass_seconds"] for a, b in itertools.pairwise(rows))
 
 
 def test_a_compute_bound_pass_grows_by_the_gemm_flops_at_the_cards_rate():
@@ -217,26 +258,57 @@ def test_auto_without_a_fitting_self_draft_decodes_without_one(capsys):
     from specexec_cli.session.loading import LoadOptions
     from specexec_cli.session.planning import AUTO, resolve_auto
 
-    refused = SimpleNamespace(fits=False, reason="--draft self: a pre-quantized checkpoint has no 16-bit weights",
-                              substitute_bits=None, candidates=[], choice=None)
+    refused = SimpleNamespace(
+        fits=False,
+        reason="--draft self: a pre-quantized checkpoint has no 16-bit weights",
+        substitute_bits=None,
+        candidates=[],
+        choice=None,
+    )
     replanned = []
-    opts, plan = resolve_auto(LoadOptions(target="t", draft=AUTO), refused,
-                              lambda o: replanned.append(o) or SimpleNamespace(fits=True, substitute_bits=None))
+    opts, plan = resolve_auto(
+        LoadOptions(target="t", draft=AUTO),
+        refused,
+        lambda o: replanned.append(o) or SimpleNamespace(fits=True, substitute_bits=None),
+    )
     assert opts.draft is None and replanned == [opts] and plan.fits
     err = capsys.readouterr().err.strip()
-    assert err == ("--draft auto: no self-draft fits (--draft self: a pre-quantized checkpoint has no 16-bit "
-                   "weights), so decoding runs without a draft (pass --draft DIR for a small one)")
+    assert err == (
+        "--draft auto: no self-draft fits (--draft self: a pre-quantized checkpoint has no 16-bit "
+        "weights), so decoding runs without a draft (pass --draft DIR for a small one)"
+    )
 
 
 def test_no_draft_flag_plans_the_auto_choice(pair, runs, tmp_path):
     """No --draft on the streamed 70B: the same candidates as --draft self, and one stderr line naming the choice."""
     path = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(pair[0]), "--dtype", "nf4", "--gpu", "4090",
-                                   "--max-ram", "48GB", "--temperature", "0", "--dry-run", "--stats-json", str(path)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "x",
+            "--target",
+            str(pair[0]),
+            "--dtype",
+            "nf4",
+            "--gpu",
+            "4090",
+            "--max-ram",
+            "48GB",
+            "--temperature",
+            "0",
+            "--dry-run",
+            "--stats-json",
+            str(path),
+        ],
+    )
     assert res.exit_code == 0, res.output
     plan = json.loads(path.read_text())["plan"]
     assert plan["candidates"] == runs["self"][0]["candidates"] and plan["choice"] == runs["self"][0]["choice"]
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("--draft auto:")]
-    assert lines == [f"--draft auto: the self-draft at {plan['choice']['bits']} bits (modelled "
-                     f"{plan['choice']['tokens_per_second']:.2f} tokens/s, the best of 2 candidates; --dry-run lists them)"]
-    assert plan["choice"]["tokens_per_second"] > plan["candidates"][-1]["tokens_per_second"]   # beats plain
+    assert lines == [
+        f"--draft auto: the self-draft at {plan['choice']['bits']} bits (modelled "
+        f"{plan['choice']['tokens_per_second']:.2f} tokens/s, the best of 2 candidates; --dry-run lists them)"
+    ]
+    assert plan["choice"]["tokens_per_second"] > plan["candidates"][-1]["tokens_per_second"]  # beats plain

@@ -29,16 +29,22 @@ def _plan(path, monkeypatch, kernel: bool):
 
 
 def test_the_plan_names_what_the_kernel_serves(smollm2, monkeypatch):
-    from offload.formats import ggml_kernel
-    from offload.formats import open_checkpoint
+    from offload.formats import ggml_kernel, open_checkpoint
 
     plan = _plan(smollm2, monkeypatch, kernel=True)
     head = open_checkpoint(smollm2).tensors["model.embed_tokens.weight"].nbytes
     assert plan.dense_layers == list(range(30))
-    assert plan.kernel == dict(layers=list(range(30)), rows=ggml_kernel.MAX_ROWS, head_bytes=head, stack=True, llama=True,
-                               stack_rows=ggml_kernel.MAX_ROWS)
-    assert _plan(smollm2, monkeypatch, kernel=False).kernel == dict(layers=[], rows=0, head_bytes=0, stack=False,
-                                                                        llama=True, stack_rows=ggml_kernel.MAX_ROWS)
+    assert plan.kernel == dict(
+        layers=list(range(30)),
+        rows=ggml_kernel.MAX_ROWS,
+        head_bytes=head,
+        stack=True,
+        llama=True,
+        stack_rows=ggml_kernel.MAX_ROWS,
+    )
+    assert _plan(smollm2, monkeypatch, kernel=False).kernel == dict(
+        layers=[], rows=0, head_bytes=0, stack=False, llama=True, stack_rows=ggml_kernel.MAX_ROWS
+    )
 
 
 def test_a_decode_token_reads_packed_bytes_and_a_tree_the_fp32_copy(smollm2, monkeypatch):
@@ -51,11 +57,11 @@ def test_a_decode_token_reads_packed_bytes_and_a_tree_the_fp32_copy(smollm2, mon
     assert one.gemm == pytest.approx(sum(plan.layer_bytes) / RATE)
     assert one.dequant == 0
     assert one.head == pytest.approx(plan.kernel["head_bytes"] / RATE)
-    tree = target_pass(a, plan, dev, 64, 64, 4, "int4-unpack")   # above the kernel's rows: the fp32 copy
+    tree = target_pass(a, plan, dev, 64, 64, 4, "int4-unpack")  # above the kernel's rows: the fp32 copy
     per_layer = max(2 * linear_weights(a) * 64 / dev.flops32, linear_weights(a) * 4 / MEM)
     assert tree.gemm == pytest.approx(30 * per_layer)
     off = target_pass(a, _plan(smollm2, monkeypatch, kernel=False), dev, 1, 64, 4, "int4-unpack")
-    assert off.gemm == pytest.approx(30 * linear_weights(a) * 4 / MEM)   # every layer still dense: its fp32 copy
+    assert off.gemm == pytest.approx(30 * linear_weights(a) * 4 / MEM)  # every layer still dense: its fp32 copy
     assert one.seconds < off.seconds
 
 
@@ -74,8 +80,8 @@ def test_a_k_quant_layer_costs_its_types_measured_factor(tmp_path, monkeypatch):
         names = [n for n, t in ck.tensors.items() if n.startswith(f"model.layers.{i}.") and t.qtype is not None]
         want = sum(ck.tensors[n].nbytes * ggml_kernel.COST[ck.tensors[n].meta["ggml_type"]] for n in names)
         assert plan.kernel["cost"][i] == pytest.approx(want / sum(ck.tensors[n].nbytes for n in names), abs=1e-4)
-        assert ggml_kernel.COST[14] < plan.kernel["cost"][i] < ggml_kernel.COST[12]   # a mix of Q6_K and Q4_K bytes
-    assert plan.kernel["head_cost"] == ggml_kernel.COST[12]   # the head is Q4_K here
+        assert ggml_kernel.COST[14] < plan.kernel["cost"][i] < ggml_kernel.COST[12]  # a mix of Q6_K and Q4_K bytes
+    assert plan.kernel["head_cost"] == ggml_kernel.COST[12]  # the head is Q4_K here
     a = arch_of(ck.config)
     dev = device_for("cpu", dequant_bps={GGUF_KERNEL: RATE}, memory_bps=MEM)
     one = target_pass(a, plan, dev, 1, 64, 4, "int4-unpack")

@@ -29,9 +29,31 @@ def pair(tmp_path_factory):
 
 def test_70b_nf4_at_32k_on_a_4090_fits_with_the_attention_terms(pair, tmp_path):
     path = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(pair[0]), "--draft", str(pair[1]), "--dtype", "nf4",
-                                   "--gpu", "4090", "--max-ram", "48GB", "--ctx", "32768", "--temperature", "0",
-                                   "--dry-run", "--stats-json", str(path)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "x",
+            "--target",
+            str(pair[0]),
+            "--draft",
+            str(pair[1]),
+            "--dtype",
+            "nf4",
+            "--gpu",
+            "4090",
+            "--max-ram",
+            "48GB",
+            "--ctx",
+            "32768",
+            "--temperature",
+            "0",
+            "--dry-run",
+            "--stats-json",
+            str(path),
+        ],
+    )
     assert res.exit_code == 0, res.output
     plan = json.loads(path.read_text())["plan"]
     assert plan["fits"] and plan["ctx"] == 32768 and plan["device_total"] <= plan["device_capacity"]
@@ -40,17 +62,37 @@ def test_70b_nf4_at_32k_on_a_4090_fits_with_the_attention_terms(pair, tmp_path):
     assert 256 <= chunk <= 32768
     groups = ta.heads // ta.kv_heads
     attn = mask_bytes("cuda", chunk, 32768, groups, ta.kv_heads, ta.head_dim, 2, 1)
-    assert attn >= chunk * 32768 * 2                       # the chunk's additive mask is counted
+    assert attn >= chunk * 32768 * 2  # the chunk's additive mask is counted
     prefill = pass_bytes(ta, chunk, 32768, 2, "sdpa", 1, ta.intermediate * ta.hidden * 2, True, device="cuda")
-    verify = pass_bytes(ta, budget + 1, plan["kv_rows"][0], 2, "sdpa", budget + 1, ta.intermediate * ta.hidden * 2,
-                        device="cuda")
+    verify = pass_bytes(
+        ta, budget + 1, plan["kv_rows"][0], 2, "sdpa", budget + 1, ta.intermediate * ta.hidden * 2, device="cuda"
+    )
     assert plan["device_bytes"]["activations"] >= max(prefill, verify)
 
 
 def test_ctx_beyond_the_window_is_refused_before_planning(pair):
-    res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(pair[0]), "--draft", str(pair[1]), "--dtype", "nf4",
-                                   "--gpu", "4090", "--ctx", "200000", "--dry-run"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "x",
+            "--target",
+            str(pair[0]),
+            "--draft",
+            str(pair[1]),
+            "--dtype",
+            "nf4",
+            "--gpu",
+            "4090",
+            "--ctx",
+            "200000",
+            "--dry-run",
+        ],
+    )
     assert res.exit_code == 2
-    assert res.output.strip().splitlines()[-1] == ("error: --ctx 200000 is beyond the --target model's window of 131072 "
-                                                   "positions (max_position_embeddings in its config.json); fix: "
-                                                   "--ctx 131072 or less")
+    assert res.output.strip().splitlines()[-1] == (
+        "error: --ctx 200000 is beyond the --target model's window of 131072 "
+        "positions (max_position_embeddings in its config.json); fix: "
+        "--ctx 131072 or less"
+    )

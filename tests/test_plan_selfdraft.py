@@ -4,6 +4,7 @@ scale and zero per group), and the plan's choice of bits and resident layers is 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,13 +13,13 @@ from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
 from tests.sparse_ckpt import write_sparse
 
 GB = 10**9
-H, KV, INTER, LAYERS = 8192, 1024, 28672, 80   # Llama-3.1-70B: hidden, kv heads x head dim, MLP, layers
+H, KV, INTER, LAYERS = 8192, 1024, 28672, 80  # Llama-3.1-70B: hidden, kv heads x head dim, MLP, layers
 
 
 def hqq_layer_bytes(bits: int) -> int:
     group = {3: 64, 2: 32}[bits]
     per_word, word = {3: (10, 4), 2: (4, 1)}[bits]
-    total = 2 * H * 2   # two RMSNorm weights, bf16
+    total = 2 * H * 2  # two RMSNorm weights, bf16
     for numel in (H * H, KV * H, KV * H, H * H, INTER * H, INTER * H, H * INTER):
         rows = numel // group
         total += -(-rows // per_word) * group * word + 2 * rows * 2
@@ -31,9 +32,19 @@ def llama70b(tmp_path_factory):
 
 
 def plan(ck, dtype: str, cap_gb: int, bits: int | None = None, temperature: float = 0.0):
-    req = PlanRequest(device="cuda", dtype=dtype, draft_dtype="bf16", ram_free=64 * GB, max_gpu_memory=cap_gb * GB,
-                      ctx=8192, budget=1024, budget_auto=True, self_draft=True, draft_bits=bits,
-                      temperature=temperature)
+    req = PlanRequest(
+        device="cuda",
+        dtype=dtype,
+        draft_dtype="bf16",
+        ram_free=64 * GB,
+        max_gpu_memory=cap_gb * GB,
+        ctx=8192,
+        budget=1024,
+        budget_auto=True,
+        self_draft=True,
+        draft_bits=bits,
+        temperature=temperature,
+    )
     return plan_memory(ck, None, req)
 
 
@@ -43,12 +54,13 @@ def test_nf4_70b_at_44gb_trades_bits_for_resident_layers(llama70b):
     streamed = LAYERS - len(p.resident)
     assert 0 < streamed < LAYERS
     assert p.device_bytes["draft"] == streamed * hqq_layer_bytes(p.substitute_bits)
-    assert any(f"{p.substitute_bits}-bit substitutes of {streamed} of the {streamed} streamed layers" in n
-               for n in p.notes)
-    assert sorted(c["bits"] for c in p.candidates if c["draft"] == "self") == [2, 3]   # the widths' figures
-    assert p.choice["bits"] == p.substitute_bits and p.candidates[-1]["draft"] == "none"   # plain decoding listed
+    assert any(
+        f"{p.substitute_bits}-bit substitutes of {streamed} of the {streamed} streamed layers" in n for n in p.notes
+    )
+    assert sorted(c["bits"] for c in p.candidates if c["draft"] == "self") == [2, 3]  # the widths' figures
+    assert p.choice["bits"] == p.substitute_bits and p.candidates[-1]["draft"] == "none"  # plain decoding listed
     two, three = plan(llama70b, "nf4", 44, bits=2), plan(llama70b, "nf4", 44, bits=3)
-    assert two.fits and three.fits and len(three.resident) < len(two.resident)   # wider: fewer resident
+    assert two.fits and three.fits and len(three.resident) < len(two.resident)  # wider: fewer resident
     assert len(p.resident) == len((two, three)[p.substitute_bits - 2].resident)
 
 
@@ -61,15 +73,19 @@ def test_nf4_70b_at_24gb_fits_by_skipping_a_middle_block(llama70b):
     assert p.fits and p.device_total <= 24 * GB and not p.resident, p.reason
     skipped = p.skipped_layers
     start = (LAYERS - len(skipped)) // 2
-    assert skipped == list(range(start, start + len(skipped)))             # one block in the middle of the stack
+    assert skipped == list(range(start, start + len(skipped)))  # one block in the middle of the stack
     assert p.device_bytes["draft"] == (LAYERS - len(skipped)) * hqq_layer_bytes(p.substitute_bits)
-    assert p.device_bytes["kv_draft"] == 0 and p.kv_rows[1] == 0            # the draft reads the target's KV
+    assert p.device_bytes["kv_draft"] == 0 and p.kv_rows[1] == 0  # the draft reads the target's KV
     for component in ("lm_head", "quant_states", "kv_target", "activations", "staging_slots", "cuda_context"):
         assert p.device_bytes[component] > 0
     note = f"{p.substitute_bits}-bit substitutes of {LAYERS - len(skipped)} of the 80 streamed layers"
-    assert any(note in n and f"the draft leaves out the {len(skipped)} least influential layers, measured by one "
-               f"target pass at the first load (until then the middle block {skipped[0]}-{skipped[-1]} stands in)" in n
-               for n in p.notes)
+    assert any(
+        note in n
+        and f"the draft leaves out the {len(skipped)} least influential layers, measured by one "
+        f"target pass at the first load (until then the middle block {skipped[0]}-{skipped[-1]} stands in)"
+        in n
+        for n in p.notes
+    )
 
 
 @pytest.mark.parametrize("cap_gb", [16, 12])
@@ -113,8 +129,8 @@ def test_the_width_choice_uses_the_runs_temperature(llama70b):
     for p, row in ((greedy, "greedy"), (sampled, "sampled")):
         assert {c["bits"] for c in p.candidates if c["draft"] == "self"} == {4, 3, 2}
         for c in (c for c in p.candidates if c["draft"] == "self"):
-            pts = sorted(TOKENS_PER_PASS[c["bits"]][row].items())   # log-linear between measured budgets
-            b = min(max(c["budget"], pts[0][0]), pts[-1][0])           # clamped at the ends
-            (x0, y0), (x1, y1) = next((a, b_) for a, b_ in zip(pts, pts[1:]) if b <= b_[0])
+            pts = sorted(TOKENS_PER_PASS[c["bits"]][row].items())  # log-linear between measured budgets
+            b = min(max(c["budget"], pts[0][0]), pts[-1][0])  # clamped at the ends
+            (x0, y0), (x1, y1) = next((a, b_) for a, b_ in itertools.pairwise(pts) if b <= b_[0])
             want = y0 + (y1 - y0) * math.log(b / x0) / math.log(x1 / x0)
             assert c["tokens_per_pass"] == pytest.approx(want, abs=1e-3)

@@ -14,8 +14,14 @@ from offload import OffloadedCausalLM
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96
-SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=VOCAB, max_position_embeddings=128)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 
 
 class Boom(RuntimeError):
@@ -41,10 +47,12 @@ def test_abandoned_pass_never_hands_stale_layers_to_the_next(model_dir, abandon_
 
     The exception info is kept alive, so the abandoned generator is NOT closed before the next
     pass starts (as when a traceback is being printed or stored)."""
-    ref = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=2,
-                                            host_slots=host_slots)   # never abandoned
-    model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=2,
-                                              host_slots=host_slots)
+    ref = OffloadedCausalLM.from_pretrained(
+        model_dir, offload="disk", max_device_memory=0, slots=2, host_slots=host_slots
+    )  # never abandoned
+    model = OffloadedCausalLM.from_pretrained(
+        model_dir, offload="disk", max_device_memory=0, slots=2, host_slots=host_slots
+    )
     try:
         ids, other = _ids(), _ids(seed=1)
         expected = ref(input_ids=ids).logits
@@ -82,7 +90,7 @@ def test_pass_left_open_does_not_leak_into_the_next_pass(model_dir, taken):
             next(held)
         for _ in range(2):
             torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=0, rtol=0)
-            pf = model.prefetcher   # only the next pass's jobs are queued: the stale ones were drained
+            pf = model.prefetcher  # only the next pass's jobs are queued: the stale ones were drained
             assert {tag for tag, _ in pf.jobs_a.values()} == {pf.pass_id + 1}
         held.close()
         del held
@@ -94,14 +102,13 @@ def test_pass_left_open_does_not_leak_into_the_next_pass(model_dir, taken):
 
 def test_ring_fills_with_next_pass_layers_between_passes(model_dir):
     """After a pass, the read stage fills every host slot with the next pass's first layers."""
-    model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=1,
-                                              host_slots=4)
+    model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=1, host_slots=4)
     try:
         reads = []
         model.store.io_hook = reads.append
         model(input_ids=_ids())
-        time.sleep(0.3)                      # "the draft grows its tree"
-        assert reads[6:] == [0, 1, 2, 3]     # one pass of 6 layers, then 4 of the next pass
+        time.sleep(0.3)  # "the draft grows its tree"
+        assert reads[6:] == [0, 1, 2, 3]  # one pass of 6 layers, then 4 of the next pass
         delay = 0.05
         model.store.io_hook = lambda layer: (reads.append(layer), time.sleep(delay))
         time.sleep(0.3)
@@ -115,8 +122,7 @@ def test_ring_fills_with_next_pass_layers_between_passes(model_dir):
 
 def test_link_busy_and_stall_measure_the_read_stage(model_dir):
     n, delay = 6, 0.1
-    model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=2,
-                                              host_slots=2)
+    model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=2, host_slots=2)
     try:
         model(input_ids=_ids())
         time.sleep(0.2)
@@ -125,7 +131,7 @@ def test_link_busy_and_stall_measure_the_read_stage(model_dir):
         t0 = time.perf_counter()
         model(input_ids=_ids())
         wall = time.perf_counter() - t0
-        time.sleep(3 * delay)                # the next pass's 2 layers finish reading
+        time.sleep(3 * delay)  # the next pass's 2 layers finish reading
         busy = model.link_busy_seconds() - busy0
         stall = model.prefetcher.stall_seconds - stall0
         # 4 layers read inside the pass + 2 for the next one, each >= delay
@@ -151,8 +157,15 @@ def _kernel_read_bytes() -> int:
 def test_disk_tier_reads_only_layer_bytes(tmp_path):
     """Kernel-counted bytes per pass within 3% of the layer bytes (O_DIRECT: no page-cache readahead)."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        num_hidden_layers=3,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
     model = OffloadedCausalLM.from_pretrained(tmp_path, offload="disk", max_device_memory=0, host_slots=3)
     if model.plan.direct_io is False:
@@ -166,7 +179,7 @@ def test_disk_tier_reads_only_layer_bytes(tmp_path):
         b0 = _kernel_read_bytes()
         for _ in range(passes):
             model(input_ids=_ids())
-        model.prefetcher.wait_idle()         # same ring state at both ends: the window holds `passes` passes
+        model.prefetcher.wait_idle()  # same ring state at both ends: the window holds `passes` passes
         per_pass = (_kernel_read_bytes() - b0) / passes
         assert abs(per_pass / layer_bytes - 1) < 0.03, (per_pass, layer_bytes)
     finally:
@@ -186,19 +199,30 @@ def test_link_meter_reports_busy_fraction_and_stall_per_pass(monkeypatch):
     busy = {"s": 0.0}
     target = SimpleNamespace(prefetcher=pf, link_busy_seconds=lambda now: busy["s"])
     stats, meter = RunStats(), LinkMeter(target)
-    steps = [(0, 5.0, 4.0, 1.0), (1, 2.0, 1.5, 0.25), (2, 4.0, 1.0, 0.0)]   # (pass, wall, busy, stall)
+    steps = [(0, 5.0, 4.0, 1.0), (1, 2.0, 1.5, 0.25), (2, 4.0, 1.0, 0.0)]  # (pass, wall, busy, stall)
     for idx, wall, b, st in steps:
         clock["t"] += wall
         busy["s"] += b
         pf.stall_seconds += st
-        ev = SimpleNamespace(tokens=[1], prefill_seconds=1.0, decode_seconds=1.0, finish=None, pass_index=idx,
-                             prompt_tokens=3, draft_seconds=0.1, target_seconds=0.2, tree_size=0, tree_depth=0, accepted=0)
+        ev = SimpleNamespace(
+            tokens=[1],
+            prefill_seconds=1.0,
+            decode_seconds=1.0,
+            finish=None,
+            pass_index=idx,
+            prompt_tokens=3,
+            draft_seconds=0.1,
+            target_seconds=0.2,
+            tree_size=0,
+            tree_depth=0,
+            accepted=0,
+        )
         stats.add(ev)
         meter.step(stats, ev)
     assert stats.link_busy == [0.75, 0.25] and stats.stall == [0.25, 0.0]
     rec = stats.to_json()
     assert rec["link_busy_fraction"] == 0.5 and rec["stall_seconds"] == 0.25
-    assert "link_busy_fraction" not in RunStats().to_json()   # resident target: no link fields
+    assert "link_busy_fraction" not in RunStats().to_json()  # resident target: no link fields
 
 
 def test_reader_queue_depth_and_chunk_read_the_same_bytes(model_dir):
@@ -210,7 +234,7 @@ def test_reader_queue_depth_and_chunk_read_the_same_bytes(model_dir):
         ids = _ids()
         for _ in range(2):
             torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=0, rtol=0)
-        assert model.store.reader._pool is not None   # the threaded path really ran
+        assert model.store.reader._pool is not None  # the threaded path really ran
     finally:
         model.close()
         ref.close()
@@ -221,8 +245,9 @@ def test_cuda_ring_two_stages_match_cpu_and_survive_abandon(model_dir):
     """CUDA: disk reads into 4 pinned host slots, copies into 2 device slots; equals the CPU model,
     also after a pass abandoned halfway."""
     cpu = OffloadedCausalLM.from_pretrained(model_dir, offload="ram")
-    gpu = OffloadedCausalLM.from_pretrained(model_dir, device="cuda", offload="disk", max_device_memory=0,
-                                            slots=2, host_slots=4)
+    gpu = OffloadedCausalLM.from_pretrained(
+        model_dir, device="cuda", offload="disk", max_device_memory=0, slots=2, host_slots=4
+    )
     try:
         assert gpu.prefetcher.slots == 2 and gpu.prefetcher.host_slots == 4
         ids = _ids()

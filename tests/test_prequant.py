@@ -16,25 +16,30 @@ import transformers
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
 
 import offload.quant.quant_cache as qc
-from offload.arch.hfcompat import cache_kwargs
 from offload import OffloadedCausalLM, OffloadError
+from offload.arch.hfcompat import cache_kwargs
 from tests.test_families import make_family
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 48
-Q4 = dict(intermediate_size=128)   # bitsandbytes' CPU kernel wants in_features % 64 == 0
+Q4 = dict(intermediate_size=128)  # bitsandbytes' CPU kernel wants in_features % 64 == 0
 
 
 def _bnb_save(src, out, quant_type="nf4", double=True, dtype=torch.float32):
-    cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
-                             bnb_4bit_compute_dtype=dtype)
+    cfg = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double,
+        bnb_4bit_compute_dtype=dtype,
+    )
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, dtype=dtype, device_map="cpu")
     model.save_pretrained(out)
     return out
 
 
-@pytest.fixture(scope="module", params=[("llama31", "nf4", True), ("qwen2", "fp4", False)],
-            ids=["llama-nf4-dq", "qwen2-fp4"])
+@pytest.fixture(
+    scope="module", params=[("llama31", "nf4", True), ("qwen2", "fp4", False)], ids=["llama-nf4-dq", "qwen2-fp4"]
+)
 def prequant_dir(request, tmp_path_factory):
     family, qtype, double = request.param
     root = tmp_path_factory.mktemp("prequant")
@@ -76,7 +81,7 @@ def test_prequant_equals_transformers(prequant_dir, offload, no_quantize):
     model = OffloadedCausalLM.from_pretrained(prequant_dir, dtype=torch.float32, offload=offload)
     try:
         assert model.plan.tier == offload
-        if offload == "disk":   # packed bytes land in the slot as read: no per-pass conversion
+        if offload == "disk":  # packed bytes land in the slot as read: no per-pass conversion
             assert all(not d.convert for d in model.store.disk.values())
         ids = _ids(12)
         with torch.no_grad():
@@ -97,7 +102,7 @@ def test_prequant_disk_streams_only_packed_bytes(prequant_dir):
     try:
         model(input_ids=_ids(3))
         packed = sum(s.nbytes for i in model.plan.disk_layers for s in model.store.disk[i].layout.slices.values())
-        bf16 = 2 * 2 * packed          # two 4-bit codes per packed byte, two bytes per bf16 value
+        bf16 = 2 * 2 * packed  # two 4-bit codes per packed byte, two bytes per bf16 value
         assert model.stats.streamed_bytes_per_pass < packed + len(model.plan.disk_layers) * 3 * 4096
         assert packed < 0.3 * bf16
     finally:
@@ -115,6 +120,7 @@ def test_8bit_checkpoint_refused_by_name(prequant_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- the nf4 cache of 16-bit checkpoints
+
 
 @pytest.fixture()
 def bf16_dir(tmp_path):
@@ -137,8 +143,9 @@ def test_cache_built_once_then_reused(bf16_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
     calls = _count_quantize(monkeypatch)
     seen = []
-    a = OffloadedCausalLM.from_pretrained(bf16_dir, dtype="nf4", offload="disk",
-                                          progress=lambda d, t, what: seen.append(what))
+    a = OffloadedCausalLM.from_pretrained(
+        bf16_dir, dtype="nf4", offload="disk", progress=lambda d, t, what: seen.append(what)
+    )
     n_linear = len(calls)
     assert n_linear == 3 * 7 and any("quantizing layer 2" in w for w in seen)
     (cache,) = (tmp_path / "cache").iterdir()
@@ -183,8 +190,8 @@ def _tensors(path):
 def test_cache_packed_for_the_cpu_kernel_holds_moved_nibbles(bf16_dir, tmp_path, monkeypatch):
     """A CPU_PACKING cache stores each fitting linear's bytes exactly as cpu_relayout moves the
     standard bytes (the layout Linear4bit makes at its first CPU forward); everything else equal."""
-    from offload.quant import nf4
     from offload.formats.st_index import SafetensorsIndex
+    from offload.quant import nf4
 
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
     std, packed = tmp_path / "std", qc.ensure_nf4_cache(bf16_dir, packing=nf4.CPU_PACKING)
@@ -205,8 +212,10 @@ def test_cache_packed_for_the_cpu_kernel_holds_moved_nibbles(bf16_dir, tmp_path,
     assert moved == 3 * 7
 
 
-@pytest.mark.skipif(__import__("offload.quant.nf4", fromlist=["x"]).packing_for("cpu") == "standard",
-                    reason="bitsandbytes has no fused AVX512-BF16 CPU kernel on this CPU")
+@pytest.mark.skipif(
+    __import__("offload.quant.nf4", fromlist=["x"]).packing_for("cpu") == "standard",
+    reason="bitsandbytes has no fused AVX512-BF16 CPU kernel on this CPU",
+)
 @pytest.mark.parametrize("offload", ["none", "ram", "disk"])
 def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkeypatch, offload):
     """On a CPU where Linear4bit uses the fused kernel, `--dtype nf4` streams the kernel-packed
@@ -228,7 +237,7 @@ def test_kernel_packed_cache_streams_without_relayout(bf16_dir, tmp_path, monkey
     monkeypatch.setattr(om, "cpu_relayout", no_relayout)
     b = OffloadedCausalLM.from_pretrained(bf16_dir, dtype="nf4", offload=offload)
     assert b.packing == "bnb-cpu-avx512bf16" and bool(b.plan.streamed) == (offload != "none")
-    for w in want:                       # two passes: the second streams from the read-ahead ring
+    for w in want:  # two passes: the second streams from the read-ahead ring
         torch.testing.assert_close(b(input_ids=ids).logits, w, atol=0, rtol=0)
     b.close()
     monkeypatch.setattr(om, "packing_for", lambda device: "standard")
@@ -269,7 +278,7 @@ def test_specx_run_on_prequant_target(prequant_dir, offload, tmp_path):
 
     target, draft = tmp_path / "t", tmp_path / "d"
     shutil.copytree(prequant_dir, target)
-    shutil.copytree(prequant_dir.parent / "src", draft)       # the 16-bit model it was quantized from
+    shutil.copytree(prequant_dir.parent / "src", draft)  # the 16-bit model it was quantized from
     for path in (target, draft):
         make_tokenizer().save_pretrained(path)
     prompt = tmp_path / "p.txt"
@@ -277,16 +286,36 @@ def test_specx_run_on_prequant_target(prequant_dir, offload, tmp_path):
     ids = {}
     for method in ("ar", "specexec"):
         stats = tmp_path / f"{method}.json"
-        r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(target), "--draft", str(draft), "--device",
-                                     "cpu", "--offload", offload, "--method", method, "--budget", "8",
-                                     "--max-new-tokens", "16", "--stats-json", str(stats)])
+        r = CliRunner().invoke(
+            app,
+            [
+                "run",
+                str(prompt),
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--device",
+                "cpu",
+                "--offload",
+                offload,
+                "--method",
+                method,
+                "--budget",
+                "8",
+                "--max-new-tokens",
+                "16",
+                "--stats-json",
+                str(stats),
+            ],
+        )
         assert r.exit_code == 0, r.output
         ids[method] = json.loads(stats.read_text())["token_ids"]
     tok = transformers.AutoTokenizer.from_pretrained(target)
     prompt_ids = torch.tensor([tok(prompt.read_text())["input_ids"]])
     with torch.no_grad():
         want = _hf_q(target).generate(prompt_ids, max_new_tokens=16, do_sample=False)
-    assert ids["ar"] == want[0, prompt_ids.shape[1]:].tolist()[:len(ids["ar"])]
+    assert ids["ar"] == want[0, prompt_ids.shape[1] :].tolist()[: len(ids["ar"])]
     assert ids["specexec"] == ids["ar"]
 
 
@@ -305,4 +334,4 @@ def test_cpu_relayout_equals_bitsandbytes(shape):
     got_s = cpu_state(state)
     assert torch.equal(cpu_relayout(packed, shape), want_w)
     assert torch.equal(got_s.absmax, want_s.absmax) and got_s.dtype == want_s.dtype and got_s.packing_format_for_cpu
-    assert state.nested and not got_s.nested     # the original state is untouched
+    assert state.nested and not got_s.nested  # the original state is untouched

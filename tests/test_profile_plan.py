@@ -18,26 +18,66 @@ POINTS = {"1": 0.01, "2": 0.011, "4": 0.012, "8": 0.02, "16": 0.04}
 
 @pytest.fixture(autouse=True)
 def xdg(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))   # no profile of this machine leaks in
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))  # no profile of this machine leaks in
 
 
 def dry(target, tmp_path, *extra, name="plan"):
     stats = tmp_path / f"{name}.json"
-    res = CliRunner(env={"COLUMNS": "80"}).invoke(app, [
-        "run", "-p", "x", "--target", str(target), "--draft", "self", "--draft-bits", "4", "--device", "cpu",
-        "--dtype", "fp32", "--offload", "disk", "--budget", "8", "--temperature", "0", "--dry-run",
-        "--stats-json", str(stats), *extra])
+    res = CliRunner(env={"COLUMNS": "80"}).invoke(
+        app,
+        [
+            "run",
+            "-p",
+            "x",
+            "--target",
+            str(target),
+            "--draft",
+            "self",
+            "--draft-bits",
+            "4",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--offload",
+            "disk",
+            "--budget",
+            "8",
+            "--temperature",
+            "0",
+            "--dry-run",
+            "--stats-json",
+            str(stats),
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return json.loads(stats.read_text())["plan"], res
 
 
 def profile_for(target, placement, tmp_path, **over) -> str:
-    models = dict(target=str(target), target_resolved=str(target.resolve()), plan_dtype="fp32", placement=placement,
-                  target_seconds=POINTS, draft_timings={"self-4": {"step_seconds": 0.005, "grow_seconds": {"16": 0.3},
-                                                                   "max_beams": 32}})
+    models = dict(
+        target=str(target),
+        target_resolved=str(target.resolve()),
+        plan_dtype="fp32",
+        placement=placement,
+        target_seconds=POINTS,
+        draft_timings={"self-4": {"step_seconds": 0.005, "grow_seconds": {"16": 0.3}, "max_beams": 32}},
+    )
     models.update(over.pop("models", {}))
-    prof = dict(schema="specx-profile", version=1, hostname=socket.gethostname(), created="now", cpu={},
-                memory={}, gpus=[], disk={}, matmul={}, models=models, recommended=None)
+    prof = dict(
+        schema="specx-profile",
+        version=1,
+        hostname=socket.gethostname(),
+        created="now",
+        cpu={},
+        memory={},
+        gpus=[],
+        disk={},
+        matmul={},
+        models=models,
+        recommended=None,
+    )
     prof.update(over)
     path = tmp_path / "prof.json"
     path.write_text(json.dumps(prof))
@@ -57,8 +97,8 @@ def test_a_matching_profile_replaces_the_modelled_pass_and_draft(tiny_pair, tmp_
     plan, res = dry(tiny_pair[0], tmp_path, "--profile", profile_for(tiny_pair[0], placement, tmp_path))
     (four,) = [c for c in plan["candidates"] if c["draft"] == "self"]
     assert four["sources"] == {"pass": "measured", "draft": "measured"}
-    assert four["pass_seconds"] == pytest.approx(loglog(POINTS, 9), rel=1e-4)   # n = budget 8 + the root
-    assert four["draft_seconds"] == pytest.approx(0.3)   # below the one measured tree: flat
+    assert four["pass_seconds"] == pytest.approx(loglog(POINTS, 9), rel=1e-4)  # n = budget 8 + the root
+    assert four["draft_seconds"] == pytest.approx(0.3)  # below the one measured tree: flat
     plain = plan["candidates"][-1]
     assert plain["draft"] == "none" and plain["pass_seconds"] == pytest.approx(0.01)
     assert all(len(line) <= 80 for line in res.stdout.splitlines()), res.stdout
@@ -69,13 +109,16 @@ def test_another_placement_falls_back_to_the_model(tiny_pair, tmp_path):
     assert all(c["sources"]["pass"] == "modelled" for c in plan["candidates"])
 
 
-@pytest.mark.parametrize("over,why", [
-    (dict(hostname="elsewhere"), "was measured on 'elsewhere', not this machine: its figures are not used"),
-    (dict(models=dict(target_resolved="/nowhere/model")), "timed another target"),
-    (dict(models=dict(plan_dtype="bf16")), "timed this target at --dtype bf16, not fp32"),
-])
+@pytest.mark.parametrize(
+    "over,why",
+    [
+        (dict(hostname="elsewhere"), "was measured on 'elsewhere', not this machine: its figures are not used"),
+        (dict(models=dict(target_resolved="/nowhere/model")), "timed another target"),
+        (dict(models=dict(plan_dtype="bf16")), "timed this target at --dtype bf16, not fp32"),
+    ],
+)
 def test_a_profile_for_another_machine_target_or_dtype_is_not_used(tiny_pair, tmp_path, over, why):
-    plan, res = dry(tiny_pair[0], tmp_path, "--profile", profile_for(tiny_pair[0], [0, 0, 3], tmp_path, **over))
+    plan, _res = dry(tiny_pair[0], tmp_path, "--profile", profile_for(tiny_pair[0], [0, 0, 3], tmp_path, **over))
     notes = [n for n in plan["notes"] if why in n]
     assert len(notes) == 1 and "prof.json" in notes[0]
     assert all(c["sources"]["pass"] == "modelled" for c in plan["candidates"])
@@ -84,8 +127,9 @@ def test_a_profile_for_another_machine_target_or_dtype_is_not_used(tiny_pair, tm
 def test_an_unparsable_profile_is_one_line_naming_it_exit_2(tiny_pair, tmp_path):
     bad = tmp_path / "broken.json"
     bad.write_text("{not json")
-    res = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(tiny_pair[0]), "--device", "cpu",
-                                   "--dry-run", "--profile", str(bad)])
+    res = CliRunner().invoke(
+        app, ["run", "-p", "x", "--target", str(tiny_pair[0]), "--device", "cpu", "--dry-run", "--profile", str(bad)]
+    )
     assert res.exit_code == 2 and "Traceback" not in res.output
     err = res.stderr.strip()
     assert len(err.splitlines()) == 1 and str(bad) in err and "specx profile" in err
@@ -112,8 +156,9 @@ def test_profile_times_every_draft_a_run_could_take(monkeypatch):
     from specexec_cli.tools import modeltimes
 
     monkeypatch.setattr(deps, "installed", lambda m: m != "hqq")
-    assert modeltimes.draft_configs("self") == [("self", 4, "self-4")]    # 3/2 bits need hqq
+    assert modeltimes.draft_configs("self") == [("self", 4, "self-4")]  # 3/2 bits need hqq
     monkeypatch.setattr(deps, "installed", lambda m: True)
     assert [k for _, _, k in modeltimes.draft_configs("self")] == ["self-4", "self-3", "self-2"]
     assert modeltimes.draft_configs("/d") == [("/d", None, "small")] and modeltimes.draft_configs(None) == [
-        (None, None, "")]
+        (None, None, "")
+    ]

@@ -16,7 +16,7 @@ from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.session.prompt_cache import PromptCache, make_prompt_cache, restore, token_bytes
 
 LAYERS, HEADS, DIM = 2, 2, 4
-ROW_BYTES = 2 * LAYERS * HEADS * DIM * 4   # K and V, fp32, per position (target only: no draft rows)
+ROW_BYTES = 2 * LAYERS * HEADS * DIM * 4  # K and V, fp32, per position (target only: no draft rows)
 
 
 def state(ids: list[int], seed: int = 0) -> DecodeState:
@@ -45,9 +45,9 @@ def test_a_short_request_never_evicts_a_longer_conversation_in_use():
     cache = PromptCache(capacity=120 * ROW_BYTES)
     assert cache.save(conv) and cache.entries[0].nbytes == 99 * ROW_BYTES
     cache.clock += 1
-    assert not cache.save(title)   # no room without evicting the longer, recently used conversation
+    assert not cache.save(title)  # no room without evicting the longer, recently used conversation
     assert [e.target_len for e in cache.entries] == [99] and cache.stats.refused == 1
-    cache.clock += cache.protect_requests   # nobody continued it for protect_requests requests
+    cache.clock += cache.protect_requests  # nobody continued it for protect_requests requests
     assert cache.save(title)
     assert [e.target_len for e in cache.entries] == [39] and cache.stats.evictions == 1
 
@@ -57,8 +57,8 @@ def test_a_continued_conversation_survives_a_longer_one_shot():
     cache = PromptCache(capacity=100 * ROW_BYTES)
     assert cache.save(conv)
     cache.clock += 1
-    assert cache.prepare(state([0]), list(range(1, 61)) + [7, 8], NoModels) == 59   # turn 2 restores it
-    follow_up = state([400 + i for i in range(80)], seed=2)   # longer: the history pasted into one message
+    assert cache.prepare(state([0]), list(range(1, 61)) + [7, 8], NoModels) == 59  # turn 2 restores it
+    follow_up = state([400 + i for i in range(80)], seed=2)  # longer: the history pasted into one message
     cache.clock += 1
     assert not cache.save(follow_up) and [e.target_len for e in cache.entries] == [59]
     cache.clock += cache.protect_requests
@@ -72,10 +72,10 @@ def test_lru_by_bytes_and_short_snapshots_are_not_kept():
         cache.clock += 1
         assert cache.save(st)
     cache.clock += 1
-    assert cache.save(c)   # same length: the least recently used one (a) goes
+    assert cache.save(c)  # same length: the least recently used one (a) goes
     assert [e.ids[0] for e in cache.entries] == [2000, 3000] and cache.nbytes == 80 * ROW_BYTES
-    assert not cache.save(state([7] * 10)) and len(cache.entries) == 2   # under min_tokens
-    assert not PromptCache(capacity=10 * ROW_BYTES).save(a)   # larger than the whole cache
+    assert not cache.save(state([7] * 10)) and len(cache.entries) == 2  # under min_tokens
+    assert not PromptCache(capacity=10 * ROW_BYTES).save(a)  # larger than the whole cache
 
 
 def test_a_longer_turn_of_the_same_conversation_replaces_its_snapshot():
@@ -85,7 +85,7 @@ def test_a_longer_turn_of_the_same_conversation_replaces_its_snapshot():
     turn2 = state(list(range(1, 60)) + list(range(200, 240)))
     assert cache.save(turn2)
     assert [e.target_len for e in cache.entries] == [98] and cache.stats.saves == 2
-    assert cache.save(turn1) and len(cache.entries) == 1   # covered by the longer one: nothing new kept
+    assert cache.save(turn1) and len(cache.entries) == 1  # covered by the longer one: nothing new kept
 
 
 def test_restore_is_bit_exact_and_prepare_saves_what_a_rewind_would_discard():
@@ -94,9 +94,9 @@ def test_restore_is_bit_exact_and_prepare_saves_what_a_rewind_would_discard():
     cache = PromptCache(capacity=1000 * ROW_BYTES)
     live = conv
     other = [900, 901, 902] + list(range(300, 330))
-    assert cache.prepare(live, other, NoModels) == 0   # nothing better cached ...
-    assert len(cache.entries) == 1                     # ... but the conversation was kept before the rewind
-    live.ids[:], live.target_len = other, 0            # the other request takes the live state
+    assert cache.prepare(live, other, NoModels) == 0  # nothing better cached ...
+    assert len(cache.entries) == 1  # ... but the conversation was kept before the rewind
+    live.ids[:], live.target_len = other, 0  # the other request takes the live state
     kvcache.crop(live.target_cache, 0)
     again = list(range(1, 81)) + [5, 6, 7]
     assert cache.prepare(live, again, NoModels) == 79 and cache.stats.hits == 1
@@ -125,21 +125,24 @@ def test_interleaved_requests_do_not_cost_the_conversation(models):
     conv = enc("def parse(line):\n    x = ")
     for turn in range(3):
         got, cached = reply(with_cache, conv)
-        draft_rows = [t[:, :, : with_cache.state.draft_len].clone() for layer in with_cache.state.draft_cache.layers
-                      for t in (layer.keys, layer.values)]  # fmt: skip
+        draft_rows = [
+            t[:, :, : with_cache.state.draft_len].clone()
+            for layer in with_cache.state.draft_cache.layers
+            for t in (layer.keys, layer.values)
+        ]
         snap_ids = list(with_cache.state.ids)
-        reply(with_cache, enc("write a title for: ") + conv[-20:])   # the shapes a client sends in between
+        reply(with_cache, enc("write a title for: ") + conv[-20:])  # the shapes a client sends in between
         reply(with_cache, enc("suggest follow ups"))
         want, alone_cached = reply(alone, conv)
         assert got == want
         assert cached == alone_cached and (turn == 0 or cached >= 0.5 * len(conv))
-        if turn < 2:   # the snapshot holds the draft's rows too, restored exactly
+        if turn < 2:  # the snapshot holds the draft's rows too, restored exactly
             entry = next(e for e in with_cache.prompt_cache.entries if e.ids == snap_ids)
             assert entry.draft_len > 0
             assert all(torch.equal(a, b) for a, b in zip((t for pair in entry.draft for t in pair), draft_rows))
         conv = conv + got + enc("\ny = 3\n")
     assert with_cache.prompt_cache.stats.hits >= 2
-    assert token_bytes(models.target) == 2 * 3 * 2 * 16 * 4   # layers, kv heads, head_dim, fp32
+    assert token_bytes(models.target) == 2 * 3 * 2 * 16 * 4  # layers, kv heads, head_dim, fp32
 
 
 def test_restore_into_a_fresh_state_and_no_cache_at_zero(models):
@@ -152,13 +155,15 @@ def test_restore_into_a_fresh_state_and_no_cache_at_zero(models):
     restore(cache.entries[0], fresh, models)
     assert fresh.ids == session.state.ids and fresh.target_len == session.state.target_len
     n = fresh.target_len
-    assert all(torch.equal(a.keys[:, :, :n], b.keys[:, :, :n])
-               for a, b in zip(fresh.target_cache.layers, session.state.target_cache.layers))  # fmt: skip
+    assert all(
+        torch.equal(a.keys[:, :, :n], b.keys[:, :, :n])
+        for a, b in zip(fresh.target_cache.layers, session.state.target_cache.layers)
+    )
 
 
 def test_a_self_drafts_shared_cache_keeps_no_rows_of_its_own():
     st = state(list(range(1, 41)))
-    st.draft_cache, st.draft_len = kvcache.SharedCache(st.target_cache), 39   # the draft reads the target's rows
+    st.draft_cache, st.draft_len = kvcache.SharedCache(st.target_cache), 39  # the draft reads the target's rows
     cache = PromptCache(capacity=1000 * ROW_BYTES)
     assert cache.save(st) and cache.entries[0].draft == [] and cache.entries[0].nbytes == 39 * ROW_BYTES
     fresh = state([0])

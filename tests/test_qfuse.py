@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel, qfuse  # noqa: E402
-from offload.formats.qlinear import PackedLinear  # noqa: E402
-from offload.stream.model import OffloadedCausalLM  # noqa: E402
-from tests.conftest import make_model  # noqa: E402
-from tests.gguf_build import write_gguf  # noqa: E402
+from offload.formats import ggml_kernel, qfuse
+from offload.formats.qlinear import PackedLinear
+from offload.stream.model import OffloadedCausalLM
+from tests.conftest import make_model
+from tests.gguf_build import write_gguf
 
 pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler: the GGUF kernel is off")
 
@@ -77,9 +77,9 @@ def test_groups_attached_and_one_call_per_group(q41):
     layers = len(model.layers)
     for t in (1, 4, 16):
         assert torch.equal(fused[t][0], alone[t][0]), t
-    assert alone[1][1] - fused[1][1] == 3 * layers   # 7 -> 4 calls per layer
+    assert alone[1][1] - fused[1][1] == 3 * layers  # 7 -> 4 calls per layer
     assert alone[4][1] - fused[4][1] == 3 * layers
-    assert fused[16][1] == alone[16][1]              # over MAX_ROWS with `dense`: no kernel, no group
+    assert fused[16][1] == alone[16][1]  # over MAX_ROWS with `dense`: no kernel, no group
 
 
 def test_streamed_layers(q41):
@@ -95,7 +95,7 @@ def test_streamed_layers(q41):
     finally:
         model.close()
     for (f, fc), (a, ac) in zip(fused, alone):
-        assert torch.equal(f, a) and ac - fc == len(model.layers)   # no `dense`: the kernel at any T
+        assert torch.equal(f, a) and ac - fc == len(model.layers)  # no `dense`: the kernel at any T
 
 
 def _group(q41):
@@ -115,15 +115,15 @@ def test_group_serves_only_the_same_unmodified_input(q41):
             g = q.group
             assert torch.equal(q(x), alone[0])
             waiting = g._outs[id(k)]
-            assert k(x) is waiting and torch.equal(waiting, alone[1])   # the slice of q's call
-            assert torch.equal(v(x), alone[2]) and g._x is None         # all served: x dropped
+            assert k(x) is waiting and torch.equal(waiting, alone[1])  # the slice of q's call
+            assert torch.equal(v(x), alone[2]) and g._x is None  # all served: x dropped
             other = x.clone()
             q(x)
             stale = g._outs[id(k)]
-            got = k(other)                      # another object: computed for it, not q's slice
+            got = k(other)  # another object: computed for it, not q's slice
             assert got is not stale and torch.equal(got, alone[1])
             q(x)
-            x.add_(1.0)                         # written in place between q and k: no stale slice
+            x.add_(1.0)  # written in place between q and k: no stale slice
             got = k(x)
             _unfused(model)
             assert torch.equal(got, k(x)) and not torch.equal(got, alone[1])
@@ -138,7 +138,7 @@ def test_bytes_not_adjacent_fall_back(q41):
             x = torch.randn(1, 1, q.in_features)
             want = [m(x) for m in (q, k, v)]
             g = q.group
-            k.weight = torch.nn.Parameter(k.weight.clone(), requires_grad=False)   # its own buffer now
+            k.weight = torch.nn.Parameter(k.weight.clone(), requires_grad=False)  # its own buffer now
             assert g.take(q, x) is None
             calls = ggml_kernel.CALLS
             got = [m(x) for m in (q, k, v)]

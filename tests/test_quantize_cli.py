@@ -30,14 +30,27 @@ def pair16(tmp_path_factory):
 
 def _run(tmp_path, name, *args):
     stats = tmp_path / f"{name}.json"
-    r = CliRunner().invoke(app, ["run", *map(str, args), "--device", "cpu", "--max-new-tokens", "16", "--budget", "8",
-                                 "--stats-json", str(stats)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "run",
+            *map(str, args),
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "16",
+            "--budget",
+            "8",
+            "--stats-json",
+            str(stats),
+        ],
+    )
     assert r.exit_code == 0, r.output
     return json.loads(stats.read_text())["token_ids"]
 
 
 def test_quantize_writes_a_checkpoint_specx_and_transformers_load(pair16, tmp_path):
-    target, draft, prompt = pair16
+    target, _draft, prompt = pair16
     out = tmp_path / "q4"
     r = CliRunner().invoke(app, ["quantize", "--target", str(target), "--out", str(out)])
     assert r.exit_code == 0, r.output
@@ -47,8 +60,9 @@ def test_quantize_writes_a_checkpoint_specx_and_transformers_load(pair16, tmp_pa
     assert cfg["quantization_config"]["load_in_4bit"] and cfg["model_type"] == "qwen3"
     # the written checkpoint runs as a target, and equals --dtype nf4 on the 16-bit source (same bytes)
     pre = _run(tmp_path, "pre", prompt, "--target", out, "--method", "ar", "--offload", "disk")
-    cached = _run(tmp_path, "cache", prompt, "--target", target, "--method", "ar", "--dtype", "nf4",
-                  "--offload", "disk")
+    cached = _run(
+        tmp_path, "cache", prompt, "--target", target, "--method", "ar", "--dtype", "nf4", "--offload", "disk"
+    )
     assert pre == cached and len(pre) > 4
     # transformers loads it as a 4-bit model
     from bitsandbytes.nn import Linear4bit
@@ -73,8 +87,11 @@ def test_mixed_precision_pair_is_lossless(pair16, tmp_path, dtype, draft_dtype, 
     from specexec_cli.session.loading import LoadOptions, load_models
 
     target, draft, prompt = pair16
-    models = load_models(LoadOptions(target=str(target), draft=str(draft), dtype=dtype, draft_dtype=draft_dtype,
-                                     device="cpu", offload="disk"))
+    models = load_models(
+        LoadOptions(
+            target=str(target), draft=str(draft), dtype=dtype, draft_dtype=draft_dtype, device="cpu", offload="disk"
+        )
+    )
     assert models.draft.dtype == want
     flags = ["--target", target, "--draft", draft, "--dtype", dtype, "--draft-dtype", draft_dtype, "--offload", "disk"]
     ar = _run(tmp_path, "ar", prompt, *flags, "--method", "ar")
@@ -84,6 +101,19 @@ def test_mixed_precision_pair_is_lossless(pair16, tmp_path, dtype, draft_dtype, 
 
 def test_bad_draft_dtype_is_one_line(pair16):
     target, draft, prompt = pair16
-    r = CliRunner().invoke(app, ["run", str(prompt), "--target", str(target), "--draft", str(draft), "--device", "cpu",
-                                 "--draft-dtype", "int8"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--device",
+            "cpu",
+            "--draft-dtype",
+            "int8",
+        ],
+    )
     assert r.exit_code == 2 and "--draft-dtype must be one of" in r.stderr and "Traceback" not in r.output

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import re
 import shlex
-import tomllib
 
 import pytest
+import tomllib
 import typer
 from typer.testing import CliRunner
 
@@ -49,7 +49,7 @@ def specx_args(command: str) -> list[str] | None:
     words = shlex.split(command.split("|")[-1])
     if not words or words[0] != "specx":
         return None
-    return words[1:words.index(">")] if ">" in words else words[1:]
+    return words[1 : words.index(">")] if ">" in words else words[1:]
 
 
 def readme_specx() -> list[list[str]]:
@@ -70,7 +70,7 @@ def test_install_and_test_commands_match_ci_and_pyproject():
     installs = [c for c in cmds if c.startswith("pip install")]
     assert installs, cmds
     for c in installs:
-        if " -e " not in c:   # another package (the quick start's model): CI installs it the same way
+        if " -e " not in c:  # another package (the quick start's model): CI installs it the same way
             assert c in ci, (c, "installed by the README but not by .ci/run")
             continue
         torch_pins = re.findall(r"torch==[\w.+]+", c)
@@ -80,8 +80,9 @@ def test_install_and_test_commands_match_ci_and_pyproject():
     # CONTRIBUTING.md's test command, step by step, is what .ci/run runs, in order (CI may add set-up steps)
     contributing = (ROOT / "CONTRIBUTING.md").read_text()
     test_steps = next(line for line in contributing.splitlines() if "python -m pytest" in line).split("&&")
-    ci_steps = [step.strip() for line in ci.splitlines() if not line.lstrip().startswith("#")
-                for step in line.split("&&")]  # fmt: skip
+    ci_steps = [
+        step.strip() for line in ci.splitlines() if not line.lstrip().startswith("#") for step in line.split("&&")
+    ]
     it = iter(ci_steps)
     assert all(step.strip() in it for step in test_steps), ("CONTRIBUTING's test command and .ci/run differ", ci_steps)
     assert (ROOT / "tools" / "compat.sh").stat().st_mode & 0o111
@@ -111,7 +112,7 @@ def quick_start() -> list[str]:
 
 
 def test_quick_start_runs_on_the_demo_pair_without_smollm2(monkeypatch):
-    monkeypatch.chdir(ROOT)   # the suite's default target is the demo pair (conftest: SPECX_DEFAULT_TARGET)
+    monkeypatch.chdir(ROOT)  # the suite's default target is the demo pair (conftest: SPECX_DEFAULT_TARGET)
     r = CliRunner().invoke(app, [*quick_start(), "--max-new-tokens", "8", "--no-live"])
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() and "demo pair" in r.stderr
@@ -133,8 +134,10 @@ def test_quick_start_runs_as_written_on_smollm2(monkeypatch):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("readme_models")
-    return {"Llama-3.1-70B-Instruct": write_sparse("llama-3.1-70b", root / "t"),
-            "Llama-3.2-1B-Instruct": write_sparse("llama-3.2-1b", root / "d")}
+    return {
+        "Llama-3.1-70B-Instruct": write_sparse("llama-3.1-70b", root / "t"),
+        "Llama-3.2-1B-Instruct": write_sparse("llama-3.2-1b", root / "d"),
+    }
 
 
 @pytest.fixture()

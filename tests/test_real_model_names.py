@@ -62,7 +62,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 def test_a_distribution_with_one_gguf_names_it_without_being_imported(tiny_gguf, tmp_path, monkeypatch):
     pkg = fake_dist(tmp_path / "site", "tiny-model", {"tiny.gguf": tiny_gguf, "README.md": None}, monkeypatch)
-    for spelling in ("tiny-model", "tiny_model", "Tiny.Model"):   # as pip compares names
+    for spelling in ("tiny-model", "tiny_model", "Tiny.Model"):  # as pip compares names
         assert names.resolve_path(spelling, "--target") == pkg / "tiny.gguf"
     assert "tiny_model_pkg" not in sys.modules
     r = CliRunner().invoke(app, ["info", "tiny-model"])
@@ -70,7 +70,7 @@ def test_a_distribution_with_one_gguf_names_it_without_being_imported(tiny_gguf,
     assert str(pkg / "tiny.gguf") in r.stdout and "gguf" in r.stdout
     assert "tiny_model_pkg" not in sys.modules
     r = CliRunner().invoke(app, ["run", "-p", "ab", "--target", "tiny-model", "--draft", "self", "--dry-run"])
-    assert r.exit_code == 0, r.output   # planned from the file's headers, as a path would be
+    assert r.exit_code == 0, r.output  # planned from the file's headers, as a path would be
     assert "lm_head" in r.stdout and "tiny_model_pkg" not in sys.modules
 
 
@@ -85,16 +85,21 @@ def test_zero_or_several_gguf_files_are_one_line_naming_the_fix(tiny_gguf, tmp_p
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert [line for line in r.stderr.splitlines() if line.strip()] == [
         "error: --target no-weights: the installed Python distribution ships no .gguf file; pass a model directory, "
-        "a .gguf file, or a distribution that ships one"]
+        "a .gguf file, or a distribution that ships one"
+    ]
 
 
 def test_the_parts_of_one_split_gguf_name_the_first_part(tiny_gguf, tmp_path, monkeypatch):
     parts = {f"m-{i:05d}-of-00003.gguf": tiny_gguf for i in (1, 2, 3)}
     pkg = fake_dist(tmp_path / "site", "split-model", parts, monkeypatch)
     assert names.resolve_path("split-model", "--target") == pkg / "m-00001-of-00003.gguf"
-    pkg2 = fake_dist(tmp_path / "site2", "gappy-model", {"m-00001-of-00003.gguf": tiny_gguf,
-                                                          "m-00003-of-00003.gguf": tiny_gguf}, monkeypatch)
-    with pytest.raises(SpecxError, match="ships 2 .gguf files"):
+    pkg2 = fake_dist(
+        tmp_path / "site2",
+        "gappy-model",
+        {"m-00001-of-00003.gguf": tiny_gguf, "m-00003-of-00003.gguf": tiny_gguf},
+        monkeypatch,
+    )
+    with pytest.raises(SpecxError, match=r"ships 2 \.gguf files"):
         names.resolve_path("gappy-model", "--target")
     assert pkg2.is_dir()
 
@@ -105,8 +110,8 @@ def test_names_that_are_not_distributions_keep_their_old_errors():
         names.resolve_path("surely-not-installed-xyz", "--target")
     with pytest.raises(SpecxError, match="no such directory"):
         names.resolve_path("not a name!", "--target")
-    assert metadata.distribution("torch")   # a distribution without GGUF files: the fix, not a crash
-    with pytest.raises(SpecxError, match="torch: the installed Python distribution ships no .gguf file"):
+    assert metadata.distribution("torch")  # a distribution without GGUF files: the fix, not a crash
+    with pytest.raises(SpecxError, match=r"torch: the installed Python distribution ships no \.gguf file"):
         names.resolve_path("torch", "--target")
 
 
@@ -114,10 +119,10 @@ def test_no_target_runs_the_installed_default_distribution(tiny_gguf, tmp_path, 
     fake_dist(tmp_path / "site", "tiny-default", {"tiny.gguf": tiny_gguf}, monkeypatch)
     monkeypatch.delenv(names.DEFAULT_ENV)
     monkeypatch.setattr(names, "DEFAULT_DIST", "tiny-default")
-    assert pick_models(None, None, "specexec") == ("tiny-default", "auto")   # the automatic draft choice
+    assert pick_models(None, None, "specexec") == ("tiny-default", "auto")  # the automatic draft choice
     assert "no --target: running tiny.gguf (tiny-default)" in capsys.readouterr().err
     assert pick_models(None, "self", "specexec") == ("tiny-default", "self")
-    assert pick_models(None, "/some/draft", "specexec") == ("tiny-default", "/some/draft")   # its own draft
+    assert pick_models(None, "/some/draft", "specexec") == ("tiny-default", "/some/draft")  # its own draft
     assert pick_models(None, None, "ar") == ("tiny-default", None)
 
 
@@ -130,7 +135,7 @@ def test_without_the_default_distribution_the_demo_pair_says_how_to_get_it(monke
     with pytest.raises(SpecxError, match="--draft given without --target"):
         pick_models(None, "/some/draft", "specexec")
     monkeypatch.setenv(names.DEFAULT_ENV, "demo")
-    assert pick_models("demo", None, "specexec") == demo and capsys.readouterr().err == ""   # named: no notice
+    assert pick_models("demo", None, "specexec") == demo and capsys.readouterr().err == ""  # named: no notice
 
 
 def test_the_real_default_is_smollm2_whendistribution_installed(monkeypatch, capsys):
@@ -151,5 +156,3 @@ def test_chat_on_a_default_chat_model_is_not_the_demo_pairs_code_mode(tiny_gguf,
     assert r.exit_code == 0, r.output
     assert "no --target: running tiny.gguf (tiny-chat)" in r.stderr
     assert "each message is code" not in r.stderr
-
-

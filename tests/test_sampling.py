@@ -39,8 +39,15 @@ def test_sample_is_reproducible_with_generator():
     assert a == b
 
 
-@pytest.mark.parametrize("params", [SamplingParams(-1.0), SamplingParams(1.0, top_p=0.0),
-                                    SamplingParams(1.0, top_p=1.5), SamplingParams(1.0, top_k=-2)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(-1.0),
+        SamplingParams(1.0, top_p=0.0),
+        SamplingParams(1.0, top_p=1.5),
+        SamplingParams(1.0, top_k=-2),
+    ],
+)
 def test_validate_rejects_out_of_range(params):
     with pytest.raises(ValueError):
         validate(params)

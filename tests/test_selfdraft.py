@@ -45,10 +45,30 @@ def cache_dir(tmp_path, monkeypatch):
 def run(tmp_path, target, *extra, temperature="0"):
     prompt, stats = tmp_path / "p.txt", tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
     prompt.write_text(PROMPT)
-    res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
-                              "--no-chat-template", "--temperature", temperature, "--seed", "7", "--max-new-tokens", "24",
-                              "--budget", "16",
-                              "--stats-json", str(stats), *extra])
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(target),
+            "--device",
+            "cpu",
+            "--no-live",
+            "--no-chat-template",
+            "--temperature",
+            temperature,
+            "--seed",
+            "7",
+            "--max-new-tokens",
+            "24",
+            "--budget",
+            "16",
+            "--stats-json",
+            str(stats),
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return json.loads(stats.read_text()), res
 
@@ -74,8 +94,18 @@ def untied_prefix(target, ar: dict, dtype: str) -> int:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_self_draft_is_lossless_at_t0(tmp_path, target, offload, dtype):
     ar, _ = run(tmp_path, target, "--method", "ar", "--offload", offload, "--dtype", dtype)
-    sd, _ = run(tmp_path, target, "--draft", "self", "--offload", offload, "--dtype", dtype, "--max-ram", "0"
-                if offload == "disk" else "1GB")
+    sd, _ = run(
+        tmp_path,
+        target,
+        "--draft",
+        "self",
+        "--offload",
+        offload,
+        "--dtype",
+        dtype,
+        "--max-ram",
+        "0" if offload == "disk" else "1GB",
+    )
     n = untied_prefix(target, ar, dtype)
     assert n >= 8 and (dtype != "fp32" or n == len(ar["token_ids"]))
     assert sd["token_ids"][:n] == ar["token_ids"][:n]
@@ -88,7 +118,7 @@ def test_sampled_ids_equal_ar_with_the_same_seed(tmp_path, target):
     ar, _ = run(tmp_path, target, "--method", "ar", "--offload", "disk", temperature="0.8")
     sd, _ = run(tmp_path, target, "--draft", "self", "--offload", "disk", "--max-ram", "0", temperature="0.8")
     greedy, _ = run(tmp_path, target, "--method", "ar", "--offload", "disk")
-    assert sd["token_ids"] == ar["token_ids"] != greedy["token_ids"]   # really sampled, and equal
+    assert sd["token_ids"] == ar["token_ids"] != greedy["token_ids"]  # really sampled, and equal
 
 
 def test_everything_resident_drafts_by_leaving_layers_out(tmp_path, target):
@@ -101,8 +131,26 @@ def test_everything_resident_drafts_by_leaving_layers_out(tmp_path, target):
 def test_4bit_substitutes_of_a_4bit_target_are_refused_in_one_line(tmp_path, target):
     prompt = tmp_path / "p.txt"
     prompt.write_text(PROMPT)
-    res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
-                              "--draft", "self", "--draft-bits", "4", "--dtype", "nf4", "--offload", "disk"])
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(target),
+            "--device",
+            "cpu",
+            "--no-live",
+            "--draft",
+            "self",
+            "--draft-bits",
+            "4",
+            "--dtype",
+            "nf4",
+            "--offload",
+            "disk",
+        ],
+    )
     err = res.stderr.strip()
     assert res.exit_code != 0 and len(err.splitlines()) == 1 and "already 4-bit" in err and "fix:" in err
 
@@ -138,15 +186,15 @@ def test_substitute_cache_is_reused_rebuilt_on_change_and_on_corruption(target, 
 
     load()
     load()
-    assert len(built) == 1                        # second load: the cache is reused
+    assert len(built) == 1  # second load: the cache is reused
     shard = next(src.glob("*.safetensors"))
     os.utime(shard, (shard.stat().st_atime, shard.stat().st_mtime + 10))
     load()
-    assert len(built) == 2                        # the target's files changed: rebuilt
+    assert len(built) == 2  # the target's files changed: rebuilt
     cache = qc.cache_dir(src, packing_for(torch.device("cpu")))
     layer_shard = sorted(p for p in cache.glob("*.safetensors"))[0]
     size = layer_shard.stat().st_size
-    layer_shard.write_bytes(b"\xff" * size)       # same size, garbage header
+    layer_shard.write_bytes(b"\xff" * size)  # same size, garbage header
     with pytest.warns(OffloadNotice, match="corrupt"):
         load()
     assert len(built) == 3
@@ -158,14 +206,48 @@ def test_profile_measures_the_self_draft_and_runs_start_from_it(tmp_path, target
     from specexec_cli.session.calprobe import pair_prior
 
     out = tmp_path / "prof.json"
-    res = runner.invoke(app, ["profile", "--target", str(target), "--draft", "self", "--device", "cpu",
-                              "--offload", "disk", "--max-ram", "0", "--max-tokens", "8", "--disk-mb", "1",
-                              "--calibration-tokens", "4", "--out", str(out), "--no-live"])
+    res = runner.invoke(
+        app,
+        [
+            "profile",
+            "--target",
+            str(target),
+            "--draft",
+            "self",
+            "--device",
+            "cpu",
+            "--offload",
+            "disk",
+            "--max-ram",
+            "0",
+            "--max-tokens",
+            "8",
+            "--disk-mb",
+            "1",
+            "--calibration-tokens",
+            "4",
+            "--out",
+            str(out),
+            "--no-live",
+        ],
+    )
     assert res.exit_code == 0, res.output
     prof = json.loads(out.read_text())
     assert prof["models"]["draft"] == "self" and prof["models"]["draft_step_seconds"] > 0
     assert prof["node_calibration"] and pair_prior(prof, str(target), "self") is prof["node_calibration"]
-    sd, _ = run(tmp_path, target, "--draft", "self", "--offload", "disk", "--max-ram", "0", "--profile", str(out),
-                "--budget", "auto")
+    sd, _ = run(
+        tmp_path,
+        target,
+        "--draft",
+        "self",
+        "--offload",
+        "disk",
+        "--max-ram",
+        "0",
+        "--profile",
+        str(out),
+        "--budget",
+        "auto",
+    )
     ar, _ = run(tmp_path, target, "--method", "ar", "--offload", "disk")
     assert sd["token_ids"] == ar["token_ids"]

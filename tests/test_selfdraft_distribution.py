@@ -24,9 +24,9 @@ from scipy.stats import chi2
 
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
-from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.core.methods import generate
 from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.session.loading import LoadOptions, load_models
 from tests.conftest import make_model
 
 N = 1000
@@ -72,7 +72,9 @@ def test_self_draft_samples_follow_the_target(models):
         events = list(generate(models, DecodeState(), prompt, GenerationConfig(seed=seed, **cfg)))
         ids = tuple(t for ev in events for t in ev.tokens)[:2]
         counts[ids] = counts.get(ids, 0) + 1
-        in_one_pass += len(events) > 1 and events[1].accepted >= 1   # the second token was a draft child the target accepted
+        in_one_pass += (
+            len(events) > 1 and events[1].accepted >= 1
+        )  # the second token was a draft child the target accepted
     probs = reference(models, prompt)
     cells = sorted(probs, key=probs.get, reverse=True)
     big = [c for c in cells if probs[c] * N >= 5]

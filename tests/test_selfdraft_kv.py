@@ -15,11 +15,11 @@ import torch
 
 from offload.selfdraft.build import PassThrough, skip_block
 from specexec_cli.core import kvcache
-from specexec_cli.session.chat import ChatSession
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
-from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.core.methods import generate
+from specexec_cli.session.chat import ChatSession
+from specexec_cli.session.loading import LoadOptions, load_models
 from tests.conftest import make_model
 
 PROMPT = "def add(a, b):\n    return"
@@ -81,7 +81,7 @@ def test_every_method_is_lossless_with_either_cache(target, ar_ids, method, shar
 
 
 def test_skipped_layers_are_pass_throughs_and_stay_lossless(target, ar_ids):
-    models = load(target, draft_skip=2, draft_skip_rule="middle")   # the influence rule: tests/test_influence.py
+    models = load(target, draft_skip=2, draft_skip_rule="middle")  # the influence rule: tests/test_influence.py
     assert skip_block(6, 2) == [2, 3] and models.draft.skipped == [2, 3]
     assert all(isinstance(models.draft.layers[i], PassThrough) for i in (2, 3))
     assert models.draft.substituted == [0, 1, 4, 5]
@@ -96,7 +96,7 @@ def test_turns_that_rewind_the_caches_stay_equal_to_the_target(target):
         ar, sd = (s.reply(text, lambda _: None).token_ids for s in sessions)
         assert sd == ar
     ids = list(sessions[1].state.ids)
-    sessions[1].prefill_ids(ids[: len(ids) // 2] + [5])   # a rewind into the middle of the conversation
+    sessions[1].prefill_ids(ids[: len(ids) // 2] + [5])  # a rewind into the middle of the conversation
     st = sessions[1].state
     assert st.draft_len == st.target_len == len(ids) // 2 and st.draft_cache.start == st.target_len
 
@@ -108,8 +108,8 @@ def test_the_plans_skipped_layers_reach_the_draft(target, ar_ids):
 
     opts = LoadOptions(str(target), "self", dtype="fp32", device="cpu", offload="disk", max_ram=0)
     plan = make_plan(opts, TreeShape(16, 16), False, 0.0)
-    assert plan.fits and plan.skipped_layers == []   # nothing to skip where every substitute fits
-    plan.skipped_layers = [4]   # one layer left out: the loader picks the least influential
+    assert plan.fits and plan.skipped_layers == []  # nothing to skip where every substitute fits
+    plan.skipped_layers = [4]  # one layer left out: the loader picks the least influential
     models = load_models(replace(opts, plan=plan))
     (left_out,) = models.draft.skipped
     assert plan.skipped_layers == [left_out] and isinstance(models.draft.layers[left_out], PassThrough)

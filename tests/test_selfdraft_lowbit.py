@@ -44,9 +44,32 @@ def cache_dir(tmp_path, monkeypatch):
 def run(tmp_path, target, *extra, code=0):
     prompt, stats = tmp_path / "p.txt", tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
     prompt.write_text(PROMPT)
-    res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
-                              "--no-chat-template", "--temperature", "0", "--max-new-tokens", "24", "--budget", "16",
-                              "--offload", "disk", "--max-ram", "0", "--stats-json", str(stats), *extra])
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(target),
+            "--device",
+            "cpu",
+            "--no-live",
+            "--no-chat-template",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "24",
+            "--budget",
+            "16",
+            "--offload",
+            "disk",
+            "--max-ram",
+            "0",
+            "--stats-json",
+            str(stats),
+            *extra,
+        ],
+    )
     assert res.exit_code == code, res.output
     return (json.loads(stats.read_text()) if code == 0 else None), res
 
@@ -56,12 +79,12 @@ def test_hqq_self_draft_is_lossless_at_t0(tmp_path, target, bits):
     ar, _ = run(tmp_path, target, "--method", "ar")
     sd, _ = run(tmp_path, target, "--draft", "self", "--draft-bits", bits)
     assert sd["token_ids"] == ar["token_ids"]
-    assert sd["target_passes"] < len(ar["token_ids"])   # the substitutes' proposals were accepted
+    assert sd["target_passes"] < len(ar["token_ids"])  # the substitutes' proposals were accepted
 
 
 def test_nf4_target_gets_low_bit_substitutes(tmp_path, target):
     ar, _ = run(tmp_path, target, "--method", "ar", "--dtype", "nf4")
-    sd, res = run(tmp_path, target, "--draft", "self", "--dtype", "nf4")
+    sd, _res = run(tmp_path, target, "--draft", "self", "--dtype", "nf4")
     assert sd["token_ids"] == ar["token_ids"]
     _, refused = run(tmp_path, target, "--draft", "self", "--dtype", "nf4", "--draft-bits", "4", code=2)
     err = refused.stderr.strip()
@@ -82,8 +105,17 @@ def test_dequantized_weight_is_close_and_sized_as_planned(bits):
 
 def test_errors_shrink_with_more_bits():
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
-    errs = [(lowbit.LowbitLinear(*(lambda q: (q["W_q"], q["scale"], q["zero"]))(lowbit.quantize_weight(w, b)),
-                                 None, tuple(w.shape), b).weight_now() - w).norm().item() for b in (2, 3, 4)]
+    errs = [
+        (
+            lowbit.LowbitLinear(
+                *(lambda q: (q["W_q"], q["scale"], q["zero"]))(lowbit.quantize_weight(w, b)), None, tuple(w.shape), b
+            ).weight_now()
+            - w
+        )
+        .norm()
+        .item()
+        for b in (2, 3, 4)
+    ]
     assert errs[0] > errs[1] > errs[2]
 
 
@@ -93,8 +125,18 @@ def test_loader_allocates_what_the_plan_counts(target, bits):
     d = build_self_draft(t, bits=bits)
     try:
         assert shares_with(d, t) and d.substituted == [0, 1, 2, 3] and d.substitute_bits == bits
-        req = PlanRequest(device="cpu", dtype="fp32", draft_dtype="fp32", ram_free=8 << 30, offload="disk",
-                          max_ram=0, self_draft=True, draft_bits=bits, ctx=256, budget=16)
+        req = PlanRequest(
+            device="cpu",
+            dtype="fp32",
+            draft_dtype="fp32",
+            ram_free=8 << 30,
+            offload="disk",
+            max_ram=0,
+            self_draft=True,
+            draft_bits=bits,
+            ctx=256,
+            budget=16,
+        )
         plan = plan_memory(read_checkpoint(target), None, req)
         assert plan.substitute_bits == bits and plan.device_bytes["draft"] == d.pool.allocated
         assert any(f"{bits}-bit substitutes" in n for n in plan.notes)
@@ -113,11 +155,11 @@ def test_hqq_cache_is_reused_extended_rebuilt_on_change_and_on_corruption(target
     monkeypatch.setattr(lowbit, "_write_shard", lambda *a: (built.append(a[1]), real(*a))[1])
     lowbit.ensure_lowbit_layers(src, [0, 1], 3)
     out = lowbit.ensure_lowbit_layers(src, [0, 1, 2], 3)
-    assert built == [0, 1, 2]                      # reused, and only the new layer quantized
+    assert built == [0, 1, 2]  # reused, and only the new layer quantized
     shard = next(src.glob("*.safetensors"))
     os.utime(shard, (shard.stat().st_atime, shard.stat().st_mtime + 10))
     new = lowbit.ensure_lowbit_layers(src, [0], 3)
-    assert new != out and not out.exists() and built == [0, 1, 2, 0]   # changed target: new cache, old removed
+    assert new != out and not out.exists() and built == [0, 1, 2, 0]  # changed target: new cache, old removed
     layer = lowbit.shard_path(new, 0)
     layer.write_bytes(b"\xff" * layer.stat().st_size)
     with pytest.warns(OffloadNotice, match="corrupt"):
@@ -130,7 +172,7 @@ def test_bad_flags_and_missing_hqq_are_one_line_errors(tmp_path, target, monkeyp
     assert "--draft-bits applies to --draft self" in res.stderr
     _, res = run(tmp_path, target, "--draft", "self", "--draft-bits", "5", code=2)
     assert "--draft-bits must be auto, 4, 3 or 2" in res.stderr
-    monkeypatch.setitem(__import__("sys").modules, "hqq.core.quantize", None)   # import fails
+    monkeypatch.setitem(__import__("sys").modules, "hqq.core.quantize", None)  # import fails
     monkeypatch.setattr(lowbit, "_QUANTIZER", [])
     with pytest.raises(OffloadError, match=r"pip install 'hqq>=0\.2\.8,<0\.3'"):
         lowbit.hqq_quantizer()
@@ -153,8 +195,7 @@ def test_nf4_target_plan_counts_the_substitutes_it_loads(target):
     from specexec_cli.session.loading import LoadOptions, load_models
     from specexec_cli.session.planning import make_plan
 
-    opts = LoadOptions(str(target), "self", dtype="nf4", device="cpu", offload="disk", max_ram=0, ctx=256,
-                       draft_bits=3)
+    opts = LoadOptions(str(target), "self", dtype="nf4", device="cpu", offload="disk", max_ram=0, ctx=256, draft_bits=3)
     plan = make_plan(opts, TreeShape(16, 8), budget_auto=False)
     models = load_models(replace(opts, plan=plan))
     try:

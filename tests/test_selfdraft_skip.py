@@ -41,9 +41,30 @@ def cache_dir(tmp_path, monkeypatch):
 def run(tmp_path, target, *extra, temperature="0"):
     prompt, stats = tmp_path / "p.txt", tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
     prompt.write_text(PROMPT)
-    res = runner.invoke(app, ["run", str(prompt), "--target", str(target), "--device", "cpu", "--no-live",
-                              "--no-chat-template", "--temperature", temperature, "--seed", "7",
-                              "--max-new-tokens", "24", "--budget", "16", "--stats-json", str(stats), *extra])
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(target),
+            "--device",
+            "cpu",
+            "--no-live",
+            "--no-chat-template",
+            "--temperature",
+            temperature,
+            "--seed",
+            "7",
+            "--max-new-tokens",
+            "24",
+            "--budget",
+            "16",
+            "--stats-json",
+            str(stats),
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return json.loads(stats.read_text()), res
 
@@ -66,7 +87,7 @@ def test_the_draft_is_the_targets_own_layers_with_some_left_out(target):
 def test_a_skip_that_leaves_nothing_out_or_everything_is_refused(target, skip):
     t = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="none")
     try:
-        with pytest.raises(SelfDraftError, match="fix:|must be some of"):
+        with pytest.raises(SelfDraftError, match=r"fix:|must be some of"):
             build_skip_draft(t, skip)
     finally:
         t.close()
@@ -74,7 +95,7 @@ def test_a_skip_that_leaves_nothing_out_or_everything_is_refused(target, skip):
 
 def test_alternate_rule_leaves_out_every_other_layer_first():
     order = rule_order(30, "alternate")
-    assert sorted(order[:14]) == list(range(1, 29, 2))   # 14 of 30: exactly the odd inner layers
+    assert sorted(order[:14]) == list(range(1, 29, 2))  # 14 of 30: exactly the odd inner layers
     assert sorted(order) == list(range(1, 29)) and 0 not in order and 29 not in order
     assert rule_order(30, "middle")[:2] == [14, 15] or sorted(rule_order(30, "middle")[:2]) == [14, 15]
     with pytest.raises(ValueError, match="skip rule"):
@@ -99,8 +120,17 @@ def test_sampled_ids_equal_ar_with_the_same_seed(tmp_path, target):
 def plan_for(target, temperature=0.0):
     from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
 
-    req = PlanRequest(device="cpu", dtype="fp32", draft_dtype="fp32", ram_free=8 << 30, ctx=512, budget=64,
-                      budget_auto=True, self_draft=True, temperature=temperature)
+    req = PlanRequest(
+        device="cpu",
+        dtype="fp32",
+        draft_dtype="fp32",
+        ram_free=8 << 30,
+        ctx=512,
+        budget=64,
+        budget_auto=True,
+        self_draft=True,
+        temperature=temperature,
+    )
     return plan_memory(read_checkpoint(target), None, req)
 
 
@@ -123,8 +153,7 @@ class Opts:
 
 
 @pytest.mark.parametrize("tpp, step_floor, picked", [(50.0, 0.0005, "self"), (1.0, None, None)])
-def test_draft_auto_takes_the_layer_skip_draft_only_when_modelled_faster(target, monkeypatch, tpp, step_floor,
-                                                                         picked):
+def test_draft_auto_takes_the_layer_skip_draft_only_when_modelled_faster(target, monkeypatch, tpp, step_floor, picked):
     """A draft that accepts 50 tokens a pass, on a device whose draft step costs little beside a target
     pass, wins; one that accepts a single token never does. (Each draft forward pays the step floor, and a
     tree of 50 accepted tokens takes 50+ forwards: with the CPU prior's 10 ms step floor on this tiny

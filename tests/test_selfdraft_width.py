@@ -19,7 +19,7 @@ from specexec_cli.core.draft import TreeShape
 from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.session.planning import make_plan
 
-RUN_KERNEL = {"eager": "hqq-eager", "fused": "hqq-compiled"}   # LowbitLinear.kernel -> the cost model's name
+RUN_KERNEL = {"eager": "hqq-eager", "fused": "hqq-compiled"}  # LowbitLinear.kernel -> the cost model's name
 
 
 def blocks_built() -> bool:
@@ -43,8 +43,9 @@ def run_kernels(opts, plan) -> set[str]:
 
     models = load_models(replace(opts, plan=plan))
     try:
-        return ({RUN_KERNEL[m.kernel] for m in models.draft.modules() if isinstance(m, LowbitLinear)}
-                | {"sx-blocks" for m in models.draft.modules() if isinstance(m, KernelLowbitLinear)})
+        return {RUN_KERNEL[m.kernel] for m in models.draft.modules() if isinstance(m, LowbitLinear)} | {
+            "sx-blocks" for m in models.draft.modules() if isinstance(m, KernelLowbitLinear)
+        }
     finally:
         models.close() if hasattr(models, "close") else None
 
@@ -59,10 +60,10 @@ def test_each_width_is_costed_with_the_kernel_its_run_uses(tiny_pair, monkeypatc
     used = run_kernels(opts, plan)
     assert used == {cand["kernel"]}, (used, cand["kernel"])
     a = arch_of(__import__("json").loads((tiny_pair[0] / "config.json").read_text()))
-    if env == "auto" and blocks_built():   # the CPU default: the kernel's blocks, nothing dequantized
+    if env == "auto" and blocks_built():  # the CPU default: the kernel's blocks, nothing dequantized
         assert cand["kernel"] == "sx-blocks" and cand["dequant_bytes"] == 0 and plan.dense_draft_layers == []
         return
-    per_weight = {"hqq-eager": 6, "hqq-compiled": 3}[cand["kernel"]]   # CPU: eager reference / Inductor graph
+    per_weight = {"hqq-eager": 6, "hqq-compiled": 3}[cand["kernel"]]  # CPU: eager reference / Inductor graph
     # substitutes dequantized once at load (the plan had room: all of them here) rebuild nothing per forward
     assert plan.dense_draft_layers == list(range(a.layers))
     per_forward = a.layers - len(plan.dense_draft_layers)
@@ -102,4 +103,4 @@ def test_cpu_auto_width_with_the_kernels_blocks(tiny_pair, monkeypatch):
         assert by_bits[b]["kernel"] == "sx-blocks" and by_bits[b]["dequant_bytes"] == 0
     top = max(by_bits.values(), key=lambda c: c["tokens_per_second"])
     assert plan.substitute_bits == top["bits"] == plan.choice["bits"] and plan.dense_draft_layers == []
-    assert 0 < plan.device_bytes["draft"] < linear_numel(a) * a.layers   # packed: under a byte a weight
+    assert 0 < plan.device_bytes["draft"] < linear_numel(a) * a.layers  # packed: under a byte a weight

@@ -11,7 +11,13 @@ import json
 
 import pytest
 
-from specexec_cli.core.methods.sequoia import PROFILE_KEY, acceptance_vector, expected_tokens, optimal_tree, sampling_key
+from specexec_cli.core.methods.sequoia import (
+    PROFILE_KEY,
+    acceptance_vector,
+    expected_tokens,
+    optimal_tree,
+    sampling_key,
+)
 from specexec_cli.core.methods.static_tree import Template
 from specexec_cli.core.sampling import SamplingParams
 

@@ -24,9 +24,27 @@ MAX_NEW = 16
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
-    srv = Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                        "--budget", "8", "--max-new-tokens", str(MAX_NEW), "--model-name", "tiny",
-                        "--max-queue", "4"], tmp_path_factory.mktemp("serve"))  # fmt: skip
+    srv = Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "8",
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--model-name",
+            "tiny",
+            "--max-queue",
+            "4",
+        ],
+        tmp_path_factory.mktemp("serve"),
+    )
     yield srv
     assert srv.stop() == 0, srv.stderr()
     assert "Traceback" not in srv.stderr() and "Warning" not in srv.stderr(), srv.stderr()
@@ -88,8 +106,9 @@ def test_completions_stream_and_not(client):
     ref = client.completions.create(model="tiny", prompt="def g(y):", max_tokens=10, temperature=0)
     assert ref.object == "text_completion" and ref.choices[0].finish_reason in ("stop", "length")
     assert ref.usage.completion_tokens <= 10
-    chunks = list(client.completions.create(model="tiny", prompt="def g(y):", max_tokens=10, temperature=0,
-                                            stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(model="tiny", prompt="def g(y):", max_tokens=10, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.choices[0].text
     assert chunks[-1].choices[0].finish_reason == ref.choices[0].finish_reason
 
@@ -100,9 +119,15 @@ def test_stop_strings(client, stream):
     assert len(full) >= 6, full
     stop = full[3:5]
     cut = full.index(stop)
-    res = client.completions.create(model="tiny", prompt="x = (", max_tokens=MAX_NEW, temperature=0,
-                                    stop=[stop, "never-there"], stream=stream,
-                                    **({"stream_options": {"include_usage": True}} if stream else {}))  # fmt: skip
+    res = client.completions.create(
+        model="tiny",
+        prompt="x = (",
+        max_tokens=MAX_NEW,
+        temperature=0,
+        stop=[stop, "never-there"],
+        stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )
     if stream:
         chunks = list(res)
         finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -142,8 +167,13 @@ def test_two_concurrent_clients(client):
 
 def test_disconnect_mid_stream_then_a_request_equals_a_fresh_run(server, client):
     ref = chat(client, "def k(n):").choices[0].message.content
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "import os"}], "max_tokens": 400,
-            "temperature": 0, "stream": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "import os"}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=body, timeout=60) as res:
         assert res.status_code == 200
         lines = res.iter_lines()
@@ -173,9 +203,26 @@ def test_temperature_0_equals_specx_run(tiny_pair, client):
     prompt = "def fib(n):\n"
     res = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
     target, draft = tiny_pair
-    run = CliRunner().invoke(app, ["run", "-p", prompt, "--no-chat-template", "-n", str(MAX_NEW), "--target",
-                                   str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                                   "--no-live"])  # fmt: skip
+    run = CliRunner().invoke(
+        app,
+        [
+            "run",
+            "-p",
+            prompt,
+            "--no-chat-template",
+            "-n",
+            str(MAX_NEW),
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--no-live",
+        ],
+    )
     assert run.exit_code == 0, run.stderr
     text = res.choices[0].text
     assert run.stdout in (text, text + "\n")
@@ -194,21 +241,31 @@ def test_loopback_without_key_checks_the_host_header(server):
     for path in ("/v1/models", "/", "/health"):
         status, _, res = server.http("GET", path, headers={"Host": "attacker.example"})
         assert status == 403 and res["error"]["code"] == "host_not_allowed", (path, res)
-    status, _, res = server.http("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
-                                 {"Host": "attacker.example:8000"})  # fmt: skip
+    status, _, res = server.http(
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}]},
+        {"Host": "attacker.example:8000"},
+    )
     assert status == 403, res
     for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]", "127.1.2.3:80"):
         assert server.http("GET", "/v1/models", headers={"Host": host})[0] == 200, host
 
 
 def test_a_queued_stream_gets_its_headers_at_once(server, client):
-    long = {"model": "tiny", "messages": [{"role": "user", "content": "import re"}], "max_tokens": 400,
-            "temperature": 0, "stream": True}  # fmt: skip
+    long = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "import re"}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=long, timeout=60) as running:
         next(running.iter_lines())  # the worker is busy with this one
         t0 = time.monotonic()
-        with httpx.stream("POST", f"{server.base}/v1/chat/completions", json={**long, "max_tokens": 2},
-                          timeout=60) as queued:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{server.base}/v1/chat/completions", json={**long, "max_tokens": 2}, timeout=60
+        ) as queued:
             assert queued.status_code == 200 and time.monotonic() - t0 < 5  # not after the 400 tokens
             assert queued.headers["content-type"].startswith("text/event-stream")
             running.close()  # the first client leaves; the queued one runs

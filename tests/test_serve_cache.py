@@ -32,12 +32,14 @@ TEMPLATE = (
     "{{ 'model' if m['role'] == 'assistant' else m['role'] }}: {{ m['content'] | trim }}\n"
     "{% endfor %}{% if add_generation_prompt %}model: {% endif %}"
 )
-SYSTEM = ("you are a helpful assistant. answer in short sentences, use plain words, and say so when you do not "
-          "know. keep code short. " * 4).strip()  # fmt: skip
+SYSTEM = (
+    "you are a helpful assistant. answer in short sentences, use plain words, and say so when you do not "
+    "know. keep code short. " * 4
+).strip()
 TURNS = ["what is a list", "and a tuple", "show me code", "why is it faster", "thanks, one more example"]
 REPLY_TOKENS = 16
 KEEP = set(CHARS[1:])
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}   # tiny models: one thread is fastest, and far faster on a loaded host
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # tiny models: one thread is fastest, and far faster on a loaded host
 
 
 def clean(text: str) -> str:
@@ -51,16 +53,28 @@ def history(msgs: list[dict]) -> str:
 
 def title_request(msgs: list[dict]) -> list[dict]:
     """Open WebUI's title task: one user message, the last messages pasted in."""
-    return [{"role": "user", "content": clean(
-        "### task:\ngenerate a concise, 3 to 5 word title summarizing the chat history.\n"
-        f"### chat history:\n{history(msgs[-2:])}\n### output: the title only")}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": clean(
+                "### task:\ngenerate a concise, 3 to 5 word title summarizing the chat history.\n"
+                f"### chat history:\n{history(msgs[-2:])}\n### output: the title only"
+            ),
+        }
+    ]
 
 
 def follow_up_request(msgs: list[dict]) -> list[dict]:
     """Open WebUI's follow-up task: suggest questions from the last six messages."""
-    return [{"role": "user", "content": clean(
-        "### task:\nsuggest 3 to 5 relevant follow up questions the user might ask next, based on the chat "
-        f"history.\n### chat history:\n{history(msgs[-6:])}")}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": clean(
+                "### task:\nsuggest 3 to 5 relevant follow up questions the user might ask next, based on the chat "
+                f"history.\n### chat history:\n{history(msgs[-6:])}"
+            ),
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +93,32 @@ def pair(tmp_path_factory):
 
 def start(pair, tmp_path_factory, *extra: str) -> Server:
     target, draft = pair
-    return Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                         "--budget", "8", "--model-name", "tiny", "--system", SYSTEM, *extra],
-                        tmp_path_factory.mktemp("serve"), env=ONE_THREAD)  # fmt: skip
+    return Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "8",
+            "--model-name",
+            "tiny",
+            "--system",
+            SYSTEM,
+            *extra,
+        ],
+        tmp_path_factory.mktemp("serve"),
+        env=ONE_THREAD,
+    )
 
 
 @pytest.fixture(scope="module")
 def servers(pair, tmp_path_factory):
-    cached = start(pair, tmp_path_factory, "--parallel", "1")   # one sequence: the prompt cache keeps the conversation
+    cached = start(pair, tmp_path_factory, "--parallel", "1")  # one sequence: the prompt cache keeps the conversation
     plain = start(pair, tmp_path_factory, "--cache-ram", "0", "--parallel", "1")
     yield cached, plain
     for srv in (cached, plain):
@@ -103,14 +135,20 @@ def conversation(api: OpenAI, background: bool, turns: list[str] = TURNS) -> lis
     msgs, out = [], []
     for text in turns:
         msgs.append({"role": "user", "content": text})
-        res = api.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=REPLY_TOKENS,
-                                          stream=True, stream_options={"include_usage": True})  # fmt: skip
+        res = api.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            temperature=0,
+            max_tokens=REPLY_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(res)
         reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         usage = chunks[-1].usage
         out.append((reply, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
         msgs.append({"role": "assistant", "content": reply})
-        if background:   # what Open WebUI sends after a reply (not streamed, as it does)
+        if background:  # what Open WebUI sends after a reply (not streamed, as it does)
             for task in (title_request(msgs), follow_up_request(msgs)):
                 api.chat.completions.create(model="tiny", messages=task, temperature=0, max_tokens=8)
     return out
@@ -125,7 +163,7 @@ def test_background_requests_do_not_cost_the_conversation(servers):
     cached, plain = servers
     want = conversation(client(plain), background=False)
     got = conversation(client(cached), background=True)
-    assert [r for r, _, _ in got] == [r for r, _, _ in want]   # T = 0: the same replies
+    assert [r for r, _, _ in got] == [r for r, _, _ in want]  # T = 0: the same replies
     for turn, (_, prompt, hit) in enumerate(got[1:], 2):
         assert hit >= 0.9 * prompt, (turn, hit, prompt)
     assert metric(cached, "specx_prompt_cache_hits_total") >= 4
@@ -137,12 +175,19 @@ def test_background_requests_do_not_cost_the_conversation(servers):
 
 def test_system_role_is_folded_and_other_template_errors_are_400(servers):
     api = client(servers[0])
-    res = api.chat.completions.create(model="tiny", temperature=0, max_tokens=4, messages=[
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])  # fmt: skip
+    res = api.chat.completions.create(
+        model="tiny",
+        temperature=0,
+        max_tokens=4,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+    )
     assert res.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(BadRequestError) as err:
-        api.chat.completions.create(model="tiny", max_tokens=4, messages=[
-            {"role": "user", "content": "one"}, {"role": "user", "content": "two"}])  # fmt: skip
+        api.chat.completions.create(
+            model="tiny",
+            max_tokens=4,
+            messages=[{"role": "user", "content": "one"}, {"role": "user", "content": "two"}],
+        )
     body = err.value.body
     assert err.value.status_code == 400 and body["code"] == "chat_template_error"
     assert "roles must alternate" in body["message"]
@@ -155,7 +200,7 @@ def no_eos_target(tiny_pair, root):
 
     model = LlamaForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32)
     with torch.no_grad():
-        model.lm_head.weight[0].zero_()   # logit 0 for EOS; some other token's logit is always higher
+        model.lm_head.weight[0].zero_()  # logit 0 for EOS; some other token's logit is always higher
     shutil.copytree(tiny_pair[0], root)
     model.save_pretrained(root, safe_serialization=True)
     return root
@@ -165,8 +210,24 @@ def test_no_max_tokens_stops_at_the_default_and_minus_one_runs_on(tiny_pair, tmp
     """No --max-new-tokens: a reply without max_tokens stops at the flag's default (256 tokens, as
     --help says); max_tokens -1 runs on to EOS or the context end, the same text further."""
     target = no_eos_target(tiny_pair, tmp_path / "noeos")
-    srv = Server.start(["--target", str(target), "--draft", str(tiny_pair[1]), "--dtype", "fp32", "--device", "cpu",
-                        "--budget", "8", "--model-name", "tiny"], tmp_path, env=ONE_THREAD)  # fmt: skip
+    srv = Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(tiny_pair[1]),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "8",
+            "--model-name",
+            "tiny",
+        ],
+        tmp_path,
+        env=ONE_THREAD,
+    )
     try:
         api = client(srv)
         res = api.completions.create(model="tiny", prompt="def parse(line):\n", temperature=0)

@@ -21,20 +21,38 @@ from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.worker import Worker
 from tests.serve_util import Server
 
-PASS_SLEEP = 0.03   # seconds per target layer forward: about 0.1 s per target pass (3 layers)
+PASS_SLEEP = 0.03  # seconds per target layer forward: about 0.1 s per target pass (3 layers)
 LONG = {"model": "tiny", "messages": [{"role": "user", "content": "import os"}], "max_tokens": 400, "temperature": 0}
 
 
 def start(tiny_pair, tmp, *extra) -> Server:
     target, draft = tiny_pair
-    return Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                         "--budget", "4", "--model-name", "tiny", *extra], tmp,
-                        env={"SPECX_TEST_SLOW": f"target={PASS_SLEEP}", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    return Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "4",
+            "--model-name",
+            "tiny",
+            *extra,
+        ],
+        tmp,
+        env={"SPECX_TEST_SLOW": f"target={PASS_SLEEP}", "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    srv = start(tiny_pair, tmp_path_factory.mktemp("cancel"), "--max-queue", "1", "--parallel", "1")  # one runs, one waits
+    srv = start(
+        tiny_pair, tmp_path_factory.mktemp("cancel"), "--max-queue", "1", "--parallel", "1"
+    )  # one runs, one waits
     yield srv
     assert srv.stop() == 0, srv.stderr()
     assert "Traceback" not in srv.stderr(), srv.stderr()
@@ -44,8 +62,10 @@ def open_request(port: int, body: dict) -> socket.socket:
     """A POST /v1/chat/completions sent on a raw socket that the test closes to disconnect."""
     sock = socket.create_connection(("127.0.0.1", port))
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(data) + data)  # fmt: skip
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(data) + data
+    )
     return sock
 
 
@@ -71,10 +91,10 @@ def test_a_non_streamed_request_whose_client_left_frees_the_worker(server):
     tokens, cancelled = metric(server, "specx_completion_tokens_total"), metric(server, CANCELLED)
     sock = open_request(server.port, LONG)
     wait_for(server, "specx_busy", 1)
-    time.sleep(0.5)   # a few passes into the reply
+    time.sleep(0.5)  # a few passes into the reply
     sock.close()
     freed = wait_for(server, "specx_busy", 0)
-    assert freed < 3.0   # one pass is about 0.1 s; the whole reply would take 10 s or more
+    assert freed < 3.0  # one pass is about 0.1 s; the whole reply would take 10 s or more
     assert metric(server, CANCELLED) == cancelled + 1
     assert metric(server, "specx_completion_tokens_total") - tokens < 200
 
@@ -85,10 +105,10 @@ def test_a_queued_request_whose_client_left_gives_its_slot_back(server):
     queued = open_request(server.port, {**LONG, "max_tokens": 4})
     wait_for(server, "specx_queue_depth", 1)
     queued.close()
-    assert wait_for(server, "specx_queue_depth", 0) < 2.0   # at once, not when the worker reaches it
+    assert wait_for(server, "specx_queue_depth", 0) < 2.0  # at once, not when the worker reaches it
     answer: dict = {}
 
-    def third():   # --max-queue 1: a slot is free again, so this one waits instead of getting 429
+    def third():  # --max-queue 1: a slot is free again, so this one waits instead of getting 429
         answer["reply"] = server.http("POST", "/v1/chat/completions", {**LONG, "max_tokens": 4}, timeout=120)
 
     thread = threading.Thread(target=third)
@@ -104,8 +124,9 @@ def test_a_queued_request_whose_client_left_gives_its_slot_back(server):
 def test_sigterm_ends_the_reply_at_a_pass_boundary(tiny_pair, tmp_path):
     srv = start(tiny_pair, tmp_path)
     answer: dict = {}
-    thread = threading.Thread(target=lambda: answer.update(r=srv.http("POST", "/v1/chat/completions", LONG,
-                                                                      timeout=120)))  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: answer.update(r=srv.http("POST", "/v1/chat/completions", LONG, timeout=120))
+    )
     thread.start()
     wait_for(srv, "specx_busy", 1)
     time.sleep(0.5)

@@ -33,11 +33,15 @@ MIN_RUN, TASK_CAPS, RepetitionGuard = limits.MIN_RUN, limits.TASK_CAPS, limits.R
 guard_on, reply_limit, task_of = limits.guard_on, limits.reply_limit, limits.task_of
 CTX = 512
 HISTORY = "### Chat History:\n<chat_history>\nUSER: def fib(n):\nASSISTANT: return n\n</chat_history>"
-TITLE = ("### Task:\nGenerate a concise title summarizing the chat history.\n### Guidelines:\n- Keep it short.\n"
-         "### Output:\nJSON format: { \"title\": \"your concise title here\" }\n" + HISTORY)  # fmt: skip
+TITLE = (
+    "### Task:\nGenerate a concise title summarizing the chat history.\n### Guidelines:\n- Keep it short.\n"
+    '### Output:\nJSON format: { "title": "your concise title here" }\n' + HISTORY
+)
 TAGS = "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat history.\n\n" + HISTORY
-FOLLOW = ("### Task:\nSuggest 3-5 relevant follow-up questions or prompts that the user might naturally ask next "
-          "in this conversation as a **user**.\n" + HISTORY)  # fmt: skip
+FOLLOW = (
+    "### Task:\nSuggest 3-5 relevant follow-up questions or prompts that the user might naturally ask next "
+    "in this conversation as a **user**.\n" + HISTORY
+)
 ASK = [{"role": "user", "content": "def fib(n):"}]
 NO_GUARD = {"specx": {"repetition_guard": False}}
 
@@ -49,14 +53,14 @@ def chat(text: str, max_tokens=None) -> Work:
 def test_open_webui_background_tasks_are_recognised_and_capped():
     assert [task_of(chat(t)) for t in (TITLE, TAGS, FOLLOW)] == ["title", "tags", "follow_ups"]
     assert task_of(chat("### Task:\nsomething new\n" + HISTORY)) == "task"
-    assert task_of(chat("### Task: write me a poem")) is None   # no pasted chat history: a person typed it
+    assert task_of(chat("### Task: write me a poem")) is None  # no pasted chat history: a person typed it
     assert task_of(chat("def fib(n):")) is None and task_of(Work(prompt=TITLE)) is None
-    assert reply_limit(chat(TITLE, 1000), 256, True) == (TASK_CAPS["title"], "title")   # Open WebUI's 1000
+    assert reply_limit(chat(TITLE, 1000), 256, True) == (TASK_CAPS["title"], "title")  # Open WebUI's 1000
     assert reply_limit(chat(FOLLOW), 256, True) == (TASK_CAPS["follow_ups"], "follow_ups")
-    assert reply_limit(chat(TITLE, 10), 256, True) == (10, "title")   # a smaller max_tokens still wins
+    assert reply_limit(chat(TITLE, 10), 256, True) == (10, "title")  # a smaller max_tokens still wins
     assert reply_limit(chat(TITLE, 1000), 256, False) == (1000, None)
     assert reply_limit(chat("hi"), 256, True) == (256, None)
-    assert reply_limit(chat("hi", -1), 256, True) == (None, None)   # -1: to EOS or the context end
+    assert reply_limit(chat("hi", -1), 256, True) == (None, None)  # -1: to EOS or the context end
     assert reply_limit(chat("hi", 900), 256, True) == (900, None)
 
 
@@ -69,14 +73,14 @@ def feed(guard: RepetitionGuard, ids: list[int]) -> int | None:
 
 
 def test_the_repetition_guard_fires_where_its_rule_says():
-    assert feed(RepetitionGuard(), list(range(8)) * 20) == MIN_RUN   # 8 copies of 8 tokens
+    assert feed(RepetitionGuard(), list(range(8)) * 20) == MIN_RUN  # 8 copies of 8 tokens
     assert feed(RepetitionGuard(), [5] * 100) == MIN_RUN
-    assert feed(RepetitionGuard(), list(range(40)) * 5) == 160   # the 4th copy of 40 tokens
+    assert feed(RepetitionGuard(), list(range(40)) * 5) == 160  # the 4th copy of 40 tokens
     assert feed(RepetitionGuard(), list(range(40)) * 3 + list(range(39))) is None
-    assert feed(RepetitionGuard(), [i * 7919 % 1000 for i in range(1000)]) is None   # no span repeats
-    assert feed(RepetitionGuard(), list(range(300)) * 3) is None   # longer than any span it watches
+    assert feed(RepetitionGuard(), [i * 7919 % 1000 for i in range(1000)]) is None  # no span repeats
+    assert feed(RepetitionGuard(), list(range(300)) * 3) is None  # longer than any span it watches
     guard = RepetitionGuard()
-    assert not guard.feed(list(range(100)) + [1, 2, 3] * 21) and guard.feed([1])   # several tokens per pass
+    assert not guard.feed(list(range(100)) + [1, 2, 3] * 21) and guard.feed([1])  # several tokens per pass
 
 
 def test_the_guard_is_off_for_greedy_requests_unless_asked():
@@ -86,31 +90,35 @@ def test_the_guard_is_off_for_greedy_requests_unless_asked():
     assert not guard_on(Work(repetition_guard=False), True) and guard_on(Work(repetition_guard=True), False)
 
 
-LLAMA = (0.8, 40, 0.95)   # llama-server's temperature, top_k, top_p
+LLAMA = (0.8, 40, 0.95)  # llama-server's temperature, top_k, top_p
 
 
-@pytest.mark.parametrize("config, expected", [
-    (None, LLAMA),
-    ({"bos_token_id": 1, "eos_token_id": 2}, LLAMA),   # token ids only (SmolLM2's, the tiny models')
-    ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, (0.6, 50, 0.9)),   # transformers' top_k 50
-    ({"do_sample": False, "temperature": 0.6}, (0.0, 0, 1.0)),   # the checkpoint says greedy
-    ({"temperature": 0.3}, (0.3, 40, 0.95)),
-    ({"top_p": 7}, LLAMA),   # broken: never an error
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (None, LLAMA),
+        ({"bos_token_id": 1, "eos_token_id": 2}, LLAMA),  # token ids only (SmolLM2's, the tiny models')
+        ({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, (0.6, 50, 0.9)),  # transformers' top_k 50
+        ({"do_sample": False, "temperature": 0.6}, (0.0, 0, 1.0)),  # the checkpoint says greedy
+        ({"temperature": 0.3}, (0.3, 40, 0.95)),
+        ({"top_p": 7}, LLAMA),  # broken: never an error
+    ],
+)
 def test_serve_samples_as_llama_server_where_the_checkpoint_is_silent(tmp_path, config, expected):
     if config is not None:
         (tmp_path / "generation_config.json").write_text(json.dumps(config))
     got = serve_sampling(tmp_path)
     assert (got.temperature, got.top_k, got.top_p) == expected
     if config is None:
-        assert checkpoint_sampling(tmp_path) == GREEDY   # specx run/chat keep their greedy default
+        assert checkpoint_sampling(tmp_path) == GREEDY  # specx run/chat keep their greedy default
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-defaults")
-    srv = Server.start(["--target", "demo", "--device", "cpu", "--parallel", "1", "--ctx", str(CTX)], tmp,
-                       env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    srv = Server.start(
+        ["--target", "demo", "--device", "cpu", "--parallel", "1", "--ctx", str(CTX)], tmp, env={"OMP_NUM_THREADS": "1"}
+    )
     yield srv
     assert srv.stop() == 0, srv.stderr()
     assert "Traceback" not in srv.stderr(), srv.stderr()
@@ -141,45 +149,56 @@ def test_no_max_tokens_stops_at_the_default_and_minus_one_at_the_context_end(ser
 
 def test_the_guard_cuts_a_greedy_loop_to_a_prefix_of_the_reply(server):
     _, _, plain = post(server, {"messages": ASK, "temperature": 0, "max_tokens": 300})
-    _, rid, cut = post(server, {"messages": ASK, "temperature": 0, "max_tokens": 300,
-                                "specx": {"repetition_guard": True}})  # fmt: skip
+    _, rid, cut = post(
+        server, {"messages": ASK, "temperature": 0, "max_tokens": 300, "specx": {"repetition_guard": True}}
+    )
     text = cut["choices"][0]["message"]["content"]
     assert cut["choices"][0]["finish_reason"] == "stop" and cut["specx"]["stopped_by"] == "repetition"
     assert MIN_RUN <= cut["usage"]["completion_tokens"] < 100 and plain["usage"]["completion_tokens"] == 300
     assert plain["choices"][0]["message"]["content"].startswith(text)
     assert access_line(server, rid).endswith("finish=stop:repetition")
-    _, _, sampled = post(server, {"messages": ASK, "max_tokens": 300, "seed": 1})   # no temperature: guarded
+    _, _, sampled = post(server, {"messages": ASK, "max_tokens": 300, "seed": 1})  # no temperature: guarded
     assert "stopped_by" not in plain["specx"] and sampled["usage"]["completion_tokens"] <= 300
 
 
 def test_an_open_webui_title_request_gets_the_small_cap(server):
-    _, rid, res = post(server, {"messages": [{"role": "user", "content": TITLE}], "max_tokens": 1000,
-                                "temperature": 0, **NO_GUARD})  # fmt: skip
+    _, rid, res = post(
+        server, {"messages": [{"role": "user", "content": TITLE}], "max_tokens": 1000, "temperature": 0, **NO_GUARD}
+    )
     assert res["usage"]["completion_tokens"] == TASK_CAPS["title"], res["usage"]
     assert access_line(server, rid).endswith(" finish=length task=title")
 
 
 def test_every_finished_request_leaves_one_access_line_and_metrics_has_the_hit_ratio(server):
     _, rid1, one = post(server, {"messages": ASK, "max_tokens": 8, "temperature": 0})
-    turn = [*ASK, {"role": "assistant", "content": one["choices"][0]["message"]["content"]},
-            {"role": "user", "content": "def fact(n):"}]  # fmt: skip
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": one["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "def fact(n):"},
+    ]
     _, rid2, two = post(server, {"messages": turn, "max_tokens": 8, "temperature": 0})
     for rid, res in ((rid1, one), (rid2, two)):
         u = res["usage"]
-        want = (f"specx serve: 200 POST /v1/chat/completions request {rid}: prompt={u['prompt_tokens']} "
-                f"cached={u['prompt_tokens_details']['cached_tokens']} completion={u['completion_tokens']} seconds=")
+        want = (
+            f"specx serve: 200 POST /v1/chat/completions request {rid}: prompt={u['prompt_tokens']} "
+            f"cached={u['prompt_tokens_details']['cached_tokens']} completion={u['completion_tokens']} seconds="
+        )
         assert access_line(server, rid).startswith(want)
     assert two["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     status, rid, _ = post(server, {"messages": ASK, "n": 3})
-    assert status == 400 and re.fullmatch(rf"specx serve: 400 POST /v1/chat/completions request {rid}: "
-                                          r"seconds=\d+\.\d\d", access_line(server, rid))  # fmt: skip
+    assert status == 400 and re.fullmatch(
+        rf"specx serve: 400 POST /v1/chat/completions request {rid}: "
+        r"seconds=\d+\.\d\d",
+        access_line(server, rid),
+    )
     body = {"messages": ASK, "max_tokens": 400, "stream": True, "temperature": 0}
     with httpx.stream("POST", f"{server.base}/v1/chat/completions", json=body, timeout=60) as res:
         rid = res.headers["x-request-id"]
         lines = res.iter_lines()
-        next(lines), next(lines), next(lines)   # the role chunk, then text: it is generating
-    assert re.search(r": 499 POST .* prompt=\d+ cached=\d+ completion=\d+ seconds=\S+ finish=cancelled$",
-                     access_line(server, rid))  # fmt: skip
+        next(lines), next(lines), next(lines)  # the role chunk, then text: it is generating
+    assert re.search(
+        r": 499 POST .* prompt=\d+ cached=\d+ completion=\d+ seconds=\S+ finish=cancelled$", access_line(server, rid)
+    )
     server.wait_idle()
     _, _, text = server.http("GET", "/metrics")
     values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
@@ -193,11 +212,17 @@ def test_the_real_model_samples_when_nothing_says_otherwise(tmp_path, smollm2):
     try:
         client = OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=300)
         ask = [{"role": "user", "content": "Write one sentence about the sea."}]
-        replies = {client.chat.completions.create(model="m", messages=ask, max_tokens=12).choices[0].message.content
-                   for _ in range(3)}  # fmt: skip
-        assert len(replies) > 1, replies   # regenerate gives another reply (llama-server's T 0.8, a seed each)
-        greedy = [client.chat.completions.create(model="m", messages=ask, max_tokens=12, temperature=0)
-                  .choices[0].message.content for _ in range(2)]  # fmt: skip
+        replies = {
+            client.chat.completions.create(model="m", messages=ask, max_tokens=12).choices[0].message.content
+            for _ in range(3)
+        }
+        assert len(replies) > 1, replies  # regenerate gives another reply (llama-server's T 0.8, a seed each)
+        greedy = [
+            client.chat.completions.create(model="m", messages=ask, max_tokens=12, temperature=0)
+            .choices[0]
+            .message.content
+            for _ in range(2)
+        ]
         assert greedy[0] == greedy[1]
     finally:
         assert srv.stop() == 0, srv.stderr()

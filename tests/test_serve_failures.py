@@ -23,8 +23,8 @@ from openai import OpenAI
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig, StepEvent
 from specexec_cli.serve.app import create_app
-from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.jobs import Delta, Done, Started
+from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import plain_prompt
 from specexec_cli.session.gendefaults import GREEDY
@@ -39,9 +39,20 @@ class CharTokenizer:
 
 
 def step(text: str, index: int) -> StepEvent:
-    return StepEvent(text=text, tokens=[ord(c) for c in text], accepted=0, pass_index=index, tree_size=1,
-                     tree_depth=1, draft_seconds=0.0, target_seconds=0.001, prefill_seconds=0.0,
-                     decode_seconds=0.001 * index, new_tokens=0, prompt_tokens=0)  # fmt: skip
+    return StepEvent(
+        text=text,
+        tokens=[ord(c) for c in text],
+        accepted=0,
+        pass_index=index,
+        tree_size=1,
+        tree_depth=1,
+        draft_seconds=0.0,
+        target_seconds=0.001,
+        prefill_seconds=0.0,
+        decode_seconds=0.001 * index,
+        new_tokens=0,
+        prompt_tokens=0,
+    )
 
 
 class ScriptedSession:
@@ -95,9 +106,8 @@ def test_a_worker_failure_is_a_500_with_an_error_id_and_one_log_line(capfd, monk
     if debug:
         monkeypatch.setenv("SPECX_DEBUG", "1")
     worker = real_worker(ScriptedSession(error=ValueError("cannot read /home/alice/models/secret.bin")))
-    with app_server(create_app(worker, "m")) as port:
-        with pytest.raises(openai.InternalServerError) as err:
-            chat(port)
+    with app_server(create_app(worker, "m")) as port, pytest.raises(openai.InternalServerError) as err:
+        chat(port)
     worker.shutdown()
     body = err.value.body
     assert err.value.status_code == 500 and body["code"] == "internal_error" and body["type"] == "server_error"
@@ -130,13 +140,20 @@ def test_an_app_failure_is_a_500_with_an_error_id(capfd):
     assert 'specx_refused_requests_total{status="500",type="server_error"} 1' in metrics
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                   RuntimeError("MPS backend out of memory")])  # fmt: skip
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("MPS backend out of memory"),
+    ],
+)
 def test_device_oom_is_a_400_that_says_what_to_lower(error):
     worker = real_worker(ScriptedSession(error=error))
-    with app_server(create_app(worker, "m")) as port:
-        with pytest.raises(openai.BadRequestError) as err:  # a 4xx: the SDKs do not retry it
-            chat(port)
+    with (
+        app_server(create_app(worker, "m")) as port,
+        pytest.raises(openai.BadRequestError) as err,
+    ):  # a 4xx: the SDKs do not retry it
+        chat(port)
     worker.shutdown()
     body = err.value.body
     assert body["code"] == "device_out_of_memory"
@@ -156,20 +173,23 @@ def test_health_head_and_stopping():
 
 
 # -- the Host check ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("host,key,header,status", [
-    ("127.0.0.1", None, "attacker.example", 403),
-    ("127.0.0.1", None, "attacker.example:8000", 403),
-    ("127.0.0.1", None, "127.0.0.1.attacker.example", 403),
-    ("127.0.0.1", None, "localhost:8000", 200),
-    ("127.0.0.1", None, "127.0.0.2", 200),
-    ("127.0.0.1", None, "[::1]:8000", 200),
-    ("127.0.0.1", None, "app.localhost", 200),
-    ("localhost", None, "LOCALHOST.", 200),
-    ("::1", None, "attacker.example", 403),
-    ("127.0.0.1", "k", "attacker.example", 200),  # with a key, the key decides
-    ("0.0.0.0", None, "attacker.example", 200),  # an open bind has no loopback name to check against
-    (None, None, "attacker.example", 200),  # create_app without the bound host: no check
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "host,key,header,status",
+    [
+        ("127.0.0.1", None, "attacker.example", 403),
+        ("127.0.0.1", None, "attacker.example:8000", 403),
+        ("127.0.0.1", None, "127.0.0.1.attacker.example", 403),
+        ("127.0.0.1", None, "localhost:8000", 200),
+        ("127.0.0.1", None, "127.0.0.2", 200),
+        ("127.0.0.1", None, "[::1]:8000", 200),
+        ("127.0.0.1", None, "app.localhost", 200),
+        ("localhost", None, "LOCALHOST.", 200),
+        ("::1", None, "attacker.example", 403),
+        ("127.0.0.1", "k", "attacker.example", 200),  # with a key, the key decides
+        ("0.0.0.0", None, "attacker.example", 200),  # an open bind has no loopback name to check against
+        (None, None, "attacker.example", 200),  # create_app without the bound host: no check
+    ],
+)
 def test_host_header_on_a_loopback_bind(host, key, header, status):
     worker = real_worker(ScriptedSession(["x"]))
     with app_server(create_app(worker, "m", host=host, api_key=key)) as port:
@@ -198,8 +218,12 @@ class SlowWorker:
     def submit(self, job):
         def later():
             time.sleep(self.delay)
-            usage = {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
-                     "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+            usage = {
+                "prompt_tokens": 2,
+                "completion_tokens": 2,
+                "total_tokens": 4,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
             for item in (Started(2, 0), Delta("ok", [[2, "target"]], {}), Done("ok", "stop", usage, {})):
                 job.emit(item)
 
@@ -221,11 +245,14 @@ def test_a_stream_sends_headers_at_once_and_keep_alive_comments():
 
 
 # -- stop strings ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("script,stop,text,tokens", [
-    (["hello wor", "ld and more"], ["world"], "hello ", 11),  # the stop ends 2 tokens into the 2nd pass
-    (["hello world and more"], ["o w"], "hell", 7),
-    (["ab\nUs", "er: cd"], None, "ab", 8),  # the plain format's own stop: the model began a user turn
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "script,stop,text,tokens",
+    [
+        (["hello wor", "ld and more"], ["world"], "hello ", 11),  # the stop ends 2 tokens into the 2nd pass
+        (["hello world and more"], ["o w"], "hell", 7),
+        (["ab\nUs", "er: cd"], None, "ab", 8),  # the plain format's own stop: the model began a user turn
+    ],
+)
 def test_completion_tokens_end_at_the_stop_string(script, stop, text, tokens):
     worker = real_worker(ScriptedSession(script))
     with app_server(create_app(worker, "m")) as port:
@@ -247,11 +274,15 @@ def test_metrics_count_refusals_and_have_latency_histograms():
         _, headers, text = raw_http(port, "GET", "/metrics")
     worker.shutdown()
     assert headers["content-type"].startswith("text/plain")
-    for line in ('specx_refused_requests_total{status="400",type="invalid_request_error"} 1',
-                 'specx_refused_requests_total{status="403",type="permission_error"} 1',
-                 'specx_refused_requests_total{status="404",type="invalid_request_error"} 1',
-                 "# TYPE specx_time_to_first_token_seconds histogram", "# TYPE specx_request_seconds histogram",
-                 "specx_request_seconds_count 2", "specx_time_to_first_token_seconds_count 2"):  # fmt: skip
+    for line in (
+        'specx_refused_requests_total{status="400",type="invalid_request_error"} 1',
+        'specx_refused_requests_total{status="403",type="permission_error"} 1',
+        'specx_refused_requests_total{status="404",type="invalid_request_error"} 1',
+        "# TYPE specx_time_to_first_token_seconds histogram",
+        "# TYPE specx_request_seconds histogram",
+        "specx_request_seconds_count 2",
+        "specx_time_to_first_token_seconds_count 2",
+    ):
         assert line in text.splitlines(), (line, text)
     buckets = [int(v) for v in re.findall(r'specx_request_seconds_bucket\{le="[^"]+"\} (\d+)', text)]
     assert buckets == sorted(buckets) and buckets[-1] == 2 and 'le="+Inf"' in text

@@ -15,9 +15,27 @@ from tests.serve_util import Server  # noqa: E402
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
-    srv = Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                        "--budget", "4", "--max-new-tokens", "2", "--ctx", "40", "--max-queue", "4"],
-                       tmp_path_factory.mktemp("fuzz"))  # fmt: skip
+    srv = Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "4",
+            "--max-new-tokens",
+            "2",
+            "--ctx",
+            "40",
+            "--max-queue",
+            "4",
+        ],
+        tmp_path_factory.mktemp("fuzz"),
+    )
     yield srv
     assert srv.stop() == 0
     assert "Traceback" not in srv.stderr(), srv.stderr()

@@ -20,23 +20,28 @@ from tests.conftest import make_model
 from tests.serve_util import Server, sse_events
 from tests.tool_models import webui_request
 
-TEMPLATE = ("{%- for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{%- endfor %}"
-            "{%- if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{%- for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{%- endfor %}"
+    "{%- if add_generation_prompt %}<assistant>{% endif %}"
+)
 TINY = "Tiny-Chat-1M-Instruct"
 ASK = [{"role": "user", "content": "ab ba"}]
 
 
-@pytest.mark.parametrize("file,name", [
-    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
-    ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama-3.2-1B-Instruct"),
-    ("qwen2.5-0.5b-instruct-q8_0.gguf", "qwen2.5-0.5b-instruct"),
-    ("Mistral-7B-Instruct-v0.3.IQ4_XS.gguf", "Mistral-7B-Instruct-v0.3"),
-    ("phi-2.BF16.gguf", "phi-2"),
-    ("model-f16.gguf", "model"),
-    ("big-Q4_K_M-00001-of-00003.gguf", "big"),
-    ("Llama-3.1-8B.gguf", "Llama-3.1-8B"),   # no tag: the stem as it is
-    ("Q4_0.gguf", "Q4_0"),                   # nothing but a tag: kept
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "file,name",
+    [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+        ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Llama-3.2-1B-Instruct"),
+        ("qwen2.5-0.5b-instruct-q8_0.gguf", "qwen2.5-0.5b-instruct"),
+        ("Mistral-7B-Instruct-v0.3.IQ4_XS.gguf", "Mistral-7B-Instruct-v0.3"),
+        ("phi-2.BF16.gguf", "phi-2"),
+        ("model-f16.gguf", "model"),
+        ("big-Q4_K_M-00001-of-00003.gguf", "big"),
+        ("Llama-3.1-8B.gguf", "Llama-3.1-8B"),  # no tag: the stem as it is
+        ("Q4_0.gguf", "Q4_0"),  # nothing but a tag: kept
+    ],
+)
 def test_a_gguf_file_name_loses_its_extension_split_and_quant_tag(file, name):
     assert gguf_stem(file) == name
 
@@ -52,11 +57,11 @@ def test_the_id_of_each_kind_of_target(tmp_path):
     snapshot.mkdir(parents=True)
     assert model_id(str(snapshot)) == "Org/Some-Model"
     assert model_id(str(DEMO_DIR / "target")) == "specx-demo"
-    assert model_id("llama3.2:1b") == "llama3.2:1b"    # an ollama name (or a hub id): as written
+    assert model_id("llama3.2:1b") == "llama3.2:1b"  # an ollama name (or a hub id): as written
     f = write_gguf(hf, tmp_path / "g" / "My-Model.Q8_0.gguf")
     assert model_id(str(f)) == "My-Model"
-    assert model_id("some-distribution", f) == "My-Model"   # a name that resolved to a GGUF file
-    blob = f.rename(tmp_path / "g" / "sha256-0123")        # an extension-less blob: its general.name
+    assert model_id("some-distribution", f) == "My-Model"  # a name that resolved to a GGUF file
+    blob = f.rename(tmp_path / "g" / "sha256-0123")  # an extension-less blob: its general.name
     assert model_id(str(blob)) == "specx-test"
     assert aliases(str(blob), blob, "specx-test") == {str(blob), str(blob.resolve())}
 
@@ -72,8 +77,10 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_gguf, tmp_path_factory):
-    srv = Server.start(["--target", str(tiny_gguf), "--dtype", "fp32", "--device", "cpu", "--max-new-tokens", "4",
-                        "--parallel", "1"], tmp_path_factory.mktemp("serve-named"))  # fmt: skip
+    srv = Server.start(
+        ["--target", str(tiny_gguf), "--dtype", "fp32", "--device", "cpu", "--max-new-tokens", "4", "--parallel", "1"],
+        tmp_path_factory.mktemp("serve-named"),
+    )
     yield srv
     assert srv.stop() == 0, srv.stderr()
     assert "Traceback" not in srv.stderr(), srv.stderr()
@@ -83,7 +90,7 @@ def test_models_lists_the_name_and_responses_carry_it_when_the_path_is_sent(serv
     client = OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=120)
     assert [m.id for m in client.models.list()] == [TINY]
     assert str(tiny_gguf) not in server.stderr() and f"specx serve: {TINY} on http" in server.stderr()
-    for asked in (TINY, str(tiny_gguf)):   # the name, and the path every client showed before
+    for asked in (TINY, str(tiny_gguf)):  # the name, and the path every client showed before
         assert client.models.retrieve(asked).id == TINY
         reply = client.chat.completions.create(model=asked, messages=ASK, max_tokens=2, temperature=0)
         assert reply.model == TINY
@@ -116,19 +123,22 @@ def test_tools_the_template_cannot_render_leave_one_log_line(server):
         time.sleep(0.1)
     lines = dropped_lines(server)
     assert len(lines) == 1, server.stderr()
-    assert lines[0].startswith(f"specx serve: request {rids[0]} sent 36 tools, dropped: this model's chat "
-                               "template does not render tools")
+    assert lines[0].startswith(
+        f"specx serve: request {rids[0]} sent 36 tools, dropped: this model's chat template does not render tools"
+    )
 
 
 def test_the_real_model_is_served_as_its_name(tmp_path, smollm2):
     path = smollm2
-    srv = Server.start(["--target", str(path), "--device", "cpu", "--max-new-tokens", "3", "--parallel", "1"],
-                       tmp_path, timeout=300)  # fmt: skip
+    srv = Server.start(
+        ["--target", str(path), "--device", "cpu", "--max-new-tokens", "3", "--parallel", "1"], tmp_path, timeout=300
+    )
     try:
         client = OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=300)
         assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
-        reply = client.chat.completions.create(model=str(path), max_tokens=3, temperature=0,
-                                               messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+        reply = client.chat.completions.create(
+            model=str(path), max_tokens=3, temperature=0, messages=[{"role": "user", "content": "Hi"}]
+        )
         assert reply.model == "SmolLM2-135M-Instruct" and reply.choices[0].message.content
         assert client.models.retrieve(str(path)).id == "SmolLM2-135M-Instruct"
     finally:

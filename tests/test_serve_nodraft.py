@@ -26,10 +26,14 @@ from tests.serve_util import Server
 from tests.tool_models import TOOLS_TEMPLATE, make_tool_pair
 
 ASK = [{"role": "user", "content": "weather in paris?"}]
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome", "oslo"]}},
-          "required": ["city"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["paris", "rome", "oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
-JSON_TOKENS = 60   # room for {"city": "paris"} one character a token
+JSON_TOKENS = 60  # room for {"city": "paris"} one character a token
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +53,9 @@ def stopped_cleanly(srv: Server) -> None:
 @pytest.fixture(scope="module", params=list(METHODS))
 def nodraft(request, tools_pair, tmp_path_factory):
     """(method, client, server): a server with no draft under `--method <method>` and the default --parallel."""
-    srv = start(tmp_path_factory.mktemp(f"nodraft-{request.param}"), "--target", str(tools_pair[0]),
-                "--method", request.param)  # fmt: skip
+    srv = start(
+        tmp_path_factory.mktemp(f"nodraft-{request.param}"), "--target", str(tools_pair[0]), "--method", request.param
+    )
     yield request.param, OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=120), srv
     stopped_cleanly(srv)
 
@@ -77,10 +82,10 @@ def forest_passes(srv: Server) -> float:
 
 
 def test_chat_streamed_and_not_and_completions_answer(nodraft):
-    method, client, srv = nodraft
+    _method, client, _srv = nodraft
     res = chat(client, max_tokens=6)
     assert res.usage.completion_tokens == 6 and res.choices[0].finish_reason == "length", res
-    assert res.specx["method"] == "ar"   # no draft: plain decoding whatever --method says
+    assert res.specx["method"] == "ar"  # no draft: plain decoding whatever --method says
     text, finish = streamed_chat(client, max_tokens=6)
     assert (text, finish) == (res.choices[0].message.content, "length")
     comp = client.completions.create(model="m", prompt="the weather in rome", max_tokens=6, temperature=0)
@@ -88,19 +93,24 @@ def test_chat_streamed_and_not_and_completions_answer(nodraft):
 
 
 def test_json_schema_streamed_and_not_and_completions(nodraft):
-    method, client, srv = nodraft
+    _method, client, _srv = nodraft
     res = chat(client, max_tokens=JSON_TOKENS, response_format=JSON_FORMAT)
     jsonschema.validate(json.loads(res.choices[0].message.content), SCHEMA)
     assert res.choices[0].finish_reason == "stop"
     text, finish = streamed_chat(client, max_tokens=JSON_TOKENS, response_format=JSON_FORMAT)
     assert (text, finish) == (res.choices[0].message.content, "stop")
-    comp = client.completions.create(model="m", prompt="a city as JSON:", max_tokens=JSON_TOKENS, temperature=0,
-                                     extra_body={"response_format": JSON_FORMAT})  # fmt: skip
+    comp = client.completions.create(
+        model="m",
+        prompt="a city as JSON:",
+        max_tokens=JSON_TOKENS,
+        temperature=0,
+        extra_body={"response_format": JSON_FORMAT},
+    )
     jsonschema.validate(json.loads(comp.choices[0].text), SCHEMA)
 
 
 def test_requests_at_once_share_forest_passes_and_get_their_replies_alone(nodraft):
-    method, client, srv = nodraft
+    _method, client, srv = nodraft
     asks = [dict(messages=[{"role": "user", "content": f"weather in {c}?"}], max_tokens=8) for c in ("oslo", "rome")]
     asks.append(dict(messages=ASK, max_tokens=JSON_TOKENS, response_format=JSON_FORMAT))
     alone = [chat(client, **kw).choices[0].message.content for kw in asks]
@@ -108,7 +118,7 @@ def test_requests_at_once_share_forest_passes_and_get_their_replies_alone(nodraf
     with ThreadPoolExecutor(len(asks)) as pool:
         together = list(pool.map(lambda kw: chat(client, **kw).choices[0].message.content, asks))
     assert together == alone
-    assert forest_passes(srv) > before   # the default --parallel decoded them in a forest
+    assert forest_passes(srv) > before  # the default --parallel decoded them in a forest
 
 
 def test_parallel_3_without_a_draft(tools_pair, tmp_path_factory):
@@ -131,14 +141,23 @@ def test_parallel_3_without_a_draft(tools_pair, tmp_path_factory):
 def test_every_method_with_a_draft_and_a_grammar_is_a_200_or_a_400_never_a_500(tools_pair, tmp_path_factory, method):
     """The HTTP error table's grammar rows, per --method: constrained where the method constrains, else
     one 400 naming the fix (the server goes on answering)."""
-    srv = start(tmp_path_factory.mktemp(f"draft-{method}"), "--target", str(tools_pair[0]), "--draft",
-                str(tools_pair[1]), "--method", method, "--budget", "8")  # fmt: skip
+    srv = start(
+        tmp_path_factory.mktemp(f"draft-{method}"),
+        "--target",
+        str(tools_pair[0]),
+        "--draft",
+        str(tools_pair[1]),
+        "--method",
+        method,
+        "--budget",
+        "8",
+    )
     try:
         client = OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=120)
         for stream in (False, True):
             if method in FOREST_METHODS:
                 if stream:
-                    text, finish = streamed_chat(client, max_tokens=JSON_TOKENS, response_format=JSON_FORMAT)
+                    text, _finish = streamed_chat(client, max_tokens=JSON_TOKENS, response_format=JSON_FORMAT)
                 else:
                     text = chat(client, max_tokens=JSON_TOKENS, response_format=JSON_FORMAT).choices[0].message.content
                 jsonschema.validate(json.loads(text), SCHEMA)
@@ -147,7 +166,7 @@ def test_every_method_with_a_draft_and_a_grammar_is_a_200_or_a_400_never_a_500(t
                 (streamed_chat if stream else chat)(client, max_tokens=JSON_TOKENS, response_format=JSON_FORMAT)
             body = err.value.body
             assert body["param"] == "response_format" and "--method specexec or ar" in body["message"], body
-        assert chat(client, max_tokens=4).usage.completion_tokens == 4   # a plain request still runs
+        assert chat(client, max_tokens=4).usage.completion_tokens == 4  # a plain request still runs
     finally:
         assert srv.stop() == 0, srv.stderr()
         assert "Traceback" not in srv.stderr() and "specx serve: error " not in srv.stderr(), srv.stderr()

@@ -41,8 +41,11 @@ def endless_pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(endless_pair, tmp_path_factory):
     target, draft = endless_pair
-    srv = Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                        "--budget", "8"], tmp_path_factory.mktemp("page"), env={"SPECX_API_KEY": KEY})  # fmt: skip
+    srv = Server.start(
+        ["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu", "--budget", "8"],
+        tmp_path_factory.mktemp("page"),
+        env={"SPECX_API_KEY": KEY},
+    )
     yield srv
     assert srv.stop() == 0, srv.stderr()
 
@@ -74,19 +77,18 @@ def test_page_streams_a_reply_with_stats_and_keeps_the_key(page, server):
     page.fill("#input", "def f(x):")
     page.press("#input", "Enter")
     page.wait_for_selector(".msg.assistant span", timeout=30_000)
-    page.wait_for_function("document.getElementById('stats').textContent.includes('tokens/pass')",
-                           timeout=30_000)  # fmt: skip
+    page.wait_for_function("document.getElementById('stats').textContent.includes('tokens/pass')", timeout=30_000)
     assert page.inner_text(".msg.user") == "def f(x):"
     assert page.inner_text(".msg.assistant")
     assert "tok/s" in page.inner_text("#stats")
     page.reload()
     assert page.input_value("#key") == KEY  # kept in localStorage
     page.wait_for_function("document.getElementById('model').textContent !== ''", timeout=30_000)
-    assert "favicon" not in server.stderr()   # the page names no icon: no 404 line per page load
+    assert "favicon" not in server.stderr()  # the page names no icon: no 404 line per page load
 
 
 def test_stop_aborts_the_running_reply(page, server):
-    page.fill("#max", "4000")   # greedy never ends on <eos> (endless_pair): the reply runs until Stop
+    page.fill("#max", "4000")  # greedy never ends on <eos> (endless_pair): the reply runs until Stop
     page.fill("#temp", "0")
     page.fill("#input", "import os")
     page.press("#input", "Enter")
@@ -99,16 +101,19 @@ def test_stop_aborts_the_running_reply(page, server):
     time.sleep(0.5)
     assert page.inner_text(".msg.assistant") == partial and len(partial) < 4000  # nothing more arrived
     deadline = time.monotonic() + 10
-    while 'outcome="cancelled"' not in (metrics := server.http("GET", "/metrics", headers={
-            "Authorization": f"Bearer {KEY}"})[2]):  # fmt: skip
+    while 'outcome="cancelled"' not in (
+        metrics := server.http("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})[2]
+    ):
         assert time.monotonic() < deadline, metrics  # the server stopped the reply too
         time.sleep(0.1)
     page.fill("#max", "4")  # the conversation goes on, the stopped reply in it
     page.fill("#input", "x = 1")
     page.press("#input", "Enter")
-    page.wait_for_function("document.querySelectorAll('.msg.assistant').length === 2 && "
-                           "document.getElementById('stats').textContent.includes('tokens/pass')",
-                           timeout=30_000)  # fmt: skip
+    page.wait_for_function(
+        "document.querySelectorAll('.msg.assistant').length === 2 && "
+        "document.getElementById('stats').textContent.includes('tokens/pass')",
+        timeout=30_000,
+    )
     assert page.locator(".msg.error").count() == 0
 
 

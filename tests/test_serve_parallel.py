@@ -21,10 +21,10 @@ from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
 from specexec_cli.errors import SpecxError
 from specexec_cli.serve import scheduler as sched_mod
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import APIError, Work
 from specexec_cli.serve.scheduler import parallel_fit
-from specexec_cli.serve.jobs import Delta, Done, Failed, Job
 from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import ChatSession
 from specexec_cli.session.gendefaults import GREEDY
@@ -36,13 +36,12 @@ PROMPTS = ["def f(x):\n  return", "for i in range(10):\n"]
 @pytest.fixture(scope="module")
 def models(tiny_pair):
     m = load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", device="cpu"))
-    m.eos_ids = frozenset()   # whole replies
+    m.eos_ids = frozenset()  # whole replies
     return m
 
 
 def start(models, parallel: int, max_queue: int = 4, tuner=None) -> Worker:
-    session = ChatSession(models, GenerationConfig(shape=TreeShape(16, 8), max_new_tokens=24), code=True,
-                          tuner=tuner)  # fmt: skip
+    session = ChatSession(models, GenerationConfig(shape=TreeShape(16, 8), max_new_tokens=24), code=True, tuner=tuner)
     w = Worker(lambda: (session, GREEDY), max_queue=max_queue, metrics=Metrics(), parallel=parallel)
     w.start()
     while w.state == "loading":
@@ -68,6 +67,7 @@ async def collect(job: Job) -> list:
 
 def run_all(worker: Worker, works: list[Work]) -> list[list]:
     """Submit every work at once; each one's events."""
+
     async def go():
         loop = asyncio.get_running_loop()
         jobs = [Job(w, loop, "completions") for w in works]
@@ -78,8 +78,10 @@ def run_all(worker: Worker, works: list[Work]) -> list[list]:
     return asyncio.run(go())
 
 
-WORKS = [Work(prompt=PROMPTS[0], seed=3, temperature=0.9, max_tokens=24),
-         Work(prompt=PROMPTS[1], seed=4, temperature=0.9, max_tokens=24)]
+WORKS = [
+    Work(prompt=PROMPTS[0], seed=3, temperature=0.9, max_tokens=24),
+    Work(prompt=PROMPTS[1], seed=4, temperature=0.9, max_tokens=24),
+]
 
 
 def test_concurrent_requests_get_their_replies_alone_in_fewer_passes(models, pair):
@@ -91,10 +93,10 @@ def test_concurrent_requests_get_their_replies_alone_in_fewer_passes(models, pai
         single.thread.join(30)
     together = [items[-1] for items in run_all(pair, WORKS)]
     assert [d.text for d in together] == [d.text for d in alone]
-    assert together[0].text != together[1].text   # different prompts and seeds: a leak would show
+    assert together[0].text != together[1].text  # different prompts and seeds: a leak would show
     shared = pair.metrics.totals["specx_forest_passes_total"]
-    assert shared < sum(d.specx["target_passes"] + 1 for d in alone)   # +1: each one's prefill pass
-    assert pair.metrics.totals["forest_requests"] > shared   # some passes served both
+    assert shared < sum(d.specx["target_passes"] + 1 for d in alone)  # +1: each one's prefill pass
+    assert pair.metrics.totals["forest_requests"] > shared  # some passes served both
     assert "specx_forest_tokens_per_pass" in pair.metrics.render(pair)
 
 
@@ -102,17 +104,17 @@ def test_budget_auto_splits_by_the_speed_model_and_learns_from_forest_passes(mod
     """--budget auto with --parallel 2: each request's tree comes from the tuner's split for two
     requests (here the budget each has alone, not the even half of it), the tuner takes every
     forest pass into its statistics (and re-tunes from them), and the replies are the ones each gets alone."""
-    timing = TimingModel({1: 1.0, 4096: 1.0}, 1e-5, {1: 1e-3, 1023: 1.0})   # a flat pass, drafting 1 ms/node
+    timing = TimingModel({1: 1.0, 4096: 1.0}, 1e-5, {1: 1e-3, 1023: 1.0})  # a flat pass, drafting 1 ms/node
     tuner = BudgetTuner(timing, TreeShape(15, 8), max_budget=1023)
     split = tuner.split(2)
-    assert split.budget == tuner.shape.budget == 127   # a stream-bound pass: each keeps its tree
+    assert split.budget == tuner.shape.budget == 127  # a stream-bound pass: each keeps its tree
     worker = start(models, 2, tuner=tuner)
     try:
         together = [items[-1] for items in run_all(worker, WORKS)]
     finally:
         worker.shutdown()
         worker.thread.join(30)
-    assert tuner.passes > 0 and split.budget in tuner.by_budget   # its first forest passes ran the split
+    assert tuner.passes > 0 and split.budget in tuner.by_budget  # its first forest passes ran the split
     single = start(models, 1)
     try:
         assert [d.text for d in together] == [run_all(single, [w])[0][-1].text for w in WORKS]
@@ -184,13 +186,13 @@ def test_queue_bound_counts_the_running_requests(models):
     w = start(models, 2, max_queue=0)
     try:
         with w.lock:
-            w.pending += 2   # two running, none may wait
+            w.pending += 2  # two running, none may wait
         loop = asyncio.new_event_loop()
         with pytest.raises(APIError) as err:
             w.submit(Job(Work(prompt="x"), loop, "completions"))
         assert err.value.status == 429
         with w.lock:
-            w.pending -= 1   # one running: the second may start
+            w.pending -= 1  # one running: the second may start
         w.submit(Job(Work(prompt="x", max_tokens=2), loop, "completions"))
         loop.close()
     finally:
@@ -199,18 +201,27 @@ def test_queue_bound_counts_the_running_requests(models):
 
 
 def plan_with(room: int, kv: int, row: int = 0, budget: int = 63) -> SimpleNamespace:
-    return SimpleNamespace(device_bytes={"kv_target": kv, "kv_draft": kv // 4, "rest": 100},
-                           device_capacity=100 + kv + kv // 4 + room, ctx=4096,
-                           device_total=100 + kv + kv // 4, budget=budget, sized_budget=budget, row_bytes=row)
+    return SimpleNamespace(
+        device_bytes={"kv_target": kv, "kv_draft": kv // 4, "rest": 100},
+        device_capacity=100 + kv + kv // 4 + room,
+        ctx=4096,
+        device_total=100 + kv + kv // 4,
+        budget=budget,
+        sized_budget=budget,
+        row_bytes=row,
+    )
 
 
 def test_parallel_fit_counts_each_sequence_kv():
-    plan = plan_with(room=3 * 1250, kv=1000)   # room for 3 more sequences: the default takes all 4
+    plan = plan_with(room=3 * 1250, kv=1000)  # room for 3 more sequences: the default takes all 4
     assert parallel_fit(plan, None, "specexec")[0] == 4 and plan.device_bytes["kv_parallel"] == 3 * 1250
     assert parallel_fit(plan_with(room=10**9, kv=1000), None, "specexec")[0] == sched_mod.DEFAULT_PARALLEL == 8
     assert parallel_fit(plan_with(3 * 1250, 1000), 4, "specexec")[0] == 4
-    with pytest.raises(SpecxError, match=r"--parallel 5: the memory plan has room for the KV caches and forest "
-                                         r"passes of 4 sequences"):  # fmt: skip
+    with pytest.raises(
+        SpecxError,
+        match=r"--parallel 5: the memory plan has room for the KV caches and forest "
+        r"passes of 4 sequences",
+    ):
         parallel_fit(plan_with(3 * 1250, 1000), 5, "specexec")
     lowered, note = parallel_fit(plan_with(100, 1000), None, "specexec")
     assert lowered == 1 and "room for one sequence's KV caches only" in note
@@ -223,7 +234,7 @@ def test_parallel_fit_counts_every_trees_rows_in_a_forest_pass():
     """N > 1: a forest pass holds the trees' hidden states, mask and logits rows (sized budget + N - 1
     tokens x row_bytes) beside its largest single pass; a room that holds the second KV cache but
     not those rows keeps one sequence."""
-    plan = plan_with(room=1250 + 64 * 10, kv=1000, row=10)   # budget 63: (63 + 1) x 10 bytes for two
+    plan = plan_with(room=1250 + 64 * 10, kv=1000, row=10)  # budget 63: (63 + 1) x 10 bytes for two
     assert parallel_fit(plan, None, "specexec")[0] == 2 and plan.device_bytes["forest_activations"] == 640
     assert parallel_fit(plan_with(room=1250 + 639, kv=1000, row=10), None, "specexec")[0] == 1
     with pytest.raises(SpecxError, match="room for the KV caches and forest passes of 1 sequence at"):
@@ -235,7 +246,11 @@ def test_plan_row_bytes_are_a_tokens_hidden_mask_and_logits_rows(tiny_pair):
     from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
 
     target = read_checkpoint(tiny_pair[0])
-    plan = plan_memory(target, read_checkpoint(tiny_pair[1]), PlanRequest(device="cpu", dtype="fp32", draft_dtype="fp32", ram_free=8 << 30, ctx=300))
+    plan = plan_memory(
+        target,
+        read_checkpoint(tiny_pair[1]),
+        PlanRequest(device="cpu", dtype="fp32", draft_dtype="fp32", ram_free=8 << 30, ctx=300),
+    )
     cfg = target.config
     assert plan.row_bytes == (cfg["hidden_size"] + padded(300) + cfg["vocab_size"]) * 4
 

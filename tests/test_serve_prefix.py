@@ -25,10 +25,13 @@ from transformers import AutoTokenizer
 from tests.conftest import CHARS, make_model
 from tests.serve_util import Server
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
-SYSTEM = " ".join(f"rule {i}: answer in short sentences, use plain words, and say so when you do not know."
-                  for i in range(60))  # fmt: skip
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+SYSTEM = " ".join(
+    f"rule {i}: answer in short sentences, use plain words, and say so when you do not know." for i in range(60)
+)
 TURNS = ["what is a list", "and a tuple", "show me code", "why is it faster", "one more example"]
 REPLY_TOKENS = 16
 KEEP = set(CHARS[1:])
@@ -45,14 +48,24 @@ def history(msgs: list[dict]) -> str:
 
 def title(msgs: list[dict]) -> list[dict]:
     """Open WebUI's title task (its default template's shape): the last two messages pasted in."""
-    return [{"role": "user", "content": "### Task:\nGenerate a concise, 3-5 word title summarizing the chat "
-             f"history.\n### Chat History:\n<chat_history>\n{clean(history(msgs[-2:]))}\n</chat_history>"}]
+    return [
+        {
+            "role": "user",
+            "content": "### Task:\nGenerate a concise, 3-5 word title summarizing the chat "
+            f"history.\n### Chat History:\n<chat_history>\n{clean(history(msgs[-2:]))}\n</chat_history>",
+        }
+    ]
 
 
 def tags(msgs: list[dict]) -> list[dict]:
     """Open WebUI's tags task: the last six messages pasted in."""
-    return [{"role": "user", "content": "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the "
-             f"chat history.\n### Chat History:\n<chat_history>\n{clean(history(msgs[-6:]))}\n</chat_history>"}]
+    return [
+        {
+            "role": "user",
+            "content": "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the "
+            f"chat history.\n### Chat History:\n<chat_history>\n{clean(history(msgs[-6:]))}\n</chat_history>",
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +84,27 @@ def pair(tmp_path_factory):
 
 def start(pair, tmp_path_factory, *extra: str) -> Server:
     target, draft = pair
-    return Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                         "--budget", "8", "--model-name", "tiny", "--system", SYSTEM, *extra],
-                        tmp_path_factory.mktemp("serve"), env=ONE_THREAD)  # fmt: skip
+    return Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "8",
+            "--model-name",
+            "tiny",
+            "--system",
+            SYSTEM,
+            *extra,
+        ],
+        tmp_path_factory.mktemp("serve"),
+        env=ONE_THREAD,
+    )
 
 
 def stop(srv: Server) -> None:
@@ -100,15 +131,25 @@ def turns(api: OpenAI, background: bool) -> list[tuple[str, int, int]]:
     msgs, out = [], []
     for text in TURNS:
         msgs.append({"role": "user", "content": text})
-        chunks = list(api.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=REPLY_TOKENS,
-                                                  stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        chunks = list(
+            api.chat.completions.create(
+                model="tiny",
+                messages=msgs,
+                temperature=0,
+                max_tokens=REPLY_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         usage = chunks[-1].usage
         out.append((reply, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
         msgs.append({"role": "assistant", "content": reply})
         if background:
             errors: list[BaseException] = []
-            threads = [threading.Thread(target=background_task, args=(api, m, errors)) for m in (title(msgs), tags(msgs))]
+            threads = [
+                threading.Thread(target=background_task, args=(api, m, errors)) for m in (title(msgs), tags(msgs))
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -127,16 +168,18 @@ def fresh(pair, tmp_path_factory):
         stop(srv)
 
 
-@pytest.mark.parametrize("extra", [("--parallel", "1"), ("--parallel", "2"), (),
-                                   ("--parallel", "2", "--cache-ram", "0"), ("--cache-ram", "0")],
-                         ids=["parallel-1", "parallel-2", "default", "parallel-2-no-cache", "default-no-cache"])
+@pytest.mark.parametrize(
+    "extra",
+    [("--parallel", "1"), ("--parallel", "2"), (), ("--parallel", "2", "--cache-ram", "0"), ("--cache-ram", "0")],
+    ids=["parallel-1", "parallel-2", "default", "parallel-2-no-cache", "default-no-cache"],
+)
 def test_the_prefix_stays_cached_through_background_requests(pair, tmp_path_factory, fresh, extra):
     srv = start(pair, tmp_path_factory, *extra)
     try:
         got = conversation(srv, background=True)
     finally:
         stop(srv)
-    assert [reply for reply, _, _ in got] == fresh   # T = 0: what a fresh server replies
+    assert [reply for reply, _, _ in got] == fresh  # T = 0: what a fresh server replies
     shares = [cached / prompt for _, prompt, cached in got]
     print(f"{' '.join(extra) or 'default'}: cached share per turn {[round(s, 4) for s in shares]}")
     assert got[0][1] > 4000 and all(s >= 0.99 for s in shares[1:]), shares

@@ -17,23 +17,23 @@ import pytest
 
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import Work
-from specexec_cli.serve.jobs import Delta, Done, Failed, Job
 from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import ChatSession
 from specexec_cli.session.gendefaults import GREEDY
 from specexec_cli.session.loading import LoadOptions, load_models
 
-LONG = 48    # the background request's tokens (a title with max_tokens 1000, in small)
-SHORT = 8    # the streamed chat's
+LONG = 48  # the background request's tokens (a title with max_tokens 1000, in small)
+SHORT = 8  # the streamed chat's
 
 
 @pytest.fixture(scope="module", params=["draft", "nodraft"])
 def models(request, tiny_pair):
     draft = str(tiny_pair[1]) if request.param == "draft" else None
     m = load_models(LoadOptions(str(tiny_pair[0]), draft, dtype="fp32", device="cpu"))
-    m.eos_ids = frozenset()   # whole replies
+    m.eos_ids = frozenset()  # whole replies
     return m
 
 
@@ -81,6 +81,7 @@ def alone(worker, prompt, max_tokens, **kw) -> str:
 def background_then_chat(worker, backgrounds: list[dict], chat: dict):
     """Submit the non-streamed `backgrounds`, wait for their first text, then the streamed `chat`;
     (events per request, the log of (name, "first" | "done", time))."""
+
     async def go():
         loop, log = asyncio.get_running_loop(), []
         bg = [job(loop, stream=False, **kw) for kw in backgrounds]
@@ -105,10 +106,12 @@ def test_a_streamed_request_pauses_a_background_one_which_resumes_unchanged(mode
         kw = dict(temperature=temperature, seed=11)
         backgrounds = [dict(prompt=p, max_tokens=LONG, **kw) for p in ("def title(x):", "class tags:")[:parallel]]
         chat = dict(prompt="for i in range(3):", max_tokens=SHORT, **kw)
-        want = [alone(worker, b["prompt"], LONG, **kw) for b in backgrounds] + [alone(worker, chat["prompt"], SHORT, **kw)]
+        want = [alone(worker, b["prompt"], LONG, **kw) for b in backgrounds] + [
+            alone(worker, chat["prompt"], SHORT, **kw)
+        ]
         before = worker.scheduler.pauses
-        got, log, passes = background_then_chat(worker, backgrounds, chat)
-        assert [text(items) for items in got] == want   # paused and resumed: the replies they get alone
+        got, log, _passes = background_then_chat(worker, backgrounds, chat)
+        assert [text(items) for items in got] == want  # paused and resumed: the replies they get alone
         order = [(name, what) for name, what, _ in log]
         assert order.index(("chat", "done")) < min(order.index((f"bg{i}", "done")) for i in range(parallel))
         assert worker.scheduler.pauses - before == 1
@@ -123,8 +126,9 @@ def test_queued_streamed_requests_are_admitted_before_queued_background_ones(mod
     streamed one pauses the first and runs before the queued background ones."""
     worker = start(models, 1)
     try:
-        got, log, _ = background_then_chat(worker, [dict(prompt="def a(x):", max_tokens=LONG)],
-                                           dict(prompt="x = 1", max_tokens=SHORT))  # fmt: skip
+        _got, log, _ = background_then_chat(
+            worker, [dict(prompt="def a(x):", max_tokens=LONG)], dict(prompt="x = 1", max_tokens=SHORT)
+        )
         assert log[-1][0] == "bg0"
 
         async def go():
@@ -155,6 +159,7 @@ def test_no_max_tokens_ends_at_the_context_end(models):
     "length" with the context full, never a hang."""
     worker = start(models, 2)
     try:
+
         async def go():
             j = job(asyncio.get_running_loop(), "def f(x):", None, True)
             worker.submit(j)
@@ -177,11 +182,12 @@ def test_background_requests_are_admitted_in_arrival_order_however_long_their_pr
 
     def prompt(self, work):
         if work.prompt == "def b(x):":
-            time.sleep(0.5)   # the first request's prompt takes longest to prepare
+            time.sleep(0.5)  # the first request's prompt takes longest to prepare
         return real(self, work)
 
     monkeypatch.setattr(Worker, "_prompt", prompt)
     try:
+
         async def go():
             loop, log = asyncio.get_running_loop(), []
             bg = [job(loop, p, SHORT, False) for p in ("def b(x):", "def c(x):", "def d(x):")]

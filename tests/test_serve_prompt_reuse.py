@@ -16,9 +16,9 @@ import pytest
 
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.serve.jobs import Done, Failed, Job, Started
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import Work
-from specexec_cli.serve.jobs import Done, Failed, Job, Started
 from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import ChatSession
 from specexec_cli.session.gendefaults import GREEDY
@@ -35,7 +35,7 @@ REPLY, BACKGROUND = 12, 40
 def models(tmp_path_factory):
     target, _ = make_tool_pair(tmp_path_factory.mktemp("reuse"), PLAIN_TEMPLATE)
     m = load_models(LoadOptions(str(target), None, dtype="fp32", device="cpu", ctx=2048))
-    m.eos_ids = frozenset()   # replies of exactly max_tokens
+    m.eos_ids = frozenset()  # replies of exactly max_tokens
     return m
 
 
@@ -44,8 +44,10 @@ def history(msgs):
 
 
 def task(kind: str, msgs) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"### task: {kind} of the chat history.\n### history:\n{history(msgs)}"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"### task: {kind} of the chat history.\n### history:\n{history(msgs)}"},
+    ]
 
 
 async def collect(j: Job) -> list:
@@ -62,13 +64,21 @@ def conversation(worker: Worker) -> list[tuple[int, int]]:
     tok = session.models.tokenizer
 
     async def go():
-        loop, msgs, out, last, pending = asyncio.get_running_loop(), [{"role": "system", "content": SYSTEM}], [], None, []
+        loop, msgs, out, last, pending = (
+            asyncio.get_running_loop(),
+            [{"role": "system", "content": SYSTEM}],
+            [],
+            None,
+            [],
+        )
         for text in TURNS:
             msgs.append({"role": "user", "content": text})
             chat = Job(Work(messages=list(msgs), max_tokens=REPLY, temperature=0.0), loop, "chat")
             chat.interactive = True
-            bg = [Job(Work(messages=task(k, msgs), max_tokens=BACKGROUND, temperature=0.0), loop, "chat")
-                  for k in ("a title", "tags")]  # fmt: skip
+            bg = [
+                Job(Work(messages=task(k, msgs), max_tokens=BACKGROUND, temperature=0.0), loop, "chat")
+                for k in ("a title", "tags")
+            ]
             for j in (chat, *bg):
                 worker.submit(j)
             pending += [asyncio.create_task(collect(j)) for j in bg]
@@ -80,11 +90,12 @@ def conversation(worker: Worker) -> list[tuple[int, int]]:
             reply = items[-1].text
             last = full + list(tok(reply, add_special_tokens=False)["input_ids"])
             msgs.append({"role": "assistant", "content": reply})
-            follow = Job(Work(messages=task("follow-up questions", msgs), max_tokens=BACKGROUND, temperature=0.0),
-                         loop, "chat")  # fmt: skip
+            follow = Job(
+                Work(messages=task("follow-up questions", msgs), max_tokens=BACKGROUND, temperature=0.0), loop, "chat"
+            )
             worker.submit(follow)
             pending.append(asyncio.create_task(collect(follow)))
-            await asyncio.sleep(0.05)   # the user reads, the background requests run
+            await asyncio.sleep(0.05)  # the user reads, the background requests run
         await asyncio.gather(*pending)
         return out
 
@@ -93,8 +104,9 @@ def conversation(worker: Worker) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("parallel", [1, 2, 8])
 def test_background_requests_keep_the_conversation_cached(models, parallel):
-    session = ChatSession(models, GenerationConfig(shape=TreeShape(8, 6), method="ar"),
-                          prompt_cache=PromptCache(1 << 30))  # fmt: skip
+    session = ChatSession(
+        models, GenerationConfig(shape=TreeShape(8, 6), method="ar"), prompt_cache=PromptCache(1 << 30)
+    )
     worker = Worker(lambda: (session, GREEDY), max_queue=16, metrics=Metrics(), parallel=parallel)
     worker.start()
     while worker.state == "loading":

@@ -23,9 +23,12 @@ pytest.importorskip("xgrammar")
 ASK = [{"role": "user", "content": "weather in paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CALL_TOKENS = 120  # room for one forced call
-FORECAST = {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome"]},
-                                             "rain": {"type": "boolean"}},
-            "required": ["city", "rain"], "additionalProperties": False}  # fmt: skip
+FORECAST = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["paris", "rome"]}, "rain": {"type": "boolean"}},
+    "required": ["city", "rain"],
+    "additionalProperties": False,
+}
 MISTRAL_TEMPLATE = (
     "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
     "{%- for m in messages %}"
@@ -40,8 +43,25 @@ MISTRAL_TEMPLATE = (
 
 def start(template: str, tmp: Path, name: str) -> Server:
     target, draft = make_tool_pair(tmp, template)
-    return Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                         "--budget", "8", "--max-new-tokens", "16", "--model-name", name], tmp)  # fmt: skip
+    return Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "8",
+            "--max-new-tokens",
+            "16",
+            "--model-name",
+            name,
+        ],
+        tmp,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +96,13 @@ def test_stop_strings_do_not_cut_constrained_output(client):
     res = chat(client, response_format=fmt, max_tokens=80, stop=['"', "}"])
     assert res.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(res.choices[0].message.content), FORECAST)
-    text = client.completions.create(model="tools", prompt="{", max_tokens=80, temperature=0, stop=['"'],
-                                     extra_body={"response_format": fmt}).choices[0].text  # fmt: skip
+    text = (
+        client.completions.create(
+            model="tools", prompt="{", max_tokens=80, temperature=0, stop=['"'], extra_body={"response_format": fmt}
+        )
+        .choices[0]
+        .text
+    )
     jsonschema.validate(json.loads(text), FORECAST)
     res = chat(client, tools=[WEATHER, CLOCK], tool_choice=NAMED, max_tokens=CALL_TOKENS, stop="\n")
     choice = res.choices[0]
@@ -92,10 +117,11 @@ def test_a_forced_call_streams_its_arguments_as_they_are_written(client):
     the arguments, sent while the model writes them (the running token count grows between them);
     the pieces join to the call a response that is not streamed returns."""
     ref = chat(client, tools=[WEATHER, CLOCK], tool_choice=NAMED, max_tokens=CALL_TOKENS).choices[0].message
-    chunks = list(chat(client, tools=[WEATHER, CLOCK], tool_choice=NAMED, max_tokens=CALL_TOKENS, stream=True,
-                       stop=["\n"]))  # fmt: skip
+    chunks = list(
+        chat(client, tools=[WEATHER, CLOCK], tool_choice=NAMED, max_tokens=CALL_TOKENS, stream=True, stop=["\n"])
+    )
     deltas = [(c, d) for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    (first, head), rest = deltas[0], deltas[1:]
+    (_first, head), rest = deltas[0], deltas[1:]
     assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
     assert head.function.name == "get_weather" and head.function.arguments == ""
     assert len(rest) >= 3 and all(d.index == 0 and d.id is None and d.function.name is None for _, d in rest)
@@ -123,8 +149,15 @@ def test_required_with_parallel_tool_calls_returns_several(client):
     for call in calls:
         valid_call(call.function.name, call.function.arguments)
     assert len({c.id for c in calls}) == len(calls)
-    one = chat(client, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=300, temperature=1.0, seed=several,
-               parallel_tool_calls=False).choices[0]  # fmt: skip
+    one = chat(
+        client,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        max_tokens=300,
+        temperature=1.0,
+        seed=several,
+        parallel_tool_calls=False,
+    ).choices[0]
     assert one.finish_reason == "tool_calls" and len(one.message.tool_calls) == 1
     valid_call(one.message.tool_calls[0].function.name, one.message.tool_calls[0].function.arguments)
 
@@ -140,7 +173,7 @@ def test_max_tokens_cuts_a_constrained_reply(client):
     chunks = list(chat(client, tools=[WEATHER, CLOCK], tool_choice=NAMED, max_tokens=len(head) + 5, stream=True))
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == "get_weather"
-    assert "".join(d.function.arguments for d in deltas) == choice.message.content[len(head) - 1:]
+    assert "".join(d.function.arguments for d in deltas) == choice.message.content[len(head) - 1 :]
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
 
 
@@ -148,8 +181,15 @@ def test_langchain_streams_a_forced_call(server):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=f"{server.base}/v1", api_key="unused", model="tools", temperature=0,
-                     max_tokens=CALL_TOKENS, max_retries=0, timeout=300)  # fmt: skip
+    llm = ChatOpenAI(
+        base_url=f"{server.base}/v1",
+        api_key="unused",
+        model="tools",
+        temperature=0,
+        max_tokens=CALL_TOKENS,
+        max_retries=0,
+        timeout=300,
+    )
     chunks = list(llm.bind_tools([WEATHER], tool_choice="get_weather").stream("weather in paris?"))
     assert sum(1 for c in chunks if c.tool_call_chunks) >= 3  # the arguments came in pieces
     merged = chunks[0]
@@ -167,8 +207,15 @@ def test_a_forced_mistral_call_is_written_the_mistral_way(tmp_path_factory):
     srv = start(MISTRAL_TEMPLATE, tmp_path_factory.mktemp("mistral"), "mistral")
     try:
         sdk = OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=300)
-        res = chat(sdk, model="mistral", tools=[WEATHER, CLOCK], tool_choice=NAMED, max_tokens=CALL_TOKENS,
-                   logprobs=True, top_logprobs=1)  # fmt: skip
+        res = chat(
+            sdk,
+            model="mistral",
+            tools=[WEATHER, CLOCK],
+            tool_choice=NAMED,
+            max_tokens=CALL_TOKENS,
+            logprobs=True,
+            top_logprobs=1,
+        )
         choice = res.choices[0]
         # the raw target's logprobs (docs/serve.md): at T = 0 a token the grammar forced is often not its argmax
         assert any(e.top_logprobs[0].logprob > e.logprob + 1e-6 for e in choice.logprobs.content)
@@ -176,8 +223,9 @@ def test_a_forced_mistral_call_is_written_the_mistral_way(tmp_path_factory):
         assert written.startswith('[TOOL_CALLS][{"name": "get_weather", "arguments": {') and written.endswith("}]")
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
-        assert call.function.name == "get_weather" and json.loads(written[len("[TOOL_CALLS]"):])[0]["arguments"] \
-            == valid_call(call.function.name, call.function.arguments)
+        assert call.function.name == "get_weather" and json.loads(written[len("[TOOL_CALLS]") :])[0][
+            "arguments"
+        ] == valid_call(call.function.name, call.function.arguments)
     finally:
         assert srv.stop() == 0, srv.stderr()
     assert "Traceback" not in srv.stderr(), srv.stderr()

@@ -33,9 +33,27 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 def start(pair, tmp: Path, name: str) -> Server:
     target, draft = pair
-    return Server.start(["--target", str(target), "--draft", str(draft), "--dtype", "fp32", "--device", "cpu",
-                         "--budget", "8", "--max-new-tokens", str(MAX_NEW), "--model-name", name,
-                         "--max-queue", "4"], tmp)  # fmt: skip
+    return Server.start(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--budget",
+            "8",
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--model-name",
+            name,
+            "--max-queue",
+            "4",
+        ],
+        tmp,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +121,16 @@ def test_required_calls_one_of_the_tools(client):
 
 
 def test_a_streamed_call_assembles_to_the_non_streamed_one(client, forced):
-    chunks = list(chat(client, tools=[WEATHER, CLOCK], tool_choice=NAMED, max_tokens=CALL_TOKENS, stream=True,
-                       stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        chat(
+            client,
+            tools=[WEATHER, CLOCK],
+            tool_choice=NAMED,
+            max_tokens=CALL_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all("specx" in c.model_extra for c in chunks)  # the usage chunk too (docs/serve.md)
     calls: dict[int, dict] = {}
     for c in chunks:
@@ -122,8 +148,11 @@ def test_a_streamed_call_assembles_to_the_non_streamed_one(client, forced):
 
 def test_a_follow_up_with_the_tool_result_answers(client, forced):
     call = forced.choices[0].message.tool_calls[0]
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'}]  # fmt: skip
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'},
+    ]
     res = chat(client, messages=messages, tools=[WEATHER, CLOCK], max_tokens=8)
     assert res.choices[0].finish_reason in ("stop", "length")
     assert isinstance(res.choices[0].message.content, str) and res.choices[0].message.tool_calls is None
@@ -131,9 +160,12 @@ def test_a_follow_up_with_the_tool_result_answers(client, forced):
     assert res.usage.prompt_tokens > forced.usage.prompt_tokens + len(call.function.arguments)
 
 
-FORECAST = {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome"]},
-                                             "rain": {"type": "boolean"}},
-            "required": ["city", "rain"], "additionalProperties": False}  # fmt: skip
+FORECAST = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["paris", "rome"]}, "rain": {"type": "boolean"}},
+    "required": ["city", "rain"],
+    "additionalProperties": False,
+}
 
 
 def test_response_format_json_schema_and_json_object(client):
@@ -143,32 +175,50 @@ def test_response_format_json_schema_and_json_object(client):
     jsonschema.validate(json.loads(res.choices[0].message.content), FORECAST)
     res = chat(client, response_format={"type": "json_object"}, max_tokens=80)
     assert res.choices[0].finish_reason == "stop" and isinstance(json.loads(res.choices[0].message.content), dict)
-    text = client.completions.create(model="tools", prompt="{", max_tokens=80, temperature=0,
-                                     extra_body={"response_format": fmt}).choices[0].text  # fmt: skip
+    text = (
+        client.completions.create(
+            model="tools", prompt="{", max_tokens=80, temperature=0, extra_body={"response_format": fmt}
+        )
+        .choices[0]
+        .text
+    )
     jsonschema.validate(json.loads(text), FORECAST)
 
 
 def test_an_invalid_schema_is_a_400_naming_the_field(server):
     bad = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
     for body, param in [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
-         "response_format.json_schema.schema"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}], "tool_choice": "required"},
-         "tools"),
-        ({"tools": [CLOCK, {"type": "function", "function": {"name": "f", "parameters": bad}}],
-          "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.1.function.parameters"),
-    ]:  # fmt: skip
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": bad}}], "tool_choice": "required"},
+            "tools",
+        ),
+        (
+            {
+                "tools": [CLOCK, {"type": "function", "function": {"name": "f", "parameters": bad}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tools.1.function.parameters",
+        ),
+    ]:
         status, headers, res = server.http("POST", "/v1/chat/completions", {"messages": ASK, **body})
         assert status == 400 and res["error"]["param"] == param and res["error"]["code"] == "invalid_schema", res
-        assert f"specx serve: 400 invalid_request_error/invalid_schema POST /v1/chat/completions request " \
-               f"{headers['x-request-id']}: {param}: invalid JSON schema" in server.stderr()
+        assert (
+            f"specx serve: 400 invalid_request_error/invalid_schema POST /v1/chat/completions request "
+            f"{headers['x-request-id']}: {param}: invalid JSON schema" in server.stderr()
+        )
 
 
 def test_logprobs_shapes_streamed_and_not(client):
     res = chat(client, logprobs=True, top_logprobs=3, max_tokens=6)
     entries = res.choices[0].logprobs.content
-    assert len(entries) == res.usage.completion_tokens and "".join(e.token for e in entries) == \
-        res.choices[0].message.content
+    assert (
+        len(entries) == res.usage.completion_tokens
+        and "".join(e.token for e in entries) == res.choices[0].message.content
+    )
     for e in entries:
         assert e.logprob <= 0 and e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3
         assert e.top_logprobs[0].logprob >= e.logprob - 1e-6  # at T = 0 the drawn token is the most likely
@@ -212,8 +262,14 @@ def test_langchain_bind_tools_and_with_structured_output(server):
         city: Literal["paris", "rome"]
         rain: bool
 
-    llm = ChatOpenAI(base_url=f"{server.base}/v1", api_key="unused", model="tools", temperature=0,
-                     max_tokens=CALL_TOKENS, max_retries=0)  # fmt: skip
+    llm = ChatOpenAI(
+        base_url=f"{server.base}/v1",
+        api_key="unused",
+        model="tools",
+        temperature=0,
+        max_tokens=CALL_TOKENS,
+        max_retries=0,
+    )
     msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("weather in paris?")
     (call,) = msg.tool_calls
     assert call["name"] == "get_weather"
@@ -222,8 +278,10 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     assert isinstance(out, Forecast)
 
 
-@pytest.mark.parametrize("page,needle,printed", [("serve.md", "from openai import", "tokens_per_pass"),
-                                                 ("serve-clients.md", "from langchain_openai", "city=")])
+@pytest.mark.parametrize(
+    "page,needle,printed",
+    [("serve.md", "from openai import", "tokens_per_pass"), ("serve-clients.md", "from langchain_openai", "city=")],
+)
 def test_the_pages_client_examples_run(server, capsys, page, needle, printed):
     """The python examples of docs/serve.md (openai, streamed with usage) and docs/serve-clients.md
     (langchain) as written, against this server."""
@@ -233,7 +291,7 @@ def test_the_pages_client_examples_run(server, capsys, page, needle, printed):
     code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if needle in b)
     assert "http://127.0.0.1:8000/v1" in code
     code = code.replace("http://127.0.0.1:8000/v1", f"{server.base}/v1")
-    code = code.replace('temperature=0)', f'temperature=0, max_tokens={CALL_TOKENS})')  # this server's default is short
+    code = code.replace("temperature=0)", f"temperature=0, max_tokens={CALL_TOKENS})")  # this server's default is short
     code = compile(code, page, "exec", dont_inherit=True)
     exec(code, {"__name__": "__main__"})  # noqa: S102 - the page's own example, as a script runs it
     assert printed in capsys.readouterr().out
@@ -247,9 +305,12 @@ def test_a_client_leaving_mid_stream_is_one_log_line(server):
     deadline = time.monotonic() + 30
     while "finish=cancelled" not in server.stderr() and time.monotonic() < deadline:
         time.sleep(0.1)
-    lines = [ln for ln in server.stderr().splitlines() if rid in ln]   # the reason, then the access line
-    assert lines[0] == f"specx serve: 499 cancelled POST /v1/chat/completions request {rid}: the client " \
-        "disconnected mid-stream" and len(lines) == 2, lines
+    lines = [ln for ln in server.stderr().splitlines() if rid in ln]  # the reason, then the access line
+    assert (
+        lines[0]
+        == f"specx serve: 499 cancelled POST /v1/chat/completions request {rid}: the client disconnected mid-stream"
+        and len(lines) == 2
+    ), lines
     assert lines[1].startswith(f"specx serve: 499 POST /v1/chat/completions request {rid}: prompt=")
     assert lines[1].endswith(" finish=cancelled")
 

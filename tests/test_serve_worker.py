@@ -9,19 +9,21 @@ import time
 
 import pytest
 
-from specexec_cli.session.chat import ChatSession, StopScanner, plain_prompt
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
-from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, merge
-from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import APIError, Work
-from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started
 from specexec_cli.serve.worker import Worker
+from specexec_cli.session.chat import ChatSession, StopScanner, plain_prompt
+from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, merge
+from specexec_cli.session.loading import LoadOptions, load_models
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}a: {% endif %}")  # the reply follows "a: " as rendered
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a: {% endif %}"
+)  # the reply follows "a: " as rendered
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +107,24 @@ def test_stop_scanner_holds_back_partial_matches():
 
 
 def test_plain_prompt_matches_the_turn_by_turn_format():
-    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": " yo"}, {"role": "user", "content": "more"}]
+    msgs = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": " yo"},
+        {"role": "user", "content": "more"},
+    ]
     assert plain_prompt(msgs, code=False) == "sys\n\nUser: hi\nAssistant: yo\nUser: more\nAssistant:"
-    assert plain_prompt([{"role": "user", "content": "def f():"}, {"role": "assistant", "content": "  pass"},
-                         {"role": "user", "content": "x = 1"}], code=True) == "def f():\n  pass\nx = 1\n"
+    assert (
+        plain_prompt(
+            [
+                {"role": "user", "content": "def f():"},
+                {"role": "assistant", "content": "  pass"},
+                {"role": "user", "content": "x = 1"},
+            ],
+            code=True,
+        )
+        == "def f():\n  pass\nx = 1\n"
+    )
 
 
 def test_checkpoint_sampling(tmp_path):
@@ -132,9 +147,14 @@ def test_budget_auto_reports_the_tuned_shape(tiny_pair):
     models = load_models(LoadOptions(str(tiny_pair[0]), str(tiny_pair[1]), dtype="fp32", device="cpu"))
     shape = TreeShape(64, 8)
     tuner = make_tuner(None, shape, on_cuda=False)
-    tuner.holder.shape = TreeShape(5, 3)   # as a retune would leave it
-    session = ChatSession(models, GenerationConfig(shape=shape, max_new_tokens=6), tuner=tuner,
-                          config_record=lambda c: {"budget": c.shape.budget}, code=True)
+    tuner.holder.shape = TreeShape(5, 3)  # as a retune would leave it
+    session = ChatSession(
+        models,
+        GenerationConfig(shape=shape, max_new_tokens=6),
+        tuner=tuner,
+        config_record=lambda c: {"budget": c.shape.budget},
+        code=True,
+    )
     w = Worker(lambda: (session, GREEDY), max_queue=2, metrics=Metrics())
     w.start()
     try:

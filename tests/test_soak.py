@@ -29,8 +29,10 @@ runner = CliRunner()
 def long_pair(tmp_path_factory):
     """Tiny pair with room for 200 short turns (char-level tokens: ~25 per turn)."""
     root = tmp_path_factory.mktemp("soak")
-    return (make_model(root / "t", seed=1, layers=2, max_pos=8192),
-            make_model(root / "d", seed=2, layers=2, max_pos=8192))
+    return (
+        make_model(root / "t", seed=1, layers=2, max_pos=8192),
+        make_model(root / "d", seed=2, layers=2, max_pos=8192),
+    )
 
 
 def lines_in(path: Path) -> int:
@@ -42,18 +44,37 @@ def test_200_turn_piped_chat_keeps_rss_flat(long_pair, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("SPECX_DEBUG", None)
     env.pop("SPECX_TEST_SLOW", None)
-    cmd = [sys.executable, "-m", "specexec_cli", "chat", "--target", str(long_pair[0]), "--draft", str(long_pair[1]),
-           "--device", "cpu", "--no-live", "--max-new-tokens", "4", "--budget", "8", "--offload", "none",
-           "--stats-json", str(log)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "specexec_cli",
+        "chat",
+        "--target",
+        str(long_pair[0]),
+        "--draft",
+        str(long_pair[1]),
+        "--device",
+        "cpu",
+        "--no-live",
+        "--max-new-tokens",
+        "4",
+        "--budget",
+        "8",
+        "--offload",
+        "none",
+        "--stats-json",
+        str(log),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True
+    )
     outside = {}
     try:
         for turn in range(1, TURNS + 1):
             proc.stdin.write(f"say {turn % 10}\n")
             proc.stdin.flush()
             deadline = time.time() + 60
-            while lines_in(log) < turn:   # one JSON line per finished turn
+            while lines_in(log) < turn:  # one JSON line per finished turn
                 assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
                 time.sleep(0.005)
             if turn in (EARLY, TURNS):
@@ -68,18 +89,35 @@ def test_200_turn_piped_chat_keeps_rss_flat(long_pair, tmp_path):
     assert "Traceback" not in err and f"chat: {TURNS} turns" in err
     records = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(records) == TURNS and all(r["host_rss_bytes"] > 0 for r in records)
-    assert all(r["finish_reason"] != "context" for r in records)   # the context never filled up
+    assert all(r["finish_reason"] != "context" for r in records)  # the context never filled up
     grew = outside[TURNS] - outside[EARLY]
-    print(f"soak RSS (outside): turn {EARLY} {outside[EARLY] / 2**20:.1f} MiB, turn {TURNS} "
-          f"{outside[TURNS] / 2**20:.1f} MiB, grew {grew / 2**20:.1f} MiB")
+    print(
+        f"soak RSS (outside): turn {EARLY} {outside[EARLY] / 2**20:.1f} MiB, turn {TURNS} "
+        f"{outside[TURNS] / 2**20:.1f} MiB, grew {grew / 2**20:.1f} MiB"
+    )
     assert grew < FLAT_BYTES, f"RSS grew {grew / 2**20:.1f} MiB between turn {EARLY} and {TURNS}"
     inside = records[TURNS - 1]["host_rss_bytes"] - records[EARLY - 1]["host_rss_bytes"]
     assert inside < FLAT_BYTES
 
 
 def chat_args(pair, *extra):
-    return ["chat", "--target", str(pair[0]), "--draft", str(pair[1]), "--device", "cpu", "--no-live",
-            "--max-new-tokens", "4", "--budget", "4", "--offload", "none", *extra]
+    return [
+        "chat",
+        "--target",
+        str(pair[0]),
+        "--draft",
+        str(pair[1]),
+        "--device",
+        "cpu",
+        "--no-live",
+        "--max-new-tokens",
+        "4",
+        "--budget",
+        "4",
+        "--offload",
+        "none",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +139,9 @@ def test_save_to_full_disk_and_unwritable_file_keep_the_conversation(small_pair,
     assert "Traceback" not in r.output
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert any("/save: cannot write /dev/full" in e and "No space left" in e for e in errors), r.stderr
-    if os.geteuid() != 0:   # root ignores directory permissions
+    if os.geteuid() != 0:  # root ignores directory permissions
         assert any(f"{locked}/c.json" in e for e in errors), r.stderr
-        assert not list(locked.iterdir())   # no half-written file left behind
+        assert not list(locked.iterdir())  # no half-written file left behind
     saved = json.loads(good.read_text())
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
 
@@ -113,8 +151,26 @@ def test_stats_json_on_full_disk(small_pair, tmp_path):
     """run: the text is printed, then one error line and a non-zero exit; chat: every turn goes on."""
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):")
-    r = runner.invoke(app, ["run", str(prompt), "--target", str(small_pair[0]), "--method", "ar", "--device", "cpu",
-                            "--no-live", "--max-new-tokens", "4", "--offload", "none", "--stats-json", "/dev/full"])
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(small_pair[0]),
+            "--method",
+            "ar",
+            "--device",
+            "cpu",
+            "--no-live",
+            "--max-new-tokens",
+            "4",
+            "--offload",
+            "none",
+            "--stats-json",
+            "/dev/full",
+        ],
+    )
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output
     assert "--stats-json: cannot write /dev/full" in r.stderr and "No space left" in r.stderr

@@ -23,9 +23,19 @@ def test_scripted_steps_give_mean_stall_and_draft_per_pass(monkeypatch):
     for idx, draft_s, stall in ((0, 0.0, 0.0), (1, 0.3, 0.2), (2, 0.1, 0.4), (3, 0.2, 0.0)):
         clock["t"] += 1.0
         pf.stall_seconds += stall
-        ev = SimpleNamespace(tokens=[1], prefill_seconds=0.5, decode_seconds=1.0, finish=None, pass_index=idx,
-                             prompt_tokens=3, draft_seconds=draft_s, target_seconds=0.5, tree_size=4, tree_depth=2,
-                             accepted=0)
+        ev = SimpleNamespace(
+            tokens=[1],
+            prefill_seconds=0.5,
+            decode_seconds=1.0,
+            finish=None,
+            pass_index=idx,
+            prompt_tokens=3,
+            draft_seconds=draft_s,
+            target_seconds=0.5,
+            tree_size=4,
+            tree_depth=2,
+            accepted=0,
+        )
         stats.add(ev)
         meter.step(stats, ev)
     rec = stats.to_json()
@@ -39,8 +49,9 @@ def test_offloaded_run_records_stall_against_draft_per_pass(tiny_pair):
     models = load_models(replace(opts, plan=make_plan(opts, shape, budget_auto=False)))
     try:
         stats, meter = RunStats(), LinkMeter(models.target)
-        for ev in generate(models, DecodeState(), [3, 5, 7, 9], GenerationConfig(method="specexec", shape=shape,
-                                                                                max_new_tokens=12)):
+        for ev in generate(
+            models, DecodeState(), [3, 5, 7, 9], GenerationConfig(method="specexec", shape=shape, max_new_tokens=12)
+        ):
             stats.add(ev)
             meter.step(stats, ev)
         rec = stats.to_json()

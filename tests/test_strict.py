@@ -46,8 +46,24 @@ def variant(base, tmp_path, edit_tensors=None, edit_config=None):
 def run(model, tmp_path, offload):
     prompt = tmp_path / "p.txt"
     prompt.write_text("def f(x):")
-    return runner.invoke(app, ["run", str(prompt), "--target", str(model), "--method", "ar", "--device", "cpu",
-                               "--max-new-tokens", "3", "--no-live", "--offload", offload])
+    return runner.invoke(
+        app,
+        [
+            "run",
+            str(prompt),
+            "--target",
+            str(model),
+            "--method",
+            "ar",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "3",
+            "--no-live",
+            "--offload",
+            offload,
+        ],
+    )
 
 
 def assert_refused(result, *needles):
@@ -107,17 +123,31 @@ def test_model_type_bert_on_llama_weights_is_refused(base, tmp_path):
 
 def test_config_far_bigger_than_weights_is_refused_before_allocating(base, tmp_path):
     """A different architecture with a huge hidden size: refused on the meta device, not allocated."""
-    bad = variant(base, tmp_path, edit_config=lambda c: c.update(
-        model_type="bert", architectures=["BertLMHeadModel"], hidden_size=1024, intermediate_size=4096,
-        num_attention_heads=16, num_hidden_layers=8, vocab_size=30000))  # ~0.5 GB: safe even if the check regressed
+    bad = variant(
+        base,
+        tmp_path,
+        edit_config=lambda c: c.update(
+            model_type="bert",
+            architectures=["BertLMHeadModel"],
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_attention_heads=16,
+            num_hidden_layers=8,
+            vocab_size=30000,
+        ),
+    )  # ~0.5 GB: safe even if the check regressed
     assert_refused(run(bad, tmp_path, "none"), "config.json")
 
 
 @pytest.mark.parametrize("offload", OFFLOADS)
 def test_tied_embeddings_without_lm_head_load(base, tmp_path, offload):
     """The documented exception: lm_head absent, config ties it to embed_tokens → loads and runs."""
-    tied = variant(base, tmp_path, edit_tensors=lambda sd: sd.pop("lm_head.weight"),
-                   edit_config=lambda c: c.update(tie_word_embeddings=True))
+    tied = variant(
+        base,
+        tmp_path,
+        edit_tensors=lambda sd: sd.pop("lm_head.weight"),
+        edit_config=lambda c: c.update(tie_word_embeddings=True),
+    )
     r = run(tied, tmp_path, offload)
     assert r.exit_code == 0, r.output
     assert "error" not in r.stderr and "specx:" in r.stderr  # decoded to the end

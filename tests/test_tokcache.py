@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from offload.formats import open_checkpoint, tokcache  # noqa: E402
-from tests.conftest import make_model  # noqa: E402
-from tests.gguf_build import write_gguf  # noqa: E402
+from offload.formats import open_checkpoint, tokcache
+from tests.conftest import make_model
+from tests.gguf_build import write_gguf
 
 TEXTS = ["hello world", "def f(x):\n    return x  # ünï", "<eos>abc<eos>", "   spaces  ", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <eos> there"}]
@@ -23,7 +23,12 @@ def _same(a, b, template: bool) -> None:
         assert a.encode(text) == b.encode(text), text
         ids = a.encode(text)
         assert a.decode(ids) == b.decode(ids)
-    assert (a.bos_token_id, a.eos_token_id, a.pad_token_id, len(a)) == (b.bos_token_id, b.eos_token_id, b.pad_token_id, len(b))
+    assert (a.bos_token_id, a.eos_token_id, a.pad_token_id, len(a)) == (
+        b.bos_token_id,
+        b.eos_token_id,
+        b.pad_token_id,
+        len(b),
+    )
     if template:
         kw = dict(tokenize=False, add_generation_prompt=True)
         assert a.apply_chat_template(MESSAGES, **kw) == b.apply_chat_template(MESSAGES, **kw)
@@ -36,17 +41,17 @@ def test_saved_tokenizer_equals_the_built_one_and_a_changed_file_rebuilds(tmp_pa
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
     f = write_gguf(make_model(tmp_path / "hf", seed=3), tmp_path / "m" / "t.gguf", "Q8_0", chat_template=template)
     built = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
-    first = open_checkpoint(f).load_tokenizer()           # builds and saves
+    first = open_checkpoint(f).load_tokenizer()  # builds and saves
     saved = list((tmp_path / "cache" / "tokenizers").iterdir())
     assert len(saved) == 1 and (saved[0] / "tokenizer.json").exists()
     calls = []
     real = AutoTokenizer.from_pretrained
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(k) or real(*a, **k))
-    second = open_checkpoint(f).load_tokenizer()          # read from the saved files
+    second = open_checkpoint(f).load_tokenizer()  # read from the saved files
     assert calls and all("gguf_file" not in k for k in calls)
     _same(built, first, True)
     _same(built, second, True)
-    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))   # the file changed
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))  # the file changed
     calls.clear()
     open_checkpoint(f).load_tokenizer()
     assert any("gguf_file" in k for k in calls) and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2

@@ -34,9 +34,18 @@ class NullTokenizer:
 
 def tiny_llama(vocab: int, seed: int, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -44,13 +53,19 @@ def pair(vocab: int, layers: int = 2) -> Models:
     return Models(tiny_llama(vocab, 1, layers), tiny_llama(vocab, 2, layers), NullTokenizer(), frozenset({-1}), 256)
 
 
-def run_steps(m: Models, method: str, temperature: float = 0.0, scores: str = "calibrated+ngram",
-              shape: TreeShape = SHAPE):
+def run_steps(
+    m: Models, method: str, temperature: float = 0.0, scores: str = "calibrated+ngram", shape: TreeShape = SHAPE
+):
     """Decode 24 tokens; per target pass: (draft forwards, host transfers, bytes). Also the RunStats."""
     forwards = []
     hook = m.draft.register_forward_pre_hook(lambda *_: forwards.append(1))
-    cfg = GenerationConfig(method=method, shape=shape, sampling=SamplingParams(temperature), max_new_tokens=24,
-                           extra={"scores": scores, "gamma": 4})  # fmt: skip
+    cfg = GenerationConfig(
+        method=method,
+        shape=shape,
+        sampling=SamplingParams(temperature),
+        max_new_tokens=24,
+        extra={"scores": scores, "gamma": 4},
+    )
     stats, steps = RunStats(), []
     try:
         ids = [(7 * i) % 50 + 1 for i in range(20)] * 2  # repeated text: n-gram branches fire
@@ -97,11 +112,11 @@ def test_bytes_per_draft_forward_do_not_grow_with_vocab(method):
         steps, _ = run_steps(pair(vocab), method)
         fwd = sum(s[0] for s in steps)
         per_forward[vocab] = sum(s[2] for s in steps) / fwd
-    assert per_forward[4096] <= _bytes_bound(SHAPE) < 4096 * 4   # less than one vocabulary row
+    assert per_forward[4096] <= _bytes_bound(SHAPE) < 4096 * 4  # less than one vocabulary row
     assert per_forward[4096] <= 1.5 * per_forward[256]
 
 
-@pytest.mark.parametrize("method", ["specexec", "chain"])   # tree growth and chain growth
+@pytest.mark.parametrize("method", ["specexec", "chain"])  # tree growth and chain growth
 def test_transfers_per_step_are_constant_in_depth_and_layers(method):
     """T = 0: at most 2 copies per draft forward (one staged upload, the top-k down) plus 4 per
     step (verify: one staged upload, the choices down; commit: kept rows, one per cache), whether
@@ -125,21 +140,22 @@ def test_sampled_verify_copies_one_vector_per_pass(method):
     a pass exceed the greedy figure for the same limits by less than one fp32 vocabulary row."""
     vocab = 4096
     m = pair(vocab)
-    if method == "sequoia":   # measure its acceptance vector first: that calibration runs the draft once
+    if method == "sequoia":  # measure its acceptance vector first: that calibration runs the draft once
         from specexec_cli.core.methods.sequoia import acceptance_vector
+
         acceptance_vector(m, list(range(1, 30)), SamplingParams(0.8), None)
     before = transfers.snapshot()
     steps, sampled = run_steps(m, method, temperature=0.8)
     moved = transfers.since(before)
     downloads = moved.calls - moved.uploads
     assert steps and downloads
-    for forwards, calls, nbytes, emitted in steps:
+    for forwards, calls, _nbytes, _emitted in steps:
         assert calls <= 2 * forwards + 4
     total_forwards = sum(s[0] for s in steps)
-    assert downloads == total_forwards + len(steps) + 1   # + 1: the prefill's draw
+    assert downloads == total_forwards + len(steps) + 1  # + 1: the prefill's draw
     if total_forwards:
         assert sum(s[2] for s in steps) / total_forwards <= _bytes_bound(SHAPE)
-    assert any(s[3] > 1 for s in steps) or method == "ar"      # passes did emit several tokens
+    assert any(s[3] > 1 for s in steps) or method == "ar"  # passes did emit several tokens
     _, greedy = run_steps(pair(vocab), method, temperature=0.0)
     t0, t1 = greedy.to_json(), sampled.to_json()
     assert t1["host_transfer_bytes_per_pass"] - t0["host_transfer_bytes_per_pass"] < vocab * 4

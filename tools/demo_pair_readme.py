@@ -27,13 +27,11 @@ def write_readme(out: Path, info: dict, eot: str, seq_len: int) -> None:
         "",
         f"- seed: {info['seed']}; torch {torch.__version__}, {info['threads']} CPU threads",
         f"- corpus: {info['corpus']}",
-        f"- tokenizer: byte-level BPE, vocab {info['vocab']}, `{eot}` = BOS/EOS/PAD "
-        "(identical files in both dirs)",
+        f"- tokenizer: byte-level BPE, vocab {info['vocab']}, `{eot}` = BOS/EOS/PAD (identical files in both dirs)",
         "- training: AdamW (0.9, 0.95, wd 0.1), warmup + cosine driven by the used fraction",
         "  of a budget in CPU-seconds per thread (capped in wall time; the machine was",
         "  shared with other jobs, so wall time exceeds CPU budget),",
-        f"   seq len {seq_len}, batch {info['batch']}, peak lr "
-        f"{info['lrs']}.",
+        f"   seq len {seq_len}, batch {info['batch']}, peak lr {info['lrs']}.",
         f"- draft objective: {info['draft_obj']}.",
         "- with --target-steps/--draft-steps the step counts are fixed; time-limited loops",
         "  (the --*-minutes budgets) give a similar but not bit-identical pair.",
@@ -42,9 +40,11 @@ def write_readme(out: Path, info: dict, eot: str, seq_len: int) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in (("target", t), ("draft", d)):
-        lines.append(f"| {name} | {m['params']:,} | {m['shape']} | {m['steps']} | "
-                     f"{m['tokens']:,} | {m['seconds']:.0f} s | {m['cpu_seconds']:.0f} s | "
-                     f"{m['mb']:.2f} MB |")
+        lines.append(
+            f"| {name} | {m['params']:,} | {m['shape']} | {m['steps']} | "
+            f"{m['tokens']:,} | {m['seconds']:.0f} s | {m['cpu_seconds']:.0f} s | "
+            f"{m['mb']:.2f} MB |"
+        )
     lines += [
         "",
         "Weights stored as bf16 safetensors (`config.dtype = bfloat16`).",
@@ -69,6 +69,9 @@ def write_readme(out: Path, info: dict, eot: str, seq_len: int) -> None:
             "```",
             "",
         ]
-    lines += ["What specx measures with this pair (tokens per target pass, the budget it picks): the repository's",
-              "`docs/performance.md`, section \"The embedded demo pair\".", ""]
+    lines += [
+        "What specx measures with this pair (tokens per target pass, the budget it picks): the repository's",
+        '`docs/performance.md`, section "The embedded demo pair".',
+        "",
+    ]
     (out / "README.md").write_text("\n".join(lines))

@@ -21,23 +21,81 @@ import sysconfig
 from pathlib import Path
 
 TEMPLATES = (
-    "What is {t}?", "Explain {t} in simple terms.", "Give me three facts about {t}.",
-    "Why is {t} important?", "Write a short paragraph about {t}.", "How would you teach {t} to a child?",
-    "What are the pros and cons of {t}?", "Summarize the history of {t} in a few sentences.",
-    "List some common misconceptions about {t}.", "Write a short poem about {t}.",
-    "How does {t} work?", "Can you compare {t} with something similar?",
+    "What is {t}?",
+    "Explain {t} in simple terms.",
+    "Give me three facts about {t}.",
+    "Why is {t} important?",
+    "Write a short paragraph about {t}.",
+    "How would you teach {t} to a child?",
+    "What are the pros and cons of {t}?",
+    "Summarize the history of {t} in a few sentences.",
+    "List some common misconceptions about {t}.",
+    "Write a short poem about {t}.",
+    "How does {t} work?",
+    "Can you compare {t} with something similar?",
 )
 TOPICS = (
-    "photosynthesis", "the water cycle", "black holes", "the Roman Empire", "machine learning", "volcanoes",
-    "the stock market", "climate change", "the human heart", "electric cars", "honey bees", "the internet",
-    "vaccines", "the moon landing", "coffee", "chess", "the French Revolution", "gravity", "rainbows",
-    "sleep", "recycling", "the Pacific Ocean", "dinosaurs", "democracy", "solar panels", "bread baking",
-    "the immune system", "earthquakes", "jazz music", "the printing press", "renewable energy", "DNA",
-    "Python programming", "binary numbers", "a healthy diet", "meditation", "the Great Wall of China",
-    "the periodic table", "interest rates", "time zones", "the Olympic Games", "coral reefs", "tea",
-    "public speaking", "the theory of evolution", "batteries", "spiders", "the Renaissance", "inflation",
-    "composting", "glaciers", "cryptography", "the Amazon rainforest", "hiking safety", "the violin",
-    "sorting algorithms", "friendship", "the speed of light", "origami", "bicycles", "the Silk Road",
+    "photosynthesis",
+    "the water cycle",
+    "black holes",
+    "the Roman Empire",
+    "machine learning",
+    "volcanoes",
+    "the stock market",
+    "climate change",
+    "the human heart",
+    "electric cars",
+    "honey bees",
+    "the internet",
+    "vaccines",
+    "the moon landing",
+    "coffee",
+    "chess",
+    "the French Revolution",
+    "gravity",
+    "rainbows",
+    "sleep",
+    "recycling",
+    "the Pacific Ocean",
+    "dinosaurs",
+    "democracy",
+    "solar panels",
+    "bread baking",
+    "the immune system",
+    "earthquakes",
+    "jazz music",
+    "the printing press",
+    "renewable energy",
+    "DNA",
+    "Python programming",
+    "binary numbers",
+    "a healthy diet",
+    "meditation",
+    "the Great Wall of China",
+    "the periodic table",
+    "interest rates",
+    "time zones",
+    "the Olympic Games",
+    "coral reefs",
+    "tea",
+    "public speaking",
+    "the theory of evolution",
+    "batteries",
+    "spiders",
+    "the Renaissance",
+    "inflation",
+    "composting",
+    "glaciers",
+    "cryptography",
+    "the Amazon rainforest",
+    "hiking safety",
+    "the violin",
+    "sorting algorithms",
+    "friendship",
+    "the speed of light",
+    "origami",
+    "bicycles",
+    "the Silk Road",
 )
 
 
@@ -58,8 +116,7 @@ def _stdlib_files() -> list[Path]:
 
 def _docstrings(tree: ast.AST) -> list[str]:
     """Every module/class/function docstring of a parsed file, stripped of leading indentation."""
-    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef,
-                                                                    ast.AsyncFunctionDef))]
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
     docs = (ast.get_docstring(n) for n in nodes)
     return [d for d in docs if d and len(d) > 40]
 
@@ -85,7 +142,7 @@ def offline_texts(limit_chars: int, seed: int) -> list[str]:
             docs.extend(found)
             n_docs += sum(map(len, found))
         if n_code < half:
-            code.append(src[:8000])   # the head of a file: imports, classes, a few functions
+            code.append(src[:8000])  # the head of a file: imports, classes, a few functions
             n_code += len(code[-1])
     texts = docs + code
     random.Random(seed + 1).shuffle(texts)

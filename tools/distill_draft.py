@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distill_data import chat_prompts, offline_texts  # noqa: E402
+from distill_data import chat_prompts, offline_texts
 
 
 def load_tokenizer(path: Path):
@@ -79,23 +79,30 @@ def gen_replies(model, tok, prompts: list[str], args, deadline: float) -> list[d
     for start in range(0, len(prompts), args.gen_batch):
         if time.time() > deadline:
             break
-        chunk = prompts[start:start + args.gen_batch]
+        chunk = prompts[start : start + args.gen_batch]
         if tok.chat_template:
             msgs = [[{"role": "user", "content": p}] for p in chunk]
-            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, padding=True, return_dict=True,
-                                          return_tensors="pt")
+            enc = tok.apply_chat_template(
+                msgs, add_generation_prompt=True, padding=True, return_dict=True, return_tensors="pt"
+            )
         else:
             enc = tok(chunk, padding=True, return_tensors="pt")
-        res = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=False,
-                             max_new_tokens=args.gen_tokens, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=pad)
-        logits = torch.stack(res.logits, 1)                    # (B, steps, V)
+        res = model.generate(
+            input_ids=enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            do_sample=False,
+            max_new_tokens=args.gen_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+        )
+        logits = torch.stack(res.logits, 1)  # (B, steps, V)
         plen = enc["input_ids"].shape[1]
         for b in range(len(chunk)):
             prompt = enc["input_ids"][b][enc["attention_mask"][b].bool()]
             reply = res.sequences[b, plen:]
             n = len(reply)
-            for j, t in enumerate(reply.tolist()):   # keep the first EOS, drop what follows it
+            for j, t in enumerate(reply.tolist()):  # keep the first EOS, drop what follows it
                 if t in eos:
                     n = j + 1
                     break
@@ -116,12 +123,12 @@ def text_records(model, tok, texts: list[str], args, deadline: float) -> list[di
         if len(stream) > args.text_tokens:
             break
     L = args.seq_len
-    chunks = [torch.tensor(stream[i:i + L]) for i in range(0, len(stream) - L + 1, L)]
+    chunks = [torch.tensor(stream[i : i + L]) for i in range(0, len(stream) - L + 1, L)]
     out: list[dict] = []
     for start in range(0, len(chunks), args.text_batch):
         if time.time() > deadline:
             break
-        batch = torch.stack(chunks[start:start + args.text_batch])
+        batch = torch.stack(chunks[start : start + args.text_batch])
         logits = model(batch).logits
         out += [record(batch[b], torch.arange(L), logits[b], args.topk) for b in range(len(batch))]
         if len(out) % (args.text_batch * 10) == 0:
@@ -134,15 +141,24 @@ def build_student(teacher_cfg, embed: torch.Tensor, hidden: int, layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = max(1, hidden // 32)
-    cfg = LlamaConfig(vocab_size=embed.shape[0], hidden_size=hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
-                      intermediate_size=int(math.ceil(hidden * 8 / 3 / 32)) * 32, tie_word_embeddings=True,
-                      max_position_embeddings=getattr(teacher_cfg, "max_position_embeddings", 2048),
-                      rms_norm_eps=getattr(teacher_cfg, "rms_norm_eps", 1e-5),
-                      bos_token_id=teacher_cfg.bos_token_id, eos_token_id=teacher_cfg.eos_token_id,
-                      pad_token_id=getattr(teacher_cfg, "pad_token_id", None),
-                      rope_parameters=dict(getattr(teacher_cfg, "rope_parameters", None)
-                                           or {"rope_theta": 10000.0, "rope_type": "default"}))
+    cfg = LlamaConfig(
+        vocab_size=embed.shape[0],
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=math.ceil(hidden * 8 / 3 / 32) * 32,
+        tie_word_embeddings=True,
+        max_position_embeddings=getattr(teacher_cfg, "max_position_embeddings", 2048),
+        rms_norm_eps=getattr(teacher_cfg, "rms_norm_eps", 1e-5),
+        bos_token_id=teacher_cfg.bos_token_id,
+        eos_token_id=teacher_cfg.eos_token_id,
+        pad_token_id=getattr(teacher_cfg, "pad_token_id", None),
+        rope_parameters=dict(
+            getattr(teacher_cfg, "rope_parameters", None) or {"rope_theta": 10000.0, "rope_type": "default"}
+        ),
+    )
     student = LlamaForCausalLM(cfg)
     # E (V, d) ~ U S V^T: E V_h = U_h S_h keeps the most variance of the rows in `hidden` dimensions.
     # Scaled to a mean row norm of 1: against a normalised final hidden state the first logits then have a
@@ -165,20 +181,20 @@ def batch_loss(student, recs: list[dict], negatives: int = 0) -> tuple[torch.Ten
     L = max(len(r["ids"]) for r in recs)
     ids = torch.zeros(len(recs), L, dtype=torch.long)
     for b, r in enumerate(recs):
-        ids[b, :len(r["ids"])] = r["ids"].long()
-    hid = student.model(input_ids=ids).last_hidden_state          # (B, L, h); causal: padding is harmless
+        ids[b, : len(r["ids"])] = r["ids"].long()
+    hid = student.model(input_ids=ids).last_hidden_state  # (B, L, h); causal: padding is harmless
     rows = torch.cat([torch.full((len(r["pos"]),), b) for b, r in enumerate(recs)])
     pos = torch.cat([r["pos"].long() for r in recs])
-    idx = torch.cat([r["idx"].long() for r in recs])                     # (m, k) teacher ids
-    p = F.softmax(torch.cat([r["vals"].float() for r in recs]), -1)      # (m, k), renormalised top-k
-    weight = student.lm_head.weight                                       # (V, h), tied to the embedding
+    idx = torch.cat([r["idx"].long() for r in recs])  # (m, k) teacher ids
+    p = F.softmax(torch.cat([r["vals"].float() for r in recs]), -1)  # (m, k), renormalised top-k
+    weight = student.lm_head.weight  # (V, h), tied to the embedding
     if negatives:
         cand = torch.unique(torch.cat([idx.flatten(), torch.randint(weight.shape[0], (negatives,))]))  # sorted
-        logq = F.log_softmax((hid[rows, pos] @ weight[cand].T).float(), -1)    # (m, |cand|)
-        col = torch.searchsorted(cand, idx)                                     # teacher ids -> columns
+        logq = F.log_softmax((hid[rows, pos] @ weight[cand].T).float(), -1)  # (m, |cand|)
+        col = torch.searchsorted(cand, idx)  # teacher ids -> columns
         loss = -(p * logq.gather(1, col)).sum(-1).mean()
         return loss, len(pos), int((cand[logq.argmax(-1)] == idx[:, 0]).sum())
-    logq = F.log_softmax(student.lm_head(hid[rows, pos]).float(), -1)    # (m, V)
+    logq = F.log_softmax(student.lm_head(hid[rows, pos]).float(), -1)  # (m, V)
     loss = -(p * logq.gather(1, idx)).sum(-1).mean()
     return loss, len(pos), int((logq.argmax(-1) == idx[:, 0]).sum())
 
@@ -188,7 +204,7 @@ def agreement(student, recs: list[dict], bs: int = 16) -> float:
     """Held-out share of positions where the student's argmax is the teacher's."""
     n = a = 0
     for i in range(0, len(recs), bs):
-        _, m, k = batch_loss(student, recs[i:i + bs])
+        _, m, k = batch_loss(student, recs[i : i + bs])
         n, a = n + m, a + k
     return a / max(1, n)
 
@@ -228,13 +244,17 @@ def train(student, recs: list[dict], args, deadline: float) -> dict:
         if step % 20 == 0 or step == 1:
             print(f"  step {step} frac {frac:.2f} lr {lr:.2e} loss {losses[-1]:.3f} agree {agree / m:.3f}", flush=True)
     # first: the first step's loss; last: the mean of the last 5 steps (one batch is noisy)
-    return dict(steps=step, seconds=round(time.time() - t0, 1), first_loss=round(losses[0], 4) if losses else None,
-                last_loss=round(sum(losses[-5:]) / len(losses[-5:]), 4) if losses else None)
+    return dict(
+        steps=step,
+        seconds=round(time.time() - t0, 1),
+        first_loss=round(losses[0], 4) if losses else None,
+        last_loss=round(sum(losses[-5:]) / len(losses[-5:]), 4) if losses else None,
+    )
 
 
 def collect(args, tok, t_start: float) -> tuple[dict, object]:
     """The cached data (or a fresh teacher's replies and text logits) and the teacher's config/embedding."""
-    if args.cache and Path(args.cache).exists():   # its "times" are those of the run that wrote it
+    if args.cache and Path(args.cache).exists():  # its "times" are those of the run that wrote it
         return dict(torch.load(args.cache, weights_only=False), from_cache=True), None
     t = time.time()
     teacher = load_teacher(Path(args.teacher))
@@ -247,8 +267,14 @@ def collect(args, tok, t_start: float) -> tuple[dict, object]:
     t = time.time()
     text = text_records(teacher, tok, offline_texts(args.text_tokens * 5, args.seed), args, t + 0.2 * total)
     times["text"] = round(time.time() - t, 1)
-    data = dict(replies=replies, text=text, times=times, left=left,
-                embed=teacher.get_input_embeddings().weight.detach().clone(), config=teacher.config.to_dict())
+    data = dict(
+        replies=replies,
+        text=text,
+        times=times,
+        left=left,
+        embed=teacher.get_input_embeddings().weight.detach().clone(),
+        config=teacher.config.to_dict(),
+    )
     if args.cache:
         torch.save(data, args.cache)
     return data, teacher
@@ -277,16 +303,27 @@ def main(argv=None) -> int:
     x_train, x_held = split(data["text"], args.seed)
     before = dict(replies=agreement(student, r_held), text=agreement(student, x_held))
     print(f"held-out top-1 agreement before: {before}", flush=True)
-    deadline = t_start + args.minutes * 60 - 60     # a minute for evaluation and saving
+    deadline = t_start + args.minutes * 60 - 60  # a minute for evaluation and saving
     fit = train(student, r_train + x_train, args, deadline)
     student.eval()
     after = dict(replies=agreement(student, r_held), text=agreement(student, x_held))
     print(f"held-out top-1 agreement after: {after}", flush=True)
-    save(student, tok, args, dict(before=before, after=after, train=fit, times=data["times"],
-                                  data_from_cache=data.get("from_cache", False),
-                                  replies=len(data["replies"]), text_chunks=len(data["text"]),
-                                  reply_tokens=sum(len(r["pos"]) for r in data["replies"]),
-                                  text_tokens=sum(len(r["pos"]) for r in data["text"])))
+    save(
+        student,
+        tok,
+        args,
+        dict(
+            before=before,
+            after=after,
+            train=fit,
+            times=data["times"],
+            data_from_cache=data.get("from_cache", False),
+            replies=len(data["replies"]),
+            text_chunks=len(data["text"]),
+            reply_tokens=sum(len(r["pos"]) for r in data["replies"]),
+            text_tokens=sum(len(r["pos"]) for r in data["text"]),
+        ),
+    )
     return 0
 
 
@@ -319,8 +356,12 @@ def parse(argv):
     ap.add_argument("--text-batch", type=int, default=8)
     ap.add_argument("--topk", type=int, default=32, help="teacher logits kept per position")
     ap.add_argument("--batch-tokens", type=int, default=2048)
-    ap.add_argument("--negatives", type=int, default=4096,
-                    help="sampled-softmax negatives per training step (0: the full vocabulary)")
+    ap.add_argument(
+        "--negatives",
+        type=int,
+        default=4096,
+        help="sampled-softmax negatives per training step (0: the full vocabulary)",
+    )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--cache", help="torch file holding the teacher data (written, or read when it exists)")
     args = ap.parse_args(argv)

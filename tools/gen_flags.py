@@ -34,8 +34,9 @@ COMMANDS = commands()
 
 def help_text(command: str) -> str | None:
     env = dict(os.environ, COLUMNS="110", TERM="dumb", NO_COLOR="1", _TYPER_FORCE_DISABLE_TERMINAL="1")
-    out = subprocess.run([sys.executable, "-m", "specexec_cli", command, "--help"], capture_output=True,
-                         text=True, env=env, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "specexec_cli", command, "--help"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     if out.returncode != 0:
         return None
     lines = (line.rstrip() for line in out.stdout.strip().splitlines())
@@ -43,7 +44,9 @@ def help_text(command: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Regenerate the flags reference in docs/flags.md from `specx <command> --help`.")
+    parser = argparse.ArgumentParser(
+        description="Regenerate the flags reference in docs/flags.md from `specx <command> --help`."
+    )
     parser.add_argument("--check", action="store_true", help="only check: exit 1 if docs/flags.md is out of date")
     args = parser.parse_args(argv)
     blocks = []
@@ -56,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if BEGIN not in body:
         print(f"{PAGE} has no {BEGIN} marker", file=sys.stderr)
         return 2
-    new = re.sub(f"{re.escape(BEGIN)}.*?{re.escape(END)}", lambda _: f"{BEGIN}\n" + "\n".join(blocks) + END, body,
-                 flags=re.S)  # fmt: skip
+    new = re.sub(
+        f"{re.escape(BEGIN)}.*?{re.escape(END)}", lambda _: f"{BEGIN}\n" + "\n".join(blocks) + END, body, flags=re.S
+    )
     if args.check:
         print(f"{PAGE} is up to date" if new == body else f"{PAGE} is out of date; run python tools/gen_flags.py")
         return 0 if new == body else 1

@@ -32,6 +32,7 @@ Method: a Llama-architecture target and a smaller Llama draft are trained
 Determinism: seeds are fixed; with --*-steps the weights depend only on the
         seed and the thread count, with --*-minutes also on machine speed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_pair_readme import write_readme  # noqa: E402
+from demo_pair_readme import write_readme
 
 EOT = "<|endoftext|>"
 SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
@@ -63,19 +64,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--target-minutes", type=float, default=10.0)
     p.add_argument("--draft-minutes", type=float, default=4.0)
-    p.add_argument("--target-steps", type=int, default=0,
-                   help="train the target for exactly this many steps (0 = use --target-minutes)")
-    p.add_argument("--draft-steps", type=int, default=0,
-                   help="train the draft for exactly this many steps (0 = use --draft-minutes)")
+    p.add_argument(
+        "--target-steps",
+        type=int,
+        default=0,
+        help="train the target for exactly this many steps (0 = use --target-minutes)",
+    )
+    p.add_argument(
+        "--draft-steps",
+        type=int,
+        default=0,
+        help="train the draft for exactly this many steps (0 = use --draft-minutes)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--eval-seqs", type=int, default=96, help="held-out sequences for eval")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--wall-cap-factor", type=float, default=2.2,
-                   help="hard wall-clock cap per model = factor * its budget")
+    p.add_argument(
+        "--wall-cap-factor", type=float, default=2.2, help="hard wall-clock cap per model = factor * its budget"
+    )
     p.add_argument("--target-lr", type=float, default=4e-3)
     p.add_argument("--draft-lr", type=float, default=6e-3)
-    p.add_argument("--distill-alpha", type=float, default=1.0,
-                   help="draft loss = a*CE + (1-a)*KL(target||draft); 1.0 = no distillation")
+    p.add_argument(
+        "--distill-alpha",
+        type=float,
+        default=1.0,
+        help="draft loss = a*CE + (1-a)*KL(target||draft); 1.0 = no distillation",
+    )
     return p.parse_args(argv)
 
 
@@ -112,9 +126,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, unk_token=None
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, unk_token=None)
     fast.model_max_length = 2048
     return fast
 
@@ -133,15 +145,24 @@ def make_config(kind: str, vocab_size: int, eos: int):
     from transformers import LlamaConfig
 
     if kind == "target":
-        dims = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=688)
+        dims = dict(
+            hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=688
+        )
     else:
-        dims = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=344)
+        dims = dict(
+            hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=344
+        )
     return LlamaConfig(
-        vocab_size=vocab_size, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, rms_norm_eps=1e-5,
-        rope_theta=10000.0, attention_dropout=0.0, **dims,
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        attention_dropout=0.0,
+        **dims,
     )
 
 
@@ -162,18 +183,18 @@ def budget_fraction(t0: float, c0: float, budget: float, cap: float, threads: in
 
 def sample_batch(stream: torch.Tensor, batch: int, gen: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, stream.numel() - SEQ_LEN - 1, (batch,), generator=gen)
-    return torch.stack([stream[s: s + SEQ_LEN + 1] for s in starts.tolist()])
+    return torch.stack([stream[s : s + SEQ_LEN + 1] for s in starts.tolist()])
 
 
 def train_loop(model, stream, args, minutes, peak_lr, teacher=None, alpha=0.5, tag="", steps=0):
     """AdamW training for `steps` steps (or, when 0, a time budget of `minutes`); with
     ``teacher`` mixes CE and KL(teacher||model). The LR schedule follows the used fraction."""
     gen = torch.Generator().manual_seed(args.seed + (1 if teacher is not None else 0))
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95),
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     budget, cap = minutes * 60.0, minutes * 60.0 * args.wall_cap_factor
     t0, c0, step, ema = time.time(), time.process_time(), 0, None
     model.train()
+
     def used() -> float:
         return step / steps if steps else budget_fraction(t0, c0, budget, cap, args.threads)
 
@@ -187,8 +208,7 @@ def train_loop(model, stream, args, minutes, peak_lr, teacher=None, alpha=0.5, t
         if teacher is not None:
             with torch.no_grad():
                 t_logp = F.log_softmax(teacher(input_ids=x).logits, dim=-1)
-            kl = F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True,
-                          reduction="batchmean") / x.size(1)
+            kl = F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="batchmean") / x.size(1)
             loss = alpha * loss + (1 - alpha) * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -197,20 +217,23 @@ def train_loop(model, stream, args, minutes, peak_lr, teacher=None, alpha=0.5, t
         step += 1
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         if step % 25 == 0:
-            print(f"[{tag}] step {step} wall {time.time() - t0:6.0f}s budget {frac:.0%} "
-                  f"loss(ema) {ema:.3f}", flush=True)
+            print(
+                f"[{tag}] step {step} wall {time.time() - t0:6.0f}s budget {frac:.0%} loss(ema) {ema:.3f}", flush=True
+            )
     model.eval()
-    return {"steps": step, "seconds": round(time.time() - t0, 1),
-            "cpu_seconds": round(time.process_time() - c0, 1),
-            "tokens": step * args.batch_size * SEQ_LEN}
+    return {
+        "steps": step,
+        "seconds": round(time.time() - t0, 1),
+        "cpu_seconds": round(time.process_time() - c0, 1),
+        "tokens": step * args.batch_size * SEQ_LEN,
+    }
 
 
 def eval_batches(stream: torch.Tensor, n: int) -> list[torch.Tensor]:
     """Deterministic, non-overlapping held-out windows (batches of 16)."""
     step = max((stream.numel() - SEQ_LEN - 1) // n, SEQ_LEN + 1)
-    wins = [stream[i * step: i * step + SEQ_LEN + 1] for i in range(n)
-            if i * step + SEQ_LEN + 1 <= stream.numel()]
-    return [torch.stack(wins[i: i + 16]) for i in range(0, len(wins), 16)]
+    wins = [stream[i * step : i * step + SEQ_LEN + 1] for i in range(n) if i * step + SEQ_LEN + 1 <= stream.numel()]
+    return [torch.stack(wins[i : i + 16]) for i in range(0, len(wins), 16)]
 
 
 @torch.no_grad()
@@ -225,8 +248,12 @@ def evaluate(target, draft, batches) -> dict:
         tot["draft"] += F.cross_entropy(ld.flatten(0, 1), y.flatten(), reduction="sum").item()
         agree += (lt.argmax(-1) == ld.argmax(-1)).sum().item()
         count += y.numel()
-    return {"target_loss": tot["target"] / count, "draft_loss": tot["draft"] / count,
-            "top1_agreement": agree / count, "eval_tokens": count}
+    return {
+        "target_loss": tot["target"] / count,
+        "draft_loss": tot["draft"] / count,
+        "top1_agreement": agree / count,
+        "eval_tokens": count,
+    }
 
 
 def save_model(model, tokenizer, out: Path) -> None:
@@ -236,8 +263,7 @@ def save_model(model, tokenizer, out: Path) -> None:
     model = model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     eos = tokenizer.eos_token_id
-    model.generation_config = GenerationConfig(
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False)
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -262,25 +288,38 @@ def main(argv=None) -> int:
     out = Path(args.out)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     train_txt, held_txt = collect_sources(stdlib)
-    corpus = (f"{len(train_txt)} train / {len(held_txt)} held-out .py files from "
-              f"CPython {sys.version.split()[0]} stdlib ({sum(map(len, train_txt)):,} chars train)")
+    corpus = (
+        f"{len(train_txt)} train / {len(held_txt)} held-out .py files from "
+        f"CPython {sys.version.split()[0]} stdlib ({sum(map(len, train_txt)):,} chars train)"
+    )
     print(corpus, flush=True)
     t0 = time.time()
     tokenizer = train_tokenizer(train_txt, args.vocab_size)
     train_ids, held_ids = encode_stream(tokenizer, train_txt), encode_stream(tokenizer, held_txt)
-    print(f"tokenizer {time.time() - t0:.0f}s; train {train_ids.numel():,} tokens, "
-          f"held-out {held_ids.numel():,} tokens", flush=True)
+    print(
+        f"tokenizer {time.time() - t0:.0f}s; train {train_ids.numel():,} tokens, held-out {held_ids.numel():,} tokens",
+        flush=True,
+    )
 
     target, t_params = build_model("target", tokenizer, args.seed)
-    t_stats = train_loop(target, train_ids, args, args.target_minutes, args.target_lr,
-                         tag="target", steps=args.target_steps)
+    t_stats = train_loop(
+        target, train_ids, args, args.target_minutes, args.target_lr, tag="target", steps=args.target_steps
+    )
     draft, d_params = build_model("draft", tokenizer, args.seed + 1)
     for p in target.parameters():
         p.requires_grad_(False)
     teacher = target if args.distill_alpha < 1.0 else None
-    d_stats = train_loop(draft, train_ids, args, args.draft_minutes, args.draft_lr,
-                         teacher=teacher, alpha=args.distill_alpha, tag="draft",
-                         steps=args.draft_steps)
+    d_stats = train_loop(
+        draft,
+        train_ids,
+        args,
+        args.draft_minutes,
+        args.draft_lr,
+        teacher=teacher,
+        alpha=args.distill_alpha,
+        tag="draft",
+        steps=args.draft_steps,
+    )
 
     save_model(target, tokenizer, out / "target")
     save_model(draft, tokenizer, out / "draft")
@@ -288,16 +327,20 @@ def main(argv=None) -> int:
     print(json.dumps(quality, indent=1), flush=True)
     info = {
         "command": command_line(),
-        "seed": args.seed, "threads": args.threads, "corpus": corpus,
-        "vocab": len(tokenizer), "batch": args.batch_size, "quality": quality,
+        "seed": args.seed,
+        "threads": args.threads,
+        "corpus": corpus,
+        "vocab": len(tokenizer),
+        "batch": args.batch_size,
+        "quality": quality,
         "lrs": f"target {args.target_lr:g} / draft {args.draft_lr:g}",
-        "draft_obj": ("next-token cross-entropy on the same data (no distillation)"
-                      if teacher is None else f"{args.distill_alpha:g} * CE + "
-                      f"{1 - args.distill_alpha:g} * KL(target || draft)"),
-        "target": {**t_stats, "params": t_params, "mb": dir_mb(out / "target"),
-                   "shape": shape_of(target)},
-        "draft": {**d_stats, "params": d_params, "mb": dir_mb(out / "draft"),
-                  "shape": shape_of(draft)},
+        "draft_obj": (
+            "next-token cross-entropy on the same data (no distillation)"
+            if teacher is None
+            else f"{args.distill_alpha:g} * CE + {1 - args.distill_alpha:g} * KL(target || draft)"
+        ),
+        "target": {**t_stats, "params": t_params, "mb": dir_mb(out / "target"), "shape": shape_of(target)},
+        "draft": {**d_stats, "params": d_params, "mb": dir_mb(out / "draft"), "shape": shape_of(draft)},
     }
     prompt = Path(__file__).resolve().parents[1] / "examples" / "prompt.txt"
     info["sample"] = greedy_sample(out, prompt) if prompt.exists() else None

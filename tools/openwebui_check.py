@@ -67,14 +67,28 @@ def start_servers(args, tmp: Path) -> tuple[subprocess.Popen, subprocess.Popen, 
     """(specx serve, open-webui, specx base URL, Open WebUI URL, specx's log file)."""
     sp, op = free_port(), free_port()
     log = tmp / "specx.log"
-    specx = subprocess.Popen([sys.executable, "-m", "specexec_cli", "serve", "--target", args.target,
-                              "--port", str(sp)], stdout=log.open("w"), stderr=subprocess.STDOUT)
-    env = {**os.environ, "DATA_DIR": str(tmp / "owui"), "OPENAI_API_BASE_URL": f"http://127.0.0.1:{sp}/v1",
-           "OPENAI_API_KEY": "sk-specx", "ENABLE_OLLAMA_API": "false", "OFFLINE_MODE": "true",
-           "HF_HUB_OFFLINE": "1", "WEBUI_SECRET_KEY": "specx-check"}
+    specx = subprocess.Popen(
+        [sys.executable, "-m", "specexec_cli", "serve", "--target", args.target, "--port", str(sp)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    env = {
+        **os.environ,
+        "DATA_DIR": str(tmp / "owui"),
+        "OPENAI_API_BASE_URL": f"http://127.0.0.1:{sp}/v1",
+        "OPENAI_API_KEY": "sk-specx",
+        "ENABLE_OLLAMA_API": "false",
+        "OFFLINE_MODE": "true",
+        "HF_HUB_OFFLINE": "1",
+        "WEBUI_SECRET_KEY": "specx-check",
+    }
     (tmp / "owui").mkdir()
-    owui = subprocess.Popen([args.open_webui, "serve", "--host", "127.0.0.1", "--port", str(op)], env=env,
-                            stdout=(tmp / "owui.log").open("w"), stderr=subprocess.STDOUT)
+    owui = subprocess.Popen(
+        [args.open_webui, "serve", "--host", "127.0.0.1", "--port", str(op)],
+        env=env,
+        stdout=(tmp / "owui.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{sp}"
     wait_url(f"{base}/v1/models", specx, 300)
     wait_url(f"http://127.0.0.1:{op}/health", owui, 600)
@@ -164,8 +178,11 @@ def main(argv=None) -> int:
             token = post_json(f"{ui}/api/v1/auths/signup", user)["token"]
             got = chat_in_browser(ui, token, model, args.prompt, args.screenshot, args.limit)
             time.sleep(args.after)
-            got.update(model=model, requests=server_requests(base),
-                       dropped_tools=[ln for ln in log.read_text().splitlines() if "tools, dropped" in ln])
+            got.update(
+                model=model,
+                requests=server_requests(base),
+                dropped_tools=[ln for ln in log.read_text().splitlines() if "tools, dropped" in ln],
+            )
         finally:
             for p in (owui, specx):
                 p.terminate()

@@ -35,8 +35,11 @@ def load(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
-REAL = {"none (ar)": "none (`--method ar`)", "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
-        "self-hqq2": "`--draft self --draft-bits 2` (HQQ)"}
+REAL = {
+    "none (ar)": "none (`--method ar`)",
+    "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
+    "self-hqq2": "`--draft self --draft-bits 2` (HQQ)",
+}
 
 
 def headline() -> str:
@@ -48,12 +51,14 @@ def headline() -> str:
     for r in rows:
         groups.setdefault(r["config"], []).append(r)
 
-    def rate(rs):   # total tokens over total decode seconds
+    def rate(rs):  # total tokens over total decode seconds
         return sum(len(r["token_ids"]) for r in rs) / sum(len(r["token_ids"]) / r["tokens_per_second"] for r in rs)
 
     ar = rate(groups["ar"])
-    lines = ["| decoding | tokens per target pass | tok/s (this CPU) | x `--method ar` | ids equal `--method ar` |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| decoding | tokens per target pass | tok/s (this CPU) | x `--method ar` | ids equal `--method ar` |",
+        "|---|---|---|---|---|",
+    ]
     for config, rs in groups.items():
         name = "`--method ar`" if config == "ar" else f"`--draft self --draft-bits 3 --budget {config.split('b')[-1]}`"
         tpp = sum(r["tokens_per_pass"] for r in rs) / len(rs)
@@ -65,17 +70,21 @@ def headline() -> str:
 def pair_headline() -> str:
     """The development pair: one row per draft, tokens per pass at budget 1024, T = 0 and 0.7, against the 2.9M-parameter draft."""
     cells = {(r["draft"], r["temperature"]): r for r in selfdraft_table.rows() if r["budget"] == 1024}
-    lines = ["| draft | tokens per target pass, T = 0 | x 2.9M draft | T = 0.7 | x 2.9M draft | T = 0 ids equal `--method ar` |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| draft | tokens per target pass, T = 0 | x 2.9M draft | T = 0.7 | x 2.9M draft | T = 0 ids equal `--method ar` |",
+        "|---|---|---|---|---|---|",
+    ]
     for draft in ("shared-2.9M", "self-nf4", "self-hqq3", "self-hqq2"):
         g, s = cells.get((draft, 0.0)), cells.get((draft, 0.7))
         if g is None or s is None:
             continue
         g0, s0 = cells[("shared-2.9M", 0.0)], cells[("shared-2.9M", 0.7)]
         name = selfdraft_table.NAMES[draft]
-        lines.append(f"| {name} | {g['tokens_per_pass']:.2f} | {g['tokens_per_pass'] / g0['tokens_per_pass']:.1f}x | "
-                     f"{s['tokens_per_pass']:.2f} | {s['tokens_per_pass'] / s0['tokens_per_pass']:.1f}x | "
-                     f"{'yes' if g['lossless'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {g['tokens_per_pass']:.2f} | {g['tokens_per_pass'] / g0['tokens_per_pass']:.1f}x | "
+            f"{s['tokens_per_pass']:.2f} | {s['tokens_per_pass'] / s0['tokens_per_pass']:.1f}x | "
+            f"{'yes' if g['lossless'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -84,19 +93,23 @@ def selfdraft_xl() -> str:
     lines = ["| budget | draft | tokens per target pass [95%] | tok/s (this CPU) |", "|---|---|---|---|"]
     for r in rows:
         lo, hi = r["ci95"]
-        lines.append(f"| {r['budget']} | {selfdraft_table.NAMES[r['draft']]} | {r['tokens_per_pass']:.2f} "
-                     f"[{lo:.2f}, {hi:.2f}] | {r['tokens_per_second']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['budget']} | {selfdraft_table.NAMES[r['draft']]} | {r['tokens_per_pass']:.2f} "
+            f"[{lo:.2f}, {hi:.2f}] | {r['tokens_per_second']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def serve() -> str:
     s = load("serve/serve.json")["summary"]
-    return "\n".join([
-        "| prompts timed | `specx run` tok/s | server tok/s (`openai` client, streamed) | server ÷ run | server engine tok/s | time to first token | every reply equals `specx run` |",
-        "|---|---|---|---|---|---|---|",
-        f"| {s['prompts_timed']} | {s['run_tok_s']:.1f} | {s['serve_tok_s']:.1f} | {s['ratio']:.2f} | "
-        f"{s['serve_engine_tok_s']:.1f} | {s['ttft_s']:.3f} s | {'yes' if s['all_same_text'] else 'NO'} |",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "| prompts timed | `specx run` tok/s | server tok/s (`openai` client, streamed) | server ÷ run | server engine tok/s | time to first token | every reply equals `specx run` |",
+            "|---|---|---|---|---|---|---|",
+            f"| {s['prompts_timed']} | {s['run_tok_s']:.1f} | {s['serve_tok_s']:.1f} | {s['ratio']:.2f} | "
+            f"{s['serve_engine_tok_s']:.1f} | {s['ttft_s']:.3f} s | {'yes' if s['all_same_text'] else 'NO'} |",
+        ]
+    )
 
 
 def serve_turns() -> str:
@@ -110,14 +123,17 @@ def serve_cache() -> str:
     """bench/serve.py --background: turns 2-5 of a conversation with the prompt cache and with one entry."""
     s = load("serve/cache.json")["summary"]
     c, o = s["cache"], s["one_entry"]
-    return "\n".join([
-        "| turns 2-5 | prompt cache | one entry (`--cache-ram 0`) |", "|---|---|---|",
-        f"| prompt tokens not prefilled | {c['cached_fraction_turns_2_5']:.0%} | {o['cached_fraction_turns_2_5']:.0%} |",
-        f"| time to first token, summed | {c['ttft_s_turns_2_5']:.2f} s | {o['ttft_s_turns_2_5']:.2f} s |",
-        f"| server prefill seconds, summed | {c['prefill_s_turns_2_5']:.2f} s | {o['prefill_s_turns_2_5']:.2f} s |",
-        f"| turn time, summed | {c['turn_s_turns_2_5']:.2f} s | {o['turn_s_turns_2_5']:.2f} s |",
-        f"| replies the same on both servers | {'yes' if s['same_replies'] else 'NO'} | |",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "| turns 2-5 | prompt cache | one entry (`--cache-ram 0`) |",
+            "|---|---|---|",
+            f"| prompt tokens not prefilled | {c['cached_fraction_turns_2_5']:.0%} | {o['cached_fraction_turns_2_5']:.0%} |",
+            f"| time to first token, summed | {c['ttft_s_turns_2_5']:.2f} s | {o['ttft_s_turns_2_5']:.2f} s |",
+            f"| server prefill seconds, summed | {c['prefill_s_turns_2_5']:.2f} s | {o['prefill_s_turns_2_5']:.2f} s |",
+            f"| turn time, summed | {c['turn_s_turns_2_5']:.2f} s | {o['turn_s_turns_2_5']:.2f} s |",
+            f"| replies the same on both servers | {'yes' if s['same_replies'] else 'NO'} | |",
+        ]
+    )
 
 
 def serve_parallel(name: str = "serve/parallel.json") -> str:
@@ -130,12 +146,20 @@ def serve_parallel(name: str = "serve/parallel.json") -> str:
     return module.table(load(name))
 
 
-TABLES = {"headline": headline, "pair-headline": pair_headline, "selfdraft": selfdraft_table.table, "selfdraft-xl": selfdraft_xl,
-          "serve": serve, "serve-turns": serve_turns, "serve-cache": serve_cache, "serve-parallel": serve_parallel,
-          "serve-parallel-xl": lambda: serve_parallel("serve/parallel_xl.json"),
-          "serve-parallel-xl-auto": lambda: serve_parallel("serve/parallel_xl_decode_auto.json"),
-          "serve-parallel-xl-even": lambda: serve_parallel("serve/parallel_xl_decode_16.json"),
-          "serve-parallel-xl-8": lambda: serve_parallel("serve/parallel_xl_decode_8.json")}
+TABLES = {
+    "headline": headline,
+    "pair-headline": pair_headline,
+    "selfdraft": selfdraft_table.table,
+    "selfdraft-xl": selfdraft_xl,
+    "serve": serve,
+    "serve-turns": serve_turns,
+    "serve-cache": serve_cache,
+    "serve-parallel": serve_parallel,
+    "serve-parallel-xl": lambda: serve_parallel("serve/parallel_xl.json"),
+    "serve-parallel-xl-auto": lambda: serve_parallel("serve/parallel_xl_decode_auto.json"),
+    "serve-parallel-xl-even": lambda: serve_parallel("serve/parallel_xl_decode_16.json"),
+    "serve-parallel-xl-8": lambda: serve_parallel("serve/parallel_xl_decode_8.json"),
+}
 
 
 def render(text: str) -> str:
@@ -170,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 path.write_text(new)
     if args.check:
-        print("perf tables are up to date" if not stale else f"out of date: {', '.join(stale)}; run python tools/perf_tables.py")
+        print(
+            "perf tables are up to date"
+            if not stale
+            else f"out of date: {', '.join(stale)}; run python tools/perf_tables.py"
+        )
         return int(bool(stale))
     print(f"updated {', '.join(stale) or 'nothing'}")
     return 0

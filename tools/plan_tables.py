@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PAGES = {"pair": "docs/memory-plan.md", "selfdraft": "docs/self-draft.md"}
-PAIR = [("nf4", 24), ("nf4", 16), ("nf4", 12), ("bf16", 24)]            # (target dtype, card GB)
+PAIR = [("nf4", 24), ("nf4", 16), ("nf4", 12), ("bf16", 24)]  # (target dtype, card GB)
 SELF = [("nf4", 48), ("nf4", 44), ("nf4", 40), ("nf4", 24), ("nf4", 16), ("nf4", 12), ("bf16", 80), ("bf16", 40)]
 GB = 1e9
 
@@ -33,15 +33,36 @@ def plan(target: Path, draft: str, dtype: str, card: int, tmp: Path) -> tuple[di
     from specexec_cli.terminal.app import app
 
     out = tmp / f"{dtype}-{card}-{Path(draft).name}.json"
-    args = ["run", "prompt.txt", "--target", str(target), "--draft", draft, "--dtype", dtype, "--device", "cuda",
-            "--max-gpu-memory", f"{card}GB", "--max-ram", "64GB", "--ctx", "8192", "--dry-run", "--stats-json", str(out)]
+    args = [
+        "run",
+        "prompt.txt",
+        "--target",
+        str(target),
+        "--draft",
+        draft,
+        "--dtype",
+        dtype,
+        "--device",
+        "cuda",
+        "--max-gpu-memory",
+        f"{card}GB",
+        "--max-ram",
+        "64GB",
+        "--ctx",
+        "8192",
+        "--dry-run",
+        "--stats-json",
+        str(out),
+    ]
     if draft != "self":
         args += ["--draft-dtype", "bf16"]
     # an empty config dir: no profile this machine wrote (its measured rates) reaches the published tables
     (tmp / "xdg").mkdir(exist_ok=True)
     r = CliRunner().invoke(app, args, env={"COLUMNS": "200", "XDG_CONFIG_HOME": str(tmp / "xdg")})
     if r.exit_code != 0:
-        return None, next((ln.removeprefix("error: ") for ln in r.output.splitlines() if ln.startswith("error: ")), r.output)
+        return None, next(
+            (ln.removeprefix("error: ") for ln in r.output.splitlines() if ln.startswith("error: ")), r.output
+        )
     return json.loads(out.read_text())["plan"], ""
 
 
@@ -50,18 +71,22 @@ def gb(n: float) -> str:
 
 
 def pair_table(plans: list[tuple[str, int, dict | None, str]]) -> str:
-    lines = ["| target | card | budget | prefill tokens/pass | lm_head | quant+pinned | draft | KV | activations | "
-             "resident (layers) | slots | CUDA margin | total | RAM / disk layers | disk per pass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| target | card | budget | prefill tokens/pass | lm_head | quant+pinned | draft | KV | activations | "
+        "resident (layers) | slots | CUDA margin | total | RAM / disk layers | disk per pass |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for dtype, card, p, refusal in plans:
         if p is None:
             lines.append(f"| {dtype} | {card} GB | refused: {refusal} |" + " |" * 12)
             continue
         b, s = p["device_bytes"], p["streamed_layers"]
-        lines.append(f"| {dtype} | {card} GB | {p['budget']} | {p['pass_tokens']} | {gb(b['lm_head'])} | "
-                     f"{gb(b['quant_states'] + b['pinned_params'])} | {gb(b['draft'])} | {gb(b['kv_target'] + b['kv_draft'])} | "
-                     f"{gb(b['activations'])} | {gb(b['resident_layers'])} ({p['resident_layers']}) | {gb(b['staging_slots'])} | "
-                     f"{gb(b['cuda_context'])} | {gb(p['device_total'])} | {s['ram']} / {s['disk']} | {gb(p['disk_bytes_per_pass'])} |")  # fmt: skip
+        lines.append(
+            f"| {dtype} | {card} GB | {p['budget']} | {p['pass_tokens']} | {gb(b['lm_head'])} | "
+            f"{gb(b['quant_states'] + b['pinned_params'])} | {gb(b['draft'])} | {gb(b['kv_target'] + b['kv_draft'])} | "
+            f"{gb(b['activations'])} | {gb(b['resident_layers'])} ({p['resident_layers']}) | {gb(b['staging_slots'])} | "
+            f"{gb(b['cuda_context'])} | {gb(p['device_total'])} | {s['ram']} / {s['disk']} | {gb(p['disk_bytes_per_pass'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -71,16 +96,20 @@ def self_row(p: dict) -> str:
     if p["substitute_bits"] is None:
         return "every layer resident: no substitutes, decodes without a draft"
     skipped, bits = len(p["skipped_layers"]), p["substitute_bits"]
-    if bits == 0:   # build.LAYER_SKIP: every layer resident, the draft is the target with layers left out
+    if bits == 0:  # build.LAYER_SKIP: every layer resident, the draft is the target with layers left out
         return skip_row(p, skipped)
     kind = "NF4" if bits == 4 else "HQQ"
-    text = (f"{bits}-bit {kind} substitutes of {streamed - skipped} of the {streamed} streamed layers "
-            f"({gb(p['device_bytes']['draft'])} GB), {p['resident_layers']} resident")
+    text = (
+        f"{bits}-bit {kind} substitutes of {streamed - skipped} of the {streamed} streamed layers "
+        f"({gb(p['device_bytes']['draft'])} GB), {p['resident_layers']} resident"
+    )
     if skipped:
         lo, hi = min(p["skipped_layers"]), max(p["skipped_layers"])
         where = f"layers {lo}-{hi}" if hi - lo + 1 == skipped else "the layers it lists"
-        text += (f"; the draft leaves out {skipped} layers, the least influential (measured at the first load; "
-                 f"this dry run, before it, shows the middle block: {where})")
+        text += (
+            f"; the draft leaves out {skipped} layers, the least influential (measured at the first load; "
+            f"this dry run, before it, shows the middle block: {where})"
+        )
     choice = next((c for c in p.get("candidates", []) if c.get("bits") == bits), None)
     if choice:
         text += f"; modelled {choice['tokens_per_pass']:.1f} tokens per pass"
@@ -91,9 +120,11 @@ def skip_row(p: dict, skipped: int) -> str:
     """The layer-skip self-draft of a resident target, in words."""
     lo, hi = min(p["skipped_layers"]), max(p["skipped_layers"])
     where = f"layers {lo}-{hi}" if hi - lo + 1 == skipped else "the layers it lists"
-    text = (f"every layer resident ({p['resident_layers']}): the draft is the target itself with {skipped} layers "
-            f"left out, the least influential (measured at the first load; this dry run, before it, shows the "
-            f"middle block: {where})")
+    text = (
+        f"every layer resident ({p['resident_layers']}): the draft is the target itself with {skipped} layers "
+        f"left out, the least influential (measured at the first load; this dry run, before it, shows the "
+        f"middle block: {where})"
+    )
     choice = next((c for c in p.get("candidates", []) if c.get("bits") == 0), None)
     return text + (f"; modelled {choice['tokens_per_pass']:.1f} tokens per pass" if choice else "")
 
@@ -102,7 +133,7 @@ def self_table(plans: list[tuple[str, int, dict | None, str]]) -> str:
     lines = ["| target | card | budget | device total | plan |", "|---|---|---|---|---|"]
     for dtype, card, p, refusal in plans:
         if p is None:
-            lines.append(f"| {dtype} | {card} GB | - | - | refused: \"{refusal}\" |")
+            lines.append(f'| {dtype} | {card} GB | - | - | refused: "{refusal}" |')
         else:
             lines.append(f"| {dtype} | {card} GB | {p['budget']} | {gb(p['device_total'])} GB | {self_row(p)} |")
     return "\n".join(lines)
@@ -140,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.check:
                 path.write_text(new)
     if args.check:
-        print("plan tables are up to date" if not stale else f"out of date: {', '.join(stale)}; run python tools/plan_tables.py")
+        print(
+            "plan tables are up to date"
+            if not stale
+            else f"out of date: {', '.join(stale)}; run python tools/plan_tables.py"
+        )
         return int(bool(stale))
     print(f"updated {', '.join(stale) or 'nothing'}")
     return 0

@@ -14,9 +14,13 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = {"shared-2.9M": "2.9M-parameter draft", "self-nf4": "`--draft self --draft-bits 4` (nf4)",
-         "self-nf4-ownkv": "nf4, own KV cache (not a mode)", "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
-         "self-hqq2": "`--draft self --draft-bits 2` (HQQ)"}
+NAMES = {
+    "shared-2.9M": "2.9M-parameter draft",
+    "self-nf4": "`--draft self --draft-bits 4` (nf4)",
+    "self-nf4-ownkv": "nf4, own KV cache (not a mode)",
+    "self-hqq3": "`--draft self --draft-bits 3` (HQQ)",
+    "self-hqq2": "`--draft self --draft-bits 2` (HQQ)",
+}
 
 
 def rows() -> list[dict]:
@@ -30,13 +34,17 @@ def rows() -> list[dict]:
 def table() -> str:
     rs = rows()
     base = {(r["temperature"], r["budget"]): r["tokens_per_pass"] for r in rs if r["draft"] == "shared-2.9M"}
-    lines = ["| T | budget | draft | tokens per target pass [95%] | x 2.9M draft | tok/s (this CPU) | equals `--method ar` |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | budget | draft | tokens per target pass [95%] | x 2.9M draft | tok/s (this CPU) | equals `--method ar` |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rs:
         b = base.get((r["temperature"], r["budget"]))
         lo, hi = r["ci95"]
         same = "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
         times = f"{r['tokens_per_pass'] / b:.2f}" if b else "-"
-        lines.append(f"| {r['temperature']:g} | {r['budget']} | {NAMES[r['draft']]} | {r['tokens_per_pass']:.2f} "
-                     f"[{lo:.2f}, {hi:.2f}] | {times} | {r['tokens_per_second']} | {same} |")
+        lines.append(
+            f"| {r['temperature']:g} | {r['budget']} | {NAMES[r['draft']]} | {r['tokens_per_pass']:.2f} "
+            f"[{lo:.2f}, {hi:.2f}] | {times} | {r['tokens_per_second']} | {same} |"
+        )
     return "\n".join(lines)

@@ -40,9 +40,9 @@ import weakref
 import torch
 
 NAME = "specx_gqa"
-ALIGN = 8                # SDPA's memory-efficient kernel copies masks whose strides are not multiples of 8
-_FLASH_CPU = None        # torch's CPU flash attention op, looked up once (False: this torch has none)
-_PREPARED: dict = {}     # (id(mask), groups, dtype) -> (weakref to the source mask, prepared mask)
+ALIGN = 8  # SDPA's memory-efficient kernel copies masks whose strides are not multiples of 8
+_FLASH_CPU = None  # torch's CPU flash attention op, looked up once (False: this torch has none)
+_PREPARED: dict = {}  # (id(mask), groups, dtype) -> (weakref to the source mask, prepared mask)
 
 
 def register() -> str:
@@ -68,7 +68,7 @@ def padded(width: int) -> int:
 
 
 def mask_strategy(device: str, q_len: int, groups: int, kv_heads: int, head_dim: int) -> str:
-    """"gqa" | "fold" | "groups" for a masked pass (module docstring); "none" when G = 1."""
+    """ "gqa" | "fold" | "groups" for a masked pass (module docstring); "none" when G = 1."""
     if groups <= 1:
         return "none"
     if device != "cuda":
@@ -76,8 +76,9 @@ def mask_strategy(device: str, q_len: int, groups: int, kv_heads: int, head_dim:
     return "fold" if q_len == 1 or groups * q_len <= 2 * kv_heads * head_dim else "groups"
 
 
-def mask_bytes(device: str, q_len: int, keys: int, groups: int, kv_heads: int, head_dim: int, elem: int,
-               source: int) -> int:
+def mask_bytes(
+    device: str, q_len: int, keys: int, groups: int, kv_heads: int, head_dim: int, elem: int, source: int
+) -> int:
     """Device bytes the masked attention of one pass allocates beyond the caller's (1, 1, Q, K) mask,
     alive for the whole pass (prepared once per forward) or one layer (query and output copies).
     `source`: bytes per element of the mask handed in (1: bool, else additive in `elem`).
@@ -111,8 +112,8 @@ def _prepared(mask: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tens
         return hit[1]
     b, _, q_len, keys = mask.shape
     full = torch.empty(b, 1, groups * q_len, padded(keys), dtype=dtype, device=mask.device)
-    full.view(b, 1, groups, q_len, -1)[..., :keys].copy_(mask.unsqueeze(2))   # bool -> 1 / 0
-    if mask.dtype == torch.bool:   # allowed 1 -> 0, blocked 0 -> dtype min, in place: (x - 1) * max
+    full.view(b, 1, groups, q_len, -1)[..., :keys].copy_(mask.unsqueeze(2))  # bool -> 1 / 0
+    if mask.dtype == torch.bool:  # allowed 1 -> 0, blocked 0 -> dtype min, in place: (x - 1) * max
         full.sub_(1).mul_(torch.finfo(dtype).max)
     out = full[..., :keys]
     _PREPARED[key] = (weakref.ref(mask, lambda _, k=key: _PREPARED.pop(k, None)), out)
@@ -127,11 +128,11 @@ def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
     from torch.nn.attention import sdpa_kernel
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    try:   # torch warns why a pinned kernel cannot run before it raises: the fallback below says enough
+    try:  # torch warns why a pinned kernel cannot run before it raises: the fallback below says enough
         with sdpa_kernel(backend) if backend is not None else nullcontext(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa)
-    except RuntimeError as exc:   # the pinned kernel refuses these inputs (head size, dtype, arch): torch's choice
+    except RuntimeError as exc:  # the pinned kernel refuses these inputs (head size, dtype, arch): torch's choice
         if backend is None or not any(m in str(exc) for m in ("No available kernel", "No viable backend")):
             raise
         return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa)
@@ -142,9 +143,16 @@ def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
     context manager, no warnings filter, no backend selection per layer: the same kernel, the same
     numbers); None where that is not known to be the same call (then `_sdpa`)."""
     global _FLASH_CPU
-    ok = (dropout == 0.0 and q.dim() == 4 and q.dtype in (torch.float32, torch.bfloat16)
-          and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] == k.shape[-1] == v.shape[-1]
-          and (mask is None or mask.dtype == q.dtype) and not torch.is_grad_enabled())
+    ok = (
+        dropout == 0.0
+        and q.dim() == 4
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and (mask is None or mask.dtype == q.dtype)
+        and not torch.is_grad_enabled()
+    )
     if not ok:
         return None
     if _FLASH_CPU is None:
@@ -153,40 +161,58 @@ def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
         return None
     try:
         return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
-    except RuntimeError:   # the kernel refuses these inputs: the pinned call decides (and falls back)
+    except RuntimeError:  # the kernel refuses these inputs: the pinned call decides (and falls back)
         return None
 
 
 def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, backend):
-    """"fold" or "groups" (module docstring) for a kernel that takes masks but not GQA (CUDA's
+    """ "fold" or "groups" (module docstring) for a kernel that takes masks but not GQA (CUDA's
     memory-efficient one, `backend`; tests run it on CPU with backend None)."""
     b, heads, q_len, dim = query.shape
     kv_heads, eff = key.shape[1], backend
     if strategy == "fold":
-        q = query.reshape(b, kv_heads, groups * q_len, dim)   # head h = kv*G + g -> rows g*Q .. g*Q+Q-1
-        m = (_prepared(mask, query.dtype, 1).expand(-1, -1, groups, -1) if q_len == 1
-             else _prepared(mask, query.dtype, groups))
+        q = query.reshape(b, kv_heads, groups * q_len, dim)  # head h = kv*G + g -> rows g*Q .. g*Q+Q-1
+        m = (
+            _prepared(mask, query.dtype, 1).expand(-1, -1, groups, -1)
+            if q_len == 1
+            else _prepared(mask, query.dtype, groups)
+        )
         out = _sdpa(q, key, value, m, dropout, scaling, eff)
         return out.reshape(b, heads, q_len, value.shape[-1])
     m = _prepared(mask, query.dtype, 1).expand(-1, kv_heads, -1, -1)
     outs = [_sdpa(query[:, g::groups], key, value, m, dropout, scaling, eff) for g in range(groups)]
-    return torch.stack(outs, dim=2).reshape(b, heads, q_len, value.shape[-1])   # (B, Hkv, G, Q, D) -> head kv*G+g
+    return torch.stack(outs, dim=2).reshape(b, heads, q_len, value.shape[-1])  # (B, Hkv, G, Q, D) -> head kv*G+g
 
 
-def gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def gqa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """query (B, H, Q, D), key/value (B, Hkv, K, D) -> ((B, Q, H, D), None), as transformers' sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    b, heads, q_len, dim = query.shape
-    foldable = (groups > 1 and attention_mask is not None and attention_mask.dim() == 4
-                and attention_mask.shape[1] == 1 and kwargs.get("position_bias") is None
-                and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
+    b, _heads, q_len, dim = query.shape
+    foldable = (
+        groups > 1
+        and attention_mask is not None
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
     if not foldable:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     if attention_mask.shape[0] not in (1, b):
         raise ValueError(f"attention mask batch {attention_mask.shape[0]} does not match the query batch {b}")
     # the object transformers hands every layer (prepared masks are keyed on it); cut only if wider than the cache
@@ -197,7 +223,7 @@ def gqa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 
         out = cpu_flash(query, key, value, mask, dropout, scaling) if query.device.type == "cpu" else None
         if out is None:
-            backend = SDPBackend.FLASH_ATTENTION if query.device.type == "cpu" else None   # CPU flash: masks and GQA
+            backend = SDPBackend.FLASH_ATTENTION if query.device.type == "cpu" else None  # CPU flash: masks and GQA
             out = _sdpa(query, key, value, mask, dropout, scaling, backend, enable_gqa=True)
     else:
         from torch.nn.attention import SDPBackend

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-PLUS_ONE = "specx_norms_plus_one"   # config attribute: norm weights are stored as 1 + w (GGUF)
+PLUS_ONE = "specx_norms_plus_one"  # config attribute: norm weights are stored as 1 + w (GGUF)
 
 
 class TypedRope(tuple):
@@ -37,18 +37,14 @@ class TypedRope(tuple):
 def _classes():
     """(causal LM, rotary, layer) subclasses, built on first use (transformers imports lazily)."""
     from transformers import Gemma3ForCausalLM
-    from transformers.models.gemma3.modeling_gemma3 import (
-        Gemma3DecoderLayer,
-        Gemma3RMSNorm,
-        Gemma3RotaryEmbedding,
-    )
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RMSNorm, Gemma3RotaryEmbedding
 
     class TypedRotary(Gemma3RotaryEmbedding):
         def forward(self, x, position_ids, layer_type=None):
             if layer_type is not None:
                 return super().forward(x, position_ids, layer_type)
             by_type = {}
-            for t in self.layer_types:      # sorted names of the layer types this config has
+            for t in self.layer_types:  # sorted names of the layer types this config has
                 by_type[t] = super().forward(x, position_ids, t)
             rope = TypedRope(by_type.get("full_attention") or next(iter(by_type.values())))
             rope.by_type = by_type

@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from functools import lru_cache
+from functools import cache, lru_cache
 
 NEW, OLD = "cache", "past_key_values"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cache_name(fn) -> str:
     """The cache keyword of `fn` (its signature, following decorators' __wrapped__)."""
     try:
         params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):   # builtins or C callables: the installed convention
+    except (TypeError, ValueError):  # builtins or C callables: the installed convention
         return installed_name()
     if NEW in params or OLD in params:
         return NEW if NEW in params else OLD
-    return installed_name()           # (*args, **kwargs) wrappers: whatever transformers expects
+    return installed_name()  # (*args, **kwargs) wrappers: whatever transformers expects
 
 
 @lru_cache(maxsize=1)
@@ -39,7 +39,7 @@ def installed_name() -> str:
 
 def cache_name(fn) -> str:
     """`cache` or `past_key_values`: the name `fn` takes its KV cache under."""
-    target = getattr(fn, "forward", fn)   # an nn.Module: look at its forward's signature
+    target = getattr(fn, "forward", fn)  # an nn.Module: look at its forward's signature
     return _cache_name(getattr(target, "__func__", target))
 
 
@@ -48,7 +48,7 @@ def cache_kwargs(fn, cache) -> dict:
     return {cache_name(fn): cache}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _output_name(cls) -> str:
     names = {f.name for f in dataclasses.fields(cls)}
     return NEW if NEW in names else OLD

@@ -44,8 +44,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             return reader.open(path)
     if path.is_dir() and not (path / "config.json").is_file():
         raise OffloadError(f"{path}: missing config.json; pass a Hugging Face model directory or a .gguf file")
-    raise OffloadError(f"{path}: no *.safetensors or .gguf weights found; pass a Hugging Face model directory "
-                       "with safetensors weights or a .gguf file")
+    raise OffloadError(
+        f"{path}: no *.safetensors or .gguf weights found; pass a Hugging Face model directory "
+        "with safetensors weights or a .gguf file"
+    )
 
 
 def load_weight(ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype):

@@ -22,13 +22,13 @@ import torch
 from offload.errors import OffloadError
 from offload.formats.packed import PackedReader, bits4, check_divides, group_size, unpack_cols
 
-ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # AWQ packs column 8c + ORDER[i] into field i
-REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)        # field holding column 8c + j
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs column 8c + ORDER[i] into field i
+REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # field holding column 8c + j
 
 
 def awq_unpack(w: torch.Tensor) -> torch.Tensor:
     """(R, C) int32 -> (R, 8C) codes in column order."""
-    fields = unpack_cols(w)                                         # (R, 8C) in field order
+    fields = unpack_cols(w)  # (R, 8C) in field order
     idx = torch.tensor(REVERSE, device=w.device)
     return fields.view(w.shape[0], -1, 8).index_select(2, idx).reshape(w.shape[0], -1)
 
@@ -42,15 +42,21 @@ class AwqReader(PackedReader):
     def params(self, qc: dict, path: Path) -> dict:
         version = str(qc.get("version", "gemm")).lower()
         if version == "gemv" or version == "gemv_fast":
-            raise OffloadError(f"{path / 'config.json'}: AWQ {version.upper()} layout is not supported; "
-                               "use an AWQ checkpoint in the GEMM layout (re-export with version='gemm')")
+            raise OffloadError(
+                f"{path / 'config.json'}: AWQ {version.upper()} layout is not supported; "
+                "use an AWQ checkpoint in the GEMM layout (re-export with version='gemm')"
+            )
         if version != "gemm":
-            raise OffloadError(f"{path / 'config.json'}: AWQ version {version!r} is not supported; "
-                               "use an AWQ checkpoint in the GEMM layout")
+            raise OffloadError(
+                f"{path / 'config.json'}: AWQ version {version!r} is not supported; "
+                "use an AWQ checkpoint in the GEMM layout"
+            )
         bits4(qc, path, "AWQ")
         if not qc.get("zero_point", True):
-            raise OffloadError(f"{path / 'config.json'}: AWQ without zero points is not supported; "
-                               "use an AWQ GEMM checkpoint with zero_point=true")
+            raise OffloadError(
+                f"{path / 'config.json'}: AWQ without zero points is not supported; "
+                "use an AWQ GEMM checkpoint with zero_point=true"
+            )
         return {"method": "awq", "bits": 4, "group_size": group_size(qc, path), "version": "gemm"}
 
     def shapes(self, q, out_f, in_f, present):
@@ -61,11 +67,11 @@ class AwqReader(PackedReader):
 
     def dequant(self, q, parts, out_f, in_f, dtype):
         g = q["group_size"] if q["group_size"] > 0 else in_f
-        zeros = awq_unpack(parts["qzeros"]).to(dtype)                       # (G, N)
-        scales = parts["scales"].to(dtype)                                  # (G, N)
-        w = awq_unpack(parts["qweight"]).to(dtype).view(-1, g, out_f)       # (G, g, N) codes
-        w.sub_(zeros[:, None]).mul_(scales[:, None])                        # exact ints, one rounding
-        return w.view(in_f, out_f).t()                                      # (N, K) view
+        zeros = awq_unpack(parts["qzeros"]).to(dtype)  # (G, N)
+        scales = parts["scales"].to(dtype)  # (G, N)
+        w = awq_unpack(parts["qweight"]).to(dtype).view(-1, g, out_f)  # (G, g, N) codes
+        w.sub_(zeros[:, None]).mul_(scales[:, None])  # exact ints, one rounding
+        return w.view(in_f, out_f).t()  # (N, K) view
 
 
 READER = AwqReader()

@@ -57,15 +57,17 @@ LAYER_PREFIX = "model.layers."
 
 @dataclass(frozen=True)
 class TensorInfo:
-    name: str                   # HF tensor name (GGUF names are translated to HF's), e.g. model.layers.0.mlp.up_proj.qweight
-    file: Path                  # file that holds the bytes
-    dtype: torch.dtype          # element type of the stored bytes (torch.uint8 for block-quantized bytes)
-    shape: tuple[int, ...]      # stored shape in `dtype` elements (a `qtype` tensor: (nbytes,) of uint8); the
-                                # LOGICAL HF shape of every parameter is Checkpoint.shapes[hf_name]
-    begin: int                  # absolute byte offset of the first byte in `file`
-    end: int                    # absolute byte offset one past the last byte
-    qtype: str | None = None    # block-quant type of the bytes when not a plain `dtype` array (GGUF "Q4_K"); None = plain
-    meta: dict = field(default_factory=dict, compare=False, hash=False)   # per-format extras (GGUF type id, permutation...)
+    name: str  # HF tensor name (GGUF names are translated to HF's), e.g. model.layers.0.mlp.up_proj.qweight
+    file: Path  # file that holds the bytes
+    dtype: torch.dtype  # element type of the stored bytes (torch.uint8 for block-quantized bytes)
+    shape: tuple[int, ...]  # stored shape in `dtype` elements (a `qtype` tensor: (nbytes,) of uint8); the
+    # LOGICAL HF shape of every parameter is Checkpoint.shapes[hf_name]
+    begin: int  # absolute byte offset of the first byte in `file`
+    end: int  # absolute byte offset one past the last byte
+    qtype: str | None = None  # block-quant type of the bytes when not a plain `dtype` array (GGUF "Q4_K"); None = plain
+    meta: dict = field(
+        default_factory=dict, compare=False, hash=False
+    )  # per-format extras (GGUF type id, permutation...)
 
     @property
     def nbytes(self) -> int:
@@ -79,21 +81,23 @@ class TensorInfo:
 
 @dataclass
 class Checkpoint:
-    path: Path                              # what the user named: a model directory or a .gguf file
-    format: str                             # one of FORMATS
-    config: dict                            # config.json-style dict (GGUF: built from metadata); the plan reads it
-    hf_config: object                       # transformers PretrainedConfig built from `config`
-    tensors: dict[str, TensorInfo]          # every stored tensor by name
-    files: list[Path]                       # the weight files, in order (the index json is not one)
-    reader: "FormatReader"                  # the reader that opened it; its load_weight dequantizes
-    quant: dict | None = None               # quantization parameters (bits, group_size, sym, desc_act, ...); None for 16/32-bit
+    path: Path  # what the user named: a model directory or a .gguf file
+    format: str  # one of FORMATS
+    config: dict  # config.json-style dict (GGUF: built from metadata); the plan reads it
+    hf_config: object  # transformers PretrainedConfig built from `config`
+    tensors: dict[str, TensorInfo]  # every stored tensor by name
+    files: list[Path]  # the weight files, in order (the index json is not one)
+    reader: FormatReader  # the reader that opened it; its load_weight dequantizes
+    quant: dict | None = None  # quantization parameters (bits, group_size, sym, desc_act, ...); None for 16/32-bit
     packed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # HF weight -> stored tensors that make it
-    tokenizer_path: Path | None = None      # directory (or file) AutoTokenizer.from_pretrained reads
-    tokenizer_kwargs: dict = field(default_factory=dict)   # extra from_pretrained kwargs (GGUF: gguf_file=...)
-    chat_template: str | None = None        # Jinja chat template (tokenizer_config.json / GGUF metadata)
-    generation: dict = field(default_factory=dict)   # generation defaults (generation_config.json / GGUF metadata)
-    source_name: Path | None = None         # file to name in "missing tensor" messages (index json when sharded)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)   # every HF parameter -> logical shape (set by open)
+    tokenizer_path: Path | None = None  # directory (or file) AutoTokenizer.from_pretrained reads
+    tokenizer_kwargs: dict = field(default_factory=dict)  # extra from_pretrained kwargs (GGUF: gguf_file=...)
+    chat_template: str | None = None  # Jinja chat template (tokenizer_config.json / GGUF metadata)
+    generation: dict = field(default_factory=dict)  # generation defaults (generation_config.json / GGUF metadata)
+    source_name: Path | None = None  # file to name in "missing tensor" messages (index json when sharded)
+    shapes: dict[str, tuple[int, ...]] = field(
+        default_factory=dict
+    )  # every HF parameter -> logical shape (set by open)
 
     @property
     def root(self) -> Path:
@@ -141,8 +145,10 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise OffloadError(f"{self.source_name or self.path}: missing tensor {name!r}; the checkpoint is "
-                               "incomplete or does not match its config") from None
+            raise OffloadError(
+                f"{self.source_name or self.path}: missing tensor {name!r}; the checkpoint is "
+                "incomplete or does not match its config"
+            ) from None
 
     def read(self, name: str) -> torch.Tensor:
         """Stored tensor `name` as a CPU tensor of its stored dtype and shape (load time only)."""
@@ -165,12 +171,13 @@ class Checkpoint:
     def load_tokenizer(self, trust: bool = False):
         from transformers import AutoTokenizer
 
-        if "gguf_file" in self.tokenizer_kwargs and len(self.tokenizer_kwargs) == 1:   # built once per machine
+        if "gguf_file" in self.tokenizer_kwargs and len(self.tokenizer_kwargs) == 1:  # built once per machine
             from offload.formats.tokcache import gguf_tokenizer
 
             return gguf_tokenizer(Path(self.tokenizer_path or self.root), self.tokenizer_kwargs["gguf_file"], trust)
-        return AutoTokenizer.from_pretrained(self.tokenizer_path or self.root, trust_remote_code=trust,
-                                             **self.tokenizer_kwargs)
+        return AutoTokenizer.from_pretrained(
+            self.tokenizer_path or self.root, trust_remote_code=trust, **self.tokenizer_kwargs
+        )
 
 
 @runtime_checkable
@@ -181,8 +188,14 @@ class FormatReader(Protocol):
 
     def open(self, path: Path) -> Checkpoint: ...
 
-    def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw: dict[str, torch.Tensor],
-                    device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+    def load_weight(
+        self,
+        ckpt: Checkpoint,
+        hf_weight_name: str,
+        raw: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor: ...
 
     def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int: ...
 
@@ -225,9 +238,11 @@ def check_names(entries: dict, expected, tied: dict, is_extra, what: str, source
     if missing:
         raise OffloadError(
             f"{source}: tensor {missing[0]!r} that {what} needs is missing ({len(missing)} missing, "
-            f"{len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download")
+            f"{len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download"
+        )
     if unexpected:
         e = entries[unexpected[0]]
         raise OffloadError(
             f"{e.file}: unexpected tensor {e.name!r} ({len(unexpected)} not used by {what}); the checkpoint "
-            "does not match config.json - fix it or re-download")
+            "does not match config.json - fix it or re-download"
+        )

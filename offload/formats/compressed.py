@@ -41,22 +41,35 @@ class CompressedReader(PackedReader):
             w = grp.get("weights") if isinstance(grp, dict) else None
             fmt = (grp.get("format") if isinstance(grp, dict) else None) or qc.get("format")
             if not isinstance(w, dict) or grp.get("input_activations") or fmt != "pack-quantized":
-                raise OffloadError(f"{where} group {name!r} is not pack-quantized W4A16 (format {fmt!r}); "
-                                   "specx runs int4 weight-only pack-quantized checkpoints")
+                raise OffloadError(
+                    f"{where} group {name!r} is not pack-quantized W4A16 (format {fmt!r}); "
+                    "specx runs int4 weight-only pack-quantized checkpoints"
+                )
             if w.get("num_bits") != 4 or w.get("type", "int") != "int" or w.get("strategy") not in ("group", "channel"):
-                raise OffloadError(f"{where} group {name!r}: {w.get('num_bits')}-bit {w.get('type')} "
-                                   f"{w.get('strategy')} weights are not supported; use 4-bit int weights with "
-                                   "group or channel strategy")
-            schemes.append((w["strategy"], w.get("group_size") if w["strategy"] == "group" else -1,
-                            bool(w.get("symmetric", True))))
+                raise OffloadError(
+                    f"{where} group {name!r}: {w.get('num_bits')}-bit {w.get('type')} "
+                    f"{w.get('strategy')} weights are not supported; use 4-bit int weights with "
+                    "group or channel strategy"
+                )
+            schemes.append(
+                (w["strategy"], w.get("group_size") if w["strategy"] == "group" else -1, bool(w.get("symmetric", True)))
+            )
         if len(set(schemes)) != 1:
-            raise OffloadError(f"{where}: config groups with different schemes are not supported; "
-                               "use one W4A16 scheme for every linear")
+            raise OffloadError(
+                f"{where}: config groups with different schemes are not supported; "
+                "use one W4A16 scheme for every linear"
+            )
         strategy, group, sym = schemes[0]
         if strategy == "group" and (not isinstance(group, int) or group <= 0):
             raise OffloadError(f"{where}: group strategy with group_size {group!r}; fix or re-download the checkpoint")
-        return {"method": "compressed-tensors", "bits": 4, "strategy": strategy, "group_size": group,
-                "sym": sym, "format": "pack-quantized"}
+        return {
+            "method": "compressed-tensors",
+            "bits": 4,
+            "strategy": strategy,
+            "group_size": group,
+            "sym": sym,
+            "format": "pack-quantized",
+        }
 
     def shapes(self, q, out_f, in_f, present):
         groups = 1 if q["strategy"] == "channel" else -(-in_f // q["group_size"])
@@ -68,12 +81,11 @@ class CompressedReader(PackedReader):
         return out
 
     def dequant(self, q, parts, out_f, in_f, dtype):
-        scales = parts["weight_scale"].to(dtype)                                   # (N, G)
+        scales = parts["weight_scale"].to(dtype)  # (N, G)
         zp = parts.get("weight_zero_point")
         # stored codes and zero points are the signed values + 8: the offsets cancel when both exist
-        zeros = (unpack_rows(zp)[:out_f].to(dtype) if zp is not None
-                 else torch.full_like(scales, 8))
-        w = unpack_cols(parts["weight_packed"])[:, :in_f].to(dtype)               # (N, K) codes + 8
+        zeros = unpack_rows(zp)[:out_f].to(dtype) if zp is not None else torch.full_like(scales, 8)
+        w = unpack_cols(parts["weight_packed"])[:, :in_f].to(dtype)  # (N, K) codes + 8
         groups = scales.shape[1]
         gidx = parts.get("weight_g_idx")
         if gidx is None and in_f % groups == 0:

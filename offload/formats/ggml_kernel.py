@@ -52,27 +52,41 @@ from torch import nn
 from offload.cachedir import cache_root
 from offload.formats.gguf_quants import BLOCK
 
-ENV = "SPECX_GGUF_KERNEL"            # auto (default) | off
-SX3, SX2 = 130, 131                    # specx's own 3- and 2-bit blocks (the self-draft's, quant/lowbit_pack.py)
-QTYPES = (2, 3, 6, 7, 8, 12, 13, 14, SX3, SX2)   # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering)
-BLOCKS = {**BLOCK, SX3: (64, 28), SX2: (32, 12)}   # type -> (values, bytes) of one stored block
+ENV = "SPECX_GGUF_KERNEL"  # auto (default) | off
+SX3, SX2 = 130, 131  # specx's own 3- and 2-bit blocks (the self-draft's, quant/lowbit_pack.py)
+QTYPES = (2, 3, 6, 7, 8, 12, 13, 14, SX3, SX2)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering)
+BLOCKS = {**BLOCK, SX3: (64, 28), SX2: (32, 12)}  # type -> (values, bytes) of one stored block
 # seconds per packed byte relative to Q4_1's (what `specx profile` times), for the speed model: measured
 # by bench/gguf_kernel.py at T = 1 on one thread, the same shape in Q4_1 and in the type (gate/up for
 # Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate
-COST = {2: 1.0, 3: 1.0, 6: 1.33, 7: 1.33, 8: 1.0, 12: 2.12, 13: 2.52, 14: 2.06,
-        130: 1.78, 131: 1.65}   # SX3, SX2: gate/up at T = 1 (576 x 1536, best of 200, 1 thread)
-MAX_ROWS = 8                         # activation rows up to which the kernel beats a dense GEMM
+COST = {
+    2: 1.0,
+    3: 1.0,
+    6: 1.33,
+    7: 1.33,
+    8: 1.0,
+    12: 2.12,
+    13: 2.52,
+    14: 2.06,
+    130: 1.78,
+    131: 1.65,
+}  # SX3, SX2: gate/up at T = 1 (576 x 1536, best of 200, 1 thread)
+MAX_ROWS = 8  # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
-COMPANIONS = ("decode_stack.c", "pool.c")   # built into the same library: the decoder stack, the threads
+COMPANIONS = ("decode_stack.c", "pool.c")  # built into the same library: the decoder stack, the threads
 HEADERS = ("ggml_blocks.h", "ggml_fast.h")  # included by the kernel: part of the build's hash
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-pthread"], ["-O3", "-march=native", "-pthread"],
-             ["-O3", "-fopenmp", "-pthread"], ["-O3", "-pthread"])
+FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-pthread"],
+    ["-O3", "-march=native", "-pthread"],
+    ["-O3", "-fopenmp", "-pthread"],
+    ["-O3", "-pthread"],
+)
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
 CALLS = 0
 
 
 def _off() -> bool:
-    v = os.environ.get(ENV)                    # read on every call (tests and the CLI set it at run time)
+    v = os.environ.get(ENV)  # read on every call (tests and the CLI set it at run time)
     return v is not None and v.strip().lower() in ("off", "0", "no", "false")
 
 
@@ -92,7 +106,9 @@ def _compile(cc: str, srcs: list[str], flags: list[str], out: Path) -> bool:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, *srcs, "-lm"], capture_output=True, timeout=120)
+        done = subprocess.run(
+            [cc, *flags, "-shared", "-fPIC", "-o", tmp, *srcs, "-lm"], capture_output=True, timeout=120
+        )
         if done.returncode != 0:
             return False
         os.replace(tmp, out)
@@ -168,12 +184,24 @@ def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) 
         return False
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    return (rows > 0 and (max_rows is None or rows <= max_rows) and k % BLOCKS[qtype][0] == 0
-            and (_STATE.get("fn") is not None if _STATE["tried"] else enabled()) and not _off())
+    return (
+        rows > 0
+        and (max_rows is None or rows <= max_rows)
+        and k % BLOCKS[qtype][0] == 0
+        and (_STATE.get("fn") is not None if _STATE["tried"] else enabled())
+        and not _off()
+    )
 
 
-def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
-           rowmap: torch.Tensor | None = None, pool: bool = False, rowwise: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    qtype: int,
+    out_features: int,
+    rowmap: torch.Tensor | None = None,
+    pool: bool = False,
+    rowwise: bool = False,
+) -> torch.Tensor:
     """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
     About 211 calls per decoding step: the Python side is kept to checks and one output allocation.
     `pool`: on the decoder stack's worker threads (the head after stream/leanstack.py's pass) rather
@@ -191,16 +219,30 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int,
         raw = raw.contiguous()
     per, size = BLOCKS[qtype]
     if raw.dtype != torch.uint8 or k % per or raw.numel() != out_features * (k // per) * size:
-        raise ValueError(f"packed weight of {raw.numel()} bytes does not hold a ({out_features}, {k}) "
-                         f"type-{qtype} matrix")
+        raise ValueError(
+            f"packed weight of {raw.numel()} bytes does not hold a ({out_features}, {k}) type-{qtype} matrix"
+        )
     t = x.numel() // k
-    lead = x.dim()                    # torch.empty from ints: ~1 us, from a torch.Size: ~2-3 us
+    lead = x.dim()  # torch.empty from ints: ~1 us, from a torch.Size: ~2-3 us
     f32 = torch.float32
-    y = (torch.empty(x.shape[0], x.shape[1], out_features, dtype=f32) if lead == 3 else
-         torch.empty(t, out_features, dtype=f32) if lead == 2 else
-         torch.empty(x.shape[:-1] + (out_features,), dtype=f32))
-    rc = fn(qtype, raw.data_ptr(), x.data_ptr(), y.data_ptr(), None if rowmap is None else rowmap.data_ptr(),
-            out_features, k, t, torch.get_num_threads())
+    y = (
+        torch.empty(x.shape[0], x.shape[1], out_features, dtype=f32)
+        if lead == 3
+        else torch.empty(t, out_features, dtype=f32)
+        if lead == 2
+        else torch.empty(x.shape[:-1] + (out_features,), dtype=f32)
+    )
+    rc = fn(
+        qtype,
+        raw.data_ptr(),
+        x.data_ptr(),
+        y.data_ptr(),
+        None if rowmap is None else rowmap.data_ptr(),
+        out_features,
+        k,
+        t,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"ggml_gemm failed ({rc})")
     CALLS += 1

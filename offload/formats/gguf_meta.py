@@ -13,6 +13,7 @@ and an offset off the file's alignment. `value(reader, key)` is one metadata val
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -52,8 +53,10 @@ def gguf_parts(path: Path) -> list[Path]:
     parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p for p in parts if not p.is_file()]
     if missing:
-        raise OffloadError(f"{missing[0]}: part {parts.index(missing[0]) + 1} of {count} of this split GGUF is "
-                           "missing; download every part into the same folder")
+        raise OffloadError(
+            f"{missing[0]}: part {parts.index(missing[0]) + 1} of {count} of this split GGUF is "
+            "missing; download every part into the same folder"
+        )
     return parts
 
 
@@ -72,37 +75,49 @@ def _header_checked_reader():
                 try:
                     qtype = GGMLQuantizationType(tid)
                 except ValueError:
-                    raise OffloadError(f"{self.path}: tensor {name!r} has type id {tid}, which is not a GGML type; "
-                                       "the file is corrupt - re-download it") from None
+                    raise OffloadError(
+                        f"{self.path}: tensor {name!r} has type id {tid}, which is not a GGML type; "
+                        "the file is corrupt - re-download it"
+                    ) from None
                 if tid not in gq.BLOCK:
                     raise OffloadError(
                         f"{self.path}: tensor {name!r} is {qtype.name}, which specx cannot dequantize (supported: "
-                        f"{', '.join(gq.NAMES[t] for t in gq.SUPPORTED)}); use a Q4_K_M, Q5_K_M, Q8_0 or Q4_0 file")
+                        f"{', '.join(gq.NAMES[t] for t in gq.SUPPORTED)}); use a Q4_K_M, Q5_K_M, Q8_0 or Q4_0 file"
+                    )
                 shape = tuple(int(d) for d in reversed(dims.tolist()))
                 if any(d <= 0 for d in shape) or len(shape) > 4:
-                    raise OffloadError(f"{self.path}: tensor {name!r} has shape {list(shape)}; the file is corrupt "
-                                       "- re-download it")
+                    raise OffloadError(
+                        f"{self.path}: tensor {name!r} has shape {list(shape)}; the file is corrupt - re-download it"
+                    )
                 try:
                     n = gq.nbytes(tid, shape)
                 except ValueError as exc:
-                    raise OffloadError(f"{self.path}: tensor {name!r}: {exc}; the file is corrupt - re-download it") from None
+                    raise OffloadError(
+                        f"{self.path}: tensor {name!r}: {exc}; the file is corrupt - re-download it"
+                    ) from None
                 begin = int(start_offs) + int(offset[0])
                 if int(offset[0]) % self.alignment:
-                    raise OffloadError(f"{self.path}: tensor {name!r} starts at data offset {int(offset[0])}, off the "
-                                       f"file's {self.alignment}-byte alignment; the file is corrupt - re-download it")
+                    raise OffloadError(
+                        f"{self.path}: tensor {name!r} starts at data offset {int(offset[0])}, off the "
+                        f"file's {self.alignment}-byte alignment; the file is corrupt - re-download it"
+                    )
                 if begin + n > size:
-                    raise OffloadError(f"{self.path}: tensor {name!r} ({qtype.name}, {list(shape)}: {n} bytes at "
-                                       f"offset {begin}) runs past the end of the file ({size} bytes); the file is "
-                                       "truncated - re-download it")
+                    raise OffloadError(
+                        f"{self.path}: tensor {name!r} ({qtype.name}, {list(shape)}: {n} bytes at "
+                        f"offset {begin}) runs past the end of the file ({size} bytes); the file is "
+                        "truncated - re-download it"
+                    )
                 spans.append((begin, begin + n, name))
             spans.sort()
-            for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+            for (_b0, e0, n0), (b1, _, n1) in itertools.pairwise(spans):
                 # writers lay tensors back to back, each padded to the alignment: anything else means a
                 # byte count that does not match the tensor's type and shape
                 if b1 != e0 + (-e0) % self.alignment:
                     what = "overlap" if b1 < e0 else "leave a gap"
-                    raise OffloadError(f"{self.path}: tensors {n0!r} and {n1!r} {what} (their byte counts do not "
-                                       "match their types and shapes); the file is corrupt - re-download it")
+                    raise OffloadError(
+                        f"{self.path}: tensors {n0!r} and {n1!r} {what} (their byte counts do not "
+                        "match their types and shapes); the file is corrupt - re-download it"
+                    )
             return super()._build_tensors(start_offs, fields)
 
         def __init__(self, path):
@@ -127,8 +142,10 @@ def read_part(file: Path):
         raise
     except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError, OverflowError, MemoryError) as exc:
         first = (str(exc).splitlines() or [""])[0][:100]
-        raise OffloadError(f"{file}: not a readable GGUF file ({exc.__class__.__name__}: {first}); the file is "
-                           "truncated or corrupt - re-download it") from None
+        raise OffloadError(
+            f"{file}: not a readable GGUF file ({exc.__class__.__name__}: {first}); the file is "
+            "truncated or corrupt - re-download it"
+        ) from None
     except OSError as exc:
         raise OffloadError(f"{file}: cannot read ({exc.strerror}); check the path") from None
 

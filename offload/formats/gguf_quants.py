@@ -28,21 +28,43 @@ import warnings
 
 import torch
 
-QK_K = 256                      # super-block size of the K-quants
-CHUNK_ELEMS = 1 << 24           # float32 values per dequantization chunk (64 MiB of temporaries)
-KERNEL_ENV = "SPECX_DEQUANT_KERNEL"   # auto | compiled | eager, for GGUF and formats/packed.py alike
-_SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)   # low nibble, high nibble
-_COMPILED: dict = {}            # ggml type -> its torch.compile'd fused block function
-_STATE = {"broken": None}       # why the compiled kernel fell back to eager (one line), or None
+QK_K = 256  # super-block size of the K-quants
+CHUNK_ELEMS = 1 << 24  # float32 values per dequantization chunk (64 MiB of temporaries)
+KERNEL_ENV = "SPECX_DEQUANT_KERNEL"  # auto | compiled | eager, for GGUF and formats/packed.py alike
+_SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)  # low nibble, high nibble
+_COMPILED: dict = {}  # ggml type -> its torch.compile'd fused block function
+_STATE = {"broken": None}  # why the compiled kernel fell back to eager (one line), or None
 
 # GGMLQuantizationType values (gguf.constants; kept numeric so this module imports without gguf)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 # type -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES states them
-BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20),
-         Q5_0: (32, 22), Q5_1: (32, 24), Q4_K: (QK_K, 144), Q5_K: (QK_K, 176), Q6_K: (QK_K, 210)}
+BLOCK = {
+    F32: (1, 4),
+    F16: (1, 2),
+    BF16: (1, 2),
+    Q8_0: (32, 34),
+    Q4_0: (32, 18),
+    Q4_1: (32, 20),
+    Q5_0: (32, 22),
+    Q5_1: (32, 24),
+    Q4_K: (QK_K, 144),
+    Q5_K: (QK_K, 176),
+    Q6_K: (QK_K, 210),
+}
 SUPPORTED = tuple(BLOCK)
-NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
-         Q5_1: "Q5_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+NAMES = {
+    F32: "F32",
+    F16: "F16",
+    BF16: "BF16",
+    Q8_0: "Q8_0",
+    Q4_0: "Q4_0",
+    Q4_1: "Q4_1",
+    Q5_0: "Q5_0",
+    Q5_1: "Q5_1",
+    Q4_K: "Q4_K",
+    Q5_K: "Q5_K",
+    Q6_K: "Q6_K",
+}
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -80,7 +102,7 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b[:, :2])                                            # (n, 1)
+    d = _f16(b[:, :2])  # (n, 1)
     x = b[:, 2:].contiguous().view(torch.int8).to(torch.float32)  # (n, 32)
     return d * x
 
@@ -97,7 +119,7 @@ def _halves(qs: torch.Tensor, dim: int) -> torch.Tensor:
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = _f16(b[:, :2])
-    q = _halves(b[:, 2:], 1).reshape(n, 32)                      # (n, 16) bytes: low nibbles 0..15, high 16..31
+    q = _halves(b[:, 2:], 1).reshape(n, 32)  # (n, 16) bytes: low nibbles 0..15, high 16..31
     return d * (q.to(torch.int8) - 8).to(torch.float32)
 
 
@@ -132,7 +154,7 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """12 packed bytes per block -> 8 six-bit scales and 8 six-bit mins (Q4_K/Q5_K), uint8 (n, 8)."""
     s = scales.reshape(-1, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]                          # (n, 4) each
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]  # (n, 4) each
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
     return sc, mn
@@ -149,17 +171,17 @@ def _k4_affine(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scale, off = _k4_affine(b)
-    q = _halves(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32).to(torch.float32)   # 4 groups of 32 bytes -> 64 values
+    q = _halves(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32).to(torch.float32)  # 4 groups of 32 bytes -> 64 values
     return (scale * q - off).reshape(n, QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scale, off = _k4_affine(b)
-    qh = b[:, 16:48].reshape(n, 1, 32)                            # bit j of byte i: value 32*j + i
+    qh = b[:, 16:48].reshape(n, 1, 32)  # bit j of byte i: value 32*j + i
     ql = _halves(b[:, 48:].reshape(n, 4, 32), 2).reshape(n, 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
-    hi = (qh >> shifts) & 1                                       # (n, 8, 32)
+    hi = (qh >> shifts) & 1  # (n, 8, 32)
     q = (ql | (hi << 4)).to(torch.float32)
     return (scale * q - off).reshape(n, QK_K)
 
@@ -167,7 +189,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
-    scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)   # (n, 16)
+    scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)  # (n, 16)
     d = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
     lo = _halves(ql.reshape(n, 2, 64), 2).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
@@ -176,8 +198,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, QK_K)
 
 
-_BLOCK_FN = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k,
-             Q6_K: _q6_k}
+_BLOCK_FN = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
 
 
 def _plain(raw: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -190,8 +211,14 @@ def _plain(raw: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dequantize(raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None, rows_to: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor,
+    qtype: int,
+    shape,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    rows_to: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Float tensor of `shape` in `dtype` from its stored GGUF bytes `raw` (see the module contract).
     `out`: an optional preallocated (rows, cols) destination of `dtype` on raw's device.
     `rows_to`: (rows,) int64 on raw's device, the output row of each stored row (a row
@@ -202,8 +229,10 @@ def dequantize(raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.
     cols = shape[-1]
     rows = nbytes(qtype, shape) // row_bytes(qtype, cols)
     if raw.dtype != torch.uint8 or raw.numel() != rows * row_bytes(qtype, cols):
-        raise ValueError(f"{NAMES[qtype]} tensor of shape {list(shape)} needs {rows * row_bytes(qtype, cols)} "
-                         f"bytes, got {raw.numel()} ({raw.dtype})")
+        raise ValueError(
+            f"{NAMES[qtype]} tensor of shape {list(shape)} needs {rows * row_bytes(qtype, cols)} "
+            f"bytes, got {raw.numel()} ({raw.dtype})"
+        )
     if qtype in (F32, F16, BF16):
         w = _plain(raw, qtype).view(rows, cols)
         # F16 goes through float32 as the reference does (exact), then one rounding to dtype
@@ -224,7 +253,7 @@ def dequantize(raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.
     fn = _BLOCK_FN[qtype]
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        vals = fn(blocks[r0:r1].reshape(-1, size))            # (chunk blocks, per) float32
+        vals = fn(blocks[r0:r1].reshape(-1, size))  # (chunk blocks, per) float32
         _put(dst, r0, r1, vals.reshape(r1 - r0, cols), rows_to)
     return dst.reshape(shape)
 
@@ -249,7 +278,7 @@ def run_compiled(key, fn, *args):
         compiled = _COMPILED.get(key)
         if compiled is None:
             compiled = _COMPILED[key] = torch.compile(fn, dynamic=True)
-        with warnings.catch_warnings():   # Inductor's codegen notes are not the user's business
+        with warnings.catch_warnings():  # Inductor's codegen notes are not the user's business
             warnings.simplefilter("ignore")
             return compiled(*args)
     except Exception as exc:  # noqa: BLE001 - no compiler, unsupported backend: eager computes the same
@@ -261,12 +290,14 @@ def _fused(qtype: int):
     block = _BLOCK_FN[qtype]
 
     def run(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return block(blocks).to(dtype)   # (n, size) bytes -> (n, per) values, rounded once to dtype
+        return block(blocks).to(dtype)  # (n, size) bytes -> (n, per) values, rounded once to dtype
+
     return run
 
 
-def _compiled_rows(blocks: torch.Tensor, qtype: int, dtype: torch.dtype,
-                   rows_to: torch.Tensor | None) -> torch.Tensor | None:
+def _compiled_rows(
+    blocks: torch.Tensor, qtype: int, dtype: torch.dtype, rows_to: torch.Tensor | None
+) -> torch.Tensor | None:
     """(rows, blocks per row, size) bytes -> (rows, cols) in dtype by the compiled kernel, or None once
     compiling failed. rows_to: stored row r goes to row rows_to[r], so output row j is stored row inv[j]."""
     if rows_to is not None:

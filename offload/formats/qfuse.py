@@ -36,15 +36,15 @@ class FusedGroup:
         self.qtype = members[0].ggml_type
         self.sizes = [m.out_features for m in members]
         maps, off = [], 0
-        for m in members:   # stored row r of member i -> output column off_i + its own column
+        for m in members:  # stored row r of member i -> output column off_i + its own column
             own = m.row_map if m.row_map is not None else torch.arange(m.out_features, dtype=torch.int32)
             maps.append(own.to(torch.int32) + off)
             off += m.out_features
         self.row_map = torch.cat(maps)
         self.out_features = off
-        self._span: tuple | None = None            # (bound pointers, the stacked bytes view or None)
-        self._x = self._ver = self._ptrs = None     # the input of the last fused call, while members wait
-        self._outs: dict = {}                       # member id -> its slice, not yet taken
+        self._span: tuple | None = None  # (bound pointers, the stacked bytes view or None)
+        self._x = self._ver = self._ptrs = None  # the input of the last fused call, while members wait
+        self._outs: dict = {}  # member id -> its slice, not yet taken
 
     def _raws(self) -> list[torch.Tensor]:
         return [getattr(m, next(iter(m.parts))) for m in self.members]
@@ -54,8 +54,14 @@ class FusedGroup:
         if self._span is not None and self._span[0] == ptrs:
             return self._span[1]
         first, view = raws[0], None
-        adjacent = all(r.device.type == "cpu" and r.dtype == torch.uint8 and r.dim() == 1 and r.is_contiguous()
-                       and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for r in raws)
+        adjacent = all(
+            r.device.type == "cpu"
+            and r.dtype == torch.uint8
+            and r.dim() == 1
+            and r.is_contiguous()
+            and r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            for r in raws
+        )
         adjacent = adjacent and all(ptrs[i] + raws[i].numel() == ptrs[i + 1] for i in range(len(raws) - 1))
         if adjacent:
             total = sum(r.numel() for r in raws)

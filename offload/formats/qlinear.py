@@ -41,17 +41,18 @@ class PackedLinear(nn.Module):
         self.ckpt, self.hf_name, self.compute_dtype = ckpt, hf_weight_name, compute_dtype
         self.out_features, self.in_features = ckpt.logical_shape(hf_weight_name)
         base = hf_weight_name[: -len(".weight")]
-        self.parts = {}                                # parameter attr -> stored tensor name
+        self.parts = {}  # parameter attr -> stored tensor name
         for stored in ckpt.stored_parts(hf_weight_name):
-            attr = stored[len(base) + 1:].replace(".", "_")
+            attr = stored[len(base) + 1 :].replace(".", "_")
             self.parts[attr] = stored
             setattr(self, attr, _meta_param(ckpt.tensors[stored]))
-        self.bias = (nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False)
-                     if has_bias else None)
-        self.dense: torch.Tensor | None = None         # (out, in) in compute_dtype, once dequantized
+        self.bias = (
+            nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False) if has_bias else None
+        )
+        self.dense: torch.Tensor | None = None  # (out, in) in compute_dtype, once dequantized
         self.ggml_type = ggml_kernel.gguf_kernel_type(ckpt, hf_weight_name, "cpu", compute_dtype)
         self.row_map = ggml_kernel.row_map(ckpt, hf_weight_name) if self.ggml_type is not None else None
-        self.group = None                              # a qfuse.FusedGroup computing its siblings in one call
+        self.group = None  # a qfuse.FusedGroup computing its siblings in one call
 
     def parts_device(self) -> torch.device:
         """Where the stored parts are bound (meta until the loader binds them)."""
@@ -64,7 +65,7 @@ class PackedLinear(nn.Module):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         """x W^T (+ b) from the packed GGUF bytes on CPU, or None where the kernel does not apply."""
         raw = getattr(self, next(iter(self.parts)))
-        limit = ggml_kernel.MAX_ROWS if self.dense is not None else None   # beats per-call dequantization at any T
+        limit = ggml_kernel.MAX_ROWS if self.dense is not None else None  # beats per-call dequantization at any T
         if raw.device.type != "cpu" or not ggml_kernel.usable(x, self.ggml_type, limit):
             return None
         y = ggml_kernel.linear(x, raw, self.ggml_type, self.out_features, self.row_map)
@@ -75,7 +76,7 @@ class PackedLinear(nn.Module):
             return y
         if self.ggml_type is not None and (y := self._kernel(x)) is not None:
             return y
-        w = self.dense if self.dense is not None else self.dequantized(x.device)   # (out, in), compute dtype
+        w = self.dense if self.dense is not None else self.dequantized(x.device)  # (out, in), compute dtype
         if x.dtype == self.compute_dtype and self.bias is None:
             return F.linear(x, w)
         bias = self.bias.to(self.compute_dtype) if self.bias is not None else None

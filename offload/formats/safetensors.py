@@ -55,8 +55,7 @@ class SafetensorsReader:
         return hfdir.is_st_dir(path)
 
     def open(self, path: Path) -> Checkpoint:
-        from offload.formats.prequant import bnb4_config
-        from offload.formats.prequant import packed_nf4_shape
+        from offload.formats.prequant import bnb4_config, packed_nf4_shape
 
         cfg = hfdir.read_config(path)
         index = hfdir.st_index(path)
@@ -66,10 +65,19 @@ class SafetensorsReader:
         except OffloadError as exc:
             raise OffloadError(f"{path / 'config.json'}: {exc}") from None
         packed = bnb_parts(index.entries) if quant is not None else {}
-        ckpt = Checkpoint(path=path, format="bnb-nf4" if quant is not None else float_format(index.entries),
-                          config=cfg, hf_config=config, tensors=index.entries, files=list(index.files),
-                          reader=self, quant=quant, packed=packed, source_name=index.source_name,
-                          **hfdir.side_info(path))
+        ckpt = Checkpoint(
+            path=path,
+            format="bnb-nf4" if quant is not None else float_format(index.entries),
+            config=cfg,
+            hf_config=config,
+            tensors=index.entries,
+            files=list(index.files),
+            reader=self,
+            quant=quant,
+            packed=packed,
+            source_name=index.source_name,
+            **hfdir.side_info(path),
+        )
 
         def parts(name, shape):
             if name not in packed:
@@ -80,8 +88,10 @@ class SafetensorsReader:
         for name in sorted(packed):
             e = ckpt.tensors[name]
             if e.dtype != torch.uint8:
-                raise OffloadError(f"{e.file}: tensor {name!r} is {e.dtype}, expected packed 4-bit uint8; "
-                                   "the checkpoint is corrupt - re-download it")
+                raise OffloadError(
+                    f"{e.file}: tensor {name!r} is {e.dtype}, expected packed 4-bit uint8; "
+                    "the checkpoint is corrupt - re-download it"
+                )
         return ckpt
 
     def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype) -> torch.Tensor:
@@ -91,7 +101,7 @@ class SafetensorsReader:
         from bitsandbytes.functional import QuantState, dequantize_4bit
 
         names = ckpt.packed[hf_weight_name]
-        parts = {n[len(hf_weight_name) + 1:]: as_stored(ckpt.tensors[n], raw[n]).to(device) for n in names[1:]}
+        parts = {n[len(hf_weight_name) + 1 :]: as_stored(ckpt.tensors[n], raw[n]).to(device) for n in names[1:]}
         state = QuantState.from_dict(parts, device=torch.device(device))
         packed = as_stored(ckpt.tensors[names[0]], raw[names[0]]).to(device)
         return dequantize_4bit(packed, state).to(dtype)
@@ -99,7 +109,7 @@ class SafetensorsReader:
     def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
         if hf_weight_name not in ckpt.packed:
             return 0
-        return numel(ckpt.logical_shape(hf_weight_name)) * 2   # bnb dequantizes into its compute dtype before the cast
+        return numel(ckpt.logical_shape(hf_weight_name)) * 2  # bnb dequantizes into its compute dtype before the cast
 
 
 READER = SafetensorsReader()

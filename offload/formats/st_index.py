@@ -27,10 +27,21 @@ from offload.errors import OffloadError
 from offload.formats.base import TensorInfo, check_names, read_exact
 
 ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32,
-    "U64": torch.uint64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -49,8 +60,10 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
                 raise OffloadError(f"{path}: truncated safetensors file (no header); re-download it")
             (hlen,) = struct.unpack("<Q", head)
             if hlen < 2 or hlen > _MAX_HEADER or 8 + hlen > size:
-                raise OffloadError(f"{path}: corrupt or truncated safetensors header (declares {hlen} bytes, "
-                                   f"file has {size}); re-download it")
+                raise OffloadError(
+                    f"{path}: corrupt or truncated safetensors header (declares {hlen} bytes, "
+                    f"file has {size}); re-download it"
+                )
             raw = fh.read(hlen)
     except OSError as exc:
         raise OffloadError(f"{path}: cannot read ({exc.strerror}); check the model directory") from None
@@ -81,8 +94,10 @@ def _entry(path: Path, name: str, info, data_start: int, size: int) -> TensorEnt
         raise OffloadError(f"{path}: corrupt header entry for {name!r}; re-download it")
     dtype = ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
-        raise OffloadError(f"{path}: tensor {name!r} has unknown dtype {str(info['dtype'])[:30]!r}; "
-                           "re-download it or convert it to safetensors again")
+        raise OffloadError(
+            f"{path}: tensor {name!r} has unknown dtype {str(info['dtype'])[:30]!r}; "
+            "re-download it or convert it to safetensors again"
+        )
     shape = _ints(info["shape"], "shape", path, name)
     offsets = _ints(info["data_offsets"], "data_offsets", path, name)
     if len(offsets) != 2 or offsets[0] > offsets[1]:
@@ -91,8 +106,9 @@ def _entry(path: Path, name: str, info, data_start: int, size: int) -> TensorEnt
     # Python ints: a huge declared shape makes `expected` huge, never an allocation.
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if hi - lo != expected:
-        raise OffloadError(f"{path}: tensor {name!r} byte range does not match its shape {list(shape)[:8]}; "
-                           "re-download it")
+        raise OffloadError(
+            f"{path}: tensor {name!r} byte range does not match its shape {list(shape)[:8]}; re-download it"
+        )
     if data_start + hi > size:
         raise OffloadError(
             f"{path}: truncated (tensor {name!r} ends at byte {data_start + hi}, file has {size}); re-download it"
@@ -119,8 +135,10 @@ class SafetensorsIndex:
         for f in self.files:
             for name, e in read_header(f).items():
                 if name in self.entries:
-                    raise OffloadError(f"{f}: tensor {name!r} is also in {self.entries[name].file.name}; "
-                                       "the shards disagree, re-download the model")
+                    raise OffloadError(
+                        f"{f}: tensor {name!r} is also in {self.entries[name].file.name}; "
+                        "the shards disagree, re-download the model"
+                    )
                 self.entries[name] = e
         # The file to name in "missing tensor" errors: the index json when sharded.
         idx = self.root / "model.safetensors.index.json"
@@ -128,8 +146,9 @@ class SafetensorsIndex:
         if idx.exists():
             for name, shard in read_weight_map(idx).items():
                 if name not in self.entries or self.entries[name].file.name != Path(shard).name:
-                    raise OffloadError(f"{idx}: tensor {name!r} is listed in {shard} but not stored there; "
-                                       "re-download the model")
+                    raise OffloadError(
+                        f"{idx}: tensor {name!r} is listed in {shard} but not stored there; re-download the model"
+                    )
 
     def _discover(self) -> list[Path]:
         idx = self.root / "model.safetensors.index.json"
@@ -145,16 +164,20 @@ class SafetensorsIndex:
             return [single]
         found = sorted(self.root.glob("*.safetensors"))
         if not found:
-            raise OffloadError(f"{self.root}: no model.safetensors or model.safetensors.index.json; "
-                               "convert the checkpoint to safetensors")
+            raise OffloadError(
+                f"{self.root}: no model.safetensors or model.safetensors.index.json; "
+                "convert the checkpoint to safetensors"
+            )
         return found
 
     def get(self, name: str) -> TensorEntry:
         try:
             return self.entries[name]
         except KeyError:
-            raise OffloadError(f"{self.source_name}: missing tensor {name!r}; the checkpoint is incomplete "
-                               "or does not match config.json") from None
+            raise OffloadError(
+                f"{self.source_name}: missing tensor {name!r}; the checkpoint is incomplete "
+                "or does not match config.json"
+            ) from None
 
     def read(self, name: str) -> torch.Tensor:
         """Read a tensor (CPU, file dtype) with buffered I/O."""
@@ -174,14 +197,20 @@ def read_weight_map(idx: Path) -> dict[str, str]:
         raise OffloadError(f"{idx}: corrupt shard index (weight_map is not a tensor -> file map); re-download it")
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
-            raise OffloadError(f"{idx}: tensor {name!r} maps to a bad shard name {str(shard)[:60]!r}; "
-                               "re-download the model")
+            raise OffloadError(
+                f"{idx}: tensor {name!r} maps to a bad shard name {str(shard)[:60]!r}; re-download the model"
+            )
     return weight_map
 
 
-def check_tensor_set(index: SafetensorsIndex, expected: dict[str, tuple[int, ...]], what: str,
-                     tied: dict[str, str] | None = None, float_names: set[str] | None = None,
-                     extra_ok=lambda name: False) -> None:
+def check_tensor_set(
+    index: SafetensorsIndex,
+    expected: dict[str, tuple[int, ...]],
+    what: str,
+    tied: dict[str, str] | None = None,
+    float_names: set[str] | None = None,
+    extra_ok=lambda name: False,
+) -> None:
     """Strict loading: the checkpoint holds exactly the `expected` tensors, shapes and float dtypes.
 
     expected: every parameter the architecture needs -> its shape in the file.
@@ -198,8 +227,12 @@ def check_tensor_set(index: SafetensorsIndex, expected: dict[str, tuple[int, ...
     for name in sorted(n for n in expected if n in index.entries):
         e = index.entries[name]
         if tuple(e.shape) != tuple(expected[name]):
-            raise OffloadError(f"{e.file}: tensor {name!r} has shape {list(e.shape)}, config.json implies "
-                               f"{list(expected[name])}; the checkpoint does not match its config")
+            raise OffloadError(
+                f"{e.file}: tensor {name!r} has shape {list(e.shape)}, config.json implies "
+                f"{list(expected[name])}; the checkpoint does not match its config"
+            )
         if name in floats and not e.dtype.is_floating_point:
-            raise OffloadError(f"{e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
-                               "the checkpoint is corrupt or not in this format - re-download it")
+            raise OffloadError(
+                f"{e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
+                "the checkpoint is corrupt or not in this format - re-download it"
+            )

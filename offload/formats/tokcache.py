@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+
 def _key(file: Path) -> str:
     import tokenizers
     import transformers
@@ -51,7 +52,7 @@ def _save(tok, saved: Path) -> None:
     try:
         tok.save_pretrained(tmp)
         os.replace(tmp, saved)
-    except OSError:   # another process renamed its copy first, or the disk is full: keep what exists
+    except OSError:  # another process renamed its copy first, or the disk is full: keep what exists
         pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

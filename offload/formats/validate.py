@@ -13,14 +13,14 @@ allocated. Returns the meta model's parameter shapes (name -> logical shape) for
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from offload.errors import OffloadError
 from offload.formats.base import Checkpoint, check_names
 
-MAX_EXPANSION = 2            # 16-bit bytes config.json implies / bytes of a 16-bit checkpoint's files
+MAX_EXPANSION = 2  # 16-bit bytes config.json implies / bytes of a 16-bit checkpoint's files
 SLACK_BYTES = 64 << 20
 
 Parts = Callable[[str, tuple[int, ...]], "dict[str, tuple[int, ...] | None] | None"]
@@ -33,8 +33,10 @@ def meta_model(ckpt: Checkpoint):
     layers = cfg.get("num_hidden_layers", 0)
     if not isinstance(layers, int) or layers < 0 or layers > len(ckpt.tensors):
         # Every layer stores at least one tensor; checked before building (a huge count would hang).
-        raise OffloadError(f"{ckpt.root / 'config.json'}: num_hidden_layers {str(layers)[:20]} does not match the "
-                           f"{len(ckpt.tensors)} tensors of the checkpoint; fix config.json or re-download")
+        raise OffloadError(
+            f"{ckpt.root / 'config.json'}: num_hidden_layers {str(layers)[:20]} does not match the "
+            f"{len(ckpt.tensors)} tensors of the checkpoint; fix config.json or re-download"
+        )
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -42,8 +44,10 @@ def meta_model(ckpt: Checkpoint):
         with torch.device("meta"):
             return causal_lm_class(ckpt.hf_config)(ckpt.hf_config)
     except (RuntimeError, ValueError, TypeError, ArithmeticError, AttributeError) as exc:
-        raise OffloadError(f"{ckpt.root / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
-                           f"{str(exc)[:100]}); fix or re-download it") from None
+        raise OffloadError(
+            f"{ckpt.root / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
+            f"{str(exc)[:100]}); fix or re-download it"
+        ) from None
 
 
 def _tied(hf, config) -> dict[str, str]:
@@ -74,15 +78,21 @@ def check_tensors(ckpt: Checkpoint, parts: Parts | None = None) -> dict[str, tup
     for name in sorted(n for n in expected if n in ckpt.tensors):
         e, want = ckpt.tensors[name], expected[name]
         if want is not None and tuple(e.shape) != tuple(want):
-            raise OffloadError(f"{e.file}: tensor {name!r} has shape {list(e.shape)}, config.json implies "
-                               f"{list(want)}; the checkpoint does not match its config")
+            raise OffloadError(
+                f"{e.file}: tensor {name!r} has shape {list(e.shape)}, config.json implies "
+                f"{list(want)}; the checkpoint does not match its config"
+            )
         if name in floats and e.qtype is None and not e.dtype.is_floating_point:
-            raise OffloadError(f"{e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
-                               "the checkpoint is corrupt or not in this format - re-download it")
+            raise OffloadError(
+                f"{e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
+                "the checkpoint is corrupt or not in this format - re-download it"
+            )
     if not ckpt.quantized:
-        need = sum(p.numel() for p in {id(p): p for p in params.values()}.values()) * 2   # at 16 bits
+        need = sum(p.numel() for p in {id(p): p for p in params.values()}.values()) * 2  # at 16 bits
         have = ckpt.file_bytes()
         if need > MAX_EXPANSION * have + SLACK_BYTES:
-            raise OffloadError(f"{ckpt.root / 'config.json'}: describes {need >> 20} MiB of 16-bit weights but the "
-                               f"checkpoint holds {have >> 20} MiB; config.json does not match the weights")
+            raise OffloadError(
+                f"{ckpt.root / 'config.json'}: describes {need >> 20} MiB of 16-bit weights but the "
+                f"checkpoint holds {have >> 20} MiB; config.json does not match the weights"
+            )
     return shapes

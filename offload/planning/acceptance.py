@@ -9,19 +9,27 @@ model), every other case TOKENS_PER_PASS. offload/planning/draftcost.py models s
 
 from __future__ import annotations
 
+import itertools
 import math
 
 TOKENS_PER_PASS = {
-    "small": {"greedy": {16: 4.388, 64: 5.436, 256: 6.695, 1024: 7.848},
-              "sampled": {16: 2.721, 64: 3.308, 256: 4.018, 1024: 4.653}},
-    4: {"greedy": {16: 12.548, 64: 24.225, 256: 33.262, 1024: 39.914},
-        "sampled": {16: 11.7, 64: 19.522, 256: 28.508, 1024: 30.966}},
-    3: {"greedy": {16: 10.802, 64: 18.065, 256: 23.812, 1024: 28.128},
-        "sampled": {16: 9.234, 64: 14.254, 256: 19.956, 1024: 22.734}},
-    2: {"greedy": {16: 8.433, 64: 13.39, 256: 17.176, 1024: 20.444},
-        "sampled": {16: 6.664, 64: 9.63, 256: 12.604, 1024: 14.426}},
-    "skip": {"greedy": {16: 2.824},
-             "sampled": {16: 2.824}},
+    "small": {
+        "greedy": {16: 4.388, 64: 5.436, 256: 6.695, 1024: 7.848},
+        "sampled": {16: 2.721, 64: 3.308, 256: 4.018, 1024: 4.653},
+    },
+    4: {
+        "greedy": {16: 12.548, 64: 24.225, 256: 33.262, 1024: 39.914},
+        "sampled": {16: 11.7, 64: 19.522, 256: 28.508, 1024: 30.966},
+    },
+    3: {
+        "greedy": {16: 10.802, 64: 18.065, 256: 23.812, 1024: 28.128},
+        "sampled": {16: 9.234, 64: 14.254, 256: 19.956, 1024: 22.734},
+    },
+    2: {
+        "greedy": {16: 8.433, 64: 13.39, 256: 17.176, 1024: 20.444},
+        "sampled": {16: 6.664, 64: 9.63, 256: 12.604, 1024: 14.426},
+    },
+    "skip": {"greedy": {16: 2.824}, "sampled": {16: 2.824}},
 }
 """Tokens per target pass by draft and budget, measured on the shared pair (bench/selfdraft.py, specexec,
 40 prompts, 128 new tokens, gap-featured node scores, shared KV): "small" = the 2.9M shared draft, 4 = nf4
@@ -36,10 +44,11 @@ row is the greedy figure standing in (not measured)."""
 SMALL_TARGET = 1e9
 """Targets of at most this many weights take TOKENS_PER_PASS_SMALL's rows for the self-draft widths."""
 TOKENS_PER_PASS_SMALL = {
-    3: {"greedy": {4: 2.60, 8: 3.44, 16: 3.73, 32: 4.45, 64: 4.60},
-        "sampled": {4: 2.60, 8: 3.44, 16: 3.73, 32: 4.45, 64: 4.60}},
-    2: {"greedy": {4: 1.36, 8: 1.45, 16: 1.53},
-        "sampled": {4: 1.36, 8: 1.45, 16: 1.53}},
+    3: {
+        "greedy": {4: 2.60, 8: 3.44, 16: 3.73, 32: 4.45, 64: 4.60},
+        "sampled": {4: 2.60, 8: 3.44, 16: 3.73, 32: 4.45, 64: 4.60},
+    },
+    2: {"greedy": {4: 1.36, 8: 1.45, 16: 1.53}, "sampled": {4: 1.36, 8: 1.45, 16: 1.53}},
 }
 """The self-draft's HQQ 3- / 2-bit substitutes of every layer measured on the real SmolLM2-135M-Instruct Q4_1,
 every layer streamed from disk, greedy, 2 chat prompts x 48 tokens (bench/spec_pass.py): a small real model
@@ -51,12 +60,15 @@ prior). The sampled rows are the greedy figures standing in (not measured)."""
 def tokens_per_pass(kind, temperature: float, budget: int, weights: float | None = None) -> float:
     """TOKENS_PER_PASS[kind] at `budget` (TOKENS_PER_PASS_SMALL's for a self-draft width of a target of at
     most SMALL_TARGET `weights`): log-linear between measured budgets, clamped at the ends."""
-    table = TOKENS_PER_PASS_SMALL if weights is not None and weights <= SMALL_TARGET and kind in TOKENS_PER_PASS_SMALL \
+    table = (
+        TOKENS_PER_PASS_SMALL
+        if weights is not None and weights <= SMALL_TARGET and kind in TOKENS_PER_PASS_SMALL
         else TOKENS_PER_PASS
+    )
     row = table[kind]["sampled" if temperature > 0 else "greedy"]
     pts = sorted(row.items())
     b = max(pts[0][0], min(pts[-1][0], max(1, budget)))
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         if b <= x1:
             return y0 + (y1 - y0) * (math.log(b) - math.log(x0)) / (math.log(x1) - math.log(x0))
     return pts[-1][1]

@@ -16,7 +16,7 @@ import torch
 from offload.errors import OffloadError
 
 NF4_BLOCK, NF4_NESTED_BLOCK = 64, 256
-PREFILL_CHUNK = 256            # prompt tokens per target pass at least (bigger when the tree is)
+PREFILL_CHUNK = 256  # prompt tokens per target pass at least (bigger when the tree is)
 _BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
@@ -33,8 +33,8 @@ class Arch:
     vocab: int
     tied: bool
     max_positions: int
-    packed: bool = False            # linears stored packed int4 (AWQ/GPTQ/compressed-tensors/GGUF): dequantized per pass
-    method: str = ""                # quantization_config.quant_method of a packed checkpoint ("gguf", "awq", ...)
+    packed: bool = False  # linears stored packed int4 (AWQ/GPTQ/compressed-tensors/GGUF): dequantized per pass
+    method: str = ""  # quantization_config.quant_method of a packed checkpoint ("gguf", "awq", ...)
 
 
 def arch_of(config: dict) -> Arch:
@@ -42,16 +42,24 @@ def arch_of(config: dict) -> Arch:
     try:
         heads = int(c["num_attention_heads"])
         hidden = int(c["hidden_size"])
-        return Arch(hidden, int(c["intermediate_size"]), int(c["num_hidden_layers"]), heads,
-                    int(c.get("num_key_value_heads") or heads), int(c.get("head_dim") or hidden // heads),
-                    int(c["vocab_size"]), bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
-                    int(c.get("max_position_embeddings") or 2048), _packed(config),
-                    (config.get("quantization_config") or {}).get("quant_method", "") if _packed(config) else "")
+        return Arch(
+            hidden,
+            int(c["intermediate_size"]),
+            int(c["num_hidden_layers"]),
+            heads,
+            int(c.get("num_key_value_heads") or heads),
+            int(c.get("head_dim") or hidden // heads),
+            int(c["vocab_size"]),
+            bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
+            int(c.get("max_position_embeddings") or 2048),
+            _packed(config),
+            (config.get("quantization_config") or {}).get("quant_method", "") if _packed(config) else "",
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise OffloadError(f"config.json lacks {exc}; cannot plan memory for this model") from None
 
 
-PACKED_METHODS = ("awq", "gptq", "compressed-tensors", "gguf")   # offload/formats readers that dequantize per pass
+PACKED_METHODS = ("awq", "gptq", "compressed-tensors", "gguf")  # offload/formats readers that dequantize per pass
 
 
 def _packed(config: dict) -> bool:
@@ -97,7 +105,9 @@ def nf4_state_bytes(numel: int) -> int:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {2: torch.float16 if "16" in name and "b" not in name else torch.bfloat16, 4: torch.float32}[dtype_bytes(name)]
+    return {2: torch.float16 if "16" in name and "b" not in name else torch.bfloat16, 4: torch.float32}[
+        dtype_bytes(name)
+    ]
 
 
 def draft_bytes(ck, dtype: str) -> int:
@@ -122,8 +132,18 @@ def kv_bytes(a: Arch, rows: int, elem: int) -> int:
     return 2 * a.layers * a.kv_heads * a.head_dim * rows * elem
 
 
-def pass_bytes(a: Arch, t: int, s: int, c: int, attn: str, logit_rows: int, deq: int = 0,
-               fused: bool = False, sampling: int = 0, device: str = "cuda") -> int:
+def pass_bytes(
+    a: Arch,
+    t: int,
+    s: int,
+    c: int,
+    attn: str,
+    logit_rows: int,
+    deq: int = 0,
+    fused: bool = False,
+    sampling: int = 0,
+    device: str = "cuda",
+) -> int:
     """Transient device bytes of one pass of T new tokens over S key positions (one layer alive).
 
     hidden states (residual, normed, attention/MLP outputs: 4 x T x hidden), q/k/v before and
@@ -163,8 +183,8 @@ def forest_row_bytes(a: Arch, ctx: int, c: int) -> int:
     return (a.hidden + padded(ctx) + a.vocab) * c
 
 
-SAMPLING_CHUNK = 1 << 22   # rows x vocabulary the sampler processes at once (core/sampling.CHUNK_ELEMENTS)
-MAX_DEPTH = 64             # deepest tree (the --max-depth default): noise rows the race needs per pass
+SAMPLING_CHUNK = 1 << 22  # rows x vocabulary the sampler processes at once (core/sampling.CHUNK_ELEMENTS)
+MAX_DEPTH = 64  # deepest tree (the --max-depth default): noise rows the race needs per pass
 
 
 def sampling_bytes(vocab: int, rows: int, temperature: float, draft: bool = False) -> int:
@@ -196,12 +216,12 @@ def linear_dequant_bytes(numel: int, kernel: str, bits: int | None, c: int, devi
     """dequant_temp_bytes of one linear of `numel` weights."""
     if kernel == "nf4-dequant" or (kernel == "hqq-compiled" and device == "cuda"):
         return numel * c
-    if kernel == "int4-unpack":   # formats/packed.py: the weight in c, plus uint8 codes or an act-order gather
+    if kernel == "int4-unpack":  # formats/packed.py: the weight in c, plus uint8 codes or an act-order gather
         return numel * (c + max(1, c))
-    if kernel == "gguf":          # formats/gguf_quants.py, eager: the weight plus 3 fp32 chunk temporaries;
-        from offload.formats.gguf_quants import CHUNK_ELEMS, kernel_choice   # compiled: the weight plus
+    if kernel == "gguf":  # formats/gguf_quants.py, eager: the weight plus 3 fp32 chunk temporaries;
+        from offload.formats.gguf_quants import CHUNK_ELEMS, kernel_choice  # compiled: the weight plus
 
-        if kernel_choice(device) == "compiled":     # sub-block scale buffers (measured 0.13-0.16 bytes a weight)
+        if kernel_choice(device) == "compiled":  # sub-block scale buffers (measured 0.13-0.16 bytes a weight)
             return numel * c + numel // 4
         return numel * c + 12 * min(numel, CHUNK_ELEMS)
     if kernel != "hqq-eager":
@@ -209,11 +229,11 @@ def linear_dequant_bytes(numel: int, kernel: str, bits: int | None, c: int, devi
     from offload.quant.lowbit import GROUPS, ROWS_PER_WORD
 
     group, per = GROUPS[bits], ROWS_PER_WORD[bits]
-    words = math.ceil(numel // group / per) * group   # packed elements (uint8 / int32 at 3 bits)
+    words = math.ceil(numel // group / per) * group  # packed elements (uint8 / int32 at 3 bits)
     return words * per * c + 2 * words * (4 if bits == 3 else 1)
 
 
-PREFILL_SHARE = 5   # a prefill pass may take up to 1/5 of the device (CPU: of the RAM) for activations
+PREFILL_SHARE = 5  # a prefill pass may take up to 1/5 of the device (CPU: of the RAM) for activations
 
 
 def fused_prefill(req) -> bool:
@@ -231,8 +251,9 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     deq = dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, req.device)
     floor = min(pass_tokens(budget), req.ctx)
     fused = fused_prefill(req)
-    allow = max(capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused,
-                                                      device=req.device))
+    allow = max(
+        capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused, device=req.device)
+    )
     chunk = req.ctx
     while chunk > floor and pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused, device=req.device) > allow:
         chunk = max(floor, chunk // 2)
@@ -268,8 +289,15 @@ def draft_kernel(req) -> str:
     return substitute_kernel(req.draft_bits, req.device)
 
 
-def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budget: int,
-                     chunk: int | None = None, draft_prefill: bool = True) -> int:
+def activation_bytes(
+    ta: Arch,
+    da: Arch | None,
+    req,
+    rows: tuple[int, int],
+    budget: int,
+    chunk: int | None = None,
+    draft_prefill: bool = True,
+) -> int:
     """The largest pass of either model: target verify pass, target prefill chunk, draft passes
     (a draft that reads the target's KV never prefills: `draft_prefill` False). A self-draft's pass
     holds its substitutes' dequantization temporaries (and an nf4 target's, for resident layers)."""
@@ -277,18 +305,51 @@ def activation_bytes(ta: Arch, da: Arch | None, req, rows: tuple[int, int], budg
     deq = dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, req.device)
     chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
     temperature = getattr(req, "temperature", 0.0)
-    worst = max(pass_bytes(ta, budget + 1, rows[0], c, req.attn, budget + 1, deq,
-                           sampling=sampling_bytes(ta.vocab, budget + 1, temperature), device=req.device),
-                pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused_prefill(req),
-                           sampling=sampling_bytes(ta.vocab, 1, temperature), device=req.device))
+    worst = max(
+        pass_bytes(
+            ta,
+            budget + 1,
+            rows[0],
+            c,
+            req.attn,
+            budget + 1,
+            deq,
+            sampling=sampling_bytes(ta.vocab, budget + 1, temperature),
+            device=req.device,
+        ),
+        pass_bytes(
+            ta,
+            chunk,
+            req.ctx,
+            c,
+            req.attn,
+            1,
+            deq,
+            fused_prefill(req),
+            sampling=sampling_bytes(ta.vocab, 1, temperature),
+            device=req.device,
+        ),
+    )
     if da is not None:
         dc = dtype_bytes(req.draft_dtype)
         ddeq = dequant_temp_bytes(da, draft_kernel(req), req.draft_bits, dc, req.device)
         if getattr(req, "self_draft", False):
-            ddeq = max(ddeq, deq)   # the self-draft also runs the target's resident (nf4) layers
-        worst = max(worst, pass_bytes(da, req.max_beams, rows[1], dc, req.attn, req.max_beams, ddeq,
-                                      sampling=sampling_bytes(da.vocab, req.max_beams, temperature, draft=True),
-                                      device=req.device),
-                    pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req),
-                               device=req.device) if draft_prefill else 0)
+            ddeq = max(ddeq, deq)  # the self-draft also runs the target's resident (nf4) layers
+        worst = max(
+            worst,
+            pass_bytes(
+                da,
+                req.max_beams,
+                rows[1],
+                dc,
+                req.attn,
+                req.max_beams,
+                ddeq,
+                sampling=sampling_bytes(da.vocab, req.max_beams, temperature, draft=True),
+                device=req.device,
+            ),
+            pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused_prefill(req), device=req.device)
+            if draft_prefill
+            else 0,
+        )
     return worst

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.planning.membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
 from offload.formats.prequant import packed_nf4_shape
-from offload.quant.dense import dense_bytes
 from offload.formats.st_index import SafetensorsIndex, TensorEntry
+from offload.planning.membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
+from offload.quant.dense import dense_bytes
 from offload.stream.storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
 
 
@@ -29,9 +29,9 @@ from offload.stream.storage import IO_ALIGN, ParamSpec, align_up, file_layout, i
 class Checkpoint:
     """What the plan reads of one model directory."""
 
-    config: dict                          # parsed config.json
-    tensors: dict[str, TensorEntry]       # safetensors headers: name -> dtype, shape, file range
-    root: Path                            # the directory (for messages)
+    config: dict  # parsed config.json
+    tensors: dict[str, TensorEntry]  # safetensors headers: name -> dtype, shape, file range
+    root: Path  # the directory (for messages)
 
 
 def read_checkpoint(path: str | Path) -> Checkpoint:
@@ -55,8 +55,12 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
     out = {}
     packed = _packed_method(ck.config)
     for name, e in ck.tensors.items():
-        rel = name[len(prefix):]
-        if packed and name.startswith(prefix) and (not rel.endswith((".weight", ".bias")) or not e.dtype.is_floating_point):
+        rel = name[len(prefix) :]
+        if (
+            packed
+            and name.startswith(prefix)
+            and (not rel.endswith((".weight", ".bias")) or not e.dtype.is_floating_point)
+        ):
             # AWQ/GPTQ/compressed-tensors parts (qweight, scales, ...) stream as stored (formats/qlinear.py)
             out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
             continue
@@ -78,18 +82,20 @@ def _packed_method(config: dict) -> bool:
 
 @dataclass
 class LayerSizes:
-    packed: list[int]                # packed arena bytes
-    disk_slot: list[int]             # compute slot bytes when streamed from disk (aligned layout)
-    raw: list[int]                   # file-layout read buffer bytes
-    convert: list[bool]              # disk bytes need a cast / quantization
-    span_bytes: list[int]            # bytes read from disk per pass
-    quant: int                       # NF4 quant-state bytes of all layers
-    stage: list[int] = field(default_factory=list)     # CUDA pinned staging bytes (file layout unless cast)
-    repack: list[bool] = field(default_factory=list)   # compute slot != file layout (cast, or tensors off the 256-byte grid)
+    packed: list[int]  # packed arena bytes
+    disk_slot: list[int]  # compute slot bytes when streamed from disk (aligned layout)
+    raw: list[int]  # file-layout read buffer bytes
+    convert: list[bool]  # disk bytes need a cast / quantization
+    span_bytes: list[int]  # bytes read from disk per pass
+    quant: int  # NF4 quant-state bytes of all layers
+    stage: list[int] = field(default_factory=list)  # CUDA pinned staging bytes (file layout unless cast)
+    repack: list[bool] = field(
+        default_factory=list
+    )  # compute slot != file layout (cast, or tensors off the 256-byte grid)
     substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's substitute
-    pinned: int = 0                  # NF4: every layer's norms/biases, kept on the device
-    dense: list[int] = field(default_factory=list)   # packed linears dequantized once (quant/dense.py), per layer
-    estimated: bool = False          # NF4 file layout estimated (the 4-bit cache is not written yet)
+    pinned: int = 0  # NF4: every layer's norms/biases, kept on the device
+    dense: list[int] = field(default_factory=list)  # packed linears dequantized once (quant/dense.py), per layer
+    estimated: bool = False  # NF4 file layout estimated (the 4-bit cache is not written yet)
 
 
 def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
@@ -107,9 +113,10 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
         packed = packed_layout([sp for sp, _ in streamed.values()]).nbytes
         prequant = all(e.dtype == torch.uint8 for _, e in streamed.values())
         if nf4 and not prequant:
-            raw = sum(align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN
-                      for sp, _ in streamed.values())
-            spans, convert, aligned = raw, False, False   # cache offsets unknown yet: assume a repack
+            raw = sum(
+                align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN for sp, _ in streamed.values()
+            )
+            spans, convert, aligned = raw, False, False  # cache offsets unknown yet: assume a repack
             out.estimated = True
         else:
             lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
@@ -151,8 +158,9 @@ def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, roo
     if not req.self_draft or req.draft_bits not in (2, 3) or substitutes_are_blocks(req, arch):
         return [], 0
     a = arch
-    per = (2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim
-           + 3 * a.hidden * a.intermediate) * compute_bytes(req)
+    per = (
+        2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim + 3 * a.hidden * a.intermediate
+    ) * compute_bytes(req)
     keep = set(resident)
     subs = [i for i, v in enumerate(lay.substitute) if v and i not in keep]
     n = min(len(subs), max(0, room) // per) if per else 0
@@ -164,7 +172,7 @@ def substitutes_are_blocks(req, arch: Arch, bits: int | None = None) -> bool:
     of a hidden-wide row): then nothing of theirs is dequantized and the draft runs the kernel."""
     from offload.quant.lowbit import blocks_serve
 
-    bits = req.draft_bits if bits is None else bits   # `bits`: a width the planner weighs (--draft-bits unset)
+    bits = req.draft_bits if bits is None else bits  # `bits`: a width the planner weighs (--draft-bits unset)
     if not getattr(req, "self_draft", False) or bits not in (2, 3):
         return False
     fp32 = torch.float32 if compute_bytes(req) == 4 else None
@@ -173,11 +181,13 @@ def substitutes_are_blocks(req, arch: Arch, bits: int | None = None) -> bool:
 
 @dataclass
 class Dense:
-    layers: list[int]   # layers whose linears are dequantized once at load, in order
-    nbytes: int         # their bytes in the compute dtype
+    layers: list[int]  # layers whose linears are dequantized once at load, in order
+    nbytes: int  # their bytes in the compute dtype
 
 
-def dequantize_once(lay: LayerSizes, resident: list[int], req, arch: Arch, room: int, slack: float) -> tuple[Dense, Dense]:
+def dequantize_once(
+    lay: LayerSizes, resident: list[int], req, arch: Arch, room: int, slack: float
+) -> tuple[Dense, Dense]:
     """What the plan dequantizes once in `room`: resident layers of a packed checkpoint first
     (dense_fit, each counted with `slack`), then --draft self's HQQ substitutes in what is left."""
     dense = dense_fit(lay, resident, room, slack)
@@ -190,14 +200,17 @@ def dense_notes(target: Dense, draft: Dense, n_resident: int) -> list[str]:
 
     notes = []
     if draft.layers:
-        notes.append(f"self-draft dequantized once: {len(draft.layers)} substitutes "
-                     f"({format_bytes(draft.nbytes)} in the compute dtype), none rebuilt per draft forward")
+        notes.append(
+            f"self-draft dequantized once: {len(draft.layers)} substitutes "
+            f"({format_bytes(draft.nbytes)} in the compute dtype), none rebuilt per draft forward"
+        )
     if target.layers:
         rest = "the others dequantize on every pass" if len(target.layers) < n_resident else "none per pass"
-        notes.append(f"dequantized once: {len(target.layers)} of {n_resident} resident layers "
-                     f"({format_bytes(target.nbytes)} in the compute dtype); {rest}")
+        notes.append(
+            f"dequantized once: {len(target.layers)} of {n_resident} resident layers "
+            f"({format_bytes(target.nbytes)} in the compute dtype); {rest}"
+        )
     return notes
-
 
 
 def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> dict:
@@ -220,8 +233,8 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     def served(name: str) -> bool:
         return gguf_kernel_type(ck, name, req.device, fp32) is not None
 
-    ok: dict[int, bool] = {}   # layer -> every packed tensor of it served (one pass over the names)
-    weighed: dict[int, list] = {}   # layer -> [packed bytes, bytes x the type's COST]
+    ok: dict[int, bool] = {}  # layer -> every packed tensor of it served (one pass over the names)
+    weighed: dict[int, list] = {}  # layer -> [packed bytes, bytes x the type's COST]
     for name, t in ck.tensors.items():
         if t.qtype is not None and name.startswith("model.layers."):
             i = int(name.split(".", 3)[2])
@@ -234,10 +247,16 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     head_bytes = ck.tensors[head].nbytes if head and served(head) else 0
     llama = family_reason(ck.config.get("text_config") or ck.config) is None
     stack = bool(n_layers) and len(layers) == n_layers and llama
-    out = dict(layers=layers, rows=MAX_ROWS if layers or head_bytes else 0, head_bytes=head_bytes, stack=stack,
-               llama=llama, stack_rows=STACK_ROWS if streams else MAX_ROWS)
+    out = dict(
+        layers=layers,
+        rows=MAX_ROWS if layers or head_bytes else 0,
+        head_bytes=head_bytes,
+        stack=stack,
+        llama=llama,
+        stack_rows=STACK_ROWS if streams else MAX_ROWS,
+    )
     cost = {i: round(weighed[i][1] / weighed[i][0], 4) for i in layers if weighed[i][1] != weighed[i][0]}
     head_cost = COST.get(ck.tensors[head].meta.get("ggml_type"), 1.0) if head_bytes else 1.0
-    if cost or head_cost != 1.0:   # types slower per byte than Q4_1 (ggml_kernel.COST): the speed model's factors
+    if cost or head_cost != 1.0:  # types slower per byte than Q4_1 (ggml_kernel.COST): the speed model's factors
         out.update(cost=cost, head_cost=head_cost)
     return out

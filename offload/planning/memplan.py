@@ -145,7 +145,7 @@ class MemoryPlan:
             candidates=list(self.candidates), choice=self.choice, slots=self.slots,
             machine=dict(self.machine), dense_layers=list(self.dense_layers),
             dense_draft_layers=list(self.dense_draft_layers), kernel=dict(self.kernel),
-        )  # fmt: skip
+        )
 
 
 def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[str, int], dict[str, int]]:

@@ -33,15 +33,31 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-NF4_GEMV_TOKENS = 4   # bitsandbytes runs its fused 4-bit GEMV up to this many tokens: no 16-bit weight written
+NF4_GEMV_TOKENS = 4  # bitsandbytes runs its fused 4-bit GEMV up to this many tokens: no 16-bit weight written
 
-STACK_FLOOR_CPU = 0.0018   # s: a SmolLM2-135M pass on the one-call stack beyond its matmuls (bench/pass_breakdown.py)
+STACK_FLOOR_CPU = 0.0018  # s: a SmolLM2-135M pass on the one-call stack beyond its matmuls (bench/pass_breakdown.py)
 
 PRIORS = {
-    "cuda": dict(memory_bps=1000e9, link_bps=24e9, disk_bps=3e9, flops16=165e12, flops32=82e12,
-                 forward_floor_s=0.01, step_floor_s=0.006, stack_floor_s=0.01),
-    "cpu": dict(memory_bps=20e9, link_bps=10e9, disk_bps=2e9, flops16=5e9, flops32=100e9,
-                forward_floor_s=0.01, step_floor_s=0.01, stack_floor_s=STACK_FLOOR_CPU),
+    "cuda": dict(
+        memory_bps=1000e9,
+        link_bps=24e9,
+        disk_bps=3e9,
+        flops16=165e12,
+        flops32=82e12,
+        forward_floor_s=0.01,
+        step_floor_s=0.006,
+        stack_floor_s=0.01,
+    ),
+    "cpu": dict(
+        memory_bps=20e9,
+        link_bps=10e9,
+        disk_bps=2e9,
+        flops16=5e9,
+        flops32=100e9,
+        forward_floor_s=0.01,
+        step_floor_s=0.01,
+        stack_floor_s=STACK_FLOOR_CPU,
+    ),
 }
 """Priors where neither a profile nor a card says: a 4090-class card (1 TB/s, 165 TFLOP/s bf16 with FP32
 accumulate, PCIe 4 at 75%, NVMe) and a desktop CPU (DDR4/5, AVX2/512 fp32 GEMM; bf16 without native units
@@ -59,18 +75,18 @@ the stack). All are replaced by `specx profile`'s measurements where one exists 
 class Device:
     """The rates a pass is modelled with, and where each comes from."""
 
-    kind: str                  # "cuda" | "cpu"
-    memory_bps: float          # device memory bandwidth, bytes/s (CPU: host memory)
-    link_bps: float            # RAM tier -> device, bytes/s
-    disk_bps: float            # disk reads, bytes/s
-    flops16: float             # dense 16-bit matmul FLOP/s (card: published tensor rate, FP32 accumulate)
-    flops32: float             # dense fp32 matmul FLOP/s
-    forward_floor_s: float     # per target forward: launches, syncs, dispatch that streaming does not hide
-    step_floor_s: float        # per draft forward: the same floor for one tree-growth step
-    stack_floor_s: float       # per target forward the one-call stack runs (plan.kernel["stack"], n <= its rows)
-    source: str = "prior"      # origin of memory_bps (the figure the plan's caption shows)
-    sources: dict = field(default_factory=dict)   # term -> "measured: ..." | "published: ..." | "prior"
-    dequant_bps: dict = field(default_factory=dict)   # kernel -> measured rate of its traffic; else memory_bps
+    kind: str  # "cuda" | "cpu"
+    memory_bps: float  # device memory bandwidth, bytes/s (CPU: host memory)
+    link_bps: float  # RAM tier -> device, bytes/s
+    disk_bps: float  # disk reads, bytes/s
+    flops16: float  # dense 16-bit matmul FLOP/s (card: published tensor rate, FP32 accumulate)
+    flops32: float  # dense fp32 matmul FLOP/s
+    forward_floor_s: float  # per target forward: launches, syncs, dispatch that streaming does not hide
+    step_floor_s: float  # per draft forward: the same floor for one tree-growth step
+    stack_floor_s: float  # per target forward the one-call stack runs (plan.kernel["stack"], n <= its rows)
+    source: str = "prior"  # origin of memory_bps (the figure the plan's caption shows)
+    sources: dict = field(default_factory=dict)  # term -> "measured: ..." | "published: ..." | "prior"
+    dequant_bps: dict = field(default_factory=dict)  # kernel -> measured rate of its traffic; else memory_bps
 
     def dequant_rate(self, kernel: str) -> float:
         """Bytes/s the dequantization traffic of `kernel` moves at: measured where profiled, else memory bandwidth."""
@@ -104,17 +120,17 @@ def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None 
 class PassTerms:
     """One modelled target pass, term by term (seconds summed over the layers)."""
 
-    tokens: int                # n tree tokens the pass verifies (root included)
-    ctx: int                   # committed tokens in the cache
-    stream: float              # sum of the streamed layers' transfer seconds
-    gemm: float                # sum of max(GEMM FLOPs / FLOP/s, weight bytes / memory bandwidth)
-    dequant: float             # sum of dequantization traffic / memory bandwidth
-    attention: float           # sum of attention FLOPs / FLOP/s + K/V bytes / memory bandwidth
-    head: float                # the lm_head over the n rows
-    floor: float               # the per-forward floor
-    seconds: float             # floor + head + sum over layers of max(transfer, compute)
-    bound: str                 # "stream" if the transfers dominate the sum, else "compute"
-    flops: float = 0.0         # the matmul FLOP/s of the pass's compute dtype (Device.flops(c))
+    tokens: int  # n tree tokens the pass verifies (root included)
+    ctx: int  # committed tokens in the cache
+    stream: float  # sum of the streamed layers' transfer seconds
+    gemm: float  # sum of max(GEMM FLOPs / FLOP/s, weight bytes / memory bandwidth)
+    dequant: float  # sum of dequantization traffic / memory bandwidth
+    attention: float  # sum of attention FLOPs / FLOP/s + K/V bytes / memory bandwidth
+    head: float  # the lm_head over the n rows
+    floor: float  # the per-forward floor
+    seconds: float  # floor + head + sum over layers of max(transfer, compute)
+    bound: str  # "stream" if the transfers dominate the sum, else "compute"
+    flops: float = 0.0  # the matmul FLOP/s of the pass's compute dtype (Device.flops(c))
 
     def to_json(self) -> dict:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -199,10 +215,10 @@ def forward_floor(plan, dev: Device, n: int) -> float:
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
     """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier."""
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
-    dense = set(getattr(plan, "dense_layers", ()))   # dequantized once at load: read in c, no dequantization
-    packed, head_packed = _kernel_reads(plan, n)     # the GGUF kernel: its packed bytes at its own rate
+    dense = set(getattr(plan, "dense_layers", ()))  # dequantized once at load: read in c, no dequantization
+    packed, head_packed = _kernel_reads(plan, n)  # the GGUF kernel: its packed bytes at its own rate
     k = getattr(plan, "kernel", None) or {}
-    kcost, head_packed = k.get("cost", {}), head_packed * k.get("head_cost", 1.0)   # per type (ggml_kernel.COST)
+    kcost, head_packed = k.get("cost", {}), head_packed * k.get("head_cost", 1.0)  # per type (ggml_kernel.COST)
     flops = 2 * linear_weights(a) * n / dev.flops(c)
     deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.dequant_rate(kernel)
     attn = attention_seconds(a, n, ctx, c, dev)
@@ -213,7 +229,10 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
         if i in packed:
             read, layer_deq = size * kcost.get(i, 1.0) / dev.dequant_rate(GGUF_KERNEL), 0.0
         else:
-            read, layer_deq = (linear_weights(a) * c if i in dense else size) / dev.memory_bps, 0.0 if i in dense else deq
+            read, layer_deq = (
+                (linear_weights(a) * c if i in dense else size) / dev.memory_bps,
+                0.0 if i in dense else deq,
+            )
         layer_gemm = max(flops, read)
         total += max(transfer, layer_gemm + layer_deq + attn)
         stream += transfer
@@ -224,15 +243,37 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), head_read)
     compute = gemm_s + deq_s + layers * attn
     floor = forward_floor(plan, dev, n)
-    return PassTerms(n, ctx, stream, gemm_s, deq_s, layers * attn, head, floor,
-                     floor + head + total, "stream" if stream > compute else "compute", dev.flops(c))
+    return PassTerms(
+        n,
+        ctx,
+        stream,
+        gemm_s,
+        deq_s,
+        layers * attn,
+        head,
+        floor,
+        floor + head + total,
+        "stream" if stream > compute else "compute",
+        dev.flops(c),
+    )
 
 
-def draft_step(weight: int, kv: int, dequant: int, flops: float, dev: Device, c: int, kernel: str = "none",
-               packed: int = 0, stack: bool = False) -> float:
+def draft_step(
+    weight: int,
+    kv: int,
+    dequant: int,
+    flops: float,
+    dev: Device,
+    c: int,
+    kernel: str = "none",
+    packed: int = 0,
+    stack: bool = False,
+) -> float:
     """Seconds of one draft forward: max(bytes / memory bandwidth (dequantization traffic at its kernel's
     rate, `packed` GGUF bytes at the GGUF kernel's), FLOPs / FLOP/s, the step floor: the one-call
     stack's with `stack`)."""
-    return max((weight + kv) / dev.memory_bps + dequant / dev.dequant_rate(kernel)
-               + packed / dev.dequant_rate(GGUF_KERNEL), flops / dev.flops(c),
-               dev.stack_floor_s if stack else dev.step_floor_s)
+    return max(
+        (weight + kv) / dev.memory_bps + dequant / dev.dequant_rate(kernel) + packed / dev.dequant_rate(GGUF_KERNEL),
+        flops / dev.flops(c),
+        dev.stack_floor_s if stack else dev.step_floor_s,
+    )

@@ -33,6 +33,7 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from offload.planning.membytes import arch_of, substitute_kernel
@@ -57,12 +58,13 @@ def default_skip(n_layers: int) -> int:
     """Layers the layer-skip self-draft of a resident target leaves out (RESIDENT_SKIP of them, at least 1)."""
     return max(1, min(n_layers - 2, round(n_layers * RESIDENT_SKIP)))
 
+
 SKIP_FACTOR = {0.0: 1.0, 0.125: 0.480, 0.25: 0.333, 0.375: 0.268, 0.5: 0.234}
 """Tokens per pass of a self-draft that skips a middle block of this fraction of the layers, relative to
 one that skips none: 11.64 / 8.08 / 6.50 / 5.66 against 24.23 for 1-4 of the 8 layers skipped
 (bench/results/selfdraft_skip_middle.json: shared pair, nf4 substitutes, budget 64, T = 0, 128 tokens).
 A 15.7M model with 8 layers loses far more per skipped layer than a 70B with 80 (prior, pessimistic)."""
-MIN_TOKENS_PER_PASS = 1.5   # below this a partial self-draft is refused: a small trained draft does better
+MIN_TOKENS_PER_PASS = 1.5  # below this a partial self-draft is refused: a small trained draft does better
 
 
 def skip_factor(fraction: float) -> float | None:
@@ -70,7 +72,7 @@ def skip_factor(fraction: float) -> float | None:
     pts = sorted(SKIP_FACTOR.items())
     if fraction > pts[-1][0] + 1e-9:
         return None
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         if fraction <= x1:
             return y0 + (y1 - y0) * (fraction - x0) / (x1 - x0)
     return pts[-1][1]
@@ -88,15 +90,21 @@ def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
     c = dtype_bytes(req.draft_dtype)
     compute = torch.float32 if c == 4 else None
 
-    def sub(shape: tuple[int, ...]) -> int:   # one substitute weight: the kernel's blocks or HQQ's codes
+    def sub(shape: tuple[int, ...]) -> int:  # one substitute weight: the kernel's blocks or HQQ's codes
         blocks = blocks_serve(shape, bits, req.device, compute)
         return lowbit_weight_bytes(shape if blocks else (math.prod(shape),), bits, c, blocks)
+
     out = []
-    if getattr(ck, "packed", None):   # AWQ/GPTQ/compressed-tensors: substitutes of the dequantized weights
+    if getattr(ck, "packed", None):  # AWQ/GPTQ/compressed-tensors: substitutes of the dequantized weights
         for i in range(arch.layers):
             prefix = f"model.layers.{i}."
-            out.append(sum(sub(tuple(s)) if n in ck.packed else math.prod(s) * c
-                           for n, s in ck.shapes.items() if n.startswith(prefix)))
+            out.append(
+                sum(
+                    sub(tuple(s)) if n in ck.packed else math.prod(s) * c
+                    for n, s in ck.shapes.items()
+                    if n.startswith(prefix)
+                )
+            )
         return out
     for i in range(arch.layers):
         prefix, total = f"model.layers.{i}.", 0
@@ -130,11 +138,11 @@ def self_spec(a, req, bits: int, plan):
     run = len(plan.layer_bytes) - len(plan.skipped_layers)
     n = len(plan.layer_bytes)
     factor = (skip_factor(len(plan.skipped_layers) / n) or 0.0) if n else 1.0
-    weights = a.layers * linear_numel(a) + a.vocab * a.hidden   # the target's: its size picks the prior
-    tpp = lambda b: tokens_per_pass(bits, req.temperature, b, weights) * factor   # noqa: E731
+    weights = a.layers * linear_numel(a) + a.vocab * a.hidden  # the target's: its size picks the prior
+    tpp = lambda b: tokens_per_pass(bits, req.temperature, b, weights) * factor  # noqa: E731
     flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
     blocks = blocks_forward(a, req, bits, plan)
-    if blocks is not None:   # every layer it runs through the CPU kernel's blocks (quant/lowbit_pack.py)
+    if blocks is not None:  # every layer it runs through the CPU kernel's blocks (quant/lowbit_pack.py)
         packed, weight, stack = blocks
         return Spec("self", bits, f"self-{bits}", tpp, weight, kv, 0, flops, "sx-blocks", packed, stack)
     return Spec("self", bits, f"self-{bits}", tpp, weight, kv, deq, flops, substitute_kernel(bits, req.device))
@@ -146,8 +154,8 @@ def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
     serves (then offload/selfdraft/build.py gives the draft a LeanStack); None otherwise. The packed
     bytes carry ggml_kernel.COST's per-byte factors, as the target's do."""
     from offload.formats.ggml_kernel import COST, MAX_ROWS, SX2, SX3
-    from offload.planning.memlayers import substitutes_are_blocks
     from offload.planning.membytes import dtype_bytes
+    from offload.planning.memlayers import substitutes_are_blocks
 
     k = getattr(plan, "kernel", None) or {}
     if bits not in (2, 3) or not substitutes_are_blocks(req, a, bits) or set(plan.resident) - set(k.get("layers", ())):
@@ -193,29 +201,36 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
         tried.append((bits, plan))
     if not req.sixteen_bit:
         plan = tried[0][1]
-        if not plan.ram_layers and not plan.disk_layers:   # nothing to substitute: the layer-skip draft needs no 16 bits
+        if not plan.ram_layers and not plan.disk_layers:  # nothing to substitute: the layer-skip draft needs no 16 bits
             return skip_plan(target, a, req, plan_with)
-        plan.fits, plan.reason = False, ("--draft self: a pre-quantized checkpoint has no 16-bit weights to make "
-                                         "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
-                                         "or a small --draft DIR")
+        plan.fits, plan.reason = (
+            False,
+            (
+                "--draft self: a pre-quantized checkpoint has no 16-bit weights to make "
+                "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
+                "or a small --draft DIR"
+            ),
+        )
         return plan
     if not any(p.fits for _, p in tried):
         tried += [pair for pair in (partial(target, a, req, b, nf4_layers, plan_with) for b, _ in tried) if pair]
     (bits, plan), cands = choose(a, req, tried)
-    if not plan.ram_layers and not plan.disk_layers:   # an explicit width refused keeps its reason
+    if not plan.ram_layers and not plan.disk_layers:  # an explicit width refused keeps its reason
         return plan if not plan.fits and req.draft_bits is not None else skip_plan(target, a, req, plan_with)
     from offload.planning.draftcost import costing_for, finish, plain_spec, sweep
 
     chosen = next((c for c in cands if c.bits == bits and c.fits), None)
     if chosen is not None and req.budget_auto:
-        plan.budget = chosen.budget   # the budget with the most modelled tokens/s (within what the plan sized)
+        plan.budget = chosen.budget  # the budget with the most modelled tokens/s (within what the plan sized)
     finish(plan, cands, sweep(plain_spec(), costing_for(a, req), plan, False))
     plan.choice = chosen.to_json() if chosen else None
     streamed, skipped = len(plan.ram_layers) + len(plan.disk_layers), len(plan.skipped_layers)
-    plan.notes.append(f"self-draft: {bits}-bit substitutes of {streamed - skipped} of the {streamed} streamed layers"
-                      f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
-                      f"{len(plan.resident)} layers resident and shared"
-                      + (f"; the draft leaves out {skip_note(target, plan)}" if skipped else ""))
+    plan.notes.append(
+        f"self-draft: {bits}-bit substitutes of {streamed - skipped} of the {streamed} streamed layers"
+        f" ({format_bytes(plan.device_bytes.get('draft', 0))} on the device), "
+        f"{len(plan.resident)} layers resident and shared"
+        + (f"; the draft leaves out {skip_note(target, plan)}" if skipped else "")
+    )
     if not plan.fits:
         plan.reason = refusal(plan, req, bits)
     return plan
@@ -226,25 +241,27 @@ def skip_plan(target, a, req, plan_with):
     from offload.planning.draftcost import costing_for, finish, plain_spec, skip_spec, sweep
     from offload.selfdraft.build import LAYER_SKIP
 
-    plan = plan_with([0] * a.layers, None)   # no substitutes; its draft runs the target's (dequantizing) layers
+    plan = plan_with([0] * a.layers, None)  # no substitutes; its draft runs the target's (dequantizing) layers
     order, _ = skip_order_for(target, a.layers)
-    plan.substitute_bits, plan.skipped_layers = LAYER_SKIP, sorted(order[:default_skip(a.layers)])
+    plan.substitute_bits, plan.skipped_layers = LAYER_SKIP, sorted(order[: default_skip(a.layers)])
     cost = costing_for(a, req)
     cand = sweep(skip_spec(a, plan, cost), cost, plan, req.budget_auto)
     if cand.fits and req.budget_auto:
         plan.budget = cand.budget
     finish(plan, [cand], sweep(plain_spec(), cost, plan, False))
-    plan.notes.append(f"self-draft: every target layer is resident, so the draft is the target itself with "
-                      f"{len(plan.skipped_layers)} of its {a.layers} layers left out ({skip_note(target, plan)}), "
-                      "sharing its weights and KV cache")
+    plan.notes.append(
+        f"self-draft: every target layer is resident, so the draft is the target itself with "
+        f"{len(plan.skipped_layers)} of its {a.layers} layers left out ({skip_note(target, plan)}), "
+        "sharing its weights and KV cache"
+    )
     return plan
 
 
 def skip_order_for(target, n_layers: int) -> tuple[list[int], bool]:
     """(the order layers are left out in, whether it comes from measured influence): the influence
     stored for this checkpoint (or the 16-bit one behind its nf4 cache), else the middle-out order."""
-    from offload.selfdraft.influence import skip_order, stored_influence
     from offload.quant.quant_cache import manifest_source
+    from offload.selfdraft.influence import skip_order, stored_influence
 
     root = getattr(target, "root", None)
     influence = stored_influence(manifest_source(root) or root, n_layers) if root is not None else None
@@ -262,7 +279,7 @@ def partial(target, a, req, bits: int, nf4_layers, plan_with):
         plan.substitute_bits, plan.skipped_layers = bits, sorted(skip - set(plan.resident))
         return plan
 
-    lo, hi = 1, a.layers - 2   # binary search on the skipped count: more skipped, fewer bytes
+    lo, hi = 1, a.layers - 2  # binary search on the skipped count: more skipped, fewer bytes
     if not attempt(hi).fits:
         return None
     while lo < hi:
@@ -291,18 +308,24 @@ def skip_note(target, plan) -> str:
     _, measured = skip_order_for(target, len(plan.layer_bytes))
     if measured:
         return f"layers {format_layers(plan.skipped_layers)}, the least influential as measured"
-    if plan.substitute_bits == 0:   # build.LAYER_SKIP: every layer is a candidate
-        return (f"the least influential, measured by one target pass at the first load; until then the "
-                f"middle block {format_layers(plan.skipped_layers)} stands in")
-    return (f"the {len(plan.skipped_layers)} least influential layers, measured by one target pass at the first "
-            f"load (until then the middle block {format_layers(plan.skipped_layers)} stands in)")
+    if plan.substitute_bits == 0:  # build.LAYER_SKIP: every layer is a candidate
+        return (
+            f"the least influential, measured by one target pass at the first load; until then the "
+            f"middle block {format_layers(plan.skipped_layers)} stands in"
+        )
+    return (
+        f"the {len(plan.skipped_layers)} least influential layers, measured by one target pass at the first "
+        f"load (until then the middle block {format_layers(plan.skipped_layers)} stands in)"
+    )
 
 
 def refusal(plan, req, bits: int) -> str:
     """Why no self-draft fits here, in one line with the fix."""
     if plan.skipped_layers:
-        return (f"--draft self does not fit in {format_bytes(plan.device_capacity)}: the {bits}-bit substitutes "
-                f"would have to leave out {len(plan.skipped_layers)} of {len(plan.layer_bytes)} layers, beyond "
-                f"what keeps the draft useful (measured up to {max(SKIP_FACTOR):.0%} left out); fix: a small "
-                f"--draft DIR, or a larger --max-gpu-memory")
+        return (
+            f"--draft self does not fit in {format_bytes(plan.device_capacity)}: the {bits}-bit substitutes "
+            f"would have to leave out {len(plan.skipped_layers)} of {len(plan.layer_bytes)} layers, beyond "
+            f"what keeps the draft useful (measured up to {max(SKIP_FACTOR):.0%} left out); fix: a small "
+            f"--draft DIR, or a larger --max-gpu-memory"
+        )
     return plan.reason

@@ -56,10 +56,10 @@ def densify(layer: nn.Module, pool, component: str = COMPONENT) -> int:
     for _, mod in dense_linears(layer):
         if mod.dense is not None:
             continue
-        w = _weight(mod)                                       # (out, in), the compute dtype
+        w = _weight(mod)  # (out, in), the compute dtype
         if isinstance(mod, LowbitLinear):
             w = w.to(mod.scale.dtype)
-        mod.dense = pool.empty(tuple(w.shape), w.dtype, component).copy_(w)   # contiguous (out, in)
+        mod.dense = pool.empty(tuple(w.shape), w.dtype, component).copy_(w)  # contiguous (out, in)
         added += mod.dense.numel() * mod.dense.element_size()
     return added
 

@@ -32,22 +32,30 @@ import warnings
 
 import torch
 
-PER_WORD = {4: 2, 3: 10, 2: 4}          # codes per stored element (uint8, int32, uint8)
-_STATE: dict = {"fn": None, "broken": None}   # compiled function; first compile failure (one line)
+PER_WORD = {4: 2, 3: 10, 2: 4}  # codes per stored element (uint8, int32, uint8)
+_STATE: dict = {"fn": None, "broken": None}  # compiled function; first compile failure (one line)
 
 
 def unpack_codes(W_q: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     """(rows, group) integer codes from HQQ's packed (ceil(rows / per_word), group) tensor."""
     k = PER_WORD[bits]
-    shifts = torch.arange(k - 1, -1, -1, device=W_q.device, dtype=W_q.dtype) * bits   # (k,) high slice first
-    codes = (W_q.unsqueeze(0) >> shifts.view(k, 1, 1)) & ((1 << bits) - 1)           # (k, step, group)
-    return codes.reshape(k * W_q.shape[0], W_q.shape[1])[:rows]                       # 3-bit pads rows to x10
+    shifts = torch.arange(k - 1, -1, -1, device=W_q.device, dtype=W_q.dtype) * bits  # (k,) high slice first
+    codes = (W_q.unsqueeze(0) >> shifts.view(k, 1, 1)) & ((1 << bits) - 1)  # (k, step, group)
+    return codes.reshape(k * W_q.shape[0], W_q.shape[1])[:rows]  # 3-bit pads rows to x10
 
 
-def dequant_linear(x: torch.Tensor, W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                   bias: torch.Tensor | None, out_features: int, in_features: int, bits: int) -> torch.Tensor:
+def dequant_linear(
+    x: torch.Tensor,
+    W_q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    bits: int,
+) -> torch.Tensor:
     """x (..., in) -> (..., out): the dequantized weight (out, in) never leaves this graph."""
-    codes = unpack_codes(W_q, bits, scale.shape[0]).to(scale.dtype)          # (rows, group), rows = out*in/group
+    codes = unpack_codes(W_q, bits, scale.shape[0]).to(scale.dtype)  # (rows, group), rows = out*in/group
     w = ((codes - zero) * scale).reshape(out_features, in_features).to(x.dtype)
     return torch.nn.functional.linear(x, w, bias)
 
@@ -80,8 +88,16 @@ def _compiled():
     return _STATE["fn"]
 
 
-def fused_linear(x: torch.Tensor, W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 bias: torch.Tensor | None, out_features: int, in_features: int, bits: int) -> torch.Tensor:
+def fused_linear(
+    x: torch.Tensor,
+    W_q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    bits: int,
+) -> torch.Tensor:
     """`dequant_linear` compiled; the same function eagerly once compilation has failed."""
     args = (x, W_q, scale, zero, bias, out_features, in_features, bits)
     if _STATE["broken"] is None:

@@ -40,8 +40,8 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -53,12 +53,12 @@ from offload.quant.lowbit_pack import BLOCKS, TYPE_OF_BITS, KernelLowbitLinear, 
 
 GROUPS = {4: 64, 3: 64, 2: 32}
 FORMAT = 1
-SOURCE = "specx-source.json"   # in each cache directory: the checkpoint it was made from
+SOURCE = "specx-source.json"  # in each cache directory: the checkpoint it was made from
 PACKING = {4: "4bit_u8", 3: "3bit_32", 2: "2bit_u8"}
-ROWS_PER_WORD = {4: 2, 3: 10, 2: 4}   # group rows packed into one stored element (uint8, int32, uint8)
+ROWS_PER_WORD = {4: 2, 3: 10, 2: 4}  # group rows packed into one stored element (uint8, int32, uint8)
 
 
-_QUANTIZER: list = []   # HQQ's Quantizer class once imported (every draft forward unpacks through it)
+_QUANTIZER: list = []  # HQQ's Quantizer class once imported (every draft forward unpacks through it)
 
 
 def hqq_quantizer():
@@ -70,8 +70,10 @@ def hqq_quantizer():
             warnings.simplefilter("ignore")
             from hqq.core.quantize import Quantizer
     except ImportError:
-        raise OffloadError("--draft-bits 3 and 2 quantize with HQQ, which is not installed; fix: "
-                           "pip install 'hqq>=0.2.8,<0.3' (specx's lowbit extra), or a small --draft DIR") from None
+        raise OffloadError(
+            "--draft-bits 3 and 2 quantize with HQQ, which is not installed; fix: "
+            "pip install 'hqq>=0.2.8,<0.3' (specx's lowbit extra), or a small --draft DIR"
+        ) from None
     _QUANTIZER.append(Quantizer)
     return Quantizer
 
@@ -79,8 +81,12 @@ def hqq_quantizer():
 def blocks_serve(shape: tuple[int, ...], bits: int, device, compute: torch.dtype | None) -> bool:
     """Whether a substitute of this (out, in) weight is stored as the CPU kernel's blocks
     (quant/lowbit_pack.py): a CPU computing in fp32 with the kernel built, rows of whole groups."""
-    return (len(shape) == 2 and shape[-1] % GROUPS[bits] == 0 and bits in TYPE_OF_BITS
-            and kernel_choice(device, compute) == "blocks")
+    return (
+        len(shape) == 2
+        and shape[-1] % GROUPS[bits] == 0
+        and bits in TYPE_OF_BITS
+        and kernel_choice(device, compute) == "blocks"
+    )
 
 
 def lowbit_weight_bytes(shape: tuple[int, ...], bits: int, scale_bytes: int = 2, blocks: bool = False) -> int:
@@ -97,40 +103,50 @@ def lowbit_weight_bytes(shape: tuple[int, ...], bits: int, scale_bytes: int = 2,
 def check_shape(name: str, shape: tuple[int, ...], bits: int) -> None:
     group = GROUPS[bits]
     if math.prod(shape) % (group * (1 if bits == 3 else ROWS_PER_WORD[bits])):
-        raise OffloadError(f"{name}: shape {tuple(shape)} does not split into {bits}-bit groups of {group}; "
-                           "fix: --draft-bits 4 or a small --draft DIR")
+        raise OffloadError(
+            f"{name}: shape {tuple(shape)} does not split into {bits}-bit groups of {group}; "
+            "fix: --draft-bits 4 or a small --draft DIR"
+        )
 
 
 class LowbitLinear(nn.Module):
     """y = x W^T (+ b), W = (codes - zero) * scale from HQQ codes: `kernel = "fused"` through one
     compiled unpack+scale+matmul function (offload/quant/fused.py), "eager" through HQQ's unpack."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
-                 shape: tuple[int, int], bits: int):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bias: torch.Tensor | None,
+        shape: tuple[int, int],
+        bits: int,
+    ):
         super().__init__()
-        self.register_buffer("W_q", codes)      # (rows / per-word, group) packed codes, rows = out*in/group
-        self.register_buffer("scale", scale)    # (rows, 1) compute dtype
-        self.register_buffer("zero", zero)      # (rows, 1) compute dtype
+        self.register_buffer("W_q", codes)  # (rows / per-word, group) packed codes, rows = out*in/group
+        self.register_buffer("scale", scale)  # (rows, 1) compute dtype
+        self.register_buffer("zero", zero)  # (rows, 1) compute dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.shape, self.bits = tuple(shape), bits
         self.in_features, self.out_features = shape[1], shape[0]
-        self.kernel = kernel_choice(codes.device)   # "fused" (offload/quant/fused.py) or "eager" (the reference)
-        self.dense: torch.Tensor | None = None      # weight_now() kept once (offload/quant/dense.py)
+        self.kernel = kernel_choice(codes.device)  # "fused" (offload/quant/fused.py) or "eager" (the reference)
+        self.dense: torch.Tensor | None = None  # weight_now() kept once (offload/quant/dense.py)
 
     def weight_now(self) -> torch.Tensor:
         unpack = hqq_quantizer().unpack[PACKING[self.bits]]
-        codes = unpack(self.W_q, dtype=self.scale.dtype)[: self.scale.shape[0]]   # 3-bit pads rows to x10
-        return codes.sub_(self.zero).mul_(self.scale).reshape(self.shape)   # in place: one temporary
+        codes = unpack(self.W_q, dtype=self.scale.dtype)[: self.scale.shape[0]]  # 3-bit pads rows to x10
+        return codes.sub_(self.zero).mul_(self.scale).reshape(self.shape)  # in place: one temporary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None:                  # dequantized once: the eager reference's weight
+        if self.dense is not None:  # dequantized once: the eager reference's weight
             return nn.functional.linear(x, self.dense.to(x.dtype), self.bias)
         if self.kernel == "eager":
             return self.forward_eager(x)
         from offload.quant.fused import fused_linear
 
-        return fused_linear(x, self.W_q, self.scale, self.zero, self.bias, self.out_features, self.in_features,
-                            self.bits)
+        return fused_linear(
+            x, self.W_q, self.scale, self.zero, self.bias, self.out_features, self.in_features, self.bits
+        )
 
     def forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         """The reference: HQQ's own unpack, the weight rebuilt in 16 bits, then the matmul."""
@@ -144,10 +160,14 @@ def quantize_weight(w: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """HQQ (axis 1, group GROUPS[bits], proximal optimization) on the GPU when there is one, else
     the CPU (a 70B layer's optimization takes minutes there): codes, scale, zero, on the host."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    codes, meta = hqq_quantizer().quantize(w.float().to(device), nbits=bits, group_size=GROUPS[bits], axis=1,
-                                           optimize=True, bitpack=True, device=device)
-    return {"W_q": codes.cpu().contiguous(), "scale": meta["scale"].float().cpu().contiguous(),
-            "zero": meta["zero"].float().cpu().contiguous()}
+    codes, meta = hqq_quantizer().quantize(
+        w.float().to(device), nbits=bits, group_size=GROUPS[bits], axis=1, optimize=True, bitpack=True, device=device
+    )
+    return {
+        "W_q": codes.cpu().contiguous(),
+        "scale": meta["scale"].float().cpu().contiguous(),
+        "zero": meta["zero"].float().cpu().contiguous(),
+    }
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -177,8 +197,9 @@ def _readable(path: Path) -> bool:
         return False
 
 
-def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
-                         progress: Callable[[int, int, str], None] | None = None) -> Path:
+def ensure_lowbit_layers(
+    src: str | Path, layers: list[int], bits: int, progress: Callable[[int, int, str], None] | None = None
+) -> Path:
     """The cache directory of `src` at `bits` with a shard for every layer in `layers` (see contract).
     `src`: a model directory or its opened formats.Checkpoint (a packed AWQ/GPTQ/compressed-tensors
     one gives its dequantized weights)."""
@@ -193,14 +214,17 @@ def ensure_lowbit_layers(src: str | Path, layers: list[int], bits: int,
     for i in layers:
         p = shard_path(out, i)
         if p.exists() and not _readable(p):
-            warnings.warn(f"offload: the {bits}-bit substitute {p} is corrupt (unreadable safetensors header); "
-                          "rebuilding it", OffloadNotice, stacklevel=2)
+            warnings.warn(
+                f"offload: the {bits}-bit substitute {p} is corrupt (unreadable safetensors header); rebuilding it",
+                OffloadNotice,
+                stacklevel=2,
+            )
             p.unlink()
         if not p.exists():
             missing.append(i)
     if not missing:
         return out
-    hqq_quantizer()   # fail before any work when HQQ is absent
+    hqq_quantizer()  # fail before any work when HQQ is absent
     index = ck or open_checkpoint(src)
     linears = {n for n, shape in index.shapes.items() if n.startswith("model.layers.") and len(shape) == 2}
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +244,7 @@ def _write_shard(index, i: int, linears: set[str], bits: int, path: Path) -> Non
 
     prefix, tensors = f"model.layers.{i}.", {}
     for name in sorted(k for k in index.shapes if k.startswith(prefix)):
-        t, short = index.dense(name), name[len(prefix):]
+        t, short = index.dense(name), name[len(prefix) :]
         if name in linears:
             check_shape(name, tuple(t.shape), bits)
             for part, q in quantize_weight(t, bits).items():
@@ -263,12 +287,17 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
         if isinstance(mod, (nn.Linear, PackedLinear)):
             bias = tensors.get(f"{name}.bias")
             shape = (mod.out_features, mod.in_features)
-            if bias is None and blocks_serve(shape, bits, device, compute):   # the kernel's blocks, read directly
+            if bias is None and blocks_serve(shape, bits, device, compute):  # the kernel's blocks, read directly
                 sub = KernelLowbitLinear(put(_blocks(tensors, name, bits, shape)), TYPE_OF_BITS[bits], *shape)
             else:
-                sub = LowbitLinear(put(tensors[f"{name}.W_q"]), put(tensors[f"{name}.scale"], compute),
-                                   put(tensors[f"{name}.zero"], compute), None if bias is None else put(bias, compute),
-                                   shape, bits)  # fmt: skip
+                sub = LowbitLinear(
+                    put(tensors[f"{name}.W_q"]),
+                    put(tensors[f"{name}.scale"], compute),
+                    put(tensors[f"{name}.zero"], compute),
+                    None if bias is None else put(bias, compute),
+                    shape,
+                    bits,
+                )
             parent, _, leaf = name.rpartition(".")
             setattr(skeleton.get_submodule(parent) if parent else skeleton, leaf, sub)
     for name, p in list(skeleton.named_parameters()):

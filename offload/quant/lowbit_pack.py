@@ -29,7 +29,7 @@ from offload.formats import ggml_kernel
 
 SX3, SX2 = ggml_kernel.SX3, ggml_kernel.SX2
 TYPE_OF_BITS = {3: SX3, 2: SX2}
-BLOCKS = {t: ggml_kernel.BLOCKS[t] for t in (SX3, SX2)}   # values, bytes of one block (= one HQQ group)
+BLOCKS = {t: ggml_kernel.BLOCKS[t] for t in (SX3, SX2)}  # values, bytes of one block (= one HQQ group)
 _BITS = {SX3: 3, SX2: 2}
 
 
@@ -49,18 +49,18 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
     """HQQ (codes, scale, zero) of an (n_rows, K) weight -> its kernel blocks (see the contract)."""
     qtype = TYPE_OF_BITS[bits]
     values, nbytes = BLOCKS[qtype]
-    q = codes.to(torch.int64).reshape(-1, values)                 # (groups, group): one block each
+    q = codes.to(torch.int64).reshape(-1, values)  # (groups, group): one block each
     if q.numel() and (int(q.min()) < 0 or int(q.max()) >= 1 << bits):
         raise ValueError(f"{bits}-bit codes outside [0, {1 << bits})")
     s = scale.reshape(-1).float()
     d = s.to(torch.float16)
     m = (-zero.reshape(-1).float() * s).to(torch.float16)
-    head = torch.stack([d, m], dim=1).view(torch.uint8)           # (groups, 4): fp16 d, fp16 m
-    halves = q.reshape(q.shape[0], -1, 2, 16)                      # (groups, sub-blocks, half, 16)
-    if bits == 3:   # a 48-bit field per half: value j at bits 3j
+    head = torch.stack([d, m], dim=1).view(torch.uint8)  # (groups, 4): fp16 d, fp16 m
+    halves = q.reshape(q.shape[0], -1, 2, 16)  # (groups, sub-blocks, half, 16)
+    if bits == 3:  # a 48-bit field per half: value j at bits 3j
         body = _le_bytes(_words(halves, 3), 6).flatten(1)
     else:
-        body = _le_bytes(_words(halves, 2), 4).flatten(1)            # a u32 per half: value j at bits 2j
+        body = _le_bytes(_words(halves, 2), 4).flatten(1)  # a u32 per half: value j at bits 2j
     out = torch.cat([head, body], dim=1)
     assert out.shape[1] == nbytes
     return out.reshape(n_rows, -1).contiguous()
@@ -76,10 +76,10 @@ def dequantize(raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tens
     """The (n_rows, k) fp32 weight the kernel computes with (see the contract)."""
     values, nbytes = BLOCKS[qtype]
     blk = raw.reshape(-1, nbytes)
-    dm = blk[:, :4].contiguous().view(torch.float16).float()       # (groups, 2)
+    dm = blk[:, :4].contiguous().view(torch.float16).float()  # (groups, 2)
     body = blk[:, 4:].to(torch.int64)
-    width, bits = (6, 3) if _BITS[qtype] == 3 else (4, 2)           # bytes, bits of one half's field
-    fields = body.reshape(blk.shape[0], -1, width)                   # (groups, halves, bytes)
+    width, bits = (6, 3) if _BITS[qtype] == 3 else (4, 2)  # bytes, bits of one half's field
+    fields = body.reshape(blk.shape[0], -1, width)  # (groups, halves, bytes)
     words = (fields << (8 * torch.arange(width, dtype=torch.int64))).sum(-1)
     q = _fields(words, bits, 16).reshape(blk.shape[0], values).float()
     return (q * dm[:, :1] + dm[:, 1:]).reshape(n_rows, k)
@@ -90,8 +90,8 @@ class KernelLowbitLinear(nn.Module):
 
     def __init__(self, raw: torch.Tensor, qtype: int, out_features: int, in_features: int):
         super().__init__()
-        self.register_buffer("packed", raw)     # (out, in / values * bytes) uint8 kernel blocks
-        self.parts = {"packed": "packed"}       # what leanstack.py reads: attribute of the bytes
+        self.register_buffer("packed", raw)  # (out, in / values * bytes) uint8 kernel blocks
+        self.parts = {"packed": "packed"}  # what leanstack.py reads: attribute of the bytes
         self.ggml_type, self.bits = qtype, _BITS[qtype]
         self.out_features, self.in_features = out_features, in_features
         self.bias, self.row_map, self.group, self.dense = None, None, None, None

@@ -21,7 +21,6 @@ import functools
 import torch
 from torch import nn
 
-
 NF4_BLOCKSIZE = 64
 NF4_COMPRESS_STATISTICS = True
 # The oldest bitsandbytes this module is tested with (pyproject requires it too). Releases before
@@ -44,8 +43,10 @@ def require_bnb() -> None:
         digits = "".join(ch for ch in piece if ch.isdigit())
         parts.append(int(digits or 0))
     if tuple(parts) < MIN_BNB:
-        raise OffloadError(f"bitsandbytes {bitsandbytes.__version__} is older than 0.50.2, which specx's NF4 "
-                           "path needs; pip install -U 'bitsandbytes>=0.50.2'")
+        raise OffloadError(
+            f"bitsandbytes {bitsandbytes.__version__} is older than 0.50.2, which specx's NF4 "
+            "path needs; pip install -U 'bitsandbytes>=0.50.2'"
+        )
 
 
 def quantize_nf4(weight: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.bfloat16):
@@ -56,8 +57,11 @@ def quantize_nf4(weight: torch.Tensor, device: torch.device, dtype: torch.dtype 
 
     w = weight.to(device=device, dtype=dtype).contiguous()
     packed, state = bnbf.quantize_4bit(
-        w, blocksize=NF4_BLOCKSIZE, compress_statistics=NF4_COMPRESS_STATISTICS,
-        quant_type="nf4", quant_storage=torch.uint8,
+        w,
+        blocksize=NF4_BLOCKSIZE,
+        compress_statistics=NF4_COMPRESS_STATISTICS,
+        quant_type="nf4",
+        quant_storage=torch.uint8,
     )
     return packed, state
 
@@ -72,8 +76,7 @@ class Nf4Linear(nn.Module):
         self.compute_dtype = compute_dtype
         self.quant_state = None
         self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8, device="meta"), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False)
-                     if has_bias else None)
+        self.bias = nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False) if has_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import bitsandbytes as bnb
@@ -99,7 +102,7 @@ class Nf4Linear(nn.Module):
         return cpu_relayout(weight.detach(), tuple(self.quant_state.shape)), cached[1]
 
 
-CPU_PACKING = "bnb-cpu-avx512bf16"   # bytes already in bnb's fused CPU kernel layout (cpu_relayout)
+CPU_PACKING = "bnb-cpu-avx512bf16"  # bytes already in bnb's fused CPU kernel layout (cpu_relayout)
 
 
 def packing_for(device) -> str:
@@ -148,7 +151,7 @@ def cpu_relayout(packed: torch.Tensor, shape: tuple[int, int], block_n: int = 32
     # uint8 copies are ~15x slower for the transposes below.
     a = packed.detach().reshape(n // block_n, 2, block_n // 2, k // 2).numpy()
     lo, hi = a[:, 0], a[:, 1]
-    out = np.empty((n // block_n, k // 2, block_n // 2, 2), dtype=np.uint8)      # (N/32, kk, j, c)
+    out = np.empty((n // block_n, k // 2, block_n // 2, 2), dtype=np.uint8)  # (N/32, kk, j, c)
     out[..., 0] = ((hi & 0xF0) | (lo >> 4)).transpose(0, 2, 1)
     out[..., 1] = ((hi << 4) | (lo & 0x0F)).transpose(0, 2, 1)
     return torch.from_numpy(out.reshape(n, k // 2))
@@ -166,6 +169,6 @@ def _cpu_bf16_kernel():
     """bnb's weight converter when Linear4bit would use its fused CPU kernel here, else None."""
     try:
         from bitsandbytes.functional import _convert_weight_packed_for_cpu, has_avx512bf16
-    except ImportError:   # older bitsandbytes: Linear4bit has no CPU re-layout either
+    except ImportError:  # older bitsandbytes: Linear4bit has no CPU re-layout either
         return None
     return _convert_weight_packed_for_cpu if has_avx512bf16() else None

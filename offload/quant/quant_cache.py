@@ -32,25 +32,38 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
-from offload.cachedir import cache_root
 
 import torch
 
+from offload.cachedir import cache_root
 from offload.errors import OffloadError, OffloadNotice
-from offload.quant.nf4 import CPU_PACKING, NF4_BLOCKSIZE, NF4_COMPRESS_STATISTICS, cpu_layout_fits, cpu_relayout, quantize_nf4
-from offload.formats.prequant import quant_tensors
 from offload.formats import Checkpoint, open_checkpoint
+from offload.formats.prequant import quant_tensors
+from offload.quant.nf4 import (
+    CPU_PACKING,
+    NF4_BLOCKSIZE,
+    NF4_COMPRESS_STATISTICS,
+    cpu_layout_fits,
+    cpu_relayout,
+    quantize_nf4,
+)
 
 MANIFEST = "specx-manifest.json"
 FORMAT_VERSION = 2
-SETTINGS = {"format": FORMAT_VERSION, "quant_type": "nf4", "blocksize": NF4_BLOCKSIZE,
-            "double_quant": NF4_COMPRESS_STATISTICS, "quant_from": "16-bit source dtype (fp32 -> bf16)"}
+SETTINGS = {
+    "format": FORMAT_VERSION,
+    "quant_type": "nf4",
+    "blocksize": NF4_BLOCKSIZE,
+    "double_quant": NF4_COMPRESS_STATISTICS,
+    "quant_from": "16-bit source dtype (fp32 -> bf16)",
+}
 _WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
-_SIDE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.model|vocab\..*|"
-                         r"merges\.txt|chat_template\.(jinja|json)|added_tokens\.json)$")
+_SIDE_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|generation_config\.json|.*\.model|vocab\..*|"
+    r"merges\.txt|chat_template\.(jinja|json)|added_tokens\.json)$"
+)
 Progress = Callable[[int, int, str], None]
 
 
@@ -129,8 +142,10 @@ def _drop_stale(src: Path, keep: Path, packing: str) -> None:
     for old in keep.parent.glob(keep.name.rsplit("-", 1)[0] + "-*"):
         try:
             manifest = json.loads((old / MANIFEST).read_text())
-            same = (manifest.get("source") == str(src.resolve())
-                    and manifest.get("settings", {}).get("packing", "standard") == packing)
+            same = (
+                manifest.get("source") == str(src.resolve())
+                and manifest.get("settings", {}).get("packing", "standard") == packing
+            )
         except (OSError, ValueError, AttributeError):
             same = False
         if old != keep and same:
@@ -158,8 +173,14 @@ def _shard(index: Checkpoint, names: list[str], linears: set[str], packing: str)
     return tensors
 
 
-def write_quantized(src: Path, out: Path, progress: Progress | None = None, tokenizer: bool = True,
-                    key: str | None = None, packing: str = "standard") -> None:
+def write_quantized(
+    src: Path,
+    out: Path,
+    progress: Progress | None = None,
+    tokenizer: bool = True,
+    key: str | None = None,
+    packing: str = "standard",
+) -> None:
     """`src`: the opened 16-bit Checkpoint (a directory is opened here)."""
     from safetensors.torch import save_file
 
@@ -192,8 +213,16 @@ def write_quantized(src: Path, out: Path, progress: Progress | None = None, toke
                 if f.is_file() and _SIDE_FILES.match(f.name):
                     shutil.copy2(f, tmp / f.name)
         files = {f.name: f.stat().st_size for f in tmp.iterdir()}
-        _write_json(tmp / MANIFEST, {"key": key, "source": str(src.resolve()), "settings": settings(packing),
-                                     "source_files": source_fingerprint(src), "files": files})
+        _write_json(
+            tmp / MANIFEST,
+            {
+                "key": key,
+                "source": str(src.resolve()),
+                "settings": settings(packing),
+                "source_files": source_fingerprint(src),
+                "files": files,
+            },
+        )
         _publish(tmp, out, key)
         if progress is not None:
             progress(n, n, "quantized")
@@ -229,12 +258,19 @@ def _write_config(src: Path, out: Path, dtype: torch.dtype, packing: str) -> Non
         cfg["specx_packing"] = packing
     name = str(dtype).removeprefix("torch.")
     cfg["quantization_config"] = {
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
-        "_load_in_4bit": True, "_load_in_8bit": False,
-        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": NF4_COMPRESS_STATISTICS,
-        "bnb_4bit_compute_dtype": name, "bnb_4bit_quant_storage": "uint8",
-        "llm_int8_enable_fp32_cpu_offload": False, "llm_int8_has_fp16_weight": False,
-        "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0,
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "load_in_8bit": False,
+        "_load_in_4bit": True,
+        "_load_in_8bit": False,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": NF4_COMPRESS_STATISTICS,
+        "bnb_4bit_compute_dtype": name,
+        "bnb_4bit_quant_storage": "uint8",
+        "llm_int8_enable_fp32_cpu_offload": False,
+        "llm_int8_has_fp16_weight": False,
+        "llm_int8_skip_modules": None,
+        "llm_int8_threshold": 6.0,
     }
     _write_json(out / "config.json", cfg)
 

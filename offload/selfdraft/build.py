@@ -29,19 +29,19 @@ counted in their own DevicePool (`draft.pool`); the caller adds them to its plan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from torch import nn
 
 from offload.errors import OffloadError
+from offload.formats.prequant import bnb4_config
 from offload.stream.leanstack import LeanStack
 from offload.stream.loader import Subset
 from offload.stream.model import PACKED_FORMATS
-from offload.formats.prequant import bnb4_config
 
 SUBSTITUTE_BITS = (4, 3, 2)
-LAYER_SKIP = 0   # `substitute_bits` of the layer-skip self-draft: no substitutes, the target's layers, some left out
+LAYER_SKIP = 0  # `substitute_bits` of the layer-skip self-draft: no substitutes, the target's layers, some left out
 
 
 class SelfDraftError(OffloadError):
@@ -82,13 +82,17 @@ def check_self_draft(target, bits: int = 4) -> list[int]:
         raise SelfDraftError(f"--draft-bits must be 4, 3 or 2 (got {bits})")
     quantized = _format(target) == "bnb-nf4" or packed_target(target)
     if quantized and bits == 4:
-        raise SelfDraftError("--draft self: the target is already 4-bit, so 4-bit substitutes would be the "
-                             "target itself; fix: --draft-bits 3 or 2, load the target in 16 bits (--dtype bf16), "
-                             "or pass a small --draft DIR")
+        raise SelfDraftError(
+            "--draft self: the target is already 4-bit, so 4-bit substitutes would be the "
+            "target itself; fix: --draft-bits 3 or 2, load the target in 16 bits (--dtype bf16), "
+            "or pass a small --draft DIR"
+        )
     if quantized and sixteen_bit_source(target) is None:
-        raise SelfDraftError("--draft self: a pre-quantized checkpoint has no 16-bit weights to make substitutes "
-                             "from; fix: --target the 16-bit checkpoint with --dtype nf4, or a small --draft DIR")
-    return streamed_layers(target)   # [] when every layer is resident: the layer-skip draft
+        raise SelfDraftError(
+            "--draft self: a pre-quantized checkpoint has no 16-bit weights to make substitutes "
+            "from; fix: --target the 16-bit checkpoint with --dtype nf4, or a small --draft DIR"
+        )
+    return streamed_layers(target)  # [] when every layer is resident: the layer-skip draft
 
 
 class PassThrough(nn.Module):
@@ -109,8 +113,9 @@ def skip_block(n_layers: int, n_skip: int) -> list[int]:
     return list(range(start, start + n_skip))
 
 
-def build_self_draft(target, progress: Callable[[int, int, str], None] | None = None, bits: int = 4,
-                     skip: list[int] | tuple = ()):
+def build_self_draft(
+    target, progress: Callable[[int, int, str], None] | None = None, bits: int = 4, skip: list[int] | tuple = ()
+):
     """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract);
     the streamed layers in `skip` get no substitute (pass-throughs)."""
     from offload.stream.devmem import DevicePool
@@ -124,19 +129,26 @@ def build_self_draft(target, progress: Callable[[int, int, str], None] | None = 
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
     ck = getattr(target, "checkpoint", None)
     if bits == 4:
-        source = ck if ck is not None and Path(ck.path) == Path(source) else source   # not opened again
+        source = ck if ck is not None and Path(ck.path) == Path(source) else source  # not opened again
         draft = OffloadedCausalLM.from_pretrained(
-            source, device=target.device, dtype="nf4", offload="none", progress=progress,
-            pool=DevicePool(target.device), subset=Subset(frozenset(layers), shared), nf4_compute=target.dtype)
+            source,
+            device=target.device,
+            dtype="nf4",
+            offload="none",
+            progress=progress,
+            pool=DevicePool(target.device),
+            subset=Subset(frozenset(layers), shared),
+            nf4_compute=target.dtype,
+        )
     else:
         draft = _hqq_draft(target, source, layers, bits, shared, progress)
     for i in range(len(draft.layers)):
         if i in skipped:
             draft.layers[i] = PassThrough()
         elif i not in layers:
-            draft.layers[i] = target.layers[i]   # resident in the target: the same module, bound once
+            draft.layers[i] = target.layers[i]  # resident in the target: the same module, bound once
     draft.substituted, draft.substitute_bits, draft.skipped = layers, bits, skipped
-    draft.lean = LeanStack.build(draft)   # kernel-block substitutes (CPU fp32): the draft's pass in one C call
+    draft.lean = LeanStack.build(draft)  # kernel-block substitutes (CPU fp32): the draft's pass in one C call
     return draft
 
 
@@ -150,10 +162,16 @@ def skeleton(target, source=None):
     if source is None:
         source = ck if ck is not None else target.source
     elif isinstance(source, (str, Path)) and ck is not None and Path(ck.path) == Path(source):
-        source = ck   # the target's opened checkpoint: not opened again
+        source = ck  # the target's opened checkpoint: not opened again
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
-    return OffloadedCausalLM.from_pretrained(source, device=target.device, dtype=target.dtype, offload="none",
-                                             pool=DevicePool(target.device), subset=Subset(frozenset(), shared))
+    return OffloadedCausalLM.from_pretrained(
+        source,
+        device=target.device,
+        dtype=target.dtype,
+        offload="none",
+        pool=DevicePool(target.device),
+        subset=Subset(frozenset(), shared),
+    )
 
 
 def build_skip_draft(target, skip):
@@ -161,19 +179,22 @@ def build_skip_draft(target, skip):
     n = len(target_layers(target))
     skip = sorted(set(int(i) for i in skip))
     if not skip:
-        raise SelfDraftError("--draft self: every target layer is resident and no layer is left out, so the "
-                             "draft would be the target itself; fix: leave layers out, or pass a small --draft DIR")
+        raise SelfDraftError(
+            "--draft self: every target layer is resident and no layer is left out, so the "
+            "draft would be the target itself; fix: leave layers out, or pass a small --draft DIR"
+        )
     if skip[0] < 0 or skip[-1] >= n or len(skip) >= n:
-        raise SelfDraftError(f"--draft self: the layers to leave out ({skip}) must be some of the {n} layers "
-                             f"0-{n - 1}, not all of them")
+        raise SelfDraftError(
+            f"--draft self: the layers to leave out ({skip}) must be some of the {n} layers 0-{n - 1}, not all of them"
+        )
     layers = [PassThrough() if i in skip else layer for i, layer in enumerate(target_layers(target))]
     if getattr(target, "plan", None) is None:
         draft = _hf_view(target, layers)
     else:
         draft = skeleton(target)
         for i, layer in enumerate(layers):
-            draft.layers[i] = layer   # the target's module (bound once, resident) or a pass-through
-        draft.lean = LeanStack.build(draft)   # the kept layers in one C call, where the target has one
+            draft.layers[i] = layer  # the target's module (bound once, resident) or a pass-through
+        draft.lean = LeanStack.build(draft)  # the kept layers in one C call, where the target has one
     draft.substituted, draft.substitute_bits, draft.skipped = [], LAYER_SKIP, skip
     return draft
 
@@ -189,14 +210,14 @@ def _hf_view(target, layers):
     import copy
 
     draft = copy.copy(target)
-    draft._modules = dict(target._modules)   # nn.Module keeps submodules here: a dict of its own
+    draft._modules = dict(target._modules)  # nn.Module keeps submodules here: a dict of its own
     inner = copy.copy(target.model)
     inner._modules = dict(target.model._modules)
     inner.layers = nn.ModuleList(layers)
     draft.model = inner
     from offload.stream.devmem import DevicePool
 
-    draft.pool = DevicePool(target.device)   # counts nothing: no device bytes of its own
+    draft.pool = DevicePool(target.device)  # counts nothing: no device bytes of its own
     return draft
 
 
@@ -206,7 +227,7 @@ def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progr
 
     ck = getattr(target, "checkpoint", None)
     if ck is not None and Path(ck.path) == Path(source):
-        source = ck                      # the target's opened checkpoint: not opened again
+        source = ck  # the target's opened checkpoint: not opened again
     cache = ensure_lowbit_layers(source, layers, bits, progress)
     draft = skeleton(target, source)
     for i in layers:
@@ -221,7 +242,11 @@ def substitute_bytes(draft) -> int:
 
 def shares_with(draft, target) -> bool:
     """True when every module the draft should borrow is the target's own object."""
-    same = [draft.embed_tokens is target.embed_tokens, draft.norm is target.norm,
-            draft.lm_head is target.lm_head, draft.rotary_emb is target.rotary_emb]
+    same = [
+        draft.embed_tokens is target.embed_tokens,
+        draft.norm is target.norm,
+        draft.lm_head is target.lm_head,
+        draft.rotary_emb is target.rotary_emb,
+    ]
     same += [draft.layers[i] is target.layers[i] for i in target.plan.resident]
     return all(same)

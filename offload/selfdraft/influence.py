@@ -36,7 +36,7 @@ CALIBRATION = (
     "The river rose through the night, and by morning the lower fields were under water. The farmers "
     "moved the animals to the ridge, counted what they had lost, and began again, as their parents had.\n\n"
     "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
-    "    \"\"\"Merge two ascending lists into one ascending list.\"\"\"\n"
+    '    """Merge two ascending lists into one ascending list."""\n'
     "    out, i, j = [], 0, 0\n"
     "    while i < len(a) and j < len(b):\n"
     "        if a[i] <= b[j]:\n"
@@ -49,8 +49,8 @@ CALIBRATION = (
     "In 1905 Einstein published four papers: on the photoelectric effect, Brownian motion, special "
     "relativity and the equivalence of mass and energy, E = mc^2.\n"
 )
-MAX_TOKENS = 256   # one pass over at most this many calibration tokens
-VERSION = 1        # bump when CALIBRATION or the measure changes: stored figures then no longer apply
+MAX_TOKENS = 256  # one pass over at most this many calibration tokens
+VERSION = 1  # bump when CALIBRATION or the measure changes: stored figures then no longer apply
 
 
 def _hidden(x):
@@ -64,9 +64,10 @@ def layer_influence(model, ids: torch.Tensor) -> list[float]:
 
     def hook(i):
         def record(module, args, kwargs, output):
-            h_in = _hidden(args[0] if args else kwargs["hidden_states"])[0, 1:].float()   # (T-1, hidden)
+            h_in = _hidden(args[0] if args else kwargs["hidden_states"])[0, 1:].float()  # (T-1, hidden)
             h_out = _hidden(output)[0, 1:].float()
             sums[i] = float((1 - torch.nn.functional.cosine_similarity(h_in, h_out, dim=-1)).mean())
+
         return record
 
     handles = [layer.register_forward_hook(hook(i), with_kwargs=True) for i, layer in enumerate(model.layers)]
@@ -86,7 +87,7 @@ def skip_order(n_layers: int, influence: list[float] | None = None) -> list[int]
     from offload.selfdraft.build import skip_block
 
     order: list[int] = []
-    for k in range(1, len(inner) + 1):   # skip_block's middle block grows by one layer at a time
+    for k in range(1, len(inner) + 1):  # skip_block's middle block grows by one layer at a time
         order += sorted(set(skip_block(n_layers, k)) - set(order))
     return order
 
@@ -100,7 +101,7 @@ def rule_order(n_layers: int, rule: str, influence: list[float] | None = None) -
         raise ValueError(f"skip rule must be one of {', '.join(RULES)} (got {rule!r})")
     if rule != "alternate":
         return skip_order(n_layers, influence if rule == "influence" else None)
-    middle = skip_order(n_layers)   # middle-out
+    middle = skip_order(n_layers)  # middle-out
     return [i for i in middle if i % 2 == 1] + [i for i in middle if i % 2 == 0]
 
 

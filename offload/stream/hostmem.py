@@ -28,10 +28,10 @@ import torch
 
 from offload.errors import OffloadNotice
 
-IO_ALIGN = 4096      # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
+IO_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
 PAGE = IO_ALIGN
-ARENA_ALIGN = 256    # every tensor in a slot, arena or pool buffer starts on this boundary
-CUDA_HOST_REGISTER_PORTABLE = 1    # cudaHostRegisterPortable: pinned for every CUDA context
+ARENA_ALIGN = 256  # every tensor in a slot, arena or pool buffer starts on this boundary
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
 def align_up(n: int, a: int) -> int:
@@ -45,7 +45,7 @@ def aligned_empty(nbytes: int, align: int = PAGE) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
     raw = torch.empty(nbytes + align, dtype=torch.uint8)
     skip = -raw.data_ptr() % align
-    return raw[skip:skip + nbytes]
+    return raw[skip : skip + nbytes]
 
 
 def clear_cuda_error() -> None:
@@ -65,10 +65,10 @@ def clear_cuda_error() -> None:
 
 
 def _probe_launch() -> None:
-    torch.zeros(1, device="cuda")   # a fill kernel: its launch check reads cudaGetLastError
+    torch.zeros(1, device="cuda")  # a fill kernel: its launch check reads cudaGetLastError
 
 
-_STILL_PINNED: list = []   # buffers whose cudaHostUnregister failed: never unmapped while maybe registered
+_STILL_PINNED: list = []  # buffers whose cudaHostUnregister failed: never unmapped while maybe registered
 
 
 def _unregister(entries: list, failures: list | None = None) -> None:
@@ -90,9 +90,9 @@ class HostPins:
 
     def __init__(self, device: torch.device):
         self.enabled = torch.device(device).type == "cuda" and torch.cuda.is_available()
-        self._entries: list[tuple[int, torch.Tensor]] = []   # (pointer, buffer kept alive until unpinned)
+        self._entries: list[tuple[int, torch.Tensor]] = []  # (pointer, buffer kept alive until unpinned)
         self._finalizer = None
-        self.failures: list[str] = []                       # one line per region left pageable
+        self.failures: list[str] = []  # one line per region left pageable
 
     def attach(self, owner) -> None:
         """Unpin when `owner` is garbage-collected, should nobody call `release()`."""
@@ -115,8 +115,9 @@ class HostPins:
         rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), CUDA_HOST_REGISTER_PORTABLE))
         if rc != 0:
             clear_cuda_error()
-            self.failures.append(f"could not pin {buf.numel() / 2**30:.1f} GiB of host memory for {what} "
-                                 f"(cudaError {rc})")
+            self.failures.append(
+                f"could not pin {buf.numel() / 2**30:.1f} GiB of host memory for {what} (cudaError {rc})"
+            )
             return False
         self._entries.append((buf.data_ptr(), buf))
         return True
@@ -128,5 +129,8 @@ class HostPins:
             before = len(self.failures)
             _unregister(self._entries, self.failures)
             if len(self.failures) > before:
-                warnings.warn(f"offload: {self.failures[-1]}; that memory stays allocated until the process exits",
-                              OffloadNotice, stacklevel=2)
+                warnings.warn(
+                    f"offload: {self.failures[-1]}; that memory stays allocated until the process exits",
+                    OffloadNotice,
+                    stacklevel=2,
+                )

@@ -18,41 +18,41 @@ Resident layers of a packed checkpoint named in `plan.dense` are dequantized onc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
-from offload.errors import OffloadError
 from offload.arch.attention import release as release_masks
-from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
 from offload.arch.families import Family, apply_final_softcap, causal_lm_class, window_mask
-from offload.stream.leanstack import LeanStack
-from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
-from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
-from offload.stream.placement import OffloadPlan
-from offload.stream.prefetch import Prefetcher
-from offload.quant.quant_cache import ensure_nf4_cache
+from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
+from offload.errors import OffloadError
 from offload.formats import Checkpoint, open_checkpoint
 from offload.formats.qlinear import swap_packed_linears
 from offload.quant.dense import densify
+from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
+from offload.quant.quant_cache import ensure_nf4_cache
+from offload.stream.leanstack import LeanStack
+from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
+from offload.stream.placement import OffloadPlan
+from offload.stream.prefetch import Prefetcher
 
 
 @dataclass
 class OffloadStats:
     passes: int = 0
-    streamed_bytes: int = 0             # bytes of streamed layers moved (file bytes read for disk), all passes
-    streamed_bytes_per_pass: int = 0    # of the last pass
-    io_seconds: float = 0.0             # time the read thread spent producing layers (all passes)
-    wait_seconds: float = 0.0           # = stall_seconds (kept for older readers)
-    stall_seconds: float = 0.0          # time compute blocked waiting for a streamed layer, all passes
-    last_pass_stall_seconds: float = 0.0   # of the last pass
-    link_busy_seconds: float = 0.0      # time the link stage moved bytes, all passes and between them
+    streamed_bytes: int = 0  # bytes of streamed layers moved (file bytes read for disk), all passes
+    streamed_bytes_per_pass: int = 0  # of the last pass
+    io_seconds: float = 0.0  # time the read thread spent producing layers (all passes)
+    wait_seconds: float = 0.0  # = stall_seconds (kept for older readers)
+    stall_seconds: float = 0.0  # time compute blocked waiting for a streamed layer, all passes
+    last_pass_stall_seconds: float = 0.0  # of the last pass
+    link_busy_seconds: float = 0.0  # time the link stage moved bytes, all passes and between them
     last_pass_seconds: float = 0.0
 
 
-PACKED_FORMATS = ("awq", "gptq", "compressed-tensors", "gguf")   # streamed as stored, dequantized per pass
+PACKED_FORMATS = ("awq", "gptq", "compressed-tensors", "gguf")  # streamed as stored, dequantized per pass
 
 
 def _with_attn(config):
@@ -62,38 +62,65 @@ def _with_attn(config):
 
 
 class OffloadedCausalLM(nn.Module):
-    def __init__(self, config, device: torch.device, dtype: torch.dtype, hf: nn.Module, w: LoadedWeights,
-                 slots: int, packing: str = "standard"):
+    def __init__(
+        self,
+        config,
+        device: torch.device,
+        dtype: torch.dtype,
+        hf: nn.Module,
+        w: LoadedWeights,
+        slots: int,
+        packing: str = "standard",
+    ):
         super().__init__()
-        self.packing = packing                 # byte layout of the checkpoint's packed 4-bit weights
+        self.packing = packing  # byte layout of the checkpoint's packed 4-bit weights
         self.config, self.device, self.dtype = config, device, dtype
         self.family = Family.of(config)
         self.embed_tokens, self.norm, self.lm_head = w.embed, w.norm, w.lm_head
         self.rotary_emb = w.rotary
-        self.layers = hf.model.layers          # meta-device HF decoder layers, re-bound per pass
+        self.layers = hf.model.layers  # meta-device HF decoder layers, re-bound per pass
         self.plan: OffloadPlan = w.plan
         self.pool, self.store = w.pool, w.store
         self.stats = OffloadStats()
-        self.compute_hook: Callable[[int], None] | None = None   # test hook, after each layer
+        self.compute_hook: Callable[[int], None] | None = None  # test hook, after each layer
         self._bindings = [self._binding_table(layer) for layer in self.layers]
         for i, (buf, layout) in [*w.pinned.items(), *w.resident.items()]:
             self._bind(i, buf, layout)
-        for i in self.plan.dense:   # resident packed linears: dequantized once, counted in the pool
+        for i in self.plan.dense:  # resident packed linears: dequantized once, counted in the pool
             densify(self.layers[i], self.pool)
         for i, states in w.qstates.items():
             for name, state in states.items():
                 self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
         self._prelay_cpu(w)
-        self.prefetcher = Prefetcher(self.plan.streamed, self.store.read, self.store.copy, self.store.slots,
-                                     self.store.host_slots, device, is_free=self.store.is_free)
-        self.lean = LeanStack.build(self)   # every layer in one C call for small passes, where it applies
+        self.prefetcher = Prefetcher(
+            self.plan.streamed,
+            self.store.read,
+            self.store.copy,
+            self.store.slots,
+            self.store.host_slots,
+            device,
+            is_free=self.store.is_free,
+        )
+        self.lean = LeanStack.build(self)  # every layer in one C call for small passes, where it applies
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, offload="auto",
-                        max_device_memory: int | None = None, max_host_memory: int | None = None,
-                        slots: int = 2, progress: Callable[[int, int, str], None] | None = None,
-                        host_slots: int | None = None, staging_bytes: int | None = None,
-                        memplan=None, pool=None, subset=None, nf4_compute: torch.dtype | None = None):
+    def from_pretrained(
+        cls,
+        path,
+        device="cpu",
+        dtype=torch.float32,
+        offload="auto",
+        max_device_memory: int | None = None,
+        max_host_memory: int | None = None,
+        slots: int = 2,
+        progress: Callable[[int, int, str], None] | None = None,
+        host_slots: int | None = None,
+        staging_bytes: int | None = None,
+        memplan=None,
+        pool=None,
+        subset=None,
+        nf4_compute: torch.dtype | None = None,
+    ):
         """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB).
         `memplan`: an offload.planning.memplan.MemoryPlan fixing placement and embeddings (else the budgets
         decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte;
@@ -104,18 +131,22 @@ class OffloadedCausalLM(nn.Module):
             device = torch.device("cuda", torch.cuda.current_device())
         if offload not in ("none", "ram", "disk", "auto"):
             raise OffloadError(f"offload must be none, ram, disk or auto, got {offload!r}")
-        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)   # opened (validated) once
+        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)  # opened (validated) once
         if _wants_nf4(dtype) and ckpt.format in PACKED_FORMATS:
-            raise OffloadError(f"{ckpt.path}: already a 4-bit {ckpt.format} checkpoint; drop --dtype nf4 (its "
-                               "weights stream as stored) or point at a 16-bit checkpoint")
+            raise OffloadError(
+                f"{ckpt.path}: already a 4-bit {ckpt.format} checkpoint; drop --dtype nf4 (its "
+                "weights stream as stored) or point at a 16-bit checkpoint"
+            )
         if _wants_nf4(dtype) and ckpt.format != "bnb-nf4":
             # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
             ckpt = open_checkpoint(ensure_nf4_cache(ckpt, progress=progress, packing=packing_for(device)))
         path, config = ckpt.path, _with_attn(ckpt.hf_config)
         packing = getattr(config, "specx_packing", "standard")
         if packing != "standard" and packing != packing_for(device):
-            raise OffloadError(f"{path}: its 4-bit bytes are packed for {packing} and cannot compute on {device}; "
-                               "load the 16-bit source with --dtype nf4 (specx builds the cache it needs)")
+            raise OffloadError(
+                f"{path}: its 4-bit bytes are packed for {packing} and cannot compute on {device}; "
+                "load the 16-bit source with --dtype nf4 (specx builds the cache it needs)"
+            )
         storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
         if nf4 and nf4_compute is not None:
             storage_dtype = compute_dtype = nf4_compute
@@ -124,19 +155,36 @@ class OffloadedCausalLM(nn.Module):
             with torch.device("meta"):
                 hf = causal_lm_class(config)(config)
         except (RuntimeError, ValueError, TypeError, ArithmeticError) as exc:  # impossible sizes in config.json
-            raise OffloadError(f"{path / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
-                               f"{str(exc)[:100]}); fix or re-download it") from None
+            raise OffloadError(
+                f"{path / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
+                f"{str(exc)[:100]}); fix or re-download it"
+            ) from None
         if nf4:
             _swap_nf4_linears(hf.model.layers, compute_dtype, lambda name: f"model.{name}.weight" in ckpt.packed)
         elif ckpt.packed:
             swap_packed_linears(hf.model.layers, ckpt, compute_dtype)
-        w = load_weights(ckpt, config, hf, device, storage_dtype, compute_dtype, nf4, offload,
-                         max_device_memory, max_host_memory, slots, progress,
-                         host_slots=host_slots, staging_bytes=staging_bytes, memplan=memplan, pool=pool,
-                         subset=subset)
+        w = load_weights(
+            ckpt,
+            config,
+            hf,
+            device,
+            storage_dtype,
+            compute_dtype,
+            nf4,
+            offload,
+            max_device_memory,
+            max_host_memory,
+            slots,
+            progress,
+            host_slots=host_slots,
+            staging_bytes=staging_bytes,
+            memplan=memplan,
+            pool=pool,
+            subset=subset,
+        )
         model = cls(config, device, compute_dtype, hf, w, slots, packing)
-        model.source = path   # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
-        model.checkpoint = ckpt   # its opened Checkpoint (formats.base)
+        model.source = path  # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
+        model.checkpoint = ckpt  # its opened Checkpoint (formats.base)
         return model
 
     @property
@@ -152,8 +200,10 @@ class OffloadedCausalLM(nn.Module):
         A cache packed for this kernel (CPU_PACKING) already stores them so: nothing moves."""
         if self.device.type != "cpu":
             return
-        self._relayout = {i: [(n, tuple(s.shape)) for n, s in states.items() if needs_cpu_layout(s)]
-                          for i, states in w.qstates.items()}
+        self._relayout = {
+            i: [(n, tuple(s.shape)) for n, s in states.items() if needs_cpu_layout(s)]
+            for i, states in w.qstates.items()
+        }
         if not any(self._relayout.values()):
             return
         for i, names in self._relayout.items():
@@ -199,8 +249,9 @@ class OffloadedCausalLM(nn.Module):
             k_len = attention_mask.shape[-1]
             q_pos = position_ids[0]
             past = torch.arange(k_len - q_pos.numel(), device=q_pos.device)
-            masks["sliding_attention"] = window_mask(attention_mask, q_pos, torch.cat([past, q_pos]),
-                                                     self.family.sliding_window)
+            masks["sliding_attention"] = window_mask(
+                attention_mask, q_pos, torch.cat([past, q_pos]), self.family.sliding_window
+            )
         return masks
 
     def _layer_types(self) -> list[str]:
@@ -219,13 +270,22 @@ class OffloadedCausalLM(nn.Module):
             self._bind(i, buf, self.store.layout(i))
             self.stats.streamed_bytes_per_pass += self.store.link_bytes(i)
             yield i
-        for _ in streamed:   # resume once more: releases the last slot, queues the next pass
+        for _ in streamed:  # resume once more: releases the last slot, queues the next pass
             raise AssertionError("prefetcher yielded more layers than the plan streams")
 
     @torch.no_grad()
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                use_cache=None, inputs_embeds=None, logits_to_keep: int = 0, past_key_values=None,
-                **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=None,
+        inputs_embeds=None,
+        logits_to_keep: int = 0,
+        past_key_values=None,
+        **kwargs,
+    ):
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -241,12 +301,17 @@ class OffloadedCausalLM(nn.Module):
         pos_emb = self.rotary_emb(h, position_ids)
         self.stats.streamed_bytes_per_pass = 0
         stall0 = self.prefetcher.stall_seconds
-        stacked = (self.lean is not None and use_cache and not kwargs and self.compute_hook is None
-                   and self.lean.serves(h, attention_mask, past_key_values))
-        if stacked and self.lean.streamed:   # layer by layer as each streamed one is bound, one C call each
+        stacked = (
+            self.lean is not None
+            and use_cache
+            and not kwargs
+            and self.compute_hook is None
+            and self.lean.serves(h, attention_mask, past_key_values)
+        )
+        if stacked and self.lean.streamed:  # layer by layer as each streamed one is bound, one C call each
             h = self.lean.stream(h, pos_emb, attention_mask, past_key_values, self._layer_stream(), self.layers)
         elif stacked:
-            h = self.lean(h, pos_emb, attention_mask, past_key_values)   # no layer is streamed: nothing to pull
+            h = self.lean(h, pos_emb, attention_mask, past_key_values)  # no layer is streamed: nothing to pull
         else:
             h = self._layers(h, attention_mask, past_key_values, position_ids, given, pos_emb, use_cache, kwargs)
         h = self.norm(h)
@@ -254,10 +319,9 @@ class OffloadedCausalLM(nn.Module):
             h = h[:, -logits_to_keep:]
         head = self.lean.head(self.lm_head, h) if stacked else self.lm_head(h)
         logits = apply_final_softcap(head, self.family.final_softcap)
-        release_masks()   # the masks attention prepared for this pass (arch/attention.py) die with it
+        release_masks()  # the masks attention prepared for this pass (arch/attention.py) die with it
         self._account(t0, stall0)
-        return CausalLMOutputWithPast(logits=logits,
-                                      **output_cache_kwargs(CausalLMOutputWithPast, past_key_values))
+        return CausalLMOutputWithPast(logits=logits, **output_cache_kwargs(CausalLMOutputWithPast, past_key_values))
 
     def _layers(self, h, attention_mask, cache, position_ids, given, pos_emb, use_cache, kwargs):
         """The decoder layers as HF runs them, streamed ones pulled from the prefetcher in order."""
@@ -267,8 +331,15 @@ class OffloadedCausalLM(nn.Module):
         types = self._layer_types()
         cache_kw = cache_kwargs(type(self.layers[0]), cache)
         for i in self._layer_stream():
-            h = self.layers[i](h, attention_mask=masks[types[i]], position_ids=position_ids,
-                               use_cache=use_cache, position_embeddings=pos_emb, **cache_kw, **kwargs)
+            h = self.layers[i](
+                h,
+                attention_mask=masks[types[i]],
+                position_ids=position_ids,
+                use_cache=use_cache,
+                position_embeddings=pos_emb,
+                **cache_kw,
+                **kwargs,
+            )
             if self.compute_hook is not None:
                 self.compute_hook(i)
         return h

@@ -51,8 +51,14 @@ def forward_many(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
 
 def _plain(model, job: ForwardJob) -> torch.Tensor:
     with torch.inference_mode():
-        out = model(input_ids=job.ids[None], position_ids=job.positions[None], attention_mask=job.mask,
-                    use_cache=True, logits_to_keep=1 if job.last_only else 0, **cache_kwargs(model, job.cache))
+        out = model(
+            input_ids=job.ids[None],
+            position_ids=job.positions[None],
+            attention_mask=job.mask,
+            use_cache=True,
+            logits_to_keep=1 if job.last_only else 0,
+            **cache_kwargs(model, job.cache),
+        )
     return out.logits[0]
 
 
@@ -70,11 +76,17 @@ class _Lane:
 def _layers(model, lanes: list[_Lane]) -> None:
     """Each decoder layer once, in order (streamed ones from the prefetcher): every lane through it."""
     types = model._layer_types()
-    for i in model._layer_stream():   # layer i's weights are bound now: every sequence uses them
+    for i in model._layer_stream():  # layer i's weights are bound now: every sequence uses them
         layer = model.layers[i]
         for lane in lanes:
-            lane.h = layer(lane.h, attention_mask=lane.masks[types[i]], position_ids=lane.position_ids,
-                           use_cache=True, position_embeddings=lane.pos_emb, **lane.cache_kw)
+            lane.h = layer(
+                lane.h,
+                attention_mask=lane.masks[types[i]],
+                position_ids=lane.position_ids,
+                use_cache=True,
+                position_embeddings=lane.pos_emb,
+                **lane.cache_kw,
+            )
         if model.compute_hook is not None:
             model.compute_hook(i)
 
@@ -84,34 +96,41 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
     """The OffloadedCausalLM.forward steps, with the per-layer step run for every job in turn; the jobs
     the one-call stack serves run through it together, in one call, and through the head together."""
     t0 = time.perf_counter()
-    lanes, layered, stacked = [], [], []   # every job's lane; those run layer by layer; those on the stack
+    lanes, layered, stacked = [], [], []  # every job's lane; those run layer by layer; those on the stack
     stack = getattr(model, "lean", None) if model.compute_hook is None else None
-    stack = None if stack is not None and stack.streamed else stack   # its streamed layers: per pass (forward)
+    stack = None if stack is not None and stack.streamed else stack  # its streamed layers: per pass (forward)
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
     for job in jobs:
-        h = model.embed_tokens(job.ids[None])   # (1, T, hidden) on the device
+        h = model.embed_tokens(job.ids[None])  # (1, T, hidden) on the device
         pos = job.positions[None]
         if stack is not None and stack.serves(h, job.mask, job.cache):
             lanes.append(_Lane(h, None, model.rotary_emb(h, pos), pos, {}))
             stacked.append((len(lanes) - 1, job))
             continue
-        lanes.append(_Lane(h, model._masks(h, job.mask, job.cache, pos, pos), model.rotary_emb(h, pos), pos,
-                           cache_kwargs(type(model.layers[0]), job.cache)))
+        lanes.append(
+            _Lane(
+                h,
+                model._masks(h, job.mask, job.cache, pos, pos),
+                model.rotary_emb(h, pos),
+                pos,
+                cache_kwargs(type(model.layers[0]), job.cache),
+            )
+        )
         layered.append(lanes[-1])
     groups = _calls(stacked)
-    for group in groups:   # one-token jobs in one call: the packed weights read once for all
+    for group in groups:  # one-token jobs in one call: the packed weights read once for all
         outs = stack.run([(lanes[i].h, lanes[i].pos_emb, job.mask, job.cache) for i, job in group])
         for (i, _), h in zip(group, outs):
             lanes[i].h = h
-    if layered or model.plan.streamed:   # a model with a stack streams nothing: no pass to pull
+    if layered or model.plan.streamed:  # a model with a stack streams nothing: no pass to pull
         _layers(model, layered)
     out = [None] * len(jobs)
     for i, (lane, job) in enumerate(zip(lanes, jobs)):
         if lane.masks is not None:
             out[i] = _logits(model, model.lm_head(_final(model, lane.h, job)))
-    for group in groups:   # through the head the same way (each row as alone when grouped)
-        rows = [_final(model, lanes[i].h, job)[0] for i, job in group]   # normed per job, as alone
+    for group in groups:  # through the head the same way (each row as alone when grouped)
+        rows = [_final(model, lanes[i].h, job)[0] for i, job in group]  # normed per job, as alone
         head = stack.head(model.lm_head, torch.cat(rows)[None], rowwise=len(group) > 1)
         for (i, _), lg in zip(group, _logits(model, head).split([len(r) for r in rows])):
             out[i] = lg

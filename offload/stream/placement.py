@@ -29,7 +29,7 @@ class OffloadPlan:
     device_bytes: int
     direct_io: bool | None = None  # set once the disk reader knows whether O_DIRECT works
     notes: list[str] = field(default_factory=list)
-    dense: list[int] = field(default_factory=list)   # resident layers whose packed linears are dequantized once
+    dense: list[int] = field(default_factory=list)  # resident layers whose packed linears are dequantized once
 
     @property
     def tier(self) -> str:
@@ -62,11 +62,7 @@ class OffloadPlan:
 
 
 def plan_offload(
-    layer_bytes: list[int],
-    max_device_memory: int | None,
-    max_host_memory: int | None,
-    free_ram: int,
-    slots: int = 2,
+    layer_bytes: list[int], max_device_memory: int | None, max_host_memory: int | None, free_ram: int, slots: int = 2
 ) -> OffloadPlan:
     """Place layers: resident prefix within the device budget, then RAM, then disk."""
     if slots < 1:
@@ -91,7 +87,12 @@ def plan_offload(
     disk_layers = [i for i in streamed if i not in set(ram_layers)]
     slot_bytes = max((layer_bytes[i] for i in streamed), default=0)
     return OffloadPlan(
-        resident=resident, streamed=streamed, ram_layers=ram_layers, disk_layers=disk_layers,
-        layer_bytes=list(layer_bytes), slots=slots, host_bytes=host,
+        resident=resident,
+        streamed=streamed,
+        ram_layers=ram_layers,
+        disk_layers=disk_layers,
+        layer_bytes=list(layer_bytes),
+        slots=slots,
+        host_bytes=host,
         device_bytes=used + (slots * slot_bytes if streamed else 0),
     )

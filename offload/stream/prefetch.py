@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator
 
 import torch
 
@@ -50,42 +50,49 @@ def _done(value) -> Future:
 
 
 class Prefetcher:
-    def __init__(self, order: list[int], read: Callable[[int, int], torch.Tensor],
-                 copy: Callable[[int, torch.Tensor, int], torch.Tensor] | None, slots: int,
-                 host_slots: int | None, device: torch.device,
-                 is_free: Callable[[int], bool] | None = None):
+    def __init__(
+        self,
+        order: list[int],
+        read: Callable[[int, int], torch.Tensor],
+        copy: Callable[[int, torch.Tensor, int], torch.Tensor] | None,
+        slots: int,
+        host_slots: int | None,
+        device: torch.device,
+        is_free: Callable[[int], bool] | None = None,
+    ):
         self.order, self.read, self.copy, self.device = list(order), read, copy, device
         n = max(1, len(self.order))
         self.cuda = device.type == "cuda"
-        self.slots = max(1, min(slots, n))                              # device slots (D)
+        self.slots = max(1, min(slots, n))  # device slots (D)
         self.host_slots = max(self.slots, min(host_slots or slots, n))  # host staging slots (H >= D)
         self.is_free = is_free
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self.free_events: list = [None] * self.slots   # CUDA: compute released device slot d
-        self.jobs_a: dict[int, tuple[int, Future]] = {}   # seq -> (pass id, read future)
-        self.jobs_b: dict[int, tuple[int, Future]] = {}   # seq -> (pass id, copy future), CUDA
-        self.host_owner: dict[int, Future] = {}           # host slot -> copy future of its last layer
-        self.pass_id = 1        # id of the pass that consumes seqs [start, start + len(order))
+        self.free_events: list = [None] * self.slots  # CUDA: compute released device slot d
+        self.jobs_a: dict[int, tuple[int, Future]] = {}  # seq -> (pass id, read future)
+        self.jobs_b: dict[int, tuple[int, Future]] = {}  # seq -> (pass id, copy future), CUDA
+        self.host_owner: dict[int, Future] = {}  # host slot -> copy future of its last layer
+        self.pass_id = 1  # id of the pass that consumes seqs [start, start + len(order))
         self.start = 0
-        self.started = False    # has pass `pass_id` begun?
+        self.started = False  # has pass `pass_id` begun?
         self.completed = False  # ... and did it release its last layer?
-        self.next_a = self.next_b = 0   # next seq to submit to each stage
+        self.next_a = self.next_b = 0  # next seq to submit to each stage
         self.stall_seconds = 0.0
         self._busy_lock = threading.Lock()
-        self._busy_done = 0.0          # completed link time (CPU: read jobs)
-        self._busy_t0: float | None = None   # start of the read job now running (CPU)
-        self._timed: list = []         # CUDA: (start, end) events of issued copies
+        self._busy_done = 0.0  # completed link time (CPU: read jobs)
+        self._busy_t0: float | None = None  # start of the read job now running (CPU)
+        self._timed: list = []  # CUDA: (start, end) events of issued copies
         workers = 1 if order else 0
         self._pool_a = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-read") if workers else None
-        self._pool_b = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
-                        if workers and self.cuda else None)
+        self._pool_b = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy") if workers and self.cuda else None
+        )
 
     # ------------------------------------------------------------ jobs (background threads)
 
     def _job_a(self, layer: int, h: int, prev_copy: Future | None) -> torch.Tensor:
-        if prev_copy is not None:    # CUDA: host slot h still feeds the copy of seq j - host_slots
+        if prev_copy is not None:  # CUDA: host slot h still feeds the copy of seq j - host_slots
             _, ready = prev_copy.result()
-            ready.synchronize()      # waits for that one copy only, on this thread
+            ready.synchronize()  # waits for that one copy only, on this thread
         with self._busy_lock:
             self._busy_t0 = time.perf_counter()
         try:
@@ -117,7 +124,7 @@ class Prefetcher:
     def _submit_a(self, seq: int) -> None:
         layer, h = self.order[(seq - self.start) % len(self.order)], seq % self.host_slots
         if self.is_free is not None and self.is_free(layer):
-            fut = _done(self.read(layer, h))   # nothing to move: no thread hop
+            fut = _done(self.read(layer, h))  # nothing to move: no thread hop
         else:
             fut = self._pool_a.submit(self._job_a, layer, h, self.host_owner.get(h) if self.cuda else None)
         self.jobs_a[seq] = (self._tag(seq), fut)
@@ -160,7 +167,7 @@ class Prefetcher:
     def _release(self, seq: int, buf: torch.Tensor) -> None:
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
-            ev = torch.cuda.Event()     # the copy into this slot after the next ring turn waits on it
+            ev = torch.cuda.Event()  # the copy into this slot after the next ring turn waits on it
             ev.record(stream)
             self.free_events[seq % self.slots] = ev
 
@@ -176,12 +183,12 @@ class Prefetcher:
     def pass_(self) -> Iterator[tuple[int, torch.Tensor]]:
         if not self.order:
             return
-        if self.started:                      # the previous pass ran (to its end or not)
+        if self.started:  # the previous pass ran (to its end or not)
             self.pass_id += 1
             self.start += len(self.order)
         self.started, self.completed = True, False
         stale = [seq for seq, (tag, _) in (*self.jobs_a.items(), *self.jobs_b.items()) if tag != self.pass_id]
-        if stale:                             # left by a pass abandoned halfway: never hand them out
+        if stale:  # left by a pass abandoned halfway: never hand them out
             self._drain()
             self.start = self.next_a = self.next_b = max(self.next_a, self.next_b)
         begin = self.start
@@ -192,7 +199,7 @@ class Prefetcher:
             yield layer, buf
             self._release(seq, buf)
         self.completed = True
-        self._fill(begin + len(self.order))   # the next pass's first layers, right away
+        self._fill(begin + len(self.order))  # the next pass's first layers, right away
 
     # ------------------------------------------------------------ accounting and shutdown
 
@@ -236,7 +243,7 @@ class Prefetcher:
             return
         self._drain()
         if self.copy_stream is not None:
-            self.copy_stream.synchronize()   # issued != finished: the DMA may still read host memory
+            self.copy_stream.synchronize()  # issued != finished: the DMA may still read host memory
         for pool in (self._pool_a, self._pool_b):
             if pool is not None:
                 pool.shutdown(wait=True)

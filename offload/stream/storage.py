@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError, OffloadNotice
-from offload.stream.devmem import DevicePool  # noqa: F401 (re-exported)
-from offload.stream.hostmem import ARENA_ALIGN, IO_ALIGN, HostPins, align_up, aligned_empty  # noqa: F401 (re-exported)
+from offload.stream.devmem import DevicePool
+from offload.stream.hostmem import ARENA_ALIGN, IO_ALIGN, HostPins, align_up, aligned_empty
 from offload.formats.prequant import packed_nf4_shape
 from offload.formats.base import read_exact
 from offload.formats.st_index import SafetensorsIndex, TensorEntry

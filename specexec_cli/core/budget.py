@@ -37,9 +37,9 @@ Models (all corrected online, so priors only matter for the first passes):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Callable, Iterable
 
 from offload.planning.passcost import interpolate  # log-log between measured points, one home
 from specexec_cli.core.draft import TreeShape
@@ -64,7 +64,9 @@ def candidate_budgets(max_budget: int) -> list[int]:
 
 
 def choose_budget(
-    expected: Callable[[int], float], t_draft: Callable[[int], float], t_target: Callable[[int], float],
+    expected: Callable[[int], float],
+    t_draft: Callable[[int], float],
+    t_target: Callable[[int], float],
     candidates: Iterable[int],
 ) -> tuple[int, float]:
     """argmax over candidates of expected(B) / (t_draft(B) + t_target(B + 1)); returns (B, tok/s).
@@ -75,8 +77,11 @@ def choose_budget(
 
 
 def choose_split(
-    expected: Callable[[int], float], t_draft: Callable[[int], float], t_target: Callable[[int], float],
-    lanes: int, candidates: Iterable[int],
+    expected: Callable[[int], float],
+    t_draft: Callable[[int], float],
+    t_target: Callable[[int], float],
+    lanes: int,
+    candidates: Iterable[int],
 ) -> tuple[int, float]:
     """The per-request budget b when `lanes` requests share each target pass (a forest pass):
     argmax over candidates of  lanes·E(b) / (lanes·t_draft(b) + t_target(lanes·(b + 1))),  the
@@ -110,13 +115,13 @@ class TimingModel:
     source: str = "prior"  # "profile" or "prior"
 
     @classmethod
-    def prior(cls) -> "TimingModel":
+    def prior(cls) -> TimingModel:
         """Used only without a profile and without a memory plan (module docstring)."""
         points = {n: 1.0 + n / FALLBACK_KNEE for n in (1 << k for k in range(13))}
         return cls(points, draft_step_seconds=0.05, source="prior")  # draft step ≈ 1/20 target pass
 
     @classmethod
-    def from_plan(cls, plan: dict | None) -> "TimingModel | None":
+    def from_plan(cls, plan: dict | None) -> TimingModel | None:
         """The plan's modelled pass and draft seconds per budget: `by_budget` of the candidate the run uses
         (`used`: an explicit small draft's own row) or else of its chosen one."""
         rows = ((plan or {}).get("used") or (plan or {}).get("choice") or {}).get("by_budget") or []
@@ -131,8 +136,9 @@ class TimingModel:
         return cls(target, step, draft, source="plan")
 
     @classmethod
-    def from_profile(cls, profile: dict, draft: str | None = None, planned: "TimingModel | None" = None
-                     ) -> "TimingModel | None":
+    def from_profile(
+        cls, profile: dict, draft: str | None = None, planned: TimingModel | None = None
+    ) -> TimingModel | None:
         """The profile's measured target passes, with the drafting times it measured for the run's draft
         (`draft`: "self-N", or "small:PATH" for the small draft at that resolved path; None: the first draft
         it timed). A draft the profile did not time is priced by `planned` (the plan's model), never by
@@ -163,7 +169,7 @@ def _draft_timing(m: dict, draft: str | None) -> tuple[float, dict[int, float]] 
         key, _, path = draft.partition(":")
         t = (m.get("draft_timings") or {}).get(key) or {}
         if path and str(Path(m.get("draft") or "").expanduser().resolve()) != path:
-            t = {}   # the profile timed another small draft
+            t = {}  # the profile timed another small draft
         step, grow = t.get("step_seconds"), t.get("grow_seconds")
     return (float(step), {int(k): float(v) for k, v in (grow or {}).items()}) if step else None
 
@@ -191,7 +197,7 @@ class LiveConfig(GenerationConfig):
         object.__setattr__(self, "_holder", ShapeHolder(value))
 
     @classmethod
-    def wrap(cls, cfg: GenerationConfig, holder: ShapeHolder) -> "LiveConfig":
+    def wrap(cls, cfg: GenerationConfig, holder: ShapeHolder) -> LiveConfig:
         live = cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init})
         object.__setattr__(live, "_holder", holder)
         return live
@@ -200,8 +206,14 @@ class LiveConfig(GenerationConfig):
 class BudgetTuner:
     """Online statistics → budget/depth; `drive` wraps engine.generate (see module docstring)."""
 
-    def __init__(self, timing: TimingModel, shape: TreeShape, max_budget: int = 1024, retune_every: int = 8,
-                 max_depth: int | None = None):
+    def __init__(
+        self,
+        timing: TimingModel,
+        shape: TreeShape,
+        max_budget: int = 1024,
+        retune_every: int = 8,
+        max_depth: int | None = None,
+    ):
         self.timing = timing
         self.max_budget = max_budget
         self.depth_cap = max_depth or shape.max_depth  # the user's --max-depth is an upper bound
@@ -287,8 +299,7 @@ class BudgetTuner:
 
     def probe(self) -> None:
         """Back to the best tree for the next `retune_every` passes, which measure it again."""
-        budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target,
-                                  candidate_budgets(self.max_budget))
+        budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, candidate_budgets(self.max_budget))
         self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
 
     def split(self, lanes: int) -> TreeShape:
@@ -306,7 +317,7 @@ class BudgetTuner:
         the tokens its target pass verified (a forest pass: every request's tree; default its own)."""
         if ev.pass_index == 0:
             return
-        if ev.tree_size == 0:   # a plain pass: its seconds are t_target(1)
+        if ev.tree_size == 0:  # a plain pass: its seconds are t_target(1)
             rec = self.target_obs.setdefault(1, [0, 0.0])
             rec[0], rec[1] = rec[0] + 1, rec[1] + ev.target_seconds
             self.plain_passes += 1
@@ -321,8 +332,10 @@ class BudgetTuner:
         rec = self.by_budget.setdefault(b, [0, 0.0])
         rec[0], rec[1] = rec[0] + 1, rec[1] + tokens
         self.accepted_hist[ev.accepted] = self.accepted_hist.get(ev.accepted, 0) + 1
-        for store, key, secs in ((self.target_obs, n_bin(pass_tokens or ev.tree_size + 1), ev.target_seconds),
-                                 (self.draft_obs, b, ev.draft_seconds)):
+        for store, key, secs in (
+            (self.target_obs, n_bin(pass_tokens or ev.tree_size + 1), ev.target_seconds),
+            (self.draft_obs, b, ev.draft_seconds),
+        ):
             rec = store.setdefault(key, [0, 0.0])
             rec[0], rec[1] = rec[0] + 1, rec[1] + secs
         if self.passes % self.retune_every == 0 or self.passes == PLAIN_AFTER:
@@ -342,8 +355,9 @@ def weights_stream(target) -> bool:
     return bool(getattr(getattr(target, "plan", None), "streamed", None))
 
 
-def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: bool = False,
-               plan: dict | None = None) -> BudgetTuner:
+def make_tuner(
+    profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: bool = False, plan: dict | None = None
+) -> BudgetTuner:
     """A tuner from a profile's timings (if it has model timings), else the memory plan's modelled ones
     (`plan`: MemoryPlan.to_json(); capped at the largest budget it sized), else the fallback prior.
     `streamed` is kept for callers; the plan's model already knows what streams."""

@@ -126,8 +126,9 @@ def observe_pass(cal: Calibration, tree, path_nodes: list[int], tokens: list[int
 _PAIRS: dict[tuple, Calibration] = {}  # (id(target), id(draft), sampling key, constrained) → calibration
 
 
-def for_pair(target, draft, sampling_key: str, profile: str | None = None, stored: dict | None = None,
-             constrained: bool = False) -> Calibration:
+def for_pair(
+    target, draft, sampling_key: str, profile: str | None = None, stored: dict | None = None, constrained: bool = False
+) -> Calibration:
     """The process-wide calibration of this pair and sampling (`constrained`: the one of passes
     under a grammar, kept apart); the prior from `stored` (a profile's `node_calibration` dict) or
     the profile file `profile` if either has this key."""
@@ -139,7 +140,9 @@ def for_pair(target, draft, sampling_key: str, profile: str | None = None, store
 
 def fresh(target, draft, sampling_key: str) -> Calibration:
     """Start this pair's calibration over from the built-in prior (what `specx profile` measures)."""
-    _PAIRS[(id(target), id(draft), sampling_key, False)] = cal = Calibration(m0=builtin_prior(gap_features(sampling_key)))
+    _PAIRS[(id(target), id(draft), sampling_key, False)] = cal = Calibration(
+        m0=builtin_prior(gap_features(sampling_key))
+    )
     return cal
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specexec_cli.core.grammar import CompiledGrammar, pack  # noqa: F401  (pack: re-exported)
+from specexec_cli.core.grammar import CompiledGrammar, pack
 
 _BATCH = None  # xgrammar.BatchGrammarMatcher shared by all runs (its own threads)
 # Fewer rows are filled in the calling thread: waking the batch's threads costs more than it saves
@@ -102,7 +102,7 @@ class GrammarRun:
         """Walker i, made at the committed state if it does not exist yet."""
         while len(self.walkers) <= i:
             w = Walker(self.g.matcher())
-            self.accept_committed(w, self.state.ids[self.start:self.pos], self.start)
+            self.accept_committed(w, self.state.ids[self.start : self.pos], self.start)
             self.walkers.append(w)
         return self.walkers[i]
 
@@ -110,8 +110,10 @@ class GrammarRun:
         """Walker `w` (at its committed state) accepts committed `tokens` (state.ids[at:...])."""
         for i, t in enumerate(tokens):
             if not (self.g.may_hold(int(t)) and w.m.accept_token(int(t))):
-                raise GrammarDesync(f"the grammar refused committed token {int(t)} at position {at + i}: "
-                                    "structured output fell out of step (a bug; please report it)")
+                raise GrammarDesync(
+                    f"the grammar refused committed token {int(t)} at position {at + i}: "
+                    "structured output fell out of step (a bug; please report it)"
+                )
 
     def home(self, w: Walker) -> None:
         """Roll `w` back to the committed state."""
@@ -126,7 +128,7 @@ class GrammarRun:
             up.append(node)
             node = int(self.tree.parents[node])
         path = self.chains[node]
-        for n in reversed(up):   # parent first
+        for n in reversed(up):  # parent first
             path = self.chains[n] = path + (n,)
         return path
 
@@ -159,7 +161,7 @@ class GrammarRun:
         todo = [n for n in dict.fromkeys(nodes) if n not in self.rows]
         if todo:
             bits = np.zeros((len(todo), self.g.words), dtype=np.int32)
-            self.fill(todo, bits)   # dead nodes and nodes after EOS keep an all-zero row: no children
+            self.fill(todo, bits)  # dead nodes and nodes after EOS keep an all-zero row: no children
             bits &= self.keep
             self.rows.update(zip(todo, bits))
             self.stats.masks += len(todo)
@@ -170,7 +172,7 @@ class GrammarRun:
     def fill(self, todo: list[int], bits: np.ndarray) -> None:
         """bits[i] = xgrammar's mask after root -> todo[i] (left zero where dead or terminated):
         depth-first order, one walker in this thread, or LANES walkers a round at a time."""
-        order = sorted(range(len(todo)), key=lambda i: self.chain(todo[i]))   # neighbours share ancestors
+        order = sorted(range(len(todo)), key=lambda i: self.chain(todo[i]))  # neighbours share ancestors
         lanes = min(LANES, len(todo)) if len(todo) >= BATCH_MIN else 1
         if lanes == 1:
             w = self.walkers[0]
@@ -179,7 +181,7 @@ class GrammarRun:
                     w.m.fill_next_token_bitmask(bits, i)
             return
         per = -(-len(order) // lanes)
-        parts = [(self.walker(j), order[j * per:(j + 1) * per]) for j in range(lanes)]   # contiguous subtrees
+        parts = [(self.walker(j), order[j * per : (j + 1) * per]) for j in range(lanes)]  # contiguous subtrees
         for r in range(per):
             ms, rows = [], []
             for w, part in parts:
@@ -195,8 +197,10 @@ class GrammarRun:
         self.sync()
         row = self.bitmask([0])
         if not row.any():
-            raise GrammarDesync(f"the grammar allows no token of this vocabulary after {self.pos - self.start} "
-                                "reply tokens (text it requires is spelled only by special tokens)")
+            raise GrammarDesync(
+                f"the grammar allows no token of this vocabulary after {self.pos - self.start} "
+                "reply tokens (text it requires is spelled only by special tokens)"
+            )
         return row
 
     def stopped(self, nodes: list[int]) -> list[bool]:
@@ -213,7 +217,7 @@ class GrammarRun:
             while n < len(tokens) and self.g.may_hold(int(tokens[n])) and w.m.accept_token(int(tokens[n])):
                 n += 1
             if n:
-                w.m.rollback(n)   # back to `node`: the walker's path holds tree nodes only
+                w.m.rollback(n)  # back to `node`: the walker's path holds tree nodes only
         self.stats.seconds += time.perf_counter() - t0
         return n
 
@@ -226,7 +230,7 @@ class GrammarRun:
         t0 = time.perf_counter()
         for w in self.walkers:
             self.home(w)
-            self.accept_committed(w, ids[self.pos:], self.pos)
+            self.accept_committed(w, ids[self.pos :], self.pos)
         self.pos = len(ids)
         self.tree, self.chains, self.rows, self.dead = None, {0: ()}, {}, set()
         self.stats.seconds += time.perf_counter() - t0

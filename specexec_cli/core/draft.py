@@ -114,8 +114,9 @@ def proposals(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring) -> tup
     return props, torch.tensor([p[0][0] if p[0] else -1 for p in props], dtype=torch.long)
 
 
-def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None,
-                 gaps: bool = False):
+def top_children(
+    logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None, gaps: bool = False
+):
     """(B, V) device logits → host (B, k) draft log-probs and ids, and (B,) log-probs of `extra` ids.
 
     With `noise` ((B, V) coupled-draw noise rows) the ranking is by perturbed score s = log q - log E.
@@ -133,7 +134,7 @@ def top_children(logits: torch.Tensor, k: int, params: SamplingParams, extra: to
         runner_up = top.values[:, 1:2] if top.values.shape[1] > 1 else torch.full_like(values[:, :1], float("-inf"))
         values = torch.cat([values[:, :1] - runner_up, values[:, 1:] - values[:, :1]], dim=1)
     cols = [values, ids.to(values.dtype)]
-    if extra is not None:   # (B,) long on logp's device
+    if extra is not None:  # (B,) long on logp's device
         ex = logp.gather(1, extra.clamp(min=0)[:, None])
         cols.append(ex - top.values[:, :1] if gaps else ex)
     host = to_host(torch.cat(cols, dim=1))
@@ -165,12 +166,20 @@ def stage_here(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring, devic
     if scoring is not None and scoring.noise is not None:
         child_pos = tree.depth[nodes] + len(scoring.committed)
     moved = iter(upload(device, *(t for t in (first, child_pos) if t is not None)))
-    return Staged(props, first, next(moved) if first is not None else None,
-                  next(moved) if child_pos is not None else None)
+    return Staged(
+        props, first, next(moved) if first is not None else None, next(moved) if child_pos is not None else None
+    )
 
 
-def expand(tree: Tree, nodes: torch.Tensor, logits: torch.Tensor, shape: TreeShape, params, scoring=None,
-           staged: Staged | None = None) -> None:
+def expand(
+    tree: Tree,
+    nodes: torch.Tensor,
+    logits: torch.Tensor,
+    shape: TreeShape,
+    params,
+    scoring=None,
+    staged: Staged | None = None,
+) -> None:
     """Add the top children of each of `nodes` (B,) given their draft logits (B, V).
 
     `staged`: the n-gram proposals and child positions prepared with the forward's upload (None:
@@ -274,7 +283,9 @@ def add_chain(tree: Tree, node: int, chain: list[int], g: int, shape: TreeShape,
             continue
         if score <= threshold(tree, shape.budget):
             return
-        new = int(tree.add(torch.tensor([parent]), torch.tensor([tok]), score[None], torch.tensor([chain_feature(g, j)]))[0])
+        new = int(
+            tree.add(torch.tensor([parent]), torch.tensor([tok]), score[None], torch.tensor([chain_feature(g, j)]))[0]
+        )
         scoring.chain_kids.setdefault(parent, {})[tok] = new
         parent = new
 
@@ -290,8 +301,9 @@ def step_batch(tree: Tree, shape: TreeShape) -> torch.Tensor:
     return open_
 
 
-def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None,
-              grammar=None) -> Tree:
+def grow_tree(
+    draft, cache, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None, grammar=None
+) -> Tree:
     """Grow the tree; see the module docstring for the cache layout it leaves behind. grammar: a
     constrain.GrammarRun at the committed state; each expansion's draft logits are masked by its
     nodes' grammar masks (computed before the forward, staged with its upload), so every node of
@@ -326,8 +338,13 @@ def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: Samplin
         # one upload: (B,) ids, (B,) positions, (B, D) ancestor columns, (B,) own columns
         # [, (B,) proposals][, (B, W) grammar masks]
         ids, positions, anc_cols, self_cols, *extra = kvcache.stage(
-            draft, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], anc_cols, self_cols,
-            *[t for t in (first, bits) if t is not None])
+            draft,
+            tree.tokens[nodes],
+            ctx.root_pos + tree.depth[nodes],
+            anc_cols,
+            self_cols,
+            *[t for t in (first, bits) if t is not None],
+        )
         mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, device)
         logits = kvcache.forward(draft, cache, ids, positions, mask)
         tree.mark_run(nodes)
@@ -335,8 +352,9 @@ def grow_tree(draft, cache, ctx: DraftContext, shape: TreeShape, params: Samplin
     return tree
 
 
-def staged_from(props: list, first: torch.Tensor | None, extra: list, child_pos: torch.Tensor,
-                bits_host: torch.Tensor | None = None) -> Staged:
+def staged_from(
+    props: list, first: torch.Tensor | None, extra: list, child_pos: torch.Tensor, bits_host: torch.Tensor | None = None
+) -> Staged:
     """`Staged` from a forward's staged extras, in order: [first proposals][, grammar masks]."""
     moved = iter(extra)
     first_dev = next(moved) if first is not None else None

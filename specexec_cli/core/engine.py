@@ -373,7 +373,7 @@ class Request:
             new_tokens=self.produced, prompt_tokens=self.n_prompt, finish=self.finish,
             host_transfers=moved.calls, host_transfer_bytes=moved.bytes,
             prefill_streams=self.st.prefill_streams if self.pass_index == 0 else 0, logprobs=res.logprobs,
-        )  # fmt: skip
+        )
 
 
 def generate(

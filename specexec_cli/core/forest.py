@@ -46,7 +46,7 @@ from specexec_cli.core.engine import (
 )
 from specexec_cli.errors import is_oom
 
-FOREST_METHODS = ("specexec", "ar")   # methods whose step a forest runs (the others: one request at a time)
+FOREST_METHODS = ("specexec", "ar")  # methods whose step a forest runs (the others: one request at a time)
 
 
 class Lane(Request):
@@ -76,7 +76,7 @@ class Lane(Request):
         next token as a plain step would (the same position and draws: the same token)."""
         st.grammar, st.noise = self.grammar, self.noise
         if st.grammar is not None:
-            st.grammar.state = st   # the ids it follows (the same ones, maybe in another state)
+            st.grammar.state = st  # the ids it follows (the same ones, maybe in another state)
         add_prompt(self.m, st, new_ids)
         self.st, self.steps, self.job, self.prefilling = st, None, None, True
 
@@ -101,12 +101,12 @@ class Forest:
 
     def __init__(self, m: Models, budget: int | None = None, shape_for: Callable[[int], TreeShape] | None = None):
         self.m = m
-        self.budget = budget   # total tree budget per pass; None = each lane's own cfg budget, split
-        self.shape_for = shape_for   # k decoding lanes -> each one's tree shape (replaces the even split)
-        self.last_tokens = 0   # tokens the last pass verified, every lane's share together
+        self.budget = budget  # total tree budget per pass; None = each lane's own cfg budget, split
+        self.shape_for = shape_for  # k decoding lanes -> each one's tree shape (replaces the even split)
+        self.last_tokens = 0  # tokens the last pass verified, every lane's share together
         self.lanes: list[Lane] = []
-        self.passes = 0        # target passes made (each streams the weights once)
-        self.pass_tokens = 0   # tokens emitted over all passes (aggregate tokens per pass = this / passes)
+        self.passes = 0  # target passes made (each streams the weights once)
+        self.pass_tokens = 0  # tokens emitted over all passes (aggregate tokens per pass = this / passes)
 
     def add(self, lane: Lane) -> None:
         self.lanes.append(lane)
@@ -117,10 +117,10 @@ class Forest:
             lane.settle(leaving=True)
             self.lanes.remove(lane)
 
-    def step(self) -> list[tuple[Lane, StepEvent | None | BaseException]]:
+    def step(self) -> list[tuple[Lane, StepEvent | BaseException | None]]:
         """One target pass over every open lane (module docstring). A lane is removed once it has
         finished or failed; the caller removes the ones it stops."""
-        out: list[tuple[Lane, StepEvent | None | BaseException]] = []
+        out: list[tuple[Lane, StepEvent | BaseException | None]] = []
         trees = sum(lane.decoding for lane in self.lanes)
         jobs, ran = [], []
         common = self.shape_for(trees) if self.shape_for is not None and trees else None

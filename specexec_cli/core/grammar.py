@@ -168,12 +168,14 @@ def build(spec: GrammarSpec):
 
     text = schema_text(spec)
     try:
-        parts = [xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS,
-                                                   strict_mode=False)]
+        parts = [
+            xgrammar.Grammar.from_json_schema(text, any_whitespace=False, separators=SEPARATORS, strict_mode=False)
+        ]
     except (RuntimeError, ValueError) as exc:
         what = "JSON schema" if spec.kind == "json_schema" else "grammar"
         raise GrammarError(f"invalid {what}: {first_line(str(exc))}") from None
-    if spec.repeat is not None:   # block (repeat block)*: the JSON grammar's rules plus two of ours
+    if spec.repeat is not None:  # block (repeat block)*: the JSON grammar's rules plus two of ours
+
         def lit(text: str) -> str:
             return json.dumps(text, ensure_ascii=False) if text else ""
 
@@ -215,7 +217,7 @@ def compiler_for(tokenizer, eos: tuple[int, ...], width: int):
         raise GrammarError(f"structured output cannot read this tokenizer: {first_line(str(exc))}") from None
     compiler, keep = xgrammar.GrammarCompiler(info), keep_row(tokenizer, width, eos)
     _COMPILERS[key] = (weakref.ref(tokenizer), compiler, keep)
-    return compiler, keep   # keep: (row, banned ids)
+    return compiler, keep  # keep: (row, banned ids)
 
 
 def compile_grammar(tokenizer, spec: GrammarSpec, eos_ids=None, width: int | None = None) -> CompiledGrammar:

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from offload.arch.hfcompat import cache_kwargs
 from specexec_cli.core.transfers import upload
 
-MIN_ROWS = 256   # first slab of an unreserved cache
+MIN_ROWS = 256  # first slab of an unreserved cache
 
 
 def _torch_alloc(shape, dtype, device, component):
@@ -42,7 +42,7 @@ class SlabLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, owner: "SlabCache"):
+    def __init__(self, owner: SlabCache):
         super().__init__()
         self.owner = owner
         self.length = 0
@@ -62,7 +62,7 @@ class SlabLayer(CacheLayerMixin):
         old_k, old_v = self.keys, self.values
         b, h, cap, d = old_k.shape
         if self.owner.capacity is not None and not self.owner.warned:
-            warnings.warn(f"KV cache needs {rows} rows but the memory plan reserved {cap}; growing it")
+            warnings.warn(f"KV cache needs {rows} rows but the memory plan reserved {cap}; growing it", stacklevel=1)
             self.owner.warned = True
         self.owner.release(old_k, old_v)
         self.allocate((b, h, max(rows, 2 * cap), d), old_k.dtype, old_k.device)
@@ -109,11 +109,11 @@ class SlabCache(Cache):
 
     def __init__(self, capacity: int | None = None, alloc=None, component: str = "kv"):
         super().__init__(layers=[])
-        self.capacity = capacity      # rows per slab once reserved; None = grow on demand
-        self.alloc = alloc or _torch_alloc   # callable(shape, dtype, device, component) -> tensor
-        self.component = component    # allocator counter name, e.g. "kv_target"
-        self.release = lambda *tensors: None   # set by `reserve` when the allocator counts frees
-        self.reallocations = 0        # slab regrowths (0 for a correctly planned cache)
+        self.capacity = capacity  # rows per slab once reserved; None = grow on demand
+        self.alloc = alloc or _torch_alloc  # callable(shape, dtype, device, component) -> tensor
+        self.component = component  # allocator counter name, e.g. "kv_target"
+        self.release = lambda *tensors: None  # set by `reserve` when the allocator counts frees
+        self.reallocations = 0  # slab regrowths (0 for a correctly planned cache)
         self.warned = False
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -125,7 +125,7 @@ class SlabCache(Cache):
 class AliasLayer(SlabLayer):
     """A draft layer whose K/V live in the target's SlabLayer `base` (same slabs, its own `length`)."""
 
-    def __init__(self, owner: "SharedCache", base: SlabLayer):
+    def __init__(self, owner: SharedCache, base: SlabLayer):
         super().__init__(owner)
         self.base = base
 
@@ -134,7 +134,7 @@ class AliasLayer(SlabLayer):
         return self.base.is_initialized
 
     @is_initialized.setter
-    def is_initialized(self, value) -> None:   # CacheLayerMixin.__init__ assigns it; the base decides
+    def is_initialized(self, value) -> None:  # CacheLayerMixin.__init__ assigns it; the base decides
         pass
 
     keys = property(lambda self: self.base.keys, lambda self, v: None)
@@ -146,7 +146,7 @@ class AliasLayer(SlabLayer):
         base, end = self.base, self.length + key_states.shape[-2]
         if not base.is_initialized:
             base.lazy_initialization(key_states, value_states)
-        if end > base.keys.shape[-2]:   # grow the target's slabs, keeping the draft's rows too
+        if end > base.keys.shape[-2]:  # grow the target's slabs, keeping the draft's rows too
             committed, base.length = base.length, self.length
             base._grow(end)
             base.length = committed
@@ -162,7 +162,7 @@ class SharedCache(Cache):
     def __init__(self, target: SlabCache):
         super().__init__(layers=[])
         self.target = target
-        self.start = 0   # committed rows the draft reads (the latest `follow`); new layers start there
+        self.start = 0  # committed rows the draft reads (the latest `follow`); new layers start there
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.target.layers) <= layer_idx:
@@ -222,17 +222,18 @@ def stage(model, tokens: torch.Tensor, positions: torch.Tensor, *extra: torch.Te
     return [tokens, *upload(device, positions, *extra)]
 
 
-def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-            last_only: bool = False) -> torch.Tensor:
+def forward(
+    model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, last_only: bool = False
+) -> torch.Tensor:
     """One model pass over T new tokens. tokens/positions: (T,) long; mask: (1, 1, T, past+T).
 
     Returns (T, V) logits, or (1, V) for the last token with `last_only` (prefill: no (T, V)
     tensor is ever built); the tokens' K/V are appended to `cache`.
     """
     device = model.device
-    ids_device = torch.device(getattr(model, "input_device", device))   # host embeddings: ids stay on the CPU
+    ids_device = torch.device(getattr(model, "input_device", device))  # host embeddings: ids stay on the CPU
     if ids_device == torch.device(device):
-        tokens, positions = upload(device, tokens, positions)            # one copy for both
+        tokens, positions = upload(device, tokens, positions)  # one copy for both
     else:
         (positions,) = upload(device, positions)
     if mask is not None:
@@ -242,7 +243,7 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         out = model(
             input_ids=tokens[None],  # (1, T)
             position_ids=positions[None],  # (1, T)
-            attention_mask=mask,   # (1, 1, T, past + T) additive, or None: plain causal (prefill)
+            attention_mask=mask,  # (1, 1, T, past + T) additive, or None: plain causal (prefill)
             use_cache=True,
             logits_to_keep=1 if last_only else 0,
             **cache_kwargs(model, cache),
@@ -257,13 +258,13 @@ def compact(cache, start: int, rows: torch.Tensor) -> None:
     The kept rows are moved to [start, start + len(rows)) in place and the rest is cut off.
     """
     n = int(rows.numel())
-    if isinstance(cache, SharedCache):   # rows below the followed start are the target's committed ones
+    if isinstance(cache, SharedCache):  # rows below the followed start are the target's committed ones
         if n and start < cache.start:
             raise RuntimeError("a shared draft cache never moves the target's committed rows")
         if not n:
             cache.follow(start)
             return
-    on_device: dict[torch.device, torch.Tensor] = {}   # rows moved once per device, not per layer
+    on_device: dict[torch.device, torch.Tensor] = {}  # rows moved once per device, not per layer
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None:
             continue

@@ -107,6 +107,7 @@ def draft_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 # ---- the counter-based hash: works on Python ints and on int64 tensors alike (values in [0, 2^32))
 
+
 def _mul32(a, b: int):
     """(a * b) mod 2^32 without overflowing int64: a split in 16-bit limbs (products < 2^48)."""
     return ((a & 0xFFFF) * b + ((((a >> 16) * b) & 0xFFFF) << 16)) & _M32
@@ -134,15 +135,15 @@ def _fmix(h):
 
 def hash32(seed: int, key: int, pos, tok):
     """MurmurHash3_x86_32 of the words (key_lo, key_hi, pos, tok) with `seed`; pos/tok broadcast."""
-    h = _block(_block(seed, key & _M32), (key >> 32) & _M32)   # a Python int: per key, not per element
+    h = _block(_block(seed, key & _M32), (key >> 32) & _M32)  # a Python int: per key, not per element
     return _fmix(_block(_block(h, pos), tok) ^ 16)
 
 
 def race_uniform(key: int, stream: int, pos: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     """Float64 uniforms in (0, 1) of (key, stream, pos, tok): 52 hash bits u, (2u + 1) / 2^53 (exact)."""
-    hi = hash32(2 * stream, key, pos, tok)             # 32 bits
-    lo = hash32(2 * stream + 1, key, pos, tok) >> 12   # 20 bits
-    return ((hi << 21) | (lo << 1) | 1).double() * 2.0 ** -53
+    hi = hash32(2 * stream, key, pos, tok)  # 32 bits
+    lo = hash32(2 * stream + 1, key, pos, tok) >> 12  # 20 bits
+    return ((hi << 21) | (lo << 1) | 1).double() * 2.0**-53
 
 
 def race_exponential(key: int, stream: int, pos: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
@@ -164,25 +165,25 @@ class PositionNoise:
 
     def _compute(self, start: int, count: int, vocab: int, device, stream: int) -> torch.Tensor:
         pos = torch.arange(start, start + count, device=device)[:, None]  # (count, 1)
-        tok = torch.arange(vocab, device=device)[None, :]                  # (1, V)
+        tok = torch.arange(vocab, device=device)[None, :]  # (1, V)
         step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-        return torch.cat([race_exponential(self.key, stream, pos[a:a + step], tok) for a in range(0, count, step)])
+        return torch.cat([race_exponential(self.key, stream, pos[a : a + step], tok) for a in range(0, count, step)])
 
     def block(self, start: int, count: int, vocab: int, device="cpu", stream: int = RACE) -> torch.Tensor:
         """(count, vocab) float32 noise rows of positions start .. start + count - 1 on `device`."""
         dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:   # "cuda" and "cuda:0" share one block
+        if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" share one block
             dev = torch.device("cuda", torch.cuda.current_device())
         slot = (stream, str(dev))
         have_start, rows = self._blocks.get(slot, (start, None))
         end = start + count
         if rows is None or rows.shape[1] < vocab or start < have_start:
             rows, have_start = self._compute(start, count, vocab, dev, stream), start
-        elif have_start + rows.shape[0] < end:   # extend the block by the missing positions only
+        elif have_start + rows.shape[0] < end:  # extend the block by the missing positions only
             have_end = have_start + rows.shape[0]
             rows = torch.cat([rows, self._compute(have_end, end - have_end, rows.shape[1], dev, stream)])
         self._blocks[slot] = (have_start, rows)
-        return rows[start - have_start:end - have_start, :vocab]
+        return rows[start - have_start : end - have_start, :vocab]
 
     def at(self, pos: int, vocab: int, device="cpu", stream: int = RACE) -> torch.Tensor:
         """(V,) noise of position `pos` on `device`."""
@@ -194,11 +195,16 @@ class PositionNoise:
             if start + rows.shape[0] <= below:
                 del self._blocks[slot]
             elif start < below:
-                self._blocks[slot] = (below, rows[below - start:])
+                self._blocks[slot] = (below, rows[below - start :])
 
 
-def race_choice(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None,
-                index: torch.Tensor | None, bits: torch.Tensor | None = None) -> torch.Tensor:
+def race_choice(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    noise: torch.Tensor | None,
+    index: torch.Tensor | None,
+    bits: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(R, V) logits → (R,) long chosen tokens on the logits' device, one batch: argmax at T = 0,
     else the race argmax(p / E) with E = noise[index[r]] ((D, V) rows, (R,) long on the device;
     index None: row r's noise is noise[r]). bits: (R, W) int32 grammar masks on the device
@@ -208,15 +214,15 @@ def race_choice(logits: torch.Tensor, params: SamplingParams, noise: torch.Tenso
         return logits.argmax(-1)
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    for a in range(0, logits.shape[0], step):   # (step, V) temporaries at a time
-        chunk = logits[a:a + step] if bits is None else constrain.apply(logits[a:a + step], bits[a:a + step])
+    for a in range(0, logits.shape[0], step):  # (step, V) temporaries at a time
+        chunk = logits[a : a + step] if bits is None else constrain.apply(logits[a : a + step], bits[a : a + step])
         if params.greedy:
-            out[a:a + step] = chunk.argmax(-1)
+            out[a : a + step] = chunk.argmax(-1)
             continue
         probs = process_logits(chunk, params)
         rows = noise[:, : probs.shape[-1]]
-        e = rows[a:a + step] if index is None else rows.index_select(0, index[a:a + step])
-        out[a:a + step] = (probs / e).argmax(-1)
+        e = rows[a : a + step] if index is None else rows.index_select(0, index[a : a + step])
+        out[a : a + step] = (probs / e).argmax(-1)
     return out
 
 

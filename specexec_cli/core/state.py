@@ -39,7 +39,9 @@ class Models:
     pool: object = None  # offload.stream.storage.DevicePool counting device bytes; None = plain torch allocations
     kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
     pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
-    shared_kv: bool = False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)
+    shared_kv: bool = (
+        False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)
+    )
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:
 def finish_reason(m: Models, st: DecodeState, tokens: list[int], produced: int, cfg) -> str | None:
     if any(t in m.eos_ids for t in tokens):
         return "eos"
-    if st.grammar is not None and st.grammar.done:   # the grammar is complete: nothing more can follow
+    if st.grammar is not None and st.grammar.done:  # the grammar is complete: nothing more can follow
         return "stop"
     if produced >= cfg.max_new_tokens:
         return "length"

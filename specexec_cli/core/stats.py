@@ -102,30 +102,43 @@ class RunStats:
         (while the draft runs, the stream fills the free staging slots; bench/gpu.py reports both)."""
         n = len(self.stall)
         draft = self.draft_pass_seconds[-n:] if n else []
-        return dict(passes=n, stall_seconds_per_pass=round(sum(self.stall) / n, 5) if n else 0.0,
-                    draft_seconds_per_pass=round(sum(draft) / n, 5) if n else 0.0)
+        return dict(
+            passes=n,
+            stall_seconds_per_pass=round(sum(self.stall) / n, 5) if n else 0.0,
+            draft_seconds_per_pass=round(sum(draft) / n, 5) if n else 0.0,
+        )
 
     def to_json(self) -> dict:
         rec = dict(self.config)
         rec.update(
-            prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens, token_ids=list(self.token_ids),
-            target_passes=self.target_passes, tokens_per_pass=round(self.tokens_per_pass, 4),
+            prompt_tokens=self.prompt_tokens,
+            new_tokens=self.new_tokens,
+            token_ids=list(self.token_ids),
+            target_passes=self.target_passes,
+            tokens_per_pass=round(self.tokens_per_pass, 4),
             wall_seconds=round(self.prefill_seconds + self.decode_seconds, 4),
-            prefill_seconds=round(self.prefill_seconds, 4), decode_seconds=round(self.decode_seconds, 4),
-            draft_seconds=round(self.draft_seconds, 4), target_seconds=round(self.target_seconds, 4),
+            prefill_seconds=round(self.prefill_seconds, 4),
+            decode_seconds=round(self.decode_seconds, 4),
+            draft_seconds=round(self.draft_seconds, 4),
+            target_seconds=round(self.target_seconds, 4),
             tokens_per_second=round(self.tokens_per_second, 3),
             accept_histogram={str(k): v for k, v in self.accept_histogram.items()},
             pass_seconds=[round(s, 5) for s in self.pass_seconds],
             draft_seconds_per_pass=[round(s, 5) for s in self.draft_pass_seconds],
             mean_tree_size=round(sum(self.tree_sizes) / len(self.tree_sizes), 2) if self.tree_sizes else 0,
-            streamed_bytes=self.streamed_bytes, finish_reason=self.finish, prefill_streams=self.prefill_streams,
+            streamed_bytes=self.streamed_bytes,
+            finish_reason=self.finish,
+            prefill_streams=self.prefill_streams,
             **peak_memory_bytes(),
-        )  # fmt: skip
+        )
         rec["streamed_bytes_per_pass"] = self.streamed_bytes // self.target_passes if self.target_passes else 0
         if self.link_busy:
-            rec.update(link_busy_fraction=round(self.link_busy_fraction, 4), stall_seconds=round(sum(self.stall), 4),
-                       link_busy_per_pass=[round(x, 4) for x in self.link_busy],
-                       stall_seconds_per_pass=[round(x, 4) for x in self.stall])
+            rec.update(
+                link_busy_fraction=round(self.link_busy_fraction, 4),
+                stall_seconds=round(sum(self.stall), 4),
+                link_busy_per_pass=[round(x, 4) for x in self.link_busy],
+                stall_seconds_per_pass=[round(x, 4) for x in self.stall],
+            )
             rec["overlap"] = self.overlap()
         passes = max(self.target_passes, 1)
         rec["host_transfers_per_pass"] = round(self.host_transfers / passes, 2)
@@ -135,14 +148,20 @@ class RunStats:
     def speculative(self) -> dict:
         """The speculative-decoding view `specx serve` attaches to responses (field `specx`)."""
         return dict(
-            tokens_per_pass=round(self.tokens_per_pass, 4), target_passes=self.target_passes,
-            draft_tokens_proposed=sum(self.tree_sizes), draft_tokens_accepted=self.draft_accepted,
-            prefill_tokens=self.prompt_tokens, prefill_seconds=round(self.prefill_seconds, 4),
-            decode_seconds=round(self.decode_seconds, 4), pass_seconds=round(sum(self.pass_seconds), 4),
-            draft_seconds=round(self.draft_seconds, 4), target_seconds=round(self.target_seconds, 4),
-            tokens_per_second=round(self.tokens_per_second, 3), method=self.config.get("method"),
+            tokens_per_pass=round(self.tokens_per_pass, 4),
+            target_passes=self.target_passes,
+            draft_tokens_proposed=sum(self.tree_sizes),
+            draft_tokens_accepted=self.draft_accepted,
+            prefill_tokens=self.prompt_tokens,
+            prefill_seconds=round(self.prefill_seconds, 4),
+            decode_seconds=round(self.decode_seconds, 4),
+            pass_seconds=round(sum(self.pass_seconds), 4),
+            draft_seconds=round(self.draft_seconds, 4),
+            target_seconds=round(self.target_seconds, 4),
+            tokens_per_second=round(self.tokens_per_second, 3),
+            method=self.config.get("method"),
             budget=self.config.get("budget"),
-        )  # fmt: skip
+        )
 
     def summary_line(self) -> str:
         cfg = self.config

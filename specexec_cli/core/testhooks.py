@@ -51,6 +51,7 @@ def slow_progress(progress):
         pause("load", delay)
         if progress is not None:
             progress(done, total, what)
+
     return wrapped
 
 
@@ -70,9 +71,10 @@ def install(models) -> None:
                 layer.register_forward_pre_hook(lambda *_, r=role: pause(r, conf[r]))
     prefetcher = getattr(models.target, "prefetcher", None)
     if prefetcher is not None and "copy" in conf:
-        read = prefetcher.read   # the read stage: runs on the prefetcher's thread for disk layers
+        read = prefetcher.read  # the read stage: runs on the prefetcher's thread for disk layers
 
         def slow_read(*args, **kwargs):
             pause("copy", conf["copy"])
             return read(*args, **kwargs)
+
         prefetcher.read = slow_read

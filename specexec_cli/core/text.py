@@ -6,6 +6,7 @@ incomplete UTF-8 sequence waits); `feed_split` marks how much of it came from th
 
 from __future__ import annotations
 
+
 class TextChunk(str):
     """Newly printable text that also knows how many of its leading characters are the text of
     tokens accepted from the draft's tree (the rest is the target's own token): `draft_chars`.

@@ -59,7 +59,7 @@ def upload(device, *tensors: torch.Tensor) -> list[torch.Tensor]:
     host = [t for t in tensors if not uploaded(t)]
     if not host or not tensors:
         return list(tensors)
-    flat = torch.cat([t.reshape(-1).to(torch.long) for t in host])   # (sum numel,) one buffer
+    flat = torch.cat([t.reshape(-1).to(torch.long) for t in host])  # (sum numel,) one buffer
     COUNTER.calls += 1
     COUNTER.uploads += 1
     COUNTER.bytes += flat.numel() * flat.element_size()
@@ -69,7 +69,7 @@ def upload(device, *tensors: torch.Tensor) -> list[torch.Tensor]:
         if uploaded(t):
             out.append(t)
             continue
-        view = moved[at:at + t.numel()].view(t.shape)
+        view = moved[at : at + t.numel()].view(t.shape)
         view._specx_uploaded = True
         out.append(view)
         at += t.numel()
@@ -82,5 +82,4 @@ def snapshot() -> TransferCount:
 
 def since(before: TransferCount) -> TransferCount:
     """Copies made after `before` was taken."""
-    return TransferCount(COUNTER.calls - before.calls, COUNTER.bytes - before.bytes,
-                         COUNTER.uploads - before.uploads)
+    return TransferCount(COUNTER.calls - before.calls, COUNTER.bytes - before.bytes, COUNTER.uploads - before.uploads)

@@ -30,7 +30,7 @@ class Tree:
     n_slots: int = 0  # how many nodes the draft has run (its cached tree tokens)
 
     @classmethod
-    def new(cls, root_token: int) -> "Tree":
+    def new(cls, root_token: int) -> Tree:
         long = dict(dtype=torch.long)
         return cls(
             tokens=torch.tensor([root_token], **long),
@@ -89,14 +89,14 @@ def attention_mask(
     """
     b = self_cols.numel()
     device = torch.device("cpu") if device is None else torch.device(device)
-    anc_cols, self_cols = upload(device, anc_cols, self_cols)   # (B, D), (B,): one small copy
+    anc_cols, self_cols = upload(device, anc_cols, self_cols)  # (B, D), (B,): one small copy
     allowed = torch.zeros(b, n_cols, dtype=torch.bool, device=device)
     allowed[:, :n_past] = True
     # scatter each row's ancestor columns; padding (-1) goes to a spare column that is cut off
     allowed = torch.cat([allowed, torch.zeros(b, 1, dtype=torch.bool, device=device)], dim=1)
     allowed.scatter_(1, torch.where(anc_cols >= 0, anc_cols, n_cols), True)
     allowed = allowed[:, :n_cols]
-    allowed.scatter_(1, self_cols[:, None], True)   # a scatter, not an index_put: no host sync on CUDA
+    allowed.scatter_(1, self_cols[:, None], True)  # a scatter, not an index_put: no host sync on CUDA
     # allocated at a width rounded up to 8 and passed as a slice: SDPA's memory-efficient kernel
     # copies a mask whose row stride is not a multiple of 8 (offload/arch/attention.py)
     mask = torch.zeros(b, -(-n_cols // 8) * 8, dtype=dtype, device=device)[:, :n_cols]

@@ -52,13 +52,22 @@ def target_pass(target, cache, vt: VerifyTree, n_past: int, root_pos: int, *extr
 def verify_inputs(target, vt: VerifyTree, n_past: int, root_pos: int, *extra: torch.Tensor) -> list[torch.Tensor]:
     """target_pass's staged inputs: [ids, (n,) positions, (1, 1, n, n_past + n) mask, *extra]."""
     anc_cols, self_cols, n_cols = verify_columns(vt, n_past)
-    ids, positions, anc, own, *extra = kvcache.stage(target, vt.tokens, root_pos + vt.depth, anc_cols, self_cols, *extra)
+    ids, positions, anc, own, *extra = kvcache.stage(
+        target, vt.tokens, root_pos + vt.depth, anc_cols, self_cols, *extra
+    )
     mask = attention_mask(n_past, anc, own, n_cols, kvcache.model_dtype(target), target.device)
     return [ids, positions, mask, *extra]
 
 
-def node_choices(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise | None, first_pos: int,
-                 depth: torch.Tensor, max_depth: int, bits: torch.Tensor | None = None) -> torch.Tensor:
+def node_choices(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    noise: PositionNoise | None,
+    first_pos: int,
+    depth: torch.Tensor,
+    max_depth: int,
+    bits: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(n, V) target logits → (n,) long target tokens on the logits' device (module docstring).
 
     depth: (n,) long node depths ON the logits' device (root = 0; node i's token lands at absolute

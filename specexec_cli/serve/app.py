@@ -40,9 +40,9 @@ from starlette.exceptions import HTTPException
 from specexec_cli import __version__
 from specexec_cli.serve import shapes
 from specexec_cli.serve.guards import BearerAuth, BodyLimit, HostCheck, Observe, is_loopback_name, log_refusal
+from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started
 from specexec_cli.serve.models import APIError, ChatRequest, CompletionRequest, error_body, unsupported
 from specexec_cli.serve.structured import to_work
-from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started
 from specexec_cli.session import notices
 from specexec_cli.session.tools import renders_tools
 
@@ -52,9 +52,17 @@ KEEPALIVE_SECONDS = 5.0  # an SSE comment this often while a stream has nothing 
 KEEPALIVE_COMMENT = ": keep-alive\n\n"
 
 
-def create_app(worker, model_name: str, *, api_key: str | None = None, cors: list[str] | tuple = (),
-               max_body: int = MAX_BODY_BYTES, host: str | None = None, keepalive: float = KEEPALIVE_SECONDS,
-               aliases: set[str] | frozenset = frozenset()) -> FastAPI:  # fmt: skip
+def create_app(
+    worker,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    cors: list[str] | tuple = (),
+    max_body: int = MAX_BODY_BYTES,
+    host: str | None = None,
+    keepalive: float = KEEPALIVE_SECONDS,
+    aliases: set[str] | frozenset = frozenset(),
+) -> FastAPI:
     app = FastAPI(title="specx", version=__version__, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     page = resources.files("specexec_cli.serve").joinpath("page.html").read_text(encoding="utf-8")
@@ -76,8 +84,12 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         if model_id != model_name and model_id not in aliases:  # the path, --target as given
-            raise APIError(404, f"model {model_id!r} not found; this server has {model_name!r}", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model {model_id!r} not found; this server has {model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return model_card(model_name, started)
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -90,8 +102,9 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await answer(worker, Format(True, model_name, body, request_id(request)), body, request, keepalive,
-                            dropped.note)  # fmt: skip
+        return await answer(
+            worker, Format(True, model_name, body, request_id(request)), body, request, keepalive, dropped.note
+        )
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -105,8 +118,9 @@ def create_app(worker, model_name: str, *, api_key: str | None = None, cors: lis
     if cors:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["*"])  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"]
+        )
     app.add_middleware(Observe, metrics=worker.metrics)
     return app
 
@@ -140,18 +154,28 @@ class Format:
             self.offset += len(content or "")
             return shapes.completion_chunk(*head, content, finish, specx, usage, self.usage, lp)
         if delta is None and content is not None:
-            delta = {"role": "assistant", "content": content} if role else \
-                {"content": content} if content or not finish else {}
+            delta = (
+                {"role": "assistant", "content": content}
+                if role
+                else {"content": content}
+                if content or not finish
+                else {}
+            )
         return shapes.chat_chunk(*head, delta, finish, specx, usage, self.usage, logprobs)
 
     def opening(self) -> list[dict]:
-        idle = {"spans": [], "tokens_per_pass": 0.0, "target_passes": 0, "tokens_per_second": 0.0,
-                "completion_tokens": 0}  # fmt: skip
+        idle = {
+            "spans": [],
+            "tokens_per_pass": 0.0,
+            "target_passes": 0,
+            "tokens_per_second": 0.0,
+            "completion_tokens": 0,
+        }
         return [self._chunk("", role=True, specx=idle)] if self.chat else []
 
     def delta(self, item: Delta) -> dict:
         specx = {"spans": item.spans, **item.live}
-        if item.tool_calls:   # a call's id and name, or a piece of its arguments
+        if item.tool_calls:  # a call's id and name, or a piece of its arguments
             return self._chunk(None, specx=specx, delta={"tool_calls": item.tool_calls})
         return self._chunk(item.text, specx=specx, logprobs=item.logprobs)
 
@@ -182,7 +206,7 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float, o
     unsupported(req)
     job = Job(to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
     job.request_id = fmt.request_id
-    job.interactive = bool(req.stream)   # a person watching the stream: served before background requests
+    job.interactive = bool(req.stream)  # a person watching the stream: served before background requests
     clock = Clock(worker.metrics, request.scope.get("state", {}).setdefault("access", {}))
     worker.submit(job)
     gone = asyncio.create_task(watch_disconnect(job, request))
@@ -194,10 +218,11 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float, o
             clock.saw(first)
         if isinstance(first, Failed):
             raise first.error
-        if req.stream:   # from here starlette's StreamingResponse watches the client (sse cancels the job)
+        if req.stream:  # from here starlette's StreamingResponse watches the client (sse cancels the job)
             body = sse(job, fmt, first, clock, keepalive, lambda: on_done(req, fmt.request_id))
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
         while True:
             item = await next_report(job, gone)
             if item is None:
@@ -247,15 +272,18 @@ class Clock:
             self.metrics.observe("specx_time_to_first_token_seconds", time.perf_counter() - self.t0)
         if isinstance(item, Started):
             self.access.update(prompt=item.prompt_tokens, cached=item.cached_tokens, completion=0, task=item.task)
-        elif isinstance(item, Delta):   # a client that leaves mid-reply: the tokens it was sent
+        elif isinstance(item, Delta):  # a client that leaves mid-reply: the tokens it was sent
             self.access["completion"] = item.live.get("completion_tokens", 0)
         elif isinstance(item, Done):
             self.metrics.observe("specx_request_seconds", time.perf_counter() - self.t0)
             usage = item.usage
             why = item.specx.get("stopped_by")
-            self.access.update(prompt=usage["prompt_tokens"], completion=usage["completion_tokens"],
-                               cached=usage["prompt_tokens_details"]["cached_tokens"],
-                               finish=f"{item.finish}:{why}" if why else item.finish)  # fmt: skip
+            self.access.update(
+                prompt=usage["prompt_tokens"],
+                completion=usage["completion_tokens"],
+                cached=usage["prompt_tokens_details"]["cached_tokens"],
+                finish=f"{item.finish}:{why}" if why else item.finish,
+            )
 
 
 class DroppedTools:
@@ -276,9 +304,11 @@ class DroppedTools:
             return
         self.logged = True
         why = "does not render tools" if session.templated else "is not used (none, or --no-chat-template)"
-        notices.notice(f"specx serve: request {rid} sent {len(tools)} tools, dropped: this model's chat template "
-                       f"{why}, so the model never sees them and replies with text (tool_choice \"required\" or a "
-                       "named function is a 400); logged once, for the first such request")  # fmt: skip
+        notices.notice(
+            f"specx serve: request {rid} sent {len(tools)} tools, dropped: this model's chat template "
+            f'{why}, so the model never sees them and replies with text (tool_choice "required" or a '
+            "named function is a 400); logged once, for the first such request"
+        )
 
 
 def event(data: dict) -> str:
@@ -320,8 +350,9 @@ async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float, on_d
         ended = True
     finally:
         if not ended:  # the client left mid-stream: the job stops at its next target pass
-            log_refusal(499, {"type": "cancelled", "message": "the client disconnected mid-stream"},
-                        fmt.request_id, fmt.where)
+            log_refusal(
+                499, {"type": "cancelled", "message": "the client disconnected mid-stream"}, fmt.request_id, fmt.where
+            )
         job.cancel()
 
 
@@ -339,8 +370,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(error_body(message, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))  # fmt: skip
+        return JSONResponse(
+            error_body(message, code=code), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
 
 def validation_body(errors) -> dict:

@@ -49,7 +49,7 @@ def log_refusal(status: int, error: dict, rid: str, where: str) -> None:
     (the OpenAI error object): what a server operator needs to match it to the client's report."""
     kind = "/".join(str(part) for part in (error.get("type"), error.get("code")) if part)
     message = " ".join(str(error.get("message") or "").split())
-    message = message if len(message) <= LOG_MESSAGE_CHARS else message[:LOG_MESSAGE_CHARS - 3] + "..."
+    message = message if len(message) <= LOG_MESSAGE_CHARS else message[: LOG_MESSAGE_CHARS - 3] + "..."
     notices.notice(f"specx serve: {status} {kind} {where} request {rid}: {message}")
 
 
@@ -71,15 +71,23 @@ def server_error(exc: BaseException, rid: str | None = None) -> APIError:
 
     if is_oom(exc):
         notices.notice(f"specx serve: out of device memory during a request ({exc.__class__.__name__})")
-        return APIError(400, "out of device memory for this request: lower max_tokens or send a shorter prompt; "
-                        "or restart the server with a smaller --budget or --ctx", code="device_out_of_memory")
-    return APIError(500, internal_body(log_failure(exc, rid))["error"]["message"], type="server_error",
-                    code="internal_error")  # fmt: skip
+        return APIError(
+            400,
+            "out of device memory for this request: lower max_tokens or send a shorter prompt; "
+            "or restart the server with a smaller --budget or --ctx",
+            code="device_out_of_memory",
+        )
+    return APIError(
+        500, internal_body(log_failure(exc, rid))["error"]["message"], type="server_error", code="internal_error"
+    )
 
 
 def internal_body(eid: str) -> dict:
-    return error_body(f"internal server error (error id {eid}); the server's log has the details",
-                      "server_error", code="internal_error")  # fmt: skip
+    return error_body(
+        f"internal server error (error id {eid}); the server's log has the details",
+        "server_error",
+        code="internal_error",
+    )
 
 
 async def send_error(send, status: int, body: dict, headers: dict | None = None) -> None:
@@ -94,7 +102,7 @@ def host_name(header: str) -> str:
     """The name of a Host header without its port: "[::1]:80" → "::1", "LocalHost.:8000" → "localhost"."""
     header = header.strip().lower()
     if header.startswith("["):
-        name = header[1:header.find("]")] if "]" in header else header[1:]
+        name = header[1 : header.find("]")] if "]" in header else header[1:]
     else:
         name = header.rsplit(":", 1)[0] if header.count(":") == 1 else header
     return name.rstrip(".")
@@ -122,9 +130,13 @@ class HostCheck:
             given = dict(scope["headers"]).get(b"host")
             name = host_name(given.decode("latin-1")) if given is not None else None
             if name is not None and not (is_loopback_name(name) or name == self.bound):
-                body = error_body(f"Host {given.decode('latin-1')!r} is not an address of this server: it listens "
-                                  "on loopback only (DNS-rebinding protection); use http://127.0.0.1:<port>/, or "
-                                  "start it with --api-key", "permission_error", code="host_not_allowed")  # fmt: skip
+                body = error_body(
+                    f"Host {given.decode('latin-1')!r} is not an address of this server: it listens "
+                    "on loopback only (DNS-rebinding protection); use http://127.0.0.1:<port>/, or "
+                    "start it with --api-key",
+                    "permission_error",
+                    code="host_not_allowed",
+                )
                 return await send_error(send, 403, body)
         await self.app(scope, receive, send)
 
@@ -146,8 +158,9 @@ class BearerAuth:
             scheme, _, token = given.partition(b" ")
             ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
             if not ok:
-                body = error_body("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")  # fmt: skip
+                body = error_body(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
                 return await send_error(send, 401, body, {"WWW-Authenticate": "Bearer"})
         await self.app(scope, receive, send)
 
@@ -177,8 +190,9 @@ class BodyLimit:
                 break
         if too_big:
             limit = f"{self.limit >> 20} MiB" if self.limit >= 1 << 20 else f"{self.limit} bytes"
-            return await send_error(send, 413, error_body(f"request body is larger than {limit}",
-                                                          code="request_too_large"))  # fmt: skip
+            return await send_error(
+                send, 413, error_body(f"request body is larger than {limit}", code="request_too_large")
+            )
         replayed = False
 
         async def replay():
@@ -232,16 +246,22 @@ class Observe:
         except Exception as exc:  # noqa: BLE001 - every route's failure ends here: logged, answered by id
             eid = log_failure(exc, rid)
             if not seen["status"]:
-                await watch({"type": "http.response.start", "status": 500,
-                             "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+                await watch(
+                    {"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]}
+                )
                 await watch({"type": "http.response.body", "body": json.dumps(internal_body(eid)).encode()})
             elif not seen["ended"]:  # a stream that broke: end it (the client sees it stop, the log has why)
                 seen["ended"] = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if scope["path"] not in QUIET_ROUTES:   # a response that never ended: the client left
-                log_access(seen["status"] if seen["ended"] else 499, where, rid, time.perf_counter() - t0,
-                           scope["state"].get("access") or {})  # fmt: skip
+            if scope["path"] not in QUIET_ROUTES:  # a response that never ended: the client left
+                log_access(
+                    seen["status"] if seen["ended"] else 499,
+                    where,
+                    rid,
+                    time.perf_counter() - t0,
+                    scope["state"].get("access") or {},
+                )
 
 
 def error_object(raw: bytes) -> dict:

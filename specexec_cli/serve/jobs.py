@@ -6,12 +6,13 @@ then `Done`, through `loop.call_soon_threadsafe`, so the event loop never waits 
 `job.cancel()` (a client that went away) sets `cancelled` and calls the worker's `on_cancel` hook.
 `spans(mask)` run-length encodes which model each character of a delta came from.
 """
+
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from specexec_cli.serve.models import APIError, Work
 

@@ -22,12 +22,22 @@ from specexec_cli.serve.models import Work
 # a title or tag object is 10-30 tokens, 3-5 follow-up questions in JSON about 150.
 TASK_MARK, HISTORY_MARK = "### Task:", "<chat_history>"
 TASKS = (  # (words the task's first line starts with, lowercased; the task's name), first match wins
-    ("generate a concise", "title"), ("generate 1-3 broad tags", "tags"),
-    ("suggest 3-5 relevant follow-up", "follow_ups"), ("analyze the chat history", "queries"),
-    ("you are an autocompletion system", "autocomplete"), ("generate a detailed prompt", "image_prompt"),
-)  # fmt: skip
-TASK_CAPS = {"title": 64, "tags": 96, "follow_ups": 256, "queries": 128, "autocomplete": 64,
-             "image_prompt": 256, "task": 256}  # fmt: skip  # "task": a "### Task:" prompt of no known kind
+    ("generate a concise", "title"),
+    ("generate 1-3 broad tags", "tags"),
+    ("suggest 3-5 relevant follow-up", "follow_ups"),
+    ("analyze the chat history", "queries"),
+    ("you are an autocompletion system", "autocomplete"),
+    ("generate a detailed prompt", "image_prompt"),
+)
+TASK_CAPS = {
+    "title": 64,
+    "tags": 96,
+    "follow_ups": 256,
+    "queries": 128,
+    "autocomplete": 64,
+    "image_prompt": 256,
+    "task": 256,
+}  # "task": a "### Task:" prompt of no known kind
 
 # The guard's rule: the reply's tail is one span of p tokens (1 <= p <= MAX_PERIOD) repeated, at
 # least MIN_REPEATS copies in a row and at least MIN_RUN tokens in all (so a short span must repeat
@@ -46,7 +56,7 @@ def task_of(work: Work) -> str | None:
     text = str(users[-1].get("content") or "").lstrip() if users else ""
     if not text.startswith(TASK_MARK) or HISTORY_MARK not in text:
         return None
-    first = " ".join(text[len(TASK_MARK):].split("\n", 2)[:2]).strip().lower()
+    first = " ".join(text[len(TASK_MARK) :].split("\n", 2)[:2]).strip().lower()
     return next((name for words, name in TASKS if first.startswith(words)), "task")
 
 

@@ -35,7 +35,10 @@ HELP = {
     "specx_forest_requests_per_pass": ("gauge", "Requests per shared target pass, on average (--parallel)."),
     "specx_forest_tokens_per_pass": ("gauge", "Tokens all requests got per shared target pass (--parallel)."),
     "specx_ready": ("gauge", "1 once the models are loaded."),
-    "specx_prompt_cache_requests_total": ("counter", "Requests that consulted the prompt cache (host-RAM KV snapshots)."),
+    "specx_prompt_cache_requests_total": (
+        "counter",
+        "Requests that consulted the prompt cache (host-RAM KV snapshots).",
+    ),
     "specx_prompt_cache_hits_total": ("counter", "Requests that restored a snapshot from the prompt cache."),
     "specx_prompt_cache_restored_tokens_total": ("counter", "Prompt tokens restored from the prompt cache."),
     "specx_prompt_cache_saves_total": ("counter", "Snapshots kept in the prompt cache."),
@@ -122,8 +125,9 @@ class Metrics:
             passes = self.totals["specx_target_passes_total"]
             values["specx_tokens_per_pass"] = self.totals["pass_tokens"] / passes if passes else 0.0
             prompt = self.totals["specx_prompt_tokens_total"]
-            values["specx_prompt_cache_hit_ratio"] = \
+            values["specx_prompt_cache_hit_ratio"] = (
                 self.totals["specx_cached_prompt_tokens_total"] / prompt if prompt else 0.0
+            )
             shared = self.totals["specx_forest_passes_total"]
             values["specx_forest_requests_per_pass"] = self.totals["forest_requests"] / shared if shared else 0.0
             values["specx_forest_tokens_per_pass"] = self.totals["forest_tokens"] / shared if shared else 0.0
@@ -132,9 +136,12 @@ class Metrics:
             extra += [f'{REFUSED[0]}{{status="{s}",type="{t}"}} {n}' for (s, t), n in sorted(self.refusals.items())]
             for name, text in HISTOGRAMS.items():
                 extra += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *self.histograms[name].lines(name)]
-        values.update(specx_queue_depth=worker.queue_depth(), specx_busy=int(worker.busy),
-                      specx_running_requests=getattr(worker, "running", int(worker.busy)),
-                      specx_ready=int(worker.state == "ready"))  # fmt: skip
+        values.update(
+            specx_queue_depth=worker.queue_depth(),
+            specx_busy=int(worker.busy),
+            specx_running_requests=getattr(worker, "running", int(worker.busy)),
+            specx_ready=int(worker.state == "ready"),
+        )
         cache = getattr(getattr(worker, "session", None), "prompt_cache", None)
         if cache is not None:
             values.update({f"specx_{k}": v for k, v in cache.metrics().items()})

@@ -17,7 +17,7 @@ the server answers, with `error_body()` its JSON.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,8 +28,16 @@ MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most, as 
 class APIError(Exception):
     """An error answered as {"error": {message, type, param, code}} with `status`."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -38,8 +46,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -51,12 +60,12 @@ class ContentPart(Strict):
     """One part of a content array; only "text" parts are taken (check_messages refuses the rest)."""
 
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class FunctionCall(Strict):
     name: str
-    arguments: Union[str, dict]  # OpenAI: a JSON object as a string (an object is taken too)
+    arguments: str | dict  # OpenAI: a JSON object as a string (an object is taken too)
 
 
 class ToolCallIn(Strict):
@@ -69,9 +78,9 @@ class ToolCallIn(Strict):
 
 class FunctionDef(Strict):
     name: str = Field(min_length=1, max_length=256)  # any name a template can render (MCP tools use ":" and ".")
-    description: Optional[str] = None
-    parameters: Optional[dict] = None  # a JSON Schema of the arguments object; None: no arguments
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema of the arguments object; None: no arguments
+    strict: bool | None = None
 
 
 class Tool(Strict):
@@ -89,23 +98,23 @@ class NamedToolChoice(Strict):
 
 
 class JSONSchemaFormat(Strict):
-    name: Optional[str] = None
-    description: Optional[str] = None
-    schema_: Optional[dict] = Field(default=None, alias="schema")  # "schema" would shadow BaseModel.schema
-    strict: Optional[bool] = None
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # "schema" would shadow BaseModel.schema
+    strict: bool | None = None
 
 
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JSONSchemaFormat] = None  # needed with type json_schema
+    json_schema: JSONSchemaFormat | None = None  # needed with type json_schema
 
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None  # None: only an assistant may omit it
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant's calls
-    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+    content: str | list[ContentPart] | None = None  # None: only an assistant may omit it
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The content as one string: text parts joined by newlines (as OpenAI's and vLLM's servers do)."""
@@ -120,7 +129,6 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-
 class SpecxFields(Strict):
     """The request's `specx` extension object (unknown keys in it are ignored, as elsewhere)."""
 
@@ -130,17 +138,17 @@ class SpecxFields(Strict):
 class Sampling(Strict):
     """Fields both endpoints share."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31)  # -1: no limit; None: the default cap; 0 is refused
-    temperature: Optional[float] = Field(default=None, ge=0, allow_inf_nan=False)
-    top_p: Optional[float] = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    top_k: Optional[int] = Field(default=None, ge=-1, le=2**31)  # -1 or 0: off
-    seed: Optional[int] = Field(default=None, ge=-(2**63), lt=2**64)
-    stop: Union[str, list[str], None] = Field(default=None)
-    stream: Optional[bool] = False  # null = false
-    stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(default=None, ge=1, le=128)
-    user: Optional[str] = None
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=-1, le=2**31)  # -1: no limit; None: the default cap; 0 is refused
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31)  # -1 or 0: off
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = Field(default=None)
+    stream: bool | None = False  # null = false
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    user: str | None = None
     # Accepted so that unsupported values are refused by name (see unsupported()), never ignored.
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -149,23 +157,23 @@ class Sampling(Strict):
     min_p: Any = None
     best_of: Any = None
     functions: Any = None
-    response_format: Optional[ResponseFormat] = None
+    response_format: ResponseFormat | None = None
     specx: SpecxFields | None = None  # specx's own extension fields
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=-1, le=2**31)
-    tools: Optional[list[Tool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None  # None: auto
-    parallel_tool_calls: Optional[bool] = None  # None: true
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=-1, le=2**31)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto
+    parallel_tool_calls: bool | None = None  # None: true
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, list[Union[str, int, list[int]]]]  # token ids are refused by name (structured.to_work)
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+    prompt: str | list[str | int | list[int]]  # token ids are refused by name (structured.to_work)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
     echo: Any = None
     suffix: Any = None
 
@@ -185,24 +193,39 @@ def unsupported(req: Sampling) -> None:
     if req.n not in (None, 1):
         raise APIError(400, f"n must be 1 (got {req.n}): one completion per request", param="n")
     checks = [
-        ("presence_penalty", _set(req.presence_penalty)), ("frequency_penalty", _set(req.frequency_penalty)),
-        ("repetition_penalty", req.repetition_penalty not in (None, 1, 1.0)), ("logit_bias", _set(req.logit_bias)),
-        ("min_p", _set(req.min_p)), ("best_of", req.best_of not in (None, 1)),
+        ("presence_penalty", _set(req.presence_penalty)),
+        ("frequency_penalty", _set(req.frequency_penalty)),
+        ("repetition_penalty", req.repetition_penalty not in (None, 1, 1.0)),
+        ("logit_bias", _set(req.logit_bias)),
+        ("min_p", _set(req.min_p)),
+        ("best_of", req.best_of not in (None, 1)),
         ("functions", _set(req.functions)),
-    ]  # fmt: skip
+    ]
     if isinstance(req, CompletionRequest):
         checks += [("echo", _set(req.echo)), ("suffix", _set(req.suffix))]
     for name, given in checks:
         if given:
-            raise APIError(400, f"{name} is not supported by specx; remove it from the request", param=name,
-                           code="unsupported_parameter")  # fmt: skip
+            raise APIError(
+                400,
+                f"{name} is not supported by specx; remove it from the request",
+                param=name,
+                code="unsupported_parameter",
+            )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOPS:
         raise APIError(400, f"stop takes at most {MAX_STOPS} strings (got {len(stops)})", param="stop")
 
 
-TEXT_ONLY = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio",
-             "audio": "audio", "file": "file", "input_file": "file", "video_url": "video"}
+TEXT_ONLY = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "audio": "audio",
+    "file": "file",
+    "input_file": "file",
+    "video_url": "video",
+}
 
 
 def check_messages(messages: list[Message]) -> None:
@@ -210,16 +233,25 @@ def check_messages(messages: list[Message]) -> None:
     content parts other than text, each with the param that names it (tool calls: structured.py)."""
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
-            raise APIError(400, f"messages.{i}.content is missing: a {m.role} message needs content (a string "
-                           "or text parts)", param=f"messages.{i}.content", code="missing_required_parameter")
+            raise APIError(
+                400,
+                f"messages.{i}.content is missing: a {m.role} message needs content (a string or text parts)",
+                param=f"messages.{i}.content",
+                code="missing_required_parameter",
+            )
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             param = f"messages.{i}.content.{j}"
             if part.type == "text" and part.text is None:
-                raise APIError(400, f"{param}: a text part needs a \"text\" string", param=param)
+                raise APIError(400, f'{param}: a text part needs a "text" string', param=param)
             if part.type != "text":
                 kind = TEXT_ONLY.get(part.type, f"{part.type!r}")
-                raise APIError(400, f"{param}: this model takes text only; {kind} parts are not supported (send "
-                               "text parts or a string)", param=param, code="unsupported_content")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{param}: this model takes text only; {kind} parts are not supported (send "
+                    "text parts or a string)",
+                    param=param,
+                    code="unsupported_content",
+                )
 
 
 @dataclass

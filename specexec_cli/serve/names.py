@@ -26,7 +26,7 @@ _SPLIT = re.compile(r"-\d{5}-of-\d{5}$")
 
 def gguf_stem(file_name: str) -> str:
     """`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct` (the stem when nothing is left)."""
-    stem = file_name[:-len(".gguf")] if file_name.lower().endswith(".gguf") else file_name
+    stem = file_name[: -len(".gguf")] if file_name.lower().endswith(".gguf") else file_name
     stem = _SPLIT.sub("", stem)
     bare = _QUANT.sub("", stem)
     return bare or stem
@@ -36,7 +36,7 @@ def _hub_snapshot(path: Path) -> str | None:
     """`org/name` of a hub cache snapshot dir (`.../models--org--name/snapshots/<hash>`), else None."""
     repo = path.parent.parent.name
     if path.parent.name == "snapshots" and repo.startswith("models--"):
-        return repo[len("models--"):].replace("--", "/")
+        return repo[len("models--") :].replace("--", "/")
     return None
 
 

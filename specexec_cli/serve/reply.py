@@ -61,8 +61,15 @@ class Piece:
 class Reply:
     """See the module docstring."""
 
-    def __init__(self, tokenizer, stops: list[str], names: list[str], forced: bool, logprobs: int | None,
-                 limit: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        stops: list[str],
+        names: list[str],
+        forced: bool,
+        logprobs: int | None,
+        limit: int | None = None,
+    ):
         self.tokenizer = tokenizer
         self.stop = StopScanner(stops)
         self.tools = ToolScanner(names, forced, limit) if names else None
@@ -111,14 +118,14 @@ class Reply:
             top = [(self.tokenizer.decode([tid]), float(lp)) for tid, lp in item.top]
             self.entries.append(token_entry(self.tokenizer.decode([item.token]), float(item.logprob), top))
         if self.used is not None:
-            del self.entries[self.used:]
+            del self.entries[self.used :]
 
     def _piece(self, text: str, last: bool = False, calls: list | None = None) -> Piece | None:
         fresh = None
         if self.entries is not None and (text or last or calls):
-            fresh, self.sent_entries = self.entries[self.sent_entries:], len(self.entries)
+            fresh, self.sent_entries = self.entries[self.sent_entries :], len(self.entries)
         if not text and not fresh and not calls:
             return None
-        mask, self.unsent = self.unsent[:len(text)], self.unsent[len(text):]
+        mask, self.unsent = self.unsent[: len(text)], self.unsent[len(text) :]
         self.parts.append(text)
         return Piece(text, mask, fresh, merge_deltas(calls) if calls else None)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from specexec_cli.core import kvcache
 from specexec_cli.core.engine import DecodeState, StepEvent
@@ -47,7 +47,7 @@ from specexec_cli.errors import SpecxError
 from specexec_cli.serve.slots import Slot, choose, donor, waits
 from specexec_cli.session.prompt_cache import common_prefix, copy_prefix
 
-END = object()   # a lane's queue sentinel: taken out of the forest without a finishing event
+END = object()  # a lane's queue sentinel: taken out of the forest without a finishing event
 
 
 class Withdrawn(SpecxError):
@@ -112,29 +112,34 @@ def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
         return wanted or UNPLANNED_PARALLEL, ""
     per = plan.device_bytes.get("kv_target", 0) + plan.device_bytes.get("kv_draft", 0)
     room = plan.device_capacity - plan.device_total
-    tree = (plan.sized_budget or plan.budget) * plan.row_bytes   # n > 1: every tree's rows in a forest pass
+    tree = (plan.sized_budget or plan.budget) * plan.row_bytes  # n > 1: every tree's rows in a forest pass
     extra = lambda n: (n - 1) * (per + plan.row_bytes) + tree if n > 1 else 0  # noqa: E731
     fits = 1 + max(0, (room - tree) // (per + plan.row_bytes)) if per + plan.row_bytes else 1 << 30
     if wanted is not None:
         if wanted > fits:
-            raise SpecxError(f"--parallel {wanted}: the memory plan has room for the KV caches and forest passes of {fits} "
-                             f"sequence{'s' if fits != 1 else ''} at --ctx {plan.ctx}; fix: --parallel {fits}, a smaller --ctx, "
-                             "or --offload ram (the memory resident layers take goes to the caches)")  # fmt: skip
+            raise SpecxError(
+                f"--parallel {wanted}: the memory plan has room for the KV caches and forest passes of {fits} "
+                f"sequence{'s' if fits != 1 else ''} at --ctx {plan.ctx}; fix: --parallel {fits}, a smaller --ctx, "
+                "or --offload ram (the memory resident layers take goes to the caches)"
+            )
         n = wanted
     else:
         n = max(1, min(DEFAULT_PARALLEL, fits))
     if n > 1:
         plan.device_bytes["kv_parallel"] = (n - 1) * per
         plan.device_bytes["forest_activations"] = extra(n) - (n - 1) * per
-    note = "" if wanted is not None or n > 1 else \
-        "--parallel 1: the memory plan has room for one sequence's KV caches only, so requests decode one at a time"
+    note = (
+        ""
+        if wanted is not None or n > 1
+        else "--parallel 1: the memory plan has room for one sequence's KV caches only, so requests decode one at a time"
+    )
     return n, note
 
 
-DEFAULT_PARALLEL = 8     # the most sequences per pass --parallel's default takes (as many as the plan fits):
-                         # bench/serve_parallel.py, 8 requests at once on the disk tier: --parallel 4 and 8 took
-                         # 0.36x and 0.37x the wall of one at a time (2: 0.53x), 8 gave the first text soonest
-UNPLANNED_PARALLEL = 2   # without a memory plan (nothing known of the room)
+DEFAULT_PARALLEL = 8  # the most sequences per pass --parallel's default takes (as many as the plan fits):
+# bench/serve_parallel.py, 8 requests at once on the disk tier: --parallel 4 and 8 took
+# 0.36x and 0.37x the wall of one at a time (2: 0.53x), 8 gave the first text soonest
+UNPLANNED_PARALLEL = 2  # without a memory plan (nothing known of the room)
 
 
 class Scheduler:
@@ -143,16 +148,16 @@ class Scheduler:
     def __init__(self, session, parallel: int, metrics=None):
         self.session, self.models, self.metrics = session, session.models, metrics
         self.slots = [Slot(session.state)] + [Slot(DecodeState()) for _ in range(parallel - 1)]
-        self.tuner = getattr(session, "tuner", None)   # --budget auto: the speed model's split and its statistics
+        self.tuner = getattr(session, "tuner", None)  # --budget auto: the speed model's split and its statistics
         self.forest = Forest(self.models, shape_for=self.tuner.split if self.tuner is not None else None)
         self.cv = threading.Condition()
         self.waiting: list[Ticket] = []
         self.closing = False
-        self.waits: list[int] = []   # per request: forest passes from asking to join to its first token
-        self.arrivals = 0   # open() calls (the default arrival order)
-        self.expected: set[int] = set()   # seqs taken by the caller, not opened yet: later ones wait for them
-        self.pauses = 0     # lanes paused for a streamed request
-        self.copies = 0     # prompt prefixes copied from another sequence instead of prefilled
+        self.waits: list[int] = []  # per request: forest passes from asking to join to its first token
+        self.arrivals = 0  # open() calls (the default arrival order)
+        self.expected: set[int] = set()  # seqs taken by the caller, not opened yet: later ones wait for them
+        self.pauses = 0  # lanes paused for a streamed request
+        self.copies = 0  # prompt prefixes copied from another sequence instead of prefilled
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
     @property
@@ -169,8 +174,16 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join()
 
-    def open(self, full: list[int], cfg, gen, cancelled: Callable[[], bool], interactive: bool = False,
-             seq: int | None = None, background: bool = False) -> tuple[Iterator[StepEvent], int]:
+    def open(
+        self,
+        full: list[int],
+        cfg,
+        gen,
+        cancelled: Callable[[], bool],
+        interactive: bool = False,
+        seq: int | None = None,
+        background: bool = False,
+    ) -> tuple[Iterator[StepEvent], int]:
         """Wait for admission at the next pass boundary (module docstring); `interactive`: a streamed
         request, `seq`: its arrival order (default: the order of the calls), `background`: a client's
         background task (slots.py)."""
@@ -200,18 +213,22 @@ class Scheduler:
 
     def _held(self, ticket: Ticket) -> bool:
         """A new non-streamed ticket behind a request the caller took but has not opened yet (under cv)."""
-        return (not ticket.interactive and ticket.lane is None and bool(self.expected)
-                and ticket.seq > min(self.expected) and not ticket.cancelled())
+        return (
+            not ticket.interactive
+            and ticket.lane is None
+            and bool(self.expected)
+            and ticket.seq > min(self.expected)
+            and not ticket.cancelled()
+        )
 
     # -- the forest thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self.cv:
-                while (all(self._held(t) for t in self.waiting) and not self.forest.lanes
-                       and not self.closing):
+                while all(self._held(t) for t in self.waiting) and not self.forest.lanes and not self.closing:
                     self.cv.wait()
                 if self.closing and not self.forest.lanes:
-                    for ticket in self.waiting:   # nothing is admitted once closing
+                    for ticket in self.waiting:  # nothing is admitted once closing
                         self._refuse(ticket, SpecxError("the server is shutting down"))
                     return
                 arrived = [t for t in self.waiting if not self._held(t)]
@@ -234,7 +251,7 @@ class Scheduler:
     def _refuse(ticket: Ticket, exc: BaseException) -> None:
         """`ticket` fails without a slot: a new one in open(), a paused one in its events."""
         if ticket.lane is not None:
-            ticket.out.put(exc)   # END: taken out quietly
+            ticket.out.put(exc)  # END: taken out quietly
         else:
             ticket.error = exc
         ticket.admitted.set()
@@ -246,11 +263,11 @@ class Scheduler:
         slots.waits) holds back the non-streamed ones after it."""
         held = False
         for ticket in sorted(arrived, key=Ticket.priority):
-            if ticket.closed or ticket.cancelled():   # gone before it (re)joined: no prefill for nobody
+            if ticket.closed or ticket.cancelled():  # gone before it (re)joined: no prefill for nobody
                 self._refuse(ticket, END if ticket.lane is not None else Withdrawn("withdrawn"))
                 continue
             i = -1 if held and not ticket.interactive else self._place(ticket)
-            if i < 0:   # the worker runs at most N requests: a slot frees at the next boundary
+            if i < 0:  # the worker runs at most N requests: a slot frees at the next boundary
                 held = held or not ticket.interactive
                 with self.cv:
                     self.waiting.append(ticket)
@@ -259,7 +276,7 @@ class Scheduler:
                 self._start(ticket, i)
             except Exception as exc:  # noqa: BLE001 - refused (OOM reserving its caches: a 400), others go on
                 self._reset(i)
-                if ticket.lane is not None:   # a paused one: its reader is past open(), the error ends it
+                if ticket.lane is not None:  # a paused one: its reader is past open(), the error ends it
                     self._release(ticket, exc)
                 ticket.error = exc
             ticket.admitted.set()
@@ -275,7 +292,7 @@ class Scheduler:
         cache = self.session.prompt_cache
         i, loss = choose(self.slots, free, want, cache)
         if loss and cache is not None and ticket.background and cache.keep(self.slots[i].state, want):
-            loss = 0   # the prompt cache took the conversation's rows: nothing is lost
+            loss = 0  # the prompt cache took the conversation's rows: nothing is lost
         return -1 if waits(self.slots, loss, ticket.background) else i
 
     def _pause_for(self, ticket: Ticket) -> list[int]:
@@ -290,7 +307,7 @@ class Scheduler:
         other.paused = other.lane.pause()
         self.forest.remove(other.lane)
         self.slots[i].ticket, other.slot = None, -1
-        self.slots[i].background = False   # its rows resume later: the prompt cache keeps them
+        self.slots[i].background = False  # its rows resume later: the prompt cache keeps them
         self.pauses += 1
         with self.cv:
             self.waiting.append(other)
@@ -306,13 +323,13 @@ class Scheduler:
 
     def _start(self, ticket: Ticket, i: int) -> None:
         slot, m = self.slots[i], self.models
-        if i > 0 and m.kv_rows is not None:   # slot 0 is the session's, reserved as "kv_target"/"kv_draft"
+        if i > 0 and m.kv_rows is not None:  # slot 0 is the session's, reserved as "kv_target"/"kv_draft"
             kvcache.reserve(slot.state.target_cache, m.target, m.kv_rows[0], m.pool, "kv_parallel")
             if m.draft is not None and not m.shared_kv:
                 kvcache.reserve(slot.state.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_parallel")
         st = slot.state
         ids = self._prepare(ticket.full if ticket.paused is None else ticket.paused, i)
-        if ticket.paused is not None:   # a paused lane goes on from its committed ids
+        if ticket.paused is not None:  # a paused lane goes on from its committed ids
             lane = ticket.lane
             lane.resume(st, ids)
             ticket.paused = None
@@ -358,7 +375,7 @@ class Scheduler:
         for lane in list(self.forest.lanes):
             ticket = lane.ticket
             if ticket.closed or ticket.cancelled():
-                self.forest.remove(lane)   # committed rows stay: a follow-up request reuses them
+                self.forest.remove(lane)  # committed rows stay: a follow-up request reuses them
                 self._release(ticket, END)
 
     def _pass(self) -> None:

@@ -20,8 +20,8 @@ import socket
 import warnings
 from dataclasses import dataclass, field
 
-from specexec_cli.session import notices
 from specexec_cli.errors import SpecxError
+from specexec_cli.session import notices
 
 
 @dataclass
@@ -37,7 +37,9 @@ class ServeOptions:
     max_new_tokens: int | None = None  # --max-new-tokens when given; None: the flag's default (serve_on)
     repetition_guard: bool = True  # the guard of limits.py watches replies (a request may switch it)
     task_caps: bool = True  # Open WebUI's title/tags/follow-up requests get limits.TASK_CAPS
-    parallel: int | None = None  # --parallel: requests decoding at once; None = what the plan fits (scheduler.parallel_fit)
+    parallel: int | None = (
+        None  # --parallel: requests decoding at once; None = what the plan fits (scheduler.parallel_fit)
+    )
 
 
 def check_options(o: ServeOptions) -> None:
@@ -90,19 +92,27 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
     (session, defaults)."""
 
     def load():
+        from specexec_cli.core.methods.common import with_settings
         from specexec_cli.session.calprobe import pair_prior
         from specexec_cli.session.chat import ChatSession
         from specexec_cli.session.names import is_demo
         from specexec_cli.session.options import config_record, hardware_fit, load_planned
         from specexec_cli.session.prompt_cache import make_prompt_cache
-        from specexec_cli.core.methods.common import with_settings
 
         models = load_planned(opts, plan, None)
         tuner, _, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
         run_cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
-        session = ChatSession(models, run_cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=is_demo(opts.target),
-                              prompt_cache=make_prompt_cache(models, plan, cache_ram))  # fmt: skip
+        session = ChatSession(
+            models,
+            run_cfg,
+            system=system,
+            use_template=not flags.no_chat_template,
+            tuner=tuner,
+            profile=prof,
+            config_record=config_record,
+            code=is_demo(opts.target),
+            prompt_cache=make_prompt_cache(models, plan, cache_ram),
+        )
         return session, serve_defaults(flags, opts.target)
 
     return load
@@ -148,8 +158,10 @@ def run_server(flags, o: ServeOptions) -> int:
         show_plan(plan, None)
         return 0
     if not is_loopback(o.host) and not o.api_key:
-        notices.notice(f"warning: listening on {o.host} without --api-key: anyone who can reach this "
-                             "port can use the model; pass --api-key KEY (or set SPECX_API_KEY)")  # fmt: skip
+        notices.notice(
+            f"warning: listening on {o.host} without --api-key: anyone who can reach this "
+            "port can use the model; pass --api-key KEY (or set SPECX_API_KEY)"
+        )
     sock = bind(o.host, o.port)
     quiet_warnings()
     return serve_on(sock, flags, o, opts, plan, cfg)
@@ -160,25 +172,39 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
 
     from specexec_cli.serve.app import create_app
     from specexec_cli.serve.metrics import Metrics
-    from specexec_cli.serve.worker import Worker
-
     from specexec_cli.serve.names import aliases, model_id, resolve_target
+    from specexec_cli.serve.worker import Worker
 
     resolved = resolve_target(opts.target)
     auto = model_id(opts.target, resolved)  # a name, never a path; the path (and --target) still answer
     name = o.model_name or auto
-    worker = Worker(make_loader(flags, opts, plan, cfg, o.system, o.cache_ram), o.max_queue, Metrics(),
-                    max_new_tokens=o.max_new_tokens or flags.max_new_tokens, parallel=o.parallel or 1,
-                    repetition_guard=o.repetition_guard, task_caps=o.task_caps)  # fmt: skip
-    app = create_app(worker, name, api_key=o.api_key, cors=o.cors, host=o.host,
-                     aliases=aliases(opts.target, resolved, name) | ({auto} - {name}))  # fmt: skip
+    worker = Worker(
+        make_loader(flags, opts, plan, cfg, o.system, o.cache_ram),
+        o.max_queue,
+        Metrics(),
+        max_new_tokens=o.max_new_tokens or flags.max_new_tokens,
+        parallel=o.parallel or 1,
+        repetition_guard=o.repetition_guard,
+        task_caps=o.task_caps,
+    )
+    app = create_app(
+        worker,
+        name,
+        api_key=o.api_key,
+        cors=o.cors,
+        host=o.host,
+        aliases=aliases(opts.target, resolved, name) | ({auto} - {name}),
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = GracefulServer(config, worker)
     failure: list[str] = []
 
     def failed(exc: BaseException) -> None:
-        failure.append(str(exc) if isinstance(exc, (SpecxError, ValueError)) else
-                       f"internal error while loading: {exc.__class__.__name__}: {exc}")  # fmt: skip
+        failure.append(
+            str(exc)
+            if isinstance(exc, (SpecxError, ValueError))
+            else f"internal error while loading: {exc.__class__.__name__}: {exc}"
+        )
         server.should_exit = True
 
     def ready_notice() -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from specexec_cli.core.engine import DecodeState
 from specexec_cli.session.prompt_cache import common_prefix
 
-MIN_ROWS = 16   # fewer rows than this are not worth a copy, nor counted as lost (prompt_cache.MIN_TOKENS)
+MIN_ROWS = 16  # fewer rows than this are not worth a copy, nor counted as lost (prompt_cache.MIN_TOKENS)
 
 
 @dataclass
@@ -64,7 +64,7 @@ def lost(slots: list[Slot], k: int, full: list[int], cache) -> int:
     kept = reusable(full, st)
     if cache is not None:
         kept = max(kept, cache.covered(st))
-    for j, other in enumerate(slots):   # the same rows in another sequence
+    for j, other in enumerate(slots):  # the same rows in another sequence
         if j != k and kept < st.target_len:
             kept = max(kept, min(common_prefix(st.ids, other.state.ids), other.state.target_len))
     gone = st.target_len - kept
@@ -73,8 +73,9 @@ def lost(slots: list[Slot], k: int, full: list[int], cache) -> int:
 
 def choose(slots: list[Slot], free: list[int], full: list[int], cache) -> tuple[int, int]:
     """(slot index, rows lost) of the free slot a request for `full` takes (module docstring)."""
+
     def key(k: int) -> tuple:
-        if lost(slots, k, full, cache):   # every free slot loses rows: the conversation left longest goes
+        if lost(slots, k, full, cache):  # every free slot loses rows: the conversation left longest goes
             return False, False, 0, -slots[k].used
         return True, not displaced(slots[k], full), reusable(full, slots[k].state), -slots[k].used
 
@@ -96,5 +97,8 @@ def donor(slots: list[Slot], i: int, full: list[int]) -> tuple[int, int]:
 def waits(slots: list[Slot], loss: int, background: bool) -> bool:
     """A background request whose best free slot would lose a conversation's rows waits while
     another background request decodes (it frees a sequence within its task cap)."""
-    return background and loss > 0 and any(
-        s.ticket is not None and s.ticket.background and s.ticket.paused is None for s in slots)
+    return (
+        background
+        and loss > 0
+        and any(s.ticket is not None and s.ticket.background and s.ticket.paused is None for s in slots)
+    )

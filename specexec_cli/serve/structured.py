@@ -42,8 +42,12 @@ def apply(req, work: Work) -> None:
         work.response_format = {"type": "json_object"}
         return
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(400, "response_format.json_schema.schema is missing: type json_schema needs the JSON Schema "
-                       "the reply must follow", param="response_format.json_schema.schema")  # fmt: skip
+        raise APIError(
+            400,
+            "response_format.json_schema.schema is missing: type json_schema needs the JSON Schema "
+            "the reply must follow",
+            param="response_format.json_schema.schema",
+        )
     work.response_format = {"type": "json_schema", "schema": fmt.json_schema.schema_}
 
 
@@ -52,11 +56,17 @@ def _tools(req: ChatRequest, work: Work) -> None:
     for i, tool in enumerate(req.tools or []):
         fn = tool.function
         if fn.name in names:
-            raise APIError(400, f"tools.{i}.function.name: {fn.name!r} is declared twice", param=f"tools.{i}.function.name")
+            raise APIError(
+                400, f"tools.{i}.function.name: {fn.name!r} is declared twice", param=f"tools.{i}.function.name"
+            )
         params = fn.parameters
         if params is not None and params.get("type", "object") != "object":
-            raise APIError(400, f"tools.{i}.function.parameters must be the JSON Schema of an object (its \"type\" "
-                           f"is {params.get('type')!r})", param=f"tools.{i}.function.parameters")  # fmt: skip
+            raise APIError(
+                400,
+                f'tools.{i}.function.parameters must be the JSON Schema of an object (its "type" '
+                f"is {params.get('type')!r})",
+                param=f"tools.{i}.function.parameters",
+            )
         names.append(fn.name)
     work.tools = [tool.model_dump(exclude_none=True) for tool in req.tools or []]
     work.parallel_tool_calls = req.parallel_tool_calls is not False
@@ -65,12 +75,16 @@ def _tools(req: ChatRequest, work: Work) -> None:
         name = choice.function.name
         if name not in names:
             have = ", ".join(names) if names else "none"
-            raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools (tools has: {have})",
-                           param="tool_choice")  # fmt: skip
+            raise APIError(
+                400,
+                f"tool_choice names the function {name!r}, which is not in tools (tools has: {have})",
+                param="tool_choice",
+            )
         work.tool_choice, work.tool_name = "function", name
     elif choice == "required" and not names:
-        raise APIError(400, "tool_choice \"required\" needs tools: send the functions the reply may call",
-                       param="tool_choice")  # fmt: skip
+        raise APIError(
+            400, 'tool_choice "required" needs tools: send the functions the reply may call', param="tool_choice"
+        )
     else:
         work.tool_choice = choice
 
@@ -90,16 +104,24 @@ def template_messages(messages) -> list[dict]:
                 except ValueError as exc:
                     raise APIError(400, f"{param} must be a JSON object: {exc}", param=param) from None
                 calls[call.id] = call.function.name
-                msg["tool_calls"].append({"id": call.id, "type": "function",
-                                          "function": {"name": call.function.name, "arguments": args}})  # fmt: skip
+                msg["tool_calls"].append(
+                    {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+                )
         if m.role == "tool":
             param = f"messages.{i}.tool_call_id"
             if m.tool_call_id is None:
-                raise APIError(400, f"{param} is missing: a tool message answers one tool call by its id", param=param,
-                               code="missing_required_parameter")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{param} is missing: a tool message answers one tool call by its id",
+                    param=param,
+                    code="missing_required_parameter",
+                )
             if m.tool_call_id not in calls:
-                raise APIError(400, f"{param}: no earlier assistant message has a tool call with id "
-                               f"{m.tool_call_id!r}", param=param)  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{param}: no earlier assistant message has a tool call with id {m.tool_call_id!r}",
+                    param=param,
+                )
             msg["tool_call_id"], msg["name"] = m.tool_call_id, calls[m.tool_call_id]
         out.append(msg)
     return out
@@ -127,19 +149,26 @@ def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
     if tools and not (templated and toolcalls.renders_tools(tok)):
         if forcing:
             why = "has no chat template" if not templated else "has a chat template that does not render tools"
-            raise APIError(400, f"tool_choice {work.tool_name or work.tool_choice!r} cannot be honoured: this model "
-                           f"{why}; send tool_choice \"auto\" or \"none\" (the reply is then text)",
-                           param="tool_choice", code="tools_unsupported")  # fmt: skip
+            raise APIError(
+                400,
+                f"tool_choice {work.tool_name or work.tool_choice!r} cannot be honoured: this model "
+                f'{why}; send tool_choice "auto" or "none" (the reply is then text)',
+                param="tool_choice",
+                code="tools_unsupported",
+            )
         tools = []
     if tools and forcing:
         several = work.tool_choice == "required" and work.parallel_tool_calls  # a named function: one call
-        schema, prefix, suffix, repeat = toolcalls.forced_call(tools, work.tool_name, toolcalls.call_format(tok),
-                                                               several)  # fmt: skip
+        schema, prefix, suffix, repeat = toolcalls.forced_call(
+            tools, work.tool_name, toolcalls.call_format(tok), several
+        )
         param = "tools" if work.tool_name is None else f"tools.{_index(tools, work.tool_name)}.function.parameters"
         grammar = _compile(tok, eos_ids, "json_schema", schema, prefix, suffix, param, repeat)
     elif work.response_format is not None:
         kind, schema = work.response_format["type"], work.response_format.get("schema")
-        grammar = _compile(tok, eos_ids, kind, schema, "", "", "response_format.json_schema.schema" if schema else "response_format")
+        grammar = _compile(
+            tok, eos_ids, kind, schema, "", "", "response_format.json_schema.schema" if schema else "response_format"
+        )
     else:
         grammar = None
     names = [t["function"]["name"] for t in tools]
@@ -150,8 +179,9 @@ def _index(tools: list[dict], name: str) -> int:
     return next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
 
 
-def _compile(tok, eos_ids, kind: str, schema: dict | None, prefix: str, suffix: str, param: str,
-             repeat: str | None = None):  # fmt: skip
+def _compile(
+    tok, eos_ids, kind: str, schema: dict | None, prefix: str, suffix: str, param: str, repeat: str | None = None
+):
     """A GrammarSpec checked by compiling it once (compile_grammar caches it for the decode)."""
     from specexec_cli.core.grammar import GrammarError, GrammarSpec, compile_grammar
 
@@ -170,8 +200,14 @@ def to_work(req: Sampling) -> Work:
     """The request's `Work` (call `unsupported(req)` first)."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = 0 if req.top_k == -1 else req.top_k
-    work = Work(temperature=req.temperature, top_k=top_k, top_p=req.top_p, seed=req.seed, stops=stops,
-                repetition_guard=req.specx.repetition_guard if req.specx is not None else None)
+    work = Work(
+        temperature=req.temperature,
+        top_k=top_k,
+        top_p=req.top_p,
+        seed=req.seed,
+        stops=stops,
+        repetition_guard=req.specx.repetition_guard if req.specx is not None else None,
+    )
     apply(req, work)
     if isinstance(req, ChatRequest):
         work.messages = template_messages(req.messages)
@@ -179,10 +215,17 @@ def to_work(req: Sampling) -> Work:
     else:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if any(not isinstance(p, str) for p in prompts):
-            raise APIError(400, "prompt: token-id prompts are not supported; send the prompt as a string",
-                           param="prompt", code="unsupported_content")  # fmt: skip
+            raise APIError(
+                400,
+                "prompt: token-id prompts are not supported; send the prompt as a string",
+                param="prompt",
+                code="unsupported_content",
+            )
         if len(prompts) != 1:
-            raise APIError(400, f"prompt must be one string (got a list of {len(prompts)}): one completion "
-                           "per request", param="prompt")  # fmt: skip
-        work.prompt, work.max_tokens = prompts[0], req.max_tokens   # -1: no limit (limits.reply_limit)
+            raise APIError(
+                400,
+                f"prompt must be one string (got a list of {len(prompts)}): one completion per request",
+                param="prompt",
+            )
+        work.prompt, work.max_tokens = prompts[0], req.max_tokens  # -1: no limit (limits.reply_limit)
     return work

@@ -28,7 +28,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from collections.abc import Callable
 
 from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started, spans
 from specexec_cli.serve.limits import RepetitionGuard, guard_on, reply_limit, task_of
@@ -80,13 +80,13 @@ class Worker:
         if self.state != "ready" or self.stopping.is_set():
             raise APIError(503, "the model is still loading; retry shortly" if self.state == "loading" else
                            "the server is shutting down", type="server_error", code="unavailable",
-                           headers={"Retry-After": "5"})  # fmt: skip
+                           headers={"Retry-After": "5"})
         with self.lock:
             if self.pending >= self.max_queue + self.parallel:   # all --parallel busy, max_queue waiting
                 wait = max(1, round(self.job_seconds * self.pending))
                 raise APIError(429, f"{self.pending - self.parallel} requests are already waiting (--max-queue "
                                f"{self.max_queue}); retry after {wait}s", type="rate_limit_error",
-                               code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
+                               code="queue_full", headers={"Retry-After": str(wait)})
             self.pending += 1
             self.submitted += 1
             job.seq = self.submitted
@@ -256,7 +256,7 @@ class Worker:
         limit = session.models.ctx_limit
         if len(ids) + 1 > limit:
             raise APIError(400, f"the prompt is {len(ids)} tokens but the context holds {limit} (--ctx); "
-                           "shorten it", param=param, code="context_length_exceeded")  # fmt: skip
+                           "shorten it", param=param, code="context_length_exceeded")
         return ids, plan
 
     def _check_method(self, work: Work, plan) -> None:
@@ -271,7 +271,7 @@ class Worker:
             "logprobs" if plan.grammar is None else "tool_choice"
         raise APIError(400, f"{param}: structured output, forced tool calls and logprobs need --method specexec or ar "
                        f"(this server runs --method {method}); restart it with --method specexec", param=param,
-                       code="structured_output_unsupported")  # fmt: skip
+                       code="structured_output_unsupported")
 
     def _config(self, work: Work, prompt_tokens: int, plan, limit: int | None):
         import torch
@@ -288,7 +288,7 @@ class Worker:
         if work.logprobs is not None:
             extra["logprobs"] = work.logprobs
         cfg = replace(base, sampling=merge(self.defaults, work.temperature, work.top_k, work.top_p),
-                      max_new_tokens=max(1, limit), seed=seed, **extra)  # fmt: skip
+                      max_new_tokens=max(1, limit), seed=seed, **extra)
         gen = torch.Generator().manual_seed(seed % 2**64)
         return cfg, gen, RunStats(config=config_record(cfg))
 
@@ -307,7 +307,7 @@ class Worker:
 
         try:
             opened = self.scheduler.open(full, cfg, gen, stopped, interactive=job.interactive, seq=job.seq,
-                                         background=task_of(job.work) is not None)  # fmt: skip
+                                         background=task_of(job.work) is not None)
         except Withdrawn:   # never decoded: the server stops (503, as a queued job) or the client left
             if self.stopping.is_set():
                 raise APIError(503, "the server is shutting down", type="server_error", code="unavailable") from None
@@ -326,7 +326,7 @@ class Worker:
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill, task=task))
         plain = work.messages is not None and not session.templated and not session.code
         reply = Reply(session.models.tokenizer, plan.stops(work.stops + (PLAIN_STOPS if plain else [])), plan.names,
-                      plan.forced, work.logprobs, plan.limit)  # fmt: skip
+                      plan.forced, work.logprobs, plan.limit)
         finish = "length"
         try:
             for ev in events:

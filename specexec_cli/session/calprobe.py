@@ -19,7 +19,7 @@ from specexec_cli.core.sampling import SamplingParams
 PROBE_PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n",
     "The history of the printing press begins",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
 )
 TEMPERATURES = (0.0, 0.7)
 
@@ -35,8 +35,9 @@ def measure_calibration(models, tokens: int = 48, progress=None) -> dict:
         for p_i, prompt in enumerate(PROBE_PROMPTS):
             if progress:
                 progress(t_i * len(PROBE_PROMPTS) + p_i, steps, f"node calibration, T={temperature:g}")
-            cfg = GenerationConfig(method="specexec", shape=TreeShape(64, 32), sampling=params, seed=p_i,
-                                   max_new_tokens=tokens)
+            cfg = GenerationConfig(
+                method="specexec", shape=TreeShape(64, 32), sampling=params, seed=p_i, max_new_tokens=tokens
+            )
             for _ in generate(models, DecodeState(), models.tokenizer(prompt)["input_ids"], cfg):
                 pass
         out[key] = cal.rates()

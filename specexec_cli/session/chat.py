@@ -21,9 +21,9 @@ committed ids) and keeps the partial reply.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator
 
 import psutil
 import torch
@@ -31,11 +31,11 @@ import torch
 from specexec_cli.core import kvcache
 from specexec_cli.core.engine import DecodeState, GenerationConfig, StepEvent
 from specexec_cli.core.methods import generate
+from specexec_cli.core.sampling import validate
+from specexec_cli.core.stats import RunStats
 from specexec_cli.errors import SpecxError, is_oom, write_output
 from specexec_cli.session.interrupts import StopFlag, interrupt_guard
 from specexec_cli.session.prompt_cache import common_prefix
-from specexec_cli.core.sampling import validate
-from specexec_cli.core.stats import RunStats
 
 SETTINGS = ("temperature", "top_p", "top_k", "budget", "max_new_tokens", "seed")
 
@@ -58,10 +58,19 @@ def rewind(st: DecodeState, keep: int) -> None:
 class ChatSession:
     """One conversation; see the module docstring for how turns reuse the caches."""
 
-    def __init__(self, models, cfg: GenerationConfig, *, system: str | None = None, use_template: bool = True,
-                 tuner=None, profile: dict | None = None,
-                 config_record: Callable[[GenerationConfig], dict] = lambda cfg: {}, code: bool = False,
-                 prompt_cache=None):
+    def __init__(
+        self,
+        models,
+        cfg: GenerationConfig,
+        *,
+        system: str | None = None,
+        use_template: bool = True,
+        tuner=None,
+        profile: dict | None = None,
+        config_record: Callable[[GenerationConfig], dict] = lambda cfg: {},
+        code: bool = False,
+        prompt_cache=None,
+    ):
         self.models, self.cfg, self.system = models, cfg, system
         self.prompt_cache = prompt_cache  # a prompt_cache.PromptCache of other conversations, or None
         tok = models.tokenizer
@@ -77,8 +86,13 @@ class ChatSession:
         from specexec_cli.core.budget import make_tuner, weights_stream
 
         on_cuda = getattr(self.models.target, "device", torch.device("cpu")).type == "cuda"
-        return make_tuner(self.profile, self.cfg.shape, on_cuda, weights_stream(self.models.target),
-                          getattr(self.models, "plan_json", None))   # the memory plan's speed model
+        return make_tuner(
+            self.profile,
+            self.cfg.shape,
+            on_cuda,
+            weights_stream(self.models.target),
+            getattr(self.models, "plan_json", None),
+        )  # the memory plan's speed model
 
     def clear(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
@@ -137,8 +151,9 @@ class ChatSession:
             return self.tuner.drive(self.models, self.state, ids, cfg, gen)
         return generate(self.models, self.state, ids, cfg, gen)
 
-    def decode(self, ids: list[int], cfg: GenerationConfig | None = None,
-               gen: torch.Generator | None = None) -> Iterator[StepEvent]:
+    def decode(
+        self, ids: list[int], cfg: GenerationConfig | None = None, gen: torch.Generator | None = None
+    ) -> Iterator[StepEvent]:
         """The engine's events for a reply to `ids` (prefilled on top of the state), with the session's
         or the given settings and RNG. Closing it between events leaves the caches consistent; an
         error or interrupt mid-pass crops them back to the committed ids.
@@ -146,10 +161,10 @@ class ChatSession:
         events = self._events(ids, cfg or self.cfg, gen if gen is not None else self.gen)
         try:
             yield from events
-        except GeneratorExit:   # closed between events: the caches are consistent
+        except GeneratorExit:  # closed between events: the caches are consistent
             raise
         except BaseException:
-            rewind(self.state, len(self.state.ids))   # drop cache rows of the unfinished pass
+            rewind(self.state, len(self.state.ids))  # drop cache rows of the unfinished pass
             raise
         finally:
             events.close()
@@ -163,7 +178,7 @@ class ChatSession:
         ids = self.turn_ids(messages, text)
         stats = RunStats(config=self.config_record(self.cfg))
         out_ids: list[int] = []
-        shown: list[str] = []   # text already written (the detokenizer may hold back a tail)
+        shown: list[str] = []  # text already written (the detokenizer may hold back a tail)
         events = self.decode(ids)
         try:
             with interrupt_guard(self.flag):
@@ -178,7 +193,7 @@ class ChatSession:
                         stats.finish = "interrupted"
                         break
         except KeyboardInterrupt:  # a second Ctrl-C (or the grace timer) landed mid-pass
-            rewind(self.state, len(self.state.ids))   # drop uncommitted cache rows
+            rewind(self.state, len(self.state.ids))  # drop uncommitted cache rows
             stats.finish = "interrupted"
         except RuntimeError as exc:  # device OOM mid-pass: keep what was generated, go on chatting
             if not is_oom(exc):
@@ -190,7 +205,7 @@ class ChatSession:
         reply = self.models.tokenizer.decode(out_ids, skip_special_tokens=True)
         printed = "".join(shown)
         if stats.finish in ("interrupted", "oom") and len(reply) > len(printed) and reply.startswith(printed):
-            write(reply[len(printed):])   # a stop mid-pass: show the held-back tail that is kept
+            write(reply[len(printed) :])  # a stop mid-pass: show the held-back tail that is kept
         self.messages = messages + [{"role": "assistant", "content": reply}]
         self.turn_stats.append(stats)
         return stats
@@ -199,15 +214,23 @@ class ChatSession:
         if self.tuner is not None:
             stats.config.update(budget=self.tuner.shape.budget, max_depth=self.tuner.shape.max_depth)
         if view is not None:
-            extra = {"budget": f"auto → {self.tuner.shape.budget}, depth {self.tuner.shape.max_depth}"} if self.tuner else None
+            extra = (
+                {"budget": f"auto → {self.tuner.shape.budget}, depth {self.tuner.shape.max_depth}"}
+                if self.tuner
+                else None
+            )
             view.update(stats, extra)
 
     def turn_record(self, stats: RunStats) -> dict:
         """The --stats-json line: run keys plus turn, prefill_tokens and context_tokens."""
         rec = stats.to_json()
-        rec.update(turn=len(self.turn_stats), prefill_tokens=stats.prompt_tokens,
-                   context_tokens=len(self.state.ids), finish_reason=stats.finish,
-                   host_rss_bytes=psutil.Process().memory_info().rss)  # fmt: skip
+        rec.update(
+            turn=len(self.turn_stats),
+            prefill_tokens=stats.prompt_tokens,
+            context_tokens=len(self.state.ids),
+            finish_reason=stats.finish,
+            host_rss_bytes=psutil.Process().memory_info().rss,
+        )
         return rec
 
     # -- commands ---------------------------------------------------------------------------------
@@ -239,13 +262,25 @@ class ChatSession:
 
     def settings(self) -> dict:
         c = self.cfg
-        return dict(temperature=c.sampling.temperature, top_p=c.sampling.top_p, top_k=c.sampling.top_k,
-                    budget="auto" if self.tuner else c.shape.budget, max_new_tokens=c.max_new_tokens, seed=c.seed)
+        return dict(
+            temperature=c.sampling.temperature,
+            top_p=c.sampling.top_p,
+            top_k=c.sampling.top_k,
+            budget="auto" if self.tuner else c.shape.budget,
+            max_new_tokens=c.max_new_tokens,
+            seed=c.seed,
+        )
 
     def save(self, path: str) -> str:
-        data = dict(schema="specx-chat", version=1, system=self.system, templated=self.templated,
-                    settings=self.settings(), messages=self.messages,
-                    context_tokens=len(self.state.ids))  # fmt: skip
+        data = dict(
+            schema="specx-chat",
+            version=1,
+            system=self.system,
+            templated=self.templated,
+            settings=self.settings(),
+            messages=self.messages,
+            context_tokens=len(self.state.ids),
+        )
         write_output(Path(path), json.dumps(data, indent=1, ensure_ascii=False) + "\n", "/save")
         return f"saved {sum(m['role'] != 'system' for m in self.messages)} messages to {path}"
 
@@ -255,9 +290,11 @@ class ChatSession:
         secs = sum(s.decode_seconds for s in ts)
         passes = sum(s.target_passes for s in ts)
         per_pass = sum(sum(s.pass_tokens) for s in ts) / passes if passes else 0.0
-        return (f"chat: {len(ts)} turns, {tokens} tokens generated in {secs:.2f}s "
-                f"({tokens / secs if secs else 0:.2f} tok/s), {per_pass:.2f} tokens/pass, "
-                f"{sum(s.prompt_tokens for s in ts)} tokens prefilled, context {len(self.state.ids)}/{self.models.ctx_limit}")
+        return (
+            f"chat: {len(ts)} turns, {tokens} tokens generated in {secs:.2f}s "
+            f"({tokens / secs if secs else 0:.2f} tok/s), {per_pass:.2f} tokens/pass, "
+            f"{sum(s.prompt_tokens for s in ts)} tokens prefilled, context {len(self.state.ids)}/{self.models.ctx_limit}"
+        )
 
 
 def _int(name: str, value: str, minimum: int | None) -> int:
@@ -303,8 +340,9 @@ def render_template(tok, messages: list[dict], tools: list[dict] | None = None) 
         first = exc
     if any(m["role"] == "system" for m in messages):
         try:
-            return tok.apply_chat_template(fold_system(messages), tools=tools, add_generation_prompt=True,
-                                           tokenize=False)  # fmt: skip
+            return tok.apply_chat_template(
+                fold_system(messages), tools=tools, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # noqa: BLE001 - what is still wrong once the system role is gone
             first = exc
     raise TemplateError(f"the chat template refused this conversation: {first}") from None
@@ -349,8 +387,8 @@ class StopScanner:
             self.stopped, self.pending = True, ""
             return buf[:cut]
         hold = max((n for s in self.stops for n in range(1, len(s)) if buf.endswith(s[:n])), default=0)
-        self.pending = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold]
 
     def flush(self) -> str:
         """The held-back tail once the reply ended without a stop string."""

@@ -36,14 +36,14 @@ OPTIONAL = {
     "bitsandbytes": (None, ">=0.50.2,<0.51", "--dtype nf4 and the 4-bit self-draft"),
     "matplotlib": ("plot", ">=3.7", "specx bench's plots"),
 }
-BITS_NEED = {4: "bitsandbytes", 3: "hqq", 2: "hqq"}   # self-draft substitute width -> the package it quantizes with
+BITS_NEED = {4: "bitsandbytes", 3: "hqq", 2: "hqq"}  # self-draft substitute width -> the package it quantizes with
 
 
 def installed(module: str) -> bool:
     """True when `module` can be imported (found on the path, not hidden); imports nothing."""
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):   # a parent hidden or broken, or a __spec__ of None
+    except (ImportError, ValueError):  # a parent hidden or broken, or a __spec__ of None
         return False
 
 
@@ -56,8 +56,9 @@ def install_hint(module: str) -> str:
 
 def missing_error(module: str, what: str | None = None) -> SpecxError:
     """The one line (exit 2) for a run that needs `module` and lacks it."""
-    return SpecxError(f"{what or OPTIONAL[module][2]} needs {module}, which is not installed; "
-                      f"fix: {install_hint(module)}")
+    return SpecxError(
+        f"{what or OPTIONAL[module][2]} needs {module}, which is not installed; fix: {install_hint(module)}"
+    )
 
 
 def usable_bits(bits) -> bool:
@@ -67,8 +68,14 @@ def usable_bits(bits) -> bool:
 
 def skipped_clause(plan) -> str:
     """'; skipped 3-bit and 2-bit: hqq is not installed, fix: ...' for the candidates whose package is missing."""
-    gone = sorted({c["bits"] for c in (getattr(plan, "candidates", None) or []) if c.get("bits") in BITS_NEED
-                   and not usable_bits(c["bits"])}, reverse=True)
+    gone = sorted(
+        {
+            c["bits"]
+            for c in (getattr(plan, "candidates", None) or [])
+            if c.get("bits") in BITS_NEED and not usable_bits(c["bits"])
+        },
+        reverse=True,
+    )
     if not gone:
         return ""
     need = sorted({BITS_NEED[b] for b in gone})
@@ -99,8 +106,9 @@ def usable_draft(opts, plan, replan):
     if opts.draft == "self":
         err = missing_error(BITS_NEED[chosen], f"--draft self on this target ({chosen}-bit substitutes)")
         raise SpecxError(f"{err}, or pass a small --draft DIR")
-    notices.notice(f"--draft auto: no self-draft width is usable{skipped}, so decoding runs without a draft "
-                   "(pass --draft DIR for a small one)")
+    notices.notice(
+        f"--draft auto: no self-draft width is usable{skipped}, so decoding runs without a draft "
+        "(pass --draft DIR for a small one)"
+    )
     opts = replace(opts, draft=None, draft_bits=None)
     return opts, replan(opts), ""
-

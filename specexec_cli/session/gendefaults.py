@@ -46,12 +46,13 @@ def checkpoint_sampling(model_dir: Path | str | None) -> SamplingParams:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         values[name] = value if ok else default
     try:
-        params = SamplingParams(temperature=float(values["temperature"]), top_k=int(values["top_k"]),
-                                top_p=float(values["top_p"]))  # fmt: skip
+        params = SamplingParams(
+            temperature=float(values["temperature"]), top_k=int(values["top_k"]), top_p=float(values["top_p"])
+        )
     except (TypeError, ValueError, OverflowError):
         return SamplingParams(**HF_DEFAULTS)
     if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-        return SamplingParams(**HF_DEFAULTS)   # a broken file: transformers' defaults, never an error
+        return SamplingParams(**HF_DEFAULTS)  # a broken file: transformers' defaults, never an error
     return params
 
 
@@ -63,19 +64,23 @@ def serve_sampling(model_dir: Path | str | None) -> SamplingParams:
     cfg = read_generation_config(model_dir)
     if "do_sample" in cfg:
         return checkpoint_sampling(model_dir)
-    given = {name: cfg[name] for name in HF_DEFAULTS
-             if isinstance(cfg.get(name), (int, float)) and not isinstance(cfg.get(name), bool)}  # fmt: skip
+    given = {
+        name: cfg[name]
+        for name in HF_DEFAULTS
+        if isinstance(cfg.get(name), (int, float)) and not isinstance(cfg.get(name), bool)
+    }
     try:
         params = merge(SERVE_DEFAULTS, given.get("temperature"), given.get("top_k"), given.get("top_p"))
     except (ValueError, OverflowError):
         return SERVE_DEFAULTS
     if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0):
-        return SERVE_DEFAULTS   # a broken file (NaN too): never an error
+        return SERVE_DEFAULTS  # a broken file (NaN too): never an error
     return params
 
 
-def merge(defaults: SamplingParams, temperature: float | None = None, top_k: int | None = None,
-          top_p: float | None = None) -> SamplingParams:
+def merge(
+    defaults: SamplingParams, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None
+) -> SamplingParams:
     """`defaults` with each explicitly given value replacing its field."""
     return SamplingParams(
         temperature=defaults.temperature if temperature is None else float(temperature),

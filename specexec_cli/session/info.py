@@ -15,22 +15,20 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specexec_cli.errors import SpecxError
-
 
 @dataclass
 class Info:
-    path: Path                          # what was described
-    format: str | None                  # formats.FORMATS name; None when it could not be opened
-    family: str | None                  # config model_type (llama, qwen2, ...)
-    layers: int | None                  # decoder layers
-    layer_bytes: list[int] = field(default_factory=list)   # stored bytes of each decoder layer
-    total_bytes: int = 0                # bytes of the weight files
-    quant: dict | None = None           # quantization parameters (None: 16/32-bit)
-    vocab: int | None = None            # vocabulary size from the config
-    template: str | None = None         # chat template (None: none found)
-    runnable: bool = False              # specx can load and run it
-    reason: str = ""                    # why not, one line (empty when runnable)
+    path: Path  # what was described
+    format: str | None  # formats.FORMATS name; None when it could not be opened
+    family: str | None  # config model_type (llama, qwen2, ...)
+    layers: int | None  # decoder layers
+    layer_bytes: list[int] = field(default_factory=list)  # stored bytes of each decoder layer
+    total_bytes: int = 0  # bytes of the weight files
+    quant: dict | None = None  # quantization parameters (None: 16/32-bit)
+    vocab: int | None = None  # vocabulary size from the config
+    template: str | None = None  # chat template (None: none found)
+    runnable: bool = False  # specx can load and run it
+    reason: str = ""  # why not, one line (empty when runnable)
 
 
 def _resolve(name: str) -> Path:
@@ -60,20 +58,49 @@ def describe(name: str) -> Info:
     except OffloadError as exc:
         cfg = _config_only(path)
         qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
-        return Info(path, None, cfg.get("model_type"), cfg.get("num_hidden_layers"), quant=qc,
-                    vocab=cfg.get("vocab_size"), runnable=False, reason=str(exc))
+        return Info(
+            path,
+            None,
+            cfg.get("model_type"),
+            cfg.get("num_hidden_layers"),
+            quant=qc,
+            vocab=cfg.get("vocab_size"),
+            runnable=False,
+            reason=str(exc),
+        )
     cfg = ck.config.get("text_config") or ck.config
     n = ck.num_layers
-    return Info(path, ck.format, cfg.get("model_type"), n, [ck.layer_bytes(i) for i in range(n)],
-                sum(f.stat().st_size for f in ck.files), ck.quant, cfg.get("vocab_size"), ck.chat_template,
-                runnable=True)
+    return Info(
+        path,
+        ck.format,
+        cfg.get("model_type"),
+        n,
+        [ck.layer_bytes(i) for i in range(n)],
+        sum(f.stat().st_size for f in ck.files),
+        ck.quant,
+        cfg.get("vocab_size"),
+        ck.chat_template,
+        runnable=True,
+    )
 
 
 def _quant_text(q: dict | None) -> str:
     if not q:
         return "none (16/32-bit weights)"
-    keys = ("method", "quant_method", "bits", "group_size", "strategy", "sym", "desc_act", "checkpoint_format",
-            "version", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "file_type")
+    keys = (
+        "method",
+        "quant_method",
+        "bits",
+        "group_size",
+        "strategy",
+        "sym",
+        "desc_act",
+        "checkpoint_format",
+        "version",
+        "bnb_4bit_quant_type",
+        "bnb_4bit_use_double_quant",
+        "file_type",
+    )
     return ", ".join(f"{k}={q[k]}" for k in keys if k in q) or json.dumps(q)[:120]
 
 
@@ -81,12 +108,24 @@ def rows(info: Info) -> list[tuple[str, str]]:
     from offload import format_bytes
 
     lb = info.layer_bytes
-    per_layer = (f"{format_bytes(min(lb))}" if lb and min(lb) == max(lb)
-                 else f"{format_bytes(min(lb))} .. {format_bytes(max(lb))}" if lb else "unknown")
+    per_layer = (
+        f"{format_bytes(min(lb))}"
+        if lb and min(lb) == max(lb)
+        else f"{format_bytes(min(lb))} .. {format_bytes(max(lb))}"
+        if lb
+        else "unknown"
+    )
     template = "none" if not info.template else f"yes ({len(info.template)} chars)"
     run = "yes" if info.runnable else f"no: {info.reason}"
-    return [("path", str(info.path)), ("format", info.format or "unknown"), ("family", info.family or "unknown"),
-            ("layers", str(info.layers) if info.layers is not None else "unknown"),
-            ("bytes per layer", per_layer), ("weights", format_bytes(info.total_bytes) if info.total_bytes else "unknown"),
-            ("quantization", _quant_text(info.quant)), ("vocabulary", str(info.vocab or "unknown")),
-            ("chat template", template), ("specx can run it", run)]
+    return [
+        ("path", str(info.path)),
+        ("format", info.format or "unknown"),
+        ("family", info.family or "unknown"),
+        ("layers", str(info.layers) if info.layers is not None else "unknown"),
+        ("bytes per layer", per_layer),
+        ("weights", format_bytes(info.total_bytes) if info.total_bytes else "unknown"),
+        ("quantization", _quant_text(info.quant)),
+        ("vocabulary", str(info.vocab or "unknown")),
+        ("chat template", template),
+        ("specx can run it", run),
+    ]

@@ -12,7 +12,7 @@ import signal
 import threading
 from contextlib import contextmanager
 
-GRACE_SECONDS = 1.0   # after the first Ctrl-C, a reply still running this long is interrupted mid-pass
+GRACE_SECONDS = 1.0  # after the first Ctrl-C, a reply still running this long is interrupted mid-pass
 
 
 class StopFlag:

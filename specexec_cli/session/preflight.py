@@ -31,8 +31,10 @@ def require_for_run(opts) -> None:
     bits = getattr(opts, "draft_bits", None)
     if opts.draft in ("self", "auto") and bits == 4 and opts.dtype == "nf4":
         hqq = "" if deps.installed("hqq") else f" (they need hqq: {deps.install_hint('hqq')})"
-        raise SpecxError("--draft-bits 4: the target is already 4-bit (--dtype nf4), so its 4-bit substitutes would "
-                         f"be the target itself; fix: --draft-bits 3 or 2{hqq}, the target in 16 bits (--dtype bf16, "
-                         "or fp32 on a CPU) with --draft-bits 4, or a small --draft DIR")
+        raise SpecxError(
+            "--draft-bits 4: the target is already 4-bit (--dtype nf4), so its 4-bit substitutes would "
+            f"be the target itself; fix: --draft-bits 3 or 2{hqq}, the target in 16 bits (--dtype bf16, "
+            "or fp32 on a CPU) with --draft-bits 4, or a small --draft DIR"
+        )
     if opts.draft in ("self", "auto") and bits is not None and not deps.installed(deps.BITS_NEED[bits]):
         raise deps.missing_error(deps.BITS_NEED[bits], f"--draft-bits {bits}")

@@ -23,7 +23,7 @@ from specexec_cli.errors import SpecxError
 
 SCHEMA, VERSION = "specx-profile", 1
 CARDS = Path(__file__).resolve().parents[2] / "profiles" / "cards.json"
-PCIE_X16_GBPS = {3: 16, 4: 32, 5: 64}   # published per-direction rate of a x16 link, by PCIe generation
+PCIE_X16_GBPS = {3: 16, 4: 32, 5: 64}  # published per-direction rate of a x16 link, by PCIe generation
 
 
 def config_dir() -> Path:
@@ -39,8 +39,9 @@ def validate_profile(data: object, where: str) -> dict:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise SpecxError(f"{where} is not a specx profile; create one with `specx profile --out FILE`")
     if data.get("version") != VERSION:
-        raise SpecxError(f"{where} has profile version {data.get('version')}, this specx reads {VERSION}; "
-                         "re-run `specx profile`")
+        raise SpecxError(
+            f"{where} has profile version {data.get('version')}, this specx reads {VERSION}; re-run `specx profile`"
+        )
     return data
 
 
@@ -56,7 +57,9 @@ def write_profile(profile: dict, path: Path | None) -> Path:
         last[socket.gethostname()] = str(path.resolve())
         index.write_text(json.dumps(last, indent=1) + "\n")
     except OSError as exc:
-        raise SpecxError(f"cannot write the profile to {path} ({exc.strerror}); pass --out to a writable file") from None
+        raise SpecxError(
+            f"cannot write the profile to {path} ({exc.strerror}); pass --out to a writable file"
+        ) from None
     return path
 
 
@@ -69,7 +72,7 @@ def read_profile(path: Path) -> dict:
         raise SpecxError(f"profile {path} is unreadable ({exc.__class__.__name__}); re-run `specx profile`") from None
     prof = validate_profile(data, f"profile {path}")
     if not isinstance(prof.get("models") or {}, dict):
-        raise SpecxError(f"profile {path} has a malformed \"models\" entry; re-run `specx profile`")
+        raise SpecxError(f'profile {path} has a malformed "models" entry; re-run `specx profile`')
     prof["_path"] = f"profile {path}"
     return prof
 
@@ -105,8 +108,10 @@ def cards() -> dict[str, dict]:
     try:
         return json.loads(CARDS.read_text())["cards"]
     except (OSError, ValueError, KeyError):
-        raise SpecxError(f"the cards table {CARDS} is missing or unreadable; pass --device cuda "
-                         "--max-gpu-memory SIZE instead of --gpu") from None
+        raise SpecxError(
+            f"the cards table {CARDS} is missing or unreadable; pass --device cuda "
+            "--max-gpu-memory SIZE instead of --gpu"
+        ) from None
 
 
 def card_key(name: str) -> str:
@@ -118,8 +123,10 @@ def card(name: str) -> dict:
     table = cards()
     row = table.get(card_key(name))
     if row is None:
-        raise SpecxError(f"--gpu {name}: not in the cards table; known: {', '.join(table)} "
-                         "(or plan with --device cuda --max-gpu-memory SIZE)")
+        raise SpecxError(
+            f"--gpu {name}: not in the cards table; known: {', '.join(table)} "
+            "(or plan with --device cuda --max-gpu-memory SIZE)"
+        )
     return row
 
 
@@ -147,8 +154,12 @@ def cost_device_for(device: str, gpu: str | None, profile: dict | None):
 
     if gpu is not None:
         row, src = card(gpu), f"published: {card(gpu)['name']}"
-        given = dict(memory_bps=row["memory_gbps"] * 1e9, link_bps=LINK_EFFICIENCY * PCIE_X16_GBPS[row["pcie_gen"]] * 1e9,
-                     flops16=row.get("tensor16_tflops", 0) * 1e12, flops32=row.get("fp32_tflops", 0) * 1e12)
+        given = dict(
+            memory_bps=row["memory_gbps"] * 1e9,
+            link_bps=LINK_EFFICIENCY * PCIE_X16_GBPS[row["pcie_gen"]] * 1e9,
+            flops16=row.get("tensor16_tflops", 0) * 1e12,
+            flops32=row.get("fp32_tflops", 0) * 1e12,
+        )
         return device_for(device, {k: src for k in given}, **given)
     prof = profile or {}
     host = prof.get("hostname", "?")
@@ -172,8 +183,11 @@ def cost_device_for(device: str, gpu: str | None, profile: dict | None):
     for k in given:
         srcs.setdefault(k, f"measured ({host})")
     deq = prof.get("dequant") or {}
-    rates = {k: v["gbps"] * 1e9 for k, v in deq.items() if isinstance(v, dict) and v.get("gbps")} \
-        if deq.get("device") == device else {}
+    rates = (
+        {k: v["gbps"] * 1e9 for k, v in deq.items() if isinstance(v, dict) and v.get("gbps")}
+        if deq.get("device") == device
+        else {}
+    )
     srcs["dequant"] = f"measured ({host})"
     return device_for(device, srcs, rates, **given)
 
@@ -191,12 +205,17 @@ def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | No
         return None, ""
     same = models.get("target_resolved") == str(Path(target).resolve()) if target else False
     if not profile.get("_explicit") and (not same or models.get("plan_dtype") not in (None, dtype)):
-        return None, ""   # this machine's last profile timed another model: quietly not used
+        return None, ""  # this machine's last profile timed another model: quietly not used
     if not same:
-        return None, (f"{name} timed another target ({models.get('target')}); its pass times are not used "
-                      "(run `specx profile --target` with this one)")
+        return None, (
+            f"{name} timed another target ({models.get('target')}); its pass times are not used "
+            "(run `specx profile --target` with this one)"
+        )
     if models.get("plan_dtype") and models["plan_dtype"] != dtype:
-        return None, f"{name} timed this target at --dtype {models['plan_dtype']}, not {dtype}; its pass times are not used"
+        return (
+            None,
+            f"{name} timed this target at --dtype {models['plan_dtype']}, not {dtype}; its pass times are not used",
+        )
     return models, ""
 
 
@@ -205,5 +224,8 @@ def plan_timings(models: dict | None) -> dict | None:
     size and the drafts' step/tree seconds, each for the placement they were measured under."""
     if not models:
         return None
-    return dict(placement=models.get("placement"), target_seconds=models.get("target_seconds"),
-                draft=models.get("draft_timings") or {})
+    return dict(
+        placement=models.get("placement"),
+        target_seconds=models.get("target_seconds"),
+        draft=models.get("draft_timings") or {},
+    )

@@ -42,8 +42,8 @@ import torch
 
 from specexec_cli.core import kvcache
 
-PROTECT_REQUESTS = 8   # requests during which a longer, recently used entry cannot be evicted by a shorter one
-MIN_TOKENS = 16        # snapshots shorter than this are not kept
+PROTECT_REQUESTS = 8  # requests during which a longer, recently used entry cannot be evicted by a shorter one
+MIN_TOKENS = 16  # snapshots shorter than this are not kept
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -51,7 +51,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     the block holding the first difference is walked in Python (serve compares every sequence and
     entry against each request: thousands of tokens, several times per admission)."""
     n, i, step = min(len(a), len(b)), 0, 512
-    while i < n and a[i:i + step] == b[i:i + step]:
+    while i < n and a[i : i + step] == b[i : i + step]:
         i += step
     for j in range(i, min(i + step, n)):
         if a[j] != b[j]:
@@ -116,7 +116,7 @@ class PromptCache:
         live = min(common_prefix(full, st.ids), st.target_len, len(full) - 1)
         best = max(self.entries, key=lambda e: e.usable(full), default=None)
         rows = best.usable(full) if best is not None else 0
-        if rows >= live + self.min_tokens:   # worth a copy: it saves at least min_tokens of prefill
+        if rows >= live + self.min_tokens:  # worth a copy: it saves at least min_tokens of prefill
             if save:
                 self.save(st, keep=best)
             restore(best, st, models, rows)
@@ -146,7 +146,7 @@ class PromptCache:
         if n < self.min_tokens:
             return self._refuse()
         ids = list(st.ids)
-        for e in self.entries:   # already covered: the same rows are in host RAM
+        for e in self.entries:  # already covered: the same rows are in host RAM
             if e.target_len >= n and common_prefix(e.ids, ids) >= n:
                 e.last_used = self.clock
                 return True
@@ -160,14 +160,21 @@ class PromptCache:
                 break
             recent = self.clock - e.last_used < self.protect_requests
             if e is keep or (recent and (e.target_len > n or e.continued)):
-                continue   # a longer entry or a conversation, in use: protected
+                continue  # a longer entry or a conversation, in use: protected
             victims.append(e)
             room += e.nbytes
         if room < nbytes:
             return self._refuse()
-        snap = Snapshot(ids, n, draft_len, _host_rows(st.target_cache, n, self.pin),
-                        _host_rows(st.draft_cache, draft_len, self.pin), nbytes, self.clock,
-                        max((e.continued for e in stale), default=0))  # fmt: skip
+        snap = Snapshot(
+            ids,
+            n,
+            draft_len,
+            _host_rows(st.target_cache, n, self.pin),
+            _host_rows(st.draft_cache, draft_len, self.pin),
+            nbytes,
+            self.clock,
+            max((e.continued for e in stale), default=0),
+        )
         with self.lock:
             self.entries = [e for e in self.entries if e not in stale and e not in victims] + [snap]
         gone = [k for k, e in self.sources.items() if any(e is x for x in (*stale, *victims))]
@@ -198,11 +205,17 @@ class PromptCache:
         """Counters and gauges for /metrics (names without the specx_ prefix)."""
         with self.lock:
             s = self.stats
-            return {"prompt_cache_hits_total": s.hits, "prompt_cache_requests_total": s.requests,
-                    "prompt_cache_restored_tokens_total": s.restored_tokens, "prompt_cache_saves_total": s.saves,
-                    "prompt_cache_evictions_total": s.evictions, "prompt_cache_refused_total": s.refused,
-                    "prompt_cache_entries": len(self.entries), "prompt_cache_bytes": self.nbytes,
-                    "prompt_cache_capacity_bytes": self.capacity}  # fmt: skip
+            return {
+                "prompt_cache_hits_total": s.hits,
+                "prompt_cache_requests_total": s.requests,
+                "prompt_cache_restored_tokens_total": s.restored_tokens,
+                "prompt_cache_saves_total": s.saves,
+                "prompt_cache_evictions_total": s.evictions,
+                "prompt_cache_refused_total": s.refused,
+                "prompt_cache_entries": len(self.entries),
+                "prompt_cache_bytes": self.nbytes,
+                "prompt_cache_capacity_bytes": self.capacity,
+            }
 
 
 # -- cache rows <-> host ---------------------------------------------------------------------------
@@ -212,7 +225,7 @@ def _own_rows(cache) -> bool:
 
 
 def _layers(cache) -> list:
-    return [l for l in getattr(cache, "layers", []) if getattr(l, "is_initialized", False)]
+    return [layer for layer in getattr(cache, "layers", []) if getattr(layer, "is_initialized", False)]
 
 
 def _rows_bytes(cache, n: int) -> int:
@@ -234,14 +247,14 @@ def _host_rows(cache, n: int, pin: bool) -> list[tuple[torch.Tensor, torch.Tenso
     for layer in _layers(cache):
         pair = []
         for t in (layer.keys, layer.values):
-            rows = t[:, :, :n]   # (1, H, n, D) view of the slab
+            rows = t[:, :, :n]  # (1, H, n, D) view of the slab
             on_cuda = on_cuda or rows.is_cuda
             host = _host_empty(rows, pin and rows.is_cuda)
             host.copy_(rows, non_blocking=host.is_pinned())
             pair.append(host)
         out.append(tuple(pair))
     if on_cuda:
-        torch.cuda.synchronize()   # the async copies land before anyone overwrites the slabs
+        torch.cuda.synchronize()  # the async copies land before anyone overwrites the slabs
     return out
 
 
@@ -250,19 +263,19 @@ def _host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
     if pin:
         try:
             return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        except RuntimeError:   # pinned pages refused (locked-memory limit): a pageable copy still works
+        except RuntimeError:  # pinned pages refused (locked-memory limit): a pageable copy still works
             pass
     return torch.empty(like.shape, dtype=like.dtype)
 
 
-@torch.inference_mode()   # the slabs are inference tensors (written under kvcache.forward's inference mode)
+@torch.inference_mode()  # the slabs are inference tensors (written under kvcache.forward's inference mode)
 def restore(snap: Snapshot, st, models, rows: int | None = None) -> None:
     """Put the first `rows` positions of `snap` (default: all) into the live state: ids, lengths and
     both caches' rows, bit-exact copies; the state is then what it was at the save, rewound to `rows`."""
     from specexec_cli.core.engine import reserve_caches
 
     n = snap.target_len if rows is None else min(rows, snap.target_len)
-    reserve_caches(models, st)   # planned slabs (or the self-draft's shared view) exist before the copy
+    reserve_caches(models, st)  # planned slabs (or the self-draft's shared view) exist before the copy
     _put_rows(st.target_cache, snap.target, n, models.target)
     st.target_len = n
     if isinstance(st.draft_cache, kvcache.SharedCache):
@@ -281,9 +294,13 @@ def copy_prefix(src, dst, rows: int, models) -> None:
     n = min(rows, src.target_len)
     own = _own_rows(src.draft_cache)
     draft_len = min(src.draft_len, n) if own else 0
-    view = lambda cache, k: [(l.keys[:, :, :k], l.values[:, :, :k]) for l in _layers(cache)] if k else []
-    snap = Snapshot(list(src.ids[:n]), n, draft_len, view(src.target_cache, n),
-                    view(src.draft_cache, draft_len) if own else [], 0)  # fmt: skip
+
+    def view(cache, k):
+        return [(layer.keys[:, :, :k], layer.values[:, :, :k]) for layer in _layers(cache)] if k else []
+
+    snap = Snapshot(
+        list(src.ids[:n]), n, draft_len, view(src.target_cache, n), view(src.draft_cache, draft_len) if own else [], 0
+    )
     restore(snap, dst, models, n)
 
 
@@ -298,12 +315,12 @@ def _put_rows(cache, layers: list, n: int, model) -> None:
             layer.keys[:, :, :n].copy_(k, non_blocking=k.is_pinned())
             layer.values[:, :, :n].copy_(v, non_blocking=v.is_pinned())
             layer.length = n
-        else:   # an unreserved cache: the slab is allocated (or grown) on the model's device
+        else:  # an unreserved cache: the slab is allocated (or grown) on the model's device
             cache.update(k.to(device), v.to(device), i)
 
 
 # -- sizing ------------------------------------------------------------------------------------------
-DEFAULT_CONTEXTS = 8   # the default capacity holds this many full-context snapshots, RAM permitting
+DEFAULT_CONTEXTS = 8  # the default capacity holds this many full-context snapshots, RAM permitting
 
 
 def token_bytes(model) -> int:

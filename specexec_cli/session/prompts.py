@@ -47,13 +47,16 @@ def check_prompt_fits(opts, plan, text: str, chat_template: bool) -> list[int]:
     from specexec_cli.session.loading import load_tokenizer, resolve_path
     from specexec_cli.session.planning import require_host
 
-    if plan is not None and not plan.fits:   # the plan's own refusals come first, as load_planned's
+    if plan is not None and not plan.fits:  # the plan's own refusals come first, as load_planned's
         raise SpecxError(plan.reason)
     require_host(plan)
-    ids = encode_prompt(load_tokenizer(resolve_path(opts.target, "--target"), "--target", opts.trust_remote_code),
-                        text, chat_template)
+    ids = encode_prompt(
+        load_tokenizer(resolve_path(opts.target, "--target"), "--target", opts.trust_remote_code), text, chat_template
+    )
     limit = plan.ctx if plan is not None else opts.ctx
     if len(ids) + 1 > limit:
-        raise SpecxError(f"prompt needs {len(ids)} tokens but the context holds {limit} (--ctx {opts.ctx}); fix: "
-                         f"a larger --ctx (the memory plan says whether it fits) or a shorter prompt")
+        raise SpecxError(
+            f"prompt needs {len(ids)} tokens but the context holds {limit} (--ctx {opts.ctx}); fix: "
+            f"a larger --ctx (the memory plan says whether it fits) or a shorter prompt"
+        )
     return ids

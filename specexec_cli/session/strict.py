@@ -44,8 +44,9 @@ def load_config(path: Path, flag: str, trust: bool):
         if "trust_remote_code" in str(exc):
             raise SpecxError(f"{flag} {path}: needs custom code; pass --trust-remote-code if you trust it") from None
         first = (str(exc).splitlines() or [""])[0][:120]
-        raise SpecxError(f"{flag} {path / 'config.json'}: cannot use it ({exc.__class__.__name__}: {first}); "
-                         "fix or re-download it") from None
+        raise SpecxError(
+            f"{flag} {path / 'config.json'}: cannot use it ({exc.__class__.__name__}: {first}); fix or re-download it"
+        ) from None
 
 
 def check_loading_info(info: dict, index, flag: str, path: Path, model_type: str) -> None:
@@ -56,17 +57,23 @@ def check_loading_info(info: dict, index, flag: str, path: Path, model_type: str
     mismatched = sorted(info.get("mismatched_keys") or ())
     counts = f"{len(missing)} missing, {len(unexpected)} unexpected"
     if missing:
-        raise SpecxError(f"{flag} {source}: tensor {missing[0]!r} that model_type {model_type!r} needs is missing "
-                         f"({counts}); the checkpoint does not match config.json - fix it or re-download")
+        raise SpecxError(
+            f"{flag} {source}: tensor {missing[0]!r} that model_type {model_type!r} needs is missing "
+            f"({counts}); the checkpoint does not match config.json - fix it or re-download"
+        )
     if unexpected:
         name = unexpected[0]
         where = index.entries[name].file if index is not None and name in index.entries else source
-        raise SpecxError(f"{flag} {where}: unexpected tensor {name!r} ({counts}; not used by model_type "
-                         f"{model_type!r}); the checkpoint does not match config.json - fix it or re-download")
+        raise SpecxError(
+            f"{flag} {where}: unexpected tensor {name!r} ({counts}; not used by model_type "
+            f"{model_type!r}); the checkpoint does not match config.json - fix it or re-download"
+        )
     if mismatched:
         name = mismatched[0][0]
-        raise SpecxError(f"{flag} {source}: tensor {name!r} has the wrong shape for config.json; "
-                         "the checkpoint does not match its config")
+        raise SpecxError(
+            f"{flag} {source}: tensor {name!r} has the wrong shape for config.json; "
+            "the checkpoint does not match its config"
+        )
     errors = list(info.get("error_msgs") or ())
     if errors:
         raise SpecxError(f"{flag} {source}: cannot load the weights ({str(errors[0]).splitlines()[0][:120]})")

@@ -23,7 +23,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-
+from typing import ClassVar
 
 FORMATS = ("hermes", "mistral", "llama3", "generic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -184,7 +184,7 @@ class _Arguments:
     characters between them. `eat(text)` returns how much of `text` belongs to it; `done` once the
     object closed, `broken` once a character could not continue JSON (the object ends there)."""
 
-    PAIRS = {"}": "{", "]": "["}
+    PAIRS: ClassVar[dict[str, str]] = {"}": "{", "]": "["}
 
     def __init__(self):
         self.stack: list[str] = []
@@ -235,7 +235,7 @@ def _header(text: str, names, first: bool):
     `text` may still become one; None when it is no call written the canonical way
     ({"name": "<a tool>", "arguments" | "parameters": {...}} after the family's markers)."""
     i = 0
-    if not first:   # the previous call's object closes first
+    if not first:  # the previous call's object closes first
         while i < len(text) and text[i].isspace():
             i += 1
         if i == len(text):
@@ -312,8 +312,8 @@ class ToolScanner:
             self.shown = self.shown or at > 0
             return buf[:at]
         hold = max((n for m in MID_OPENERS for n in range(1, len(m)) if buf.endswith(m[:n])), default=0)
-        self.held = buf[len(buf) - hold:] if hold else ""
-        out = buf[:len(buf) - hold]
+        self.held = buf[len(buf) - hold :] if hold else ""
+        out = buf[: len(buf) - hold]
         self.shown = self.shown or bool(out)
         return out
 
@@ -350,15 +350,17 @@ class ToolScanner:
         content, extra = parse_calls(re.sub(r"^\s*}", "", held) if self.streamed else held, self.names)
         room = None if self.limit is None else max(0, self.limit - len(calls))
         extra = extra[:room]
-        for call in extra:   # calls not written the canonical way: whole, now
+        for call in extra:  # calls not written the canonical way: whole, now
             index = len(self.streamed)
             self.streamed.append((call, None))
-            self.deltas += [{"index": index, **new_head(call)},
-                            {"index": index, "function": {"arguments": call.arguments}}]
+            self.deltas += [
+                {"index": index, **new_head(call)},
+                {"index": index, "function": {"arguments": call.arguments}},
+            ]
         calls += extra
         if calls:
             return "" if self.streamed else content, calls, ""
-        if self.streamed:   # the calls streamed never closed: a response not streamed gets the text
+        if self.streamed:  # the calls streamed never closed: a response not streamed gets the text
             return "", [], self.hidden
         return held, [], ""
 
@@ -373,8 +375,12 @@ def function_schema(tool: dict, args_key: str) -> dict:
     constant and its parameters (an object without any when it declares none) under `args_key`."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
-            "required": ["name", args_key], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, args_key: params},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    }
 
 
 def forced_call(tools: list[dict], name: str | None, fmt: str, several: bool = False):
@@ -386,7 +392,7 @@ def forced_call(tools: list[dict], name: str | None, fmt: str, several: bool = F
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     schemas = [function_schema(t, key) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if fmt == "mistral":   # [TOOL_CALLS][{...}, {...}]: the list holds the calls
+    if fmt == "mistral":  # [TOOL_CALLS][{...}, {...}]: the list holds the calls
         items = {"type": "array", "items": schema, "minItems": 1, **({} if several else {"maxItems": 1})}
         return items, MISTRAL_OPEN, "", None
     if fmt == "hermes":

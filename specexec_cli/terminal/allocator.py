@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"   # torch < 2.9
-NEW_ENV = "PYTORCH_ALLOC_CONF"          # torch >= 2.9: the device-generic name (the old one still read)
+ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"  # torch < 2.9
+NEW_ENV = "PYTORCH_ALLOC_CONF"  # torch >= 2.9: the device-generic name (the old one still read)
 
 
 def _env_name() -> str:
@@ -38,7 +38,8 @@ def configure_allocator(environ=None, platform: str | None = None, proc_version:
     platform = sys.platform if platform is None else platform
     if proc_version is None:
         try:
-            proc_version = open("/proc/version").read()
+            with open("/proc/version") as f:
+                proc_version = f.read()
         except OSError:
             proc_version = ""
     if ALLOC_ENV in environ or NEW_ENV in environ:

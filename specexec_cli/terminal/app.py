@@ -67,7 +67,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     help="specx: run big language models on one machine with layer offloading and lossless "
     "SpecExec speculative decoding.",
-)  # fmt: skip
+)
 
 
 def _print_version(value: bool) -> None:
@@ -177,7 +177,7 @@ def chat(
         tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
         cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
         session = ChatSession(models, cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=is_demo(opts.target))  # fmt: skip
+                              profile=prof, config_record=config_record, code=is_demo(opts.target))
         if session.code:
             display.print_notice("the demo pair is a Python code model: each message is code for it to continue")
         elif not session.templated and not flags.no_chat_template:
@@ -189,7 +189,7 @@ def chat(
                                          end_text=sink.end_line)
         read = chat_input.terminal_reader() if interactive else chat_input.read_stdin_line
         code = run_chat(session, read, sink, display.print_info, views, stats_json,
-                        prompt="you> " if interactive else "")  # fmt: skip
+                        prompt="you> " if interactive else "")
     raise typer.Exit(code)
 
 
@@ -221,7 +221,7 @@ def serve(
         cap = flags.max_new_tokens if given is not None and given.name != "DEFAULT" else None
         options = ServeOptions(host=host, port=port, model_name=model_name, api_key=api_key, max_queue=max_queue,
                                cors=list(cors or []), system=system, cache_ram=parse_size_opt(cache_ram, "--cache-ram"),
-                               max_new_tokens=cap, parallel=parallel)  # fmt: skip
+                               max_new_tokens=cap, parallel=parallel)
         code = run_server(flags, options)
     raise typer.Exit(code)
 

@@ -23,18 +23,29 @@ def candidates_table(plan: dict):
     for col in ("draft", "bits", "tok/pass", "pass s", "draft s", "hidden", "tok/s", ""):
         table.add_column(col, justify="left" if col in ("draft", "") else "right", overflow="fold")
     plain = next((c for c in plan["candidates"] if c["draft"] == "none"), None)
-    plain_faster = plain is not None and plain["fits"] and plain["tokens_per_second"] > choice.get("tokens_per_second", 0)
+    plain_faster = (
+        plain is not None and plain["fits"] and plain["tokens_per_second"] > choice.get("tokens_per_second", 0)
+    )
     for c in plan["candidates"]:
         chosen = c["draft"] == choice.get("draft") and c["bits"] == choice.get("bits")
         # --draft auto decodes plainly when plain decoding models faster than the best draft
-        label = ("best draft" if plain_faster else "chosen") if chosen else ("faster" if c is plain and plain_faster else "")
+        label = (
+            ("best draft" if plain_faster else "chosen")
+            if chosen
+            else ("faster" if c is plain and plain_faster else "")
+        )
         src = c.get("sources") or {}
         mark = {k: "m" if src.get(k) == "measured" else "" for k in ("pass", "draft")}
-        table.add_row(_short_draft(c["draft"]), "-" if c["bits"] is None else str(c["bits"]),
-                      f"{c['tokens_per_pass']:.2f}", f"{c['pass_seconds']:.3f}{mark['pass']}",
-                      f"{c['draft_seconds']:.3f}{mark['draft']}", f"{c.get('hidden_seconds', 0):.3f}",
-                      f"{c['tokens_per_second']:.2f}" if c["fits"] else "-",
-                      f"[green]{label}[/green]" if label else ("" if c["fits"] else "no fit"))
+        table.add_row(
+            _short_draft(c["draft"]),
+            "-" if c["bits"] is None else str(c["bits"]),
+            f"{c['tokens_per_pass']:.2f}",
+            f"{c['pass_seconds']:.3f}{mark['pass']}",
+            f"{c['draft_seconds']:.3f}{mark['draft']}",
+            f"{c.get('hidden_seconds', 0):.3f}",
+            f"{c['tokens_per_second']:.2f}" if c["fits"] else "-",
+            f"[green]{label}[/green]" if label else ("" if c["fits"] else "no fit"),
+        )
     parts = [table, _terms_table(plan, choice)] if choice.get("terms") else [table]
     if len(choice.get("by_budget") or []) > 1:
         parts.append(_budgets_table(choice))
@@ -55,19 +66,33 @@ def _terms_table(plan: dict, choice: dict):
 
     m, t = plan.get("machine") or {}, choice["terms"]
     src = m.get("sources") or {}
-    table = Table(title=f"what bounds the pass ({t['tokens']} tokens; modelled, seconds; {t['bound']}-bound)",
-                  header_style="bold cyan")
+    table = Table(
+        title=f"what bounds the pass ({t['tokens']} tokens; modelled, seconds; {t['bound']}-bound)",
+        header_style="bold cyan",
+    )
     for col in ("term", "seconds", "rate", "source"):
         table.add_column(col, justify="right" if col in ("seconds", "rate") else "left", overflow="fold")
-    sixteen = t.get("flops", 0) == m.get("flops16")   # the compute dtype's rate: 16-bit or fp32
+    sixteen = t.get("flops", 0) == m.get("flops16")  # the compute dtype's rate: 16-bit or fp32
     flops = t.get("flops") or m.get("flops32" if plan.get("device") == "cpu" else "flops16", 0)
-    rows = (("stream", t["stream"], f"{m.get('link_bps', 0) / 1e9:.0f}/{m.get('disk_bps', 0) / 1e9:.1f} GB/s",
-             src.get("link_bps", "prior")),
-            ("GEMM", t["gemm"], f"{flops / 1e12:.3g} TFLOP/s", src.get("flops16" if sixteen else "flops32", "prior")),
-            ("dequant", t["dequant"], f"{m.get('memory_bps', 0) / 1e9:.0f} GB/s", src.get("dequant", src.get("memory_bps", "prior"))),
-            ("attention", t["attention"], "", "at half the planned context"),
-            ("head", t["head"], "", ""), ("floor", t["floor"], "", src.get("forward_floor_s", "prior")),
-            ("pass", t["seconds"], "", "layers overlap: sum of max(stream, compute)"))
+    rows = (
+        (
+            "stream",
+            t["stream"],
+            f"{m.get('link_bps', 0) / 1e9:.0f}/{m.get('disk_bps', 0) / 1e9:.1f} GB/s",
+            src.get("link_bps", "prior"),
+        ),
+        ("GEMM", t["gemm"], f"{flops / 1e12:.3g} TFLOP/s", src.get("flops16" if sixteen else "flops32", "prior")),
+        (
+            "dequant",
+            t["dequant"],
+            f"{m.get('memory_bps', 0) / 1e9:.0f} GB/s",
+            src.get("dequant", src.get("memory_bps", "prior")),
+        ),
+        ("attention", t["attention"], "", "at half the planned context"),
+        ("head", t["head"], "", ""),
+        ("floor", t["floor"], "", src.get("forward_floor_s", "prior")),
+        ("pass", t["seconds"], "", "layers overlap: sum of max(stream, compute)"),
+    )
     for name, secs, rate, where in rows:
         table.add_row(name, f"{secs:.4f}", rate, escape(str(where)))
     return table
@@ -81,9 +106,14 @@ def _budgets_table(choice: dict):
     for col in ("budget", "tok/pass", "pass s", "draft s", "tok/s", ""):
         table.add_column(col, justify="right")
     for r in choice["by_budget"]:
-        table.add_row(str(int(r["budget"])), f"{r['tokens_per_pass']:.2f}", f"{r['pass_seconds']:.3f}",
-                      f"{r['draft_seconds']:.3f}", f"{r['tokens_per_second']:.2f}",
-                      "[green]used[/green]" if r["budget"] == choice.get("budget") else "")
+        table.add_row(
+            str(int(r["budget"])),
+            f"{r['tokens_per_pass']:.2f}",
+            f"{r['pass_seconds']:.3f}",
+            f"{r['draft_seconds']:.3f}",
+            f"{r['tokens_per_second']:.2f}",
+            "[green]used[/green]" if r["budget"] == choice.get("budget") else "",
+        )
     return table
 
 
@@ -101,18 +131,30 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
         table.add_column(col, justify=justify, no_wrap=True)
     for name, n in plan["device_bytes"].items():
         table.add_row(name, dev, f"{n:,}", _gb(n))
-    table.add_row("[bold]device total[/bold]", dev, f"{plan['device_total']:,}",
-                  f"{_gb(plan['device_total'])} of {_gb(plan['device_capacity'])}", end_section=True)
+    table.add_row(
+        "[bold]device total[/bold]",
+        dev,
+        f"{plan['device_total']:,}",
+        f"{_gb(plan['device_total'])} of {_gb(plan['device_capacity'])}",
+        end_section=True,
+    )
     for name, n in plan["host_bytes"].items():
         table.add_row(name, "ram", f"{n:,}", _gb(n))
-    table.add_row("[bold]host total[/bold]", "ram", f"{plan['host_total']:,}",
-                  f"{_gb(plan['host_total'])} of {_gb(plan['host_capacity'])}", end_section=True)
+    table.add_row(
+        "[bold]host total[/bold]",
+        "ram",
+        f"{plan['host_total']:,}",
+        f"{_gb(plan['host_total'])} of {_gb(plan['host_capacity'])}",
+        end_section=True,
+    )
     table.add_row("layers read per pass", "disk", f"{plan['disk_bytes_per_pass']:,}", _gb(plan["disk_bytes_per_pass"]))
     streamed = plan["streamed_layers"]
-    table.caption = (f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
-                     f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
-                     f"prefill {plan['pass_tokens']} tokens/pass · "
-                     + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]"))
+    table.caption = (
+        f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
+        f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
+        f"prefill {plan['pass_tokens']} tokens/pass · "
+        + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]")
+    )
     console = Console(highlight=False)
     console.print(table)
     for note in plan.get("notes") or []:

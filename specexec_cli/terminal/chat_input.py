@@ -11,7 +11,7 @@ terminal (`specx chat > log`) the prompt is drawn on stderr so stdout holds only
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from specexec_cli.session import paths
 

@@ -8,13 +8,13 @@ typer nor rich. The session (chat.py) owns the conversation, the caches and the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
 
-from specexec_cli.session.chat import ChatSession
 from specexec_cli.core.engine import ContextOverflow
 from specexec_cli.errors import SpecxError, oom_error
+from specexec_cli.session.chat import ChatSession
 
 HELP = """commands:
   /help                 this list
@@ -70,9 +70,15 @@ def command(session: ChatSession, line: str, info: Callable[[str], None]) -> boo
     return True
 
 
-def run_chat(session: ChatSession, read_line: Callable[[str], str], write: Callable[[str], None],
-             info: Callable[[str], None], view_factory: Callable[[], object] = nullcontext,
-             stats_json: Path | None = None, prompt: str = "") -> int:
+def run_chat(
+    session: ChatSession,
+    read_line: Callable[[str], str],
+    write: Callable[[str], None],
+    info: Callable[[str], None],
+    view_factory: Callable[[], object] = nullcontext,
+    stats_json: Path | None = None,
+    prompt: str = "",
+) -> int:
     """The chat loop. Returns the exit code (0); EOF, /exit and Ctrl-C at the prompt all end it."""
     try:
         while True:

@@ -174,7 +174,7 @@ class LiveView:
         self._bottom: BottomPanel | None = None  # scroll-region panel (stdout is the terminal)
         self.stats: RunStats | None = None
 
-    def __enter__(self) -> "LiveView":
+    def __enter__(self) -> LiveView:
         if self.live and sys.stdout.isatty():
             bottom = BottomPanel(sys.stderr)
             if bottom.ok:
@@ -184,7 +184,7 @@ class LiveView:
             from rich.live import Live
 
             self._live = Live(console=self.console, refresh_per_second=8, transient=self.transient,
-                              redirect_stdout=False, redirect_stderr=False)  # fmt: skip
+                              redirect_stdout=False, redirect_stderr=False)
             self._live.__enter__()
         return self
 
@@ -279,13 +279,13 @@ class LoadProgress:
         self._progress = None
         self._task = None
 
-    def __enter__(self) -> "LoadProgress":
+    def __enter__(self) -> LoadProgress:
         if self.enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                      console=stderr_console(), transient=True)  # fmt: skip
+                                      console=stderr_console(), transient=True)
             self._progress.__enter__()
             self._show_notices_above()
         return self
@@ -361,7 +361,7 @@ def bench_cells(r: dict) -> list[str]:
     budget = f"{r['budget']}*" if r.get("budget_independent") else str(r["budget"])
     return [f"{r['temperature']:g}", budget, r["method"], f"{r['tokens_per_pass']:.2f}",
             f"{r['tokens_per_second']:.2f}", f"{r['draft_seconds']:.1f}", f"{r['target_seconds']:.1f}",
-            f"{r['mean_tree_size']:g}", lossless]  # fmt: skip
+            f"{r['mean_tree_size']:g}", lossless]
 
 
 def bench_table(records: list[dict], width: int):

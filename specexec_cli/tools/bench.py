@@ -21,10 +21,10 @@ from pathlib import Path
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
 from specexec_cli.core.methods import generate
-from specexec_cli.errors import SpecxError
 from specexec_cli.core.methods.common import MethodSettings, with_settings
 from specexec_cli.core.sampling import SamplingParams
 from specexec_cli.core.stats import LinkMeter, RunStats
+from specexec_cli.errors import SpecxError
 
 BUDGETLESS = ("ar", "chain")  # methods whose verified size does not depend on --budgets
 
@@ -58,8 +58,9 @@ def parse_list(text: str, kind, flag: str) -> tuple:
     return values
 
 
-def make_grid(methods: str, budgets: str, temperatures: str, max_new_tokens: int, max_depth: int, seed: int,
-              options: dict) -> BenchGrid:
+def make_grid(
+    methods: str, budgets: str, temperatures: str, max_new_tokens: int, max_depth: int, seed: int, options: dict
+) -> BenchGrid:
     """Validated grid from the CLI's comma-separated flags."""
     from specexec_cli.core.methods import available_methods
 
@@ -67,8 +68,15 @@ def make_grid(methods: str, budgets: str, temperatures: str, max_new_tokens: int
     unknown = [m for m in names if m not in available_methods()]
     if unknown:
         raise SpecxError(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(available_methods())}")
-    grid = BenchGrid(names, parse_list(budgets, int, "--budgets"), parse_list(temperatures, float, "--temperatures"),
-                     max_new_tokens, max_depth, seed, options)  # fmt: skip
+    grid = BenchGrid(
+        names,
+        parse_list(budgets, int, "--budgets"),
+        parse_list(temperatures, float, "--temperatures"),
+        max_new_tokens,
+        max_depth,
+        seed,
+        options,
+    )
     if min(grid.budgets) < 1 or min(grid.temperatures) < 0 or max_new_tokens < 1 or max_depth < 1:
         raise SpecxError("--budgets, --max-new-tokens and --max-depth must be >= 1, --temperatures >= 0")
     return grid
@@ -77,7 +85,7 @@ def make_grid(methods: str, budgets: str, temperatures: str, max_new_tokens: int
 def load_prompts(path: Path, limit: int | None) -> list[str]:
     """JSONL with a "prompt" field per line (plain text lines are accepted too)."""
     if not path.is_file():
-        raise SpecxError(f"--prompts {path}: no such file; pass a JSONL file with a \"prompt\" per line")
+        raise SpecxError(f'--prompts {path}: no such file; pass a JSONL file with a "prompt" per line')
     prompts = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
@@ -101,9 +109,12 @@ def grid_cells(grid: BenchGrid) -> list[Cell]:
 def cell_config(cell: Cell, grid: BenchGrid) -> GenerationConfig:
     budget = cell.budget if cell.budget is not None else max(grid.budgets)
     cfg = GenerationConfig(
-        method=cell.method, shape=TreeShape(budget, grid.max_depth),
-        sampling=SamplingParams(temperature=cell.temperature), seed=grid.seed, max_new_tokens=grid.max_new_tokens,
-    )  # fmt: skip
+        method=cell.method,
+        shape=TreeShape(budget, grid.max_depth),
+        sampling=SamplingParams(temperature=cell.temperature),
+        seed=grid.seed,
+        max_new_tokens=grid.max_new_tokens,
+    )
     return with_settings(cfg, **grid.options)
 
 
@@ -123,8 +134,9 @@ def warm_up(models, prompts: list[list[int]], grid: BenchGrid) -> None:
         if "sequoia" in grid.methods:
             acceptance_vector(models, prompts[0], SamplingParams(temperature=t), grid.options.get("sequoia_profile"))
     for m in dict.fromkeys(("ar",) + grid.methods):
-        cfg = GenerationConfig(method=m, shape=TreeShape(8, 4), max_new_tokens=4,
-                               sampling=SamplingParams(temperature=grid.temperatures[0]))
+        cfg = GenerationConfig(
+            method=m, shape=TreeShape(8, 4), max_new_tokens=4, sampling=SamplingParams(temperature=grid.temperatures[0])
+        )
         run_one(models, prompts[0], with_settings(cfg, **grid.options))
 
 
@@ -161,15 +173,18 @@ def summarise(runs: list[RunStats]) -> dict:
     for r in runs:
         hist.update(r.pass_tokens)
     return dict(
-        prompts=len(runs), new_tokens=sum(r.new_tokens for r in runs), target_passes=passes,
+        prompts=len(runs),
+        new_tokens=sum(r.new_tokens for r in runs),
+        target_passes=passes,
         tokens_per_pass=round(tokens / passes, 4) if passes else 0.0,
         accept_histogram={str(k): v for k, v in sorted(hist.items())},
         tokens_per_second=round(sum(r.new_tokens for r in runs) / decode, 3) if decode > 0 else 0.0,
-        decode_seconds=round(decode, 3), draft_seconds=round(sum(r.draft_seconds for r in runs), 3),
+        decode_seconds=round(decode, 3),
+        draft_seconds=round(sum(r.draft_seconds for r in runs), 3),
         target_seconds=round(sum(r.target_seconds for r in runs), 3),
         mean_tree_size=round(sum(sizes) / len(sizes), 2) if sizes else 0.0,
         **_link_summary(runs),
-    )  # fmt: skip
+    )
 
 
 def _link_summary(runs: list[RunStats]) -> dict:
@@ -177,12 +192,16 @@ def _link_summary(runs: list[RunStats]) -> dict:
     busy = [x for r in runs for x in r.link_busy]
     if not busy:
         return {}
-    return dict(link_busy_fraction=round(sum(busy) / len(busy), 4),
-                stall_seconds=round(sum(x for r in runs for x in r.stall), 4))
+    return dict(
+        link_busy_fraction=round(sum(busy) / len(busy), 4),
+        stall_seconds=round(sum(x for r in runs for x in r.stall), 4),
+    )
 
 
 def make_records(runs: dict[Cell, list[RunStats]], grid: BenchGrid) -> list[dict]:
-    refs = {c.temperature: [r.token_ids for r in rs] for c, rs in runs.items() if c.method == "ar" and c.temperature == 0}
+    refs = {
+        c.temperature: [r.token_ids for r in rs] for c, rs in runs.items() if c.method == "ar" and c.temperature == 0
+    }
     settings = MethodSettings.of(cell_config(next(iter(runs)), grid))
     records = []
     for cell, rs in runs.items():
@@ -224,7 +243,9 @@ def write_plots(out: Path, records: list[dict]) -> list[Path]:
         fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
         for ax, t in zip(axes[0], temps):
             for m in methods:
-                rows = sorted((r for r in records if r["method"] == m and r["temperature"] == t), key=lambda r: r["budget"])
+                rows = sorted(
+                    (r for r in records if r["method"] == m and r["temperature"] == t), key=lambda r: r["budget"]
+                )
                 style = "--" if rows and rows[0]["budget_independent"] else "-o"
                 ax.plot([r["budget"] for r in rows], [r[key] for r in rows], style, label=m)
             ax.set_xscale("log", base=2)

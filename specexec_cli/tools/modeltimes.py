@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-CONTEXT_TOKENS = 64          # committed tokens in the cache while timing a pass (a short conversation)
-WARMUP = 2                   # untimed passes before each timed size (caches, allocator, page cache, threads)
-TREE_BUDGETS = (16, 64, 256, 1024)   # draft tree sizes timed (the dry run's budgets)
-SLOW_CALL = 2.0              # seconds: a call this slow is timed once (its noise is small against it)
+CONTEXT_TOKENS = 64  # committed tokens in the cache while timing a pass (a short conversation)
+WARMUP = 2  # untimed passes before each timed size (caches, allocator, page cache, threads)
+TREE_BUDGETS = (16, 64, 256, 1024)  # draft tree sizes timed (the dry run's budgets)
+SLOW_CALL = 2.0  # seconds: a call this slow is timed once (its noise is small against it)
 SAMPLE = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
 
 
@@ -38,8 +38,11 @@ def median_time(fn, min_seconds: float = 0.3, max_reps: int = 15, warmup: int = 
         fn()
     times: list[float] = []
     start = time.perf_counter()
-    while not times or (len(times) < 3 and times[0] < SLOW_CALL) or (
-            time.perf_counter() - start < min_seconds and len(times) < max_reps):
+    while (
+        not times
+        or (len(times) < 3 and times[0] < SLOW_CALL)
+        or (time.perf_counter() - start < min_seconds and len(times) < max_reps)
+    ):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -91,6 +94,7 @@ def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
 
     grow = {}
     for b in budgets:
+
         def tree():
             grow_tree(d, cache, DraftContext(ctx, ids[-1:], ctx), TreeShape(b, max_depth, beams), SamplingParams())
             kvcache.crop(cache, ctx)
@@ -113,7 +117,7 @@ def time_draft_in_runs(models, budgets, beams: int, passes: int = 4) -> dict:
         cfg = GenerationConfig(method="specexec", shape=TreeShape(b, 64, beams), max_new_tokens=10_000)
         secs = []
         for ev in generate(models, DecodeState(), ids, cfg):
-            if ev.pass_index >= 2:   # pass 0 is the prefill, pass 1 the warm-up
+            if ev.pass_index >= 2:  # pass 0 is the prefill, pass 1 the warm-up
                 secs.append(ev.draft_seconds)
             if len(secs) >= passes:
                 break
@@ -124,7 +128,7 @@ def time_draft_in_runs(models, budgets, beams: int, passes: int = 4) -> dict:
 
 def draft_configs(draft: str | None) -> list[tuple[str | None, int | None, str]]:
     """(--draft, --draft-bits, timing key) of every draft to time: the target alone first when no draft."""
-    from specexec_cli.session.deps import installed, BITS_NEED
+    from specexec_cli.session.deps import BITS_NEED, installed
 
     if draft is None:
         return [(None, None, "")]
@@ -138,13 +142,27 @@ def plan_and_load(flags: dict, draft, bits, progress):
     from specexec_cli.session.options import generation_config, load_planned, plan_for_cli
 
     method = "specexec" if draft else "ar"
-    cfg = generation_config(method, "auto", 64, flags.get("max_beams", 32), 32, 16, 0.0, None, None, 0,
-                            flags.get("device", "auto"))
-    opts, plan, cfg = plan_for_cli(flags["target"], draft, method, flags.get("dtype", "auto"),
-                                   flags.get("device", "auto"), flags.get("allow_pickle", False),
-                                   flags.get("trust_remote_code", False), flags.get("offload", "auto"),
-                                   flags.get("max_gpu_memory"), flags.get("max_ram"), flags.get("ctx", 8192),
-                                   "auto", cfg, "auto", draft_bits=str(bits) if bits else "auto", temperature=0.0)
+    cfg = generation_config(
+        method, "auto", 64, flags.get("max_beams", 32), 32, 16, 0.0, None, None, 0, flags.get("device", "auto")
+    )
+    opts, plan, cfg = plan_for_cli(
+        flags["target"],
+        draft,
+        method,
+        flags.get("dtype", "auto"),
+        flags.get("device", "auto"),
+        flags.get("allow_pickle", False),
+        flags.get("trust_remote_code", False),
+        flags.get("offload", "auto"),
+        flags.get("max_gpu_memory"),
+        flags.get("max_ram"),
+        flags.get("ctx", 8192),
+        "auto",
+        cfg,
+        "auto",
+        draft_bits=str(bits) if bits else "auto",
+        temperature=0.0,
+    )
     return load_planned(opts, plan, progress), plan, cfg
 
 
@@ -154,8 +172,13 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
     from specexec_cli.session.loading import close_models
 
     configs = draft_configs(flags.get("draft"))
-    out: dict = dict(target=flags["target"], target_resolved=str(Path(flags["target"]).expanduser().resolve()),
-                     draft=flags.get("draft"), context_tokens=CONTEXT_TOKENS, draft_timings={})
+    out: dict = dict(
+        target=flags["target"],
+        target_resolved=str(Path(flags["target"]).expanduser().resolve()),
+        draft=flags.get("draft"),
+        context_tokens=CONTEXT_TOKENS,
+        draft_timings={},
+    )
     for i, (draft, bits, key) in enumerate(configs):
         models, plan, cfg = plan_and_load(flags, draft, bits, progress)
         try:
@@ -165,8 +188,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
                 if progress:
                     progress(0, len(configs) + 1, f"target passes, 1 to {ns[-1]} tokens")
                 out["target_seconds"] = {str(n): round(s, 6) for n, s in time_target(models, ns).items()}
-                out["placement"] = ([len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)]
-                                    if plan else None)
+                out["placement"] = [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)] if plan else None
                 out["plan_dtype"] = plan_dtype(plan, flags)
                 out["device"] = str(getattr(models.target, "device", flags.get("device", "auto")))
                 if on_first is not None:
@@ -180,7 +202,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
         finally:
             close_models(models)
     first = next(iter(out["draft_timings"].values()), None)
-    if first:   # what core/budget.TimingModel.from_profile reads (the first draft timed)
+    if first:  # what core/budget.TimingModel.from_profile reads (the first draft timed)
         out["draft_step_seconds"], out["draft_grow_seconds"] = first["step_seconds"], first["grow_seconds"]
         out["max_beams"], out["max_depth"] = first["max_beams"], 64
     return out

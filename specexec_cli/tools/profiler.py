@@ -10,7 +10,6 @@ SpecxError.
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -22,18 +21,20 @@ from pathlib import Path
 
 import torch
 
-from specexec_cli.errors import SpecxError
 from specexec_cli.session.profiles import (  # noqa: F401 - the store `specx profile` writes to
-    SCHEMA, VERSION, config_dir, default_profile_path, find_profile, link_peak, read_profile, validate_profile,
+    SCHEMA,
+    VERSION,
+    config_dir,
+    default_profile_path,
+    find_profile,
+    link_peak,
+    read_profile,
+    validate_profile,
     write_profile,
 )
 
 CHUNK = 8 << 20  # disk read size: large enough to reach sequential bandwidth
-DEQUANT_SHAPE = (1024, 1024)   # the weight the dequantization probe rebuilds
-
-
-
-
+DEQUANT_SHAPE = (1024, 1024)  # the weight the dequantization probe rebuilds
 
 
 def _timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
@@ -63,8 +64,13 @@ def probe_cpu() -> dict:
     except OSError:
         pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return dict(model=name, physical_cores=psutil.cpu_count(logical=False), logical_cores=psutil.cpu_count(),
-                usable_cores=usable, torch_threads=torch.get_num_threads())  # fmt: skip
+    return dict(
+        model=name,
+        physical_cores=psutil.cpu_count(logical=False),
+        logical_cores=psutil.cpu_count(),
+        usable_cores=usable,
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 def probe_memory() -> dict:
@@ -89,7 +95,14 @@ def probe_gpus(copy_bytes: int = 512 << 20) -> list[dict]:
             torch.cuda.synchronize(i)
 
         secs = _timed(copy, 0.5, 10)
-        out.append(dict(index=i, name=props.name, total_bytes=props.total_memory, h2d_pinned_gbps=round(copy_bytes / secs / 1e9, 3)))
+        out.append(
+            dict(
+                index=i,
+                name=props.name,
+                total_bytes=props.total_memory,
+                h2d_pinned_gbps=round(copy_bytes / secs / 1e9, 3),
+            )
+        )
     return out
 
 
@@ -146,7 +159,9 @@ def probe_disk(folder: Path, nbytes: int = 256 << 20) -> dict:
         try:
             fd, name = tempfile.mkstemp(prefix=".specx-probe-", dir=folder)
         except OSError:
-            return dict(path=str(folder), read_gbps=None, method="none", note="folder not writable and no weights to read")
+            return dict(
+                path=str(folder), read_gbps=None, method="none", note="folder not writable and no weights to read"
+            )
         tmp = Path(name)
         with os.fdopen(fd, "wb") as f:
             block = os.urandom(1 << 20)
@@ -197,7 +212,7 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> dict:
     dst = torch.empty_like(src)
 
     def copy():
-        dst.copy_(src)
+        dst.copy_(src)  # noqa: F821 - bound above; pyflakes reads the `del` below as unbinding it
         if device == "cuda":
             torch.cuda.synchronize()
 
@@ -222,7 +237,7 @@ def dequantizers(device: str, dtype: torch.dtype) -> dict:
     (offload/quant/lowbit.LowbitLinear.weight_now)."""
     import logging
 
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its optional-kernel notice is not the user's
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional-kernel notice is not the user's
     w = torch.randn(*DEQUANT_SHAPE, dtype=torch.float32) * 0.02
     out = {}
     try:
@@ -236,8 +251,9 @@ def dequantizers(device: str, dtype: torch.dtype) -> dict:
         from offload.quant import lowbit
 
         q = lowbit.quantize_weight(w, 3)
-        lin = lowbit.LowbitLinear(q["W_q"].to(device), q["scale"].to(device, dtype), q["zero"].to(device, dtype),
-                                  None, DEQUANT_SHAPE, 3)
+        lin = lowbit.LowbitLinear(
+            q["W_q"].to(device), q["scale"].to(device, dtype), q["zero"].to(device, dtype), None, DEQUANT_SHAPE, 3
+        )
         out["hqq-eager"] = lin.weight_now
     except Exception:  # noqa: BLE001 - hqq missing (the lowbit extra)
         pass
@@ -254,6 +270,7 @@ def probe_dequant() -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out: dict = dict(device=device, shape=list(DEQUANT_SHAPE))
     for kernel, fn in dequantizers(device, dtype).items():
+
         def call():
             with torch.no_grad():
                 fn()
@@ -283,45 +300,51 @@ def probe_gguf_kernel(shape: tuple[int, int] = (8192, 4096)) -> dict | None:
         return None
     n, k = shape
     g = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)   # Q4_1: d, m, 16 code bytes
+    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)  # Q4_1: d, m, 16 code bytes
     blocks[..., :4] = (torch.rand(n, k // 32, 2, generator=g) * 0.02 - 0.01).to(torch.float16).view(torch.uint8)
     raw, x = blocks.reshape(-1), torch.randn(1, k)
-    secs = _timed(lambda: ggml_kernel.linear(x, raw, 3, n), 0.3, 20)   # 3: GGML_TYPE_Q4_1
-    return dict(kernel=GGUF_KERNEL, seconds=round(secs, 6), gbps=round(raw.numel() / secs / 1e9, 3),
-                shape=[n, k], qtype="Q4_1")
+    secs = _timed(lambda: ggml_kernel.linear(x, raw, 3, n), 0.3, 20)  # 3: GGML_TYPE_Q4_1
+    return dict(
+        kernel=GGUF_KERNEL, seconds=round(secs, 6), gbps=round(raw.numel() / secs / 1e9, 3), shape=[n, k], qtype="Q4_1"
+    )
 
 
 def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
-    return dict(cpu=probe_cpu(), memory=probe_memory(), gpus=probe_gpus(),
-                disk=probe_disk(folder or Path.cwd(), disk_bytes), matmul=probe_matmul(),
-                device_memory=probe_device_memory(), dequant=probe_dequant())  # fmt: skip
+    return dict(
+        cpu=probe_cpu(),
+        memory=probe_memory(),
+        gpus=probe_gpus(),
+        disk=probe_disk(folder or Path.cwd(), disk_bytes),
+        matmul=probe_matmul(),
+        device_memory=probe_device_memory(),
+        dequant=probe_dequant(),
+    )
 
 
 def powers_of_two(limit: int) -> list[int]:
     return [1 << k for k in range(int(math.log2(max(1, limit))) + 1)]
 
 
-def build_profile(hardware: dict, models_part: dict | None, recommended: dict | None,
-                  node_calibration: dict | None = None) -> dict:
+def build_profile(
+    hardware: dict, models_part: dict | None, recommended: dict | None, node_calibration: dict | None = None
+) -> dict:
     """The profile dict; `node_calibration` (calprobe.py) is stored only when it was measured."""
     from specexec_cli import __version__
 
     prof = dict(
-        schema=SCHEMA, version=VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), hostname=socket.gethostname(),
-        specx_version=__version__, torch_version=torch.__version__, **hardware, models=models_part,
+        schema=SCHEMA,
+        version=VERSION,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        hostname=socket.gethostname(),
+        specx_version=__version__,
+        torch_version=torch.__version__,
+        **hardware,
+        models=models_part,
         recommended=recommended,
-    )  # fmt: skip
+    )
     if node_calibration:
         prof["node_calibration"] = node_calibration
     return prof
-
-
-
-
-
-
-
-
 
 
 def recommend(models_part: dict | None, max_depth: int = 64) -> dict:
@@ -329,8 +352,12 @@ def recommend(models_part: dict | None, max_depth: int = 64) -> dict:
     from specexec_cli.core.budget import make_tuner
     from specexec_cli.core.draft import TreeShape
 
-    tuner = make_tuner({"models": models_part} if models_part else None, TreeShape(64, max_depth),
-                       torch.cuda.is_available())  # fmt: skip
-    return dict(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth, timing=tuner.timing.source,
-                expected_tokens_per_pass=round(tuner.expected_tokens(tuner.shape.budget), 3))  # fmt: skip
-
+    tuner = make_tuner(
+        {"models": models_part} if models_part else None, TreeShape(64, max_depth), torch.cuda.is_available()
+    )
+    return dict(
+        budget=tuner.shape.budget,
+        max_depth=tuner.shape.max_depth,
+        timing=tuner.timing.source,
+        expected_tokens_per_pass=round(tuner.expected_tokens(tuner.shape.budget), 3),
+    )

@@ -19,10 +19,10 @@ from specexec_cli.errors import SpecxError
 
 @dataclass(frozen=True)
 class QuantizeResult:
-    out: Path               # the written checkpoint directory
-    source_bytes: int       # bytes of the source's safetensors files
-    out_bytes: int          # bytes of the written safetensors files
-    seconds: float          # wall time of the conversion
+    out: Path  # the written checkpoint directory
+    source_bytes: int  # bytes of the source's safetensors files
+    out_bytes: int  # bytes of the written safetensors files
+    seconds: float  # wall time of the conversion
 
 
 def _st_bytes(path: Path) -> int:
@@ -32,12 +32,11 @@ def _st_bytes(path: Path) -> int:
 def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult:
     from offload import OffloadError
     from offload.quant.quant_cache import write_quantized
-
     from specexec_cli.session.loading import check_weights, open_checkpoint, resolve_path
 
     src = resolve_path(target, "--target")
     check_weights(src, "--target", False)
-    ckpt = open_checkpoint(src, "--target")       # opened and validated once
+    ckpt = open_checkpoint(src, "--target")  # opened and validated once
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecxError(f"--out {out}: already exists and is not empty; pick a new directory")

@@ -14,12 +14,22 @@ import re
 
 PYTHON = "3.12"
 PLATFORMS = ["manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"] + [
-    f"manylinux_2_{n}_x86_64" for n in range(5, 40)]   # pip matches a wheel's glibc tag exactly: offer them all
-RUN_EXTRAS = ("lowbit", "gguf")   # HQQ substitutes (3/2-bit self-draft) and the GGUF Q4_K stack
+    f"manylinux_2_{n}_x86_64" for n in range(5, 40)
+]  # pip matches a wheel's glibc tag exactly: offer them all
+RUN_EXTRAS = ("lowbit", "gguf")  # HQQ substitutes (3/2-bit self-draft) and the GGUF Q4_K stack
 
-IMAGE_VERSIONS = {"accelerate": "1.15.0", "huggingface-hub": "1.33.0", "numpy": "2.5.2", "safetensors": "0.8.0",
-                  "tokenizers": "0.23.2", "torch": "2.11.0", "transformers": "5.17.0", "triton": "3.6.0",
-                  "sentencepiece": "0.2.2", "jaxtyping": "0.3.11"}
+IMAGE_VERSIONS = {
+    "accelerate": "1.15.0",
+    "huggingface-hub": "1.33.0",
+    "numpy": "2.5.2",
+    "safetensors": "0.8.0",
+    "tokenizers": "0.23.2",
+    "torch": "2.11.0",
+    "transformers": "5.17.0",
+    "triton": "3.6.0",
+    "sentencepiece": "0.2.2",
+    "jaxtyping": "0.3.11",
+}
 
 _LIST = """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core

@@ -42,9 +42,9 @@ def probe(ctx: dict) -> dict:
     src = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
     dst.copy_(src, non_blocking=True)
-    link = n / statistics.median(device_seconds(lambda: dst.copy_(src, non_blocking=True), dev) for _ in range(5))
+    link = n / statistics.median(device_seconds(lambda: dst.copy_(src, non_blocking=True), dev) for _ in range(5))  # noqa: F821 - bound above; pyflakes reads the `del` below as unbinding
     a = torch.ones(n, dtype=torch.uint8, device=dev)
-    mem = 2 * n / statistics.median(device_seconds(lambda: dst.copy_(a), dev) for _ in range(5))
+    mem = 2 * n / statistics.median(device_seconds(lambda: dst.copy_(a), dev) for _ in range(5))  # noqa: F821 - likewise
     del src, dst, a
     out = dict(link_bps=link, memory_bps=mem, link_bytes=n)
     size = 256 if smoke else 8192
@@ -106,7 +106,7 @@ def passes(ctx: dict, fmt: str) -> dict:
                 kvcache.forward(model, cache, ids, pos, mask)
                 kvcache.crop(cache, past)
 
-            one()   # warm-up at this size
+            one()  # warm-up at this size
             sync(dev)
             t = time.perf_counter()
             for _ in range(repeats):
@@ -116,8 +116,15 @@ def passes(ctx: dict, fmt: str) -> dict:
             streamed = model.stats.streamed_bytes_per_pass
             pred = predict.target_pass(card, fmt, shape, ctx["layers"], n, past, streamed)
             rows.append(dict(n=n, seconds=period, streamed_bytes=streamed, predicted=pred))
-        return dict(fmt=fmt, layers=ctx["layers"], past=past, repeats=repeats, shape=shape,
-                    plan=model.plan.describe(), rows=rows)
+        return dict(
+            fmt=fmt,
+            layers=ctx["layers"],
+            past=past,
+            repeats=repeats,
+            shape=shape,
+            plan=model.plan.describe(),
+            rows=rows,
+        )
     finally:
         model.close()
 
@@ -145,7 +152,7 @@ def small_draft(ctx: dict) -> dict:
         prefix = torch.randint(1, 500, (past,), generator=torch.Generator().manual_seed(0))
         kvcache.forward(model, cache, prefix, torch.arange(past), causal_mask(0, past, cdtype, dev), last_only=True)
         weight = sum(p.numel() * p.element_size() for p in model.parameters())
-        weight -= shape["vocab_size"] * shape["hidden_size"] * 2   # the input embedding is only looked up
+        weight -= shape["vocab_size"] * shape["hidden_size"] * 2  # the input embedding is only looked up
         for b in beams:
             ids, pos, mask = tree_mask(b, past, cdtype, dev)
 
@@ -156,8 +163,9 @@ def small_draft(ctx: dict) -> dict:
             one()
             secs = statistics.median(device_seconds(one, dev) for _ in range(5))
             kv = predict.kv_bytes(shape, shape["layers"], past + b)
-            flops = shape["layers"] * (stack.gemm_flops(shape, b) + stack.attention_flops(shape, b, past)) \
-                + stack.head_flops(shape, b)
+            flops = shape["layers"] * (
+                stack.gemm_flops(shape, b) + stack.attention_flops(shape, b, past)
+            ) + stack.head_flops(shape, b)
             rows.append(dict(b=b, seconds=secs, predicted=predict.draft_step(card, weight, kv, 0, flops)))
         return dict(shape=shape, past=past, weight_bytes=weight, rows=rows)
     finally:
@@ -183,8 +191,9 @@ def _substitute(w: torch.Tensor, bits: int, dev: torch.device, compute: torch.dt
     from offload.quant.lowbit import LowbitLinear, quantize_weight
 
     q = quantize_weight(w, bits)
-    return LowbitLinear(q["W_q"].to(dev), q["scale"].to(dev, compute), q["zero"].to(dev, compute), None,
-                        tuple(w.shape), bits)
+    return LowbitLinear(
+        q["W_q"].to(dev), q["scale"].to(dev, compute), q["zero"].to(dev, compute), None, tuple(w.shape), bits
+    )
 
 
 def substitutes(ctx: dict) -> dict:
@@ -199,8 +208,10 @@ def substitutes(ctx: dict) -> dict:
     gen = torch.Generator(device=dev).manual_seed(2)
     out = {}
     for bits in ctx["bits"]:
-        lins = [_substitute(torch.randn(d, generator=gen, device=dev, dtype=compute) * 0.02, bits, dev, compute)
-                for d in _linears(shape)]
+        lins = [
+            _substitute(torch.randn(d, generator=gen, device=dev, dtype=compute) * 0.02, bits, dev, compute)
+            for d in _linears(shape)
+        ]
         packed = sum(b.numel() * b.element_size() for m in lins for b in list(m.buffers()) + list(m.parameters()))
         numel = stack.layer_numel(shape)
         kernel = substitute_kernel(bits, dev.type)
@@ -210,13 +221,20 @@ def substitutes(ctx: dict) -> dict:
 
             def one():
                 with torch.inference_mode():
-                    for m, (_, i) in zip(lins, _linears(shape)):
+                    for m, (_, i) in zip(lins, _linears(shape)):  # noqa: F821 - bound in the loop; `del lins` below
                         m(xs[i])
 
             one()
             secs = statistics.median(device_seconds(one, dev) for _ in range(5))
-            rows.append(dict(b=b, seconds=secs, predicted=predict.draft_step(
-                card, packed, 0, dequant_bytes(predict.arch(shape, 1), kernel, 2, b, dev.type), 2.0 * b * numel)))
+            rows.append(
+                dict(
+                    b=b,
+                    seconds=secs,
+                    predicted=predict.draft_step(
+                        card, packed, 0, dequant_bytes(predict.arch(shape, 1), kernel, 2, b, dev.type), 2.0 * b * numel
+                    ),
+                )
+            )
         from offload.quant.fused import fused_status
 
         out[str(bits)] = dict(kernel=kernel, packed_bytes=packed, rows=rows, fused_status=fused_status())

@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -32,15 +32,25 @@ from packaging.version import Version
 from tools.gpuday.image import IMAGE_PACKAGES, IMAGE_VERSIONS, PLATFORMS, RUN_EXTRAS, norm
 
 LIMIT = 62 << 20
-NO_WHEEL = {"hqq"}   # sdist only: built here without CUDA
-NEVER = {"torch"}    # the image's CUDA build stays
+NO_WHEEL = {"hqq"}  # sdist only: built here without CUDA
+NEVER = {"torch"}  # the image's CUDA build stays
 
 
 def marker_env(python: str) -> dict:
     """PEP 508 marker values of the box: CPython `python` on Linux x86-64."""
-    return dict(python_version=python, python_full_version=python + ".0", sys_platform="linux",
-                platform_system="Linux", platform_machine="x86_64", os_name="posix", implementation_name="cpython",
-                platform_python_implementation="CPython", platform_release="", platform_version="", extra="")
+    return dict(
+        python_version=python,
+        python_full_version=python + ".0",
+        sys_platform="linux",
+        platform_system="Linux",
+        platform_machine="x86_64",
+        os_name="posix",
+        implementation_name="cpython",
+        platform_python_implementation="CPython",
+        platform_release="",
+        platform_version="",
+        extra="",
+    )
 
 
 def requirements(root: Path) -> list[Requirement]:
@@ -94,8 +104,22 @@ def fetch(req: Requirement, dest: Path, python: str) -> Path:
         cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-binary", req.name, "-w", str(dest), spec]
         env = dict(os.environ, DISABLE_CUDA="1")
     else:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-               python, "--implementation", "cp", "-d", str(dest), spec]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            "-d",
+            str(dest),
+            spec,
+        ]
         cmd += [a for p in PLATFORMS for a in ("--platform", p)]
         env = dict(os.environ)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -128,8 +152,11 @@ def build(root: Path, dest: Path, python: str) -> list[Path]:
         wheel = wheel or fetch(req, dest, python)
         done[norm(req.name)] = wheel
         print(f"gpu_day pack: {wheel.name} ({wheel.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
-        todo += [d for d in wheel_requires(wheel, python)
-                 if norm(d.name) not in IMAGE_PACKAGES and norm(d.name) not in done and norm(d.name) not in NEVER]
+        todo += [
+            d
+            for d in wheel_requires(wheel, python)
+            if norm(d.name) not in IMAGE_PACKAGES and norm(d.name) not in done and norm(d.name) not in NEVER
+        ]
     for w in set(dest.glob("*.whl")) - set(done.values()):
         w.unlink()
     return sorted(done.values())
@@ -137,8 +164,9 @@ def build(root: Path, dest: Path, python: str) -> list[Path]:
 
 def repo_files(root: Path) -> list[Path]:
     """Tracked and untracked-not-ignored files: what a device call sends of the repo."""
-    out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, check=True,
-                         capture_output=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, check=True, capture_output=True
+    ).stdout.decode()
     return [root / p for p in out.split("\0") if p and (root / p).is_file()]
 
 
@@ -154,12 +182,17 @@ def main(root: Path, dest: Path, python: str) -> int:
     wheels = build(root, dest, python)
     size = travel_bytes(root, dest)
     mib = {k: v / 2**20 for k, v in size.items()}
-    print(f"pack for Python {python}: {len(wheels)} wheels in {dest}, {mib['pack']:.1f} MiB; repo "
-          f"{mib['repo']:.1f} MiB; travels {mib['total']:.1f} MiB (limit {mib['limit']:.0f} MiB)")
+    print(
+        f"pack for Python {python}: {len(wheels)} wheels in {dest}, {mib['pack']:.1f} MiB; repo "
+        f"{mib['repo']:.1f} MiB; travels {mib['total']:.1f} MiB (limit {mib['limit']:.0f} MiB)"
+    )
     for w in wheels:
         print(f"  {w.name}  {w.stat().st_size / 2**20:.2f} MiB")
     if size["total"] > LIMIT:
-        print(f"gpu_day pack: {mib['total']:.1f} MiB would travel, over {mib['limit']:.0f} MiB; leave a wheel out "
-              "or untrack large files", file=sys.stderr)
+        print(
+            f"gpu_day pack: {mib['total']:.1f} MiB would travel, over {mib['limit']:.0f} MiB; leave a wheel out "
+            "or untrack large files",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 import xml.etree.ElementTree as ET
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 import torch
 
 from tools.gpuday import predict
@@ -48,9 +48,14 @@ def env(ctx: dict) -> dict:
         rows.append(dict(name=r.name, range=str(r.specifier), installed=have, ok=ok))
         if not ok:
             missing.append(f"{r.name}{r.specifier} (installed: {have})")
-    out = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda,
-               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", packages=rows,
-               missing=missing)
+    out = dict(
+        python=sys.version.split()[0],
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        packages=rows,
+        missing=missing,
+    )
     if missing:
         raise PhaseError(f"outside the declared ranges: {', '.join(missing)}", out)
     return out
@@ -72,10 +77,25 @@ def child_env() -> dict:
 
 def cuda_tests(ctx: dict) -> dict:
     xml = ctx["out"] / "cuda_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", f"--junitxml={xml}",
-           f"--basetemp={ctx['out'] / 'pytest-tmp'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **child_env()), capture_output=True, text=True,
-                          timeout=ctx.get("tests_timeout", 480))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_cuda.py",
+        f"--junitxml={xml}",
+        f"--basetemp={ctx['out'] / 'pytest-tmp'}",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, **child_env()),
+        capture_output=True,
+        text=True,
+        timeout=ctx.get("tests_timeout", 480),
+    )
     cases = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         status = "passed"
@@ -87,8 +107,14 @@ def cuda_tests(ctx: dict) -> dict:
                 break
         else:
             detail = []
-        cases.append(dict(name=case.get("name"), status=status, seconds=float(case.get("time", 0)),
-                          detail=detail[0][:300] if detail else ""))
+        cases.append(
+            dict(
+                name=case.get("name"),
+                status=status,
+                seconds=float(case.get("time", 0)),
+                detail=detail[0][:300] if detail else "",
+            )
+        )
     counts = {s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "error", "skipped")}
     out = dict(returncode=proc.returncode, counts=counts, cases=cases, tail=proc.stdout[-2000:])
     if proc.returncode not in (0, 5) or counts["failed"] or counts["error"]:
@@ -106,8 +132,9 @@ def demo(ctx: dict) -> dict:
     dev = ctx["device"]
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    models = load_models(LoadOptions(str(DEMO / "target"), str(DEMO / "draft"), dtype="fp32", device=dev.type,
-                                     offload="none", ctx=1024))
+    models = load_models(
+        LoadOptions(str(DEMO / "target"), str(DEMO / "draft"), dtype="fp32", device=dev.type, offload="none", ctx=1024)
+    )
     budget, new = (16, 8) if ctx["smoke"] else (64, 96)
     try:
         ids = encode_prompt(models.tokenizer, PROMPT, False)
@@ -122,11 +149,15 @@ def demo(ctx: dict) -> dict:
     finally:
         close_models(models)
     spec = runs["specexec"]
-    out = dict(budget=budget, equal=runs["ar"]["ids"] == spec["ids"], new_tokens=len(spec["ids"]),
-               tokens_per_pass=(len(spec["ids"]) - 1) / max(1, spec["passes"]),
-               predicted_tokens_per_pass=predict.tokens_per_pass(budget),
-               predicted_model="draftcost.TOKENS_PER_PASS['small'] (the shared trained pair's, a prior)",
-               serve=serve_once(ctx))
+    out = dict(
+        budget=budget,
+        equal=runs["ar"]["ids"] == spec["ids"],
+        new_tokens=len(spec["ids"]),
+        tokens_per_pass=(len(spec["ids"]) - 1) / max(1, spec["passes"]),
+        predicted_tokens_per_pass=predict.tokens_per_pass(budget),
+        predicted_model="draftcost.TOKENS_PER_PASS['small'] (the shared trained pair's, a prior)",
+        serve=serve_once(ctx),
+    )
     if not out["equal"] or out["serve"]["status"] != 200:
         raise PhaseError("demo: specexec ids differ from ar's, or the served request failed", out)
     return out
@@ -139,12 +170,18 @@ def serve_once(ctx: dict) -> dict:
 
     tmp = ctx["out"] / "serve"
     tmp.mkdir(parents=True, exist_ok=True)
-    srv = Server.start(["--device", ctx["device"].type, "--budget", "32", "--max-new-tokens", "8",
-                        "--model-name", "demo"], tmp, timeout=300)
+    srv = Server.start(
+        ["--device", ctx["device"].type, "--budget", "32", "--max-new-tokens", "8", "--model-name", "demo"],
+        tmp,
+        timeout=300,
+    )
     try:
-        status, _, body = srv.http("POST", "/v1/chat/completions",
-                                   {"model": "demo", "messages": [{"role": "user", "content": PROMPT}],
-                                    "temperature": 0, "max_tokens": 8}, timeout=300)
+        status, _, body = srv.http(
+            "POST",
+            "/v1/chat/completions",
+            {"model": "demo", "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": 8},
+            timeout=300,
+        )
     finally:
         code = srv.stop()
     usage = body.get("usage", {}) if isinstance(body, dict) else {}

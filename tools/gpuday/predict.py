@@ -20,15 +20,16 @@ from offload.planning import draftcost, passcost
 from offload.planning.membytes import arch_of
 
 MODEL = "offload/planning/passcost.py"
-KERNEL = {"bf16": "none", "nf4": "nf4-dequant", "q4k": "int4-unpack"}   # passcost.DEQUANT_ELEMS keys
-C = 2   # bytes of the compute dtype (bf16)
+KERNEL = {"bf16": "none", "nf4": "nf4-dequant", "q4k": "int4-unpack"}  # passcost.DEQUANT_ELEMS keys
+C = 2  # bytes of the compute dtype (bf16)
 
 
 def device(card: dict) -> passcost.Device:
     kind = "cuda" if card.get("device", "cpu") != "cpu" else "cpu"
     src = f"measured: gpu_day probe ({card.get('device', kind)})"
-    rates = dict(memory_bps=card["memory_bps"], link_bps=card["link_bps"], flops16=card["bf16_flops"],
-                 flops32=card["fp32_flops"])
+    rates = dict(
+        memory_bps=card["memory_bps"], link_bps=card["link_bps"], flops16=card["bf16_flops"], flops32=card["fp32_flops"]
+    )
     return passcost.device_for(kind, dict.fromkeys(rates, src), **rates)
 
 
@@ -42,8 +43,9 @@ def kv_bytes(shape: dict, layers: int, tokens: int, elem: int = C) -> int:
 
 def target_pass(card: dict, fmt: str, shape: dict, layers: int, n: int, past: int, streamed_bytes: int) -> dict:
     """Predicted seconds of one pass over n tree tokens on `past` cached ones, every layer streamed."""
-    plan = SimpleNamespace(layer_bytes=[streamed_bytes // max(1, layers)] * layers, ram_layers=list(range(layers)),
-                           disk_layers=[])
+    plan = SimpleNamespace(
+        layer_bytes=[streamed_bytes // max(1, layers)] * layers, ram_layers=list(range(layers)), disk_layers=[]
+    )
     terms = passcost.target_pass(arch(shape, layers), plan, device(card), n, past, C, KERNEL[fmt])
     return dict(terms.to_json(), model=MODEL)
 
@@ -51,8 +53,9 @@ def target_pass(card: dict, fmt: str, shape: dict, layers: int, n: int, past: in
 def draft_step(card: dict, weight: int, kv: int, dequant: int, flops: float) -> dict:
     """Predicted seconds of one draft forward."""
     dev = device(card)
-    return dict(seconds=passcost.draft_step(weight, kv, dequant, flops, dev, C), model=MODEL,
-                step_floor_s=dev.step_floor_s)
+    return dict(
+        seconds=passcost.draft_step(weight, kv, dequant, flops, dev, C), model=MODEL, step_floor_s=dev.step_floor_s
+    )
 
 
 def tokens_per_pass(budget: int) -> float:

@@ -24,14 +24,38 @@ from pathlib import Path
 from tools.gpuday import pack
 from tools.gpuday.image import IMAGE_PACKAGES, norm
 
-IMAGE_HERE = ["torch==2.13.0", "transformers==5.17.0", "accelerate==1.15.0", "safetensors==0.8.0", "tokenizers",
-              "numpy", "rich", "typer", "psutil", "httpx", "jinja2", "pytest", "scipy", "packaging", "einops", "tqdm",
-              "pyyaml", "requests", "anyio", "h11", "click", "annotated-doc", "typing-extensions", "huggingface-hub"]
+IMAGE_HERE = [
+    "torch==2.13.0",
+    "transformers==5.17.0",
+    "accelerate==1.15.0",
+    "safetensors==0.8.0",
+    "tokenizers",
+    "numpy",
+    "rich",
+    "typer",
+    "psutil",
+    "httpx",
+    "jinja2",
+    "pytest",
+    "scipy",
+    "packaging",
+    "einops",
+    "tqdm",
+    "pyyaml",
+    "requests",
+    "anyio",
+    "h11",
+    "click",
+    "annotated-doc",
+    "typing-extensions",
+    "huggingface-hub",
+]
 
 
 def step(cmd: list[str], **kw) -> None:
-    print("rehearse: " + " ".join(str(c) for c in cmd[:8]) + (" ..." if len(cmd) > 8 else ""), file=sys.stderr,
-          flush=True)
+    print(
+        "rehearse: " + " ".join(str(c) for c in cmd[:8]) + (" ..." if len(cmd) > 8 else ""), file=sys.stderr, flush=True
+    )
     proc = subprocess.run(cmd, **kw)
     if proc.returncode:
         raise SystemExit(f"gpu_day rehearse: {' '.join(str(c) for c in cmd[:6])} ... exited {proc.returncode}")
@@ -45,10 +69,11 @@ def image_venv(venv: Path) -> Path:
     shutil.rmtree(venv, ignore_errors=True)
     step([sys.executable, "-m", "venv", str(venv)])
     step([str(py), "-m", "pip", "install", "-q", *IMAGE_HERE])
-    listed = subprocess.run([str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
-                            check=True).stdout.split()
+    listed = subprocess.run(
+        [str(py), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
+    ).stdout.split()
     extra = [n.split("==")[0] for n in listed if norm(n.split("==")[0]) not in IMAGE_PACKAGES]
-    if extra:   # pulled in here by a newer release of an image package (typer -> pydantic): not on the image
+    if extra:  # pulled in here by a newer release of an image package (typer -> pydantic): not on the image
         step([str(py), "-m", "pip", "uninstall", "-q", "-y", *extra])
     (venv / ".done").write_text("")
     return py
@@ -62,13 +87,29 @@ def main(root: Path, venv: Path | None, out: Path | None) -> int:
     wheels = pack.build(root, venv / "whl", here)
     site = venv / "site"
     shutil.rmtree(site, ignore_errors=True)
-    step([str(py), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-          "--upgrade", "--target", str(site), *map(str, wheels)])
+    step(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(site),
+            *map(str, wheels),
+        ]
+    )
     shutil.rmtree(out, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env["PYTHONPATH"] = f"{site}{os.pathsep}."
     print(f"rehearse: PYTHONPATH={env['PYTHONPATH']} {py} tools/gpu_day.py run --smoke --out {out}", file=sys.stderr)
-    code = subprocess.run([str(py), "tools/gpu_day.py", "run", "--smoke", "--out", str(out)], cwd=root,
-                          env=env).returncode
+    code = subprocess.run(
+        [str(py), "tools/gpu_day.py", "run", "--smoke", "--out", str(out)], cwd=root, env=env
+    ).returncode
     print(f"rehearse: run --smoke exited {code}; its JSON is in {out}")
     return code

@@ -29,16 +29,29 @@ import traceback
 from pathlib import Path
 
 PHASES = ("env", "probe", "passes-bf16", "passes-nf4", "passes-q4k", "draft", "demo", "cuda-tests")
-EST = {"env": 10, "probe": 20, "passes-bf16": 90, "passes-nf4": 90, "passes-q4k": 90, "draft": 90, "demo": 60,
-       "cuda-tests": 180}   # seconds, with margin over an H200's run (54, 25, 33, 16, 22 and 142 s for the long ones)
+EST = {
+    "env": 10,
+    "probe": 20,
+    "passes-bf16": 90,
+    "passes-nf4": 90,
+    "passes-q4k": 90,
+    "draft": 90,
+    "demo": 60,
+    "cuda-tests": 180,
+}  # seconds, with margin over an H200's run (54, 25, 33, 16, 22 and 142 s for the long ones)
 SELF_BITS = (4, 3, 2)
 
 
 def scratch_env(work: Path) -> None:
     """Every cache specx, torch and the tests write, under `work` (set before torch is imported)."""
-    for var, sub in (("SPECX_CACHE", "specx-cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
-                     ("TRITON_CACHE_DIR", "triton"), ("XDG_CACHE_HOME", "xdg-cache"), ("HF_HOME", "hf"),
-                     ("TMPDIR", "tmp")):
+    for var, sub in (
+        ("SPECX_CACHE", "specx-cache"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("XDG_CACHE_HOME", "xdg-cache"),
+        ("HF_HOME", "hf"),
+        ("TMPDIR", "tmp"),
+    ):
         (work / sub).mkdir(parents=True, exist_ok=True)
         os.environ[var] = str(work / sub)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,9 +61,16 @@ def scratch_env(work: Path) -> None:
 def runner(name: str):
     from tools.gpuday import measure, phases
 
-    return {"env": phases.env, "probe": measure.probe, "passes-bf16": lambda c: measure.passes(c, "bf16"),
-            "passes-nf4": lambda c: measure.passes(c, "nf4"), "passes-q4k": lambda c: measure.passes(c, "q4k"),
-            "draft": measure.draft, "demo": phases.demo, "cuda-tests": phases.cuda_tests}[name]
+    return {
+        "env": phases.env,
+        "probe": measure.probe,
+        "passes-bf16": lambda c: measure.passes(c, "bf16"),
+        "passes-nf4": lambda c: measure.passes(c, "nf4"),
+        "passes-q4k": lambda c: measure.passes(c, "q4k"),
+        "draft": measure.draft,
+        "demo": phases.demo,
+        "cuda-tests": phases.cuda_tests,
+    }[name]
 
 
 def context(out: Path, smoke: bool) -> dict:
@@ -61,8 +81,7 @@ def context(out: Path, smoke: bool) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     shape = stack.SMOKE_TARGET if smoke else stack.TARGET
-    layers = 2 if smoke else stack.layers_for(shape, 8, psutil.virtual_memory().available,
-                                               shutil.disk_usage(out).free)
+    layers = 2 if smoke else stack.layers_for(shape, 8, psutil.virtual_memory().available, shutil.disk_usage(out).free)
     ctx = dict(out=out / "work", device=device, smoke=smoke, layers=layers, bits=SELF_BITS)
     probe = out / "probe.json"
     if probe.exists():
@@ -80,14 +99,17 @@ def run_phase(name: str, ctx: dict, out: Path) -> bool:
         rec["data"] = runner(name)(ctx)
     except PhaseError as e:
         rec.update(ok=False, error=str(e), data=e.data)
-    except Exception as e:   # noqa: BLE001 - a phase's failure is recorded, the next phase still runs
+    except Exception as e:  # noqa: BLE001 - a phase's failure is recorded, the next phase still runs
         rec.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
     if name == "probe" and rec["ok"]:
         ctx["card"] = rec["data"]
-    print(f"gpu_day run: {name} {'ok' if rec['ok'] else 'FAILED: ' + rec['error']} ({rec['seconds']} s)",
-          file=sys.stderr, flush=True)
+    print(
+        f"gpu_day run: {name} {'ok' if rec['ok'] else 'FAILED: ' + rec['error']} ({rec['seconds']} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     return rec["ok"]
 
 
@@ -97,8 +119,12 @@ def summary(out: Path, copy_to: Path | None = None) -> dict:
         f = out / f"{name}.json"
         if f.exists():
             phases[name] = json.loads(f.read_text())
-    doc = dict(phases=phases, done=[n for n in PHASES if n in phases],
-               left=[n for n in PHASES if n not in phases], failed=[n for n, r in phases.items() if not r["ok"]])
+    doc = dict(
+        phases=phases,
+        done=[n for n in PHASES if n in phases],
+        left=[n for n in PHASES if n not in phases],
+        failed=[n for n, r in phases.items() if not r["ok"]],
+    )
     text = json.dumps(doc, indent=1, default=str) + "\n"
     (out / "summary.json").write_text(text)
     if copy_to is not None:
@@ -120,8 +146,14 @@ def seed(out: Path, resume_from: Path) -> list[str]:
     return done
 
 
-def main(out: Path, smoke: bool, only: list[str] | None, budget_s: float, resume_from: Path | None = None,
-         copy_to: Path | None = None) -> int:
+def main(
+    out: Path,
+    smoke: bool,
+    only: list[str] | None,
+    budget_s: float,
+    resume_from: Path | None = None,
+    copy_to: Path | None = None,
+) -> int:
     if only and (bad := [p for p in only if p not in PHASES]):
         print(f"gpu_day run: unknown phase {bad[0]!r}; choose from {', '.join(PHASES)}", file=sys.stderr)
         return 2
@@ -133,10 +165,12 @@ def main(out: Path, smoke: bool, only: list[str] | None, budget_s: float, resume
 
     import torch
 
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its optional-CPU-kernel notice
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional-CPU-kernel notice
     if not smoke and not torch.cuda.is_available():
-        print("gpu_day run: no CUDA device here; run it on the GPU box, or pass --smoke for a tiny CPU run",
-              file=sys.stderr)
+        print(
+            "gpu_day run: no CUDA device here; run it on the GPU box, or pass --smoke for a tiny CPU run",
+            file=sys.stderr,
+        )
         return 2
     t_start = time.perf_counter()
     ctx = context(out, smoke)
@@ -148,9 +182,9 @@ def main(out: Path, smoke: bool, only: list[str] | None, budget_s: float, resume
             print(f"gpu_day run: {name} left for the next command (budget {budget_s:.0f} s)", file=sys.stderr)
             break
         ok = run_phase(name, ctx, out)
-        summary(out, copy_to)   # after every phase: a command killed at its limit still leaves it
+        summary(out, copy_to)  # after every phase: a command killed at its limit still leaves it
         if name == "env" and not ok:
-            break   # the install is wrong: nothing after it would mean anything
+            break  # the install is wrong: nothing after it would mean anything
     doc = summary(out, copy_to)
     print(json.dumps(dict(done=doc["done"], failed=doc["failed"], left=doc["left"])))
     if not doc["left"]:

@@ -27,14 +27,35 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 32000
-TARGET = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-              vocab_size=VOCAB)
-DRAFT = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-             vocab_size=VOCAB, layers=16)
-SMOKE_TARGET = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=1, head_dim=32,
-                    vocab_size=512)
-SMOKE_DRAFT = dict(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                   vocab_size=512, layers=2)
+TARGET = dict(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=VOCAB,
+)
+DRAFT = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=VOCAB,
+    layers=16,
+)
+SMOKE_TARGET = dict(
+    hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=1, head_dim=32, vocab_size=512
+)
+SMOKE_DRAFT = dict(
+    hidden_size=64,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=512,
+    layers=2,
+)
 
 
 def _bench_gpu():
@@ -65,9 +86,15 @@ def write_q4k(out: Path, shape: dict, layers: int, seed: int = 0) -> Path:
     if out.exists() and out.with_suffix(".done").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    dims = dict(layers=layers, hidden=shape["hidden_size"], ffn=shape["intermediate_size"],
-                heads=shape["num_attention_heads"], kv_heads=shape["num_key_value_heads"], vocab=shape["vocab_size"],
-                ctx=8192)
+    dims = dict(
+        layers=layers,
+        hidden=shape["hidden_size"],
+        ffn=shape["intermediate_size"],
+        heads=shape["num_attention_heads"],
+        kv_heads=shape["num_key_value_heads"],
+        vocab=shape["vocab_size"],
+        ctx=8192,
+    )
     write_sparse_llama(out, dims)
     reader = gguf.GGUFReader(out, "r+")
     rng = np.random.default_rng(seed)
@@ -77,13 +104,13 @@ def write_q4k(out: Path, shape: dict, layers: int, seed: int = 0) -> Path:
         if t.tensor_type == gguf.GGMLQuantizationType.F32:
             data.view(np.float32)[:] = 1.0
             continue
-        per, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        _per, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
         blocks = data.reshape(-1, size)
-        for r0 in range(0, len(blocks), 1 << 18):   # 256k blocks at a time: bounded host temporaries
-            chunk = blocks[r0:r0 + (1 << 18)]
+        for r0 in range(0, len(blocks), 1 << 18):  # 256k blocks at a time: bounded host temporaries
+            chunk = blocks[r0 : r0 + (1 << 18)]
             chunk[:] = rng.integers(0, 256, size=chunk.shape, dtype=np.uint8)
-            for off in ((0, 2) if t.tensor_type in (gguf.GGMLQuantizationType.Q4_K,) else (size - 2,)):
-                chunk[:, off:off + 2] = scale   # d and dmin (Q4_K) or d (Q6_K): small finite fp16
+            for off in (0, 2) if t.tensor_type in (gguf.GGMLQuantizationType.Q4_K,) else (size - 2,):
+                chunk[:, off : off + 2] = scale  # d and dmin (Q4_K) or d (Q6_K): small finite fp16
     reader.data.flush()
     del reader
     out.with_suffix(".done").write_text("")
@@ -100,7 +127,7 @@ def layers_for(shape: dict, want: int, ram_bytes: int, disk_bytes: int) -> int:
     """As many layers as asked, capped so the bf16 stack + its nf4 cache + the Q4_K file take at most
     half the free disk and the bf16 RAM arena at most 40% of available RAM."""
     one = target_bytes(shape, 1)
-    per_layer_disk = one * (1 + 0.28 + 0.30)   # bf16 + nf4 (4.1 bits + absmax) + Q4_K_M (~4.8 bits)
+    per_layer_disk = one * (1 + 0.28 + 0.30)  # bf16 + nf4 (4.1 bits + absmax) + Q4_K_M (~4.8 bits)
     return max(1, min(want, int(0.5 * disk_bytes // per_layer_disk), int(0.4 * ram_bytes // one)))
 
 
@@ -138,4 +165,3 @@ def depth_of(parents: torch.Tensor) -> torch.Tensor:
     for i in range(1, parents.numel()):
         depth[i] = depth[parents[i]] + 1
     return depth
-

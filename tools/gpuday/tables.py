@@ -36,10 +36,12 @@ def card(summary: dict) -> str:
     if p is None:
         return _missing(summary, "probe")
     e = _phase(summary, "env") or {}
-    return ("| device | torch | pinned host->device GB/s | device memory GB/s (copy, r+w) | bf16 TFLOP/s | "
-            "fp32 TFLOP/s (TF32 off) |\n|---|---|---|---|---|---|\n"
-            f"| {p['device']} | {e.get('torch', '?')} | {p['link_bps'] / 1e9:.1f} | {p['memory_bps'] / 1e9:.0f} | "
-            f"{p['bf16_flops'] / 1e12:.0f} | {p['fp32_flops'] / 1e12:.1f} |")
+    return (
+        "| device | torch | pinned host->device GB/s | device memory GB/s (copy, r+w) | bf16 TFLOP/s | "
+        "fp32 TFLOP/s (TF32 off) |\n|---|---|---|---|---|---|\n"
+        f"| {p['device']} | {e.get('torch', '?')} | {p['link_bps'] / 1e9:.1f} | {p['memory_bps'] / 1e9:.0f} | "
+        f"{p['bf16_flops'] / 1e12:.0f} | {p['fp32_flops'] / 1e12:.1f} |"
+    )
 
 
 def passes(summary: dict) -> str:
@@ -49,9 +51,13 @@ def passes(summary: dict) -> str:
         return _missing(summary, "passes-bf16")
     first = done[0][1]
     head = "| n | " + " | ".join(f"{f} measured ms | {f} modelled ms | x" for f, _ in done) + " |"
-    lines = [f"{first['layers']} layers streamed from pinned RAM, tree over {first['past']} cached tokens; "
-             "modelled: offload/planning/passcost.py with the card's measured rates.", "", head,
-             "|---|" + "---|---|---|" * len(done)]
+    lines = [
+        f"{first['layers']} layers streamed from pinned RAM, tree over {first['past']} cached tokens; "
+        "modelled: offload/planning/passcost.py with the card's measured rates.",
+        "",
+        head,
+        "|---|" + "---|---|---|" * len(done),
+    ]
     by_n = {f: {r["n"]: r for r in d["rows"]} for f, d in done}
     for n in sorted(by_n[done[0][0]]):
         cells = []
@@ -70,13 +76,17 @@ def draft(summary: dict) -> str:
         return _missing(summary, "draft")
     lines = ["| draft | b tokens | measured ms | modelled ms | x |", "|---|---|---|---|---|"]
     for r in d["small"]["rows"]:
-        lines.append(f"| 1B-shaped bf16, whole forward | {r['b']} | {_ms(r['seconds'])} | "
-                     f"{_ms(r['predicted']['seconds'])} | {r['seconds'] / r['predicted']['seconds']:.2f} |")
+        lines.append(
+            f"| 1B-shaped bf16, whole forward | {r['b']} | {_ms(r['seconds'])} | "
+            f"{_ms(r['predicted']['seconds'])} | {r['seconds'] / r['predicted']['seconds']:.2f} |"
+        )
     for bits, sub in d["substitutes"].items():
         for r in sub["rows"]:
-            lines.append(f"| {bits}-bit substitute ({sub['kernel']}), one 70B layer's linears | {r['b']} | "
-                         f"{_ms(r['seconds'])} | {_ms(r['predicted']['seconds'])} | "
-                         f"{r['seconds'] / r['predicted']['seconds']:.2f} |")
+            lines.append(
+                f"| {bits}-bit substitute ({sub['kernel']}), one 70B layer's linears | {r['b']} | "
+                f"{_ms(r['seconds'])} | {_ms(r['predicted']['seconds'])} | "
+                f"{r['seconds'] / r['predicted']['seconds']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -85,10 +95,12 @@ def demo(summary: dict) -> str:
     if d is None:
         return _missing(summary, "demo")
     s = d["serve"]
-    return ("| T = 0 specexec ids == ar | tokens per pass (budget "
-            f"{d['budget']}) | prior (draftcost) | served request |\n|---|---|---|---|\n"
-            f"| {'yes' if d['equal'] else 'NO'} | {d['tokens_per_pass']:.2f} | {d['predicted_tokens_per_pass']:.2f} | "
-            f"HTTP {s['status']}, {s['completion_tokens']} tokens |")
+    return (
+        "| T = 0 specexec ids == ar | tokens per pass (budget "
+        f"{d['budget']}) | prior (draftcost) | served request |\n|---|---|---|---|\n"
+        f"| {'yes' if d['equal'] else 'NO'} | {d['tokens_per_pass']:.2f} | {d['predicted_tokens_per_pass']:.2f} | "
+        f"HTTP {s['status']}, {s['completion_tokens']} tokens |"
+    )
 
 
 def tests(summary: dict) -> str:
@@ -97,14 +109,21 @@ def tests(summary: dict) -> str:
         return _missing(summary, "cuda-tests")
     d = rec["data"]
     lines = ["| test | result | seconds |", "|---|---|---|"]
-    lines += [f"| `{c['name']}` | {c['status']}{': ' + c['detail'] if c['detail'] else ''} | {c['seconds']:.1f} |"
-              for c in d["cases"]]
+    lines += [
+        f"| `{c['name']}` | {c['status']}{': ' + c['detail'] if c['detail'] else ''} | {c['seconds']:.1f} |"
+        for c in d["cases"]
+    ]
     return "\n".join(lines)
 
 
 def render(summary: dict) -> dict[str, str]:
-    return {"card": card(summary), "passes": passes(summary), "draft": draft(summary), "demo": demo(summary),
-            "tests": tests(summary)}
+    return {
+        "card": card(summary),
+        "passes": passes(summary),
+        "draft": draft(summary),
+        "demo": demo(summary),
+        "tests": tests(summary),
+    }
 
 
 def replace_blocks(text: str, blocks: dict[str, str]) -> str:
@@ -120,8 +139,10 @@ def main(out: Path, write: Path | None) -> int:
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError) as e:
-        print(f"gpu_day tables: no readable {out / 'summary.json'} ({e}); run `gpu_day.py run --out {out}` first",
-              file=sys.stderr)
+        print(
+            f"gpu_day tables: no readable {out / 'summary.json'} ({e}); run `gpu_day.py run --out {out}` first",
+            file=sys.stderr,
+        )
         return 2
     blocks = render(summary)
     if write is None:

@@ -12,14 +12,19 @@ travel in `GenerationConfig.extra`; see `common.MethodSettings`.
 from __future__ import annotations
 
 from specexec_cli.core import engine
-from specexec_cli.errors import SpecxError
 from specexec_cli.core.methods.chain import chain_step
 from specexec_cli.core.methods.sequoia import sequoia_step
 from specexec_cli.core.methods.specinfer import specinfer_step
 from specexec_cli.core.methods.staged import staged_step
+from specexec_cli.errors import SpecxError
 
-METHODS: dict = {**engine.STEP_METHODS, "chain": chain_step, "specinfer": specinfer_step,
-                 "sequoia": sequoia_step, "staged": staged_step}  # fmt: skip
+METHODS: dict = {
+    **engine.STEP_METHODS,
+    "chain": chain_step,
+    "specinfer": specinfer_step,
+    "sequoia": sequoia_step,
+    "staged": staged_step,
+}
 
 
 def available_methods() -> dict:

@@ -44,7 +44,7 @@ class MethodSettings:
     sequoia_profile: str | None = None  # JSON file caching Sequoia's acceptance vectors (used if it exists)
 
     @classmethod
-    def of(cls, cfg) -> "MethodSettings":
+    def of(cls, cfg) -> MethodSettings:
         extra = getattr(cfg, "extra", None) or {}
         return cls(
             gamma=int(extra.get("gamma", cls.gamma)),
@@ -143,20 +143,28 @@ def residual_choices(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, key: 
     accepted = torch.full((kids.shape[0],), -1, dtype=torch.long, device=kids.device)
     for i in range(kids.shape[1]):
         x = kids[:, i].clamp(min=0)
-        open_ = (kids[:, i] >= 0) & (accepted < 0)   # rows still deciding, with an i-th child
+        open_ = (kids[:, i] >= 0) & (accepted < 0)  # rows still deciding, with an i-th child
         px = p.gather(1, x[:, None])[:, 0].double()
         qx = q.gather(1, x[:, None])[:, 0].double()
-        u = race_uniform(key, ACCEPT, pos, x)                  # (R,) float64
-        hit = open_ & (qx > 0) & (u * qx < px)               # u < p/q without dividing
+        u = race_uniform(key, ACCEPT, pos, x)  # (R,) float64
+        hit = open_ & (qx > 0) & (u * qx < px)  # u < p/q without dividing
         accepted = torch.where(hit, x, accepted)
-        step = (open_ & ~hit)[:, None]                        # rejected: p ← residual, q ← q without x
+        step = (open_ & ~hit)[:, None]  # rejected: p ← residual, q ← q without x
         p, q = torch.where(step, residual_rows(p, q), p), torch.where(step, without_rows(q, x), q)
     return accepted, p
 
 
-def static_choices(logits: torch.Tensor, params: SamplingParams, noise: PositionNoise, first_pos: int,
-                   depth: torch.Tensor, max_depth: int, inner: torch.Tensor, kids: torch.Tensor,
-                   q: torch.Tensor) -> torch.Tensor:
+def static_choices(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    noise: PositionNoise,
+    first_pos: int,
+    depth: torch.Tensor,
+    max_depth: int,
+    inner: torch.Tensor,
+    kids: torch.Tensor,
+    q: torch.Tensor,
+) -> torch.Tensor:
     """(n, V) target logits over a tree whose children were sampled w/o replacement → (n,) tokens
     on the device: at a node with children the accepted child's token, or the draw from its final
     residual; at a leaf a draw from p. Draws: argmax(r / E) with the RESIDUAL stream's noise.
@@ -164,18 +172,27 @@ def static_choices(logits: torch.Tensor, params: SamplingParams, noise: Position
     depth: (n,) node depths; inner: (R,) indices of the nodes with children; kids: (R, K) their
     child tokens (-1 = none); q: (R, V) their processed draft rows (all on the logits' device).
     """
-    p = process_logits(logits, params)                                      # (n, V)
-    accepted, final = residual_choices(p.index_select(0, inner), q.to(p.device), kids, noise.key,
-                                       depth.index_select(0, inner) + first_pos)
+    p = process_logits(logits, params)  # (n, V)
+    accepted, final = residual_choices(
+        p.index_select(0, inner), q.to(p.device), kids, noise.key, depth.index_select(0, inner) + first_pos
+    )
     p = p.index_copy(0, inner, final)
     rows = noise.block(first_pos, max_depth + 1, p.shape[-1], p.device, RESIDUAL)  # (D + 1, V)
-    draw = (p / rows.index_select(0, depth)).argmax(-1)                     # (n,) residual draws
+    draw = (p / rows.index_select(0, depth)).argmax(-1)  # (n,) residual draws
     return draw.index_copy(0, inner, torch.where(accepted >= 0, accepted, draw.index_select(0, inner)))
 
 
-def accept_static(vt: VerifyTree, logits: torch.Tensor, params: SamplingParams, noise: PositionNoise,
-                  first_pos: int, staged: tuple, q: torch.Tensor, eos_ids: frozenset[int],
-                  limit: int) -> Acceptance:
+def accept_static(
+    vt: VerifyTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    noise: PositionNoise,
+    first_pos: int,
+    staged: tuple,
+    q: torch.Tensor,
+    eos_ids: frozenset[int],
+    limit: int,
+) -> Acceptance:
     """Every node's token on the device (`static_choices`), ONE (n,) copy to the host, then the walk
     of verify.py. staged: (depth, inner, kids) on the device (see `static_choices`)."""
     depth, inner, kids = staged

@@ -107,8 +107,9 @@ def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
     return kvcache.forward(model, cache, torch.tensor(ids), torch.arange(len(ids)), mask).float().cpu()
 
 
-def measure_acceptance(m, ids: list[int], params: SamplingParams, ranks: int = RANKS, draws: int = 8,
-                       seed: int = 0) -> tuple[float, ...]:
+def measure_acceptance(
+    m, ids: list[int], params: SamplingParams, ranks: int = RANKS, draws: int = 8, seed: int = 0
+) -> tuple[float, ...]:
     """Estimate a_1..a_K on `ids` (see the module docstring); positions 1..n-1 of the context."""
     ids = ids[-CALIBRATION_TOKENS:]
     p_logits, q_logits = _teacher_forced(m.target, ids), _teacher_forced(m.draft, ids)
@@ -128,7 +129,7 @@ def measure_acceptance(m, ids: list[int], params: SamplingParams, ranks: int = R
 
 
 def sampling_key(params: SamplingParams) -> str:
-    t = 0.0 if params.greedy else params.temperature   # tiny temperatures are greedy
+    t = 0.0 if params.greedy else params.temperature  # tiny temperatures are greedy
     return f"T={t:g},top_k={params.top_k},top_p={params.top_p:g}"
 
 

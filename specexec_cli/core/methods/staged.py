@@ -44,7 +44,9 @@ def path_tokens(tree: Tree, node: int) -> list[int]:
     return out[::-1]
 
 
-def accept_chain(tree: Tree, parent: int, chain: list[int], logits: torch.Tensor, shape, params) -> list[tuple[int, int]]:
+def accept_chain(
+    tree: Tree, parent: int, chain: list[int], logits: torch.Tensor, shape, params
+) -> list[tuple[int, int]]:
     """Walk a proposed chain under `parent`; returns [(node, chain index)] the draft kept (expanded)."""
     kept = []
     for j, tok in enumerate(chain):
@@ -99,7 +101,9 @@ def batch_rows(tree: Tree, nodes: torch.Tensor, chains: list[list[int]], base: i
     return torch.tensor(toks), torch.tensor(pos), padded, torch.arange(col0, col)
 
 
-def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram: NgramIndex, committed: list[int]) -> Tree:
+def grow_staged(
+    draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram: NgramIndex, committed: list[int]
+) -> Tree:
     """SpecExec tree growth with n-gram proposals verified by the draft in batch (module docstring)."""
     tree = Tree.new(ctx.pending[-1])
     base = ctx.n_cached + len(ctx.pending) - 1
@@ -119,15 +123,17 @@ def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram
         toks, depth, anc_cols, self_cols = batch_rows(tree, nodes, chains, base)
         n_cols = int(self_cols[-1]) + 1
         toks, positions, anc_cols, self_cols = kvcache.stage(draft, toks, ctx.root_pos + depth, anc_cols, self_cols)
-        mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, draft.device)   # staged: no copy
+        mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, draft.device)  # staged: no copy
         logits = kvcache.forward(draft, cache, toks, positions, mask)
         b = nodes.numel()
         tree.mark_run(nodes)
         expand(tree, nodes, logits[:b], shape, params)
         kept, offset = [], b
         for node, chain in zip(nodes.tolist(), chains):
-            kept += [(n, base + tree.n_slots + offset - b + j) for n, j in
-                     accept_chain(tree, node, chain, logits[offset : offset + len(chain)], shape, params)]
+            kept += [
+                (n, base + tree.n_slots + offset - b + j)
+                for n, j in accept_chain(tree, node, chain, logits[offset : offset + len(chain)], shape, params)
+            ]
             offset += len(chain)
         commit_chains(tree, cache, base + tree.n_slots, kept)
     return tree
@@ -135,6 +141,7 @@ def grow_staged(draft, cache, ctx: DraftContext, shape: TreeShape, params, ngram
 
 def staged_step(m, st, cfg, gen, limit: int):
     """engine.speculative_step with `grow_staged` in place of `grow_tree`."""
+
     def grow(m, st, ctx, shape, params, scoring=None):
         return grow_staged(m.draft, st.draft_cache, ctx, shape, params, NgramIndex(st.ids), st.ids)
 

@@ -28,12 +28,7 @@ from specexec_cli.core import kvcache
 from specexec_cli.core.draft import DraftContext, run_pending, top_children
 from specexec_cli.core.engine import StepResult, ar_step, draft_context, new_noise
 from specexec_cli.core.methods.common import accept_static, child_table, commit
-from specexec_cli.core.sampling import (
-    CHILDREN,
-    PositionNoise,
-    SamplingParams,
-    process_logits,
-)
+from specexec_cli.core.sampling import CHILDREN, PositionNoise, SamplingParams, process_logits
 from specexec_cli.core.transfers import to_host
 from specexec_cli.core.tree import Tree, ancestors, attention_mask, subtree
 from specexec_cli.core.verify import accept_tree, target_pass
@@ -86,16 +81,16 @@ def pick_level(logits: torch.Tensor, ks: list[int], params: SamplingParams, nois
     if params.greedy:
         vals, idx, _ = top_children(logits, kmax, params, None)
         return [(idx[r, :k].tolist(), vals[r, :k], None) for r, k in enumerate(ks)]
-    q = process_logits(logits, params)                                       # (B, V) on the device
-    e = noise.block(pos, 1, q.shape[-1], q.device, CHILDREN)                 # (1, V)
-    ids = torch.topk(q / e, kmax, dim=-1).indices                            # (B, k) w/o replacement
+    q = process_logits(logits, params)  # (B, V) on the device
+    e = noise.block(pos, 1, q.shape[-1], q.device, CHILDREN)  # (1, V)
+    ids = torch.topk(q / e, kmax, dim=-1).indices  # (B, k) w/o replacement
     logq = q.gather(1, ids).clamp(min=1e-30).log()
     support = (q > 0).sum(-1, keepdim=True).to(logq.dtype)
     host = to_host(torch.cat([logq, ids.to(logq.dtype), support], 1))
     out = []
     for r, k in enumerate(ks):
         k = min(k, kmax, int(host[r, 2 * kmax]))
-        out.append((host[r, kmax:kmax + k].long().tolist(), host[r, :k], q[r]))
+        out.append((host[r, kmax : kmax + k].long().tolist(), host[r, :k], q[r]))
     return out
 
 
@@ -111,7 +106,7 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
     qrows: dict[int, torch.Tensor] = {}
     logits = run_pending(draft, cache, ctx)[0][None]  # (1, V) at the root
     tree.mark_run(torch.zeros(1, dtype=torch.long))
-    if not params.greedy:   # the children's noise of every level in one block (each level slices it)
+    if not params.greedy:  # the children's noise of every level in one block (each level slices it)
         noise.block(ctx.root_pos + 1, depth_cap, logits.shape[-1], logits.device, CHILDREN)
     frontier = [(0, 0)]  # (tree node, template node) pairs whose logits are in `logits`
     dtype = kvcache.model_dtype(draft)
@@ -132,8 +127,9 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
         anc = ancestors(tree.parents, nodes)  # (B, D) all already run
         anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
         self_cols = base + tree.n_slots + torch.arange(nodes.numel())
-        ids, positions, anc_cols, self_cols = kvcache.stage(draft, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes],
-                                                            anc_cols, self_cols)  # one upload
+        ids, positions, anc_cols, self_cols = kvcache.stage(
+            draft, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], anc_cols, self_cols
+        )  # one upload
         mask = attention_mask(base, anc_cols, self_cols, base + tree.n_slots + nodes.numel(), dtype, draft.device)
         logits = kvcache.forward(draft, cache, ids, positions, mask)
         tree.mark_run(nodes)
@@ -163,14 +159,19 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
         acc = accept_tree(vt, logits, cfg.sampling, None, n, m.eos_ids, limit, depth=positions - (n - 1))
     else:  # VerifyTree index i holds draft node vt.draft_ids[i]; here they coincide (whole tree kept)
         inner, kids = child_table(vt)
-        logits, positions, inner, kids = verify_pass(m, st, vt, inner, kids)   # one upload for all four
+        logits, positions, inner, kids = verify_pass(m, st, vt, inner, kids)  # one upload for all four
         q = torch.stack([qrows[i] for i in inner.tolist()]) if len(qrows) else logits.new_zeros(0, logits.shape[-1])
-        acc = accept_static(vt, logits, cfg.sampling, st.noise, n, (positions - (n - 1), inner, kids), q,
-                            m.eos_ids, limit)
+        acc = accept_static(
+            vt, logits, cfg.sampling, st.noise, n, (positions - (n - 1), inner, kids), q, m.eos_ids, limit
+        )
     t2 = time.perf_counter()
     commit(st, tree, vt, acc, len(ctx.pending))
     t3 = time.perf_counter()
     return StepResult(
-        tokens=acc.tokens, accepted=len(acc.path), tree_size=vt.size - 1, tree_depth=int(vt.depth.max()),
-        draft_seconds=t1 - t0 + (t3 - t2), target_seconds=t2 - t1,
-    )  # fmt: skip
+        tokens=acc.tokens,
+        accepted=len(acc.path),
+        tree_size=vt.size - 1,
+        tree_depth=int(vt.depth.max()),
+        draft_seconds=t1 - t0 + (t3 - t2),
+        target_seconds=t2 - t1,
+    )
