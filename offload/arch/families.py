@@ -8,6 +8,8 @@ the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder l
 - sliding-window layers (`layer_types`, or Mistral/Qwen's global `sliding_window`).
 Gemma-3 (`gemma3_text`, the text model; the multimodal `gemma3` is refused by name) runs as
 gemma3.py's subclass, whose layers pick their own RoPE base (local or global) from one rotary pass.
+Mixture-of-experts families (`mixtral`, `qwen2_moe`, `qwen3_moe`) run as moe.py's subclasses, whose
+experts are one nn.Linear per stored tensor (HF 5.x fuses them into 3-D parameters).
 `window_mask(mask, q_pos, k_pos, window)` puts a sliding window on top of an additive 4-D mask by
 ABSOLUTE positions: HF returns caller-built 4-D (tree) masks unchanged, so without this a
 sliding layer would attend past its window whenever a tree mask is passed.
@@ -23,7 +25,8 @@ import torch
 
 from offload.errors import OffloadError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
+             "qwen3_moe")
 
 
 def causal_lm_class(config):
@@ -35,6 +38,10 @@ def causal_lm_class(config):
         from offload.arch import gemma3
 
         return gemma3.causal_lm_class()
+    from offload.arch import moe
+
+    if config.model_type in moe.MOE_FAMILIES:
+        return moe.causal_lm_class(config.model_type)
     name = names.get(config.model_type)
     if name is None:
         raise OffloadError(f"unsupported model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
@@ -56,8 +63,9 @@ class Family:
         if types:
             types = tuple(types[:n])
         else:
-            # Mistral (and Qwen with use_sliding_window) apply one window to every layer.
-            on = bool(window) and (config.model_type == "mistral" or getattr(config, "use_sliding_window", False))
+            # Mistral and Mixtral (and Qwen with use_sliding_window) apply one window to every layer.
+            on = bool(window) and (config.model_type in ("mistral", "mixtral")
+                                   or getattr(config, "use_sliding_window", False))
             types = ("sliding_attention" if on else "full_attention",) * n
         if "sliding_attention" not in types:
             window = None

@@ -1,0 +1,106 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) with one parameter per stored tensor.
+
+Contract: `causal_lm_class(model_type)` is a subclass of transformers' *ForCausalLM for a
+`MOE_FAMILIES` type whose parameter names are the checkpoint's tensor names, so the loader binds,
+streams and checks them like any dense layer's (one file span per parameter). transformers 5.x
+fuses a layer's experts into 3-D parameters (`experts.gate_up_proj` (E, 2I, H) = per expert
+[gate; up], `experts.down_proj` (E, H, I)) and converts the checkpoint's per-expert tensors at
+load time; here each sparse block's `experts` becomes an `ExpertList` of E `Expert`s holding
+three nn.Linear (gate, up, down; Mixtral's w1, w3, w2), named as stored
+(`model.layers.i.mlp.experts.e.gate_proj.weight`; Mixtral's block lives under `block_sparse_moe`,
+as its checkpoints name it, and the decoder layer still reaches it as `layer.mlp`).
+`ExpertList.forward(hidden (T, H), top_k_index (T, K), top_k_weights (T, K))` computes HF's eager
+experts loop: for each expert some token routed to, sum_k w_k * down(act(gate(x)) * up(x)) into
+that token's row. The router, the shared expert (Qwen2-MoE) and dense MLP layers
+(`mlp_only_layers`, `decoder_sparse_step`) are HF's modules unchanged. Being plain nn.Linear, the
+experts take the same 4-bit substitutions (NF4, packed formats) as any decoder linear.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from torch import nn
+
+# model_type -> (HF class, (gate, up, down) linear names as stored, the block's stored name)
+MOE_FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", ("w1", "w3", "w2"), "block_sparse_moe"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", ("gate_proj", "up_proj", "down_proj"), "mlp"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", ("gate_proj", "up_proj", "down_proj"), "mlp"),
+}
+
+
+class Expert(nn.Module):
+    """One expert's SwiGLU-style MLP: down(act(gate(x)) * up(x)), x (t, H) -> (t, H)."""
+
+    def __init__(self, hidden: int, inter: int, act, names: tuple[str, str, str]):
+        super().__init__()
+        self.names = names
+        for name, (fan_in, fan_out) in zip(names, ((hidden, inter), (hidden, inter), (inter, hidden))):
+            setattr(self, name, nn.Linear(fan_in, fan_out, bias=False))
+        self.act_fn = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+class ExpertList(nn.ModuleList):
+    """HF's fused experts module as E separate `Expert`s (children "0".."E-1"), same forward."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        n = len(self)
+        out = torch.zeros_like(hidden_states)                      # (T, H)
+        with torch.no_grad():
+            # (T, K) expert ids -> (E + 1, K, T) one-hot; index E is an "unassigned" slot HF skips
+            mask = nn.functional.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit[:, 0].tolist():
+            if e == n:
+                continue
+            k_pos, tok = torch.where(mask[e])                       # (slot k, token) pairs routed to e
+            y = self[e](hidden_states[tok]) * top_k_weights[tok, k_pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+def split_experts(block: nn.Module, names: tuple[str, str, str]) -> None:
+    """Replace `block.experts` (HF's fused 3-D parameters) by an ExpertList of the same shapes."""
+    fused = block.experts
+    if getattr(fused, "has_bias", False) or not hasattr(fused, "gate_up_proj"):
+        raise TypeError(f"{type(fused).__name__}: experts with biases or without a gate are not supported")
+    experts = ExpertList(Expert(fused.hidden_dim, fused.intermediate_dim, fused.act_fn, names)
+                         for _ in range(fused.num_experts))
+    block.experts = experts
+
+
+def _split_layers(model: nn.Module, model_type: str) -> None:
+    _, names, stored = MOE_FAMILIES[model_type]
+    for layer in model.model.layers:
+        block = layer.mlp
+        if not hasattr(block, "experts"):
+            continue                                               # a dense MLP layer (Qwen mlp_only_layers)
+        split_experts(block, names)
+        if stored != "mlp":
+            # register the block under its stored name (parameter names follow), and keep `layer.mlp`,
+            # which HF's decoder layer calls, as a plain attribute (outside _modules: named once)
+            del layer._modules["mlp"]
+            layer.add_module(stored, block)
+            object.__setattr__(layer, "mlp", block)
+
+
+@cache
+def causal_lm_class(model_type: str):
+    import transformers
+
+    base = getattr(transformers, MOE_FAMILIES[model_type][0])
+
+    class PerExpertCausalLM(base):
+        def __init__(self, config):
+            super().__init__(config)
+            _split_layers(self, model_type)
+
+    PerExpertCausalLM.__name__ = PerExpertCausalLM.__qualname__ = f"PerExpert{base.__name__}"
+    return PerExpertCausalLM
