@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,13 +62,13 @@ class DecodeState:
     """A conversation's committed tokens and both models' KV caches."""
 
     ids: list[int] = field(default_factory=list)  # prompt + generated tokens, all turns
-    target_cache: object = field(default_factory=kvcache.new_cache)
+    target_cache: Any = field(default_factory=kvcache.new_cache)
     target_len: int = 0  # committed tokens in the target cache
-    draft_cache: object = field(default_factory=kvcache.new_cache)
+    draft_cache: Any = field(default_factory=kvcache.new_cache)
     draft_len: int = 0  # committed tokens in the draft cache
     noise: PositionNoise | None = None  # coupled draws of the current generate call (sampling.py)
     prefill_streams: int = 0  # target passes the latest prefill took
-    grammar: object = None  # constrain.GrammarRun of the current generate call; None = unconstrained
+    grammar: Any = None  # constrain.GrammarRun of the current generate call; None = unconstrained
 
 
 @dataclass

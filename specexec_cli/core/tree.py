@@ -11,6 +11,7 @@ positions (`kvcache.stage`), building the mask copies nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ class Tree:
 
     @classmethod
     def new(cls, root_token: int) -> Tree:
-        long = dict(dtype=torch.long)
+        long: dict[str, Any] = dict(dtype=torch.long)
         return cls(
             tokens=torch.tensor([root_token], **long),
             parents=torch.tensor([-1], **long),
