@@ -49,10 +49,11 @@ class Expert(nn.Module):
 class ExpertList(nn.ModuleList):
     """HF's fused experts module as E separate `Expert`s (children "0".."E-1"), same forward."""
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         n = len(self)
-        out = torch.zeros_like(hidden_states)                      # (T, H)
+        out = torch.zeros_like(hidden_states)  # (T, H)
         with torch.no_grad():
             # (T, K) expert ids -> (E + 1, K, T) one-hot; index E is an "unassigned" slot HF skips
             mask = nn.functional.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
@@ -60,7 +61,7 @@ class ExpertList(nn.ModuleList):
         for e in hit[:, 0].tolist():
             if e == n:
                 continue
-            k_pos, tok = torch.where(mask[e])                       # (slot k, token) pairs routed to e
+            k_pos, tok = torch.where(mask[e])  # (slot k, token) pairs routed to e
             y = self[e](hidden_states[tok]) * top_k_weights[tok, k_pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
@@ -71,8 +72,9 @@ def split_experts(block: nn.Module, names: tuple[str, str, str]) -> None:
     fused = block.experts
     if getattr(fused, "has_bias", False) or not hasattr(fused, "gate_up_proj"):
         raise TypeError(f"{type(fused).__name__}: experts with biases or without a gate are not supported")
-    experts = ExpertList(Expert(fused.hidden_dim, fused.intermediate_dim, fused.act_fn, names)
-                         for _ in range(fused.num_experts))
+    experts = ExpertList(
+        Expert(fused.hidden_dim, fused.intermediate_dim, fused.act_fn, names) for _ in range(fused.num_experts)
+    )
     block.experts = experts
 
 
@@ -81,7 +83,7 @@ def _split_layers(model: nn.Module, model_type: str) -> None:
     for layer in model.model.layers:
         block = layer.mlp
         if not hasattr(block, "experts"):
-            continue                                               # a dense MLP layer (Qwen mlp_only_layers)
+            continue  # a dense MLP layer (Qwen mlp_only_layers)
         split_experts(block, names)
         if stored != "mlp":
             # register the block under its stored name (parameter names follow), and keep `layer.mlp`,

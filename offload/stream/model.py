@@ -27,6 +27,7 @@ from torch import nn
 from offload.arch.attention import release as release_masks
 from offload.arch.families import Family, apply_final_softcap, causal_lm_class, window_mask
 from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
+from offload.arch.moe import MOE_FAMILIES
 from offload.errors import OffloadError
 from offload.formats import Checkpoint, open_checkpoint
 from offload.formats.qlinear import swap_packed_linears
@@ -136,6 +137,12 @@ class OffloadedCausalLM(nn.Module):
             raise OffloadError(
                 f"{ckpt.path}: already a 4-bit {ckpt.format} checkpoint; drop --dtype nf4 (its "
                 "weights stream as stored) or point at a 16-bit checkpoint"
+            )
+        if (_wants_nf4(dtype) or ckpt.format == "bnb-nf4") and ckpt.hf_config.model_type in MOE_FAMILIES:
+            # the 4-bit cache packs every 2-D layer tensor, MoE routers (raw parameters, no nn.Linear) too
+            raise OffloadError(
+                f"{ckpt.path}: NF4 is not supported for mixture-of-experts models "
+                f"({ckpt.hf_config.model_type}) yet; use --dtype bf16, fp16 or fp32"
             )
         if _wants_nf4(dtype) and ckpt.format != "bnb-nf4":
             # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.

@@ -163,7 +163,7 @@ def needs_offload_path(path: Path) -> bool:
         return True
     cfg = read_config(path)
     sliding = "sliding_attention" in (cfg.get("layer_types") or [])
-    sliding |= bool(cfg.get("sliding_window")) and (cfg.get("model_type") == "mistral"
+    sliding |= bool(cfg.get("sliding_window")) and (cfg.get("model_type") in ("mistral", "mixtral")
                                                     or bool(cfg.get("use_sliding_window")))
     return sliding or bool(cfg.get("attn_logit_softcapping")) or "quantization_config" in cfg
 
