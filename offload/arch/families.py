@@ -25,15 +25,20 @@ import torch
 
 from offload.errors import OffloadError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
-             "qwen3_moe")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def causal_lm_class(config):
     import transformers
 
-    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+    names = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "phi3": "Phi3ForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+    }
     if config.model_type == "gemma3_text":
         from offload.arch import gemma3
 
@@ -50,13 +55,13 @@ def causal_lm_class(config):
 
 @dataclass(frozen=True)
 class Family:
-    attn_implementation: str        # "specx_gqa" (SDPA without repeated K/V), or "eager" where logits are soft-capped
-    final_softcap: float | None     # Gemma-2 final_logit_softcapping (None = off)
-    layer_types: tuple[str, ...]    # per decoder layer: "full_attention" | "sliding_attention"
-    sliding_window: int | None      # keys with q_pos - k_pos >= window are masked on sliding layers
+    attn_implementation: str  # "specx_gqa" (SDPA without repeated K/V), or "eager" where logits are soft-capped
+    final_softcap: float | None  # Gemma-2 final_logit_softcapping (None = off)
+    layer_types: tuple[str, ...]  # per decoder layer: "full_attention" | "sliding_attention"
+    sliding_window: int | None  # keys with q_pos - k_pos >= window are masked on sliding layers
 
     @classmethod
-    def of(cls, config) -> "Family":
+    def of(cls, config) -> Family:
         n = config.num_hidden_layers
         window = getattr(config, "sliding_window", None)
         types = getattr(config, "layer_types", None)
@@ -64,17 +69,23 @@ class Family:
             types = tuple(types[:n])
         else:
             # Mistral and Mixtral (and Qwen with use_sliding_window) apply one window to every layer.
-            on = bool(window) and (config.model_type in ("mistral", "mixtral")
-                                   or getattr(config, "use_sliding_window", False))
+            on = bool(window) and (
+                config.model_type in ("mistral", "mixtral") or getattr(config, "use_sliding_window", False)
+            )
             types = ("sliding_attention" if on else "full_attention",) * n
         if "sliding_attention" not in types:
             window = None
         soft_attn = getattr(config, "attn_logit_softcapping", None)
-        from offload.arch.attention import implementation   # "sdpa" runs as the GQA-aware specx_gqa (offload/arch/attention.py)
+        from offload.arch.attention import (
+            implementation,  # "sdpa" runs as the GQA-aware specx_gqa (offload/arch/attention.py)
+        )
 
-        return cls(attn_implementation="eager" if soft_attn else implementation("sdpa"),
-                   final_softcap=getattr(config, "final_logit_softcapping", None),
-                   layer_types=types, sliding_window=window)
+        return cls(
+            attn_implementation="eager" if soft_attn else implementation("sdpa"),
+            final_softcap=getattr(config, "final_logit_softcapping", None),
+            layer_types=types,
+            sliding_window=window,
+        )
 
 
 def window_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -82,7 +93,7 @@ def window_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, wi
 
     q_pos: (Q,) absolute positions of the queries; k_pos: (K,) of the keys (cache row order).
     """
-    far = (q_pos[:, None] - k_pos[None, :]) >= window          # (Q, K)
+    far = (q_pos[:, None] - k_pos[None, :]) >= window  # (Q, K)
     return mask.masked_fill(far[None, None], torch.finfo(mask.dtype).min)
 
 
