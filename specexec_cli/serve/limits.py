@@ -10,7 +10,12 @@ front ends send 1000 or no max_tokens for a reply of a few dozen tokens. `guard_
 says whether the repetition guard watches the request: its `specx.repetition_guard` when it sends
 one, else the server's switch, off for a request that asks for greedy decoding (temperature 0: the
 exact output of the target alone). `RepetitionGuard.feed(tokens)` is true once the reply's last
-tokens repeat one span RULE describes; the worker then ends the reply ("stop").
+tokens repeat one span RULE describes; the worker then ends the reply ("stop"). `TaskAnswer.feed(text,
+tokens)` watches a background task's reply: true once its first JSON object has closed ("json_end")
+or when none has opened within OPEN_WITHIN tokens ("no_json"); the worker then ends it ("stop"). Open
+WebUI reads a task's answer as the text from its first "{" to its last "}" (without one it falls
+back: the title is the first message, no tags, no follow-ups), so neither loses it anything, and its
+page stays busy until the tasks after a reply are done.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ TASKS = (  # (words the task's first line starts with, lowercased; the task's na
     ("generate a concise", "title"),
     ("generate 1-3 broad tags", "tags"),
     ("suggest 3-5 relevant follow-up", "follow_ups"),
+    ("predict 3-5 useful messages", "follow_ups"),  # Open WebUI 0.12's follow-up template
     ("analyze the chat history", "queries"),
     ("you are an autocompletion system", "autocomplete"),
     ("generate a detailed prompt", "image_prompt"),
@@ -44,6 +50,7 @@ TASK_CAPS = {
 # more: 8 copies of 8 tokens, 64 of one). A loop that long no longer ends on a small model's greedy or
 # near-greedy decoding; a reply shorter than MIN_RUN tokens is never cut.
 MAX_PERIOD, MIN_REPEATS, MIN_RUN = 256, 4, 64
+OPEN_WITHIN = 48  # tokens: "Here are the follow-ups:\n```json\n{" is about 12
 RULE = f"a span of up to {MAX_PERIOD} tokens repeated {MIN_REPEATS}+ times in a row, {MIN_RUN}+ tokens in all"
 
 
@@ -105,3 +112,32 @@ class RepetitionGuard:
                 if run[p] >= need[p]:
                     self.fired = True
         return self.fired
+
+
+class TaskAnswer:
+    """Watches a background task's reply text for the end of its first JSON object (braces counted
+    outside JSON strings, escapes honoured); see the module docstring. `fired`: why it ended, or None."""
+
+    def __init__(self, open_within: int = OPEN_WITHIN):
+        self.open_within, self.tokens, self.depth = open_within, 0, 0
+        self.opened = self.in_string = self.escaped = False
+        self.fired: str | None = None
+
+    def feed(self, text: str, tokens: int) -> bool:
+        """Add the reply's next text (and how many tokens it took); True once (and after) it is done."""
+        self.tokens += tokens
+        for ch in text:
+            if self.fired:
+                break
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (ch == "\\", ch != '"')
+            elif ch == '"' and self.opened:
+                self.in_string = True
+            elif ch == "{":
+                self.opened, self.depth = True, self.depth + 1
+            elif ch == "}" and self.depth:
+                self.depth -= 1
+                self.fired = None if self.depth else "json_end"
+        if self.fired is None and not self.opened and self.tokens >= self.open_within:
+            self.fired = "no_json"
+        return self.fired is not None

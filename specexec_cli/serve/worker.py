@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 
 from specexec_cli.serve.jobs import Delta, Done, Failed, Job, Started, spans
-from specexec_cli.serve.limits import RepetitionGuard, guard_on, reply_limit, task_of
+from specexec_cli.serve.limits import RepetitionGuard, TaskAnswer, guard_on, reply_limit, task_of
 from specexec_cli.serve.models import APIError, Work
 from specexec_cli.serve.reply import Piece, Reply
 from specexec_cli.serve.shapes import usage_body
@@ -322,6 +322,7 @@ class Worker:
         limit, task = reply_limit(work, self.max_new_tokens, self.task_caps)
         cfg, gen, stats = self._config(work, len(full), plan, limit)
         guard = RepetitionGuard() if guard_on(work, self.repetition_guard) else None
+        answer = TaskAnswer() if task is not None and plan.grammar is None else None
         events, prefill = self._open(job, full, cfg, gen)
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill, task=task))
         plain = work.messages is not None and not session.templated and not session.code
@@ -331,13 +332,16 @@ class Worker:
         try:
             for ev in events:
                 stats.add(ev)
-                self._emit(job, reply.feed(ev), stats)
+                piece = reply.feed(ev)
+                self._emit(job, piece, stats)
                 if reply.stopped:
                     finish = "stop"
                 elif ev.finish:
                     finish = FINISH.get(ev.finish, "length")
                 elif guard is not None and guard.feed(ev.tokens):   # a loop that no longer ends
                     finish = "stop"
+                elif answer is not None and answer.feed(piece.text if piece else "", len(ev.tokens)):
+                    finish = "stop"   # a background task's JSON answer is complete, or never began
                 elif job.cancelled.is_set():
                     finish = "cancelled"
                 elif self.stopping.is_set():
@@ -360,6 +364,8 @@ class Worker:
         specx = stats.speculative()
         if guard is not None and guard.fired and finish == "stop":
             specx["stopped_by"] = "repetition"
+        elif answer is not None and answer.fired and finish == "stop":
+            specx["stopped_by"] = answer.fired
         self._end(job, Done("".join(reply.parts), finish, usage, specx, calls, reply.entries))
         return "cancelled" if finish == "cancelled" else "ok"
 
