@@ -24,7 +24,9 @@ from specexec_cli.serve.models import Work
 
 # Open WebUI's default task templates (backend/open_webui/config.py) begin "### Task:" and paste the
 # chat between <chat_history> tags; the first words of the task tell the kinds apart. Caps in tokens:
-# a title or tag object is 10-30 tokens, 3-5 follow-up questions in JSON about 150.
+# a title or tag object is 10-30 tokens, 3-5 follow-up questions in JSON 60-150. Open WebUI's page
+# shows Stop until the follow-ups (and, after the first reply, the tags) are done: on SmolLM2 at
+# ~30 tokens/s 256 follow-up tokens and 96 of tags kept it busy 10 s after the reply (issue 56.5).
 TASK_MARK, HISTORY_MARK = "### Task:", "<chat_history>"
 TASKS = (  # (words the task's first line starts with, lowercased; the task's name), first match wins
     ("generate a concise", "title"),
@@ -38,7 +40,7 @@ TASKS = (  # (words the task's first line starts with, lowercased; the task's na
 TASK_CAPS = {
     "title": 64,
     "tags": 96,
-    "follow_ups": 256,
+    "follow_ups": 160,
     "queries": 128,
     "autocomplete": 64,
     "image_prompt": 256,
