@@ -6,7 +6,8 @@ Contract:
   CPU tensor giving the output column of each stored row (llama.cpp's Q/K row order undone). It
   calls kernels/ggml_gemv.c: the weight is dequantized in fp32 registers exactly as
   gguf_quants.dequantize defines it and accumulated in fp32, so the result equals
-  dequantize-then-matmul up to fp32 rounding order (activations are never quantized). Each call
+  dequantize-then-matmul up to fp32 rounding order (activations are never quantized, except in
+  the self-draft's own SX3 / SX2: 8-bit activations, quant/lowbit_pack.matmul_reference). Each call
   reads the packed bytes once (0.56-1.06 bytes per weight instead of 4). Types (`QTYPES`): Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M / Q6_K files hold;
   K-quant rows need `in` to be a multiple of 256, which llama-quantize also requires), and specx's
@@ -74,7 +75,7 @@ COST = {
 MAX_ROWS = 8  # activation rows up to which the kernel beats a dense GEMM
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")  # built into the same library: the decoder stack, the threads
-HEADERS = ("ggml_blocks.h", "ggml_fast.h")  # included by the kernel: part of the build's hash
+HEADERS = ("ggml_blocks.h", "ggml_fast.h", "sx_q8.h")  # included by the kernel: part of the build's hash
 FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-pthread"],
     ["-O3", "-march=native", "-pthread"],

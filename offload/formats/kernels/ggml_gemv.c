@@ -6,7 +6,8 @@ where W[n, :] is row n of the (N, K) weight stored as GGUF blocks (`w`: N rows o
 K/256 for the K-quants; rowmap NULL = identity). W is dequantized in fp32 registers exactly as
 gguf.quants.dequantize defines it and every product and sum is fp32: the same number as
 dequantize-then-matmul up to the order of fp32 roundings (as one BLAS vs another). Activations
-are never quantized. Types and block layouts: ggml_blocks.h (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+are never quantized, except for specx's own SX3 / SX2 (the self-draft's substitutes, never a target's
+weights) with K a multiple of 64: those run sx_q8.h's 8-bit-activation path (its contract). Types and block layouts: ggml_blocks.h (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K, and specx's 3- and 2-bit SX3, SX2), each read as 32-value sub-blocks w_j = d * c_j (+ m).
 ggml_gemm_slice writes into a slice of a wider output instead (row stride ldy >= N).
 Returns 0, or -1 for an unsupported qtype / K not a whole number of blocks (nothing written).
@@ -15,7 +16,8 @@ Two schedules, both reading each packed row from memory once per call:
           4 rows at a time sharing each activation load, their scales converted to fp32 in chunks
           of CH blocks first, 16-lane partial sums, one horizontal sum per row;
   T > 1:  per sub-block, the 32 reference values w_j (d * c_j + m) in two 16-lane registers,
-          multiplied into TB activation rows at a time (the row's bytes stay in L1 between passes);
+          multiplied into up to TB activation rows at a time (16 with AVX-512: one accumulator
+          register each; T > TB in even passes), the row's bytes in L1 between passes;
           ggml_gemm_pool_rows instead computes every activation row with the T == 1 schedule (a
           group's packed rows re-read from L1 for the next activation row), so row t of y is the
           number a one-row call gives: one-token sequences that share a pass (decode_stack.c's
@@ -40,12 +42,17 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 #endif
 #include "ggml_blocks.h"
 
-#define TB 4                                   /* activation rows per pass (T > 1) */
+#if defined(__AVX512F__)
+#define TB 16          /* activation rows per pass (T > 1): one accumulator register each */
+#else
+#define TB 8
+#endif
 #define AHEAD 4096        /* software prefetch distance in bytes: +20-45% on weights streamed from DRAM */
 /* below this many (row, block, activation row) products one thread is faster than two: an OpenMP
    fork/join costs ~0.5-1 us, one product ~2.5 ns (measured, 2 cores, K = 576) */
 #define MIN_PAR 512
 #include "ggml_fast.h"
+#include "sx_q8.h"
 
 /* The 16 lanes' sum as a tree (a serial chain of 15 adds cost ~60 cycles per output: more than the
    18 blocks of a 576-wide row took to multiply). */
@@ -145,31 +152,49 @@ static inline void values32(int qtype, const uint8_t *blk, int s, v16f *wlo, v16
     }
 }
 
-/* T > 1: y[t, ycol] for every t from one packed row, TB activation rows per pass over the row. */
+/* T > 1: y[t, ycol] for nt (a constant once inlined: the switch below) activation rows from one packed
+   row: each sub-block's 32 reference values w_j are built once and multiply all nt rows, each row's
+   accumulator its own register. Every output's sums run in the same order whatever nt is, so a row's
+   result does not depend on how many rows share its pass. */
+static inline __attribute__((always_inline)) void rows_tile(int qtype, const uint8_t *row, const float *xt,
+                                                            float *y, int64_t ycol, int64_t ldy, int64_t K,
+                                                            int nt, int fetch) {
+    int64_t nb = K / QK;
+    v16f acc[TB] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        int s;
+        const uint8_t *blk = sub(qtype, row, b, &s);
+        if (fetch) __builtin_prefetch(blk + AHEAD, 0, 3);
+        v16f wlo, whi;                                    /* the reference values w_j */
+        values32(qtype, blk, s, &wlo, &whi);
+        for (int i = 0; i < nt; i++)
+            acc[i] += wlo * ldf(xt + i * K + b * QK) + whi * ldf(xt + i * K + b * QK + 16);
+    }
+    for (int i = 0; i < nt; i++) y[i * ldy + ycol] = hsum(acc[i]);
+}
+
+/* T > 1: y[t, ycol] for every t from one packed row, in passes of at most TB activation rows over the
+   row, as even as they can be (T = 9: 5 + 4, not 8 + 1: a pass costs its dequantization plus its rows). */
+#define TILE(n) case n: rows_tile(qtype, row, xt, yt, ycol, ldy, K, n, f); break;
 static inline void rows_multi(int qtype, const uint8_t *row, const float *x, float *y, int64_t ycol,
                               int64_t ldy, int64_t K, int64_t T) {
-    int64_t nb = K / QK;
-    for (int64_t t0 = 0; t0 < T; t0 += TB) {
-        int64_t nt = T - t0 < TB ? T - t0 : TB;
-        v16f acc[TB] = {{0}};
+    int64_t passes = (T + TB - 1) / TB;
+    for (int64_t p = 0, t0 = 0; p < passes; p++) {
+        int64_t nt = (T - t0) / (passes - p) + ((T - t0) % (passes - p) != 0);
         const float *xt = x + t0 * K;
-        for (int64_t b = 0; b < nb; b++) {
-            int s;
-            const uint8_t *blk = sub(qtype, row, b, &s);
-            if (t0 == 0) __builtin_prefetch(blk + AHEAD, 0, 3);
-            v16f wlo, whi;                                    /* the reference values w_j */
-            values32(qtype, blk, s, &wlo, &whi);
-            if (nt == TB) {
-                for (int i = 0; i < TB; i++)
-                    acc[i] += wlo * ldf(xt + i * K + b * QK) + whi * ldf(xt + i * K + b * QK + 16);
-            } else {
-                for (int i = 0; i < nt; i++)
-                    acc[i] += wlo * ldf(xt + i * K + b * QK) + whi * ldf(xt + i * K + b * QK + 16);
-            }
+        float *yt = y + t0 * ldy;
+        int f = p == 0;
+        switch (nt) {
+        TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
+#if TB > 8
+        TILE(8) TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14) TILE(15)
+#endif
+        default: rows_tile(qtype, row, xt, yt, ycol, ldy, K, TB, f); break;
         }
-        for (int i = 0; i < nt; i++) y[(t0 + i) * ldy + ycol] = hsum(acc[i]);
+        t0 += nt;
     }
 }
+#undef TILE
 
 /* One qtype's loops, so `qtype` is a constant inside them (the branches above fold away): the share
    ith of nth of the output rows (a static split, as OpenMP's schedule(static) makes it). */
@@ -240,12 +265,42 @@ static void (*kernel_of(int qtype))(void *, int, int) {
 
 void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 
+/* The self-draft's types over int8 activations (sx_q8.h), quantized once per call by the calling thread
+   into its own buffer (grown as needed, kept for its next call) that the workers read. */
+static int sx_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap, int64_t N,
+                   int64_t K, int64_t T, int64_t ldy, int nthreads, int on_pool) {
+    static __thread void *buf = NULL;
+    static __thread size_t have = 0;
+    size_t need = (size_t)(T * K) + sizeof(float) * (size_t)(T * (K / SXQ_G) + 2 * T * (K / 32)) + 64;
+    if (need > have) {
+        void *grown = realloc(buf, need);
+        if (grown == NULL) return -2;
+        buf = grown, have = need;
+    }
+    float *sx = buf, *xsum = sx + T * (K / SXQ_G), *xres = xsum + T * (K / 32);
+    int8_t *xq = (int8_t *)(xres + T * (K / 32));
+    sxq_quantize(x, T, K, xq, sx, xsum, xres);
+    sxq_args a = {w, xq, sx, xsum, xres, y, rowmap, N, K, T, ldy, qtype};
+    if (on_pool) {
+        pool_run(sxq_worker, &a, nthreads);
+        return 0;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads)
+    sxq_worker(&a, omp_get_thread_num(), omp_get_num_threads());
+#else
+    for (int i = 0; i < nthreads; i++) sxq_worker(&a, i, nthreads);
+#endif
+    return 0;
+}
+
 /* on_pool: split over pool.c's workers (the decoder stack) rather than an OpenMP team (a linear called
    alone from Python, between torch's own OpenMP ops, shares torch's threads: the same runtime). */
 static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
                 int64_t N, int64_t K, int64_t T, int64_t ldy, int nthreads, int on_pool, int rowwise) {
     if (block_bytes(qtype) == 0 || K % block_values(qtype) != 0 || K <= 0 || N < 0 || T < 0 || ldy < N) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
+    if ((qtype == SX3 || qtype == SX2) && K % SXQ_G == 0) return sx_gemm(qtype, w, x, y, rowmap, N, K, T, ldy, nthreads, on_pool);
     gemm_args a = {w, x, y, rowmap, N, K, T, ldy, rowwise};
     void (*fn)(void *, int, int) = kernel_of(qtype);
     if (on_pool) {
