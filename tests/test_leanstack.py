@@ -267,9 +267,12 @@ def test_forward_many_runs_served_jobs_on_the_stack(tiny, monkeypatch):
         for c in caches:
             kvcache.forward(model, c, torch.arange(1, 10), torch.arange(9), None)
         alone = [kvcache.crop(c, 9) or c for c in caches]
+        n = ggml_kernel.MAX_ROWS + 4  # more rows than the stack serves (the model holds fp32 copies)
         jobs = [
             ForwardJob(torch.tensor([3]), torch.tensor([9]), None, caches[0]),
-            ForwardJob(torch.arange(12) % 20, torch.arange(9, 21), causal_mask(9, 12, torch.float32, "cpu"), caches[1]),
+            ForwardJob(
+                torch.arange(n) % 20, torch.arange(9, 9 + n), causal_mask(9, n, torch.float32, "cpu"), caches[1]
+            ),
         ]
         calls = model.lean.calls
         many = forward_many(model, jobs)
@@ -279,7 +282,7 @@ def test_forward_many_runs_served_jobs_on_the_stack(tiny, monkeypatch):
         one = [
             kvcache.forward(model, caches[0], torch.tensor([3]), torch.tensor([9]), None),
             kvcache.forward(
-                model, caches[1], torch.arange(12) % 20, torch.arange(9, 21), causal_mask(9, 12, torch.float32, "cpu")
+                model, caches[1], torch.arange(n) % 20, torch.arange(9, 9 + n), causal_mask(9, n, torch.float32, "cpu")
             ),
         ]
         for a, b in zip(many, one):

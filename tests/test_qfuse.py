@@ -69,17 +69,18 @@ def test_groups_attached_and_one_call_per_group(q41):
             assert qkv[0].group is not None and all(m.group is qkv[0].group for m in qkv)
             assert layer.mlp.gate_proj.group is layer.mlp.up_proj.group is not None
             assert layer.self_attn.o_proj.group is None and layer.mlp.down_proj.group is None
-        fused = {t: _pass(model, t) for t in (1, 4, 16)}
+        over = ggml_kernel.MAX_ROWS + 1
+        fused = {t: _pass(model, t) for t in (1, 4, over)}
         _unfused(model)
-        alone = {t: _pass(model, t) for t in (1, 4, 16)}
+        alone = {t: _pass(model, t) for t in (1, 4, over)}
     finally:
         model.close()
     layers = len(model.layers)
-    for t in (1, 4, 16):
+    for t in (1, 4, over):
         assert torch.equal(fused[t][0], alone[t][0]), t
     assert alone[1][1] - fused[1][1] == 3 * layers  # 7 -> 4 calls per layer
     assert alone[4][1] - fused[4][1] == 3 * layers
-    assert fused[16][1] == alone[16][1]  # over MAX_ROWS with `dense`: no kernel, no group
+    assert fused[over][1] == alone[over][1]  # over MAX_ROWS with `dense`: no kernel, no group
 
 
 def test_streamed_layers(q41):

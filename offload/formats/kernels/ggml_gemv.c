@@ -43,7 +43,7 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 #include "ggml_blocks.h"
 
 #if defined(__AVX512F__)
-#define TB 16          /* activation rows per pass (T > 1): one accumulator register each */
+#define TB 16           /* activation rows per pass (T > 1): one accumulator register each */
 #else
 #define TB 8
 #endif
