@@ -1,6 +1,7 @@
 """Helpers for the `specx serve` tests: start a real server process on a free port, raw HTTP.
 
-`Server.start(args)` runs `python -m specexec_cli serve --port <free> ...` and waits for /health
+`Server.start(args)` runs `python -m specexec_cli serve --port <free> ...` (`module`: another launcher,
+e.g. tests.slow_specx) and waits for /health
 to answer 200; `stop()` sends SIGTERM and returns the exit code. `http()` is raw HTTP via
 http.client (no client library between the test and the bytes on the wire). `app_server(app)`
 runs an ASGI app (create_app over a fake worker) in real uvicorn on a thread of this process.
@@ -35,7 +36,9 @@ class Server:
         self.base = f"http://127.0.0.1:{port}"
 
     @classmethod
-    def start(cls, args: list[str], tmp: Path, env: dict | None = None, timeout: float = 120) -> Server:
+    def start(
+        cls, args: list[str], tmp: Path, env: dict | None = None, timeout: float = 120, module: str = "specexec_cli"
+    ) -> Server:
         port = free_port()
         full_env = dict(
             os.environ,
@@ -46,7 +49,7 @@ class Server:
         )
         full_env.pop("SPECX_DEBUG", None)
         err = tmp / f"serve-{port}.err"
-        cmd = [sys.executable, "-m", "specexec_cli", "serve", "--port", str(port), *args]
+        cmd = [sys.executable, "-m", module, "serve", "--port", str(port), *args]  # tests.slow_specx: slowed
         with open(err, "w") as err_file:  # the child keeps its own descriptor; ours closes here
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file, env=full_env, cwd=tmp)
         server = cls(proc, port, err)

@@ -3,7 +3,7 @@
 Why: CUDA kernels that load 128-bit vectors (bitsandbytes' 4-bit kernels among them) fault with
 `misaligned address` on pointers that are not 16-byte aligned; safetensors packs tensors back to
 back, so file-layout views (the disk tier's zero-copy path) land at arbitrary offsets. The CPU
-invariant checked here is the CUDA requirement: at the moment each layer runs (compute_hook),
+invariant checked here is the CUDA requirement: at the moment each layer runs (a forward hook, tests/probes.py),
 `data_ptr() % 256 == 0` for its parameters, buffers and 4-bit quant-state tensors; tiers resident
 (none), RAM and disk; dtypes bf16, fp16, the nf4 cache of a 16-bit checkpoint and a pre-quantized
 bitsandbytes checkpoint. The fixtures are checked to hold misaligned file offsets, so the disk
@@ -17,6 +17,7 @@ import torch
 
 from offload import OffloadedCausalLM
 from offload.formats.st_index import SafetensorsIndex
+from tests.probes import after_each_layer
 from tests.test_families import make_family
 from tests.test_prequant import Q4, _bnb_save
 
@@ -58,7 +59,7 @@ def _check_every_layer(model) -> list[str]:
             if t.numel() and t.data_ptr() % ALIGN:
                 bad.append(f"layer {i} {name}: data_ptr % {ALIGN} = {t.data_ptr() % ALIGN}")
 
-    model.compute_hook = hook
+    after_each_layer(model, hook)
     model(input_ids=torch.tensor([[1, 2, 3, 4]]))
     assert seen == set(range(len(model.layers)))
     return bad

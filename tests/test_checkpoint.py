@@ -15,6 +15,7 @@ from offload.formats import open_checkpoint
 from offload.formats.qlinear import PackedLinear
 from tests.conftest import make_model
 from tests.formats_util import write_gptq
+from tests.probes import after_each_layer
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_packed_tensors_are_256_byte_aligned(models, tmp_path, offload):
                 for attr in mod.parts:
                     seen.append(getattr(mod, attr).data_ptr() % 256)
 
-    model.compute_hook = check
+    after_each_layer(model, check)
     try:
         with torch.no_grad():
             model(input_ids=torch.tensor([[1, 2, 3]]))

@@ -22,6 +22,7 @@ import torch
 from offload import OffloadedCausalLM
 from offload.stream.timing import device_seconds
 from tests.conftest import CHARS, make_model
+from tests.probes import after_each_layer
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -84,7 +85,7 @@ def _cycles_per_ms() -> float:
 
 def test_streamed_pass_overlaps_copy_and_compute(big_dir):
     """A RAM-tier pass costs about max(compute, copy), not their sum. Each layer's compute is
-    padded with a GPU spin kernel (torch.cuda._sleep via the model's compute_hook) to last as
+    padded with a GPU spin kernel (torch.cuda._sleep in a forward hook on each layer, tests/probes.py) to last as
     long as that layer's copy, so a serial pass would take twice the floor."""
     resident = load(big_dir, "bf16", "none")
     streamed = load(big_dir, "bf16", "ram", max_device_memory=0)
@@ -97,7 +98,7 @@ def test_streamed_pass_overlaps_copy_and_compute(big_dir):
         copy = min(_event_ms(copy_all) for _ in range(5))
         cycles = int(copy / LAYERS * _cycles_per_ms())
         for m in (resident, streamed):
-            m.compute_hook = lambda i: torch.cuda._sleep(cycles)
+            after_each_layer(m, lambda i: torch.cuda._sleep(cycles))
         with torch.no_grad():
             for _ in range(3):
                 resident(input_ids=x), streamed(input_ids=x)

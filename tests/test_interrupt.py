@@ -1,6 +1,6 @@
 """Ctrl-C anywhere: SIGINT sent to a real `python -m specexec_cli` at several points.
 
-`SPECX_TEST_SLOW` (specexec_cli/testhooks.py) slows one phase and prints a `specx-test: <phase>`
+`SPECX_TEST_SLOW` (read by tests/slow_specx.py, which runs the CLI) slows one phase and prints a `specx-test: <phase>`
 marker on stderr when the phase starts, so SIGINT lands inside it: the offloaded load loop,
 the prefill (first target pass), tree growth (draft forwards), a streamed disk pass (the
 prefetch thread's reads), a chat reply and a bench cell. `run`/`bench` must exit 130 within 2 s
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_model
+from tests.probes import after_each_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_WITHIN = 2.0
@@ -41,7 +42,7 @@ class Proc:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SPECX_TEST_SLOW=slow)
         env.pop("SPECX_DEBUG", None)
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "specexec_cli", *args],
+            [sys.executable, "-m", "tests.slow_specx", *args],
             stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -263,7 +264,7 @@ def test_interrupted_disk_pass_then_close_stops_threads_and_files(pair):
         if layer == 0:
             raise KeyboardInterrupt
 
-    model.compute_hook = ctrl_c
+    after_each_layer(model, ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert reader._fds, "the disk pass should have opened the shard"

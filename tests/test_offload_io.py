@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 import offload.stream.storage as storage
 from offload import OffloadedCausalLM, OffloadError
+from tests.probes import after_each_layer, before_each_read
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96
@@ -100,9 +101,9 @@ def test_pass_time_is_max_of_compute_and_io_not_sum(tmp_path):
     try:
         ids = _ids(3)
         model(input_ids=ids)  # warm-up
-        model.compute_hook = lambda layer: time.sleep(delay)
+        after_each_layer(model, lambda layer: time.sleep(delay))
         compute_only = _best_pass(model, ids, gap=0.1)
-        model.store.io_hook = lambda layer: time.sleep(delay)
+        before_each_read(model, lambda layer: time.sleep(delay))
         both = _best_pass(model, ids, gap=3 * delay)
         assert both < compute_only + 0.5 * n * delay, (
             f"pass with IO took {both:.3f}s vs {compute_only:.3f}s compute-only; serial adds {n * delay:.2f}s"

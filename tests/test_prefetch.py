@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from offload import OffloadedCausalLM
+from tests.probes import after_each_layer, before_each_read
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96
@@ -62,10 +63,10 @@ def test_abandoned_pass_never_hands_stale_layers_to_the_next(model_dir, abandon_
                 raise Boom("interrupted")
 
         model(input_ids=other)
-        model.compute_hook = hook
+        remove = after_each_layer(model, hook)
         with pytest.raises(Boom) as kept:
             model(input_ids=other)
-        model.compute_hook = None
+        remove()
         for _ in range(2):
             torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=0, rtol=0)
         assert kept.value is not None
@@ -105,12 +106,13 @@ def test_ring_fills_with_next_pass_layers_between_passes(model_dir):
     model = OffloadedCausalLM.from_pretrained(model_dir, offload="disk", max_device_memory=0, slots=1, host_slots=4)
     try:
         reads = []
-        model.store.io_hook = reads.append
+        remove = before_each_read(model, reads.append)
         model(input_ids=_ids())
         time.sleep(0.3)  # "the draft grows its tree"
         assert reads[6:] == [0, 1, 2, 3]  # one pass of 6 layers, then 4 of the next pass
         delay = 0.05
-        model.store.io_hook = lambda layer: (reads.append(layer), time.sleep(delay))
+        remove()
+        before_each_read(model, lambda layer: (reads.append(layer), time.sleep(delay)))
         time.sleep(0.3)
         stall0 = model.prefetcher.stall_seconds
         model(input_ids=_ids())
@@ -126,7 +128,7 @@ def test_link_busy_and_stall_measure_the_read_stage(model_dir):
     try:
         model(input_ids=_ids())
         time.sleep(0.2)
-        model.store.io_hook = lambda layer: time.sleep(delay)
+        before_each_read(model, lambda layer: time.sleep(delay))
         busy0, stall0 = model.link_busy_seconds(), model.prefetcher.stall_seconds
         t0 = time.perf_counter()
         model(input_ids=_ids())
@@ -252,10 +254,10 @@ def test_cuda_ring_two_stages_match_cpu_and_survive_abandon(model_dir):
         assert gpu.prefetcher.slots == 2 and gpu.prefetcher.host_slots == 4
         ids = _ids()
         expected = cpu(input_ids=ids).logits
-        gpu.compute_hook = lambda layer: (_ for _ in ()).throw(Boom()) if layer == 3 else None
+        remove = after_each_layer(gpu, lambda layer: (_ for _ in ()).throw(Boom()) if layer == 3 else None)
         with pytest.raises(Boom):
             gpu(input_ids=ids.cuda())
-        gpu.compute_hook = None
+        remove()
         for _ in range(3):
             torch.testing.assert_close(gpu(input_ids=ids.cuda()).logits.cpu(), expected, atol=1e-4, rtol=1e-4)
         assert gpu.link_busy_seconds() > 0

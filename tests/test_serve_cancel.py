@@ -1,5 +1,5 @@
 """Cancellation in `specx serve` against a real uvicorn process whose target passes are slowed down
-(SPECX_TEST_SLOW, core/testhooks.py), so that "within one pass" is measurable: a non-streamed
+(SPECX_TEST_SLOW, tests/slow_specx.py), so that "within one pass" is measurable: a non-streamed
 request whose client disconnects frees the worker at once; with --max-queue 1 a queued request
 whose client left gives its slot back (the next request is queued, not refused with 429); SIGTERM
 ends the running reply at a pass boundary and exits 0; /health says "stopping" meanwhile."""
@@ -45,6 +45,7 @@ def start(tiny_pair, tmp, *extra) -> Server:
         ],
         tmp,
         env={"SPECX_TEST_SLOW": f"target={PASS_SLEEP}", "OMP_NUM_THREADS": "1"},
+        module="tests.slow_specx",
     )
 
 

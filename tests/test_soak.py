@@ -43,7 +43,6 @@ def test_200_turn_piped_chat_keeps_rss_flat(long_pair, tmp_path):
     log = tmp_path / "turns.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("SPECX_DEBUG", None)
-    env.pop("SPECX_TEST_SLOW", None)
     cmd = [
         sys.executable,
         "-m",

@@ -83,7 +83,6 @@ class OffloadedCausalLM(nn.Module):
         self.plan: OffloadPlan = w.plan
         self.pool, self.store = w.pool, w.store
         self.stats = OffloadStats()
-        self.compute_hook: Callable[[int], None] | None = None  # test hook, after each layer
         self._bindings = [self._binding_table(layer) for layer in self.layers]
         for i, (buf, layout) in [*w.pinned.items(), *w.resident.items()]:
             self._bind(i, buf, layout)
@@ -309,11 +308,7 @@ class OffloadedCausalLM(nn.Module):
         self.stats.streamed_bytes_per_pass = 0
         stall0 = self.prefetcher.stall_seconds
         stacked = (
-            self.lean is not None
-            and use_cache
-            and not kwargs
-            and self.compute_hook is None
-            and self.lean.serves(h, attention_mask, past_key_values)
+            self.lean is not None and use_cache and not kwargs and self.lean.serves(h, attention_mask, past_key_values)
         )
         if stacked and self.lean.streamed:  # layer by layer as each streamed one is bound, one C call each
             h = self.lean.stream(h, pos_emb, attention_mask, past_key_values, self._layer_stream(), self.layers)
@@ -347,8 +342,6 @@ class OffloadedCausalLM(nn.Module):
                 **cache_kw,
                 **kwargs,
             )
-            if self.compute_hook is not None:
-                self.compute_hook(i)
         return h
 
     def _account(self, t0: float, stall0: float) -> None:

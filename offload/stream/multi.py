@@ -87,8 +87,6 @@ def _layers(model, lanes: list[_Lane]) -> None:
                 position_embeddings=lane.pos_emb,
                 **lane.cache_kw,
             )
-        if model.compute_hook is not None:
-            model.compute_hook(i)
 
 
 @torch.inference_mode()
@@ -97,7 +95,7 @@ def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
     the one-call stack serves run through it together, in one call, and through the head together."""
     t0 = time.perf_counter()
     lanes, layered, stacked = [], [], []  # every job's lane; those run layer by layer; those on the stack
-    stack = getattr(model, "lean", None) if model.compute_hook is None else None
+    stack = getattr(model, "lean", None)
     stack = None if stack is not None and stack.streamed else stack  # its streamed layers: per pass (forward)
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds

@@ -278,7 +278,6 @@ class LayerStore:
                  pins: HostPins | None = None, ram_pinned: bool = True):
         self.device, self.pool = device, pool
         self.ram, self.disk, self.reader = ram, disk, reader
-        self.io_hook = None          # test hook: callable(layer_id), runs on the read thread
         self.after_disk_read = None  # callable(layer, host buffer) after a disk read (CPU 4-bit layout)
         self.io_seconds = 0.0
         self.bytes_moved = 0
@@ -312,8 +311,8 @@ class LayerStore:
         return self.ram[layer][1] if layer in self.ram else self.disk[layer].layout
 
     def is_free(self, layer: int) -> bool:
-        """True when reading is a no-op (a RAM-tier arena, no test hook): nothing to overlap."""
-        return layer in self.ram and self.io_hook is None and not self.ram_staged
+        """True when reading is a no-op (a RAM-tier arena): nothing to overlap."""
+        return layer in self.ram and not self.ram_staged
 
     def link_bytes(self, layer: int) -> int:
         """Bytes that cross the link for one load: the file bytes read (disk) or the arena (RAM)."""
@@ -325,8 +324,6 @@ class LayerStore:
     def read(self, layer: int, h: int) -> torch.Tensor:
         """Stage A: layer's bytes in host staging slot h (CPU: the buffer compute reads)."""
         t0 = time.perf_counter()
-        if self.io_hook is not None:
-            self.io_hook(layer)
         if layer in self.ram:
             out = self.ram[layer][0]
             if self.ram_staged:    # pageable arena: one host memcpy into the pinned ring

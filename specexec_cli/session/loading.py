@@ -12,7 +12,7 @@ runs only with `--trust-remote-code`. Draft and target must map the same strings
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -355,9 +355,6 @@ def close_models(models) -> None:
 
 
 def load_models(opts: LoadOptions) -> Models:
-    from specexec_cli.core import testhooks
-
-    opts = replace(opts, progress=testhooks.slow_progress(opts.progress))
     quiet_transformers()
     device = resolve_device(opts.device)
     tpath = resolve_path(opts.target, "--target")
@@ -387,5 +384,4 @@ def load_models(opts: LoadOptions) -> Models:
         rows = (rows[0], rows[0])
     models = Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
                     kv_rows=rows, pass_tokens=plan.pass_tokens if plan else 0, shared_kv=shared)
-    testhooks.install(models)
     return models

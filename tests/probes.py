@@ -1,0 +1,68 @@
+"""Test-side probes on an OffloadedCausalLM, put on from outside: the product code has no hook.
+
+- `after_each_layer(model, fn)`: fn(i) right after decoder layer i runs (a torch forward hook on each
+  of `model.layers`), where the product's layer loop ran it; returns `remove()`. The one-call C
+  stack (offload/stream/leanstack.py) runs no layer module, so on a model that has one the test
+  turns it off first ($SPECX_DECODE_STACK=off, read per pass); `after_each_layer` refuses otherwise.
+- `before_each_read(model, fn)`: fn(layer) on the read thread before each streamed layer's read
+  stage (it wraps the prefetcher's read callable; every read goes through the read thread while it
+  is on, as a slow real read would); returns `remove()`.
+- `count_kernel_calls(monkeypatch)`: a list that grows by one per `ggml_kernel.linear` call that
+  returned (the GGUF kernel ran); every caller looks `linear` up on the module at call time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def after_each_layer(model, fn: Callable[[int], object]) -> Callable[[], None]:
+    from offload.stream import leanstack
+
+    if getattr(model, "lean", None) is not None and not leanstack._off():
+        raise AssertionError("the model runs the C stack (no layer module is called): set SPECX_DECODE_STACK=off")
+
+    def hook(i):
+        def after(_module, _args, _out):
+            fn(i)  # the hook's return value would replace the layer's output: dropped
+
+        return after
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(model.layers)]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+
+    return remove
+
+
+def before_each_read(model, fn: Callable[[int], object]) -> Callable[[], None]:
+    pf = model.prefetcher
+    read, is_free = pf.read, pf.is_free
+
+    def slow_read(layer, h):
+        fn(layer)
+        return read(layer, h)
+
+    pf.read, pf.is_free = slow_read, None
+
+    def remove() -> None:
+        pf.read, pf.is_free = read, is_free
+
+    return remove
+
+
+def count_kernel_calls(monkeypatch) -> list:
+    from offload.formats import ggml_kernel
+
+    calls: list = []
+    linear = ggml_kernel.linear
+
+    def counted(*args, **kwargs):
+        y = linear(*args, **kwargs)
+        calls.append(None)
+        return y
+
+    monkeypatch.setattr(ggml_kernel, "linear", counted)
+    return calls
