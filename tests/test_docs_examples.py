@@ -11,11 +11,14 @@ is never skipped silently: an unlisted mark, or an unmarked block that cannot ru
 
 The others run (slow tests) on the embedded demo pair, in a scratch directory that holds the clone's
 `examples/` and `specexec_cli/` (commands are written from the root of the clone), with their own
-`SPECX_CACHE` and XDG directories: bash blocks through `bash -euo pipefail` (`pip install` steps
-are left out: the suite runs in an installed checkout, tests/test_readme_commands.py checks the
-install lines and tests/test_e2e.py installs into a fresh venv), python blocks through the
-interpreter. A block that talks to `127.0.0.1:8000` / `localhost:8000` runs against a live
-`specx serve` on the demo pair (on a free port, written into the block in place of 8000).
+`SPECX_CACHE` and XDG directories, and the tree under test first on `PYTHONPATH` (as
+tests/serve_util.py's servers: a shared interpreter's editable install may point at another clone,
+or at one that is gone, and then `specx` and `python -m specexec_cli` would run other code or
+none): bash blocks through `bash -euo pipefail` (`pip install` steps are left out: the suite runs
+in an installed checkout, tests/test_readme_commands.py checks the install lines and
+tests/test_e2e.py installs into a fresh venv), python blocks through the interpreter. A block that
+talks to `127.0.0.1:8000` / `localhost:8000` runs against a live `specx serve` on the demo pair (on
+a free port, written into the block in place of 8000).
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ def scratch(tmp_path_factory):
         (root / name).symlink_to(ROOT / name)
     env = dict(
         os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         SPECX_CACHE=str(root / ".cache"),
         XDG_CONFIG_HOME=str(root / ".config"),
         XDG_STATE_HOME=str(root / ".state"),
