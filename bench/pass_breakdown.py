@@ -162,7 +162,7 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
             m(xs[m.in_features])
 
     def stack_mms():  # the stack's four matmuls per layer in C (no Python between them), then the head
-        model.lean.matmuls(1, n)
+        _stack_matmuls(model.lean, 1, n)
         model.lean.head(model.lm_head, xs[model.lm_head.in_features])  # on the same threads, as a pass runs it
 
     stacked = model.lean is not None and model.lean.serves(
@@ -188,6 +188,26 @@ def model_ns(model):
     from specexec_cli.core.engine import Models
 
     return Models(target=model, draft=None, tokenizer=None, eos_ids=frozenset(), ctx_limit=1 << 20)
+
+
+def _stack_matmuls(lean, tokens: int, past: int = 0) -> None:
+    """Only a LeanStack's matmuls for a pass of `tokens` (decode_stack.c's MATMULS_ONLY flag, 1): nothing
+    is written to a cache or returned (the probe lives here, not in the product's stack)."""
+    import ctypes
+
+    from offload.stream import leanstack
+
+    if lean.streamed:
+        raise RuntimeError("the matmuls probe needs every layer resident")
+    for s in lean.structs:
+        s.k = s.v = None
+        s.cap, s.past = past + tokens, past
+    lane = leanstack._LaneT(ctypes.addressof(lean.structs), tokens, None, None, None, 0)
+    rc = lean.fn(
+        ctypes.addressof(lane), 1, len(lean.structs), ctypes.addressof(lean.dims), None, torch.get_num_threads(), 1
+    )
+    if rc != 0:
+        raise RuntimeError(f"decode_stack failed ({rc})")
 
 
 def dtype_matmuls(layer_shapes: list[tuple[int, int]], rounds: int) -> list[dict]:

@@ -106,6 +106,14 @@ def specx_config(tmp_path_factory, monkeypatch) -> Path:
     return path
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list:
+    """One entry per GGUF kernel call that returned, from now on (ggml_kernel.linear wrapped: tests/probes.py)."""
+    from tests.probes import count_kernel_calls
+
+    return count_kernel_calls(monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(target, draft): 3-layer target; 2-layer draft that is a noisy copy of... a different model."""

@@ -30,7 +30,6 @@ Contract:
 - `COST`: seconds per packed byte of each type relative to Q4_1's, measured (the planner's factor).
 - `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
   tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
-- `CALLS`: how many times `linear` ran the kernel in this process (tests check it is used).
 Threads: torch.get_num_threads() at call time (rows split across them on kernels/pool.c's workers;
 one thread for products too small to pay for the hand-off: the C source's MIN_PAR).
 """
@@ -83,7 +82,6 @@ FLAG_SETS = (
     ["-O3", "-pthread"],
 )
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
-CALLS = 0
 
 
 def _off() -> bool:
@@ -209,7 +207,6 @@ def linear(
     than an OpenMP team shared with torch's ops: the same numbers either way. `rowwise` (with `pool`):
     every row computed as a one-row call computes it (ggml_gemm_pool_rows: one-token sequences sharing
     a pass each get what they get alone)."""
-    global CALLS
     fn = _STATE.get("fn") if _STATE["tried"] else _function()
     if pool:
         fn = _STATE["lib"].ggml_gemm_pool_rows if rowwise else _STATE["lib"].ggml_gemm_pool
@@ -246,7 +243,6 @@ def linear(
     )
     if rc != 0:
         raise RuntimeError(f"ggml_gemm failed ({rc})")
-    CALLS += 1
     return y
 
 

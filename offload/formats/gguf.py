@@ -34,7 +34,7 @@ import torch
 
 from offload.errors import OffloadError
 from offload.formats import gguf_meta, gguf_quants as gq
-from offload.formats.base import Checkpoint, TensorInfo, as_stored, numel
+from offload.formats.base import Checkpoint, TensorInfo, as_stored
 
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
 HF_TYPE = {"gemma3": "gemma3_text"}   # a Gemma-3 GGUF holds the text model only (as transformers reads it)
@@ -362,11 +362,6 @@ def _rows_to(rows: int, heads: int, device) -> torch.Tensor:
     if rows % (2 * heads):
         raise OffloadError(f"a Q/K weight of {rows} rows does not split into {heads} heads; the file is corrupt")
     return _rows_cpu(rows, heads).to(device)
-
-
-def dequantized_bytes(ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
-    """Bytes of one weight once dequantized at `elem` bytes per value."""
-    return numel(ckpt.shapes[hf_weight_name]) * elem
 
 
 READER = GgufReader()

@@ -10,7 +10,7 @@ Contract:
   double quantization also `X.weight.nested_absmax`, `X.weight.nested_quant_map`, and the
   JSON-in-uint8 `X.weight.quant_state.bitsandbytes__nf4|fp4` (blocksize, dtype, logical shape).
   Non-quantized tensors (embeddings, norms, biases, lm_head) are plain 16/32-bit tensors.
-- `is_packed(entries, name)`: whether `name` is stored that way; `load_quant_state` rebuilds the
+- `load_quant_state` rebuilds the
   bitsandbytes QuantState (never re-quantizes); `quant_tensors(name, packed, state)` is the
   inverse used by the 4-bit cache writer.
 """
@@ -68,11 +68,6 @@ def is_quant_part(name: str, packed: set[str]) -> bool:
         return base in packed
     base, _, part = base.rpartition(".")  # X.weight.quant_state.bitsandbytes__nf4
     return part == "quant_state" and base in packed and name.rsplit("__", 1)[-1] in QS_KINDS
-
-
-def is_packed(entries, name: str) -> bool:
-    """`entries`: tensor name -> header entry (SafetensorsIndex.entries)."""
-    return _state_key(entries, name) is not None
 
 
 def load_quant_state(index, name: str, device: torch.device, logical_shape: tuple[int, ...]):

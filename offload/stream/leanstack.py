@@ -336,17 +336,3 @@ class LeanStack:
         if isinstance(lm_head, ggml_kernel.PackedHead) and packed.is_cpu and ggml_kernel.usable(h, lm_head.qtype):
             return ggml_kernel.linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True, rowwise=rowwise)
         return lm_head(h)
-
-    def matmuls(self, tokens: int, past: int = 0) -> None:
-        """Only the stack's matmuls for a pass of `tokens` (decode_stack.c's MATMULS_ONLY, a timing
-        probe for bench/pass_breakdown.py): nothing is written to a cache or returned."""
-        if self.streamed:
-            raise RuntimeError("the matmuls probe needs every layer resident")
-        for s in self.structs:
-            s.k = s.v = None
-            s.cap, s.past = past + tokens, past
-        lane = _LaneT(ctypes.addressof(self.structs), tokens, None, None, None, 0)
-        rc = self.fn(ctypes.addressof(lane), 1, len(self.structs), ctypes.addressof(self.dims), None,
-                     torch.get_num_threads(), 1)
-        if rc != 0:
-            raise RuntimeError(f"decode_stack failed ({rc})")

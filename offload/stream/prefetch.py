@@ -171,15 +171,6 @@ class Prefetcher:
             ev.record(stream)
             self.free_events[seq % self.slots] = ev
 
-    def prefetch_next_pass(self) -> None:
-        """Fill the free slots with the coming pass's first layers (no-op when already queued)."""
-        if not self.order:
-            return
-        if not self.started:
-            self._fill(self.start)
-        elif self.completed:
-            self._fill(self.start + len(self.order))
-
     def pass_(self) -> Iterator[tuple[int, torch.Tensor]]:
         if not self.order:
             return

@@ -1,7 +1,7 @@
 """The one door between host and device: every copy in draft, verify and commit goes through here.
 
 Contract: code on the speculative step's hot path never calls `.cpu()`, `.item()`, `.tolist()`
-or `int(tensor)` on a tensor that may live on the device; it calls `to_host` (or `host_list`),
+or `int(tensor)` on a tensor that may live on the device; it calls `to_host`,
 which copies the tensor to the host and adds one call and its bytes to the process-wide
 `COUNTER`. Small host-built tensors (token ids, positions, tree ancestor columns, kept cache rows)
 reach the device only through `upload`, which packs any number of them into ONE copy and counts
@@ -39,11 +39,6 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     COUNTER.calls += 1
     COUNTER.bytes += t.numel() * t.element_size()
     return t.detach().cpu()
-
-
-def host_list(t: torch.Tensor) -> list:
-    """`to_host(t).tolist()`: a device tensor as Python numbers, in one counted copy."""
-    return to_host(t).tolist()
 
 
 def uploaded(t: torch.Tensor) -> bool:

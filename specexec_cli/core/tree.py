@@ -158,9 +158,3 @@ def verify_columns(vt: VerifyTree, n_past: int) -> tuple[torch.Tensor, torch.Ten
     idx = torch.arange(vt.size)
     anc = ancestors(vt.parents, idx)
     return torch.where(anc >= 0, anc + n_past, anc), idx + n_past, n_past + vt.size
-
-
-def verify_mask(vt: VerifyTree, n_past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """(1, 1, n, n_past + n) mask for the target's one pass over the whole tree."""
-    anc_cols, self_cols, n_cols = verify_columns(vt, n_past)
-    return attention_mask(n_past, anc_cols, self_cols, n_cols, dtype, device)

@@ -178,27 +178,6 @@ def config_record(cfg, offload_plan: str | None = None) -> dict:
     return rec
 
 
-def load_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
-                 max_ram, progress=None):
-    """Resolve defaults, load both models, print the offload plan (if any) in one line."""
-    from specexec_cli.session.loading import LoadOptions, load_models
-
-    if offload not in ("none", "ram", "disk", "auto"):
-        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
-    target, draft = pick_models(target, draft, method)
-    opts = LoadOptions(
-        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
-        trust_remote_code=trust_remote_code, offload=offload,
-        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
-        progress=progress,
-    )
-    models = load_models(opts)
-    plan = getattr(models.target, "plan", None)
-    if plan is not None:
-        notices.notice(plan.describe())
-    return models
-
-
 def parse_draft_bits(value: str, draft: str | None) -> int | None:
     """--draft-bits: None for auto, else 4 | 3 | 2, and only with --draft self."""
     from specexec_cli.session.loading import SELF

@@ -4,7 +4,7 @@ Contract: `make_plan(opts, shape, budget_auto)` resolves the target/draft direct
 their config.json and safetensors headers, asks the device (if any) for its free memory and
 psutil for available RAM, and returns an `offload.planning.memplan.MemoryPlan`. It never reads weights,
 so `--dry-run` needs no GPU: `--device cuda --max-gpu-memory 24GB` plans for a 24 GB card on any
-machine. `require_fit(plan)` raises SpecxError with the plan's one-line reason when it does not fit.
+machine.
 Pickle checkpoints (only with --allow-pickle) have no headers to plan from: `make_plan` returns None.
 """
 
@@ -200,11 +200,6 @@ def require_host(plan) -> None:
             f"this plan is for another machine ({plan.elsewhere}); fix: lower the caps to "
             "what this host has, or drop them to let specx measure it"
         )
-
-
-def require_fit(plan) -> None:
-    if not plan.fits:
-        raise SpecxError(plan.reason)
 
 
 def self_name(bits) -> str:

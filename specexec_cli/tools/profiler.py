@@ -10,7 +10,6 @@ SpecxError.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import platform
@@ -319,10 +318,6 @@ def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
         device_memory=probe_device_memory(),
         dequant=probe_dequant(),
     )
-
-
-def powers_of_two(limit: int) -> list[int]:
-    return [1 << k for k in range(int(math.log2(max(1, limit))) + 1)]
 
 
 def build_profile(

@@ -113,11 +113,6 @@ def choose_child(p: torch.Tensor, q: torch.Tensor, children: list[int], gen: tor
     return -1, p
 
 
-def children_of(vt: VerifyTree, node: int) -> list[int]:
-    """VerifyTree indices of `node`'s children in creation order (= sampling rank)."""
-    return [int(c) for c in (vt.parents == node).nonzero().flatten()]
-
-
 def residual_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Row-wise `residual`: (R, V) norm(max(0, p - q)), p where the difference vanishes."""
     r = torch.clamp(p - q, min=0.0)
