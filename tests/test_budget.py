@@ -325,6 +325,25 @@ def test_tuner_falls_back_to_plain_decoding_when_trees_measure_slower_and_probes
     assert tuner.shape.budget > PLAIN
 
 
+def test_a_fallback_on_the_model_is_judged_again_once_plain_passes_are_measured():
+    """From disk a tree's verify pass hides its weight reads under the draft and a plain pass cannot:
+    rescaled by the trees' passes (0.03 s where the model says 0.1), plain steps model at 0.03 s and
+    win, so the tuner tries them; measured at 0.065 s, PLAIN_TRIAL of them send it back to the tree
+    (2.6 tokens per 0.075 s beat one per 0.065 s)."""
+    from specexec_cli.core.budget import PLAIN, PLAIN_AFTER, PLAIN_TRIAL
+
+    timing = TimingModel({1: 0.1, 16: 0.1, 256: 0.15, 4096: 60.0}, draft_step_seconds=0.01, source="profile")
+    tuner = BudgetTuner(timing, TreeShape(4, 4), max_budget=4, retune_every=8)
+    while tuner.passes < PLAIN_AFTER:
+        tuner.observe(event(tokens=3, tree=tuner.shape.budget, draft=0.045, target=0.03))
+    assert tuner.shape.budget == PLAIN  # the model's plain pass, rescaled: 0.03 s
+    for _ in range(PLAIN_TRIAL - 1):
+        tuner.observe(event(tokens=1, tree=0, draft=0.0, target=0.065))
+    assert tuner.shape.budget == PLAIN
+    tuner.observe(event(tokens=1, tree=0, draft=0.0, target=0.065))
+    assert tuner.shape.budget > PLAIN  # measured: the tree is faster
+
+
 def test_tuner_keeps_trees_that_measure_faster_than_plain_steps():
     timing = TimingModel({1: 0.1, 16: 0.1, 256: 0.15, 4096: 60.0}, draft_step_seconds=0.001, source="profile")
     tuner = BudgetTuner(timing, TreeShape(64, 64), max_budget=255, retune_every=4)

@@ -31,7 +31,10 @@ Models (all corrected online, so priors only matter for the first passes):
 - plain decoding (budget PLAIN = 0: the engine's step without a tree, no draft forward) competes
   with every budget from the PLAIN_AFTER-th measured speculative pass on: a reply whose trees measure
   slower than plain steps falls back to them, and tries its best tree again every PROBE_EVERY plain
-  passes (`retune`, `probe`).
+  passes (`retune`, `probe`). Until plain passes are measured their time is the model's, rescaled by
+  the trees' passes, which can be far too low where a tree's verify pass hides its weight reads under
+  the draft and a plain pass cannot: so the fallback is a trial, judged again from measurements once
+  PLAIN_TRIAL plain passes are timed (back to the tree when the plain passes measure slower).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ MIN_OBSERVED = 12  # passes at one budget before its empirical mean replaces the
 PLAIN = 0  # the budget of plain decoding: the engine's step without a tree (no draft forward)
 PLAIN_AFTER = 4  # speculative passes measured before plain decoding competes (each may cost several steps)
 PROBE_EVERY = 64  # plain passes after which the tuner tries its best tree again (the reply may have changed)
+PLAIN_TRIAL = 3  # plain passes timed before a fallback to plain decoding is judged again on measurements
 
 
 def candidate_budgets(max_budget: int) -> list[int]:
@@ -321,7 +325,9 @@ class BudgetTuner:
             rec = self.target_obs.setdefault(1, [0, 0.0])
             rec[0], rec[1] = rec[0] + 1, rec[1] + ev.target_seconds
             self.plain_passes += 1
-            if self.shape.budget == PLAIN and self.plain_passes % PROBE_EVERY == 0:
+            if self.shape.budget == PLAIN and rec[0] == PLAIN_TRIAL and self.passes >= PLAIN_AFTER:
+                self.retune()  # plain's own time measured now: the trial fallback judged again
+            elif self.shape.budget == PLAIN and self.plain_passes % PROBE_EVERY == 0:
                 self.probe()
             return
         b, tokens = budget or self.shape.budget, len(ev.tokens)
