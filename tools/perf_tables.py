@@ -43,7 +43,8 @@ REAL = {
 
 
 def headline() -> str:
-    """SmolLM2 streamed from disk (bench/spec_pass.py): --method ar and the 3-bit self-draft at each budget,
+    """SmolLM2 streamed from disk (bench/spec_pass.py): --method ar, specx's own choice (no draft flags)
+    and the 3-bit self-draft at each budget,
     tokens per target pass, tok/s and its ratio to --method ar's in the same run, and whether the T = 0 ids
     equal --method ar's."""
     rows = [r for r in load("spec_pass.json")["rows"] if r["tier"] == "disk"]
@@ -60,7 +61,13 @@ def headline() -> str:
         "|---|---|---|---|---|",
     ]
     for config, rs in groups.items():
-        name = "`--method ar`" if config == "ar" else f"`--draft self --draft-bits 3 --budget {config.split('b')[-1]}`"
+        name = (
+            "`--method ar`"
+            if config == "ar"
+            else "no draft flags (specx's own choice)"
+            if config == "default"
+            else f"`--draft self --draft-bits 3 --budget {config.split('b')[-1]}`"
+        )
         tpp = sum(r["tokens_per_pass"] for r in rs) / len(rs)
         same = "-" if config == "ar" else ("yes" if all(r["ids_equal_ar"] for r in rs) else "NO")
         lines.append(f"| {name} | {tpp:.2f} | {rate(rs):.1f} | {rate(rs) / ar:.2f}x | {same} |")
