@@ -70,7 +70,7 @@ COST = {
     14: 2.06,
     130: 0.63,
     131: 0.70,
-}  # SX3, SX2 (8-bit activations, kernels/sx_q8.h): gate/up at T = 1 (1536 x 576, best of 40 over 30 weights, 1 thread)
+}  # SX3, SX2 (8-bit activations, kernels/sx_q8.h): bench/sx_kernel.py (gate/up 1536 x 576, T = 1, 1 thread: 0.61-0.63, 0.70)
 MAX_ROWS = 32  # activation rows up to which the kernel beats a dense GEMM (SmolLM2 resident, whole passes: T = 16 42 vs 61 ms, T = 32 even)
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")  # built into the same library: the decoder stack, the threads
