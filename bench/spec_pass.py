@@ -11,7 +11,7 @@ starts (and the run ends) by reading the decoder layers' bytes of the file once 
 floor of plain decoding in the same run (`read_floor`; the table's last line). Cells of a round run back to back, rotating their order by round (the disk's speed drifts).
 Each model forward is timed from the outside (offload.stream.model.OffloadedCausalLM.forward wrapped
 by this script, nothing in specx changed): which model (the draft is the one with `substitute_bits`), its
-rows, seconds, whether the one-call stack served it (stream/leanstack.py's call counter moved), and for the
+rows, seconds, whether the one-call stack served it (stream/leanstack.py's LeanStack._advance ran, wrapped too), and for the
 target the seconds it waited for streamed layers (`stats.last_pass_stall_seconds`). Per target pass:
 - draft forwards: count, rows each, ms each, and on the stack or not;
 - bookkeeping: the engine's draft seconds minus its draft forwards (scoring, top-k, masks, tree tensors);
@@ -49,22 +49,26 @@ def default_target() -> str:
 
 
 class Probe:
-    """Wraps OffloadedCausalLM.forward for one run and records every call (see the module docstring)."""
+    """Wraps OffloadedCausalLM.forward for one run and records every call (see the module docstring);
+    LeanStack._advance (once at the end of every pass on the one-call stack) says whether the stack ran it."""
 
     def __init__(self):
-        from offload.stream import leanstack
+        from offload.stream.leanstack import LeanStack
         from offload.stream.model import OffloadedCausalLM
 
-        self.cls, self.leanstack, self.calls = OffloadedCausalLM, leanstack, []
-        self.orig = OffloadedCausalLM.forward
+        self.cls, self.stack, self.calls, self.stacked = OffloadedCausalLM, LeanStack, [], 0
+        self.orig, self.advance = OffloadedCausalLM.forward, LeanStack._advance
 
     def __enter__(self):
         probe = self
 
+        def advance(lean, *args):
+            probe.stacked += 1
+            return probe.advance(lean, *args)
+
         def forward(model, *args, **kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            lean = getattr(model, "lean", None)
-            before = lean.calls if lean is not None else 0
+            before = probe.stacked
             t0 = time.perf_counter()
             out = probe.orig(model, *args, **kwargs)
             dt = time.perf_counter() - t0
@@ -73,17 +77,17 @@ class Probe:
                     "draft": getattr(model, "substitute_bits", None) is not None,
                     "rows": int(ids.shape[-1]) if ids is not None else 0,
                     "s": dt,
-                    "stack": lean is not None and lean.calls > before,
+                    "stack": probe.stacked > before,
                     "stall_s": model.stats.last_pass_stall_seconds,
                 }
             )
             return out
 
-        self.cls.forward = forward
+        self.cls.forward, self.stack._advance = forward, advance
         return self
 
     def __exit__(self, *exc):
-        self.cls.forward = self.orig
+        self.cls.forward, self.stack._advance = self.orig, self.advance
 
 
 def run_cell(target: str, prompt: str, args: list[str], n: int) -> dict:

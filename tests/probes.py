@@ -7,6 +7,8 @@
 - `before_each_read(model, fn)`: fn(layer) on the read thread before each streamed layer's read
   stage (it wraps the prefetcher's read callable; every read goes through the read thread while it
   is on, as a slow real read would); returns `remove()`.
+- `count_stack_passes(monkeypatch)`: `passes(lean)`, the passes LeanStack `lean` ran since (it wraps
+  LeanStack._advance, which runs once at the end of every pass on the stack); 0 for None.
 - `count_kernel_calls(monkeypatch)`: a list that grows by one per `ggml_kernel.linear` call that
   returned (the GGUF kernel ran); every caller looks `linear` up on the module at call time.
 """
@@ -66,3 +68,17 @@ def count_kernel_calls(monkeypatch) -> list:
 
     monkeypatch.setattr(ggml_kernel, "linear", counted)
     return calls
+
+
+def count_stack_passes(monkeypatch) -> Callable[[object], int]:
+    from offload.stream.leanstack import LeanStack
+
+    counts: dict[int, int] = {}
+    orig = LeanStack._advance
+
+    def advance(self, keep, jobs):
+        counts[id(self)] = counts.get(id(self), 0) + 1
+        return orig(self, keep, jobs)
+
+    monkeypatch.setattr(LeanStack, "_advance", advance)
+    return lambda lean: 0 if lean is None else counts.get(id(lean), 0)

@@ -23,6 +23,7 @@ from specexec_cli.core import kvcache
 from specexec_cli.core.tree import causal_mask
 from tests.conftest import make_model
 from tests.gguf_build import write_gguf
+from tests.probes import count_stack_passes
 
 pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler: the GGUF kernel is off")
 
@@ -72,8 +73,8 @@ def _passes(model, monkeypatch, on: bool) -> tuple[list[torch.Tensor], list[torc
     """Logits of a 9-token prefill, a 1-token step (mask), a 5-node tree, a 3-token causal pass without
     a mask and a 1-token step without a mask; the K/V rows of layer 0 after them; stack passes run."""
     _stack(monkeypatch, on)
+    passes = count_stack_passes(monkeypatch)
     cache = kvcache.new_cache()
-    calls = model.lean.calls if model.lean is not None else 0
     outs = [kvcache.forward(model, cache, torch.arange(1, 10), torch.arange(9), None)]
     outs.append(
         kvcache.forward(model, cache, torch.tensor([11]), torch.tensor([9]), causal_mask(9, 1, torch.float32, "cpu"))
@@ -86,7 +87,7 @@ def _passes(model, monkeypatch, on: bool) -> tuple[list[torch.Tensor], list[torc
     outs.append(kvcache.forward(model, cache, torch.tensor([12]), torch.tensor([15]), None))
     layer = cache.layers[0]
     rows = [layer.keys[:, :, : layer.length].clone(), layer.values[:, :, : layer.length].clone()]
-    return outs, rows, (model.lean.calls if model.lean is not None else 0) - calls
+    return outs, rows, passes(model.lean)
 
 
 def test_stack_built_and_equal_to_hf_layers(tiny, monkeypatch):
@@ -131,7 +132,7 @@ def test_hf_path_where_the_stack_must_not_serve(tiny, monkeypatch):
     try:
         cache = kvcache.new_cache()
         kvcache.forward(model, cache, torch.arange(1, 10), torch.arange(9), None)
-        calls = model.lean.calls
+        passes, calls = count_stack_passes(monkeypatch), 0
         over = ggml_kernel.MAX_ROWS + 1
         kvcache.forward(
             model, cache, torch.arange(over), torch.arange(9, 9 + over), causal_mask(9, over, torch.float32, "cpu")
@@ -142,15 +143,15 @@ def test_hf_path_where_the_stack_must_not_serve(tiny, monkeypatch):
         assert not model.lean.serves(torch.zeros(1, 1, 256), None, kvcache.new_cache())  # no slabs yet
         monkeypatch.setenv(leanstack.ENV, "off")
         kvcache.forward(model, cache, torch.tensor([3]), torch.tensor([9]), None)
-        assert model.lean.calls == calls
+        assert passes(model.lean) == calls
         monkeypatch.setenv(leanstack.ENV, "auto")
         full = cache.layers[0].keys.shape[2]
         kvcache.crop(cache, 0)
         kvcache.forward(model, cache, torch.arange(full - 2) % 20, torch.arange(full - 2), None)  # 2 rows left
         kvcache.forward(model, cache, torch.arange(4), torch.arange(full - 2, full + 2), None)  # grows: HF path
-        assert model.lean.calls == calls and cache.layers[0].keys.shape[2] > full
+        assert passes(model.lean) == calls and cache.layers[0].keys.shape[2] > full
         kvcache.forward(model, cache, torch.tensor([3]), torch.tensor([full + 2]), None)
-        assert model.lean.calls == calls + 1
+        assert passes(model.lean) == calls + 1
     finally:
         model.close()
 
@@ -218,8 +219,9 @@ def test_real_model_greedy_ids_equal(smollm2, monkeypatch):
     model = _load(smollm2)
     try:
         assert model.lean is not None, leanstack.why_not(model)
+        passes = count_stack_passes(monkeypatch)
         on = _greedy(model, monkeypatch, on=True, n=32)
-        assert model.lean.calls >= 32
+        assert passes(model.lean) >= 32
         assert on == _greedy(model, monkeypatch, on=False, n=32)
     finally:
         model.close()
@@ -241,14 +243,14 @@ def test_layer_skip_draft_runs_its_kept_layers_on_the_stack(tiny, monkeypatch):
             kvcache.forward(model, target, torch.arange(1, 10), torch.arange(9), None)
             shared = kvcache.SharedCache(target)
             shared.follow(9)
-            calls = draft.lean.calls
+            passes = count_stack_passes(monkeypatch)
             outs[on] = [kvcache.forward(draft, shared, torch.tensor([3]), torch.tensor([9]), None)]
             outs[on].append(
                 kvcache.forward(
                     draft, shared, torch.tensor([4, 5]), torch.tensor([10, 10]), _tree_mask(10)[..., :2, :12]
                 )
             )
-            assert draft.lean.calls - calls == (1 if on else 0)  # the first pass makes the shared layers
+            assert passes(draft.lean) == (1 if on else 0)  # the first pass makes the shared layers
             assert target.layers[0].length == 9 and shared.layers[2].length == 12
         for a, b in zip(outs[False], outs[True]):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
@@ -274,9 +276,9 @@ def test_forward_many_runs_served_jobs_on_the_stack(tiny, monkeypatch):
                 torch.arange(n) % 20, torch.arange(9, 9 + n), causal_mask(9, n, torch.float32, "cpu"), caches[1]
             ),
         ]
-        calls = model.lean.calls
+        passes = count_stack_passes(monkeypatch)
         many = forward_many(model, jobs)
-        assert model.lean.calls - calls == 1
+        assert passes(model.lean) == 1
         for c in alone:
             kvcache.crop(c, 9)
         one = [
@@ -321,9 +323,9 @@ def test_forward_many_runs_one_token_stack_jobs_in_one_call(tiny, monkeypatch):
                 ForwardJob(torch.tensor([7]), torch.tensor([past[3]]), None, caches[3]),
             ]
 
-        calls = model.lean.calls
+        passes = count_stack_passes(monkeypatch)
         many = forward_many(model, jobs())
-        assert model.lean.calls - calls == 3  # the two one-token jobs together, the others alone
+        assert passes(model.lean) == 3  # the two one-token jobs together, the others alone
         rows = [
             (
                 c.layers[1].keys[:, :, : c.layers[1].length].clone(),

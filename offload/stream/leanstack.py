@@ -209,7 +209,6 @@ class LeanStack:
         dense = any(getattr(m, "dense", None) is not None for layer in model.layers for m in layer.modules())
         self.max_rows = ggml_kernel.MAX_ROWS if dense else STACK_ROWS
         self.spare: list = []                       # layer_t arrays of the lanes beyond the first (run)
-        self.calls = 0                              # passes run on the stack (tests check it is used)
 
     @classmethod
     def build(cls, model) -> LeanStack | None:
@@ -325,7 +324,6 @@ class LeanStack:
         for (*_, slabs), (h, *_) in zip(keep, jobs):
             for layer in slabs:
                 layer.length += h.shape[1]
-        self.calls += 1
 
     @staticmethod
     def head(lm_head, h: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
