@@ -1,20 +1,94 @@
 """offload: stream a causal LM's decoder layers from RAM or disk to the compute device.
 
 Contract: the public API is `OffloadedCausalLM`, `parse_size`, `plan_offload`, `OffloadPlan`,
-`OffloadError` (and `format_bytes`). This package never imports `specexec_cli`.
+`OffloadError` (and `format_bytes`), imported with the package. This package never imports
+`specexec_cli`; specexec_cli imports offload only through this module and three package facades,
+`offload.formats` (checkpoints), `offload.planning` (the memory plan and cost model) and
+`offload.selfdraft` (the self-draft), each with its `__all__`.
+
+The rest of `__all__` is what a front end needs of the streaming engine, the quantizers and model
+support, re-exported lazily (PEP 562: a name's module is imported on its first use, so `import
+offload` costs no more than the core API, and a name is looked up in its module at each use, so a
+test that patches it there patches what callers get):
+- stream: `forward_many` and `ForwardJob` (several sequences in one pass), `accelerator_half`
+  (the device's 16-bit dtype), `DevicePool` (the counting allocator of device bytes);
+- quant: `densify` (a streamed layer made resident), `packing_for` (a device's NF4 packing), the
+  4-bit cache's `nf4_cache_dir`, `nf4_cache_key`, `nf4_cache_complete` and `write_quantized`,
+  the HQQ `LowbitLinear` and `lowbit_quantize_weight` (the lowbit extra);
+- arch: `cache_kwargs` (transformers' cache argument), `gqa_attention` (the attention
+  implementation name to pass transformers, `specx_gqa` registered).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from offload.errors import OffloadError
 from offload.sizes import format_bytes, parse_size
 from offload.stream.model import OffloadedCausalLM, OffloadStats
 from offload.stream.placement import OffloadPlan, plan_offload
 
+if TYPE_CHECKING:
+    from offload.arch.attention import implementation as gqa_attention
+    from offload.arch.hfcompat import cache_kwargs
+    from offload.quant.dense import densify
+    from offload.quant.lowbit import LowbitLinear
+    from offload.quant.lowbit import quantize_weight as lowbit_quantize_weight
+    from offload.quant.nf4 import packing_for
+    from offload.quant.quant_cache import cache_dir as nf4_cache_dir
+    from offload.quant.quant_cache import cache_key as nf4_cache_key
+    from offload.quant.quant_cache import is_complete as nf4_cache_complete
+    from offload.quant.quant_cache import write_quantized
+    from offload.stream.devmem import DevicePool
+    from offload.stream.loader import accelerator_half
+    from offload.stream.multi import ForwardJob, forward_many
+
+_LAZY = {  # name here -> (module, name there)
+    "gqa_attention": ("offload.arch.attention", "implementation"),
+    "cache_kwargs": ("offload.arch.hfcompat", "cache_kwargs"),
+    "densify": ("offload.quant.dense", "densify"),
+    "LowbitLinear": ("offload.quant.lowbit", "LowbitLinear"),
+    "lowbit_quantize_weight": ("offload.quant.lowbit", "quantize_weight"),
+    "packing_for": ("offload.quant.nf4", "packing_for"),
+    "nf4_cache_dir": ("offload.quant.quant_cache", "cache_dir"),
+    "nf4_cache_key": ("offload.quant.quant_cache", "cache_key"),
+    "nf4_cache_complete": ("offload.quant.quant_cache", "is_complete"),
+    "write_quantized": ("offload.quant.quant_cache", "write_quantized"),
+    "DevicePool": ("offload.stream.devmem", "DevicePool"),
+    "accelerator_half": ("offload.stream.loader", "accelerator_half"),
+    "ForwardJob": ("offload.stream.multi", "ForwardJob"),
+    "forward_many": ("offload.stream.multi", "forward_many"),
+}
+
 __all__ = [
+    "DevicePool",
+    "ForwardJob",
+    "LowbitLinear",
     "OffloadError",
     "OffloadPlan",
     "OffloadStats",
     "OffloadedCausalLM",
+    "accelerator_half",
+    "cache_kwargs",
+    "densify",
     "format_bytes",
+    "forward_many",
+    "gqa_attention",
+    "lowbit_quantize_weight",
+    "nf4_cache_complete",
+    "nf4_cache_dir",
+    "nf4_cache_key",
+    "packing_for",
     "parse_size",
     "plan_offload",
+    "write_quantized",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A lazily re-exported name (PEP 562), looked up in its module at each use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

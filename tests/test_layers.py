@@ -5,7 +5,9 @@ pyproject's `[tool.importlinter]` states the layers (terminal > serve > tools > 
 errors; `offload` never imports specexec_cli; offload's own groups planning > selfdraft > stream >
 quant > formats > arch; docs/architecture.md explains them). Here
 `lint-imports` runs on the real tree and must report every contract kept, and on a contract that
-inverts two layers it must report one broken, so the check can fail. Two rules import-linter does
+inverts two layers it must report one broken, so the check can fail. specexec_cli reaches offload
+through `offload` and three facades only (the fourth contract); here every name it imports from
+them must be in the facade's `__all__`, and every such name must resolve. Two rules import-linter does
 not state are checked by reading every module's imports (function-level ones too): rich is imported
 only by terminal/display.py and terminal/candidates.py (the dry run's tables), typer only by terminal/app.py and terminal/flags.py.
 """
@@ -13,6 +15,7 @@ only by terminal/display.py and terminal/candidates.py (the dry run's tables), t
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import shutil
 import subprocess
@@ -41,12 +44,12 @@ def lint_imports(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_import_linter_contract_is_kept():
-    assert len(CONTRACTS) == 3
+    assert len(CONTRACTS) == 4
     r = lint_imports()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     for name in CONTRACTS:
         assert f"{name} KEPT" in r.stdout, r.stdout[-3000:]
-    assert "3 kept, 0 broken" in r.stdout
+    assert "4 kept, 0 broken" in r.stdout
 
 
 def test_an_inverted_layer_is_reported_broken(tmp_path):
@@ -99,3 +102,45 @@ def test_the_import_scan_sees_imports_inside_functions(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("import richer\nfrom . import rich\n")  # neither is the rich library
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert importers(pkg, "rich") == {"pkg/a.py"}
+
+
+FACADES = ("offload", "offload.formats", "offload.planning", "offload.selfdraft")
+
+
+def offload_imports(package: Path) -> dict[str, set[str]]:
+    """{offload module: names imported from it} over every module under `package` (functions too)."""
+    found: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name == "offload" or a.name.startswith("offload."):
+                        found.setdefault(a.name, set())
+            elif (
+                isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "offload"
+            ):
+                found.setdefault(node.module or "", set()).update(a.name for a in node.names)
+    return found
+
+
+def test_specexec_cli_imports_only_the_public_names_of_offloads_facades():
+    used = offload_imports(ROOT / "specexec_cli")
+    assert set(used) <= set(FACADES), sorted(set(used) - set(FACADES))
+    for facade, names in used.items():
+        public = importlib.import_module(facade).__all__
+        assert names <= set(public), (facade, sorted(names - set(public)))
+    for facade in FACADES:
+        module = importlib.import_module(facade)
+        for name in module.__all__:
+            assert getattr(module, name) is not None, (facade, name)
+
+
+def test_a_lazy_facade_name_is_looked_up_in_its_module_at_each_use(monkeypatch):
+    import offload
+    import offload.quant.quant_cache as qc
+    from offload import formats
+
+    monkeypatch.setattr(qc, "write_quantized", marker := object())
+    assert offload.write_quantized is marker  # a test patching the module patches what callers get
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        formats.missing  # noqa: B018

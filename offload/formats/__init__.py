@@ -7,17 +7,74 @@ the fix. Every reader module offload/formats/<name>.py exposes `READER` (a base.
 Order matters: the quantized safetensors layouts (awq, gptq, compressed-tensors) are tried
 before the plain safetensors reader (16/32-bit and bitsandbytes 4-bit), GGUF first of all.
 `reader_for(ckpt)` is `ckpt.reader`; `load_weight` dequantizes one HF weight on the device.
+
+The package's public API is `__all__`. Besides the above it re-exports, lazily (PEP 562: a name's
+module is imported on its first use and the name looked up there at each use), what a front end
+needs of single readers: `GGUF_READER` (the GGUF reader, for `detect`), `read_gguf_part` and
+`gguf_value` (one GGUF file's metadata), `read_config` (a model directory's config.json),
+`find_pydist` (an installed Python package that ships a model), `resolve_ollama` (an ollama
+model name's blob), and the GGUF CPU kernel's `ggml_kernel_enabled` and `ggml_linear`.
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from offload.errors import OffloadError
-from offload.formats.base import FORMATS, Checkpoint, FormatReader, TensorInfo, as_stored  # noqa: F401 - the package API
+from offload.formats.base import FORMATS, Checkpoint, FormatReader, TensorInfo, as_stored
+
+if TYPE_CHECKING:
+    from offload.formats.ggml_kernel import enabled as ggml_kernel_enabled
+    from offload.formats.ggml_kernel import linear as ggml_linear
+    from offload.formats.gguf import READER as GGUF_READER
+    from offload.formats.gguf_meta import read_part as read_gguf_part
+    from offload.formats.gguf_meta import value as gguf_value
+    from offload.formats.hfdir import read_config
+    from offload.formats.ollama import resolve as resolve_ollama
+    from offload.formats.pydist import find as find_pydist
 
 READERS = ("gguf", "awq", "gptq", "compressed", "safetensors")
+
+_LAZY = {  # name here -> (module, name there)
+    "ggml_kernel_enabled": ("offload.formats.ggml_kernel", "enabled"),
+    "ggml_linear": ("offload.formats.ggml_kernel", "linear"),
+    "GGUF_READER": ("offload.formats.gguf", "READER"),
+    "read_gguf_part": ("offload.formats.gguf_meta", "read_part"),
+    "gguf_value": ("offload.formats.gguf_meta", "value"),
+    "read_config": ("offload.formats.hfdir", "read_config"),
+    "resolve_ollama": ("offload.formats.ollama", "resolve"),
+    "find_pydist": ("offload.formats.pydist", "find"),
+}
+
+__all__ = [
+    "FORMATS",
+    "GGUF_READER",
+    "READERS",
+    "Checkpoint",
+    "FormatReader",
+    "TensorInfo",
+    "as_stored",
+    "find_pydist",
+    "ggml_kernel_enabled",
+    "ggml_linear",
+    "gguf_value",
+    "load_weight",
+    "open_checkpoint",
+    "read_config",
+    "read_gguf_part",
+    "readers",
+    "resolve_ollama",
+]
+
+
+def __getattr__(name: str) -> object:
+    """A lazily re-exported name (PEP 562), looked up in its module at each use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)
 
 
 def readers() -> list[FormatReader]:

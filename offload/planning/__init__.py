@@ -4,4 +4,61 @@ Contract: `membytes` and `memlayers` count bytes per component; `memplan` fits t
 device budget; `selfplan` plans the self-draft's widths; `draftcost` models seconds per pass and
 tokens per second for each draft candidate. Pure arithmetic over headers and card figures: it
 reads no weights. The top of `offload`: nothing in `offload` imports it.
+
+The package's public API is `__all__`, re-exported lazily (PEP 562: a name's module is imported
+on its first use and the name looked up there at each use): the plan (`PlanRequest`,
+`plan_memory`, `RAM_FRACTION` the share of available RAM allowed without a cap, `arch_of` a
+config's shapes), the self-draft's default `default_skip`, the pass model (`PRIORS` the device
+rate priors, `device_for`, `dequant_elems`, `interpolate`, `GGUF_KERNEL` the GGUF CPU kernel's
+name) and the draft cost model's `LINK_EFFICIENCY` and `PLAIN` (plain decoding's candidate).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offload.planning.draftcost import LINK_EFFICIENCY, PLAIN
+    from offload.planning.membytes import arch_of
+    from offload.planning.memplan import RAM_FRACTION, PlanRequest, plan_memory
+    from offload.planning.passcost import GGUF_KERNEL, PRIORS, dequant_elems, device_for, interpolate
+    from offload.planning.selfplan import default_skip
+
+_LAZY = {  # name here -> (module, name there)
+    "LINK_EFFICIENCY": ("offload.planning.draftcost", "LINK_EFFICIENCY"),
+    "PLAIN": ("offload.planning.draftcost", "PLAIN"),
+    "arch_of": ("offload.planning.membytes", "arch_of"),
+    "RAM_FRACTION": ("offload.planning.memplan", "RAM_FRACTION"),
+    "PlanRequest": ("offload.planning.memplan", "PlanRequest"),
+    "plan_memory": ("offload.planning.memplan", "plan_memory"),
+    "GGUF_KERNEL": ("offload.planning.passcost", "GGUF_KERNEL"),
+    "PRIORS": ("offload.planning.passcost", "PRIORS"),
+    "dequant_elems": ("offload.planning.passcost", "dequant_elems"),
+    "device_for": ("offload.planning.passcost", "device_for"),
+    "interpolate": ("offload.planning.passcost", "interpolate"),
+    "default_skip": ("offload.planning.selfplan", "default_skip"),
+}
+
+__all__ = [
+    "GGUF_KERNEL",
+    "LINK_EFFICIENCY",
+    "PLAIN",
+    "PRIORS",
+    "RAM_FRACTION",
+    "PlanRequest",
+    "arch_of",
+    "default_skip",
+    "dequant_elems",
+    "device_for",
+    "interpolate",
+    "plan_memory",
+]
+
+
+def __getattr__(name: str) -> object:
+    """A lazily re-exported name (PEP 562), looked up in its module at each use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

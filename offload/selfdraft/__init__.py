@@ -2,4 +2,62 @@
 
 Contract: `build` assembles the draft from the target's Checkpoint and quantized substitutes;
 `influence` measures which layers matter most for the draft's agreement. Above `stream`.
+
+The package's public API is `__all__`, re-exported lazily (PEP 562: a name's module is imported
+on its first use and the name looked up there at each use): from `build`, `build_self_draft`,
+`LAYER_SKIP` (the layer-skip draft's substitute bits), `streamed_layers`, `target_layers` and
+`sixteen_bit_source`; from `influence`, `CALIBRATION` (the calibration text), `layer_influence`,
+`rule_order`, `pick_skipped`, `stored_influence` and `store_influence`.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offload.selfdraft.build import LAYER_SKIP, build_self_draft, sixteen_bit_source, streamed_layers, target_layers
+    from offload.selfdraft.influence import (
+        CALIBRATION,
+        layer_influence,
+        pick_skipped,
+        rule_order,
+        store_influence,
+        stored_influence,
+    )
+
+_LAZY = {  # name here -> (module, name there)
+    "LAYER_SKIP": ("offload.selfdraft.build", "LAYER_SKIP"),
+    "build_self_draft": ("offload.selfdraft.build", "build_self_draft"),
+    "sixteen_bit_source": ("offload.selfdraft.build", "sixteen_bit_source"),
+    "streamed_layers": ("offload.selfdraft.build", "streamed_layers"),
+    "target_layers": ("offload.selfdraft.build", "target_layers"),
+    "CALIBRATION": ("offload.selfdraft.influence", "CALIBRATION"),
+    "layer_influence": ("offload.selfdraft.influence", "layer_influence"),
+    "pick_skipped": ("offload.selfdraft.influence", "pick_skipped"),
+    "rule_order": ("offload.selfdraft.influence", "rule_order"),
+    "store_influence": ("offload.selfdraft.influence", "store_influence"),
+    "stored_influence": ("offload.selfdraft.influence", "stored_influence"),
+}
+
+__all__ = [
+    "CALIBRATION",
+    "LAYER_SKIP",
+    "build_self_draft",
+    "layer_influence",
+    "pick_skipped",
+    "rule_order",
+    "sixteen_bit_source",
+    "store_influence",
+    "stored_influence",
+    "streamed_layers",
+    "target_layers",
+]
+
+
+def __getattr__(name: str) -> object:
+    """A lazily re-exported name (PEP 562), looked up in its module at each use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

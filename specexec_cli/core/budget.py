@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from offload.planning.passcost import interpolate  # log-log between measured points, one home
+from offload.planning import interpolate  # log-log between measured points, one home
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from offload.stream.multi import ForwardJob
+from offload import ForwardJob
 from specexec_cli.core import calibrate, constrain, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
 from specexec_cli.core.grammar import GrammarError, compile_grammar, output_width

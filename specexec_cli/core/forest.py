@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from offload.stream.multi import forward_many
+from offload import forward_many
 from specexec_cli.core import kvcache
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import (

@@ -26,7 +26,7 @@ import warnings
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from offload.arch.hfcompat import cache_kwargs
+from offload import cache_kwargs
 from specexec_cli.core.transfers import upload
 
 MIN_ROWS = 256  # first slab of an unreserved cache

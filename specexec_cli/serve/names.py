@@ -45,9 +45,9 @@ def _gguf_name(path: Path) -> str:
     if path.suffix.lower() == ".gguf":
         return gguf_stem(path.name)
     try:
-        from offload.formats import gguf_meta
+        from offload.formats import gguf_value, read_gguf_part
 
-        name = gguf_meta.value(gguf_meta.read_part(path), "general.name")
+        name = gguf_value(read_gguf_part(path), "general.name")
     except Exception:  # noqa: BLE001 - a header we cannot read names nothing; the file name does
         name = None
     return str(name).strip() if name and str(name).strip() else path.name

@@ -61,7 +61,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto → bf16 on CUDA (fp16 on GPUs without native bf16), fp32 on CPU (CPU bf16 matmuls are
     slow and less exact)."""
     if name == "auto":
-        from offload.stream.loader import accelerator_half
+        from offload import accelerator_half
 
         return accelerator_half(device) if device.type == "cuda" else torch.float32
     if name not in DTYPES:
@@ -171,7 +171,7 @@ def needs_offload_path(path: Path) -> bool:
 def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from offload.arch.attention import implementation as gqa_attention   # SDPA without repeated K/V
+    from offload import gqa_attention   # SDPA without repeated K/V
 
     safe = check_weights(path, flag, opts.allow_pickle)
     if is_gguf(path):   # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
@@ -198,9 +198,9 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
 def is_gguf(path: Path) -> bool:
     """A GGUF model: a .gguf file (or split part, or ollama blob), or a directory holding one and no
     safetensors (offload/formats/gguf.py)."""
-    from offload.formats.gguf import READER
+    from offload.formats import GGUF_READER
 
-    return READER.detect(Path(path))
+    return GGUF_READER.detect(Path(path))
 
 
 def load_gguf_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
@@ -226,10 +226,9 @@ def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
     offload.selfdraft.influence.CALIBRATION the first time and stored, the middle block, or every
     other layer; among the streamed layers, or every layer when none streams. The plan's
     `skipped_layers` are updated to the choice."""
-    from offload.planning.selfplan import default_skip
-    from offload.selfdraft.influence import CALIBRATION, layer_influence, pick_skipped, rule_order
-    from offload.selfdraft.influence import store_influence, stored_influence
-    from offload.selfdraft.build import sixteen_bit_source, streamed_layers, target_layers
+    from offload.planning import default_skip
+    from offload.selfdraft import CALIBRATION, layer_influence, pick_skipped, rule_order, sixteen_bit_source
+    from offload.selfdraft import store_influence, stored_influence, streamed_layers, target_layers
 
     from specexec_cli.session import notices
 
@@ -263,7 +262,7 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     """The target's self-draft, its substitutes counted as the plan's "draft" component (where every
     layer is resident, an HF-resident target's too: the layer-skip draft, which holds no bytes of its own)."""
     from offload import OffloadError
-    from offload.selfdraft.build import LAYER_SKIP, build_self_draft, streamed_layers
+    from offload.selfdraft import LAYER_SKIP, build_self_draft, streamed_layers
 
     plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
     quantized = getattr(getattr(target, "checkpoint", None), "quantized", False)   # bnb / AWQ / GPTQ / ...
@@ -283,7 +282,7 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
 def densify_substitutes(draft, layers) -> None:
     """The plan's `dense_draft_layers`: those HQQ substitutes dequantized once (offload/quant/dense.py),
     counted in the draft's pool as "dequantized_draft"; the same values as rebuilding them per forward."""
-    from offload.quant.dense import densify
+    from offload import densify
 
     for i in layers:
         densify(draft.layers[i], draft.pool, "dequantized_draft")
@@ -367,7 +366,7 @@ def load_models(opts: LoadOptions) -> Models:
         check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
         ddtype = resolve_dtype(draft_dtype_name(opts.dtype, opts.draft_dtype), device)
         draft = load_hf(dpath, "--draft", opts, device, ddtype)
-    from offload.stream.storage import DevicePool
+    from offload import DevicePool
 
     pool = DevicePool(device)   # counts every device byte, per memory-plan component
     if draft is not None:

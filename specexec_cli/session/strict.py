@@ -26,7 +26,7 @@ def check_config(path: Path, flag: str) -> dict:
     """config.json must be a JSON object with a supported string `model_type` (offload's check: tree
     verification needs exact 4-D masks and positions, which specx checks per family); returns it."""
     from offload import OffloadError
-    from offload.formats.hfdir import read_config
+    from offload.formats import read_config
 
     try:
         return read_config(path)

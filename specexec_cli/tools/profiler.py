@@ -247,10 +247,10 @@ def dequantizers(device: str, dtype: torch.dtype) -> dict:
     except Exception:  # noqa: BLE001 - bitsandbytes missing or without a kernel for this device
         pass
     try:
-        from offload.quant import lowbit
+        from offload import LowbitLinear, lowbit_quantize_weight
 
-        q = lowbit.quantize_weight(w, 3)
-        lin = lowbit.LowbitLinear(
+        q = lowbit_quantize_weight(w, 3)
+        lin = LowbitLinear(
             q["W_q"].to(device), q["scale"].to(device, dtype), q["zero"].to(device, dtype), None, DEQUANT_SHAPE, 3
         )
         out["hqq-eager"] = lin.weight_now
@@ -263,7 +263,7 @@ def probe_dequant() -> dict:
     """Effective bytes/s of each dequantizing kernel on the compute device: the traffic the pass model
     counts for it (weights x compute-dtype bytes x passcost.dequant_elems) over the seconds it takes to
     rebuild a DEQUANT_SHAPE weight (fastest of repeated calls)."""
-    from offload.planning.passcost import dequant_elems
+    from offload.planning import dequant_elems
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -292,17 +292,17 @@ def probe_gguf_kernel(shape: tuple[int, int] = (8192, 4096)) -> dict | None:
     of `shape` (17 MB: past the caches, as a model's layers are): its packed bytes over the seconds
     (fastest of repeated calls), the rate passcost reads a kernel-served layer at. None where the
     kernel is off or cannot compile."""
-    from offload.formats import ggml_kernel
-    from offload.planning.passcost import GGUF_KERNEL
+    from offload.formats import ggml_kernel_enabled, ggml_linear
+    from offload.planning import GGUF_KERNEL
 
-    if not ggml_kernel.enabled():
+    if not ggml_kernel_enabled():
         return None
     n, k = shape
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)  # Q4_1: d, m, 16 code bytes
     blocks[..., :4] = (torch.rand(n, k // 32, 2, generator=g) * 0.02 - 0.01).to(torch.float16).view(torch.uint8)
     raw, x = blocks.reshape(-1), torch.randn(1, k)
-    secs = _timed(lambda: ggml_kernel.linear(x, raw, 3, n), 0.3, 20)  # 3: GGML_TYPE_Q4_1
+    secs = _timed(lambda: ggml_linear(x, raw, 3, n), 0.3, 20)  # 3: GGML_TYPE_Q4_1
     return dict(
         kernel=GGUF_KERNEL, seconds=round(secs, 6), gbps=round(raw.numel() / secs / 1e9, 3), shape=[n, k], qtype="Q4_1"
     )

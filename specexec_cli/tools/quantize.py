@@ -30,8 +30,7 @@ def _st_bytes(path: Path) -> int:
 
 
 def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult:
-    from offload import OffloadError
-    from offload.quant.quant_cache import write_quantized
+    from offload import OffloadError, write_quantized
     from specexec_cli.session.loading import check_weights, open_checkpoint, resolve_path
 
     src = resolve_path(target, "--target")
