@@ -1,5 +1,5 @@
-"""The speed-model tables of CONTRIBUTING.md are what their benchmarks'
-JSON says (bench/selfdraft_width.py, bench/speedmodel.py: `--table` writes them)."""
+"""The speed-model tables of CONTRIBUTING.md, and docs/performance.md's bigger-than-RAM table, are what their
+benchmarks' JSON says (bench/selfdraft_width.py, bench/speedmodel.py, bench/bigger_than_ram.py: `--table` writes them)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = [
     ("bench/selfdraft_width.py", "selfdraft_width.json", "CONTRIBUTING.md", "selfdraft-width"),
     ("bench/speedmodel.py", "speedmodel.json", "CONTRIBUTING.md", "speedmodel"),
+    ("bench/bigger_than_ram.py", "bigger_than_ram.json", "docs/performance.md", "bigger-than-ram"),
 ]
 
 
