@@ -196,11 +196,8 @@ def _fill(out: Path, plan: list, start: int, align: int, seed: int) -> None:
 
 
 def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as fh:
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def timed(cmd: list[str], timeout: float, **kw) -> tuple[str, float, int]:

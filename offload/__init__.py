@@ -21,10 +21,10 @@ test that patches it there patches what callers get):
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from offload.errors import OffloadError
+from offload.lazy import lazy_getattr
 from offload.sizes import format_bytes, parse_size
 from offload.stream.model import OffloadedCausalLM, OffloadStats
 from offload.stream.placement import OffloadPlan, plan_offload
@@ -86,9 +86,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """A lazily re-exported name (PEP 562), looked up in its module at each use."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    return getattr(importlib.import_module(module), attr)
+__getattr__ = lazy_getattr(__name__, _LAZY)  # the names of _LAZY, looked up in their modules at each use

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from offload.errors import OffloadError
 from offload.formats.base import FORMATS, Checkpoint, FormatReader, TensorInfo, as_stored
+from offload.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from offload.formats.ggml_kernel import enabled as ggml_kernel_enabled
@@ -69,12 +70,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """A lazily re-exported name (PEP 562), looked up in its module at each use."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    return getattr(importlib.import_module(module), attr)
+__getattr__ = lazy_getattr(__name__, _LAZY)  # the names of _LAZY, looked up in their modules at each use
 
 
 def readers() -> list[FormatReader]:

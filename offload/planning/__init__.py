@@ -15,8 +15,9 @@ name) and the draft cost model's `LINK_EFFICIENCY` and `PLAIN` (plain decoding's
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from offload.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from offload.planning.draftcost import LINK_EFFICIENCY, PLAIN
@@ -56,9 +57,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """A lazily re-exported name (PEP 562), looked up in its module at each use."""
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _LAZY[name]
-    return getattr(importlib.import_module(module), attr)
+__getattr__ = lazy_getattr(__name__, _LAZY)  # the names of _LAZY, looked up in their modules at each use
