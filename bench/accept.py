@@ -8,7 +8,8 @@ For each (temperature, budget, method) it decodes every selected prompt of
 target pass = tokens emitted by target passes ÷ passes (the prefill token is excluded), pooled over
 the prompts, with a 95% percentile-bootstrap interval that resamples prompts (a prompt's seeds stay
 together). At T = 0 every run's ids are checked against the target's HF greedy `generate`.
-Writes JSON; `--readme` also rewrites the table between the `accept:begin/end` markers in CONTRIBUTING.md.
+Writes JSON; `--readme` also rewrites the block `<!-- bench:accept -->` (`block(runs)`: the runs'
+commands and their table, from their JSON alone) on the pages bench/manifest.py lists for it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from specexec_cli.core.methods import generate  # noqa: E402
 from specexec_cli.core.sampling import SamplingParams  # noqa: E402
 from specexec_cli.core.stats import RunStats  # noqa: E402
 from specexec_cli.session.loading import LoadOptions, load_models  # noqa: E402
+
+sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+from docblock import md_table  # noqa: E402  (bench/docblock.py)
 
 
 def load_prompts(spec: str) -> list[tuple[int, str]]:
@@ -141,46 +145,53 @@ class ReuseMeter:
 def table(rows: list[dict]) -> str:
     """Markdown: one row per (T, budget), one column per method: tokens/pass [95% interval]."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    out = ["| T | budget | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    out = []
     for key in dict.fromkeys((r["temperature"], r["budget"]) for r in rows):
         cells = {r["method"]: r for r in rows if (r["temperature"], r["budget"]) == key}
         fmt = [
             f"{c['tokens_per_pass']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]" if (c := cells.get(m)) else ""
             for m in methods
         ]
-        out.append(f"| {key[0]:g} | {key[1]} | " + " | ".join(fmt) + " |")
-    return "\n".join(out)
+        out.append([f"{key[0]:g}", key[1], *fmt])
+    return md_table(["T", "budget", *methods], out)
 
 
-def write_readme(text: str) -> None:
-    path = ROOT / "CONTRIBUTING.md"
-    doc = path.read_text()
-    begin, end = "<!-- accept:begin -->", "<!-- accept:end -->"
-    if begin not in doc or end not in doc:
-        sys.exit("CONTRIBUTING.md has no <!-- accept:begin --> / <!-- accept:end --> markers")
-    head, rest = doc.split(begin, 1)
-    path.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+def _command(data: dict) -> str:
+    return f"`python bench/accept.py {' '.join(data['meta']['command'].split()[1:])}`"
+
+
+def block(runs: dict | list[dict]) -> str:
+    """The docs block of one run's JSON, or of several runs' (a sweep split across processes: one table,
+    every command listed)."""
+    if isinstance(runs, dict):
+        meta = runs["meta"]
+        return (
+            f"{_command(runs)} — tokens per target pass, prompts {meta['prompts']} of prompts.jsonl, "
+            f"{meta['max_new_tokens']} new tokens, 95% bootstrap interval over prompts:\n\n" + table(runs["rows"])
+        )
+    rows = sorted((r for data in runs for r in data["rows"]), key=lambda r: (r["temperature"], r["budget"]))
+    lossless = all(r["lossless"] for r in rows if r["temperature"] == 0)
+    return (
+        "Tokens per target pass on the 8-layer pair, 95% bootstrap interval over prompts (at T > 0 "
+        "a prompt's seeds stay together), from "
+        + "; ".join(_command(data) for data in runs)
+        + f". Every T=0 run equals the target's greedy `generate`: {lossless}.\n\n"
+        + table(rows)
+    )
+
+
+def write_doc(body: str) -> None:
+    import manifest  # bench/manifest.py: the block's pages
+
+    manifest.write("accept", body)
 
 
 def merged_table(files: list[str], readme: bool) -> None:
-    """One table from several runs (a sweep split across processes); the commands are listed."""
-    rows, commands = [], []
-    for f in files:
-        data = json.loads(Path(f).read_text())
-        rows += data["rows"]
-        commands.append(f"`python bench/accept.py {' '.join(data['meta']['command'].split()[1:])}`")
-    rows.sort(key=lambda r: (r["temperature"], r["budget"]))
-    text = table(rows)
-    print(text)
+    """One table from several runs' JSON; with `readme` the docs block too."""
+    runs = [json.loads(Path(f).read_text()) for f in files]
+    print(table(sorted((r for data in runs for r in data["rows"]), key=lambda r: (r["temperature"], r["budget"]))))
     if readme:
-        lossless = all(r["lossless"] for r in rows if r["temperature"] == 0)
-        write_readme(
-            "Tokens per target pass on the 8-layer pair, 95% bootstrap interval over prompts (at T > 0 "
-            "a prompt's seeds stay together), from "
-            + "; ".join(commands)
-            + f". Every T=0 run equals the target's greedy `generate`: {lossless}.\n\n"
-            + text
-        )
+        write_doc(block(runs))
 
 
 def save(args, rows: list[dict]) -> Path:
@@ -212,7 +223,9 @@ def main() -> None:
     ap.add_argument("--scores", default=None, help="specexec node scores: calibrated+ngram | calibrated | draft")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the HF greedy comparison")
     ap.add_argument(
-        "--readme", action="store_true", help="rewrite the acceptance table in CONTRIBUTING.md from this run"
+        "--readme",
+        action="store_true",
+        help="rewrite the acceptance block of the docs (bench/manifest.py) from this run",
     )
     ap.add_argument("--reuse", action="store_true", help="measure how much draft work the next pass could reuse")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "accept.json"))
@@ -262,14 +275,9 @@ def main() -> None:
                     flush=True,
                 )
     out = save(args, rows)
-    text = table(rows)
-    print("\n" + text + f"\n\nwrote {out}")
+    print("\n" + table(rows) + f"\n\nwrote {out}")
     if args.readme:
-        write_readme(
-            f"`python bench/accept.py {' '.join(sys.argv[1:])}` — tokens per target pass, "
-            f"prompts {args.prompts} of prompts.jsonl, {args.max_new_tokens} new tokens, "
-            "95% bootstrap interval over prompts:\n\n" + text
-        )
+        write_doc(block(json.loads(out.read_text())))
 
 
 if __name__ == "__main__":

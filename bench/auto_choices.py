@@ -31,9 +31,9 @@ tokens per target pass, the budget in force at the end (stats-json `budget`: the
 choice for auto) and, for draft auto, the draft it chose (its stderr notice), and whether its
 ids equal plain decoding's (`none`) for every prompt.
 The summary gives auto ÷ best explicit for each choice. A row that fails (e.g. a missing package)
-is recorded with its error and left out of the ratios. `--table JSON` writes CONTRIBUTING.md's
-block `<!-- bench:auto-choices -->` (a --real result: docs/performance.md's `<!-- bench:auto-choices-real -->`;
-bench/docblock.py) from a result file; a `note` key in it
+is recorded with its error and left out of the ratios. `--table JSON` writes the block
+`<!-- bench:auto-choices -->` (a --real result: `<!-- bench:auto-choices-real -->`) on the pages
+bench/manifest.py lists for it from a result file; a `note` key in it
 (written by hand after reading the numbers: why auto won or lost) goes under the tables.
 """
 
@@ -233,18 +233,20 @@ def wrap(text: str) -> str:
                         for par in text.split("\n\n"))
 
 
-def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
+def write_doc(data: dict, page: Path | None = None) -> None:
+    """The `auto-choices` block on its pages (bench/manifest.py), or on `page`."""
     sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
-    from docblock import write_block
+    import manifest
 
-    write_block(page, "auto-choices", block(data))
+    manifest.write("auto-choices", block(data), page)
 
 
-def write_real_doc(data: dict, page: Path = ROOT / "docs" / "performance.md") -> None:
+def write_real_doc(data: dict, page: Path | None = None) -> None:
+    """The `auto-choices-real` block on its pages (bench/manifest.py), or on `page`."""
     sys.path.append(str(ROOT / "bench"))   # appended: bench/offload.py must not hide the offload package
-    from docblock import write_block
+    import manifest
 
-    write_block(page, "auto-choices-real", real_block(data))
+    manifest.write("auto-choices-real", real_block(data), page)
 
 
 def real_block(data: dict) -> str:

@@ -365,9 +365,9 @@ def main() -> None:
         text = table(json.loads(Path(args.table).read_text()))
         print(text)
         if args.doc:
-            from docblock import write_block  # bench/docblock.py
+            import manifest  # bench/manifest.py: the block's pages
 
-            write_block(ROOT / "docs" / "performance.md", "bigger-than-ram", text)
+            manifest.write("bigger-than-ram", text)
         return
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     path = Path(args.dir) / "llama-70b-shaped-Q4_K_M.gguf"

@@ -20,8 +20,8 @@ rest Q4_K. Each row reports, per kernel on this machine:
   `empty_strided_cpu` is torch._C._dynamo.guards._empty_strided_cpu, which this script wraps before
   anything compiles (the generated module binds the name when it loads).
 - x of the 16-bit weight: bytes moved / (2 bytes x parameters): 1.0 would be writing the weight alone.
-Writes JSON; `--readme` rewrites the table between `<!-- dequant:begin -->` and `<!-- dequant:end -->`
-in docs/performance.md.
+Writes JSON; `--readme` rewrites the block `<!-- bench:dequant -->` (`block(result)`: the command, the
+machine's load and the table, all from the JSON) on the pages bench/manifest.py lists for it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from offload.formats import gguf_quants as gq  # noqa: E402
+
+sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+from docblock import md_table  # noqa: E402  (bench/docblock.py)
 
 HALF_AT = {gq.Q8_0: (0,), gq.Q4_0: (0,), gq.Q4_K: (0, 2), gq.Q5_K: (0, 2), gq.Q6_K: (208,)}
 TYPES = {"Q4_0": gq.Q4_0, "Q8_0": gq.Q8_0, "Q4_K": gq.Q4_K, "Q5_K": gq.Q5_K, "Q6_K": gq.Q6_K}
@@ -195,26 +198,23 @@ def run_nf4(shapes, repeats: int) -> dict | None:
 
 
 def table(result: dict) -> str:
-    lines = [
-        "| type | kernel | packed bytes / param | bytes moved / param | x the bf16 weight | s / layer | compile s |",
-        "|---|---|---|---|---|---|---|",
+    head = ["type", "kernel", "packed bytes / param", "bytes moved / param", "x the bf16 weight", "s / layer"]
+    rows = [
+        [r["type"], r["kernel"], f"{r['packed_bytes'] / r['params']:.3f}", f"{r['bytes_per_param']:.2f}"]
+        + [f"{r['x_weight']:.2f}", f"{r['seconds_per_layer']:.3f}", f"{r['compile_seconds']:.1f}"]
+        for r in result["rows"]
     ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['type']} | {r['kernel']} | {r['packed_bytes'] / r['params']:.3f} | {r['bytes_per_param']:.2f} "
-            f"| {r['x_weight']:.2f} | {r['seconds_per_layer']:.3f} | {r['compile_seconds']:.1f} |"
-        )
-    return "\n".join(lines)
+    return md_table(head + ["compile s"], rows)
 
 
-def write_readme(text: str) -> None:
-    doc = ROOT / "docs" / "performance.md"
-    body = doc.read_text()
-    begin, end = "<!-- dequant:begin -->", "<!-- dequant:end -->"
-    if begin not in body or end not in body:
-        sys.exit("docs/performance.md has no <!-- dequant:begin --> / <!-- dequant:end --> markers")
-    head, rest = body.split(begin, 1)
-    doc.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+def block(result: dict) -> str:
+    """The docs block: the command, threads and load average of the run, the layer's size, the table."""
+    params = sum(a * b for a, b in result["layer"].values())
+    return (
+        f"`{result['command']}` on this CPU ({result['threads']} threads, load average "
+        f"{result['load_average'][0]} when it finished), one {params / 1e6:.1f}M-parameter layer into bf16:\n\n"
+        + table(result)
+    )
 
 
 def main() -> None:
@@ -261,11 +261,9 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     if args.readme:
-        write_readme(
-            f"`{result['command']}` on this CPU ({result['threads']} threads, load average "
-            f"{result['load_average'][0]} when it finished), one "
-            f"{sum(a * b for a, b in shapes.values()) / 1e6:.1f}M-parameter layer into bf16:\n\n" + table(result)
-        )
+        import manifest  # bench/manifest.py: the block's pages
+
+        manifest.write("dequant", block(result))
 
 
 if __name__ == "__main__":

@@ -252,9 +252,9 @@ def main() -> None:
 
 
 def write_doc(table: str) -> None:
-    from docblock import write_block  # bench/docblock.py
+    import manifest  # bench/manifest.py: the block's pages
 
-    write_block(ROOT / "docs" / "performance.md", "gguf-kernel", table)
+    manifest.write("gguf-kernel", table)
 
 
 if __name__ == "__main__":

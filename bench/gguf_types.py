@@ -104,9 +104,9 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
     if args.doc:
-        from docblock import write_block  # bench/docblock.py
+        import manifest  # bench/manifest.py: the block's pages
 
-        write_block(ROOT / "docs" / "performance.md", "gguf-types", markdown(result))
+        manifest.write("gguf-types", markdown(result))
 
 
 def markdown(result: dict) -> str:

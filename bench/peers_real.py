@@ -349,9 +349,9 @@ def markdown(result: dict) -> str:
 
 
 def write_doc(table: str, block: str = "peers-real") -> None:
-    from docblock import write_block  # bench/docblock.py
+    import manifest  # bench/manifest.py: the block's pages
 
-    write_block(ROOT / "docs" / "performance.md", block, table)
+    manifest.write(block, table)
 
 
 if __name__ == "__main__":

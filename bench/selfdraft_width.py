@@ -218,12 +218,12 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def write_doc(data: dict, page: Path = ROOT / "CONTRIBUTING.md") -> None:
-    """Replace the block between <!-- bench:selfdraft-width --> and <!-- /bench:selfdraft-width --> with the table."""
+def write_doc(data: dict, page: Path | None = None) -> None:
+    """The `selfdraft-width` block on its pages (bench/manifest.py), or on `page`."""
     sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
-    from docblock import write_block
+    import manifest
 
-    write_block(page, "selfdraft-width", table(data))
+    manifest.write("selfdraft-width", table(data), page)
 
 
 def main(argv=None) -> int:

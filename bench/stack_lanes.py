@@ -131,9 +131,9 @@ def main(argv=None) -> int:
     print(table(data))
     if args.doc or args.table:
         sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
-        from docblock import write_block
+        import manifest  # bench/manifest.py: the block's pages
 
-        write_block(ROOT / "docs" / "performance.md", "stack-lanes", table(data))
+        manifest.write("stack-lanes", table(data))
     return 0
 
 

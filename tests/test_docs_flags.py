@@ -1,7 +1,7 @@
 """docs/flags.md is exactly what `specx <command> --help` prints (tools/gen_flags.py).
 
 `gen_flags.main(["--check"])` renders every command's help and compares it with docs/flags.md's
-`<!-- flags:begin -->` … `<!-- flags:end -->` block, without writing. A stale reference fails here;
+`<!-- bench:flags -->` block (bench/docblock.py's one marker), without writing. A stale reference fails here;
 the fix is `python tools/gen_flags.py`. The second test proves the check can fail: one command's
 help text changed by a single option must be reported as out of date.
 """

@@ -1,12 +1,12 @@
-"""The measured tables between `<!-- perf:NAME -->` markers in README.md and docs/ are exactly what
-bench/results/ JSON holds (tools/perf_tables.py). A result changed without
-`python tools/perf_tables.py` fails here; the other tests prove the check can fail (a changed figure,
-an unknown table name, an unclosed block) and that every table is used somewhere.
+"""The measured tables of README.md, CONTRIBUTING.md and docs/ are exactly what bench/results/ JSON
+holds (tools/perf_tables.py regenerates every block bench/manifest.py can render from its JSON). A
+result changed without `python tools/perf_tables.py` fails here; the other tests prove the check can
+fail (a changed figure, an unknown block name, an unclosed block) and pin what the headline tables show.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 
 import pytest
 
@@ -18,32 +18,30 @@ def tool():
     return load_script("tools/perf_tables.py")
 
 
-def test_every_perf_table_matches_its_json(tool, capsys):
+def test_every_table_matches_its_json(tool, capsys):
     assert tool.main(["--check"]) == 0, capsys.readouterr().out
 
 
-def test_every_table_is_placed_and_the_readme_has_the_headline(tool):
-    pages = "".join((ROOT / f).read_text() for f in tool.FILES)
-    assert {name for name in tool.OPEN.findall(pages)} == set(tool.TABLES)
-    assert "<!-- perf:headline -->" in (ROOT / "README.md").read_text()
+def test_the_readme_and_the_performance_page_carry_the_headline(tool):
+    block = tool.manifest.BLOCKS["headline"]
+    assert block.pages == ("README.md", "docs/performance.md") and block in tool.generated()
+    for page in block.pages:
+        assert "<!-- bench:headline -->" in (ROOT / page).read_text()
 
 
 def test_the_pair_headline_is_the_budget_1024_cells(tool):
-    rows = [
-        r
-        for f in sorted((ROOT / "bench" / "results").glob("selfdraft_t0_gap*.json"))
-        for r in json.loads(f.read_text())["rows"]
-        if r["budget"] == 1024 and r["draft"] == "self-nf4"
-    ]
-    assert len(rows) == 1
-    assert f"| {rows[0]['tokens_per_pass']:.2f} |" in tool.pair_headline().splitlines()[3]
+    runs = tool.manifest.load(tool.manifest.BLOCKS["pair-headline"])
+    rows = [r for run in runs for r in run["rows"] if r["budget"] == 1024 and r["draft"] == "self-nf4"]
+    assert len(rows) == 2 and {r["temperature"] for r in rows} == {0.0, 0.7}
+    t0 = next(r for r in rows if r["temperature"] == 0.0)
+    assert f"| {t0['tokens_per_pass']:.2f} |" in tool.pair_headline(runs).splitlines()[3]
 
 
 def test_the_headline_is_the_real_model_from_disk(tool):
-    data = json.loads((ROOT / "bench" / "results" / "spec_pass.json").read_text())
+    data = tool.manifest.load(tool.manifest.BLOCKS["headline"])
     assert data["target"].startswith("SmolLM2") and {r["tier"] for r in data["rows"]} >= {"disk"}
     disk = [r for r in data["rows"] if r["tier"] == "disk"]
-    head = tool.headline().splitlines()
+    head = tool.headline(data).splitlines()
     assert head[2].startswith("| `--method ar` |") and "| 1.00x | - |" in head[2]
     configs = list(dict.fromkeys(r["config"] for r in disk))
     assert len(head) == 2 + len(configs)
@@ -53,24 +51,26 @@ def test_the_headline_is_the_real_model_from_disk(tool):
 
 
 def test_a_changed_figure_is_caught(tool, monkeypatch, capsys):
-    real = tool.load
+    real = tool.manifest.load
 
-    def changed(name):
-        data = real(name)
-        if name == "serve/serve.json":
+    def changed(block):
+        data = real(block)
+        if block.name == "serve":
+            data = copy.deepcopy(data)
             data["summary"]["ratio"] += 0.01
         return data
 
-    monkeypatch.setattr(tool, "load", changed)
-    assert tool.main(["--check"]) == 1
+    monkeypatch.setattr(tool.manifest, "load", changed)
+    assert tool.main(["--check", "serve"]) == 1
     assert "CONTRIBUTING.md" in capsys.readouterr().out
 
 
 def test_unknown_and_unclosed_blocks_are_errors(tool):
-    with pytest.raises(ValueError, match="unknown perf table"):
-        tool.render("<!-- perf:nope -->\nx\n<!-- /perf:nope -->\n")
-    with pytest.raises(ValueError, match="unclosed"):
-        tool.render("<!-- perf:serve -->\nx\n")
-    assert tool.render("<!-- perf:serve -->\nold\n<!-- /perf:serve -->") == (
-        f"<!-- perf:serve -->\n{tool.serve()}\n<!-- /perf:serve -->"
-    )
+    with pytest.raises(ValueError, match="not regenerated from JSON"):
+        tool.generated(["nope"])
+    serve = tool.generated(["serve"])
+    with pytest.raises(ValueError, match="exactly one"):
+        tool.rendered({"CONTRIBUTING.md": "<!-- bench:serve -->\nx\n"}, serve)
+    got = tool.rendered({"CONTRIBUTING.md": "<!-- bench:serve -->\nold\n<!-- /bench:serve -->"}, serve)
+    body = tool.serve(tool.manifest.load(serve[0]))
+    assert got == {"CONTRIBUTING.md": f"<!-- bench:serve -->\n{body}\n<!-- /bench:serve -->"}

@@ -69,9 +69,12 @@ def test_the_selfdraft_table_says_what_the_plan_does(tool):
     assert 'refused: "no room"' in tool.self_table([("nf4", 12, None, "no room")])
 
 
-def test_a_page_without_its_block_is_an_error(tool):
-    with pytest.raises(ValueError, match="plan:pair"):
-        tool.render("# no block here\n", "pair", "| t |")
-    assert tool.render("a\n<!-- plan:pair -->\nold\n<!-- /plan:pair -->\nb", "pair", "| t |") == (
-        "a\n<!-- plan:pair -->\n| t |\n<!-- /plan:pair -->\nb"
-    )
+def test_the_blocks_are_the_manifests(tool):
+    """Each table goes to the pages bench/manifest.py lists for its block, which are the plan's own."""
+    blocks = {key: tool.manifest.BLOCKS[name] for key, name in tool.BLOCKS.items()}
+    assert blocks["pair"].pages == ("docs/memory-plan.md",) and blocks["selfdraft"].pages == ("docs/self-draft.md",)
+    assert {b.render for b in blocks.values()} == {
+        "tools/plan_tables.py:pair_block",
+        "tools/plan_tables.py:selfdraft_block",
+    }
+    assert not any(b.pure for b in blocks.values())

@@ -1,7 +1,8 @@
 """Regenerate the flags reference, docs/flags.md, from `specx <command> --help`.
 
-Contract: replaces the text between `<!-- flags:begin -->` and `<!-- flags:end -->` in docs/flags.md
-with one fenced block per command of the typer app, in the order the app declares them. Run after changing any option: `python tools/gen_flags.py`; `--check` only reports
+Contract: replaces the block `<!-- bench:flags -->` ... `<!-- /bench:flags -->` on the page
+bench/manifest.py lists for it (docs/flags.md) with `reference()`: one fenced block per command of
+the typer app, in the order the app declares them. Run after changing any option: `python tools/gen_flags.py`; `--check` only reports
 (exit 1) when the page is out of date, and `--help` prints usage without touching anything.
 """
 
@@ -9,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGE = "docs/flags.md"
-BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+import manifest  # noqa: E402  (bench/manifest.py)
+from docblock import replace_block  # noqa: E402  (bench/docblock.py)
+
+NAME = "flags"
 
 
 def commands() -> list[str]:
@@ -43,30 +46,43 @@ def help_text(command: str) -> str | None:
     return "\n".join(lines).replace("python -m specexec_cli", "specx")
 
 
+def reference() -> str:
+    """The block's body: every command's `--help` as a fenced block under its heading."""
+    blocks = []
+    for command in COMMANDS:
+        text = help_text(command)
+        if text is not None:
+            blocks.append(f"### `specx {command}`\n\n```text\n{text}\n```\n")
+    return "\n".join(blocks).removesuffix("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Regenerate the flags reference in docs/flags.md from `specx <command> --help`."
     )
     parser.add_argument("--check", action="store_true", help="only check: exit 1 if docs/flags.md is out of date")
     args = parser.parse_args(argv)
-    blocks = []
-    for command in COMMANDS:
-        text = help_text(command)
-        if text is not None:
-            blocks.append(f"### `specx {command}`\n\n```text\n{text}\n```\n")
-    page = ROOT / PAGE
-    body = page.read_text()
-    if BEGIN not in body:
-        print(f"{PAGE} has no {BEGIN} marker", file=sys.stderr)
-        return 2
-    new = re.sub(
-        f"{re.escape(BEGIN)}.*?{re.escape(END)}", lambda _: f"{BEGIN}\n" + "\n".join(blocks) + END, body, flags=re.S
-    )
+    body = reference()
+    stale = []
+    for page in manifest.BLOCKS[NAME].pages:
+        text = (ROOT / page).read_text()
+        try:
+            new = replace_block(text, NAME, body)
+        except ValueError as exc:
+            print(f"{page}: {exc}", file=sys.stderr)
+            return 2
+        if new != text:
+            stale.append(page)
+            if not args.check:
+                (ROOT / page).write_text(new)
     if args.check:
-        print(f"{PAGE} is up to date" if new == body else f"{PAGE} is out of date; run python tools/gen_flags.py")
-        return 0 if new == body else 1
-    page.write_text(new)
-    print(f"updated {len(blocks)} command(s) in {PAGE}")
+        print(
+            "the flags reference is up to date"
+            if not stale
+            else f"{', '.join(stale)} is out of date; run python tools/gen_flags.py"
+        )
+        return int(bool(stale))
+    print(f"updated {', '.join(stale) or 'nothing'}")
     return 0
 
 

@@ -3,24 +3,30 @@
 Contract: plans Llama-3.1-70B (target) and Llama-3.2-1B (draft) with `specx run --dry-run` on
 sparse checkpoints at their real sizes (tests/sparse_ckpt.py: real headers, no weight bytes), for
 the machines the docs describe (`--device cuda --max-gpu-memory CAP --max-ram 64GB`, ctx 8192,
-`--budget auto`), and replaces the `<!-- plan:pair -->` block of docs/memory-plan.md (a bf16
-draft) and the `<!-- plan:selfdraft -->` block of docs/self-draft.md (`--draft self`) with tables
-of the plans' own figures (`--stats-json`'s "plan"; a refused plan shows its one-line error).
-`--check` writes nothing and exits 1 naming the pages whose tables differ from the plan code.
+`--budget auto`), and replaces the `<!-- bench:plan-pair -->` block (a bf16 draft) and the
+`<!-- bench:plan-selfdraft -->` block (`--draft self`) on the pages bench/manifest.py lists for them
+(docs/memory-plan.md, docs/self-draft.md) with tables of the plans' own figures (`--stats-json`'s
+"plan"; a refused plan shows its one-line error). `pair_block()` and `selfdraft_block()` are the two
+bodies (planned once per process). `--check` writes nothing and exits 1 naming the pages whose
+tables differ from the plan code.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import re
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PAGES = {"pair": "docs/memory-plan.md", "selfdraft": "docs/self-draft.md"}
+sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+import manifest  # noqa: E402  (bench/manifest.py)
+from docblock import md_table, replace_block  # noqa: E402  (bench/docblock.py)
+
+BLOCKS = {"pair": "plan-pair", "selfdraft": "plan-selfdraft"}  # tables() key -> manifest block
 PAIR = [("nf4", 24), ("nf4", 16), ("nf4", 12), ("bf16", 24)]  # (target dtype, card GB)
 SELF = [("nf4", 48), ("nf4", 44), ("nf4", 40), ("nf4", 24), ("nf4", 16), ("nf4", 12), ("bf16", 80), ("bf16", 40)]
 GB = 1e9
@@ -70,24 +76,25 @@ def gb(n: float) -> str:
     return "0" if n == 0 else f"{n / GB:.1f}"
 
 
+PAIR_HEAD = ["target", "card", "budget", "prefill tokens/pass", "lm_head", "quant+pinned", "draft", "KV", "activations"]
+PAIR_HEAD += ["resident (layers)", "slots", "CUDA margin", "total", "RAM / disk layers", "disk per pass"]
+
+
 def pair_table(plans: list[tuple[str, int, dict | None, str]]) -> str:
-    lines = [
-        "| target | card | budget | prefill tokens/pass | lm_head | quant+pinned | draft | KV | activations | "
-        "resident (layers) | slots | CUDA margin | total | RAM / disk layers | disk per pass |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for dtype, card, p, refusal in plans:
         if p is None:
-            lines.append(f"| {dtype} | {card} GB | refused: {refusal} |" + " |" * 12)
+            rows.append([dtype, f"{card} GB", f"refused: {refusal}"] + [""] * 12)
             continue
         b, s = p["device_bytes"], p["streamed_layers"]
-        lines.append(
-            f"| {dtype} | {card} GB | {p['budget']} | {p['pass_tokens']} | {gb(b['lm_head'])} | "
-            f"{gb(b['quant_states'] + b['pinned_params'])} | {gb(b['draft'])} | {gb(b['kv_target'] + b['kv_draft'])} | "
-            f"{gb(b['activations'])} | {gb(b['resident_layers'])} ({p['resident_layers']}) | {gb(b['staging_slots'])} | "
-            f"{gb(b['cuda_context'])} | {gb(p['device_total'])} | {s['ram']} / {s['disk']} | {gb(p['disk_bytes_per_pass'])} |"
+        rows.append(
+            [dtype, f"{card} GB", p["budget"], p["pass_tokens"], gb(b["lm_head"])]
+            + [gb(b["quant_states"] + b["pinned_params"]), gb(b["draft"]), gb(b["kv_target"] + b["kv_draft"])]
+            + [gb(b["activations"]), f"{gb(b['resident_layers'])} ({p['resident_layers']})", gb(b["staging_slots"])]
+            + [gb(b["cuda_context"]), gb(p["device_total"]), f"{s['ram']} / {s['disk']}"]
+            + [gb(p["disk_bytes_per_pass"])]
         )
-    return "\n".join(lines)
+    return md_table(PAIR_HEAD, rows)
 
 
 def self_row(p: dict) -> str:
@@ -130,15 +137,16 @@ def skip_row(p: dict, skipped: int) -> str:
 
 
 def self_table(plans: list[tuple[str, int, dict | None, str]]) -> str:
-    lines = ["| target | card | budget | device total | plan |", "|---|---|---|---|---|"]
-    for dtype, card, p, refusal in plans:
-        if p is None:
-            lines.append(f'| {dtype} | {card} GB | - | - | refused: "{refusal}" |')
-        else:
-            lines.append(f"| {dtype} | {card} GB | {p['budget']} | {gb(p['device_total'])} GB | {self_row(p)} |")
-    return "\n".join(lines)
+    rows = [
+        [dtype, f"{card} GB", "-", "-", f'refused: "{refusal}"']
+        if p is None
+        else [dtype, f"{card} GB", p["budget"], f"{gb(p['device_total'])} GB", self_row(p)]
+        for dtype, card, p, refusal in plans
+    ]
+    return md_table(["target", "card", "budget", "device total", "plan"], rows)
 
 
+@functools.lru_cache(maxsize=1)
 def tables() -> dict[str, str]:
     from tests.sparse_ckpt import write_sparse
 
@@ -150,11 +158,14 @@ def tables() -> dict[str, str]:
     return {"pair": pair_table(pair), "selfdraft": self_table(own)}
 
 
-def render(text: str, name: str, table: str) -> str:
-    begin, end = f"<!-- plan:{name} -->", f"<!-- /plan:{name} -->"
-    if text.count(begin) != 1 or text.count(end) != 1:
-        raise ValueError(f"needs one {begin} … {end} block")
-    return re.sub(f"{re.escape(begin)}.*?{re.escape(end)}", lambda _: f"{begin}\n{table}\n{end}", text, flags=re.S)
+def pair_block() -> str:
+    """The body of `<!-- bench:plan-pair -->`: a bf16 draft beside the 70B target."""
+    return tables()["pair"]
+
+
+def selfdraft_block() -> str:
+    """The body of `<!-- bench:plan-selfdraft -->`: the 70B target with `--draft self`."""
+    return tables()["selfdraft"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a table differs from the plan")
     args = ap.parse_args(argv)
     stale = []
-    for name, table in tables().items():
-        path = ROOT / PAGES[name]
-        text = path.read_text()
-        new = render(text, name, table)
-        if new != text:
-            stale.append(PAGES[name])
-            if not args.check:
-                path.write_text(new)
+    for key, table in tables().items():
+        for page in manifest.BLOCKS[BLOCKS[key]].pages:
+            text = (ROOT / page).read_text()
+            new = replace_block(text, BLOCKS[key], table)
+            if new != text:
+                stale.append(page)
+                if not args.check:
+                    (ROOT / page).write_text(new)
     if args.check:
         print(
             "plan tables are up to date"
