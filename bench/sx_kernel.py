@@ -1,14 +1,15 @@
-"""The self-draft's SX3 / SX2 kernel blocks against Q4_1 on one linear: what ggml_kernel.COST[SX3|SX2] quotes.
+"""The self-draft's SX3 / SX2 / Q8A kernel blocks against Q4_1 on one linear: what ggml_kernel.COST quotes for them.
 
 Run by hand (not a test), under the bench lock:
 `flock /tmp/bench.lock python bench/sx_kernel.py [--threads 1] [--rows 1,2,4,8,16] [--out bench/results/sx_kernel.json]`.
 One shape, SmolLM2-135M's gate/up (1536 x 576), as GGUF Q4_1 (random blocks, bench/gguf_kernel.py's),
-SX3 and SX2 (random codes, scales and zeros packed by offload/quant/lowbit_pack.pack); LAYERS distinct
+SX3 and SX2 (random codes, scales and zeros packed by offload/quant/lowbit_pack.pack), Q8_0 and the same
+Q8_0 bytes as Q8A (the self-draft's view of a Q8_0 head); LAYERS distinct
 weights of each cycled per timing, as a decode pass reads them, so they come from memory. Per type and
 row count T: the best of `--calls` timings of one pass over the LAYERS weights, per weight, in ms, on
 `--threads` threads (formats/ggml_kernel.linear on the pool, as the one-call stack runs it), and at
 T = 1 the seconds per packed byte relative to Q4_1's: the planner's COST factor. SX3 and SX2 multiply
-8-bit activations (formats/kernels/sx_q8.h); Q4_1 fp32 ones. JSON to --out, a markdown table on stdout.
+8-bit activations (formats/kernels/sx_q8.h), and so does Q8A; Q4_1 and Q8_0 fp32 ones. JSON to --out, a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from offload.formats import ggml_kernel  # noqa: E402
 from offload.quant import lowbit_pack as lp  # noqa: E402
 
 N, K, LAYERS = 1536, 576, 30
-Q4_1 = 3
+Q4_1, Q8_0 = 3, 8
 
 
 def sx_blocks(bits: int, seed: int) -> torch.Tensor:
@@ -61,6 +62,8 @@ def measure(rows: list[int], calls: int) -> dict:
         "Q4_1": (Q4_1, [random_blocks(Q4_1, N, K, s) for s in range(LAYERS)]),
         "SX3": (lp.SX3, [sx_blocks(3, s) for s in range(LAYERS)]),
         "SX2": (lp.SX2, [sx_blocks(2, s) for s in range(LAYERS)]),
+        "Q8_0": (Q8_0, [random_blocks(Q8_0, N, K, s) for s in range(LAYERS)]),
+        "Q8A": (ggml_kernel.Q8A, [random_blocks(Q8_0, N, K, s) for s in range(LAYERS)]),
     }
     out = {}
     for name, (qtype, raws) in types.items():

@@ -54,8 +54,10 @@ from offload.formats.gguf_quants import BLOCK
 
 ENV = "SPECX_GGUF_KERNEL"  # auto (default) | off
 SX3, SX2 = 130, 131  # specx's own 3- and 2-bit blocks (the self-draft's, quant/lowbit_pack.py)
-QTYPES = (2, 3, 6, 7, 8, 12, 13, 14, SX3, SX2)  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering)
-BLOCKS = {**BLOCK, SX3: (64, 28), SX2: (32, 12)}  # type -> (values, bytes) of one stored block
+Q8A = 136  # a Q8_0 output layer as the self-draft reads it: 8-bit activations (kernels/sx_q8.h), never the target's
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering), then specx's own
+QTYPES = (2, 3, 6, 7, 8, 12, 13, 14, SX3, SX2, Q8A)
+BLOCKS = {**BLOCK, SX3: (64, 28), SX2: (32, 12), Q8A: BLOCK[8]}  # type -> (values, bytes) of one stored block
 # seconds per packed byte relative to Q4_1's (what `specx profile` times), for the speed model: measured
 # by bench/gguf_kernel.py at T = 1 on one thread, the same shape in Q4_1 and in the type (gate/up for
 # Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate
@@ -70,6 +72,7 @@ COST = {
     14: 2.06,
     130: 0.63,
     131: 0.70,
+    136: 1.0,
 }  # SX3, SX2 (8-bit activations, kernels/sx_q8.h): bench/sx_kernel.py (gate/up 1536 x 576, T = 1, 1 thread: 0.61-0.63, 0.70)
 MAX_ROWS = 32  # activation rows up to which the kernel beats a dense GEMM (SmolLM2 resident, whole passes: T = 16 42 vs 61 ms, T = 32 even)
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
@@ -278,3 +281,9 @@ class PackedHead(nn.Linear):
         if usable(x, self.qtype) and self.packed.device.type == "cpu":
             return linear(x, self.packed, self.qtype, self.out_features)
         return F.linear(x, self.weight)
+
+    def for_draft(self) -> PackedHead:
+        """This head as the self-draft reads it: a Q8_0 head's same bytes and weight as Q8A (8-bit
+        activations, kernels/sx_q8.h: about twice as fast a row, ~0.5% per logit, which ranks only the
+        draft's proposals); a head of any other type is returned as it is."""
+        return PackedHead(self.weight, self.packed, Q8A) if self.qtype == 8 else self

@@ -223,9 +223,11 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     to its STACK_ROWS since streamed layers hold no fp32 copy), `llama` (the family decode_stack.c computes: a self-draft
     of kernel blocks runs on the stack then, whatever streams); where some type is slower per byte than Q4_1
     (ggml_kernel.COST) also `cost` ({layer: its packed bytes' mean factor}, the others 1) and
-    `head_cost` (the head's factor). Decided as the loader decides it (gguf_kernel_type:
+    `head_cost` (the head's factor), and for a Q8_0 head `draft_head_cost` (the self-draft reads it as
+    Q8A: 8-bit activations). Decided as the loader decides it (gguf_kernel_type:
     CPU, fp32, a supported type), never compiled."""
-    from offload.formats.ggml_kernel import COST, MAX_ROWS, gguf_kernel_type
+    from offload.formats.ggml_kernel import COST, MAX_ROWS, Q8A, gguf_kernel_type
+    from offload.formats.gguf_quants import Q8_0
     from offload.stream.leanstack import STACK_ROWS, family_reason
 
     fp32 = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
@@ -256,7 +258,10 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
         stack_rows=STACK_ROWS if streams else MAX_ROWS,
     )
     cost = {i: round(weighed[i][1] / weighed[i][0], 4) for i in layers if weighed[i][1] != weighed[i][0]}
-    head_cost = COST.get(ck.tensors[head].meta.get("ggml_type"), 1.0) if head_bytes else 1.0
+    head_type = ck.tensors[head].meta.get("ggml_type") if head_bytes else None
+    head_cost = COST.get(head_type, 1.0) if head_bytes else 1.0
     if cost or head_cost != 1.0:  # types slower per byte than Q4_1 (ggml_kernel.COST): the speed model's factors
         out.update(cost=cost, head_cost=head_cost)
+    if head_type == Q8_0:  # the self-draft reads a Q8_0 head over 8-bit activations (selfdraft/build.draft_head)
+        out.update(draft_head_cost=COST[Q8A])
     return out

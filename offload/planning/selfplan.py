@@ -164,7 +164,7 @@ def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
     packed = plan.device_bytes.get("draft", 0) * COST[SX3 if bits == 3 else SX2]
     packed += sum(plan.layer_bytes[i] * factor.get(i, 1.0) for i in plan.resident)
     head = k.get("head_bytes", 0)
-    packed += head * k.get("head_cost", 1.0)
+    packed += head * k.get("draft_head_cost", k.get("head_cost", 1.0))  # a Q8_0 head read as Q8A
     weight = 0 if head else a.vocab * a.hidden * dtype_bytes(req.draft_dtype)
     stack = req.max_beams <= MAX_ROWS and bool(k.get("llama"))
     return packed, weight, stack

@@ -3,7 +3,9 @@
 Contract: `build_self_draft(target, progress, bits)` returns an `OffloadedCausalLM` that runs the
 target's architecture where
 - the embeddings, final norm, lm_head, rotary buffers and every RESIDENT decoder layer are the
-  target's own module objects (shared by reference: no second copy, no second read), and
+  target's own module objects (shared by reference: no second copy, no second read; a packed Q8_0
+  head is the same bytes read over 8-bit activations, `draft_head`: only the draft's proposals carry
+  that rounding), and
 - every layer the target STREAMS is replaced by a low-bit substitute that stays on the device (or,
   for the layers in `skip`, by a pass-through: where the substitutes of every streamed layer do not
   fit, the plan has the draft leave out the least influential layers, offload/selfdraft/influence.py), so
@@ -35,6 +37,7 @@ from pathlib import Path
 from torch import nn
 
 from offload.errors import OffloadError
+from offload.formats.ggml_kernel import PackedHead
 from offload.formats.prequant import bnb4_config
 from offload.stream.leanstack import LeanStack
 from offload.stream.loader import Subset
@@ -148,6 +151,7 @@ def build_self_draft(
         elif i not in layers:
             draft.layers[i] = target.layers[i]  # resident in the target: the same module, bound once
     draft.substituted, draft.substitute_bits, draft.skipped = layers, bits, skipped
+    draft.lm_head = draft_head(target.lm_head)
     draft.lean = LeanStack.build(draft)  # kernel-block substitutes (CPU fp32): the draft's pass in one C call
     return draft
 
@@ -194,9 +198,16 @@ def build_skip_draft(target, skip):
         draft = skeleton(target)
         for i, layer in enumerate(layers):
             draft.layers[i] = layer  # the target's module (bound once, resident) or a pass-through
+        draft.lm_head = draft_head(target.lm_head)
         draft.lean = LeanStack.build(draft)  # the kept layers in one C call, where the target has one
     draft.substituted, draft.substitute_bits, draft.skipped = [], LAYER_SKIP, skip
     return draft
+
+
+def draft_head(head):
+    """The target's output layer as the draft reads it: a packed Q8_0 head over 8-bit activations
+    (formats/ggml_kernel.PackedHead.for_draft: the same bytes), any other head itself."""
+    return head.for_draft() if isinstance(head, PackedHead) else head
 
 
 def target_layers(target):
@@ -245,7 +256,8 @@ def shares_with(draft, target) -> bool:
     same = [
         draft.embed_tokens is target.embed_tokens,
         draft.norm is target.norm,
-        draft.lm_head is target.lm_head,
+        draft.lm_head is target.lm_head
+        or getattr(draft.lm_head, "packed", None) is getattr(target.lm_head, "packed", 0),
         draft.rotary_emb is target.rotary_emb,
     ]
     same += [draft.layers[i] is target.layers[i] for i in target.plan.resident]

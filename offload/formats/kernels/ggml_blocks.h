@@ -24,6 +24,8 @@ codes are fields of little-endian words (SX2: value j of a 16-lane half at bits 
               little-endian 48-bit fields (6 B each: values 0-15, then 16-31), value j of a half
               at bits 3j .. 3j + 2; q (0..7), w = d * q + m (one VBMI multishift spreads 16 codes)
     SX2 (131)  12 B / 32: fp16 d, fp16 m, u32 (values 0-15), u32 (values 16-31): w = d * q + m
+and one specx view of a GGUF type: Q8A (136) is Q8_0's bytes read by the self-draft (its head over
+8-bit activations, sx_q8.h); with K not a multiple of 64 it is Q8_0 exactly.
 `sub(qtype, row, b, &s)`: the stored block holding sub-block b and b's index s in it; `codes` and
 `subscales` then give c_j (lo = j < 16, hi = j >= 16) and the pair sc = (d, m), dlo = dhi = d, for
 every type but Q6_K, whose pair is (dlo, dhi), m = 0. */
@@ -38,7 +40,8 @@ every type but Q6_K, whose pair is (dlo, dhi), m = 0. */
 #endif
 
 #define QK 32
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, SX3 = 130, SX2 = 131 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, SX3 = 130, SX2 = 131,
+       Q8A = 136 };
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -91,7 +94,7 @@ static inline size_t block_bytes(int qtype) {
     case Q4_1: return 20;
     case Q5_0: return 22;
     case Q5_1: return 24;
-    case Q8_0: return 34;
+    case Q8_0: case Q8A: return 34;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;

@@ -7,7 +7,8 @@ K/256 for the K-quants; rowmap NULL = identity). W is dequantized in fp32 regist
 gguf.quants.dequantize defines it and every product and sum is fp32: the same number as
 dequantize-then-matmul up to the order of fp32 roundings (as one BLAS vs another). Activations
 are never quantized, except for specx's own SX3 / SX2 (the self-draft's substitutes, never a target's
-weights) with K a multiple of 64: those run sx_q8.h's 8-bit-activation path (its contract). Types and block layouts: ggml_blocks.h (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+weights) and Q8A (a Q8_0 head as the self-draft reads it) with K a multiple of 64: those run sx_q8.h's
+8-bit-activation path (its contract). Types and block layouts: ggml_blocks.h (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K, and specx's 3- and 2-bit SX3, SX2), each read as 32-value sub-blocks w_j = d * c_j (+ m).
 ggml_gemm_slice writes into a slice of a wider output instead (row stride ldy >= N).
 Returns 0, or -1 for an unsupported qtype / K not a whole number of blocks (nothing written).
@@ -254,7 +255,7 @@ static void (*kernel_of(int qtype))(void *, int, int) {
     case Q4_1: return gemm_q4_1;
     case Q5_0: return gemm_q5_0;
     case Q5_1: return gemm_q5_1;
-    case Q8_0: return gemm_q8_0;
+    case Q8_0: case Q8A: return gemm_q8_0;
     case Q4_K: return gemm_q4_k;
     case Q5_K: return gemm_q5_k;
     case SX3: return gemm_sx3;
@@ -300,7 +301,7 @@ static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int
                 int64_t N, int64_t K, int64_t T, int64_t ldy, int nthreads, int on_pool, int rowwise) {
     if (block_bytes(qtype) == 0 || K % block_values(qtype) != 0 || K <= 0 || N < 0 || T < 0 || ldy < N) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
-    if ((qtype == SX3 || qtype == SX2) && K % SXQ_G == 0) return sx_gemm(qtype, w, x, y, rowmap, N, K, T, ldy, nthreads, on_pool);
+    if ((qtype == SX3 || qtype == SX2 || qtype == Q8A) && K % SXQ_G == 0) return sx_gemm(qtype, w, x, y, rowmap, N, K, T, ldy, nthreads, on_pool);
     gemm_args a = {w, x, y, rowmap, N, K, T, ldy, rowwise};
     void (*fn)(void *, int, int) = kernel_of(qtype);
     if (on_pool) {

@@ -1,4 +1,4 @@
-/* sx_q8.h: the self-draft's SX3 / SX2 matmuls over int8 activations (ggml_gemv.c's path for those types).
+/* sx_q8.h: the self-draft's SX3 / SX2 / Q8A matmuls over int8 activations (ggml_gemv.c's path for those types).
 
 Contract: ggml_gemv.c's gemm() sends the SX3 / SX2 matmuls with K a multiple of 64 here: for t < T, n < N,
     y[t * ldy + rowmap[n]] = sum_b [ d_b * (sum_j (c_nj - C) xhat_tj)  +  (m_b + C d_b) * xsum_tb ]
@@ -12,6 +12,9 @@ only the draft's proposals carry (SX3 and SX2 are the self-draft's substitutes, 
 weights: the target's logits stay exact). lowbit_pack.matmul_reference is the same in Python. Each
 output row's sums run in the same order whatever T is, so a one-row call and a many-row call give the
 same row (the `rowwise` contract holds by construction).
+Q8A is a Q8_0 weight (the output layer the self-draft shares with its target) read the same way: its
+signed codes c_j (m = 0, C = 0) against the same 8-bit image, y = sum_b d_b sx (c . xq), with no min or
+centre term; the target's own head keeps Q8_0's exact fp32 path.
 Why: a one-row pass of a 3-bit draft was bound by turning codes into fp32 values (two shuffles, a
 table and two FMAs per 32 weights); with AVX-512 VNNI and VBMI, 64 codes are spread into bytes by one
 vpermb and one multishift and multiplied into 64 int8 activations by one vpdpbusd (exact int32),
@@ -31,7 +34,7 @@ the same sums (exact integers, fp32 scaling). */
 #endif
 
 #define SXQ_G 64                     /* activation values per int8 scale */
-#define SXQ_C(qtype) ((qtype) == SX3 ? 3.5f : 1.5f)   /* the codes' centre C (their mean: 0..7, 0..3) */
+#define SXQ_C(qtype) ((qtype) == SX3 ? 3.5f : (qtype) == SX2 ? 1.5f : 0.0f)   /* the codes' centre C (0..7, 0..3; Q8A's are signed) */
 
 typedef struct {
     const uint8_t *w; const int8_t *xq; const float *sx, *xsum, *xres; float *y; const int32_t *rowmap;
@@ -61,6 +64,10 @@ static void sxq_quantize(const float *x, int64_t T, int64_t K, int8_t *xq, float
 
 /* The 64 codes of group g (values 64 g .. 64 g + 63 of the row) and its two blocks' (d, m) */
 static inline void sxq_scales(int qtype, const uint8_t *row, int64_t g, float dm[4]) {
+    if (qtype == Q8A) {   /* two 34-byte blocks: fp16 d, 32 int8 codes; no min */
+        dm[0] = f16_to_f32(row + g * 68), dm[1] = 0.0f, dm[2] = f16_to_f32(row + g * 68 + 34), dm[3] = 0.0f;
+        return;
+    }
     const uint8_t *b0 = qtype == SX3 ? row + g * 28 : row + g * 24;
     const uint8_t *b1 = qtype == SX3 ? b0 : b0 + 12;
     dm[0] = f16_to_f32(b0), dm[1] = f16_to_f32(b0 + 2), dm[2] = f16_to_f32(b1), dm[3] = f16_to_f32(b1 + 2);
@@ -70,6 +77,9 @@ static inline void sxq_scales(int qtype, const uint8_t *row, int64_t g, float dm
 /* One byte per code, byte i = value i's code: the group's code bytes (24 of them) in one masked load,
    each 64-bit lane given the word holding its 8 codes (vpermb), shifted into bytes (vpmultishiftqb) */
 static inline __m512i sxq_codes(int qtype, const uint8_t *row, int64_t g) {
+    if (qtype == Q8A)   /* the two blocks' 32 signed codes each, side by side */
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row + g * 68 + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(row + g * 68 + 36)), 1);
     if (qtype == SX3) {   /* 4 fields of 6 bytes at 4 + 6 f (16 codes each, value j at bits 3 j): lanes 2 f, 2 f + 1 */
         const __m512i ctl = _mm512_set_epi64(0x1918171615141312LL, 0x1918171615141312LL, 0x131211100f0e0d0cLL,
                                              0x131211100f0e0d0cLL, 0x0d0c0b0a09080706LL, 0x0d0c0b0a09080706LL,
@@ -129,15 +139,25 @@ static inline __attribute__((always_inline)) void sxq_tile(const sxq_args *a, co
 #if SXQ_FAST
         __m512i c = sxq_codes(a->qtype, row, g);
         __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(dm[0]), _mm512_set1_ps(dm[2]));
+        /* vpdpbusd multiplies unsigned by signed bytes: Q8A's signed codes go second, against xq + 128
+           (xq ^ 0x80 read as unsigned), and 128 * (sum of each lane's 4 codes) is taken back: exact */
+        int signed_codes = a->qtype == Q8A;
+        __m512i bias = signed_codes ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), c)
+                                    : _mm512_setzero_si512();
         for (int i = 0; i < nt; i++) {
             int64_t t = t0 + i;
             __m512i xv = _mm512_loadu_si512((const void *)(a->xq + t * K + g * SXQ_G));
-            __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv));
+            __m512i dot = signed_codes ? _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                              _mm512_xor_si512(xv, _mm512_set1_epi8((char)0x80)), c), bias)
+                                       : _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv);
+            __m512 f = _mm512_cvtepi32_ps(dot);
             acc[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(a->sx[t * G + g])), acc[i]);
         }
 #else
         int32_t code[SXQ_G];
-        for (int h = 0; h < 2; h++) {   /* the group's two 32-value blocks (sub-blocks) */
+        for (int h = 0; h < 2 && a->qtype == Q8A; h++)   /* signed bytes after each block's fp16 d */
+            for (int j = 0; j < 32; j++) code[32 * h + j] = (int8_t)row[g * 68 + 34 * h + 2 + j];
+        for (int h = 0; h < 2 && a->qtype != Q8A; h++) {   /* the group's two 32-value blocks (sub-blocks) */
             v16i lo, hi;
             if (a->qtype == SX3) sx_codes(SX3, row + g * 28, h, &lo, &hi);
             else sx_codes(SX2, row + g * 24 + 12 * h, 0, &lo, &hi);
@@ -157,11 +177,11 @@ static inline __attribute__((always_inline)) void sxq_tile(const sxq_args *a, co
         int64_t t = t0 + i;
 #if SXQ_FAST
         v16f v = (v16f)acc[i];
-        float tail = sxq_terms(&v, mv, a->xsum + t * (K / 32), cv, a->xres + t * (K / 32), K / 32);
+        float tail = a->qtype == Q8A ? 0.0f : sxq_terms(&v, mv, a->xsum + t * (K / 32), cv, a->xres + t * (K / 32), K / 32);
         a->y[t * a->ldy + ycol] = _mm512_reduce_add_ps((__m512)v) + tail;
 #else
         v16f v = {0};
-        float tail = sxq_terms(&v, mv, a->xsum + t * (K / 32), cv, a->xres + t * (K / 32), K / 32);
+        float tail = a->qtype == Q8A ? 0.0f : sxq_terms(&v, mv, a->xsum + t * (K / 32), cv, a->xres + t * (K / 32), K / 32);
         a->y[t * a->ldy + ycol] = acc[i] + sxq_hsum(v) + tail;
 #endif
     }
