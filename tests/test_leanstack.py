@@ -344,3 +344,40 @@ def test_forward_many_runs_one_token_stack_jobs_in_one_call(tiny, monkeypatch):
         assert many[2].shape[0] == 1 and many[1].shape[0] == 5
     finally:
         model.close()
+
+
+def test_streamed_stack_forward_many_equals_forward(tiny, monkeypatch):
+    """Every layer streamed from disk, the stack on: a job alone through forward_many takes the same pass
+    as model(...) (the streamed stack, one C call per layer), the same logits and K/V rows bit for bit,
+    one pass each; several jobs take HF's layers in one pass, equal to each alone up to rounding order."""
+    from offload.stream.multi import ForwardJob, forward_many
+
+    model = _load(tiny, offload="disk", max_host_memory=0)
+    try:
+        assert model.lean is not None and model.lean.streamed
+        caches = [kvcache.new_cache(), kvcache.new_cache()]
+        for c in caches:
+            kvcache.forward(model, c, torch.arange(1, 10), torch.arange(9), None)  # allocates the slabs
+        jobs = [
+            ForwardJob(torch.tensor([3]), torch.tensor([9]), causal_mask(9, 1, torch.float32, "cpu"), caches[0]),
+            ForwardJob(torch.tensor([3, 4, 5, 6, 7]), torch.tensor([9, 10, 11, 10, 11]), _tree_mask(9), caches[1]),
+        ]
+        passes, got = count_stack_passes(monkeypatch), {}
+        for way in ("alone", "many", "forward"):
+            for c in caches:
+                kvcache.crop(c, 9)
+            before = model.stats.passes
+            if way == "forward":
+                got[way] = [kvcache.forward(model, j.cache, j.ids, j.positions, j.mask) for j in jobs]
+            else:
+                got[way] = [forward_many(model, [j])[0] for j in jobs] if way == "alone" else forward_many(model, jobs)
+            layer = caches[1].layers[2]
+            got[way].append(layer.keys[:, :, : layer.length].clone())
+            assert model.stats.passes - before == (1 if way == "many" else 2)
+            assert passes(model.lean) == {"alone": 2, "many": 2, "forward": 4}[way]  # "many": none on the stack
+        for a, b in zip(got["alone"], got["forward"]):
+            assert torch.equal(a, b)
+        for a, b in zip(got["many"], got["forward"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        model.close()

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from offload import OffloadedCausalLM, parse_size, plan_offload
-from offload.arch.hfcompat import cache_kwargs
+from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 VOCAB = 96
@@ -129,6 +130,45 @@ def test_sharded_mixed_tiers(sharded_dir):
         ids = _ids(5, seed=3)
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5, rtol=0)
+    finally:
+        model.close()
+
+
+def test_forward_arguments_equal_hf_on_a_streamed_tier(llama_dir):
+    """forward's Hugging Face-style arguments (it is one lane of the pass forward_many runs,
+    offload/stream/multi.py): a batch of two rows, inputs_embeds without a cache, logits_to_keep, extra
+    keyword arguments for the layers, a DynamicCache made when use_cache and none is given and the
+    positions of the next call derived from its length: HF's logits each time, one pass per call."""
+    ref = _ref(llama_dir)
+    model = OffloadedCausalLM.from_pretrained(llama_dir, dtype=torch.float32, offload="ram", slots=1)
+    field = next(iter(output_cache_kwargs(CausalLMOutputWithPast, None)))  # `cache` or `past_key_values`
+    try:
+        assert model.plan.streamed
+        ids = torch.cat([_ids(seed=5), _ids(seed=6)])  # (2, 7)
+        with torch.no_grad():
+            embeds = model.embed_tokens(ids[:1])
+        calls = [
+            {"input_ids": ids},
+            {"inputs_embeds": embeds, "use_cache": False},
+            {"input_ids": ids[:1], "logits_to_keep": 2},
+            {"input_ids": ids[:1], "use_cache": False, "output_attentions": False},
+        ]
+        for kw in calls:
+            passes = model.stats.passes
+            out = model(**kw)
+            assert model.stats.passes == passes + 1
+            with torch.no_grad():
+                torch.testing.assert_close(out.logits, ref(**kw).logits, atol=1e-5, rtol=0)
+            assert kw.get("use_cache") is not False or getattr(out, field) is None
+        made = getattr(model(input_ids=ids[:1, :4], use_cache=True), field)
+        assert isinstance(made, DynamicCache) and made.get_seq_length() == 4
+        got = model(input_ids=ids[:1, 4:], use_cache=True, **cache_kwargs(model, made)).logits  # positions 4..6
+        cache = DynamicCache(config=ref.config)
+        with torch.no_grad():
+            ref(input_ids=ids[:1, :4], use_cache=True, **cache_kwargs(ref, cache))
+            want = ref(input_ids=ids[:1, 4:], use_cache=True, **cache_kwargs(ref, cache)).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert made.get_seq_length() == 7
     finally:
         model.close()
 

@@ -4,9 +4,11 @@ Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, max_d
 max_host_memory, slots, progress)` builds the HF model on the meta device, materializes only
 embed_tokens / norm / lm_head / rotary_emb on the compute device, and keeps every decoder
 layer's weights in one buffer per layer (see storage.py) placed by `plan_offload`.
-`model(input_ids=, attention_mask=, position_ids=, cache=, use_cache=)` (or `past_key_values=`) runs the HF
-decoder-layer modules unchanged, re-pointing their parameters at the staged buffer before each
-layer, and returns a `CausalLMOutputWithPast` whose logits equal HF's for the same inputs
+`model(input_ids=, attention_mask=, position_ids=, cache=, use_cache=)` (or `past_key_values=`) is ONE
+lane of multi.py's `run_pass`, the pass `forward_many` runs for several sequences (there is no
+other): it runs the HF decoder-layer modules unchanged (or the one-call stack, leanstack.py, where
+it serves), `_layer_stream` re-pointing their parameters at the staged buffer before each layer,
+and returns a `CausalLMOutputWithPast` whose logits equal HF's for the same inputs
 (4-D additive tree masks, arbitrary positions and a caller-owned DynamicCache included; with
 attention_mask=None it behaves like HF's plain causal path). The KV cache stays on the device.
 Per-family differences (soft-capping, sliding windows under tree masks) come from families.py;
@@ -17,16 +19,14 @@ Resident layers of a packed checkpoint named in `plan.dense` are dequantized onc
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from offload.arch.attention import release as release_masks
-from offload.arch.families import Family, apply_final_softcap, causal_lm_class, window_mask
-from offload.arch.hfcompat import cache_kwargs, output_cache_kwargs, pick_cache
+from offload.arch.families import Family, causal_lm_class
+from offload.arch.hfcompat import output_cache_kwargs, pick_cache
 from offload.arch.moe import MOE_FAMILIES
 from offload.errors import OffloadError
 from offload.formats import Checkpoint, open_checkpoint
@@ -36,6 +36,7 @@ from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_la
 from offload.quant.quant_cache import ensure_nf4_cache
 from offload.stream.leanstack import LeanStack
 from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
+from offload.stream.multi import Lane, run_pass
 from offload.stream.placement import OffloadPlan
 from offload.stream.prefetch import Prefetcher
 
@@ -240,29 +241,6 @@ class OffloadedCausalLM(nn.Module):
             if name in layout.slices:
                 mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
 
-    def _masks(self, h, attention_mask, cache, position_ids, given) -> dict[str, torch.Tensor | None]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        kw = dict(config=self.config, inputs_embeds=h, attention_mask=attention_mask, position_ids=given)
-        masks = {}
-        for t in set(self.family.layer_types):
-            fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
-            masks[t] = fn(**kw, **cache_kwargs(fn, cache))
-        custom = attention_mask is not None and attention_mask.dim() == 4
-        if custom and "sliding_attention" in masks:
-            # HF returns a caller's 4-D mask as-is: add the window by absolute position. Cache rows
-            # [0, past) hold positions 0..past-1 (committed tokens); the new rows hold position_ids.
-            k_len = attention_mask.shape[-1]
-            q_pos = position_ids[0]
-            past = torch.arange(k_len - q_pos.numel(), device=q_pos.device)
-            masks["sliding_attention"] = window_mask(
-                attention_mask, q_pos, torch.cat([past, q_pos]), self.family.sliding_window
-            )
-        return masks
-
-    def _layer_types(self) -> list[str]:
-        return list(self.family.layer_types)
-
     def _layer_stream(self):
         """All layers in order: resident ones as-is, streamed ones from the prefetcher."""
         streamed = self.prefetcher.pass_()
@@ -292,67 +270,21 @@ class OffloadedCausalLM(nn.Module):
         past_key_values=None,
         **kwargs,
     ):
+        """HF's causal-LM call as ONE lane of the pass `forward_many` runs (multi.run_pass): input_ids (B, T)
+        or inputs_embeds, positions (None: from the cache's length), any mask, the cache (`cache` or
+        `past_key_values`; a new DynamicCache when use_cache and none is given), the last
+        `logits_to_keep` tokens' logits (0: all), `kwargs` passed to every decoder layer."""
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        t0 = time.perf_counter()
         past_key_values = pick_cache(cache, past_key_values)
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        given = position_ids
-        if position_ids is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = (torch.arange(h.shape[1], device=h.device) + past).unsqueeze(0)
-        pos_emb = self.rotary_emb(h, position_ids)
-        self.stats.streamed_bytes_per_pass = 0
-        stall0 = self.prefetcher.stall_seconds
-        stacked = (
-            self.lean is not None and use_cache and not kwargs and self.lean.serves(h, attention_mask, past_key_values)
+        lane = Lane(
+            input_ids, inputs_embeds, attention_mask, past_key_values, position_ids, logits_to_keep, use_cache, kwargs
         )
-        if stacked and self.lean.streamed:  # layer by layer as each streamed one is bound, one C call each
-            h = self.lean.stream(h, pos_emb, attention_mask, past_key_values, self._layer_stream(), self.layers)
-        elif stacked:
-            h = self.lean(h, pos_emb, attention_mask, past_key_values)  # no layer is streamed: nothing to pull
-        else:
-            h = self._layers(h, attention_mask, past_key_values, position_ids, given, pos_emb, use_cache, kwargs)
-        h = self.norm(h)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        head = self.lean.head(self.lm_head, h) if stacked else self.lm_head(h)
-        logits = apply_final_softcap(head, self.family.final_softcap)
-        release_masks()  # the masks attention prepared for this pass (arch/attention.py) die with it
-        self._account(t0, stall0)
+        (logits,) = run_pass(self, [lane])
         return CausalLMOutputWithPast(logits=logits, **output_cache_kwargs(CausalLMOutputWithPast, past_key_values))
-
-    def _layers(self, h, attention_mask, cache, position_ids, given, pos_emb, use_cache, kwargs):
-        """The decoder layers as HF runs them, streamed ones pulled from the prefetcher in order."""
-        # only a caller's positions go to HF's mask builders: with neither cache nor mask they look
-        # for packed sequences, a host read (a device sync) that our contiguous positions never need
-        masks = self._masks(h, attention_mask, cache, position_ids, given)
-        types = self._layer_types()
-        cache_kw = cache_kwargs(type(self.layers[0]), cache)
-        for i in self._layer_stream():
-            h = self.layers[i](
-                h,
-                attention_mask=masks[types[i]],
-                position_ids=position_ids,
-                use_cache=use_cache,
-                position_embeddings=pos_emb,
-                **cache_kw,
-                **kwargs,
-            )
-        return h
-
-    def _account(self, t0: float, stall0: float) -> None:
-        s, pf = self.stats, self.prefetcher
-        s.passes += 1
-        s.streamed_bytes += s.streamed_bytes_per_pass
-        s.io_seconds = self.store.io_seconds
-        s.stall_seconds = s.wait_seconds = pf.stall_seconds
-        s.last_pass_stall_seconds = pf.stall_seconds - stall0
-        s.link_busy_seconds = pf.link_busy_seconds()
-        s.last_pass_seconds = time.perf_counter() - t0
 
     def link_busy_seconds(self, now: float | None = None) -> float:
         """Cumulative time the weight stream moved bytes up to `now` (perf_counter), passes and gaps."""

@@ -1,31 +1,38 @@
-"""Many sequences, one weight stream: `forward_many` runs several independent forward jobs in ONE pass.
+"""The one pass of an OffloadedCausalLM, for one sequence or several: `forward` and `forward_many` both run it.
 
-Contract: `forward_many(model, jobs)` takes `ForwardJob`s (each its own token ids, positions,
-4-D additive mask or None for plain causal, and its OWN KV cache) and returns one logits tensor per
-job, in order: (T, V), or (1, V) for the job's last token with `last_only`. For an
-`OffloadedCausalLM` the decoder layers are iterated once: when layer i's weights are bound (resident
-or streamed through the prefetcher), every job's hidden states go through it against that job's
-cache, then the next layer. The stream is paid once for all jobs (`model.stats.passes` grows by
-one). Each job runs exactly the modules, shapes and inputs it would alone, in the same order, so
-its logits equal `model(...)` on that job alone bit for bit; no tensor is shared between jobs
-(no flat KV, no cross-sequence mask), so nothing can leak from one sequence into another. Any
-other model (resident HF) runs the jobs' forwards one after the other, with the same result. The jobs
-the model's one-call stack serves (stream/leanstack.py: a resident Llama GGUF, a few tokens each) run
-through it instead of the layer loop: the one-token jobs (plain decoding) all in ONE call and one
-head call, each packed weight read once for all of them and every row computed as that job alone
-computes it; a job of several tokens in a call of its own. Either way each job's logits equal
-model(...) on it alone (which takes the stack too) bit for bit.
+Contract: `run_pass(model, lanes)` is the only pass implementation: each `Lane` is one sequence's
+inputs (ids or embeddings, mask, cache, positions, logits to keep, extra layer arguments) and it
+returns each lane's (B, T or keep, V) logits. `OffloadedCausalLM.forward` is `run_pass` of ONE lane
+made of its Hugging Face-style arguments; `forward_many(model, jobs)` is `run_pass` of one lane per
+`ForwardJob` (each its own token ids, positions, 4-D additive mask or None for plain causal, and
+its OWN KV cache) and returns one logits tensor per job, in order: (T, V), or (1, V) for the job's
+last token with `last_only`. Either way the decoder layers are iterated once: when layer i's
+weights are bound (resident or streamed through the prefetcher), every lane's hidden states go
+through it against that lane's cache, then the next layer. The stream is paid once for all lanes
+(`model.stats.passes` grows by one per call). Each lane runs exactly the modules, shapes and inputs
+it would alone, in the same order, so its logits equal the pass over it alone bit for bit (one
+exception: several lanes on a streamed stack, below); no tensor
+is shared between lanes (no flat KV, no cross-sequence mask), so nothing can leak from one sequence
+into another. The lanes the model's one-call stack serves (stream/leanstack.py: a Llama GGUF on the
+CPU, a few tokens each, slab caches, no extra layer arguments) run through it instead of the layer
+loop: with every layer resident, the one-token lanes (plain decoding) all in ONE call and one head
+call, each packed weight read once for all of them and every row computed as that lane alone
+computes it, a lane of several tokens in a call of its own; with streamed layers (one C call per
+layer as each is bound) only a pass of one lane takes it, several lanes take HF's layers (equal to
+the stack up to fp32 rounding order, not bit for bit). Any other model (resident HF) runs
+`forward_many`'s jobs one after the other, each through its own forward.
 Inputs are already on the model's devices (ids on `model.input_device` when it has one).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from offload.arch.families import apply_final_softcap
+from offload.arch.attention import release as release_masks
+from offload.arch.families import apply_final_softcap, window_mask
 from offload.arch.hfcompat import cache_kwargs
 
 
@@ -40,13 +47,31 @@ class ForwardJob:
     last_only: bool = False  # logits of the last token only ((1, V)): a prefill chunk
 
 
+@dataclass(eq=False)
+class Lane:
+    """One sequence's inputs to `run_pass` and its running state (eq=False: lanes compare by identity)."""
+
+    ids: torch.Tensor | None  # (B, T) token ids; None when `h` holds the caller's embeddings
+    h: torch.Tensor | None  # (B, T, hidden): the caller's embeddings, then the embedded ids, then each layer's output
+    mask: torch.Tensor | None  # the caller's attention mask (4-D additive (B, 1, T, past + T), 2-D, or None: causal)
+    cache: object  # the sequence's transformers Cache (None: none); the layers append the T new rows to it
+    given: torch.Tensor | None  # (1 or B, T) the caller's positions; None: past + arange(T), past from the cache
+    keep: int = 0  # logits of the last `keep` tokens only; 0: every token
+    use_cache: object = True  # passed to every layer as is; falsy keeps the stack off
+    extra: dict = field(default_factory=dict)  # further keyword arguments for every layer (keep the stack off)
+    position_ids: torch.Tensor | None = None  # (1 or B, T) `given` or the derived positions (set by the pass)
+    pos_emb: tuple = ()  # rotary (cos, sin) of position_ids (set by the pass)
+
+
 def forward_many(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
     """Every job's logits after one pass (module docstring)."""
     if not jobs:
         return []
-    if hasattr(model, "_layer_stream"):
-        return _streamed(model, jobs)
-    return [_plain(model, job) for job in jobs]
+    if not hasattr(model, "_layer_stream"):
+        return [_plain(model, job) for job in jobs]
+    lanes = [Lane(j.ids[None], None, j.mask, j.cache, j.positions[None], 1 if j.last_only else 0) for j in jobs]
+    with torch.inference_mode():
+        return [logits[0] for logits in run_pass(model, lanes)]
 
 
 def _plain(model, job: ForwardJob) -> torch.Tensor:
@@ -62,94 +87,134 @@ def _plain(model, job: ForwardJob) -> torch.Tensor:
     return out.logits[0]
 
 
-@dataclass
-class _Lane:
-    """A job's running state inside the layer loop."""
-
-    h: torch.Tensor  # (1, T, hidden) hidden states
-    masks: dict | None  # layer type -> the mask the model's layers of that type take; None: the stack ran it
-    pos_emb: tuple  # rotary (cos, sin) for the job's positions
-    position_ids: torch.Tensor  # (1, T)
-    cache_kw: dict  # {cache keyword: the job's cache}
-
-
-def _layers(model, lanes: list[_Lane]) -> None:
-    """Each decoder layer once, in order (streamed ones from the prefetcher): every lane through it."""
-    types = model._layer_types()
-    for i in model._layer_stream():  # layer i's weights are bound now: every sequence uses them
-        layer = model.layers[i]
-        for lane in lanes:
-            lane.h = layer(
-                lane.h,
-                attention_mask=lane.masks[types[i]],
-                position_ids=lane.position_ids,
-                use_cache=True,
-                position_embeddings=lane.pos_emb,
-                **lane.cache_kw,
-            )
-
-
-@torch.inference_mode()
-def _streamed(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
-    """The OffloadedCausalLM.forward steps, with the per-layer step run for every job in turn; the jobs
-    the one-call stack serves run through it together, in one call, and through the head together."""
+def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
+    """Every lane's (B, T or keep, V) logits after ONE pass over the decoder layers (module docstring)."""
     t0 = time.perf_counter()
-    lanes, layered, stacked = [], [], []  # every job's lane; those run layer by layer; those on the stack
-    stack = getattr(model, "lean", None)
-    stack = None if stack is not None and stack.streamed else stack  # its streamed layers: per pass (forward)
+    for lane in lanes:
+        _embed(model, lane)
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
-    for job in jobs:
-        h = model.embed_tokens(job.ids[None])  # (1, T, hidden) on the device
-        pos = job.positions[None]
-        if stack is not None and stack.serves(h, job.mask, job.cache):
-            lanes.append(_Lane(h, None, model.rotary_emb(h, pos), pos, {}))
-            stacked.append((len(lanes) - 1, job))
-            continue
-        lanes.append(
-            _Lane(
-                h,
-                model._masks(h, job.mask, job.cache, pos, pos),
-                model.rotary_emb(h, pos),
-                pos,
-                cache_kwargs(type(model.layers[0]), job.cache),
-            )
-        )
-        layered.append(lanes[-1])
-    groups = _calls(stacked)
-    for group in groups:  # one-token jobs in one call: the packed weights read once for all
-        outs = stack.run([(lanes[i].h, lanes[i].pos_emb, job.mask, job.cache) for i, job in group])
-        for (i, _), h in zip(group, outs):
-            lanes[i].h = h
-    if layered or model.plan.streamed:  # a model with a stack streams nothing: no pass to pull
-        _layers(model, layered)
-    out = [None] * len(jobs)
-    for i, (lane, job) in enumerate(zip(lanes, jobs)):
-        if lane.masks is not None:
-            out[i] = _logits(model, model.lm_head(_final(model, lane.h, job)))
-    for group in groups:  # through the head the same way (each row as alone when grouped)
-        rows = [_final(model, lanes[i].h, job)[0] for i, job in group]  # normed per job, as alone
-        head = stack.head(model.lm_head, torch.cat(rows)[None], rowwise=len(group) > 1)
-        for (i, _), lg in zip(group, _logits(model, head).split([len(r) for r in rows])):
-            out[i] = lg
-    model._account(t0, stall0)
+    stack, stacked = model.lean, _on_stack(model, lanes)
+    layered = [lane for lane in lanes if lane not in stacked]
+    if stacked and stack.streamed:  # one lane: layer by layer as each streamed one is bound, one C call each
+        x, groups = stacked[0], [stacked]
+        x.h = stack.stream(x.h, x.pos_emb, x.mask, x.cache, model._layer_stream(), model.layers)
+    else:
+        groups = _calls(stacked)
+        for group in groups:  # one-token lanes in one call: the packed weights read once for all
+            for lane, h in zip(group, stack.run([(x.h, x.pos_emb, x.mask, x.cache) for x in group])):
+                lane.h = h
+        if layered or model.plan.streamed:  # a model with a resident stack streams nothing: no pass to pull
+            _layers(model, layered)
+    out = _heads(model, lanes, groups)
+    release_masks()  # the masks attention prepared for this pass (arch/attention.py) die with it
+    _account(model, t0, stall0)
     return out
 
 
-def _calls(stacked: list) -> list[list]:
-    """The stack's calls for its (lane index, job) pairs: every one-token job together (computed row by
-    row as alone, so each stays bit-identical to its pass alone), each longer job in a call of its own
-    (a tree or a prefill tail alone takes the faster several-row schedule)."""
-    ones = [p for p in stacked if len(p[1].ids) == 1]
-    return ([ones] if ones else []) + [[p] for p in stacked if len(p[1].ids) != 1]
+def _embed(model, lane: Lane) -> None:
+    """The lane's hidden states (its ids embedded unless embeddings were given), positions (past + arange(T)
+    when none were given, past being the cache's length) and their rotary embeddings."""
+    if lane.h is None:
+        lane.h = model.embed_tokens(lane.ids)
+    pos = lane.given
+    if pos is None:
+        past = lane.cache.get_seq_length() if lane.cache is not None else 0
+        pos = (torch.arange(lane.h.shape[1], device=lane.h.device) + past).unsqueeze(0)
+    lane.position_ids, lane.pos_emb = pos, model.rotary_emb(lane.h, pos)
 
 
-def _final(model, h: torch.Tensor, job: ForwardJob) -> torch.Tensor:
-    """The final norm of a job's hidden states (its last row only for `last_only`): (1, T or 1, hidden)."""
-    h = model.norm(h)
-    return h[:, -1:] if job.last_only else h
+def _on_stack(model, lanes: list[Lane]) -> list[Lane]:
+    """The lanes the one-call stack runs: those it serves that pass no extra layer arguments and keep
+    their K/V; a stack with streamed layers runs a pass of one lane only (LeanStack.stream)."""
+    stack = model.lean
+    if stack is None or (stack.streamed and len(lanes) > 1):
+        return []
+    return [x for x in lanes if x.use_cache and not x.extra and stack.serves(x.h, x.mask, x.cache)]
 
 
-def _logits(model, head: torch.Tensor) -> torch.Tensor:
-    """(T, V) logits from the head's (1, T, V) output."""
-    return apply_final_softcap(head, model.family.final_softcap)[0]
+def _calls(stacked: list[Lane]) -> list[list[Lane]]:
+    """The resident stack's calls: every one-token lane together (computed row by row as alone, so each
+    stays bit-identical to its pass alone), each longer lane in a call of its own (a tree or a prefill
+    tail alone takes the faster several-row schedule)."""
+    ones = [x for x in stacked if x.h.shape[1] == 1]
+    return ([ones] if ones else []) + [[x] for x in stacked if x.h.shape[1] != 1]
+
+
+def _layers(model, lanes: list[Lane]) -> None:
+    """Each decoder layer once, in order (streamed ones from the prefetcher): every lane through it as
+    HF runs it."""
+    masks = [_masks(model, x) for x in lanes]  # per lane: layer type -> the mask its layers take
+    cache_kw = [cache_kwargs(type(model.layers[0]), x.cache) for x in lanes]
+    types = model.family.layer_types
+    for i in model._layer_stream():  # layer i's weights are bound now: every sequence uses them
+        layer = model.layers[i]
+        for x, m, kw in zip(lanes, masks, cache_kw):
+            x.h = layer(
+                x.h,
+                attention_mask=m[types[i]],
+                position_ids=x.position_ids,
+                use_cache=x.use_cache,
+                position_embeddings=x.pos_emb,
+                **kw,
+                **x.extra,
+            )
+
+
+def _masks(model, lane: Lane) -> dict[str, torch.Tensor | None]:
+    """Layer type -> the mask HF's layers of that type take for `lane`."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    # only a caller's positions go to HF's mask builders: with neither cache nor mask they look
+    # for packed sequences, a host read (a device sync) that our contiguous positions never need
+    kw = dict(config=model.config, inputs_embeds=lane.h, attention_mask=lane.mask, position_ids=lane.given)
+    masks = {}
+    for t in set(model.family.layer_types):
+        fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
+        masks[t] = fn(**kw, **cache_kwargs(fn, lane.cache))
+    custom = lane.mask is not None and lane.mask.dim() == 4
+    if custom and "sliding_attention" in masks:
+        # HF returns a caller's 4-D mask as-is: add the window by absolute position. Cache rows
+        # [0, past) hold positions 0..past-1 (committed tokens); the new rows hold position_ids.
+        k_len = lane.mask.shape[-1]
+        q_pos = lane.position_ids[0]
+        past = torch.arange(k_len - q_pos.numel(), device=q_pos.device)
+        masks["sliding_attention"] = window_mask(
+            lane.mask, q_pos, torch.cat([past, q_pos]), model.family.sliding_window
+        )
+    return masks
+
+
+def _heads(model, lanes: list[Lane], groups: list[list[Lane]]) -> list[torch.Tensor]:
+    """Every lane's (B, T or keep, V) logits: final norm, the last `keep` rows, head, final softcap. The
+    stack's lanes go through its head call by call (a group's rows each as alone: `rowwise`)."""
+    on_stack = {id(x) for group in groups for x in group}
+    out = {id(x): _softcap(model, model.lm_head(_final(model, x))) for x in lanes if id(x) not in on_stack}
+    for group in groups:
+        hs = [_final(model, x) for x in group]  # normed per lane, as alone: (1, T or keep, hidden) each
+        head = model.lean.head(model.lm_head, hs[0] if len(hs) == 1 else torch.cat(hs, 1), rowwise=len(hs) > 1)
+        for x, logits in zip(group, _softcap(model, head).split([h.shape[1] for h in hs], 1)):
+            out[id(x)] = logits
+    return [out[id(x)] for x in lanes]
+
+
+def _final(model, lane: Lane) -> torch.Tensor:
+    """The final norm of a lane's hidden states, its last `keep` rows only when keep > 0."""
+    h = model.norm(lane.h)
+    return h[:, -lane.keep :] if lane.keep else h
+
+
+def _softcap(model, head: torch.Tensor) -> torch.Tensor:
+    return apply_final_softcap(head, model.family.final_softcap)
+
+
+def _account(model, t0: float, stall0: float) -> None:
+    """The pass's statistics: one more pass, its streamed bytes, the read, stall and link clocks."""
+    s, pf = model.stats, model.prefetcher
+    s.passes += 1
+    s.streamed_bytes += s.streamed_bytes_per_pass
+    s.io_seconds = model.store.io_seconds
+    s.stall_seconds = s.wait_seconds = pf.stall_seconds
+    s.last_pass_stall_seconds = pf.stall_seconds - stall0
+    s.link_busy_seconds = pf.link_busy_seconds()
+    s.last_pass_seconds = time.perf_counter() - t0
