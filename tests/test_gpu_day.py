@@ -58,6 +58,8 @@ def test_smoke_run_passes_every_phase(smoke):
     assert set(subs) == {"4", "3", "2"}
     for rows in [ph["draft"]["small"]["rows"]] + [s["rows"] for s in subs.values()]:
         assert rows and all(r["seconds"] > 0 and r["predicted"]["seconds"] > 0 for r in rows)
+        assert all(0 < r["read_floor_s"] <= r["predicted"]["seconds"] for r in rows)  # the model reads no less
+    assert [b["budget"] for b in ph["step"]["budgets"]] == [256, 1024]  # tests/test_gpu_day_step.py: the rest
     assert ph["demo"]["equal"] and ph["demo"]["serve"]["status"] == 200 and ph["demo"]["tokens_per_pass"] >= 1
     assert ph["cuda-tests"]["counts"]["skipped"] >= 10 and ph["cuda-tests"]["counts"]["failed"] == 0  # skips cleanly
 
@@ -76,10 +78,13 @@ def test_a_second_command_skips_finished_phases(smoke):
 def test_tables_fill_every_block_of_the_doc(smoke):
     _, summary = smoke
     blocks = tables.render(summary)
-    doc = tables.replace_blocks((ROOT / "docs" / "gpu-status.md").read_text(), blocks)
-    for body in blocks.values():
-        assert body in doc and "not run yet" not in body
-    assert "| 16 |" in blocks["passes"] and "yes" in blocks["demo"]
+    assert set(blocks) == set(tables.TABLES)
+    doc = tables.fill((ROOT / "docs" / "gpu-status.md").read_text(), blocks)
+    for name, body in blocks.items():
+        assert f"<!-- bench:gpuday-{name} -->\n{body}\n<!-- /bench:gpuday-{name} -->" in doc
+        assert "not run yet" not in body
+    assert "| 16 |" in blocks["passes"] and "yes" in blocks["demo"] and "x floor" in blocks["draft"]
+    assert "<!-- gpuday:" not in doc  # one marker dialect
 
 
 def test_resume_from_seeds_only_finished_phases(tmp_path):

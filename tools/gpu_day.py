@@ -11,6 +11,8 @@ Contract:
 - `rehearse`: on a CPU machine, a venv shaped like the image, the pack for this Python installed with
   the box's install line, then `run --smoke` (tools/gpuday/rehearse.py).
 - `tables --out DIR`: the docs/gpu-status.md tables from a run's JSON (tools/gpuday/tables.py).
+- `trace`: on a CPU machine with ../shared, record the acceptance trace the `step` phase replays
+  (tools/gpuday/trace.py) into tools/gpuday/step_trace.json (it travels with the repository).
 Exit 2 on usage errors, one line each.
 """
 
@@ -41,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     h = sub.add_parser("rehearse", help="a venv shaped like the image, the pack installed, run --smoke")
     h.add_argument("--venv", type=Path, default=None)
     h.add_argument("--out", type=Path, default=None)
+    c = sub.add_parser("trace", help="record the step phase's acceptance trace (CPU, the shared dev pair)")
+    c.add_argument("--to", type=Path, default=None, help="where to write it (default: the shipped file)")
     t = sub.add_parser("tables", help="docs/gpu-status.md's tables from a run's --out")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--write", type=Path, default=None, help="rewrite the tables in this markdown file")
@@ -61,6 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         from tools.gpuday import rehearse
 
         return rehearse.main(ROOT, args.venv, args.out)
+    if args.verb == "trace":
+        from tools.gpuday import trace
+
+        rec = trace.record(args.to or trace.TRACE)
+        print(
+            {
+                b: f"{trace.mean(r['accepted']):.2f} accepted over {len(r['accepted'])} passes"
+                for b, r in rec["budgets"].items()
+            }
+        )
+        return 0
     from tools.gpuday import tables
 
     return tables.main(args.out, args.write)

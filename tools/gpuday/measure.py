@@ -12,7 +12,9 @@ Contract (each function returns the phase's JSON dict; `ctx` holds device, out, 
   stops). fmt: "bf16", "nf4" (the nf4 cache of the bf16 stack), "q4k" (a GGUF Q4_K_M file).
 - `draft`: a 1B-shaped bf16 draft (resident) forward over b tree tokens on a `past` prefix, and one
   70B-shaped layer's seven linears as self-draft substitutes (nf4: bitsandbytes; 3/2-bit: HQQ, the
-  kernel specx picks) over b tokens. Every row carries predict.py's prediction.
+  kernel specx picks) over b tokens. Every row carries predict.py's prediction and its weight-read
+  floor (`read_floor_s`: the bytes one forward reads, weights + KV, or the substitutes' packed bytes,
+  at the probe's measured device memory rate): what the forward would cost if bytes were its bound.
 """
 
 from __future__ import annotations
@@ -166,7 +168,14 @@ def small_draft(ctx: dict) -> dict:
             flops = shape["layers"] * (
                 stack.gemm_flops(shape, b) + stack.attention_flops(shape, b, past)
             ) + stack.head_flops(shape, b)
-            rows.append(dict(b=b, seconds=secs, predicted=predict.draft_step(card, weight, kv, 0, flops)))
+            rows.append(
+                dict(
+                    b=b,
+                    seconds=secs,
+                    read_floor_s=(weight + kv) / card["memory_bps"],
+                    predicted=predict.draft_step(card, weight, kv, 0, flops),
+                )
+            )
         return dict(shape=shape, past=past, weight_bytes=weight, rows=rows)
     finally:
         model.close()
@@ -230,6 +239,7 @@ def substitutes(ctx: dict) -> dict:
                 dict(
                     b=b,
                     seconds=secs,
+                    read_floor_s=packed / card["memory_bps"],
                     predicted=predict.draft_step(
                         card, packed, 0, dequant_bytes(predict.arch(shape, 1), kernel, 2, b, dev.type), 2.0 * b * numel
                     ),

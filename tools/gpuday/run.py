@@ -1,7 +1,7 @@
 """`gpu_day.py run`: the GPU day's phases, resumable, every figure as JSON under --out.
 
 Contract:
-- PHASES run in order: env, probe, passes-bf16, passes-nf4, passes-q4k, draft, demo, cuda-tests.
+- PHASES run in order: env, probe, passes-bf16, passes-nf4, passes-q4k, draft, step, demo, cuda-tests.
   Each writes `<out>/<phase>.json` = {phase, ok, seconds, data | error}; a phase whose file exists is
   skipped (a second command resumes a cut one), `--phase NAME` runs that one again. A phase is not
   started when the seconds spent so far plus its estimate (EST, an H100's) pass --budget-s, so one
@@ -28,7 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
-PHASES = ("env", "probe", "passes-bf16", "passes-nf4", "passes-q4k", "draft", "demo", "cuda-tests")
+PHASES = ("env", "probe", "passes-bf16", "passes-nf4", "passes-q4k", "draft", "step", "demo", "cuda-tests")
 EST = {
     "env": 10,
     "probe": 20,
@@ -36,9 +36,10 @@ EST = {
     "passes-nf4": 90,
     "passes-q4k": 90,
     "draft": 90,
+    "step": 240,
     "demo": 60,
     "cuda-tests": 180,
-}  # seconds, with margin over an H200's run (54, 25, 33, 16, 22 and 142 s for the long ones)
+}  # seconds, with margin over an H200's run (54, 25, 33, 16, 22 and 142 s for the long ones; step: not run yet)
 SELF_BITS = (4, 3, 2)
 
 
@@ -59,7 +60,7 @@ def scratch_env(work: Path) -> None:
 
 
 def runner(name: str):
-    from tools.gpuday import measure, phases
+    from tools.gpuday import measure, phases, step
 
     return {
         "env": phases.env,
@@ -68,6 +69,7 @@ def runner(name: str):
         "passes-nf4": lambda c: measure.passes(c, "nf4"),
         "passes-q4k": lambda c: measure.passes(c, "q4k"),
         "draft": measure.draft,
+        "step": step.step,
         "demo": phases.demo,
         "cuda-tests": phases.cuda_tests,
     }[name]

@@ -12,6 +12,11 @@ Contract:
   half the V/down weights and the output; tests/gguf_build.write_sparse_llama's header), the data
   region filled with random blocks whose fp16 scales are small and finite (no NaN or Inf: the
   values change no kernel's work, a real file's would do the same).
+- `write_nf4_stack(dir, shape, layers, device)`: an nf4 (bitsandbytes) checkpoint of `layers`
+  identical decoder layers without a 16-bit copy of them: ONE random bf16 layer quantized by the
+  4-bit cache's writer (offload/quant/quant_cache.write_quantized, the device's packing), its
+  shard written again under each layer's names, the globals linked; `.done` is written last and a
+  finished write is reused. The 16-bit source (one layer) is removed once quantized.
 - `layer_numel(shape)`: the linear weights of one decoder layer.
 Everything lands under the folder given (the run's --out): nothing outside it.
 """
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +122,50 @@ def write_q4k(out: Path, shape: dict, layers: int, seed: int = 0) -> Path:
     del reader
     out.with_suffix(".done").write_text("")
     return out
+
+
+def write_nf4_stack(out: Path, shape: dict, layers: int, device: torch.device) -> Path:
+    """A pre-quantized nf4 Llama of `layers` copies of one random layer at `out` (reused when complete)."""
+    from safetensors.torch import load_file, save_file
+
+    from offload import packing_for
+    from offload.quant.quant_cache import write_quantized
+
+    done, dst = out / ".done", out / "stack"
+    if done.exists() and done.read_text() == str(layers):
+        return dst
+    shutil.rmtree(out, ignore_errors=True)
+    src, one = write_bf16(out / "src", shape, 1, device), out / "one"
+    write_quantized(src, one, tokenizer=True, packing=packing_for(device))
+    shutil.rmtree(src)
+    index = json.loads((one / "model.safetensors.index.json").read_text())["weight_map"]
+    layer_file = index["model.layers.0.input_layernorm.weight"]
+    dst.mkdir()
+    layer, weight_map = load_file(str(one / layer_file)), {}
+    for i in range(layers):  # the same bytes under layer i's names: one shard per layer
+        tensors = {k.replace("model.layers.0.", f"model.layers.{i}.", 1): t for k, t in layer.items()}
+        save_file(tensors, str(dst / f"layer-{i:03d}.safetensors"), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, f"layer-{i:03d}.safetensors"))
+    glob = {k for k, f in index.items() if f != layer_file}
+    try:
+        os.link(one / index[next(iter(glob))], dst / "globals.safetensors")
+    except OSError:  # a file system without hard links
+        shutil.copy(one / index[next(iter(glob))], dst / "globals.safetensors")
+    weight_map.update(dict.fromkeys(glob, "globals.safetensors"))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(one / f, dst / f)
+    cfg = json.loads((one / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=layers)))
+    shutil.rmtree(one)  # the globals live on through their link
+    done.write_text(str(layers))
+    return dst
+
+
+def nf4_layer_bytes(shape: dict) -> int:
+    """Bytes of one decoder layer in the nf4 cache: 4-bit codes, 8-bit absmax per 64, norms in bf16."""
+    lin, norms = _bench_gpu().layer_params(shape)
+    return lin // 2 + lin // 64 + lin // (64 * 256) * 4 + 2 * norms
 
 
 def target_bytes(shape: dict, layers: int) -> int:

@@ -1,20 +1,28 @@
 """`gpu_day.py tables`: docs/gpu-status.md's tables from a run's --out (its summary.json).
 
-Contract: `render(summary)` -> {block name: markdown table}; the blocks are TABLES (card, passes,
-draft, demo, tests). `main(out, write)` prints them, or with --write replaces each block between
-`<!-- gpuday:NAME -->` and `<!-- /gpuday:NAME -->` in that markdown file (a block the file lacks is
-an error, exit 2). Every measured figure is printed beside passcost's prediction for it and their
-ratio (measured / modelled); a phase that has not run or failed renders as one line saying so.
+Contract: `render(summary)` -> {table name: markdown}; the names are TABLES (card, passes, draft, step,
+demo, tests). `main(out, write)` prints them, or with --write puts each into that markdown file's
+`<!-- bench:gpuday-NAME -->` ... `<!-- /bench:gpuday-NAME -->` block through bench/docblock.py's
+`write_block` (the docs' one marker dialect; a block the file lacks is an error, exit 2). Every
+measured figure is printed beside the speed model's prediction for it and their ratio (measured /
+modelled), the draft table beside its weight-read floor too; a phase that has not run or failed
+renders as one line saying so.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
-TABLES = ("card", "passes", "draft", "demo", "tests")
+TABLES = ("card", "passes", "draft", "step", "demo", "tests")
+ROOT = Path(__file__).resolve().parents[2]
+SPLITS = ("draft", "stream", "verify", "accept", "step")
+
+
+def block(name: str) -> str:
+    """The docs block a table goes into."""
+    return f"gpuday-{name}"
 
 
 def _ms(s: float) -> str:
@@ -70,23 +78,69 @@ def passes(summary: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def _floor_cells(r: dict) -> str:
+    floor = r.get("read_floor_s")  # absent from runs before the column
+    return f"{_ms(floor)} | {r['seconds'] / floor:.1f}" if floor else "| "
+
+
 def draft(summary: dict) -> str:
     d = _phase(summary, "draft")
     if d is None:
         return _missing(summary, "draft")
-    lines = ["| draft | b tokens | measured ms | modelled ms | x |", "|---|---|---|---|---|"]
-    for r in d["small"]["rows"]:
-        lines.append(
-            f"| 1B-shaped bf16, whole forward | {r['b']} | {_ms(r['seconds'])} | "
-            f"{_ms(r['predicted']['seconds'])} | {r['seconds'] / r['predicted']['seconds']:.2f} |"
-        )
-    for bits, sub in d["substitutes"].items():
-        for r in sub["rows"]:
+    lines = [
+        "| draft | b tokens | measured ms | weight-read floor ms | x floor | modelled ms | x |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    subs = [
+        (f"{bits}-bit substitute ({sub['kernel']}), one 70B layer's linears", sub)
+        for bits, sub in d["substitutes"].items()
+    ]
+    for name, part in [("1B-shaped bf16, whole forward", d["small"]), *subs]:
+        for r in part["rows"]:
             lines.append(
-                f"| {bits}-bit substitute ({sub['kernel']}), one 70B layer's linears | {r['b']} | "
-                f"{_ms(r['seconds'])} | {_ms(r['predicted']['seconds'])} | "
-                f"{r['seconds'] / r['predicted']['seconds']:.2f} |"
+                f"| {name} | {r['b']} | {_ms(r['seconds'])} | {_floor_cells(r)} | "
+                f"{_ms(r['predicted']['seconds'])} | {r['seconds'] / r['predicted']['seconds']:.2f} |"
             )
+    return "\n".join(lines)
+
+
+def step(summary: dict) -> str:
+    d = _phase(summary, "step")
+    if d is None:
+        return _missing(summary, "step")
+    lines = [
+        f"{d['plan']} ({d['streamed_bytes'] / 1e9:.2f} GB a pass), a resident 1B-shaped bf16 draft, "
+        f"{d['past']} cached tokens, the mean of {d['repeats']} steps; the target accepts what the development "
+        "pair accepted in a CPU trace (tools/gpuday/step_trace.json). without: the engine's own step; with: "
+        "the next tree grown on a CUDA stream of its own while the target's layers stream (this phase's "
+        "arrangement: specexec_cli has no overlapped step yet). Modelled: offload/planning/draftcost.py's "
+        "evaluate with the card's measured rates; it models no accept work and no overlap beyond the staging "
+        "slots, so both rows' modelled step is the same.",
+        "",
+        "| budget | overlap | part | measured ms | modelled ms | x |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in d["budgets"]:
+        p = b["predicted"]
+        for mode in ("without", "with"):
+            for part in SPLITS:
+                got, want = b[mode][part], p.get(part)
+                cells = f"{_ms(want)} | {got / want:.2f}" if want else "not modelled | "
+                lines.append(f"| {b['budget']} | {mode} | {part} | {_ms(got)} | {cells} |")
+    lines += [
+        "",
+        "| budget | draft forwards per tree: measured / trace / modelled | draft logit scale | tokens per pass: "
+        "replayed / trace | tokens/s at the trace's tokens per pass: without / with / modelled | with: step / "
+        "max(stream, draft) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in d["budgets"]:
+        w, o, p, tpp = b["without"], b["with"], b["predicted"], b["trace"]["tokens_per_pass"]
+        lines.append(
+            f"| {b['budget']} | {w['forwards']:.1f} / {b['trace']['forwards']:.1f} / {p['forwards']} | "
+            f"{b['scale']['scale']:g} | {w['tokens']:.2f} / {tpp:.2f} | {tpp / w['step']:.2f} / "
+            f"{tpp / o['step']:.2f} / {p['tokens_per_second']:.2f} | {o['step'] / max(o['stream'], o['draft']):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -121,18 +175,36 @@ def render(summary: dict) -> dict[str, str]:
         "card": card(summary),
         "passes": passes(summary),
         "draft": draft(summary),
+        "step": step(summary),
         "demo": demo(summary),
         "tests": tests(summary),
     }
 
 
-def replace_blocks(text: str, blocks: dict[str, str]) -> str:
+def _docblock():
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+    import docblock  # bench/docblock.py
+
+    return docblock
+
+
+def fill(text: str, blocks: dict[str, str]) -> str:
+    """`text` with each table in its block (ValueError naming a block the text lacks)."""
     for name, body in blocks.items():
-        pat = re.compile(rf"(<!-- gpuday:{name} -->\n).*?(\n<!-- /gpuday:{name} -->)", re.S)
-        if not pat.search(text):
-            raise KeyError(name)
-        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+        text = _docblock().replace_block(text, block(name), body)
     return text
+
+
+def write_tables(page: Path, blocks: dict[str, str]) -> None:
+    """Each table into its `bench:gpuday-NAME` block of `page` by write_block, once every block is
+    known to be there (SystemExit naming the first one missing, the page untouched)."""
+    try:
+        fill(page.read_text(), blocks)
+    except ValueError as e:
+        raise SystemExit(f"{page}: {e}") from None
+    for name, body in blocks.items():
+        _docblock().write_block(page, block(name), body)
 
 
 def main(out: Path, write: Path | None) -> int:
@@ -150,9 +222,9 @@ def main(out: Path, write: Path | None) -> int:
             print(f"## {name}\n\n{body}\n")
         return 0
     try:
-        write.write_text(replace_blocks(write.read_text(), blocks))
-    except KeyError as e:
-        print(f"gpu_day tables: {write} has no <!-- gpuday:{e.args[0]} --> block", file=sys.stderr)
+        write_tables(write, blocks)
+    except SystemExit as e:
+        print(f"gpu_day tables: {e}", file=sys.stderr)
         return 2
     print(f"wrote {len(blocks)} tables into {write}")
     return 0
