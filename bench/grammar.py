@@ -40,6 +40,7 @@ sys.path.insert(0, ROOT)  # `offload` is the package, not bench/offload.py besid
 sys.path.append(os.path.join(ROOT, "bench"))  # after the package: bench/offload.py must not shadow offload/
 
 import grammar_masks  # noqa: E402  (bench/ is not a package)
+from docblock import md_table  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -179,14 +180,7 @@ def engines(args) -> dict:
             "mask_max_s": max(s),
             "mask_total_s": sum(s),
         }
-    print("| engine | JSON whitespace | compile s | mask median µs | mask mean µs | mask max µs |")
-    print("|---|---|---|---|---|---|")
-    for r in rows.values():
-        print(
-            f"| {r['engine']} {r['version']} | {r['layout']} | {r['compile_s']:.3f} | {r['mask_median_s'] * 1e6:.0f} | "
-            f"{r['mask_mean_s'] * 1e6:.0f} | {r['mask_max_s'] * 1e6:.0f} |"
-        )
-    return {
+    res = {
         "what": "engines",
         "vocab": len(tok),
         "tokenizer": args.tokenizer,
@@ -194,6 +188,19 @@ def engines(args) -> dict:
         "schema": SCHEMA,
         "engines": rows,
     }
+    print(engines_table(res))
+    return res
+
+
+def engines_table(data: dict) -> str:
+    """`--engines`' table from its JSON (docs/performance.md's `bench:grammar-engines`)."""
+    head = ["engine", "JSON whitespace", "compile s", "mask median µs", "mask mean µs", "mask max µs"]
+    rows = [
+        [f"{r['engine']} {r['version']}", r["layout"], f"{r['compile_s']:.3f}"]
+        + [f"{r[k] * 1e6:.0f}" for k in ("mask_median_s", "mask_mean_s", "mask_max_s")]
+        for r in data["engines"].values()
+    ]
+    return md_table(head, rows)
 
 
 def decode_one(m, ids: list[int], cfg) -> dict:
@@ -313,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.masks:
         print(grammar_masks.HEADER)
         res = grammar_masks.masks(args)
+        print(grammar_masks.table(res))
     else:
         res = decode(args)
     if args.out:

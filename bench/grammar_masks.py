@@ -15,8 +15,10 @@ pass (the machine may be shared).
 Contract: `masks(args)` (args: bench/grammar.py's parsed command line) prints one table row per
 (tokenizer, reply length, algorithm), the rows of the table `HEADER` heads, and returns the JSON
 bench/grammar.py writes; `ForkRun` has the interface of core/constrain.py's GrammarRun (`begin`,
-`bitmask`, `stopped`, `stats`), so `mask_tree` drives either. specx's modules are imported lazily,
-after bench/grammar.py has put the repository first on sys.path.
+`bitmask`, `stopped`, `stats`), so `mask_tree` drives either; `table(data)` is the returned JSON's
+summary, walk beside fork per (vocabulary, reply length), ms per pass (median) to 0.1 ms
+(docs/performance.md's `bench:grammar-masks`). specx's modules are imported lazily, after
+bench/grammar.py has put the repository first on sys.path.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import os
 import statistics
 import time
+
+from docblock import md_table  # bench/docblock.py (bench/ is on sys.path: grammar.py, manifest.py)
 
 HEADER = (
     "| vocabulary | reply tokens | masks by | ms per pass (median) | ms per pass (max) | rows per pass |\n"
@@ -229,3 +233,11 @@ def masks(args) -> dict:
         "cpus": os.cpu_count(),
         "rows": out,
     }
+
+
+def table(data: dict) -> str:
+    """Walk beside fork: ms per pass (median over the passes) per vocabulary and reply length."""
+    cells = {(r["vocab"], r["reply_tokens"], r["algorithm"]): r["mask_s_per_pass"] * 1e3 for r in data["rows"]}
+    keys = sorted({(v, n) for v, n, _ in cells})
+    rows = [[f"{v:,}", f"{n:,}", f"{cells[v, n, 'walk']:.1f}", f"{cells[v, n, 'fork']:.1f}"] for v, n in keys]
+    return md_table(["vocabulary", "reply tokens", "walk ms per pass", "fork ms per pass"], rows)

@@ -24,6 +24,8 @@ the context, learnt from a too-long probe prompt's 400) or past their cap (limit
 DEFAULT_CAP), and `report`'s goals: idle within IDLE_GOAL s after every reply, >= CACHED_GOAL of
 what chat 1's turns 2+ could reuse cached, no request at the context end or past its cap, regenerate
 differs. Exit 1 when a reply is empty, a request ended badly (but the probe) or a goal is missed.
+`table(got)` is the per-step table of a run's JSON (docs/serve-clients.md's `bench:openwebui`), printed
+after the report; `--again FILE` prints both again from an earlier --out file.
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # appended: bench/offload.py must not hide offload
+from docblock import md_table  # bench/docblock.py
+
 from specexec_cli.serve.limits import TASK_CAPS
 
 # (chat, action, text): "send" a message, "follow_up" (text: the message when no suggestion shows),
@@ -274,6 +280,50 @@ def report(steps: list[dict], ctx: int | None) -> dict:
     }
 
 
+ACTIONS = {
+    "send": "message",
+    "follow_up": "follow-up",
+    "follow_up message": "follow-up message",
+    "regenerate": "Regenerate",
+}
+
+
+def _s(x: float | None) -> str:
+    """Seconds to 0.1, half up from the figure as the JSON holds it (4.35 -> 4.4); "-" when not measured."""
+    return "-" if x is None else f"{Decimal(str(x)).quantize(Decimal('0.1'), ROUND_HALF_UP)} s"
+
+
+def table(got: dict) -> str:
+    """The per-step table of a run's JSON (docs/serve-clients.md's `bench:openwebui`): the page's times,
+    the chat reply's tokens, seconds and finish, its cached share (of the whole prompt; in brackets of
+    what the chat's previous request left) and the background requests that ran after it."""
+    turns = {t["step"]: t for t in got["turns"]}
+    rows = []
+    for i, step in enumerate(got["steps"], 1):
+        reply = next((r for r in step["requests"] if r["task"] is None), None)
+        if reply is None:  # the server finished no chat request in this step
+            said, share = "none", "-"
+        else:
+            finish = f"cancelled ({reply['status']})" if reply["finish"] == "cancelled" else reply["finish"]
+            said = f"{reply['prompt']} / {reply['cached']} / {reply['completion']}, {_s(reply['seconds'])}, {finish}"
+            t, share = turns[i], reply["cached"] / reply["prompt"]
+            left = "-" if t["reused_share"] is None else f"{t['reused_share']:.0%}"
+            share = f"{share:.0%} (first turn)" if t["turn"] == 1 else f"{share:.1%} ({left})"
+        tasks = [
+            f"{r['task'].replace('_', '-')} {r['completion']} ({r['finish'].split(':')[-1]}) {_s(r['seconds'])}"
+            for r in step["requests"]
+            if r["task"] is not None
+        ]
+        action = f"Stop at {_s(step['stopped_at_s'])}" if step["action"] == "stop" else ACTIONS[step["action"]]
+        rows.append(
+            [i, step["chat"], action, _s(step["first_text_s"]), _s(step["last_token_s"])]
+            + [f"**{_s(step['idle_after_last_token_s'])}**", said, share, ", ".join(tasks) or "none"]
+        )
+    head = ["step", "chat", "action", "first text", "last token", "idle after it"]
+    head += ["reply: prompt / cached / completion, s, finish", "cached share"]
+    return md_table(head + ["background requests after it: task, completion tokens (finish), s"], rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--open-webui", default=shutil.which("open-webui") or "open-webui")
@@ -312,10 +362,11 @@ def main(argv=None) -> int:
 
 
 def finish(got: dict, out: Path | None) -> int:
-    """Print the report's summary, write it all to `out`; the exit code (see the module docstring)."""
-    print(json.dumps({k: got[k] for k in ("turns", "regenerate_differs", "goals")}, indent=1))
+    """Write it all to `out`, print the report's summary and table; the exit code (see the module docstring)."""
     if out:
         out.write_text(json.dumps(got, indent=1) + "\n")
+    print(json.dumps({k: got[k] for k in ("turns", "regenerate_differs", "goals")}, indent=1))
+    print(table(got))
     bad = [k for k in got["requests"] if not k.endswith((" ok", " cancelled"))]  # Stop cancels one
     empty = [s for s in got["steps"] if not s["reply"]]
     return 1 if bad or empty or not all(got["goals"].values()) else 0
