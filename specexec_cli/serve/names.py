@@ -78,15 +78,3 @@ def aliases(target: str, resolved: Path | None, name: str) -> set[str]:
             ids |= {str(path), str(path.resolve())}
     ids.discard(name)
     return ids
-
-
-def resolve_target(target: str) -> Path | None:
-    """The path the --target resolves to (None where it does not: the server's plan has already
-    named any error)."""
-    from specexec_cli.errors import SpecxError
-    from specexec_cli.session.loading import resolve_path
-
-    try:
-        return resolve_path(target, "--target")
-    except (SpecxError, OSError):
-        return None

@@ -110,7 +110,7 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
             tuner=tuner,
             profile=prof,
             config_record=config_record,
-            code=is_demo(opts.target),
+            code=is_demo(opts.target.name),
             prompt_cache=make_prompt_cache(models, plan, cache_ram),
         )
         return session, serve_defaults(flags, opts.target)
@@ -118,19 +118,13 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
     return load
 
 
-def serve_defaults(flags, target: str):
+def serve_defaults(flags, target):
     """The SamplingParams of a request that sets none: the serve command's --temperature/--top-k/
-    --top-p where given, then the checkpoint's generation_config.json, then llama-server's
-    (gendefaults.serve_sampling; a target whose directory cannot be resolved, such as a GGUF file,
-    has no generation_config.json)."""
-    from specexec_cli.session.gendefaults import SERVE_DEFAULTS, merge, serve_sampling
-    from specexec_cli.session.loading import resolve_path
+    --top-p where given, then the generation_config.json of the target (a ModelRef), then
+    llama-server's (gendefaults.serve_sampling; a GGUF file has no generation_config.json)."""
+    from specexec_cli.session.gendefaults import merge, serve_sampling
 
-    try:
-        base = serve_sampling(resolve_path(target, "--target"))
-    except SpecxError:
-        base = SERVE_DEFAULTS
-    return merge(base, flags.temperature, flags.top_k, flags.top_p)
+    return merge(serve_sampling(target.path), flags.temperature, flags.top_k, flags.top_p)
 
 
 def quiet_warnings() -> None:
@@ -172,11 +166,11 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
 
     from specexec_cli.serve.app import create_app
     from specexec_cli.serve.metrics import Metrics
-    from specexec_cli.serve.names import aliases, model_id, resolve_target
+    from specexec_cli.serve.names import aliases, model_id
     from specexec_cli.serve.worker import Worker
 
-    resolved = resolve_target(opts.target)
-    auto = model_id(opts.target, resolved)  # a name, never a path; the path (and --target) still answer
+    target = opts.target  # the plan resolved it (or refused the run)
+    auto = model_id(target.name, target.path)  # a name, never a path; the path (and --target) still answer
     name = o.model_name or auto
     worker = Worker(
         make_loader(flags, opts, plan, cfg, o.system, o.cache_ram),
@@ -193,7 +187,7 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
         api_key=o.api_key,
         cors=o.cors,
         host=o.host,
-        aliases=aliases(opts.target, resolved, name) | ({auto} - {name}),
+        aliases=aliases(target.name, target.path, name) | ({auto} - {name}),
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = GracefulServer(config, worker)

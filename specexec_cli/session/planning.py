@@ -1,7 +1,7 @@
 """The CLI side of the device-memory plan: options -> offload.planning.memplan request -> plan, before loading.
 
-Contract: `make_plan(opts, shape, budget_auto)` resolves the target/draft directories, reads only
-their config.json and safetensors headers, asks the device (if any) for its free memory and
+Contract: `make_plan(opts, shape, budget_auto)` reads only the target's and draft's config.json and
+safetensors headers (their session/modelref.ModelRef checks and checkpoints, shared with loading), asks the device (if any) for its free memory and
 psutil for available RAM, and returns an `offload.planning.memplan.MemoryPlan`. It never reads weights,
 so `--dry-run` needs no GPU: `--device cuda --max-gpu-memory 24GB` plans for a 24 GB card on any
 machine.
@@ -16,9 +16,9 @@ import psutil
 import torch
 
 from specexec_cli.errors import SpecxError
+from specexec_cli.session.modelref import AUTO, SELF, open_checkpoint
 
 DEFAULT_CTX = 8192
-AUTO = "auto"  # --draft auto (or no --draft): the candidate with the most modelled tokens/s
 
 
 def plan_device(name: str) -> str:
@@ -85,7 +85,6 @@ def make_plan(
     for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
     from offload import OffloadError
     from offload.planning import PlanRequest, plan_memory
-    from specexec_cli.session.loading import SELF, check_weights, open_checkpoint, resolve_path
     from specexec_cli.session.profiles import card, cost_device_for, plan_timings, profile_matches
 
     if gpu is not None:
@@ -95,16 +94,14 @@ def make_plan(
     device = plan_device(opts.device)
     cost_device = cost_device_for(device, gpu, profile)
     memory_bps, link_bps, source = cost_device.memory_bps, cost_device.link_bps, cost_device.source
-    tpath = resolve_path(opts.target, "--target")
     self_draft = opts.draft in (SELF, AUTO)
-    dpath = resolve_path(opts.draft, "--draft") if opts.draft is not None and not self_draft else None
-    safe = [check_weights(p, flag, opts.allow_pickle) for p, flag in ((tpath, "--target"), (dpath, "--draft")) if p]
-    if not all(safe):
+    target, draft = opts.target, opts.draft if opts.draft is not None and not self_draft else None
+    if not all([ref.safe for ref in (target, draft) if ref]):
         return None  # pickle weights (--allow-pickle): no headers to plan from; HF loads them resident
-    tdtype, ddtype = plan_dtypes(opts.dtype, device, dpath is not None, getattr(opts, "draft_dtype", "auto"))
-    sixteen_bit = not prequantized(tpath)  # else no 16-bit weights to make self-draft substitutes from
-    timed, why = profile_matches(None if gpu else profile, tpath, tdtype)  # before the nf4 cache swaps the path
-    tpath, tdtype = nf4_source(tpath, tdtype, device)
+    tdtype, ddtype = plan_dtypes(opts.dtype, device, draft is not None, getattr(opts, "draft_dtype", "auto"))
+    sixteen_bit = not prequantized(target.path)  # else no 16-bit weights to make self-draft substitutes from
+    timed, why = profile_matches(None if gpu else profile, target.path, tdtype)  # before the nf4 cache swaps the path
+    tpath, tdtype = nf4_source(target.path, tdtype, device)
     if self_draft:
         # the substitutes compute in the target's compute dtype (an nf4 target: bf16/fp16 on CUDA, fp32 on CPU)
         ddtype = tdtype if tdtype != "nf4" else ("bf16" if device == "cuda" else "fp32")
@@ -135,13 +132,14 @@ def make_plan(
         memory_bps=memory_bps,
         link_bps=link_bps,
         bandwidth_source=source,
-        compare_self=dpath is not None and sixteen_bit,
+        compare_self=draft is not None and sixteen_bit,
         cost_device=cost_device,
         timings=plan_timings(timed),
     )
     try:
-        # the opened (validated) Checkpoints the loader will use too: headers are read once
-        tck, dck = open_checkpoint(tpath, "--target"), open_checkpoint(dpath, "--draft") if dpath else None
+        # the opened (validated) Checkpoints the loader uses too; the 4-bit cache is the plan's alone
+        tck = target.checkpoint if tpath == target.path else open_checkpoint(tpath, "--target")
+        dck = draft.checkpoint if draft is not None else None
         check_window(opts.ctx, [(tck, "--target"), (dck, "--draft")])
         plan = plan_memory(tck, dck, req)
     except OffloadError as exc:
@@ -215,7 +213,6 @@ def resolve_auto(opts, plan, replan, skipped: str = ""):
     plans for that)."""
     from offload.planning import PLAIN
     from specexec_cli.session import notices
-    from specexec_cli.session.loading import SELF
 
     drafts = [c for c in (plan.candidates if plan is not None else []) if c["draft"] != PLAIN]
     name = self_name(getattr(plan, "substitute_bits", None))

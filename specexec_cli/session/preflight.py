@@ -5,14 +5,14 @@ these LoadOptions needs and lacks: bitsandbytes for `--dtype nf4` or a pre-quant
 target or draft, gguf for a GGUF target or draft, hqq for an explicit `--draft-bits 3|2`; and
 `--draft-bits 4` on an nf4 target (the substitutes would be the target itself), with the fixes that
 work on this install. The packages, their checks and install lines are session/deps.py's; this
-module reads the checkpoints (session/loading.py, session/planning.py) to know which apply.
+module reads the models' session/modelref.ModelRef (format, path) to know which apply.
 """
 
 from __future__ import annotations
 
 from specexec_cli.errors import SpecxError
 from specexec_cli.session import deps
-from specexec_cli.session.loading import is_gguf, resolve_path
+from specexec_cli.session.modelref import ModelRef
 from specexec_cli.session.planning import prequantized
 
 
@@ -20,14 +20,12 @@ def require_for_run(opts) -> None:
     """Refuse, before loading, a run whose flags need a package that is missing (module docstring)."""
     if opts.dtype == "nf4" and not deps.installed("bitsandbytes"):
         raise deps.missing_error("bitsandbytes", "--dtype nf4")
-    for name, flag in ((opts.target, "--target"), (opts.draft, "--draft")):
-        if name in (None, "self", "auto"):
-            continue
-        path = resolve_path(name, flag)
-        if not deps.installed("gguf") and is_gguf(path):
-            raise deps.missing_error("gguf", f"{flag} {name}: a GGUF checkpoint")
-        if not deps.installed("bitsandbytes") and not is_gguf(path) and prequantized(path):
-            raise deps.missing_error("bitsandbytes", f"{flag} {name}: a pre-quantized bitsandbytes checkpoint")
+    for ref in (r for r in (opts.target, opts.draft) if isinstance(r, ModelRef)):  # not self, auto or None
+        gguf = ref.format == "gguf"
+        if not deps.installed("gguf") and gguf:
+            raise deps.missing_error("gguf", f"{ref.flag} {ref.name}: a GGUF checkpoint")
+        if not deps.installed("bitsandbytes") and not gguf and prequantized(ref.path):
+            raise deps.missing_error("bitsandbytes", f"{ref.flag} {ref.name}: a pre-quantized bitsandbytes checkpoint")
     bits = getattr(opts, "draft_bits", None)
     if opts.draft in ("self", "auto") and bits == 4 and opts.dtype == "nf4":
         hqq = "" if deps.installed("hqq") else f" (they need hqq: {deps.install_hint('hqq')})"

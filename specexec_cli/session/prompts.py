@@ -40,19 +40,17 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
 
 
 def check_prompt_fits(opts, plan, text: str, chat_template: bool) -> list[int]:
-    """The prompt's ids, encoded with the target's tokenizer alone before any weight loads; a prompt
-    that does not fit the context (`plan.ctx`: --ctx capped by the models' windows; without a plan,
-    --ctx) is refused in one line that names the fix, as the engine would after loading. A plan that
-    does not fit, or is for another machine, is refused first (session/options.load_planned's checks)."""
-    from specexec_cli.session.loading import load_tokenizer, resolve_path
+    """The prompt's ids (the run decodes these), encoded with the target's tokenizer (the one loading
+    keeps) before any weight loads; a prompt that does not fit the context (`plan.ctx`: --ctx capped
+    by the models' windows; without a plan, --ctx) is refused in one line that names the fix, as the
+    engine would after loading. A plan that does not fit, or is for another machine, is refused first
+    (session/options.load_planned's checks)."""
     from specexec_cli.session.planning import require_host
 
     if plan is not None and not plan.fits:  # the plan's own refusals come first, as load_planned's
         raise SpecxError(plan.reason)
     require_host(plan)
-    ids = encode_prompt(
-        load_tokenizer(resolve_path(opts.target, "--target"), "--target", opts.trust_remote_code), text, chat_template
-    )
+    ids = encode_prompt(opts.target.tokenizer, text, chat_template)
     limit = plan.ctx if plan is not None else opts.ctx
     if len(ids) + 1 > limit:
         raise SpecxError(

@@ -6,8 +6,8 @@ model run with randomly initialised weights (e.g. a Llama checkpoint whose confi
 `model_type: bert`). Tied embeddings (an absent lm_head when config.json ties it) are the one
 documented exception. Stages, cheapest first:
 1. `check_config`: config.json is a JSON object naming a supported `model_type`.
-2. Opening the checkpoint (session/loading.open_checkpoint -> offload.formats.open_checkpoint,
-   once per process): every safetensors header parses and fits its file, and the architecture
+2. Opening the checkpoint (session/modelref.ModelRef.checkpoint -> offload.formats.open_checkpoint,
+   once per command): every safetensors header parses and fits its file, and the architecture
    config.json describes (built on the meta device) agrees with the stored tensors, in the
    format's stored form, before the memory plan and before anything is allocated
    (offload/formats/validate.py; a config whose weights dwarf the files is refused there).

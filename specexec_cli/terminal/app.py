@@ -126,18 +126,17 @@ def run(
         cfg = flags.config()
         from specexec_cli.session.calprobe import pair_prior
         from specexec_cli.session.loading import close_models
-        from specexec_cli.session.prompts import check_prompt_fits, encode_prompt
+        from specexec_cli.session.prompts import check_prompt_fits
         from specexec_cli.terminal.streaming import decode_to_stdout
         from specexec_cli.core.methods.common import with_settings
 
         opts, plan, cfg = flags.plan(cfg)
         if flags.dry_run:
             return show_plan(plan, stats_json)
-        check_prompt_fits(opts, plan, text, not flags.no_chat_template)   # one line, exit 2, before loading
+        ids = check_prompt_fits(opts, plan, text, not flags.no_chat_template)   # one line, exit 2, before loading
         with display.LoadProgress(display.live_enabled(no_live)) as progress:
             models = load_planned(opts, plan, progress)
         try:
-            ids = encode_prompt(models.tokenizer, text, not flags.no_chat_template)
             tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
             cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
             decode_to_stdout(models, ids, cfg, display.live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link,
@@ -177,7 +176,7 @@ def chat(
         tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
         cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
         session = ChatSession(models, cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=is_demo(opts.target))
+                              profile=prof, config_record=config_record, code=is_demo(opts.target.name))
         if session.code:
             display.print_notice("the demo pair is a Python code model: each message is code for it to continue")
         elif not session.templated and not flags.no_chat_template:

@@ -170,6 +170,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
     """The profile's "models" part (see the contract); `on_first(models)` runs on the first loaded pair
     (the node calibration of session/calprobe.py)."""
     from specexec_cli.session.loading import close_models
+    from specexec_cli.session.modelref import ModelRef
 
     configs = draft_configs(flags.get("draft"))
     out: dict = dict(
@@ -179,6 +180,9 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
         context_tokens=CONTEXT_TOKENS,
         draft_timings={},
     )
+    # one ModelRef for every load: the target is resolved, opened and tokenized once
+    pickle, trust = flags.get("allow_pickle", False), flags.get("trust_remote_code", False)
+    flags = {**flags, "target": ModelRef("--target", flags["target"], pickle, trust)}
     for i, (draft, bits, key) in enumerate(configs):
         models, plan, cfg = plan_and_load(flags, draft, bits, progress)
         try:

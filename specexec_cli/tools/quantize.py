@@ -31,11 +31,10 @@ def _st_bytes(path: Path) -> int:
 
 def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult:
     from offload import OffloadError, write_quantized
-    from specexec_cli.session.loading import check_weights, open_checkpoint, resolve_path
+    from specexec_cli.session.modelref import ModelRef
 
-    src = resolve_path(target, "--target")
-    check_weights(src, "--target", False)
-    ckpt = open_checkpoint(src, "--target")  # opened and validated once
+    ref = ModelRef("--target", target)
+    src, ckpt = ref.path, ref.checkpoint if ref.safe else None  # the weights check refuses pickle-only sources
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecxError(f"--out {out}: already exists and is not empty; pick a new directory")
