@@ -6,7 +6,8 @@ own `sdpa_mask` in AttentionMaskInterface; `implementation(config_or_name)` is t
 should run under ("specx_gqa" where HF would run "sdpa", otherwise the name unchanged: Gemma-2's
 soft-capped "eager" stays eager). The result equals HF's `sdpa`/`eager` to rounding (softmax rows
 are independent); without a mask, with per-head masks, soft-capping or position biases it is HF's
-`sdpa_attention_forward` as is. With G = heads / kv_heads > 1 and a mask shared by the heads
+`sdpa_attention_forward` as is; with attention sinks (`s_aux`, gpt-oss) it is gptoss.py's
+`sink_attention_forward`. With G = heads / kv_heads > 1 and a mask shared by the heads
 ((B, 1, Q, K): a tree mask, or the causal mask of a chunk over a cache), `mask_strategy` picks:
 
 - "gqa" (CPU): one SDPA call with `enable_gqa`, backend pinned to the CPU flash kernel, which reads
@@ -198,6 +199,10 @@ def gqa_attention_forward(
     """query (B, H, Q, D), key/value (B, Hkv, K, D) -> ((B, Q, H, D), None), as transformers' sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if kwargs.get("s_aux") is not None:  # gpt-oss's attention sinks join each head's softmax: gptoss.py
+        from offload.arch.gptoss import sink_attention_forward
+
+        return sink_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     b, _heads, q_len, dim = query.shape
     foldable = (

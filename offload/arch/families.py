@@ -9,7 +9,10 @@ the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder l
 Gemma-3 (`gemma3_text`, the text model; the multimodal `gemma3` is refused by name) runs as
 gemma3.py's subclass, whose layers pick their own RoPE base (local or global) from one rotary pass.
 Mixture-of-experts families (`mixtral`, `qwen2_moe`, `qwen3_moe`) run as moe.py's subclasses, whose
-experts are one nn.Linear per stored tensor (HF 5.x fuses them into 3-D parameters).
+experts are one nn.Linear per stored tensor (HF 5.x fuses them into 3-D parameters). gpt-oss
+(`gpt_oss`: alternating sliding/full layers, attention sinks, biased experts with a clamped SwiGLU)
+runs as transformers' own class (its checkpoints store the fused 3-D experts), under gptoss.py's
+sink-aware attention (`attn_implementation` "specx_sinks").
 `window_mask(mask, q_pos, k_pos, window)` puts a sliding window on top of an additive 4-D mask by
 ABSOLUTE positions: HF returns caller-built 4-D (tree) masks unchanged, so without this a
 sliding layer would attend past its window whenever a tree mask is passed.
@@ -25,7 +28,19 @@ import torch
 
 from offload.errors import OffloadError
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+)
 
 
 def causal_lm_class(config):
@@ -55,7 +70,8 @@ def causal_lm_class(config):
 
 @dataclass(frozen=True)
 class Family:
-    attn_implementation: str  # "specx_gqa" (SDPA without repeated K/V), or "eager" where logits are soft-capped
+    attn_implementation: str  # "specx_gqa" (SDPA without repeated K/V), "eager" where logits are soft-capped,
+    # "specx_sinks" (gpt-oss: attention sinks)
     final_softcap: float | None  # Gemma-2 final_logit_softcapping (None = off)
     layer_types: tuple[str, ...]  # per decoder layer: "full_attention" | "sliding_attention"
     sliding_window: int | None  # keys with q_pos - k_pos >= window are masked on sliding layers
@@ -75,17 +91,25 @@ class Family:
             types = ("sliding_attention" if on else "full_attention",) * n
         if "sliding_attention" not in types:
             window = None
-        soft_attn = getattr(config, "attn_logit_softcapping", None)
-        from offload.arch.attention import (
-            implementation,  # "sdpa" runs as the GQA-aware specx_gqa (offload/arch/attention.py)
-        )
-
         return cls(
-            attn_implementation="eager" if soft_attn else implementation("sdpa"),
+            attn_implementation=_attention(config),
             final_softcap=getattr(config, "final_logit_softcapping", None),
             layer_types=types,
             sliding_window=window,
         )
+
+
+def _attention(config) -> str:
+    """The attention implementation a family's layers run under (see Family.attn_implementation)."""
+    if config.model_type == "gpt_oss":
+        from offload.arch.gptoss import implementation as sinks
+
+        return sinks()
+    from offload.arch.attention import (
+        implementation,  # "sdpa" runs as the GQA-aware specx_gqa (offload/arch/attention.py)
+    )
+
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else implementation("sdpa")
 
 
 def window_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) with one parameter per stored tensor.
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) with one parameter per stored tensor.
 
 Contract: `causal_lm_class(model_type)` is a subclass of transformers' *ForCausalLM for a
 `MOE_FAMILIES` type whose parameter names are the checkpoint's tensor names, so the loader binds,
@@ -14,6 +14,7 @@ experts loop: for each expert some token routed to, sum_k w_k * down(act(gate(x)
 that token's row. The router, the shared expert (Qwen2-MoE) and dense MLP layers
 (`mlp_only_layers`, `decoder_sparse_step`) are HF's modules unchanged. Being plain nn.Linear, the
 experts take the same 4-bit substitutions (NF4, packed formats) as any decoder linear.
+gpt-oss checkpoints store the fused 3-D experts themselves: its class is transformers' own (gptoss.py).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from functools import cache
 import torch
 from torch import nn
 
-# model_type -> (HF class, (gate, up, down) linear names as stored, the block's stored name)
+# model_type -> (HF class, (gate, up, down) linear names as stored, the block's stored name);
+# names None: the checkpoint stores the fused 3-D experts themselves, HF's class runs as is (gptoss.py)
 MOE_FAMILIES = {
     "mixtral": ("MixtralForCausalLM", ("w1", "w3", "w2"), "block_sparse_moe"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", ("gate_proj", "up_proj", "down_proj"), "mlp"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", ("gate_proj", "up_proj", "down_proj"), "mlp"),
+    "gpt_oss": ("GptOssForCausalLM", None, "mlp"),
 }
 
 
@@ -97,6 +100,10 @@ def _split_layers(model: nn.Module, model_type: str) -> None:
 def causal_lm_class(model_type: str):
     import transformers
 
+    if MOE_FAMILIES[model_type][1] is None:
+        from offload.arch import gptoss
+
+        return gptoss.causal_lm_class()
     base = getattr(transformers, MOE_FAMILIES[model_type][0])
 
     class PerExpertCausalLM(base):

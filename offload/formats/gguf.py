@@ -64,13 +64,13 @@ class GgufReader:
         readers = [gguf_meta.read_part(p) for p in parts]
         first, head = parts[0], readers[0]
         arch = gguf_meta.value(head, "general.architecture")
+        experts = gguf_meta.value(head, f"{arch}.expert_count")
+        if experts:   # llama.cpp: a Mixtral as `llama`, gpt-oss as `gpt-oss`, experts fused (blk.N.ffn_*_exps)
+            raise OffloadError(f"{first}: a mixture-of-experts GGUF ({experts} experts) is not supported yet; "
+                               "use the model's 16-bit safetensors checkpoint")
         if arch not in GGUF_ARCHS:
             raise OffloadError(f"{first}: GGUF architecture {str(arch)[:40]!r} is not supported; supported: "
                                f"{', '.join(GGUF_ARCHS)}")
-        experts = gguf_meta.value(head, f"{arch}.expert_count")
-        if experts:   # llama.cpp stores a Mixtral as `llama`, its experts fused (blk.N.ffn_*_exps)
-            raise OffloadError(f"{first}: a mixture-of-experts GGUF ({experts} experts) is not supported yet; "
-                               "use the model's 16-bit safetensors checkpoint")
         _check_split(parts, readers)
         if gguf_meta.value(head, "tokenizer.ggml.model") is None or "tokenizer.ggml.tokens" not in head.fields:
             raise OffloadError(f"{first}: no tokenizer in its metadata (tokenizer.ggml.*); re-convert it with "

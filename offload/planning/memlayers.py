@@ -47,6 +47,11 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(config, SafetensorsIndex(root).entries, root)
 
 
+# how a decoder layer's parameters end: linears' and norms' weight/bias, gpt-oss's attention sinks and
+# its fused 3-D experts (`mlp.experts.gate_up_proj` (E, H, 2I), `mlp.experts.down_proj` (E, I, H))
+PARAM_ENDINGS = ("weight", "bias", "self_attn.sinks", "experts.gate_up_proj", "experts.down_proj")
+
+
 def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorEntry]]:
     """Parameters of decoder layer i from the headers (rotary inv_freq buffers and a pre-quantized
     checkpoint's quant-state parts are not parameters). NF4 specs carry the LOGICAL shape: a
@@ -64,7 +69,7 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
             # AWQ/GPTQ/compressed-tensors parts (qweight, scales, ...) stream as stored (formats/qlinear.py)
             out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
             continue
-        if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(("weight", "bias")):
+        if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(PARAM_ENDINGS):
             continue
         q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
         shape = (2 * e.shape[0],) if q and e.dtype == torch.uint8 else tuple(e.shape)
