@@ -147,6 +147,24 @@ def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch
     return model.to(device).eval()
 
 
+def load_small_draft(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
+    """A `--draft DIR`: transformers' own model, or, where that one cannot run specx's tree masks as its
+    config says (`needs_offload_path`: sliding windows, soft-capping, pre-quantized weights; not a
+    GGUF, which transformers dequantizes at load), the offload path with every layer resident, as a
+    target would take it: a sliding-window draft that ignored its window would rarely agree with its target."""
+    if ref.format == "gguf" or not needs_offload_path(ref.path):
+        return load_hf(ref, opts, device, dtype)
+    from offload import DevicePool, OffloadedCausalLM, OffloadError
+
+    if not ref.safe:
+        raise pickle_refused(ref)
+    try:
+        return OffloadedCausalLM.from_pretrained(ref.checkpoint, device=device, dtype=dtype, offload="none",
+                                                 pool=DevicePool(device))
+    except OffloadError as exc:
+        raise SpecxError(str(exc)) from None
+
+
 def load_gguf_hf(ref: ModelRef, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -305,7 +323,7 @@ def load_models(opts: LoadOptions) -> Models:
     if small is not None:
         check_same_vocab(tok, small.tokenizer)
         ddtype = resolve_dtype(draft_dtype_name(opts.dtype, opts.draft_dtype), device)
-        draft = load_hf(small, opts, device, ddtype)
+        draft = load_small_draft(small, opts, device, ddtype)
     from offload import DevicePool
 
     pool = DevicePool(device)   # counts every device byte, per memory-plan component
