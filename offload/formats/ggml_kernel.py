@@ -77,7 +77,8 @@ COST = {
 MAX_ROWS = 32  # activation rows up to which the kernel beats a dense GEMM (SmolLM2 resident, whole passes: T = 16 42 vs 61 ms, T = 32 even)
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")  # built into the same library: the decoder stack, the threads
-HEADERS = ("ggml_blocks.h", "ggml_fast.h", "sx_q8.h")  # included by the kernel: part of the build's hash
+# included by the sources: part of the build's hash
+HEADERS = ("ggml_blocks.h", "ggml_fast.h", "sx_q8.h", "decode_stack.h")
 FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-pthread"],
     ["-O3", "-march=native", "-pthread"],

@@ -1,5 +1,6 @@
 /* decode_stack.c: a Llama decoder stack over GGUF blocks for a few tokens, in one call
 (offload/stream/leanstack.py). Compiled into one library with ggml_gemv.c, whose ggml_gemm it calls.
+Its structs (seg_t, layer_t, lane_t, dims_t), flags and prototype: decode_stack.h.
 
 Contract: decode_stack_lanes(lanes, L, nl, dims, h, nthreads, flags) runs decoder layers [0, nl) in order
 over the hidden states h, in place. For one lane (a sequence: its layer_t array `layers` with its
@@ -37,34 +38,12 @@ pairs over pool.c's workers once the context is long enough to pay for the hand-
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "decode_stack.h"   /* seg_t, layer_t, dims_t, lane_t, the flags */
 
 int ggml_gemm_slice(int, const uint8_t *, const float *, float *, const int32_t *, int64_t, int64_t, int64_t,
                     int64_t, int, int);   /* ggml_gemv.c, on pool.c's workers, into a slice of a wider y */
 void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
 
-typedef struct {                /* one matmul's packed weight, or an unused slot (rows 0) */
-    const uint8_t *w;           /* packed GGUF bytes, (rows, K) */
-    const int32_t *map;         /* HF column (within this segment) of each stored row, or NULL */
-    int32_t type;               /* ggml type id */
-    int64_t rows;               /* output columns */
-} seg_t;
-
-typedef struct {
-    const float *attn_norm, *ffn_norm;                 /* (D) RMSNorm weights */
-    seg_t qkv[3];      /* q|k|v side by side: one segment of all rows when they share a type and lie back
-                          to back (formats/qfuse.py), else q, k and v (a Q4_K_M file's v has more bits) */
-    seg_t o, gu[2], down;                              /* gate|up: one segment, or gate and up */
-    float *k, *v;                                      /* KV slabs (Hkv, cap, hd), rows [0, past) valid */
-    int64_t cap, past;                                 /* slab rows; rows valid before this call */
-} layer_t;
-
-typedef struct {
-    int64_t D, H, Hkv, hd, F;   /* hidden, query heads, KV heads, head dim, MLP width */
-    float eps, scale;           /* RMSNorm epsilon; attention scale (hd^-0.5) */
-} dims_t;
-
-#define MATMULS_ONLY 1           /* flags: only each layer's four matmuls, nothing written to h or the slabs */
-#define ROWWISE 2                /* flags: every matmul row computed as a one-row call does (ggml_gemm_pool_rows) */
 #define ATTN_PAR 2048           /* (head, token) x context rows below which attention stays on one thread */
 
 #define LANES 16
@@ -191,15 +170,6 @@ static int matmuls(int rw, const layer_t *l, const dims_t *d, int64_t T, float *
     return mm(l->qkv, 3, x, qkv, width, D, T, nthreads, rw) || mm(&l->o, 1, a, y, D, qd, T, nthreads, rw)
         || mm(l->gu, 2, x, gu, 2 * F, D, T, nthreads, rw) || mm(&l->down, 1, gu, y, D, F, T, nthreads, rw) ? -1 : 0;
 }
-
-/* One sequence's share of a pass (decode_stack_lanes): its rows of h and its own cache. */
-typedef struct {
-    const layer_t *layers;          /* nl layers: its slabs and past (the weights are lane 0's) */
-    int64_t T;                      /* its tokens: rows [row0, row0 + T) of h */
-    const float *cos, *sin;         /* (T, hd) rotary tables of its positions */
-    const float *mask;              /* (T, mask_cols) additive, or NULL: causal */
-    int64_t mask_cols;
-} lane_t;
 
 /* Decoder layer i over every lane: the row-wise steps (norms, matmuls, SiLU, residuals) over all rows
    at once, each lane's rope, K/V rows and attention over its own slabs and mask. */

@@ -42,6 +42,11 @@ every type but Q6_K, whose pair is (dlo, dhi), m = 0. */
 #define QK 32
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, SX3 = 130, SX2 = 131,
        Q8A = 136 };
+/* GCC's -Wpsabi says a 64-byte vector passed or returned without AVX-512 has another ABI: true across
+   translation units, moot here, where every function taking or returning one is static inline. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
