@@ -1,4 +1,4 @@
-"""Request models (pydantic, strict) and the OpenAI response shapes of `specx serve`.
+"""Request models of `specx serve` (pydantic, strict): a request body checked, or refused with a 400.
 
 Contract: `ChatRequest` and `CompletionRequest` validate a request body: wrong types, out-of-range
 values and unknown roles fail validation (app.py turns that into a 400 in OpenAI's error shape).

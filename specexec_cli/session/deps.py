@@ -1,4 +1,4 @@
-"""Optional dependencies: what a run needs, found before anything loads.
+"""Optional packages (hqq, gguf, bitsandbytes, matplotlib): their extras, checks and install lines.
 
 Contract:
 - `OPTIONAL[module]`: for each optional package a path imports (hqq: the 3- and 2-bit self-draft,

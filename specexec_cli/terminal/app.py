@@ -1,4 +1,6 @@
-"""The `specx` command line (typer). With flags.py (the flag declarations), the only typer importer.
+"""The `specx` command line (typer): its commands, one-line errors and exit codes.
+
+With flags.py (the flag declarations), the only typer importer.
 
 Contract: parses flags into `LoadOptions` / `GenerationConfig`, loads models, drives
 `engine.generate`, streams generated text to stdout and statistics to stderr (via display.py).

@@ -1,6 +1,8 @@
-"""The dry run's tables: the memory plan (`print_plan`: component, where it lives, bytes), then the
-candidate drafts and plain decoding, what bounds the chosen pass, and the chosen draft's tokens/s by
-budget (offload/planning/draftcost.py, passcost.py figures from MemoryPlan.to_json()). Contract:
+"""The dry run's tables: the memory plan, then the candidate drafts and their tokens/s by budget.
+
+The memory plan (`print_plan`: component, where it lives, bytes), then the candidate drafts and
+plain decoding, what bounds the chosen pass, and the chosen draft's tokens/s by budget
+(offload/planning/draftcost.py, passcost.py figures from MemoryPlan.to_json()). Contract:
 `print_plan(plan)` prints them on stdout; `candidates_table(plan)` returns a rich renderable that fits 80
 columns (long cells fold, a draft directory shows its last two path parts); figures a matching
 `specx profile` measured are marked `m`, every other one is modelled."""
