@@ -41,6 +41,7 @@ def test_the_plan_names_what_the_kernel_serves(smollm2, monkeypatch):
         stack=True,
         llama=True,
         stack_rows=ggml_kernel.MAX_ROWS,
+        draft_head_cost=ggml_kernel.COST[ggml_kernel.Q8A],  # its Q8_0 head, as the self-draft reads it
     )
     assert _plan(smollm2, monkeypatch, kernel=False).kernel == dict(
         layers=[], rows=0, head_bytes=0, stack=False, llama=True, stack_rows=ggml_kernel.MAX_ROWS
