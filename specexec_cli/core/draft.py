@@ -8,10 +8,11 @@ prefix and the already-run tree nodes (arXiv 2406.02532, "SpecExec").
 After the call the draft cache holds: prefix + pending + every node with `slot >= 0`, in slot order.
 
 Where the work happens: log-softmax and top-k run where the logits are; per draft forward exactly
-one upload (`kvcache.stage`: ids, positions, the mask's (B, depth) ancestor table and the n-gram
-proposals) and one (B, 2k [+1]) download of scores and token ids (`transfers.to_host`), so the
-bytes per forward do not depend on the vocabulary. The tree itself is a few small host tensors;
-masks are built on the draft's device from the staged ancestor table.
+one upload (ids, positions, the mask's (B, depth) ancestor table and the n-gram proposals) and one
+(B, 2k [+1]) download of scores and token ids (`transfers.to_host`), so the bytes per forward do
+not depend on the vocabulary. The tree itself is a few small host tensors. Every draft forward is
+`draftstep.run`: the rows padded to a bucket, masks built on the draft's device from the staged
+ancestor table in buffers kept per bucket, and on CUDA the pass replayed as a graph.
 
 Scores: without a `Scoring`, a node's score is its cumulative draft log-probability (plain
 SpecExec). With one, it is the cumulative log of the *calibrated* acceptance probability
@@ -35,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specexec_cli.core import constrain, kvcache
+from specexec_cli.core import constrain, draftstep
 from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs
 from specexec_cli.core.transfers import to_host, upload
-from specexec_cli.core.tree import Tree, ancestors, attention_mask, causal_mask, top_budget
+from specexec_cli.core.tree import Tree, ancestors, top_budget
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,8 @@ def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor):
     root's position on the device; `extra` host tensors staged in the same upload)."""
     tokens = torch.tensor(ctx.pending, dtype=torch.long)
     positions = torch.arange(ctx.root_pos - len(ctx.pending) + 1, ctx.root_pos + 1)
-    tokens, positions, *extra = kvcache.stage(draft, tokens, positions, *extra)
-    mask = causal_mask(ctx.n_cached, len(ctx.pending), kvcache.model_dtype(draft), draft.device)
-    return kvcache.forward(draft, cache, tokens, positions, mask)[-1], positions[-1:], extra
+    logits, positions, extra = draftstep.run(draft, cache, tokens, positions, ctx.n_cached, None, *extra, causal=True)
+    return logits[-1], positions[-1:], extra
 
 
 def proposals(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring) -> tuple[list, torch.Tensor | None]:
@@ -323,7 +323,6 @@ def grow_tree(
     if shape.max_depth < 1 or shape.budget < 1:
         return tree
     expand(tree, root, root_logits[None], shape, params, scoring, staged_from(props, first, extra, root_pos + 1, bits))
-    dtype, device = kvcache.model_dtype(draft), draft.device
     # 2) expand the best open nodes, one batched draft forward per step
     for _ in range(shape.max_depth + shape.budget):
         nodes = step_batch(tree, shape)
@@ -333,20 +332,17 @@ def grow_tree(
         bits = grammar.bitmask(nodes.tolist()) if grammar is not None else None  # (B, W) host
         anc = ancestors(tree.parents, nodes)  # (B, D) node ids, all already run
         anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
-        self_cols = base + tree.n_slots + torch.arange(nodes.numel())
-        n_cols = base + tree.n_slots + nodes.numel()
-        # one upload: (B,) ids, (B,) positions, (B, D) ancestor columns, (B,) own columns
-        # [, (B,) proposals][, (B, W) grammar masks]
-        ids, positions, anc_cols, self_cols, *extra = kvcache.stage(
+        # the B nodes' K/V go to cache rows base + n_slots + i (their own mask columns); one upload:
+        # (B,) ids, (B,) positions, (B, D) ancestor columns [, (B,) proposals][, (B, W) grammar masks]
+        logits, positions, extra = draftstep.run(
             draft,
+            cache,
             tree.tokens[nodes],
             ctx.root_pos + tree.depth[nodes],
+            base,
             anc_cols,
-            self_cols,
             *[t for t in (first, bits) if t is not None],
         )
-        mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, device)
-        logits = kvcache.forward(draft, cache, ids, positions, mask)
         tree.mark_run(nodes)
         expand(tree, nodes, logits, shape, params, scoring, staged_from(props, first, extra, positions + 1, bits))
     return tree

@@ -12,6 +12,12 @@ planned cache never reallocates. An unreserved cache (tests, profiling) starts s
 by doubling; a reserved cache that must grow warns once, since the plan under-counted.
 `compact`/`crop` also accept plain DynamicCaches.
 
+Static-shape passes (core/draftstep.py, a pass captured as a CUDA graph): while a SlabCache's
+`write_rows` holds a (T,) device tensor of rows, `update` writes the T new rows there
+(`index_copy_`, no Python int in the kernels) and returns the WHOLE slabs, leaving `length` to the
+caller (`set_length`); the pass's mask covers every slab row. With `write_rows` None (every other
+pass) `update` appends at `length` as above, so those passes are unchanged to the bit.
+
 Shared KV (`SharedCache`, a self-draft's cache): the draft reads the TARGET's K/V for the committed
 prefix and writes its own rows for the tree it grows into the target's slabs just past the target's
 committed rows, which the target's next verify pass overwrites. So the draft never prefills and its
@@ -71,6 +77,11 @@ class SlabLayer(CacheLayerMixin):
         self.owner.reallocations += 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows, keys, values = self.owner.write_rows, self.keys, self.values
+        if rows is not None and keys is not None and values is not None:  # a static-shape pass (reserved slabs):
+            keys.index_copy_(2, rows, key_states)  # (1, H, T, D) new rows at the device rows; whole slabs back
+            values.index_copy_(2, rows, value_states)
+            return keys, values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
@@ -115,6 +126,7 @@ class SlabCache(Cache):
         self.release = lambda *tensors: None  # set by `reserve` when the allocator counts frees
         self.reallocations = 0  # slab regrowths (0 for a correctly planned cache)
         self.warned = False
+        self.write_rows: torch.Tensor | None = None  # (T,) device rows a static-shape pass writes; None = append
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
@@ -164,6 +176,11 @@ class SharedCache(Cache):
         self.target = target
         self.start = 0  # committed rows the draft reads (the latest `follow`); new layers start there
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Rows the draft sees: its layers' length, or the followed start before its first pass."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        return layer.length if isinstance(layer, SlabLayer) else self.start
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.target.layers) <= layer_idx:
             self.target.layers.append(SlabLayer(self.target))
@@ -205,6 +222,50 @@ def reserve(cache, model, rows: int, pool=None, component: str = "kv") -> None:
 
 def cache_len(cache) -> int:
     return cache.get_seq_length()
+
+
+def slab_rows(cache) -> int | None:
+    """Rows of the first layer's K slab (a SlabCache's or a shared one's); None before any allocation
+    or for another cache."""
+    keys = _first_slab(cache)
+    return None if keys is None else int(keys.shape[-2])
+
+
+def slab_ptr(cache) -> int:
+    """Address of the first layer's K slab (0 = none): changes when the slabs are reallocated."""
+    keys = _first_slab(cache)
+    return 0 if keys is None else int(keys.data_ptr())
+
+
+def _first_slab(cache) -> torch.Tensor | None:
+    layer = cache.layers[0] if cache.layers else None
+    if not isinstance(layer, SlabLayer) or not layer.is_initialized:
+        return None
+    return layer.keys
+
+
+def set_length(cache, n: int) -> None:
+    """Every layer holds `n` rows (after a static-shape pass wrote its rows at `write_rows`)."""
+    for layer in cache.layers:
+        if isinstance(layer, SlabLayer):
+            layer.length = n
+
+
+@torch.inference_mode()
+def zero_tail(cache) -> None:
+    """Zero every layer's slab rows past its length: a pass attending over the whole slab (blocked
+    columns included) must not meet the NaN/inf bit patterns of never-written memory (0 * NaN)."""
+    for layer in cache.layers:
+        if isinstance(layer, SlabLayer) and layer.keys is not None and layer.values is not None:
+            layer.keys[:, :, layer.length :].zero_()
+            layer.values[:, :, layer.length :].zero_()
+
+
+def drop_last(cache, rows: int) -> None:
+    """Forget every layer's last `rows` rows (a padded pass's padding): only the lengths move."""
+    if rows > 0:
+        for layer in cache.layers:
+            layer.crop(-rows)
 
 
 def model_dtype(model) -> torch.dtype:
