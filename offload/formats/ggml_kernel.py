@@ -72,8 +72,9 @@ COST = {
     14: 2.06,
     130: 0.63,
     131: 0.70,
-    136: 1.0,
-}  # SX3, SX2 (8-bit activations, kernels/sx_q8.h): bench/sx_kernel.py (gate/up 1536 x 576, T = 1, 1 thread: 0.61-0.63, 0.70)
+    136: 0.21,
+}  # SX3, SX2, Q8A (8-bit activations, kernels/sx_q8.h): bench/sx_kernel.py (gate/up 1536 x 576, T = 1, 1 thread:
+# 0.61-0.63, 0.70 on an earlier machine; bench/results/sx_kernel.json: 0.67, 0.76 and Q8A 0.21, Q8_0 itself 0.79)
 MAX_ROWS = 32  # activation rows up to which the kernel beats a dense GEMM (SmolLM2 resident, whole passes: T = 16 42 vs 61 ms, T = 32 even)
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")  # built into the same library: the decoder stack, the threads
