@@ -266,6 +266,13 @@ _ALL = [
         "tools/openwebui_check.py:table",
     ),
     _block(
+        "cpu-runtime",
+        "bench/cpu_runtime.py",
+        Run("cpu_runtime.json", "--threads 1 --reps 20 --doc"),
+        (PERF,),
+        "bench/cpu_runtime.py:table",
+    ),
+    _block(
         "selfdraft-resident",
         "bench/selfdraft_resident.py",  # under OMP_NUM_THREADS=1
         Run(
