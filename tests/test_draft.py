@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specexec_cli.core import kvcache
+from specexec_cli.core import draftstep, kvcache
 from specexec_cli.core.calibrate import N_BINS, Calibration, chain_feature, draft_feature, observe_pass
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, grow_tree
 from specexec_cli.core.ngram import NgramIndex
@@ -93,3 +93,39 @@ def test_kept_set_is_a_tree_with_calibrated_ngram_scores():
         ok = set(kept.tolist()) | {0}
         assert all(int(tree.parents[n]) in ok for n in kept.tolist())
         assert bool((tree.logp[kept] <= tree.logp[tree.parents[kept]]).all())
+
+
+def test_nodes_no_child_of_which_could_be_kept_are_not_run(monkeypatch):
+    """step_batch leaves unrun the nodes whose best possible child cannot beat the budget-th score: the
+    tree grown is the one every top node's expansion grows (same nodes, same kept set and scores), in
+    fewer draft rows."""
+    import specexec_cli.core.draft as draft_mod
+
+    ids = [3, 4, 5, 6, 3, 4, 5, 7, 3, 4]
+    every = draft_mod.step_batch
+    rows: list[int] = []
+    forward = draftstep.run  # every draft forward of grow_tree
+
+    def counted(model, cache, tokens, *args, **kwargs):
+        rows.append(int(tokens.numel()))
+        return forward(model, cache, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(draftstep, "run", counted)
+    saved = 0
+    for budget, calibrated in ((4, False), (4, True), (8, True), (17, False)):
+        shape = TreeShape(budget=budget, max_depth=10, max_beams=8, max_branch=4)
+        grown = {}
+        for mode in ("all", "useful"):
+            step = (lambda tree, shape, gain=0.0: every(tree, shape, float("inf"))) if mode == "all" else every
+            monkeypatch.setattr(draft_mod, "step_batch", step)
+            scoring = Scoring(cal=Calibration(), ngram=NgramIndex(ids), committed=ids) if calibrated else None
+            rows.clear()
+            tree, _ = grow(scoring, shape, ids)
+            grown[mode] = (tree, sum(rows))
+        (a, rows_all), (b, rows_useful) = grown["all"], grown["useful"]
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        kept = top_budget(a.logp, budget)
+        assert torch.equal(kept, top_budget(b.logp, budget)) and torch.equal(a.logp[kept], b.logp[kept])
+        assert rows_useful <= rows_all
+        saved += rows_all - rows_useful
+    assert saved > 0

@@ -290,11 +290,15 @@ def add_chain(tree: Tree, node: int, chain: list[int], g: int, shape: TreeShape,
         parent = new
 
 
-def step_batch(tree: Tree, shape: TreeShape) -> torch.Tensor:
-    """The best not-yet-run nodes among the current top-`budget`, at most `max_beams` of them."""
+def step_batch(tree: Tree, shape: TreeShape, gain: float = 0.0) -> torch.Tensor:
+    """The best not-yet-run nodes among the current top-`budget`, at most `max_beams` of them. A node
+    whose score + `gain` (the most a child's score can add: 0 for log-probs, the best calibrated
+    log-acceptance) is at most the budget-th best score is not run: no child of it could beat that
+    threshold, which only rises (the budget-th node itself, at least). The tree is the same; one row less."""
     kept = top_budget(tree.logp, shape.budget)
     parent_run = tree.slot[tree.parents[kept].clamp(min=0)] >= 0  # n-gram chain nodes wait for their parent
-    open_ = kept[(tree.slot[kept] < 0) & (tree.depth[kept] < shape.max_depth) & parent_run]
+    useful = tree.logp[kept] + gain > threshold(tree, shape.budget)
+    open_ = kept[(tree.slot[kept] < 0) & (tree.depth[kept] < shape.max_depth) & parent_run & useful]
     if open_.numel() > shape.max_beams:
         best = torch.topk(tree.logp[open_], shape.max_beams).indices
         open_ = torch.sort(open_[best]).values
@@ -323,9 +327,10 @@ def grow_tree(
     if shape.max_depth < 1 or shape.budget < 1:
         return tree
     expand(tree, root, root_logits[None], shape, params, scoring, staged_from(props, first, extra, root_pos + 1, bits))
+    gain = float(scoring.cal.log_accept().max()) if scoring is not None and scoring.cal is not None else 0.0
     # 2) expand the best open nodes, one batched draft forward per step
     for _ in range(shape.max_depth + shape.budget):
-        nodes = step_batch(tree, shape)
+        nodes = step_batch(tree, shape, gain)
         if nodes.numel() == 0:
             break
         props, first = proposals(tree, nodes, shape, scoring)
