@@ -197,6 +197,9 @@ static void sxq_worker(void *p, int ith, int nth) {
     for (int64_t n = lo; n < hi; n++) {
         const uint8_t *row = a->w + (size_t)n * rb;
         int64_t ycol = a->rowmap ? a->rowmap[n] : n;
+        /* the row AHEAD bytes on, a line at a time: weights streamed from DRAM (46 MB of a draft's
+           forward) ran at 2.4 GB/s a thread without it, 5.7 from cache */
+        for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(row + AHEAD + off, 0, 0);
         for (int64_t t0 = 0; t0 < a->T; t0 += TB) {
             switch (a->T - t0 < TB ? a->T - t0 : TB) {
             SXQ_TILE(1) SXQ_TILE(2) SXQ_TILE(3) SXQ_TILE(4) SXQ_TILE(5) SXQ_TILE(6) SXQ_TILE(7)
