@@ -186,3 +186,42 @@ def test_self_draft_of_blocks_runs_on_its_stack_and_is_lossless(target, tmp_path
         assert res.exit_code == 0, res.output
         got[name] = json.loads(stats.read_text())
     assert got["self"]["token_ids"] == got["ar"]["token_ids"]
+
+
+def test_sibling_blocks_are_one_buffer_and_one_stack_call(target, tmp_path, monkeypatch):
+    """q|k|v and gate|up of a 3-bit substitute lie back to back in one buffer (lowbit._place_blocks), so the
+    stack multiplies each set in one call; every logit equals the stack's with each linear a call of its own."""
+    pytest.importorskip("hqq")
+    from offload import OffloadedCausalLM
+    from offload.formats.qfuse import unfuse
+    from offload.selfdraft.build import build_self_draft
+    from offload.stream.leanstack import LeanStack
+    from specexec_cli.core import kvcache
+
+    monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
+    t = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", max_host_memory=0)
+    d = build_self_draft(t, bits=3)
+    try:
+        at = d.layers[0].self_attn
+        assert at.q_proj.group is not None and at.q_proj.group is at.v_proj.group
+        assert at.k_proj.packed.data_ptr() == at.q_proj.packed.data_ptr() + at.q_proj.packed.numel()
+        s = d.lean.structs[0]
+        assert s.qkv[0].rows == sum(m.out_features for m in (at.q_proj, at.k_proj, at.v_proj)) and s.qkv[1].rows == 0
+        assert s.gu[1].rows == 0
+        ids = torch.tensor([[5, 9, 2, 7, 1]])
+
+        def logits():
+            cache = kvcache.new_cache()
+            kvcache.reserve(cache, d, 16)
+            with torch.inference_mode():
+                return d(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+        fused = logits()
+        for layer in d.layers:
+            unfuse(layer)
+        d.lean = LeanStack.build(d)
+        assert d.lean.structs[0].qkv[1].rows > 0  # three calls now
+        assert torch.equal(logits(), fused)
+    finally:
+        d.close()
+        t.close()

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError, OffloadNotice
+from offload.formats.qfuse import SIBLINGS, fuse_siblings
 from offload.formats.qlinear import PackedLinear
 from offload.quant.fused import kernel_choice
 from offload.quant.lowbit_pack import BLOCKS, TYPE_OF_BITS, KernelLowbitLinear, pack
@@ -287,8 +288,8 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
         if isinstance(mod, (nn.Linear, PackedLinear)):
             bias = tensors.get(f"{name}.bias")
             shape = (mod.out_features, mod.in_features)
-            if bias is None and blocks_serve(shape, bits, device, compute):  # the kernel's blocks, read directly
-                sub = KernelLowbitLinear(put(_blocks(tensors, name, bits, shape)), TYPE_OF_BITS[bits], *shape)
+            if bias is None and blocks_serve(shape, bits, device, compute):  # the kernel's blocks (placed below)
+                sub = KernelLowbitLinear(_blocks(tensors, name, bits, shape), TYPE_OF_BITS[bits], *shape)
             else:
                 sub = LowbitLinear(
                     put(tensors[f"{name}.W_q"]),
@@ -305,7 +306,40 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
             owner, _, leaf = name.rpartition(".")
             mod = skeleton.get_submodule(owner) if owner else skeleton
             setattr(mod, leaf, nn.Parameter(put(tensors[name], compute), requires_grad=False))
+    _place_blocks(skeleton, put)
     return skeleton
+
+
+def _place_blocks(layer: nn.Module, put: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Put the layer's kernel blocks on the device: each sibling set (q|k|v, gate|up: qfuse.SIBLINGS) of
+    one type and input width as ONE buffer, its members' rows back to back in member order and each
+    member a view of its own, so the one-call stack multiplies a set in one call over one 8-bit image
+    of the input (a qfuse.FusedGroup: 4 matmuls a layer, not 7; every output row the same dot product);
+    every other block set its own buffer. The device bytes are the same either way."""
+    placed = set()
+    for names in SIBLINGS:
+        mods = [layer.get_submodule(n) for n in names if _has(layer, n)]
+        if len(mods) < 2 or not all(isinstance(m, KernelLowbitLinear) for m in mods):
+            continue
+        if len({(m.ggml_type, m.in_features) for m in mods}) != 1:
+            continue
+        flat = put(torch.cat([m.packed.reshape(-1) for m in mods]))
+        at = 0
+        for m in mods:
+            m.packed, at = flat[at : at + m.packed.numel()], at + m.packed.numel()
+            placed.add(id(m))
+    for m in layer.modules():
+        if isinstance(m, KernelLowbitLinear) and id(m) not in placed:
+            m.packed = put(m.packed)
+    fuse_siblings(layer)
+
+
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _blocks(tensors: dict, name: str, bits: int, shape: tuple[int, int]) -> torch.Tensor:
