@@ -122,6 +122,15 @@ def _compile(cc: str, srcs: list[str], flags: list[str], out: Path) -> bool:
             os.unlink(tmp)
 
 
+def _compile_texts(cc: str, texts: dict[str, str], mains: list[str], flags: list[str], out: Path) -> bool:
+    """`_compile` from exactly the texts the build's name was hashed from, written to a temporary
+    folder: a source edited while the compiler runs can never land under this name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in texts.items():
+            Path(tmp, name).write_text(text)
+        return _compile(cc, [str(Path(tmp, n)) for n in mains], flags, out)
+
+
 def sources_of(main: Path) -> list[Path]:
     """The C files the library is built from: the kernel `main` and its COMPANIONS beside it."""
     return [main, *(main.with_name(n) for n in COMPANIONS)]
@@ -135,7 +144,8 @@ def _load() -> ctypes.CDLL | None:
         return None
     try:
         sources = sources_of(SOURCE)
-        src = "".join(f.read_text() for f in [*sources, *(SOURCE.with_name(h) for h in HEADERS)])
+        texts = {f.name: f.read_text() for f in [*sources, *(SOURCE.with_name(h) for h in HEADERS)]}
+        src = "".join(texts.values())
     except OSError:
         _STATE["broken"] = f"{SOURCE.name} is missing from the installation; GGUF linears dequantize instead"
         return None
@@ -144,7 +154,7 @@ def _load() -> ctypes.CDLL | None:
         key = hashlib.sha256((base + " ".join(flags)).encode()).hexdigest()[:16]
         out = cache_root() / "kernels" / f"ggml_gemv-{key}.so"
         try:
-            if out.exists() or _compile(cc, [str(f) for f in sources], flags, out):
+            if out.exists() or _compile_texts(cc, texts, [f.name for f in sources], flags, out):
                 lib = ctypes.CDLL(str(out))
                 for fn in (lib.ggml_gemm, lib.ggml_gemm_pool, lib.ggml_gemm_pool_rows):
                     fn.restype = ctypes.c_int
