@@ -208,7 +208,11 @@ def test_an_open_webui_title_request_without_json_ends_early(server):
     assert "{" not in res["choices"][0]["message"]["content"]
     # the pass that crosses OPEN_WITHIN ends it (the demo pair's passes accept several draft tokens, up
     # to the tree budget --budget auto picks from this machine's timings: the cap may cut that pass)
-    assert limits.OPEN_WITHIN <= res["usage"]["completion_tokens"] <= TASK_CAPS["title"], res["usage"]
+    n = res["usage"]["completion_tokens"]
+    assert limits.OPEN_WITHIN <= n <= TASK_CAPS["title"], res["usage"]
+    if n == TASK_CAPS["title"]:  # that pass reached the cap too: the cap is what the reply reports
+        assert res["choices"][0]["finish_reason"] == "length", res
+        return
     assert res["choices"][0]["finish_reason"] == "stop" and res["specx"]["stopped_by"] == "no_json"
     assert access_line(server, rid).endswith(" finish=stop:no_json task=title")
     _, _, plain = post(server, {"messages": ASK, "max_tokens": 60, "temperature": 0, **NO_GUARD})
