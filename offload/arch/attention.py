@@ -48,14 +48,21 @@ _PREPARED: dict = {}  # (id(mask), groups, dtype) -> (weakref to the source mask
 
 def register() -> str:
     """Make NAME known to transformers (attention and mask interfaces); returns NAME."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import sdpa_mask
 
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, gqa_attention_forward)
-    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+    return register_as(NAME, gqa_attention_forward, sdpa_mask)
+
+
+def register_as(name: str, forward, mask) -> str:
+    """Make `name` known to transformers, once: `forward` its attention function, `mask` its mask builder."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, forward)
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(name, mask)
+    return name
 
 
 def implementation(name: str) -> str:

@@ -38,14 +38,11 @@ def causal_lm_class():
 
 def register() -> str:
     """Make NAME known to transformers (attention and mask interfaces); returns NAME."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask
+    from transformers.masking_utils import eager_mask
 
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, sink_attention_forward)
-    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(NAME, eager_mask)
-    return NAME
+    from offload.arch.attention import register_as
+
+    return register_as(NAME, sink_attention_forward, eager_mask)
 
 
 def implementation() -> str:
