@@ -125,7 +125,7 @@ def run_specx(models, ids: list[int], max_new: int, budget: str) -> dict:
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
     from specexec_cli.core.stats import LinkMeter, RunStats
-    from specexec_cli.tools.profiler import find_profile
+    from specexec_cli.session.profiles import find_profile
 
     method = "ar" if budget == "ar" else "specexec"
     shape = TreeShape(budget=64 if budget in ("ar", "auto") else int(budget), max_depth=64)

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from specexec_cli.core.budget import candidate_budgets, make_tuner
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.errors import SpecxError
+from specexec_cli.session import profiles
 from specexec_cli.terminal.app import app
 from specexec_cli.tools import profiler
 
@@ -72,7 +73,7 @@ def test_profile_with_models_writes_a_valid_profile(tiny_pair, tmp_path, xdg):
     assert "recommended" in res.stderr and "--budget" in res.stderr  # the table
     # the last profile written on this machine is what run/chat pick up without --profile
     assert json.loads((xdg / "specx" / "profiles" / "last.json").read_text())[socket.gethostname()] == str(out)
-    assert profiler.find_profile(None)["created"] == prof["created"]
+    assert profiles.find_profile(None)["created"] == prof["created"]
     assert make_tuner(prof, TreeShape(64, 64), False).timing.source == "profile"
 
 
@@ -80,7 +81,7 @@ def test_hardware_only_profile_goes_to_the_per_machine_path(xdg):
     res = CliRunner().invoke(app, ["profile", "--disk-mb", "4", "--no-live"])
     assert res.exit_code == 0, res.stderr
     path = xdg / "specx" / "profiles" / f"{socket.gethostname()}.json"
-    prof = profiler.read_profile(path)
+    prof = profiles.read_profile(path)
     assert prof["models"] is None and prof["recommended"]["timing"] == "prior"
     mem = prof["device_memory"]["cpu"]  # one large host copy: read + write bytes over its time
     assert mem["gbps"] > 0 and mem["bytes"] > 0 and mem["method"] == "copy_ read + write"
@@ -91,12 +92,12 @@ def test_bad_profiles_are_one_line_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "specx-profile", "version": 99}))
     with pytest.raises(SpecxError, match="re-run `specx profile`"):
-        profiler.read_profile(bad)
+        profiles.read_profile(bad)
     with pytest.raises(SpecxError, match="not found"):
-        profiler.read_profile(tmp_path / "missing.json")
+        profiles.read_profile(tmp_path / "missing.json")
     (tmp_path / "junk.json").write_text("{")
     with pytest.raises(SpecxError, match="unreadable"):
-        profiler.read_profile(tmp_path / "junk.json")
+        profiles.read_profile(tmp_path / "junk.json")
     res = CliRunner().invoke(app, ["profile", "--draft", "x"])
     assert res.exit_code == 2 and "--draft given without --target" in res.stderr and "Traceback" not in res.stderr
 
@@ -105,7 +106,7 @@ def test_reference_profile_is_valid():
     from pathlib import Path
 
     ref = Path(__file__).resolve().parents[1] / "profiles" / "reference-cpu.json"
-    prof = profiler.read_profile(ref)
+    prof = profiles.read_profile(ref)
     assert set(prof) >= REQUIRED
     assert make_tuner(prof, TreeShape(64, 64), False).timing.source == "profile"
 

@@ -240,6 +240,7 @@ def profile(
     no_live: NoLive = False,
 ) -> None:
     """Measure this machine (CPU, RAM, GPUs, disk, matmul) and, with --target, the models; write a profile."""
+    from specexec_cli.session.profiles import write_profile
     from specexec_cli.tools import profiler
 
     with user_errors():
@@ -271,7 +272,7 @@ def profile(
             node_cal = cal.get("node")
             models_part.update(dtype=dtype, offload=offload)
         prof = profiler.build_profile(hardware, models_part, profiler.recommend(models_part), node_cal)
-        path = profiler.write_profile(prof, out)
+        path = write_profile(prof, out)
         display.print_profile(prof)
         display.print_notice(f"wrote {path}")
 

@@ -20,17 +20,7 @@ from pathlib import Path
 
 import torch
 
-from specexec_cli.session.profiles import (  # noqa: F401 - the store `specx profile` writes to
-    SCHEMA,
-    VERSION,
-    config_dir,
-    default_profile_path,
-    find_profile,
-    link_peak,
-    read_profile,
-    validate_profile,
-    write_profile,
-)
+from specexec_cli.session.profiles import SCHEMA, VERSION
 
 CHUNK = 8 << 20  # disk read size: large enough to reach sequential bandwidth
 DEQUANT_SHAPE = (1024, 1024)  # the weight the dequantization probe rebuilds
