@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli.terminal.app import DEMO_DIR, app
+from specexec_cli.session.options import DEMO_DIR
+from specexec_cli.terminal.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not (DEMO_DIR / "target" / "config.json").exists(), reason="demo pair not installed")

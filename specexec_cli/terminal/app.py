@@ -29,9 +29,8 @@ from specexec_cli.terminal.flags import (  # the flag declarations
     MODELS, MaxDepth, MaxGpu, MaxNew, MaxRam, NoLive, NoTemplate, OUTPUT, Offload, ProfileOpt, Seed, StatsJson,
     Target, TrustRemote, model_flags,
 )
-from specexec_cli.session.options import (  # noqa: F401 - DEMO_DIR and the helpers are part of cli's API
-    DEMO_DIR, ModelFlags, config_record, generation_config, hardware_fit, is_demo, load_planned, plan_for_cli,
-    prompt_text, show_plan,
+from specexec_cli.session.options import (
+    ModelFlags, config_record, hardware_fit, is_demo, load_planned, plan_for_cli, prompt_text, show_plan,
 )
 from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oom, oom_error
 from specexec_cli.session import notices
@@ -314,7 +313,7 @@ def bench(
         with display.LoadProgress(live) as progress:
             models = load_planned(opts, plan, progress)
         ids = [encode_prompt(models.tokenizer, t, not no_chat_template) for t in texts]
-        with display.BenchProgress(live) as progress:
+        with display.LoadProgress(live) as progress:
             records = bench_mod.run_bench(models, ids, grid, progress)
         display.print_bench_table(records)
         display.print_notice(bench_mod.save(out, records))

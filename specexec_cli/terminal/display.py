@@ -269,7 +269,8 @@ def print_info(message: str) -> None:
 
 
 class LoadProgress:
-    """A Rich progress bar on stderr for model loading / quantizing; a callable(done, total, what).
+    """A Rich progress bar on stderr for model loading, quantizing and `specx bench`'s cells; a
+    callable(done, total, what).
 
     Disabled (a no-op callable) when `enabled` is false, e.g. stderr is not a terminal.
     """
@@ -344,10 +345,6 @@ def print_profile(profile: dict) -> None:
                       f"(~{rec['expected_tokens_per_pass']} tokens/pass with the prior acceptance curve, "
                       f"{rec['timing']} timings)")
     stderr_console().print(table)
-
-
-class BenchProgress(LoadProgress):
-    """`specx bench` progress: bar, cells done/total, elapsed and ETA; a callable(done, total, what)."""
 
 
 BENCH_COLUMNS = ("T", "budget", "method", "tok/pass", "tok/s", "draft", "target", "tree", "= ar")
