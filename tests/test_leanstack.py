@@ -189,6 +189,24 @@ def test_streamed_layers_run_on_the_stack_equal_to_hf_layers(tiny, monkeypatch):
     assert ids[0] == ids[1]
 
 
+def test_streamed_layers_through_a_ring_smaller_than_the_stack(tiny, monkeypatch):
+    """Two staging buffers for three streamed layers: a layer arrives in a different buffer from one pass
+    to the next, and the weight pointers the stack keeps per (layer, buffer) (LeanStack._bound) and the
+    parameter views the model keeps (OffloadedCausalLM._bind) are the right ones every pass: the logits
+    and K/V rows of HF's layers over the same bytes."""
+    model = _load(tiny, offload="disk", max_host_memory=0, host_slots=2)
+    try:
+        assert model.store.host_slots == 2 and len(model.plan.streamed) == 3
+        hf, hf_rows, _ = _passes(model, monkeypatch, on=False)
+        st, st_rows, st_calls = _passes(model, monkeypatch, on=True)
+        buffers = set(model.lean._filled)   # (layer, buffer address) pairs the stack has seen
+    finally:
+        model.close()
+    assert st_calls == 4 and len(buffers) == 6   # each of the 3 layers through both buffers
+    for a, b in zip(hf + hf_rows, st + st_rows):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 def _plan(path, offload: str):
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.session.loading import LoadOptions

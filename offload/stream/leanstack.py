@@ -57,6 +57,9 @@ class _Layer(ctypes.Structure):   # decode_stack.c's layer_t, field for field
                 ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("past", ctypes.c_int64)]
 
 
+_WEIGHT_BYTES = _Layer.k.offset   # layer_t's weight fields come first: norms, then the matmuls' segments
+
+
 class _LaneT(ctypes.Structure):   # decode_stack.c's lane_t
     _fields_ = [("layers", ctypes.c_void_p), ("T", ctypes.c_int64), ("cos", ctypes.c_void_p),
                 ("sin", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("mask_cols", ctypes.c_int64)]
@@ -209,6 +212,7 @@ class LeanStack:
         dense = any(getattr(m, "dense", None) is not None for layer in model.layers for m in layer.modules())
         self.max_rows = ggml_kernel.MAX_ROWS if dense else STACK_ROWS
         self.spare: list = []                       # layer_t arrays of the lanes beyond the first (run)
+        self._filled: dict[tuple[int, int], tuple] = {}   # (streamed layer, buffer) -> (its layer_t, parts)
 
     @classmethod
     def build(cls, model) -> LeanStack | None:
@@ -282,14 +286,25 @@ class LeanStack:
         base, size = ctypes.addressof(self.structs), ctypes.sizeof(_Layer)
         for i in layers:
             if i in self.streamed:
-                parts = _layer_parts(modules[i])
-                if parts is None:
-                    raise RuntimeError(f"streamed decoder layer {i} is not kernel-served once bound")
-                _fill(self.structs[i], parts)
+                ctypes.memmove(base + i * size, ctypes.addressof(self._bound(i, modules[i])), _WEIGHT_BYTES)
             lanes[0].layers = base + i * size   # this layer alone: its layer_t is the lane's layer 0
             self._call(lanes, 1, 1, flat, 0)
         self._advance(keep, [(h,)])
         return flat[None]
+
+    def _bound(self, i: int, layer) -> _Layer:
+        """A layer_t holding streamed layer i's weight pointers as bound now. Filled once per staging buffer
+        (told apart by its q_proj bytes' address): a layer's layout is fixed, so the same buffer gives the
+        same pointers every pass, and `stream` copies only the weight fields (not k, v, cap, past)."""
+        key = (i, _packed(layer.self_attn.q_proj)[0].data_ptr())
+        if key not in self._filled:
+            parts = _layer_parts(layer)
+            if parts is None:
+                raise RuntimeError(f"streamed decoder layer {i} is not kernel-served once bound")
+            filled = _Layer()
+            _fill(filled, parts)
+            self._filled[key] = (filled, parts)   # parts: the tensors its pointers name stay alive
+        return self._filled[key][0]
 
     def _lanes(self, jobs: list):
         """decode_stack.c's lane_t array for `jobs` (each lane's slab pointers and past written into its

@@ -85,6 +85,7 @@ class OffloadedCausalLM(nn.Module):
         self.pool, self.store = w.pool, w.store
         self.stats = OffloadStats()
         self._bindings = [self._binding_table(layer) for layer in self.layers]
+        self._views: dict[tuple[int, int], list] = {}  # (layer, buffer address) -> its parameters' views
         for i, (buf, layout) in [*w.pinned.items(), *w.resident.items()]:
             self._bind(i, buf, layout)
         for i in self.plan.dense:  # resident packed linears: dequantized once, counted in the pool
@@ -236,10 +237,19 @@ class OffloadedCausalLM(nn.Module):
         return table
 
     def _bind(self, i: int, buf: torch.Tensor, layout) -> None:
-        """Point layer i's parameters that `layout` holds at views into `buf` (no copy)."""
-        for mod, attr, name in self._bindings[i]:
-            if name in layout.slices:
-                mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
+        """Point layer i's parameters that `layout` holds at views into `buf` (no copy). The views of one
+        (layer, buffer) pair are made once: a streamed layer comes back to the same few staging slots, and
+        its layout never changes, so a later pass re-points the parameters at the same view objects."""
+        key = (i, buf.data_ptr())
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [
+                (mod, attr, nn.Parameter(layout.view(buf, name), requires_grad=False))
+                for mod, attr, name in self._bindings[i]
+                if name in layout.slices
+            ]
+        for mod, attr, param in views:
+            mod._parameters[attr] = param
 
     def _layer_stream(self):
         """All layers in order: resident ones as-is, streamed ones from the prefetcher."""
