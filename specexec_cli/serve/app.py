@@ -148,11 +148,13 @@ class Format:
         self.where = "POST /v1/" + ("chat/completions" if chat else "completions")  # the route, for log lines
 
     def _chunk(self, content, finish=None, specx=None, usage=None, role=False, logprobs=None, delta=None):
+        """A streamed chunk; content (chat: and delta) None = the usage chunk."""
         head = (self.rid, self.created, self.model)
         if not self.chat:
             lp = shapes.completion_logprobs(logprobs, self.offset)
             self.offset += len(content or "")
-            return shapes.completion_chunk(*head, content, finish, specx, usage, self.usage, lp)
+            choice = None if content is None else shapes.completion_choice(content, finish, lp)
+            return shapes.envelope("text_completion", *head, choice, specx, usage, self.usage)
         if delta is None and content is not None:
             delta = (
                 {"role": "assistant", "content": content}
@@ -161,7 +163,8 @@ class Format:
                 if content or not finish
                 else {}
             )
-        return shapes.chat_chunk(*head, delta, finish, specx, usage, self.usage, logprobs)
+        choice = None if delta is None else shapes.chat_choice("delta", delta, finish, logprobs)
+        return shapes.envelope("chat.completion.chunk", *head, choice, specx, usage, self.usage)
 
     def opening(self) -> list[dict]:
         idle = {
@@ -191,10 +194,13 @@ class Format:
 
     def body(self, item: Done) -> dict:
         finish = "length" if item.finish == "cancelled" else item.finish
-        head = (self.rid, self.created, self.model, item.text, finish, item.usage, item.specx)
+        head = (self.rid, self.created, self.model)
         if self.chat:
-            return shapes.chat_body(*head, item.tool_calls, item.logprobs)
-        return shapes.completion_body(*head, item.logprobs)
+            message = shapes.chat_message(item.text, item.tool_calls)
+            choice = shapes.chat_choice("message", message, finish, item.logprobs)
+            return shapes.envelope("chat.completion", *head, choice, item.specx, item.usage)
+        choice = shapes.completion_choice(item.text, finish, shapes.completion_logprobs(item.logprobs, 0))
+        return shapes.envelope("text_completion", *head, choice, item.specx, item.usage)
 
 
 async def answer(worker, fmt: Format, req, request: Request, keepalive: float, on_done=None):

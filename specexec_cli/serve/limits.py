@@ -10,7 +10,7 @@ front ends send 1000 or no max_tokens for a reply of a few dozen tokens. `guard_
 says whether the repetition guard watches the request: its `specx.repetition_guard` when it sends
 one, else the server's switch, off for a request that asks for greedy decoding (temperature 0: the
 exact output of the target alone). `RepetitionGuard.feed(tokens)` is true once the reply's last
-tokens repeat one span RULE describes; the worker then ends the reply ("stop"). `TaskAnswer.feed(text,
+tokens repeat one span (the guard's rule, below); the worker then ends the reply ("stop"). `TaskAnswer.feed(text,
 tokens)` watches a background task's reply: true once its first JSON object has closed ("json_end")
 or when none has opened within OPEN_WITHIN tokens ("no_json"); the worker then ends it ("stop"). Open
 WebUI reads a task's answer as the text from its first "{" to its last "}" (without one it falls
@@ -53,7 +53,6 @@ TASK_CAPS = {
 # near-greedy decoding; a reply shorter than MIN_RUN tokens is never cut.
 MAX_PERIOD, MIN_REPEATS, MIN_RUN = 256, 4, 64
 OPEN_WITHIN = 48  # tokens: "Here are the follow-ups:\n```json\n{" is about 12
-RULE = f"a span of up to {MAX_PERIOD} tokens repeated {MIN_REPEATS}+ times in a row, {MIN_RUN}+ tokens in all"
 
 
 def task_of(work: Work) -> str | None:
@@ -91,8 +90,9 @@ def guard_on(work: Work, server: bool) -> bool:
 
 
 class RepetitionGuard:
-    """Watches a reply's tokens for RULE. `run[p]` counts the trailing tokens that equal the token p
-    before them, so each new token costs MAX_PERIOD comparisons, whatever the reply's length."""
+    """Watches a reply's tokens for the guard's rule (above). `run[p]` counts the trailing tokens that
+    equal the token p before them, so each new token costs MAX_PERIOD comparisons, whatever the
+    reply's length."""
 
     def __init__(self, max_period: int = MAX_PERIOD, repeats: int = MIN_REPEATS, min_run: int = MIN_RUN):
         self.max_period, self.repeats, self.min_run = max_period, repeats, min_run
@@ -103,7 +103,7 @@ class RepetitionGuard:
         self.fired = False
 
     def feed(self, tokens) -> bool:
-        """Add the reply's next tokens; True once (and after) its tail repeats as RULE says."""
+        """Add the reply's next tokens; True once (and after) its tail repeats as the rule says."""
         for token in tokens:
             self.ids.append(int(token))
             n = len(self.ids) - 1

@@ -157,7 +157,6 @@ class Scheduler:
         self.arrivals = 0  # open() calls (the default arrival order)
         self.expected: set[int] = set()  # seqs taken by the caller, not opened yet: later ones wait for them
         self.pauses = 0  # lanes paused for a streamed request
-        self.copies = 0  # prompt prefixes copied from another sequence instead of prefilled
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
     @property
@@ -352,7 +351,6 @@ class Scheduler:
         j, rows = donor(self.slots, i, want)
         if j >= 0:
             copy_prefix(self.slots[j].state, slot.state, rows, self.models)
-            self.copies += 1
         return self.session.prefill_ids(want, slot.state, save=False)
 
     def _reset(self, i: int) -> None:

@@ -15,7 +15,6 @@ says); Open WebUI's background tasks get limits.TASK_CAPS and the repetition gua
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import warnings
 from dataclasses import dataclass, field
@@ -56,15 +55,6 @@ def check_options(o: ServeOptions) -> None:
     for origin in o.cors:
         if origin != "*" and not origin.startswith(("http://", "https://")):
             raise SpecxError(f"--cors {origin!r}: pass an origin such as http://localhost:3000 (or *)")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -151,7 +141,9 @@ def run_server(flags, o: ServeOptions) -> int:
     if flags.dry_run:
         show_plan(plan, None)
         return 0
-    if not is_loopback(o.host) and not o.api_key:
+    from specexec_cli.serve.guards import is_loopback_name
+
+    if not is_loopback_name(o.host.strip("[]").lower()) and not o.api_key:
         notices.notice(
             f"warning: listening on {o.host} without --api-key: anyone who can reach this "
             "port can use the model; pass --api-key KEY (or set SPECX_API_KEY)"

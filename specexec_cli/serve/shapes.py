@@ -1,11 +1,12 @@
 """The OpenAI response shapes of `specx serve`: bodies, streamed chunks, usage, logprobs.
 
-Contract: pure functions from a reply's parts to the exact dicts OpenAI's API returns, each with
-the `specx` extension field when given: `chat_body`/`chat_chunk` (`chat.completion[.chunk]`, with
-`message.tool_calls` / `delta.tool_calls` and `logprobs.content`), `completion_body`/
-`completion_chunk` (`text_completion`, logprobs as tokens, token_logprobs, top_logprobs,
-text_offset). A reply's logprobs travel as chat-style entries (`token_entry`); `completion_logprobs`
-converts a run of them. A chunk without a choice is the `stream_options.include_usage` chunk.
+Contract: pure functions from a reply's parts to the exact dicts OpenAI's API returns. `envelope`
+wraps one choice into a body or a streamed chunk of either endpoint (`chat.completion[.chunk]`,
+`text_completion`), with the `specx` extension field when given; a chunk without a choice is the
+`stream_options.include_usage` chunk. The choices: `chat_choice` (a `message`, see `chat_message`,
+with its `tool_calls`, or a `delta`; `logprobs.content`) and `completion_choice` (logprobs as
+tokens, token_logprobs, top_logprobs, text_offset). A reply's logprobs travel as chat-style entries
+(`token_entry`); `completion_logprobs` converts a run of them.
 """
 
 from __future__ import annotations
@@ -51,34 +52,7 @@ def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
     }
 
 
-def chat_body(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish: str,
-    usage: dict,
-    specx: dict,
-    tool_calls: list[dict] | None = None,
-    logprobs: list[dict] | None = None,
-) -> dict:
-    message = {"role": "assistant", "content": text if text or not tool_calls else None, "refusal": None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [choice],
-        "usage": usage,
-        "specx": specx,
-    }
-
-
-def _chunk(
+def envelope(
     obj: str,
     rid: str,
     created: int,
@@ -86,10 +60,11 @@ def _chunk(
     choice: dict | None,
     specx: dict | None,
     usage: dict | None,
-    with_usage: bool,
+    with_usage: bool = True,
 ) -> dict:
-    """One streamed chunk of either endpoint; choice None = the usage chunk (no choices)."""
-    chunk = {
+    """A body or streamed chunk of either endpoint (`obj`: its OpenAI object name); choice None = the
+    usage chunk (no choices). `usage` goes in with `with_usage`, `specx` when given."""
+    out = {
         "id": rid,
         "object": obj,
         "created": created,
@@ -98,67 +73,25 @@ def _chunk(
         "choices": [] if choice is None else [choice],
     }
     if with_usage:
-        chunk["usage"] = usage
+        out["usage"] = usage
     if specx is not None:
-        chunk["specx"] = specx
-    return chunk
+        out["specx"] = specx
+    return out
 
 
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict | None,
-    finish: str | None = None,
-    specx: dict | None = None,
-    usage: dict | None = None,
-    with_usage: bool = False,
-    logprobs: list[dict] | None = None,
-) -> dict:
-    """A chat.completion.chunk; delta None = the usage chunk (no choices)."""
-    choice = (
-        None
-        if delta is None
-        else {"index": 0, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
-    )
-    return _chunk("chat.completion.chunk", rid, created, model, choice, specx, usage, with_usage)
+def chat_message(text: str, tool_calls: list[dict] | None) -> dict:
+    """The assistant message of a chat body (content None when the reply is only tool calls)."""
+    message = {"role": "assistant", "content": text if text or not tool_calls else None, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
 
 
-def completion_body(
-    rid: str,
-    created: int,
-    model: str,
-    text: str,
-    finish: str,
-    usage: dict,
-    specx: dict,
-    logprobs: list[dict] | None = None,
-) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": completion_logprobs(logprobs, 0), "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [choice],
-        "usage": usage,
-        "specx": specx,
-    }
+def chat_choice(key: str, value: dict, finish: str | None, logprobs: list[dict] | None) -> dict:
+    """A chat choice: `key` "message" (a body) or "delta" (a streamed chunk)."""
+    return {"index": 0, key: value, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
 
 
-def completion_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    text: str | None,
-    finish: str | None = None,
-    specx: dict | None = None,
-    usage: dict | None = None,
-    with_usage: bool = False,
-    logprobs: dict | None = None,
-) -> dict:
-    """A streamed text_completion; text None = the usage chunk (no choices). `logprobs` is already
-    in completions' shape (the offsets run over the whole stream)."""
-    choice = None if text is None else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return _chunk("text_completion", rid, created, model, choice, specx, usage, with_usage)
+def completion_choice(text: str, finish: str | None, logprobs: dict | None) -> dict:
+    """A text_completion choice; `logprobs` is already in completions' shape (completion_logprobs)."""
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -15,7 +15,7 @@ it waits in the scheduler) and stops a running one after the current target pass
 (SIGINT/SIGTERM) stops the running ones likewise and refuses the queued ones (503); the caches stay
 consistent. A request's length is limits.reply_limit's: its max_tokens, else `max_new_tokens`
 (None: to EOS or the context end), at most limits.TASK_CAPS for a background task with
-`task_caps`; with `repetition_guard` a reply that repeats one span (limits.RULE) ends "stop", its
+`task_caps`; with `repetition_guard` a reply that repeats one span (limits.py's rule) ends "stop", its
 `specx` field saying `"stopped_by": "repetition"`. `Started` names the background task. A chat template that raises is a 400
 `chat_template_error`; a grammar or logprobs on a method that cannot give them a 400 before the
 reply starts. A request's tools, grammar and logprobs are planned by structured.py and its text
