@@ -235,7 +235,7 @@ def evaluate(spec: Spec, cost: Costing, plan, budget: int) -> Candidate:
     t_pass, terms, pass_src = target_seconds(cost, plan, n)
     t_draft, draft_src = tree_seconds(spec, cost, plan, budget)
     # what the draft hides is stream time only: the pass still computes (its modelled compute terms)
-    compute = terms["gemm"] + terms["dequant"] + terms["attention"] + terms["head"] + terms["floor"]
+    compute = terms["gemm"] + terms["dequant"] + terms["attention"] + terms["head"] + terms["floor"] + terms["experts"]
     hidden = min(hidden_seconds(plan, t_draft, cost.dev), max(0.0, t_pass - compute))
     tpp = spec.tpp(budget)
     rate = tpp / (t_pass + t_draft - hidden) if plan.fits and tpp > 0 else 0.0

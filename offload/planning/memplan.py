@@ -120,6 +120,7 @@ class MemoryPlan:
     dense_layers: list[int] = field(default_factory=list)   # resident layers dequantized once at load
     dense_draft_layers: list[int] = field(default_factory=list)   # --draft self: substitutes dequantized once
     kernel: dict = field(default_factory=dict)   # memlayers.kernel_terms: what the GGUF CPU kernel multiplies packed
+    experts: dict | None = None   # mixture of experts: planning/experts.expert_plan (placement, modelled speed)
 
     @property
     def device_total(self) -> int:
@@ -144,7 +145,7 @@ class MemoryPlan:
             ram_bytes_per_pass=sum(self.layer_bytes[i] for i in self.ram_layers),
             candidates=list(self.candidates), choice=self.choice, slots=self.slots,
             machine=dict(self.machine), dense_layers=list(self.dense_layers),
-            dense_draft_layers=list(self.dense_draft_layers), kernel=dict(self.kernel),
+            dense_draft_layers=list(self.dense_draft_layers), kernel=dict(self.kernel), experts=self.experts,
         )
 
 
@@ -334,6 +335,10 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     plan.kernel = kernel_terms(target, len(lay.packed), req, streams=bool(pl.ram or pl.disk))
     plan.notes += dense_notes(dense, dense_draft, len(pl.resident))
     plan.fits, plan.reason = verdict(plan, req)
+    from offload.planning.experts import expert_notes, expert_plan
+
+    plan.experts = expert_plan(target, lay, req, plan)   # None for a dense model
+    plan.notes += expert_notes(plan.experts)
     if lay.estimated:
         plan.notes.append(f"nf4: the first load writes a 4-bit cache of this checkpoint "
                           f"(~{format_bytes(sum(lay.packed) + lay.quant)}) under $SPECX_CACHE; staging sizes are "

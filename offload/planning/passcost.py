@@ -131,6 +131,8 @@ class PassTerms:
     seconds: float  # floor + head + sum over layers of max(transfer, compute)
     bound: str  # "stream" if the transfers dominate the sum, else "compute"
     flops: float = 0.0  # the matmul FLOP/s of the pass's compute dtype (Device.flops(c))
+    experts: float = 0.0  # MoE: routed experts' seconds, by the distinct experts routed (planning/experts.py)
+    routed: str = ""  # MoE: where the routed experts ran ("gpu", "cpu", "stream"; experts.pass_terms)
 
     def to_json(self) -> dict:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -213,7 +215,12 @@ def forward_floor(plan, dev: Device, n: int) -> float:
 
 
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
-    """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier."""
+    """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier.
+    A mixture-of-experts plan (`plan.experts`) is priced by planning/experts.py: distinct experts routed."""
+    if getattr(plan, "experts", None):
+        from offload.planning.experts import pass_terms
+
+        return pass_terms(a, plan, dev, n, ctx, c)
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
     dense = set(getattr(plan, "dense_layers", ()))  # dequantized once at load: read in c, no dequantization
     packed, head_packed = _kernel_reads(plan, n)  # the GGUF kernel: its packed bytes at its own rate

@@ -1,0 +1,279 @@
+"""Mixture-of-experts targets in the plan: each layer's attention+shared part and its routed experts
+placed apart, and a pass priced by the DISTINCT experts its tokens route to.
+
+Contract (pure arithmetic over config.json, the headers and a passcost.Device; every figure modelled):
+- `moe_shape(ck, lay, req)` -> MoeShape | None (None: not a mixture-of-experts checkpoint): experts E
+  and top-k of the config, and per decoder layer its routed experts' bytes (every stored tensor
+  with ".experts." in its name; a dense MLP layer has none) and the rest of the layer ("dense":
+  attention, norms, router, a shared expert), in the plan's dtype.
+- `distinct_experts(n, k, e)` = e x (1 - (1 - k/e)^n): the expected number of distinct experts n
+  tokens route to with top-k of e, under UNIFORM independent routing (a prior: real routers are
+  skewed, so fewer distinct experts and more cache hits; measured routing counts replace it through
+  `hit_share`). A verify pass of a tree of n tokens reads that many experts per sparse layer, not n x k.
+- `expert_plan(ck, lay, req, plan)` -> the JSON `plan.experts` (None for a dense model), in one of
+  two modes:
+  "split" (CUDA, when something of the whole-layer plan streams and the split models faster, as
+  llama.cpp's --cpu-moe / --n-cpu-moe and ktransformers do): every layer's dense part resident on the
+  card, a GPU expert cache of `gpu_experts` experts (of every sparse layer's) in the device memory left (the
+  hottest first once routing is measured; evenly under the uniform prior), the other experts in RAM
+  up to the RAM budget, then on disk. Per pass the routed experts not cached run either on the CPU
+  from where they live (only the routed experts' rows are read) or streamed to the card with the
+  layer (through `expert_staging`: two chunks of top-k experts, one filling while the other computes),
+  whichever models faster for that pass's distinct experts (`routed` names it).
+  "layers": the plan's own whole-layer placement; a layer computes only its routed experts
+  (arch/moe.ExpertList runs the experts some token hit), while a streamed layer moves all of them.
+  `runs` says whether the loader realizes the mode: offload/stream places whole layers, so "split"
+  is planned and modelled, not yet run.
+- `pass_terms(a, plan, dev, n, ctx, c)` -> passcost.PassTerms of a pass of n tokens under
+  plan["experts"] (passcost.target_pass hands MoE plans here): the dense part as passcost prices a
+  layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
+  tier's rate (GPU memory; CPU experts at `cpu_bps`; disk), or their FLOPs if those take longer.
+- The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it, else on a
+  CPU device its memory bandwidth, else CPU_EXPERTS (a prior, labelled so in `cpu_source`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+CPU_EXPERTS = dict(bps=40e9, flops=200e9)
+"""Prior for routed experts computed on a CUDA machine's host CPU: a DDR5 dual-channel desktop reads
+about half its ~80 GB/s peak in a GEMV over the routed experts' rows, and its AVX-512 cores multiply
+~200 GFLOP/s; not measured (bench/moe_experts.py measures this machine's CPU)."""
+
+SOURCES_PRIOR = "prior: a DDR5 desktop CPU (experts.CPU_EXPERTS)"
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    experts: int  # routed experts per sparse layer (E)
+    top_k: int  # experts each token routes to
+    expert_bytes: list[int]  # per layer: bytes of ONE routed expert (0: a dense MLP layer)
+    expert_weights: list[int]  # per layer: weights of one routed expert (for FLOPs)
+    dense_bytes: list[int]  # per layer: everything but the routed experts
+    shared_intermediate: int  # a shared expert's intermediate size (Qwen2-MoE), else 0
+
+
+def _config(ck) -> dict:
+    return ck.config.get("text_config") or ck.config
+
+
+def moe_shape(ck, lay, req, bits: float | None = None) -> MoeShape | None:
+    """The checkpoint's experts from config.json and headers (see the contract), None for a dense model;
+    `bits`: the experts' bytes at that many bits per weight instead (what another format would store)."""
+    import math
+
+    from offload.planning.membytes import dtype_bytes
+
+    c = _config(ck)
+    e = int(c.get("num_local_experts") or c.get("num_experts") or 0)
+    k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0)
+    if e < 2 or k < 1:
+        return None
+    packed = isinstance(ck.config.get("quantization_config"), dict)
+    elem = 0.5 if req.dtype == "nf4" else dtype_bytes(req.dtype)
+    per_layer: dict[int, list[float]] = {}
+    for name, t in ck.tensors.items():
+        if name.startswith("model.layers.") and ".experts." in name:
+            i = int(name.split(".", 3)[2])
+            numel = math.prod(t.shape)
+            row = per_layer.setdefault(i, [0, 0])
+            row[0] += t.nbytes if packed else numel * elem
+            row[1] += numel
+    n = len(lay.packed)
+    stored = [int(per_layer.get(i, [0, 0])[0]) for i in range(n)]
+    ew = [int(per_layer.get(i, [0, 0])[1] // e) for i in range(n)]
+    eb = [int(ew[i] * bits / 8) if bits else stored[i] // e for i in range(n)]
+    dense = [max(0, lay.packed[i] - stored[i]) for i in range(n)]
+    return MoeShape(e, k, eb, ew, dense, int(c.get("shared_expert_intermediate_size") or 0))
+
+
+def distinct_experts(n: int, k: int, e: int) -> float:
+    """Expected distinct experts n tokens route to, top-k of e, uniform independent routing."""
+    return e * (1.0 - (1.0 - k / e) ** max(0, n))
+
+
+def hit_share(counts: list[int] | None, cached: int, e: int) -> float:
+    """Share of routed tokens the `cached` hottest of `e` experts serve: from measured routing `counts`
+    (tokens per (layer, expert), flattened), else the uniform prior cached / e."""
+    if not counts or sum(counts) == 0:
+        return min(1.0, cached / e)
+    return sum(sorted(counts, reverse=True)[:cached]) / sum(counts)
+
+
+def _cpu_rate(dev) -> tuple[float, float, str]:
+    """(bytes/s, FLOP/s, source) of routed experts computed on the CPU (see the contract)."""
+    measured = (getattr(dev, "dequant_bps", None) or {}).get("cpu-experts")
+    if measured:
+        return measured, CPU_EXPERTS["flops"], (dev.sources or {}).get("dequant", "measured")
+    if dev.kind == "cpu":
+        return dev.memory_bps, dev.flops32, (dev.sources or {}).get("memory_bps", "prior")
+    return CPU_EXPERTS["bps"], CPU_EXPERTS["flops"], SOURCES_PRIOR
+
+
+def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict | None:
+    """Device, host and disk bytes of the "split" placement, or None where the dense parts do not fit."""
+    from offload.planning.memplan import CHURN_SLACK, CUDA_CONTEXT, RAM_FRACTION, STATIC_SLACK
+
+    drop = ("resident_layers", "staging_slots", "dequantized_layers", "dequantized_draft", "cuda_context")
+    fixed = {k: v for k, v in plan.device_bytes.items() if k not in drop}
+    sparse = [i for i, b in enumerate(shape.expert_bytes) if b]
+    eb = max(shape.expert_bytes)
+    dev = {**fixed, "attention_shared": sum(shape.dense_bytes), "expert_staging": 2 * shape.top_k * eb}
+    static = sum(v for k, v in dev.items() if k != "activations")
+    margin = CUDA_CONTEXT + int(STATIC_SLACK * static + CHURN_SLACK * dev.get("activations", 0))
+    room = plan.device_capacity - static - dev.get("activations", 0) - margin
+    if room < 0:
+        return None
+    total = shape.experts * len(sparse)
+    cached = min(total, int(room / (1 + STATIC_SLACK)) // eb)  # the hottest first; evenly under the prior
+    dev["expert_cache"] = cached * eb
+    dev["cuda_context"] = margin + int(STATIC_SLACK * dev["expert_cache"])
+    other_host = sum(v for k, v in plan.host_bytes.items() if k not in ("ram_layers", "stage_buffers", "read_buffers"))
+    ram_cap = req.max_ram if req.max_ram is not None else int(RAM_FRACTION * req.ram_free)
+    ram = min(total - cached, max(0, ram_cap - other_host) // eb)
+    return dict(
+        device_bytes=dev,
+        host_bytes={"experts_ram": ram * eb},
+        disk_bytes=(total - cached - ram) * eb,
+        gpu_experts=cached,
+        ram_experts=ram,
+        disk_experts=total - cached - ram,
+        hit=hit_share(routing, cached, total),
+        fits=sum(dev.values()) <= plan.device_capacity,
+    )
+
+
+def _layer_tiers(ex: dict) -> tuple[float, float, float]:
+    """(GPU hit share, RAM share, disk share) of one sparse layer's routed experts."""
+    hit = ex.get("hit", 0.0)
+    ram, disk = ex.get("ram_experts", 0), ex.get("disk_experts", 0)
+    rest = max(ram + disk, 1)
+    return hit, (1 - hit) * ram / rest, (1 - hit) * disk / rest
+
+
+def routed_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
+    """(seconds, "gpu" | "cpu" | "stream") of layer i's routed experts in a pass of n tokens (plan.experts `ex`)."""
+    eb, ew, k, e = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"], ex["experts"]
+    if not eb:
+        return 0.0, ""
+    d = distinct_experts(n, k, e)
+    flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
+    if ex["mode"] != "split":
+        return max(d * eb / dev.memory_bps, flops / dev.flops(c)), "gpu" if dev.kind == "cuda" else "cpu"
+    g, r, s = _layer_tiers(ex)
+    on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
+    cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + d * s * eb / dev.disk_bps
+    stream = d * r * eb / dev.link_bps + d * s * eb / dev.disk_bps + d * (1 - g) * eb / dev.memory_bps
+    return on_gpu + min(cpu, stream), "cpu" if cpu <= stream else "stream"
+
+
+def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
+    """passcost.PassTerms of one pass of n tokens under plan.experts (see the contract)."""
+    from offload.planning.passcost import PassTerms, attention_seconds, forward_floor, linear_weights
+
+    ex = plan.experts
+    split = ex["mode"] == "split"
+    ram, disk = (set(), set()) if split else (set(plan.ram_layers), set(plan.disk_layers))
+    dense_a = replace(a, intermediate=ex["shared_intermediate"] if ex["sparse_layers"] else a.intermediate)
+    dense_flops = 2 * linear_weights(dense_a) * n / dev.flops(c)
+    attn = attention_seconds(a, n, ctx, c, dev)
+    total = stream = gemm = experts = 0.0
+    routed = set()
+    for i, size in enumerate(plan.layer_bytes):
+        rate = dev.link_bps if i in ram else dev.disk_bps if i in disk else 0.0
+        transfer = size / rate if rate else 0.0
+        dense_bytes = ex["dense_bytes"][i] if ex["expert_bytes"][i] else size
+        layer_gemm = (
+            max(dense_flops, dense_bytes / dev.memory_bps)
+            if ex["expert_bytes"][i]
+            else (max(2 * linear_weights(a) * n / dev.flops(c), size / dev.memory_bps))
+        )
+        ex_s, how = routed_seconds(ex, i, n, dev, c)
+        routed.add(how)
+        total += max(transfer, layer_gemm + attn + ex_s)
+        stream, gemm, experts = stream + transfer, gemm + layer_gemm, experts + ex_s
+    head = max(2 * n * a.hidden * a.vocab / dev.flops(c), a.hidden * a.vocab * c / dev.memory_bps)
+    floor = forward_floor(plan, dev, n)
+    compute = gemm + experts + len(plan.layer_bytes) * attn
+    bound = "stream" if stream > compute else "experts" if experts > gemm else "compute"
+    return PassTerms(
+        n,
+        ctx,
+        stream,
+        gemm,
+        0.0,
+        len(plan.layer_bytes) * attn,
+        head,
+        floor,
+        floor + head + total,
+        bound,
+        dev.flops(c),
+        experts,
+        "+".join(sorted(h for h in routed if h)),
+    )
+
+
+def _tokens_per_second(a, plan, dev, ex: dict, c: int, ctx: int) -> float:
+    return 1.0 / pass_terms(a, replace(plan, experts=ex), dev, 1, ctx, c).seconds
+
+
+def expert_plan(ck, lay, req, plan, routing: list[int] | None = None, bits: float | None = None) -> dict | None:
+    """plan.experts for this MoE checkpoint (see the contract); None for a dense model. `bits`: model the
+    experts stored at that many bits per weight (a format the loader may not read: docs' comparisons)."""
+    from offload.planning.draftcost import device_of, model_ctx
+    from offload.planning.membytes import arch_of, compute_bytes
+
+    shape = moe_shape(ck, lay, req, bits)
+    if shape is None:
+        return None
+    dev, a, c = device_of(req), arch_of(ck.config), compute_bytes(req)
+    bps, flops, src = _cpu_rate(dev)
+    base = dict(
+        experts=shape.experts,
+        top_k=shape.top_k,
+        sparse_layers=sum(1 for b in shape.expert_bytes if b),
+        expert_bytes=shape.expert_bytes,
+        expert_weights=shape.expert_weights,
+        dense_bytes=shape.dense_bytes,
+        shared_intermediate=shape.shared_intermediate,
+        cpu_bps=bps,
+        cpu_flops=flops,
+        cpu_source=src,
+        routing="measured" if routing else "uniform (prior)",
+        mode="layers",
+        runs=True,
+    )
+    ctx = model_ctx(plan)
+    base["layers_tokens_per_second"] = _tokens_per_second(a, plan, dev, base, c, ctx)
+    base["tokens_per_second"] = base["layers_tokens_per_second"]
+    streams = bool(plan.ram_layers or plan.disk_layers)
+    split = _split_bytes(shape, req, plan, routing) if req.device == "cuda" and streams else None
+    if split and split["fits"]:
+        cand = {**base, **split, "mode": "split", "runs": False}
+        cand["tokens_per_second"] = _tokens_per_second(a, plan, dev, cand, c, ctx)
+        if cand["tokens_per_second"] > base["layers_tokens_per_second"]:
+            return cand
+    return base
+
+
+def expert_notes(ex: dict | None) -> list[str]:
+    """The dry run's notes on the expert placement (modelled figures labelled)."""
+    if not ex:
+        return []
+    head = (
+        f"experts: {ex['experts']} per layer, top-{ex['top_k']}, {ex['sparse_layers']} sparse layers; "
+        f"a pass is priced by the distinct experts its tokens route to ({ex['routing']} routing)"
+    )
+    if ex["mode"] != "split":
+        return [head + f"; whole layers placed as above: {ex['tokens_per_second']:.2f} tokens/s plain (modelled)"]
+    return [
+        head,
+        (
+            f"experts split (as llama.cpp --n-cpu-moe): attention+shared of every layer on the card, "
+            f"{ex['gpu_experts']} experts cached on the card, {ex['ram_experts']} experts in RAM, computed on the CPU "
+            f"({ex['cpu_bps'] / 1e9:.0f} GB/s, {ex['cpu_source']}), {ex['disk_experts']} on disk: "
+            f"{ex['tokens_per_second']:.2f} tokens/s plain (modelled; whole layers streamed: "
+            f"{ex['layers_tokens_per_second']:.2f}); planned only: the loader still streams whole layers"
+        ),
+    ]
