@@ -91,6 +91,7 @@ def _terms_table(plan: dict, choice: dict):
             src.get("dequant", src.get("memory_bps", "prior")),
         ),
         ("attention", t["attention"], "", "at half the planned context"),
+        *(_experts_term(t) if t.get("routed") else ()),
         ("head", t["head"], "", ""),
         ("floor", t["floor"], "", src.get("forward_floor_s", "prior")),
         ("pass", t["seconds"], "", "layers overlap: sum of max(stream, compute)"),
@@ -161,5 +162,40 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
     console.print(table)
     for note in plan.get("notes") or []:
         console.print(f"[dim]note: {escape(note)}[/dim]")
+    if plan.get("experts"):
+        console.print(experts_table(plan["experts"]))
     if plan.get("candidates"):
         console.print(candidates_table(plan))
+
+
+def _experts_term(t: dict) -> tuple:
+    """The routed experts' row of the pass terms (a mixture-of-experts target)."""
+    return (("experts", t["experts"], "", f"distinct experts routed, on {t['routed']}"),)
+
+
+def experts_table(ex: dict):
+    """A mixture-of-experts target's expert placement (offload/planning/experts.py), every speed modelled:
+    "split" puts attention+shared parts and routed experts apart (planned; the loader streams whole layers)."""
+    from rich.table import Table
+
+    split = ex["mode"] == "split"
+    title = "experts: attention+shared on the card, routed experts apart" if split else "experts: whole layers"
+    table = Table(title=title, header_style="bold cyan")
+    for col, justify in (("part", "left"), ("where", "left"), ("experts", "right"), ("GB", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    if split:
+        dev, n = ex["device_bytes"], ex["gpu_experts"] + ex["ram_experts"] + ex["disk_experts"]
+        table.add_row("attention+shared (every layer)", "cuda", "", _gb(dev["attention_shared"]))
+        table.add_row("expert cache (hottest first)", "cuda", f"{ex['gpu_experts']} of {n}", _gb(dev["expert_cache"]))
+        table.add_row("expert staging", "cuda", f"{2 * ex['top_k']}", _gb(dev["expert_staging"]))
+        table.add_row(
+            "experts computed on the CPU", "ram", str(ex["ram_experts"]), _gb(ex["host_bytes"]["experts_ram"])
+        )
+        table.add_row("experts read when routed", "disk", str(ex["disk_experts"]), _gb(ex["disk_bytes"]))
+    table.caption = (
+        f"{ex['experts']} experts, top-{ex['top_k']}, {ex['sparse_layers']} sparse layers · plain decoding "
+        f"{ex['tokens_per_second']:.2f} tok/s modelled"
+        + (f" (whole layers streamed: {ex['layers_tokens_per_second']:.2f}) · planned, not yet run" if split else "")
+        + f" · CPU experts {ex['cpu_bps'] / 1e9:.0f} GB/s ({escape(ex['cpu_source'])}) · {ex['routing']} routing"
+    )
+    return table
