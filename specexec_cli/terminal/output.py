@@ -51,7 +51,6 @@ class TextSink:
     color: bool = False  # wrap draft-accepted text in DRAFT_SGR
     stream: TextIO = field(default_factory=lambda: sys.stdout)  # where the text goes
     ended_line: bool = True  # the last character written was a newline (or nothing was written)
-    wrote: bool = False  # any text at all was written
     owed: bool = False  # end_line() wrote a newline the caller may still write: it is dropped once
 
     def __call__(self, text: str, draft_chars: int | None = None) -> None:
@@ -70,7 +69,7 @@ class TextSink:
             out = text
         self.stream.write(out)
         self.stream.flush()
-        self.ended_line, self.wrote = text.endswith("\n"), True
+        self.ended_line = text.endswith("\n")
 
     def end_line(self) -> None:
         """Finish a partial last line now, so a summary printed next does not run into it.

@@ -1,6 +1,6 @@
 """One `specx run` decode: engine events → raw text on stdout, the live view on stderr, stats.
 
-Contract: `decode_events` drives `engine.generate` (or a `budget.BudgetTuner`), writes every
+Contract: `decode_to_stdout` drives `engine.generate` (or a `budget.BudgetTuner`), writes every
 event's text through a `terminal.TextSink` (raw, optionally coloured by origin), feeds a
 `display.LiveView` and returns the `RunStats`. The last line of text is ended before the view
 closes, so the summary line or final panel never runs into it. `--stats-json` is written even
@@ -26,21 +26,16 @@ def streamed_bytes(model) -> int:
     return int(getattr(stats, "streamed_bytes", 0) or 0)
 
 
-def decode_events(
-    models,
-    ids: list[int],
-    cfg,
-    record: dict,
-    live: bool,
-    stats_json: Path | None,
-    state: DecodeState | None = None,
-    tuner=None,
-    link_gbps: float | None = None,
-    color: bool = False,
+def decode_to_stdout(
+    models, ids: list[int], cfg, live: bool, stats_json: Path | None, tuner=None, link_gbps=None, color: bool = False
 ) -> RunStats:
-    """Stream one continuation of `ids`; `record` is the config part of the stats JSON."""
+    """Stream one continuation of `ids`; the stats JSON's config part is made from `cfg` and the plan."""
+    from specexec_cli.session.options import config_record
+
+    plan = getattr(models.target, "plan", None)
+    record = config_record(cfg, plan.describe() if plan is not None else None)
     stats = RunStats(config=record)
-    state = state if state is not None else DecodeState()
+    state = DecodeState()
     streamed0 = streamed_bytes(models.target)
     meter = LinkMeter(models.target)
     sink = TextSink(color=color)
@@ -66,17 +61,6 @@ def decode_events(
         if stats_json is not None:
             save_stats(stats_json, stats)
     return stats
-
-
-def decode_to_stdout(
-    models, ids, cfg, live: bool, stats_json: Path | None, state=None, tuner=None, link_gbps=None, color: bool = False
-):
-    """decode_events with the config record made from the flags."""
-    from specexec_cli.session.options import config_record
-
-    plan = getattr(models.target, "plan", None)
-    record = config_record(cfg, plan.describe() if plan is not None else None)
-    return decode_events(models, ids, cfg, record, live, stats_json, state, tuner, link_gbps, color)
 
 
 def save_stats(path: Path, stats: RunStats) -> None:
