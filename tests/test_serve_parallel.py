@@ -128,7 +128,7 @@ def test_request_sent_mid_reply_gets_its_first_token_within_two_passes(pair):
         loop = asyncio.get_running_loop()
         long = Job(Work(prompt=PROMPTS[0], max_tokens=400), loop, "completions")
         pair.submit(long)
-        while pair.scheduler.passes < 4:
+        while pair.scheduler.forest.passes < 4:
             await asyncio.sleep(0.01)
         late = Job(Work(prompt=PROMPTS[1], max_tokens=8), loop, "completions")
         pair.submit(late)

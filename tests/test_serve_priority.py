@@ -90,7 +90,7 @@ def background_then_chat(worker, backgrounds: list[dict], chat: dict):
         tasks = [asyncio.create_task(collect(j, log, f"bg{i}")) for i, j in enumerate(bg)]
         while sum(e[1] == "first" for e in log) < len(bg):
             await asyncio.sleep(0.01)
-        passes = worker.scheduler.passes
+        passes = worker.scheduler.forest.passes
         chat_job = job(loop, stream=True, **chat)
         worker.submit(chat_job)
         got = await collect(chat_job, log, "chat")

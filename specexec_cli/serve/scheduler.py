@@ -159,10 +159,6 @@ class Scheduler:
         self.pauses = 0  # lanes paused for a streamed request
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
-    @property
-    def passes(self) -> int:
-        return self.forest.passes
-
     def start(self) -> None:
         self.thread.start()
 
