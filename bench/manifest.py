@@ -297,6 +297,9 @@ _ALL = [
         "tools/plan_tables.py:selfdraft_block",
         pure=False,
     ),
+    _block(
+        "plan-moe", "tools/plan_tables.py", (), ("docs/memory-plan.md",), "tools/plan_tables.py:moe_block", pure=False
+    ),
     _block("flags", "tools/gen_flags.py", (), ("docs/flags.md",), "tools/gen_flags.py:reference", pure=False),
 ]
 BLOCKS: dict[str, Block] = {b.name: b for b in _ALL}
