@@ -9,6 +9,9 @@
   equals the appended one.
 - Trees grown with padding and every method's ids (T = 0 against `ar`, seeded T > 0 against the
   unpadded run) are unchanged.
+- Every method's draft forwards are draft steps (counted by wrapping `draftstep.run` from here), and
+  its ids, trees and acceptance equal those of the plain forward under tree.py's masks (the path
+  chain, SpecInfer, Sequoia and staged took before they used the step), at T = 0 and seeded T > 0.
 - Buffers are allocated once per bucket (counted from here, by wrapping the module's allocators).
 """
 
@@ -20,10 +23,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specexec_cli.core import calibrate, draftstep, kvcache, transfers
+from specexec_cli.core import calibrate, draftstep, engine, kvcache, transfers
 from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
 from specexec_cli.core.engine import DecodeState, GenerationConfig
-from specexec_cli.core.methods import METHODS, generate
+from specexec_cli.core.methods import METHODS, generate, sequoia
 from specexec_cli.core.methods.common import with_settings
 from specexec_cli.core.sampling import SamplingParams
 from specexec_cli.core.tree import attention_mask, causal_mask
@@ -216,7 +219,7 @@ def test_every_method_is_unchanged_by_padding(pair, monkeypatch):
         assert t > 0 or got[0] == greedy_ids, method
     monkeypatch.setattr(draftstep, "STATIC", {"cpu"})
     reserved = replace(pair, kv_rows=(256, 256))
-    for method in ("specexec", "chain", "staged"):
+    for method in METHODS:
         for t in (0.0, 0.8):
             assert run_of(reserved, method, t, seed=3) == plain[method, t], (method, t)
 
@@ -246,3 +249,62 @@ def test_buffers_allocated_once_per_bucket(pair, monkeypatch, static):
     assert len(made) >= 3 and set(made.values()) == {1}, made
     assert set(made) <= set(draftstep.POWERS) and len(masks) == 1
     assert all(step.buffers[p].ids.data_ptr() == ptr for p, ptr in first.items())
+
+
+def plain_run(draft, cache, tokens, positions, n_past: int, anc, *extra, causal: bool = False):
+    """draftstep.run's contract as the methods met it before the step: one staged upload, then the
+    plain forward appending B rows under tree.py's masks (the reference of the next test)."""
+    start, b = kvcache.cache_len(cache), tokens.numel()
+    ids, pos, *rest = kvcache.stage(draft, tokens, positions, *([] if anc is None else [anc]), *extra)
+    dtype = kvcache.model_dtype(draft)
+    if causal:  # the pending committed tokens (+ staged's root chain): a chain over the cached prefix
+        assert anc is None and n_past == start
+        mask = causal_mask(start, b, dtype, draft.device)
+    else:
+        mask = attention_mask(n_past, rest.pop(0), torch.arange(start, start + b), start + b, dtype, draft.device)
+    return kvcache.forward(draft, cache, ids, pos, mask), pos, rest
+
+
+def test_every_method_gives_the_ids_of_the_plain_forward(pair, monkeypatch):
+    """Through the step (exact widths on the CPU) every method's ids, trees and acceptance equal the
+    plain forward's, at T = 0 (then also ar's ids) and seeded T = 0.7."""
+    greedy_ids = run_of(pair, "ar")[0]
+    stepped = {(m, t): run_of(pair, m, t, seed=3) for m in METHODS for t in (0.0, 0.7)}
+    monkeypatch.setattr(draftstep, "run", plain_run)
+    for (method, t), got in stepped.items():
+        assert got == run_of(pair, method, t, seed=3), (method, t)
+        assert t > 0 or got[0] == greedy_ids, method
+    assert any(acc for _, acc in stepped["staged", 0.7][1])
+
+
+def test_every_draft_forward_of_a_step_is_a_draft_step(pair, monkeypatch):
+    """Per method, each draft forward is attributed to the wrapper it ran under: the step, the
+    prompt's prefill (engine.run_prompt) or Sequoia's teacher-forced measurement; none runs outside
+    them, and every pass that verified a tree made at least one step."""
+    stack: list[str] = []
+    where: collections.Counter = collections.Counter()
+
+    def under(name, fn):
+        def call(*args, **kwargs):
+            stack.append(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stack.pop()
+
+        return call
+
+    monkeypatch.setattr(draftstep, "run", under("step", draftstep.run))
+    monkeypatch.setattr(engine, "run_prompt", under("prompt", engine.run_prompt))
+    monkeypatch.setattr(sequoia, "_teacher_forced", under("measure", sequoia._teacher_forced))
+    monkeypatch.setattr(sequoia, "_VECTORS", {})  # Sequoia measures its vector in this test
+    hook = pair.draft.register_forward_pre_hook(lambda *_: where.update([stack[-1] if stack else "direct"]))
+    try:
+        for method in (m for m in METHODS if m != "ar"):
+            where.clear()
+            passes = run_of(pair, method, 0.7, seed=3)[1]
+            assert where["direct"] == 0, (method, where)
+            assert where["step"] >= sum(1 for size, _ in passes if size > 0) > 0, (method, where)
+            assert where["prompt"] >= 1 and where["measure"] == (method == "sequoia"), (method, where)
+    finally:
+        hook.remove()

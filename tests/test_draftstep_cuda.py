@@ -1,5 +1,6 @@
 """The static draft step on CUDA (marked `cuda`, skipped without a GPU): each bucket's static pass
-captured once as a CUDA graph and replayed, giving the trees and ids of the eager exact-width path.
+captured once as a CUDA graph and replayed, giving the trees and ids of the eager exact-width path;
+every method's draft passes are replayed graphs (chain, SpecInfer, Sequoia and staged included).
 
 fp32 with TF32 off, as tests/test_cuda.py's token-equality tests: in bf16 (or TF32) GEMMs of
 different row counts differ by an ulp and a near-tie may flip a token without any bug.
@@ -13,7 +14,7 @@ import torch
 from specexec_cli.core import draftstep, kvcache
 from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
 from specexec_cli.core.engine import DecodeState, GenerationConfig, Models
-from specexec_cli.core.methods import generate
+from specexec_cli.core.methods import METHODS, generate
 from specexec_cli.core.sampling import SamplingParams
 from tests.test_transfers import NullTokenizer, tiny_llama
 
@@ -99,3 +100,19 @@ def test_engine_with_graphs_emits_the_ids_of_ar(exact_fp32, graph_calls, tempera
         out[method] = [t for ev in generate(m, DecodeState(), prompt, cfg) for t in ev.tokens]
     assert out["specexec"] == out["ar"] and len(out["ar"]) == 48
     assert graph_calls["capture"] > 0 and graph_calls["replay"] > graph_calls["capture"]
+
+
+def test_every_method_replays_its_draft_passes(exact_fp32, graph_calls):
+    """Each method's draft passes are replayed as graphs (counted per method) and its T = 0 ids are ar's."""
+    m = Models(
+        tiny_llama(256, 1).cuda(), tiny_llama(256, 2).cuda(), NullTokenizer(), frozenset({-1}), 256, kv_rows=(256, 256)
+    )
+    prompt = [(7 * i) % 50 + 1 for i in range(20)] * 2
+    out, replays = {}, {}
+    for method in METHODS:
+        before = graph_calls["replay"]
+        cfg = GenerationConfig(method=method, shape=SHAPE, max_new_tokens=32)
+        out[method] = [t for ev in generate(m, DecodeState(), prompt, cfg) for t in ev.tokens]
+        replays[method] = graph_calls["replay"] - before
+    assert all(ids == out["ar"] for ids in out.values()) and len(out["ar"]) == 32
+    assert replays["ar"] == 0 and all(n > 0 for method, n in replays.items() if method != "ar"), replays

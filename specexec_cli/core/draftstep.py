@@ -1,13 +1,16 @@
 """The draft's forward over one tree step, at a few fixed shapes, so that CUDA can replay it as a graph.
 
 Contract: `run(draft, cache, tokens, positions, n_past, anc_cols, *extra, causal=False)` is THE draft
-forward of tree growth (draft.py). It runs B new tokens (host (B,) ids and positions) whose K/V go
-to the cache rows [start, start + B) (start = the cache's length) and returns their (B, V) logits
-on the draft's device, with the staged positions and `extra` host tensors (one counted upload for
-all, as `kvcache.stage`). Row i of the pass sees the columns [0, n_past), its ancestors' columns
-(row i of the (B, D) host table `anc_cols`, -1 = none), its own column start + i and, with
-`causal`, the new columns start .. start + i (a chain: the pending committed tokens). Afterwards
-the cache holds start + B rows, exactly as an append of the B tokens would leave it.
+forward of every method's tree growth (draft.py; methods/static_tree.py for chain, SpecInfer and
+Sequoia; methods/staged.py, its n-gram chains as rows whose `anc_cols` list their node and earlier
+chain columns); in decoding only prompts and Sequoia's calibration run the draft outside it.
+It runs B new tokens (host (B,) ids and positions) whose K/V go to the cache rows [start, start + B)
+(start = the cache's length) and returns their (B, V) logits on the draft's device, with the staged
+positions and `extra` host tensors (one counted upload for all, as `kvcache.stage`). Row i of the
+pass sees the columns [0, n_past), its ancestors' columns (row i of the (B, D) host table
+`anc_cols`, -1 = none), its own column start + i and, with `causal`, the new columns
+start .. start + i (a chain: the pending committed tokens). Afterwards the cache holds start + B
+rows, exactly as an append of the B tokens would leave it.
 
 How: the B rows are padded to a bucket of P >= B rows (`StaticDraftStep.bucket`: the smallest of
 `BUCKETS[device type]` that fits; B itself where none is listed, as on the CPU, and on CUDA where

@@ -12,7 +12,9 @@ Contract:
   (each max-plus convolution is one vectorised (n × m) numpy op).
 - `measure_acceptance` estimates a from the pair on a token sequence (teacher forced): at T = 0 the
   frequency with which the target's argmax is the draft's rank-k token; at T > 0 a Monte-Carlo run
-  of the multi-step rule (`common.choose_child`) on K children sampled without replacement.
+  of the multi-step rule (`common.choose_child`) on K children sampled without replacement. Its
+  two teacher-forced passes (fresh caches, whole context, once per pair and sampling) are plain
+  forwards, like a prefill; the tree's draft forwards go through `draftstep.run` (static_tree).
 - `sequoia_step` is an engine StepFn: the vector is measured once per (pair, sampling) on the
   first context it sees, cached in memory and — when `--sequoia-profile FILE` names an existing
   JSON file — under its "sequoia_acceptance" key; the tree comes from the DP; growth and

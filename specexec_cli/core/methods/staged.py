@@ -20,17 +20,19 @@ What is staged: there are three models in a cascade.
 The first forward of a step runs the pending committed tokens and the root's n-gram chain
 causally together. The tree is then pruned to the top-`budget` nodes and verified exactly as in
 `engine.speculative_step`; the draft cache keeps the engine's layout (prefix + run nodes by slot).
+Every draft forward is `draftstep.run`, the static draft step of SpecExec's growth (on CUDA padded
+to a bucket and replayed as a graph); rejected proposals' rows are then dropped by `compact`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specexec_cli.core import kvcache
+from specexec_cli.core import draftstep, kvcache
 from specexec_cli.core.draft import DraftContext, TreeShape, expand, step_batch
 from specexec_cli.core.engine import speculative_step
 from specexec_cli.core.ngram import NgramIndex
-from specexec_cli.core.tree import Tree, ancestors, attention_mask, causal_mask
+from specexec_cli.core.tree import Tree, ancestors
 
 CHAIN_LEN = 8  # tokens proposed per node
 
@@ -72,8 +74,8 @@ def first_forward(draft, cache, ctx: DraftContext, tree: Tree, shape, params, ng
     chain = ngram.propose(ngram.ids, min(CHAIN_LEN, shape.max_depth - 1))
     toks = ctx.pending + chain
     start_pos = ctx.root_pos - len(ctx.pending) + 1
-    mask = causal_mask(ctx.n_cached, len(toks), kvcache.model_dtype(draft), draft.device)
-    logits = kvcache.forward(draft, cache, torch.tensor(toks), torch.arange(start_pos, start_pos + len(toks)), mask)
+    positions = torch.arange(start_pos, start_pos + len(toks))
+    logits = draftstep.run(draft, cache, torch.tensor(toks), positions, ctx.n_cached, None, causal=True)[0]
     base = ctx.n_cached + len(ctx.pending) - 1  # row of the root
     tree.mark_run(torch.zeros(1, dtype=torch.long))
     expand(tree, torch.zeros(1, dtype=torch.long), logits[len(ctx.pending) - 1][None], shape, params)
@@ -82,7 +84,10 @@ def first_forward(draft, cache, ctx: DraftContext, tree: Tree, shape, params, ng
 
 
 def batch_rows(tree: Tree, nodes: torch.Tensor, chains: list[list[int]], base: int):
-    """Tokens, positions, ancestor columns and self columns for nodes + their chains, one forward."""
+    """(R,) tokens, (R,) depths and the (R, D) columns each row sees beyond the prefix (-1 = none)
+    for the B nodes then their chains, in one draft step: a node sees its ancestors, a chain token
+    also the node and the chain's earlier tokens. Row r's own column is base + n_slots + r, where
+    the step writes it (the draft cache's length)."""
     col0 = base + tree.n_slots  # first new column
     anc = ancestors(tree.parents, nodes)
     anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc).tolist()
@@ -98,7 +103,7 @@ def batch_rows(tree: Tree, nodes: torch.Tensor, chains: list[list[int]], base: i
         col += len(chain)
     width = max((len(r) for r in rows_anc), default=0)
     padded = torch.tensor([r + [-1] * (width - len(r)) for r in rows_anc], dtype=torch.long).reshape(len(toks), width)
-    return torch.tensor(toks), torch.tensor(pos), padded, torch.arange(col0, col)
+    return torch.tensor(toks), torch.tensor(pos), padded
 
 
 def grow_staged(
@@ -108,7 +113,6 @@ def grow_staged(
     tree = Tree.new(ctx.pending[-1])
     base = ctx.n_cached + len(ctx.pending) - 1
     first_forward(draft, cache, ctx, tree, shape, params, ngram)
-    dtype = kvcache.model_dtype(draft)
     for _ in range(shape.max_depth + shape.budget):
         nodes = step_batch(tree, shape)
         if nodes.numel() == 0:
@@ -120,11 +124,8 @@ def grow_staged(
             chain = ngram.propose(committed + path_tokens(tree, node), want) if want > 0 else []
             chains.append(chain)
             room -= len(chain)
-        toks, depth, anc_cols, self_cols = batch_rows(tree, nodes, chains, base)
-        n_cols = int(self_cols[-1]) + 1
-        toks, positions, anc_cols, self_cols = kvcache.stage(draft, toks, ctx.root_pos + depth, anc_cols, self_cols)
-        mask = attention_mask(base, anc_cols, self_cols, n_cols, dtype, draft.device)  # staged: no copy
-        logits = kvcache.forward(draft, cache, toks, positions, mask)
+        toks, depth, anc_cols = batch_rows(tree, nodes, chains, base)
+        logits = draftstep.run(draft, cache, toks, ctx.root_pos + depth, base, anc_cols)[0]  # (R, V)
         b = nodes.numel()
         tree.mark_run(nodes)
         expand(tree, nodes, logits[:b], shape, params)

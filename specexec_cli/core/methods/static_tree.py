@@ -11,7 +11,9 @@ ancestors), and each node's children are
     (`common.accept_static`).
 Template children that cannot be filled (q has a smaller support) are dropped with their subtrees.
 `static_step` is the whole engine step; afterwards the caches keep the engine's invariants.
-Host transfers: per level one upload (ids, positions, mask columns: `kvcache.stage`) and one
+Every draft forward (the pending run, then one per level) is `draftstep.run`, the static draft step
+of SpecExec's growth: on CUDA each level's pass is padded to a bucket and replayed as a graph.
+Host transfers: per level one upload (ids, positions, ancestor columns, staged by the step) and one
 download of the level's (B, 2k [+1]) top-k block, in both modes; the draft rows q stay on the
 device (one (V,) float32 row per node with children, until the step ends). Per step one upload of
 the verify pass's inputs (with the child table at T > 0) and one (n,) download of the choices.
@@ -24,13 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specexec_cli.core import kvcache
+from specexec_cli.core import draftstep
 from specexec_cli.core.draft import DraftContext, run_pending, top_children
 from specexec_cli.core.engine import StepResult, ar_step, draft_context, new_noise
 from specexec_cli.core.methods.common import accept_static, child_table, commit
 from specexec_cli.core.sampling import CHILDREN, PositionNoise, SamplingParams, process_logits
 from specexec_cli.core.transfers import to_host
-from specexec_cli.core.tree import Tree, ancestors, attention_mask, subtree
+from specexec_cli.core.tree import Tree, ancestors, subtree
 from specexec_cli.core.verify import accept_tree, target_pass
 
 
@@ -109,7 +111,6 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
     if not params.greedy:  # the children's noise of every level in one block (each level slices it)
         noise.block(ctx.root_pos + 1, depth_cap, logits.shape[-1], logits.device, CHILDREN)
     frontier = [(0, 0)]  # (tree node, template node) pairs whose logits are in `logits`
-    dtype = kvcache.model_dtype(draft)
     for depth in range(1, depth_cap + 1):
         nxt: list[tuple[int, int]] = []
         picks = pick_level(logits, [len(kids[t]) for _, t in frontier], params, noise, ctx.root_pos + depth)
@@ -122,16 +123,13 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
             nxt += [(int(i), c) for i, c in zip(ids, kids[t]) if kids[c] and depth < depth_cap]
         if not nxt:
             break
-        # one draft forward over the next level's non-leaf nodes: (B,) tokens at root_pos + depth
+        # one draft step over the next level's non-leaf nodes: (B,) tokens at root_pos + depth, each
+        # seeing the prefix and its (B, D) ancestors' columns (all run); their K/V go to cache rows
+        # base + n_slots + i (the cache's length), as in draft.grow_tree
         nodes = torch.tensor([n for n, _ in nxt])
-        anc = ancestors(tree.parents, nodes)  # (B, D) all already run
+        anc = ancestors(tree.parents, nodes)
         anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
-        self_cols = base + tree.n_slots + torch.arange(nodes.numel())
-        ids, positions, anc_cols, self_cols = kvcache.stage(
-            draft, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], anc_cols, self_cols
-        )  # one upload
-        mask = attention_mask(base, anc_cols, self_cols, base + tree.n_slots + nodes.numel(), dtype, draft.device)
-        logits = kvcache.forward(draft, cache, ids, positions, mask)
+        logits = draftstep.run(draft, cache, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], base, anc_cols)[0]
         tree.mark_run(nodes)
         frontier = nxt
     return tree, qrows
