@@ -110,6 +110,12 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         return await answer(worker, Format(False, model_name, body, request_id(request)), body, request, keepalive)
 
+    add_guards(app, worker, api_key, cors, max_body, host)
+    return app
+
+
+def add_guards(app: FastAPI, worker, api_key: str | None, cors, max_body: int, host: str | None) -> None:
+    """The middleware of guards.py (module docstring), added innermost first."""
     app.add_middleware(BodyLimit, limit=max_body)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
@@ -122,7 +128,6 @@ def create_app(
             CORSMiddleware, allow_origins=list(cors), allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"]
         )
     app.add_middleware(Observe, metrics=worker.metrics)
-    return app
 
 
 def request_id(request: Request) -> str | None:
@@ -185,9 +190,8 @@ class Format:
     def closing(self, item: Done) -> list[dict]:
         """The finish_reason chunk and the usage chunk when asked for, both with the reply's `specx`
         (the tool calls went out as deltas while they were written)."""
-        chunks = []
         finish = "length" if item.finish == "cancelled" else item.finish
-        chunks.append(self._chunk("", finish, item.specx))
+        chunks = [self._chunk("", finish, item.specx)]
         if self.usage:
             chunks.append(self._chunk(None, specx=item.specx, usage=item.usage))
         return chunks

@@ -145,7 +145,7 @@ UNPLANNED_PARALLEL = 2  # without a memory plan (nothing known of the room)
 class Scheduler:
     """See the module docstring."""
 
-    def __init__(self, session, parallel: int, metrics=None):
+    def __init__(self, session, parallel: int, metrics):
         self.session, self.models, self.metrics = session, session.models, metrics
         self.slots = [Slot(session.state)] + [Slot(DecodeState()) for _ in range(parallel - 1)]
         self.tuner = getattr(session, "tuner", None)  # --budget auto: the speed model's split and its statistics
@@ -154,7 +154,6 @@ class Scheduler:
         self.waiting: list[Ticket] = []
         self.closing = False
         self.waits: list[int] = []  # per request: forest passes from asking to join to its first token
-        self.arrivals = 0  # open() calls (the default arrival order)
         self.expected: set[int] = set()  # seqs taken by the caller, not opened yet: later ones wait for them
         self.pauses = 0  # lanes paused for a streamed request
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
@@ -170,22 +169,12 @@ class Scheduler:
             self.thread.join()
 
     def open(
-        self,
-        full: list[int],
-        cfg,
-        gen,
-        cancelled: Callable[[], bool],
-        interactive: bool = False,
-        seq: int | None = None,
-        background: bool = False,
+        self, full: list[int], cfg, gen, cancelled: Callable[[], bool], *, seq: int, interactive: bool, background: bool
     ) -> tuple[Iterator[StepEvent], int]:
-        """Wait for admission at the next pass boundary (module docstring); `interactive`: a streamed
-        request, `seq`: its arrival order (default: the order of the calls), `background`: a client's
-        background task (slots.py)."""
-        ticket = Ticket(list(full), cfg, gen, cancelled, interactive, background)
+        """Wait for admission at the next pass boundary (module docstring); `seq`: the request's arrival
+        order, `interactive`: a streamed request, `background`: a client's background task (slots.py)."""
+        ticket = Ticket(list(full), cfg, gen, cancelled, interactive, background, seq)
         with self.cv:
-            self.arrivals += 1
-            ticket.seq = self.arrivals if seq is None else seq
             ticket.opened = self.forest.passes
             self.expected.discard(ticket.seq)
             self.waiting.append(ticket)
@@ -388,5 +377,4 @@ class Scheduler:
                 lane.ticket.out.put(ev)
                 if ev.finish:
                     self._release(lane.ticket)
-        if self.metrics is not None:
-            self.metrics.forest_pass(n, tokens)
+        self.metrics.forest_pass(n, tokens)
