@@ -300,6 +300,13 @@ _ALL = [
     _block(
         "plan-moe", "tools/plan_tables.py", (), ("docs/memory-plan.md",), "tools/plan_tables.py:moe_block", pure=False
     ),
+    _block(
+        "moe-experts",
+        "bench/moe_experts.py",
+        Run("moe_experts.json", "--repeats 9 --doc"),
+        (PERF,),
+        "bench/moe_experts.py:block",
+    ),
     _block("flags", "tools/gen_flags.py", (), ("docs/flags.md",), "tools/gen_flags.py:reference", pure=False),
 ]
 BLOCKS: dict[str, Block] = {b.name: b for b in _ALL}
