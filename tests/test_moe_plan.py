@@ -158,3 +158,34 @@ def test_cpu_device_keeps_whole_layers(ckpts):
     _, eb, layers = expert_numbers(ck.config)
     assert t.experts == pytest.approx(layers * max(8 * eb / dev.memory_bps, 2 * 8 * eb / 2 / dev.flops(2)), rel=1e-6)
     assert math.isfinite(ex["tokens_per_second"])
+
+
+def test_each_pass_runs_uncached_experts_where_they_model_faster(ckpts):
+    """Decoding (few tokens, few distinct experts) computes them on the CPU; a prefill chunk, whose
+    tokens hit every expert and whose FLOPs swamp the CPU, streams them to the card instead."""
+    ck = ckpts["qwen3-30b-a3b"]
+    plan = plan_memory(ck, None, card(128))
+    from offload.planning.draftcost import device_of
+    from offload.planning.membytes import arch_of
+
+    a, dev = arch_of(ck.config), device_of(card(128))
+    assert pass_terms(a, plan, dev, 1, 512, 2).routed == "cpu"
+    assert pass_terms(a, plan, dev, 4096, 512, 2).routed == "stream"
+
+
+def test_measured_skewed_routing_fills_the_cache_with_hot_experts(ckpts):
+    """With routing counts (hottest first) the same cache serves more of the routed experts, so the
+    plan models faster than under the uniform prior."""
+    from offload.planning.experts import expert_plan
+    from offload.planning.membytes import arch_of
+    from offload.planning.memlayers import layer_sizes
+
+    ck = ckpts["qwen3-30b-a3b"]
+    req = card(64)
+    plan = plan_memory(ck, None, req)
+    lay = layer_sizes(ck, arch_of(ck.config), req)
+    e, _, layers = expert_numbers(ck.config)
+    counts = [1000 if x % e < 16 else 1 for x in range(e * layers)]  # 16 hot experts in every layer
+    skewed = expert_plan(ck, lay, req, plan, routing=counts)
+    assert skewed["routing"] == "measured" and skewed["hit"] > plan.experts["hit"]
+    assert skewed["tokens_per_second"] > plan.experts["tokens_per_second"]
