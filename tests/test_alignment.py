@@ -7,7 +7,8 @@ invariant checked here is the CUDA requirement: at the moment each layer runs (a
 `data_ptr() % 256 == 0` for its parameters, buffers and 4-bit quant-state tensors; tiers resident
 (none), RAM and disk; dtypes bf16, fp16, the nf4 cache of a 16-bit checkpoint and a pre-quantized
 bitsandbytes checkpoint. The fixtures are checked to hold misaligned file offsets, so the disk
-tier's re-layout is really exercised.
+tier's re-layout is really exercised (a CPU computes a disk layer in place where its offsets sit on
+storage.CPU_ALIGN, GGUF's grid, tests/test_gguf.py; these fixtures' offsets miss even that).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from offload import OffloadedCausalLM
 from offload.formats.st_index import SafetensorsIndex
+from offload.stream.storage import CPU_ALIGN
 from tests.probes import after_each_layer
 from tests.test_families import make_family
 from tests.test_prequant import Q4, _bnb_save
@@ -47,7 +49,7 @@ def _tensors_of(layer: torch.nn.Module):
 
 def _misaligned_in_file(path) -> int:
     index = SafetensorsIndex(path)
-    return sum(1 for e in index.entries.values() if ".layers." in e.name and e.begin % ALIGN)
+    return sum(1 for e in index.entries.values() if ".layers." in e.name and e.begin % CPU_ALIGN)
 
 
 def _check_every_layer(model) -> list[str]:

@@ -22,7 +22,8 @@ from offload.formats.prequant import packed_nf4_shape
 from offload.formats.st_index import SafetensorsIndex, TensorEntry
 from offload.planning.membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
 from offload.quant.dense import dense_bytes
-from offload.stream.storage import IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
+from offload.stream.hostmem import ARENA_ALIGN
+from offload.stream.storage import CPU_ALIGN, IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
             lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
             raw, spans = lay.nbytes, sum(sp.length for sp in span_list)
             convert = any(e.dtype != (torch.uint8 if sp.nf4 else sp.dtype) for sp, e in streamed.values())
-            aligned = is_aligned(lay)
+            # a CPU computes a disk layer in its file layout where offsets allow (storage.CPU_ALIGN)
+            aligned = is_aligned(lay, CPU_ALIGN if req.device == "cpu" else ARENA_ALIGN)
         out.packed.append(packed)
         out.disk_slot.append(raw if aligned and not convert else packed)
         out.stage.append(packed if convert else raw)

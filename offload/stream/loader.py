@@ -38,9 +38,9 @@ from offload.stream.placement import OffloadPlan, plan_offload
 from offload.formats.prequant import is_quant_part, load_quant_state
 from offload.sizes import format_bytes
 from offload.formats.st_index import check_tensor_set
-from offload.stream.storage import (DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore, ParamSpec,
-                      aligned_empty, file_layout, fill_packed, packed_layout)
-from offload.stream.hostmem import HostPins
+from offload.stream.storage import (CPU_ALIGN, DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore,
+                      ParamSpec, aligned_empty, file_layout, fill_packed, packed_layout)
+from offload.stream.hostmem import ARENA_ALIGN, HostPins
 from offload.formats.prequant import packed_nf4_shape
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -287,7 +287,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
             fill_packed(index, prefix, specs[i], layouts[i], buf, device)
             ram[i] = (buf, layouts[i])
         else:
-            disk[i] = _disk_layer(specs[i], layouts[i], files[i])
+            disk[i] = _disk_layer(specs[i], layouts[i], files[i], device)
     if progress is not None:
         progress(total, total, "loaded")
     reader = DirectReader()
@@ -382,8 +382,8 @@ def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device,
     return buf
 
 
-def _disk_layer(specs, layout, file_lay) -> DiskLayer:
+def _disk_layer(specs, layout, file_lay, device) -> DiskLayer:
     raw, spans = file_lay
     # Packed nf4 bytes are streamed as stored; only a 16-bit dtype change needs a per-pass cast.
     convert = any(raw.slices[sp.name].dtype != layout.slices[sp.name].dtype for sp in specs)
-    return DiskLayer(spans, raw, layout, specs, convert)
+    return DiskLayer(spans, raw, layout, specs, convert, CPU_ALIGN if device.type == "cpu" else ARENA_ALIGN)

@@ -12,10 +12,14 @@ Contract:
   back to buffered reads and warns once.
 - `DevicePool` (devmem.py, re-exported) is the one counting allocator of device bytes, per
   memory-plan component; `HostPins` (hostmem.py) page-locks host regions and unpins them on close.
-- Alignment: every tensor handed to a layer starts on an ARENA_ALIGN (256-byte) boundary, in
-  every tier. A disk layer whose file offsets are not all aligned (safetensors packs tensors back
-  to back) is read as stored and re-laid into its packed layout: on CUDA by per-tensor copies
-  into the device slot (no extra host pass), on CPU by a copy from the read buffer.
+- Alignment: every tensor handed to a CUDA layer starts on an ARENA_ALIGN (256-byte) boundary, in
+  every tier; on a CPU every tensor of a packed layout does too, and a disk layer's tensors need only
+  CPU_ALIGN (32 bytes: GGUF's default `general.alignment`, what llama.cpp's CPU kernels read from a
+  mapped file; the GGUF kernel's vector loads are unaligned ones, torch's CPU ops need the element's
+  alignment). A disk layer whose file offsets are not all aligned so (safetensors packs tensors back
+  to back) is read as stored and re-laid into its packed layout: on CUDA by per-tensor copies into
+  the device slot (no extra host pass), on CPU by a copy from the read buffer (a read thread's memcpy
+  of the layer each pass, on the cores the compute uses: avoided wherever the file allows).
 - `LayerStore.load(layer, slot)` is the prefetcher's copy job: it produces layer `layer` in the
   device buffer of `slot` (or, for the RAM tier on CPU, returns the host arena itself).
   On CUDA it issues the copy on the caller's current stream (the prefetcher's side stream).
@@ -41,6 +45,7 @@ from offload.formats.base import read_exact
 from offload.formats.st_index import SafetensorsIndex, TensorEntry
 
 MERGE_GAP = 64 * 1024
+CPU_ALIGN = 32   # where a CPU computes a disk layer in its file layout (see the contract)
 READ_CHUNK = 64 * 1024 * 1024
 
 
@@ -242,11 +247,12 @@ class DiskLayer:
     packed: LayerLayout        # aligned compute layout (cast / quantized where needed)
     specs: list[ParamSpec]
     convert: bool              # a dtype cast is needed: the read buffer is never the compute buffer
+    align: int = ARENA_ALIGN   # boundary the compute device needs its tensors on (CPU_ALIGN on a CPU)
 
     @property
     def repack(self) -> bool:
-        """The compute buffer uses `packed`: a cast, or file offsets off the 256-byte grid."""
-        return self.convert or not is_aligned(self.raw)
+        """The compute buffer uses `packed`: a cast, or file offsets off the `align` grid."""
+        return self.convert or not is_aligned(self.raw, self.align)
 
     @property
     def layout(self) -> LayerLayout:
