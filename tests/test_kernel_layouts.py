@@ -115,7 +115,7 @@ def test_every_offset_size_and_kind_equals_the_c_compilers(tmp_path):
 
 def test_decode_stack_lanes_arguments_and_flags_are_the_headers():
     """The prototype's parameters (pointer -> c_void_p, int64_t -> c_int64, int -> c_int) are the argtypes
-    leanstack sets, and leanstack.ROWWISE is the header's."""
+    leanstack sets, and leanstack.ROWWISE and the activations (dims_t.act) are the header's."""
     code = _code(HEADER.read_text())
     params = re.search(r"int\s+decode_stack_lanes\s*\((.*?)\)\s*;", code, flags=re.S).group(1).split(",")
     want = [
@@ -127,6 +127,8 @@ def test_decode_stack_lanes_arguments_and_flags_are_the_headers():
         pytest.skip("the GGUF kernel library is not built")
     assert fn.argtypes == want
     assert int(re.search(r"#define\s+ROWWISE\s+(\d+)", code).group(1)) == leanstack.ROWWISE
+    acts = {name: int(v) for name, v in re.findall(r"#define\s+(ACT_\w+)\s+(\d+)", code)}
+    assert acts == {"ACT_SILU": leanstack.ACT_SILU, "ACT_GELU_TANH": leanstack.ACT_GELU_TANH}
 
 
 def test_every_included_header_is_part_of_the_build_hash():

@@ -1,10 +1,13 @@
-"""LeanStack: a resident Llama stack of GGUF layers, run for a few tokens as ONE C call per pass.
+"""LeanStack: a resident Llama or Gemma-3 stack of GGUF layers, run for a few tokens as ONE C call per pass.
 
 Contract:
 - `LeanStack.build(model)` -> LeanStack | None for an OffloadedCausalLM; `why_not(model)` says, in
   one line, why there is none (None when there is one). It is built when the model computes on the
   CPU in fp32, its family is plain Llama (SiLU MLP, no biases, no sliding window, HF's
-  LlamaDecoderLayer), every decoder layer is resident, and every linear of every layer runs the GGUF
+  LlamaDecoderLayer) or Gemma-3 text (`gemma3_text`: HF's Gemma3DecoderLayer or arch/gemma3.py's
+  TypedLayer, GELU-tanh MLP, q/k norms, sandwich norms, no attention soft-capping; each norm's
+  multiplier 1 + w folded once into an fp32 copy, each layer rotated with its layer type's table),
+  every decoder layer is resident, and every linear of every layer runs the GGUF
   kernel (formats/ggml_kernel.py; q/k/v and gate/up each one call when stacked back to back in one
   buffer by formats/qfuse.py, else one call each), and $SPECX_DECODE_STACK is not "off"; a layer-skip self-draft's pass-through
   layers are left out of the stack (offload/selfdraft/build.py builds its stack once its layers are
@@ -18,9 +21,11 @@ Contract:
   decoder layer (by its attention's layer_idx) is a slab: `keys`/`values` (1, Hkv, cap, hd) fp32
   contiguous CPU tensors and an int `length` (specexec_cli's SlabCache, without importing it), all
   at the same `length` = past, with past + T <= cap (a pass that must grow the slabs takes the HF
-  path, which grows them).
+  path, which grows them); and for a model with sliding-window layers, past + T <= sliding_window:
+  no row can then fall outside a window (positions are below past + T), so the stack, which applies
+  no window, computes what HF's sliding masks give; a longer context takes the HF path.
 - `__call__(h, position_embeddings, attention_mask, cache)` -> h after the last decoder layer (a new
-  tensor; h is not written): decode_stack.c computes each layer as LlamaDecoderLayer does (the same
+  tensor; h is not written): decode_stack.c computes each layer as LlamaDecoderLayer (Gemma3DecoderLayer) does (the same
   fp32 math up to the order of roundings: the same contract as the kernel's linears), writes the
   new K/V rows at [past, past + T) of every slab and advances each layer's `length` by T, as HF's
   cache update would. The final norm, the head and the logits stay the caller's.
@@ -44,6 +49,7 @@ from offload.formats import ggml_kernel
 
 ENV = "SPECX_DECODE_STACK"   # auto (default) | off
 ROWWISE = 2                  # decode_stack.c's flag: every matmul row as a one-row call computes it
+ACT_SILU, ACT_GELU_TANH = 0, 1   # decode_stack.h's dims_t.act: Llama's SiLU, Gemma-3's GELU (tanh approximation)
 STACK_ROWS = 64              # rows per pass of a stack with no fp32 copy (the self-draft's frontier, small trees)
 
 
@@ -53,7 +59,9 @@ class _Seg(ctypes.Structure):     # decode_stack.c's seg_t: one matmul's packed 
 
 class _Layer(ctypes.Structure):   # decode_stack.c's layer_t, field for field
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-                ("qkv", _Seg * 3), ("o", _Seg), ("gu", _Seg * 2), ("down", _Seg),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("post_attn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
+                ("qkv", _Seg * 3), ("o", _Seg), ("gu", _Seg * 2), ("down", _Seg), ("rope", ctypes.c_int64),
                 ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("past", ctypes.c_int64)]
 
 
@@ -67,7 +75,7 @@ class _LaneT(ctypes.Structure):   # decode_stack.c's lane_t
 
 class _Dims(ctypes.Structure):    # decode_stack.c's dims_t
     _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("hd", ctypes.c_int64),
-                ("F", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("F", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", ctypes.c_int32)]
 
 
 def _off() -> bool:
@@ -90,17 +98,58 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+GEMMA3 = "gemma3_text"
+
+
 def family_reason(cfg) -> str | None:
-    """None when HF config `cfg` is a family decode_stack.c computes (plain Llama), else why not.
-    The planner asks the same (planning/memlayers.kernel_terms), so the model and the loader agree."""
+    """None when HF config `cfg` is a family decode_stack.c computes (plain Llama, Gemma-3 text), else
+    why not. The planner asks the same (planning/memlayers.kernel_terms), so the model and the loader agree."""
     if _off():
         return f"${ENV}=off"
     def get(key, default=None):   # a PretrainedConfig, or the planner's config.json-style dict
         return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
-    if get("model_type") != "llama" or get("hidden_act") != "silu":
-        return f"family {get('model_type')!r} is not plain Llama"
+    family = get("model_type")
+    if family == GEMMA3:
+        if get("hidden_activation") != "gelu_pytorch_tanh":
+            return f"Gemma-3 activation {get('hidden_activation')!r} is not gelu_pytorch_tanh"
+        if get("attn_logit_softcapping") is not None or get("use_bidirectional_attention", False):
+            return "Gemma-3 attention with soft-capping or bidirectional attention"
+    elif family != "llama" or get("hidden_act") != "silu":
+        return f"family {family!r} is not plain Llama or Gemma-3"
     if get("attention_bias", False) or get("mlp_bias", False):
         return "the model's linears have biases"
+    return None
+
+
+def _kind(layer) -> str | None:
+    """The family of a decoder layer the stack computes, "llama" or "gemma3" (HF's Gemma3DecoderLayer
+    or a subclass of it such as arch/gemma3.py's TypedLayer), told apart by class name; else None."""
+    name = type(layer).__name__
+    if name == "LlamaDecoderLayer":
+        return "llama"
+    if name in ("Gemma3DecoderLayer", "TypedLayer") and any(
+        c.__name__ == "Gemma3DecoderLayer" for c in type(layer).__mro__
+    ):
+        return "gemma3"
+    return None
+
+
+def _rope_types(cfg) -> list[str]:
+    """The rotary tables of a pass, in order (arch/gemma3.py's TypedRope.by_type keys): one per layer type."""
+    return sorted(set(getattr(cfg, "layer_types", None) or ())) or ["full_attention"]
+
+
+def _multiplier(norm) -> torch.Tensor | None:
+    """What a Gemma-3 RMSNorm multiplies the normed x by, as an fp32 copy made once: 1 + w (HF's
+    Gemma3RMSNorm), or arch/gemma3.py's PlusOneNorm's 1 + (s - 1) of a stored s; None for another norm."""
+    w = norm.weight
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return None
+    name = type(norm).__name__
+    if name == "Gemma3RMSNorm":
+        return (1.0 + w.detach().float()).contiguous()
+    if name == "PlusOneNorm":
+        return (1.0 + (w.detach().float() - 1.0)).contiguous()
     return None
 
 
@@ -111,9 +160,9 @@ def _config_reason(model) -> str | None:
 
 
 def _streamable(layer) -> bool:
-    """Whether a STREAMED decoder layer can run on the stack once its bytes are bound: a Llama layer
-    whose seven linears are kernel-served GGUF linears without bias (their pointers are read per pass)."""
-    if type(layer).__name__ != "LlamaDecoderLayer":
+    """Whether a STREAMED decoder layer can run on the stack once its bytes are bound: a Llama or Gemma-3
+    layer whose seven linears are kernel-served GGUF linears without bias (their pointers are read per pass)."""
+    if _kind(layer) is None:
         return False
     at, mlp = layer.self_attn, layer.mlp
     mods = (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -149,18 +198,28 @@ def _layer_parts(layer) -> dict | None:
     which the stack leaves out), or None when it cannot run it."""
     if type(layer).__name__ == "PassThrough":   # offload/selfdraft/build.py (told apart by name: stream < selfdraft)
         return {}
-    if type(layer).__name__ != "LlamaDecoderLayer":
+    kind = _kind(layer)
+    if kind is None:
         return None
     at, mlp = layer.self_attn, layer.mlp
     parts = {"qkv": _siblings([at.q_proj, at.k_proj, at.v_proj]), "o": _packed(at.o_proj),
              "gu": _siblings([mlp.gate_proj, mlp.up_proj]), "down": _packed(mlp.down_proj)}
     if any(v is None for v in parts.values()):
         return None
+    parts["idx"] = at.layer_idx
+    if kind == "gemma3":   # attn, ffn, then q, k, post-attention, post-feedforward multipliers
+        mods = (layer.input_layernorm, layer.pre_feedforward_layernorm, at.q_norm, at.k_norm,
+                layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+        folded = [_multiplier(m) for m in mods]
+        if any(w is None for w in folded):
+            return None
+        parts["norms"], parts["gemma"] = tuple(folded[:2]), tuple(folded[2:])
+        parts["rope"] = _rope_types(at.config).index(at.layer_type)
+        return parts
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() for w in norms):
         return None
     parts["norms"] = norms
-    parts["idx"] = at.layer_idx
     return parts
 
 
@@ -175,13 +234,16 @@ def why_not(model) -> str | None:
     for i, layer in enumerate(model.layers):
         ok = _streamable(layer) if i in streamed else _layer_parts(layer) is not None
         if not ok:
-            return f"decoder layer {i} is not a Llama layer of kernel-served GGUF linears"
+            return f"decoder layer {i} is not a Llama or Gemma-3 layer of kernel-served GGUF linears"
     return None if streamed or any(map(_layer_parts, model.layers)) else "every decoder layer is skipped"
 
 
 def _fill(s: _Layer, p: dict) -> None:
     """Point layer_t `s` at the norms and packed segments of `_layer_parts`' dict `p`."""
     s.attn_norm, s.ffn_norm = p["norms"][0].data_ptr(), p["norms"][1].data_ptr()
+    gemma = p.get("gemma", (None,) * 4)
+    s.q_norm, s.k_norm, s.post_attn_norm, s.post_ffn_norm = (_ptr(w) for w in gemma)
+    s.rope = p.get("rope", 0)
     for name in ("qkv", "o", "gu", "down"):
         segs = p[name] if isinstance(p[name], list) else [p[name]]
         slots = getattr(s, name)
@@ -199,8 +261,16 @@ class LeanStack:
         heads = cfg.num_attention_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or heads
-        self.dims = _Dims(cfg.hidden_size, heads, self.hkv, self.hd, cfg.intermediate_size,
-                          float(model.layers[0].input_layernorm.variance_epsilon), self.hd ** -0.5)
+        gemma = getattr(cfg, "model_type", None) == GEMMA3
+        norm = model.layers[0].input_layernorm
+        eps = float(norm.eps if gemma else norm.variance_epsilon)
+        scale = cfg.query_pre_attn_scalar ** -0.5 if gemma else self.hd ** -0.5
+        self.dims = _Dims(cfg.hidden_size, heads, self.hkv, self.hd, cfg.intermediate_size, eps, scale,
+                          ACT_GELU_TANH if gemma else ACT_SILU)
+        self.ropes = _rope_types(cfg) if gemma else None   # the rotary tables' layer types, in order (Gemma-3)
+        types = getattr(cfg, "layer_types", None) or ()
+        # sliding layers: the stack applies no window, so it serves only passes no window can cut (`serves`)
+        self.window = getattr(cfg, "sliding_window", None) if "sliding_attention" in types else None
         self.parts = parts                          # keeps every tensor the structs point at alive
         self.idx = [p["idx"] for p in parts]        # cache layer of each decoder layer
         self.structs = (_Layer * len(parts))()
@@ -241,7 +311,7 @@ class LeanStack:
                 return None
             if past is None:
                 past = length
-            if length != past or past + t > keys.shape[2]:
+            if length != past or past + t > keys.shape[2] or (self.window is not None and past + t > self.window):
                 return None
             picked.append(layer)
         return picked
@@ -319,7 +389,11 @@ class LeanStack:
             for s, layer in zip(structs, slabs):
                 s.k, s.v = layer.keys.data_ptr(), layer.values.data_ptr()
                 s.cap, s.past = layer.keys.shape[2], layer.length
-            cos, sin = (e.reshape(t, self.hd).to(torch.float32).contiguous() for e in emb)
+            if self.ropes is not None:   # Gemma-3: one table per layer type, (n, T, hd), in self.ropes' order
+                by_type = getattr(emb, "by_type", None)   # a plain (cos, sin) rotates every layer (TypedLayer)
+                emb = [torch.stack([(by_type[r] if by_type else emb)[k].reshape(t, self.hd) for r in self.ropes])
+                       for k in (0, 1)]
+            cos, sin = (e.reshape(-1, self.hd).to(torch.float32).contiguous() for e in emb)
             mask = None if mask is None else mask[0, 0].contiguous()
             lane.layers, lane.T, lane.cos, lane.sin = ctypes.addressof(structs), t, cos.data_ptr(), sin.data_ptr()
             lane.mask, lane.mask_cols = _ptr(mask), 0 if mask is None else mask.shape[1]

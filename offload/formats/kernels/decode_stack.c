@@ -1,10 +1,10 @@
-/* decode_stack.c: a Llama decoder stack over GGUF blocks for a few tokens, in one call
+/* decode_stack.c: a Llama (or Gemma-3) decoder stack over GGUF blocks for a few tokens, in one call
 (offload/stream/leanstack.py). Compiled into one library with ggml_gemv.c, whose ggml_gemm it calls.
 Its structs (seg_t, layer_t, lane_t, dims_t), flags and prototype: decode_stack.h.
 
 Contract: decode_stack_lanes(lanes, L, nl, dims, h, nthreads, flags) runs decoder layers [0, nl) in order
 over the hidden states h, in place. For one lane (a sequence: its layer_t array `layers` with its
-slabs, T tokens, rotary tables cos/sin (T, hd), mask) over h (T, D), exactly as transformers'
+slabs, T tokens, rotary tables cos/sin (n, T, hd), mask) over h (T, D), exactly as transformers'
 LlamaDecoderLayer computes them (fp32 throughout, up to the order of fp32 roundings):
     x  = rmsnorm(h) * attn_norm              rmsnorm(h) = h * 1/sqrt(mean(h^2) + eps), per token
     q|k|v = x Wqkv^T                         one ggml_gemm over the stacked q, k, v rows (row map
@@ -19,6 +19,16 @@ LlamaDecoderLayer computes them (fp32 throughout, up to the order of fp32 roundi
     h += a Wo^T
     x  = rmsnorm(h) * ffn_norm
     g|u = x Wgu^T;  h += (silu(g) * u) Wdown^T        silu(g) = g / (1 + exp(-g))
+Gemma-3 (transformers' Gemma3DecoderLayer) takes the same steps with four more, each where its
+layer_t pointer is not NULL, and dims' act = ACT_GELU_TANH:
+    q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm   per head over hd, before rope (q_norm, k_norm)
+    h += rmsnorm(a Wo^T) * post_attn_norm            (post_attn_norm)
+    h += rmsnorm((act(g) * u) Wdown^T) * post_ffn_norm   (post_ffn_norm)
+    act(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+with every norm weight already the multiplier (Gemma's 1 + w, folded by the caller), the scale
+query_pre_attn_scalar^-0.5, and layer i rotated with its lane's table layers[i].rope (Gemma-3's local
+and global layers have different RoPE bases). Sliding windows are not applied: the caller runs a
+pass here only when the window cannot hide a row (leanstack.py: past + T <= sliding_window).
 With L lanes (offload/stream/multi.py: the requests `specx serve --parallel` decodes together) h holds
 their rows back to back, lane j its T_j rows with its own layer_t array (its slabs and past; the
 weights are read from lane 0's), rotary tables and mask. The norms, matmuls and MLP run over all rows together, so each
@@ -68,6 +78,16 @@ static void rmsnorm(const float *h, const float *w, float *out, int64_t T, int64
         float inv = 1.f / sqrtf(ss / (float)D + eps);
         for (int64_t i = 0; i < D; i++) out[t * D + i] = w[i] * (x[i] * inv);
     }
+}
+
+/* The MLP's activation of the gate: SiLU (Llama) or GELU's tanh approximation as torch computes it. */
+static inline float act(float g, int32_t which) {
+    if (which == ACT_GELU_TANH) {
+        const float beta = 0.7978845608028654f, kappa = 0.044715f;   /* sqrt(2 / pi) */
+        float inner = beta * (g + kappa * (g * g * g));
+        return 0.5f * g * (1.f + tanhf(inner));
+    }
+    return g / (1.f + expf(-g));
 }
 
 /* x (hd) rotated in place: x_i cos_i - x_{i+half} sin_i ; x_{i+half} cos_{i+half} + x_i sin_{i+half} */
@@ -135,13 +155,18 @@ static void attention(const layer_t *l, const dims_t *d, const float *qkv, int64
     pool_run(attention_share, &a, pairs * n >= ATTN_PAR ? nthreads : 1);
 }
 
-/* q|k|v of every token: rope on q and k heads, then k and v into slab rows past .. past + T - 1. */
+/* q|k|v of every token: the q and k heads normed (where the layer has q_norm / k_norm) and rotated with
+   table l->rope of cos/sin, then k and v into slab rows past .. past + T - 1. */
 static void rope_and_store(const layer_t *l, const dims_t *d, float *qkv, int64_t T, const float *cos,
                            const float *sin) {
     int64_t hd = d->hd, width = (d->H + 2 * d->Hkv) * hd;
+    cos += l->rope * T * hd, sin += l->rope * T * hd;
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * width;
         const float *c = cos + t * hd, *s = sin + t * hd;
+        if (l->q_norm != NULL)
+            for (int64_t h = 0; h < d->H + d->Hkv; h++)
+                rmsnorm(row + h * hd, h < d->H ? l->q_norm : l->k_norm, row + h * hd, 1, hd, d->eps);
         for (int64_t h = 0; h < d->H + d->Hkv; h++) rope(row + h * hd, c, s, hd);
         for (int64_t g = 0; g < d->Hkv; g++) {
             size_t at = ((size_t)g * l->cap + l->past + t) * hd;
@@ -190,15 +215,17 @@ static int layer(const lane_t *lanes, int64_t L, int64_t i, const dims_t *d, flo
                   nthreads);
     }
     if (mm(&l->o, 1, a, y, D, qd, T, nthreads, rw)) return -1;
+    if (l->post_attn_norm != NULL) rmsnorm(y, l->post_attn_norm, y, T, D, d->eps);   /* in place: row by row */
     for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     rmsnorm(h, l->ffn_norm, x, T, D, d->eps);
     if (mm(l->gu, 2, x, gu, 2 * F, D, T, nthreads, rw)) return -1;
     for (int64_t t = 0; t < T; t++)             /* act (T, F) over the gate half's place */
         for (int64_t k = 0; k < F; k++) {
             float g = gu[t * 2 * F + k];
-            gu[t * F + k] = (g / (1.f + expf(-g))) * gu[t * 2 * F + F + k];
+            gu[t * F + k] = act(g, d->act) * gu[t * 2 * F + F + k];
         }
     if (mm(&l->down, 1, gu, y, D, F, T, nthreads, rw)) return -1;
+    if (l->post_ffn_norm != NULL) rmsnorm(y, l->post_ffn_norm, y, T, D, d->eps);
     for (int64_t k = 0; k < T * D; k++) h[k] += y[k];
     return 0;
 }
