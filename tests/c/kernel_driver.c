@@ -12,11 +12,13 @@ and exits 1; a sanitizer report exits non-zero by itself):
   untouched) equal the one-thread call bit for bit; ggml_gemm_pool_rows' row t equals a one-row
   call on row t bit for bit; a type or K the kernel refuses returns -1.
   decode_stack_lanes over two layers of Q4_1 / Q8_0 weights (layer 0: q|k|v and gate|up one segment
-  each; layer 1: q, k, v three segments of two types with a row map, gate and up two): three lanes
+  each, Llama; layer 1: q, k, v three segments of two types with a row map, gate and up two, and
+  Gemma-3's q/k norms, sandwich norms and the second of each lane's two rotary tables): three lanes
   (8 tokens over 60 past rows, causal, long enough for attention on the pool; 1 token with an
   additive mask holding -inf; 1 token causal), each with its own slabs of exactly past + T rows.
   Checked: h finite; 1 and 2 threads equal bit for bit; with ROWWISE a one-token lane's h equals
-  that lane run alone; MATMULS_ONLY leaves h as it was; an unknown type returns -1.
+  that lane run alone; MATMULS_ONLY leaves h as it was; with GELU (ACT_GELU_TANH) h is finite and
+  differs from SiLU's; an unknown type returns -1.
 `kernel_driver plant-overflow` reads one block past a weight buffer through ggml_gemm and
 `kernel_driver plant-ub` overflows a signed int: each must be reported (the sanitizers are live). */
 
@@ -184,10 +186,16 @@ static void weights(layer_t *l, int which) {
     l->gu[0] = seg(8, F, D, NULL);
     l->gu[1] = seg(3, F, D, NULL);
     l->down = seg(3, D, F, NULL);
+    l->q_norm = randf(HD, 1.f, 0.5f);   /* Gemma-3: per-head q/k norms, sandwich norms, rotary table 1 */
+    l->k_norm = randf(HD, 1.f, 0.5f);
+    l->post_attn_norm = randf(D, 4.f, 1.f);
+    l->post_ffn_norm = randf(D, 4.f, 1.f);
+    l->rope = 1;
 }
 
 static void free_weights(layer_t *l) {
     free((void *)l->attn_norm), free((void *)l->ffn_norm), free((void *)l->qkv[0].map);
+    free((void *)l->q_norm), free((void *)l->k_norm), free((void *)l->post_attn_norm), free((void *)l->post_ffn_norm);
     seg_t *all[] = {&l->qkv[0], &l->qkv[1], &l->qkv[2], &l->o, &l->gu[0], &l->gu[1], &l->down};
     for (int i = 0; i < 7; i++) free((void *)all[i]->w);
 }
@@ -203,12 +211,14 @@ static void make_lane(lane_box *b, const layer_t *w, int64_t T, int64_t past, in
         b->layers[i].k = randf((size_t)(HKV * (past + T) * HD), 0.f, 1.f);
         b->layers[i].v = randf((size_t)(HKV * (past + T) * HD), 0.f, 1.f);
     }
-    float *cs = must(sizeof(float) * (size_t)(T * HD)), *sn = must(sizeof(float) * (size_t)(T * HD));
-    for (int64_t t = 0; t < T; t++)
-        for (int i = 0; i < HD; i++) {
-            float a = (float)(past + t) / powf(10000.f, (float)(2 * (i % (HD / 2))) / HD);
-            cs[t * HD + i] = cosf(a), sn[t * HD + i] = sinf(a);
-        }
+    /* two rotary tables (T, HD) back to back: bases 1e4 (layer 0) and 1e6 (layer 1, its rope = 1) */
+    float *cs = must(sizeof(float) * (size_t)(2 * T * HD)), *sn = must(sizeof(float) * (size_t)(2 * T * HD));
+    for (int r = 0; r < 2; r++)
+        for (int64_t t = 0; t < T; t++)
+            for (int i = 0; i < HD; i++) {
+                float a = (float)(past + t) / powf(r ? 1e6f : 1e4f, (float)(2 * (i % (HD / 2))) / HD);
+                cs[(r * T + t) * HD + i] = cosf(a), sn[(r * T + t) * HD + i] = sinf(a);
+            }
     float *mask = NULL;
     if (masked) {   /* (T, past + T): row 0 hidden, the rest visible */
         mask = randf((size_t)(T * (past + T)), 0.f, 0.5f);
@@ -230,7 +240,7 @@ static int run(lane_box *boxes, int first, int n, const dims_t *d, float *h, int
 }
 
 static void stack_all(void) {
-    dims_t d = {D, H, HKV, HD, F, 1e-5f, 0.25f};
+    dims_t d = {D, H, HKV, HD, F, 1e-5f, 0.25f, ACT_SILU};
     layer_t w[NL];
     memset(w, 0, sizeof w);
     weights(&w[0], 0);
@@ -257,6 +267,12 @@ static void stack_all(void) {
 
     memcpy(h1, h0, bytes);
     CHECK(run(boxes, 0, NLANE, &d, h1, 2, MATMULS_ONLY) == 0 && !memcmp(h1, h0, bytes), "MATMULS_ONLY wrote h");
+
+    dims_t gelu = d;
+    gelu.act = ACT_GELU_TANH;
+    memcpy(h1, h0, bytes), memcpy(h2, h0, bytes);
+    CHECK(run(boxes, 0, NLANE, &d, h1, 2, 0) == 0 && run(boxes, 0, NLANE, &gelu, h2, 2, 0) == 0, "GELU refused");
+    CHECK(all_finite(h2, T * D) && memcmp(h1, h2, bytes), "GELU: h not finite, or equal to SiLU's");
 
     int32_t good = boxes[0].layers[1].qkv[1].type;
     boxes[0].layers[1].qkv[1].type = 99;
