@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specexec_cli.session.options import DEMO_DIR
+from specexec_cli.session.names import DEMO_DIR
 from specexec_cli.terminal.app import app
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ pytest.importorskip("pyte")
 if sys.platform == "win32":  # pragma: no cover
     pytest.skip("needs a POSIX pty", allow_module_level=True)
 
-from specexec_cli.session.options import DEMO_DIR
+from specexec_cli.session.names import DEMO_DIR
 from tests.ptyterm import ROOT, PtyRun, find_block
 
 pytestmark = [

@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 
 from specexec_cli.errors import SpecxError
 from specexec_cli.session import names
-from specexec_cli.session.options import DEMO_DIR, pick_models
+from specexec_cli.session.names import DEMO_DIR
+from specexec_cli.session.options import pick_models
 from specexec_cli.terminal.app import app
 from tests.conftest import distribution_installed, make_model
 

@@ -56,7 +56,7 @@ def _gguf_name(path: Path) -> str:
 def model_id(target: str, resolved: Path | None = None) -> str:
     """The served model's id (see the module contract). `resolved`: the path --target resolved to
     (None: `target` itself when it is a path)."""
-    from specexec_cli.session.options import DEMO_DIR
+    from specexec_cli.session.names import DEMO_DIR
 
     path = Path(target).expanduser()
     if path.exists():

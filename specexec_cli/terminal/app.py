@@ -29,8 +29,9 @@ from specexec_cli.terminal.flags import (  # the flag declarations
     MODELS, MaxDepth, MaxGpu, MaxNew, MaxRam, NoLive, NoTemplate, OUTPUT, Offload, ProfileOpt, Seed, StatsJson,
     Target, TrustRemote, model_flags,
 )
+from specexec_cli.session.names import is_demo
 from specexec_cli.session.options import (
-    ModelFlags, config_record, hardware_fit, is_demo, load_planned, plan_for_cli, prompt_text, show_plan,
+    ModelFlags, config_record, hardware_fit, load_planned, plan_for_cli, prompt_text, show_plan,
 )
 from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oom, oom_error
 from specexec_cli.session import notices
