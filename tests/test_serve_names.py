@@ -47,7 +47,7 @@ def test_a_gguf_file_name_loses_its_extension_split_and_quant_tag(file, name):
 
 
 def test_the_id_of_each_kind_of_target(tmp_path):
-    from specexec_cli.session.options import DEMO_DIR
+    from specexec_cli.session.names import DEMO_DIR
     from tests.gguf_build import write_gguf
 
     hf = make_model(tmp_path / "My-Model", seed=1)
