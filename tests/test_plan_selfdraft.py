@@ -130,7 +130,11 @@ def test_the_width_choice_uses_the_runs_temperature(llama70b):
         assert {c["bits"] for c in p.candidates if c["draft"] == "self"} == {4, 3, 2}
         for c in (c for c in p.candidates if c["draft"] == "self"):
             pts = sorted(TOKENS_PER_PASS[c["bits"]][row].items())  # log-linear between measured budgets
-            b = min(max(c["budget"], pts[0][0]), pts[-1][0])  # clamped at the ends
-            (x0, y0), (x1, y1) = next((a, b_) for a, b_ in itertools.pairwise(pts) if b <= b_[0])
-            want = y0 + (y1 - y0) * math.log(b / x0) / math.log(x1 / x0)
-            assert c["tokens_per_pass"] == pytest.approx(want, abs=1e-3)
+            b = min(c["budget"], pts[-1][0])  # flat beyond the largest
+            if b < pts[0][0]:  # from 1 token at budget 0 to the smallest measured budget
+                want = 1 + (pts[0][1] - 1) * math.log1p(b) / math.log1p(pts[0][0])
+            else:
+                (x0, y0), (x1, y1) = next((a, b_) for a, b_ in itertools.pairwise(pts) if b <= b_[0])
+                want = y0 + (y1 - y0) * math.log(b / x0) / math.log(x1 / x0)
+            assert c["tokens_per_pass"] == pytest.approx(min(want, c["budget"] + 1), abs=1e-3)
+            assert c["tokens_per_pass"] <= c["budget"] + 1   # a tree of B nodes verifies at most B + 1 tokens

@@ -2,7 +2,9 @@
 
 Contract: `tokens_per_pass(kind, temperature, budget, weights)` -> the expected tokens per target pass of a
 draft of `kind` ("small", a self-draft width 4 / 3 / 2, or "skip") at `budget`, log-linear between the
-measured budgets of its row and clamped at the ends; greedy or sampled by the temperature; a self-draft
+measured budgets of its row and flat beyond the largest; below the smallest measured budget b0 (tokens t0)
+it falls from t0 towards plain decoding's 1 token at budget 0, as 1 + (t0 - 1) log(1 + b) / log(1 + b0); and
+never above budget + 1 (a tree of `budget` nodes verifies at most that many tokens and the root's); greedy or sampled by the temperature; a self-draft
 width of a target of at most SMALL_TARGET `weights` reads TOKENS_PER_PASS_SMALL (measured on a small real
 model), every other case TOKENS_PER_PASS. offload/planning/draftcost.py models speed with it.
 """
@@ -67,8 +69,14 @@ def tokens_per_pass(kind, temperature: float, budget: int, weights: float | None
     )
     row = table[kind]["sampled" if temperature > 0 else "greedy"]
     pts = sorted(row.items())
-    b = max(pts[0][0], min(pts[-1][0], max(1, budget)))
-    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
-        if b <= x1:
-            return y0 + (y1 - y0) * (math.log(b) - math.log(x0)) / (math.log(x1) - math.log(x0))
-    return pts[-1][1]
+    budget = max(1, budget)
+    (b0, t0), b = pts[0], min(pts[-1][0], budget)
+    if b < b0:   # between plain decoding (budget 0: 1 token) and the smallest measured tree
+        got = 1 + (t0 - 1) * math.log1p(b) / math.log1p(b0)
+    else:
+        got = pts[-1][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+            if b <= x1:
+                got = y0 + (y1 - y0) * (math.log(b) - math.log(x0)) / (math.log(x1) - math.log(x0))
+                break
+    return min(got, budget + 1.0)
