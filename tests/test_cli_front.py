@@ -193,7 +193,7 @@ def test_color_defaults(monkeypatch):
 
 
 def test_text_sink_colours_only_the_draft_prefix_and_never_changes_text():
-    from specexec_cli.core.engine import TextChunk
+    from specexec_cli.core.text import TextChunk
 
     chunk = TextChunk("ab\ncd[/b]e")
     chunk.draft_chars = 5  # "ab\ncd" came from the draft's tree, "[/b]e" from the target

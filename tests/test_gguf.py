@@ -151,7 +151,7 @@ def test_ollama_name(tiny, tmp_path, monkeypatch):
     ck = READER.open_ollama("tiny:q8")
     assert ck.format == "gguf" and ck.files[0].parent == root / "blobs"
     assert ck.generation["temperature"] == 0.3 and ck.generation["stop_strings"] == ["<user>"]
-    from specexec_cli.session.loading import resolve_path
+    from specexec_cli.session.names import resolve_path
 
     assert resolve_path("library/tiny:q8", "--target") == ck.files[0]
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before  # read-only

@@ -14,7 +14,8 @@ import struct
 
 import pytest
 
-from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
+from offload.planning.memlayers import read_checkpoint
+from offload.planning.memplan import PlanRequest, plan_memory
 from specexec_cli.session.info import describe, rows
 from tests.sparse_ckpt import FIXTURES, tensor_shapes
 

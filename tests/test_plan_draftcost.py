@@ -15,7 +15,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from offload.planning.draftcost import TOKENS_PER_PASS
+from offload.planning.acceptance import TOKENS_PER_PASS
 from offload.planning.selfplan import SKIP_FACTOR
 from specexec_cli.terminal.app import app
 from tests.sparse_ckpt import write_sparse

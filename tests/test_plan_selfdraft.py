@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
+from offload.planning.memlayers import read_checkpoint
+from offload.planning.memplan import PlanRequest, plan_memory
 from tests.sparse_ckpt import write_sparse
 
 GB = 10**9
@@ -121,8 +122,8 @@ def test_nothing_streamed_means_the_layer_skip_draft(llama70b):
 
 def test_the_width_choice_uses_the_runs_temperature(llama70b):
     """The expected tokens/pass behind the choice come from the greedy or the sampled measurements
-    (offload/draftcost.TOKENS_PER_PASS) by the run's temperature, at the plan's budget."""
-    from offload.planning.draftcost import TOKENS_PER_PASS
+    (offload/planning/acceptance.TOKENS_PER_PASS) by the run's temperature, at the plan's budget."""
+    from offload.planning.acceptance import TOKENS_PER_PASS
 
     greedy, sampled = plan(llama70b, "bf16", 44), plan(llama70b, "bf16", 44, temperature=0.7)
     assert greedy.fits and sampled.fits
@@ -137,4 +138,4 @@ def test_the_width_choice_uses_the_runs_temperature(llama70b):
                 (x0, y0), (x1, y1) = next((a, b_) for a, b_ in itertools.pairwise(pts) if b <= b_[0])
                 want = y0 + (y1 - y0) * math.log(b / x0) / math.log(x1 / x0)
             assert c["tokens_per_pass"] == pytest.approx(min(want, c["budget"] + 1), abs=1e-3)
-            assert c["tokens_per_pass"] <= c["budget"] + 1   # a tree of B nodes verifies at most B + 1 tokens
+            assert c["tokens_per_pass"] <= c["budget"] + 1  # a tree of B nodes verifies at most B + 1 tokens

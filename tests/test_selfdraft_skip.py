@@ -118,7 +118,8 @@ def test_sampled_ids_equal_ar_with_the_same_seed(tmp_path, target):
 
 
 def plan_for(target, temperature=0.0):
-    from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
+    from offload.planning.memlayers import read_checkpoint
+    from offload.planning.memplan import PlanRequest, plan_memory
 
     req = PlanRequest(
         device="cpu",
@@ -158,11 +159,11 @@ def test_draft_auto_takes_the_layer_skip_draft_only_when_modelled_faster(target,
     pass, wins; one that accepts a single token never does. (Each draft forward pays the step floor, and a
     tree of 50 accepted tokens takes 50+ forwards: with the CPU prior's 10 ms step floor on this tiny
     target a draft step costs a whole pass, so no acceptance rate would pay for it.)"""
-    from offload.planning import draftcost, passcost
+    from offload.planning import acceptance, passcost
     from specexec_cli.session.planning import resolve_auto
 
     table = {"greedy": {16: tpp, 64: tpp}, "sampled": {16: tpp, 64: tpp}}
-    monkeypatch.setitem(draftcost.TOKENS_PER_PASS, "skip", table)
+    monkeypatch.setitem(acceptance.TOKENS_PER_PASS, "skip", table)
     if step_floor is not None:
         monkeypatch.setitem(passcost.PRIORS, "cpu", {**passcost.PRIORS["cpu"], "step_floor_s": step_floor})
     p = plan_for(target)

@@ -162,8 +162,8 @@ def moe_plans(name: str, root: Path) -> list[tuple[int, dict, dict]]:
     """(RAM GB, plan.experts in bf16, plan.experts at the published runs' bits) for 64 and 128 GB of RAM."""
     from offload.planning.experts import expert_plan
     from offload.planning.membytes import arch_of
-    from offload.planning.memlayers import layer_sizes
-    from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
+    from offload.planning.memlayers import layer_sizes, read_checkpoint
+    from offload.planning.memplan import PlanRequest, plan_memory
     from tests.sparse_moe import write_sparse_moe
 
     ck = read_checkpoint(write_sparse_moe(name, root / name))

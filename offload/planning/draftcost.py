@@ -45,9 +45,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Callable
 
-from offload.planning.acceptance import (  # noqa: F401 - callers import the measured tables here
-    SMALL_TARGET, TOKENS_PER_PASS, TOKENS_PER_PASS_SMALL, tokens_per_pass,
-)
+from offload.planning.acceptance import tokens_per_pass
 from offload.planning.membytes import substitute_kernel
 from offload.planning.passcost import (
     DEQUANT_ELEMS, Device, dequant_elems, device_for, draft_step, interpolate, linear_weights, target_pass,

@@ -24,7 +24,7 @@ Contract:
   of them left out, in influence.skip_order's order; no bytes of its own, so the plan is the
   target's with a shared KV cache) and models it against plain decoding (draftcost.skip_spec: its
   forward runs the kept layers and the head; tokens per pass measured on the real model,
-  draftcost.TOKENS_PER_PASS["skip"]). Its `substitute_bits` is build.LAYER_SKIP (0).
+  acceptance.TOKENS_PER_PASS["skip"]). Its `substitute_bits` is build.LAYER_SKIP (0).
 - `choose(a, req, plans)` picks, among fitting (bits, plan) pairs, the one with the most modelled
   tokens/s (offload/planning/draftcost.py: measured tokens/pass at the plan's budget over the pass seconds plus
   the draft seconds the stream does not hide) and returns every width's Candidate, which the plan
@@ -36,15 +36,14 @@ from __future__ import annotations
 import itertools
 import math
 
+from offload.planning.acceptance import tokens_per_pass as measured
 from offload.planning.membytes import arch_of, substitute_kernel
 from offload.sizes import format_bytes
 
 
 def tokens_per_pass(bits: int, temperature: float, budget: int = 64, weights: float | None = None) -> float:
-    """Measured tokens/pass of a self-draft with every layer substituted (offload/draftcost.TOKENS_PER_PASS;
-    `weights`: the target's, which picks TOKENS_PER_PASS_SMALL for a small one)."""
-    from offload.planning.draftcost import tokens_per_pass as measured
-
+    """Measured tokens/pass of a self-draft with every layer substituted (offload/planning/acceptance.py
+    TOKENS_PER_PASS; `weights`: the target's, which picks TOKENS_PER_PASS_SMALL for a small one)."""
     return measured(bits, temperature, budget, weights)
 
 

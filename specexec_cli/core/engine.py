@@ -34,11 +34,11 @@ from specexec_cli.core.grammar import GrammarError, compile_grammar, output_widt
 from specexec_cli.core.logprobs import token_logprobs
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
-from specexec_cli.core.state import (  # noqa: F401 - re-exported: reserve_caches, prefill_passes
-    ContextOverflow, DecodeState, GenerationConfig, Models, StepEvent, StepFn, StepResult, add_prompt, check_fits,
-    finish_reason, prefill_passes, reserve_caches,
+from specexec_cli.core.state import (
+    DecodeState, GenerationConfig, Models, StepEvent, StepFn, StepResult, add_prompt, check_fits,
+    finish_reason,
 )
-from specexec_cli.core.text import TextChunk, TextStream  # noqa: F401
+from specexec_cli.core.text import TextStream
 from specexec_cli.core.tree import causal_mask, subtree, top_budget
 from specexec_cli.core.verify import accept_tree, verify_inputs
 from specexec_cli.errors import SpecxError

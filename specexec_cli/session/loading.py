@@ -22,7 +22,7 @@ import torch
 from specexec_cli.core.engine import Models
 from specexec_cli.errors import SpecxError
 from specexec_cli.session.modelref import AUTO, SELF, ModelRef, pickle_refused
-from specexec_cli.session.names import is_gguf, resolve_path  # noqa: F401 - where callers find them
+from specexec_cli.session.names import is_gguf
 from specexec_cli.session.strict import check_loading_info, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -272,7 +272,7 @@ def _host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
 def restore(snap: Snapshot, st, models, rows: int | None = None) -> None:
     """Put the first `rows` positions of `snap` (default: all) into the live state: ids, lengths and
     both caches' rows, bit-exact copies; the state is then what it was at the save, rewound to `rows`."""
-    from specexec_cli.core.engine import reserve_caches
+    from specexec_cli.core.state import reserve_caches
 
     n = snap.target_len if rows is None else min(rows, snap.target_len)
     reserve_caches(models, st)  # planned slabs (or the self-draft's shared view) exist before the copy

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
-from specexec_cli.core.engine import ContextOverflow
+from specexec_cli.core.state import ContextOverflow
 from specexec_cli.errors import SpecxError, oom_error
 from specexec_cli.session.chat import ChatSession
 

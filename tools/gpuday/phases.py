@@ -155,7 +155,7 @@ def demo(ctx: dict) -> dict:
         new_tokens=len(spec["ids"]),
         tokens_per_pass=(len(spec["ids"]) - 1) / max(1, spec["passes"]),
         predicted_tokens_per_pass=predict.tokens_per_pass(budget),
-        predicted_model="draftcost.TOKENS_PER_PASS['small'] (the shared trained pair's, a prior)",
+        predicted_model="acceptance.TOKENS_PER_PASS['small'] (the shared trained pair's, a prior)",
         serve=serve_once(ctx),
     )
     if not out["equal"] or out["serve"]["status"] != 200:

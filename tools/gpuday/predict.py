@@ -8,7 +8,7 @@ Contract:
   timed stack: every layer in the RAM tier with the bytes the run actually streamed per layer, n
   tree tokens at a context of `past`, bf16 compute, the format's dequantization kernel (KERNEL).
 - `draft_step(card, weight, kv, dequant, flops)`: passcost.draft_step for one draft forward.
-- `tokens_per_pass(budget)`: draftcost's prior for a small trained draft at T = 0.
+- `tokens_per_pass(budget)`: acceptance's prior for a small trained draft at T = 0.
 - `step(card, shape, target, budget, draft_shape, draft_bytes, tpp, max_beams)`: the planner's own
   figure for one speculative step, draftcost.evaluate for a small draft (`draft_bytes` of bf16
   parameters) and a target of target["layers"] nf4 layers of target["layer_bytes"] each, all in the RAM
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from offload.planning import draftcost, passcost
+from offload.planning import acceptance, draftcost, passcost
 from offload.planning.membytes import arch_of
 
 MODEL = "offload/planning/passcost.py"
@@ -66,7 +66,7 @@ def draft_step(card: dict, weight: int, kv: int, dequant: int, flops: float) -> 
 
 
 def tokens_per_pass(budget: int) -> float:
-    return draftcost.tokens_per_pass("small", 0.0, budget)
+    return acceptance.tokens_per_pass("small", 0.0, budget)
 
 
 STEP_MODEL = "offload/planning/draftcost.py evaluate (passcost.target_pass, forwards_per_tree x draft_step)"
