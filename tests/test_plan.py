@@ -150,6 +150,13 @@ def expected_device(t: dict, d: dict, plan, nf4: bool, elem: int, delem: int) ->
     else:
         slot = lb if not plan.disk_layers else plan.device_bytes["staging_slots"] // 2
     exp["staging_slots"] = 2 * slot if streamed else 0
+    # the static draft step (core/draftstep.py): the (128, rows8) mask store, 4 int64 inputs per bucket
+    # row, one CUDA-graph pool per bucket P = 1 .. 128: a draft pass of P rows over the whole cache, its
+    # (P, V) logits kept, less the mask (a view of the store)
+    s8 = -(-rows_d // 8) * 8
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+    pools = sum(one_pass(d, p, rows_d, delem, p, 0) - p * s8 * delem for p in buckets)
+    exp["draft_step"] = 128 * s8 * delem + 4 * 8 * 255 + pools
     static = sum(exp.values()) - act
     exp["cuda_context"] = 600 * MIB + int(0.02 * static + 0.10 * act)
     return exp

@@ -1,5 +1,5 @@
 """Byte formulas of the memory plan: model shapes, KV caches, NF4 quant states, pass activations
-(and what each other request's tree adds to a forest pass).
+(and what each other request's tree adds to a forest pass), the static draft step's buffers and graphs.
 
 Contract: pure functions of config.json values (`Arch`), dtypes and token counts; no I/O.
 `req` arguments are `memplan.PlanRequest`s (only dtype, device, ctx, attn, draft_dtype, max_beams,
@@ -172,6 +172,33 @@ def pass_bytes(
     mlp = 4 * t * a.intermediate * c
     mask = t * s if fused else t * padded(s) * c
     return hidden + qkv + gqa + scores + mlp + mask + deq + logit_rows * a.vocab * c + sampling
+
+
+DRAFT_STEP_ROWS = 128  # core/draftstep.LARGEST: the mask store's rows, the widest pass whose inputs are kept
+DRAFT_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # core/draftstep.BUCKETS["cuda"]: the padded pass widths
+
+
+def draft_step_terms(a: Arch, rows: int, c: int, attn: str, graphs: bool, device: str = "cuda") -> dict[str, int]:
+    """Long-lived device bytes of the static draft step (specexec_cli/core/draftstep.py) over a draft
+    cache of `rows` reserved rows (a self-draft: the target's shared slabs), draft dtype `c` bytes:
+    - mask_store: the (DRAFT_STEP_ROWS, rows rounded up to 8) additive mask every pass shares, sized to
+      the reserved slab on the first pass (it grows, doubling, only once the cache outgrows its plan);
+    - inputs: ids, positions, written rows and iota (4 x P int64) of every pass width P the step keeps:
+      the padded buckets where passes are captured (`graphs`), else each exact width 1 .. DRAFT_STEP_ROWS
+      that runs (counted all: the CPU, a self-draft on CUDA);
+    - graph_pools (`graphs`: a resident separate draft on CUDA): one private CUDA-graph pool per bucket,
+      what one captured pass of P rows over the whole slab allocates: pass_bytes for P rows over `rows`
+      keys with its (P, V) logits (which the replays write), less the mask, a view of the store
+      (the logits alone: sum(DRAFT_STEP_BUCKETS) x V x c, 255 x V x c)."""
+    from offload.arch.attention import padded
+
+    widths = DRAFT_STEP_BUCKETS if graphs else tuple(range(1, DRAFT_STEP_ROWS + 1))
+    pools = sum(pass_bytes(a, p, rows, c, attn, p, device=device) - p * padded(rows) * c for p in widths)
+    return {
+        "mask_store": DRAFT_STEP_ROWS * padded(rows) * c,
+        "inputs": 4 * 8 * sum(widths),
+        "graph_pools": pools if graphs else 0,
+    }
 
 
 def forest_row_bytes(a: Arch, ctx: int, c: int) -> int:

@@ -18,6 +18,9 @@ memory). It returns a `MemoryPlan` with one entry per device component:
 - pinned_params: NF4 only: every layer's norms and biases (only packed linears stream);
 - draft: the draft's parameters + rotary buffers in its dtype (tied head counted once);
 - kv_target / kv_draft: preallocated caches of `kv_rows` rows (context + largest tree);
+- draft_step: the static draft step's long-lived buffers (membytes.draft_step_terms, core/draftstep.py):
+  its (128, draft cache rows) mask store and pass inputs, and on CUDA with a separate draft one CUDA-graph
+  pool per bucket (P = 1, 2, .., 128: a pass of P rows over the whole draft cache and its logits);
 - activations: the largest single pass (a prefill chunk or a verify pass): hidden states, q/k/v,
   MLP intermediates, the mask and attention's own temporaries (membytes.pass_bytes: none beyond
   the mask on CPU, the prepared and folded or per-group copies on CUDA; eager: repeated K/V and
@@ -25,7 +28,7 @@ memory). It returns a `MemoryPlan` with one entry per device component:
   the sampler's workspace;
 - cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only): CUDA_CONTEXT
   + STATIC_SLACK of the long-lived bytes + CHURN_SLACK of the activations.
-Components counted by `storage.DevicePool` (all but activations and cuda_context) match the
+Components counted by `storage.DevicePool` (all but activations, draft_step and cuda_context) match the
 loader's allocations byte for byte; tests check that on CPU.
 Capacity: `--max-gpu-memory` when given, else the free memory the device reports; on CPU the
 "device" is host RAM, capped at RAM_FRACTION of available RAM, and host-tier layers share it.
@@ -43,8 +46,8 @@ import torch
 from offload.errors import OffloadError
 from offload.formats.ggml_kernel import gguf_kernel_type
 from offload.sizes import format_bytes
-from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, dtype_bytes,
-                       forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
+from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, draft_step_terms,
+                       dtype_bytes, forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
 from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_notes, dequantize_once,  # noqa: F401 - read_checkpoint: API
                                         kernel_terms, layer_sizes, read_checkpoint)
 from offload.planning.verdict import verdict
@@ -269,6 +272,17 @@ def _cpu_auto(req: PlanRequest) -> bool:
     return req.device == "cpu" and req.offload == "auto"
 
 
+def _draft_step(da: Arch | None, rows: tuple[int, int], req: PlanRequest) -> int:
+    """The static draft step's buffers (membytes.draft_step_terms) over the draft's cache rows (a
+    self-draft's: the target's shared slabs); CUDA graphs for a separate (resident) draft on CUDA."""
+    if da is None or req.draft_dtype is None:
+        return 0
+    graphs = req.device == "cuda" and not req.self_draft
+    drows = rows[0] if req.self_draft else rows[1]
+    terms = draft_step_terms(da, drows, dtype_bytes(req.draft_dtype), req.attn, graphs, req.device)
+    return sum(terms.values())
+
+
 def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest,
               budget: int, emb: str) -> MemoryPlan:
     """The plan with the biggest prefill chunk (membytes.prefill_chunk) that still fits: halved
@@ -291,7 +305,7 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     fixed.update(quant_states=lay.quant, pinned_params=lay.pinned, draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
                  kv_target=kv_bytes(ta, rows[0], c),
                  kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
-                 activations=0)
+                 draft_step=_draft_step(da, rows, req), activations=0)
     cap = capacity(req)
     if chunk is None:
         chunk = prefill_chunk(ta, req, budget, cap if cap < 1 << 61 else req.ram_free)
