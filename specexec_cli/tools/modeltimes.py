@@ -8,7 +8,8 @@ would with the same flags (session/options.plan_for_cli + load_planned: --offloa
   of repeated passes (a streamed pass reads its layers from RAM or disk every time, as a run's does);
 - each draft a run could take: a small --draft DIR ("small"), or with --draft self every width whose
   package is installed ("self-4", "self-3", "self-2"), each planned and loaded on its own: one
-  tree-growth step (max_beams nodes), the whole tree at each budget in TREE_BUDGETS up to
+  tree-growth step (max_beams nodes) through core/draftstep.run, the path of every method's tree growth
+  (on CUDA a resident draft's CUDA graph replays), the whole tree at each budget in TREE_BUDGETS up to
   max_tokens, and the draft seconds per pass of real specexec decoding at those budgets (the
   engine's own figure: growth with node scoring and budget selection, plus the cache trim);
 and records the placement ([resident, RAM, disk] layers), the resolved target path and the dtype the
@@ -75,8 +76,10 @@ def time_target(models, n_values: list[int]) -> dict[int, float]:
 
 
 def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
-    """{step_seconds: one forward over `beams` nodes, grow_seconds: {budget: one whole tree}, max_beams}."""
-    from specexec_cli.core import kvcache
+    """{step_seconds: one draft step over `beams` nodes, grow_seconds: {budget: one whole tree}, max_beams}.
+    Both through core/draftstep.run, as a run's tree growth (on CUDA: its CUDA graphs, replayed), over
+    a draft cache reserved as a run's is (the plan's rows, or the rows the largest tree needs if more)."""
+    from specexec_cli.core import draftstep, kvcache
     from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
     from specexec_cli.core.sampling import SamplingParams
     from specexec_cli.core.tree import causal_mask
@@ -85,11 +88,13 @@ def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
     ids = context_ids(models.tokenizer)
     ctx = len(ids) - 1
     cache = kvcache.new_cache()
+    if models.kv_rows is not None and not models.shared_kv:  # as core/state.reserve_caches (uncounted)
+        kvcache.reserve(cache, d, max(models.kv_rows[1], ctx + 2 * max(budgets, default=0) + beams + 1))
     kvcache.forward(d, cache, torch.tensor(ids[:-1]), torch.arange(ctx), causal_mask(0, ctx, dtype, d.device))
-    toks = torch.tensor((ids * 4)[:beams])
+    toks, pos = torch.tensor((ids * 4)[:beams]), torch.arange(ctx, ctx + beams)
 
-    def step():
-        kvcache.forward(d, cache, toks, torch.arange(ctx, ctx + beams), causal_mask(ctx, beams, dtype, d.device))
+    def step():  # one tree level: `beams` nodes that see the context and themselves
+        draftstep.run(d, cache, toks, pos, ctx, None)
         kvcache.crop(cache, ctx)
 
     grow = {}
