@@ -101,7 +101,8 @@ def gguf_target(tmp_path_factory):
 def test_self_draft_reads_the_target_head_as_q8a(gguf_target, tmp_path, monkeypatch):
     pytest.importorskip("hqq")
     from offload import OffloadedCausalLM
-    from offload.selfdraft.build import build_self_draft, shares_with
+    from offload.selfdraft.build import build_self_draft
+    from tests.test_selfdraft import shares_with
 
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
     t = OffloadedCausalLM.from_pretrained(gguf_target, dtype=torch.float32, offload="disk", max_host_memory=0)

@@ -23,11 +23,26 @@ import offload.quant.quant_cache as qc
 from offload import OffloadedCausalLM
 from offload.errors import OffloadNotice
 from offload.quant.nf4 import packing_for
-from offload.selfdraft.build import build_self_draft, shares_with
+from offload.selfdraft.build import build_self_draft
 from specexec_cli.terminal.app import app
 from tests.conftest import make_model
 
 runner = CliRunner()
+
+
+def shares_with(draft, target) -> bool:
+    """(test helper) True when every module the draft should borrow is the target's own object."""
+    same = [
+        draft.embed_tokens is target.embed_tokens,
+        draft.norm is target.norm,
+        draft.lm_head is target.lm_head
+        or getattr(draft.lm_head, "packed", None) is getattr(target.lm_head, "packed", 0),
+        draft.rotary_emb is target.rotary_emb,
+    ]
+    same += [draft.layers[i] is target.layers[i] for i in target.plan.resident]
+    return all(same)
+
+
 PROMPT = "def add(a, b):\n    return"
 
 

@@ -249,16 +249,3 @@ def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progr
 def substitute_bytes(draft) -> int:
     """Device bytes the substitutes hold (packed weights, quant states, norms)."""
     return draft.pool.allocated
-
-
-def shares_with(draft, target) -> bool:
-    """True when every module the draft should borrow is the target's own object."""
-    same = [
-        draft.embed_tokens is target.embed_tokens,
-        draft.norm is target.norm,
-        draft.lm_head is target.lm_head
-        or getattr(draft.lm_head, "packed", None) is getattr(target.lm_head, "packed", 0),
-        draft.rotary_emb is target.rotary_emb,
-    ]
-    same += [draft.layers[i] is target.layers[i] for i in target.plan.resident]
-    return all(same)

@@ -104,10 +104,6 @@ class HostPins:
         if self.failures:
             warnings.warn(f"offload: {self.failures[-1]}; {consequence}", OffloadNotice, stacklevel=3)
 
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(b.numel() for _, b in self._entries)
-
     def pin(self, buf: torch.Tensor, what: str) -> bool:
         """Register `buf` (one cudaHostRegister). True when pinned; False leaves it pageable."""
         if not self.enabled or buf.numel() == 0:
