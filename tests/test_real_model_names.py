@@ -23,11 +23,17 @@ from typer.testing import CliRunner
 from specexec_cli.errors import SpecxError
 from specexec_cli.session import names
 from specexec_cli.session.names import DEMO_DIR
-from specexec_cli.session.options import pick_models
+from specexec_cli.session.options import pick_refs
 from specexec_cli.terminal.app import app
 from tests.conftest import distribution_installed, make_model
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+
+def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
+    """(target name, draft) as session/options.pick_refs picks them."""
+    ref, draft = pick_refs(target, draft, method)
+    return ref.name, draft
 
 
 def fake_dist(site: Path, name: str, files: dict[str, Path | None], monkeypatch) -> Path:

@@ -82,27 +82,11 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
     (session, defaults)."""
 
     def load():
-        from specexec_cli.core.methods.common import with_settings
-        from specexec_cli.session.calprobe import pair_prior
-        from specexec_cli.session.chat import ChatSession
-        from specexec_cli.session.names import is_demo
-        from specexec_cli.session.options import config_record, hardware_fit, load_planned
+        from specexec_cli.session.options import load_fitted
         from specexec_cli.session.prompt_cache import make_prompt_cache
 
-        models = load_planned(opts, plan, None)
-        tuner, _, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
-        run_cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
-        session = ChatSession(
-            models,
-            run_cfg,
-            system=system,
-            use_template=not flags.no_chat_template,
-            tuner=tuner,
-            profile=prof,
-            config_record=config_record,
-            code=is_demo(opts.target.name),
-            prompt_cache=make_prompt_cache(models, plan, cache_ram),
-        )
+        fitted = load_fitted(flags, opts, plan, cfg)
+        session = fitted.chat_session(system, make_prompt_cache(fitted.models, plan, cache_ram))
         return session, serve_defaults(flags, opts.target)
 
     return load

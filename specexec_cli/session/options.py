@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexec_cli.session import notices
-from specexec_cli.session.names import DEMO_DIR, default_target, is_demo, is_demo_name, real_model_steps  # noqa: F401 - API
+from specexec_cli.session.names import DEMO_DIR, default_target, is_demo, is_demo_name, real_model_steps
 from specexec_cli.errors import SpecxError
 
 
@@ -86,12 +86,6 @@ class ModelFlags:
             return checkpoint_sampling(target.path)
         except SpecxError:
             return GREEDY
-
-
-def pick_models(target: str | None, draft: str | None, method: str) -> tuple[str, str | None]:
-    """(target, draft) names, as `pick_refs` picks them."""
-    ref, draft = pick_refs(target, draft, method)
-    return ref.name, draft
 
 
 def pick_refs(target, draft: str | None, method: str, allow_pickle: bool = False, trust: bool = False):
@@ -311,3 +305,46 @@ def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
         sized = max([cfg.shape.budget] + [r["budget"] for r in rows])
         tuner.max_budget = min(tuner.max_budget, sized)   # the memory plan sized caches for this
     return tuner, link_peak(profile, offload, on_cuda), profile
+
+
+@dataclass
+class Fitted:
+    """What `load_fitted` returns: the loaded models, the run's config with the pair's calibration
+    prior, --budget auto's tuner (or None), the link's peak GB/s and the profile (or None)."""
+
+    flags: ModelFlags
+    opts: object
+    models: object
+    cfg: object
+    tuner: object
+    link: float | None
+    profile: dict | None
+
+    def chat_session(self, system: str | None, prompt_cache=None):
+        """A ChatSession over the models (specx chat and serve), the demo pair's turns as code."""
+        from specexec_cli.session.chat import ChatSession
+
+        return ChatSession(self.models, self.cfg, system=system, use_template=not self.flags.no_chat_template,
+                           tuner=self.tuner, profile=self.profile, config_record=config_record,
+                           code=is_demo(self.opts.target.name), prompt_cache=prompt_cache)
+
+
+def load_fitted(flags: ModelFlags, opts, plan, cfg, progress=None) -> Fitted:
+    """The setup `specx run`, `specx chat` and serve's loader share: load_planned (inside `progress`,
+    a LoadProgress, when given), then hardware_fit, then the pair's calibration prior on `cfg`. The
+    models are closed again when the fitting fails."""
+    from contextlib import nullcontext
+
+    from specexec_cli.core.methods.common import with_settings
+    from specexec_cli.session.calprobe import pair_prior
+    from specexec_cli.session.loading import close_models
+
+    with progress if progress is not None else nullcontext() as shown:
+        models = load_planned(opts, plan, shown)
+    try:
+        tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
+        cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
+    except BaseException:
+        close_models(models)
+        raise
+    return Fitted(flags, opts, models, cfg, tuner, link, prof)

@@ -29,9 +29,8 @@ from specexec_cli.terminal.flags import (  # the flag declarations
     MODELS, MaxDepth, MaxGpu, MaxNew, MaxRam, NoLive, NoTemplate, OUTPUT, Offload, ProfileOpt, Seed, StatsJson,
     Target, TrustRemote, model_flags,
 )
-from specexec_cli.session.names import is_demo
 from specexec_cli.session.options import (
-    ModelFlags, config_record, hardware_fit, load_planned, plan_for_cli, prompt_text, show_plan,
+    ModelFlags, load_fitted, load_planned, plan_for_cli, prompt_text, show_plan,
 )
 from specexec_cli.errors import INTERRUPT_EXIT, SpecxError, debug_enabled, is_oom, oom_error
 from specexec_cli.session import notices
@@ -126,25 +125,20 @@ def run(
         if prompt is not None or not flags.dry_run:
             text = prompt_text(prompt_file, prompt)
         cfg = flags.config()
-        from specexec_cli.session.calprobe import pair_prior
         from specexec_cli.session.loading import close_models
         from specexec_cli.session.prompts import check_prompt_fits
         from specexec_cli.terminal.streaming import decode_to_stdout
-        from specexec_cli.core.methods.common import with_settings
 
         opts, plan, cfg = flags.plan(cfg)
         if flags.dry_run:
             return show_plan(plan, stats_json)
         ids = check_prompt_fits(opts, plan, text, not flags.no_chat_template)   # one line, exit 2, before loading
-        with display.LoadProgress(display.live_enabled(no_live)) as progress:
-            models = load_planned(opts, plan, progress)
+        run = load_fitted(flags, opts, plan, cfg, display.LoadProgress(display.live_enabled(no_live)))
         try:
-            tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
-            cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
-            decode_to_stdout(models, ids, cfg, display.live_enabled(no_live), stats_json, tuner=tuner, link_gbps=link,
-                             color=use_color(color))
+            decode_to_stdout(run.models, ids, run.cfg, display.live_enabled(no_live), stats_json, tuner=run.tuner,
+                             link_gbps=run.link, color=use_color(color))
         finally:
-            close_models(models)  # stop the prefetch thread, close files (also on Ctrl-C and errors)
+            close_models(run.models)  # stop the prefetch thread, close files (also on Ctrl-C and errors)
 
 
 System = Annotated[Optional[str], typer.Option(metavar="TEXT", rich_help_panel=MODELS, help="System prompt for the conversation (serve: for requests that send none).")]
@@ -163,22 +157,15 @@ def chat(
 
     with user_errors():
         paths.check_output_file(stats_json, "--stats-json")
-        from specexec_cli.session.calprobe import pair_prior
-        from specexec_cli.session.chat import ChatSession
         from specexec_cli.terminal.chat_repl import run_chat
-        from specexec_cli.core.methods.common import with_settings
 
         opts, plan, cfg = flags.plan(flags.config())
         if flags.dry_run:
             return show_plan(plan, stats_json)
         interactive = sys.stdin.isatty()
         live = interactive and display.live_enabled(no_live)
-        with display.LoadProgress(live) as progress:
-            models = load_planned(opts, plan, progress)
-        tuner, link, prof = hardware_fit(flags.budget, cfg, flags.profile, models, flags.offload)
-        cfg = with_settings(cfg, node_calibration=pair_prior(prof, flags.target, flags.draft))
-        session = ChatSession(models, cfg, system=system, use_template=not flags.no_chat_template, tuner=tuner,
-                              profile=prof, config_record=config_record, code=is_demo(opts.target.name))
+        fitted = load_fitted(flags, opts, plan, cfg, display.LoadProgress(live))
+        session, link = fitted.chat_session(system), fitted.link
         if session.code:
             display.print_notice("the demo pair is a Python code model: each message is code for it to continue")
         elif not session.templated and not flags.no_chat_template:
