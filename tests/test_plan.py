@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from offload.planning.memplan import PlanRequest, plan_memory, read_checkpoint
+from offload.planning.memlayers import read_checkpoint
+from offload.planning.memplan import PlanRequest, plan_memory
 from tests.sparse_ckpt import write_sparse
 
 GB = 10**9

@@ -48,8 +48,8 @@ from offload.formats.ggml_kernel import gguf_kernel_type
 from offload.sizes import format_bytes
 from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, draft_step_terms,
                        dtype_bytes, forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
-from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_notes, dequantize_once,  # noqa: F401 - read_checkpoint: API
-                                        kernel_terms, layer_sizes, read_checkpoint)
+from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_notes, dequantize_once, kernel_terms,
+                                        layer_sizes)
 from offload.planning.verdict import verdict
 from offload.stream.storage import staging_slots
 
