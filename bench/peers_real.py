@@ -27,7 +27,8 @@ writes it), on 2 threads:
   streamed from disk (`--offload disk --max-ram 0`).
 Each round runs every engine once, in a rotated order (interleaved, so load on the machine hits all
 alike); each engine's figure is the median over rounds of its tokens/s, and its ratio the median over
-rounds of its rate over llama-completion's in the same round ("x llama.cpp"). Writes JSON (the commit
+rounds of its rate over llama-completion's in the same round ("x llama.cpp"; in a round where llama-completion
+gave no rate, e.g. it crashed, llama-bench's, FALLBACK: the row `reference` says which). Writes JSON (the commit
 measured, the machine's load average) and with --doc the table in docs/performance.md.
 """
 
@@ -59,6 +60,7 @@ SPECX = {  # name -> (tier, extra flags[, environment])
 }
 PEERS = ("llama-bench", "llama-completion", "llama-lookup", "transformers")
 REFERENCE = "llama-completion"
+FALLBACK = "llama-bench"   # the same-round reference where llama-completion gave no rate
 
 
 def real_model() -> str:
@@ -322,7 +324,11 @@ def main() -> None:
 
 
 def summarize(runs: dict, rounds: int) -> list[dict]:
-    ref = {r["round"]: r.get("tokens_per_second") for r in runs.get(REFERENCE, [])}
+    ref, by = {}, {}
+    for name in (FALLBACK, REFERENCE):   # llama-completion's rate wins where both have one
+        for r in runs.get(name, []):
+            if r.get("tokens_per_second"):
+                ref[r["round"]], by[r["round"]] = r["tokens_per_second"], name
     rows = []
     for name, rs in runs.items():
         ok = [r for r in rs if r.get("tokens_per_second")]
@@ -333,6 +339,7 @@ def summarize(runs: dict, rounds: int) -> list[dict]:
             tokens_per_second=round(statistics.median(r["tokens_per_second"] for r in ok), 2) if ok else None,
             x_llamacpp=round(statistics.median(ratios), 3) if ratios else None,
             tokens_per_pass=next((r["tokens_per_pass"] for r in ok if "tokens_per_pass" in r), None),
+            reference=sorted({by[r["round"]] for r in ok if r["round"] in by}),
             errors=[r["error"] for r in rs if "error" in r],
         )
         rows.append(row)
@@ -344,6 +351,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         tps = f"{r['tokens_per_second']:.2f}" if r["tokens_per_second"] else "failed"
         x = f"{r['x_llamacpp']:.3f}x" if r["x_llamacpp"] else "-"
+        if r["x_llamacpp"] and r.get("reference", [REFERENCE]) != [REFERENCE]:   # not llama-completion's rate
+            x += f" (of {', '.join(r['reference'])})"
         lines.append(f"| {r['engine']} | {tps} | {x} | {r['tokens_per_pass'] or '-'} | {r['runs']} |")
     return "\n".join(lines)
 
