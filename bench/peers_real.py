@@ -60,7 +60,7 @@ SPECX = {  # name -> (tier, extra flags[, environment])
 }
 PEERS = ("llama-bench", "llama-completion", "llama-lookup", "transformers")
 REFERENCE = "llama-completion"
-FALLBACK = "llama-bench"   # the same-round reference where llama-completion gave no rate
+FALLBACK = "llama-bench"  # the same-round reference where llama-completion gave no rate
 
 
 def real_model() -> str:
@@ -325,7 +325,7 @@ def main() -> None:
 
 def summarize(runs: dict, rounds: int) -> list[dict]:
     ref, by = {}, {}
-    for name in (FALLBACK, REFERENCE):   # llama-completion's rate wins where both have one
+    for name in (FALLBACK, REFERENCE):  # llama-completion's rate wins where both have one
         for r in runs.get(name, []):
             if r.get("tokens_per_second"):
                 ref[r["round"]], by[r["round"]] = r["tokens_per_second"], name
@@ -351,7 +351,7 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         tps = f"{r['tokens_per_second']:.2f}" if r["tokens_per_second"] else "failed"
         x = f"{r['x_llamacpp']:.3f}x" if r["x_llamacpp"] else "-"
-        if r["x_llamacpp"] and r.get("reference", [REFERENCE]) != [REFERENCE]:   # not llama-completion's rate
+        if r["x_llamacpp"] and r.get("reference", [REFERENCE]) != [REFERENCE]:  # not llama-completion's rate
             x += f" (of {', '.join(r['reference'])})"
         lines.append(f"| {r['engine']} | {tps} | {x} | {r['tokens_per_pass'] or '-'} | {r['runs']} |")
     return "\n".join(lines)

@@ -199,10 +199,10 @@ def test_streamed_layers_through_a_ring_smaller_than_the_stack(tiny, monkeypatch
         assert model.store.host_slots == 2 and len(model.plan.streamed) == 3
         hf, hf_rows, _ = _passes(model, monkeypatch, on=False)
         st, st_rows, st_calls = _passes(model, monkeypatch, on=True)
-        buffers = set(model.lean._filled)   # (layer, buffer address) pairs the stack has seen
+        buffers = set(model.lean._filled)  # (layer, buffer address) pairs the stack has seen
     finally:
         model.close()
-    assert st_calls == 4 and len(buffers) == 6   # each of the 3 layers through both buffers
+    assert st_calls == 4 and len(buffers) == 6  # each of the 3 layers through both buffers
     for a, b in zip(hf + hf_rows, st + st_rows):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 

@@ -71,7 +71,7 @@ def tokens_per_pass(kind, temperature: float, budget: int, weights: float | None
     pts = sorted(row.items())
     budget = max(1, budget)
     (b0, t0), b = pts[0], min(pts[-1][0], budget)
-    if b < b0:   # between plain decoding (budget 0: 1 token) and the smallest measured tree
+    if b < b0:  # between plain decoding (budget 0: 1 token) and the smallest measured tree
         got = 1 + (t0 - 1) * math.log1p(b) / math.log1p(b0)
     else:
         got = pts[-1][1]
