@@ -24,52 +24,18 @@ from specexec_cli.core import kvcache
 from specexec_cli.core.tree import causal_mask
 from tests.gguf_build import write_gguf
 from tests.probes import count_stack_passes
+from tests.test_gguf_gemma3 import MIX, _hf_gemma3
 from tests.test_leanstack import _greedy, _load, _passes, _stack
 
 pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler: the GGUF kernel is off")
 
 WINDOW = 32  # the passes of _passes / _greedy stay inside it (28 rows at most)
-MIX = {"embed_tokens": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q4_K", "down_proj": "Q6_K"}  # the rest Q5_0
-
-
-def _hf_gemma3(path: Path, seed: int) -> Path:
-    import transformers
-
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=64,
-        sliding_window=WINDOW,
-        max_position_embeddings=512,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForCausalLM(cfg)
-    with torch.no_grad():  # as tests/test_gguf_gemma3.py: norms far from 1 + 0, small embeddings
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.randn_like(p) * 2.0 + (4.0 if "post" in name else 0.0))
-            elif "embed" in name:
-                p.mul_(0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("gemma3stack")
-    hf = _hf_gemma3(root / "hf", 3)
+    hf = _hf_gemma3(root / "hf", 3, window=WINDOW)
     return write_gguf(hf, root / "m" / "tiny-gemma3-q4_k_m.gguf", "Q5_0", arch="gemma3", mix=MIX)
 
 

@@ -33,7 +33,7 @@ PROMPT = "ab a b ab ab b a ab a b b ab"
 IDS = torch.tensor([[2, 5, 9, 4, 7, 10, 8, 6, 30, 3 * 7, 11, 40, 9, 5, 8, 7, 33, 2 * 7, 10, 6]])  # > WINDOW
 
 
-def _hf_gemma3(path: Path, seed: int, full_rope: dict | None = None) -> Path:
+def _hf_gemma3(path: Path, seed: int, full_rope: dict | None = None, window: int = WINDOW) -> Path:
     import transformers
 
     cfg = transformers.Gemma3TextConfig(
@@ -44,7 +44,7 @@ def _hf_gemma3(path: Path, seed: int, full_rope: dict | None = None) -> Path:
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=64,
-        sliding_window=WINDOW,
+        sliding_window=window,
         max_position_embeddings=512,
         rope_parameters={
             "full_attention": full_rope or {"rope_type": "default", "rope_theta": 1e6},
