@@ -76,7 +76,7 @@ def test_page_streams_a_reply_with_stats_and_keeps_the_key(page, server):
     page.fill("#max", "12")
     page.fill("#input", "def f(x):")
     page.press("#input", "Enter")
-    page.wait_for_selector(".msg.assistant span", timeout=30_000)
+    page.wait_for_selector(".msg.assistant span", state="attached", timeout=30_000)  # a "\n" token's span has no box
     page.wait_for_function("document.getElementById('stats').textContent.includes('tokens/pass')", timeout=30_000)
     assert page.inner_text(".msg.user") == "def f(x):"
     assert page.inner_text(".msg.assistant")
@@ -92,7 +92,7 @@ def test_stop_aborts_the_running_reply(page, server):
     page.fill("#temp", "0")
     page.fill("#input", "import os")
     page.press("#input", "Enter")
-    page.wait_for_selector(".msg.assistant span", timeout=30_000)
+    page.wait_for_selector(".msg.assistant span", state="attached", timeout=30_000)  # a "\n" token's span has no box
     assert page.is_visible("#stop") and page.is_disabled("#send")
     page.click("#stop")
     page.wait_for_function("document.getElementById('stats').textContent === 'stopped'", timeout=10_000)
