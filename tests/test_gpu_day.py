@@ -1,9 +1,11 @@
-"""tools/gpu_day.py: `run --smoke` end to end on the CPU, the pack's choice of wheels, the doc's tables.
+"""tools/gpu_day.py: `run --smoke` end to end on the CPU, the pack's choice of wheels, the tables' pages.
 
 The smoke run is the whole GPU-day run with tiny shapes: every phase must pass, every measured row
 must carry passcost's prediction, scratch must be gone afterwards, and a second command must skip
 the finished phases. The pack test fakes the registry (no network): it checks which wheels are
-chosen against the image's list and pyproject's ranges, and that dependencies are followed.
+chosen against the image's list and pyproject's ranges, and that dependencies are followed. The
+tables go to their pages: the day's measurements to docs/gpu-status.md (a user's page, which names
+no test file), the CUDA tests' table to CONTRIBUTING.md beside the CPU-checked invariants.
 """
 
 from __future__ import annotations
@@ -75,16 +77,57 @@ def test_a_second_command_skips_finished_phases(smoke):
 
 
 @pytest.mark.slow
-def test_tables_fill_every_block_of_the_doc(smoke):
+def test_tables_fill_every_block_of_their_pages(smoke):
     _, summary = smoke
     blocks = tables.render(summary)
     assert set(blocks) == set(tables.TABLES)
-    doc = tables.fill((ROOT / "docs" / "gpu-status.md").read_text(), blocks)
-    for name, body in blocks.items():
-        assert f"<!-- bench:gpuday-{name} -->\n{body}\n<!-- /bench:gpuday-{name} -->" in doc
-        assert "not run yet" not in body
+    pages = tables.by_page(blocks)
+    assert set(pages) == {"docs/gpu-status.md", "CONTRIBUTING.md"} and list(pages["CONTRIBUTING.md"]) == ["tests"]
+    for page, mine in pages.items():
+        doc = tables.fill((ROOT / page).read_text(), mine)
+        for name, body in mine.items():
+            assert f"<!-- bench:gpuday-{name} -->\n{body}\n<!-- /bench:gpuday-{name} -->" in doc
+            assert "not run yet" not in body
+        assert "<!-- gpuday:" not in doc  # one marker dialect
     assert "| 16 |" in blocks["passes"] and "yes" in blocks["demo"] and "x floor" in blocks["draft"]
-    assert "<!-- gpuday:" not in doc  # one marker dialect
+
+
+def test_the_user_page_names_no_test_file_and_contributing_holds_how_cuda_is_checked():
+    """docs/gpu-status.md is a user's page: the CUDA tests' table and the CPU-checked invariants (both
+    name test files) are CONTRIBUTING.md's, and the user's page points there in one sentence."""
+    user, dev = (ROOT / "docs" / "gpu-status.md").read_text(), (ROOT / "CONTRIBUTING.md").read_text()
+    assert "tests/" not in user and "test_" not in user
+    assert "bench:gpuday-tests" not in user and "CPU-checked invariants" not in user
+    assert user.count("../CONTRIBUTING.md#how-specxs-cuda-code-is-checked") == 1
+    assert "## How specx's CUDA code is checked" in dev and "### GPU requirements met by CPU-checked invariants" in dev
+    assert dev.count("<!-- bench:gpuday-tests -->") == 1 and "<!-- bench:gpuday-card -->" not in dev
+
+
+def test_tables_write_every_page_or_the_pages_named(tmp_path, capsys):
+    """`tables --write` puts each table into its page under the root; pages named limit it; a page that
+    holds none of the tables, or lacks a block, is exit 2 with no page written."""
+    summary = {"phases": {}}  # every table renders as "not run yet"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps(summary))
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    day = "".join(f"<!-- bench:gpuday-{n} -->\nold\n<!-- /bench:gpuday-{n} -->\n" for n in tables.TABLES[:-1])
+    (root / "docs" / "gpu-status.md").write_text(day)
+    (root / "CONTRIBUTING.md").write_text("<!-- bench:gpuday-tests -->\nold\n<!-- /bench:gpuday-tests -->\n")
+    assert tables.main(out, [root / "CONTRIBUTING.md"], root) == 0
+    assert "cuda-tests: not run yet" in (root / "CONTRIBUTING.md").read_text()
+    assert "not run yet" not in (root / "docs" / "gpu-status.md").read_text()
+    assert tables.main(out, [root / "README.md"], root) == 2
+    assert "holds none of the day's tables" in capsys.readouterr().err
+    (root / "CONTRIBUTING.md").write_text("no block\n")
+    assert tables.main(out, [], root) == 2
+    assert "not run yet" not in (root / "docs" / "gpu-status.md").read_text()  # untouched: a page lacked a block
+    (root / "CONTRIBUTING.md").write_text("<!-- bench:gpuday-tests -->\nold\n<!-- /bench:gpuday-tests -->\n")
+    assert tables.main(out, [], root) == 0
+    day = (root / "docs" / "gpu-status.md").read_text()
+    assert all(f"*{p}: not run yet*" in day for p in ("probe", "draft", "step", "demo"))
+    assert "cuda-tests" not in day and "cuda-tests: not run yet" in (root / "CONTRIBUTING.md").read_text()
 
 
 def test_resume_from_seeds_only_finished_phases(tmp_path):

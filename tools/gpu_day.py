@@ -10,7 +10,9 @@ Contract:
   installed (PYTHONPATH=. and the pack's --target folder). `--smoke`: every phase tiny, on the CPU.
 - `rehearse`: on a CPU machine, a venv shaped like the image, the pack for this Python installed with
   the box's install line, then `run --smoke` (tools/gpuday/rehearse.py).
-- `tables --out DIR`: the docs/gpu-status.md tables from a run's JSON (tools/gpuday/tables.py).
+- `tables --out DIR [--write [PAGE ...]]`: the day's tables from a run's JSON (tools/gpuday/tables.py),
+  printed, or written into their pages: the measurements into docs/gpu-status.md, the CUDA tests'
+  table into CONTRIBUTING.md (every page, or only the pages named).
 - `trace`: on a CPU machine with ../shared, record the acceptance trace the `step` phase replays
   (tools/gpuday/trace.py) into tools/gpuday/step_trace.json (it travels with the repository).
 Exit 2 on usage errors, one line each.
@@ -45,9 +47,17 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--out", type=Path, default=None)
     c = sub.add_parser("trace", help="record the step phase's acceptance trace (CPU, the shared dev pair)")
     c.add_argument("--to", type=Path, default=None, help="where to write it (default: the shipped file)")
-    t = sub.add_parser("tables", help="docs/gpu-status.md's tables from a run's --out")
+    t = sub.add_parser("tables", help="the day's tables from a run's --out (docs/gpu-status.md, CONTRIBUTING.md)")
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--write", type=Path, default=None, help="rewrite the tables in this markdown file")
+    t.add_argument(
+        "--write",
+        type=Path,
+        nargs="*",
+        default=None,
+        metavar="PAGE",
+        help="rewrite the tables in their pages (docs/gpu-status.md; the tests table in CONTRIBUTING.md), "
+        "or only in the pages named",
+    )
     return ap
 
 

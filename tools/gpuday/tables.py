@@ -1,12 +1,15 @@
-"""`gpu_day.py tables`: docs/gpu-status.md's tables from a run's --out (its summary.json).
+"""`gpu_day.py tables`: the GPU day's tables from a run's --out (its summary.json), into their pages.
 
 Contract: `render(summary)` -> {table name: markdown}; the names are TABLES (card, passes, draft, step,
-demo, tests). `main(out, write)` prints them, or with --write puts each into that markdown file's
-`<!-- bench:gpuday-NAME -->` ... `<!-- /bench:gpuday-NAME -->` block through bench/docblock.py's
-`write_block` (the docs' one marker dialect; a block the file lacks is an error, exit 2). Every
-measured figure is printed beside the speed model's prediction for it and their ratio (measured /
-modelled), the draft table beside its weight-read floor too; a phase that has not run or failed
-renders as one line saying so.
+demo, tests). `PAGES` gives each table's page, relative to the repository root: the day's
+measurements are the user's (docs/gpu-status.md), the CUDA tests' table names test files and is the
+developers' (CONTRIBUTING.md). `main(out, write)` prints the tables, or with --write puts each into
+its page's `<!-- bench:gpuday-NAME -->` ... `<!-- /bench:gpuday-NAME -->` block through
+bench/docblock.py's `write_block` (the docs' one marker dialect): every page, or only the pages
+named. A block a page lacks, or a named page that is no table's, is an error (exit 2) and no page is
+written. Every measured figure is printed beside the speed model's prediction for it and their
+ratio (measured / modelled), the draft table beside its weight-read floor too; a phase that has not
+run or failed renders as one line saying so.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from pathlib import Path
 TABLES = ("card", "passes", "draft", "step", "demo", "tests")
 ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("draft", "stream", "verify", "accept", "step")
+GPU_STATUS, CONTRIBUTING = "docs/gpu-status.md", "CONTRIBUTING.md"
+PAGES = {name: CONTRIBUTING if name == "tests" else GPU_STATUS for name in TABLES}
 
 
 def block(name: str) -> str:
@@ -207,7 +212,38 @@ def write_tables(page: Path, blocks: dict[str, str]) -> None:
         _docblock().write_block(page, block(name), body)
 
 
-def main(out: Path, write: Path | None) -> int:
+def by_page(blocks: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The tables grouped by their page (PAGES), in TABLES order."""
+    pages: dict[str, dict[str, str]] = {}
+    for name, body in blocks.items():
+        pages.setdefault(PAGES[name], {})[name] = body
+    return pages
+
+
+def write_pages(blocks: dict[str, str], only: list[Path] | None = None, root: Path = ROOT) -> list[Path]:
+    """Each table into its page under `root` (only the pages in `only`, when given), once every chosen
+    page is known to hold its blocks (SystemExit naming the first problem, no page touched)."""
+    pages = {root / page: mine for page, mine in by_page(blocks).items()}
+    if only:
+        wanted = {p.resolve() for p in only}
+        unknown = sorted(str(p) for p in wanted - {p.resolve() for p in pages})
+        if unknown:
+            raise SystemExit(
+                f"{unknown[0]} holds none of the day's tables (they go to: {', '.join(sorted(set(PAGES.values())))})"
+            )
+        pages = {p: mine for p, mine in pages.items() if p.resolve() in wanted}
+    for page, mine in pages.items():
+        try:
+            fill(page.read_text(), mine)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{page}: {e}") from None
+    for page, mine in pages.items():
+        write_tables(page, mine)
+    return list(pages)
+
+
+def main(out: Path, write: list[Path] | None, root: Path = ROOT) -> int:
+    """Print the tables (`write` None), or write them into every page ([]) or the pages named."""
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError) as e:
@@ -222,9 +258,11 @@ def main(out: Path, write: Path | None) -> int:
             print(f"## {name}\n\n{body}\n")
         return 0
     try:
-        write_tables(write, blocks)
+        written = write_pages(blocks, write, root)
     except SystemExit as e:
         print(f"gpu_day tables: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {len(blocks)} tables into {write}")
+    for page in written:
+        names = [n for n in TABLES if root / PAGES[n] == page]
+        print(f"wrote {len(names)} tables ({', '.join(names)}) into {page}")
     return 0
