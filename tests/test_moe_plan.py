@@ -119,8 +119,8 @@ def test_verify_pass_priced_by_distinct_experts(ckpts):
     """A tree of n tokens reads the distinct experts it routes to, not n x k experts."""
     ck = ckpts["qwen3-30b-a3b"]
     plan = plan_memory(ck, None, card(128))
-    from offload.planning.draftcost import device_of
     from offload.planning.membytes import arch_of
+    from offload.planning.passcost import device_of
 
     a, dev = arch_of(ck.config), device_of(card(128))
     one, many = (pass_terms(a, plan, dev, n, 512, 2).experts for n in (1, 16))
@@ -151,8 +151,8 @@ def test_cpu_device_keeps_whole_layers(ckpts):
     plan = plan_memory(ck, None, req)
     ex = plan.experts
     assert ex["mode"] == "layers" and ex["runs"]
-    from offload.planning.draftcost import device_of
     from offload.planning.membytes import arch_of
+    from offload.planning.passcost import device_of
 
     dev = device_of(req)
     t = pass_terms(arch_of(ck.config), plan, dev, 1, 512, 2)
@@ -166,8 +166,8 @@ def test_each_pass_runs_uncached_experts_where_they_model_faster(ckpts):
     tokens hit every expert and whose FLOPs swamp the CPU, streams them to the card instead."""
     ck = ckpts["qwen3-30b-a3b"]
     plan = plan_memory(ck, None, card(128))
-    from offload.planning.draftcost import device_of
     from offload.planning.membytes import arch_of
+    from offload.planning.passcost import device_of
 
     a, dev = arch_of(ck.config), device_of(card(128))
     assert pass_terms(a, plan, dev, 1, 512, 2).routed == "cpu"

@@ -87,7 +87,7 @@ LINEARS = 2 * H * H + 2 * H * KV_HEADS * HD + 3 * H * INTER  # one decoder layer
 
 
 def model_ctx(plan: dict) -> int:
-    """draftcost.model_ctx: half the planned context, at most 1024 tokens (a chat turn's)."""
+    """passcost.model_ctx: half the planned context, at most 1024 tokens (a chat turn's)."""
     return min(plan["ctx"] // 2, 1024)
 
 

@@ -1,9 +1,13 @@
 """The memory plan and the cost model: what fits on the device and what a pass costs.
 
-Contract: `membytes` and `memlayers` count bytes per component; `memplan` fits them into a
-device budget; `selfplan` plans the self-draft's widths; `draftcost` models seconds per pass and
-tokens per second for each draft candidate. Pure arithmetic over headers and card figures: it
-reads no weights. The top of `offload`: nothing in `offload` imports it.
+Contract: `membytes` and `memlayers` count bytes per component; `request` holds the plan's request
+and result types and the memory margins; `memplan` fits the components into a device budget;
+`experts` places a mixture of experts' routed experts and prices their passes; `selfplan` plans the
+self-draft's widths; `passcost` models one pass on a device's rates and `draftcost` the seconds per pass
+and tokens per second of each draft candidate. Inside the package the imports run one way, at module
+level (memplan > selfplan > draftcost > experts > passcost, request, membytes; tests/test_plan_imports.py
+checks it). Pure arithmetic over headers and card figures: it reads no weights. The top of
+`offload`: nothing in `offload` imports it.
 
 The package's public API is `__all__`, re-exported lazily (PEP 562: a name's module is imported
 on its first use and the name looked up there at each use): the plan (`PlanRequest`,
@@ -22,16 +26,17 @@ from offload.lazy import lazy_getattr
 if TYPE_CHECKING:
     from offload.planning.draftcost import LINK_EFFICIENCY, PLAIN
     from offload.planning.membytes import arch_of
-    from offload.planning.memplan import RAM_FRACTION, PlanRequest, plan_memory
+    from offload.planning.memplan import plan_memory
     from offload.planning.passcost import GGUF_KERNEL, PRIORS, dequant_elems, device_for, interpolate
+    from offload.planning.request import RAM_FRACTION, PlanRequest
     from offload.planning.selfplan import default_skip
 
 _LAZY = {  # name here -> (module, name there)
     "LINK_EFFICIENCY": ("offload.planning.draftcost", "LINK_EFFICIENCY"),
     "PLAIN": ("offload.planning.draftcost", "PLAIN"),
     "arch_of": ("offload.planning.membytes", "arch_of"),
-    "RAM_FRACTION": ("offload.planning.memplan", "RAM_FRACTION"),
-    "PlanRequest": ("offload.planning.memplan", "PlanRequest"),
+    "RAM_FRACTION": ("offload.planning.request", "RAM_FRACTION"),
+    "PlanRequest": ("offload.planning.request", "PlanRequest"),
     "plan_memory": ("offload.planning.memplan", "plan_memory"),
     "GGUF_KERNEL": ("offload.planning.passcost", "GGUF_KERNEL"),
     "PRIORS": ("offload.planning.passcost", "PRIORS"),

@@ -3,8 +3,8 @@
 Contract (every figure is modelled; a matching profile's measured times replace the modelled ones):
 - The rates are a passcost.Device (`Machine` is the same class): `specx profile`'s measurements for
   this machine, `--gpu NAME`'s published card figures, else passcost.PRIORS; each term names its source.
-- pass seconds = passcost.target_pass(...).seconds at n = budget + 1 tree tokens and the middle of the
-  planned context (`model_ctx`: MODEL_CTX_SHARE x ctx, at most MODEL_CTX_CAP tokens): per layer max(transfer, compute), summed, + head + floor.
+- pass seconds = passcost.target_pass(...).seconds (a mixture of experts: experts.pass_terms) at n =
+  budget + 1 tree tokens and the middle of the planned context (passcost.model_ctx): per layer max(transfer, compute), summed, + head + floor.
   Where the profile measured t_target(n) for this target with this placement (resident / RAM / disk
   layer counts), its log-log interpolation at n is the pass instead (source "measured").
 - draft seconds = forwards_per_tree(budget, max_beams) x passcost.draft_step(bytes of one forward:
@@ -46,31 +46,17 @@ from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Callable
 
 from offload.planning.acceptance import tokens_per_pass
-from offload.planning.membytes import substitute_kernel
+from offload.planning.experts import pass_terms
+from offload.planning.membytes import arch_of, compute_bytes, draft_bytes, dtype_bytes, substitute_kernel
 from offload.planning.passcost import (
-    DEQUANT_ELEMS, Device, dequant_elems, device_for, draft_step, interpolate, linear_weights, target_pass,
+    DEQUANT_ELEMS, Device, dequant_elems, device_of, draft_step, interpolate, linear_weights, model_ctx, target_pass,
 )
 
 LINK_EFFICIENCY = 0.75      # effective / published PCIe x16 rate (24 of 32 GB/s on PCIe 4)
-MODEL_CTX_SHARE = 0.5       # attention is modelled at this share of the planned context (a cache filling up)
-MODEL_CTX_CAP = 1024        # ... and at most at this many tokens: a chat turn's context, not the window's
 BUDGETS = (4, 8, 16, 64, 256, 1024)   # budgets the dry run shows tokens/s at (those within the plan's budget)
 PLAIN = "none"              # Candidate.draft of plain decoding (no draft)
 
-Machine = Device   # the rates a plan is modelled with (offload/planning/passcost.py)
-
-
-def machine_for(device: str, memory_bps: float | None = None, link_bps: float | None = None,
-                source: str = "") -> Device:
-    """Given bandwidths where known (from `source`), passcost.PRIORS for the rest."""
-    return device_for(device, {"memory_bps": source or "measured", "link_bps": source or "measured"},
-                      memory_bps=memory_bps, link_bps=link_bps)
-
-
-def device_of(req) -> Device:
-    """The request's Device (session/profiles.plan_device builds it from a profile or a card), else priors."""
-    return getattr(req, "cost_device", None) or machine_for(req.device, req.memory_bps, req.link_bps,
-                                                            req.bandwidth_source)
+Machine = Device   # the rates a plan is modelled with (offload/planning/passcost.py: device_of, model_ctx)
 
 
 @dataclass
@@ -141,8 +127,6 @@ class Costing:
 
 
 def costing_for(a, req) -> Costing:
-    from offload.planning.membytes import compute_bytes
-
     kernel = "nf4-dequant" if req.dtype == "nf4" else "int4-unpack" if a.packed else "none"
     return Costing(a, compute_bytes(req), kernel, device_of(req), getattr(req, "timings", None) or {},
                    req.max_beams, req.temperature)
@@ -165,14 +149,6 @@ def forwards_per_tree(budget: int, max_beams: int, tokens_per_pass: float = 0.0)
     return 1 + math.ceil(budget / max(1, max_beams)) + math.ceil(tokens_per_pass)
 
 
-def model_ctx(plan) -> int:
-    """Context tokens a pass's attention and KV reads are priced at: MODEL_CTX_SHARE of the planned
-    context, at most MODEL_CTX_CAP (on SmolLM2 from disk a self-draft forward measured 13 ms where
-    pricing its KV at half the 8192-token window modelled 24; a long context shows in the measured
-    passes the budget tuner reads)."""
-    return min(int(plan.ctx * MODEL_CTX_SHARE), MODEL_CTX_CAP)
-
-
 def placement(plan) -> list[int]:
     """[resident, RAM, disk] layer counts: what a measured pass time applies to."""
     return [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)]
@@ -189,7 +165,10 @@ def measured(cost: Costing, plan, key: str) -> dict | None:
 
 def target_seconds(cost: Costing, plan, n: int) -> tuple[float, dict, str]:
     """(pass seconds, modelled PassTerms as JSON, "measured" | "modelled") for a pass of n tokens."""
-    terms = target_pass(cost.arch, plan, cost.dev, n, model_ctx(plan), cost.c, cost.kernel)
+    if getattr(plan, "experts", None):  # a mixture of experts: priced by the distinct experts its tokens route to
+        terms = pass_terms(cost.arch, plan, cost.dev, n, model_ctx(plan), cost.c)
+    else:
+        terms = target_pass(cost.arch, plan, cost.dev, n, model_ctx(plan), cost.c, cost.kernel)
     got = measured(cost, plan, "target")
     if got:
         return interpolate({int(k): v for k, v in got["seconds"].items()}, n), terms.to_json(), "measured"
@@ -330,8 +309,6 @@ def small_candidates(plan, target, draft, req, plan_memory) -> None:
     """Set `plan.candidates` / `plan.choice` for a plan with a small draft: its candidate, plain decoding,
     and (`req.compare_self`, something streamed) the self-draft's widths, each planned on its own by
     `plan_memory` (memplan's); the choice is the draft with the most modelled tokens/s."""
-    from offload.planning.membytes import arch_of, draft_bytes, dtype_bytes
-
     da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)
     weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), model_ctx(plan), dc)
     cost = costing_for(arch_of(target.config), req)

@@ -25,8 +25,8 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   `runs` says whether the loader realizes the mode: offload/stream places whole layers, so "split"
   is planned and modelled, not yet run.
 - `pass_terms(a, plan, dev, n, ctx, c)` -> passcost.PassTerms of a pass of n tokens under
-  plan["experts"] (passcost.target_pass hands MoE plans here): the dense part as passcost prices a
-  layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
+  plan["experts"] (draftcost.target_seconds calls it for MoE plans, passcost.target_pass for dense ones):
+  the dense part as passcost prices a layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
   tier's rate (GPU memory; CPU experts at `cpu_bps`; disk), or their FLOPs if those take longer.
 - The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it, else on a
   CPU device its memory bandwidth, else CPU_EXPERTS (a prior, labelled so in `cpu_source`).
@@ -34,7 +34,12 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
+from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
+from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
 
 CPU_EXPERTS = dict(bps=40e9, flops=200e9)
 """Prior for routed experts computed on a CUDA machine's host CPU: a DDR5 dual-channel desktop reads
@@ -61,10 +66,6 @@ def _config(ck) -> dict:
 def moe_shape(ck, lay, req, bits: float | None = None) -> MoeShape | None:
     """The checkpoint's experts from config.json and headers (see the contract), None for a dense model;
     `bits`: the experts' bytes at that many bits per weight instead (what another format would store)."""
-    import math
-
-    from offload.planning.membytes import dtype_bytes
-
     c = _config(ck)
     e = int(c.get("num_local_experts") or c.get("num_experts") or 0)
     k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0)
@@ -113,16 +114,13 @@ def _cpu_rate(dev) -> tuple[float, float, str]:
 
 def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict | None:
     """Device, host and disk bytes of the "split" placement, or None where the dense parts do not fit."""
-    from offload.planning.memplan import CHURN_SLACK, CUDA_CONTEXT, RAM_FRACTION, STATIC_SLACK
-
     drop = ("resident_layers", "staging_slots", "dequantized_layers", "dequantized_draft", "cuda_context")
     fixed = {k: v for k, v in plan.device_bytes.items() if k not in drop}
     sparse = [i for i, b in enumerate(shape.expert_bytes) if b]
     eb = max(shape.expert_bytes)
     dev = {**fixed, "attention_shared": sum(shape.dense_bytes), "expert_staging": 2 * shape.top_k * eb}
-    static = sum(v for k, v in dev.items() if k != "activations")
-    margin = CUDA_CONTEXT + int(STATIC_SLACK * static + CHURN_SLACK * dev.get("activations", 0))
-    room = plan.device_capacity - static - dev.get("activations", 0) - margin
+    margin = cuda_margin(dev, True)
+    room = plan.device_capacity - sum(dev.values()) - margin
     if room < 0:
         return None
     total = shape.experts * len(sparse)
@@ -130,8 +128,7 @@ def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict 
     dev["expert_cache"] = cached * eb
     dev["cuda_context"] = margin + int(STATIC_SLACK * dev["expert_cache"])
     other_host = sum(v for k, v in plan.host_bytes.items() if k not in ("ram_layers", "stage_buffers", "read_buffers"))
-    ram_cap = req.max_ram if req.max_ram is not None else int(RAM_FRACTION * req.ram_free)
-    ram = min(total - cached, max(0, ram_cap - other_host) // eb)
+    ram = min(total - cached, max(0, ram_cap(req) - other_host) // eb)
     return dict(
         device_bytes=dev,
         host_bytes={"experts_ram": ram * eb},
@@ -170,8 +167,6 @@ def routed_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
 
 def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
     """passcost.PassTerms of one pass of n tokens under plan.experts (see the contract)."""
-    from offload.planning.passcost import PassTerms, attention_seconds, forward_floor, linear_weights
-
     ex = plan.experts
     split = ex["mode"] == "split"
     ram, disk = (set(), set()) if split else (set(plan.ram_layers), set(plan.disk_layers))
@@ -221,9 +216,6 @@ def _tokens_per_second(a, plan, dev, ex: dict, c: int, ctx: int) -> float:
 def expert_plan(ck, lay, req, plan, routing: list[int] | None = None, bits: float | None = None) -> dict | None:
     """plan.experts for this MoE checkpoint (see the contract); None for a dense model. `bits`: model the
     experts stored at that many bits per weight (a format the loader may not read: docs' comparisons)."""
-    from offload.planning.draftcost import device_of, model_ctx
-    from offload.planning.membytes import arch_of, compute_bytes
-
     shape = moe_shape(ck, lay, req, bits)
     if shape is None:
         return None

@@ -2,7 +2,8 @@
 
 Contract: `plan_memory(target, draft, request)` is a pure function of two `Checkpoint`s (config.json
 plus safetensors headers, never weight bytes) and a `PlanRequest` (dtype, ctx, budget, caps, free
-memory). It returns a `MemoryPlan` with one entry per device component:
+memory; request.py holds it, the `MemoryPlan` and the margins). It returns a `MemoryPlan` with one
+entry per device component:
 - embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (a GGUF head the CPU
   kernel serves also keeps its packed bytes: formats/ggml_kernel.py; embeddings may
   live on the host instead: only the looked-up rows then cross the link);
@@ -26,8 +27,8 @@ memory). It returns a `MemoryPlan` with one entry per device component:
   the mask on CPU, the prepared and folded or per-group copies on CUDA; eager: repeated K/V and
   the scores), the target's dequantization temporaries (nf4, GGUF, packed int4), the logits and
   the sampler's workspace;
-- cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only): CUDA_CONTEXT
-  + STATIC_SLACK of the long-lived bytes + CHURN_SLACK of the activations.
+- cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only): request.cuda_margin,
+  CUDA_CONTEXT + STATIC_SLACK of the long-lived bytes + CHURN_SLACK of the activations.
 Components counted by `storage.DevicePool` (all but activations, draft_step and cuda_context) match the
 loader's allocations byte for byte; tests check that on CPU.
 Capacity: `--max-gpu-memory` when given, else the free memory the device reports; on CPU the
@@ -39,7 +40,7 @@ when even zero resident layers do not fit.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -50,106 +51,14 @@ from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_
                        dtype_bytes, forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
 from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_notes, dequantize_once, kernel_terms,
                                         layer_sizes)
+from offload.planning.draftcost import small_candidates
+from offload.planning.experts import expert_notes, expert_plan
+from offload.planning.passcost import device_of
+from offload.planning.request import (BUDGET_FLOOR, RAM_FRACTION, STATIC_SLACK, MemoryPlan, PlanRequest, capacity,
+                                      cuda_margin)
+from offload.planning.selfplan import plan_self_draft
 from offload.planning.verdict import verdict
 from offload.stream.storage import staging_slots
-
-CUDA_CONTEXT = 600 * 1024**2   # CUDA context, cuBLAS/cuBLASLt workspaces (measured ~0.5 GB on H100)
-STATIC_SLACK = 0.02            # caching-allocator rounding of long-lived blocks (weights, caches)
-CHURN_SLACK = 0.10             # fragmentation from per-pass temporaries, as a share of activations
-RAM_FRACTION = 0.8             # share of available RAM specx allows itself without --max-ram
-BUDGET_FLOOR = 16              # --budget auto never shrinks below this to fit
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """The user's options, resolved (no 'auto' dtype/device left)."""
-
-    device: str                      # "cuda" | "cpu": where compute runs
-    dtype: str                       # target weights: bf16 | fp16 | fp32 | nf4
-    draft_dtype: str | None          # draft weights: bf16 | fp16 | fp32; None = no draft
-    ram_free: int                    # available host RAM (psutil)
-    device_free: int | None = None   # free device memory as reported; None = unknown (no GPU here)
-    offload: str = "auto"            # none | ram | disk | auto
-    ctx: int = 8192                  # tokens the KV caches hold (capped by max positions)
-    budget: int = 64                 # draft tree nodes verified per pass
-    budget_auto: bool = False        # the plan may lower `budget` (down to BUDGET_FLOOR) to fit
-    max_beams: int = 32              # draft nodes per tree-growth forward
-    slots: int = 2                   # staging buffers for streamed layers
-    max_gpu_memory: int | None = None  # cap on ALL device bytes
-    max_ram: int | None = None       # cap on host bytes for streamed layers
-    embeddings: str = "auto"         # device | host | auto
-    attn: str = "sdpa"               # attention implementation: sdpa | eager
-    self_draft: bool = False         # --draft self: the draft is low-bit substitutes of the streamed layers
-    draft_bits: int | None = None    # --draft-bits 4 | 3 | 2 of those substitutes; None = the plan chooses
-    sixteen_bit: bool = True         # --draft self: a 16-bit checkpoint exists to quantize substitutes from
-    temperature: float = 0.0         # decoding temperature: the self-draft widths' tokens/pass depend on it
-    memory_bps: float | None = None  # device memory bandwidth for the draft cost model; None = draftcost prior
-    link_bps: float | None = None    # host->device bandwidth; None = draftcost prior
-    bandwidth_source: str = ""       # where memory_bps comes from ("measured: ...", "published: ...")
-    compare_self: bool = False       # with a small draft: also model the self-draft's widths as candidates
-    cost_device: object = None       # passcost.Device the candidates are modelled with (None: from the fields above)
-    timings: dict | None = None      # a matching profile's measured pass/draft times (session/profiles.plan_timings)
-
-
-@dataclass
-class MemoryPlan:
-    device_bytes: dict[str, int]     # component -> bytes on the compute device
-    host_bytes: dict[str, int]       # component -> bytes in host RAM (pinned on CUDA)
-    device_capacity: int             # the cap all device bytes must fit
-    host_capacity: int               # RAM the host components may use
-    disk_bytes_per_pass: int         # bytes read from disk per target pass
-    resident: list[int]              # layer ids kept on the device
-    ram_layers: list[int]            # streamed from host RAM
-    disk_layers: list[int]           # streamed from disk
-    layer_bytes: list[int]           # packed bytes per layer
-    embeddings: str                  # "device" | "host"
-    ctx: int                         # context the caches are sized for
-    budget: int                      # tree budget the run starts at (--budget auto: the speed model's pick)
-    kv_rows: tuple[int, int]         # (target, draft) rows preallocated per cache
-    pass_tokens: int                 # most tokens one target pass processes (prefill chunk)
-    device: str = "cuda"
-    fits: bool = True
-    reason: str = ""                 # one line when not fits
-    notes: list[str] = field(default_factory=list)
-    elsewhere: str = ""              # planned for another machine (explicit caps): why THIS host cannot run it
-    substitute_bits: int | None = None   # --draft self: the bits of the substitutes this plan counts
-    skipped_layers: list[int] = field(default_factory=list)   # --draft self: streamed layers the draft skips
-    candidates: list[dict] = field(default_factory=list)   # draftcost.Candidate.to_json() of every candidate draft
-    choice: dict | None = None       # the candidate with the most modelled tokens/s (None: no draft fits)
-    machine: dict = field(default_factory=dict)   # draftcost.Machine the candidates were modelled with
-    slots: int = 2                   # device staging slots the loader allocates (leftover memory adds some)
-    sized_budget: int = 0            # tree budget the activations and caches are sized for (>= budget; 0 = budget)
-    row_bytes: int = 0               # device bytes per token of another request's tree in a forest pass
-    dense_layers: list[int] = field(default_factory=list)   # resident layers dequantized once at load
-    dense_draft_layers: list[int] = field(default_factory=list)   # --draft self: substitutes dequantized once
-    kernel: dict = field(default_factory=dict)   # memlayers.kernel_terms: what the GGUF CPU kernel multiplies packed
-    experts: dict | None = None   # mixture of experts: planning/experts.expert_plan (placement, modelled speed)
-
-    @property
-    def device_total(self) -> int:
-        return sum(self.device_bytes.values())
-
-    @property
-    def host_total(self) -> int:
-        return sum(self.host_bytes.values())
-
-    def to_json(self) -> dict:
-        return dict(
-            device_bytes=dict(self.device_bytes), device_total=self.device_total,
-            device_capacity=self.device_capacity, host_bytes=dict(self.host_bytes),
-            host_total=self.host_total, host_capacity=self.host_capacity,
-            disk_bytes_per_pass=self.disk_bytes_per_pass, resident_layers=len(self.resident),
-            streamed_layers={"ram": len(self.ram_layers), "disk": len(self.disk_layers)},
-            fits=self.fits, embeddings=self.embeddings, ctx=self.ctx, budget=self.budget,
-            sized_budget=self.sized_budget or self.budget,
-            kv_rows=list(self.kv_rows), pass_tokens=self.pass_tokens, device=self.device, reason=self.reason,
-            notes=list(self.notes), elsewhere=self.elsewhere, substitute_bits=self.substitute_bits,
-            skipped_layers=list(self.skipped_layers), layer_bytes_total=sum(self.layer_bytes),
-            ram_bytes_per_pass=sum(self.layer_bytes[i] for i in self.ram_layers),
-            candidates=list(self.candidates), choice=self.choice, slots=self.slots,
-            machine=dict(self.machine), dense_layers=list(self.dense_layers),
-            dense_draft_layers=list(self.dense_draft_layers), kernel=dict(self.kernel), experts=self.experts,
-        )
 
 
 def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -218,32 +127,12 @@ def _extra_slots(lay: LayerSizes, req: PlanRequest, pl: _Placement, dev: dict, h
     for n in range(req.slots + 1, streamed + 1):
         more = _place(lay, len(pl.resident), replace(req, slots=n), sum(lay.packed[i] for i in pl.ram))
         d = {**dev, **more.device}
-        d["cuda_context"] = _margin(d, True)
+        d["cuda_context"] = cuda_margin(d, True)
         h = {**host, **more.host}
         if sum(d.values()) > cap or sum(h.values()) > req.ram_free or more.ram != pl.ram:
             break
         best = (more, d, h, n)
     return best
-
-
-def _margin(dev: dict[str, int], cuda: bool) -> int:
-    """CUDA context + workspaces + allocator slack (long-lived blocks barely fragment; temporaries do)."""
-    if not cuda:
-        return 0
-    static = sum(v for k, v in dev.items() if k != "activations")
-    return CUDA_CONTEXT + int(STATIC_SLACK * static + CHURN_SLACK * dev.get("activations", 0))
-
-
-def capacity(req: PlanRequest) -> int:
-    """--max-gpu-memory, else what the device reports free (CPU: RAM_FRACTION of available RAM)."""
-    if req.max_gpu_memory is not None:
-        return req.max_gpu_memory
-    if req.device == "cpu":
-        return int(RAM_FRACTION * req.ram_free)
-    if req.device_free is None:
-        raise OffloadError("no CUDA device here to ask for free memory; pass --max-gpu-memory "
-                           "(e.g. 24GB) to plan for a card of that size")
-    return req.device_free
 
 
 def _resident_choices(req: PlanRequest, n: int) -> range | list[int]:
@@ -323,7 +212,7 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
         buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))   # disk staging, if anything ends up on disk
         pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers, kept))
         dev = {**fixed, **pl.device}
-        dev["cuda_context"] = _margin(dev, cuda)
+        dev["cuda_context"] = cuda_margin(dev, cuda)
         host = {**ghost, **pl.host}
         best = (pl, dev, host)
         if sum(dev.values()) <= cap:
@@ -337,7 +226,7 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     dense, dense_draft = dequantize_once(lay, pl.resident, req, ta, cap - used, 1 + STATIC_SLACK if cuda else 1)
     dev.update({k: v for k, v in (("dequantized_layers", dense.nbytes), ("dequantized_draft", dense_draft.nbytes)) if v})
     if dense.layers or dense_draft.layers:
-        dev["cuda_context"] = _margin({k: v for k, v in dev.items() if k != "cuda_context"}, cuda)
+        dev["cuda_context"] = cuda_margin({k: v for k, v in dev.items() if k != "cuda_context"}, cuda)
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
                       pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
@@ -349,8 +238,6 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     plan.kernel = kernel_terms(target, len(lay.packed), req, streams=bool(pl.ram or pl.disk))
     plan.notes += dense_notes(dense, dense_draft, len(pl.resident))
     plan.fits, plan.reason = verdict(plan, req)
-    from offload.planning.experts import expert_notes, expert_plan
-
     plan.experts = expert_plan(target, lay, req, plan)   # None for a dense model
     plan.notes += expert_notes(plan.experts)
     if lay.estimated:
@@ -372,8 +259,6 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
     req = replace(req, ctx=min([req.ctx] + limits))
     lay = layer_sizes(target, arch_of(target.config), req)
     if req.self_draft:   # a plan per substitute width: offload/planning/selfplan.py
-        from offload.planning.selfplan import plan_self_draft
-
         def plan_with(substitute: list[int], bits: int) -> MemoryPlan:
             lay.substitute = substitute
             return _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
@@ -382,15 +267,11 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
                                                                       replace(req, dtype="nf4")), plan_with), req)
     plan = _plan_budgets(target, draft, lay, req)
     if draft is not None:
-        from offload.planning.draftcost import small_candidates
-
         small_candidates(plan, target, draft, req, plan_memory)
     return _with_machine(plan, req)
 
 
 def _with_machine(plan: MemoryPlan, req: PlanRequest) -> MemoryPlan:
-    from offload.planning.draftcost import device_of
-
     plan.machine = asdict(device_of(req))
     return plan
 

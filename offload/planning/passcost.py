@@ -5,8 +5,11 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
   dense matmul FLOP/s per compute dtype (16-bit: a card's published tensor rate with FP32
   accumulate; 32-bit: FP32), the per-forward floors streaming does not hide (target pass, draft
   step) -- and, in `sources`, each term's origin: "measured: ..." (`specx profile`), "published: ..."
-  (profiles/cards.json) or "prior" (PRIORS). `device_for(kind, **given)` fills the rest from PRIORS.
-- `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one target pass over n tree tokens
+  (profiles/cards.json) or "prior" (PRIORS). `device_for(kind, **given)` fills the rest from PRIORS;
+  `device_of(req)` is a PlanRequest's Device (its cost_device, else its bandwidths over PRIORS).
+- `model_ctx(plan)`: the context a pass is priced at (MODEL_CTX_SHARE of the planned one, at most
+  MODEL_CTX_CAP tokens).
+- `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one DENSE target pass over n tree tokens
   at a context of ctx committed tokens, compute dtype c bytes, layers dequantized by `kernel`:
   per decoder layer i, max(transfer_i, compute_i), summed (the stream of layer i+1 overlaps the
   compute of layer i), plus the head and one forward floor (`forward_floor`: the one-call stack's
@@ -116,6 +119,38 @@ def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None 
     return Device(kind, **vals, source=srcs["memory_bps"], sources=srcs, dequant_bps=dict(dequant_bps or {}))
 
 
+def machine_for(
+    device: str, memory_bps: float | None = None, link_bps: float | None = None, source: str = ""
+) -> Device:
+    """Given bandwidths where known (from `source`), PRIORS for the rest."""
+    return device_for(
+        device,
+        {"memory_bps": source or "measured", "link_bps": source or "measured"},
+        memory_bps=memory_bps,
+        link_bps=link_bps,
+    )
+
+
+def device_of(req) -> Device:
+    """A PlanRequest's Device: its `cost_device` (session/profiles.plan_device builds it from a profile or a
+    card), else its bandwidth fields over PRIORS."""
+    return getattr(req, "cost_device", None) or machine_for(
+        req.device, req.memory_bps, req.link_bps, req.bandwidth_source
+    )
+
+
+MODEL_CTX_SHARE = 0.5  # attention is modelled at this share of the planned context (a cache filling up)
+MODEL_CTX_CAP = 1024  # ... and at most at this many tokens: a chat turn's context, not the window's
+
+
+def model_ctx(plan) -> int:
+    """Context tokens a pass's attention and KV reads are priced at: MODEL_CTX_SHARE of the planned
+    context, at most MODEL_CTX_CAP (on SmolLM2 from disk a self-draft forward measured 13 ms where
+    pricing its KV at half the 8192-token window modelled 24; a long context shows in the measured
+    passes the budget tuner reads)."""
+    return min(int(plan.ctx * MODEL_CTX_SHARE), MODEL_CTX_CAP)
+
+
 @dataclass
 class PassTerms:
     """One modelled target pass, term by term (seconds summed over the layers)."""
@@ -216,11 +251,10 @@ def forward_floor(plan, dev: Device, n: int) -> float:
 
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
     """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier.
-    A mixture-of-experts plan (`plan.experts`) is priced by planning/experts.py: distinct experts routed."""
+    Dense layers only: a mixture-of-experts plan (`plan.experts`) is priced by experts.pass_terms (distinct
+    experts routed), which draftcost.target_seconds calls for it; handed one here, this refuses."""
     if getattr(plan, "experts", None):
-        from offload.planning.experts import pass_terms
-
-        return pass_terms(a, plan, dev, n, ctx, c)
+        raise ValueError("a mixture-of-experts plan: experts.pass_terms prices its passes")
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
     dense = set(getattr(plan, "dense_layers", ()))  # dequantized once at load: read in c, no dequantization
     packed, head_packed = _kernel_reads(plan, n)  # the GGUF kernel: its packed bytes at its own rate

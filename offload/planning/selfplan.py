@@ -37,7 +37,19 @@ import itertools
 import math
 
 from offload.planning.acceptance import tokens_per_pass as measured
-from offload.planning.membytes import arch_of, substitute_kernel
+from offload.planning.draftcost import (
+    Spec,
+    best,
+    costing_for,
+    finish,
+    linear_numel,
+    plain_spec,
+    self_forward_bytes,
+    skip_spec,
+    sweep,
+)
+from offload.planning.membytes import arch_of, dtype_bytes, substitute_kernel
+from offload.planning.memlayers import substitutes_are_blocks
 from offload.sizes import format_bytes
 
 
@@ -80,7 +92,6 @@ def skip_factor(fraction: float) -> float | None:
 def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
     import torch
 
-    from offload.planning.membytes import dtype_bytes
     from offload.quant.lowbit import blocks_serve, lowbit_weight_bytes
 
     if bits == 4:
@@ -129,9 +140,6 @@ def candidate_bits(req, prequant: bool, packed: bool = False) -> list[int]:
 
 def self_spec(a, req, bits: int, plan):
     """The draftcost.Spec of the self-draft at `bits` under this plan: its bytes, FLOPs and kernel."""
-    from offload.planning.draftcost import Spec, linear_numel, self_forward_bytes
-    from offload.planning.membytes import dtype_bytes
-
     c = dtype_bytes(req.draft_dtype)
     weight, kv, deq = self_forward_bytes(a, plan, bits, c, req.dtype == "nf4", req.device)
     run = len(plan.layer_bytes) - len(plan.skipped_layers)
@@ -153,8 +161,6 @@ def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
     serves (then offload/selfdraft/build.py gives the draft a LeanStack); None otherwise. The packed
     bytes carry ggml_kernel.COST's per-byte factors, as the target's do."""
     from offload.formats.ggml_kernel import COST, MAX_ROWS, SX2, SX3
-    from offload.planning.membytes import dtype_bytes
-    from offload.planning.memlayers import substitutes_are_blocks
 
     k = getattr(plan, "kernel", None) or {}
     if bits not in (2, 3) or not substitutes_are_blocks(req, a, bits) or set(plan.resident) - set(k.get("layers", ())):
@@ -171,16 +177,12 @@ def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
 
 def self_candidate(a, req, bits: int, plan):
     """The draftcost.Candidate of the self-draft at `bits` under this plan (its best budget under --budget auto)."""
-    from offload.planning.draftcost import costing_for, sweep
-
     return sweep(self_spec(a, req, bits, plan), costing_for(a, req), plan, req.budget_auto)
 
 
 def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list]:
     """The (bits, plan) with the most modelled tokens/s among those that fit (else the last tried),
     and every width's draftcost.Candidate (one per width: the best-fitting plan tried for it)."""
-    from offload.planning.draftcost import best
-
     cands, pairs = {}, {}
     for bits, plan in plans:
         c = self_candidate(a, req, bits, plan)
@@ -216,8 +218,6 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
     (bits, plan), cands = choose(a, req, tried)
     if not plan.ram_layers and not plan.disk_layers:  # an explicit width refused keeps its reason
         return plan if not plan.fits and req.draft_bits is not None else skip_plan(target, a, req, plan_with)
-    from offload.planning.draftcost import costing_for, finish, plain_spec, sweep
-
     chosen = next((c for c in cands if c.bits == bits and c.fits), None)
     if chosen is not None and req.budget_auto:
         plan.budget = chosen.budget  # the budget with the most modelled tokens/s (within what the plan sized)
@@ -237,7 +237,6 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
 
 def skip_plan(target, a, req, plan_with):
     """Every layer resident: the plan of the layer-skip self-draft, its candidate and plain decoding's."""
-    from offload.planning.draftcost import costing_for, finish, plain_spec, skip_spec, sweep
     from offload.selfdraft.build import LAYER_SKIP
 
     plan = plan_with([0] * a.layers, None)  # no substitutes; its draft runs the target's (dequantizing) layers
