@@ -272,16 +272,17 @@ static int sx_gemm(int qtype, const uint8_t *w, const float *x, float *y, const 
                    int64_t K, int64_t T, int64_t ldy, int nthreads, int on_pool) {
     static __thread void *buf = NULL;
     static __thread size_t have = 0;
-    size_t need = (size_t)(T * K) + sizeof(float) * (size_t)(T * (K / SXQ_G) + 2 * T * (K / 32)) + 64;
+    size_t need = (size_t)(T * K) + sizeof(float) * (size_t)(3 * T * (K / SXQ_G) + 2 * T * (K / 32)) + 64;
     if (need > have) {
         void *grown = realloc(buf, need);
         if (grown == NULL) return -2;
         buf = grown, have = need;
     }
     float *sx = buf, *xsum = sx + T * (K / SXQ_G), *xres = xsum + T * (K / 32);
-    int8_t *xq = (int8_t *)(xres + T * (K / 32));
-    sxq_quantize(x, T, K, xq, sx, xsum, xres);
-    sxq_args a = {w, xq, sx, xsum, xres, y, rowmap, N, K, T, ldy, qtype};
+    float *xs64 = xres + T * (K / 32), *xr64 = xs64 + T * (K / SXQ_G);
+    int8_t *xq = (int8_t *)(xr64 + T * (K / SXQ_G));
+    sxq_quantize(x, T, K, xq, sx, xsum, xres, xs64, xr64);
+    sxq_args a = {w, xq, sx, xsum, xres, xs64, xr64, y, rowmap, N, K, T, ldy, qtype};
     if (on_pool) {
         pool_run(sxq_worker, &a, nthreads);
         return 0;

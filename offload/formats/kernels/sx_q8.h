@@ -18,8 +18,11 @@ centre term; the target's own head keeps Q8_0's exact fp32 path.
 Why: a one-row pass of a 3-bit draft was bound by turning codes into fp32 values (two shuffles, a
 table and two FMAs per 32 weights); with AVX-512 VNNI and VBMI, 64 codes are spread into bytes by one
 vpermb and one multishift and multiplied into 64 int8 activations by one vpdpbusd (exact int32),
-then one conversion and one FMA: about a third of the instructions. Without them, portable C computes
-the same sums (exact integers, fp32 scaling). */
+then one conversion and one FMA: about a third of the instructions. SX3 (sxq_tile3) goes further: a row's
+scales are converted 16 groups at a time before its loop, whose every group is then the codes, one
+vpdpbusd, one conversion and one FMA (SmolLM2's 30 layers of draft linears at one row: 5.1 -> 3.6-4.0 ms
+on 2 threads, the same numbers up to fp32 order). Without them, portable C computes the same sums
+(exact integers, fp32 scaling). */
 
 #ifndef SX_Q8_H
 #define SX_Q8_H
@@ -37,13 +40,14 @@ the same sums (exact integers, fp32 scaling). */
 #define SXQ_C(qtype) ((qtype) == SX3 ? 3.5f : (qtype) == SX2 ? 1.5f : 0.0f)   /* the codes' centre C (0..7, 0..3; Q8A's are signed) */
 
 typedef struct {
-    const uint8_t *w; const int8_t *xq; const float *sx, *xsum, *xres; float *y; const int32_t *rowmap;
+    const uint8_t *w; const int8_t *xq; const float *sx, *xsum, *xres, *xs64, *xr64; float *y; const int32_t *rowmap;
     int64_t N, K, T, ldy; int qtype;
 } sxq_args;
 
 /* x (T, K) -> xq (T, K) int8, sx (T, K/64) scales, per 32-value block xsum = sum x and xres = sum (x - xhat)
    (T, K/32 each; see the contract) */
-static void sxq_quantize(const float *x, int64_t T, int64_t K, int8_t *xq, float *sx, float *xsum, float *xres) {
+static void sxq_quantize(const float *x, int64_t T, int64_t K, int8_t *xq, float *sx, float *xsum, float *xres,
+                         float *xs64, float *xr64) {
     for (int64_t t = 0; t < T; t++)
         for (int64_t g = 0; g < K / SXQ_G; g++) {
             const float *p = x + t * K + g * SXQ_G;
@@ -59,6 +63,8 @@ static void sxq_quantize(const float *x, int64_t T, int64_t K, int8_t *xq, float
                 xsum[t * (K / 32) + 2 * g + h] = sum;
                 xres[t * (K / 32) + 2 * g + h] = res;
             }
+            xs64[t * (K / SXQ_G) + g] = xsum[t * (K / 32) + 2 * g] + xsum[t * (K / 32) + 2 * g + 1];
+            xr64[t * (K / SXQ_G) + g] = xres[t * (K / 32) + 2 * g] + xres[t * (K / 32) + 2 * g + 1];
         }
 }
 
@@ -187,30 +193,88 @@ static inline __attribute__((always_inline)) void sxq_tile(const sxq_args *a, co
     }
 }
 
-#define SXQ_TILE(n) case n: sxq_tile(a, row, t0, ycol, n); break;
+
+#if SXQ_FAST
+/* SX3 alone (the self-draft's main type), the row's scales first: its groups' (d, m) fp16 pairs gathered
+   16 at a time and converted in two vcvtph2ps, each activation row's products d_g sx_tg and its min's
+   and centre's terms m_g xs_tg + C d_g xr_tg (lanes = groups, the accumulator's starting value) computed
+   as vectors; the loop over groups is then the codes (vpermb, vpmultishiftqb), one vpdpbusd, one
+   conversion and one FMA whose scale is a broadcast from memory. Each row's sums run in the same order
+   whatever nt is (the rowwise contract). */
+static inline __attribute__((always_inline)) void sxq_tile3(const sxq_args *a, const uint8_t *row, int64_t t0,
+                                                            int64_t ycol, int nt) {
+    int64_t K = a->K, G = K / SXQ_G, GP = (G + 15) & ~(int64_t)15;
+    float d[GP], m[GP], ds[nt * GP];
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(28));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+        __mmask16 k = G - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
+        __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, row + g0 * 28, 1);
+        __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(pairs)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1));
+        _mm512_storeu_ps(d + g0, _mm512_permutex2var_ps(lo, even, hi));
+        _mm512_storeu_ps(m + g0, _mm512_permutex2var_ps(lo, odd, hi));
+    }
+    __m512 acc[TB];
+    for (int i = 0; i < nt; i++) {
+        int64_t t = t0 + i;
+        __m512 tail = _mm512_setzero_ps();
+        for (int64_t g0 = 0; g0 < G; g0 += 16) {
+            __mmask16 k = G - g0 >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g0)) - 1);
+            __m512 dv = _mm512_maskz_loadu_ps(k, d + g0), mv = _mm512_maskz_loadu_ps(k, m + g0);
+            _mm512_storeu_ps(ds + i * GP + g0, _mm512_mul_ps(dv, _mm512_maskz_loadu_ps(k, a->sx + t * G + g0)));
+            tail = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, a->xs64 + t * G + g0), tail);
+            tail = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(3.5f)), _mm512_maskz_loadu_ps(k, a->xr64 + t * G + g0), tail);
+        }
+        acc[i] = tail;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        __m512i c = sxq_codes(SX3, row, g);
+        for (int i = 0; i < nt; i++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(a->xq + (t0 + i) * K + g * SXQ_G));
+            __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, xv));
+            acc[i] = _mm512_fmadd_ps(f, _mm512_set1_ps(ds[i * GP + g]), acc[i]);
+        }
+    }
+    for (int i = 0; i < nt; i++) a->y[(t0 + i) * a->ldy + ycol] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
+#if SXQ_FAST
+#define SXQ_ONE(n) (sx3 ? sxq_tile3(a, row, t0, ycol, n) : sxq_tile(a, row, t0, ycol, n))
+#else
+#define SXQ_ONE(n) sxq_tile(a, row, t0, ycol, n)
+#endif
+#define SXQ_TILE(n) case n: SXQ_ONE(n); break;
 /* worker ith of nth: its share of the output rows, every activation row, TB at a time */
 static void sxq_worker(void *p, int ith, int nth) {
     const sxq_args *a = p;
     int64_t chunk = (a->N + nth - 1) / nth, lo = chunk * ith < a->N ? chunk * ith : a->N;
     int64_t hi = lo + chunk < a->N ? lo + chunk : a->N;
     size_t rb = row_bytes(a->qtype, a->K);
+    int sx3 = a->qtype == SX3;
+    (void)sx3;
     for (int64_t n = lo; n < hi; n++) {
         const uint8_t *row = a->w + (size_t)n * rb;
         int64_t ycol = a->rowmap ? a->rowmap[n] : n;
-        /* the row AHEAD bytes on, a line at a time: weights streamed from DRAM (46 MB of a draft's
-           forward) ran at 2.4 GB/s a thread without it, 5.7 from cache */
-        for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(row + AHEAD + off, 0, 0);
+        /* the row AHEAD bytes on, a line at a time, into every cache level: weights streamed from DRAM
+           (46 MB of a draft's forward) ran at 2.4 GB/s a thread without a prefetch; a non-temporal one
+           (locality 0) held SmolLM2's 30 MB Q8A head at 2.4 ms a one-row call on 2 threads, 0.77 with
+           locality 3 (this VM, gemv micro-benchmark) */
+        for (size_t off = 0; off < rb; off += 64) __builtin_prefetch(row + AHEAD + off, 0, 3);
         for (int64_t t0 = 0; t0 < a->T; t0 += TB) {
             switch (a->T - t0 < TB ? a->T - t0 : TB) {
             SXQ_TILE(1) SXQ_TILE(2) SXQ_TILE(3) SXQ_TILE(4) SXQ_TILE(5) SXQ_TILE(6) SXQ_TILE(7)
 #if TB > 8
             SXQ_TILE(8) SXQ_TILE(9) SXQ_TILE(10) SXQ_TILE(11) SXQ_TILE(12) SXQ_TILE(13) SXQ_TILE(14) SXQ_TILE(15)
 #endif
-            default: sxq_tile(a, row, t0, ycol, TB); break;
+            default: SXQ_ONE(TB); break;
             }
         }
     }
 }
 #undef SXQ_TILE
+#undef SXQ_ONE
 
 #endif
