@@ -190,3 +190,44 @@ def test_measured_skewed_routing_fills_the_cache_with_hot_experts(ckpts):
     skewed = expert_plan(ck, lay, req, plan, routing=counts)
     assert skewed["routing"] == "measured" and skewed["hit"] > plan.experts["hit"]
     assert skewed["tokens_per_second"] > plan.experts["tokens_per_second"]
+
+
+def test_dense_bits_price_attention_in_the_quoted_format(ckpts):
+    """`dense_bits` stores the rest of each layer's matrices (attention, router) at that many bits, its
+    vectors (norms) in the plan's dtype: bytes recomputed from config.json; the card then holds more
+    experts and the plan models faster."""
+    from offload.planning.experts import expert_plan, moe_shape
+    from offload.planning.membytes import arch_of
+    from offload.planning.memlayers import layer_sizes
+
+    ck = ckpts["qwen3-30b-a3b"]
+    c, req = ck.config, card(64)
+    h, hd = c["hidden_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    matrices = 2 * q * h + 2 * kv * h + c["num_experts"] * h  # q, o; k, v; the router
+    vectors = 2 * h + 2 * hd  # two layer norms; q and k norms
+    lay = layer_sizes(ck, arch_of(c), req)
+    shape = moe_shape(ck, lay, req, bits=4.5, dense_bits=4.5)
+    assert shape.dense_bytes == [int(matrices * 4.5 / 8 + vectors * 2)] * c["num_hidden_layers"]
+    assert moe_shape(ck, lay, req, bits=4.5).dense_bytes == moe_shape(ck, lay, req).dense_bytes  # bf16 rest
+    big = ckpts["qwen3-235b-a22b"]
+    req = card(128)
+    plan = plan_memory(big, None, req)
+    lay = layer_sizes(big, arch_of(big.config), req)
+    bf16_rest, quant_rest = (expert_plan(big, lay, req, plan, bits=4.5, dense_bits=d) for d in (None, 4.5))
+    assert quant_rest["device_bytes"]["attention_shared"] < bf16_rest["device_bytes"]["attention_shared"] / 3
+    assert quant_rest["gpu_experts"] > bf16_rest["gpu_experts"]
+    assert quant_rest["tokens_per_second"] > bf16_rest["tokens_per_second"]
+
+
+def test_dense_pass_model_refuses_a_moe_plan(ckpts):
+    """passcost.target_pass prices dense layers only: handed a mixture-of-experts plan it refuses rather
+    than price every expert as a dense MLP; draftcost hands those to experts.pass_terms."""
+    from offload.planning.membytes import arch_of
+    from offload.planning.passcost import device_of, target_pass
+
+    ck = ckpts["mixtral-8x7b"]
+    plan = plan_memory(ck, None, card(128))
+    with pytest.raises(ValueError, match="pass_terms"):
+        target_pass(arch_of(ck.config), plan, device_of(card(128)), 1, 512, 2)
+    assert target_pass(arch_of(ck.config), replace(plan, experts=None), device_of(card(128)), 1, 512, 2).seconds > 0

@@ -7,12 +7,9 @@ the machines the docs describe (`--device cuda --max-gpu-memory CAP --max-ram 64
 `<!-- bench:plan-selfdraft -->` block (`--draft self`) on the pages bench/manifest.py lists for them
 (docs/memory-plan.md, docs/self-draft.md) with tables of the plans' own figures (`--stats-json`'s
 "plan"; a refused plan shows its one-line error). `pair_block()` and `selfdraft_block()` are the two
-bodies (planned once per process). `moe_block()` is the `<!-- bench:plan-moe -->` body: the
-mixture-of-experts targets of MOE (tests/sparse_moe.py) planned by offload.planning.plan_memory for a
-24 GB card on machines with 64 and 128 GB of RAM (bf16, ctx 8192, no profile: prior rates), their
-expert placement and modelled plain-decoding tok/s (offload/planning/experts.py), also at the bits
-per expert weight of the published runs, beside those published figures (PUBLISHED). `--check`
-writes nothing and exits 1 naming the pages whose tables differ from the plan code.
+bodies (planned once per process). `moe_block()` (tools/plan_moe.py) is the `<!-- bench:plan-moe -->`
+body: the mixture-of-experts plans and the quoted runs' figures beside them. `--check` writes nothing
+and exits 1 naming the pages whose tables differ from the plan code.
 """
 
 from __future__ import annotations
@@ -30,18 +27,13 @@ sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide
 import manifest  # noqa: E402  (bench/manifest.py)
 from docblock import md_table, replace_block  # noqa: E402  (bench/docblock.py)
 
+from tools.plan_moe import moe_block  # noqa: E402  (the mixture-of-experts tables)
+
 BLOCKS = {"pair": "plan-pair", "selfdraft": "plan-selfdraft"}  # tables() key -> manifest block
 MOE_BLOCK = "plan-moe"  # moe_block()'s manifest block
 PAIR = [("nf4", 24), ("nf4", 16), ("nf4", 12), ("bf16", 24)]  # (target dtype, card GB)
 SELF = [("nf4", 48), ("nf4", 44), ("nf4", 40), ("nf4", 24), ("nf4", 16), ("nf4", 12), ("bf16", 80), ("bf16", 40)]
 GB = 1e9
-MOE = ("gpt-oss-120b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b")  # tests/fixtures/configs names
-PUBLISHED = {  # name -> (bits per expert weight of the published runs, the published figure and its source)
-    "gpt-oss-120b": (4.25, "37-44 tok/s: llama.cpp, experts on the CPU, RTX 5090 + 64 GB DDR5 (MXFP4; issue 55)"),
-    "qwen3-30b-a3b": (4.5, "36.7 tok/s: llama.cpp, every expert on the CPU, RTX 2080 8 GB (4-bit; issue 55)"),
-    "qwen3-235b-a22b": (4.5, "~10 tok/s: ktransformers on an RTX 3090 (4-bit; issue 55)"),
-    "mixtral-8x7b": (4.5, "none quoted"),
-}
 
 
 def plan(target: Path, draft: str, dtype: str, card: int, tmp: Path) -> tuple[dict | None, str]:
@@ -158,45 +150,6 @@ def self_table(plans: list[tuple[str, int, dict | None, str]]) -> str:
     return md_table(["target", "card", "budget", "device total", "plan"], rows)
 
 
-def moe_plans(name: str, root: Path) -> list[tuple[int, dict, dict]]:
-    """(RAM GB, plan.experts in bf16, plan.experts at the published runs' bits) for 64 and 128 GB of RAM."""
-    from offload.planning.experts import expert_plan
-    from offload.planning.membytes import arch_of
-    from offload.planning.memlayers import layer_sizes, read_checkpoint
-    from offload.planning.memplan import PlanRequest, plan_memory
-    from tests.sparse_moe import write_sparse_moe
-
-    ck = read_checkpoint(write_sparse_moe(name, root / name))
-    out = []
-    for ram in (64, 128):
-        req = PlanRequest("cuda", "bf16", None, ram * 10**9, max_gpu_memory=24 * 10**9, ctx=8192)
-        plan = plan_memory(ck, None, req)
-        lay = layer_sizes(ck, arch_of(ck.config), req)
-        out.append((ram, plan.experts, expert_plan(ck, lay, req, plan, bits=PUBLISHED[name][0])))
-    return out
-
-
-MOE_HEAD = ["model", "RAM", "experts (top-k)", "card: attention+shared / expert cache", "RAM experts"]
-MOE_HEAD += ["disk experts", "tok/s bf16, modelled", "whole layers, modelled", "tok/s at the published bits, modelled"]
-MOE_HEAD += ["published"]
-
-
-def moe_table(rows: list[tuple[str, int, dict, dict]]) -> str:
-    out = []
-    for name, ram, ex, q in rows:
-        n = ex["gpu_experts"] + ex["ram_experts"] + ex["disk_experts"]
-        dev = ex["device_bytes"]
-        out.append(
-            [name, f"{ram} GB", f"{ex['experts']} x {ex['sparse_layers']} layers (top-{ex['top_k']})"]
-            + [f"{gb(dev['attention_shared'])} GB / {gb(dev['expert_cache'])} GB ({ex['gpu_experts']} of {n})"]
-            + [f"{ex['ram_experts']} ({gb(ex['host_bytes']['experts_ram'])} GB)"]
-            + [f"{ex['disk_experts']} ({gb(ex['disk_bytes'])} GB)", f"{ex['tokens_per_second']:.2f}"]
-            + [f"{ex['layers_tokens_per_second']:.2f}", f"{q['tokens_per_second']:.1f} ({PUBLISHED[name][0]} bits)"]
-            + [PUBLISHED[name][1]]
-        )
-    return md_table(MOE_HEAD, out)
-
-
 @functools.lru_cache(maxsize=1)
 def tables() -> dict[str, str]:
     from tests.sparse_ckpt import write_sparse
@@ -217,13 +170,6 @@ def pair_block() -> str:
 def selfdraft_block() -> str:
     """The body of `<!-- bench:plan-selfdraft -->`: the 70B target with `--draft self`."""
     return tables()["selfdraft"]
-
-
-@functools.lru_cache(maxsize=1)
-def moe_block() -> str:
-    """The body of `<!-- bench:plan-moe -->`: the mixture-of-experts targets on a 24 GB card."""
-    with tempfile.TemporaryDirectory() as d:
-        return moe_table([(name, ram, ex, q) for name in MOE for ram, ex, q in moe_plans(name, Path(d))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,10 +2,11 @@
 placed apart, and a pass priced by the DISTINCT experts its tokens route to.
 
 Contract (pure arithmetic over config.json, the headers and a passcost.Device; every figure modelled):
-- `moe_shape(ck, lay, req)` -> MoeShape | None (None: not a mixture-of-experts checkpoint): experts E
-  and top-k of the config, and per decoder layer its routed experts' bytes (every stored tensor
-  with ".experts." in its name; a dense MLP layer has none) and the rest of the layer ("dense":
-  attention, norms, router, a shared expert), in the plan's dtype.
+- `moe_shape(ck, lay, req, bits, dense_bits)` -> MoeShape | None (None: not a mixture-of-experts
+  checkpoint): experts E and top-k of the config, and per decoder layer its routed experts' bytes
+  (every stored tensor with ".experts." in its name; a dense MLP layer has none) and the rest of the
+  layer ("dense": attention, norms, router, a shared expert), in the plan's dtype, or at `bits` /
+  `dense_bits` per weight (another format's bytes, for comparisons with other programs' runs).
 - `distinct_experts(n, k, e)` = e x (1 - (1 - k/e)^n): the expected number of distinct experts n
   tokens route to with top-k of e, under UNIFORM independent routing (a prior: real routers are
   skewed, so fewer distinct experts and more cache hits; measured routing counts replace it through
@@ -28,8 +29,9 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   plan["experts"] (draftcost.target_seconds calls it for MoE plans, passcost.target_pass for dense ones):
   the dense part as passcost prices a layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
   tier's rate (GPU memory; CPU experts at `cpu_bps`; disk), or their FLOPs if those take longer.
-- The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it, else on a
-  CPU device its memory bandwidth, else CPU_EXPERTS (a prior, labelled so in `cpu_source`).
+- The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it (or a stated
+  machine gives it), else on a CPU device its memory bandwidth, else CPU_EXPERTS (a prior: CPU_READ_SHARE
+  of a DDR5 desktop's peak, labelled so in `cpu_source`).
 """
 
 from __future__ import annotations
@@ -41,10 +43,22 @@ from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
 from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
 from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
 
-CPU_EXPERTS = dict(bps=40e9, flops=200e9)
-"""Prior for routed experts computed on a CUDA machine's host CPU: a DDR5 dual-channel desktop reads
-about half its ~80 GB/s peak in a GEMV over the routed experts' rows, and its AVX-512 cores multiply
-~200 GFLOP/s; not measured (bench/moe_experts.py measures this machine's CPU)."""
+CPU_READ_SHARE = 0.5
+"""Share of its DIMMs' peak bandwidth (channels x 8 bytes x MT/s) a desktop CPU reads weights at in a
+one-token GEMV, from published llama.cpp runs (the RAM's speed is the CPU's rated one; the sources do not give
+it): a dense 3B of 1.93 GB decodes at 11.8 tok/s on an i7-8700 (DDR4-2666 dual channel: 42.7 GB/s
+peak), 22.8 GB/s read, 0.53 of peak (inventivehq.com/blog/moe-on-cpu-benchmark); gpt-oss-120b with
+every expert on a 14900K's CPU (--cpu-moe) decodes at 25.6 tok/s, its 4 routed MXFP4 experts x 36
+layers (1.9 GB) a token at >= 48.6 GB/s of DDR5-5600's 89.6 GB/s peak, 0.54 (a reddit report quoted at
+gokawiil.com/article/74814)."""
+
+DDR5_DESKTOP_PEAK = 80e9  # bytes/s: DDR5-5000 dual channel (2 x 8 bytes x 5000 MT/s), a desktop's memory
+
+CPU_EXPERTS = dict(bps=CPU_READ_SHARE * DDR5_DESKTOP_PEAK, flops=200e9)
+"""Prior for routed experts computed on a CUDA machine's host CPU: a DDR5 dual-channel desktop read at
+CPU_READ_SHARE of its peak in a GEMV over the routed experts' rows (40 GB/s), and its AVX-512 cores
+multiplying ~200 GFLOP/s; not measured (bench/moe_experts.py measures this machine's CPU). A stated
+machine's rate goes in as `Device.dequant_bps["cpu-experts"]` (tools/plan_tables.py's machines)."""
 
 SOURCES_PRIOR = "prior: a DDR5 desktop CPU (experts.CPU_EXPERTS)"
 
@@ -63,9 +77,11 @@ def _config(ck) -> dict:
     return ck.config.get("text_config") or ck.config
 
 
-def moe_shape(ck, lay, req, bits: float | None = None) -> MoeShape | None:
+def moe_shape(ck, lay, req, bits: float | None = None, dense_bits: float | None = None) -> MoeShape | None:
     """The checkpoint's experts from config.json and headers (see the contract), None for a dense model;
-    `bits`: the experts' bytes at that many bits per weight instead (what another format would store)."""
+    `bits`: the experts' bytes at that many bits per weight instead (what another format would store);
+    `dense_bits`: the rest of the layer's matrices at that many bits too (its vectors, the norms and
+    biases, stay in the plan's dtype), as a GGUF K-quant stores attention beside its experts."""
     c = _config(ck)
     e = int(c.get("num_local_experts") or c.get("num_experts") or 0)
     k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0)
@@ -73,19 +89,23 @@ def moe_shape(ck, lay, req, bits: float | None = None) -> MoeShape | None:
         return None
     packed = isinstance(ck.config.get("quantization_config"), dict)
     elem = 0.5 if req.dtype == "nf4" else dtype_bytes(req.dtype)
-    per_layer: dict[int, list[float]] = {}
-    for name, t in ck.tensors.items():
-        if name.startswith("model.layers.") and ".experts." in name:
-            i = int(name.split(".", 3)[2])
-            numel = math.prod(t.shape)
-            row = per_layer.setdefault(i, [0, 0])
-            row[0] += t.nbytes if packed else numel * elem
-            row[1] += numel
     n = len(lay.packed)
-    stored = [int(per_layer.get(i, [0, 0])[0]) for i in range(n)]
-    ew = [int(per_layer.get(i, [0, 0])[1] // e) for i in range(n)]
-    eb = [int(ew[i] * bits / 8) if bits else stored[i] // e for i in range(n)]
-    dense = [max(0, lay.packed[i] - stored[i]) for i in range(n)]
+    stored, weights, other = [0.0] * n, [0] * n, [0.0] * n  # per layer: experts' bytes and weights, the rest's bytes
+    for name, t in ck.tensors.items():
+        if not name.startswith("model.layers."):
+            continue
+        i, numel = int(name.split(".", 3)[2]), math.prod(t.shape)
+        if ".experts." in name:
+            stored[i] += t.nbytes if packed else numel * elem
+            weights[i] += numel
+        elif dense_bits:  # a matrix at dense_bits per weight, a vector in the plan's dtype
+            other[i] += numel * (dense_bits / 8 if len(t.shape) > 1 else elem)
+    ew = [w // e for w in weights]
+    eb = [int(ew[i] * bits / 8) if bits else int(stored[i]) // e for i in range(n)]
+    if dense_bits:
+        dense = [int(b) for b in other]
+    else:  # the layer's planned bytes (its arena, aligned) less its experts'
+        dense = [max(0, lay.packed[i] - int(stored[i])) for i in range(n)]
     return MoeShape(e, k, eb, ew, dense, int(c.get("shared_expert_intermediate_size") or 0))
 
 
@@ -213,10 +233,13 @@ def _tokens_per_second(a, plan, dev, ex: dict, c: int, ctx: int) -> float:
     return 1.0 / pass_terms(a, replace(plan, experts=ex), dev, 1, ctx, c).seconds
 
 
-def expert_plan(ck, lay, req, plan, routing: list[int] | None = None, bits: float | None = None) -> dict | None:
-    """plan.experts for this MoE checkpoint (see the contract); None for a dense model. `bits`: model the
-    experts stored at that many bits per weight (a format the loader may not read: docs' comparisons)."""
-    shape = moe_shape(ck, lay, req, bits)
+def expert_plan(
+    ck, lay, req, plan, routing: list[int] | None = None, bits: float | None = None, dense_bits: float | None = None
+) -> dict | None:
+    """plan.experts for this MoE checkpoint (see the contract); None for a dense model. `bits` / `dense_bits`:
+    model the experts / the rest of each layer stored at that many bits per weight (moe_shape; a format
+    the loader may not read: docs' comparisons with other programs' published runs)."""
+    shape = moe_shape(ck, lay, req, bits, dense_bits)
     if shape is None:
         return None
     dev, a, c = device_of(req), arch_of(ck.config), compute_bytes(req)
