@@ -39,7 +39,7 @@ import torch
 from specexec_cli.core import constrain, draftstep
 from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
 from specexec_cli.core.ngram import NgramIndex
-from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs
+from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs, one_thread
 from specexec_cli.core.transfers import to_host, upload
 from specexec_cli.core.tree import Tree, ancestors, top_budget
 
@@ -124,6 +124,12 @@ def top_children(
     (>= 0), every other child's (and `extra`'s) s minus the top child's (<= 0); without noise, s = log q.
     One counted copy: ids travel as float32 next to the scores (exact below 2^24 > any vocabulary).
     """
+    with one_thread(logits.device):
+        return _top_children(logits, k, params, extra, noise, gaps)
+
+
+def _top_children(logits, k, params, extra, noise, gaps):
+    """top_children's work (same arguments)."""
     logp = draft_logprobs(logits, params)  # (B, V), stays on the device
     if noise is not None:  # the draft's race: the target's noise on the draft's (untruncated) log-probs
         logp = coupled_logprobs(logp, noise)

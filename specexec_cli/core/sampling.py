@@ -17,13 +17,17 @@ in every batching and order. Noise at different positions is independent, and th
 processed distribution given its prefix. The draft ranks its children under the same E (it
 computes the rows itself, where it runs), so its top child is the target's draw whenever the two
 distributions roughly agree; the emitted text for a seed does not depend on the draft or budget.
-`race_choice` computes the chosen token of many rows at once on the logits' device.
+`race_choice` computes the chosen token of many rows at once on the logits' device. On a CPU the
+step's (B, V) host ops run on one torch thread (`one_thread`): between the kernel's passes a 2-thread
+torch op over a 49k vocabulary waited up to 20 ms for its second thread (measured on SmolLM2, 2 cores,
+the draft's log-softmax and top-k: p99 7-22 ms on 2 threads, 1.1-2.2 ms on one; mean 1.0-1.4 -> 0.55 ms).
 Other streams of the same hash (`CHILDREN`, `ACCEPT`, `RESIDUAL`) give the static-tree methods
 their sampling-without-replacement keys and acceptance uniforms on the device (methods/common.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,21 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy (argmax), everywhere
 RACE, CHILDREN, ACCEPT, RESIDUAL = 0, 1, 2, 3  # noise streams (each uses hash seeds 2s and 2s + 1)
 CHUNK_ELEMENTS = 1 << 22  # rows × vocabulary processed at once (bounds the int64/fp32 temporaries)
 _M32 = 0xFFFFFFFF
+
+
+@contextlib.contextmanager
+def one_thread(device: torch.device):
+    """torch's intra-op threads set to one for the block when `device` is a CPU (restored after):
+    the step's small (B, V) ops, whose second thread would wait on cores the kernel's workers hold."""
+    n = torch.get_num_threads()
+    if device.type != "cpu" or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 @dataclass(frozen=True)
@@ -212,6 +231,12 @@ def race_choice(
     distribution of the masked logits (constrained decoding); None = unconstrained."""
     if params.greedy and bits is None:
         return logits.argmax(-1)
+    with one_thread(logits.device):
+        return _race_rows(logits, params, noise, index, bits)
+
+
+def _race_rows(logits, params, noise, index, bits) -> torch.Tensor:
+    """race_choice's chunked rows (same arguments)."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     for a in range(0, logits.shape[0], step):  # (step, V) temporaries at a time
