@@ -40,6 +40,11 @@ every type but Q6_K, whose pair is (dlo, dhi), m = 0. */
 #endif
 
 #define QK 32
+/* FORCE: every helper of a sub-block's codes, scales and products is inlined into the per-type loops
+   (ggml_gemv.c's KERNEL), so `qtype` is a constant there and the type switches fold away. GCC 12 left
+   dot_rows and codes_of out of line once the SX types grew them: every sub-block then paid a call, a
+   vzeroupper and the switches (the Q8_0 262144 x 640 head at one row: 39 -> 20 ms on one thread). */
+#define FORCE inline __attribute__((always_inline))
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, SX3 = 130, SX2 = 131,
        Q8A = 136 };
 /* GCC's -Wpsabi says a 64-byte vector passed or returned without AVX-512 has another ABI: true across
@@ -54,7 +59,7 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef uint8_t v16b_u __attribute__((vector_size(16), aligned(1), may_alias));   /* unaligned load */
 typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
 
-static inline float f16_to_f32(const uint8_t *p) {
+static FORCE float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -81,19 +86,19 @@ static inline float f16_to_f32(const uint8_t *p) {
 #endif
 }
 
-static inline v16f ldf(const float *p) { return *(const v16f_u *)p; }
-static inline v16b ldb(const uint8_t *p) { return *(const v16b_u *)p; }
-static inline v16f b2f(v16b q) { return __builtin_convertvector(__builtin_convertvector(q, v16i), v16f); }
+static FORCE v16f ldf(const float *p) { return *(const v16f_u *)p; }
+static FORCE v16b ldb(const uint8_t *p) { return *(const v16b_u *)p; }
+static FORCE v16f b2f(v16b q) { return __builtin_convertvector(__builtin_convertvector(q, v16i), v16f); }
 /* 16 int8 -> 16 floats: bytes ^ 0x80 (= q + 128, unsigned), widened, converted, minus 128 (all exact;
    GCC 12 widens a signed byte vector with scalar code) */
-static inline v16f i8f(const uint8_t *p) { return b2f(ldb(p) ^ 0x80) - 128.0f; }
+static FORCE v16f i8f(const uint8_t *p) { return b2f(ldb(p) ^ 0x80) - 128.0f; }
 
-static inline int is_k(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
-static inline int has_min(int qtype) {
+static FORCE int is_k(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+static FORCE int has_min(int qtype) {
     return qtype == Q4_1 || qtype == Q5_1 || qtype == Q4_K || qtype == Q5_K || qtype == SX3 || qtype == SX2;
 }
 /* bytes of one stored block (32 values, or 256 for the K-quants); 0: unsupported type */
-static inline size_t block_bytes(int qtype) {
+static FORCE size_t block_bytes(int qtype) {
     switch (qtype) {
     case Q4_0: return 18;
     case Q4_1: return 20;
@@ -108,10 +113,10 @@ static inline size_t block_bytes(int qtype) {
     default: return 0;
     }
 }
-static inline int64_t block_values(int qtype) { return is_k(qtype) ? 256 : qtype == SX3 ? 64 : QK; }
-static inline size_t row_bytes(int qtype, int64_t K) { return (size_t)(K / block_values(qtype)) * block_bytes(qtype); }
+static FORCE int64_t block_values(int qtype) { return is_k(qtype) ? 256 : qtype == SX3 ? 64 : QK; }
+static FORCE size_t row_bytes(int qtype, int64_t K) { return (size_t)(K / block_values(qtype)) * block_bytes(qtype); }
 
-static inline const uint8_t *sub(int qtype, const uint8_t *row, int64_t b, int *s) {
+static FORCE const uint8_t *sub(int qtype, const uint8_t *row, int64_t b, int *s) {
     int64_t per = block_values(qtype) / QK;   /* sub-blocks per stored block: 1, 2 (SX3) or 8 */
     if (per == 1) {
         *s = 0;
@@ -123,17 +128,17 @@ static inline const uint8_t *sub(int qtype, const uint8_t *row, int64_t b, int *
 
 /* 16 bytes widened to 32-bit lanes: every shift and mask below runs on 32-bit lanes (x86 has no
    byte shifts: a byte vector shifted by a variable count is emulated element by element) */
-static inline v16i w32(const uint8_t *p) {
+static FORCE v16i w32(const uint8_t *p) {
 #if defined(__AVX512F__)
     return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));   /* GCC 12 widens bytes with scalar code */
 #else
     return __builtin_convertvector(ldb(p), v16i);
 #endif
 }
-static inline v16f i2f(v16i q) { return __builtin_convertvector(q, v16f); }
+static FORCE v16f i2f(v16i q) { return __builtin_convertvector(q, v16f); }
 
 /* the 5th bits of a Q5_0/Q5_1 block: bit j of qh for lanes j (lo) and 16 + j (hi), as 0 or 16 */
-static inline void fifth_bits(const uint8_t *qh4, v16i *lo, v16i *hi) {
+static FORCE void fifth_bits(const uint8_t *qh4, v16i *lo, v16i *hi) {
     const v16u lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     uint32_t qh;
     memcpy(&qh, qh4, 4);
@@ -143,7 +148,7 @@ static inline void fifth_bits(const uint8_t *qh4, v16i *lo, v16i *hi) {
 }
 
 /* SX3/SX2: 16 codes of 2 bits from one u32 (value j at bits 2j), plus SX3's third bits from hb >> h0 */
-static inline v16i bits2(const uint8_t *p) {
+static FORCE v16i bits2(const uint8_t *p) {
     const v16u twice = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
     uint32_t w;
     memcpy(&w, p, 4);
@@ -151,7 +156,7 @@ static inline v16i bits2(const uint8_t *p) {
 }
 /* SX3: 16 codes of 3 bits from one 48-bit field (value j at bits 3j): values 0-7 from its low 32 bits,
    8-15 from bits 24-55, so every shift stays within a 32-bit lane */
-static inline v16i bits3(const uint8_t *p) {
+static FORCE v16i bits3(const uint8_t *p) {
     const v16u shift = {0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21};
     const v16u upper = {0, 0, 0, 0, 0, 0, 0, 0, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u, ~0u};
     uint64_t w = 0;
@@ -161,7 +166,7 @@ static inline v16i bits3(const uint8_t *p) {
 }
 
 /* SX3/SX2 sub-block s's integer codes (0..7 or 0..3) in 16-lane halves */
-static inline void sx_codes(int qtype, const uint8_t *blk, int s, v16i *lo, v16i *hi) {
+static FORCE void sx_codes(int qtype, const uint8_t *blk, int s, v16i *lo, v16i *hi) {
     if (qtype == SX2) {
         *lo = bits2(blk + 4);
         *hi = bits2(blk + 8);
@@ -173,7 +178,7 @@ static inline void sx_codes(int qtype, const uint8_t *blk, int s, v16i *lo, v16i
 }
 
 /* Integer codes of sub-block s of stored block `blk` as floats, the type's offset subtracted (exact) */
-static inline void codes(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
+static FORCE void codes(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
     v16i a, b, h0, h1;
     switch (qtype) {
     case SX3: case SX2:
@@ -223,7 +228,7 @@ static inline void codes(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *h
 }
 
 /* Q4_K/Q5_K: sub-block s's 6-bit scale and min from the 12 packed bytes (llama.cpp's get_scale_min_k4) */
-static inline void scale_min_k4(const uint8_t *q, int s, int *sc, int *mn) {
+static FORCE void scale_min_k4(const uint8_t *q, int s, int *sc, int *mn) {
     if (s < 4) {
         *sc = q[s] & 63;
         *mn = q[s + 4] & 63;
@@ -234,7 +239,7 @@ static inline void scale_min_k4(const uint8_t *q, int s, int *sc, int *mn) {
 }
 
 /* sub-block s's scale pair sc[0..1] (see the contract): (d, m), or Q6_K's (dlo, dhi) */
-static inline void subscales(int qtype, const uint8_t *blk, int s, float *sc) {
+static FORCE void subscales(int qtype, const uint8_t *blk, int s, float *sc) {
     int c, mn;
     switch (qtype) {
     case Q4_K: case Q5_K:
@@ -257,7 +262,7 @@ static inline void subscales(int qtype, const uint8_t *blk, int s, float *sc) {
 
 /* All 8 sub-blocks' scale pairs of a K-quant block at once (sc[2 s], sc[2 s + 1]), the fp16 d (and
    dmin) converted once: the same numbers as 8 `subscales` calls */
-static inline void k_scales8(int qtype, const uint8_t *blk, float *sc) {
+static FORCE void k_scales8(int qtype, const uint8_t *blk, float *sc) {
     if (qtype == Q6_K) {
         float d = f16_to_f32(blk + 208);
         for (int j = 0; j < 16; j++) sc[j] = d * (float)(int8_t)blk[192 + j];

@@ -14,7 +14,7 @@ where the reference rounds it before a sum. */
 #include "ggml_blocks.h"
 
 /* the types with the hand-tuned paths below (fp16 d at byte 0, Q4_1's m at 2, codes at the block's end) */
-static inline int legacy(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
+static FORCE int legacy(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
 /* NO_FMA(v): keep v's product rounded on its own (the reference's d * q, then + m) where the compiler
    would contract it into an fma; it needs v in one register (AVX-512), elsewhere it is a no-op. */
@@ -31,7 +31,7 @@ static inline int legacy(int qtype) { return qtype == Q4_0 || qtype == Q4_1 || q
    nibble (vpermw reads an index word's low 5 bits) and written to the high word of each dword (the low
    words zeroed by the mask) is exactly float(code). vpermb first puts byte i of the block in the high
    word of dword i. Exact: every code is an integer below 16 in magnitude. */
-static inline void codes4(int qtype, const uint8_t *q, v16f *lo, v16f *hi) {
+static FORCE void codes4(int qtype, const uint8_t *q, v16f *lo, v16f *hi) {
     const __m512i spread = _mm512_set_epi8(
         0, 15, 0, 0, 0, 14, 0, 0, 0, 13, 0, 0, 0, 12, 0, 0, 0, 11, 0, 0, 0, 10, 0, 0, 0, 9, 0, 0, 0, 8, 0, 0,
         0, 7, 0, 0, 0, 6, 0, 0, 0, 5, 0, 0, 0, 4, 0, 0, 0, 3, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0);
@@ -53,7 +53,7 @@ static inline void codes4(int qtype, const uint8_t *q, v16f *lo, v16f *hi) {
 /* A Q4 block's 16 possible values, w(k) = d * k + m (Q4_1) or d * (k - 8) (Q4_0), k = 0..15, as
    gguf.quants.dequantize computes them (a product, then a sum: two fp32 roundings): vpermps reads only
    an index dword's low 4 bits, so a nibble picks its value without masking or int->float conversion. */
-static inline v16f values16(int qtype, float d, float m) {
+static FORCE v16f values16(int qtype, float d, float m) {
     const v16f k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     if (qtype == Q4_0) return d * (k - 8.0f);
     v16f dk = d * k;
@@ -61,12 +61,12 @@ static inline v16f values16(int qtype, float d, float m) {
     return dk + m;
 }
 /* 16 int8 -> 16 floats with the sign-extending widening (exact) */
-static inline v16f i8f_fast(const uint8_t *p) {
+static FORCE v16f i8f_fast(const uint8_t *p) {
     return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-static inline __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static FORCE __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 /* d * k + m for k = k0 .. k0 + 15, product and sum rounded apart (the reference's two roundings) */
-static inline v16f affine16(float d, float m, float k0) {
+static FORCE v16f affine16(float d, float m, float k0) {
     const v16f k = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16f dk = d * (k + k0);
     NO_FMA(dk);
@@ -76,7 +76,7 @@ static inline v16f affine16(float d, float m, float k0) {
    codes (1: done; 0: not such a type): the sub-block's 16 or 32 possible values (sc: d, m) are
    computed once, and each code picks its own (vpermps reads an index's low 4 bits, vpermt2ps its low
    5: no masking of the other nibble, no int -> float conversion). The same values as the reference. */
-static inline int table_values(int qtype, const uint8_t *blk, int s, const float *sc, v16f *wlo, v16f *whi) {
+static FORCE int table_values(int qtype, const uint8_t *blk, int s, const float *sc, v16f *wlo, v16f *whi) {
     __m512i a, b;
     switch (qtype) {
     case Q4_0: case Q4_1: {
@@ -157,7 +157,7 @@ static inline int table_values(int qtype, const uint8_t *blk, int s, const float
 #endif
 
 /* Codes of sub-block s (ggml_blocks.h's `codes`), with the table lookups where the CPU has them. */
-static inline void codes_of(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
+static FORCE void codes_of(int qtype, const uint8_t *blk, int s, v16f *lo, v16f *hi) {
 #if FAST_CODES
     if (qtype == Q6_K) {   /* the 6-bit codes assembled on bytes (two 16-bit shifts masked), then widened */
         int h = s >> 2, r = s & 3;
@@ -189,7 +189,7 @@ static inline void codes_of(int qtype, const uint8_t *blk, int s, v16f *lo, v16f
 /* Sub-block s's scale pair (ggml_blocks.h) into sc[0..1]; the legacy types' fp16 d (and m) in one
    vcvtph2ps where the CPU has it (it writes sc[0..3]: callers leave room; Q4_0's and Q8_0's sc[1] is
    then not their m of 0 but the next bytes' value, which nothing reads: they have no min). */
-static inline void scales_of(int qtype, const uint8_t *blk, int s, float *sc) {
+static FORCE void scales_of(int qtype, const uint8_t *blk, int s, float *sc) {
 #if FAST_CODES
     if (legacy(qtype)) {
         _mm_storeu_ps(sc, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)blk)));   /* [d, m, ..]: blocks are >= 18 bytes */

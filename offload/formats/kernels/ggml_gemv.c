@@ -57,7 +57,7 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
 
 /* The 16 lanes' sum as a tree (a serial chain of 15 adds cost ~60 cycles per output: more than the
    18 blocks of a 576-wide row took to multiply). */
-static inline float hsum(v16f a) {
+static FORCE float hsum(v16f a) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)a);
 #else
@@ -71,14 +71,14 @@ static inline float hsum(v16f a) {
 
 /* One sub-block's contribution in the algebraic form: dlo * (lo . x0) + dhi * (hi . x1) (one scale
    when they are equal: every type but Q6_K), + m * (x0 + x1) for the types with a min. */
-static inline v16f term(int qtype, const float *sc, v16f lo, v16f hi, v16f x0, v16f x1, v16f xsum) {
+static FORCE v16f term(int qtype, const float *sc, v16f lo, v16f hi, v16f x0, v16f x1, v16f xsum) {
     if (qtype == Q6_K) return sc[0] * (lo * x0) + sc[1] * (hi * x1);
     v16f t = sc[0] * (lo * x0 + hi * x1);
     return has_min(qtype) ? t + sc[1] * xsum : t;
 }
 
 /* T == 1: one output from one packed row, per sub-block `term`, in 16 lanes summed once at the end. */
-static inline float dot_row(int qtype, const uint8_t *row, const float *x, int64_t nb) {
+static FORCE float dot_row(int qtype, const uint8_t *row, const float *x, int64_t nb) {
     v16f acc = {0}, lo, hi;
     float sc[4];
     for (int64_t b = 0; b < nb; b++) {
@@ -98,7 +98,7 @@ static inline float dot_row(int qtype, const uint8_t *row, const float *x, int64
    loop broadcasts them from memory (a load, no shuffle) next to the codes' lookups. */
 #define R 4
 #define CH 64
-static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const float *x, int64_t nb, float *out) {
+static FORCE void dot_rows(int qtype, const uint8_t *row, size_t rb, const float *x, int64_t nb, float *out) {
     v16f acc[R] = {{0}}, lo, hi;
     float sc[R][2 * CH + 2];
     for (int64_t b0 = 0; b0 < nb; b0 += CH) {
@@ -135,7 +135,7 @@ static inline void dot_rows(int qtype, const uint8_t *row, size_t rb, const floa
 
 /* Sub-block s's 32 dequantized values w_j (lo = j < 16, hi = j >= 16) as gguf.quants.dequantize has
    them: the product d * c, then + m, rounded apart (no fma contraction). */
-static inline void values32(int qtype, const uint8_t *blk, int s, v16f *wlo, v16f *whi) {
+static FORCE void values32(int qtype, const uint8_t *blk, int s, v16f *wlo, v16f *whi) {
     v16f lo, hi;
     float sc[4];
     scales_of(qtype, blk, s, sc);
