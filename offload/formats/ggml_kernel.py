@@ -30,12 +30,17 @@ Contract:
 - `COST`: seconds per packed byte of each type relative to Q4_1's, measured (the planner's factor).
 - `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
   tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
-Threads: torch.get_num_threads() at call time (rows split across them on kernels/pool.c's workers;
-one thread for products too small to pay for the hand-off: the C source's MIN_PAR).
+Threads: `threads()` at call time, torch.get_num_threads() unless a `host_ops_on_one_thread()` block
+holds it (rows split across them on kernels/pool.c's workers; one thread for products too small to
+pay for the hand-off: the C source's MIN_PAR).
+- `host_ops_on_one_thread(on)`: a block whose torch ops run on one thread while the kernels keep the
+  thread count from before it (a model's pass on the one-call stack: its embedding, rotary tables and
+  masks are small ops whose second OpenMP thread waits on the cores the kernel's workers hold).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -86,7 +91,7 @@ FLAG_SETS = (
     ["-O3", "-fopenmp", "-pthread"],
     ["-O3", "-pthread"],
 )
-_STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False}
+_STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False, "held": None}
 
 
 def _off() -> bool:
@@ -185,6 +190,28 @@ def enabled() -> bool:
     return not _off() and _library() is not None
 
 
+def threads() -> int:
+    """The kernels' thread count now: the one held by `host_ops_on_one_thread`, else torch's."""
+    return _STATE["held"] or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def host_ops_on_one_thread(on: bool = True):
+    """torch's ops on one thread inside the block, the kernels on the threads torch had before it (see
+    the contract); `on` False: nothing changes. Not re-entrant across threads: one decoding thread."""
+    n = torch.get_num_threads()
+    if not on or n == 1 or _STATE["held"] is not None:
+        yield
+        return
+    _STATE["held"] = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _STATE["held"] = None
+
+
 def kernel_status() -> str | None:
     """None while the kernel is usable (or untried); else one line on why it is not used."""
     if _off():
@@ -254,7 +281,7 @@ def linear(
         out_features,
         k,
         t,
-        torch.get_num_threads(),
+        threads(),
     )
     if rc != 0:
         raise RuntimeError(f"ggml_gemm failed ({rc})")

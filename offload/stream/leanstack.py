@@ -404,7 +404,7 @@ class LeanStack:
 
     def _call(self, lanes, n_lanes: int, n_layers: int, flat: torch.Tensor, flags: int) -> None:
         rc = self.fn(ctypes.addressof(lanes), n_lanes, n_layers, ctypes.addressof(self.dims), flat.data_ptr(),
-                     torch.get_num_threads(), flags)
+                     ggml_kernel.threads(), flags)
         if rc != 0:
             raise RuntimeError(f"decode_stack failed ({rc})")
 

@@ -34,6 +34,7 @@ import torch
 from offload.arch.attention import release as release_masks
 from offload.arch.families import apply_final_softcap, window_mask
 from offload.arch.hfcompat import cache_kwargs
+from offload.formats import ggml_kernel
 
 
 @dataclass
@@ -90,22 +91,26 @@ def _plain(model, job: ForwardJob) -> torch.Tensor:
 def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
     """Every lane's (B, T or keep, V) logits after ONE pass over the decoder layers (module docstring)."""
     t0 = time.perf_counter()
-    for lane in lanes:
-        _embed(model, lane)
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
-    stack, stacked = model.lean, _on_stack(model, lanes)
-    layered = [lane for lane in lanes if lane not in stacked]
-    if stacked and stack.streamed:  # one lane: layer by layer as each streamed one is bound, one C call each
-        x, groups = stacked[0], [stacked]
-        x.h = stack.stream(x.h, x.pos_emb, x.mask, x.cache, model._layer_stream(), model.layers)
-    else:
-        groups = _calls(stacked)
-        for group in groups:  # one-token lanes in one call: the packed weights read once for all
-            for lane, h in zip(group, stack.run([(x.h, x.pos_emb, x.mask, x.cache) for x in group])):
-                lane.h = h
-        if layered or model.plan.streamed:  # a model with a resident stack streams nothing: no pass to pull
-            _layers(model, layered)
+    # a CPU pass's small torch ops up to the stack's call on one thread (ggml_kernel's contract)
+    with ggml_kernel.host_ops_on_one_thread(model.lean is not None and model.lm_head.weight.device.type == "cpu"):
+        for lane in lanes:
+            _embed(model, lane)
+        stack, stacked = model.lean, _on_stack(model, lanes)
+        layered = [lane for lane in lanes if lane not in stacked]
+        pull = False
+        if stacked and stack.streamed:  # one lane: layer by layer as each streamed one is bound, one C call each
+            x, groups = stacked[0], [stacked]
+            x.h = stack.stream(x.h, x.pos_emb, x.mask, x.cache, model._layer_stream(), model.layers)
+        else:
+            groups = _calls(stacked)
+            for group in groups:  # one-token lanes in one call: the packed weights read once for all
+                for lane, h in zip(group, stack.run([(x.h, x.pos_emb, x.mask, x.cache) for x in group])):
+                    lane.h = h
+            pull = bool(layered) or bool(model.plan.streamed)  # a resident stack streams nothing: no pass
+    if pull:  # transformers' layers on torch's own threads
+        _layers(model, layered)
     out = _heads(model, lanes, groups)
     release_masks()  # the masks attention prepared for this pass (arch/attention.py) die with it
     _account(model, t0, stall0)
