@@ -35,7 +35,8 @@ holds it (rows split across them on kernels/pool.c's workers; one thread for pro
 pay for the hand-off: the C source's MIN_PAR).
 - `host_ops_on_one_thread(on)`: a block whose torch ops run on one thread while the kernels keep the
   thread count from before it (a model's pass on the one-call stack: its embedding, rotary tables and
-  masks are small ops whose second OpenMP thread waits on the cores the kernel's workers hold).
+  masks are small ops whose second OpenMP thread waits on the cores the kernel's workers hold);
+  `torch_threads_back()` inside such a block gives one large torch op (a dense head) the threads back.
 """
 
 from __future__ import annotations
@@ -212,6 +213,21 @@ def host_ops_on_one_thread(on: bool = True):
         _STATE["held"] = None
 
 
+@contextlib.contextmanager
+def torch_threads_back():
+    """Inside a `host_ops_on_one_thread` block, torch's threads as they were before it for one large op
+    (a dense head's GEMM); elsewhere nothing changes."""
+    held = _STATE["held"]
+    if held is None:
+        yield
+        return
+    torch.set_num_threads(held)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
 def kernel_status() -> str | None:
     """None while the kernel is usable (or untried); else one line on why it is not used."""
     if _off():
@@ -319,7 +335,8 @@ class PackedHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if usable(x, self.qtype) and self.packed.device.type == "cpu":
             return linear(x, self.packed, self.qtype, self.out_features)
-        return F.linear(x, self.weight)
+        with torch_threads_back():  # a large GEMM: torch's own threads, even inside a pass's one-thread block
+            return F.linear(x, self.weight)
 
     def for_draft(self) -> PackedHead:
         """This head as the self-draft reads it: a Q8_0 head's same bytes and weight as Q8A (8-bit

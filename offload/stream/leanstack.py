@@ -46,6 +46,7 @@ import os
 import torch
 
 from offload.formats import ggml_kernel
+from offload.stream.slabcheck import SlabCheck
 
 ENV = "SPECX_DECODE_STACK"   # auto (default) | off
 ROWWISE = 2                  # decode_stack.c's flag: every matmul row as a one-row call computes it
@@ -283,6 +284,7 @@ class LeanStack:
         self.max_rows = ggml_kernel.MAX_ROWS if dense else STACK_ROWS
         self.spare: list = []                       # layer_t arrays of the lanes beyond the first (run)
         self._filled: dict[tuple[int, int], tuple] = {}   # (streamed layer, buffer) -> (its layer_t, parts)
+        self.slabs = SlabCheck(self.idx, self.hkv, self.hd, self.window)   # (cache, t) -> its slabs or None
 
     @classmethod
     def build(cls, model) -> LeanStack | None:
@@ -294,35 +296,13 @@ class LeanStack:
                                for i, layer in enumerate(model.layers)], streamed)
         return cls(model, [p for p in map(_layer_parts, model.layers) if p])   # pass-throughs left out
 
-    def _slabs(self, cache, t: int) -> list | None:
-        """Each decoder layer's cache layer when all are slabs at one length with room for t rows."""
-        layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) <= max(self.idx) or _off():
-            return None
-        picked, past = [], None
-        for i in self.idx:
-            layer = layers[i]
-            keys, values, length = getattr(layer, "keys", None), getattr(layer, "values", None), getattr(layer, "length", None)
-            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or not isinstance(length, int):
-                return None
-            if (keys.dtype != torch.float32 or keys.device.type != "cpu" or keys.dim() != 4 or keys.shape[0] != 1
-                    or keys.shape[1] != self.hkv or keys.shape[3] != self.hd or not keys.is_contiguous()
-                    or values.shape != keys.shape or values.dtype != keys.dtype or not values.is_contiguous()):
-                return None
-            if past is None:
-                past = length
-            if length != past or past + t > keys.shape[2] or (self.window is not None and past + t > self.window):
-                return None
-            picked.append(layer)
-        return picked
-
     def serves(self, h: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> bool:
-        if h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
+        if _off() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
             return False
         t = h.shape[1]
         if not 0 < t <= self.max_rows:
             return False
-        slabs = self._slabs(cache, t)
+        slabs = self.slabs(cache, t)
         if slabs is None:
             return False
         if attention_mask is None:
@@ -385,7 +365,7 @@ class LeanStack:
         for j, (lane, (h, emb, mask, cache)) in enumerate(zip(lanes, jobs)):
             t = h.shape[1]
             structs = self.structs if j == 0 else self.spare[j - 1]
-            slabs = self._slabs(cache, t)
+            slabs = self.slabs(cache, t)
             for s, layer in zip(structs, slabs):
                 s.k, s.v = layer.keys.data_ptr(), layer.values.data_ptr()
                 s.cap, s.past = layer.keys.shape[2], layer.length
@@ -422,4 +402,5 @@ class LeanStack:
         packed = getattr(lm_head, "packed", None)
         if isinstance(lm_head, ggml_kernel.PackedHead) and packed.is_cpu and ggml_kernel.usable(h, lm_head.qtype):
             return ggml_kernel.linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True, rowwise=rowwise)
-        return lm_head(h)
+        with ggml_kernel.torch_threads_back():  # a dense head: torch's own threads
+            return lm_head(h)

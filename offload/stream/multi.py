@@ -109,8 +109,14 @@ def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
                 for lane, h in zip(group, stack.run([(x.h, x.pos_emb, x.mask, x.cache) for x in group])):
                     lane.h = h
             pull = bool(layered) or bool(model.plan.streamed)  # a resident stack streams nothing: no pass
-    if pull:  # transformers' layers on torch's own threads
-        _layers(model, layered)
+        if not pull:  # the final norms too; a dense head takes torch's threads back (ggml_kernel)
+            return _finish(model, lanes, groups, t0, stall0)
+    _layers(model, layered)  # transformers' layers on torch's own threads
+    return _finish(model, lanes, groups, t0, stall0)
+
+
+def _finish(model, lanes: list[Lane], groups: list, t0: float, stall0: float) -> list[torch.Tensor]:
+    """run_pass's end: every lane's logits, the pass's masks released and its statistics."""
     out = _heads(model, lanes, groups)
     release_masks()  # the masks attention prepared for this pass (arch/attention.py) die with it
     _account(model, t0, stall0)
