@@ -350,3 +350,24 @@ def test_tuner_keeps_trees_that_measure_faster_than_plain_steps():
     for _ in range(48):
         tuner.observe(event(tokens=3, tree=tuner.shape.budget, draft=0.05, target=0.1))
     assert tuner.shape.budget > 0
+
+
+def test_min_prob_is_a_draft_forward_over_a_token():
+    """Each shape the tuner hands out stops expanding nodes whose cumulative probability is below a draft
+    forward's seconds over a token's (its models at that budget): high where the draft costs a lot beside
+    the target pass, near zero for a cheap draft beside a slow pass, capped, and 0 for plain decoding."""
+    import math
+
+    from specexec_cli.core.budget import MAX_MIN_PROB, PLAIN
+
+    def tuner(step: float) -> BudgetTuner:
+        return BudgetTuner(TimingModel({1: 0.05, 64: 0.06}, draft_step_seconds=step), TreeShape(15, 15), max_budget=63)
+
+    for step in (1e-4, 0.005, 0.02):
+        t = tuner(step)
+        b = t.shape.budget
+        steps = 1 + math.ceil(b / t.shape.max_beams) + math.log2(1 + b)
+        token = (t.t_draft(b) + t.t_target(b + 1)) / t.expected_tokens(b)
+        assert t.shape.min_prob == pytest.approx(min(MAX_MIN_PROB, t.t_draft(b) / steps / token))
+    assert tuner(1e-4).shape.min_prob < 0.01 < tuner(0.02).shape.min_prob <= MAX_MIN_PROB
+    assert tuner(0.005).min_prob(PLAIN) == 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 from pathlib import Path
 
 import torch
@@ -129,3 +130,15 @@ def test_nodes_no_child_of_which_could_be_kept_are_not_run(monkeypatch):
         assert rows_useful <= rows_all
         saved += rows_all - rows_useful
     assert saved > 0
+
+
+def test_min_prob_stops_expanding_the_nodes_the_draft_is_unsure_of():
+    """With min_prob, no node scoring below log(min_prob) is expanded (its children are not grown): every
+    node whose children are in the tree scores at least that; the same tree without it expands more."""
+    ids = [3, 4, 5, 6, 7, 8]
+    for p in (0.001, 0.008):  # a random 64-token draft: children near 1/64, grandchildren near 1/4096
+        full, _ = grow(None, TreeShape(budget=40, max_depth=12, max_beams=4, max_branch=4), ids)
+        cut, _ = grow(None, TreeShape(budget=40, max_depth=12, max_beams=4, max_branch=4, min_prob=p), ids)
+        parents = {int(x) for x in cut.parents[1 : cut.size].tolist()} - {0}  # expanded nodes (the root always is)
+        assert parents and all(float(cut.logp[n]) > math.log(p) for n in parents)
+        assert cut.size < full.size

@@ -28,6 +28,10 @@ Models (all corrected online, so priors only matter for the first passes):
   seen; observed n-bins replace the model outright. Without measured or planned draft points,
   t_draft(B) = steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one
   draft forward per beam batch, plus the dependency chain of a tree whose depth grows ~log B).
+- the stop: each shape the tuner hands out carries `min_prob` = a draft forward's seconds over a
+  token's at that budget (`min_prob`), so a node the draft is less sure of than that is not expanded
+  and a pass's tree stops short of its budget where expanding would cost more than it returns
+  (SmolLM2's self-draft from disk: ~0.5; a cheap draft beside a slow target: near 0, the full tree).
 - plain decoding (budget PLAIN = 0: the engine's step without a tree, no draft forward) competes
   with every budget from the PLAIN_AFTER-th measured speculative pass on: a reply whose trees measure
   slower than plain steps falls back to them, and tries its best tree again every PROBE_EVERY plain
@@ -56,6 +60,7 @@ PLAIN = 0  # the budget of plain decoding: the engine's step without a tree (no 
 PLAIN_AFTER = 4  # speculative passes measured before plain decoding competes (each may cost several steps)
 PROBE_EVERY = 64  # plain passes after which the tuner tries its best tree again (the reply may have changed)
 PLAIN_TRIAL = 3  # plain passes timed before a fallback to plain decoding is judged again on measurements
+MAX_MIN_PROB = 0.8  # the highest min_prob the tuner sets: a tree always keeps its draft's likeliest chains
 
 
 def candidate_budgets(max_budget: int) -> list[int]:
@@ -131,11 +136,13 @@ class TimingModel:
         rows = ((plan or {}).get("used") or (plan or {}).get("choice") or {}).get("by_budget") or []
         if not rows:
             return None
-        target = {int(r["budget"]) + 1: r["pass_seconds"] for r in rows}
+        # what a run measures: the draft's whole grow time, and a verify pass whose streamed reads partly
+        # ran while the draft grew (the hidden seconds leave the verify pass, not the draft)
+        target = {int(r["budget"]) + 1: max(r["pass_seconds"] - r.get("hidden_seconds", 0.0), 1e-6) for r in rows}
         plain = next((c for c in plan.get("candidates") or [] if c.get("draft") == "none"), None)
         if plain:
             target[1] = plain["pass_seconds"]
-        draft = {int(r["budget"]): max(r["draft_seconds"] - r.get("hidden_seconds", 0.0), 1e-6) for r in rows}
+        draft = {int(r["budget"]): max(r["draft_seconds"], 1e-6) for r in rows}
         step = min(draft.values()) / 2
         return cls(target, step, draft, source="plan")
 
@@ -299,12 +306,28 @@ class BudgetTuner:
         if self.passes >= PLAIN_AFTER:
             cands = [PLAIN, *cands]
         budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, cands)
-        self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
+        self.holder.shape = self._shape(budget)
 
     def probe(self) -> None:
         """Back to the best tree for the next `retune_every` passes, which measure it again."""
         budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, candidate_budgets(self.max_budget))
-        self.holder.shape = replace(self.shape, budget=budget, max_depth=self.choose_depth(budget))
+        self.holder.shape = self._shape(budget)
+
+    def _shape(self, budget: int) -> TreeShape:
+        """The tree shape of `budget`: its depth, and the probability below which a node is not expanded."""
+        return replace(self.shape, budget=budget, max_depth=self.choose_depth(budget), min_prob=self.min_prob(budget))
+
+    def min_prob(self, budget: int) -> float:
+        """Expanding a node of cumulative draft probability p adds at most ~p expected tokens for one draft
+        forward; it pays where p exceeds a forward's seconds over a token's (at this budget's modelled
+        speed): t_step / t_token, at most MAX_MIN_PROB. A cheap draft beside a slow target (a GPU draft, a
+        streamed 70B) gives a tiny threshold and the full tree; SmolLM2's self-draft from disk ~0.5."""
+        if budget == PLAIN:
+            return 0.0
+        steps = 1 + math.ceil(budget / max(self.shape.max_beams, 1)) + math.log2(1 + budget)
+        t_draft = self.t_draft(budget)
+        t_token = (t_draft + self.t_target(budget + 1)) / max(self.expected_tokens(budget), 1.0)
+        return min(MAX_MIN_PROB, t_draft / steps / t_token) if t_token > 0 else 0.0
 
     def split(self, lanes: int) -> TreeShape:
         """Each request's tree shape when `lanes` requests decode in one forest pass (`choose_split`
@@ -313,7 +336,7 @@ class BudgetTuner:
             return self.shape
         cap = max(1, (self.max_budget + 1) // lanes - 1)
         b, _ = choose_split(self.expected_tokens, self.t_draft, self.t_target, lanes, candidate_budgets(cap))
-        return replace(self.shape, budget=b, max_depth=self.choose_depth(b))
+        return self._shape(b)
 
     def observe(self, ev, budget: int | None = None, pass_tokens: int | None = None) -> None:
         """Feed one engine StepEvent; the prefill event (pass 0) carries no acceptance data.

@@ -32,6 +32,7 @@ stop at their first refused token: every node of the tree is a grammar-valid con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,7 @@ class TreeShape:
     max_depth: int  # deepest node, in tokens below the root
     max_beams: int = 32  # nodes expanded per draft forward
     max_branch: int = 32  # children kept per expanded node
+    min_prob: float = 0.0  # a node whose score (cumulative draft probability) is below it is not expanded
 
 
 @dataclass
@@ -300,11 +302,16 @@ def step_batch(tree: Tree, shape: TreeShape, gain: float = 0.0) -> torch.Tensor:
     """The best not-yet-run nodes among the current top-`budget`, at most `max_beams` of them. A node
     whose score + `gain` (the most a child's score can add: 0 for log-probs, the best calibrated
     log-acceptance) is at most the budget-th best score is not run: no child of it could beat that
-    threshold, which only rises (the budget-th node itself, at least). The tree is the same; one row less."""
+    threshold, which only rises (the budget-th node itself, at least). The tree is the same; one row less.
+    With `min_prob` > 0 (the automatic budget's, core/budget.py) a node scoring below log(min_prob) is
+    not run either: the tree stops short of its budget where the draft is unsure (dynamic trees, as
+    EAGLE-2's), which changes the tree but never what is emitted."""
     kept = top_budget(tree.logp, shape.budget)
     parent_run = tree.slot[tree.parents[kept].clamp(min=0)] >= 0  # n-gram chain nodes wait for their parent
     useful = tree.logp[kept] + gain > threshold(tree, shape.budget)
     open_ = kept[(tree.slot[kept] < 0) & (tree.depth[kept] < shape.max_depth) & parent_run & useful]
+    if shape.min_prob > 0:  # its children could add fewer expected tokens than a draft forward costs
+        open_ = open_[tree.logp[open_] > math.log(shape.min_prob)]
     if open_.numel() > shape.max_beams:
         best = torch.topk(tree.logp[open_], shape.max_beams).indices
         open_ = torch.sort(open_[best]).values
