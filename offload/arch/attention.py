@@ -40,6 +40,8 @@ import weakref
 
 import torch
 
+from offload.arch.hfcompat import register_as
+
 NAME = "specx_gqa"
 ALIGN = 8  # SDPA's memory-efficient kernel copies masks whose strides are not multiples of 8
 _FLASH_CPU = None  # torch's CPU flash attention op, looked up once (False: this torch has none)
@@ -51,18 +53,6 @@ def register() -> str:
     from transformers.masking_utils import sdpa_mask
 
     return register_as(NAME, gqa_attention_forward, sdpa_mask)
-
-
-def register_as(name: str, forward, mask) -> str:
-    """Make `name` known to transformers, once: `forward` its attention function, `mask` its mask builder."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, forward)
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(name, mask)
-    return name
 
 
 def implementation(name: str) -> str:

@@ -40,7 +40,7 @@ def register() -> str:
     """Make NAME known to transformers (attention and mask interfaces); returns NAME."""
     from transformers.masking_utils import eager_mask
 
-    from offload.arch.attention import register_as
+    from offload.arch.hfcompat import register_as
 
     return register_as(NAME, sink_attention_forward, eager_mask)
 

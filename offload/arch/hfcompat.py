@@ -6,6 +6,8 @@ layers, causal-LM forwards, `create_causal_mask`, model outputs) and warns on th
 `fn` accepts in the installed version, so every call site works from the oldest declared version
 (5.17, the GPU image's, which only knows `past_key_values`) to the newest. `output_cache_kwargs(cls, cache)` does the
 same for ModelOutput dataclasses. Names are looked up once per callable and cached.
+`register_as(name, forward, mask)` makes an attention function and its mask builder known to
+transformers' interfaces under `name`, once (arch/attention.py's and arch/gptoss.py's).
 """
 
 from __future__ import annotations
@@ -62,3 +64,15 @@ def output_cache_kwargs(cls, cache) -> dict:
 def pick_cache(cache=None, past_key_values=None):
     """Our own forwards accept both spellings; `cache` wins when both are given."""
     return cache if cache is not None else past_key_values
+
+
+def register_as(name: str, forward, mask) -> str:
+    """Make `name` known to transformers, once: `forward` its attention function, `mask` its mask builder."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, forward)
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(name, mask)
+    return name
