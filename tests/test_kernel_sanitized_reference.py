@@ -29,7 +29,7 @@ import torch
 from offload.formats import ggml_kernel
 from offload.formats import gguf_quants as gq
 from tests.conftest import load_script
-from tests.test_kernel_sanitizers import BUILDS, KERNELS, SANITIZE, WARNINGS, _cc, _run
+from tests.test_kernel_sanitizers import BUILDS, KERNELS, SANITIZE, WARNINGS, _run, sanitizing_cc
 
 pytestmark = pytest.mark.slow
 
@@ -70,16 +70,7 @@ def _error(y: torch.Tensor, w: torch.Tensor, x: torch.Tensor, rowmap) -> float:
 
 @pytest.fixture(scope="module")
 def cc(tmp_path_factory) -> str:
-    """The C compiler, once it has built and run a trivial sanitized program; else the module skips."""
-    cc = _cc()
-    if cc is None:
-        pytest.skip("no C compiler")
-    root = tmp_path_factory.mktemp("san-ref-probe")
-    (root / "p.c").write_text("int main(void) { return 0; }\n")
-    built = _run([cc, *SANITIZE, "-o", str(root / "p"), str(root / "p.c")])
-    if built.returncode != 0 or _run([str(root / "p")]).returncode != 0:
-        pytest.skip(f"{cc} cannot build and run a program under -fsanitize=address,undefined: {built.stderr[-300:]}")
-    return cc
+    return sanitizing_cc(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

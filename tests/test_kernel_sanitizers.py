@@ -46,6 +46,10 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cc(tmp_path_factory) -> str:
+    return sanitizing_cc(tmp_path_factory)
+
+
+def sanitizing_cc(tmp_path_factory) -> str:
     """The C compiler, once it has built and run a trivial sanitized program; else the module skips."""
     cc = _cc()
     if cc is None:
