@@ -161,9 +161,11 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
         for m in mods:
             m(xs[m.in_features])
 
+    from offload.formats import ggml_kernel
+
     def stack_mms():  # the stack's four matmuls per layer in C (no Python between them), then the head
         _stack_matmuls(model.lean, 1, n)
-        model.lean.head(model.lm_head, xs[model.lm_head.in_features])  # on the same threads, as a pass runs it
+        ggml_kernel.head_logits(model.lm_head, xs[model.lm_head.in_features])  # on the same threads, as a pass runs it
 
     stacked = model.lean is not None and model.lean.serves(
         torch.zeros(1, 1, model.config.hidden_size), mask, st.target_cache

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from offload.planning import interpolate
 from specexec_cli.core.budget import (
     BudgetTuner,
     LiveConfig,
@@ -16,7 +17,6 @@ from specexec_cli.core.budget import (
     candidate_budgets,
     choose_budget,
     choose_split,
-    interpolate,
     make_tuner,
 )
 from specexec_cli.core.draft import TreeShape

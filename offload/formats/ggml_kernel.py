@@ -21,6 +21,8 @@ Contract:
   and their header once per machine with the system C compiler (`cc -O3 -march=native -fopenmp -pthread`, then weaker flag
   sets) into $SPECX_CACHE/kernels (default
   ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
+- `head_logits(lm_head, h, rowwise)`: a model's output layer after a stack pass (a packed head on the
+  stack's worker threads).
 - `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
   the dequantizing path (no compiler, compile failure, turned off): one line, never printed.
 - `gguf_kernel_type(ckpt, name, device, dtype)`: the ggml type id of checkpoint weight `name` when
@@ -343,3 +345,14 @@ class PackedHead(nn.Linear):
         activations, kernels/sx_q8.h: about twice as fast a row, ~0.5% per logit, which ranks only the
         draft's proposals); a head of any other type is returned as it is."""
         return PackedHead(self.weight, self.packed, Q8A) if self.qtype == 8 else self
+
+
+def head_logits(lm_head, h: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
+    """lm_head(h) after a one-call stack pass: a packed GGUF head (PackedHead) on the stack's worker threads,
+    so one set of threads serves the whole pass (`rowwise`: each row as a one-row call computes it, for
+    the rows of several one-token sequences); any other head as it is, on torch's own threads."""
+    packed = getattr(lm_head, "packed", None)
+    if isinstance(lm_head, PackedHead) and packed.is_cpu and usable(h, lm_head.qtype):
+        return linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True, rowwise=rowwise)
+    with torch_threads_back():  # a dense head: torch's own threads
+        return lm_head(h)

@@ -393,14 +393,3 @@ class LeanStack:
         for (*_, slabs), (h, *_) in zip(keep, jobs):
             for layer in slabs:
                 layer.length += h.shape[1]
-
-    @staticmethod
-    def head(lm_head, h: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
-        """lm_head(h) after a stack pass: a packed GGUF head (ggml_kernel.PackedHead) on the stack's
-        worker threads, so one set of threads serves the whole pass (`rowwise`: each row as a one-row
-        call computes it, for the rows of several one-token sequences); any other head as it is."""
-        packed = getattr(lm_head, "packed", None)
-        if isinstance(lm_head, ggml_kernel.PackedHead) and packed.is_cpu and ggml_kernel.usable(h, lm_head.qtype):
-            return ggml_kernel.linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True, rowwise=rowwise)
-        with ggml_kernel.torch_threads_back():  # a dense head: torch's own threads
-            return lm_head(h)

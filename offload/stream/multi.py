@@ -203,7 +203,7 @@ def _heads(model, lanes: list[Lane], groups: list[list[Lane]]) -> list[torch.Ten
     out = {id(x): _softcap(model, model.lm_head(_final(model, x))) for x in lanes if id(x) not in on_stack}
     for group in groups:
         hs = [_final(model, x) for x in group]  # normed per lane, as alone: (1, T or keep, hidden) each
-        head = model.lean.head(model.lm_head, hs[0] if len(hs) == 1 else torch.cat(hs, 1), rowwise=len(hs) > 1)
+        head = ggml_kernel.head_logits(model.lm_head, hs[0] if len(hs) == 1 else torch.cat(hs, 1), rowwise=len(hs) > 1)
         for x, logits in zip(group, _softcap(model, head).split([h.shape[1] for h in hs], 1)):
             out[id(x)] = logits
     return [out[id(x)] for x in lanes]

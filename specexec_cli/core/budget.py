@@ -23,7 +23,7 @@ Models (all corrected online, so priors only matter for the first passes):
   plan's chosen one: its
   modelled pass seconds at n = B + 1 and draft seconds net of what the stream hides, per budget in
   `by_budget`), so `--budget auto` starts where the dry run's model puts it; else (no plan: pickle
-  weights) FALLBACK_KNEE's t(n) = 1 + n/FALLBACK_KNEE. Interpolation is log-log between points,
+  weights) core/timing.py's FALLBACK_KNEE, t(n) = 1 + n/FALLBACK_KNEE. Interpolation is log-log between points,
   linear beyond the last. Both are rescaled by the observed/predicted ratio as soon as passes are
   seen; observed n-bins replace the model outright. Without measured or planned draft points,
   t_draft(B) = steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one
@@ -45,16 +45,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import fields, replace
 
-from offload.planning import interpolate  # log-log between measured points, one home
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.core.timing import TimingModel, draft_steps
 
 PRIOR_A = 0.5  # prior tokens-per-pass slope per doubling of the budget
 PRIOR_PASSES = 8.0  # weight of the prior, in passes
-FALLBACK_KNEE = 32  # without a profile or a plan (pickle weights): tree tokens where t(n) starts to grow
 MIN_OBSERVED = 12  # passes at one budget before its empirical mean replaces the fitted curve
 PLAIN = 0  # the budget of plain decoding: the engine's step without a tree (no draft forward)
 PLAIN_AFTER = 4  # speculative passes measured before plain decoding competes (each may cost several steps)
@@ -112,77 +110,6 @@ def choose_split(
 def n_bin(n: int) -> int:
     """Round a token count up to a power of two (the profile's measurement grid)."""
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
-@dataclass
-class TimingModel:
-    """Seconds per pass as a function of the budget; see the module docstring."""
-
-    target_points: dict[int, float]  # n tree tokens (root included) → seconds per target pass
-    draft_step_seconds: float  # one draft forward over max_beams nodes
-    draft_points: dict[int, float] = field(default_factory=dict)  # budget → grow_tree seconds
-    source: str = "prior"  # "profile" or "prior"
-
-    @classmethod
-    def prior(cls) -> TimingModel:
-        """Used only without a profile and without a memory plan (module docstring)."""
-        points = {n: 1.0 + n / FALLBACK_KNEE for n in (1 << k for k in range(13))}
-        return cls(points, draft_step_seconds=0.05, source="prior")  # draft step ≈ 1/20 target pass
-
-    @classmethod
-    def from_plan(cls, plan: dict | None) -> TimingModel | None:
-        """The plan's modelled pass and draft seconds per budget: `by_budget` of the candidate the run uses
-        (`used`: an explicit small draft's own row) or else of its chosen one."""
-        rows = ((plan or {}).get("used") or (plan or {}).get("choice") or {}).get("by_budget") or []
-        if not rows:
-            return None
-        # what a run measures: the draft's whole grow time, and a verify pass whose streamed reads partly
-        # ran while the draft grew (the hidden seconds leave the verify pass, not the draft)
-        target = {int(r["budget"]) + 1: max(r["pass_seconds"] - r.get("hidden_seconds", 0.0), 1e-6) for r in rows}
-        plain = next((c for c in plan.get("candidates") or [] if c.get("draft") == "none"), None)
-        if plain:
-            target[1] = plain["pass_seconds"]
-        draft = {int(r["budget"]): max(r["draft_seconds"], 1e-6) for r in rows}
-        step = min(draft.values()) / 2
-        return cls(target, step, draft, source="plan")
-
-    @classmethod
-    def from_profile(
-        cls, profile: dict, draft: str | None = None, planned: TimingModel | None = None
-    ) -> TimingModel | None:
-        """The profile's measured target passes, with the drafting times it measured for the run's draft
-        (`draft`: "self-N", or "small:PATH" for the small draft at that resolved path; None: the first draft
-        it timed). A draft the profile did not time is priced by `planned` (the plan's model), never by
-        another draft's timings; without `planned` there is no profile model (None)."""
-        m = (profile or {}).get("models") or {}
-        pts = {int(k): float(v) for k, v in (m.get("target_seconds") or {}).items()}
-        timed = _draft_timing(m, draft)
-        if not pts or (timed is None and planned is None):
-            return None
-        step, grow = timed or (planned.draft_step_seconds, planned.draft_points)
-        return cls(pts, step, grow, source="profile")
-
-    def t_target(self, n: int) -> float:
-        return interpolate(self.target_points, n)
-
-    def t_draft(self, budget: int, beams: int = 32) -> float:
-        if self.draft_points:
-            return interpolate(self.draft_points, budget)
-        steps = 1 + math.ceil(budget / max(beams, 1)) + math.log2(1 + budget)
-        return steps * self.draft_step_seconds
-
-
-def _draft_timing(m: dict, draft: str | None) -> tuple[float, dict[int, float]] | None:
-    """(step seconds, grow seconds by budget) the profile's models part measured for `draft`, or None."""
-    if draft is None:
-        step, grow = m.get("draft_step_seconds"), m.get("draft_grow_seconds")
-    else:
-        key, _, path = draft.partition(":")
-        t = (m.get("draft_timings") or {}).get(key) or {}
-        if path and str(Path(m.get("draft") or "").expanduser().resolve()) != path:
-            t = {}  # the profile timed another small draft
-        step, grow = t.get("step_seconds"), t.get("grow_seconds")
-    return (float(step), {int(k): float(v) for k, v in (grow or {}).items()}) if step else None
 
 
 class ShapeHolder:
@@ -324,10 +251,9 @@ class BudgetTuner:
         streamed 70B) gives a tiny threshold and the full tree; SmolLM2's self-draft from disk ~0.5."""
         if budget == PLAIN:
             return 0.0
-        steps = 1 + math.ceil(budget / max(self.shape.max_beams, 1)) + math.log2(1 + budget)
         t_draft = self.t_draft(budget)
         t_token = (t_draft + self.t_target(budget + 1)) / max(self.expected_tokens(budget), 1.0)
-        return min(MAX_MIN_PROB, t_draft / steps / t_token) if t_token > 0 else 0.0
+        return min(MAX_MIN_PROB, t_draft / draft_steps(budget, self.shape.max_beams) / t_token) if t_token > 0 else 0.0
 
     def split(self, lanes: int) -> TreeShape:
         """Each request's tree shape when `lanes` requests decode in one forest pass (`choose_split`
