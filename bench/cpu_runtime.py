@@ -15,7 +15,7 @@ m + 8 d), timed on `--threads` torch threads at T = 1 and T = 5 tokens over a 32
 - the whole layer: (d) transformers' LlamaDecoderLayer (fp32 weights, SDPA) eager and under
   `torch.compile` (default mode, one compiled function for every layer; its first call per T, on a
   fresh inductor cache, is the compile time, reported apart), and specx's one-call stack
-  (kernels/decode_stack.c through offload/stream/leanstack.py's structs: q|k|v and gate|up each one
+  (kernels/decode_stack.c through offload/cpu/leanstack.py's structs: q|k|v and gate|up each one
   Q4_1 segment, as formats/qfuse.py stacks a file's).
 Each timing is the median over `--reps` passes of a pass through `--layers` distinct layers (as a
 decode step reads its weights from memory, not a warm cache), divided by the layers: ms per layer.
@@ -46,9 +46,8 @@ sys.path.append(str(ROOT / "bench"))  # after the package: bench/offload.py must
 
 from gguf_kernel import random_blocks  # noqa: E402
 
-from offload.formats import ggml_kernel  # noqa: E402
+from offload.cpu import ggml_kernel, leanstack  # noqa: E402
 from offload.formats import gguf_quants as gq  # noqa: E402
-from offload.stream import leanstack  # noqa: E402
 
 D, H, HKV, HD, FF = 576, 9, 3, 64, 1536  # SmolLM2-135M: hidden, heads, KV heads, head dim, MLP width
 LINEARS = {"q": (H * HD, D), "k": (HKV * HD, D), "v": (HKV * HD, D), "o": (D, H * HD)}

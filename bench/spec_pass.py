@@ -11,7 +11,7 @@ starts (and the run ends) by reading the decoder layers' bytes of the file once 
 floor of plain decoding in the same run (`read_floor`; the table's last line). Cells of a round run back to back, rotating their order by round (the disk's speed drifts).
 Each model forward is timed from the outside (offload.stream.model.OffloadedCausalLM.forward wrapped
 by this script, nothing in specx changed): which model (the draft is the one with `substitute_bits`), its
-rows, seconds, whether the one-call stack served it (stream/leanstack.py's LeanStack._advance ran, wrapped too), and for the
+rows, seconds, whether the one-call stack served it (cpu/leanstack.py's LeanStack._advance ran, wrapped too), and for the
 target the seconds it waited for streamed layers (`stats.last_pass_stall_seconds`). Per target pass:
 - draft forwards: count, rows each, ms each, and on the stack or not;
 - bookkeeping: the engine's draft seconds minus its draft forwards (scoring, top-k, masks, tree tensors);
@@ -53,7 +53,7 @@ class Probe:
     LeanStack._advance (once at the end of every pass on the one-call stack) says whether the stack ran it."""
 
     def __init__(self):
-        from offload.stream.leanstack import LeanStack
+        from offload.cpu.leanstack import LeanStack
         from offload.stream.model import OffloadedCausalLM
 
         self.cls, self.stack, self.calls, self.stacked = OffloadedCausalLM, LeanStack, [], 0

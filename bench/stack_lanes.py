@@ -9,7 +9,7 @@ Run by hand (not a test), nothing else running:
 462 MB; bench/README.md has the two commands that write it.)
 
 Contract: each target is loaded as `specx serve` loads a GGUF on the CPU (fp32, every layer resident,
-the one-call stack of offload/stream/leanstack.py), and k caches are prefilled with 32 tokens each.
+the one-call stack of offload/cpu/leanstack.py), and k caches are prefilled with 32 tokens each.
 For each k of --lanes one pass of k one-token jobs is timed two ways, alternated rep by rep:
 `grouped` = one `forward_many` over the k jobs (what `specx serve --parallel` runs when k requests
 decode together: one decode_stack call and one head call, each packed weight read once) and
@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from offload.stream import leanstack  # noqa: E402
+from offload.cpu import leanstack  # noqa: E402
 from offload.stream.model import OffloadedCausalLM  # noqa: E402
 from offload.stream.multi import ForwardJob, forward_many  # noqa: E402
 from specexec_cli.core import kvcache  # noqa: E402

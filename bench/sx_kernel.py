@@ -9,7 +9,7 @@ weights of each cycled per timing, as a decode pass reads them, so they come fro
 row count T: the best of `--calls` timings of one pass over the LAYERS weights, per weight, in ms, on
 `--threads` threads (formats/ggml_kernel.linear on the pool, as the one-call stack runs it), and at
 T = 1 the seconds per packed byte relative to Q4_1's: the planner's COST factor. SX3 and SX2 multiply
-8-bit activations (formats/kernels/sx_q8.h), and so does Q8A; Q4_1 and Q8_0 fp32 ones. JSON to --out, a markdown table on stdout.
+8-bit activations (cpu/kernels/sx_q8.h), and so does Q8A; Q4_1 and Q8_0 fp32 ones. JSON to --out, a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.append(str(ROOT / "bench"))  # after the package: bench/offload.py must
 
 from gguf_kernel import random_blocks  # noqa: E402
 
-from offload.formats import ggml_kernel  # noqa: E402
+from offload.cpu import ggml_kernel  # noqa: E402
 from offload.quant import lowbit_pack as lp  # noqa: E402
 
 N, K, LAYERS = 1536, 576, 30

@@ -2,7 +2,7 @@
 
 - `after_each_layer(model, fn)`: fn(i) right after decoder layer i runs (a torch forward hook on each
   of `model.layers`), where the product's layer loop ran it; returns `remove()`. The one-call C
-  stack (offload/stream/leanstack.py) runs no layer module, so on a model that has one the test
+  stack (offload/cpu/leanstack.py) runs no layer module, so on a model that has one the test
   turns it off first ($SPECX_DECODE_STACK=off, read per pass); `after_each_layer` refuses otherwise.
 - `before_each_read(model, fn)`: fn(layer) on the read thread before each streamed layer's read
   stage (it wraps the prefetcher's read callable; every read goes through the read thread while it
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 
 def after_each_layer(model, fn: Callable[[int], object]) -> Callable[[], None]:
-    from offload.stream import leanstack
+    from offload.cpu import leanstack
 
     if getattr(model, "lean", None) is not None and not leanstack._off():
         raise AssertionError("the model runs the C stack (no layer module is called): set SPECX_DECODE_STACK=off")
@@ -56,7 +56,7 @@ def before_each_read(model, fn: Callable[[int], object]) -> Callable[[], None]:
 
 
 def count_kernel_calls(monkeypatch) -> list:
-    from offload.formats import ggml_kernel
+    from offload.cpu import ggml_kernel
 
     calls: list = []
     linear = ggml_kernel.linear
@@ -71,7 +71,7 @@ def count_kernel_calls(monkeypatch) -> list:
 
 
 def count_stack_passes(monkeypatch) -> Callable[[object], int]:
-    from offload.stream.leanstack import LeanStack
+    from offload.cpu.leanstack import LeanStack
 
     counts: dict[int, int] = {}
     orig = LeanStack._advance

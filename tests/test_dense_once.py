@@ -30,7 +30,7 @@ IDS = torch.tensor([[1, 5, 9, 3, 22, 7, 7, 30]])
 @pytest.fixture(autouse=True)
 def _dequantizing_path(monkeypatch):
     """`dense` against per-forward dequantization: the CPU kernel, which serves batches this small
-    (offload/formats/ggml_kernel.py, tests/test_ggml_kernel.py), stays out of the comparison."""
+    (offload/cpu/ggml_kernel.py, tests/test_ggml_kernel.py), stays out of the comparison."""
     monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")
 
 

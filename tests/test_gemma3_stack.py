@@ -1,4 +1,4 @@
-"""The one-call decoder stack (offload/stream/leanstack.py, kernels/decode_stack.c) on Gemma-3 layers.
+"""The one-call decoder stack (offload/cpu/leanstack.py, kernels/decode_stack.c) on Gemma-3 layers.
 
 A tiny seeded Gemma-3 (6 layers: 5 local + 1 global, global RoPE base 1M against the local 10k,
 grouped-query attention 4:1, q/k norms, sandwich norms, GELU-tanh MLP, norms stored 1 + w) written as llama.cpp's converter writes it (tests/gguf_build.py) in the real
@@ -18,8 +18,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel
-from offload.stream import leanstack
+from offload.cpu import ggml_kernel, leanstack
 from specexec_cli.core import kvcache
 from specexec_cli.core.tree import causal_mask
 from tests.gguf_build import write_gguf

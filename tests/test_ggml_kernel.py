@@ -1,4 +1,4 @@
-"""The packed GGUF CPU kernel (offload/formats/ggml_kernel.py, kernels/ggml_gemv.c).
+"""The packed GGUF CPU kernel (offload/cpu/ggml_kernel.py, kernels/ggml_gemv.c).
 
 Oracle: dequantize-then-matmul (gguf_quants.dequantize, bitwise the `gguf` package's reference, then
 F.linear) in float64, which the kernel's fp32 result must match to fp32 accuracy (relative to
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel as gk
+from offload.cpu import ggml_kernel as gk
 from offload.formats import gguf_quants as gq
 from offload.quant.dense import undensify
 from tests.conftest import distribution_installed, load_script, make_model
@@ -239,7 +239,7 @@ def _ar_ids(f, off: bool, prompt: str, n: int, tmp_path, monkeypatch) -> list[in
 
 @pytest.mark.parametrize("stack", ["off", "auto"])
 def test_ar_greedy_ids_equal_kernel_on_and_off(tiny, tmp_path, monkeypatch, stack, kernel_calls):
-    from offload.stream import leanstack
+    from offload.cpu import leanstack
 
     monkeypatch.setenv(leanstack.ENV, stack)  # the per-linear path, and the one-call stack
     on = _ar_ids(tiny["Q4_0"], False, "abc de", 12, tmp_path, monkeypatch)

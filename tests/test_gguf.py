@@ -34,7 +34,7 @@ IDS = torch.tensor([[1, 5, 9, 3, 22, 7, 7, 30]])
 @pytest.fixture(autouse=True)
 def _dequantizing_path(monkeypatch):
     """Bitwise oracles here: the dequantize-then-matmul path (the CPU kernel for small batches,
-    offload/formats/ggml_kernel.py, differs in fp32 rounding order: tests/test_ggml_kernel.py)."""
+    offload/cpu/ggml_kernel.py, differs in fp32 rounding order: tests/test_ggml_kernel.py)."""
     monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")
 
 

@@ -122,7 +122,7 @@ def test_config_and_tensors_as_transformers_reads_them(files):
 
 @pytest.mark.parametrize("offload", ["none", "ram", "disk"])
 def test_logits_equal_transformers_bitwise(files, offload, monkeypatch):
-    from offload.stream.leanstack import family_reason
+    from offload.cpu.leanstack import family_reason
     from offload.stream.model import OffloadedCausalLM
 
     monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")  # the dequantize-then-matmul path (tests/test_gguf.py)

@@ -1,6 +1,6 @@
 """The decoder stack's structs as C lays them out against the ctypes mirrors Python passes to it.
 
-offload/stream/leanstack.py declares `_Seg`, `_Layer`, `_LaneT` and `_Dims` by hand, field for field
+offload/cpu/leanstack.py declares `_Seg`, `_Layer`, `_LaneT` and `_Dims` by hand, field for field
 after kernels/decode_stack.h's seg_t, layer_t, lane_t and dims_t; a field added, dropped, moved or
 retyped on one side only would have the C read the wrong bytes and nothing else would notice. What
 must hold: the same field names in the same order (read from the header), and for every field the
@@ -22,8 +22,7 @@ import subprocess
 
 import pytest
 
-from offload.formats import ggml_kernel
-from offload.stream import leanstack
+from offload.cpu import ggml_kernel, leanstack
 
 KERNELS = ggml_kernel.SOURCE.parent
 HEADER = KERNELS / "decode_stack.h"
@@ -159,3 +158,13 @@ def test_a_field_the_python_side_lacks_is_caught():
     text = HEADER.read_text().replace("int64_t mask_cols;", "int64_t mask_cols;\n    int32_t spare;", 1)
     assert header_fields(text)["lane_t"] != [f for f, *_ in leanstack._LaneT._fields_]
     assert header_fields(text)["lane_t"][-1] == "spare"
+
+
+def test_kernel_block_sizes_are_the_formats():
+    """The CPU runtime states the ggml block sizes it reads itself (offload/cpu never imports formats/):
+    every GGUF type it serves has formats/gguf_quants.BLOCK's (values, bytes), and Q8A reads Q8_0's."""
+    from offload.formats.gguf_quants import BLOCK, Q8_0
+
+    gguf_types = [t for t in ggml_kernel.QTYPES if t not in (ggml_kernel.SX3, ggml_kernel.SX2, ggml_kernel.Q8A)]
+    assert gguf_types and all(ggml_kernel.BLOCKS[t] == BLOCK[t] for t in gguf_types)
+    assert ggml_kernel.BLOCKS[ggml_kernel.Q8A] == BLOCK[Q8_0]

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from offload.formats import ggml_kernel
+from offload.cpu import ggml_kernel
 from offload.formats import gguf_quants as gq
 from tests.conftest import load_script
 from tests.test_kernel_sanitizers import BUILDS, KERNELS, SANITIZE, WARNINGS, _run, sanitizing_cc

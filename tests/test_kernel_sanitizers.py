@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.formats import ggml_kernel
+from offload.cpu import ggml_kernel
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The one-call decoder stack (offload/stream/leanstack.py, kernels/decode_stack.c) against HF's layers.
+"""The one-call decoder stack (offload/cpu/leanstack.py, kernels/decode_stack.c) against HF's layers.
 
 Tiny Q4_1 / Q4_0 / Q8_0 / K-quant GGUF Llamas with grouped-query attention (Q/K rows permuted as
 llama.cpp stores them), every layer resident: the stack is built, serves decoding and small tree
@@ -19,8 +19,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel
-from offload.stream import leanstack
+from offload.cpu import ggml_kernel, leanstack
 from offload.stream.model import OffloadedCausalLM
 from specexec_cli.core import kvcache
 from specexec_cli.core.tree import causal_mask

@@ -16,8 +16,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel
-from offload.stream import leanstack
+from offload.cpu import ggml_kernel, leanstack
 from specexec_cli.core import kvcache
 from specexec_cli.core.tree import causal_mask
 from tests.probes import count_stack_passes

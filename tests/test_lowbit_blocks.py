@@ -17,7 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from offload.formats import ggml_kernel
+from offload.cpu import ggml_kernel
 from offload.quant import lowbit_pack as lp
 from tests.conftest import make_model
 
@@ -193,9 +193,9 @@ def test_sibling_blocks_are_one_buffer_and_one_stack_call(target, tmp_path, monk
     stack multiplies each set in one call; every logit equals the stack's with each linear a call of its own."""
     pytest.importorskip("hqq")
     from offload import OffloadedCausalLM
+    from offload.cpu.leanstack import LeanStack
     from offload.formats.qfuse import unfuse
     from offload.selfdraft.build import build_self_draft
-    from offload.stream.leanstack import LeanStack
     from specexec_cli.core import kvcache
 
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))

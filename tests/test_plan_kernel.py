@@ -1,4 +1,4 @@
-"""The pass model knows the exact GGUF CPU kernel (offload/formats/ggml_kernel.py).
+"""The pass model knows the exact GGUF CPU kernel (offload/cpu/ggml_kernel.py).
 
 A resident layer of a GGUF whose linears the kernel serves is dequantized once at load (an fp32
 copy for trees) but a decode token multiplies the file's packed blocks: on SmolLM2 96 MB a token
@@ -29,7 +29,8 @@ def _plan(path, monkeypatch, kernel: bool):
 
 
 def test_the_plan_names_what_the_kernel_serves(smollm2, monkeypatch):
-    from offload.formats import ggml_kernel, open_checkpoint
+    from offload.cpu import ggml_kernel
+    from offload.formats import open_checkpoint
 
     plan = _plan(smollm2, monkeypatch, kernel=True)
     head = open_checkpoint(smollm2).tensors["model.embed_tokens.weight"].nbytes
@@ -69,7 +70,8 @@ def test_a_decode_token_reads_packed_bytes_and_a_tree_the_fp32_copy(smollm2, mon
 def test_a_k_quant_layer_costs_its_types_measured_factor(tmp_path, monkeypatch):
     """A Q4_K_M layer (Q4_K with Q6_K v/down): its packed bytes cost COST[type] times Q4_1's per byte."""
     pytest.importorskip("gguf")
-    from offload.formats import ggml_kernel, open_checkpoint
+    from offload.cpu import ggml_kernel
+    from offload.formats import open_checkpoint
     from tests.conftest import make_model
     from tests.gguf_build import write_gguf
 

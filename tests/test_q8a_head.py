@@ -17,7 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from offload.formats import ggml_kernel as gk
+from offload.cpu import ggml_kernel as gk
 from offload.formats.gguf_quants import dequantize
 from tests.conftest import make_model
 from tests.gguf_build import write_gguf

@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("gguf")
 
-from offload.formats import ggml_kernel, qfuse
+from offload.cpu import ggml_kernel
+from offload.formats import qfuse
 from offload.formats.qlinear import PackedLinear
 from offload.stream.model import OffloadedCausalLM
 from tests.conftest import make_model
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler
 
 @pytest.fixture(autouse=True)
 def layer_by_layer(monkeypatch):
-    """The groups serve HF's layers one by one: the one-call stack (stream/leanstack.py, which reads
+    """The groups serve HF's layers one by one: the one-call stack (cpu/leanstack.py, which reads
     the same stacked bytes in C, tests/test_leanstack.py) is off here."""
     monkeypatch.setenv("SPECX_DECODE_STACK", "off")
 

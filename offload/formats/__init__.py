@@ -27,8 +27,8 @@ from offload.formats.base import FORMATS, Checkpoint, FormatReader, TensorInfo, 
 from offload.lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from offload.formats.ggml_kernel import enabled as ggml_kernel_enabled
-    from offload.formats.ggml_kernel import linear as ggml_linear
+    from offload.cpu.ggml_kernel import enabled as ggml_kernel_enabled
+    from offload.cpu.ggml_kernel import linear as ggml_linear
     from offload.formats.gguf import READER as GGUF_READER
     from offload.formats.gguf_meta import read_part as read_gguf_part
     from offload.formats.gguf_meta import value as gguf_value
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 READERS = ("gguf", "awq", "gptq", "compressed", "safetensors")
 
 _LAZY = {  # name here -> (module, name there)
-    "ggml_kernel_enabled": ("offload.formats.ggml_kernel", "enabled"),
-    "ggml_linear": ("offload.formats.ggml_kernel", "linear"),
+    "ggml_kernel_enabled": ("offload.cpu.ggml_kernel", "enabled"),
+    "ggml_linear": ("offload.cpu.ggml_kernel", "linear"),
     "GGUF_READER": ("offload.formats.gguf", "READER"),
     "read_gguf_part": ("offload.formats.gguf_meta", "read_part"),
     "gguf_value": ("offload.formats.gguf_meta", "value"),

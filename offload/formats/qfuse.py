@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.formats import ggml_kernel
+from offload.cpu import ggml_kernel
 
 SIBLINGS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
@@ -71,7 +71,7 @@ class FusedGroup:
 
     def stacked(self) -> torch.Tensor | None:
         """The members' bytes as one flat view (their stored rows in member order), or None when
-        they are not back to back (stream/leanstack.py multiplies by it in C)."""
+        they are not back to back (cpu/leanstack.py multiplies by it in C)."""
         raws = self._raws()
         return self._stacked(raws, tuple(r.data_ptr() for r in raws))
 

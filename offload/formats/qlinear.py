@@ -11,7 +11,7 @@ freed after the matmul), then computes `x @ W.T + bias` in that dtype and return
 Dequantized once: when `dense` holds that weight (offload/quant/dense.py puts it there for a
 resident layer the memory plan has room for), forward uses it instead of dequantizing again;
 the same values, so the same outputs.
-GGUF on CPU (fp32): forward multiplies by the packed bytes directly (formats/ggml_kernel.py: the
+GGUF on CPU (fp32): forward multiplies by the packed bytes directly (cpu/ggml_kernel.py: the
 same math up to fp32 rounding order) for up to MAX_ROWS activation rows (decode, small trees),
 reading 0.56-1.06 bytes per weight instead of the 4 of `dense`, and for any batch when there is no
 `dense` (it beats dequantizing per call); larger batches with `dense` multiply by it. Sibling linears reading one input (q/k/v, gate/up) share
@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload.formats import ggml_kernel
+from offload.cpu import ggml_kernel
 from offload.formats.base import Checkpoint
+from offload.formats.gguf import _rows_to
+from offload.formats.gguf_quants import BLOCK
 from offload.formats.qfuse import fuse_siblings
 
 
@@ -33,6 +35,24 @@ def _meta_param(info) -> nn.Parameter:
     shape = (info.nbytes,) if info.qtype is not None else tuple(info.shape)
     dtype = torch.uint8 if info.qtype is not None else info.dtype
     return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:
+    """ggml type of GGUF weight `name` when the CPU kernel may serve it on `device` in `dtype`: a GGUF tensor
+    of a type the kernel reads (ggml_kernel.QTYPES), no +1 norm shift, CPU, fp32 compute, whole blocks a row,
+    the kernel not turned off; decided without compiling, so the planner and the loader agree. Else None."""
+    info = ckpt.tensors.get(name) if getattr(ckpt, "format", None) == "gguf" else None
+    if info is None or info.qtype is None or info.meta.get("minus_one") or ggml_kernel.turned_off():
+        return None
+    qtype = info.meta.get("ggml_type")
+    ok = torch.device(device).type == "cpu" and dtype == torch.float32 and qtype in ggml_kernel.QTYPES
+    return qtype if ok and info.meta["shape"][-1] % BLOCK[qtype][0] == 0 else None
+
+
+def row_map(ckpt, name: str) -> torch.Tensor | None:
+    """int32 (rows,): the HF row of each stored row of a Q/K weight llama.cpp permuted, else None."""
+    heads = ckpt.tensors[name].meta.get("permute")
+    return _rows_to(ckpt.shapes[name][0], heads, "cpu").to(torch.int32) if heads else None
 
 
 class PackedLinear(nn.Module):
@@ -50,8 +70,8 @@ class PackedLinear(nn.Module):
             nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False) if has_bias else None
         )
         self.dense: torch.Tensor | None = None  # (out, in) in compute_dtype, once dequantized
-        self.ggml_type = ggml_kernel.gguf_kernel_type(ckpt, hf_weight_name, "cpu", compute_dtype)
-        self.row_map = ggml_kernel.row_map(ckpt, hf_weight_name) if self.ggml_type is not None else None
+        self.ggml_type = gguf_kernel_type(ckpt, hf_weight_name, "cpu", compute_dtype)
+        self.row_map = row_map(ckpt, hf_weight_name) if self.ggml_type is not None else None
         self.group = None  # a qfuse.FusedGroup computing its siblings in one call
 
     def parts_device(self) -> torch.device:

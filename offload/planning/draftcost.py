@@ -110,7 +110,7 @@ class Spec:
     flops_per_node: float = 0.0  # FLOPs one draft forward spends per tree node it runs
     kernel: str = "none"        # its dequantizing path
     packed: int = 0             # GGUF bytes one draft forward reads through the packed kernel
-    stack: bool = False         # its forwards run on the one-call stack (stream/leanstack.py): the stack's floor
+    stack: bool = False         # its forwards run on the one-call stack (cpu/leanstack.py): the stack's floor
 
 
 @dataclass(frozen=True)

@@ -221,11 +221,11 @@ def dense_notes(target: Dense, draft: Dense, n_resident: int) -> list[str]:
 
 
 def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> dict:
-    """What the exact GGUF CPU kernel (formats/ggml_kernel.py) serves, for the pass model: `layers` whose
+    """What the exact GGUF CPU kernel (cpu/ggml_kernel.py) serves, for the pass model: `layers` whose
     every packed linear it multiplies from the file's blocks, `rows` (a layer also dequantized once
     at load takes the kernel up to that many tokens, its fp32 copy above), `head_bytes` (the packed
     output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype),
-    `stack` (passes of up to `stack_rows` tokens run on the one-call stack, stream/leanstack.py: every
+    `stack` (passes of up to `stack_rows` tokens run on the one-call stack, cpu/leanstack.py: every
     layer served, a plain Llama; with streamed layers (`streams`) one call per layer as each arrives, up
     to its STACK_ROWS since streamed layers hold no fp32 copy), `llama` (the family decode_stack.c computes: a self-draft
     of kernel blocks runs on the stack then, whatever streams); where some type is slower per byte than Q4_1
@@ -233,9 +233,10 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     `head_cost` (the head's factor), and for a Q8_0 head `draft_head_cost` (the self-draft reads it as
     Q8A: 8-bit activations). Decided as the loader decides it (gguf_kernel_type:
     CPU, fp32, a supported type), never compiled."""
-    from offload.formats.ggml_kernel import COST, MAX_ROWS, Q8A, gguf_kernel_type
+    from offload.cpu.ggml_kernel import COST, MAX_ROWS, Q8A
+    from offload.cpu.leanstack import STACK_ROWS, family_reason
     from offload.formats.gguf_quants import Q8_0
-    from offload.stream.leanstack import STACK_ROWS, family_reason
+    from offload.formats.qlinear import gguf_kernel_type
 
     fp32 = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
 

@@ -5,7 +5,7 @@ plus safetensors headers, never weight bytes) and a `PlanRequest` (dtype, ctx, b
 memory; request.py holds it, the `MemoryPlan` and the margins). It returns a `MemoryPlan` with one
 entry per device component:
 - embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (a GGUF head the CPU
-  kernel serves also keeps its packed bytes: formats/ggml_kernel.py; embeddings may
+  kernel serves also keeps its packed bytes: cpu/ggml_kernel.py; embeddings may
   live on the host instead: only the looked-up rows then cross the link);
 - resident_layers: packed layer arenas (storage.packed_layout) of the resident layers, spread evenly
   through the stack (`resident_ids`) so the stream reads streamed layers while resident ones compute;
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from offload.errors import OffloadError
-from offload.formats.ggml_kernel import gguf_kernel_type
+from offload.formats.qlinear import gguf_kernel_type
 from offload.sizes import format_bytes
 from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, draft_step_terms,
                        dtype_bytes, forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)

@@ -13,7 +13,7 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
   at a context of ctx committed tokens, compute dtype c bytes, layers dequantized by `kernel`:
   per decoder layer i, max(transfer_i, compute_i), summed (the stream of layer i+1 overlaps the
   compute of layer i), plus the head and one forward floor (`forward_floor`: the one-call stack's
-  where it runs the pass, stream/leanstack.py). A layer the plan dequantized once at load
+  where it runs the pass, cpu/leanstack.py). A layer the plan dequantized once at load
   (`plan.dense_layers`) reads its linears in c bytes per weight and has no dequantization term. A
   layer or head the GGUF CPU kernel multiplies packed (`plan.kernel`: up to its rows for a layer with
   an fp32 copy, at any n without one) reads its packed bytes at the kernel's rate, no dequantization.
@@ -68,7 +68,7 @@ runs ~20x slower). Floors: a target pass on CUDA pays its kernel launches and tw
 layers), a 1B draft step ~5-8 ms (launch-bound, not byte-bound); on a CPU the Python/dispatch overhead of a
 forward: 10 ms is the measured floor of a SmolLM2-135M plain decoding pass (30 layers: 10.4 ms beyond its
 matmuls, bench/pass_breakdown.py, bench/results/pass_breakdown.json; tests/test_docs_speedmodel.py holds
-the two together). stack_floor_s is that floor for a pass the one-call stack runs (stream/leanstack.py:
+the two together). stack_floor_s is that floor for a pass the one-call stack runs (cpu/leanstack.py:
 a resident plain-Llama GGUF model on the CPU, up to the kernel's rows): the embedding, the final norm, the
 head's call and the stack's own non-matmul work, measured the same way (STACK_FLOOR_CPU; CUDA never runs
 the stack). All are replaced by `specx profile`'s measurements where one exists for this machine."""
@@ -184,7 +184,7 @@ none (a 16-bit weight)."""
 
 
 GGUF_KERNEL = "gguf-kernel"
-"""The exact GGUF CPU kernel (offload/formats/ggml_kernel.py) reads a layer's packed bytes once and
+"""The exact GGUF CPU kernel (offload/cpu/ggml_kernel.py) reads a layer's packed bytes once and
 dequantizes in registers: no dequantization traffic; its bytes move at `Device.dequant_rate(GGUF_KERNEL)`
 (`specx profile` times it on a one-token GEMV of Q4_1), else at the memory bandwidth, times the type's
 measured factor (plan.kernel's `cost` and `head_cost`: ggml_kernel.COST)."""

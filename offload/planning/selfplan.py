@@ -160,7 +160,7 @@ def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
     whose substitutes are the CPU kernel's SX blocks and whose resident target layers the GGUF kernel
     serves (then offload/selfdraft/build.py gives the draft a LeanStack); None otherwise. The packed
     bytes carry ggml_kernel.COST's per-byte factors, as the target's do."""
-    from offload.formats.ggml_kernel import COST, MAX_ROWS, SX2, SX3
+    from offload.cpu.ggml_kernel import COST, MAX_ROWS, SX2, SX3
 
     k = getattr(plan, "kernel", None) or {}
     if bits not in (2, 3) or not substitutes_are_blocks(req, a, bits) or set(plan.resident) - set(k.get("layers", ())):

@@ -65,7 +65,7 @@ def kernel_choice(device: torch.device | str = "cuda", compute: torch.dtype | No
     (`compute`) with the GGUF kernel built, blocks (the kernel's own SX3/SX2, quant/lowbit_pack.py);
     else eager (fused measured slower on CPU: bench/results/selfdraft_kernels.json). "blocks" where
     they cannot run falls back to eager."""
-    from offload.formats import ggml_kernel
+    from offload.cpu import ggml_kernel
 
     want = os.environ.get("SPECX_LOWBIT_KERNEL", "auto").strip().lower()
     cpu = torch.device(device).type == "cpu"

@@ -19,7 +19,7 @@ Contract:
 - On a CPU computing in fp32 with the GGUF kernel built, each bias-free linear becomes a
   `KernelLowbitLinear` instead (offload/quant/lowbit_pack.py: the same HQQ codes, scales and zeros
   repacked at load into the kernel's SX3/SX2 blocks, read directly; the draft's stack then runs in
-  one C call, stream/leanstack.py). Elsewhere `LowbitLinear.forward` uses `dense` when
+  one C call, cpu/leanstack.py). Elsewhere `LowbitLinear.forward` uses `dense` when
   offload/quant/dense.py dequantized it once (the eager reference's weight), else runs the fused
   path of offload/quant/fused.py on CUDA and the eager reference (HQQ's unpack, a 16-bit weight, the
   matmul). $SPECX_LOWBIT_KERNEL=blocks|fused|eager overrides (offload/quant/fused.kernel_choice).

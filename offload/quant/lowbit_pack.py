@@ -1,7 +1,7 @@
 """The self-draft's HQQ substitutes in blocks the CPU kernel reads directly (specx's SX3 / SX2 types).
 
 Contract:
-- `SX3`, `SX2`: the kernel's type ids (formats/kernels/ggml_blocks.h has the byte layouts): 3-bit
+- `SX3`, `SX2`: the kernel's type ids (cpu/kernels/ggml_blocks.h has the byte layouts): 3-bit
   codes in blocks of 64 values (28 bytes: 3.5 bits a weight), 2-bit in blocks of 32 (12 bytes: 3.0),
   one fp16 pair (d, m) a block, w = d * q + m. `TYPE_OF_BITS[bits]`; `BLOCKS[type] = (values, bytes)`.
 - `pack(codes, scale, zero, bits)` -> (N, row bytes) uint8: HQQ's group-wise quantization
@@ -12,14 +12,14 @@ Contract:
   + m, rounded apart).
 - `matmul_reference(x, raw, qtype, N, K)` -> (T, N): the kernel's numbers for x (T, K), up to fp32
   rounding order. Where K is a multiple of 64 the kernel multiplies 8-bit activations
-  (formats/kernels/sx_q8.h): per 64 values x ~ xhat = sx * xq, sx = amax / 127, xq = round(x / sx),
+  (cpu/kernels/sx_q8.h): per 64 values x ~ xhat = sx * xq, sx = amax / 127, xq = round(x / sx),
   and y = xhat (d (q - C))^T + x (m + C d)^T with the codes centred on C = 3.5 / 1.5 (the 8-bit
   error multiplies q - C); about 0.5% of |y| from x W^T, which only the draft's proposals carry (these
   types are never a target's). Other K: x W^T in fp32.
 - `KernelLowbitLinear(raw, qtype, out, in)`: y = x W^T for fp32 CPU input through
   formats/ggml_kernel.linear (any number of rows: the packed bytes read once per call, never a dense
   copy); other inputs (another device or dtype) multiply by `dequantize`. It exposes what
-  stream/leanstack.py reads of a kernel-served linear (`ggml_type`, `parts`, `row_map`,
+  cpu/leanstack.py reads of a kernel-served linear (`ggml_type`, `parts`, `row_map`,
   `out_features`, no bias), so a self-draft of such layers runs as one C call per pass.
 Why: the 3-bit self-draft's fp32 copies made each draft forward read 4 bytes a weight through ~40
 torch ops a layer; these blocks cost the kernel 0.375-0.44 bytes a weight (bench/spec_pass.py).
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload.formats import ggml_kernel
+from offload.cpu import ggml_kernel
 
 SX3, SX2 = ggml_kernel.SX3, ggml_kernel.SX2
 TYPE_OF_BITS = {3: SX3, 2: SX2}

@@ -12,7 +12,7 @@ target's architecture where
   the draft never touches the weight stream: `bits` 4 = NF4 (bitsandbytes blocksize 64, double-
   quantized: the packed weights of the target's nf4 cache, offload/quant/quant_cache.py); 3 or 2 = HQQ
   (offload/quant/lowbit.py, its own per-layer cache; on a CPU in fp32 repacked into the GGUF kernel's
-  own blocks, so a draft of a Llama GGUF target runs each forward as one C call, stream/leanstack.py). Both are built once from the 16-bit checkpoint with
+  own blocks, so a draft of a Llama GGUF target runs each forward as one C call, cpu/leanstack.py). Both are built once from the 16-bit checkpoint with
   a progress bar, reused on later loads, rebuilt when the checkpoint changes, never used corrupt.
 An nf4 target (loaded from a 16-bit checkpoint through the nf4 cache) takes 3- or 2-bit
 substitutes made from that 16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line
@@ -36,10 +36,10 @@ from pathlib import Path
 
 from torch import nn
 
+from offload.cpu.ggml_kernel import PackedHead
+from offload.cpu.leanstack import LeanStack
 from offload.errors import OffloadError
-from offload.formats.ggml_kernel import PackedHead
 from offload.formats.prequant import bnb4_config
-from offload.stream.leanstack import LeanStack
 from offload.stream.loader import Subset
 from offload.stream.model import PACKED_FORMATS
 

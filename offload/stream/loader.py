@@ -14,7 +14,7 @@ quant_cache.py first): their packed uint8 weights are the only streamed bytes, r
 onto the device ("pinned") and stay bound. `plan.dense` names the resident layers whose packed
 linears the model dequantizes once after binding them (the memory plan's `dense_layers`, or
 without one what the budgets leave room for: `_dense_auto`). A GGUF head the CPU kernel serves
-(formats/ggml_kernel.py) also keeps its packed bytes, counted under "lm_head".
+(cpu/ggml_kernel.py) also keeps its packed bytes, counted under "lm_head".
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from torch import nn
 from offload.errors import OffloadError
 from offload.arch.families import restore_buffers
 from offload.formats import Checkpoint, open_checkpoint
-from offload.formats.ggml_kernel import PackedHead, gguf_kernel_type
-from offload.formats.qlinear import PackedLinear
+from offload.cpu.ggml_kernel import PackedHead
+from offload.formats.qlinear import PackedLinear, gguf_kernel_type
 from offload.quant.dense import dense_bytes
 from offload.quant.nf4 import Nf4Linear
 from offload.stream.placement import OffloadPlan, plan_offload

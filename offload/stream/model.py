@@ -28,13 +28,13 @@ from torch import nn
 from offload.arch.families import Family, causal_lm_class
 from offload.arch.hfcompat import output_cache_kwargs, pick_cache
 from offload.arch.moe import MOE_FAMILIES
+from offload.cpu.leanstack import LeanStack
 from offload.errors import OffloadError
 from offload.formats import Checkpoint, open_checkpoint
 from offload.formats.qlinear import swap_packed_linears
 from offload.quant.dense import densify
 from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
 from offload.quant.quant_cache import ensure_nf4_cache
-from offload.stream.leanstack import LeanStack
 from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
 from offload.stream.multi import Lane, run_pass
 from offload.stream.placement import OffloadPlan

@@ -13,7 +13,7 @@ through it against that lane's cache, then the next layer. The stream is paid on
 it would alone, in the same order, so its logits equal the pass over it alone bit for bit (one
 exception: several lanes on a streamed stack, below); no tensor
 is shared between lanes (no flat KV, no cross-sequence mask), so nothing can leak from one sequence
-into another. The lanes the model's one-call stack serves (stream/leanstack.py: a Llama GGUF on the
+into another. The lanes the model's one-call stack serves (cpu/leanstack.py: a Llama GGUF on the
 CPU, a few tokens each, slab caches, no extra layer arguments) run through it instead of the layer
 loop: with every layer resident, the one-token lanes (plain decoding) all in ONE call and one head
 call, each packed weight read once for all of them and every row computed as that lane alone
@@ -34,7 +34,7 @@ import torch
 from offload.arch.attention import release as release_masks
 from offload.arch.families import apply_final_softcap, window_mask
 from offload.arch.hfcompat import cache_kwargs
-from offload.formats import ggml_kernel
+from offload.cpu import ggml_kernel
 
 
 @dataclass

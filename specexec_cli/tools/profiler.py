@@ -278,7 +278,7 @@ def probe_dequant() -> dict:
 
 
 def probe_gguf_kernel(shape: tuple[int, int] = (8192, 4096)) -> dict | None:
-    """The exact GGUF CPU kernel (offload/formats/ggml_kernel.py) on a one-token GEMV over a Q4_1 weight
+    """The exact GGUF CPU kernel (offload/cpu/ggml_kernel.py) on a one-token GEMV over a Q4_1 weight
     of `shape` (17 MB: past the caches, as a model's layers are): its packed bytes over the seconds
     (fastest of repeated calls), the rate passcost reads a kernel-served layer at. None where the
     kernel is off or cannot compile."""

@@ -1,5 +1,5 @@
 /* decode_stack.c: a Llama (or Gemma-3) decoder stack over GGUF blocks for a few tokens, in one call
-(offload/stream/leanstack.py). Compiled into one library with ggml_gemv.c, whose ggml_gemm it calls.
+(offload/cpu/leanstack.py). Compiled into one library with ggml_gemv.c, whose ggml_gemm it calls.
 Its structs (seg_t, layer_t, lane_t, dims_t), flags and prototype: decode_stack.h.
 
 Contract: decode_stack_lanes(lanes, L, nl, dims, h, nthreads, flags) runs decoder layers [0, nl) in order

@@ -1,4 +1,4 @@
-/* ggml_gemv.c: y = x W^T straight from GGUF block bytes, in fp32 (offload/formats/ggml_kernel.py).
+/* ggml_gemv.c: y = x W^T straight from GGUF block bytes, in fp32 (offload/cpu/ggml_kernel.py).
 
 Contract: ggml_gemm(qtype, w, x, y, rowmap, N, K, T, nthreads) computes, for t < T and n < N,
     y[t * N + rowmap[n]] = sum_k x[t * K + k] * W[n, k]

@@ -1,6 +1,6 @@
 /* decode_stack.h: the structs and entry point of the one-call decoder stack (decode_stack.c).
 
-Contract: the layouts here are the ones offload/stream/leanstack.py mirrors by hand as ctypes
+Contract: the layouts here are the ones offload/cpu/leanstack.py mirrors by hand as ctypes
 structures (_Seg, _Layer, _LaneT, _Dims, field for field); tests/test_kernel_layouts.py compiles
 this header and compares every sizeof and offsetof with them. Change a field here and there together.
 decode_stack_lanes' contract (what it computes, its flags and return codes): decode_stack.c. */

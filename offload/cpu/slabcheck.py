@@ -1,4 +1,4 @@
-"""Which K/V cache a one-call stack pass can write straight into (stream/leanstack.py).
+"""Which K/V cache a one-call stack pass can write straight into (cpu/leanstack.py).
 
 Contract: `SlabCheck(idx, hkv, hd, window)(cache, t)` returns, for the decoder layers whose cache
 layers are `idx`, the list of those cache layers when every one is a slab the C stack can read and

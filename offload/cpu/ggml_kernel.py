@@ -25,10 +25,6 @@ Contract:
   stack's worker threads).
 - `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
   the dequantizing path (no compiler, compile failure, turned off): one line, never printed.
-- `gguf_kernel_type(ckpt, name, device, dtype)`: the ggml type id of checkpoint weight `name` when
-  this kernel may serve it (a GGUF tensor of a supported type, no +1 norm shift, CPU, fp32 compute,
-  not turned off: decided without compiling, so the planner and the loader agree), else None.
-- `row_map(ckpt, name)`: the int32 output column of each stored row (None when not permuted).
 - `COST`: seconds per packed byte of each type relative to Q4_1's, measured (the planner's factor).
 - `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
   tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
@@ -58,14 +54,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload.cachedir import cache_root
-from offload.formats.gguf_quants import BLOCK
 
 ENV = "SPECX_GGUF_KERNEL"  # auto (default) | off
 SX3, SX2 = 130, 131  # specx's own 3- and 2-bit blocks (the self-draft's, quant/lowbit_pack.py)
 Q8A = 136  # a Q8_0 output layer as the self-draft reads it: 8-bit activations (kernels/sx_q8.h), never the target's
 # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (gguf_quants numbering), then specx's own
 QTYPES = (2, 3, 6, 7, 8, 12, 13, 14, SX3, SX2, Q8A)
-BLOCKS = {**BLOCK, SX3: (64, 28), SX2: (32, 12), Q8A: BLOCK[8]}  # type -> (values, bytes) of one stored block
+# type -> (values, bytes) of one stored block: ggml's (formats/gguf_quants.BLOCK states the same; a test compares)
+BLOCKS = {
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    8: (32, 34),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+}
+BLOCKS |= {SX3: (64, 28), SX2: (32, 12), Q8A: BLOCKS[8]}  # specx's own, and Q8A the Q8_0 bytes
 # seconds per packed byte relative to Q4_1's (what `specx profile` times), for the speed model: measured
 # by bench/gguf_kernel.py at T = 1 on one thread, the same shape in Q4_1 and in the type (gate/up for
 # Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate
@@ -97,7 +103,7 @@ FLAG_SETS = (
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False, "held": None}
 
 
-def _off() -> bool:
+def turned_off() -> bool:
     v = os.environ.get(ENV)  # read on every call (tests and the CLI set it at run time)
     return v is not None and v.strip().lower() in ("off", "0", "no", "false")
 
@@ -190,7 +196,7 @@ def _function():
 
 def enabled() -> bool:
     """$SPECX_GGUF_KERNEL is not off and the library is built (building it on first call)."""
-    return not _off() and _library() is not None
+    return not turned_off() and _library() is not None
 
 
 def threads() -> int:
@@ -232,7 +238,7 @@ def torch_threads_back():
 
 def kernel_status() -> str | None:
     """None while the kernel is usable (or untried); else one line on why it is not used."""
-    if _off():
+    if turned_off():
         return f"${ENV}=off: GGUF linears dequantize"
     return _STATE["broken"]
 
@@ -248,7 +254,7 @@ def usable(x: torch.Tensor, qtype: int | None, max_rows: int | None = MAX_ROWS) 
         and (max_rows is None or rows <= max_rows)
         and k % BLOCKS[qtype][0] == 0
         and (_STATE.get("fn") is not None if _STATE["tried"] else enabled())
-        and not _off()
+        and not turned_off()
     )
 
 
@@ -263,7 +269,7 @@ def linear(
 ) -> torch.Tensor:
     """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
     About 211 calls per decoding step: the Python side is kept to checks and one output allocation.
-    `pool`: on the decoder stack's worker threads (the head after stream/leanstack.py's pass) rather
+    `pool`: on the decoder stack's worker threads (the head after cpu/leanstack.py's pass) rather
     than an OpenMP team shared with torch's ops: the same numbers either way. `rowwise` (with `pool`):
     every row computed as a one-row call computes it (ggml_gemm_pool_rows: one-token sequences sharing
     a pass each get what they get alone)."""
@@ -304,24 +310,6 @@ def linear(
     if rc != 0:
         raise RuntimeError(f"ggml_gemm failed ({rc})")
     return y
-
-
-def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:
-    """ggml type of GGUF weight `name` when the kernel may serve it on `device` in `dtype` (see contract)."""
-    info = ckpt.tensors.get(name) if getattr(ckpt, "format", None) == "gguf" else None
-    if info is None or info.qtype is None or info.meta.get("minus_one") or _off():
-        return None
-    qtype = info.meta.get("ggml_type")
-    ok = torch.device(device).type == "cpu" and dtype == torch.float32 and qtype in QTYPES
-    return qtype if ok and info.meta["shape"][-1] % BLOCK[qtype][0] == 0 else None
-
-
-def row_map(ckpt, name: str) -> torch.Tensor | None:
-    """int32 (rows,): the HF row of each stored row of a Q/K weight llama.cpp permuted, else None."""
-    from offload.formats.gguf import _rows_to
-
-    heads = ckpt.tensors[name].meta.get("permute")
-    return _rows_to(ckpt.shapes[name][0], heads, "cpu").to(torch.int32) if heads else None
 
 
 class PackedHead(nn.Linear):

@@ -8,7 +8,7 @@ Contract:
   TypedLayer, GELU-tanh MLP, q/k norms, sandwich norms, no attention soft-capping; each norm's
   multiplier 1 + w folded once into an fp32 copy, each layer rotated with its layer type's table),
   every decoder layer is resident, and every linear of every layer runs the GGUF
-  kernel (formats/ggml_kernel.py; q/k/v and gate/up each one call when stacked back to back in one
+  kernel (cpu/ggml_kernel.py; q/k/v and gate/up each one call when stacked back to back in one
   buffer by formats/qfuse.py, else one call each), and $SPECX_DECODE_STACK is not "off"; a layer-skip self-draft's pass-through
   layers are left out of the stack (offload/selfdraft/build.py builds its stack once its layers are
   set). It holds, per layer, the pointers of the norms and packed bytes (resident: bound once, never
@@ -45,8 +45,8 @@ import os
 
 import torch
 
-from offload.formats import ggml_kernel
-from offload.stream.slabcheck import SlabCheck
+from offload.cpu import ggml_kernel
+from offload.cpu.slabcheck import SlabCheck
 
 ENV = "SPECX_DECODE_STACK"   # auto (default) | off
 ROWWISE = 2                  # decode_stack.c's flag: every matmul row as a one-row call computes it
