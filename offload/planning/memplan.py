@@ -47,15 +47,34 @@ import torch
 from offload.errors import OffloadError
 from offload.formats.qlinear import gguf_kernel_type
 from offload.sizes import format_bytes
-from offload.planning.membytes import (Arch, activation_bytes, arch_of, compute_bytes, draft_bytes, draft_step_terms,
-                       dtype_bytes, forest_row_bytes, kv_bytes, kv_rows, pass_tokens, prefill_chunk, rotary_bytes)
-from offload.planning.memlayers import (Checkpoint, LayerSizes, dense_notes, dequantize_once, kernel_terms,
-                                        layer_sizes)
+from offload.planning.membytes import (
+    Arch,
+    activation_bytes,
+    arch_of,
+    compute_bytes,
+    draft_bytes,
+    draft_step_terms,
+    dtype_bytes,
+    forest_row_bytes,
+    kv_bytes,
+    kv_rows,
+    pass_tokens,
+    prefill_chunk,
+    rotary_bytes,
+)
+from offload.planning.memlayers import Checkpoint, LayerSizes, dense_notes, dequantize_once, kernel_terms, layer_sizes
 from offload.planning.draftcost import small_candidates
 from offload.planning.experts import expert_notes, expert_plan
 from offload.planning.passcost import device_of
-from offload.planning.request import (BUDGET_FLOOR, RAM_FRACTION, STATIC_SLACK, MemoryPlan, PlanRequest, capacity,
-                                      cuda_margin)
+from offload.planning.request import (
+    BUDGET_FLOOR,
+    RAM_FRACTION,
+    STATIC_SLACK,
+    MemoryPlan,
+    PlanRequest,
+    capacity,
+    cuda_margin,
+)
 from offload.planning.selfplan import plan_self_draft
 from offload.planning.verdict import verdict
 from offload.stream.storage import staging_slots
@@ -69,8 +88,12 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
     head = "model.embed_tokens.weight" if a.tied and "lm_head.weight" not in ck.tensors else "lm_head.weight"
     fp32 = torch.float32 if c == 4 else torch.bfloat16
     packed = ck.tensors[head].nbytes if head in ck.tensors and gguf_kernel_type(ck, head, req.device, fp32) else 0
-    dev = {"embeddings": table if emb == "device" else 0, "final_norm": a.hidden * c,
-           "lm_head": (0 if shared else table) + packed, "rotary": rotary_bytes(a)}
+    dev = {
+        "embeddings": table if emb == "device" else 0,
+        "final_norm": a.hidden * c,
+        "lm_head": (0 if shared else table) + packed,
+        "rotary": rotary_bytes(a),
+    }
     return dev, ({"embeddings": table} if emb == "host" else {})
 
 
@@ -107,7 +130,7 @@ def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Place
             break
         ram.append(i)
         used += lay.packed[i]
-    disk = rest[len(ram):]
+    disk = rest[len(ram) :]
     streamed = n - r
     slot = max([lay.disk_slot[i] for i in disk] + ([lay.packed[i] for i in ram] if cuda else []), default=0)
     stage = max(((lay.stage if cuda else lay.disk_slot)[i] for i in disk), default=0)
@@ -115,7 +138,10 @@ def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Place
     ring = staging_slots(slots, None, None, stage, streamed)
     # one raw read buffer: disk layers that need a cast, and on CPU those re-laid onto the 256-byte grid
     scratch = max((lay.raw[i] for i in disk if lay.convert[i] or (lay.repack[i] and not cuda)), default=0)
-    device = {"resident_layers": sum(lay.packed[i] for i in resident), "staging_slots": (slots if cuda else ring) * slot}
+    device = {
+        "resident_layers": sum(lay.packed[i] for i in resident),
+        "staging_slots": (slots if cuda else ring) * slot,
+    }
     host = {"ram_layers": used, "stage_buffers": ring * stage if cuda else 0, "read_buffers": scratch}
     return _Placement(resident, ram, disk, device, host)
 
@@ -139,7 +165,7 @@ def _resident_choices(req: PlanRequest, n: int) -> range | list[int]:
     if req.offload == "none":
         return [n]
     if req.offload in ("ram", "disk") and req.max_gpu_memory is None:
-        return [0]   # explicit streaming without a device cap: every layer streams (as before)
+        return [0]  # explicit streaming without a device cap: every layer streams (as before)
     return range(n, -1, -1)
 
 
@@ -172,8 +198,9 @@ def _draft_step(da: Arch | None, rows: tuple[int, int], req: PlanRequest) -> int
     return sum(terms.values())
 
 
-def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest,
-              budget: int, emb: str) -> MemoryPlan:
+def _plan_one(
+    target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest, budget: int, emb: str
+) -> MemoryPlan:
     """The plan with the biggest prefill chunk (membytes.prefill_chunk) that still fits: halved
     down to pass_tokens(budget) before a plan is declared not to fit."""
     plan = _plan_chunk(target, draft, lay, req, budget, emb, None)
@@ -182,34 +209,47 @@ def _plan_one(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req
     return plan
 
 
-def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest,
-                budget: int, emb: str, chunk: int | None) -> MemoryPlan:
+def _plan_chunk(
+    target: Checkpoint,
+    draft: Checkpoint | None,
+    lay: LayerSizes,
+    req: PlanRequest,
+    budget: int,
+    emb: str,
+    chunk: int | None,
+) -> MemoryPlan:
     ta = arch_of(target.config)
     da = arch_of(draft.config) if draft is not None else (ta if req.self_draft else None)
     cuda, c = req.device == "cuda", compute_bytes(req)
     rows = kv_rows(req.ctx, budget, req.max_beams)
-    if req.self_draft:   # shared KV: the draft's tree rows live in the target's slabs (kvcache.SharedCache)
+    if req.self_draft:  # shared KV: the draft's tree rows live in the target's slabs (kvcache.SharedCache)
         rows = (max(rows), 0)
     fixed, ghost = _globals(target, ta, req, emb)
-    fixed.update(quant_states=lay.quant, pinned_params=lay.pinned, draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
-                 kv_target=kv_bytes(ta, rows[0], c),
-                 kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
-                 draft_step=_draft_step(da, rows, req), activations=0)
+    fixed.update(
+        quant_states=lay.quant,
+        pinned_params=lay.pinned,
+        draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
+        kv_target=kv_bytes(ta, rows[0], c),
+        kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
+        draft_step=_draft_step(da, rows, req),
+        activations=0,
+    )
     cap = capacity(req)
     if chunk is None:
         chunk = prefill_chunk(ta, req, budget, cap if cap < 1 << 61 else req.ram_free)
-    fixed["activations"] = activation_bytes(ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget,
-                                            chunk, draft_prefill=not req.self_draft)
+    fixed["activations"] = activation_bytes(
+        ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget, chunk, draft_prefill=not req.self_draft
+    )
     best = None
     for r in _resident_choices(req, len(lay.packed)):
         res = resident_ids(len(lay.packed), r)
         kept = sum(lay.packed[i] for i in res)
         if _cpu_auto(req) and req.max_ram is not None and kept > req.max_ram:
-            continue   # CPU: resident layers live in the RAM --max-ram allows
-        if req.self_draft:   # every streamed layer has a substitute on the device
+            continue  # CPU: resident layers live in the RAM --max-ram allows
+        if req.self_draft:  # every streamed layer has a substitute on the device
             fixed["draft"] = sum(v for i, v in enumerate(lay.substitute) if i not in set(res))
         pre = sum(fixed.values()) + kept
-        buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))   # disk staging, if anything ends up on disk
+        buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))  # disk staging, if anything ends up on disk
         pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers, kept))
         dev = {**fixed, **pl.device}
         dev["cuda_context"] = cuda_margin(dev, cuda)
@@ -222,28 +262,51 @@ def _plan_chunk(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, r
     if cuda and (pl.ram or pl.disk) and sum(dev.values()) <= cap:
         pl, dev, host, slots = _extra_slots(lay, req, pl, dev, host, cap)
     # dequantize once (quant/dense.py) the resident layers the rest of the plan leaves room for
-    used = sum(dev.values()) + (0 if cuda else sum(host.values()))   # CPU: host tiers share the RAM
+    used = sum(dev.values()) + (0 if cuda else sum(host.values()))  # CPU: host tiers share the RAM
     dense, dense_draft = dequantize_once(lay, pl.resident, req, ta, cap - used, 1 + STATIC_SLACK if cuda else 1)
-    dev.update({k: v for k, v in (("dequantized_layers", dense.nbytes), ("dequantized_draft", dense_draft.nbytes)) if v})
+    dev.update(
+        {k: v for k, v in (("dequantized_layers", dense.nbytes), ("dequantized_draft", dense_draft.nbytes)) if v}
+    )
     if dense.layers or dense_draft.layers:
         dev["cuda_context"] = cuda_margin({k: v for k, v in dev.items() if k != "cuda_context"}, cuda)
     host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
-    plan = MemoryPlan(dev, host, cap, host_cap, sum(lay.span_bytes[i] for i in pl.disk), pl.resident,
-                      pl.ram, pl.disk, list(lay.packed), emb, req.ctx, budget, rows,
-                      chunk, req.device, slots=slots, sized_budget=budget, row_bytes=forest_row_bytes(ta, req.ctx, c))
+    plan = MemoryPlan(
+        dev,
+        host,
+        cap,
+        host_cap,
+        sum(lay.span_bytes[i] for i in pl.disk),
+        pl.resident,
+        pl.ram,
+        pl.disk,
+        list(lay.packed),
+        emb,
+        req.ctx,
+        budget,
+        rows,
+        chunk,
+        req.device,
+        slots=slots,
+        sized_budget=budget,
+        row_bytes=forest_row_bytes(ta, req.ctx, c),
+    )
     if slots > req.slots:
-        plan.notes.append(f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
-                          "over, so the stream reads that many layers of the next pass while the draft grows its tree")
+        plan.notes.append(
+            f"staging: {slots} device slots, {slots - req.slots} of them from device memory left "
+            "over, so the stream reads that many layers of the next pass while the draft grows its tree"
+        )
     plan.dense_layers, plan.dense_draft_layers = dense.layers, dense_draft.layers
     plan.kernel = kernel_terms(target, len(lay.packed), req, streams=bool(pl.ram or pl.disk))
     plan.notes += dense_notes(dense, dense_draft, len(pl.resident))
     plan.fits, plan.reason = verdict(plan, req)
-    plan.experts = expert_plan(target, lay, req, plan)   # None for a dense model
+    plan.experts = expert_plan(target, lay, req, plan)  # None for a dense model
     plan.notes += expert_notes(plan.experts)
     if lay.estimated:
-        plan.notes.append(f"nf4: the first load writes a 4-bit cache of this checkpoint "
-                          f"(~{format_bytes(sum(lay.packed) + lay.quant)}) under $SPECX_CACHE; staging sizes are "
-                          "estimated until it exists")
+        plan.notes.append(
+            f"nf4: the first load writes a 4-bit cache of this checkpoint "
+            f"(~{format_bytes(sum(lay.packed) + lay.quant)}) under $SPECX_CACHE; staging sizes are "
+            "estimated until it exists"
+        )
     return plan
 
 
@@ -258,13 +321,18 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
     limits = [arch_of(target.config).max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
     req = replace(req, ctx=min([req.ctx] + limits))
     lay = layer_sizes(target, arch_of(target.config), req)
-    if req.self_draft:   # a plan per substitute width: offload/planning/selfplan.py
+    if req.self_draft:  # a plan per substitute width: offload/planning/selfplan.py
+
         def plan_with(substitute: list[int], bits: int) -> MemoryPlan:
             lay.substitute = substitute
             return _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
 
-        return _with_machine(plan_self_draft(target, req, layer_sizes(target, arch_of(target.config),
-                                                                      replace(req, dtype="nf4")), plan_with), req)
+        return _with_machine(
+            plan_self_draft(
+                target, req, layer_sizes(target, arch_of(target.config), replace(req, dtype="nf4")), plan_with
+            ),
+            req,
+        )
     plan = _plan_budgets(target, draft, lay, req)
     if draft is not None:
         small_candidates(plan, target, draft, req, plan_memory)
@@ -292,7 +360,7 @@ def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes,
             plan = _plan_one(target, draft, lay, req, budget, emb)
             streams = bool(plan.ram_layers or plan.disk_layers)
             if plan.fits and (emb == "host" or not streams or len(embs) == 1):
-                return plan   # host embeddings only when something streams: they free room for layers
+                return plan  # host embeddings only when something streams: they free room for layers
             fitting = plan if plan.fits else fitting
             last = plan
         if fitting is not None:
