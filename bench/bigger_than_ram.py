@@ -18,7 +18,7 @@ Each round, in this order, after asking the kernel to drop the file's cached pag
 (posix_fadvise DONTNEED; the file does not fit the page cache anyway):
 - the read floor: the decoder layers' bytes read once with O_DIRECT (bench/spec_pass.read_floor),
   the floor of plain decoding that reads every layer once a token;
-- `specx run --method ar --no-chat-template -n N`, specx's own plan (as many layers resident in RAM
+- `specx run --method ar --ctx 512 --no-chat-template -n N` (the context llama.cpp gets), specx's own plan (as many layers resident in RAM
   as it plans, the rest streamed from disk), then the same with `--offload disk --max-ram 0` (every
   layer streamed with O_DIRECT); from their --stats-json: decode tokens/s, prefill seconds, peak RSS;
 - `llama-completion -m FILE -p PROMPT -n N -t 2 --temp 0 -no-cnv -c 512 --no-warmup`: llama.cpp's
@@ -48,6 +48,7 @@ from bench.spec_pass import default_target, read_floor  # noqa: E402
 
 LAYER = dict(hidden=8192, ffn=28672, heads=64, kv_heads=8)
 PROMPT = "The history of the printing press begins"
+CTX = 512  # context both engines size their KV caches for (specx --ctx, llama.cpp -c)
 POOL = 64 << 20  # bytes of random blocks tiled over every tensor
 THREADS = 2
 DISK = ("--offload", "disk", "--max-ram", "0")
@@ -235,6 +236,8 @@ def run_specx(path: Path, n: int, timeout: float, place: tuple[str, ...] = ()) -
         "--method",
         "ar",
         *place,
+        "--ctx",
+        str(CTX),
         "--no-chat-template",
         "-p",
         PROMPT,
@@ -270,7 +273,7 @@ def run_llamacpp(path: Path, n: int, timeout: float) -> dict:
         "0",
         "-no-cnv",
         "-c",
-        "512",
+        str(CTX),
         "--no-warmup",
     ]
     text, wall, rss = timed(cmd, timeout)
