@@ -11,8 +11,10 @@ three nn.Linear (gate, up, down; Mixtral's w1, w3, w2), named as stored
 as its checkpoints name it, and the decoder layer still reaches it as `layer.mlp`).
 `ExpertList.forward(hidden (T, H), top_k_index (T, K), top_k_weights (T, K))` computes HF's eager
 experts loop: for each expert some token routed to, sum_k w_k * down(act(gate(x)) * up(x)) into
-that token's row. The router, the shared expert (Qwen2-MoE) and dense MLP layers
-(`mlp_only_layers`, `decoder_sparse_step`) are HF's modules unchanged. Being plain nn.Linear, the
+that token's row. A loader that holds the experts apart (stream/expertstore.py) sets `source`, a
+callable returning expert e with its weights in place, asked for each routed expert just before it
+computes. The router, the shared expert (Qwen2-MoE) and dense MLP layers (`mlp_only_layers`,
+`decoder_sparse_step`) are HF's modules unchanged. Being plain nn.Linear, the
 experts take the same 4-bit substitutions (NF4, packed formats) as any decoder linear.
 gpt-oss checkpoints store the fused 3-D experts themselves: its class is transformers' own (gptoss.py).
 """
@@ -52,6 +54,8 @@ class Expert(nn.Module):
 class ExpertList(nn.ModuleList):
     """HF's fused experts module as E separate `Expert`s (children "0".."E-1"), same forward."""
 
+    source = None  # None: the children hold their weights; else source(e) -> expert e, weights bound (contract)
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -65,7 +69,8 @@ class ExpertList(nn.ModuleList):
             if e == n:
                 continue
             k_pos, tok = torch.where(mask[e])  # (slot k, token) pairs routed to e
-            y = self[e](hidden_states[tok]) * top_k_weights[tok, k_pos, None]
+            expert = self[e] if self.source is None else self.source(e)
+            y = expert(hidden_states[tok]) * top_k_weights[tok, k_pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 

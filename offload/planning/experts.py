@@ -12,7 +12,15 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   skewed, so fewer distinct experts and more cache hits; measured routing counts replace it through
   `hit_share`). A verify pass of a tree of n tokens reads that many experts per sparse layer, not n x k.
 - `expert_plan(ck, lay, req, plan)` -> the JSON `plan.experts` (None for a dense model), in one of
-  two modes:
+  three modes:
+  "on-demand" (run; where stream/expertstore.splits_experts says so, the one decision the loader asks
+  too: a CPU device, a per-expert family, something on disk): layers placed as the plan places them; a
+  disk layer streams its dense part only (memlayers sizes its slot so), and its routed experts
+  (`disk_experts`) are read from disk after the router chose them, into a RAM cache of `cache_experts`
+  experts (`cache_bytes`, the device component "expert_cache"; expertstore.cache_capacity of what the RAM
+  cap leaves: none with --offload disk, so one layer's experts) kept most recently used; the experts of
+  resident and RAM layers (`ram_experts`) stay in their layers. A pass pays the cache's misses, distinct
+  experts x (1 - hit) x their bytes at the disk's rate, before they compute (not overlapped).
   "split" (CUDA, when something of the whole-layer plan streams and the split models faster, as
   llama.cpp's --cpu-moe / --n-cpu-moe and ktransformers do): every layer's dense part resident on the
   card, a GPU expert cache of `gpu_experts` experts (of every sparse layer's) in the device memory left (the
@@ -23,8 +31,8 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   whichever models faster for that pass's distinct experts (`routed` names it).
   "layers": the plan's own whole-layer placement; a layer computes only its routed experts
   (arch/moe.ExpertList runs the experts some token hit), while a streamed layer moves all of them.
-  `runs` says whether the loader realizes the mode: offload/stream places whole layers, so "split"
-  is planned and modelled, not yet run.
+  `runs` says whether the loader realizes the mode: "on-demand" and "layers" run; "split" (CUDA) is
+  planned and modelled, not yet run (a CUDA loader streams whole layers).
 - `pass_terms(a, plan, dev, n, ctx, c)` -> passcost.PassTerms of a pass of n tokens under
   plan["experts"] (draftcost.target_seconds calls it for MoE plans, passcost.target_pass for dense ones):
   the dense part as passcost prices a layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
@@ -42,6 +50,7 @@ from dataclasses import dataclass, replace
 from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
 from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
 from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
+from offload.stream.expertstore import cache_capacity, splits_experts
 
 CPU_READ_SHARE = 0.5
 """Share of its DIMMs' peak bandwidth (channels x 8 bytes x MT/s) a desktop CPU reads weights at in a
@@ -161,6 +170,35 @@ def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict 
     )
 
 
+def _cache_room(req, plan) -> int:
+    """Host bytes the RAM cache of on-demand experts may take: what --max-ram leaves after the RAM-tier
+    layers (and resident ones, CPU auto), none with --offload disk, else what the RAM cap leaves."""
+    if req.max_ram is not None:
+        used = plan.host_bytes.get("ram_layers", 0)
+        used += plan.device_bytes.get("resident_layers", 0) if req.offload == "auto" else 0
+        return max(0, req.max_ram - used)
+    if req.offload == "disk":
+        return 0
+    return max(0, ram_cap(req) - sum(plan.device_bytes.values()) - sum(plan.host_bytes.values()))
+
+
+def _on_demand(shape: MoeShape, lay, req, plan, routing: list[int] | None) -> dict:
+    """The "on-demand" fields of plan.experts (see the contract): experts by tier and the RAM cache."""
+    disk = [i for i in plan.disk_layers if shape.expert_bytes[i]]
+    sparse = sum(1 for b in shape.expert_bytes if b)
+    on_disk = shape.experts * len(disk)
+    slot = max((lay.expert_slot[i] for i in disk), default=0)
+    cache = cache_capacity(shape.experts, on_disk, slot, _cache_room(req, plan))
+    return dict(
+        ram_experts=shape.experts * (sparse - len(disk)),
+        disk_experts=on_disk,
+        cache_experts=cache,
+        cache_bytes=cache * slot,
+        hit=hit_share(routing, cache, on_disk) if on_disk else 0.0,
+        runs=True,
+    )
+
+
 def _layer_tiers(ex: dict) -> tuple[float, float, float]:
     """(GPU hit share, RAM share, disk share) of one sparse layer's routed experts."""
     hit = ex.get("hit", 0.0)
@@ -169,15 +207,19 @@ def _layer_tiers(ex: dict) -> tuple[float, float, float]:
     return hit, (1 - hit) * ram / rest, (1 - hit) * disk / rest
 
 
-def routed_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
-    """(seconds, "gpu" | "cpu" | "stream") of layer i's routed experts in a pass of n tokens (plan.experts `ex`)."""
+def routed_seconds(ex: dict, i: int, n: int, dev, c: int, on_disk: bool = False) -> tuple[float, str]:
+    """(seconds, "gpu" | "cpu" | "stream" | "disk") of layer i's routed experts in a pass of n tokens (plan.experts
+    `ex`); `on_disk`: layer i's experts are read on demand ("on-demand" mode), the cache's misses from disk."""
     eb, ew, k, e = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"], ex["experts"]
     if not eb:
         return 0.0, ""
     d = distinct_experts(n, k, e)
     flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
     if ex["mode"] != "split":
-        return max(d * eb / dev.memory_bps, flops / dev.flops(c)), "gpu" if dev.kind == "cuda" else "cpu"
+        compute = max(d * eb / dev.memory_bps, flops / dev.flops(c))
+        if on_disk:  # read after the router chose them, before they compute: not overlapped
+            return compute + d * (1 - ex["hit"]) * eb / dev.disk_bps, "disk"
+        return compute, "gpu" if dev.kind == "cuda" else "cpu"
     g, r, s = _layer_tiers(ex)
     on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
     cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + d * s * eb / dev.disk_bps
@@ -188,7 +230,7 @@ def routed_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
 def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
     """passcost.PassTerms of one pass of n tokens under plan.experts (see the contract)."""
     ex = plan.experts
-    split = ex["mode"] == "split"
+    split, held = ex["mode"] == "split", ex["mode"] == "on-demand"
     ram, disk = (set(), set()) if split else (set(plan.ram_layers), set(plan.disk_layers))
     dense_a = replace(a, intermediate=ex["shared_intermediate"] if ex["sparse_layers"] else a.intermediate)
     dense_flops = 2 * linear_weights(dense_a) * n / dev.flops(c)
@@ -197,14 +239,15 @@ def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
     routed = set()
     for i, size in enumerate(plan.layer_bytes):
         rate = dev.link_bps if i in ram else dev.disk_bps if i in disk else 0.0
-        transfer = size / rate if rate else 0.0
+        apart = held and i in disk and ex["expert_bytes"][i] > 0  # its dense part streams, its experts on demand
+        transfer = (ex["dense_bytes"][i] if apart else size) / rate if rate else 0.0
         dense_bytes = ex["dense_bytes"][i] if ex["expert_bytes"][i] else size
         layer_gemm = (
             max(dense_flops, dense_bytes / dev.memory_bps)
             if ex["expert_bytes"][i]
             else (max(2 * linear_weights(a) * n / dev.flops(c), size / dev.memory_bps))
         )
-        ex_s, how = routed_seconds(ex, i, n, dev, c)
+        ex_s, how = routed_seconds(ex, i, n, dev, c, apart)
         routed.add(how)
         total += max(transfer, layer_gemm + attn + ex_s)
         stream, gemm, experts = stream + transfer, gemm + layer_gemm, experts + ex_s
@@ -262,6 +305,11 @@ def expert_plan(
     ctx = model_ctx(plan)
     base["layers_tokens_per_second"] = _tokens_per_second(a, plan, dev, base, c, ctx)
     base["tokens_per_second"] = base["layers_tokens_per_second"]
+    packed = req.dtype == "nf4" or isinstance(ck.config.get("quantization_config"), dict)
+    if plan.disk_layers and bits is None and splits_experts(ck.config.get("model_type"), req.device, packed):
+        held = {**base, **_on_demand(shape, lay, req, plan, routing), "mode": "on-demand"}
+        held["tokens_per_second"] = _tokens_per_second(a, plan, dev, held, c, ctx)
+        return held
     streams = bool(plan.ram_layers or plan.disk_layers)
     split = _split_bytes(shape, req, plan, routing) if req.device == "cuda" and streams else None
     if split and split["fits"]:
@@ -280,6 +328,18 @@ def expert_notes(ex: dict | None) -> list[str]:
         f"experts: {ex['experts']} per layer, top-{ex['top_k']}, {ex['sparse_layers']} sparse layers; "
         f"a pass is priced by the distinct experts its tokens route to ({ex['routing']} routing)"
     )
+    if ex["mode"] == "on-demand":
+        return [
+            head,
+            (
+                f"experts apart (run): disk layers stream their attention+shared part only; their "
+                f"{ex['disk_experts']} routed experts are read from disk once the router chose them (only those), "
+                f"into a RAM cache of {ex['cache_experts']} experts (most recently used kept), and computed on the "
+                f"CPU; the {ex['ram_experts']} experts of resident and RAM layers stay in their layers: "
+                f"{ex['tokens_per_second']:.2f} tokens/s plain (modelled; whole layers streamed: "
+                f"{ex['layers_tokens_per_second']:.2f})"
+            ),
+        ]
     if ex["mode"] != "split":
         return [head + f"; whole layers placed as above: {ex['tokens_per_second']:.2f} tokens/s plain (modelled)"]
     return [

@@ -22,6 +22,7 @@ from offload.formats.prequant import packed_nf4_shape
 from offload.formats.st_index import SafetensorsIndex, TensorEntry
 from offload.planning.membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
 from offload.quant.dense import dense_bytes
+from offload.stream.expertstore import slot_bytes, split_layer, splits_experts
 from offload.stream.hostmem import ARENA_ALIGN
 from offload.stream.storage import CPU_ALIGN, IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
 
@@ -102,6 +103,7 @@ class LayerSizes:
     pinned: int = 0  # NF4: every layer's norms/biases, kept on the device
     dense: list[int] = field(default_factory=list)  # packed linears dequantized once (quant/dense.py), per layer
     estimated: bool = False  # NF4 file layout estimated (the 4-bit cache is not written yet)
+    expert_slot: list[int] = field(default_factory=list)  # routed experts held apart: one cache slot's bytes, per layer
 
 
 def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
@@ -113,6 +115,8 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
     nf4 = req.dtype == "nf4"
     storage = (torch.float32 if compute_bytes(req) == 4 else torch.bfloat16) if nf4 else torch_dtype(req.dtype)
     out = LayerSizes([], [], [], [], [], 0)
+    # a disk layer streams its dense part only where its routed experts are read on demand (stream/expertstore.py)
+    held = splits_experts(ck.config.get("model_type"), req.device, nf4 or _packed_method(ck.config))
     for i in range(arch.layers):
         specs = layer_specs(ck, i, storage, nf4)
         streamed = {n: se for n, se in specs.items() if se[0].nf4 or not nf4}
@@ -124,6 +128,17 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
             )
             spans, convert, aligned = raw, False, False  # cache offsets unknown yet: assume a repack
             out.estimated = True
+        elif held:  # the dense part as the loader reads it (expertstore.split_layer), the experts' cache slot
+            part, experts = split_layer(
+                {n: e for n, (_, e) in streamed.items()}, [sp for sp, _ in streamed.values()], CPU_ALIGN
+            )
+            raw, spans, convert, aligned = (
+                part.raw.nbytes,
+                sum(s.length for s in part.spans),
+                part.convert,
+                not part.repack,
+            )
+            out.expert_slot.append(slot_bytes(experts.values()))
         else:
             lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
             raw, spans = lay.nbytes, sum(sp.length for sp in span_list)
@@ -131,8 +146,8 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
             # a CPU computes a disk layer in its file layout where offsets allow (storage.CPU_ALIGN)
             aligned = is_aligned(lay, CPU_ALIGN if req.device == "cpu" else ARENA_ALIGN)
         out.packed.append(packed)
-        out.disk_slot.append(raw if aligned and not convert else packed)
-        out.stage.append(packed if convert else raw)
+        out.disk_slot.append(part.layout.nbytes if held else raw if aligned and not convert else packed)
+        out.stage.append(packed if convert else raw)  # CUDA only (never held apart)
         out.raw.append(raw)
         out.convert.append(convert)
         out.repack.append(convert or not aligned)

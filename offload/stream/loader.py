@@ -41,6 +41,7 @@ from offload.formats.st_index import check_tensor_set
 from offload.stream.storage import (CPU_ALIGN, DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore,
                       ParamSpec, aligned_empty, file_layout, fill_packed, packed_layout)
 from offload.stream.hostmem import ARENA_ALIGN, HostPins
+from offload.stream.expertstore import ExpertStore, held_experts
 from offload.formats.prequant import packed_nf4_shape
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -94,6 +95,7 @@ class LoadedWeights:
     resident: dict[int, tuple[torch.Tensor, LayerLayout]]
     qstates: dict[int, dict]                                # layer -> param name -> QuantState (nf4)
     pinned: dict[int, tuple[torch.Tensor, LayerLayout]]     # nf4: norms/biases, bound once
+    experts: ExpertStore | None = None                      # disk layers' routed experts, read on demand
 
 
 def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
@@ -225,11 +227,14 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
                  compute_dtype: torch.dtype, nf4: bool, offload: str, max_dev, max_host, slots: int,
                  progress: Callable[[int, int, str], None] | None, host_slots: int | None = None,
                  staging_bytes: int | None = None, memplan=None, pool: DevicePool | None = None,
-                 subset: Subset | None = None) -> LoadedWeights:
+                 subset: Subset | None = None, experts: str = "auto",
+                 expert_cache: int | None = None) -> LoadedWeights:
     """`memplan` (offload.planning.memplan.MemoryPlan) fixes placement and embeddings; without it the
     budgets below decide (library use). `pool` counts every device byte (a fresh one if None).
     `subset`: only those layers get weights (the others count 0 bytes), the globals are shared.
-    `path`: the opened Checkpoint (a directory is opened here, for library callers)."""
+    `path`: the opened Checkpoint (a directory is opened here, for library callers). `experts`: "auto"
+    (disk layers' routed experts read on demand where expertstore.splits_experts says so) or "layers"
+    (whole layers stream); `expert_cache`: the expert cache's experts (None: the plan's, else expertstore's rule)."""
     index = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     path = index.path
     layers = hf.model.layers
@@ -253,10 +258,11 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes if subset is None or i in subset.layers else 0 for i, lay in enumerate(layouts)]
     if memplan is not None:
-        plan = _from_memplan(memplan, layer_bytes, slots)
+        plan, room = _from_memplan(memplan, layer_bytes, slots), None
     else:
         dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
         plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
+        room = max(0, host_budget - plan.host_bytes)   # host bytes the budget leaves for an expert cache
         _check_fits(plan, device, free_ram, path)
         plan.dense = _dense_auto(index, plan, layer_bytes, compute_dtype, device, free_ram, max_dev)
     pool, total = pool if pool is not None else DevicePool(device), len(layers)
@@ -294,13 +300,14 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     if disk:
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
+    disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
     store = LayerStore(device, pool, slots, ram, disk, reader, host_slots=host_slots, staging_bytes=staging_bytes,
                        pins=pins, ram_pinned=ram_pinned)
     for states in qstates.values():
         for state in states.values():
             _own_quant_state(state, pool)
-    plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots"))
-    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned)
+    plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots", "expert_cache"))
+    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held)
 
 
 def expected_tensors(hf: nn.Module, specs: list[list[ParamSpec]]) -> tuple[dict[str, tuple[int, ...]], set[str]]:

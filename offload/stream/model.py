@@ -12,7 +12,9 @@ and returns a `CausalLMOutputWithPast` whose logits equal HF's for the same inpu
 (4-D additive tree masks, arbitrary positions and a caller-owned DynamicCache included; with
 attention_mask=None it behaves like HF's plain causal path). The KV cache stays on the device.
 Per-family differences (soft-capping, sliding windows under tree masks) come from families.py;
-offload="none" keeps every layer resident (the exact non-streamed path for those families).
+offload="none" keeps every layer resident (the exact non-streamed path for those families). A disk layer of a
+mixture-of-experts target streams without its routed experts where stream/expertstore.py holds them apart:
+each routed expert is read (or found in the RAM expert cache) just before it computes.
 Resident layers of a packed checkpoint named in `plan.dense` are dequantized once here
 (quant/dense.py), the same values every pass would compute.
 """
@@ -94,6 +96,11 @@ class OffloadedCausalLM(nn.Module):
             for name, state in states.items():
                 self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
         self._prelay_cpu(w)
+        self.experts = w.experts  # disk layers' routed experts, read on demand (stream/expertstore.py)
+        for i in sorted({i for i, _ in w.experts.experts} if w.experts else ()):
+            w.experts.attach(i, self.layers[i], self.layers[i].mlp.experts)
+        if w.experts:
+            w.experts.stats = self.stats
         self.prefetcher = Prefetcher(
             self.plan.streamed,
             self.store.read,
@@ -122,12 +129,16 @@ class OffloadedCausalLM(nn.Module):
         pool=None,
         subset=None,
         nf4_compute: torch.dtype | None = None,
+        experts: str = "auto",
+        expert_cache: int | None = None,
     ):
         """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB).
         `memplan`: an offload.planning.memplan.MemoryPlan fixing placement and embeddings (else the budgets
         decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte;
         `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft/build.py);
-        `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16)."""
+        `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16);
+        `experts` / `expert_cache`: routed experts of disk layers read on demand ("auto") or streamed with
+        their layer ("layers"), and the experts their RAM cache holds (loader.load_weights)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -189,6 +200,8 @@ class OffloadedCausalLM(nn.Module):
             memplan=memplan,
             pool=pool,
             subset=subset,
+            experts=experts,
+            expert_cache=expert_cache,
         )
         model = cls(config, device, compute_dtype, hf, w, slots, packing)
         model.source = path  # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
@@ -305,6 +318,8 @@ class OffloadedCausalLM(nn.Module):
         (idempotent)."""
         self.prefetcher.close()
         self.store.reader.close()
+        if getattr(self, "experts", None) is not None:
+            self.experts.reader.close()
         self.store.close()
 
     def __del__(self):

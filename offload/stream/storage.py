@@ -96,13 +96,13 @@ class Span:
     buf_offset: int  # IO_ALIGN-aligned destination offset in the staging buffer
 
 
-def file_layout(entries: dict[str, TensorEntry]) -> tuple[LayerLayout, list[Span]]:
-    """Covering aligned spans of a layer's tensors (merged when gaps are small) + views into them."""
+def file_layout(entries: dict[str, TensorEntry], merge_gap: int = MERGE_GAP) -> tuple[LayerLayout, list[Span]]:
+    """Covering aligned spans of a layer's tensors (merged across gaps up to `merge_gap`) + views into them."""
     order = sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
     groups: list[list[tuple[str, TensorEntry]]] = []
     for name, e in order:
         last = groups[-1][-1][1] if groups else None
-        if last is not None and last.file == e.file and e.begin - last.end <= MERGE_GAP:
+        if last is not None and last.file == e.file and e.begin - last.end <= merge_gap:
             groups[-1].append((name, e))
         else:
             groups.append([(name, e)])

@@ -175,11 +175,18 @@ def _experts_term(t: dict) -> tuple:
 
 def experts_table(ex: dict):
     """A mixture-of-experts target's expert placement (offload/planning/experts.py), every speed modelled:
-    "split" puts attention+shared parts and routed experts apart (planned; the loader streams whole layers)."""
+    "split" puts attention+shared parts and routed experts apart (planned; the loader streams whole layers),
+    "on-demand" streams disk layers' dense parts and reads their routed experts when routed (run)."""
     from rich.table import Table
 
-    split = ex["mode"] == "split"
-    title = "experts: attention+shared on the card, routed experts apart" if split else "experts: whole layers"
+    split, held = ex["mode"] == "split", ex["mode"] == "on-demand"
+    title = (
+        "experts: attention+shared on the card, routed experts apart"
+        if split
+        else "experts: disk layers' routed experts read when routed"
+        if held
+        else "experts: whole layers"
+    )
     table = Table(title=title, header_style="bold cyan")
     for col, justify in (("part", "left"), ("where", "left"), ("experts", "right"), ("GB", "right")):
         table.add_column(col, justify=justify, no_wrap=True)
@@ -192,10 +199,16 @@ def experts_table(ex: dict):
             "experts computed on the CPU", "ram", str(ex["ram_experts"]), _gb(ex["host_bytes"]["experts_ram"])
         )
         table.add_row("experts read when routed", "disk", str(ex["disk_experts"]), _gb(ex["disk_bytes"]))
+    if held:
+        n = ex["ram_experts"] + ex["disk_experts"]
+        table.add_row("experts in their layers (resident, RAM)", "ram", f"{ex['ram_experts']} of {n}", "")
+        table.add_row("experts read when routed", "disk", f"{ex['disk_experts']} of {n}", "")
+        table.add_row("expert cache (most recently used)", "ram", str(ex["cache_experts"]), _gb(ex["cache_bytes"]))
     table.caption = (
         f"{ex['experts']} experts, top-{ex['top_k']}, {ex['sparse_layers']} sparse layers · plain decoding "
         f"{ex['tokens_per_second']:.2f} tok/s modelled"
-        + (f" (whole layers streamed: {ex['layers_tokens_per_second']:.2f}) · planned, not yet run" if split else "")
+        + (f" (whole layers streamed: {ex['layers_tokens_per_second']:.2f})" if split or held else "")
+        + (" · planned, not yet run" if split else "")
         + f" · CPU experts {ex['cpu_bps'] / 1e9:.0f} GB/s ({escape(ex['cpu_source'])}) · {ex['routing']} routing"
     )
     return table

@@ -1,0 +1,202 @@
+"""Routed experts held apart from their decoder layer: read on demand from disk into a bounded RAM cache.
+
+Contract:
+- `splits_experts(model_type, device_type)` is THE decision, asked by the memory plan (`plan.experts`,
+  offload/planning/experts.py) and by the loader alike: on a CPU device a disk-tier decoder layer of a
+  family whose checkpoints store one tensor per expert (arch/moe.MOE_FAMILIES: Mixtral, Qwen2-MoE,
+  Qwen3-MoE, not gpt-oss's fused 3-D experts) streams only its dense part (attention, norms, the router,
+  a shared expert), and its routed experts are read after the router chose them, only those. Resident and
+  RAM-tier layers keep their experts in their arena (on a CPU that is RAM, computed in place). A CUDA
+  device streams whole layers.
+- `is_expert(name)`: a layer-relative parameter name belongs to a routed expert; `expert_id(name)` its id.
+- `expert_layers(entries, specs, align)` -> {expert id: storage.DiskLayer}: per routed expert of one layer
+  its covering file spans (its tensors, IO_ALIGN-aligned, merged only where they touch) and the layout it
+  computes in (the file's where offsets sit on `align` and no cast is needed, else a packed one). Pure: the
+  plan sizes the cache from the headers with it, the loader reads with it.
+- `split_layer(entries, specs, align)` -> (dense part, {e: expert}) of one disk layer; `split_disk(index,
+  disk)` does it to the loader's disk layers. The dense part's spans never cover an expert's bytes.
+- `held_experts(...)`: the loader's step (disk layers in, dense parts and an ExpertStore out).
+- `slot_bytes(experts)`: one cache slot (the largest expert's compute layout, page-aligned: O_DIRECT lands
+  there); `cache_capacity(per_layer, on_disk, slot, room)`: experts the cache holds: what `room` bytes
+  hold (None: nothing beyond the minimum), at least one layer's experts (a pass may route to all of them),
+  at most every expert on disk.
+- `ExpertStore(reader, experts {(layer, e): DiskLayer}, capacity, pool)`: one pool buffer
+  ("expert_cache") of `capacity` slots. `fetch(layer, e)` -> (buffer, layout): a cached expert as it is
+  (a hit: it becomes the most recently used), else its spans read by `reader` (storage.DirectReader) into
+  the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
+  also added to `stats.streamed_bytes_per_pass` when the model sets `stats`.
+  `attach(i, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
+  parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from offload.arch.moe import MOE_FAMILIES
+from offload.errors import OffloadError
+from offload.formats.st_index import TensorEntry
+from offload.stream.devmem import DevicePool
+from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
+from offload.stream.storage import (
+    MERGE_GAP,
+    DirectReader,
+    DiskLayer,
+    ParamSpec,
+    file_layout,
+    packed_layout,
+    store_param,
+)
+
+MARK = ".experts."
+
+
+def splits_experts(model_type: str | None, device_type: str, packed: bool = False) -> bool:
+    """True where a disk layer's routed experts are read on demand (see the contract); `packed`: a
+    4-bit or otherwise packed checkpoint (its experts stream with their layer)."""
+    family = MOE_FAMILIES.get(model_type or "")
+    return device_type == "cpu" and not packed and family is not None and family[1] is not None
+
+
+def is_expert(name: str) -> bool:
+    return MARK in name
+
+
+def expert_id(name: str) -> int:
+    return int(name.split(MARK, 1)[1].split(".", 1)[0])
+
+
+def expert_layers(entries: dict[str, TensorEntry], specs: dict[str, ParamSpec], align: int) -> dict[int, DiskLayer]:
+    """Per routed expert of one layer (names layer-relative): its spans and compute layout (see the contract)."""
+    groups: dict[int, list[str]] = {}
+    for name in specs:
+        if is_expert(name):
+            groups.setdefault(expert_id(name), []).append(name)
+    out = {}
+    for e, names in sorted(groups.items()):
+        raw, spans = file_layout({n: entries[n] for n in names}, merge_gap=0)
+        sp = [specs[n] for n in names]
+        convert = any(raw.slices[s.name].dtype != s.dtype for s in sp)
+        out[e] = DiskLayer(spans, raw, packed_layout(sp), sp, convert, align)
+    return out
+
+
+def split_layer(
+    entries: dict[str, TensorEntry], specs: list[ParamSpec], align: int
+) -> tuple[DiskLayer, dict[int, DiskLayer]]:
+    """One disk layer held apart (names layer-relative): (its dense part, its routed experts); a layer
+    without routed experts (a dense MLP layer) comes back whole, with none."""
+    experts = expert_layers(entries, {sp.name: sp for sp in specs}, align)
+    keep = [sp for sp in specs if not is_expert(sp.name)] if experts else specs
+    raw, spans = file_layout({sp.name: entries[sp.name] for sp in keep}, merge_gap=0 if experts else MERGE_GAP)
+    packed = packed_layout(keep)
+    convert = any(raw.slices[sp.name].dtype != packed.slices[sp.name].dtype for sp in keep)
+    return DiskLayer(spans, raw, packed, keep, convert, align), experts
+
+
+def split_disk(index, disk: dict[int, DiskLayer]) -> tuple[dict[int, DiskLayer], dict[tuple[int, int], DiskLayer]]:
+    """The loader's disk layers held apart: ({layer: dense part}, {(layer, expert): expert})."""
+    dense, held = {}, {}
+    for i, d in disk.items():
+        entries = {sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in d.specs}
+        dense[i], experts = split_layer(entries, d.specs, d.align)
+        held.update({(i, e): x for e, x in experts.items()})
+    return dense, held
+
+
+def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool, reader, room):
+    """The loader's disk layers with their routed experts held apart where `splits_experts` says so and
+    `mode` is "auto" ("layers": whole layers): ({layer: dense part, or the whole layer}, ExpertStore | None).
+    The cache's experts: `capacity`, else the memory plan's, else `cache_capacity` of `room` host bytes."""
+    if mode not in ("auto", "layers"):
+        raise OffloadError(f"experts must be auto or layers, got {mode!r}")
+    if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, bool(index.packed)):
+        return disk, None
+    dense, held = split_disk(index, disk)
+    if not held:
+        return disk, None
+    if capacity is None:
+        capacity = (getattr(memplan, "experts", None) or {}).get("cache_experts")
+    if capacity is None:
+        per_layer = 1 + max(e for _, e in held)
+        capacity = cache_capacity(per_layer, len(held), slot_bytes(held.values()), room)
+    return dense, ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), held, capacity, pool)
+
+
+def slot_bytes(experts) -> int:
+    return max((align_up(d.layout.nbytes, IO_ALIGN) for d in experts), default=0)
+
+
+def cache_capacity(per_layer: int, on_disk: int, slot: int, room: int | None) -> int:
+    """Experts the RAM cache holds (see the contract)."""
+    fit = room // slot if room is not None and slot else 0
+    return min(on_disk, max(per_layer, fit))
+
+
+class ExpertStore:
+    def __init__(
+        self, reader: DirectReader, experts: dict[tuple[int, int], DiskLayer], capacity: int, pool: DevicePool
+    ):
+        self.reader, self.experts = reader, experts
+        self.capacity = max(1, min(capacity, len(experts)))
+        self.slot = slot_bytes(experts.values())
+        self.cache = pool.alloc(self.capacity * self.slot, "expert_cache")
+        raw = max((d.raw.nbytes for d in experts.values() if d.repack), default=0)
+        self.scratch = aligned_empty(raw) if raw else None
+        self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, e) -> slot, least recent first
+        self.reads = self.hits = self.bytes_read = 0
+        self.stats = None  # an OffloadStats whose streamed_bytes_per_pass counts the spans read too
+
+    def fetch(self, layer: int, e: int) -> tuple[torch.Tensor, object, bool]:
+        """(slot buffer, layout, read now?) of expert e of `layer` (see the contract)."""
+        key, d = (layer, e), self.experts[(layer, e)]
+        if key in self.lru:
+            self.lru.move_to_end(key)
+            self.hits += 1
+            s = self.lru[key]
+            return self._buf(s), d.layout, False
+        s = self.lru.popitem(last=False)[1] if len(self.lru) >= self.capacity else len(self.lru)
+        self.lru[key] = s
+        dest = self._buf(s)
+        target = self.scratch if d.repack else dest
+        for span in d.spans:
+            self.reader.read_span(span, target)
+            self.bytes_read += span.length
+            if self.stats is not None:
+                self.stats.streamed_bytes_per_pass += span.length
+        if d.repack:
+            for sp in d.specs:
+                store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name))
+        self.reads += 1
+        return dest, d.layout, True
+
+    def _buf(self, s: int) -> torch.Tensor:
+        return self.cache[s * self.slot : (s + 1) * self.slot]
+
+    def attach(self, i: int, layer: nn.Module, experts: nn.Module) -> None:
+        """Layer i's ExpertList computes each routed expert from this store."""
+        experts.source = _Source(self, i, layer, experts)
+
+
+class _Source:
+    """Expert e of one layer with its parameters bound to its cache slot (ExpertList.source)."""
+
+    def __init__(self, store: ExpertStore, i: int, layer: nn.Module, experts: nn.Module):
+        self.store, self.i, self.experts = store, i, experts
+        self.params = {}
+        for (li, e), d in store.experts.items():
+            if li == i:
+                self.params[e] = [
+                    (layer.get_submodule(sp.name.rpartition(".")[0]), sp.name.rpartition(".")[2], sp.name)
+                    for sp in d.specs
+                ]
+
+    def __call__(self, e: int) -> nn.Module:
+        buf, layout, read = self.store.fetch(self.i, e)
+        if read:
+            for mod, attr, name in self.params[e]:
+                mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
+        return self.experts[e]

@@ -1,0 +1,186 @@
+"""Routed experts held apart from their disk layer (offload/stream/expertstore.py), exact against transformers.
+
+The tiny seeded MoE checkpoints of tests/test_moe_families.py (Mixtral, Qwen2-MoE with a shared expert and a
+dense MLP layer, Qwen3-MoE), every layer on disk, on the CPU. Checked: greedy ids equal HF `generate`'s and
+whole-layer streaming's (`experts="layers"`); the bytes read per pass are the routed experts' covering spans and
+nothing else of them (the reads recorded by a monkeypatched DirectReader.read_span, the routing by a monkeypatched
+ExpertList.forward, the expert spans from the safetensors header); the memory plan says "on-demand", runs, and
+sizes the staging slots and the expert cache as the loader allocates them; `ar` and specexec with a draft,
+through the engine, equal HF generate with the experts apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from offload.arch.moe import ExpertList
+from offload.formats.st_index import SafetensorsIndex
+from offload.stream.hostmem import IO_ALIGN, align_up
+from offload.stream.storage import DirectReader
+from tests.conftest import make_tokenizer
+from tests.test_moe_families import N_NEW, PROMPT, _decode, make_moe
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+def family(request, tmp_path_factory):
+    """(name, target dir, draft dir, HF generate's greedy ids)."""
+    root = tmp_path_factory.mktemp(request.param)
+    target = make_moe(request.param, root / "target", seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ids = make_tokenizer()(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
+    return request.param, target, root, out[0, len(ids) :].tolist()
+
+
+def _greedy(m, record=None) -> list[int]:
+    from transformers import DynamicCache
+
+    from offload.arch.hfcompat import cache_kwargs
+
+    cache, got = DynamicCache(), []
+    x = torch.tensor([make_tokenizer()(PROMPT)["input_ids"]])
+    for _ in range(N_NEW):
+        if record is not None:
+            record.append([])
+        x = m(input_ids=x, **cache_kwargs(m, cache), use_cache=True).logits[:, -1:].argmax(-1)
+        got.append(int(x))
+    return got
+
+
+def _expert_spans(target) -> dict[tuple[int, int], tuple[int, int]]:
+    """(layer, expert) -> the IO_ALIGN-aligned file range covering its tensors, from the header."""
+    spans = {}
+    for name, e in SafetensorsIndex(target).entries.items():
+        if ".experts." in name:
+            key = (int(name.split(".")[2]), int(name.split(".experts.")[1].split(".")[0]))
+            lo, hi = spans.get(key, (e.begin, e.end))
+            spans[key] = (min(lo, e.begin), max(hi, e.end))
+    return {k: (lo // IO_ALIGN * IO_ALIGN, align_up(hi, IO_ALIGN)) for k, (lo, hi) in spans.items()}
+
+
+def test_greedy_equals_hf_and_whole_layers(family):
+    from offload import OffloadedCausalLM
+
+    name, target, _, want = family
+    got = {}
+    for mode in ("auto", "layers"):
+        m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", experts=mode)
+        try:
+            assert m.plan.tier == "disk" and (m.experts is not None) == (mode == "auto")
+            got[mode] = _greedy(m)
+        finally:
+            m.close()
+    assert got["auto"] == want and got["layers"] == want, name
+
+
+def test_bytes_read_are_the_routed_experts(family, monkeypatch):
+    """With a one-expert cache every routed expert is read once per pass: the expert reads of a pass are exactly
+    the covering spans of the experts its tokens routed to, and the dense parts' reads never touch an expert."""
+    from offload import OffloadedCausalLM
+
+    name, target, _, _ = family
+    reads, routed = [], []
+    read_span = DirectReader.read_span
+
+    def recording_read(self, span, buf):
+        reads.append((self, span.offset, span.length))
+        return read_span(self, span, buf)
+
+    forward = ExpertList.forward
+
+    def recording_forward(self, hidden, top_k_index, top_k_weights):
+        routed[-1].append((id(self), sorted(set(top_k_index.flatten().tolist()))))
+        return forward(self, hidden, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(DirectReader, "read_span", recording_read)
+    monkeypatch.setattr(ExpertList, "forward", recording_forward)
+    m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", expert_cache=1)
+    try:
+        layer_of = {id(layer.mlp.experts): i for i, layer in enumerate(m.layers) if hasattr(layer.mlp, "experts")}
+        spans = _expert_spans(target)
+        whole = sum(hi - lo for lo, hi in spans.values())  # every expert's bytes: what whole layers read a pass
+        ids = make_tokenizer()(PROMPT)["input_ids"]
+        for n in (6, 1, 2, 7):  # passes of several sizes, each checked on its own
+            reads.clear()
+            routed.append([])
+            before = m.stats.streamed_bytes
+            m(input_ids=torch.tensor([ids[:n]]))
+            experts = sorted((off, size) for r, off, size in reads if r is m.experts.reader)
+            dense = [(off, size) for r, off, size in reads if r is not m.experts.reader]
+            want_spans = sorted(
+                (spans[(layer_of[mod], e)][0], spans[(layer_of[mod], e)][1] - spans[(layer_of[mod], e)][0])
+                for mod, es in routed[-1]
+                for e in es
+            )
+            assert experts == want_spans, (name, n)
+            for off, size in dense:  # a dense part's span never covers an expert's tensors
+                assert not any(off <= lo and hi <= off + size for lo, hi in spans.values()), (name, off, size)
+            # the pass's streamed bytes: every disk layer's dense part (read ahead by the prefetcher) + its experts
+            dense_parts = sum(m.store.link_bytes(i) for i in m.plan.disk_layers)
+            assert m.stats.streamed_bytes - before == dense_parts + sum(s for _, s in experts)
+            if n == 1:  # one token reads its top-2 of 4 experts per layer, half of what whole layers read
+                assert sum(s for _, s in experts) <= whole / 2, (name, experts, whole)  # top-2 of 4 experts
+    finally:
+        m.close()
+
+
+def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family):
+    from offload import OffloadedCausalLM
+    from offload.planning.memlayers import read_checkpoint
+    from offload.planning.memplan import PlanRequest, plan_memory
+
+    name, target, _, want = family
+    plan = plan_memory(
+        read_checkpoint(target),
+        None,
+        PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34, offload="disk"),
+    )
+    ex = plan.experts
+    assert ex["mode"] == "on-demand" and ex["runs"], ex
+    assert ex["cache_experts"] == ex["experts"]  # --offload disk: one layer's experts, the minimum
+    assert any(n.startswith("experts apart (run)") for n in plan.notes), plan.notes
+    m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", memplan=plan)
+    try:
+        got = m.pool.by_component
+        assert m.experts.capacity == ex["cache_experts"]
+        assert got["expert_cache"] == plan.device_bytes["expert_cache"], name
+        assert got["staging_slots"] == plan.device_bytes["staging_slots"], name
+        assert _greedy(m) == want
+    finally:
+        m.close()
+    resident = plan_memory(
+        read_checkpoint(target), None, PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34)
+    )
+    assert resident.experts["mode"] == "layers" and "expert_cache" not in resident.device_bytes
+    cuda = plan_memory(
+        read_checkpoint(target),
+        None,
+        PlanRequest(
+            device="cuda", dtype="bf16", draft_dtype=None, ram_free=1 << 34, offload="disk", max_gpu_memory=1 << 30
+        ),
+    )
+    assert cuda.experts["mode"] != "on-demand"  # a CUDA loader streams whole layers
+
+
+def test_engine_ar_and_specexec_with_experts_apart(family):
+    """`ar` and specexec with a draft, through the engine (the plan's load), experts read on demand."""
+    from specexec_cli.session.loading import LoadOptions, load_models
+
+    name, target, root, want = family
+    draft = make_moe(name, root / "draft", seed=4, noise_from=target, noise=0.05)
+    m = load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu", offload="disk", ctx=256))
+    try:
+        assert m.target.experts is not None and m.target.plan.tier == "disk"
+        m.eos_ids = frozenset()
+        assert _decode(m, "ar")[0] == want, name
+        got, per_pass = _decode(m, "specexec")
+        assert got == want and max(per_pass) >= 3, (name, per_pass)
+        assert m.target.experts.reads > 0
+    finally:
+        m.target.close()
