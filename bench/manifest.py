@@ -314,6 +314,13 @@ _ALL = [
         (PERF,),
         "bench/moe_experts.py:block",
     ),
+    _block(
+        "moe-apart",
+        "bench/moe_apart.py",
+        Run("moe_apart.json", "--tokens 1,8,32 --rounds 5 --doc"),
+        ("docs/memory-plan.md",),
+        "bench/moe_apart.py:block",
+    ),
     _block("flags", "tools/gen_flags.py", (), ("docs/flags.md",), "tools/gen_flags.py:reference", pure=False),
 ]
 BLOCKS: dict[str, Block] = {b.name: b for b in _ALL}

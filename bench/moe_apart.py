@@ -1,0 +1,193 @@
+"""Routed experts read on demand against whole-layer streaming: bytes read and ms per pass, every layer on disk.
+
+Usage: `flock -x /tmp/bench.lock python bench/moe_apart.py [--out bench/results/moe_apart.json] [--dir DIR]
+[--experts 24 --top-k 2 --layers 4 --hidden 512 --inter 384] [--tokens 1,8,32] [--rounds 5] [--batch 4] [--doc]`.
+
+A seeded Qwen3-MoE checkpoint (default 4 layers of 24 experts of 2.4 MB, top-2, fp32, 0.24 GB, saved by
+transformers into `--dir` on the disk, not tmpfs) is loaded twice with every layer on disk
+(`OffloadedCausalLM.from_pretrained(offload="disk")`, the CPU): with its routed experts held apart
+(`experts="auto"`: each disk layer streams its attention+router part, and the experts its tokens routed to
+are read when routed, O_DIRECT, into a cache of one layer's experts, what `--offload disk` plans) and with
+whole layers streamed (`experts="layers"`). Each round runs, for each pass size, `--batch` passes of each
+model on the same fresh random ids (no KV cache: a pass of n tokens, as a verify pass of an n-token tree), the
+two models interleaved: one model's passes back to back, all but the first timed (steady state: the stream's
+read-ahead of a pass overlaps only the pass before it, as in plain decoding with nothing between passes), then a
+0.5 s pause so that its read-ahead does not run inside the other model's passes. Per pass: ms (perf_counter
+around the call) and the bytes it read (`stats.streamed_bytes_per_pass`: the dense parts' or whole layers'
+spans, plus the experts' spans). Each pass's greedy id (its last row) must agree between the two models.
+Reported: the medians over rounds. Writes JSON;
+`--doc` rewrites `<!-- bench:moe-apart -->` on the pages bench/manifest.py lists for it (`block(result)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from offload import OffloadedCausalLM  # noqa: E402
+
+sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+from docblock import md_table  # noqa: E402  (bench/docblock.py)
+
+
+def checkpoint(args) -> Path:
+    """The seeded checkpoint under args.dir (written once per shape)."""
+    import transformers
+
+    path = args.dir / f"qwen3moe_e{args.experts}k{args.top_k}l{args.layers}h{args.hidden}i{args.inter}"
+    if (path / "config.json").exists():
+        return path
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=args.inter,
+        moe_intermediate_size=args.inter,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def one_pass(m, ids: torch.Tensor) -> tuple[float, int, int]:
+    """(ms, bytes read, greedy id of the last row) of one pass over `ids`."""
+    t = time.perf_counter()
+    logits = m(input_ids=ids[None], use_cache=False).logits
+    ms = 1e3 * (time.perf_counter() - t)
+    return ms, m.stats.streamed_bytes_per_pass, int(logits[0, -1].argmax())
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    path = checkpoint(args)
+    models = {
+        mode: OffloadedCausalLM.from_pretrained(path, offload="disk", experts=mode) for mode in ("auto", "layers")
+    }
+    gen = torch.Generator().manual_seed(1)
+    samples = {(mode, n): [] for mode in models for n in args.tokens}
+    for n in args.tokens:  # warm-up: one pass of each size and model
+        ids = torch.randint(1, 256, (n,), generator=gen)
+        for m in models.values():
+            one_pass(m, ids)
+    for _ in range(args.rounds):
+        for n in args.tokens:
+            batch = [torch.randint(1, 256, (n,), generator=gen) for _ in range(args.batch)]
+            got = {}
+            for mode, m in models.items():
+                time.sleep(0.5)
+                got[mode] = []
+                for b, ids in enumerate(batch):
+                    ms, nbytes, top = one_pass(m, ids)
+                    got[mode].append(top)
+                    if b:
+                        samples[(mode, n)].append((ms, nbytes))
+            assert got["auto"] == got["layers"], (n, got)
+    apart = models["auto"].experts
+    cells = []
+    for n in args.tokens:
+        row = dict(tokens=n)
+        for mode, key in (("auto", "apart"), ("layers", "layers")):
+            ms, nbytes = zip(*samples[(mode, n)])
+            row[f"{key}_ms"], row[f"{key}_mb"] = statistics.median(ms), statistics.median(nbytes) / 1e6
+        cells.append(row)
+        print(json.dumps(row), flush=True)
+    for m in models.values():
+        m.close()
+    expert_mb = 3 * args.hidden * args.inter * 4 / 1e6
+    return dict(
+        command="python bench/moe_apart.py " + " ".join(sys.argv[1:]),
+        machine=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        load_average=[round(x, 2) for x in os.getloadavg()],
+        experts=args.experts,
+        top_k=args.top_k,
+        layers=args.layers,
+        hidden=args.hidden,
+        inter=args.inter,
+        expert_mb=expert_mb,
+        checkpoint_gb=sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9,
+        cache_experts=apart.capacity,
+        direct_io=models["auto"].plan.direct_io,
+        rounds=args.rounds,
+        batch=args.batch,
+        cells=cells,
+    )
+
+
+def block(result: dict) -> str:
+    rows = [
+        [
+            r["tokens"],
+            f"{r['layers_mb']:.1f}",
+            f"{r['apart_mb']:.1f}",
+            f"{r['apart_mb'] / r['layers_mb']:.2f}",
+            f"{r['layers_ms']:.0f}",
+            f"{r['apart_ms']:.0f}",
+            f"{r['layers_ms'] / r['apart_ms']:.2f}x",
+        ]
+        for r in result["cells"]
+    ]
+    head = [
+        "tokens per pass",
+        "MB read: whole layers",
+        "experts apart",
+        "ratio",
+        "ms: whole layers",
+        "experts apart",
+        "speed-up",
+    ]
+    io = "O_DIRECT" if result["direct_io"] else "buffered reads"
+    return (
+        f"`{result['command']}` on this CPU ({result['threads']} threads, load average {result['load_average'][0]} "
+        f"when it finished): a seeded Qwen3-MoE of {result['layers']} layers x {result['experts']} experts of "
+        f"{result['expert_mb']:.1f} MB (top-{result['top_k']}, fp32, {result['checkpoint_gb']:.2f} GB), every layer "
+        f"on disk ({io}), the experts apart with a cache of {result['cache_experts']} experts (one layer's) against "
+        f"whole layers streamed, the two interleaved, medians of {result['rounds']} rounds x {result['batch'] - 1} passes back to back:\n\n"
+        + md_table(head, rows)
+    )
+
+
+def main() -> None:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "moe_apart.json")
+    ap.add_argument("--dir", type=Path, default=Path.home() / ".cache" / "specx-bench")
+    ap.add_argument("--experts", type=int, default=24)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--inter", type=int, default=384)
+    ap.add_argument("--tokens", type=ints, default=[1, 8, 32])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=4, help="back-to-back passes per model, the first untimed")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--doc", action="store_true", help="rewrite <!-- bench:moe-apart --> from the JSON")
+    args = ap.parse_args()
+    result = run(args)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(block(result))
+    if args.doc:
+        import manifest  # bench/manifest.py: the block's pages
+
+        manifest.write("moe-apart", block(result))
+
+
+if __name__ == "__main__":
+    main()
