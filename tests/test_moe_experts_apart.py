@@ -6,7 +6,8 @@ whole-layer streaming's (`experts="layers"`); the bytes read per pass are the ro
 nothing else of them (the reads recorded by a monkeypatched DirectReader.read_span, the routing by a monkeypatched
 ExpertList.forward, the expert spans from the safetensors header); the memory plan says "on-demand", runs, and
 sizes the staging slots and the expert cache as the loader allocates them; `ar` and specexec with a draft,
-through the engine, equal HF generate with the experts apart.
+through the engine, equal HF generate with the experts apart; a bf16 checkpoint (computed in bf16 or cast to fp32)
+gives whole-layer streaming's logits bit for bit.
 """
 
 from __future__ import annotations
@@ -184,3 +185,26 @@ def test_engine_ar_and_specexec_with_experts_apart(family):
         assert m.target.experts.reads > 0
     finally:
         m.target.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_checkpoint_apart_equals_whole_layers(tmp_path, dtype):
+    """A bf16 checkpoint: computed in bf16 each expert is read in its file layout, in fp32 cast through the
+    read buffer; either way the logits equal whole-layer streaming's bit for bit."""
+    from offload import OffloadedCausalLM
+
+    src = make_moe("qwen3_moe", tmp_path / "fp32", seed=3)
+    transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    make_tokenizer().save_pretrained(tmp_path / "bf16")
+    ids = torch.tensor([make_tokenizer()(PROMPT)["input_ids"]])
+    logits = {}
+    for mode in ("auto", "layers"):
+        m = OffloadedCausalLM.from_pretrained(tmp_path / "bf16", dtype=dtype, offload="disk", experts=mode)
+        try:
+            logits[mode] = m(input_ids=ids).logits
+            if mode == "auto":
+                assert m.experts.reads > 0
+                assert all(d.convert == (dtype == torch.float32) for d in m.experts.experts.values())
+        finally:
+            m.close()
+    assert torch.equal(logits["auto"], logits["layers"])
