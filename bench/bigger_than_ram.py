@@ -110,8 +110,9 @@ def _copy_tokenizer(writer, source: str) -> int:
     return vocab
 
 
-def write_file(out: Path, layers: int | None, ram: int, seed: int = 0) -> dict:
-    """The GGUF described in the module docstring; returns its size and layer count."""
+def write_file(out: Path, layers: int | None, ram: int, seed: int = 0, holes: bool = False) -> dict:
+    """The GGUF described in the module docstring; returns its size and layer count. `holes`: the header
+    and norms only, every quantized tensor a hole of its size (a sparse file, for memory-plan tests)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -150,7 +151,7 @@ def write_file(out: Path, layers: int | None, ram: int, seed: int = 0) -> dict:
     start += (-start) % writer.data_alignment
     align = writer.data_alignment
     writer.close()
-    _fill(out, plan, start, align, seed)
+    _fill(out, plan, start, align, seed, holes)
     return dict(path=str(out), layers=layers, vocab=vocab, bytes=out.stat().st_size)
 
 
@@ -171,11 +172,12 @@ def _pools(seed: int) -> dict:
     return pools
 
 
-def _fill(out: Path, plan: list, start: int, align: int, seed: int) -> None:
-    """Write every tensor's bytes at its aligned offset: ones for the F32 norms, tiled pool blocks else."""
+def _fill(out: Path, plan: list, start: int, align: int, seed: int, holes: bool = False) -> None:
+    """Write every tensor's bytes at its aligned offset: ones for the F32 norms, tiled pool blocks else
+    (`holes`: nothing, the file's length set past them)."""
     from gguf import GGMLQuantizationType as T
 
-    pools = _pools(seed)
+    pools = {} if holes else _pools(seed)
     fd = os.open(out, os.O_WRONLY)
     try:
         at = start
@@ -185,7 +187,8 @@ def _fill(out: Path, plan: list, start: int, align: int, seed: int) -> None:
                 os.pwrite(fd, data, at)
                 size = len(data)
             else:
-                size, pool, done = nbytes(shape, qt), pools[qt], 0
+                size = nbytes(shape, qt)
+                pool, done = pools.get(qt, b""), size if holes else 0
                 while done < size:
                     piece = memoryview(pool)[: min(len(pool), size - done)]
                     done += os.pwrite(fd, piece, at + done)

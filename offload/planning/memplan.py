@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from offload.errors import OffloadError
+from offload.formats.packed_globals import packed_globals_ok
 from offload.formats.qlinear import gguf_kernel_type
 from offload.sizes import format_bytes
 from offload.planning.membytes import (
@@ -86,8 +87,11 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
     table = a.vocab * a.hidden * c
     shared = a.tied and "lm_head.weight" not in ck.tensors and emb == "device"
     head = "model.embed_tokens.weight" if a.tied and "lm_head.weight" not in ck.tensors else "lm_head.weight"
-    fp32 = torch.float32 if c == 4 else torch.bfloat16
-    packed = ck.tensors[head].nbytes if head in ck.tensors and gguf_kernel_type(ck, head, req.device, fp32) else 0
+    packed = ck.tensors[head].nbytes if head in ck.tensors and gguf_kernel_type(ck, head, req.device, _fp32(req)) else 0
+    if emb == "packed":  # both as their GGUF bytes (formats/packed_globals.py); a tied head shares the table's
+        table = ck.tensors["model.embed_tokens.weight"].nbytes
+        lm_head = 0 if head == "model.embed_tokens.weight" else packed
+        return {"embeddings": table, "final_norm": a.hidden * c, "lm_head": lm_head, "rotary": rotary_bytes(a)}, {}
     dev = {
         "embeddings": table if emb == "device" else 0,
         "final_norm": a.hidden * c,
@@ -95,6 +99,11 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
         "rotary": rotary_bytes(a),
     }
     return dev, ({"embeddings": table} if emb == "host" else {})
+
+
+def _fp32(req: PlanRequest) -> torch.dtype:
+    """The compute dtype the GGUF kernel checks: float32 where the plan computes in 4 bytes."""
+    return torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
 
 
 @dataclass
@@ -316,8 +325,13 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
     """The plan for these checkpoints and options; see the module docstring."""
     if req.offload not in ("none", "ram", "disk", "auto"):
         raise OffloadError(f"offload must be none, ram, disk or auto, got {req.offload!r}")
-    if req.embeddings not in ("auto", "device", "host"):
-        raise OffloadError(f"--embeddings must be auto, device or host, got {req.embeddings!r}")
+    if req.embeddings not in ("auto", "device", "host", "packed"):
+        raise OffloadError(f"--embeddings must be auto, device, host or packed, got {req.embeddings!r}")
+    if req.embeddings == "packed" and not packed_globals_ok(target, req.device, _fp32(req)):
+        raise OffloadError(
+            "--embeddings packed needs a GGUF target on the CPU in fp32 whose embeddings and output layer "
+            "the packed kernel reads; fix: --embeddings auto"
+        )
     if req.ctx < 1 or req.budget < 0 or req.slots < 1:
         raise OffloadError("--ctx and --slots must be >= 1 and --budget >= 0")
     limits = [arch_of(target.config).max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
@@ -351,8 +365,11 @@ def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes,
     budgets = [req.budget]
     while req.budget_auto and budgets[-1] // 2 >= BUDGET_FLOOR:
         budgets.append(budgets[-1] // 2)
-    if req.device == "cpu" or req.embeddings != "auto":
-        embs = ["device" if req.embeddings == "auto" else req.embeddings]
+    if req.embeddings != "auto":
+        embs = [req.embeddings]
+    elif req.device == "cpu":  # packed: only where RAM is short (auto placement) and the file allows it
+        short = req.offload == "auto" and req.max_ram is None and packed_globals_ok(target, "cpu", _fp32(req))
+        embs = ["device", "packed"] if short else ["device"]
     else:
         embs = ["device", "host"]
     last = None
@@ -361,8 +378,8 @@ def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes,
         for emb in embs:
             plan = _plan_one(target, draft, lay, req, budget, emb)
             streams = bool(plan.ram_layers or plan.disk_layers)
-            if plan.fits and (emb == "host" or not streams or len(embs) == 1):
-                return plan  # host embeddings only when something streams: they free room for layers
+            if plan.fits and (emb != "device" or not streams or len(embs) == 1):
+                return plan  # host or packed embeddings only when something streams: they free room for layers
             fitting = plan if plan.fits else fitting
             last = plan
         if fitting is not None:

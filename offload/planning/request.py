@@ -38,7 +38,7 @@ class PlanRequest:
     slots: int = 2  # staging buffers for streamed layers
     max_gpu_memory: int | None = None  # cap on ALL device bytes
     max_ram: int | None = None  # cap on host bytes for streamed layers
-    embeddings: str = "auto"  # device | host | auto
+    embeddings: str = "auto"  # device | host | packed | auto
     attn: str = "sdpa"  # attention implementation: sdpa | eager
     self_draft: bool = False  # --draft self: the draft is low-bit substitutes of the streamed layers
     draft_bits: int | None = None  # --draft-bits 4 | 3 | 2 of those substitutes; None = the plan chooses
@@ -63,7 +63,7 @@ class MemoryPlan:
     ram_layers: list[int]  # streamed from host RAM
     disk_layers: list[int]  # streamed from disk
     layer_bytes: list[int]  # packed bytes per layer
-    embeddings: str  # "device" | "host"
+    embeddings: str  # "device" | "host" | "packed" (CPU GGUF: formats/packed_globals.py)
     ctx: int  # context the caches are sized for
     budget: int  # tree budget the run starts at (--budget auto: the speed model's pick)
     kv_rows: tuple[int, int]  # (target, draft) rows preallocated per cache

@@ -94,7 +94,7 @@ def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
     # a CPU pass's small torch ops up to the stack's call on one thread (ggml_kernel's contract)
-    with ggml_kernel.host_ops_on_one_thread(model.lean is not None and model.lm_head.weight.device.type == "cpu"):
+    with ggml_kernel.host_ops_on_one_thread(model.lean is not None and model.device.type == "cpu"):
         for lane in lanes:
             _embed(model, lane)
         stack, stacked = model.lean, _on_stack(model, lanes)

@@ -42,7 +42,7 @@ class LoadOptions:
     max_ram: int | None = None  # bytes for host-resident target layers
     progress: object = None  # optional callable(done, total, what) for load progress
     ctx: int = 8192  # context the KV caches are sized for (capped by max positions)
-    embeddings: str = "auto"  # target input embeddings: auto | device | host
+    embeddings: str = "auto"  # target input embeddings: auto | device | host | packed
     plan: object = None  # offload.planning.memplan.MemoryPlan from planning.make_plan; None = plan at load time
     draft_bits: int | None = None  # --draft self: substitute bits 4 | 3 | 2; None = the plan's choice
     shared_kv: bool = True  # --draft self: the draft reads the target's KV cache (False: a cache of its own)

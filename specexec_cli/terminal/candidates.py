@@ -154,7 +154,7 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
     streamed = plan["streamed_layers"]
     table.caption = (
         f"layers: {plan['resident_layers']} resident, {streamed['ram']} from RAM, {streamed['disk']} "
-        f"from disk · embeddings on {plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
+        f"from disk · embeddings {'packed' if plan['embeddings'] == 'packed' else 'on ' + plan['embeddings']} · ctx {plan['ctx']} · budget {plan['budget']} · "
         f"prefill {plan['pass_tokens']} tokens/pass · "
         + ("[green]fits[/green]" if plan["fits"] else "[bold red]does not fit[/bold red]")
     )
