@@ -166,7 +166,7 @@ def test_failed_unregister_clears_the_error_keeps_the_buffer_and_says_so(monkeyp
 def test_host_embedding_rows_are_one_counted_upload():
     """--embeddings host: the looked-up rows cross in one copy per forward, counted like every
     specx transfer (the session points `counter` at specexec_cli's transfers.COUNTER)."""
-    from offload.stream.loader import HostEmbedding
+    from offload.stream.globals import HostEmbedding
     from specexec_cli.core.transfers import TransferCount
 
     counter = TransferCount()

@@ -28,17 +28,15 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError
-from offload.arch.families import restore_buffers
 from offload.formats import Checkpoint, open_checkpoint
-from offload.cpu.ggml_kernel import PackedHead
-from offload.formats.packed_globals import EMBED, LeanHead, PackedEmbedding, head_name
-from offload.formats.qlinear import PackedLinear, gguf_kernel_type
+from offload.formats.qlinear import PackedLinear
 from offload.quant.dense import dense_bytes
 from offload.quant.nf4 import Nf4Linear
 from offload.stream.placement import OffloadPlan, plan_offload
 from offload.formats.prequant import is_quant_part, load_quant_state
 from offload.sizes import format_bytes
 from offload.formats.st_index import check_tensor_set
+from offload.stream.globals import load_globals
 from offload.stream.storage import (CPU_ALIGN, DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore,
                       ParamSpec, aligned_empty, file_layout, fill_packed, packed_layout)
 from offload.stream.hostmem import ARENA_ALIGN, HostPins
@@ -146,95 +144,6 @@ def _check_fits(plan: OffloadPlan, device: torch.device, free_ram: int, root: Pa
                 f"{format_bytes(free_dev)} is free; lower --max-device-memory or --slots")
 
 
-class HostEmbedding(nn.Module):
-    """Input embeddings kept in host RAM: only the T looked-up rows cross to the device, in ONE
-    copy per forward counted in `counter` (any object with `calls`, `bytes`, `uploads`: the
-    caller's transfer counter, e.g. specexec_cli's transfers.COUNTER; None counts nowhere)."""
-
-    def __init__(self, inner: nn.Module, device: torch.device, counter=None):
-        super().__init__()
-        self.inner, self.device, self.counter = inner, device, counter
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # callers pass CPU ids (OffloadedCausalLM.input_device): no device->host sync per pass
-        rows = self.inner(input_ids.to("cpu"))       # (B, T, hidden) on the host
-        if self.counter is not None:                 # counted on the CPU too, as every specx transfer
-            self.counter.calls += 1
-            self.counter.uploads += 1
-            self.counter.bytes += rows.numel() * rows.element_size()
-        return rows.to(self.device, non_blocking=True)
-
-
-def _materialize(mod: nn.Module, weight_name: str, index: Checkpoint, dtype, pool: DevicePool | None,
-                 component: str, device) -> nn.Module:
-    """Give `mod` (built on meta) its weight from the file: a counted pool buffer on the device,
-    or a plain host tensor when `pool` is None (host embeddings)."""
-    src = index.read(weight_name) if weight_name not in index.packed else index.reader.load_weight(
-        index, weight_name, {n: index.read(n) for n in index.stored_parts(weight_name)}, "cpu", dtype)  # GGUF
-    w = pool.copy(src.to(dtype), component) if pool is not None else src.to(dtype).clone()
-    mod = mod.to_empty(device=device if pool is not None else "cpu") if _has_other_state(mod) else mod
-    mod.weight = nn.Parameter(w, requires_grad=False)
-    return mod
-
-
-def _has_other_state(mod: nn.Module) -> bool:
-    return any(n != "weight" for n, _ in mod.named_parameters()) or any(True for _ in mod.buffers())
-
-
-@torch.no_grad()
-def _load_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool, embeddings: str = "device"):
-    """Materialize embed_tokens (on the device, or host RAM), norm, lm_head (tied if configured and
-    the embeddings are on the device) and rotary_emb; every device byte is counted by `pool`."""
-    base = hf.model
-    if embeddings == "packed":
-        return _packed_globals(index, hf, config, device, dtype, pool)
-    host = embeddings == "host"
-    embed = _materialize(base.embed_tokens, "model.embed_tokens.weight", index, dtype,
-                         None if host else pool, "embeddings", device)
-    norm = _materialize(base.norm, "model.norm.weight", index, dtype, pool, "final_norm", device)
-    tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in index.entries
-    if tied and not host:
-        lm_head = hf.lm_head
-        lm_head.weight = embed.weight
-    else:
-        lm_head = _materialize(hf.lm_head, "model.embed_tokens.weight" if tied else "lm_head.weight", index, dtype,
-                               pool, "lm_head", device)
-    lm_head = _packed_head(index, lm_head, "model.embed_tokens.weight" if tied else "lm_head.weight",
-                           device, dtype, pool)
-    restore_buffers(embed)
-    rotary = type(base.rotary_emb)(config).to(device)
-    pool.adopt("rotary", rotary.buffers())
-    for mod in (embed, norm, lm_head):
-        mod.requires_grad_(False)
-    return (HostEmbedding(embed, device) if host else embed), norm, lm_head, rotary
-
-
-def _packed_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool):
-    """`--embeddings packed` (formats/packed_globals.py): the embedding table and the output layer as
-    their GGUF bytes only, counted as "embeddings" and "lm_head" (a tied head reads the table's bytes)."""
-    base, (vocab, hidden) = hf.model, index.logical_shape(EMBED)
-    table = pool.copy(index.read(EMBED), "embeddings")
-    embed = PackedEmbedding(table, index.tensors[EMBED].meta["ggml_type"], vocab, hidden)
-    name = head_name(index)
-    raw = table if name == EMBED else pool.copy(index.read(name), "lm_head")
-    out_features, in_features = index.logical_shape(name)
-    lm_head = LeanHead(raw, gguf_kernel_type(index, name, device, dtype), out_features, in_features)
-    norm = _materialize(base.norm, "model.norm.weight", index, dtype, pool, "final_norm", device)
-    norm.requires_grad_(False)
-    rotary = type(base.rotary_emb)(config).to(device)
-    pool.adopt("rotary", rotary.buffers())
-    return embed, norm, lm_head, rotary
-
-
-def _packed_head(index: Checkpoint, lm_head: nn.Module, name: str, device, dtype, pool: DevicePool) -> nn.Module:
-    """A GGUF head the CPU kernel serves keeps its packed bytes too (counted as "lm_head"), so a
-    decode step reads them (~1 byte per weight) instead of the fp32 table (4 bytes)."""
-    qtype = gguf_kernel_type(index, name, device, dtype)
-    if qtype is None or name not in index.packed:
-        return lm_head
-    return PackedHead(lm_head.weight, pool.copy(index.read(name), "lm_head"), qtype)
-
-
 @dataclass(frozen=True)
 class Subset:
     """Load only some decoder layers and borrow the rest of the model (a self-draft's substitutes)."""
@@ -286,7 +195,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         _check_fits(plan, device, free_ram, path)
         plan.dense = _dense_auto(index, plan, layer_bytes, compute_dtype, device, free_ram, max_dev)
     pool, total = pool if pool is not None else DevicePool(device), len(layers)
-    embed, norm, lm_head, rotary = subset.shared if subset is not None else _load_globals(
+    embed, norm, lm_head, rotary = subset.shared if subset is not None else load_globals(
         index, hf, config, device, compute_dtype, pool, memplan.embeddings if memplan is not None else "device")
     resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
     pins = HostPins(device)   # CUDA only: nothing is page-locked for --device cpu

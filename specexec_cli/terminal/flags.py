@@ -108,7 +108,10 @@ Ctx = option(
     int, OFFLOAD, "N", "Context tokens the KV caches are preallocated for (capped by the models' max positions)."
 )
 Embeddings = option(
-    str, OFFLOAD, "WHERE", "Target input embeddings: auto | device | host | packed (host: only looked-up rows move; packed: CPU GGUF, embeddings and output layer kept as the file's bytes)."
+    str,
+    OFFLOAD,
+    "WHERE",
+    "Target input embeddings: auto | device | host | packed (host: only looked-up rows move; packed: CPU GGUF, embeddings and output layer kept as the file's bytes).",
 )
 DryRun = option(
     bool,
