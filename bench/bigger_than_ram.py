@@ -19,8 +19,9 @@ Each round, in this order, after asking the kernel to drop the file's cached pag
 - the read floor: the decoder layers' bytes read once with O_DIRECT (bench/spec_pass.read_floor),
   the floor of plain decoding that reads every layer once a token;
 - `specx run --method ar --ctx 512 --no-chat-template -n N` (the context llama.cpp gets), specx's own plan (as many layers resident in RAM
-  as it plans, the rest streamed from disk), then the same with `--offload disk --max-ram 0` (every
-  layer streamed with O_DIRECT); from their --stats-json: decode tokens/s, prefill seconds, peak RSS;
+  as it plans, the rest streamed from disk; on this file it keeps the embeddings and output layer
+  packed, `--embeddings packed`), the same plan with fp32 embeddings and output layer (`--embeddings
+  device`), then the same with `--offload disk --max-ram 0` (every layer streamed with O_DIRECT); from their --stats-json: decode tokens/s, prefill seconds, peak RSS;
 - `llama-completion -m FILE -p PROMPT -n N -t 2 --temp 0 -no-cnv -c 512 --no-warmup`: llama.cpp's
   defaults otherwise, so its weights are mmap'ed and paged in by the kernel ("eval time" tokens/s,
   "prompt eval time" seconds, the child's peak RSS).
@@ -296,6 +297,7 @@ def run_llamacpp(path: Path, n: int, timeout: float) -> dict:
 ENGINES = (
     ("read floor", None),
     ("specx --method ar (own plan)", run_specx),
+    ("specx --method ar --embeddings device", lambda p, n, t: run_specx(p, n, t, ("--embeddings", "device"))),
     ("specx --method ar --offload disk --max-ram 0", lambda p, n, t: run_specx(p, n, t, DISK)),
     ("llama.cpp (mmap)", run_llamacpp),
 )
