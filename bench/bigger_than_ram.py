@@ -24,7 +24,9 @@ Each round, in this order, after asking the kernel to drop the file's cached pag
   device`), then the same with `--offload disk --max-ram 0` (every layer streamed with O_DIRECT); from their --stats-json: decode tokens/s, prefill seconds, peak RSS;
 - `llama-completion -m FILE -p PROMPT -n N -t 2 --temp 0 -no-cnv -c 512 --no-warmup`: llama.cpp's
   defaults otherwise, so its weights are mmap'ed and paged in by the kernel ("eval time" tokens/s,
-  "prompt eval time" seconds, the child's peak RSS).
+  "prompt eval time" seconds, the child's peak RSS); then the same with `--no-repack` (on a CPU with
+  AMX llama.cpp's default copies every weight into a repacked buffer, which a file larger than RAM
+  cannot get: it fails to load; --no-repack computes from the mmap'ed weights).
 The table quotes each engine's tokens/s, its ratio to llama.cpp's in the same round, and the floor.
 """
 
@@ -262,7 +264,7 @@ def run_specx(path: Path, n: int, timeout: float, place: tuple[str, ...] = ()) -
     )
 
 
-def run_llamacpp(path: Path, n: int, timeout: float) -> dict:
+def run_llamacpp(path: Path, n: int, timeout: float, extra: tuple[str, ...] = ()) -> dict:
     cmd = [
         str(LLAMA / "llama-completion"),
         "-m",
@@ -279,6 +281,7 @@ def run_llamacpp(path: Path, n: int, timeout: float) -> dict:
         "-c",
         str(CTX),
         "--no-warmup",
+        *extra,
     ]
     text, wall, rss = timed(cmd, timeout)
     ev = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", text)
@@ -300,6 +303,9 @@ ENGINES = (
     ("specx --method ar --embeddings device", lambda p, n, t: run_specx(p, n, t, ("--embeddings", "device"))),
     ("specx --method ar --offload disk --max-ram 0", lambda p, n, t: run_specx(p, n, t, DISK)),
     ("llama.cpp (mmap)", run_llamacpp),
+    # on a CPU with AMX, llama.cpp's default repacks every weight into a buffer of its own, which a file
+    # larger than RAM cannot get ("unable to allocate AMX buffer"); --no-repack keeps the mmap'ed weights
+    ("llama.cpp --no-repack (mmap)", lambda p, n, t: run_llamacpp(p, n, t, ("--no-repack",))),
 )
 
 
@@ -330,7 +336,10 @@ def table(res: dict) -> str:
     import statistics
 
     rows = res["rows"]
-    ref = {r["round"]: r.get("tokens_per_second") for r in rows if r["engine"].startswith("llama.cpp")}
+    ref = {}  # round -> llama.cpp's tokens/s: the last llama.cpp row of the round that ran
+    for r in rows:
+        if r["engine"].startswith("llama.cpp") and r.get("tokens_per_second"):
+            ref[r["round"]] = r["tokens_per_second"]
     gb = res["file"]["bytes"] / 1e9
     out = [
         f"{res['file']['layers']} Llama-3-70B-shaped layers, Q4_K_M mix, {gb:.1f} GB file on a machine with "
@@ -343,15 +352,17 @@ def table(res: dict) -> str:
     for name in dict.fromkeys(r["engine"] for r in rows):
         ok = [r for r in rows if r["engine"] == name and r.get("tokens_per_second")]
         if not ok:
-            err = next(r["error"] for r in rows if r["engine"] == name)
+            err = " ".join(next(r["error"] for r in rows if r["engine"] == name).split())  # one table line
+            err = err[err.find("error") :] if "error" in err else err
             out.append(f"| {name} | failed: {err[:80]} | | | | |")
             continue
         tps = statistics.median(r["tokens_per_second"] for r in ok)
-        x = statistics.median(r["tokens_per_second"] / ref[r["round"]] for r in ok if ref.get(r["round"]))
+        xs = [r["tokens_per_second"] / ref[r["round"]] for r in ok if ref.get(r["round"])]
         pre = [r["prefill_seconds"] for r in ok if r.get("prefill_seconds") is not None]
         rss = max((r.get("host_rss_bytes") or 0) for r in ok)
         out.append(
-            f"| {name} | {tps:.3f} | {1 / tps:.1f} | {x:.2f}x | {f'{statistics.median(pre):.1f}' if pre else '-'} "
+            f"| {name} | {tps:.3f} | {1 / tps:.1f} | {f'{statistics.median(xs):.2f}x' if xs else '-'} "
+            f"| {f'{statistics.median(pre):.1f}' if pre else '-'} "
             f"| {f'{rss / 2**30:.1f} GiB' if rss else '-'} |"
         )
     return "\n".join(out)
