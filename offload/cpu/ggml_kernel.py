@@ -6,8 +6,15 @@ Contract:
   CPU tensor giving the output column of each stored row (llama.cpp's Q/K row order undone). It
   calls kernels/ggml_gemv.c: the weight is dequantized in fp32 registers exactly as
   gguf_quants.dequantize defines it and accumulated in fp32, so the result equals
-  dequantize-then-matmul up to fp32 rounding order (activations are never quantized, except in
-  the self-draft's own SX3 / SX2: 8-bit activations, quant/lowbit_pack.matmul_reference). Each call
+  dequantize-then-matmul up to fp32 rounding order (activations are never quantized to low
+  precision, except in the self-draft's own SX3 / SX2 / Q8A: 8-bit activations,
+  quant/lowbit_pack.matmul_reference). Numerics of Q5_0 / Q4_K / Q6_K one activation row at a time
+  on a CPU with AVX-512 VNNI + VBMI (kernels/xq24.h): the activations become a 24-bit integer image,
+  x_j = s X_j + e_j with s = max|x| of x_j's 4-value lane / 8355000 and |e_j| <= 2^-24 that max +
+  2^-23 |x_j|, the weights' integer codes meet X in exact int32 dot products (4 values a lane), and
+  each lane is converted and scaled in fp32: an error of fp32 rounding's order (tests/test_xq24.py:
+  within 3x the fp32 schedule's against float64, at most 1.9x measured), not bit for bit the fp32
+  schedule's numbers; elsewhere, and for T > 1 matmuls not row-wise, the fp32 schedule. Each call
   reads the packed bytes once (0.56-1.06 bytes per weight instead of 4). Types (`QTYPES`): Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M / Q6_K files hold;
   K-quant rows need `in` to be a multiple of 256, which llama-quantize also requires), and specx's
@@ -93,7 +100,7 @@ MAX_ROWS = 32  # activation rows up to which the kernel beats a dense GEMM (Smol
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 COMPANIONS = ("decode_stack.c", "pool.c")  # built into the same library: the decoder stack, the threads
 # included by the sources: part of the build's hash
-HEADERS = ("ggml_blocks.h", "ggml_fast.h", "sx_q8.h", "decode_stack.h")
+HEADERS = ("ggml_blocks.h", "ggml_fast.h", "sx_q8.h", "xq24.h", "decode_stack.h")
 FLAG_SETS = (
     ["-O3", "-march=native", "-fopenmp", "-pthread"],
     ["-O3", "-march=native", "-pthread"],

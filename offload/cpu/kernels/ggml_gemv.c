@@ -5,8 +5,12 @@ Contract: ggml_gemm(qtype, w, x, y, rowmap, N, K, T, nthreads) computes, for t <
 where W[n, :] is row n of the (N, K) weight stored as GGUF blocks (`w`: N rows of K/32 blocks, or
 K/256 for the K-quants; rowmap NULL = identity). W is dequantized in fp32 registers exactly as
 gguf.quants.dequantize defines it and every product and sum is fp32: the same number as
-dequantize-then-matmul up to the order of fp32 roundings (as one BLAS vs another). Activations
-are never quantized, except for specx's own SX3 / SX2 (the self-draft's substitutes, never a target's
+dequantize-then-matmul up to the order of fp32 roundings (as one BLAS vs another). Where the CPU
+has AVX-512 VNNI and VBMI, Q5_0 (K a multiple of 64), Q4_K and Q6_K rows computed one activation row
+at a time (T == 1, `rowwise`) run xq24.h instead: exact int32 products of the codes with a 24-bit
+integer image of the activations (each 4-value lane scaled by its own max), whose error is of fp32
+rounding's order (xq24.h's contract; tests/test_xq24.py against float64). Activations are never
+quantized to low precision, except for specx's own SX3 / SX2 (the self-draft's substitutes, never a target's
 weights) and Q8A (a Q8_0 head as the self-draft reads it) with K a multiple of 64: those run sx_q8.h's
 8-bit-activation path (its contract). Types and block layouts: ggml_blocks.h (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K, and specx's 3- and 2-bit SX3, SX2), each read as 32-value sub-blocks w_j = d * c_j (+ m).
@@ -53,12 +57,18 @@ AVX2, SSE or NEON; fp16 -> fp32 uses F16C / __fp16 where present, else exact bit
    are read in order), and it covers more of the DRAM latency at full speed. Gemma-3 270M --method ar,
    2 threads, in-process timers, interleaved: the 18-layer stack 11.4 -> 8.8 ms a token, the Q8_0
    262144 x 640 head 10.1 -> 9.2 ms (32 KB: stack 8.5, head 9.8) */
+#ifndef AHEAD
 #define AHEAD 16384
+#endif
+#ifndef PF_LOC
+#define PF_LOC 3   /* prefetch locality: into every cache level */
+#endif
 /* below this many (row, block, activation row) products one thread is faster than two: an OpenMP
    fork/join costs ~0.5-1 us, one product ~2.5 ns (measured, 2 cores, K = 576) */
 #define MIN_PAR 512
 #include "ggml_fast.h"
 #include "sx_q8.h"
+#include "xq24.h"
 
 /* The 16 lanes' sum as a tree (a serial chain of 15 adds cost ~60 cycles per output: more than the
    18 blocks of a 576-wide row took to multiply). */
@@ -90,7 +100,7 @@ static FORCE float dot_row(int qtype, const uint8_t *row, const float *x, int64_
         int s;
         const uint8_t *blk = sub(qtype, row, b, &s);
         v16f x0 = ldf(x + b * QK), x1 = ldf(x + b * QK + 16);
-        __builtin_prefetch(blk + AHEAD, 0, 3);
+        __builtin_prefetch(blk + AHEAD, 0, PF_LOC);
         codes_of(qtype, blk, s, &lo, &hi);
         scales_of(qtype, blk, s, sc);
         acc += term(qtype, sc, lo, hi, x0, x1, x0 + x1);
@@ -121,7 +131,7 @@ static FORCE void dot_rows(int qtype, const uint8_t *row, size_t rb, const float
             for (int r = 0; r < R; r++) {
                 int s;
                 const uint8_t *blk = sub(qtype, row + r * rb, b, &s);
-                __builtin_prefetch(blk + AHEAD, 0, 3);
+                __builtin_prefetch(blk + AHEAD, 0, PF_LOC);
 #if FAST_CODES
                 v16f wlo, whi;                          /* the sub-block's values, looked up by code */
                 if (table_values(qtype, blk, s, &sc[r][2 * i], &wlo, &whi)) {
@@ -170,7 +180,7 @@ static inline __attribute__((always_inline)) void rows_tile(int qtype, const uin
     for (int64_t b = 0; b < nb; b++) {
         int s;
         const uint8_t *blk = sub(qtype, row, b, &s);
-        if (fetch) __builtin_prefetch(blk + AHEAD, 0, 3);
+        if (fetch) __builtin_prefetch(blk + AHEAD, 0, PF_LOC);
         v16f wlo, whi;                                    /* the reference values w_j */
         values32(qtype, blk, s, &wlo, &whi);
         for (int i = 0; i < nt; i++)
@@ -301,6 +311,55 @@ static int sx_gemm(int qtype, const uint8_t *w, const float *x, float *y, const 
     return 0;
 }
 
+/* ggml_xq(0) sends Q5_0 / Q4_K / Q6_K back to the fp32 schedule in this process (tests and benchmarks compare
+   the two); returns 1 when the 24-bit path is built (XQ_FAST), else 0 */
+static int xq_on = 1;
+int ggml_xq(int on) {
+    __atomic_store_n(&xq_on, on, __ATOMIC_RELAXED);
+    return XQ_FAST;
+}
+static inline int xq_off(void) { return !__atomic_load_n(&xq_on, __ATOMIC_RELAXED); }
+
+#if XQ_FAST
+/* Q5_0 / Q4_K / Q6_K rows against the activations' 24-bit image (xq24.h), made once per call by the calling
+   thread into its own buffer (kept with a copy of x: the next call on the same x, the layer's next
+   segment, reuses it) that the workers read */
+static int xq_gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap, int64_t N,
+                   int64_t K, int64_t T, int64_t ldy, int nthreads, int on_pool) {
+    static __thread uint8_t *buf = NULL;
+    static __thread size_t have = 0;
+    static __thread int64_t last_k = -1, last_t = -1;
+    size_t per = (xq_bytes(K) + 63) & ~(size_t)63, xb = sizeof(float) * (size_t)(T * K);
+    size_t need = per * (size_t)T + xb + sizeof(xq_row) * (size_t)T;
+    if (need > have) {
+        free(buf);
+        have = 0, last_k = -1;
+        buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        if (buf == NULL) return -2;
+        have = need;
+    }
+    float *xc = (float *)(buf + per * (size_t)T);
+    xq_row *rows = (xq_row *)(buf + per * (size_t)T + xb);
+    if (K != last_k || T != last_t || memcmp(xc, x, xb) != 0) {
+        for (int64_t t = 0; t < T; t++) xq_quantize(x + t * K, K, buf + per * (size_t)t, &rows[t]);
+        memcpy(xc, x, xb);
+        last_k = K, last_t = T;
+    }
+    xq_args a = {w, rows, y, rowmap, N, K, T, ldy, qtype};
+    if (on_pool) {
+        pool_run(xq_worker, &a, nthreads);
+        return 0;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads)
+    xq_worker(&a, omp_get_thread_num(), omp_get_num_threads());
+#else
+    for (int i = 0; i < nthreads; i++) xq_worker(&a, i, nthreads);
+#endif
+    return 0;
+}
+#endif
+
 /* on_pool: split over pool.c's workers (the decoder stack) rather than an OpenMP team (a linear called
    alone from Python, between torch's own OpenMP ops, shares torch's threads: the same runtime). */
 static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int32_t *rowmap,
@@ -308,6 +367,10 @@ static int gemm(int qtype, const uint8_t *w, const float *x, float *y, const int
     if (block_bytes(qtype) == 0 || K % block_values(qtype) != 0 || K <= 0 || N < 0 || T < 0 || ldy < N) return -1;
     if (nthreads < 1 || N * (K / QK) * T < MIN_PAR) nthreads = 1;   /* tiny products: fork/join costs more */
     if ((qtype == SX3 || qtype == SX2 || qtype == Q8A) && K % SXQ_G == 0) return sx_gemm(qtype, w, x, y, rowmap, N, K, T, ldy, nthreads, on_pool);
+#if XQ_FAST
+    if ((T == 1 || rowwise) && (qtype == Q4_K || qtype == Q6_K || (qtype == Q5_0 && K % 64 == 0)) && !xq_off())
+        return xq_gemm(qtype, w, x, y, rowmap, N, K, T, ldy, nthreads, on_pool);
+#endif
     gemm_args a = {w, x, y, rowmap, N, K, T, ldy, rowwise};
     void (*fn)(void *, int, int) = kernel_of(qtype);
     if (on_pool) {
