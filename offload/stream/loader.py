@@ -37,16 +37,33 @@ from offload.formats.prequant import is_quant_part, load_quant_state
 from offload.sizes import format_bytes
 from offload.formats.st_index import check_tensor_set
 from offload.stream.globals import load_globals
-from offload.stream.storage import (CPU_ALIGN, DevicePool, DirectReader, DiskLayer, LayerLayout, LayerStore,
-                      ParamSpec, aligned_empty, file_layout, fill_packed, packed_layout)
+from offload.stream.storage import (
+    CPU_ALIGN,
+    DevicePool,
+    DirectReader,
+    DiskLayer,
+    LayerLayout,
+    LayerStore,
+    ParamSpec,
+    aligned_empty,
+    file_layout,
+    fill_packed,
+    packed_layout,
+)
 from offload.stream.hostmem import ARENA_ALIGN, HostPins
 from offload.stream.expertstore import ExpertStore, held_experts
 from offload.formats.prequant import packed_nf4_shape
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 AUTO_RAM_FRACTION = 0.8
-CUDA_HEADROOM = 1 << 30   # left free on the GPU for KV cache and activations in "auto"
+CUDA_HEADROOM = 1 << 30  # left free on the GPU for KV cache and activations in "auto"
 
 
 def accelerator_half(device=None) -> torch.dtype:
@@ -58,7 +75,7 @@ def accelerator_half(device=None) -> torch.dtype:
         return torch.bfloat16
     try:
         native = torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:     # older torch: no emulation flag
+    except TypeError:  # older torch: no emulation flag
         native = torch.cuda.get_device_capability(device)[0] >= 8
     return torch.bfloat16 if native else torch.float16
 
@@ -92,9 +109,9 @@ class LoadedWeights:
     pool: DevicePool
     store: LayerStore
     resident: dict[int, tuple[torch.Tensor, LayerLayout]]
-    qstates: dict[int, dict]                                # layer -> param name -> QuantState (nf4)
-    pinned: dict[int, tuple[torch.Tensor, LayerLayout]]     # nf4: norms/biases, bound once
-    experts: ExpertStore | None = None                      # disk layers' routed experts, read on demand
+    qstates: dict[int, dict]  # layer -> param name -> QuantState (nf4)
+    pinned: dict[int, tuple[torch.Tensor, LayerLayout]]  # nf4: norms/biases, bound once
+    experts: ExpertStore | None = None  # disk layers' routed experts, read on demand
 
 
 def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
@@ -135,29 +152,46 @@ def _check_fits(plan: OffloadPlan, device: torch.device, free_ram: int, root: Pa
     if host > free_ram:
         raise OffloadError(
             f"{root}: placement needs {format_bytes(host)} host RAM but {format_bytes(free_ram)} is free; "
-            "lower --max-host-memory / --max-device-memory or use --offload disk")
+            "lower --max-host-memory / --max-device-memory or use --offload disk"
+        )
     if device.type == "cuda":
         free_dev = torch.cuda.mem_get_info(device)[0]
         if plan.device_bytes > free_dev:
             raise OffloadError(
                 f"{root}: placement needs {format_bytes(plan.device_bytes)} device memory but "
-                f"{format_bytes(free_dev)} is free; lower --max-device-memory or --slots")
+                f"{format_bytes(free_dev)} is free; lower --max-device-memory or --slots"
+            )
 
 
 @dataclass(frozen=True)
 class Subset:
     """Load only some decoder layers and borrow the rest of the model (a self-draft's substitutes)."""
 
-    layers: frozenset          # decoder-layer ids to load; the others get no weights here
-    shared: tuple              # (embed, norm, lm_head, rotary) modules to use as they are, by reference
+    layers: frozenset  # decoder-layer ids to load; the others get no weights here
+    shared: tuple  # (embed, norm, lm_head, rotary) modules to use as they are, by reference
 
 
-def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: torch.dtype,
-                 compute_dtype: torch.dtype, nf4: bool, offload: str, max_dev, max_host, slots: int,
-                 progress: Callable[[int, int, str], None] | None, host_slots: int | None = None,
-                 staging_bytes: int | None = None, memplan=None, pool: DevicePool | None = None,
-                 subset: Subset | None = None, experts: str = "auto",
-                 expert_cache: int | None = None) -> LoadedWeights:
+def load_weights(
+    path: Path,
+    config,
+    hf,
+    device: torch.device,
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    nf4: bool,
+    offload: str,
+    max_dev,
+    max_host,
+    slots: int,
+    progress: Callable[[int, int, str], None] | None,
+    host_slots: int | None = None,
+    staging_bytes: int | None = None,
+    memplan=None,
+    pool: DevicePool | None = None,
+    subset: Subset | None = None,
+    experts: str = "auto",
+    expert_cache: int | None = None,
+) -> LoadedWeights:
     """`memplan` (offload.planning.memplan.MemoryPlan) fixes placement and embeddings; without it the
     budgets below decide (library use). `pool` counts every device byte (a fresh one if None).
     `subset`: only those layers get weights (the others count 0 bytes), the globals are shared.
@@ -172,18 +206,25 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     floats = {f"model.layers.{i}.{sp.name}" for i, s in enumerate(all_specs) for sp in s if sp.dtype.is_floating_point}
     expected.update({n: tuple(index.tensors[n].shape) for n in index.packed if not n.startswith("model.layers.")})
     floats |= {n for n in expected if not n.startswith("model.layers.") and n not in index.packed}
-    check_tensor_set(index, expected, f"model_type {config.model_type!r}", tied=tied_aliases(hf, config),
-                     float_names=floats - packed, extra_ok=lambda n: is_quant_part(n, packed))
+    check_tensor_set(
+        index,
+        expected,
+        f"model_type {config.model_type!r}",
+        tied=tied_aliases(hf, config),
+        float_names=floats - packed,
+        extra_ok=lambda n: is_quant_part(n, packed),
+    )
     for name in sorted(packed):
         if index.entries[name].dtype != torch.uint8:
-            raise OffloadError(f"{index.entries[name].file}: tensor {name!r} is {index.entries[name].dtype}, "
-                               "expected packed 4-bit uint8; the checkpoint is corrupt - re-download it")
+            raise OffloadError(
+                f"{index.entries[name].file}: tensor {name!r} is {index.entries[name].dtype}, "
+                "expected packed 4-bit uint8; the checkpoint is corrupt - re-download it"
+            )
     # nf4: only the packed weights stream; the small rest is pinned on the device once.
     specs = [[sp for sp in s if sp.nf4 or not nf4] for s in all_specs]
     pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
     layouts = [packed_layout(s) for s in specs]
-    files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s})
-             for i, s in enumerate(specs)]
+    files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s}) for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes if subset is None or i in subset.layers else 0 for i, lay in enumerate(layouts)]
     if memplan is not None:
@@ -191,14 +232,19 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
     else:
         dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
         plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
-        room = max(0, host_budget - plan.host_bytes)   # host bytes the budget leaves for an expert cache
+        room = max(0, host_budget - plan.host_bytes)  # host bytes the budget leaves for an expert cache
         _check_fits(plan, device, free_ram, path)
         plan.dense = _dense_auto(index, plan, layer_bytes, compute_dtype, device, free_ram, max_dev)
     pool, total = pool if pool is not None else DevicePool(device), len(layers)
-    embed, norm, lm_head, rotary = subset.shared if subset is not None else load_globals(
-        index, hf, config, device, compute_dtype, pool, memplan.embeddings if memplan is not None else "device")
+    embed, norm, lm_head, rotary = (
+        subset.shared
+        if subset is not None
+        else load_globals(
+            index, hf, config, device, compute_dtype, pool, memplan.embeddings if memplan is not None else "device"
+        )
+    )
     resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
-    pins = HostPins(device)   # CUDA only: nothing is page-locked for --device cpu
+    pins = HostPins(device)  # CUDA only: nothing is page-locked for --device cpu
     ram_region = aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers))
     ram_pinned = pins.pin(ram_region, "the RAM tier")
     if pins.failures:
@@ -217,7 +263,7 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         if i in plan.resident:
             resident[i] = (_fill_resident(index, prefix, specs[i], layouts[i], pool, device), layouts[i])
         elif i in plan.ram_layers:
-            buf = ram_region[offset:offset + layouts[i].nbytes]
+            buf = ram_region[offset : offset + layouts[i].nbytes]
             offset += layouts[i].nbytes
             fill_packed(index, prefix, specs[i], layouts[i], buf, device)
             ram[i] = (buf, layouts[i])
@@ -230,8 +276,18 @@ def load_weights(path: Path, config, hf, device: torch.device, storage_dtype: to
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
     disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
-    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots=host_slots, staging_bytes=staging_bytes,
-                       pins=pins, ram_pinned=ram_pinned)
+    store = LayerStore(
+        device,
+        pool,
+        slots,
+        ram,
+        disk,
+        reader,
+        host_slots=host_slots,
+        staging_bytes=staging_bytes,
+        pins=pins,
+        ram_pinned=ram_pinned,
+    )
     for states in qstates.values():
         for state in states.values():
             _own_quant_state(state, pool)
@@ -263,8 +319,15 @@ def tied_aliases(hf: nn.Module, config) -> dict[str, str]:
     return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-def _dense_auto(index: Checkpoint, plan: OffloadPlan, layer_bytes: list[int], compute_dtype: torch.dtype,
-                device: torch.device, free_ram: int, max_dev: int | None) -> list[int]:
+def _dense_auto(
+    index: Checkpoint,
+    plan: OffloadPlan,
+    layer_bytes: list[int],
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    free_ram: int,
+    max_dev: int | None,
+) -> list[int]:
     """Without a memory plan: the loaded resident layers, in order, whose packed linears are
     dequantized once (quant/dense.py) while they fit what the budgets leave: on CPU
     AUTO_RAM_FRACTION of free RAM after every planned layer byte; on CUDA the free memory less
@@ -291,10 +354,17 @@ def _from_memplan(memplan, layer_bytes: list[int], slots: int) -> OffloadPlan:
     if memplan.layer_bytes != layer_bytes:
         raise OffloadError("memory plan and loader disagree on layer sizes; this is a bug, please report it")
     streamed = memplan.ram_layers + memplan.disk_layers
-    return OffloadPlan(resident=list(memplan.resident), streamed=streamed, ram_layers=list(memplan.ram_layers),
-                       disk_layers=list(memplan.disk_layers), layer_bytes=list(layer_bytes), slots=slots,
-                       host_bytes=sum(layer_bytes[i] for i in memplan.ram_layers), device_bytes=0,
-                       dense=list(getattr(memplan, "dense_layers", [])))
+    return OffloadPlan(
+        resident=list(memplan.resident),
+        streamed=streamed,
+        ram_layers=list(memplan.ram_layers),
+        disk_layers=list(memplan.disk_layers),
+        layer_bytes=list(layer_bytes),
+        slots=slots,
+        host_bytes=sum(layer_bytes[i] for i in memplan.ram_layers),
+        device_bytes=0,
+        dense=list(getattr(memplan, "dense_layers", [])),
+    )
 
 
 def _own_quant_state(state, pool: DevicePool) -> None:
@@ -306,8 +376,9 @@ def _own_quant_state(state, pool: DevicePool) -> None:
                 setattr(st, attr, pool.copy(t, "quant_states"))
 
 
-def _fill_resident(index, prefix, specs, layout, pool: DevicePool, device,
-                   component: str = "resident_layers") -> torch.Tensor:
+def _fill_resident(
+    index, prefix, specs, layout, pool: DevicePool, device, component: str = "resident_layers"
+) -> torch.Tensor:
     buf = pool.alloc(layout.nbytes, component)
     if device.type == "cpu":
         fill_packed(index, prefix, specs, layout, buf, device)

@@ -115,17 +115,18 @@ def needs_offload_path(path: Path) -> bool:
         return True
     cfg = read_config(path)
     sliding = "sliding_attention" in (cfg.get("layer_types") or [])
-    sliding |= bool(cfg.get("sliding_window")) and (cfg.get("model_type") in ("mistral", "mixtral")
-                                                    or bool(cfg.get("use_sliding_window")))
+    sliding |= bool(cfg.get("sliding_window")) and (
+        cfg.get("model_type") in ("mistral", "mixtral") or bool(cfg.get("use_sliding_window"))
+    )
     return sliding or bool(cfg.get("attn_logit_softcapping")) or "quantization_config" in cfg
 
 
 def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from offload import gqa_attention   # SDPA without repeated K/V
+    from offload import gqa_attention  # SDPA without repeated K/V
 
-    if ref.format == "gguf":   # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
+    if ref.format == "gguf":  # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
         return load_gguf_hf(ref, device, dtype)
     path, flag, safe = ref.path, ref.flag, ref.safe
     index = ref.checkpoint if safe else None
@@ -134,8 +135,13 @@ def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch
     attn = "eager" if read_config(path).get("attn_logit_softcapping") else gqa_attention("sdpa")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dtype, use_safetensors=safe, trust_remote_code=opts.trust_remote_code,
-            attn_implementation=attn, output_loading_info=True,
+            path,
+            config=config,
+            dtype=dtype,
+            use_safetensors=safe,
+            trust_remote_code=opts.trust_remote_code,
+            attn_implementation=attn,
+            output_loading_info=True,
         )
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
@@ -159,8 +165,9 @@ def load_small_draft(ref: ModelRef, opts: LoadOptions, device: torch.device, dty
     if not ref.safe:
         raise pickle_refused(ref)
     try:
-        return OffloadedCausalLM.from_pretrained(ref.checkpoint, device=device, dtype=dtype, offload="none",
-                                                 pool=DevicePool(device))
+        return OffloadedCausalLM.from_pretrained(
+            ref.checkpoint, device=device, dtype=dtype, offload="none", pool=DevicePool(device)
+        )
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
 
@@ -170,8 +177,9 @@ def load_gguf_hf(ref: ModelRef, device: torch.device, dtype: torch.dtype):
 
     ckpt = ref.checkpoint
     try:
-        model = AutoModelForCausalLM.from_pretrained(ckpt.tokenizer_path, gguf_file=ckpt.tokenizer_kwargs["gguf_file"],
-                                                     dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            ckpt.tokenizer_path, gguf_file=ckpt.tokenizer_kwargs["gguf_file"], dtype=dtype
+        )
     except (ValueError, OSError, RuntimeError, KeyError) as exc:
         raise SpecxError(f"{ref.flag} {ref.path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
     model.checkpoint = ckpt
@@ -198,14 +206,16 @@ def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
     if not n:
         return []
     influence, rule = None, opts.draft_skip_rule
-    if getattr(target, "plan", None) is None and rule == "influence":   # HF-resident: no hooks to measure with
+    if getattr(target, "plan", None) is None and rule == "influence":  # HF-resident: no hooks to measure with
         rule = "middle"
     source = (sixteen_bit_source(target) or Path(target.source)) if rule == "influence" else None
     if rule == "influence":
         influence = stored_influence(source, n_layers)
     if influence is None and rule == "influence":
-        notices.notice(f"--draft self: one target pass to measure each layer's influence and leave out the "
-                             f"{n} least influential (stored for later loads)")
+        notices.notice(
+            f"--draft self: one target pass to measure each layer's influence and leave out the "
+            f"{n} least influential (stored for later loads)"
+        )
         tok = tok or opts.target.tokenizer
         ids = torch.tensor([tok(CALIBRATION)["input_ids"]], device=target.input_device)
         influence = layer_influence(target, ids)
@@ -223,17 +233,17 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     from offload import OffloadError
     from offload.selfdraft import LAYER_SKIP, build_self_draft, streamed_layers
 
-    plan_bits = getattr(opts.plan, "substitute_bits", None)   # without a plan: the widest that applies
-    quantized = getattr(getattr(target, "checkpoint", None), "quantized", False)   # bnb / AWQ / GPTQ / ...
+    plan_bits = getattr(opts.plan, "substitute_bits", None)  # without a plan: the widest that applies
+    quantized = getattr(getattr(target, "checkpoint", None), "quantized", False)  # bnb / AWQ / GPTQ / ...
     bits = opts.draft_bits or plan_bits or (3 if quantized else 4)
     if not streamed_layers(target):
         bits = LAYER_SKIP
     try:
         draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
-    except OffloadError as exc:   # SelfDraftError, or HQQ missing / a layer shape it cannot group
+    except OffloadError as exc:  # SelfDraftError, or HQQ missing / a layer shape it cannot group
         raise SpecxError(str(exc)) from None
     densify_substitutes(draft, getattr(opts.plan, "dense_draft_layers", ()))
-    for comp, nbytes in draft.pool.by_component.items():   # "draft", and "dequantized_draft" where the plan had room
+    for comp, nbytes in draft.pool.by_component.items():  # "draft", and "dequantized_draft" where the plan had room
         pool.by_component[comp] = pool.by_component.get(comp, 0) + nbytes
     return draft
 
@@ -248,9 +258,12 @@ def densify_substitutes(draft, layers) -> None:
 
 
 def load_target(ref: ModelRef, opts: LoadOptions, device: torch.device, pool=None):
-    pickled = not ref.safe   # offloading reads safetensors only
-    if ((opts.offload == "none" or (pickled and opts.offload == "auto")) and opts.dtype != "nf4"
-            and not needs_offload_path(ref.path)):
+    pickled = not ref.safe  # offloading reads safetensors only
+    if (
+        (opts.offload == "none" or (pickled and opts.offload == "auto"))
+        and opts.dtype != "nf4"
+        and not needs_offload_path(ref.path)
+    ):
         return load_hf(ref, opts, device, resolve_dtype(opts.dtype, device))
     from offload import OffloadedCausalLM, OffloadError
 
@@ -259,13 +272,20 @@ def load_target(ref: ModelRef, opts: LoadOptions, device: torch.device, pool=Non
     dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
     try:
         model = OffloadedCausalLM.from_pretrained(
-            ref.checkpoint, device=device, dtype=dtype, offload=opts.offload,
-            max_device_memory=opts.max_gpu_memory, max_host_memory=opts.max_ram, progress=opts.progress,
-            memplan=opts.plan, pool=pool, slots=getattr(opts.plan, "slots", 2),
+            ref.checkpoint,
+            device=device,
+            dtype=dtype,
+            offload=opts.offload,
+            max_device_memory=opts.max_gpu_memory,
+            max_host_memory=opts.max_ram,
+            progress=opts.progress,
+            memplan=opts.plan,
+            pool=pool,
+            slots=getattr(opts.plan, "slots", 2),
         )
     except OffloadError as exc:
         raise SpecxError(str(exc)) from None
-    if hasattr(model.embed_tokens, "counter"):   # --embeddings host: each forward's rows, one counted upload
+    if hasattr(model.embed_tokens, "counter"):  # --embeddings host: each forward's rows, one counted upload
         from specexec_cli.core import transfers
 
         model.embed_tokens.counter = transfers.COUNTER
@@ -274,7 +294,7 @@ def load_target(ref: ModelRef, opts: LoadOptions, device: torch.device, pool=Non
 
 def eos_ids(tokenizer, model) -> frozenset[int]:
     ids = set()
-    gen = getattr(getattr(model, "checkpoint", None), "generation", None) or {}   # GGUF: EOS and EOT
+    gen = getattr(getattr(model, "checkpoint", None), "generation", None) or {}  # GGUF: EOS and EOT
     eos = gen.get("eos_token_id")
     ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
     for src in (getattr(model, "generation_config", None), model.config):
@@ -317,7 +337,7 @@ def load_models(opts: LoadOptions) -> Models:
     quiet_transformers()
     device = resolve_device(opts.device)
     small = opts.draft if isinstance(opts.draft, ModelRef) else None
-    for ref in (opts.target, small):   # the weights checks before any tokenizer (made by the plan, if any)
+    for ref in (opts.target, small):  # the weights checks before any tokenizer (made by the plan, if any)
         _ = ref is None or ref.safe
     tok, draft = opts.target.tokenizer, None
     if small is not None:
@@ -326,19 +346,28 @@ def load_models(opts: LoadOptions) -> Models:
         draft = load_small_draft(small, opts, device, ddtype)
     from offload import DevicePool
 
-    pool = DevicePool(device)   # counts every device byte, per memory-plan component
+    pool = DevicePool(device)  # counts every device byte, per memory-plan component
     if draft is not None:
         pool.adopt("draft", [*draft.parameters(), *draft.buffers()])
     target = load_target(opts.target, opts, device, pool)
     if getattr(target, "pool", None) is not pool:
-        pool.adopt("target", [*target.parameters(), *target.buffers()])   # HF-resident target (--offload none)
+        pool.adopt("target", [*target.parameters(), *target.buffers()])  # HF-resident target (--offload none)
     if opts.draft == SELF:
         draft = load_self_draft(target, opts, pool, tok)
     plan = opts.plan
     shared = draft is not None and opts.draft == SELF and opts.shared_kv
     rows = tuple(plan.kv_rows) if plan is not None else None
-    if rows is not None and opts.draft == SELF and not shared and not rows[1]:   # planned for a shared KV
+    if rows is not None and opts.draft == SELF and not shared and not rows[1]:  # planned for a shared KV
         rows = (rows[0], rows[0])
-    models = Models(target, draft, tok, eos_ids(tok, target), min(context_limit(target, draft), opts.ctx), pool=pool,
-                    kv_rows=rows, pass_tokens=plan.pass_tokens if plan else 0, shared_kv=shared)
+    models = Models(
+        target,
+        draft,
+        tok,
+        eos_ids(tok, target),
+        min(context_limit(target, draft), opts.ctx),
+        pool=pool,
+        kv_rows=rows,
+        pass_tokens=plan.pass_tokens if plan else 0,
+        shared_kv=shared,
+    )
     return models
