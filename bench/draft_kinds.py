@@ -177,12 +177,16 @@ def label(config: str, res: dict) -> str:
 
 def table(res: dict) -> str:
     """docs/performance.md's `draft-kinds` block: one line per row, the command that made it under the table."""
-    head = "| draft (every layer from disk) | tok/s | x `--method ar` | tokens per target pass | draft ms per pass | budget at the end | ids equal `--method ar` |"
+    head = (
+        "| draft (every layer from disk) | tok/s | x `--method ar` | x ar per cell: median [range] "
+        "| tokens per target pass | draft ms per pass | budget at the end | ids equal `--method ar` |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     groups: dict = {}
     for row in res["rows"]:
         groups.setdefault(row["config"], []).append(row)
     ar = _rate(groups["ar"])
+    ar_cell = {(r["prompt"], r["round"]): r["tokens_per_second"] for r in groups["ar"]}
     for config, rs in groups.items():
         tps = _rate(rs)
         drafting = config != "ar" and any(r["method"] != "ar" for r in rs)
@@ -195,15 +199,19 @@ def table(res: dict) -> str:
         if plain and config != "ar":
             ended += f" (plain decoding in {plain} of {len(rs)} runs)"
         same = "-" if config == "ar" else ("yes" if all(r["ids_equal_ar"] for r in rs) else "NO")
+        cell = [r["tokens_per_second"] / ar_cell[(r["prompt"], r["round"])] for r in rs]
+        spread = "-" if config == "ar" else f"{statistics.median(cell):.2f}x [{min(cell):.2f}, {max(cell):.2f}]"
         lines.append(
-            f"| {label(config, res)} | {tps:.1f} | {tps / ar:.2f}x | "
+            f"| {label(config, res)} | {tps:.1f} | {tps / ar:.2f}x | {spread} | "
             f"{statistics.median(r['tokens_per_pass'] for r in rs):.2f} | {ms} | {ended} | {same} |"
         )
     lines += [
         "",
         f"`{res['command']}`: {res['prompts']} chat prompts x {res['n']} new tokens x {res['rounds']} rounds, T = 0, "
         "one in-process `specx run` per cell, rotating order. tok/s: total new tokens over total decode seconds; "
-        "tokens per pass and draft ms per pass: medians over the cells.",
+        "x ar per cell: each cell's tok/s over `--method ar`'s on the same prompt and round; "
+        "tokens per pass and draft ms per pass: medians over the cells; budget 0 at the end: the automatic "
+        "budget had switched that run to plain decoding.",
     ]
     return "\n".join(lines)
 
