@@ -122,7 +122,7 @@ def test_the_plan_keeps_them_packed_only_where_ram_is_short(big):
     assert packed_globals_ok(ck, "cpu", torch.float32) and not packed_globals_ok(ck, "cuda", torch.bfloat16)
     packed_bytes = ck.tensors[EMBED].nbytes + ck.tensors["lm_head.weight"].nbytes
     seen = set()
-    for gib in (3.5, 4.0, 4.5, 6.0, 8.0, 16.0):
+    for gib in (2.5, 3.0, 4.5, 6.0, 8.0, 16.0):
         device = plan_memory(ck, None, _req(embeddings="device", ram_free=int(gib * 2**30), ctx=512))
         auto = plan_memory(ck, None, _req(ram_free=int(gib * 2**30), ctx=512))
         short = not device.fits or bool(device.disk_layers)
@@ -138,3 +138,17 @@ def test_packed_is_refused_where_the_file_cannot(tmp_path):
     hf = make_model(tmp_path / "hf", seed=3, layers=2, hidden=128)
     with pytest.raises(OffloadError, match="--embeddings packed needs a GGUF target"):
         plan_memory(open_checkpoint(hf), None, _req(embeddings="packed"))
+
+
+def test_kernel_served_layers_reserve_no_dequantization_temporary(big, monkeypatch):
+    """Every layer multiplied from its blocks at any batch (formats/qlinear.py): the plan's activations
+    hold no fp32 copy of the largest linear, which a plan with the kernel off reserves."""
+    from offload.planning import arch_of
+    from offload.planning.membytes import dequant_temp_bytes
+
+    ck = open_checkpoint(big)
+    req = _req(ram_free=64 << 30, ctx=512)
+    served = plan_memory(ck, None, req).device_bytes["activations"]
+    monkeypatch.setenv(ggml_kernel.ENV, "off")
+    dequantized = plan_memory(ck, None, req).device_bytes["activations"]
+    assert dequantized - served == dequant_temp_bytes(arch_of(ck.config), "gguf", 4, 4, "cpu")

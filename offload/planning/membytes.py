@@ -324,12 +324,15 @@ def activation_bytes(
     budget: int,
     chunk: int | None = None,
     draft_prefill: bool = True,
+    kernel_served: bool = False,
 ) -> int:
     """The largest pass of either model: target verify pass, target prefill chunk, draft passes
     (a draft that reads the target's KV never prefills: `draft_prefill` False). A self-draft's pass
-    holds its substitutes' dequantization temporaries (and an nf4 target's, for resident layers)."""
+    holds its substitutes' dequantization temporaries (and an nf4 target's, for resident layers).
+    `kernel_served`: the GGUF CPU kernel multiplies every target layer from its blocks at any batch
+    (formats/qlinear.py), so no target linear is dequantized into a temporary."""
     c = compute_bytes(req)
-    deq = dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, req.device)
+    deq = 0 if kernel_served else dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, req.device)
     chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
     temperature = getattr(req, "temperature", 0.0)
     worst = max(

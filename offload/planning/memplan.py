@@ -246,8 +246,10 @@ def _plan_chunk(
     cap = capacity(req)
     if chunk is None:
         chunk = prefill_chunk(ta, req, budget, cap if cap < 1 << 61 else req.ram_free)
+    n = len(lay.packed)
+    served = req.device == "cpu" and n > 0 and len(kernel_terms(target, n, req)["layers"]) == n
     fixed["activations"] = activation_bytes(
-        ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget, chunk, draft_prefill=not req.self_draft
+        ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget, chunk, not req.self_draft, served
     )
     best = None
     for r in _resident_choices(req, len(lay.packed)):
