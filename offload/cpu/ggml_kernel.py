@@ -81,16 +81,18 @@ BLOCKS = {
 BLOCKS |= {SX3: (64, 28), SX2: (32, 12), Q8A: BLOCKS[8]}  # specx's own, and Q8A the Q8_0 bytes
 # seconds per packed byte relative to Q4_1's (what `specx profile` times), for the speed model: measured
 # by bench/gguf_kernel.py at T = 1 on one thread, the same shape in Q4_1 and in the type (gate/up for
-# Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate
+# Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate. Q5_0, Q4_K and Q6_K on a
+# CPU with AVX-512 VNNI + VBMI (kernels/xq24.h; `--threads 1 --skip-e2e`, this VM: 1.20, 1.11, 0.91;
+# they were 1.33, 2.12, 2.06 on the fp32 schedule, which a CPU without them still runs)
 COST = {
     2: 1.0,
     3: 1.0,
-    6: 1.33,
+    6: 1.2,
     7: 1.33,
     8: 1.0,
-    12: 2.12,
+    12: 1.11,
     13: 2.52,
-    14: 2.06,
+    14: 0.91,
     130: 0.63,
     131: 0.70,
     136: 0.21,
