@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The GPU day on an offline box with a fixed image, in four verbs (docs/gpu-status.md).
+"""The GPU day on an offline box with a fixed image, in four verbs (CONTRIBUTING.md, "The GPU day"; results in docs/gpu-status.md).
 
 Contract:
 - `pack [--python 3.12] [--dest .whl]`: the wheels the image lacks (tools/gpuday/pack.py) into the
