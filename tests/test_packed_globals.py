@@ -110,9 +110,9 @@ def big(tmp_path_factory, smollm2):
     """3 Llama-3-70B-shaped layers (Q4_K_M mix, 49k vocabulary: the bench's file takes SmolLM2's
     tokenizer table) as a sparse GGUF: real headers, holes for the weights."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import bigger_than_ram
+    import big_gguf
 
-    return bigger_than_ram.write_file(tmp_path_factory.mktemp("big") / "big.gguf", 3, 0, holes=True)["path"]
+    return big_gguf.write_file(tmp_path_factory.mktemp("big") / "big.gguf", 3, 0, holes=True)["path"]
 
 
 def test_the_plan_keeps_them_packed_only_where_ram_is_short(big):
