@@ -13,7 +13,9 @@ expert is still cached. For each (top-k, tokens) cell, each repeat draws a fresh
 routed: routed MB = distinct experts x one expert's bytes. Reported per cell: the median ms, the mean
 routed MB, and the speed model's figure (offload/planning/experts.routed_seconds, mode "layers" on a CPU
 device) at this machine's rates: read bandwidth (a `--flush`-sized sum, timed) and fp32 matmul FLOP/s
-(one 1024^3 matmul), with the model's expected distinct experts (uniform routing). The experts are NOT
+(one 1024^3 matmul), with the model's expected distinct experts (uniform routing); and the same figure at
+the CPU expert rate `specx profile` measures and stores (tools/kernelprobes.probe_cpu_experts, run here on the
+same threads), which is what a profiled plan prices CPU experts at. The experts are NOT
 computed by a packed kernel here: they are dense fp32 (or bf16) nn.Linear matmuls, one expert at a time,
 over the routed tokens' rows. One torch thread by default (`--threads`): on a shared 2-core machine two
 threads wait on each other's busy core and time the scheduler, not the experts. A least-squares line ms = a + b x MB over the cells says how well time
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from offload.arch.moe import Expert, ExpertList  # noqa: E402
 from offload.planning.experts import distinct_experts, routed_seconds  # noqa: E402
 from offload.planning.passcost import device_for  # noqa: E402
+from specexec_cli.tools.kernelprobes import probe_cpu_experts  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
 from docblock import md_table  # noqa: E402  (bench/docblock.py)
@@ -104,11 +107,13 @@ def fit(xs: list[float], ys: list[float]) -> dict:
     return dict(intercept_ms=a, ms_per_mb=b, r2=1 - res / ss if ss else 1.0)
 
 
-def modelled_ms(args, expert_bytes: int, tokens: int, k: int, mem_bps: float, flops: float, c: int) -> float:
-    """The speed model's routed-experts seconds of this layer (experts.routed_seconds, a CPU device)."""
+def modelled_ms(args, expert_bytes: int, tokens: int, k: int, mem_bps: float, flops: float, c: int, bps=None) -> float:
+    """The speed model's routed-experts seconds of this layer (experts.routed_seconds, a CPU device), its
+    experts read at `bps` (the profile's CPU expert rate), else at the memory's read rate."""
     dev = device_for("cpu", memory_bps=mem_bps, flops32=flops, flops16=flops)
     ex = dict(
         mode="layers",
+        cpu_bps=bps or mem_bps,
         experts=args.experts,
         top_k=k,
         expert_bytes=[expert_bytes],
@@ -125,6 +130,7 @@ def run(args) -> dict:
     expert_bytes = 3 * args.hidden * args.inter * c
     flush = torch.ones(args.flush * 2**20 // 4, dtype=torch.float32)
     mem_bps, flops = read_rate(flush), matmul_rate(dtype)
+    probe = probe_cpu_experts()  # what `specx profile` stores as the CPU expert rate, on these threads
     gen = torch.Generator().manual_seed(1)
     every = torch.arange(args.experts)[:, None]  # warm-up: each expert once
     layer(torch.zeros(args.experts, args.hidden, dtype=dtype), every, torch.ones(args.experts, 1, dtype=dtype))
@@ -135,6 +141,7 @@ def run(args) -> dict:
             r["routed_mb"] = r["distinct"] * expert_bytes / 1e6
             r["expected_distinct"] = distinct_experts(n, k, args.experts)
             r["modelled_ms"] = modelled_ms(args, expert_bytes, n, k, mem_bps, flops, c)
+            r["profiled_ms"] = modelled_ms(args, expert_bytes, n, k, mem_bps, flops, c, probe["gbps"] * 1e9)
             cells.append(r)
             print(json.dumps(r), flush=True)
     line = fit([r["routed_mb"] for r in cells], [r["ms"] for r in cells])
@@ -150,6 +157,7 @@ def run(args) -> dict:
         expert_mb=expert_bytes / 1e6,
         read_gbps=mem_bps / 1e9,
         matmul_gflops=flops / 1e9,
+        profile_cpu_experts=probe,
         fit=line,
         cells=cells,
     )
@@ -167,6 +175,8 @@ def table(result: dict) -> str:
             f"{r['routed_mb'] / r['ms']:.2f}",
             f"{r['modelled_ms']:.1f}",
             f"{r['modelled_ms'] / r['ms']:.2f}",
+            f"{r['profiled_ms']:.1f}",
+            f"{r['profiled_ms'] / r['ms']:.2f}",
         ]
         for r in result["cells"]
     ]
@@ -180,6 +190,8 @@ def table(result: dict) -> str:
         "GB/s routed",
         "ms modelled",
         "modelled ÷ measured",
+        "ms modelled, profile's rate",
+        "÷ measured",
     ]
     return md_table(head, rows)
 
@@ -193,7 +205,10 @@ def block(result: dict) -> str:
         f"{result['expert_mb']:.1f} MB ({result['dtype']}, hidden {result['hidden']}, expert intermediate "
         f"{result['inter']}) computed by `ExpertList` (dense matmuls, no packed kernel), caches flushed before "
         f"every call; modelled at this machine's measured read rate {result['read_gbps']:.1f} GB/s and "
-        f"{result['matmul_gflops']:.0f} GFLOP/s:\n\n" + table(result) + "\n\n"
+        f"{result['matmul_gflops']:.0f} GFLOP/s, and at the CPU expert rate `specx profile` measures and stores "
+        f"(tools/kernelprobes.probe_cpu_experts, in the same run: {result['profile_cpu_experts']['gbps']:.1f} GB/s):\n\n"
+        + table(result)
+        + "\n\n"
         f"Least squares over the cells: ms = {f['intercept_ms']:.2f} + {f['ms_per_mb']:.4f} x routed MB "
         f"(R² = {f['r2']:.3f}; {1 / f['ms_per_mb']:.1f} GB/s of routed experts)."
     )

@@ -16,7 +16,8 @@ test that patches it there patches what callers get):
   4-bit cache's `nf4_cache_dir`, `nf4_cache_key`, `nf4_cache_complete` and `write_quantized`,
   the HQQ `LowbitLinear` and `lowbit_quantize_weight` (the lowbit extra);
 - arch: `cache_kwargs` (transformers' cache argument), `gqa_attention` (the attention
-  implementation name to pass transformers, `specx_gqa` registered).
+  implementation name to pass transformers, `specx_gqa` registered), `Expert` and `ExpertList` (a
+  mixture-of-experts layer's routed experts as specx computes them: the profile's CPU expert probe).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from offload.stream.placement import OffloadPlan, plan_offload
 if TYPE_CHECKING:
     from offload.arch.attention import implementation as gqa_attention
     from offload.arch.hfcompat import cache_kwargs
+    from offload.arch.moe import Expert, ExpertList
     from offload.quant.dense import densify
     from offload.quant.lowbit import LowbitLinear
     from offload.quant.lowbit import quantize_weight as lowbit_quantize_weight
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
 _LAZY = {  # name here -> (module, name there)
     "gqa_attention": ("offload.arch.attention", "implementation"),
     "cache_kwargs": ("offload.arch.hfcompat", "cache_kwargs"),
+    "Expert": ("offload.arch.moe", "Expert"),
+    "ExpertList": ("offload.arch.moe", "ExpertList"),
     "densify": ("offload.quant.dense", "densify"),
     "LowbitLinear": ("offload.quant.lowbit", "LowbitLinear"),
     "lowbit_quantize_weight": ("offload.quant.lowbit", "quantize_weight"),
@@ -63,6 +67,8 @@ _LAZY = {  # name here -> (module, name there)
 
 __all__ = [
     "DevicePool",
+    "Expert",
+    "ExpertList",
     "ForwardJob",
     "LowbitLinear",
     "OffloadError",

@@ -161,6 +161,24 @@ def test_cpu_device_keeps_whole_layers(ckpts):
     assert math.isfinite(ex["tokens_per_second"])
 
 
+def test_a_profiled_cpu_expert_rate_prices_a_cpu_plans_experts(ckpts):
+    """On a CPU the routed experts compute at the CPU expert rate a profile measured
+    (`Device.dequant_bps["cpu-experts"]`), not at the memory's read rate: a one-token pass's experts
+    are top-k experts per layer at that rate, and the plan names the rate's source."""
+    from offload.planning.membytes import arch_of
+    from offload.planning.passcost import device_for
+
+    ck = ckpts["qwen3-30b-a3b"]
+    dev = device_for("cpu", {"dequant": "measured (here)"}, {"cpu-experts": 5e9}, memory_bps=20e9)
+    req = replace(card(128), device="cpu", max_gpu_memory=None, cost_device=dev)
+    plan = plan_memory(ck, None, req)
+    ex = plan.experts
+    assert ex["cpu_bps"] == 5e9 and ex["cpu_source"] == "measured (here)"
+    t = pass_terms(arch_of(ck.config), plan, dev, 1, 512, 2)
+    _, eb, layers = expert_numbers(ck.config)
+    assert t.experts == pytest.approx(layers * max(8 * eb / 5e9, 2 * 8 * eb / 2 / dev.flops(2)), rel=1e-6)
+
+
 def test_each_pass_runs_uncached_experts_where_they_model_faster(ckpts):
     """Decoding (few tokens, few distinct experts) computes them on the CPU; a prefill chunk, whose
     tokens hit every expert and whose FLOPs swamp the CPU, streams them to the card instead."""

@@ -224,3 +224,18 @@ def test_measured_bandwidth_feeds_the_draft_cost_model(tiny_pair, tmp_path):
     assert out["prior"]["machine"]["sources"]["memory_bps"] == "prior"
     slow, fast = out["measured"]["choice"], out["prior"]["choice"]  # the slower memory: no faster a draft step
     assert slow["draft_seconds"] >= fast["draft_seconds"] and slow["terms"]["gemm"] >= fast["terms"]["gemm"]
+
+
+def test_cpu_expert_probe_times_the_routed_experts_bytes_out_of_cache():
+    """The profile's CPU expert rate (kernelprobes.probe_cpu_experts): its buffer holds span // one
+    expert's fp32 bytes experts, the rate is the routed experts' bytes over the seconds, and a profile's
+    rate reaches the plan's Device as dequant_bps["cpu-experts"], named as measured."""
+    from specexec_cli.tools import kernelprobes
+
+    got = kernelprobes.probe_cpu_experts(hidden=256, inter=128, top_k=2, repeats=2, span=8 << 20)
+    one = 4 * 3 * 256 * 128
+    assert got["experts"] == (8 << 20) // one and got["seconds"] > 0
+    assert got["gbps"] == pytest.approx(2 * one / got["seconds"] / 1e9, rel=0.01, abs=1e-3)
+    prof = {"hostname": "h", "dequant": {"device": "cpu", "shape": [1, 1], "cpu-experts": {**got, "gbps": 7.5}}}
+    dev = profiles.cost_device_for("cpu", None, prof)
+    assert dev.dequant_bps["cpu-experts"] == 7.5e9 and dev.sources["dequant"] == "measured (h)"

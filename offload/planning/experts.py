@@ -37,9 +37,11 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   plan["experts"] (draftcost.target_seconds calls it for MoE plans, passcost.target_pass for dense ones):
   the dense part as passcost prices a layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
   tier's rate (GPU memory; CPU experts at `cpu_bps`; disk), or their FLOPs if those take longer.
-- The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it (or a stated
-  machine gives it), else on a CPU device its memory bandwidth, else CPU_EXPERTS (a prior: CPU_READ_SHARE
-  of a DDR5 desktop's peak, labelled so in `cpu_source`).
+- The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it (`specx profile`:
+  tools/kernelprobes.probe_cpu_experts) or a stated machine gives it, else on a CPU device its memory
+  bandwidth, else CPU_EXPERTS (a prior: CPU_READ_SHARE of a DDR5 desktop's peak, labelled so in
+  `cpu_source`). On a CPU device every mode prices its routed experts at that rate; on CUDA the "split"
+  mode's CPU experts do.
 """
 
 from __future__ import annotations
@@ -215,8 +217,9 @@ def routed_seconds(ex: dict, i: int, n: int, dev, c: int, on_disk: bool = False)
         return 0.0, ""
     d = distinct_experts(n, k, e)
     flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
-    if ex["mode"] != "split":
-        compute = max(d * eb / dev.memory_bps, flops / dev.flops(c))
+    if ex["mode"] != "split":  # on a CPU device the experts compute at the CPU expert rate (_cpu_rate)
+        bps = ex.get("cpu_bps") or dev.memory_bps if dev.kind == "cpu" else dev.memory_bps
+        compute = max(d * eb / bps, flops / dev.flops(c))
         if on_disk:  # read after the router chose them, before they compute: not overlapped
             return compute + d * (1 - ex["hit"]) * eb / dev.disk_bps, "disk"
         return compute, "gpu" if dev.kind == "cuda" else "cpu"

@@ -2,7 +2,7 @@
 
 Contract: `probe_hardware(folder)` returns the machine part of a profile (CPU, RAM, GPUs with pinned
 host→device bandwidth, disk read bandwidth of `folder`, matmul throughput per dtype, device memory
-bandwidth from one large in-memory copy per device, each dequantizing kernel's effective traffic rate);
+bandwidth from one large in-memory copy per device, and tools/kernelprobes.py's kernel rates);
 tools/modeltimes.py times the models through the path a run takes. `build_profile` assembles the versioned dict documented in
 profiles/README.md, which session/profiles.py stores and finds. Nothing here prints; errors are
 SpecxError.
@@ -21,24 +21,9 @@ from pathlib import Path
 import torch
 
 from specexec_cli.session.profiles import SCHEMA, VERSION
+from specexec_cli.tools import kernelprobes
 
 CHUNK = 8 << 20  # disk read size: large enough to reach sequential bandwidth
-DEQUANT_SHAPE = (1024, 1024)  # the weight the dequantization probe rebuilds
-
-
-def _timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
-    """Fastest of repeated fn() calls filling ~min_seconds (after one warm-up call), at least 2.
-
-    The minimum, not the mean: on a shared machine other processes only ever add time.
-    """
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 2 or (time.perf_counter() - start < min_seconds and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def probe_cpu() -> dict:
@@ -83,7 +68,7 @@ def probe_gpus(copy_bytes: int = 512 << 20) -> list[dict]:
             dev.copy_(host, non_blocking=True)
             torch.cuda.synchronize(i)
 
-        secs = _timed(copy, 0.5, 10)
+        secs = kernelprobes.timed(copy, 0.5, 10)
         out.append(
             dict(
                 index=i,
@@ -189,7 +174,7 @@ def probe_matmul() -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
 
-        out[f"{name}_gflops"] = round(2 * size**3 / _timed(mm, 0.3, 20) / 1e9, 2)
+        out[f"{name}_gflops"] = round(2 * size**3 / kernelprobes.timed(mm, 0.3, 20) / 1e9, 2)
     return out
 
 
@@ -205,7 +190,7 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    secs = _timed(copy, 0.5, 20)
+    secs = kernelprobes.timed(copy, 0.5, 20)
     name = torch.cuda.get_device_name() if device == "cuda" else probe_cpu()["model"]
     del src, dst
     return dict(name=name, gbps=round(2 * nbytes / secs / 1e9, 3), bytes=nbytes, method="copy_ read + write")
@@ -220,84 +205,6 @@ def probe_device_memory(nbytes: int = 256 << 20) -> dict:
     return out
 
 
-def dequantizers(device: str, dtype: torch.dtype) -> dict:
-    """kernel name -> a function rebuilding a DEQUANT_SHAPE weight in `dtype` the way that kernel does,
-    for the kernels whose package is installed: bitsandbytes NF4 (dequantize_4bit), HQQ 3-bit eager
-    (offload/quant/lowbit.LowbitLinear.weight_now)."""
-    import logging
-
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional-kernel notice is not the user's
-    w = torch.randn(*DEQUANT_SHAPE, dtype=torch.float32) * 0.02
-    out = {}
-    try:
-        import bitsandbytes.functional as bf
-
-        packed, state = bf.quantize_4bit(w.to(device, dtype), quant_type="nf4")
-        out["nf4-dequant"] = lambda: bf.dequantize_4bit(packed, state)
-    except Exception:  # noqa: BLE001 - bitsandbytes missing or without a kernel for this device
-        pass
-    try:
-        from offload import LowbitLinear, lowbit_quantize_weight
-
-        q = lowbit_quantize_weight(w, 3)
-        lin = LowbitLinear(
-            q["W_q"].to(device), q["scale"].to(device, dtype), q["zero"].to(device, dtype), None, DEQUANT_SHAPE, 3
-        )
-        out["hqq-eager"] = lin.weight_now
-    except Exception:  # noqa: BLE001 - hqq missing (the lowbit extra)
-        pass
-    return out
-
-
-def probe_dequant() -> dict:
-    """Effective bytes/s of each dequantizing kernel on the compute device: the traffic the pass model
-    counts for it (weights x compute-dtype bytes x passcost.dequant_elems) over the seconds it takes to
-    rebuild a DEQUANT_SHAPE weight (fastest of repeated calls)."""
-    from offload.planning import dequant_elems
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    out: dict = dict(device=device, shape=list(DEQUANT_SHAPE))
-    for kernel, fn in dequantizers(device, dtype).items():
-
-        def call():
-            with torch.no_grad():
-                fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-
-        try:
-            secs = _timed(call, 0.3, 20)
-        except Exception:  # noqa: BLE001 - a kernel this device cannot run
-            continue
-        traffic = DEQUANT_SHAPE[0] * DEQUANT_SHAPE[1] * (2 if device == "cuda" else 4) * dequant_elems(kernel, device)
-        out[kernel] = dict(seconds=round(secs, 6), gbps=round(traffic / secs / 1e9, 3))
-    if device == "cpu" and (got := probe_gguf_kernel()):
-        out[got.pop("kernel")] = got
-    return out
-
-
-def probe_gguf_kernel(shape: tuple[int, int] = (8192, 4096)) -> dict | None:
-    """The exact GGUF CPU kernel (offload/cpu/ggml_kernel.py) on a one-token GEMV over a Q4_1 weight
-    of `shape` (17 MB: past the caches, as a model's layers are): its packed bytes over the seconds
-    (fastest of repeated calls), the rate passcost reads a kernel-served layer at. None where the
-    kernel is off or cannot compile."""
-    from offload.formats import ggml_kernel_enabled, ggml_linear
-    from offload.planning import GGUF_KERNEL
-
-    if not ggml_kernel_enabled():
-        return None
-    n, k = shape
-    g = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)  # Q4_1: d, m, 16 code bytes
-    blocks[..., :4] = (torch.rand(n, k // 32, 2, generator=g) * 0.02 - 0.01).to(torch.float16).view(torch.uint8)
-    raw, x = blocks.reshape(-1), torch.randn(1, k)
-    secs = _timed(lambda: ggml_linear(x, raw, 3, n), 0.3, 20)  # 3: GGML_TYPE_Q4_1
-    return dict(
-        kernel=GGUF_KERNEL, seconds=round(secs, 6), gbps=round(raw.numel() / secs / 1e9, 3), shape=[n, k], qtype="Q4_1"
-    )
-
-
 def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
     return dict(
         cpu=probe_cpu(),
@@ -306,7 +213,7 @@ def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
         disk=probe_disk(folder or Path.cwd(), disk_bytes),
         matmul=probe_matmul(),
         device_memory=probe_device_memory(),
-        dequant=probe_dequant(),
+        dequant=kernelprobes.probe_dequant(),
     )
 
 
