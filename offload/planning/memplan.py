@@ -310,7 +310,8 @@ def _plan_chunk(
     plan.kernel = kernel_terms(target, len(lay.packed), req, streams=bool(pl.ram or pl.disk))
     plan.notes += dense_notes(dense, dense_draft, len(pl.resident))
     plan.fits, plan.reason = verdict(plan, req)
-    plan.experts = expert_plan(target, lay, req, plan)  # None for a dense model
+    routing = (req.timings or {}).get("routing")  # a profile's measured routing counts, where it has them
+    plan.experts = expert_plan(target, lay, req, plan, routing=routing)  # None for a dense model
     if plan.experts and plan.experts.get("cache_bytes"):  # routed experts read on demand: their RAM cache
         plan.device_bytes["expert_cache"] = plan.experts["cache_bytes"]
     plan.notes += expert_notes(plan.experts)

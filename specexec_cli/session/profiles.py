@@ -220,11 +220,13 @@ def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | No
 
 def plan_timings(models: dict | None) -> dict | None:
     """The measured figures draftcost.py replaces modelled ones with: the target's pass seconds by tree
-    size and the drafts' step/tree seconds, each for the placement they were measured under."""
+    size and the drafts' step/tree seconds, each for the placement they were measured under; and a
+    mixture-of-experts target's routing counts (planning/experts.py caches the hottest experts by them)."""
     if not models:
         return None
     return dict(
         placement=models.get("placement"),
         target_seconds=models.get("target_seconds"),
         draft=models.get("draft_timings") or {},
+        routing=(models.get("routing") or {}).get("counts"),
     )

@@ -12,7 +12,9 @@ would with the same flags (session/options.plan_for_cli + load_planned: --offloa
   (on CUDA a resident draft's CUDA graph replays), the whole tree at each budget in TREE_BUDGETS up to
   max_tokens, and the draft seconds per pass of real specexec decoding at those budgets (the
   engine's own figure: growth with node scoring and budget selection, plus the cache trim);
-and records the placement ([resident, RAM, disk] layers), the resolved target path and the dtype the
+and, for a mixture-of-experts target, `routing`: how many of ROUTING_TOKENS sample tokens each router sent
+to each expert (`count_routing`: the measured use the plan caches the hottest experts by); it records
+the placement ([resident, RAM, disk] layers), the resolved target path and the dtype the
 timings are for (session/profiles.profile_matches uses them only for that target and dtype, and
 offload/planning/draftcost.py only under that placement). Nothing here prints; errors are SpecxError.
 """
@@ -29,6 +31,7 @@ CONTEXT_TOKENS = 64  # committed tokens in the cache while timing a pass (a shor
 WARMUP = 2  # untimed passes before each timed size (caches, allocator, page cache, threads)
 TREE_BUDGETS = (16, 64, 256, 1024)  # draft tree sizes timed (the dry run's budgets)
 SLOW_CALL = 2.0  # seconds: a call this slow is timed once (its noise is small against it)
+ROUTING_TOKENS = 256  # sample tokens whose routing a mixture-of-experts target's profile counts
 SAMPLE = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
 
 
@@ -73,6 +76,44 @@ def time_target(models, n_values: list[int]) -> dict[int, float]:
 
         out[n] = median_time(one_pass)
     return out
+
+
+def count_routing(models, tokens: int = ROUTING_TOKENS) -> dict | None:
+    """{tokens, experts, layers, counts} of one target pass over `tokens` sample tokens: for each sparse
+    layer (`layers`, in order) the tokens its router sent to each expert, read from the top-k indices every
+    experts module is called with (per-expert ExpertList and HF's fused experts alike), `counts` flattened
+    layer by layer as planning/experts.hit_share takes them. None for a dense target."""
+    import re
+
+    from specexec_cli.core import kvcache
+    from specexec_cli.core.tree import causal_mask
+
+    m = models.target
+    e = getattr(m.config, "num_local_experts", None) or getattr(m.config, "num_experts", None)
+    mods = [
+        (int(re.search(r"layers\.(\d+)\.", n).group(1)), mod) for n, mod in m.named_modules() if n.endswith(".experts")
+    ]
+    if not e or not mods:
+        return None
+    counts = {i: torch.zeros(e, dtype=torch.long) for i, _ in mods}
+
+    def counter(i):
+        def pre(_mod, args, kwargs):  # (hidden (T, H), top-k indices (T, K), weights), positional or named
+            idx = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
+            counts[i].add_(torch.bincount(idx.flatten().cpu(), minlength=e + 1)[:e])
+
+        return pre
+
+    ids = torch.tensor((models.tokenizer(SAMPLE * 16)["input_ids"] * tokens)[:tokens])
+    hooks = [mod.register_forward_pre_hook(counter(i), with_kwargs=True) for i, mod in mods]
+    try:
+        n, dtype = len(ids), kvcache.model_dtype(m)
+        kvcache.forward(m, kvcache.new_cache(), ids, torch.arange(n), causal_mask(0, n, dtype, m.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = sorted(counts)
+    return dict(tokens=len(ids), experts=e, layers=layers, counts=[c for i in layers for c in counts[i].tolist()])
 
 
 def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
@@ -200,6 +241,8 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
                 out["placement"] = [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)] if plan else None
                 out["plan_dtype"] = plan_dtype(plan, flags)
                 out["device"] = str(getattr(models.target, "device", flags.get("device", "auto")))
+                if routing := count_routing(models):
+                    out["routing"] = routing
                 if on_first is not None:
                     on_first(models)
             if draft is not None:

@@ -1,0 +1,70 @@
+"""`specx profile` of a mixture-of-experts target counts its routing (tools/modeltimes.count_routing),
+checked against transformers' own router logits on the same tokens; the plan reads the counts from a
+matching profile (session/profiles.plan_timings -> PlanRequest.timings) and names its routing measured."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from offload.planning.memlayers import read_checkpoint
+from offload.planning.memplan import PlanRequest, plan_memory
+from specexec_cli.session.loading import close_models
+from specexec_cli.session.profiles import plan_timings
+from specexec_cli.tools import modeltimes
+from tests.conftest import make_tokenizer
+from tests.test_gpt_oss import make_gpt_oss
+from tests.test_moe_families import make_moe
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+TOKENS = 24
+
+
+def hf_counts(target) -> list[int]:
+    """Tokens per (sparse layer, expert) from transformers' router logits: each token's top-k experts."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ids = (make_tokenizer()(modeltimes.SAMPLE * 16)["input_ids"] * TOKENS)[:TOKENS]
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    e = getattr(hf.config, "num_local_experts", None) or hf.config.num_experts
+    k = hf.config.num_experts_per_tok
+    counts = []
+    for logits in out.router_logits:  # one (T, E) per sparse layer, in order
+        top = logits.reshape(-1, e).topk(k, dim=-1).indices
+        counts += torch.bincount(top.flatten(), minlength=e).tolist()
+    return counts
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+def test_profile_counts_the_routing_transformers_computes(name, tmp_path):
+    target = make_gpt_oss(tmp_path / "target", 3) if name == "gpt_oss" else make_moe(name, tmp_path / "target", seed=3)
+    models, _, _ = modeltimes.plan_and_load(dict(target=str(target), device="cpu"), None, None, None)
+    try:
+        got = modeltimes.count_routing(models, tokens=TOKENS)
+    finally:
+        close_models(models)
+    assert got["tokens"] == TOKENS and got["counts"] == hf_counts(target)
+    k = transformers.AutoConfig.from_pretrained(target).num_experts_per_tok
+    assert sum(got["counts"]) == TOKENS * k * len(got["layers"])  # top-k of every token in every sparse layer
+
+
+def test_a_profiles_routing_reaches_the_plan(tmp_path):
+    """Every layer on disk, on the CPU: the experts are read on demand into a RAM cache of one layer's 4
+    experts; under the uniform prior it serves 4 of the 4 x L (layer, expert) pairs' share of the tokens,
+    with a profile's counts (one hot expert a layer) the hottest 4 serve (3 x 50 + 1) of L x 53."""
+    target = make_moe("qwen3_moe", tmp_path / "target", seed=3)
+    ck = read_checkpoint(target)
+    layers = ck.config["num_hidden_layers"]  # every layer sparse
+    counts = [50, 1, 1, 1] * layers
+    req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=8 << 30, ctx=256, offload="disk")
+    timed = plan_timings(dict(target_seconds={"1": 0.01}, routing=dict(counts=counts)))
+    assert timed["routing"] == counts
+    prior = plan_memory(ck, None, req).experts
+    measured = plan_memory(ck, None, replace(req, timings=timed)).experts
+    assert prior["mode"] == measured["mode"] == "on-demand" and prior["cache_experts"] == 4
+    assert (prior["routing"], prior["hit"]) == ("uniform (prior)", pytest.approx(1 / layers))
+    hot = min(layers, 4) * 50 + max(0, 4 - layers)
+    assert (measured["routing"], measured["hit"]) == ("measured", pytest.approx(hot / (53 * layers)))
