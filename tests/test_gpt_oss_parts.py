@@ -5,22 +5,19 @@ flash kernel scaled by the sinks' share; bf16: eager itself) and takes transform
 a gpt-oss model transformers itself loads under specx_gqa (a draft, loading.load_hf) keeps its sinks.
 The sinks, the window and the clamp each change the tiny model's output (tests/test_gpt_oss.py), so the
 exact checks there see them (transformers 5.17 clamps at 7.0 whatever the config says; specx runs its
-module, so follows). The plan counts every expert tensor. Refused in one line each: MXFP4 experts, NF4,
-a gpt-oss GGUF.
+module, so follows). The plan counts every expert tensor. Refused in one line each: NF4, a gpt-oss GGUF
+(MXFP4 experts are read: tests/test_gpt_oss_mxfp4.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 import transformers
-from typer.testing import CliRunner
 
 from offload.formats.st_index import SafetensorsIndex
-from specexec_cli.terminal.app import app
 from tests.conftest import make_tokenizer
 from tests.test_gpt_oss import CONFIG, LAYERS, N_NEW, PROMPT, make_gpt_oss, seeded
 
@@ -156,38 +153,6 @@ def test_plan_counts_every_expert(target):
         assert m.plan.layer_bytes == lay.packed
     finally:
         m.close()
-
-
-def _mxfp4_checkpoint(target, path):
-    """The tiny target re-stored as the published checkpoints store gpt-oss: MXFP4 expert blocks and scales."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(target / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        e, fan_in, fan_out = tensors.pop(name).shape
-        tensors[f"{name}_blocks"] = torch.zeros(e, fan_out, fan_in // 32, 16, dtype=torch.uint8)
-        tensors[f"{name}_scales"] = torch.full((e, fan_out, fan_in // 32), 127, dtype=torch.uint8)
-    path.mkdir()
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((target / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (path / "config.json").write_text(json.dumps(cfg))
-    make_tokenizer().save_pretrained(path)
-    return path
-
-
-def test_mxfp4_experts_are_refused_in_one_line(target, tmp_path):
-    from offload import OffloadError
-    from offload.formats import open_checkpoint
-
-    path = _mxfp4_checkpoint(target, tmp_path / "mxfp4")
-    with pytest.raises(
-        OffloadError, match=r"gpt-oss experts stored as MXFP4 .* not supported yet; use a bf16 copy"
-    ) as exc:
-        open_checkpoint(path)
-    assert "\n" not in str(exc.value)
-    r = CliRunner().invoke(app, ["run", "-p", "x", "--target", str(path), "--method", "ar", "--device", "cpu"])
-    assert r.exit_code != 0 and "MXFP4" in r.output, r.output
 
 
 def test_nf4_is_refused_in_one_line(target):

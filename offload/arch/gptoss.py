@@ -1,4 +1,4 @@
-"""gpt-oss (transformers' GptOssForCausalLM) from 16/32-bit safetensors, with attention sinks under any mask.
+"""gpt-oss (transformers' GptOssForCausalLM) from 16/32-bit or MXFP4 safetensors, with attention sinks under any mask.
 
 Contract: `causal_lm_class()` is transformers' GptOssForCausalLM unchanged: its parameter names are
 the checkpoint's tensor names (a layer's experts are four stored tensors, `mlp.experts.gate_up_proj`
@@ -118,12 +118,3 @@ def sink_attention_forward(
     keep = torch.sigmoid(lse - module.sinks.float()[None, :, None])  # (B, H, Q)
     out = out * keep[..., None].to(out.dtype)
     return out.transpose(1, 2).contiguous(), None
-
-
-def mxfp4_error(config_file) -> str:
-    """The one line that declines a checkpoint whose experts are MXFP4 blocks and scales."""
-    return (
-        f"{config_file}: gpt-oss experts stored as MXFP4 (`*_blocks`/`*_scales`) are not supported yet; "
-        "use a bf16 copy (transformers: from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)) "
-        "then save_pretrained)"
-    )

@@ -4,7 +4,7 @@ Contract: `open_checkpoint(path)` returns the `Checkpoint` of a model directory 
 and validated once (headers and metadata only, no tensor data), by the first reader in
 READERS whose `detect(path)` is true; a path no reader claims is one OffloadError line naming
 the fix. Every reader module offload/formats/<name>.py exposes `READER` (a base.FormatReader).
-Order matters: the quantized safetensors layouts (awq, gptq, compressed-tensors) are tried
+Order matters: the quantized safetensors layouts (awq, gptq, compressed-tensors, mxfp4) are tried
 before the plain safetensors reader (16/32-bit and bitsandbytes 4-bit), GGUF first of all.
 `reader_for(ckpt)` is `ckpt.reader`; `load_weight` dequantizes one HF weight on the device.
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from offload.formats.ollama import resolve as resolve_ollama
     from offload.formats.pydist import find as find_pydist
 
-READERS = ("gguf", "awq", "gptq", "compressed", "safetensors")
+READERS = ("gguf", "awq", "gptq", "compressed", "mxfp4", "safetensors")
 
 _LAZY = {  # name here -> (module, name there)
     "ggml_kernel_enabled": ("offload.cpu.ggml_kernel", "enabled"),

@@ -51,7 +51,7 @@ import torch
 
 from offload.errors import OffloadError
 
-FORMATS = ("bf16", "fp16", "fp32", "bnb-nf4", "awq", "gptq", "compressed-tensors", "gguf")
+FORMATS = ("bf16", "fp16", "fp32", "bnb-nf4", "awq", "gptq", "compressed-tensors", "gguf", "mxfp4")
 LAYER_PREFIX = "model.layers."
 
 

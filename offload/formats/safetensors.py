@@ -3,8 +3,8 @@
 Contract: `READER` (base.FormatReader) claims any directory with config.json and *.safetensors
 (the quantized layouts awq/gptq/compressed-tensors are detected before it). `open` validates
 the headers (st_index: truncation, offsets, dtypes, shards), refuses a `quantization_config`
-other than bitsandbytes 4-bit in one line (prequant.bnb4_config; gpt-oss's MXFP4 experts with
-the way to a bf16 copy, arch/gptoss.mxfp4_error), and checks the tensor set
+other than bitsandbytes 4-bit in one line (prequant.bnb4_config; gpt-oss's MXFP4 checkpoints are
+mxfp4.py's, detected before this reader), and checks the tensor set
 against config.json's architecture (validate.check_tensors; a bnb weight is its packed uint8
 tensor plus its quant-state parts). Format: "bnb-nf4" for bitsandbytes 4-bit (fp4 included),
 else the dtype of the decoder weights ("bf16" / "fp16" / "fp32").
@@ -61,10 +61,6 @@ class SafetensorsReader:
         cfg = hfdir.read_config(path)
         index = hfdir.st_index(path)
         config = hfdir.hf_config(path)
-        if (hfdir.quant_config(cfg) or {}).get("quant_method") == "mxfp4":
-            from offload.arch.gptoss import mxfp4_error
-
-            raise OffloadError(mxfp4_error(path / "config.json"))
         try:
             quant = bnb4_config(config)
         except OffloadError as exc:

@@ -108,7 +108,8 @@ def moe_shape(ck, lay, req, bits: float | None = None, dense_bits: float | None 
         i, numel = int(name.split(".", 3)[2]), math.prod(t.shape)
         if ".experts." in name:
             stored[i] += t.nbytes if packed else numel * elem
-            weights[i] += numel
+            # MXFP4 (formats/mxfp4.py): a block byte holds two weights, its scales none
+            weights[i] += numel * 2 if name.endswith("_blocks") else 0 if name.endswith("_scales") else numel
         elif dense_bits:  # a matrix at dense_bits per weight, a vector in the plan's dtype
             other[i] += numel * (dense_bits / 8 if len(t.shape) > 1 else elem)
     ew = [w // e for w in weights]
@@ -308,7 +309,7 @@ def expert_plan(
     ctx = model_ctx(plan)
     base["layers_tokens_per_second"] = _tokens_per_second(a, plan, dev, base, c, ctx)
     base["tokens_per_second"] = base["layers_tokens_per_second"]
-    packed = req.dtype == "nf4" or isinstance(ck.config.get("quantization_config"), dict)
+    packed = req.dtype == "nf4" or a.packed  # packed linears stream with their layer (MXFP4 experts do not)
     if plan.disk_layers and bits is None and splits_experts(ck.config.get("model_type"), req.device, packed):
         held = {**base, **_on_demand(shape, lay, req, plan, routing), "mode": "on-demand"}
         held["tokens_per_second"] = _tokens_per_second(a, plan, dev, held, c, ctx)

@@ -52,6 +52,8 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 # how a decoder layer's parameters end: linears' and norms' weight/bias, gpt-oss's attention sinks and
 # its fused 3-D experts (`mlp.experts.gate_up_proj` (E, H, 2I), `mlp.experts.down_proj` (E, I, H))
 PARAM_ENDINGS = ("weight", "bias", "self_attn.sinks", "experts.gate_up_proj", "experts.down_proj")
+# gpt-oss's experts stored as MXFP4 (formats/mxfp4.py): uint8 blocks and scales, streamed as stored
+STORED_ENDINGS = tuple(f"experts.{m}_{p}" for m in ("gate_up_proj", "down_proj") for p in ("blocks", "scales"))
 
 
 def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorEntry]]:
@@ -69,6 +71,9 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
             and (not rel.endswith((".weight", ".bias")) or not e.dtype.is_floating_point)
         ):
             # AWQ/GPTQ/compressed-tensors parts (qweight, scales, ...) stream as stored (formats/qlinear.py)
+            out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
+            continue
+        if name.startswith(prefix) and rel.endswith(STORED_ENDINGS):
             out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
             continue
         if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(PARAM_ENDINGS):

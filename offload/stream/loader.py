@@ -115,16 +115,17 @@ class LoadedWeights:
 
 
 def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
-    """One spec per parameter: NF4 weights by logical shape, a PackedLinear's stored parts as
-    stored (AWQ/GPTQ/compressed-tensors/GGUF bytes stream unchanged), the rest in `storage_dtype`."""
+    """One spec per parameter: NF4 weights by logical shape, a PackedLinear's stored parts and any
+    integer parameter (gpt-oss's MXFP4 blocks and scales) as stored (AWQ/GPTQ/compressed-tensors/GGUF/MXFP4
+    bytes stream unchanged), the rest in `storage_dtype`."""
     specs = []
     for name, p in layer.named_parameters():
         mod_name, _, attr = name.rpartition(".")
         mod = layer.get_submodule(mod_name) if mod_name else layer
         if isinstance(mod, Nf4Linear) and attr == "weight":
             specs.append(ParamSpec(name, mod.logical_shape, torch.uint8, nf4=True))
-        elif isinstance(mod, PackedLinear) and attr in mod.parts:
-            specs.append(ParamSpec(name, tuple(p.shape), p.dtype))
+        elif (isinstance(mod, PackedLinear) and attr in mod.parts) or not p.dtype.is_floating_point:
+            specs.append(ParamSpec(name, tuple(p.shape), p.dtype))  # stored bytes (MXFP4 blocks/scales too)
         else:
             specs.append(ParamSpec(name, tuple(p.shape), storage_dtype))
     return specs

@@ -33,6 +33,7 @@ from offload.arch.moe import MOE_FAMILIES
 from offload.cpu.leanstack import LeanStack
 from offload.errors import OffloadError
 from offload.formats import Checkpoint, open_checkpoint
+from offload.formats.mxfp4 import swap_mxfp4_experts
 from offload.formats.qlinear import swap_packed_linears
 from offload.quant.dense import densify
 from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
@@ -182,6 +183,8 @@ class OffloadedCausalLM(nn.Module):
             _swap_nf4_linears(hf.model.layers, compute_dtype, lambda name: f"model.{name}.weight" in ckpt.packed)
         elif ckpt.packed:
             swap_packed_linears(hf.model.layers, ckpt, compute_dtype)
+        if ckpt.format == "mxfp4":  # the experts' MXFP4 bytes stream as stored, dequantized per routed expert
+            swap_mxfp4_experts(hf.model.layers, compute_dtype)
         w = load_weights(
             ckpt,
             config,

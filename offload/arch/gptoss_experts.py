@@ -1,0 +1,75 @@
+"""gpt-oss's experts computed one routed expert at a time, from expert e's slice of each fused tensor.
+
+Contract: `RoutedExperts` stands in for transformers' GptOssExperts (same call: hidden (T, H), router
+indices (T, K), routing weights (T, K) -> (T, H)) where the experts are not four plain 3-D parameters the
+loader binds whole: MXFP4 blocks and scales (quant/mxfp4.py subclasses it) or experts read on demand
+(stream/expertstore.py sets `source`). Its parameters are the checkpoint's fused tensors as stored,
+each [E, ...] so that expert e's part is row e (`names`); `parts(e)` is {name: tensor [e]}, from the
+parameters, or `source(e)` when a loader holds the experts apart. `weights(parts)` turns one expert's
+parts into (gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,)) in the compute dtype
+(here: the parts themselves, the 16/32-bit layout). The math is transformers' own, in the order of its
+default "grouped_mm" experts path, so the outputs are its bits: per (token, slot) pair routed to e,
+y = gate(x W_gu + b_gu) W_d + b_d, times its routing weight, with `gate` GptOssExperts._apply_gate
+((clamp(up, ±limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); alpha and limit read from
+transformers' module, which fixes them in some versions), summed over the K slots of each token.
+`from_hf(experts)` is a 16/32-bit RoutedExperts with transformers' module's parameters (the loader
+binds or replaces them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+NAMES = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+class RoutedExperts(nn.Module):
+    names = NAMES  # the fused tensors, [E, ...] each; expert e's part is row e
+    source = None  # None: parts come from the parameters; else source(e) -> {name: expert e's part}
+
+    def __init__(self, num_experts: int, alpha: float, limit: float):
+        super().__init__()
+        self.num_experts, self.alpha, self.limit = num_experts, alpha, limit
+
+    @classmethod
+    def from_hf(cls, experts: nn.Module) -> RoutedExperts:
+        """A 16/32-bit RoutedExperts holding transformers' GptOssExperts' parameters (same tensors)."""
+        out = cls(experts.num_experts, experts.alpha, experts.limit)
+        for name in NAMES:
+            setattr(out, name, getattr(experts, name))
+        return out
+
+    def parts(self, e: int) -> dict[str, torch.Tensor]:
+        if self.source is not None:
+            return self.source(e)
+        return {name: getattr(self, name)[e] for name in self.names}
+
+    def weights(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,)) of one expert."""
+        return tuple(parts[n] for n in NAMES)
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        return GptOssExperts._apply_gate(self, gate_up)  # reads self.alpha, self.limit
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x (n, H) -> (n, H), before the routing weight."""
+        gate_up, gate_up_bias, down, down_bias = self.weights(self.parts(e))
+        h = torch.mm(x.to(gate_up.dtype), gate_up)  # (n, 2I), gate and up interleaved by column
+        h.add_(gate_up_bias)
+        h = self._apply_gate(h)  # (n, I)
+        y = torch.mm(h.to(down.dtype), down)  # (n, H)
+        return y.add_(down_bias)
+
+    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        t, k = router_indices.shape
+        flat = router_indices.reshape(-1)  # (T K,): pair p = token p // K, slot p % K
+        out = hidden_states.new_zeros(t * k, hidden_states.shape[-1])  # weighted output of each pair
+        for e in torch.unique(flat).tolist():  # ascending, as transformers' sort groups them
+            pairs = (flat == e).nonzero()[:, 0]
+            y = self.expert(e, hidden_states[pairs // k])
+            out[pairs] = (y * routing_weights.reshape(-1)[pairs, None]).to(out.dtype)
+        # transformers sums each token's K weighted outputs with one reduction (not index_add_)
+        return out.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -1,0 +1,136 @@
+"""gpt-oss checkpoints whose experts are stored as MXFP4 (the published weights), read as stored.
+
+Contract: `READER` claims a safetensors directory whose config.json has `quantization_config.quant_method
+== "mxfp4"` (before the plain safetensors reader); a model other than gpt-oss is one OffloadError line.
+Format "mxfp4". The experts' two fused matrices of each layer, logically `mlp.experts.gate_up_proj`
+(E, H, 2I) and `mlp.experts.down_proj` (E, I, H) (x @ W per expert), are stored as
+  `<name>_blocks` (E, N, K/32, 16) uint8: per expert, output column n, group g of 32 inputs, byte j holds
+                 input 32g + 2j in its low nibble and 32g + 2j + 1 in its high nibble, FP4 e2m1 codes
+                 (FP4_VALUES: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6);
+  `<name>_scales` (E, N, K/32) uint8: the group's E8M0 exponent s, the group's weights being value * 2^(s - 127);
+with K the input size (H or I) and N the output size (2I or H): 4.25 bits a weight. Everything else,
+the experts' biases included, is a plain 16/32-bit tensor. `stored_shapes(name, shape)` maps a logical
+(E, K, N) expert matrix to its two stored tensors; `dequantize(blocks, scales, dtype)` gives the
+(..., N, K) weights in `dtype`, the values transformers' `convert_moe_packed_tensors` gives (a FP4 value
+times a power of two: exact in any float dtype wide enough). `Mxfp4Experts` (an arch RoutedExperts)
+holds the stored tensors as its parameters, so the loader keeps, streams and caches the bytes as
+stored; each routed expert's two matrices are dequantized into the compute dtype when it computes.
+`swap_mxfp4_experts(layers, dtype)` puts one in every decoder layer of a meta-built GptOssForCausalLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from offload.arch.gptoss_experts import RoutedExperts
+from offload.errors import OffloadError
+from offload.formats import hfdir, validate
+from offload.formats.base import Checkpoint
+from offload.formats.safetensors import SafetensorsReader
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GROUP = 32  # weights per scale
+FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # the expert matrices stored as MXFP4
+BIAS = 127  # E8M0 exponent bias
+
+
+def stored_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Logical (E, K, N) expert matrix `name` -> {blocks name: (E, N, K/32, 16), scales name: (E, N, K/32)}."""
+    e, k, n = shape
+    return {f"{name}_blocks": (e, n, k // GROUP, GROUP // 2), f"{name}_scales": (e, n, k // GROUP)}
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks (..., N, G, 16) uint8, scales (..., N, G) uint8 -> weights (..., N, 32 G) in `dtype`."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    lo, hi = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]  # (..., N, G, 16) each
+    vals = torch.stack((lo, hi), dim=-1).reshape(*blocks.shape[:-1], GROUP)  # input 2j: low nibble, 2j+1: high
+    exp = scales.to(torch.int32)[..., None] - BIAS  # (..., N, G, 1)
+    torch.ldexp(vals, exp, out=vals)  # value * 2^exp (computed wide, then rounded into `dtype`, as transformers)
+    return vals.reshape(*blocks.shape[:-2], -1)
+
+
+class Mxfp4Reader(SafetensorsReader):
+    name = "mxfp4"
+
+    def detect(self, path: Path) -> bool:
+        return hfdir.is_st_dir(path) and hfdir.quant_method(path) == "mxfp4"
+
+    def open(self, path: Path) -> Checkpoint:
+        cfg = hfdir.read_config(path)
+        config = hfdir.hf_config(path)
+        if config.model_type != "gpt_oss":
+            raise OffloadError(
+                f"{path / 'config.json'}: MXFP4 is read for gpt-oss's experts only, not {config.model_type!r}; "
+                "use a 16-bit checkpoint"
+            )
+        index = hfdir.st_index(path)
+        ckpt = Checkpoint(
+            path=path,
+            format="mxfp4",
+            config=cfg,
+            hf_config=config,
+            tensors=index.entries,
+            files=list(index.files),
+            reader=self,
+            quant=hfdir.quant_config(cfg),
+            source_name=index.source_name,
+            **hfdir.side_info(path),
+        )
+
+        def parts(name, shape):
+            return stored_shapes(name, shape) if name.endswith(FUSED) else None
+
+        ckpt.shapes = validate.check_tensors(ckpt, parts)
+        for name, e in sorted(ckpt.tensors.items()):
+            if name.endswith(("_blocks", "_scales")) and e.dtype != torch.uint8:
+                raise OffloadError(
+                    f"{e.file}: tensor {name!r} is {e.dtype}, expected MXFP4 uint8; the checkpoint is corrupt - "
+                    "re-download it"
+                )
+        return ckpt
+
+
+READER = Mxfp4Reader()
+
+
+def _stored_param(shape: tuple[int, ...]) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False)
+
+
+class Mxfp4Experts(RoutedExperts):
+    """gpt-oss's experts from their MXFP4 blocks and scales (see the contract)."""
+
+    names = (
+        "gate_up_proj_blocks",
+        "gate_up_proj_scales",
+        "gate_up_proj_bias",
+        "down_proj_blocks",
+        "down_proj_scales",
+        "down_proj_bias",
+    )
+
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype):
+        super().__init__(experts.num_experts, experts.alpha, experts.limit)
+        self.compute_dtype = compute_dtype
+        for proj in ("gate_up_proj", "down_proj"):
+            for name, shape in stored_shapes(proj, tuple(getattr(experts, proj).shape)).items():
+                setattr(self, name, _stored_param(shape))
+            setattr(self, f"{proj}_bias", getattr(experts, f"{proj}_bias"))
+
+    def weights(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """One expert's (gate_up (H, 2I), its bias, down (I, H), its bias), dequantized into the compute dtype."""
+        out = []
+        for proj in ("gate_up_proj", "down_proj"):
+            w = dequantize(parts[f"{proj}_blocks"], parts[f"{proj}_scales"], self.compute_dtype)  # (N, K)
+            out += [w.t().contiguous(), parts[f"{proj}_bias"]]  # (K, N): x @ W, laid out as transformers'
+        return tuple(out)
+
+
+def swap_mxfp4_experts(layers: nn.ModuleList, compute_dtype: torch.dtype) -> None:
+    """Every decoder layer's experts (transformers' GptOssExperts, meta) become an Mxfp4Experts."""
+    for layer in layers:
+        layer.mlp.experts = Mxfp4Experts(layer.mlp.experts, compute_dtype)
