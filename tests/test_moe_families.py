@@ -8,7 +8,7 @@ passes accept several tokens) produce exactly HF `generate`'s greedy ids, reside
 and streamed from disk, through the engine and through `specx run`; the memory plan counts every
 expert's bytes (its per-layer sizes equal the layer's stored tensor bytes and the loader's); the
 one-call C stack declines MoE layers by family, so they run through transformers' modules; NF4 is
-refused in one line, and so is a MoE GGUF file.
+refused in one line. The same families from GGUF files: tests/test_gguf_moe.py.
 """
 
 from __future__ import annotations
@@ -190,25 +190,6 @@ def test_nf4_is_refused_in_one_line(tmp_path):
     path = make_moe("qwen3_moe", tmp_path / "m", seed=1)
     with pytest.raises(OffloadError, match=r"NF4 is not supported for mixture-of-experts models \(qwen3_moe\)"):
         OffloadedCausalLM.from_pretrained(path, dtype="nf4", offload="disk")
-
-
-def test_moe_gguf_is_refused_in_one_line(tmp_path):
-    """llama.cpp writes a Mixtral as architecture `llama` with `llama.expert_count`: refused, not misread."""
-    gguf = pytest.importorskip("gguf")
-    from offload import OffloadError
-    from offload.formats import open_checkpoint
-
-    out = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(out, "llama")
-    writer.add_block_count(1)
-    writer.add_expert_count(4)
-    writer.add_expert_used_count(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(OffloadError, match=r"mixtral\.gguf: a mixture-of-experts GGUF \(4 experts\) is not supported"):
-        open_checkpoint(out)
 
 
 def test_plan_counts_every_expert(family):

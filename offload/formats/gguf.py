@@ -7,9 +7,13 @@ only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
 - config: transformers' config for the file, built by its own GGUF key table (as
   `AutoConfig.from_pretrained(dir, gguf_file=)` does, without parsing the vocabulary twice),
   the families specx runs (GGUF_ARCHS; any other `general.architecture` is one OffloadError line),
-  plus what that table leaves out: Gemma-3's linear RoPE scaling of its global layers;
+  plus what that table leaves out: Gemma-3's linear RoPE scaling of its global layers, and for a
+  mixture-of-experts file (`{arch}.expert_count`: Qwen3-MoE, Qwen2-MoE, Mixtral as `llama`) its
+  type and expert sizes (gguf_moe.py);
 - tensors keyed by HF name (GGUF names mapped through gguf's TensorNameMap against the meta-built
-  HF model), each at its byte range in its part file. A tensor stored plain (F32/F16/BF16) that
+  HF model), each at its byte range in its part file; a MoE layer's fused experts
+  (`blk.N.ffn_{gate,up,down}_exps`) are E per-expert tensors at their byte ranges (gguf_moe.slices), the
+  names arch/moe.py's per-expert model has. A tensor stored plain (F32/F16/BF16) that
   needs no change keeps its float dtype; every other one (block-quantized, or a Llama-family Q/K
   weight whose rows llama.cpp permuted, or a Gemma-2 norm stored +1) is `qtype` bytes
   ((nbytes,) uint8) listed in `packed`, and `load_weight` turns it back into the HF weight on the
@@ -33,10 +37,10 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.formats import gguf_meta, gguf_quants as gq
+from offload.formats import gguf_meta, gguf_moe, gguf_quants as gq
 from offload.formats.base import Checkpoint, TensorInfo, as_stored
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
 HF_TYPE = {"gemma3": "gemma3_text"}   # a Gemma-3 GGUF holds the text model only (as transformers reads it)
 PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
 IGNORED = ("rope_freqs.weight",)   # llama.cpp's llama3 RoPE factors: read into the config (_rope_from_freqs)
@@ -65,9 +69,8 @@ class GgufReader:
         first, head = parts[0], readers[0]
         arch = gguf_meta.value(head, "general.architecture")
         experts = gguf_meta.value(head, f"{arch}.expert_count")
-        if experts:   # llama.cpp: a Mixtral as `llama`, gpt-oss as `gpt-oss`, experts fused (blk.N.ffn_*_exps)
-            raise OffloadError(f"{first}: a mixture-of-experts GGUF ({experts} experts) is not supported yet; "
-                               "use the model's 16-bit safetensors checkpoint")
+        if experts:   # llama.cpp: a Mixtral as `llama`, experts fused (blk.N.ffn_*_exps)
+            gguf_moe.model_type(first, arch, experts)
         if arch not in GGUF_ARCHS:
             raise OffloadError(f"{first}: GGUF architecture {str(arch)[:40]!r} is not supported; supported: "
                                f"{', '.join(GGUF_ARCHS)}")
@@ -78,20 +81,21 @@ class GgufReader:
         config = _hf_config(head, arch, readers, first)
         _rope_from_freqs(config, parts, readers)
         hf_names, shapes = _hf_params(config, arch, first)
+        fused = gguf_moe.expert_names(config, shapes) if experts else {}
         tensors, packed = {}, {}
         for part, reader in zip(parts, readers):
             for t in reader.tensors:
                 if t.name in IGNORED:
                     continue
+                if t.name in fused:
+                    for name, e in zip(fused[t.name], gguf_moe.slices(part, t, len(fused[t.name]))):
+                        _add(tensors, packed, name, part, e, config, arch, shapes)
+                    continue
                 name = hf_names.get(t.name)
                 if name is None:
                     raise OffloadError(f"{part}: unexpected tensor {t.name!r} (not used by {arch}); the file does "
                                        "not match its metadata - re-download it")
-                if name in tensors:
-                    raise OffloadError(f"{part}: tensor {t.name!r} appears twice; the file is corrupt - re-download it")
-                tensors[name] = _info(name, part, t, config, arch)
-                if tensors[name].qtype is not None:
-                    packed[name] = (name,)
+                _add(tensors, packed, name, part, t, config, arch, shapes)
         cfg = dict(config.to_dict(), quantization_config={"quant_method": "gguf"})   # the plan's packed-format marker
         ckpt = Checkpoint(path=path, format="gguf", config=cfg, hf_config=config, tensors=tensors,
                           files=list(parts), reader=self, quant=_quant(head, tensors), packed=packed,
@@ -132,6 +136,14 @@ class GgufReader:
         return self.open(model.blob, ollama_params=model.params)
 
 
+def _add(tensors: dict, packed: dict, name: str, part: Path, t, config, arch: str, shapes: dict) -> None:
+    if name in tensors:
+        raise OffloadError(f"{part}: tensor {t.name!r} appears twice; the file is corrupt - re-download it")
+    tensors[name] = gguf_moe.fit_shape(_info(name, part, t, config, arch), shapes.get(name))
+    if tensors[name].qtype is not None:
+        packed[name] = (name,)
+
+
 def _check_split(parts: list[Path], readers) -> None:
     count = gguf_meta.value(readers[0], "split.count")
     if count is not None and int(count) != len(parts):
@@ -145,10 +157,12 @@ def _config_dict(head, arch: str, readers) -> dict:
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     model_type = "mistral" if arch == "llama" and gguf_meta.value(head, "general.name") == "mistral" else arch
+    moe = bool(gguf_meta.value(head, f"{arch}.expert_count"))
+    model_type = gguf_moe.MODEL_TYPE[arch] if moe else model_type
     cfg = {"model_type": model_type}
     for key in head.fields:
         prefix, _, rest = key.partition(".")
-        table = GGUF_CONFIG_MAPPING.get(model_type if prefix == arch else prefix, {})
+        table = GGUF_CONFIG_MAPPING.get(gguf_moe.TABLE.get(model_type, model_type) if prefix == arch else prefix, {})
         if prefix in ("general", arch, "tokenizer") and table.get(rest) not in (None, -1) and rest != "architecture":
             cfg[table[rest]] = gguf_meta.value(head, key)
     for key, val in GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}).items():
@@ -156,6 +170,8 @@ def _config_dict(head, arch: str, readers) -> dict:
     cfg["model_type"] = HF_TYPE.get(model_type, model_type)
     if arch == "gemma3":
         _gemma3_rope_scaling(head, cfg)
+    if moe:
+        gguf_moe.config_keys(head, arch, model_type, cfg)
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for r in readers for t in r.tensors)
     if "vocab_size" not in cfg:
         cfg["vocab_size"] = len(head.fields["tokenizer.ggml.tokens"].data)

@@ -156,9 +156,13 @@ def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch
 def load_small_draft(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
     """A `--draft DIR`: transformers' own model, or, where that one cannot run specx's tree masks as its
     config says (`needs_offload_path`: sliding windows, soft-capping, pre-quantized weights; not a
-    GGUF, which transformers dequantizes at load), the offload path with every layer resident, as a
+    GGUF, which transformers dequantizes at load, save a mixture-of-experts GGUF, whose expert sizes its
+    GGUF loader does not read), the offload path with every layer resident, as a
     target would take it: a sliding-window draft that ignored its window would rarely agree with its target."""
-    if ref.format == "gguf" or not needs_offload_path(ref.path):
+    gguf = ref.format == "gguf"
+    if (gguf and not any(ref.checkpoint.config.get(k) for k in ("num_experts", "num_local_experts"))) or (
+        not gguf and not needs_offload_path(ref.path)
+    ):
         return load_hf(ref, opts, device, dtype)
     from offload import DevicePool, OffloadedCausalLM, OffloadError
 

@@ -1,0 +1,115 @@
+"""Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE, Mixtral) read onto the per-expert HF model.
+
+Contract (used by gguf.py's reader at open, metadata and headers only):
+- `model_type(first, arch, experts)`: the HF model_type of a GGUF whose metadata has
+  `{arch}.expert_count`: `qwen3moe` -> qwen3_moe, `qwen2moe` -> qwen2_moe, and `llama` (llama.cpp writes
+  a Mixtral so) -> mixtral; any other MoE architecture (gpt-oss, DeepSeek, ...) is one OffloadError line.
+- `TABLE`: which of transformers' GGUF key tables reads a type's metadata (Mixtral: Llama's);
+  `config_keys(head, arch, model_type, cfg)` adds what those tables leave out: the experts' and the
+  shared expert's FFN sizes (`expert_feed_forward_length`, `expert_shared_feed_forward_length`),
+  Mixtral's expert counts, and llama.cpp's routing (Qwen2-MoE: top-k weights not renormalised; every
+  layer sparse: llama.cpp has no dense MLP layers in these families).
+- `expert_names(config, shapes)`: {GGUF fused tensor `blk.N.ffn_{gate,up,down}_exps.weight`: the HF
+  per-expert weight names in expert order} for arch/moe.py's model (`model.layers.N.mlp.experts.E.gate_proj.weight`,
+  Mixtral's `block_sparse_moe.experts.E.w1.weight`).
+- `slices(part, t, count)`: the E per-expert views of one fused tensor `t` (gguf ReaderTensor, ggml
+  shape (cols, rows, E)): expert e's rows are bytes [e * n, (e + 1) * n) of the tensor, whole quantized
+  rows, so each expert is one stored tensor at its own byte range, plain or block-quantized as the file
+  stores it (gguf.py's `_info` makes its TensorInfo; nothing is copied or re-laid at open).
+- `fit_shape(info, want)`: Qwen2-MoE's shared-expert gate, stored 1-D (H,), is HF's (1, H) linear weight:
+  its TensorInfo with that shape (the same bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from offload.errors import OffloadError
+from offload.formats import gguf_meta
+from offload.formats import gguf_quants as gq
+from offload.formats.base import TensorInfo
+
+MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+TABLE = {"mixtral": "llama"}  # transformers' GGUF key table for the type, where it has none of its own
+_PROJ = ("gate", "up", "down")  # llama.cpp's ffn_{gate,up,down}_exps, in arch/moe.MOE_FAMILIES name order
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def model_type(first: Path, arch: str, experts) -> str:
+    """HF model_type of a MoE GGUF of `arch`, or one OffloadError line (see the contract)."""
+    if arch not in MODEL_TYPE:
+        raise OffloadError(
+            f"{first}: a mixture-of-experts GGUF ({experts} experts) is not supported yet; use the model's "
+            f"safetensors checkpoint (specx reads the MoE GGUFs of qwen3moe, qwen2moe and Mixtral, not {str(arch)[:40]!r})"
+        )
+    return MODEL_TYPE[arch]
+
+
+def config_keys(head, arch: str, model_type: str, cfg: dict) -> None:
+    """The MoE keys transformers' GGUF tables leave out (see the contract), into `cfg`."""
+
+    def v(key):
+        return gguf_meta.value(head, f"{arch}.{key}")
+
+    if v("expert_feed_forward_length") is not None:
+        cfg["moe_intermediate_size"] = int(v("expert_feed_forward_length"))
+    if v("expert_shared_feed_forward_length") is not None:
+        cfg["shared_expert_intermediate_size"] = int(v("expert_shared_feed_forward_length"))
+    if model_type == "mixtral":
+        cfg["num_local_experts"] = int(v("expert_count"))
+        cfg["num_experts_per_tok"] = int(v("expert_used_count") or 2)
+    if model_type == "qwen2_moe":
+        cfg["norm_topk_prob"] = False  # llama.cpp's qwen2moe graph weights the top-k as the softmax gives them
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        cfg.update(mlp_only_layers=[], decoder_sparse_step=1)
+
+
+def expert_names(config, shapes: dict) -> dict[str, list[str]]:
+    """{fused GGUF tensor name: HF per-expert weight names, expert order} (see the contract)."""
+    from offload.arch.moe import MOE_FAMILIES
+
+    names = MOE_FAMILIES[config.model_type][1]
+    out: dict[str, dict[int, str]] = {}
+    for hf_name in shapes:
+        m = _EXPERT.fullmatch(hf_name)
+        if m and m[4] in names:
+            fused = f"blk.{m[1]}.ffn_{_PROJ[names.index(m[4])]}_exps.weight"
+            out.setdefault(fused, {})[int(m[3])] = hf_name
+    return {k: [d[e] for e in sorted(d)] for k, d in out.items()}
+
+
+def slices(part: Path, t, count: int) -> list:
+    """The `count` per-expert views of fused tensor `t` (see the contract), as ReaderTensor-like records."""
+    dims = [int(d) for d in t.shape.tolist()]  # ggml order: (cols, rows, experts)
+    tid = int(t.tensor_type)
+    if len(dims) != 3 or dims[2] != count:
+        raise OffloadError(
+            f"{part}: tensor {t.name!r} has shape {list(reversed(dims))}, not {count} experts' matrices; "
+            "the file does not match its metadata"
+        )
+    per = gq.nbytes(tid, (dims[1], dims[0]))
+    return [
+        SimpleNamespace(
+            name=f"{t.name}[{e}]", tensor_type=tid, shape=_Dims(dims[:2]), data_offset=int(t.data_offset) + e * per
+        )
+        for e in range(count)
+    ]
+
+
+class _Dims(list):
+    """A ggml shape list with the `.tolist()` gguf's ReaderTensor.shape (a numpy array) offers."""
+
+    def tolist(self) -> list[int]:
+        return list(self)
+
+
+def fit_shape(info: TensorInfo, want: tuple[int, ...] | None) -> TensorInfo:
+    """`info` with HF's shape `want` where a 1-D stored vector is HF's (1, n) weight (see the contract)."""
+    stored = tuple(info.meta["shape"])
+    if want is None or len(want) != 2 or want[0] != 1 or stored != tuple(want[1:]):
+        return info
+    shape = tuple(want) if info.qtype is None else info.shape
+    return dataclasses.replace(info, shape=shape, meta={**info.meta, "shape": tuple(want)})
