@@ -5,16 +5,18 @@ its shared expert, Qwen3-MoE with normalized top-k weights; every layer sparse, 
 them) is saved by transformers' `save_pretrained` with a byte-level BPE vocabulary (the kind llama.cpp's
 converter writes and transformers rebuilds), and written to GGUF by llama.cpp's own
 convert_hf_to_gguf.py (tools/llamacpp.sh; without it these tests skip) as F32 and as Q8_0 (experts
-quantized; llama.cpp writes a Mixtral as architecture `llama` with `expert_count`).
+quantized; llama.cpp writes a Mixtral as architecture `llama` with `expert_count`), and a Qwen3-MoE with
+256-wide rows as Q4_K_M by llama-quantize (experts in Q4_K and Q6_K).
 The oracle is transformers' `generate` on the source model, because transformers' GGUF loader cannot
 read these files (it ignores `expert_feed_forward_length` and reads no Mixtral): for F32 the GGUF holds
-the source's weights bit for bit (checked tensor by tensor through specx's reader); for Q8_0 the source
-model's weights are replaced by the file's, dequantized by the `gguf` package's own reference
+the source's weights bit for bit (checked tensor by tensor through specx's reader); for Q8_0 and Q4_K_M
+the source model's weights are replaced by the file's, dequantized by the `gguf` package's own reference
 (`gguf.quants.dequantize`, Q/K rows un-permuted for Mixtral), so both sides compute the same weights.
 Checked: greedy `ar` and `specexec` (draft: a low-noise copy of the target, converted to F32 GGUF too:
 transformers rebuilds a Qwen vocabulary from GGUF with an extra `<|endoftext|>`) give exactly
 those ids, resident (--offload none) and every layer streamed from disk (--offload disk, --max-ram 0),
-through the engine and through `specx run`; a MoE GGUF of another architecture is one error line
+through the engine and through `specx run`; the memory plan counts every expert's bytes, as the loader
+streams them (whole layers); a MoE GGUF of another architecture is one error line
 (gpt-oss's: tests/test_gpt_oss_parts.py).
 """
 
@@ -35,6 +37,7 @@ from tests.conftest import CHARS
 
 CACHE = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp"
 CONVERT = CACHE / "src" / "convert_hf_to_gguf.py"
+QUANTIZE = CACHE / "bin" / "llama-quantize"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 PROMPT = "def add(a, b):\n    return a"
 N_NEW = 20
@@ -79,10 +82,11 @@ def byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
 
 
-def make_moe(name: str, path: Path, seed: int, noise_from: Path | None = None, noise: float = 0.0) -> Path:
+def make_moe(name: str, path: Path, seed: int, noise_from: Path | None = None, noise: float = 0.0, **sizes) -> Path:
+    """Save a seeded random `name` checkpoint (weights x3: peaky, varied logits), or a noisy copy of another."""
     cfg_cls, extra = FAMILIES[name]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_cls)(vocab_size=len(CHARS), **{**COMMON, **extra})
+    cfg = getattr(transformers, cfg_cls)(vocab_size=len(CHARS), **{**COMMON, **extra, **sizes})
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         if noise_from is not None:
@@ -95,6 +99,12 @@ def make_moe(name: str, path: Path, seed: int, noise_from: Path | None = None, n
 
 
 def convert(src: Path, out: Path, outtype: str) -> Path:
+    """`src` written to GGUF by llama.cpp's converter; "q4_k_m": its F16 file requantized by llama-quantize."""
+    if outtype == "q4_k_m":
+        f16 = convert(src, out.with_name(out.stem + "-f16.gguf"), "f16")
+        res = subprocess.run([str(QUANTIZE), str(f16), str(out), "Q4_K_M"], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return out
     env = dict(os.environ, SPECX_GGUF_PRE="gpt-2")  # the test vocabulary's hash is not in llama.cpp's list
     cmd = [sys.executable, str(CONVERT), str(src), "--outtype", outtype, "--outfile", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -129,7 +139,7 @@ def gguf_weights(model, f: Path) -> dict[str, torch.Tensor]:
             if arch == "llama" and proj in heads:  # llama.cpp's Q/K row order back to HF's
                 n = heads[proj]
                 w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        out[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).reshape(p.shape)
+        out[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(p.shape)
     return out
 
 
@@ -141,16 +151,14 @@ def hf_greedy(model) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
-    """(name, source dir, draft dir, {kind: GGUF file}, {kind: transformers' greedy ids})."""
+def build(name: str, root: Path, kinds, **sizes):
+    """(name, source dir, draft GGUF, {kind: GGUF file}, {kind: transformers' greedy ids}) of a seeded `name`."""
     pytest.importorskip("gguf")
     if not CONVERT.is_file():
         pytest.skip("llama.cpp's converter not built (tools/llamacpp.sh)")
-    root = tmp_path_factory.mktemp(request.param)
-    src = make_moe(request.param, root / "target", seed=SEED[request.param])
-    draft = make_moe(request.param, root / "draft", seed=4, noise_from=src, noise=0.05)
-    files = {k: convert(src, root / f"target-{k}.gguf", k) for k in KINDS}
+    src = make_moe(name, root / "target", seed=SEED[name], **sizes)
+    draft = make_moe(name, root / "draft", seed=4, noise_from=src, noise=0.05, **sizes)
+    files = {k: convert(src, root / f"target-{k}.gguf", k) for k in kinds}
     draft = convert(draft, root / "draft-f32.gguf", "f32")  # a GGUF draft: the same vocabulary as rebuilt from GGUF
     want = {}
     for kind, f in files.items():
@@ -159,7 +167,22 @@ def family(request, tmp_path_factory):
             model.load_state_dict(gguf_weights(model, f))
         want[kind] = hf_greedy(model)
         assert len(set(want[kind])) >= 8 and 0 not in want[kind], want  # varied, no EOS (the CLI stops there)
-    return request.param, src, draft, files, want
+    return name, src, draft, files, want
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    return build(request.param, tmp_path_factory.mktemp(request.param), KINDS)
+
+
+@pytest.fixture(scope="module")
+def qwen3_k(tmp_path_factory):
+    """A Qwen3-MoE whose rows are 256 wide (K-quant blocks), as Q4_K_M by llama-quantize (Q4_K, Q6_K experts)."""
+    if not QUANTIZE.is_file():
+        pytest.skip("llama-quantize not built (tools/llamacpp.sh)")
+    return build(
+        "qwen3_moe", tmp_path_factory.mktemp("qwen3_k"), ("q4_k_m",), hidden_size=256, moe_intermediate_size=256
+    )
 
 
 @pytest.mark.slow
@@ -195,13 +218,10 @@ def _decode(m, method: str):
     return [t for ev in events for t in ev.tokens], [len(ev.tokens) for ev in events[1:]]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("offload", ["none", "disk"])
-def test_ar_and_specexec_equal_transformers(family, kind, offload):
+def _check_decoding(built, kind: str, offload: str) -> None:
     from specexec_cli.session.loading import LoadOptions, load_models
 
-    name, _, draft, files, want = family
+    name, _, draft, files, want = built
     ram = 0 if offload == "disk" else None
     m = load_models(
         LoadOptions(str(files[kind]), str(draft), dtype="fp32", device="cpu", offload=offload, ctx=256, max_ram=ram)
@@ -218,6 +238,48 @@ def test_ar_and_specexec_equal_transformers(family, kind, offload):
         assert max(per_pass) >= 3, per_pass  # the draft really gets several tokens accepted per pass
     finally:
         getattr(m.target, "close", lambda: None)()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_ar_and_specexec_equal_transformers(family, kind, offload):
+    _check_decoding(family, kind, offload)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", ["none", "disk"])
+def test_q4_k_m_experts_equal_transformers(qwen3_k, offload):
+    """Experts in K-quants (llama-quantize's Q4_K_M: Q4_K, and Q6_K for some down matrices), decoded exactly."""
+    from offload.formats import open_checkpoint
+
+    ck = open_checkpoint(qwen3_k[3]["q4_k_m"])
+    kinds = {ck.tensors[n].qtype for n in ck.tensors if ".experts." in n}
+    assert "Q4_K" in kinds and kinds <= {"Q4_K", "Q5_K", "Q6_K"}, kinds
+    _check_decoding(qwen3_k, "q4_k_m", offload)
+
+
+@pytest.mark.slow
+def test_plan_counts_every_expert(family):
+    """The memory plan's per-layer bytes hold the layer's stored tensors (every expert) and are the loader's."""
+    from offload import OffloadedCausalLM
+    from offload.formats import open_checkpoint
+    from offload.planning.membytes import arch_of
+    from offload.planning.memlayers import layer_sizes
+    from offload.planning.memplan import PlanRequest
+
+    for f in family[3].values():
+        ck = open_checkpoint(f)
+        req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34)
+        lay = layer_sizes(ck, arch_of(ck.config), req)
+        for i in range(COMMON["num_hidden_layers"]):
+            assert len([n for n in ck.layer_tensors(i) if ".experts." in n]) == 4 * 3
+            assert ck.layer_bytes(i) <= lay.packed[i], (f.name, i)  # more where a plain F16 tensor computes in fp32
+        m = OffloadedCausalLM.from_pretrained(f, dtype=torch.float32, offload="disk")
+        try:
+            assert m.plan.layer_bytes == lay.packed and m.experts is None, f.name
+        finally:
+            m.close()
 
 
 @pytest.mark.slow
