@@ -1,9 +1,11 @@
 """Aligned host allocation and CUDA page-locking: the one place both storage and devmem use.
 
 Contract:
-- `aligned_empty(nbytes, align)` returns a host uint8 buffer whose first byte sits on an `align`
-  boundary: large buffers are anonymous mmaps (page-aligned, usable as O_DIRECT targets), small
-  ones are carved from a slightly larger torch buffer. Every tensor that a layer reads from a
+- `aligned_empty(nbytes, align, huge=True)` returns a host uint8 buffer whose first byte sits on an
+  `align` boundary: large buffers are anonymous mmaps (page-aligned, usable as O_DIRECT targets),
+  from HUGE (2 MB) up private ones on a HUGE boundary asked for transparent huge pages (`huge`
+  False: 4 KB pages, for a buffer touched a little at a time), small ones are carved from a
+  slightly larger torch buffer. Every tensor that a layer reads from a
   slot or an arena starts at an ARENA_ALIGN (256-byte) boundary: CUDA kernels that load 128-bit
   vectors (bitsandbytes' among them) fault on less, and 256 matches the CUDA allocator's own.
 - `HostPins` page-locks host regions for one owner (a LayerStore) with ONE portable
@@ -30,6 +32,7 @@ from offload.errors import OffloadNotice
 
 IO_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
 PAGE = IO_ALIGN
+HUGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KB pages): buffers this large start on one
 ARENA_ALIGN = 256  # every tensor in a slot, arena or pool buffer starts on this boundary
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
@@ -38,14 +41,32 @@ def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def aligned_empty(nbytes: int, align: int = PAGE) -> torch.Tensor:
-    """Host uint8 buffer of `nbytes` starting on an `align` boundary (page-aligned when large)."""
+def aligned_empty(nbytes: int, align: int = PAGE, huge: bool = True) -> torch.Tensor:
+    """Host uint8 buffer of `nbytes` starting on an `align` boundary (page-aligned when large; on a
+    HUGE boundary in transparent huge pages from HUGE bytes up, unless `huge` is False)."""
+    if huge and nbytes >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        return _huge_empty(nbytes)
     if nbytes >= PAGE or align > ARENA_ALIGN:
         mm = mmap.mmap(-1, max(align_up(nbytes, IO_ALIGN), IO_ALIGN))
         return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
     raw = torch.empty(nbytes + align, dtype=torch.uint8)
     skip = -raw.data_ptr() % align
     return raw[skip : skip + nbytes]
+
+
+def _huge_empty(nbytes: int) -> torch.Tensor:
+    """`nbytes` of private anonymous memory on a HUGE boundary, asked for transparent huge pages: a
+    weight streamed by the kernels then crosses a TLB entry (and a hardware prefetcher's 4 KB page
+    stop) every 2 MB instead of every 4 KB (the Q8_0 262144 x 640 head, T = 1, 2 threads: 9.5 -> 6.7
+    ms). A shared mapping (mmap's default) is shmem, which the kernel gives huge pages only where
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (usually never)."""
+    mm = mmap.mmap(-1, align_up(nbytes, IO_ALIGN) + HUGE, flags=mmap.MAP_PRIVATE)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE
+    # only the buffer's whole huge pages, before their first touch (the tail stays in 4 KB pages, so
+    # the resident set never exceeds the buffer's own bytes)
+    mm.madvise(mmap.MADV_HUGEPAGE, skip, nbytes // HUGE * HUGE)
+    return whole[skip : skip + nbytes]
 
 
 def clear_cuda_error() -> None:
