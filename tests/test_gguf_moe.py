@@ -16,8 +16,10 @@ Checked: greedy `ar` and `specexec` (draft: a low-noise copy of the target, conv
 transformers rebuilds a Qwen vocabulary from GGUF with an extra `<|endoftext|>`) give exactly
 those ids, resident (--offload none) and every layer streamed from disk (--offload disk, --max-ram 0),
 through the engine and through `specx run`; the memory plan counts every expert's bytes, as the loader
-streams them (whole layers); a MoE GGUF of another architecture is one error line
-(gpt-oss's: tests/test_gpt_oss_parts.py).
+streams them (whole layers); files as older llama.cpp versions wrote them (Mixtral's experts one tensor
+each, no expert FFN sizes in the metadata) read the same; `--draft self` on a streamed MoE target is
+one error line (`--draft auto` decodes without a draft); a MoE GGUF of another architecture is one
+error line (gpt-oss's: tests/test_gpt_oss_parts.py).
 """
 
 from __future__ import annotations
@@ -109,6 +111,31 @@ def convert(src: Path, out: Path, outtype: str) -> Path:
     cmd = [sys.executable, str(CONVERT), str(src), "--outtype", outtype, "--outfile", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+def rewrite(src: Path, out: Path, drop: tuple[str, ...] = (), split_experts: bool = False) -> Path:
+    """A copy of GGUF `src` as older llama.cpp versions wrote it: without the metadata keys ending in
+    `drop`, and with `split_experts`, each fused `blk.N.ffn_*_exps` tensor as E tensors `blk.N.ffn_*.E`."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name.endswith(drop or ("\0",)):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        parts = [(t.name, t.data)]
+        if split_experts and "_exps." in t.name:
+            parts = [(t.name.replace("_exps.", f".{e}."), t.data[e]) for e in range(t.data.shape[0])]
+        for name, data in parts:
+            writer.add_tensor(name, np.array(data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return out
 
 
@@ -204,6 +231,37 @@ def test_reader_maps_every_expert(family):
     q8 = open_checkpoint(files["q8_0"])
     experts = [n for n in q8.tensors if ".experts." in n]
     assert len(experts) == 3 * 4 * 3 and all(q8.tensors[n].qtype == "Q8_0" for n in experts)
+
+
+@pytest.mark.slow
+def test_older_files(family, tmp_path):
+    """Files from older llama.cpp versions: Mixtral's experts one tensor each (`blk.N.ffn_gate.E`), Qwen
+    MoE files without the expert FFN sizes (read from the tensors' shapes); the same weights and ids."""
+    from transformers import DynamicCache
+
+    from offload import OffloadedCausalLM
+    from offload.arch.hfcompat import cache_kwargs
+    from offload.formats import open_checkpoint
+
+    name, _, _, files, want = family
+    old = tmp_path / "old.gguf"
+    if name == "mixtral":
+        rewrite(files["q8_0"], old, split_experts=True)
+    else:
+        rewrite(files["q8_0"], old, drop=("expert_feed_forward_length", "expert_shared_feed_forward_length"))
+    new, ck = open_checkpoint(files["q8_0"]), open_checkpoint(old)
+    assert set(ck.tensors) == set(new.tensors) and ck.hf_config.to_dict() == new.hf_config.to_dict()
+    for n in ck.tensors:
+        assert torch.equal(ck.dense(n, torch.float32), new.dense(n, torch.float32)), n
+    m = OffloadedCausalLM.from_pretrained(old, dtype=torch.float32, offload="disk")
+    try:
+        cache, x, got = DynamicCache(), torch.tensor([byte_level_tokenizer()(PROMPT)["input_ids"]]), []
+        for _ in range(N_NEW):
+            x = m(input_ids=x, **cache_kwargs(m, cache), use_cache=True).logits[:, -1:].argmax(-1)
+            got.append(int(x))
+        assert got == want["q8_0"], name
+    finally:
+        m.close()
 
 
 def _decode(m, method: str):
@@ -303,6 +361,23 @@ def test_specx_run_streamed_equals_transformers(family, tmp_path):
         ids[method] = json.loads(stats.read_text())["token_ids"]
     assert ids["specexec"] == ids["ar"], name
     assert len(ids["ar"]) >= 8 and ids["ar"] == want["q8_0"][: len(ids["ar"])], (name, ids["ar"], want)
+
+
+@pytest.mark.slow
+def test_self_draft_is_refused_and_auto_runs_without(family, tmp_path):
+    """A streamed MoE target has no low-bit substitutes yet: `--draft self` is one line, `--draft auto` plain decoding."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.terminal.app import app
+
+    args = ["run", "-p", PROMPT, "--target", str(family[3]["q8_0"]), "--device", "cpu", "--offload", "disk"]
+    args += ["--max-ram", "0", "--max-new-tokens", "4", "--no-chat-template", "--no-live"]
+    r = CliRunner().invoke(app, [*args, "--draft", "self"])
+    assert r.exit_code != 0 and "a mixture-of-experts target has no low-bit substitutes yet" in r.output, r.output
+    stats = tmp_path / "auto.json"
+    r = CliRunner().invoke(app, [*args, "--draft", "auto", "--stats-json", str(stats)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(stats.read_text())["token_ids"] == family[4]["q8_0"][:4]
 
 
 def test_other_moe_architecture_is_refused_in_one_line(tmp_path):

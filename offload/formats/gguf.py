@@ -82,6 +82,7 @@ class GgufReader:
         _rope_from_freqs(config, parts, readers)
         hf_names, shapes = _hf_params(config, arch, first)
         fused = gguf_moe.expert_names(config, shapes) if experts else {}
+        hf_names.update(gguf_moe.legacy_names(fused))   # older Mixtral files: one tensor per expert
         tensors, packed = {}, {}
         for part, reader in zip(parts, readers):
             for t in reader.tensors:

@@ -6,12 +6,15 @@ Contract (used by gguf.py's reader at open, metadata and headers only):
   a Mixtral so) -> mixtral; any other MoE architecture (gpt-oss, DeepSeek, ...) is one OffloadError line.
 - `TABLE`: which of transformers' GGUF key tables reads a type's metadata (Mixtral: Llama's);
   `config_keys(head, arch, model_type, cfg)` adds what those tables leave out: the experts' and the
-  shared expert's FFN sizes (`expert_feed_forward_length`, `expert_shared_feed_forward_length`),
+  shared expert's FFN sizes (`expert_feed_forward_length`, `expert_shared_feed_forward_length`; in a
+  file without those keys, the rows of layer 0's `ffn_gate_exps` / `ffn_gate_shexp`),
   Mixtral's expert counts, and llama.cpp's routing (Qwen2-MoE: top-k weights not renormalised; every
   layer sparse: llama.cpp has no dense MLP layers in these families).
 - `expert_names(config, shapes)`: {GGUF fused tensor `blk.N.ffn_{gate,up,down}_exps.weight`: the HF
   per-expert weight names in expert order} for arch/moe.py's model (`model.layers.N.mlp.experts.E.gate_proj.weight`,
   Mixtral's `block_sparse_moe.experts.E.w1.weight`).
+- `legacy_names(fused)`: the same HF names under the per-expert GGUF names of Mixtral files written
+  before llama.cpp fused the experts (`blk.N.ffn_gate.E.weight`).
 - `slices(part, t, count)`: the E per-expert views of one fused tensor `t` (gguf ReaderTensor, ggml
   shape (cols, rows, E)): expert e's rows are bytes [e * n, (e + 1) * n) of the tensor, whole quantized
   rows, so each expert is one stored tensor at its own byte range, plain or block-quantized as the file
@@ -54,10 +57,13 @@ def config_keys(head, arch: str, model_type: str, cfg: dict) -> None:
     def v(key):
         return gguf_meta.value(head, f"{arch}.{key}")
 
-    if v("expert_feed_forward_length") is not None:
-        cfg["moe_intermediate_size"] = int(v("expert_feed_forward_length"))
-    if v("expert_shared_feed_forward_length") is not None:
-        cfg["shared_expert_intermediate_size"] = int(v("expert_shared_feed_forward_length"))
+    for key, hf, tensor in (
+        ("expert_feed_forward_length", "moe_intermediate_size", "blk.0.ffn_gate_exps.weight"),
+        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size", "blk.0.ffn_gate_shexp.weight"),
+    ):
+        size = v(key) if v(key) is not None else _rows(head, tensor)
+        if size is not None and model_type != "mixtral":  # Mixtral's experts are intermediate_size wide
+            cfg[hf] = int(size)
     if model_type == "mixtral":
         cfg["num_local_experts"] = int(v("expert_count"))
         cfg["num_experts_per_tok"] = int(v("expert_used_count") or 2)
@@ -65,6 +71,13 @@ def config_keys(head, arch: str, model_type: str, cfg: dict) -> None:
         cfg["norm_topk_prob"] = False  # llama.cpp's qwen2moe graph weights the top-k as the softmax gives them
     if model_type in ("qwen2_moe", "qwen3_moe"):
         cfg.update(mlp_only_layers=[], decoder_sparse_step=1)
+
+
+def _rows(head, name: str) -> int | None:
+    """Rows of tensor `name` (ggml dims (cols, rows, ...)) in this part, or None: the size files written
+    before llama.cpp stored the expert FFN sizes as keys imply."""
+    t = next((t for t in head.tensors if t.name == name), None)
+    return int(t.shape[1]) if t is not None and len(t.shape) >= 2 else None
 
 
 def expert_names(config, shapes: dict) -> dict[str, list[str]]:
@@ -79,6 +92,14 @@ def expert_names(config, shapes: dict) -> dict[str, list[str]]:
             fused = f"blk.{m[1]}.ffn_{_PROJ[names.index(m[4])]}_exps.weight"
             out.setdefault(fused, {})[int(m[3])] = hf_name
     return {k: [d[e] for e in sorted(d)] for k, d in out.items()}
+
+
+def legacy_names(fused: dict[str, list[str]]) -> dict[str, str]:
+    """{`blk.N.ffn_gate.E.weight`: HF name}: the per-expert tensors of Mixtral files written before
+    llama.cpp fused them (early 2024), each read as it is stored."""
+    return {
+        k.replace("_exps.weight", f".{e}.weight"): name for k, names in fused.items() for e, name in enumerate(names)
+    }
 
 
 def slices(part: Path, t, count: int) -> list:

@@ -13,7 +13,8 @@ Contract:
   `plan_with(substitute_bytes, bits)` (memplan's budget/embeddings search with those substitutes
   counted as the "draft" component) and returns the chosen plan with `substitute_bits` set and notes
   stating the bits, the resident layers and the figures behind the choice; a pre-quantized target
-  gets a refused plan naming the fix; a target with nothing streamed, a note that no draft runs.
+  gets a refused plan naming the fix, and so does a mixture-of-experts target with a layer streamed (no
+  low-bit substitutes for its experts yet); a target with nothing streamed, a note that no draft runs.
 - Where no width fits with a substitute for every streamed layer, `partial` looks for the fewest
   skipped layers that make a width fit (in influence.skip_order: by the influence stored for this
   checkpoint, else the middle block the loader replaces after measuring), and keeps it only while
@@ -36,6 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 
+from offload.arch.moe import MOE_FAMILIES
 from offload.planning.acceptance import tokens_per_pass as measured
 from offload.planning.draftcost import (
     Spec,
@@ -200,6 +202,11 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
         plan = plan_with(substitute_bytes(target, a, req, bits, nf4_layers), bits)
         plan.substitute_bits = bits
         tried.append((bits, plan))
+    if target.config.get("model_type") in MOE_FAMILIES and (tried[0][1].ram_layers or tried[0][1].disk_layers):
+        from offload.selfdraft.build import MOE_REFUSED
+
+        tried[0][1].fits, tried[0][1].reason = False, MOE_REFUSED  # the loader's check_self_draft refuses it too
+        return tried[0][1]
     if not req.sixteen_bit:
         plan = tried[0][1]
         if not plan.ram_layers and not plan.disk_layers:  # nothing to substitute: the layer-skip draft needs no 16 bits

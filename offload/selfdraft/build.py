@@ -36,6 +36,7 @@ from pathlib import Path
 
 from torch import nn
 
+from offload.arch.moe import MOE_FAMILIES
 from offload.cpu.ggml_kernel import PackedHead
 from offload.cpu.leanstack import LeanStack
 from offload.errors import OffloadError
@@ -45,6 +46,10 @@ from offload.stream.model import PACKED_FORMATS
 
 SUBSTITUTE_BITS = (4, 3, 2)
 LAYER_SKIP = 0  # `substitute_bits` of the layer-skip self-draft: no substitutes, the target's layers, some left out
+MOE_REFUSED = (
+    "--draft self: a mixture-of-experts target has no low-bit substitutes yet (all layers resident, "
+    "--offload none, it drafts by skipping layers); fix: a small --draft DIR, or --method ar"
+)
 
 
 class SelfDraftError(OffloadError):
@@ -83,6 +88,8 @@ def check_self_draft(target, bits: int = 4) -> list[int]:
     """The layers to substitute, or SelfDraftError when a self-draft makes no sense here."""
     if bits not in SUBSTITUTE_BITS:
         raise SelfDraftError(f"--draft-bits must be 4, 3 or 2 (got {bits})")
+    if getattr(target.config, "model_type", None) in MOE_FAMILIES:
+        raise SelfDraftError(MOE_REFUSED)
     quantized = _format(target) == "bnb-nf4" or packed_target(target)
     if quantized and bits == 4:
         raise SelfDraftError(
