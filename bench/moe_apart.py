@@ -1,10 +1,13 @@
 """Routed experts read on demand against whole-layer streaming: bytes read and ms per pass, every layer on disk.
 
 Usage: `flock -x /tmp/bench.lock python bench/moe_apart.py [--out bench/results/moe_apart.json] [--dir DIR]
-[--experts 24 --top-k 2 --layers 4 --hidden 512 --inter 384] [--tokens 1,8,32] [--rounds 5] [--batch 4] [--doc]`.
+[--experts 24 --top-k 2 --layers 4 --hidden 512 --inter 384] [--tokens 1,8,32] [--rounds 5] [--batch 4]
+[--models qwen3_moe,gpt_oss] [--doc]`.
 
-A seeded Qwen3-MoE checkpoint (default 4 layers of 24 experts of 2.4 MB, top-2, fp32, 0.24 GB, saved by
-transformers into `--dir` on the disk, not tmpfs) is loaded twice with every layer on disk
+Each of `--models` in turn: a seeded Qwen3-MoE checkpoint (default 4 layers of 24 experts of 2.4 MB, top-2,
+fp32, 0.24 GB, saved by transformers into `--dir` on the disk, not tmpfs), a seeded gpt-oss of the same shape
+stored as the published checkpoints are (its fused experts' matrices MXFP4, 4.25 bits a weight: 0.31 MB an
+expert, tests/mxfp4_ckpt.py; the rest bf16, computed in fp32), is loaded twice with every layer on disk
 (`OffloadedCausalLM.from_pretrained(offload="disk")`, the CPU): with its routed experts held apart
 (`experts="auto"`: each disk layer streams its attention+router part, and the experts its tokens routed to
 are read when routed, O_DIRECT, into a cache of one layer's experts, what `--offload disk` plans) and with
@@ -39,11 +42,48 @@ from offload import OffloadedCausalLM  # noqa: E402
 sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
 from docblock import md_table  # noqa: E402  (bench/docblock.py)
 
+MODELS = {"qwen3_moe": "Qwen3-MoE (fp32)", "gpt_oss": "gpt-oss (MXFP4 experts, the rest bf16)"}
 
-def checkpoint(args) -> Path:
-    """The seeded checkpoint under args.dir (written once per shape)."""
+
+def gpt_oss_checkpoint(args) -> Path:
+    """A seeded gpt-oss of the same shape stored as the published checkpoints are: its experts' matrices in MXFP4
+    (tests/mxfp4_ckpt.py), the rest bf16; written once per shape."""
     import transformers
 
+    from tests.mxfp4_ckpt import write_mxfp4
+
+    path = args.dir / f"gptoss_mxfp4_bf16_e{args.experts}k{args.top_k}l{args.layers}h{args.hidden}i{args.inter}"
+    if (path / "config.json").exists():
+        return path
+    cfg = transformers.GptOssConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=args.inter,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        sliding_window=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    src = path.with_name(path.name + "_src")
+    transformers.GptOssForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
+    write_mxfp4(src, path)
+    for f in src.iterdir():
+        f.unlink()
+    src.rmdir()
+    return path
+
+
+def checkpoint(args, model: str = "qwen3_moe") -> Path:
+    """The seeded checkpoint of `model` under args.dir (written once per shape)."""
+    import transformers
+
+    if model == "gpt_oss":
+        return gpt_oss_checkpoint(args)
     path = args.dir / f"qwen3moe_e{args.experts}k{args.top_k}l{args.layers}h{args.hidden}i{args.inter}"
     if (path / "config.json").exists():
         return path
@@ -76,7 +116,32 @@ def one_pass(m, ids: torch.Tensor) -> tuple[float, int, int]:
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    path = checkpoint(args)
+    runs = [measure(args, model) for model in args.models]
+    first = runs[0]
+    return dict(
+        command="python bench/moe_apart.py " + " ".join(sys.argv[1:]),
+        machine=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        load_average=[round(x, 2) for x in os.getloadavg()],
+        experts=args.experts,
+        top_k=args.top_k,
+        layers=args.layers,
+        hidden=args.hidden,
+        inter=args.inter,
+        expert_mb=first["expert_mb"],
+        checkpoint_gb=first["checkpoint_gb"],
+        cache_experts=first["cache_experts"],
+        direct_io=first["direct_io"],
+        rounds=args.rounds,
+        batch=args.batch,
+        cells=[c for r in runs for c in r["cells"]],
+        models={r["model"]: {k: v for k, v in r.items() if k != "cells"} for r in runs},
+    )
+
+
+def measure(args, model: str) -> dict:
+    """One model's cells (each with its `model`), its expert size, checkpoint size and cache."""
+    path = checkpoint(args, model)
     models = {
         mode: OffloadedCausalLM.from_pretrained(path, offload="disk", experts=mode) for mode in ("auto", "layers")
     }
@@ -102,38 +167,31 @@ def run(args) -> dict:
     apart = models["auto"].experts
     cells = []
     for n in args.tokens:
-        row = dict(tokens=n)
+        row = dict(model=model, tokens=n)
         for mode, key in (("auto", "apart"), ("layers", "layers")):
             ms, nbytes = zip(*samples[(mode, n)])
             row[f"{key}_ms"], row[f"{key}_mb"] = statistics.median(ms), statistics.median(nbytes) / 1e6
         cells.append(row)
         print(json.dumps(row), flush=True)
+    direct_io = models["auto"].plan.direct_io
     for m in models.values():
         m.close()
-    expert_mb = 3 * args.hidden * args.inter * 4 / 1e6
+    weights = 3 * args.hidden * args.inter  # gate, up, down of one expert
     return dict(
-        command="python bench/moe_apart.py " + " ".join(sys.argv[1:]),
-        machine=platform.processor() or platform.machine(),
-        threads=torch.get_num_threads(),
-        load_average=[round(x, 2) for x in os.getloadavg()],
-        experts=args.experts,
-        top_k=args.top_k,
-        layers=args.layers,
-        hidden=args.hidden,
-        inter=args.inter,
-        expert_mb=expert_mb,
+        model=model,
+        expert_mb=weights * (4.25 / 8 if model == "gpt_oss" else 4) / 1e6,  # MXFP4: 4.25 bits a weight
         checkpoint_gb=sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9,
         cache_experts=apart.capacity,
-        direct_io=models["auto"].plan.direct_io,
-        rounds=args.rounds,
-        batch=args.batch,
+        direct_io=direct_io,
         cells=cells,
     )
 
 
 def block(result: dict) -> str:
+    models = result.get("models") or {"qwen3_moe": result}  # a result from before `--models`: Qwen3-MoE alone
     rows = [
         [
+            MODELS[r.get("model", "qwen3_moe")],
             r["tokens"],
             f"{r['layers_mb']:.1f}",
             f"{r['apart_mb']:.1f}",
@@ -145,6 +203,7 @@ def block(result: dict) -> str:
         for r in result["cells"]
     ]
     head = [
+        "model",
         "tokens per pass",
         "MB read: whole layers",
         "experts apart",
@@ -154,13 +213,17 @@ def block(result: dict) -> str:
         "speed-up",
     ]
     io = "O_DIRECT" if result["direct_io"] else "buffered reads"
+    what = " and ".join(
+        f"{MODELS[name]}, experts of {m['expert_mb']:.2f} MB ({m['checkpoint_gb']:.2f} GB)"
+        for name, m in models.items()
+    )
     return (
         f"`{result['command']}` on this CPU ({result['threads']} threads, load average {result['load_average'][0]} "
-        f"when it finished): a seeded Qwen3-MoE of {result['layers']} layers x {result['experts']} experts of "
-        f"{result['expert_mb']:.1f} MB (top-{result['top_k']}, fp32, {result['checkpoint_gb']:.2f} GB), every layer "
-        f"on disk ({io}), the experts apart with a cache of {result['cache_experts']} experts (one layer's) against "
-        f"whole layers streamed, the two interleaved, medians of {result['rounds']} rounds x {result['batch'] - 1} passes back to back:\n\n"
-        + md_table(head, rows)
+        f"when it finished): seeded models of {result['layers']} layers x {result['experts']} experts "
+        f"(top-{result['top_k']}, hidden {result['hidden']}, expert intermediate {result['inter']}), {what}, every "
+        f"layer on disk ({io}), the experts apart with a cache of {result['cache_experts']} experts (one layer's) "
+        f"against whole layers streamed, the two interleaved, medians of {result['rounds']} rounds x "
+        f"{result['batch'] - 1} passes back to back:\n\n" + md_table(head, rows)
     )
 
 
@@ -175,6 +238,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--inter", type=int, default=384)
     ap.add_argument("--tokens", type=ints, default=[1, 8, 32])
+    ap.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS), help="qwen3_moe,gpt_oss")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=4, help="back-to-back passes per model, the first untimed")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

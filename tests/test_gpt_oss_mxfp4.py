@@ -21,6 +21,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from offload.formats.mxfp4 import dequantize
 from offload.formats.st_index import SafetensorsIndex
+from offload.stream.hostmem import IO_ALIGN
+from offload.stream.storage import file_layout
 from specexec_cli.session.loading import LoadOptions, load_models
 from tests.conftest import make_tokenizer
 from tests.mxfp4_ckpt import hf_dequantized, quantize, write_mxfp4
@@ -103,7 +105,7 @@ def test_ar_and_specexec_equal_transformers(mxfp4, offload):
 
 def test_plan_and_loader_count_the_stored_bytes(mxfp4):
     """A layer's planned and loaded bytes are its stored tensors' (the experts' matrices at 4.25 bits a weight),
-    and a streamed pass reads that many from disk."""
+    and a pass streaming whole layers reads that many from disk."""
     from offload import OffloadedCausalLM
     from offload.formats import open_checkpoint
     from offload.planning.membytes import arch_of
@@ -116,7 +118,7 @@ def test_plan_and_loader_count_the_stored_bytes(mxfp4):
     lay = layer_sizes(
         ck, arch_of(ck.config), PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34)
     )
-    entries = SafetensorsIndex(target).entries
+    entries, total, spans = SafetensorsIndex(target).entries, 0, 0
     for i in range(LAYERS):
         mine = {n: t for n, t in entries.items() if n.startswith(f"model.layers.{i}.")}
         stored = sum(math.prod(t.shape) * (1 if t.dtype == torch.uint8 else 4) for t in mine.values())
@@ -125,12 +127,15 @@ def test_plan_and_loader_count_the_stored_bytes(mxfp4):
         weights = sum(2 * t.nbytes for t in blocks)
         assert sum(t.nbytes for t in blocks + scales) * 8 == weights * 4.25
         assert stored <= lay.packed[i] < stored + 4096, (i, stored, lay.packed[i])
-    m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk")
+        total += sum(t.nbytes for t in mine.values())
+        spans += sum(span.length for span in file_layout(mine)[1])  # the stored tensors' aligned covering spans
+    m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", experts="layers")
     try:
         assert m.plan.layer_bytes == lay.packed
         before = m.stats.streamed_bytes
         m(input_ids=torch.tensor([[1, 2, 3]]))
-        assert m.stats.streamed_bytes - before <= sum(lay.span_bytes), (m.stats.streamed_bytes, lay.span_bytes)
+        read = m.stats.streamed_bytes - before  # whole layers: the spans over their stored tensors
+        assert read == spans and total <= read < total + LAYERS * 8 * IO_ALIGN, (read, spans, total)
     finally:
         m.close()
 

@@ -20,6 +20,7 @@ stored; each routed expert's two matrices are dequantized into the compute dtype
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -43,13 +44,27 @@ def stored_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...
     return {f"{name}_blocks": (e, n, k // GROUP, GROUP // 2), f"{name}_scales": (e, n, k // GROUP)}
 
 
+@cache
+def _tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs (256,): byte b -> its two values (FP4_VALUES[b & 15], FP4_VALUES[b >> 4]) in `dtype`, packed in one
+    integer word of twice the width, low value first in memory; powers (256,) fp32: E8M0 s -> 2^(s - 127))."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    pair = torch.stack((lut.repeat(16), lut.repeat_interleave(16)), dim=-1).contiguous()  # (256, 2): lo, hi
+    word = {2: torch.int32, 4: torch.int64, 8: None}[lut.element_size()]
+    if word is None:
+        raise OffloadError(f"MXFP4 weights dequantize into 16/32-bit floats, not {dtype}")
+    # 2^(s - 127) exactly (2^-127 is an fp32 subnormal, 2^128 overflows to inf, as transformers' ldexp gives)
+    powers = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - BIAS).float()
+    return pair.view(word).reshape(256).to(device), powers.to(device)
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks (..., N, G, 16) uint8, scales (..., N, G) uint8 -> weights (..., N, 32 G) in `dtype`."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    lo, hi = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]  # (..., N, G, 16) each
-    vals = torch.stack((lo, hi), dim=-1).reshape(*blocks.shape[:-1], GROUP)  # input 2j: low nibble, 2j+1: high
-    exp = scales.to(torch.int32)[..., None] - BIAS  # (..., N, G, 1)
-    torch.ldexp(vals, exp, out=vals)  # value * 2^exp (computed wide, then rounded into `dtype`, as transformers)
+    pairs, powers = _tables(dtype, blocks.device)
+    # one gather: byte j of a group -> its two weights, inputs 2j (low nibble) and 2j + 1 (high nibble)
+    vals = pairs[blocks.int()].view(dtype)  # (..., N, G, 32)
+    # value * 2^(s - 127): the product is computed in fp32 and rounded into `dtype`, as transformers' ldexp
+    vals.mul_(powers[scales.int()][..., None])
     return vals.reshape(*blocks.shape[:-2], -1)
 
 

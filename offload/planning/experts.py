@@ -14,7 +14,7 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
 - `expert_plan(ck, lay, req, plan)` -> the JSON `plan.experts` (None for a dense model), in one of
   three modes:
   "on-demand" (run; where stream/expertstore.splits_experts says so, the one decision the loader asks
-  too: a CPU device, a per-expert family, something on disk): layers placed as the plan places them; a
+  too: a CPU device, a mixture-of-experts family, something on disk): layers placed as the plan places them; a
   disk layer streams its dense part only (memlayers sizes its slot so), and its routed experts
   (`disk_experts`) are read from disk after the router chose them, into a RAM cache of `cache_experts`
   experts (`cache_bytes`, the device component "expert_cache"; expertstore.cache_capacity of what the RAM

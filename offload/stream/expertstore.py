@@ -3,16 +3,19 @@
 Contract:
 - `splits_experts(model_type, device_type)` is THE decision, asked by the memory plan (`plan.experts`,
   offload/planning/experts.py) and by the loader alike: on a CPU device a disk-tier decoder layer of a
-  family whose checkpoints store one tensor per expert (arch/moe.MOE_FAMILIES: Mixtral, Qwen2-MoE,
-  Qwen3-MoE, not gpt-oss's fused 3-D experts) streams only its dense part (attention, norms, the router,
-  a shared expert), and its routed experts are read after the router chose them, only those. Resident and
-  RAM-tier layers keep their experts in their arena (on a CPU that is RAM, computed in place). A CUDA
-  device streams whole layers.
-- `is_expert(name)`: a layer-relative parameter name belongs to a routed expert; `expert_id(name)` its id.
+  mixture-of-experts family (arch/moe.MOE_FAMILIES: Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss in 16/32 bits
+  or MXFP4) streams only its dense part (attention, norms, the router, a shared expert), and its routed
+  experts are read after the router chose them, only those. Resident and RAM-tier layers keep their
+  experts in their arena (on a CPU that is RAM, computed in place). A CUDA device streams whole layers.
+- `is_expert(name)`: a layer-relative parameter name belongs to the routed experts: one expert's
+  (`mlp.experts.3.w1.weight`, `expert_id(name)` its id) or all of them fused (`is_fused`: gpt-oss's
+  `mlp.experts.gate_up_proj` (E, H, 2I), its MXFP4 `_blocks`/`_scales`, the biases (E, ...)), whose expert e
+  is row e, a contiguous 1/E of its bytes (`slice_entry`; a block-quantized tensor stored flat, as a GGUF's
+  `ffn_*_exps`, slices the same way).
 - `expert_layers(entries, specs, align)` -> {expert id: storage.DiskLayer}: per routed expert of one layer
-  its covering file spans (its tensors, IO_ALIGN-aligned, merged only where they touch) and the layout it
-  computes in (the file's where offsets sit on `align` and no cast is needed, else a packed one). Pure: the
-  plan sizes the cache from the headers with it, the loader reads with it.
+  its covering file spans (its tensors or its rows of the fused ones, IO_ALIGN-aligned, merged only where
+  they touch) and the layout it computes in (the file's where offsets sit on `align` and no cast is needed,
+  else a packed one). Pure: the plan sizes the cache from the headers with it, the loader reads with it.
 - `split_layer(entries, specs, align)` -> (dense part, {e: expert}) of one disk layer; `split_disk(index,
   disk)` does it to the loader's disk layers. The dense part's spans never cover an expert's bytes.
 - `held_experts(...)`: the loader's step (disk layers in, dense parts and an ExpertStore out).
@@ -25,18 +28,22 @@ Contract:
   (a hit: it becomes the most recently used), else its spans read by `reader` (storage.DirectReader) into
   the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
   also added to `stats.streamed_bytes_per_pass` when the model sets `stats`.
-  `attach(i, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
-  parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there).
+  `attach(i, layer, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
+  parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there);
+  fused experts (arch/gptoss_experts.RoutedExperts, which replaces transformers' GptOssExperts there) get a
+  source returning expert e's parts, views of its slot by parameter name.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from offload.arch.moe import MOE_FAMILIES
+from offload.arch.gptoss_experts import RoutedExperts
+from offload.arch.moe import MOE_FAMILIES, ExpertList
 from offload.errors import OffloadError
 from offload.formats.st_index import TensorEntry
 from offload.stream.devmem import DevicePool
@@ -57,28 +64,52 @@ MARK = ".experts."
 def splits_experts(model_type: str | None, device_type: str, packed: bool = False) -> bool:
     """True where a disk layer's routed experts are read on demand (see the contract); `packed`: a
     4-bit or otherwise packed checkpoint (its experts stream with their layer)."""
-    family = MOE_FAMILIES.get(model_type or "")
-    return device_type == "cpu" and not packed and family is not None and family[1] is not None
+    return device_type == "cpu" and not packed and (model_type or "") in MOE_FAMILIES
 
 
 def is_expert(name: str) -> bool:
     return MARK in name
 
 
+def is_fused(name: str) -> bool:
+    """A routed-experts tensor holding every expert, [E, ...] (gpt-oss's `mlp.experts.gate_up_proj`)."""
+    return is_expert(name) and not name.split(MARK, 1)[1].split(".", 1)[0].isdigit()
+
+
 def expert_id(name: str) -> int:
     return int(name.split(MARK, 1)[1].split(".", 1)[0])
 
 
+def slice_entry(entry: TensorEntry, e: int, n: int) -> TensorEntry:
+    """Expert e's part of a fused tensor of n experts: row e, a contiguous 1/n of its bytes (a block-quantized
+    tensor, stored flat, keeps its flat form)."""
+    step = entry.nbytes // n
+    shape = tuple(entry.shape[1:]) if entry.qtype is None else (step,)
+    return replace(entry, shape=shape, begin=entry.begin + e * step, end=entry.begin + (e + 1) * step)
+
+
+def _parts(entries: dict[str, TensorEntry], specs: dict[str, ParamSpec]) -> dict[int, dict[str, tuple]]:
+    """{expert id: {name: (its entry, its spec)}}: per-expert tensors as they are, fused ones sliced."""
+    out: dict[int, dict[str, tuple]] = {}
+    for name, sp in specs.items():
+        if not is_expert(name):
+            continue
+        if not is_fused(name):
+            out.setdefault(expert_id(name), {})[name] = (entries[name], sp)
+            continue
+        n = sp.shape[0]  # the fused tensor's experts, its outer dimension
+        for e in range(n):
+            part = ParamSpec(name, tuple(sp.shape[1:]), sp.dtype, nf4=sp.nf4)
+            out.setdefault(e, {})[name] = (slice_entry(entries[name], e, n), part)
+    return out
+
+
 def expert_layers(entries: dict[str, TensorEntry], specs: dict[str, ParamSpec], align: int) -> dict[int, DiskLayer]:
     """Per routed expert of one layer (names layer-relative): its spans and compute layout (see the contract)."""
-    groups: dict[int, list[str]] = {}
-    for name in specs:
-        if is_expert(name):
-            groups.setdefault(expert_id(name), []).append(name)
     out = {}
-    for e, names in sorted(groups.items()):
-        raw, spans = file_layout({n: entries[n] for n in names}, merge_gap=0)
-        sp = [specs[n] for n in names]
+    for e, parts in sorted(_parts(entries, specs).items()):
+        raw, spans = file_layout({n: entry for n, (entry, _) in parts.items()}, merge_gap=0)
+        sp = [s for _, s in parts.values()]
         convert = any(raw.slices[s.name].dtype != s.dtype for s in sp)
         out[e] = DiskLayer(spans, raw, packed_layout(sp), sp, convert, align)
     return out
@@ -177,8 +208,17 @@ class ExpertStore:
         return self.cache[s * self.slot : (s + 1) * self.slot]
 
     def attach(self, i: int, layer: nn.Module, experts: nn.Module) -> None:
-        """Layer i's ExpertList computes each routed expert from this store."""
-        experts.source = _Source(self, i, layer, experts)
+        """Layer i's experts compute each routed expert from this store: an ExpertList by binding expert e's
+        parameters, fused experts (gpt-oss; transformers' module becomes a RoutedExperts) from its parts."""
+        if isinstance(experts, ExpertList):
+            experts.source = _Source(self, i, layer, experts)
+            return
+        if not isinstance(experts, RoutedExperts):
+            name = next(n for n, m in layer.named_modules() if m is experts)
+            parent, _, attr = name.rpartition(".")
+            experts = RoutedExperts.from_hf(experts)
+            setattr(layer.get_submodule(parent), attr, experts)
+        experts.source = _FusedSource(self, i)
 
 
 class _Source:
@@ -200,3 +240,14 @@ class _Source:
             for mod, attr, name in self.params[e]:
                 mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
         return self.experts[e]
+
+
+class _FusedSource:
+    """Expert e of one layer as {parameter name: its part in the cache slot} (RoutedExperts.source)."""
+
+    def __init__(self, store: ExpertStore, i: int):
+        self.store, self.i = store, i
+
+    def __call__(self, e: int) -> dict[str, torch.Tensor]:
+        buf, layout, _ = self.store.fetch(self.i, e)
+        return {name.rpartition(".")[2]: layout.view(buf, name) for name in layout.slices}
