@@ -285,6 +285,7 @@ def _check_decoding(built, kind: str, offload: str) -> None:
         LoadOptions(str(files[kind]), str(draft), dtype="fp32", device="cpu", offload=offload, ctx=256, max_ram=ram)
     )
     try:
+        assert m.target.lean is None  # the one-call C stack computes plain Llama layers: these run as HF's modules
         if offload == "disk":
             assert m.target.plan.tier == "disk" and not m.target.plan.resident and not m.target.plan.ram_layers
             assert m.target.experts is None  # a GGUF's layers stream whole, as the plan counts them
