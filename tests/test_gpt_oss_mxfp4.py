@@ -4,10 +4,11 @@ The tiny seeded gpt-oss of tests/test_gpt_oss.py re-stored as the published chec
 (tests/mxfp4_ckpt.py: the experts' matrices as `*_blocks`/`*_scales`, `quant_method: mxfp4`). The oracle is
 transformers' own load of that checkpoint with `Mxfp4Config(dequantize=True)`. Checked: the test quantizer's
 layout is the one transformers' dequantizer reads, and specx's dequantizer gives its values in fp32 and bf16;
-each layer's experts give transformers' bits (a pass's logits: its values to fp32 rounding); `ar` and specexec (draft: a low-noise 32-bit copy of the
-source) give transformers' greedy ids, resident and streamed from disk with no RAM tier, through the engine;
-the plan and the loader count the stored bytes (4.25 bits a weight for the experts' matrices, read so from
-disk); MXFP4 on another model is refused in one line.
+each layer's experts give transformers' bits (a pass's logits: its values to fp32 rounding); `ar` and specexec
+(draft: a low-noise 32-bit copy of the source) give transformers' greedy ids, resident and streamed from disk
+with no RAM tier, through the engine; the plan and the loader count the stored bytes (4.25 bits a weight for
+the experts' matrices, read so from disk), and the plan a routed expert's dequantization temporaries; MXFP4 on
+another model is refused in one line.
 """
 
 from __future__ import annotations
@@ -152,3 +153,19 @@ def test_mxfp4_on_another_model_is_refused_in_one_line(tmp_path):
     with pytest.raises(OffloadError, match=r"MXFP4 is read for gpt-oss's experts only, not 'mixtral'") as exc:
         open_checkpoint(path)
     assert "\n" not in str(exc.value)
+
+
+def test_plan_counts_the_dequantized_expert(mxfp4):
+    """The plan's dequantization temporaries of an MXFP4 target: a routed expert's gate_up (hidden x 2I) twice in
+    the compute dtype (dequantized, then laid out for x @ W); a 16-bit gpt-oss has none."""
+    from offload.planning.membytes import arch_of, dequant_temp_bytes, target_kernel
+    from offload.planning.memplan import PlanRequest
+
+    target, _, _ = mxfp4
+    cfg = json.loads((target / "config.json").read_text())
+    req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34)
+    a = arch_of(cfg)
+    assert target_kernel(a, req) == "mxfp4" and not a.packed
+    assert dequant_temp_bytes(a, "mxfp4", 4, 4, "cpu") == 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"] * 4
+    del cfg["quantization_config"]
+    assert target_kernel(arch_of(cfg), req) == "none"

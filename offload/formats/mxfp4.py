@@ -142,6 +142,7 @@ class Mxfp4Experts(RoutedExperts):
         for proj in ("gate_up_proj", "down_proj"):
             w = dequantize(parts[f"{proj}_blocks"], parts[f"{proj}_scales"], self.compute_dtype)  # (N, K)
             out += [w.t().contiguous(), parts[f"{proj}_bias"]]  # (K, N): x @ W, laid out as transformers'
+            del w  # gone before the next matrix: at most two copies of gate_up (the plan's mxfp4 temporaries)
         return tuple(out)
 
 

@@ -34,7 +34,7 @@ class Arch:
     tied: bool
     max_positions: int
     packed: bool = False  # linears stored packed int4 (AWQ/GPTQ/compressed-tensors/GGUF): dequantized per pass
-    method: str = ""  # quantization_config.quant_method of a packed checkpoint ("gguf", "awq", ...)
+    method: str = ""  # quantization_config.quant_method of a packed checkpoint ("gguf", "awq", ...) or "mxfp4"
 
 
 def arch_of(config: dict) -> Arch:
@@ -53,7 +53,7 @@ def arch_of(config: dict) -> Arch:
             bool(config.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
             int(c.get("max_position_embeddings") or 2048),
             _packed(config),
-            (config.get("quantization_config") or {}).get("quant_method", "") if _packed(config) else "",
+            _method(config),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise OffloadError(f"config.json lacks {exc}; cannot plan memory for this model") from None
@@ -65,6 +65,12 @@ PACKED_METHODS = ("awq", "gptq", "compressed-tensors", "gguf")  # offload/format
 def _packed(config: dict) -> bool:
     qc = config.get("quantization_config")
     return isinstance(qc, dict) and qc.get("quant_method") in PACKED_METHODS
+
+
+def _method(config: dict) -> str:
+    """quant_method of a packed checkpoint, or "mxfp4" (gpt-oss's experts, formats/mxfp4.py; linears plain)."""
+    method = (config.get("quantization_config") or {}).get("quant_method", "")
+    return method if _packed(config) or method == "mxfp4" else ""
 
 
 def dtype_bytes(name: str) -> int:
@@ -235,7 +241,11 @@ def dequant_temp_bytes(a: Arch, kernel: str, bits: int | None, c: int, device: s
     writes for the matmul, I x hidden x c (to be confirmed on a GPU), on CPU none (the compiled graph
     folds the dequantization into the matmul; measured); int4-unpack (AWQ/GPTQ/compressed-tensors): the weight
     in c plus uint8 codes or an act-order gather; gguf: the weight in c plus, eager, three fp32 chunk
-    temporaries, compiled, its sub-block scale buffers; none: no temporary."""
+    temporaries, compiled, its sub-block scale buffers; mxfp4 (gpt-oss's experts, formats/mxfp4.py): a
+    routed expert's larger matrix, gate_up (hidden x 2I), dequantized and laid out for x @ W, two copies
+    in c at the peak (its int32 byte indices, 2 bytes a weight, are gone by then); none: no temporary."""
+    if kernel == "mxfp4":
+        return 2 * a.intermediate * a.hidden * 2 * c
     return linear_dequant_bytes(a.intermediate * a.hidden, kernel, bits, c, device)
 
 
@@ -300,9 +310,11 @@ def substitute_kernel(bits: int, device: str = "cuda") -> str:
 
 def target_kernel(ta: Arch, req) -> str:
     """The dequantizing path of the target's linears: bitsandbytes NF4, GGUF's kernel, the packed-int4
-    unpack (AWQ/GPTQ/compressed-tensors), or none for 16/32-bit weights."""
+    unpack (AWQ/GPTQ/compressed-tensors), gpt-oss's MXFP4 experts, or none for 16/32-bit weights."""
     if req.dtype == "nf4":
         return "nf4-dequant"
+    if ta.method == "mxfp4":
+        return "mxfp4"
     if not ta.packed:
         return "none"
     return "gguf" if ta.method == "gguf" else "int4-unpack"
