@@ -6,7 +6,7 @@ exponent s with max|w| <= 6 * 2^(s - 127), each weight rounded to the nearest FP
 input 2j in byte j's low nibble and 2j + 1 in its high one. `write_mxfp4(src, out)` re-stores a 16/32-bit
 gpt-oss checkpoint `src` so (the experts' matrices quantized, everything else as it was, config.json with
 `quantization_config: {quant_method: mxfp4}`, the test tokenizer). `hf_dequantized(path, dtype)` is
-transformers' own load of it with `Mxfp4Config(dequantize=True)`: the oracle.
+transformers' own load of it with `Mxfp4Config(dequantize=True)`, computing in `dtype`: the oracle.
 """
 
 from __future__ import annotations
@@ -56,4 +56,7 @@ def hf_dequantized(path: Path, dtype=torch.float32):
     import transformers
 
     q = transformers.Mxfp4Config(dequantize=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=q).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=q).eval()
+    # transformers 5.17 keeps the dequantized experts in bf16 whatever `dtype` says (5.24 follows it); the
+    # values are exact in bf16, so the cast makes both versions compute in `dtype`
+    return model.to(dtype)
