@@ -6,7 +6,7 @@ transformers' own load of that checkpoint with `Mxfp4Config(dequantize=True)`. C
 layout is the one transformers' dequantizer reads, and specx's dequantizer gives its values in fp32 and bf16;
 each layer's experts give transformers' bits (a pass's logits: its values to fp32 rounding); `ar` and specexec
 (draft: a low-noise 32-bit copy of the source) give transformers' greedy ids, resident and streamed from disk
-with no RAM tier, through the engine; the plan and the loader count the stored bytes (4.25 bits a weight for
+with no RAM tier, through the engine and `specx run`; the plan and the loader count the stored bytes (4.25 bits a weight for
 the experts' matrices, read so from disk), and the plan a routed expert's dequantization temporaries; MXFP4 on
 another model is refused in one line.
 """
@@ -169,3 +169,26 @@ def test_plan_counts_the_dequantized_expert(mxfp4):
     assert dequant_temp_bytes(a, "mxfp4", 4, 4, "cpu") == 2 * cfg["hidden_size"] * 2 * cfg["intermediate_size"] * 4
     del cfg["quantization_config"]
     assert target_kernel(arch_of(cfg), req) == "none"
+
+
+def test_specx_run_equals_transformers(mxfp4, tmp_path):
+    """`specx run --offload disk --max-ram 0`, ar and specexec, through the CLI's own plan and dtype choice (an
+    MXFP4 checkpoint is not a pre-quantized NF4 one): transformers' greedy ids (up to an EOS stop)."""
+    from typer.testing import CliRunner
+
+    from specexec_cli.terminal.app import app
+
+    target, draft, want = mxfp4
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT)
+    ids = {}
+    for method in ("ar", "specexec"):
+        stats = tmp_path / f"{method}.json"
+        args = ["run", str(prompt), "--target", str(target), "--draft", str(draft), "--device", "cpu"]
+        args += ["--offload", "disk", "--max-ram", "0", "--method", method, "--budget", "8"]
+        args += ["--max-new-tokens", str(N_NEW), "--ctx", "256", "--temperature", "0", "--stats-json", str(stats)]
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        ids[method] = json.loads(stats.read_text())["token_ids"]
+    assert ids["specexec"] == ids["ar"]
+    assert len(ids["ar"]) >= 8 and ids["ar"] == want[: len(ids["ar"])], (ids["ar"], want)

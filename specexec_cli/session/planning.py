@@ -51,7 +51,8 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
 
 def prequantized(path) -> bool:
     """config.json carries a bitsandbytes quantization_config (a pre-quantized NF4 checkpoint); AWQ,
-    GPTQ and compressed-tensors stream their own packed bytes at the compute dtype (offload/formats)."""
+    GPTQ, compressed-tensors and gpt-oss's MXFP4 experts stream their own packed bytes at the compute
+    dtype (offload/formats)."""
     import json
 
     try:
@@ -59,7 +60,7 @@ def prequantized(path) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     return qc is not None and not (
-        isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors")
+        isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors", "mxfp4")
     )
 
 
