@@ -5,7 +5,8 @@ indices (T, K), routing weights (T, K) -> (T, H)) where the experts are not four
 loader binds whole: MXFP4 blocks and scales (quant/mxfp4.py subclasses it) or experts read on demand
 (stream/expertstore.py sets `source`). Its parameters are the checkpoint's fused tensors as stored,
 each [E, ...] so that expert e's part is row e (`names`); `parts(e)` is {name: tensor [e]}, from the
-parameters, or `source(e)` when a loader holds the experts apart. `weights(parts)` turns one expert's
+parameters, or `source(e)` when a loader holds the experts apart (`source.stream(es)`, where the source has
+it, gives the routed experts' parts in order, reading ahead). `weights(parts)` turns one expert's
 parts into (gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,)) in the compute dtype
 (here: the parts themselves, the 16/32-bit layout). The math is transformers' own, in the order of its
 default "grouped_mm" experts path, so the outputs are its bits: per (token, slot) pair routed to e,
@@ -54,9 +55,16 @@ class RoutedExperts(nn.Module):
 
         return GptOssExperts._apply_gate(self, gate_up)  # reads self.alpha, self.limit
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on rows x (n, H) -> (n, H), before the routing weight."""
-        gate_up, gate_up_bias, down, down_bias = self.weights(self.parts(e))
+    def stream(self, experts: list[int]):
+        """Each of `experts`' parts in order: the source's own stream where it has one (reads the next expert
+        while the caller computes this one), else parts(e) one at a time."""
+        if self.source is not None and hasattr(self.source, "stream"):
+            return self.source.stream(experts)
+        return (self.parts(e) for e in experts)
+
+    def expert(self, parts: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """One expert (its parts) on rows x (n, H) -> (n, H), before the routing weight."""
+        gate_up, gate_up_bias, down, down_bias = self.weights(parts)
         h = torch.mm(x.to(gate_up.dtype), gate_up)  # (n, 2I), gate and up interleaved by column
         h.add_(gate_up_bias)
         h = self._apply_gate(h)  # (n, I)
@@ -67,9 +75,10 @@ class RoutedExperts(nn.Module):
         t, k = router_indices.shape
         flat = router_indices.reshape(-1)  # (T K,): pair p = token p // K, slot p % K
         out = hidden_states.new_zeros(t * k, hidden_states.shape[-1])  # weighted output of each pair
-        for e in torch.unique(flat).tolist():  # ascending, as transformers' sort groups them
+        experts = torch.unique(flat).tolist()  # ascending, as transformers' sort groups them
+        for e, parts in zip(experts, self.stream(experts)):
             pairs = (flat == e).nonzero()[:, 0]
-            y = self.expert(e, hidden_states[pairs // k])
+            y = self.expert(parts, hidden_states[pairs // k])
             out[pairs] = (y * routing_weights.reshape(-1)[pairs, None]).to(out.dtype)
         # transformers sums each token's K weighted outputs with one reduction (not index_add_)
         return out.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)

@@ -27,7 +27,9 @@ Contract:
   ("expert_cache") of `capacity` slots. `fetch(layer, e)` -> (buffer, layout): a cached expert as it is
   (a hit: it becomes the most recently used), else its spans read by `reader` (storage.DirectReader) into
   the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
-  also added to `stats.streamed_bytes_per_pass` when the model sets `stats`.
+  also added to `stats.streamed_bytes_per_pass` when the model sets `stats`. `stream(layer, es)` fetches
+  each of `es` in order, the next one read by a worker thread while the caller computes the current one
+  (a cache of one expert: one at a time); `close()` stops that thread and closes the files.
   `attach(i, layer, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
   parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there);
   fused experts (arch/gptoss_experts.RoutedExperts, which replaces transformers' GptOssExperts there) get a
@@ -37,6 +39,7 @@ Contract:
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -180,6 +183,7 @@ class ExpertStore:
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, e) -> slot, least recent first
         self.reads = self.hits = self.bytes_read = 0
         self.stats = None  # an OffloadStats whose streamed_bytes_per_pass counts the spans read too
+        self._worker: ThreadPoolExecutor | None = None  # stream's read-ahead thread, started on first use
 
     def fetch(self, layer: int, e: int) -> tuple[torch.Tensor, object, bool]:
         """(slot buffer, layout, read now?) of expert e of `layer` (see the contract)."""
@@ -203,6 +207,32 @@ class ExpertStore:
                 store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name))
         self.reads += 1
         return dest, d.layout, True
+
+    def stream(self, layer: int, es: list[int]):
+        """fetch(layer, e) for each of `es` in order, the next one read by a worker thread while the caller
+        computes this one (the cache then holds both: the one being read evicts another, never this one, the most
+        recently used); a cache of one expert reads them one at a time."""
+        if self.capacity < 2 or len(es) < 2:
+            yield from (self.fetch(layer, e) for e in es)
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="specx-experts")
+        ahead = self._worker.submit(self.fetch, layer, es[0])
+        try:
+            for k in range(len(es)):
+                got = ahead.result()
+                ahead = self._worker.submit(self.fetch, layer, es[k + 1]) if k + 1 < len(es) else None
+                yield got
+        finally:
+            if ahead is not None:
+                ahead.result()  # a stream left early: its last read lands before the slot is reused
+
+    def close(self) -> None:
+        """Stop the read-ahead thread and close the files (idempotent)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self.reader.close()
 
     def _buf(self, s: int) -> torch.Tensor:
         return self.cache[s * self.slot : (s + 1) * self.slot]
@@ -249,5 +279,12 @@ class _FusedSource:
         self.store, self.i = store, i
 
     def __call__(self, e: int) -> dict[str, torch.Tensor]:
-        buf, layout, _ = self.store.fetch(self.i, e)
+        return self._views(*self.store.fetch(self.i, e)[:2])
+
+    def stream(self, es: list[int]):
+        """The parts of each of `es` in order, the next expert read while this one computes (ExpertStore.stream)."""
+        return (self._views(buf, layout) for buf, layout, _ in self.store.stream(self.i, es))
+
+    @staticmethod
+    def _views(buf: torch.Tensor, layout) -> dict[str, torch.Tensor]:
         return {name.rpartition(".")[2]: layout.view(buf, name) for name in layout.slices}

@@ -322,7 +322,7 @@ class OffloadedCausalLM(nn.Module):
         self.prefetcher.close()
         self.store.reader.close()
         if getattr(self, "experts", None) is not None:
-            self.experts.reader.close()
+            self.experts.close()
         self.store.close()
 
     def __del__(self):
