@@ -18,7 +18,8 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   disk layer streams its dense part only (memlayers sizes its slot so), and its routed experts
   (`disk_experts`) are read from disk after the router chose them, into a RAM cache of `cache_experts`
   experts (`cache_bytes`, the device component "expert_cache"; expertstore.cache_capacity of what the RAM
-  cap leaves: none with --offload disk, so one layer's experts) kept most recently used; the experts of
+  cap leaves: none with --offload disk, so one layer's experts) kept most recently used (its `hit` priced
+  under the uniform prior, measured routing or not: an LRU cache does not hold the hottest); the experts of
   resident and RAM layers (`ram_experts`) stay in their layers. A pass pays the cache's misses, distinct
   experts x (1 - hit) x their bytes at the disk's rate, before they compute (not overlapped).
   "split" (CUDA, when something of the whole-layer plan streams and the split models faster, as
@@ -185,7 +186,7 @@ def _cache_room(req, plan) -> int:
     return max(0, ram_cap(req) - sum(plan.device_bytes.values()) - sum(plan.host_bytes.values()))
 
 
-def _on_demand(shape: MoeShape, lay, req, plan, routing: list[int] | None) -> dict:
+def _on_demand(shape: MoeShape, lay, req, plan) -> dict:
     """The "on-demand" fields of plan.experts (see the contract): experts by tier and the RAM cache."""
     disk = [i for i in plan.disk_layers if shape.expert_bytes[i]]
     sparse = sum(1 for b in shape.expert_bytes if b)
@@ -197,7 +198,8 @@ def _on_demand(shape: MoeShape, lay, req, plan, routing: list[int] | None) -> di
         disk_experts=on_disk,
         cache_experts=cache,
         cache_bytes=cache * slot,
-        hit=hit_share(routing, cache, on_disk) if on_disk else 0.0,
+        hit=hit_share(None, cache, on_disk) if on_disk else 0.0,  # an LRU cache, not the hottest: the prior
+        routing="uniform (prior)",
         runs=True,
     )
 
@@ -311,7 +313,7 @@ def expert_plan(
     base["tokens_per_second"] = base["layers_tokens_per_second"]
     packed = req.dtype == "nf4" or a.packed  # packed linears stream with their layer (MXFP4 experts do not)
     if plan.disk_layers and bits is None and splits_experts(ck.config.get("model_type"), req.device, packed):
-        held = {**base, **_on_demand(shape, lay, req, plan, routing), "mode": "on-demand"}
+        held = {**base, **_on_demand(shape, lay, req, plan), "mode": "on-demand"}
         held["tokens_per_second"] = _tokens_per_second(a, plan, dev, held, c, ctx)
         return held
     streams = bool(plan.ram_layers or plan.disk_layers)
