@@ -19,7 +19,7 @@ through the engine and through `specx run`; the memory plan counts every expert'
 streams them (whole layers); files as older llama.cpp versions wrote them (Mixtral's experts one tensor
 each, no expert FFN sizes in the metadata) read the same; `--draft self` on a streamed MoE target is
 one error line (`--draft auto` decodes without a draft); a MoE GGUF of another architecture is one
-error line (gpt-oss's: tests/test_gpt_oss_parts.py).
+error line (gpt-oss GGUFs are read: tests/test_gguf_gpt_oss.py).
 """
 
 from __future__ import annotations

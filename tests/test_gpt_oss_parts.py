@@ -6,7 +6,8 @@ a gpt-oss model transformers itself loads under specx_gqa (a draft, loading.load
 The sinks, the window and the clamp each change the tiny model's output (tests/test_gpt_oss.py), so the
 exact checks there see them (transformers 5.17 clamps at 7.0 whatever the config says; specx runs its
 module, so follows). The plan counts every expert tensor. Refused in one line each: NF4, a gpt-oss GGUF
-(MXFP4 experts are read: tests/test_gpt_oss_mxfp4.py).
+without the metadata its config needs (MXFP4 experts are read: tests/test_gpt_oss_mxfp4.py; gpt-oss GGUFs:
+tests/test_gguf_gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def test_nf4_is_refused_in_one_line(target):
         OffloadedCausalLM.from_pretrained(target, dtype="nf4", offload="disk")
 
 
-def test_gpt_oss_gguf_is_refused_in_one_line(tmp_path):
-    """llama.cpp writes gpt-oss as architecture `gpt-oss` with `gpt-oss.expert_count`: the MoE refusal, with its fix."""
+def test_gpt_oss_gguf_without_its_metadata_is_one_line(tmp_path):
+    """A gpt-oss GGUF (read: tests/test_gguf_gpt_oss.py) missing a key its config needs: one line naming the key."""
     gguf = pytest.importorskip("gguf")
     from offload import OffloadError
     from offload.formats import open_checkpoint
@@ -173,11 +174,13 @@ def test_gpt_oss_gguf_is_refused_in_one_line(tmp_path):
     writer.add_block_count(1)
     writer.add_expert_count(4)
     writer.add_expert_used_count(2)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        OffloadError, match=r"gpt-oss\.gguf: a mixture-of-experts GGUF \(4 experts\) is not supported yet; use the"
+        OffloadError, match=r"gpt-oss\.gguf: gpt-oss metadata key 'gpt-oss\.embedding_length' is missing"
     ):
         open_checkpoint(out)

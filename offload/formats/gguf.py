@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.formats import gguf_meta, gguf_moe, gguf_quants as gq
+from offload.formats import gguf_gptoss, gguf_meta, gguf_moe, gguf_quants as gq
 from offload.formats.base import Checkpoint, TensorInfo, as_stored
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")   # GGUF architectures of families.SUPPORTED (not yet gemma2)
 HF_TYPE = {"gemma3": "gemma3_text"}   # a Gemma-3 GGUF holds the text model only (as transformers reads it)
 PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
 IGNORED = ("rope_freqs.weight",)   # llama.cpp's llama3 RoPE factors: read into the config (_rope_from_freqs)
@@ -80,7 +80,8 @@ class GgufReader:
                                "llama.cpp's convert_hf_to_gguf.py from a model directory that has one")
         config = _hf_config(head, arch, readers, first)
         _rope_from_freqs(config, parts, readers)
-        hf_names, shapes = _hf_params(config, arch, first)
+        gptoss = arch == gguf_gptoss.ARCH   # its own names and config (gguf_gptoss.py)
+        hf_names, shapes = gguf_gptoss.hf_params(config) if gptoss else _hf_params(config, arch, first)
         fused = gguf_moe.expert_names(config, shapes) if experts else {}
         hf_names.update(gguf_moe.legacy_names(fused))   # older Mixtral files: one tensor per expert
         tensors, packed = {}, {}
@@ -201,8 +202,10 @@ def _hf_config(head, arch: str, readers, first: Path):
 
     hf_logging.set_verbosity_error()
     try:
-        cfg = _config_dict(head, arch, readers)
+        cfg = gguf_gptoss.config_dict(head, readers) if arch == gguf_gptoss.ARCH else _config_dict(head, arch, readers)
         config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
+    except OffloadError:   # gguf_gptoss's own line (a missing key)
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure is metadata transformers cannot use
         msg = (str(exc).splitlines() or [""])[0][:120]
         raise OffloadError(f"{first}: its metadata does not describe a model transformers can build "

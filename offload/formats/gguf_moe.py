@@ -35,7 +35,7 @@ from offload.formats import gguf_meta
 from offload.formats import gguf_quants as gq
 from offload.formats.base import TensorInfo
 
-MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
 TABLE = {"mixtral": "llama"}  # transformers' GGUF key table for the type, where it has none of its own
 _PROJ = ("gate", "up", "down")  # llama.cpp's ffn_{gate,up,down}_exps, in arch/moe.MOE_FAMILIES name order
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
@@ -85,6 +85,8 @@ def expert_names(config, shapes: dict) -> dict[str, list[str]]:
     from offload.arch.moe import MOE_FAMILIES
 
     names = MOE_FAMILIES[config.model_type][1]
+    if names is None:  # gpt-oss: its experts keep their stored form (gguf_gptoss.py)
+        return {}
     out: dict[str, dict[int, str]] = {}
     for hf_name in shapes:
         m = _EXPERT.fullmatch(hf_name)

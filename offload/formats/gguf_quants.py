@@ -8,7 +8,8 @@ in `dtype`, computed on `raw.device`. The arithmetic follows the reference dequa
 bitwise equal to it for every supported type; a 16-bit `dtype` is that result rounded once.
 Block layouts (block size, bytes per block) come from `gguf.GGML_QUANT_SIZES`; `SUPPORTED` names
 the types Q4_K_M, Q5_K_M, Q8_0, Q4_0 and 16/32-bit files use (Q5_0/Q4_1/Q5_1: llama-quantize's
-fallbacks for rows that are not a multiple of 256).
+fallbacks for rows that are not a multiple of 256), and MXFP4 (gpt-oss's experts: blocks of 32 e2m1
+codes sharing one E8M0 power-of-two scale; every value exact in float32).
 
 Two kernels run the same arithmetic (`kernel_choice`, $SPECX_DEQUANT_KERNEL = auto | compiled | eager):
 - compiled (auto on CUDA): each type's block function and the cast to `dtype`, torch.compile'd, so
@@ -36,7 +37,7 @@ _COMPILED: dict = {}  # ggml type -> its torch.compile'd fused block function
 _STATE = {"broken": None}  # why the compiled kernel fell back to eager (one line), or None
 
 # GGMLQuantizationType values (gguf.constants; kept numeric so this module imports without gguf)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30, 39
 # type -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES states them
 BLOCK = {
     F32: (1, 4),
@@ -50,6 +51,7 @@ BLOCK = {
     Q4_K: (QK_K, 144),
     Q5_K: (QK_K, 176),
     Q6_K: (QK_K, 210),
+    MXFP4: (32, 17),
 }
 SUPPORTED = tuple(BLOCK)
 NAMES = {
@@ -64,6 +66,7 @@ NAMES = {
     Q4_K: "Q4_K",
     Q5_K: "Q5_K",
     Q6_K: "Q6_K",
+    MXFP4: "MXFP4",
 }
 
 
@@ -198,7 +201,23 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, QK_K)
 
 
+# e2m1 (FP4) codes -> their values doubled (gguf-py's MXFP4.kvalues): sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
+_E2M1_X2 = torch.tensor((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), dtype=torch.float32)
+# E8M0 exponent e -> 2^(e - 128) in float32 (exact, 2^-128 a subnormal): half the block scale 2^(e - 127),
+# matching the doubled values (ggml_e8m0_to_fp32_half)
+_E8M0_HALF = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - 128).float()
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    """(n, 17) blocks -> (n, 32): byte 0 the E8M0 exponent, bytes 1..16 the e2m1 codes, value i in the low
+    nibble of byte 1 + i and value 16 + i in its high nibble (llama.cpp's MXFP4, not the safetensors order)."""
+    d = _E8M0_HALF.to(b.device)[b[:, 0].long()].unsqueeze(1)  # (n, 1)
+    q = _E2M1_X2.to(b.device)[_nibbles32(b[:, 1:]).long()]  # (n, 32), exact small integers
+    return d * q
+
+
 _BLOCK_FN = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+_BLOCK_FN[MXFP4] = _mxfp4
 
 
 def _plain(raw: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ from offload.arch.moe import MOE_FAMILIES
 from offload.cpu.leanstack import LeanStack
 from offload.errors import OffloadError
 from offload.formats import Checkpoint, open_checkpoint
+from offload.formats.gguf_gptoss import swap_gguf_experts
 from offload.formats.mxfp4 import swap_mxfp4_experts
 from offload.formats.qlinear import swap_packed_linears
 from offload.quant.dense import densify
@@ -185,6 +186,8 @@ class OffloadedCausalLM(nn.Module):
             swap_packed_linears(hf.model.layers, ckpt, compute_dtype)
         if ckpt.format == "mxfp4":  # the experts' MXFP4 bytes stream as stored, dequantized per routed expert
             swap_mxfp4_experts(hf.model.layers, compute_dtype)
+        if ckpt.format == "gguf" and config.model_type == "gpt_oss":  # experts as stored: gate, up, down apart
+            swap_gguf_experts(hf.model.layers, ckpt, compute_dtype)
         w = load_weights(
             ckpt,
             config,
