@@ -131,6 +131,32 @@ def test_bytes_read_are_the_routed_experts(family, monkeypatch):
         m.close()
 
 
+def test_routed_experts_are_read_ahead(family, monkeypatch):
+    """With room for two experts or more, a layer's routed experts are read by the store's worker thread,
+    each next one while the one before computes (ExpertStore.stream through ExpertList.routed): 7 tokens
+    route to at least 2 of 4 experts in every layer, so every expert read of the pass is the worker's."""
+    import threading
+
+    from offload import OffloadedCausalLM
+
+    name, target, _, _ = family
+    reads = []
+    read_span = DirectReader.read_span
+
+    def recording_read(self, span, buf):
+        reads.append((self, threading.current_thread().name))
+        return read_span(self, span, buf)
+
+    monkeypatch.setattr(DirectReader, "read_span", recording_read)
+    m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", expert_cache=8)
+    try:
+        m(input_ids=torch.tensor([make_tokenizer()(PROMPT)["input_ids"][:7]]))
+        threads = [t for r, t in reads if r is m.experts.reader]
+        assert threads and all(t.startswith("specx-experts") for t in threads), (name, threads)
+    finally:
+        m.close()
+
+
 def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family):
     from offload import OffloadedCausalLM
     from offload.planning.memlayers import read_checkpoint

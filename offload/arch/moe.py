@@ -13,7 +13,8 @@ as its checkpoints name it, and the decoder layer still reaches it as `layer.mlp
 experts loop: for each expert some token routed to, sum_k w_k * down(act(gate(x)) * up(x)) into
 that token's row. A loader that holds the experts apart (stream/expertstore.py) sets `source`, a
 callable returning expert e with its weights in place, asked for each routed expert just before it
-computes. The router, the shared expert (Qwen2-MoE) and dense MLP layers (`mlp_only_layers`,
+computes (`source.stream(es)`, where the source has it, gives the routed experts in order, reading the
+next one ahead). The router, the shared expert (Qwen2-MoE) and dense MLP layers (`mlp_only_layers`,
 `decoder_sparse_step`) are HF's modules unchanged. Being plain nn.Linear, the
 experts take the same 4-bit substitutions (NF4, packed formats) as any decoder linear.
 gpt-oss checkpoints store the fused 3-D experts themselves: its class is transformers' own (gptoss.py).
@@ -65,14 +66,21 @@ class ExpertList(nn.ModuleList):
             # (T, K) expert ids -> (E + 1, K, T) one-hot; index E is an "unassigned" slot HF skips
             mask = nn.functional.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for e in hit[:, 0].tolist():
-            if e == n:
-                continue
+        es = [e for e in hit[:, 0].tolist() if e != n]
+        for e, expert in zip(es, self.routed(es)):
             k_pos, tok = torch.where(mask[e])  # (slot k, token) pairs routed to e
-            expert = self[e] if self.source is None else self.source(e)
             y = expert(hidden_states[tok]) * top_k_weights[tok, k_pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+    def routed(self, es: list[int]):
+        """Experts `es` in order, weights in place: the children, else the source's `stream(es)` where it has
+        one (it reads the next expert while the caller computes this one), else source(e) one at a time."""
+        if self.source is None:
+            return (self[e] for e in es)
+        if hasattr(self.source, "stream"):
+            return self.source.stream(es)
+        return (self.source(e) for e in es)
 
 
 def split_experts(block: nn.Module, names: tuple[str, str, str]) -> None:

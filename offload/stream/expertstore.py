@@ -265,8 +265,14 @@ class _Source:
                 ]
 
     def __call__(self, e: int) -> nn.Module:
-        buf, layout, read = self.store.fetch(self.i, e)
-        if read:
+        return self._bound(e, *self.store.fetch(self.i, e))
+
+    def stream(self, es: list[int]):
+        """Each of `es` in order, bound, the next expert read while this one computes (ExpertStore.stream)."""
+        return (self._bound(e, *got) for e, got in zip(es, self.store.stream(self.i, es)))
+
+    def _bound(self, e: int, buf: torch.Tensor, layout, read: bool) -> nn.Module:
+        if read:  # a hit's parameters still point at its slot
             for mod, attr, name in self.params[e]:
                 mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
         return self.experts[e]
