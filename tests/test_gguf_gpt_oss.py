@@ -5,14 +5,18 @@ attention, 4 experts, top-2, YaRN RoPE, sinks and biases given values; here with
 the value llama.cpp applies to every gpt-oss file, since no metadata key carries it) is saved by
 transformers with a byte-level BPE vocabulary and written to GGUF by llama.cpp's convert_hf_to_gguf.py
 (tools/llamacpp.sh; without it these tests skip) as F32, and requantized by llama-quantize as MXFP4_MOE
-(experts in llama.cpp's MXFP4 blocks, attention and embeddings Q8_0; skipped without llama-quantize).
+(experts in llama.cpp's MXFP4 blocks, attention and embeddings Q8_0; skipped without llama-quantize),
+and the source re-stored with MXFP4 experts as the published checkpoints are (tests/mxfp4_ckpt.py) is
+converted too: llama.cpp keeps those experts in MXFP4, repacked into GGML blocks (the published GGUFs' path).
 The oracle is transformers' `generate` on the source model (transformers' GGUF loader cannot read
 these files): for F32 the file's weights are the source's bit for bit (checked tensor by tensor through
 specx's reader, the experts re-fused into transformers' gate_up/down layout); for MXFP4_MOE the source
 model's weights are replaced by the file's, dequantized by the `gguf` package's own reference
-(`gguf.quants.dequantize`). Checked: greedy `ar` and `specexec` (draft: a low-noise copy of the target,
-converted to F32 GGUF) give exactly those ids, resident and every layer streamed from disk
-(--offload disk --max-ram 0), through the engine (tests/test_gguf_moe.py's checks) and `specx run`.
+(`gguf.quants.dequantize`); for the converted MXFP4 checkpoint, transformers' own load of that
+checkpoint (`Mxfp4Config(dequantize=True)`), whose experts the file's equal bit for bit. Checked:
+greedy `ar` and `specexec` (draft: a low-noise copy of the target, converted to F32 GGUF) give exactly
+those ids, resident and every layer streamed from disk (--offload disk --max-ram 0), through the engine
+(tests/test_gguf_moe.py's checks) and `specx run`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import pytest
 import torch
 import transformers
 
+from tests.mxfp4_ckpt import hf_dequantized, write_mxfp4
 from tests.test_gguf_moe import (
     CONVERT,
     N_NEW,
@@ -94,7 +99,8 @@ def gguf_state(model, f) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """("gpt_oss", source dir, draft GGUF, {kind: GGUF file}, {kind: transformers' greedy ids})."""
+    """("gpt_oss", source dir, draft GGUF, {kind: GGUF file}, {kind: transformers' greedy ids}); kinds: f32, mxfp4
+    (llama-quantize MXFP4_MOE of the F32 file), st_mxfp4 (converted from the source's MXFP4 safetensors copy)."""
     pytest.importorskip("gguf")
     if not CONVERT.is_file():
         pytest.skip("llama.cpp's converter not built (tools/llamacpp.sh)")
@@ -103,11 +109,17 @@ def built(tmp_path_factory):
     files = {"f32": convert(src, root / "target-f32.gguf", "f32")}
     if QUANTIZE.is_file():
         files["mxfp4"] = mxfp4_moe(files["f32"], root / "target-mxfp4.gguf")
+    st = write_mxfp4(src, root / "st-mxfp4")  # as published: the experts' MXFP4 blocks and scales in safetensors
+    byte_level_tokenizer().save_pretrained(st)  # the vocabulary the converter reads
+    files["st_mxfp4"] = convert(st, root / "target-st-mxfp4.gguf", "f32")  # its experts repacked as GGML MXFP4
     draft = convert(make(root / "draft", seed=1, noise_from=src, noise=0.05), root / "draft-f32.gguf", "f32")
     want = {}
     for kind, f in files.items():
-        model = transformers.GptOssForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-        if kind != "f32":
+        if kind == "st_mxfp4":  # transformers' own load of the MXFP4 checkpoint the file was converted from
+            model = hf_dequantized(st, torch.float32).eval()
+        else:
+            model = transformers.GptOssForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        if kind == "mxfp4":
             model.load_state_dict(gguf_state(model, f))
         want[kind] = hf_greedy(model)
         assert len(set(want[kind])) >= 8 and 0 not in want[kind], want  # varied, no EOS (the CLI stops there)
@@ -158,7 +170,24 @@ def test_mxfp4_experts_are_llamacpp_blocks(built):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["f32", "mxfp4"])
+def test_converted_mxfp4_checkpoint_is_transformers_bit_for_bit(built):
+    """An MXFP4 safetensors checkpoint (as published) converted by llama.cpp keeps its experts in MXFP4, repacked
+    into GGML blocks (nibbles reordered, scale byte first): dequantized, they are transformers' own load of it."""
+    from offload.formats import open_checkpoint
+
+    ck = open_checkpoint(built[3]["st_mxfp4"])
+    sd = hf_dequantized(built[1].parent / "st-mxfp4", torch.float32).state_dict()
+    for i in range(4):
+        w = {p: ck.dense(f"model.layers.{i}.mlp.experts.{p}_weight", torch.float32) for p in ("gate", "up", "down")}
+        assert {ck.tensors[f"model.layers.{i}.mlp.experts.{p}_weight"].qtype for p in w} == {"MXFP4"}
+        gate_up = sd[f"model.layers.{i}.mlp.experts.gate_up_proj"].float()  # (E, H, 2I), gate/up interleaved
+        assert torch.equal(w["gate"].transpose(1, 2), gate_up[..., 0::2]), i
+        assert torch.equal(w["up"].transpose(1, 2), gate_up[..., 1::2]), i
+        assert torch.equal(w["down"].transpose(1, 2), sd[f"model.layers.{i}.mlp.experts.down_proj"].float()), i
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["f32", "mxfp4", "st_mxfp4"])
 @pytest.mark.parametrize("offload", ["none", "disk"])
 def test_ar_and_specexec_equal_transformers(built, kind, offload):
     _kind(built, kind)
