@@ -16,7 +16,8 @@ model's weights are replaced by the file's, dequantized by the `gguf` package's 
 checkpoint (`Mxfp4Config(dequantize=True)`), whose experts the file's equal bit for bit. Checked:
 greedy `ar` and `specexec` (draft: a low-noise copy of the target, converted to F32 GGUF) give exactly
 those ids, resident and every layer streamed from disk (--offload disk --max-ram 0), through the engine
-(tests/test_gguf_moe.py's checks) and `specx run`.
+(tests/test_gguf_moe.py's checks) and `specx run`; the memory plan counts each layer's stored experts as
+the loader streams them (whole layers), and the model also runs in bf16.
 """
 
 from __future__ import annotations
@@ -216,3 +217,31 @@ def test_specx_run_streamed_equals_transformers(built, tmp_path):
         ids[method] = json.loads(stats.read_text())["token_ids"]
     assert ids["specexec"] == ids["ar"]
     assert len(ids["ar"]) >= 8 and ids["ar"] == want[kind][: len(ids["ar"])], (ids["ar"], want)
+
+
+@pytest.mark.slow
+def test_plan_counts_the_stored_experts(built):
+    """The memory plan's per-layer bytes hold each layer's six stored expert tensors (MXFP4 bytes as stored) and
+    are the loader's, which streams GGUF layers whole; the model also runs in bf16."""
+    from offload import OffloadedCausalLM
+    from offload.formats import open_checkpoint
+    from offload.planning.membytes import arch_of
+    from offload.planning.memlayers import layer_sizes
+    from offload.planning.memplan import PlanRequest
+
+    for f in built[3].values():
+        ck = open_checkpoint(f)
+        req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34)
+        lay = layer_sizes(ck, arch_of(ck.config), req)
+        for i in range(4):
+            assert len([n for n in ck.layer_tensors(i) if ".mlp.experts." in n]) == 6
+            assert ck.layer_bytes(i) <= lay.packed[i], (f.name, i)
+        for dtype in (torch.float32, torch.bfloat16):
+            m = OffloadedCausalLM.from_pretrained(f, dtype=dtype, offload="disk")
+            try:
+                assert m.plan.layer_bytes == lay.packed or dtype != torch.float32, f.name
+                assert m.experts is None
+                logits = m(input_ids=torch.tensor([byte_level_tokenizer()(PROMPT)["input_ids"]])).logits
+                assert logits.dtype == dtype and torch.isfinite(logits).all()
+            finally:
+                m.close()
