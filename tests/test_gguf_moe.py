@@ -43,18 +43,8 @@ QUANTIZE = CACHE / "bin" / "llama-quantize"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 PROMPT = "def add(a, b):\n    return a"
 N_NEW = 20
-COMMON = dict(
-    hidden_size=64,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-    num_experts_per_tok=2,
-)
+COMMON = dict(hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+COMMON.update(max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0, num_experts_per_tok=2)
 FAMILIES = {
     "qwen3_moe": (
         "Qwen3MoeConfig",
