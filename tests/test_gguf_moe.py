@@ -35,6 +35,7 @@ import pytest
 import torch
 import transformers
 
+from tests import test_moe_families as families
 from tests.conftest import CHARS
 
 CACHE = Path(os.environ.get("SPECX_TEST_CACHE", Path.home() / ".cache" / "specx-test")) / "llamacpp"
@@ -75,19 +76,10 @@ def byte_level_tokenizer():
 
 
 def make_moe(name: str, path: Path, seed: int, noise_from: Path | None = None, noise: float = 0.0, **sizes) -> Path:
-    """Save a seeded random `name` checkpoint (weights x3: peaky, varied logits), or a noisy copy of another."""
+    """test_moe_families.make_moe with this file's configs (`sizes` overriding them) and byte-level vocabulary."""
     cfg_cls, extra = FAMILIES[name]
-    torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_cls)(vocab_size=len(CHARS), **{**COMMON, **extra, **sizes})
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        if noise_from is not None:
-            model.load_state_dict(transformers.AutoModelForCausalLM.from_pretrained(noise_from).state_dict())
-        for p in model.parameters():
-            p.add_(noise * p.std() * torch.randn_like(p)) if noise_from is not None else p.mul_(3.0)
-    model.save_pretrained(path, safe_serialization=True)
-    byte_level_tokenizer().save_pretrained(path)
-    return path
+    return families.make_moe(name, path, seed, noise_from, noise, config=cfg, tokenizer=byte_level_tokenizer())
 
 
 def convert(src: Path, out: Path, outtype: str) -> Path:

@@ -160,7 +160,12 @@ def test_sampled_specexec_equals_ar_with_the_same_seed(pair):
 
 def test_specx_run_streamed_equals_hf_generate(pair, tmp_path):
     """`specx run --offload disk --max-ram 0`, ar and specexec: HF generate's ids (up to an EOS stop)."""
-    target, draft, want = pair
+    run_streamed_equals(*pair, tmp_path)
+
+
+def run_streamed_equals(target, draft, want, tmp_path) -> None:
+    """`specx run` of target with draft, every layer streamed from disk, `ar` and `specexec`: the same ids,
+    at least 8 of them, the start of `want`."""
     prompt = tmp_path / "p.txt"
     prompt.write_text(PROMPT)
     ids = {}

@@ -23,8 +23,8 @@ from offload.stream.storage import DirectReader
 from specexec_cli.session.loading import LoadOptions, load_models
 from tests.conftest import make_tokenizer
 from tests.mxfp4_ckpt import hf_dequantized, write_mxfp4
-from tests.test_gpt_oss import CONFIG, N_NEW, PROMPT, _decode, hf_greedy, make_gpt_oss
-from tests.test_moe_experts_apart import _greedy
+from tests.test_gpt_oss import CONFIG, N_NEW, PROMPT, hf_greedy, make_gpt_oss
+from tests.test_moe_experts_apart import _greedy, check_allocations, check_engine_decodes
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 E = CONFIG["num_local_experts"]
@@ -149,10 +149,7 @@ def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(gpt_oss):
     assert ex["mode"] == "on-demand" and ex["runs"] and ex["cache_experts"] == E, ex
     m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", memplan=plan)
     try:
-        got = m.pool.by_component
-        assert m.experts.capacity == ex["cache_experts"]
-        assert got["expert_cache"] == plan.device_bytes["expert_cache"], kind
-        assert got["staging_slots"] == plan.device_bytes["staging_slots"], kind
+        check_allocations(m, plan, kind)
         assert _greedy(m) == want
     finally:
         m.close()
@@ -162,12 +159,7 @@ def test_engine_ar_and_specexec_with_experts_apart(gpt_oss):
     kind, target, draft, want = gpt_oss
     m = load_models(LoadOptions(str(target), str(draft), "fp32", device="cpu", offload="disk", max_ram=0, ctx=256))
     try:
-        assert m.target.experts is not None and m.target.plan.tier == "disk"
-        m.eos_ids = frozenset()
-        assert _decode(m, "ar")[0] == want, kind
-        got, per_pass = _decode(m, "specexec")
-        assert got == want and max(per_pass) >= 3, (kind, per_pass)
-        assert m.target.experts.reads > 0
+        check_engine_decodes(m, want, kind)
     finally:
         m.target.close()
         getattr(m.draft, "close", lambda: None)()

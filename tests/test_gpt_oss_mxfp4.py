@@ -27,7 +27,7 @@ from offload.stream.storage import file_layout
 from specexec_cli.session.loading import LoadOptions, load_models
 from tests.conftest import make_tokenizer
 from tests.mxfp4_ckpt import hf_dequantized, quantize, write_mxfp4
-from tests.test_gpt_oss import LAYERS, N_NEW, PROMPT, _decode, make_gpt_oss
+from tests.test_gpt_oss import LAYERS, N_NEW, PROMPT, _decode, make_gpt_oss, run_streamed_equals
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -174,21 +174,4 @@ def test_plan_counts_the_dequantized_expert(mxfp4):
 def test_specx_run_equals_transformers(mxfp4, tmp_path):
     """`specx run --offload disk --max-ram 0`, ar and specexec, through the CLI's own plan and dtype choice (an
     MXFP4 checkpoint is not a pre-quantized NF4 one): transformers' greedy ids (up to an EOS stop)."""
-    from typer.testing import CliRunner
-
-    from specexec_cli.terminal.app import app
-
-    target, draft, want = mxfp4
-    prompt = tmp_path / "p.txt"
-    prompt.write_text(PROMPT)
-    ids = {}
-    for method in ("ar", "specexec"):
-        stats = tmp_path / f"{method}.json"
-        args = ["run", str(prompt), "--target", str(target), "--draft", str(draft), "--device", "cpu"]
-        args += ["--offload", "disk", "--max-ram", "0", "--method", method, "--budget", "8"]
-        args += ["--max-new-tokens", str(N_NEW), "--ctx", "256", "--temperature", "0", "--stats-json", str(stats)]
-        r = CliRunner().invoke(app, args)
-        assert r.exit_code == 0, r.output
-        ids[method] = json.loads(stats.read_text())["token_ids"]
-    assert ids["specexec"] == ids["ar"]
-    assert len(ids["ar"]) >= 8 and ids["ar"] == want[: len(ids["ar"])], (ids["ar"], want)
+    run_streamed_equals(*mxfp4, tmp_path)

@@ -65,6 +65,14 @@ def _expert_spans(target) -> dict[tuple[int, int], tuple[int, int]]:
     return {k: (lo // IO_ALIGN * IO_ALIGN, align_up(hi, IO_ALIGN)) for k, (lo, hi) in spans.items()}
 
 
+def check_allocations(m, plan, label) -> None:
+    """The loader allocated what the plan sized: the expert cache (its experts and bytes), the staging slots."""
+    got = m.pool.by_component
+    assert m.experts.capacity == plan.experts["cache_experts"], label
+    assert got["expert_cache"] == plan.device_bytes["expert_cache"], label
+    assert got["staging_slots"] == plan.device_bytes["staging_slots"], label
+
+
 def test_greedy_equals_hf_and_whole_layers(family):
     from offload import OffloadedCausalLM
 
@@ -174,10 +182,7 @@ def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family):
     assert any(n.startswith("experts apart (run)") for n in plan.notes), plan.notes
     m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", memplan=plan)
     try:
-        got = m.pool.by_component
-        assert m.experts.capacity == ex["cache_experts"]
-        assert got["expert_cache"] == plan.device_bytes["expert_cache"], name
-        assert got["staging_slots"] == plan.device_bytes["staging_slots"], name
+        check_allocations(m, plan, name)
         assert _greedy(m) == want
     finally:
         m.close()
@@ -203,14 +208,20 @@ def test_engine_ar_and_specexec_with_experts_apart(family):
     draft = make_moe(name, root / "draft", seed=4, noise_from=target, noise=0.05)
     m = load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu", offload="disk", ctx=256))
     try:
-        assert m.target.experts is not None and m.target.plan.tier == "disk"
-        m.eos_ids = frozenset()
-        assert _decode(m, "ar")[0] == want, name
-        got, per_pass = _decode(m, "specexec")
-        assert got == want and max(per_pass) >= 3, (name, per_pass)
-        assert m.target.experts.reads > 0
+        check_engine_decodes(m, want, name)
     finally:
         m.target.close()
+
+
+def check_engine_decodes(m, want, label) -> None:
+    """Loaded models whose target reads its experts on demand from disk: `ar` and specexec give `want`, the
+    draft's trees verify 3 tokens a pass or more somewhere, and the store read experts."""
+    assert m.target.experts is not None and m.target.plan.tier == "disk"
+    m.eos_ids = frozenset()
+    assert _decode(m, "ar")[0] == want, label
+    got, per_pass = _decode(m, "specexec")
+    assert got == want and max(per_pass) >= 3, (label, per_pass)
+    assert m.target.experts.reads > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -67,18 +67,20 @@ FAMILIES = {
 }
 
 
-def make_moe(name: str, path, seed: int, noise_from=None, noise: float = 0.0):
-    """Save a seeded random `name` checkpoint (weights x3: peaky, varied logits), or a noisy copy of another."""
+def make_moe(name: str, path, seed: int, noise_from=None, noise: float = 0.0, config=None, tokenizer=None):
+    """Save a seeded random `name` checkpoint (weights x3: peaky, varied logits), or a noisy copy of another;
+    `config` / `tokenizer`: another transformers config and tokenizer than FAMILIES' and make_tokenizer's."""
     cfg_cls, extra = FAMILIES[name]
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cfg_cls)(**COMMON, **extra))
+    config = config or getattr(transformers, cfg_cls)(**COMMON, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         if noise_from is not None:
             model.load_state_dict(transformers.AutoModelForCausalLM.from_pretrained(noise_from).state_dict())
         for p in model.parameters():
             p.add_(noise * p.std() * torch.randn_like(p)) if noise_from is not None else p.mul_(3.0)
     model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer().save_pretrained(path)
+    (tokenizer or make_tokenizer()).save_pretrained(path)
     return path
 
 
