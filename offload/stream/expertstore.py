@@ -147,7 +147,8 @@ def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool
     The cache's experts: `capacity`, else the memory plan's, else `cache_capacity` of `room` host bytes."""
     if mode not in ("auto", "layers"):
         raise OffloadError(f"experts must be auto or layers, got {mode!r}")
-    if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, bool(index.packed)):
+    packed = bool(index.packed) or index.format == "gguf"  # as the plan counts a GGUF: packed, whole layers
+    if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, packed):
         return disk, None
     dense, held = split_disk(index, disk)
     if not held:

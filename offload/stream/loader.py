@@ -276,8 +276,7 @@ def load_weights(
     if disk:
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
-    mode = "layers" if index.format == "gguf" else experts  # the plan streams GGUF layers whole (packed)
-    disk, held = held_experts(index, disk, config, device, mode, expert_cache, memplan, pool, reader, room)
+    disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
     store = LayerStore(
         device,
         pool,
