@@ -8,8 +8,7 @@ JSON, a header or data region longer than the file (truncation), an unknown dtyp
 or non-integer dims/offsets, byte ranges that disagree with dtype x shape (so a huge declared
 shape is refused by arithmetic, never allocated), overlapping tensors, or a weight_map naming
 a missing shard raise `OffloadError` naming the file and the first offending tensor.
-`check_tensor_set(index, expected, ...)` is the strict-loading check shared by every loader:
-missing, unexpected, wrong-shape or non-float tensors are refused in one line. `read(name)` returns a CPU tensor in the
+`read(name)` returns a CPU tensor in the
 file's dtype via buffered reads (used at load time only; streaming uses storage.DirectReader).
 """
 
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.formats.base import TensorInfo, check_names, read_exact
+from offload.formats.base import TensorInfo, read_exact
 
 ST_DTYPES = {
     "F64": torch.float64,
@@ -201,38 +200,3 @@ def read_weight_map(idx: Path) -> dict[str, str]:
                 f"{idx}: tensor {name!r} maps to a bad shard name {str(shard)[:60]!r}; re-download the model"
             )
     return weight_map
-
-
-def check_tensor_set(
-    index: SafetensorsIndex,
-    expected: dict[str, tuple[int, ...]],
-    what: str,
-    tied: dict[str, str] | None = None,
-    float_names: set[str] | None = None,
-    extra_ok=lambda name: False,
-) -> None:
-    """Strict loading: the checkpoint holds exactly the `expected` tensors, shapes and float dtypes.
-
-    expected: every parameter the architecture needs -> its shape in the file.
-    what: the architecture, for messages (e.g. "model_type 'llama'").
-    tied: alias -> source for tied weights (e.g. lm_head.weight -> embed_tokens): an alias may be
-      absent (the one documented exception) but if stored it must still have the right shape.
-    float_names: tensors that must be stored as a floating dtype (default: all of `expected`).
-    extra_ok(name): True for stored tensors a format legitimately adds (quantization states).
-    Raises OffloadError naming the file and the first offending tensor (sorted order).
-    """
-    tied = tied or {}
-    check_names(index.entries, expected, tied, extra_ok, what, index.source_name)
-    floats = set(expected) if float_names is None else float_names
-    for name in sorted(n for n in expected if n in index.entries):
-        e = index.entries[name]
-        if tuple(e.shape) != tuple(expected[name]):
-            raise OffloadError(
-                f"{e.file}: tensor {name!r} has shape {list(e.shape)}, config.json implies "
-                f"{list(expected[name])}; the checkpoint does not match its config"
-            )
-        if name in floats and not e.dtype.is_floating_point:
-            raise OffloadError(
-                f"{e.file}: tensor {name!r} is stored as {e.dtype} but must be a float; "
-                "the checkpoint is corrupt or not in this format - re-download it"
-            )

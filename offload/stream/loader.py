@@ -1,9 +1,8 @@
 """Load-time placement: read the checkpoint into resident buffers, RAM arenas and disk plans.
 
-Contract: `load_weights(...)` first checks the checkpoint strictly against the meta-built HF
-model (`st_index.check_tensor_set`: every parameter present with its shape and a float dtype,
-no unexpected tensor; a tied lm_head may be absent), raising OffloadError naming the file and
-the first offending tensor, so no parameter is ever left uninitialised; it then
+Contract: `load_weights(...)` takes a Checkpoint that `open_checkpoint` checked strictly once
+(formats/validate.py: every parameter present with its shape and a float dtype, no unexpected
+tensor; a tied lm_head may be absent), so no parameter is ever left uninitialised; it
 computes per-layer packed sizes, picks the placement with `plan_offload`, checks the host and
 device bytes that placement needs against what is free BEFORE allocating anything (OffloadError
 otherwise), then fills: resident layers into `DevicePool` buffers, RAM-tier layers into one
@@ -33,9 +32,8 @@ from offload.formats.qlinear import PackedLinear
 from offload.quant.dense import dense_bytes
 from offload.quant.nf4 import Nf4Linear
 from offload.stream.placement import OffloadPlan, plan_offload
-from offload.formats.prequant import is_quant_part, load_quant_state
+from offload.formats.prequant import load_quant_state
 from offload.sizes import format_bytes
-from offload.formats.st_index import check_tensor_set
 from offload.stream.globals import load_globals
 from offload.stream.storage import (
     CPU_ALIGN,
@@ -52,7 +50,6 @@ from offload.stream.storage import (
 )
 from offload.stream.hostmem import ARENA_ALIGN, HostPins
 from offload.stream.expertstore import ExpertStore, held_experts
-from offload.formats.prequant import packed_nf4_shape
 
 _DTYPES = {
     "float32": torch.float32,
@@ -203,24 +200,6 @@ def load_weights(
     path = index.path
     layers = hf.model.layers
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
-    expected, packed = expected_tensors(hf, all_specs)
-    floats = {f"model.layers.{i}.{sp.name}" for i, s in enumerate(all_specs) for sp in s if sp.dtype.is_floating_point}
-    expected.update({n: tuple(index.tensors[n].shape) for n in index.packed if not n.startswith("model.layers.")})
-    floats |= {n for n in expected if not n.startswith("model.layers.") and n not in index.packed}
-    check_tensor_set(
-        index,
-        expected,
-        f"model_type {config.model_type!r}",
-        tied=tied_aliases(hf, config),
-        float_names=floats - packed,
-        extra_ok=lambda n: is_quant_part(n, packed),
-    )
-    for name in sorted(packed):
-        if index.entries[name].dtype != torch.uint8:
-            raise OffloadError(
-                f"{index.entries[name].file}: tensor {name!r} is {index.entries[name].dtype}, "
-                "expected packed 4-bit uint8; the checkpoint is corrupt - re-download it"
-            )
     # nf4: only the packed weights stream; the small rest is pinned on the device once.
     specs = [[sp for sp in s if sp.nf4 or not nf4] for s in all_specs]
     pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
@@ -294,30 +273,6 @@ def load_weights(
             _own_quant_state(state, pool)
     plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots", "expert_cache"))
     return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held)
-
-
-def expected_tensors(hf: nn.Module, specs: list[list[ParamSpec]]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(every tensor the checkpoint must hold -> its file shape, the names stored packed 4-bit).
-    A packed NF4 weight is stored as uint8 (ceil(n/2), 1) next to its quant state tensors."""
-    expected, packed = {}, set()
-    for i, s in enumerate(specs):
-        for sp in s:
-            name = f"model.layers.{i}.{sp.name}"
-            expected[name] = packed_nf4_shape(sp.shape) if sp.nf4 else tuple(sp.shape)
-            if sp.nf4:
-                packed.add(name)
-    for name, p in hf.named_parameters(remove_duplicate=False):
-        if not name.startswith("model.layers."):
-            expected[name] = tuple(p.shape)
-    return expected, packed
-
-
-def tied_aliases(hf: nn.Module, config) -> dict[str, str]:
-    """alias -> source of tied weights (lm_head -> embed_tokens) when config.json ties them."""
-    if not getattr(config, "tie_word_embeddings", False):
-        return {}
-    keys = getattr(hf, "_tied_weights_keys", None)
-    return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def _dense_auto(
