@@ -11,6 +11,9 @@
   LeanStack._advance, which runs once at the end of every pass on the stack); 0 for None.
 - `count_kernel_calls(monkeypatch)`: a list that grows by one per `ggml_kernel.linear` call that
   returned (the GGUF kernel ran); every caller looks `linear` up on the module at call time.
+- `unfuse(layer)`: detach every qfuse.FusedGroup of a layer, so each linear computes alone again.
+- `undensify(layer, pool)`: drop what quant/dense.densify kept of a layer (its pool bytes too), so
+  the per-forward dequantization runs again.
 """
 
 from __future__ import annotations
@@ -82,3 +85,18 @@ def count_stack_passes(monkeypatch) -> Callable[[object], int]:
 
     monkeypatch.setattr(LeanStack, "_advance", advance)
     return lambda lean: 0 if lean is None else counts.get(id(lean), 0)
+
+
+def unfuse(layer) -> None:
+    for mod in layer.modules():
+        if getattr(mod, "group", None) is not None:
+            mod.group = None
+
+
+def undensify(layer, pool) -> None:
+    from offload.quant.dense import COMPONENT, dense_linears
+
+    for _, mod in dense_linears(layer):
+        if mod.dense is not None:
+            pool.free(COMPONENT, mod.dense)
+            mod.dense = None

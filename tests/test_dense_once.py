@@ -19,10 +19,11 @@ pytest.importorskip("gguf")
 from offload.formats import open_checkpoint
 from offload.formats.qlinear import PackedLinear
 from offload.planning.memplan import PlanRequest, plan_memory
-from offload.quant.dense import dense_bytes, dense_linears, undensify
+from offload.quant.dense import dense_bytes, dense_linears
 from offload.stream.model import OffloadedCausalLM
 from tests.conftest import make_model
 from tests.gguf_build import write_gguf
+from tests.probes import undensify
 
 IDS = torch.tensor([[1, 5, 9, 3, 22, 7, 7, 30]])
 

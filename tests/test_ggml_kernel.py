@@ -24,9 +24,9 @@ pytest.importorskip("gguf")
 
 from offload.cpu import ggml_kernel as gk
 from offload.formats import gguf_quants as gq
-from offload.quant.dense import undensify
 from tests.conftest import distribution_installed, load_script, make_model
 from tests.gguf_build import write_gguf
+from tests.probes import undensify
 
 if not gk.enabled():
     pytest.skip(f"no GGUF kernel on this machine: {gk.kernel_status()}", allow_module_level=True)

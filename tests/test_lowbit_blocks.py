@@ -2,7 +2,7 @@
 
 What must hold: `pack` keeps HQQ's codes and puts d = scale, m = -zero * scale (fp16) in each block, so
 `dequantize` is (q - zero) * scale up to those two fp16 roundings; the kernel (ggml_gemv.c, every
-thread count and row count, odd output counts, the portable build too) computes `matmul_reference` (8-bit
+thread count and row count, odd output counts, the portable build too) computes `matmul_reference` here (8-bit
 activations, sx_q8.h) up to fp32 rounding order, within 2% of dequantize-then-matmul, each row as a
 one-row call gives it, and dequantize-then-matmul itself where K is not a multiple of 64; a real HQQ quantization gives a KernelLowbitLinear close to HQQ's own eager
 LowbitLinear; and a 3- or 2-bit self-draft of a streamed target loads these blocks, runs its forwards on
@@ -32,6 +32,24 @@ def _random(bits: int, n: int, k: int, seed: int = 0):
     scale = torch.rand(rows, 1, generator=g) * 0.02 + 1e-3
     zero = torch.rand(rows, 1, generator=g) * (1 << bits)
     return q, scale, zero
+
+
+def matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tensor:
+    """(T, K) fp32 x -> (T, n_rows): what the kernel computes (lowbit_pack's contract), in float64."""
+    w = lp.dequantize(raw, qtype, n_rows, k).double()
+    x = x.reshape(-1, k)
+    if k % 64:
+        return (x.double() @ w.T).float()
+    values, nbytes = lp.BLOCKS[qtype]
+    dm = raw.reshape(-1, nbytes)[:, :4].contiguous().view(torch.float16).float().double()  # (groups, 2)
+    d, m = (dm[:, i].reshape(n_rows, -1).repeat_interleave(values, 1) for i in (0, 1))  # (N, K) each
+    q = torch.round((w - m) / d)  # the codes (d > 0: HQQ's scales are positive)
+    g = x.reshape(x.shape[0], k // 64, 64)
+    amax = g.abs().amax(-1, keepdim=True)
+    xq = torch.round(g * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    xhat = (xq * (amax / 127.0)).reshape(x.shape[0], k).double()  # the 8-bit image sx * xq
+    c = 3.5 if qtype == lp.SX3 else 1.5  # the codes' centre
+    return (xhat @ ((q - c) * d).T + x.double() @ (m + c * d).T).float()
 
 
 @pytest.mark.parametrize("bits", [3, 2])
@@ -65,7 +83,7 @@ def test_kernel_equals_dequantize_then_matmul(bits, threads, rows):
         y = ggml_kernel.linear(x, raw, lp.TYPE_OF_BITS[bits], n)
     finally:
         torch.set_num_threads(old)
-    ref = lp.matmul_reference(x, raw, lp.TYPE_OF_BITS[bits], n, k)
+    ref = matmul_reference(x, raw, lp.TYPE_OF_BITS[bits], n, k)
     scale = ref.abs().max()
     torch.testing.assert_close(y / scale, ref / scale, rtol=0, atol=2e-6)
     assert ((y - x @ w.T).abs().max() / scale).item() < 2e-2  # the 8-bit activations' error, no more
@@ -108,7 +126,7 @@ def test_portable_build_reads_the_blocks_alike(tmp_path, monkeypatch):
             1,
         )
         assert rc == 0
-        ref = lp.matmul_reference(x, raw, lp.TYPE_OF_BITS[bits], n, k)
+        ref = matmul_reference(x, raw, lp.TYPE_OF_BITS[bits], n, k)
         torch.testing.assert_close(y / ref.abs().max(), ref / ref.abs().max(), rtol=0, atol=2e-6)
 
 
@@ -194,9 +212,9 @@ def test_sibling_blocks_are_one_buffer_and_one_stack_call(target, tmp_path, monk
     pytest.importorskip("hqq")
     from offload import OffloadedCausalLM
     from offload.cpu.leanstack import LeanStack
-    from offload.formats.qfuse import unfuse
     from offload.selfdraft.build import build_self_draft
     from specexec_cli.core import kvcache
+    from tests.probes import unfuse
 
     monkeypatch.setenv("SPECX_CACHE", str(tmp_path / "cache"))
     t = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", max_host_memory=0)

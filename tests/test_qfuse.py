@@ -22,6 +22,7 @@ from offload.formats.qlinear import PackedLinear
 from offload.stream.model import OffloadedCausalLM
 from tests.conftest import make_model
 from tests.gguf_build import write_gguf
+from tests.probes import unfuse
 
 pytestmark = pytest.mark.skipif(not ggml_kernel.enabled(), reason="no C compiler: the GGUF kernel is off")
 
@@ -59,7 +60,7 @@ def _pass(model, tokens: int, kernel_calls: list) -> tuple[torch.Tensor, int]:
 
 def _unfused(model):
     for layer in model.layers:
-        qfuse.unfuse(layer)
+        unfuse(layer)
 
 
 def test_groups_attached_and_one_call_per_group(q41, kernel_calls):

@@ -2,7 +2,7 @@
 
 Contract: `fuse_siblings(layer)` attaches a `FusedGroup` to the PackedLinears of each sibling set of a
 decoder layer (`SIBLINGS`: q/k/v of the attention, gate/up of the MLP) whose members all run the GGUF
-kernel on the same type and input width (`ggml_type`, `in_features`); `unfuse(layer)` detaches them.
+kernel on the same type and input width (`ggml_type`, `in_features`).
 At call time, `FusedGroup.take(member, x)` returns that member's x W^T (+ its bias), or None (the
 member then computes alone, as without a group):
 - the first member called with an input x computes every member at once: `ggml_kernel.linear` over
@@ -123,10 +123,3 @@ def fuse_siblings(layer: torch.nn.Module) -> int:
             m.group = group
         n += 1
     return n
-
-
-def unfuse(layer: torch.nn.Module) -> None:
-    """Detach every FusedGroup of `layer`: each linear computes alone again."""
-    for mod in layer.modules():
-        if getattr(mod, "group", None) is not None:
-            mod.group = None

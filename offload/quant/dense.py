@@ -13,7 +13,6 @@ are bitwise those of the per-forward path (the eager one for LowbitLinear).
   bound (resident) into one counted `pool` buffer each (DevicePool, component
   "dequantized_layers" by default); returns the bytes it added. NF4 linears (bitsandbytes) are left
   alone: bnb's own 4-bit kernels are what their outputs must equal.
-- `undensify(layer, pool, component)`: drop them again (the per-forward path comes back).
 Reuse (the self-draft): `densify(substitute_layer, draft.pool, "draft")` for a substitute the
 plan has room for.
 """
@@ -62,10 +61,3 @@ def densify(layer: nn.Module, pool, component: str = COMPONENT) -> int:
         mod.dense = pool.empty(tuple(w.shape), w.dtype, component).copy_(w)  # contiguous (out, in)
         added += mod.dense.numel() * mod.dense.element_size()
     return added
-
-
-def undensify(layer: nn.Module, pool, component: str = COMPONENT) -> None:
-    for _, mod in dense_linears(layer):
-        if mod.dense is not None:
-            pool.free(component, mod.dense)
-            mod.dense = None

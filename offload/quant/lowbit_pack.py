@@ -10,8 +10,8 @@ Contract:
   m = -zero * scale (each rounded to fp16 once). `codes` (groups, group) integers in [0, 2^bits).
 - `dequantize(raw, qtype, N, K)` -> (N, K) fp32: the weight, w = d * q + m (the fp32 product, then
   + m, rounded apart).
-- `matmul_reference(x, raw, qtype, N, K)` -> (T, N): the kernel's numbers for x (T, K), up to fp32
-  rounding order. Where K is a multiple of 64 the kernel multiplies 8-bit activations
+- The kernel's numbers for x (T, K) (tests/test_lowbit_blocks.py's reference computes them, up to
+  fp32 rounding order): where K is a multiple of 64 it multiplies 8-bit activations
   (cpu/kernels/sx_q8.h): per 64 values x ~ xhat = sx * xq, sx = amax / 127, xq = round(x / sx),
   and y = xhat (d (q - C))^T + x (m + C d)^T with the codes centred on C = 3.5 / 1.5 (the 8-bit
   error multiplies q - C); about 0.5% of |y| from x W^T, which only the draft's proposals carry (these
@@ -89,24 +89,6 @@ def dequantize(raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tens
     words = (fields << (8 * torch.arange(width, dtype=torch.int64))).sum(-1)
     q = _fields(words, bits, 16).reshape(blk.shape[0], values).float()
     return (q * dm[:, :1] + dm[:, 1:]).reshape(n_rows, k)
-
-
-def matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tensor:
-    """(T, K) fp32 x -> (T, n_rows): what the kernel computes (see the contract), in float64."""
-    w = dequantize(raw, qtype, n_rows, k).double()
-    x = x.reshape(-1, k)
-    if k % 64:
-        return (x.double() @ w.T).float()
-    values, nbytes = BLOCKS[qtype]
-    dm = raw.reshape(-1, nbytes)[:, :4].contiguous().view(torch.float16).float().double()  # (groups, 2)
-    d, m = (dm[:, i].reshape(n_rows, -1).repeat_interleave(values, 1) for i in (0, 1))  # (N, K) each
-    q = torch.round((w - m) / d)  # the codes (d > 0: HQQ's scales are positive)
-    g = x.reshape(x.shape[0], k // 64, 64)
-    amax = g.abs().amax(-1, keepdim=True)
-    xq = torch.round(g * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
-    xhat = (xq * (amax / 127.0)).reshape(x.shape[0], k).double()  # the 8-bit image sx * xq
-    c = 3.5 if qtype == SX3 else 1.5  # the codes' centre
-    return (xhat @ ((q - c) * d).T + x.double() @ (m + c * d).T).float()
 
 
 class KernelLowbitLinear(nn.Module):
