@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from specexec_cli.terminal.app import app
 
 WRAPPED = ("resolve_path", "check_weights", "encode_prompt")
-MODULES = [f"specexec_cli.session.{m}" for m in ("names", "loading", "options", "planning", "preflight", "prompts")]
+MODULES = [f"specexec_cli.session.{m}" for m in ("names", "loading", "options", "planning", "deps", "prompts")]
 MODULES += ["specexec_cli.serve.server", "specexec_cli.serve.names", "specexec_cli.session.modelref"]
 
 

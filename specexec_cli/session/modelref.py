@@ -1,7 +1,7 @@
 """One model a command names (`--target`, `--draft`): resolved, checked, opened and tokenized once.
 
 Contract: a `ModelRef` is made once per command at the front (session/options.pick_refs; `LoadOptions`
-makes one of a plain name) and passed down to planning, preflight, the prompt check and loading,
+makes one of a plain name) and passed down to planning, the package check (deps.py), the prompt check and loading,
 which read its parts instead of the name: `path` (session/names.resolve_path, offline), `format`,
 `safe` (the weights check), `checkpoint` (offload.formats, validated) and `tokenizer`, each computed
 on first use and kept (one that failed is tried again). Errors are one SpecxError line that starts

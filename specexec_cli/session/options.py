@@ -201,7 +201,7 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     --draft (or --draft auto) becomes the draft the plan models fastest, or none."""
     from dataclasses import replace
 
-    from specexec_cli.session import deps, preflight
+    from specexec_cli.session import deps
     from specexec_cli.session.loading import LoadOptions
     from specexec_cli.session.planning import AUTO, make_plan, resolve_auto
     from specexec_cli.session.profiles import find_profile
@@ -221,7 +221,7 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     if temperature is None:
         temperature = ModelFlags.checkpoint_defaults(target).temperature
     auto_budget, profile = budget.strip().lower() == "auto", find_profile(profile_path)
-    preflight.require_for_run(opts)   # a missing optional package: one line, exit 2, before anything loads
+    deps.require_for_run(opts)   # a missing optional package: one line, exit 2, before anything loads
 
     def replan(o):
         return make_plan(o, cfg.shape, auto_budget, temperature, gpu, profile)

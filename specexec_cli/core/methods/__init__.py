@@ -12,10 +12,9 @@ travel in `GenerationConfig.extra`; see `common.MethodSettings`.
 from __future__ import annotations
 
 from specexec_cli.core import engine
-from specexec_cli.core.methods.chain import chain_step
 from specexec_cli.core.methods.sequoia import sequoia_step
-from specexec_cli.core.methods.specinfer import specinfer_step
 from specexec_cli.core.methods.staged import staged_step
+from specexec_cli.core.methods.static_tree import chain_step, specinfer_step
 from specexec_cli.errors import SpecxError
 
 METHODS: dict = {

@@ -1,4 +1,4 @@
-"""Pieces shared by the sampled-tree methods: method settings, the multi-step residual rule, commits.
+"""Pieces shared by the sampled-tree methods: method settings and the multi-step residual rule.
 
 Contract:
 - `MethodSettings.of(cfg)` reads the method options stored in `GenerationConfig.extra`
@@ -19,7 +19,6 @@ Contract:
   without replacement), acceptance uniforms from the ACCEPT stream, the final residual drawn by
   the race with the RESIDUAL stream. Each stream is keyed by the children's absolute position, so
   the randomness a path node uses is fresh given the emitted prefix (lossless).
-- `commit` trims both caches to the accepted path exactly as `engine.speculative_step` does.
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specexec_cli.core.engine import commit_tree
 from specexec_cli.core.sampling import ACCEPT, RESIDUAL, PositionNoise, SamplingParams, process_logits, race_uniform
 from specexec_cli.core.transfers import to_host
-from specexec_cli.core.tree import Tree, VerifyTree
+from specexec_cli.core.tree import VerifyTree
 from specexec_cli.core.verify import Acceptance, walk
 
 
@@ -202,8 +200,3 @@ def child_table(vt: VerifyTree) -> tuple[torch.Tensor, torch.Tensor]:
     kids = [vt.tokens[vt.parents == i].tolist() for i in inner.tolist()]
     width = max((len(k) for k in kids), default=0)
     return inner, torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.long).reshape(len(kids), width)
-
-
-def commit(st, tree: Tree, vt: VerifyTree, acc: Acceptance, n_pending: int) -> None:
-    """Keep the accepted path in both caches; see engine.commit_tree (one implementation)."""
-    commit_tree(st, tree, vt, acc, n_pending)

@@ -11,6 +11,16 @@ ancestors), and each node's children are
     (`common.accept_static`).
 Template children that cannot be filled (q has a smaller support) are dropped with their subtrees.
 `static_step` is the whole engine step; afterwards the caches keep the engine's invariants.
+Two of its methods are a template and nothing else (Sequoia's DP tree is sequoia.py's):
+- `chain_step`, chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the chain
+  ⟨1, 1, ..., 1⟩ of γ = MethodSettings.gamma draft tokens (the budget is not used). With one child
+  the multi-step rule is the chain rule: token i accepted with probability min(1, p_i(x_i) / q_i(x_i)),
+  on the first rejection a draw from norm(max(0, p_i - q_i)), after full acceptance a bonus from p.
+- `specinfer_step`, SpecInfer (arXiv 2305.09781): SpecInfer's expansion ⟨k1, k2, ...⟩, every node at
+  depth d with k_{d+1} children (`--branching 4,2,2,1` → 4 + 8 + 16 + 16 = 44 nodes); without
+  --branching the widths come from the budget (`branching_for_budget`): first level min(4, W),
+  doubling down to a width W = the largest power of two with W² <= budget, then chains of width W
+  until the node count would exceed the budget or the depth reaches max_depth.
 Every draft forward (the pending run, then one per level) is `draftstep.run`, the static draft step
 of SpecExec's growth: on CUDA each level's pass is padded to a bucket and replayed as a graph.
 Host transfers: per level one upload (ids, positions, ancestor columns, staged by the step) and one
@@ -23,13 +33,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from specexec_cli.core import draftstep
 from specexec_cli.core.draft import DraftContext, run_pending, top_children
-from specexec_cli.core.engine import StepResult, ar_step, draft_context, new_noise
-from specexec_cli.core.methods.common import accept_static, child_table, commit
+from specexec_cli.core.engine import StepResult, ar_step, commit_tree, draft_context, new_noise
+from specexec_cli.core.methods.common import MethodSettings, accept_static, child_table
 from specexec_cli.core.sampling import CHILDREN, PositionNoise, SamplingParams, process_logits
 from specexec_cli.core.transfers import to_host
 from specexec_cli.core.tree import Tree, ancestors, subtree
@@ -59,6 +70,7 @@ class Template:
         return max(d)
 
 
+@lru_cache(maxsize=64)
 def level_template(widths: tuple[int, ...]) -> Template:
     """Every node at depth d gets widths[d] children (SpecInfer's expansion ⟨k1, k2, ...⟩; chain: 1s)."""
     parents, level = [-1], [0]
@@ -163,7 +175,7 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
             vt, logits, cfg.sampling, st.noise, n, (positions - (n - 1), inner, kids), q, m.eos_ids, limit
         )
     t2 = time.perf_counter()
-    commit(st, tree, vt, acc, len(ctx.pending))
+    commit_tree(st, tree, vt, acc, len(ctx.pending))
     t3 = time.perf_counter()
     return StepResult(
         tokens=acc.tokens,
@@ -173,3 +185,33 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
         draft_seconds=t1 - t0 + (t3 - t2),
         target_seconds=t2 - t1,
     )
+
+
+def chain_step(m, st, cfg, gen, limit: int):
+    gamma = MethodSettings.of(cfg).gamma
+    if gamma < 1:
+        raise ValueError(f"--gamma must be >= 1 (got {gamma})")
+    return static_step(m, st, cfg, gen, limit, level_template((1,) * min(gamma, cfg.shape.max_depth)))
+
+
+def branching_for_budget(budget: int, max_depth: int) -> tuple[int, ...]:
+    """Level widths with about sqrt(budget) leaves and depth, at most `budget` nodes (see module doc)."""
+    w = 1
+    while (2 * w) ** 2 <= budget:
+        w *= 2
+    widths: list[int] = []
+    width, total = 1, 0
+    while len(widths) < max_depth:
+        k = min(4, w) if not widths else (2 if width < w else 1)
+        k = min(k, max(1, w // width))
+        if total + width * k > budget:
+            break
+        widths.append(k)
+        width *= k
+        total += width
+    return tuple(widths) or (1,)
+
+
+def specinfer_step(m, st, cfg, gen, limit: int):
+    widths = MethodSettings.of(cfg).branching or branching_for_budget(cfg.shape.budget, cfg.shape.max_depth)
+    return static_step(m, st, cfg, gen, limit, level_template(widths))
