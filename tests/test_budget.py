@@ -16,7 +16,6 @@ from specexec_cli.core.budget import (
     TimingModel,
     candidate_budgets,
     choose_budget,
-    choose_split,
     make_tuner,
 )
 from specexec_cli.core.draft import TreeShape
@@ -43,13 +42,12 @@ def test_split_keeps_the_budget_on_a_stream_bound_pass_and_shrinks_it_once_compu
     d = lambda b: 1e-4 * b  # noqa: E731
     flat = lambda n: 1.0  # noqa: E731
     cands = candidate_budgets(1023)
-    one, rate1 = choose_budget(e, d, flat, cands)
-    assert (one, rate1) == choose_split(e, d, flat, 1, cands)
-    two, rate2 = choose_split(e, d, flat, 2, cands)
+    one, _ = choose_budget(e, d, flat, cands)
+    two, rate2 = choose_budget(e, d, flat, cands, 2)
     assert two == one and rate2 == pytest.approx(2 * e(one) / (2 * d(one) + 1.0))
     dear = lambda n: 0.2 + n / 200  # noqa: E731 - compute-bound: seconds grow with the pass's tokens
-    b1, _ = choose_split(e, d, dear, 1, cands)
-    b4, rate4 = choose_split(e, d, dear, 4, cands)
+    b1, _ = choose_budget(e, d, dear, cands)
+    b4, rate4 = choose_budget(e, d, dear, cands, 4)
     assert b4 < b1
     best = max(4 * e(b) / (4 * d(b) + dear(4 * (b + 1))) for b in cands)  # brute force over the same grid
     assert rate4 == pytest.approx(best)

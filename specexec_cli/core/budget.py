@@ -3,7 +3,7 @@
 Contract: `choose_budget(expected, t_draft, t_target, candidates)` is pure — it returns the budget
 B maximising  E[tokens per pass](B) / (t_draft(B) + t_target(B + 1)),  the decode speed in
 tokens/second (one target pass verifies B draft nodes plus the root, i.e. n = B + 1 tokens);
-`choose_split` is the same choice for k requests sharing each pass (serve --parallel's forest).
+with `lanes=k` the same choice for k requests sharing each pass (serve --parallel's forest).
 `BudgetTuner` owns the statistics: `drive(models, state, ids, cfg)` wraps `engine.generate`,
 feeds every pass into the statistics and re-tunes budget and depth every `retune_every` passes.
 It needs no engine hook: the config it hands to the engine is a `LiveConfig`, a GenerationConfig
@@ -75,27 +75,15 @@ def choose_budget(
     t_draft: Callable[[int], float],
     t_target: Callable[[int], float],
     candidates: Iterable[int],
+    lanes: int = 1,
 ) -> tuple[int, float]:
-    """argmax over candidates of expected(B) / (t_draft(B) + t_target(B + 1)); returns (B, tok/s).
-
-    Ties go to the smaller budget (less memory, less wasted draft work).
-    """
-    return choose_split(expected, t_draft, t_target, 1, candidates)
-
-
-def choose_split(
-    expected: Callable[[int], float],
-    t_draft: Callable[[int], float],
-    t_target: Callable[[int], float],
-    lanes: int,
-    candidates: Iterable[int],
-) -> tuple[int, float]:
-    """The per-request budget b when `lanes` requests share each target pass (a forest pass):
+    """The per-request budget b when `lanes` requests share each target pass (1: a request alone):
     argmax over candidates of  lanes·E(b) / (lanes·t_draft(b) + t_target(lanes·(b + 1))),  the
     aggregate tokens/second. Each request grows its own tree (the draft runs once per request) and
     the pass verifies every tree together, so its compute grows with the total tokens: on a
     stream-bound pass t_target is flat and each request keeps about the budget it has alone; once
-    compute shows, the budgets shrink. Returns (b, aggregate tok/s); ties go to the smaller b."""
+    compute shows, the budgets shrink. Returns (b, aggregate tok/s); ties go to the smaller b (less
+    memory, less wasted draft work)."""
     best, best_rate = None, -1.0
     for b in sorted(candidates):
         secs = lanes * t_draft(b) + t_target(lanes * (b + 1))
@@ -256,12 +244,12 @@ class BudgetTuner:
         return min(MAX_MIN_PROB, t_draft / draft_steps(budget, self.shape.max_beams) / t_token) if t_token > 0 else 0.0
 
     def split(self, lanes: int) -> TreeShape:
-        """Each request's tree shape when `lanes` requests decode in one forest pass (`choose_split`
+        """Each request's tree shape when `lanes` requests decode in one forest pass (`choose_budget`
         on the live statistics); their trees together stay within the budget the plan sized."""
         if lanes <= 1:
             return self.shape
         cap = max(1, (self.max_budget + 1) // lanes - 1)
-        b, _ = choose_split(self.expected_tokens, self.t_draft, self.t_target, lanes, candidate_budgets(cap))
+        b, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, candidate_budgets(cap), lanes)
         return self._shape(b)
 
     def observe(self, ev, budget: int | None = None, pass_tokens: int | None = None) -> None:
