@@ -17,7 +17,7 @@ checkpoint (`Mxfp4Config(dequantize=True)`), whose experts the file's equal bit 
 greedy `ar` and `specexec` (draft: a low-noise copy of the target, converted to F32 GGUF) give exactly
 those ids, resident and every layer streamed from disk (--offload disk --max-ram 0), through the engine
 (tests/test_gguf_moe.py's checks) and `specx run`; the memory plan counts each layer's stored experts as
-the loader streams them (whole layers), and the model also runs in bf16.
+the loader lays them out (from disk its routed experts are read on demand), and the model also runs in bf16.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def test_specx_run_streamed_equals_transformers(built, tmp_path):
 @pytest.mark.slow
 def test_plan_counts_the_stored_experts(built):
     """The memory plan's per-layer bytes hold each layer's six stored expert tensors (MXFP4 bytes as stored) and
-    are the loader's, which streams GGUF layers whole; the model also runs in bf16."""
+    are the loader's per-layer bytes (its disk layers' routed experts held apart); the model also runs in bf16."""
     from offload import OffloadedCausalLM
     from offload.formats import open_checkpoint
     from offload.planning.membytes import arch_of
@@ -240,8 +240,20 @@ def test_plan_counts_the_stored_experts(built):
             m = OffloadedCausalLM.from_pretrained(f, dtype=dtype, offload="disk")
             try:
                 assert m.plan.layer_bytes == lay.packed or dtype != torch.float32, f.name
-                assert m.experts is None
+                assert m.experts is not None  # the routed experts read on demand, rows of the six fused tensors
                 logits = m(input_ids=torch.tensor([byte_level_tokenizer()(PROMPT)["input_ids"]])).logits
                 assert logits.dtype == dtype and torch.isfinite(logits).all()
             finally:
                 m.close()
+
+
+@pytest.mark.slow
+def test_bytes_read_are_the_routed_experts(built, monkeypatch):
+    """From disk each pass reads its routed experts' rows of the six fused tensors (F32, MXFP4 blocks) and the
+    dense parts, nothing else (tests/test_gguf_moe_apart.check_bytes_read; experts too small to halve the pages
+    a pass reads)."""
+    from offload.arch.gptoss_experts import RoutedExperts
+    from tests.test_gguf_moe_apart import check_bytes_read
+
+    for f in built[3].values():
+        check_bytes_read(f, monkeypatch, RoutedExperts, parts=("weight", "bias"), wide=False)

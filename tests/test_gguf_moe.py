@@ -15,8 +15,8 @@ the source model's weights are replaced by the file's, dequantized by the `gguf`
 Checked: greedy `ar` and `specexec` (draft: a low-noise copy of the target, converted to F32 GGUF too:
 transformers rebuilds a Qwen vocabulary from GGUF with an extra `<|endoftext|>`) give exactly
 those ids, resident (--offload none) and every layer streamed from disk (--offload disk, --max-ram 0),
-through the engine and through `specx run`; the memory plan counts every expert's bytes, as the loader
-streams them (whole layers); files as older llama.cpp versions wrote them (Mixtral's experts one tensor
+through the engine and through `specx run`, from disk with the routed experts read on demand
+(tests/test_gguf_moe_apart.py: the bytes, whole layers' ids); the memory plan counts every expert's bytes; files as older llama.cpp versions wrote them (Mixtral's experts one tensor
 each, no expert FFN sizes in the metadata) read the same; `--draft self` on a streamed MoE target is
 one error line (`--draft auto` decodes without a draft); a MoE GGUF of another architecture is one
 error line (gpt-oss GGUFs are read: tests/test_gguf_gpt_oss.py).
@@ -270,7 +270,7 @@ def _check_decoding(built, kind: str, offload: str) -> None:
         assert m.target.lean is None  # the one-call C stack computes plain Llama layers: these run as HF's modules
         if offload == "disk":
             assert m.target.plan.tier == "disk" and not m.target.plan.resident and not m.target.plan.ram_layers
-            assert m.target.experts is None  # a GGUF's layers stream whole, as the plan counts them
+            assert m.target.experts is not None  # routed experts read on demand: rows of the fused tensors
         m.eos_ids = frozenset()
         got, _ = _decode(m, "ar")
         assert got == want[kind], (name, kind, offload)
@@ -318,7 +318,7 @@ def test_plan_counts_every_expert(family):
             assert ck.layer_bytes(i) <= lay.packed[i], (f.name, i)  # more where a plain F16 tensor computes in fp32
         m = OffloadedCausalLM.from_pretrained(f, dtype=torch.float32, offload="disk")
         try:
-            assert m.plan.layer_bytes == lay.packed and m.experts is None, f.name
+            assert m.plan.layer_bytes == lay.packed and m.experts is not None, f.name
         finally:
             m.close()
 

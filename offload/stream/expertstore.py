@@ -4,9 +4,13 @@ Contract:
 - `splits_experts(model_type, device_type)` is THE decision, asked by the memory plan (`plan.experts`,
   offload/planning/experts.py) and by the loader alike: on a CPU device a disk-tier decoder layer of a
   mixture-of-experts family (arch/moe.MOE_FAMILIES: Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss in 16/32 bits
-  or MXFP4) streams only its dense part (attention, norms, the router, a shared expert), and its routed
-  experts are read after the router chose them, only those. Resident and RAM-tier layers keep their
-  experts in their arena (on a CPU that is RAM, computed in place). A CUDA device streams whole layers.
+  or MXFP4, and their GGUFs, any block type) streams only its dense part (attention, norms, the router, a
+  shared expert), and its routed experts are read after the router chose them, only those. Resident and
+  RAM-tier layers keep their experts in their arena (on a CPU that is RAM, computed in place). A CUDA
+  device streams whole layers, and so does a checkpoint whose experts are packed linears of another format
+  (`packed`: NF4, AWQ/GPTQ/compressed-tensors; `streams_whole(checkpoint)` says it of a checkpoint, a GGUF's
+  experts being rows of its fused tensors: expert e computes from its rows' bytes as stored, with the GGUF
+  kernel where a whole layer's would, formats/qlinear.py; gpt-oss's dequantized per routed expert).
 - `is_expert(name)`: a layer-relative parameter name belongs to the routed experts: one expert's
   (`mlp.experts.3.w1.weight`, `expert_id(name)` its id) or all of them fused (`is_fused`: gpt-oss's
   `mlp.experts.gate_up_proj` (E, H, 2I), its MXFP4 `_blocks`/`_scales`, the biases (E, ...)), whose expert e
@@ -70,6 +74,12 @@ def splits_experts(model_type: str | None, device_type: str, packed: bool = Fals
     return device_type == "cpu" and not packed and (model_type or "") in MOE_FAMILIES
 
 
+def streams_whole(checkpoint) -> bool:
+    """`packed` of `splits_experts` for an opened checkpoint (formats.Checkpoint): packed linears (AWQ, GPTQ,
+    compressed-tensors) stream with their layer; a GGUF's experts are read apart as stored (see the contract)."""
+    return bool(checkpoint.packed) and checkpoint.format != "gguf"
+
+
 def is_expert(name: str) -> bool:
     return MARK in name
 
@@ -100,10 +110,13 @@ def _parts(entries: dict[str, TensorEntry], specs: dict[str, ParamSpec]) -> dict
         if not is_fused(name):
             out.setdefault(expert_id(name), {})[name] = (entries[name], sp)
             continue
-        n = sp.shape[0]  # the fused tensor's experts, its outer dimension
+        entry = entries[name]
+        # the fused tensor's experts: its outer dimension (a GGUF's flat block bytes: its logical shape's)
+        n = entry.meta["shape"][0] if entry.qtype is not None else sp.shape[0]
         for e in range(n):
-            part = ParamSpec(name, tuple(sp.shape[1:]), sp.dtype, nf4=sp.nf4)
-            out.setdefault(e, {})[name] = (slice_entry(entries[name], e, n), part)
+            part = slice_entry(entry, e, n)
+            shape = part.shape if entry.qtype is not None else tuple(sp.shape[1:])
+            out.setdefault(e, {})[name] = (part, ParamSpec(name, shape, sp.dtype, nf4=sp.nf4))
     return out
 
 
@@ -147,8 +160,7 @@ def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool
     The cache's experts: `capacity`, else the memory plan's, else `cache_capacity` of `room` host bytes."""
     if mode not in ("auto", "layers"):
         raise OffloadError(f"experts must be auto or layers, got {mode!r}")
-    packed = bool(index.packed) or index.format == "gguf"  # as the plan counts a GGUF: packed, whole layers
-    if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, packed):
+    if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, streams_whole(index)):
         return disk, None
     dense, held = split_disk(index, disk)
     if not held:
