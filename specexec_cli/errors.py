@@ -9,12 +9,15 @@ unless `SPECX_DEBUG=1`. Also here, for every command alike:
 - `oom_error(exc_or_none, plan, budget)`: the one line for a device out-of-memory during a pass,
   naming the plan and the fix (a lower --budget or --ctx); exit code 3 (`OOM_EXIT`).
 - `INTERRUPT_EXIT` (130): the exit code of a command stopped by Ctrl-C.
+- `offload_errors(flag)`: an `offload.OffloadError` raised inside becomes one `SpecxError` line (its
+  message, after `flag` when given): offload's user-fixable errors reach the user as specx's own.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 USAGE_EXIT = 2
@@ -28,6 +31,17 @@ class SpecxError(Exception):
     def __init__(self, message: str, exit_code: int = USAGE_EXIT):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+@contextmanager
+def offload_errors(flag: str | None = None):
+    """Turn an `offload.OffloadError` raised inside into one SpecxError line (module docstring)."""
+    from offload import OffloadError
+
+    try:
+        yield
+    except OffloadError as exc:
+        raise SpecxError(f"{flag} {exc}" if flag else str(exc)) from None
 
 
 def debug_enabled() -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specexec_cli.core.engine import Models
-from specexec_cli.errors import SpecxError
+from specexec_cli.errors import SpecxError, offload_errors
 from specexec_cli.session.modelref import AUTO, SELF, ModelRef, pickle_refused
 from specexec_cli.session.names import is_gguf
 from specexec_cli.session.strict import check_loading_info, load_config
@@ -164,16 +164,14 @@ def load_small_draft(ref: ModelRef, opts: LoadOptions, device: torch.device, dty
         not gguf and not needs_offload_path(ref.path)
     ):
         return load_hf(ref, opts, device, dtype)
-    from offload import DevicePool, OffloadedCausalLM, OffloadError
+    from offload import DevicePool, OffloadedCausalLM
 
     if not ref.safe:
         raise pickle_refused(ref)
-    try:
+    with offload_errors():
         return OffloadedCausalLM.from_pretrained(
             ref.checkpoint, device=device, dtype=dtype, offload="none", pool=DevicePool(device)
         )
-    except OffloadError as exc:
-        raise SpecxError(str(exc)) from None
 
 
 def load_gguf_hf(ref: ModelRef, device: torch.device, dtype: torch.dtype):
@@ -234,7 +232,6 @@ def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
 def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     """The target's self-draft, its substitutes counted as the plan's "draft" component (where every
     layer is resident, an HF-resident target's too: the layer-skip draft, which holds no bytes of its own)."""
-    from offload import OffloadError
     from offload.selfdraft import LAYER_SKIP, build_self_draft, streamed_layers
 
     plan_bits = getattr(opts.plan, "substitute_bits", None)  # without a plan: the widest that applies
@@ -242,10 +239,8 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     bits = opts.draft_bits or plan_bits or (3 if quantized else 4)
     if not streamed_layers(target):
         bits = LAYER_SKIP
-    try:
+    with offload_errors():  # SelfDraftError, or HQQ missing / a layer shape it cannot group
         draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
-    except OffloadError as exc:  # SelfDraftError, or HQQ missing / a layer shape it cannot group
-        raise SpecxError(str(exc)) from None
     densify_substitutes(draft, getattr(opts.plan, "dense_draft_layers", ()))
     for comp, nbytes in draft.pool.by_component.items():  # "draft", and "dequantized_draft" where the plan had room
         pool.by_component[comp] = pool.by_component.get(comp, 0) + nbytes
@@ -269,12 +264,12 @@ def load_target(ref: ModelRef, opts: LoadOptions, device: torch.device, pool=Non
         and not needs_offload_path(ref.path)
     ):
         return load_hf(ref, opts, device, resolve_dtype(opts.dtype, device))
-    from offload import OffloadedCausalLM, OffloadError
+    from offload import OffloadedCausalLM
 
     if pickled:
         raise pickle_refused(ref)
     dtype = "nf4" if opts.dtype == "nf4" else resolve_dtype(opts.dtype, device)
-    try:
+    with offload_errors():
         model = OffloadedCausalLM.from_pretrained(
             ref.checkpoint,
             device=device,
@@ -287,8 +282,6 @@ def load_target(ref: ModelRef, opts: LoadOptions, device: torch.device, pool=Non
             pool=pool,
             slots=getattr(opts.plan, "slots", 2),
         )
-    except OffloadError as exc:
-        raise SpecxError(str(exc)) from None
     if hasattr(model.embed_tokens, "counter"):  # --embeddings host: each forward's rows, one counted upload
         from specexec_cli.core import transfers
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from specexec_cli.errors import SpecxError
+from specexec_cli.errors import SpecxError, offload_errors
 from specexec_cli.session.names import is_gguf, resolve_path
 from specexec_cli.session.strict import check_config
 
@@ -96,10 +96,7 @@ def pickle_refused(ref: ModelRef) -> SpecxError:
 
 def open_checkpoint(path: Path, flag: str):
     """The validated `offload.formats.Checkpoint` of `path`; OffloadError -> one SpecxError line."""
-    from offload import OffloadError
     from offload.formats import open_checkpoint as open_ck
 
-    try:
+    with offload_errors(flag):
         return open_ck(path)
-    except OffloadError as exc:
-        raise SpecxError(f"{flag} {exc}") from None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from specexec_cli.errors import SpecxError
+from specexec_cli.errors import SpecxError, offload_errors
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
 DEMO = "demo"  # --target demo: the embedded demo pair (and its draft by default)
@@ -96,7 +96,8 @@ def resolve_path(name: str, flag: str) -> Path:
 
     dist = find_pydist(name)
     if dist is not None and dist.one_model:  # the common case first: no hub lookup
-        return dist_file(dist, flag)
+        with offload_errors(flag):
+            return dist.gguf()
     try:
         from huggingface_hub import snapshot_download
 
@@ -104,30 +105,18 @@ def resolve_path(name: str, flag: str) -> Path:
     except (OSError, ValueError):  # not cached (LocalEntryNotFoundError) or not a valid repo id
         pass
     if dist is not None:  # an installed distribution, but not exactly one GGUF: its one-line fix
-        return dist_file(dist, flag)
+        with offload_errors(flag):
+            return dist.gguf()
     raise SpecxError(
         f"{flag} {name}: no such directory, installed model package or model in the local HF cache; "
         "pass a local model dir (downloads are never attempted)"
     )
 
 
-def dist_file(dist, flag: str) -> Path:
-    """The one GGUF file of a pydist.PyDistModel; zero or several: one SpecxError line naming the fix."""
-    from offload import OffloadError
-
-    try:
-        return dist.gguf()
-    except OffloadError as exc:
-        raise SpecxError(f"{flag} {exc}") from None
-
-
 def ollama_blob(name: str, flag: str) -> Path | None:
     """The GGUF blob of an ollama model name (read-only, $OLLAMA_MODELS honoured), or None."""
-    from offload import OffloadError
     from offload.formats import resolve_ollama
 
-    try:
+    with offload_errors(flag):
         model = resolve_ollama(name)
-    except OffloadError as exc:
-        raise SpecxError(f"{flag} {exc}") from None
     return model.blob if model is not None else None

@@ -15,7 +15,7 @@ from dataclasses import replace
 import psutil
 import torch
 
-from specexec_cli.errors import SpecxError
+from specexec_cli.errors import SpecxError, offload_errors
 from specexec_cli.session.modelref import AUTO, SELF, open_checkpoint
 
 DEFAULT_CTX = 8192
@@ -84,7 +84,6 @@ def make_plan(
     """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring);
     `temperature` (the decoding one) weighs the self-draft's substitute widths; `gpu` (--gpu NAME) plans
     for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
-    from offload import OffloadError
     from offload.planning import PlanRequest, plan_memory
     from specexec_cli.session.profiles import card, cost_device_for, plan_timings, profile_matches
 
@@ -137,14 +136,12 @@ def make_plan(
         cost_device=cost_device,
         timings=plan_timings(timed),
     )
-    try:
+    with offload_errors():
         # the opened (validated) Checkpoints the loader uses too; the 4-bit cache is the plan's alone
         tck = target.checkpoint if tpath == target.path else open_checkpoint(tpath, "--target")
         dck = draft.checkpoint if draft is not None else None
         check_window(opts.ctx, [(tck, "--target"), (dck, "--draft")])
         plan = plan_memory(tck, dck, req)
-    except OffloadError as exc:
-        raise SpecxError(str(exc)) from None
     if why:
         plan.notes.append(why)
     if shortfall:

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specexec_cli.errors import SpecxError
+from specexec_cli.errors import SpecxError, offload_errors
 
 
 def check_config(path: Path, flag: str) -> dict:
     """config.json must be a JSON object with a supported string `model_type` (offload's check: tree
     verification needs exact 4-D masks and positions, which specx checks per family); returns it."""
-    from offload import OffloadError
     from offload.formats import read_config
 
-    try:
+    with offload_errors(flag):
         return read_config(path)
-    except OffloadError as exc:
-        raise SpecxError(f"{flag} {exc}") from None
 
 
 def load_config(path: Path, flag: str, trust: bool):

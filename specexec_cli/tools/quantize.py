@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specexec_cli.errors import SpecxError
+from specexec_cli.errors import SpecxError, offload_errors
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def _st_bytes(path: Path) -> int:
 
 
 def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult:
-    from offload import OffloadError, write_quantized
+    from offload import write_quantized
     from specexec_cli.session.modelref import ModelRef
 
     ref = ModelRef("--target", target)
@@ -41,8 +41,6 @@ def quantize_checkpoint(target: str, out: Path, progress=None) -> QuantizeResult
     if out.resolve() == src.resolve():
         raise SpecxError("--out must differ from --target")
     t0 = time.perf_counter()
-    try:
+    with offload_errors():
         write_quantized(ckpt, out, progress, tokenizer=True)
-    except OffloadError as exc:
-        raise SpecxError(str(exc)) from None
     return QuantizeResult(out, _st_bytes(src), _st_bytes(out), time.perf_counter() - t0)
