@@ -40,23 +40,16 @@ def _resolve(name: str) -> Path:
     return resolve_path(name, "info")
 
 
-def _config_only(path: Path) -> dict:
-    try:
-        data = json.loads((path / "config.json").read_bytes()) if path.is_dir() else {}
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def describe(name: str) -> Info:
     from offload import OffloadError
     from offload.formats import open_checkpoint
+    from specexec_cli.session.strict import config_json
 
     path = _resolve(name)
     try:
         ck = open_checkpoint(path)
     except OffloadError as exc:
-        cfg = _config_only(path)
+        cfg = config_json(path)
         qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
         return Info(
             path,

@@ -13,7 +13,6 @@ runs only with `--trust-remote-code`. Draft and target must map the same strings
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,8 @@ from specexec_cli.core.engine import Models
 from specexec_cli.errors import SpecxError, offload_errors
 from specexec_cli.session.modelref import AUTO, SELF, ModelRef, pickle_refused
 from specexec_cli.session.names import is_gguf
-from specexec_cli.session.strict import check_loading_info, load_config
+from specexec_cli.session.planning import plan_device
+from specexec_cli.session.strict import check_loading_info, config_json, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -58,12 +58,10 @@ class LoadOptions:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """planning.plan_device's device, which this machine must have to load on."""
+    name = plan_device(name)
     if name == "cuda" and not torch.cuda.is_available():
         raise SpecxError("--device cuda but no CUDA device is available; use --device cpu")
-    if name not in ("cpu", "cuda"):
-        raise SpecxError(f"--device must be auto, cpu or cuda (got {name!r})")
     return torch.device(name)
 
 
@@ -99,21 +97,13 @@ def check_same_vocab(target_tok, draft_tok) -> None:
         )
 
 
-def read_config(path: Path) -> dict:
-    try:
-        data = json.loads((path / "config.json").read_bytes())
-    except (OSError, ValueError, RecursionError):  # a broken config.json is reported by check_config
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def needs_offload_path(path: Path) -> bool:
     """Checkpoints HF's resident model cannot run exactly under specx's 4-D tree masks (sliding
     windows are ignored for custom masks) or loads differently (pre-quantized 4-bit): the offload
     path serves them, all layers resident, with `--offload none`. GGUF files too (streamed as stored)."""
     if is_gguf(path):
         return True
-    cfg = read_config(path)
+    cfg = config_json(path)
     sliding = "sliding_attention" in (cfg.get("layer_types") or [])
     sliding |= bool(cfg.get("sliding_window")) and (
         cfg.get("model_type") in ("mistral", "mixtral") or bool(cfg.get("use_sliding_window"))
@@ -132,7 +122,7 @@ def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch
     index = ref.checkpoint if safe else None
     config = load_config(path, flag, opts.trust_remote_code)
     # Soft-capped attention (Gemma-2) is computed only by the eager kernel.
-    attn = "eager" if read_config(path).get("attn_logit_softcapping") else gqa_attention("sdpa")
+    attn = "eager" if config_json(path).get("attn_logit_softcapping") else gqa_attention("sdpa")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path,

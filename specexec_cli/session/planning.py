@@ -17,6 +17,7 @@ import torch
 
 from specexec_cli.errors import SpecxError, offload_errors
 from specexec_cli.session.modelref import AUTO, SELF, open_checkpoint
+from specexec_cli.session.strict import config_json
 
 DEFAULT_CTX = 8192
 
@@ -53,12 +54,7 @@ def prequantized(path) -> bool:
     """config.json carries a bitsandbytes quantization_config (a pre-quantized NF4 checkpoint); AWQ,
     GPTQ, compressed-tensors and gpt-oss's MXFP4 experts stream their own packed bytes at the compute
     dtype (offload/formats)."""
-    import json
-
-    try:
-        qc = json.loads((path / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return False
+    qc = config_json(path).get("quantization_config")
     return qc is not None and not (
         isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors", "mxfp4")
     )

@@ -5,7 +5,8 @@ refused with one `SpecxError` line naming the file and the first offending tenso
 model run with randomly initialised weights (e.g. a Llama checkpoint whose config.json says
 `model_type: bert`). Tied embeddings (an absent lm_head when config.json ties it) are the one
 documented exception. Stages, cheapest first:
-1. `check_config`: config.json is a JSON object naming a supported `model_type`.
+1. `check_config`: config.json is a JSON object naming a supported `model_type` (`config_json`
+   reads it for the checks that only look, {} where it cannot be read).
 2. Opening the checkpoint (session/modelref.ModelRef.checkpoint -> offload.formats.open_checkpoint,
    once per command): every safetensors header parses and fits its file, and the architecture
    config.json describes (built on the meta device) agrees with the stored tensors, in the
@@ -17,6 +18,7 @@ documented exception. Stages, cheapest first:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from specexec_cli.errors import SpecxError, offload_errors
@@ -29,6 +31,15 @@ def check_config(path: Path, flag: str) -> dict:
 
     with offload_errors(flag):
         return read_config(path)
+
+
+def config_json(path: Path) -> dict:
+    """config.json as a dict, {} where it cannot be read (a broken one is check_config's to report)."""
+    try:
+        data = json.loads((Path(path) / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def load_config(path: Path, flag: str, trust: bool):
