@@ -25,7 +25,6 @@ import secrets
 from dataclasses import dataclass
 from typing import ClassVar
 
-FORMATS = ("hermes", "mistral", "llama3", "generic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_OPEN = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's call marker (a special token, usually decoded away)
