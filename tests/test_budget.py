@@ -275,26 +275,19 @@ def test_a_loaded_run_names_its_draft_for_the_tuner(tiny_pair):
     from pathlib import Path
 
     from specexec_cli.session.loading import close_models
-    from specexec_cli.session.options import generation_config, load_planned, plan_for_cli
+    from specexec_cli.session.options import ModelFlags, generation_config, load_planned, plan_for_cli
 
     cfg = generation_config("specexec", "auto", 64, 32, 32, 16, 0.0, None, None, 0, "cpu")
-    opts, plan, cfg = plan_for_cli(
-        str(tiny_pair[0]),
-        str(tiny_pair[1]),
-        "specexec",
-        "fp32",
-        "cpu",
-        False,
-        False,
-        "disk",
-        None,
-        None,
-        256,
-        "auto",
-        cfg,
-        "auto",
+    flags = ModelFlags(
+        target=str(tiny_pair[0]),
+        draft=str(tiny_pair[1]),
+        dtype="fp32",
+        device="cpu",
+        offload="disk",
+        ctx=256,
         temperature=0.0,
     )
+    opts, plan, cfg = plan_for_cli(flags, cfg)
     models = load_planned(opts, plan, None)
     try:
         pj = models.plan_json

@@ -65,10 +65,7 @@ class ModelFlags:
         target's generation_config.json."""
         from dataclasses import replace
 
-        opts, plan, cfg = plan_for_cli(self.target, self.draft, self.method, self.dtype, self.device,
-                                       self.allow_pickle, self.trust_remote_code, self.offload, self.max_gpu_memory,
-                                       self.max_ram, self.ctx, self.embeddings, cfg, self.budget, self.draft_dtype,
-                                       self.draft_bits, self.temperature, self.gpu, self.profile)
+        opts, plan, cfg = plan_for_cli(self, cfg)
         sampling = self.sampling(self.checkpoint_defaults(opts.target))
         return opts, plan, replace(cfg, sampling=sampling)
 
@@ -191,14 +188,12 @@ def parse_draft_bits(value: str, draft: str | None) -> int | None:
     return int(value)
 
 
-def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remote_code, offload, max_gpu_memory,
-                 max_ram, ctx, embeddings, cfg, budget, draft_dtype="auto", draft_bits="auto", temperature=None,
-                 gpu=None, profile_path=None):
-    """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit.
-    `temperature`: the --temperature flag (None: the target's generation_config.json), which the
-    self-draft's choice of substitute bits depends on. `gpu` (--gpu NAME) plans for a published card;
-    the profile (--profile, else this machine's last) lends its measured memory bandwidth. A missing
-    --draft (or --draft auto) becomes the draft the plan models fastest, or none."""
+def plan_for_cli(flags: ModelFlags, cfg):
+    """(LoadOptions, MemoryPlan, cfg) of the model and offload `flags` from headers only; `--budget auto`
+    may come back lowered to fit. --temperature (None: the target's generation_config.json) weighs the
+    self-draft's choice of substitute bits. --gpu NAME plans for a published card; the profile
+    (--profile, else this machine's last) lends its measured memory bandwidth. A missing --draft (or
+    --draft auto) becomes the draft the plan models fastest, or none."""
     from dataclasses import replace
 
     from specexec_cli.session import deps
@@ -206,27 +201,26 @@ def plan_for_cli(target, draft, method, dtype, device, allow_pickle, trust_remot
     from specexec_cli.session.planning import AUTO, make_plan, resolve_auto
     from specexec_cli.session.profiles import find_profile
 
-    if offload not in ("none", "ram", "disk", "auto"):
-        raise SpecxError(f"--offload must be none, ram, disk or auto (got {offload!r})")
-    if ctx < 1:
-        raise SpecxError(f"--ctx must be >= 1 (got {ctx})")
-    target, draft = pick_refs(target, draft, method, allow_pickle, trust_remote_code)   # the target's one ModelRef
-    bits = parse_draft_bits(draft_bits, draft)
+    f = flags
+    if f.offload not in ("none", "ram", "disk", "auto"):
+        raise SpecxError(f"--offload must be none, ram, disk or auto (got {f.offload!r})")
+    if f.ctx < 1:
+        raise SpecxError(f"--ctx must be >= 1 (got {f.ctx})")
+    target, draft = pick_refs(f.target, f.draft, f.method, f.allow_pickle, f.trust_remote_code)   # one ModelRef
     opts = LoadOptions(
-        target=target, draft=draft, dtype=dtype, device=device, allow_pickle=allow_pickle,
-        trust_remote_code=trust_remote_code, offload=offload, ctx=ctx, embeddings=embeddings, draft_dtype=draft_dtype,
-        max_gpu_memory=parse_size_opt(max_gpu_memory, "--max-gpu-memory"), max_ram=parse_size_opt(max_ram, "--max-ram"),
-        draft_bits=bits,
+        target=target, draft=draft, dtype=f.dtype, device=f.device, allow_pickle=f.allow_pickle,
+        trust_remote_code=f.trust_remote_code, offload=f.offload, ctx=f.ctx, embeddings=f.embeddings,
+        draft_dtype=f.draft_dtype, max_gpu_memory=parse_size_opt(f.max_gpu_memory, "--max-gpu-memory"),
+        max_ram=parse_size_opt(f.max_ram, "--max-ram"), draft_bits=parse_draft_bits(f.draft_bits, draft),
     )
-    if temperature is None:
-        temperature = ModelFlags.checkpoint_defaults(target).temperature
-    auto_budget, profile = budget.strip().lower() == "auto", find_profile(profile_path)
+    temperature = f.temperature if f.temperature is not None else f.checkpoint_defaults(target).temperature
+    auto_budget, profile = f.budget.strip().lower() == "auto", find_profile(f.profile)
     deps.require_for_run(opts)   # a missing optional package: one line, exit 2, before anything loads
 
     def replan(o):
-        return make_plan(o, cfg.shape, auto_budget, temperature, gpu, profile)
+        return make_plan(o, cfg.shape, auto_budget, temperature, f.gpu, profile)
 
-    plan = make_plan(opts, cfg.shape, auto_budget, temperature, gpu, profile)
+    plan = replan(opts)
     opts, plan, skipped = deps.usable_draft(opts, plan, replan)   # widths whose package is missing are out
     if opts.draft == AUTO:
         opts, plan = resolve_auto(opts, plan, replan, skipped)

@@ -295,9 +295,12 @@ def bench(
         from specexec_cli.core.engine import GenerationConfig
 
         widest = GenerationConfig(shape=TreeShape(max(grid.budgets), max_depth))  # the plan covers the largest cell
-        opts, plan, _ = plan_for_cli(target, draft, "ar" if set(grid.methods) == {"ar"} else "specexec", dtype,
-                                     device, allow_pickle, trust_remote_code, offload, max_gpu_memory, max_ram, ctx,
-                                     embeddings, widest, str(max(grid.budgets)), draft_dtype, draft_bits)
+        run = ModelFlags(target=target, draft=draft, method="ar" if set(grid.methods) == {"ar"} else "specexec",
+                         dtype=dtype, device=device, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                         offload=offload, max_gpu_memory=max_gpu_memory, max_ram=max_ram, ctx=ctx,
+                         embeddings=embeddings, budget=str(max(grid.budgets)), draft_dtype=draft_dtype,
+                         draft_bits=draft_bits)
+        opts, plan, _ = plan_for_cli(run, widest)
         with display.LoadProgress(live) as progress:
             models = load_planned(opts, plan, progress)
         ids = [encode_prompt(models.tokenizer, t, not no_chat_template) for t in texts]

@@ -185,30 +185,15 @@ def draft_configs(draft: str | None) -> list[tuple[str | None, int | None, str]]
 
 def plan_and_load(flags: dict, draft, bits, progress):
     """(models, plan, cfg) planned and loaded as `specx run` with these flags would."""
-    from specexec_cli.session.options import generation_config, load_planned, plan_for_cli
+    from specexec_cli.session.options import ModelFlags, generation_config, load_planned, plan_for_cli
 
     method = "specexec" if draft else "ar"
     cfg = generation_config(
         method, "auto", 64, flags.get("max_beams", 32), 32, 16, 0.0, None, None, 0, flags.get("device", "auto")
     )
-    opts, plan, cfg = plan_for_cli(
-        flags["target"],
-        draft,
-        method,
-        flags.get("dtype", "auto"),
-        flags.get("device", "auto"),
-        flags.get("allow_pickle", False),
-        flags.get("trust_remote_code", False),
-        flags.get("offload", "auto"),
-        flags.get("max_gpu_memory"),
-        flags.get("max_ram"),
-        flags.get("ctx", 8192),
-        "auto",
-        cfg,
-        "auto",
-        draft_bits=str(bits) if bits else "auto",
-        temperature=0.0,
-    )
+    bits_flag = str(bits) if bits else "auto"  # `flags`: the `specx profile` flags, each a ModelFlags field
+    run = ModelFlags(**{**flags, "draft": draft, "method": method, "draft_bits": bits_flag, "temperature": 0.0})
+    opts, plan, cfg = plan_for_cli(run, cfg)
     return load_planned(opts, plan, progress), plan, cfg
 
 
