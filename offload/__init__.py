@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from offload.errors import OffloadError
 from offload.lazy import lazy_getattr
 from offload.sizes import format_bytes, parse_size
-from offload.stream.model import OffloadedCausalLM, OffloadStats
+from offload.stream.model import OffloadedCausalLM
 from offload.stream.placement import OffloadPlan, plan_offload
 
 if TYPE_CHECKING:
@@ -73,7 +73,6 @@ __all__ = [
     "LowbitLinear",
     "OffloadError",
     "OffloadPlan",
-    "OffloadStats",
     "OffloadedCausalLM",
     "accelerator_half",
     "cache_kwargs",

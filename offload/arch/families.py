@@ -1,7 +1,8 @@
 """Model families: what differs between the decoder-only LMs the offload path runs.
 
 Contract: `causal_lm_class(config)` returns the HF *ForCausalLM class for a supported
-`model_type` or raises OffloadError naming the type and `SUPPORTED`. `Family.of(config)` gives
+`model_type` or raises OffloadError naming the type and `SUPPORTED`; `meta_model(config, where)` that
+class built on the meta device (sizes it cannot be built with: one OffloadError line). `Family.of(config)` gives
 the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder layers:
 - attention implementation (Gemma-2 soft-caps attention scores, which only "eager" computes),
 - `final_softcap`: logits <- cap * tanh(logits / cap) (Gemma-2),
@@ -66,6 +67,18 @@ def causal_lm_class(config):
     if name is None:
         raise OffloadError(f"unsupported model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
     return getattr(transformers, name)
+
+
+def meta_model(config, where, fix: str = "fix or re-download it"):
+    """The HF causal LM of `config` built on the meta device (no memory); sizes it cannot be built
+    with are one OffloadError line naming `where` and `fix`."""
+    try:
+        with torch.device("meta"):
+            return causal_lm_class(config)(config)
+    except (RuntimeError, ValueError, TypeError, ArithmeticError, AttributeError) as exc:
+        raise OffloadError(
+            f"{where}: cannot build the model ({exc.__class__.__name__}: {str(exc)[:100]}); {fix}"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,15 @@ READERS whose `detect(path)` is true; a path no reader claims is one OffloadErro
 the fix. Every reader module offload/formats/<name>.py exposes `READER` (a base.FormatReader).
 Order matters: the quantized safetensors layouts (awq, gptq, compressed-tensors, mxfp4) are tried
 before the plain safetensors reader (16/32-bit and bitsandbytes 4-bit), GGUF first of all.
-`reader_for(ckpt)` is `ckpt.reader`; `load_weight` dequantizes one HF weight on the device.
+`ckpt.reader.load_weight` dequantizes one HF weight on the device.
 
 The package's public API is `__all__`. Besides the above it re-exports, lazily (PEP 562: a name's
 module is imported on its first use and the name looked up there at each use), what a front end
 needs of single readers: `GGUF_READER` (the GGUF reader, for `detect`), `read_gguf_part` and
 `gguf_value` (one GGUF file's metadata), `read_config` (a model directory's config.json),
 `find_pydist` (an installed Python package that ships a model), `resolve_ollama` (an ollama
-model name's blob), and the GGUF CPU kernel's `ggml_kernel_enabled` and `ggml_linear`.
+model name's blob), the GGUF CPU kernel's `ggml_kernel_enabled` and `ggml_linear`, and
+`mxfp4_dequantize` (gpt-oss's MXFP4 experts, for the profile's kernel probe).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from offload.errors import OffloadError
-from offload.formats.base import FORMATS, Checkpoint, FormatReader, TensorInfo, as_stored
+from offload.formats.base import FORMATS, Checkpoint, FormatReader
 from offload.lazy import lazy_getattr
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from offload.formats.gguf_meta import read_part as read_gguf_part
     from offload.formats.gguf_meta import value as gguf_value
     from offload.formats.hfdir import read_config
+    from offload.formats.mxfp4 import dequantize as mxfp4_dequantize
     from offload.formats.ollama import resolve as resolve_ollama
     from offload.formats.pydist import find as find_pydist
 
@@ -45,6 +47,7 @@ _LAZY = {  # name here -> (module, name there)
     "read_gguf_part": ("offload.formats.gguf_meta", "read_part"),
     "gguf_value": ("offload.formats.gguf_meta", "value"),
     "read_config": ("offload.formats.hfdir", "read_config"),
+    "mxfp4_dequantize": ("offload.formats.mxfp4", "dequantize"),
     "resolve_ollama": ("offload.formats.ollama", "resolve"),
     "find_pydist": ("offload.formats.pydist", "find"),
 }
@@ -52,20 +55,15 @@ _LAZY = {  # name here -> (module, name there)
 __all__ = [
     "FORMATS",
     "GGUF_READER",
-    "READERS",
     "Checkpoint",
-    "FormatReader",
-    "TensorInfo",
-    "as_stored",
     "find_pydist",
     "ggml_kernel_enabled",
     "ggml_linear",
     "gguf_value",
-    "load_weight",
+    "mxfp4_dequantize",
     "open_checkpoint",
     "read_config",
     "read_gguf_part",
-    "readers",
     "resolve_ollama",
 ]
 
@@ -101,8 +99,3 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         f"{path}: no *.safetensors or .gguf weights found; pass a Hugging Face model directory "
         "with safetensors weights or a .gguf file"
     )
-
-
-def load_weight(ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype):
-    """`ckpt.reader.load_weight(...)`: one HF weight, dequantized on `device` in `dtype`."""
-    return ckpt.reader.load_weight(ckpt, hf_weight_name, raw, device, dtype)

@@ -31,17 +31,12 @@ Contract:
                                stored name -> that tensor's bytes on `device`, either flat uint8
                                or already viewed with its TensorInfo dtype/shape (`as_stored`
                                normalises both). Called once per weight per pass when streamed.
-    temp_bytes(ckpt, hf_weight_name, elem) -> int
-                               peak device bytes `load_weight` allocates besides its output
-                               (unpacked codes, expanded scales/zeros) at `elem` bytes per
-                               weight element: the plan counts them with the output itself.
 - Alignment: readers never hand a kernel a tensor that starts off a 256-byte boundary; the
   loader's packed and disk layouts guarantee it for the `raw` tensors (storage.ARENA_ALIGN).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,8 +74,34 @@ class TensorInfo:
         return self.begin
 
 
+class StoredTensors:
+    """`get`/`read` of one stored tensor by name, over `entries` (name -> TensorInfo) and
+    `source_name` (the file "missing tensor" messages name): a Checkpoint and a SafetensorsIndex."""
+
+    entries: dict[str, TensorInfo]
+    source_name: Path | None
+    root: Path
+
+    def get(self, name: str) -> TensorInfo:
+        """The stored tensor `name`; a one-line OffloadError when the checkpoint lacks it."""
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise OffloadError(
+                f"{self.source_name or self.root}: missing tensor {name!r}; the checkpoint is incomplete or does not match "
+                "its config"
+            ) from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """Stored tensor `name` as a CPU tensor of its stored dtype and shape (load time only)."""
+        info = self.get(name)
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        read_exact(info.file, info.begin, out)
+        return as_stored(info, out)
+
+
 @dataclass
-class Checkpoint:
+class Checkpoint(StoredTensors):
     path: Path  # what the user named: a model directory or a .gguf file
     format: str  # one of FORMATS
     config: dict  # config.json-style dict (GGUF: built from metadata); the plan reads it
@@ -138,25 +159,6 @@ class Checkpoint:
             return tuple(self.shapes[hf_name])
         return tuple(self.tensors[hf_name].shape)
 
-    def get(self, name: str) -> TensorInfo:
-        """The stored tensor `name`; a one-line OffloadError when the checkpoint lacks it."""
-        from offload.errors import OffloadError
-
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise OffloadError(
-                f"{self.source_name or self.path}: missing tensor {name!r}; the checkpoint is "
-                "incomplete or does not match its config"
-            ) from None
-
-    def read(self, name: str) -> torch.Tensor:
-        """Stored tensor `name` as a CPU tensor of its stored dtype and shape (load time only)."""
-        info = self.get(name)
-        out = torch.empty(info.nbytes, dtype=torch.uint8)
-        read_exact(info.file, info.begin, out)
-        return as_stored(info, out)
-
     def dense(self, hf_name: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """HF parameter `hf_name` as a CPU tensor: dequantized by the reader into `dtype` when
         stored packed, else read as stored (the self-draft's substitutes are made from these)."""
@@ -197,8 +199,6 @@ class FormatReader(Protocol):
         dtype: torch.dtype,
     ) -> torch.Tensor: ...
 
-    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int: ...
-
 
 def as_stored(info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
     """`t` (flat uint8 bytes, or already typed) viewed as the stored tensor of `info`."""
@@ -208,10 +208,6 @@ def as_stored(info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
         return t
     flat = t.reshape(-1).view(torch.uint8)
     return flat.view(info.dtype).view(info.shape) if info.shape else flat.view(info.dtype).reshape(())
-
-
-def numel(shape) -> int:
-    return math.prod(shape) if shape else 1
 
 
 def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:

@@ -120,14 +120,6 @@ class GgufReader:
             w = w - 1
         return w
 
-    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
-        info = ckpt.tensors.get(hf_weight_name)
-        if info is None or info.qtype is None:
-            return 0
-        shape = ckpt.shapes[hf_weight_name]
-        extra = 8 * shape[0] if info.meta.get("permute") else 0
-        return gq.temp_bytes(info.meta["ggml_type"], shape) + extra
-
     def open_ollama(self, name: str) -> Checkpoint | None:
         """The checkpoint of ollama model `name`, or None when ollama has no such model."""
         from offload.formats import ollama
@@ -265,17 +257,12 @@ def _hf_params(config, arch: str, first: Path) -> tuple[dict[str, str], dict[str
     """(GGUF tensor name -> HF parameter name, HF parameter name -> shape) from the meta-built model."""
     import gguf
 
-    from offload.arch.families import causal_lm_class
+    from offload.arch.families import meta_model
 
     n = config.num_hidden_layers
     if not isinstance(n, int) or not 0 < n <= 1024:
         raise OffloadError(f"{first}: block_count {str(n)[:20]} is not a layer count; the file is corrupt")
-    try:
-        with torch.device("meta"):
-            hf = causal_lm_class(config)(config)
-    except (RuntimeError, ValueError, TypeError, ArithmeticError, AttributeError) as exc:
-        raise OffloadError(f"{first}: its metadata describes a model that cannot be built ({exc.__class__.__name__}: "
-                           f"{str(exc)[:100]}); the file is corrupt - re-download it") from None
+    hf = meta_model(config, first, "the file is corrupt - re-download it")
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, n)
     names, shapes = {}, {}

@@ -19,11 +19,13 @@ Two kernels run the same arithmetic (`kernel_choice`, $SPECX_DEQUANT_KERNEL = au
   K-quants, instead of moving the written weight again). Bitwise equal to eager (tests/test_gguf_quants.py).
   If compiling fails the process falls back to eager (`kernel_status` says why).
 - eager (auto on CPU, where each type compiles for ~20 s per process before its first use): rows in
-  chunks of at most `CHUNK_ELEMS` values so the float32 temporaries stay bounded (`temp_bytes`).
+  chunks of at most `CHUNK_ELEMS` values so the float32 temporaries stay bounded (the plan counts
+  them: planning/membytes.linear_dequant_bytes).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -80,23 +82,7 @@ def row_bytes(qtype: int, cols: int) -> int:
 
 def nbytes(qtype: int, shape) -> int:
     """Bytes a tensor of logical torch `shape` takes in a GGUF file."""
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    return rows * row_bytes(qtype, shape[-1])
-
-
-def temp_bytes(qtype: int, shape) -> int:
-    """Device bytes the dequantization of one tensor needs beyond its output (float32 chunk work)."""
-    if qtype == F32:
-        return 0
-    cols = shape[-1]
-    rows_per_chunk = max(1, CHUNK_ELEMS // max(cols, 1))
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
-    # a few float32 (and byte) temporaries of one chunk's size live at once
-    return 3 * 4 * min(rows, rows_per_chunk) * cols
+    return math.prod(shape[:-1]) * row_bytes(qtype, shape[-1])
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

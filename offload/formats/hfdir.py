@@ -2,8 +2,8 @@
 
 Contract: `read_config(root)` parses config.json (a JSON object with a supported `model_type`,
 else one OffloadError line); `hf_config(root)` is transformers' config object for it;
-`quant_config(cfg)` the `quantization_config` dict (or None); `side_info(root)` the tokenizer
-source, chat template and generation defaults; `is_st_dir(path)` whether `path` is a directory
+`quant_config(cfg)` the `quantization_config` dict (or None); `checkpoint(root, reader, ...)` the
+Checkpoint a safetensors reader opens (headers, tokenizer source, chat template, generation defaults); `is_st_dir(path)` whether `path` is a directory
 with config.json and safetensors weights; `st_index(root)` the validated safetensors headers.
 """
 
@@ -90,14 +90,29 @@ def chat_template(root: Path) -> str | None:
     return tpl if isinstance(tpl, str) else None
 
 
-def side_info(root: Path) -> dict:
-    """Checkpoint fields from the tokenizer and generation files (absent files give None / {})."""
+def checkpoint(root: Path, reader, fmt: str, cfg: dict, config, quant=None, packed=None, index=None):
+    """The base.Checkpoint of model directory `root` as `reader` opened it: its safetensors headers
+    (`index`, read here when None), the tokenizer source, chat template and generation defaults
+    (absent files give None / {}); the reader's strict check sets `shapes`."""
+    from offload.formats.base import Checkpoint
+
+    index = st_index(root) if index is None else index
     has_tok = any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return {
-        "tokenizer_path": root if has_tok else None,
-        "chat_template": chat_template(root),
-        "generation": _json(root / "generation_config.json"),
-    }
+    return Checkpoint(
+        path=root,
+        format=fmt,
+        config=cfg,
+        hf_config=config,
+        tensors=index.entries,
+        files=list(index.files),
+        reader=reader,
+        quant=quant,
+        packed=packed or {},
+        tokenizer_path=root if has_tok else None,
+        chat_template=chat_template(root),
+        generation=_json(root / "generation_config.json"),
+        source_name=index.source_name,
+    )
 
 
 def st_index(root: Path):

@@ -82,19 +82,7 @@ class Mxfp4Reader(SafetensorsReader):
                 f"{path / 'config.json'}: MXFP4 is read for gpt-oss's experts only, not {config.model_type!r}; "
                 "use a 16-bit checkpoint"
             )
-        index = hfdir.st_index(path)
-        ckpt = Checkpoint(
-            path=path,
-            format="mxfp4",
-            config=cfg,
-            hf_config=config,
-            tensors=index.entries,
-            files=list(index.files),
-            reader=self,
-            quant=hfdir.quant_config(cfg),
-            source_name=index.source_name,
-            **hfdir.side_info(path),
-        )
+        ckpt = hfdir.checkpoint(path, self, "mxfp4", cfg, config, hfdir.quant_config(cfg))
 
         def parts(name, shape):
             return stored_shapes(name, shape) if name.endswith(FUSED) else None

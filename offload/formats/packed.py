@@ -13,7 +13,8 @@ architecture (validate.check_tensors), the packed parts' dtypes included.
 Shared unpacking: `unpack_rows(w)` / `unpack_cols(w)` split int32 words into their eight 4-bit
 fields (uint8), bits [4j, 4j+4) becoming element j along rows (dim 0) or columns (dim 1).
 `dequant` works in place on the codes converted to the compute dtype, and may return a
-transposed view (F.linear takes it as it is): its peak is the weight plus `temp_bytes`.
+transposed view (F.linear takes it as it is): its peak is the weight plus its uint8 codes or an
+act-order gather (what the plan counts: planning/membytes.linear_dequant_bytes).
 `load_weight` runs it torch.compile'd where gguf_quants.kernel_choice says so (auto: on CUDA), the
 unpacking, zero point and scale fused so each weight is written once; the same arithmetic, so the
 same values (tests/test_formats_packed.py compares both).
@@ -28,7 +29,7 @@ import torch
 from offload.errors import OffloadError
 from offload.formats import gguf_quants as gq
 from offload.formats import hfdir, validate
-from offload.formats.base import Checkpoint, as_stored, numel
+from offload.formats.base import Checkpoint, as_stored
 
 _SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)
 INT32_PARTS = ("qweight", "qzeros", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx")
@@ -83,19 +84,7 @@ class PackedReader:
         quant = self.params(hfdir.quant_config(cfg) or {}, path)
         index = hfdir.st_index(path)
         packed = self._group(index.entries)
-        ckpt = Checkpoint(
-            path=path,
-            format=self.format,
-            config=cfg,
-            hf_config=hfdir.hf_config(path),
-            tensors=index.entries,
-            files=list(index.files),
-            reader=self,
-            quant=quant,
-            packed=packed,
-            source_name=index.source_name,
-            **hfdir.side_info(path),
-        )
+        ckpt = hfdir.checkpoint(path, self, self.format, cfg, hfdir.hf_config(path), quant, packed, index)
 
         def parts(name, shape):
             if name not in packed or len(shape) != 2:
@@ -148,12 +137,6 @@ class PackedReader:
             if w is not None:
                 return w
         return self.dequant(ckpt.quant, parts, out_f, in_f, dtype)
-
-    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
-        """Besides the output (which the codes become in place): the uint8 codes (1 byte per
-        weight) while they are converted, or an act-order gather of zeros/scales in the compute
-        dtype (elem bytes per weight), whichever is larger."""
-        return numel(ckpt.logical_shape(hf_weight_name)) * max(1, elem)
 
 
 def bits4(qc: dict, path: Path, what: str) -> None:

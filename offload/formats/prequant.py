@@ -17,6 +17,8 @@ Contract:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from offload.errors import OffloadError
@@ -24,10 +26,7 @@ from offload.errors import OffloadError
 
 def packed_nf4_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     """Shape of quantize_4bit's packed output: two 4-bit codes per byte, one column."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    return ((numel + 1) // 2, 1)
+    return ((math.prod(shape) + 1) // 2, 1)
 
 
 QS_KINDS = ("nf4", "fp4")

@@ -20,7 +20,7 @@ import torch
 
 from offload.errors import OffloadError
 from offload.formats import hfdir, validate
-from offload.formats.base import Checkpoint, as_stored, numel
+from offload.formats.base import Checkpoint, as_stored
 
 _FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -66,19 +66,8 @@ class SafetensorsReader:
         except OffloadError as exc:
             raise OffloadError(f"{path / 'config.json'}: {exc}") from None
         packed = bnb_parts(index.entries) if quant is not None else {}
-        ckpt = Checkpoint(
-            path=path,
-            format="bnb-nf4" if quant is not None else float_format(index.entries),
-            config=cfg,
-            hf_config=config,
-            tensors=index.entries,
-            files=list(index.files),
-            reader=self,
-            quant=quant,
-            packed=packed,
-            source_name=index.source_name,
-            **hfdir.side_info(path),
-        )
+        fmt = "bnb-nf4" if quant is not None else float_format(index.entries)
+        ckpt = hfdir.checkpoint(path, self, fmt, cfg, config, quant, packed, index)
 
         def parts(name, shape):
             if name not in packed:
@@ -106,11 +95,6 @@ class SafetensorsReader:
         state = QuantState.from_dict(parts, device=torch.device(device))
         packed = as_stored(ckpt.tensors[names[0]], raw[names[0]]).to(device)
         return dequantize_4bit(packed, state).to(dtype)
-
-    def temp_bytes(self, ckpt: Checkpoint, hf_weight_name: str, elem: int) -> int:
-        if hf_weight_name not in ckpt.packed:
-            return 0
-        return numel(ckpt.logical_shape(hf_weight_name)) * 2  # bnb dequantizes into its compute dtype before the cast
 
 
 READER = SafetensorsReader()

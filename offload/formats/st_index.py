@@ -8,7 +8,7 @@ JSON, a header or data region longer than the file (truncation), an unknown dtyp
 or non-integer dims/offsets, byte ranges that disagree with dtype x shape (so a huge declared
 shape is refused by arithmetic, never allocated), overlapping tensors, or a weight_map naming
 a missing shard raise `OffloadError` naming the file and the first offending tensor.
-`read(name)` returns a CPU tensor in the
+`read(name)` (base.StoredTensors) returns a CPU tensor in the
 file's dtype via buffered reads (used at load time only; streaming uses storage.DirectReader).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.formats.base import TensorInfo, read_exact
+from offload.formats.base import StoredTensors, TensorInfo
 
 ST_DTYPES = {
     "F64": torch.float64,
@@ -124,7 +124,7 @@ def _check_overlaps(path: Path, entries: dict[str, TensorEntry]) -> None:
         prev = e
 
 
-class SafetensorsIndex:
+class SafetensorsIndex(StoredTensors):
     """All tensors of a HF model directory, by name."""
 
     def __init__(self, model_dir: str | os.PathLike):
@@ -168,22 +168,6 @@ class SafetensorsIndex:
                 "convert the checkpoint to safetensors"
             )
         return found
-
-    def get(self, name: str) -> TensorEntry:
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise OffloadError(
-                f"{self.source_name}: missing tensor {name!r}; the checkpoint is incomplete "
-                "or does not match config.json"
-            ) from None
-
-    def read(self, name: str) -> torch.Tensor:
-        """Read a tensor (CPU, file dtype) with buffered I/O."""
-        e = self.get(name)
-        out = torch.empty(e.nbytes, dtype=torch.uint8)
-        read_exact(e.file, e.begin, out)
-        return out.view(e.dtype).view(e.shape) if e.shape else out.view(e.dtype).reshape(())
 
 
 def read_weight_map(idx: Path) -> dict[str, str]:

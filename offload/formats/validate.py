@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from offload.errors import OffloadError
 from offload.formats.base import Checkpoint, check_names
 
@@ -27,7 +25,7 @@ Parts = Callable[[str, tuple[int, ...]], "dict[str, tuple[int, ...] | None] | No
 
 
 def meta_model(ckpt: Checkpoint):
-    from offload.arch.families import causal_lm_class
+    from offload.arch.families import meta_model
 
     cfg = ckpt.config.get("text_config") or ckpt.config
     layers = cfg.get("num_hidden_layers", 0)
@@ -40,14 +38,7 @@ def meta_model(ckpt: Checkpoint):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    try:
-        with torch.device("meta"):
-            return causal_lm_class(ckpt.hf_config)(ckpt.hf_config)
-    except (RuntimeError, ValueError, TypeError, ArithmeticError, AttributeError) as exc:
-        raise OffloadError(
-            f"{ckpt.root / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
-            f"{str(exc)[:100]}); fix or re-download it"
-        ) from None
+    return meta_model(ckpt.hf_config, ckpt.root / "config.json")
 
 
 def _tied(hf, config) -> dict[str, str]:
