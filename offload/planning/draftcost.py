@@ -1,7 +1,7 @@
 """The draft cost model: what each candidate draft (and plain decoding) costs per target pass, and the tokens/s.
 
 Contract (every figure is modelled; a matching profile's measured times replace the modelled ones):
-- The rates are a passcost.Device (`Machine` is the same class): `specx profile`'s measurements for
+- The rates are a passcost.Device: `specx profile`'s measurements for
   this machine, `--gpu NAME`'s published card figures, else passcost.PRIORS; each term names its source.
 - pass seconds = passcost.target_pass(...).seconds (a mixture of experts: experts.pass_terms) at n =
   budget + 1 tree tokens and the middle of the planned context (passcost.model_ctx): per layer max(transfer, compute), summed, + head + floor.
@@ -55,8 +55,6 @@ from offload.planning.passcost import (
 LINK_EFFICIENCY = 0.75      # effective / published PCIe x16 rate (24 of 32 GB/s on PCIe 4)
 BUDGETS = (4, 8, 16, 64, 256, 1024)   # budgets the dry run shows tokens/s at (those within the plan's budget)
 PLAIN = "none"              # Candidate.draft of plain decoding (no draft)
-
-Machine = Device   # the rates a plan is modelled with (offload/planning/passcost.py: device_of, model_ctx)
 
 
 @dataclass

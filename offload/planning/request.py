@@ -77,7 +77,7 @@ class MemoryPlan:
     skipped_layers: list[int] = field(default_factory=list)  # --draft self: streamed layers the draft skips
     candidates: list[dict] = field(default_factory=list)  # draftcost.Candidate.to_json() of every candidate draft
     choice: dict | None = None  # the candidate with the most modelled tokens/s (None: no draft fits)
-    machine: dict = field(default_factory=dict)  # draftcost.Machine the candidates were modelled with
+    machine: dict = field(default_factory=dict)  # the passcost.Device the candidates were modelled with
     slots: int = 2  # device staging slots the loader allocates (leftover memory adds some)
     sized_budget: int = 0  # tree budget the activations and caches are sized for (>= budget; 0 = budget)
     row_bytes: int = 0  # device bytes per token of another request's tree in a forest pass

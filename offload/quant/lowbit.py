@@ -32,11 +32,9 @@ naming that install. Its import-time deprecation warnings (torch.jit, inside tor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import uuid
 import warnings
@@ -177,11 +175,9 @@ def _settings(bits: int) -> dict:
 
 
 def cache_dir(src: Path, bits: int) -> Path:
-    from offload.quant.quant_cache import cache_root, source_fingerprint
+    from offload.quant.quant_cache import keyed_path
 
-    blob = json.dumps({"files": source_fingerprint(src), "settings": _settings(bits)}, sort_keys=True)
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
-    return cache_root() / f"{name}-hqq{bits}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}"
+    return keyed_path(src, f"hqq{bits}", {"settings": _settings(bits)})
 
 
 def shard_path(out: Path, i: int) -> Path:

@@ -85,14 +85,22 @@ def settings(packing: str = "standard") -> dict:
     return {**SETTINGS, "packing": packing}
 
 
+def keyed_path(src: Path, kind: str, extra: dict) -> Path:
+    """cache_root()/<src's folder name>-<kind>-<key>, the key 24 hex digits of SHA-256 over the
+    source's weight files (source_fingerprint) and `extra`: a changed source or setting is a new path
+    (this cache, lowbit.py's per-layer one, selfdraft/influence.py's figures)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
+    blob = json.dumps({"files": source_fingerprint(src), **extra}, sort_keys=True)
+    return cache_root() / f"{name}-{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}"
+
+
 def cache_key(src: Path, packing: str = "standard") -> str:
-    blob = json.dumps({"files": source_fingerprint(src), "settings": settings(packing)}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+    """The key in cache_dir(src, packing)'s name (its manifest records it)."""
+    return cache_dir(src, packing).name.rsplit("-", 1)[1]
 
 
 def cache_dir(src: Path, packing: str = "standard") -> Path:
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
-    return cache_root() / f"{name}-nf4-{cache_key(src, packing)}"
+    return keyed_path(src, "nf4", {"settings": settings(packing)})
 
 
 def is_complete(out: Path, key: str | None = None) -> bool:

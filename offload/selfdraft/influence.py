@@ -25,9 +25,7 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -111,12 +109,10 @@ def pick_skipped(order: list[int], streamed, n: int) -> list[int]:
 
 
 def _path(src: Path) -> Path:
-    from offload.cachedir import cache_root
-    from offload.quant.quant_cache import source_fingerprint
+    from offload.quant.quant_cache import keyed_path
 
-    blob = json.dumps({"files": source_fingerprint(src), "version": VERSION, "text": CALIBRATION}, sort_keys=True)
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
-    return cache_root() / f"{name}-influence-{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+    path = keyed_path(src, "influence", {"version": VERSION, "text": CALIBRATION})
+    return path.with_name(f"{path.name}.json")
 
 
 def stored_influence(src: str | Path, n_layers: int) -> list[float] | None:

@@ -46,13 +46,7 @@ def _materialize(
 ) -> nn.Module:
     """Give `mod` (built on meta) its weight from the file: a counted pool buffer on the device,
     or a plain host tensor when `pool` is None (host embeddings)."""
-    src = (
-        index.read(weight_name)
-        if weight_name not in index.packed
-        else index.reader.load_weight(
-            index, weight_name, {n: index.read(n) for n in index.stored_parts(weight_name)}, "cpu", dtype
-        )
-    )  # GGUF
+    src = index.dense(weight_name, dtype)  # dequantized on the host where stored packed (GGUF)
     w = pool.copy(src.to(dtype), component) if pool is not None else src.to(dtype).clone()
     mod = mod.to_empty(device=device if pool is not None else "cpu") if _has_other_state(mod) else mod
     mod.weight = nn.Parameter(w, requires_grad=False)

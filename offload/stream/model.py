@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offload.arch.families import Family, causal_lm_class
+from offload.arch.families import Family, meta_model
 from offload.arch.hfcompat import output_cache_kwargs, pick_cache
 from offload.arch.moe import MOE_FAMILIES
 from offload.cpu.leanstack import LeanStack
@@ -50,12 +50,9 @@ class OffloadStats:
     passes: int = 0
     streamed_bytes: int = 0  # bytes of streamed layers moved (file bytes read for disk), all passes
     streamed_bytes_per_pass: int = 0  # of the last pass
-    io_seconds: float = 0.0  # time the read thread spent producing layers (all passes)
-    wait_seconds: float = 0.0  # = stall_seconds (kept for older readers)
     stall_seconds: float = 0.0  # time compute blocked waiting for a streamed layer, all passes
     last_pass_stall_seconds: float = 0.0  # of the last pass
     link_busy_seconds: float = 0.0  # time the link stage moved bytes, all passes and between them
-    last_pass_seconds: float = 0.0
 
 
 PACKED_FORMATS = ("awq", "gptq", "compressed-tensors", "gguf")  # streamed as stored, dequantized per pass
@@ -172,14 +169,7 @@ class OffloadedCausalLM(nn.Module):
         if nf4 and nf4_compute is not None:
             storage_dtype = compute_dtype = nf4_compute
         nf4 = ckpt.format == "bnb-nf4"
-        try:
-            with torch.device("meta"):
-                hf = causal_lm_class(config)(config)
-        except (RuntimeError, ValueError, TypeError, ArithmeticError) as exc:  # impossible sizes in config.json
-            raise OffloadError(
-                f"{path / 'config.json'}: cannot build the model ({exc.__class__.__name__}: "
-                f"{str(exc)[:100]}); fix or re-download it"
-            ) from None
+        hf = meta_model(config, path / "config.json")  # impossible sizes in config.json: one line
         if nf4:
             _swap_nf4_linears(hf.model.layers, compute_dtype, lambda name: f"model.{name}.weight" in ckpt.packed)
         elif ckpt.packed:

@@ -26,7 +26,6 @@ Inputs are already on the model's devices (ids on `model.input_device` when it h
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +89,6 @@ def _plain(model, job: ForwardJob) -> torch.Tensor:
 
 def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
     """Every lane's (B, T or keep, V) logits after ONE pass over the decoder layers (module docstring)."""
-    t0 = time.perf_counter()
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
     # a CPU pass's small torch ops up to the stack's call on one thread (ggml_kernel's contract)
@@ -110,16 +108,16 @@ def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
                     lane.h = h
             pull = bool(layered) or bool(model.plan.streamed)  # a resident stack streams nothing: no pass
         if not pull:  # the final norms too; a dense head takes torch's threads back (ggml_kernel)
-            return _finish(model, lanes, groups, t0, stall0)
+            return _finish(model, lanes, groups, stall0)
     _layers(model, layered)  # transformers' layers on torch's own threads
-    return _finish(model, lanes, groups, t0, stall0)
+    return _finish(model, lanes, groups, stall0)
 
 
-def _finish(model, lanes: list[Lane], groups: list, t0: float, stall0: float) -> list[torch.Tensor]:
+def _finish(model, lanes: list[Lane], groups: list, stall0: float) -> list[torch.Tensor]:
     """run_pass's end: every lane's logits, the pass's masks released and its statistics."""
     out = _heads(model, lanes, groups)
     release_masks()  # the masks attention prepared for this pass (arch/attention.py) die with it
-    _account(model, t0, stall0)
+    _account(model, stall0)
     return out
 
 
@@ -219,13 +217,11 @@ def _softcap(model, head: torch.Tensor) -> torch.Tensor:
     return apply_final_softcap(head, model.family.final_softcap)
 
 
-def _account(model, t0: float, stall0: float) -> None:
-    """The pass's statistics: one more pass, its streamed bytes, the read, stall and link clocks."""
+def _account(model, stall0: float) -> None:
+    """The pass's statistics: one more pass, its streamed bytes, the stall and link clocks."""
     s, pf = model.stats, model.prefetcher
     s.passes += 1
     s.streamed_bytes += s.streamed_bytes_per_pass
-    s.io_seconds = model.store.io_seconds
-    s.stall_seconds = s.wait_seconds = pf.stall_seconds
+    s.stall_seconds = pf.stall_seconds
     s.last_pass_stall_seconds = pf.stall_seconds - stall0
-    s.link_busy_seconds = pf.link_busy_seconds()
-    s.last_pass_seconds = time.perf_counter() - t0
+    s.link_busy_seconds = pf.link_busy_seconds()  # on CUDA this also retires the completed copy events

@@ -20,17 +20,17 @@ Contract:
   to back) is read as stored and re-laid into its packed layout: on CUDA by per-tensor copies into
   the device slot (no extra host pass), on CPU by a copy from the read buffer (a read thread's memcpy
   of the layer each pass, on the cores the compute uses: avoided wherever the file allows).
-- `LayerStore.load(layer, slot)` is the prefetcher's copy job: it produces layer `layer` in the
-  device buffer of `slot` (or, for the RAM tier on CPU, returns the host arena itself).
-  On CUDA it issues the copy on the caller's current stream (the prefetcher's side stream).
+- `LayerStore.read(layer, h)` and `copy(layer, host, d)` are the prefetcher's two stages: the
+  layer's bytes in host staging slot h (on CPU the buffer compute reads; a RAM-tier arena itself),
+  then on CUDA the copy into device slot d, on the caller's current stream (the prefetcher's side stream).
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +80,7 @@ def packed_layout(specs: list[ParamSpec]) -> LayerLayout:
     slices, off = {}, 0
     for sp in specs:
         shape, dtype = (packed_nf4_shape(sp.shape), torch.uint8) if sp.nf4 else (sp.shape, sp.dtype)
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         off = align_up(off, ARENA_ALIGN)
         slices[sp.name] = Slice(off, nbytes, dtype, tuple(shape))
         off += nbytes
@@ -116,13 +116,6 @@ def file_layout(entries: dict[str, TensorEntry], merge_gap: int = MERGE_GAP) -> 
             slices[name] = Slice(buf_off + e.begin - start, e.nbytes, e.dtype, e.shape)
         buf_off += length
     return LayerLayout(slices, buf_off), spans
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class DirectReader:
@@ -285,8 +278,6 @@ class LayerStore:
         self.device, self.pool = device, pool
         self.ram, self.disk, self.reader = ram, disk, reader
         self.after_disk_read = None  # callable(layer, host buffer) after a disk read (CPU 4-bit layout)
-        self.io_seconds = 0.0
-        self.bytes_moved = 0
         self.pins = pins if pins is not None else HostPins(device)
         self.pins.attach(self)
         cuda = device.type == "cuda"
@@ -329,7 +320,6 @@ class LayerStore:
 
     def read(self, layer: int, h: int) -> torch.Tensor:
         """Stage A: layer's bytes in host staging slot h (CPU: the buffer compute reads)."""
-        t0 = time.perf_counter()
         if layer in self.ram:
             out = self.ram[layer][0]
             if self.ram_staged:    # pageable arena: one host memcpy into the pinned ring
@@ -338,9 +328,6 @@ class LayerStore:
             out = self._read_disk(layer, self.host_stage[h] if self.host_stage else self.dev_slots[h])
             if self.after_disk_read is not None:
                 self.after_disk_read(layer, out)     # e.g. the CPU 4-bit kernel's byte layout
-        if self.device.type == "cpu":
-            self.bytes_moved += self.link_bytes(layer)
-        self.io_seconds += time.perf_counter() - t0
         return out
 
     def copy(self, layer: int, host: torch.Tensor, d: int) -> torch.Tensor:
@@ -355,17 +342,10 @@ class LayerStore:
                 dst = dl.packed.slices[name]
                 out[dst.offset:dst.offset + src.nbytes].copy_(host[src.offset:src.offset + src.nbytes],
                                                               non_blocking=True)
-                self.bytes_moved += src.nbytes
             return out
         nbytes = self.layout(layer).nbytes
         out[:nbytes].copy_(host[:nbytes], non_blocking=True)
-        self.bytes_moved += nbytes
         return out
-
-    def load(self, layer: int, slot: int) -> torch.Tensor:
-        """Read then copy in one call (tools and tests that bypass the prefetcher)."""
-        host = self.read(layer, slot % self.host_slots)
-        return host if self.device.type == "cpu" else self.copy(layer, host, slot % self.slots)
 
     def _read_disk(self, layer: int, dest: torch.Tensor) -> torch.Tensor:
         d = self.disk[layer]
