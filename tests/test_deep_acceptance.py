@@ -21,7 +21,7 @@ import specexec_cli.core.methods.static_tree as static_tree
 from specexec_cli.core.calibrate import N_DRAFT
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig, prefill
-from specexec_cli.core.methods import available_methods, generate
+from specexec_cli.core.methods import METHODS, generate
 from specexec_cli.core.methods.common import with_settings
 from specexec_cli.core.sampling import SamplingParams
 from tests.fakes import fake_models, greedy_reference, noisy, random_table
@@ -145,7 +145,7 @@ def test_draft_computes_each_node_once(monkeypatch, method, shape, opts, tempera
         from specexec_cli.core.methods.sequoia import acceptance_vector
 
         acceptance_vector(m, st.ids, cfg.sampling, None)
-    step = available_methods()[method]
+    step = METHODS[method]
     pending_sizes = []
     while len(st.ids) < len(PROMPT) + N_NEW:
         pending = len(st.ids) - st.draft_len
@@ -180,7 +180,7 @@ def test_staged_never_reruns_committed_tokens(monkeypatch):
         pending = len(st.ids) - st.draft_len
         assert pending <= 2
         before = m.draft.tokens_run
-        available_methods()["staged"](m, st, cfg, gen, len(PROMPT) + N_NEW - len(st.ids))
+        METHODS["staged"](m, st, cfg, gen, len(PROMPT) + N_NEW - len(st.ids))
         tree = trees[-1]
         ran = tree.slot[tree.slot >= 0]
         assert torch.equal(ran.sort().values, torch.arange(tree.n_slots))

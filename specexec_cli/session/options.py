@@ -150,11 +150,10 @@ def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_
     n_budget = parse_budget(budget, device)  # before the imports below: a bad number never loads torch
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import GenerationConfig
-    from specexec_cli.core.methods import available_methods
+    from specexec_cli.core.methods import step_for
     from specexec_cli.core.sampling import SamplingParams, validate
 
-    if method not in available_methods():
-        raise SpecxError(f"--method must be one of {', '.join(available_methods())} (got {method!r})")
+    step_for(method)  # an unknown --method: one line naming the choices
     sampling = SamplingParams(temperature=0.0 if temperature is None else temperature,
                               top_k=0 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p)
     validate(sampling)  # unset (None) values are checked once filled from the checkpoint (ModelFlags.plan)

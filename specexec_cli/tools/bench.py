@@ -62,12 +62,12 @@ def make_grid(
     methods: str, budgets: str, temperatures: str, max_new_tokens: int, max_depth: int, seed: int, options: dict
 ) -> BenchGrid:
     """Validated grid from the CLI's comma-separated flags."""
-    from specexec_cli.core.methods import available_methods
+    from specexec_cli.core.methods import METHODS
 
     names = parse_list(methods, str, "--methods")
-    unknown = [m for m in names if m not in available_methods()]
+    unknown = [m for m in names if m not in METHODS]
     if unknown:
-        raise SpecxError(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(available_methods())}")
+        raise SpecxError(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(METHODS)}")
     grid = BenchGrid(
         names,
         parse_list(budgets, int, "--budgets"),

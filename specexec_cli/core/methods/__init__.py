@@ -26,10 +26,6 @@ METHODS: dict = {
 }
 
 
-def available_methods() -> dict:
-    return dict(METHODS)
-
-
 def step_for(method: str):
     """The StepFn for a `--method` name; SpecxError naming the choices if unknown."""
     if method not in METHODS:
