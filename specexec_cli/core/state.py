@@ -1,7 +1,7 @@
 """What the decoding loop reads and yields: the loaded models, one call's configuration, a
 conversation's decode state, and the per-pass results and events.
 
-Contract: plain dataclasses, no behaviour beyond `StepEvent.tps`; `engine.py` drives them. Field
+Contract: plain dataclasses without behaviour; `engine.py` drives them. Field
 comments say each value's unit and who sets it. Below them, the rules the loop applies to a state
 between passes: whether a prompt fits (`check_fits`, else ContextOverflow), committing a prompt
 for its prefill (`add_prompt`: caches reserved, its passes counted) and why a reply ends
@@ -105,11 +105,6 @@ class StepEvent:
     host_transfer_bytes: int = 0  # their payload bytes
     prefill_streams: int = 0  # target passes of the prefill (each streams every offloaded layer once)
     logprobs: list[TokenLogprob] | None = None  # one per token of `tokens` when GenerationConfig.logprobs is set
-
-    @property
-    def tps(self) -> float:
-        """Generated tokens per decode second (prefill excluded)."""
-        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 StepFn = Callable[[Models, DecodeState, GenerationConfig, torch.Generator, int], StepResult]
