@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specexec_cli.core.engine import DecodeState
-from specexec_cli.session.prompt_cache import common_prefix
+from specexec_cli.session.prompt_cache import common_prefix, reusable
 
 MIN_ROWS = 16  # fewer rows than this are not worth a copy, nor counted as lost (prompt_cache.MIN_TOKENS)
 
@@ -43,11 +43,6 @@ class Slot:
     ticket: object = None  # the scheduler.Ticket decoding in it; None = free
     used: float = 0.0  # perf_counter when last taken (least recently used first)
     background: bool = False  # its rows are a finished background task's: no request will continue them
-
-
-def reusable(full: list[int], st: DecodeState) -> int:
-    """Committed rows of `st` a request for `full` reuses (its last prompt token is always prefilled)."""
-    return max(0, min(common_prefix(full, st.ids), st.target_len, len(full) - 1))
 
 
 def displaced(slot: Slot, full: list[int]) -> int:

@@ -59,6 +59,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def reusable(full: list[int], held) -> int:
+    """Rows of `held` (a DecodeState or a Snapshot: committed `ids`, `target_len` rows) that a request
+    for `full` reuses; its last prompt token is always prefilled (its logits start the reply)."""
+    return max(0, min(common_prefix(full, held.ids), held.target_len, len(full) - 1))
+
+
 @dataclass
 class Snapshot:
     """A DecodeState's committed ids and host copies of both caches' rows."""
@@ -71,10 +77,6 @@ class Snapshot:
     nbytes: int  # host bytes of all those tensors
     last_used: int = 0  # the cache's request clock when it was last saved or restored
     continued: int = 0  # times a request restored it (or the snapshots it extends): > 0 = a conversation
-
-    def usable(self, full: list[int]) -> int:
-        """Rows of this snapshot a request for `full` can reuse (one prompt token is always prefilled)."""
-        return min(common_prefix(full, self.ids), self.target_len, len(full) - 1)
 
 
 @dataclass
@@ -113,9 +115,9 @@ class PromptCache:
         (0: none). `save`: keep the live state's rows the request would discard (module docstring)."""
         self.clock += 1
         self.stats.requests += 1
-        live = min(common_prefix(full, st.ids), st.target_len, len(full) - 1)
-        best = max(self.entries, key=lambda e: e.usable(full), default=None)
-        rows = best.usable(full) if best is not None else 0
+        live = reusable(full, st)
+        best = max(self.entries, key=lambda e: reusable(full, e), default=None)
+        rows = reusable(full, best) if best is not None else 0
         if rows >= live + self.min_tokens:  # worth a copy: it saves at least min_tokens of prefill
             if save:
                 self.save(st, keep=best)
