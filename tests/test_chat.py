@@ -99,6 +99,18 @@ def test_set_clear_save_round_trip_and_hints(tiny_pair, tmp_path):
     assert len(turns(log)) == 2  # "never" came after /exit
 
 
+def test_set_budget_auto_builds_the_tuner_a_run_would_and_a_number_drops_it(models):
+    """`/set budget auto` gives the session the tuner of its models (resident on the CPU: the prior's
+    timings) and decodes with it; `/set budget 8` goes back to a fixed budget."""
+    from specexec_cli.core.budget import BudgetTuner
+
+    s = ChatSession(models, GenerationConfig(shape=TreeShape(8, 8), max_new_tokens=6))
+    assert s.set_option("budget", "auto") == f"budget auto (now {s.tuner.shape.budget})"
+    assert isinstance(s.tuner, BudgetTuner) and s.tuner.timing.source == "prior"
+    assert s.settings()["budget"] == "auto" and s.reply("def f(x):", lambda text: None).new_tokens > 0
+    assert s.set_option("budget", "8") == "budget = 8" and s.tuner is None and s.cfg.shape.budget == 8
+
+
 def test_context_overflow_is_a_message_not_a_crash(tiny_pair, tmp_path):
     res = chat(tiny_pair, "a" * 600 + "\ndef f(x):\n", "--max-new-tokens", "4", "--stats-json", str(tmp_path / "t"))
     assert res.exit_code == 0, res.stderr

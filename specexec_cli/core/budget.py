@@ -314,3 +314,9 @@ def make_tuner(
     else:
         cap = 4095 if on_cuda else 1023
     return BudgetTuner(timing, shape, max_budget=max(1, cap))
+
+
+def tuner_for(models, shape: TreeShape, profile: dict | None) -> BudgetTuner:
+    """`make_tuner` for loaded `models`: their device, whether the target streams, their plan's speed model."""
+    on_cuda = getattr(getattr(models.target, "device", None), "type", None) == "cuda"
+    return make_tuner(profile, shape, on_cuda, weights_stream(models.target), getattr(models, "plan_json", None))

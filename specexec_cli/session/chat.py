@@ -29,6 +29,7 @@ import psutil
 import torch
 
 from specexec_cli.core import kvcache
+from specexec_cli.core.budget import tuner_for
 from specexec_cli.core.engine import DecodeState, GenerationConfig, StepEvent
 from specexec_cli.core.methods import generate
 from specexec_cli.core.sampling import validate
@@ -81,18 +82,6 @@ class ChatSession:
         self.flag = StopFlag()
         self.turn_stats: list[RunStats] = []
         self.clear()
-
-    def _make_tuner(self):
-        from specexec_cli.core.budget import make_tuner, weights_stream
-
-        on_cuda = getattr(self.models.target, "device", torch.device("cpu")).type == "cuda"
-        return make_tuner(
-            self.profile,
-            self.cfg.shape,
-            on_cuda,
-            weights_stream(self.models.target),
-            getattr(self.models, "plan_json", None),
-        )  # the memory plan's speed model
 
     def clear(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
@@ -242,7 +231,7 @@ class ChatSession:
         cfg = self.cfg
         if name == "budget":
             if value == "auto":
-                self.tuner = self._make_tuner()
+                self.tuner = tuner_for(self.models, self.cfg.shape, self.profile)
                 return f"budget auto (now {self.tuner.shape.budget})"
             self.cfg, self.tuner = replace(cfg, shape=replace(cfg.shape, budget=_int(name, value, 1))), None
         elif name in ("temperature", "top_p", "top_k"):

@@ -285,14 +285,14 @@ def prompt_text(prompt_file: str | None, prompt: str | None) -> str:
 
 def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
     """(BudgetTuner for --budget auto with specexec else None, link peak GB/s, the profile or None)."""
-    from specexec_cli.core.budget import make_tuner, weights_stream
+    from specexec_cli.core.budget import tuner_for
     from specexec_cli.session.profiles import find_profile, link_peak
 
     profile = find_profile(profile_path)
     on_cuda = getattr(models.target, "device", None) is not None and models.target.device.type == "cuda"
     auto = budget.strip().lower() == "auto" and cfg.method == "specexec"
     plan = getattr(models, "plan_json", None)
-    tuner = make_tuner(profile, cfg.shape, on_cuda, weights_stream(models.target), plan) if auto else None
+    tuner = tuner_for(models, cfg.shape, profile) if auto else None
     if tuner is not None and getattr(models, "kv_rows", None) is not None:
         rows = ((plan or {}).get("used") or (plan or {}).get("choice") or {}).get("by_budget", [])
         sized = max([cfg.shape.budget] + [r["budget"] for r in rows])
