@@ -55,7 +55,7 @@ def test_plan_equals_what_the_step_holds_on_cpu(tiny_pair):
         ids = torch.arange(b) % (models.draft.config.vocab_size - 1) + 1
         draftstep.run(models.draft, cache, ids, torch.arange(start, start + b), start, None)
         kvcache.drop_last(cache, b)
-    assert kvcache.cache_len(cache) == start and cache.reallocations == 0
+    assert kvcache.cache_len(cache) == start and kvcache.slab_rows(cache) == rows  # the slabs never grew
     assert sorted(step.buffers) == list(range(1, draftstep.LARGEST + 1))
     assert sum(held_bytes(step)) == planned
 

@@ -17,6 +17,7 @@ import pytest
 
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.core.forest import Lane
 from specexec_cli.serve.jobs import Delta, Done, Failed, Job
 from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import Work
@@ -100,7 +101,7 @@ def background_then_chat(worker, backgrounds: list[dict], chat: dict):
 
 
 @pytest.mark.parametrize("parallel,temperature", [(1, 0.0), (2, 0.9)])
-def test_a_streamed_request_pauses_a_background_one_which_resumes_unchanged(models, parallel, temperature):
+def test_a_streamed_request_pauses_a_background_one_which_resumes_unchanged(models, parallel, temperature, monkeypatch):
     worker = start(models, parallel)
     try:
         kw = dict(temperature=temperature, seed=11)
@@ -109,12 +110,13 @@ def test_a_streamed_request_pauses_a_background_one_which_resumes_unchanged(mode
         want = [alone(worker, b["prompt"], LONG, **kw) for b in backgrounds] + [
             alone(worker, chat["prompt"], SHORT, **kw)
         ]
-        before = worker.scheduler.pauses
+        paused = []  # the lanes the scheduler pauses for the streamed request
+        monkeypatch.setattr(Lane, "pause", lambda lane, pause=Lane.pause: paused.append(lane) or pause(lane))
         got, log, _passes = background_then_chat(worker, backgrounds, chat)
         assert [text(items) for items in got] == want  # paused and resumed: the replies they get alone
         order = [(name, what) for name, what, _ in log]
         assert order.index(("chat", "done")) < min(order.index((f"bg{i}", "done")) for i in range(parallel))
-        assert worker.scheduler.pauses - before == 1
+        assert len(paused) == 1
         assert got[-1][-1].usage["completion_tokens"] == SHORT
     finally:
         worker.shutdown()

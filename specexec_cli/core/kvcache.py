@@ -74,7 +74,6 @@ class SlabLayer(CacheLayerMixin):
         self.allocate((b, h, max(rows, 2 * cap), d), old_k.dtype, old_k.device)
         self.keys[:, :, : self.length] = old_k[:, :, : self.length]
         self.values[:, :, : self.length] = old_v[:, :, : self.length]
-        self.owner.reallocations += 1
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         rows, keys, values = self.owner.write_rows, self.keys, self.values
@@ -124,7 +123,6 @@ class SlabCache(Cache):
         self.alloc = alloc or _torch_alloc  # callable(shape, dtype, device, component) -> tensor
         self.component = component  # allocator counter name, e.g. "kv_target"
         self.release = lambda *tensors: None  # set by `reserve` when the allocator counts frees
-        self.reallocations = 0  # slab regrowths (0 for a correctly planned cache)
         self.warned = False
         self.write_rows: torch.Tensor | None = None  # (T,) device rows a static-shape pass writes; None = append
 

@@ -155,7 +155,6 @@ class Scheduler:
         self.closing = False
         self.waits: list[int] = []  # per request: forest passes from asking to join to its first token
         self.expected: set[int] = set()  # seqs taken by the caller, not opened yet: later ones wait for them
-        self.pauses = 0  # lanes paused for a streamed request
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
     def start(self) -> None:
@@ -292,7 +291,6 @@ class Scheduler:
         self.forest.remove(other.lane)
         self.slots[i].ticket, other.slot = None, -1
         self.slots[i].background = False  # its rows resume later: the prompt cache keeps them
-        self.pauses += 1
         with self.cv:
             self.waiting.append(other)
         return [i]
