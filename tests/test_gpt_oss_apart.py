@@ -6,9 +6,9 @@ expert e's part of each is row e, a contiguous slice. Checked: greedy ids equal 
 MXFP4 its `Mxfp4Config(dequantize=True)` load) and whole-layer streaming's (`experts="layers"`), and one pass's
 logits equal whole-layer streaming's bit for bit; the expert reads of a pass are exactly the covering spans of the
 routed experts' slices (reads recorded by a monkeypatched DirectReader.read_span, routing by a monkeypatched
-RoutedExperts.forward, the slices from the safetensors header); the plan says "on-demand" and sizes the expert
-cache and staging slots as the loader allocates them; `ar` and specexec with a draft, through the engine, give
-transformers' ids; a bf16 checkpoint apart equals whole layers bit for bit, computed in bf16 or cast to fp32.
+RoutedExperts.forward, the slices from the safetensors header); the plan says "on-demand" (on a disk without
+per-read latency) and sizes the expert cache and staging slots as the loader allocates them; `ar` and specexec
+with a draft, through the engine, give transformers' ids; a bf16 checkpoint apart equals whole layers bit for bit, computed in bf16 or cast to fp32.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from specexec_cli.session.loading import LoadOptions, load_models
 from tests.conftest import make_tokenizer
 from tests.mxfp4_ckpt import hf_dequantized, write_mxfp4
 from tests.test_gpt_oss import CONFIG, N_NEW, PROMPT, hf_greedy, make_gpt_oss
-from tests.test_moe_experts_apart import _greedy, check_allocations, check_engine_decodes
+from tests.test_moe_experts_apart import _greedy, check_allocations, check_engine_decodes, fast_disk
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 E = CONFIG["num_local_experts"]
@@ -137,12 +137,13 @@ def test_bytes_read_are_the_routed_experts(gpt_oss, monkeypatch):
         m.close()
 
 
-def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(gpt_oss):
+def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(gpt_oss, monkeypatch):
     from offload import OffloadedCausalLM
     from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
 
     kind, target, _, want = gpt_oss
+    fast_disk(monkeypatch)  # these tiny experts model faster apart only without per-read latency
     req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34, offload="disk")
     plan = plan_memory(read_checkpoint(target), None, req)
     ex = plan.experts

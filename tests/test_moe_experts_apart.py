@@ -5,7 +5,8 @@ dense MLP layer, Qwen3-MoE), every layer on disk, on the CPU. Checked: greedy id
 whole-layer streaming's (`experts="layers"`); the bytes read per pass are the routed experts' covering spans and
 nothing else of them (the reads recorded by a monkeypatched DirectReader.read_span, the routing by a monkeypatched
 ExpertList.forward, the expert spans from the safetensors header); the memory plan says "on-demand", runs, and
-sizes the staging slots and the expert cache as the loader allocates them; `ar` and specexec with a draft,
+sizes the staging slots and the expert cache as the loader allocates them (on a disk without per-read latency,
+where it chooses them apart); `ar` and specexec with a draft,
 through the engine, equal HF generate with the experts apart; a bf16 checkpoint (computed in bf16 or cast to fp32)
 gives whole-layer streaming's logits bit for bit.
 """
@@ -165,12 +166,22 @@ def test_routed_experts_are_read_ahead(family, monkeypatch):
         m.close()
 
 
-def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family):
+def fast_disk(monkeypatch) -> None:
+    """A disk without per-read latency (the plan's prior Device): these tiny experts then model faster apart, so
+    the plan holds them apart (with the 100 us prior, Qwen2/3-MoE's 24 KiB experts model faster in their layers:
+    tests/test_moe_plan_choice.py)."""
+    from offload.planning import PRIORS
+
+    monkeypatch.setitem(PRIORS["cpu"], "disk_read_s", 0.0)
+
+
+def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family, monkeypatch):
     from offload import OffloadedCausalLM
     from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
 
     name, target, _, want = family
+    fast_disk(monkeypatch)
     plan = plan_memory(
         read_checkpoint(target),
         None,
@@ -200,11 +211,12 @@ def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family):
     assert cuda.experts["mode"] != "on-demand"  # a CUDA loader streams whole layers
 
 
-def test_engine_ar_and_specexec_with_experts_apart(family):
+def test_engine_ar_and_specexec_with_experts_apart(family, monkeypatch):
     """`ar` and specexec with a draft, through the engine (the plan's load), experts read on demand."""
     from specexec_cli.session.loading import LoadOptions, load_models
 
     name, target, root, want = family
+    fast_disk(monkeypatch)
     draft = make_moe(name, root / "draft", seed=4, noise_from=target, noise=0.05)
     m = load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu", offload="disk", ctx=256))
     try:

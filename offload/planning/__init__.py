@@ -2,10 +2,11 @@
 
 Contract: `membytes` and `memlayers` count bytes per component; `request` holds the plan's request
 and result types and the memory margins; `memplan` fits the components into a device budget;
-`experts` places a mixture of experts' routed experts and prices their passes; `selfplan` plans the
+`experts` places a mixture of experts' routed experts and prices their passes (`expertcost`: experts read
+from disk once routed against whole layers); `selfplan` plans the
 self-draft's widths; `passcost` models one pass on a device's rates and `draftcost` the seconds per pass
 and tokens per second of each draft candidate. Inside the package the imports run one way, at module
-level (memplan > selfplan > draftcost > experts > passcost, request, membytes; tests/test_plan_imports.py
+level (memplan > selfplan > draftcost > experts > expertcost > passcost, request, membytes; tests/test_plan_imports.py
 checks it). Pure arithmetic over headers and card figures: it reads no weights. The top of
 `offload`: nothing in `offload` imports it.
 

@@ -13,15 +13,20 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   `hit_share`). A verify pass of a tree of n tokens reads that many experts per sparse layer, not n x k.
 - `expert_plan(ck, lay, req, plan)` -> the JSON `plan.experts` (None for a dense model), in one of
   three modes:
-  "on-demand" (run; where stream/expertstore.splits_experts says so, the one decision the loader asks
-  too: a CPU device, a mixture-of-experts family, something on disk): layers placed as the plan places them; a
+  "on-demand" (run; where stream/expertstore.splits_experts allows it: a CPU device, a mixture-of-experts
+  family, something on disk; and where its modelled tokens/s, `on_demand_tokens_per_second`, beats whole
+  layers', `layers_tokens_per_second`: THE choice, both figures kept; the loader's experts="auto" follows
+  it, and memplan.plan_memory plans again with whole layers' sizes where it chose whole layers, as
+  `lay.apart` says which sizes a plan has): layers placed as the plan places them; a
   disk layer streams its dense part only (memlayers sizes its slot so), and its routed experts
   (`disk_experts`) are read from disk after the router chose them, into a RAM cache of `cache_experts`
   experts (`cache_bytes`, the device component "expert_cache"; expertstore.cache_capacity of what the RAM
   cap leaves: none with --offload disk, so one layer's experts) kept most recently used (its `hit` priced
   under the uniform prior, measured routing or not: an LRU cache does not hold the hottest); the experts of
-  resident and RAM layers (`ram_experts`) stay in their layers. A pass pays the cache's misses, distinct
-  experts x (1 - hit) x their bytes at the disk's rate, before they compute (not overlapped).
+  resident and RAM layers (`ram_experts`) stay in their layers. A pass pays the cache's misses after the
+  router chose them, each read `expert_reads` requests at the disk's latency plus its bytes at its rate, the
+  next read while one computes (planning/expertcost.py); a whole layer's read (`layer_reads` requests) overlaps
+  the layer before it.
   "split" (CUDA, when something of the whole-layer plan streams and the split models faster, as
   llama.cpp's --cpu-moe / --n-cpu-moe and ktransformers do): every layer's dense part resident on the
   card, a GPU expert cache of `gpu_experts` experts (of every sparse layer's) in the device memory left (the
@@ -37,7 +42,11 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
 - `pass_terms(a, plan, dev, n, ctx, c)` -> passcost.PassTerms of a pass of n tokens under
   plan["experts"] (draftcost.target_seconds calls it for MoE plans, passcost.target_pass for dense ones):
   the dense part as passcost prices a layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
-  tier's rate (GPU memory; CPU experts at `cpu_bps`; disk), or their FLOPs if those take longer.
+  tier's rate (GPU memory; CPU experts at `cpu_bps`; disk), or their FLOPs if those take longer, plus an MXFP4
+  expert's dequantization (`kernel`); experts held apart as expertcost.apart_seconds prices them.
+  `mode_seconds(a, plan, dev, n, ctx, c, mode)`: that pass's seconds in either mode, whichever the plan chose
+  (plan.experts keeps the on-demand fields under `on_demand` where it chose whole layers): the benchmark's
+  modelled figures; `chose_whole_layers(ex)`: it weighed both and chose whole layers.
 - The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it (`specx profile`:
   tools/kernelprobes.probe_cpu_experts) or a stated machine gives it, else on a CPU device its memory
   bandwidth, else CPU_EXPERTS (a prior: CPU_READ_SHARE of a DDR5 desktop's peak, labelled so in
@@ -50,6 +59,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from offload.planning.expertcost import apart_seconds, compute_seconds, distinct_experts, transfer_seconds
 from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
 from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
 from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
@@ -120,11 +130,6 @@ def moe_shape(ck, lay, req, bits: float | None = None, dense_bits: float | None 
     else:  # the layer's planned bytes (its arena, aligned) less its experts'
         dense = [max(0, lay.packed[i] - int(stored[i])) for i in range(n)]
     return MoeShape(e, k, eb, ew, dense, int(c.get("shared_expert_intermediate_size") or 0))
-
-
-def distinct_experts(n: int, k: int, e: int) -> float:
-    """Expected distinct experts n tokens route to, top-k of e, uniform independent routing."""
-    return e * (1.0 - (1.0 - k / e) ** max(0, n))
 
 
 def hit_share(counts: list[int] | None, cached: int, e: int) -> float:
@@ -221,11 +226,9 @@ def routed_seconds(ex: dict, i: int, n: int, dev, c: int, on_disk: bool = False)
     d = distinct_experts(n, k, e)
     flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
     if ex["mode"] != "split":  # on a CPU device the experts compute at the CPU expert rate (_cpu_rate)
-        bps = ex.get("cpu_bps") or dev.memory_bps if dev.kind == "cpu" else dev.memory_bps
-        compute = max(d * eb / bps, flops / dev.flops(c))
-        if on_disk:  # read after the router chose them, before they compute: not overlapped
-            return compute + d * (1 - ex["hit"]) * eb / dev.disk_bps, "disk"
-        return compute, "gpu" if dev.kind == "cuda" else "cpu"
+        if on_disk:  # read once routed, the next read while one computes (expertcost.py)
+            return apart_seconds(ex, i, n, dev, c), "disk"
+        return d * compute_seconds(ex, i, n, dev, c), "gpu" if dev.kind == "cuda" else "cpu"
     g, r, s = _layer_tiers(ex)
     on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
     cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + d * s * eb / dev.disk_bps
@@ -246,7 +249,8 @@ def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
     for i, size in enumerate(plan.layer_bytes):
         rate = dev.link_bps if i in ram else dev.disk_bps if i in disk else 0.0
         apart = held and i in disk and ex["expert_bytes"][i] > 0  # its dense part streams, its experts on demand
-        transfer = (ex["dense_bytes"][i] if apart else size) / rate if rate else 0.0
+        reads = (ex["dense_reads"] if apart else ex["layer_reads"])[i] if ex["layer_reads"] else 0  # counted: splits
+        transfer = transfer_seconds(ex["dense_bytes"][i] if apart else size, reads, rate, dev, i in disk)
         dense_bytes = ex["dense_bytes"][i] if ex["expert_bytes"][i] else size
         layer_gemm = (
             max(dense_flops, dense_bytes / dev.memory_bps)
@@ -301,6 +305,10 @@ def expert_plan(
         expert_weights=shape.expert_weights,
         dense_bytes=shape.dense_bytes,
         shared_intermediate=shape.shared_intermediate,
+        expert_reads=list(lay.expert_reads),
+        dense_reads=list(lay.dense_reads),
+        layer_reads=list(lay.layer_reads),
+        kernel="mxfp4" if a.method == "mxfp4" else "none",
         cpu_bps=bps,
         cpu_flops=flops,
         cpu_source=src,
@@ -311,11 +319,15 @@ def expert_plan(
     ctx = model_ctx(plan)
     base["layers_tokens_per_second"] = _tokens_per_second(a, plan, dev, base, c, ctx)
     base["tokens_per_second"] = base["layers_tokens_per_second"]
-    packed = req.dtype == "nf4" or a.packed  # packed linears stream with their layer (MXFP4 experts do not)
+    # packed linears stream with their layer (MXFP4 experts and a GGUF's, rows of fused tensors, do not)
+    packed = req.dtype == "nf4" or (a.packed and a.method != "gguf")
     if plan.disk_layers and bits is None and splits_experts(ck.config.get("model_type"), req.device, packed):
         held = {**base, **_on_demand(shape, lay, req, plan), "mode": "on-demand"}
         held["tokens_per_second"] = _tokens_per_second(a, plan, dev, held, c, ctx)
-        return held
+        base["on_demand_tokens_per_second"] = held["on_demand_tokens_per_second"] = held["tokens_per_second"]
+        base["on_demand"] = {k: held[k] for k in ("ram_experts", "disk_experts", "cache_experts", "cache_bytes", "hit")}
+        # THE choice (the loader follows it): apart only where it models faster, on layers sized apart
+        return held if lay.apart and held["tokens_per_second"] > base["layers_tokens_per_second"] else base
     streams = bool(plan.ram_layers or plan.disk_layers)
     split = _split_bytes(shape, req, plan, routing) if req.device == "cuda" and streams else None
     if split and split["fits"]:
@@ -324,6 +336,18 @@ def expert_plan(
         if cand["tokens_per_second"] > base["layers_tokens_per_second"]:
             return cand
     return base
+
+
+def mode_seconds(a, plan, dev, n: int, ctx: int, c: int, mode: str) -> float:
+    """Modelled seconds of a pass of n tokens under plan.experts run in `mode` ("on-demand" or "layers"), whichever
+    the plan chose (the other's fields are kept: `on_demand`): both sides of the choice, for the benchmark."""
+    ex = {**plan.experts, **(plan.experts.get("on_demand") or {}), "mode": mode}
+    return pass_terms(a, replace(plan, experts=ex), dev, n, ctx, c).seconds
+
+
+def chose_whole_layers(ex: dict | None) -> bool:
+    """expert_plan weighed experts apart against whole layers and chose whole layers."""
+    return bool(ex) and "on_demand_tokens_per_second" in ex and ex["mode"] == "layers"
 
 
 def expert_notes(ex: dict | None) -> list[str]:
@@ -342,8 +366,18 @@ def expert_notes(ex: dict | None) -> list[str]:
                 f"{ex['disk_experts']} routed experts are read from disk once the router chose them (only those), "
                 f"into a RAM cache of {ex['cache_experts']} experts (most recently used kept), and computed on the "
                 f"CPU; the {ex['ram_experts']} experts of resident and RAM layers stay in their layers: "
-                f"{ex['tokens_per_second']:.2f} tokens/s plain (modelled; whole layers streamed: "
-                f"{ex['layers_tokens_per_second']:.2f})"
+                f"chosen, {ex['tokens_per_second']:.2f} tokens/s plain (modelled) against "
+                f"{ex['layers_tokens_per_second']:.2f} with whole layers streamed (modelled)"
+            ),
+        ]
+    if ex["mode"] != "split" and "on_demand_tokens_per_second" in ex:
+        return [
+            head,
+            (
+                f"experts with their layers (chosen): whole disk layers stream, {ex['tokens_per_second']:.2f} "
+                f"tokens/s plain (modelled), against {ex['on_demand_tokens_per_second']:.2f} with the routed "
+                f"experts read from disk once routed (modelled: {max(ex['expert_reads'])} reads per expert, "
+                "serialized after the router, where a whole layer's read overlaps the layer before)"
             ),
         ]
     if ex["mode"] != "split":

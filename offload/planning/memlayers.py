@@ -5,7 +5,9 @@ and the safetensors headers, never weight bytes) into a `Checkpoint`. `layer_siz
 returns a `LayerSizes`: per decoder layer the bytes loader.load_weights will allocate or read for it
 (packed arena, disk slot, raw read buffer, staging, bytes read per pass, whether it converts or
 repacks, its packed linears dequantized once to the compute dtype), plus the NF4 quant-state and pinned-norm totals, for the target dtype in `req`
-(a memplan.PlanRequest). memplan.py places the layers; this module only sizes them.
+(a memplan.PlanRequest); for a family whose routed experts a disk layer may hold apart, one expert's cache slot and
+the read requests (file spans) of an expert, of the dense part and of the whole layer, and disk sizes of dense
+parts (`apart`, the default) or of whole layers. memplan.py places the layers; this module only sizes them.
 """
 
 from __future__ import annotations
@@ -108,42 +110,55 @@ class LayerSizes:
     pinned: int = 0  # NF4: every layer's norms/biases, kept on the device
     dense: list[int] = field(default_factory=list)  # packed linears dequantized once (quant/dense.py), per layer
     estimated: bool = False  # NF4 file layout estimated (the 4-bit cache is not written yet)
-    expert_slot: list[int] = field(default_factory=list)  # routed experts held apart: one cache slot's bytes, per layer
+    # a family whose routed experts a disk layer may hold apart (expertstore.splits_experts), sized either way:
+    apart: bool = False  # the sizes above are of disk layers holding them apart (their dense part streams)
+    expert_slot: list[int] = field(default_factory=list)  # one routed expert's cache slot bytes, per layer
+    expert_reads: list[int] = field(default_factory=list)  # read requests (file spans) of one routed expert
+    dense_reads: list[int] = field(default_factory=list)  # read requests of the dense part held apart
+    layer_reads: list[int] = field(default_factory=list)  # read requests of the whole layer
 
 
-def layer_sizes(ck: Checkpoint, arch: Arch, req) -> LayerSizes:
+def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSizes:
     """Per-layer sizes as loader.load_weights computes them. NF4 (offload.formats.prequant/quant_cache):
     only the packed linears stream, read as stored (no per-pass conversion); norms and biases
     are pinned on the device in the compute dtype. From a 16-bit checkpoint the streamed file is
     the 4-bit cache, whose spans are estimated (each packed weight rounded up to whole 4 KiB
-    pages, plus one page); from a pre-quantized checkpoint they are exact."""
+    pages, plus one page); from a pre-quantized checkpoint they are exact. `apart`: disk layers hold
+    their routed experts apart where expertstore.splits_experts allows it (False: whole layers stream)."""
     nf4 = req.dtype == "nf4"
     storage = (torch.float32 if compute_bytes(req) == 4 else torch.bfloat16) if nf4 else torch_dtype(req.dtype)
     out = LayerSizes([], [], [], [], [], 0)
     # a disk layer streams its dense part only where its routed experts are read on demand (stream/expertstore.py)
-    held = splits_experts(ck.config.get("model_type"), req.device, nf4 or _packed_method(ck.config))
+    # packed linears stream with their layer; a GGUF's experts are rows of its fused tensors, read apart as stored
+    whole = _packed_method(ck.config) and (ck.config.get("quantization_config") or {}).get("quant_method") != "gguf"
+    splits = splits_experts(ck.config.get("model_type"), req.device, nf4 or whole)
+    held = out.apart = splits and apart
     for i in range(arch.layers):
         specs = layer_specs(ck, i, storage, nf4)
         streamed = {n: se for n, se in specs.items() if se[0].nf4 or not nf4}
         packed = packed_layout([sp for sp, _ in streamed.values()]).nbytes
         prequant = all(e.dtype == torch.uint8 for _, e in streamed.values())
+        if splits:  # the dense part as the loader reads it (expertstore.split_layer), the experts' slot and reads
+            part, experts = split_layer(
+                {n: e for n, (_, e) in streamed.items()}, [sp for sp, _ in streamed.values()], CPU_ALIGN
+            )
+            out.expert_slot.append(slot_bytes(experts.values()))
+            out.expert_reads.append(max((len(x.spans) for x in experts.values()), default=0))
+            out.dense_reads.append(len(part.spans))
+            out.layer_reads.append(len(file_layout({n: e for n, (_, e) in streamed.items()})[1]))
         if nf4 and not prequant:
             raw = sum(
                 align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN for sp, _ in streamed.values()
             )
             spans, convert, aligned = raw, False, False  # cache offsets unknown yet: assume a repack
             out.estimated = True
-        elif held:  # the dense part as the loader reads it (expertstore.split_layer), the experts' cache slot
-            part, experts = split_layer(
-                {n: e for n, (_, e) in streamed.items()}, [sp for sp, _ in streamed.values()], CPU_ALIGN
-            )
+        elif held:
             raw, spans, convert, aligned = (
                 part.raw.nbytes,
                 sum(s.length for s in part.spans),
                 part.convert,
                 not part.repack,
             )
-            out.expert_slot.append(slot_bytes(experts.values()))
         else:
             lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
             raw, spans = lay.nbytes, sum(sp.length for sp in span_list)

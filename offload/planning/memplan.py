@@ -65,7 +65,7 @@ from offload.planning.membytes import (
 )
 from offload.planning.memlayers import Checkpoint, LayerSizes, dense_notes, dequantize_once, kernel_terms, layer_sizes
 from offload.planning.draftcost import small_candidates
-from offload.planning.experts import expert_notes, expert_plan
+from offload.planning.experts import chose_whole_layers, expert_notes, expert_plan
 from offload.planning.passcost import device_of
 from offload.planning.request import (
     BUDGET_FLOOR,
@@ -353,6 +353,8 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
             req,
         )
     plan = _plan_budgets(target, draft, lay, req)
+    if lay.apart and chose_whole_layers(plan.experts):  # apart models slower: again with whole layers' sizes
+        plan = _plan_budgets(target, draft, layer_sizes(target, arch_of(target.config), req, apart=False), req)
     if draft is not None:
         small_candidates(plan, target, draft, req, plan_memory)
     return _with_machine(plan, req)

@@ -2,10 +2,11 @@
 
 Contract (a roofline per layer; every figure is modelled, each rate says where it comes from):
 - `Device`: the rates a model is evaluated with -- device memory, host->device link and disk bytes/s,
-  dense matmul FLOP/s per compute dtype (16-bit: a card's published tensor rate with FP32
-  accumulate; 32-bit: FP32), the per-forward floors streaming does not hide (target pass, draft
-  step) -- and, in `sources`, each term's origin: "measured: ..." (`specx profile`), "published: ..."
-  (profiles/cards.json) or "prior" (PRIORS). `device_for(kind, **given)` fills the rest from PRIORS;
+  the disk's latency per read request (`disk_read_s`: routed experts read on demand pay it per span),
+  dense matmul FLOP/s per compute dtype (16-bit: a card's published tensor rate with FP32 accumulate;
+  32-bit: FP32), the per-forward floors streaming does not hide (target pass, draft step) -- and, in
+  `sources`, each term's origin: "measured: ..." (`specx profile`), "published: ..." (profiles/cards.json)
+  or "prior" (PRIORS). `device_for(kind, **given)` fills the rest from PRIORS;
   `device_of(req)` is a PlanRequest's Device (its cost_device, else its bandwidths over PRIORS).
 - `model_ctx(plan)`: the context a pass is priced at (MODEL_CTX_SHARE of the planned one, at most
   MODEL_CTX_CAP tokens).
@@ -38,6 +39,13 @@ from dataclasses import asdict, dataclass, field
 
 NF4_GEMV_TOKENS = 4  # bitsandbytes runs its fused 4-bit GEMV up to this many tokens: no 16-bit weight written
 
+DISK_READ_S = 1e-4
+"""Seconds one read request costs beyond its bytes, where `specx profile` did not measure it (tools/profiler.
+read_latency: the median of single 4 KiB O_DIRECT reads at spread offsets). Conservative: an NVMe drive answers
+a queue-depth-1 4 KiB read in ~60-100 us, and this development machine's virtual disk measured 59 us (a SATA SSD
+takes more). Routed experts read on demand pay it per file span (planning/expertcost.py); a whole layer's few
+large reads barely do."""
+
 STACK_FLOOR_CPU = 0.0018  # s: a SmolLM2-135M pass on the one-call stack beyond its matmuls (bench/pass_breakdown.py)
 
 PRIORS = {
@@ -50,6 +58,7 @@ PRIORS = {
         forward_floor_s=0.01,
         step_floor_s=0.006,
         stack_floor_s=0.01,
+        disk_read_s=DISK_READ_S,
     ),
     "cpu": dict(
         memory_bps=20e9,
@@ -60,6 +69,7 @@ PRIORS = {
         forward_floor_s=0.01,
         step_floor_s=0.01,
         stack_floor_s=STACK_FLOOR_CPU,
+        disk_read_s=DISK_READ_S,
     ),
 }
 """Priors where neither a profile nor a card says: a 4090-class card (1 TB/s, 165 TFLOP/s bf16 with FP32
@@ -87,6 +97,7 @@ class Device:
     forward_floor_s: float  # per target forward: launches, syncs, dispatch that streaming does not hide
     step_floor_s: float  # per draft forward: the same floor for one tree-growth step
     stack_floor_s: float  # per target forward the one-call stack runs (plan.kernel["stack"], n <= its rows)
+    disk_read_s: float  # per disk read request, beyond its bytes (DISK_READ_S where not measured)
     source: str = "prior"  # origin of memory_bps (the figure the plan's caption shows)
     sources: dict = field(default_factory=dict)  # term -> "measured: ..." | "published: ..." | "prior"
     dequant_bps: dict = field(default_factory=dict)  # kernel -> measured rate of its traffic; else memory_bps
@@ -103,7 +114,17 @@ class Device:
         return asdict(self)
 
 
-TERMS = ("memory_bps", "link_bps", "disk_bps", "flops16", "flops32", "forward_floor_s", "step_floor_s", "stack_floor_s")
+TERMS = (
+    "memory_bps",
+    "link_bps",
+    "disk_bps",
+    "flops16",
+    "flops32",
+    "forward_floor_s",
+    "step_floor_s",
+    "stack_floor_s",
+    "disk_read_s",
+)
 
 
 def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None = None, **given) -> Device:
@@ -173,11 +194,12 @@ class PassTerms:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "int4-unpack": 3, "none": 0}
+DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "int4-unpack": 3, "mxfp4": 6, "none": 0}
 """Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
 hqq-eager (offload/quant/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2,
 the matmul reads 1), nf4-dequant (bitsandbytes above NF4_GEMV_TOKENS: dequantize writes 1, the matmul
-reads 1), hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it;
+reads 1), mxfp4 (formats/mxfp4.Mxfp4Experts.weights, per routed expert: the table gather writes 1, the scale
+multiply reads and writes 2, the transposed copy reads and writes 2, the matmul reads 1), hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it;
 on CPU Inductor's dynamic-shape graph writes it twice, see `dequant_elems`), int4-unpack (offload/formats/
 packed.py for AWQ/GPTQ/compressed-tensors/GGUF: codes unpacked, the weight written, the matmul reads it),
 none (a 16-bit weight)."""

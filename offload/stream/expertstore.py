@@ -1,8 +1,9 @@
 """Routed experts held apart from their decoder layer: read on demand from disk into a bounded RAM cache.
 
 Contract:
-- `splits_experts(model_type, device_type)` is THE decision, asked by the memory plan (`plan.experts`,
-  offload/planning/experts.py) and by the loader alike: on a CPU device a disk-tier decoder layer of a
+- `splits_experts(model_type, device_type)` is THE rule of where experts may be held apart, asked by the memory
+  plan (`plan.experts`, offload/planning/experts.py, which chooses whether they are by modelled speed) and by
+  the loader alike: on a CPU device a disk-tier decoder layer of a
   mixture-of-experts family (arch/moe.MOE_FAMILIES: Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss in 16/32 bits
   or MXFP4, and their GGUFs, any block type) streams only its dense part (attention, norms, the router, a
   shared expert), and its routed experts are read after the router chose them, only those. Resident and
@@ -22,7 +23,8 @@ Contract:
   else a packed one). Pure: the plan sizes the cache from the headers with it, the loader reads with it.
 - `split_layer(entries, specs, align)` -> (dense part, {e: expert}) of one disk layer; `split_disk(index,
   disk)` does it to the loader's disk layers. The dense part's spans never cover an expert's bytes.
-- `held_experts(...)`: the loader's step (disk layers in, dense parts and an ExpertStore out).
+- `held_experts(...)`: the loader's step (disk layers in, dense parts and an ExpertStore out); with
+  experts="auto" it follows the memory plan's choice (plan.experts["mode"], planning/experts.py prices both).
 - `slot_bytes(experts)`: one cache slot (the largest expert's compute layout, page-aligned: O_DIRECT lands
   there); `cache_capacity(per_layer, on_disk, slot, room)`: experts the cache holds: what `room` bytes
   hold (None: nothing beyond the minimum), at least one layer's experts (a pass may route to all of them),
@@ -155,11 +157,15 @@ def split_disk(index, disk: dict[int, DiskLayer]) -> tuple[dict[int, DiskLayer],
 
 
 def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool, reader, room):
-    """The loader's disk layers with their routed experts held apart where `splits_experts` says so and
-    `mode` is "auto" ("layers": whole layers): ({layer: dense part, or the whole layer}, ExpertStore | None).
+    """The loader's disk layers with their routed experts held apart where `splits_experts` allows it and
+    `mode` is "on-demand", or "auto" where the memory plan chose it (its plan.experts mode, priced by
+    planning/experts.expert_plan; no plan: where allowed) ("layers": whole layers):
+    ({layer: dense part, or the whole layer}, ExpertStore | None).
     The cache's experts: `capacity`, else the memory plan's, else `cache_capacity` of `room` host bytes."""
-    if mode not in ("auto", "layers"):
-        raise OffloadError(f"experts must be auto or layers, got {mode!r}")
+    if mode not in ("auto", "on-demand", "layers"):
+        raise OffloadError(f"experts must be auto, on-demand or layers, got {mode!r}")
+    planned = (getattr(memplan, "experts", None) or {}).get("mode")
+    mode = ("on-demand" if planned == "on-demand" else "layers") if mode == "auto" and planned else mode
     if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, streams_whole(index)):
         return disk, None
     dense, held = split_disk(index, disk)

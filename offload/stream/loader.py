@@ -194,7 +194,8 @@ def load_weights(
     budgets below decide (library use). `pool` counts every device byte (a fresh one if None).
     `subset`: only those layers get weights (the others count 0 bytes), the globals are shared.
     `path`: the opened Checkpoint (a directory is opened here, for library callers). `experts`: "auto"
-    (disk layers' routed experts read on demand where expertstore.splits_experts says so) or "layers"
+    (disk layers' routed experts read on demand where the memory plan chose it, else where
+    expertstore.splits_experts allows it when no plan is given), "on-demand" (where it allows it) or "layers"
     (whole layers stream); `expert_cache`: the expert cache's experts (None: the plan's, else expertstore's rule)."""
     index = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     path = index.path

@@ -136,8 +136,9 @@ class OffloadedCausalLM(nn.Module):
         decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte;
         `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft/build.py);
         `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16);
-        `experts` / `expert_cache`: routed experts of disk layers read on demand ("auto") or streamed with
-        their layer ("layers"), and the experts their RAM cache holds (loader.load_weights)."""
+        `experts` / `expert_cache`: routed experts of disk layers read on demand ("on-demand"), streamed with
+        their layer ("layers"), or as the memory plan chose ("auto"; without a plan: on demand where they can
+        be), and the experts their RAM cache holds (loader.load_weights)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -170,6 +170,7 @@ def cost_device_for(device: str, gpu: str | None, profile: dict | None):
         given["link_bps"] = (prof["gpus"][0].get("h2d_pinned_gbps") or 0) * 1e9
     if (prof.get("disk") or {}).get("read_gbps") and (prof["disk"].get("method") == "o_direct"):
         given["disk_bps"] = prof["disk"]["read_gbps"] * 1e9
+        given["disk_read_s"] = prof["disk"].get("read_latency_s")  # None before it was probed: the prior
     mm = prof.get("matmul") or {}
     if mm.get("device") == device:
         given["flops16"] = (mm.get("bf16_gflops") or 0) * 1e9

@@ -1,7 +1,7 @@
 """The kernel rates of a profile's `dequant` part: what the pass model prices each kernel's work at.
 
 Contract: `probe_dequant()` -> {device, shape, <kernel>: {seconds, gbps, ...}} for every dequantizing
-kernel installed on the compute device (bitsandbytes NF4, HQQ 3-bit eager: the traffic the pass model
+kernel installed on the compute device (bitsandbytes NF4, HQQ 3-bit eager, MXFP4 experts: the traffic the pass model
 counts for it over the seconds it takes to rebuild a DEQUANT_SHAPE weight), the exact GGUF CPU kernel
 on a CPU (its packed bytes over a one-token GEMV's seconds), and "cpu-experts": routed experts computed
 on the CPU from RAM (`probe_cpu_experts`; measured on a CUDA machine too, where the host CPU computes
@@ -37,7 +37,8 @@ def timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
 def dequantizers(device: str, dtype: torch.dtype) -> dict:
     """kernel name -> a function rebuilding a DEQUANT_SHAPE weight in `dtype` the way that kernel does,
     for the kernels whose package is installed: bitsandbytes NF4 (dequantize_4bit), HQQ 3-bit eager
-    (offload/quant/lowbit.LowbitLinear.weight_now)."""
+    (offload/quant/lowbit.LowbitLinear.weight_now); and gpt-oss's MXFP4 experts (formats/mxfp4.dequantize and
+    the transposed copy Mxfp4Experts.weights makes, per routed expert)."""
     import logging
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional-kernel notice is not the user's
@@ -60,6 +61,12 @@ def dequantizers(device: str, dtype: torch.dtype) -> dict:
         out["hqq-eager"] = lin.weight_now
     except Exception:  # noqa: BLE001 - hqq missing (the lowbit extra)
         pass
+    from offload.formats import mxfp4_dequantize
+
+    rows, cols = DEQUANT_SHAPE  # MXFP4: 16 bytes (32 weights) per group, one E8M0 scale byte per group
+    blocks = torch.randint(0, 256, (rows, cols // 32, 16), dtype=torch.uint8, device=device)
+    scales = torch.randint(120, 128, (rows, cols // 32), dtype=torch.uint8, device=device)
+    out["mxfp4"] = lambda: mxfp4_dequantize(blocks, scales, dtype).t().contiguous()  # as Mxfp4Experts.weights
     return out
 
 

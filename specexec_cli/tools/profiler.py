@@ -1,7 +1,7 @@
 """Hardware probes, t_target(n) / draft-step measurement, and profile JSON read/write.
 
 Contract: `probe_hardware(folder)` returns the machine part of a profile (CPU, RAM, GPUs with pinned
-host→device bandwidth, disk read bandwidth of `folder`, matmul throughput per dtype, device memory
+host→device bandwidth, disk read bandwidth of `folder` and its latency per read request, matmul throughput per dtype, device memory
 bandwidth from one large in-memory copy per device, and tools/kernelprobes.py's kernel rates);
 tools/modeltimes.py times the models through the path a run takes. `build_profile` assembles the versioned dict documented in
 profiles/README.md, which session/profiles.py stores and finds. Nothing here prints; errors are
@@ -24,6 +24,7 @@ from specexec_cli.session.profiles import SCHEMA, VERSION
 from specexec_cli.tools import kernelprobes
 
 CHUNK = 8 << 20  # disk read size: large enough to reach sequential bandwidth
+LATENCY_READS = 64  # single-page reads timed for the disk's per-read latency (their median)
 
 
 def probe_cpu() -> dict:
@@ -146,13 +147,44 @@ def probe_disk(folder: Path, nbytes: int = 256 << 20) -> dict:
         files = [tmp]
     try:
         done, secs, method = _read_direct(files, nbytes)
+        latency = read_latency(files[0]) if method == "o_direct" else None
     finally:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
     if method == "buffered":
         note = "O_DIRECT unsupported here; buffered reads may be served by the page cache (optimistic)"
     gbps = round(done / secs / 1e9, 3) if secs > 0 else None
-    return dict(path=str(folder), read_gbps=gbps, method=method, bytes_read=done, note=note)
+    return dict(path=str(folder), read_gbps=gbps, read_latency_s=latency, method=method, bytes_read=done, note=note)
+
+
+def read_latency(path: Path, reads: int = LATENCY_READS) -> float | None:
+    """Seconds one O_DIRECT read request takes beyond its bytes: the median of `reads` single 4 KiB reads at
+    spread page-aligned offsets of `path` (a 4 KiB read's transfer is ~1 us at NVMe rates, so this is the
+    request's latency; the pass model prices every routed expert's span read at it: passcost.Device.disk_read_s).
+    None where O_DIRECT cannot open the file or it is under one page."""
+    page = 4096
+    buf = mmap.mmap(-1, page)  # page-aligned, as O_DIRECT needs
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return None
+    try:
+        pages = os.fstat(fd).st_size // page
+        if pages < 1:
+            return None
+        times = []
+        for k in range(reads):  # steps of a prime number of pages: offsets spread over the file, none cached
+            off = (k * 7919 % pages) * page
+            t0 = time.perf_counter()
+            os.preadv(fd, [buf], off)
+            times.append(time.perf_counter() - t0)
+    except OSError:  # EINVAL: O_DIRECT unsupported on this filesystem
+        return None
+    finally:
+        os.close(fd)
+        buf.close()
+    times.sort()
+    return round(times[len(times) // 2], 7)
 
 
 def probe_matmul() -> dict:

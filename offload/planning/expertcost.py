@@ -1,0 +1,67 @@
+"""What a layer's routed experts cost in one pass: held apart (read from disk once routed) or in their layer.
+
+Contract (pure arithmetic over plan.experts, planning/experts.py, and a passcost.Device; every figure modelled):
+- `read_seconds(ex, i, dev)`: one routed expert of layer i read from disk: its read requests
+  (`ex["expert_reads"][i]`: the file spans expertstore.expert_layers gives it over the headers, one request
+  each: gpt-oss's fused tensors give an expert one span per tensor, six; a Qwen3-MoE expert's adjacent
+  matrices merge into one) x Device.disk_read_s (the disk's per-request latency, `specx profile` or the
+  passcost.DISK_READ_S prior), plus its bytes / Device.disk_bps.
+- `compute_seconds(ex, i, n, dev, c)`: one distinct expert of layer i computing its share of a pass of n
+  tokens (n x k / d routed rows of d distinct experts): max(its bytes at the CPU expert rate `cpu_bps` on a CPU
+  (memory bandwidth on a card), its FLOPs), plus its dequantization where the experts are stored quantized
+  (`ex["kernel"]` "mxfp4": formats/mxfp4.Mxfp4Experts.weights rebuilds every routed expert, whole layer or
+  apart: weights x c x passcost.dequant_elems at Device.dequant_rate, measured by `specx profile`'s "mxfp4"
+  probe, else memory bandwidth).
+- `apart_seconds(ex, i, n, dev, c)`: layer i's routed experts held apart in a pass of n tokens: d distinct
+  experts, m = d x (1 - hit) of them missing the RAM cache, each miss read (r = read_seconds), each expert
+  computed (t = compute_seconds). With read-ahead (a cache of at least two experts: ExpertStore.stream reads
+  the next expert while the current one computes): r + (m - 1) x max(r, t) + t + (d - m) x t (the first read
+  waits, every later one hides behind the compute before it or the compute behind it); without: m x r + d x t.
+  None of it overlaps the layer's own attention and router (the router chooses first), nor the next layer.
+- `transfer_seconds(nbytes, reads, rate, dev)`: a streamed part of a layer (a whole layer, or the dense part
+  of one holding its experts apart): bytes / rate plus, from disk, `reads` requests x disk_read_s. The stream
+  reads it while the previous layer computes (passcost's max(transfer, compute) per layer).
+"""
+
+from __future__ import annotations
+
+from offload.planning.passcost import dequant_elems
+
+
+def distinct_experts(n: int, k: int, e: int) -> float:
+    """Expected distinct experts n tokens route to, top-k of e, uniform independent routing (experts.py's contract)."""
+    return e * (1.0 - (1.0 - k / e) ** max(0, n))
+
+
+def read_seconds(ex: dict, i: int, dev) -> float:
+    """Seconds one routed expert of layer i takes to read from disk (see the contract)."""
+    return ex["expert_reads"][i] * dev.disk_read_s + ex["expert_bytes"][i] / dev.disk_bps
+
+
+def compute_seconds(ex: dict, i: int, n: int, dev, c: int) -> float:
+    """Seconds one distinct expert of layer i computes in a pass of n tokens (see the contract)."""
+    eb, ew, k = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"]
+    rows = n * k / max(distinct_experts(n, k, ex["experts"]), 1e-9)  # (token, expert) pairs per distinct expert
+    bps = (ex.get("cpu_bps") or dev.memory_bps) if dev.kind == "cpu" else dev.memory_bps
+    kernel = ex.get("kernel", "none")
+    dequant = ew * c * dequant_elems(kernel, dev.kind) / dev.dequant_rate(kernel) if kernel != "none" else 0.0
+    return max(eb / bps, 2.0 * rows * ew / dev.flops(c)) + dequant
+
+
+def apart_seconds(ex: dict, i: int, n: int, dev, c: int) -> float:
+    """Seconds layer i's routed experts take in a pass of n tokens, held apart (see the contract)."""
+    if not ex["expert_bytes"][i]:
+        return 0.0
+    d = distinct_experts(n, ex["top_k"], ex["experts"])
+    m = d * (1.0 - ex.get("hit", 0.0))
+    r, t = read_seconds(ex, i, dev), compute_seconds(ex, i, n, dev, c)
+    if ex.get("cache_experts", 0) < 2 or m < 1.0:  # one at a time (or at most one read: nothing to overlap)
+        return m * r + d * t
+    return r + (m - 1.0) * max(r, t) + t + (d - m) * t
+
+
+def transfer_seconds(nbytes: float, reads: int, rate: float, dev, disk: bool) -> float:
+    """Seconds a streamed part of a layer takes to arrive: bytes over `rate`, plus its read requests from disk."""
+    if not rate:
+        return 0.0
+    return nbytes / rate + (reads * dev.disk_read_s if disk else 0.0)
