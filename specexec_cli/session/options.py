@@ -65,14 +65,11 @@ class ModelFlags:
         target's generation_config.json."""
         from dataclasses import replace
 
-        opts, plan, cfg = plan_for_cli(self, cfg)
-        sampling = self.sampling(self.checkpoint_defaults(opts.target))
-        return opts, plan, replace(cfg, sampling=sampling)
-
-    def sampling(self, defaults):
         from specexec_cli.session.gendefaults import merge
 
-        return merge(defaults, self.temperature, self.top_k, self.top_p)
+        opts, plan, cfg = plan_for_cli(self, cfg)
+        sampling = merge(self.checkpoint_defaults(opts.target), self.temperature, self.top_k, self.top_p)
+        return opts, plan, replace(cfg, sampling=sampling)
 
     @staticmethod
     def checkpoint_defaults(target):
