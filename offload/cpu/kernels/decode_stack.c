@@ -27,7 +27,9 @@ layer_t pointer is not NULL, and dims' act = ACT_GELU_TANH:
     act(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
 with every norm weight already the multiplier (Gemma's 1 + w, folded by the caller), the scale
 query_pre_attn_scalar^-0.5, and layer i rotated with its lane's table layers[i].rope (Gemma-3's local
-and global layers have different RoPE bases). Sliding windows are not applied: the caller runs a
+and global layers have different RoPE bases). With AVX-512 the exps of softmax, SiLU and GELU are 16 at a
+time (exp16: within 2 ulp of libm's expf; a softmax weight below e^-87 of the largest is 0) and the dot
+products are 16-lane sums reduced as a tree: fp32 numbers again, in another order of roundings. Sliding windows are not applied: the caller runs a
 pass here only when the window cannot hide a row (leanstack.py: past + T <= sliding_window).
 With L lanes (offload/stream/multi.py: the requests `specx serve --parallel` decodes together) h holds
 their rows back to back, lane j its T_j rows with its own layer_t array (its slabs and past; the
@@ -61,10 +63,21 @@ void pool_run(void (*fn)(void *, int, int), void *arg, int nth);   /* pool.c */
                                    one-row draft pass of 9 heads over 150 rows (~27 us a layer) gains from two */
 
 #define LANES 16
+#define KV_AHEAD 8             /* K/V rows prefetched ahead of attention's scores */
 
-/* sum_i a_i b_i over n values in LANES interleaved partial sums (vectorizable without reassociating
-   one serial chain; a 64-wide head dot is 4 vector FMAs instead of 64 dependent scalar ones). */
+/* sum_i a_i b_i over n values: in one 16-lane register summed as a tree (AVX-512: a 64-wide head dot is 4
+   FMAs and one reduction, not a serial chain of 16 scalar adds), else in LANES interleaved partial sums. */
 static inline float dot(const float *a, const float *b, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -73,6 +86,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     for (; i < n; i++) s += a[i] * b[i];
     for (int j = 0; j < LANES; j++) s += acc[j];
     return s;
+#endif
 }
 
 static void rmsnorm(const float *h, const float *w, float *out, int64_t T, int64_t D, float eps) {
@@ -95,14 +109,10 @@ static inline float act(float g, int32_t which) {
 }
 
 #if defined(__AVX512F__)
-/* GELU's tanh approximation of 16 values as g * sigmoid(2 inner) = g / (1 + exp(-2 inner)), the same
-   function as 0.5 g (1 + tanh(inner)) without its cancellation where tanh is near -1: exp by a
-   Cody-Waite reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (under 2 ulp), 2^n by vscalefps */
-static inline __m512 gelu16(__m512 g) {
-    const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
-    __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(g, _mm512_mul_ps(kappa, _mm512_mul_ps(_mm512_mul_ps(g, g), g))));
-    __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_set1_ps(-2.0f), inner), _mm512_set1_ps(-88.0f)),
-                             _mm512_set1_ps(88.0f));
+/* exp(t) of 16 values, t clamped to [-88, 88]: a Cody-Waite reduction to [-ln2/2, ln2/2] and a degree-6
+   polynomial (under 2 ulp of libm's expf), 2^n by vscalefps */
+static inline __m512 exp16(__m512 t) {
+    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
@@ -113,8 +123,20 @@ static inline __m512 gelu16(__m512 g) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512 e = _mm512_scalef_ps(p, n);
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The activation of 16 gates: SiLU g / (1 + exp(-g)), or GELU's tanh approximation as g * sigmoid(2 inner)
+   = g / (1 + exp(-2 inner)), the same function as 0.5 g (1 + tanh(inner)) without its cancellation where
+   tanh is near -1 (libm's scalar tanhf was 0.4 ms of a Gemma-3 270M token) */
+static inline __m512 act16(__m512 g, int32_t which) {
+    __m512 t = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    if (which == ACT_GELU_TANH) {
+        const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);
+        __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(g, _mm512_mul_ps(kappa, _mm512_mul_ps(_mm512_mul_ps(g, g), g))));
+        t = _mm512_mul_ps(_mm512_set1_ps(-2.0f), inner);
+    }
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(t)));
 }
 #endif
 
@@ -128,12 +150,18 @@ static void rope(float *x, const float *c, const float *s, int64_t hd) {
     }
 }
 
-/* One (head, token): out (hd) = softmax(scale q K^T + m) V over rows [0, n); p: n floats of scratch. */
+/* One (head, token): out (hd) = softmax(scale q K^T + m) V over rows [0, n); p: n floats of scratch.
+   A row whose score is -inf (masked), or more than 87 below the largest (weight under 2e-38), weighs 0. */
 static void attend(const float *q, const float *K, const float *V, int64_t n, int64_t hd, float scale,
                    const float *m, int64_t causal_end, float *p, float *out) {
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         float s;
+        if (j + KV_AHEAD < n)   /* the slabs come from memory each token (the weights' stream evicts them) */
+            for (int64_t c = 0; c < hd; c += 16) {
+                __builtin_prefetch(K + (j + KV_AHEAD) * hd + c, 0, 3);
+                __builtin_prefetch(V + (j + KV_AHEAD) * hd + c, 0, 3);
+            }
         if (m == NULL && j > causal_end) s = -INFINITY;
         else {
             s = dot(q, K + j * hd, hd) * scale + (m ? m[j] : 0.f);
@@ -142,17 +170,43 @@ static void attend(const float *q, const float *K, const float *V, int64_t n, in
         if (s > mx) mx = s;
     }
     float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) {
+    int64_t j = 0;
+#if defined(__AVX512F__)   /* 16 rows at a time (exp16) */
+    __m512 vsum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+    for (; j + 16 <= n; j += 16) {
+        __m512 t = _mm512_sub_ps(_mm512_loadu_ps(p + j), vmx);
+        __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+        __m512 e = _mm512_maskz_mov_ps(live, exp16(t));
+        _mm512_storeu_ps(p + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; j < n; j++) {
         float e = p[j] == -INFINITY ? 0.f : expf(p[j] - mx);
         p[j] = e;
         sum += e;
     }
     float inv = 1.f / sum;
+#if defined(__AVX512F__)
+    if (hd % 16 == 0 && hd <= 256) {   /* the weighted rows summed in registers, 16 values of out each */
+        __m512 acc[16];
+        int64_t c = hd / 16;
+        for (int64_t i = 0; i < c; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t r = 0; r < n; r++) {
+            if (p[r] == 0.f) continue;
+            __m512 w = _mm512_set1_ps(p[r] * inv);
+            for (int64_t i = 0; i < c; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + r * hd + 16 * i), acc[i]);
+        }
+        for (int64_t i = 0; i < c; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < hd; i++) out[i] = 0.f;
-    for (int64_t j = 0; j < n; j++) {
-        if (p[j] == 0.f) continue;
-        const float *vr = V + j * hd;
-        float w = p[j] * inv;
+    for (int64_t r = 0; r < n; r++) {
+        if (p[r] == 0.f) continue;
+        const float *vr = V + r * hd;
+        float w = p[r] * inv;
         for (int64_t i = 0; i < hd; i++) out[i] += w * vr[i];
     }
 }
@@ -161,13 +215,16 @@ typedef struct {
     const layer_t *l; const dims_t *d; const float *qkv, *mask; int64_t T, mask_cols; float *attn_out, *probs;
 } attn_args;
 
-static void attention_share(void *p, int ith, int nth) {   /* (head, token) pairs ith, ith + nth, ... */
+/* (head, token) pairs pr = h T + t in nth contiguous runs, run ith here: a thread's heads share KV heads
+   (GQA), so each reads fewer slabs from memory */
+static void attention_share(void *p, int ith, int nth) {
     const attn_args *a = p;
     const layer_t *l = a->l;
     const dims_t *d = a->d;
     int64_t T = a->T, H = d->H, hd = d->hd, n = l->past + T, width = (d->H + 2 * d->Hkv) * hd;
     int64_t group = d->H / d->Hkv;
-    for (int64_t pr = ith; pr < H * T; pr += nth) {
+    int64_t chunk = (H * T + nth - 1) / nth, end = chunk * (ith + 1) < H * T ? chunk * (ith + 1) : H * T;
+    for (int64_t pr = chunk * ith; pr < end; pr++) {
         int64_t h = pr / T, t = pr % T, g = h / group;
         const float *q = a->qkv + t * width + h * hd;
         const float *m = a->mask ? a->mask + t * a->mask_cols : NULL;
@@ -249,11 +306,10 @@ static int layer(const lane_t *lanes, int64_t L, int64_t i, const dims_t *d, flo
     if (mm(l->gu, 2, x, gu, 2 * F, D, T, nthreads, rw)) return -1;
     for (int64_t t = 0; t < T; t++) {           /* act (T, F) over the gate half's place */
         int64_t k = 0;
-#if defined(__AVX512F__)
-        if (d->act == ACT_GELU_TANH)   /* 16 at a time: libm's scalar tanhf was 0.4 ms of a Gemma-3 270M token */
-            for (; k + 16 <= F; k += 16)
-                _mm512_storeu_ps(gu + t * F + k, _mm512_mul_ps(gelu16(_mm512_loadu_ps(gu + t * 2 * F + k)),
-                                                               _mm512_loadu_ps(gu + t * 2 * F + F + k)));
+#if defined(__AVX512F__)   /* 16 at a time (act16) */
+        for (; k + 16 <= F; k += 16)
+            _mm512_storeu_ps(gu + t * F + k, _mm512_mul_ps(act16(_mm512_loadu_ps(gu + t * 2 * F + k), d->act),
+                                                           _mm512_loadu_ps(gu + t * 2 * F + F + k)));
 #endif
         for (; k < F; k++) {
             float g = gu[t * 2 * F + k];

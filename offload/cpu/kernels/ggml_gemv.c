@@ -118,8 +118,8 @@ static FORCE void dot_rows(int qtype, const uint8_t *row, size_t rb, const float
     float sc[R][2 * CH + 2];
     for (int64_t b0 = 0; b0 < nb; b0 += CH) {
         int64_t nc = nb - b0 < CH ? nb - b0 : CH;
-        for (int r = 0; r < R; r++)
-            for (int64_t i = 0; i < nc; i += is_k(qtype) ? 8 : 1) {   /* b0, CH: whole K-quant blocks */
+        for (int r = 0; r < R; r++)   /* legacy types: legacy_scales (ggml_fast.h) fills the row's at once */
+            for (int64_t i = 0; !legacy_scales(qtype, row + r * rb, b0, nc, sc[r]) && i < nc; i += is_k(qtype) ? 8 : 1) {
                 int s;
                 const uint8_t *blk = sub(qtype, row + r * rb, b0 + i, &s);
                 if (is_k(qtype)) k_scales8(qtype, blk, &sc[r][2 * i]);
