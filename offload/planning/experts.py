@@ -63,7 +63,7 @@ from offload.planning.expertcost import apart_seconds, compute_seconds, distinct
 from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
 from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
 from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
-from offload.stream.expertstore import cache_capacity, splits_experts
+from offload.stream.expertstore import cache_capacity, splits_experts, streams_whole
 
 CPU_READ_SHARE = 0.5
 """Share of its DIMMs' peak bandwidth (channels x 8 bytes x MT/s) a desktop CPU reads weights at in a
@@ -320,7 +320,7 @@ def expert_plan(
     base["layers_tokens_per_second"] = _tokens_per_second(a, plan, dev, base, c, ctx)
     base["tokens_per_second"] = base["layers_tokens_per_second"]
     # packed linears stream with their layer (MXFP4 experts and a GGUF's, rows of fused tensors, do not)
-    packed = req.dtype == "nf4" or (a.packed and a.method != "gguf")
+    packed = req.dtype == "nf4" or streams_whole(ck.config)
     if plan.disk_layers and bits is None and splits_experts(ck.config.get("model_type"), req.device, packed):
         held = {**base, **_on_demand(shape, lay, req, plan), "mode": "on-demand"}
         held["tokens_per_second"] = _tokens_per_second(a, plan, dev, held, c, ctx)

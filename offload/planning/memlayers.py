@@ -22,9 +22,9 @@ import torch
 from offload.errors import OffloadError
 from offload.formats.prequant import packed_nf4_shape
 from offload.formats.st_index import SafetensorsIndex, TensorEntry
-from offload.planning.membytes import Arch, compute_bytes, nf4_state_bytes, torch_dtype
+from offload.planning.membytes import Arch, _packed, compute_bytes, nf4_state_bytes, torch_dtype
 from offload.quant.dense import dense_bytes
-from offload.stream.expertstore import slot_bytes, split_layer, splits_experts
+from offload.stream.expertstore import slot_bytes, split_layer, splits_experts, streams_whole
 from offload.stream.hostmem import ARENA_ALIGN
 from offload.stream.storage import CPU_ALIGN, IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
 
@@ -64,7 +64,7 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
     packed uint8 (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""
     prefix = f"model.layers.{i}."
     out = {}
-    packed = _packed_method(ck.config)
+    packed = _packed(ck.config)
     for name, e in ck.tensors.items():
         rel = name[len(prefix) :]
         if (
@@ -86,12 +86,6 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
     if not out:
         raise OffloadError(f"{ck.root}: no tensors for model.layers.{i}; the checkpoint does not match config.json")
     return out
-
-
-def _packed_method(config: dict) -> bool:
-    """True for the packed-int4 layouts whose linears stream as stored (offload/formats)."""
-    qc = config.get("quantization_config")
-    return isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors", "gguf")
 
 
 @dataclass
@@ -130,8 +124,7 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSiz
     out = LayerSizes([], [], [], [], [], 0)
     # a disk layer streams its dense part only where its routed experts are read on demand (stream/expertstore.py)
     # packed linears stream with their layer; a GGUF's experts are rows of its fused tensors, read apart as stored
-    whole = _packed_method(ck.config) and (ck.config.get("quantization_config") or {}).get("quant_method") != "gguf"
-    splits = splits_experts(ck.config.get("model_type"), req.device, nf4 or whole)
+    splits = splits_experts(ck.config.get("model_type"), req.device, nf4 or streams_whole(ck.config))
     held = out.apart = splits and apart
     for i in range(arch.layers):
         specs = layer_specs(ck, i, storage, nf4)

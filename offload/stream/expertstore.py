@@ -9,7 +9,7 @@ Contract:
   shared expert), and its routed experts are read after the router chose them, only those. Resident and
   RAM-tier layers keep their experts in their arena (on a CPU that is RAM, computed in place). A CUDA
   device streams whole layers, and so does a checkpoint whose experts are packed linears of another format
-  (`packed`: NF4, AWQ/GPTQ/compressed-tensors; `streams_whole(checkpoint)` says it of a checkpoint, a GGUF's
+  (`packed`: NF4, AWQ/GPTQ/compressed-tensors; `streams_whole(config)` says it of a checkpoint, a GGUF's
   experts being rows of its fused tensors: expert e computes from its rows' bytes as stored, with the GGUF
   kernel where a whole layer's would, formats/qlinear.py; gpt-oss's dequantized per routed expert).
 - `is_expert(name)`: a layer-relative parameter name belongs to the routed experts: one expert's
@@ -76,10 +76,12 @@ def splits_experts(model_type: str | None, device_type: str, packed: bool = Fals
     return device_type == "cpu" and not packed and (model_type or "") in MOE_FAMILIES
 
 
-def streams_whole(checkpoint) -> bool:
-    """`packed` of `splits_experts` for an opened checkpoint (formats.Checkpoint): packed linears (AWQ, GPTQ,
-    compressed-tensors) stream with their layer; a GGUF's experts are read apart as stored (see the contract)."""
-    return bool(checkpoint.packed) and checkpoint.format != "gguf"
+def streams_whole(config: dict) -> bool:
+    """`packed` of `splits_experts` for a checkpoint's config.json-style dict: packed-int4 linears (AWQ, GPTQ,
+    compressed-tensors, pre-quantized NF4) stream with their layer; a GGUF's experts are read apart as stored
+    (see the contract)."""
+    qc = config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors", "bitsandbytes")
 
 
 def is_expert(name: str) -> bool:
@@ -166,7 +168,7 @@ def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool
         raise OffloadError(f"experts must be auto, on-demand or layers, got {mode!r}")
     planned = (getattr(memplan, "experts", None) or {}).get("mode")
     mode = ("on-demand" if planned == "on-demand" else "layers") if mode == "auto" and planned else mode
-    if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, streams_whole(index)):
+    if mode == "layers" or not disk or not splits_experts(config.model_type, device.type, streams_whole(index.config)):
         return disk, None
     dense, held = split_disk(index, disk)
     if not held:
