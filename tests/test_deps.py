@@ -16,6 +16,7 @@ import pytest
 import tomllib
 
 from specexec_cli.session import deps
+from specexec_cli.session.options import require_for_run
 from tests.conftest import ROOT
 
 DEMO = ROOT / "specexec_cli" / "demo" / "target"
@@ -124,7 +125,7 @@ def test_gguf_target_without_gguf_is_refused(monkeypatch, tmp_path):
     path.write_bytes(b"GGUF" + b"\0" * 60)
     monkeypatch.setattr("specexec_cli.session.loading.is_gguf", lambda p: str(p).endswith(".gguf"))
     with pytest.raises(deps.SpecxError, match=r"--target .*m\.gguf: a GGUF checkpoint needs gguf.*\.\[gguf\]"):
-        deps.require_for_run(LoadOptions(target=str(path), draft=None))
+        require_for_run(LoadOptions(target=str(path), draft=None))
 
 
 def test_prequantized_checkpoint_without_bitsandbytes_is_refused(monkeypatch, tmp_path):
@@ -141,9 +142,9 @@ def test_prequantized_checkpoint_without_bitsandbytes_is_refused(monkeypatch, tm
     with pytest.raises(
         deps.SpecxError, match=r"--target .*: a pre-quantized bitsandbytes checkpoint needs bitsandbytes"
     ):
-        deps.require_for_run(LoadOptions(target=str(tmp_path), draft=None))
+        require_for_run(LoadOptions(target=str(tmp_path), draft=None))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    deps.require_for_run(LoadOptions(target=str(tmp_path), draft=None))  # a 16-bit one needs nothing optional
+    require_for_run(LoadOptions(target=str(tmp_path), draft=None))  # a 16-bit one needs nothing optional
 
 
 def test_version_ranges_match_pyproject():

@@ -13,11 +13,6 @@ Contract:
 - `install_hint(module)`: the one fix, in install-from-source words (the project is not published on
   PyPI; a `pip install` of its name would fetch someone else's package): `pip install -e '.[lowbit]'`
   in the clone, or the third-party package itself.
-- `require_for_run(opts)`: before anything loads, a SpecxError (exit 2) naming the first package a
-  run with these LoadOptions needs and lacks: bitsandbytes for `--dtype nf4` or a pre-quantized
-  bitsandbytes target or draft, gguf for a GGUF target or draft (read from each model's
-  session/modelref.ModelRef), hqq for an explicit `--draft-bits 3|2`; and `--draft-bits 4` on an nf4
-  target (the substitutes would be the target itself), with the fixes that work on this install.
 - `usable_draft(opts, plan, replan)`: for a self-draft whose width the plan chooses (`--draft self` or
   `--draft auto` without `--draft-bits`): (opts, plan, skipped) where widths whose package is missing
   are out of the choice. When the plan's pick needs one, the best fitting usable width of
@@ -63,31 +58,6 @@ def missing_error(module: str, what: str | None = None) -> SpecxError:
     return SpecxError(
         f"{what or OPTIONAL[module][2]} needs {module}, which is not installed; fix: {install_hint(module)}"
     )
-
-
-def require_for_run(opts) -> None:
-    """Refuse, before loading, a run whose flags need a package that is missing (module docstring)."""
-    from specexec_cli.session.modelref import ModelRef
-    from specexec_cli.session.planning import prequantized
-
-    if opts.dtype == "nf4" and not installed("bitsandbytes"):
-        raise missing_error("bitsandbytes", "--dtype nf4")
-    for ref in (r for r in (opts.target, opts.draft) if isinstance(r, ModelRef)):  # not self, auto or None
-        gguf = ref.format == "gguf"
-        if not installed("gguf") and gguf:
-            raise missing_error("gguf", f"{ref.flag} {ref.name}: a GGUF checkpoint")
-        if not installed("bitsandbytes") and not gguf and prequantized(ref.path):
-            raise missing_error("bitsandbytes", f"{ref.flag} {ref.name}: a pre-quantized bitsandbytes checkpoint")
-    bits = getattr(opts, "draft_bits", None)
-    if opts.draft in ("self", "auto") and bits == 4 and opts.dtype == "nf4":
-        hqq = "" if installed("hqq") else f" (they need hqq: {install_hint('hqq')})"
-        raise SpecxError(
-            "--draft-bits 4: the target is already 4-bit (--dtype nf4), so its 4-bit substitutes would "
-            f"be the target itself; fix: --draft-bits 3 or 2{hqq}, the target in 16 bits (--dtype bf16, "
-            "or fp32 on a CPU) with --draft-bits 4, or a small --draft DIR"
-        )
-    if opts.draft in ("self", "auto") and bits is not None and not installed(BITS_NEED[bits]):
-        raise missing_error(BITS_NEED[bits], f"--draft-bits {bits}")
 
 
 def usable_bits(bits) -> bool:

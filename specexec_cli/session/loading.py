@@ -22,7 +22,7 @@ from specexec_cli.core.engine import Models
 from specexec_cli.errors import SpecxError, offload_errors
 from specexec_cli.session.modelref import AUTO, SELF, ModelRef, pickle_refused
 from specexec_cli.session.names import is_gguf
-from specexec_cli.session.planning import plan_device
+from specexec_cli.session.planning import draft_dtype_name, plan_device
 from specexec_cli.session.strict import check_loading_info, config_json, load_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -75,15 +75,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise SpecxError(f"--dtype must be one of auto, {', '.join(DTYPES)}, nf4 (got {name!r})")
     return DTYPES[name]
-
-
-def draft_dtype_name(dtype: str, draft_dtype: str) -> str:
-    """The draft's dtype name: --draft-dtype when given, else the target's (auto for an nf4 target)."""
-    if draft_dtype != "auto":
-        if draft_dtype not in DTYPES:
-            raise SpecxError(f"--draft-dtype must be one of auto, {', '.join(DTYPES)} (got {draft_dtype!r})")
-        return draft_dtype
-    return "auto" if dtype == "nf4" else dtype
 
 
 def check_same_vocab(target_tok, draft_tok) -> None:

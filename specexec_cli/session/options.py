@@ -4,6 +4,12 @@ Contract: every function here turns raw flag values into engine/loader objects (
 LoadOptions, a MemoryPlan, loaded Models) or raises `SpecxError` with a one-line fix. Nothing here
 imports torch or transformers at module level, so `specx --help` and argument errors stay fast;
 the terminal front end (terminal/app.py, terminal/flags.py) and serve/ both call these.
+`require_for_run(opts)`: before anything loads, a SpecxError (exit 2) naming the first optional package
+a run with these LoadOptions needs and lacks: bitsandbytes for `--dtype nf4` or a pre-quantized
+bitsandbytes target or draft, gguf for a GGUF target or draft (read from each model's
+session/modelref.ModelRef), hqq for an explicit `--draft-bits 3|2`; and `--draft-bits 4` on an nf4
+target (the substitutes would be the target itself), with the fixes that work on this install (the
+packages' checks and install lines are session/deps.py's).
 """
 
 from __future__ import annotations
@@ -211,7 +217,7 @@ def plan_for_cli(flags: ModelFlags, cfg):
     )
     temperature = f.temperature if f.temperature is not None else f.checkpoint_defaults(target).temperature
     auto_budget, profile = f.budget.strip().lower() == "auto", find_profile(f.profile)
-    deps.require_for_run(opts)   # a missing optional package: one line, exit 2, before anything loads
+    require_for_run(opts)   # a missing optional package: one line, exit 2, before anything loads
 
     def replan(o):
         return make_plan(o, cfg.shape, auto_budget, temperature, f.gpu, profile)
@@ -338,3 +344,29 @@ def load_fitted(flags: ModelFlags, opts, plan, cfg, progress=None) -> Fitted:
         close_models(models)
         raise
     return Fitted(flags, opts, models, cfg, tuner, link, prof)
+
+
+def require_for_run(opts) -> None:
+    """Refuse, before loading, a run whose flags need a package that is missing (module docstring)."""
+    from specexec_cli.session.deps import BITS_NEED, install_hint, installed, missing_error
+    from specexec_cli.session.modelref import ModelRef
+    from specexec_cli.session.planning import prequantized
+
+    if opts.dtype == "nf4" and not installed("bitsandbytes"):
+        raise missing_error("bitsandbytes", "--dtype nf4")
+    for ref in (r for r in (opts.target, opts.draft) if isinstance(r, ModelRef)):  # not self, auto or None
+        gguf = ref.format == "gguf"
+        if not installed("gguf") and gguf:
+            raise missing_error("gguf", f"{ref.flag} {ref.name}: a GGUF checkpoint")
+        if not installed("bitsandbytes") and not gguf and prequantized(ref.path):
+            raise missing_error("bitsandbytes", f"{ref.flag} {ref.name}: a pre-quantized bitsandbytes checkpoint")
+    bits = getattr(opts, "draft_bits", None)
+    if opts.draft in ("self", "auto") and bits == 4 and opts.dtype == "nf4":
+        hqq = "" if installed("hqq") else f" (they need hqq: {install_hint('hqq')})"
+        raise SpecxError(
+            "--draft-bits 4: the target is already 4-bit (--dtype nf4), so its 4-bit substitutes would "
+            f"be the target itself; fix: --draft-bits 3 or 2{hqq}, the target in 16 bits (--dtype bf16, "
+            "or fp32 on a CPU) with --draft-bits 4, or a small --draft DIR"
+        )
+    if opts.draft in ("self", "auto") and bits is not None and not installed(BITS_NEED[bits]):
+        raise missing_error(BITS_NEED[bits], f"--draft-bits {bits}")

@@ -22,6 +22,15 @@ from specexec_cli.session.strict import config_json
 DEFAULT_CTX = 8192
 
 
+def draft_dtype_name(dtype: str, draft_dtype: str) -> str:
+    """The draft's dtype name: --draft-dtype when given, else the target's (auto for an nf4 target)."""
+    if draft_dtype != "auto":
+        if draft_dtype not in ("bf16", "fp16", "fp32"):
+            raise SpecxError(f"--draft-dtype must be one of auto, bf16, fp16, fp32 (got {draft_dtype!r})")
+        return draft_dtype
+    return "auto" if dtype == "nf4" else dtype
+
+
 def plan_device(name: str) -> str:
     """'auto' -> cuda when present; 'cuda' is allowed without a GPU (a plan for a card elsewhere)."""
     if name == "auto":
@@ -44,8 +53,6 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
     target = auto if dtype == "auto" else dtype
     draft = (auto if dtype in ("auto", "nf4") else dtype) if has_draft else None
     if has_draft and draft_dtype != "auto":
-        from specexec_cli.session.loading import draft_dtype_name
-
         draft = draft_dtype_name(dtype, draft_dtype)
     return target, draft
 
