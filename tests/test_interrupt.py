@@ -157,6 +157,24 @@ def test_run_interrupted_before_text(pair, tmp_path, phase, slow, offload, text)
     assert proc.stdout.strip() == ""
 
 
+def test_serve_interrupted_while_loading_says_so_and_exits_0(pair):
+    """The load (torch and C code on the worker thread) has no stop point: the server says so and ends at
+    once with exit 0, where Python's shutdown under a running load aborted the process (exit 134)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = Proc(
+        ["serve", "--target", str(pair[0]), "--device", "cpu", "--offload", "disk", "--port", str(port)], "load=2"
+    )
+    proc.wait_marker("load")
+    rc, elapsed = proc.interrupt()
+    assert rc == 0 and elapsed < STOP_WITHIN, (rc, elapsed, proc.stderr)
+    assert "stopped while the model was loading" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     "slow,offload",
     [

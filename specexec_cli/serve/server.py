@@ -5,7 +5,8 @@ Contract: `run_server(flags, options)` returns the process exit code. Flag and p
 bound is one too. The server answers /health (503 "loading") while the worker loads; a load that
 fails prints one line and stops the server with exit code 2. SIGINT/SIGTERM make /health answer
 503 "stopping", stop the running generation at its next target pass, answer it, refuse what is
-queued, join the worker thread, then close the models, and exit 0. The session gets a prompt cache
+queued, join the worker thread, then close the models, and exit 0; stopped while the models load, it
+says so and exits 0 at once (`stop_while_loading`: a load cannot be interrupted). The session gets a prompt cache
 of `cache_ram` bytes (None: a default from the memory plan; 0: none), see session/prompt_cache.py.
 A request that sets no max_tokens gets --max-new-tokens, given or not (its default, 256, as --help
 says); Open WebUI's background tasks get limits.TASK_CAPS and the repetition guard watches replies
@@ -192,8 +193,22 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
         close_session(worker)
     if failure:
         notices.error(failure[0])
-        return 2
-    return 0
+    code = 2 if failure else 0
+    if worker.thread.is_alive() and worker.state == "loading":  # stopped while loading: see stop_while_loading
+        stop_while_loading(code)
+    return code
+
+
+def stop_while_loading(code: int) -> None:
+    """End the process now: the load runs in torch and C code that has no stop point, and Python's own
+    shutdown under a running load aborts the process ("terminate called ...", exit 134)."""
+    import os
+    import sys
+
+    notices.notice("specx serve: stopped while the model was loading")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def close_session(worker) -> None:
