@@ -220,7 +220,8 @@ def decode_row(models, method: str, name: str, ids, cfg) -> dict:
         last = ev
     passes = max(1, last.pass_index)
     return dict(method=method, draft=name, tokens=last.new_tokens, decode_seconds=round(last.decode_seconds, 3),
-                tokens_per_second=round(last.tps, 3), target_passes=last.pass_index,
+                tokens_per_second=round(last.new_tokens / last.decode_seconds if last.decode_seconds > 0 else 0.0, 3),
+                target_passes=last.pass_index,
                 tokens_per_pass=round((last.new_tokens - 1) / passes, 3),
                 stall_seconds_per_pass=round((models.target.stats.stall_seconds - stall0) / passes, 4),
                 draft_seconds_per_pass=round(draft_s / passes, 4))
