@@ -122,6 +122,32 @@ def one_pass(m, ids: torch.Tensor) -> tuple[float, int, int]:
     return ms, m.stats.streamed_bytes_per_pass, int(logits[0, -1].argmax())
 
 
+def interleaved(models: dict, args) -> dict:
+    """{(mode, n): [(ms, bytes read)]}: a warm-up pass of each size and model, then `--rounds` rounds of
+    `--batch` passes of each model on the same fresh ids, all but the first timed, models interleaved with a
+    0.5 s pause between them (see the module docstring); every pass's greedy id must agree across models."""
+    gen = torch.Generator().manual_seed(1)
+    samples = {(mode, n): [] for mode in models for n in args.tokens}
+    for n in args.tokens:  # warm-up: one pass of each size and model
+        ids = torch.randint(1, 256, (n,), generator=gen)
+        for m in models.values():
+            one_pass(m, ids)
+    for _ in range(args.rounds):
+        for n in args.tokens:
+            batch = [torch.randint(1, 256, (n,), generator=gen) for _ in range(args.batch)]
+            got = {}
+            for mode, m in models.items():
+                time.sleep(0.5)
+                got[mode] = []
+                for b, ids in enumerate(batch):
+                    ms, nbytes, top = one_pass(m, ids)
+                    got[mode].append(top)
+                    if b:
+                        samples[(mode, n)].append((ms, nbytes))
+            assert all(tops == got[next(iter(got))] for tops in got.values()), (n, got)
+    return samples
+
+
 def profiled_device(args):
     """The passcost.Device `specx profile` would give this machine (its hardware probes: the disk's rate and
     per-read latency under --dir, memory bandwidth, matmul rates, the kernel rates, MXFP4's included), and
@@ -198,25 +224,7 @@ def measure(args, model: str, dev) -> dict:
         )
         for mode in MODES
     }
-    gen = torch.Generator().manual_seed(1)
-    samples = {(mode, n): [] for mode in models for n in args.tokens}
-    for n in args.tokens:  # warm-up: one pass of each size and model
-        ids = torch.randint(1, 256, (n,), generator=gen)
-        for m in models.values():
-            one_pass(m, ids)
-    for _ in range(args.rounds):
-        for n in args.tokens:
-            batch = [torch.randint(1, 256, (n,), generator=gen) for _ in range(args.batch)]
-            got = {}
-            for mode, m in models.items():
-                time.sleep(0.5)
-                got[mode] = []
-                for b, ids in enumerate(batch):
-                    ms, nbytes, top = one_pass(m, ids)
-                    got[mode].append(top)
-                    if b:
-                        samples[(mode, n)].append((ms, nbytes))
-            assert got["on-demand"] == got["layers"] == got["auto"], (n, got)
+    samples = interleaved(models, args)
     apart, a = models["on-demand"].experts, arch_of(ck.config)
     cells = []
     for n in args.tokens:  # modelled: the pass as the bench runs it, no KV cache (ctx 0), fp32

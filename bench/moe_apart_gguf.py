@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ from offload import OffloadedCausalLM  # noqa: E402
 
 sys.path.append(str(ROOT / "bench"))  # appended: bench/offload.py must not hide the offload package
 from docblock import md_table  # noqa: E402  (bench/docblock.py)
-from moe_apart import checkpoint, one_pass  # noqa: E402  (the seeded safetensors Qwen3-MoE, one timed pass)
+from moe_apart import checkpoint, interleaved  # noqa: E402  (the seeded safetensors Qwen3-MoE, the timed rounds)
 
 
 def gguf_checkpoint(args) -> Path:
@@ -66,25 +65,7 @@ def measure(args) -> dict:
         mode: OffloadedCausalLM.from_pretrained(path, offload="disk", experts=mode) for mode in ("auto", "layers")
     }
     assert models["auto"].experts is not None and models["layers"].experts is None
-    gen = torch.Generator().manual_seed(1)
-    samples = {(mode, n): [] for mode in models for n in args.tokens}
-    for n in args.tokens:  # warm-up: one pass of each size and model
-        ids = torch.randint(1, 256, (n,), generator=gen)
-        for m in models.values():
-            one_pass(m, ids)
-    for _ in range(args.rounds):
-        for n in args.tokens:
-            batch = [torch.randint(1, 256, (n,), generator=gen) for _ in range(args.batch)]
-            got = {}
-            for mode, m in models.items():
-                time.sleep(0.5)
-                got[mode] = []
-                for b, ids in enumerate(batch):
-                    ms, nbytes, top = one_pass(m, ids)
-                    got[mode].append(top)
-                    if b:
-                        samples[(mode, n)].append((ms, nbytes))
-            assert got["auto"] == got["layers"], (n, got)
+    samples = interleaved(models, args)
     cells = []
     for n in args.tokens:
         row = dict(tokens=n)
