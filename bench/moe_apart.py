@@ -165,10 +165,10 @@ def plans(path: Path, dev) -> tuple:
     """(the plan `--offload disk` makes for `path` with this Device, the one it makes on the priors alone)."""
     import psutil
 
-    from offload.planning.memlayers import read_checkpoint
+    from offload.formats import open_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
 
-    ck = read_checkpoint(path)
+    ck = open_checkpoint(path)
     ram = psutil.virtual_memory().available
     req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=ram, offload="disk", cost_device=dev)
     return ck, plan_memory(ck, None, req), plan_memory(ck, None, replace(req, cost_device=None))

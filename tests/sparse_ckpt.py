@@ -14,6 +14,7 @@ import math
 import shutil
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "configs"
 
@@ -83,3 +84,14 @@ def write_sparse(config: str | Path, out_dir: Path, layers_per_shard: int = 10) 
         weight_map.update({n: fname for n in group})
     (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out_dir
+
+
+def read_checkpoint(path: str | Path) -> SimpleNamespace:
+    """What the memory plan reads of open_checkpoint's Checkpoint (config, tensor headers, root),
+    without the validation's meta model (seconds for a 128-expert MoE); never the weight bytes."""
+    from offload.formats.st_index import SafetensorsIndex
+
+    root = Path(path)
+    return SimpleNamespace(
+        config=json.loads((root / "config.json").read_text()), tensors=SafetensorsIndex(root).entries, root=root
+    )

@@ -6,7 +6,8 @@ expert e's part of each is row e, a contiguous slice. Checked: greedy ids equal 
 MXFP4 its `Mxfp4Config(dequantize=True)` load) and whole-layer streaming's (`experts="layers"`), and one pass's
 logits equal whole-layer streaming's bit for bit; the expert reads of a pass are exactly the covering spans of the
 routed experts' slices (reads recorded by a monkeypatched DirectReader.read_span, routing by a monkeypatched
-RoutedExperts.forward, the slices from the safetensors header); the plan says "on-demand" (on a disk without
+RoutedExperts.forward, the slices from the safetensors header), and with a cache of one layer's experts its
+missing experts' rows merged into runs (tests/test_expert_runs.check_merged_reads); the plan says "on-demand" (on a disk without
 per-read latency) and sizes the expert cache and staging slots as the loader allocates them; `ar` and specexec
 with a draft, through the engine, give transformers' ids; a bf16 checkpoint apart equals whole layers bit for bit, computed in bf16 or cast to fp32.
 """
@@ -137,10 +138,23 @@ def test_bytes_read_are_the_routed_experts(gpt_oss, monkeypatch):
         m.close()
 
 
+def test_a_pass_reads_the_merged_runs_of_its_missing_experts(gpt_oss, monkeypatch):
+    """With the cache of one layer's experts, each pass reads the runs the merge rule makes of its missing
+    experts' rows of the fused tensors (tests/test_expert_runs.py)."""
+    from offload import OffloadedCausalLM
+    from tests.test_expert_runs import check_merged_reads
+
+    m = OffloadedCausalLM.from_pretrained(gpt_oss[1], dtype=torch.float32, offload="disk")
+    try:
+        check_merged_reads(m, monkeypatch, RoutedExperts, make_tokenizer()(PROMPT)["input_ids"])
+    finally:
+        m.close()
+
+
 def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(gpt_oss, monkeypatch):
     from offload import OffloadedCausalLM
-    from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
+    from tests.sparse_ckpt import read_checkpoint
 
     kind, target, _, want = gpt_oss
     fast_disk(monkeypatch)  # these tiny experts model faster apart only without per-read latency

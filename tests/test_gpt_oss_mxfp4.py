@@ -110,8 +110,9 @@ def test_plan_and_loader_count_the_stored_bytes(mxfp4):
     from offload import OffloadedCausalLM
     from offload.formats import open_checkpoint
     from offload.planning.membytes import arch_of
-    from offload.planning.memlayers import layer_sizes, read_checkpoint
+    from offload.planning.memlayers import layer_sizes
     from offload.planning.memplan import PlanRequest
+    from tests.sparse_ckpt import read_checkpoint
 
     target, _, _ = mxfp4
     assert open_checkpoint(target).format == "mxfp4"

@@ -129,8 +129,9 @@ def test_plan_counts_every_expert(target):
     """The memory plan's per-layer bytes are the layer's stored tensors (all four expert tensors) and the loader's."""
     from offload import OffloadedCausalLM
     from offload.planning.membytes import arch_of
-    from offload.planning.memlayers import layer_sizes, read_checkpoint
+    from offload.planning.memlayers import layer_sizes
     from offload.planning.memplan import PlanRequest
+    from tests.sparse_ckpt import read_checkpoint
 
     ck = read_checkpoint(target)
     lay = layer_sizes(

@@ -125,8 +125,8 @@ def test_the_plan_follows_a_stored_measurement(target):
     models = load_models(replace(opts, plan=plan))
     assert models.draft.skipped == plan.skipped_layers == [IDLE], "the loader measures and updates the plan"
 
-    from offload.planning.memlayers import read_checkpoint
     from offload.planning.selfplan import skip_note, skip_order_for
+    from tests.sparse_ckpt import read_checkpoint
 
     order, measured = skip_order_for(read_checkpoint(target), 6)
     assert measured and order[0] == IDLE

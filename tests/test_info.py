@@ -14,10 +14,9 @@ import struct
 
 import pytest
 
-from offload.planning.memlayers import read_checkpoint
 from offload.planning.memplan import PlanRequest, plan_memory
 from specexec_cli.session.info import describe, rows
-from tests.sparse_ckpt import FIXTURES, tensor_shapes
+from tests.sparse_ckpt import FIXTURES, read_checkpoint, tensor_shapes
 
 GB = 1024**3
 SIZES = {"I32": 4, "F16": 2}

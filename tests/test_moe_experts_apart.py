@@ -4,7 +4,9 @@ The tiny seeded MoE checkpoints of tests/test_moe_families.py (Mixtral, Qwen2-Mo
 dense MLP layer, Qwen3-MoE), every layer on disk, on the CPU. Checked: greedy ids equal HF `generate`'s and
 whole-layer streaming's (`experts="layers"`); the bytes read per pass are the routed experts' covering spans and
 nothing else of them (the reads recorded by a monkeypatched DirectReader.read_span, the routing by a monkeypatched
-ExpertList.forward, the expert spans from the safetensors header); the memory plan says "on-demand", runs, and
+ExpertList.forward, the expert spans from the safetensors header); with a cache of one layer's experts, a pass's
+expert reads are its missing experts' spans merged into runs (tests/test_expert_runs.check_merged_reads); the
+memory plan says "on-demand", runs, and
 sizes the staging slots and the expert cache as the loader allocates them (on a disk without per-read latency,
 where it chooses them apart); `ar` and specexec with a draft,
 through the engine, equal HF generate with the experts apart; a bf16 checkpoint (computed in bf16 or cast to fp32)
@@ -166,6 +168,19 @@ def test_routed_experts_are_read_ahead(family, monkeypatch):
         m.close()
 
 
+def test_a_pass_reads_the_merged_runs_of_its_missing_experts(family, monkeypatch):
+    """With the cache of one layer's experts (the loader's own size), each pass's expert reads are the runs the
+    merge rule makes of the spans of its routed experts the cache misses (tests/test_expert_runs.py)."""
+    from offload import OffloadedCausalLM
+    from tests.test_expert_runs import check_merged_reads
+
+    m = OffloadedCausalLM.from_pretrained(family[1], dtype=torch.float32, offload="disk")
+    try:
+        check_merged_reads(m, monkeypatch, ExpertList, make_tokenizer()(PROMPT)["input_ids"])
+    finally:
+        m.close()
+
+
 def fast_disk(monkeypatch) -> None:
     """A disk without per-read latency (the plan's prior Device): these tiny experts then model faster apart, so
     the plan holds them apart (with the 100 us prior, Qwen2/3-MoE's 24 KiB experts model faster in their layers:
@@ -177,8 +192,8 @@ def fast_disk(monkeypatch) -> None:
 
 def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family, monkeypatch):
     from offload import OffloadedCausalLM
-    from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
+    from tests.sparse_ckpt import read_checkpoint
 
     name, target, _, want = family
     fast_disk(monkeypatch)

@@ -16,9 +16,8 @@ from dataclasses import replace
 import pytest
 
 from offload.planning.experts import distinct_experts, hit_share, pass_terms
-from offload.planning.memlayers import read_checkpoint
 from offload.planning.memplan import RAM_FRACTION, PlanRequest, plan_memory
-from tests.sparse_ckpt import write_sparse
+from tests.sparse_ckpt import read_checkpoint, write_sparse
 from tests.sparse_moe import write_sparse_moe
 
 GB = 10**9

@@ -62,8 +62,8 @@ def test_apart_cost_is_reads_latency_bytes_and_the_overlap():
 
 
 def _plan(target, read_s: float):
-    from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
+    from tests.sparse_ckpt import read_checkpoint
 
     dev = device_for("cpu", disk_bps=2e9, disk_read_s=read_s)
     req = PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34, offload="disk", cost_device=dev)

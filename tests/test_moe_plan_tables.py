@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from offload.planning.memlayers import read_checkpoint
 from tests.conftest import load_script
+from tests.sparse_ckpt import read_checkpoint
 from tests.sparse_moe import write_sparse_moe
 
 GB = 10**9

@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 
-from offload.planning.memlayers import read_checkpoint
 from offload.planning.memplan import PlanRequest, plan_memory
 from specexec_cli.session.loading import close_models
 from specexec_cli.session.profiles import plan_timings
 from specexec_cli.tools import modeltimes
 from tests.conftest import make_tokenizer
+from tests.sparse_ckpt import read_checkpoint
 from tests.sparse_moe import write_sparse_moe
 from tests.test_gpt_oss import make_gpt_oss
 from tests.test_moe_families import make_moe

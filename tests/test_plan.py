@@ -13,9 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from offload.planning.memlayers import read_checkpoint
 from offload.planning.memplan import PlanRequest, plan_memory
-from tests.sparse_ckpt import write_sparse
+from tests.sparse_ckpt import read_checkpoint, write_sparse
 
 GB = 10**9
 MIB = 1024**2

@@ -84,8 +84,8 @@ def test_cuda_formula_terms(a):
 
 def test_plan_counts_draft_step_where_the_step_runs(tiny_pair):
     """CUDA plan of the tiny pair: mask store + inputs + pools; no draft: nothing."""
-    from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
+    from tests.sparse_ckpt import read_checkpoint
 
     t, d = read_checkpoint(tiny_pair[0]), read_checkpoint(tiny_pair[1])
     req = PlanRequest(device="cuda", dtype="bf16", draft_dtype="bf16", ram_free=64 << 30, max_gpu_memory=8 << 30)

@@ -9,9 +9,8 @@ import math
 
 import pytest
 
-from offload.planning.memlayers import read_checkpoint
 from offload.planning.memplan import PlanRequest, plan_memory
-from tests.sparse_ckpt import write_sparse
+from tests.sparse_ckpt import read_checkpoint, write_sparse
 
 GB = 10**9
 H, KV, INTER, LAYERS = 8192, 1024, 28672, 80  # Llama-3.1-70B: hidden, kv heads x head dim, MLP, layers

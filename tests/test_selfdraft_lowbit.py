@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 import offload.quant.lowbit as lowbit
 from offload import OffloadedCausalLM
 from offload.errors import OffloadError, OffloadNotice
-from offload.planning.memlayers import read_checkpoint
 from offload.planning.memplan import PlanRequest, plan_memory
 from offload.selfdraft.build import build_self_draft
 from specexec_cli.terminal.app import app
 from tests.conftest import make_model
+from tests.sparse_ckpt import read_checkpoint
 from tests.test_selfdraft import shares_with
 
 pytest.importorskip("hqq", reason="the lowbit extra (HQQ) is not installed")

@@ -118,8 +118,8 @@ def test_sampled_ids_equal_ar_with_the_same_seed(tmp_path, target):
 
 
 def plan_for(target, temperature=0.0):
-    from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
+    from tests.sparse_ckpt import read_checkpoint
 
     req = PlanRequest(
         device="cpu",

@@ -243,8 +243,8 @@ def test_parallel_fit_counts_every_trees_rows_in_a_forest_pass():
 
 def test_plan_row_bytes_are_a_tokens_hidden_mask_and_logits_rows(tiny_pair):
     from offload.arch.attention import padded
-    from offload.planning.memlayers import read_checkpoint
     from offload.planning.memplan import PlanRequest, plan_memory
+    from tests.sparse_ckpt import read_checkpoint
 
     target = read_checkpoint(tiny_pair[0])
     plan = plan_memory(

@@ -85,7 +85,7 @@ def gb(n: float) -> str:
 
 
 def _moe_ckpt(name: str, root: Path):
-    from offload.planning.memlayers import read_checkpoint
+    from tests.sparse_ckpt import read_checkpoint
     from tests.sparse_moe import write_sparse_moe
 
     return read_checkpoint(write_sparse_moe(name, root / name))

@@ -118,7 +118,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def draft_bytes(ck, dtype: str) -> int:
     """Draft parameters in `dtype` (a tied lm_head shares the embedding) + rotary buffers;
-    `ck` is a memlayers.Checkpoint (its config and safetensors headers)."""
+    `ck` is a formats.Checkpoint (its config and tensor headers)."""
     a, b = arch_of(ck.config), dtype_bytes(dtype)
     total = 0
     for name, e in ck.tensors.items():

@@ -1,55 +1,30 @@
 """Per-layer sizes for the memory plan, from config.json and safetensors headers only.
 
-Contract: `read_checkpoint(path)` reads what the plan may read of a model directory (config.json
-and the safetensors headers, never weight bytes) into a `Checkpoint`. `layer_sizes(ck, arch, req)`
-returns a `LayerSizes`: per decoder layer the bytes loader.load_weights will allocate or read for it
-(packed arena, disk slot, raw read buffer, staging, bytes read per pass, whether it converts or
-repacks, its packed linears dequantized once to the compute dtype), plus the NF4 quant-state and pinned-norm totals, for the target dtype in `req`
-(a memplan.PlanRequest); for a family whose routed experts a disk layer may hold apart, one expert's cache slot and
-the read requests (file spans) of an expert, of the dense part and of the whole layer, and disk sizes of dense
-parts (`apart`, the default) or of whole layers. memplan.py places the layers; this module only sizes them.
+Contract: `layer_sizes(ck, arch, req)` reads a formats.Checkpoint's config and tensor headers (never
+weight bytes) and returns a `LayerSizes`: per decoder layer the bytes loader.load_weights will allocate
+or read for it (packed arena, disk slot, raw read buffer, staging, bytes read per pass, whether it
+converts or repacks, its packed linears dequantized once to the compute dtype), plus the NF4
+quant-state and pinned-norm totals, for the target dtype in `req` (a memplan.PlanRequest); for a
+family whose routed experts a disk layer may hold apart, one expert's cache slot and the read requests
+(file spans) of an expert, of the dense part and of the whole layer, and disk sizes of dense parts
+(`apart`, the default) or of whole layers. memplan.py places the layers; this module only sizes them.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from offload.errors import OffloadError
+from offload.formats.base import Checkpoint, TensorInfo
 from offload.formats.prequant import packed_nf4_shape
-from offload.formats.st_index import SafetensorsIndex, TensorEntry
 from offload.planning.membytes import Arch, _packed, compute_bytes, nf4_state_bytes, torch_dtype
 from offload.quant.dense import dense_bytes
 from offload.stream.expertstore import slot_bytes, split_layer, splits_experts, streams_whole
 from offload.stream.hostmem import ARENA_ALIGN
 from offload.stream.storage import CPU_ALIGN, IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """What the plan reads of one model directory."""
-
-    config: dict  # parsed config.json
-    tensors: dict[str, TensorEntry]  # safetensors headers: name -> dtype, shape, file range
-    root: Path  # the directory (for messages)
-
-
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """config.json + safetensors headers (8 + header bytes per file); never the weight bytes."""
-    root = Path(path)
-    cfg_file = root / "config.json"
-    try:
-        config = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise OffloadError(f"{cfg_file}: not found; point at a Hugging Face model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise OffloadError(f"{cfg_file}: not valid JSON; fix or re-download it") from None
-    return Checkpoint(config, SafetensorsIndex(root).entries, root)
-
 
 # how a decoder layer's parameters end: linears' and norms' weight/bias, gpt-oss's attention sinks and
 # its fused 3-D experts (`mlp.experts.gate_up_proj` (E, H, 2I), `mlp.experts.down_proj` (E, I, H))
@@ -58,7 +33,7 @@ PARAM_ENDINGS = ("weight", "bias", "self_attn.sinks", "experts.gate_up_proj", "e
 STORED_ENDINGS = tuple(f"experts.{m}_{p}" for m in ("gate_up_proj", "down_proj") for p in ("blocks", "scales"))
 
 
-def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorEntry]]:
+def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorInfo]]:
     """Parameters of decoder layer i from the headers (rotary inv_freq buffers and a pre-quantized
     checkpoint's quant-state parts are not parameters). NF4 specs carry the LOGICAL shape: a
     packed uint8 (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""

@@ -63,7 +63,8 @@ from offload.planning.membytes import (
     prefill_chunk,
     rotary_bytes,
 )
-from offload.planning.memlayers import Checkpoint, LayerSizes, dense_notes, dequantize_once, kernel_terms, layer_sizes
+from offload.formats.base import Checkpoint
+from offload.planning.memlayers import LayerSizes, dense_notes, dequantize_once, kernel_terms, layer_sizes
 from offload.planning.draftcost import small_candidates
 from offload.planning.experts import chose_whole_layers, expert_notes, expert_plan
 from offload.planning.passcost import device_of
