@@ -266,3 +266,37 @@ def check_merged_reads(m, monkeypatch, experts_cls, ids: list[int], sizes=(6, 1,
             spans, requests = spans + len(missing), requests + len(got)
         assert store.bytes_read - before == sum(ev[2] for ev in events if ev[0] == "read")
     assert requests < spans, (requests, spans)
+
+
+@pytest.mark.parametrize(
+    "n, m, stride, rule, copied",
+    [
+        (24, 2, 208896, MergeRule(196608, 16 * 196608, 0.2), True),  # Q8_0 rows: adjacent ones merge, copied
+        (24, 8, 208896, MergeRule(196608, 16 * 196608, 0.2), True),
+        (24, 22, 208896, MergeRule(196608, 1 << 30, 0.2), True),
+        (32, 10, 4096, MergeRule(8192, 1 << 30, 0.0), False),  # up to two rows between merge
+        (128, 40, 65536, MergeRule(200704, 1 << 30, 0.2), False),  # re-laid: nothing copied, three between
+    ],
+)
+def test_expected_requests_are_the_mean_of_merged_passes(n, m, stride, rule, copied):
+    """expected_requests against `merge` over random passes (m of n experts missing, uniformly): the mean
+    requests and bytes between within 3% (a cap that never splits a run)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from offload.stream.expertruns import Piece, expected_requests, merge
+    from offload.stream.storage import Span
+
+    expert = SimpleNamespace(repack=not copied)
+    gen = torch.Generator().manual_seed(0)
+    requests = between = 0
+    samples = 3000
+    for _ in range(samples):
+        es = sorted(torch.randperm(n, generator=gen)[:m].tolist())
+        pieces = [Piece(k, Span(Path("f"), e * stride, stride, stride, 0), expert, None) for k, e in enumerate(es)]
+        runs = merge(pieces, rule)
+        requests += len(runs)
+        between += sum(r[-1].span.offset + stride - r[0].span.offset for r in runs) - m * stride
+    want_requests, want_between = expected_requests(m, n, stride, rule, copied)
+    assert requests / samples == pytest.approx(want_requests, rel=0.03)
+    assert between / samples == pytest.approx(want_between, rel=0.03, abs=0.01 * stride)

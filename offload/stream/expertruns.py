@@ -25,10 +25,20 @@ Contract (stream/expertstore.py's ExpertStore.stream plans and reads a layer's r
   slot (O_DIRECT lands there); otherwise the run lands in `buf` (page-aligned, at least the run's length)
   and each piece is copied out of it, or its parameters cast out of it into the expert's packed layout
   (storage.store_param) where the expert is re-laid.
+- `expected_requests(m, n, stride, rule, copied)` -> (requests, bytes between): the expected requests, and
+  bytes read between merged spans, of one span group (the same tensor's rows of every expert, `stride`
+  bytes apart; a safetensors expert's one span, in the file's order) when m of its n experts miss the
+  cache, uniformly at random: m minus the expected consecutive missing pairs with j <= J experts between
+  them, (n - 1 - j) x C(n - 2 - j, m - 2) / C(n, m) for each j, J the most experts whose bytes a merge reads
+  (j x stride + ratio x the bytes it copies <= gap, priced as a run's second span, the dearer join;
+  `copied`: the experts compute in their file layout). The cap's splits are left out: each adds one request
+  to a run of at least RUN_REQUESTS requests' latency in bytes (under 1/RUN_REQUESTS of its read time).
+  The memory plan prices a pass's reads with it (planning/expertcost.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -120,3 +130,19 @@ def read_run(reader: DirectReader, run: list[Piece], buf: torch.Tensor | None) -
                 raw = buf[base + s.offset : base + s.offset + s.nbytes].view(s.dtype).view(s.shape)
                 store_param(raw, sp, d.packed.view(p.dest, sp.name))
     return span.length
+
+
+def expected_requests(m: float, n: int, stride: int, rule: MergeRule, copied: bool) -> tuple[float, float]:
+    """(expected requests, expected bytes read between merged spans) of one span group (see the contract)."""
+    m = min(max(m, 0.0), float(n))
+    if m < 2 or not stride:
+        return m, 0.0
+    # the join is priced as a run's second span (the dearer one: it copies the first span's bytes too)
+    most = math.floor((rule.gap - rule.ratio * (2 * stride if copied else 0)) / stride)
+    lo, frac = int(m), m - int(m)  # a fractional m (a cache's expected misses): between its neighbours
+    out = []
+    for k in (lo, min(lo + 1, n)):
+        pairs = [(n - 1 - j) * math.comb(n - 2 - j, k - 2) / math.comb(n, k) for j in range(min(most, n - 2) + 1)]
+        out.append((k - sum(pairs), sum(j * stride * c for j, c in enumerate(pairs))))
+    (r0, b0), (r1, b1) = out
+    return r0 + frac * (r1 - r0), b0 + frac * (b1 - b0)
