@@ -1,13 +1,11 @@
 """The one place where transformers' API drift across the declared version range is absorbed.
 
 Contract: transformers 5.24 renamed the KV-cache keyword `past_key_values` to `cache` (decoder
-layers, causal-LM forwards, `create_causal_mask`, model outputs) and warns on the old name until
-5.40, where it goes away. `cache_kwargs(fn, cache)` returns `{name: cache}` with the name that
-`fn` accepts in the installed version, so every call site works from the oldest declared version
-(5.17, the GPU image's, which only knows `past_key_values`) to the newest. `output_cache_kwargs(cls, cache)` does the
-same for ModelOutput dataclasses. Names are looked up once per callable and cached.
-`register_as(name, forward, mask)` makes an attention function and its mask builder known to
-transformers' interfaces under `name`, once (arch/attention.py's and arch/gptoss.py's).
+layers, causal-LM forwards, `create_causal_mask`, model outputs; the old name goes away in 5.40).
+`cache_kwargs(fn, cache)` returns `{name: cache}` with the name `fn` accepts in the installed version
+(from 5.17, which only knows `past_key_values`, to the newest); `output_cache_kwargs(cls, cache)` does the
+same for ModelOutput dataclasses. `register_as(name, forward, mask)` makes an attention function and its
+mask builder known to transformers' interfaces under `name`, once.
 """
 
 from __future__ import annotations
@@ -59,11 +57,6 @@ def _output_name(cls) -> str:
 def output_cache_kwargs(cls, cache) -> dict:
     """`{field: cache}` for a ModelOutput class whose cache field is `cache` or `past_key_values`."""
     return {_output_name(cls): cache}
-
-
-def pick_cache(cache=None, past_key_values=None):
-    """Our own forwards accept both spellings; `cache` wins when both are given."""
-    return cache if cache is not None else past_key_values
 
 
 def register_as(name: str, forward, mask) -> str:

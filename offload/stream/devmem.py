@@ -3,7 +3,8 @@
 Contract:
 - `DevicePool` is the one allocator of device bytes, counted per memory-plan component
   (offload/planning/memplan.py names them): fresh buffers via `alloc`/`empty`/`copy`, tensors that a
-  library made on the device via `adopt` (each storage once), dropped buffers via `free`.
+  library made on the device (HF draft weights, rotary buffers) via `adopt` (each storage once), and
+  `free` un-counts a dropped buffer (a regrown KV slab).
 - Every buffer it hands out starts on a 256-byte boundary (hostmem.ARENA_ALIGN) on CPU as on
   CUDA (whose allocator aligns to 512), so views carved at aligned offsets stay aligned.
 Host pinning lives in hostmem.py; nothing here reads files.
@@ -19,19 +20,14 @@ from offload.stream.hostmem import ARENA_ALIGN, aligned_empty
 
 
 class DevicePool:
-    """The one counting allocator of device bytes, per component (see memplan for the names).
-
-    `alloc`/`empty` hand out fresh buffers; `adopt` counts tensors a library created on the
-    device (HF draft weights, rotary buffers), each storage once; `free` un-counts a buffer that
-    is dropped (a regrown KV slab). `allocated` is the total, `by_component` the breakdown that
-    tests compare with the memory plan. On CPU large buffers are page-aligned (O_DIRECT targets; from
-    2 MB up in transparent huge pages, KV slabs excepted), small ones 256-byte aligned.
-    """
+    """The one counting allocator of device bytes, per component (module contract). `allocated` is the
+    total, `by_component` the breakdown tests compare with the memory plan. On CPU large buffers are
+    page-aligned (O_DIRECT targets; from 2 MB up in transparent huge pages, KV slabs excepted)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.by_component: dict[str, int] = {}
-        self.count = 0
+        self.count = 0  # buffers handed out (tests/test_cuda.py allows the allocator's rounding per buffer)
         self._adopted: set[int] = set()
 
     @property

@@ -62,13 +62,16 @@ def load_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool,
     """Materialize embed_tokens (on the device, or host RAM), norm, lm_head (tied if configured and
     the embeddings are on the device) and rotary_emb; every device byte is counted by `pool`."""
     base = hf.model
+    norm = _materialize(base.norm, "model.norm.weight", index, dtype, pool, "final_norm", device)
+    rotary = type(base.rotary_emb)(config).to(device)
+    pool.adopt("rotary", rotary.buffers())
     if embeddings == "packed":
-        return _packed_globals(index, hf, config, device, dtype, pool)
+        embed, lm_head = _packed_globals(index, device, dtype, pool)
+        return embed, norm.requires_grad_(False), lm_head, rotary
     host = embeddings == "host"
     embed = _materialize(
         base.embed_tokens, "model.embed_tokens.weight", index, dtype, None if host else pool, "embeddings", device
     )
-    norm = _materialize(base.norm, "model.norm.weight", index, dtype, pool, "final_norm", device)
     tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in index.entries
     if tied and not host:
         lm_head = hf.lm_head
@@ -81,28 +84,21 @@ def load_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool,
         index, lm_head, "model.embed_tokens.weight" if tied else "lm_head.weight", device, dtype, pool
     )
     restore_buffers(embed)
-    rotary = type(base.rotary_emb)(config).to(device)
-    pool.adopt("rotary", rotary.buffers())
     for mod in (embed, norm, lm_head):
         mod.requires_grad_(False)
     return (HostEmbedding(embed, device) if host else embed), norm, lm_head, rotary
 
 
-def _packed_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool):
-    """`--embeddings packed` (formats/packed_globals.py): the embedding table and the output layer as
-    their GGUF bytes only, counted as "embeddings" and "lm_head" (a tied head reads the table's bytes)."""
-    base, (vocab, hidden) = hf.model, index.logical_shape(EMBED)
+def _packed_globals(index: Checkpoint, device, dtype, pool: DevicePool):
+    """`--embeddings packed` (formats/packed_globals.py): (embed, lm_head) as their GGUF bytes only, counted
+    as "embeddings" and "lm_head" (a tied head reads the table's bytes)."""
+    vocab, hidden = index.logical_shape(EMBED)
     table = pool.copy(index.read(EMBED), "embeddings")
     embed = PackedEmbedding(table, index.tensors[EMBED].meta["ggml_type"], vocab, hidden)
     name = head_name(index)
     raw = table if name == EMBED else pool.copy(index.read(name), "lm_head")
     out_features, in_features = index.logical_shape(name)
-    lm_head = LeanHead(raw, gguf_kernel_type(index, name, device, dtype), out_features, in_features)
-    norm = _materialize(base.norm, "model.norm.weight", index, dtype, pool, "final_norm", device)
-    norm.requires_grad_(False)
-    rotary = type(base.rotary_emb)(config).to(device)
-    pool.adopt("rotary", rotary.buffers())
-    return embed, norm, lm_head, rotary
+    return embed, LeanHead(raw, gguf_kernel_type(index, name, device, dtype), out_features, in_features)
 
 
 def _packed_head(index: Checkpoint, lm_head: nn.Module, name: str, device, dtype, pool: DevicePool) -> nn.Module:

@@ -4,20 +4,15 @@ Contract:
 - `aligned_empty(nbytes, align, huge=True)` returns a host uint8 buffer whose first byte sits on an
   `align` boundary: large buffers are anonymous mmaps (page-aligned, usable as O_DIRECT targets),
   from HUGE (2 MB) up private ones on a HUGE boundary asked for transparent huge pages (`huge`
-  False: 4 KB pages, for a buffer touched a little at a time), small ones are carved from a
-  slightly larger torch buffer. Every tensor that a layer reads from a
-  slot or an arena starts at an ARENA_ALIGN (256-byte) boundary: CUDA kernels that load 128-bit
-  vectors (bitsandbytes' among them) fault on less, and 256 matches the CUDA allocator's own.
+  False: 4 KB pages), small ones carved from a slightly larger torch buffer. Every tensor a layer
+  reads starts at an ARENA_ALIGN (256-byte) boundary: CUDA kernels that load 128-bit vectors
+  (bitsandbytes' among them) fault on less.
 - `HostPins` page-locks host regions for one owner (a LayerStore) with ONE portable
-  cudaHostRegister per region and unregisters every region it registered on `release()` (the
-  owner's close) or, failing that, when the owner is garbage-collected: the buffers stay
-  referenced until they are unregistered, so memory is never unmapped while still registered.
-  Nothing is pinned unless the compute device is CUDA (`--device cpu` pins nothing).
-  A failed registration returns False after clearing CUDA's sticky-until-read last error through
-  a torch call that reads it (else the next unrelated kernel launch would raise it). A failed
-  unregistration (its return code is checked) clears the error the same way, keeps the buffer
-  referenced for the life of the process (never unmapped while possibly still registered) and
-  `release()` says so in one OffloadNotice line.
+  cudaHostRegister per region and unregisters them on `release()` or, failing that, when the owner
+  is garbage-collected; memory is never unmapped while still registered. Nothing is pinned unless
+  the compute device is CUDA. A failed (un)registration clears CUDA's sticky last error (else the
+  next unrelated launch would raise it); a failed unregistration keeps the buffer referenced for
+  the life of the process and `release()` says so in one OffloadNotice line.
 """
 
 from __future__ import annotations
@@ -70,11 +65,8 @@ def _huge_empty(nbytes: int) -> torch.Tensor:
 
 
 def clear_cuda_error() -> None:
-    """Consume CUDA's last error on this thread with a torch launch that checks it.
-
-    torch's launch check reads (and so resets) cudaGetLastError and raises what it found; the
-    second launch proves the state is clean. No library is located by file name.
-    """
+    """Consume CUDA's last error on this thread: torch's launch check reads (and so resets)
+    cudaGetLastError and raises what it found; the second launch proves the state is clean."""
     if not torch.cuda.is_available():
         return
     for _ in range(2):

@@ -1,19 +1,14 @@
 """Load-time placement: read the checkpoint into resident buffers, RAM arenas and disk plans.
 
 Contract: `load_weights(...)` takes a Checkpoint that `open_checkpoint` checked strictly once
-(formats/validate.py: every parameter present with its shape and a float dtype, no unexpected
-tensor; a tied lm_head may be absent), so no parameter is ever left uninitialised; it
-computes per-layer packed sizes, picks the placement with `plan_offload`, checks the host and
-device bytes that placement needs against what is free BEFORE allocating anything (OffloadError
-otherwise), then fills: resident layers into `DevicePool` buffers, RAM-tier layers into one
-page-aligned host region (page-locked once on CUDA), and records file spans for disk-tier
-layers. NF4 layers come from a pre-quantized checkpoint (prequant.py; a 16-bit one goes through
-quant_cache.py first): their packed uint8 weights are the only streamed bytes, read as stored
-(never re-quantized); quant states and the small 16-bit tensors (norms, biases) are loaded once
-onto the device ("pinned") and stay bound. `plan.dense` names the resident layers whose packed
-linears the model dequantizes once after binding them (the memory plan's `dense_layers`, or
-without one what the budgets leave room for: `_dense_auto`). A GGUF head the CPU kernel serves
-(cpu/ggml_kernel.py) also keeps its packed bytes, counted under "lm_head".
+(formats/validate.py), so no parameter is ever left uninitialised. It computes per-layer packed sizes,
+picks the placement (`plan_offload`, or the caller's memory plan), checks the host and device bytes it
+needs against what is free BEFORE allocating anything (OffloadError otherwise), then fills: resident
+layers into `DevicePool` buffers, RAM-tier layers into one page-aligned host region (page-locked once
+on CUDA), and records file spans for disk-tier layers. NF4 layers (prequant.py's format) stream only
+their packed uint8 weights, as stored; their quant states and small 16-bit tensors are loaded once onto
+the device ("pinned"). `plan.dense` names the resident layers whose packed linears the model
+dequantizes once (the memory plan's `dense_layers`, else what the budgets leave room for: `_dense_auto`).
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError
-from offload.formats import Checkpoint, open_checkpoint
+from offload.formats import Checkpoint
 from offload.formats.qlinear import PackedLinear
 from offload.quant.dense import dense_bytes
 from offload.quant.nf4 import Nf4Linear
@@ -170,8 +165,7 @@ class Subset:
 
 
 def load_weights(
-    path: Path,
-    config,
+    index: Checkpoint,
     hf,
     device: torch.device,
     storage_dtype: torch.dtype,
@@ -190,15 +184,9 @@ def load_weights(
     experts: str = "auto",
     expert_cache: int | None = None,
 ) -> LoadedWeights:
-    """`memplan` (offload.planning.memplan.MemoryPlan) fixes placement and embeddings; without it the
-    budgets below decide (library use). `pool` counts every device byte (a fresh one if None).
-    `subset`: only those layers get weights (the others count 0 bytes), the globals are shared.
-    `path`: the opened Checkpoint (a directory is opened here, for library callers). `experts`: "auto"
-    (disk layers' routed experts read on demand where the memory plan chose it, else where
-    expertstore.splits_experts allows it when no plan is given), "on-demand" (where it allows it) or "layers"
-    (whole layers stream); `expert_cache`: the expert cache's experts (None: the plan's, else expertstore's rule)."""
-    index = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    path = index.path
+    """The options are OffloadedCausalLM.from_pretrained's (its docstring); `memplan` fixes placement and
+    embeddings, else the budgets decide; `pool` counts every device byte (a fresh one if None)."""
+    path, config = index.path, index.hf_config
     layers = hf.model.layers
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
     # nf4: only the packed weights stream; the small rest is pinned on the device once.

@@ -1,22 +1,15 @@
 """OffloadedCausalLM: a HF causal LM (families.SUPPORTED) whose decoder layers stream.
 
-Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, max_device_memory,
-max_host_memory, slots, progress)` builds the HF model on the meta device, materializes only
-embed_tokens / norm / lm_head / rotary_emb on the compute device, and keeps every decoder
-layer's weights in one buffer per layer (see storage.py) placed by `plan_offload`.
-`model(input_ids=, attention_mask=, position_ids=, cache=, use_cache=)` (or `past_key_values=`) is ONE
-lane of multi.py's `run_pass`, the pass `forward_many` runs for several sequences (there is no
-other): it runs the HF decoder-layer modules unchanged (or the one-call stack, leanstack.py, where
-it serves), `_layer_stream` re-pointing their parameters at the staged buffer before each layer,
-and returns a `CausalLMOutputWithPast` whose logits equal HF's for the same inputs
-(4-D additive tree masks, arbitrary positions and a caller-owned DynamicCache included; with
-attention_mask=None it behaves like HF's plain causal path). The KV cache stays on the device.
-Per-family differences (soft-capping, sliding windows under tree masks) come from families.py;
-offload="none" keeps every layer resident (the exact non-streamed path for those families). A disk layer of a
-mixture-of-experts target streams without its routed experts where stream/expertstore.py holds them apart:
-each routed expert is read (or found in the RAM expert cache) just before it computes.
-Resident layers of a packed checkpoint named in `plan.dense` are dequantized once here
-(quant/dense.py), the same values every pass would compute.
+Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, ...)` builds the HF model on
+the meta device, materializes only the globals (embeddings, final norm, lm_head, rotary) on the compute
+device, and keeps every decoder layer's weights in one buffer per layer (storage.py) placed by the plan
+(placement.py, or the caller's memory plan). `model(input_ids=, attention_mask=, position_ids=, cache=,
+use_cache=)` (or `past_key_values=`) is ONE lane of multi.py's `run_pass`, the only pass: it returns a
+`CausalLMOutputWithPast` whose logits equal HF's for the same inputs (4-D additive tree masks, arbitrary
+positions and a caller-owned cache included). The KV cache stays on the device. offload="none" keeps
+every layer resident. Resident layers of a packed checkpoint named in `plan.dense` are dequantized once
+here (quant/dense.py); a mixture-of-experts disk layer may read its routed experts apart
+(stream/expertstore.py).
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ import torch
 from torch import nn
 
 from offload.arch.families import Family, meta_model
-from offload.arch.hfcompat import output_cache_kwargs, pick_cache
+from offload.arch.hfcompat import output_cache_kwargs
 from offload.arch.moe import MOE_FAMILIES
 from offload.cpu.leanstack import LeanStack
 from offload.errors import OffloadError
@@ -58,12 +51,6 @@ class OffloadStats:
 PACKED_FORMATS = ("awq", "gptq", "compressed-tensors", "gguf")  # streamed as stored, dequantized per pass
 
 
-def _with_attn(config):
-    """The checkpoint's config with the attention kernel its family needs (Gemma-2: eager)."""
-    config._attn_implementation = Family.of(config).attn_implementation
-    return config
-
-
 class OffloadedCausalLM(nn.Module):
     def __init__(
         self,
@@ -72,7 +59,6 @@ class OffloadedCausalLM(nn.Module):
         dtype: torch.dtype,
         hf: nn.Module,
         w: LoadedWeights,
-        slots: int,
         packing: str = "standard",
     ):
         super().__init__()
@@ -138,7 +124,7 @@ class OffloadedCausalLM(nn.Module):
         `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16);
         `experts` / `expert_cache`: routed experts of disk layers read on demand ("on-demand"), streamed with
         their layer ("layers"), or as the memory plan chose ("auto"; without a plan: on demand where they can
-        be), and the experts their RAM cache holds (loader.load_weights)."""
+        be), and the experts their RAM cache holds (None: the plan's, else stream/expertstore.py's rule)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -159,7 +145,8 @@ class OffloadedCausalLM(nn.Module):
         if _wants_nf4(dtype) and ckpt.format != "bnb-nf4":
             # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
             ckpt = open_checkpoint(ensure_nf4_cache(ckpt, progress=progress, packing=packing_for(device)))
-        path, config = ckpt.path, _with_attn(ckpt.hf_config)
+        path, config = ckpt.path, ckpt.hf_config
+        config._attn_implementation = Family.of(config).attn_implementation  # Gemma-2: eager (soft-capping)
         packing = getattr(config, "specx_packing", "standard")
         if packing != "standard" and packing != packing_for(device):
             raise OffloadError(
@@ -181,7 +168,6 @@ class OffloadedCausalLM(nn.Module):
             swap_gguf_experts(hf.model.layers, ckpt, compute_dtype)
         w = load_weights(
             ckpt,
-            config,
             hf,
             device,
             storage_dtype,
@@ -200,7 +186,7 @@ class OffloadedCausalLM(nn.Module):
             experts=experts,
             expert_cache=expert_cache,
         )
-        model = cls(config, device, compute_dtype, hf, w, slots, packing)
+        model = cls(config, device, compute_dtype, hf, w, packing)
         model.source = path  # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
         model.checkpoint = ckpt  # its opened Checkpoint (formats.base)
         return model
@@ -297,7 +283,7 @@ class OffloadedCausalLM(nn.Module):
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        past_key_values = pick_cache(cache, past_key_values)
+        past_key_values = cache if cache is not None else past_key_values  # `cache` wins when both are given
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         lane = Lane(

@@ -1,26 +1,18 @@
 """The one pass of an OffloadedCausalLM, for one sequence or several: `forward` and `forward_many` both run it.
 
 Contract: `run_pass(model, lanes)` is the only pass implementation: each `Lane` is one sequence's
-inputs (ids or embeddings, mask, cache, positions, logits to keep, extra layer arguments) and it
-returns each lane's (B, T or keep, V) logits. `OffloadedCausalLM.forward` is `run_pass` of ONE lane
-made of its Hugging Face-style arguments; `forward_many(model, jobs)` is `run_pass` of one lane per
-`ForwardJob` (each its own token ids, positions, 4-D additive mask or None for plain causal, and
-its OWN KV cache) and returns one logits tensor per job, in order: (T, V), or (1, V) for the job's
-last token with `last_only`. Either way the decoder layers are iterated once: when layer i's
-weights are bound (resident or streamed through the prefetcher), every lane's hidden states go
-through it against that lane's cache, then the next layer. The stream is paid once for all lanes
-(`model.stats.passes` grows by one per call). Each lane runs exactly the modules, shapes and inputs
-it would alone, in the same order, so its logits equal the pass over it alone bit for bit (one
-exception: several lanes on a streamed stack, below); no tensor
-is shared between lanes (no flat KV, no cross-sequence mask), so nothing can leak from one sequence
-into another. The lanes the model's one-call stack serves (cpu/leanstack.py: a Llama GGUF on the
-CPU, a few tokens each, slab caches, no extra layer arguments) run through it instead of the layer
-loop: with every layer resident, the one-token lanes (plain decoding) all in ONE call and one head
-call, each packed weight read once for all of them and every row computed as that lane alone
-computes it, a lane of several tokens in a call of its own; with streamed layers (one C call per
-layer as each is bound) only a pass of one lane takes it, several lanes take HF's layers (equal to
-the stack up to fp32 rounding order, not bit for bit). Any other model (resident HF) runs
-`forward_many`'s jobs one after the other, each through its own forward.
+inputs and it returns each lane's (B, T or keep, V) logits. `OffloadedCausalLM.forward` is `run_pass`
+of ONE lane; `forward_many(model, jobs)` is `run_pass` of one lane per `ForwardJob` (its own ids,
+positions, 4-D additive mask or None for plain causal, and its OWN KV cache) and returns one logits
+tensor per job, in order: (T, V), or (1, V) with `last_only`. The decoder layers are iterated once:
+when layer i's weights are bound (resident or streamed), every lane goes through it against its own
+cache, so the stream is paid once for all lanes (`model.stats.passes` grows by one per call). Each lane
+runs exactly the modules, shapes and inputs it would alone, so its logits equal its pass alone bit for
+bit, and no tensor is shared between lanes. The lanes the one-call stack serves (cpu/leanstack.py) run
+through it instead: with every layer resident, the one-token lanes all in ONE call (each row computed
+as that lane alone computes it), a longer lane in a call of its own; with streamed layers only a pass
+of one lane takes it (several lanes take HF's layers: equal to the stack up to fp32 rounding order).
+Any other model (resident HF) runs `forward_many`'s jobs one after the other through its own forward.
 Inputs are already on the model's devices (ids on `model.input_device` when it has one).
 """
 

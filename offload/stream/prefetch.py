@@ -15,19 +15,16 @@ Contract (one protocol for every tier and device):
   previous user is done: on CPU once compute released j - host_slots, on CUDA once copy
   B(j - host_slots) has finished (its event). Copy B(j) may start once compute released
   j - slots. So disk reads run up to `host_slots` layers ahead, independent of device slots.
-- Submission never stops at a pass boundary: when compute releases the last layers of a pass,
-  the freed slots are filled at once with the NEXT pass's first layers, so the link works while
-  the caller does something else (the draft growing its tree).
+- Submission never stops at a pass boundary: the slots compute frees at a pass's end are filled at
+  once with the NEXT pass's first layers, so the link works while the caller drafts.
 - Pass ids: each job is tagged with the pass that will consume it. At the start of a pass, any
   job tagged with another pass (a pass abandoned halfway: an exception or Ctrl-C inside a layer)
   is waited for and discarded, and the ring restarts empty; a stale job is never handed out.
-- CUDA: copies run on a side stream. B(j) first waits (stream.wait_event) on the event compute
-  recorded when it released the device slot, issues the copy, records a ready event; compute
-  waits on that event before using the buffer. No `record_stream`: the device slots are allocated
-  once on the compute stream and live until `close()`, events order every reuse across the two
-  streams, and `close()` waits for copies still in flight on the copy stream before the buffers can
-  go (the one moment the allocator could hand their memory out again). Host slots are
-  reused after event.synchronize() on the copy thread only. No device-wide synchronize.
+- CUDA: copies run on a side stream. B(j) first waits on the event compute recorded when it released
+  the device slot, issues the copy, records a ready event; compute waits on that event before using
+  the buffer. No `record_stream`: the device slots live until `close()`, which waits for copies still
+  in flight before the buffers can go. Host slots are reused after event.synchronize() on the copy
+  thread only. No device-wide synchronize.
 - Measurement: `link_busy_seconds(now)` is the cumulative time the link stage moved bytes (CPU:
   the read thread inside read jobs; CUDA: copy-stream time between timing events, counted once
   the events completed); `stall_seconds` the time compute blocked waiting for a layer.
@@ -74,7 +71,6 @@ class Prefetcher:
         self.pass_id = 1  # id of the pass that consumes seqs [start, start + len(order))
         self.start = 0
         self.started = False  # has pass `pass_id` begun?
-        self.completed = False  # ... and did it release its last layer?
         self.next_a = self.next_b = 0  # next seq to submit to each stage
         self.stall_seconds = 0.0
         self._busy_lock = threading.Lock()
@@ -177,7 +173,7 @@ class Prefetcher:
         if self.started:  # the previous pass ran (to its end or not)
             self.pass_id += 1
             self.start += len(self.order)
-        self.started, self.completed = True, False
+        self.started = True
         stale = [seq for seq, (tag, _) in (*self.jobs_a.items(), *self.jobs_b.items()) if tag != self.pass_id]
         if stale:  # left by a pass abandoned halfway: never hand them out
             self._drain()
@@ -189,7 +185,6 @@ class Prefetcher:
             buf = self._take(seq)
             yield layer, buf
             self._release(seq, buf)
-        self.completed = True
         self._fill(begin + len(self.order))  # the next pass's first layers, right away
 
     # ------------------------------------------------------------ accounting and shutdown

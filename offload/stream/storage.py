@@ -8,18 +8,13 @@ Contract:
   tensors are read with O_DIRECT straight into the staging slot and the tensors are views at
   their file offsets, so a layer costs one read and (on CUDA) one host-to-device copy.
 - `DirectReader` opens files with O_DIRECT and reads 4096-aligned ranges into page-aligned
-  buffers (anonymous mmap). Where O_DIRECT is unsupported (EINVAL, e.g. some tmpfs) it falls
-  back to buffered reads and warns once.
-- `DevicePool` (devmem.py, re-exported) is the one counting allocator of device bytes, per
-  memory-plan component; `HostPins` (hostmem.py) page-locks host regions and unpins them on close.
-- Alignment: every tensor handed to a CUDA layer starts on an ARENA_ALIGN (256-byte) boundary, in
-  every tier; on a CPU every tensor of a packed layout does too, and a disk layer's tensors need only
-  CPU_ALIGN (32 bytes: GGUF's default `general.alignment`, what llama.cpp's CPU kernels read from a
-  mapped file; the GGUF kernel's vector loads are unaligned ones, torch's CPU ops need the element's
-  alignment). A disk layer whose file offsets are not all aligned so (safetensors packs tensors back
-  to back) is read as stored and re-laid into its packed layout: on CUDA by per-tensor copies into
-  the device slot (no extra host pass), on CPU by a copy from the read buffer (a read thread's memcpy
-  of the layer each pass, on the cores the compute uses: avoided wherever the file allows).
+  buffers. Where O_DIRECT is unsupported (EINVAL, e.g. some tmpfs) it falls back to buffered
+  reads and warns once.
+- Alignment: every tensor handed to a CUDA layer starts on an ARENA_ALIGN (256-byte) boundary; on a
+  CPU a disk layer's tensors need only CPU_ALIGN (32 bytes: GGUF's default `general.alignment`). A disk
+  layer whose file offsets are not all aligned so (safetensors packs tensors back to back) is read as
+  stored and re-laid into its packed layout: on CUDA by per-tensor copies into the device slot, on CPU
+  by a copy from the read buffer.
 - `LayerStore.read(layer, h)` and `copy(layer, host, d)` are the prefetcher's two stages: the
   layer's bytes in host staging slot h (on CPU the buffer compute reads; a RAM-tier arena itself),
   then on CUDA the copy into device slot d, on the caller's current stream (the prefetcher's side stream).
@@ -119,12 +114,8 @@ def file_layout(entries: dict[str, TensorEntry], merge_gap: int = MERGE_GAP) -> 
 
 
 class DirectReader:
-    """O_DIRECT reader with a once-warned buffered fallback.
-
-    A span is read in `chunk`-byte requests (IO_ALIGN multiples), `depth` of them in flight at
-    once (depth > 1: a small thread pool; preadv releases the GIL). bench/offload.py measures the
-    best (depth, chunk) for the disk and can set them here.
-    """
+    """O_DIRECT reader: a span is read in `chunk`-byte requests (IO_ALIGN multiples), `depth` of them in
+    flight at once (depth > 1: a small thread pool; preadv releases the GIL)."""
 
     def __init__(self, direct: bool = True, depth: int = 1, chunk: int = READ_CHUNK):
         self.direct = direct
@@ -261,15 +252,10 @@ class DiskLayer:
 class LayerStore:
     """Produces streamed layers: `read` fills a host staging slot, `copy` a device slot (CUDA).
 
-    Buffers (all allocated once, here):
-    - CPU: `host_slots` usable buffers from the pool (a disk read or cast lands in the buffer
-      compute reads; RAM-tier layers use their arena directly and need none).
-    - CUDA: `slots` device buffers from the pool; `host_slots` pinned host staging buffers for
-      disk layers (RAM-tier layers copy straight from their pinned arena, or through the staging
-      ring when the arena could not be pinned).
-    - One raw read buffer for layers whose file layout must be re-laid (CPU) or cast (one read thread).
-    `pins` owns every page-locked region (the RAM arena included); `close()` unpins them.
-    """
+    Buffers, all allocated here once: on CPU `host_slots` buffers from the pool (RAM-tier layers use
+    their arena); on CUDA `slots` device buffers and `host_slots` pinned staging buffers for disk layers
+    (and for RAM-tier layers whose arena could not be pinned); one raw read buffer for layers re-laid
+    or cast. `pins` owns every page-locked region (the RAM arena included); `close()` unpins them."""
 
     def __init__(self, device: torch.device, pool: DevicePool, slots: int,
                  ram: dict[int, tuple[torch.Tensor, LayerLayout]], disk: dict[int, DiskLayer],
