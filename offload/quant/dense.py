@@ -1,20 +1,12 @@
 """Dequantize once: a resident layer's packed linears keep their weight in the compute dtype.
 
 Contract: a linear that rebuilds its weight from packed bytes on every forward (formats/qlinear.py
-`PackedLinear`: GGUF, AWQ, GPTQ, compressed-tensors; quant/lowbit.py `LowbitLinear`: the
-self-draft's HQQ substitutes) has a `dense` attribute; while it is None, forward dequantizes
-per call; once set, forward multiplies by it. Both give the same values: `dense` is computed by
-the module's own dequantization (PackedLinear.dequantized, LowbitLinear.weight_now), so outputs
-are bitwise those of the per-forward path (the eager one for LowbitLinear).
-- `dense_linears(layer)`: [(name, module)] of such linears in `layer`.
-- `dense_bytes(ckpt, i, elem)`: bytes dequantizing layer i of a formats.Checkpoint once costs at
-  `elem` bytes per weight (the planner's figure; 0 for a layer with no packed linear).
-- `densify(layer, pool, component)`: dequantize every such linear of a layer whose parameters are
-  bound (resident) into one counted `pool` buffer each (DevicePool, component
-  "dequantized_layers" by default); returns the bytes it added. NF4 linears (bitsandbytes) are left
-  alone: bnb's own 4-bit kernels are what their outputs must equal.
-Reuse (the self-draft): `densify(substitute_layer, draft.pool, "draft")` for a substitute the
-plan has room for.
+`PackedLinear`, quant/lowbit.py `LowbitLinear`) has a `dense` attribute; while it is None, forward
+dequantizes per call; once set, forward multiplies by it. `dense` is computed by the module's own
+dequantization, so outputs are bitwise those of the per-forward path (the eager one for LowbitLinear).
+`densify(layer, pool, component)` does it for every such linear of a bound layer, one counted `pool`
+buffer each, and returns the bytes added; `dense_bytes(ckpt, i, elem)` is what that costs for layer i
+(the planner's figure). NF4 linears are left alone: bnb's own kernels are what they must equal.
 """
 
 from __future__ import annotations

@@ -6,23 +6,14 @@ Contract:
   (rows, group) integer codes with plain shift/mask ops, the same values HQQ's own unpack gives.
 - `dequant_linear(x, W_q, scale, zero, bias, shape, bits)` = x W^T (+ b) with
   W = (codes - zero) * scale reshaped to `shape`: the reference math, written so that one
-  `torch.compile` graph covers it. On CPU, Inductor's output code is one C++ kernel that reads the
-  packed bytes once and writes the compute-dtype weight (under dynamic shapes it writes it twice:
-  (rows, group) then the (in, out) operand), then a library matmul reads it. A formulation in the
-  (out, in) index domain writes it once but gathers element by element: 2-3x slower on this CPU
-  (5632x2048, 8 and 64 tokens), so it is not used.
+  `torch.compile` graph covers it.
 - `fused_linear(...)` runs that function compiled (dynamic shapes: one graph per bit width and
-  dtype, whatever the number of draft tokens). Where compilation is unavailable or fails (no C
-  compiler, an unsupported backend), it says so once through `fused_status()` and runs the same
-  function eagerly; nothing reaches the user's screen (compile-time warnings are kept here).
-- `kernel_choice(device)`: "fused" or "eager", from $SPECX_LOWBIT_KERNEL (auto | fused | eager;
-  auto = fused on CUDA, eager on CPU, where the compiled graph measured 0.3-0.7x the eager speed in
-  bench/selfdraft.py --kernels: ATen's vectorized eager unpack is not the bottleneck on a CPU).
-  offload/lowbit.LowbitLinear picks it at construction; its HQQ-unpack path stays the reference
-  that tests/test_fused.py compares against.
+  dtype). Where compilation is unavailable or fails, it says so once through `fused_status()` and
+  runs the same function eagerly; nothing reaches the user's screen.
+- `kernel_choice(device, compute)`: "blocks", "fused" or "eager" (its docstring).
 Why no library kernel: the CUDA fused HQQ kernels (gemlite, HQQ's torchao_int4/bitblas/marlin
 backends) need Triton or CUDA builds absent from CPU installs and cover 4/2 bits only (no 3-bit
-packing); bitsandbytes has no HQQ format. The compiled function works on both devices and widths.
+packing). The compiled function works on both devices and widths.
 """
 
 from __future__ import annotations

@@ -4,30 +4,22 @@ Contract:
 - `GROUPS[bits]`: the HQQ group size per bit width; each group of weights (along the input
   dimension, HQQ's axis 1) has one scale and one zero in the compute dtype.
 - `ensure_lowbit_layers(src, layers, bits, progress)` returns the cache directory of the 16-bit
-  checkpoint `src` at `bits` (under $SPECX_CACHE; its name carries a key over the source files'
-  names, sizes and mtimes and the settings, so a changed checkpoint gets a new directory and the
-  old one is removed). It holds one `layer-NNNNN.safetensors` per decoder layer asked for: per
-  nn.Linear `<name>.W_q` (HQQ's bit-packed codes), `<name>.scale`, `<name>.zero` (calibration-free
-  HQQ, quantized from the stored 16-bit values on the GPU when there is one, else the CPU), every other tensor of the layer as
-  stored. A shard is written under a temporary name and renamed into place, so a present shard is
-  whole; one whose header does not parse is rebuilt with an OffloadNotice, never used; shards
-  already there are reused (the streamed set can grow between runs). `progress(done, total, what)`
-  is called per layer quantized.
+  checkpoint `src` at `bits` (quant_cache.keyed_path: a changed checkpoint gets a new directory, the
+  old one is removed) with one `layer-NNNNN.safetensors` per decoder layer asked for: per nn.Linear
+  `<name>.W_q` (HQQ's bit-packed codes), `<name>.scale`, `<name>.zero` (calibration-free HQQ, on the
+  GPU when there is one), every other tensor as stored. A shard is written under a temporary name and
+  renamed into place; one whose header does not parse is rebuilt with an OffloadNotice, never used;
+  shards already there are reused. `progress(done, total, what)` is called per layer quantized.
 - `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
-  the substitute: every nn.Linear becomes a `LowbitLinear`, every other parameter is materialized;
-  device bytes are counted in `pool` under "draft".
-- On a CPU computing in fp32 with the GGUF kernel built, each bias-free linear becomes a
-  `KernelLowbitLinear` instead (offload/quant/lowbit_pack.py: the same HQQ codes, scales and zeros
-  repacked at load into the kernel's SX3/SX2 blocks, read directly; the draft's stack then runs in
-  one C call, cpu/leanstack.py). Elsewhere `LowbitLinear.forward` uses `dense` when
-  offload/quant/dense.py dequantized it once (the eager reference's weight), else runs the fused
-  path of offload/quant/fused.py on CUDA and the eager reference (HQQ's unpack, a 16-bit weight, the
-  matmul). $SPECX_LOWBIT_KERNEL=blocks|fused|eager overrides (offload/quant/fused.kernel_choice).
+  the substitute: every nn.Linear becomes a `LowbitLinear` (or, where `blocks_serve`, a
+  quant/lowbit_pack.py `KernelLowbitLinear`), every other parameter is materialized; device bytes
+  are counted in `pool` under "draft". `LowbitLinear.forward` multiplies by `dense` once
+  quant/dense.py set it, else runs quant/fused.py's kernel_choice: fused or the eager reference
+  (HQQ's unpack, a 16-bit weight, the matmul).
 - `lowbit_weight_bytes(shape, bits, scale_bytes, blocks)`: device bytes of one quantized weight from its
-  shape alone (what the memory plan counts); `blocks_serve(shape, bits, device, compute)`: whether
-  that weight is held as the kernel's blocks (then `blocks=True` counts them).
-HQQ is optional (specx's `lowbit` extra, the `hqq` package); without it `hqq_quantizer()` raises an OffloadError
-naming that install. Its import-time deprecation warnings (torch.jit, inside torch) are kept here.
+  shape alone (what the memory plan counts).
+HQQ is optional (specx's `lowbit` extra); without it `hqq_quantizer()` raises an OffloadError naming
+that install.
 """
 
 from __future__ import annotations
@@ -35,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import uuid
 import warnings
 from collections.abc import Callable
@@ -49,6 +40,7 @@ from offload.formats.qfuse import SIBLINGS, fuse_siblings
 from offload.formats.qlinear import PackedLinear
 from offload.quant.fused import kernel_choice
 from offload.quant.lowbit_pack import BLOCKS, TYPE_OF_BITS, KernelLowbitLinear, pack
+from offload.quant.quant_cache import drop_stale, keyed_path
 
 GROUPS = {4: 64, 3: 64, 2: 32}
 FORMAT = 1
@@ -175,8 +167,6 @@ def _settings(bits: int) -> dict:
 
 
 def cache_dir(src: Path, bits: int) -> Path:
-    from offload.quant.quant_cache import keyed_path
-
     return keyed_path(src, f"hqq{bits}", {"settings": _settings(bits)})
 
 
@@ -226,7 +216,7 @@ def ensure_lowbit_layers(
     linears = {n for n, shape in index.shapes.items() if n.startswith("model.layers.") and len(shape) == 2}
     out.mkdir(parents=True, exist_ok=True)
     (out / SOURCE).write_text(json.dumps({"source": str(src.resolve())}))
-    _drop_stale(src, out)
+    drop_stale(out, SOURCE, lambda m: m.get("source") == str(src.resolve()))  # another checkpoint's: kept
     for done, i in enumerate(missing):
         if progress is not None:
             progress(done, len(missing), f"quantizing layer {i} to {bits}-bit HQQ (once)")
@@ -255,18 +245,6 @@ def _write_shard(index, i: int, linears: set[str], bits: int, path: Path) -> Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _drop_stale(src: Path, keep: Path) -> None:
-    """Remove this checkpoint's caches at the same bits whose key no longer matches its files (a
-    same-named directory of another checkpoint names another source and is kept)."""
-    for old in keep.parent.glob(keep.name.rsplit("-", 1)[0] + "-*"):
-        try:
-            same = json.loads((old / SOURCE).read_text()).get("source") == str(src.resolve())
-        except (OSError, ValueError, AttributeError):
-            same = False
-        if old != keep and same:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 # -- building the substitute layer ----------------------------------------------------------------

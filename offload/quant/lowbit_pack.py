@@ -4,25 +4,20 @@ Contract:
 - `SX3`, `SX2`: the kernel's type ids (cpu/kernels/ggml_blocks.h has the byte layouts): 3-bit
   codes in blocks of 64 values (28 bytes: 3.5 bits a weight), 2-bit in blocks of 32 (12 bytes: 3.0),
   one fp16 pair (d, m) a block, w = d * q + m. `TYPE_OF_BITS[bits]`; `BLOCKS[type] = (values, bytes)`.
-- `pack(codes, scale, zero, bits)` -> (N, row bytes) uint8: HQQ's group-wise quantization
-  W[g] = (q[g] - zero[g]) * scale[g] (groups of offload/quant/lowbit.GROUPS[bits] consecutive input
-  values, row-major over the (N, K) weight) as blocks of the kernel: one block a group, d = scale,
-  m = -zero * scale (each rounded to fp16 once). `codes` (groups, group) integers in [0, 2^bits).
+- `pack(codes, scale, zero, bits, n_rows)` -> (N, row bytes) uint8: HQQ's group-wise quantization
+  W[g] = (q[g] - zero[g]) * scale[g] (groups of lowbit.GROUPS[bits] consecutive input values,
+  row-major over the (N, K) weight) as one block a group, d = scale, m = -zero * scale (each rounded
+  to fp16 once). `codes` (groups, group) integers in [0, 2^bits).
 - `dequantize(raw, qtype, N, K)` -> (N, K) fp32: the weight, w = d * q + m (the fp32 product, then
   + m, rounded apart).
-- The kernel's numbers for x (T, K) (tests/test_lowbit_blocks.py's reference computes them, up to
-  fp32 rounding order): where K is a multiple of 64 it multiplies 8-bit activations
-  (cpu/kernels/sx_q8.h): per 64 values x ~ xhat = sx * xq, sx = amax / 127, xq = round(x / sx),
-  and y = xhat (d (q - C))^T + x (m + C d)^T with the codes centred on C = 3.5 / 1.5 (the 8-bit
-  error multiplies q - C); about 0.5% of |y| from x W^T, which only the draft's proposals carry (these
-  types are never a target's). Other K: x W^T in fp32.
+- The kernel's numbers for x (T, K) (tests/test_lowbit_blocks.py's reference computes them): where K
+  is a multiple of 64 it multiplies 8-bit activations (cpu/kernels/sx_q8.h): per 64 values
+  x ~ sx * xq, sx = amax / 127, and y = xhat (d (q - C))^T + x (m + C d)^T with the codes centred on
+  C = 3.5 / 1.5; about 0.5% of |y| from x W^T, which only the draft's proposals carry. Other K: fp32.
 - `KernelLowbitLinear(raw, qtype, out, in)`: y = x W^T for fp32 CPU input through
-  formats/ggml_kernel.linear (any number of rows: the packed bytes read once per call, never a dense
-  copy); other inputs (another device or dtype) multiply by `dequantize`. It exposes what
-  cpu/leanstack.py reads of a kernel-served linear (`ggml_type`, `parts`, `row_map`,
-  `out_features`, no bias), so a self-draft of such layers runs as one C call per pass.
-Why: the 3-bit self-draft's fp32 copies made each draft forward read 4 bytes a weight through ~40
-torch ops a layer; these blocks cost the kernel 0.375-0.44 bytes a weight (bench/spec_pass.py).
+  ggml_kernel.linear (the packed bytes read once per call, never a dense copy); other inputs multiply
+  by `dequantize`. It exposes what cpu/leanstack.py reads of a kernel-served linear (`ggml_type`,
+  `parts`, `row_map`, `out_features`, no bias), so a self-draft of such layers runs as one C call.
 """
 
 from __future__ import annotations
@@ -85,8 +80,7 @@ def dequantize(raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tens
     dm = blk[:, :4].contiguous().view(torch.float16).float()  # (groups, 2)
     body = blk[:, 4:].to(torch.int64)
     width, bits = (6, 3) if _BITS[qtype] == 3 else (4, 2)  # bytes, bits of one half's field
-    fields = body.reshape(blk.shape[0], -1, width)  # (groups, halves, bytes)
-    words = (fields << (8 * torch.arange(width, dtype=torch.int64))).sum(-1)
+    words = _words(body.reshape(blk.shape[0], -1, width), 8)  # (groups, halves): little-endian bytes
     q = _fields(words, bits, 16).reshape(blk.shape[0], values).float()
     return (q * dm[:, :1] + dm[:, 1:]).reshape(n_rows, k)
 

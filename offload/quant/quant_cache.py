@@ -3,23 +3,19 @@
 Contract:
 - `write_quantized(src, out, progress, tokenizer)` writes a self-contained checkpoint in
   prequant.py's format: one safetensors shard per decoder layer (every nn.Linear weight of the
-  layer NF4-packed, blocksize 64, double-quantized; everything else as stored), one shard for the
-  non-layer tensors (embeddings, final norm, lm_head, unchanged), `model.safetensors.index.json`,
-  `config.json` with `quantization_config`, and (tokenizer=True) the source's tokenizer and
-  generation files, so transformers' `from_pretrained` loads it too. Weights are quantized from
-  their 16-bit values (fp32 sources: from bf16), as transformers does for a 16-bit model.
-  Everything is written into a temporary sibling directory, `specx-manifest.json` (file names and
-  sizes, the source fingerprint) is written LAST, then the directory is renamed into place: a
-  directory without a matching manifest is partial or stale and is never used.
-- `ensure_nf4_cache(src, progress, packing)` (src: an opened formats.Checkpoint or its directory) returns the cache directory for `src` under
-  `$SPECX_CACHE` (default ~/.cache/specx), building it first when missing, partial or stale. Its
-  name carries a key over the source files' names, sizes and mtimes, the quantization settings
-  and the packing.
+  layer NF4-packed, blocksize 64, double-quantized, from its 16-bit values; everything else as stored),
+  one shard for the non-layer tensors, `model.safetensors.index.json`, `config.json` with
+  `quantization_config`, and (tokenizer=True) the source's tokenizer and generation files, so
+  transformers' `from_pretrained` loads it too. It is written into a temporary sibling directory,
+  `specx-manifest.json` (file names and sizes, the source fingerprint) LAST, then renamed into place:
+  a directory without a matching manifest is partial or stale and is never used.
+- `ensure_nf4_cache(src, progress, packing)` returns the cache directory for `src` under
+  `cache_root()`, (re)building it when missing, partial or stale; its name carries a key over the
+  source files' names, sizes and mtimes, the quantization settings and the packing (`keyed_path`).
 - `packing` (nf4.packing_for(device)): "standard" keeps bnb's serialized byte layout (what
-  `specx quantize` writes). nf4.CPU_PACKING stores the packed bytes of every linear that bnb's
-  fused AVX512-BF16 CPU kernel computes already in that kernel's layout (the same nibbles moved
-  as Linear4bit moves them at its first forward), so a disk-tier pass reads them and converts
-  nothing; config.json then carries `"specx_packing"` and only specx on such a CPU loads it.
+  `specx quantize` writes); nf4.CPU_PACKING stores the packed bytes already in bnb's fused CPU
+  kernel's layout (nf4.cpu_relayout), so a disk-tier pass converts nothing; config.json then
+  carries `"specx_packing"` and only specx on such a CPU loads it.
 - `progress(done, total, what)` is called once per layer while quantizing.
 """
 
@@ -127,7 +123,12 @@ def ensure_nf4_cache(src: Path, progress: Progress | None = None, packing: str =
             warnings.warn(f"offload: the 4-bit cache {out} is {bad}; rebuilding it", OffloadNotice, stacklevel=2)
             shutil.rmtree(out, ignore_errors=True)
         write_quantized(ckpt or src, out, progress, tokenizer=True, key=key, packing=packing)
-        _drop_stale(src, out, packing)
+        source = str(src.resolve())
+        drop_stale(
+            out,
+            MANIFEST,
+            lambda m: m.get("source") == source and m.get("settings", {}).get("packing", "standard") == packing,
+        )
     return out
 
 
@@ -145,18 +146,15 @@ def _unusable(out: Path, key: str) -> str:
     return ""
 
 
-def _drop_stale(src: Path, keep: Path, packing: str) -> None:
-    """Remove older caches of the same source and packing (their key no longer matches its files)."""
+def drop_stale(keep: Path, record: str, same: Callable[[dict], bool]) -> None:
+    """Remove the caches beside `keep` of the same name and kind whose JSON `record` file satisfies `same`
+    (older caches of the same source and settings: their key no longer matches the source's files)."""
     for old in keep.parent.glob(keep.name.rsplit("-", 1)[0] + "-*"):
         try:
-            manifest = json.loads((old / MANIFEST).read_text())
-            same = (
-                manifest.get("source") == str(src.resolve())
-                and manifest.get("settings", {}).get("packing", "standard") == packing
-            )
+            stale = old != keep and same(json.loads((old / record).read_text()))
         except (OSError, ValueError, AttributeError):
-            same = False
-        if old != keep and same:
+            stale = False
+        if stale:
             shutil.rmtree(old, ignore_errors=True)
 
 
