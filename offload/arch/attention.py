@@ -136,11 +136,17 @@ def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
         return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa)
 
 
-def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
-    """The CPU flash kernel called directly, as `_sdpa` pinned to it calls it for these inputs (no
-    context manager, no warnings filter, no backend selection per layer: the same kernel, the same
-    numbers); None where that is not known to be the same call (then `_sdpa`)."""
+def flash_op():
+    """torch's CPU flash attention op (out, logsumexp, ...), looked up once; False where this torch has none."""
     global _FLASH_CPU
+    if _FLASH_CPU is None:
+        _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
+    return _FLASH_CPU
+
+
+def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
+    """The CPU flash kernel called directly, as `_sdpa` pinned to it calls it for these inputs (the same
+    kernel, minus the per-layer dispatch); None where that is not known to be the same call (then `_sdpa`)."""
     ok = (
         dropout == 0.0
         and q.dim() == 4
@@ -150,15 +156,12 @@ def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
         and (mask is None or mask.dtype == q.dtype)
         and not torch.is_grad_enabled()
+        and flash_op()
     )
     if not ok:
         return None
-    if _FLASH_CPU is None:
-        _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
-    if _FLASH_CPU is False:
-        return None
     try:
-        return _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
+        return flash_op()(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
     except RuntimeError:  # the kernel refuses these inputs: the pinned call decides (and falls back)
         return None
 
@@ -220,15 +223,13 @@ def gqa_attention_forward(
     # the object transformers hands every layer (prepared masks are keyed on it); cut only if wider than the cache
     mask = attention_mask if attention_mask.shape[-1] == key.shape[-2] else attention_mask[..., : key.shape[-2]]
     strategy = mask_strategy(query.device.type, q_len, groups, key.shape[1], dim)
-    if strategy == "gqa":
-        from torch.nn.attention import SDPBackend
+    from torch.nn.attention import SDPBackend
 
+    if strategy == "gqa":
         out = cpu_flash(query, key, value, mask, dropout, scaling) if query.device.type == "cpu" else None
         if out is None:
             backend = SDPBackend.FLASH_ATTENTION if query.device.type == "cpu" else None  # CPU flash: masks and GQA
             out = _sdpa(query, key, value, mask, dropout, scaling, backend, enable_gqa=True)
     else:
-        from torch.nn.attention import SDPBackend
-
         out = without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, SDPBackend.EFFICIENT_ATTENTION)
     return out.transpose(1, 2).contiguous(), None

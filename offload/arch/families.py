@@ -3,22 +3,15 @@
 Contract: `causal_lm_class(config)` returns the HF *ForCausalLM class for a supported
 `model_type` or raises OffloadError naming the type and `SUPPORTED`; `meta_model(config, where)` that
 class built on the meta device (sizes it cannot be built with: one OffloadError line). `Family.of(config)` gives
-the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder layers:
-- attention implementation (Gemma-2 soft-caps attention scores, which only "eager" computes),
-- `final_softcap`: logits <- cap * tanh(logits / cap) (Gemma-2),
-- sliding-window layers (`layer_types`, or Mistral/Qwen's global `sliding_window`).
-Gemma-3 (`gemma3_text`, the text model; the multimodal `gemma3` is refused by name) runs as
-gemma3.py's subclass, whose layers pick their own RoPE base (local or global) from one rotary pass.
-Mixture-of-experts families (`mixtral`, `qwen2_moe`, `qwen3_moe`) run as moe.py's subclasses, whose
-experts are one nn.Linear per stored tensor (HF 5.x fuses them into 3-D parameters). gpt-oss
-(`gpt_oss`: alternating sliding/full layers, attention sinks, biased experts with a clamped SwiGLU)
-runs as transformers' own class (its checkpoints store the fused 3-D experts), under gptoss.py's
-sink-aware attention (`attn_implementation` "specx_sinks").
+the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder layers: the attention
+implementation (Gemma-2 soft-caps attention scores, which only "eager" computes; gpt-oss: gptoss.py's
+"specx_sinks"), `final_softcap` (logits <- cap * tanh(logits / cap), Gemma-2) and the sliding-window
+layers (`layer_types`, or Mistral/Qwen's global `sliding_window`). Gemma-3 (`gemma3_text`) runs as
+gemma3.py's subclass, the mixture-of-experts families as moe.py's.
 `window_mask(mask, q_pos, k_pos, window)` puts a sliding window on top of an additive 4-D mask by
 ABSOLUTE positions: HF returns caller-built 4-D (tree) masks unchanged, so without this a
 sliding layer would attend past its window whenever a tree mask is passed.
-Embedding scaling (Gemma-2's and Gemma-3's sqrt(hidden) factor) lives in HF's embedding module itself; the
-loader re-creates its non-persistent `embed_scale` buffer (`restore_buffers`).
+`restore_buffers` re-creates the non-persistent `embed_scale` buffer (Gemma's sqrt(hidden) factor).
 """
 
 from __future__ import annotations
@@ -115,9 +108,9 @@ class Family:
 def _attention(config) -> str:
     """The attention implementation a family's layers run under (see Family.attn_implementation)."""
     if config.model_type == "gpt_oss":
-        from offload.arch.gptoss import implementation as sinks
+        from offload.arch.gptoss import register
 
-        return sinks()
+        return register()  # "specx_sinks"
     from offload.arch.attention import (
         implementation,  # "sdpa" runs as the GQA-aware specx_gqa (offload/arch/attention.py)
     )

@@ -1,23 +1,18 @@
 """Gemma-3 (`gemma3_text`) for a caller that computes one rotary pass and hands it to every layer.
 
 Contract: `causal_lm_class()` is a subclass of transformers' Gemma3ForCausalLM with the same
-parameters, buffers and outputs (HF's own forward is unchanged). What it changes: HF's Gemma-3
-rotates local (sliding-window) layers with one RoPE base (`rope_parameters["sliding_attention"]`,
-10k) and global layers with another (1M, optionally linearly scaled), so its rotary module takes
-a `layer_type` and its model loop picks each layer's pair. specx's streaming model computes
-`rotary_emb(h, position_ids)` once per pass and passes the result to every layer. Here:
+parameters, buffers and outputs. HF's Gemma-3 rotates local (sliding-window) layers with one RoPE base
+and global layers with another, so its rotary module takes a `layer_type`; specx's streaming model
+computes `rotary_emb(h, position_ids)` once per pass and passes the result to every layer. Here:
 - `TypedRotary(h, position_ids)` (no layer type) returns a `TypedRope`: a (cos, sin) tuple (the
-  global layers' pair, so code that unpacks it as a tuple still gets a valid rotation) that also
-  carries every layer type's pair in `by_type`; with a `layer_type` it is HF's rotary as is;
+  global layers' pair) that also carries every layer type's pair in `by_type`; with a `layer_type`
+  it is HF's rotary as is;
 - each decoder layer is a `TypedLayer`, which replaces a `TypedRope` by its own type's pair before
   HF's layer runs (a plain (cos, sin) passes through untouched).
 A config with `PLUS_ONE` set (a GGUF file: llama.cpp stores Gemma's RMSNorm weights as 1 + w, and
 the loader streams layer norms as stored) gets `PlusOneNorm`s: from the stored s they compute HF's
-x_hat * (1 + (s - 1)), bitwise what HF computes from w = s - 1 as transformers' GGUF loading makes it
-(s - 1, then 1 + that, in fp32: equal to s for a converter's s = fl(1 + w), not for every s < 0.5).
-Everything else Gemma-3 needs is HF's: QK norms, pre/post feed-forward norms, the (1 + w) RMSNorm,
-the sqrt(hidden) embedding scale (`families.restore_buffers` re-creates that buffer) and
-`query_pre_attn_scalar`; sliding windows under tree masks come from `families.window_mask`.
+x_hat * (1 + (s - 1)), bitwise what HF computes from w = s - 1 as transformers' GGUF loading makes it.
+Everything else Gemma-3 needs is HF's.
 """
 
 from __future__ import annotations

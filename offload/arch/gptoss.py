@@ -1,39 +1,28 @@
 """gpt-oss (transformers' GptOssForCausalLM) from 16/32-bit or MXFP4 safetensors, with attention sinks under any mask.
 
-Contract: `causal_lm_class()` is transformers' GptOssForCausalLM unchanged: its parameter names are
-the checkpoint's tensor names (a layer's experts are four stored tensors, `mlp.experts.gate_up_proj`
-(E, H, 2I) with gate and up interleaved by column, `gate_up_proj_bias` (E, 2I), `down_proj` (E, I, H),
-`down_proj_bias` (E, H)), so the loader binds and streams them like any layer's parameters; the
-router (top-k of `x W^T + b`, softmax over the k selected logits), the clamped SwiGLU
-((clamp(up, ±limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)) and the experts' biases are
-transformers' own modules. `register()` (idempotent) adds the attention function `NAME`
-("specx_sinks") that `implementation()` names for the family, with transformers' `eager_mask` as its
-mask builder; `sink_attention_forward` also takes transformers' other mask forms (None = causal, bool),
-so attention.py's "specx_gqa" hands it every call that carries sinks (`s_aux`: a gpt-oss model
-transformers itself loaded, such as a small draft). Attention with sinks is
-softmax([q k^T * scale + mask, sink_h]) without the sink's column, @ V: the sink logit joins each
-head's denominator only. With the CPU flash kernel, which returns each row's logsumexp L of the
-masked logits and GQA's shared K/V unrepeated, the output is flash(q, k, v, mask) * sigmoid(L - sink_h)
-(= e^L / (e^L + e^sink_h)), equal to transformers' to fp32 rounding; that path serves fp32 on the CPU
-only. Elsewhere (bf16/fp16, CUDA, grad) it is transformers' gpt-oss eager function itself: in 16 bits
-the two round differently enough to change a greedy continuation, and transformers runs gpt-oss eager.
-Both take any additive mask, the caller's 4-D tree masks included (sliding windows on top of those
-come from families.window_mask). `mxfp4_error(path)` is the one line that declines checkpoints whose
-experts are stored as MXFP4 blocks and scales (the published gpt-oss weights).
+Contract: gpt-oss runs as transformers' GptOssForCausalLM unchanged (moe.MOE_FAMILIES names it): its
+parameter names are the checkpoint's tensor names (a layer's experts are four stored tensors,
+`mlp.experts.gate_up_proj` (E, H, 2I) with gate and up interleaved by column, `gate_up_proj_bias`
+(E, 2I), `down_proj` (E, I, H), `down_proj_bias` (E, H)), so the loader binds and streams them like any
+layer's parameters. `register()` (idempotent) adds the attention function `NAME` ("specx_sinks") the
+family runs under, with transformers' `eager_mask` as its mask builder; `sink_attention_forward` also
+takes transformers' other mask forms (None = causal, bool), so attention.py's "specx_gqa" hands it
+every call that carries sinks (`s_aux`). Attention with sinks is softmax([q k^T * scale + mask,
+sink_h]) without the sink's column, @ V: the sink logit joins each head's denominator only. With the
+CPU flash kernel, which returns each row's logsumexp L of the masked logits, the output is
+flash(q, k, v, mask) * sigmoid(L - sink_h) (= e^L / (e^L + e^sink_h)), equal to transformers' to fp32
+rounding; that path serves fp32 on the CPU only. Elsewhere it is transformers' gpt-oss eager function
+itself (in 16 bits the two round differently enough to change a greedy continuation). Both take any
+additive mask, the caller's 4-D tree masks included.
 """
 
 from __future__ import annotations
 
 import torch
 
+from offload.arch.attention import flash_op
+
 NAME = "specx_sinks"
-_FLASH_CPU = None  # torch's CPU flash attention op, looked up once (False: this torch has none)
-
-
-def causal_lm_class():
-    import transformers
-
-    return transformers.GptOssForCausalLM
 
 
 def register() -> str:
@@ -45,19 +34,6 @@ def register() -> str:
     return register_as(NAME, sink_attention_forward, eager_mask)
 
 
-def implementation() -> str:
-    """The attention implementation gpt-oss runs under (registered on first use)."""
-    return register()
-
-
-def _flash_op():
-    """torch's CPU flash attention op (out, logsumexp, ...), looked up once; False where this torch has none."""
-    global _FLASH_CPU
-    if _FLASH_CPU is None:
-        _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
-    return _FLASH_CPU
-
-
 def _flash_with_lse(query, key, value, mask, scaling):
     """(out (B, H, Q, D), logsumexp (B, H, Q)) from the CPU flash kernel in fp32, or None where it does not apply."""
     ok = (
@@ -67,12 +43,12 @@ def _flash_with_lse(query, key, value, mask, scaling):
         and mask is not None
         and mask.dtype == query.dtype
         and not torch.is_grad_enabled()
-        and _flash_op()
+        and flash_op()
     )
     if not ok:
         return None
     try:
-        out, lse = _FLASH_CPU(query, key, value, 0.0, False, attn_mask=mask, scale=scaling)[:2]
+        out, lse = flash_op()(query, key, value, 0.0, False, attn_mask=mask, scale=scaling)[:2]
     except RuntimeError:  # the kernel refuses these inputs: the eager path decides
         return None
     return out, lse

@@ -2,22 +2,17 @@
 
 Contract: `causal_lm_class(model_type)` is a subclass of transformers' *ForCausalLM for a
 `MOE_FAMILIES` type whose parameter names are the checkpoint's tensor names, so the loader binds,
-streams and checks them like any dense layer's (one file span per parameter). transformers 5.x
-fuses a layer's experts into 3-D parameters (`experts.gate_up_proj` (E, 2I, H) = per expert
-[gate; up], `experts.down_proj` (E, H, I)) and converts the checkpoint's per-expert tensors at
-load time; here each sparse block's `experts` becomes an `ExpertList` of E `Expert`s holding
-three nn.Linear (gate, up, down; Mixtral's w1, w3, w2), named as stored
-(`model.layers.i.mlp.experts.e.gate_proj.weight`; Mixtral's block lives under `block_sparse_moe`,
-as its checkpoints name it, and the decoder layer still reaches it as `layer.mlp`).
-`ExpertList.forward(hidden (T, H), top_k_index (T, K), top_k_weights (T, K))` computes HF's eager
-experts loop: for each expert some token routed to, sum_k w_k * down(act(gate(x)) * up(x)) into
-that token's row. A loader that holds the experts apart (stream/expertstore.py) sets `source`, a
-callable returning expert e with its weights in place, asked for each routed expert just before it
-computes (`source.stream(es)`, where the source has it, gives the routed experts in order, reading the
-next one ahead). The router, the shared expert (Qwen2-MoE) and dense MLP layers (`mlp_only_layers`,
-`decoder_sparse_step`) are HF's modules unchanged. Being plain nn.Linear, the
-experts take the same 4-bit substitutions (NF4, packed formats) as any decoder linear.
-gpt-oss checkpoints store the fused 3-D experts themselves: its class is transformers' own (gptoss.py).
+streams and checks them like any dense layer's. transformers 5.x fuses a layer's experts into 3-D
+parameters; here each sparse block's `experts` becomes an `ExpertList` of E `Expert`s holding three
+nn.Linear (gate, up, down; Mixtral's w1, w3, w2), named as stored
+(`model.layers.i.mlp.experts.e.gate_proj.weight`; Mixtral's block lives under `block_sparse_moe`, and
+the decoder layer still reaches it as `layer.mlp`). `ExpertList.forward(hidden (T, H), top_k_index
+(T, K), top_k_weights (T, K))` computes HF's eager experts loop: for each expert some token routed to,
+sum_k w_k * down(act(gate(x)) * up(x)) into that token's row. A loader that holds the experts apart
+(stream/expertstore.py) sets `source` (see `ExpertList.routed`). The router, the shared expert and
+dense MLP layers are HF's modules unchanged; being plain nn.Linear, the experts take the same 4-bit
+substitutions as any decoder linear. gpt-oss's checkpoints store the fused 3-D experts: its class is
+transformers' own (gptoss.py).
 """
 
 from __future__ import annotations
@@ -113,11 +108,9 @@ def _split_layers(model: nn.Module, model_type: str) -> None:
 def causal_lm_class(model_type: str):
     import transformers
 
-    if MOE_FAMILIES[model_type][1] is None:
-        from offload.arch import gptoss
-
-        return gptoss.causal_lm_class()
     base = getattr(transformers, MOE_FAMILIES[model_type][0])
+    if MOE_FAMILIES[model_type][1] is None:  # gpt-oss: transformers' own class (gptoss.py)
+        return base
 
     class PerExpertCausalLM(base):
         def __init__(self, config):
