@@ -5,19 +5,12 @@ Contract: the public API is `OffloadedCausalLM`, `parse_size`, `plan_offload`, `
 `specexec_cli`; specexec_cli imports offload only through this module and three package facades,
 `offload.formats` (checkpoints), `offload.planning` (the memory plan and cost model) and
 `offload.selfdraft` (the self-draft), each with its `__all__`.
-
-The rest of `__all__` is what a front end needs of the streaming engine, the quantizers and model
-support, re-exported lazily (PEP 562: a name's module is imported on its first use, so `import
-offload` costs no more than the core API, and a name is looked up in its module at each use, so a
-test that patches it there patches what callers get):
-- stream: `forward_many` and `ForwardJob` (several sequences in one pass), `accelerator_half`
-  (the device's 16-bit dtype), `DevicePool` (the counting allocator of device bytes);
-- quant: `densify` (a streamed layer made resident), `packing_for` (a device's NF4 packing), the
-  4-bit cache's `nf4_cache_dir`, `nf4_cache_key`, `nf4_cache_complete` and `write_quantized`,
-  the HQQ `LowbitLinear` and `lowbit_quantize_weight` (the lowbit extra);
-- arch: `cache_kwargs` (transformers' cache argument), `gqa_attention` (the attention
-  implementation name to pass transformers, `specx_gqa` registered), `Expert` and `ExpertList` (a
-  mixture-of-experts layer's routed experts as specx computes them: the profile's CPU expert probe).
+The rest of `__all__` is what a front end needs of the streaming engine (`forward_many`, `ForwardJob`,
+`accelerator_half`, `DevicePool`), the quantizers (`densify`, `packing_for`, the 4-bit cache's
+`nf4_cache_*` and `write_quantized`, the HQQ `LowbitLinear` and `lowbit_quantize_weight`) and model
+support (`cache_kwargs`, `gqa_attention`: the attention implementation name, registered; `Expert`,
+`ExpertList`), re-exported lazily (offload/lazy.py: a name's module is imported on its first use and
+the name looked up there at each use, so a test that patches it there patches what callers get).
 """
 
 from __future__ import annotations

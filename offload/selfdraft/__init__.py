@@ -2,12 +2,8 @@
 
 Contract: `build` assembles the draft from the target's Checkpoint and quantized substitutes;
 `influence` measures which layers matter most for the draft's agreement. Above `stream`.
-
-The package's public API is `__all__`, re-exported lazily (PEP 562: a name's module is imported
-on its first use and the name looked up there at each use): from `build`, `build_self_draft`,
-`LAYER_SKIP` (the layer-skip draft's substitute bits), `streamed_layers`, `target_layers` and
-`sixteen_bit_source`; from `influence`, `CALIBRATION` (the calibration text), `layer_influence`,
-`rule_order`, `pick_skipped`, `stored_influence` and `store_influence`.
+The package's public API is `__all__`, re-exported lazily (offload/lazy.py: a name's module is imported
+on its first use and the name looked up there at each use).
 """
 
 from __future__ import annotations

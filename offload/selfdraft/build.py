@@ -1,32 +1,22 @@
 """The target's own low-bit substitute as its draft (`--draft self`, after SubSpec).
 
-Contract: `build_self_draft(target, progress, bits)` returns an `OffloadedCausalLM` that runs the
+Contract: `build_self_draft(target, progress, bits, skip)` returns an `OffloadedCausalLM` that runs the
 target's architecture where
 - the embeddings, final norm, lm_head, rotary buffers and every RESIDENT decoder layer are the
   target's own module objects (shared by reference: no second copy, no second read; a packed Q8_0
-  head is the same bytes read over 8-bit activations, `draft_head`: only the draft's proposals carry
-  that rounding), and
+  head is the same bytes read over 8-bit activations, `draft_head`), and
 - every layer the target STREAMS is replaced by a low-bit substitute that stays on the device (or,
-  for the layers in `skip`, by a pass-through: where the substitutes of every streamed layer do not
-  fit, the plan has the draft leave out the least influential layers, offload/selfdraft/influence.py), so
-  the draft never touches the weight stream: `bits` 4 = NF4 (bitsandbytes blocksize 64, double-
-  quantized: the packed weights of the target's nf4 cache, offload/quant/quant_cache.py); 3 or 2 = HQQ
-  (offload/quant/lowbit.py, its own per-layer cache; on a CPU in fp32 repacked into the GGUF kernel's
-  own blocks, so a draft of a Llama GGUF target runs each forward as one C call, cpu/leanstack.py). Both are built once from the 16-bit checkpoint with
-  a progress bar, reused on later loads, rebuilt when the checkpoint changes, never used corrupt.
-An nf4 target (loaded from a 16-bit checkpoint through the nf4 cache) takes 3- or 2-bit
-substitutes made from that 16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line
-why no self-draft can be built: 4-bit substitutes of a 4-bit target (the target itself), or a
-pre-quantized bitsandbytes checkpoint (no 16-bit weights).
-Where NOTHING streams (every layer resident) there is nothing to substitute, and `build_self_draft`
-(with `skip`) or `build_skip_draft(target, skip)` returns the layer-skip self-draft instead
-(self-speculative decoding: LayerSkip, SWIFT, Draft & Verify): the target's own modules, every one
-shared by reference, with the layers in `skip` as pass-throughs; it reads no weight of its own and
-allocates nothing (`draft.pool` counts 0 bytes), its `substitute_bits` is LAYER_SKIP. Which layers it
-leaves out is offload/selfdraft/influence.py's rule; offload/planning/selfplan.py models its speed. A packed int4 target
-(AWQ, GPTQ, compressed-tensors) takes 3- or 2-bit HQQ substitutes made from its dequantized
-weights (formats.Checkpoint.dense). Device bytes of the substitutes are
-counted in their own DevicePool (`draft.pool`); the caller adds them to its plan's "draft" component.
+  for the layers in `skip`, by a pass-through: offload/selfdraft/influence.py picks them), so the draft
+  never touches the weight stream: `bits` 4 = NF4 (the packed weights of the target's nf4 cache,
+  quant/quant_cache.py); 3 or 2 = HQQ (quant/lowbit.py's per-layer cache). Both are built once from the
+  16-bit checkpoint (an nf4 target's source, a packed int4 target's dequantized weights) and reused.
+`SelfDraftError` (an OffloadError) says in one line why no self-draft can be built: 4-bit substitutes
+of a 4-bit target, a pre-quantized bitsandbytes checkpoint (no 16-bit weights), a mixture-of-experts
+target. Where NOTHING streams, `build_self_draft` (with `skip`) or `build_skip_draft(target, skip)`
+returns the layer-skip self-draft instead (LayerSkip, SWIFT, Draft & Verify): the target's own modules
+with the layers in `skip` as pass-throughs; it allocates nothing, its `substitute_bits` is LAYER_SKIP.
+Device bytes of the substitutes are counted in their own DevicePool (`draft.pool`); the caller adds
+them to its plan's "draft" component.
 """
 
 from __future__ import annotations
@@ -74,6 +64,12 @@ def packed_target(target) -> bool:
     return _format(target) in PACKED_FORMATS
 
 
+def _opened(target, source):
+    """The target's opened Checkpoint where `source` is its path (not opened again), else `source`."""
+    ck = getattr(target, "checkpoint", None)
+    return ck if ck is not None and Path(ck.path) == Path(source) else source
+
+
 def sixteen_bit_source(target) -> Path | None:
     """The 16-bit checkpoint behind `target`: its source, or the one its nf4 cache was built from
     (None for a pre-quantized bitsandbytes checkpoint); a packed int4 target's own checkpoint,
@@ -115,9 +111,8 @@ class PassThrough(nn.Module):
 def skip_block(n_layers: int, n_skip: int) -> list[int]:
     """A contiguous block of `n_skip` layers in the middle of the stack (the first and the last layers
     always stay): what a partial self-draft leaves out before the layers' influence is measured
-    (offload/selfdraft/influence.py), and `--skip-rule middle` in bench/selfdraft.py. Measured on the shared
-    8-layer pair (nf4 substitutes, budget 64, 10 prompts): skipping one middle layer kept 10.6
-    tokens/pass where the second-to-last left 6.6; bench/results/selfdraft_skip*.json hold sweeps."""
+    (offload/selfdraft/influence.py), and `--skip-rule middle` in bench/selfdraft.py (its sweeps:
+    bench/results/selfdraft_skip*.json)."""
     n_skip = max(0, min(n_skip, n_layers - 2))
     start = max(1, (n_layers - n_skip) // 2)
     return list(range(start, start + n_skip))
@@ -135,11 +130,9 @@ def build_self_draft(
         return build_skip_draft(target, skip)
     layers = [i for i in check_self_draft(target, bits) if i not in set(skip)]
     skipped = sorted(set(skip) & set(streamed_layers(target)))
-    source = sixteen_bit_source(target)
+    source = _opened(target, sixteen_bit_source(target))
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
-    ck = getattr(target, "checkpoint", None)
     if bits == 4:
-        source = ck if ck is not None and Path(ck.path) == Path(source) else source  # not opened again
         draft = OffloadedCausalLM.from_pretrained(
             source,
             device=target.device,
@@ -169,11 +162,9 @@ def skeleton(target, source=None):
     from offload.stream.devmem import DevicePool
     from offload.stream.model import OffloadedCausalLM
 
-    ck = getattr(target, "checkpoint", None)
     if source is None:
+        ck = getattr(target, "checkpoint", None)
         source = ck if ck is not None else target.source
-    elif isinstance(source, (str, Path)) and ck is not None and Path(ck.path) == Path(source):
-        source = ck  # the target's opened checkpoint: not opened again
     shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
     return OffloadedCausalLM.from_pretrained(
         source,
@@ -243,16 +234,8 @@ def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progr
     """A weightless skeleton of the target's architecture whose substituted layers get HQQ weights."""
     from offload.quant.lowbit import ensure_lowbit_layers, lowbit_layer, shard_path
 
-    ck = getattr(target, "checkpoint", None)
-    if ck is not None and Path(ck.path) == Path(source):
-        source = ck  # the target's opened checkpoint: not opened again
     cache = ensure_lowbit_layers(source, layers, bits, progress)
     draft = skeleton(target, source)
     for i in layers:
         draft.layers[i] = lowbit_layer(draft.layers[i], shard_path(cache, i), target.device, target.dtype, draft.pool)
     return draft
-
-
-def substitute_bytes(draft) -> int:
-    """Device bytes the substitutes hold (packed weights, quant states, norms)."""
-    return draft.pool.allocated
