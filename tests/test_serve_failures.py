@@ -122,7 +122,7 @@ def test_a_worker_failure_is_a_500_with_an_error_id_and_one_log_line(capfd, monk
 
 def test_an_app_failure_is_a_500_with_an_error_id(capfd):
     class Broken:
-        metrics, state, busy, stopping = Metrics(), "ready", False, threading.Event()
+        metrics, state, running, stopping = Metrics(), "ready", 0, threading.Event()
 
         def submit(self, job):
             raise KeyError("/srv/private/path")

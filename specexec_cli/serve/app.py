@@ -5,20 +5,15 @@ model: they validate (models.py), hand a `jobs.Job` to the worker and await its 
 event loop stays free while a request generates. Every error, including malformed JSON, wrong
 types, unknown routes and internal failures, is answered in OpenAI's shape
 `{"error": {message, type, param, code}}` with a 4xx (5xx only for a server-side failure).
-Middleware (guards.py), outermost first: Observe (request ids, counts and logs error responses; an unhandled exception
-becomes a 500 that carries only an error id, logged on stderr), CORS (only with `cors` origins),
-the Host check (only on a loopback `host` without `api_key`: DNS rebinding), bearer auth (only with
-`api_key`; every route but /health and the page, constant-time compare), a request-body limit (413). Streaming
-is SSE: headers within HEADER_GRACE, then `data: {json}` events (chat: the role first, then content
-deltas and the tool calls' deltas as they are written, then the finish_reason chunk, the usage
-chunk when asked for; every chunk with the `specx` field) and `data: [DONE]`, with a
-`: keep-alive` comment every `keepalive` seconds without an event (queued, prefilling). A client
-that goes away (streamed or not, queued or running) cancels its job at once: a watcher awaits the
-ASGI `http.disconnect` message, no polling; the job gives its queue slot back or stops at the next
-target pass; a stream the client left, or that fails after its headers, gets its log line here
-(guards.log_refusal). `/metrics` adds refusals by status and type and the latency histograms (`Clock`,
-which also leaves each generation's tokens, finish reason and background task in
-`scope["state"]["access"]` for guards.Observe's access-log line).
+The middleware is guards.py's (`add_guards`: Observe outermost, CORS only with `cors` origins, the
+Host check only on a loopback `host` without `api_key`, bearer auth only with `api_key`, the
+request-body limit). Streaming is SSE: headers within HEADER_GRACE, then `data: {json}` events
+(chat: the role first, then content and tool-call deltas, the finish_reason chunk, the usage chunk
+when asked for; every chunk with the `specx` field) and `data: [DONE]`, with a `: keep-alive`
+comment every `keepalive` seconds without an event. A client that goes away cancels its job at
+once (a watcher awaits ASGI's `http.disconnect`); a stream the client left, or that fails after its
+headers, gets its log line here (guards.log_refusal). `Clock` feeds the latency histograms and
+leaves each generation's figures in `scope["state"]["access"]` for guards.Observe's access log.
 The model is listed and answered as `model_name` (serve/names.py); GET /v1/models/{id} also takes
 `aliases` (its path). The first answered request whose tools the chat template cannot render leaves
 one log line per server start (`DroppedTools`).

@@ -138,8 +138,8 @@ class Metrics:
                 extra += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *self.histograms[name].lines(name)]
         values.update(
             specx_queue_depth=worker.queue_depth(),
-            specx_busy=int(worker.busy),
-            specx_running_requests=getattr(worker, "running", int(worker.busy)),
+            specx_busy=int(worker.running > 0),
+            specx_running_requests=worker.running,
             specx_ready=int(worker.state == "ready"),
         )
         cache = getattr(getattr(worker, "session", None), "prompt_cache", None)

@@ -4,13 +4,10 @@ Contract: `Scheduler(session, parallel, metrics)` owns N sequence slots, each a 
 its own KV caches (slot 0 is the session's own state; the others are reserved at first use under
 the device-pool component "kv_parallel", which the memory plan counts, see `parallel_fit`).
 A worker thread calls `open(full_ids, cfg, gen, cancelled, background=...)`; it blocks until the
-forest thread admits the request at the next pass boundary: it takes the free slot slots.choose
-picks (the one that loses no conversation's rows, then shares the most with it), the rows a
-conversation there would lose go to the prompt cache, the longest prefix another slot holds is
-copied in (slots.donor), the prompt cache restores a longer one if it has it
-(`ChatSession.prefill_ids` on that slot), and a `core.forest.Lane` joins the `Forest`. A background
-request whose only choice would lose a conversation's rows waits while another background request
-decodes (slots.waits). `open`
+forest thread admits the request at the next pass boundary into the free slot slots.choose picks,
+made the best start for it (`_prepare`: the prompt cache, another slot's prefix, slots.donor), and a
+`core.forest.Lane` joins the `Forest`. A background request whose only choice would lose a
+conversation's rows waits while another background request decodes (slots.waits). `open`
 returns (events, tokens to prefill): the events are the ones `ChatSession.decode` yields for one
 request alone (the prefill chunk that yields the first token runs in the same pass as the other
 requests' trees). Closing the events (stop string, finished, worker stopping) or `cancelled()`

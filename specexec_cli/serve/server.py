@@ -102,12 +102,6 @@ def serve_defaults(flags, target):
     return merge(serve_sampling(target.path), flags.temperature, flags.top_k, flags.top_p)
 
 
-def quiet_warnings() -> None:
-    """Library deprecation notices (per forward call site) must not reach the server's terminal."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-
-
 def run_server(flags, o: ServeOptions) -> int:
     try:
         import fastapi  # noqa: F401
@@ -134,7 +128,9 @@ def run_server(flags, o: ServeOptions) -> int:
             "port can use the model; pass --api-key KEY (or set SPECX_API_KEY)"
         )
     sock = bind(o.host, o.port)
-    quiet_warnings()
+    # library deprecation notices (one per forward call site) must not reach the server's terminal
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     return serve_on(sock, flags, o, opts, plan, cfg)
 
 

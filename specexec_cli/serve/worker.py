@@ -1,25 +1,18 @@
 """The worker of `specx serve`: loads the models, then serves requests, streamed ones first.
 
-Contract: `Worker(load, max_queue, metrics)` owns the `chat.ChatSession` (its caches hold the last
-conversation, its prompt cache the recent other ones, so a request that resends one prefills only
-the new suffix). `submit(job)` never blocks: it queues the job or raises `APIError` (503 while
-loading or stopping, 429 with Retry-After when `max_queue` requests already wait). Queued jobs are
-taken streamed (`job.interactive`) first, then in submission order. Where the forest runs the
-method (specexec, or ar: every method without a draft) every job goes through scheduler.py at any
---parallel, which admits streamed requests first and pauses a non-streamed one for them; other
-methods decode one request at a time with `ChatSession.decode`. A `Job` reports
-to its asyncio queue, in order: `Started` (or `Failed`), `Delta`s of text, then `Done` — pushed
-with `loop.call_soon_threadsafe`, so the event loop never waits on the model. `job.cancel()` (a
-client that went away) gives a queued job's slot back (at once, or at the next pass boundary when
-it waits in the scheduler) and stops a running one after the current target pass; `shutdown()`
-(SIGINT/SIGTERM) stops the running ones likewise and refuses the queued ones (503); the caches stay
-consistent. A request's length is limits.reply_limit's: its max_tokens, else `max_new_tokens`
-(None: to EOS or the context end), at most limits.TASK_CAPS for a background task with
-`task_caps`; with `repetition_guard` a reply that repeats one span (limits.py's rule) ends "stop", its
-`specx` field saying `"stopped_by": "repetition"`. `Started` names the background task. A chat template that raises is a 400
-`chat_template_error`; a grammar or logprobs on a method that cannot give them a 400 before the
-reply starts. A request's tools, grammar and logprobs are planned by structured.py and its text
-filtered by reply.py (stop strings, tool calls), and `Done` carries the tool calls and the logprobs.
+Contract: `Worker(load, max_queue, metrics)` owns the `chat.ChatSession` (its caches and prompt
+cache let a request that resends a conversation prefill only the new suffix). `submit(job)` never
+blocks: it queues the job or raises `APIError` (503 while loading or stopping, 429 with Retry-After
+when `max_queue` requests already wait). Queued jobs are taken streamed (`job.interactive`) first,
+then in submission order. Where the forest runs the method (core.forest.FOREST_METHODS) every job
+decodes through scheduler.py at any --parallel; other methods decode one request at a time with
+`ChatSession.decode`. A `Job` gets its reports in order (jobs.py). `job.cancel()` gives a queued
+job's slot back and stops a running one after the current target pass; `shutdown()` stops the
+running ones likewise and refuses the queued ones (503). A reply's length is limits.reply_limit's;
+with `repetition_guard` a reply that repeats one span ends "stop" with `"stopped_by": "repetition"`.
+A chat template that raises is a 400 `chat_template_error`; a grammar or logprobs on a method that
+cannot give them a 400 before the reply starts. structured.py plans a request's tools, grammar and
+logprobs, reply.py filters its text (stop strings, tool calls); `Done` carries the calls and logprobs.
 """
 from __future__ import annotations
 
@@ -55,7 +48,6 @@ class Worker:
     jobs: queue.PriorityQueue = field(default_factory=queue.PriorityQueue)  # (priority, Job | None)
     stopping: threading.Event = field(default_factory=threading.Event)
     pending: int = 0  # submitted and not finished (the running one included)
-    busy: bool = False
     job_seconds: float = 5.0  # running mean of a request's wall time (for Retry-After)
     max_new_tokens: int | None = None  # the max_tokens of requests that send none (None: to EOS or the context end)
     repetition_guard: bool = False  # limits.RepetitionGuard watches replies (server.py turns it on)
@@ -154,9 +146,7 @@ class Worker:
                 self._finished(job, "rejected", 0.0)
 
     def _forest_runs_it(self) -> bool:
-        """The forest can run the session's method on its models (specexec, or ar: every method
-        without a draft); then even one sequence decodes through the scheduler, which can pause a
-        non-streamed request for a streamed one. Other methods run one request at a time."""
+        """The forest can run the session's method on its models (module docstring)."""
         from specexec_cli.core.forest import FOREST_METHODS
 
         models = self.session.models
@@ -208,15 +198,11 @@ class Worker:
         with self.lock:
             job.admitted = True
             self.running += 1
-            self.busy = True
 
     def _serve(self, job: Job) -> None:
         t0, outcome = time.perf_counter(), "ok"
         try:
-            if job.cancelled.is_set():
-                outcome = "cancelled"
-            else:
-                outcome = self._generate(job)
+            outcome = "cancelled" if job.cancelled.is_set() else self._generate(job)
         except APIError as exc:
             self._end(job, Failed(exc))
             outcome = "error"
@@ -228,7 +214,6 @@ class Worker:
         finally:
             with self.lock:
                 self.running -= job.admitted
-                self.busy = self.running > 0
             self._finished(job, outcome, time.perf_counter() - t0)
 
     def _prompt(self, work: Work):
