@@ -24,7 +24,7 @@ Contract:
   supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
   a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
   batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built.
-  The first use compiles the C sources (`sources_of`: the kernel, the decoder stack, their threads)
+  The first use compiles the C sources (`sources_of`: the kernel, the decoder stack, their threads, MXFP4 dequantization)
   and their header once per machine with the system C compiler (`cc -O3 -march=native -fopenmp -pthread`, then weaker flag
   sets) into $SPECX_CACHE/kernels (default
   ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
@@ -100,7 +100,8 @@ COST = {
 # 0.61-0.63, 0.70 on an earlier machine; bench/results/sx_kernel.json: 0.67, 0.76 and Q8A 0.21, Q8_0 itself 0.79)
 MAX_ROWS = 32  # activation rows up to which the kernel beats a dense GEMM (SmolLM2 resident, whole passes: T = 16 42 vs 61 ms, T = 32 even)
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
-COMPANIONS = ("decode_stack.c", "pool.c")  # built into the same library: the decoder stack, the threads
+# built into the same library: the decoder stack, the threads, MXFP4 experts' dequantization (cpu/mxfp4_kernel.py)
+COMPANIONS = ("decode_stack.c", "pool.c", "mxfp4_dequant.c")
 # included by the sources: part of the build's hash
 HEADERS = ("ggml_blocks.h", "ggml_fast.h", "sx_q8.h", "xq24.h", "decode_stack.h")
 FLAG_SETS = (

@@ -12,7 +12,10 @@ with K the input size (H or I) and N the output size (2I or H): 4.25 bits a weig
 the experts' biases included, is a plain 16/32-bit tensor. `stored_shapes(name, shape)` maps a logical
 (E, K, N) expert matrix to its two stored tensors; `dequantize(blocks, scales, dtype)` gives the
 (..., N, K) weights in `dtype`, the values transformers' `convert_moe_packed_tensors` gives (a FP4 value
-times a power of two: exact in any float dtype wide enough). `Mxfp4Experts` (an arch RoutedExperts)
+times a power of two: exact in any float dtype wide enough); `dequantize_t(blocks, scales, dtype)` one expert's
+(N, K) matrix as its transposed (K, N) weights, the bits of `dequantize(...).t().contiguous()`, in one pass of
+the C kernel on a CPU (cpu/mxfp4_kernel.py, fed a (256, 16) table of every scale x code that `dequantize`
+itself computes), else by that torch path. `Mxfp4Experts` (an arch RoutedExperts)
 holds the stored tensors as its parameters, so the loader keeps, streams and caches the bytes as
 stored; each routed expert's two matrices are dequantized into the compute dtype when it computes.
 `swap_mxfp4_experts(layers, dtype)` puts one in every decoder layer of a meta-built GptOssForCausalLM.
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from offload.arch.gptoss_experts import RoutedExperts
+from offload.cpu import mxfp4_kernel
 from offload.errors import OffloadError
 from offload.formats import hfdir, validate
 from offload.formats.base import Checkpoint
@@ -56,6 +60,27 @@ def _tables(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, tor
     # 2^(s - 127) exactly (2^-127 is an fp32 subnormal, 2^128 overflows to inf, as transformers' ldexp gives)
     powers = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - BIAS).float()
     return pair.view(word).reshape(256).to(device), powers.to(device)
+
+
+@cache
+def _values(dtype: torch.dtype) -> torch.Tensor:
+    """(256, 16) in `dtype`: [s, c] = FP4_VALUES[c] x 2^(s - 127) as `dequantize` computes it (the same ops on a
+    group holding every code: bytes 0x10, 0x32, ..., 0xFE twice), the table cpu/mxfp4_kernel.py writes from."""
+    codes = torch.tensor([lo | (lo + 1) << 4 for lo in range(0, 16, 2)] * 2, dtype=torch.uint8)
+    blocks = codes.expand(256, 1, 16)
+    scales = torch.arange(256, dtype=torch.uint8).view(256, 1)
+    return dequantize(blocks, scales, dtype)[:, :16].contiguous()
+
+
+def dequantize_t(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks (N, G, 16) uint8, scales (N, G) uint8 (one expert's matrix) -> its transposed weights (32 G, N) in
+    `dtype`, the bits of `dequantize(blocks, scales, dtype).t().contiguous()`: one pass of the C kernel
+    (cpu/mxfp4_kernel.py: a lookup in `_values`) on the CPU where it is built, else that torch path."""
+    if blocks.is_cpu and dtype in mxfp4_kernel.WIDTHS:
+        out = mxfp4_kernel.dequantize_t(blocks, scales, _values(dtype), dtype)
+        if out is not None:
+            return out
+    return dequantize(blocks, scales, dtype).t().contiguous()
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,9 +153,10 @@ class Mxfp4Experts(RoutedExperts):
         """One expert's (gate_up (H, 2I), its bias, down (I, H), its bias), dequantized into the compute dtype."""
         out = []
         for proj in ("gate_up_proj", "down_proj"):
-            w = dequantize(parts[f"{proj}_blocks"], parts[f"{proj}_scales"], self.compute_dtype)  # (N, K)
-            out += [w.t().contiguous(), parts[f"{proj}_bias"]]  # (K, N): x @ W, laid out as transformers'
-            del w  # gone before the next matrix: at most two copies of gate_up (the plan's mxfp4 temporaries)
+            # (K, N): x @ W, laid out as transformers' (the torch path: at most two copies of gate_up at once,
+            # the plan's mxfp4 temporaries)
+            out += [dequantize_t(parts[f"{proj}_blocks"], parts[f"{proj}_scales"], self.compute_dtype)]
+            out += [parts[f"{proj}_bias"]]
         return tuple(out)
 
 
