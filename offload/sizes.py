@@ -10,22 +10,10 @@ from __future__ import annotations
 
 import re
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
+_PREFIXES = "kmgt"  # kilo, mega, giga, tera: the n-th is 1000^n (k, kb, ...) or 1024^n (kib, ...)
+_UNITS = {"": 1, "b": 1}
+_UNITS |= {p + unit: 1000**n for n, p in enumerate(_PREFIXES, 1) for unit in ("", "b")}
+_UNITS |= {p + "ib": 1024**n for n, p in enumerate(_PREFIXES, 1)}
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 

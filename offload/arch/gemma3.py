@@ -29,8 +29,8 @@ class TypedRope(tuple):
 
 
 @lru_cache(maxsize=1)
-def _classes():
-    """(causal LM, rotary, layer) subclasses, built on first use (transformers imports lazily)."""
+def causal_lm_class():
+    """The causal LM subclass (contract), built on first use (transformers imports lazily)."""
     from transformers import Gemma3ForCausalLM
     from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RMSNorm, Gemma3RotaryEmbedding
 
@@ -72,8 +72,4 @@ def _classes():
                     if type(mod) is Gemma3RMSNorm:
                         mod.__class__ = PlusOneNorm
 
-    return SpecxGemma3ForCausalLM, TypedRotary, TypedLayer
-
-
-def causal_lm_class():
-    return _classes()[0]
+    return SpecxGemma3ForCausalLM

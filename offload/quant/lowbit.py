@@ -290,12 +290,11 @@ def _place_blocks(layer: nn.Module, put: Callable[[torch.Tensor], torch.Tensor])
     member a view of its own, so the one-call stack multiplies a set in one call over one 8-bit image
     of the input (a qfuse.FusedGroup: 4 matmuls a layer, not 7; every output row the same dot product);
     every other block set its own buffer. The device bytes are the same either way."""
-    placed = set()
+    placed, named = set(), dict(layer.named_modules())
     for names in SIBLINGS:
-        mods = [layer.get_submodule(n) for n in names if _has(layer, n)]
-        if len(mods) < 2 or not all(isinstance(m, KernelLowbitLinear) for m in mods):
-            continue
-        if len({(m.ggml_type, m.in_features) for m in mods}) != 1:
+        mods = [named[n] for n in names if n in named]
+        blocks = len(mods) > 1 and all(isinstance(m, KernelLowbitLinear) for m in mods)
+        if not blocks or len({(m.ggml_type, m.in_features) for m in mods}) != 1:
             continue
         flat = put(torch.cat([m.packed.reshape(-1) for m in mods]))
         at = 0
@@ -306,14 +305,6 @@ def _place_blocks(layer: nn.Module, put: Callable[[torch.Tensor], torch.Tensor])
         if isinstance(m, KernelLowbitLinear) and id(m) not in placed:
             m.packed = put(m.packed)
     fuse_siblings(layer)
-
-
-def _has(layer: nn.Module, name: str) -> bool:
-    try:
-        layer.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _blocks(tensors: dict, name: str, bits: int, shape: tuple[int, int]) -> torch.Tensor:

@@ -56,14 +56,13 @@ def quantize_nf4(weight: torch.Tensor, device: torch.device, dtype: torch.dtype 
     import bitsandbytes.functional as bnbf
 
     w = weight.to(device=device, dtype=dtype).contiguous()
-    packed, state = bnbf.quantize_4bit(
+    return bnbf.quantize_4bit(
         w,
         blocksize=NF4_BLOCKSIZE,
         compress_statistics=NF4_COMPRESS_STATISTICS,
         quant_type="nf4",
         quant_storage=torch.uint8,
     )
-    return packed, state
 
 
 class Nf4Linear(nn.Module):

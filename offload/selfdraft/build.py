@@ -123,28 +123,15 @@ def build_self_draft(
 ):
     """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract);
     the streamed layers in `skip` get no substitute (pass-throughs)."""
-    from offload.stream.devmem import DevicePool
-    from offload.stream.model import OffloadedCausalLM
-
     if not streamed_layers(target):
         return build_skip_draft(target, skip)
     layers = [i for i in check_self_draft(target, bits) if i not in set(skip)]
     skipped = sorted(set(skip) & set(streamed_layers(target)))
     source = _opened(target, sixteen_bit_source(target))
-    shared = (target.embed_tokens, target.norm, target.lm_head, target.rotary_emb)
     if bits == 4:
-        draft = OffloadedCausalLM.from_pretrained(
-            source,
-            device=target.device,
-            dtype="nf4",
-            offload="none",
-            progress=progress,
-            pool=DevicePool(target.device),
-            subset=Subset(frozenset(layers), shared),
-            nf4_compute=target.dtype,
-        )
+        draft = skeleton(target, source, layers, dtype="nf4", progress=progress, nf4_compute=target.dtype)
     else:
-        draft = _hqq_draft(target, source, layers, bits, shared, progress)
+        draft = _hqq_draft(target, source, layers, bits, progress)
     for i in range(len(draft.layers)):
         if i in skipped:
             draft.layers[i] = PassThrough()
@@ -156,9 +143,10 @@ def build_self_draft(
     return draft
 
 
-def skeleton(target, source=None):
-    """A weightless OffloadedCausalLM of the target's architecture whose globals are the target's
-    (no layer loaded: every decoder layer is a meta module until the caller binds one)."""
+def skeleton(target, source=None, layers=(), dtype=None, **options):
+    """An OffloadedCausalLM of the target's architecture (`source`: the target's checkpoint) whose globals
+    are the target's and whose decoder layers in `layers` are loaded from `source` at `dtype` (the target's
+    if None), resident; every other layer is a meta module until the caller binds one."""
     from offload.stream.devmem import DevicePool
     from offload.stream.model import OffloadedCausalLM
 
@@ -169,10 +157,11 @@ def skeleton(target, source=None):
     return OffloadedCausalLM.from_pretrained(
         source,
         device=target.device,
-        dtype=target.dtype,
+        dtype=target.dtype if dtype is None else dtype,
         offload="none",
         pool=DevicePool(target.device),
-        subset=Subset(frozenset(), shared),
+        subset=Subset(frozenset(layers), shared),
+        **options,
     )
 
 
@@ -230,7 +219,7 @@ def _hf_view(target, layers):
     return draft
 
 
-def _hqq_draft(target, source: Path, layers: list[int], bits: int, shared, progress):
+def _hqq_draft(target, source, layers: list[int], bits: int, progress):
     """A weightless skeleton of the target's architecture whose substituted layers get HQQ weights."""
     from offload.quant.lowbit import ensure_lowbit_layers, lowbit_layer, shard_path
 

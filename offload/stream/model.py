@@ -86,15 +86,7 @@ class OffloadedCausalLM(nn.Module):
             w.experts.attach(i, self.layers[i], self.layers[i].mlp.experts)
         if w.experts:
             w.experts.stats = self.stats
-        self.prefetcher = Prefetcher(
-            self.plan.streamed,
-            self.store.read,
-            self.store.copy,
-            self.store.slots,
-            self.store.host_slots,
-            device,
-            is_free=self.store.is_free,
-        )
+        self.prefetcher = Prefetcher(self.plan.streamed, self.store, device)
         self.lean = LeanStack.build(self)  # every layer in one C call for small passes, where it applies
 
     @classmethod

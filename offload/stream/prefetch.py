@@ -1,14 +1,14 @@
 """Layer prefetcher: a ring of staging slots that keeps the weight stream busy across passes.
 
 Contract (one protocol for every tier and device):
-    pf = Prefetcher(order, read, copy, slots, host_slots, device, is_free)
+    pf = Prefetcher(order, store, device)   # store: storage.LayerStore (read, copy, slots, host_slots, is_free)
     for layer_id, buf in pf.pass_():     # streamed layers, in `order`
         compute(layer_id, buf)           # buf valid until the generator resumes
     pf.close()
 - Two stages, each a FIFO job queue on ONE background thread:
-    A "read":  read(layer, h) -> host tensor, into host staging slot h (disk read / cast; for a
-               RAM-tier layer the arena itself, run inline: `is_free(layer)`).
-    B "copy":  copy(layer, host, d) -> device tensor in device slot d (CUDA only). On CPU the host
+    A "read":  store.read(layer, h) -> host tensor, into host staging slot h (disk read / cast; for a
+               RAM-tier layer the arena itself, run inline: `store.is_free(layer)`).
+    B "copy":  store.copy(layer, host, d) -> device tensor in device slot d (CUDA only). On CPU the host
                staging slot IS the usable buffer and stage B does not exist.
 - Every streamed layer gets a global sequence number j (pass after pass, the order repeats), and
   goes to host slot j % host_slots and device slot j % slots. Read A(j) may start once the slot's
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -47,22 +47,13 @@ def _done(value) -> Future:
 
 
 class Prefetcher:
-    def __init__(
-        self,
-        order: list[int],
-        read: Callable[[int, int], torch.Tensor],
-        copy: Callable[[int, torch.Tensor, int], torch.Tensor] | None,
-        slots: int,
-        host_slots: int | None,
-        device: torch.device,
-        is_free: Callable[[int], bool] | None = None,
-    ):
-        self.order, self.read, self.copy, self.device = list(order), read, copy, device
+    def __init__(self, order: list[int], store, device: torch.device):
+        self.order, self.read, self.copy, self.device = list(order), store.read, store.copy, device
         n = max(1, len(self.order))
         self.cuda = device.type == "cuda"
-        self.slots = max(1, min(slots, n))  # device slots (D)
-        self.host_slots = max(self.slots, min(host_slots or slots, n))  # host staging slots (H >= D)
-        self.is_free = is_free
+        self.slots = max(1, min(store.slots, n))  # device slots (D)
+        self.host_slots = max(self.slots, min(store.host_slots or store.slots, n))  # host staging slots (H >= D)
+        self.is_free = store.is_free
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
         self.free_events: list = [None] * self.slots  # CUDA: compute released device slot d
         self.jobs_a: dict[int, tuple[int, Future]] = {}  # seq -> (pass id, read future)
@@ -119,7 +110,7 @@ class Prefetcher:
 
     def _submit_a(self, seq: int) -> None:
         layer, h = self.order[(seq - self.start) % len(self.order)], seq % self.host_slots
-        if self.is_free is not None and self.is_free(layer):
+        if self.is_free is not None and self.is_free(layer):  # None: every read on the thread
             fut = _done(self.read(layer, h))  # nothing to move: no thread hop
         else:
             fut = self._pool_a.submit(self._job_a, layer, h, self.host_owner.get(h) if self.cuda else None)
