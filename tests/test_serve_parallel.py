@@ -18,7 +18,7 @@ import torch
 
 from specexec_cli.core.budget import BudgetTuner, TimingModel
 from specexec_cli.core.draft import TreeShape
-from specexec_cli.core.engine import GenerationConfig
+from specexec_cli.core.engine import GenerationConfig, StepEvent
 from specexec_cli.errors import SpecxError
 from specexec_cli.serve import scheduler as sched_mod
 from specexec_cli.serve.jobs import Delta, Done, Failed, Job
@@ -123,7 +123,24 @@ def test_budget_auto_splits_by_the_speed_model_and_learns_from_forest_passes(mod
         single.thread.join(30)
 
 
-def test_request_sent_mid_reply_gets_its_first_token_within_two_passes(pair):
+def test_request_sent_mid_reply_gets_its_first_token_within_two_passes(pair, monkeypatch):
+    forest, waited = pair.scheduler.forest, []  # per request: forest passes from open() to its first token
+
+    class Timed(sched_mod.Ticket):
+        def __init__(self, *args):
+            super().__init__(*args)
+            opened, put = forest.passes, self.out.put
+
+            def first_put(item):  # on the forest thread, right after the pass that gave `item`
+                if isinstance(item, StepEvent) and self.out.put is first_put:
+                    waited.append(forest.passes - opened)
+                    self.out.put = put
+                put(item)
+
+            self.out.put = first_put
+
+    monkeypatch.setattr(sched_mod, "Ticket", Timed)
+
     async def go():
         loop = asyncio.get_running_loop()
         long = Job(Work(prompt=PROMPTS[0], max_tokens=400), loop, "completions")
@@ -140,7 +157,7 @@ def test_request_sent_mid_reply_gets_its_first_token_within_two_passes(pair):
 
     items = asyncio.run(go())
     assert isinstance(items[-1], Done)
-    assert pair.scheduler.waits[-1] <= 2
+    assert len(waited) == 2 and waited[-1] <= 2
 
 
 def test_cancelled_request_frees_its_slot_and_the_other_goes_on(models, pair):

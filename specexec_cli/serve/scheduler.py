@@ -69,8 +69,6 @@ class Ticket:
     closed: bool = False  # the reader stopped reading (set from the worker thread)
     lane: Lane | None = None
     slot: int = -1
-    opened: int = 0  # forest passes made when the request asked to join
-    first: int = -1  # the forest pass that gave its first token (first - opened: passes waited)
     paused: list[int] | None = None  # the committed ids of a lane paused for a streamed request
 
     def priority(self) -> tuple[bool, int]:
@@ -150,7 +148,6 @@ class Scheduler:
         self.cv = threading.Condition()
         self.waiting: list[Ticket] = []
         self.closing = False
-        self.waits: list[int] = []  # per request: forest passes from asking to join to its first token
         self.expected: set[int] = set()  # seqs taken by the caller, not opened yet: later ones wait for them
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
@@ -171,7 +168,6 @@ class Scheduler:
         order, `interactive`: a streamed request, `background`: a client's background task (slots.py)."""
         ticket = Ticket(list(full), cfg, gen, cancelled, interactive, background, seq)
         with self.cv:
-            ticket.opened = self.forest.passes
             self.expected.discard(ticket.seq)
             self.waiting.append(ticket)
             self.cv.notify_all()
@@ -366,9 +362,6 @@ class Scheduler:
                 tokens += len(ev.tokens)
                 if self.tuner is not None:
                     self.tuner.observe(ev, budget=lane.shape.budget, pass_tokens=self.forest.last_tokens)
-                if lane.ticket.first < 0:
-                    lane.ticket.first = self.forest.passes
-                    self.waits.append(self.forest.passes - lane.ticket.opened)
                 lane.ticket.out.put(ev)
                 if ev.finish:
                     self._release(lane.ticket)
