@@ -76,6 +76,8 @@ def _terms_table(plan: dict, choice: dict):
         table.add_column(col, justify="right" if col in ("seconds", "rate") else "left", overflow="fold")
     sixteen = t.get("flops", 0) == m.get("flops16")  # the compute dtype's rate: 16-bit or fp32
     flops = t.get("flops") or m.get("flops32" if plan.get("device") == "cpu" else "flops16", 0)
+    # a mixture-of-experts target: the distinct routed experts' term
+    experts = [("experts", t["experts"], "", f"distinct experts routed, on {t['routed']}")] if t.get("routed") else []
     rows = (
         (
             "stream",
@@ -91,7 +93,7 @@ def _terms_table(plan: dict, choice: dict):
             src.get("dequant", src.get("memory_bps", "prior")),
         ),
         ("attention", t["attention"], "", "at half the planned context"),
-        *(_experts_term(t) if t.get("routed") else ()),
+        *experts,
         ("head", t["head"], "", ""),
         ("floor", t["floor"], "", src.get("forward_floor_s", "prior")),
         ("pass", t["seconds"], "", "layers overlap: sum of max(stream, compute)"),
@@ -166,11 +168,6 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
         console.print(experts_table(plan["experts"]))
     if plan.get("candidates"):
         console.print(candidates_table(plan))
-
-
-def _experts_term(t: dict) -> tuple:
-    """The routed experts' row of the pass terms (a mixture-of-experts target)."""
-    return (("experts", t["experts"], "", f"distinct experts routed, on {t['routed']}"),)
 
 
 def experts_table(ex: dict):

@@ -281,6 +281,7 @@ class LoadProgress:
         self._task = None
 
     def __enter__(self) -> LoadProgress:
+        global _LIVE_CONSOLE
         if self.enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -288,14 +289,10 @@ class LoadProgress:
                                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                       console=stderr_console(), transient=True)
             self._progress.__enter__()
-            self._show_notices_above()
+            # print_notice/print_error go through the bar's console while it is shown (a second
+            # console on stderr would write into the bar's line)
+            self._outer, _LIVE_CONSOLE = _LIVE_CONSOLE, self._progress.console
         return self
-
-    def _show_notices_above(self) -> None:
-        """Route print_notice/print_error through the bar's console while it is shown (a second
-        console on stderr would write into the bar's line)."""
-        global _LIVE_CONSOLE
-        self._outer, _LIVE_CONSOLE = _LIVE_CONSOLE, self._progress.console
 
     def __call__(self, done: int, total: int, what: str) -> None:
         if self._progress is None:

@@ -2,20 +2,14 @@
 
 Contract: `measure(flags, max_tokens, progress)` plans and loads the target exactly as `specx run`
 would with the same flags (session/options.plan_for_cli + load_planned: --offload auto by default,
---max-gpu-memory, --max-ram, --dtype, --ctx; --budget auto), then times
-- t_target(n): one target pass over n new tokens on a CONTEXT_TOKENS cache, for n = 1, 2, 4, ... up to
-  min(max_tokens, 4096, the plan's largest pass), each size after WARMUP untimed passes, the median
-  of repeated passes (a streamed pass reads its layers from RAM or disk every time, as a run's does);
-- each draft a run could take: a small --draft DIR ("small"), or with --draft self every width whose
-  package is installed ("self-4", "self-3", "self-2"), each planned and loaded on its own: one
-  tree-growth step (max_beams nodes) through core/draftstep.run, the path of every method's tree growth
-  (on CUDA a resident draft's CUDA graph replays), the whole tree at each budget in TREE_BUDGETS up to
-  max_tokens, and the draft seconds per pass of real specexec decoding at those budgets (the
-  engine's own figure: growth with node scoring and budget selection, plus the cache trim);
-and, for a mixture-of-experts target, `routing`: how many of ROUTING_TOKENS sample tokens each router sent
-to each expert (`count_routing`: the measured use the plan caches the hottest experts by); it records
-the placement ([resident, RAM, disk] layers), the resolved target path and the dtype the
-timings are for (session/profiles.profile_matches uses them only for that target and dtype, and
+--max-gpu-memory, --max-ram, --dtype, --ctx; --budget auto), then times t_target(n) for n = 1, 2,
+4, ... up to min(max_tokens, 4096, the plan's largest pass) (`time_target`), and each draft a run
+could take (`draft_configs`: a small --draft DIR, or every --draft self width whose package is
+installed, each planned and loaded on its own): one tree-growth step and the whole tree at each of
+TREE_BUDGETS (`time_draft`) and the draft seconds per pass of real specexec decoding
+(`time_draft_in_runs`); a mixture-of-experts target's `routing` (`count_routing`). It records the
+placement ([resident, RAM, disk] layers), the resolved target path and the dtype the timings are
+for (session/profiles.profile_matches uses them only for that target and dtype, and
 offload/planning/draftcost.py only under that placement). Nothing here prints; errors are SpecxError.
 """
 
