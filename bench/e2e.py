@@ -121,7 +121,7 @@ def run_hf(model, draft, ids: list[int], max_new: int, eos: list[int]) -> dict:
 
 
 def run_specx(models, ids: list[int], max_new: int, budget: str) -> dict:
-    from specexec_cli.core.budget import make_tuner, weights_stream
+    from specexec_cli.core.budget import make_tuner
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
     from specexec_cli.core.stats import LinkMeter, RunStats
@@ -130,7 +130,7 @@ def run_specx(models, ids: list[int], max_new: int, budget: str) -> dict:
     method = "ar" if budget == "ar" else "specexec"
     shape = TreeShape(budget=64 if budget in ("ar", "auto") else int(budget), max_depth=64)
     cfg = GenerationConfig(method=method, shape=shape, max_new_tokens=max_new)
-    tuner = make_tuner(find_profile(None), shape, False, weights_stream(models.target)) if budget == "auto" else None
+    tuner = make_tuner(find_profile(None), shape, False) if budget == "auto" else None
     stats, meter = RunStats(), LinkMeter(models.target)
     b0, p0 = kernel_read_bytes(), models.target.stats.passes
     events = tuner.drive(models, DecodeState(), ids, cfg) if tuner else generate(models, DecodeState(), ids, cfg)

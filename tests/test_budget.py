@@ -199,11 +199,11 @@ def test_without_a_profile_the_tuner_starts_from_the_plans_model():
         for b, tpp, p, d in ((16, 4.0, 1.0, 0.02), (64, 6.0, 1.0, 0.06), (256, 8.0, 1.9, 0.25))
     ]
     plan = {"choice": {"by_budget": rows, "budget": 64}, "candidates": [{"draft": "none", "pass_seconds": 0.9}]}
-    tuner = make_tuner(None, TreeShape(budget=64, max_depth=64), False, True, plan)
+    tuner = make_tuner(None, TreeShape(budget=64, max_depth=64), False, plan)
     assert tuner.timing.source == "plan" and tuner.max_budget == 256
     assert tuner.timing.t_target(65) == 1.0 and tuner.timing.t_target(1) == 0.9
     assert tuner.timing.t_draft(256) == 0.25
-    assert make_tuner(None, TreeShape(64, 64), False, True).timing.source == "prior"
+    assert make_tuner(None, TreeShape(64, 64), False).timing.source == "prior"
 
 
 def test_the_tuner_models_the_draft_the_run_uses_not_the_one_ranked_first():
@@ -266,7 +266,7 @@ def test_a_profile_prices_only_the_draft_it_timed():
             ]
         },
     }
-    assert make_tuner(prof, TreeShape(64, 64), False, True, plan).timing.t_draft(128) == 2.0
+    assert make_tuner(prof, TreeShape(64, 64), False, plan).timing.t_draft(128) == 2.0
 
 
 def test_a_loaded_run_names_its_draft_for_the_tuner(tiny_pair):

@@ -20,11 +20,19 @@ import specexec_cli.core.methods.staged as staged
 import specexec_cli.core.methods.static_tree as static_tree
 from specexec_cli.core.calibrate import N_DRAFT
 from specexec_cli.core.draft import TreeShape
-from specexec_cli.core.engine import DecodeState, GenerationConfig, prefill
+from specexec_cli.core.engine import DecodeState, GenerationConfig, prefill_pass, run_alone
 from specexec_cli.core.methods import METHODS, generate
 from specexec_cli.core.methods.common import with_settings
 from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.core.state import add_prompt
 from tests.fakes import fake_models, greedy_reference, noisy, random_table
+
+
+def prefill(m, st, new_ids, cfg, gen) -> None:
+    """Prefill `new_ids` on top of `st` as generate's first pass does (the first token committed)."""
+    add_prompt(m, st, new_ids)
+    run_alone(m.target, prefill_pass(m, st, cfg, gen))
+
 
 V = 8
 TABLE = random_table(V, seed=3, scale=2.0)

@@ -4,34 +4,21 @@ Contract: `choose_budget(expected, t_draft, t_target, candidates)` is pure — i
 B maximising  E[tokens per pass](B) / (t_draft(B) + t_target(B + 1)),  the decode speed in
 tokens/second (one target pass verifies B draft nodes plus the root, i.e. n = B + 1 tokens);
 with `lanes=k` the same choice for k requests sharing each pass (serve --parallel's forest).
-`BudgetTuner` owns the statistics: `drive(models, state, ids, cfg)` wraps `engine.generate`,
-feeds every pass into the statistics and re-tunes budget and depth every `retune_every` passes.
-It needs no engine hook: the config it hands to the engine is a `LiveConfig`, a GenerationConfig
-whose `shape` is read from a mutable `ShapeHolder`, so a new shape takes effect at the next pass
-(the engine reads `cfg.shape` inside each step); `split(k)` gives each of k requests in a forest
-pass its shape, and `observe(ev, budget, pass_tokens)` takes the forest's events. Explicit
-`--budget N` never builds a tuner.
+`BudgetTuner.drive(models, state, ids, cfg)` wraps `engine.generate`, feeds every pass into the
+statistics and re-tunes budget and depth every `retune_every` passes, with no engine hook: the
+engine reads `cfg.shape` inside each step from a `LiveConfig`; `split(k)` gives each of k requests
+in a forest pass its shape, and `observe(ev, budget, pass_tokens)` takes the forest's events.
+Explicit `--budget N` never builds a tuner.
 
 Models (all corrected online, so priors only matter for the first passes):
 - tokens per pass  E(B) = 1 + a·log2(1 + B), capped at depth + 1 (SpecExec/Sequoia: accepted
   length grows roughly logarithmically with the tree size). `a` is a least-squares fit through the
   origin of (tokens − 1) on log2(1 + B) over the observed passes, regularised towards the prior
   a0 = 0.5 with the weight of PRIOR_PASSES passes. Budgets observed often enough use their mean.
-- t_target(n) and t_draft(B), in this order of preference: the profile's measured points (t_draft
-  only from the timings it measured for the draft the run uses, else from the plan); else the
-  memory plan's own pass model (offload/planning/passcost.py via the candidate the run uses, else the
-  plan's chosen one: its
-  modelled pass seconds at n = B + 1 and draft seconds net of what the stream hides, per budget in
-  `by_budget`), so `--budget auto` starts where the dry run's model puts it; else (no plan: pickle
-  weights) core/timing.py's FALLBACK_KNEE, t(n) = 1 + n/FALLBACK_KNEE. Interpolation is log-log between points,
-  linear beyond the last. Both are rescaled by the observed/predicted ratio as soon as passes are
-  seen; observed n-bins replace the model outright. Without measured or planned draft points,
-  t_draft(B) = steps(B) · t_step with steps(B) = 1 + ceil(B / beams) + log2(1 + B) (root run, one
-  draft forward per beam batch, plus the dependency chain of a tree whose depth grows ~log B).
-- the stop: each shape the tuner hands out carries `min_prob` = a draft forward's seconds over a
-  token's at that budget (`min_prob`), so a node the draft is less sure of than that is not expanded
-  and a pass's tree stops short of its budget where expanding would cost more than it returns
-  (SmolLM2's self-draft from disk: ~0.5; a cheap draft beside a slow target: near 0, the full tree).
+- t_target(n) and t_draft(B): core/timing.py's `TimingModel` (the profile's measured points, else
+  the memory plan's pass model, else FALLBACK_KNEE; `make_tuner`), rescaled by the observed/predicted
+  ratio as soon as passes are seen; observed n-bins and budgets replace the model outright.
+- the stop: each shape carries `min_prob` (`BudgetTuner.min_prob`), below which a node is not expanded.
 - plain decoding (budget PLAIN = 0: the engine's step without a tree, no draft forward) competes
   with every budget from the PLAIN_AFTER-th measured speculative pass on: a reply whose trees measure
   slower than plain steps falls back to them, and tries its best tree again every PROBE_EVERY plain
@@ -213,10 +200,7 @@ class BudgetTuner:
         return int(max(2, min(self.depth_cap, guess, budget)))
 
     def retune(self) -> None:
-        """The budget with the most tokens/s on the live statistics. Plain decoding (PLAIN: one token a
-        pass of one token, no draft) competes once PLAIN_AFTER speculative passes are measured, so a
-        reply whose trees measure slower than plain steps falls back to them (its pass time: observed
-        plain passes, else the model rescaled by the observed passes)."""
+        """The budget with the most tokens/s on the live statistics (PLAIN among them: module docstring)."""
         cands = candidate_budgets(self.max_budget)
         if self.passes >= PLAIN_AFTER:
             cands = [PLAIN, *cands]
@@ -293,17 +277,9 @@ class BudgetTuner:
             yield ev
 
 
-def weights_stream(target) -> bool:
-    """True when the target streams decoder layers every pass (an offloaded model with streamed layers)."""
-    return bool(getattr(getattr(target, "plan", None), "streamed", None))
-
-
-def make_tuner(
-    profile: dict | None, shape: TreeShape, on_cuda: bool, streamed: bool = False, plan: dict | None = None
-) -> BudgetTuner:
+def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, plan: dict | None = None) -> BudgetTuner:
     """A tuner from a profile's timings (if it has model timings), else the memory plan's modelled ones
-    (`plan`: MemoryPlan.to_json(); capped at the largest budget it sized), else the fallback prior.
-    `streamed` is kept for callers; the plan's model already knows what streams."""
+    (`plan`: MemoryPlan.to_json(); capped at the largest budget it sized), else the fallback prior."""
     planned = TimingModel.from_plan(plan)
     timing = TimingModel.from_profile(profile, (plan or {}).get("draft_key"), planned) if profile else None
     timing = timing or planned or TimingModel.prior()
@@ -317,6 +293,6 @@ def make_tuner(
 
 
 def tuner_for(models, shape: TreeShape, profile: dict | None) -> BudgetTuner:
-    """`make_tuner` for loaded `models`: their device, whether the target streams, their plan's speed model."""
+    """`make_tuner` for loaded `models`: their device and their plan's speed model."""
     on_cuda = getattr(getattr(models.target, "device", None), "type", None) == "cuda"
-    return make_tuner(profile, shape, on_cuda, weights_stream(models.target), getattr(models, "plan_json", None))
+    return make_tuner(profile, shape, on_cuda, getattr(models, "plan_json", None))

@@ -270,16 +270,6 @@ def prefill_pass(m: Models, st: DecodeState, cfg: GenerationConfig, gen) -> Pass
     return StepResult([tok], 0, logprobs=logprobs_of(cfg, logits[-1:], [0], [tok]))
 
 
-def prefill(m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen, logprobs=None) -> int:
-    """Run both models over the not-yet-cached tokens; returns the first generated token (its
-    TokenLogprob appended to the list `logprobs` when cfg.logprobs is set and a list is given)."""
-    add_prompt(m, st, new_ids)
-    res = run_alone(m.target, prefill_pass(m, st, cfg, gen))
-    if logprobs is not None:
-        logprobs.extend(res.logprobs or [])
-    return res.tokens[0]
-
-
 def start_constraints(m: Models, st: DecodeState, cfg: GenerationConfig, start: int, step_fn=None):
     """The call's constrain.GrammarRun (None without cfg.grammar), the grammar starting after
     st.ids[:start]; GrammarError when the grammar or the method cannot serve the request."""

@@ -110,14 +110,6 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return top_p_filter(probs, params.top_p)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a (V,) distribution with an explicit CPU generator (host-side helpers)."""
-    probs = probs.detach().to("cpu", torch.float32)
-    if probs.max() >= 1.0:  # one-hot (greedy): no randomness needed, keeps the generator untouched
-        return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 def draft_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Draft scores used to rank tree nodes: log-softmax at the run temperature (greedy → T=1)."""
     t = 1.0 if params.greedy else params.temperature
