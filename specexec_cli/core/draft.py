@@ -11,8 +11,7 @@ Where the work happens: log-softmax and top-k run where the logits are; per draf
 one upload (ids, positions, the mask's (B, depth) ancestor table and the n-gram proposals) and one
 (B, 2k [+1]) download of scores and token ids (`transfers.to_host`), so the bytes per forward do
 not depend on the vocabulary. The tree itself is a few small host tensors. Every draft forward is
-`draftstep.run`: the rows padded to a bucket, masks built on the draft's device from the staged
-ancestor table in buffers kept per bucket, and on CUDA the pass replayed as a graph.
+`draftstep.run`.
 
 Scores: without a `Scoring`, a node's score is its cumulative draft log-probability (plain
 SpecExec). With one, it is the cumulative log of the *calibrated* acceptance probability
@@ -82,7 +81,7 @@ class Scoring:
         while node > 0 and len(out) < n:
             out.append(int(tree.tokens[node]))
             node = int(tree.parents[node])
-        return self.committed[len(self.committed) - (n - len(out)) :] + out[::-1] if len(out) < n else out[::-1]
+        return self.committed[max(0, len(self.committed) - (n - len(out))) :] + out[::-1] if len(out) < n else out[::-1]
 
 
 @dataclass

@@ -105,12 +105,6 @@ class ChatSession:
         head = f"{self.system}\n\n" if first and self.system else ("" if first else "\n")
         return list(tok(f"{head}User: {text}\nAssistant:", add_special_tokens=first)["input_ids"])
 
-    def turn_ids(self, messages: list[dict], text: str) -> list[int]:
-        """The ids to prefill for the new user turn (rewinding the state if the rendering diverged)."""
-        if not self.templated:
-            return self._plain(text)
-        return self.prefill_ids(self._render(messages))
-
     def conversation_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A whole conversation (ending in a user or tool turn) as ids ready for the assistant's reply:
         the chat template (given `tools`, OpenAI function dicts, when the request has them), else the
@@ -135,11 +129,6 @@ class ChatSession:
         return full[keep:]
 
     # -- one reply --------------------------------------------------------------------------------
-    def _events(self, ids: list[int], cfg: GenerationConfig, gen: torch.Generator):
-        if self.tuner is not None:
-            return self.tuner.drive(self.models, self.state, ids, cfg, gen)
-        return generate(self.models, self.state, ids, cfg, gen)
-
     def decode(
         self, ids: list[int], cfg: GenerationConfig | None = None, gen: torch.Generator | None = None
     ) -> Iterator[StepEvent]:
@@ -147,7 +136,9 @@ class ChatSession:
         or the given settings and RNG. Closing it between events leaves the caches consistent; an
         error or interrupt mid-pass crops them back to the committed ids.
         Raises ContextOverflow (state unchanged) on the first event when the prompt does not fit."""
-        events = self._events(ids, cfg or self.cfg, gen if gen is not None else self.gen)
+        cfg, gen = cfg or self.cfg, gen if gen is not None else self.gen
+        drive = self.tuner.drive if self.tuner is not None else generate
+        events = drive(self.models, self.state, ids, cfg, gen)
         try:
             yield from events
         except GeneratorExit:  # closed between events: the caches are consistent
@@ -164,7 +155,7 @@ class ChatSession:
         Raises ContextOverflow (history unchanged) when the turn does not fit.
         """
         messages = self.messages + [{"role": "user", "content": text}]
-        ids = self.turn_ids(messages, text)
+        ids = self.prefill_ids(self._render(messages)) if self.templated else self._plain(text)
         stats = RunStats(config=self.config_record(self.cfg))
         out_ids: list[int] = []
         shown: list[str] = []  # text already written (the detokenizer may hold back a tail)

@@ -7,8 +7,7 @@ What is staged: there are three models in a cascade.
            best open nodes of the current top-`budget` set (SpecExec's cumulative-probability rule);
   stage 3  an N-GRAM model (prompt lookup over the prompt + generated text: `ngram.NgramIndex`,
            the index of specexec's n-gram branches) speeds up stage 2: for each node the draft is
-           about to expand, it proposes a continuation of up to
-           `CHAIN_LEN` tokens. The proposals ride along in the SAME draft forward (tree mask: each
+           about to expand, it proposes a continuation of up to `CHAIN_LEN` tokens. The proposals ride along in the SAME draft forward (tree mask: each
            proposed token sees the prefix, the node's ancestors, the node and the earlier proposed
            tokens), so the draft verifies them in batch instead of decoding them one by one.
            Proposed token x_j is accepted by the draft when it is a child the draft itself put in
@@ -20,8 +19,7 @@ What is staged: there are three models in a cascade.
 The first forward of a step runs the pending committed tokens and the root's n-gram chain
 causally together. The tree is then pruned to the top-`budget` nodes and verified exactly as in
 `engine.speculative_step`; the draft cache keeps the engine's layout (prefix + run nodes by slot).
-Every draft forward is `draftstep.run`, the static draft step of SpecExec's growth (on CUDA padded
-to a bucket and replayed as a graph); rejected proposals' rows are then dropped by `compact`.
+Every draft forward is `draftstep.run`.
 """
 
 from __future__ import annotations
@@ -29,21 +27,12 @@ from __future__ import annotations
 import torch
 
 from specexec_cli.core import draftstep, kvcache
-from specexec_cli.core.draft import DraftContext, TreeShape, expand, step_batch
+from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, expand, step_batch
 from specexec_cli.core.engine import speculative_step
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.tree import Tree, ancestors
 
 CHAIN_LEN = 8  # tokens proposed per node
-
-
-def path_tokens(tree: Tree, node: int) -> list[int]:
-    """Tokens root (excluded) → node (included)."""
-    out = []
-    while node > 0:
-        out.append(int(tree.tokens[node]))
-        node = int(tree.parents[node])
-    return out[::-1]
 
 
 def accept_chain(
@@ -113,6 +102,7 @@ def grow_staged(
     tree = Tree.new(ctx.pending[-1])
     base = ctx.n_cached + len(ctx.pending) - 1
     first_forward(draft, cache, ctx, tree, shape, params, ngram)
+    lookup = Scoring(committed=committed)  # its `tail`: the n-gram key of committed + a node's path
     for _ in range(shape.max_depth + shape.budget):
         nodes = step_batch(tree, shape)
         if nodes.numel() == 0:
@@ -121,7 +111,7 @@ def grow_staged(
         chains = []
         for node in nodes.tolist():
             want = min(CHAIN_LEN, room, shape.max_depth - int(tree.depth[node]) - 1)
-            chain = ngram.propose(committed + path_tokens(tree, node), want) if want > 0 else []
+            chain = ngram.propose(lookup.tail(tree, node, ngram.n), want) if want > 0 else []
             chains.append(chain)
             room -= len(chain)
         toks, depth, anc_cols = batch_rows(tree, nodes, chains, base)

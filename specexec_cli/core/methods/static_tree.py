@@ -21,9 +21,7 @@ Two of its methods are a template and nothing else (Sequoia's DP tree is sequoia
   --branching the widths come from the budget (`branching_for_budget`): first level min(4, W),
   doubling down to a width W = the largest power of two with W² <= budget, then chains of width W
   until the node count would exceed the budget or the depth reaches max_depth.
-Every draft forward (the pending run, then one per level) is `draftstep.run`, the static draft step
-of SpecExec's growth: on CUDA each level's pass is padded to a bucket and replayed as a graph.
-Host transfers: per level one upload (ids, positions, ancestor columns, staged by the step) and one
+Every draft forward (the pending run, then one per level) is `draftstep.run`. Host transfers: per level one upload (ids, positions, ancestor columns, staged by the step) and one
 download of the level's (B, 2k [+1]) top-k block, in both modes; the draft rows q stay on the
 device (one (V,) float32 row per node with children, until the step ends). Per step one upload of
 the verify pass's inputs (with the child table at T > 0) and one (n,) download of the choices.
