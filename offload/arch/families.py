@@ -39,15 +39,10 @@ SUPPORTED = (
 
 def causal_lm_class(config):
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    names = {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "phi3": "Phi3ForCausalLM",
-        "gemma2": "Gemma2ForCausalLM",
-    }
+    if config.model_type not in SUPPORTED:
+        raise OffloadError(f"unsupported model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
     if config.model_type == "gemma3_text":
         from offload.arch import gemma3
 
@@ -56,10 +51,7 @@ def causal_lm_class(config):
 
     if config.model_type in moe.MOE_FAMILIES:
         return moe.causal_lm_class(config.model_type)
-    name = names.get(config.model_type)
-    if name is None:
-        raise OffloadError(f"unsupported model_type {config.model_type!r}; supported: {', '.join(SUPPORTED)}")
-    return getattr(transformers, name)
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])  # HF's class, as is
 
 
 def meta_model(config, where, fix: str = "fix or re-download it"):

@@ -59,11 +59,6 @@ def _format(target) -> str:
     return ck.format if ck is not None else ("bnb-nf4" if bnb4_config(target.config) is not None else "bf16")
 
 
-def packed_target(target) -> bool:
-    """AWQ / GPTQ / compressed-tensors / GGUF: substitutes come from the dequantized weights."""
-    return _format(target) in PACKED_FORMATS
-
-
 def _opened(target, source):
     """The target's opened Checkpoint where `source` is its path (not opened again), else `source`."""
     ck = getattr(target, "checkpoint", None)
@@ -86,7 +81,7 @@ def check_self_draft(target, bits: int = 4) -> list[int]:
         raise SelfDraftError(f"--draft-bits must be 4, 3 or 2 (got {bits})")
     if getattr(target.config, "model_type", None) in MOE_FAMILIES:
         raise SelfDraftError(MOE_REFUSED)
-    quantized = _format(target) == "bnb-nf4" or packed_target(target)
+    quantized = _format(target) in ("bnb-nf4", *PACKED_FORMATS)  # packed int4: substitutes from dequantized weights
     if quantized and bits == 4:
         raise SelfDraftError(
             "--draft self: the target is already 4-bit, so 4-bit substitutes would be the "

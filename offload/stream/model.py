@@ -151,7 +151,7 @@ class OffloadedCausalLM(nn.Module):
         nf4 = ckpt.format == "bnb-nf4"
         hf = meta_model(config, path / "config.json")  # impossible sizes in config.json: one line
         if nf4:
-            _swap_nf4_linears(hf.model.layers, compute_dtype, lambda name: f"model.{name}.weight" in ckpt.packed)
+            _swap_nf4_linears(hf.model.layers, compute_dtype, ckpt.packed)
         elif ckpt.packed:
             swap_packed_linears(hf.model.layers, ckpt, compute_dtype)
         if ckpt.format == "mxfp4":  # the experts' MXFP4 bytes stream as stored, dequantized per routed expert
@@ -308,12 +308,12 @@ def _wants_nf4(dtype) -> bool:
     return isinstance(dtype, str) and dtype.lower() == "nf4"
 
 
-def _swap_nf4_linears(layers: nn.ModuleList, compute_dtype: torch.dtype, packed: Callable[[str], bool]) -> None:
-    """Replace each nn.Linear of the decoder layers that the checkpoint stores packed (`packed` of
-    its name, e.g. "layers.0.self_attn.q_proj") by an Nf4Linear of the same shape."""
+def _swap_nf4_linears(layers: nn.ModuleList, compute_dtype: torch.dtype, packed) -> None:
+    """Replace each nn.Linear of the decoder layers whose weight the checkpoint stores packed (its name,
+    e.g. "model.layers.0.self_attn.q_proj.weight", in `packed`) by an Nf4Linear of the same shape."""
     for i, layer in enumerate(layers):
         for name, mod in list(layer.named_modules()):
-            if isinstance(mod, nn.Linear) and packed(f"layers.{i}.{name}"):
+            if isinstance(mod, nn.Linear) and f"model.layers.{i}.{name}.weight" in packed:
                 parent_name, _, child = name.rpartition(".")
                 parent = layer.get_submodule(parent_name) if parent_name else layer
                 q = Nf4Linear(mod.in_features, mod.out_features, mod.bias is not None, compute_dtype)
