@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -53,7 +52,6 @@ def create_app(
     *,
     api_key: str | None = None,
     cors: list[str] | tuple = (),
-    max_body: int = MAX_BODY_BYTES,
     host: str | None = None,
     keepalive: float = KEEPALIVE_SECONDS,
     aliases: set[str] | frozenset = frozenset(),
@@ -105,13 +103,13 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         return await answer(worker, Format(False, model_name, body, request_id(request)), body, request, keepalive)
 
-    add_guards(app, worker, api_key, cors, max_body, host)
+    add_guards(app, worker, api_key, cors, host)
     return app
 
 
-def add_guards(app: FastAPI, worker, api_key: str | None, cors, max_body: int, host: str | None) -> None:
+def add_guards(app: FastAPI, worker, api_key: str | None, cors, host: str | None) -> None:
     """The middleware of guards.py (module docstring), added innermost first."""
-    app.add_middleware(BodyLimit, limit=max_body)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
     elif host is not None and is_loopback_name(host.strip("[]").lower()):  # the --host the socket is bound to
@@ -125,9 +123,9 @@ def add_guards(app: FastAPI, worker, api_key: str | None, cors, max_body: int, h
     app.add_middleware(Observe, metrics=worker.metrics)
 
 
-def request_id(request: Request) -> str | None:
-    """The id guards.Observe gave this request (None where the app runs without it)."""
-    return request.scope.get("state", {}).get("request_id")
+def request_id(request: Request) -> str:
+    """The id guards.Observe (always installed, outermost) gave this request."""
+    return request.scope["state"]["request_id"]
 
 
 def model_card(name: str, created: int) -> dict:
@@ -138,9 +136,8 @@ class Format:
     """The response and chunk shapes of one request (chat or completions); `rid` carries the id
     guards.Observe gave the request (its log lines and the x-request-id header name it too)."""
 
-    def __init__(self, chat: bool, model: str, req, request_id: str | None = None):
-        self.chat, self.model = chat, model
-        self.request_id = request_id or uuid.uuid4().hex
+    def __init__(self, chat: bool, model: str, req, request_id: str):
+        self.chat, self.model, self.request_id = chat, model, request_id
         self.rid = ("chatcmpl-" if chat else "cmpl-") + self.request_id
         self.created = int(time.time())
         self.usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -22,18 +22,15 @@ RESET_SGR = "\x1b[0m"
 def use_color(flag: bool | None, stream: TextIO | None = None) -> bool:
     """--color/--no-color when given; else on for a terminal unless NO_COLOR is set (no-color.org)."""
     stream = stream if stream is not None else sys.stdout
-    if not _isatty(stream):
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        tty = False
+    if not tty:
         return False  # piped stdout never gets escape codes, whatever the flag says
     if flag is not None:
         return flag
     return not os.environ.get("NO_COLOR")
-
-
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def paint(text: str, sgr: str) -> str:
