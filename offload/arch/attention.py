@@ -11,26 +11,22 @@ are independent); without a mask, with per-head masks, soft-capping or position 
 ((B, 1, Q, K): a tree mask, or the causal mask of a chunk over a cache), `mask_strategy` picks:
 
 - "gqa" (CPU): one SDPA call with `enable_gqa`, backend pinned to the CPU flash kernel, which reads
-  each KV head for its G query heads and takes the (B, 1, Q, K) mask (bool or additive) as given:
-  no K/V copy, no mask copy (measured: tests/test_attention_memory.py). An additive mask of the query
-  dtype without grad calls that kernel's op directly (`cpu_flash`: the same kernel, minus per-layer
-  dispatch in Python).
+  each KV head for its G query heads and takes the (B, 1, Q, K) mask as given: no K/V copy, no mask
+  copy (tests/test_attention_memory.py). An additive mask of the query dtype without grad calls that
+  kernel's op directly (`cpu_flash`).
 - "fold" (CUDA, Q = 1 or G*Q <= 2 * kv_heads * head_dim): the G query heads of each KV head are
   folded into the query axis, q (B, H, Q, D) -> (B, Hkv, G*Q, D), mask -> (B, 1, G*Q, K) with row
   g*Q + q = mask row q, one memory-efficient SDPA call. Q = 1: the fold is a stride-0 view of the
-  mask row. Q > 1: the folded mask is written once per forward at a width rounded up to 8 and
-  passed as a slice (the kernel copies any mask whose strides are not multiples of 8), shared by
-  every layer; it is no bigger than one layer's K/V, which the fold reads once instead of G times.
+  mask row. Q > 1: the folded mask is written once per forward at a width rounded up to ALIGN (the
+  kernel copies any mask whose strides are not multiples of 8) and shared by every layer.
 - "groups" (CUDA, bigger Q): G memory-efficient SDPA calls, one per group member g over the query
-  heads kv*G + g, each with the (B, 1, Q, K) mask broadcast over the KV heads (a stride-0 view):
-  K/V are read G times, the mask is never repeated.
+  heads kv*G + g, each with the (B, 1, Q, K) mask broadcast over the KV heads (a stride-0 view).
 
-On CUDA the mask itself is prepared once per forward: a bool mask (transformers' causal mask of a
-chunk over a cache) becomes additive in the query dtype, and an additive one at an unaligned width
-is re-laid at the rounded width; an aligned additive mask of the query dtype (core/tree.py builds
-them so) is used as is. Prepared masks die with their source mask or at `release()`, which the
-streaming model calls after every pass: nothing outlives a pass. The per-term bytes are
-`mask_bytes` (offload/planning/membytes.py counts them for the target and both drafts).
+On CUDA the mask itself is prepared once per forward: a bool mask becomes additive in the query dtype,
+an additive one at an unaligned width is re-laid at the rounded width, an aligned additive one of the
+query dtype (core/tree.py builds them so) is used as is. Prepared masks die with their source mask or
+at `release()`, which the streaming model calls after every pass. `mask_bytes` gives their bytes
+(offload/planning/membytes.py counts them).
 """
 
 from __future__ import annotations
