@@ -118,3 +118,17 @@ def test_mismatched_scales_are_refused():
     blocks, scales = random_matrix(8, 64, seed=4, extreme=False)
     with pytest.raises(ValueError):
         mxfp4_kernel.dequantize_t(blocks, scales[:4], mxfp4._values(torch.float32), torch.float32)
+
+
+def test_the_profiles_probe_times_the_call_the_experts_make(monkeypatch):
+    """`specx profile`'s "mxfp4" rate (kernelprobes.dequantizers) is timed on formats/mxfp4.dequantize_t, the call
+    Mxfp4Experts.weights makes (the kernel where it is built), not on the torch path alone."""
+    from specexec_cli.tools import kernelprobes
+
+    calls = []
+    real = mxfp4_kernel.dequantize_t
+    monkeypatch.setattr(mxfp4_kernel, "dequantize_t", lambda *a: calls.append(a[0].shape) or real(*a))
+    w = kernelprobes.dequantizers("cpu", torch.float32)["mxfp4"]()
+    rows, cols = kernelprobes.DEQUANT_SHAPE
+    assert w.shape == (cols, rows) and w.dtype == torch.float32 and w.is_contiguous()
+    assert calls == [(rows, cols // 32, 16)]

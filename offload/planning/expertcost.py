@@ -11,7 +11,8 @@ Contract (pure arithmetic over plan.experts, planning/experts.py, and a passcost
   (memory bandwidth on a card), its FLOPs), plus its dequantization where the experts are stored quantized
   (`ex["kernel"]` "mxfp4": formats/mxfp4.Mxfp4Experts.weights rebuilds every routed expert, whole layer or
   apart: weights x c x passcost.dequant_elems at Device.dequant_rate, measured by `specx profile`'s "mxfp4"
-  probe, else memory bandwidth).
+  probe on the call the experts make, formats/mxfp4.dequantize_t (the C kernel on a CPU), else memory
+  bandwidth).
 - `apart_seconds(ex, i, n, dev, c)`: layer i's routed experts held apart in a pass of n tokens: d distinct
   experts, m = d x (1 - hit) of them missing the RAM cache, each miss read (r = read_seconds), each expert
   computed (t = compute_seconds). With read-ahead (a cache of at least two experts: ExpertStore.stream reads

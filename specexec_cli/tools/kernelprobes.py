@@ -37,8 +37,8 @@ def timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
 def dequantizers(device: str, dtype: torch.dtype) -> dict:
     """kernel name -> a function rebuilding a DEQUANT_SHAPE weight in `dtype` the way that kernel does,
     for the kernels whose package is installed: bitsandbytes NF4 (dequantize_4bit), HQQ 3-bit eager
-    (offload/quant/lowbit.LowbitLinear.weight_now); and gpt-oss's MXFP4 experts (formats/mxfp4.dequantize and
-    the transposed copy Mxfp4Experts.weights makes, per routed expert)."""
+    (offload/quant/lowbit.LowbitLinear.weight_now); and gpt-oss's MXFP4 experts (formats/mxfp4.dequantize_t,
+    the transposed weights Mxfp4Experts.weights rebuilds per routed expert: the C kernel on a CPU)."""
     import logging
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional-kernel notice is not the user's
@@ -61,12 +61,12 @@ def dequantizers(device: str, dtype: torch.dtype) -> dict:
         out["hqq-eager"] = lin.weight_now
     except Exception:  # noqa: BLE001 - hqq missing (the lowbit extra)
         pass
-    from offload.formats import mxfp4_dequantize
+    from offload.formats import mxfp4_dequantize_t
 
     rows, cols = DEQUANT_SHAPE  # MXFP4: 16 bytes (32 weights) per group, one E8M0 scale byte per group
     blocks = torch.randint(0, 256, (rows, cols // 32, 16), dtype=torch.uint8, device=device)
     scales = torch.randint(120, 128, (rows, cols // 32), dtype=torch.uint8, device=device)
-    out["mxfp4"] = lambda: mxfp4_dequantize(blocks, scales, dtype).t().contiguous()  # as Mxfp4Experts.weights
+    out["mxfp4"] = lambda: mxfp4_dequantize_t(blocks, scales, dtype)  # as Mxfp4Experts.weights
     return out
 
 
