@@ -235,7 +235,9 @@ class Observe:
                     log_refusal(499, {"type": "cancelled", "message": "the client disconnected"}, rid, where)
                 else:
                     error = error_object(msg.get("body", b""))
-                    self.metrics.refused(status, error_type(error))
+                    kind = error.get("type")  # a plain name, else "unknown"
+                    ok = isinstance(kind, str) and kind.replace("_", "").isalnum()
+                    self.metrics.refused(status, kind if ok else "unknown")
                     if status < 500 or (status == 503 and scope["path"] != "/health"):  # a 500: log_failure
                         log_refusal(status, error, rid, where)
             await send(msg)
@@ -271,9 +273,3 @@ def error_object(raw: bytes) -> dict:
     except (ValueError, KeyError, TypeError):
         return {}
     return error if isinstance(error, dict) else {}
-
-
-def error_type(error: dict) -> str:
-    """The `type` of an OpenAI error object ("unknown" when it has none that is a plain name)."""
-    kind = error.get("type")
-    return kind if isinstance(kind, str) and kind.replace("_", "").isalnum() else "unknown"

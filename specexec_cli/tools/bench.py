@@ -219,13 +219,6 @@ def make_records(runs: dict[Cell, list[RunStats]], grid: BenchGrid) -> list[dict
     return sorted(records, key=lambda r: (r["temperature"], r["budget"], order[r["method"]]))
 
 
-def write_json(out: Path, records: list[dict]) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    path.write_text(json.dumps(records, indent=1) + "\n")
-    return path
-
-
 def write_plots(out: Path, records: list[dict]) -> list[Path]:
     """tokens_per_pass.png and tokens_per_second.png (method vs budget, one panel per temperature).
 
@@ -263,7 +256,9 @@ def write_plots(out: Path, records: list[dict]) -> list[Path]:
 
 def save(out: Path, records: list[dict]) -> str:
     """results.json and (with matplotlib) the plots; returns a one-line note of what was written."""
-    path = write_json(out, records)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps(records, indent=1) + "\n")
     try:
         plots = write_plots(out, records)
     except ImportError:
