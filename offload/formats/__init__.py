@@ -14,8 +14,7 @@ needs of single readers: `GGUF_READER` (the GGUF reader, for `detect`), `read_gg
 `gguf_value` (one GGUF file's metadata), `read_config` (a model directory's config.json),
 `find_pydist` (an installed Python package that ships a model), `resolve_ollama` (an ollama
 model name's blob), the GGUF CPU kernel's `ggml_kernel_enabled` and `ggml_linear`, and
-`mxfp4_dequantize` and `mxfp4_dequantize_t` (gpt-oss's MXFP4 experts; the second as Mxfp4Experts rebuilds one
-expert's matrix, for the profile's kernel probe).
+`mxfp4_dequantize` (gpt-oss's MXFP4 experts, for the profile's kernel probe).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from offload.errors import OffloadError
-from offload.formats.base import FORMATS, Checkpoint, FormatReader
+from offload.formats.base import FORMATS, Checkpoint
 from offload.lazy import lazy_getattr
 
 if TYPE_CHECKING:
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
     from offload.formats.gguf_meta import value as gguf_value
     from offload.formats.hfdir import read_config
     from offload.formats.mxfp4 import dequantize as mxfp4_dequantize
-    from offload.formats.mxfp4 import dequantize_t as mxfp4_dequantize_t
     from offload.formats.ollama import resolve as resolve_ollama
     from offload.formats.pydist import find as find_pydist
 
@@ -50,7 +48,6 @@ _LAZY = {  # name here -> (module, name there)
     "gguf_value": ("offload.formats.gguf_meta", "value"),
     "read_config": ("offload.formats.hfdir", "read_config"),
     "mxfp4_dequantize": ("offload.formats.mxfp4", "dequantize"),
-    "mxfp4_dequantize_t": ("offload.formats.mxfp4", "dequantize_t"),
     "resolve_ollama": ("offload.formats.ollama", "resolve"),
     "find_pydist": ("offload.formats.pydist", "find"),
 }
@@ -64,7 +61,6 @@ __all__ = [
     "ggml_linear",
     "gguf_value",
     "mxfp4_dequantize",
-    "mxfp4_dequantize_t",
     "open_checkpoint",
     "read_config",
     "read_gguf_part",
@@ -75,26 +71,13 @@ __all__ = [
 __getattr__ = lazy_getattr(__name__, _LAZY)  # the names of _LAZY, looked up in their modules at each use
 
 
-def readers() -> list[FormatReader]:
-    """The registered readers in detection order (a reader module not present is skipped)."""
-    out = []
-    for name in READERS:
-        try:
-            mod = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            continue
-        out.append(mod.READER)
-    return out
-
-
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint at `path`, validated; OffloadError (one line, naming the fix) otherwise."""
     path = Path(path).expanduser()
     if not path.exists():
         raise OffloadError(f"{path}: no such file or directory; pass a model directory or a .gguf file")
-    for reader in readers():
+    for name in READERS:
+        reader = importlib.import_module(f"{__name__}.{name}").READER
         if reader.detect(path):
             return reader.open(path)
     if path.is_dir() and not (path / "config.json").is_file():

@@ -1,23 +1,13 @@
 """The one description of a checkpoint on disk, and the small interface every format reader implements.
 
 Contract:
-- `TensorInfo`: one STORED tensor (as the file holds it): its HF name, the dtype of its stored
-  elements (torch.uint8 for raw block-quantized bytes), `qtype` when the bytes are a quantized
-  block format rather than a plain array of `dtype` (GGUF "Q4_K", ...), its STORED shape (a
-  block-quantized tensor is a flat (nbytes,) uint8 vector; logical shapes live in
-  `Checkpoint.shapes`, which `open` fills for every HF parameter), its file and
-  absolute byte range, and a per-format `meta` dict. Field names match the older
-  `st_index.TensorEntry` (name, file, dtype, shape, begin, end, nbytes), which is an alias of it,
-  so storage.file_layout, the plan and the strict checks take either.
+- `TensorInfo`: one STORED tensor as the file holds it (its fields say what); a block-quantized
+  tensor (`qtype` set) is a flat (nbytes,) uint8 vector, its logical shape in `Checkpoint.shapes`.
+  `st_index.TensorEntry` is its older name.
 - `Checkpoint`: everything specx needs to know about one model, read once by `open_checkpoint`
-  (offload/formats/__init__.py) from headers and metadata only (no tensor data): the format
-  name (FORMATS), the config (a config.json-style dict the plan reads, and the transformers
-  config object), the tensor index, the quantization parameters, the tokenizer source, the chat
-  template and the generation defaults. `packed` maps every HF weight that is NOT stored as one
-  plain float tensor (AWQ/GPTQ/compressed-tensors/bnb/GGUF-quantized linears) to the stored
-  tensors its reader's `load_weight` combines. Helpers: `layer_tensors(i)`, `layer_bytes(i)`,
-  `stored_parts(hf_name)`, `get`/`read(name)` (a stored tensor), `dense(hf_name)` (a parameter,
-  dequantized when packed), `load_tokenizer()`.
+  from headers and metadata only (no tensor data). `packed` maps every HF weight that is NOT stored
+  as one plain float tensor (AWQ/GPTQ/compressed-tensors/bnb/GGUF-quantized linears) to the stored
+  tensors its reader's `load_weight` combines; `dense(hf_name)` is a parameter, dequantized when packed.
 - `FormatReader` (a Protocol; each offload/formats/<format>.py module exposes `READER`):
     name                       the reader's name, for messages ("safetensors", "awq", "gguf", ...)
     detect(path) -> bool       cheap sniff (file names, config.json's quantization_config, magic

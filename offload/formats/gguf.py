@@ -13,12 +13,12 @@ only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
 - tensors keyed by HF name (GGUF names mapped through gguf's TensorNameMap against the meta-built
   HF model), each at its byte range in its part file; a MoE layer's fused experts
   (`blk.N.ffn_{gate,up,down}_exps`) are E per-expert tensors at their byte ranges (gguf_moe.slices), the
-  names arch/moe.py's per-expert model has. A tensor stored plain (F32/F16/BF16) that
-  needs no change keeps its float dtype; every other one (block-quantized, or a Llama-family Q/K
-  weight whose rows llama.cpp permuted, or a Gemma-2 norm stored +1) is `qtype` bytes
-  ((nbytes,) uint8) listed in `packed`, and `load_weight` turns it back into the HF weight on the
-  device (gguf_quants.dequantize, the permutation undone while writing rows). Gemma-3's norms stay
-  plain as stored (1 + w): its config says so (arch/gemma3.py PLUS_ONE) and its norms read them;
+  names arch/moe.py's per-expert model has. A tensor stored plain (F32/F16/BF16) that needs no change
+  keeps its float dtype; every other one (block-quantized, or a Llama-family Q/K weight whose rows
+  llama.cpp permuted) is `qtype` bytes ((nbytes,) uint8) listed in `packed`, and `load_weight` turns it
+  back into the HF weight on the device (gguf_quants.dequantize, the permutation undone while writing
+  rows). Gemma-3's norms stay plain as stored (1 + w): its config says so (arch/gemma3.py PLUS_ONE) and
+  its norms read them;
 - strict checks at open: every HF parameter present (a tied lm_head may be absent) with its shape
   and the byte count its type implies, no unexpected tensor, a tokenizer in the metadata;
 - tokenizer: transformers builds it from the metadata (tokenizer_kwargs gguf_file=; once per machine,
@@ -44,7 +44,6 @@ GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe
 HF_TYPE = {"gemma3": "gemma3_text"}   # a Gemma-3 GGUF holds the text model only (as transformers reads it)
 PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
 IGNORED = ("rope_freqs.weight",)   # llama.cpp's llama3 RoPE factors: read into the config (_rope_from_freqs)
-_PLAIN = {gq.F32: torch.float32, gq.F16: torch.float16, gq.BF16: torch.bfloat16}
 
 
 class GgufReader:
@@ -115,10 +114,7 @@ class GgufReader:
         shape = ckpt.shapes[hf_weight_name]
         heads = info.meta.get("permute")
         rows_to = _rows_to(shape[0], heads, t.device) if heads else None
-        w = gq.dequantize(t, info.meta["ggml_type"], shape, dtype, rows_to=rows_to)
-        if info.meta.get("minus_one"):
-            w = w - 1
-        return w
+        return gq.dequantize(t, info.meta["ggml_type"], shape, dtype, rows_to=rows_to)
 
     def open_ollama(self, name: str) -> Checkpoint | None:
         """The checkpoint of ollama model `name`, or None when ollama has no such model."""
@@ -287,10 +283,8 @@ def _info(name: str, part: Path, t, config, arch: str) -> TensorInfo:
         raise OffloadError(f"{part}: Llama Q/K biases ({t.name!r}) are not supported in GGUF files yet")
     if arch == "llama" and rel in PERMUTED:
         meta["permute"] = int(getattr(config, PERMUTED[rel]))
-    if arch == "gemma2" and name.endswith("norm.weight"):
-        meta["minus_one"] = True      # llama.cpp stores Gemma's (1 + w) norm weights; HF adds the 1 itself
-    if tid in _PLAIN and len(meta) == 3:
-        return TensorInfo(name, part, _PLAIN[tid], shape, begin, begin + nbytes, None, meta)
+    if tid in gq.PLAIN and len(meta) == 3:
+        return TensorInfo(name, part, gq.PLAIN[tid], shape, begin, begin + nbytes, None, meta)
     return TensorInfo(name, part, torch.uint8, (nbytes,), begin, begin + nbytes, gq.NAMES[tid], meta)
 
 
@@ -342,12 +336,10 @@ def _generation(head, ollama_params: dict) -> dict:
     if pad is not None:
         gen["pad_token_id"] = int(pad)
     for key, hf in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p")):
-        val = v(f"general.sampling.{key}")
+        val = ollama_params.get(hf)   # ollama's params (named as HF names them) over the file's
+        val = val if isinstance(val, (int, float)) else v(f"general.sampling.{key}")
         if val is not None:
             gen[hf] = val
-    for key, hf in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p")):
-        if isinstance(ollama_params.get(key), (int, float)):
-            gen[hf] = ollama_params[key]
     if isinstance(ollama_params.get("stop"), list):
         gen["stop_strings"] = [s for s in ollama_params["stop"] if isinstance(s, str)]
     if "temperature" in gen:

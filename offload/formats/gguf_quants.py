@@ -40,36 +40,25 @@ _STATE = {"broken": None}  # why the compiled kernel fell back to eager (one lin
 
 # GGMLQuantizationType values (gguf.constants; kept numeric so this module imports without gguf)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30, 39
-# type -> (values per block, bytes per block), as gguf.GGML_QUANT_SIZES states them
-BLOCK = {
-    F32: (1, 4),
-    F16: (1, 2),
-    BF16: (1, 2),
-    Q8_0: (32, 34),
-    Q4_0: (32, 18),
-    Q4_1: (32, 20),
-    Q5_0: (32, 22),
-    Q5_1: (32, 24),
-    Q4_K: (QK_K, 144),
-    Q5_K: (QK_K, 176),
-    Q6_K: (QK_K, 210),
-    MXFP4: (32, 17),
+# type -> (its name, values per block, bytes per block), as gguf.GGML_QUANT_SIZES states them
+_TYPES = {
+    F32: ("F32", 1, 4),
+    F16: ("F16", 1, 2),
+    BF16: ("BF16", 1, 2),
+    Q8_0: ("Q8_0", 32, 34),
+    Q4_0: ("Q4_0", 32, 18),
+    Q4_1: ("Q4_1", 32, 20),
+    Q5_0: ("Q5_0", 32, 22),
+    Q5_1: ("Q5_1", 32, 24),
+    Q4_K: ("Q4_K", QK_K, 144),
+    Q5_K: ("Q5_K", QK_K, 176),
+    Q6_K: ("Q6_K", QK_K, 210),
+    MXFP4: ("MXFP4", 32, 17),
 }
+BLOCK = {t: (per, size) for t, (_, per, size) in _TYPES.items()}
+NAMES = {t: name for t, (name, _, _) in _TYPES.items()}
 SUPPORTED = tuple(BLOCK)
-NAMES = {
-    F32: "F32",
-    F16: "F16",
-    BF16: "BF16",
-    Q8_0: "Q8_0",
-    Q4_0: "Q4_0",
-    Q4_1: "Q4_1",
-    Q5_0: "Q5_0",
-    Q5_1: "Q5_1",
-    Q4_K: "Q4_K",
-    Q5_K: "Q5_K",
-    Q6_K: "Q6_K",
-    MXFP4: "MXFP4",
-}
+PLAIN = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}  # types stored as plain arrays
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -96,7 +85,7 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
     return d * x
 
 
-def _halves(qs: torch.Tensor, dim: int) -> torch.Tensor:
+def halves(qs: torch.Tensor, dim: int) -> torch.Tensor:
     """Both nibbles of every byte along a new axis `dim` of size 2 (low nibble first), by a
     broadcast shift: one elementwise expression (a compiled kernel keeps it in registers, where a
     stack or cat of the two halves would write a buffer of codes)."""
@@ -106,15 +95,13 @@ def _halves(qs: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
     d = _f16(b[:, :2])
-    q = _halves(b[:, 2:], 1).reshape(n, 32)  # (n, 16) bytes: low nibbles 0..15, high 16..31
-    return d * (q.to(torch.int8) - 8).to(torch.float32)
+    return d * (_nibbles32(b[:, 2:]).to(torch.int8) - 8).to(torch.float32)
 
 
 def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
     """(n, 16) bytes -> (n, 32) values: low nibbles are values 0..15, high nibbles 16..31."""
-    return _halves(qs, 1).reshape(qs.shape[0], 32)
+    return halves(qs, 1).reshape(qs.shape[0], 32)
 
 
 def _bits32(qh: torch.Tensor) -> torch.Tensor:
@@ -160,7 +147,7 @@ def _k4_affine(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scale, off = _k4_affine(b)
-    q = _halves(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32).to(torch.float32)  # 4 groups of 32 bytes -> 64 values
+    q = halves(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32).to(torch.float32)  # 4 groups of 32 bytes -> 64 values
     return (scale * q - off).reshape(n, QK_K)
 
 
@@ -168,7 +155,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     scale, off = _k4_affine(b)
     qh = b[:, 16:48].reshape(n, 1, 32)  # bit j of byte i: value 32*j + i
-    ql = _halves(b[:, 48:].reshape(n, 4, 32), 2).reshape(n, 8, 32)
+    ql = halves(b[:, 48:].reshape(n, 4, 32), 2).reshape(n, 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
     hi = (qh >> shifts) & 1  # (n, 8, 32)
     q = (ql | (hi << 4)).to(torch.float32)
@@ -180,7 +167,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql, qh = b[:, :128], b[:, 128:192]
     scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)  # (n, 16)
     d = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
-    lo = _halves(ql.reshape(n, 2, 64), 2).reshape(n, 8, 32)
+    lo = halves(ql.reshape(n, 2, 64), 2).reshape(n, 8, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
     hi = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
     q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
@@ -206,15 +193,6 @@ _BLOCK_FN = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4
 _BLOCK_FN[MXFP4] = _mxfp4
 
 
-def _plain(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    flat = raw.contiguous().view(-1)
-    if qtype == F32:
-        return flat.view(torch.float32)
-    if qtype == F16:
-        return flat.view(torch.float16)
-    return flat.view(torch.bfloat16)
-
-
 @torch.no_grad()
 def dequantize(
     raw: torch.Tensor,
@@ -238,8 +216,8 @@ def dequantize(
             f"{NAMES[qtype]} tensor of shape {list(shape)} needs {rows * row_bytes(qtype, cols)} "
             f"bytes, got {raw.numel()} ({raw.dtype})"
         )
-    if qtype in (F32, F16, BF16):
-        w = _plain(raw, qtype).view(rows, cols)
+    if qtype in PLAIN:
+        w = raw.contiguous().view(-1).view(PLAIN[qtype]).view(rows, cols)
         # F16 goes through float32 as the reference does (exact), then one rounding to dtype
         w = w.to(torch.float32).to(dtype) if qtype == F16 and dtype != torch.float16 else w.to(dtype)
         if rows_to is None and out is None:

@@ -47,12 +47,7 @@ def quant_config(cfg: dict) -> dict | None:
 
 def quant_method(path: Path) -> str | None:
     """`quantization_config.quant_method` of a model directory (None: none, or unreadable)."""
-    try:
-        data = json.loads((path / "config.json").read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    qc = data.get("quantization_config") if isinstance(data, dict) else None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    method = (quant_config(_json(path / "config.json")) or {}).get("quant_method")
     return method if isinstance(method, str) else None
 
 

@@ -31,17 +31,13 @@ from offload.formats import gguf_quants as gq
 from offload.formats import hfdir, validate
 from offload.formats.base import Checkpoint, as_stored
 
-_SHIFT4 = torch.tensor([0, 4], dtype=torch.uint8)
 INT32_PARTS = ("qweight", "qzeros", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx")
 
 
 def _nibbles(w: torch.Tensor) -> torch.Tensor:
     """(R, C) int32 -> (R, C, 8) uint8: field j (bits [4j, 4j+4)) of each word, via its bytes
     (little-endian: byte b holds fields 2b and 2b + 1), so no int32 copy of every code is made."""
-    b = w.contiguous().view(torch.uint8).view(*w.shape, 4, 1)
-    # both nibbles by a broadcast shift (low first): one elementwise expression that a compiled
-    # kernel fuses into the dequantization instead of writing a buffer of codes
-    return ((b >> _SHIFT4.to(b.device)) & 0xF).view(*w.shape, 8)
+    return gq.halves(w.contiguous().view(torch.uint8).view(*w.shape, 4), -1).view(*w.shape, 8)
 
 
 def unpack_cols(w: torch.Tensor) -> torch.Tensor:

@@ -60,15 +60,6 @@ def _state_key(entries, name: str) -> str | None:
     return None
 
 
-def is_quant_part(name: str, packed: set[str]) -> bool:
-    """True for a quant-state tensor (X.weight.absmax, ...) of a packed weight in `packed`."""
-    base, _, part = name.rpartition(".")
-    if part in QS_PARTS:
-        return base in packed
-    base, _, part = base.rpartition(".")  # X.weight.quant_state.bitsandbytes__nf4
-    return part == "quant_state" and base in packed and name.rsplit("__", 1)[-1] in QS_KINDS
-
-
 def load_quant_state(index, name: str, device: torch.device, logical_shape: tuple[int, ...]):
     """QuantState of packed weight `name`, its small tensors on `device`; checks the logical shape."""
     from bitsandbytes.functional import QuantState

@@ -39,10 +39,10 @@ def _meta_param(info) -> nn.Parameter:
 
 def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:
     """ggml type of GGUF weight `name` when the CPU kernel may serve it on `device` in `dtype`: a GGUF tensor
-    of a type the kernel reads (ggml_kernel.QTYPES), no +1 norm shift, CPU, fp32 compute, whole blocks a row,
+    of a type the kernel reads (ggml_kernel.QTYPES), CPU, fp32 compute, whole blocks a row,
     the kernel not turned off; decided without compiling, so the planner and the loader agree. Else None."""
     info = ckpt.tensors.get(name) if getattr(ckpt, "format", None) == "gguf" else None
-    if info is None or info.qtype is None or info.meta.get("minus_one") or ggml_kernel.turned_off():
+    if info is None or info.qtype is None or ggml_kernel.turned_off():
         return None
     qtype = info.meta.get("ggml_type")
     ok = torch.device(device).type == "cpu" and dtype == torch.float32 and qtype in ggml_kernel.QTYPES
