@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import pytest
 
-from offload.planning.draftcost import linear_numel
 from offload.planning.membytes import arch_of
 from offload.planning.memlayers import LayerSizes, dense_substitutes
+from offload.planning.passcost import linear_weights as linear_numel
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig
 from specexec_cli.core.methods import generate

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from offload.planning.draftcost import linear_numel
 from offload.planning.membytes import arch_of
+from offload.planning.passcost import linear_weights as linear_numel
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.session.loading import LoadOptions, load_models
 from specexec_cli.session.planning import make_plan

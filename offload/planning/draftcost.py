@@ -252,9 +252,6 @@ def finish(plan, cands: list[Candidate], plain: Candidate | None) -> Candidate |
     return top
 
 
-linear_numel = linear_weights   # weights of one decoder layer's linears (passcost.linear_weights)
-
-
 def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str = "cuda") -> tuple[int, int, int]:
     """(weight, KV, dequantization) bytes of one self-draft forward: the resident target layers, the
     substitutes and the head; the shared KV of every layer it runs at the full planned context; the
@@ -264,10 +261,10 @@ def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str
     # substitutes dequantized once at load (plan.dense_draft_layers) read their linears in c bytes, undequantized
     n_dense = min(n_sub, len(getattr(plan, "dense_draft_layers", ())))
     packed = plan.device_bytes.get("draft", 0) * (n_sub - n_dense) / max(n_sub, 1)
-    weight = (sum(plan.layer_bytes[i] for i in plan.resident) + int(packed) + n_dense * linear_numel(a) * c
+    weight = (sum(plan.layer_bytes[i] for i in plan.resident) + int(packed) + n_dense * linear_weights(a) * c
               + a.vocab * a.hidden * c)
     kv = 2 * run * a.kv_heads * a.head_dim * model_ctx(plan) * c
-    dequant = linear_numel(a) * c * ((n_sub - n_dense) * dequant_elems(substitute_kernel(bits, device), device)
+    dequant = linear_weights(a) * c * ((n_sub - n_dense) * dequant_elems(substitute_kernel(bits, device), device)
                                      + (len(plan.resident) * DEQUANT_ELEMS["nf4-dequant"] if nf4_target else 0))
     return weight, kv, dequant
 
@@ -281,10 +278,11 @@ def skip_spec(a, plan, cost: Costing) -> Spec:
     run = len(kept)
     head = a.vocab * a.hidden * cost.c
     # a layer dequantized once at load (plan.dense_layers) reads its linears in c bytes, with no dequantization
-    weight = sum(linear_numel(a) * cost.c if i in dense else plan.layer_bytes[i] for i in kept) + head
+    weight = sum(linear_weights(a) * cost.c if i in dense else plan.layer_bytes[i] for i in kept) + head
     kv = 2 * run * a.kv_heads * a.head_dim * model_ctx(plan) * cost.c
-    dequant = sum(1 for i in kept if i not in dense) * linear_numel(a) * cost.c * dequant_elems(cost.kernel, cost.dev.kind)
-    flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
+    undone = sum(1 for i in kept if i not in dense)  # layers not dequantized once
+    dequant = undone * linear_weights(a) * cost.c * dequant_elems(cost.kernel, cost.dev.kind)
+    flops = 2.0 * (linear_weights(a) * run + a.hidden * a.vocab)
     tpp = lambda b: tokens_per_pass("skip", cost.temperature, b)   # noqa: E731
     k = getattr(plan, "kernel", None) or {}
     if k.get("stack") and cost.max_beams <= k.get("rows", 0):

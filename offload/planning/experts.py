@@ -47,11 +47,8 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   `mode_seconds(a, plan, dev, n, ctx, c, mode)`: that pass's seconds in either mode, whichever the plan chose
   (plan.experts keeps the on-demand fields under `on_demand` where it chose whole layers): the benchmark's
   modelled figures; `chose_whole_layers(ex)`: it weighed both and chose whole layers.
-- The CPU expert rate: `Device.dequant_bps["cpu-experts"]` where a profile measured it (`specx profile`:
-  tools/kernelprobes.probe_cpu_experts) or a stated machine gives it, else on a CPU device its memory
-  bandwidth, else CPU_EXPERTS (a prior: CPU_READ_SHARE of a DDR5 desktop's peak, labelled so in
-  `cpu_source`). On a CPU device every mode prices its routed experts at that rate; on CUDA the "split"
-  mode's CPU experts do.
+- The CPU expert rate (`_cpu_rate`): `Device.dequant_bps["cpu-experts"]` where a profile measured it or a
+  stated machine gives it, else on a CPU device its memory bandwidth, else the CPU_EXPERTS prior.
 """
 
 from __future__ import annotations
@@ -141,7 +138,8 @@ def hit_share(counts: list[int] | None, cached: int, e: int) -> float:
 
 
 def _cpu_rate(dev) -> tuple[float, float, str]:
-    """(bytes/s, FLOP/s, source) of routed experts computed on the CPU (see the contract)."""
+    """(bytes/s, FLOP/s, source) of routed experts computed on the CPU (see the contract): on a CPU device
+    every mode prices its routed experts at that rate, on CUDA the "split" mode's CPU experts."""
     measured = (getattr(dev, "dequant_bps", None) or {}).get("cpu-experts")
     if measured:
         return measured, CPU_EXPERTS["flops"], (dev.sources or {}).get("dequant", "measured")

@@ -87,6 +87,11 @@ def compute_bytes(req) -> int:
     return dtype_bytes(req.dtype)
 
 
+def compute_dtype(req) -> torch.dtype:
+    """The 16-bit or fp32 dtype of compute_bytes(req): what the GGUF kernel checks, nf4's pinned parts."""
+    return torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
+
+
 def kv_rows(ctx: int, budget: int, max_beams: int) -> tuple[int, int]:
     """(target, draft) cache rows: the context plus the largest tree each cache ever holds.
 

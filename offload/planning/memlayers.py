@@ -20,7 +20,8 @@ import torch
 from offload.errors import OffloadError
 from offload.formats.base import Checkpoint, TensorInfo
 from offload.formats.prequant import packed_nf4_shape
-from offload.planning.membytes import Arch, _packed, compute_bytes, nf4_state_bytes, torch_dtype
+from offload.planning.membytes import Arch, _packed, compute_bytes, compute_dtype, nf4_state_bytes, torch_dtype
+from offload.planning.passcost import linear_weights
 from offload.quant.dense import dense_bytes
 from offload.stream.expertstore import slot_bytes, split_layer, splits_experts, streams_whole
 from offload.stream.hostmem import ARENA_ALIGN
@@ -95,7 +96,7 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSiz
     pages, plus one page); from a pre-quantized checkpoint they are exact. `apart`: disk layers hold
     their routed experts apart where expertstore.splits_experts allows it (False: whole layers stream)."""
     nf4 = req.dtype == "nf4"
-    storage = (torch.float32 if compute_bytes(req) == 4 else torch.bfloat16) if nf4 else torch_dtype(req.dtype)
+    storage = compute_dtype(req) if nf4 else torch_dtype(req.dtype)
     out = LayerSizes([], [], [], [], [], 0)
     # a disk layer streams its dense part only where its routed experts are read on demand (stream/expertstore.py)
     # packed linears stream with their layer; a GGUF's experts are rows of its fused tensors, read apart as stored
@@ -161,16 +162,12 @@ def dense_fit(lay: LayerSizes, resident: list[int], room: int, slack: float = 1.
 
 def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, room: int) -> tuple[list[int], int]:
     """--draft self with HQQ substitutes (3 or 2 bits): the substituted layers, in order, whose linears
-    dequantized once to the compute dtype (quant/dense.py) fit in `room`, and their bytes. A layer's
-    linears hold q, o (hidden x heads*head_dim), k, v (hidden x kv_heads*head_dim) and the MLP's three
-    (hidden x intermediate) weights. NF4 substitutes stay packed: bitsandbytes' kernels define them, and
+    dequantized once to the compute dtype (quant/dense.py; passcost.linear_weights a layer) fit in `room`,
+    and their bytes. NF4 substitutes stay packed: bitsandbytes' kernels define them, and
     so do the CPU kernel's blocks (quant/lowbit.blocks_serve: read directly, cheaper than any copy)."""
     if not req.self_draft or req.draft_bits not in (2, 3) or substitutes_are_blocks(req, arch):
         return [], 0
-    a = arch
-    per = (
-        2 * a.hidden * a.heads * a.head_dim + 2 * a.hidden * a.kv_heads * a.head_dim + 3 * a.hidden * a.intermediate
-    ) * compute_bytes(req)
+    per = linear_weights(arch) * compute_bytes(req)
     keep = set(resident)
     subs = [i for i, v in enumerate(lay.substitute) if v and i not in keep]
     n = min(len(subs), max(0, room) // per) if per else 0
@@ -241,10 +238,8 @@ def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> d
     from offload.formats.gguf_quants import Q8_0
     from offload.formats.qlinear import gguf_kernel_type
 
-    fp32 = torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
-
     def served(name: str) -> bool:
-        return gguf_kernel_type(ck, name, req.device, fp32) is not None
+        return gguf_kernel_type(ck, name, req.device, compute_dtype(req)) is not None
 
     ok: dict[int, bool] = {}  # layer -> every packed tensor of it served (one pass over the names)
     weighed: dict[int, list] = {}  # layer -> [packed bytes, bytes x the type's COST]

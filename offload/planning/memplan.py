@@ -19,16 +19,9 @@ entry per device component:
 - pinned_params: NF4 only: every layer's norms and biases (only packed linears stream);
 - draft: the draft's parameters + rotary buffers in its dtype (tied head counted once);
 - kv_target / kv_draft: preallocated caches of `kv_rows` rows (context + largest tree);
-- draft_step: the static draft step's long-lived buffers (membytes.draft_step_terms, core/draftstep.py):
-  its (128, draft cache rows) mask store and pass inputs, and on CUDA with a separate draft one CUDA-graph
-  pool per bucket (P = 1, 2, .., 128: a pass of P rows over the whole draft cache and its logits);
-- activations: the largest single pass (a prefill chunk or a verify pass): hidden states, q/k/v,
-  MLP intermediates, the mask and attention's own temporaries (membytes.pass_bytes: none beyond
-  the mask on CPU, the prepared and folded or per-group copies on CUDA; eager: repeated K/V and
-  the scores), the target's dequantization temporaries (nf4, GGUF, packed int4), the logits and
-  the sampler's workspace;
-- cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only): request.cuda_margin,
-  CUDA_CONTEXT + STATIC_SLACK of the long-lived bytes + CHURN_SLACK of the activations.
+- draft_step: the static draft step's long-lived buffers (membytes.draft_step_terms);
+- activations: the largest single pass, a prefill chunk or a verify pass (membytes.activation_bytes);
+- cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only: request.cuda_margin).
 Components counted by `storage.DevicePool` (all but activations, draft_step and cuda_context) match the
 loader's allocations byte for byte; tests check that on CPU.
 Capacity: `--max-gpu-memory` when given, else the free memory the device reports; on CPU the
@@ -42,8 +35,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-import torch
-
 from offload.errors import OffloadError
 from offload.formats.packed_globals import packed_globals_ok
 from offload.formats.qlinear import gguf_kernel_type
@@ -53,6 +44,7 @@ from offload.planning.membytes import (
     activation_bytes,
     arch_of,
     compute_bytes,
+    compute_dtype,
     draft_bytes,
     draft_step_terms,
     dtype_bytes,
@@ -88,7 +80,8 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
     table = a.vocab * a.hidden * c
     shared = a.tied and "lm_head.weight" not in ck.tensors and emb == "device"
     head = "model.embed_tokens.weight" if a.tied and "lm_head.weight" not in ck.tensors else "lm_head.weight"
-    packed = ck.tensors[head].nbytes if head in ck.tensors and gguf_kernel_type(ck, head, req.device, _fp32(req)) else 0
+    served = head in ck.tensors and gguf_kernel_type(ck, head, req.device, compute_dtype(req))
+    packed = ck.tensors[head].nbytes if served else 0
     if emb == "packed":  # both as their GGUF bytes (formats/packed_globals.py); a tied head shares the table's
         table = ck.tensors["model.embed_tokens.weight"].nbytes
         lm_head = 0 if head == "model.embed_tokens.weight" else packed
@@ -100,11 +93,6 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
         "rotary": rotary_bytes(a),
     }
     return dev, ({"embeddings": table} if emb == "host" else {})
-
-
-def _fp32(req: PlanRequest) -> torch.dtype:
-    """The compute dtype the GGUF kernel checks: float32 where the plan computes in 4 bytes."""
-    return torch.float32 if compute_bytes(req) == 4 else torch.bfloat16
 
 
 @dataclass
@@ -331,7 +319,7 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
         raise OffloadError(f"offload must be none, ram, disk or auto, got {req.offload!r}")
     if req.embeddings not in ("auto", "device", "host", "packed"):
         raise OffloadError(f"--embeddings must be auto, device, host or packed, got {req.embeddings!r}")
-    if req.embeddings == "packed" and not packed_globals_ok(target, req.device, _fp32(req)):
+    if req.embeddings == "packed" and not packed_globals_ok(target, req.device, compute_dtype(req)):
         raise OffloadError(
             "--embeddings packed needs a GGUF target on the CPU in fp32 whose embeddings and output layer "
             "the packed kernel reads; fix: --embeddings auto"
@@ -374,7 +362,7 @@ def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes,
     if req.embeddings != "auto":
         embs = [req.embeddings]
     elif req.device == "cpu":  # packed: only where RAM is short (auto placement) and the file allows it
-        short = req.offload == "auto" and req.max_ram is None and packed_globals_ok(target, "cpu", _fp32(req))
+        short = req.offload == "auto" and req.max_ram is None and packed_globals_ok(target, "cpu", compute_dtype(req))
         embs = ["device", "packed"] if short else ["device"]
     else:
         embs = ["device", "host"]

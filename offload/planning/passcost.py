@@ -114,17 +114,7 @@ class Device:
         return asdict(self)
 
 
-TERMS = (
-    "memory_bps",
-    "link_bps",
-    "disk_bps",
-    "flops16",
-    "flops32",
-    "forward_floor_s",
-    "step_floor_s",
-    "stack_floor_s",
-    "disk_read_s",
-)
+TERMS = tuple(PRIORS["cpu"])  # the rates a Device holds, each with its prior
 
 
 def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None = None, **given) -> Device:
@@ -140,24 +130,14 @@ def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None 
     return Device(kind, **vals, source=srcs["memory_bps"], sources=srcs, dequant_bps=dict(dequant_bps or {}))
 
 
-def machine_for(
-    device: str, memory_bps: float | None = None, link_bps: float | None = None, source: str = ""
-) -> Device:
-    """Given bandwidths where known (from `source`), PRIORS for the rest."""
-    return device_for(
-        device,
-        {"memory_bps": source or "measured", "link_bps": source or "measured"},
-        memory_bps=memory_bps,
-        link_bps=link_bps,
-    )
-
-
 def device_of(req) -> Device:
     """A PlanRequest's Device: its `cost_device` (session/profiles.plan_device builds it from a profile or a
-    card), else its bandwidth fields over PRIORS."""
-    return getattr(req, "cost_device", None) or machine_for(
-        req.device, req.memory_bps, req.link_bps, req.bandwidth_source
-    )
+    card), else its bandwidths where known (from `req.bandwidth_source`) over PRIORS."""
+    if getattr(req, "cost_device", None):
+        return req.cost_device
+    src = req.bandwidth_source or "measured"
+    given = {"memory_bps": src, "link_bps": src}
+    return device_for(req.device, given, memory_bps=req.memory_bps, link_bps=req.link_bps)
 
 
 MODEL_CTX_SHARE = 0.5  # attention is modelled at this share of the planned context (a cache filling up)

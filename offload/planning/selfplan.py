@@ -38,28 +38,12 @@ import itertools
 import math
 
 from offload.arch.moe import MOE_FAMILIES
-from offload.planning.acceptance import tokens_per_pass as measured
-from offload.planning.draftcost import (
-    Spec,
-    best,
-    costing_for,
-    finish,
-    linear_numel,
-    plain_spec,
-    self_forward_bytes,
-    skip_spec,
-    sweep,
-)
+from offload.planning.acceptance import tokens_per_pass
+from offload.planning.draftcost import Spec, best, costing_for, finish, plain_spec, self_forward_bytes, skip_spec, sweep
 from offload.planning.membytes import arch_of, dtype_bytes, substitute_kernel
 from offload.planning.memlayers import substitutes_are_blocks
+from offload.planning.passcost import linear_weights
 from offload.sizes import format_bytes
-
-
-def tokens_per_pass(bits: int, temperature: float, budget: int = 64, weights: float | None = None) -> float:
-    """Measured tokens/pass of a self-draft with every layer substituted (offload/planning/acceptance.py
-    TOKENS_PER_PASS; `weights`: the target's, which picks TOKENS_PER_PASS_SMALL for a small one)."""
-    return measured(bits, temperature, budget, weights)
-
 
 RESIDENT_SKIP = 0.5
 """Share of the layers the layer-skip self-draft of a resident target leaves out: on SmolLM2-135M (30 layers,
@@ -147,9 +131,9 @@ def self_spec(a, req, bits: int, plan):
     run = len(plan.layer_bytes) - len(plan.skipped_layers)
     n = len(plan.layer_bytes)
     factor = (skip_factor(len(plan.skipped_layers) / n) or 0.0) if n else 1.0
-    weights = a.layers * linear_numel(a) + a.vocab * a.hidden  # the target's: its size picks the prior
+    weights = a.layers * linear_weights(a) + a.vocab * a.hidden  # the target's: its size picks the prior
     tpp = lambda b: tokens_per_pass(bits, req.temperature, b, weights) * factor  # noqa: E731
-    flops = 2.0 * (linear_numel(a) * run + a.hidden * a.vocab)
+    flops = 2.0 * (linear_weights(a) * run + a.hidden * a.vocab)
     blocks = blocks_forward(a, req, bits, plan)
     if blocks is not None:  # every layer it runs through the CPU kernel's blocks (quant/lowbit_pack.py)
         packed, weight, stack = blocks
@@ -177,17 +161,12 @@ def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
     return packed, weight, stack
 
 
-def self_candidate(a, req, bits: int, plan):
-    """The draftcost.Candidate of the self-draft at `bits` under this plan (its best budget under --budget auto)."""
-    return sweep(self_spec(a, req, bits, plan), costing_for(a, req), plan, req.budget_auto)
-
-
 def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list]:
     """The (bits, plan) with the most modelled tokens/s among those that fit (else the last tried),
     and every width's draftcost.Candidate (one per width: the best-fitting plan tried for it)."""
     cands, pairs = {}, {}
     for bits, plan in plans:
-        c = self_candidate(a, req, bits, plan)
+        c = sweep(self_spec(a, req, bits, plan), costing_for(a, req), plan, req.budget_auto)  # best budget if auto
         if bits not in cands or (c.fits and c.tokens_per_second >= cands[bits].tokens_per_second):
             cands[bits], pairs[bits] = c, (bits, plan)
     top = best(list(cands.values()))
@@ -211,13 +190,10 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
         plan = tried[0][1]
         if not plan.ram_layers and not plan.disk_layers:  # nothing to substitute: the layer-skip draft needs no 16 bits
             return skip_plan(target, a, req, plan_with)
-        plan.fits, plan.reason = (
-            False,
-            (
-                "--draft self: a pre-quantized checkpoint has no 16-bit weights to make "
-                "substitutes from; fix: --target the 16-bit checkpoint with --dtype nf4, "
-                "or a small --draft DIR"
-            ),
+        plan.fits = False
+        plan.reason = (
+            "--draft self: a pre-quantized checkpoint has no 16-bit weights to make substitutes from; "
+            "fix: --target the 16-bit checkpoint with --dtype nf4, or a small --draft DIR"
         )
         return plan
     if not any(p.fits for _, p in tried):
