@@ -35,16 +35,17 @@ def read_generation_config(model_dir: Path | str | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def numbers(cfg: dict) -> dict:
+    """The sampling values (HF_DEFAULTS' names) that `cfg` gives as numbers (a bool is not one)."""
+    return {k: cfg[k] for k in HF_DEFAULTS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
+
+
 def checkpoint_sampling(model_dir: Path | str | None) -> SamplingParams:
     """The checkpoint's own sampling settings (greedy unless it samples; see the module docstring)."""
     cfg = read_generation_config(model_dir)
     if cfg.get("do_sample") is not True:
         return GREEDY
-    values = {}
-    for name, default in HF_DEFAULTS.items():
-        value = cfg.get(name)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        values[name] = value if ok else default
+    values = {**HF_DEFAULTS, **numbers(cfg)}
     try:
         params = SamplingParams(
             temperature=float(values["temperature"]), top_k=int(values["top_k"]), top_p=float(values["top_p"])
@@ -64,11 +65,7 @@ def serve_sampling(model_dir: Path | str | None) -> SamplingParams:
     cfg = read_generation_config(model_dir)
     if "do_sample" in cfg:
         return checkpoint_sampling(model_dir)
-    given = {
-        name: cfg[name]
-        for name in HF_DEFAULTS
-        if isinstance(cfg.get(name), (int, float)) and not isinstance(cfg.get(name), bool)
-    }
+    given = numbers(cfg)
     try:
         params = merge(SERVE_DEFAULTS, given.get("temperature"), given.get("top_k"), given.get("top_p"))
     except (ValueError, OverflowError):
