@@ -40,9 +40,7 @@ class Models:
     pool: object = None  # offload.stream.storage.DevicePool counting device bytes; None = plain torch allocations
     kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
     pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
-    shared_kv: bool = (
-        False  # the draft reads the target's KV for the committed prefix (self-draft: kvcache.SharedCache)
-    )
+    shared_kv: bool = False  # the draft reads the target's committed KV (self-draft: kvcache.SharedCache)
 
 
 @dataclass(frozen=True)
@@ -120,16 +118,12 @@ def reserve_caches(m: Models, st: DecodeState) -> None:
             kvcache.reserve(st.draft_cache, m.draft, m.kv_rows[1], m.pool, "kv_draft")
 
 
-def prefill_passes(n_new: int, chunk: int) -> int:
-    """Target passes engine.prompt_chunks makes over n_new tokens in chunks of `chunk` (0 = one pass)."""
-    return 0 if n_new <= 0 else (1 if chunk <= 0 else -(-n_new // chunk))
-
-
 def add_prompt(m: Models, st: DecodeState, new_ids: list[int]) -> None:
     """Commit `new_ids` for the next prefill (caches reserved, its target passes counted)."""
     reserve_caches(m, st)
     st.ids.extend(new_ids)
-    st.prefill_streams = prefill_passes(len(st.ids) - st.target_len, m.pass_tokens)
+    n_new, chunk = len(st.ids) - st.target_len, m.pass_tokens  # engine.prompt_chunks' passes (chunk 0: one)
+    st.prefill_streams = 0 if n_new <= 0 else (1 if chunk <= 0 else -(-n_new // chunk))
 
 
 def check_fits(m: Models, st: DecodeState, new_ids: list[int]) -> None:

@@ -35,12 +35,6 @@ class Acceptance:
     bonus: bool  # True when the last emitted token came from the target, not from the tree
 
 
-def child_with_token(vt: VerifyTree, node: int, token: int) -> int:
-    """Index of `node`'s child carrying `token`, or -1."""
-    hit = ((vt.parents == node) & (vt.tokens == token)).nonzero()
-    return int(hit[0, 0]) if hit.numel() else -1
-
-
 def target_pass(target, cache, vt: VerifyTree, n_past: int, root_pos: int, *extra: torch.Tensor) -> list[torch.Tensor]:
     """The target's one pass over root + tree (cache holding n_past rows, the root at absolute
     position root_pos) → [(n, V) logits, (n,) positions, *extra] on its device. Ids, positions, the
@@ -89,9 +83,10 @@ def walk(vt: VerifyTree, choice: list[int], eos_ids: frozenset[int], limit: int,
     while len(tokens) < limit:
         tok = int(choice[node])
         tokens.append(tok)
-        child = child_with_token(vt, node, tok)
-        if child < 0:
+        hit = ((vt.parents == node) & (vt.tokens == tok)).nonzero()  # the node's child carrying tok
+        if hit.numel() == 0:
             return Acceptance(tokens, path, bonus=True)
+        child = int(hit[0, 0])
         path.append(child)
         node = child
         if tok in eos_ids or child in ends:

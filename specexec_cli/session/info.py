@@ -31,21 +31,16 @@ class Info:
     reason: str = ""  # why not, one line (empty when runnable)
 
 
-def _resolve(name: str) -> Path:
-    path = Path(name).expanduser()
-    if path.exists():
-        return path
-    from specexec_cli.session.names import resolve_path
-
-    return resolve_path(name, "info")
-
-
 def describe(name: str) -> Info:
     from offload import OffloadError
     from offload.formats import open_checkpoint
     from specexec_cli.session.strict import config_json
 
-    path = _resolve(name)
+    path = Path(name).expanduser()
+    if not path.exists():
+        from specexec_cli.session.names import resolve_path
+
+        path = resolve_path(name, "info")
     try:
         ck = open_checkpoint(path)
     except OffloadError as exc:

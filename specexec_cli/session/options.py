@@ -249,11 +249,8 @@ def load_planned(opts, plan, progress):
     from dataclasses import replace
 
     from specexec_cli.session.loading import SELF, load_models
-
     from specexec_cli.session.planning import require_host
 
-    if plan is not None and not plan.fits:
-        raise SpecxError(plan.reason)
     require_host(plan)
     models = load_models(replace(opts, progress=progress))
     models.plan_json = plan.to_json() if plan is not None else None   # --budget auto's model (core/budget.py)
@@ -267,8 +264,6 @@ def load_planned(opts, plan, progress):
     if placed is not None:
         notices.notice(placed.describe())
     return models
-
-
 
 
 def prompt_text(prompt_file: str | None, prompt: str | None) -> str:

@@ -192,17 +192,14 @@ def for_stated_machine(
 
 
 def require_host(plan) -> None:
-    """A real run of a plan made for another machine: refuse it in one line, before loading."""
+    """Before loading: refuse a plan that cannot fit (its reason), then one made for another machine."""
+    if plan is not None and not plan.fits:
+        raise SpecxError(plan.reason)
     if plan is not None and plan.elsewhere:
         raise SpecxError(
             f"this plan is for another machine ({plan.elsewhere}); fix: lower the caps to "
             "what this host has, or drop them to let specx measure it"
         )
-
-
-def self_name(bits) -> str:
-    """How a notice names the self-draft of `bits` (build.LAYER_SKIP: the layer-skip draft of a resident target)."""
-    return "the layer-skip self-draft" if bits == 0 else f"the self-draft at {bits} bits"
 
 
 def resolve_auto(opts, plan, replan, skipped: str = ""):
@@ -216,7 +213,8 @@ def resolve_auto(opts, plan, replan, skipped: str = ""):
     from specexec_cli.session import notices
 
     drafts = [c for c in (plan.candidates if plan is not None else []) if c["draft"] != PLAIN]
-    name = self_name(getattr(plan, "substitute_bits", None))
+    bits = getattr(plan, "substitute_bits", None)  # build.LAYER_SKIP (0): the layer-skip draft
+    name = "the layer-skip self-draft" if bits == 0 else f"the self-draft at {bits} bits"
     plain = next((c for c in (plan.candidates if plan is not None else []) if c["draft"] == PLAIN), None)
     c = (plan.choice if plan is not None else None) or {}
     faster = plain is not None and plain["tokens_per_second"] > c.get("tokens_per_second", 0)

@@ -44,11 +44,9 @@ def check_prompt_fits(opts, plan, text: str, chat_template: bool) -> list[int]:
     keeps) before any weight loads; a prompt that does not fit the context (`plan.ctx`: --ctx capped
     by the models' windows; without a plan, --ctx) is refused in one line that names the fix, as the
     engine would after loading. A plan that does not fit, or is for another machine, is refused first
-    (session/options.load_planned's checks)."""
+    (planning.require_host, as session/options.load_planned does)."""
     from specexec_cli.session.planning import require_host
 
-    if plan is not None and not plan.fits:  # the plan's own refusals come first, as load_planned's
-        raise SpecxError(plan.reason)
     require_host(plan)
     ids = encode_prompt(opts.target.tokenizer, text, chat_template)
     limit = plan.ctx if plan is not None else opts.ctx
