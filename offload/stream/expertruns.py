@@ -120,8 +120,9 @@ def read_run(reader: DirectReader, run: list[Piece], buf: torch.Tensor | None) -
     for p in run:
         at = p.span.offset - span.offset  # where the piece's first byte landed in buf
         d = p.expert
-        if not d.repack:
-            p.dest[p.span.buf_offset : p.span.buf_offset + p.span.needed].copy_(buf[at : at + p.span.needed])
+        if not d.repack:  # numpy's memcpy, one thread: torch's copy_ here would start an OpenMP team
+            n, lo = p.span.needed, p.span.buf_offset  # in this worker thread, spinning beside the compute's
+            p.dest.numpy()[lo : lo + n] = buf.numpy()[at : at + n]
             continue
         base = at - p.span.buf_offset  # buf offset of the expert's raw layout origin, for this span's tensors
         for sp in d.specs:

@@ -40,7 +40,7 @@ Contract:
   holds one layer's experts), their slots are claimed at once and the misses' spans merged into runs by
   `rule` (stream/expertruns.py: spans whose gap one request's latency reads, one request per run; the
   plan's Device gives it, `held_experts` passes it), read by a worker thread in the order the experts
-  compute, each expert handed over once its runs landed while the worker reads on; a pass of more experts
+  compute, the next expert's runs while the caller computes this one's (as fetch by fetch); a pass of more experts
   than the cache holds reads the next expert while the caller computes this one; a cache of one expert
   reads them one at a time. A stream left early, or a failed read, leaves only landed experts cached.
   `close()` stops the worker and closes the files.
@@ -282,7 +282,8 @@ class ExpertStore:
     def _merged(self, layer: int, es: list[int]):
         """stream's planned pass: every expert of `es` claims its slot first (no miss then evicts another of
         `es`: the cache holds them all, and they are its most recently used), the misses' spans merged into
-        runs, each run one request on the worker, and each expert yielded once the runs holding it landed."""
+        runs, each run one request on the worker, submitted once the expert before its first one computes,
+        and each expert yielded once the runs holding it landed."""
         claims = [self._claim((layer, e)) for e in es]
         pieces = [
             Piece(k, span, self.experts[(layer, e)], self._buf(s))
@@ -290,21 +291,25 @@ class ExpertStore:
             if read
             for span in self.experts[(layer, e)].spans
         ]
-        runs = [(run, self._worker.submit(self._read, run)) for run in merge(pieces, self.rule)]
-        waits: dict[int, list] = {}
-        for run, fut in runs:
+        runs = merge(pieces, self.rule)  # in the order the pass needs them
+        futs: list = []  # the runs submitted so far, runs[:len(futs)]
+        covers: dict[int, list[int]] = {}  # expert position -> the runs holding its spans
+        for r, run in enumerate(runs):
             for p in run:
-                waits.setdefault(p.need, []).append(fut)
+                covers.setdefault(p.need, []).append(r)
         try:
             for k, (e, (s, read)) in enumerate(zip(es, claims)):
-                for fut in waits.get(k, ()):
-                    fut.result()
+                # read ahead as fetch-by-fetch does: the runs of this expert and the next one are under way
+                while len(futs) < len(runs) and min(p.need for p in runs[len(futs)]) <= k + 1:
+                    futs.append(self._worker.submit(self._read, runs[len(futs)]))
+                for r in covers.get(k, ()):
+                    futs[r].result()
                 yield self._buf(s), self.experts[(layer, e)].layout, read
         finally:  # a stream left early (or a read failed): the reads not begun never start, the one under way
-            for _, fut in runs:  # lands, and an expert whose runs did not all land is forgotten
+            for fut in futs:  # lands, and an expert whose runs did not all land is forgotten
                 fut.cancel()
             for k, e in enumerate(es):
-                if k in waits and not all(_landed(f) for f in waits[k]):
+                if k in covers and not all(r < len(futs) and _landed(futs[r]) for r in covers[k]):
                     self._drop((layer, e))
 
     def close(self) -> None:
