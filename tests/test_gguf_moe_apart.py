@@ -8,9 +8,7 @@ each fused `ffn_{gate,up,down}_exps` tensor, a contiguous 1/E of its quantized b
 disk: greedy ids with the experts apart equal whole-layer streaming's (`experts="layers"`) and transformers'
 (on the file's weights), and so do the resident and RAM tiers'; the bytes read per pass are exactly the covering
 spans of the experts its tokens routed to (computed here from the file's header) plus the dense parts, which
-never cover an expert's bytes, and a 1-token pass reads about half of what whole layers read (top-2 of 4); with
-a cache of one layer's experts, a pass's reads are its missing experts' rows merged into runs (adjacent rows of a
-fused tensor in one request: tests/test_expert_runs.check_merged_reads);
+never cover an expert's bytes, and a 1-token pass reads about half of what whole layers read (top-2 of 4);
 the routed experts compute from their quantized bytes in the cache slot with the GGUF CPU kernel
 (cpu/ggml_kernel.linear), never dequantized to a float copy.
 """
@@ -174,19 +172,6 @@ def check_bytes_read(f, monkeypatch, experts_cls=ExpertList, parts=("weight",), 
 
 def test_bytes_read_are_the_routed_experts(case, monkeypatch):
     check_bytes_read(case[2], monkeypatch)
-
-
-def test_a_pass_reads_the_merged_runs_of_its_missing_experts(case, monkeypatch):
-    """With the cache of one layer's experts, each pass reads the runs the merge rule makes of its missing
-    experts' rows (adjacent rows of a fused tensor: one request; tests/test_expert_runs.py)."""
-    from offload import OffloadedCausalLM
-    from tests.test_expert_runs import check_merged_reads
-
-    m = OffloadedCausalLM.from_pretrained(case[2], dtype=torch.float32, offload="disk")
-    try:
-        check_merged_reads(m, monkeypatch, ExpertList, byte_level_tokenizer()(PROMPT)["input_ids"])
-    finally:
-        m.close()
 
 
 def test_routed_experts_compute_from_their_quantized_bytes(case, monkeypatch):

@@ -4,9 +4,7 @@ The tiny seeded MoE checkpoints of tests/test_moe_families.py (Mixtral, Qwen2-Mo
 dense MLP layer, Qwen3-MoE), every layer on disk, on the CPU. Checked: greedy ids equal HF `generate`'s and
 whole-layer streaming's (`experts="layers"`); the bytes read per pass are the routed experts' covering spans and
 nothing else of them (the reads recorded by a monkeypatched DirectReader.read_span, the routing by a monkeypatched
-ExpertList.forward, the expert spans from the safetensors header); with a cache of one layer's experts, a pass's
-expert reads are its missing experts' spans merged into runs (tests/test_expert_runs.check_merged_reads); the
-memory plan says "on-demand", runs, and
+ExpertList.forward, the expert spans from the safetensors header); the memory plan says "on-demand", runs, and
 sizes the staging slots and the expert cache as the loader allocates them (on a disk without per-read latency,
 where it chooses them apart); `ar` and specexec with a draft,
 through the engine, equal HF generate with the experts apart; a bf16 checkpoint (computed in bf16 or cast to fp32)
@@ -164,19 +162,6 @@ def test_routed_experts_are_read_ahead(family, monkeypatch):
         m(input_ids=torch.tensor([make_tokenizer()(PROMPT)["input_ids"][:7]]))
         threads = [t for r, t in reads if r is m.experts.reader]
         assert threads and all(t.startswith("specx-experts") for t in threads), (name, threads)
-    finally:
-        m.close()
-
-
-def test_a_pass_reads_the_merged_runs_of_its_missing_experts(family, monkeypatch):
-    """With the cache of one layer's experts (the loader's own size), each pass's expert reads are the runs the
-    merge rule makes of the spans of its routed experts the cache misses (tests/test_expert_runs.py)."""
-    from offload import OffloadedCausalLM
-    from tests.test_expert_runs import check_merged_reads
-
-    m = OffloadedCausalLM.from_pretrained(family[1], dtype=torch.float32, offload="disk")
-    try:
-        check_merged_reads(m, monkeypatch, ExpertList, make_tokenizer()(PROMPT)["input_ids"])
     finally:
         m.close()
 

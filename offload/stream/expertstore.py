@@ -24,26 +24,18 @@ Contract:
 - `split_layer(entries, specs, align)` -> (dense part, {e: expert}) of one disk layer; `split_disk(index,
   disk)` does it to the loader's disk layers. The dense part's spans never cover an expert's bytes.
 - `held_experts(...)`: the loader's step (disk layers in, dense parts and an ExpertStore out); with
-  experts="auto" it follows the memory plan's choice (plan.experts["mode"], planning/experts.py prices both);
-  its reads merge by the plan's Device (`plan.machine`; no plan: the priors), expertruns.MergeRule.of.
+  experts="auto" it follows the memory plan's choice (plan.experts["mode"], planning/experts.py prices both).
 - `slot_bytes(experts)`: one cache slot (the largest expert's compute layout, page-aligned: O_DIRECT lands
   there); `cache_capacity(per_layer, on_disk, slot, room)`: experts the cache holds: what `room` bytes
   hold (None: nothing beyond the minimum), at least one layer's experts (a pass may route to all of them),
   at most every expert on disk.
-- `ExpertStore(reader, experts {(layer, e): DiskLayer}, capacity, pool, rule)`: one pool buffer
+- `ExpertStore(reader, experts {(layer, e): DiskLayer}, capacity, pool)`: one pool buffer
   ("expert_cache") of `capacity` slots. `fetch(layer, e)` -> (buffer, layout): a cached expert as it is
-  (a hit: it becomes the most recently used), else its spans read by `reader` (storage.DirectReader), one
-  request each, into a free slot or the least recently used one. Counters: `reads` (experts read), `hits`,
-  `requests` (read requests), `bytes_read` (file bytes requested), also added to
-  `stats.streamed_bytes_per_pass` when the model sets `stats`. `stream(layer, es)` gives each of `es` in
-  order as fetch would (the same hits, misses and slots): where the cache holds all of them (the loader's
-  holds one layer's experts), their slots are claimed at once and the misses' spans merged into runs by
-  `rule` (stream/expertruns.py: spans whose gap one request's latency reads, one request per run; the
-  plan's Device gives it, `held_experts` passes it), read by a worker thread in the order the experts
-  compute, the next expert's runs while the caller computes this one's (as fetch by fetch); a pass of more experts
-  than the cache holds reads the next expert while the caller computes this one; a cache of one expert
-  reads them one at a time. A stream left early, or a failed read, leaves only landed experts cached.
-  `close()` stops the worker and closes the files.
+  (a hit: it becomes the most recently used), else its spans read by `reader` (storage.DirectReader) into
+  the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
+  also added to `stats.streamed_bytes_per_pass` when the model sets `stats`. `stream(layer, es)` fetches
+  each of `es` in order, the next one read by a worker thread while the caller computes the current one
+  (a cache of one expert: one at a time); `close()` stops that thread and closes the files.
   `attach(i, layer, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
   parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there);
   fused experts (arch/gptoss_experts.RoutedExperts, which replaces transformers' GptOssExperts there) get a
@@ -64,9 +56,16 @@ from offload.arch.moe import MOE_FAMILIES, ExpertList
 from offload.errors import OffloadError
 from offload.formats.st_index import TensorEntry
 from offload.stream.devmem import DevicePool
-from offload.stream.expertruns import MergeRule, Piece, merge, read_run
 from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
-from offload.stream.storage import MERGE_GAP, DirectReader, DiskLayer, ParamSpec, file_layout, packed_layout
+from offload.stream.storage import (
+    MERGE_GAP,
+    DirectReader,
+    DiskLayer,
+    ParamSpec,
+    file_layout,
+    packed_layout,
+    store_param,
+)
 
 MARK = ".experts."
 
@@ -179,8 +178,7 @@ def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool
     if capacity is None:
         per_layer = 1 + max(e for _, e in held)
         capacity = cache_capacity(per_layer, len(held), slot_bytes(held.values()), room)
-    rule = MergeRule.of(getattr(memplan, "machine", None))
-    return dense, ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), held, capacity, pool, rule)
+    return dense, ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), held, capacity, pool)
 
 
 def slot_bytes(experts) -> int:
@@ -195,80 +193,51 @@ def cache_capacity(per_layer: int, on_disk: int, slot: int, room: int | None) ->
 
 class ExpertStore:
     def __init__(
-        self,
-        reader: DirectReader,
-        experts: dict[tuple[int, int], DiskLayer],
-        capacity: int,
-        pool: DevicePool,
-        rule: MergeRule | None = None,
+        self, reader: DirectReader, experts: dict[tuple[int, int], DiskLayer], capacity: int, pool: DevicePool
     ):
         self.reader, self.experts = reader, experts
-        self.rule = rule or MergeRule.of(None)
         self.capacity = max(1, min(capacity, len(experts)))
         self.slot = slot_bytes(experts.values())
         self.cache = pool.alloc(self.capacity * self.slot, "expert_cache")
-        # a merged run lands here, or a re-laid expert's span before its cast (expertruns.read_run)
-        raw = max((s.length for d in experts.values() if d.repack for s in d.spans), default=0)
-        size = max(raw, self.rule.cap if self.capacity > 1 else 0)
-        self.scratch = aligned_empty(size) if size else None
+        raw = max((d.raw.nbytes for d in experts.values() if d.repack), default=0)
+        self.scratch = aligned_empty(raw) if raw else None
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, e) -> slot, least recent first
-        self.free = list(range(self.capacity - 1, -1, -1))  # slots holding no expert (popped from the end)
-        self.reads = self.hits = self.bytes_read = self.requests = 0
+        self.reads = self.hits = self.bytes_read = 0
         self.stats = None  # an OffloadStats whose streamed_bytes_per_pass counts the spans read too
         self._worker: ThreadPoolExecutor | None = None  # stream's read-ahead thread, started on first use
 
-    def _claim(self, key: tuple[int, int]) -> tuple[int, bool]:
-        """(slot, to read?) of an expert about to compute: a hit becomes the most recently used, a miss takes
-        a free slot or the least recently used expert's."""
+    def fetch(self, layer: int, e: int) -> tuple[torch.Tensor, object, bool]:
+        """(slot buffer, layout, read now?) of expert e of `layer` (see the contract)."""
+        key, d = (layer, e), self.experts[(layer, e)]
         if key in self.lru:
             self.lru.move_to_end(key)
             self.hits += 1
-            return self.lru[key], False
-        s = self.free.pop() if self.free else self.lru.popitem(last=False)[1]
+            s = self.lru[key]
+            return self._buf(s), d.layout, False
+        s = self.lru.popitem(last=False)[1] if len(self.lru) >= self.capacity else len(self.lru)
         self.lru[key] = s
-        self.reads += 1
-        return s, True
-
-    def _drop(self, key: tuple[int, int]) -> None:
-        """Forget an expert whose read did not complete: its slot holds no expert."""
-        self.free.append(self.lru.pop(key))
-        self.reads -= 1
-
-    def _read(self, run: list[Piece]) -> None:
-        n = read_run(self.reader, run, self.scratch)
-        self.requests += 1
-        self.bytes_read += n
-        if self.stats is not None:
-            self.stats.streamed_bytes_per_pass += n
-
-    def fetch(self, layer: int, e: int) -> tuple[torch.Tensor, object, bool]:
-        """(slot buffer, layout, read now?) of expert e of `layer`, its spans read one request each (see the
-        contract)."""
-        key, d = (layer, e), self.experts[(layer, e)]
-        s, read = self._claim(key)
         dest = self._buf(s)
-        try:
-            for span in d.spans if read else ():
-                self._read([Piece(0, span, d, dest)])
-        except BaseException:
-            self._drop(key)
-            raise
-        return dest, d.layout, read
+        target = self.scratch if d.repack else dest
+        for span in d.spans:
+            self.reader.read_span(span, target)
+            self.bytes_read += span.length
+            if self.stats is not None:
+                self.stats.streamed_bytes_per_pass += span.length
+        if d.repack:
+            for sp in d.specs:
+                store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name))
+        self.reads += 1
+        return dest, d.layout, True
 
     def stream(self, layer: int, es: list[int]):
-        """fetch(layer, e) for each of `es` in order (see the contract): where the cache holds every one of
-        them, their reads planned at once and merged (expertruns.merge), read by a worker thread in the order
-        they compute; else the next one read while the caller computes this one (the cache then holds both:
-        the one being read evicts another, never this one, the most recently used); a cache of one expert
-        reads them one at a time."""
+        """fetch(layer, e) for each of `es` in order, the next one read by a worker thread while the caller
+        computes this one (the cache then holds both: the one being read evicts another, never this one, the most
+        recently used); a cache of one expert reads them one at a time."""
         if self.capacity < 2 or len(es) < 2:
             yield from (self.fetch(layer, e) for e in es)
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="specx-experts")
-        if len(es) <= self.capacity:
-            yield from self._merged(layer, es)
-            return
         ahead = self._worker.submit(self.fetch, layer, es[0])
         try:
             for k in range(len(es)):
@@ -278,39 +247,6 @@ class ExpertStore:
         finally:
             if ahead is not None:
                 ahead.result()  # a stream left early: its last read lands before the slot is reused
-
-    def _merged(self, layer: int, es: list[int]):
-        """stream's planned pass: every expert of `es` claims its slot first (no miss then evicts another of
-        `es`: the cache holds them all, and they are its most recently used), the misses' spans merged into
-        runs, each run one request on the worker, submitted once the expert before its first one computes,
-        and each expert yielded once the runs holding it landed."""
-        claims = [self._claim((layer, e)) for e in es]
-        pieces = [
-            Piece(k, span, self.experts[(layer, e)], self._buf(s))
-            for k, (e, (s, read)) in enumerate(zip(es, claims))
-            if read
-            for span in self.experts[(layer, e)].spans
-        ]
-        runs = merge(pieces, self.rule)  # in the order the pass needs them
-        futs: list = []  # the runs submitted so far, runs[:len(futs)]
-        covers: dict[int, list[int]] = {}  # expert position -> the runs holding its spans
-        for r, run in enumerate(runs):
-            for p in run:
-                covers.setdefault(p.need, []).append(r)
-        try:
-            for k, (e, (s, read)) in enumerate(zip(es, claims)):
-                # read ahead as fetch-by-fetch does: the runs of this expert and the next one are under way
-                while len(futs) < len(runs) and min(p.need for p in runs[len(futs)]) <= k + 1:
-                    futs.append(self._worker.submit(self._read, runs[len(futs)]))
-                for r in covers.get(k, ()):
-                    futs[r].result()
-                yield self._buf(s), self.experts[(layer, e)].layout, read
-        finally:  # a stream left early (or a read failed): the reads not begun never start, the one under way
-            for fut in futs:  # lands, and an expert whose runs did not all land is forgotten
-                fut.cancel()
-            for k, e in enumerate(es):
-                if k in covers and not all(r < len(futs) and _landed(futs[r]) for r in covers[k]):
-                    self._drop((layer, e))
 
     def close(self) -> None:
         """Stop the read-ahead thread and close the files (idempotent)."""
@@ -379,8 +315,3 @@ class _FusedSource:
     @staticmethod
     def _views(buf: torch.Tensor, layout) -> dict[str, torch.Tensor]:
         return {name.rpartition(".")[2]: layout.view(buf, name) for name in layout.slices}
-
-
-def _landed(fut) -> bool:
-    """A worker's read finished without error (waiting for it if it is under way)."""
-    return not fut.cancelled() and fut.exception() is None
