@@ -14,7 +14,8 @@ needs of single readers: `GGUF_READER` (the GGUF reader, for `detect`), `read_gg
 `gguf_value` (one GGUF file's metadata), `read_config` (a model directory's config.json),
 `find_pydist` (an installed Python package that ships a model), `resolve_ollama` (an ollama
 model name's blob), the GGUF CPU kernel's `ggml_kernel_enabled` and `ggml_linear`, and
-`mxfp4_dequantize` (gpt-oss's MXFP4 experts, for the profile's kernel probe).
+`mxfp4_dequantize` and `mxfp4_dequantize_t` (gpt-oss's MXFP4 experts; the second as Mxfp4Experts rebuilds one
+expert's matrix, for the profile's kernel probe).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from offload.formats.gguf_meta import value as gguf_value
     from offload.formats.hfdir import read_config
     from offload.formats.mxfp4 import dequantize as mxfp4_dequantize
+    from offload.formats.mxfp4 import dequantize_t as mxfp4_dequantize_t
     from offload.formats.ollama import resolve as resolve_ollama
     from offload.formats.pydist import find as find_pydist
 
@@ -48,6 +50,7 @@ _LAZY = {  # name here -> (module, name there)
     "gguf_value": ("offload.formats.gguf_meta", "value"),
     "read_config": ("offload.formats.hfdir", "read_config"),
     "mxfp4_dequantize": ("offload.formats.mxfp4", "dequantize"),
+    "mxfp4_dequantize_t": ("offload.formats.mxfp4", "dequantize_t"),
     "resolve_ollama": ("offload.formats.ollama", "resolve"),
     "find_pydist": ("offload.formats.pydist", "find"),
 }
@@ -61,6 +64,7 @@ __all__ = [
     "ggml_linear",
     "gguf_value",
     "mxfp4_dequantize",
+    "mxfp4_dequantize_t",
     "open_checkpoint",
     "read_config",
     "read_gguf_part",
