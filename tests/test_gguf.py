@@ -140,6 +140,20 @@ def _ollama_store(root: Path, blob_src: Path, params: dict) -> Path:
     return root
 
 
+def test_general_sampling_is_the_files_default_sampling(tiny):
+    """A GGUF's general.sampling.* are its sampling defaults, as generation_config.json's are (and as
+    llama.cpp applies them): run/chat and serve sample with them where no flag or request says else."""
+    from specexec_cli.core.sampling import SamplingParams
+    from specexec_cli.session.gendefaults import checkpoint_sampling, generation_of, serve_sampling
+    from specexec_cli.session.modelref import ModelRef
+
+    _, f = tiny
+    gen = generation_of(ModelRef("--target", str(f)))
+    got = checkpoint_sampling(gen), serve_sampling(gen)
+    assert [(round(p.temperature, 4), p.top_k, p.top_p) for p in got] == [(0.6, 20, 1.0)] * 2
+    assert checkpoint_sampling({k: v for k, v in gen.items() if k != "do_sample"}) == SamplingParams()
+
+
 def test_ollama_name(tiny, tmp_path, monkeypatch):
     from offload.formats import ollama
 

@@ -27,7 +27,7 @@ from openai import OpenAI
 
 from specexec_cli.serve import limits
 from specexec_cli.serve.models import Work
-from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, serve_sampling
+from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, read_generation_config, serve_sampling
 from tests.serve_util import Server
 
 MIN_RUN, TASK_CAPS, RepetitionGuard = limits.MIN_RUN, limits.TASK_CAPS, limits.RepetitionGuard
@@ -146,10 +146,12 @@ LLAMA = (0.8, 40, 0.95)  # llama-server's temperature, top_k, top_p
 def test_serve_samples_as_llama_server_where_the_checkpoint_is_silent(tmp_path, config, expected):
     if config is not None:
         (tmp_path / "generation_config.json").write_text(json.dumps(config))
-    got = serve_sampling(tmp_path)
+    got = serve_sampling(read_generation_config(tmp_path))
     assert (got.temperature, got.top_k, got.top_p) == expected
     if config is None:
-        assert checkpoint_sampling(tmp_path) == GREEDY  # specx run/chat keep their greedy default
+        assert (
+            checkpoint_sampling(read_generation_config(tmp_path)) == GREEDY
+        )  # specx run/chat keep their greedy default
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from specexec_cli.serve.metrics import Metrics
 from specexec_cli.serve.models import APIError, Work
 from specexec_cli.serve.worker import Worker
 from specexec_cli.session.chat import ChatSession, StopScanner, plain_prompt
-from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, merge
+from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, merge, read_generation_config
 from specexec_cli.session.loading import LoadOptions, load_models
 
 TEMPLATE = (
@@ -130,13 +130,13 @@ def test_plain_prompt_matches_the_turn_by_turn_format():
 def test_checkpoint_sampling(tmp_path):
     def with_config(cfg):
         (tmp_path / "generation_config.json").write_text(json.dumps(cfg) if isinstance(cfg, dict) else cfg)
-        return checkpoint_sampling(tmp_path)
+        return checkpoint_sampling(read_generation_config(tmp_path))
 
     assert with_config({"do_sample": False, "temperature": 0.7}) == GREEDY
     assert with_config({"do_sample": True}) == SamplingParams(1.0, 50, 1.0)
     assert with_config({"do_sample": True, "temperature": 0.6, "top_p": 0.9}) == SamplingParams(0.6, 50, 0.9)
     assert with_config({"do_sample": True, "top_p": 7}) == SamplingParams(1.0, 50, 1.0)
-    assert with_config("{not json") == GREEDY and checkpoint_sampling(tmp_path / "missing") == GREEDY
+    assert with_config("{not json") == GREEDY and checkpoint_sampling({}) == GREEDY
     assert merge(SamplingParams(0.6, 50, 0.9), temperature=0) == SamplingParams(0.0, 50, 0.9)
 
 

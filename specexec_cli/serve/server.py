@@ -95,11 +95,11 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
 
 def serve_defaults(flags, target):
     """The SamplingParams of a request that sets none: the serve command's --temperature/--top-k/
-    --top-p where given, then the generation_config.json of the target (a ModelRef), then
-    llama-server's (gendefaults.serve_sampling; a GGUF file has no generation_config.json)."""
-    from specexec_cli.session.gendefaults import merge, serve_sampling
+    --top-p where given, then the target's (a ModelRef) generation defaults (generation_config.json,
+    a GGUF's general.sampling.*), then llama-server's (gendefaults.serve_sampling)."""
+    from specexec_cli.session.gendefaults import generation_of, merge, serve_sampling
 
-    return merge(serve_sampling(target.path), flags.temperature, flags.top_k, flags.top_p)
+    return merge(serve_sampling(generation_of(target)), flags.temperature, flags.top_k, flags.top_p)
 
 
 def run_server(flags, o: ServeOptions) -> int:

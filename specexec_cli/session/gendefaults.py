@@ -1,13 +1,16 @@
-"""Sampling defaults from a checkpoint's generation_config.json, the way transformers reads them.
+"""Sampling defaults from a checkpoint's generation defaults, the way transformers reads them.
 
-Contract: `checkpoint_sampling(model_dir)` returns the `SamplingParams` a request (or `run`/`chat`
-without --temperature/--top-k/--top-p) uses when it sets none: greedy unless the file says
-`do_sample: true`; then its temperature/top_k/top_p, with transformers' own defaults (1.0, 50, 1.0)
-for the ones it leaves out. A missing or unreadable file means greedy. `serve_sampling(model_dir)`
-is what `specx serve` uses instead: the same where the file says anything about sampling, and
-llama-server's defaults (SERVE_DEFAULTS) for what it leaves unsaid, so that a server whose requests
-and checkpoint set nothing samples as llama-server and ollama do (`run`/`chat` stay greedy there).
-`merge` lets explicitly set values win one by one. Pure file reading: no torch, no transformers.
+Contract: a checkpoint's generation defaults `gen` are its generation_config.json as a dict, or
+for a GGUF the same keys built from its metadata (offload/formats/gguf.py: `general.sampling.*`,
+which llama.cpp also applies as defaults, ollama's params over them, `do_sample` when a temperature
+above 0 is given); `generation_of(target)` gives a ModelRef's. `checkpoint_sampling(gen)` returns the
+`SamplingParams` a request (or `run`/`chat` without --temperature/--top-k/--top-p) uses when it sets
+none: greedy unless `gen` says `do_sample: true`; then its temperature/top_k/top_p, with
+transformers' own defaults (1.0, 50, 1.0) for the ones it leaves out. Nothing given means greedy.
+`serve_sampling(gen)` is what `specx serve` uses instead: the same where `gen` says anything about
+sampling, and llama-server's defaults (SERVE_DEFAULTS) for what it leaves unsaid, so that a server
+whose requests and checkpoint set nothing samples as llama-server and ollama do (`run`/`chat` stay
+greedy there). `merge` lets explicitly set values win one by one. No torch, no transformers.
 """
 
 from __future__ import annotations
@@ -35,14 +38,21 @@ def read_generation_config(model_dir: Path | str | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def generation_of(target) -> dict:
+    """The generation defaults of `target` (a ModelRef): its opened checkpoint's, else (pickle weights
+    under --allow-pickle, which no offload reader opens) its generation_config.json."""
+    if target.format == "pickle":
+        return read_generation_config(target.path)
+    return target.checkpoint.generation
+
+
 def numbers(cfg: dict) -> dict:
     """The sampling values (HF_DEFAULTS' names) that `cfg` gives as numbers (a bool is not one)."""
     return {k: cfg[k] for k in HF_DEFAULTS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg[k], bool)}
 
 
-def checkpoint_sampling(model_dir: Path | str | None) -> SamplingParams:
+def checkpoint_sampling(cfg: dict) -> SamplingParams:
     """The checkpoint's own sampling settings (greedy unless it samples; see the module docstring)."""
-    cfg = read_generation_config(model_dir)
     if cfg.get("do_sample") is not True:
         return GREEDY
     values = {**HF_DEFAULTS, **numbers(cfg)}
@@ -57,14 +67,13 @@ def checkpoint_sampling(model_dir: Path | str | None) -> SamplingParams:
     return params
 
 
-def serve_sampling(model_dir: Path | str | None) -> SamplingParams:
-    """`specx serve`'s sampling for requests that set none: the checkpoint's when its
-    generation_config.json has `do_sample` (transformers' reading, as `checkpoint_sampling`), its
-    own temperature/top_k/top_p over SERVE_DEFAULTS when it has some of those without `do_sample`,
-    else SERVE_DEFAULTS (no file, a GGUF, a file of token ids only)."""
-    cfg = read_generation_config(model_dir)
+def serve_sampling(cfg: dict) -> SamplingParams:
+    """`specx serve`'s sampling for requests that set none: the checkpoint's when its generation
+    defaults have `do_sample` (transformers' reading, as `checkpoint_sampling`), its own
+    temperature/top_k/top_p over SERVE_DEFAULTS when it has some of those without `do_sample`,
+    else SERVE_DEFAULTS (nothing given, token ids only)."""
     if "do_sample" in cfg:
-        return checkpoint_sampling(model_dir)
+        return checkpoint_sampling(cfg)
     given = numbers(cfg)
     try:
         params = merge(SERVE_DEFAULTS, given.get("temperature"), given.get("top_k"), given.get("top_p"))

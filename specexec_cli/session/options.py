@@ -79,11 +79,11 @@ class ModelFlags:
 
     @staticmethod
     def checkpoint_defaults(target):
-        """The target's (a ModelRef) generation_config.json sampling (greedy when it cannot be resolved)."""
-        from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling
+        """The target's (a ModelRef) own sampling defaults (greedy when it cannot be resolved)."""
+        from specexec_cli.session.gendefaults import GREEDY, checkpoint_sampling, generation_of
 
         try:
-            return checkpoint_sampling(target.path)
+            return checkpoint_sampling(generation_of(target))
         except SpecxError:
             return GREEDY
 

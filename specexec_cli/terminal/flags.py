@@ -56,7 +56,7 @@ Temperature = option(
     Optional[float],
     DECODING,
     "T",
-    "0 = greedy; > 0 samples. Default: the target's generation_config.json (greedy unless it samples).",
+    "0 = greedy; > 0 samples. Default: the target's (generation_config.json or GGUF metadata; greedy unless it samples).",
     "--temperature",
     "--temp",
     show_default=False,
@@ -65,14 +65,14 @@ TopK = option(
     Optional[int],
     DECODING,
     "K",
-    "Keep the k most likely tokens (0 = off). Default: generation_config.json.",
+    "Keep the k most likely tokens (0 = off). Default: the checkpoint's.",
     show_default=False,
 )
 TopP = option(
     Optional[float],
     DECODING,
     "P",
-    "Nucleus mass in (0, 1] (1 = off). Default: generation_config.json.",
+    "Nucleus mass in (0, 1] (1 = off). Default: the checkpoint's.",
     show_default=False,
 )
 Seed = option(int, DECODING, "N", "Sampling seed.", "--seed", "-s")
