@@ -69,11 +69,7 @@ TopK = option(
     show_default=False,
 )
 TopP = option(
-    Optional[float],
-    DECODING,
-    "P",
-    "Nucleus mass in (0, 1] (1 = off). Default: the checkpoint's.",
-    show_default=False,
+    Optional[float], DECODING, "P", "Nucleus mass in (0, 1] (1 = off). Default: the checkpoint's.", show_default=False
 )
 Seed = option(int, DECODING, "N", "Sampling seed.", "--seed", "-s")
 Dtype = option(str, MODELS, "TYPE", "auto | bf16 | fp16 | fp32 | nf4 (nf4: target linear layers in 4-bit).")
