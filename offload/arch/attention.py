@@ -36,11 +36,11 @@ import weakref
 
 import torch
 
+from offload.arch.cpuflash import cpu_flash
 from offload.arch.hfcompat import register_as
 
 NAME = "specx_gqa"
 ALIGN = 8  # SDPA's memory-efficient kernel copies masks whose strides are not multiples of 8
-_FLASH_CPU = None  # torch's CPU flash attention op, looked up once (False: this torch has none)
 _PREPARED: dict = {}  # (id(mask), groups, dtype) -> (weakref to the source mask, prepared mask)
 
 
@@ -130,36 +130,6 @@ def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
         if backend is None or not any(m in str(exc) for m in ("No available kernel", "No viable backend")):
             raise
         return sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa)
-
-
-def flash_op():
-    """torch's CPU flash attention op (out, logsumexp, ...), looked up once; False where this torch has none."""
-    global _FLASH_CPU
-    if _FLASH_CPU is None:
-        _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
-    return _FLASH_CPU
-
-
-def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
-    """The CPU flash kernel called directly, as `_sdpa` pinned to it calls it for these inputs (the same
-    kernel, minus the per-layer dispatch); None where that is not known to be the same call (then `_sdpa`)."""
-    ok = (
-        dropout == 0.0
-        and q.dim() == 4
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
-        and q.shape[-1] == k.shape[-1] == v.shape[-1]
-        and (mask is None or mask.dtype == q.dtype)
-        and not torch.is_grad_enabled()
-        and flash_op()
-    )
-    if not ok:
-        return None
-    try:
-        return flash_op()(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
-    except RuntimeError:  # the kernel refuses these inputs: the pinned call decides (and falls back)
-        return None
 
 
 def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, backend):

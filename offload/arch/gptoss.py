@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.arch.attention import flash_op
+from offload.arch.cpuflash import flash_op
 
 NAME = "specx_sinks"
 

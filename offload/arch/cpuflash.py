@@ -1,0 +1,43 @@
+"""torch's CPU flash attention kernel, called directly (attention.py's plain path, gptoss.py's sinks).
+
+Contract: `flash_op()` is torch's `_scaled_dot_product_flash_attention_for_cpu` (out, logsumexp, ...),
+looked up once, or False where this torch has none. `cpu_flash(q, k, v, mask, dropout, scaling)` is
+its output for q (B, H, Q, D), k/v (B, H, K, D) and an additive mask of q's dtype (or None), exactly
+the call torch's SDPA pinned to that kernel makes, or None where that is not known to be the same call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLASH_CPU = None  # the op, looked up once (False: this torch has none)
+
+
+def flash_op():
+    """torch's CPU flash attention op (out, logsumexp, ...), looked up once; False where this torch has none."""
+    global _FLASH_CPU
+    if _FLASH_CPU is None:
+        _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
+    return _FLASH_CPU
+
+
+def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
+    """The CPU flash kernel called directly, as attention.py's `_sdpa` pinned to it calls it (the same
+    kernel, minus the per-layer dispatch); None where that is not known to be the same call (then `_sdpa`)."""
+    ok = (
+        dropout == 0.0
+        and q.dim() == 4
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and (mask is None or mask.dtype == q.dtype)
+        and not torch.is_grad_enabled()
+        and flash_op()
+    )
+    if not ok:
+        return None
+    try:
+        return flash_op()(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
+    except RuntimeError:  # the kernel refuses these inputs: the pinned call decides (and falls back)
+        return None
