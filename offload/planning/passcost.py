@@ -178,8 +178,9 @@ DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "int4-unpa
 """Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
 hqq-eager (offload/quant/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2,
 the matmul reads 1), nf4-dequant (bitsandbytes above NF4_GEMV_TOKENS: dequantize writes 1, the matmul
-reads 1), mxfp4 (formats/mxfp4.Mxfp4Experts.weights, per routed expert: the table gather writes 1, the scale
-multiply reads and writes 2, the transposed copy reads and writes 2, the matmul reads 1), hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it;
+reads 1), mxfp4 (formats/mxfp4.Mxfp4Experts.weights, per routed expert, off the CPU: the table gather writes 1,
+the scale multiply reads and writes 2, the transposed copy reads and writes 2, the matmul reads 1; on the CPU see
+`dequant_elems`), hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it;
 on CPU Inductor's dynamic-shape graph writes it twice, see `dequant_elems`), int4-unpack (offload/formats/
 packed.py for AWQ/GPTQ/compressed-tensors/GGUF: codes unpacked, the weight written, the matmul reads it),
 none (a 16-bit weight)."""
@@ -194,10 +195,14 @@ measured factor (plan.kernel's `cost` and `head_cost`: ggml_kernel.COST)."""
 
 def dequant_elems(kernel: str, device: str) -> int:
     """DEQUANT_ELEMS on `device`: the compiled HQQ graph on CPU writes the weight twice ((rows, group),
-    then the (in, out) operand) and the matmul reads it once: 3 (offload/quant/fused.py's docstring).
+    then the (in, out) operand) and the matmul reads it once: 3 (offload/quant/fused.py's docstring); MXFP4
+    on CPU is offload/cpu/mxfp4_kernel.py's one pass, which writes the transposed weight once, and the
+    matmul reads it once: 2.
     Which kernel a run uses is membytes.substitute_kernel(bits, device): on CPU, eager unless
     $SPECX_LOWBIT_KERNEL=fused."""
-    return 3 if kernel == "hqq-compiled" and device == "cpu" else DEQUANT_ELEMS[kernel]
+    if device == "cpu" and kernel in ("hqq-compiled", "mxfp4"):
+        return 3 if kernel == "hqq-compiled" else 2
+    return DEQUANT_ELEMS[kernel]
 
 
 def interpolate(points: dict, x: float) -> float:
