@@ -168,6 +168,12 @@ def test_ollama_name(tiny, tmp_path, monkeypatch):
     from specexec_cli.session.names import resolve_path
 
     assert resolve_path("library/tiny:q8", "--target") == ck.files[0]
+    # the name's params are its sampling defaults (as ollama runs it): temperature 0.3 over the file's 0.6
+    from specexec_cli.session.gendefaults import checkpoint_sampling, generation_of
+    from specexec_cli.session.modelref import ModelRef
+
+    got = checkpoint_sampling(generation_of(ModelRef("--target", "tiny:q8")))
+    assert (round(got.temperature, 4), got.top_k) == (0.3, 20)
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before  # read-only
     ck.files[0].unlink()
     with pytest.raises(OffloadError, match="missing; re-pull"):

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from specexec_cli.errors import SpecxError, offload_errors
-from specexec_cli.session.names import is_gguf, resolve_path
+from specexec_cli.session.names import is_gguf, ollama_blob, resolve_path
 from specexec_cli.session.strict import check_config
 
 SELF = "self"  # --draft self: the target's own low-bit substitute (offload/selfdraft/build.py)
@@ -52,7 +52,13 @@ class ModelRef:
 
     @cached_property
     def checkpoint(self):
-        """The validated offload.formats.Checkpoint (headers, shards, config vs headers)."""
+        """The validated offload.formats.Checkpoint (headers, shards, config vs headers); an ollama
+        name's GGUF with its ollama params (temperature, top_k, top_p) over the file's own defaults."""
+        if is_gguf(self.path) and ollama_blob(self.name, self.flag) == self.path:
+            from offload.formats import GGUF_READER
+
+            with offload_errors(self.flag):
+                return GGUF_READER.open_ollama(self.name)
         return open_checkpoint(self.path, self.flag)
 
     @cached_property
