@@ -74,10 +74,9 @@ def _method(config: dict) -> str:
 
 
 def dtype_bytes(name: str) -> int:
-    try:
-        return _BYTES[name.lower()]
-    except KeyError:
-        raise OffloadError(f"unsupported dtype {name!r}; use bf16, fp16, fp32 or nf4") from None
+    if name.lower() not in _BYTES:
+        raise OffloadError(f"unsupported dtype {name!r}; use bf16, fp16, fp32 or nf4")
+    return _BYTES[name.lower()]
 
 
 def compute_bytes(req) -> int:
@@ -116,9 +115,8 @@ def nf4_state_bytes(numel: int) -> int:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {2: torch.float16 if "16" in name and "b" not in name else torch.bfloat16, 4: torch.float32}[
-        dtype_bytes(name)
-    ]
+    half = torch.float16 if "16" in name and "b" not in name else torch.bfloat16
+    return {2: half, 4: torch.float32}[dtype_bytes(name)]
 
 
 def draft_bytes(ck, dtype: str) -> int:
