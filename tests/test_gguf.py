@@ -180,6 +180,15 @@ def test_ollama_name(tiny, tmp_path, monkeypatch):
         ollama.resolve("tiny:q8")
 
 
+def test_ollama_stop_strings_that_are_control_tokens_end_as_eos(smollm2):
+    """An ollama params' stop string that is one control token ("<|im_start|>", id 1 in SmolLM2's file) ends
+    generation by its id, as EOS does (its text is never shown); the others stay text stops."""
+    gen = READER.open(smollm2, ollama_params={"stop": ["<|im_start|>", "User:", 7]}).generation
+    assert gen["eos_token_id"] == [2, 1] and gen["stop_strings"] == ["User:"]
+    plain = READER.open(smollm2).generation
+    assert plain["eos_token_id"] == 2 and "stop_strings" not in plain
+
+
 def test_unsupported_arch_and_missing_tokenizer(tiny, tmp_path):
     hf, _ = tiny
     with pytest.raises(OffloadError, match="architecture 'bert' is not supported"):

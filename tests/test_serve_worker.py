@@ -185,3 +185,19 @@ def test_slot_is_free_when_the_last_event_arrives(worker):
 
     asyncio.run(go())
     assert seen == [0, 0, 0]
+
+
+def test_checkpoint_stop_strings_end_a_request_that_sets_none(worker):
+    """The checkpoint's own stop strings (an ollama name's params) end a request that sends no `stop`;
+    a request's own `stop` replaces them."""
+    models = worker.session.models
+    full = run(worker, Work(prompt="def g(", temperature=0))[-1].text
+    stop = next(full[i : i + 2] for i in range(1, len(full) - 2) if full.find(full[i : i + 2]) == i)
+    try:
+        models.stop_strings = (stop,)
+        cut = run(worker, Work(prompt="def g(", temperature=0))
+        own = run(worker, Work(prompt="def g(", temperature=0, stops=["\x00"]))[-1]
+    finally:
+        models.stop_strings = ()
+    assert cut[-1].text == full[: full.find(stop)] and cut[-1].finish == "stop"
+    assert own.text == full

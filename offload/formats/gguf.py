@@ -329,6 +329,10 @@ def _generation(head, ollama_params: dict) -> dict:
     if bos is not None:
         gen["bos_token_id"] = int(bos)
     stops = [int(x) for x in (eos, eot, v("tokenizer.ggml.eom_token_id")) if x is not None]
+    given = ollama_params.get("stop")
+    texts = [s for s in given if isinstance(s, str) and s] if isinstance(given, list) else []
+    special = _control_ids(head, texts)  # a stop string that is one control token ends as EOS does
+    stops += special.values()
     if stops:
         stops = list(dict.fromkeys(stops))
         gen["eos_token_id"] = stops[0] if len(stops) == 1 else stops
@@ -340,11 +344,23 @@ def _generation(head, ollama_params: dict) -> dict:
         val = val if isinstance(val, (int, float)) else v(f"general.sampling.{key}")
         if val is not None:
             gen[hf] = val
-    if isinstance(ollama_params.get("stop"), list):
-        gen["stop_strings"] = [s for s in ollama_params["stop"] if isinstance(s, str)]
+    rest = [t for t in texts if t not in special]  # text stops: the reply ends before the first one shown
+    if rest:
+        gen["stop_strings"] = rest
     if "temperature" in gen:
         gen["do_sample"] = gen["temperature"] > 0
     return gen
+
+
+def _control_ids(head, texts: list[str]) -> dict[str, int]:
+    """{stop string: token id} for the `texts` that are exactly one control or user-defined token of the
+    vocabulary (an ollama params' "<|eot_id|>"): the detokenized text never shows them, their id does."""
+    if not texts:
+        return {}
+    tokens = gguf_meta.value(head, "tokenizer.ggml.tokens") or []
+    types = gguf_meta.value(head, "tokenizer.ggml.token_type")  # 3 control, 4 user-defined (llama.cpp's)
+    wanted = set(texts)
+    return {t: i for i, t in enumerate(tokens) if t in wanted and (types is None or types[i] in (3, 4))}
 
 
 @functools.lru_cache(maxsize=64)

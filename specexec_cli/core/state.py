@@ -41,6 +41,7 @@ class Models:
     kv_rows: tuple[int, int] | None = None  # (target, draft) cache rows to preallocate; None = grow on demand
     pass_tokens: int = 0  # most tokens per prefill pass (the plan's largest pass); 0 = whole prompt at once
     shared_kv: bool = False  # the draft reads the target's committed KV (self-draft: kvcache.SharedCache)
+    stop_strings: tuple[str, ...] = ()  # a reply ends before the first of these texts (the checkpoint's own)
 
 
 @dataclass(frozen=True)

@@ -311,8 +311,8 @@ class Worker:
         events, prefill = self._open(job, full, cfg, gen)
         job.emit(Started(prompt_tokens=len(full), cached_tokens=len(full) - prefill, task=task))
         plain = work.messages is not None and not session.templated and not session.code
-        reply = Reply(session.models.tokenizer, plan.stops(work.stops + (PLAIN_STOPS if plain else [])), plan.names,
-                      plan.forced, work.logprobs, plan.limit)
+        stops = (work.stops or list(session.models.stop_strings)) + (PLAIN_STOPS if plain else [])  # request's first
+        reply = Reply(session.models.tokenizer, plan.stops(stops), plan.names, plan.forced, work.logprobs, plan.limit)
         finish = "length"
         try:
             for ev in events:

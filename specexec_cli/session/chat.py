@@ -159,16 +159,21 @@ class ChatSession:
         stats = RunStats(config=self.config_record(self.cfg))
         out_ids: list[int] = []
         shown: list[str] = []  # text already written (the detokenizer may hold back a tail)
+        stops = StopScanner(list(self.models.stop_strings))  # the checkpoint's own stop strings
         events = self.decode(ids)
         try:
             with interrupt_guard(self.flag):
                 for ev in events:
                     out_ids.extend(ev.tokens)
-                    if ev.text:
-                        write(ev.text)
-                        shown.append(ev.text)
+                    text = stops.feed(ev.text)
+                    if text:
+                        write(text)
+                        shown.append(text)
                     stats.add(ev)
                     self._show(stats, view)
+                    if stops.stopped:
+                        stats.finish = "stop"
+                        break
                     if self.flag.stop and not ev.finish:
                         stats.finish = "interrupted"
                         break
@@ -184,6 +189,10 @@ class ChatSession:
             events.close()
         reply = self.models.tokenizer.decode(out_ids, skip_special_tokens=True)
         printed = "".join(shown)
+        if stops.stopped:  # the reply is what was shown, up to the stop string
+            reply = printed
+        elif stats.finish not in ("interrupted", "oom") and (tail := stops.flush()):
+            write(tail)
         if stats.finish in ("interrupted", "oom") and len(reply) > len(printed) and reply.startswith(printed):
             write(reply[len(printed) :])  # a stop mid-pass: show the held-back tail that is kept
         self.messages = messages + [{"role": "assistant", "content": reply}]

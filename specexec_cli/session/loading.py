@@ -283,6 +283,13 @@ def eos_ids(tokenizer, model) -> frozenset[int]:
     return frozenset(ids)
 
 
+def stop_strings(model) -> tuple[str, ...]:
+    """The checkpoint's own stop texts (an ollama name's params; formats/gguf.py keeps its control tokens
+    as EOS ids instead)."""
+    gen = getattr(getattr(model, "checkpoint", None), "generation", None) or {}
+    return tuple(s for s in gen.get("stop_strings") or () if isinstance(s, str) and s)
+
+
 def context_limit(*models) -> int:
     limits = [getattr(m.config, "max_position_embeddings", None) or 2048 for m in models if m is not None]
     return min(limits)
@@ -347,5 +354,6 @@ def load_models(opts: LoadOptions) -> Models:
         kv_rows=rows,
         pass_tokens=plan.pass_tokens if plan else 0,
         shared_kv=shared,
+        stop_strings=stop_strings(target),
     )
     return models

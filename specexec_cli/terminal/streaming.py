@@ -17,6 +17,7 @@ from specexec_cli.core.engine import DecodeState
 from specexec_cli.core.methods import generate
 from specexec_cli.core.stats import LinkMeter, RunStats
 from specexec_cli.errors import SpecxError, is_oom, oom_error, write_output
+from specexec_cli.session.chat import StopScanner
 from specexec_cli.terminal import display
 from specexec_cli.terminal.output import TextSink
 
@@ -38,19 +39,24 @@ def decode_to_stdout(
     state = DecodeState()
     streamed0 = streamed_bytes(models.target)
     meter = LinkMeter(models.target)
-    sink = TextSink(color=color)
+    sink, stops = TextSink(color=color), StopScanner(list(models.stop_strings))
     try:
         with display.LiveView(live, link_gbps=link_gbps) as view:
             try:
                 events = tuner.drive(models, state, ids, cfg) if tuner else generate(models, state, ids, cfg)
                 for ev in events:
-                    sink(ev.text)
+                    shown = stops.feed(ev.text)  # a stop string's cut loses the draft colouring
+                    sink(shown, None if shown is ev.text else 0)
                     stats.add(ev)
                     meter.step(stats, ev)
                     stats.streamed_bytes = streamed_bytes(models.target) - streamed0
                     if tuner is not None:
                         stats.config.update(budget=tuner.shape.budget, max_depth=tuner.shape.max_depth)
                     view.update(stats, {"budget": "auto"} if tuner else None)
+                    if stops.stopped:  # the checkpoint's stop string: nothing after it is shown
+                        stats.finish = "stop"
+                        break
+                sink(stops.flush())
             except RuntimeError as exc:  # torch.OutOfMemoryError mid-pass: one line with plan and fix
                 if not is_oom(exc):
                     raise
