@@ -38,7 +38,8 @@ def test_dry_run_shows_the_expert_placement(moe, tmp_path):
     assert "experts: attention+shared on the card, routed experts apart" in out
     assert f"{ex['gpu_experts']} of {128 * 48}" in out
     assert f"plain decoding {ex['tokens_per_second']:.2f} tok/s modelled" in out
-    assert "planned, not yet run" in out and "prior" in out
+    assert "not yet run" not in out and "prior" in out
+    assert "nothing streams whole layers" in out  # the note: the loader runs the split
 
 
 def test_dry_run_with_a_draft_prices_the_verify_pass_by_experts(moe, tmp_path):

@@ -12,7 +12,8 @@ parts into (gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,)) in
 default "grouped_mm" experts path, so the outputs are its bits: per (token, slot) pair routed to e,
 y = gate(x W_gu + b_gu) W_d + b_d, times its routing weight, with `gate` GptOssExperts._apply_gate
 ((clamp(up, ±limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); alpha and limit read from
-transformers' module, which fixes them in some versions), summed over the K slots of each token.
+transformers' module, which fixes them in some versions), summed over the K slots of each token; a slot whose
+index is E (stream/splitexperts.py: its expert computes elsewhere) adds zero.
 `from_hf(experts)` is a 16/32-bit RoutedExperts with transformers' module's parameters (the loader
 binds or replaces them).
 """
@@ -75,7 +76,8 @@ class RoutedExperts(nn.Module):
         t, k = router_indices.shape
         flat = router_indices.reshape(-1)  # (T K,): pair p = token p // K, slot p % K
         out = hidden_states.new_zeros(t * k, hidden_states.shape[-1])  # weighted output of each pair
-        experts = torch.unique(flat).tolist()  # ascending, as transformers' sort groups them
+        # ascending, as transformers' sort groups them; an index E marks a slot computed elsewhere (split: zero here)
+        experts = [e for e in torch.unique(flat).tolist() if e < self.num_experts]
         for e, parts in zip(experts, self.stream(experts)):
             pairs = (flat == e).nonzero()[:, 0]
             y = self.expert(parts, hidden_states[pairs // k])

@@ -31,14 +31,14 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   llama.cpp's --cpu-moe / --n-cpu-moe and ktransformers do): every layer's dense part resident on the
   card, a GPU expert cache of `gpu_experts` experts (of every sparse layer's) in the device memory left (the
   hottest first once routing is measured; evenly under the uniform prior), the other experts in RAM
-  up to the RAM budget, then on disk. Per pass the routed experts not cached run either on the CPU
-  from where they live (only the routed experts' rows are read) or streamed to the card with the
-  layer (through `expert_staging`: two chunks of top-k experts, one filling while the other computes),
-  whichever models faster for that pass's distinct experts (`routed` names it).
+  up to the RAM budget, then on disk; which ones: `gpu_ids`, `ram_ids`, `disk_ids` (per layer its expert ids,
+  stream/splitexperts.tier_order: the hottest first by measured routing, else evenly, lowest ids first), what
+  the loader places. Per pass the routed experts not cached run on the CPU from where they live (only the
+  routed experts' rows are read; the disk tier's read once routed): the loader runs no other path, so the
+  model prices no other (no streaming of routed experts to the card; `expert_staging` stays reserved).
   "layers": the plan's own whole-layer placement; a layer computes only its routed experts
   (arch/moe.ExpertList runs the experts some token hit), while a streamed layer moves all of them.
-  `runs` says whether the loader realizes the mode: "on-demand" and "layers" run; "split" (CUDA) is
-  planned and modelled, not yet run (a CUDA loader streams whole layers).
+  `runs` says the loader realizes the mode: every mode runs (experts="auto" follows the plan's).
 - `pass_terms(a, plan, dev, n, ctx, c)` -> passcost.PassTerms of a pass of n tokens under
   plan["experts"] (draftcost.target_seconds calls it for MoE plans, passcost.target_pass for dense ones):
   the dense part as passcost prices a layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
@@ -61,6 +61,7 @@ from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
 from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
 from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
 from offload.stream.expertstore import cache_capacity, splits_experts, streams_whole
+from offload.stream.splitexperts import tier_ids, tier_order
 
 CPU_READ_SHARE = 0.5
 """Share of its DIMMs' peak bandwidth (channels x 8 bytes x MT/s) a desktop CPU reads weights at in a
@@ -165,6 +166,7 @@ def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict 
     dev["cuda_context"] = margin + int(STATIC_SLACK * dev["expert_cache"])
     other_host = sum(v for k, v in plan.host_bytes.items() if k not in ("ram_layers", "stage_buffers", "read_buffers"))
     ram = min(total - cached, max(0, ram_cap(req) - other_host) // eb)
+    ids = tier_ids(tier_order(sparse, shape.experts, routing), len(shape.expert_bytes), cached, ram)
     return dict(
         device_bytes=dev,
         host_bytes={"experts_ram": ram * eb},
@@ -174,6 +176,7 @@ def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict 
         disk_experts=total - cached - ram,
         hit=hit_share(routing, cached, total),
         fits=sum(dev.values()) <= plan.device_capacity,
+        **{f"{tier}_ids": v for tier, v in ids.items()},
     )
 
 
@@ -216,7 +219,7 @@ def _layer_tiers(ex: dict) -> tuple[float, float, float]:
 
 
 def routed_seconds(ex: dict, i: int, n: int, dev, c: int, on_disk: bool = False) -> tuple[float, str]:
-    """(seconds, "gpu" | "cpu" | "stream" | "disk") of layer i's routed experts in a pass of n tokens (plan.experts
+    """(seconds, "gpu" | "cpu" | "disk") of layer i's routed experts in a pass of n tokens (plan.experts
     `ex`); `on_disk`: layer i's experts are read on demand ("on-demand" mode), the cache's misses from disk."""
     eb, ew, k, e = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"], ex["experts"]
     if not eb:
@@ -229,9 +232,10 @@ def routed_seconds(ex: dict, i: int, n: int, dev, c: int, on_disk: bool = False)
         return d * compute_seconds(ex, i, n, dev, c), "gpu" if dev.kind == "cuda" else "cpu"
     g, r, s = _layer_tiers(ex)
     on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
+    # the split runs the non-cached experts on the CPU only (the contract): RAM ones at the CPU rate, disk
+    # ones read once routed and then computed there
     cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + d * s * eb / dev.disk_bps
-    stream = d * r * eb / dev.link_bps + d * s * eb / dev.disk_bps + d * (1 - g) * eb / dev.memory_bps
-    return on_gpu + min(cpu, stream), "cpu" if cpu <= stream else "stream"
+    return on_gpu + cpu, "cpu"
 
 
 def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
@@ -329,7 +333,7 @@ def expert_plan(
     streams = bool(plan.ram_layers or plan.disk_layers)
     split = _split_bytes(shape, req, plan, routing) if req.device == "cuda" and streams else None
     if split and split["fits"]:
-        cand = {**base, **split, "mode": "split", "runs": False}
+        cand = {**base, **split, "mode": "split"}
         cand["tokens_per_second"] = _tokens_per_second(a, plan, dev, cand, c, ctx)
         if cand["tokens_per_second"] > base["layers_tokens_per_second"]:
             return cand
@@ -387,6 +391,6 @@ def expert_notes(ex: dict | None) -> list[str]:
             f"{ex['gpu_experts']} experts cached on the card, {ex['ram_experts']} experts in RAM, computed on the CPU "
             f"({ex['cpu_bps'] / 1e9:.0f} GB/s, {ex['cpu_source']}), {ex['disk_experts']} on disk: "
             f"{ex['tokens_per_second']:.2f} tokens/s plain (modelled; whole layers streamed: "
-            f"{ex['layers_tokens_per_second']:.2f}); planned only: the loader still streams whole layers"
+            f"{ex['layers_tokens_per_second']:.2f}); run: the loader places them so, nothing streams whole layers"
         ),
     ]

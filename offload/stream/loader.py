@@ -9,6 +9,9 @@ on CUDA), and records file spans for disk-tier layers. NF4 layers (prequant.py's
 their packed uint8 weights, as stored; their quant states and small 16-bit tensors are loaded once onto
 the device ("pinned"). `plan.dense` names the resident layers whose packed linears the model
 dequantizes once (the memory plan's `dense_layers`, else what the budgets leave room for: `_dense_auto`).
+With experts="split" (or "auto" under a plan that chose it) every layer is resident with its dense part only
+and the routed experts go to their tiers (stream/splitexperts.py: the plan's ids, else `expert_cache` on the
+device and what the host budget holds in RAM).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ from offload.stream.storage import (
     packed_layout,
 )
 from offload.stream.hostmem import ARENA_ALIGN, HostPins
-from offload.stream.expertstore import ExpertStore, held_experts
+from offload.stream.expertstore import ExpertStore, held_experts, is_expert
+from offload.stream.splitexperts import SplitExperts, load_split, split_ids, wants_split
 
 _DTYPES = {
     "float32": torch.float32,
@@ -104,6 +108,7 @@ class LoadedWeights:
     qstates: dict[int, dict]  # layer -> param name -> QuantState (nf4)
     pinned: dict[int, tuple[torch.Tensor, LayerLayout]]  # nf4: norms/biases, bound once
     experts: ExpertStore | None = None  # disk layers' routed experts, read on demand
+    split: SplitExperts | None = None  # experts="split": every layer's dense part resident, experts by tier
 
 
 def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
@@ -191,12 +196,17 @@ def load_weights(
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
     # nf4: only the packed weights stream; the small rest is pinned on the device once.
     specs = [[sp for sp in s if sp.nf4 or not nf4] for s in all_specs]
+    split = subset is None and wants_split(experts, memplan)
+    if split:  # the layers hold their dense parts only (resident), the experts their tiers (splitexperts.py)
+        specs = [[sp for sp in s if not is_expert(sp.name)] for s in all_specs]
     pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
     layouts = [packed_layout(s) for s in specs]
     files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s}) for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes if subset is None or i in subset.layers else 0 for i, lay in enumerate(layouts)]
-    if memplan is not None:
+    if split:
+        plan, room = OffloadPlan(list(range(len(layers))), [], [], [], layer_bytes, slots, 0, 0), None
+    elif memplan is not None:
         plan, room = _from_memplan(memplan, layer_bytes, slots), None
     else:
         dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
@@ -244,7 +254,15 @@ def load_weights(
     if disk:
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
-    disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
+    if split:
+        host = max_host if max_host is not None else 0 if offload == "disk" else int(free_ram * AUTO_RAM_FRACTION)
+        e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+        split = load_split(
+            index, all_specs, device, pool, split_ids(memplan, all_specs, index, expert_cache, host, e), reader
+        )
+        held = split.store
+    else:
+        disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
     store = LayerStore(
         device,
         pool,
@@ -261,7 +279,9 @@ def load_weights(
         for state in states.values():
             _own_quant_state(state, pool)
     plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots", "expert_cache"))
-    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held)
+    return LoadedWeights(
+        embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held, split or None
+    )
 
 
 def _dense_auto(

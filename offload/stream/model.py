@@ -9,7 +9,8 @@ use_cache=)` (or `past_key_values=`) is ONE lane of multi.py's `run_pass`, the o
 positions and a caller-owned cache included). The KV cache stays on the device. offload="none" keeps
 every layer resident. Resident layers of a packed checkpoint named in `plan.dense` are dequantized once
 here (quant/dense.py); a mixture-of-experts disk layer may read its routed experts apart
-(stream/expertstore.py).
+(stream/expertstore.py), or every layer keep its dense part resident and its experts split by tier
+(experts="split": stream/splitexperts.py).
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class OffloadedCausalLM(nn.Module):
             w.experts.attach(i, self.layers[i], self.layers[i].mlp.experts)
         if w.experts:
             w.experts.stats = self.stats
+        self.split = w.split  # experts="split": each expert served from its tier (stream/splitexperts.py)
+        if w.split is not None:
+            w.split.attach(self.layers)
         self.prefetcher = Prefetcher(self.plan.streamed, self.store, device)
         self.lean = LeanStack.build(self)  # every layer in one C call for small passes, where it applies
 
@@ -115,8 +119,10 @@ class OffloadedCausalLM(nn.Module):
         `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft/build.py);
         `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16);
         `experts` / `expert_cache`: routed experts of disk layers read on demand ("on-demand"), streamed with
-        their layer ("layers"), or as the memory plan chose ("auto"; without a plan: on demand where they can
-        be), and the experts their RAM cache holds (None: the plan's, else stream/expertstore.py's rule)."""
+        their layer ("layers"), split by tier with every layer's dense part resident ("split": `expert_cache`
+        experts cached on the device, evenly, what --max-host-memory holds in RAM, the rest read on demand;
+        stream/splitexperts.py), or as the memory plan chose ("auto"; without a plan: on demand where they can
+        be); on demand, the experts their RAM cache holds (None: the plan's, else stream/expertstore.py's rule)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

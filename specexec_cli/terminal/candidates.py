@@ -205,7 +205,6 @@ def experts_table(ex: dict):
         f"{ex['experts']} experts, top-{ex['top_k']}, {ex['sparse_layers']} sparse layers · plain decoding "
         f"{ex['tokens_per_second']:.2f} tok/s modelled"
         + (f" (whole layers streamed: {ex['layers_tokens_per_second']:.2f})" if split or held else "")
-        + (" · planned, not yet run" if split else "")
         + f" · CPU experts {ex['cpu_bps'] / 1e9:.0f} GB/s ({escape(ex['cpu_source'])}) · {ex['routing']} routing"
     )
     return table

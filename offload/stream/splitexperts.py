@@ -1,0 +1,210 @@
+"""Routed experts split by tier and computed where they live: the "split" placement (llama.cpp's --n-cpu-moe).
+
+Contract:
+- `wants_split(mode, memplan)`: the loader's experts= mode "split", or "auto" where the memory plan chose
+  "split" (plan.experts["mode"], priced by planning/experts.py).
+- `tier_order(layers, e, counts)`: every (layer, expert) pair of the sparse `layers` (E = `e` each) in the order
+  the tiers fill: the hottest first by measured routing `counts` (tokens per (layer, expert), flattened layer by
+  layer over `layers`, as profiles record them), else evenly (rank r of every layer, then rank r + 1: lowest ids
+  first); ties keep that even order. `tier_ids(order, n_layers, gpu, ram)` -> per tier ("gpu", "ram", "disk") a
+  list of n_layers sorted id lists: the first `gpu` pairs cached on the device, the next `ram` in RAM, the rest on
+  disk. The planner writes them into plan.experts (`gpu_ids`, `ram_ids`, `disk_ids`), the loader follows them.
+- `load_split(index, layers, specs, device, pool, ids, reader)` -> SplitExperts: per sparse layer its experts'
+  parameters (per-expert tensors, or row e of fused ones: expertstore.expert_layers' spans) read once into a
+  device buffer (gpu tier, the pool's "expert_cache") or a host buffer (ram tier, `host_pool`'s "experts_ram"),
+  each in its packed compute layout; the disk tier in an ExpertStore (its RAM cache: one layer's experts) whose
+  misses read only the routed experts' spans. The caller keeps every layer's dense part resident.
+- `SplitExperts.attach(layers)` (after the ExpertStore attached its layers): each sparse block's experts module
+  gets a source serving each expert from its tier (`_Tiers`) and is wrapped in a `SplitBlock` at the same
+  attribute (the inner module is held unregistered: parameter names stay the checkpoint's).
+- `SplitBlock.forward(hidden (T, H), top_k_index (T, K), top_k_weights (T, K))` on the device: the inner module
+  computes the device-cached experts' (token, slot) pairs in place (other slots marked E, "unassigned", which
+  the inner modules skip); the rows routing to any other expert move to the CPU ONCE (hidden rows, their
+  indices and weights), every routed RAM/disk expert computes there (the same CPU expert code on-demand
+  mode uses: GGUF and MXFP4 kernels included), and their weighted sum moves back ONCE and is added. On a CPU
+  device both halves run on the CPU and the moves are no-ops. Nothing streams whole layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from offload.arch.gptoss_experts import RoutedExperts
+from offload.arch.moe import ExpertList
+from offload.errors import OffloadError
+from offload.stream.devmem import DevicePool
+from offload.stream.expertstore import ExpertStore, cache_capacity, expert_layers, is_expert, slot_bytes
+from offload.stream.hostmem import aligned_empty
+from offload.stream.storage import CPU_ALIGN, DirectReader, DiskLayer, store_param
+
+TIERS = ("gpu", "ram", "disk")
+
+
+def wants_split(mode: str, memplan) -> bool:
+    """experts="split", or "auto" following a plan that chose it (see the contract)."""
+    if mode == "split":
+        return True
+    return mode == "auto" and (getattr(memplan, "experts", None) or {}).get("mode") == "split"
+
+
+def tier_order(layers: list[int], e: int, counts: list[int] | None = None) -> list[tuple[int, int]]:
+    """(layer, expert) pairs in the order the tiers fill (see the contract)."""
+    even = [(i, x) for x in range(e) for i in layers]  # rank x of every layer, then rank x + 1
+    if not counts or len(counts) != e * len(layers) or not any(counts):
+        return even
+    rank = {i: r for r, i in enumerate(layers)}
+    return sorted(even, key=lambda p: -counts[rank[p[0]] * e + p[1]])  # stable: ties keep the even order
+
+
+def tier_ids(order: list[tuple[int, int]], n_layers: int, gpu: int, ram: int) -> dict[str, list[list[int]]]:
+    """{tier: per layer its sorted expert ids}: the first `gpu` of `order` on the device, the next `ram` in RAM."""
+    out = {t: [[] for _ in range(n_layers)] for t in TIERS}
+    for r, (i, x) in enumerate(order):
+        out["gpu" if r < gpu else "ram" if r < gpu + ram else "disk"][i].append(x)
+    for ids in out.values():
+        for row in ids:
+            row.sort()
+    return out
+
+
+def _read_packed(reader: DirectReader, d: DiskLayer, dest: torch.Tensor) -> None:
+    """One expert's spans into a page-aligned scratch buffer, each parameter stored into `dest` in its packed
+    (aligned, compute-dtype) layout."""
+    raw = aligned_empty(d.raw.nbytes)
+    for span in d.spans:
+        reader.read_span(span, raw)
+    for sp in d.specs:
+        store_param(d.raw.view(raw, sp.name), sp, d.packed.view(dest, sp.name))
+
+
+class SplitExperts:
+    """The split placement's experts of every sparse layer (see the contract)."""
+
+    def __init__(self, device: torch.device, store: ExpertStore | None, host_pool: DevicePool):
+        self.device, self.store, self.host_pool = device, store, host_pool
+        self.held: dict[int, dict[int, tuple[torch.Tensor, DiskLayer]]] = {}  # layer -> e -> (buffer, expert)
+        self.cached: dict[int, list[int]] = {}  # layer -> ids cached on the device
+        self.disk: dict[int, list[int]] = {}  # layer -> ids read on demand
+
+    def attach(self, layers: nn.ModuleList) -> None:
+        """Every sparse layer's experts served from their tiers and wrapped in a SplitBlock (see the contract)."""
+        for i, by_e in self.held.items():
+            layer = layers[i]
+            experts = layer.mlp.experts
+            if not isinstance(experts, (ExpertList, RoutedExperts)):  # transformers' fused module (gpt-oss)
+                experts = layer.mlp.experts = RoutedExperts.from_hf(experts)
+            disk = experts.source if self.disk.get(i) else None  # the ExpertStore's, attached before
+            if isinstance(experts, ExpertList):
+                held = {e: self._bind(layer, buf, d, experts[e]) for e, (buf, d) in by_e.items()}
+            else:
+                held = {
+                    e: {n.rpartition(".")[2]: d.packed.view(buf, n) for n in d.packed.slices}
+                    for e, (buf, d) in by_e.items()
+                }
+            experts.source = _Tiers(held, disk)
+            layer.mlp.experts = SplitBlock(experts, self.cached.get(i, []), self.device)
+
+    @staticmethod
+    def _bind(layer: nn.Module, buf: torch.Tensor, d: DiskLayer, child: nn.Module) -> nn.Module:
+        """An ExpertList child's parameters pointed at views of its tier's buffer (names layer-relative)."""
+        for sp in d.specs:
+            mod, _, attr = sp.name.rpartition(".")
+            layer.get_submodule(mod)._parameters[attr] = nn.Parameter(d.packed.view(buf, sp.name), requires_grad=False)
+        return child
+
+
+def _layer_experts(index, i: int, specs) -> dict[int, DiskLayer]:
+    """Layer i's routed experts: {e: its spans and layouts} (CPU_ALIGN: the disk tier computes on the CPU)."""
+    keep = {sp.name: sp for sp in specs if is_expert(sp.name)}
+    entries = {n: index.get(f"model.layers.{i}.{n}") for n in keep}
+    return expert_layers(entries, keep, CPU_ALIGN) if keep else {}
+
+
+def load_split(index, specs, device: torch.device, pool: DevicePool, ids: dict, reader: DirectReader) -> SplitExperts:
+    """Every sparse layer's experts read into their tiers (see the contract); `specs`: per layer its ParamSpecs,
+    `ids`: tier_ids' {tier: per layer ids}."""
+    host_pool = DevicePool(torch.device("cpu"))
+    held: dict[int, dict[int, tuple[torch.Tensor, DiskLayer]]] = {}
+    on_disk: dict[tuple[int, int], DiskLayer] = {}
+    out = SplitExperts(device, None, host_pool)
+    for i, s in enumerate(specs):
+        experts = _layer_experts(index, i, s)
+        if not experts:
+            continue
+        held[i] = {}
+        for e, d in experts.items():
+            if e in ids["disk"][i]:
+                on_disk[(i, e)] = d
+                continue
+            gpu = e in ids["gpu"][i]
+            host = host_pool.alloc(d.packed.nbytes, "experts_ram") if not gpu else aligned_empty(d.packed.nbytes)
+            _read_packed(reader, d, host)
+            # a cached expert: one counted device copy (on a CPU device the pool's buffer is RAM)
+            held[i][e] = (pool.alloc(d.packed.nbytes, "expert_cache").copy_(host) if gpu else host, d)
+        out.cached[i] = sorted(e for e in held[i] if e in ids["gpu"][i])
+        out.disk[i] = sorted(e for (li, e) in on_disk if li == i)
+    out.held = held
+    if on_disk:
+        per_layer = max(len(ids["gpu"][i]) + len(ids["ram"][i]) + len(ids["disk"][i]) for i in held)
+        capacity = cache_capacity(per_layer, len(on_disk), slot_bytes(on_disk.values()), None)
+        out.store = ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), on_disk, capacity, host_pool)
+    return out
+
+
+def split_ids(memplan, specs, index, cache: int | None, ram_room: int, e: int) -> dict:
+    """The tiers' ids: the memory plan's where it placed them and `cache` is None, else `cache` experts on the
+    device evenly (none if None) and what `ram_room` host bytes hold in RAM, the rest on disk."""
+    planned = getattr(memplan, "experts", None) or {}
+    if cache is None and "gpu_ids" in planned:
+        return {t: planned[f"{t}_ids"] for t in TIERS}
+    layers = [i for i, s in enumerate(specs) if any(is_expert(sp.name) for sp in s)]
+    if not layers or e < 1:
+        raise OffloadError("experts='split' needs a mixture-of-experts model with routed experts")
+    largest = max(max(d.packed.nbytes for d in _layer_experts(index, i, specs[i]).values()) for i in layers)
+    gpu = min(cache or 0, e * len(layers))
+    ram = max(0, ram_room) // largest
+    return tier_ids(tier_order(layers, e), len(specs), gpu, ram)
+
+
+class _Tiers:
+    """An experts module's source (ExpertList.source, RoutedExperts.source): expert e as held in its tier (a bound
+    child, or its parts), else from the ExpertStore's source (read on demand, the next read ahead)."""
+
+    def __init__(self, held: dict, disk):
+        self.held, self.disk = held, disk
+
+    def __call__(self, e: int):
+        return self.held[e] if e in self.held else self.disk(e)
+
+    def stream(self, es: list[int]):
+        away = [e for e in es if e not in self.held]
+        read = iter(self.disk.stream(away)) if away else iter(())
+        return (self.held[e] if e in self.held else next(read) for e in es)
+
+
+class SplitBlock(nn.Module):
+    """A sparse block's experts computed where they live (see the contract)."""
+
+    def __init__(self, inner: nn.Module, cached: list[int], device: torch.device):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)  # unregistered: the layer's parameter names stay as stored
+        self.num_experts = len(inner) if isinstance(inner, ExpertList) else inner.num_experts
+        on = torch.zeros(self.num_experts + 1, dtype=torch.bool)  # index E: "unassigned", never cached
+        on[cached] = True
+        self.on_device, self.any_cached = on.to(device), bool(cached)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        e = self.num_experts
+        here = self.on_device[top_k_index]  # (T, K): the pair's expert is cached on the device
+        if self.any_cached:
+            out = self.inner(hidden, torch.where(here, top_k_index, e), top_k_weights)
+        else:
+            out = torch.zeros_like(hidden)
+        rows = (~here).any(-1).nonzero()[:, 0]  # tokens routed to some RAM or disk expert
+        if rows.numel():
+            cpu = torch.device("cpu")
+            idx = torch.where(here[rows], e, top_k_index[rows]).to(cpu)
+            y = self.inner(hidden[rows].to(cpu), idx, top_k_weights[rows].to(cpu))  # (r, H) on the CPU
+            out.index_add_(0, rows, y.to(out.device, out.dtype))
+        return out
