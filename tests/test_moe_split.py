@@ -3,8 +3,10 @@ expert cached on the device, held in RAM or read from disk, and computed where i
 
 On this CPU-only machine the device is the CPU (the moves are no-ops): the same code path as on a card. The tiny
 seeded checkpoints of tests/test_moe_families.py (Mixtral, Qwen2-MoE with a shared expert and a dense MLP layer,
-Qwen3-MoE) and tests/test_gpt_oss.py (fp32 and its MXFP4 copy). Checked, with every tier non-empty: greedy ids
-equal transformers' generate and whole-layer streaming's (`experts="layers"`); no layer streams (the plan streams
+Qwen3-MoE) and tests/test_gpt_oss.py (fp32, its MXFP4 copy, bf16), and the GGUF files of tests/test_gguf_moe_apart.py
+(Q8_0 and Q4_K_M) and tests/test_gguf_gpt_oss.py (F32, MXFP4_MOE, a converted MXFP4 checkpoint; slow, skipped
+without llama.cpp). Checked, with every tier non-empty: greedy ids equal transformers' generate and whole-layer
+streaming's (`experts="layers"`; gpt-oss bf16: whole layers' only); no layer streams (the plan streams
 none, and a pass's streamed bytes are exactly the disk-tier experts' spans the store read); the device-cached
 experts' weights lie in the device pool's "expert_cache" buffers and on the model's device, the others' on the
 CPU; a memory plan's tier ids are what the loader places. The planner (a CUDA request planned on this machine,
@@ -23,6 +25,8 @@ import transformers
 from offload.arch.moe import ExpertList
 from offload.stream.splitexperts import SplitBlock, tier_ids, tier_order
 from tests.conftest import make_tokenizer
+from tests.test_gguf_gpt_oss import built  # noqa: F401 - fixture
+from tests.test_gguf_moe_apart import case  # noqa: F401 - fixture
 from tests.test_moe_experts_apart import _greedy
 from tests.test_moe_families import N_NEW, PROMPT, make_moe
 
@@ -95,22 +99,22 @@ def check_placement(m) -> None:
             assert p.device == (m.device if (i, e) in t["gpu"] else torch.device("cpu")), (i, e)
 
 
-def check_passes(m) -> None:
+def check_passes(m, ids=None) -> None:
     """A pass's streamed bytes are the disk experts' spans the store read, nothing of any layer's dense part."""
-    ids = make_tokenizer()(PROMPT)["input_ids"]
+    ids = ids or make_tokenizer()(PROMPT)["input_ids"]
     for n in (6, 1, 7):
         before = m.experts.bytes_read
         m(input_ids=torch.tensor([ids[:n]]))
         assert m.stats.streamed_bytes_per_pass == m.experts.bytes_read - before, n
 
 
-def greedy_layers(target, dtype=torch.float32) -> list[int]:
+def greedy_layers(target, dtype=torch.float32, decode=_greedy) -> list[int]:
     from offload import OffloadedCausalLM
 
     m = OffloadedCausalLM.from_pretrained(target, dtype=dtype, offload="disk", experts="layers")
     try:
         assert m.plan.tier == "disk" and m.split is None
-        return _greedy(m)
+        return decode(m)
     finally:
         m.close()
 
@@ -184,3 +188,86 @@ def test_plan_chooses_the_split_and_says_it_runs(tmp_path):
     hottest = {(i, x) for i in range(layers) for x in range(3, e, 16)}
     assert len(cached) > len(hottest) and hottest <= cached  # every hot expert cached, the rest evenly
     assert hottest - {(i, x) for i, xs in enumerate(ex["gpu_ids"]) for x in xs}  # the prior's cache misses some
+
+
+@pytest.fixture(scope="module", params=["fp32", "mxfp4"])
+def gpt_oss(request, tmp_path_factory):
+    """(kind, target dir, transformers' greedy ids: for MXFP4 its Mxfp4Config(dequantize=True) load's)."""
+    from tests.mxfp4_ckpt import hf_dequantized, write_mxfp4
+    from tests.test_gpt_oss import hf_greedy, make_gpt_oss
+
+    root = tmp_path_factory.mktemp(f"gpt_oss_{request.param}")
+    source = make_gpt_oss(root / "source", seed=0)
+    if request.param == "fp32":
+        return request.param, source, hf_greedy(source)
+    target = write_mxfp4(source, root / "target")
+    ids = make_tokenizer()(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = hf_dequantized(target).generate(
+            torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    return request.param, target, out[0, len(ids) :].tolist()
+
+
+def test_gpt_oss_split_equals_hf_and_whole_layers(gpt_oss):
+    """gpt-oss's fused experts (expert e: row e of each fused tensor; MXFP4 blocks and scales as stored) split."""
+    kind, target, want = gpt_oss
+    m = load(target)
+    try:
+        check_placement(m)
+        assert _greedy(m) == want, kind
+        check_passes(m)
+    finally:
+        m.close()
+    assert greedy_layers(target) == want, kind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_bf16_checkpoint_split_equals_whole_layers(tmp_path, dtype):
+    """A bf16 gpt-oss, computed in bf16 or cast to fp32: split gives whole-layer streaming's greedy ids."""
+    from tests.test_gpt_oss import make_gpt_oss
+
+    path = make_gpt_oss(tmp_path / "bf16", seed=0, dtype=torch.bfloat16)
+    m = load(path, dtype=dtype)
+    try:
+        check_placement(m)
+        got = _greedy(m)
+    finally:
+        m.close()
+    assert got == greedy_layers(path, dtype)
+
+
+@pytest.mark.slow
+def test_gguf_moe_split_equals_transformers_and_whole_layers(case):  # noqa: F811
+    """A mixture-of-experts GGUF (tests/test_gguf_moe_apart.py's files: Q8_0 Qwen3-MoE, Qwen2-MoE, Mixtral and a
+    Q4_K_M Qwen3-MoE): each expert its rows of the fused tensors as stored, computed by the GGUF kernels."""
+    from tests.test_gguf_moe import PROMPT as GGUF_PROMPT
+    from tests.test_gguf_moe import byte_level_tokenizer
+    from tests.test_gguf_moe_apart import greedy
+
+    name, kind, f, want = case
+    m = load(f)
+    try:
+        check_placement(m)
+        assert greedy(m) == want, (name, kind)
+        check_passes(m, byte_level_tokenizer()(GGUF_PROMPT)["input_ids"])
+    finally:
+        m.close()
+    assert greedy_layers(f, decode=greedy) == want, (name, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["f32", "mxfp4", "st_mxfp4"])
+def test_gguf_gpt_oss_split_equals_transformers(built, kind):  # noqa: F811
+    """gpt-oss GGUFs (tests/test_gguf_gpt_oss.py's: F32, llama-quantize's MXFP4_MOE, a converted MXFP4 checkpoint)."""
+    from tests.test_gguf_gpt_oss import _kind
+    from tests.test_gguf_moe_apart import greedy
+
+    _kind(built, kind)
+    f, want = built[3][kind], built[4][kind]
+    m = load(f)
+    try:
+        check_placement(m)
+        assert greedy(m) == want, kind
+    finally:
+        m.close()
