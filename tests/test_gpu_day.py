@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.gpuday import pack, run, tables  # noqa: E402
+from tools.gpuday import moe, pack, run, tables  # noqa: E402
 
 
 def gpu_day(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -61,9 +61,39 @@ def test_smoke_run_passes_every_phase(smoke):
     for rows in [ph["draft"]["small"]["rows"]] + [s["rows"] for s in subs.values()]:
         assert rows and all(r["seconds"] > 0 and r["predicted"]["seconds"] > 0 for r in rows)
         assert all(0 < r["read_floor_s"] <= r["predicted"]["seconds"] for r in rows)  # the model reads no less
+    check_moe(ph["moe"])
     assert [b["budget"] for b in ph["step"]["budgets"]] == [256, 1024]  # tests/test_gpu_day_step.py: the rest
     assert ph["demo"]["equal"] and ph["demo"]["serve"]["status"] == 200 and ph["demo"]["tokens_per_pass"] >= 1
     assert ph["cuda-tests"]["counts"]["skipped"] >= 10 and ph["cuda-tests"]["counts"]["failed"] == 0  # skips cleanly
+
+
+def check_moe(d: dict) -> None:
+    """The moe phase's JSON: both modes at every n, measured where they ran, each beside its two modelled
+    figures; the split row says why where it did not run; the floors and CPU expert rates measured."""
+    assert [(r["mode"], r["n"]) for r in d["rows"]] == [(m, n) for m in ("layers", "split") for n in (1, 8, 32)]
+    why = moe.split_unavailable()
+    for r in d["rows"]:
+        assert r["modelled_s"] > 0 and r["modelled_measured_s"] > 0
+        if r["mode"] == "split" and why:
+            assert r["not_run"] == why and "seconds" not in r
+        else:
+            assert r["seconds"] > 0 and r["rounds"] == moe.ROUNDS and "not_run" not in r
+    layers = [r for r in d["rows"] if r["mode"] == "layers"]
+    assert all(r["streamed_bytes"] >= d["checkpoint_bytes"] // 2 for r in layers)  # whole layers move
+    assert all(x["margin"] <= moe.NEAR_TIE for x in d["differ"]) and d["ids_equal"] == (not d["differ"])
+    assert d["shape"] == moe.SMOKE_SHAPE and d["cache_experts"] == d["shape"]["layers"]  # 1 of 4 a layer
+    cases = d["floors"]["cases"]
+    assert [(c["kind"], c["placement"]) for c in cases] == [
+        ("dense", "resident"),
+        ("moe", "resident"),
+        ("moe", "streamed"),
+    ]
+    for c in cases:
+        assert [r["n"] for r in c["rows"]] == [1, 8, 32]
+        assert all(r["spans"] > 0 and r["kernels_s"] > 0 and r["wall_s"] > 0 for r in c["rows"])
+    cpu = d["cpu"]
+    assert cpu["bps"] > 0 and cpu["flops"] > 0 and cpu["profile_probe"]["gbps"] > 0
+    assert [c["tokens"] for c in cpu["cells"]] == [1, 8, 32, moe.FLOP_TOKENS]
 
 
 @pytest.mark.slow
@@ -90,6 +120,16 @@ def test_tables_fill_every_block_of_their_pages(smoke):
             assert "not run yet" not in body
         assert "<!-- gpuday:" not in doc  # one marker dialect
     assert "| 16 |" in blocks["passes"] and "yes" in blocks["demo"] and "x floor" in blocks["draft"]
+    assert "| layers | 32 | 5 |" in blocks["moe"] and "| forward floor: 4 dense layers" in blocks["moe"]
+
+
+@pytest.mark.slow
+def test_a_failed_moe_phase_keeps_its_table_under_the_error(smoke):
+    _, summary = smoke
+    rec = dict(summary["phases"]["moe"], ok=False, error="moe: greedy ids differ beyond a near tie")
+    body = tables.moe({"phases": {"moe": rec}})
+    assert body.startswith("*moe: failed: moe: greedy ids differ") and "| layers | 1 | 5 |" in body
+    assert tables.moe({"phases": {"moe": dict(rec, data=None)}}).startswith("*moe: failed")
 
 
 def test_the_user_page_names_no_test_file_and_contributing_holds_how_cuda_is_checked():

@@ -1,7 +1,9 @@
 """`gpu_day.py run`: the GPU day's phases, resumable, every figure as JSON under --out.
 
 Contract:
-- PHASES run in order: env, probe, passes-bf16, passes-nf4, passes-q4k, draft, step, demo, cuda-tests.
+- PHASES run in order: env, probe, moe, passes-bf16, passes-nf4, passes-q4k, draft, step, demo, cuda-tests.
+  "moe" comes right after the probe it is modelled with: the earliest a phase that needs the card's rates
+  can run, so a day cut to one command still measures it (the passes and draft have run on earlier days).
   Each writes `<out>/<phase>.json` = {phase, ok, seconds, data | error}; a phase whose file exists is
   skipped (a second command resumes a cut one), `--phase NAME` runs that one again. A phase is not
   started when the seconds spent so far plus its estimate (EST, an H100's) pass --budget-s, so one
@@ -28,10 +30,11 @@ import time
 import traceback
 from pathlib import Path
 
-PHASES = ("env", "probe", "passes-bf16", "passes-nf4", "passes-q4k", "draft", "step", "demo", "cuda-tests")
+PHASES = ("env", "probe", "moe", "passes-bf16", "passes-nf4", "passes-q4k", "draft", "step", "demo", "cuda-tests")
 EST = {
     "env": 10,
     "probe": 20,
+    "moe": 120,  # moe.BOUND_S (90 s, the checkpoint's build included) and the closing of its models
     "passes-bf16": 90,
     "passes-nf4": 90,
     "passes-q4k": 90,
@@ -57,14 +60,16 @@ def scratch_env(work: Path) -> None:
         os.environ[var] = str(work / sub)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # torch.profiler's two lines per trace (the moe phase's floors)
 
 
 def runner(name: str):
-    from tools.gpuday import measure, phases, step
+    from tools.gpuday import measure, moe, phases, step
 
     return {
         "env": phases.env,
         "probe": measure.probe,
+        "moe": moe.moe,
         "passes-bf16": lambda c: measure.passes(c, "bf16"),
         "passes-nf4": lambda c: measure.passes(c, "nf4"),
         "passes-q4k": lambda c: measure.passes(c, "q4k"),

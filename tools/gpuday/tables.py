@@ -1,7 +1,7 @@
 """`gpu_day.py tables`: the GPU day's tables from a run's --out (its summary.json), into their pages.
 
-Contract: `render(summary)` -> {table name: markdown}; the names are TABLES (card, passes, draft, step,
-demo, tests). `PAGES` gives each table's page, relative to the repository root: the day's
+Contract: `render(summary)` -> {table name: markdown}; the names are TABLES (card, moe, passes, draft,
+step, demo, tests). `PAGES` gives each table's page, relative to the repository root: the day's
 measurements are the user's (docs/gpu-status.md), the CUDA tests' table names test files and is the
 developers' (CONTRIBUTING.md). `main(out, write)` prints the tables, or with --write puts each into
 its page's `<!-- bench:gpuday-NAME -->` ... `<!-- /bench:gpuday-NAME -->` block through
@@ -9,7 +9,9 @@ bench/docblock.py's `write_block` (the docs' one marker dialect): every page, or
 named. A block a page lacks, or a named page that is no table's, is an error (exit 2) and no page is
 written. Every measured figure is printed beside the speed model's prediction for it and their
 ratio (measured / modelled), the draft table beside its weight-read floor too; a phase that has not
-run or failed renders as one line saying so.
+run or failed renders as one line saying so (the moe table keeps what a failed run measured, under
+its error). The moe table prints each pass modelled twice, on the priors and on the floor and CPU
+expert rates the phase measured, and those measured rates beside their priors.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-TABLES = ("card", "passes", "draft", "step", "demo", "tests")
+TABLES = ("card", "moe", "passes", "draft", "step", "demo", "tests")
 ROOT = Path(__file__).resolve().parents[2]
 SPLITS = ("draft", "stream", "verify", "accept", "step")
 GPU_STATUS, CONTRIBUTING = "docs/gpu-status.md", "CONTRIBUTING.md"
@@ -149,6 +151,61 @@ def step(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _x(got: float, want: float) -> str:
+    return f"{got / want:.2f}" if want else ""
+
+
+def moe(summary: dict) -> str:
+    rec = summary.get("phases", {}).get("moe")
+    d = rec.get("data") if rec else None
+    if not d:
+        return _missing(summary, "moe")
+    s, cpu, fl = d["shape"], d["cpu"], d["floors"]
+    lines = [f"*moe: failed: {rec['error']}*", ""] if not rec.get("ok") else []
+    lines += [
+        f"A seeded Qwen3-MoE built on the box: {s['layers']} layers, hidden {s['hidden_size']}, {s['num_experts']} "
+        f"experts of moe_intermediate {s['moe_intermediate_size']}, top-{s['num_experts_per_tok']}, {d['dtype']} "
+        f"({d['expert_bytes'] / 1e6:.1f} MB an expert, {d['checkpoint_bytes'] / 1e9:.2f} GB); a pass of n tokens "
+        "without a KV cache, the median of the rounds shown. layers: whole layers streamed from pinned RAM; split: "
+        f"every layer's dense part on the card, {d['cache_experts']} experts ({100 * d['cache_share']:.0f}% of each "
+        "layer's) cached there, the others computed on the CPU. Modelled: planning/experts.mode_seconds on the "
+        "card's measured rates with the priors (forward floor, CPU experts), then with this run's measured floor "
+        f"and CPU expert rates in their place. The plan's own choice here: {d['plan_mode']}. Greedy ids of the "
+        f"two modes: {'equal' if d['ids_equal'] else 'differ at ' + str(d['differ'])}.",
+        "",
+        "| mode | n | rounds | measured ms | GB streamed | modelled ms, priors | x | modelled ms, measured "
+        "floor and CPU rate | x |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        p, m = r["modelled_s"], r["modelled_measured_s"]
+        if "not_run" in r:
+            got = f"| | not run: {r['not_run']} | | {_ms(p)} | | {_ms(m)} |"
+        else:
+            t = r["seconds"]
+            got = f"| {r['rounds']} | {_ms(t)} | {r['streamed_bytes'] / 1e9:.3g} | {_ms(p)} | {_x(t, p)} | {_ms(m)} | {_x(t, m)} |"
+        lines.append(f"| {r['mode']} | {r['n']} {got}")
+    lines += ["", "| prior | measured | prior's value | measured / prior |", "|---|---|---|---|"]
+    prior = fl["prior_s"]
+    for c in fl["cases"]:
+        f = [r["floor_s"] for r in c["rows"]]
+        ns = " / ".join(str(r["n"]) for r in c["rows"])
+        lines.append(
+            f"| forward floor: {c['layers']} {c['kind']} layers (hidden 64), {c['placement']}, n = {ns} | "
+            f"{' / '.join(_ms(x) for x in f)} ms | {_ms(prior)} ms ({fl['prior_layers']} layers) | {_x(f[0], prior)} |"
+        )
+    probe = cpu["profile_probe"]
+    lines += [
+        f"| CPU experts: GB/s of the distinct routed experts, 1 token, top-{s['num_experts_per_tok']}, {cpu['dtype']}, "
+        f"{cpu['threads']} threads | {cpu['bps'] / 1e9:.3g} | {cpu['prior_bps'] / 1e9:.0f} | {_x(cpu['bps'], cpu['prior_bps'])} |",
+        f"| CPU experts: GFLOP/s, {cpu['cells'][-1]['tokens']} tokens | {cpu['flops'] / 1e9:.3g} | "
+        f"{cpu['prior_flops'] / 1e9:.0f} | {_x(cpu['flops'], cpu['prior_flops'])} |",
+        f"| CPU experts: `specx profile`'s probe (fp32, 1 token, top-{probe['top_k']}) GB/s | {probe['gbps']:.3g} | "
+        f"{cpu['prior_bps'] / 1e9:.0f} | {_x(probe['gbps'] * 1e9, cpu['prior_bps'])} |",
+    ]
+    return "\n".join(lines)
+
+
 def demo(summary: dict) -> str:
     d = _phase(summary, "demo")
     if d is None:
@@ -178,6 +235,7 @@ def tests(summary: dict) -> str:
 def render(summary: dict) -> dict[str, str]:
     return {
         "card": card(summary),
+        "moe": moe(summary),
         "passes": passes(summary),
         "draft": draft(summary),
         "step": step(summary),
