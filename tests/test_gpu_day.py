@@ -130,6 +130,11 @@ def test_a_failed_moe_phase_keeps_its_table_under_the_error(smoke):
     body = tables.moe({"phases": {"moe": rec}})
     assert body.startswith("*moe: failed: moe: greedy ids differ") and "| layers | 1 | 5 |" in body
     assert tables.moe({"phases": {"moe": dict(rec, data=None)}}).startswith("*moe: failed")
+    rows = [dict(r, not_run="split not available") if r["mode"] == "split" else r for r in rec["data"]["rows"]]
+    body = tables.moe({"phases": {"moe": dict(rec, data=dict(rec["data"], rows=rows))}})
+    table = [line for line in body.splitlines() if line.startswith("| mode ") or line.startswith("| split |")]
+    assert len(table) == 4 and len({line.count("|") for line in table}) == 1  # as many cells as the header
+    assert "| split | 8 | | not run: split not available |" in body
 
 
 def test_the_user_page_names_no_test_file_and_contributing_holds_how_cuda_is_checked():
