@@ -257,3 +257,72 @@ def test_bf16_checkpoint_apart_equals_whole_layers(tmp_path, dtype):
         finally:
             m.close()
     assert torch.equal(logits["auto"], logits["layers"])
+
+
+def test_whole_layer_read_lands_each_expert_as_its_own_read(family):
+    """expertbulk.layer_spans: a layer's experts read whole, each expert's spans copied from where they land, give
+    the bytes that reading that expert alone gives (every needed byte of every span)."""
+    import ctypes
+
+    from offload import OffloadedCausalLM
+    from offload.stream.hostmem import aligned_empty
+
+    name, target, _, _ = family
+    m = OffloadedCausalLM.from_pretrained(target, dtype=torch.float32, offload="disk", experts="on-demand")
+    try:
+        st = m.experts
+        for layer, read in st.layer_reads.items():
+            whole = aligned_empty(read.nbytes)
+            for span in read.spans:
+                st.reader.read_span(span, whole)
+            for (li, e), d in st.experts.items():
+                if li != layer:
+                    continue
+                alone, copied = aligned_empty(d.raw.nbytes), aligned_empty(d.raw.nbytes)
+                for span in d.spans:
+                    st.reader.read_span(span, alone)
+                for off, span in st._landing[(li, e)]:
+                    ctypes.memmove(copied.data_ptr() + span.buf_offset, whole.data_ptr() + off, span.length)
+                for span in d.spans:
+                    lo, hi = span.buf_offset, span.buf_offset + span.needed
+                    assert torch.equal(alone[lo:hi], copied[lo:hi]), (name, li, e)
+    finally:
+        m.close()
+
+
+def test_large_passes_read_the_next_layer_whole(family, monkeypatch):
+    """A pass routing to enough experts reads the next layer's experts whole, on the store's second thread, and
+    computes what whole-layer streaming computes, bit for bit; a cache of one expert never does (each routed
+    expert read once, as test_bytes_read_are_the_routed_experts checks)."""
+    import threading
+
+    from offload import OffloadedCausalLM
+
+    name, target, _, _ = family
+    threads = []
+    read_span = DirectReader.read_span
+
+    def recording_read(self, span, buf):
+        threads.append(threading.current_thread().name)
+        return read_span(self, span, buf)
+
+    ids = torch.tensor([make_tokenizer()(PROMPT)["input_ids"]])
+    logits, whole = {}, {}
+    for mode, cache in (("on-demand", None), ("on-demand", 1), ("layers", None)):
+        m = OffloadedCausalLM.from_pretrained(
+            target, dtype=torch.float32, offload="disk", experts=mode, expert_cache=cache
+        )
+        try:
+            if mode == "on-demand":
+                monkeypatch.setattr(DirectReader, "read_span", recording_read)
+            for _ in range(2):  # the second pass's first layer was read whole by the first pass's last
+                logits[(mode, cache)] = m(input_ids=ids).logits
+            monkeypatch.setattr(DirectReader, "read_span", read_span)
+            if m.experts is not None:  # each pass reads every layer holding experts apart whole, ahead of it
+                whole[cache] = (m.experts.layers_read_whole, 2 * len(m.experts.layer_reads))
+        finally:
+            m.close()
+    assert whole[1][0] == 0 and whole[None][0] == whole[None][1], (name, whole)
+    assert "specx-experts-whole_0" in threads, (name, set(threads))
+    assert torch.equal(logits[("on-demand", None)], logits[("layers", None)]), name
+    assert torch.equal(logits[("on-demand", 1)], logits[("layers", None)]), name

@@ -35,7 +35,14 @@ Contract:
   the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
   also added to `stats.streamed_bytes_per_pass` when the model sets `stats`. `stream(layer, es)` fetches
   each of `es` in order, the next one read by a worker thread while the caller computes the current one
-  (a cache of one expert: one at a time); `close()` stops that thread and closes the files.
+  (a cache of one expert: one at a time); `close()` stops that thread and closes the files. Per pass, by its
+  size: where `es` would make enough misses in the next layer holding experts apart (after the last, the next
+  pass's first) for expertbulk.worth_whole (`whole_from[layer]` misses), that layer's experts are read whole,
+  in as few requests as the file allows (expertbulk.layer_spans), by a second thread while this layer computes
+  (`layers_read_whole` counts them; their bytes count when submitted), into one of two buffers of a layer's
+  expert bytes (allocated on first use: memory beyond the cache), and that layer's misses copy their spans out
+  of it instead of reading them; small passes read only their routed experts. The reader threads run no torch
+  kernel: a repack copies with memmove (`_repack`).
   `attach(i, layer, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
   parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there);
   fused experts (arch/gptoss_experts.RoutedExperts, which replaces transformers' GptOssExperts there) get a
@@ -44,10 +51,12 @@ Contract:
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -56,6 +65,7 @@ from offload.arch.moe import MOE_FAMILIES, ExpertList
 from offload.errors import OffloadError
 from offload.formats.st_index import TensorEntry
 from offload.stream.devmem import DevicePool
+from offload.stream.expertbulk import REQUEST_BYTES, WholeReads, layer_spans, worth_whole
 from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
 from offload.stream.storage import (
     MERGE_GAP,
@@ -191,9 +201,47 @@ def cache_capacity(per_layer: int, on_disk: int, slot: int, room: int | None) ->
     return min(on_disk, max(per_layer, fit))
 
 
+def _repack(d: DiskLayer, raw: torch.Tensor, dest: torch.Tensor) -> None:
+    """Expert `d`'s parameters from its file layout in `raw` into its compute layout in `dest`, without a torch
+    kernel where possible: the reader thread runs this beside the compute, and a torch copy there starts an
+    OpenMP team of its own whose threads spin on the cores the compute uses. Same dtype: a memmove (ctypes
+    releases the GIL); bf16 -> fp32: the 16 bits shifted into the high half of 32 (exact; numpy releases the
+    GIL); any other cast: torch."""
+    for sp in d.specs:
+        src, dst = d.raw.slices[sp.name], d.packed.slices[sp.name]
+        if src.dtype == dst.dtype:
+            ctypes.memmove(dest.data_ptr() + dst.offset, raw.data_ptr() + src.offset, src.nbytes)
+        elif src.dtype == torch.bfloat16 and dst.dtype == torch.float32:
+            bits = raw[src.offset : src.offset + src.nbytes].numpy().view(np.uint16)
+            out = dest[dst.offset : dst.offset + dst.nbytes].numpy().view(np.uint32)
+            np.left_shift(bits, 16, out=out, dtype=np.uint32)
+        else:
+            store_param(d.raw.view(raw, sp.name), sp, d.packed.view(dest, sp.name))
+
+
+def _whole_from(read, experts: dict[tuple[int, int], DiskLayer], i: int, request_bytes: int) -> int:
+    """The fewest routed experts for which layer i is worth reading whole (expertbulk.worth_whole)."""
+    mine = [d for (li, _), d in experts.items() if li == i]
+    reads = max(len(d.spans) for d in mine)
+    nbytes = sum(s.needed for d in mine for s in d.spans) // len(mine)
+    return next(
+        (
+            n
+            for n in range(1, len(mine) + 1)
+            if worth_whole(n, reads, nbytes, len(read.spans), read.needed, request_bytes)
+        ),
+        len(mine) + 1,
+    )
+
+
 class ExpertStore:
     def __init__(
-        self, reader: DirectReader, experts: dict[tuple[int, int], DiskLayer], capacity: int, pool: DevicePool
+        self,
+        reader: DirectReader,
+        experts: dict[tuple[int, int], DiskLayer],
+        capacity: int,
+        pool: DevicePool,
+        request_bytes: int = REQUEST_BYTES,
     ):
         self.reader, self.experts = reader, experts
         self.capacity = max(1, min(capacity, len(experts)))
@@ -205,9 +253,18 @@ class ExpertStore:
         self.reads = self.hits = self.bytes_read = 0
         self.stats = None  # an OffloadStats whose streamed_bytes_per_pass counts the spans read too
         self._worker: ThreadPoolExecutor | None = None  # stream's read-ahead thread, started on first use
+        # a layer read whole, ahead, when the layer before routed to many experts (offload/stream/expertbulk.py)
+        self.layer_reads, self._landing = layer_spans(experts)
+        self.whole_from = {i: _whole_from(r, experts, i, request_bytes) for i, r in self.layer_reads.items()}
+        self.whole = WholeReads(reader, max(r.nbytes for r in self.layer_reads.values()))
+        self.layers_read_whole = 0
+        self.per_layer = {i: sum(1 for li, _ in experts if li == i) for i in self.layer_reads}
+        held = sorted(self.layer_reads)  # the next layer holding experts apart; after the last, the next pass's first
+        self.next_layer = dict(zip(held, held[1:] + held[:1]))
 
-    def fetch(self, layer: int, e: int) -> tuple[torch.Tensor, object, bool]:
-        """(slot buffer, layout, read now?) of expert e of `layer` (see the contract)."""
+    def fetch(self, layer: int, e: int, whole=None) -> tuple[torch.Tensor, object, bool]:
+        """(slot buffer, layout, read now?) of expert e of `layer` (see the contract); `whole`: the layer's
+        whole read (future, buffer) a miss copies its spans from."""
         key, d = (layer, e), self.experts[(layer, e)]
         if key in self.lru:
             self.lru.move_to_end(key)
@@ -218,14 +275,15 @@ class ExpertStore:
         self.lru[key] = s
         dest = self._buf(s)
         target = self.scratch if d.repack else dest
-        for span in d.spans:
+        if whole is not None:  # the spans as a read of this expert alone lands them, from the layer's buffer
+            whole[0].result()
+            for off, span in self._landing[key]:
+                ctypes.memmove(target.data_ptr() + span.buf_offset, whole[1].data_ptr() + off, span.length)
+        for span in d.spans if whole is None else ():
             self.reader.read_span(span, target)
-            self.bytes_read += span.length
-            if self.stats is not None:
-                self.stats.streamed_bytes_per_pass += span.length
+            self._count(span.length)
         if d.repack:
-            for sp in d.specs:
-                store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name))
+            _repack(d, target, dest)
         self.reads += 1
         return dest, d.layout, True
 
@@ -238,11 +296,16 @@ class ExpertStore:
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="specx-experts")
-        ahead = self._worker.submit(self.fetch, layer, es[0])
+        whole, nxt = self.whole.take(layer), self.next_layer[layer]
+        if self._misses(nxt, len(es)) >= self.whole_from[nxt]:  # many routed here: likely there too
+            self.whole.submit(nxt, self.layer_reads[nxt])
+            self.layers_read_whole += 1
+            self._count(self.layer_reads[nxt].needed)
+        ahead = self._worker.submit(self.fetch, layer, es[0], whole)
         try:
             for k in range(len(es)):
                 got = ahead.result()
-                ahead = self._worker.submit(self.fetch, layer, es[k + 1]) if k + 1 < len(es) else None
+                ahead = self._worker.submit(self.fetch, layer, es[k + 1], whole) if k + 1 < len(es) else None
                 yield got
         finally:
             if ahead is not None:
@@ -253,7 +316,22 @@ class ExpertStore:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        self.whole.close()
         self.reader.close()
+
+    def _misses(self, layer: int, d: int) -> float:
+        """The misses d routed experts of `layer` are expected to make after this layer's d (its share of experts
+        cached now, of which at most `capacity` - d survive this layer's; none where its whole read is under way)."""
+        if layer in self.whole.pending:
+            return 0.0
+        n = self.per_layer[layer]
+        cached = min(sum(1 for li, _ in self.lru if li == layer), max(0, self.capacity - d))
+        return d * (n - cached) / n
+
+    def _count(self, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        if self.stats is not None:
+            self.stats.streamed_bytes_per_pass += nbytes
 
     def _buf(self, s: int) -> torch.Tensor:
         return self.cache[s * self.slot : (s + 1) * self.slot]

@@ -1,0 +1,113 @@
+"""A layer's routed experts read whole, ahead of the layer, for passes that route to many of them.
+
+Contract (used by stream/expertstore.ExpertStore; priced by planning/expertcost.py):
+- `layer_spans(experts)` -> ({layer: LayerRead}, {(layer, e): [(bulk offset, span)]}): per layer the file spans
+  covering every routed expert's spans, merged where they touch or lie within MERGE_GAP of each other (gpt-oss's
+  six fused tensors: six reads; per-expert tensors stored back to back: one), laid back to back in a buffer of
+  `nbytes`; per expert where each of its own spans lands in that buffer (the span's bytes, IO_ALIGN-aligned both
+  in the file and in the buffer, as a read of the expert alone would land them).
+- `worth_whole(d, expert_reads, expert_bytes, whole_reads, whole_bytes, request_bytes)`: THE rule of when a
+  layer is read whole: its routed experts of a like-sized set, d of them each read in `expert_reads` requests,
+  cost at least the whole read, a request costing `request_bytes` (REQUEST_BYTES, 256 KiB: a small O_DIRECT read
+  inside a pass takes ~130 us here, twice the profile's idle 60 us, at the disk's ~1.8 GB/s; bench/moe_apart.py's
+  gpt-oss then reads a layer whole from 5 routed experts of 24, its Qwen3-MoE from 20).
+- `WholeReads(reader, sizes)`: two buffers of the largest layer's `nbytes` (allocated on first use), one thread.
+  `submit(layer, read)` reads `read`'s spans into the buffer the layer last given out does not hold, on that
+  thread (only preadv: no torch op there, whose OpenMP team would spin beside the compute), and returns nothing;
+  `take(layer)` -> (future, buffer) | None: the read submitted for `layer`, handed out once (its buffer stays
+  the layer's until the next submit after the next take). `close()` stops the thread.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
+from offload.stream.storage import MERGE_GAP, DirectReader, DiskLayer, Span
+
+REQUEST_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class LayerRead:
+    spans: list[Span]  # merged covering spans, buf_offset into the whole-layer buffer
+    nbytes: int  # the buffer's bytes (IO_ALIGN multiple)
+    needed: int  # file bytes requested
+
+
+def layer_spans(experts: dict[tuple[int, int], DiskLayer]) -> tuple[dict[int, LayerRead], dict]:
+    """Per layer its experts' merged spans, and per expert where its spans land (see the contract)."""
+    by_layer: dict[int, list[Span]] = {}
+    for (i, _), d in experts.items():
+        by_layer.setdefault(i, []).extend(d.spans)
+    reads, where = {}, {}
+    for i, spans in by_layer.items():
+        merged: list[list] = []  # [file, start, end, needed end]
+        for s in sorted(spans, key=lambda s: (str(s.file), s.offset)):
+            last = merged[-1] if merged else None
+            if last is not None and last[0] == s.file and s.offset <= last[2] + MERGE_GAP:
+                last[2], last[3] = max(last[2], s.offset + s.length), max(last[3], s.offset + s.needed)
+            else:
+                merged.append([s.file, s.offset, s.offset + s.length, s.offset + s.needed])
+        out, off = [], 0
+        for f, start, end, needed in merged:
+            out.append(Span(f, start, align_up(end - start, IO_ALIGN), needed - start, off))
+            off += out[-1].length
+        reads[i] = LayerRead(out, off, sum(s.needed for s in out))
+    for (i, e), d in experts.items():
+        where[(i, e)] = [(_landing(reads[i].spans, s), s) for s in d.spans]
+    return reads, where
+
+
+def _landing(merged: list[Span], s: Span) -> int:
+    """Where span `s` lands in the whole-layer buffer: inside the merged span that covers it."""
+    m = next(m for m in merged if m.file == s.file and m.offset <= s.offset < m.offset + m.length)
+    return m.buf_offset + s.offset - m.offset
+
+
+def worth_whole(
+    d: float, expert_reads: int, expert_bytes: int, whole_reads: int, whole_bytes: int, request_bytes: int
+) -> bool:
+    """A layer's experts read whole rather than d of them one by one (see the contract)."""
+    return d * (expert_reads * request_bytes + expert_bytes) >= whole_reads * request_bytes + whole_bytes
+
+
+class WholeReads:
+    def __init__(self, reader: DirectReader, nbytes: int):
+        self.reader, self.nbytes = reader, nbytes
+        self.bufs: list[torch.Tensor] = []
+        self.pending: dict[int, tuple[Future, int]] = {}  # layer -> (its read, buffer index)
+        self.given: int | None = None  # buffer index last handed out by take
+        self.bytes_read = 0
+        self._thread: ThreadPoolExecutor | None = None
+
+    def submit(self, layer: int, read: LayerRead) -> None:
+        """Read `read` (layer's merged spans) into the buffer not handed out last (see the contract)."""
+        if not self.bufs:
+            self.bufs = [aligned_empty(self.nbytes), aligned_empty(self.nbytes)]
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="specx-experts-whole")
+        b = 1 if self.given == 0 else 0
+        for other in [k for k, (_, ob) in self.pending.items() if ob == b]:  # a read never taken: dropped
+            self.pending.pop(other)[0].result()
+        self.pending[layer] = (self._thread.submit(self._read, read, self.bufs[b]), b)
+
+    def _read(self, read: LayerRead, buf: torch.Tensor) -> int:
+        for span in read.spans:
+            self.reader.read_span(span, buf)
+        self.bytes_read += read.needed
+        return read.needed
+
+    def take(self, layer: int) -> tuple[Future, torch.Tensor] | None:
+        got = self.pending.pop(layer, None)
+        if got is None:
+            return None
+        self.given = got[1]
+        return got[0], self.bufs[got[1]]
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
