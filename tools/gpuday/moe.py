@@ -85,10 +85,10 @@ def _bench(name: str):
 
 def write(path: Path, shape: dict, layers: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Path:
     """A seeded checkpoint saved by transformers: Qwen3-MoE where `shape` has experts, else Llama; weights
-    initialized on `device` (the card builds 5 GB in seconds), reused when complete."""
+    initialized on `device` (the card builds 5 GB in seconds), reused when complete (`.done` is written last)."""
     import transformers
 
-    if (path / "config.json").exists():
+    if (path / ".done").exists():
         return path
     dims = {k: v for k, v in shape.items() if k != "layers"}
     if "num_experts" in shape:
@@ -103,6 +103,7 @@ def write(path: Path, shape: dict, layers: int, dtype: torch.dtype, device: torc
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.save_pretrained(path)
+    (path / ".done").touch()
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
