@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,12 +76,13 @@ def check_moe(d: dict) -> None:
     for r in d["rows"]:
         assert r["modelled_s"] > 0 and r["modelled_measured_s"] > 0
         if r["mode"] == "split" and why:
-            assert r["not_run"] == why and "seconds" not in r
+            assert r["not_run"] == f"not run: {why}" and "seconds" not in r
         else:
             assert r["seconds"] > 0 and r["rounds"] == moe.ROUNDS and "not_run" not in r
     layers = [r for r in d["rows"] if r["mode"] == "layers"]
     assert all(r["streamed_bytes"] >= d["checkpoint_bytes"] // 2 for r in layers)  # whole layers move
     assert all(x["margin"] <= moe.NEAR_TIE for x in d["differ"]) and d["ids_equal"] == (not d["differ"])
+    assert d["failed"] == {}
     assert d["shape"] == moe.SMOKE_SHAPE and d["cache_experts"] == d["shape"]["layers"]  # 1 of 4 a layer
     cases = d["floors"]["cases"]
     assert [(c["kind"], c["placement"]) for c in cases] == [
@@ -130,7 +132,7 @@ def test_a_failed_moe_phase_keeps_its_table_under_the_error(smoke):
     body = tables.moe({"phases": {"moe": rec}})
     assert body.startswith("*moe: failed: moe: greedy ids differ") and "| layers | 1 | 5 |" in body
     assert tables.moe({"phases": {"moe": dict(rec, data=None)}}).startswith("*moe: failed")
-    rows = [dict(r, not_run="split not available") if r["mode"] == "split" else r for r in rec["data"]["rows"]]
+    rows = [dict(r, not_run="not run: split not available") if r["mode"] == "split" else r for r in rec["data"]["rows"]]
     body = tables.moe({"phases": {"moe": dict(rec, data=dict(rec["data"], rows=rows))}})
     table = [line for line in body.splitlines() if line.startswith("| mode ") or line.startswith("| split |")]
     assert len(table) == 4 and len({line.count("|") for line in table}) == 1  # as many cells as the header
@@ -173,6 +175,30 @@ def test_tables_write_every_page_or_the_pages_named(tmp_path, capsys):
     day = (root / "docs" / "gpu-status.md").read_text()
     assert all(f"*{p}: not run yet*" in day for p in ("probe", "draft", "step", "demo"))
     assert "cuda-tests" not in day and "cuda-tests: not run yet" in (root / "CONTRIBUTING.md").read_text()
+
+
+def test_moe_times_the_other_mode_on_when_one_pass_raises():
+    """A split pass that raises (a CUDA error on the day) is recorded as failed and timed no further, and the
+    whole-layer figures of every n are still taken."""
+    import torch
+
+    class Fake:
+        input_device = torch.device("cpu")
+
+        def __init__(self, boom: bool):
+            self.boom, self.stats = boom, SimpleNamespace(streamed_bytes_per_pass=7)
+
+        def __call__(self, input_ids, use_cache):
+            if self.boom:
+                raise RuntimeError("CUDA error: an illegal memory access\nmore")
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(input_ids, 16).float())
+
+    loaded, why = {"layers": Fake(False), "split": Fake(True)}, {}
+    ctx = dict(device=torch.device("cpu"), smoke=True, moe_shape=dict(vocab_size=16))
+    samples, differ = moe.timed(ctx, loaded, why, 0.0)
+    assert why == {"split": "failed: RuntimeError: CUDA error: an illegal memory access"} and list(loaded) == ["layers"]
+    assert [len(samples[("layers", n)]) for n in moe.TOKENS] == [moe.ROUNDS] * 3
+    assert not any(samples[("split", n)] for n in moe.TOKENS) and differ == []
 
 
 def test_resume_from_seeds_only_finished_phases(tmp_path):

@@ -12,7 +12,8 @@ Contract (`moe(ctx)` returns the phase's JSON dict; `ctx` holds device, out, smo
   pinned RAM: offload="ram", max_device_memory=0, experts="layers") and "split" (experts="split",
   expert_cache = CACHE_SHARE of the experts on the device, evenly), once offload/stream/splitexperts.py
   exists; without it the split row says "not run: split not available" (a load it refuses: "not run: "
-  and its message). The last row's greedy id of every pass must agree between the modes, or differ only
+  and its message; a load or pass that raises: "failed: " and the error, the other mode timed on, and the
+  phase fails at its end with its data kept). The last row's greedy id of every pass must agree between the modes, or differ only
   at a near tie (the whole-layer run's two logits within NEAR_TIE of its logits' standard deviation:
   bf16 on the CPU and on the card round differently); otherwise the phase fails (its data kept).
 - Floors: a pass of a tiny model (hidden 64: its kernels take microseconds) timed against its kernels'
@@ -224,35 +225,46 @@ def models(ctx: dict, path: Path, dtype: torch.dtype, cached: int) -> tuple[dict
     loaded = {"layers": _load(path, dev, dtype, offload="ram", max_device_memory=0, experts="layers")}
     why = {}
     if (reason := split_unavailable()) is not None:
-        why["split"] = reason
+        why["split"] = f"not run: {reason}"
     else:
         try:
             loaded["split"] = _load(path, dev, dtype, experts="split", expert_cache=cached)
         except OffloadError as err:  # refused (e.g. on a CPU): said, not faked
-            why["split"] = str(err).splitlines()[0]
+            why["split"] = f"not run: {str(err).splitlines()[0]}"
+        except Exception as err:  # noqa: BLE001 - the whole-layer figures still count; the phase fails at its end
+            why["split"] = failed(err)
     return loaded, why
 
 
-def timed(ctx: dict, loaded: dict, t0: float) -> tuple[dict, list]:
-    """{(mode, n): [(seconds, bytes streamed)]} and the passes whose greedy ids differ (see the contract)."""
+def failed(err: Exception) -> str:
+    return f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+
+
+def timed(ctx: dict, loaded: dict, why: dict, t0: float) -> tuple[dict, list]:
+    """{(mode, n): [(seconds, bytes streamed)]} and the passes whose greedy ids differ (see the contract). A
+    mode whose pass raises is timed no further (`why` says so): the other's figures still count."""
     dev, vocab = ctx["device"], ctx["moe_shape"]["vocab_size"]
     gen = torch.Generator().manual_seed(1)
     samples, differ = {(m, n): [] for m in loaded for n in TOKENS}, []
     for n in TOKENS:
         warm = torch.randint(1, vocab, (n,), generator=gen)
-        for m in loaded.values():
-            _pass(m, warm)
-        for r in range(ROUNDS):
-            if r and not ctx["smoke"] and time.perf_counter() - t0 > BOUND_S:
+        for r in range(ROUNDS + 1):  # round 0: the warm-up, untimed
+            if r > 1 and not ctx["smoke"] and time.perf_counter() - t0 > BOUND_S:
                 break
-            ids, logits = torch.randint(1, vocab, (n,), generator=gen), {}
-            for mode, m in loaded.items():
+            ids, logits = torch.randint(1, vocab, (n,), generator=gen) if r else warm, {}
+            for mode, m in list(loaded.items()):
                 box = []
-                secs = device_seconds(lambda: box.append(_pass(m, ids)), dev)
-                samples[(mode, n)].append((secs, m.stats.streamed_bytes_per_pass))
-                logits[mode] = box[0]
-            ref = logits["layers"]
-            for mode, lg in logits.items():
+                try:
+                    secs = device_seconds(lambda: box.append(_pass(m, ids)), dev)
+                except Exception as err:  # noqa: BLE001 - see the docstring
+                    why[mode] = failed(err)
+                    del loaded[mode]
+                    continue
+                if r:
+                    samples[(mode, n)].append((secs, m.stats.streamed_bytes_per_pass))
+                    logits[mode] = box[0]
+            ref = logits.get("layers")
+            for mode, lg in logits.items() if ref is not None else ():
                 a, b = int(ref.argmax()), int(lg.argmax())
                 if a != b:
                     differ.append(dict(n=n, mode=mode, ids=[a, b], margin=float((ref[a] - ref[b]) / ref.std())))
@@ -321,22 +333,22 @@ def measure(ctx: dict) -> dict:
     measured = dict(cpu=cpu_experts(ctx, dtype), floors=floors(ctx, dtype))
     cached = round(CACHE_SHARE * shape["num_experts"]) * shape["layers"]
     loaded, why = models(ctx, path, dtype, cached)
+    everything = dict(loaded)  # timed() drops a mode that fails
     try:
-        samples, differ = timed(ctx, loaded, t0)
         placement = loaded["layers"].plan
+        samples, differ = timed(ctx, loaded, why, t0)
     finally:
-        for m in loaded.values():
+        for m in everything.values():
             m.close()
     model = modelled(ctx, path, placement, cached, measured)
     rows = []
     for mode in ("layers", "split"):
         for n in TOKENS:
-            row = dict(mode=mode, n=n)
-            if mode in why:
-                row["not_run"] = why[mode]
-            else:
-                got = samples[(mode, n)]
+            row, got = dict(mode=mode, n=n), samples.get((mode, n))
+            if got:
                 row.update(seconds=statistics.median(s for s, _ in got), streamed_bytes=got[-1][1], rounds=len(got))
+            else:
+                row["not_run"] = why.get(mode, "not run")
             row["modelled_s"], row["modelled_measured_s"] = model["seconds"][mode][n]
             rows.append(row)
     out = dict(
@@ -351,11 +363,14 @@ def measure(ctx: dict) -> dict:
         rows=rows,
         differ=differ,
         ids_equal=not differ,
+        failed={m: w for m, w in why.items() if w.startswith("failed")},
         plan_mode=model["plan_mode"],
         cpu=measured["cpu"],
         floors=measured["floors"],
         seconds=time.perf_counter() - t0,
     )
+    if out["failed"]:
+        raise PhaseError(f"moe: {out['failed']}", out)
     if far := [d for d in differ if d["margin"] > NEAR_TIE]:
         raise PhaseError(f"moe: greedy ids differ beyond a near tie: {far[:3]}", out)
     return out

@@ -180,7 +180,7 @@ def moe(summary: dict) -> str:
     for r in d["rows"]:
         p, m = r["modelled_s"], r["modelled_measured_s"]
         if "not_run" in r:
-            got = f"| | not run: {r['not_run']} | | {_ms(p)} | | {_ms(m)} | |"
+            got = f"| | {r['not_run']} | | {_ms(p)} | | {_ms(m)} | |"
         else:
             t = r["seconds"]
             got = f"| {r['rounds']} | {_ms(t)} | {r['streamed_bytes'] / 1e9:.3g} | {_ms(p)} | {_x(t, p)} | {_ms(m)} | {_x(t, m)} |"
