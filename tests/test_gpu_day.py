@@ -137,6 +137,11 @@ def test_a_failed_moe_phase_keeps_its_table_under_the_error(smoke):
     table = [line for line in body.splitlines() if line.startswith("| mode ") or line.startswith("| split |")]
     assert len(table) == 4 and len({line.count("|") for line in table}) == 1  # as many cells as the header
     assert "| split | 8 | | not run: split not available |" in body
+    cases = [dict(c, rows=[dict(r, floor_s=None) for r in c["rows"]]) for c in rec["data"]["floors"]["cases"]]
+    floors = dict(rec["data"]["floors"], cases=cases)  # a trace without kernels (no CUPTI): no floor
+    assert "no kernels traced / no kernels traced" in tables.moe(
+        {"phases": {"moe": dict(rec, data=dict(rec["data"], floors=floors))}}
+    )
 
 
 def test_the_user_page_names_no_test_file_and_contributing_holds_how_cuda_is_checked():

@@ -21,7 +21,8 @@ Contract (`moe(ctx)` returns the phase's JSON dict; `ctx` holds device, out, smo
   and copy spans) against the median wall time of unprofiled passes; on the CPU (smoke only) the leaf
   aten ops' spans against the profiled pass's own wall time (profiling slows CPU ops, not a card's kernels). Three models: 80 dense Llama layers
   resident (what passcost.PRIORS' 10 ms CUDA forward_floor_s states), and SHAPE's layers, experts and
-  top-k tiny, resident and streamed from RAM, at the passes' n.
+  top-k tiny, resident and streamed from RAM, at the passes' n. A trace without kernels (no CUPTI) gives
+  no floor (None), and the model keeps the prior's.
 - CPU experts: the host CPU computing routed experts as bench/moe_experts.py measures them (its ExpertList
   layer of SHAPE's experts in the run's dtype, caches flushed, uniform top-k routing): bytes/s of the
   distinct routed experts at one token and FLOP/s at FLOP_TOKENS tokens, beside `specx profile`'s own
@@ -169,9 +170,8 @@ def floors(ctx: dict, dtype: torch.dtype) -> dict:
                 wall = statistics.median(device_seconds(lambda: _pass(model, ids), dev) for _ in range(ROUNDS))
                 busy, profiled, spans = busy_seconds(lambda: _pass(model, ids), dev)
                 base = wall if dev.type == "cuda" else profiled  # a CPU's op spans are the profiled pass's
-                rows.append(
-                    dict(n=n, wall_s=wall, profiled_s=profiled, kernels_s=busy, spans=spans, floor_s=base - busy)
-                )
+                floor = base - busy if spans else None  # None: the profiler traced no kernel (no CUPTI)
+                rows.append(dict(n=n, wall_s=wall, profiled_s=profiled, kernels_s=busy, spans=spans, floor_s=floor))
         finally:
             model.close()
         out.append(dict(kind=kind, layers=count, placement=where, rows=rows))
@@ -308,7 +308,7 @@ def modelled(ctx: dict, path: Path, placement, cached: int, measured: dict) -> d
         out[mode] = {
             n: (
                 mode_seconds(a, p, device, n, 0, c, mode),
-                mode_seconds(a, mine, replace(device, forward_floor_s=max(0.0, floor[key][n])), n, 0, c, mode),
+                mode_seconds(a, mine, floored(device, floor[key][n]), n, 0, c, mode),
             )
             for n in TOKENS
         }
@@ -321,6 +321,11 @@ def moe(ctx: dict) -> dict:
         return measure(ctx)
     finally:
         shutil.rmtree(ctx["out"] / "moe", ignore_errors=True)
+
+
+def floored(device, floor: float | None):
+    """The Device with a measured forward floor (none traced: its prior's)."""
+    return device if floor is None else replace(device, forward_floor_s=max(0.0, floor))
 
 
 def measure(ctx: dict) -> dict:

@@ -188,11 +188,13 @@ def moe(summary: dict) -> str:
     lines += ["", "| prior | measured | prior's value | measured / prior |", "|---|---|---|---|"]
     prior = fl["prior_s"]
     for c in fl["cases"]:
-        f = [r["floor_s"] for r in c["rows"]]
+        f, one = [r["floor_s"] for r in c["rows"]], c["rows"][0]
         ns = " / ".join(str(r["n"]) for r in c["rows"])
+        got = " / ".join(_ms(x) if x is not None else "no kernels traced" for x in f)
         lines.append(
-            f"| forward floor: {c['layers']} {c['kind']} layers (hidden 64), {c['placement']}, n = {ns} | "
-            f"{' / '.join(_ms(x) for x in f)} ms | {_ms(prior)} ms ({fl['prior_layers']} layers) | {_x(f[0], prior)} |"
+            f"| forward floor: {c['layers']} {c['kind']} layers (hidden 64), {c['placement']}, n = {ns} | {got} ms "
+            f"(n = {one['n']}: {_ms(one['wall_s'])} wall, {_ms(one['kernels_s'])} kernels) | {_ms(prior)} ms "
+            f"({fl['prior_layers']} layers) | {_x(f[0], prior) if f[0] is not None else ''} |"
         )
     probe = cpu["profile_probe"]
     lines += [
