@@ -172,8 +172,8 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
 
 def experts_table(ex: dict):
     """A mixture-of-experts target's expert placement (offload/planning/experts.py), every speed modelled:
-    "split" puts attention+shared parts and routed experts apart (planned; the loader streams whole layers),
-    "on-demand" streams disk layers' dense parts and reads their routed experts when routed (run)."""
+    "split" puts attention+shared parts on the card and routed experts apart by tier, "on-demand" streams disk
+    layers' dense parts and reads their routed experts when routed; the loader runs either."""
     from rich.table import Table
 
     split, held = ex["mode"] == "split", ex["mode"] == "on-demand"
