@@ -142,6 +142,9 @@ def test_a_failed_moe_phase_keeps_its_table_under_the_error(smoke):
     assert "no kernels traced / no kernels traced" in tables.moe(
         {"phases": {"moe": dict(rec, data=dict(rec["data"], floors=floors))}}
     )
+    rows = [dict(r, modelled_s=None, modelled_measured_s=None) for r in rec["data"]["rows"]]  # modelling raised
+    body = tables.moe({"phases": {"moe": dict(rec, data=dict(rec["data"], rows=rows))}})
+    assert "| layers | 1 | 5 |" in body and body.count("not modelled") == 2 * len(rows)
 
 
 def test_the_user_page_names_no_test_file_and_contributing_holds_how_cuda_is_checked():

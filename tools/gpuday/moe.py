@@ -345,7 +345,10 @@ def measure(ctx: dict) -> dict:
     finally:
         for m in everything.values():
             m.close()
-    model = modelled(ctx, path, placement, cached, measured)
+    try:
+        model = modelled(ctx, path, placement, cached, measured)
+    except Exception as err:  # noqa: BLE001 - e.g. no probe: the measured figures are still written
+        why["modelled"], model = failed(err), dict(seconds={}, plan_mode=None)
     rows = []
     for mode in ("layers", "split"):
         for n in TOKENS:
@@ -354,7 +357,7 @@ def measure(ctx: dict) -> dict:
                 row.update(seconds=statistics.median(s for s, _ in got), streamed_bytes=got[-1][1], rounds=len(got))
             else:
                 row["not_run"] = why.get(mode, "not run")
-            row["modelled_s"], row["modelled_measured_s"] = model["seconds"][mode][n]
+            row["modelled_s"], row["modelled_measured_s"] = model["seconds"].get(mode, {}).get(n, (None, None))
             rows.append(row)
     out = dict(
         shape=shape,

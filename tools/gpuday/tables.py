@@ -151,8 +151,12 @@ def step(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _x(got: float, want: float) -> str:
-    return f"{got / want:.2f}" if want else ""
+def _x(got: float | None, want: float | None) -> str:
+    return f"{got / want:.2f}" if want and got is not None else ""
+
+
+def _mso(s: float | None) -> str:
+    return "not modelled" if s is None else _ms(s)
 
 
 def moe(summary: dict) -> str:
@@ -180,10 +184,10 @@ def moe(summary: dict) -> str:
     for r in d["rows"]:
         p, m = r["modelled_s"], r["modelled_measured_s"]
         if "not_run" in r:
-            got = f"| | {r['not_run']} | | {_ms(p)} | | {_ms(m)} | |"
+            got = f"| | {r['not_run']} | | {_mso(p)} | | {_mso(m)} | |"
         else:
             t = r["seconds"]
-            got = f"| {r['rounds']} | {_ms(t)} | {r['streamed_bytes'] / 1e9:.3g} | {_ms(p)} | {_x(t, p)} | {_ms(m)} | {_x(t, m)} |"
+            got = f"| {r['rounds']} | {_ms(t)} | {r['streamed_bytes'] / 1e9:.3g} | {_mso(p)} | {_x(t, p)} | {_mso(m)} | {_x(t, m)} |"
         lines.append(f"| {r['mode']} | {r['n']} {got}")
     lines += ["", "| prior | measured | prior's value | measured / prior |", "|---|---|---|---|"]
     prior = fl["prior_s"]
