@@ -15,14 +15,16 @@ computed in fp32), is planned with `--offload disk` on that Device (memplan.plan
 alone, a machine without a profile) and loaded three times with every layer on disk
 (`OffloadedCausalLM.from_pretrained(offload="disk")`, the CPU): with its routed experts held apart
 (`experts="on-demand"`: each disk layer streams its attention+router part, and the experts its tokens routed to
-are read when routed, O_DIRECT, into a cache of one layer's experts), with whole layers streamed
+are read when routed, O_DIRECT, into a cache of one layer's experts; a pass routing to many of them reads the next
+layer's experts whole, ahead: stream/expertbulk.py), with whole layers streamed
 (`experts="layers"`), and as the plan chose (`memplan=` the plan, experts="auto": the loader follows
 plan.experts["mode"]). Each round runs, for each pass size, `--batch` passes of each model on the same fresh random
 ids (no KV cache: a pass of n tokens, as a verify pass of an n-token tree), the models interleaved: one model's
 passes back to back, all but the first timed (steady state: the stream's read-ahead of a pass overlaps only the
 pass before it, as in plain decoding with nothing between passes), then a 0.5 s pause so that its read-ahead does
-not run inside the next model's passes. Per pass: ms (perf_counter around the call) and the bytes it read
-(`stats.streamed_bytes_per_pass`: the dense parts' or whole layers' spans, plus the experts' spans); modelled: the
+not run inside the next model's passes. Per pass: ms (perf_counter around the call), the bytes it read
+(`stats.streamed_bytes_per_pass`: the dense parts' or whole layers' spans, plus the experts' spans, or the whole
+layers' experts read ahead) and the layers whose experts it read whole (`ExpertStore.layers_read_whole`); modelled: the
 same pass (no KV cache) in each explicit mode, planning/experts.mode_seconds on that Device. Each pass's greedy id
 (its last row) must agree between the three. Reported: the medians over rounds, and the plan's choice with both
 modelled tokens/s (profiled and on the priors). Writes JSON; `--doc` rewrites `<!-- bench:moe-apart -->` on the
@@ -114,16 +116,18 @@ def checkpoint(args, model: str = "qwen3_moe") -> Path:
     return path
 
 
-def one_pass(m, ids: torch.Tensor) -> tuple[float, int, int]:
-    """(ms, bytes read, greedy id of the last row) of one pass over `ids`."""
+def one_pass(m, ids: torch.Tensor) -> tuple[float, int, int, int]:
+    """(ms, bytes read, greedy id of the last row, layers whose experts it read whole) of one pass over `ids`."""
+    before = m.experts.layers_read_whole if m.experts is not None else 0
     t = time.perf_counter()
     logits = m(input_ids=ids[None], use_cache=False).logits
     ms = 1e3 * (time.perf_counter() - t)
-    return ms, m.stats.streamed_bytes_per_pass, int(logits[0, -1].argmax())
+    whole = (m.experts.layers_read_whole if m.experts is not None else 0) - before
+    return ms, m.stats.streamed_bytes_per_pass, int(logits[0, -1].argmax()), whole
 
 
 def interleaved(models: dict, args) -> dict:
-    """{(mode, n): [(ms, bytes read)]}: a warm-up pass of each size and model, then `--rounds` rounds of
+    """{(mode, n): [(ms, bytes read, layers read whole)]}: a warm-up pass of each size and model, then `--rounds` rounds of
     `--batch` passes of each model on the same fresh ids, all but the first timed, models interleaved with a
     0.5 s pause between them (see the module docstring); every pass's greedy id must agree across models."""
     gen = torch.Generator().manual_seed(1)
@@ -140,10 +144,10 @@ def interleaved(models: dict, args) -> dict:
                 time.sleep(0.5)
                 got[mode] = []
                 for b, ids in enumerate(batch):
-                    ms, nbytes, top = one_pass(m, ids)
+                    ms, nbytes, top, whole = one_pass(m, ids)
                     got[mode].append(top)
                     if b:
-                        samples[(mode, n)].append((ms, nbytes))
+                        samples[(mode, n)].append((ms, nbytes, whole))
             assert all(tops == got[next(iter(got))] for tops in got.values()), (n, got)
     return samples
 
@@ -230,8 +234,9 @@ def measure(args, model: str, dev) -> dict:
     for n in args.tokens:  # modelled: the pass as the bench runs it, no KV cache (ctx 0), fp32
         row = dict(model=model, tokens=n, auto_mode=plan.experts["mode"])
         for mode, key in (("on-demand", "apart"), ("layers", "layers"), ("auto", "auto")):
-            ms, nbytes = zip(*samples[(mode, n)])
+            ms, nbytes, whole = zip(*samples[(mode, n)])
             row[f"{key}_ms"], row[f"{key}_mb"] = statistics.median(ms), statistics.median(nbytes) / 1e6
+            row[f"{key}_whole"] = statistics.median(whole)  # layers whose experts a pass read whole
         for mode, key in (("on-demand", "apart"), ("layers", "layers")):
             row[f"{key}_model_ms"] = 1e3 * mode_seconds(a, plan, dev, n, 0, 4, mode)
         cells.append(row)
@@ -260,7 +265,7 @@ def block(result: dict) -> str:
             MODELS[r["model"]],
             r["tokens"],
             f"{r['layers_mb']:.1f}",
-            f"{r['apart_mb']:.1f}",
+            f"{r['apart_mb']:.1f} ({r['apart_whole']:.0f} whole)",
             f"{r['layers_ms']:.0f} ({r['layers_model_ms']:.0f})",
             f"{r['apart_ms']:.0f} ({r['apart_model_ms']:.0f})",
             f"{r['layers_ms'] / r['apart_ms']:.2f}x",
@@ -273,7 +278,7 @@ def block(result: dict) -> str:
         "model",
         "tokens per pass",
         "MB read: whole layers",
-        "experts apart",
+        "experts apart (layers read whole)",
         "ms measured (modelled): whole layers",
         "experts apart",
         "apart speed-up",
@@ -296,7 +301,8 @@ def block(result: dict) -> str:
         f"`{result['command']}` on this CPU ({result['threads']} threads, load average {result['load_average'][0]} "
         f"when it finished): seeded models of {result['layers']} layers x {result['experts']} experts "
         f"(top-{result['top_k']}, hidden {result['hidden']}, expert intermediate {result['inter']}), {what}, every "
-        f"layer on disk ({io}), the experts apart with a cache of {result['cache_experts']} experts (one layer's), "
+        f"layer on disk ({io}), the experts apart with a cache of {result['cache_experts']} experts (one layer's; a pass "
+        f"routing to many reads the next layer's experts whole, ahead), "
         f'whole layers streamed, and the automatic choice (`--offload disk`\'s plan, experts="auto"), the three '
         f"interleaved, medians of {result['rounds']} rounds x {result['batch'] - 1} passes back to back. Modelled "
         f"(in brackets): planning/experts.mode_seconds of the same pass (no KV cache) on the Device `specx profile`'s "

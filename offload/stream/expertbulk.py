@@ -8,10 +8,13 @@ Contract (used by stream/expertstore.ExpertStore; priced by planning/expertcost.
   in the file and in the buffer, as a read of the expert alone would land them).
 - `worth_whole(d, expert_reads, expert_bytes, whole_reads, whole_bytes, request_bytes)`: THE rule of when a
   layer is read whole: its routed experts of a like-sized set, d of them each read in `expert_reads` requests,
-  cost at least the whole read, a request costing `request_bytes` (REQUEST_BYTES, 256 KiB: a small O_DIRECT read
-  inside a pass takes ~130 us here, twice the profile's idle 60 us, at the disk's ~1.8 GB/s; bench/moe_apart.py's
-  gpt-oss then reads a layer whole from 5 routed experts of 24, its Qwen3-MoE from 20).
-- `WholeReads(reader, sizes)`: two buffers of the largest layer's `nbytes` (allocated on first use), one thread.
+  cost at least the whole read, a request costing `request_bytes` (REQUEST_BYTES, 512 KiB, calibrated on
+  bench/moe_apart.py: a small O_DIRECT read inside a pass costs ~150 us of a 2-core CPU beside the compute, twice
+  the profile's idle 60 us, ~0.28 MB at the disk's 1.8 GB/s; doubled again because the whole read hides behind
+  the layer before while the routed experts' reads wait after the router; its gpt-oss then reads a layer whole
+  from 3 routed experts of 24 (the plan, pricing a request per fused tensor: 4), its Qwen3-MoE from 20,
+  gpt-oss-120b's 128 experts of 13 MB from about 100).
+- `WholeReads(reader, nbytes)`: two buffers of the largest layer's `nbytes` (allocated on first use), one thread.
   `submit(layer, read)` reads `read`'s spans into the buffer the layer last given out does not hold, on that
   thread (only preadv: no torch op there, whose OpenMP team would spin beside the compute), and returns nothing;
   `take(layer)` -> (future, buffer) | None: the read submitted for `layer`, handed out once (its buffer stays
@@ -28,7 +31,7 @@ import torch
 from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
 from offload.stream.storage import MERGE_GAP, DirectReader, DiskLayer, Span
 
-REQUEST_BYTES = 256 * 1024
+REQUEST_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)

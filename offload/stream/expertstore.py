@@ -34,8 +34,8 @@ Contract:
   (a hit: it becomes the most recently used), else its spans read by `reader` (storage.DirectReader) into
   the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
   also added to `stats.streamed_bytes_per_pass` when the model sets `stats`. `stream(layer, es)` fetches
-  each of `es` in order, the next one read by a worker thread while the caller computes the current one
-  (a cache of one expert: one at a time); `close()` stops that thread and closes the files. Per pass, by its
+  each of `es` in order, read by a worker thread up to `capacity` - 1 experts ahead of the one the caller
+  computes (a cache of one expert: one at a time); `close()` stops that thread and closes the files. Per pass, by its
   size: where `es` would make enough misses in the next layer holding experts apart (after the last, the next
   pass's first) for expertbulk.worth_whole (`whole_from[layer]` misses), that layer's experts are read whole,
   in as few requests as the file allows (expertbulk.layer_spans), by a second thread while this layer computes
@@ -52,7 +52,7 @@ Contract:
 from __future__ import annotations
 
 import ctypes
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -288,9 +288,9 @@ class ExpertStore:
         return dest, d.layout, True
 
     def stream(self, layer: int, es: list[int]):
-        """fetch(layer, e) for each of `es` in order, the next one read by a worker thread while the caller
-        computes this one (the cache then holds both: the one being read evicts another, never this one, the most
-        recently used); a cache of one expert reads them one at a time."""
+        """fetch(layer, e) for each of `es` in order, read by a worker thread up to `capacity` - 1 experts ahead of
+        the one the caller computes (the reads ahead are the most recently used: they evict others, never it); a
+        cache of one expert reads them one at a time. First, the layer's whole read (see the contract)."""
         if self.capacity < 2 or len(es) < 2:
             yield from (self.fetch(layer, e) for e in es)
             return
@@ -301,15 +301,17 @@ class ExpertStore:
             self.whole.submit(nxt, self.layer_reads[nxt])
             self.layers_read_whole += 1
             self._count(self.layer_reads[nxt].needed)
-        ahead = self._worker.submit(self.fetch, layer, es[0], whole)
+        depth = min(len(es), self.capacity - 1)
+        ahead = deque(self._worker.submit(self.fetch, layer, e, whole) for e in es[:depth])
         try:
             for k in range(len(es)):
-                got = ahead.result()
-                ahead = self._worker.submit(self.fetch, layer, es[k + 1], whole) if k + 1 < len(es) else None
+                got = ahead.popleft().result()
+                if k + depth < len(es):
+                    ahead.append(self._worker.submit(self.fetch, layer, es[k + depth], whole))
                 yield got
         finally:
-            if ahead is not None:
-                ahead.result()  # a stream left early: its last read lands before the slot is reused
+            for f in ahead:
+                f.result()  # a stream left early: its reads land before their slots are reused
 
     def close(self) -> None:
         """Stop the read-ahead thread and close the files (idempotent)."""
