@@ -132,6 +132,38 @@ def test_split_equals_hf_and_whole_layers(family):
     assert greedy_layers(target) == want, name
 
 
+def test_rows_move_once_per_layer(family, monkeypatch):
+    """Per sparse block and pass the inner experts run twice at most: once on the device over the pass's rows (the
+    cached experts' pairs), once on the CPU over exactly the rows routed to some RAM or disk expert."""
+    name, target, _ = family
+    calls, forward = [], ExpertList.forward
+
+    def recording(self, hidden, top_k_index, top_k_weights):
+        calls.append((id(self), hidden.shape[0], top_k_index.clone()))
+        return forward(self, hidden, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(ExpertList, "forward", recording)
+    m = load(target)
+    try:
+        blocks = {id(layer.mlp.experts.inner): layer.mlp.experts for layer in m.layers if hasattr(layer.mlp, "experts")}
+        n = 7
+        m(input_ids=torch.tensor([make_tokenizer()(PROMPT)["input_ids"][:n]]))
+        for key, block in blocks.items():
+            mine = [(rows, idx) for k, rows, idx in calls if k == key]
+            assert len(mine) == 2 and mine[0][0] == n, (name, [r for r, _ in mine])  # the device's, then the CPU's
+            device_idx, cpu_idx = mine[0][1], mine[1][1]
+            e = block.num_experts
+            cached = block.on_device[:e].nonzero()[:, 0].tolist()
+            assert set(device_idx[device_idx < e].tolist()) <= set(cached)  # the device computes cached experts only
+            assert not set(cpu_idx[cpu_idx < e].tolist()) & set(cached)  # the CPU everything else
+            away = (device_idx == e).any(-1)  # rows with a slot marked for elsewhere (E: never a routed id)
+            assert mine[1][0] == int(away.sum()) and (cpu_idx < e).any(-1).all(), name
+            # each slot computes on exactly one side
+            assert torch.equal((cpu_idx < e), (device_idx[away] == e)), name
+    finally:
+        m.close()
+
+
 def test_loader_follows_the_plans_ids(family):
     """A plan's tier ids (not the even order: the highest ids cached) are where the loader puts the experts."""
     from offload import OffloadedCausalLM
