@@ -212,6 +212,12 @@ def test_plan_chooses_the_split_and_says_it_runs(tmp_path):
         assert sum(map(len, ex[f"{tier}_ids"])) == ex[f"{tier}_experts"], tier
     homes = sorted((i, x) for t in ("gpu", "ram", "disk") for i, xs in enumerate(ex[f"{t}_ids"]) for x in xs)
     assert homes == [(i, x) for i in range(layers) for x in range(e)]
+    assert "expert_staging" not in ex["device_bytes"] and ex["cache_experts"] == 0  # nothing on disk, no cache
+    small = plan_memory(ck, None, replace(req, ram_free=16 * GB)).experts  # some experts on disk
+    eb = ex["expert_bytes"][0]
+    assert small["mode"] == "split" and small["disk_experts"] > 0 and small["cache_experts"] == e
+    assert small["host_bytes"] == {"experts_ram": small["ram_experts"] * eb, "expert_cache": e * eb}
+    assert sum(small["host_bytes"].values()) <= 0.8 * 16 * GB
     note = next(n for n in plan.notes if "experts split" in n)
     assert "run" in note and "planned only" not in note, note
     counts = [1000 if x % 16 == 3 else 1 for x in range(e * layers)]

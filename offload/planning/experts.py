@@ -29,13 +29,12 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   the layer before it.
   "split" (CUDA, when something of the whole-layer plan streams and the split models faster, as
   llama.cpp's --cpu-moe / --n-cpu-moe and ktransformers do): every layer's dense part resident on the
-  card, a GPU expert cache of `gpu_experts` experts (of every sparse layer's) in the device memory left (the
-  hottest first once routing is measured; evenly under the uniform prior), the other experts in RAM
-  up to the RAM budget, then on disk; which ones: `gpu_ids`, `ram_ids`, `disk_ids` (per layer its expert ids,
-  stream/splitexperts.tier_order: the hottest first by measured routing, else evenly, lowest ids first), what
-  the loader places. Per pass the routed experts not cached run on the CPU from where they live (only the
-  routed experts' rows are read; the disk tier's read once routed): the loader runs no other path, so the
-  model prices no other (no streaming of routed experts to the card; `expert_staging` stays reserved).
+  card, a GPU expert cache of `gpu_experts` experts in the device memory left, the other experts in RAM up to
+  the RAM budget, then on disk (`gpu_ids`, `ram_ids`, `disk_ids`: per layer its ids, splitexperts.tier_order:
+  the hottest first by measured routing, else evenly; the loader places them so); the disk tier's RAM cache
+  holds one layer's experts (`cache_experts`, host "expert_cache"). Per pass the routed experts not cached run
+  on the CPU where they live (only their rows read; the disk tier's read once routed): the loader runs no
+  other path, so the plan prices and reserves no other (no streaming of routed experts to the card).
   "layers": the plan's own whole-layer placement; a layer computes only its routed experts
   (arch/moe.ExpertList runs the experts some token hit), while a streamed layer moves all of them.
   `runs` says the loader realizes the mode: every mode runs (experts="auto" follows the plan's).
@@ -155,7 +154,7 @@ def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict 
     fixed = {k: v for k, v in plan.device_bytes.items() if k not in drop}
     sparse = [i for i, b in enumerate(shape.expert_bytes) if b]
     eb = max(shape.expert_bytes)
-    dev = {**fixed, "attention_shared": sum(shape.dense_bytes), "expert_staging": 2 * shape.top_k * eb}
+    dev = {**fixed, "attention_shared": sum(shape.dense_bytes)}
     margin = cuda_margin(dev, True)
     room = plan.device_capacity - sum(dev.values()) - margin
     if room < 0:
@@ -165,11 +164,16 @@ def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict 
     dev["expert_cache"] = cached * eb
     dev["cuda_context"] = margin + int(STATIC_SLACK * dev["expert_cache"])
     other_host = sum(v for k, v in plan.host_bytes.items() if k not in ("ram_layers", "stage_buffers", "read_buffers"))
-    ram = min(total - cached, max(0, ram_cap(req) - other_host) // eb)
+    room_host = max(0, ram_cap(req) - other_host)
+    ram = min(total - cached, room_host // eb)
+    if ram < total - cached:  # some on disk: their RAM cache (one layer's experts) comes out of the RAM tier's room
+        ram = min(total - cached, max(0, room_host - shape.experts * eb) // eb)
+    cache = min(shape.experts, total - cached - ram)
     ids = tier_ids(tier_order(sparse, shape.experts, routing), len(shape.expert_bytes), cached, ram)
     return dict(
         device_bytes=dev,
-        host_bytes={"experts_ram": ram * eb},
+        host_bytes={"experts_ram": ram * eb, "expert_cache": cache * eb},
+        cache_experts=cache,
         disk_bytes=(total - cached - ram) * eb,
         gpu_experts=cached,
         ram_experts=ram,

@@ -191,11 +191,13 @@ def experts_table(ex: dict):
         dev, n = ex["device_bytes"], ex["gpu_experts"] + ex["ram_experts"] + ex["disk_experts"]
         table.add_row("attention+shared (every layer)", "cuda", "", _gb(dev["attention_shared"]))
         table.add_row("expert cache (hottest first)", "cuda", f"{ex['gpu_experts']} of {n}", _gb(dev["expert_cache"]))
-        table.add_row("expert staging", "cuda", f"{2 * ex['top_k']}", _gb(dev["expert_staging"]))
         table.add_row(
             "experts computed on the CPU", "ram", str(ex["ram_experts"]), _gb(ex["host_bytes"]["experts_ram"])
         )
         table.add_row("experts read when routed", "disk", str(ex["disk_experts"]), _gb(ex["disk_bytes"]))
+        if ex.get("cache_experts"):
+            cache = _gb(ex["host_bytes"]["expert_cache"])
+            table.add_row("their RAM cache (most recently used)", "ram", str(ex["cache_experts"]), cache)
     if held:
         n = ex["ram_experts"] + ex["disk_experts"]
         table.add_row("experts in their layers (resident, RAM)", "ram", f"{ex['ram_experts']} of {n}", "")
