@@ -309,3 +309,12 @@ def test_gguf_gpt_oss_split_equals_transformers(built, kind):  # noqa: F811
         assert greedy(m) == want, kind
     finally:
         m.close()
+
+
+def test_split_of_a_dense_model_is_one_error(tiny_pair):
+    """experts="split" names what it needs where the model has no routed experts."""
+    from offload import OffloadedCausalLM
+    from offload.errors import OffloadError
+
+    with pytest.raises(OffloadError, match="mixture-of-experts"):
+        OffloadedCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32, experts="split", expert_cache=2)

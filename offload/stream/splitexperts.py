@@ -9,7 +9,10 @@ Contract:
   first); ties keep that even order. `tier_ids(order, n_layers, gpu, ram)` -> per tier ("gpu", "ram", "disk") a
   list of n_layers sorted id lists: the first `gpu` pairs cached on the device, the next `ram` in RAM, the rest on
   disk. The planner writes them into plan.experts (`gpu_ids`, `ram_ids`, `disk_ids`), the loader follows them.
-- `load_split(index, layers, specs, device, pool, ids, reader)` -> SplitExperts: per sparse layer its experts'
+- `split_ids(memplan, specs, index, cache, ram_room, e)`: the loader's tiers: the plan's ids where it has them
+  and `cache` is None, else `cache` experts on the device and what `ram_room` host bytes hold in RAM, in
+  tier_order's even order, the rest on disk (OffloadError for a model without routed experts).
+- `load_split(index, specs, device, pool, ids, reader)` -> SplitExperts: per sparse layer its experts'
   parameters (per-expert tensors, or row e of fused ones: expertstore.expert_layers' spans) read once into a
   device buffer (gpu tier, the pool's "expert_cache") or a host buffer (ram tier, `host_pool`'s "experts_ram"),
   each in its packed compute layout; the disk tier in an ExpertStore (its RAM cache: one layer's experts) whose
