@@ -9,7 +9,8 @@ without llama.cpp). Checked, with every tier non-empty: greedy ids equal transfo
 streaming's (`experts="layers"`; gpt-oss bf16: whole layers' only); no layer streams (the plan streams
 none, and a pass's streamed bytes are exactly the disk-tier experts' spans the store read); the device-cached
 experts' weights lie in the device pool's "expert_cache" buffers and on the model's device, the others' on the
-CPU; a memory plan's tier ids are what the loader places. The planner (a CUDA request planned on this machine,
+CPU; rows move to the CPU once per layer; a memory plan's tier ids are what the loader places; `ar` and specexec
+with a draft, through the engine, give transformers' ids. The planner (a CUDA request planned on this machine,
 tests/test_moe_plan.py's sparse Qwen3-30B-A3B) chooses the split with `runs` true, its ids one home per expert
 (the hottest first with measured routing), and the dry-run notes say it runs.
 """
@@ -318,3 +319,23 @@ def test_split_of_a_dense_model_is_one_error(tiny_pair):
 
     with pytest.raises(OffloadError, match="mixture-of-experts"):
         OffloadedCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32, experts="split", expert_cache=2)
+
+
+def test_engine_ar_and_specexec_with_the_split(family, tmp_path):
+    """`ar` and specexec with a draft (a low-noise copy of the target), through the engine, the target split."""
+    from specexec_cli.session.loading import LoadOptions, load_models
+    from tests.test_moe_families import _decode
+
+    name, target, want = family
+    draft = make_moe(name, tmp_path / "draft", seed=4, noise_from=target, noise=0.05)
+    m = load_models(LoadOptions(str(target), str(draft), dtype="fp32", device="cpu", offload="disk", ctx=256))
+    m.target.close()
+    m.target = load(target)
+    try:
+        m.eos_ids = frozenset()
+        assert _decode(m, "ar")[0] == want, name
+        got, per_pass = _decode(m, "specexec")
+        assert got == want and max(per_pass) >= 3, (name, per_pass)
+        assert m.target.experts.reads > 0
+    finally:
+        m.target.close()
