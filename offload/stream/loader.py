@@ -196,15 +196,15 @@ def load_weights(
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
     # nf4: only the packed weights stream; the small rest is pinned on the device once.
     specs = [[sp for sp in s if sp.nf4 or not nf4] for s in all_specs]
-    split = subset is None and wants_split(experts, memplan)
-    if split:  # the layers hold their dense parts only (resident), the experts their tiers (splitexperts.py)
+    splitting = subset is None and wants_split(experts, memplan)
+    if splitting:  # the layers hold their dense parts only (resident), the experts their tiers (splitexperts.py)
         specs = [[sp for sp in s if not is_expert(sp.name)] for s in all_specs]
     pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
     layouts = [packed_layout(s) for s in specs]
     files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s}) for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes if subset is None or i in subset.layers else 0 for i, lay in enumerate(layouts)]
-    if split:
+    if splitting:
         plan, room = OffloadPlan(list(range(len(layers))), [], [], [], layer_bytes, slots, 0, 0), None
     elif memplan is not None:
         plan, room = _from_memplan(memplan, layer_bytes, slots), None
@@ -254,9 +254,10 @@ def load_weights(
     if disk:
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
-    if split:
+    split = None
+    if splitting:
         host = max_host if max_host is not None else 0 if offload == "disk" else int(free_ram * AUTO_RAM_FRACTION)
-        e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+        e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
         split = load_split(
             index, all_specs, device, pool, split_ids(memplan, all_specs, index, expert_cache, host, e), reader
         )
@@ -279,9 +280,7 @@ def load_weights(
         for state in states.values():
             _own_quant_state(state, pool)
     plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots", "expert_cache"))
-    return LoadedWeights(
-        embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held, split or None
-    )
+    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held, split)
 
 
 def _dense_auto(

@@ -62,7 +62,7 @@ def tier_order(layers: list[int], e: int, counts: list[int] | None = None) -> li
 
 def tier_ids(order: list[tuple[int, int]], n_layers: int, gpu: int, ram: int) -> dict[str, list[list[int]]]:
     """{tier: per layer its sorted expert ids}: the first `gpu` of `order` on the device, the next `ram` in RAM."""
-    out = {t: [[] for _ in range(n_layers)] for t in TIERS}
+    out: dict[str, list[list[int]]] = {t: [[] for _ in range(n_layers)] for t in TIERS}
     for r, (i, x) in enumerate(order):
         out["gpu" if r < gpu else "ram" if r < gpu + ram else "disk"][i].append(x)
     for ids in out.values():
