@@ -70,8 +70,9 @@ def measure(args) -> dict:
     for n in args.tokens:
         row = dict(tokens=n)
         for mode, key in (("auto", "apart"), ("layers", "layers")):
-            ms, nbytes = zip(*samples[(mode, n)])
+            ms, nbytes, whole = zip(*samples[(mode, n)])
             row[f"{key}_ms"], row[f"{key}_mb"] = statistics.median(ms), statistics.median(nbytes) / 1e6
+            row[f"{key}_whole"] = statistics.median(whole)  # layers whose experts a pass read whole, ahead
         cells.append(row)
         print(json.dumps(row), flush=True)
     store = models["auto"].experts

@@ -14,6 +14,9 @@ Contract (used by stream/expertstore.ExpertStore; priced by planning/expertcost.
   the layer before while the routed experts' reads wait after the router; its gpt-oss then reads a layer whole
   from 3 routed experts of 24 (the plan, pricing a request per fused tensor: 4), its Qwen3-MoE from 20,
   gpt-oss-120b's 128 experts of 13 MB from about 100).
+- `whole_from(read, experts, i, request_bytes)`: the fewest routed experts for which layer i is read whole;
+  `param_offsets(d, landing)`: where an expert's parameters sit in its layer's whole read (a repack reads them
+  there, the reader thread copying nothing twice).
 - `WholeReads(reader, nbytes)`: two buffers of the largest layer's `nbytes` (allocated on first use), one thread.
   `submit(layer, read)` reads `read`'s spans into the buffer the layer last given out does not hold, on that
   thread (only preadv: no torch op there, whose OpenMP team would spin beside the compute), and returns nothing;
@@ -76,6 +79,28 @@ def worth_whole(
 ) -> bool:
     """A layer's experts read whole rather than d of them one by one (see the contract)."""
     return d * (expert_reads * request_bytes + expert_bytes) >= whole_reads * request_bytes + whole_bytes
+
+
+def whole_from(read: LayerRead, experts: dict[tuple[int, int], DiskLayer], i: int, request_bytes: int) -> int:
+    """The fewest routed experts of layer i for which it is worth reading whole (`worth_whole`, its experts'
+    largest request count and mean bytes against `read`'s); more than it holds: never."""
+    mine = [d for (li, _), d in experts.items() if li == i]
+    reads = max(len(d.spans) for d in mine)
+    nbytes = sum(s.needed for d in mine for s in d.spans) // len(mine)
+    fits = (
+        n for n in range(1, len(mine) + 1) if worth_whole(n, reads, nbytes, len(read.spans), read.needed, request_bytes)
+    )
+    return next(fits, len(mine) + 1)
+
+
+def param_offsets(d: DiskLayer, landing: list[tuple[int, Span]]) -> dict[str, int]:
+    """Where each of expert `d`'s parameters (its file layout) sits in its layer's whole read (`landing`: its
+    spans' places, `layer_spans`)."""
+    out = {}
+    for name, sl in d.raw.slices.items():
+        off, span = next((o, s) for o, s in landing if s.buf_offset <= sl.offset < s.buf_offset + s.length)
+        out[name] = off + sl.offset - span.buf_offset
+    return out
 
 
 class WholeReads:

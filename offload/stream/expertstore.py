@@ -35,14 +35,15 @@ Contract:
   the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
   also added to `stats.streamed_bytes_per_pass` when the model sets `stats`. `stream(layer, es)` fetches
   each of `es` in order, read by a worker thread up to `capacity` - 1 experts ahead of the one the caller
-  computes (a cache of one expert: one at a time); `close()` stops that thread and closes the files. Per pass, by its
-  size: where `es` would make enough misses in the next layer holding experts apart (after the last, the next
-  pass's first) for expertbulk.worth_whole (`whole_from[layer]` misses), that layer's experts are read whole,
-  in as few requests as the file allows (expertbulk.layer_spans), by a second thread while this layer computes
-  (`layers_read_whole` counts them; their bytes count when submitted), into one of two buffers of a layer's
-  expert bytes (allocated on first use: memory beyond the cache), and that layer's misses copy their spans out
-  of it instead of reading them; small passes read only their routed experts. The reader threads run no torch
-  kernel: a repack copies with memmove (`_repack`).
+  computes (a cache of one expert: one at a time); `close()` stops the threads and closes the files. Per pass,
+  by its size: where `es` would make enough misses in the next layer holding experts apart (after the last, the
+  next pass's first; misses: d x the share of its experts not cached, at most `capacity` - d surviving) for
+  expertbulk.worth_whole (`whole_from[layer]`), that layer's experts are read whole, in as few requests as the
+  file allows (expertbulk.layer_spans), by a second thread while this layer computes (`layers_read_whole`
+  counts them; their bytes count when submitted), into one of two buffers of a layer's expert bytes (allocated
+  on first use: memory beyond the cache), and that layer's misses are copied (repacked) out of it instead of
+  read; small passes read only their routed experts. The reader threads run no torch kernel where they can
+  help it: a repack copies with memmove, bf16 -> fp32 by a shift (`_repack`).
   `attach(i, layer, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
   parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there);
   fused experts (arch/gptoss_experts.RoutedExperts, which replaces transformers' GptOssExperts there) get a
@@ -65,7 +66,7 @@ from offload.arch.moe import MOE_FAMILIES, ExpertList
 from offload.errors import OffloadError
 from offload.formats.st_index import TensorEntry
 from offload.stream.devmem import DevicePool
-from offload.stream.expertbulk import REQUEST_BYTES, WholeReads, layer_spans, worth_whole
+from offload.stream.expertbulk import REQUEST_BYTES, WholeReads, layer_spans, param_offsets, whole_from
 from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
 from offload.stream.storage import (
     MERGE_GAP,
@@ -201,37 +202,23 @@ def cache_capacity(per_layer: int, on_disk: int, slot: int, room: int | None) ->
     return min(on_disk, max(per_layer, fit))
 
 
-def _repack(d: DiskLayer, raw: torch.Tensor, dest: torch.Tensor) -> None:
-    """Expert `d`'s parameters from its file layout in `raw` into its compute layout in `dest`, without a torch
-    kernel where possible: the reader thread runs this beside the compute, and a torch copy there starts an
-    OpenMP team of its own whose threads spin on the cores the compute uses. Same dtype: a memmove (ctypes
-    releases the GIL); bf16 -> fp32: the 16 bits shifted into the high half of 32 (exact; numpy releases the
-    GIL); any other cast: torch."""
+def _repack(d: DiskLayer, raw: torch.Tensor, dest: torch.Tensor, at: dict[str, int] | None = None) -> None:
+    """Expert `d`'s parameters from its file layout in `raw` (parameter p at `at[p]`, else at its d.raw offset)
+    into its compute layout in `dest`, without a torch kernel where possible: the reader thread runs this beside
+    the compute, and a torch copy there starts an OpenMP team of its own whose threads spin on the cores the
+    compute uses. Same dtype: a memmove (ctypes releases the GIL); bf16 -> fp32: the 16 bits shifted into the
+    high half of 32 (exact; numpy releases the GIL); any other cast: torch."""
     for sp in d.specs:
         src, dst = d.raw.slices[sp.name], d.packed.slices[sp.name]
+        o = src.offset if at is None else at[sp.name]
         if src.dtype == dst.dtype:
-            ctypes.memmove(dest.data_ptr() + dst.offset, raw.data_ptr() + src.offset, src.nbytes)
+            ctypes.memmove(dest.data_ptr() + dst.offset, raw.data_ptr() + o, src.nbytes)
         elif src.dtype == torch.bfloat16 and dst.dtype == torch.float32:
-            bits = raw[src.offset : src.offset + src.nbytes].numpy().view(np.uint16)
+            bits = raw[o : o + src.nbytes].numpy().view(np.uint16)
             out = dest[dst.offset : dst.offset + dst.nbytes].numpy().view(np.uint32)
             np.left_shift(bits, 16, out=out, dtype=np.uint32)
         else:
-            store_param(d.raw.view(raw, sp.name), sp, d.packed.view(dest, sp.name))
-
-
-def _whole_from(read, experts: dict[tuple[int, int], DiskLayer], i: int, request_bytes: int) -> int:
-    """The fewest routed experts for which layer i is worth reading whole (expertbulk.worth_whole)."""
-    mine = [d for (li, _), d in experts.items() if li == i]
-    reads = max(len(d.spans) for d in mine)
-    nbytes = sum(s.needed for d in mine for s in d.spans) // len(mine)
-    return next(
-        (
-            n
-            for n in range(1, len(mine) + 1)
-            if worth_whole(n, reads, nbytes, len(read.spans), read.needed, request_bytes)
-        ),
-        len(mine) + 1,
-    )
+            store_param(raw[o : o + src.nbytes].view(src.dtype).view(src.shape), sp, d.packed.view(dest, sp.name))
 
 
 class ExpertStore:
@@ -255,7 +242,8 @@ class ExpertStore:
         self._worker: ThreadPoolExecutor | None = None  # stream's read-ahead thread, started on first use
         # a layer read whole, ahead, when the layer before routed to many experts (offload/stream/expertbulk.py)
         self.layer_reads, self._landing = layer_spans(experts)
-        self.whole_from = {i: _whole_from(r, experts, i, request_bytes) for i, r in self.layer_reads.items()}
+        self._whole_at = {k: param_offsets(d, self._landing[k]) for k, d in experts.items() if d.repack}
+        self.whole_from = {i: whole_from(r, experts, i, request_bytes) for i, r in self.layer_reads.items()}
         self.whole = WholeReads(reader, max(r.nbytes for r in self.layer_reads.values()))
         self.layers_read_whole = 0
         self.per_layer = {i: sum(1 for li, _ in experts if li == i) for i in self.layer_reads}
@@ -275,14 +263,16 @@ class ExpertStore:
         self.lru[key] = s
         dest = self._buf(s)
         target = self.scratch if d.repack else dest
-        if whole is not None:  # the spans as a read of this expert alone lands them, from the layer's buffer
+        if whole is not None:  # from the layer's whole read: its parameters, or its spans as they would land
             whole[0].result()
-            for off, span in self._landing[key]:
-                ctypes.memmove(target.data_ptr() + span.buf_offset, whole[1].data_ptr() + off, span.length)
+            if d.repack:
+                _repack(d, whole[1], dest, self._whole_at[key])
+            for off, span in self._landing[key] if not d.repack else ():
+                ctypes.memmove(dest.data_ptr() + span.buf_offset, whole[1].data_ptr() + off, span.length)
         for span in d.spans if whole is None else ():
             self.reader.read_span(span, target)
             self._count(span.length)
-        if d.repack:
+        if d.repack and whole is None:
             _repack(d, target, dest)
         self.reads += 1
         return dest, d.layout, True
