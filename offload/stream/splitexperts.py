@@ -198,16 +198,20 @@ class SplitBlock(nn.Module):
         self.on_device, self.any_cached = on.to(device), bool(cached)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        e = self.num_experts
+        e, cpu = self.num_experts, torch.device("cpu")
         here = self.on_device[top_k_index]  # (T, K): the pair's expert is cached on the device
+        # the CPU's inputs first (their copy waits for the router only), so that the cached experts' kernels,
+        # queued next, run on a card while the CPU computes the rest
+        rows = (~here).any(-1).nonzero()[:, 0]  # tokens routed to some RAM or disk expert
+        away = None
+        if rows.numel():
+            idx = torch.where(here[rows], e, top_k_index[rows]).to(cpu)
+            away = (hidden[rows].to(cpu), idx, top_k_weights[rows].to(cpu))
         if self.any_cached:
             out = self.inner(hidden, torch.where(here, top_k_index, e), top_k_weights)
         else:
             out = torch.zeros_like(hidden)
-        rows = (~here).any(-1).nonzero()[:, 0]  # tokens routed to some RAM or disk expert
-        if rows.numel():
-            cpu = torch.device("cpu")
-            idx = torch.where(here[rows], e, top_k_index[rows]).to(cpu)
-            y = self.inner(hidden[rows].to(cpu), idx, top_k_weights[rows].to(cpu))  # (r, H) on the CPU
+        if away is not None:
+            y = self.inner(*away)  # (r, H) on the CPU
             out.index_add_(0, rows, y.to(out.device, out.dtype))
         return out
