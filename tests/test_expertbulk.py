@@ -45,3 +45,16 @@ def test_apart_price_reads_whole_only_where_the_rule_does():
     assert abs(apart_seconds(ex, 0, n, dev, 4) - want) < 1e-12
     assert apart_seconds(ex, 0, n, dev, 4) < r + (d - 1) * max(r, t) + t  # cheaper than one by one
     assert apart_seconds(_ex(1), 0, n, dev, 4) == d * r + d * t  # a one-expert cache reads one at a time
+
+
+def test_one_token_prices_its_routed_reads_even_where_a_whole_read_would_pay():
+    """Plain decoding keeps its routed reads (the store reads whole only past one token's top-k): 2 of 4 experts
+    of 1 MB in six requests each would be worth a whole read by the rule, and a one-token pass is still priced
+    one by one."""
+    dev = device_of(PlanRequest(device="cpu", dtype="fp32", draft_dtype=None, ram_free=1 << 34))
+    ex = {**_ex(4), "experts": 4, "expert_bytes": [1 << 20], "expert_weights": [1 << 18]}
+    assert worth_whole(2, 6, 1 << 20, 6, 4 << 20, REQUEST_BYTES)
+    r, t = read_seconds(ex, 0, dev), compute_seconds(ex, 0, 1, dev, 4)
+    assert abs(apart_seconds(ex, 0, 1, dev, 4) - (r + max(r, t) + t)) < 1e-12
+    w = 6 * dev.disk_read_s + 4 * (1 << 20) / dev.disk_bps
+    assert apart_seconds(ex, 0, 2, dev, 4) >= w  # two tokens: read whole

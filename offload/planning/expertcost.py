@@ -19,11 +19,12 @@ Contract (pure arithmetic over plan.experts, planning/experts.py, and a passcost
   the next expert while the current one computes): r + (m - 1) x max(r, t) + t + (d - m) x t (the first read
   waits, every later one hides behind the compute before it or the compute behind it); without: m x r + d x t.
   None of it overlaps the layer's own attention and router (the router chooses first), nor the next layer.
-  Unless the pass routes to many experts: where the misses are worth a whole read (stream/expertbulk.worth_whole,
-  THE rule the store applies, at its REQUEST_BYTES), the store reads the layer's experts whole (one request per
-  expert span at most: a fused tensor, or per-expert tensors merged) while the layer before computes, and each
-  miss is copied out of that read: max(w, d x t) + m x 2 x bytes / memory bandwidth, w = the whole read's
-  requests x disk_read_s + E x bytes / disk_bps, the layer before's compute taken as this layer's (layers alike).
+  Unless the pass routes to many experts: for a pass of more than one token whose misses are worth a whole
+  read (stream/expertbulk.worth_whole, THE rule the store applies, at its REQUEST_BYTES), the store reads the
+  layer's experts whole (one request per expert span at most: a fused tensor, or per-expert tensors merged)
+  while the layer before computes, and copies each miss out of that read (its bytes read and written):
+  max(w, d x t) + m x 2 x bytes / memory bandwidth, w = the whole read's requests x disk_read_s + E x bytes /
+  disk_bps, the layer before's compute taken as this layer's (layers alike).
 - `transfer_seconds(nbytes, reads, rate, dev)`: a streamed part of a layer (a whole layer, or the dense part
   of one holding its experts apart): bytes / rate plus, from disk, `reads` requests x disk_read_s. The stream
   reads it while the previous layer computes (passcost's max(transfer, compute) per layer).
@@ -65,7 +66,7 @@ def apart_seconds(ex: dict, i: int, n: int, dev, c: int) -> float:
     if ex.get("cache_experts", 0) < 2 or m < 1.0:  # one at a time (or at most one read: nothing to overlap)
         return m * r + d * t
     reads, eb, e = ex["expert_reads"][i], ex["expert_bytes"][i], ex["experts"]
-    if worth_whole(m, reads, eb, reads, e * eb, REQUEST_BYTES):  # read whole, ahead, while the layer before computes
+    if n > 1 and worth_whole(m, reads, eb, reads, e * eb, REQUEST_BYTES):  # whole, ahead, beside the layer before
         w = reads * dev.disk_read_s + e * eb / dev.disk_bps
         return max(w, d * t) + m * 2.0 * eb / dev.memory_bps
     return r + (m - 1.0) * max(r, t) + t + (d - m) * t

@@ -29,15 +29,16 @@ Contract:
   there); `cache_capacity(per_layer, on_disk, slot, room)`: experts the cache holds: what `room` bytes
   hold (None: nothing beyond the minimum), at least one layer's experts (a pass may route to all of them),
   at most every expert on disk.
-- `ExpertStore(reader, experts {(layer, e): DiskLayer}, capacity, pool)`: one pool buffer
+- `ExpertStore(reader, experts {(layer, e): DiskLayer}, capacity, pool, request_bytes, top_k)`: one pool buffer
   ("expert_cache") of `capacity` slots. `fetch(layer, e)` -> (buffer, layout): a cached expert as it is
   (a hit: it becomes the most recently used), else its spans read by `reader` (storage.DirectReader) into
   the least recently used slot. Counters: `reads`, `hits`, `bytes_read` (file bytes of the spans read),
   also added to `stats.streamed_bytes_per_pass` when the model sets `stats`. `stream(layer, es)` fetches
   each of `es` in order, read by a worker thread up to `capacity` - 1 experts ahead of the one the caller
   computes (a cache of one expert: one at a time); `close()` stops the threads and closes the files. Per pass,
-  by its size: where `es` would make enough misses in the next layer holding experts apart (after the last, the
-  next pass's first; misses: d x the share of its experts not cached, at most `capacity` - d surviving) for
+  by its size: where `es` holds more than one token's `top_k` experts (plain decoding keeps its routed reads)
+  and would make enough misses in the next layer holding experts apart (after the last, the next pass's first;
+  misses: d x the share of its experts not cached, at most `capacity` - d of them surviving) for
   expertbulk.worth_whole (`whole_from[layer]`), that layer's experts are read whole, in as few requests as the
   file allows (expertbulk.layer_spans), by a second thread while this layer computes (`layers_read_whole`
   counts them; their bytes count when submitted), into one of two buffers of a layer's expert bytes (allocated
@@ -189,7 +190,8 @@ def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool
     if capacity is None:
         per_layer = 1 + max(e for _, e in held)
         capacity = cache_capacity(per_layer, len(held), slot_bytes(held.values()), room)
-    return dense, ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), held, capacity, pool)
+    k = int(getattr(config, "num_experts_per_tok", None) or 1)
+    return dense, ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), held, capacity, pool, top_k=k)
 
 
 def slot_bytes(experts) -> int:
@@ -229,6 +231,7 @@ class ExpertStore:
         capacity: int,
         pool: DevicePool,
         request_bytes: int = REQUEST_BYTES,
+        top_k: int = 1,
     ):
         self.reader, self.experts = reader, experts
         self.capacity = max(1, min(capacity, len(experts)))
@@ -245,7 +248,7 @@ class ExpertStore:
         self._whole_at = {k: param_offsets(d, self._landing[k]) for k, d in experts.items() if d.repack}
         self.whole_from = {i: whole_from(r, experts, i, request_bytes) for i, r in self.layer_reads.items()}
         self.whole = WholeReads(reader, max(r.nbytes for r in self.layer_reads.values()))
-        self.layers_read_whole = 0
+        self.layers_read_whole, self.top_k = 0, top_k
         self.per_layer = {i: sum(1 for li, _ in experts if li == i) for i in self.layer_reads}
         held = sorted(self.layer_reads)  # the next layer holding experts apart; after the last, the next pass's first
         self.next_layer = dict(zip(held, held[1:] + held[:1]))
@@ -287,7 +290,7 @@ class ExpertStore:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="specx-experts")
         whole, nxt = self.whole.take(layer), self.next_layer[layer]
-        if self._misses(nxt, len(es)) >= self.whole_from[nxt]:  # many routed here: likely there too
+        if len(es) > self.top_k and self._misses(nxt, len(es)) >= self.whole_from[nxt]:  # many here: there too
             self.whole.submit(nxt, self.layer_reads[nxt])
             self.layers_read_whole += 1
             self._count(self.layer_reads[nxt].needed)
