@@ -40,6 +40,9 @@ def test_dry_run_shows_the_expert_placement(moe, tmp_path):
     assert f"plain decoding {ex['tokens_per_second']:.2f} tok/s modelled" in out
     assert "not yet run" not in out and "prior" in out
     assert "nothing streams whole layers" in out  # the note: the loader runs the split
+    # the plan's own totals are the split's (what the loader allocates), not the whole-layer placement's
+    assert plan["device_bytes"] == ex["device_bytes"] and plan["host_bytes"]["experts_ram"] > 0
+    assert plan["streamed_layers"] == {"ram": 0, "disk": 0} and "layers: 48 resident, 0 from RAM" in out
 
 
 def test_dry_run_with_a_draft_prices_the_verify_pass_by_experts(moe, tmp_path):

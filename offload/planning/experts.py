@@ -298,7 +298,7 @@ def expert_plan(
     """plan.experts for this MoE checkpoint (see the contract); None for a dense model. `bits` / `dense_bits`:
     model the experts / the rest of each layer stored at that many bits per weight (moe_shape; a format
     the loader may not read: docs' comparisons with other programs' published runs)."""
-    shape = moe_shape(ck, lay, req, bits, dense_bits)
+    plan, shape = getattr(plan, "replaced", None) or plan, moe_shape(ck, lay, req, bits, dense_bits)  # split: whole
     if shape is None:
         return None
     dev, a, c = device_of(req), arch_of(ck.config), compute_bytes(req)

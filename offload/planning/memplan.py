@@ -28,7 +28,9 @@ Capacity: `--max-gpu-memory` when given, else the free memory the device reports
 "device" is host RAM, capped at RAM_FRACTION of available RAM, and host-tier layers share it.
 Layers stay resident while the whole plan fits, then go to RAM (up to --max-ram or what is
 left of RAM_FRACTION), then to disk. `fits` is False (with a one-line `reason` naming the fix)
-when even zero resident layers do not fit.
+when even zero resident layers do not fit. A mixture-of-experts target's "split" placement (CUDA,
+planning/experts.py), which the loader runs, replaces these totals with its own (`replaced` keeps them):
+every layer's dense part resident ("attention_shared"), the experts' device cache and RAM tier.
 """
 
 from __future__ import annotations
@@ -313,6 +315,18 @@ def _plan_chunk(
     return plan
 
 
+def _adopt_split(plan: MemoryPlan) -> None:
+    """The split placement's bytes as the plan's totals: every layer's dense part resident (no layer streams),
+    the experts' device cache and RAM tier as planning/experts.py sized them, the disk tier's routed experts
+    (top-k a token per sparse layer, their share on disk under the uniform prior) read per one-token pass."""
+    ex, plan.replaced = plan.experts, replace(plan)
+    host = {k: v for k, v in plan.host_bytes.items() if k not in ("ram_layers", "stage_buffers", "read_buffers")}
+    plan.device_bytes, plan.host_bytes = dict(ex["device_bytes"]), {**host, **ex["host_bytes"]}
+    plan.resident, plan.ram_layers, plan.disk_layers = list(range(len(plan.layer_bytes))), [], []
+    on_disk = ex["disk_experts"] / max(1, ex["gpu_experts"] + ex["ram_experts"] + ex["disk_experts"])
+    plan.disk_bytes_per_pass = int(ex["top_k"] * sum(ex["expert_bytes"]) * on_disk)
+
+
 def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) -> MemoryPlan:
     """The plan for these checkpoints and options; see the module docstring."""
     if req.offload not in ("none", "ram", "disk", "auto"):
@@ -350,6 +364,9 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
 
 
 def _with_machine(plan: MemoryPlan, req: PlanRequest) -> MemoryPlan:
+    if plan.experts and plan.experts["mode"] == "split":  # the loader runs the split: its bytes are the plan's
+        _adopt_split(plan)
+        plan.fits, plan.reason = verdict(plan, req)
     plan.machine = asdict(device_of(req))
     return plan
 

@@ -85,6 +85,7 @@ class MemoryPlan:
     dense_draft_layers: list[int] = field(default_factory=list)  # --draft self: substitutes dequantized once
     kernel: dict = field(default_factory=dict)  # memlayers.kernel_terms: what the GGUF CPU kernel multiplies packed
     experts: dict | None = None  # mixture of experts: planning/experts.expert_plan (placement, modelled speed)
+    replaced: MemoryPlan | None = None  # the whole-layer placement a split's bytes replaced (expert_plan's input)
 
     @property
     def device_total(self) -> int:
