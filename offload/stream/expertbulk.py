@@ -17,7 +17,8 @@ Contract (used by stream/expertstore.ExpertStore; priced by planning/expertcost.
 - `whole_from(read, experts, i, request_bytes)`: the fewest routed experts for which layer i is read whole;
   `param_offsets(d, landing)`: where an expert's parameters sit in its layer's whole read (a repack reads them
   there, the reader thread copying nothing twice).
-- `WholeReads(reader, nbytes)`: two buffers of the largest layer's `nbytes` (allocated on first use), one thread.
+- `WholeReads(reader, nbytes, alloc)`: two page-aligned buffers of the largest layer's `nbytes` (`alloc(nbytes)`
+  on first use; the store counts them as its pool's "expert_readahead"), one thread.
   `submit(layer, read)` reads `read`'s spans into the buffer the layer last given out does not hold, on that
   thread (only preadv: no torch op there, whose OpenMP team would spin beside the compute), and returns nothing;
   `take(layer)` -> (future, buffer) | None: the read submitted for `layer`, handed out once (its buffer stays
@@ -104,8 +105,8 @@ def param_offsets(d: DiskLayer, landing: list[tuple[int, Span]]) -> dict[str, in
 
 
 class WholeReads:
-    def __init__(self, reader: DirectReader, nbytes: int):
-        self.reader, self.nbytes = reader, nbytes
+    def __init__(self, reader: DirectReader, nbytes: int, alloc=aligned_empty):
+        self.reader, self.nbytes, self.alloc = reader, nbytes, alloc
         self.bufs: list[torch.Tensor] = []
         self.pending: dict[int, tuple[Future, int]] = {}  # layer -> (its read, buffer index)
         self.given: int | None = None  # buffer index last handed out by take
@@ -115,7 +116,7 @@ class WholeReads:
     def submit(self, layer: int, read: LayerRead) -> None:
         """Read `read` (layer's merged spans) into the buffer not handed out last (see the contract)."""
         if not self.bufs:
-            self.bufs = [aligned_empty(self.nbytes), aligned_empty(self.nbytes)]
+            self.bufs = [self.alloc(self.nbytes), self.alloc(self.nbytes)]
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="specx-experts-whole")
         b = 1 if self.given == 0 else 0
         for other in [k for k, (_, ob) in self.pending.items() if ob == b]:  # a read never taken: dropped

@@ -42,9 +42,9 @@ Contract:
   expertbulk.worth_whole (`whole_from[layer]`), that layer's experts are read whole, in as few requests as the
   file allows (expertbulk.layer_spans), by a second thread while this layer computes (`layers_read_whole`
   counts them; their bytes count when submitted), into one of two buffers of a layer's expert bytes (allocated
-  on first use: memory beyond the cache), and that layer's misses are copied (repacked) out of it instead of
-  read; small passes read only their routed experts. The reader threads run no torch kernel where they can
-  help it: a repack copies with memmove, bf16 -> fp32 by a shift (`_repack`).
+  on first use, the pool's "expert_readahead": memory beyond the cache), and that layer's misses are copied
+  (repacked) out of it instead of read; small passes read only their routed experts. The reader threads run no
+  torch kernel where they can help it: a repack copies with memmove, bf16 -> fp32 by a shift (`_repack`).
   `attach(i, layer, experts_module)` gives layer i's arch/moe.ExpertList a source that binds expert e's
   parameters to its slot before it computes (only a read re-binds: a hit's parameters still point there);
   fused experts (arch/gptoss_experts.RoutedExperts, which replaces transformers' GptOssExperts there) get a
@@ -247,7 +247,8 @@ class ExpertStore:
         self.layer_reads, self._landing = layer_spans(experts)
         self._whole_at = {k: param_offsets(d, self._landing[k]) for k, d in experts.items() if d.repack}
         self.whole_from = {i: whole_from(r, experts, i, request_bytes) for i, r in self.layer_reads.items()}
-        self.whole = WholeReads(reader, max(r.nbytes for r in self.layer_reads.values()))
+        nbytes = max(r.nbytes for r in self.layer_reads.values())
+        self.whole = WholeReads(reader, nbytes, lambda n: pool.alloc(n, "expert_readahead"))
         self.layers_read_whole, self.top_k = 0, top_k
         self.per_layer = {i: sum(1 for li, _ in experts if li == i) for i in self.layer_reads}
         held = sorted(self.layer_reads)  # the next layer holding experts apart; after the last, the next pass's first
