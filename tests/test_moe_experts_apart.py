@@ -195,6 +195,9 @@ def test_plan_says_on_demand_and_sizes_what_the_loader_allocates(family, monkeyp
     try:
         check_allocations(m, plan, name)
         assert _greedy(m) == want
+        # the prompt's prefill read layers whole: the store's two buffers are what the plan counted
+        assert m.experts.layers_read_whole > 0, name
+        assert m.pool.by_component["expert_readahead"] == plan.device_bytes["expert_readahead"] > 0, name
     finally:
         m.close()
     resident = plan_memory(

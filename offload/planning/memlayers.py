@@ -23,6 +23,7 @@ from offload.formats.prequant import packed_nf4_shape
 from offload.planning.membytes import Arch, _packed, compute_bytes, compute_dtype, nf4_state_bytes, torch_dtype
 from offload.planning.passcost import linear_weights
 from offload.quant.dense import dense_bytes
+from offload.stream.expertbulk import layer_spans
 from offload.stream.expertstore import slot_bytes, split_layer, splits_experts, streams_whole
 from offload.stream.hostmem import ARENA_ALIGN
 from offload.stream.storage import CPU_ALIGN, IO_ALIGN, ParamSpec, align_up, file_layout, is_aligned, packed_layout
@@ -84,6 +85,7 @@ class LayerSizes:
     apart: bool = False  # the sizes above are of disk layers holding them apart (their dense part streams)
     expert_slot: list[int] = field(default_factory=list)  # one routed expert's cache slot bytes, per layer
     expert_reads: list[int] = field(default_factory=list)  # read requests (file spans) of one routed expert
+    expert_whole: list[int] = field(default_factory=list)  # a whole read of the layer's experts (expertbulk buffer)
     dense_reads: list[int] = field(default_factory=list)  # read requests of the dense part held apart
     layer_reads: list[int] = field(default_factory=list)  # read requests of the whole layer
 
@@ -113,6 +115,7 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSiz
             )
             out.expert_slot.append(slot_bytes(experts.values()))
             out.expert_reads.append(max((len(x.spans) for x in experts.values()), default=0))
+            out.expert_whole.append(layer_spans({(i, e): x for e, x in experts.items()})[0][i].nbytes if experts else 0)
             out.dense_reads.append(len(part.spans))
             out.layer_reads.append(len(file_layout({n: e for n, (_, e) in streamed.items()})[1]))
         if nf4 and not prequant:

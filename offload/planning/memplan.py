@@ -305,6 +305,8 @@ def _plan_chunk(
     plan.experts = expert_plan(target, lay, req, plan, routing=routing)  # None for a dense model
     if plan.experts and plan.experts.get("cache_bytes"):  # routed experts read on demand: their RAM cache
         plan.device_bytes["expert_cache"] = plan.experts["cache_bytes"]
+    if plan.experts and plan.experts["mode"] == "on-demand":  # and the store's two whole reads (expertbulk)
+        plan.device_bytes["expert_readahead"] = 2 * max((lay.expert_whole[i] for i in plan.disk_layers), default=0)
     plan.notes += expert_notes(plan.experts)
     if lay.estimated:
         plan.notes.append(
