@@ -178,9 +178,9 @@ def test_a_profiled_cpu_expert_rate_prices_a_cpu_plans_experts(ckpts):
     assert t.experts == pytest.approx(layers * max(8 * eb / 5e9, 2 * 8 * eb / 2 / dev.flops(2)), rel=1e-6)
 
 
-def test_each_pass_runs_uncached_experts_on_the_cpu(ckpts):
-    """The split runs the experts not cached on the card on the CPU (the loader has no other path): decoding and a
-    prefill chunk alike, the chunk's every-expert FLOPs priced at the CPU's rate."""
+def test_each_pass_runs_uncached_experts_where_faster(ckpts):
+    """The split prices the experts not cached on the card on the CPU or streamed to the card, whichever is faster:
+    decoding on the CPU, a prefill chunk streamed (its every-expert FLOPs would take the CPU far longer)."""
     ck = ckpts["qwen3-30b-a3b"]
     plan = plan_memory(ck, None, card(128))
     from offload.planning.membytes import arch_of
@@ -188,10 +188,10 @@ def test_each_pass_runs_uncached_experts_on_the_cpu(ckpts):
 
     a, dev = arch_of(ck.config), device_of(card(128))
     one, chunk = (pass_terms(a, plan, dev, n, 512, 2) for n in (1, 4096))
-    assert one.routed == chunk.routed == "cpu"
+    assert (one.routed, chunk.routed) == ("cpu", "stream")
     ex = plan.experts
     cpu_flops = 2 * 4096 * ex["top_k"] * ex["expert_weights"][0] * (1 - ex["hit"]) / ex["cpu_flops"]
-    assert chunk.experts >= ex["sparse_layers"] * cpu_flops > 100 * one.experts
+    assert 10 * one.experts < chunk.experts < ex["sparse_layers"] * cpu_flops / 10
 
 
 def test_measured_skewed_routing_fills_the_cache_with_hot_experts(ckpts):

@@ -165,6 +165,51 @@ def test_rows_move_once_per_layer(family, monkeypatch):
         m.close()
 
 
+def streamed(target, from_tokens: int = 8, **kw):
+    """load() under a plan whose threshold streams passes of `from_tokens` or more (the prompt's prefill)."""
+    plan = SimpleNamespace(experts={"mode": "split", "stream_from": [from_tokens] * 64}, embeddings="device")
+    return load(target, memplan=plan, **kw)
+
+
+def check_staged(m, monkeypatch) -> None:
+    """A 9-token pass copies exactly its routed uncached experts into the staging area (their layout bytes, each
+    once per layer, no cached one); a 1-token pass copies none."""
+    seen, forward = [], SplitBlock.forward
+
+    def recording(self, hidden, top_k_index, top_k_weights):
+        seen.append((self, top_k_index.unique().tolist()))
+        return forward(self, hidden, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(SplitBlock, "forward", recording)
+    ids, st = make_tokenizer()(PROMPT)["input_ids"], m.split.staging
+    index = {id(layer.mlp.experts): i for i, layer in enumerate(m.layers) if hasattr(layer.mlp, "experts")}
+    for n in (9, 1):
+        seen.clear()
+        before = (st.copies, st.bytes)
+        m(input_ids=torch.tensor([ids[:n]]))
+        want = [(index[id(b)], e) for b, es in seen for e in es if e not in b.cached]
+        size = {(i, e): d.packed.nbytes for i, by_e in m.split.held.items() for e, (_, d) in by_e.items()}
+        size.update({k: d.layout.nbytes for k, d in (m.split.store.experts.items() if m.split.store else ())})
+        copies, nbytes = (len(want), sum(size[k] for k in want)) if n >= 8 else (0, 0)
+        assert (st.copies - before[0], st.bytes - before[1]) == (copies, nbytes), n
+        assert n < 8 or copies > 0
+    assert m.pool.by_component["expert_staging"] == st.slot * st.slots == st.buf.numel()
+
+
+def test_large_pass_streams_its_experts_to_the_device(family, monkeypatch):
+    """Passes of 8+ tokens (the prefill) compute every routed expert on the device, the uncached ones copied
+    into the staging area; decoding's 1-token passes compute them on the CPU; greedy ids stay transformers'."""
+    name, target, want = family
+    m = streamed(target)
+    try:
+        check_placement(m)
+        assert _greedy(m) == want, name
+        assert m.split.staging.copies > 0 and m.experts.reads > 0
+        check_staged(m, monkeypatch)
+    finally:
+        m.close()
+
+
 def test_loader_follows_the_plans_ids(family):
     """A plan's tier ids (not the even order: the highest ids cached) are where the loader puts the experts."""
     from offload import OffloadedCausalLM
@@ -199,7 +244,9 @@ def test_plan_chooses_the_split_and_says_it_runs(tmp_path):
     measured routing the cached ones are the hottest."""
     from dataclasses import replace
 
+    from offload.planning.experts import routed_seconds
     from offload.planning.memplan import PlanRequest, plan_memory
+    from offload.planning.passcost import device_of
     from tests.sparse_ckpt import read_checkpoint
     from tests.sparse_moe import write_sparse_moe
 
@@ -213,7 +260,14 @@ def test_plan_chooses_the_split_and_says_it_runs(tmp_path):
         assert sum(map(len, ex[f"{tier}_ids"])) == ex[f"{tier}_experts"], tier
     homes = sorted((i, x) for t in ("gpu", "ram", "disk") for i, xs in enumerate(ex[f"{t}_ids"]) for x in xs)
     assert homes == [(i, x) for i in range(layers) for x in range(e)]
-    assert "expert_staging" not in ex["device_bytes"] and ex["cache_experts"] == 0  # nothing on disk, no cache
+    assert ex["device_bytes"]["expert_staging"] == 2 * ex["top_k"] * max(ex["expert_bytes"])  # two slots of top-k
+    assert ex["cache_experts"] == 0  # nothing on disk, no cache
+    dev, sparse = device_of(req), [i for i, b in enumerate(ex["expert_bytes"]) if b]
+    assert len(ex["stream_from"]) == layers and all(1 < ex["stream_from"][i] <= 2048 for i in sparse)
+    for i in sparse:  # the threshold is where the priced path changes
+        at, below = (routed_seconds(ex, i, n, dev, 2)[1] for n in (ex["stream_from"][i], ex["stream_from"][i] - 1))
+        assert (at, below) == ("stream", "cpu")
+        assert [routed_seconds(ex, i, n, dev, 2)[1] for n in (1, 2048)] == ["cpu", "stream"]
     small = plan_memory(ck, None, replace(req, ram_free=16 * GB)).experts  # some experts on disk
     eb = ex["expert_bytes"][0]
     assert small["mode"] == "split" and small["disk_experts"] > 0 and small["cache_experts"] == e
@@ -259,6 +313,17 @@ def test_gpt_oss_split_equals_hf_and_whole_layers(gpt_oss):
     finally:
         m.close()
     assert greedy_layers(target) == want, kind
+
+
+def test_gpt_oss_large_pass_streams_its_experts(gpt_oss, monkeypatch):
+    """gpt-oss's fused experts (MXFP4 as stored) streamed to the device for the prefill, as per-expert ones are."""
+    kind, target, want = gpt_oss
+    m = streamed(target)
+    try:
+        assert _greedy(m) == want, kind
+        check_staged(m, monkeypatch)
+    finally:
+        m.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -32,9 +32,10 @@ Contract (pure arithmetic over config.json, the headers and a passcost.Device; e
   card, a GPU expert cache of `gpu_experts` experts in the device memory left, the other experts in RAM up to
   the RAM budget, then on disk (`gpu_ids`, `ram_ids`, `disk_ids`: per layer its ids, splitexperts.tier_order:
   the hottest first by measured routing, else evenly; the loader places them so); the disk tier's RAM cache
-  holds one layer's experts (`cache_experts`, host "expert_cache"). Per pass the routed experts not cached run
-  on the CPU where they live (only their rows read; the disk tier's read once routed): the loader runs no
-  other path, so the plan prices and reserves no other (no streaming of routed experts to the card).
+  holds one layer's experts (`cache_experts`, host "expert_cache"). Per pass and sparse layer the routed experts
+  not cached run on the CPU where they live (only their rows read; the disk tier's read once routed), or, from
+  `stream_from` tokens on (per layer, planning/splitcost.py), are copied to the card through `expert_staging`
+  (two slots of top-k experts) and computed there, whichever models faster (`routed` names it).
   "layers": the plan's own whole-layer placement; a layer computes only its routed experts
   (arch/moe.ExpertList runs the experts some token hit), while a streamed layer moves all of them.
   `runs` says the loader realizes the mode: every mode runs (experts="auto" follows the plan's).
@@ -59,6 +60,7 @@ from offload.planning.expertcost import apart_seconds, compute_seconds, distinct
 from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
 from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
 from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
+from offload.planning.splitcost import split_seconds, stream_from
 from offload.stream.expertstore import cache_capacity, splits_experts, streams_whole
 from offload.stream.splitexperts import tier_ids, tier_order
 
@@ -154,7 +156,7 @@ def _split_bytes(shape: MoeShape, req, plan, routing: list[int] | None) -> dict 
     fixed = {k: v for k, v in plan.device_bytes.items() if k not in drop}
     sparse = [i for i, b in enumerate(shape.expert_bytes) if b]
     eb = max(shape.expert_bytes)
-    dev = {**fixed, "attention_shared": sum(shape.dense_bytes)}
+    dev = {**fixed, "attention_shared": sum(shape.dense_bytes), "expert_staging": 2 * shape.top_k * eb}
     margin = cuda_margin(dev, True)
     room = plan.device_capacity - sum(dev.values()) - margin
     if room < 0:
@@ -214,32 +216,18 @@ def _on_demand(shape: MoeShape, lay, req, plan) -> dict:
     )
 
 
-def _layer_tiers(ex: dict) -> tuple[float, float, float]:
-    """(GPU hit share, RAM share, disk share) of one sparse layer's routed experts."""
-    hit = ex.get("hit", 0.0)
-    ram, disk = ex.get("ram_experts", 0), ex.get("disk_experts", 0)
-    rest = max(ram + disk, 1)
-    return hit, (1 - hit) * ram / rest, (1 - hit) * disk / rest
-
-
 def routed_seconds(ex: dict, i: int, n: int, dev, c: int, on_disk: bool = False) -> tuple[float, str]:
-    """(seconds, "gpu" | "cpu" | "disk") of layer i's routed experts in a pass of n tokens (plan.experts
+    """(seconds, "gpu" | "cpu" | "stream" | "disk") of layer i's routed experts in a pass of n tokens (plan.experts
     `ex`); `on_disk`: layer i's experts are read on demand ("on-demand" mode), the cache's misses from disk."""
-    eb, ew, k, e = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"], ex["experts"]
-    if not eb:
+    if not ex["expert_bytes"][i]:
         return 0.0, ""
-    d = distinct_experts(n, k, e)
-    flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
-    if ex["mode"] != "split":  # on a CPU device the experts compute at the CPU expert rate (_cpu_rate)
-        if on_disk:  # read once routed, the next read while one computes (expertcost.py)
-            return apart_seconds(ex, i, n, dev, c), "disk"
-        return d * compute_seconds(ex, i, n, dev, c), "gpu" if dev.kind == "cuda" else "cpu"
-    g, r, s = _layer_tiers(ex)
-    on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
-    # the split runs the non-cached experts on the CPU only (the contract): RAM ones at the CPU rate, disk
-    # ones read once routed and then computed there
-    cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + d * s * eb / dev.disk_bps
-    return on_gpu + cpu, "cpu"
+    if ex["mode"] == "split":  # uncached experts on the CPU or streamed to the card, whichever is faster
+        return split_seconds(ex, i, n, dev, c)
+    if on_disk:  # read once routed, the next read while one computes (expertcost.py)
+        return apart_seconds(ex, i, n, dev, c), "disk"
+    # on a CPU device the experts compute at the CPU expert rate (_cpu_rate)
+    d = distinct_experts(n, ex["top_k"], ex["experts"])
+    return d * compute_seconds(ex, i, n, dev, c), "gpu" if dev.kind == "cuda" else "cpu"
 
 
 def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
@@ -338,6 +326,7 @@ def expert_plan(
     split = _split_bytes(shape, req, plan, routing) if req.device == "cuda" and streams else None
     if split and split["fits"]:
         cand = {**base, **split, "mode": "split"}
+        cand["stream_from"] = stream_from(cand, dev, c)  # the loader's per-layer threshold
         cand["tokens_per_second"] = _tokens_per_second(a, plan, dev, cand, c, ctx)
         if cand["tokens_per_second"] > base["layers_tokens_per_second"]:
             return cand
@@ -388,6 +377,8 @@ def expert_notes(ex: dict | None) -> list[str]:
         ]
     if ex["mode"] != "split":
         return [head + f"; whole layers placed as above: {ex['tokens_per_second']:.2f} tokens/s plain (modelled)"]
+    first = min((n for n in ex.get("stream_from") or [] if n), default=None)
+    big = f"; passes of {first}+ tokens copy them to the card and compute there" if first else ""
     return [
         head,
         (
@@ -395,6 +386,6 @@ def expert_notes(ex: dict | None) -> list[str]:
             f"{ex['gpu_experts']} experts cached on the card, {ex['ram_experts']} experts in RAM, computed on the CPU "
             f"({ex['cpu_bps'] / 1e9:.0f} GB/s, {ex['cpu_source']}), {ex['disk_experts']} on disk: "
             f"{ex['tokens_per_second']:.2f} tokens/s plain (modelled; whole layers streamed: "
-            f"{ex['layers_tokens_per_second']:.2f}); run: the loader places them so, nothing streams whole layers"
+            f"{ex['layers_tokens_per_second']:.2f}); run: the loader places them so, nothing streams whole layers" + big
         ),
     ]

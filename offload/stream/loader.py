@@ -258,9 +258,8 @@ def load_weights(
     if splitting:
         host = max_host if max_host is not None else 0 if offload == "disk" else int(free_ram * AUTO_RAM_FRACTION)
         e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-        split = load_split(
-            index, all_specs, device, pool, split_ids(memplan, all_specs, index, expert_cache, host, e), reader
-        )
+        ids = split_ids(memplan, all_specs, index, expert_cache, host, e)
+        split = load_split(index, all_specs, device, pool, ids, reader, memplan)  # memplan: its stream_from
         held = split.store
     else:
         disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)

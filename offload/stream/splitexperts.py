@@ -26,6 +26,15 @@ Contract:
   indices and weights), every routed RAM/disk expert computes there (the same CPU expert code on-demand
   mode uses: GGUF and MXFP4 kernels included), and their weighted sum moves back ONCE and is added. On a CPU
   device both halves run on the CPU and the moves are no-ops. Nothing streams whole layers.
+  A pass of n >= the layer's `stream_from` tokens (the plan's plan.experts["stream_from"], per layer, None: never;
+  without one DEFAULT_STREAM_FROM, llama.cpp's batch size for computing host-held weights on the GPU) instead
+  computes EVERY routed expert on the device, in one call of the inner module: each routed expert not cached
+  there has its packed bytes (RAM tier: its host buffer; disk tier: its ExpertStore slot, fetched first) copied
+  into the next slot of the `Staging` ring and is computed from views of it, the same layouts and expert code.
+- `Staging(pool, slot, slots)`: the device staging area, `slots` (2 x top-k) slots of `slot` bytes (the largest
+  expert's layout), one buffer of the pool's "expert_staging" allocated on first use, filled in turn on the
+  compute stream (copy, then compute: no overlap on the card beyond the host's reads running ahead of queued
+  kernels). Counters: `copies`, `bytes` (the copied experts' layout bytes).
 """
 
 from __future__ import annotations
@@ -38,10 +47,11 @@ from offload.arch.moe import ExpertList
 from offload.errors import OffloadError
 from offload.stream.devmem import DevicePool
 from offload.stream.expertstore import ExpertStore, cache_capacity, expert_layers, is_expert, slot_bytes
-from offload.stream.hostmem import aligned_empty
+from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
 from offload.stream.storage import CPU_ALIGN, DirectReader, DiskLayer, store_param
 
 TIERS = ("gpu", "ram", "disk")
+DEFAULT_STREAM_FROM = 32  # tokens: llama.cpp computes ops of a batch this large on host-held weights on the GPU
 
 
 def wants_split(mode: str, memplan) -> bool:
@@ -89,6 +99,8 @@ class SplitExperts:
         self.held: dict[int, dict[int, tuple[torch.Tensor, DiskLayer]]] = {}  # layer -> e -> (buffer, expert)
         self.cached: dict[int, list[int]] = {}  # layer -> ids cached on the device
         self.disk: dict[int, list[int]] = {}  # layer -> ids read on demand
+        self.stream_from: dict[int, int | None] = {}  # layer -> tokens from which a pass computes on the device
+        self.staging: Staging | None = None
 
     def attach(self, layers: nn.ModuleList) -> None:
         """Every sparse layer's experts served from their tiers and wrapped in a SplitBlock (see the contract)."""
@@ -105,16 +117,30 @@ class SplitExperts:
                     e: {n.rpartition(".")[2]: d.packed.view(buf, n) for n in d.packed.slices}
                     for e, (buf, d) in by_e.items()
                 }
-            experts.source = _Tiers(held, disk)
-            layer.mlp.experts = SplitBlock(experts, self.cached.get(i, []), self.device)
+            tiers = experts.source = _Tiers(held, disk)
+            tiers.layer, tiers.store = i, self.store
+            tiers.host = {e: (buf, d.packed) for e, (buf, d) in by_e.items() if e not in self.cached.get(i, [])}
+            if isinstance(experts, ExpertList):  # where each uncached expert's parameters bind (layer-relative)
+                specs = [(e, d.specs) for e, (_, d) in by_e.items()]
+                specs += [(e, self.store.experts[(i, e)].specs) for e in self.disk.get(i, [])]
+                tiers.params = {e: [_param_slot(layer, sp.name) for sp in sps] for e, sps in specs}
+            block = SplitBlock(experts, self.cached.get(i, []), self.device)
+            block.stream_from, block.staging = self.stream_from.get(i), self.staging
+            layer.mlp.experts = block
 
     @staticmethod
     def _bind(layer: nn.Module, buf: torch.Tensor, d: DiskLayer, child: nn.Module) -> nn.Module:
         """An ExpertList child's parameters pointed at views of its tier's buffer (names layer-relative)."""
         for sp in d.specs:
-            mod, _, attr = sp.name.rpartition(".")
-            layer.get_submodule(mod)._parameters[attr] = nn.Parameter(d.packed.view(buf, sp.name), requires_grad=False)
+            mod, attr, _ = _param_slot(layer, sp.name)
+            mod._parameters[attr] = nn.Parameter(d.packed.view(buf, sp.name), requires_grad=False)
         return child
+
+
+def _param_slot(layer: nn.Module, name: str) -> tuple[nn.Module, str, str]:
+    """(module, attribute, layer-relative name) of one of the layer's parameters."""
+    mod, _, attr = name.rpartition(".")
+    return layer.get_submodule(mod), attr, name
 
 
 def _layer_experts(index, i: int, specs) -> dict[int, DiskLayer]:
@@ -124,9 +150,11 @@ def _layer_experts(index, i: int, specs) -> dict[int, DiskLayer]:
     return expert_layers(entries, keep, CPU_ALIGN) if keep else {}
 
 
-def load_split(index, specs, device: torch.device, pool: DevicePool, ids: dict, reader: DirectReader) -> SplitExperts:
+def load_split(
+    index, specs, device: torch.device, pool: DevicePool, ids: dict, reader: DirectReader, memplan=None
+) -> SplitExperts:
     """Every sparse layer's experts read into their tiers (see the contract); `specs`: per layer its ParamSpecs,
-    `ids`: tier_ids' {tier: per layer ids}."""
+    `ids`: tier_ids' {tier: per layer ids}; `memplan`: its plan.experts["stream_from"], where it has one."""
     host_pool = DevicePool(torch.device("cpu"))
     held: dict[int, dict[int, tuple[torch.Tensor, DiskLayer]]] = {}
     on_disk: dict[tuple[int, int], DiskLayer] = {}
@@ -152,6 +180,13 @@ def load_split(index, specs, device: torch.device, pool: DevicePool, ids: dict, 
         per_layer = max(len(ids["gpu"][i]) + len(ids["ram"][i]) + len(ids["disk"][i]) for i in held)
         capacity = cache_capacity(per_layer, len(on_disk), slot_bytes(on_disk.values()), None)
         out.store = ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), on_disk, capacity, host_pool)
+    planned = (getattr(memplan, "experts", None) or {}).get("stream_from")
+    out.stream_from = {i: planned[i] if planned else DEFAULT_STREAM_FROM for i in held}
+    cfg = index.hf_config
+    k = int(getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "experts_per_token", None) or 1)
+    sizes = [d.packed.nbytes for by_e in held.values() for _, d in by_e.values()]
+    slot = align_up(max(sizes + [d.layout.nbytes for d in on_disk.values()]), IO_ALIGN)
+    out.staging = Staging(pool, slot, 2 * k)
     return out
 
 
@@ -172,10 +207,15 @@ def split_ids(memplan, specs, index, cache: int | None, ram_room: int, e: int) -
 
 class _Tiers:
     """An experts module's source (ExpertList.source, RoutedExperts.source): expert e as held in its tier (a bound
-    child, or its parts), else from the ExpertStore's source (read on demand, the next read ahead)."""
+    child, or its parts), else from the ExpertStore's source (read on demand, the next read ahead). For a pass
+    computed on the device (_Staged): `host` {e: (buffer, layout)} of the RAM tier, `store` and `layer` (the disk
+    tier's slots), `params` (ExpertList: per expert where its parameters bind)."""
 
     def __init__(self, held: dict, disk):
         self.held, self.disk = held, disk
+        self.host: dict[int, tuple[torch.Tensor, object]] = {}
+        self.store: ExpertStore | None = None
+        self.layer, self.params = -1, {}
 
     def __call__(self, e: int):
         return self.held[e] if e in self.held else self.disk(e)
@@ -184,6 +224,63 @@ class _Tiers:
         away = [e for e in es if e not in self.held]
         read = iter(self.disk.stream(away)) if away else iter(())
         return (self.held[e] if e in self.held else next(read) for e in es)
+
+    def buffer(self, e: int) -> tuple[torch.Tensor, object]:
+        """(host buffer, layout) of uncached expert e: its RAM buffer, else its ExpertStore slot (fetched before)."""
+        if e in self.host:
+            return self.host[e]
+        store = self.store
+        s = store.lru[(self.layer, e)]
+        return store.cache[s * store.slot : (s + 1) * store.slot], store.experts[(self.layer, e)].layout
+
+
+class Staging:
+    """The device staging area (see the contract)."""
+
+    def __init__(self, pool: DevicePool, slot: int, slots: int):
+        self.pool, self.slot, self.slots = pool, slot, slots
+        self.buf: torch.Tensor | None = None
+        self.next = self.copies = self.bytes = 0
+
+    def put(self, src: torch.Tensor) -> torch.Tensor:
+        """`src` (uint8, host) copied into the next slot, queued on the compute stream: that slot's bytes."""
+        if self.buf is None:
+            self.buf = self.pool.alloc(self.slot * self.slots, "expert_staging")
+        at, self.next = self.next * self.slot, (self.next + 1) % self.slots
+        dest = self.buf[at : at + src.numel()]
+        dest.copy_(src, non_blocking=True)
+        self.copies, self.bytes = self.copies + 1, self.bytes + src.numel()
+        return dest
+
+
+class _Staged:
+    """The source of a pass computed on the device: a cached expert as held, any other copied into the staging
+    area and bound there (ExpertList: its parameters until `restore`; fused: its parts as views)."""
+
+    def __init__(self, tiers: _Tiers, cached: set[int], staging: Staging):
+        self.tiers, self.cached, self.staging = tiers, cached, staging
+        self.undo: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+    def __call__(self, e: int):
+        t = self.tiers
+        if e in self.cached:
+            return t.held[e]
+        got = t(e)  # a disk expert: fetched into its store slot (an ExpertList child bound there, as on the CPU)
+        buf, layout = t.buffer(e)
+        dev = self.staging.put(buf[: layout.nbytes])
+        if isinstance(got, dict):  # fused experts: expert e's parts by name
+            return {n.rpartition(".")[2]: layout.view(dev, n) for n in layout.slices}
+        for mod, attr, name in t.params[e]:
+            self.undo.append((mod, attr, mod._parameters[attr]))
+            mod._parameters[attr] = nn.Parameter(layout.view(dev, name), requires_grad=False)
+        return got
+
+    def stream(self, es: list[int]):
+        return (self(e) for e in es)
+
+    def restore(self) -> None:
+        for mod, attr, p in reversed(self.undo):
+            mod._parameters[attr] = p
 
 
 class SplitBlock(nn.Module):
@@ -195,11 +292,16 @@ class SplitBlock(nn.Module):
         self.num_experts = len(inner) if isinstance(inner, ExpertList) else inner.num_experts
         on = torch.zeros(self.num_experts + 1, dtype=torch.bool)  # index E: "unassigned", never cached
         on[cached] = True
-        self.on_device, self.any_cached = on.to(device), bool(cached)
+        self.on_device, self.any_cached, self.cached = on.to(device), bool(cached), set(cached)
+        self.stream_from: int | None = None  # tokens from which a pass computes every routed expert on the device
+        self.staging: Staging | None = None
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         e, cpu = self.num_experts, torch.device("cpu")
         here = self.on_device[top_k_index]  # (T, K): the pair's expert is cached on the device
+        big = self.stream_from is not None and hidden.shape[0] >= self.stream_from
+        if big and self.staging is not None and not bool(here.all()):
+            return self._staged(hidden, top_k_index, top_k_weights)
         # the CPU's inputs first (their copy waits for the router only), so that the cached experts' kernels,
         # queued next, run on a card while the CPU computes the rest
         rows = (~here).any(-1).nonzero()[:, 0]  # tokens routed to some RAM or disk expert
@@ -215,3 +317,14 @@ class SplitBlock(nn.Module):
             y = self.inner(*away)  # (r, H) on the CPU
             out.index_add_(0, rows, y.to(out.device, out.dtype))
         return out
+
+    def _staged(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Every routed expert on the device, the uncached ones through the staging area (see the contract)."""
+        tiers = self.inner.source
+        staged = _Staged(tiers, self.cached, self.staging)
+        self.inner.source = staged
+        try:
+            return self.inner(hidden, top_k_index, top_k_weights)
+        finally:
+            self.inner.source = tiers
+            staged.restore()

@@ -1,0 +1,70 @@
+"""The "split" placement's uncached routed experts per pass: computed on the CPU, or streamed to the card.
+
+The uncached experts of a pass run on the CPU where they live, or are copied to the card through the staging area
+and computed there (llama.cpp's op offload), whichever models faster.
+
+Contract (pure arithmetic over plan.experts `ex` of mode "split", planning/experts.py, and a passcost.Device;
+every figure modelled). Per sparse layer i, d = distinct_experts(n, k, E) of a pass of n tokens split by tier
+shares (g cached on the card: the hit share; r in RAM, s on disk: the rest by their counts):
+- `split_seconds(ex, i, n, dev, c)` -> (seconds, "cpu" | "stream"): the cached share on the card (its distinct
+  experts' bytes over the card's memory rate, or its FLOPs, whichever is longer) plus the cheaper of
+  cpu = max(d r bytes at `cpu_bps`, the uncached pairs' FLOPs at `cpu_flops`) + d s bytes at the disk's rate (read
+  once routed), and stream = d s bytes at the disk's rate + d (1 - g) bytes over the link into the staging area
+  + their compute on the card (bytes over its memory rate, or FLOPs): copy then compute, as the loader runs it
+  (stream/splitexperts.py: one stream, no overlap counted).
+- `stream_from(ex, dev, c)` -> per layer the smallest n whose stream term beats its cpu term (None: a dense MLP
+  layer, or never up to MAX_TOKENS), what the plan writes as plan.experts["stream_from"] and the loader follows.
+"""
+
+from __future__ import annotations
+
+from offload.planning.expertcost import distinct_experts
+
+MAX_TOKENS = 1 << 16  # a pass larger than this is not searched for the threshold
+
+
+def tier_shares(ex: dict) -> tuple[float, float, float]:
+    """(GPU hit share, RAM share, disk share) of one sparse layer's routed experts."""
+    hit = ex.get("hit", 0.0)
+    ram, disk = ex.get("ram_experts", 0), ex.get("disk_experts", 0)
+    rest = max(ram + disk, 1)
+    return hit, (1 - hit) * ram / rest, (1 - hit) * disk / rest
+
+
+def _terms(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, float, float]:
+    """(cached experts on the card, uncached on the CPU, uncached streamed) seconds of layer i (the contract)."""
+    eb, ew, k = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"]
+    d = distinct_experts(n, k, ex["experts"])
+    flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
+    g, r, s = tier_shares(ex)
+    on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
+    disk = d * s * eb / dev.disk_bps
+    cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + disk
+    on_card = max(d * (1 - g) * eb / dev.memory_bps, (1 - g) * flops / dev.flops(c))
+    return on_gpu, cpu, disk + d * (1 - g) * eb / dev.link_bps + on_card
+
+
+def split_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
+    """(seconds, "cpu" | "stream") of layer i's routed experts in a pass of n tokens (see the contract)."""
+    on_gpu, cpu, stream = _terms(ex, i, n, dev, c)
+    return on_gpu + min(cpu, stream), "cpu" if cpu <= stream else "stream"
+
+
+def stream_from(ex: dict, dev, c: int) -> list[int | None]:
+    """Per layer the smallest pass (tokens) that streams its uncached experts (see the contract): the first
+    power of two where streaming wins, then bisected below it (the stream term's lead grows with n)."""
+    out: list[int | None] = []
+    seen: dict[tuple[int, int], int | None] = {}
+    for i, (eb, ew) in enumerate(zip(ex["expert_bytes"], ex["expert_weights"])):
+        if eb and (eb, ew) not in seen:
+            wins = lambda n, i=i: split_seconds(ex, i, n, dev, c)[1] == "stream"  # noqa: E731
+            hi = 1
+            while hi <= MAX_TOKENS and not wins(hi):
+                hi *= 2
+            lo = hi // 2  # loses (or 0)
+            while hi <= MAX_TOKENS and hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if wins(mid) else (mid, hi)
+            seen[(eb, ew)] = hi if hi <= MAX_TOKENS else None
+        out.append(seen[(eb, ew)] if eb else None)
+    return out
