@@ -12,11 +12,12 @@ Contract:
 - `split_ids(memplan, specs, index, cache, ram_room, e)`: the loader's tiers: the plan's ids where it has them
   and `cache` is None, else `cache` experts on the device and what `ram_room` host bytes hold in RAM, in
   tier_order's even order, the rest on disk (OffloadError for a model without routed experts).
-- `load_split(index, specs, device, pool, ids, reader)` -> SplitExperts: per sparse layer its experts'
+- `load_split(index, specs, device, pool, ids, reader, memplan)` -> SplitExperts: per sparse layer its experts'
   parameters (per-expert tensors, or row e of fused ones: expertstore.expert_layers' spans) read once into a
   device buffer (gpu tier, the pool's "expert_cache") or a host buffer (ram tier, `host_pool`'s "experts_ram"),
   each in its packed compute layout; the disk tier in an ExpertStore (its RAM cache: one layer's experts) whose
-  misses read only the routed experts' spans. The caller keeps every layer's dense part resident.
+  misses read only the routed experts' spans; per layer its `stream_from` (the memplan's, else the default) and
+  one `Staging` for all. The caller keeps every layer's dense part resident.
 - `SplitExperts.attach(layers)` (after the ExpertStore attached its layers): each sparse block's experts module
   gets a source serving each expert from its tier (`_Tiers`) and is wrapped in a `SplitBlock` at the same
   attribute (the inner module is held unregistered: parameter names stay the checkpoint's).
