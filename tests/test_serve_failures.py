@@ -62,7 +62,9 @@ class ScriptedSession:
 
     def __init__(self, script=(), error: BaseException | None = None, delay: float = 0.0):
         self.script, self.error, self.delay = list(script), error, delay
-        self.models = type("M", (), {"tokenizer": CharTokenizer(), "ctx_limit": 4096, "eos_ids": [0]})()
+        self.models = type(
+            "M", (), {"tokenizer": CharTokenizer(), "ctx_limit": 4096, "eos_ids": [0], "stop_strings": ()}
+        )()
         self.cfg = GenerationConfig(shape=TreeShape(4, 4), max_new_tokens=64)
         self.state = DecodeState()
 

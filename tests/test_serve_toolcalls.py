@@ -244,7 +244,7 @@ class ScriptedToolSession:
 
         self.script, self.prompts = script, []
         self.tok = make_tokenizer(TOOLS_TEMPLATE)
-        self.models = SimpleNamespace(tokenizer=self.tok, ctx_limit=4096, eos_ids=frozenset({0}))
+        self.models = SimpleNamespace(tokenizer=self.tok, ctx_limit=4096, eos_ids=frozenset({0}), stop_strings=())
         self.cfg, self.state = GenerationConfig(shape=TreeShape(4, 4), max_new_tokens=256), DecodeState()
 
     def conversation_ids(self, messages, tools=None):
