@@ -133,6 +133,24 @@ def test_split_equals_hf_and_whole_layers(family):
     assert greedy_layers(target) == want, name
 
 
+def test_disk_tier_decoding_reads_only_its_routed_experts(family):
+    """The split's disk tier knows the model's top-k: a one-token pass (top-k routed experts a layer) reads only
+    its routed experts, never a layer's experts whole; the prompt's prefill may."""
+    name, target, _ = family
+    m = load(target, cache=1, ram=0)
+    try:
+        assert m.experts.top_k > 1, name
+        ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 4]])
+        out = m(input_ids=ids, use_cache=True)
+        before = m.experts.layers_read_whole
+        for _ in range(3):  # one token at a time, as plain decoding runs
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = m(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        assert m.experts.layers_read_whole == before, name
+    finally:
+        m.close()
+
+
 def test_rows_move_once_per_layer(family, monkeypatch):
     """Per sparse block and pass the inner experts run twice at most: once on the device over the pass's rows (the
     cached experts' pairs), once on the CPU over exactly the rows routed to some RAM or disk expert."""

@@ -13,11 +13,11 @@ Contract:
   and `cache` is None, else `cache` experts on the device and what `ram_room` host bytes hold in RAM, in
   tier_order's even order, the rest on disk (OffloadError for a model without routed experts).
 - `load_split(index, specs, device, pool, ids, reader, memplan)` -> SplitExperts: per sparse layer its experts'
-  parameters (per-expert tensors, or row e of fused ones: expertstore.expert_layers' spans) read once into a
-  device buffer (gpu tier, the pool's "expert_cache") or a host buffer (ram tier, `host_pool`'s "experts_ram"),
-  each in its packed compute layout; the disk tier in an ExpertStore (its RAM cache: one layer's experts) whose
-  misses read only the routed experts' spans; per layer its `stream_from` (the memplan's, else the default) and
-  one `Staging` for all. The caller keeps every layer's dense part resident.
+  parameters (per-expert tensors, or row e of fused ones: expertstore.expert_layers' spans) read once into a device
+  buffer (gpu tier, the pool's "expert_cache") or a host buffer (ram tier, `host_pool`'s "experts_ram", page-locked
+  on CUDA), each in its packed compute layout; the disk tier in an ExpertStore (its RAM cache: one layer's experts)
+  whose misses read only the routed experts' spans; per layer its `stream_from` (the memplan's, else the default)
+  and one `Staging` for all. The caller keeps every layer's dense part resident.
 - `SplitExperts.attach(layers)` (after the ExpertStore attached its layers): each sparse block's experts module
   gets a source serving each expert from its tier (`_Tiers`) and is wrapped in a `SplitBlock` at the same
   attribute (the inner module is held unregistered: parameter names stay the checkpoint's).
@@ -48,7 +48,7 @@ from offload.arch.moe import ExpertList
 from offload.errors import OffloadError
 from offload.stream.devmem import DevicePool
 from offload.stream.expertstore import ExpertStore, cache_capacity, expert_layers, is_expert, slot_bytes
-from offload.stream.hostmem import IO_ALIGN, align_up, aligned_empty
+from offload.stream.hostmem import IO_ALIGN, HostPins, align_up, aligned_empty
 from offload.stream.storage import CPU_ALIGN, DirectReader, DiskLayer, store_param
 
 TIERS = ("gpu", "ram", "disk")
@@ -157,6 +157,7 @@ def load_split(
     """Every sparse layer's experts read into their tiers (see the contract); `specs`: per layer its ParamSpecs,
     `ids`: tier_ids' {tier: per layer ids}; `memplan`: its plan.experts["stream_from"], where it has one."""
     host_pool = DevicePool(torch.device("cpu"))
+    pins = HostPins(device)  # CUDA: the RAM tier page-locked, so a pass that streams it copies at the link's rate
     held: dict[int, dict[int, tuple[torch.Tensor, DiskLayer]]] = {}
     on_disk: dict[tuple[int, int], DiskLayer] = {}
     out = SplitExperts(device, None, host_pool)
@@ -172,19 +173,24 @@ def load_split(
             gpu = e in ids["gpu"][i]
             host = host_pool.alloc(d.packed.nbytes, "experts_ram") if not gpu else aligned_empty(d.packed.nbytes)
             _read_packed(reader, d, host)
+            if not gpu:
+                pins.pin(host, "the split's RAM experts")
             # a cached expert: one counted device copy (on a CPU device the pool's buffer is RAM)
             held[i][e] = (pool.alloc(d.packed.nbytes, "expert_cache").copy_(host) if gpu else host, d)
         out.cached[i] = sorted(e for e in held[i] if e in ids["gpu"][i])
         out.disk[i] = sorted(e for (li, e) in on_disk if li == i)
     out.held = held
-    if on_disk:
-        per_layer = max(len(ids["gpu"][i]) + len(ids["ram"][i]) + len(ids["disk"][i]) for i in held)
-        capacity = cache_capacity(per_layer, len(on_disk), slot_bytes(on_disk.values()), None)
-        out.store = ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), on_disk, capacity, host_pool)
-    planned = (getattr(memplan, "experts", None) or {}).get("stream_from")
-    out.stream_from = {i: planned[i] if planned else DEFAULT_STREAM_FROM for i in held}
+    pins.attach(out)
+    pins.notice("a pass that streams them to the card copies at pageable speed")
     cfg = index.hf_config
     k = int(getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "experts_per_token", None) or 1)
+    if on_disk:  # top_k: a one-token pass reads only its routed experts, never a layer whole (expertbulk)
+        per_layer = max(len(ids["gpu"][i]) + len(ids["ram"][i]) + len(ids["disk"][i]) for i in held)
+        capacity = cache_capacity(per_layer, len(on_disk), slot_bytes(on_disk.values()), None)
+        reads = DirectReader(reader.direct, reader.depth, reader.chunk)
+        out.store = ExpertStore(reads, on_disk, capacity, host_pool, top_k=k)
+    planned = (getattr(memplan, "experts", None) or {}).get("stream_from")
+    out.stream_from = {i: planned[i] if planned else DEFAULT_STREAM_FROM for i in held}
     sizes = [d.packed.nbytes for by_e in held.values() for _, d in by_e.values()]
     slot = align_up(max(sizes + [d.layout.nbytes for d in on_disk.values()]), IO_ALIGN)
     out.staging = Staging(pool, slot, 2 * k)
