@@ -12,7 +12,8 @@ experts' weights lie in the device pool's "expert_cache" buffers and on the mode
 CPU; rows move to the CPU once per layer; a memory plan's tier ids are what the loader places; `ar` and specexec
 with a draft, through the engine, give transformers' ids. The planner (a CUDA request planned on this machine,
 tests/test_moe_plan.py's sparse Qwen3-30B-A3B) chooses the split with `runs` true, its ids one home per expert
-(the hottest first with measured routing), and the dry-run notes say it runs.
+(the hottest first with measured routing), and the dry-run notes say it runs. gpt-oss and the GGUF files:
+tests/test_moe_split_formats.py.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import transformers
 from offload.arch.moe import ExpertList
 from offload.stream.splitexperts import SplitBlock, tier_ids, tier_order
 from tests.conftest import make_tokenizer
-from tests.test_gguf_gpt_oss import built  # noqa: F401 - fixture
-from tests.test_gguf_moe_apart import case  # noqa: F401 - fixture
 from tests.test_moe_experts_apart import _greedy
 from tests.test_moe_families import N_NEW, PROMPT, make_moe
 
@@ -299,100 +298,6 @@ def test_plan_chooses_the_split_and_says_it_runs(tmp_path):
     hottest = {(i, x) for i in range(layers) for x in range(3, e, 16)}
     assert len(cached) > len(hottest) and hottest <= cached  # every hot expert cached, the rest evenly
     assert hottest - {(i, x) for i, xs in enumerate(ex["gpu_ids"]) for x in xs}  # the prior's cache misses some
-
-
-@pytest.fixture(scope="module", params=["fp32", "mxfp4"])
-def gpt_oss(request, tmp_path_factory):
-    """(kind, target dir, transformers' greedy ids: for MXFP4 its Mxfp4Config(dequantize=True) load's)."""
-    from tests.mxfp4_ckpt import hf_dequantized, write_mxfp4
-    from tests.test_gpt_oss import hf_greedy, make_gpt_oss
-
-    root = tmp_path_factory.mktemp(f"gpt_oss_{request.param}")
-    source = make_gpt_oss(root / "source", seed=0)
-    if request.param == "fp32":
-        return request.param, source, hf_greedy(source)
-    target = write_mxfp4(source, root / "target")
-    ids = make_tokenizer()(PROMPT)["input_ids"]
-    with torch.no_grad():
-        out = hf_dequantized(target).generate(
-            torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    return request.param, target, out[0, len(ids) :].tolist()
-
-
-def test_gpt_oss_split_equals_hf_and_whole_layers(gpt_oss):
-    """gpt-oss's fused experts (expert e: row e of each fused tensor; MXFP4 blocks and scales as stored) split."""
-    kind, target, want = gpt_oss
-    m = load(target)
-    try:
-        check_placement(m)
-        assert _greedy(m) == want, kind
-        check_passes(m)
-    finally:
-        m.close()
-    assert greedy_layers(target) == want, kind
-
-
-def test_gpt_oss_large_pass_streams_its_experts(gpt_oss, monkeypatch):
-    """gpt-oss's fused experts (MXFP4 as stored) streamed to the device for the prefill, as per-expert ones are."""
-    kind, target, want = gpt_oss
-    m = streamed(target)
-    try:
-        assert _greedy(m) == want, kind
-        check_staged(m, monkeypatch)
-    finally:
-        m.close()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpt_oss_bf16_checkpoint_split_equals_whole_layers(tmp_path, dtype):
-    """A bf16 gpt-oss, computed in bf16 or cast to fp32: split gives whole-layer streaming's greedy ids."""
-    from tests.test_gpt_oss import make_gpt_oss
-
-    path = make_gpt_oss(tmp_path / "bf16", seed=0, dtype=torch.bfloat16)
-    m = load(path, dtype=dtype)
-    try:
-        check_placement(m)
-        got = _greedy(m)
-    finally:
-        m.close()
-    assert got == greedy_layers(path, dtype)
-
-
-@pytest.mark.slow
-def test_gguf_moe_split_equals_transformers_and_whole_layers(case):  # noqa: F811
-    """A mixture-of-experts GGUF (tests/test_gguf_moe_apart.py's files: Q8_0 Qwen3-MoE, Qwen2-MoE, Mixtral and a
-    Q4_K_M Qwen3-MoE): each expert its rows of the fused tensors as stored, computed by the GGUF kernels."""
-    from tests.test_gguf_moe import PROMPT as GGUF_PROMPT
-    from tests.test_gguf_moe import byte_level_tokenizer
-    from tests.test_gguf_moe_apart import greedy
-
-    name, kind, f, want = case
-    m = load(f)
-    try:
-        check_placement(m)
-        assert greedy(m) == want, (name, kind)
-        check_passes(m, byte_level_tokenizer()(GGUF_PROMPT)["input_ids"])
-    finally:
-        m.close()
-    assert greedy_layers(f, decode=greedy) == want, (name, kind)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["f32", "mxfp4", "st_mxfp4"])
-def test_gguf_gpt_oss_split_equals_transformers(built, kind):  # noqa: F811
-    """gpt-oss GGUFs (tests/test_gguf_gpt_oss.py's: F32, llama-quantize's MXFP4_MOE, a converted MXFP4 checkpoint)."""
-    from tests.test_gguf_gpt_oss import _kind
-    from tests.test_gguf_moe_apart import greedy
-
-    _kind(built, kind)
-    f, want = built[3][kind], built[4][kind]
-    m = load(f)
-    try:
-        check_placement(m)
-        assert greedy(m) == want, kind
-    finally:
-        m.close()
 
 
 def test_split_of_a_dense_model_is_one_error(tiny_pair):
