@@ -1,22 +1,13 @@
 """The FastAPI application of `specx serve`: OpenAI routes, health, metrics, the page, errors, auth.
 
 Contract: `create_app(worker, model_name, ...)` returns an ASGI app whose handlers never touch the
-model: they validate (models.py), hand a `jobs.Job` to the worker and await its reports, so the
-event loop stays free while a request generates. Every error, including malformed JSON, wrong
-types, unknown routes and internal failures, is answered in OpenAI's shape
-`{"error": {message, type, param, code}}` with a 4xx (5xx only for a server-side failure).
-The middleware is guards.py's (`add_guards`: Observe outermost, CORS only with `cors` origins, the
-Host check only on a loopback `host` without `api_key`, bearer auth only with `api_key`, the
-request-body limit). Streaming is SSE: headers within HEADER_GRACE, then `data: {json}` events
-(chat: the role first, then content and tool-call deltas, the finish_reason chunk, the usage chunk
-when asked for; every chunk with the `specx` field) and `data: [DONE]`, with a `: keep-alive`
-comment every `keepalive` seconds without an event. A client that goes away cancels its job at
-once (a watcher awaits ASGI's `http.disconnect`); a stream the client left, or that fails after its
-headers, gets its log line here (guards.log_refusal). `Clock` feeds the latency histograms and
-leaves each generation's figures in `scope["state"]["access"]` for guards.Observe's access log.
-The model is listed and answered as `model_name` (serve/names.py); GET /v1/models/{id} also takes
-`aliases` (its path). The first answered request whose tools the chat template cannot render leaves
-one log line per server start (`DroppedTools`).
+model: they validate (models.py), hand a `jobs.Job` to the worker and await its reports. Every error
+(malformed JSON, wrong types, unknown routes, internal failures) is answered in OpenAI's shape, a 5xx
+only for a server-side failure; the middleware is guards.py's (`add_guards`). Streaming is SSE:
+headers within HEADER_GRACE, `data: {json}` chunks (each with the `specx` field), `data: [DONE]`, and
+a `: keep-alive` comment every `keepalive` seconds without one. A client that goes away cancels its
+job at once. `Clock` feeds the latency histograms and the access log; `DroppedTools` logs, once per
+start, a request whose tools the chat template cannot render. GET /v1/models/{id} takes `aliases`.
 """
 
 from __future__ import annotations

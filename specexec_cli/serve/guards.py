@@ -1,20 +1,14 @@
 """The ASGI middleware of `specx serve`, and how a failure inside the server is logged.
 
 Contract: each class wraps an ASGI app and answers its refusal itself in OpenAI's error shape:
-`HostCheck` (403 for a `Host` header that names neither a loopback address nor the bound
---host: DNS-rebinding protection for a loopback server without a key), `BearerAuth` (401 without
-`Authorization: Bearer <key>`, but for /health and the page at `/`, which holds no data: it asks
-for the key and sends it), `BodyLimit` (413 past the body limit), and `Observe`, the
-outermost: it gives every request an id (`scope["state"]["request_id"]`, sent back as
-`x-request-id`), counts every error response by status and error type into the metrics, writes one
-stderr line per refused or cancelled request (`log_refusal`: status, error type and code, request
-id, the message), then, for every request but QUIET_ROUTES', one access-log line when it ends
-(`log_access`: status, 499 for a response the client left, route, id, and the tokens, seconds,
-finish reason and task app.Clock put in `scope["state"]["access"]`), and turns an exception nobody
-handled into a 500 whose body carries only an error id. `log_failure(exc, rid)`
-writes that id and the exception as one line on stderr (the traceback too with SPECX_DEBUG=1)
-and returns the id; the client never sees the exception's text (local paths stay local);
-`server_error(exc)` is the APIError the worker answers a failed generation with (OOM: a 400).
+`HostCheck` (403 for a Host that names neither loopback nor the bound --host: DNS-rebinding
+protection), `BearerAuth` (401 without the key, but on OPEN_ROUTES), `BodyLimit` (413), and
+`Observe`, the outermost: a request id (`x-request-id`), error responses counted by status and
+type, one stderr line per refused or cancelled request (`log_refusal`), one access-log line per
+request but QUIET_ROUTES' (`log_access`, with what app.Clock left in `scope["state"]["access"]`), and
+an unhandled exception answered as a 500 carrying only an error id. `log_failure(exc, rid)` logs that
+id and the exception in one line (the traceback with SPECX_DEBUG=1): the client never sees the
+exception's text. `server_error(exc)` is the APIError of a failed generation (OOM: a 400).
 """
 
 from __future__ import annotations

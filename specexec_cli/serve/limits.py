@@ -1,21 +1,15 @@
 """How long one reply of `specx serve` may run: the default cap, the caps of a chat front end's
 background tasks, and the repetition guard.
 
-Contract: `reply_limit(work, default, task_caps)` returns (max new tokens or None, task or None): a
-request's own `max_tokens` wins, -1 (llama-server's and ollama's "no limit") is None (to EOS or the
-context end), none given is `default` (the server's --max-new-tokens); a request that `task_of`
-recognises as an Open WebUI background task (title, tags, follow-ups, ...: its one user message is a
-task prompt) gets at most TASK_CAPS[task] when `task_caps` is on, whatever it asked, since those
-front ends send 1000 or no max_tokens for a reply of a few dozen tokens. `guard_on(work, server)`
-says whether the repetition guard watches the request: its `specx.repetition_guard` when it sends
-one, else the server's switch, off for a request that asks for greedy decoding (temperature 0: the
-exact output of the target alone). `RepetitionGuard.feed(tokens)` is true once the reply's last
-tokens repeat one span (the guard's rule, below); the worker then ends the reply ("stop"). `TaskAnswer.feed(text,
-tokens)` watches a background task's reply: true once its first JSON object has closed ("json_end")
-or when none has opened within OPEN_WITHIN tokens ("no_json"); the worker then ends it ("stop"). Open
-WebUI reads a task's answer as the text from its first "{" to its last "}" (without one it falls
-back: the title is the first message, no tags, no follow-ups), so neither loses it anything, and its
-page stays busy until the tasks after a reply are done.
+Contract: `reply_limit(work, default, task_caps)` is (max new tokens or None, task or None): the
+request's `max_tokens` wins, -1 (llama-server's and ollama's "no limit") is None, none given is
+`default` (--max-new-tokens); with `task_caps` an Open WebUI background task (`task_of`) gets at most
+TASK_CAPS[task], as those front ends send 1000 or no max_tokens for a reply of a few dozen tokens.
+`guard_on(work, server)`: the request's `specx.repetition_guard`, else the server's switch, off for
+a greedy request. `RepetitionGuard.feed(tokens)` is true once the reply's tail repeats one span;
+`TaskAnswer.feed(text, tokens)` once a task's first JSON object has closed ("json_end") or none has
+opened within OPEN_WITHIN tokens ("no_json"); the worker then ends the reply ("stop"). Open WebUI
+reads a task's answer from its first "{" to its last "}", so neither loses it anything.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Prometheus counters of `specx serve` (`GET /metrics`), as views of the requests' RunStats.
 
-Contract: `Metrics.request(endpoint, outcome)` counts finished requests, `Metrics.finished(stats,
-prompt_tokens, cached_tokens)` adds one generation's `stats.RunStats`, `refused(status, type)`
-counts an error answer, `forest_pass(requests, tokens)` counts a target pass shared by several
-requests (--parallel), `observe(name, seconds)` adds a latency to one of the HISTOGRAMS (time to
-first token, whole request), and `render(worker)` gives the text exposition format (version
-0.0.4) with the live queue depth and `specx_prompt_cache_hit_ratio` (cached prompt tokens over
-prompt tokens, of every generation since the server started). Thread-safe; no client library.
+Contract: `request`, `finished` (one generation's RunStats), `refused`, `forest_pass` and `observe`
+(a HISTOGRAMS latency) count; `render(worker)` gives the text exposition format (version 0.0.4) with
+the live queue depth and the prompt cache's figures. Thread-safe; no client library.
 """
 
 from __future__ import annotations

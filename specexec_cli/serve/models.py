@@ -1,17 +1,12 @@
 """Request models of `specx serve` (pydantic, strict): a request body checked, or refused with a 400.
 
-Contract: `ChatRequest` and `CompletionRequest` validate a request body: wrong types, out-of-range
-values and unknown roles fail validation (app.py turns that into a 400 in OpenAI's error shape).
+Contract: `ChatRequest` and `CompletionRequest` validate a body (app.py answers a failure as a 400).
 Parameters that would change the output but are not supported (penalties, logit_bias, the legacy
-`functions`, ...) are accepted by the model and refused by `unsupported()` with a 400 that names
-them, as are a message without content (but an assistant's), image/audio/file parts and token-id
-prompts. Tools, tool calls, `response_format` and logprobs are checked and converted by
-structured.py. The values other servers accept mean what they mean there: `max_tokens` -1 = no
-limit (llama-server, ollama; null or absent: the server's default cap, limits.py), `top_k` -1 = off
-(vLLM), `stream` null = false;
-parameters with no effect on the text (user, metadata, ...) are ignored. `structured.to_work()` turns a
-request into the worker's `Work` (the response shapes are in shapes.py). `APIError` is every error
-the server answers, with `error_body()` its JSON.
+`functions`, ...) are accepted, then refused by name by `unsupported()`, as are a message without
+content (but an assistant's) and non-text parts. Other servers' values mean what they mean there:
+`max_tokens` -1 = no limit, `top_k` -1 = off, `stream` null = false; fields with no effect on the
+text are ignored. `Work` is what the worker takes (structured.to_work); `APIError` is every error
+the server answers, `error_body()` its JSON.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The model id `specx serve` lists in /v1/models and puts in every response, and the ids it also takes.
 
-Contract: `model_id(target, resolved)` is a name a person would call the model, never a machine
-path: the embedded demo pair is `specx-demo`; a `.gguf` file is its file name without the
-extension, the split-part suffix (`-00001-of-00003`) and the quantization tag that ends GGUF file
-names (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`, `Llama-3.2-1B-Instruct-Q4_K_M`
--> `Llama-3.2-1B-Instruct`); an extension-less GGUF blob passed as a path is its `general.name`
-(else its file name); a directory is its name (a hub cache snapshot `models--org--name/snapshots/<hash>`
-is `org/name`); a name that is not a path (a cached hub id, an ollama name, an installed
-distribution that ships a GGUF) is kept as the user wrote it, except that a distribution's GGUF is
-named by its file as above. `aliases(target, resolved, name)` are the other ids a client may name
-the model by (the --target as given, its path, its absolute path): GET /v1/models/{id} answers for
-each of them with the card of `name`, so clients configured with the old path-shaped id still work.
+Contract: `model_id(target, resolved)` is a name a person would call the model, never a path: the
+demo pair is `specx-demo`; a `.gguf` file its `gguf_stem` (no split-part suffix, no quantization
+tag); an extension-less GGUF blob its `general.name` (else its file name); a directory its name (a
+hub cache snapshot `models--org--name/snapshots/<hash>`: `org/name`); a name that is not a path (hub
+id, ollama name) as the user wrote it, unless it resolved to a distribution's `.gguf` (its stem).
+`aliases(target, resolved, name)`: the --target as given, its path and absolute path, for which
+GET /v1/models/{id} also answers with the card of `name` (clients configured with a path still work).
 """
 
 from __future__ import annotations

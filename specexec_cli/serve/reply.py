@@ -2,17 +2,12 @@
 every character and the logprobs of every token riding along.
 
 Contract: `Reply(tokenizer, stops, names, forced, logprobs, limit)` is fed the engine's `StepEvent`s
-in order; `feed(ev)` returns what is safe to send now (a `Piece`: text, per-character origin mask,
-the logprob entries of the tokens so far, the tool calls' OpenAI deltas) or None. Text passes
-`chat.StopScanner` (the stop string and all after it are dropped; `used` counts the tokens through
-it) and then, when the request has tools, `tools.ToolScanner` (a call streams as deltas while it is
-written, or is held to the end when it is not written the canonical way; `limit` caps the calls).
-What is sent is always a prefix of what is held, so the origin mask of the unsent text is cut from
-its front. `finish()` returns the last piece and the reply's tool calls (OpenAI dicts; [] for
-text). `parts` is the content of a response that is not streamed: the text sent, plus the text of
-calls that streamed but never closed (a reply cut by max_tokens: its content, no tool_calls). Logprob
-entries (shapes.token_entry) ride on the next piece sent; those of tokens past a stop string are
-dropped; `entries` keeps them all for a response that is not streamed.
+in order; `feed(ev)` returns what is safe to send now (a `Piece`) or None. Text passes
+`chat.StopScanner` (`used`: the tokens through the stop string), then, with tools,
+`tools.ToolScanner` (`limit` caps the calls). `finish()` returns the last piece and the reply's tool
+calls (OpenAI dicts; [] for text). `parts` is the content of a response not streamed: the text sent,
+plus calls that never closed (a reply cut by max_tokens). Logprob entries ride on the next piece
+sent, none past a stop string; `entries` keeps them all.
 """
 
 from __future__ import annotations

@@ -1,32 +1,20 @@
 """The forest thread of `specx serve`: up to --parallel N requests decode together, one target pass each step.
 
-Contract: `Scheduler(session, parallel, metrics)` owns N sequence slots, each a `DecodeState` with
-its own KV caches (slot 0 is the session's own state; the others are reserved at first use under
-the device-pool component "kv_parallel", which the memory plan counts, see `parallel_fit`).
-A worker thread calls `open(full_ids, cfg, gen, cancelled, background=...)`; it blocks until the
-forest thread admits the request at the next pass boundary into the free slot slots.choose picks,
-made the best start for it (`_prepare`: the prompt cache, another slot's prefix, slots.donor), and a
-`core.forest.Lane` joins the `Forest`. A background request whose only choice would lose a
-conversation's rows waits while another background request decodes (slots.waits). `open`
-returns (events, tokens to prefill): the events are the ones `ChatSession.decode` yields for one
-request alone (the prefill chunk that yields the first token runs in the same pass as the other
-requests' trees). Closing the events (stop string, finished, worker stopping) or `cancelled()`
-turning true takes the lane out at the next pass boundary, its committed rows kept for the next
-request; an error of one lane (an out-of-memory while adding it included) is raised from its
-events and the others go on. `close()` stops the thread once no lane is left.
-Admission order: streamed requests (`interactive`) first, then by arrival. A streamed request that
-finds every slot busy with non-streamed ones pauses one of them at the pass boundary (`Lane.pause`):
-its ticket waits again, ahead of the non-streamed ones that arrived after it, and resumes
-(`Lane.resume`) in a free slot with the reply it gets unpaused; its rows stay in the slot until
-another request rewinds them, and the prompt cache keeps them then. Streamed requests are never
-paused. A ticket cancelled while waiting or paused leaves without taking a slot (`Withdrawn`).
-Arrival is the caller's `seq`: a caller that has taken a request but not opened it yet says so
-(`expect(seq)`, then `open` or `forget(seq)`), and no later non-streamed request is admitted before
-it, so preparing prompts on several threads cannot reorder the background requests.
-With --budget auto each decoding request's tree shape comes from the speed model's split (the
-session's `BudgetTuner.split(k)`, fed every forest pass), so a request joining never makes the pass
-slower than the stream by surprise; with an explicit --budget the budget is the whole pass's, split
-evenly (core/forest.py `split_budget`).
+Contract: `Scheduler(session, parallel, metrics)` owns N slots (slots.py), each a `DecodeState` with
+its own KV caches: slot 0 is the session's, the others are reserved at first use as the device-pool
+component "kv_parallel" (`parallel_fit` sizes N from the memory plan). A worker thread's
+`open(full, cfg, gen, cancelled, ...)` blocks until the forest thread admits the request at a pass
+boundary into the slot slots.choose picks, made its best start (`_prepare`), and returns (events,
+tokens to prefill): the events `ChatSession.decode` yields for one request alone. Closing the events
+or `cancelled()` turning true takes the lane out at the next boundary, its committed rows kept; one
+lane's error (OOM while adding it included) is raised from its events only. `close()` stops the
+thread once no lane is left.
+Admission: streamed requests (`interactive`) first, then by the caller's `seq`. A streamed request
+finding every slot busy pauses a non-streamed lane (`Lane.pause`), which waits again ahead of later
+non-streamed ones and resumes (`Lane.resume`) where it was; a ticket cancelled before it has a slot
+leaves (`Withdrawn`). A request the caller took but has not opened (`expect(seq)`, then `open` or
+`forget`) holds back later non-streamed ones. Tree shapes: --budget auto's `BudgetTuner.split(k)`,
+fed every pass; else the --budget split evenly (core/forest.py `split_budget`).
 """
 
 from __future__ import annotations

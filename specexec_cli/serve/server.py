@@ -1,17 +1,12 @@
 """Run `specx serve`: plan, bind, start uvicorn at once, load the models on the worker thread.
 
-Contract: `run_server(flags, options)` returns the process exit code. Flag and plan errors raise
-`SpecxError` before anything binds (one line, exit 2 via terminal/app.py's user_errors); a port that cannot be
-bound is one too. The server answers /health (503 "loading") while the worker loads; a load that
-fails prints one line and stops the server with exit code 2. SIGINT/SIGTERM make /health answer
-503 "stopping", stop the running generation at its next target pass, answer it, refuse what is
-queued, join the worker thread, then close the models, and exit 0; stopped while the models load, it
-says so and exits 0 at once (`stop_while_loading`: a load cannot be interrupted). The session gets a prompt cache
-of `cache_ram` bytes (None: a default from the memory plan; 0: none), see session/prompt_cache.py.
-A request that sets no max_tokens gets --max-new-tokens, given or not (its default, 256, as --help
-says); Open WebUI's background tasks get limits.TASK_CAPS and the repetition guard watches replies
-(`task_caps`, `repetition_guard`: limits.py). Requests that set no sampling values sample with the
---temperature/--top-k/--top-p given, then the checkpoint's, then llama-server's (`serve_defaults`).
+Contract: `run_server(flags, options)` returns the exit code. Flag and plan errors, and a port that
+cannot be bound, raise `SpecxError` before anything binds (one line, exit 2). /health answers 503
+"loading" while the worker loads; a failed load prints one line and exits 2. SIGINT/SIGTERM: /health
+answers 503 "stopping", running generations end at their next target pass, queued ones are refused,
+the worker joins, the models close, exit 0; stopped while loading, it exits 0 at once
+(`stop_while_loading`). A request gets --max-new-tokens, limits.py's task caps and guard, and
+`serve_defaults`' sampling; the prompt cache is `cache_ram` bytes (None: from the plan; 0: none).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The OpenAI response shapes of `specx serve`: bodies, streamed chunks, usage, logprobs.
 
 Contract: pure functions from a reply's parts to the exact dicts OpenAI's API returns. `envelope`
-wraps one choice into a body or a streamed chunk of either endpoint (`chat.completion[.chunk]`,
-`text_completion`), with the `specx` extension field when given; a chunk without a choice is the
-`stream_options.include_usage` chunk. The choices: `chat_choice` (a `message`, see `chat_message`,
-with its `tool_calls`, or a `delta`; `logprobs.content`) and `completion_choice` (logprobs as
-tokens, token_logprobs, top_logprobs, text_offset). A reply's logprobs travel as chat-style entries
-(`token_entry`); `completion_logprobs` converts a run of them.
+wraps one choice (`chat_choice`, `completion_choice`) into a body or chunk of either endpoint; a
+chunk without a choice is the `stream_options.include_usage` chunk. A reply's logprobs travel as
+chat-style entries (`token_entry`); `completion_logprobs` converts a run of them.
 """
 
 from __future__ import annotations

@@ -1,28 +1,18 @@
 """Which of `specx serve`'s sequences a request takes, and what it finds there (llama-server's slot selection).
 
-Contract: a `Slot` is one sequence's `DecodeState`, the request decoding in it (None: free), when it
-was last taken, and whether its rows are a finished background task's (`background`: limits.task_of,
-Open WebUI's title, tags and follow-up requests, whose prompts nobody sends again). `choose(slots,
-free, full, cache)` returns (index, rows lost) of the free slot a request for `full` takes:
-1. one that loses nothing: no rows of its cache that taking it throws away and nothing else keeps
-   (not the request itself, not another sequence, not a prompt-cache entry); an empty slot and a
-   background task's rows lose nothing; a few rows (under MIN_ROWS, a reply re-tokenized
-   differently) count as nothing;
-2. then one that displaces no conversation's rows (MIN_ROWS or more of them beyond what the request
-   reuses), though the prompt cache keeps them: a restore later would copy them back;
-3. then the most rows the slot already shares with the request (a conversation's next turn goes back
-   to the sequence that holds it, llama-server's prompt similarity);
-4. then the least recently used. When every free slot would lose rows, only this counts: the
-   conversation left longest is the one displaced (llama-server's least recently used slot).
-So a background request never takes a sequence holding a conversation while an empty one or a
-background task's is free, and a conversation displaced at last is the one the prompt cache keeps.
-`donor(slots, i, full)` is (index, rows) of the sequence holding the longest prefix of `full` when it
-holds at least MIN_ROWS more than slot i: the scheduler copies those rows across
-(prompt_cache.copy_prefix) instead of prefilling them, so a title request that shares a long system
-prompt with a conversation gets it cached without taking the conversation's sequence. `waits(...)`
-says whether a background request should wait for a sequence to free rather than take a
-conversation's that nothing keeps: only while another background request decodes (it ends soon:
-limits.TASK_CAPS), so nothing waits for ever.
+Contract: a `Slot` is one sequence's `DecodeState`, the ticket decoding in it (None: free), when it
+was last taken, and whether its rows are a finished background task's (limits.task_of: nobody sends
+that prompt again). `choose(slots, free, full, cache)` is (index, rows lost) of the free slot a
+request for `full` takes, by these keys in order:
+1. it loses nothing: no rows that nothing else keeps (the request, another sequence, a prompt-cache
+   entry); an empty slot, a background task's rows and under MIN_ROWS rows lose nothing;
+2. it displaces no conversation (MIN_ROWS or more rows beyond what the request reuses);
+3. it shares the most rows with the request (a conversation's next turn goes back to its sequence);
+4. least recently used; when every free slot loses rows, only this counts.
+`donor(slots, i, full)` is (index, rows) of the sequence holding MIN_ROWS or more rows of `full`'s
+prefix beyond slot i's, which the scheduler copies (prompt_cache.copy_prefix) instead of prefilling.
+`waits(...)`: a background request that would lose a conversation's rows waits while another
+background request decodes (it ends soon: limits.TASK_CAPS), so nothing waits for ever.
 """
 
 from __future__ import annotations

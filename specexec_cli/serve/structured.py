@@ -1,20 +1,13 @@
 """Tools, tool calls, `response_format` and logprobs of a request: checked, then planned.
 
-Contract: at request time (event loop, no model) `to_work(req)` builds the worker's `Work` from a
-request (sampling, stops, the prompt or messages) and `apply(req, work)` checks the request's tools,
-`tool_choice`, `parallel_tool_calls`, `response_format` and logprobs fields and copies them into
-the worker's `Work`; `template_messages(messages)` turns the messages into what chat templates take
-(an assistant's `tool_calls` with their `arguments` as objects, a tool message with its call's id
-and function name). Each refusal is a 400 in OpenAI's shape whose `param` names the field: a
-`tool_choice` naming no tool of the request, a tool message answering no earlier call, arguments
-that are not a JSON object, a json_schema without a schema. On the worker (the tokenizer known)
-`plan(work, tok)` decides what the template renders and what the reply is constrained to: tools go
-to a template that reads them, else `tool_choice` auto/none answers in plain text and
-required/a named function is a 400; a forced call (tools.forced_call: `required` with
-parallel_tool_calls one or more calls, else exactly one) or a `response_format` becomes a
-`GrammarSpec`, compiled here so that an invalid schema is a 400 before any decoding. Under a grammar
-the request's stop strings do not apply (`Plan.stops`): the grammar alone ends the reply, so a stop
-string inside the JSON cannot cut it into an object that does not parse.
+Contract: at request time (no model) `to_work(req)` builds the worker's `Work`; `apply` checks the
+tools, `tool_choice`, `parallel_tool_calls`, `response_format` and logprobs fields and copies them;
+`template_messages` gives the messages as chat templates take them. Each refusal is a 400 whose
+`param` names the field. On the worker, `plan(work, tok, templated)` decides what the template
+renders and what the reply is constrained to: tools go to a template that renders them, else
+auto/none answer in text and a forced call is a 400; a forced call or a `response_format` becomes a
+`GrammarSpec`, compiled here so that a bad schema is a 400 before decoding. Under a grammar no stop
+string applies (`Plan.stops`): one inside the JSON would cut it into an object that does not parse.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The worker of `specx serve`: loads the models, then serves requests, streamed ones first.
 
-Contract: `Worker(load, max_queue, metrics)` owns the `chat.ChatSession` (its caches and prompt
-cache let a request that resends a conversation prefill only the new suffix). `submit(job)` never
+Contract: `Worker(load, max_queue, metrics)` owns the `chat.ChatSession`. `submit(job)` never
 blocks: it queues the job or raises `APIError` (503 while loading or stopping, 429 with Retry-After
-when `max_queue` requests already wait). Queued jobs are taken streamed (`job.interactive`) first,
-then in submission order. Where the forest runs the method (core.forest.FOREST_METHODS) every job
-decodes through scheduler.py at any --parallel; other methods decode one request at a time with
-`ChatSession.decode`. A `Job` gets its reports in order (jobs.py). `job.cancel()` gives a queued
-job's slot back and stops a running one after the current target pass; `shutdown()` stops the
-running ones likewise and refuses the queued ones (503). A reply's length is limits.reply_limit's;
-with `repetition_guard` a reply that repeats one span ends "stop" with `"stopped_by": "repetition"`.
-A chat template that raises is a 400 `chat_template_error`; a grammar or logprobs on a method that
-cannot give them a 400 before the reply starts. structured.py plans a request's tools, grammar and
-logprobs, reply.py filters its text (stop strings, tool calls); `Done` carries the calls and logprobs.
+when `max_queue` requests already wait). Queued jobs are taken streamed first, then in order; where
+the forest runs the method (core.forest.FOREST_METHODS) every job decodes through scheduler.py, else
+one at a time with `ChatSession.decode`. `job.cancel()` frees a queued job's slot and stops a
+running one after the current pass; `shutdown()` stops them all and refuses the queued ones (503).
+A chat template that raises, or a grammar or logprobs on a method that cannot give them, is a 400
+before the reply starts.
 """
 from __future__ import annotations
 
