@@ -11,15 +11,20 @@ import json
 
 import pytest
 
-from specexec_cli.core.methods.sequoia import (
-    PROFILE_KEY,
-    acceptance_vector,
-    expected_tokens,
-    optimal_tree,
-    sampling_key,
-)
+from specexec_cli.core.methods.sequoia import PROFILE_KEY, acceptance_vector, optimal_tree, sampling_key
 from specexec_cli.core.methods.static_tree import Template
 from specexec_cli.core.sampling import SamplingParams
+
+
+def expected_tokens(tpl: Template, a: tuple[float, ...]) -> float:
+    """F(T) of a template under the positional model: the DP's objective, computed directly."""
+    f = [1.0] * len(tpl.parents)
+    total = 1.0
+    for par, kids in enumerate(tpl.children()):
+        for rank, child in enumerate(kids):
+            f[child] = f[par] * (a[rank] if rank < len(a) else 0.0)
+            total += f[child]
+    return total
 
 
 @pytest.mark.parametrize(

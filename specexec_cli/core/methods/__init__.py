@@ -1,12 +1,10 @@
 """Every decoding method by name: the registry the CLI, chat and bench resolve `--method` with.
 
-Contract: `METHODS` maps a `--method` name to an `engine.StepFn`: the engine's core steps (`ar`,
-`specexec`) plus chain, SpecInfer, Sequoia and staged. The dependency points one way — this
-package imports `engine`, `engine` never imports it — so `generate` here is `engine.generate` with
-the step function resolved from `cfg.method`. Every step keeps the engine's cache invariants (see
-engine.py) and is lossless: greedy ids equal the target's, and at T > 0 the output distribution is
-the target's processed distribution. Method options (γ, branching, the Sequoia profile path)
-travel in `GenerationConfig.extra`; see `common.MethodSettings`.
+Contract: `METHODS` maps a `--method` name to an `engine.StepFn` (the engine's `ar` and `specexec`,
+chain, SpecInfer, Sequoia, staged); `generate` is `engine.generate` with `cfg.method`'s step (engine
+never imports this package). Every step keeps engine.py's cache invariants and is lossless: greedy
+ids equal the target's, at T > 0 the output follows the target's processed distribution. Method
+options travel in `GenerationConfig.extra` (`common.MethodSettings`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
 """Pieces shared by the sampled-tree methods: method settings and the multi-step residual rule.
 
 Contract:
-- `MethodSettings.of(cfg)` reads the method options stored in `GenerationConfig.extra`
-  (`with_settings` writes them); defaults apply when a key is absent.
-- Multi-step speculative sampling (SpecInfer, arXiv 2305.09781; Sequoia, arXiv 2402.12374) at one
-  node with target distribution p and draft distribution q, whose children x_1..x_k were drawn from
-  q WITHOUT replacement (x_i ~ q_i, q_1 = q, q_{i+1} = norm(q_i with x_i zeroed)):
+- `MethodSettings.of(cfg)` reads the method options `with_settings` stored in `GenerationConfig.extra`.
+- Multi-step speculative sampling (SpecInfer, arXiv 2305.09781; Sequoia, arXiv 2402.12374) at a node
+  with target p and draft q, children x_1..x_k drawn from q WITHOUT replacement
+  (q_1 = q, q_{i+1} = norm(q_i with x_i zeroed)):
       for i = 1..k: accept x_i with prob min(1, p_i(x_i) / q_i(x_i)); else p_{i+1} = norm(max(0, p_i - q_i))
       if every child is rejected, emit a sample of the last residual p_{k+1}.
-  Given x_1..x_{i-1} (all rejected), step i is one round of ordinary speculative sampling with
-  target p_i and draft q_i, and a rejected x_i has p_{i+1}(x_i) = 0 (rejection needs p_i(x_i) < q_i(x_i)),
-  so zeroing it in q loses nothing: the emitted token is an exact sample of p. `sample_children` and
-  `choose_child` (host, CPU generator: Sequoia's acceptance measurement) use the same `without`
-  update, so the q_i of verification is the q_i of sampling.
-- On the decoding path the rule runs on the device for every node of the tree at once
-  (`static_choices`, one (n,) vector copied per pass, walked by verify.walk): children sampled by
-  the Gumbel-top-k of q with the CHILDREN stream of sampling.py's hash (= sequential sampling
-  without replacement), acceptance uniforms from the ACCEPT stream, the final residual drawn by
-  the race with the RESIDUAL stream. Each stream is keyed by the children's absolute position, so
-  the randomness a path node uses is fresh given the emitted prefix (lossless).
+  Step i is one round of ordinary speculative sampling (target p_i, draft q_i); a rejected x_i has
+  p_{i+1}(x_i) = 0, so zeroing it in q loses nothing: the emitted token is an exact sample of p.
+- Decoding runs the rule on the device for every node at once (`static_choices`, one (n,) copy per
+  pass, walked by verify.walk): children by Gumbel-top-k of q (CHILDREN stream of sampling.py's hash),
+  acceptance uniforms from ACCEPT, the final residual by the race with RESIDUAL; each stream is keyed
+  by the children's absolute position (fresh randomness given the emitted prefix: lossless).
+  `sample_children`/`choose_child` are the host version (Sequoia's acceptance measurement).
 """
 
 from __future__ import annotations
@@ -126,12 +121,10 @@ def without_rows(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def residual_choices(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, key: int, pos: torch.Tensor):
-    """The multi-step rule at R nodes at once, on the device → ((R,) accepted child token or -1,
-    (R, V) final residual p).
+    """The multi-step rule at R nodes on the device → ((R,) accepted child token or -1, (R, V) final residual).
 
-    p, q: (R, V) processed target and draft rows; kids: (R, K) child tokens in sampling rank order
-    (-1 = none); pos: (R,) absolute position of the children. The uniform of child x is the ACCEPT
-    stream's hash of (key, pos, x): independent across a node's (distinct) children.
+    p, q: (R, V) processed target and draft rows; kids: (R, K) child tokens in rank order (-1 = none);
+    pos: (R,) the children's absolute position. Child x's uniform is the ACCEPT hash of (key, pos, x).
     """
     accepted = torch.full((kids.shape[0],), -1, dtype=torch.long, device=kids.device)
     for i in range(kids.shape[1]):
@@ -158,12 +151,9 @@ def static_choices(
     kids: torch.Tensor,
     q: torch.Tensor,
 ) -> torch.Tensor:
-    """(n, V) target logits over a tree whose children were sampled w/o replacement → (n,) tokens
-    on the device: at a node with children the accepted child's token, or the draw from its final
-    residual; at a leaf a draw from p. Draws: argmax(r / E) with the RESIDUAL stream's noise.
-
-    depth: (n,) node depths; inner: (R,) indices of the nodes with children; kids: (R, K) their
-    child tokens (-1 = none); q: (R, V) their processed draft rows (all on the logits' device).
+    """(n, V) target logits → (n,) device tokens: a node's accepted child, else a draw (argmax(r / E),
+    RESIDUAL noise) from its final residual r (p at a leaf). depth: (n,); inner: (R,) nodes with
+    children; kids: (R, K) their child tokens (-1 = none); q: (R, V) their processed draft rows.
     """
     p = process_logits(logits, params)  # (n, V)
     accepted, final = residual_choices(

@@ -1,24 +1,19 @@
 """Sequoia (arXiv 2402.12374): the static tree that maximises expected accepted tokens, by DP.
 
 Contract:
-- Acceptance vector a_1, a_2, ..., a_K: a_k = probability that the rank-k sampled sibling is the
-  one accepted (marginal: ranks 1..k-1 rejected, then rank k accepted) under the verification the
-  method uses. Sequoia's positional assumption: a_k does not depend on the node. The expected
-  tokens of one pass is then F(T) = Σ_{v in T} Π_{edges on root→v} a_rank (root counts 1: the
-  target always emits one token), and the DP maximises F over trees with `budget` non-root nodes
-  and depth <= `max_depth` whose siblings use contiguous ranks 1..k:
+- Acceptance vector a_1..a_K: a_k = probability that the rank-k sampled sibling is the one accepted,
+  assumed the same at every node. A tree's expected tokens per pass is F(T) = Σ_{v in T} Π_{edges on
+  root→v} a_rank (the root counts 1), and the DP maximises F over trees with `budget` non-root nodes,
+  depth <= `max_depth` and siblings on contiguous ranks 1..k:
       c(n, d) = 1 + T_1(n-1, d)            best tree with at most n nodes (root included)
       T_k(n, d) = max(0, max_{1<=m<=n} a_k · c(m, d-1) + T_{k+1}(n-m, d)),   T_{K+1} = 0
   (each max-plus convolution is one vectorised (n × m) numpy op).
-- `measure_acceptance` estimates a from the pair on a token sequence (teacher forced): at T = 0 the
-  frequency with which the target's argmax is the draft's rank-k token; at T > 0 a Monte-Carlo run
-  of the multi-step rule (`common.choose_child`) on K children sampled without replacement. Its
-  two teacher-forced passes (fresh caches, whole context, once per pair and sampling) are plain
-  forwards, like a prefill; the tree's draft forwards go through `draftstep.run` (static_tree).
-- `sequoia_step` is an engine StepFn: the vector is measured once per (pair, sampling) on the
-  first context it sees, cached in memory and — when `--sequoia-profile FILE` names an existing
-  JSON file — under its "sequoia_acceptance" key; the tree comes from the DP; growth and
-  verification are `static_tree.static_step` (sampling without replacement + residual rule).
+- `measure_acceptance` estimates a on a teacher-forced token sequence (two plain forwards, fresh
+  caches): at T = 0 how often the target's argmax is the draft's rank-k token; at T > 0 a Monte-Carlo
+  run of `common.choose_child` on K children sampled without replacement.
+- `sequoia_step` is an engine StepFn: the vector is measured once per (pair, sampling), cached in
+  memory and, when `--sequoia-profile FILE` exists, under its "sequoia_acceptance" key; the DP's tree
+  is grown and verified by `static_tree.static_step`.
 """
 
 from __future__ import annotations
@@ -91,17 +86,6 @@ def optimal_tree(a: tuple[float, ...], budget: int, max_depth: int) -> tuple[Tem
     return Template(tuple(parents)), float(c[max_depth, budget + 1])
 
 
-def expected_tokens(tpl: Template, a: tuple[float, ...]) -> float:
-    """F(T) of a template under the positional model (for checks and reports)."""
-    f = [1.0] * len(tpl.parents)
-    total = 1.0
-    for par, kids in enumerate(tpl.children()):
-        for rank, child in enumerate(kids):
-            f[child] = f[par] * (a[rank] if rank < len(a) else 0.0)
-            total += f[child]
-    return total
-
-
 def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
     """(n, V) logits of `model` over `ids` with a fresh cache."""
     cache = kvcache.new_cache()
@@ -112,7 +96,7 @@ def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
 def measure_acceptance(
     m, ids: list[int], params: SamplingParams, ranks: int = RANKS, draws: int = 8, seed: int = 0
 ) -> tuple[float, ...]:
-    """Estimate a_1..a_K on `ids` (see the module docstring); positions 1..n-1 of the context."""
+    """Estimate a_1..a_K on the last CALIBRATION_TOKENS of `ids` (module docstring)."""
     ids = ids[-CALIBRATION_TOKENS:]
     p_logits, q_logits = _teacher_forced(m.target, ids), _teacher_forced(m.draft, ids)
     counts = np.zeros(ranks)

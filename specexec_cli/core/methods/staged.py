@@ -1,25 +1,17 @@
 """Staged speculative decoding (arXiv 2308.04623) on top of the SpecExec tree.
 
-What is staged: there are three models in a cascade.
-  stage 1  the TARGET verifies the draft's token tree in one pass (`verify.accept_tree`, the
-           SpecExec walk — lossless whatever the tree, so this method is lossless too);
-  stage 2  the DRAFT grows that tree, as `draft.grow_tree` does: each draft forward expands the
-           best open nodes of the current top-`budget` set (SpecExec's cumulative-probability rule);
-  stage 3  an N-GRAM model (prompt lookup over the prompt + generated text: `ngram.NgramIndex`,
-           the index of specexec's n-gram branches) speeds up stage 2: for each node the draft is
-           about to expand, it proposes a continuation of up to `CHAIN_LEN` tokens. The proposals ride along in the SAME draft forward (tree mask: each
-           proposed token sees the prefix, the node's ancestors, the node and the earlier proposed
-           tokens), so the draft verifies them in batch instead of decoding them one by one.
-           Proposed token x_j is accepted by the draft when it is a child the draft itself put in
-           the tree (top `max_branch` and above the budget threshold) under the previously accepted
-           node; its logits from that forward are then exactly the logits a later draft forward
-           would have computed, so the node is expanded at once and marked run. The walk stops at
-           the first proposal the draft did not keep; rows of rejected proposals are dropped from
-           the draft cache (`kvcache.compact`).
-The first forward of a step runs the pending committed tokens and the root's n-gram chain
-causally together. The tree is then pruned to the top-`budget` nodes and verified exactly as in
-`engine.speculative_step`; the draft cache keeps the engine's layout (prefix + run nodes by slot).
-Every draft forward is `draftstep.run`.
+Three models in a cascade:
+  stage 1  the TARGET verifies the draft's token tree in one pass (`verify.accept_tree`: lossless);
+  stage 2  the DRAFT grows the tree as `draft.grow_tree` does (SpecExec's cumulative-probability rule);
+  stage 3  an N-GRAM model (prompt lookup, `ngram.NgramIndex`) proposes up to `CHAIN_LEN` tokens below
+           each node the draft is about to expand; they ride in the SAME draft forward (tree mask: a
+           proposal sees the prefix, the node's ancestors, the node and the earlier proposals). A
+           proposal the draft itself put in the tree under the previously accepted node is accepted:
+           its logits are the ones a later forward would compute, so it is expanded at once and marked
+           run. The walk stops at the first proposal the draft did not keep; rejected rows leave the
+           draft cache (`kvcache.compact`).
+A step's first forward runs the pending tokens and the root's chain causally together; pruning and
+verification are `engine.speculative_step`'s, and the draft cache keeps the engine's layout.
 """
 
 from __future__ import annotations

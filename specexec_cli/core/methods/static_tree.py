@@ -1,30 +1,22 @@
 """Static token trees (chain, SpecInfer, Sequoia): one shape, filled level by level by the draft.
 
-Contract: a `Template` is a fixed tree shape — `parents[i]` (< i; node 0 = root, parent -1), with
-the children of a node listed in rank order. `grow_static` fills it: one batched draft forward per
-level computes only that level's new nodes (tree mask over the cached prefix and the run
-ancestors), and each node's children are
-  - T = 0: the draft's top-k tokens (deterministic; verified by the greedy walk `verify.accept_tree`),
-  - T > 0: k tokens sampled WITHOUT replacement from the draft's processed distribution q, on the
-    device: the top k of q / E (Gumbel-top-k, E the CHILDREN stream of sampling.py's hash at the
-    children's position), verified by the multi-step residual rule on the device
-    (`common.accept_static`).
-Template children that cannot be filled (q has a smaller support) are dropped with their subtrees.
-`static_step` is the whole engine step; afterwards the caches keep the engine's invariants.
-Two of its methods are a template and nothing else (Sequoia's DP tree is sequoia.py's):
-- `chain_step`, chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the chain
-  ⟨1, 1, ..., 1⟩ of γ = MethodSettings.gamma draft tokens (the budget is not used). With one child
-  the multi-step rule is the chain rule: token i accepted with probability min(1, p_i(x_i) / q_i(x_i)),
-  on the first rejection a draw from norm(max(0, p_i - q_i)), after full acceptance a bonus from p.
-- `specinfer_step`, SpecInfer (arXiv 2305.09781): SpecInfer's expansion ⟨k1, k2, ...⟩, every node at
-  depth d with k_{d+1} children (`--branching 4,2,2,1` → 4 + 8 + 16 + 16 = 44 nodes); without
-  --branching the widths come from the budget (`branching_for_budget`): first level min(4, W),
-  doubling down to a width W = the largest power of two with W² <= budget, then chains of width W
-  until the node count would exceed the budget or the depth reaches max_depth.
-Every draft forward (the pending run, then one per level) is `draftstep.run`. Host transfers: per level one upload (ids, positions, ancestor columns, staged by the step) and one
-download of the level's (B, 2k [+1]) top-k block, in both modes; the draft rows q stay on the
-device (one (V,) float32 row per node with children, until the step ends). Per step one upload of
-the verify pass's inputs (with the child table at T > 0) and one (n,) download of the choices.
+Contract: a `Template` is a fixed tree shape, `parents[i]` < i (node 0 = root, parent -1), children
+in rank order. `grow_static` fills it with one batched draft forward per level (`draftstep.run`; tree
+mask over the cached prefix and the run ancestors); a node's children are
+  - T = 0: the draft's top-k tokens, verified by the greedy walk `verify.accept_tree`;
+  - T > 0: k tokens sampled WITHOUT replacement from the draft's processed q on the device (top k of
+    q / E, E the CHILDREN stream at the children's position), verified by the multi-step residual
+    rule (`common.accept_static`).
+Template children q cannot fill (smaller support) are dropped with their subtrees. `static_step` is
+the whole engine step and keeps the engine's cache invariants. Templates:
+- `chain_step` (Leviathan et al. 2023; Chen et al. 2023): the chain ⟨1, ..., 1⟩ of γ = --gamma draft
+  tokens (no budget); with one child the multi-step rule is the chain rule.
+- `specinfer_step` (arXiv 2305.09781): every node at depth d gets k_{d+1} children (`--branching
+  4,2,2,1` → 4 + 8 + 16 + 16 = 44 nodes); without it `branching_for_budget`: first level min(4, W),
+  doubling to W = the largest power of two with W² <= budget, then width W while within the budget
+  and max_depth.
+Host transfers: per level one upload and one (B, 2k [+1]) top-k download; q rows stay on the device;
+per step one upload for the verify pass (child table at T > 0) and one (n,) download of the choices.
 """
 
 from __future__ import annotations
@@ -83,12 +75,9 @@ def level_template(widths: tuple[int, ...]) -> Template:
 
 
 def pick_level(logits: torch.Tensor, ks: list[int], params: SamplingParams, noise: PositionNoise | None, pos: int):
-    """(B, V) device logits, children wanted per row → per row (tokens, log-probs, q row on the device
-    or None at T = 0); `pos`: absolute position of the children (all rows are one level).
-
-    One host copy for the whole level: the draft's top-k at T = 0; at T > 0 the top-k of q / E (the
-    CHILDREN stream), their log q and each row's support size (rows with a smaller support get fewer).
-    """
+    """(B, V) device logits of one level, children wanted per row → per row (tokens, log-probs, device
+    q row or None at T = 0), in one host copy; `pos`: the children's absolute position. At T > 0 a row
+    gets at most its support size of children."""
     kmax = min(max(ks), logits.shape[-1])
     if params.greedy:
         vals, idx, _ = top_children(logits, kmax, params, None)
@@ -107,11 +96,8 @@ def pick_level(logits: torch.Tensor, ks: list[int], params: SamplingParams, nois
 
 
 def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, params, noise=None):
-    """Fill `tpl` (nodes deeper than depth_cap dropped) → (Tree, {tree node id: q row on the device});
-    q only at T > 0 (`noise`: the step's PositionNoise, needed then).
-
-    Draft cache afterwards: prefix + pending + every node with slot >= 0, in slot order (as grow_tree).
-    """
+    """Fill `tpl` to depth_cap → (Tree, {node: device q row}, T > 0 only, where `noise` is needed).
+    Draft cache afterwards: prefix + pending + every node with slot >= 0, in slot order (as grow_tree)."""
     tree = Tree.new(ctx.pending[-1])
     base = ctx.n_cached + len(ctx.pending) - 1  # cache row of the root = tree slot 0
     kids = tpl.children()
