@@ -10,11 +10,7 @@ __version__ = "0.1.0"
 
 
 def _quiet_startup_interrupt() -> None:
-    """Ctrl-C while the `specx` CLI is still importing: exit 130 at once, no traceback.
-
-    cli.main() replaces this with the normal KeyboardInterrupt handler. Installed only when this
-    process is the CLI (`specx` script or `python -m specexec_cli`), never for library users.
-    """
+    """Ctrl-C while the `specx` CLI (not a library user) is still importing: exit 130, no traceback."""
     import os
     import signal
     import sys

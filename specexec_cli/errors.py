@@ -1,16 +1,10 @@
 """User-facing errors.
 
 Contract: anything the user can fix raises `SpecxError` with a one-line message that names the
-fix. The CLI turns it into `error: ...` on stderr and exit code 2 (usage), with no traceback
-unless `SPECX_DEBUG=1`. Also here, for every command alike:
-- `write_output(path, text, what)`: write a user-named output file (--stats-json, /save) so that a
-  full disk or an unwritable path is one `SpecxError` line and never a half-written file
-  (regular files go through a temp file + rename; devices such as /dev/full are written in place).
-- `oom_error(exc_or_none, plan, budget)`: the one line for a device out-of-memory during a pass,
-  naming the plan and the fix (a lower --budget or --ctx); exit code 3 (`OOM_EXIT`).
-- `INTERRUPT_EXIT` (130): the exit code of a command stopped by Ctrl-C.
-- `offload_errors(flag)`: an `offload.OffloadError` raised inside becomes one `SpecxError` line (its
-  message, after `flag` when given): offload's user-fixable errors reach the user as specx's own.
+fix; the CLI prints `error: ...` and exits 2, with no traceback unless `SPECX_DEBUG=1`. Also:
+`write_output` writes a user-named file completely or not at all (one SpecxError line otherwise);
+`oom_error` is the line for a device OOM during a pass (exit 3); `INTERRUPT_EXIT` (130) is Ctrl-C's
+exit code; `offload_errors(flag)` turns an `offload.OffloadError` into one SpecxError line.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ class SpecxError(Exception):
 
 @contextmanager
 def offload_errors(flag: str | None = None):
-    """Turn an `offload.OffloadError` raised inside into one SpecxError line (module docstring)."""
     from offload import OffloadError
 
     try:
@@ -50,7 +43,7 @@ def debug_enabled() -> bool:
 
 
 def write_output(path: Path, text: str, what: str) -> None:
-    """Write `text` to the user's `path` completely or not at all; OSError -> one SpecxError line."""
+    """Regular files go through a temp file + rename; devices such as /dev/full are written in place."""
     path = Path(path).expanduser()
     regular = not path.exists() or path.is_file()
     tmp = path.with_name(f".{path.name}.specx-tmp") if regular else path

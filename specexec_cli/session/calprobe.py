@@ -1,10 +1,8 @@
 """The node-calibration prior that `specx profile --target --draft` stores.
 
-Contract: `measure_calibration(models, tokens)` decodes PROBE_PROMPTS with `specexec` (default
-scores, budget 64) for `tokens` new tokens each, at T = 0 and T = 0.7, starting every sampling
-key from the built-in prior, and returns {sampling key: acceptance rate per feature} — the
-profile's `node_calibration` entry. Later runs with the same pair (`pair_prior`) start their
-calibration from it instead of the built-in guess (calibrate.profile_prior).
+Contract: `measure_calibration(models, tokens)` decodes PROBE_PROMPTS with `specexec` (budget 64) at
+each of TEMPERATURES from the built-in prior and returns {sampling key: acceptance rate per feature},
+the profile's `node_calibration`; later runs with the same pair start from it (`pair_prior`).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ TEMPERATURES = (0.0, 0.7)
 
 
 def measure_calibration(models, tokens: int = 48, progress=None) -> dict:
-    """{sampling key: rates} learned over PROBE_PROMPTS at each of TEMPERATURES (see the contract)."""
     out = {}
     steps = len(TEMPERATURES) * len(PROBE_PROMPTS)
     for t_i, temperature in enumerate(TEMPERATURES):

@@ -1,21 +1,13 @@
 """A multi-turn conversation over one DecodeState (KV caches reused across turns and requests).
 
-Contract: `ChatSession` owns the conversation (messages, one `engine.DecodeState`, the sampling RNG
-and an optional `budget.BudgetTuner`); `specx chat` (chat_repl.py) and `specx serve` (serve/) both
-decode through it. Each turn prefills only tokens not already in the caches:
-- with a chat template, the whole conversation is rendered and tokenized, and the suffix after the
-  longest common prefix with the committed ids is prefilled; if the rendering diverges from the
-  committed ids (re-tokenized reply, template quirks) the caches are cropped to the divergence
-  point first, so only the tail is recomputed;
-- without one, each turn appends "User: …\nAssistant:" (a trailing EOS is dropped first: it is
-  never in either cache, so this is free);
-- `code=True` (a code model such as the demo pair): each turn is code to continue — the message
-  and a newline are appended to the conversation as they are, and the reply continues them.
-A server gets whole conversations (or prompts) per request: `conversation_ids` renders one the same
-way, `prefill_ids` rewinds to the common prefix, and `decode` streams the events with per-request
-settings; `StopScanner` ends a reply at a stop string. Ctrl-C during a chat reply stops after the
-current target pass (a second Ctrl-C interrupts at once; the caches are then cropped back to the
-committed ids) and keeps the partial reply.
+Contract: `ChatSession` owns the conversation (messages, one `engine.DecodeState`, the sampling RNG,
+an optional `budget.BudgetTuner`); `specx chat` and `specx serve` decode through it. Each turn
+prefills only what the caches lack: with a chat template the whole conversation is rendered and the
+caches are cropped to its longest common prefix with the committed ids; without one each turn
+appends "User: …\nAssistant:"; with `code=True` (the demo pair) the message is code to continue.
+A server renders whole conversations (`conversation_ids`), rewinds (`prefill_ids`) and streams
+`decode` with per-request settings; `StopScanner` ends a reply at a stop string. Ctrl-C stops after
+the current target pass (a second one at once, the caches cropped back) and keeps the partial reply.
 """
 
 from __future__ import annotations
@@ -42,10 +34,8 @@ SETTINGS = ("temperature", "top_p", "top_k", "budget", "max_new_tokens", "seed")
 
 
 def rewind(st: DecodeState, keep: int) -> None:
-    """Cut the committed ids to `keep` and both caches to at most that (invariants stay valid).
-
-    Also repairs a state interrupted mid-pass: cache rows beyond the recorded lengths are dropped.
-    """
+    """Cut the committed ids to `keep` and both caches to at most that (also repairs a state
+    interrupted mid-pass: rows beyond the recorded lengths are dropped)."""
     # Rows [0, keep) of either cache hold exactly ids[:keep]: the engine writes a pass's rows
     # (tree, then compaction) before it raises target_len/draft_len, and raises those before it
     # extends ids, so clamping the lengths to `keep` never keeps a row for an uncommitted token.
@@ -106,20 +96,15 @@ class ChatSession:
         return list(tok(f"{head}User: {text}\nAssistant:", add_special_tokens=first)["input_ids"])
 
     def conversation_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """A whole conversation (ending in a user or tool turn) as ids ready for the assistant's reply:
-        the chat template (given `tools`, OpenAI function dicts, when the request has them), else the
-        text the turn-by-turn formats build (`plain_prompt`)."""
+        """A whole conversation as ids ready for the assistant's reply (template with `tools`, else
+        `plain_prompt`)."""
         if self.templated:
             return self._render(messages, tools)
         return list(self.models.tokenizer(plain_prompt(messages, self.code))["input_ids"])
 
     def prefill_ids(self, full: list[int], state: DecodeState | None = None, save: bool = True) -> list[int]:
-        """Rewind the state to the longest common prefix of `full` and the committed ids; returns
-        the ids still to prefill (at least one: the last prompt token's logits start the reply).
-        With a prompt cache, the snapshot sharing the longest prefix is restored first when it
-        reuses more than the live state (prompt_cache.PromptCache.prepare; `save`: the rows the
-        request discards are kept there first). `state`: another sequence's state instead of the
-        session's (serve's sequences, whose scheduler decides what to keep)."""
+        """Rewind `state` (default: the session's) to its longest common prefix with `full`, after
+        the prompt cache's `prepare`; returns the ids still to prefill (at least the last one)."""
         st = self.state if state is None else state
         if self.prompt_cache is not None:
             self.prompt_cache.prepare(st, full, self.models, save=save)
@@ -132,10 +117,8 @@ class ChatSession:
     def decode(
         self, ids: list[int], cfg: GenerationConfig | None = None, gen: torch.Generator | None = None
     ) -> Iterator[StepEvent]:
-        """The engine's events for a reply to `ids` (prefilled on top of the state), with the session's
-        or the given settings and RNG. Closing it between events leaves the caches consistent; an
-        error or interrupt mid-pass crops them back to the committed ids.
-        Raises ContextOverflow (state unchanged) on the first event when the prompt does not fit."""
+        """The engine's events for a reply to `ids`; an error or interrupt mid-pass crops the caches
+        back to the committed ids. ContextOverflow (state unchanged) when the prompt does not fit."""
         cfg, gen = cfg or self.cfg, gen if gen is not None else self.gen
         drive = self.tuner.drive if self.tuner is not None else generate
         events = drive(self.models, self.state, ids, cfg, gen)
@@ -150,10 +133,7 @@ class ChatSession:
             events.close()
 
     def reply(self, text: str, write: Callable[[str], None], view=None) -> RunStats:
-        """Generate the assistant's reply to `text`, streaming it through `write`.
-
-        Raises ContextOverflow (history unchanged) when the turn does not fit.
-        """
+        """Stream the assistant's reply to `text` through `write`; ContextOverflow when it does not fit."""
         messages = self.messages + [{"role": "user", "content": text}]
         ids = self.prefill_ids(self._render(messages)) if self.templated else self._plain(text)
         stats = RunStats(config=self.config_record(self.cfg))
@@ -211,7 +191,6 @@ class ChatSession:
             view.update(stats, extra)
 
     def turn_record(self, stats: RunStats) -> dict:
-        """The --stats-json line: run keys plus turn, prefill_tokens and context_tokens."""
         rec = stats.to_json()
         rec.update(
             turn=len(self.turn_stats),
@@ -338,9 +317,7 @@ def render_template(tok, messages: list[dict], tools: list[dict] | None = None) 
 
 
 def plain_prompt(messages: list[dict], code: bool) -> str:
-    """A conversation without a chat template, as `ChatSession._plain` builds it turn by turn:
-    code mode joins the messages as code (each user message on lines of its own); otherwise a
-    system prompt, then "User: …\nAssistant:" turns with the replies after them."""
+    """A conversation without a chat template, as `ChatSession._plain` builds it turn by turn."""
     text = ""
     for msg in messages:
         role, content = msg["role"], msg["content"]
@@ -356,9 +333,8 @@ def plain_prompt(messages: list[dict], code: bool) -> str:
 
 
 class StopScanner:
-    """Ends a reply at the first of `stops` (strings): feed it the streamed text, get back the text
-    that is safe to show. A tail that could still become a stop string is held back until it
-    cannot; `stopped` turns true once one is found (the stop string itself is never shown)."""
+    """Ends a reply at the first of `stops`: `feed` returns the text safe to show (a tail that may
+    become a stop string is held back); `stopped` once one is found (never shown)."""
 
     def __init__(self, stops: list[str] | None = None):
         self.stops = [s for s in (stops or []) if s]

@@ -1,24 +1,11 @@
 """Optional packages (hqq, gguf, bitsandbytes, matplotlib): their extras, checks and install lines.
 
-Contract:
-- `OPTIONAL[module]`: for each optional package a path imports (hqq: the 3- and 2-bit self-draft,
-  offload/quant/lowbit.py; gguf: GGUF checkpoints, offload/formats/gguf.py; bitsandbytes: NF4, the
-  `--dtype nf4` target, pre-quantized bitsandbytes checkpoints and the 4-bit self-draft,
-  offload/quant/nf4.py; matplotlib: `specx bench`'s plots), the pyproject.toml extra that installs it (None: a core dependency, which a
-  broken install can still lack) and its tested version range. A test holds the ranges to
-  pyproject.toml's.
-- `installed(module)`: whether `module` can be found (importlib.util.find_spec: nothing is imported,
-  so hqq's ~2 s import is not paid for a check; a module hidden as `sys.modules[name] = None` counts as
-  missing, as Python's import would).
-- `install_hint(module)`: the one fix, in install-from-source words (the project is not published on
-  PyPI; a `pip install` of its name would fetch someone else's package): `pip install -e '.[lowbit]'`
-  in the clone, or the third-party package itself.
-- `usable_draft(opts, plan, replan)`: for a self-draft whose width the plan chooses (`--draft self` or
-  `--draft auto` without `--draft-bits`): (opts, plan, skipped) where widths whose package is missing
-  are out of the choice. When the plan's pick needs one, the best fitting usable width of
-  `plan.candidates` is planned instead (`replan(opts)`); with none left, `--draft auto` runs without
-  a draft (one notice saying what was skipped and how to enable it) and `--draft self` is refused.
-  `skipped` is the clause for `--draft auto`'s one line ("" when nothing was skipped).
+Contract: `OPTIONAL[module]` is each optional package's pyproject.toml extra (None: a core dependency
+a broken install can still lack), tested version range (a test holds them to pyproject.toml) and what
+needs it. `installed(module)` checks without importing; `install_hint(module)` is the one fix, from
+the clone (the index's `specx` is someone else's package). `usable_draft(opts, plan, replan)` keeps a
+plan-chosen self-draft width to those whose package is installed: the best usable candidate is
+replanned, else `--draft auto` runs without a draft (one notice) and `--draft self` is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ BITS_NEED = {4: "bitsandbytes", 3: "hqq", 2: "hqq"}  # self-draft substitute wid
 
 
 def installed(module: str) -> bool:
-    """True when `module` can be imported (found on the path, not hidden); imports nothing."""
+    """`module` is found and not hidden as `sys.modules[name] = None`; imports nothing (hqq takes ~2 s)."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent hidden or broken, or a __spec__ of None
@@ -47,14 +34,12 @@ def installed(module: str) -> bool:
 
 
 def install_hint(module: str) -> str:
-    """The install line for `module`, from a clone of specx (the index's `specx` is another project)."""
     extra, spec, _ = OPTIONAL[module]
     pkg = f"pip install '{module}{spec}'"
     return pkg if extra is None else f"pip install -e '.[{extra}]' in your specx clone (or {pkg})"
 
 
 def missing_error(module: str, what: str | None = None) -> SpecxError:
-    """The one line (exit 2) for a run that needs `module` and lacks it."""
     return SpecxError(
         f"{what or OPTIONAL[module][2]} needs {module}, which is not installed; fix: {install_hint(module)}"
     )
@@ -83,7 +68,7 @@ def skipped_clause(plan) -> str:
 
 
 def usable_draft(opts, plan, replan):
-    """(opts, plan, skipped) with the self-draft's width limited to what is installed (module docstring)."""
+    """(opts, plan, skipped): `skipped` is the clause for --draft auto's notice ("" when none)."""
     from specexec_cli.session import notices
 
     choosing = opts.draft in ("self", "auto") and getattr(opts, "draft_bits", None) is None

@@ -1,16 +1,11 @@
 """Sampling defaults from a checkpoint's generation defaults, the way transformers reads them.
 
-Contract: a checkpoint's generation defaults `gen` are its generation_config.json as a dict, or
-for a GGUF the same keys built from its metadata (offload/formats/gguf.py: `general.sampling.*`,
-which llama.cpp also applies as defaults, ollama's params over them, `do_sample` when a temperature
-above 0 is given); `generation_of(target)` gives a ModelRef's. `checkpoint_sampling(gen)` returns the
-`SamplingParams` a request (or `run`/`chat` without --temperature/--top-k/--top-p) uses when it sets
-none: greedy unless `gen` says `do_sample: true`; then its temperature/top_k/top_p, with
-transformers' own defaults (1.0, 50, 1.0) for the ones it leaves out. Nothing given means greedy.
-`serve_sampling(gen)` is what `specx serve` uses instead: the same where `gen` says anything about
-sampling, and llama-server's defaults (SERVE_DEFAULTS) for what it leaves unsaid, so that a server
-whose requests and checkpoint set nothing samples as llama-server and ollama do (`run`/`chat` stay
-greedy there). `merge` lets explicitly set values win one by one. No torch, no transformers.
+Contract: a checkpoint's generation defaults `gen` are its generation_config.json as a dict (a
+GGUF's built from its metadata; `generation_of(target)` gives a ModelRef's). `checkpoint_sampling(gen)`
+is what `run`/`chat` use for unset flags: greedy unless `do_sample: true`, then its values over
+transformers' defaults (1.0, 50, 1.0). `serve_sampling(gen)` is `specx serve`'s: the same where `gen`
+says anything about sampling, else llama-server's defaults (SERVE_DEFAULTS). `merge` lets explicitly
+set values win one by one. No torch, no transformers.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ SERVE_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
 
 
 def read_generation_config(model_dir: Path | str | None) -> dict:
-    """The parsed generation_config.json of a model dir, or {} when absent or unreadable."""
     if model_dir is None:
         return {}
     try:
@@ -39,8 +33,7 @@ def read_generation_config(model_dir: Path | str | None) -> dict:
 
 
 def generation_of(target) -> dict:
-    """The generation defaults of `target` (a ModelRef): its opened checkpoint's, else (pickle weights
-    under --allow-pickle, which no offload reader opens) its generation_config.json."""
+    """The generation defaults of a ModelRef (pickle weights: its generation_config.json)."""
     if target.format == "pickle":
         return read_generation_config(target.path)
     return target.checkpoint.generation
@@ -52,7 +45,6 @@ def numbers(cfg: dict) -> dict:
 
 
 def checkpoint_sampling(cfg: dict) -> SamplingParams:
-    """The checkpoint's own sampling settings (greedy unless it samples; see the module docstring)."""
     if cfg.get("do_sample") is not True:
         return GREEDY
     values = {**HF_DEFAULTS, **numbers(cfg)}
@@ -68,10 +60,7 @@ def checkpoint_sampling(cfg: dict) -> SamplingParams:
 
 
 def serve_sampling(cfg: dict) -> SamplingParams:
-    """`specx serve`'s sampling for requests that set none: the checkpoint's when its generation
-    defaults have `do_sample` (transformers' reading, as `checkpoint_sampling`), its own
-    temperature/top_k/top_p over SERVE_DEFAULTS when it has some of those without `do_sample`,
-    else SERVE_DEFAULTS (nothing given, token ids only)."""
+    """`specx serve`'s sampling for requests that set none (module docstring)."""
     if "do_sample" in cfg:
         return checkpoint_sampling(cfg)
     given = numbers(cfg)
@@ -87,7 +76,6 @@ def serve_sampling(cfg: dict) -> SamplingParams:
 def merge(
     defaults: SamplingParams, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None
 ) -> SamplingParams:
-    """`defaults` with each explicitly given value replacing its field."""
     return SamplingParams(
         temperature=defaults.temperature if temperature is None else float(temperature),
         top_k=defaults.top_k if top_k is None else int(top_k),

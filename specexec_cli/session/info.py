@@ -1,12 +1,9 @@
 """`specx info PATH`: what a checkpoint is, from its headers and metadata alone (no tensor data).
 
-Contract: `describe(path)` opens PATH once with offload.formats.open_checkpoint (a model
-directory, a .gguf file, or a cached hub id) and returns an `Info`: format, family, layers,
-bytes per decoder layer as stored (what streams per pass), quantization parameters,
-vocabulary size, chat template, and whether specx can run it (with the one-line reason when
-not: an unsupported layout, a corrupt or mismatched file). A path that does not exist is a
-SpecxError; a checkpoint specx cannot open is described as far as its config.json goes.
-`rows(info)` is the (label, value) table the terminal prints.
+Contract: `describe(name)` opens the checkpoint once (offload.formats.open_checkpoint) and returns an
+`Info`: format, family, layers, stored bytes per layer, quantization, vocabulary, chat template, and
+whether specx can run it (else the one-line reason; described as far as its config.json goes). A
+name that resolves to nothing is a SpecxError. `rows(info)` is the table the terminal prints.
 """
 
 from __future__ import annotations

@@ -12,13 +12,11 @@ import signal
 import threading
 from contextlib import contextmanager
 
-GRACE_SECONDS = 1.0  # after the first Ctrl-C, a reply still running this long is interrupted mid-pass
+GRACE_SECONDS = 1.0
 
 
 class StopFlag:
-    """Ctrl-C during a reply: the first sets `stop` (the reply ends after the current target pass)
-    and arms a timer; if the pass is still running GRACE_SECONDS later (a long streamed pass),
-    the timer interrupts it like a second Ctrl-C would, so a reply always stops within ~1 s."""
+    """The SIGINT handler and grace timer of the module contract."""
 
     def __init__(self):
         self.stop = False

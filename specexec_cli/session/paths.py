@@ -1,10 +1,8 @@
 """Output-path checks done before any model loads, and the user's state directory.
 
-Contract: `check_output_file` / `check_output_dir` raise `SpecxError` (one line naming the fix)
-when a later write is certain to fail: missing parent directory, a directory where a file is
-expected (or the reverse), or no write permission. They create nothing. `state_dir()` is
-$XDG_STATE_HOME/specx (default ~/.local/state/specx), created on demand by the callers that write
-there. Imports neither torch nor rich.
+Contract: `check_output_file` / `check_output_dir` raise `SpecxError` (one line naming the fix) when a
+later write is certain to fail; they create nothing. `state_dir()` is $XDG_STATE_HOME/specx (default
+~/.local/state/specx), created by the callers that write there.
 """
 
 from __future__ import annotations
@@ -46,6 +44,5 @@ def check_output_dir(path: Path | str, flag: str) -> None:
 
 
 def state_dir() -> Path:
-    """Where specx keeps state between runs (chat history): $XDG_STATE_HOME/specx."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "specx"

@@ -1,11 +1,9 @@
 """The CLI side of the device-memory plan: options -> offload.planning.memplan request -> plan, before loading.
 
-Contract: `make_plan(opts, shape, budget_auto)` reads only the target's and draft's config.json and
-safetensors headers (their session/modelref.ModelRef checks and checkpoints, shared with loading), asks the device (if any) for its free memory and
-psutil for available RAM, and returns an `offload.planning.memplan.MemoryPlan`. It never reads weights,
-so `--dry-run` needs no GPU: `--device cuda --max-gpu-memory 24GB` plans for a 24 GB card on any
-machine.
-Pickle checkpoints (only with --allow-pickle) have no headers to plan from: `make_plan` returns None.
+Contract: `make_plan(opts, shape, budget_auto)` reads only config.json and the weight headers (the
+ModelRefs' checkpoints, shared with loading), the device's free memory and psutil's available RAM,
+and returns an `offload.planning.memplan.MemoryPlan`; it never reads weights, so `--dry-run` needs
+no GPU. Pickle checkpoints (--allow-pickle) have no headers: `make_plan` returns None.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ def plan_device(name: str) -> str:
 
 
 def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "auto") -> tuple[str, str | None]:
-    """(target, draft) dtype names: auto = bf16 on CUDA, fp32 on CPU; an nf4 target keeps an auto draft;
-    an explicit --draft-dtype wins for the draft (mixed precision)."""
+    """(target, draft) dtype names: auto = bf16 on CUDA, fp32 on CPU; --draft-dtype wins for the draft."""
     auto = "fp32"
     if device == "cuda":
         from offload import accelerator_half
@@ -58,9 +55,8 @@ def plan_dtypes(dtype: str, device: str, has_draft: bool, draft_dtype: str = "au
 
 
 def prequantized(path) -> bool:
-    """config.json carries a bitsandbytes quantization_config (a pre-quantized NF4 checkpoint); AWQ,
-    GPTQ, compressed-tensors and gpt-oss's MXFP4 experts stream their own packed bytes at the compute
-    dtype (offload/formats)."""
+    """config.json carries a bitsandbytes quantization_config (a pre-quantized NF4 checkpoint; AWQ,
+    GPTQ, compressed-tensors and MXFP4 stream their own packed bytes)."""
     qc = config_json(path).get("quantization_config")
     return qc is not None and not (
         isinstance(qc, dict) and qc.get("quant_method") in ("awq", "gptq", "compressed-tensors", "mxfp4")
@@ -68,9 +64,8 @@ def prequantized(path) -> bool:
 
 
 def nf4_source(path, dtype: str, device: str = "cpu"):
-    """(checkpoint the loader will stream, target dtype): a pre-quantized 4-bit checkpoint is nf4;
-    a 16-bit one with --dtype nf4 streams from its 4-bit cache when that exists (exact sizes),
-    else the plan estimates the cache's layout from the 16-bit headers."""
+    """(checkpoint the loader will stream, target dtype): a 16-bit one with --dtype nf4 streams from
+    its 4-bit cache when that exists, else the plan estimates it from the 16-bit headers."""
     from offload import nf4_cache_complete, nf4_cache_dir, nf4_cache_key, packing_for
 
     if prequantized(path):
@@ -84,9 +79,8 @@ def nf4_source(path, dtype: str, device: str = "cpu"):
 def make_plan(
     opts, shape, budget_auto: bool, temperature: float = 0.0, gpu: str | None = None, profile: dict | None = None
 ):
-    """MemoryPlan for LoadOptions `opts` and the draft TreeShape `shape` (see module docstring);
-    `temperature` (the decoding one) weighs the self-draft's substitute widths; `gpu` (--gpu NAME) plans
-    for that card's published memory and bandwidth; `profile` lends its measured bandwidths."""
+    """MemoryPlan for `opts` and the draft TreeShape `shape`; `temperature` weighs the self-draft's
+    widths, `gpu` (--gpu NAME) plans for a published card, `profile` lends its measured rates."""
     from offload.planning import PlanRequest, plan_memory
     from specexec_cli.session.profiles import card, cost_device_for, plan_timings, profile_matches
 
@@ -154,8 +148,7 @@ def make_plan(
 
 
 def check_window(ctx: int, checkpoints) -> None:
-    """An explicit --ctx beyond a model's window (max_position_embeddings) is refused in one line
-    before anything loads; the default (DEFAULT_CTX) is capped to the window by the plan instead."""
+    """Refuse an explicit --ctx beyond a model's window (the default is capped by the plan instead)."""
     from offload.planning import arch_of
 
     if ctx == DEFAULT_CTX:
@@ -172,12 +165,8 @@ def check_window(ctx: int, checkpoints) -> None:
 def for_stated_machine(
     device: str, max_gpu: int | None, max_ram: int | None, dev_free: int | None, ram_free: int
 ) -> tuple[int, str]:
-    """(RAM to plan with, why this host differs or "").
-
-    Explicit --max-ram (and, for CUDA, --max-gpu-memory) describe the machine to plan for, which
-    may be bigger than this one (`--dry-run` is how users size a purchase): the plan then assumes
-    that machine's RAM (--max-ram as RAM_FRACTION of it) and says in one line what this host lacks;
-    only a real run refuses it (`require_host`)."""
+    """(RAM to plan with, why this host differs or ""): explicit --max-ram / --max-gpu-memory describe
+    the machine to plan for, which may be bigger than this one; only a real run refuses it (`require_host`)."""
     from offload import format_bytes
     from offload.planning import RAM_FRACTION
 
@@ -203,12 +192,9 @@ def require_host(plan) -> None:
 
 
 def resolve_auto(opts, plan, replan, skipped: str = ""):
-    """--draft auto: (LoadOptions, plan) with the draft the plan chose, and one notice naming it
-    (`skipped`: session/deps.py's clause naming the candidates whose package is missing).
-    The plan was made as a self-draft's (candidates: its widths, or the layer-skip draft where every
-    layer is resident, and plain decoding); when the target is pre-quantized, no width fits or plain
-    decoding is modelled faster than the best draft, decoding runs without a draft (`replan(opts)`
-    plans for that)."""
+    """--draft auto: (LoadOptions, plan) with the self-draft the plan chose and one notice naming it
+    (`skipped`: deps.skipped_clause); when none fits or plain decoding is modelled faster, no draft
+    (`replan(opts)` plans for that)."""
     from offload.planning import PLAIN
     from specexec_cli.session import notices
 

@@ -1,15 +1,11 @@
 """Stored hardware profiles: where they live, reading and validating them, and what the session takes from one.
 
 Contract: `write_profile` / `read_profile` / `find_profile` store and find the versioned dict that
-`specx profile` (tools/profiler.py) builds, under $XDG_CONFIG_HOME/specx/profiles/ (default
-~/.config), documented in profiles/README.md; `link_peak` is the streaming bandwidth a profile
-promises. `card(name)` is one row of the published cards table (profiles/cards.json) that `--gpu NAME`
-plans with; `cost_device_for(device, gpu, profile)` the passcost.Device the pass and draft cost model
-(offload/planning/passcost.py, draftcost.py) evaluates with: the card's published figures, else the
-profile's measured rates, else the priors, each term naming its source. `profile_matches(profile,
-target, dtype)` returns the profile's measured model timings only for this machine, this target and
-this dtype (else None and, for a --profile given explicitly, the one line saying why; this machine's
-last profile timing another model is skipped quietly); `plan_timings` the part of them the plan uses. Nothing here measures or prints; errors are SpecxError.
+`specx profile` builds, under $XDG_CONFIG_HOME/specx/profiles/ (profiles/README.md). `card(name)` is
+a row of profiles/cards.json (`--gpu NAME`); `cost_device_for` the passcost.Device the cost model
+evaluates with (the card's figures, else the profile's measured rates, else the priors, each naming
+its source). `profile_matches` returns a profile's model timings only for this machine, target and
+dtype. Nothing here measures or prints; errors are SpecxError.
 """
 
 from __future__ import annotations
@@ -132,12 +128,11 @@ def card(name: str) -> dict:
 
 BF16_UNITS = {"amx_bf16": 8, "avx512_bf16": 2}
 """CPU flags of native bf16 matmul units -> bf16 FLOP/s as a multiple of the fp32 prior, where no profile
-measured it (passcost's CPU prior, 5 GFLOP/s, is bf16 emulated in fp32). Conservative: a 2-core Zen 4 VM
-with avx512_bf16 ran a (256 x 2048) @ (2048 x 8192) bf16 matmul at 880 GFLOP/s against fp32's 194."""
+measured it. Conservative: a 2-core Zen 4 VM with avx512_bf16 ran a bf16 matmul at 880 GFLOP/s against fp32's 194."""
 
 
 def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """The best native bf16 unit this CPU's flags name (a key of BF16_UNITS), or None (or no /proc)."""
+    """The best native bf16 unit this CPU's flags name (a key of BF16_UNITS), or None."""
     try:
         flags = set(cpuinfo.read_text(errors="replace").split())
     except OSError:
@@ -146,9 +141,7 @@ def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 
 
 def cost_device_for(device: str, gpu: str | None, profile: dict | None):
-    """The passcost.Device a plan is modelled with: `--gpu NAME`'s published card figures; else this
-    machine's profile (measured: memory bandwidth, link, disk, matmul FLOP/s); else the priors (a CPU
-    with native bf16 units, `native_bf16`, gets its bf16 prior from BF16_UNITS)."""
+    """The passcost.Device a plan is modelled with (module docstring)."""
     from offload.planning import LINK_EFFICIENCY, PRIORS, device_for
 
     if gpu is not None:
@@ -193,8 +186,8 @@ def cost_device_for(device: str, gpu: str | None, profile: dict | None):
 
 
 def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | None, str]:
-    """(the profile's measured model timings if they are for this machine and this target, why not or "").
-    Figures from another machine, another target or another --dtype are never used."""
+    """(the profile's model timings if they are for this machine, target and dtype; else None and why,
+    or "" for this machine's last profile that timed another model)."""
     if not profile:
         return None, ""
     name = profile.get("_path", "the profile")
@@ -220,9 +213,7 @@ def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | No
 
 
 def plan_timings(models: dict | None) -> dict | None:
-    """The measured figures draftcost.py replaces modelled ones with: the target's pass seconds by tree
-    size and the drafts' step/tree seconds, each for the placement they were measured under; and a
-    mixture-of-experts target's routing counts (planning/experts.py caches the hottest experts by them)."""
+    """The measured figures the plan uses: pass seconds by tree size, draft timings, MoE routing counts."""
     if not models:
         return None
     return dict(

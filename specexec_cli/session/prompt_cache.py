@@ -1,36 +1,20 @@
 """A prompt cache of several conversations: KV snapshots in host RAM, matched by longest token prefix.
 
-Contract: `PromptCache(capacity)` keeps `Snapshot`s of a `DecodeState` (the committed ids and host
-copies of the target's and the draft's cache rows; pinned on CUDA when `pin`). The device caches
-(the `DecodeState` a `ChatSession` decodes with) stay the one live entry; before each request
-`ChatSession.prefill_ids` calls `prepare(state, full_ids, models)`, which
-1. restores the snapshot sharing the longest prefix with the request into the device caches, when
-   it reuses more rows than the live state does (the live state is saved first when worth it);
-2. otherwise, when the request would rewind the live state and discard at least `min_tokens`
-   rows, saves the live state before the rewind (so a title request that shares only the system
-   prompt does not cost the conversation; a reply re-tokenized differently discards a few rows).
-`prepare(..., save=False)` restores only: the caller decided what to keep (serve's scheduler keeps a
-finished background task's rows nowhere, see serve/slots.py). `keep(state, full_ids)` is step 2
-alone; `covered(state)` counts the state's rows some entry already holds. `copy_prefix(src, dst,
-rows, models)` copies one live state's first rows into another's device caches (serve's sequences).
-Restores and copies are bit-exact copies of the rows the source held, so a conversation's replies do
-not depend on what ran between its turns. Bytes are counted exactly (K and V of every layer's rows).
+Contract: `PromptCache(capacity)` keeps `Snapshot`s of a `DecodeState` (committed ids and host copies
+of both caches' rows; pinned on CUDA when `pin`); the device caches stay the one live entry. Before
+each request `ChatSession.prefill_ids` calls `prepare(state, full_ids, models)`, which restores the
+snapshot sharing the longest prefix when it reuses more rows than the live state, else saves the
+live state when the request would discard at least `min_tokens` of its rows (`keep`; `save=False`:
+restore only, serve's scheduler decides). `copy_prefix` copies one live state's first rows into
+another's (serve's sequences). Restores and copies are bit-exact; bytes are counted exactly.
 
-Admission and eviction (what keeps an active conversation through the background requests that
-Open WebUI and LibreChat send after every reply: titles, tags, follow-up suggestions):
-- a snapshot of fewer than `min_tokens` rows is not kept (prefilling it is as cheap as copying);
-- a snapshot that extends another one's rows (the same conversation, one turn later; or the entry
-  the live state was restored from) replaces it; one that another entry already covers is not kept;
-- room is made by evicting least recently used entries first, except PROTECTED ones: entries used
-  within the last `protect_requests` requests that have more rows than the newcomer or that were
-  continued (restored by a later request: a conversation, not a one-shot; a snapshot that extends
-  one inherits that). If evicting every unprotected entry does not make room, the newcomer is
-  refused and nothing is evicted.
-So a one-shot request (one user message with the history pasted in, as titles, tags and follow-up
-suggestions are) never pushes out a longer conversation in use, nor one already continued even
-when the one-shot's prompt is longer; a conversation nobody continued for `protect_requests`
-requests can be evicted by anything, and an entry larger than the whole capacity is never kept.
-`stats` counts hits (restores), saves, evictions, refusals.
+Admission and eviction (so an active conversation survives the title/tag/follow-up requests chat
+front ends send after every reply): snapshots under `min_tokens` rows are not kept; one that extends
+another's rows (or the entry the live state came from) replaces it; one already covered is not kept.
+Room is made least recently used first, except PROTECTED entries, used within `protect_requests`
+requests and either longer than the newcomer or continued (restored by a later request; an extension
+inherits that). If evicting every unprotected entry is not enough, the newcomer is refused.
+`stats` counts hits, saves, evictions, refusals.
 """
 
 from __future__ import annotations
@@ -47,9 +31,7 @@ MIN_TOKENS = 16  # snapshots shorter than this are not kept
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix. Slices compare in C, so whole blocks are skipped and only
-    the block holding the first difference is walked in Python (serve compares every sequence and
-    entry against each request: thousands of tokens, several times per admission)."""
+    """Length of the longest common prefix (blocks compared in C, only the differing one walked)."""
     n, i, step = min(len(a), len(b)), 0, 512
     while i < n and a[i : i + step] == b[i : i + step]:
         i += step
@@ -60,8 +42,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def reusable(full: list[int], held) -> int:
-    """Rows of `held` (a DecodeState or a Snapshot: committed `ids`, `target_len` rows) that a request
-    for `full` reuses; its last prompt token is always prefilled (its logits start the reply)."""
+    """Rows of `held` (DecodeState or Snapshot) a request for `full` reuses; its last token is always prefilled."""
     return max(0, min(common_prefix(full, held.ids), held.target_len, len(full) - 1))
 
 
@@ -111,8 +92,7 @@ class PromptCache:
 
     # -- per request ----------------------------------------------------------------------------
     def prepare(self, st, full: list[int], models, save: bool = True) -> int:
-        """Make the live state `st` the best start for a request for `full`; returns rows restored
-        (0: none). `save`: keep the live state's rows the request would discard (module docstring)."""
+        """Make `st` the best start for a request for `full`; returns rows restored (module docstring)."""
         self.clock += 1
         self.stats.requests += 1
         live = reusable(full, st)
@@ -142,13 +122,12 @@ class PromptCache:
 
     # -- entries --------------------------------------------------------------------------------
     def save(self, st, keep: Snapshot | None = None) -> bool:
-        """Keep a snapshot of `st` if the policy admits it; True when kept (or already covered).
-        `keep`: an entry that must survive (the one about to be restored)."""
+        """Snapshot `st` if the policy admits it (True: kept or covered); `keep` must survive."""
         n = st.target_len
         if n < self.min_tokens:
             return self._refuse()
         ids = list(st.ids)
-        for e in self.entries:  # already covered: the same rows are in host RAM
+        for e in self.entries:  # already covered
             if e.target_len >= n and common_prefix(e.ids, ids) >= n:
                 e.last_used = self.clock
                 return True
@@ -187,9 +166,8 @@ class PromptCache:
         return True
 
     def _superseded(self, e: Snapshot, ids: list[int], n: int, st=None) -> bool:
-        """`e`'s rows are a prefix of the new snapshot's, or it is the entry the live state came from
-        and the live state still holds every row that was reused from it (its tail is an old reply's
-        tokenization, replaced by the new one)."""
+        """`e`'s rows are a prefix of the new snapshot's, or `e` is the live state's source and the
+        state still holds every row reused from it (its tail is replaced by the new tokenization)."""
         shared = common_prefix(e.ids, ids)
         if e.target_len <= n and shared >= e.target_len:
             return True
@@ -261,7 +239,6 @@ def _host_rows(cache, n: int, pin: bool) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def _host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
-    """An empty host tensor shaped like `like`; pinned when asked and the host allows it (else pageable)."""
     if pin:
         try:
             return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
@@ -272,8 +249,7 @@ def _host_empty(like: torch.Tensor, pin: bool) -> torch.Tensor:
 
 @torch.inference_mode()  # the slabs are inference tensors (written under kvcache.forward's inference mode)
 def restore(snap: Snapshot, st, models, rows: int | None = None) -> None:
-    """Put the first `rows` positions of `snap` (default: all) into the live state: ids, lengths and
-    both caches' rows, bit-exact copies; the state is then what it was at the save, rewound to `rows`."""
+    """Put `snap`'s first `rows` positions (default: all) into the live state, bit-exact."""
     from specexec_cli.core.state import reserve_caches
 
     n = snap.target_len if rows is None else min(rows, snap.target_len)
@@ -290,9 +266,8 @@ def restore(snap: Snapshot, st, models, rows: int | None = None) -> None:
 
 
 def copy_prefix(src, dst, rows: int, models) -> None:
-    """Make `dst` hold `src`'s first `rows` committed positions (ids and both caches' rows, copied
-    device to device): `restore` from a Snapshot whose tensors are views of `src`'s slabs. Rows below
-    `src.target_len` are committed, so a state decoding in another sequence can lend them between passes."""
+    """Make `dst` hold `src`'s first `rows` committed positions: `restore` from views of `src`'s slabs
+    (committed rows, so a sequence decoding elsewhere can lend them between passes)."""
     n = min(rows, src.target_len)
     own = _own_rows(src.draft_cache)
     draft_len = min(src.draft_len, n) if own else 0
@@ -337,8 +312,7 @@ def token_bytes(model) -> int:
 
 
 def host_room(plan) -> int:
-    """Host bytes the memory plan leaves free (its host capacity less what it places there), or,
-    without a plan, half of the RAM available now."""
+    """Host bytes the memory plan leaves free; without a plan, half the RAM available now."""
     if plan is not None:
         return max(0, plan.host_capacity - plan.host_total)
     import psutil
@@ -347,9 +321,8 @@ def host_room(plan) -> int:
 
 
 def make_prompt_cache(models, plan, capacity: int | None) -> PromptCache | None:
-    """The prompt cache for `--cache-ram` (None: the default; 0: no cache, the live state only).
-    Default: half the host RAM the plan leaves free, at most DEFAULT_CONTEXTS full-context snapshots.
-    Pinned on CUDA when the capacity fits in that free RAM (pinned pages cannot be swapped)."""
+    """The cache for `--cache-ram` (None: half the free host RAM, at most DEFAULT_CONTEXTS full
+    contexts; 0: none). Pinned on CUDA when it fits in that free RAM (pinned pages cannot swap)."""
     per_token = token_bytes(models.target) + (0 if models.shared_kv else token_bytes(models.draft))
     room = host_room(plan)
     if capacity is None:

@@ -40,11 +40,8 @@ def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
 
 
 def check_prompt_fits(opts, plan, text: str, chat_template: bool) -> list[int]:
-    """The prompt's ids (the run decodes these), encoded with the target's tokenizer (the one loading
-    keeps) before any weight loads; a prompt that does not fit the context (`plan.ctx`: --ctx capped
-    by the models' windows; without a plan, --ctx) is refused in one line that names the fix, as the
-    engine would after loading. A plan that does not fit, or is for another machine, is refused first
-    (planning.require_host, as session/options.load_planned does)."""
+    """The prompt's ids, encoded before any weight loads; a plan that cannot run here
+    (planning.require_host), then a prompt that does not fit the context, is refused in one line."""
     from specexec_cli.session.planning import require_host
 
     require_host(plan)

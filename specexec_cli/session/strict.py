@@ -1,19 +1,11 @@
 """Strict checkpoint checks for the resident (Hugging Face `from_pretrained`) load path.
 
 Contract: a model directory either loads with every parameter taken from its checkpoint, or is
-refused with one `SpecxError` line naming the file and the first offending tensor. Never is a
-model run with randomly initialised weights (e.g. a Llama checkpoint whose config.json says
-`model_type: bert`). Tied embeddings (an absent lm_head when config.json ties it) are the one
-documented exception. Stages, cheapest first:
-1. `check_config`: config.json is a JSON object naming a supported `model_type` (`config_json`
-   reads it for the checks that only look, {} where it cannot be read).
-2. Opening the checkpoint (session/modelref.ModelRef.checkpoint -> offload.formats.open_checkpoint,
-   once per command): every safetensors header parses and fits its file, and the architecture
-   config.json describes (built on the meta device) agrees with the stored tensors, in the
-   format's stored form, before the memory plan and before anything is allocated
-   (offload/formats/validate.py; a config whose weights dwarf the files is refused there).
-3. `check_loading_info` (after `from_pretrained(output_loading_info=True)`, resident HF loads)
-   refuses missing, unexpected and mismatched tensors as HF reports them.
+refused with one `SpecxError` line naming the file and the first offending tensor; never is a model
+run with randomly initialised weights (tied embeddings are the one exception). Stages, cheapest
+first: `check_config` (config.json names a supported `model_type`); opening the checkpoint
+(ModelRef.checkpoint: headers agree with config.json before anything is allocated); and
+`check_loading_info` after `from_pretrained` (missing, unexpected, mismatched tensors).
 """
 
 from __future__ import annotations
@@ -25,8 +17,7 @@ from specexec_cli.errors import SpecxError, offload_errors
 
 
 def check_config(path: Path, flag: str) -> dict:
-    """config.json must be a JSON object with a supported string `model_type` (offload's check: tree
-    verification needs exact 4-D masks and positions, which specx checks per family); returns it."""
+    """config.json, which must name a supported `model_type` (offload's check)."""
     from offload.formats import read_config
 
     with offload_errors(flag):

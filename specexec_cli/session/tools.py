@@ -1,19 +1,12 @@
 """Tool calls for chat templates: whether a template renders tools, which call format the model
 speaks, the tool-call parsers, and the JSON Schema that forces a call.
 
-Contract: `renders_tools(tok)` says whether the tokenizer's chat template uses the `tools` variable
-(transformers passes `tools=` to it); `call_format(tok)` names the family's call format from the
-template's text: "hermes" (Hermes, Qwen: `<tool_call>{json}</tool_call>`), "mistral"
-(`[TOOL_CALLS][{...}]`), "llama3" (Llama 3.1+: a bare `{"name": .., "parameters": ..}`), else
-"generic" (a bare `{"name": .., "arguments": ..}`). `parse_arguments` turns OpenAI's string
-`arguments` into the object templates expect (ValueError when it is not a JSON object).
-`parse_calls(text, names)` finds the calls in a finished reply, in any of those formats, and
-`ToolScanner` does the same for a stream: it passes text through until a call may have begun; a call
-written the canonical way ({"name": .., "arguments": {..}} after the family's markers) then streams
-as OpenAI's deltas while it is written (id and name, then the arguments piece by piece), anything
-else is held and parsed at the end (its calls then sent whole, or the text given back as content).
-Only calls to the request's own tools count. `forced_call(tools, name, fmt, several)` is what a
-grammar needs to force one call (or one or more) in the family's own format.
+Contract: `renders_tools(tok)`: the chat template reads `tools`; `call_format(tok)`: "hermes"
+(`<tool_call>{json}</tool_call>`), "mistral" (`[TOOL_CALLS][{...}]`), "llama3" (a bare `{"name",
+"parameters"}`) or "generic" (a bare `{"name", "arguments"}`). `parse_calls(text, names)` finds the
+calls of a finished reply in any of those formats; `ToolScanner` does it for a stream, sending a
+canonically written call as OpenAI deltas while it is written and parsing anything else at the end.
+Only calls to the request's own tools count. `forced_call` is what a grammar needs to force calls.
 """
 
 from __future__ import annotations
@@ -51,14 +44,12 @@ def template_source(tok) -> str | None:
 
 
 def renders_tools(tok) -> bool:
-    """True when the chat template reads the `tools` variable (so a request's tools reach the model)."""
     source = template_source(tok)
     return bool(source) and _reads_tools(source)
 
 
 @functools.lru_cache(maxsize=16)
 def _reads_tools(source: str) -> bool:
-    """Whether a template's source uses the variable `tools` (parsed once per template)."""
     import jinja2  # what transformers renders chat templates with
     import jinja2.meta
 
@@ -70,7 +61,6 @@ def _reads_tools(source: str) -> bool:
 
 
 def call_format(tok) -> str:
-    """The family's call format, from the template's text (see the module docstring)."""
     source = template_source(tok) or ""
     if HERMES_OPEN in source:
         return "hermes"
@@ -82,8 +72,7 @@ def call_format(tok) -> str:
 
 
 def parse_arguments(value) -> dict:
-    """OpenAI's `arguments` (a JSON string; an object is taken as it is) as the object templates
-    render; ValueError (saying why) when it is not a JSON object."""
+    """OpenAI's `arguments` (JSON text or an object) as an object; ValueError saying why."""
     if isinstance(value, dict):
         return value
     try:
@@ -179,9 +168,8 @@ SCALAR = set("0123456789-+.eEtruefalsn \t\r\n,:")  # what JSON outside strings h
 
 
 class _Arguments:
-    """The arguments object of a streamed call, checked as it comes: brackets, strings and the
-    characters between them. `eat(text)` returns how much of `text` belongs to it; `done` once the
-    object closed, `broken` once a character could not continue JSON (the object ends there)."""
+    """A streamed call's arguments object, checked as it comes: `eat(text)` returns how much of
+    `text` belongs to it; `done` once it closed, `broken` once a character could not continue JSON."""
 
     PAIRS: ClassVar[dict[str, str]] = {"}": "{", "]": "["}
 
@@ -221,7 +209,6 @@ class _Arguments:
         return n
 
     def value(self) -> dict | None:
-        """The arguments as an object, once they closed as one (else None)."""
         try:
             value = json.loads(self.text) if self.done else None
         except ValueError:
@@ -260,13 +247,9 @@ def _header(text: str, names, first: bool):
 
 
 class ToolScanner:
-    """Streamed text with tool calls taken out: `feed(text)` returns the content safe to show now
-    and queues the calls' OpenAI deltas (`take()`); `finish()` returns (content not shown yet, the
-    calls, text for a response that is not streamed only). A call written the canonical way streams
-    as it is written: its id and name once the name is complete, then its arguments piece by piece.
-    Any other text that may be a call is held to the end and parsed there (parse_calls); its calls
-    then go out whole. With `forced` (a grammar makes the whole reply calls) nothing is content;
-    `limit` caps the calls (parallel_tool_calls false: 1)."""
+    """Streamed text with tool calls taken out: `feed(text)` returns the content safe to show and
+    queues the calls' OpenAI deltas (`take()`); `finish()` returns (content not shown yet, the calls,
+    text for a non-streamed response only). With `forced` nothing is content; `limit` caps the calls."""
 
     def __init__(self, names, forced: bool = False, limit: int | None = None):
         self.names, self.forced, self.limit = set(names), forced, limit
@@ -317,7 +300,6 @@ class ToolScanner:
         return out
 
     def _advance(self) -> None:
-        """Stream what the held text adds to the canonical calls (see the class docstring)."""
         while not self.rest:
             if self.args is not None:
                 n = self.args.eat(self.held)
@@ -365,13 +347,11 @@ class ToolScanner:
 
 
 def new_head(call: ToolCall) -> dict:
-    """A call's first delta: its id, type and name, its arguments still empty."""
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
 
 
 def function_schema(tool: dict, args_key: str) -> dict:
-    """The JSON Schema of one call to `tool` ({"type": "function", "function": {...}}): its name as a
-    constant and its parameters (an object without any when it declares none) under `args_key`."""
+    """The JSON Schema of one call to `tool`: its name as a constant, its parameters under `args_key`."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
     return {
@@ -383,10 +363,8 @@ def function_schema(tool: dict, args_key: str) -> dict:
 
 
 def forced_call(tools: list[dict], name: str | None, fmt: str, several: bool = False):
-    """(schema, prefix, suffix, repeat) of a grammar.GrammarSpec for calls to the tool `name` (None:
-    to any of `tools`), written the way the family writes them: Hermes inside <tool_call> tags,
-    Mistral as a list after [TOOL_CALLS], Llama 3.1+ with "parameters", otherwise a bare {"name",
-    "arguments"} object. One call, or with `several` one or more (repeat: their separator)."""
+    """(schema, prefix, suffix, repeat) of a grammar.GrammarSpec for one call (`several`: one or more)
+    to the tool `name` (None: any of `tools`), in the family's format (`fmt`)."""
     key = "parameters" if fmt == "llama3" else "arguments"
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     schemas = [function_schema(t, key) for t in chosen]
