@@ -86,13 +86,13 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await answer(
-            worker, Format(True, model_name, body, request_id(request)), body, request, keepalive, dropped.note
-        )
+        fmt = Format(True, model_name, body, request.scope["state"]["request_id"])
+        return await answer(worker, fmt, body, request, keepalive, dropped.note)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await answer(worker, Format(False, model_name, body, request_id(request)), body, request, keepalive)
+        fmt = Format(False, model_name, body, request.scope["state"]["request_id"])
+        return await answer(worker, fmt, body, request, keepalive)
 
     add_guards(app, worker, api_key, cors, host)
     return app
@@ -114,45 +114,31 @@ def add_guards(app: FastAPI, worker, api_key: str | None, cors, host: str | None
     app.add_middleware(Observe, metrics=worker.metrics)
 
 
-def request_id(request: Request) -> str:
-    """The id guards.Observe (always installed, outermost) gave this request."""
-    return request.scope["state"]["request_id"]
-
-
 def model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "specx"}
 
 
 class Format:
-    """The response and chunk shapes of one request (chat or completions); `rid` carries the id
-    guards.Observe gave the request (its log lines and the x-request-id header name it too)."""
+    """The response and chunk shapes of one request; `request_id` is guards.Observe's (always installed)."""
 
     def __init__(self, chat: bool, model: str, req, request_id: str):
-        self.chat, self.model, self.request_id = chat, model, request_id
-        self.rid = ("chatcmpl-" if chat else "cmpl-") + self.request_id
-        self.created = int(time.time())
+        self.chat, self.request_id = chat, request_id
+        self.head = (("chatcmpl-" if chat else "cmpl-") + request_id, int(time.time()), model)  # id, created, model
         self.usage = bool(req.stream_options and req.stream_options.include_usage)
         self.offset = 0  # completions: characters streamed so far (logprobs' text_offset)
         self.where = "POST /v1/" + ("chat/completions" if chat else "completions")  # the route, for log lines
 
-    def _chunk(self, content, finish=None, specx=None, usage=None, role=False, logprobs=None, delta=None):
+    def _chunk(self, content, finish=None, specx=None, usage=None, logprobs=None, delta=None):
         """A streamed chunk; content (chat: and delta) None = the usage chunk."""
-        head = (self.rid, self.created, self.model)
         if not self.chat:
             lp = shapes.completion_logprobs(logprobs, self.offset)
             self.offset += len(content or "")
             choice = None if content is None else shapes.completion_choice(content, finish, lp)
-            return shapes.envelope("text_completion", *head, choice, specx, usage, self.usage)
+            return shapes.envelope("text_completion", self.head, choice, specx, usage, self.usage)
         if delta is None and content is not None:
-            delta = (
-                {"role": "assistant", "content": content}
-                if role
-                else {"content": content}
-                if content or not finish
-                else {}
-            )
+            delta = {"content": content} if content or not finish else {}
         choice = None if delta is None else shapes.chat_choice("delta", delta, finish, logprobs)
-        return shapes.envelope("chat.completion.chunk", *head, choice, specx, usage, self.usage)
+        return shapes.envelope("chat.completion.chunk", self.head, choice, specx, usage, self.usage)
 
     def opening(self) -> list[dict]:
         idle = {
@@ -162,7 +148,7 @@ class Format:
             "tokens_per_second": 0.0,
             "completion_tokens": 0,
         }
-        return [self._chunk("", role=True, specx=idle)] if self.chat else []
+        return [self._chunk(None, specx=idle, delta={"role": "assistant", "content": ""})] if self.chat else []
 
     def delta(self, item: Delta) -> dict:
         specx = {"spans": item.spans, **item.live}
@@ -181,19 +167,17 @@ class Format:
 
     def body(self, item: Done) -> dict:
         finish = "length" if item.finish == "cancelled" else item.finish
-        head = (self.rid, self.created, self.model)
         if self.chat:
             message = shapes.chat_message(item.text, item.tool_calls)
             choice = shapes.chat_choice("message", message, finish, item.logprobs)
-            return shapes.envelope("chat.completion", *head, choice, item.specx, item.usage)
+            return shapes.envelope("chat.completion", self.head, choice, item.specx, item.usage)
         choice = shapes.completion_choice(item.text, finish, shapes.completion_logprobs(item.logprobs, 0))
-        return shapes.envelope("text_completion", *head, choice, item.specx, item.usage)
+        return shapes.envelope("text_completion", self.head, choice, item.specx, item.usage)
 
 
 async def answer(worker, fmt: Format, req, request: Request, keepalive: float, on_done=None):
     """Queue the request, then stream its reports (SSE) or wait for the whole answer. A stream waits
-    at most HEADER_GRACE for its first report (so an idle server still answers a bad prompt with a
-    4xx status), then sends its headers and keep-alive comments while it is queued or prefilling.
+    at most HEADER_GRACE for its first report, so an idle server still answers a bad prompt with a 4xx.
     `on_done(req, request_id)` runs once the request is answered (DroppedTools.note)."""
     on_done = on_done or (lambda req, rid: None)
     unsupported(req)
@@ -231,7 +215,7 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float, o
 
 
 async def watch_disconnect(job: Job, request: Request) -> None:
-    """Return (with the job cancelled) when the ASGI server reports that the client disconnected."""
+    """Cancel the job once ASGI reports that the client disconnected."""
     try:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -255,9 +239,8 @@ class Clock:
     """The latency histograms of one request (time to its first token, and to its end) and the
     figures of its access-log line (`access`, which guards.Observe prints once the request ends)."""
 
-    def __init__(self, metrics, access: dict | None = None):
-        self.metrics, self.t0, self.first = metrics, time.perf_counter(), False
-        self.access = {} if access is None else access
+    def __init__(self, metrics, access: dict):
+        self.metrics, self.t0, self.first, self.access = metrics, time.perf_counter(), False, access
 
     def saw(self, item) -> None:
         if isinstance(item, (Delta, Done)) and not self.first:  # an empty reply: its first token was EOS
@@ -280,10 +263,8 @@ class Clock:
 
 
 class DroppedTools:
-    """One log line per server start, for the first answered chat request whose tools (tool_choice
-    "auto" or absent) the model could not see: its chat template does not render tools, or there is
-    none. Not one per request: a front end such as Open WebUI sends its tools with every message, and
-    the cause is the model's, the same for each. (A forced call is a 400 instead: structured.plan.)"""
+    """One log line per server start (not per request: Open WebUI sends its tools with every message)
+    for the first answered chat request whose tools (tool_choice auto) the chat template cannot render."""
 
     def __init__(self, worker):
         self.worker, self.logged = worker, False
@@ -309,9 +290,8 @@ def event(data: dict) -> str:
 
 
 async def sse(job: Job, fmt: Format, first, clock: Clock, keepalive: float, on_done=lambda: None):
-    """The SSE body; leaving it early (a disconnect) cancels the job at its next target pass.
-    `first` is the report already taken (None: none yet); an SSE comment goes out every
-    `keepalive` seconds without a report (queued, prefilling), so proxies keep the connection."""
+    """The SSE body from `first`, the report already taken (None: none yet); leaving it early (a
+    disconnect) cancels the job. A keep-alive comment every `keepalive` seconds keeps proxies open."""
     ended = False
     try:
         for chunk in fmt.opening():

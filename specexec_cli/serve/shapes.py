@@ -29,10 +29,6 @@ def token_entry(text: str, logprob: float, top: list[tuple[str, float]]) -> dict
     }
 
 
-def chat_logprobs(entries: list[dict] | None) -> dict | None:
-    return None if entries is None else {"content": entries, "refusal": None}
-
-
 def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
     """Completions' logprobs of `entries`, the first token starting `offset` characters into the text."""
     if entries is None:
@@ -49,18 +45,10 @@ def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
     }
 
 
-def envelope(
-    obj: str,
-    rid: str,
-    created: int,
-    model: str,
-    choice: dict | None,
-    specx: dict | None,
-    usage: dict | None,
-    with_usage: bool = True,
-) -> dict:
-    """A body or streamed chunk of either endpoint (`obj`: its OpenAI object name); choice None = the
-    usage chunk (no choices). `usage` goes in with `with_usage`, `specx` when given."""
+def envelope(obj: str, head: tuple, choice: dict | None, specx: dict | None, usage, with_usage: bool = True) -> dict:
+    """A body or chunk (`obj`: its OpenAI object name; `head`: its id, created, model); choice None:
+    the usage chunk (no choices)."""
+    rid, created, model = head
     out = {
         "id": rid,
         "object": obj,
@@ -86,9 +74,10 @@ def chat_message(text: str, tool_calls: list[dict] | None) -> dict:
 
 def chat_choice(key: str, value: dict, finish: str | None, logprobs: list[dict] | None) -> dict:
     """A chat choice: `key` "message" (a body) or "delta" (a streamed chunk)."""
-    return {"index": 0, key: value, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
+    lp = None if logprobs is None else {"content": logprobs, "refusal": None}
+    return {"index": 0, key: value, "logprobs": lp, "finish_reason": finish}
 
 
 def completion_choice(text: str, finish: str | None, logprobs: dict | None) -> dict:
-    """A text_completion choice; `logprobs` is already in completions' shape (completion_logprobs)."""
+    """A text_completion choice; `logprobs` in completions' shape (completion_logprobs)."""
     return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
