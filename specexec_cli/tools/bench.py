@@ -1,14 +1,10 @@
 """`specx bench`: every (method, budget, temperature) cell over the same prompts, in one process.
 
-Contract: `run_bench(models, prompts, grid, progress)` decodes every prompt with every cell and
-returns one record per (method, budget, temperature). Order: for each prompt, the cells run
-round-robin (the starting cell rotates with the prompt), so machine drift hits every cell alike.
-Budget-less methods (`ar`, and `chain` whose size is γ = --gamma) run ONCE per (prompt,
-temperature); their record is repeated under every budget with `budget_independent: true`.
-Sequoia's acceptance vector is measured before the timed grid (on the first prompt) so its
-calibration is not charged to one cell. `lossless` is checked at T = 0 against `ar`'s token ids
-(`ar` runs as a hidden reference when not requested); it is null at T > 0, where outputs are
-samples. No rich/typer here: progress goes through the `progress(done, total, label)` callback.
+Contract: `run_bench(models, prompts, grid, progress)` returns one record per (method, budget,
+temperature). Per prompt the cells run round-robin from a rotating start, so drift hits all alike.
+Budget-less methods (`ar`, `chain`) run once per (prompt, temperature), their record repeated under
+every budget with `budget_independent: true`. Sequoia's calibration runs before the timed grid.
+`lossless` compares T = 0 ids with `ar`'s (run hidden when not requested); null at T > 0.
 """
 
 from __future__ import annotations
@@ -68,15 +64,8 @@ def make_grid(
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         raise SpecxError(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    grid = BenchGrid(
-        names,
-        parse_list(budgets, int, "--budgets"),
-        parse_list(temperatures, float, "--temperatures"),
-        max_new_tokens,
-        max_depth,
-        seed,
-        options,
-    )
+    sizes, temps = parse_list(budgets, int, "--budgets"), parse_list(temperatures, float, "--temperatures")
+    grid = BenchGrid(names, sizes, temps, max_new_tokens, max_depth, seed, options)
     if min(grid.budgets) < 1 or min(grid.temperatures) < 0 or max_new_tokens < 1 or max_depth < 1:
         raise SpecxError("--budgets, --max-new-tokens and --max-depth must be >= 1, --temperatures >= 0")
     return grid
@@ -220,10 +209,8 @@ def make_records(runs: dict[Cell, list[RunStats]], grid: BenchGrid) -> list[dict
 
 
 def write_plots(out: Path, records: list[dict]) -> list[Path]:
-    """tokens_per_pass.png and tokens_per_second.png (method vs budget, one panel per temperature).
-
-    Raises ImportError when matplotlib (the `plot` extra) is missing.
-    """
+    """tokens_per_pass.png and tokens_per_second.png (method vs budget, a panel per temperature);
+    ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,11 +1,9 @@
 """The kernel rates of a profile's `dequant` part: what the pass model prices each kernel's work at.
 
 Contract: `probe_dequant()` -> {device, shape, <kernel>: {seconds, gbps, ...}} for every dequantizing
-kernel installed on the compute device (bitsandbytes NF4, HQQ 3-bit eager, MXFP4 experts: the traffic the pass model
-counts for it over the seconds it takes to rebuild a DEQUANT_SHAPE weight), the exact GGUF CPU kernel
-on a CPU (its packed bytes over a one-token GEMV's seconds), and "cpu-experts": routed experts computed
-on the CPU from RAM (`probe_cpu_experts`; measured on a CUDA machine too, where the host CPU computes
-them). session/profiles.py turns the rates into `Device.dequant_bps`. Nothing here prints.
+kernel installed on the compute device (NF4, HQQ 3-bit eager, MXFP4), the exact GGUF CPU kernel on a
+CPU, and "cpu-experts" (routed experts computed on the host CPU from RAM, on CUDA machines too).
+session/profiles.py turns the rates into `Device.dequant_bps`. Nothing here prints.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ DEQUANT_SHAPE = (1024, 1024)  # the weight the dequantization probe rebuilds
 
 
 def timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
-    """Fastest of repeated fn() calls filling ~min_seconds (after one warm-up call), at least 2.
-
-    The minimum, not the mean: on a shared machine other processes only ever add time.
-    """
+    """Fastest of repeated fn() calls filling ~min_seconds (after one warm-up call), at least 2: the
+    minimum, as on a shared machine other processes only ever add time."""
     fn()
     times: list[float] = []
     start = time.perf_counter()
@@ -35,10 +31,9 @@ def timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
 
 
 def dequantizers(device: str, dtype: torch.dtype) -> dict:
-    """kernel name -> a function rebuilding a DEQUANT_SHAPE weight in `dtype` the way that kernel does,
-    for the kernels whose package is installed: bitsandbytes NF4 (dequantize_4bit), HQQ 3-bit eager
-    (offload/quant/lowbit.LowbitLinear.weight_now); and gpt-oss's MXFP4 experts (formats/mxfp4.dequantize_t,
-    the transposed weights Mxfp4Experts.weights rebuilds per routed expert: the C kernel on a CPU)."""
+    """kernel name -> a function rebuilding a DEQUANT_SHAPE weight in `dtype` as that kernel does, for
+    the installed ones: bitsandbytes NF4, HQQ 3-bit eager (LowbitLinear.weight_now), MXFP4 experts
+    (formats/mxfp4.dequantize_t, as Mxfp4Experts.weights)."""
     import logging
 
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its optional-kernel notice is not the user's
@@ -71,9 +66,8 @@ def dequantizers(device: str, dtype: torch.dtype) -> dict:
 
 
 def probe_dequant() -> dict:
-    """Effective bytes/s of each dequantizing kernel on the compute device: the traffic the pass model
-    counts for it (weights x compute-dtype bytes x passcost.dequant_elems) over the seconds it takes to
-    rebuild a DEQUANT_SHAPE weight (fastest of repeated calls)."""
+    """Per kernel, the traffic the pass model counts (weights x compute-dtype bytes x
+    passcost.dequant_elems) over the seconds to rebuild a DEQUANT_SHAPE weight."""
     from offload.planning import dequant_elems
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,14 +109,10 @@ def _last_level_cache() -> int:
 def probe_cpu_experts(
     hidden: int = 2048, inter: int = 768, top_k: int = 4, repeats: int = 9, span: int | None = None
 ) -> dict:
-    """Routed experts computed on the CPU from RAM as specx computes them (offload/arch/moe.ExpertList:
-    per routed expert gate/up/down fp32 GEMVs on torch's threads), one token routed to `top_k` experts of
-    Qwen3-30B-A3B's shape. Every expert's weights are views of one buffer of `span` bytes (default twice
-    the last-level cache, 256 MB to 1 GB); reading it all before each timed call leaves the first `top_k`
-    experts out of the caches and the TLB, as a layer's routed experts are after the rest of a pass has
-    been read. Their bytes over the median seconds is the rate planning/experts.py prices CPU experts
-    at (`Device.dequant_bps["cpu-experts"]`)."""
-
+    """One token routed to `top_k` CPU experts of Qwen3-30B-A3B's shape, computed as offload/arch/moe.ExpertList
+    does (fp32 GEMVs): their bytes over the median seconds. The experts are views of one `span`-byte buffer
+    (default twice the last-level cache, 256 MB to 1 GB), read whole before each call so the routed ones are
+    out of the caches and the TLB, as after the rest of a pass."""
     from offload import Expert, ExpertList
 
     one = 3 * hidden * inter  # fp32 weights of one expert's gate, up and down
@@ -144,20 +134,13 @@ def probe_cpu_experts(
             experts(x, idx, w)
             times.append(time.perf_counter() - t0)
     secs = statistics.median(times[1:])
-    return dict(
-        seconds=round(secs, 6),
-        gbps=round(top_k * 4 * one / secs / 1e9, 3),
-        shape=[hidden, inter],
-        top_k=top_k,
-        experts=n,
-    )
+    gbps = round(top_k * 4 * one / secs / 1e9, 3)
+    return dict(seconds=round(secs, 6), gbps=gbps, shape=[hidden, inter], top_k=top_k, experts=n)
 
 
 def probe_gguf_kernel(shape: tuple[int, int] = (8192, 4096)) -> dict | None:
-    """The exact GGUF CPU kernel (offload/cpu/ggml_kernel.py) on a one-token GEMV over a Q4_1 weight
-    of `shape` (17 MB: past the caches, as a model's layers are): its packed bytes over the seconds
-    (fastest of repeated calls), the rate passcost reads a kernel-served layer at. None where the
-    kernel is off or cannot compile."""
+    """The GGUF CPU kernel's packed bytes over the seconds of a one-token GEMV on a Q4_1 weight of
+    `shape` (17 MB: past the caches); None where the kernel is off or cannot compile."""
     from offload.formats import ggml_kernel_enabled, ggml_linear
     from offload.planning import GGUF_KERNEL
 

@@ -1,16 +1,13 @@
 """`specx profile --target`: the model part of a profile, measured through the path a run takes.
 
-Contract: `measure(flags, max_tokens, progress)` plans and loads the target exactly as `specx run`
-would with the same flags (session/options.plan_for_cli + load_planned: --offload auto by default,
---max-gpu-memory, --max-ram, --dtype, --ctx; --budget auto), then times t_target(n) for n = 1, 2,
-4, ... up to min(max_tokens, 4096, the plan's largest pass) (`time_target`), and each draft a run
-could take (`draft_configs`: a small --draft DIR, or every --draft self width whose package is
-installed, each planned and loaded on its own): one tree-growth step and the whole tree at each of
-TREE_BUDGETS (`time_draft`) and the draft seconds per pass of real specexec decoding
-(`time_draft_in_runs`); a mixture-of-experts target's `routing` (`count_routing`). It records the
-placement ([resident, RAM, disk] layers), the resolved target path and the dtype the timings are
-for (session/profiles.profile_matches uses them only for that target and dtype, and
-offload/planning/draftcost.py only under that placement). Nothing here prints; errors are SpecxError.
+Contract: `measure(flags, max_tokens, progress)` plans and loads the target as `specx run` would with
+the same flags (session/options.plan_for_cli + load_planned), then times t_target(n) for n = 1, 2, 4,
+... up to min(max_tokens, 4096, the plan's largest pass) (`time_target`) and each draft a run could
+take (`draft_configs`, each planned and loaded on its own): a tree-growth step and whole trees at
+TREE_BUDGETS (`time_draft`), and draft seconds per pass of real decoding (`time_draft_in_runs`); a
+mixture-of-experts target's `routing` (`count_routing`). It records the placement ([resident, RAM,
+disk] layers), resolved target path and dtype the timings hold for (session/profiles.profile_matches,
+offload/planning/draftcost.py). Nothing here prints; errors are SpecxError.
 """
 
 from __future__ import annotations
@@ -73,10 +70,9 @@ def time_target(models, n_values: list[int]) -> dict[int, float]:
 
 
 def count_routing(models, tokens: int = ROUTING_TOKENS) -> dict | None:
-    """{tokens, experts, layers, counts} of one target pass over `tokens` sample tokens: for each sparse
-    layer (`layers`, in order) the tokens its router sent to each expert, read from the top-k indices every
-    experts module is called with (per-expert ExpertList and HF's fused experts alike), `counts` flattened
-    layer by layer as planning/experts.hit_share takes them. None for a dense target."""
+    """{tokens, experts, layers, counts} of one target pass over `tokens` sample tokens: per sparse layer
+    the tokens routed to each expert (from the top-k indices each experts module is called with),
+    `counts` flattened layer by layer as planning/experts.hit_share takes them. None for a dense target."""
     import re
 
     from specexec_cli.core import kvcache
@@ -111,9 +107,8 @@ def count_routing(models, tokens: int = ROUTING_TOKENS) -> dict | None:
 
 
 def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
-    """{step_seconds: one draft step over `beams` nodes, grow_seconds: {budget: one whole tree}, max_beams}.
-    Both through core/draftstep.run, as a run's tree growth (on CUDA: its CUDA graphs, replayed), over
-    a draft cache reserved as a run's is (the plan's rows, or the rows the largest tree needs if more)."""
+    """{step_seconds: one draft step over `beams` nodes, grow_seconds: {budget: one whole tree}, max_beams},
+    through core/draftstep.run (CUDA graphs replayed) over a draft cache reserved as a run's is."""
     from specexec_cli.core import draftstep, kvcache
     from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
     from specexec_cli.core.sampling import SamplingParams
@@ -144,9 +139,8 @@ def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
 
 
 def time_draft_in_runs(models, budgets, beams: int, passes: int = 4) -> dict:
-    """{budget: median draft seconds per pass} of real specexec decoding (T = 0) at each budget: the
-    engine's own draft figure (tree growth with its node scoring and budget selection, plus trimming the
-    caches to the accepted path), what a run's --stats-json draft_seconds counts; one untimed pass first."""
+    """{budget: median draft seconds per pass} of real specexec decoding (T = 0): what a run's
+    --stats-json draft_seconds counts (growth, scoring, cache trimming); one untimed pass first."""
     from specexec_cli.core.draft import TreeShape
     from specexec_cli.core.engine import DecodeState, GenerationConfig
     from specexec_cli.core.methods import generate
@@ -218,7 +212,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
                     progress(0, len(configs) + 1, f"target passes, 1 to {ns[-1]} tokens")
                 out["target_seconds"] = {str(n): round(s, 6) for n, s in time_target(models, ns).items()}
                 out["placement"] = [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)] if plan else None
-                out["plan_dtype"] = plan_dtype(plan, flags)
+                out["plan_dtype"] = plan_dtype(flags)
                 out["device"] = str(getattr(models.target, "device", flags.get("device", "auto")))
                 if routing := count_routing(models):
                     out["routing"] = routing
@@ -239,7 +233,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
     return out
 
 
-def plan_dtype(plan, flags: dict) -> str:
+def plan_dtype(flags: dict) -> str:
     """The target dtype the plan resolved (what session/profiles.profile_matches compares)."""
     from specexec_cli.session.planning import plan_device, plan_dtypes
 

@@ -1,11 +1,9 @@
 """Hardware probes, t_target(n) / draft-step measurement, and profile JSON read/write.
 
-Contract: `probe_hardware(folder)` returns the machine part of a profile (CPU, RAM, GPUs with pinned
-host→device bandwidth, disk read bandwidth of `folder` and its latency per read request, matmul throughput per dtype, device memory
-bandwidth from one large in-memory copy per device, and tools/kernelprobes.py's kernel rates);
-tools/modeltimes.py times the models through the path a run takes. `build_profile` assembles the versioned dict documented in
-profiles/README.md, which session/profiles.py stores and finds. Nothing here prints; errors are
-SpecxError.
+Contract: `probe_hardware(folder)` returns the machine part of a profile: CPU, RAM, GPUs with pinned
+host→device bandwidth, disk read bandwidth and per-request latency of `folder`, matmul throughput per
+dtype, each device's memory bandwidth, and tools/kernelprobes.py's kernel rates. `build_profile`
+assembles the versioned dict of profiles/README.md. Nothing here prints; errors are SpecxError.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ def probe_memory() -> dict:
 
 
 def probe_gpus(copy_bytes: int = 512 << 20) -> list[dict]:
-    """Name, memory and pinned host→device bandwidth (one large copy, median of a few)."""
+    """Name, memory and pinned host→device bandwidth (one large copy, fastest of a few)."""
     if not torch.cuda.is_available():
         return []
     out = []
@@ -69,15 +67,8 @@ def probe_gpus(copy_bytes: int = 512 << 20) -> list[dict]:
             dev.copy_(host, non_blocking=True)
             torch.cuda.synchronize(i)
 
-        secs = kernelprobes.timed(copy, 0.5, 10)
-        out.append(
-            dict(
-                index=i,
-                name=props.name,
-                total_bytes=props.total_memory,
-                h2d_pinned_gbps=round(copy_bytes / secs / 1e9, 3),
-            )
-        )
+        gbps = round(copy_bytes / kernelprobes.timed(copy, 0.5, 10) / 1e9, 3)
+        out.append(dict(index=i, name=props.name, total_bytes=props.total_memory, h2d_pinned_gbps=gbps))
     return out
 
 
@@ -121,11 +112,8 @@ def _read_direct(paths: list[Path], total: int) -> tuple[int, float, str]:
 
 
 def probe_disk(folder: Path, nbytes: int = 256 << 20) -> dict:
-    """Read bandwidth of the disk under `folder`.
-
-    Prefers the model's own *.safetensors (read repeatedly up to `nbytes`, O_DIRECT bypasses the page
-    cache); otherwise writes a temporary `nbytes` file there. Buffered fallback → note in the result.
-    """
+    """Read bandwidth of the disk under `folder`: its *.safetensors (else a temporary `nbytes` file),
+    read up to `nbytes` with O_DIRECT (past the page cache); a buffered fallback is noted."""
     folder = Path(folder)
     files = sorted(p for p in folder.glob("*.safetensors") if p.stat().st_size >= 64 << 10)
     tmp = None
@@ -158,10 +146,9 @@ def probe_disk(folder: Path, nbytes: int = 256 << 20) -> dict:
 
 
 def read_latency(path: Path, reads: int = LATENCY_READS) -> float | None:
-    """Seconds one O_DIRECT read request takes beyond its bytes: the median of `reads` single 4 KiB reads at
-    spread page-aligned offsets of `path` (a 4 KiB read's transfer is ~1 us at NVMe rates, so this is the
-    request's latency; the pass model prices every routed expert's span read at it: passcost.Device.disk_read_s).
-    None where O_DIRECT cannot open the file or it is under one page."""
+    """Seconds per O_DIRECT read request (passcost.Device.disk_read_s): the median of `reads` single 4 KiB
+    reads at spread offsets of `path` (their transfer is ~1 us at NVMe rates). None where O_DIRECT cannot
+    open the file or it is under one page."""
     page = 4096
     buf = mmap.mmap(-1, page)  # page-aligned, as O_DIRECT needs
     try:
@@ -188,11 +175,8 @@ def read_latency(path: Path, reads: int = LATENCY_READS) -> float | None:
 
 
 def probe_matmul() -> dict:
-    """Dense matmul throughput (GFLOP/s) for bf16 and fp32 on the default compute device.
-
-    CPU bf16 matmuls can be ~50x slower than fp32 (no native bf16 units), so bf16 uses a smaller
-    matrix on CPU to keep the probe under a few seconds.
-    """
+    """Dense matmul GFLOP/s for bf16 and fp32 on the compute device (a smaller bf16 matrix on CPU,
+    where bf16 can be ~50x slower)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = {"bf16": 4096 if device == "cuda" else 384, "fp32": 4096 if device == "cuda" else 1024}
     out: dict = dict(device=device, sizes=sizes)
@@ -211,9 +195,8 @@ def probe_matmul() -> dict:
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> dict:
-    """Memory bandwidth of `device` from one large copy within it (CPU: host RAM to host RAM; CUDA:
-    device to device), fastest of repeated copies: each copy reads and writes `nbytes`, so the rate
-    counts 2 x nbytes per copy (what a kernel streaming weights through memory sees)."""
+    """Memory bandwidth of `device`: 2 x `nbytes` (read + write) over the fastest of repeated copies
+    within it (CPU: RAM to RAM)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
 
@@ -229,8 +212,7 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> dict:
 
 
 def probe_device_memory(nbytes: int = 256 << 20) -> dict:
-    """{"cpu": copy_bandwidth, "cuda": copy_bandwidth when a GPU is present}: the draft cost model's
-    device memory bandwidth (offload/planning/draftcost.py)."""
+    """{"cpu": copy_bandwidth, "cuda": too when present}: offload/planning/draftcost.py's bandwidth."""
     out = {"cpu": copy_bandwidth("cpu", nbytes)}
     if torch.cuda.is_available():
         out["cuda"] = copy_bandwidth("cuda", max(nbytes, 1 << 30))

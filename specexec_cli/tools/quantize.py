@@ -1,11 +1,9 @@
 """`specx quantize`: write a self-contained pre-quantized 4-bit checkpoint from a 16-bit one.
 
-Contract: `quantize_checkpoint(target, out, progress)` resolves TARGET like --target (local dir or
-cached hub id, safetensors only), refuses an OUT that exists and is not empty, and writes there
-the same bitsandbytes NF4 format the `--dtype nf4` cache uses (offload.quant.quant_cache): packed 4-bit
-decoder-layer linears with their quant state, 16-bit embeddings/norms/lm_head, config.json with
-`quantization_config`, tokenizer and generation files. transformers' `from_pretrained` and specx
-(`--target OUT`, any tier) both load it. Returns a `QuantizeResult`; errors are SpecxError.
+Contract: `quantize_checkpoint(target, out, progress)` resolves TARGET like --target (safetensors
+only), refuses an OUT that exists and is not empty, and writes there, with the tokenizer, the
+bitsandbytes NF4 checkpoint of offload's `write_quantized` (the `--dtype nf4` cache's format), which
+transformers and specx both load. Returns a `QuantizeResult`; errors are SpecxError.
 """
 
 from __future__ import annotations
