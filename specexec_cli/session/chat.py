@@ -183,12 +183,8 @@ class ChatSession:
         if self.tuner is not None:
             stats.config.update(budget=self.tuner.shape.budget, max_depth=self.tuner.shape.max_depth)
         if view is not None:
-            extra = (
-                {"budget": f"auto → {self.tuner.shape.budget}, depth {self.tuner.shape.max_depth}"}
-                if self.tuner
-                else None
-            )
-            view.update(stats, extra)
+            shape = self.tuner.shape if self.tuner is not None else None
+            view.update(stats, {"budget": f"auto → {shape.budget}, depth {shape.max_depth}"} if shape else None)
 
     def turn_record(self, stats: RunStats) -> dict:
         rec = stats.to_json()

@@ -52,14 +52,8 @@ def usable_bits(bits) -> bool:
 
 def skipped_clause(plan) -> str:
     """'; skipped 3-bit and 2-bit: hqq is not installed, fix: ...' for the candidates whose package is missing."""
-    gone = sorted(
-        {
-            c["bits"]
-            for c in (getattr(plan, "candidates", None) or [])
-            if c.get("bits") in BITS_NEED and not usable_bits(c["bits"])
-        },
-        reverse=True,
-    )
+    bits = {c.get("bits") for c in getattr(plan, "candidates", None) or []}
+    gone = sorted((b for b in bits if b in BITS_NEED and not usable_bits(b)), reverse=True)
     if not gone:
         return ""
     need = sorted({BITS_NEED[b] for b in gone})

@@ -93,13 +93,10 @@ def rows(info: Info) -> list[tuple[str, str]]:
     from offload import format_bytes
 
     lb = info.layer_bytes
-    per_layer = (
-        f"{format_bytes(min(lb))}"
-        if lb and min(lb) == max(lb)
-        else f"{format_bytes(min(lb))} .. {format_bytes(max(lb))}"
-        if lb
-        else "unknown"
-    )
+    per_layer = "unknown"
+    if lb:
+        lo, hi = format_bytes(min(lb)), format_bytes(max(lb))
+        per_layer = lo if min(lb) == max(lb) else f"{lo} .. {hi}"
     template = "none" if not info.template else f"yes ({len(info.template)} chars)"
     run = "yes" if info.runnable else f"no: {info.reason}"
     return [

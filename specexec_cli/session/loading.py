@@ -332,7 +332,7 @@ def load_models(opts: LoadOptions) -> Models:
     rows = tuple(plan.kv_rows) if plan is not None else None
     if rows is not None and opts.draft == SELF and not shared and not rows[1]:  # planned for a shared KV
         rows = (rows[0], rows[0])
-    models = Models(
+    return Models(
         target,
         draft,
         tok,
@@ -344,4 +344,3 @@ def load_models(opts: LoadOptions) -> Models:
         shared_kv=shared,
         stop_strings=stop_strings(target),
     )
-    return models

@@ -10,10 +10,11 @@ imports torch or transformers at module level, so `specx --help` and argument er
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specexec_cli.session import notices
+from specexec_cli.session.modelref import AUTO, SELF, ModelRef
 from specexec_cli.session.names import DEMO_DIR, default_target, is_demo, is_demo_name, real_model_steps
 from specexec_cli.errors import SpecxError
 
@@ -62,8 +63,6 @@ class ModelFlags:
 
     def plan(self, cfg):
         """(LoadOptions, MemoryPlan, cfg); unset sampling flags come from the target's defaults."""
-        from dataclasses import replace
-
         from specexec_cli.session.gendefaults import merge
 
         opts, plan, cfg = plan_for_cli(self, cfg)
@@ -84,8 +83,6 @@ class ModelFlags:
 def pick_refs(target, draft: str | None, method: str, allow_pickle: bool = False, trust: bool = False):
     """(ModelRef of the target, draft name). No --target: names.default_target(), with a notice. The
     demo pair drafts with its own draft; any other target without --draft gets --draft auto."""
-    from specexec_cli.session.modelref import AUTO, SELF, ModelRef
-
     given = target is not None
     if not given:
         target = default_target()
@@ -166,8 +163,6 @@ def config_record(cfg, offload_plan: str | None = None) -> dict:
 
 def parse_draft_bits(value: str, draft: str | None) -> int | None:
     """--draft-bits: None for auto, else 4 | 3 | 2, and only with --draft self."""
-    from specexec_cli.session.modelref import AUTO, SELF
-
     value = str(value).strip().lower()
     if value == "auto":
         return None
@@ -181,11 +176,9 @@ def parse_draft_bits(value: str, draft: str | None) -> int | None:
 def plan_for_cli(flags: ModelFlags, cfg):
     """(LoadOptions, MemoryPlan, cfg) from headers only; `--budget auto` may come back lowered to fit,
     and --draft auto becomes the draft the plan models fastest, or none."""
-    from dataclasses import replace
-
     from specexec_cli.session import deps
     from specexec_cli.session.loading import LoadOptions
-    from specexec_cli.session.planning import AUTO, make_plan, resolve_auto
+    from specexec_cli.session.planning import make_plan, resolve_auto
     from specexec_cli.session.profiles import find_profile
 
     f = flags
@@ -231,9 +224,7 @@ def show_plan(plan, stats_json: Path | None) -> None:
 
 def load_planned(opts, plan, progress):
     """Refuse a plan that cannot fit, then load and print the placement."""
-    from dataclasses import replace
-
-    from specexec_cli.session.loading import SELF, load_models
+    from specexec_cli.session.loading import load_models
     from specexec_cli.session.planning import require_host
 
     require_host(plan)
@@ -325,7 +316,6 @@ def load_fitted(flags: ModelFlags, opts, plan, cfg, progress=None) -> Fitted:
 
 def require_for_run(opts) -> None:
     from specexec_cli.session.deps import BITS_NEED, install_hint, installed, missing_error
-    from specexec_cli.session.modelref import ModelRef
     from specexec_cli.session.planning import prequantized
 
     if opts.dtype == "nf4" and not installed("bitsandbytes"):

@@ -31,16 +31,6 @@ def default_profile_path() -> Path:
     return config_dir() / f"{socket.gethostname()}.json"
 
 
-def validate_profile(data: object, where: str) -> dict:
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise SpecxError(f"{where} is not a specx profile; create one with `specx profile --out FILE`")
-    if data.get("version") != VERSION:
-        raise SpecxError(
-            f"{where} has profile version {data.get('version')}, this specx reads {VERSION}; re-run `specx profile`"
-        )
-    return data
-
-
 def write_profile(profile: dict, path: Path | None) -> Path:
     """Write to `path` (default: the per-machine path) and remember it as this machine's last."""
     path = Path(path) if path is not None else default_profile_path()
@@ -66,11 +56,17 @@ def read_profile(path: Path) -> dict:
         raise SpecxError(f"profile {path} not found; run `specx profile` or pass an existing --profile") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise SpecxError(f"profile {path} is unreadable ({exc.__class__.__name__}); re-run `specx profile`") from None
-    prof = validate_profile(data, f"profile {path}")
-    if not isinstance(prof.get("models") or {}, dict):
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise SpecxError(f"profile {path} is not a specx profile; create one with `specx profile --out FILE`")
+    if data.get("version") != VERSION:
+        raise SpecxError(
+            f"profile {path} has profile version {data.get('version')}, this specx reads {VERSION}; "
+            "re-run `specx profile`"
+        )
+    if not isinstance(data.get("models") or {}, dict):
         raise SpecxError(f'profile {path} has a malformed "models" entry; re-run `specx profile`')
-    prof["_path"] = f"profile {path}"
-    return prof
+    data["_path"] = f"profile {path}"
+    return data
 
 
 def find_profile(explicit: Path | None) -> dict | None:
@@ -100,24 +96,17 @@ def link_peak(profile: dict | None, offload: str, on_cuda: bool) -> float | None
     return gpus[0].get("h2d_pinned_gbps") if on_cuda and gpus else None
 
 
-def cards() -> dict[str, dict]:
+def card(name: str) -> dict:
+    """The published row of card `name` (case and spaces ignored: "RTX 4090", "4070 Ti", "h100")."""
     try:
-        return json.loads(CARDS.read_text())["cards"]
+        table = json.loads(CARDS.read_text())["cards"]
     except (OSError, ValueError, KeyError):
         raise SpecxError(
             f"the cards table {CARDS} is missing or unreadable; pass --device cuda "
             "--max-gpu-memory SIZE instead of --gpu"
         ) from None
-
-
-def card_key(name: str) -> str:
-    return "".join(ch for ch in name.lower() if ch.isalnum() or ch == "-").removeprefix("rtx").removeprefix("-")
-
-
-def card(name: str) -> dict:
-    """The published row of card `name` (case and spaces ignored: "RTX 4090", "4070 Ti", "h100")."""
-    table = cards()
-    row = table.get(card_key(name))
+    key = "".join(ch for ch in name.lower() if ch.isalnum() or ch == "-").removeprefix("rtx").removeprefix("-")
+    row = table.get(key)
     if row is None:
         raise SpecxError(
             f"--gpu {name}: not in the cards table; known: {', '.join(table)} "
@@ -176,11 +165,9 @@ def cost_device_for(device: str, gpu: str | None, profile: dict | None):
     for k in given:
         srcs.setdefault(k, f"measured ({host})")
     deq = prof.get("dequant") or {}
-    rates = (
-        {k: v["gbps"] * 1e9 for k, v in deq.items() if isinstance(v, dict) and v.get("gbps")}
-        if deq.get("device") == device
-        else {}
-    )
+    rates = {}
+    if deq.get("device") == device:
+        rates = {k: v["gbps"] * 1e9 for k, v in deq.items() if isinstance(v, dict) and v.get("gbps")}
     srcs["dequant"] = f"measured ({host})"
     return device_for(device, srcs, rates, **given)
 
