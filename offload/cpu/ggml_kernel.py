@@ -3,45 +3,25 @@
 Contract:
 - `linear(x, raw, qtype, out_features, rowmap=None)` -> (..., out) fp32: x (..., in) fp32 on CPU,
   `raw` the weight's GGUF bytes (uint8, rows of in/32 blocks), `rowmap` an optional int32 (out,)
-  CPU tensor giving the output column of each stored row (llama.cpp's Q/K row order undone). It
-  calls kernels/ggml_gemv.c: the weight is dequantized in fp32 registers exactly as
-  gguf_quants.dequantize defines it and accumulated in fp32, so the result equals
-  dequantize-then-matmul up to fp32 rounding order (activations are never quantized to low
-  precision, except in the self-draft's own SX3 / SX2 / Q8A: 8-bit activations,
-  quant/lowbit_pack.matmul_reference). Numerics of Q5_0 / Q4_K / Q6_K one activation row at a time
-  on a CPU with AVX-512 VNNI + VBMI (kernels/xq24.h): the activations become a 24-bit integer image,
-  x_j = s X_j + e_j with s = max|x| of x_j's 4-value lane / 8355000 and |e_j| <= 2^-24 that max +
-  2^-23 |x_j|, the weights' integer codes meet X in exact int32 dot products (4 values a lane), and
-  each lane is converted and scaled in fp32: an error of fp32 rounding's order (tests/test_xq24.py:
-  within 3x the fp32 schedule's against float64, at most 1.9x measured), not bit for bit the fp32
-  schedule's numbers; elsewhere, and for T > 1 matmuls not row-wise, the fp32 schedule. Each call
-  reads the packed bytes once (0.56-1.06 bytes per weight instead of 4). Types (`QTYPES`): Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M / Q6_K files hold;
-  K-quant rows need `in` to be a multiple of 256, which llama-quantize also requires), and specx's
-  own SX3 / SX2 (3- and 2-bit blocks of the self-draft's substitutes, quant/lowbit_pack.py, which
-  defines their numbers: `BLOCKS` gives every type's (values, bytes) per block).
-- `usable(x, qtype, max_rows=MAX_ROWS)`: whether `linear` serves this call: CPU fp32 input, a
-  supported type (`QTYPES`), at most `max_rows` activation rows (above MAX_ROWS a library GEMM over
-  a weight dequantized once is faster; dequantizing per call is slower than the kernel at every
-  batch measured: bench/gguf_kernel.py), $SPECX_GGUF_KERNEL not "off", and the library built.
-  The first use compiles the C sources (`sources_of`: the kernel, the decoder stack, their threads, MXFP4 dequantization)
-  and their header once per machine with the system C compiler (`cc -O3 -march=native -fopenmp -pthread`, then weaker flag
-  sets) into $SPECX_CACHE/kernels (default
-  ~/.cache/specx), keyed by a hash of the source, the flags, the compiler and the CPU's flags.
-- `head_logits(lm_head, h, rowwise)`: a model's output layer after a stack pass (a packed head on the
-  stack's worker threads).
-- `kernel_status()`: None while the kernel is usable or not yet tried; else why this process runs
-  the dequantizing path (no compiler, compile failure, turned off): one line, never printed.
-- `COST`: seconds per packed byte of each type relative to Q4_1's, measured (the planner's factor).
-- `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over `weight` (fp32, e.g. the
-  tied embedding table) that computes small batches from `raw`, the head's GGUF bytes, instead.
-Threads: `threads()` at call time, torch.get_num_threads() unless a `host_ops_on_one_thread()` block
-holds it (rows split across them on kernels/pool.c's workers; one thread for products too small to
-pay for the hand-off: the C source's MIN_PAR).
-- `host_ops_on_one_thread(on)`: a block whose torch ops run on one thread while the kernels keep the
-  thread count from before it (a model's pass on the one-call stack: its embedding, rotary tables and
-  masks are small ops whose second OpenMP thread waits on the cores the kernel's workers hold);
-  `torch_threads_back()` inside such a block gives one large torch op (a dense head) the threads back.
+  CPU tensor giving the output column of each stored row (llama.cpp's Q/K row order undone).
+  kernels/ggml_gemv.c dequantizes in fp32 registers exactly as gguf_quants.dequantize defines it and
+  accumulates in fp32: dequantize-then-matmul up to rounding order, the packed bytes read once.
+  Activations stay fp32 except in the self-draft's own SX3 / SX2 / Q8A (8-bit,
+  quant/lowbit_pack.py) and, on a CPU with AVX-512 VNNI + VBMI, Q5_0 / Q4_K / Q6_K one row at a time
+  (kernels/xq24.h): x_j = s X_j + e_j, a 24-bit integer image (s = max|x| of x_j's 4-value lane /
+  8355000, |e_j| <= 2^-24 that max + 2^-23 |x_j|), meets the codes in exact int32 dot products: an
+  error of fp32 rounding's order (tests/test_xq24.py), not the fp32 schedule's bits. `QTYPES`: Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and specx's SX3 / SX2 / Q8A; `BLOCKS[type]` = (values, bytes).
+- `usable(x, qtype, max_rows=MAX_ROWS)`: whether `linear` serves the call: CPU fp32 input, a type in
+  `QTYPES`, at most `max_rows` rows (above MAX_ROWS a GEMM over a weight dequantized once is faster),
+  $SPECX_GGUF_KERNEL not "off", the library built: the first use compiles `sources_of(SOURCE)` once
+  per machine into $SPECX_CACHE/kernels, keyed by a hash of the sources, flags, compiler and CPU.
+- `kernel_status()`: None while the kernel is usable or untried, else why not (one line, never printed).
+- `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over fp32 `weight` computing small
+  batches from `raw`, its GGUF bytes. `COST`: seconds per packed byte relative to Q4_1's (the planner's).
+Threads: `threads()` at call time, torch's count unless a `host_ops_on_one_thread()` block holds it:
+inside, torch's small ops run on one thread while the kernels keep the earlier count on kernels/pool.c's
+workers; `torch_threads_back()` gives one large torch op the threads back.
 """
 
 from __future__ import annotations
@@ -79,25 +59,11 @@ BLOCKS = {
     14: (256, 210),
 }
 BLOCKS |= {SX3: (64, 28), SX2: (32, 12), Q8A: BLOCKS[8]}  # specx's own, and Q8A the Q8_0 bytes
-# seconds per packed byte relative to Q4_1's (what `specx profile` times), for the speed model: measured
-# by bench/gguf_kernel.py at T = 1 on one thread, the same shape in Q4_1 and in the type (gate/up for
-# Q5_0/Q5_1, down for the K-quants); Q4_0 and Q8_0 are left at Q4_1's rate. Q5_0, Q4_K and Q6_K on a
-# CPU with AVX-512 VNNI + VBMI (kernels/xq24.h; `--threads 1 --skip-e2e`, this VM: 1.20, 1.11, 0.91;
-# they were 1.33, 2.12, 2.06 on the fp32 schedule, which a CPU without them still runs)
-COST = {
-    2: 1.0,
-    3: 1.0,
-    6: 1.2,
-    7: 1.33,
-    8: 1.0,
-    12: 1.11,
-    13: 2.52,
-    14: 0.91,
-    130: 0.63,
-    131: 0.70,
-    136: 0.21,
-}  # SX3, SX2, Q8A (8-bit activations, kernels/sx_q8.h): bench/sx_kernel.py (gate/up 1536 x 576, T = 1, 1 thread:
-# 0.61-0.63, 0.70 on an earlier machine; bench/results/sx_kernel.json: 0.67, 0.76 and Q8A 0.21, Q8_0 itself 0.79)
+# seconds per packed byte relative to Q4_1's, for the speed model: bench/gguf_kernel.py at T = 1 on one
+# thread, the same shape in Q4_1 and in the type (Q4_0 and Q8_0 left at Q4_1's rate; Q5_0, Q4_K and Q6_K
+# on a CPU with AVX-512 VNNI + VBMI, kernels/xq24.h); SX3, SX2, Q8A: bench/sx_kernel.py (gate/up
+# 1536 x 576, bench/results/sx_kernel.json)
+COST = {2: 1.0, 3: 1.0, 6: 1.2, 7: 1.33, 8: 1.0, 12: 1.11, 13: 2.52, 14: 0.91, 130: 0.63, 131: 0.70, 136: 0.21}
 MAX_ROWS = 32  # activation rows up to which the kernel beats a dense GEMM (SmolLM2 resident, whole passes: T = 16 42 vs 61 ms, T = 32 even)
 SOURCE = Path(__file__).with_name("kernels") / "ggml_gemv.c"
 # built into the same library: the decoder stack, the threads, MXFP4 experts' dequantization (cpu/mxfp4_kernel.py)
@@ -113,8 +79,9 @@ FLAG_SETS = (
 _STATE: dict = {"lib": None, "fn": None, "broken": None, "tried": False, "held": None}
 
 
-def turned_off() -> bool:
-    v = os.environ.get(ENV)  # read on every call (tests and the CLI set it at run time)
+def turned_off(env: str = ENV) -> bool:
+    """$env is "off" (or 0, no, false): read on every call (tests and the CLI set it at run time)."""
+    v = os.environ.get(env)
     return v is not None and v.strip().lower() in ("off", "0", "no", "false")
 
 
@@ -198,12 +165,6 @@ def _library() -> ctypes.CDLL | None:
     return _STATE["lib"]
 
 
-def _function():
-    """ggml_gemm of the built library (building it on first call); None when there is none."""
-    _library()
-    return _STATE["fn"]
-
-
 def enabled() -> bool:
     """$SPECX_GGUF_KERNEL is not off and the library is built (building it on first call)."""
     return not turned_off() and _library() is not None
@@ -216,8 +177,8 @@ def threads() -> int:
 
 @contextlib.contextmanager
 def host_ops_on_one_thread(on: bool = True):
-    """torch's ops on one thread inside the block, the kernels on the threads torch had before it (see
-    the contract); `on` False: nothing changes. Not re-entrant across threads: one decoding thread."""
+    """torch's ops on one thread inside the block, the kernels on the threads torch had before it; `on`
+    False: nothing changes. Not re-entrant across threads: one decoding thread."""
     n = torch.get_num_threads()
     if not on or n == 1 or _STATE["held"] is not None:
         yield
@@ -277,13 +238,12 @@ def linear(
     pool: bool = False,
     rowwise: bool = False,
 ) -> torch.Tensor:
-    """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T with W the GGUF weight in `raw` (see contract).
-    About 211 calls per decoding step: the Python side is kept to checks and one output allocation.
-    `pool`: on the decoder stack's worker threads (the head after cpu/leanstack.py's pass) rather
-    than an OpenMP team shared with torch's ops: the same numbers either way. `rowwise` (with `pool`):
-    every row computed as a one-row call computes it (ggml_gemm_pool_rows: one-token sequences sharing
-    a pass each get what they get alone)."""
-    fn = _STATE.get("fn") if _STATE["tried"] else _function()
+    """x (..., in) fp32 CPU -> (..., out) fp32 = x W^T (see contract); about 211 calls per decoding step,
+    so the Python side is checks and one allocation. `pool`: on the decoder stack's worker threads (the
+    same numbers); `rowwise` (with `pool`): every row computed as a one-row call computes it."""
+    if not _STATE["tried"]:
+        _library()  # builds it on first call; fn None when there is none
+    fn = _STATE["fn"]
     if pool:
         fn = _STATE["lib"].ggml_gemm_pool_rows if rowwise else _STATE["lib"].ggml_gemm_pool
     k = x.shape[-1]
@@ -306,17 +266,8 @@ def linear(
         if lead == 2
         else torch.empty(x.shape[:-1] + (out_features,), dtype=f32)
     )
-    rc = fn(
-        qtype,
-        raw.data_ptr(),
-        x.data_ptr(),
-        y.data_ptr(),
-        None if rowmap is None else rowmap.data_ptr(),
-        out_features,
-        k,
-        t,
-        threads(),
-    )
+    rmap = None if rowmap is None else rowmap.data_ptr()
+    rc = fn(qtype, raw.data_ptr(), x.data_ptr(), y.data_ptr(), rmap, out_features, k, t, threads())
     if rc != 0:
         raise RuntimeError(f"ggml_gemm failed ({rc})")
     return y
@@ -339,16 +290,14 @@ class PackedHead(nn.Linear):
             return F.linear(x, self.weight)
 
     def for_draft(self) -> PackedHead:
-        """This head as the self-draft reads it: a Q8_0 head's same bytes and weight as Q8A (8-bit
-        activations, kernels/sx_q8.h: about twice as fast a row, ~0.5% per logit, which ranks only the
-        draft's proposals); a head of any other type is returned as it is."""
+        """This head as the self-draft reads it: a Q8_0 head's bytes as Q8A (8-bit activations, kernels/sx_q8.h:
+        about twice as fast a row, ~0.5% per logit); a head of any other type as it is."""
         return PackedHead(self.weight, self.packed, Q8A) if self.qtype == 8 else self
 
 
 def head_logits(lm_head, h: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
-    """lm_head(h) after a one-call stack pass: a packed GGUF head (PackedHead) on the stack's worker threads,
-    so one set of threads serves the whole pass (`rowwise`: each row as a one-row call computes it, for
-    the rows of several one-token sequences); any other head as it is, on torch's own threads."""
+    """lm_head(h) after a one-call stack pass: a PackedHead on the stack's worker threads (`rowwise` as in
+    `linear`), any other head as it is, on torch's own threads."""
     packed = getattr(lm_head, "packed", None)
     if isinstance(lm_head, PackedHead) and packed.is_cpu and usable(h, lm_head.qtype):
         return linear(h, packed, lm_head.qtype, lm_head.out_features, pool=True, rowwise=rowwise)

@@ -1,47 +1,31 @@
 """LeanStack: a resident Llama or Gemma-3 stack of GGUF layers, run for a few tokens as ONE C call per pass.
 
 Contract:
-- `LeanStack.build(model)` -> LeanStack | None for an OffloadedCausalLM; `why_not(model)` says, in
-  one line, why there is none (None when there is one). It is built when the model computes on the
-  CPU in fp32, its family is plain Llama (SiLU MLP, no biases, no sliding window, HF's
-  LlamaDecoderLayer) or Gemma-3 text (`gemma3_text`: HF's Gemma3DecoderLayer or arch/gemma3.py's
-  TypedLayer, GELU-tanh MLP, q/k norms, sandwich norms, no attention soft-capping; each norm's
-  multiplier 1 + w folded once into an fp32 copy, each layer rotated with its layer type's table),
-  every decoder layer is resident, and every linear of every layer runs the GGUF
-  kernel (cpu/ggml_kernel.py; q/k/v and gate/up each one call when stacked back to back in one
-  buffer by formats/qfuse.py, else one call each), and $SPECX_DECODE_STACK is not "off"; a layer-skip self-draft's pass-through
-  layers are left out of the stack (offload/selfdraft/build.py builds its stack once its layers are
-  set). It holds, per layer, the pointers of the norms and packed bytes (resident: bound once, never
-  moved).
-- `serves(h, attention_mask, cache)`: whether this pass can run on the stack: h (1, T, D) fp32 with
-  T <= `max_rows`: ggml_kernel.MAX_ROWS where some linear holds an fp32 copy (decoding and small trees;
-  larger passes multiply dense weights better), STACK_ROWS where none does (a self-draft of kernel
-  blocks: the kernel serves its linears at every size, the stack only removes HF's per-op dispatch),
-  attention_mask None or an additive (1, 1, T, past + T) fp32 mask, and a cache whose layer of each
-  decoder layer (by its attention's layer_idx) is a slab: `keys`/`values` (1, Hkv, cap, hd) fp32
-  contiguous CPU tensors and an int `length` (specexec_cli's SlabCache, without importing it), all
-  at the same `length` = past, with past + T <= cap (a pass that must grow the slabs takes the HF
-  path, which grows them); and for a model with sliding-window layers, past + T <= sliding_window:
-  no row can then fall outside a window (positions are below past + T), so the stack, which applies
-  no window, computes what HF's sliding masks give; a longer context takes the HF path.
-- `__call__(h, position_embeddings, attention_mask, cache)` -> h after the last decoder layer (a new
-  tensor; h is not written): decode_stack.c computes each layer as LlamaDecoderLayer (Gemma3DecoderLayer) does (the same
-  fp32 math up to the order of roundings: the same contract as the kernel's linears), writes the
-  new K/V rows at [past, past + T) of every slab and advances each layer's `length` by T, as HF's
-  cache update would. The final norm, the head and the logits stay the caller's.
-- `run(jobs)`: several sequences' passes, each `serves` accepts and each with its own cache, in ONE
-  call (offload/stream/multi.py, the server's requests decoding together): each packed weight is read
-  once for all of them, every matmul row computed as a one-row call computes it, so a one-token job
-  gets bit for bit the h and K/V rows `__call__` gives it alone.
-Why: HF's decoder layer is about 40 small torch ops per layer, about 0.33 ms of dispatch per layer
-on a 2-core CPU (bench/pass_breakdown.py), more than the 0.26 ms its matmuls take on a 135M model;
-one call per pass leaves only the matmuls and a few microseconds of C.
+- `LeanStack.build(model)` -> LeanStack | None for an OffloadedCausalLM; `why_not(model)` says in one
+  line why there is none (None when there is one). It needs a CPU fp32 model of a family decode_stack.c
+  computes (`family_reason`: plain Llama, Gemma-3 text; Gemma's 1 + w norm multipliers folded once into
+  fp32 copies), every linear served by the GGUF kernel (cpu/ggml_kernel.py; q/k/v and gate/up one call
+  each where formats/qfuse.py stacked them) and $SPECX_DECODE_STACK not "off". Resident layers' pointers
+  are bound once, streamed layers' per pass (`stream`); a layer-skip draft's pass-throughs are left out.
+- `serves(h, attention_mask, cache)`: h (1, T, D) fp32 with 0 < T <= `max_rows` (ggml_kernel.MAX_ROWS
+  where some linear holds an fp32 copy, else STACK_ROWS), attention_mask None or an additive
+  (1, 1, T, past + T) fp32 mask, and a cache whose layers are slabs at one length `past` with room for
+  T rows (cpu/slabcheck.py); with sliding-window layers also past + T <= sliding_window, since the stack
+  applies no window (a longer context takes the HF path).
+- `__call__(h, position_embeddings, attention_mask, cache)` -> a new h after the last decoder layer:
+  each layer computed as HF's LlamaDecoderLayer (Gemma3DecoderLayer) does, the same fp32 math up to the
+  order of roundings; the K/V rows are written at [past, past + T) of every slab and each `length`
+  advances by T. The final norm and the head stay the caller's.
+- `run(jobs)`: several sequences' passes in ONE call (offload/stream/multi.py), each packed weight read
+  once; every matmul row is computed as a one-row call computes it, so a one-token job gets bit for bit
+  what `__call__` gives it alone.
+Why: HF's decoder layer is about 40 small torch ops, about 0.33 ms of dispatch per layer on a 2-core CPU
+(bench/pass_breakdown.py), more than its matmuls take on a 135M model.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
@@ -79,11 +63,6 @@ class _Dims(ctypes.Structure):    # decode_stack.c's dims_t
                 ("F", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("act", ctypes.c_int32)]
 
 
-def _off() -> bool:
-    v = os.environ.get(ENV)
-    return v is not None and v.strip().lower() in ("off", "0", "no", "false")
-
-
 def _function():
     lib = ggml_kernel._library()
     if lib is None:
@@ -105,7 +84,7 @@ GEMMA3 = "gemma3_text"
 def family_reason(cfg) -> str | None:
     """None when HF config `cfg` is a family decode_stack.c computes (plain Llama, Gemma-3 text), else
     why not. The planner asks the same (planning/memlayers.kernel_terms), so the model and the loader agree."""
-    if _off():
+    if ggml_kernel.turned_off(ENV):
         return f"${ENV}=off"
     def get(key, default=None):   # a PretrainedConfig, or the planner's config.json-style dict
         return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
@@ -123,8 +102,7 @@ def family_reason(cfg) -> str | None:
 
 
 def _kind(layer) -> str | None:
-    """The family of a decoder layer the stack computes, "llama" or "gemma3" (HF's Gemma3DecoderLayer
-    or a subclass of it such as arch/gemma3.py's TypedLayer), told apart by class name; else None."""
+    """ "llama", "gemma3" (HF's Gemma3DecoderLayer or arch/gemma3.py's TypedLayer) or None, by class name."""
     name = type(layer).__name__
     if name == "LlamaDecoderLayer":
         return "llama"
@@ -154,15 +132,8 @@ def _multiplier(norm) -> torch.Tensor | None:
     return None
 
 
-def _config_reason(model) -> str | None:
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return "not a CPU fp32 model"
-    return family_reason(model.config)
-
-
 def _streamable(layer) -> bool:
-    """Whether a STREAMED decoder layer can run on the stack once its bytes are bound: a Llama or Gemma-3
-    layer whose seven linears are kernel-served GGUF linears without bias (their pointers are read per pass)."""
+    """Whether a STREAMED layer can run on the stack once bound: seven kernel-served GGUF linears, no bias."""
     if _kind(layer) is None:
         return False
     at, mlp = layer.self_attn, layer.mlp
@@ -195,8 +166,7 @@ def _siblings(mods: list) -> list | None:
 
 
 def _layer_parts(layer) -> dict | None:
-    """The tensors decode_stack.c reads for one decoder layer ({} for a layer-skip draft's pass-through,
-    which the stack leaves out), or None when it cannot run it."""
+    """The tensors decode_stack.c reads for one decoder layer ({} for a pass-through), or None."""
     if type(layer).__name__ == "PassThrough":   # offload/selfdraft/build.py (told apart by name: stream < selfdraft)
         return {}
     kind = _kind(layer)
@@ -226,7 +196,9 @@ def _layer_parts(layer) -> dict | None:
 
 def why_not(model) -> str | None:
     """One line on why `model` has no LeanStack, or None when it has one."""
-    reason = _config_reason(model)
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not a CPU fp32 model"
+    reason = family_reason(model.config)
     if reason is not None:
         return reason
     if _function() is None:
@@ -297,7 +269,7 @@ class LeanStack:
         return cls(model, [p for p in map(_layer_parts, model.layers) if p])   # pass-throughs left out
 
     def serves(self, h: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> bool:
-        if _off() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
+        if ggml_kernel.turned_off(ENV) or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
             return False
         t = h.shape[1]
         if not 0 < t <= self.max_rows:
@@ -315,10 +287,8 @@ class LeanStack:
         return self.run([(h, position_embeddings, attention_mask, cache)])[0]
 
     def run(self, jobs: list) -> list[torch.Tensor]:
-        """Several sequences' passes in ONE call: `jobs` = [(h, position_embeddings, attention_mask, cache)],
-        each one `serves` accepts, each its own cache -> each one's h after the last decoder layer. With
-        more than one job every matmul row is computed as a one-row call computes it (decode_stack.c's
-        ROWWISE), so one-token jobs get bit for bit what they get alone; the weights are read once."""
+        """`jobs` = [(h, position_embeddings, attention_mask, cache)], each one `serves` accepts -> each h
+        after the last decoder layer, in ONE call (the contract; ROWWISE with more than one job)."""
         if self.streamed:
             raise RuntimeError("a stack with streamed layers runs one pass at a time (LeanStack.stream)")
         lanes, keep, flat = self._lanes(jobs)
@@ -327,11 +297,9 @@ class LeanStack:
         return [part[None] for part in flat.split([h.shape[1] for h, *_ in jobs])]
 
     def stream(self, h: torch.Tensor, position_embeddings, attention_mask, cache, layers, modules) -> torch.Tensor:
-        """`__call__` for a model whose layers in `streamed` arrive one by one: `layers` yields each decoder
-        layer's index in order once its bytes are bound (OffloadedCausalLM._layer_stream), `modules` are
-        the decoder layers. Layer i is its own C call over the pass's rows (the math of `__call__`), its
-        streamed pointers read from the bound modules first, so the read of the next streamed layer
-        proceeds while this one computes and its slot is released only after the call returns."""
+        """`__call__` for a model whose `streamed` layers arrive one by one: `layers` yields each decoder
+        layer's index once its bytes are bound (OffloadedCausalLM._layer_stream), `modules` are the layers.
+        Layer i is its own C call, so the next streamed layer's read proceeds while this one computes."""
         lanes, keep, flat = self._lanes([(h, position_embeddings, attention_mask, cache)])
         base, size = ctypes.addressof(self.structs), ctypes.sizeof(_Layer)
         for i in layers:
@@ -343,9 +311,8 @@ class LeanStack:
         return flat[None]
 
     def _bound(self, i: int, layer) -> _Layer:
-        """A layer_t holding streamed layer i's weight pointers as bound now. Filled once per staging buffer
-        (told apart by its q_proj bytes' address): a layer's layout is fixed, so the same buffer gives the
-        same pointers every pass, and `stream` copies only the weight fields (not k, v, cap, past)."""
+        """A layer_t of streamed layer i's weight pointers as bound now, filled once per staging buffer (its
+        q_proj bytes' address): the same buffer gives the same pointers every pass."""
         key = (i, _packed(layer.self_attn.q_proj)[0].data_ptr())
         if key not in self._filled:
             parts = _layer_parts(layer)
@@ -357,8 +324,7 @@ class LeanStack:
         return self._filled[key][0]
 
     def _lanes(self, jobs: list):
-        """decode_stack.c's lane_t array for `jobs` (each lane's slab pointers and past written into its
-        layer_t array), the tensors it points at (kept alive by the caller) and the rows (sum T, D)."""
+        """decode_stack.c's lane_t array for `jobs`, the tensors it points at, and the rows (sum T, D)."""
         lanes, keep, rows = (_LaneT * len(jobs))(), [], []
         while len(self.spare) < len(jobs) - 1:   # each lane beyond the first points at its own slabs
             self.spare.append((_Layer * len(self.structs)).from_buffer_copy(self.structs))

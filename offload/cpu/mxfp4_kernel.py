@@ -1,13 +1,11 @@
 """One MXFP4 expert matrix rebuilt transposed on the CPU by kernels/mxfp4_dequant.c, in one pass.
 
-Contract: `dequantize_t(blocks, scales, table, dtype)` -> the (K, N) weight in `dtype` (K = 32 G), or None where
-the C library does not serve the call (then the caller runs its torch path): blocks (N, G, 16) uint8 and
-scales (N, G) uint8 on the CPU (formats/mxfp4.py's layout of one expert's matrix), `table` (256, 16) in `dtype`
-(fp32, bf16 or fp16) on the CPU, entry [s, c] the value of FP4 code c times 2^(s - 127) as the caller's
-reference arithmetic gives it (formats/mxfp4.py builds it with torch's own ops), so the output is that
-reference's bits: out[32 g + j, n] = table[scales[n, g], code j of blocks[n, g]]. Served where the kernel
-library is built and not turned off (ggml_kernel.enabled: the library every C kernel of offload/cpu lives in,
-compiled at first use, $SPECX_GGUF_KERNEL=off turns it off), on `ggml_kernel.threads()` threads.
+Contract: `dequantize_t(blocks, scales, table, dtype)` -> the (K, N) weight in `dtype` (K = 32 G), or None
+where the C library does not serve the call (the caller runs its torch path): blocks (N, G, 16) and
+scales (N, G) uint8 on the CPU (formats/mxfp4.py's layout), `table` (256, 16) in `dtype` (fp32, bf16 or
+fp16), entry [s, c] the value of FP4 code c times 2^(s - 127) as the caller's reference gives it, so the
+output is that reference's bits: out[32 g + j, n] = table[scales[n, g], code j of blocks[n, g]].
+Served where ggml_kernel.enabled(), on `ggml_kernel.threads()` threads.
 """
 
 from __future__ import annotations
@@ -53,16 +51,8 @@ def dequantize_t(
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not one matrix's")
     blocks, scales, table = blocks.contiguous(), scales.contiguous(), table.contiguous()
     out = torch.empty(32 * g, n, dtype=dtype)
-    rc = _function()(
-        blocks.data_ptr(),
-        scales.data_ptr(),
-        table.data_ptr(),
-        out.data_ptr(),
-        n,
-        g,
-        WIDTHS[dtype],
-        ggml_kernel.threads(),
-    )
+    ptrs = (blocks.data_ptr(), scales.data_ptr(), table.data_ptr(), out.data_ptr())
+    rc = _function()(*ptrs, n, g, WIDTHS[dtype], ggml_kernel.threads())
     if rc != 0:
         raise RuntimeError(f"mxfp4_dequant_t failed ({rc})")
     return out

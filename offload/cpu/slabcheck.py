@@ -1,13 +1,10 @@
 """Which K/V cache a one-call stack pass can write straight into (cpu/leanstack.py).
 
-Contract: `SlabCheck(idx, hkv, hd, window)(cache, t)` returns, for the decoder layers whose cache
-layers are `idx`, the list of those cache layers when every one is a slab the C stack can read and
-append to: fp32 CPU `keys` and `values` of shape (1, hkv, cap, hd), contiguous, at one common
-`length` with room for t more rows (and, with a sliding `window`, length + t <= window); else None.
-Types and shapes are checked once per (cache, slab tensors): a later call, twice a pass, finds the
-same tensor objects (held by weak reference, so a new tensor at a dead one's address is checked
-anew) and checks only the lengths and the room. At most KEEP caches are remembered (a server makes
-a cache per request)."""
+Contract: `SlabCheck(idx, hkv, hd, window)(cache, t)` returns the cache layers `idx` when every one is
+a slab the C stack can read and append to: fp32 CPU contiguous `keys` and `values` of shape
+(1, hkv, cap, hd), at one common int `length` with room for t more rows (and, with a sliding `window`,
+length + t <= window); else None. Types and shapes are checked once per slab tensors (held by weak
+reference), later calls only the lengths; at most KEEP caches are remembered (a server makes one a request)."""
 
 from __future__ import annotations
 
