@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 USAGE_EXIT = 2
@@ -57,10 +57,8 @@ def write_output(path: Path, text: str, what: str) -> None:
             os.replace(tmp, path)
     except OSError as exc:
         if regular:
-            try:
+            with suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
         fix = "free some disk space or pick another path" if exc.errno == errno.ENOSPC else "pick a writable path"
         raise SpecxError(f"{what}: cannot write {path} ({exc.strerror or exc}); {fix}") from None
 

@@ -33,9 +33,7 @@ def check_output_dir(path: Path | str, flag: str) -> None:
     if p.exists() and not p.is_dir():
         raise SpecxError(f"{flag} {p} exists and is not a directory; pass a directory path")
     probe = p
-    while not probe.exists():  # the nearest existing ancestor is where mkdir will write
-        if probe.parent == probe:
-            break
+    while not probe.exists() and probe.parent != probe:  # the nearest existing ancestor is where mkdir will write
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise SpecxError(f"{flag} {p}: {probe} is a file, so the directory cannot be created; pick another path")
