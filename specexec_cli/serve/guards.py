@@ -27,8 +27,7 @@ from specexec_cli.session import notices
 
 
 def log_failure(exc: BaseException, rid: str | None = None) -> str:
-    """Log `exc` on stderr under a new error id, naming the request `rid` when known (one line; the
-    traceback with SPECX_DEBUG=1)."""
+    """Log `exc` in one stderr line under a new error id, naming the request `rid` when known."""
     eid = uuid.uuid4().hex[:12]
     first = (str(exc).splitlines() or [""])[0]
     request = f" (request {rid})" if rid else ""
@@ -39,8 +38,7 @@ def log_failure(exc: BaseException, rid: str | None = None) -> str:
 
 
 def log_refusal(status: int, error: dict, rid: str, where: str) -> None:
-    """One stderr line for a request answered `status` (4xx; 499 = the client left) with `error`
-    (the OpenAI error object): what a server operator needs to match it to the client's report."""
+    """One stderr line for a request answered `status` (4xx; 499: the client left) with `error`."""
     kind = "/".join(str(part) for part in (error.get("type"), error.get("code")) if part)
     message = " ".join(str(error.get("message") or "").split())
     message = message if len(message) <= LOG_MESSAGE_CHARS else message[: LOG_MESSAGE_CHARS - 3] + "..."
@@ -48,8 +46,7 @@ def log_refusal(status: int, error: dict, rid: str, where: str) -> None:
 
 
 def log_access(status: int, where: str, rid: str, seconds: float, facts: dict) -> None:
-    """The access-log line of a finished request: status, route, request id, then (a generation)
-    its prompt, cached and completion tokens, its seconds, finish reason and background task."""
+    """The access-log line of a finished request (a generation's: with its tokens, finish and task)."""
     fields = [f"{k}={facts[k]}" for k in ("prompt", "cached", "completion") if facts.get(k) is not None]
     fields.append(f"seconds={seconds:.2f}")
     finish = facts.get("finish") or ("cancelled" if status == 499 and "prompt" in facts else None)
@@ -71,17 +68,12 @@ def server_error(exc: BaseException, rid: str | None = None) -> APIError:
             "or restart the server with a smaller --budget or --ctx",
             code="device_out_of_memory",
         )
-    return APIError(
-        500, internal_body(log_failure(exc, rid))["error"]["message"], type="server_error", code="internal_error"
-    )
+    return internal_error(log_failure(exc, rid))
 
 
-def internal_body(eid: str) -> dict:
-    return error_body(
-        f"internal server error (error id {eid}); the server's log has the details",
-        "server_error",
-        code="internal_error",
-    )
+def internal_error(eid: str) -> APIError:
+    message = f"internal server error (error id {eid}); the server's log has the details"
+    return APIError(500, message, type="server_error", code="internal_error")
 
 
 async def send_error(send, status: int, body: dict, headers: dict | None = None) -> None:
@@ -113,8 +105,7 @@ def is_loopback_name(name: str) -> bool:
 
 
 class HostCheck:
-    """403 for a request whose Host header is neither loopback nor the bound `host` (install it on a
-    loopback bind without a key: a web page whose domain resolves to 127.0.0.1 cannot use the model)."""
+    """403 for a Host header that is neither loopback nor the bound `host` (for a loopback bind without a key)."""
 
     def __init__(self, app, host: str):
         self.app, self.bound = app, host_name(host)
@@ -200,10 +191,7 @@ class BodyLimit:
 
 
 class Observe:
-    """Outermost: name the request (x-request-id), count error responses (status, error type) in
-    `metrics` and log each 4xx (499: the client left) in one line; an exception that reached here is
-    logged with an id and answered as a 500 carrying only the id (no traceback anywhere). A 500
-    from a handler was logged by `log_failure` already (its line names the error id)."""
+    """Outermost (module docstring); a 500 from a handler was logged by `log_failure` already."""
 
     def __init__(self, app, metrics):
         self.app, self.metrics = app, metrics
@@ -245,7 +233,7 @@ class Observe:
                 await watch(
                     {"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]}
                 )
-                await watch({"type": "http.response.body", "body": json.dumps(internal_body(eid)).encode()})
+                await watch({"type": "http.response.body", "body": json.dumps(internal_error(eid).body()).encode()})
             elif not seen["ended"]:  # a stream that broke: end it (the client sees it stop, the log has why)
                 seen["ended"] = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

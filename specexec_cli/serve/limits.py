@@ -50,8 +50,8 @@ OPEN_WITHIN = 48  # tokens: "Here are the follow-ups:\n```json\n{" is about 12
 
 
 def task_of(work: Work) -> str | None:
-    """The Open WebUI background task a chat request is (None: not one): its last user message
-    starts with "### Task:" and carries the pasted <chat_history>."""
+    """The Open WebUI background task a chat request is (its last user message starts with
+    "### Task:" and carries the pasted <chat_history>), or None."""
     if not work.messages:
         return None
     users = [m for m in work.messages if m.get("role") == "user"]
@@ -88,12 +88,11 @@ class RepetitionGuard:
     equal the token p before them, so each new token costs MAX_PERIOD comparisons, whatever the
     reply's length."""
 
-    def __init__(self, max_period: int = MAX_PERIOD, repeats: int = MIN_REPEATS, min_run: int = MIN_RUN):
-        self.max_period, self.repeats, self.min_run = max_period, repeats, min_run
+    def __init__(self):
         self.ids: list[int] = []
-        self.run = [0] * (max_period + 1)
-        # the run of period p that fires: the tail of run[p] + p tokens is max(repeats * p, min_run) long
-        self.need = [0] + [max(repeats * p, min_run) - p for p in range(1, max_period + 1)]
+        self.run = [0] * (MAX_PERIOD + 1)
+        # the run of period p that fires: the tail of run[p] + p tokens is max(MIN_REPEATS * p, MIN_RUN) long
+        self.need = [0] + [max(MIN_REPEATS * p, MIN_RUN) - p for p in range(1, MAX_PERIOD + 1)]
         self.fired = False
 
     def feed(self, tokens) -> bool:
@@ -102,7 +101,7 @@ class RepetitionGuard:
             self.ids.append(int(token))
             n = len(self.ids) - 1
             ids, run, need, last = self.ids, self.run, self.need, self.ids[n]
-            for p in range(1, min(self.max_period, n) + 1):
+            for p in range(1, min(MAX_PERIOD, n) + 1):
                 # the tail of run[p] + p tokens has period p: its first copy, then run[p] equal tokens
                 run[p] = run[p] + 1 if ids[n - p] == last else 0
                 if run[p] >= need[p]:
@@ -114,8 +113,8 @@ class TaskAnswer:
     """Watches a background task's reply text for the end of its first JSON object (braces counted
     outside JSON strings, escapes honoured); see the module docstring. `fired`: why it ended, or None."""
 
-    def __init__(self, open_within: int = OPEN_WITHIN):
-        self.open_within, self.tokens, self.depth = open_within, 0, 0
+    def __init__(self):
+        self.tokens, self.depth = 0, 0
         self.opened = self.in_string = self.escaped = False
         self.fired: str | None = None
 
@@ -134,6 +133,6 @@ class TaskAnswer:
             elif ch == "}" and self.depth:
                 self.depth -= 1
                 self.fired = None if self.depth else "json_end"
-        if self.fired is None and not self.opened and self.tokens >= self.open_within:
+        if self.fired is None and not self.opened and self.tokens >= OPEN_WITHIN:
             self.fired = "no_json"
         return self.fired is not None

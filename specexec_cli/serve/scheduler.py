@@ -78,15 +78,11 @@ class Ticket:
 
 
 def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
-    """(N, note): how many sequences the plan's memory holds (`wanted`; None = the default, as many
-    as fit up to DEFAULT_PARALLEL; without a plan, UNPLANNED_PARALLEL). Each sequence past the first
-    adds its own target and draft KV (the plan's kv_target + kv_draft) as "kv_parallel", and the
-    forest pass holds every tree's
-    hidden states, mask rows and logits rows to its end while a prefill chunk (the plan's largest
-    single pass) runs: (sized budget + N - 1) x the plan's row_bytes as "forest_activations" (the
-    trees together stay within the sized budget: core/budget.BudgetTuner.split, forest.split_budget).
-    An explicit N that does not fit is a SpecxError naming the fix; the default lowers itself
-    (never below 1)."""
+    """(N, note): how many sequences the plan's memory holds (`wanted`; None: as many as fit, 1 to
+    DEFAULT_PARALLEL; no plan: UNPLANNED_PARALLEL). Each sequence past the first adds its target and
+    draft KV as "kv_parallel"; a forest pass holds every tree's hidden states, mask and logits rows
+    while a prefill chunk runs: (sized budget + N - 1) x row_bytes as "forest_activations" (the trees
+    together stay within the sized budget). An explicit N that does not fit is a SpecxError naming the fix."""
     if method not in FOREST_METHODS:
         if wanted not in (None, 1):
             raise SpecxError(f"--parallel {wanted} needs --method specexec or ar (this run uses --method {method})")
@@ -96,7 +92,6 @@ def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
     per = plan.device_bytes.get("kv_target", 0) + plan.device_bytes.get("kv_draft", 0)
     room = plan.device_capacity - plan.device_total
     tree = (plan.sized_budget or plan.budget) * plan.row_bytes  # n > 1: every tree's rows in a forest pass
-    extra = lambda n: (n - 1) * (per + plan.row_bytes) + tree if n > 1 else 0  # noqa: E731
     fits = 1 + max(0, (room - tree) // (per + plan.row_bytes)) if per + plan.row_bytes else 1 << 30
     if wanted is not None:
         if wanted > fits:
@@ -110,7 +105,7 @@ def parallel_fit(plan, wanted: int | None, method: str) -> tuple[int, str]:
         n = max(1, min(DEFAULT_PARALLEL, fits))
     if n > 1:
         plan.device_bytes["kv_parallel"] = (n - 1) * per
-        plan.device_bytes["forest_activations"] = extra(n) - (n - 1) * per
+        plan.device_bytes["forest_activations"] = (n - 1) * plan.row_bytes + tree
     note = (
         ""
         if wanted is not None or n > 1
@@ -139,9 +134,6 @@ class Scheduler:
         self.expected: set[int] = set()  # seqs taken by the caller, not opened yet: later ones wait for them
         self.thread = threading.Thread(target=self._run, name="specx-forest", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
     def close(self) -> None:
         with self.cv:
             self.closing = True
@@ -152,8 +144,7 @@ class Scheduler:
     def open(
         self, full: list[int], cfg, gen, cancelled: Callable[[], bool], *, seq: int, interactive: bool, background: bool
     ) -> tuple[Iterator[StepEvent], int]:
-        """Wait for admission at the next pass boundary (module docstring); `seq`: the request's arrival
-        order, `interactive`: a streamed request, `background`: a client's background task (slots.py)."""
+        """Wait for admission at the next pass boundary (module docstring)."""
         ticket = Ticket(list(full), cfg, gen, cancelled, interactive, background, seq)
         with self.cv:
             self.expected.discard(ticket.seq)
@@ -221,9 +212,7 @@ class Scheduler:
         ticket.admitted.set()
 
     def _admit(self, arrived: list[Ticket]) -> None:
-        """Streamed requests first, then by arrival; a streamed one finding every slot busy pauses a
-        non-streamed lane (it waits at the head of the non-streamed ones and resumes where it was).
-        Each takes the free slot slots.choose picks; a non-streamed one that waits (no slot free, or
+        """Admit in order (module docstring); a non-streamed ticket that waits (no slot free, or
         slots.waits) holds back the non-streamed ones after it."""
         held = False
         for ticket in sorted(arrived, key=Ticket.priority):
@@ -261,8 +250,7 @@ class Scheduler:
 
     def _pause_for(self, ticket: Ticket) -> list[int]:
         """Pause the non-streamed lane whose slot suits `ticket` best; [its slot] or [] when every lane
-        is streamed. Its committed rows stay in the slot until the newcomer rewinds them (the prompt
-        cache keeps them then), so it resumes with little or nothing to prefill."""
+        is streamed. Its rows stay in the slot until the newcomer rewinds them (the prompt cache keeps them)."""
         busy = [i for i, s in enumerate(self.slots) if s.ticket is not None and not s.ticket.interactive]
         if not busy:
             return []
@@ -305,10 +293,8 @@ class Scheduler:
         self.forest.add(lane)
 
     def _prepare(self, want: list[int], i: int) -> list[int]:
-        """Slot i made the best start for `want`; returns the ids to prefill. A conversation's rows
-        it discards go to the prompt cache first (a background task's go nowhere), then the longest
-        prefix another sequence holds is copied across (slots.donor), then the prompt cache restores
-        a longer one if it has it (ChatSession.prefill_ids)."""
+        """Slot i made the best start for `want` (the rows it discards to the prompt cache, but a
+        background task's; slots.donor's prefix copied; the prompt cache's restore); the ids to prefill."""
         slot, cache = self.slots[i], self.session.prompt_cache
         if cache is not None and not slot.background:
             cache.keep(slot.state, want)

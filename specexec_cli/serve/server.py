@@ -32,9 +32,8 @@ class ServeOptions:
     max_new_tokens: int | None = None  # --max-new-tokens when given; None: the flag's default (serve_on)
     repetition_guard: bool = True  # the guard of limits.py watches replies (a request may switch it)
     task_caps: bool = True  # Open WebUI's title/tags/follow-up requests get limits.TASK_CAPS
-    parallel: int | None = (
-        None  # --parallel: requests decoding at once; None = what the plan fits (scheduler.parallel_fit)
-    )
+    # --parallel: requests decoding at once; None = what the plan fits (scheduler.parallel_fit)
+    parallel: int | None = None
 
 
 def check_options(o: ServeOptions) -> None:
@@ -74,8 +73,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
-    """The worker's load(): models, the budget tuner, the prompt cache and a ChatSession; returns
-    (session, defaults)."""
+    """The worker's load(): models, the budget tuner, the prompt cache and a ChatSession -> (session, defaults)."""
 
     def load():
         from specexec_cli.session.options import load_fitted
@@ -89,9 +87,8 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
 
 
 def serve_defaults(flags, target):
-    """The SamplingParams of a request that sets none: the serve command's --temperature/--top-k/
-    --top-p where given, then the target's (a ModelRef) generation defaults (generation_config.json,
-    a GGUF's general.sampling.*), then llama-server's (gendefaults.serve_sampling)."""
+    """The SamplingParams of a request that sets none: --temperature/--top-k/--top-p where given, then
+    the target's generation defaults (generation_config.json, general.sampling.*), then llama-server's."""
     from specexec_cli.session.gendefaults import generation_of, merge, serve_sampling
 
     return merge(serve_sampling(generation_of(target)), flags.temperature, flags.top_k, flags.top_p)

@@ -150,12 +150,13 @@ def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
                 code="tools_unsupported",
             )
         tools = []
+    names = [t["function"]["name"] for t in tools]
     if tools and forcing:
         several = work.tool_choice == "required" and work.parallel_tool_calls  # a named function: one call
         schema, prefix, suffix, repeat = toolcalls.forced_call(
             tools, work.tool_name, toolcalls.call_format(tok), several
         )
-        param = "tools" if work.tool_name is None else f"tools.{_index(tools, work.tool_name)}.function.parameters"
+        param = "tools" if work.tool_name is None else f"tools.{names.index(work.tool_name)}.function.parameters"
         grammar = _compile(tok, eos_ids, "json_schema", schema, prefix, suffix, param, repeat)
     elif work.response_format is not None:
         kind, schema = work.response_format["type"], work.response_format.get("schema")
@@ -164,12 +165,7 @@ def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
         )
     else:
         grammar = None
-    names = [t["function"]["name"] for t in tools]
     return Plan(tools or None, names, bool(tools) and forcing, grammar, None if work.parallel_tool_calls else 1)
-
-
-def _index(tools: list[dict], name: str) -> int:
-    return next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
 
 
 def _compile(

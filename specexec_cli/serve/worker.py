@@ -121,7 +121,7 @@ class Worker:
             from specexec_cli.serve.scheduler import Scheduler
 
             self.scheduler = Scheduler(self.session, self.parallel, self.metrics)
-            self.scheduler.start()
+            self.scheduler.thread.start()
             # a thread per request the queue admits: each one waits in the scheduler, which admits the
             # streamed ones first and pauses a non-streamed one for them (up to MAX_THREADS waiting)
             threads = self.parallel + min(self.max_queue, MAX_THREADS)
