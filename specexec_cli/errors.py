@@ -38,7 +38,6 @@ def offload_errors(flag: str | None = None):
 
 
 def debug_enabled() -> bool:
-    """True when SPECX_DEBUG asks for full tracebacks instead of one-line errors."""
     return os.environ.get("SPECX_DEBUG", "") not in ("", "0", "false", "no")
 
 

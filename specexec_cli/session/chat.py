@@ -47,8 +47,6 @@ def rewind(st: DecodeState, keep: int) -> None:
 
 
 class ChatSession:
-    """One conversation; see the module docstring for how turns reuse the caches."""
-
     def __init__(
         self,
         models,

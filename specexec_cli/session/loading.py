@@ -74,7 +74,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def check_same_vocab(target_tok, draft_tok) -> None:
-    """Draft and target must map identical strings to identical ids."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if tv != dv:
         diff = next((s for s in tv if dv.get(s) != tv[s]), None) or next(s for s in dv if s not in tv)

@@ -90,7 +90,6 @@ def make_plan(
         opts = replace(opts, device="cuda", max_gpu_memory=opts.max_gpu_memory or card(gpu)["memory_gib"] << 30)
     device = plan_device(opts.device)
     cost_device = cost_device_for(device, gpu, profile)
-    memory_bps, link_bps, source = cost_device.memory_bps, cost_device.link_bps, cost_device.source
     self_draft = opts.draft in (SELF, AUTO)
     target, draft = opts.target, opts.draft if opts.draft is not None and not self_draft else None
     if not all([ref.safe for ref in (target, draft) if ref]):
@@ -102,9 +101,7 @@ def make_plan(
     if self_draft:
         # the substitutes compute in the target's compute dtype (an nf4 target: bf16/fp16 on CUDA, fp32 on CPU)
         ddtype = tdtype if tdtype != "nf4" else ("bf16" if device == "cuda" else "fp32")
-    free = None
-    if device == "cuda" and torch.cuda.is_available():
-        free = torch.cuda.mem_get_info()[0]
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" and torch.cuda.is_available() else None
     ram, shortfall = for_stated_machine(
         device, opts.max_gpu_memory, opts.max_ram, free, psutil.virtual_memory().available
     )
@@ -126,9 +123,9 @@ def make_plan(
         draft_bits=getattr(opts, "draft_bits", None),
         sixteen_bit=sixteen_bit,
         temperature=temperature,
-        memory_bps=memory_bps,
-        link_bps=link_bps,
-        bandwidth_source=source,
+        memory_bps=cost_device.memory_bps,
+        link_bps=cost_device.link_bps,
+        bandwidth_source=cost_device.source,
         compare_self=draft is not None and sixteen_bit,
         cost_device=cost_device,
         timings=plan_timings(timed),

@@ -72,8 +72,6 @@ class CacheStats:
 
 @dataclass
 class PromptCache:
-    """See the module docstring."""
-
     capacity: int  # host bytes the snapshots may take
     pin: bool = False  # pinned host memory (CUDA: faster, async copies)
     protect_requests: int = PROTECT_REQUESTS
