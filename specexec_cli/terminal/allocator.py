@@ -1,8 +1,8 @@
 """CUDA caching-allocator settings, applied by the CLI before anything imports torch.
 
-Contract: `configure_allocator()` sets PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF before torch
-2.9) to expandable_segments:True in the process environment unless the user set an allocator configuration, or the platform (Windows,
-WSL) does not support it. Imports nothing heavy: `specx --help` must not load torch.
+Contract: `configure_allocator()` sets PYTORCH_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF before torch 2.9)
+to expandable_segments:True unless the user set either or the platform (Windows, WSL) lacks them.
+Imports nothing heavy: `specx --help` must not load torch.
 """
 
 from __future__ import annotations
@@ -24,14 +24,9 @@ def _env_name() -> str:
 
 
 def configure_allocator(environ=None, platform: str | None = None, proc_version: str | None = None) -> bool:
-    """Ask torch's CUDA caching allocator for expandable segments before CUDA initialises.
-
-    The streamed regime allocates and frees pass-sized activations between long-lived slots,
-    caches and pinned layers; with fixed segments that churn fragments the card until a 24 GB plan
-    meets an OOM with gigabytes "reserved but unallocated". Expandable segments map physical
-    pages into one growing virtual range instead. Left alone when the user set the variable, and
-    off on Windows/WSL, where torch does not support them (and would warn). Returns True when set.
-    """
+    """Ask for expandable segments before CUDA initialises; True when set. The streamed regime's
+    pass-sized activations between long-lived slots fragment fixed segments until a 24 GB plan meets
+    an OOM with gigabytes "reserved but unallocated"; expandable ones grow one virtual range instead."""
     import sys
 
     environ = os.environ if environ is None else environ

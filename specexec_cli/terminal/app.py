@@ -1,8 +1,6 @@
 """The `specx` command line (typer): its commands, one-line errors and exit codes.
 
-With flags.py (the flag declarations), the only typer importer.
-
-Contract: parses flags into `LoadOptions` / `GenerationConfig`, loads models, drives
+Contract (with flags.py, the only typer importer): parses flags into `LoadOptions` / `GenerationConfig`, loads models, drives
 `engine.generate`, streams generated text to stdout and statistics to stderr (via display.py).
 User errors become one line on stderr and exit code 2; `SPECX_DEBUG=1` re-raises instead.
 """
@@ -85,7 +83,6 @@ def _root(
     """specx: fast, lossless speculative decoding for models bigger than your GPU."""
 
 
-
 @contextmanager
 def user_errors():
     """SpecxError/ValueError → one-line error + exit 2; device OOM → one line + exit 3; Ctrl-C → exit 130."""
@@ -152,12 +149,11 @@ def chat(
     flags: ModelFlags,
 ) -> None:
     """Chat with the model; caches are reused across turns. Piped stdin: one turn per line. /help lists commands."""
-    from specexec_cli.terminal import chat_input
     from specexec_cli.terminal.output import TextSink, use_color
 
     with user_errors():
         paths.check_output_file(stats_json, "--stats-json")
-        from specexec_cli.terminal.chat_repl import run_chat
+        from specexec_cli.terminal.chat_repl import read_stdin_line, run_chat, terminal_reader
 
         opts, plan, cfg = flags.plan(flags.config())
         if flags.dry_run:
@@ -175,7 +171,7 @@ def chat(
         sink = TextSink(color=use_color(color))
         views = lambda: display.LiveView(live, transient=True, link_gbps=link, summary="turn",  # noqa: E731
                                          end_text=sink.end_line)
-        read = chat_input.terminal_reader() if interactive else chat_input.read_stdin_line
+        read = terminal_reader() if interactive else read_stdin_line
         code = run_chat(session, read, sink, display.print_info, views, stats_json,
                         prompt="you> " if interactive else "")
     raise typer.Exit(code)
@@ -343,8 +339,7 @@ def info(
 
 
 def fast_exit(code: int) -> None:
-    """Leave at once after Ctrl-C: the models are closed and the output flushed; tearing down
-    torch/transformers modules would only add seconds before the shell prompt returns."""
+    """Leave at once after Ctrl-C (models closed, output flushed): skip the slow module teardown."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -355,11 +350,9 @@ def fast_exit(code: int) -> None:
 
 def main() -> None:
     """Console-script entry: unexpected errors are one line too, unless SPECX_DEBUG=1."""
-    # Ctrl-C/SIGINT always stops specx (exit 130), even when started from a shell script as a
-    # background job, which would otherwise inherit SIGINT as ignored.
+    # SIGINT always stops specx (exit 130), even as a shell script's background job (which inherits it ignored)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # bitsandbytes warns when imported (the plan may import it before any model loads) about an
-    # optional CPU kernel package it cannot download; not the user's concern.
+    # bitsandbytes warns on import about an optional CPU kernel it cannot download: not the user's concern
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     display.route_offload_notices()
     from specexec_cli.terminal.allocator import configure_allocator

@@ -1,11 +1,9 @@
 """The dry run's tables: the memory plan, then the candidate drafts and their tokens/s by budget.
 
-The memory plan (`print_plan`: component, where it lives, bytes), then the candidate drafts and
-plain decoding, what bounds the chosen pass, and the chosen draft's tokens/s by budget
-(offload/planning/draftcost.py, passcost.py figures from MemoryPlan.to_json()). Contract:
-`print_plan(plan)` prints them on stdout; `candidates_table(plan)` returns a rich renderable that fits 80
-columns (long cells fold, a draft directory shows its last two path parts); figures a matching
-`specx profile` measured are marked `m`, every other one is modelled."""
+Contract: `print_plan(plan)` prints MemoryPlan.to_json() on stdout: the memory plan, a mixture-of-experts
+target's expert placement, then `candidates_table(plan)` (offload/planning/draftcost.py, passcost.py):
+the candidates and plain decoding, what bounds the chosen pass and its tokens/s by budget, in 80
+columns; figures a matching `specx profile` measured are marked `m`, every other one is modelled."""
 
 from __future__ import annotations
 
@@ -14,9 +12,7 @@ from rich.markup import escape
 
 
 def candidates_table(plan: dict):
-    """The candidate drafts of the plan (offload/planning/draftcost.py) and plain decoding, the choice
-    marked; then what bounds the chosen pass (passcost terms) and its tokens/s at a few budgets. Every
-    figure is modelled unless its source says measured (a matching `specx profile`); fits 80 columns."""
+    """The candidate drafts and plain decoding, the choice marked; then the chosen pass's terms and budgets."""
     from rich.console import Group
     from rich.table import Table
 
@@ -31,11 +27,10 @@ def candidates_table(plan: dict):
     for c in plan["candidates"]:
         chosen = c["draft"] == choice.get("draft") and c["bits"] == choice.get("bits")
         # --draft auto decodes plainly when plain decoding models faster than the best draft
-        label = (
-            ("best draft" if plain_faster else "chosen")
-            if chosen
-            else ("faster" if c is plain and plain_faster else "")
-        )
+        if chosen:
+            label = "best draft" if plain_faster else "chosen"
+        else:
+            label = "faster" if c is plain and plain_faster else ""
         src = c.get("sources") or {}
         mark = {k: "m" if src.get(k) == "measured" else "" for k in ("pass", "draft")}
         table.add_row(
@@ -78,20 +73,12 @@ def _terms_table(plan: dict, choice: dict):
     flops = t.get("flops") or m.get("flops32" if plan.get("device") == "cpu" else "flops16", 0)
     # a mixture-of-experts target: the distinct routed experts' term
     experts = [("experts", t["experts"], "", f"distinct experts routed, on {t['routed']}")] if t.get("routed") else []
+    link = f"{m.get('link_bps', 0) / 1e9:.0f}/{m.get('disk_bps', 0) / 1e9:.1f} GB/s"
+    memory = f"{m.get('memory_bps', 0) / 1e9:.0f} GB/s"
     rows = (
-        (
-            "stream",
-            t["stream"],
-            f"{m.get('link_bps', 0) / 1e9:.0f}/{m.get('disk_bps', 0) / 1e9:.1f} GB/s",
-            src.get("link_bps", "prior"),
-        ),
+        ("stream", t["stream"], link, src.get("link_bps", "prior")),
         ("GEMM", t["gemm"], f"{flops / 1e12:.3g} TFLOP/s", src.get("flops16" if sixteen else "flops32", "prior")),
-        (
-            "dequant",
-            t["dequant"],
-            f"{m.get('memory_bps', 0) / 1e9:.0f} GB/s",
-            src.get("dequant", src.get("memory_bps", "prior")),
-        ),
+        ("dequant", t["dequant"], memory, src.get("dequant", src.get("memory_bps", "prior"))),
         ("attention", t["attention"], "", "at half the planned context"),
         *experts,
         ("head", t["head"], "", ""),
@@ -126,32 +113,21 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def print_plan(plan: dict, title: str = "specx memory plan") -> None:
+def print_plan(plan: dict) -> None:
     """The --dry-run plan (MemoryPlan.to_json()) on stdout: component, where it lives, bytes."""
     from rich.table import Table
 
     dev = "cuda" if plan.get("device") == "cuda" else "cpu"
-    table = Table(title=title, header_style="bold cyan")
+    table = Table(title="specx memory plan", header_style="bold cyan")
     for col, justify in (("component", "left"), ("where", "left"), ("bytes", "right"), ("GB", "right")):
         table.add_column(col, justify=justify, no_wrap=True)
-    for name, n in plan["device_bytes"].items():
-        table.add_row(name, dev, f"{n:,}", _gb(n))
-    table.add_row(
-        "[bold]device total[/bold]",
-        dev,
-        f"{plan['device_total']:,}",
-        f"{_gb(plan['device_total'])} of {_gb(plan['device_capacity'])}",
-        end_section=True,
-    )
-    for name, n in plan["host_bytes"].items():
-        table.add_row(name, "ram", f"{n:,}", _gb(n))
-    table.add_row(
-        "[bold]host total[/bold]",
-        "ram",
-        f"{plan['host_total']:,}",
-        f"{_gb(plan['host_total'])} of {_gb(plan['host_capacity'])}",
-        end_section=True,
-    )
+    for side, where in (("device", dev), ("host", "ram")):
+        for name, n in plan[f"{side}_bytes"].items():
+            table.add_row(name, where, f"{n:,}", _gb(n))
+        total, capacity = plan[f"{side}_total"], plan[f"{side}_capacity"]
+        table.add_row(
+            f"[bold]{side} total[/bold]", where, f"{total:,}", f"{_gb(total)} of {_gb(capacity)}", end_section=True
+        )
     table.add_row("layers read per pass", "disk", f"{plan['disk_bytes_per_pass']:,}", _gb(plan["disk_bytes_per_pass"]))
     streamed = plan["streamed_layers"]
     table.caption = (
@@ -171,9 +147,8 @@ def print_plan(plan: dict, title: str = "specx memory plan") -> None:
 
 
 def experts_table(ex: dict):
-    """A mixture-of-experts target's expert placement (offload/planning/experts.py), every speed modelled:
-    "split" puts attention+shared parts on the card and routed experts apart by tier, "on-demand" streams disk
-    layers' dense parts and reads their routed experts when routed; the loader runs either."""
+    """A mixture-of-experts target's expert placement (offload/planning/experts.py), speeds modelled:
+    "split" (attention+shared on the card, routed experts apart by tier) or "on-demand"."""
     from rich.table import Table
 
     split, held = ex["mode"] == "split", ex["mode"] == "on-demand"

@@ -1,19 +1,23 @@
 """The terminal chat loop of `specx chat` over a `chat.ChatSession`: commands, multi-line input, turns.
 
-Contract: `run_chat` is the read–eval loop (commands, multi-line input, Ctrl-C handling) and takes
-plain callables for input, stdout text, stderr notices and the live view, so it imports neither
-typer nor rich. The session (chat.py) owns the conversation, the caches and the decoding.
+Contract: `run_chat` takes plain callables for input, stdout text, stderr notices and the live view
+(it imports neither typer nor rich); the session (chat.py) owns the conversation, caches and decoding.
+Its readers are `read(prompt) -> str`, EOFError ending the chat: `terminal_reader()` (prompt_toolkit:
+line editing, history in `paths.state_dir()/chat_history`, Ctrl-C clears the line, the prompt on
+stderr when stdout is not a terminal) and `read_stdin_line` (one piped line per turn, no prompt).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 from specexec_cli.core.state import ContextOverflow
 from specexec_cli.errors import SpecxError, oom_error
+from specexec_cli.session import paths
 from specexec_cli.session.chat import ChatSession
 
 HELP = """commands:
@@ -40,7 +44,7 @@ def read_message(read_line: Callable[[str], str], first: str) -> str:
         line = read_line("... ")
         if line.rstrip().endswith('"""'):
             lines.append(line.rstrip()[:-3])
-            return "\n".join(x for x in lines if x is not None).strip("\n")
+            return "\n".join(lines).strip("\n")
         lines.append(line)
 
 
@@ -134,3 +138,43 @@ def turn(session: ChatSession, text: str, write, info, view_factory, stats_json:
                 f.write(json.dumps(session.turn_record(stats)) + "\n")
         except OSError as exc:
             info(f"error: cannot append to {stats_json} ({exc.strerror})")
+
+
+def read_stdin_line(prompt: str) -> str:
+    """Scripted chat: one line of piped stdin per user turn; EOF ends the chat."""
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def history_file():
+    """The history file (its directory created), or None when the state dir is not writable."""
+    path = paths.state_dir() / "chat_history"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(exist_ok=True)
+    except OSError:
+        return None
+    return path
+
+
+def terminal_reader() -> Callable[[str], str]:
+    """A prompt_toolkit line reader with persistent history (in-memory if the file is unusable)."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.output import create_output
+
+    path = history_file()
+    history = FileHistory(str(path)) if path is not None else InMemoryHistory()
+    output = None if sys.stdout.isatty() else create_output(stdout=sys.stderr)
+    session = PromptSession(history=history, output=output, enable_history_search=False)
+
+    def read(prompt: str) -> str:
+        while True:
+            try:
+                return session.prompt(prompt)
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: drop the line, prompt again
+                continue
+
+    return read

@@ -1,14 +1,11 @@
 """Rich rendering of RunStats on stderr: the live panel and the plain summary line.
 
-Contract: the only module that imports rich. `LiveView` is a context manager fed with the RunStats
-after each step. When `live` is true (stderr is a terminal and no `--no-live`) it draws the panel:
-- stdout is the terminal too: the panel lives in the bottom rows, below a scroll region
-  (`BottomPanel`), and generated text scrolls above it untouched — the panel is drawn with
-  cursor save/restore and never goes through stdout;
-- stdout is piped: a plain rich `Live` on stderr (nothing else writes to the terminal).
-Otherwise (or when the terminal is too small) it prints one plain summary line at the end.
-Every message that can carry user text, file names or model text is escaped or printed without
-markup. stdout is never written here. Importing this module loads rich's console only.
+Contract: with candidates.py, the only rich importer; importing it loads rich's console only, and it
+never writes stdout. `LiveView`, fed the RunStats after each step, draws the panel when `live`
+(stderr a terminal, no `--no-live`): in the bottom rows below a scroll region when stdout is the
+terminal too (`BottomPanel`: text scrolls above it untouched), else as a rich `Live` on stderr.
+Otherwise (or on a too small terminal) it prints one summary line at the end. Text that can carry
+user input, file names or model output is escaped or printed without markup.
 """
 
 from __future__ import annotations
@@ -104,13 +101,9 @@ PANEL_ROWS = 10  # rows reserved at the bottom: 2 borders + up to 8 grid rows
 
 
 class BottomPanel:
-    """The bottom `rows` lines of the terminal, kept out of the text's way by a scroll region.
-
-    `open` sets the scroll region (DECSTBM) to the rows above the panel, as apt does for its
-    progress line; text printed on stdout then scrolls inside it. `draw` paints the panel's lines
-    with the cursor saved and restored (DECSC/DECRC), so the text's cursor never moves. `close`
-    clears the panel rows and gives the whole screen back. All escapes go to `out` (stderr).
-    """
+    """The bottom `rows` lines of the terminal: `open` sets the scroll region (DECSTBM) to the rows
+    above them, as apt does, so stdout's text scrolls there; `draw` paints with the cursor saved and
+    restored (DECSC/DECRC); `close` clears them and frees the screen. Escapes go to `out` (stderr)."""
 
     def __init__(self, out, rows: int = PANEL_ROWS):
         self.out, self.rows = out, rows
@@ -157,19 +150,16 @@ def panel_lines(panel, width: int, rows: int) -> list[str]:
 
 
 class LiveView:
-    """`with LiveView(live) as view: view.update(stats)`; see the module docstring for the modes.
+    """`with LiveView(live) as view: view.update(stats)`. summary: True = the summary line (or final
+    panel) at the end, "turn" = a short per-reply line, False = nothing."""
 
-    summary: True = the full summary line (or the final panel) at the end, "turn" = a short
-    per-reply line (tok/s, tokens/pass) live or not, False = nothing at the end.
-    """
-
-    def __init__(self, live: bool, console: Console | None = None, transient: bool = False,
-                 link_gbps: float | None = None, summary: bool | str = True, end_text=None):
+    def __init__(self, live: bool, transient: bool = False, link_gbps: float | None = None,
+                 summary: bool | str = True, end_text=None):
         self.live, self.transient, self.link_gbps, self.summary = live, transient, link_gbps, summary
         self.end_text = end_text  # called first on exit: ends the text's last line (TextSink.end_line)
         self._last_draw = 0.0
         self.extra: dict | None = None
-        self.console = console or stderr_console()
+        self.console = stderr_console()
         self._live = None  # rich Live (stdout piped)
         self._bottom: BottomPanel | None = None  # scroll-region panel (stdout is the terminal)
         self.stats: RunStats | None = None
@@ -238,8 +228,7 @@ def live_enabled(no_live: bool) -> bool:
 
 
 def route_offload_notices() -> None:
-    """Show the offload engine's fallback notices (offload.errors.OffloadNotice) as one-line
-    notices; every other warning keeps Python's default display."""
+    """Show offload's OffloadNotice warnings as one-line notices; others keep Python's display."""
     import warnings
 
     default = warnings.showwarning
@@ -269,11 +258,7 @@ def print_info(message: str) -> None:
 
 
 class LoadProgress:
-    """A Rich progress bar on stderr for model loading, quantizing and `specx bench`'s cells; a
-    callable(done, total, what).
-
-    Disabled (a no-op callable) when `enabled` is false, e.g. stderr is not a terminal.
-    """
+    """A progress bar on stderr, callable(done, total, what); a no-op when not `enabled`."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -359,8 +344,7 @@ def bench_cells(r: dict) -> list[str]:
 
 
 def bench_table(records: list[dict], width: int):
-    """The bench table when it fits `width` columns uncut, else one wrapped line per cell (a
-    narrow terminal never cuts a figure to "…")."""
+    """The bench table when it fits `width` columns uncut, else one wrapped line per cell."""
     from rich import box
     from rich.measure import Measurement
     from rich.table import Table

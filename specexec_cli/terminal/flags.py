@@ -1,9 +1,8 @@
 """Typer declarations of the `specx` flags, and the one shared set of model/decoding/offload flags.
 
-Contract: every flag is declared once here as an `Annotated` alias. `model_flags` adds the flags that
-`run`, `chat` and `serve` share (models, offload, budget, decoding: the fields of
-`session.options.ModelFlags`) to a command and hands the command one `ModelFlags` value, so those flags
-have a single definition and the same defaults everywhere. With terminal/app.py, the only typer importer.
+Contract: every flag is declared once here as an `Annotated` alias. `model_flags` gives `run`, `chat`
+and `serve` the shared flags (the fields of `session.options.ModelFlags`, same defaults everywhere),
+packed in one `ModelFlags` value. With terminal/app.py, the only typer importer.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Raw generated text on stdout, optionally coloured by where each token came from.
 
-Contract: `TextSink` is the one writer of generated text. It writes the text exactly as decoded,
-never through a markup parser, and flushes after every chunk. With colour on, the leading
-`draft_chars` characters of a chunk (text of tokens accepted from the draft's tree) are wrapped in
-an SGR colour and the rest (the target's own token) is left in the default colour; the colour is
-reset at every newline so a line never starts inside an escape sequence. It imports neither rich
-nor torch. `use_color` decides the default: on for a terminal stdout unless NO_COLOR is set.
+Contract: `TextSink` is the one writer of generated text: exactly as decoded, no markup parser, a
+flush per chunk. With colour on, a chunk's leading `draft_chars` characters (tokens accepted from the
+draft's tree) are in an SGR colour, reset at every newline. Imports neither rich nor torch.
 """
 
 from __future__ import annotations
@@ -69,11 +66,7 @@ class TextSink:
         self.ended_line = text.endswith("\n")
 
     def end_line(self) -> None:
-        """Finish a partial last line now, so a summary printed next does not run into it.
-
-        A caller that ends the reply with its own "\n" afterwards (chat does) gets that newline
-        dropped, so the text on stdout is the same whether or not end_line() ran first.
-        """
+        """Finish a partial last line now; a "\n" the caller writes next is then dropped (stdout unchanged)."""
         if not self.ended_line:
             self.stream.write("\n")
             self.stream.flush()

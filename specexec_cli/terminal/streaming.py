@@ -1,10 +1,8 @@
 """One `specx run` decode: engine events → raw text on stdout, the live view on stderr, stats.
 
-Contract: `decode_to_stdout` drives `engine.generate` (or a `budget.BudgetTuner`), writes every
-event's text through a `terminal.TextSink` (raw, optionally coloured by origin), feeds a
-`display.LiveView` and returns the `RunStats`. The last line of text is ended before the view
-closes, so the summary line or final panel never runs into it. `--stats-json` is written even
-when decoding stops early (Ctrl-C, an error); its path was validated before the models loaded.
+Contract: `decode_to_stdout` drives `engine.generate` (or a `budget.BudgetTuner`), writes the text
+through a `TextSink`, feeds a `display.LiveView` (the text's last line is ended before it closes) and
+returns the `RunStats`; `--stats-json` is written even when decoding stops early (Ctrl-C, an error).
 """
 
 from __future__ import annotations
