@@ -1,32 +1,21 @@
 """GQA-aware attention for masked passes, registered with transformers; it never repeats K/V.
 
-Contract: `register()` (idempotent) adds the attention function `NAME` ("specx_gqa") to
-transformers' AttentionInterface and, for mask building, maps the same name to transformers'
-own `sdpa_mask` in AttentionMaskInterface; `implementation(config_or_name)` is the name a model
-should run under ("specx_gqa" where HF would run "sdpa", otherwise the name unchanged: Gemma-2's
-soft-capped "eager" stays eager). The result equals HF's `sdpa`/`eager` to rounding (softmax rows
-are independent); without a mask, with per-head masks, soft-capping or position biases it is HF's
-`sdpa_attention_forward` as is; with attention sinks (`s_aux`, gpt-oss) it is gptoss.py's
-`sink_attention_forward`. With G = heads / kv_heads > 1 and a mask shared by the heads
-((B, 1, Q, K): a tree mask, or the causal mask of a chunk over a cache), `mask_strategy` picks:
-
-- "gqa" (CPU): one SDPA call with `enable_gqa`, backend pinned to the CPU flash kernel, which reads
-  each KV head for its G query heads and takes the (B, 1, Q, K) mask as given: no K/V copy, no mask
-  copy (tests/test_attention_memory.py). An additive mask of the query dtype without grad calls that
-  kernel's op directly (`cpu_flash`).
-- "fold" (CUDA, Q = 1 or G*Q <= 2 * kv_heads * head_dim): the G query heads of each KV head are
-  folded into the query axis, q (B, H, Q, D) -> (B, Hkv, G*Q, D), mask -> (B, 1, G*Q, K) with row
-  g*Q + q = mask row q, one memory-efficient SDPA call. Q = 1: the fold is a stride-0 view of the
-  mask row. Q > 1: the folded mask is written once per forward at a width rounded up to ALIGN (the
-  kernel copies any mask whose strides are not multiples of 8) and shared by every layer.
-- "groups" (CUDA, bigger Q): G memory-efficient SDPA calls, one per group member g over the query
-  heads kv*G + g, each with the (B, 1, Q, K) mask broadcast over the KV heads (a stride-0 view).
-
-On CUDA the mask itself is prepared once per forward: a bool mask becomes additive in the query dtype,
-an additive one at an unaligned width is re-laid at the rounded width, an aligned additive one of the
-query dtype (core/tree.py builds them so) is used as is. Prepared masks die with their source mask or
-at `release()`, which the streaming model calls after every pass. `mask_bytes` gives their bytes
-(offload/planning/membytes.py counts them).
+Contract: `register()` (idempotent) adds the attention function `NAME` ("specx_gqa") to transformers'
+AttentionInterface, with transformers' `sdpa_mask` as its mask builder; `implementation(name)` is the
+name a model should run under ("specx_gqa" where HF would run "sdpa", any other name unchanged). The
+result equals HF's `sdpa`/`eager` to rounding; without a mask, with per-head masks, soft-capping or
+position biases it is HF's `sdpa_attention_forward` as is; with attention sinks (`s_aux`) gptoss.py's
+`sink_attention_forward`. With G = heads / kv_heads > 1 and a mask shared by the heads ((B, 1, Q, K)),
+`mask_strategy` picks:
+- "gqa" (CPU): one SDPA call with `enable_gqa` pinned to the CPU flash kernel (called directly,
+  `cpu_flash`, where it is the same call): no K/V copy, no mask copy (tests/test_attention_memory.py).
+- "fold" (CUDA, Q = 1 or G*Q <= 2 * kv_heads * head_dim): q (B, H, Q, D) -> (B, Hkv, G*Q, D), mask ->
+  (B, 1, G*Q, K) with row g*Q + q = mask row q (Q = 1: a stride-0 view; Q > 1: written once per forward
+  at a width rounded up to ALIGN), one memory-efficient SDPA call.
+- "groups" (CUDA, bigger Q): G memory-efficient SDPA calls, one per group member g (query heads kv*G + g).
+On CUDA a mask is prepared once per forward (additive in the query dtype, at an aligned width; an aligned
+additive one, as core/tree.py builds them, is used as is) and dies with its source or at `release()`,
+called after every pass. `mask_bytes` gives the bytes (offload/planning/membytes.py counts them).
 """
 
 from __future__ import annotations
@@ -136,7 +125,7 @@ def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, bac
     """ "fold" or "groups" (module docstring) for a kernel that takes masks but not GQA (CUDA's
     memory-efficient one, `backend`; tests run it on CPU with backend None)."""
     b, heads, q_len, dim = query.shape
-    kv_heads, eff = key.shape[1], backend
+    kv_heads = key.shape[1]
     if strategy == "fold":
         q = query.reshape(b, kv_heads, groups * q_len, dim)  # head h = kv*G + g -> rows g*Q .. g*Q+Q-1
         m = (
@@ -144,10 +133,10 @@ def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, bac
             if q_len == 1
             else _prepared(mask, query.dtype, groups)
         )
-        out = _sdpa(q, key, value, m, dropout, scaling, eff)
+        out = _sdpa(q, key, value, m, dropout, scaling, backend)
         return out.reshape(b, heads, q_len, value.shape[-1])
     m = _prepared(mask, query.dtype, 1).expand(-1, kv_heads, -1, -1)
-    outs = [_sdpa(query[:, g::groups], key, value, m, dropout, scaling, eff) for g in range(groups)]
+    outs = [_sdpa(query[:, g::groups], key, value, m, dropout, scaling, backend) for g in range(groups)]
     return torch.stack(outs, dim=2).reshape(b, heads, q_len, value.shape[-1])  # (B, Hkv, G, Q, D) -> head kv*G+g
 
 

@@ -1,9 +1,9 @@
 """torch's CPU flash attention kernel, called directly (attention.py's plain path, gptoss.py's sinks).
 
-Contract: `flash_op()` is torch's `_scaled_dot_product_flash_attention_for_cpu` (out, logsumexp, ...),
-looked up once, or False where this torch has none. `cpu_flash(q, k, v, mask, dropout, scaling)` is
-its output for q (B, H, Q, D), k/v (B, H, K, D) and an additive mask of q's dtype (or None), exactly
-the call torch's SDPA pinned to that kernel makes, or None where that is not known to be the same call.
+Contract: `flash_op()` is torch's `_scaled_dot_product_flash_attention_for_cpu` (out, logsumexp, ...), or
+False where this torch has none. `cpu_flash(q, k, v, mask, dropout, scaling, lse)` is its output for q (B, H, Q, D),
+k/v (B, H, K, D) and an additive mask of q's dtype (or None), exactly the call torch's SDPA pinned to that
+kernel makes, or None where that is not known to be the same call.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ def flash_op():
     return _FLASH_CPU
 
 
-def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
-    """The CPU flash kernel called directly, as attention.py's `_sdpa` pinned to it calls it (the same
-    kernel, minus the per-layer dispatch); None where that is not known to be the same call (then `_sdpa`)."""
+def cpu_flash(q, k, v, mask, dropout, scaling, lse: bool = False):
+    """The CPU flash kernel called directly, as attention.py's `_sdpa` pinned to it calls it (minus the
+    per-layer dispatch): out, or (out, logsumexp) with `lse`; None where that is not the same call."""
     ok = (
         dropout == 0.0
         and q.dim() == 4
@@ -38,6 +38,7 @@ def cpu_flash(q, k, v, mask, dropout, scaling) -> torch.Tensor | None:
     if not ok:
         return None
     try:
-        return flash_op()(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
+        got = flash_op()(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)
     except RuntimeError:  # the kernel refuses these inputs: the pinned call decides (and falls back)
         return None
+    return got[:2] if lse else got[0]

@@ -1,17 +1,13 @@
 """Model families: what differs between the decoder-only LMs the offload path runs.
 
-Contract: `causal_lm_class(config)` returns the HF *ForCausalLM class for a supported
-`model_type` or raises OffloadError naming the type and `SUPPORTED`; `meta_model(config, where)` that
-class built on the meta device (sizes it cannot be built with: one OffloadError line). `Family.of(config)` gives
-the per-family knobs `OffloadedCausalLM` applies around HF's unchanged decoder layers: the attention
-implementation (Gemma-2 soft-caps attention scores, which only "eager" computes; gpt-oss: gptoss.py's
-"specx_sinks"), `final_softcap` (logits <- cap * tanh(logits / cap), Gemma-2) and the sliding-window
-layers (`layer_types`, or Mistral/Qwen's global `sliding_window`). Gemma-3 (`gemma3_text`) runs as
-gemma3.py's subclass, the mixture-of-experts families as moe.py's.
-`window_mask(mask, q_pos, k_pos, window)` puts a sliding window on top of an additive 4-D mask by
-ABSOLUTE positions: HF returns caller-built 4-D (tree) masks unchanged, so without this a
-sliding layer would attend past its window whenever a tree mask is passed.
-`restore_buffers` re-creates the non-persistent `embed_scale` buffer (Gemma's sqrt(hidden) factor).
+Contract: `causal_lm_class(config)` returns the HF *ForCausalLM class for a `SUPPORTED` `model_type`
+(Gemma-3 as gemma3.py's subclass, the mixture-of-experts families as moe.py's) or raises OffloadError;
+`meta_model(config, where)` builds it on the meta device (one OffloadError line when it cannot).
+`Family.of(config)` gives the knobs `OffloadedCausalLM` applies around HF's decoder layers: the attention
+implementation, `final_softcap` (Gemma-2: logits <- cap * tanh(logits / cap)) and the sliding-window
+layers. `window_mask(mask, q_pos, k_pos, window)` puts a sliding window on an additive 4-D mask by
+ABSOLUTE positions (HF returns caller-built 4-D tree masks unchanged). `restore_buffers` re-creates
+Gemma's non-persistent `embed_scale`.
 """
 
 from __future__ import annotations
@@ -20,21 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.arch import moe
 from offload.errors import OffloadError
 
-SUPPORTED = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "phi3",
-    "gemma2",
-    "gemma3_text",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "gpt_oss",
-)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", *moe.MOE_FAMILIES)
 
 
 def causal_lm_class(config):
@@ -47,8 +32,6 @@ def causal_lm_class(config):
         from offload.arch import gemma3
 
         return gemma3.causal_lm_class()
-    from offload.arch import moe
-
     if config.model_type in moe.MOE_FAMILIES:
         return moe.causal_lm_class(config.model_type)
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type])  # HF's class, as is
@@ -68,8 +51,7 @@ def meta_model(config, where, fix: str = "fix or re-download it"):
 
 @dataclass(frozen=True)
 class Family:
-    attn_implementation: str  # "specx_gqa" (SDPA without repeated K/V), "eager" where logits are soft-capped,
-    # "specx_sinks" (gpt-oss: attention sinks)
+    attn_implementation: str  # "specx_gqa", "eager" where logits are soft-capped, "specx_sinks" (gpt-oss)
     final_softcap: float | None  # Gemma-2 final_logit_softcapping (None = off)
     layer_types: tuple[str, ...]  # per decoder layer: "full_attention" | "sliding_attention"
     sliding_window: int | None  # keys with q_pos - k_pos >= window are masked on sliding layers
@@ -103,18 +85,14 @@ def _attention(config) -> str:
         from offload.arch.gptoss import register
 
         return register()  # "specx_sinks"
-    from offload.arch.attention import (
-        implementation,  # "sdpa" runs as the GQA-aware specx_gqa (offload/arch/attention.py)
-    )
+    from offload.arch.attention import implementation  # "sdpa" runs as the GQA-aware specx_gqa
 
     return "eager" if getattr(config, "attn_logit_softcapping", None) else implementation("sdpa")
 
 
 def window_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Additive (B, 1, Q, K) mask with keys at distance >= window from the query also masked.
-
-    q_pos: (Q,) absolute positions of the queries; k_pos: (K,) of the keys (cache row order).
-    """
+    """Additive (B, 1, Q, K) mask with keys at distance >= window also masked; q_pos (Q,), k_pos (K,)
+    the absolute positions of the queries and of the keys (cache row order)."""
     far = (q_pos[:, None] - k_pos[None, :]) >= window  # (Q, K)
     return mask.masked_fill(far[None, None], torch.finfo(mask.dtype).min)
 

@@ -1,18 +1,12 @@
 """Gemma-3 (`gemma3_text`) for a caller that computes one rotary pass and hands it to every layer.
 
-Contract: `causal_lm_class()` is a subclass of transformers' Gemma3ForCausalLM with the same
-parameters, buffers and outputs. HF's Gemma-3 rotates local (sliding-window) layers with one RoPE base
-and global layers with another, so its rotary module takes a `layer_type`; specx's streaming model
-computes `rotary_emb(h, position_ids)` once per pass and passes the result to every layer. Here:
-- `TypedRotary(h, position_ids)` (no layer type) returns a `TypedRope`: a (cos, sin) tuple (the
-  global layers' pair) that also carries every layer type's pair in `by_type`; with a `layer_type`
-  it is HF's rotary as is;
-- each decoder layer is a `TypedLayer`, which replaces a `TypedRope` by its own type's pair before
-  HF's layer runs (a plain (cos, sin) passes through untouched).
-A config with `PLUS_ONE` set (a GGUF file: llama.cpp stores Gemma's RMSNorm weights as 1 + w, and
-the loader streams layer norms as stored) gets `PlusOneNorm`s: from the stored s they compute HF's
-x_hat * (1 + (s - 1)), bitwise what HF computes from w = s - 1 as transformers' GGUF loading makes it.
-Everything else Gemma-3 needs is HF's.
+Contract: `causal_lm_class()` is a subclass of transformers' Gemma3ForCausalLM with the same parameters,
+buffers and outputs. HF rotates local and global layers with different RoPE bases (its rotary takes a
+`layer_type`), while specx computes `rotary_emb(h, position_ids)` once per pass: `TypedRotary` without
+a layer type returns a `TypedRope`, the global layers' (cos, sin) carrying every type's pair in
+`by_type`, and each `TypedLayer` picks its own type's pair (a plain (cos, sin) passes through).
+A config with `PLUS_ONE` (GGUF: norm weights stored as 1 + w) gets `PlusOneNorm`s computing HF's
+x_hat * (1 + (s - 1)) from the stored s, bitwise what HF computes from w = s - 1.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """gpt-oss's experts computed one routed expert at a time, from expert e's slice of each fused tensor.
 
-Contract: `RoutedExperts` stands in for transformers' GptOssExperts (same call: hidden (T, H), router
-indices (T, K), routing weights (T, K) -> (T, H)) where the experts are not four plain 3-D parameters the
-loader binds whole: MXFP4 blocks and scales (quant/mxfp4.py subclasses it) or experts read on demand
-(stream/expertstore.py sets `source`). Its parameters are the checkpoint's fused tensors as stored,
-each [E, ...] so that expert e's part is row e (`names`); `parts(e)` is {name: tensor [e]}, from the
-parameters, or `source(e)` when a loader holds the experts apart (`source.stream(es)`, where the source has
-it, gives the routed experts' parts in order, reading ahead). `weights(parts)` turns one expert's
-parts into (gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,)) in the compute dtype
-(here: the parts themselves, the 16/32-bit layout). The math is transformers' own, in the order of its
-default "grouped_mm" experts path, so the outputs are its bits: per (token, slot) pair routed to e,
-y = gate(x W_gu + b_gu) W_d + b_d, times its routing weight, with `gate` GptOssExperts._apply_gate
-((clamp(up, ±limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit); alpha and limit read from
-transformers' module, which fixes them in some versions), summed over the K slots of each token; a slot whose
-index is E (stream/splitexperts.py: its expert computes elsewhere) adds zero.
-`from_hf(experts)` is a 16/32-bit RoutedExperts with transformers' module's parameters (the loader
-binds or replaces them).
+Contract: `RoutedExperts` stands in for transformers' GptOssExperts (hidden (T, H), router indices
+(T, K), routing weights (T, K) -> (T, H)) where the experts are not four 3-D parameters bound whole:
+MXFP4 blocks (quant/mxfp4.py subclasses it) or experts read on demand (stream/expertstore.py sets
+`source`; `source.stream(es)`, where it exists, reads ahead). `parts(e)` is {name: row e} of each fused
+tensor (`names`); `weights(parts)` -> (gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,))
+in the compute dtype. The math is transformers' "grouped_mm" path, so the outputs are its bits: per
+(token, slot) routed to e, y = gate(x W_gu + b_gu) W_d + b_d (GptOssExperts._apply_gate) times its
+routing weight, summed over the K slots; a slot whose index is E (computed elsewhere) adds zero.
+`from_hf(experts)` holds transformers' module's parameters.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The one place where transformers' API drift across the declared version range is absorbed.
 
-Contract: transformers 5.24 renamed the KV-cache keyword `past_key_values` to `cache` (decoder
-layers, causal-LM forwards, `create_causal_mask`, model outputs; the old name goes away in 5.40).
-`cache_kwargs(fn, cache)` returns `{name: cache}` with the name `fn` accepts in the installed version
-(from 5.17, which only knows `past_key_values`, to the newest); `output_cache_kwargs(cls, cache)` does the
-same for ModelOutput dataclasses. `register_as(name, forward, mask)` makes an attention function and its
-mask builder known to transformers' interfaces under `name`, once.
+Contract: transformers 5.24 renamed the KV-cache keyword `past_key_values` to `cache`.
+`cache_kwargs(fn, cache)` returns `{name: cache}` with the name `fn` accepts in the installed version;
+`output_cache_kwargs(cls, cache)` does the same for ModelOutput dataclasses. `register_as(name, forward,
+mask)` makes an attention function and its mask builder known to transformers under `name`, once.
 """
 
 from __future__ import annotations
@@ -37,15 +35,10 @@ def installed_name() -> str:
     return NEW if NEW in inspect.signature(create_causal_mask).parameters else OLD
 
 
-def cache_name(fn) -> str:
-    """`cache` or `past_key_values`: the name `fn` takes its KV cache under."""
-    target = getattr(fn, "forward", fn)  # an nn.Module: look at its forward's signature
-    return _cache_name(getattr(target, "__func__", target))
-
-
 def cache_kwargs(fn, cache) -> dict:
-    """`{cache_name(fn): cache}`, to splat into a call of `fn`."""
-    return {cache_name(fn): cache}
+    """`{name: cache}`, to splat into a call of `fn`: name `cache` or `past_key_values`, as `fn` takes it."""
+    target = getattr(fn, "forward", fn)  # an nn.Module: look at its forward's signature
+    return {_cache_name(getattr(target, "__func__", target)): cache}
 
 
 @cache

@@ -1,18 +1,12 @@
 """Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) with one parameter per stored tensor.
 
-Contract: `causal_lm_class(model_type)` is a subclass of transformers' *ForCausalLM for a
-`MOE_FAMILIES` type whose parameter names are the checkpoint's tensor names, so the loader binds,
-streams and checks them like any dense layer's. transformers 5.x fuses a layer's experts into 3-D
-parameters; here each sparse block's `experts` becomes an `ExpertList` of E `Expert`s holding three
-nn.Linear (gate, up, down; Mixtral's w1, w3, w2), named as stored
-(`model.layers.i.mlp.experts.e.gate_proj.weight`; Mixtral's block lives under `block_sparse_moe`, and
-the decoder layer still reaches it as `layer.mlp`). `ExpertList.forward(hidden (T, H), top_k_index
-(T, K), top_k_weights (T, K))` computes HF's eager experts loop: for each expert some token routed to,
-sum_k w_k * down(act(gate(x)) * up(x)) into that token's row. A loader that holds the experts apart
-(stream/expertstore.py) sets `source` (see `ExpertList.routed`). The router, the shared expert and
-dense MLP layers are HF's modules unchanged; being plain nn.Linear, the experts take the same 4-bit
-substitutions as any decoder linear. gpt-oss's checkpoints store the fused 3-D experts: its class is
-transformers' own (gptoss.py).
+Contract: `causal_lm_class(model_type)` is a subclass of transformers' *ForCausalLM for a `MOE_FAMILIES`
+type whose parameter names are the checkpoint's, so the loader binds, streams and checks the experts like
+any dense layer's: each sparse block's fused `experts` becomes an `ExpertList` of E `Expert`s of three
+nn.Linear named as stored (`model.layers.i.mlp.experts.e.gate_proj.weight`; Mixtral's w1, w3, w2 under
+`block_sparse_moe`, still reached as `layer.mlp`). `ExpertList.forward(hidden (T, H), top_k_index (T, K),
+top_k_weights (T, K))` is HF's eager experts loop; a loader holding the experts apart sets `source`
+(`ExpertList.routed`). gpt-oss stores fused experts: its class is transformers' own (gptoss.py).
 """
 
 from __future__ import annotations
@@ -78,24 +72,19 @@ class ExpertList(nn.ModuleList):
         return (self.source(e) for e in es)
 
 
-def split_experts(block: nn.Module, names: tuple[str, str, str]) -> None:
-    """Replace `block.experts` (HF's fused 3-D parameters) by an ExpertList of the same shapes."""
-    fused = block.experts
-    if getattr(fused, "has_bias", False) or not hasattr(fused, "gate_up_proj"):
-        raise TypeError(f"{type(fused).__name__}: experts with biases or without a gate are not supported")
-    experts = ExpertList(
-        Expert(fused.hidden_dim, fused.intermediate_dim, fused.act_fn, names) for _ in range(fused.num_experts)
-    )
-    block.experts = experts
-
-
 def _split_layers(model: nn.Module, model_type: str) -> None:
+    """Replace each block's `experts` (HF's fused 3-D parameters) by an ExpertList of the same shapes."""
     _, names, stored = MOE_FAMILIES[model_type]
     for layer in model.model.layers:
         block = layer.mlp
-        if not hasattr(block, "experts"):
+        fused = getattr(block, "experts", None)
+        if fused is None:
             continue  # a dense MLP layer (Qwen mlp_only_layers)
-        split_experts(block, names)
+        if getattr(fused, "has_bias", False) or not hasattr(fused, "gate_up_proj"):
+            raise TypeError(f"{type(fused).__name__}: experts with biases or without a gate are not supported")
+        block.experts = ExpertList(
+            Expert(fused.hidden_dim, fused.intermediate_dim, fused.act_fn, names) for _ in range(fused.num_experts)
+        )
         if stored != "mlp":
             # register the block under its stored name (parameter names follow), and keep `layer.mlp`,
             # which HF's decoder layer calls, as a plain attribute (outside _modules: named once)
