@@ -3,14 +3,9 @@
 Contract: the public API is `OffloadedCausalLM`, `parse_size`, `plan_offload`, `OffloadPlan`,
 `OffloadError` (and `format_bytes`), imported with the package. This package never imports
 `specexec_cli`; specexec_cli imports offload only through this module and three package facades,
-`offload.formats` (checkpoints), `offload.planning` (the memory plan and cost model) and
-`offload.selfdraft` (the self-draft), each with its `__all__`.
-The rest of `__all__` is what a front end needs of the streaming engine (`forward_many`, `ForwardJob`,
-`accelerator_half`, `DevicePool`), the quantizers (`densify`, `packing_for`, the 4-bit cache's
-`nf4_cache_*` and `write_quantized`, the HQQ `LowbitLinear` and `lowbit_quantize_weight`) and model
-support (`cache_kwargs`, `gqa_attention`: the attention implementation name, registered; `Expert`,
-`ExpertList`), re-exported lazily (offload/lazy.py: a name's module is imported on its first use and
-the name looked up there at each use, so a test that patches it there patches what callers get).
+`offload.formats`, `offload.planning` and `offload.selfdraft`, each with its `__all__`.
+The rest of `__all__` is what a front end needs of the engine, quantizers and model support,
+re-exported lazily (offload/lazy.py).
 """
 
 from __future__ import annotations

@@ -19,13 +19,11 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 def parse_size(text: str | int) -> int:
     """Parse a human byte size ("512MB", "1.5GiB", "1024") into bytes."""
-    if isinstance(text, bool):
-        raise ValueError(f"invalid size {text!r}: expected e.g. 0, 1024, 512MB, 24GB, 1.5GiB")
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"invalid size {text!r}: sizes cannot be negative")
         return text
-    match = _PATTERN.match(str(text))
+    match = _PATTERN.match(str(text))  # a bool ("True") never matches
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"invalid size {text!r}: expected e.g. 0, 1024, 512MB, 24GB, 1.5GiB")

@@ -2,8 +2,7 @@
 
 Contract: `build` assembles the draft from the target's Checkpoint and quantized substitutes;
 `influence` measures which layers matter most for the draft's agreement. Above `stream`.
-The package's public API is `__all__`, re-exported lazily (offload/lazy.py: a name's module is imported
-on its first use and the name looked up there at each use).
+The public API is `__all__`, re-exported lazily (offload/lazy.py).
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The target's own low-bit substitute as its draft (`--draft self`, after SubSpec).
 
-Contract: `build_self_draft(target, progress, bits, skip)` returns an `OffloadedCausalLM` that runs the
-target's architecture where
-- the embeddings, final norm, lm_head, rotary buffers and every RESIDENT decoder layer are the
-  target's own module objects (shared by reference: no second copy, no second read; a packed Q8_0
-  head is the same bytes read over 8-bit activations, `draft_head`), and
-- every layer the target STREAMS is replaced by a low-bit substitute that stays on the device (or,
-  for the layers in `skip`, by a pass-through: offload/selfdraft/influence.py picks them), so the draft
-  never touches the weight stream: `bits` 4 = NF4 (the packed weights of the target's nf4 cache,
-  quant/quant_cache.py); 3 or 2 = HQQ (quant/lowbit.py's per-layer cache). Both are built once from the
-  16-bit checkpoint (an nf4 target's source, a packed int4 target's dequantized weights) and reused.
-`SelfDraftError` (an OffloadError) says in one line why no self-draft can be built: 4-bit substitutes
-of a 4-bit target, a pre-quantized bitsandbytes checkpoint (no 16-bit weights), a mixture-of-experts
-target. Where NOTHING streams, `build_self_draft` (with `skip`) or `build_skip_draft(target, skip)`
-returns the layer-skip self-draft instead (LayerSkip, SWIFT, Draft & Verify): the target's own modules
-with the layers in `skip` as pass-throughs; it allocates nothing, its `substitute_bits` is LAYER_SKIP.
-Device bytes of the substitutes are counted in their own DevicePool (`draft.pool`); the caller adds
-them to its plan's "draft" component.
+Contract: `build_self_draft(target, progress, bits, skip)` returns an `OffloadedCausalLM` of the target's
+architecture whose embeddings, final norm, lm_head, rotary buffers and RESIDENT decoder layers are the
+target's own module objects (no second copy; a packed Q8_0 head is read over 8-bit activations,
+`draft_head`), and whose STREAMED layers are low-bit substitutes that stay on the device (or, for the
+layers in `skip`, pass-throughs), so the draft never touches the weight stream: `bits` 4 = NF4 (the
+target's nf4 cache, quant/quant_cache.py), 3 or 2 = HQQ (quant/lowbit.py), both built once from the
+16-bit checkpoint. `SelfDraftError` (an OffloadError) says in one line why there is none (4-bit
+substitutes of a 4-bit target, no 16-bit weights, a mixture-of-experts target). Where NOTHING streams,
+`build_self_draft` (with `skip`) or `build_skip_draft(target, skip)` returns the layer-skip self-draft
+(LayerSkip, SWIFT, Draft & Verify): the target's own modules with the `skip` layers as pass-throughs,
+`substitute_bits` LAYER_SKIP. Substitutes' device bytes are counted in `draft.pool`.
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ class SelfDraftError(OffloadError):
 
 
 def streamed_layers(target) -> list[int]:
-    """Decoder layers the target does not keep on the device: the ones a substitute replaces (none for
-    an HF-resident target)."""
+    """Decoder layers the target does not keep on the device (none for an HF-resident target)."""
     if getattr(target, "plan", None) is None:
         return []
     return sorted(set(range(len(target.layers))) - set(target.plan.resident))
@@ -105,9 +98,7 @@ class PassThrough(nn.Module):
 
 def skip_block(n_layers: int, n_skip: int) -> list[int]:
     """A contiguous block of `n_skip` layers in the middle of the stack (the first and the last layers
-    always stay): what a partial self-draft leaves out before the layers' influence is measured
-    (offload/selfdraft/influence.py), and `--skip-rule middle` in bench/selfdraft.py (its sweeps:
-    bench/results/selfdraft_skip*.json)."""
+    always stay): what a partial self-draft leaves out before the layers' influence is measured."""
     n_skip = max(0, min(n_skip, n_layers - 2))
     start = max(1, (n_layers - n_skip) // 2)
     return list(range(start, start + n_skip))
@@ -116,8 +107,7 @@ def skip_block(n_layers: int, n_skip: int) -> list[int]:
 def build_self_draft(
     target, progress: Callable[[int, int, str], None] | None = None, bits: int = 4, skip: list[int] | tuple = ()
 ):
-    """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract);
-    the streamed layers in `skip` get no substitute (pass-throughs)."""
+    """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract)."""
     if not streamed_layers(target):
         return build_skip_draft(target, skip)
     layers = [i for i in check_self_draft(target, bits) if i not in set(skip)]
@@ -187,8 +177,7 @@ def build_skip_draft(target, skip):
 
 
 def draft_head(head):
-    """The target's output layer as the draft reads it: a packed Q8_0 head over 8-bit activations
-    (formats/ggml_kernel.PackedHead.for_draft: the same bytes), any other head itself."""
+    """The target's output layer as the draft reads it (cpu/ggml_kernel.PackedHead.for_draft)."""
     return head.for_draft() if isinstance(head, PackedHead) else head
 
 

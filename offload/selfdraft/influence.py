@@ -1,26 +1,16 @@
 """Which decoder layers a partial self-draft leaves out: the least influential, measured once per model.
 
 Contract:
-- `layer_influence(model, ids)` runs ONE forward of `model` (an OffloadedCausalLM, or any model that
-  calls the modules in `model.layers` in order) over `ids` (1, T) with a hook on every decoder layer
-  and returns, per layer, its block influence (ShortGPT, Men et al. 2024): the mean over positions
-  1..T-1 of 1 - cos(h_in, h_out), h the residual stream entering and leaving the layer. Position 0 is
-  left out (the first token's state is an attention sink with an outsized norm). A layer that barely
-  turns the residual stream scores near 0: leaving it out changes the draft least.
-- `skip_order(n_layers, influence)` is the order in which layers are given up: ascending influence
-  when measured; without a measurement, middle-out, so that every prefix of length k is
-  `selfdraft.skip_block(n_layers, k)`. The first and the last layers never appear.
-- `rule_order(n_layers, rule, influence)`: the order under a named rule (RULES): "influence" (as
-  skip_order with the measurement), "middle" (skip_order without it), "alternate" (every other
-  layer, 1, 3, 5, ... taken middle-out, then the rest middle-out: Draft & Verify / SWIFT skip
-  layers spread over the stack rather than one block).
-- `pick_skipped(order, streamed, n)`: the first `n` layers of `order` that the target streams (a
-  resident layer is the target's own module in a substituting draft, so leaving it out saves
-  nothing); for the layer-skip draft of a resident target every layer is a candidate.
-- `stored_influence(src)` / `store_influence(src, values)`: a small JSON under $SPECX_CACHE whose
-  name carries a key over `src`'s weight files (quant_cache.source_fingerprint) and CALIBRATION: a
-  missing, stale or unreadable file reads as None (measured again), never as figures.
-- `CALIBRATION`: the fixed text measured (prose, code and a dialogue), so a choice is reproducible.
+- `layer_influence(model, ids)` runs ONE forward over `ids` (1, T) with a hook on every layer of
+  `model.layers` and returns each layer's block influence (ShortGPT, Men et al. 2024): the mean over
+  positions 1..T-1 (position 0 is an attention sink) of 1 - cos(h_in, h_out) of the residual stream.
+- `skip_order(n_layers, influence)`: the order layers are given up, ascending influence, or without a
+  measurement middle-out (every prefix of length k is `skip_block(n_layers, k)`); never the first or last.
+- `rule_order(n_layers, rule, influence)` under a rule of RULES: "influence", "middle" (skip_order
+  without it), "alternate" (odd layers middle-out, then the rest: Draft & Verify / SWIFT spread them).
+- `pick_skipped(order, streamed, n)`: the first `n` of `order` that the target streams.
+- `stored_influence(src)` / `store_influence(src, values)`: a JSON under $SPECX_CACHE keyed over `src`'s
+  weight files and CALIBRATION (the fixed text measured); missing, stale or unreadable reads as None.
 """
 
 from __future__ import annotations
