@@ -202,6 +202,7 @@ def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
 def load_self_draft(target, opts: LoadOptions, pool, tok=None):
     """The target's self-draft (the layer-skip draft where every layer is resident), its bytes counted
     in `pool` under the plan's components."""
+    from offload import densify
     from offload.selfdraft import LAYER_SKIP, build_self_draft, streamed_layers
 
     plan_bits = getattr(opts.plan, "substitute_bits", None)  # without a plan: the widest that applies
@@ -211,18 +212,11 @@ def load_self_draft(target, opts: LoadOptions, pool, tok=None):
         bits = LAYER_SKIP
     with offload_errors():  # SelfDraftError, or HQQ missing / a layer shape it cannot group
         draft = build_self_draft(target, opts.progress, bits, skipped_layers(target, opts, tok))
-    densify_substitutes(draft, getattr(opts.plan, "dense_draft_layers", ()))
+    for i in getattr(opts.plan, "dense_draft_layers", ()):  # those HQQ substitutes dequantized once
+        densify(draft.layers[i], draft.pool, "dequantized_draft")
     for comp, nbytes in draft.pool.by_component.items():  # "draft", and "dequantized_draft" where the plan had room
         pool.by_component[comp] = pool.by_component.get(comp, 0) + nbytes
     return draft
-
-
-def densify_substitutes(draft, layers) -> None:
-    """The plan's `dense_draft_layers`: those HQQ substitutes dequantized once ("dequantized_draft")."""
-    from offload import densify
-
-    for i in layers:
-        densify(draft.layers[i], draft.pool, "dequantized_draft")
 
 
 def load_target(ref: ModelRef, opts: LoadOptions, device: torch.device, pool=None):
