@@ -1,12 +1,11 @@
 """Dequantize once: a resident layer's packed linears keep their weight in the compute dtype.
 
 Contract: a linear that rebuilds its weight from packed bytes on every forward (formats/qlinear.py
-`PackedLinear`, quant/lowbit.py `LowbitLinear`) has a `dense` attribute; while it is None, forward
-dequantizes per call; once set, forward multiplies by it. `dense` is computed by the module's own
-dequantization, so outputs are bitwise those of the per-forward path (the eager one for LowbitLinear).
-`densify(layer, pool, component)` does it for every such linear of a bound layer, one counted `pool`
-buffer each, and returns the bytes added; `dense_bytes(ckpt, i, elem)` is what that costs for layer i
-(the planner's figure). NF4 linears are left alone: bnb's own kernels are what they must equal.
+`PackedLinear`, quant/lowbit.py `LowbitLinear`) multiplies by its `dense` attribute once set, computed
+by the module's own dequantization, so outputs are bitwise those of the per-forward path.
+`densify(layer, pool, component)` sets it for every such linear of a bound layer (one counted `pool`
+buffer each) and returns the bytes added; `dense_bytes(ckpt, i, elem)` is that cost for layer i (the
+planner's figure). NF4 linears are left alone: bnb's own kernels are what they must equal.
 """
 
 from __future__ import annotations

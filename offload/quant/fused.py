@@ -1,19 +1,14 @@
 """Fused HQQ substitute linears: unpack + scale + matmul as one compiled function.
 
 Contract:
-- `unpack_codes(W_q, bits, rows)` turns HQQ's bit-packed codes (layouts "4bit_u8", "3bit_32",
-  "2bit_u8": slice k of the packed rows sits at bit offset (per_word - 1 - k) * bits) into the
-  (rows, group) integer codes with plain shift/mask ops, the same values HQQ's own unpack gives.
-- `dequant_linear(x, W_q, scale, zero, bias, shape, bits)` = x W^T (+ b) with
-  W = (codes - zero) * scale reshaped to `shape`: the reference math, written so that one
-  `torch.compile` graph covers it.
-- `fused_linear(...)` runs that function compiled (dynamic shapes: one graph per bit width and
-  dtype). Where compilation is unavailable or fails, it says so once through `fused_status()` and
-  runs the same function eagerly; nothing reaches the user's screen.
+- `unpack_codes(W_q, bits, rows)`: HQQ's bit-packed codes ("4bit_u8", "3bit_32", "2bit_u8": slice k of
+  the packed rows at bit offset (per_word - 1 - k) * bits) -> the (rows, group) codes HQQ's unpack gives.
+- `dequant_linear(x, W_q, scale, zero, bias, out, in, bits)` = x W^T (+ b), W = (codes - zero) * scale
+  reshaped to (out, in), as one `torch.compile` graph; `fused_linear(...)` runs it compiled (dynamic
+  shapes), or eagerly once compilation has failed (`fused_status()` says why, never on screen).
 - `kernel_choice(device, compute)`: "blocks", "fused" or "eager" (its docstring).
-Why no library kernel: the CUDA fused HQQ kernels (gemlite, HQQ's torchao_int4/bitblas/marlin
-backends) need Triton or CUDA builds absent from CPU installs and cover 4/2 bits only (no 3-bit
-packing). The compiled function works on both devices and widths.
+Why no library kernel: the CUDA fused HQQ kernels (gemlite, HQQ's torchao_int4/bitblas/marlin) need
+Triton or CUDA builds absent from CPU installs and cover 4/2 bits only; this works on both devices and widths.
 """
 
 from __future__ import annotations
@@ -52,10 +47,8 @@ def dequant_linear(
 
 
 def kernel_choice(device: torch.device | str = "cuda", compute: torch.dtype | None = None) -> str:
-    """$SPECX_LOWBIT_KERNEL blocks | fused | eager, or auto: fused on CUDA; on a CPU computing in fp32
-    (`compute`) with the GGUF kernel built, blocks (the kernel's own SX3/SX2, quant/lowbit_pack.py);
-    else eager (fused measured slower on CPU: bench/results/selfdraft_kernels.json). "blocks" where
-    they cannot run falls back to eager."""
+    """$SPECX_LOWBIT_KERNEL blocks | fused | eager, or auto: fused on CUDA; on a CPU blocks (quant/lowbit_pack.py)
+    where they can run (fp32 `compute`, the GGUF kernel built), else eager (fused is slower on CPU)."""
     from offload.cpu import ggml_kernel
 
     want = os.environ.get("SPECX_LOWBIT_KERNEL", "auto").strip().lower()
@@ -73,29 +66,15 @@ def fused_status() -> str | None:
     return _STATE["broken"]
 
 
-def _compiled():
-    if _STATE["fn"] is None:
-        _STATE["fn"] = torch.compile(dequant_linear, dynamic=True)
-    return _STATE["fn"]
-
-
-def fused_linear(
-    x: torch.Tensor,
-    W_q: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_features: int,
-    in_features: int,
-    bits: int,
-) -> torch.Tensor:
-    """`dequant_linear` compiled; the same function eagerly once compilation has failed."""
-    args = (x, W_q, scale, zero, bias, out_features, in_features, bits)
+def fused_linear(*args) -> torch.Tensor:
+    """`dequant_linear(*args)` compiled; the same function eagerly once compilation has failed."""
     if _STATE["broken"] is None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return _compiled()(*args)
+                if _STATE["fn"] is None:
+                    _STATE["fn"] = torch.compile(dequant_linear, dynamic=True)
+                return _STATE["fn"](*args)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - any compiler/backend failure: the eager graph is the same math

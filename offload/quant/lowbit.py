@@ -1,25 +1,19 @@
 """HQQ low-bit substitutes of decoder layers: the self-draft's 3- and 2-bit layers (offload/selfdraft/build.py).
 
 Contract:
-- `GROUPS[bits]`: the HQQ group size per bit width; each group of weights (along the input
-  dimension, HQQ's axis 1) has one scale and one zero in the compute dtype.
-- `ensure_lowbit_layers(src, layers, bits, progress)` returns the cache directory of the 16-bit
-  checkpoint `src` at `bits` (quant_cache.keyed_path: a changed checkpoint gets a new directory, the
-  old one is removed) with one `layer-NNNNN.safetensors` per decoder layer asked for: per nn.Linear
-  `<name>.W_q` (HQQ's bit-packed codes), `<name>.scale`, `<name>.zero` (calibration-free HQQ, on the
-  GPU when there is one), every other tensor as stored. A shard is written under a temporary name and
-  renamed into place; one whose header does not parse is rebuilt with an OffloadNotice, never used;
-  shards already there are reused. `progress(done, total, what)` is called per layer quantized.
-- `lowbit_layer(skeleton, shard, device, compute, pool)` turns a meta-device HF decoder layer into
-  the substitute: every nn.Linear becomes a `LowbitLinear` (or, where `blocks_serve`, a
-  quant/lowbit_pack.py `KernelLowbitLinear`), every other parameter is materialized; device bytes
-  are counted in `pool` under "draft". `LowbitLinear.forward` multiplies by `dense` once
-  quant/dense.py set it, else runs quant/fused.py's kernel_choice: fused or the eager reference
-  (HQQ's unpack, a 16-bit weight, the matmul).
-- `lowbit_weight_bytes(shape, bits, scale_bytes, blocks)`: device bytes of one quantized weight from its
-  shape alone (what the memory plan counts).
-HQQ is optional (specx's `lowbit` extra); without it `hqq_quantizer()` raises an OffloadError naming
-that install.
+- `GROUPS[bits]`: the HQQ group size; each group of weights along the input dimension (HQQ's axis 1)
+  has one scale and one zero in the compute dtype.
+- `ensure_lowbit_layers(src, layers, bits, progress)` -> the cache directory of 16-bit checkpoint `src`
+  at `bits` (quant_cache.keyed_path: a changed checkpoint gets a new directory, the old one removed), one
+  `layer-NNNNN.safetensors` per layer asked for: per nn.Linear `<name>.W_q` (HQQ's packed codes),
+  `.scale`, `.zero`, every other tensor as stored. Shards are written under a temporary name and renamed;
+  one whose header does not parse is rebuilt with an OffloadNotice. `progress(done, total, what)` per layer.
+- `lowbit_layer(skeleton, shard, device, compute, pool)`: the meta-device HF layer with every nn.Linear a
+  `LowbitLinear` (or, where `blocks_serve`, a quant/lowbit_pack.py `KernelLowbitLinear`), device bytes
+  counted in `pool` under "draft". `LowbitLinear` multiplies by `dense` once set (quant/dense.py), else
+  per quant/fused.py's kernel_choice: fused, or the eager reference (HQQ's unpack, then the matmul).
+- `lowbit_weight_bytes(shape, bits, scale_bytes, blocks)`: device bytes of one quantized weight (the plan's).
+HQQ is optional (specx's `lowbit` extra); without it `hqq_quantizer()` raises an OffloadError naming the install.
 """
 
 from __future__ import annotations
@@ -38,7 +32,7 @@ from torch import nn
 from offload.errors import OffloadError, OffloadNotice
 from offload.formats.qfuse import SIBLINGS, fuse_siblings
 from offload.formats.qlinear import PackedLinear
-from offload.quant.fused import kernel_choice
+from offload.quant.fused import fused_linear, kernel_choice
 from offload.quant.lowbit_pack import BLOCKS, TYPE_OF_BITS, KernelLowbitLinear, pack
 from offload.quant.quant_cache import drop_stale, keyed_path
 
@@ -70,8 +64,7 @@ def hqq_quantizer():
 
 
 def blocks_serve(shape: tuple[int, ...], bits: int, device, compute: torch.dtype | None) -> bool:
-    """Whether a substitute of this (out, in) weight is stored as the CPU kernel's blocks
-    (quant/lowbit_pack.py): a CPU computing in fp32 with the kernel built, rows of whole groups."""
+    """Whether a substitute of this (out, in) weight is stored as the CPU kernel's blocks (lowbit_pack.py)."""
     return (
         len(shape) == 2
         and shape[-1] % GROUPS[bits] == 0
@@ -101,8 +94,7 @@ def check_shape(name: str, shape: tuple[int, ...], bits: int) -> None:
 
 
 class LowbitLinear(nn.Module):
-    """y = x W^T (+ b), W = (codes - zero) * scale from HQQ codes: `kernel = "fused"` through one
-    compiled unpack+scale+matmul function (offload/quant/fused.py), "eager" through HQQ's unpack."""
+    """y = x W^T (+ b), W = (codes - zero) * scale from HQQ codes, through quant/fused.py or HQQ's unpack."""
 
     def __init__(
         self,
@@ -133,8 +125,6 @@ class LowbitLinear(nn.Module):
             return nn.functional.linear(x, self.dense.to(x.dtype), self.bias)
         if self.kernel == "eager":
             return self.forward_eager(x)
-        from offload.quant.fused import fused_linear
-
         return fused_linear(
             x, self.W_q, self.scale, self.zero, self.bias, self.out_features, self.in_features, self.bits
         )
@@ -148,8 +138,7 @@ class LowbitLinear(nn.Module):
 
 
 def quantize_weight(w: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
-    """HQQ (axis 1, group GROUPS[bits], proximal optimization) on the GPU when there is one, else
-    the CPU (a 70B layer's optimization takes minutes there): codes, scale, zero, on the host."""
+    """HQQ (axis 1, group GROUPS[bits], optimized) on the GPU when there is one: codes, scale, zero, on the host."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     codes, meta = hqq_quantizer().quantize(
         w.float().to(device), nbits=bits, group_size=GROUPS[bits], axis=1, optimize=True, bitpack=True, device=device
@@ -187,9 +176,8 @@ def _readable(path: Path) -> bool:
 def ensure_lowbit_layers(
     src: str | Path, layers: list[int], bits: int, progress: Callable[[int, int, str], None] | None = None
 ) -> Path:
-    """The cache directory of `src` at `bits` with a shard for every layer in `layers` (see contract).
-    `src`: a model directory or its opened formats.Checkpoint (a packed AWQ/GPTQ/compressed-tensors
-    one gives its dequantized weights)."""
+    """The cache directory of `src` (a model directory or its opened formats.Checkpoint: a packed one gives
+    its dequantized weights) at `bits` with a shard for every layer in `layers` (see contract)."""
     from offload.formats import Checkpoint, open_checkpoint
 
     if bits not in GROUPS:
@@ -250,10 +238,12 @@ def _write_shard(index, i: int, linears: set[str], bits: int, path: Path) -> Non
 # -- building the substitute layer ----------------------------------------------------------------
 def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute: torch.dtype, pool) -> nn.Module:
     """The meta-device decoder layer `skeleton` with its weights from `shard` (see contract)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     tensors = load_file(str(shard))
-    bits = json.loads(_header_settings(shard))["bits"]
+    with safe_open(str(shard), "pt") as f:
+        bits = json.loads(f.metadata()["specx"])["bits"]
 
     def put(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return pool.copy(t.to(dtype) if dtype is not None else t, "draft")
@@ -285,11 +275,9 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
 
 
 def _place_blocks(layer: nn.Module, put: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Put the layer's kernel blocks on the device: each sibling set (q|k|v, gate|up: qfuse.SIBLINGS) of
-    one type and input width as ONE buffer, its members' rows back to back in member order and each
-    member a view of its own, so the one-call stack multiplies a set in one call over one 8-bit image
-    of the input (a qfuse.FusedGroup: 4 matmuls a layer, not 7; every output row the same dot product);
-    every other block set its own buffer. The device bytes are the same either way."""
+    """Put the layer's kernel blocks on the device: each sibling set (q|k|v, gate|up: qfuse.SIBLINGS) of one
+    type and input width as ONE buffer, each member a view of its rows, so the one-call stack multiplies a
+    set in one call over one 8-bit image of the input (qfuse.FusedGroup); every other block set its own."""
     placed, named = set(), dict(layer.named_modules())
     for names in SIBLINGS:
         mods = [named[n] for n in names if n in named]
@@ -312,10 +300,3 @@ def _blocks(tensors: dict, name: str, bits: int, shape: tuple[int, int]) -> torc
     scale = tensors[f"{name}.scale"]
     codes = hqq_quantizer().unpack[PACKING[bits]](tensors[f"{name}.W_q"], dtype=torch.float32)
     return pack(codes[: scale.shape[0]], scale, tensors[f"{name}.zero"], bits, shape[0])
-
-
-def _header_settings(shard: Path) -> str:
-    from safetensors import safe_open
-
-    with safe_open(str(shard), "pt") as f:
-        return f.metadata()["specx"]

@@ -1,23 +1,17 @@
 """The self-draft's HQQ substitutes in blocks the CPU kernel reads directly (specx's SX3 / SX2 types).
 
 Contract:
-- `SX3`, `SX2`: the kernel's type ids (cpu/kernels/ggml_blocks.h has the byte layouts): 3-bit
-  codes in blocks of 64 values (28 bytes: 3.5 bits a weight), 2-bit in blocks of 32 (12 bytes: 3.0),
-  one fp16 pair (d, m) a block, w = d * q + m. `TYPE_OF_BITS[bits]`; `BLOCKS[type] = (values, bytes)`.
-- `pack(codes, scale, zero, bits, n_rows)` -> (N, row bytes) uint8: HQQ's group-wise quantization
-  W[g] = (q[g] - zero[g]) * scale[g] (groups of lowbit.GROUPS[bits] consecutive input values,
-  row-major over the (N, K) weight) as one block a group, d = scale, m = -zero * scale (each rounded
-  to fp16 once). `codes` (groups, group) integers in [0, 2^bits).
-- `dequantize(raw, qtype, N, K)` -> (N, K) fp32: the weight, w = d * q + m (the fp32 product, then
-  + m, rounded apart).
-- The kernel's numbers for x (T, K) (tests/test_lowbit_blocks.py's reference computes them): where K
-  is a multiple of 64 it multiplies 8-bit activations (cpu/kernels/sx_q8.h): per 64 values
-  x ~ sx * xq, sx = amax / 127, and y = xhat (d (q - C))^T + x (m + C d)^T with the codes centred on
-  C = 3.5 / 1.5; about 0.5% of |y| from x W^T, which only the draft's proposals carry. Other K: fp32.
-- `KernelLowbitLinear(raw, qtype, out, in)`: y = x W^T for fp32 CPU input through
-  ggml_kernel.linear (the packed bytes read once per call, never a dense copy); other inputs multiply
-  by `dequantize`. It exposes what cpu/leanstack.py reads of a kernel-served linear (`ggml_type`,
-  `parts`, `row_map`, `out_features`, no bias), so a self-draft of such layers runs as one C call.
+- `SX3`, `SX2` (cpu/kernels/ggml_blocks.h has the layouts): 3-bit codes in blocks of 64 values (28 bytes),
+  2-bit in blocks of 32 (12 bytes), one fp16 pair (d, m) a block, w = d * q + m (the fp32 product, then
+  + m, rounded apart). `TYPE_OF_BITS[bits]`; `BLOCKS[type] = (values, bytes)`.
+- `pack(codes, scale, zero, bits, n_rows)` -> (N, row bytes) uint8: HQQ's W[g] = (q[g] - zero[g]) * scale[g]
+  (groups of lowbit.GROUPS[bits] input values, row-major) as one block a group, d = scale,
+  m = -zero * scale (each rounded to fp16 once); `dequantize(raw, qtype, N, K)` -> the (N, K) fp32 weight.
+- For K a multiple of 64 the kernel multiplies 8-bit activations (cpu/kernels/sx_q8.h): per 64 values
+  x ~ sx * xq, sx = amax / 127, y = xhat (d (q - C))^T + x (m + C d)^T with codes centred on C = 3.5 / 1.5,
+  about 0.5% of |y| from x W^T (tests/test_lowbit_blocks.py's reference); other K: fp32.
+- `KernelLowbitLinear(raw, qtype, out, in)`: y = x W^T through ggml_kernel.linear for fp32 CPU input, else
+  by `dequantize`; it exposes what cpu/leanstack.py reads of a kernel-served linear.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """bitsandbytes NF4: the one place that knows bnb's quirks.
 
-Contract: `quantize_nf4(weight, device)` returns (packed uint8 tensor of shape ((n+1)//2, 1),
-QuantState on `device`) exactly as `bitsandbytes.nn.Linear4bit` would produce for the same
-weight (blocksize 64, double-quantized statistics, NF4). `Nf4Linear` computes the same
-`bnb.matmul_4bit(x.to(compute_dtype), W, bias, quant_state).to(x.dtype)` as Linear4bit.forward
-(weights are quantized from their bf16 values; compute is bf16 on CUDA, fp32 on CPU);
-its packed `weight` parameter is re-pointed at a streamed buffer each pass, while the small
-quant state (absmax, code, nested state) stays resident on the device.
-On a CPU with AVX512-BF16, Linear4bit.forward (so transformers' generate of a 4-bit model)
-re-lays the weight out for bnb's fused bf16 CPU kernel and computes there; `Nf4Linear` does the
-same (`cpu_relayout`: nibble moves on the packed bytes, once for resident layers, per pass for
-streamed ones; nothing re-quantized), so its outputs equal Linear4bit's on every machine.
+Contract: `quantize_nf4(weight, device)` returns (packed uint8 ((n+1)//2, 1), QuantState on `device`)
+exactly as `bitsandbytes.nn.Linear4bit` makes them (blocksize 64, double-quantized, NF4, from the bf16
+values). `Nf4Linear` computes Linear4bit.forward's `bnb.matmul_4bit(x.to(compute_dtype), W, bias,
+quant_state).to(x.dtype)`; its packed `weight` is re-pointed at a streamed buffer each pass while the
+quant state stays resident. On a CPU with AVX512-BF16, Linear4bit re-lays the weight out for bnb's
+fused bf16 CPU kernel; `Nf4Linear` does the same (`cpu_relayout`: nibble moves, nothing re-quantized),
+so its outputs equal Linear4bit's on every machine.
 """
 
 from __future__ import annotations
@@ -89,10 +85,8 @@ class Nf4Linear(nn.Module):
         return out.to(in_dtype)
 
     def _cpu_layout(self, weight: torch.Tensor):
-        """(weight, state) in bnb's AVX512-BF16 CPU layout, the values Linear4bit.forward makes.
-        The state is converted once per quant state. With `prelaid` the bytes already are in that
-        layout (OffloadedCausalLM re-lays resident/RAM layers out once at load and streamed ones
-        on the copy thread after each read); otherwise they are re-laid out here, per call."""
+        """(weight, state) in bnb's AVX512-BF16 CPU layout, as Linear4bit.forward makes them; the state
+        converted once, the bytes per call unless `prelaid` (OffloadedCausalLM re-laid them already)."""
         cached = getattr(self, "_cpu_cache", None)
         if cached is None or cached[0] is not self.quant_state:
             cached = self._cpu_cache = (self.quant_state, cpu_state(self.quant_state))
@@ -105,9 +99,8 @@ CPU_PACKING = "bnb-cpu-avx512bf16"  # bytes already in bnb's fused CPU kernel la
 
 
 def packing_for(device) -> str:
-    """The byte layout the 4-bit cache stores for compute on `device`: CPU_PACKING where
-    Linear4bit computes with bnb's fused AVX512-BF16 CPU kernel (so streamed bytes need no
-    re-layout after each read), else "standard" (bnb's serialized layout, as save_pretrained writes)."""
+    """The byte layout the 4-bit cache stores for compute on `device`: CPU_PACKING where Linear4bit computes
+    with bnb's fused AVX512-BF16 CPU kernel, else "standard" (bnb's serialized layout)."""
     return CPU_PACKING if torch.device(device).type == "cpu" and _cpu_bf16_kernel() is not None else "standard"
 
 

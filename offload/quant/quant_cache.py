@@ -1,21 +1,17 @@
 """The 4-bit cache: a 16-bit checkpoint quantized ONCE into a pre-quantized bitsandbytes checkpoint.
 
 Contract:
-- `write_quantized(src, out, progress, tokenizer)` writes a self-contained checkpoint in
-  prequant.py's format: one safetensors shard per decoder layer (every nn.Linear weight of the
-  layer NF4-packed, blocksize 64, double-quantized, from its 16-bit values; everything else as stored),
-  one shard for the non-layer tensors, `model.safetensors.index.json`, `config.json` with
-  `quantization_config`, and (tokenizer=True) the source's tokenizer and generation files, so
-  transformers' `from_pretrained` loads it too. It is written into a temporary sibling directory,
-  `specx-manifest.json` (file names and sizes, the source fingerprint) LAST, then renamed into place:
-  a directory without a matching manifest is partial or stale and is never used.
-- `ensure_nf4_cache(src, progress, packing)` returns the cache directory for `src` under
-  `cache_root()`, (re)building it when missing, partial or stale; its name carries a key over the
-  source files' names, sizes and mtimes, the quantization settings and the packing (`keyed_path`).
-- `packing` (nf4.packing_for(device)): "standard" keeps bnb's serialized byte layout (what
-  `specx quantize` writes); nf4.CPU_PACKING stores the packed bytes already in bnb's fused CPU
-  kernel's layout (nf4.cpu_relayout), so a disk-tier pass converts nothing; config.json then
-  carries `"specx_packing"` and only specx on such a CPU loads it.
+- `write_quantized(src, out, progress, tokenizer)` writes a checkpoint in prequant.py's format that
+  transformers' `from_pretrained` loads too: one safetensors shard per decoder layer (every nn.Linear
+  weight NF4-packed from its 16-bit values, everything else as stored), one for the other tensors, the
+  index, `config.json` with `quantization_config` and (tokenizer=True) the source's tokenizer files. It
+  is written into a temporary sibling, `specx-manifest.json` (file sizes, source fingerprint) LAST, then
+  renamed into place: a directory without a matching manifest is never used.
+- `ensure_nf4_cache(src, progress, packing)` -> the cache directory for `src` under `cache_root()`,
+  (re)built when missing, partial or stale; its name's key covers the source files' names, sizes and
+  mtimes, the settings and the packing (`keyed_path`).
+- `packing` (nf4.packing_for(device)): "standard" is bnb's serialized layout; nf4.CPU_PACKING stores the
+  bytes in bnb's fused CPU kernel's layout (nf4.cpu_relayout), marked `"specx_packing"` in config.json.
 - `progress(done, total, what)` is called once per layer while quantizing.
 """
 
@@ -82,9 +78,8 @@ def settings(packing: str = "standard") -> dict:
 
 
 def keyed_path(src: Path, kind: str, extra: dict) -> Path:
-    """cache_root()/<src's folder name>-<kind>-<key>, the key 24 hex digits of SHA-256 over the
-    source's weight files (source_fingerprint) and `extra`: a changed source or setting is a new path
-    (this cache, lowbit.py's per-layer one, selfdraft/influence.py's figures)."""
+    """cache_root()/<src's folder name>-<kind>-<key>, the key 24 hex digits of SHA-256 over the source's
+    weight files (source_fingerprint) and `extra`: a changed source or setting is a new path."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", src.resolve().name) or "model"
     blob = json.dumps({"files": source_fingerprint(src), **extra}, sort_keys=True)
     return cache_root() / f"{name}-{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:24]}"
@@ -111,9 +106,8 @@ def is_complete(out: Path, key: str | None = None) -> bool:
 
 
 def ensure_nf4_cache(src: Path, progress: Progress | None = None, packing: str = "standard") -> Path:
-    """The cache directory for `src`, (re)built when missing, partial, stale or unreadable; a cache
-    that exists but cannot be used is rebuilt with an OffloadNotice, never used. `src`: the opened
-    16-bit Checkpoint (or its directory)."""
+    """The cache directory for `src` (the opened 16-bit Checkpoint or its directory); one that exists but
+    cannot be used is rebuilt with an OffloadNotice."""
     ckpt = src if isinstance(src, Checkpoint) else None
     src = ckpt.path if ckpt is not None else Path(src)
     out, key = cache_dir(src, packing), cache_key(src, packing)
@@ -158,10 +152,6 @@ def drop_stale(keep: Path, record: str, same: Callable[[dict], bool]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _quant_dtype(t: torch.Tensor) -> torch.dtype:
-    return t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
 def _shard(index: Checkpoint, names: list[str], linears: set[str], packing: str) -> dict[str, torch.Tensor]:
     tensors = {}
     for name in names:
@@ -169,7 +159,8 @@ def _shard(index: Checkpoint, names: list[str], linears: set[str], packing: str)
         if name in linears:
             # on the GPU when there is one (minutes of CPU per 70B layer otherwise); quant_tensors moves to the host
             dev = torch.device("cuda" if torch.cuda.is_available() and packing != CPU_PACKING else "cpu")
-            packed, state = quantize_nf4(t, dev, _quant_dtype(t))
+            dtype = t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16  # fp32 -> bf16
+            packed, state = quantize_nf4(t, dev, dtype)
             if packing == CPU_PACKING and cpu_layout_fits(state):
                 # same ((N*K+1)//2, 1) shape, bytes in the kernel's (N, K/2) block layout
                 packed = cpu_relayout(packed, tuple(state.shape)).reshape(packed.shape)
