@@ -2,32 +2,20 @@
 
 Contract (pure arithmetic over plan.experts, planning/experts.py, and a passcost.Device; every figure modelled):
 - `read_seconds(ex, i, dev)`: one routed expert of layer i read from disk: its read requests
-  (`ex["expert_reads"][i]`: the file spans expertstore.expert_layers gives it over the headers, one request
-  each: gpt-oss's fused tensors give an expert one span per tensor, six; a Qwen3-MoE expert's adjacent
-  matrices merge into one) x Device.disk_read_s (the disk's per-request latency, `specx profile` or the
-  passcost.DISK_READ_S prior), plus its bytes / Device.disk_bps.
-- `compute_seconds(ex, i, n, dev, c)`: one distinct expert of layer i computing its share of a pass of n
-  tokens (n x k / d routed rows of d distinct experts): max(its bytes at the CPU expert rate `cpu_bps` on a CPU
-  (memory bandwidth on a card), its FLOPs), plus its dequantization where the experts are stored quantized
-  (`ex["kernel"]` "mxfp4": formats/mxfp4.Mxfp4Experts.weights rebuilds every routed expert, whole layer or
-  apart: weights x c x passcost.dequant_elems at Device.dequant_rate, measured by `specx profile`'s "mxfp4"
-  probe on the call the experts make, formats/mxfp4.dequantize_t (the C kernel on a CPU), else memory
-  bandwidth).
-- `apart_seconds(ex, i, n, dev, c)`: layer i's routed experts held apart in a pass of n tokens: d distinct
-  experts, m = d x (1 - hit) of them missing the RAM cache, each miss read (r = read_seconds), each expert
-  computed (t = compute_seconds). With read-ahead (a cache of at least two experts: ExpertStore.stream reads
-  the next expert while the current one computes): r + (m - 1) x max(r, t) + t + (d - m) x t (the first read
-  waits, every later one hides behind the compute before it or the compute behind it); without: m x r + d x t.
-  None of it overlaps the layer's own attention and router (the router chooses first), nor the next layer.
-  Unless the pass routes to many experts: for a pass of more than one token whose misses are worth a whole
-  read (stream/expertbulk.worth_whole, THE rule the store applies, at its REQUEST_BYTES), the store reads the
-  layer's experts whole (one request per expert span at most: a fused tensor, or per-expert tensors merged)
-  while the layer before computes, and copies each miss out of that read (its bytes read and written):
-  max(w, d x t) + m x 2 x bytes / memory bandwidth, w = the whole read's requests x disk_read_s + E x bytes /
-  disk_bps, the layer before's compute taken as this layer's (layers alike).
-- `transfer_seconds(nbytes, reads, rate, dev)`: a streamed part of a layer (a whole layer, or the dense part
-  of one holding its experts apart): bytes / rate plus, from disk, `reads` requests x disk_read_s. The stream
-  reads it while the previous layer computes (passcost's max(transfer, compute) per layer).
+  (`ex["expert_reads"][i]`, its file spans: six for gpt-oss's fused tensors, one for a Qwen3-MoE expert's
+  adjacent matrices) x Device.disk_read_s, plus its bytes / Device.disk_bps.
+- `compute_seconds(ex, i, n, dev, c)`: one distinct expert of layer i computing its n x k / d rows of a
+  pass of n tokens: max(its bytes at `cpu_bps` on a CPU (memory bandwidth on a card), its FLOPs), plus,
+  for experts stored MXFP4 (`ex["kernel"]`), weights x c x passcost.dequant_elems at Device.dequant_rate.
+- `apart_seconds(ex, i, n, dev, c)`: d distinct experts, m = d x (1 - hit) of them missing the RAM cache,
+  r = read_seconds, t = compute_seconds. With read-ahead (a cache of at least two experts: the next read
+  while one computes): r + (m - 1) x max(r, t) + t + (d - m) x t; without: m x r + d x t. None of it
+  overlaps the layer's attention and router, nor the next layer. A pass of more than one token whose misses
+  are worth a whole read (stream/expertbulk.worth_whole, the store's rule) reads the layer's experts whole
+  beside the layer before and copies each miss out: max(w, d x t) + m x 2 x bytes / memory bandwidth, w =
+  the whole read's requests x disk_read_s + E x bytes / disk_bps.
+- `transfer_seconds(nbytes, reads, rate, dev, disk)`: a streamed part of a layer: bytes / rate plus, from
+  disk, `reads` x disk_read_s; it arrives while the previous layer computes (passcost's max per layer).
 """
 
 from __future__ import annotations
@@ -37,7 +25,8 @@ from offload.stream.expertbulk import REQUEST_BYTES, worth_whole
 
 
 def distinct_experts(n: int, k: int, e: int) -> float:
-    """Expected distinct experts n tokens route to, top-k of e, uniform independent routing (experts.py's contract)."""
+    """Expected distinct experts n tokens route to, top-k of e, under uniform independent routing (a prior):
+    e x (1 - (1 - k/e)^n). A verify pass of a tree of n tokens reads that many per sparse layer, not n x k."""
     return e * (1.0 - (1.0 - k / e) ** max(0, n))
 
 

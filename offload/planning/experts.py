@@ -2,53 +2,31 @@
 placed apart, and a pass priced by the DISTINCT experts its tokens route to.
 
 Contract (pure arithmetic over config.json, the headers and a passcost.Device; every figure modelled):
-- `moe_shape(ck, lay, req, bits, dense_bits)` -> MoeShape | None (None: not a mixture-of-experts
-  checkpoint): experts E and top-k of the config, and per decoder layer its routed experts' bytes
-  (every stored tensor with ".experts." in its name; a dense MLP layer has none) and the rest of the
-  layer ("dense": attention, norms, router, a shared expert), in the plan's dtype, or at `bits` /
-  `dense_bits` per weight (another format's bytes, for comparisons with other programs' runs).
-- `distinct_experts(n, k, e)` = e x (1 - (1 - k/e)^n): the expected number of distinct experts n
-  tokens route to with top-k of e, under UNIFORM independent routing (a prior: real routers are
-  skewed, so fewer distinct experts and more cache hits; measured routing counts replace it through
-  `hit_share`). A verify pass of a tree of n tokens reads that many experts per sparse layer, not n x k.
-- `expert_plan(ck, lay, req, plan)` -> the JSON `plan.experts` (None for a dense model), in one of
-  three modes:
-  "on-demand" (run; where stream/expertstore.splits_experts allows it: a CPU device, a mixture-of-experts
-  family, something on disk; and where its modelled tokens/s, `on_demand_tokens_per_second`, beats whole
-  layers', `layers_tokens_per_second`: THE choice, both figures kept; the loader's experts="auto" follows
-  it, and memplan.plan_memory plans again with whole layers' sizes where it chose whole layers, as
-  `lay.apart` says which sizes a plan has): layers placed as the plan places them; a
-  disk layer streams its dense part only (memlayers sizes its slot so), and its routed experts
-  (`disk_experts`) are read from disk after the router chose them, into a RAM cache of `cache_experts`
-  experts (`cache_bytes`, the device component "expert_cache"; expertstore.cache_capacity of what the RAM
-  cap leaves: none with --offload disk, so one layer's experts) kept most recently used (its `hit` priced
-  under the uniform prior, measured routing or not: an LRU cache does not hold the hottest); the experts of
-  resident and RAM layers (`ram_experts`) stay in their layers. A pass pays the cache's misses after the
-  router chose them, each read `expert_reads` requests at the disk's latency plus its bytes at its rate, the
-  next read while one computes (planning/expertcost.py); a whole layer's read (`layer_reads` requests) overlaps
-  the layer before it.
-  "split" (CUDA, when something of the whole-layer plan streams and the split models faster, as
-  llama.cpp's --cpu-moe / --n-cpu-moe and ktransformers do): every layer's dense part resident on the
-  card, a GPU expert cache of `gpu_experts` experts in the device memory left, the other experts in RAM up to
-  the RAM budget, then on disk (`gpu_ids`, `ram_ids`, `disk_ids`: per layer its ids, splitexperts.tier_order:
-  the hottest first by measured routing, else evenly; the loader places them so); the disk tier's RAM cache
-  holds one layer's experts (`cache_experts`, host "expert_cache"). Per pass and sparse layer the routed experts
-  not cached run on the CPU where they live (only their rows read; the disk tier's read once routed), or, from
-  `stream_from` tokens on (per layer, planning/splitcost.py), are copied to the card through `expert_staging`
-  (two slots of top-k experts) and computed there, whichever models faster (`routed` names it).
-  "layers": the plan's own whole-layer placement; a layer computes only its routed experts
-  (arch/moe.ExpertList runs the experts some token hit), while a streamed layer moves all of them.
-  `runs` says the loader realizes the mode: every mode runs (experts="auto" follows the plan's).
-- `pass_terms(a, plan, dev, n, ctx, c)` -> passcost.PassTerms of a pass of n tokens under
-  plan["experts"] (draftcost.target_seconds calls it for MoE plans, passcost.target_pass for dense ones):
-  the dense part as passcost prices a layer, plus `experts` seconds = per sparse layer, distinct experts x their tier's bytes over the
-  tier's rate (GPU memory; CPU experts at `cpu_bps`; disk), or their FLOPs if those take longer, plus an MXFP4
-  expert's dequantization (`kernel`); experts held apart as expertcost.apart_seconds prices them.
-  `mode_seconds(a, plan, dev, n, ctx, c, mode)`: that pass's seconds in either mode, whichever the plan chose
-  (plan.experts keeps the on-demand fields under `on_demand` where it chose whole layers): the benchmark's
-  modelled figures; `chose_whole_layers(ex)`: it weighed both and chose whole layers.
-- The CPU expert rate (`_cpu_rate`): `Device.dequant_bps["cpu-experts"]` where a profile measured it or a
-  stated machine gives it, else on a CPU device its memory bandwidth, else the CPU_EXPERTS prior.
+- `moe_shape(ck, lay, req, bits, dense_bits)` -> MoeShape, None for a dense model: E, top-k and per layer
+  one routed expert's bytes and weights (tensors with ".experts." in the name; 0 for a dense MLP layer) and
+  the rest's ("dense"), in the plan's dtype or at `bits` / `dense_bits` per weight (another format's).
+- Routing is a prior: expertcost.distinct_experts, uniform and independent; measured routing counts
+  replace it through `hit_share` (real routers are skewed: fewer distinct experts, more hits).
+- `expert_plan(ck, lay, req, plan)` -> the JSON `plan.experts` (None for a dense model); the loader's
+  experts="auto" follows its mode, and every mode runs (`runs`):
+  "on-demand" (where stream/expertstore.splits_experts allows it, and its modelled tokens/s beats whole
+  layers': both kept, `on_demand_tokens_per_second` and `layers_tokens_per_second`; memplan plans again with
+  whole layers' sizes where it chose whole layers): a disk layer streams its dense part only and its routed
+  experts (`disk_experts`) are read once routed into a RAM cache of `cache_experts` (`cache_bytes`, device
+  component "expert_cache"; expertstore.cache_capacity; an LRU, so its `hit` is the uniform prior), priced
+  by expertcost.apart_seconds; resident and RAM layers keep theirs (`ram_experts`).
+  "split" (CUDA, something streams and it models faster; llama.cpp's --n-cpu-moe): every dense part on the
+  card, `gpu_experts` cached there, then `ram_experts` in RAM, then `disk_experts` (`*_ids` per layer:
+  splitexperts.tier_order); the disk tier's RAM cache holds one layer's experts; uncached experts run on
+  the CPU or, from `stream_from` tokens on, through `expert_staging` (2 x top-k experts) on the card
+  (planning/splitcost.py), whichever models faster (`routed`).
+  "layers": the plan's whole-layer placement; a layer computes only its routed experts.
+- `pass_terms(a, plan, dev, n, ctx, c)` -> passcost.PassTerms of a pass of n tokens under plan.experts: the
+  dense part as passcost prices a layer plus `experts` seconds (distinct experts x their tier's bytes over
+  its rate, or their FLOPs if longer, plus MXFP4 dequantization). `mode_seconds(...)`: that pass in either
+  mode (the benchmark's figures); `chose_whole_layers(ex)`: it weighed both and chose whole layers.
+- The CPU expert rate (`_cpu_rate`): `Device.dequant_bps["cpu-experts"]` where measured or stated, else on
+  a CPU device its memory bandwidth, else the CPU_EXPERTS prior.
 """
 
 from __future__ import annotations
@@ -65,21 +43,16 @@ from offload.stream.expertstore import cache_capacity, splits_experts, streams_w
 from offload.stream.splitexperts import tier_ids, tier_order
 
 CPU_READ_SHARE = 0.5
-"""Share of its DIMMs' peak bandwidth (channels x 8 bytes x MT/s) a desktop CPU reads weights at in a
-one-token GEMV, from published llama.cpp runs (the RAM's speed is the CPU's rated one; the sources do not give
-it): a dense 3B of 1.93 GB decodes at 11.8 tok/s on an i7-8700 (DDR4-2666 dual channel: 42.7 GB/s
-peak), 22.8 GB/s read, 0.53 of peak (inventivehq.com/blog/moe-on-cpu-benchmark); gpt-oss-120b with
-every expert on a 14900K's CPU (--cpu-moe) decodes at 25.6 tok/s, its 4 routed MXFP4 experts x 36
-layers (1.9 GB) a token at >= 48.6 GB/s of DDR5-5600's 89.6 GB/s peak, 0.54 (a reddit report quoted at
-gokawiil.com/article/74814)."""
+"""Share of its DIMMs' peak bandwidth a desktop CPU reads weights at in a one-token GEMV, from published
+llama.cpp runs: a dense 3B of 1.93 GB at 11.8 tok/s on an i7-8700 (DDR4-2666 dual channel, 42.7 GB/s peak):
+0.53 (inventivehq.com/blog/moe-on-cpu-benchmark); gpt-oss-120b with every expert on a 14900K's CPU at 25.6
+tok/s, 1.9 GB of routed MXFP4 experts a token of DDR5-5600's 89.6 GB/s: 0.54 (gokawiil.com/article/74814)."""
 
 DDR5_DESKTOP_PEAK = 80e9  # bytes/s: DDR5-5000 dual channel (2 x 8 bytes x 5000 MT/s), a desktop's memory
 
 CPU_EXPERTS = dict(bps=CPU_READ_SHARE * DDR5_DESKTOP_PEAK, flops=200e9)
-"""Prior for routed experts computed on a CUDA machine's host CPU: a DDR5 dual-channel desktop read at
-CPU_READ_SHARE of its peak in a GEMV over the routed experts' rows (40 GB/s), and its AVX-512 cores
-multiplying ~200 GFLOP/s; not measured (bench/moe_experts.py measures this machine's CPU). A stated
-machine's rate goes in as `Device.dequant_bps["cpu-experts"]` (tools/plan_tables.py's machines)."""
+"""Prior for routed experts computed on a CUDA machine's host CPU: a DDR5 desktop read at CPU_READ_SHARE of
+its peak (40 GB/s) and ~200 GFLOP/s of AVX-512; not measured (bench/moe_experts.py measures this CPU)."""
 
 SOURCES_PRIOR = "prior: a DDR5 desktop CPU (experts.CPU_EXPERTS)"
 
@@ -99,10 +72,8 @@ def _config(ck) -> dict:
 
 
 def moe_shape(ck, lay, req, bits: float | None = None, dense_bits: float | None = None) -> MoeShape | None:
-    """The checkpoint's experts from config.json and headers (see the contract), None for a dense model;
-    `bits`: the experts' bytes at that many bits per weight instead (what another format would store);
-    `dense_bits`: the rest of the layer's matrices at that many bits too (its vectors, the norms and
-    biases, stay in the plan's dtype), as a GGUF K-quant stores attention beside its experts."""
+    """The checkpoint's experts (see the contract), None for a dense model; with `dense_bits` the rest's
+    vectors (norms, biases) stay in the plan's dtype, as a GGUF K-quant stores attention beside its experts."""
     c = _config(ck)
     e = int(c.get("num_local_experts") or c.get("num_experts") or 0)
     k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0)
@@ -140,8 +111,7 @@ def hit_share(counts: list[int] | None, cached: int, e: int) -> float:
 
 
 def _cpu_rate(dev) -> tuple[float, float, str]:
-    """(bytes/s, FLOP/s, source) of routed experts computed on the CPU (see the contract): on a CPU device
-    every mode prices its routed experts at that rate, on CUDA the "split" mode's CPU experts."""
+    """(bytes/s, FLOP/s, source) of routed experts computed on the CPU (see the contract)."""
     measured = (getattr(dev, "dequant_bps", None) or {}).get("cpu-experts")
     if measured:
         return measured, CPU_EXPERTS["flops"], (dev.sources or {}).get("dequant", "measured")
@@ -245,34 +215,20 @@ def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
         apart = held and i in disk and ex["expert_bytes"][i] > 0  # its dense part streams, its experts on demand
         reads = (ex["dense_reads"] if apart else ex["layer_reads"])[i] if ex["layer_reads"] else 0  # counted: splits
         transfer = transfer_seconds(ex["dense_bytes"][i] if apart else size, reads, rate, dev, i in disk)
-        dense_bytes = ex["dense_bytes"][i] if ex["expert_bytes"][i] else size
-        layer_gemm = (
-            max(dense_flops, dense_bytes / dev.memory_bps)
-            if ex["expert_bytes"][i]
-            else (max(2 * linear_weights(a) * n / dev.flops(c), size / dev.memory_bps))
-        )
+        if ex["expert_bytes"][i]:
+            layer_gemm = max(dense_flops, ex["dense_bytes"][i] / dev.memory_bps)
+        else:
+            layer_gemm = max(2 * linear_weights(a) * n / dev.flops(c), size / dev.memory_bps)
         ex_s, how = routed_seconds(ex, i, n, dev, c, apart)
         routed.add(how)
         total += max(transfer, layer_gemm + attn + ex_s)
         stream, gemm, experts = stream + transfer, gemm + layer_gemm, experts + ex_s
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), a.hidden * a.vocab * c / dev.memory_bps)
-    floor = forward_floor(plan, dev, n)
-    compute = gemm + experts + len(plan.layer_bytes) * attn
-    bound = "stream" if stream > compute else "experts" if experts > gemm else "compute"
+    floor, attn_s = forward_floor(plan, dev, n), len(plan.layer_bytes) * attn
+    bound = "stream" if stream > gemm + experts + attn_s else "experts" if experts > gemm else "compute"
+    ran = "+".join(sorted(h for h in routed if h))
     return PassTerms(
-        n,
-        ctx,
-        stream,
-        gemm,
-        0.0,
-        len(plan.layer_bytes) * attn,
-        head,
-        floor,
-        floor + head + total,
-        bound,
-        dev.flops(c),
-        experts,
-        "+".join(sorted(h for h in routed if h)),
+        n, ctx, stream, gemm, 0.0, attn_s, head, floor, floor + head + total, bound, dev.flops(c), experts, ran
     )
 
 
@@ -283,9 +239,8 @@ def _tokens_per_second(a, plan, dev, ex: dict, c: int, ctx: int) -> float:
 def expert_plan(
     ck, lay, req, plan, routing: list[int] | None = None, bits: float | None = None, dense_bits: float | None = None
 ) -> dict | None:
-    """plan.experts for this MoE checkpoint (see the contract); None for a dense model. `bits` / `dense_bits`:
-    model the experts / the rest of each layer stored at that many bits per weight (moe_shape; a format
-    the loader may not read: docs' comparisons with other programs' published runs)."""
+    """plan.experts for this MoE checkpoint (see the contract); None for a dense model. `bits` / `dense_bits`
+    (moe_shape): a format the loader may not read, for comparisons with other programs' published runs."""
     plan, shape = getattr(plan, "replaced", None) or plan, moe_shape(ck, lay, req, bits, dense_bits)  # split: whole
     if shape is None:
         return None
@@ -334,8 +289,7 @@ def expert_plan(
 
 
 def mode_seconds(a, plan, dev, n: int, ctx: int, c: int, mode: str) -> float:
-    """Modelled seconds of a pass of n tokens under plan.experts run in `mode` ("on-demand" or "layers"), whichever
-    the plan chose (the other's fields are kept: `on_demand`): both sides of the choice, for the benchmark."""
+    """Modelled seconds of a pass of n tokens under plan.experts run in `mode` ("on-demand" or "layers")."""
     ex = {**plan.experts, **(plan.experts.get("on_demand") or {}), "mode": mode}
     return pass_terms(a, replace(plan, experts=ex), dev, n, ctx, c).seconds
 

@@ -1,19 +1,15 @@
 """The "split" placement's uncached routed experts per pass: computed on the CPU, or streamed to the card.
 
-The uncached experts of a pass run on the CPU where they live, or are copied to the card through the staging area
-and computed there (llama.cpp's op offload), whichever models faster.
-
 Contract (pure arithmetic over plan.experts `ex` of mode "split", planning/experts.py, and a passcost.Device;
 every figure modelled). Per sparse layer i, d = distinct_experts(n, k, E) of a pass of n tokens split by tier
 shares (g cached on the card: the hit share; r in RAM, s on disk: the rest by their counts):
-- `split_seconds(ex, i, n, dev, c)` -> (seconds, "cpu" | "stream"): the cached share on the card (its distinct
-  experts' bytes over the card's memory rate, or its FLOPs, whichever is longer) plus the cheaper of
-  cpu = max(d r bytes at `cpu_bps`, the uncached pairs' FLOPs at `cpu_flops`) + d s bytes at the disk's rate (read
-  once routed), and stream = d s bytes at the disk's rate + d (1 - g) bytes over the link into the staging area
-  + their compute on the card (bytes over its memory rate, or FLOPs): copy then compute, as the loader runs it
-  (stream/splitexperts.py: one stream, no overlap counted).
-- `stream_from(ex, dev, c)` -> per layer the smallest n whose stream term beats its cpu term (None: a dense MLP
-  layer, or never up to MAX_TOKENS), what the plan writes as plan.experts["stream_from"] and the loader follows.
+- `split_seconds(ex, i, n, dev, c)` -> (seconds, "cpu" | "stream"): the cached share on the card (bytes over
+  its memory rate, or FLOPs, whichever is longer) plus the cheaper of cpu = max(d r bytes at `cpu_bps`, the
+  uncached pairs' FLOPs at `cpu_flops`) + d s bytes at the disk's rate, and stream = d s bytes at the disk's
+  rate + d (1 - g) bytes over the link into the staging area + their compute on the card: copy then compute,
+  as stream/splitexperts.py runs it (llama.cpp's op offload; no overlap counted).
+- `stream_from(ex, dev, c)` -> per layer the smallest n whose stream term wins (None: a dense MLP layer, or
+  never up to MAX_TOKENS): plan.experts["stream_from"], which the loader follows.
 """
 
 from __future__ import annotations
