@@ -1,12 +1,10 @@
 """Measured tokens per target pass of each kind of draft: the acceptance priors of the draft cost model.
 
 Contract: `tokens_per_pass(kind, temperature, budget, weights)` -> the expected tokens per target pass of a
-draft of `kind` ("small", a self-draft width 4 / 3 / 2, or "skip") at `budget`, log-linear between the
-measured budgets of its row and flat beyond the largest; below the smallest measured budget b0 (tokens t0)
-it falls from t0 towards plain decoding's 1 token at budget 0, as 1 + (t0 - 1) log(1 + b) / log(1 + b0); and
-never above budget + 1 (a tree of `budget` nodes verifies at most that many tokens and the root's); greedy or sampled by the temperature; a self-draft
-width of a target of at most SMALL_TARGET `weights` reads TOKENS_PER_PASS_SMALL (measured on a small real
-model), every other case TOKENS_PER_PASS. offload/planning/draftcost.py models speed with it.
+draft of `kind` ("small", a self-draft width 4 / 3 / 2, or "skip") at `budget`, greedy or sampled by the
+temperature: log-linear between the measured budgets of its row, flat beyond the largest; below the smallest
+b0 (tokens t0), 1 + (t0 - 1) log(1 + b) / log(1 + b0) (plain decoding's 1 token at budget 0); never above
+budget + 1. A self-draft width of a target of at most SMALL_TARGET `weights` reads TOKENS_PER_PASS_SMALL.
 """
 
 from __future__ import annotations
@@ -33,14 +31,11 @@ TOKENS_PER_PASS = {
     },
     "skip": {"greedy": {16: 2.824}, "sampled": {16: 2.824}},
 }
-"""Tokens per target pass by draft and budget, measured on the shared pair (bench/selfdraft.py, specexec,
-40 prompts, 128 new tokens, gap-featured node scores, shared KV): "small" = the 2.9M shared draft, 4 = nf4
-substitutes of every layer, 3 / 2 = HQQ; greedy at T = 0 (bench/results/selfdraft_t0_gap*.json), sampled at
-T = 0.7 (selfdraft_t07_gap*.json). A prior for other pairs: a 1B draft of a 70B is not the 2.9M of a 15.7M.
-"skip" = the layer-skip self-draft of a resident target (selfplan.RESIDENT_SKIP of the layers left out, the
-least influential), measured on the real SmolLM2-135M-Instruct Q4_1 at budget 16, greedy, 2 chat prompts x 24
-tokens (bench/results/selfdraft_resident.json); one budget measured, so flat in the budget; the sampled
-row is the greedy figure standing in (not measured)."""
+"""Tokens per target pass by draft and budget, measured on the shared pair (bench/selfdraft.py, 40 prompts,
+128 new tokens, shared KV): "small" = the 2.9M shared draft, 4 = nf4 substitutes of every layer, 3 / 2 = HQQ;
+greedy at T = 0 (bench/results/selfdraft_t0_gap*.json), sampled at T = 0.7 (selfdraft_t07_gap*.json); a prior
+for other pairs. "skip" = the layer-skip self-draft of a resident target, measured on SmolLM2-135M-Instruct
+Q4_1 at budget 16, greedy (bench/results/selfdraft_resident.json); its sampled row is the greedy figure."""
 
 
 SMALL_TARGET = 1e9
@@ -52,16 +47,13 @@ TOKENS_PER_PASS_SMALL = {
     },
     2: {"greedy": {4: 1.36, 8: 1.45, 16: 1.53}, "sampled": {4: 1.36, 8: 1.45, 16: 1.53}},
 }
-"""The self-draft's HQQ 3- / 2-bit substitutes of every layer measured on the real SmolLM2-135M-Instruct Q4_1,
-every layer streamed from disk, greedy, 2 chat prompts x 48 tokens (bench/spec_pass.py): a small real model
-accepts far less than the shared pair (3.7 and 1.5 where the pair took 10.8 and 8.4 at budget 16); the
-prior for targets up to SMALL_TARGET weights (a 70B's substitutes lose less of it: the pair's rows stay its
-prior). The sampled rows are the greedy figures standing in (not measured)."""
+"""The self-draft's HQQ 3- / 2-bit substitutes measured on SmolLM2-135M-Instruct Q4_1 streamed from disk,
+greedy (bench/spec_pass.py): a small real model accepts far less than the shared pair (3.7 and 1.5 where the
+pair took 10.8 and 8.4 at budget 16). The sampled rows are the greedy figures standing in."""
 
 
 def tokens_per_pass(kind, temperature: float, budget: int, weights: float | None = None) -> float:
-    """TOKENS_PER_PASS[kind] at `budget` (TOKENS_PER_PASS_SMALL's for a self-draft width of a target of at
-    most SMALL_TARGET `weights`): log-linear between measured budgets, clamped at the ends."""
+    """The expected tokens per target pass of a draft of `kind` at `budget` (see the contract)."""
     table = (
         TOKENS_PER_PASS_SMALL
         if weights is not None and weights <= SMALL_TARGET and kind in TOKENS_PER_PASS_SMALL

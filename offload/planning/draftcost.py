@@ -1,42 +1,29 @@
 """The draft cost model: what each candidate draft (and plain decoding) costs per target pass, and the tokens/s.
 
-Contract (every figure is modelled; a matching profile's measured times replace the modelled ones):
-- The rates are a passcost.Device: `specx profile`'s measurements for
-  this machine, `--gpu NAME`'s published card figures, else passcost.PRIORS; each term names its source.
-- pass seconds = passcost.target_pass(...).seconds (a mixture of experts: experts.pass_terms) at n =
-  budget + 1 tree tokens and the middle of the planned context (passcost.model_ctx): per layer max(transfer, compute), summed, + head + floor.
-  Where the profile measured t_target(n) for this target with this placement (resident / RAM / disk
-  layer counts), its log-log interpolation at n is the pass instead (source "measured").
-- draft seconds = forwards_per_tree(budget, max_beams) x passcost.draft_step(bytes of one forward:
-  weights + KV at `model_ctx` + dequantization traffic of its kernel, its FLOPs over
-  draft_rows(budget, max_beams) nodes: the frontier a forward runs, measured): max(bytes / bandwidth, FLOPs / FLOP/s, the step floor). Where the profile timed this draft
-  (a small draft by path, the self-draft per width under the same placement), the measured draft
-  seconds per pass of real decoding at the budget (else its tree time, else forwards x its step) is
-  the draft instead.
+Contract (every figure is modelled on a passcost.Device; a matching profile's measured times replace them):
+- pass seconds = passcost.target_pass (a mixture of experts: experts.pass_terms) at n = budget + 1 tokens
+  and passcost.model_ctx. Where the profile measured t_target(n) for this target and placement (resident /
+  RAM / disk layer counts), its log-log interpolation at n instead (source "measured").
+- draft seconds = forwards_per_tree x passcost.draft_step(weights + KV at model_ctx + its kernel's
+  dequantization traffic, FLOPs over draft_rows(budget, max_beams) nodes). Where the profile timed this
+  draft (a small draft, or the self-draft per width, same placement), its measured seconds per pass at the
+  budget instead (else its tree time, else forwards x its step).
 - `forwards_per_tree(budget, max_beams, tpp)` = 1 (the pending tokens) + ceil(budget / max_beams) +
-  ceil(tpp): the draft grows its tree max_beams nodes per forward (core/draft.grow_tree) until it holds
-  `budget` nodes, and at least as deep as the path the target accepts, one forward per level.
-- `hidden_seconds(plan, draft_s, m)`: the part of the draft's time the weight stream hides: while the
-  draft grows its tree the prefetcher fills the free staging slots with the next pass's first layers
-  (offload/stream/prefetch.py), so up to staging_slots bytes / (link or disk rate) of the next pass's
-  stream runs under the draft -- on CUDA, whose copy engine works beside the kernels, and on a CPU
-  reading from disk (O_DIRECT: the storage's DMA); a CPU's copies from RAM share the draft's cores.
-- tokens/s = tokens per pass / (pass seconds + draft seconds - hidden seconds).
-- `tokens_per_pass(kind, temperature, budget)` (offload/planning/acceptance.py): measured (TOKENS_PER_PASS, log-linear
-  in the budget between the measured budgets, clamped at the ends); for a self-draft that skips layers,
-  scaled by selfplan.skip_factor. Plain decoding: 1 token per pass of 1 token, no draft.
-- `Candidate` holds one candidate's figures, the pass terms and their sources, and (`by_budget`) its
-  tokens/s at BUDGETS up to the plan's budget. `best(cands)` is the fitting candidate with the most
-  modelled tokens/s. `sweep` settles `--budget auto` (each candidate at its best modelled budget);
-  `finish(plan, cands, plain)` sets plan.candidates (plain decoding last: `--draft auto` may take it)
-  and plan.choice (the best draft).
-- `skip_spec(a, plan, cost)`: the layer-skip self-draft of a resident target (offload/selfdraft/
-  build.build_skip_draft): one forward reads the kept layers' bytes, the head and the shared KV of
-  the kept layers, dequantizes the kept layers as the target's kernel does (none for a layer
-  dequantized once at load, plan.dense_layers: its linears read in the compute dtype), and spends 2 x (kept
-  layers' linear weights + the head) FLOPs per node; tokens per pass TOKENS_PER_PASS["skip"].
-- `small_candidates` fills a small draft's plan with its candidate and the self-draft's widths
-  (offload/planning/selfplan.py models those for --draft self).
+  ceil(tpp): max_beams nodes per forward until `budget`, and at least as deep as the accepted path.
+- `hidden_seconds(plan, draft_s, m)`: the draft time under which the prefetcher fills the free staging
+  slots with the next pass's layers, up to staging_slots bytes / (link or disk rate): on CUDA (its copy
+  engine) and on a CPU reading from disk (O_DIRECT); a CPU's copies from RAM share the draft's cores.
+- tokens/s = tokens per pass / (pass seconds + draft seconds - hidden seconds); tokens per pass from
+  acceptance.tokens_per_pass (scaled by selfplan.skip_factor for a self-draft that skips layers); plain
+  decoding: 1 token per pass of 1 token, no draft.
+- `Candidate` holds one candidate's figures, pass terms, sources and (`by_budget`) its tokens/s at BUDGETS
+  up to the plan's budget; `best(cands)` the fitting one with the most tokens/s; `sweep` settles `--budget
+  auto`; `finish(plan, cands, plain)` sets plan.candidates (plain last: `--draft auto` may take it) and
+  plan.choice.
+- `skip_spec(a, plan, cost)`: the layer-skip self-draft of a resident target: one forward reads the kept
+  layers (in c bytes a weight where dequantized once), the head and their shared KV, dequantizes as the
+  target's kernel does, and spends 2 x (kept linear weights + head) FLOPs per node.
+- `small_candidates` fills a small draft's plan with its candidate and the self-draft's widths.
 """
 
 from __future__ import annotations
@@ -82,16 +69,6 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
-
-    def line(self) -> str:
-        """One dry-run line with the five figures, marked as modelled."""
-        name = ("plain decoding" if self.draft == PLAIN else "self-draft, layers skipped" if self.draft == "self"
-                and self.bits == 0 else f"self-draft {self.bits}-bit" if self.draft == "self" else f"draft {self.draft}")
-        if not self.fits:
-            return f"{name}: does not fit"
-        return (f"{name}: {self.tokens_per_pass:.1f} tokens/pass, pass {self.pass_seconds:.2f} s, draft "
-                f"{self.draft_seconds:.2f} s ({self.hidden_seconds:.2f} s hidden) -> {self.tokens_per_second:.2f} "
-                f"tokens/s (modelled)")
 
 
 @dataclass(frozen=True)
@@ -141,21 +118,15 @@ def draft_rows(budget: int, max_beams: int) -> int:
 
 
 def forwards_per_tree(budget: int, max_beams: int, tokens_per_pass: float = 0.0) -> int:
-    """1 (the pending tokens) + ceil(budget / max_beams) + the accepted depth: the tree grows at least as
-    deep as the path the target accepts, one forward per level (measured on SmolLM2 from disk, 3-bit
-    self-draft: 5.9 forwards per pass at budget 16 with 4.0 tokens per pass, 8.8 at 64 with 5.0)."""
+    """See the contract (measured on SmolLM2 from disk, 3-bit self-draft: 5.9 forwards per pass at budget 16
+    with 4.0 tokens per pass, 8.8 at 64 with 5.0)."""
     return 1 + math.ceil(budget / max(1, max_beams)) + math.ceil(tokens_per_pass)
-
-
-def placement(plan) -> list[int]:
-    """[resident, RAM, disk] layer counts: what a measured pass time applies to."""
-    return [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)]
 
 
 def measured(cost: Costing, plan, key: str) -> dict | None:
     """The profile's figures for this placement (key "target" or a draft's), None where it measured none."""
-    t = cost.timings
-    if not t or t.get("placement") != placement(plan):
+    t = cost.timings   # measured for a placement: [resident, RAM, disk] layer counts
+    if not t or t.get("placement") != [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)]:
         return None
     return (t.get("draft") or {}).get(key) if key != "target" else ({"seconds": t["target_seconds"]}
                                                                      if t.get("target_seconds") else None)
@@ -179,10 +150,9 @@ def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, s
         return 0.0, "modelled"
     forwards = forwards_per_tree(budget, cost.max_beams, spec.tpp(budget))
     got = measured(cost, plan, spec.key) if spec.key else None
-    if got and got.get("pass_seconds"):   # a run's own draft figure per pass (tools/modeltimes.py)
-        return interpolate({int(k): v for k, v in got["pass_seconds"].items()}, budget), "measured"
-    if got and got.get("grow_seconds"):
-        return interpolate({int(k): v for k, v in got["grow_seconds"].items()}, budget), "measured"
+    for key in ("pass_seconds", "grow_seconds"):   # a run's own draft figure per pass (tools/modeltimes.py)
+        if got and got.get(key):
+            return interpolate({int(k): v for k, v in got[key].items()}, budget), "measured"
     if got and got.get("step_seconds"):
         return forwards * got["step_seconds"], "measured"
     step = draft_step(spec.weight, spec.kv, spec.dequant, spec.flops_per_node * draft_rows(budget, cost.max_beams),
@@ -191,12 +161,8 @@ def tree_seconds(spec: Spec, cost: Costing, plan, budget: int) -> tuple[float, s
 
 
 def hidden_seconds(plan, draft_s: float, m: Device) -> float:
-    """Draft time under which the stream fills the free staging slots with the next pass's layers.
-
-    Only a copy that runs beside the draft's kernels hides: on CUDA its copy engine, on a CPU the disk's
-    O_DIRECT reads (the storage's DMA: a 5-node verify pass from disk waited 3 ms for its layers where a
-    plain step waits 19, the rest read while the draft grew its tree; bench/spec_pass.py). A CPU's copies
-    from RAM run on the cores the draft uses, so they hide nothing."""
+    """Draft time under which the stream fills the free staging slots with the next pass's layers (see the
+    contract; from disk on a CPU a 5-node verify pass waited 3 ms for its layers where a plain step waits 19)."""
     if not (plan.ram_layers or plan.disk_layers) or (m.kind != "cuda" and (plan.ram_layers or not plan.disk_layers)):
         return 0.0
     rate = m.link_bps if plan.ram_layers else m.disk_bps
@@ -221,8 +187,8 @@ def evaluate(spec: Spec, cost: Costing, plan, budget: int) -> Candidate:
 
 
 def sweep(spec: Spec, cost: Costing, plan, auto: bool) -> Candidate:
-    """The candidate at the plan's budget with its tokens/s at BUDGETS up to it; `auto` (--budget auto):
-    at the budget among those with the most modelled tokens/s."""
+    """The candidate at the plan's budget with its tokens/s at BUDGETS up to it; `auto` (--budget auto): at
+    the budget with the most modelled tokens/s."""
     if spec.draft == PLAIN:
         return evaluate(spec, cost, plan, 0)
     budgets = sorted({b for b in BUDGETS if b < plan.budget} | {plan.budget})
@@ -244,8 +210,7 @@ def best(cands: list[Candidate]) -> Candidate | None:
 
 
 def finish(plan, cands: list[Candidate], plain: Candidate | None) -> Candidate | None:
-    """Set plan.candidates (plain decoding listed last) and plan.choice (the best draft); returns it.
-    `--draft auto` compares the choice with the plain row (session/planning.resolve_auto)."""
+    """Set plan.candidates (plain decoding listed last) and plan.choice (the best draft); returns it."""
     top = best(cands)
     plan.candidates = [c.to_json() for c in cands + ([plain] if plain is not None else [])]
     plan.choice = top.to_json() if top else None
@@ -253,9 +218,8 @@ def finish(plan, cands: list[Candidate], plain: Candidate | None) -> Candidate |
 
 
 def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str = "cuda") -> tuple[int, int, int]:
-    """(weight, KV, dequantization) bytes of one self-draft forward: the resident target layers, the
-    substitutes and the head; the shared KV of every layer it runs at the full planned context; the
-    dequantization traffic of the substitutes (and of an nf4 target's resident layers)."""
+    """(weight, KV, dequantization) bytes of one self-draft forward: the resident layers, the substitutes and
+    the head; the shared KV of every layer it runs; the substitutes' (and an nf4 target's) dequantization."""
     run = len(plan.layer_bytes) - len(plan.skipped_layers)
     n_sub = run - len(plan.resident)
     # substitutes dequantized once at load (plan.dense_draft_layers) read their linears in c bytes, undequantized
@@ -302,9 +266,8 @@ def small_forward_bytes(da, draft_param_bytes: int, ctx: int, dc: int) -> tuple[
 
 
 def small_candidates(plan, target, draft, req, plan_memory) -> None:
-    """Set `plan.candidates` / `plan.choice` for a plan with a small draft: its candidate, plain decoding,
-    and (`req.compare_self`, something streamed) the self-draft's widths, each planned on its own by
-    `plan_memory` (memplan's); the choice is the draft with the most modelled tokens/s."""
+    """Set `plan.candidates` / `plan.choice` for a plan with a small draft: its candidate, plain decoding, and
+    (`req.compare_self`, something streamed) the self-draft's widths, each planned by `plan_memory`."""
     da, dc = arch_of(draft.config), dtype_bytes(req.draft_dtype)
     weight, kv, deq = small_forward_bytes(da, draft_bytes(draft, req.draft_dtype), model_ctx(plan), dc)
     cost = costing_for(arch_of(target.config), req)

@@ -1,36 +1,28 @@
 """The pass model: what one target pass and one draft forward cost, term by term, on one device.
 
 Contract (a roofline per layer; every figure is modelled, each rate says where it comes from):
-- `Device`: the rates a model is evaluated with -- device memory, host->device link and disk bytes/s,
-  the disk's latency per read request (`disk_read_s`: routed experts read on demand pay it per span),
-  dense matmul FLOP/s per compute dtype (16-bit: a card's published tensor rate with FP32 accumulate;
-  32-bit: FP32), the per-forward floors streaming does not hide (target pass, draft step) -- and, in
-  `sources`, each term's origin: "measured: ..." (`specx profile`), "published: ..." (profiles/cards.json)
-  or "prior" (PRIORS). `device_for(kind, **given)` fills the rest from PRIORS;
-  `device_of(req)` is a PlanRequest's Device (its cost_device, else its bandwidths over PRIORS).
+- `Device`: the rates -- device memory, host->device link and disk bytes/s, the disk's latency per read
+  request (`disk_read_s`), matmul FLOP/s per compute dtype (16-bit: a card's tensor rate with FP32
+  accumulate; 32-bit: FP32), the per-forward floors streaming does not hide -- and in `sources` each
+  term's origin: "measured: ..." (`specx profile`), "published: ..." (profiles/cards.json) or "prior"
+  (PRIORS). `device_for(kind, **given)` fills the rest from PRIORS; `device_of(req)` is a PlanRequest's.
 - `model_ctx(plan)`: the context a pass is priced at (MODEL_CTX_SHARE of the planned one, at most
   MODEL_CTX_CAP tokens).
-- `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one DENSE target pass over n tree tokens
-  at a context of ctx committed tokens, compute dtype c bytes, layers dequantized by `kernel`:
-  per decoder layer i, max(transfer_i, compute_i), summed (the stream of layer i+1 overlaps the
-  compute of layer i), plus the head and one forward floor (`forward_floor`: the one-call stack's
-  where it runs the pass, cpu/leanstack.py). A layer the plan dequantized once at load
-  (`plan.dense_layers`) reads its linears in c bytes per weight and has no dequantization term. A
-  layer or head the GGUF CPU kernel multiplies packed (`plan.kernel`: up to its rows for a layer with
-  an fp32 copy, at any n without one) reads its packed bytes at the kernel's rate, no dequantization.
-  transfer_i = its bytes over the link
-  (RAM tier) or the disk (disk tier), 0 if resident. compute_i = max(GEMM FLOPs / FLOP/s, weight
-  bytes / memory bandwidth) + dequantization traffic / memory bandwidth + attention, where GEMM FLOPs
-  = 2 x linear weights x n; dequantization traffic = weights x c x dequant_elems(kernel) (nf4 only
-  above NF4_GEMV_TOKENS: bitsandbytes' fused GEMV reads the packed bytes); attention = 4 x n x
-  (ctx + n) x heads x head_dim FLOPs (QK^T and PV) + the K/V bytes read, 2 x (ctx + n) x kv_heads x
-  head_dim x c. Head = max(2 x n x hidden x vocab FLOPs, its bytes / memory bandwidth). Dequantization
-  traffic moves at the kernel's measured rate (`Device.dequant_bps`, `specx profile`) where there is one.
-- `draft_step(weight, kv, dequant, flops, dev, c, kernel, packed, stack)` -> seconds of one draft
-  forward = max(bytes / memory bandwidth (+ packed GGUF bytes at the kernel's rate), FLOPs / FLOP/s,
-  the step floor, or the stack's floor for a draft the one-call stack runs); a tree costs forwards x that.
-- PassTerms.seconds is the modelled pass; `bound` names the side that dominates it. Measured pass
-  times from a matching profile replace the sum where the plan has them (draftcost.py).
+- `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one DENSE target pass of n tokens at ctx
+  committed tokens, compute dtype c bytes: per layer max(transfer_i, compute_i), summed (layer i+1
+  streams while layer i computes), plus the head and one forward floor (`forward_floor`).
+  transfer_i = its bytes over the link (RAM tier) or the disk, 0 if resident. compute_i = max(2 x linear
+  weights x n FLOPs / FLOP/s, weight bytes / memory bandwidth) + dequantization traffic (weights x c x
+  dequant_elems(kernel); none for nf4 up to NF4_GEMV_TOKENS) at the kernel's rate (`Device.dequant_bps`,
+  else memory bandwidth) + attention (4 x n x (ctx + n) x heads x head_dim FLOPs + K/V bytes,
+  2 x (ctx + n) x kv_heads x head_dim x c). A layer dequantized once at load (`plan.dense_layers`) reads
+  c bytes per weight and no dequantization; a layer or head the GGUF CPU kernel multiplies packed
+  (`plan.kernel`) reads its packed bytes at the kernel's rate. Head = max(2 x n x hidden x vocab FLOPs,
+  its bytes / memory bandwidth).
+- `draft_step(weight, kv, dequant, flops, dev, c, kernel, packed, stack)` -> seconds of one draft forward =
+  max(bytes / memory bandwidth (+ packed GGUF bytes at the kernel's rate), FLOPs / FLOP/s, the step floor
+  or the one-call stack's); a tree costs forwards x that.
+- PassTerms.seconds is the modelled pass; `bound` names the side that dominates it.
 """
 
 from __future__ import annotations
@@ -40,11 +32,9 @@ from dataclasses import asdict, dataclass, field
 NF4_GEMV_TOKENS = 4  # bitsandbytes runs its fused 4-bit GEMV up to this many tokens: no 16-bit weight written
 
 DISK_READ_S = 1e-4
-"""Seconds one read request costs beyond its bytes, where `specx profile` did not measure it (tools/profiler.
-read_latency: the median of single 4 KiB O_DIRECT reads at spread offsets). Conservative: an NVMe drive answers
-a queue-depth-1 4 KiB read in ~60-100 us, and this development machine's virtual disk measured 59 us (a SATA SSD
-takes more). Routed experts read on demand pay it per file span (planning/expertcost.py); a whole layer's few
-large reads barely do."""
+"""Seconds one read request costs beyond its bytes where `specx profile` (tools/profiler.read_latency) did not
+measure it: an NVMe drive answers a 4 KiB read in ~60-100 us, this machine's virtual disk in 59 us. Routed experts
+read on demand pay it per file span (planning/expertcost.py)."""
 
 STACK_FLOOR_CPU = 0.0018  # s: a SmolLM2-135M pass on the one-call stack beyond its matmuls (bench/pass_breakdown.py)
 
@@ -74,14 +64,10 @@ PRIORS = {
 }
 """Priors where neither a profile nor a card says: a 4090-class card (1 TB/s, 165 TFLOP/s bf16 with FP32
 accumulate, PCIe 4 at 75%, NVMe) and a desktop CPU (DDR4/5, AVX2/512 fp32 GEMM; bf16 without native units
-runs ~20x slower). Floors: a target pass on CUDA pays its kernel launches and two host syncs (~10 ms for 80
-layers), a 1B draft step ~5-8 ms (launch-bound, not byte-bound); on a CPU the Python/dispatch overhead of a
-forward: 10 ms is the measured floor of a SmolLM2-135M plain decoding pass (30 layers: 10.4 ms beyond its
-matmuls, bench/pass_breakdown.py, bench/results/pass_breakdown.json; tests/test_docs_speedmodel.py holds
-the two together). stack_floor_s is that floor for a pass the one-call stack runs (cpu/leanstack.py:
-a resident plain-Llama GGUF model on the CPU, up to the kernel's rows): the embedding, the final norm, the
-head's call and the stack's own non-matmul work, measured the same way (STACK_FLOOR_CPU; CUDA never runs
-the stack). All are replaced by `specx profile`'s measurements where one exists for this machine."""
+runs ~20x slower). Floors: a CUDA target pass pays its launches and two host syncs (~10 ms for 80 layers), a
+1B draft step ~5-8 ms; on a CPU 10 ms is the measured floor of a SmolLM2-135M plain pass beyond its matmuls
+(bench/results/pass_breakdown.json), and stack_floor_s the same for a pass the one-call stack runs
+(cpu/leanstack.py; CUDA never runs it). `specx profile`'s measurements replace them all."""
 
 
 @dataclass(frozen=True)
@@ -110,16 +96,13 @@ class Device:
         """FLOP/s of matmuls in a c-byte compute dtype."""
         return self.flops16 if c <= 2 else self.flops32
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
 
 TERMS = tuple(PRIORS["cpu"])  # the rates a Device holds, each with its prior
 
 
 def device_for(kind: str, sources: dict | None = None, dequant_bps: dict | None = None, **given) -> Device:
-    """A Device of `kind` with the `given` rates (None = unknown) and PRIORS for the rest; `sources`
-    names the origin of each given rate (default "measured"); `dequant_bps` the measured kernel rates."""
+    """A Device of `kind` with the `given` rates (None = unknown) and PRIORS for the rest; `sources` names each
+    given rate's origin (default "measured"); `dequant_bps` the measured kernel rates."""
     vals, srcs = {}, {}
     for term in TERMS:
         v = given.get(term)
@@ -145,10 +128,8 @@ MODEL_CTX_CAP = 1024  # ... and at most at this many tokens: a chat turn's conte
 
 
 def model_ctx(plan) -> int:
-    """Context tokens a pass's attention and KV reads are priced at: MODEL_CTX_SHARE of the planned
-    context, at most MODEL_CTX_CAP (on SmolLM2 from disk a self-draft forward measured 13 ms where
-    pricing its KV at half the 8192-token window modelled 24; a long context shows in the measured
-    passes the budget tuner reads)."""
+    """Context tokens a pass's attention and KV reads are priced at (on SmolLM2 from disk a self-draft forward
+    measured 13 ms where pricing its KV at half the 8192-token window modelled 24)."""
     return min(int(plan.ctx * MODEL_CTX_SHARE), MODEL_CTX_CAP)
 
 
@@ -176,30 +157,21 @@ class PassTerms:
 
 DEQUANT_ELEMS = {"hqq-eager": 6, "nf4-dequant": 2, "hqq-compiled": 2, "int4-unpack": 3, "mxfp4": 6, "none": 0}
 """Compute-dtype elements written or read per weight by a dequantizing linear, beyond its packed bytes:
-hqq-eager (offload/quant/lowbit.LowbitLinear's reference: unpack writes 1, sub_ reads and writes 2, mul_ 2,
-the matmul reads 1), nf4-dequant (bitsandbytes above NF4_GEMV_TOKENS: dequantize writes 1, the matmul
-reads 1), mxfp4 (formats/mxfp4.Mxfp4Experts.weights, per routed expert, off the CPU: the table gather writes 1,
-the scale multiply reads and writes 2, the transposed copy reads and writes 2, the matmul reads 1; on the CPU see
-`dequant_elems`), hqq-compiled (offload/quant/fused.py: the compiled kernel writes the weight, the matmul reads it;
-on CPU Inductor's dynamic-shape graph writes it twice, see `dequant_elems`), int4-unpack (offload/formats/
-packed.py for AWQ/GPTQ/compressed-tensors/GGUF: codes unpacked, the weight written, the matmul reads it),
-none (a 16-bit weight)."""
+hqq-eager (quant/lowbit's reference: unpack 1, sub_ 2, mul_ 2, the matmul's read 1); nf4-dequant (above
+NF4_GEMV_TOKENS: write 1, read 1); mxfp4 off the CPU (formats/mxfp4: gather 1, scale 2, transposed copy 2,
+read 1); hqq-compiled (quant/fused.py: write 1, read 1); int4-unpack (formats/packed.py: the weight written,
+then read); none (a 16-bit weight). On the CPU: `dequant_elems`."""
 
 
 GGUF_KERNEL = "gguf-kernel"
-"""The exact GGUF CPU kernel (offload/cpu/ggml_kernel.py) reads a layer's packed bytes once and
-dequantizes in registers: no dequantization traffic; its bytes move at `Device.dequant_rate(GGUF_KERNEL)`
-(`specx profile` times it on a one-token GEMV of Q4_1), else at the memory bandwidth, times the type's
-measured factor (plan.kernel's `cost` and `head_cost`: ggml_kernel.COST)."""
+"""The exact GGUF CPU kernel (cpu/ggml_kernel.py) dequantizes in registers: no dequantization traffic; its
+packed bytes move at `Device.dequant_rate(GGUF_KERNEL)` (`specx profile`'s Q4_1 GEMV, else memory bandwidth)
+times the type's factor (plan.kernel's `cost` and `head_cost`: ggml_kernel.COST)."""
 
 
 def dequant_elems(kernel: str, device: str) -> int:
-    """DEQUANT_ELEMS on `device`: the compiled HQQ graph on CPU writes the weight twice ((rows, group),
-    then the (in, out) operand) and the matmul reads it once: 3 (offload/quant/fused.py's docstring); MXFP4
-    on CPU is offload/cpu/mxfp4_kernel.py's one pass, which writes the transposed weight once, and the
-    matmul reads it once: 2.
-    Which kernel a run uses is membytes.substitute_kernel(bits, device): on CPU, eager unless
-    $SPECX_LOWBIT_KERNEL=fused."""
+    """DEQUANT_ELEMS on `device`: on CPU the compiled HQQ graph writes the weight twice and the matmul reads
+    it once (3); MXFP4 (cpu/mxfp4_kernel.py) writes the transposed weight once, read once (2)."""
     if device == "cpu" and kernel in ("hqq-compiled", "mxfp4"):
         return 3 if kernel == "hqq-compiled" else 2
     return DEQUANT_ELEMS[kernel]
@@ -239,16 +211,6 @@ def attention_seconds(a, n: int, ctx: int, c: int, dev: Device) -> float:
     return 4 * n * keys * a.heads * a.head_dim / dev.flops(c) + 2 * keys * a.kv_heads * a.head_dim * c / dev.memory_bps
 
 
-def _kernel_reads(plan, n: int) -> tuple[set, int]:
-    """(layers whose linears the GGUF CPU kernel multiplies packed in a pass of n tokens, the head's packed
-    bytes it reads then or 0): plan.kernel (memlayers.kernel_terms); a layer dequantized once at load
-    takes its fp32 copy above kernel["rows"] tokens, a layer without that copy the kernel at any n."""
-    k = getattr(plan, "kernel", None) or {}
-    small = n <= k.get("rows", 0)
-    dense = set(getattr(plan, "dense_layers", ()))
-    return {i for i in k.get("layers", ()) if small or i not in dense}, k.get("head_bytes", 0) if small else 0
-
-
 def forward_floor(plan, dev: Device, n: int) -> float:
     """The per-forward floor of a target pass of n tokens: the stack's where it runs the pass
     (plan.kernel["stack"] and n within the kernel's rows), else the layer-by-layer forward's."""
@@ -257,16 +219,19 @@ def forward_floor(plan, dev: Device, n: int) -> float:
 
 
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
-    """PassTerms of one target pass of n tokens (see the contract); `plan` gives each layer's bytes and tier.
-    Dense layers only: a mixture-of-experts plan (`plan.experts`) is priced by experts.pass_terms (distinct
-    experts routed), which draftcost.target_seconds calls for it; handed one here, this refuses."""
+    """PassTerms of one dense target pass of n tokens (see the contract); a mixture-of-experts plan is refused
+    (experts.pass_terms prices it)."""
     if getattr(plan, "experts", None):
         raise ValueError("a mixture-of-experts plan: experts.pass_terms prices its passes")
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
     dense = set(getattr(plan, "dense_layers", ()))  # dequantized once at load: read in c, no dequantization
-    packed, head_packed = _kernel_reads(plan, n)  # the GGUF kernel: its packed bytes at its own rate
+    # the GGUF CPU kernel (plan.kernel) reads these layers' packed bytes at its own rate: up to kernel["rows"]
+    # tokens every layer it serves, above them only those without an fp32 copy dequantized once at load
     k = getattr(plan, "kernel", None) or {}
-    kcost, head_packed = k.get("cost", {}), head_packed * k.get("head_cost", 1.0)  # per type (ggml_kernel.COST)
+    small = n <= k.get("rows", 0)
+    packed = {i for i in k.get("layers", ()) if small or i not in dense}
+    kcost = k.get("cost", {})  # per type (ggml_kernel.COST)
+    head_packed = k.get("head_bytes", 0) * k.get("head_cost", 1.0) if small else 0
     flops = 2 * linear_weights(a) * n / dev.flops(c)
     deq = dequant_bytes(a, kernel, c, n, dev.kind) / dev.dequant_rate(kernel)
     attn = attention_seconds(a, n, ctx, c, dev)
@@ -276,11 +241,10 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
         transfer = size / rate if rate else 0.0
         if i in packed:
             read, layer_deq = size * kcost.get(i, 1.0) / dev.dequant_rate(GGUF_KERNEL), 0.0
+        elif i in dense:
+            read, layer_deq = linear_weights(a) * c / dev.memory_bps, 0.0
         else:
-            read, layer_deq = (
-                (linear_weights(a) * c if i in dense else size) / dev.memory_bps,
-                0.0 if i in dense else deq,
-            )
+            read, layer_deq = size / dev.memory_bps, deq
         layer_gemm = max(flops, read)
         total += max(transfer, layer_gemm + layer_deq + attn)
         stream += transfer
@@ -289,21 +253,9 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
     layers = len(plan.layer_bytes)
     head_read = head_packed / dev.dequant_rate(GGUF_KERNEL) if head_packed else a.hidden * a.vocab * c / dev.memory_bps
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), head_read)
-    compute = gemm_s + deq_s + layers * attn
-    floor = forward_floor(plan, dev, n)
-    return PassTerms(
-        n,
-        ctx,
-        stream,
-        gemm_s,
-        deq_s,
-        layers * attn,
-        head,
-        floor,
-        floor + head + total,
-        "stream" if stream > compute else "compute",
-        dev.flops(c),
-    )
+    floor, attn_s = forward_floor(plan, dev, n), layers * attn
+    bound = "stream" if stream > gemm_s + deq_s + attn_s else "compute"
+    return PassTerms(n, ctx, stream, gemm_s, deq_s, attn_s, head, floor, floor + head + total, bound, dev.flops(c))
 
 
 def draft_step(
