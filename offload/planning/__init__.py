@@ -1,21 +1,13 @@
 """The memory plan and the cost model: what fits on the device and what a pass costs.
 
-Contract: `membytes` and `memlayers` count bytes per component; `request` holds the plan's request
-and result types and the memory margins; `memplan` fits the components into a device budget;
-`experts` places a mixture of experts' routed experts and prices their passes (`expertcost`: experts read
-from disk once routed against whole layers); `selfplan` plans the
-self-draft's widths; `passcost` models one pass on a device's rates and `draftcost` the seconds per pass
-and tokens per second of each draft candidate. Inside the package the imports run one way, at module
-level (memplan > selfplan > draftcost > experts > expertcost > passcost, request, membytes; tests/test_plan_imports.py
-checks it). Pure arithmetic over headers and card figures: it reads no weights. The top of
-`offload`: nothing in `offload` imports it.
-
-The package's public API is `__all__`, re-exported lazily (PEP 562: a name's module is imported
-on its first use and the name looked up there at each use): the plan (`PlanRequest`,
-`plan_memory`, `RAM_FRACTION` the share of available RAM allowed without a cap, `arch_of` a
-config's shapes), the self-draft's default `default_skip`, the pass model (`PRIORS` the device
-rate priors, `device_for`, `dequant_elems`, `interpolate`, `GGUF_KERNEL` the GGUF CPU kernel's
-name) and the draft cost model's `LINK_EFFICIENCY` and `PLAIN` (plain decoding's candidate).
+Contract: `membytes` and `memlayers` count bytes per component; `request` holds the plan's request and
+result types and the margins; `memplan` fits the components into a device budget; `experts` places a
+mixture of experts' routed experts and prices their passes (`expertcost`, `splitcost`); `selfplan` plans
+the self-draft's widths; `passcost` models one pass on a device's rates and `draftcost` each draft
+candidate's tokens per second. Imports inside the package run one way, at module level (memplan >
+selfplan > draftcost > experts > expertcost > passcost, request, membytes). Pure arithmetic over headers
+and card figures: it reads no weights. Nothing else in `offload` imports it. The public API is `__all__`,
+re-exported lazily (offload.lazy).
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 Contract: `layer_sizes(ck, arch, req)` reads a formats.Checkpoint's config and tensor headers (never
 weight bytes) and returns a `LayerSizes`: per decoder layer the bytes loader.load_weights will allocate
-or read for it (packed arena, disk slot, raw read buffer, staging, bytes read per pass, whether it
-converts or repacks, its packed linears dequantized once to the compute dtype), plus the NF4
-quant-state and pinned-norm totals, for the target dtype in `req` (a memplan.PlanRequest); for a
-family whose routed experts a disk layer may hold apart, one expert's cache slot and the read requests
-(file spans) of an expert, of the dense part and of the whole layer, and disk sizes of dense parts
-(`apart`, the default) or of whole layers. memplan.py places the layers; this module only sizes them.
+or read for it, plus the NF4 quant-state and pinned-norm totals; for a family whose routed experts a disk
+layer may hold apart, the experts' slot and read requests, sized apart (`apart`) or as whole layers.
+`dequantize_once` picks what is dequantized once at load, `kernel_terms` what the GGUF CPU kernel serves.
+memplan.py places the layers; this module only sizes them.
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ STORED_ENDINGS = tuple(f"experts.{m}_{p}" for m in ("gate_up_proj", "down_proj")
 
 
 def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict[str, tuple[ParamSpec, TensorInfo]]:
-    """Parameters of decoder layer i from the headers (rotary inv_freq buffers and a pre-quantized
-    checkpoint's quant-state parts are not parameters). NF4 specs carry the LOGICAL shape: a
-    packed uint8 (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""
+    """Parameters of decoder layer i from the headers. NF4 specs carry the LOGICAL shape: a packed uint8
+    (rows, 1) weight of a pre-quantized checkpoint holds 2 x rows 4-bit values."""
     prefix = f"model.layers.{i}."
     out = {}
     packed = _packed(ck.config)
@@ -74,9 +71,7 @@ class LayerSizes:
     span_bytes: list[int]  # bytes read from disk per pass
     quant: int  # NF4 quant-state bytes of all layers
     stage: list[int] = field(default_factory=list)  # CUDA pinned staging bytes (file layout unless cast)
-    repack: list[bool] = field(
-        default_factory=list
-    )  # compute slot != file layout (cast, or tensors off the 256-byte grid)
+    repack: list[bool] = field(default_factory=list)  # compute slot != file layout (cast, off the 256-byte grid)
     substitute: list[int] = field(default_factory=list)  # --draft self: device bytes of each layer's substitute
     pinned: int = 0  # NF4: every layer's norms/biases, kept on the device
     dense: list[int] = field(default_factory=list)  # packed linears dequantized once (quant/dense.py), per layer
@@ -91,12 +86,10 @@ class LayerSizes:
 
 
 def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSizes:
-    """Per-layer sizes as loader.load_weights computes them. NF4 (offload.formats.prequant/quant_cache):
-    only the packed linears stream, read as stored (no per-pass conversion); norms and biases
-    are pinned on the device in the compute dtype. From a 16-bit checkpoint the streamed file is
-    the 4-bit cache, whose spans are estimated (each packed weight rounded up to whole 4 KiB
-    pages, plus one page); from a pre-quantized checkpoint they are exact. `apart`: disk layers hold
-    their routed experts apart where expertstore.splits_experts allows it (False: whole layers stream)."""
+    """Per-layer sizes as loader.load_weights computes them. NF4: only the packed linears stream, as stored;
+    norms and biases are pinned on the device. From a 16-bit checkpoint the streamed file is the 4-bit cache,
+    whose spans are estimated (each packed weight rounded up to 4 KiB pages, plus one page). `apart`: disk
+    layers hold their routed experts apart where expertstore.splits_experts allows it."""
     nf4 = req.dtype == "nf4"
     storage = compute_dtype(req) if nf4 else torch_dtype(req.dtype)
     out = LayerSizes([], [], [], [], [], 0)
@@ -165,9 +158,8 @@ def dense_fit(lay: LayerSizes, resident: list[int], room: int, slack: float = 1.
 
 def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, room: int) -> tuple[list[int], int]:
     """--draft self with HQQ substitutes (3 or 2 bits): the substituted layers, in order, whose linears
-    dequantized once to the compute dtype (quant/dense.py; passcost.linear_weights a layer) fit in `room`,
-    and their bytes. NF4 substitutes stay packed: bitsandbytes' kernels define them, and
-    so do the CPU kernel's blocks (quant/lowbit.blocks_serve: read directly, cheaper than any copy)."""
+    dequantized once (passcost.linear_weights a layer) fit in `room`, and their bytes. NF4 substitutes and
+    the CPU kernel's blocks stay packed (read directly, cheaper than any copy)."""
     if not req.self_draft or req.draft_bits not in (2, 3) or substitutes_are_blocks(req, arch):
         return [], 0
     per = linear_weights(arch) * compute_bytes(req)
@@ -198,8 +190,7 @@ class Dense:
 def dequantize_once(
     lay: LayerSizes, resident: list[int], req, arch: Arch, room: int, slack: float
 ) -> tuple[Dense, Dense]:
-    """What the plan dequantizes once in `room`: resident layers of a packed checkpoint first
-    (dense_fit, each counted with `slack`), then --draft self's HQQ substitutes in what is left."""
+    """What the plan dequantizes once in `room`: resident layers first (dense_fit), then HQQ substitutes."""
     dense = dense_fit(lay, resident, room, slack)
     target = Dense(dense, sum(lay.dense[i] for i in dense))
     return target, Dense(*dense_substitutes(lay, resident, req, arch, room - target.nbytes))
@@ -224,18 +215,13 @@ def dense_notes(target: Dense, draft: Dense, n_resident: int) -> list[str]:
 
 
 def kernel_terms(ck: Checkpoint, n_layers: int, req, streams: bool = False) -> dict:
-    """What the exact GGUF CPU kernel (cpu/ggml_kernel.py) serves, for the pass model: `layers` whose
-    every packed linear it multiplies from the file's blocks, `rows` (a layer also dequantized once
-    at load takes the kernel up to that many tokens, its fp32 copy above), `head_bytes` (the packed
-    output layer's bytes read for up to `rows` tokens; 0: the head is read in the compute dtype),
-    `stack` (passes of up to `stack_rows` tokens run on the one-call stack, cpu/leanstack.py: every
-    layer served, a plain Llama; with streamed layers (`streams`) one call per layer as each arrives, up
-    to its STACK_ROWS since streamed layers hold no fp32 copy), `llama` (the family decode_stack.c computes: a self-draft
-    of kernel blocks runs on the stack then, whatever streams); where some type is slower per byte than Q4_1
-    (ggml_kernel.COST) also `cost` ({layer: its packed bytes' mean factor}, the others 1) and
-    `head_cost` (the head's factor), and for a Q8_0 head `draft_head_cost` (the self-draft reads it as
-    Q8A: 8-bit activations). Decided as the loader decides it (gguf_kernel_type:
-    CPU, fp32, a supported type), never compiled."""
+    """What the exact GGUF CPU kernel (cpu/ggml_kernel.py) serves, decided as the loader decides it
+    (gguf_kernel_type): `layers` whose every packed linear it multiplies from the file's blocks, `rows` (a
+    layer also dequantized once takes the kernel up to that many tokens), `head_bytes` (the packed head's
+    bytes, 0: read in the compute dtype), `stack` (every layer served, a plain Llama: passes of up to
+    `stack_rows` tokens run on the one-call stack, cpu/leanstack.py; STACK_ROWS with streamed layers,
+    `streams`), `llama` (decode_stack.c's family); where a type is slower per byte than Q4_1 `cost` ({layer:
+    its mean ggml_kernel.COST factor}) and `head_cost`, and for a Q8_0 head `draft_head_cost` (Q8A)."""
     from offload.cpu.ggml_kernel import COST, MAX_ROWS, Q8A
     from offload.cpu.leanstack import STACK_ROWS, family_reason
     from offload.formats.gguf_quants import Q8_0

@@ -1,36 +1,26 @@
 """Device-memory plan: every byte the process will put on the compute device, before any is read.
 
 Contract: `plan_memory(target, draft, request)` is a pure function of two `Checkpoint`s (config.json
-plus safetensors headers, never weight bytes) and a `PlanRequest` (dtype, ctx, budget, caps, free
-memory; request.py holds it, the `MemoryPlan` and the margins). It returns a `MemoryPlan` with one
-entry per device component:
-- embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (a GGUF head the CPU
-  kernel serves also keeps its packed bytes: cpu/ggml_kernel.py; embeddings may
-  live on the host instead: only the looked-up rows then cross the link);
-- resident_layers: packed layer arenas (storage.packed_layout) of the resident layers, spread evenly
-  through the stack (`resident_ids`) so the stream reads streamed layers while resident ones compute;
-- dequantized_layers: resident layers of a packed checkpoint (GGUF, AWQ, GPTQ, compressed-tensors)
-  whose linears are dequantized once to the compute dtype at load (quant/dense.py), in layer order
-  while the whole plan still fits (`dense_layers`); the others dequantize on every pass;
-- staging_slots: device buffers of the largest streamed layer (storage.LayerStore rules); on CUDA
-  the memory a fitting plan leaves over becomes more slots (`slots`, up to one per streamed layer),
-  so the stream reads that much of the next pass while the draft grows its tree;
-- quant_states: NF4 absmax/code/nested statistics of EVERY target linear (they stay resident);
-- pinned_params: NF4 only: every layer's norms and biases (only packed linears stream);
-- draft: the draft's parameters + rotary buffers in its dtype (tied head counted once);
-- kv_target / kv_draft: preallocated caches of `kv_rows` rows (context + largest tree);
-- draft_step: the static draft step's long-lived buffers (membytes.draft_step_terms);
-- activations: the largest single pass, a prefill chunk or a verify pass (membytes.activation_bytes);
-- cuda_context: CUDA context + cuBLAS workspaces + allocator slack (CUDA only: request.cuda_margin).
+plus safetensors headers, never weight bytes) and a `PlanRequest` (request.py, with the `MemoryPlan` and
+the margins). It returns a `MemoryPlan` with one entry per device component:
+- embeddings, final_norm, lm_head, rotary: target globals in the compute dtype (a GGUF head the CPU kernel
+  serves keeps its packed bytes too; embeddings may live on the host, or stay packed on a CPU);
+- resident_layers: packed arenas of the resident layers, spread evenly through the stack (`resident_ids`);
+- dequantized_layers: resident layers of a packed checkpoint dequantized once at load (quant/dense.py), in
+  layer order while the plan still fits; the others dequantize on every pass;
+- staging_slots: device buffers of the largest streamed layer (storage.LayerStore); on CUDA memory a
+  fitting plan leaves over becomes more slots, up to one per streamed layer;
+- quant_states, pinned_params: NF4 statistics of every target linear, and every layer's norms and biases;
+- draft: the draft's parameters + rotary buffers (tied head counted once); kv_target / kv_draft: caches
+  of `kv_rows` rows; draft_step: the static draft step's buffers (membytes.draft_step_terms);
+- activations: the largest single pass (membytes.activation_bytes); cuda_context: request.cuda_margin.
 Components counted by `storage.DevicePool` (all but activations, draft_step and cuda_context) match the
 loader's allocations byte for byte; tests check that on CPU.
-Capacity: `--max-gpu-memory` when given, else the free memory the device reports; on CPU the
-"device" is host RAM, capped at RAM_FRACTION of available RAM, and host-tier layers share it.
-Layers stay resident while the whole plan fits, then go to RAM (up to --max-ram or what is
-left of RAM_FRACTION), then to disk. `fits` is False (with a one-line `reason` naming the fix)
-when even zero resident layers do not fit. A mixture-of-experts target's "split" placement (CUDA,
-planning/experts.py), which the loader runs, replaces these totals with its own (`replaced` keeps them):
-every layer's dense part resident ("attention_shared"), the experts' device cache and RAM tier.
+Capacity: `--max-gpu-memory`, else the device's free memory; on CPU RAM_FRACTION of available RAM, which
+host tiers share. Layers stay resident while the plan fits, then go to RAM (up to --max-ram or what is
+left of RAM_FRACTION), then to disk; `fits` is False, with a one-line `reason` naming the fix
+(verdict.py), when even zero resident layers do not fit. A mixture-of-experts "split" placement
+(planning/experts.py) replaces these totals with its own (`replaced` keeps them).
 """
 
 from __future__ import annotations
@@ -107,20 +97,17 @@ class _Placement:
 
 
 def resident_ids(n: int, r: int) -> list[int]:
-    """Which `r` of `n` layers stay resident: spread evenly through the stack (layer (2k+1)n // 2r for
-    k < r), so streamed layers sit between resident ones and the stream reads the next streamed layer
-    while resident layers compute; a prefix would leave the link idle for the whole resident run
-    once its slots are full. Layers run in index order either way."""
+    """Which `r` of `n` layers stay resident: layer (2k+1)n // 2r for k < r, spread through the stack so the
+    stream reads the next streamed layer while resident ones compute (a prefix would leave the link idle)."""
     if r <= 0 or r >= n:
         return list(range(max(0, min(r, n))))
     return [(2 * k + 1) * n // (2 * r) for k in range(r)]
 
 
 def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Placement:
-    """`r` layers resident (resident_ids); the rest, in order, in RAM while `ram_budget` lasts, then disk. Buffers follow
-    storage.LayerStore: device slots (CUDA: `slots`, CPU: the host ring, since CPU compute reads
-    the ring) of the largest streamed layout; a pinned staging ring of disk layouts (CUDA); one
-    raw scratch buffer for disk layers that need a cast or quantization."""
+    """`r` layers resident (resident_ids); the rest, in order, in RAM while `ram_budget` lasts, then disk.
+    Buffers follow storage.LayerStore: device slots (CPU: the host ring) of the largest streamed layout, a
+    pinned staging ring of disk layouts (CUDA), one raw scratch buffer for disk layers that need a cast."""
     n, cuda = len(lay.packed), req.device == "cuda"
     resident = resident_ids(n, r)
     rest = [i for i in range(n) if i not in set(resident)]
@@ -170,9 +157,8 @@ def _resident_choices(req: PlanRequest, n: int) -> range | list[int]:
 
 
 def _ram_budget(req: PlanRequest, device_pre: int, host_fixed: int, resident: int) -> int:
-    """Host bytes the RAM tier may use: --max-ram, else what RAM_FRACTION leaves after the other
-    host buffers (and, on CPU, after the "device" components, which live in the same RAM).
-    On CPU with --offload auto, --max-ram caps ALL target layer bytes in RAM, resident ones too."""
+    """Host bytes the RAM tier may use: --max-ram (on CPU with --offload auto it caps the resident layers too),
+    else what RAM_FRACTION leaves after the other host buffers (on CPU, the "device" components too)."""
     if req.max_ram is not None:
         return req.max_ram - resident if _cpu_auto(req) else req.max_ram
     if req.offload == "ram":
@@ -188,25 +174,13 @@ def _cpu_auto(req: PlanRequest) -> bool:
 
 
 def _draft_step(da: Arch | None, rows: tuple[int, int], req: PlanRequest) -> int:
-    """The static draft step's buffers (membytes.draft_step_terms) over the draft's cache rows (a
-    self-draft's: the target's shared slabs); CUDA graphs for a separate (resident) draft on CUDA."""
+    """The static draft step's buffers over the draft's cache rows (a self-draft's: the target's shared slabs)."""
     if da is None or req.draft_dtype is None:
         return 0
     graphs = req.device == "cuda" and not req.self_draft
     drows = rows[0] if req.self_draft else rows[1]
     terms = draft_step_terms(da, drows, dtype_bytes(req.draft_dtype), req.attn, graphs, req.device)
     return sum(terms.values())
-
-
-def _plan_one(
-    target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest, budget: int, emb: str
-) -> MemoryPlan:
-    """The plan with the biggest prefill chunk (membytes.prefill_chunk) that still fits: halved
-    down to pass_tokens(budget) before a plan is declared not to fit."""
-    plan = _plan_chunk(target, draft, lay, req, budget, emb, None)
-    while not plan.fits and plan.pass_tokens // 2 >= min(pass_tokens(budget), req.ctx):
-        plan = _plan_chunk(target, draft, lay, req, budget, emb, plan.pass_tokens // 2)
-    return plan
 
 
 def _plan_chunk(
@@ -318,9 +292,8 @@ def _plan_chunk(
 
 
 def _adopt_split(plan: MemoryPlan) -> None:
-    """The split placement's bytes as the plan's totals: every layer's dense part resident (no layer streams),
-    the experts' device cache and RAM tier as planning/experts.py sized them, the disk tier's routed experts
-    (top-k a token per sparse layer, their share on disk under the uniform prior) read per one-token pass."""
+    """The split placement's bytes as the plan's totals: every layer's dense part resident, the experts' tiers
+    as experts.py sized them, the disk tier's share of top-k experts per sparse layer read per one-token pass."""
     ex, plan.replaced = plan.experts, replace(plan)
     host = {k: v for k, v in plan.host_bytes.items() if k not in ("ram_layers", "stage_buffers", "read_buffers")}
     plan.device_bytes, plan.host_bytes = dict(ex["device_bytes"]), {**host, **ex["host_bytes"]}
@@ -389,7 +362,10 @@ def _plan_budgets(target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes,
     for budget in budgets:
         fitting = None
         for emb in embs:
-            plan = _plan_one(target, draft, lay, req, budget, emb)
+            # the biggest prefill chunk (membytes.prefill_chunk), halved down to pass_tokens(budget) until it fits
+            plan = _plan_chunk(target, draft, lay, req, budget, emb, None)
+            while not plan.fits and plan.pass_tokens // 2 >= min(pass_tokens(budget), req.ctx):
+                plan = _plan_chunk(target, draft, lay, req, budget, emb, plan.pass_tokens // 2)
             streams = bool(plan.ram_layers or plan.disk_layers)
             if plan.fits and (emb != "device" or not streams or len(embs) == 1):
                 return plan  # host or packed embeddings only when something streams: they free room for layers

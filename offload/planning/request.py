@@ -1,11 +1,9 @@
 """The plan's request and result types, and the device-memory margins every placement shares.
 
 Contract: `PlanRequest` is the user's options, resolved; `MemoryPlan` the plan memplan.plan_memory
-returns (its components: memplan's docstring). The shared figures: CUDA_CONTEXT + STATIC_SLACK of the
-long-lived device bytes + CHURN_SLACK of the activations is the CUDA margin (`cuda_margin`); RAM_FRACTION
-of available RAM is what specx allows itself without --max-ram (`capacity` on a CPU, `ram_cap` for
-the host tiers); BUDGET_FLOOR the smallest tree --budget auto shrinks to. Pure data and arithmetic:
-the memory plan (memplan.py) and the expert placement (experts.py) both read them from here.
+returns. The CUDA margin (`cuda_margin`) is CUDA_CONTEXT + STATIC_SLACK of the long-lived device bytes +
+CHURN_SLACK of the activations; RAM_FRACTION of available RAM is what specx allows itself without --max-ram
+(`capacity` on a CPU, `ram_cap` for the host tiers). Pure data and arithmetic.
 """
 
 from __future__ import annotations

@@ -1,35 +1,23 @@
 """The memory plan of a self-draft (`--draft self`): substitute bytes per bit width, and the bits.
 
 Contract:
-- `substitute_bytes(ck, arch, req, bits, nf4_layers)` lists, per decoder layer, the device bytes
-  of its substitute: bits 4 = the layer's NF4 packing from the nf4 cache (`nf4_layers`, memlayers.
-  LayerSizes at dtype nf4: packed bytes + its share of quant states and norms), bits 3 / 2 = HQQ
-  codes + one scale and zero per group (offload.quant.lowbit) + the layer's other parameters, all in the
-  draft's compute dtype.
-- `candidate_bits(req, prequant)`: the widths a plan may choose: `req.draft_bits` when set; else
-  4, 3, 2 for a 16-bit target, 3, 2 for an nf4 one (4-bit substitutes would be the target itself);
-  none for a pre-quantized checkpoint (no 16-bit weights to quantize from).
-- `plan_self_draft(target, req, nf4_layers, plan_with)` plans every candidate width through
-  `plan_with(substitute_bytes, bits)` (memplan's budget/embeddings search with those substitutes
-  counted as the "draft" component) and returns the chosen plan with `substitute_bits` set and notes
-  stating the bits, the resident layers and the figures behind the choice; a pre-quantized target
-  gets a refused plan naming the fix, and so does a mixture-of-experts target with a layer streamed (no
-  low-bit substitutes for its experts yet); a target with nothing streamed, a note that no draft runs.
-- Where no width fits with a substitute for every streamed layer, `partial` looks for the fewest
-  skipped layers that make a width fit (in influence.skip_order: by the influence stored for this
-  checkpoint, else the middle block the loader replaces after measuring), and keeps it only while
-  the skipped fraction is within what was measured (SKIP_FACTOR) and the expected tokens/pass stays
-  above MIN_TOKENS_PER_PASS; otherwise the plan is refused with that reason and the fix.
-- Where every layer is resident there is nothing to substitute: `skip_plan` plans the layer-skip
-  self-draft instead (offload/selfdraft/build.build_skip_draft: the target's own layers, default_skip
-  of them left out, in influence.skip_order's order; no bytes of its own, so the plan is the
-  target's with a shared KV cache) and models it against plain decoding (draftcost.skip_spec: its
-  forward runs the kept layers and the head; tokens per pass measured on the real model,
-  acceptance.TOKENS_PER_PASS["skip"]). Its `substitute_bits` is build.LAYER_SKIP (0).
-- `choose(a, req, plans)` picks, among fitting (bits, plan) pairs, the one with the most modelled
-  tokens/s (offload/planning/draftcost.py: measured tokens/pass at the plan's budget over the pass seconds plus
-  the draft seconds the stream does not hide) and returns every width's Candidate, which the plan
-  carries as `candidates` / `choice` and `--dry-run` prints.
+- `substitute_bytes(ck, arch, req, bits, nf4_layers)`: per decoder layer the device bytes of its
+  substitute: bits 4 = its NF4 packing (`nf4_layers`: packed bytes + its share of quant states and
+  norms), bits 3 / 2 = HQQ codes + a scale and zero per group (quant/lowbit) + its other parameters, in
+  the draft's compute dtype.
+- `candidate_bits(req, prequant)`: `req.draft_bits` when set; else 4, 3, 2 (3, 2 for an nf4 or packed
+  target: 4-bit would be the target itself); none for a pre-quantized checkpoint (no 16-bit weights).
+- `plan_self_draft(target, req, nf4_layers, plan_with)` plans every width through `plan_with(substitute
+  bytes, bits)` (memplan's search with them as the "draft" component) and returns the chosen plan with
+  `substitute_bits` and notes; a pre-quantized target, or a mixture of experts with a layer streamed, gets
+  a refused plan naming the fix.
+- Where no width fits, `partial` looks for the fewest skipped layers that fit (influence.skip_order), kept
+  only within the measured SKIP_FACTOR and above MIN_TOKENS_PER_PASS tokens/pass; else refused.
+- Where every layer is resident, `skip_plan` plans the layer-skip self-draft (selfdraft/build.
+  build_skip_draft: default_skip of the target's own layers left out, a shared KV cache, no bytes of its
+  own; `substitute_bits` build.LAYER_SKIP, 0), modelled against plain decoding (draftcost.skip_spec).
+- `choose(a, req, plans)` picks the fitting (bits, plan) with the most modelled tokens/s (draftcost.py)
+  and returns every width's Candidate (the plan's `candidates` / `choice`, printed by `--dry-run`).
 """
 
 from __future__ import annotations
@@ -46,9 +34,8 @@ from offload.planning.passcost import linear_weights
 from offload.sizes import format_bytes
 
 RESIDENT_SKIP = 0.5
-"""Share of the layers the layer-skip self-draft of a resident target leaves out: on SmolLM2-135M (30 layers,
-budget 16, greedy) leaving out the 15 least influential kept 2.82 tokens per pass, as many as leaving out 10,
-at a cheaper draft forward; every other layer (10 left out) kept 1.92 (bench/results/selfdraft_resident.json)."""
+"""Share of the layers the layer-skip self-draft of a resident target leaves out: on SmolLM2-135M (30 layers)
+leaving out the 15 least influential kept 2.82 tokens per pass, as many as 10 (selfdraft_resident.json)."""
 
 
 def default_skip(n_layers: int) -> int:
@@ -57,10 +44,9 @@ def default_skip(n_layers: int) -> int:
 
 
 SKIP_FACTOR = {0.0: 1.0, 0.125: 0.480, 0.25: 0.333, 0.375: 0.268, 0.5: 0.234}
-"""Tokens per pass of a self-draft that skips a middle block of this fraction of the layers, relative to
-one that skips none: 11.64 / 8.08 / 6.50 / 5.66 against 24.23 for 1-4 of the 8 layers skipped
-(bench/results/selfdraft_skip_middle.json: shared pair, nf4 substitutes, budget 64, T = 0, 128 tokens).
-A 15.7M model with 8 layers loses far more per skipped layer than a 70B with 80 (prior, pessimistic)."""
+"""Tokens per pass of a self-draft that skips a middle block of this fraction of the layers, relative to one
+that skips none (bench/results/selfdraft_skip_middle.json: the shared pair, nf4 substitutes, budget 64, T = 0);
+a pessimistic prior: a 15.7M model of 8 layers loses far more per skipped layer than a 70B of 80."""
 MIN_TOKENS_PER_PASS = 1.5  # below this a partial self-draft is refused: a small trained draft does better
 
 
@@ -91,19 +77,13 @@ def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
         return lowbit_weight_bytes(shape if blocks else (math.prod(shape),), bits, c, blocks)
 
     out = []
-    if getattr(ck, "packed", None):  # AWQ/GPTQ/compressed-tensors: substitutes of the dequantized weights
-        for i in range(arch.layers):
-            prefix = f"model.layers.{i}."
-            out.append(
-                sum(
-                    sub(tuple(s)) if n in ck.packed else math.prod(s) * c
-                    for n, s in ck.shapes.items()
-                    if n.startswith(prefix)
-                )
-            )
-        return out
     for i in range(arch.layers):
-        prefix, total = f"model.layers.{i}.", 0
+        prefix = f"model.layers.{i}."
+        if getattr(ck, "packed", None):  # AWQ/GPTQ/compressed-tensors: substitutes of the dequantized weights
+            layer = {n: s for n, s in ck.shapes.items() if n.startswith(prefix)}
+            out.append(sum(sub(tuple(s)) if n in ck.packed else math.prod(s) * c for n, s in layer.items()))
+            continue
+        total = 0
         for name, e in ck.tensors.items():
             if not name.startswith(prefix) or not name.endswith(("weight", "bias")) or name.endswith("inv_freq"):
                 continue
@@ -142,10 +122,9 @@ def self_spec(a, req, bits: int, plan):
 
 
 def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
-    """(kernel-weighted packed bytes, other weight bytes, on the one-call stack) of one self-draft forward
-    whose substitutes are the CPU kernel's SX blocks and whose resident target layers the GGUF kernel
-    serves (then offload/selfdraft/build.py gives the draft a LeanStack); None otherwise. The packed
-    bytes carry ggml_kernel.COST's per-byte factors, as the target's do."""
+    """(packed bytes x ggml_kernel.COST, other weight bytes, on the one-call stack) of one self-draft forward
+    whose substitutes are the CPU kernel's SX blocks and whose resident layers the GGUF kernel serves (then
+    selfdraft/build.py gives the draft a LeanStack); None otherwise."""
     from offload.cpu.ggml_kernel import COST, MAX_ROWS, SX2, SX3
 
     k = getattr(plan, "kernel", None) or {}

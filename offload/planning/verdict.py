@@ -1,10 +1,8 @@
 """Whether a memory plan fits, and if not, why in one line that names the fix.
 
-Contract: `verdict(plan, req)` takes a finished memplan.MemoryPlan and its PlanRequest and returns
-(fits, reason): the device total against the device capacity (a fix list fitted to the request:
-a smaller --ctx or --budget, a small --draft, --dtype nf4, --embeddings host, --offload auto), then
-the host total against the host capacity, and the one combination no plan can serve (4-bit
-substitutes of a 4-bit target). An empty reason when it fits.
+Contract: `verdict(plan, req)` -> (fits, reason) of a finished MemoryPlan: the one combination no plan can
+serve (4-bit substitutes of a 4-bit target), the device total against its capacity (fixes fitted to the
+request), then the host total against the host capacity. An empty reason when it fits.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from offload.sizes import format_bytes
 
 
 def verdict(plan, req) -> tuple[bool, str]:
-    """(fits, reason) of a MemoryPlan for its PlanRequest: the reason is one line naming the fix."""
     if req.self_draft and req.dtype == "nf4" and req.draft_bits == 4:
         return False, (
             "--draft self: the target is already 4-bit, so 4-bit substitutes would be the target "
