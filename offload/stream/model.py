@@ -1,16 +1,11 @@
 """OffloadedCausalLM: a HF causal LM (families.SUPPORTED) whose decoder layers stream.
 
 Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, ...)` builds the HF model on
-the meta device, materializes only the globals (embeddings, final norm, lm_head, rotary) on the compute
-device, and keeps every decoder layer's weights in one buffer per layer (storage.py) placed by the plan
-(placement.py, or the caller's memory plan). `model(input_ids=, attention_mask=, position_ids=, cache=,
-use_cache=)` (or `past_key_values=`) is ONE lane of multi.py's `run_pass`, the only pass: it returns a
-`CausalLMOutputWithPast` whose logits equal HF's for the same inputs (4-D additive tree masks, arbitrary
-positions and a caller-owned cache included). The KV cache stays on the device. offload="none" keeps
-every layer resident. Resident layers of a packed checkpoint named in `plan.dense` are dequantized once
-here (quant/dense.py); a mixture-of-experts disk layer may read its routed experts apart
-(stream/expertstore.py), or every layer keep its dense part resident and its experts split by tier
-(experts="split": stream/splitexperts.py).
+meta, materializes the globals on the device and keeps each decoder layer in one buffer (storage.py)
+placed by the plan (placement.py, or the caller's memory plan). `model(...)` is ONE lane of multi.run_pass
+and returns a `CausalLMOutputWithPast` whose logits equal HF's (tree masks, arbitrary positions and a
+caller-owned cache included). Resident packed layers in `plan.dense` are dequantized once (quant/dense.py);
+MoE experts may be read apart (expertstore.py) or split by tier (splitexperts.py).
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ from offload.formats.qlinear import swap_packed_linears
 from offload.quant.dense import densify
 from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
 from offload.quant.quant_cache import ensure_nf4_cache
+from offload.stream.expertstore import param_slot
 from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
 from offload.stream.multi import Lane, run_pass
 from offload.stream.placement import OffloadPlan
@@ -53,15 +49,7 @@ PACKED_FORMATS = ("awq", "gptq", "compressed-tensors", "gguf")  # streamed as st
 
 
 class OffloadedCausalLM(nn.Module):
-    def __init__(
-        self,
-        config,
-        device: torch.device,
-        dtype: torch.dtype,
-        hf: nn.Module,
-        w: LoadedWeights,
-        packing: str = "standard",
-    ):
+    def __init__(self, config, device: torch.device, dtype: torch.dtype, hf, w: LoadedWeights, packing="standard"):
         super().__init__()
         self.packing = packing  # byte layout of the checkpoint's packed 4-bit weights
         self.config, self.device, self.dtype = config, device, dtype
@@ -72,7 +60,8 @@ class OffloadedCausalLM(nn.Module):
         self.plan: OffloadPlan = w.plan
         self.pool, self.store = w.pool, w.store
         self.stats = OffloadStats()
-        self._bindings = [self._binding_table(layer) for layer in self.layers]
+        # per layer (module, attribute, name) of each parameter, re-pointed at a buffer's views by _bind
+        self._bindings = [[param_slot(layer, n) for n, _ in layer.named_parameters()] for layer in self.layers]
         self._views: dict[tuple[int, int], list] = {}  # (layer, buffer address) -> its parameters' views
         for i, (buf, layout) in [*w.pinned.items(), *w.resident.items()]:
             self._bind(i, buf, layout)
@@ -114,15 +103,12 @@ class OffloadedCausalLM(nn.Module):
         expert_cache: int | None = None,
     ):
         """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB).
-        `memplan`: an offload.planning.memplan.MemoryPlan fixing placement and embeddings (else the budgets
-        decide); `pool`: a storage.DevicePool shared with the caller so it counts every device byte;
-        `subset`: a loader.Subset (only those layers, shared globals: offload/selfdraft/build.py);
-        `nf4_compute`: the compute dtype of a 4-bit load (default: fp32 on CPU, else bf16/fp16);
-        `experts` / `expert_cache`: routed experts of disk layers read on demand ("on-demand"), streamed with
-        their layer ("layers"), split by tier with every layer's dense part resident ("split": `expert_cache`
-        experts cached on the device, evenly, what --max-host-memory holds in RAM, the rest read on demand;
-        stream/splitexperts.py), or as the memory plan chose ("auto"; without a plan: on demand where they can
-        be); on demand, the experts their RAM cache holds (None: the plan's, else stream/expertstore.py's rule)."""
+        `memplan`: a planning.memplan.MemoryPlan fixing placement and embeddings (else the budgets decide);
+        `pool`: a DevicePool shared with the caller; `subset`: a loader.Subset (only those layers, shared
+        globals); `nf4_compute`: a 4-bit load's compute dtype (default: fp32 on CPU, else bf16/fp16);
+        `experts`: routed experts of disk layers "on-demand" (expertstore.py), "layers" (streamed with their
+        layer), "split" (splitexperts.py) or "auto" (the memory plan's choice; without one, on demand where
+        they can be); `expert_cache`: experts cached (split: on the device; on demand: in RAM; None: the plan's)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -191,15 +177,13 @@ class OffloadedCausalLM(nn.Module):
 
     @property
     def input_device(self) -> torch.device:
-        """Where input_ids should live: the host when the embeddings do (only rows then move)."""
+        """Where input_ids should live: the host when the embeddings do."""
         return torch.device("cpu") if type(self.embed_tokens).__name__ == "HostEmbedding" else self.device
 
     def _prelay_cpu(self, w: LoadedWeights) -> None:
-        """On a CPU where bitsandbytes computes 4-bit linears with its fused AVX512-BF16 kernel
-        (as transformers' Linear4bit does), put the packed bytes in that kernel's layout once per
-        byte arrival: resident and RAM-tier arenas now, streamed slots on the copy thread after
-        each read. Same bytes, moved nibbles (nf4.cpu_relayout); nothing is re-quantized.
-        A cache packed for this kernel (CPU_PACKING) already stores them so: nothing moves."""
+        """On a CPU where bitsandbytes' fused AVX512-BF16 kernel computes 4-bit linears, put the packed bytes in
+        its layout once per arrival (arenas now, disk slots after each read): the same bytes, nibbles moved
+        (nf4.cpu_relayout). A cache packed for this kernel (CPU_PACKING) already stores them so."""
         if self.device.type != "cpu":
             return
         self._relayout = {
@@ -222,18 +206,9 @@ class OffloadedCausalLM(nn.Module):
             view = layout.view(buf, name)
             view.view(-1).copy_(cpu_relayout(view, shape).view(-1))
 
-    @staticmethod
-    def _binding_table(layer: nn.Module) -> list[tuple[nn.Module, str, str]]:
-        table = []
-        for name, _ in layer.named_parameters():
-            mod_name, _, attr = name.rpartition(".")
-            table.append((layer.get_submodule(mod_name) if mod_name else layer, attr, name))
-        return table
-
     def _bind(self, i: int, buf: torch.Tensor, layout) -> None:
-        """Point layer i's parameters that `layout` holds at views into `buf` (no copy). The views of one
-        (layer, buffer) pair are made once: a streamed layer comes back to the same few staging slots, and
-        its layout never changes, so a later pass re-points the parameters at the same view objects."""
+        """Point layer i's parameters that `layout` holds at views into `buf` (no copy). The views of a (layer,
+        buffer) pair are made once: a streamed layer returns to the same few slots with the same layout."""
         key = (i, buf.data_ptr())
         views = self._views.get(key)
         if views is None:
@@ -274,10 +249,8 @@ class OffloadedCausalLM(nn.Module):
         past_key_values=None,
         **kwargs,
     ):
-        """HF's causal-LM call as ONE lane of the pass `forward_many` runs (multi.run_pass): input_ids (B, T)
-        or inputs_embeds, positions (None: from the cache's length), any mask, the cache (`cache` or
-        `past_key_values`; a new DynamicCache when use_cache and none is given), the last
-        `logits_to_keep` tokens' logits (0: all), `kwargs` passed to every decoder layer."""
+        """HF's causal-LM call as ONE lane of multi.run_pass: `cache` wins over `past_key_values` (a new
+        DynamicCache when use_cache and neither is given); `kwargs` go to every decoder layer."""
         from transformers import DynamicCache
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -295,8 +268,7 @@ class OffloadedCausalLM(nn.Module):
         return self.prefetcher.link_busy_seconds(now)
 
     def close(self) -> None:
-        """Stop the copy threads (waiting for copies in flight), close the files, unpin host memory
-        (idempotent)."""
+        """Stop the threads (waiting for copies in flight), close the files, unpin host memory (idempotent)."""
         self.prefetcher.close()
         self.store.reader.close()
         if getattr(self, "experts", None) is not None:
@@ -315,13 +287,11 @@ def _wants_nf4(dtype) -> bool:
 
 
 def _swap_nf4_linears(layers: nn.ModuleList, compute_dtype: torch.dtype, packed) -> None:
-    """Replace each nn.Linear of the decoder layers whose weight the checkpoint stores packed (its name,
-    e.g. "model.layers.0.self_attn.q_proj.weight", in `packed`) by an Nf4Linear of the same shape."""
+    """Each nn.Linear whose weight the checkpoint stores packed (full name in `packed`) -> an Nf4Linear."""
     for i, layer in enumerate(layers):
         for name, mod in list(layer.named_modules()):
             if isinstance(mod, nn.Linear) and f"model.layers.{i}.{name}.weight" in packed:
-                parent_name, _, child = name.rpartition(".")
-                parent = layer.get_submodule(parent_name) if parent_name else layer
+                parent, child, _ = param_slot(layer, name)
                 q = Nf4Linear(mod.in_features, mod.out_features, mod.bias is not None, compute_dtype)
                 q.logical_shape = tuple(mod.weight.shape)
                 setattr(parent, child, q)

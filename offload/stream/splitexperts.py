@@ -1,41 +1,19 @@
 """Routed experts split by tier and computed where they live: the "split" placement (llama.cpp's --n-cpu-moe).
 
 Contract:
-- `wants_split(mode, memplan)`: the loader's experts= mode "split", or "auto" where the memory plan chose
-  "split" (plan.experts["mode"], priced by planning/experts.py).
-- `tier_order(layers, e, counts)`: every (layer, expert) pair of the sparse `layers` (E = `e` each) in the order
-  the tiers fill: the hottest first by measured routing `counts` (tokens per (layer, expert), flattened layer by
-  layer over `layers`, as profiles record them), else evenly (rank r of every layer, then rank r + 1: lowest ids
-  first); ties keep that even order. `tier_ids(order, n_layers, gpu, ram)` -> per tier ("gpu", "ram", "disk") a
-  list of n_layers sorted id lists: the first `gpu` pairs cached on the device, the next `ram` in RAM, the rest on
-  disk. The planner writes them into plan.experts (`gpu_ids`, `ram_ids`, `disk_ids`), the loader follows them.
-- `split_ids(memplan, specs, index, cache, ram_room, e)`: the loader's tiers: the plan's ids where it has them
-  and `cache` is None, else `cache` experts on the device and what `ram_room` host bytes hold in RAM, in
-  tier_order's even order, the rest on disk (OffloadError for a model without routed experts).
-- `load_split(index, specs, device, pool, ids, reader, memplan)` -> SplitExperts: per sparse layer its experts'
-  parameters (per-expert tensors, or row e of fused ones: expertstore.expert_layers' spans) read once into a device
-  buffer (gpu tier, the pool's "expert_cache") or a host buffer (ram tier, `host_pool`'s "experts_ram", page-locked
-  on CUDA), each in its packed compute layout; the disk tier in an ExpertStore (its RAM cache: one layer's experts)
-  whose misses read only the routed experts' spans; per layer its `stream_from` (the memplan's, else the default)
-  and one `Staging` for all. The caller keeps every layer's dense part resident.
-- `SplitExperts.attach(layers)` (after the ExpertStore attached its layers): each sparse block's experts module
-  gets a source serving each expert from its tier (`_Tiers`) and is wrapped in a `SplitBlock` at the same
-  attribute (the inner module is held unregistered: parameter names stay the checkpoint's).
-- `SplitBlock.forward(hidden (T, H), top_k_index (T, K), top_k_weights (T, K))` on the device: the inner module
-  computes the device-cached experts' (token, slot) pairs in place (other slots marked E, "unassigned", which
-  the inner modules skip); the rows routing to any other expert move to the CPU ONCE (hidden rows, their
-  indices and weights), every routed RAM/disk expert computes there (the same CPU expert code on-demand
-  mode uses: GGUF and MXFP4 kernels included), and their weighted sum moves back ONCE and is added. On a CPU
-  device both halves run on the CPU and the moves are no-ops. Nothing streams whole layers.
-  A pass of n >= the layer's `stream_from` tokens (the plan's plan.experts["stream_from"], per layer, None: never;
-  without one DEFAULT_STREAM_FROM, llama.cpp's batch size for computing host-held weights on the GPU) instead
-  computes EVERY routed expert on the device, in one call of the inner module: each routed expert not cached
-  there has its packed bytes (RAM tier: its host buffer; disk tier: its ExpertStore slot, fetched first) copied
-  into the next slot of the `Staging` ring and is computed from views of it, the same layouts and expert code.
-- `Staging(pool, slot, slots)`: the device staging area, `slots` (2 x top-k) slots of `slot` bytes (the largest
-  expert's layout), one buffer of the pool's "expert_staging" allocated on first use, filled in turn on the
-  compute stream (copy, then compute: no overlap on the card beyond the host's reads running ahead of queued
-  kernels). Counters: `copies`, `bytes` (the copied experts' layout bytes).
+- `wants_split(mode, memplan)`: experts="split", or "auto" where the memory plan chose "split".
+- `tier_order(layers, e, counts)`: (layer, expert) pairs, hottest first by routing `counts` (flattened layer by
+  layer), else evenly (rank r of every layer, then r + 1). `tier_ids(order, n_layers, gpu, ram)` -> {tier: per
+  layer sorted ids}: the first `gpu` on the device, the next `ram` in RAM, the rest on disk. `split_ids`: the
+  plan's ids, else `cache` on the device and what `ram_room` bytes hold in RAM.
+- `load_split(...)` -> SplitExperts: gpu/ram experts read once in their packed compute layout ("expert_cache",
+  or host "experts_ram", page-locked on CUDA); the disk tier in an ExpertStore. `attach(layers)` wraps each
+  sparse experts module in a `SplitBlock` (unregistered: parameter names stay the checkpoint's).
+- `SplitBlock.forward(hidden (T, H), top_k_index (T, K), top_k_weights (T, K))`: cached experts compute on the
+  device (other slots marked E, "unassigned"); rows routed elsewhere move to the CPU ONCE, compute there, and
+  their weighted sum moves back ONCE. A pass of n >= `stream_from` tokens (the plan's, else
+  DEFAULT_STREAM_FROM) computes EVERY routed expert on the device, each uncached one copied into the next
+  `Staging` slot (2 x top-k slots, one "expert_staging" buffer; counters `copies`, `bytes`).
 """
 
 from __future__ import annotations
@@ -47,23 +25,19 @@ from offload.arch.gptoss_experts import RoutedExperts
 from offload.arch.moe import ExpertList
 from offload.errors import OffloadError
 from offload.stream.devmem import DevicePool
-from offload.stream.expertstore import ExpertStore, cache_capacity, expert_layers, is_expert, slot_bytes
+from offload.stream.expertstore import ExpertStore, cache_capacity, expert_layers, is_expert, param_slot, slot_bytes
 from offload.stream.hostmem import IO_ALIGN, HostPins, align_up, aligned_empty
-from offload.stream.storage import CPU_ALIGN, DirectReader, DiskLayer, store_param
+from offload.stream.storage import CPU_ALIGN, DirectReader, DiskLayer
 
 TIERS = ("gpu", "ram", "disk")
 DEFAULT_STREAM_FROM = 32  # tokens: llama.cpp computes ops of a batch this large on host-held weights on the GPU
 
 
 def wants_split(mode: str, memplan) -> bool:
-    """experts="split", or "auto" following a plan that chose it (see the contract)."""
-    if mode == "split":
-        return True
-    return mode == "auto" and (getattr(memplan, "experts", None) or {}).get("mode") == "split"
+    return mode == "split" or (mode == "auto" and (getattr(memplan, "experts", None) or {}).get("mode") == "split")
 
 
 def tier_order(layers: list[int], e: int, counts: list[int] | None = None) -> list[tuple[int, int]]:
-    """(layer, expert) pairs in the order the tiers fill (see the contract)."""
     even = [(i, x) for x in range(e) for i in layers]  # rank x of every layer, then rank x + 1
     if not counts or len(counts) != e * len(layers) or not any(counts):
         return even
@@ -72,7 +46,6 @@ def tier_order(layers: list[int], e: int, counts: list[int] | None = None) -> li
 
 
 def tier_ids(order: list[tuple[int, int]], n_layers: int, gpu: int, ram: int) -> dict[str, list[list[int]]]:
-    """{tier: per layer its sorted expert ids}: the first `gpu` of `order` on the device, the next `ram` in RAM."""
     out: dict[str, list[list[int]]] = {t: [[] for _ in range(n_layers)] for t in TIERS}
     for r, (i, x) in enumerate(order):
         out["gpu" if r < gpu else "ram" if r < gpu + ram else "disk"][i].append(x)
@@ -82,18 +55,8 @@ def tier_ids(order: list[tuple[int, int]], n_layers: int, gpu: int, ram: int) ->
     return out
 
 
-def _read_packed(reader: DirectReader, d: DiskLayer, dest: torch.Tensor) -> None:
-    """One expert's spans into a page-aligned scratch buffer, each parameter stored into `dest` in its packed
-    (aligned, compute-dtype) layout."""
-    raw = aligned_empty(d.raw.nbytes)
-    for span in d.spans:
-        reader.read_span(span, raw)
-    for sp in d.specs:
-        store_param(d.raw.view(raw, sp.name), sp, d.packed.view(dest, sp.name))
-
-
 class SplitExperts:
-    """The split placement's experts of every sparse layer (see the contract)."""
+    """The split placement's experts of every sparse layer."""
 
     def __init__(self, device: torch.device, store: ExpertStore | None, host_pool: DevicePool):
         self.device, self.store, self.host_pool = device, store, host_pool
@@ -104,7 +67,6 @@ class SplitExperts:
         self.staging: Staging | None = None
 
     def attach(self, layers: nn.ModuleList) -> None:
-        """Every sparse layer's experts served from their tiers and wrapped in a SplitBlock (see the contract)."""
         for i, by_e in self.held.items():
             layer = layers[i]
             experts = layer.mlp.experts
@@ -124,28 +86,21 @@ class SplitExperts:
             if isinstance(experts, ExpertList):  # where each uncached expert's parameters bind (layer-relative)
                 specs = [(e, d.specs) for e, (_, d) in by_e.items()]
                 specs += [(e, self.store.experts[(i, e)].specs) for e in self.disk.get(i, [])]
-                tiers.params = {e: [_param_slot(layer, sp.name) for sp in sps] for e, sps in specs}
+                tiers.params = {e: [param_slot(layer, sp.name) for sp in sps] for e, sps in specs}
             block = SplitBlock(experts, self.cached.get(i, []), self.device)
             block.stream_from, block.staging = self.stream_from.get(i), self.staging
             layer.mlp.experts = block
 
     @staticmethod
     def _bind(layer: nn.Module, buf: torch.Tensor, d: DiskLayer, child: nn.Module) -> nn.Module:
-        """An ExpertList child's parameters pointed at views of its tier's buffer (names layer-relative)."""
         for sp in d.specs:
-            mod, attr, _ = _param_slot(layer, sp.name)
+            mod, attr, _ = param_slot(layer, sp.name)
             mod._parameters[attr] = nn.Parameter(d.packed.view(buf, sp.name), requires_grad=False)
         return child
 
 
-def _param_slot(layer: nn.Module, name: str) -> tuple[nn.Module, str, str]:
-    """(module, attribute, layer-relative name) of one of the layer's parameters."""
-    mod, _, attr = name.rpartition(".")
-    return layer.get_submodule(mod), attr, name
-
-
 def _layer_experts(index, i: int, specs) -> dict[int, DiskLayer]:
-    """Layer i's routed experts: {e: its spans and layouts} (CPU_ALIGN: the disk tier computes on the CPU)."""
+    """Layer i's routed experts {e: DiskLayer} (CPU_ALIGN: the disk tier computes on the CPU)."""
     keep = {sp.name: sp for sp in specs if is_expert(sp.name)}
     entries = {n: index.get(f"model.layers.{i}.{n}") for n in keep}
     return expert_layers(entries, keep, CPU_ALIGN) if keep else {}
@@ -154,8 +109,7 @@ def _layer_experts(index, i: int, specs) -> dict[int, DiskLayer]:
 def load_split(
     index, specs, device: torch.device, pool: DevicePool, ids: dict, reader: DirectReader, memplan=None
 ) -> SplitExperts:
-    """Every sparse layer's experts read into their tiers (see the contract); `specs`: per layer its ParamSpecs,
-    `ids`: tier_ids' {tier: per layer ids}; `memplan`: its plan.experts["stream_from"], where it has one."""
+    """Every sparse layer's experts read into their tiers (see the contract); `ids`: tier_ids' output."""
     host_pool = DevicePool(torch.device("cpu"))
     pins = HostPins(device)  # CUDA: the RAM tier page-locked, so a pass that streams it copies at the link's rate
     held: dict[int, dict[int, tuple[torch.Tensor, DiskLayer]]] = {}
@@ -172,7 +126,7 @@ def load_split(
                 continue
             gpu = e in ids["gpu"][i]
             host = host_pool.alloc(d.packed.nbytes, "experts_ram") if not gpu else aligned_empty(d.packed.nbytes)
-            _read_packed(reader, d, host)
+            d.read(reader, aligned_empty(d.raw.nbytes), host)  # packed compute layout
             if not gpu:
                 pins.pin(host, "the split's RAM experts")
             # a cached expert: one counted device copy (on a CPU device the pool's buffer is RAM)
@@ -198,8 +152,6 @@ def load_split(
 
 
 def split_ids(memplan, specs, index, cache: int | None, ram_room: int, e: int) -> dict:
-    """The tiers' ids: the memory plan's where it placed them and `cache` is None, else `cache` experts on the
-    device evenly (none if None) and what `ram_room` host bytes hold in RAM, the rest on disk."""
     planned = getattr(memplan, "experts", None) or {}
     if cache is None and "gpu_ids" in planned:
         return {t: planned[f"{t}_ids"] for t in TIERS}
@@ -213,10 +165,9 @@ def split_ids(memplan, specs, index, cache: int | None, ram_room: int, e: int) -
 
 
 class _Tiers:
-    """An experts module's source (ExpertList.source, RoutedExperts.source): expert e as held in its tier (a bound
-    child, or its parts), else from the ExpertStore's source (read on demand, the next read ahead). For a pass
-    computed on the device (_Staged): `host` {e: (buffer, layout)} of the RAM tier, `store` and `layer` (the disk
-    tier's slots), `params` (ExpertList: per expert where its parameters bind)."""
+    """An experts module's source: expert e as held in its tier, else the ExpertStore's source. For _Staged:
+    `host` {e: (buffer, layout)} of the RAM tier, `store` and `layer` (the disk tier's slots), `params`
+    (ExpertList: per expert where its parameters bind)."""
 
     def __init__(self, held: dict, disk):
         self.held, self.disk = held, disk
@@ -233,16 +184,15 @@ class _Tiers:
         return (self.held[e] if e in self.held else next(read) for e in es)
 
     def buffer(self, e: int) -> tuple[torch.Tensor, object]:
-        """(host buffer, layout) of uncached expert e: its RAM buffer, else its ExpertStore slot (fetched before)."""
+        """(host buffer, layout) of uncached expert e: its RAM buffer, else its (fetched) ExpertStore slot."""
         if e in self.host:
             return self.host[e]
-        store = self.store
-        s = store.lru[(self.layer, e)]
-        return store.cache[s * store.slot : (s + 1) * store.slot], store.experts[(self.layer, e)].layout
+        key = (self.layer, e)
+        return self.store.slot_view(self.store.lru[key]), self.store.experts[key].layout
 
 
 class Staging:
-    """The device staging area (see the contract)."""
+    """The device staging area."""
 
     def __init__(self, pool: DevicePool, slot: int, slots: int):
         self.pool, self.slot, self.slots = pool, slot, slots
@@ -250,7 +200,7 @@ class Staging:
         self.next = self.copies = self.bytes = 0
 
     def put(self, src: torch.Tensor) -> torch.Tensor:
-        """`src` (uint8, host) copied into the next slot, queued on the compute stream: that slot's bytes."""
+        """`src` (uint8, host) copied into the next slot on the compute stream; returns that slot's bytes."""
         if self.buf is None:
             self.buf = self.pool.alloc(self.slot * self.slots, "expert_staging")
         at, self.next = self.next * self.slot, (self.next + 1) % self.slots
@@ -261,8 +211,8 @@ class Staging:
 
 
 class _Staged:
-    """The source of a pass computed on the device: a cached expert as held, any other copied into the staging
-    area and bound there (ExpertList: its parameters until `restore`; fused: its parts as views)."""
+    """A device pass's source: a cached expert as held, any other copied into the staging area and bound there
+    (ExpertList: until `restore`; fused: its parts as views)."""
 
     def __init__(self, tiers: _Tiers, cached: set[int], staging: Staging):
         self.tiers, self.cached, self.staging = tiers, cached, staging
@@ -291,7 +241,7 @@ class _Staged:
 
 
 class SplitBlock(nn.Module):
-    """A sparse block's experts computed where they live (see the contract)."""
+    """A sparse block's experts computed where they live."""
 
     def __init__(self, inner: nn.Module, cached: list[int], device: torch.device):
         super().__init__()
@@ -326,7 +276,6 @@ class SplitBlock(nn.Module):
         return out
 
     def _staged(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Every routed expert on the device, the uncached ones through the staging area (see the contract)."""
         tiers = self.inner.source
         staged = _Staged(tiers, self.cached, self.staging)
         self.inner.source = staged

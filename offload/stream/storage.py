@@ -1,23 +1,14 @@
 """Host/device storage for decoder-layer weights: packed arenas, O_DIRECT reads, staging slots.
 
 Contract:
-- A layer's parameters live in ONE contiguous uint8 buffer described by a `LayerLayout`
-  (name -> offset/dtype/shape). RAM-tier and resident layers use a packed layout (each tensor
-  256-byte aligned, NF4 weights as packed uint8). Disk-tier layers whose file dtype already is
-  the compute dtype use the file's own layout: the aligned covering span(s) of the layer's
-  tensors are read with O_DIRECT straight into the staging slot and the tensors are views at
-  their file offsets, so a layer costs one read and (on CUDA) one host-to-device copy.
-- `DirectReader` opens files with O_DIRECT and reads 4096-aligned ranges into page-aligned
-  buffers. Where O_DIRECT is unsupported (EINVAL, e.g. some tmpfs) it falls back to buffered
-  reads and warns once.
-- Alignment: every tensor handed to a CUDA layer starts on an ARENA_ALIGN (256-byte) boundary; on a
-  CPU a disk layer's tensors need only CPU_ALIGN (32 bytes: GGUF's default `general.alignment`). A disk
-  layer whose file offsets are not all aligned so (safetensors packs tensors back to back) is read as
-  stored and re-laid into its packed layout: on CUDA by per-tensor copies into the device slot, on CPU
-  by a copy from the read buffer.
-- `LayerStore.read(layer, h)` and `copy(layer, host, d)` are the prefetcher's two stages: the
-  layer's bytes in host staging slot h (on CPU the buffer compute reads; a RAM-tier arena itself),
-  then on CUDA the copy into device slot d, on the caller's current stream (the prefetcher's side stream).
+- A layer's parameters live in ONE uint8 buffer described by a `LayerLayout` (name -> offset/dtype/shape):
+  packed (each tensor ARENA_ALIGN-aligned, NF4 as packed uint8) for resident and RAM layers; for disk
+  layers the file's own layout where it needs no cast and its offsets sit on the device's grid (CUDA:
+  ARENA_ALIGN; CPU: CPU_ALIGN, GGUF's 32), so a layer costs one read and one copy; else it is re-laid.
+- `DirectReader` reads 4096-aligned ranges with O_DIRECT into page-aligned buffers, falling back to
+  buffered reads (one warning) where O_DIRECT is unsupported.
+- `LayerStore.read(layer, h)` / `copy(layer, host, d)` are the prefetcher's two stages: host staging slot
+  h (on CPU the buffer compute reads; a RAM arena itself), then on CUDA device slot d on the caller's stream.
 """
 
 from __future__ import annotations
@@ -243,6 +234,14 @@ class DiskLayer:
         """The layout layers bind to (device slot on CUDA, host slot on CPU)."""
         return self.packed if self.repack else self.raw
 
+    def read(self, reader: DirectReader, raw: torch.Tensor, dest: torch.Tensor) -> None:
+        """The spans read into `raw`; where `dest` is another buffer, each parameter stored there (packed)."""
+        for span in self.spans:
+            reader.read_span(span, raw)
+        if raw is not dest:
+            for sp in self.specs:
+                store_param(self.raw.view(raw, sp.name), sp, self.packed.view(dest, sp.name))
+
     @property
     def host_layout(self) -> LayerLayout:
         """CUDA: what the pinned staging slot holds (file layout unless a cast is needed)."""
@@ -250,12 +249,10 @@ class DiskLayer:
 
 
 class LayerStore:
-    """Produces streamed layers: `read` fills a host staging slot, `copy` a device slot (CUDA).
-
-    Buffers, all allocated here once: on CPU `host_slots` buffers from the pool (RAM-tier layers use
-    their arena); on CUDA `slots` device buffers and `host_slots` pinned staging buffers for disk layers
-    (and for RAM-tier layers whose arena could not be pinned); one raw read buffer for layers re-laid
-    or cast. `pins` owns every page-locked region (the RAM arena included); `close()` unpins them."""
+    """Produces streamed layers: `read` fills a host staging slot, `copy` a device slot (CUDA). Every buffer is
+    allocated here once: CPU, `host_slots` pool buffers; CUDA, `slots` device buffers and `host_slots` pinned
+    staging buffers (disk layers, and RAM ones whose arena is pageable); one raw buffer for re-laid or cast
+    layers. `pins` owns every page-locked region (the RAM arena too); `close()` unpins them."""
 
     def __init__(self, device: torch.device, pool: DevicePool, slots: int,
                  ram: dict[int, tuple[torch.Tensor, LayerLayout]], disk: dict[int, DiskLayer],
@@ -284,10 +281,11 @@ class LayerStore:
         self.host_stage = [aligned_empty(stage) for _ in range(self.host_slots)] if cuda and stage else []
         if self.host_stage and not all([self.pins.pin(b, "the staging ring") for b in self.host_stage]):
             self.pins.notice("host->device copies of disk layers will be pageable (slower)")
-        self._link_bytes: dict[int, int] = {}
+        # bytes that cross the link for one load (file bytes read, or the arena), asked once per layer per pass
+        self._link_bytes = {i: lay.nbytes for i, (_, lay) in ram.items()}
+        self._link_bytes.update({i: sum(s.length for s in d.spans) for i, d in disk.items()})
 
     def close(self) -> None:
-        """Unpin every page-locked region (the caller has waited for copies in flight)."""
         self.pins.release()
 
     def layout(self, layer: int) -> LayerLayout:
@@ -298,10 +296,6 @@ class LayerStore:
         return layer in self.ram and not self.ram_staged
 
     def link_bytes(self, layer: int) -> int:
-        """Bytes that cross the link for one load: the file bytes read (disk) or the arena (RAM)."""
-        if layer not in self._link_bytes:    # cached: called on the compute thread once per layer per pass
-            self._link_bytes[layer] = (self.ram[layer][1].nbytes if layer in self.ram
-                                       else sum(s.length for s in self.disk[layer].spans))
         return self._link_bytes[layer]
 
     def read(self, layer: int, h: int) -> torch.Tensor:
@@ -317,10 +311,8 @@ class LayerStore:
         return out
 
     def copy(self, layer: int, host: torch.Tensor, d: int) -> torch.Tensor:
-        """Stage B (CUDA): async copy into device slot d on the caller's current (side) stream.
-
-        A disk layer read in its file layout with tensors off the 256-byte grid is copied tensor
-        by tensor into its aligned packed layout (one cudaMemcpyAsync each, same bytes)."""
+        """Stage B (CUDA): async copy into device slot d on the caller's current (side) stream; a file layout
+        off the 256-byte grid goes tensor by tensor into its packed layout (same bytes)."""
         out = self.dev_slots[d]
         dl = self.disk.get(layer)
         if dl is not None and dl.repack and not dl.convert:
@@ -335,15 +327,8 @@ class LayerStore:
 
     def _read_disk(self, layer: int, dest: torch.Tensor) -> torch.Tensor:
         d = self.disk[layer]
-        cpu = self.device.type == "cpu"
-        via_scratch = d.convert or (d.repack and cpu)
-        target = self.scratch if via_scratch else dest
-        for span in d.spans:
-            self.reader.read_span(span, target)
-        if not via_scratch:
-            return dest
-        for sp in d.specs:
-            store_param(d.raw.view(target, sp.name), sp, d.packed.view(dest, sp.name))
+        via_scratch = d.convert or (d.repack and self.device.type == "cpu")
+        d.read(self.reader, self.scratch if via_scratch else dest, dest)
         return dest
 
 
@@ -352,8 +337,8 @@ DEFAULT_STAGING_BYTES = 1 << 30   # host staging for disk read-ahead when nobody
 
 def staging_slots(slots: int, host_slots: int | None, staging_bytes: int | None, layer_bytes: int,
                   n_streamed: int) -> int:
-    """Host staging ring size: explicit `host_slots`, else as many disk layers as `staging_bytes`
-    (default 1 GiB) holds; never fewer than the device slots nor more than the streamed layers."""
+    """Host staging ring size: `host_slots`, else the disk layers `staging_bytes` (default 1 GiB) holds;
+    at least the device slots, at most the streamed layers."""
     if host_slots is None:
         budget = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
         host_slots = budget // layer_bytes if layer_bytes else slots
