@@ -1,13 +1,9 @@
 """Device memory accounting: the counting allocator of every device byte.
 
-Contract:
-- `DevicePool` is the one allocator of device bytes, counted per memory-plan component
-  (offload/planning/memplan.py names them): fresh buffers via `alloc`/`empty`/`copy`, tensors that a
-  library made on the device (HF draft weights, rotary buffers) via `adopt` (each storage once), and
-  `free` un-counts a dropped buffer (a regrown KV slab).
-- Every buffer it hands out starts on a 256-byte boundary (hostmem.ARENA_ALIGN) on CPU as on
-  CUDA (whose allocator aligns to 512), so views carved at aligned offsets stay aligned.
-Host pinning lives in hostmem.py; nothing here reads files.
+Contract: `DevicePool` is the one allocator of device bytes, counted per memory-plan component
+(offload/planning/memplan.py names them): fresh buffers via `alloc`/`empty`/`copy`, tensors a library
+made on the device (HF draft weights, rotary buffers) via `adopt` (each storage once); `free` un-counts
+a dropped buffer. Every buffer starts on a 256-byte boundary (hostmem.ARENA_ALIGN), on CPU as on CUDA.
 """
 
 from __future__ import annotations
@@ -20,9 +16,7 @@ from offload.stream.hostmem import ARENA_ALIGN, aligned_empty
 
 
 class DevicePool:
-    """The one counting allocator of device bytes, per component (module contract). `allocated` is the
-    total, `by_component` the breakdown tests compare with the memory plan. On CPU large buffers are
-    page-aligned (O_DIRECT targets; from 2 MB up in transparent huge pages, KV slabs excepted)."""
+    """Device bytes counted per component (module contract); `allocated` is their total."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -39,7 +33,6 @@ class DevicePool:
         self.count += 1
 
     def alloc(self, nbytes: int, component: str = "resident_layers") -> torch.Tensor:
-        """A uint8 buffer of `nbytes` on the device."""
         self._count(component, nbytes)
         if self.device.type == "cpu":
             # a KV slab is written a row at a time as decoding fills it: 4 KB pages keep its first
@@ -49,13 +42,10 @@ class DevicePool:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def empty(self, shape, dtype: torch.dtype, component: str) -> torch.Tensor:
-        """A typed tensor of `shape`, carved from one counted buffer."""
-        numel = math.prod(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self.alloc(nbytes, component).view(dtype).view(tuple(shape))
 
     def copy(self, src: torch.Tensor, component: str) -> torch.Tensor:
-        """A counted device copy of `src`."""
         return self.empty(src.shape, src.dtype, component).copy_(src)
 
     def adopt(self, component: str, tensors) -> None:

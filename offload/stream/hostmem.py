@@ -1,18 +1,12 @@
 """Aligned host allocation and CUDA page-locking: the one place both storage and devmem use.
 
 Contract:
-- `aligned_empty(nbytes, align, huge=True)` returns a host uint8 buffer whose first byte sits on an
-  `align` boundary: large buffers are anonymous mmaps (page-aligned, usable as O_DIRECT targets),
-  from HUGE (2 MB) up private ones on a HUGE boundary asked for transparent huge pages (`huge`
-  False: 4 KB pages), small ones carved from a slightly larger torch buffer. Every tensor a layer
-  reads starts at an ARENA_ALIGN (256-byte) boundary: CUDA kernels that load 128-bit vectors
-  (bitsandbytes' among them) fault on less.
-- `HostPins` page-locks host regions for one owner (a LayerStore) with ONE portable
-  cudaHostRegister per region and unregisters them on `release()` or, failing that, when the owner
-  is garbage-collected; memory is never unmapped while still registered. Nothing is pinned unless
-  the compute device is CUDA. A failed (un)registration clears CUDA's sticky last error (else the
-  next unrelated launch would raise it); a failed unregistration keeps the buffer referenced for
-  the life of the process and `release()` says so in one OffloadNotice line.
+- `aligned_empty(nbytes, align, huge=True)`: a host uint8 buffer on an `align` boundary; large ones are
+  anonymous mmaps (O_DIRECT targets), from HUGE (2 MB) up in transparent huge pages unless `huge` is False.
+  Tensors start on ARENA_ALIGN (256 bytes): CUDA kernels that load 128-bit vectors fault on less.
+- `HostPins` page-locks one owner's regions on CUDA and unregisters them on `release()` or when the owner is
+  collected; a failed (un)registration clears CUDA's sticky error and is one OffloadNotice line (a region
+  that failed to unpin stays mapped for the process's life).
 """
 
 from __future__ import annotations
@@ -37,8 +31,6 @@ def align_up(n: int, a: int) -> int:
 
 
 def aligned_empty(nbytes: int, align: int = PAGE, huge: bool = True) -> torch.Tensor:
-    """Host uint8 buffer of `nbytes` starting on an `align` boundary (page-aligned when large; on a
-    HUGE boundary in transparent huge pages from HUGE bytes up, unless `huge` is False)."""
     if huge and nbytes >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         return _huge_empty(nbytes)
     if nbytes >= PAGE or align > ARENA_ALIGN:
@@ -50,11 +42,9 @@ def aligned_empty(nbytes: int, align: int = PAGE, huge: bool = True) -> torch.Te
 
 
 def _huge_empty(nbytes: int) -> torch.Tensor:
-    """`nbytes` of private anonymous memory on a HUGE boundary, asked for transparent huge pages: a
-    weight streamed by the kernels then crosses a TLB entry (and a hardware prefetcher's 4 KB page
-    stop) every 2 MB instead of every 4 KB (the Q8_0 262144 x 640 head, T = 1, 2 threads: 9.5 -> 6.7
-    ms). A shared mapping (mmap's default) is shmem, which the kernel gives huge pages only where
-    /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (usually never)."""
+    """`nbytes` of private anonymous memory on a HUGE boundary in transparent huge pages: a streamed weight
+    crosses a TLB entry every 2 MB, not 4 KB (the Q8_0 262144 x 640 head, T = 1, 2 threads: 9.5 -> 6.7 ms).
+    Private: a shared mapping is shmem, which rarely gets huge pages (transparent_hugepage/shmem_enabled)."""
     mm = mmap.mmap(-1, align_up(nbytes, IO_ALIGN) + HUGE, flags=mmap.MAP_PRIVATE)
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE
@@ -65,8 +55,8 @@ def _huge_empty(nbytes: int) -> torch.Tensor:
 
 
 def clear_cuda_error() -> None:
-    """Consume CUDA's last error on this thread: torch's launch check reads (and so resets)
-    cudaGetLastError and raises what it found; the second launch proves the state is clean."""
+    """Consume CUDA's last error on this thread: torch's launch check reads (so resets) cudaGetLastError and
+    raises it; the second launch proves the state clean."""
     if not torch.cuda.is_available():
         return
     for _ in range(2):
@@ -85,9 +75,8 @@ _STILL_PINNED: list = []  # buffers whose cudaHostUnregister failed: never unmap
 
 
 def _unregister(entries: list, failures: list | None = None) -> None:
-    """cudaHostUnregister every entry; a non-zero return clears CUDA's sticky error, keeps the
-    buffer referenced for the process's life (unmapping registered memory is undefined) and adds
-    one line to `failures`."""
+    """cudaHostUnregister every entry; a failure keeps its buffer for the process's life (unmapping registered
+    memory is undefined) and adds one line to `failures`."""
     for ptr, buf in entries:
         rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
         if rc != 0:
@@ -108,7 +97,6 @@ class HostPins:
         self.failures: list[str] = []  # one line per region left pageable
 
     def attach(self, owner) -> None:
-        """Unpin when `owner` is garbage-collected, should nobody call `release()`."""
         if self._finalizer is None:
             self._finalizer = weakref.finalize(owner, _unregister, self._entries, self.failures)
 
@@ -118,7 +106,7 @@ class HostPins:
             warnings.warn(f"offload: {self.failures[-1]}; {consequence}", OffloadNotice, stacklevel=3)
 
     def pin(self, buf: torch.Tensor, what: str) -> bool:
-        """Register `buf` (one cudaHostRegister). True when pinned; False leaves it pageable."""
+        """True when `buf` is now pinned; False leaves it pageable."""
         if not self.enabled or buf.numel() == 0:
             return False
         rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), CUDA_HOST_REGISTER_PORTABLE))
@@ -132,14 +120,9 @@ class HostPins:
         return True
 
     def release(self) -> None:
-        """Unregister every region this owner pinned (idempotent); a failed unregistration leaves
-        its buffer alive (kept mapped) and says so in one OffloadNotice line."""
+        """Unregister every region this owner pinned (idempotent)."""
         if self.enabled and self._entries:
             before = len(self.failures)
             _unregister(self._entries, self.failures)
             if len(self.failures) > before:
-                warnings.warn(
-                    f"offload: {self.failures[-1]}; that memory stays allocated until the process exits",
-                    OffloadNotice,
-                    stacklevel=2,
-                )
+                self.notice("that memory stays allocated until the process exits")

@@ -1,17 +1,12 @@
 """Load-time placement: read the checkpoint into resident buffers, RAM arenas and disk plans.
 
-Contract: `load_weights(...)` takes a Checkpoint that `open_checkpoint` checked strictly once
-(formats/validate.py), so no parameter is ever left uninitialised. It computes per-layer packed sizes,
-picks the placement (`plan_offload`, or the caller's memory plan), checks the host and device bytes it
-needs against what is free BEFORE allocating anything (OffloadError otherwise), then fills: resident
-layers into `DevicePool` buffers, RAM-tier layers into one page-aligned host region (page-locked once
-on CUDA), and records file spans for disk-tier layers. NF4 layers (prequant.py's format) stream only
-their packed uint8 weights, as stored; their quant states and small 16-bit tensors are loaded once onto
-the device ("pinned"). `plan.dense` names the resident layers whose packed linears the model
-dequantizes once (the memory plan's `dense_layers`, else what the budgets leave room for: `_dense_auto`).
-With experts="split" (or "auto" under a plan that chose it) every layer is resident with its dense part only
-and the routed experts go to their tiers (stream/splitexperts.py: the plan's ids, else `expert_cache` on the
-device and what the host budget holds in RAM).
+Contract: `load_weights(...)` takes a Checkpoint `open_checkpoint` validated, picks the placement
+(`plan_offload` or the caller's memory plan), checks host and device bytes against what is free BEFORE
+allocating (OffloadError otherwise), then fills resident layers into `DevicePool` buffers, RAM-tier layers
+into one page-aligned host region (page-locked on CUDA), and records file spans for disk layers. NF4
+layers stream only their packed weights; quant states and small tensors go to the device once
+("pinned"). `plan.dense`: resident layers dequantized once (the plan's, else `_dense_auto`). With
+experts="split" every layer is resident with its dense part only (stream/splitexperts.py).
 """
 
 from __future__ import annotations
@@ -50,23 +45,15 @@ from offload.stream.hostmem import ARENA_ALIGN, HostPins
 from offload.stream.expertstore import ExpertStore, held_experts, is_expert
 from offload.stream.splitexperts import SplitExperts, load_split, split_ids, wants_split
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES |= {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AUTO_RAM_FRACTION = 0.8
 CUDA_HEADROOM = 1 << 30  # left free on the GPU for KV cache and activations in "auto"
 
 
 def accelerator_half(device=None) -> torch.dtype:
-    """The 16-bit compute dtype of a CUDA device: bf16 where the GPU has it natively (compute
-    capability 8.0+), else fp16 (Turing, Volta, Pascal emulate bf16 slowly or not at all). The
-    one place where this quirk is decided; without a CUDA device (planning for another machine)
-    bf16."""
+    """THE 16-bit compute dtype of a CUDA device: bf16 where native (capability 8.0+), else fp16 (older GPUs
+    emulate bf16 slowly or not at all); bf16 without a CUDA device (planning for another machine)."""
     if not torch.cuda.is_available():
         return torch.bfloat16
     try:
@@ -112,9 +99,8 @@ class LoadedWeights:
 
 
 def layer_specs(layer: nn.Module, storage_dtype: torch.dtype) -> list[ParamSpec]:
-    """One spec per parameter: NF4 weights by logical shape, a PackedLinear's stored parts and any
-    integer parameter (gpt-oss's MXFP4 blocks and scales) as stored (AWQ/GPTQ/compressed-tensors/GGUF/MXFP4
-    bytes stream unchanged), the rest in `storage_dtype`."""
+    """One spec per parameter: NF4 weights by logical shape, a PackedLinear's parts and integer parameters
+    (MXFP4 blocks and scales) as stored, the rest in `storage_dtype`."""
     specs = []
     for name, p in layer.named_parameters():
         mod_name, _, attr = name.rpartition(".")
@@ -189,8 +175,7 @@ def load_weights(
     experts: str = "auto",
     expert_cache: int | None = None,
 ) -> LoadedWeights:
-    """The options are OffloadedCausalLM.from_pretrained's (its docstring); `memplan` fixes placement and
-    embeddings, else the budgets decide; `pool` counts every device byte (a fresh one if None)."""
+    """The options are OffloadedCausalLM.from_pretrained's (its docstring)."""
     path, config = index.path, index.hf_config
     layers = hf.model.layers
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
@@ -263,18 +248,7 @@ def load_weights(
         held = split.store
     else:
         disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
-    store = LayerStore(
-        device,
-        pool,
-        slots,
-        ram,
-        disk,
-        reader,
-        host_slots=host_slots,
-        staging_bytes=staging_bytes,
-        pins=pins,
-        ram_pinned=ram_pinned,
-    )
+    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots, staging_bytes, pins, ram_pinned)
     for states in qstates.values():
         for state in states.values():
             _own_quant_state(state, pool)
@@ -282,19 +256,9 @@ def load_weights(
     return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held, split)
 
 
-def _dense_auto(
-    index: Checkpoint,
-    plan: OffloadPlan,
-    layer_bytes: list[int],
-    compute_dtype: torch.dtype,
-    device: torch.device,
-    free_ram: int,
-    max_dev: int | None,
-) -> list[int]:
-    """Without a memory plan: the loaded resident layers, in order, whose packed linears are
-    dequantized once (quant/dense.py) while they fit what the budgets leave: on CPU
-    AUTO_RAM_FRACTION of free RAM after every planned layer byte; on CUDA the free memory less
-    CUDA_HEADROOM after the planned device bytes (and within --max-device-memory)."""
+def _dense_auto(index, plan: OffloadPlan, layer_bytes, compute_dtype, device, free_ram, max_dev) -> list[int]:
+    """Without a memory plan: the resident layers, in order, dequantized once while they fit what the budgets
+    leave (CPU: AUTO_RAM_FRACTION of free RAM; CUDA: free memory less CUDA_HEADROOM; within --max-device-memory)."""
     elem = torch.empty((), dtype=compute_dtype).element_size()
     sizes = [dense_bytes(index, i, elem) if layer_bytes[i] else 0 for i in range(len(layer_bytes))]
     planned = sum(layer_bytes[i] for i in plan.resident)
@@ -343,13 +307,9 @@ def _fill_resident(
     index, prefix, specs, layout, pool: DevicePool, device, component: str = "resident_layers"
 ) -> torch.Tensor:
     buf = pool.alloc(layout.nbytes, component)
-    if device.type == "cpu":
-        fill_packed(index, prefix, specs, layout, buf, device)
-    else:
-        host = aligned_empty(layout.nbytes)
-        fill_packed(index, prefix, specs, layout, host, device)
-        buf.copy_(host)
-    return buf
+    host = buf if device.type == "cpu" else aligned_empty(layout.nbytes)  # CUDA: filled on the host, copied once
+    fill_packed(index, prefix, specs, layout, host, device)
+    return buf if host is buf else buf.copy_(host)
 
 
 def _disk_layer(specs, layout, file_lay, device) -> DiskLayer:

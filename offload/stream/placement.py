@@ -1,13 +1,9 @@
 """Placement plan: which decoder layers stay on the device, which stream from RAM or disk.
 
-Contract: `plan_offload` is a pure function of per-layer byte sizes and budgets.
-- Layers are taken in order; a prefix whose bytes fit `max_device_memory` stays resident
-  (None = unlimited, so every layer is resident and tier is "none").
-- The remaining ("streamed") layers get host arenas while their cumulative bytes fit
-  `max_host_memory` (None = `free_ram`); the rest are read from disk on every pass.
-- Streamed layers need `slots` device staging buffers of the largest streamed layer; those
-  count in `device_bytes` on top of the resident layers.
-The returned `OffloadPlan` is what `OffloadedCausalLM.plan` exposes.
+Contract: `plan_offload` is a pure function of per-layer byte sizes and budgets: the prefix of layers
+that fits `max_device_memory` stays resident (None: every layer, tier "none"); the streamed rest get host
+arenas while they fit `max_host_memory` (None: `free_ram`), the others are read from disk every pass.
+`device_bytes` adds `slots` staging buffers of the largest streamed layer. `OffloadedCausalLM.plan` is it.
 """
 
 from __future__ import annotations

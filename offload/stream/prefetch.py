@@ -1,33 +1,19 @@
 """Layer prefetcher: a ring of staging slots that keeps the weight stream busy across passes.
 
-Contract (one protocol for every tier and device):
+Contract:
     pf = Prefetcher(order, store, device)   # store: storage.LayerStore (read, copy, slots, host_slots, is_free)
     for layer_id, buf in pf.pass_():     # streamed layers, in `order`
         compute(layer_id, buf)           # buf valid until the generator resumes
     pf.close()
-- Two stages, each a FIFO job queue on ONE background thread:
-    A "read":  store.read(layer, h) -> host tensor, into host staging slot h (disk read / cast; for a
-               RAM-tier layer the arena itself, run inline: `store.is_free(layer)`).
-    B "copy":  store.copy(layer, host, d) -> device tensor in device slot d (CUDA only). On CPU the host
-               staging slot IS the usable buffer and stage B does not exist.
-- Every streamed layer gets a global sequence number j (pass after pass, the order repeats), and
-  goes to host slot j % host_slots and device slot j % slots. Read A(j) may start once the slot's
-  previous user is done: on CPU once compute released j - host_slots, on CUDA once copy
-  B(j - host_slots) has finished (its event). Copy B(j) may start once compute released
-  j - slots. So disk reads run up to `host_slots` layers ahead, independent of device slots.
-- Submission never stops at a pass boundary: the slots compute frees at a pass's end are filled at
-  once with the NEXT pass's first layers, so the link works while the caller drafts.
-- Pass ids: each job is tagged with the pass that will consume it. At the start of a pass, any
-  job tagged with another pass (a pass abandoned halfway: an exception or Ctrl-C inside a layer)
-  is waited for and discarded, and the ring restarts empty; a stale job is never handed out.
-- CUDA: copies run on a side stream. B(j) first waits on the event compute recorded when it released
-  the device slot, issues the copy, records a ready event; compute waits on that event before using
-  the buffer. No `record_stream`: the device slots live until `close()`, which waits for copies still
-  in flight before the buffers can go. Host slots are reused after event.synchronize() on the copy
-  thread only. No device-wide synchronize.
-- Measurement: `link_busy_seconds(now)` is the cumulative time the link stage moved bytes (CPU:
-  the read thread inside read jobs; CUDA: copy-stream time between timing events, counted once
-  the events completed); `stall_seconds` the time compute blocked waiting for a layer.
+- Two stages, each on ONE background thread: A reads layer j into host slot j % host_slots (inline for a
+  RAM arena, `store.is_free`); B (CUDA only) copies it into device slot j % slots on a side stream.
+  A(j) waits for the slot's previous user (CPU: compute released j - host_slots; CUDA: copy
+  B(j - host_slots)); B(j) for compute to release j - slots. The ring runs past a pass's end: the next
+  pass's first layers load while the caller drafts. Jobs of an abandoned pass are discarded.
+- CUDA: ordered by events only (no `record_stream`, no device-wide synchronize); `close()` waits for
+  copies in flight.
+- `link_busy_seconds(now)`: cumulative link time (CPU: read jobs; CUDA: completed copy events);
+  `stall_seconds`: time compute waited for a layer.
 """
 
 from __future__ import annotations
@@ -38,12 +24,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-
-
-def _done(value) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
 
 
 class Prefetcher:
@@ -68,11 +48,8 @@ class Prefetcher:
         self._busy_done = 0.0  # completed link time (CPU: read jobs)
         self._busy_t0: float | None = None  # start of the read job now running (CPU)
         self._timed: list = []  # CUDA: (start, end) events of issued copies
-        workers = 1 if order else 0
-        self._pool_a = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-read") if workers else None
-        self._pool_b = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy") if workers and self.cuda else None
-        )
+        self._pool_a = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-read") if order else None
+        self._pool_b = ThreadPoolExecutor(1, thread_name_prefix="offload-copy") if order and self.cuda else None
 
     # ------------------------------------------------------------ jobs (background threads)
 
@@ -110,8 +87,9 @@ class Prefetcher:
 
     def _submit_a(self, seq: int) -> None:
         layer, h = self.order[(seq - self.start) % len(self.order)], seq % self.host_slots
-        if self.is_free is not None and self.is_free(layer):  # None: every read on the thread
-            fut = _done(self.read(layer, h))  # nothing to move: no thread hop
+        if self.is_free is not None and self.is_free(layer):  # nothing to move: no thread hop (None: never)
+            fut = Future()
+            fut.set_result(self.read(layer, h))
         else:
             fut = self._pool_a.submit(self._job_a, layer, h, self.host_owner.get(h) if self.cuda else None)
         self.jobs_a[seq] = (self._tag(seq), fut)
