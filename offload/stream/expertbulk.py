@@ -1,28 +1,15 @@
 """A layer's routed experts read whole, ahead of the layer, for passes that route to many of them.
 
 Contract (used by stream/expertstore.ExpertStore; priced by planning/expertcost.py):
-- `layer_spans(experts)` -> ({layer: LayerRead}, {(layer, e): [(bulk offset, span)]}): per layer the file spans
-  covering every routed expert's spans, merged where they touch or lie within MERGE_GAP of each other (gpt-oss's
-  six fused tensors: six reads; per-expert tensors stored back to back: one), laid back to back in a buffer of
-  `nbytes`; per expert where each of its own spans lands in that buffer (the span's bytes, IO_ALIGN-aligned both
-  in the file and in the buffer, as a read of the expert alone would land them).
-- `worth_whole(d, expert_reads, expert_bytes, whole_reads, whole_bytes, request_bytes)`: THE rule of when a
-  layer is read whole: its routed experts of a like-sized set, d of them each read in `expert_reads` requests,
-  cost at least the whole read, a request costing `request_bytes` (REQUEST_BYTES, 512 KiB, calibrated on
-  bench/moe_apart.py: a small O_DIRECT read inside a pass costs ~150 us of a 2-core CPU beside the compute, twice
-  the profile's idle 60 us, ~0.28 MB at the disk's 1.8 GB/s; doubled again because the whole read hides behind
-  the layer before while the routed experts' reads wait after the router; its gpt-oss then reads a layer whole
-  from 3 routed experts of 24 (the plan, pricing a request per fused tensor: 4), its Qwen3-MoE from 20,
-  gpt-oss-120b's 128 experts of 13 MB from about 100).
-- `whole_from(read, experts, i, request_bytes)`: the fewest routed experts for which layer i is read whole;
-  `param_offsets(d, landing)`: where an expert's parameters sit in its layer's whole read (a repack reads them
-  there, the reader thread copying nothing twice).
-- `WholeReads(reader, nbytes, alloc)`: two page-aligned buffers of the largest layer's `nbytes` (`alloc(nbytes)`
-  on first use; the store counts them as its pool's "expert_readahead"), one thread.
-  `submit(layer, read)` reads `read`'s spans into the buffer the layer last given out does not hold, on that
-  thread (only preadv: no torch op there, whose OpenMP team would spin beside the compute), and returns nothing;
-  `take(layer)` -> (future, buffer) | None: the read submitted for `layer`, handed out once (its buffer stays
-  the layer's until the next submit after the next take). `close()` stops the thread.
+- `layer_spans(experts)` -> ({layer: LayerRead}, {(layer, e): [(bulk offset, span)]}): per layer its experts'
+  spans merged within MERGE_GAP into one buffer; per expert where its spans land there (IO_ALIGN-aligned).
+- `worth_whole(d, expert_reads, expert_bytes, whole_reads, whole_bytes, request_bytes)`: THE rule: read whole
+  when d routed experts read apart cost at least that, a request costing REQUEST_BYTES (512 KiB: a small
+  O_DIRECT read inside a pass costs ~150 us of a 2-core CPU, ~0.28 MB at 1.8 GB/s, doubled because the whole
+  read hides behind the layer before). `whole_from`: the fewest such d; `param_offsets`: where an expert's
+  parameters sit in the whole read.
+- `WholeReads(reader, nbytes, alloc)`: two buffers ("expert_readahead"), one thread (preadv only).
+  `submit(layer, read)` fills the buffer not handed out last; `take(layer)` -> (future, buffer) | None, once.
 """
 
 from __future__ import annotations
@@ -46,7 +33,6 @@ class LayerRead:
 
 
 def layer_spans(experts: dict[tuple[int, int], DiskLayer]) -> tuple[dict[int, LayerRead], dict]:
-    """Per layer its experts' merged spans, and per expert where its spans land (see the contract)."""
     by_layer: dict[int, list[Span]] = {}
     for (i, _), d in experts.items():
         by_layer.setdefault(i, []).extend(d.spans)
@@ -78,13 +64,12 @@ def _landing(merged: list[Span], s: Span) -> int:
 def worth_whole(
     d: float, expert_reads: int, expert_bytes: int, whole_reads: int, whole_bytes: int, request_bytes: int
 ) -> bool:
-    """A layer's experts read whole rather than d of them one by one (see the contract)."""
     return d * (expert_reads * request_bytes + expert_bytes) >= whole_reads * request_bytes + whole_bytes
 
 
 def whole_from(read: LayerRead, experts: dict[tuple[int, int], DiskLayer], i: int, request_bytes: int) -> int:
-    """The fewest routed experts of layer i for which it is worth reading whole (`worth_whole`, its experts'
-    largest request count and mean bytes against `read`'s); more than it holds: never."""
+    """The fewest routed experts of layer i worth its whole read (its experts' most requests and mean bytes
+    against `read`'s); more than it holds: never."""
     mine = [d for (li, _), d in experts.items() if li == i]
     reads = max(len(d.spans) for d in mine)
     nbytes = sum(s.needed for d in mine for s in d.spans) // len(mine)
@@ -95,8 +80,7 @@ def whole_from(read: LayerRead, experts: dict[tuple[int, int], DiskLayer], i: in
 
 
 def param_offsets(d: DiskLayer, landing: list[tuple[int, Span]]) -> dict[str, int]:
-    """Where each of expert `d`'s parameters (its file layout) sits in its layer's whole read (`landing`: its
-    spans' places, `layer_spans`)."""
+    """Where each of expert `d`'s parameters sits in its layer's whole read (`landing`: from `layer_spans`)."""
     out = {}
     for name, sl in d.raw.slices.items():
         off, span = next((o, s) for o, s in landing if s.buf_offset <= sl.offset < s.buf_offset + s.length)
@@ -114,7 +98,6 @@ class WholeReads:
         self._thread: ThreadPoolExecutor | None = None
 
     def submit(self, layer: int, read: LayerRead) -> None:
-        """Read `read` (layer's merged spans) into the buffer not handed out last (see the contract)."""
         if not self.bufs:
             self.bufs = [self.alloc(self.nbytes), self.alloc(self.nbytes)]
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="specx-experts-whole")

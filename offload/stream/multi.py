@@ -1,19 +1,11 @@
 """The one pass of an OffloadedCausalLM, for one sequence or several: `forward` and `forward_many` both run it.
 
-Contract: `run_pass(model, lanes)` is the only pass implementation: each `Lane` is one sequence's
-inputs and it returns each lane's (B, T or keep, V) logits. `OffloadedCausalLM.forward` is `run_pass`
-of ONE lane; `forward_many(model, jobs)` is `run_pass` of one lane per `ForwardJob` (its own ids,
-positions, 4-D additive mask or None for plain causal, and its OWN KV cache) and returns one logits
-tensor per job, in order: (T, V), or (1, V) with `last_only`. The decoder layers are iterated once:
-when layer i's weights are bound (resident or streamed), every lane goes through it against its own
-cache, so the stream is paid once for all lanes (`model.stats.passes` grows by one per call). Each lane
-runs exactly the modules, shapes and inputs it would alone, so its logits equal its pass alone bit for
-bit, and no tensor is shared between lanes. The lanes the one-call stack serves (cpu/leanstack.py) run
-through it instead: with every layer resident, the one-token lanes all in ONE call (each row computed
-as that lane alone computes it), a longer lane in a call of its own; with streamed layers only a pass
-of one lane takes it (several lanes take HF's layers: equal to the stack up to fp32 rounding order).
-Any other model (resident HF) runs `forward_many`'s jobs one after the other through its own forward.
-Inputs are already on the model's devices (ids on `model.input_device` when it has one).
+Contract: `run_pass(model, lanes)` returns each `Lane`'s (B, T or keep, V) logits. `forward_many(model, jobs)`
+runs one lane per `ForwardJob` (ids, positions, 4-D additive mask or None, its OWN cache) and returns (T, V),
+or (1, V) with `last_only`, per job. Layers are iterated once, every lane through each while it is bound, so
+the stream is paid once (`stats.passes` + 1); each lane's logits equal its pass alone bit for bit. The
+one-call stack (cpu/leanstack.py) takes what it serves: resident, one-token lanes in ONE call, longer ones
+alone; streamed, a pass of one lane. A model without a layer stream runs the jobs one by one.
 """
 
 from __future__ import annotations
@@ -56,7 +48,6 @@ class Lane:
 
 
 def forward_many(model, jobs: list[ForwardJob]) -> list[torch.Tensor]:
-    """Every job's logits after one pass (module docstring)."""
     if not jobs:
         return []
     if not hasattr(model, "_layer_stream"):
@@ -80,7 +71,6 @@ def _plain(model, job: ForwardJob) -> torch.Tensor:
 
 
 def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
-    """Every lane's (B, T or keep, V) logits after ONE pass over the decoder layers (module docstring)."""
     model.stats.streamed_bytes_per_pass = 0
     stall0 = model.prefetcher.stall_seconds
     # a CPU pass's small torch ops up to the stack's call on one thread (ggml_kernel's contract)
@@ -106,7 +96,6 @@ def run_pass(model, lanes: list[Lane]) -> list[torch.Tensor]:
 
 
 def _finish(model, lanes: list[Lane], groups: list, stall0: float) -> list[torch.Tensor]:
-    """run_pass's end: every lane's logits, the pass's masks released and its statistics."""
     out = _heads(model, lanes, groups)
     release_masks()  # the masks attention prepared for this pass (arch/attention.py) die with it
     _account(model, stall0)
@@ -114,8 +103,7 @@ def _finish(model, lanes: list[Lane], groups: list, stall0: float) -> list[torch
 
 
 def _embed(model, lane: Lane) -> None:
-    """The lane's hidden states (its ids embedded unless embeddings were given), positions (past + arange(T)
-    when none were given, past being the cache's length) and their rotary embeddings."""
+    """The lane's hidden states, positions (default: past + arange(T)) and their rotary embeddings."""
     if lane.h is None:
         lane.h = model.embed_tokens(lane.ids)
     pos = lane.given
@@ -126,8 +114,8 @@ def _embed(model, lane: Lane) -> None:
 
 
 def _on_stack(model, lanes: list[Lane]) -> list[Lane]:
-    """The lanes the one-call stack runs: those it serves that pass no extra layer arguments and keep
-    their K/V; a stack with streamed layers runs a pass of one lane only (LeanStack.stream)."""
+    """The lanes the one-call stack runs: those it serves that pass no extra layer arguments and keep their K/V
+    (with streamed layers, a pass of one lane only)."""
     stack = model.lean
     if stack is None or (stack.streamed and len(lanes) > 1):
         return []
@@ -135,16 +123,14 @@ def _on_stack(model, lanes: list[Lane]) -> list[Lane]:
 
 
 def _calls(stacked: list[Lane]) -> list[list[Lane]]:
-    """The resident stack's calls: every one-token lane together (computed row by row as alone, so each
-    stays bit-identical to its pass alone), each longer lane in a call of its own (a tree or a prefill
-    tail alone takes the faster several-row schedule)."""
+    """The resident stack's calls: every one-token lane together (row by row, each as alone), each longer lane
+    alone (a tree or a prefill tail takes the faster several-row schedule)."""
     ones = [x for x in stacked if x.h.shape[1] == 1]
     return ([ones] if ones else []) + [[x] for x in stacked if x.h.shape[1] != 1]
 
 
 def _layers(model, lanes: list[Lane]) -> None:
-    """Each decoder layer once, in order (streamed ones from the prefetcher): every lane through it as
-    HF runs it."""
+    """Each decoder layer once, in order, every lane through it as HF runs it."""
     masks = [_masks(model, x) for x in lanes]  # per lane: layer type -> the mask its layers take
     cache_kw = [cache_kwargs(type(model.layers[0]), x.cache) for x in lanes]
     types = model.family.layer_types
@@ -163,7 +149,6 @@ def _layers(model, lanes: list[Lane]) -> None:
 
 
 def _masks(model, lane: Lane) -> dict[str, torch.Tensor | None]:
-    """Layer type -> the mask HF's layers of that type take for `lane`."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     # only a caller's positions go to HF's mask builders: with neither cache nor mask they look
@@ -187,8 +172,8 @@ def _masks(model, lane: Lane) -> dict[str, torch.Tensor | None]:
 
 
 def _heads(model, lanes: list[Lane], groups: list[list[Lane]]) -> list[torch.Tensor]:
-    """Every lane's (B, T or keep, V) logits: final norm, the last `keep` rows, head, final softcap. The
-    stack's lanes go through its head call by call (a group's rows each as alone: `rowwise`)."""
+    """Every lane's logits: final norm, the last `keep` rows, head, final softcap (a stack group's rows each as
+    alone: `rowwise`)."""
     on_stack = {id(x) for group in groups for x in group}
     out = {id(x): _softcap(model, model.lm_head(_final(model, x))) for x in lanes if id(x) not in on_stack}
     for group in groups:
@@ -200,7 +185,6 @@ def _heads(model, lanes: list[Lane], groups: list[list[Lane]]) -> list[torch.Ten
 
 
 def _final(model, lane: Lane) -> torch.Tensor:
-    """The final norm of a lane's hidden states, its last `keep` rows only when keep > 0."""
     h = model.norm(lane.h)
     return h[:, -lane.keep :] if lane.keep else h
 
@@ -210,7 +194,6 @@ def _softcap(model, head: torch.Tensor) -> torch.Tensor:
 
 
 def _account(model, stall0: float) -> None:
-    """The pass's statistics: one more pass, its streamed bytes, the stall and link clocks."""
     s, pf = model.stats, model.prefetcher
     s.passes += 1
     s.streamed_bytes += s.streamed_bytes_per_pass

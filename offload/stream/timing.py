@@ -1,8 +1,7 @@
 """Wall time of one call on a device.
 
-Contract: `device_seconds(fn, device)` runs `fn()` once and returns its duration in seconds: on
-CUDA between two events recorded around it on the current stream (after a synchronize, so earlier
-work is not counted), elsewhere by perf_counter.
+Contract: `device_seconds(fn, device)` runs `fn()` once and returns its seconds: on CUDA between two events
+on the current stream (after a synchronize: earlier work is not counted), elsewhere by perf_counter.
 """
 
 from __future__ import annotations
