@@ -104,8 +104,7 @@ def _prepared(mask: torch.Tensor, dtype: torch.dtype, groups: int) -> torch.Tens
 
 
 def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
-    """SDPA pinned to `backend` (None: torch's own choice, on devices other than CPU and CUDA); where the
-    pinned kernel cannot take these inputs, torch's own choice (which may be the math kernel)."""
+    """SDPA pinned to `backend`, or torch's own choice where it is None or cannot take these inputs."""
     from contextlib import nullcontext
 
     from torch.nn.attention import sdpa_kernel
@@ -122,8 +121,7 @@ def _sdpa(q, k, v, mask, dropout, scaling, backend, enable_gqa=False):
 
 
 def without_gqa(query, key, value, mask, groups, dropout, scaling, strategy, backend):
-    """ "fold" or "groups" (module docstring) for a kernel that takes masks but not GQA (CUDA's
-    memory-efficient one, `backend`; tests run it on CPU with backend None)."""
+    """ "fold" or "groups" (module docstring) for a `backend` that takes masks but not GQA."""
     b, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     if strategy == "fold":

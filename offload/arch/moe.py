@@ -63,8 +63,8 @@ class ExpertList(nn.ModuleList):
         return out
 
     def routed(self, es: list[int]):
-        """Experts `es` in order, weights in place: the children, else the source's `stream(es)` where it has
-        one (it reads the next expert while the caller computes this one), else source(e) one at a time."""
+        """Experts `es` in order, weights in place: the children, else the source's `stream(es)` (reading
+        ahead) where it has one, else source(e) one at a time."""
         if self.source is None:
             return (self[e] for e in es)
         if hasattr(self.source, "stream"):

@@ -59,9 +59,8 @@ def _opened(target, source):
 
 
 def sixteen_bit_source(target) -> Path | None:
-    """The 16-bit checkpoint behind `target`: its source, or the one its nf4 cache was built from
-    (None for a pre-quantized bitsandbytes checkpoint); a packed int4 target's own checkpoint,
-    whose weights are dequantized for the substitutes."""
+    """The 16-bit checkpoint behind `target`: its source (a packed int4 one's is dequantized), or the one its
+    nf4 cache was built from (None for a pre-quantized bitsandbytes checkpoint)."""
     from offload.quant.quant_cache import manifest_source
 
     source = Path(target.source)
@@ -129,9 +128,8 @@ def build_self_draft(
 
 
 def skeleton(target, source=None, layers=(), dtype=None, **options):
-    """An OffloadedCausalLM of the target's architecture (`source`: the target's checkpoint) whose globals
-    are the target's and whose decoder layers in `layers` are loaded from `source` at `dtype` (the target's
-    if None), resident; every other layer is a meta module until the caller binds one."""
+    """An OffloadedCausalLM with the target's globals whose `layers` are loaded resident from `source` (the
+    target's checkpoint) at `dtype` (the target's if None); every other layer a meta module until bound."""
     from offload.stream.devmem import DevicePool
     from offload.stream.model import OffloadedCausalLM
 
