@@ -68,12 +68,8 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         if model_id != model_name and model_id not in aliases:  # the path, --target as given
-            raise APIError(
-                404,
-                f"model {model_id!r} not found; this server has {model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            message = f"model {model_id!r} not found; this server has {model_name!r}"
+            raise APIError(404, message, param="model", code="model_not_found")
         return model_card(model_name, started)
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -115,14 +115,12 @@ class HostCheck:
             given = dict(scope["headers"]).get(b"host")
             name = host_name(given.decode("latin-1")) if given is not None else None
             if name is not None and not (is_loopback_name(name) or name == self.bound):
-                body = error_body(
+                message = (
                     f"Host {given.decode('latin-1')!r} is not an address of this server: it listens "
                     "on loopback only (DNS-rebinding protection); use http://127.0.0.1:<port>/, or "
-                    "start it with --api-key",
-                    "permission_error",
-                    code="host_not_allowed",
+                    "start it with --api-key"
                 )
-                return await send_error(send, 403, body)
+                return await send_error(send, 403, error_body(message, "permission_error", code="host_not_allowed"))
         await self.app(scope, receive, send)
 
 
@@ -143,9 +141,8 @@ class BearerAuth:
             scheme, _, token = given.partition(b" ")
             ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
             if not ok:
-                body = error_body(
-                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
+                message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+                body = error_body(message, code="invalid_api_key")
                 return await send_error(send, 401, body, {"WWW-Authenticate": "Bearer"})
         await self.app(scope, receive, send)
 

@@ -31,15 +31,8 @@ TASKS = (  # (words the task's first line starts with, lowercased; the task's na
     ("you are an autocompletion system", "autocomplete"),
     ("generate a detailed prompt", "image_prompt"),
 )
-TASK_CAPS = {
-    "title": 64,
-    "tags": 96,
-    "follow_ups": 160,
-    "queries": 128,
-    "autocomplete": 64,
-    "image_prompt": 256,
-    "task": 256,
-}  # "task": a "### Task:" prompt of no known kind
+# "task": a "### Task:" prompt of no known kind
+TASK_CAPS = dict(title=64, tags=96, follow_ups=160, queries=128, autocomplete=64, image_prompt=256, task=256)
 
 # The guard's rule: the reply's tail is one span of p tokens (1 <= p <= MAX_PERIOD) repeated, at
 # least MIN_REPEATS copies in a row and at least MIN_RUN tokens in all (so a short span must repeat

@@ -200,12 +200,8 @@ def unsupported(req: Sampling) -> None:
         checks += [("echo", _set(req.echo)), ("suffix", _set(req.suffix))]
     for name, given in checks:
         if given:
-            raise APIError(
-                400,
-                f"{name} is not supported by specx; remove it from the request",
-                param=name,
-                code="unsupported_parameter",
-            )
+            message = f"{name} is not supported by specx; remove it from the request"
+            raise APIError(400, message, param=name, code="unsupported_parameter")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOPS:
         raise APIError(400, f"stop takes at most {MAX_STOPS} strings (got {len(stops)})", param="stop")
@@ -228,25 +224,18 @@ def check_messages(messages: list[Message]) -> None:
     content parts other than text, each with the param that names it (tool calls: structured.py)."""
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
-            raise APIError(
-                400,
-                f"messages.{i}.content is missing: a {m.role} message needs content (a string or text parts)",
-                param=f"messages.{i}.content",
-                code="missing_required_parameter",
-            )
+            message = f"messages.{i}.content is missing: a {m.role} message needs content (a string or text parts)"
+            raise APIError(400, message, param=f"messages.{i}.content", code="missing_required_parameter")
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             param = f"messages.{i}.content.{j}"
             if part.type == "text" and part.text is None:
                 raise APIError(400, f'{param}: a text part needs a "text" string', param=param)
             if part.type != "text":
                 kind = TEXT_ONLY.get(part.type, f"{part.type!r}")
-                raise APIError(
-                    400,
-                    f"{param}: this model takes text only; {kind} parts are not supported (send "
-                    "text parts or a string)",
-                    param=param,
-                    code="unsupported_content",
+                message = (
+                    f"{param}: this model takes text only; {kind} parts are not supported (send text parts or a string)"
                 )
+                raise APIError(400, message, param=param, code="unsupported_content")
 
 
 @dataclass

@@ -50,8 +50,7 @@ def _gguf_name(path: Path) -> str:
 
 
 def model_id(target: str, resolved: Path | None = None) -> str:
-    """The served model's id (see the module contract). `resolved`: the path --target resolved to
-    (None: `target` itself when it is a path)."""
+    """The served model's id (module contract); `resolved`: the path --target resolved to, if any."""
     from specexec_cli.session.names import DEMO_DIR
 
     path = Path(target).expanduser()

@@ -265,9 +265,8 @@ class Scheduler:
         return [i]
 
     def _fit(self, full: list[int], k: int) -> tuple[int, float]:
-        """Slot k's worth for `full`: rows it reuses minus committed rows it would discard (so a
-        one-shot request sharing only a system prompt takes an empty slot, not a conversation's),
-        then least recently used first."""
+        """Slot k's worth for `full`: rows it reuses minus committed rows it would discard, then least
+        recently used first."""
         ids = self.slots[k].state.ids
         reuse = common_prefix(full, ids)
         return reuse - (len(ids) - reuse), -self.slots[k].used

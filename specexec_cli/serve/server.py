@@ -159,11 +159,8 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
     failure: list[str] = []
 
     def failed(exc: BaseException) -> None:
-        failure.append(
-            str(exc)
-            if isinstance(exc, (SpecxError, ValueError))
-            else f"internal error while loading: {exc.__class__.__name__}: {exc}"
-        )
+        known = isinstance(exc, (SpecxError, ValueError))
+        failure.append(str(exc) if known else f"internal error while loading: {exc.__class__.__name__}: {exc}")
         server.should_exit = True
 
     def ready_notice() -> None:

@@ -69,8 +69,7 @@ def choose(slots: list[Slot], free: list[int], full: list[int], cache) -> tuple[
 
 
 def donor(slots: list[Slot], i: int, full: list[int]) -> tuple[int, int]:
-    """(index, rows) of the sequence to copy `full`'s prefix from into slot i, or (-1, 0): none holds
-    MIN_ROWS more of it than slot i does."""
+    """(index, rows) of the sequence to copy `full`'s prefix from into slot i, or (-1, 0) (module docstring)."""
     own = reusable(full, slots[i].state)
     best, rows = -1, own + MIN_ROWS - 1
     for j, slot in enumerate(slots):
@@ -80,8 +79,7 @@ def donor(slots: list[Slot], i: int, full: list[int]) -> tuple[int, int]:
 
 
 def waits(slots: list[Slot], loss: int, background: bool) -> bool:
-    """A background request whose best free slot would lose a conversation's rows waits while
-    another background request decodes (it frees a sequence within its task cap)."""
+    """Whether a background request that would lose `loss` rows waits (module docstring)."""
     return (
         background
         and loss > 0

@@ -35,12 +35,9 @@ def apply(req, work: Work) -> None:
         work.response_format = {"type": "json_object"}
         return
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(
-            400,
-            "response_format.json_schema.schema is missing: type json_schema needs the JSON Schema "
-            "the reply must follow",
-            param="response_format.json_schema.schema",
-        )
+        param = "response_format.json_schema.schema"
+        message = f"{param} is missing: type json_schema needs the JSON Schema the reply must follow"
+        raise APIError(400, message, param=param)
     work.response_format = {"type": "json_schema", "schema": fmt.json_schema.schema_}
 
 
@@ -49,17 +46,12 @@ def _tools(req: ChatRequest, work: Work) -> None:
     for i, tool in enumerate(req.tools or []):
         fn = tool.function
         if fn.name in names:
-            raise APIError(
-                400, f"tools.{i}.function.name: {fn.name!r} is declared twice", param=f"tools.{i}.function.name"
-            )
+            param = f"tools.{i}.function.name"
+            raise APIError(400, f"{param}: {fn.name!r} is declared twice", param=param)
         params = fn.parameters
         if params is not None and params.get("type", "object") != "object":
-            raise APIError(
-                400,
-                f'tools.{i}.function.parameters must be the JSON Schema of an object (its "type" '
-                f"is {params.get('type')!r})",
-                param=f"tools.{i}.function.parameters",
-            )
+            param, kind = f"tools.{i}.function.parameters", params.get("type")
+            raise APIError(400, f'{param} must be the JSON Schema of an object (its "type" is {kind!r})', param=param)
         names.append(fn.name)
     work.tools = [tool.model_dump(exclude_none=True) for tool in req.tools or []]
     work.parallel_tool_calls = req.parallel_tool_calls is not False
@@ -68,16 +60,12 @@ def _tools(req: ChatRequest, work: Work) -> None:
         name = choice.function.name
         if name not in names:
             have = ", ".join(names) if names else "none"
-            raise APIError(
-                400,
-                f"tool_choice names the function {name!r}, which is not in tools (tools has: {have})",
-                param="tool_choice",
-            )
+            message = f"tool_choice names the function {name!r}, which is not in tools (tools has: {have})"
+            raise APIError(400, message, param="tool_choice")
         work.tool_choice, work.tool_name = "function", name
     elif choice == "required" and not names:
-        raise APIError(
-            400, 'tool_choice "required" needs tools: send the functions the reply may call', param="tool_choice"
-        )
+        message = 'tool_choice "required" needs tools: send the functions the reply may call'
+        raise APIError(400, message, param="tool_choice")
     else:
         work.tool_choice = choice
 
@@ -103,18 +91,11 @@ def template_messages(messages) -> list[dict]:
         if m.role == "tool":
             param = f"messages.{i}.tool_call_id"
             if m.tool_call_id is None:
-                raise APIError(
-                    400,
-                    f"{param} is missing: a tool message answers one tool call by its id",
-                    param=param,
-                    code="missing_required_parameter",
-                )
+                message = f"{param} is missing: a tool message answers one tool call by its id"
+                raise APIError(400, message, param=param, code="missing_required_parameter")
             if m.tool_call_id not in calls:
-                raise APIError(
-                    400,
-                    f"{param}: no earlier assistant message has a tool call with id {m.tool_call_id!r}",
-                    param=param,
-                )
+                message = f"{param}: no earlier assistant message has a tool call with id {m.tool_call_id!r}"
+                raise APIError(400, message, param=param)
             msg["tool_call_id"], msg["name"] = m.tool_call_id, calls[m.tool_call_id]
         out.append(msg)
     return out
@@ -142,13 +123,11 @@ def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
     if tools and not (templated and toolcalls.renders_tools(tok)):
         if forcing:
             why = "has no chat template" if not templated else "has a chat template that does not render tools"
-            raise APIError(
-                400,
+            message = (
                 f"tool_choice {work.tool_name or work.tool_choice!r} cannot be honoured: this model "
-                f'{why}; send tool_choice "auto" or "none" (the reply is then text)',
-                param="tool_choice",
-                code="tools_unsupported",
+                f'{why}; send tool_choice "auto" or "none" (the reply is then text)'
             )
+            raise APIError(400, message, param="tool_choice", code="tools_unsupported")
         tools = []
     names = [t["function"]["name"] for t in tools]
     if tools and forcing:
@@ -204,17 +183,10 @@ def to_work(req: Sampling) -> Work:
     else:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if any(not isinstance(p, str) for p in prompts):
-            raise APIError(
-                400,
-                "prompt: token-id prompts are not supported; send the prompt as a string",
-                param="prompt",
-                code="unsupported_content",
-            )
+            message = "prompt: token-id prompts are not supported; send the prompt as a string"
+            raise APIError(400, message, param="prompt", code="unsupported_content")
         if len(prompts) != 1:
-            raise APIError(
-                400,
-                f"prompt must be one string (got a list of {len(prompts)}): one completion per request",
-                param="prompt",
-            )
+            message = f"prompt must be one string (got a list of {len(prompts)}): one completion per request"
+            raise APIError(400, message, param="prompt")
         work.prompt, work.max_tokens = prompts[0], req.max_tokens  # -1: no limit (limits.reply_limit)
     return work

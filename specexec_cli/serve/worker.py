@@ -152,9 +152,8 @@ class Worker:
         return self.session.cfg.method if getattr(self.session.models, "draft", None) is not None else "ar"
 
     def _jobs(self) -> None:
-        """One job thread: streamed requests first, then in order, until the shutdown sentinel
-        (passed on to the other threads). A background job is announced to the scheduler as it is
-        taken (one taker at a time), so jobs prepared on other threads cannot overtake it there."""
+        """One job thread, until the shutdown sentinel (passed on). A non-streamed job is announced to
+        the scheduler as it is taken (one taker at a time): jobs prepared on other threads cannot overtake it."""
         while True:
             with self.taking:
                 _, job = self.jobs.get()
@@ -240,8 +239,7 @@ class Worker:
         return ids, plan
 
     def _check_method(self, work: Work, plan) -> None:
-        """A grammar or logprobs on a method that cannot give them: a 400 naming the fix, before any
-        reply starts (the engine would refuse it mid-stream). Without a draft every method runs ar."""
+        """A grammar or logprobs on a method that cannot give them: a 400 naming the fix, before the reply."""
         from specexec_cli.core.forest import FOREST_METHODS
 
         method = self._method()
