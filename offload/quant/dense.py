@@ -26,8 +26,7 @@ def dense_linears(layer: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def dense_bytes(ckpt, i: int, elem: int) -> int:
-    """Bytes of layer i's packed linears dequantized to `elem`-byte weights (ckpt: formats.Checkpoint;
-    anything without `packed`, e.g. a 16-bit model directory's headers, has none)."""
+    """Bytes of layer i's packed linears dequantized to `elem`-byte weights (none without `ckpt.packed`)."""
     packed = getattr(ckpt, "packed", None) or {}
     prefix = f"model.layers.{i}."
     return sum(math.prod(ckpt.logical_shape(n)) * elem for n in packed if n.startswith(prefix))

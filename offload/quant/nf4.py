@@ -150,8 +150,7 @@ def cpu_relayout(packed: torch.Tensor, shape: tuple[int, int], block_n: int = 32
 
 
 def cpu_layout_fits(state) -> bool:
-    """The CPU layout needs out_features % 32 == 0 and whole absmax blocks per row (Linear4bit
-    itself fails otherwise); other shapes keep the standard dequantize + matmul path."""
+    """out_features % 32 == 0 and whole absmax blocks per row: what the CPU layout needs (Linear4bit too)."""
     n, k = state.shape
     return n % 32 == 0 and k % state.blocksize == 0
 

@@ -127,8 +127,7 @@ def ensure_nf4_cache(src: Path, progress: Progress | None = None, packing: str =
 
 
 def _unusable(out: Path, key: str) -> str:
-    """Why the cache at `out` cannot be used ("" when it can): incomplete, stale, or a shard whose
-    safetensors header does not parse (a corrupt file of the recorded size)."""
+    """Why the cache at `out` cannot be used ("" when it can): incomplete, stale, or a corrupt shard header."""
     if not is_complete(out, key):
         return "incomplete or stale"
     from offload.formats.st_index import SafetensorsIndex
