@@ -1,10 +1,8 @@
 """What the serve worker hands back to a request: the `Job` the HTTP layer submits and the reports it awaits.
 
-Contract: a `Job` carries one validated request (`models.Work`) and an asyncio queue on the server's
-event loop; the worker's threads `emit` to it, in order, `Started` (or `Failed`), `Delta`s of text,
-then `Done`, through `loop.call_soon_threadsafe`, so the event loop never waits on the model.
-`job.cancel()` (a client that went away) sets `cancelled` and calls the worker's `on_cancel` hook.
-`spans(mask)` run-length encodes which model each character of a delta came from.
+Contract: the worker's threads `emit` to a `Job`'s asyncio queue, in order, `Started` (or `Failed`),
+text `Delta`s, then `Done`, through `loop.call_soon_threadsafe`, so the event loop never waits on the
+model. `job.cancel()` (the client went away) sets `cancelled` and calls the worker's `on_cancel` hook.
 """
 
 from __future__ import annotations
