@@ -1,32 +1,18 @@
 """Grow a SpecExec token tree with the draft model, on the draft's device.
 
 Contract: `grow_tree` takes the draft's cache (holding `n_cached` committed tokens) and the committed
-tokens the draft has not yet run (`pending`, last one = the tree root), and returns a `Tree` of
-candidate continuations ranked by their score. Each draft forward computes only new tokens: the
-pending run first, then at most `max_beams` nodes per step, with a tree mask over the cached
-prefix and the already-run tree nodes (arXiv 2406.02532, "SpecExec").
-After the call the draft cache holds: prefix + pending + every node with `slot >= 0`, in slot order.
+tokens it has not run (`pending`, the last one = the root) and returns a `Tree` of candidates ranked by
+score (arXiv 2406.02532, "SpecExec"): the pending run, then at most `max_beams` nodes per forward
+(`draftstep.run`). Afterwards the draft cache holds prefix + pending + every node with `slot >= 0`, in
+slot order. Per forward: one upload and one (B, 2k [+1]) download of scores and ids, whatever the vocabulary.
 
-Where the work happens: log-softmax and top-k run where the logits are; per draft forward exactly
-one upload (ids, positions, the mask's (B, depth) ancestor table and the n-gram proposals) and one
-(B, 2k [+1]) download of scores and token ids (`transfers.to_host`), so the bytes per forward do
-not depend on the vocabulary. The tree itself is a few small host tensors. Every draft forward is
-`draftstep.run`.
-
-Scores: without a `Scoring`, a node's score is its cumulative draft log-probability (plain
-SpecExec). With one, it is the cumulative log of the *calibrated* acceptance probability
-(`calibrate.Calibration`), and prompt-lookup proposals (`ngram.NgramIndex`) enter the tree as extra
-children and as chains beyond them, competing with the draft's children for the same budget.
-At T > 0 with calibrated scores the children are the draft's top-k under the target's coupled-draw
-noise (sampling.PositionNoise at the child's position), and a child's feature is its perturbed
-score's gap to the best other child (calibrate.coupled_feature): the top child is the target's
-own draw whenever the draft's distribution is close to the target's. The noise rows are computed on
-the draft's device (the hash of sampling.py) and picked by the staged positions: no row crosses.
-
-With a grammar (`grow_tree(..., grammar=constrain.GrammarRun)`), the expanded nodes' mask rows are
-computed before their forward and ride in its upload; the draft's logits are masked with them and
-children the grammar forbids are never added (whatever their calibrated score), and n-gram chains
-stop at their first refused token: every node of the tree is a grammar-valid continuation.
+Scores: without a `Scoring`, a node's cumulative draft log-probability (plain SpecExec); with one,
+the cumulative log of its calibrated acceptance probability (`calibrate.Calibration`), and
+prompt-lookup proposals (`ngram.NgramIndex`) enter as extra children and chains beyond them. At T > 0
+the children are the draft's top-k under the target's coupled-draw noise (computed on the draft's
+device), featured by their perturbed score's gap to the best other child (calibrate.coupled_feature).
+With a grammar (constrain.GrammarRun) the draft's logits are masked by the expanded nodes' rows, which
+ride in the forward's upload: every node of the tree is a grammar-valid continuation.
 """
 
 from __future__ import annotations
@@ -40,7 +26,7 @@ from specexec_cli.core import constrain, draftstep
 from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs, one_thread
-from specexec_cli.core.transfers import to_host, upload
+from specexec_cli.core.transfers import to_host
 from specexec_cli.core.tree import Tree, ancestors, top_budget
 
 
@@ -97,8 +83,7 @@ class Staged:
 
 
 def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor):
-    """Run the pending tokens causally → (the draft's (V,) logits at the root, on its device; the
-    root's position on the device; `extra` host tensors staged in the same upload)."""
+    """The pending tokens, causally -> ((V,) logits at the root, its position, `extra` staged), on the device."""
     tokens = torch.tensor(ctx.pending, dtype=torch.long)
     positions = torch.arange(ctx.root_pos - len(ctx.pending) + 1, ctx.root_pos + 1)
     logits, positions, extra = draftstep.run(draft, cache, tokens, positions, ctx.n_cached, None, *extra, causal=True)
@@ -106,9 +91,7 @@ def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor):
 
 
 def proposals(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring) -> tuple[list, torch.Tensor | None]:
-    """Per node of `nodes`: its n-gram proposal, and the (B,) first proposed tokens (-1 = none);
-    ([], None) when n-gram branches are off. Host work, done before the forward so the first
-    tokens ride in its upload."""
+    """Per node: its n-gram proposal, and the (B,) first proposed tokens (-1 = none); ([], None) when off."""
     if scoring is None or scoring.ngram is None:
         return [], None
     props = [proposal(tree, int(n), shape, scoring) for n in nodes.tolist()]
@@ -118,39 +101,32 @@ def proposals(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring) -> tup
 def top_children(
     logits: torch.Tensor, k: int, params: SamplingParams, extra: torch.Tensor | None, noise=None, gaps: bool = False
 ):
-    """(B, V) device logits → host (B, k) draft log-probs and ids, and (B,) log-probs of `extra` ids.
+    """(B, V) device logits -> host (B, k) draft log-probs and ids, and (B,) log-probs of `extra` ids.
 
-    With `noise` ((B, V) coupled-draw noise rows) the ranking is by perturbed score s = log q - log E.
-    With `gaps` (or `noise`) the values are gaps instead: the top child's s minus the runner-up's
-    (>= 0), every other child's (and `extra`'s) s minus the top child's (<= 0); without noise, s = log q.
-    One counted copy: ids travel as float32 next to the scores (exact below 2^24 > any vocabulary).
+    With `noise` ((B, V) coupled-draw rows) the ranking is by s = log q - log E. With `gaps` (or
+    `noise`) the values are gaps: the top child's s minus the runner-up's (>= 0), every other child's
+    (and `extra`'s) s minus the top's (<= 0). One copy: ids ride as float32 (exact below 2^24).
     """
     with one_thread(logits.device):
-        return _top_children(logits, k, params, extra, noise, gaps)
-
-
-def _top_children(logits, k, params, extra, noise, gaps):
-    """top_children's work (same arguments)."""
-    logp = draft_logprobs(logits, params)  # (B, V), stays on the device
-    if noise is not None:  # the draft's race: the target's noise on the draft's (untruncated) log-probs
-        logp = coupled_logprobs(logp, noise)
-    gaps = gaps or noise is not None
-    top = torch.topk(logp, min(k + 1, logp.shape[-1]) if gaps else k, dim=-1)
-    values, ids = top.values[:, :k], top.indices[:, :k]
-    if gaps:
-        runner_up = top.values[:, 1:2] if top.values.shape[1] > 1 else torch.full_like(values[:, :1], float("-inf"))
-        values = torch.cat([values[:, :1] - runner_up, values[:, 1:] - values[:, :1]], dim=1)
-    cols = [values, ids.to(values.dtype)]
-    if extra is not None:  # (B,) long on logp's device
-        ex = logp.gather(1, extra.clamp(min=0)[:, None])
-        cols.append(ex - top.values[:, :1] if gaps else ex)
-    host = to_host(torch.cat(cols, dim=1))
+        logp = draft_logprobs(logits, params)  # (B, V), stays on the device
+        if noise is not None:  # the draft's race: the target's noise on the draft's (untruncated) log-probs
+            logp = coupled_logprobs(logp, noise)
+        gaps = gaps or noise is not None
+        top = torch.topk(logp, min(k + 1, logp.shape[-1]) if gaps else k, dim=-1)
+        values, ids = top.values[:, :k], top.indices[:, :k]
+        if gaps:
+            runner_up = top.values[:, 1:2] if top.values.shape[1] > 1 else torch.full_like(values[:, :1], float("-inf"))
+            values = torch.cat([values[:, :1] - runner_up, values[:, 1:] - values[:, :1]], dim=1)
+        cols = [values, ids.to(values.dtype)]
+        if extra is not None:  # (B,) long on logp's device
+            ex = logp.gather(1, extra.clamp(min=0)[:, None])
+            cols.append(ex - top.values[:, :1] if gaps else ex)
+        host = to_host(torch.cat(cols, dim=1))
     return host[:, :k], host[:, k : 2 * k].long(), (host[:, 2 * k] if extra is not None else None)
 
 
 def noise_rows(child_pos: torch.Tensor | None, scoring, shape: TreeShape, vocab: int, device):
-    """(B, V) coupled-draw noise for children at the (B,) device positions `child_pos` (calibrated
-    scores at T > 0), else None: rows of the position block the tree can reach, picked on the device."""
+    """(B, V) coupled-draw noise of children at the (B,) device positions `child_pos` (calibrated, T > 0), else None."""
     if scoring is None or scoring.cal is None or scoring.noise is None or child_pos is None:
         return None
     first = len(scoring.committed)  # absolute position of the root's children
@@ -165,19 +141,6 @@ def threshold(tree: Tree, budget: int) -> float:
     return float(torch.topk(tree.logp[1:], budget).values[-1])
 
 
-def stage_here(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring, device) -> Staged:
-    """`Staged` inputs of an expansion whose forward did not carry them: one upload of their own
-    (none when there is neither an n-gram proposal nor coupled noise)."""
-    props, first = proposals(tree, nodes, shape, scoring)
-    child_pos = None
-    if scoring is not None and scoring.noise is not None:
-        child_pos = tree.depth[nodes] + len(scoring.committed)
-    moved = iter(upload(device, *(t for t in (first, child_pos) if t is not None)))
-    return Staged(
-        props, first, next(moved) if first is not None else None, next(moved) if child_pos is not None else None
-    )
-
-
 def expand(
     tree: Tree,
     nodes: torch.Tensor,
@@ -187,17 +150,12 @@ def expand(
     scoring=None,
     staged: Staged | None = None,
 ) -> None:
-    """Add the top children of each of `nodes` (B,) given their draft logits (B, V).
-
-    `staged`: the n-gram proposals and child positions prepared with the forward's upload (None:
-    prepared here, with an upload of their own). Children whose score cannot beat the current
-    `budget`-th best node are dropped: the threshold only rises as the tree grows, so they could
-    never be kept.
-    """
+    """Add the top children of each of `nodes` (B,) given their draft logits (B, V); `staged` None: an
+    expansion without proposals or noise (no `scoring`). A child that cannot beat the budget-th best
+    score (it only rises) is dropped."""
     k = min(shape.max_branch, shape.budget, logits.shape[-1])
     use_ngram = scoring is not None and scoring.ngram is not None
-    if staged is None:
-        staged = stage_here(tree, nodes, shape, scoring, logits.device)
+    staged = staged or Staged([], None, None, None)
     props, first = staged.props, staged.first
     logits = constrain.apply(logits, staged.bits)  # grammar: only valid children (forbidden -> -inf, dropped)
     noise = noise_rows(staged.child_pos, scoring, shape, logits.shape[-1], logits.device)
@@ -230,8 +188,7 @@ def expand(
 
 
 def valid_only(cum: torch.Tensor, idx: torch.Tensor, staged: Staged) -> torch.Tensor:
-    """(B, k) child scores with the children the grammar forbids at -inf (never added): their masked
-    draft log-prob is -inf, but a calibrated score is read from a feature bin, not from it."""
+    """(B, k) child scores, grammar-forbidden children at -inf (a calibrated score ignores the mask)."""
     if staged.bits_host is None:
         return cum
     return cum.masked_fill(~constrain.host_allowed(staged.bits_host, idx), float("-inf"))
@@ -298,13 +255,9 @@ def add_chain(tree: Tree, node: int, chain: list[int], g: int, shape: TreeShape,
 
 
 def step_batch(tree: Tree, shape: TreeShape, gain: float = 0.0) -> torch.Tensor:
-    """The best not-yet-run nodes among the current top-`budget`, at most `max_beams` of them. A node
-    whose score + `gain` (the most a child's score can add: 0 for log-probs, the best calibrated
-    log-acceptance) is at most the budget-th best score is not run: no child of it could beat that
-    threshold, which only rises (the budget-th node itself, at least). The tree is the same; one row less.
-    With `min_prob` > 0 (the automatic budget's, core/budget.py) a node scoring below log(min_prob) is
-    not run either: the tree stops short of its budget where the draft is unsure (dynamic trees, as
-    EAGLE-2's), which changes the tree but never what is emitted."""
+    """The best not-yet-run nodes among the top-`budget`, at most `max_beams`. Not run: a node whose
+    score + `gain` (the most a child can add) cannot beat the budget-th best (no child could be
+    kept), and with `min_prob` > 0 one scoring below log(min_prob) (dynamic trees, as EAGLE-2's)."""
     kept = top_budget(tree.logp, shape.budget)
     parent_run = tree.slot[tree.parents[kept].clamp(min=0)] >= 0  # n-gram chain nodes wait for their parent
     useful = tree.logp[kept] + gain > threshold(tree, shape.budget)
@@ -320,10 +273,7 @@ def step_batch(tree: Tree, shape: TreeShape, gain: float = 0.0) -> torch.Tensor:
 def grow_tree(
     draft, cache, ctx: DraftContext, shape: TreeShape, params: SamplingParams, scoring=None, grammar=None
 ) -> Tree:
-    """Grow the tree; see the module docstring for the cache layout it leaves behind. grammar: a
-    constrain.GrammarRun at the committed state; each expansion's draft logits are masked by its
-    nodes' grammar masks (computed before the forward, staged with its upload), so every node of
-    the tree is a grammar-valid continuation."""
+    """Grow the tree (module docstring); `grammar`: a constrain.GrammarRun at the committed state."""
     tree = Tree.new(ctx.pending[-1])
     if grammar is not None:
         grammar.begin(tree)

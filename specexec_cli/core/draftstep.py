@@ -1,38 +1,23 @@
 """The draft's forward over one tree step, at a few fixed shapes, so that CUDA can replay it as a graph.
 
 Contract: `run(draft, cache, tokens, positions, n_past, anc_cols, *extra, causal=False)` is THE draft
-forward of every method's tree growth (draft.py; methods/static_tree.py for chain, SpecInfer and
-Sequoia; methods/staged.py, its n-gram chains as rows whose `anc_cols` list their node and earlier
-chain columns); in decoding only prompts and Sequoia's calibration run the draft outside it.
-It runs B new tokens (host (B,) ids and positions) whose K/V go to the cache rows [start, start + B)
-(start = the cache's length) and returns their (B, V) logits on the draft's device, with the staged
-positions and `extra` host tensors (one counted upload for all, as `kvcache.stage`). Row i of the
-pass sees the columns [0, n_past), its ancestors' columns (row i of the (B, D) host table
-`anc_cols`, -1 = none), its own column start + i and, with `causal`, the new columns
-start .. start + i (a chain: the pending committed tokens). Afterwards the cache holds start + B
-rows, exactly as an append of the B tokens would leave it.
+forward of every method's tree growth. It runs B new tokens (host (B,) ids and positions) whose K/V
+go to cache rows [start, start + B) (start = the cache's length) and returns their (B, V) logits on
+the draft's device, with the staged positions and `extra` host tensors (one counted upload, as
+`kvcache.stage`). Row i sees columns [0, n_past), its ancestors' columns (row i of the (B, D) host
+table `anc_cols`, -1 = none), its own column start + i and, with `causal`, columns start .. start + i.
+Afterwards the cache holds start + B rows, as an append of the B tokens would leave it.
 
-How: the B rows are padded to a bucket of P >= B rows (`StaticDraftStep.bucket`: the smallest of
-`BUCKETS[device type]` that fits; B itself where none is listed, as on the CPU, and on CUDA where
-the pass is not replayed as a graph, since padding pays only there). Ids, positions,
-written rows and the additive mask are built in place in buffers allocated once per bucket (the
-mask in one (LARGEST, W) store they share). Padded rows carry PAD_TOKEN at position 0 and see only
-their own column; no real row sees theirs, their logits are dropped and their K/V rows lie past the
-cache's length afterwards, to be overwritten by the next pass. So padding never changes a real
-row's logits beyond the rounding of a GEMM with more rows (tests/test_draftstep.py).
-
-Two ways to run the padded pass (`kvcache.SlabCache.write_rows`):
-- append (the default, and the CPU's): the pass appends P rows at the cache's length over a mask
-  of start + P columns; the P - B padded rows are then dropped. Bit-identical to an unpadded pass
-  at P = B.
-- static (`STATIC` device types, a reserved SlabCache of the draft's own with room for P more
-  rows): the mask covers the whole slab (columns past the live rows blocked) and the K/V are
-  written at the device rows `Buffers.rows`, so one pass's kernels and pointers are the same at
-  every cache length. On CUDA, for a resident draft (`capturable`), each bucket's static pass is
-  captured as a CUDA graph after WARMUP eager ones and replayed from then on; graphs die with the
-  mask store or the slab they read.
-Passes wider than LARGEST (a long prompt's first draft pass) run appended at their exact width
-with one-off buffers. The step object of a cache lives as long as the cache (`step_for`).
+How: the B rows are padded to the smallest bucket of `BUCKETS[device type]` that fits (none on the
+CPU, nor on CUDA unless the pass is replayed as a graph), with buffers and one shared (LARGEST, W)
+mask store allocated once. Padded rows carry PAD_TOKEN at position 0 and see only their own column;
+their logits are dropped and their K/V rows lie past the cache's length, so a real row's logits
+change only by a wider GEMM's rounding. Two ways to run (`kvcache.SlabCache.write_rows`): append (the
+CPU's; bit-identical to an unpadded pass at P = B), or static (`STATIC` devices, a reserved SlabCache
+of the draft's own): the mask covers the whole slab and K/V go to the device rows `Buffers.rows`, so
+kernels and pointers are the same at every length; a resident CUDA draft (`capturable`) captures each
+bucket's static pass as a CUDA graph after WARMUP eager ones. Passes wider than LARGEST run appended
+with one-off buffers. A cache's step object lives as long as the cache (`step_for`).
 """
 
 from __future__ import annotations
@@ -82,8 +67,7 @@ def new_mask(rows: int, width: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def capturable(model) -> bool:
-    """A resident Hugging Face draft on CUDA: its static pass can be captured as a CUDA graph
-    (a streamed draft launches copies and waits on other streams within its pass)."""
+    """A resident HF draft on CUDA, whose static pass can be captured (a streamed one waits on other streams)."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel) or torch.device(model.device).type != "cuda":
@@ -105,9 +89,8 @@ class StaticDraftStep:
         self.slab = 0  # data_ptr of the slab the graphs were captured over (0 = none)
 
     def bucket(self, cache, start: int, b: int) -> tuple[int, bool]:
-        """(P, static): the rows of a B-row pass starting at cache row `start`, and whether it runs
-        static. Exact (B, appended) beyond LARGEST, where no bucket is listed, where padding would
-        grow the slab, and on CUDA unless the pass is replayed as a graph (only then it pays)."""
+        """(P, static) of a B-row pass at cache row `start`; exact (B, appended) where padding would
+        not pay or would grow the slab."""
         widths = [w for w in BUCKETS.get(self.device.type, ()) if w >= b]
         cap = kvcache.slab_rows(cache)
         if b > LARGEST or not widths or (cap is not None and start + widths[0] > cap):
@@ -145,9 +128,8 @@ class StaticDraftStep:
         return logits[:b], pos, rest
 
     def inputs(self, cache, p: int, width: int, need: int, slab: int) -> tuple[Buffers, torch.Tensor]:
-        """Bucket P's buffers and the mask store, at least `need` columns wide (one-off beyond
-        LARGEST). `slab`: the slab a static pass reads (else self.slab): a new one is zeroed past
-        its rows and voids the graphs, as a new store does."""
+        """Bucket P's buffers and the mask store, >= `need` columns (one-off beyond LARGEST). A new
+        `slab` (the one a static pass reads) is zeroed past its rows and voids the graphs, as a new store."""
         if p > LARGEST:
             return new_buffers(p, self.device, self.ids_device), new_mask(p, width, self.dtype, self.device)
         store = self.mask
@@ -164,8 +146,7 @@ class StaticDraftStep:
         return self.buffers[p], store
 
     def forward(self, cache, buf: Buffers, store: torch.Tensor, width: int, static: bool) -> torch.Tensor:
-        """One eager pass over the bucket; static: K/V written at `buf.rows`, attention over the slab.
-        The mask goes in as a fresh view object each pass (prepared masks are keyed on the object)."""
+        """One eager pass over the bucket (a fresh mask view each pass: prepared masks are keyed on it)."""
         p = buf.ids.numel()
         mask = store[:p, :width][None, None]  # (1, 1, P, width)
         cache.write_rows = buf.rows if static else None
@@ -183,11 +164,9 @@ class StaticDraftStep:
         return out
 
     def capture(self, cache, buf: Buffers, store: torch.Tensor, width: int) -> torch.Tensor | None:
-        """Capture the bucket's static pass into `buf` -> the logits its replays write. Its inputs
-        are already in the buffers: the warm-up passes and the replay after write the same rows
-        with the same values. On a side stream that waits for the current one, never a device-wide
-        synchronisation (torch.cuda.graph's context manager makes one). None, with one warning and
-        graphs off for this cache, where the pass cannot be captured."""
+        """Capture the bucket's static pass into `buf` -> the logits its replays write (its inputs are
+        already in the buffers). On a side stream, never a device-wide sync (torch.cuda.graph makes
+        one). None, with one warning and graphs off, where the pass cannot be captured."""
         main, side = torch.cuda.current_stream(), torch.cuda.Stream()
         side.wait_stream(main)
         graph = torch.cuda.CUDAGraph()
@@ -211,11 +190,8 @@ class StaticDraftStep:
 
 
 def build_mask(m: torch.Tensor, rows: torch.Tensor, b: int, n_past: int, start: int, anc, causal: bool) -> None:
-    """Fill the (P, K) additive mask `m` in place: 0 where a row sees a column, dtype-min elsewhere.
-
-    Real rows i < B see [0, n_past), their ancestors' columns (`anc` (B, D) on the device, -1 = none),
-    with `causal` the new columns start .. start + i, and their own column rows[i]; padded rows
-    (i >= B) see their own column only. Columns past the live rows (a static pass) stay blocked."""
+    """Fill the (P, K) additive mask `m` in place (module docstring's columns; `anc` (B, D) on the
+    device); padded rows i >= B see their own column only, columns past the live rows none."""
     m.fill_(torch.finfo(m.dtype).min)
     m[:b, :n_past] = 0
     if causal:  # the (B, P) block of new columns is all dtype-min: triu_(1) zeroes j <= i (row i sees start + j)
@@ -229,8 +205,7 @@ _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft cache -
 
 
 def step_for(model, cache) -> StaticDraftStep:
-    """The step object of `cache` (made on first use, dropped with the cache: its buffers and graphs
-    belong to that cache's slabs)."""
+    """The step object of `cache` (made on first use, dropped with the cache)."""
     step = _STEPS.get(cache)
     if step is None or step.model is not model:
         step = _STEPS[cache] = StaticDraftStep(model)

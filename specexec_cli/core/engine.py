@@ -1,22 +1,16 @@
 """The decoding loop: prefill, then one speculative (or plain) step per target pass, as events.
 
-Contract: `generate(models, state, prompt_ids, config)` is a generator of `StepEvent`s — one for the
-prefill and one per target pass — and never prints. The first event carries the token the prefill
-yields. `DecodeState` holds the committed tokens and both caches, so a chat can call `generate`
-again with only the new turn's tokens and prefill nothing twice. Invariants between steps:
-the target cache holds ids[:-1] (the last committed token is the next root) and the draft cache
-holds ids[:draft_len] for some draft_len < len(ids). Every method keeps them. With `Models.shared_kv`
-the draft's cache is a view of the target's (kvcache.SharedCache): the draft never prefills, and
-each tree starts from the target's committed rows with only the root pending (`draft_context`).
+Contract: `generate(models, state, prompt_ids, config)` yields one `StepEvent` for the prefill (with
+its first token) and one per target pass, and never prints. `DecodeState` keeps the committed tokens
+and both caches, so a chat prefills only its new turn. Between steps the target cache holds ids[:-1]
+(the last token is the next root) and the draft cache ids[:draft_len], draft_len < len(ids). With
+`Models.shared_kv` the draft's cache is a view of the target's (kvcache.SharedCache): no draft prefill.
 
-One step machine for one request or many: a `Pass` is a step written as a generator that yields the
-`ForwardJob` of the one target pass it needs, is sent that pass's logits and returns the step's
-`StepResult` (`prefill_pass` yields one job per prompt chunk). A `Request` is one generate call:
-`begin()` gives its next pass's job, `end(logits)` the `StepEvent` (None while a prefill has chunks
-to go). `generate` runs one Request, each pass alone; core/forest.py runs many, their jobs in one
-shared pass. `ar_step`/`speculative_step` are those Passes run alone (`run_alone`); a method's StepFn
-that runs its own passes is a Pass that asks for none (`whole`). The dataclasses it reads and yields
-live in `state.py`, the detokenizer in `text.py`.
+A `Pass` is a step as a generator: it yields the `ForwardJob` of its target pass, is sent that pass's
+logits and returns its `StepResult`. A `Request` is one generate call: `begin()` gives its next job,
+`end(logits)` its `StepEvent` (None while a prefill has chunks to go). `generate` runs one Request
+alone; core/forest.py runs many in one shared pass. A StepFn that runs its own passes is a Pass that
+asks for none (`whole`).
 """
 
 from __future__ import annotations
@@ -52,9 +46,8 @@ def new_noise(gen: torch.Generator) -> PositionNoise:
 
 
 def draw(st: DecodeState, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """The target's token at position len(st.ids) from its (V,) logits: the race of sampling.py
-    (argmax at T = 0), on the logits' device, masked by the grammar's committed state when the call
-    has one; one counted copy of the chosen id."""
+    """The target's token after st.ids from its (V,) logits: sampling.py's race (argmax at T = 0), masked
+    by the grammar's committed state; one counted copy."""
     rows = bits = None
     if not params.greedy:
         st.noise = st.noise or new_noise(gen)
@@ -102,11 +95,8 @@ def ar_step(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Genera
 
 
 def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
-    """Keep the accepted path in both caches (compacted in place) and extend st.ids.
-
-    Target cache afterwards: ids[:-1] (root + accepted nodes; the last emitted token is the next
-    root). Draft cache: prefix + root + the accepted nodes the draft already ran (a path prefix).
-    """
+    """Keep the accepted path in both caches (compacted in place) and extend st.ids: the target's holds
+    root + accepted nodes, the draft's root + the accepted nodes it already ran."""
     in_cache = acc.path if acc.bonus else acc.path[:-1]
     keep = torch.tensor([0] + in_cache, dtype=torch.long)
     kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
@@ -136,12 +126,12 @@ def sampling_key(params: SamplingParams) -> str:
 def tree_scoring(m: Models, st: DecodeState, cfg: GenerationConfig) -> Scoring | None:
     """SpecExec's node scores, chosen by cfg.extra "scores" (default DEFAULT_SCORES): "draft" (raw
     cumulative draft log-probs, plain SpecExec) | "calibrated" | "calibrated+ngram" (calibrate.py)."""
-    mode = (cfg.extra or {}).get("scores", DEFAULT_SCORES)
+    extra = cfg.extra or {}
+    mode = extra.get("scores", DEFAULT_SCORES)
     if mode not in ("calibrated+ngram", "calibrated", "draft"):
         raise SpecxError(f"scores must be calibrated+ngram, calibrated or draft (got {mode!r})")
     if mode == "draft":
         return None
-    extra = cfg.extra or {}
     cal = calibrate.for_pair(m.target, m.draft, sampling_key(cfg.sampling), extra.get("sequoia_profile"),
                              extra.get(calibrate.PROFILE_KEY), constrained=st.grammar is not None)
     ngram = NgramIndex(st.ids) if mode == "calibrated+ngram" else None
@@ -159,8 +149,7 @@ def follow_target(st: DecodeState) -> bool:
 
 
 def draft_context(st: DecodeState) -> DraftContext:
-    """Where the draft starts a tree: its cached committed rows and the committed tokens it has not
-    run yet (the last one is the root). A shared cache starts at the target's rows: only the root."""
+    """Where the draft starts a tree: its cached rows and the committed tokens it has not run (last = root)."""
     follow_target(st)
     return DraftContext(n_cached=st.draft_len, pending=st.ids[st.draft_len :], root_pos=len(st.ids) - 1)
 
@@ -171,11 +160,8 @@ def default_grow(m: Models, st: DecodeState, ctx: DraftContext, shape: TreeShape
 
 def speculative_pass(m: Models, st: DecodeState, cfg: GenerationConfig, gen: torch.Generator, limit: int,
                      grow=default_grow) -> Pass:
-    """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches.
-
-    `grow(m, st, ctx, shape, sampling, scoring) -> Tree` lets a method swap the tree-growth stage only.
-    No room for a tree (depth < 1 or budget < 1): a plain step instead.
-    """
+    """SpecExec: grow a draft tree, verify it in one target pass, accept, trim both caches (no room for
+    a tree: a plain step). `grow(m, st, ctx, shape, sampling, scoring) -> Tree` swaps the growth stage."""
     n = len(st.ids)
     depth = min(cfg.shape.max_depth, limit - 1, m.ctx_limit - n - 1)  # the bonus needs one slot
     if depth < 1 or cfg.shape.budget < 1:
@@ -257,8 +243,7 @@ def run_prompt(model, cache, ids: list[int], start: int, chunk: int) -> torch.Te
 
 
 def prefill_pass(m: Models, st: DecodeState, cfg: GenerationConfig, gen) -> Pass:
-    """Run both models over the not-yet-cached tokens (the target's chunks one pass each); returns the
-    first generated token."""
+    """Both models over the not-yet-cached tokens (one target pass per chunk) -> the first new token."""
     for end, job in prompt_chunks(m.target, st.target_cache, st.ids, st.target_len, m.pass_tokens):
         logits = yield job
         st.target_len = end
@@ -307,8 +292,8 @@ class Request:
         self.own, self.moved = 0.0, transfers.TransferCount()   # the step's own seconds and copies
 
     def begin(self, shape: TreeShape | None = None) -> ForwardJob | None:
-        """The job of this request's next target pass (`shape`: its tree shape there, None = its
-        config's); None when the step ran its own passes."""
+        """The job of the next target pass (`shape`: its tree shape, None = the config's); None when
+        the step ran its own passes."""
         t, before = time.perf_counter(), transfers.snapshot()
         if self.steps is None:   # a new step: the prefill, or a decoding step within the limit
             m, st, cfg = self.m, self.st, self.cfg if shape is None else replace(self.cfg, shape=shape)
@@ -320,9 +305,8 @@ class Request:
         return self.job
 
     def end(self, logits: torch.Tensor | None = None, seconds: float | None = None) -> StepEvent | None:
-        """Accept and commit the pass's `logits` (None when the step ran its own); the StepEvent, or
-        None while a prefill has chunks to go. `seconds`: the wall time of a pass shared with other
-        requests, the step's target time then (its draft time, where it has one, is its own time)."""
+        """Accept and commit the pass's `logits` -> the StepEvent (None while a prefill has chunks to
+        go). `seconds`: a shared pass's wall time, the step's target time (its draft time is its own)."""
         t, before = time.perf_counter(), transfers.snapshot()
         if self.job is not None:
             self.passes += 1
@@ -370,11 +354,8 @@ def generate(
     m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen: torch.Generator | None = None,
     step_fn: StepFn | None = None,
 ) -> Iterator[StepEvent]:
-    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens, the context end or,
-    with `cfg.grammar`, the grammar's completion: one `Request`, each of its passes run alone.
-
-    `step_fn` runs one target pass; None = the core method `cfg.method` names (ar, specexec).
-    """
+    """Prefill `new_ids` on top of `st`, then decode until EOS, max_new_tokens, the context end or the
+    grammar's completion. `step_fn`: one target pass; None = the core method `cfg.method` names."""
     try:
         req = Request(m, st, new_ids, cfg, gen, step_fn)
         while req.finish is None:
