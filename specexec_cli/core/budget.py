@@ -1,31 +1,18 @@
 """Hardware-fitted draft budget: a chooser plus online acceptance and timing statistics.
 
-Contract: `choose_budget(expected, t_draft, t_target, candidates)` is pure — it returns the budget
-B maximising  E[tokens per pass](B) / (t_draft(B) + t_target(B + 1)),  the decode speed in
-tokens/second (one target pass verifies B draft nodes plus the root, i.e. n = B + 1 tokens);
-with `lanes=k` the same choice for k requests sharing each pass (serve --parallel's forest).
-`BudgetTuner.drive(models, state, ids, cfg)` wraps `engine.generate`, feeds every pass into the
-statistics and re-tunes budget and depth every `retune_every` passes, with no engine hook: the
-engine reads `cfg.shape` inside each step from a `LiveConfig`; `split(k)` gives each of k requests
-in a forest pass its shape, and `observe(ev, budget, pass_tokens)` takes the forest's events.
-Explicit `--budget N` never builds a tuner.
+Contract: `choose_budget(expected, t_draft, t_target, candidates)` is pure: the budget B maximising
+E[tokens per pass](B) / (t_draft(B) + t_target(B + 1)), tokens/second (`lanes=k`: k requests sharing
+each pass). `BudgetTuner.drive(models, state, ids, cfg)` wraps `engine.generate`, observes every pass
+and re-tunes budget and depth every `retune_every` passes; the engine reads `cfg.shape` from a
+`LiveConfig` at each step. `split(k)` and `observe(ev, budget, pass_tokens)` serve a forest.
 
-Models (all corrected online, so priors only matter for the first passes):
-- tokens per pass  E(B) = 1 + a·log2(1 + B), capped at depth + 1 (SpecExec/Sequoia: accepted
-  length grows roughly logarithmically with the tree size). `a` is a least-squares fit through the
-  origin of (tokens − 1) on log2(1 + B) over the observed passes, regularised towards the prior
-  a0 = 0.5 with the weight of PRIOR_PASSES passes. Budgets observed often enough use their mean.
-- t_target(n) and t_draft(B): core/timing.py's `TimingModel` (the profile's measured points, else
-  the memory plan's pass model, else FALLBACK_KNEE; `make_tuner`), rescaled by the observed/predicted
-  ratio as soon as passes are seen; observed n-bins and budgets replace the model outright.
-- the stop: each shape carries `min_prob` (`BudgetTuner.min_prob`), below which a node is not expanded.
-- plain decoding (budget PLAIN = 0: the engine's step without a tree, no draft forward) competes
-  with every budget from the PLAIN_AFTER-th measured speculative pass on: a reply whose trees measure
-  slower than plain steps falls back to them, and tries its best tree again every PROBE_EVERY plain
-  passes (`retune`, `probe`). Until plain passes are measured their time is the model's, rescaled by
-  the trees' passes, which can be far too low where a tree's verify pass hides its weight reads under
-  the draft and a plain pass cannot: so the fallback is a trial, judged again from measurements once
-  PLAIN_TRIAL plain passes are timed (back to the tree when the plain passes measure slower).
+Models (corrected online): E(B) = 1 + a·log2(1 + B), capped at depth + 1, `a` a least-squares fit
+through the origin regularised towards PRIOR_A with the weight of PRIOR_PASSES passes (budgets seen
+MIN_OBSERVED times use their mean); t_target and t_draft from timing.py's `TimingModel`, rescaled
+by the observed/predicted ratio (observed points replace it). Each shape carries `min_prob`. Plain
+decoding (budget PLAIN) competes from the PLAIN_AFTER-th speculative pass on; a fallback to it is a
+trial, judged again once PLAIN_TRIAL plain passes are timed, and the best tree is probed again every
+PROBE_EVERY plain passes.
 """
 
 from __future__ import annotations
@@ -64,13 +51,8 @@ def choose_budget(
     candidates: Iterable[int],
     lanes: int = 1,
 ) -> tuple[int, float]:
-    """The per-request budget b when `lanes` requests share each target pass (1: a request alone):
-    argmax over candidates of  lanes·E(b) / (lanes·t_draft(b) + t_target(lanes·(b + 1))),  the
-    aggregate tokens/second. Each request grows its own tree (the draft runs once per request) and
-    the pass verifies every tree together, so its compute grows with the total tokens: on a
-    stream-bound pass t_target is flat and each request keeps about the budget it has alone; once
-    compute shows, the budgets shrink. Returns (b, aggregate tok/s); ties go to the smaller b (less
-    memory, less wasted draft work)."""
+    """(b, aggregate tok/s): the per-request budget maximising lanes·E(b) / (lanes·t_draft(b) +
+    t_target(lanes·(b + 1))) when `lanes` requests share each pass; ties go to the smaller b."""
     best, best_rate = None, -1.0
     for b in sorted(candidates):
         secs = lanes * t_draft(b) + t_target(lanes * (b + 1))
@@ -87,6 +69,13 @@ def n_bin(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, n))))
 
 
+def tally(store: dict[int, list[float]], key: int, value: float) -> int:
+    """Add one observation to store[key] = [count, sum]; returns the new count."""
+    rec = store.setdefault(key, [0, 0.0])
+    rec[0], rec[1] = rec[0] + 1, rec[1] + value
+    return rec[0]
+
+
 class ShapeHolder:
     """The mutable cell a LiveConfig reads its tree shape from."""
 
@@ -95,11 +84,8 @@ class ShapeHolder:
 
 
 class LiveConfig(GenerationConfig):
-    """A GenerationConfig whose `shape` is read from a ShapeHolder at every access.
-
-    The dataclass __init__ assigns `shape` through the property setter, which creates the holder;
-    `dataclasses.replace` therefore still works (it gets a fresh holder with the current shape).
-    """
+    """A GenerationConfig whose `shape` is read from a ShapeHolder at every access (`replace` works:
+    __init__ assigns `shape` through the setter, which makes a fresh holder)."""
 
     @property
     def shape(self) -> TreeShape:  # type: ignore[override]
@@ -176,13 +162,8 @@ class BudgetTuner:
         return model(budget) * self._ratio(self.draft_obs, model)
 
     def choose_depth(self, budget: int) -> int:
-        """Deep enough for the observed acceptance lengths, never above the user's --max-depth.
-
-        Survival of the accepted length: the smallest d with P(accepted ≥ d) < 2 %, times 1.5 for
-        margin; when ≥ 5 % of passes hit the current depth the data is censored, so double it. Before
-        MIN_OBSERVED passes: the user's --max-depth, as an explicit --budget runs (a guess from the
-        prior slope kept a self-draft's trees at depth 10 where it accepts 14 tokens per pass).
-        """
+        """1.5 x the smallest d with P(accepted ≥ d) < 2 % (doubled when ≥ 5 % of passes hit the current
+        depth: censored), within [2, --max-depth]; --max-depth before MIN_OBSERVED passes."""
         total = sum(self.accepted_hist.values())
         if total < MIN_OBSERVED:
             guess = self.depth_cap
@@ -199,17 +180,12 @@ class BudgetTuner:
                 guess = max(guess, 2 * cur)
         return int(max(2, min(self.depth_cap, guess, budget)))
 
-    def retune(self) -> None:
-        """The budget with the most tokens/s on the live statistics (PLAIN among them: module docstring)."""
+    def retune(self, plain: bool = True) -> None:
+        """The budget with the most tokens/s on the live statistics (`plain` False: the best tree, probed)."""
         cands = candidate_budgets(self.max_budget)
-        if self.passes >= PLAIN_AFTER:
+        if plain and self.passes >= PLAIN_AFTER:
             cands = [PLAIN, *cands]
         budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, cands)
-        self.holder.shape = self._shape(budget)
-
-    def probe(self) -> None:
-        """Back to the best tree for the next `retune_every` passes, which measure it again."""
-        budget, _ = choose_budget(self.expected_tokens, self.t_draft, self.t_target, candidate_budgets(self.max_budget))
         self.holder.shape = self._shape(budget)
 
     def _shape(self, budget: int) -> TreeShape:
@@ -217,10 +193,8 @@ class BudgetTuner:
         return replace(self.shape, budget=budget, max_depth=self.choose_depth(budget), min_prob=self.min_prob(budget))
 
     def min_prob(self, budget: int) -> float:
-        """Expanding a node of cumulative draft probability p adds at most ~p expected tokens for one draft
-        forward; it pays where p exceeds a forward's seconds over a token's (at this budget's modelled
-        speed): t_step / t_token, at most MAX_MIN_PROB. A cheap draft beside a slow target (a GPU draft, a
-        streamed 70B) gives a tiny threshold and the full tree; SmolLM2's self-draft from disk ~0.5."""
+        """Expanding a node of probability p adds at most ~p tokens for one draft forward: it pays where
+        p > t_step / t_token at this budget's modelled speed (at most MAX_MIN_PROB)."""
         if budget == PLAIN:
             return 0.0
         t_draft = self.t_draft(budget)
@@ -228,8 +202,7 @@ class BudgetTuner:
         return min(MAX_MIN_PROB, t_draft / draft_steps(budget, self.shape.max_beams) / t_token) if t_token > 0 else 0.0
 
     def split(self, lanes: int) -> TreeShape:
-        """Each request's tree shape when `lanes` requests decode in one forest pass (`choose_budget`
-        on the live statistics); their trees together stay within the budget the plan sized."""
+        """Each request's tree shape when `lanes` requests share a forest pass (within the planned budget)."""
         if lanes <= 1:
             return self.shape
         cap = max(1, (self.max_budget + 1) // lanes - 1)
@@ -237,34 +210,27 @@ class BudgetTuner:
         return self._shape(b)
 
     def observe(self, ev, budget: int | None = None, pass_tokens: int | None = None) -> None:
-        """Feed one engine StepEvent; the prefill event (pass 0) carries no acceptance data.
-        `budget`: the tree budget its step ran with (default: the current shape's); `pass_tokens`:
-        the tokens its target pass verified (a forest pass: every request's tree; default its own)."""
+        """Feed one StepEvent (the prefill's is skipped). `budget`: its step's tree budget (default the
+        current one); `pass_tokens`: the tokens its pass verified (default its own tree + root)."""
         if ev.pass_index == 0:
             return
         if ev.tree_size == 0:  # a plain pass: its seconds are t_target(1)
-            rec = self.target_obs.setdefault(1, [0, 0.0])
-            rec[0], rec[1] = rec[0] + 1, rec[1] + ev.target_seconds
+            timed = tally(self.target_obs, 1, ev.target_seconds)
             self.plain_passes += 1
-            if self.shape.budget == PLAIN and rec[0] == PLAIN_TRIAL and self.passes >= PLAIN_AFTER:
+            if self.shape.budget == PLAIN and timed == PLAIN_TRIAL and self.passes >= PLAIN_AFTER:
                 self.retune()  # plain's own time measured now: the trial fallback judged again
             elif self.shape.budget == PLAIN and self.plain_passes % PROBE_EVERY == 0:
-                self.probe()
+                self.retune(plain=False)
             return
         b, tokens = budget or self.shape.budget, len(ev.tokens)
         self.passes += 1
         x = math.log2(1 + b)
         self.sxy += x * (tokens - 1)
         self.sxx += x * x
-        rec = self.by_budget.setdefault(b, [0, 0.0])
-        rec[0], rec[1] = rec[0] + 1, rec[1] + tokens
+        tally(self.by_budget, b, tokens)
         self.accepted_hist[ev.accepted] = self.accepted_hist.get(ev.accepted, 0) + 1
-        for store, key, secs in (
-            (self.target_obs, n_bin(pass_tokens or ev.tree_size + 1), ev.target_seconds),
-            (self.draft_obs, b, ev.draft_seconds),
-        ):
-            rec = store.setdefault(key, [0, 0.0])
-            rec[0], rec[1] = rec[0] + 1, rec[1] + secs
+        tally(self.target_obs, n_bin(pass_tokens or ev.tree_size + 1), ev.target_seconds)
+        tally(self.draft_obs, b, ev.draft_seconds)
         if self.passes % self.retune_every == 0 or self.passes == PLAIN_AFTER:
             self.retune()
 
@@ -278,8 +244,8 @@ class BudgetTuner:
 
 
 def make_tuner(profile: dict | None, shape: TreeShape, on_cuda: bool, plan: dict | None = None) -> BudgetTuner:
-    """A tuner from a profile's timings (if it has model timings), else the memory plan's modelled ones
-    (`plan`: MemoryPlan.to_json(); capped at the largest budget it sized), else the fallback prior."""
+    """A tuner on a profile's timings, else the memory plan's (`plan`: MemoryPlan.to_json(), capped at
+    its largest budget), else the fallback prior."""
     planned = TimingModel.from_plan(plan)
     timing = TimingModel.from_profile(profile, (plan or {}).get("draft_key"), planned) if profile else None
     timing = timing or planned or TimingModel.prior()

@@ -1,28 +1,16 @@
 """The forest step: every open request's draft tree verified in ONE target pass (one weight stream).
 
-Contract: a `Lane` is one request: an `engine.Request` (its own `DecodeState`: committed ids, its
-own target and draft caches; settings, RNG and progress), the very step machine `engine.generate`
-runs alone; `Forest(models)` holds the open lanes and `step()` makes one target pass for all of them
-and returns `(lane, StepEvent | None | exception)` per lane:
-1. each lane prepares its share of the pass (`Request.begin`): a prefill chunk of its prompt (the
-   last chunk's logits give its first token), or the job of `engine.speculative_pass` with the tree
-   shape the forest gives it: `shape_for(k)` for k decoding lanes where the forest has one (serve's
-   --budget auto: the speed model's split, `core.budget.BudgetTuner.split`), else its own budget
-   split evenly over the k (an explicit --budget is the size of the whole pass); `engine.ar_pass`
-   (one token) under --method ar and with no draft model (`core.methods.generate` runs ar then),
-   and where no tree fits;
-2. `offload.stream.multi.forward_many` runs all shares in one pass: each decoder layer's weights
-   are streamed once and every lane's tokens go through them against that lane's own cache;
-3. each lane accepts and commits its own path (`Request.end`) and yields the `StepEvent` that
-   `engine.generate` would yield (a prefill chunk that is not the last yields None); its target
-   seconds are the shared pass's, its draft seconds its own work before and after it.
-Each lane's tokens, positions, masks and caches are exactly those it has alone, so its replies are
-the ones `engine.generate` gives it alone: the same ids at T = 0, and at T > 0 with a seed too (the
-coupled draws are a pure function of (seed, position, token), never of the tree). Nothing is
-shared between lanes but the weights. A lane whose preparation raises fails alone; a pass that
-raises drops every lane's uncommitted rows, fails the lanes that were in their first pass when
-the error is an out-of-memory (a request that did not fit), else every lane of that pass, and the
-others go on at the next pass. Lanes join and leave between passes (`add`, `remove`).
+Contract: a `Lane` is one request, the `engine.Request` that `engine.generate` runs alone (its own
+`DecodeState` and caches). `Forest(models).step()` makes one target pass for every open lane and
+returns `(lane, StepEvent | None | exception)` per lane: each lane prepares its share
+(`Request.begin`: a prefill chunk, or the job of `engine.speculative_pass` with the shape
+`shape_for(k)` gives k decoding lanes, else its budget split evenly; `engine.ar_pass` without a draft
+or under --method ar); `offload.forward_many` runs all shares in one pass (each layer's weights
+streamed once); each lane commits its own path (`Request.end`). A lane's inputs and caches are those
+it has alone, so its replies are the same ids, at T > 0 with a seed too. A lane whose preparation
+raises fails alone; a pass that raises drops every lane's uncommitted rows and fails the lanes in
+their first pass on an out-of-memory, else every lane of that pass. Lanes join and leave between
+passes (`add`, `remove`).
 """
 
 from __future__ import annotations
@@ -53,27 +41,20 @@ class Lane(Request):
     """One request in the forest (module docstring); `shape`: its tree shape in its last pass."""
 
     def __init__(self, m: Models, st: DecodeState, new_ids: list[int], cfg: GenerationConfig, gen=None):
-        # trees need a draft and a tree method: --method ar, or no draft at all (every layer resident,
-        # `--draft self` with nothing to substitute), decodes one token a pass as core.methods.generate does
+        # without a draft (or under --method ar) one token a pass, as core.methods.generate decodes
         trees = m.draft is not None and cfg.method != "ar"
         super().__init__(m, st, new_ids, cfg, gen, speculative_step if trees else ar_step)
         self.shape = cfg.shape
 
-    @property
-    def decoding(self) -> bool:
-        return not self.prefilling
-
     def pause(self) -> list[int]:
-        """Leave the forest at a pass boundary without ending (serve's scheduler lends the slot to a
-        streamed request); returns the committed ids `resume` continues from. The grammar state and
-        the coupled draws stay with the lane, so the reply is the one it gets unpaused."""
+        """Leave the forest at a pass boundary without ending -> the committed ids `resume` continues
+        from (the grammar state and coupled draws stay with the lane: the same reply)."""
         self.grammar, self.noise = self.st.grammar, self.st.noise
         return list(self.st.ids)
 
     def resume(self, st: DecodeState, new_ids: list[int]) -> None:
-        """Continue on `st` (the same slot or another) whose committed ids plus `new_ids` are the ids
-        `pause` returned: those rows are prefilled in the next pass(es), whose last logits give the
-        next token as a plain step would (the same position and draws: the same token)."""
+        """Continue on `st` whose ids plus `new_ids` are what `pause` returned: those rows are prefilled
+        next, and the last logits give the token a plain step would."""
         st.grammar, st.noise = self.grammar, self.noise
         if st.grammar is not None:
             st.grammar.state = st  # the ids it follows (the same ones, maybe in another state)
@@ -81,8 +62,7 @@ class Lane(Request):
         self.st, self.steps, self.job, self.prefilling = st, None, None, True
 
     def settle(self, leaving: bool = False) -> None:
-        """Drop cache rows past the committed lengths (a pass that did not finish); `leaving`: the
-        request is over (its grammar state goes, as at the end of generate())."""
+        """Drop cache rows past the committed lengths; `leaving`: the request is over (grammar state goes)."""
         self.steps = self.job = None
         if leaving:
             self.st.grammar = None
@@ -91,8 +71,7 @@ class Lane(Request):
 
 
 def split_budget(budget: int, trees: int) -> int:
-    """Each decoding lane's tree budget: the budget split evenly (the pass verifies about `budget`
-    tree tokens whatever the number of requests); at least 1."""
+    """Each decoding lane's tree budget: `budget` split evenly over `trees`, at least 1."""
     return max(1, budget // max(1, trees))
 
 
@@ -106,7 +85,6 @@ class Forest:
         self.last_tokens = 0  # tokens the last pass verified, every lane's share together
         self.lanes: list[Lane] = []
         self.passes = 0  # target passes made (each streams the weights once)
-        self.pass_tokens = 0  # tokens emitted over all passes (aggregate tokens per pass = this / passes)
 
     def add(self, lane: Lane) -> None:
         self.lanes.append(lane)
@@ -118,10 +96,9 @@ class Forest:
             self.lanes.remove(lane)
 
     def step(self) -> list[tuple[Lane, StepEvent | BaseException | None]]:
-        """One target pass over every open lane (module docstring). A lane is removed once it has
-        finished or failed; the caller removes the ones it stops."""
+        """One target pass over every open lane; finished and failed lanes are removed."""
         out: list[tuple[Lane, StepEvent | BaseException | None]] = []
-        trees = sum(lane.decoding for lane in self.lanes)
+        trees = sum(not lane.prefilling for lane in self.lanes)
         jobs, ran = [], []
         common = self.shape_for(trees) if self.shape_for is not None and trees else None
         for lane in list(self.lanes):
@@ -152,8 +129,6 @@ class Forest:
             except Exception as exc:  # noqa: BLE001
                 out.append(self._fail(lane, exc))
                 continue
-            if ev is not None:
-                self.pass_tokens += len(ev.tokens)
             if ev is not None and ev.finish:
                 self.remove(lane)
             out.append((lane, ev))

@@ -1,14 +1,13 @@
 """Run statistics: data first, display second.
 
-Contract: `RunStats` accumulates `engine.StepEvent`s and knows nothing about printing. `to_json()`
-gives the `--stats-json` record; `summary_line()` the one plain line for non-TTY stderr. Times are
-wall seconds measured by the engine; tokens_per_second excludes the prefill. With an offloaded target,
-`overlap` sets the mean stall per pass (the target waiting for a streamed layer) against the mean draft
-seconds per pass (tree growth, under which the stream keeps filling staging slots).
+Contract: `RunStats` accumulates `engine.StepEvent`s and never prints: `to_json()` is the
+`--stats-json` record, `summary_line()` the plain line for non-TTY stderr. Wall seconds;
+tokens_per_second excludes the prefill.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -98,8 +97,7 @@ class RunStats:
         return self.streamed_bytes / self.target_seconds / 1e9 if self.target_seconds > 0 else 0.0
 
     def overlap(self) -> dict:
-        """Mean seconds per pass the target stalled for a streamed layer against the draft's tree growth
-        (while the draft runs, the stream fills the free staging slots; bench/gpu.py reports both)."""
+        """Mean seconds per pass the target stalled for a streamed layer, against the draft's tree growth."""
         n = len(self.stall)
         draft = self.draft_pass_seconds[-n:] if n else []
         return dict(
@@ -174,29 +172,19 @@ class RunStats:
 
 
 class LinkMeter:
-    """Per-step link accounting for an offloaded target (a no-op for a resident one).
-
-    Call `step(stats, event)` after every `RunStats.add`: between two step events it reads the
-    target's cumulative link-busy and stall counters (offload.OffloadedCausalLM) and appends
-    busy ÷ wall and the stall to `stats`. The window is wall time between events, so it holds
-    the draft's tree growth as well as the target pass; the prefill is excluded.
-    """
+    """Per-step link accounting for an offloaded target (a no-op for a resident one): `step(stats, ev)`
+    after every `RunStats.add` appends busy ÷ wall and the stall between two decoding events."""
 
     def __init__(self, target):
         self.busy = getattr(target, "link_busy_seconds", None)
         self.prefetcher = getattr(target, "prefetcher", None)
         self.last: tuple[float, float, float] | None = None
 
-    def _read(self) -> tuple[float, float, float]:
-        import time
-
-        now = time.perf_counter()
-        return now, self.busy(now), self.prefetcher.stall_seconds
-
     def step(self, stats: RunStats, ev) -> None:
         if self.busy is None or not getattr(self.prefetcher, "order", None):
             return
-        snap = self._read()
+        now = time.perf_counter()
+        snap = (now, self.busy(now), self.prefetcher.stall_seconds)
         if self.last is not None and ev.pass_index > 0:
             wall = snap[0] - self.last[0]
             stats.link_busy.append((snap[1] - self.last[1]) / wall if wall > 0 else 0.0)

@@ -1,12 +1,9 @@
 """Where the automatic budget's seconds come from (core/budget.py's tuner reads them).
 
-Contract: `TimingModel(target_points, draft_step_seconds, draft_points, source)` gives t_target(n),
-the seconds of a target pass of n tokens, and t_draft(budget, beams), a tree's draft seconds: log-log
-interpolation between points (offload.planning.interpolate), else `draft_steps` x one step. Its
-sources, in core/budget.py's order of preference: `from_profile` (`specx profile`'s measured passes
-and the draft timings it measured for the run's draft), `from_plan` (the memory plan's modelled
-seconds per budget, as a run measures them: the draft's whole grow time, the verify pass net of the
-reads hidden under it), `prior()` (t(n) = 1 + n / FALLBACK_KNEE, a draft step of 1/20 pass).
+Contract: `TimingModel` gives t_target(n), the seconds of a target pass of n tokens, and
+t_draft(budget, beams), a tree's draft seconds (log-log interpolation between points, else
+`draft_steps` x one step), from `from_profile` (measured), `from_plan` (the memory plan's model) or
+`prior()` (t(n) = 1 + n / FALLBACK_KNEE), in core/budget.py's order of preference.
 """
 
 from __future__ import annotations
@@ -61,10 +58,8 @@ class TimingModel:
     def from_profile(
         cls, profile: dict, draft: str | None = None, planned: TimingModel | None = None
     ) -> TimingModel | None:
-        """The profile's measured target passes, with the drafting times it measured for the run's draft
-        (`draft`: "self-N", or "small:PATH" for the small draft at that resolved path; None: the first draft
-        it timed). A draft the profile did not time is priced by `planned` (the plan's model), never by
-        another draft's timings; without `planned` there is no profile model (None)."""
+        """The profile's measured passes and its timings of `draft` ("self-N" | "small:PATH"; None: the
+        first it timed); an untimed draft is priced by `planned`, else there is no model (None)."""
         m = (profile or {}).get("models") or {}
         pts = {int(k): float(v) for k, v in (m.get("target_seconds") or {}).items()}
         timed = _draft_timing(m, draft)
