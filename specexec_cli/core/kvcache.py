@@ -1,28 +1,19 @@
 """Model calls and KV-cache surgery shared by every decoding method.
 
-Contract: a model is any HF-style causal LM (resident or `offload.OffloadedCausalLM`) that takes
+Contract: a model is any HF-style causal LM (resident or `offload.OffloadedCausalLM`) taking
 `input_ids, attention_mask (4-D additive), position_ids, past_key_values, logits_to_keep` and
-returns `.logits`. Caches are `SlabCache`s: a `transformers.Cache` whose layers keep K and V in
-one preallocated (1, kv_heads, capacity, head_dim) slab each and a `length`; `update` writes the
-new rows in place and returns views of rows [0, length), so HF attention sees exactly what a
-DynamicCache would hold. `reserve` allocates every layer's slabs up front (through an optional
-counting allocator, e.g. offload's DevicePool) for the rows the memory plan sized; `compact`
-moves the kept rows of a speculative pass together in place and `crop` only moves `length`, so a
-planned cache never reallocates. An unreserved cache (tests, profiling) starts small and grows
-by doubling; a reserved cache that must grow warns once, since the plan under-counted.
-`compact`/`crop` also accept plain DynamicCaches.
+returning `.logits`. A `SlabCache` is a `transformers.Cache` whose layers keep K and V in one
+(1, kv_heads, capacity, head_dim) slab each and a `length`; `update` writes the new rows in place and
+returns views of rows [0, length), what a DynamicCache would hold. `reserve` allocates the planned
+rows up front (optionally through a counting allocator); `compact` moves a pass's kept rows together
+in place and `crop` moves `length`, so a planned cache never reallocates (an unreserved one grows by
+doubling; a reserved one that must grow warns once). `compact`/`crop` accept DynamicCaches too.
+While `write_rows` holds a (T,) device tensor (draftstep.py's static passes), `update` writes the T
+rows there and returns the WHOLE slabs, leaving `length` to `set_length`.
 
-Static-shape passes (core/draftstep.py, a pass captured as a CUDA graph): while a SlabCache's
-`write_rows` holds a (T,) device tensor of rows, `update` writes the T new rows there
-(`index_copy_`, no Python int in the kernels) and returns the WHOLE slabs, leaving `length` to the
-caller (`set_length`); the pass's mask covers every slab row. With `write_rows` None (every other
-pass) `update` appends at `length` as above, so those passes are unchanged to the bit.
-
-Shared KV (`SharedCache`, a self-draft's cache): the draft reads the TARGET's K/V for the committed
-prefix and writes its own rows for the tree it grows into the target's slabs just past the target's
-committed rows, which the target's next verify pass overwrites. So the draft never prefills and its
-cache holds no bytes of its own; `follow(n)` puts the draft at the target's n committed rows before
-a tree; `compact` may move the draft's own tree rows past them, never the target's committed rows.
+`SharedCache` (a self-draft's): the draft reads the target's committed K/V and writes its tree rows
+into the target's slabs just past them, which the next verify pass overwrites; `follow(n)` puts it
+at the target's n committed rows, and `compact` never moves those.
 """
 
 from __future__ import annotations
@@ -223,8 +214,7 @@ def cache_len(cache) -> int:
 
 
 def slab_rows(cache) -> int | None:
-    """Rows of the first layer's K slab (a SlabCache's or a shared one's); None before any allocation
-    or for another cache."""
+    """Rows of the first layer's K slab; None before any allocation or for another cache."""
     keys = _first_slab(cache)
     return None if keys is None else int(keys.shape[-2])
 
@@ -251,8 +241,7 @@ def set_length(cache, n: int) -> None:
 
 @torch.inference_mode()
 def zero_tail(cache) -> None:
-    """Zero every layer's slab rows past its length: a pass attending over the whole slab (blocked
-    columns included) must not meet the NaN/inf bit patterns of never-written memory (0 * NaN)."""
+    """Zero every slab row past its layer's length: a whole-slab pass must not meet NaN (0 * NaN)."""
     for layer in cache.layers:
         if isinstance(layer, SlabLayer) and layer.keys is not None and layer.values is not None:
             layer.keys[:, :, layer.length :].zero_()
@@ -272,9 +261,8 @@ def model_dtype(model) -> torch.dtype:
 
 
 def stage(model, tokens: torch.Tensor, positions: torch.Tensor, *extra: torch.Tensor) -> list[torch.Tensor]:
-    """A pass's host-built inputs → the model's device in ONE counted upload (transfers.upload):
-    ids (kept on the host when the embeddings are), positions and any `extra` long tensors (mask
-    columns, n-gram proposals, ...). `forward` then takes the staged ids and positions without a copy."""
+    """A pass's host-built ids (kept on the host with host embeddings), positions and `extra` long
+    tensors -> the model's device in ONE counted upload (transfers.upload)."""
     device = torch.device(model.device)
     if torch.device(getattr(model, "input_device", device)) == device:
         return upload(device, tokens, positions, *extra)
@@ -284,11 +272,8 @@ def stage(model, tokens: torch.Tensor, positions: torch.Tensor, *extra: torch.Te
 def forward(
     model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, last_only: bool = False
 ) -> torch.Tensor:
-    """One model pass over T new tokens. tokens/positions: (T,) long; mask: (1, 1, T, past+T).
-
-    Returns (T, V) logits, or (1, V) for the last token with `last_only` (prefill: no (T, V)
-    tensor is ever built); the tokens' K/V are appended to `cache`.
-    """
+    """One model pass over T new tokens ((T,) long ids and positions; mask (1, 1, T, past+T) or None:
+    causal) -> (T, V) logits, (1, V) with `last_only`; their K/V appended to `cache`."""
     device = model.device
     ids_device = torch.device(getattr(model, "input_device", device))  # host embeddings: ids stay on the CPU
     if ids_device == torch.device(device):
@@ -312,10 +297,7 @@ def forward(
 
 @torch.inference_mode()
 def compact(cache, start: int, rows: torch.Tensor) -> None:
-    """Keep cache rows [0, start) plus the absolute rows `rows` (ascending, all >= start).
-
-    The kept rows are moved to [start, start + len(rows)) in place and the rest is cut off.
-    """
+    """Keep rows [0, start) plus the absolute `rows` (ascending, >= start), moved to [start, start + n)."""
     n = int(rows.numel())
     if isinstance(cache, SharedCache):  # rows below the followed start are the target's committed ones
         if n and start < cache.start:

@@ -1,11 +1,8 @@
 """Per-token log-probabilities of emitted tokens, from logits a pass already computed (no extra pass).
 
-Contract: `token_logprobs(logits, rows, tokens, k)` reads the target's own distribution: log_softmax
-of the RAW logits (float32), before temperature, top-k, top-p and before any grammar mask, as
-OpenAI and vLLM report them. So with structured output a `top` alternative may be a token the
-grammar forbade, and an emitted token's logprob is the model's, not the masked distribution's.
-Row rows[i] of `logits` is the distribution tokens[i] was drawn from. The work runs on the logits'
-device; one counted (R, 1 + 2k) copy comes to the host.
+Contract: `token_logprobs(logits, rows, tokens, k)`: log_softmax of the RAW logits (float32; before
+temperature, top-k, top-p and any grammar mask, as OpenAI and vLLM report them) at row rows[i], the
+distribution tokens[i] was drawn from; on the logits' device, one counted (R, 1 + 2k) copy to the host.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Prompt lookup: continuations of the current suffix found earlier in the prompt and generated text.
 
-Contract: `NgramIndex(ids)` indexes the most recent `INDEX_WINDOW` committed tokens once per step;
-`propose(tail, length)` returns the up to `length` tokens that followed the most recent earlier
-occurrence of the longest suffix of `tail` (at most `n` tokens) that occurs in the index, and
-`match(tail)` also says how long that suffix was (longer matches are more often right; the tree's
-calibration scores proposals by it). Code repeats identifiers and call patterns, so these
-continuations are often what the target writes next (HF `prompt_lookup_num_tokens`, llama.cpp's
-n-gram drafts).
+Contract: `NgramIndex(ids)` indexes the latest `INDEX_WINDOW` committed tokens; `propose(tail, length)`
+returns up to `length` tokens that followed the latest earlier occurrence of the longest suffix of
+`tail` (at most `n` tokens) in the index, and `match` also its length (calibration scores by it).
 """
 
 from __future__ import annotations

@@ -1,28 +1,18 @@
 """Pure logits → probabilities and sampling functions, and the counter-based race noise.
 
-Contract: every decoding method turns raw logits into the target's *processed* distribution with
-`process_logits` (temperature, then top-k, then top-p). A temperature below `GREEDY_BELOW` is greedy:
-the processed distribution is one-hot on the argmax (no division by a tiny T, no NaN), so every
-method reduces to greedy decoding.
+Contract: every method turns raw logits into the target's *processed* distribution with
+`process_logits` (temperature, top-k, top-p); a temperature below `GREEDY_BELOW` is greedy (one-hot
+on the argmax, no NaN).
 
-Coupled draws (every method that verifies with the race: `ar`, `specexec`, `staged`): the token at
-absolute position `pos` is argmax_i p_i / E_i, E_i ~ Exponential(1) (the exponential race, i.e.
-Gumbel-max: P(token = j) = p_j exactly). E_i is a pure function of (key, pos, i) computed by
-`race_uniform`: MurmurHash3's 32-bit block and finaliser over the words (key_lo, key_hi, pos, i),
-twice with two stream seeds, giving 52 random bits of an exact float64 uniform, then -log in
-float64 rounded to float32. Only integer ops whose products stay below 2^49 run on the device
-(int64 tensors, 16-bit limbs for each 32-bit multiply), so the bits are the same on every device,
-in every batching and order. Noise at different positions is independent, and the prefix before
-`pos` depends only on noise at earlier positions, so every emitted token is an exact sample of the
-processed distribution given its prefix. The draft ranks its children under the same E (it
-computes the rows itself, where it runs), so its top child is the target's draw whenever the two
-distributions roughly agree; the emitted text for a seed does not depend on the draft or budget.
-`race_choice` computes the chosen token of many rows at once on the logits' device. On a CPU the
-step's (B, V) host ops run on one torch thread (`one_thread`): between the kernel's passes a 2-thread
-torch op over a 49k vocabulary waited up to 20 ms for its second thread (measured on SmolLM2, 2 cores,
-the draft's log-softmax and top-k: p99 7-22 ms on 2 threads, 1.1-2.2 ms on one; mean 1.0-1.4 -> 0.55 ms).
-Other streams of the same hash (`CHILDREN`, `ACCEPT`, `RESIDUAL`) give the static-tree methods
-their sampling-without-replacement keys and acceptance uniforms on the device (methods/common.py).
+Coupled draws: the token at absolute position `pos` is argmax_i p_i / E_i, E_i ~ Exponential(1) (the
+exponential race: P(token = j) = p_j exactly). E_i is a pure function of (key, pos, i): MurmurHash3
+over the words (key_lo, key_hi, pos, i) with two stream seeds gives 52 bits of a float64 uniform
+(`race_uniform`), -log of it rounded to float32. Device ops stay below 2^49 (16-bit limbs), so the
+bits are the same on every device, batching and order, and each emitted token is an exact sample
+given its prefix. The draft ranks its children under the same E, so its top child is the target's
+draw when the two roughly agree; a seed's text does not depend on the draft or budget. On a CPU the
+step's small (B, V) ops run on one torch thread (`one_thread`: a second thread waited up to 20 ms on
+a 2-core host). Streams `CHILDREN`, `ACCEPT`, `RESIDUAL` serve the static-tree methods (methods/common.py).
 """
 
 from __future__ import annotations
@@ -42,8 +32,7 @@ _M32 = 0xFFFFFFFF
 
 @contextlib.contextmanager
 def one_thread(device: torch.device):
-    """torch's intra-op threads set to one for the block when `device` is a CPU (restored after):
-    the step's small (B, V) ops, whose second thread would wait on cores the kernel's workers hold."""
+    """torch's intra-op threads set to one for the block when `device` is a CPU (restored after)."""
     n = torch.get_num_threads()
     if device.type != "cpu" or n == 1:
         yield
@@ -85,10 +74,7 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(probs: torch.Tensor, p: float) -> torch.Tensor:
-    """True nucleus: keep the smallest set of most-likely tokens whose mass is >= p, renormalised.
-
-    A token is kept when the mass of strictly-more-likely tokens (in sorted order) is < p.
-    """
+    """True nucleus: the smallest most-likely set with mass >= p (mass ahead of a kept token < p), renormalised."""
     if p >= 1.0:
         return probs
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)
@@ -163,12 +149,9 @@ def race_exponential(key: int, stream: int, pos: torch.Tensor, tok: torch.Tensor
 
 
 class PositionNoise:
-    """Exponential(1) noise of every (position, token), a pure function of (key, stream, pos, token).
-
-    Rows are computed on the device that uses them, from device-side aranges: nothing crosses the
-    host link, and the bits do not depend on the device. Cached per (stream, device) as one block of
-    consecutive positions (the positions a tree can reach); `forget(n)` drops positions below n.
-    Rows of a narrower vocabulary are prefixes of wider ones (the hash is per token id)."""
+    """Exponential(1) noise of every (position, token), a pure function of (key, stream, pos, token),
+    computed on the device that uses it and cached per (stream, device) as one block of consecutive
+    positions; `forget(n)` drops positions below n. A narrower vocabulary's rows are prefixes."""
 
     def __init__(self, key: int):
         self.key = key
@@ -196,10 +179,6 @@ class PositionNoise:
         self._blocks[slot] = (have_start, rows)
         return rows[start - have_start : end - have_start, :vocab]
 
-    def at(self, pos: int, vocab: int, device="cpu", stream: int = RACE) -> torch.Tensor:
-        """(V,) noise of position `pos` on `device`."""
-        return self.block(pos, 1, vocab, device, stream)[0]
-
     def forget(self, below: int) -> None:
         """Drop the rows of positions < below (committed)."""
         for slot, (start, rows) in list(self._blocks.items()):
@@ -216,30 +195,23 @@ def race_choice(
     index: torch.Tensor | None,
     bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(R, V) logits → (R,) long chosen tokens on the logits' device, one batch: argmax at T = 0,
-    else the race argmax(p / E) with E = noise[index[r]] ((D, V) rows, (R,) long on the device;
-    index None: row r's noise is noise[r]). bits: (R, W) int32 grammar masks on the device
-    (constrain.py): the tokens they forbid go to -inf first, so the draw is from the processed
-    distribution of the masked logits (constrained decoding); None = unconstrained."""
+    """(R, V) logits -> (R,) long chosen tokens on their device: argmax at T = 0, else argmax(p / E)
+    with E = noise[index[r]] ((D, V) rows; index None: noise[r]). bits: (R, W) int32 grammar masks on
+    the device; the tokens they forbid go to -inf first (constrained decoding)."""
     if params.greedy and bits is None:
         return logits.argmax(-1)
-    with one_thread(logits.device):
-        return _race_rows(logits, params, noise, index, bits)
-
-
-def _race_rows(logits, params, noise, index, bits) -> torch.Tensor:
-    """race_choice's chunked rows (same arguments)."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    for a in range(0, logits.shape[0], step):  # (step, V) temporaries at a time
-        chunk = logits[a : a + step] if bits is None else constrain.apply(logits[a : a + step], bits[a : a + step])
-        if params.greedy:
-            out[a : a + step] = chunk.argmax(-1)
-            continue
-        probs = process_logits(chunk, params)
-        rows = noise[:, : probs.shape[-1]]
-        e = rows[a : a + step] if index is None else rows.index_select(0, index[a : a + step])
-        out[a : a + step] = (probs / e).argmax(-1)
+    with one_thread(logits.device):
+        for a in range(0, logits.shape[0], step):  # (step, V) temporaries at a time
+            chunk = logits[a : a + step] if bits is None else constrain.apply(logits[a : a + step], bits[a : a + step])
+            if params.greedy:
+                out[a : a + step] = chunk.argmax(-1)
+                continue
+            probs = process_logits(chunk, params)
+            rows = noise[:, : probs.shape[-1]]
+            e = rows[a : a + step] if index is None else rows.index_select(0, index[a : a + step])
+            out[a : a + step] = (probs / e).argmax(-1)
     return out
 
 

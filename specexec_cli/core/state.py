@@ -1,11 +1,9 @@
 """What the decoding loop reads and yields: the loaded models, one call's configuration, a
 conversation's decode state, and the per-pass results and events.
 
-Contract: plain dataclasses without behaviour; `engine.py` drives them. Field
-comments say each value's unit and who sets it. Below them, the rules the loop applies to a state
-between passes: whether a prompt fits (`check_fits`, else ContextOverflow), committing a prompt
-for its prefill (`add_prompt`: caches reserved, its passes counted) and why a reply ends
-(`finish_reason`).
+Contract: plain dataclasses that `engine.py` drives, then the rules it applies between passes:
+`check_fits` (else ContextOverflow), `add_prompt` (caches reserved, prefill passes counted) and
+`finish_reason`.
 """
 
 from __future__ import annotations

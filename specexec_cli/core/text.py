@@ -8,9 +8,7 @@ from __future__ import annotations
 
 
 class TextChunk(str):
-    """Newly printable text that also knows how many of its leading characters are the text of
-    tokens accepted from the draft's tree (the rest is the target's own token): `draft_chars`.
-    A plain str everywhere else, so writers that ignore colour need no change."""
+    """Newly printable text (a plain str) whose first `draft_chars` characters came from the draft's tree."""
 
     draft_chars: int = 0
 

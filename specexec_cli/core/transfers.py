@@ -1,18 +1,11 @@
 """The one door between host and device: every copy in draft, verify and commit goes through here.
 
-Contract: code on the speculative step's hot path never calls `.cpu()`, `.item()`, `.tolist()`
-or `int(tensor)` on a tensor that may live on the device; it calls `to_host`,
-which copies the tensor to the host and adds one call and its bytes to the process-wide
-`COUNTER`. Small host-built tensors (token ids, positions, tree ancestor columns, kept cache rows)
-reach the device only through `upload`, which packs any number of them into ONE copy and counts
-it (`uploads` is the part of `calls` that went host→device). Its outputs are marked as uploaded:
-passing one to `upload` again (e.g. staged ids and positions handed on to `kvcache.forward`) is
-free and uncounted, on the CPU as on a GPU, so one step can stage everything a pass needs in one copy. On CUDA a device→host copy is a
-blocking synchronisation and a pageable host→device copy of a fresh tensor one more, so the
-counter is the step's synchronisation count. Calls are counted on the CPU too (where the copy is
-a no-op), so CPU tests check the transfer pattern a GPU run would have: how many copies per draft
-forward and per commit (constant in tree depth and in layer count) and how many bytes each
-(which must not grow with the vocabulary). `snapshot`/`since` measure one step.
+Contract: the speculative step's hot path never calls `.cpu()`, `.item()`, `.tolist()` or
+`int(tensor)` on a device tensor: `to_host` copies it and counts the call and its bytes in the
+process-wide `COUNTER`. Small host-built tensors reach the device only through `upload`, which packs
+any number into ONE counted copy and marks its outputs, so passing them on again is free. On CUDA
+each counted copy is a synchronisation; calls are counted on the CPU too, so CPU tests check a GPU
+run's transfer pattern. `snapshot`/`since` measure one step.
 """
 
 from __future__ import annotations
@@ -47,9 +40,7 @@ def uploaded(t: torch.Tensor) -> bool:
 
 
 def upload(device, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Host-built long tensors → the device in ONE counted copy: flattened, concatenated, moved,
-    and split back into views of their shapes (marked, see `uploaded`). Tensors already uploaded
-    pass through."""
+    """Host-built long tensors -> the device in ONE counted copy, as marked views (uploaded ones pass through)."""
     device = torch.device(device)
     host = [t for t in tensors if not uploaded(t)]
     if not host or not tensors:

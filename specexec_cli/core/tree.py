@@ -1,11 +1,8 @@
 """Token-tree tensors: node storage, ancestor sets, tree attention masks and positions.
 
-Contract: a tree is stored as flat CPU tensors indexed by node id in creation order, so a parent's
-id is always smaller than its children's (node 0 is the root, parent -1). Everything here is tensor
-ops: the only Python loops run over tree *depth*, never over node pairs. Masks are built on the
-`device` they are asked for (the model's): only the small (B, depth) ancestor table crosses to it,
-never a (B, context) mask; when the caller has already staged that table with the pass's ids and
-positions (`kvcache.stage`), building the mask copies nothing.
+Contract: a tree is flat CPU tensors indexed by node id in creation order (a parent's id is smaller
+than its children's; node 0 is the root, parent -1). Python loops run over depth, never node pairs.
+Masks are built on the model's device; only the (B, depth) ancestor table crosses (none when staged).
 """
 
 from __future__ import annotations
@@ -65,10 +62,7 @@ class Tree:
 
 
 def ancestors(parents: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """(B,) node ids → (B, D) their proper ancestors (parent first), padded with -1.
-
-    Pointer jumping one level per iteration, vectorised over the batch: D iterations for depth D.
-    """
+    """(B,) node ids -> (B, D) their proper ancestors (parent first), padded with -1; D iterations."""
     cols = []
     cur = parents[nodes]
     while bool((cur >= 0).any()):
@@ -82,12 +76,8 @@ def ancestors(parents: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
 def attention_mask(
     n_past: int, anc_cols: torch.Tensor, self_cols: torch.Tensor, n_cols: int, dtype: torch.dtype, device=None
 ) -> torch.Tensor:
-    """Additive 4-D mask (1, 1, B, n_cols) for a batch of B tree tokens.
-
-    Every row sees the first `n_past` columns (the committed prefix), the columns listed in its row
-    of `anc_cols` (B, D; -1 = padding) and its own column `self_cols` (B,). Everything else is
-    blocked with dtype-min, the form HF attention adds to the scores.
-    """
+    """Additive (1, 1, B, n_cols) mask: row i sees columns [0, n_past), anc_cols[i] (B, D; -1 = none)
+    and self_cols[i]; everything else is dtype-min."""
     b = self_cols.numel()
     device = torch.device("cpu") if device is None else torch.device(device)
     anc_cols, self_cols = upload(device, anc_cols, self_cols)  # (B, D), (B,): one small copy
@@ -115,11 +105,8 @@ def causal_mask(n_past: int, n_new: int, dtype: torch.dtype, device=None) -> tor
 
 
 def top_budget(logp: torch.Tensor, budget: int) -> torch.Tensor:
-    """Ids of the `budget` best non-root nodes by cumulative log-prob, in creation order.
-
-    A child's score never exceeds its parent's, and a stable sort breaks ties by creation order
-    (parents first), so the chosen set is closed under ancestors.
-    """
+    """Ids of the `budget` best non-root nodes, in creation order; ancestor-closed (a child never outscores
+    its parent, and the stable sort puts parents first on ties)."""
     order = torch.sort(-logp[1:], stable=True).indices[:budget] + 1
     return torch.sort(order).values
 
@@ -153,8 +140,7 @@ def subtree(tree: Tree, keep: torch.Tensor) -> VerifyTree:
 
 
 def verify_columns(vt: VerifyTree, n_past: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Host inputs of `attention_mask` for the target's pass over the tree: (n, D) ancestor columns,
-    (n,) own columns and the column count (the caller may stage them with the pass's other inputs)."""
+    """`attention_mask`'s host inputs for the target's pass: (n, D) ancestor columns, (n,) own columns, width."""
     idx = torch.arange(vt.size)
     anc = ancestors(vt.parents, idx)
     return torch.where(anc >= 0, anc + n_past, anc), idx + n_past, n_past + vt.size

@@ -1,17 +1,12 @@
 """Acceptance rule of the race methods: turn the target's logits over a verified tree into emitted tokens.
 
-Contract: `node_choices` computes, on the target's device and in one batch, the target's token at
-every node of the tree: argmax at T = 0, and at T > 0 the coupled draw of sampling.py (the race
-argmax p / E with the hash noise of the token's absolute position). `accept_tree` brings that ONE
-(n,) vector to the host (one counted copy per pass, `transfers.to_host`, in both modes) and walks
-the tree from the root: if the node's token is a child in the tree it descends; otherwise the token
-is the bonus token and the walk ends. Every emitted token is an exact sample from the target given
-the tokens before it: the tree only caches the target's work, so the output distribution is the
-target's, whatever the draft proposed. With a grammar (constrain.py), every node's choice is drawn
-from its logits with the tokens the grammar forbids after root -> node at -inf (the node's mask
-row, uploaded with the pass's inputs), and the walk ends at a node where the grammar is complete:
-the output is exactly the target's constrained decoding. The static-tree methods reuse the walk with their own
-per-node choices (methods/common.py: the residual rule, also one batch on the device).
+Contract: `node_choices` computes the target's token at every tree node in one batch on its device
+(argmax at T = 0, else sampling.py's coupled draw at the token's absolute position); `accept_tree`
+copies that (n,) vector to the host once and walks from the root, descending while the chosen token
+is a child in the tree; the first that is not is the bonus token. Every emitted token is an exact
+sample of the target given its prefix, whatever the draft proposed. With a grammar, each node's
+choice is drawn with the tokens its mask row forbids at -inf and the walk ends where the grammar is
+complete: exactly the target's constrained decoding. methods/common.py reuses `walk`.
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ class Acceptance:
 
 
 def target_pass(target, cache, vt: VerifyTree, n_past: int, root_pos: int, *extra: torch.Tensor) -> list[torch.Tensor]:
-    """The target's one pass over root + tree (cache holding n_past rows, the root at absolute
-    position root_pos) → [(n, V) logits, (n,) positions, *extra] on its device. Ids, positions, the
-    mask's ancestor columns and the `extra` host tensors go up in ONE counted upload (kvcache.stage)."""
+    """The target's pass over root + tree (n_past cached rows, the root at position root_pos) ->
+    [(n, V) logits, (n,) positions, *extra] on its device; inputs in ONE upload (`verify_inputs`)."""
     ids, positions, mask, *extra = verify_inputs(target, vt, n_past, root_pos, *extra)
     return [kvcache.forward(target, cache, ids, positions, mask), positions, *extra]
 
@@ -62,12 +56,8 @@ def node_choices(
     max_depth: int,
     bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(n, V) target logits → (n,) long target tokens on the logits' device (module docstring).
-
-    depth: (n,) long node depths ON the logits' device (root = 0; node i's token lands at absolute
-    position first_pos + depth[i]); max_depth: their maximum, known on the host. bits: (n, W) int32
-    grammar masks on the device, row i = the grammar after root -> node i (None = unconstrained).
-    """
+    """(n, V) target logits -> (n,) long tokens on their device; node i's lands at first_pos + depth[i]
+    (depth on the device, max_depth its host maximum); bits: (n, W) int32 grammar rows or None."""
     if params.greedy:
         return race_choice(logits, params, None, None, bits)
     rows = noise.block(first_pos, max_depth + 1, logits.shape[-1], logits.device, RACE)  # (D + 1, V)
@@ -106,14 +96,8 @@ def accept_tree(
     bits: torch.Tensor | None = None,
     ends=frozenset(),
 ) -> Acceptance:
-    """Choose every node's token on the device, copy the (n,) vector once, walk (module docstring).
-
-    logits: (n, V) target logits, row i = the distribution after VerifyTree node i; the token
-    drawn at node i lands at absolute position first_pos + depth(i) (the root's child: first_pos).
-    depth: vt.depth already on the logits' device (staged with the pass's inputs); None = uploaded here.
-    bits: (n, W) int32 grammar masks on the logits' device (constrain.py), ends: VerifyTree indices
-    where the grammar is complete (the walk stops there); None / empty = unconstrained.
-    """
+    """Choose every node's token on the device (`node_choices`; `depth`: vt.depth there, None =
+    uploaded here), copy the (n,) vector once, walk; `ends`: nodes where the grammar is complete."""
     if depth is None and not params.greedy:
         (depth,) = upload(logits.device, vt.depth)
     choice = node_choices(logits, params, noise, first_pos, depth, int(vt.depth.max()), bits)
