@@ -1,29 +1,16 @@
 """Calibrated node scores: the probability that the target accepts a tree node, learned online.
 
-Contract: the draft's probabilities are not acceptance probabilities (a small draft is over- or
-under-confident, and an n-gram proposal has no draft probability at all). `Calibration` maps a
-candidate child's *feature* to an estimate of P(the target's token at the parent == this child):
-  - draft children (the draft ran the parent): the bin of the draft log-probability (`LP_EDGES`)
-    crossed with the n-gram flag g (0 = prompt lookup did not propose this token; 1..3 = it did,
-    matching a suffix of g tokens);
-  - n-gram chain children (proposed beyond a node the draft has not run): g × position j in the
-    chain (2..CHAIN_LEN), with no draft probability.
-  - at T > 0 the draft's children are ranked under the target's coupled-draw noise (draft.py), and
-    the bin is that of the perturbed-score gap (`COUPLED_EDGES`: the top child's lead over the
-    runner-up, or another child's distance below the top) instead of the draft log-probability;
-    such calibrations have their own sampling key (ending in ",race") and prior.
-Each feature cell holds `hits` and `tests` on top of a prior (mean `m0`, weight `w0`):
-estimate = (hits + w0·m0) / (tests + w0), always in (0, 1). A node's score is the sum of log
-estimates along its path, so a child never outscores its parent and the top-`budget` set stays a
-tree. `observe` updates the counts after each target pass: every child (in the whole grown tree,
-kept or not) of a node on the accepted path was tested, because the target's token at that node is
-known; hit = the child carries that token. This is an unbiased sample of the cell's acceptance rate
-at T = 0 and at T > 0 (where the target's token is a sample of its processed distribution).
-Calibrations live per (target, draft, sampling, constrained) in the process (`for_pair`), so later
-prompts start from what earlier ones learned; passes under a grammar (structured output) learn
-their own, from the same prior: the grammar forces many tokens the draft could not miss, so their
-acceptance rates would move every later free-text request's trees; the prior comes from `DEFAULT_PRIOR` (measured on the
-shared pair, see bench/accept.py) or from a profile JSON's `node_calibration` entry.
+Contract: `Calibration` maps a candidate child's *feature* to an estimate of P(the target's token at
+the parent == this child), since draft probabilities are not acceptance rates. Features: a draft
+child's bin of draft log-probability (`LP_EDGES`; at T > 0 and in greedy gap mode the bin of its
+score's gap, `COUPLED_EDGES`) crossed with the n-gram flag g (0 = not proposed, 1..3 = proposed with
+a g-token suffix match); an n-gram chain child's g × position j (2..CHAIN_LEN). Each feature holds
+`hits` and `tests` over a prior (mean `m0`, weight `w0`): estimate = (hits + w0·m0) / (tests + w0),
+in (0, 1). A node's score sums log estimates along its path, so the top-`budget` set stays a tree.
+`observe_pass` counts every child (kept or not) of an accepted-path node as tested against the
+target's token there: an unbiased sample at any temperature. Calibrations live per (target, draft,
+sampling, constrained) in the process (`for_pair`); the prior is a profile's `node_calibration`
+entry or `builtin_prior`.
 """
 
 from __future__ import annotations
@@ -66,8 +53,7 @@ def chain_feature(flag: int, pos: int) -> int:
 
 
 def gap_features(sampling_key: str) -> bool:
-    """True when a calibration's draft children are featured by gaps (`coupled_feature`): ranked under
-    the coupled-draw noise at T > 0 (",race"), or by their plain log-prob gap at T = 0 (",gap")."""
+    """A calibration whose draft children are featured by gaps (`coupled_feature`): ",race" or ",gap"."""
     return sampling_key.endswith((",race", ",gap"))
 
 
@@ -109,11 +95,8 @@ class Calibration:
 
 
 def observe_pass(cal: Calibration, tree, path_nodes: list[int], tokens: list[int]) -> None:
-    """Update `cal` from one pass: `path_nodes` = draft-tree ids of the accepted nodes, `tokens` = emitted.
-
-    tokens[i] is the target's token at the i-th node of [root] + path_nodes, so the children of
-    that node were tested against it.
-    """
+    """Update `cal` from one pass: tokens[i] (emitted) is the target's token at the i-th node of [root] +
+    `path_nodes` (draft-tree ids), so that node's children were tested against it."""
     parents = ([0] + list(path_nodes))[: len(tokens)]
     target_tok = torch.full((tree.size,), -1, dtype=torch.long)
     target_tok[torch.tensor(parents, dtype=torch.long)] = torch.tensor(tokens[: len(parents)], dtype=torch.long)
@@ -129,9 +112,8 @@ _PAIRS: dict[tuple, Calibration] = {}  # (id(target), id(draft), sampling key, c
 def for_pair(
     target, draft, sampling_key: str, profile: str | None = None, stored: dict | None = None, constrained: bool = False
 ) -> Calibration:
-    """The process-wide calibration of this pair and sampling (`constrained`: the one of passes
-    under a grammar, kept apart); the prior from `stored` (a profile's `node_calibration` dict) or
-    the profile file `profile` if either has this key."""
+    """The process-wide calibration of this pair and sampling (`constrained`: under a grammar, kept
+    apart); its prior from `profile_prior`."""
     key = (id(target), id(draft), sampling_key, constrained)
     if key not in _PAIRS:
         _PAIRS[key] = Calibration(m0=profile_prior(profile, sampling_key, stored))
@@ -147,8 +129,7 @@ def fresh(target, draft, sampling_key: str) -> Calibration:
 
 
 def profile_prior(profile: str | None, sampling_key: str, stored: dict | None = None) -> torch.Tensor:
-    """Prior means from `stored[sampling_key]` or a profile JSON's `node_calibration[sampling_key]`,
-    else `builtin_prior()`."""
+    """Prior means from `stored[sampling_key]` or a profile JSON's `node_calibration`, else `builtin_prior`."""
     rates = (stored or {}).get(sampling_key)
     path = Path(profile) if profile else None
     if not rates and path is not None and path.is_file():

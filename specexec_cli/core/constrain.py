@@ -1,26 +1,17 @@
 """One generate call's grammar state, following the speculative tree: token masks for batches of nodes.
 
-Contract: `GrammarRun(compiled, state, start)` follows the committed state (the grammar after
-state.ids[start:], the tokens this call has emitted). `sync` catches it up along what was committed
-(the accepted path and the bonus token); every method calls it first, so callers never report what
-they committed. A committed token the grammar refuses is a `GrammarDesync` error, never skipped
-(the mask allowed it, so the masks and the parser disagree: a bug). Per draft tree (`begin(tree)`),
-a node's parser state is reached by walking: a matcher (a `Walker`) at the committed state plus
-the tokens of one path rolls back to the common ancestor and accepts the tokens down to the next
-node, O(depth) per node (xgrammar's fork would copy the whole parse history, O(reply length), per
-node). A node whose token the grammar or the vocabulary (`CompiledGrammar.keep`: no special token,
-no padding column) refuses is dead (an all-zero mask: no children), and so is every node below it
-and every node after EOS.
+Contract: `GrammarRun(compiled, state, start)` follows the grammar after state.ids[start:]. `sync`
+catches it up along what was committed (every method calls it first); a committed token the grammar
+refuses is a `GrammarDesync` error (masks and parser disagree: a bug). Per draft tree (`begin(tree)`)
+a `Walker` (a matcher at the committed state plus one path) reaches a node by rolling back to the
+common ancestor and accepting down, O(depth) per node. A node whose token the grammar or `keep`
+refuses is dead (an all-zero row: no children), as is every node below it or after EOS.
 
-`bitmask(nodes)` gives the (B, W) int32 packed mask rows of many nodes (bit t % 32 of word t // 32
-set = token t allowed), AND-ed with `keep`. The nodes are visited in depth-first order; with
-`BATCH_MIN` rows or more they are dealt to `LANES` walkers and filled a round of one row per walker
-at a time by xgrammar's batch matcher on its threads, fewer in the calling thread by one walker.
-Rows are cached per node, so the masks the draft computed for the nodes it expanded serve the
-verification too. A node is complete (`stopped`) where its mask allows EOS and nothing else: the
-reply ends there. `allowed(bits, V)` and `apply` are pure steps on logits: (B, W) rows on the
-logits' device -> (B, V) bool; forbidden tokens and columns beyond the rows -> -inf. `stats`
-counts mask rows and the host seconds spent here.
+`bitmask(nodes)` gives (B, W) int32 packed rows (bit t % 32 of word t // 32 = token t allowed),
+AND-ed with `keep`, cached per node so the draft's rows serve the verification too; from `BATCH_MIN`
+rows on, `LANES` walkers fill them with xgrammar's batch matcher. A node is complete (`stopped`)
+where EOS is the only token allowed. `allowed` and `apply` are pure steps on the logits' device;
+`stats` counts rows and host seconds.
 """
 
 from __future__ import annotations
@@ -154,9 +145,8 @@ class GrammarRun:
         return True
 
     def bitmask(self, nodes: list[int]) -> torch.Tensor:
-        """(B, W) int32 host bitmask rows of tree nodes `nodes` (node 0 = the committed state).
-        The host arrays are numpy's (one thread): torch's pool, woken for a (B, W) fill on a
-        loaded host, can cost milliseconds per call."""
+        """(B, W) int32 host rows of tree nodes `nodes` (node 0 = the committed state), in numpy: torch's
+        pool, woken for a (B, W) fill on a loaded host, can cost milliseconds per call."""
         t0 = time.perf_counter()
         todo = [n for n in dict.fromkeys(nodes) if n not in self.rows]
         if todo:
@@ -170,8 +160,7 @@ class GrammarRun:
         return torch.from_numpy(out)
 
     def fill(self, todo: list[int], bits: np.ndarray) -> None:
-        """bits[i] = xgrammar's mask after root -> todo[i] (left zero where dead or terminated):
-        depth-first order, one walker in this thread, or LANES walkers a round at a time."""
+        """bits[i] = xgrammar's mask after root -> todo[i] (zero where dead or terminated), depth-first."""
         order = sorted(range(len(todo)), key=lambda i: self.chain(todo[i]))  # neighbours share ancestors
         lanes = min(LANES, len(todo)) if len(todo) >= BATCH_MIN else 1
         if lanes == 1:
@@ -192,8 +181,7 @@ class GrammarRun:
                 batch().batch_fill_next_token_bitmask(ms, bits, rows)
 
     def root_bitmask(self) -> torch.Tensor:
-        """(1, W) mask of the committed state (no tree: the plain step and the prefill); GrammarDesync
-        where it allows nothing (a draw from an all -inf row would be id 0 at T = 0, NaN above)."""
+        """(1, W) mask of the committed state; GrammarDesync where it allows nothing."""
         self.sync()
         row = self.bitmask([0])
         if not row.any():
@@ -204,8 +192,7 @@ class GrammarRun:
         return row
 
     def stopped(self, nodes: list[int]) -> list[bool]:
-        """Per tree node: the grammar is complete there and nothing more can follow (EOS is the only
-        token its mask allows; the reply ends)."""
+        """Per tree node: EOS is the only token its mask allows (the reply ends there)."""
         rows = self.bitmask(nodes).numpy()
         return (((rows & ~self.eos_bits) == 0).all(1) & ((rows & self.eos_bits) != 0).any(1)).tolist()
 
@@ -222,8 +209,7 @@ class GrammarRun:
         return n
 
     def sync(self) -> None:
-        """Advance every walker by the tokens committed since the last call (GrammarDesync if the
-        grammar refuses one); the tree's paths and mask rows are dropped when it moves."""
+        """Advance every walker by the tokens committed since the last call; drops the tree's state."""
         ids = self.state.ids
         if self.pos == len(ids):
             return
@@ -245,8 +231,7 @@ class GrammarRun:
 
 
 def host_allowed(bits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, W) int32 host rows, (B, k) long token ids (-1 = none) -> (B, k) bool: the row allows the
-    token; ids outside the rows' 32 W columns are not allowed (never gathered out of bounds)."""
+    """(B, W) int32 host rows, (B, k) long ids (-1 = none) -> (B, k) bool allowed (outside 32 W: False)."""
     inside = (tokens >= 0) & (tokens < bits.shape[-1] * 32)
     t = torch.where(inside, tokens, 0)
     return (((bits.gather(1, t // 32).long() >> (t % 32)) & 1) == 1) & inside

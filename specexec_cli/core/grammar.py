@@ -1,28 +1,15 @@
 """Structured output as a grammar: JSON (any object, or one JSON Schema) between literal text, as token masks.
 
-Contract: `GrammarSpec` says what the reply must be (`kind` "json_object" | "json_schema", the schema
-as JSON text, a literal `prefix` and `suffix` around the JSON value, and `repeat`: None for one such
-block, else the separator of one or more blocks, as several tool calls); `compile_grammar(tokenizer,
-spec, eos_ids, width)` turns it into a `CompiledGrammar` (cached per tokenizer, EOS set, width and
-spec) or raises `GrammarError`, one line naming what is wrong. A `CompiledGrammar` makes matchers
-(xgrammar.GrammarMatcher): the parser state after a sequence of tokens, which answers "which tokens
-may come next" as a packed bitmask (bit t % 32 of int32 word t // 32 set = token t allowed). EOS
-(every id of `eos_ids`) is allowed exactly where the grammar accepts; where EOS is the only token
-allowed, the text is complete and nothing more can follow: the reply ends there (constrain.py).
-
-Vocabulary: the rows cover `width` columns, the widest output layer of the models that draw
-(`output_width`; Qwen2.5 and Phi-3 pad theirs past the tokenizer's ids), and `keep` (one packed row)
-is every id a reply may hold: the tokenizer's ids below the width except its special tokens
-(control and reserved tokens such as `<|im_start|>`: text to xgrammar, gone from the decoded
-reply), plus the EOS ids. Every mask row is AND-ed with it (constrain.py): xgrammar fills rows by
-whole 32-bit words, so the bits past its vocabulary in the last word come back set.
-
-The engine is xgrammar, chosen by measured mask time at a 128k vocabulary against llguidance
-(bench/grammar.py --engines, docs/performance.md): an optional dependency (the `grammar` extra:
-it requires triton on Linux), so a request with a grammar on an install without it gets one line
-naming the install command. JSON layout: no free whitespace, ", " between items and ": " after keys
-(a small model offered free whitespace can emit it forever); the schema is read as written (JSON
-Schema's defaults: extra properties allowed unless "additionalProperties": false says otherwise).
+Contract: `compile_grammar(tokenizer, spec, eos_ids, width)` turns a `GrammarSpec` into a
+`CompiledGrammar` (cached) or raises `GrammarError`, one line naming what is wrong. Its matchers
+(xgrammar.GrammarMatcher) answer "which tokens may come next" as packed bitmask rows (bit t % 32 of
+int32 word t // 32 = token t allowed); EOS is allowed exactly where the grammar accepts. Rows cover
+`width` columns (`output_width`: the widest output layer, which may pad past the tokenizer), and
+`keep` is every id a reply may hold: the tokenizer's ids except special tokens, plus EOS (xgrammar
+sets the bits past its vocabulary in the last word, so constrain.py ANDs every row with it).
+xgrammar is an optional dependency (the `grammar` extra); without it a request gets one line naming
+the install command. JSON layout: no free whitespace (a small model could emit it forever), ", " and
+": "; the schema is read as written (extra properties allowed unless it says otherwise).
 """
 
 from __future__ import annotations
@@ -99,8 +86,7 @@ def pack(ok: torch.Tensor) -> torch.Tensor:
 
 
 def output_width(*models) -> int | None:
-    """Columns of the widest output layer among `models` (None entries skipped): the lm_head's rows,
-    else the config's vocab_size; None when no model says (fakes without either)."""
+    """Columns of the widest output layer among `models` (lm_head rows, else vocab_size); None if none says."""
     widths = []
     for model in models:
         head = getattr(model, "lm_head", None)
@@ -117,8 +103,7 @@ def output_width(*models) -> int | None:
 
 
 def special_ids(tokenizer) -> set[int]:
-    """The tokenizer's special tokens: its named ones (bos, eos, pad, ...) and every added token
-    flagged special (control and reserved tokens), the ones decoding with skip_special_tokens drops."""
+    """The tokenizer's named special ids and every added token flagged special (skip_special_tokens drops them)."""
     ids = set(getattr(tokenizer, "all_special_ids", None) or ())
     for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(tok, "special", False):
@@ -162,8 +147,7 @@ def schema_text(spec: GrammarSpec) -> str:
 
 
 def build(spec: GrammarSpec):
-    """xgrammar.Grammar of [prefix] JSON value [suffix], repeated when `spec.repeat` says so
-    (GrammarError naming what is wrong)."""
+    """xgrammar.Grammar of [prefix] JSON value [suffix], repeated when `spec.repeat` says so."""
     import xgrammar
 
     text = schema_text(spec)
@@ -200,9 +184,7 @@ def eos_of(tokenizer, eos_ids) -> tuple[int, ...]:
 
 
 def compiler_for(tokenizer, eos: tuple[int, ...], width: int):
-    """(xgrammar's compiler, keep row) for `tokenizer` with masks `width` columns wide (its token
-    table read once; cached per tokenizer object, EOS set and width). xgrammar's vocab_size is the
-    output layer's width: the ids past the tokenizer's are padding to it, never allowed."""
+    """(xgrammar's compiler, keep row) for `tokenizer` at `width` columns (cached per tokenizer, EOS, width)."""
     key = (id(tokenizer), eos, width)
     hit = _COMPILERS.get(key)
     if hit is not None and hit[0]() is tokenizer:
@@ -221,9 +203,7 @@ def compiler_for(tokenizer, eos: tuple[int, ...], width: int):
 
 
 def compile_grammar(tokenizer, spec: GrammarSpec, eos_ids=None, width: int | None = None) -> CompiledGrammar:
-    """`spec` compiled for `tokenizer` (cached per (tokenizer, eos_ids, width, spec)); GrammarError
-    naming what is wrong. eos_ids: the tokens that end a reply (None: the tokenizer's EOS); width:
-    the output layer's columns (`output_width`; None: the tokenizer's size)."""
+    """`spec` compiled for `tokenizer` (cached, LRU); eos_ids None: the tokenizer's EOS; width None: its size."""
     eos = eos_of(tokenizer, eos_ids)
     width = width or len(tokenizer)
     key = (id(tokenizer), eos, width, spec)
