@@ -106,11 +106,10 @@ class WholeReads:
             self.pending.pop(other)[0].result()
         self.pending[layer] = (self._thread.submit(self._read, read, self.bufs[b]), b)
 
-    def _read(self, read: LayerRead, buf: torch.Tensor) -> int:
+    def _read(self, read: LayerRead, buf: torch.Tensor) -> None:
         for span in read.spans:
             self.reader.read_span(span, buf)
         self.bytes_read += read.needed
-        return read.needed
 
     def take(self, layer: int) -> tuple[Future, torch.Tensor] | None:
         got = self.pending.pop(layer, None)

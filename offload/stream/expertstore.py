@@ -120,9 +120,8 @@ def split_layer(
 
 
 def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool, reader, room):
-    """({layer: dense part, or the whole layer}, ExpertStore | None): experts held apart where `splits_experts`
-    allows and `mode` (or, under "auto", the memory plan) asks; cache size `capacity`, else the plan's, else
-    what `room` host bytes hold."""
+    """({layer: dense part, or the whole layer}, ExpertStore | None); cache size `capacity`, else the memory
+    plan's, else what `room` host bytes hold."""
     if mode not in ("auto", "on-demand", "layers"):
         raise OffloadError(f"experts must be auto, on-demand or layers, got {mode!r}")
     planned = (getattr(memplan, "experts", None) or {}).get("mode")
@@ -323,11 +322,8 @@ class _FusedSource:
         self.store, self.i = store, i
 
     def __call__(self, e: int) -> dict[str, torch.Tensor]:
-        return self._views(*self.store.fetch(self.i, e)[:2])
+        buf, layout, _ = self.store.fetch(self.i, e)
+        return layout.parts(buf)
 
     def stream(self, es: list[int]):
-        return (self._views(buf, layout) for buf, layout, _ in self.store.stream(self.i, es))
-
-    @staticmethod
-    def _views(buf: torch.Tensor, layout) -> dict[str, torch.Tensor]:
-        return {name.rpartition(".")[2]: layout.view(buf, name) for name in layout.slices}
+        return (layout.parts(buf) for buf, layout, _ in self.store.stream(self.i, es))

@@ -44,13 +44,10 @@ def _materialize(
     """`mod` (built on meta) with its weight: a counted pool buffer, or a host tensor when `pool` is None."""
     src = index.dense(weight_name, dtype)  # dequantized on the host where stored packed (GGUF)
     w = pool.copy(src.to(dtype), component) if pool is not None else src.to(dtype).clone()
-    mod = mod.to_empty(device=device if pool is not None else "cpu") if _has_other_state(mod) else mod
+    other = any(n != "weight" for n, _ in mod.named_parameters()) or any(True for _ in mod.buffers())
+    mod = mod.to_empty(device=device if pool is not None else "cpu") if other else mod
     mod.weight = nn.Parameter(w, requires_grad=False)
     return mod
-
-
-def _has_other_state(mod: nn.Module) -> bool:
-    return any(n != "weight" for n, _ in mod.named_parameters()) or any(True for _ in mod.buffers())
 
 
 @torch.no_grad()

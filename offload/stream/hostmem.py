@@ -20,7 +20,6 @@ import torch
 from offload.errors import OffloadNotice
 
 IO_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (covers 512 and 4096-byte sectors)
-PAGE = IO_ALIGN
 HUGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KB pages): buffers this large start on one
 ARENA_ALIGN = 256  # every tensor in a slot, arena or pool buffer starts on this boundary
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
@@ -30,10 +29,10 @@ def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def aligned_empty(nbytes: int, align: int = PAGE, huge: bool = True) -> torch.Tensor:
+def aligned_empty(nbytes: int, align: int = IO_ALIGN, huge: bool = True) -> torch.Tensor:
     if huge and nbytes >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         return _huge_empty(nbytes)
-    if nbytes >= PAGE or align > ARENA_ALIGN:
+    if nbytes >= IO_ALIGN or align > ARENA_ALIGN:
         mm = mmap.mmap(-1, max(align_up(nbytes, IO_ALIGN), IO_ALIGN))
         return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
     raw = torch.empty(nbytes + align, dtype=torch.uint8)

@@ -214,9 +214,9 @@ def load_weights(
     if pins.failures:
         pins.notice("RAM-tier layers will stream through the smaller pinned staging ring (slower)")
     offset = 0
-    for done, i in enumerate(range(total)):
+    for i in range(total):
         if progress is not None:
-            progress(done, total, f"loading layer {i}")
+            progress(i, total, f"loading layer {i}")
         prefix = f"model.layers.{i}."
         if subset is not None and i not in subset.layers:
             continue

@@ -76,10 +76,7 @@ class SplitExperts:
             if isinstance(experts, ExpertList):
                 held = {e: self._bind(layer, buf, d, experts[e]) for e, (buf, d) in by_e.items()}
             else:
-                held = {
-                    e: {n.rpartition(".")[2]: d.packed.view(buf, n) for n in d.packed.slices}
-                    for e, (buf, d) in by_e.items()
-                }
+                held = {e: d.packed.parts(buf) for e, (buf, d) in by_e.items()}
             tiers = experts.source = _Tiers(held, disk)
             tiers.layer, tiers.store = i, self.store
             tiers.host = {e: (buf, d.packed) for e, (buf, d) in by_e.items() if e not in self.cached.get(i, [])}
@@ -226,7 +223,7 @@ class _Staged:
         buf, layout = t.buffer(e)
         dev = self.staging.put(buf[: layout.nbytes])
         if isinstance(got, dict):  # fused experts: expert e's parts by name
-            return {n.rpartition(".")[2]: layout.view(dev, n) for n in layout.slices}
+            return layout.parts(dev)
         for mod, attr, name in t.params[e]:
             self.undo.append((mod, attr, mod._parameters[attr]))
             mod._parameters[attr] = nn.Parameter(layout.view(dev, name), requires_grad=False)

@@ -52,6 +52,10 @@ class LayerLayout:
         s = self.slices[name]
         return buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
+    def parts(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{attribute: view} of every parameter (a fused experts module's parts, by their last name)."""
+        return {name.rpartition(".")[2]: self.view(buf, name) for name in self.slices}
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -249,10 +253,9 @@ class DiskLayer:
 
 
 class LayerStore:
-    """Produces streamed layers: `read` fills a host staging slot, `copy` a device slot (CUDA). Every buffer is
-    allocated here once: CPU, `host_slots` pool buffers; CUDA, `slots` device buffers and `host_slots` pinned
-    staging buffers (disk layers, and RAM ones whose arena is pageable); one raw buffer for re-laid or cast
-    layers. `pins` owns every page-locked region (the RAM arena too); `close()` unpins them."""
+    """Streamed layers' buffers, all allocated here once: CPU, `host_slots` pool buffers; CUDA, `slots` device
+    buffers and `host_slots` pinned staging buffers; a raw buffer for re-laid or cast layers. `pins` owns every
+    page-locked region (the RAM arena too); `close()` unpins them."""
 
     def __init__(self, device: torch.device, pool: DevicePool, slots: int,
                  ram: dict[int, tuple[torch.Tensor, LayerLayout]], disk: dict[int, DiskLayer],
