@@ -1,32 +1,20 @@
 """GGUF checkpoints (llama.cpp, ollama, LM Studio): streamed as stored, dequantized on the device.
 
-Contract: `READER` (base.FormatReader) claims a .gguf file, a split model's part, a directory
-holding one GGUF model and no safetensors, or an ollama blob (GGUF magic, no extension);
-`open_ollama(name)` opens an ollama model by name (ollama.py). `open` reads headers and metadata
-only (gguf_meta.py checks types and byte ranges) and returns a Checkpoint with:
-- config: transformers' config for the file, built by its own GGUF key table (as
-  `AutoConfig.from_pretrained(dir, gguf_file=)` does, without parsing the vocabulary twice),
-  the families specx runs (GGUF_ARCHS; any other `general.architecture` is one OffloadError line),
-  plus what that table leaves out: Gemma-3's linear RoPE scaling of its global layers, and for a
-  mixture-of-experts file (`{arch}.expert_count`: Qwen3-MoE, Qwen2-MoE, Mixtral as `llama`) its
-  type and expert sizes (gguf_moe.py);
-- tensors keyed by HF name (GGUF names mapped through gguf's TensorNameMap against the meta-built
-  HF model), each at its byte range in its part file; a MoE layer's fused experts
-  (`blk.N.ffn_{gate,up,down}_exps`) are E per-expert tensors at their byte ranges (gguf_moe.slices), the
-  names arch/moe.py's per-expert model has. A tensor stored plain (F32/F16/BF16) that needs no change
-  keeps its float dtype; every other one (block-quantized, or a Llama-family Q/K weight whose rows
-  llama.cpp permuted) is `qtype` bytes ((nbytes,) uint8) listed in `packed`, and `load_weight` turns it
-  back into the HF weight on the device (gguf_quants.dequantize, the permutation undone while writing
-  rows). Gemma-3's norms stay plain as stored (1 + w): its config says so (arch/gemma3.py PLUS_ONE) and
-  its norms read them;
-- strict checks at open: every HF parameter present (a tied lm_head may be absent) with its shape
-  and the byte count its type implies, no unexpected tensor, a tokenizer in the metadata;
-- tokenizer: transformers builds it from the metadata (tokenizer_kwargs gguf_file=; once per machine,
-  then read from tokenizer files: tokcache.py); chat
-  template, BOS/EOS (EOT too) and sampling defaults (general.sampling.*, or ollama's params) in
-  `chat_template` / `generation`.
-Tensors in a GGUF file are 32-byte aligned: the loader re-lays them on 256-byte boundaries as it
-does for safetensors (storage.file_layout / DiskLayer.repack).
+Contract: `READER` claims a .gguf file, a split model's part, a directory holding one GGUF model and
+no safetensors, or an ollama blob (GGUF magic, no extension); `open_ollama(name)` opens an ollama
+model by name. `open` reads headers and metadata only (gguf_meta.py checks them) into a Checkpoint:
+- config: transformers' config built by its own GGUF key table, for the families in GGUF_ARCHS
+  (another `general.architecture` is one OffloadError line), plus what that table leaves out:
+  Gemma-3's linear RoPE scaling, llama3 RoPE from `rope_freqs`, MoE types and sizes (gguf_moe.py);
+- tensors keyed by HF name at their byte ranges (a MoE layer's fused experts: E per-expert tensors,
+  gguf_moe.slices). A plain F32/F16/BF16 tensor keeps its dtype; every other one (block-quantized,
+  or a Llama Q/K weight whose rows llama.cpp permuted) is `qtype` bytes ((nbytes,) uint8) listed in
+  `packed`, which `load_weight` dequantizes on the device (gguf_quants, the permutation undone while
+  writing rows);
+- strict checks: every HF parameter present (a tied lm_head may be absent) with its shape, no
+  unexpected tensor, a tokenizer in the metadata;
+- tokenizer built from the metadata (tokcache.py); chat template, BOS/EOS (EOT too) and sampling
+  defaults (general.sampling.*, or ollama's params) in `chat_template` / `generation`.
 """
 
 from __future__ import annotations
@@ -141,7 +129,7 @@ def _check_split(parts: list[Path], readers) -> None:
                            "every part into the same folder with its original name")
 
 
-def _config_dict(head, arch: str, readers) -> dict:
+def _config_dict(head, arch: str) -> dict:
     """config.json-style dict from the metadata, by transformers' own GGUF table (the one
     `from_pretrained(gguf_file=)` uses), reading scalar keys only (never the vocabulary arrays)."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
@@ -162,9 +150,6 @@ def _config_dict(head, arch: str, readers) -> dict:
         _gemma3_rope_scaling(head, cfg)
     if moe:
         gguf_moe.config_keys(head, arch, model_type, cfg)
-    cfg["tie_word_embeddings"] = all(t.name != "output.weight" for r in readers for t in r.tensors)
-    if "vocab_size" not in cfg:
-        cfg["vocab_size"] = len(head.fields["tokenizer.ggml.tokens"].data)
     return cfg
 
 
@@ -190,7 +175,9 @@ def _hf_config(head, arch: str, readers, first: Path):
 
     hf_logging.set_verbosity_error()
     try:
-        cfg = gguf_gptoss.config_dict(head, readers) if arch == gguf_gptoss.ARCH else _config_dict(head, arch, readers)
+        cfg = gguf_gptoss.config_dict(head) if arch == gguf_gptoss.ARCH else _config_dict(head, arch)
+        cfg["tie_word_embeddings"] = all(t.name != "output.weight" for r in readers for t in r.tensors)
+        cfg.setdefault("vocab_size", len(head.fields["tokenizer.ggml.tokens"].data))
         config = CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
     except OffloadError:   # gguf_gptoss's own line (a missing key)
         raise

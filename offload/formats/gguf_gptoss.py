@@ -1,27 +1,16 @@
 """gpt-oss GGUF files (llama.cpp architecture `gpt-oss`) read onto transformers' GptOssForCausalLM.
 
-Contract (gguf.py's reader calls the first two at open, metadata and headers only; stream/model.py the last):
-- `config_dict(head, readers)`: the config.json-style dict of a `gpt-oss` file, from its metadata keys
-  (transformers' own GGUF table for gpt-oss differs between versions and misreads the YaRN keys):
-  sizes, expert counts (`expert_count`, `expert_used_count`, `expert_feed_forward_length`), the sliding
-  window and llama.cpp's layer pattern (`attention.sliding_window_pattern`, default 2: even layers
-  sliding, as HF's `layer_types`), RoPE (`rope.freq_base`; YaRN from `rope.scaling.*`, with
-  `truncate: false` as gpt-oss's own config states it: the correction range is not rounded), and the
-  SwiGLU clamp llama.cpp applies to every gpt-oss file (`LIMIT`, 7.0; no key carries it). A missing
-  key or another RoPE scaling is one OffloadError line.
-- `hf_params(config)`: ({GGUF tensor name: specx name}, {specx name: logical shape}). Every tensor but
-  the experts keeps transformers' parameter name (`blk.N.attn_sinks.weight` -> `self_attn.sinks`,
-  `ffn_gate_inp` -> `mlp.router`). llama.cpp stores a layer's experts de-interleaved and transposed
-  (convert_hf_to_gguf.py's GptOssModel): HF's `gate_up_proj` (E, H, 2I), gate and up alternating by
-  column, becomes `ffn_gate_exps` and `ffn_up_exps` (torch shape (E, I, H): rows = outputs), its bias
-  `ffn_{gate,up}_exps.bias` (E, I); `down_proj` (E, I, H) becomes `ffn_down_exps` (E, H, I), bias (E, H).
-  Those six tensors keep their stored form under the names `mlp.experts.{gate,up,down}_{weight,bias}`.
-- `GgufExperts` (an arch RoutedExperts) holds those six as its parameters, as stored: a plain tensor
-  (F32/F16/BF16) [E, ...], a block-quantized one (MXFP4, Q8_0, ...) its flat bytes, expert e's part
-  the e-th 1/E of them (whole rows, ggml's layout). `weights(parts)` dequantizes one routed expert's
-  parts (gguf_quants) into the compute dtype and re-fuses them into transformers' layout: gate_up
-  (H, 2I) with column 2i = gate row i and 2i + 1 = up row i, down (I, H), so the math (transformers'
-  own) sees the source model's values; the bytes stream as stored, with the whole layer.
+Contract:
+- `config_dict(head)`: GptOssConfig's dict from the metadata keys (transformers' own GGUF
+  table for gpt-oss misreads the YaRN keys): sizes, expert counts, llama.cpp's sliding-window layer
+  pattern, RoPE (YaRN from `rope.scaling.*`, `truncate: false`), and the SwiGLU clamp `LIMIT` that no
+  key carries. A missing key or another RoPE scaling is one OffloadError line.
+- `hf_params(config)`: ({GGUF name: specx name}, {specx name: logical shape}), transformers' names but
+  for the experts, which llama.cpp stores de-interleaved and transposed (`ffn_{gate,up}_exps` (E, I, H),
+  `ffn_down_exps` (E, H, I), biases (E, I) / (E, H)): kept as stored as `mlp.experts.{gate,up,down}_{weight,bias}`.
+- `GgufExperts` (an arch RoutedExperts) holds those six as stored (block-quantized: flat bytes, expert e
+  the e-th 1/E of them); `weights(parts)` dequantizes one expert and re-fuses it into transformers'
+  layout: gate_up (H, 2I), column 2i = gate row i and 2i + 1 = up row i; down (I, H).
 - `swap_gguf_experts(layers, ckpt, compute_dtype)` puts one in every decoder layer of a meta-built model.
 """
 
@@ -70,7 +59,7 @@ REQUIRED = {  # metadata key (after `gpt-oss.`) -> HF config key
 }
 
 
-def config_dict(head, readers) -> dict:
+def config_dict(head) -> dict:
     """GptOssConfig's dict from the file's metadata (see the contract)."""
 
     def v(key, default=None):
@@ -89,8 +78,6 @@ def config_dict(head, readers) -> dict:
     for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
         if gguf_meta.value(head, f"tokenizer.ggml.{key}") is not None:
             cfg[key.replace("padding", "pad")] = int(gguf_meta.value(head, f"tokenizer.ggml.{key}"))
-    cfg["tie_word_embeddings"] = all(t.name != "output.weight" for r in readers for t in r.tensors)
-    cfg["vocab_size"] = len(head.fields["tokenizer.ggml.tokens"].data)
     return cfg
 
 

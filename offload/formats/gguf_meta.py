@@ -1,14 +1,11 @@
 """GGUF headers read and checked before any tensor byte: the files of a model, its tensors, its metadata.
 
-Contract: `gguf_parts(path)` gives the ordered part files of a GGUF model named by `path` (a .gguf
-file, a `-00001-of-0000N.gguf` part of a split model, a directory holding exactly one model, or an
-extension-less ollama blob). `read_part(file)` parses one part with the `gguf` package's
-GGUFReader and refuses, in one OffloadError line naming the file (and tensor) and the fix, what
-would otherwise run on garbage: an empty or non-GGUF file, a header that does not parse, a tensor
-type id that is not a GGML type, a type specx cannot dequantize (named, with the supported ones),
-a tensor whose bytes (type and shape) run past the end of the file, overlap the next tensor or
-leave a gap before it (writers lay tensors back to back, padded to the alignment),
-and an offset off the file's alignment. `value(reader, key)` is one metadata value as a plain Python value.
+Contract: `gguf_parts(path)` gives the ordered part files of the model at `path` (a .gguf file, a
+`-00001-of-0000N.gguf` part, a directory holding one model, an ollama blob). `read_part(file)` is the
+gguf package's GGUFReader of one part, refusing in one OffloadError line (file, tensor, fix) an empty,
+non-GGUF or unparsable file, a type id that is no GGML type or one specx cannot dequantize, and tensor
+bytes that run past the end, overlap or leave a gap, or start off the alignment.
+`value(reader, key)` is one metadata value as a plain Python value.
 """
 
 from __future__ import annotations
@@ -151,8 +148,7 @@ def read_part(file: Path):
 
 
 def value(reader, key: str, default=None):
-    """Metadata value of `key` (str, int, float, bool, or a list of them), `default` when absent or
-    unreadable."""
+    """Metadata value of `key` (str, int, float, bool, or a list of them); `default` if absent or unreadable."""
     field = reader.fields.get(key)
     if field is None:
         return default

@@ -1,26 +1,17 @@
 """Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE, Mixtral) read onto the per-expert HF model.
 
-Contract (used by gguf.py's reader at open, metadata and headers only):
-- `model_type(first, arch, experts)`: the HF model_type of a GGUF whose metadata has
-  `{arch}.expert_count`: `qwen3moe` -> qwen3_moe, `qwen2moe` -> qwen2_moe, and `llama` (llama.cpp writes
-  a Mixtral so) -> mixtral; any other MoE architecture (gpt-oss, DeepSeek, ...) is one OffloadError line.
-- `TABLE`: which of transformers' GGUF key tables reads a type's metadata (Mixtral: Llama's);
-  `config_keys(head, arch, model_type, cfg)` adds what those tables leave out: the experts' and the
-  shared expert's FFN sizes (`expert_feed_forward_length`, `expert_shared_feed_forward_length`; in a
-  file without those keys, the rows of layer 0's `ffn_gate_exps` / `ffn_gate_shexp`),
-  Mixtral's expert counts, and llama.cpp's routing (Qwen2-MoE: top-k weights not renormalised; every
-  layer sparse: llama.cpp has no dense MLP layers in these families).
-- `expert_names(config, shapes)`: {GGUF fused tensor `blk.N.ffn_{gate,up,down}_exps.weight`: the HF
-  per-expert weight names in expert order} for arch/moe.py's model (`model.layers.N.mlp.experts.E.gate_proj.weight`,
-  Mixtral's `block_sparse_moe.experts.E.w1.weight`).
-- `legacy_names(fused)`: the same HF names under the per-expert GGUF names of Mixtral files written
-  before llama.cpp fused the experts (`blk.N.ffn_gate.E.weight`).
-- `slices(part, t, count)`: the E per-expert views of one fused tensor `t` (gguf ReaderTensor, ggml
-  shape (cols, rows, E)): expert e's rows are bytes [e * n, (e + 1) * n) of the tensor, whole quantized
-  rows, so each expert is one stored tensor at its own byte range, plain or block-quantized as the file
-  stores it (gguf.py's `_info` makes its TensorInfo; nothing is copied or re-laid at open).
-- `fit_shape(info, want)`: Qwen2-MoE's shared-expert gate, stored 1-D (H,), is HF's (1, H) linear weight:
-  its TensorInfo with that shape (the same bytes).
+Contract (gguf.py's reader, at open):
+- `model_type(first, arch, experts)`: HF model_type of a GGUF with `{arch}.expert_count` (`llama` is
+  how llama.cpp writes a Mixtral); any other MoE architecture is one OffloadError line.
+- `TABLE`: which of transformers' GGUF key tables reads a type; `config_keys(head, arch, model_type,
+  cfg)` adds what they leave out: expert and shared-expert FFN sizes (keys, else layer 0's tensors),
+  Mixtral's expert counts, llama.cpp's routing (Qwen2-MoE's top-k not renormalised; every layer sparse).
+- `expert_names(config, shapes)`: {fused `blk.N.ffn_{gate,up,down}_exps.weight`: HF per-expert names
+  in expert order}; `legacy_names(fused)`: the same under the per-expert names of older Mixtral files.
+- `slices(part, t, count)`: the E per-expert views of fused tensor `t`, expert e's whole rows at its
+  own byte range (nothing copied at open).
+- `fit_shape(info, want)`: a 1-D stored vector that is HF's (1, n) weight (Qwen2-MoE's shared-expert
+  gate) gets that shape.
 """
 
 from __future__ import annotations
@@ -29,6 +20,8 @@ import dataclasses
 import re
 from pathlib import Path
 from types import SimpleNamespace
+
+import numpy as np
 
 from offload.errors import OffloadError
 from offload.formats import gguf_meta
@@ -114,19 +107,11 @@ def slices(part: Path, t, count: int) -> list:
             "the file does not match its metadata"
         )
     per = gq.nbytes(tid, (dims[1], dims[0]))
+    shape = np.array(dims[:2])  # a ggml shape as gguf's ReaderTensor.shape holds it
     return [
-        SimpleNamespace(
-            name=f"{t.name}[{e}]", tensor_type=tid, shape=_Dims(dims[:2]), data_offset=int(t.data_offset) + e * per
-        )
+        SimpleNamespace(name=f"{t.name}[{e}]", tensor_type=tid, shape=shape, data_offset=int(t.data_offset) + e * per)
         for e in range(count)
     ]
-
-
-class _Dims(list):
-    """A ggml shape list with the `.tolist()` gguf's ReaderTensor.shape (a numpy array) offers."""
-
-    def tolist(self) -> list[int]:
-        return list(self)
 
 
 def fit_shape(info: TensorInfo, want: tuple[int, ...] | None) -> TensorInfo:

@@ -1,26 +1,16 @@
 """GGUF (ggml) block formats turned back into float weights with torch ops, on the tensor's device.
 
-Contract: `dequantize(raw, qtype, shape, dtype)` takes a tensor's bytes as stored in the GGUF file
-(uint8, any shape whose last dim holds whole rows: `row_bytes(qtype, shape[-1])` bytes per row) and
-returns the float tensor of logical `shape` (ggml order reversed, i.e. torch order: (rows, cols))
-in `dtype`, computed on `raw.device`. The arithmetic follows the reference dequantization of the
-`gguf` package (`gguf.quants.dequantize`, numpy) step for step in float32, so the float32 result is
-bitwise equal to it for every supported type; a 16-bit `dtype` is that result rounded once.
-Block layouts (block size, bytes per block) come from `gguf.GGML_QUANT_SIZES`; `SUPPORTED` names
-the types Q4_K_M, Q5_K_M, Q8_0, Q4_0 and 16/32-bit files use (Q5_0/Q4_1/Q5_1: llama-quantize's
-fallbacks for rows that are not a multiple of 256), and MXFP4 (gpt-oss's experts: blocks of 32 e2m1
-codes sharing one E8M0 power-of-two scale; every value exact in float32).
-
+Contract: `dequantize(raw, qtype, shape, dtype)` takes a tensor's stored bytes (uint8, whole rows of
+`row_bytes(qtype, shape[-1])` bytes) and returns the float tensor of torch-order `shape` in `dtype` on
+`raw.device`. It follows the `gguf` package's `gguf.quants.dequantize` (numpy) step for step in
+float32, so the float32 result is bitwise equal to it for every type in SUPPORTED (Q4_K, Q5_K, Q6_K,
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, 16/32-bit, and gpt-oss's MXFP4); a 16-bit `dtype` is it rounded once.
 Two kernels run the same arithmetic (`kernel_choice`, $SPECX_DEQUANT_KERNEL = auto | compiled | eager):
-- compiled (auto on CUDA): each type's block function and the cast to `dtype`, torch.compile'd, so
-  Inductor fuses them into kernels that read the packed bytes once and write each weight once, with
-  only per-sub-block scale/offset buffers in between (bench/dequant.py counts the bytes). A Q/K row
-  permutation is undone by gathering the packed rows first (0.56-1.06 bytes per weight for the
-  K-quants, instead of moving the written weight again). Bitwise equal to eager (tests/test_gguf_quants.py).
-  If compiling fails the process falls back to eager (`kernel_status` says why).
-- eager (auto on CPU, where each type compiles for ~20 s per process before its first use): rows in
-  chunks of at most `CHUNK_ELEMS` values so the float32 temporaries stay bounded (the plan counts
-  them: planning/membytes.linear_dequant_bytes).
+- compiled (auto on CUDA): each type's block function and the cast torch.compile'd, so each weight is
+  written once from the packed bytes (bench/dequant.py counts them); a Q/K row permutation gathers the
+  packed rows first. A failed compile falls back to eager for the process (`kernel_status` says why).
+- eager (auto on CPU, where each type compiles for ~20 s): rows in chunks of at most `CHUNK_ELEMS`
+  values, so the float32 temporaries stay bounded (planning/membytes.linear_dequant_bytes).
 """
 
 from __future__ import annotations
@@ -209,12 +199,10 @@ def dequantize(
     if qtype not in BLOCK:
         raise ValueError(f"GGUF type {qtype} is not supported")
     shape = tuple(int(d) for d in shape)
-    cols = shape[-1]
-    rows = nbytes(qtype, shape) // row_bytes(qtype, cols)
-    if raw.dtype != torch.uint8 or raw.numel() != rows * row_bytes(qtype, cols):
+    cols, rows, need = shape[-1], math.prod(shape[:-1]), nbytes(qtype, shape)
+    if raw.dtype != torch.uint8 or raw.numel() != need:
         raise ValueError(
-            f"{NAMES[qtype]} tensor of shape {list(shape)} needs {rows * row_bytes(qtype, cols)} "
-            f"bytes, got {raw.numel()} ({raw.dtype})"
+            f"{NAMES[qtype]} tensor of shape {list(shape)} needs {need} bytes, got {raw.numel()} ({raw.dtype})"
         )
     if qtype in PLAIN:
         w = raw.contiguous().view(-1).view(PLAIN[qtype]).view(rows, cols)

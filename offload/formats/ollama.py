@@ -1,13 +1,10 @@
 """Ollama model names -> the GGUF blob ollama keeps for them, read-only.
 
-Contract: `resolve(name)` maps an ollama model name (`llama3.1:70b`, `library/llama3.1`,
-`host/namespace/model:tag`; tag `latest` and namespace `library` by default) to an `OllamaModel`:
-the GGUF blob under `$OLLAMA_MODELS` (default ~/.ollama/models) that its manifest
-(`manifests/<host>/<namespace>/<model>/<tag>`) names as its model layer, plus the sampling
-parameters of its params layer. It returns None when `name` does not look like a model name or
-no manifest for it exists (the caller then reports a missing path), and raises OffloadError
-(one line) when a manifest exists but is unreadable or its blob is missing. Nothing under the
-ollama folder is ever written.
+Contract: `resolve(name)` maps an ollama model name (`llama3.1:70b`, `host/namespace/model:tag`; tag
+`latest` and namespace `library` by default) to an `OllamaModel`: the GGUF blob under `$OLLAMA_MODELS`
+(default ~/.ollama/models) that its manifest names as its model layer, plus its params layer's sampling
+parameters. None when `name` is not a model name or has no manifest; OffloadError (one line) when
+the manifest is unreadable or its blob is missing.
 """
 
 from __future__ import annotations
@@ -41,7 +38,7 @@ def models_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".ollama" / "models"
 
 
-def manifest_path(name: str, root: Path | None = None) -> Path | None:
+def manifest_path(name: str, root: Path) -> Path | None:
     """The manifest file of `name`, or None when `name` is not an ollama model name."""
     if not _NAME.match(name) or name.startswith((".", "/")):
         return None
@@ -52,7 +49,6 @@ def manifest_path(name: str, root: Path | None = None) -> Path | None:
         host, namespace, model = parts
     elif len(parts) == 2:
         namespace, model = parts
-    root = models_dir() if root is None else root
     return root / "manifests" / host / namespace / model / (tag or "latest")
 
 
@@ -62,9 +58,9 @@ def _blob(root: Path, digest: str, manifest: Path) -> Path:
     return root / "blobs" / digest.replace(":", "-")
 
 
-def resolve(name: str, root: Path | None = None) -> OllamaModel | None:
+def resolve(name: str) -> OllamaModel | None:
     """The GGUF blob and params of ollama model `name` (see the module contract)."""
-    root = models_dir() if root is None else root
+    root = models_dir()
     manifest = manifest_path(name, root)
     if manifest is None or not manifest.is_file():
         return None

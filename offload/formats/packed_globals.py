@@ -1,20 +1,14 @@
 """Input embeddings and an output layer kept only as their GGUF bytes (`--embeddings packed`).
 
-Contract: on the CPU a GGUF model's fp32 embedding table and the fp32 copy of its output layer
-(which serves batches above the kernel's rows) take 4 bytes a weight, where the file holds them in
-about 0.6-1.1. When the decoder layers do not all fit in RAM, every byte those copies take is a byte
-of layers read from disk again on every pass, so the plan keeps both packed instead
-(planning/memplan.py, `packed_globals_ok` deciding for the planner and the loader alike):
-- `PackedEmbedding(raw, qtype, vocab, hidden)`: forward(ids (...)) -> (..., hidden) fp32, the
-  looked-up rows' bytes dequantized (gguf_quants.dequantize: rows are whole blocks, so each row's
-  values are bit for bit those of the fp32 table the device embeddings dequantize once);
+Contract: fp32 copies of a GGUF model's embedding table and output layer take 4 bytes a weight where
+the file holds 0.6-1.1; when the layers do not all fit in RAM those bytes are layers read from disk
+again every pass, so the plan may keep both packed on the CPU (planning/memplan.py):
+- `PackedEmbedding(raw, qtype, vocab, hidden)`: ids (...) -> (..., hidden) fp32, the looked-up rows
+  dequantized (bit for bit the fp32 table's rows);
 - `LeanHead(raw, qtype, out_features, in_features)`: cpu.ggml_kernel.PackedHead with no fp32 copy:
-  every batch through the packed kernel (any number of rows; the same numbers as its up-to-MAX_ROWS
-  calls), or, where the kernel cannot run, through weight row blocks dequantized per call.
-  A tied model's head and embeddings share one buffer of bytes.
-- `packed_globals_ok(ck, device, dtype)`: whether this checkpoint can keep both packed: GGUF on the
-  CPU in fp32, a head the kernel serves (formats/qlinear.gguf_kernel_type), a quantized embedding
-  table of a family whose embedding is a plain lookup (Gemma's scale them: not those).
+  every batch through the packed kernel, else through row blocks dequantized per call;
+- `packed_globals_ok(ck, device, dtype)`: GGUF on the CPU in fp32, a head the kernel serves, and a
+  quantized embedding table of a family whose embedding is a plain lookup (not Gemma's).
 """
 
 from __future__ import annotations
@@ -78,14 +72,8 @@ class LeanHead(PackedHead):
             return linear(x, self.packed, self.qtype, self.out_features)
         # no kernel: blocks of output rows dequantized and multiplied one at a time (the Q8A view is Q8_0's bytes)
         qtype = gq.Q8_0 if self.qtype == Q8A else self.qtype
-        rows = self.packed.view(self.out_features, -1)
-        outs = [
-            x.float()
-            @ gq.dequantize(
-                rows[a : a + HEAD_BLOCK_ROWS], qtype, (len(rows[a : a + HEAD_BLOCK_ROWS]), self.in_features)
-            ).T
-            for a in range(0, self.out_features, HEAD_BLOCK_ROWS)
-        ]
+        blocks = self.packed.view(self.out_features, -1).split(HEAD_BLOCK_ROWS)
+        outs = [x.float() @ gq.dequantize(b, qtype, (len(b), self.in_features)).T for b in blocks]
         return torch.cat(outs, dim=-1).to(x.dtype)
 
     def for_draft(self) -> PackedHead:

@@ -1,24 +1,13 @@
 """Sibling GGUF linears that read the same input, computed as ONE kernel call over their stacked rows.
 
-Contract: `fuse_siblings(layer)` attaches a `FusedGroup` to the PackedLinears of each sibling set of a
-decoder layer (`SIBLINGS`: q/k/v of the attention, gate/up of the MLP) whose members all run the GGUF
-kernel on the same type and input width (`ggml_type`, `in_features`).
-At call time, `FusedGroup.take(member, x)` returns that member's x W^T (+ its bias), or None (the
-member then computes alone, as without a group):
-- the first member called with an input x computes every member at once: `ggml_kernel.linear` over
-  the members' packed bytes as one (sum of outs, in) matrix, which is a view, never a copy: it
-  applies only while the members' bound bytes lie back to back in one buffer, in member order (the
-  loader's per-layer layout puts them so; checked on the bound pointers at every call, so a streamed
-  layer re-bound to another slot is re-checked), with the members' row maps stacked at their column
-  offsets. It keeps each member's column slice (a view of the one output);
-- each other member called with the SAME tensor object x, unmodified since (`x._version`; an
-  inference-mode tensor keeps no counter, so there the object alone decides: HF's attention and MLP
-  call the siblings back to back on one input), and the same bound bytes, gets its slice; once all
-  have, the group drops x and the output.
-Anything else (another input, an input over the kernel's row limit, not CPU fp32, bytes not
-adjacent) returns None. Each output row of the kernel is its own dot product over the stored row, so
-a member's slice is bit-for-bit what its own kernel call returns (tests/test_qfuse.py). One call
-instead of 3 + 2 per layer: less Python and dispatch per pass, and the threads split more rows.
+Contract: `fuse_siblings(layer)` attaches a `FusedGroup` to the PackedLinears of each sibling set
+(`SIBLINGS`: q/k/v, gate/up) that run the GGUF kernel on one type and input width.
+`FusedGroup.take(member, x)` returns that member's x W^T (+ its bias), or None (it then computes
+alone): the first member called computes every member in one `ggml_kernel.linear` over their bytes as
+one matrix (a view: only while the bound bytes lie back to back in member order, checked on the
+pointers at every call) and keeps the others' slices; a member called next with the same tensor x,
+unmodified (`x._version`; an inference tensor keeps none: identity alone), and the same bytes gets its
+slice. Each output row is its own dot product, so a slice is bit for bit the member's own call.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """PackedLinear: an nn.Linear stand-in whose weight stays in its checkpoint's packed form.
 
-Contract: `swap_packed_linears(layers, ckpt, compute_dtype)` replaces every decoder-layer
-nn.Linear the checkpoint stores packed (`ckpt.packed`: AWQ, GPTQ, compressed-tensors, and
-GGUF-quantized weights) by a `PackedLinear` whose parameters are exactly the stored tensors of
-that linear, named by their stored suffix (`qweight`, `scales`, ...) with their stored dtype and
-shape (block-quantized bytes: a flat uint8 vector), so the loader streams them as stored and
-binds views of the layer buffer to them like any parameter. `forward(x)` turns them into the
-weight with the format reader's `load_weight` on x's device, in `compute_dtype` (a temporary
-freed after the matmul), then computes `x @ W.T + bias` in that dtype and returns x's dtype.
-Dequantized once: when `dense` holds that weight (offload/quant/dense.py puts it there for a
-resident layer the memory plan has room for), forward uses it instead of dequantizing again;
-the same values, so the same outputs.
-GGUF on CPU (fp32): forward multiplies by the packed bytes directly (cpu/ggml_kernel.py: the
-same math up to fp32 rounding order) for up to MAX_ROWS activation rows (decode, small trees),
-reading 0.56-1.06 bytes per weight instead of the 4 of `dense`, and for any batch when there is no
-`dense` (it beats dequantizing per call); larger batches with `dense` multiply by it. Sibling linears reading one input (q/k/v, gate/up) share
-one kernel call where it applies (formats/qfuse.py: `group`), with the same outputs.
+Contract: `swap_packed_linears(layers, ckpt, compute_dtype)` replaces every decoder-layer nn.Linear
+stored packed (`ckpt.packed`) by a `PackedLinear` whose parameters are its stored tensors (named by
+stored suffix, with stored dtype and shape), so the loader streams and binds them like any parameter.
+`forward(x)` is `x @ W.T + bias` in `compute_dtype`, returned in x's dtype, W from the reader's
+`load_weight` on x's device, or `dense` once quant/dense.py dequantized it (the same values).
+GGUF on CPU in fp32 multiplies by the packed bytes (cpu/ggml_kernel.py) for up to MAX_ROWS rows, and
+for any batch when there is no `dense`; siblings share one kernel call (qfuse.py).
 """
 
 from __future__ import annotations
@@ -38,9 +29,8 @@ def _meta_param(info) -> nn.Parameter:
 
 
 def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:
-    """ggml type of GGUF weight `name` when the CPU kernel may serve it on `device` in `dtype`: a GGUF tensor
-    of a type the kernel reads (ggml_kernel.QTYPES), CPU, fp32 compute, whole blocks a row,
-    the kernel not turned off; decided without compiling, so the planner and the loader agree. Else None."""
+    """ggml type of GGUF weight `name` when the CPU kernel may serve it (a type in ggml_kernel.QTYPES, CPU, fp32,
+    whole blocks a row, kernel not turned off; decided without compiling, so planner and loader agree), else None."""
     info = ckpt.tensors.get(name) if getattr(ckpt, "format", None) == "gguf" else None
     if info is None or info.qtype is None or ggml_kernel.turned_off():
         return None

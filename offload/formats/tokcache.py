@@ -1,16 +1,12 @@
 """A GGUF file's tokenizer, built from its metadata once per machine and kept as tokenizer files.
 
 Contract: `gguf_tokenizer(directory, filename, trust)` returns what
-`AutoTokenizer.from_pretrained(directory, gguf_file=filename)` returns, the same ids for every
-string, the same special tokens and chat template. transformers builds it by parsing the whole
-vocabulary out of the GGUF metadata (about 6 s for a 49,152-token vocabulary on a 2-core CPU, and
-`specx run` needed it twice); the first build is saved with `save_pretrained` under
-$SPECX_CACHE/tokenizers/<key> (default ~/.cache/specx), key = a hash of the file's resolved path,
-size and modification time and the transformers and tokenizers versions, so a changed file or an
-upgraded library builds it again. Later loads read those files (about 0.15 s), each a new object. The directory appears whole or not at all (written beside it, then renamed);
-a cache that cannot be written (read-only home) leaves the tokenizer built as before.
-A gpt-oss file's tokenizer is built by transformers' fast tokenizer class from the tokenizer metadata alone
-(transformers' GGUF config reader fails on gpt-oss files); a transformers too old to do that is one OffloadError line.
+`AutoTokenizer.from_pretrained(directory, gguf_file=filename)` returns. The first build (seconds: the
+whole vocabulary parsed from the metadata) is saved under $SPECX_CACHE/tokenizers/<key>, key = a hash
+of the file's path, size and mtime and the transformers and tokenizers versions; later loads read those
+files. The directory appears whole or not at all; an unwritable cache leaves the tokenizer built as
+before. A gpt-oss file's tokenizer is built by the fast tokenizer class (transformers' GGUF config
+reader fails on gpt-oss files); a transformers too old for that is one OffloadError line.
 """
 
 from __future__ import annotations
@@ -46,9 +42,7 @@ def gguf_tokenizer(directory: Path, filename: str, trust: bool = False):
 
 
 def _from_gguf(directory: Path, filename: str, trust: bool):
-    """transformers' tokenizer of the file. For a gpt-oss file its fast tokenizer class itself: AutoTokenizer
-    parses the whole config first, which transformers' GGUF reader fails on for gpt-oss (its YaRN keys), while
-    the fast tokenizer reads the tokenizer metadata only (a byte-level BPE, as llama.cpp writes gpt-oss's)."""
+    """transformers' tokenizer of the file (gpt-oss: the fast tokenizer class, which reads only its metadata)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from offload.errors import OffloadError
