@@ -1,21 +1,11 @@
 """Checkpoint formats: one reader module per on-disk layout behind one small interface (base.py).
 
 Contract: `open_checkpoint(path)` returns the `Checkpoint` of a model directory or file, opened
-and validated once (headers and metadata only, no tensor data), by the first reader in
-READERS whose `detect(path)` is true; a path no reader claims is one OffloadError line naming
-the fix. Every reader module offload/formats/<name>.py exposes `READER` (a base.FormatReader).
-Order matters: the quantized safetensors layouts (awq, gptq, compressed-tensors, mxfp4) are tried
-before the plain safetensors reader (16/32-bit and bitsandbytes 4-bit), GGUF first of all.
-`ckpt.reader.load_weight` dequantizes one HF weight on the device.
-
-The package's public API is `__all__`. Besides the above it re-exports, lazily (PEP 562: a name's
-module is imported on its first use and the name looked up there at each use), what a front end
-needs of single readers: `GGUF_READER` (the GGUF reader, for `detect`), `read_gguf_part` and
-`gguf_value` (one GGUF file's metadata), `read_config` (a model directory's config.json),
-`find_pydist` (an installed Python package that ships a model), `resolve_ollama` (an ollama
-model name's blob), the GGUF CPU kernel's `ggml_kernel_enabled` and `ggml_linear`, and
-`mxfp4_dequantize` and `mxfp4_dequantize_t` (gpt-oss's MXFP4 experts; the second as Mxfp4Experts rebuilds one
-expert's matrix, for the profile's kernel probe).
+and validated once (headers and metadata only) by the first reader in READERS whose
+`detect(path)` is true; a path no reader claims is one OffloadError line naming the fix. Order
+matters: GGUF first, then the quantized safetensors layouts (awq, gptq, compressed-tensors,
+mxfp4), then plain safetensors (16/32-bit, bitsandbytes 4-bit). `__all__` also re-exports,
+lazily (PEP 562: imported on first use), what a front end needs of single readers.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """AWQ checkpoints (AutoAWQ / llm-awq "GEMM" layout), as transformers and vLLM read them.
 
 Contract: `READER` claims a safetensors directory whose config.json has
-`quantization_config.quant_method == "awq"`. Supported: 4 bits, `version` "gemm" (any case),
-with zero points, any group size dividing the input size. Other layouts are one-line errors:
-the GEMV layout (packed along the other dim) names the fix (re-export as GEMM), as do other
-bit widths and `zero_point: false`.
+`quantization_config.quant_method == "awq"`: 4 bits, `version` "gemm", with zero points, any
+group size dividing the input size; anything else (the GEMV layout, other bit widths,
+`zero_point: false`) is a one-line error naming the fix.
 Layout of one linear with in_features K, out_features N, group size g (G = K / g groups):
-  qweight (K, N/8) int32   eight 4-bit codes per word, along the OUTPUT dim, in AWQ's
-                           interleaved order: field i of word c holds column 8c + ORDER[i]
+  qweight (K, N/8) int32   eight 4-bit codes per word along the OUTPUT dim, interleaved (REVERSE)
   qzeros  (G, N/8) int32   the zero points, packed the same way
   scales  (G, N) fp16      per-group scales
   W[n, k] = (q[k, n] - z[k // g, n]) * s[k // g, n]   (HF weight (N, K) = the transpose)
@@ -22,8 +20,8 @@ import torch
 from offload.errors import OffloadError
 from offload.formats.packed import PackedReader, bits4, check_divides, group_size, unpack_cols
 
-ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs column 8c + ORDER[i] into field i
-REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # field holding column 8c + j
+# AWQ packs column 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i] into field i: REVERSE[j] is the field holding column 8c + j
+REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def awq_unpack(w: torch.Tensor) -> torch.Tensor:
@@ -35,8 +33,6 @@ def awq_unpack(w: torch.Tensor) -> torch.Tensor:
 
 class AwqReader(PackedReader):
     name = "awq"
-    method = "awq"
-    format = "awq"
     suffixes = ("qweight", "qzeros", "scales")
 
     def params(self, qc: dict, path: Path) -> dict:

@@ -1,28 +1,18 @@
 """The one description of a checkpoint on disk, and the small interface every format reader implements.
 
 Contract:
-- `TensorInfo`: one STORED tensor as the file holds it (its fields say what); a block-quantized
-  tensor (`qtype` set) is a flat (nbytes,) uint8 vector, its logical shape in `Checkpoint.shapes`.
-  `st_index.TensorEntry` is its older name.
-- `Checkpoint`: everything specx needs to know about one model, read once by `open_checkpoint`
-  from headers and metadata only (no tensor data). `packed` maps every HF weight that is NOT stored
-  as one plain float tensor (AWQ/GPTQ/compressed-tensors/bnb/GGUF-quantized linears) to the stored
+- `TensorInfo`: one STORED tensor as the file holds it; a block-quantized tensor (`qtype` set) is a
+  flat (nbytes,) uint8 vector, its logical shape in `Checkpoint.shapes`.
+- `Checkpoint`: everything specx needs to know about one model, read once from headers and metadata
+  (no tensor data). `packed` maps every HF weight not stored as one plain float tensor to the stored
   tensors its reader's `load_weight` combines; `dense(hf_name)` is a parameter, dequantized when packed.
-- `FormatReader` (a Protocol; each offload/formats/<format>.py module exposes `READER`):
-    name                       the reader's name, for messages ("safetensors", "awq", "gguf", ...)
-    detect(path) -> bool       cheap sniff (file names, config.json's quantization_config, magic
-                               bytes); True means "this reader owns the path", never raises
-    open(path) -> Checkpoint   parse and VALIDATE headers/metadata (strict loading: missing,
-                               unexpected, misshapen or truncated tensors are one-line
-                               OffloadErrors naming the file, the tensor and the fix); no tensor data
-    load_weight(ckpt, hf_weight_name, raw, device, dtype) -> torch.Tensor
-                               turn the stored tensors of one HF weight back into a `dtype` weight
-                               of its logical HF shape on `device`, with torch ops only. `raw`:
-                               stored name -> that tensor's bytes on `device`, either flat uint8
-                               or already viewed with its TensorInfo dtype/shape (`as_stored`
-                               normalises both). Called once per weight per pass when streamed.
-- Alignment: readers never hand a kernel a tensor that starts off a 256-byte boundary; the
-  loader's packed and disk layouts guarantee it for the `raw` tensors (storage.ARENA_ALIGN).
+- `FormatReader` (each offload/formats/<format>.py exposes `READER`): `name`; `detect(path)`, a cheap
+  sniff that never raises; `open(path)`, which parses and VALIDATES headers and metadata (missing,
+  unexpected, misshapen or truncated tensors are one-line OffloadErrors naming the file, the tensor
+  and the fix); `load_weight(ckpt, hf_weight_name, raw, device, dtype)`, the `dtype` weight of its
+  logical HF shape on `device` by torch ops, from `raw` (stored name -> its bytes on `device`, flat
+  uint8 or already typed: `as_stored` normalises both). Called once per weight per pass when streamed.
+- Alignment: the loader's layouts start every `raw` tensor on a 256-byte boundary (storage.ARENA_ALIGN).
 """
 
 from __future__ import annotations
@@ -45,18 +35,14 @@ class TensorInfo:
     name: str  # HF tensor name (GGUF names are translated to HF's), e.g. model.layers.0.mlp.up_proj.qweight
     file: Path  # file that holds the bytes
     dtype: torch.dtype  # element type of the stored bytes (torch.uint8 for block-quantized bytes)
-    shape: tuple[int, ...]  # stored shape in `dtype` elements (a `qtype` tensor: (nbytes,) of uint8); the
-    # LOGICAL HF shape of every parameter is Checkpoint.shapes[hf_name]
+    shape: tuple[int, ...]  # stored shape in `dtype` elements (a `qtype` tensor: (nbytes,)); logical: Checkpoint.shapes
     begin: int  # absolute byte offset of the first byte in `file`
     end: int  # absolute byte offset one past the last byte
     qtype: str | None = None  # block-quant type of the bytes when not a plain `dtype` array (GGUF "Q4_K"); None = plain
-    meta: dict = field(
-        default_factory=dict, compare=False, hash=False
-    )  # per-format extras (GGUF type id, permutation...)
+    meta: dict = field(default_factory=dict, compare=False, hash=False)  # per-format extras (GGUF type id, ...)
 
     @property
     def nbytes(self) -> int:
-        """Byte count of the stored tensor."""
         return self.end - self.begin
 
     @property
@@ -106,9 +92,7 @@ class Checkpoint(StoredTensors):
     chat_template: str | None = None  # Jinja chat template (tokenizer_config.json / GGUF metadata)
     generation: dict = field(default_factory=dict)  # generation defaults (generation_config.json / GGUF metadata)
     source_name: Path | None = None  # file to name in "missing tensor" messages (index json when sharded)
-    shapes: dict[str, tuple[int, ...]] = field(
-        default_factory=dict
-    )  # every HF parameter -> logical shape (set by open)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # HF parameter -> logical shape (set by open)
 
     @property
     def root(self) -> Path:

@@ -3,9 +3,8 @@ per-group or per-channel scales (symmetric, or asymmetric with packed zero point
 activations.
 
 Contract: `READER` claims a safetensors directory whose config.json has
-`quantization_config.quant_method == "compressed-tensors"`. Every config group must quantize
-weights only (`input_activations` null), as 4-bit ints with strategy "group" or "channel", in
-the "pack-quantized" format; anything else is a one-line error naming what is supported.
+`quantization_config.quant_method == "compressed-tensors"`; every config group must be weight-only
+4-bit int, strategy "group" or "channel", format "pack-quantized" (else one line naming what is).
 Layout of one linear with in_features K, out_features N, G groups (channel: G = 1):
   weight_packed     (N, ceil(K/8)) int32  codes + 8, eight per word along the input dim (field j of word c = column 8c + j)
   weight_scale      (N, G) float          per-group scales
@@ -27,8 +26,6 @@ from offload.formats.packed import PackedReader, unpack_cols, unpack_rows
 
 class CompressedReader(PackedReader):
     name = "compressed-tensors"
-    method = "compressed-tensors"
-    format = "compressed-tensors"
     suffixes = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
     def params(self, qc: dict, path: Path) -> dict:

@@ -2,9 +2,8 @@
 without act-order (`desc_act`, `g_idx`).
 
 Contract: `READER` claims a safetensors directory whose config.json has
-`quantization_config.quant_method == "gptq"`. Supported: 4 bits (others: one-line error).
-`checkpoint_format` "gptq" (v1, also when absent: AutoGPTQ and older files) stores each zero
-point minus one (so a symmetric zero of 8 is stored as 7); "gptq_v2" stores it as is.
+`quantization_config.quant_method == "gptq"`; 4 bits only. `checkpoint_format` "gptq" (v1, also
+when absent) stores each zero point minus one; "gptq_v2" stores it as is.
 Layout of one linear with in_features K, out_features N, G groups:
   qweight (K/8, N) int32   eight 4-bit codes per word along the INPUT dim: field j of word r is row 8r + j
   qzeros  (G, N/8) int32   zero points along the output dim: field j of word c is column 8c + j
@@ -25,8 +24,6 @@ from offload.formats.packed import PackedReader, bits4, group_count, group_size,
 
 class GptqReader(PackedReader):
     name = "gptq"
-    method = "gptq"
-    format = "gptq"
     suffixes = ("qweight", "qzeros", "scales", "g_idx")
 
     def params(self, qc: dict, path: Path) -> dict:

@@ -1,10 +1,10 @@
 """What every Hugging Face model directory holds besides its weights, read once for a Checkpoint.
 
-Contract: `read_config(root)` parses config.json (a JSON object with a supported `model_type`,
-else one OffloadError line); `hf_config(root)` is transformers' config object for it;
-`quant_config(cfg)` the `quantization_config` dict (or None); `checkpoint(root, reader, ...)` the
-Checkpoint a safetensors reader opens (headers, tokenizer source, chat template, generation defaults); `is_st_dir(path)` whether `path` is a directory
-with config.json and safetensors weights; `st_index(root)` the validated safetensors headers.
+Contract: `read_config(root)` parses config.json (a JSON object with a supported `model_type`, else
+one OffloadError line); `hf_config(root)` is transformers' config object for it; `quant_config(cfg)`
+its `quantization_config` dict (or None); `checkpoint(root, reader, ...)` the Checkpoint a safetensors
+reader opens (headers, tokenizer source, chat template, generation defaults); `is_st_dir(path)`
+whether `path` is a directory with config.json and safetensors weights.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 
 from offload.errors import OffloadError
+from offload.formats.base import Checkpoint
+from offload.formats.st_index import SafetensorsIndex
 
 
 def is_st_dir(path: Path) -> bool:
@@ -86,12 +88,9 @@ def chat_template(root: Path) -> str | None:
 
 
 def checkpoint(root: Path, reader, fmt: str, cfg: dict, config, quant=None, packed=None, index=None):
-    """The base.Checkpoint of model directory `root` as `reader` opened it: its safetensors headers
-    (`index`, read here when None), the tokenizer source, chat template and generation defaults
-    (absent files give None / {}); the reader's strict check sets `shapes`."""
-    from offload.formats.base import Checkpoint
-
-    index = st_index(root) if index is None else index
+    """The Checkpoint of model directory `root` as `reader` opened it (`index`: read here when None; absent
+    files give None / {}); the reader's strict check sets `shapes`."""
+    index = SafetensorsIndex(root) if index is None else index
     has_tok = any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     return Checkpoint(
         path=root,
@@ -108,9 +107,3 @@ def checkpoint(root: Path, reader, fmt: str, cfg: dict, config, quant=None, pack
         generation=_json(root / "generation_config.json"),
         source_name=index.source_name,
     )
-
-
-def st_index(root: Path):
-    from offload.formats.st_index import SafetensorsIndex
-
-    return SafetensorsIndex(root)

@@ -1,24 +1,16 @@
 """gpt-oss checkpoints whose experts are stored as MXFP4 (the published weights), read as stored.
 
 Contract: `READER` claims a safetensors directory whose config.json has `quantization_config.quant_method
-== "mxfp4"` (before the plain safetensors reader); a model other than gpt-oss is one OffloadError line.
-Format "mxfp4". The experts' two fused matrices of each layer, logically `mlp.experts.gate_up_proj`
-(E, H, 2I) and `mlp.experts.down_proj` (E, I, H) (x @ W per expert), are stored as
-  `<name>_blocks` (E, N, K/32, 16) uint8: per expert, output column n, group g of 32 inputs, byte j holds
-                 input 32g + 2j in its low nibble and 32g + 2j + 1 in its high nibble, FP4 e2m1 codes
-                 (FP4_VALUES: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6);
-  `<name>_scales` (E, N, K/32) uint8: the group's E8M0 exponent s, the group's weights being value * 2^(s - 127);
-with K the input size (H or I) and N the output size (2I or H): 4.25 bits a weight. Everything else,
-the experts' biases included, is a plain 16/32-bit tensor. `stored_shapes(name, shape)` maps a logical
-(E, K, N) expert matrix to its two stored tensors; `dequantize(blocks, scales, dtype)` gives the
-(..., N, K) weights in `dtype`, the values transformers' `convert_moe_packed_tensors` gives (a FP4 value
-times a power of two: exact in any float dtype wide enough); `dequantize_t(blocks, scales, dtype)` one expert's
-(N, K) matrix as its transposed (K, N) weights, the bits of `dequantize(...).t().contiguous()`, in one pass of
-the C kernel on a CPU (cpu/mxfp4_kernel.py, fed a (256, 16) table of every scale x code that `dequantize`
-itself computes), else by that torch path. `Mxfp4Experts` (an arch RoutedExperts)
-holds the stored tensors as its parameters, so the loader keeps, streams and caches the bytes as
-stored; each routed expert's two matrices are dequantized into the compute dtype when it computes.
-`swap_mxfp4_experts(layers, dtype)` puts one in every decoder layer of a meta-built GptOssForCausalLM.
+== "mxfp4"`; a model other than gpt-oss is one OffloadError line. Each layer's `mlp.experts.gate_up_proj`
+(E, H, 2I) and `mlp.experts.down_proj` (E, I, H) (x @ W per expert; K inputs, N outputs) are stored as
+  `<name>_blocks` (E, N, K/32, 16) uint8: byte j of group g holds inputs 32g + 2j (low nibble) and
+                 32g + 2j + 1 (high nibble) as FP4 e2m1 codes (FP4_VALUES)
+  `<name>_scales` (E, N, K/32) uint8: the group's E8M0 exponent s, its weights being value * 2^(s - 127)
+and everything else as plain tensors. `dequantize(blocks, scales, dtype)` gives the (..., N, K) weights
+transformers' `convert_moe_packed_tensors` gives; `dequantize_t` one expert's transposed (K, N), the
+same bits, by the C kernel on a CPU (cpu/mxfp4_kernel.py, fed `_values`), else by torch.
+`Mxfp4Experts` (an arch RoutedExperts) holds the stored tensors as its parameters and dequantizes each
+routed expert when it computes; `swap_mxfp4_experts(layers, dtype)` puts one in every decoder layer.
 """
 
 from __future__ import annotations
@@ -73,9 +65,8 @@ def _values(dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_t(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks (N, G, 16) uint8, scales (N, G) uint8 (one expert's matrix) -> its transposed weights (32 G, N) in
-    `dtype`, the bits of `dequantize(blocks, scales, dtype).t().contiguous()`: one pass of the C kernel
-    (cpu/mxfp4_kernel.py: a lookup in `_values`) on the CPU where it is built, else that torch path."""
+    """blocks (N, G, 16), scales (N, G) uint8 (one expert) -> (32 G, N) in `dtype`, the bits of
+    `dequantize(blocks, scales, dtype).t().contiguous()`: the C kernel where it is built, else that torch path."""
     if blocks.is_cpu and dtype in mxfp4_kernel.WIDTHS:
         out = mxfp4_kernel.dequantize_t(blocks, scales, _values(dtype), dtype)
         if out is not None:
@@ -125,28 +116,18 @@ class Mxfp4Reader(SafetensorsReader):
 READER = Mxfp4Reader()
 
 
-def _stored_param(shape: tuple[int, ...]) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False)
-
-
 class Mxfp4Experts(RoutedExperts):
     """gpt-oss's experts from their MXFP4 blocks and scales (see the contract)."""
 
-    names = (
-        "gate_up_proj_blocks",
-        "gate_up_proj_scales",
-        "gate_up_proj_bias",
-        "down_proj_blocks",
-        "down_proj_scales",
-        "down_proj_bias",
-    )
+    names = tuple(f"{p}_{s}" for p in ("gate_up_proj", "down_proj") for s in ("blocks", "scales", "bias"))
 
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype):
         super().__init__(experts.num_experts, experts.alpha, experts.limit)
         self.compute_dtype = compute_dtype
         for proj in ("gate_up_proj", "down_proj"):
             for name, shape in stored_shapes(proj, tuple(getattr(experts, proj).shape)).items():
-                setattr(self, name, _stored_param(shape))
+                p = torch.empty(shape, dtype=torch.uint8, device="meta")
+                setattr(self, name, nn.Parameter(p, requires_grad=False))
             setattr(self, f"{proj}_bias", getattr(experts, f"{proj}_bias"))
 
     def weights(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

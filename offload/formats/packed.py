@@ -1,23 +1,14 @@
 """What the packed-int4 safetensors layouts (AWQ, GPTQ, compressed-tensors) share.
 
-Contract: a `PackedReader` subclass names its `method` (config.json's
-`quantization_config.quant_method`), its `format`, the stored suffixes of one quantized linear
-(`suffixes`: e.g. qweight/qzeros/scales/g_idx; the first is the one that marks a linear as
-packed), and implements `params(qc, path) -> dict` (validated quantization parameters; one-line
-OffloadError for a layout specx cannot run), `shapes(q, out_f, in_f, present) -> {suffix: shape}`
-(the stored shapes config.json implies; `present` lists the stored suffixes) and
-`dequant(q, parts, out_f, in_f, dtype) -> (out_f, in_f) weight` (torch ops on the parts' device).
-`open` validates headers, parses the parameters, maps each HF linear weight
-`X.weight` to its stored tensors `X.<suffix>`, and checks the whole tensor set against the
-architecture (validate.check_tensors), the packed parts' dtypes included.
-Shared unpacking: `unpack_rows(w)` / `unpack_cols(w)` split int32 words into their eight 4-bit
-fields (uint8), bits [4j, 4j+4) becoming element j along rows (dim 0) or columns (dim 1).
-`dequant` works in place on the codes converted to the compute dtype, and may return a
-transposed view (F.linear takes it as it is): its peak is the weight plus its uint8 codes or an
-act-order gather (what the plan counts: planning/membytes.linear_dequant_bytes).
-`load_weight` runs it torch.compile'd where gguf_quants.kernel_choice says so (auto: on CUDA), the
-unpacking, zero point and scale fused so each weight is written once; the same arithmetic, so the
-same values (tests/test_formats_packed.py compares both).
+Contract: a `PackedReader` subclass's `name` is config.json's `quant_method` and its format; its
+`suffixes` are the stored tensors of one linear (the first marks a linear as packed). It implements
+`params(qc, path)` (validated parameters, or a one-line OffloadError), `shapes(q, out_f, in_f,
+present)` (the stored shapes config.json implies) and `dequant(q, parts, out_f, in_f, dtype)`: the
+(out_f, in_f) weight by torch ops, in place on the codes, maybe a transposed view (its peak is what
+planning/membytes.linear_dequant_bytes counts). `open` validates headers, parameters and the tensor
+set (validate.check_tensors), dtypes included. `load_weight` runs `dequant` torch.compile'd where
+gguf_quants.kernel_choice says so (the same values). `unpack_rows` / `unpack_cols`: int32 words ->
+their eight 4-bit fields along rows / columns.
 """
 
 from __future__ import annotations
@@ -30,6 +21,7 @@ from offload.errors import OffloadError
 from offload.formats import gguf_quants as gq
 from offload.formats import hfdir, validate
 from offload.formats.base import Checkpoint, as_stored
+from offload.formats.st_index import SafetensorsIndex
 
 INT32_PARTS = ("qweight", "qzeros", "g_idx", "weight_packed", "weight_zero_point", "weight_g_idx")
 
@@ -57,12 +49,10 @@ def group_count(in_f: int, group: int) -> int:
 
 class PackedReader:
     name = "packed"
-    method = ""
-    format = ""
     suffixes: tuple[str, ...] = ()
 
     def detect(self, path: Path) -> bool:
-        return hfdir.is_st_dir(path) and hfdir.quant_method(path) == self.method
+        return hfdir.is_st_dir(path) and hfdir.quant_method(path) == self.name
 
     def params(self, qc: dict, path: Path) -> dict:
         raise NotImplementedError
@@ -78,9 +68,9 @@ class PackedReader:
     def open(self, path: Path) -> Checkpoint:
         cfg = hfdir.read_config(path)
         quant = self.params(hfdir.quant_config(cfg) or {}, path)
-        index = hfdir.st_index(path)
+        index = SafetensorsIndex(path)
         packed = self._group(index.entries)
-        ckpt = hfdir.checkpoint(path, self, self.format, cfg, hfdir.hf_config(path), quant, packed, index)
+        ckpt = hfdir.checkpoint(path, self, self.name, cfg, hfdir.hf_config(path), quant, packed, index)
 
         def parts(name, shape):
             if name not in packed or len(shape) != 2:
@@ -112,7 +102,7 @@ class PackedReader:
                 ints = (torch.int32, torch.int64) if n.endswith("g_idx") else (torch.int32,)
                 if want_int and e.dtype not in ints:
                     raise OffloadError(
-                        f"{e.file}: tensor {n!r} is {e.dtype}, the {self.format} layout stores "
+                        f"{e.file}: tensor {n!r} is {e.dtype}, the {self.name} layout stores "
                         "int32 there; the checkpoint is corrupt or not in this format - re-download it"
                     )
                 if not want_int and n.rsplit(".", 1)[-1] != "weight_shape" and not e.dtype.is_floating_point:
@@ -128,8 +118,7 @@ class PackedReader:
             n[len(base) + 1 :]: as_stored(ckpt.tensors[n], raw[n]).to(device) for n in ckpt.stored_parts(hf_weight_name)
         }
         if gq.kernel_choice(device) == "compiled" and gq.kernel_status() is None:
-            # torch.compile'd (auto on CUDA): unpack, zero, scale fused, each weight written once
-            w = gq.run_compiled(self.format, self.dequant, ckpt.quant, parts, out_f, in_f, dtype)
+            w = gq.run_compiled(self.name, self.dequant, ckpt.quant, parts, out_f, in_f, dtype)
             if w is not None:
                 return w
         return self.dequant(ckpt.quant, parts, out_f, in_f, dtype)

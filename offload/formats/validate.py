@@ -1,14 +1,12 @@
 """Strict loading, once, when a checkpoint is opened: the stored tensors are exactly what the
 architecture config.json describes needs, in the format's stored form.
 
-Contract: `check_tensors(ckpt, parts)` builds the architecture on the meta device (no memory) and
-refuses, with one OffloadError line naming the file, the first offending tensor and the fix:
-a missing tensor (a tied lm_head is the one documented exception), an unexpected one, a wrong
-shape, a plain tensor stored as a non-float. `parts(hf_weight_name, logical_shape)` gives, for a
-decoder linear weight the format stores packed, its stored tensors -> expected shape (None: any
-shape, the reader checks it); None when that weight is stored plain. It also refuses a 16/32-bit
-config.json whose weights dwarf the files (MAX_EXPANSION), so a wrong architecture is never
-allocated. Returns the meta model's parameter shapes (name -> logical shape) for the readers.
+Contract: `check_tensors(ckpt, parts)` builds the architecture on the meta device and refuses, in one
+OffloadError line naming the file, the first offending tensor and the fix: a missing tensor (but a tied
+lm_head), an unexpected one, a wrong shape, a plain tensor stored as a non-float, and 16/32-bit weights
+that dwarf the files (MAX_EXPANSION). `parts(hf_weight_name, logical_shape)` gives a packed decoder
+weight's stored tensors -> expected shape (None: any), or None when stored plain. Returns the meta
+model's parameter shapes (name -> logical shape).
 """
 
 from __future__ import annotations
