@@ -67,14 +67,10 @@ class MoeShape:
     shared_intermediate: int  # a shared expert's intermediate size (Qwen2-MoE), else 0
 
 
-def _config(ck) -> dict:
-    return ck.config.get("text_config") or ck.config
-
-
 def moe_shape(ck, lay, req, bits: float | None = None, dense_bits: float | None = None) -> MoeShape | None:
     """The checkpoint's experts (see the contract), None for a dense model; with `dense_bits` the rest's
     vectors (norms, biases) stay in the plan's dtype, as a GGUF K-quant stores attention beside its experts."""
-    c = _config(ck)
+    c = ck.config.get("text_config") or ck.config
     e = int(c.get("num_local_experts") or c.get("num_experts") or 0)
     k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0)
     if e < 2 or k < 1:

@@ -100,17 +100,16 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSiz
     for i in range(arch.layers):
         specs = layer_specs(ck, i, storage, nf4)
         streamed = {n: se for n, se in specs.items() if se[0].nf4 or not nf4}
+        entries = {n: e for n, (_, e) in streamed.items()}  # name -> its header entry
         packed = packed_layout([sp for sp, _ in streamed.values()]).nbytes
         prequant = all(e.dtype == torch.uint8 for _, e in streamed.values())
         if splits:  # the dense part as the loader reads it (expertstore.split_layer), the experts' slot and reads
-            part, experts = split_layer(
-                {n: e for n, (_, e) in streamed.items()}, [sp for sp, _ in streamed.values()], CPU_ALIGN
-            )
+            part, experts = split_layer(entries, [sp for sp, _ in streamed.values()], CPU_ALIGN)
             out.expert_slot.append(slot_bytes(experts.values()))
             out.expert_reads.append(max((len(x.spans) for x in experts.values()), default=0))
             out.expert_whole.append(layer_spans({(i, e): x for e, x in experts.items()})[0][i].nbytes if experts else 0)
             out.dense_reads.append(len(part.spans))
-            out.layer_reads.append(len(file_layout({n: e for n, (_, e) in streamed.items()})[1]))
+            out.layer_reads.append(len(file_layout(entries)[1]))
         if nf4 and not prequant:
             raw = sum(
                 align_up(math.prod(packed_nf4_shape(sp.shape)), IO_ALIGN) + IO_ALIGN for sp, _ in streamed.values()
@@ -118,14 +117,10 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSiz
             spans, convert, aligned = raw, False, False  # cache offsets unknown yet: assume a repack
             out.estimated = True
         elif held:
-            raw, spans, convert, aligned = (
-                part.raw.nbytes,
-                sum(s.length for s in part.spans),
-                part.convert,
-                not part.repack,
-            )
+            raw, spans = part.raw.nbytes, sum(s.length for s in part.spans)
+            convert, aligned = part.convert, not part.repack
         else:
-            lay, span_list = file_layout({n: e for n, (_, e) in streamed.items()})
+            lay, span_list = file_layout(entries)
             raw, spans = lay.nbytes, sum(sp.length for sp in span_list)
             convert = any(e.dtype != (torch.uint8 if sp.nf4 else sp.dtype) for sp, e in streamed.values())
             # a CPU computes a disk layer in its file layout where offsets allow (storage.CPU_ALIGN)

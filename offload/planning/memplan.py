@@ -315,24 +315,21 @@ def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) 
         )
     if req.ctx < 1 or req.budget < 0 or req.slots < 1:
         raise OffloadError("--ctx and --slots must be >= 1 and --budget >= 0")
-    limits = [arch_of(target.config).max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
+    a = arch_of(target.config)
+    limits = [a.max_positions] + ([arch_of(draft.config).max_positions] if draft else [])
     req = replace(req, ctx=min([req.ctx] + limits))
-    lay = layer_sizes(target, arch_of(target.config), req)
+    lay = layer_sizes(target, a, req)
     if req.self_draft:  # a plan per substitute width: offload/planning/selfplan.py
 
         def plan_with(substitute: list[int], bits: int) -> MemoryPlan:
             lay.substitute = substitute
             return _plan_budgets(target, None, lay, replace(req, draft_bits=bits))
 
-        return _with_machine(
-            plan_self_draft(
-                target, req, layer_sizes(target, arch_of(target.config), replace(req, dtype="nf4")), plan_with
-            ),
-            req,
-        )
+        nf4_layers = layer_sizes(target, a, replace(req, dtype="nf4"))
+        return _with_machine(plan_self_draft(target, req, nf4_layers, plan_with), req)
     plan = _plan_budgets(target, draft, lay, req)
     if lay.apart and chose_whole_layers(plan.experts):  # apart models slower: again with whole layers' sizes
-        plan = _plan_budgets(target, draft, layer_sizes(target, arch_of(target.config), req, apart=False), req)
+        plan = _plan_budgets(target, draft, layer_sizes(target, a, req, apart=False), req)
     if draft is not None:
         small_candidates(plan, target, draft, req, plan_memory)
     return _with_machine(plan, req)
