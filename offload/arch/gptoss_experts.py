@@ -50,7 +50,8 @@ class RoutedExperts(nn.Module):
         return GptOssExperts._apply_gate(self, gate_up)  # reads self.alpha, self.limit
 
     def stream(self, experts: list[int]):
-        """Each of `experts`' parts in order: the source's own stream (reading ahead) where it has one, else parts(e)."""
+        """Each of `experts`' parts in order: the source's own stream (reading ahead) where it has one,
+        else parts(e)."""
         if self.source is not None and hasattr(self.source, "stream"):
             return self.source.stream(experts)
         return (self.parts(e) for e in experts)

@@ -1,7 +1,8 @@
 """The `specx` command line (typer): its commands, one-line errors and exit codes.
 
-Contract (with flags.py, the only typer importer): parses flags into `LoadOptions` / `GenerationConfig`, loads models, drives
-`engine.generate`, streams generated text to stdout and statistics to stderr (via display.py).
+Contract (with flags.py, the only typer importer): parses flags into `LoadOptions` / `GenerationConfig`,
+loads models, drives `engine.generate`, streams generated text to stdout and statistics to stderr
+(via display.py).
 User errors become one line on stderr and exit code 2; `SPECX_DEBUG=1` re-raises instead.
 """
 
