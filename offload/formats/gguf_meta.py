@@ -59,62 +59,13 @@ def gguf_parts(path: Path) -> list[Path]:
 
 def _header_checked_reader():
     """A GGUFReader whose tensor table is checked (types, byte ranges) before the package maps it."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGUFReader
 
     class CheckedReader(GGUFReader):
         def _build_tensors(self, start_offs, fields):
             size = int(self.data.shape[0])
-            spans = []
-            for field in fields:
-                _, name_data, _, dims, raw_dtype, offset = field.parts
-                name = bytes(name_data).decode("utf-8", errors="replace")[:80]
-                tid = int(raw_dtype[0])
-                try:
-                    qtype = GGMLQuantizationType(tid)
-                except ValueError:
-                    raise OffloadError(
-                        f"{self.path}: tensor {name!r} has type id {tid}, which is not a GGML type; "
-                        "the file is corrupt - re-download it"
-                    ) from None
-                if tid not in gq.BLOCK:
-                    raise OffloadError(
-                        f"{self.path}: tensor {name!r} is {qtype.name}, which specx cannot dequantize (supported: "
-                        f"{', '.join(gq.NAMES[t] for t in gq.SUPPORTED)}); use a Q4_K_M, Q5_K_M, Q8_0 or Q4_0 file"
-                    )
-                shape = tuple(int(d) for d in reversed(dims.tolist()))
-                if any(d <= 0 for d in shape) or len(shape) > 4:
-                    raise OffloadError(
-                        f"{self.path}: tensor {name!r} has shape {list(shape)}; the file is corrupt - re-download it"
-                    )
-                try:
-                    n = gq.nbytes(tid, shape)
-                except ValueError as exc:
-                    raise OffloadError(
-                        f"{self.path}: tensor {name!r}: {exc}; the file is corrupt - re-download it"
-                    ) from None
-                begin = int(start_offs) + int(offset[0])
-                if int(offset[0]) % self.alignment:
-                    raise OffloadError(
-                        f"{self.path}: tensor {name!r} starts at data offset {int(offset[0])}, off the "
-                        f"file's {self.alignment}-byte alignment; the file is corrupt - re-download it"
-                    )
-                if begin + n > size:
-                    raise OffloadError(
-                        f"{self.path}: tensor {name!r} ({qtype.name}, {list(shape)}: {n} bytes at "
-                        f"offset {begin}) runs past the end of the file ({size} bytes); the file is "
-                        "truncated - re-download it"
-                    )
-                spans.append((begin, begin + n, name))
-            spans.sort()
-            for (_b0, e0, n0), (b1, _, n1) in itertools.pairwise(spans):
-                # writers lay tensors back to back, each padded to the alignment: anything else means a
-                # byte count that does not match the tensor's type and shape
-                if b1 != e0 + (-e0) % self.alignment:
-                    what = "overlap" if b1 < e0 else "leave a gap"
-                    raise OffloadError(
-                        f"{self.path}: tensors {n0!r} and {n1!r} {what} (their byte counts do not "
-                        "match their types and shapes); the file is corrupt - re-download it"
-                    )
+            spans = sorted(_tensor_span(self, start_offs, size, field) for field in fields)
+            _check_back_to_back(self, spans)
             return super()._build_tensors(start_offs, fields)
 
         def __init__(self, path):
@@ -122,6 +73,62 @@ def _header_checked_reader():
             super().__init__(path)
 
     return CheckedReader
+
+
+def _tensor_span(reader, start_offs, size: int, field) -> tuple[int, int, str]:
+    """(begin, end, name): one tensor-table entry's bytes in the file, its type, shape and range checked."""
+    from gguf import GGMLQuantizationType
+
+    _, name_data, _, dims, raw_dtype, offset = field.parts
+    name = bytes(name_data).decode("utf-8", errors="replace")[:80]
+    tid = int(raw_dtype[0])
+    try:
+        qtype = GGMLQuantizationType(tid)
+    except ValueError:
+        raise OffloadError(
+            f"{reader.path}: tensor {name!r} has type id {tid}, which is not a GGML type; "
+            "the file is corrupt - re-download it"
+        ) from None
+    if tid not in gq.BLOCK:
+        raise OffloadError(
+            f"{reader.path}: tensor {name!r} is {qtype.name}, which specx cannot dequantize (supported: "
+            f"{', '.join(gq.NAMES[t] for t in gq.SUPPORTED)}); use a Q4_K_M, Q5_K_M, Q8_0 or Q4_0 file"
+        )
+    shape = tuple(int(d) for d in reversed(dims.tolist()))
+    if any(d <= 0 for d in shape) or len(shape) > 4:
+        raise OffloadError(
+            f"{reader.path}: tensor {name!r} has shape {list(shape)}; the file is corrupt - re-download it"
+        )
+    try:
+        n = gq.nbytes(tid, shape)
+    except ValueError as exc:
+        raise OffloadError(f"{reader.path}: tensor {name!r}: {exc}; the file is corrupt - re-download it") from None
+    begin = int(start_offs) + int(offset[0])
+    if int(offset[0]) % reader.alignment:
+        raise OffloadError(
+            f"{reader.path}: tensor {name!r} starts at data offset {int(offset[0])}, off the "
+            f"file's {reader.alignment}-byte alignment; the file is corrupt - re-download it"
+        )
+    if begin + n > size:
+        raise OffloadError(
+            f"{reader.path}: tensor {name!r} ({qtype.name}, {list(shape)}: {n} bytes at "
+            f"offset {begin}) runs past the end of the file ({size} bytes); the file is "
+            "truncated - re-download it"
+        )
+    return begin, begin + n, name
+
+
+def _check_back_to_back(reader, spans: list[tuple[int, int, str]]) -> None:
+    """None: raises where two tensors' sorted spans overlap or leave a gap."""
+    for (_b0, e0, n0), (b1, _, n1) in itertools.pairwise(spans):
+        # writers lay tensors back to back, each padded to the alignment: anything else means a
+        # byte count that does not match the tensor's type and shape
+        if b1 != e0 + (-e0) % reader.alignment:
+            what = "overlap" if b1 < e0 else "leave a gap"
+            raise OffloadError(
+                f"{reader.path}: tensors {n0!r} and {n1!r} {what} (their byte counts do not "
+                "match their types and shapes); the file is corrupt - re-download it"
+            )
 
 
 def read_part(file: Path):
