@@ -176,44 +176,69 @@ def load_weights(
     expert_cache: int | None = None,
 ) -> LoadedWeights:
     """The options are OffloadedCausalLM.from_pretrained's (its docstring)."""
-    path, config = index.path, index.hf_config
-    layers = hf.model.layers
+    config, layers = index.hf_config, hf.model.layers
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
     # nf4: only the packed weights stream; the small rest is pinned on the device once.
     specs = [[sp for sp in s if sp.nf4 or not nf4] for s in all_specs]
     splitting = subset is None and wants_split(experts, memplan)
     if splitting:  # the layers hold their dense parts only (resident), the experts their tiers (splitexperts.py)
         specs = [[sp for sp in s if not is_expert(sp.name)] for s in all_specs]
-    pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
     layouts = [packed_layout(s) for s in specs]
     files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s}) for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes if subset is None or i in subset.layers else 0 for i, lay in enumerate(layouts)]
-    if splitting:
-        plan, room = OffloadPlan(list(range(len(layers))), [], [], [], layer_bytes, slots, 0, 0), None
-    elif memplan is not None:
-        plan, room = _from_memplan(memplan, layer_bytes, slots), None
-    else:
-        dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
-        plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
-        room = max(0, host_budget - plan.host_bytes)  # host bytes the budget leaves for an expert cache
-        _check_fits(plan, device, free_ram, path)
-        plan.dense = _dense_auto(index, plan, layer_bytes, compute_dtype, device, free_ram, max_dev)
-    pool, total = pool if pool is not None else DevicePool(device), len(layers)
-    embed, norm, lm_head, rotary = (
-        subset.shared
-        if subset is not None
-        else load_globals(
-            index, hf, config, device, compute_dtype, pool, memplan.embeddings if memplan is not None else "device"
-        )
+    plan, room = _place(
+        index, layer_bytes, splitting, memplan, offload, device, compute_dtype, max_dev, max_host, free_ram, slots
     )
-    resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
+    pool = pool if pool is not None else DevicePool(device)
+    if subset is not None:
+        embed, norm, lm_head, rotary = subset.shared
+    else:
+        embeddings = memplan.embeddings if memplan is not None else "device"
+        embed, norm, lm_head, rotary = load_globals(index, hf, config, device, compute_dtype, pool, embeddings)
     pins = HostPins(device)  # CUDA only: nothing is page-locked for --device cpu
-    ram_region = aligned_empty(sum(layer_bytes[i] for i in plan.ram_layers))
+    resident, ram, disk, qstates, pinned, ram_pinned = _fill_layers(
+        index, all_specs, specs, layouts, files, plan, subset, nf4, device, pool, pins, progress
+    )
+    reader = DirectReader()
+    if disk:
+        reader.probe(next(iter(disk.values())).spans[0].file)
+        plan.direct_io = reader.direct
+    disk, held, split = _experts(
+        index, all_specs, disk, device, pool, reader, memplan, splitting, experts, expert_cache, room
+    )
+    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots, staging_bytes, pins, ram_pinned)
+    for states in qstates.values():
+        for state in states.values():
+            _own_quant_state(state, pool)
+    plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots", "expert_cache"))
+    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held, split)
+
+
+def _place(index, layer_bytes, splitting, memplan, offload, device, compute_dtype, max_dev, max_host, free_ram, slots):
+    """(plan, room): the layers' placement, and the host bytes left for routed experts (None: the memory plan's)."""
+    if splitting:  # every layer resident (dense parts only); room: the split experts' RAM tier
+        room = max_host if max_host is not None else 0 if offload == "disk" else int(free_ram * AUTO_RAM_FRACTION)
+        return OffloadPlan(list(range(len(layer_bytes))), [], [], [], layer_bytes, slots, 0, 0), room
+    if memplan is not None:
+        return _from_memplan(memplan, layer_bytes, slots), None
+    dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
+    plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
+    room = max(0, host_budget - plan.host_bytes)  # host bytes the budget leaves for an expert cache
+    _check_fits(plan, device, free_ram, index.path)
+    plan.dense = _dense_auto(index, plan, layer_bytes, compute_dtype, device, free_ram, max_dev)
+    return plan, room
+
+
+def _fill_layers(index, all_specs, specs, layouts, files, plan, subset, nf4, device, pool, pins, progress):
+    """(resident, ram, disk, qstates, pinned, ram_pinned): every loaded layer's bytes in its tier."""
+    resident, ram, disk, qstates, pinned = {}, {}, {}, {}, {}
+    pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
+    ram_region = aligned_empty(sum(plan.layer_bytes[i] for i in plan.ram_layers))
     ram_pinned = pins.pin(ram_region, "the RAM tier")
     if pins.failures:
         pins.notice("RAM-tier layers will stream through the smaller pinned staging ring (slower)")
-    offset = 0
+    offset, total = 0, len(specs)
     for i in range(total):
         if progress is not None:
             progress(i, total, f"loading layer {i}")
@@ -235,25 +260,19 @@ def load_weights(
             disk[i] = _disk_layer(specs[i], layouts[i], files[i], device)
     if progress is not None:
         progress(total, total, "loaded")
-    reader = DirectReader()
-    if disk:
-        reader.probe(next(iter(disk.values())).spans[0].file)
-        plan.direct_io = reader.direct
-    split = None
-    if splitting:
-        host = max_host if max_host is not None else 0 if offload == "disk" else int(free_ram * AUTO_RAM_FRACTION)
-        e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-        ids = split_ids(memplan, all_specs, index, expert_cache, host, e)
-        split = load_split(index, all_specs, device, pool, ids, reader, memplan)  # memplan: its stream_from
-        held = split.store
-    else:
+    return resident, ram, disk, qstates, pinned, ram_pinned
+
+
+def _experts(index, all_specs, disk, device, pool, reader, memplan, splitting, experts, expert_cache, room):
+    """(disk, held, split): the disk layers, their routed experts' store (on demand, or split's), the split experts."""
+    config = index.hf_config
+    if not splitting:
         disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
-    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots, staging_bytes, pins, ram_pinned)
-    for states in qstates.values():
-        for state in states.values():
-            _own_quant_state(state, pool)
-    plan.device_bytes = sum(pool.by_component.get(c, 0) for c in ("resident_layers", "staging_slots", "expert_cache"))
-    return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held, split)
+        return disk, held, None
+    e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    ids = split_ids(memplan, all_specs, index, expert_cache, room, e)
+    split = load_split(index, all_specs, device, pool, ids, reader, memplan)  # memplan: its stream_from
+    return disk, split.store, split
 
 
 def _dense_auto(index, plan: OffloadPlan, layer_bytes, compute_dtype, device, free_ram, max_dev) -> list[int]:
