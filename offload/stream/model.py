@@ -114,42 +114,8 @@ class OffloadedCausalLM(nn.Module):
             device = torch.device("cuda", torch.cuda.current_device())
         if offload not in ("none", "ram", "disk", "auto"):
             raise OffloadError(f"offload must be none, ram, disk or auto, got {offload!r}")
-        ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)  # opened (validated) once
-        if _wants_nf4(dtype) and ckpt.format in PACKED_FORMATS:
-            raise OffloadError(
-                f"{ckpt.path}: already a 4-bit {ckpt.format} checkpoint; drop --dtype nf4 (its "
-                "weights stream as stored) or point at a 16-bit checkpoint"
-            )
-        if (_wants_nf4(dtype) or ckpt.format == "bnb-nf4") and ckpt.hf_config.model_type in MOE_FAMILIES:
-            # the 4-bit cache packs every 2-D layer tensor, MoE routers (raw parameters, no nn.Linear) too
-            raise OffloadError(
-                f"{ckpt.path}: NF4 is not supported for mixture-of-experts models "
-                f"({ckpt.hf_config.model_type}) yet; use --dtype bf16, fp16 or fp32"
-            )
-        if _wants_nf4(dtype) and ckpt.format != "bnb-nf4":
-            # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
-            ckpt = open_checkpoint(ensure_nf4_cache(ckpt, progress=progress, packing=packing_for(device)))
-        path, config = ckpt.path, ckpt.hf_config
-        config._attn_implementation = Family.of(config).attn_implementation  # Gemma-2: eager (soft-capping)
-        packing = getattr(config, "specx_packing", "standard")
-        if packing != "standard" and packing != packing_for(device):
-            raise OffloadError(
-                f"{path}: its 4-bit bytes are packed for {packing} and cannot compute on {device}; "
-                "load the 16-bit source with --dtype nf4 (specx builds the cache it needs)"
-            )
-        storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
-        if nf4 and nf4_compute is not None:
-            storage_dtype = compute_dtype = nf4_compute
-        nf4 = ckpt.format == "bnb-nf4"
-        hf = meta_model(config, path / "config.json")  # impossible sizes in config.json: one line
-        if nf4:
-            _swap_nf4_linears(hf.model.layers, compute_dtype, ckpt.packed)
-        elif ckpt.packed:
-            swap_packed_linears(hf.model.layers, ckpt, compute_dtype)
-        if ckpt.format == "mxfp4":  # the experts' MXFP4 bytes stream as stored, dequantized per routed expert
-            swap_mxfp4_experts(hf.model.layers, compute_dtype)
-        if ckpt.format == "gguf" and config.model_type == "gpt_oss":  # experts as stored: gate, up, down apart
-            swap_gguf_experts(hf.model.layers, ckpt, compute_dtype)
+        ckpt, packing = _open_checked(path, dtype, device, progress)
+        storage_dtype, compute_dtype, nf4, hf = _skeleton(ckpt, dtype, device, nf4_compute)
         w = load_weights(
             ckpt,
             hf,
@@ -170,8 +136,8 @@ class OffloadedCausalLM(nn.Module):
             experts=experts,
             expert_cache=expert_cache,
         )
-        model = cls(config, device, compute_dtype, hf, w, packing)
-        model.source = path  # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
+        model = cls(ckpt.hf_config, device, compute_dtype, hf, w, packing)
+        model.source = ckpt.path  # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
         model.checkpoint = ckpt  # its opened Checkpoint (formats.base)
         return model
 
@@ -280,6 +246,53 @@ class OffloadedCausalLM(nn.Module):
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _open_checked(path, dtype, device: torch.device, progress) -> tuple[Checkpoint, str]:
+    """(ckpt, packing): the checkpoint to stream (a 16-bit one's nf4 cache for nf4), checked, and its 4-bit packing."""
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)  # opened (validated) once
+    if _wants_nf4(dtype) and ckpt.format in PACKED_FORMATS:
+        raise OffloadError(
+            f"{ckpt.path}: already a 4-bit {ckpt.format} checkpoint; drop --dtype nf4 (its "
+            "weights stream as stored) or point at a 16-bit checkpoint"
+        )
+    if (_wants_nf4(dtype) or ckpt.format == "bnb-nf4") and ckpt.hf_config.model_type in MOE_FAMILIES:
+        # the 4-bit cache packs every 2-D layer tensor, MoE routers (raw parameters, no nn.Linear) too
+        raise OffloadError(
+            f"{ckpt.path}: NF4 is not supported for mixture-of-experts models "
+            f"({ckpt.hf_config.model_type}) yet; use --dtype bf16, fp16 or fp32"
+        )
+    if _wants_nf4(dtype) and ckpt.format != "bnb-nf4":
+        # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
+        ckpt = open_checkpoint(ensure_nf4_cache(ckpt, progress=progress, packing=packing_for(device)))
+    path, config = ckpt.path, ckpt.hf_config
+    config._attn_implementation = Family.of(config).attn_implementation  # Gemma-2: eager (soft-capping)
+    packing = getattr(config, "specx_packing", "standard")
+    if packing != "standard" and packing != packing_for(device):
+        raise OffloadError(
+            f"{path}: its 4-bit bytes are packed for {packing} and cannot compute on {device}; "
+            "load the 16-bit source with --dtype nf4 (specx builds the cache it needs)"
+        )
+    return ckpt, packing
+
+
+def _skeleton(ckpt: Checkpoint, dtype, device, nf4_compute) -> tuple[torch.dtype, torch.dtype, bool, nn.Module]:
+    """(storage dtype, compute dtype, nf4?, hf): the dtypes and the weightless model with the checkpoint's layers."""
+    path, config = ckpt.path, ckpt.hf_config
+    storage_dtype, compute_dtype, nf4 = resolve_dtype(dtype, config, device)
+    if nf4 and nf4_compute is not None:
+        storage_dtype = compute_dtype = nf4_compute
+    nf4 = ckpt.format == "bnb-nf4"
+    hf = meta_model(config, path / "config.json")  # impossible sizes in config.json: one line
+    if nf4:
+        _swap_nf4_linears(hf.model.layers, compute_dtype, ckpt.packed)
+    elif ckpt.packed:
+        swap_packed_linears(hf.model.layers, ckpt, compute_dtype)
+    if ckpt.format == "mxfp4":  # the experts' MXFP4 bytes stream as stored, dequantized per routed expert
+        swap_mxfp4_experts(hf.model.layers, compute_dtype)
+    if ckpt.format == "gguf" and config.model_type == "gpt_oss":  # experts as stored: gate, up, down apart
+        swap_gguf_experts(hf.model.layers, ckpt, compute_dtype)
+    return storage_dtype, compute_dtype, nf4, hf
 
 
 def _wants_nf4(dtype) -> bool:
