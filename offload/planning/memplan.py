@@ -183,40 +183,34 @@ def _draft_step(da: Arch | None, rows: tuple[int, int], req: PlanRequest) -> int
     return sum(terms.values())
 
 
-def _plan_chunk(
-    target: Checkpoint,
-    draft: Checkpoint | None,
-    lay: LayerSizes,
-    req: PlanRequest,
-    budget: int,
-    emb: str,
-    chunk: int | None,
-) -> MemoryPlan:
+def _fixed_bytes(
+    target: Checkpoint, draft: Checkpoint | None, lay: LayerSizes, req: PlanRequest, budget: int, emb: str, chunk: int
+) -> tuple[tuple[int, int], dict[str, int], dict[str, int]]:
+    """(kv rows, device bytes, host bytes) of everything but the layers: globals, caches, draft, activations."""
     ta = arch_of(target.config)
     da = arch_of(draft.config) if draft is not None else (ta if req.self_draft else None)
-    cuda, c = req.device == "cuda", compute_bytes(req)
     rows = kv_rows(req.ctx, budget, req.max_beams)
     if req.self_draft:  # shared KV: the draft's tree rows live in the target's slabs (kvcache.SharedCache)
         rows = (max(rows), 0)
+    n = len(lay.packed)
+    served = req.device == "cpu" and n > 0 and len(kernel_terms(target, n, req)["layers"]) == n
     fixed, ghost = _globals(target, ta, req, emb)
     fixed.update(
         quant_states=lay.quant,
         pinned_params=lay.pinned,
         draft=draft_bytes(draft, req.draft_dtype) if draft else 0,
-        kv_target=kv_bytes(ta, rows[0], c),
+        kv_target=kv_bytes(ta, rows[0], compute_bytes(req)),
         kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
         draft_step=_draft_step(da, rows, req),
-        activations=0,
+        activations=activation_bytes(
+            ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget, chunk, not req.self_draft, served
+        ),
     )
-    cap = capacity(req)
-    if chunk is None:
-        chunk = prefill_chunk(ta, req, budget, cap if cap < 1 << 61 else req.ram_free)
-    n = len(lay.packed)
-    served = req.device == "cpu" and n > 0 and len(kernel_terms(target, n, req)["layers"]) == n
-    fixed["activations"] = activation_bytes(
-        ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget, chunk, not req.self_draft, served
-    )
-    best = None
+    return rows, fixed, ghost
+
+
+def _place_layers(lay: LayerSizes, req: PlanRequest, fixed: dict[str, int], ghost: dict[str, int], cap: int):
+    """(placement, device bytes, host bytes, staging slots): the most resident layers that fit `cap`."""
     for r in _resident_choices(req, len(lay.packed)):
         res = resident_ids(len(lay.packed), r)
         kept = sum(lay.packed[i] for i in res)
@@ -228,29 +222,42 @@ def _plan_chunk(
         buffers = max(max(lay.raw), req.slots * max(lay.disk_slot))  # disk staging, if anything ends up on disk
         pl = _place(lay, r, req, _ram_budget(req, pre, sum(ghost.values()) + buffers, kept))
         dev = {**fixed, **pl.device}
-        dev["cuda_context"] = cuda_margin(dev, cuda)
+        dev["cuda_context"] = cuda_margin(dev, req.device == "cuda")
         host = {**ghost, **pl.host}
-        best = (pl, dev, host)
         if sum(dev.values()) <= cap:
             break
-    pl, dev, host = best
-    slots = max(1, min(req.slots, len(pl.ram) + len(pl.disk) or 1))
-    if cuda and (pl.ram or pl.disk) and sum(dev.values()) <= cap:
-        pl, dev, host, slots = _extra_slots(lay, req, pl, dev, host, cap)
+    if req.device == "cuda" and (pl.ram or pl.disk) and sum(dev.values()) <= cap:
+        return _extra_slots(lay, req, pl, dev, host, cap)
+    return pl, dev, host, max(1, min(req.slots, len(pl.ram) + len(pl.disk) or 1))
+
+
+def _plan_chunk(
+    target: Checkpoint,
+    draft: Checkpoint | None,
+    lay: LayerSizes,
+    req: PlanRequest,
+    budget: int,
+    emb: str,
+    chunk: int | None,
+) -> MemoryPlan:
+    ta, cuda = arch_of(target.config), req.device == "cuda"
+    cap = capacity(req)
+    if chunk is None:
+        chunk = prefill_chunk(ta, req, budget, cap if cap < 1 << 61 else req.ram_free)
+    rows, fixed, ghost = _fixed_bytes(target, draft, lay, req, budget, emb, chunk)
+    pl, dev, host, slots = _place_layers(lay, req, fixed, ghost, cap)
     # dequantize once (quant/dense.py) the resident layers the rest of the plan leaves room for
     used = sum(dev.values()) + (0 if cuda else sum(host.values()))  # CPU: host tiers share the RAM
     dense, dense_draft = dequantize_once(lay, pl.resident, req, ta, cap - used, 1 + STATIC_SLACK if cuda else 1)
-    dev.update(
-        {k: v for k, v in (("dequantized_layers", dense.nbytes), ("dequantized_draft", dense_draft.nbytes)) if v}
-    )
+    dense_bytes = {"dequantized_layers": dense.nbytes, "dequantized_draft": dense_draft.nbytes}
+    dev.update({k: v for k, v in dense_bytes.items() if v})
     if dense.layers or dense_draft.layers:
         dev["cuda_context"] = cuda_margin({k: v for k, v in dev.items() if k != "cuda_context"}, cuda)
-    host_cap = req.ram_free - (sum(dev.values()) if not cuda else 0)
     plan = MemoryPlan(
         dev,
         host,
         cap,
-        host_cap,
+        req.ram_free - (sum(dev.values()) if not cuda else 0),
         sum(lay.span_bytes[i] for i in pl.disk),
         pl.resident,
         pl.ram,
@@ -264,7 +271,7 @@ def _plan_chunk(
         req.device,
         slots=slots,
         sized_budget=budget,
-        row_bytes=forest_row_bytes(ta, req.ctx, c),
+        row_bytes=forest_row_bytes(ta, req.ctx, compute_bytes(req)),
     )
     if slots > req.slots:
         plan.notes.append(
@@ -274,6 +281,11 @@ def _plan_chunk(
     plan.dense_layers, plan.dense_draft_layers = dense.layers, dense_draft.layers
     plan.kernel = kernel_terms(target, len(lay.packed), req, streams=bool(pl.ram or pl.disk))
     plan.notes += dense_notes(dense, dense_draft, len(pl.resident))
+    return _with_verdict(plan, target, lay, req)
+
+
+def _with_verdict(plan: MemoryPlan, target: Checkpoint, lay: LayerSizes, req: PlanRequest) -> MemoryPlan:
+    """`plan` with its verdict, its experts' placement (None for a dense model) and the nf4 cache's note."""
     plan.fits, plan.reason = verdict(plan, req)
     routing = (req.timings or {}).get("routing")  # a profile's measured routing counts, where it has them
     plan.experts = expert_plan(target, lay, req, plan, routing=routing)  # None for a dense model
