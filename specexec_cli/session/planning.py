@@ -81,7 +81,7 @@ def make_plan(
 ):
     """MemoryPlan for `opts` and the draft TreeShape `shape`; `temperature` weighs the self-draft's
     widths, `gpu` (--gpu NAME) plans for a published card, `profile` lends its measured rates."""
-    from offload.planning import PlanRequest, plan_memory
+    from offload.planning import PlanRequest
     from specexec_cli.session.profiles import card, cost_device_for, plan_timings, profile_matches
 
     if gpu is not None:
@@ -130,11 +130,18 @@ def make_plan(
         cost_device=cost_device,
         timings=plan_timings(timed),
     )
+    return _plan_checkpoints(req, opts.ctx, target, tpath, draft, why, shortfall)
+
+
+def _plan_checkpoints(req, ctx: int, target, tpath, draft, why: str, shortfall: str):
+    """The plan for the checkpoints, with the profile's note `why` and the stated machine's `shortfall`."""
+    from offload.planning import plan_memory
+
     with offload_errors():
         # the opened (validated) Checkpoints the loader uses too; the 4-bit cache is the plan's alone
         tck = target.checkpoint if tpath == target.path else open_checkpoint(tpath, "--target")
         dck = draft.checkpoint if draft is not None else None
-        check_window(opts.ctx, [(tck, "--target"), (dck, "--draft")])
+        check_window(ctx, [(tck, "--target"), (dck, "--draft")])
         plan = plan_memory(tck, dck, req)
     if why:
         plan.notes.append(why)
