@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specexec_cli.core.draft import TreeShape
@@ -122,11 +122,9 @@ def warm_up(models, prompts: list[list[int]], grid: BenchGrid) -> None:
     for t in grid.temperatures:
         if "sequoia" in grid.methods:
             acceptance_vector(models, prompts[0], SamplingParams(temperature=t), grid.options.get("sequoia_profile"))
+    short = replace(grid, max_new_tokens=4, max_depth=4, seed=0)
     for m in dict.fromkeys(("ar",) + grid.methods):
-        cfg = GenerationConfig(
-            method=m, shape=TreeShape(8, 4), max_new_tokens=4, sampling=SamplingParams(temperature=grid.temperatures[0])
-        )
-        run_one(models, prompts[0], with_settings(cfg, **grid.options))
+        run_one(models, prompts[0], cell_config(Cell(m, 8, grid.temperatures[0]), short))
 
 
 def run_bench(models, prompts: list[list[int]], grid: BenchGrid, progress=None) -> list[dict]:
@@ -188,17 +186,13 @@ def _link_summary(runs: list[RunStats]) -> dict:
 
 
 def make_records(runs: dict[Cell, list[RunStats]], grid: BenchGrid) -> list[dict]:
-    refs = {
-        c.temperature: [r.token_ids for r in rs] for c, rs in runs.items() if c.method == "ar" and c.temperature == 0
-    }
+    ref = next(([r.token_ids for r in rs] for c, rs in runs.items() if c.method == "ar" and c.temperature == 0), None)
     settings = MethodSettings.of(cell_config(next(iter(runs)), grid))
     records = []
     for cell, rs in runs.items():
         if cell.hidden:
             continue
-        lossless = None
-        if cell.temperature == 0 and 0 in refs:
-            lossless = all(a.token_ids == b for a, b in zip(rs, refs[0]))
+        lossless = all(a.token_ids == b for a, b in zip(rs, ref)) if cell.temperature == 0 and ref is not None else None
         base = dict(method=cell.method, temperature=cell.temperature, lossless=lossless, **summarise(rs))
         if cell.method == "chain":
             base["gamma"] = settings.gamma

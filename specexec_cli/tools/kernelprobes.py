@@ -17,15 +17,22 @@ import torch
 DEQUANT_SHAPE = (1024, 1024)  # the weight the dequantization probe rebuilds
 
 
-def timed(fn, min_seconds: float = 0.2, max_reps: int = 50) -> float:
+def timed(fn, min_seconds: float = 0.2, max_reps: int = 50, device: str = "cpu") -> float:
     """Fastest of repeated fn() calls filling ~min_seconds (after one warm-up call), at least 2: the
-    minimum, as on a shared machine other processes only ever add time."""
-    fn()
+    minimum, as on a shared machine other processes only ever add time. On a CUDA `device` each call
+    ends by waiting for it (its kernels run asynchronously)."""
+
+    def call():
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+
+    call()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 2 or (time.perf_counter() - start < min_seconds and len(times) < max_reps):
         t0 = time.perf_counter()
-        fn()
+        call()
         times.append(time.perf_counter() - t0)
     return min(times)
 
@@ -74,15 +81,9 @@ def probe_dequant() -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out: dict = dict(device=device, shape=list(DEQUANT_SHAPE))
     for kernel, fn in dequantizers(device, dtype).items():
-
-        def call():
-            with torch.no_grad():
-                fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-
         try:
-            secs = timed(call, 0.3, 20)
+            with torch.no_grad():
+                secs = timed(fn, 0.3, 20, device)
         except Exception:  # noqa: BLE001 - a kernel this device cannot run
             continue
         traffic = DEQUANT_SHAPE[0] * DEQUANT_SHAPE[1] * (2 if device == "cuda" else 4) * dequant_elems(kernel, device)

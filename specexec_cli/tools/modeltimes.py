@@ -12,11 +12,19 @@ offload/planning/draftcost.py). Nothing here prints; errors are SpecxError.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from specexec_cli.core import draftstep, kvcache
+from specexec_cli.core.draft import DraftContext, TreeShape
+from specexec_cli.core.engine import DecodeState, GenerationConfig
+from specexec_cli.core.methods import generate
+from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.core.tree import causal_mask
 
 CONTEXT_TOKENS = 64  # committed tokens in the cache while timing a pass (a short conversation)
 WARMUP = 2  # untimed passes before each timed size (caches, allocator, page cache, threads)
@@ -50,9 +58,6 @@ def context_ids(tokenizer) -> list[int]:
 
 def time_target(models, n_values: list[int]) -> dict[int, float]:
     """Seconds of one target pass over n new tokens on a CONTEXT_TOKENS-token cache (cropped back after each)."""
-    from specexec_cli.core import kvcache
-    from specexec_cli.core.tree import causal_mask
-
     m, dtype = models.target, kvcache.model_dtype(models.target)
     ids = context_ids(models.tokenizer)
     cache, ctx = kvcache.new_cache(), len(ids)
@@ -73,11 +78,6 @@ def count_routing(models, tokens: int = ROUTING_TOKENS) -> dict | None:
     """{tokens, experts, layers, counts} of one target pass over `tokens` sample tokens: per sparse layer
     the tokens routed to each expert (from the top-k indices each experts module is called with),
     `counts` flattened layer by layer as planning/experts.hit_share takes them. None for a dense target."""
-    import re
-
-    from specexec_cli.core import kvcache
-    from specexec_cli.core.tree import causal_mask
-
     m = models.target
     e = getattr(m.config, "num_local_experts", None) or getattr(m.config, "num_experts", None)
     mods = [
@@ -109,10 +109,7 @@ def count_routing(models, tokens: int = ROUTING_TOKENS) -> dict | None:
 def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
     """{step_seconds: one draft step over `beams` nodes, grow_seconds: {budget: one whole tree}, max_beams},
     through core/draftstep.run (CUDA graphs replayed) over a draft cache reserved as a run's is."""
-    from specexec_cli.core import draftstep, kvcache
-    from specexec_cli.core.draft import DraftContext, TreeShape, grow_tree
-    from specexec_cli.core.sampling import SamplingParams
-    from specexec_cli.core.tree import causal_mask
+    from specexec_cli.core.draft import grow_tree
 
     d, dtype = models.draft, kvcache.model_dtype(models.draft)
     ids = context_ids(models.tokenizer)
@@ -141,10 +138,6 @@ def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
 def time_draft_in_runs(models, budgets, beams: int, passes: int = 4) -> dict:
     """{budget: median draft seconds per pass} of real specexec decoding (T = 0): what a run's
     --stats-json draft_seconds counts (growth, scoring, cache trimming); one untimed pass first."""
-    from specexec_cli.core.draft import TreeShape
-    from specexec_cli.core.engine import DecodeState, GenerationConfig
-    from specexec_cli.core.methods import generate
-
     ids = context_ids(models.tokenizer)
     out = {}
     for b in budgets:

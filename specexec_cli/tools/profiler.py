@@ -8,6 +8,7 @@ assembles the versioned dict of profiles/README.md. Nothing here prints; errors 
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import platform
@@ -62,12 +63,8 @@ def probe_gpus(copy_bytes: int = 512 << 20) -> list[dict]:
         props = torch.cuda.get_device_properties(i)
         host = torch.empty(copy_bytes, dtype=torch.uint8).pin_memory()
         dev = torch.empty(copy_bytes, dtype=torch.uint8, device=f"cuda:{i}")
-
-        def copy():
-            dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize(i)
-
-        gbps = round(copy_bytes / kernelprobes.timed(copy, 0.5, 10) / 1e9, 3)
+        copy = functools.partial(dev.copy_, host, non_blocking=True)
+        gbps = round(copy_bytes / kernelprobes.timed(copy, 0.5, 10, f"cuda:{i}") / 1e9, 3)
         out.append(dict(index=i, name=props.name, total_bytes=props.total_memory, h2d_pinned_gbps=gbps))
     return out
 
@@ -184,13 +181,8 @@ def probe_matmul() -> dict:
         size = sizes[name]
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
-
-        def mm():
-            a @ b
-            if device == "cuda":
-                torch.cuda.synchronize()
-
-        out[f"{name}_gflops"] = round(2 * size**3 / kernelprobes.timed(mm, 0.3, 20) / 1e9, 2)
+        secs = kernelprobes.timed(functools.partial(torch.matmul, a, b), 0.3, 20, device)
+        out[f"{name}_gflops"] = round(2 * size**3 / secs / 1e9, 2)
     return out
 
 
@@ -199,13 +191,7 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> dict:
     within it (CPU: RAM to RAM)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-
-    def copy():
-        dst.copy_(src)  # noqa: F821 - bound above; pyflakes reads the `del` below as unbinding it
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    secs = kernelprobes.timed(copy, 0.5, 20)
+    secs = kernelprobes.timed(functools.partial(dst.copy_, src), 0.5, 20, device)
     name = torch.cuda.get_device_name() if device == "cuda" else probe_cpu()["model"]
     del src, dst
     return dict(name=name, gbps=round(2 * nbytes / secs / 1e9, 3), bytes=nbytes, method="copy_ read + write")
