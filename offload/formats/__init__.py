@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from offload.formats.gguf_meta import read_part as read_gguf_part
     from offload.formats.gguf_meta import value as gguf_value
     from offload.formats.hfdir import read_config
-    from offload.formats.mxfp4 import dequantize as mxfp4_dequantize
     from offload.formats.mxfp4 import dequantize_t as mxfp4_dequantize_t
     from offload.formats.ollama import resolve as resolve_ollama
     from offload.formats.pydist import find as find_pydist
@@ -39,7 +38,6 @@ _LAZY = {  # name here -> (module, name there)
     "read_gguf_part": ("offload.formats.gguf_meta", "read_part"),
     "gguf_value": ("offload.formats.gguf_meta", "value"),
     "read_config": ("offload.formats.hfdir", "read_config"),
-    "mxfp4_dequantize": ("offload.formats.mxfp4", "dequantize"),
     "mxfp4_dequantize_t": ("offload.formats.mxfp4", "dequantize_t"),
     "resolve_ollama": ("offload.formats.ollama", "resolve"),
     "find_pydist": ("offload.formats.pydist", "find"),
@@ -53,7 +51,6 @@ __all__ = [
     "ggml_kernel_enabled",
     "ggml_linear",
     "gguf_value",
-    "mxfp4_dequantize",
     "mxfp4_dequantize_t",
     "open_checkpoint",
     "read_config",

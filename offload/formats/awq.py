@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from offload.errors import OffloadError
-from offload.formats.packed import PackedReader, bits4, check_divides, group_size, unpack_cols
+from offload.formats.packed import PackedReader, bits4, group_size, unpack_cols
 
 # AWQ packs column 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i] into field i: REVERSE[j] is the field holding column 8c + j
 REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -57,7 +57,10 @@ class AwqReader(PackedReader):
 
     def shapes(self, q, out_f, in_f, present):
         g = q["group_size"] if q["group_size"] > 0 else in_f
-        check_divides(in_f, g, "AWQ")
+        if in_f % g:
+            raise OffloadError(
+                f"AWQ: input size {in_f} is not a multiple of group_size {g}; the checkpoint does not match its config"
+            )
         groups = in_f // g
         return {"qweight": (in_f, out_f // 8), "qzeros": (groups, out_f // 8), "scales": (groups, out_f)}
 

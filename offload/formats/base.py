@@ -27,7 +27,6 @@ import torch
 from offload.errors import OffloadError
 
 FORMATS = ("bf16", "fp16", "fp32", "bnb-nf4", "awq", "gptq", "compressed-tensors", "gguf", "mxfp4")
-LAYER_PREFIX = "model.layers."
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
-
-    @property
-    def offset(self) -> int:
-        return self.begin
 
 
 class StoredTensors:
@@ -116,7 +111,7 @@ class Checkpoint(StoredTensors):
 
     def layer_tensors(self, i: int) -> dict[str, TensorInfo]:
         """Stored tensors of decoder layer i, by full name."""
-        prefix = f"{LAYER_PREFIX}{i}."
+        prefix = f"model.layers.{i}."
         return {n: t for n, t in self.tensors.items() if n.startswith(prefix)}
 
     def layer_bytes(self, i: int) -> int:
@@ -140,9 +135,6 @@ class Checkpoint(StoredTensors):
             return self.read(hf_name)
         raw = {n: self.read(n) for n in self.packed[hf_name]}
         return self.reader.load_weight(self, hf_name, raw, torch.device("cpu"), dtype).contiguous()
-
-    def file_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
 
     def load_tokenizer(self, trust: bool = False):
         from transformers import AutoTokenizer
@@ -197,22 +189,3 @@ def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
             done += n
     finally:
         os.close(fd)
-
-
-def check_names(entries: dict, expected, tied: dict, is_extra, what: str, source) -> None:
-    """Strict loading's name check: every `expected` tensor is stored (a `tied` alias may be absent)
-    and nothing else is, save what `is_extra(name)` allows. Raises OffloadError naming the first
-    offending tensor in sorted order (the file, for an unexpected one)."""
-    missing = sorted(n for n in expected if n not in entries and n not in tied)
-    unexpected = sorted(n for n in entries if n not in expected and not is_extra(n))
-    if missing:
-        raise OffloadError(
-            f"{source}: tensor {missing[0]!r} that {what} needs is missing ({len(missing)} missing, "
-            f"{len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download"
-        )
-    if unexpected:
-        e = entries[unexpected[0]]
-        raise OffloadError(
-            f"{e.file}: unexpected tensor {e.name!r} ({len(unexpected)} not used by {what}); the checkpoint "
-            "does not match config.json - fix it or re-download"
-        )

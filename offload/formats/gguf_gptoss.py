@@ -60,7 +60,6 @@ REQUIRED = {  # metadata key (after `gpt-oss.`) -> HF config key
 
 
 def config_dict(head) -> dict:
-    """GptOssConfig's dict from the file's metadata (see the contract)."""
 
     def v(key, default=None):
         return gguf_meta.value(head, f"{ARCH}.{key}", default)
@@ -133,8 +132,6 @@ def hf_params(config) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
 
 
 class GgufExperts(RoutedExperts):
-    """gpt-oss's experts from a GGUF's six stored tensors (see the contract)."""
-
     names = tuple(f"{p}_{s}" for p in ("gate", "up", "down") for s in ("weight", "bias"))
 
     def __init__(self, experts: nn.Module, infos: dict, compute_dtype: torch.dtype):

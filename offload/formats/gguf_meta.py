@@ -35,7 +35,6 @@ def is_gguf_file(path: Path) -> bool:
 
 
 def gguf_parts(path: Path) -> list[Path]:
-    """Ordered part files of the GGUF model at `path` (see the module contract)."""
     if path.is_dir():
         files = sorted(p for p in path.glob("*.gguf") if p.is_file())
         firsts = [p for p in files if not _SPLIT.match(p.name) or _SPLIT.match(p.name)["no"] == "00001"]
@@ -132,7 +131,6 @@ def _check_back_to_back(reader, spans: list[tuple[int, int, str]]) -> None:
 
 
 def read_part(file: Path):
-    """GGUFReader of one part file, checked (see the module contract)."""
     try:
         size = file.stat().st_size
     except OSError as exc:

@@ -35,7 +35,6 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weigh
 
 
 def model_type(first: Path, arch: str, experts) -> str:
-    """HF model_type of a MoE GGUF of `arch`, or one OffloadError line (see the contract)."""
     if arch not in MODEL_TYPE:
         raise OffloadError(
             f"{first}: a mixture-of-experts GGUF ({experts} experts) is not supported yet; use the model's "
@@ -45,7 +44,6 @@ def model_type(first: Path, arch: str, experts) -> str:
 
 
 def config_keys(head, arch: str, model_type: str, cfg: dict) -> None:
-    """The MoE keys transformers' GGUF tables leave out (see the contract), into `cfg`."""
 
     def v(key):
         return gguf_meta.value(head, f"{arch}.{key}")
@@ -74,7 +72,6 @@ def _rows(head, name: str) -> int | None:
 
 
 def expert_names(config, shapes: dict) -> dict[str, list[str]]:
-    """{fused GGUF tensor name: HF per-expert weight names, expert order} (see the contract)."""
     from offload.arch.moe import MOE_FAMILIES
 
     names = MOE_FAMILIES[config.model_type][1]
@@ -115,7 +112,6 @@ def slices(part: Path, t, count: int) -> list:
 
 
 def fit_shape(info: TensorInfo, want: tuple[int, ...] | None) -> TensorInfo:
-    """`info` with HF's shape `want` where a 1-D stored vector is HF's (1, n) weight (see the contract)."""
     stored = tuple(info.meta["shape"])
     if want is None or len(want) != 2 or want[0] != 1 or stored != tuple(want[1:]):
         return info

@@ -185,17 +185,10 @@ _BLOCK_FN[MXFP4] = _mxfp4
 
 @torch.no_grad()
 def dequantize(
-    raw: torch.Tensor,
-    qtype: int,
-    shape,
-    dtype: torch.dtype = torch.float32,
-    out: torch.Tensor | None = None,
-    rows_to: torch.Tensor | None = None,
+    raw: torch.Tensor, qtype: int, shape, dtype: torch.dtype = torch.float32, rows_to: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Float tensor of `shape` in `dtype` from its stored GGUF bytes `raw` (see the module contract).
-    `out`: an optional preallocated (rows, cols) destination of `dtype` on raw's device.
-    `rows_to`: (rows,) int64 on raw's device, the output row of each stored row (a row
-    permutation undone while writing, e.g. llama.cpp's Q/K order); None keeps the order."""
+    """`rows_to`: (rows,) int64 on raw's device, the output row of each stored row (a row permutation
+    undone while writing, e.g. llama.cpp's Q/K order); None keeps the order."""
     if qtype not in BLOCK:
         raise ValueError(f"GGUF type {qtype} is not supported")
     shape = tuple(int(d) for d in shape)
@@ -208,9 +201,9 @@ def dequantize(
         w = raw.contiguous().view(-1).view(PLAIN[qtype]).view(rows, cols)
         # F16 goes through float32 as the reference does (exact), then one rounding to dtype
         w = w.to(torch.float32).to(dtype) if qtype == F16 and dtype != torch.float16 else w.to(dtype)
-        if rows_to is None and out is None:
+        if rows_to is None:
             return w.reshape(shape)
-        dst = out if out is not None else torch.empty(rows, cols, dtype=dtype, device=raw.device)
+        dst = torch.empty(rows, cols, dtype=dtype, device=raw.device)
         _put(dst, 0, rows, w, rows_to)
         return dst.reshape(shape)
     per, size = BLOCK[qtype]
@@ -218,8 +211,8 @@ def dequantize(
     if kernel_choice(raw.device) == "compiled" and _STATE["broken"] is None:
         w = _compiled_rows(blocks, qtype, dtype, rows_to)
         if w is not None:
-            return (out.copy_(w) if out is not None else w).reshape(shape)
-    dst = out if out is not None else torch.empty(rows, cols, dtype=dtype, device=raw.device)
+            return w.reshape(shape)
+    dst = torch.empty(rows, cols, dtype=dtype, device=raw.device)
     step = max(1, CHUNK_ELEMS // cols)
     fn = _BLOCK_FN[qtype]
     for r0 in range(0, rows, step):

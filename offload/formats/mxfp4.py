@@ -104,12 +104,7 @@ class Mxfp4Reader(SafetensorsReader):
             return stored_shapes(name, shape) if name.endswith(FUSED) else None
 
         ckpt.shapes = validate.check_tensors(ckpt, parts)
-        for name, e in sorted(ckpt.tensors.items()):
-            if name.endswith(("_blocks", "_scales")) and e.dtype != torch.uint8:
-                raise OffloadError(
-                    f"{e.file}: tensor {name!r} is {e.dtype}, expected MXFP4 uint8; the checkpoint is corrupt - "
-                    "re-download it"
-                )
+        self.check_uint8(ckpt, [n for n in ckpt.tensors if n.endswith(("_blocks", "_scales"))], "MXFP4")
         return ckpt
 
 
@@ -117,8 +112,6 @@ READER = Mxfp4Reader()
 
 
 class Mxfp4Experts(RoutedExperts):
-    """gpt-oss's experts from their MXFP4 blocks and scales (see the contract)."""
-
     names = tuple(f"{p}_{s}" for p in ("gate_up_proj", "down_proj") for s in ("blocks", "scales", "bias"))
 
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype):

@@ -59,7 +59,6 @@ def _blob(root: Path, digest: str, manifest: Path) -> Path:
 
 
 def resolve(name: str) -> OllamaModel | None:
-    """The GGUF blob and params of ollama model `name` (see the module contract)."""
     root = models_dir()
     manifest = manifest_path(name, root)
     if manifest is None or not manifest.is_file():

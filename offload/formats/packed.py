@@ -140,11 +140,3 @@ def group_size(qc: dict, path: Path, key: str = "group_size") -> int:
             f"{path / 'config.json'}: bad quantization_config.{key} {str(g)[:20]!r}; fix or re-download the checkpoint"
         )
     return g
-
-
-def check_divides(in_f: int, group: int, what: str) -> None:
-    if group > 0 and in_f % group:
-        raise OffloadError(
-            f"{what}: input size {in_f} is not a multiple of group_size {group}; "
-            "the checkpoint does not match its config"
-        )

@@ -31,7 +31,6 @@ def head_name(ck) -> str:
 
 
 def packed_globals_ok(ck, device, dtype: torch.dtype) -> bool:
-    """Whether `ck` can keep its embeddings and output layer as GGUF bytes on `device` (see contract)."""
     if getattr(ck, "format", None) != "gguf" or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
     info = ck.tensors.get(EMBED)
@@ -45,8 +44,6 @@ def packed_globals_ok(ck, device, dtype: torch.dtype) -> bool:
 
 
 class PackedEmbedding(nn.Module):
-    """The embedding table as its GGUF bytes `raw` (vocab rows of `qtype` blocks); see the contract."""
-
     def __init__(self, raw: torch.Tensor, qtype: int, vocab: int, hidden: int):
         super().__init__()
         self.qtype, self.num_embeddings, self.embedding_dim = qtype, vocab, hidden
@@ -59,8 +56,6 @@ class PackedEmbedding(nn.Module):
 
 
 class LeanHead(PackedHead):
-    """The output layer as its GGUF bytes only; see the contract."""
-
     def __init__(self, raw: torch.Tensor, qtype: int, out_features: int, in_features: int):
         nn.Module.__init__(self)
         self.out_features, self.in_features = out_features, in_features

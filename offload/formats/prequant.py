@@ -47,19 +47,12 @@ def bnb4_config(config) -> dict | None:
     return qc
 
 
-def _state_key(entries, name: str) -> str | None:
-    for kind in QS_KINDS:
-        key = f"{name}.quant_state.bitsandbytes__{kind}"
-        if key in entries:
-            return key
-    return None
-
-
 def load_quant_state(index, name: str, device: torch.device, logical_shape: tuple[int, ...]):
     """QuantState of packed weight `name`, its small tensors on `device`; checks the logical shape."""
     from bitsandbytes.functional import QuantState
 
-    key = _state_key(index.entries, name)
+    keys = (f"{name}.quant_state.bitsandbytes__{kind}" for kind in QS_KINDS)
+    key = next((k for k in keys if k in index.entries), None)
     if key is None:
         raise OffloadError(
             f"{index.source_name}: {name!r} has no bitsandbytes quant_state; the checkpoint is incomplete"

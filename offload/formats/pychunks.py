@@ -53,7 +53,6 @@ def listed_sha256(sums, name: str) -> str | None:
 
 
 def assemble(dist_name: str, version: str, name: str, chunks: tuple[Path, ...], sums=()) -> Path:
-    """The assembled model file in specx's cache (see the module contract)."""
     from offload.cachedir import cache_root
 
     out = cache_root() / "pydist" / f"{dist_name}-{version}" / name

@@ -35,7 +35,6 @@ class PyDistModel:
         return len(self.files) == 1 or (not self.files and len(self.chunks) == 1)
 
     def gguf(self) -> Path:
-        """The distribution's one GGUF model file (see the module contract)."""
         if len(self.files) == 1:
             return self.files[0]
         first = split_first(self.files)
@@ -76,7 +75,6 @@ def split_first(files: tuple[Path, ...]) -> Path | None:
 
 
 def find(name: str) -> PyDistModel | None:
-    """The installed distribution `name` and its GGUF files, or None (see the module contract)."""
     if not _NAME.match(name):
         return None
     try:

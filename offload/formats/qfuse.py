@@ -65,7 +65,6 @@ class FusedGroup:
         return self._stacked(raws, tuple(r.data_ptr() for r in raws))
 
     def take(self, member, x: torch.Tensor) -> torch.Tensor | None:
-        """member's output for x from the group's one call (see the module contract), or None."""
         raws = self._raws()
         ptrs = tuple(r.data_ptr() for r in raws)
         key = id(member)

@@ -39,10 +39,9 @@ def bnb_parts(tensors) -> dict[str, tuple[str, ...]]:
 
     out = {}
     for name in tensors:
-        for kind in QS_KINDS:
-            if name.endswith(f".quant_state.bitsandbytes__{kind}"):
-                base = name[: -len(f".quant_state.bitsandbytes__{kind}")]
-                out[base] = (base, *(f"{base}.{p}" for p in QS_PARTS if f"{base}.{p}" in tensors), name)
+        base, sep, kind = name.rpartition(".quant_state.bitsandbytes__")
+        if sep and kind in QS_KINDS:
+            out[base] = (base, *(f"{base}.{p}" for p in QS_PARTS if f"{base}.{p}" in tensors), name)
     return out
 
 
@@ -72,14 +71,18 @@ class SafetensorsReader:
             return {p: (packed_nf4_shape(shape) if p == name else None) for p in packed[name]}
 
         ckpt.shapes = validate.check_tensors(ckpt, parts)
-        for name in sorted(packed):
+        self.check_uint8(ckpt, packed, "packed 4-bit")
+        return ckpt
+
+    def check_uint8(self, ckpt: Checkpoint, names, what: str) -> None:
+        """Refuses the first of the stored tensors `names` (sorted) that is not uint8 (`what`: its packing)."""
+        for name in sorted(names):
             e = ckpt.tensors[name]
             if e.dtype != torch.uint8:
                 raise OffloadError(
-                    f"{e.file}: tensor {name!r} is {e.dtype}, expected packed 4-bit uint8; "
-                    "the checkpoint is corrupt - re-download it"
+                    f"{e.file}: tensor {name!r} is {e.dtype}, expected {what} uint8; the checkpoint is corrupt - "
+                    "re-download it"
                 )
-        return ckpt
 
     def load_weight(self, ckpt: Checkpoint, hf_weight_name: str, raw, device, dtype) -> torch.Tensor:
         if hf_weight_name not in ckpt.packed:

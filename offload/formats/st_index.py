@@ -10,6 +10,7 @@ the first offending tensor.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -68,12 +69,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         raise OffloadError(f"{path}: corrupt safetensors header (bad JSON); re-download it") from None
     if not isinstance(meta, dict):
         raise OffloadError(f"{path}: corrupt safetensors header (not a JSON object); re-download it")
-    data_start = 8 + hlen
-    entries = {}
-    for name, info in meta.items():
-        if name == "__metadata__":
-            continue
-        entries[name] = _entry(path, name, info, data_start, size)
+    entries = {n: _entry(path, n, info, 8 + hlen, size) for n, info in meta.items() if n != "__metadata__"}
     _check_overlaps(path, entries)
     return entries
 
@@ -113,11 +109,10 @@ def _entry(path: Path, name: str, info, data_start: int, size: int) -> TensorEnt
 
 def _check_overlaps(path: Path, entries: dict[str, TensorEntry]) -> None:
     """Tensors must not share bytes (a crafted header could alias one region under many names)."""
-    prev = None
-    for e in sorted((e for e in entries.values() if e.nbytes), key=lambda e: (e.begin, e.end)):
-        if prev is not None and e.begin < prev.end:
+    spans = sorted((e for e in entries.values() if e.nbytes), key=lambda e: (e.begin, e.end))
+    for prev, e in itertools.pairwise(spans):
+        if e.begin < prev.end:
             raise OffloadError(f"{path}: tensors {prev.name!r} and {e.name!r} overlap in the file; re-download it")
-        prev = e
 
 
 class SafetensorsIndex(StoredTensors):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from offload.errors import OffloadError
-from offload.formats.base import Checkpoint, check_names
+from offload.formats.base import Checkpoint
 
 MAX_EXPANSION = 2  # 16-bit bytes config.json implies / bytes of a 16-bit checkpoint's files
 SLACK_BYTES = 64 << 20
@@ -46,14 +46,14 @@ def _tied(hf, config) -> dict[str, str]:
     return dict(keys) if isinstance(keys, dict) else {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-def check_tensors(ckpt: Checkpoint, parts: Parts | None = None) -> dict[str, tuple[int, ...]]:
+def check_tensors(ckpt: Checkpoint, parts: Parts) -> dict[str, tuple[int, ...]]:
     hf = meta_model(ckpt)
     params = {n: p for n, p in hf.named_parameters(remove_duplicate=False)}
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     expected: dict[str, tuple[int, ...] | None] = {}
     floats = set()
     for name, shape in shapes.items():
-        packed = parts(name, shape) if parts is not None and name.startswith("model.layers.") else None
+        packed = parts(name, shape) if name.startswith("model.layers.") else None
         if packed:
             expected.update(packed)
         else:
@@ -61,9 +61,20 @@ def check_tensors(ckpt: Checkpoint, parts: Parts | None = None) -> dict[str, tup
             if params[name].dtype.is_floating_point:
                 floats.add(name)
     tied = _tied(hf, ckpt.hf_config)
-    src = ckpt.source_name or ckpt.path
     what = f"model_type {ckpt.hf_config.model_type!r}"
-    check_names(ckpt.tensors, expected, tied, lambda n: n.endswith("inv_freq"), what, src)
+    missing = sorted(n for n in expected if n not in ckpt.tensors and n not in tied)
+    unexpected = sorted(n for n in ckpt.tensors if n not in expected and not n.endswith("inv_freq"))
+    if missing:
+        raise OffloadError(
+            f"{ckpt.source_name or ckpt.path}: tensor {missing[0]!r} that {what} needs is missing ({len(missing)} "
+            f"missing, {len(unexpected)} unexpected); the checkpoint does not match config.json - fix it or re-download"
+        )
+    if unexpected:
+        e = ckpt.tensors[unexpected[0]]
+        raise OffloadError(
+            f"{e.file}: unexpected tensor {e.name!r} ({len(unexpected)} not used by {what}); the checkpoint "
+            "does not match config.json - fix it or re-download"
+        )
     for name in sorted(n for n in expected if n in ckpt.tensors):
         e, want = ckpt.tensors[name], expected[name]
         if want is not None and tuple(e.shape) != tuple(want):
@@ -78,7 +89,7 @@ def check_tensors(ckpt: Checkpoint, parts: Parts | None = None) -> dict[str, tup
             )
     if not ckpt.quantized:
         need = sum(p.numel() for p in {id(p): p for p in params.values()}.values()) * 2  # at 16 bits
-        have = ckpt.file_bytes()
+        have = sum(f.stat().st_size for f in ckpt.files)
         if need > MAX_EXPANSION * have + SLACK_BYTES:
             raise OffloadError(
                 f"{ckpt.root / 'config.json'}: describes {need >> 20} MiB of 16-bit weights but the "
