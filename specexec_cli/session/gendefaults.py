@@ -10,10 +10,10 @@ set values win one by one. No torch, no transformers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from specexec_cli.core.sampling import SamplingParams
+from specexec_cli.session.strict import config_json
 
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' values when do_sample is set
 GREEDY = SamplingParams()
@@ -23,13 +23,7 @@ SERVE_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
 
 
 def read_generation_config(model_dir: Path | str | None) -> dict:
-    if model_dir is None:
-        return {}
-    try:
-        data = json.loads((Path(model_dir) / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return {} if model_dir is None else config_json(model_dir, "generation_config.json")
 
 
 def generation_of(target) -> dict:
@@ -47,12 +41,9 @@ def numbers(cfg: dict) -> dict:
 def checkpoint_sampling(cfg: dict) -> SamplingParams:
     if cfg.get("do_sample") is not True:
         return GREEDY
-    values = {**HF_DEFAULTS, **numbers(cfg)}
     try:
-        params = SamplingParams(
-            temperature=float(values["temperature"]), top_k=int(values["top_k"]), top_p=float(values["top_p"])
-        )
-    except (TypeError, ValueError, OverflowError):
+        params = merge(SamplingParams(**HF_DEFAULTS), **numbers(cfg))
+    except (ValueError, OverflowError):
         return SamplingParams(**HF_DEFAULTS)
     if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
         return SamplingParams(**HF_DEFAULTS)  # a broken file: transformers' defaults, never an error
@@ -63,9 +54,8 @@ def serve_sampling(cfg: dict) -> SamplingParams:
     """`specx serve`'s sampling for requests that set none (module docstring)."""
     if "do_sample" in cfg:
         return checkpoint_sampling(cfg)
-    given = numbers(cfg)
     try:
-        params = merge(SERVE_DEFAULTS, given.get("temperature"), given.get("top_k"), given.get("top_p"))
+        params = merge(SERVE_DEFAULTS, **numbers(cfg))
     except (ValueError, OverflowError):
         return SERVE_DEFAULTS
     if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0):

@@ -42,31 +42,16 @@ def describe(name: str) -> Info:
         ck = open_checkpoint(path)
     except OffloadError as exc:
         cfg = config_json(path)
-        qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
+        qc = cfg.get("quantization_config")
+        family, layers, vocab = cfg.get("model_type"), cfg.get("num_hidden_layers"), cfg.get("vocab_size")
         return Info(
-            path,
-            None,
-            cfg.get("model_type"),
-            cfg.get("num_hidden_layers"),
-            quant=qc,
-            vocab=cfg.get("vocab_size"),
-            runnable=False,
-            reason=str(exc),
+            path, None, family, layers, quant=qc if isinstance(qc, dict) else None, vocab=vocab, reason=str(exc)
         )
     cfg = ck.config.get("text_config") or ck.config
-    n = ck.num_layers
-    return Info(
-        path,
-        ck.format,
-        cfg.get("model_type"),
-        n,
-        [ck.layer_bytes(i) for i in range(n)],
-        sum(f.stat().st_size for f in ck.files),
-        ck.quant,
-        cfg.get("vocab_size"),
-        ck.chat_template,
-        runnable=True,
-    )
+    n, family, vocab = ck.num_layers, cfg.get("model_type"), cfg.get("vocab_size")
+    layer_bytes = [ck.layer_bytes(i) for i in range(n)]
+    total = sum(f.stat().st_size for f in ck.files)
+    return Info(path, ck.format, family, n, layer_bytes, total, ck.quant, vocab, ck.chat_template, runnable=True)
 
 
 def _quant_text(q: dict | None) -> str:

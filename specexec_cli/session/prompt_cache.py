@@ -20,7 +20,7 @@ inherits that). If evicting every unprotected entry is not enough, the newcomer 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -62,6 +62,8 @@ class Snapshot:
 
 @dataclass
 class CacheStats:
+    """The counters /metrics shows as prompt_cache_<field>_total."""
+
     requests: int = 0  # prepare() calls
     hits: int = 0  # requests that restored a snapshot
     restored_tokens: int = 0  # rows those restores brought back
@@ -182,18 +184,9 @@ class PromptCache:
     def metrics(self) -> dict:
         """Counters and gauges for /metrics (names without the specx_ prefix)."""
         with self.lock:
-            s = self.stats
-            return {
-                "prompt_cache_hits_total": s.hits,
-                "prompt_cache_requests_total": s.requests,
-                "prompt_cache_restored_tokens_total": s.restored_tokens,
-                "prompt_cache_saves_total": s.saves,
-                "prompt_cache_evictions_total": s.evictions,
-                "prompt_cache_refused_total": s.refused,
-                "prompt_cache_entries": len(self.entries),
-                "prompt_cache_bytes": self.nbytes,
-                "prompt_cache_capacity_bytes": self.capacity,
-            }
+            totals = {f"{k}_total": v for k, v in asdict(self.stats).items()}
+            gauges = dict(entries=len(self.entries), bytes=self.nbytes, capacity_bytes=self.capacity)
+            return {f"prompt_cache_{k}": v for k, v in (totals | gauges).items()}
 
 
 # -- cache rows <-> host ---------------------------------------------------------------------------
@@ -207,8 +200,6 @@ def _layers(cache) -> list:
 
 
 def _rows_bytes(cache, n: int) -> int:
-    if n <= 0:
-        return 0
     total = 0
     for layer in _layers(cache):
         b, h, _, d = layer.keys.shape
@@ -273,9 +264,7 @@ def copy_prefix(src, dst, rows: int, models) -> None:
     def view(cache, k):
         return [(layer.keys[:, :, :k], layer.values[:, :, :k]) for layer in _layers(cache)] if k else []
 
-    snap = Snapshot(
-        list(src.ids[:n]), n, draft_len, view(src.target_cache, n), view(src.draft_cache, draft_len) if own else [], 0
-    )
+    snap = Snapshot(list(src.ids[:n]), n, draft_len, view(src.target_cache, n), view(src.draft_cache, draft_len), 0)
     restore(snap, dst, models, n)
 
 

@@ -24,10 +24,11 @@ def check_config(path: Path, flag: str) -> dict:
         return read_config(path)
 
 
-def config_json(path: Path) -> dict:
-    """config.json as a dict, {} where it cannot be read (a broken one is check_config's to report)."""
+def config_json(path: Path, name: str = "config.json") -> dict:
+    """config.json (or `name`) as a dict, {} where it cannot be read (a broken config.json is
+    check_config's to report)."""
     try:
-        data = json.loads((Path(path) / "config.json").read_bytes())
+        data = json.loads((Path(path) / name).read_bytes())
     except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
