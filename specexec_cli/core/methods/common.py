@@ -53,12 +53,11 @@ def with_settings(cfg, **options):
 
 
 def flag_options(gamma: int, branching: str | None, profile) -> dict:
-    """CLI flags → the `extra` dict (γ, branching widths, the profile that caches Sequoia's vector)."""
+    """CLI flags → `with_settings` options (γ, branching widths, the profile that caches Sequoia's vector)."""
     if gamma < 1:
         raise ValueError(f"--gamma must be >= 1 (got {gamma})")
     widths = parse_branching(branching) if branching else None
-    options = dict(gamma=gamma, branching=widths, sequoia_profile=str(profile) if profile else None)
-    return {k: v for k, v in options.items() if v is not None}
+    return dict(gamma=gamma, branching=widths, sequoia_profile=str(profile) if profile else None)
 
 
 def parse_branching(text: str) -> tuple[int, ...]:

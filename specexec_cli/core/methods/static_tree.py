@@ -65,12 +65,9 @@ def level_template(widths: tuple[int, ...]) -> Template:
     """Every node at depth d gets widths[d] children (SpecInfer's expansion ⟨k1, k2, ...⟩; chain: 1s)."""
     parents, level = [-1], [0]
     for w in widths:
-        nxt = []
-        for node in level:
-            for _ in range(w):
-                parents.append(node)
-                nxt.append(len(parents) - 1)
-        level = nxt
+        first = len(parents)  # the next level's nodes: w children of each node of this one
+        parents += [node for node in level for _ in range(w)]
+        level = list(range(first, len(parents)))
     return Template(tuple(parents))
 
 
