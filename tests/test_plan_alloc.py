@@ -228,10 +228,10 @@ def test_self_draft_dequant_temporaries_equal_the_plan(tiny_pair, bits, monkeypa
             draft_bits=bits,
         )
         rows = (plan.kv_rows[0], plan.kv_rows[0])
-        planned = activation_bytes(a, a, req, rows, 8, plan.pass_tokens, False)
+        planned = activation_bytes(a, a, req, rows, 8, plan.pass_tokens)
         assert planned == plan.device_bytes["activations"]
         monkeypatch.setenv("SPECX_LOWBIT_KERNEL", "fused")  # the compiled kernel's CPU graph keeps no weight
-        assert activation_bytes(a, a, req, rows, 8, plan.pass_tokens, False) <= planned
+        assert activation_bytes(a, a, req, rows, 8, plan.pass_tokens) <= planned
     finally:
         models.target.close()
 

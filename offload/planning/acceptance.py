@@ -53,7 +53,6 @@ pair took 10.8 and 8.4 at budget 16). The sampled rows are the greedy figures st
 
 
 def tokens_per_pass(kind, temperature: float, budget: int, weights: float | None = None) -> float:
-    """The expected tokens per target pass of a draft of `kind` at `budget` (see the contract)."""
     small = weights is not None and weights <= SMALL_TARGET and kind in TOKENS_PER_PASS_SMALL
     table = TOKENS_PER_PASS_SMALL if small else TOKENS_PER_PASS
     row = table[kind]["sampled" if temperature > 0 else "greedy"]

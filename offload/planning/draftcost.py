@@ -18,8 +18,8 @@ Contract (every figure is modelled on a passcost.Device; a matching profile's me
   decoding: 1 token per pass of 1 token, no draft.
 - `Candidate` holds one candidate's figures, pass terms, sources and (`by_budget`) its tokens/s at BUDGETS
   up to the plan's budget; `best(cands)` the fitting one with the most tokens/s; `sweep` settles `--budget
-  auto`; `finish(plan, cands, plain)` sets plan.candidates (plain last: `--draft auto` may take it) and
-  plan.choice.
+  auto`; `finish(plan, cands, cost)` sets plan.candidates (plain decoding last: `--draft auto` may take
+  it) and plan.choice.
 - `skip_spec(a, plan, cost)`: the layer-skip self-draft of a resident target: one forward reads the kept
   layers (in c bytes a weight where dequantized once), the head and their shared KV, dequantizes as the
   target's kernel does, and spends 2 x (kept linear weights + head) FLOPs per node.
@@ -189,8 +189,6 @@ def evaluate(spec: Spec, cost: Costing, plan, budget: int) -> Candidate:
 def sweep(spec: Spec, cost: Costing, plan, auto: bool) -> Candidate:
     """The candidate at the plan's budget with its tokens/s at BUDGETS up to it; `auto` (--budget auto): at
     the budget with the most modelled tokens/s."""
-    if spec.draft == PLAIN:
-        return evaluate(spec, cost, plan, 0)
     budgets = sorted({b for b in BUDGETS if b < plan.budget} | {plan.budget})
     rows = [evaluate(spec, cost, plan, b) for b in budgets]
     top = max(rows, key=lambda c: c.tokens_per_second) if auto else rows[-1]
@@ -199,20 +197,17 @@ def sweep(spec: Spec, cost: Costing, plan, auto: bool) -> Candidate:
     return top
 
 
-def plain_spec() -> Spec:
-    return Spec(PLAIN, None, "", lambda _b: 1.0)
-
-
 def best(cands: list[Candidate]) -> Candidate | None:
     """The fitting candidate with the most modelled tokens/s (the first listed on a tie)."""
     fitting = [c for c in cands if c.fits and c.tokens_per_second > 0]
     return max(fitting, key=lambda c: c.tokens_per_second) if fitting else None
 
 
-def finish(plan, cands: list[Candidate], plain: Candidate | None) -> Candidate | None:
+def finish(plan, cands: list[Candidate], cost: Costing) -> Candidate | None:
     """Set plan.candidates (plain decoding listed last) and plan.choice (the best draft); returns it."""
     top = best(cands)
-    plan.candidates = [c.to_json() for c in cands + ([plain] if plain is not None else [])]
+    plain = evaluate(Spec(PLAIN, None, "", lambda _b: 1.0), cost, plan, 0)
+    plan.candidates = [c.to_json() for c in cands + [plain]]
     plan.choice = top.to_json() if top else None
     return top
 
@@ -234,7 +229,6 @@ def self_forward_bytes(a, plan, bits: int, c: int, nf4_target: bool, device: str
 
 
 def skip_spec(a, plan, cost: Costing) -> Spec:
-    """The Spec of the layer-skip self-draft under an all-resident `plan` (see the contract)."""
     from offload.selfdraft.build import LAYER_SKIP
 
     skipped, dense = set(plan.skipped_layers), set(getattr(plan, "dense_layers", ()))
@@ -280,7 +274,7 @@ def small_candidates(plan, target, draft, req, plan_memory) -> None:
         cands += [Candidate(**c) for c in own.candidates if c["draft"] != PLAIN]
     if req.budget_auto and cands[0].fits:
         plan.budget = cands[0].budget
-    top = finish(plan, cands, sweep(plain_spec(), cost, plan, False))
+    top = finish(plan, cands, cost)
     if top is not None and top is not cands[0]:
         plan.notes.append(f"draft cost model: the self-draft at {top.bits} bits is modelled faster "
                           f"({top.tokens_per_second:.2f} against {cands[0].tokens_per_second:.2f} tokens/s for "

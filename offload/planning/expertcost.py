@@ -31,12 +31,10 @@ def distinct_experts(n: int, k: int, e: int) -> float:
 
 
 def read_seconds(ex: dict, i: int, dev) -> float:
-    """Seconds one routed expert of layer i takes to read from disk (see the contract)."""
     return ex["expert_reads"][i] * dev.disk_read_s + ex["expert_bytes"][i] / dev.disk_bps
 
 
 def compute_seconds(ex: dict, i: int, n: int, dev, c: int) -> float:
-    """Seconds one distinct expert of layer i computes in a pass of n tokens (see the contract)."""
     eb, ew, k = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"]
     rows = n * k / max(distinct_experts(n, k, ex["experts"]), 1e-9)  # (token, expert) pairs per distinct expert
     bps = (ex.get("cpu_bps") or dev.memory_bps) if dev.kind == "cpu" else dev.memory_bps
@@ -46,7 +44,6 @@ def compute_seconds(ex: dict, i: int, n: int, dev, c: int) -> float:
 
 
 def apart_seconds(ex: dict, i: int, n: int, dev, c: int) -> float:
-    """Seconds layer i's routed experts take in a pass of n tokens, held apart (see the contract)."""
     if not ex["expert_bytes"][i]:
         return 0.0
     d = distinct_experts(n, ex["top_k"], ex["experts"])

@@ -107,7 +107,6 @@ def hit_share(counts: list[int] | None, cached: int, e: int) -> float:
 
 
 def _cpu_rate(dev) -> tuple[float, float, str]:
-    """(bytes/s, FLOP/s, source) of routed experts computed on the CPU (see the contract)."""
     measured = (getattr(dev, "dequant_bps", None) or {}).get("cpu-experts")
     if measured:
         return measured, CPU_EXPERTS["flops"], (dev.sources or {}).get("dequant", "measured")
@@ -165,7 +164,6 @@ def _cache_room(req, plan) -> int:
 
 
 def _on_demand(shape: MoeShape, lay, req, plan) -> dict:
-    """The "on-demand" fields of plan.experts (see the contract): experts by tier and the RAM cache."""
     disk = [i for i in plan.disk_layers if shape.expert_bytes[i]]
     sparse = sum(1 for b in shape.expert_bytes if b)
     on_disk = shape.experts * len(disk)
@@ -197,7 +195,6 @@ def routed_seconds(ex: dict, i: int, n: int, dev, c: int, on_disk: bool = False)
 
 
 def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
-    """passcost.PassTerms of one pass of n tokens under plan.experts (see the contract)."""
     ex = plan.experts
     split, held = ex["mode"] == "split", ex["mode"] == "on-demand"
     ram, disk = (set(), set()) if split else (set(plan.ram_layers), set(plan.disk_layers))

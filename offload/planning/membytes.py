@@ -250,9 +250,10 @@ def linear_dequant_bytes(numel: int, kernel: str, bits: int | None, c: int, devi
 PREFILL_SHARE = 5  # a prefill pass may take up to 1/5 of the device (CPU: of the RAM) for activations
 
 
-def fused_prefill(req) -> bool:
-    """Prefill passes run the model's causal path (no additive mask): under sdpa transformers' boolean mask."""
-    return req.attn == "sdpa"
+def prefill_bytes(a: Arch, req, n: int, c: int, deq: int, sampling: int = 0) -> int:
+    """pass_bytes of a prefill pass of n prompt tokens over --ctx keys, one logits row: the model's causal path
+    (no additive mask; under sdpa transformers' boolean mask)."""
+    return pass_bytes(a, n, req.ctx, c, req.attn, 1, deq, req.attn == "sdpa", sampling, req.device)
 
 
 def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
@@ -262,12 +263,9 @@ def prefill_chunk(ta: Arch, req, budget: int, capacity: int) -> int:
     c = compute_bytes(req)
     deq = dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, req.device)
     floor = min(pass_tokens(budget), req.ctx)
-    fused = fused_prefill(req)
-    allow = max(
-        capacity // PREFILL_SHARE, pass_bytes(ta, floor, req.ctx, c, req.attn, 1, deq, fused, device=req.device)
-    )
+    allow = max(capacity // PREFILL_SHARE, prefill_bytes(ta, req, floor, c, deq))
     chunk = req.ctx
-    while chunk > floor and pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused, device=req.device) > allow:
+    while chunk > floor and prefill_bytes(ta, req, chunk, c, deq) > allow:
         chunk = max(floor, chunk // 2)
     return chunk
 
@@ -293,13 +291,6 @@ def target_kernel(ta: Arch, req) -> str:
     return "gguf" if ta.method == "gguf" else "int4-unpack"
 
 
-def draft_kernel(req) -> str:
-    """The dequantizing path of a self-draft's substitutes (substitute_kernel); none for a small draft."""
-    if not getattr(req, "self_draft", False) or req.draft_bits is None:
-        return "none"
-    return substitute_kernel(req.draft_bits, req.device)
-
-
 def activation_bytes(
     ta: Arch,
     da: Arch | None,
@@ -307,27 +298,26 @@ def activation_bytes(
     rows: tuple[int, int],
     budget: int,
     chunk: int | None = None,
-    draft_prefill: bool = True,
     kernel_served: bool = False,
 ) -> int:
-    """The largest pass of either model: target verify pass, target prefill chunk, draft passes (a draft that
-    reads the target's KV never prefills: `draft_prefill` False). `kernel_served`: the GGUF CPU kernel
+    """The largest pass of either model: target verify pass, target prefill chunk, draft passes (a self-draft
+    grows its tree in the target's cache rows and never prefills). `kernel_served`: the GGUF CPU kernel
     multiplies every target layer from its blocks, so no target linear is dequantized into a temporary."""
     c, dev, v = compute_bytes(req), req.device, budget + 1
     deq = 0 if kernel_served else dequant_temp_bytes(ta, target_kernel(ta, req), 4, c, dev)
     chunk = min(pass_tokens(budget), req.ctx) if chunk is None else chunk
-    temperature, fused = getattr(req, "temperature", 0.0), fused_prefill(req)
+    temperature = getattr(req, "temperature", 0.0)
     verify_sampling = sampling_bytes(ta.vocab, v, temperature)
     verify = pass_bytes(ta, v, rows[0], c, req.attn, v, deq, sampling=verify_sampling, device=dev)
-    prefill = pass_bytes(ta, chunk, req.ctx, c, req.attn, 1, deq, fused, sampling_bytes(ta.vocab, 1, temperature), dev)
-    worst = max(verify, prefill)
-    if da is not None:
-        dc, beams = dtype_bytes(req.draft_dtype), req.max_beams
-        ddeq = dequant_temp_bytes(da, draft_kernel(req), req.draft_bits, dc, dev)
-        if getattr(req, "self_draft", False):
-            ddeq = max(ddeq, deq)  # the self-draft also runs the target's resident (nf4) layers
-        draft_sampling = sampling_bytes(da.vocab, beams, temperature, draft=True)
-        grow = pass_bytes(da, beams, rows[1], dc, req.attn, beams, ddeq, sampling=draft_sampling, device=dev)
-        prefill = pass_bytes(da, chunk, req.ctx, dc, req.attn, 1, 0, fused, device=dev) if draft_prefill else 0
-        worst = max(worst, grow, prefill)
-    return worst
+    worst = max(verify, prefill_bytes(ta, req, chunk, c, deq, sampling_bytes(ta.vocab, 1, temperature)))
+    if da is None:
+        return worst
+    dc, beams, own = dtype_bytes(req.draft_dtype), req.max_beams, getattr(req, "self_draft", False)
+    kernel = substitute_kernel(req.draft_bits, dev) if own and req.draft_bits is not None else "none"
+    ddeq = dequant_temp_bytes(da, kernel, req.draft_bits, dc, dev)
+    if own:
+        ddeq = max(ddeq, deq)  # the self-draft also runs the target's resident (nf4) layers
+    draft_sampling = sampling_bytes(da.vocab, beams, temperature, draft=True)
+    drows = rows[0] if own else rows[1]
+    grow = pass_bytes(da, beams, drows, dc, req.attn, beams, ddeq, sampling=draft_sampling, device=dev)
+    return max(worst, grow, 0 if own else prefill_bytes(da, req, chunk, dc, 0))

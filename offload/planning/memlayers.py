@@ -139,18 +139,6 @@ def layer_sizes(ck: Checkpoint, arch: Arch, req, apart: bool = True) -> LayerSiz
     return out
 
 
-def dense_fit(lay: LayerSizes, resident: list[int], room: int, slack: float = 1.0) -> list[int]:
-    """The resident layers, in order, whose dequantized-once linears (lay.dense) fit in `room`
-    bytes, each costing `slack` times its size (CUDA: the allocator's rounding)."""
-    dense, used = [], 0
-    for i in resident:
-        size = int(lay.dense[i] * slack) if i < len(lay.dense) else 0
-        if size and used + size <= room:
-            dense.append(i)
-            used += size
-    return dense
-
-
 def dense_substitutes(lay: LayerSizes, resident: list[int], req, arch: Arch, room: int) -> tuple[list[int], int]:
     """--draft self with HQQ substitutes (3 or 2 bits): the substituted layers, in order, whose linears
     dequantized once (passcost.linear_weights a layer) fit in `room`, and their bytes. NF4 substitutes and
@@ -185,9 +173,15 @@ class Dense:
 def dequantize_once(
     lay: LayerSizes, resident: list[int], req, arch: Arch, room: int, slack: float
 ) -> tuple[Dense, Dense]:
-    """What the plan dequantizes once in `room`: resident layers first (dense_fit), then HQQ substitutes."""
-    dense = dense_fit(lay, resident, room, slack)
-    target = Dense(dense, sum(lay.dense[i] for i in dense))
+    """What the plan dequantizes once in `room`: the resident layers, in order, whose linears (lay.dense) fit,
+    each costing `slack` times its size (CUDA: the allocator's rounding); then HQQ substitutes."""
+    target, used = Dense([], 0), 0
+    for i in resident:
+        size = int(lay.dense[i] * slack)
+        if size and used + size <= room:
+            target.layers.append(i)
+            target.nbytes += lay.dense[i]
+            used += size
     return target, Dense(*dense_substitutes(lay, resident, req, arch, room - target.nbytes))
 
 

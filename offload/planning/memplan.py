@@ -202,9 +202,7 @@ def _fixed_bytes(
         kv_target=kv_bytes(ta, rows[0], compute_bytes(req)),
         kv_draft=kv_bytes(da, rows[1], dtype_bytes(req.draft_dtype)) if da else 0,
         draft_step=_draft_step(da, rows, req),
-        activations=activation_bytes(
-            ta, da, req, (rows[0], rows[0]) if req.self_draft else rows, budget, chunk, not req.self_draft, served
-        ),
+        activations=activation_bytes(ta, da, req, rows, budget, chunk, served),
     )
     return rows, fixed, ghost
 
@@ -315,7 +313,6 @@ def _adopt_split(plan: MemoryPlan) -> None:
 
 
 def plan_memory(target: Checkpoint, draft: Checkpoint | None, req: PlanRequest) -> MemoryPlan:
-    """The plan for these checkpoints and options; see the module docstring."""
     if req.offload not in ("none", "ram", "disk", "auto"):
         raise OffloadError(f"offload must be none, ram, disk or auto, got {req.offload!r}")
     if req.embeddings not in ("auto", "device", "host", "packed"):

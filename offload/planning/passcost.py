@@ -199,7 +199,6 @@ def linear_weights(a) -> int:
 
 
 def dequant_bytes(a, kernel: str, c: int, n: int, device: str) -> int:
-    """Dequantization traffic of one layer's linears in one pass of n tokens (see the contract)."""
     if kernel == "nf4-dequant" and n <= NF4_GEMV_TOKENS:
         return 0
     return linear_weights(a) * c * dequant_elems(kernel, device)

@@ -27,7 +27,7 @@ import math
 
 from offload.arch.moe import MOE_FAMILIES
 from offload.planning.acceptance import tokens_per_pass
-from offload.planning.draftcost import Spec, best, costing_for, finish, plain_spec, self_forward_bytes, skip_spec, sweep
+from offload.planning.draftcost import Spec, best, costing_for, finish, self_forward_bytes, skip_spec, sweep
 from offload.planning.membytes import arch_of, dtype_bytes, substitute_kernel
 from offload.planning.memlayers import substitutes_are_blocks
 from offload.planning.passcost import linear_weights
@@ -153,7 +153,6 @@ def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object],
 
 
 def plan_self_draft(target, req, nf4_layers, plan_with):
-    """The chosen self-draft plan (see the contract)."""
     a = arch_of(target.config)
     tried = []
     for bits in candidate_bits(req, not req.sixteen_bit, bool(getattr(target, "packed", None))) or [4]:
@@ -183,7 +182,7 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
     chosen = next((c for c in cands if c.bits == bits and c.fits), None)
     if chosen is not None and req.budget_auto:
         plan.budget = chosen.budget  # the budget with the most modelled tokens/s (within what the plan sized)
-    finish(plan, cands, sweep(plain_spec(), costing_for(a, req), plan, False))
+    finish(plan, cands, costing_for(a, req))
     plan.choice = chosen.to_json() if chosen else None
     streamed, skipped = len(plan.ram_layers) + len(plan.disk_layers), len(plan.skipped_layers)
     plan.notes.append(
@@ -208,7 +207,7 @@ def skip_plan(target, a, req, plan_with):
     cand = sweep(skip_spec(a, plan, cost), cost, plan, req.budget_auto)
     if cand.fits and req.budget_auto:
         plan.budget = cand.budget
-    finish(plan, [cand], sweep(plain_spec(), cost, plan, False))
+    finish(plan, [cand], cost)
     plan.notes.append(
         f"self-draft: every target layer is resident, so the draft is the target itself with "
         f"{len(plan.skipped_layers)} of its {a.layers} layers left out ({skip_note(target, plan)}), "

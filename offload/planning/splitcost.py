@@ -19,30 +19,17 @@ from offload.planning.expertcost import distinct_experts
 MAX_TOKENS = 1 << 16  # a pass larger than this is not searched for the threshold
 
 
-def tier_shares(ex: dict) -> tuple[float, float, float]:
-    """(GPU hit share, RAM share, disk share) of one sparse layer's routed experts."""
-    hit = ex.get("hit", 0.0)
-    ram, disk = ex.get("ram_experts", 0), ex.get("disk_experts", 0)
-    rest = max(ram + disk, 1)
-    return hit, (1 - hit) * ram / rest, (1 - hit) * disk / rest
-
-
-def _terms(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, float, float]:
-    """(cached experts on the card, uncached on the CPU, uncached streamed) seconds of layer i (the contract)."""
+def split_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
     eb, ew, k = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"]
     d = distinct_experts(n, k, ex["experts"])
     flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
-    g, r, s = tier_shares(ex)
+    g, ram, on_disk = ex.get("hit", 0.0), ex.get("ram_experts", 0), ex.get("disk_experts", 0)
+    r, s = (1 - g) * ram / max(ram + on_disk, 1), (1 - g) * on_disk / max(ram + on_disk, 1)  # the tier shares
     on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
     disk = d * s * eb / dev.disk_bps
     cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + disk
     on_card = max(d * (1 - g) * eb / dev.memory_bps, (1 - g) * flops / dev.flops(c))
-    return on_gpu, cpu, disk + d * (1 - g) * eb / dev.link_bps + on_card
-
-
-def split_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
-    """(seconds, "cpu" | "stream") of layer i's routed experts in a pass of n tokens (see the contract)."""
-    on_gpu, cpu, stream = _terms(ex, i, n, dev, c)
+    stream = disk + d * (1 - g) * eb / dev.link_bps + on_card
     return on_gpu + min(cpu, stream), "cpu" if cpu <= stream else "stream"
 
 
