@@ -102,7 +102,16 @@ def load_hf(ref: ModelRef, opts: LoadOptions, device: torch.device, dtype: torch
     from offload import gqa_attention  # SDPA without repeated K/V
 
     if ref.format == "gguf":  # a GGUF draft: transformers dequantizes it once at load (gguf_file=)
-        return load_gguf_hf(ref, device, dtype)
+        ckpt = ref.checkpoint
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                ckpt.tokenizer_path, gguf_file=ckpt.tokenizer_kwargs["gguf_file"], dtype=dtype
+            )
+        except (ValueError, OSError, RuntimeError, KeyError) as exc:
+            msg = str(exc).splitlines()[0][:200]
+            raise SpecxError(f"{ref.flag} {ref.path}: cannot load the model ({msg})") from None
+        model.checkpoint = ckpt
+        return model.to(device).eval()
     path, flag, safe = ref.path, ref.flag, ref.safe
     index = ref.checkpoint if safe else None
     config = load_config(path, flag, opts.trust_remote_code)
@@ -146,20 +155,6 @@ def load_small_draft(ref: ModelRef, opts: LoadOptions, device: torch.device, dty
         )
 
 
-def load_gguf_hf(ref: ModelRef, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    ckpt = ref.checkpoint
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            ckpt.tokenizer_path, gguf_file=ckpt.tokenizer_kwargs["gguf_file"], dtype=dtype
-        )
-    except (ValueError, OSError, RuntimeError, KeyError) as exc:
-        raise SpecxError(f"{ref.flag} {ref.path}: cannot load the model ({str(exc).splitlines()[0][:200]})") from None
-    model.checkpoint = ckpt
-    return model.to(device).eval()
-
-
 def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
     """The layers the self-draft leaves out: as many as `draft_skip` or the plan says (a resident
     target without either: default_skip), by `draft_skip_rule` (the least influential, measured once
@@ -180,18 +175,18 @@ def skipped_layers(target, opts: LoadOptions, tok=None) -> list[int]:
     influence, rule = None, opts.draft_skip_rule
     if getattr(target, "plan", None) is None and rule == "influence":  # HF-resident: no hooks to measure with
         rule = "middle"
-    source = (sixteen_bit_source(target) or Path(target.source)) if rule == "influence" else None
     if rule == "influence":
+        source = sixteen_bit_source(target) or Path(target.source)
         influence = stored_influence(source, n_layers)
-    if influence is None and rule == "influence":
-        notices.notice(
-            f"--draft self: one target pass to measure each layer's influence and leave out the "
-            f"{n} least influential (stored for later loads)"
-        )
-        tok = tok or opts.target.tokenizer
-        ids = torch.tensor([tok(CALIBRATION)["input_ids"]], device=target.input_device)
-        influence = layer_influence(target, ids)
-        store_influence(source, influence)
+        if influence is None:
+            notices.notice(
+                f"--draft self: one target pass to measure each layer's influence and leave out the "
+                f"{n} least influential (stored for later loads)"
+            )
+            tok = tok or opts.target.tokenizer
+            ids = torch.tensor([tok(CALIBRATION)["input_ids"]], device=target.input_device)
+            influence = layer_influence(target, ids)
+            store_influence(source, influence)
     order = rule_order(n_layers, rule, influence)
     skipped = pick_skipped(order, streamed or range(n_layers), n)
     if opts.plan is not None and getattr(opts.plan, "skipped_layers", None):

@@ -156,9 +156,7 @@ def config_record(cfg, offload_plan: str | None = None) -> dict:
         max_beams=cfg.shape.max_beams, max_branch=cfg.shape.max_branch, temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
     )
-    if offload_plan is not None:
-        rec["offload"] = offload_plan
-    return rec
+    return rec if offload_plan is None else {**rec, "offload": offload_plan}
 
 
 def parse_draft_bits(value: str, draft: str | None) -> int | None:
@@ -276,8 +274,6 @@ def hardware_fit(budget: str, cfg, profile_path, models, offload: str):
 
 @dataclass
 class Fitted:
-    """What `load_fitted` returns."""
-
     flags: ModelFlags
     opts: object
     models: object

@@ -62,13 +62,8 @@ def _reads_tools(source: str) -> bool:
 
 def call_format(tok) -> str:
     source = template_source(tok) or ""
-    if HERMES_OPEN in source:
-        return "hermes"
-    if MISTRAL_OPEN in source:
-        return "mistral"
-    if PYTHON_TAG in source or "ipython" in source:
-        return "llama3"
-    return "generic"
+    marks = ((HERMES_OPEN, "hermes"), (MISTRAL_OPEN, "mistral"), (PYTHON_TAG, "llama3"), ("ipython", "llama3"))
+    return next((fmt for mark, fmt in marks if mark in source), "generic")
 
 
 def parse_arguments(value) -> dict:
@@ -222,17 +217,15 @@ def _header(text: str, names, first: bool):
     ({"name": "<a tool>", "arguments" | "parameters": {...}} after the family's markers)."""
     i = 0
     if not first:  # the previous call's object closes first
-        while i < len(text) and text[i].isspace():
-            i += 1
+        i = len(text) - len(text.lstrip())
         if i == len(text):
             return "wait"
         if text[i] != "}":
             return None
         i += 1
     while True:
-        while i < len(text) and text[i].isspace():
-            i += 1
-        rest = text[i:]
+        rest = text[i:].lstrip()
+        i = len(text) - len(rest)
         if not rest or any(m.startswith(rest) and m != rest for m in SKIPPABLE):
             return "wait"
         mark = next((m for m in SKIPPABLE if rest.startswith(m)), None)
