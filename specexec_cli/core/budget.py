@@ -105,17 +105,10 @@ class LiveConfig(GenerationConfig):
 class BudgetTuner:
     """Online statistics → budget/depth; `drive` wraps engine.generate (see module docstring)."""
 
-    def __init__(
-        self,
-        timing: TimingModel,
-        shape: TreeShape,
-        max_budget: int = 1024,
-        retune_every: int = 8,
-        max_depth: int | None = None,
-    ):
+    def __init__(self, timing: TimingModel, shape: TreeShape, max_budget: int = 1024, retune_every: int = 8):
         self.timing = timing
         self.max_budget = max_budget
-        self.depth_cap = max_depth or shape.max_depth  # the user's --max-depth is an upper bound
+        self.depth_cap = shape.max_depth  # the user's --max-depth is an upper bound
         self.retune_every = retune_every
         self.holder = ShapeHolder(shape)
         self.passes = 0
@@ -140,26 +133,23 @@ class BudgetTuner:
         a = (self.sxy + lam * PRIOR_A) / (self.sxx + lam)
         return min(1.0 + a * math.log2(1 + budget), self.depth_cap + 1.0)
 
-    def _ratio(self, obs: dict[int, list[float]], model: Callable[[int], float]) -> float:
-        """Geometric mean of observed/predicted seconds: rescales a model to this machine/moment."""
+    def _seconds(self, obs: dict[int, list[float]], key: int, x: int, model: Callable[[int], float]) -> float:
+        """The mean of obs[key] once 3 passes are timed, else model(x) rescaled to this machine/moment by
+        the geometric mean of the observed/predicted seconds."""
+        rec = obs.get(key)
+        if rec and rec[0] >= 3:
+            return rec[1] / rec[0]
         logs = [(c, math.log(max(s / c, 1e-9) / max(model(k), 1e-12))) for k, (c, s) in obs.items() if c]
         total = sum(c for c, _ in logs)
-        return math.exp(sum(c * v for c, v in logs) / total) if total else 1.0
+        return model(x) * (math.exp(sum(c * v for c, v in logs) / total) if total else 1.0)
 
     def t_target(self, n: int) -> float:
-        obs = self.target_obs.get(n_bin(n))
-        if obs and obs[0] >= 3:
-            return obs[1] / obs[0]
-        return self.timing.t_target(n) * self._ratio(self.target_obs, self.timing.t_target)
+        return self._seconds(self.target_obs, n_bin(n), n, self.timing.t_target)
 
     def t_draft(self, budget: int) -> float:
         if budget == PLAIN:
             return 0.0
-        obs = self.draft_obs.get(budget)
-        if obs and obs[0] >= 3:
-            return obs[1] / obs[0]
-        model = lambda b: self.timing.t_draft(b, self.shape.max_beams)  # noqa: E731
-        return model(budget) * self._ratio(self.draft_obs, model)
+        return self._seconds(self.draft_obs, budget, budget, lambda b: self.timing.t_draft(b, self.shape.max_beams))
 
     def choose_depth(self, budget: int) -> int:
         """1.5 x the smallest d with P(accepted ≥ d) < 2 % (doubled when ≥ 5 % of passes hit the current
