@@ -240,20 +240,12 @@ def profile(
         if target is not None:
             from specexec_cli.tools import modeltimes
 
-            cal: dict = {}
             with display.LoadProgress(display.live_enabled(no_live)) as progress:
-                def calibrate(models):
-                    from specexec_cli.session.calprobe import measure_calibration
-
-                    cal["node"] = measure_calibration(models, calibration_tokens, progress)
-
                 # planned and loaded as `specx run` with the same flags would (tools/modeltimes.py)
                 flags = dict(target=target, draft=draft, dtype=dtype, device=device, offload=offload,
                              max_gpu_memory=max_gpu_memory, max_ram=max_ram, allow_pickle=allow_pickle,
                              trust_remote_code=trust_remote_code)
-                models_part = modeltimes.measure(flags, max_tokens, progress,
-                                                 calibrate if draft is not None and calibration_tokens > 0 else None)
-            node_cal = cal.get("node")
+                models_part, node_cal = modeltimes.measure(flags, max_tokens, progress, calibration_tokens)
             models_part.update(dtype=dtype, offload=offload)
         prof = profiler.build_profile(hardware, models_part, profiler.recommend(models_part), node_cal)
         path = write_profile(prof, out)

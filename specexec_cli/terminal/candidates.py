@@ -152,14 +152,11 @@ def experts_table(ex: dict):
     from rich.table import Table
 
     split, held = ex["mode"] == "split", ex["mode"] == "on-demand"
-    title = (
-        "experts: attention+shared on the card, routed experts apart"
-        if split
-        else "experts: disk layers' routed experts read when routed"
-        if held
-        else "experts: whole layers"
-    )
-    table = Table(title=title, header_style="bold cyan")
+    titles = {
+        "split": "experts: attention+shared on the card, routed experts apart",
+        "on-demand": "experts: disk layers' routed experts read when routed",
+    }
+    table = Table(title=titles.get(ex["mode"], "experts: whole layers"), header_style="bold cyan")
     for col, justify in (("part", "left"), ("where", "left"), ("experts", "right"), ("GB", "right")):
         table.add_column(col, justify=justify, no_wrap=True)
     if split:

@@ -148,25 +148,19 @@ def read_stdin_line(prompt: str) -> str:
     return line.rstrip("\n")
 
 
-def history_file():
-    """The history file (its directory created), or None when the state dir is not writable."""
-    path = paths.state_dir() / "chat_history"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(exist_ok=True)
-    except OSError:
-        return None
-    return path
-
-
 def terminal_reader() -> Callable[[str], str]:
     """A prompt_toolkit line reader with persistent history (in-memory if the file is unusable)."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.output import create_output
 
-    path = history_file()
-    history = FileHistory(str(path)) if path is not None else InMemoryHistory()
+    path = paths.state_dir() / "chat_history"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(exist_ok=True)
+        history = FileHistory(str(path))
+    except OSError:  # the state dir is not writable
+        history = InMemoryHistory()
     output = None if sys.stdout.isatty() else create_output(stdout=sys.stderr)
     session = PromptSession(history=history, output=output, enable_history_search=False)
 

@@ -210,16 +210,12 @@ class LiveView:
                 self.console.print(render(self.stats, self.extra, self.link_gbps))
         if not report:
             return
-        if self.summary == "turn":
-            print(turn_line(self.stats), file=sys.stderr, flush=True)
+        if self.summary == "turn":  # the one line after each chat reply
+            s = self.stats
+            print(f"[{s.new_tokens} tokens · {s.tokens_per_second:.2f} tok/s · {s.tokens_per_pass:.2f} tokens/pass · "
+                  f"{s.target_passes} passes]", file=sys.stderr, flush=True)
         elif self.summary and self._live is None and self._bottom is None:
             print(self.stats.summary_line(), file=sys.stderr, flush=True)
-
-
-def turn_line(stats: RunStats) -> str:
-    """The one line after each chat reply."""
-    return (f"[{stats.new_tokens} tokens · {stats.tokens_per_second:.2f} tok/s · "
-            f"{stats.tokens_per_pass:.2f} tokens/pass · {stats.target_passes} passes]")
 
 
 def live_enabled(no_live: bool) -> bool:

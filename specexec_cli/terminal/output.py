@@ -25,17 +25,12 @@ def use_color(flag: bool | None, stream: TextIO | None = None) -> bool:
         tty = False
     if not tty:
         return False  # piped stdout never gets escape codes, whatever the flag says
-    if flag is not None:
-        return flag
-    return not os.environ.get("NO_COLOR")
+    return flag if flag is not None else not os.environ.get("NO_COLOR")
 
 
 def paint(text: str, sgr: str) -> str:
     """`text` in colour `sgr`, closed before each newline and reopened after it."""
-    if not text:
-        return ""
-    lines = text.split("\n")
-    return "\n".join(f"{sgr}{line}{RESET_SGR}" if line else "" for line in lines)
+    return "\n".join(f"{sgr}{line}{RESET_SGR}" if line else "" for line in text.split("\n"))
 
 
 @dataclass

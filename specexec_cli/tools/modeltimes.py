@@ -178,9 +178,10 @@ def plan_and_load(flags: dict, draft, bits, progress):
     return load_planned(opts, plan, progress), plan, cfg
 
 
-def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
-    """The profile's "models" part (see the contract); `on_first(models)` runs on the first loaded pair
-    (the node calibration of session/calprobe.py)."""
+def measure(flags: dict, max_tokens: int, progress=None, calibration_tokens: int = 0) -> tuple[dict, dict | None]:
+    """(the profile's "models" part (see the contract), its node calibration: session/calprobe.py's
+    on the first pair with a draft, `calibration_tokens` per probe prompt; None without either)."""
+    from specexec_cli.session.calprobe import measure_calibration
     from specexec_cli.session.loading import close_models
     from specexec_cli.session.modelref import ModelRef
 
@@ -192,6 +193,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
         context_tokens=CONTEXT_TOKENS,
         draft_timings={},
     )
+    node_calibration = None
     # one ModelRef for every load: the target is resolved, opened and tokenized once
     pickle, trust = flags.get("allow_pickle", False), flags.get("trust_remote_code", False)
     flags = {**flags, "target": ModelRef("--target", flags["target"], pickle, trust)}
@@ -209,8 +211,8 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
                 out["device"] = str(getattr(models.target, "device", flags.get("device", "auto")))
                 if routing := count_routing(models):
                     out["routing"] = routing
-                if on_first is not None:
-                    on_first(models)
+                if draft is not None and calibration_tokens > 0:
+                    node_calibration = measure_calibration(models, calibration_tokens, progress)
             if draft is not None:
                 if progress:
                     progress(i + 1, len(configs) + 1, f"draft trees ({key})")
@@ -223,7 +225,7 @@ def measure(flags: dict, max_tokens: int, progress=None, on_first=None) -> dict:
     if first:  # what core/budget.TimingModel.from_profile reads (the first draft timed)
         out["draft_step_seconds"], out["draft_grow_seconds"] = first["step_seconds"], first["grow_seconds"]
         out["max_beams"], out["max_depth"] = first["max_beams"], 64
-    return out
+    return out, node_calibration
 
 
 def plan_dtype(flags: dict) -> str:
