@@ -47,8 +47,7 @@ def pair_prior(profile: dict | None, target, draft) -> dict | None:
     stored = (profile or {}).get(calibrate.PROFILE_KEY)
     if not stored or target is None or draft is None:
         return None
-    same = [_same(models.get("target"), target), _same(models.get("draft"), draft)]
-    return stored if all(same) else None
+    return stored if _same(models.get("target"), target) and _same(models.get("draft"), draft) else None
 
 
 def _same(a, b) -> bool:

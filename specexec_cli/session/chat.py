@@ -296,18 +296,13 @@ def render_template(tok, messages: list[dict], tools: list[dict] | None = None) 
     """The chat template's text for `messages` (and `tools`) plus the generation prompt. A template
     that raises is tried again with the system messages folded into the first user turn; if that
     raises too (or there is no system message), TemplateError carries the template's own message."""
-    try:
-        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception()
-        first = exc
-    if any(m["role"] == "system" for m in messages):
+    folded = [fold_system(messages)] if any(m["role"] == "system" for m in messages) else []
+    for conversation in [messages, *folded]:
         try:
-            return tok.apply_chat_template(
-                fold_system(messages), tools=tools, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # noqa: BLE001 - what is still wrong once the system role is gone
-            first = exc
-    raise TemplateError(f"the chat template refused this conversation: {first}") from None
+            return tok.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - jinja2 errors and the template's raise_exception()
+            error = exc  # the last one: what is still wrong once the system role is gone
+    raise TemplateError(f"the chat template refused this conversation: {error}") from None
 
 
 def plain_prompt(messages: list[dict], code: bool) -> str:

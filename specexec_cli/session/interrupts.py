@@ -16,8 +16,6 @@ GRACE_SECONDS = 1.0
 
 
 class StopFlag:
-    """The SIGINT handler and grace timer of the module contract."""
-
     def __init__(self):
         self.stop = False
         self.timer: threading.Timer | None = None

@@ -191,11 +191,9 @@ def profile_matches(profile: dict | None, target, dtype: str) -> tuple[dict | No
             f"{name} timed another target ({models.get('target')}); its pass times are not used "
             "(run `specx profile --target` with this one)"
         )
-    if models.get("plan_dtype") and models["plan_dtype"] != dtype:
-        return (
-            None,
-            f"{name} timed this target at --dtype {models['plan_dtype']}, not {dtype}; its pass times are not used",
-        )
+    timed = models.get("plan_dtype")
+    if timed and timed != dtype:
+        return None, f"{name} timed this target at --dtype {timed}, not {dtype}; its pass times are not used"
     return models, ""
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass, field
 
+import psutil
 import torch
 
 from specexec_cli.core import kvcache
@@ -298,20 +299,12 @@ def token_bytes(model) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * kvcache.model_dtype(model).itemsize
 
 
-def host_room(plan) -> int:
-    """Host bytes the memory plan leaves free; without a plan, half the RAM available now."""
-    if plan is not None:
-        return max(0, plan.host_capacity - plan.host_total)
-    import psutil
-
-    return psutil.virtual_memory().available // 2
-
-
 def make_prompt_cache(models, plan, capacity: int | None) -> PromptCache | None:
     """The cache for `--cache-ram` (None: half the free host RAM, at most DEFAULT_CONTEXTS full
     contexts; 0: none). Pinned on CUDA when it fits in that free RAM (pinned pages cannot swap)."""
     per_token = token_bytes(models.target) + (0 if models.shared_kv else token_bytes(models.draft))
-    room = host_room(plan)
+    # host bytes the memory plan leaves free; without a plan, half the RAM available now
+    room = max(0, plan.host_capacity - plan.host_total) if plan is not None else psutil.virtual_memory().available // 2
     if capacity is None:
         capacity = min(room // 2, DEFAULT_CONTEXTS * per_token * models.ctx_limit)
     if capacity <= 0:
