@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from specexec_cli.core import kvcache
+from specexec_cli.core.tree import build_mask
 
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
 LARGEST = POWERS[-1]  # widest pass with buffers kept; wider ones get one-off buffers
@@ -187,18 +188,6 @@ class StaticDraftStep:
             main.wait_stream(side)
         buf.graph, buf.out = graph, out
         return out
-
-
-def build_mask(m: torch.Tensor, rows: torch.Tensor, b: int, n_past: int, start: int, anc, causal: bool) -> None:
-    """Fill the (P, K) additive mask `m` in place (module docstring's columns; `anc` (B, D) on the
-    device); padded rows i >= B see their own column only, columns past the live rows none."""
-    m.fill_(torch.finfo(m.dtype).min)
-    m[:b, :n_past] = 0
-    if causal:  # the (B, P) block of new columns is all dtype-min: triu_(1) zeroes j <= i (row i sees start + j)
-        m[:b, start : start + m.shape[0]].triu_(1)
-    if anc is not None and anc.shape[1]:  # padding (-1) points at the row's own column, seen anyway
-        m[:b].scatter_(1, torch.where(anc >= 0, anc, rows[:b, None]), 0.0)
-    m.scatter_(1, rows[:, None], 0.0)
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft cache -> its StaticDraftStep

@@ -78,30 +78,38 @@ def attention_mask(
 ) -> torch.Tensor:
     """Additive (1, 1, B, n_cols) mask: row i sees columns [0, n_past), anc_cols[i] (B, D; -1 = none)
     and self_cols[i]; everything else is dtype-min."""
-    b = self_cols.numel()
     device = torch.device("cpu") if device is None else torch.device(device)
     anc_cols, self_cols = upload(device, anc_cols, self_cols)  # (B, D), (B,): one small copy
-    allowed = torch.zeros(b, n_cols, dtype=torch.bool, device=device)
-    allowed[:, :n_past] = True
-    # scatter each row's ancestor columns; padding (-1) goes to a spare column that is cut off
-    allowed = torch.cat([allowed, torch.zeros(b, 1, dtype=torch.bool, device=device)], dim=1)
-    allowed.scatter_(1, torch.where(anc_cols >= 0, anc_cols, n_cols), True)
-    allowed = allowed[:, :n_cols]
-    allowed.scatter_(1, self_cols[:, None], True)  # a scatter, not an index_put: no host sync on CUDA
-    # allocated at a width rounded up to 8 and passed as a slice: SDPA's memory-efficient kernel
-    # copies a mask whose row stride is not a multiple of 8 (offload/arch/attention.py)
-    mask = torch.zeros(b, -(-n_cols // 8) * 8, dtype=dtype, device=device)[:, :n_cols]
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = padded_mask(self_cols.numel(), n_cols, dtype, device)
+    build_mask(mask, self_cols, self_cols.numel(), n_past, n_past, anc_cols, causal=False)
     return mask[None, None]
 
 
 def causal_mask(n_past: int, n_new: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """Additive (1, 1, n_new, n_past + n_new) mask for a plain chain of new tokens."""
-    rows = torch.arange(n_new, device=device).unsqueeze(1)
-    cols = torch.arange(n_past + n_new, device=device).unsqueeze(0)
-    mask = torch.zeros(n_new, -(-(n_past + n_new) // 8) * 8, dtype=dtype, device=device)[:, : n_past + n_new]
-    mask.masked_fill_(cols > rows + n_past, torch.finfo(dtype).min)
+    mask = padded_mask(n_new, n_past + n_new, dtype, device)
+    build_mask(mask, torch.arange(n_past, n_past + n_new, device=device), n_new, n_past, n_past, None, causal=True)
     return mask[None, None]
+
+
+def padded_mask(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised (rows, cols) slice of a store whose width is rounded up to 8: SDPA's
+    memory-efficient kernel copies a mask whose row stride is not a multiple of 8 (offload/arch/attention.py)."""
+    return torch.empty(rows, -(-cols // 8) * 8, dtype=dtype, device=device)[:, :cols]
+
+
+def build_mask(m: torch.Tensor, rows: torch.Tensor, b: int, n_past: int, start: int, anc, causal: bool) -> None:
+    """Fill the (P, K) additive mask `m` in place: row i < B sees columns [0, n_past), its ancestors'
+    (row i of the (B, D) device table `anc` of columns, -1 = none; None = none), its own column rows[i]
+    and, with `causal`, columns start .. start + i; padded rows i >= B see their own column only.
+    Scatters and slice fills only: no host sync on CUDA."""
+    m.fill_(torch.finfo(m.dtype).min)
+    m[:b, :n_past] = 0
+    if causal:  # the (B, P) block of new columns is all dtype-min: triu_(1) zeroes j <= i (row i sees start + j)
+        m[:b, start : start + m.shape[0]].triu_(1)
+    if anc is not None and anc.shape[1]:  # padding (-1) points at the row's own column, seen anyway
+        m[:b].scatter_(1, torch.where(anc >= 0, anc, rows[:b, None]), 0.0)
+    m.scatter_(1, rows[:, None], 0.0)
 
 
 def top_budget(logp: torch.Tensor, budget: int) -> torch.Tensor:
@@ -137,10 +145,3 @@ def subtree(tree: Tree, keep: torch.Tensor) -> VerifyTree:
         depth=tree.depth[ids],
         draft_ids=ids,
     )
-
-
-def verify_columns(vt: VerifyTree, n_past: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """`attention_mask`'s host inputs for the target's pass: (n, D) ancestor columns, (n,) own columns, width."""
-    idx = torch.arange(vt.size)
-    anc = ancestors(vt.parents, idx)
-    return torch.where(anc >= 0, anc + n_past, anc), idx + n_past, n_past + vt.size

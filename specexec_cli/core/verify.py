@@ -18,7 +18,7 @@ import torch
 from specexec_cli.core import kvcache
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, race_choice
 from specexec_cli.core.transfers import to_host, upload
-from specexec_cli.core.tree import VerifyTree, attention_mask, verify_columns
+from specexec_cli.core.tree import VerifyTree, ancestors, attention_mask
 
 
 @dataclass
@@ -39,11 +39,12 @@ def target_pass(target, cache, vt: VerifyTree, n_past: int, root_pos: int, *extr
 
 def verify_inputs(target, vt: VerifyTree, n_past: int, root_pos: int, *extra: torch.Tensor) -> list[torch.Tensor]:
     """target_pass's staged inputs: [ids, (n,) positions, (1, 1, n, n_past + n) mask, *extra]."""
-    anc_cols, self_cols, n_cols = verify_columns(vt, n_past)
+    idx = torch.arange(vt.size)
+    anc = ancestors(vt.parents, idx)  # (n, D) tree indices; their mask columns are n_past + index
     ids, positions, anc, own, *extra = kvcache.stage(
-        target, vt.tokens, root_pos + vt.depth, anc_cols, self_cols, *extra
+        target, vt.tokens, root_pos + vt.depth, torch.where(anc >= 0, anc + n_past, anc), idx + n_past, *extra
     )
-    mask = attention_mask(n_past, anc, own, n_cols, kvcache.model_dtype(target), target.device)
+    mask = attention_mask(n_past, anc, own, n_past + vt.size, kvcache.model_dtype(target), target.device)
     return [ids, positions, mask, *extra]
 
 
