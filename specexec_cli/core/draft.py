@@ -25,7 +25,7 @@ import torch
 from specexec_cli.core import constrain, draftstep
 from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, coupled_feature, draft_feature
 from specexec_cli.core.ngram import NgramIndex
-from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, coupled_logprobs, draft_logprobs, one_thread
+from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, one_thread
 from specexec_cli.core.transfers import to_host
 from specexec_cli.core.tree import Tree, ancestors, top_budget
 
@@ -91,10 +91,14 @@ def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor):
 
 
 def proposals(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring) -> tuple[list, torch.Tensor | None]:
-    """Per node: its n-gram proposal, and the (B,) first proposed tokens (-1 = none); ([], None) when off."""
+    """Per node: its prompt-lookup continuation (capped by the depth left) and match length, and the (B,)
+    first proposed tokens (-1 = none); ([], None) when off."""
     if scoring is None or scoring.ngram is None:
         return [], None
-    props = [proposal(tree, int(n), shape, scoring) for n in nodes.tolist()]
+    props = []
+    for node in nodes.tolist():
+        room = min(CHAIN_LEN, shape.max_depth - int(tree.depth[node]))
+        props.append(scoring.ngram.match(scoring.tail(tree, node, scoring.ngram.n), room) if room >= 1 else ([], 0))
     return props, torch.tensor([p[0][0] if p[0] else -1 for p in props], dtype=torch.long)
 
 
@@ -108,9 +112,10 @@ def top_children(
     (and `extra`'s) s minus the top's (<= 0). One copy: ids ride as float32 (exact below 2^24).
     """
     with one_thread(logits.device):
-        logp = draft_logprobs(logits, params)  # (B, V), stays on the device
-        if noise is not None:  # the draft's race: the target's noise on the draft's (untruncated) log-probs
-            logp = coupled_logprobs(logp, noise)
+        t = 1.0 if params.greedy else params.temperature  # log-softmax at the run's temperature (greedy: 1)
+        logp = torch.log_softmax(logits.float() / t, dim=-1)  # (B, V), stays on the device
+        if noise is not None:  # the draft's race: log q - log E, the target's noise on its (untruncated) log-probs
+            logp = logp - noise[:, : logp.shape[-1]].log()
         gaps = gaps or noise is not None
         top = torch.topk(logp, min(k + 1, logp.shape[-1]) if gaps else k, dim=-1)
         values, ids = top.values[:, :k], top.indices[:, :k]
@@ -194,14 +199,6 @@ def valid_only(cum: torch.Tensor, idx: torch.Tensor, staged: Staged) -> torch.Te
     return cum.masked_fill(~constrain.host_allowed(staged.bits_host, idx), float("-inf"))
 
 
-def proposal(tree: Tree, node: int, shape: TreeShape, scoring: Scoring) -> tuple[list[int], int]:
-    """Prompt-lookup continuation below `node` (capped by the depth left) and its match length."""
-    room = min(CHAIN_LEN, shape.max_depth - int(tree.depth[node]))
-    if room < 1:
-        return [], 0
-    return scoring.ngram.match(scoring.tail(tree, node, scoring.ngram.n), room)
-
-
 def add_children(tree: Tree, parents, tokens, cum, feats, shape: TreeShape, scoring) -> None:
     """Add (B, k) candidate children above the threshold; n-gram chain nodes already there are re-scored."""
     keep = cum > threshold(tree, shape.budget)
@@ -279,46 +276,37 @@ def grow_tree(
         grammar.begin(tree)
         if scoring is not None:
             scoring.grammar = grammar
-    base = ctx.n_cached + len(ctx.pending) - 1  # cache index of the root = start of the tree slots
-    # 1) the pending run gives the root's distribution; the root is tree slot 0
-    root = torch.zeros(1, dtype=torch.long)
-    props, first = proposals(tree, root, shape, scoring)
-    bits = grammar.bitmask([0]) if grammar is not None else None  # (1, W) host: the committed state's mask
-    root_logits, root_pos, extra = run_pending(draft, cache, ctx, *[t for t in (first, bits) if t is not None])
-    tree.mark_run(root)
-    if shape.max_depth < 1 or shape.budget < 1:
-        return tree
-    expand(tree, root, root_logits[None], shape, params, scoring, staged_from(props, first, extra, root_pos + 1, bits))
     gain = float(scoring.cal.log_accept().max()) if scoring is not None and scoring.cal is not None else 0.0
-    # 2) expand the best open nodes, one batched draft forward per step
-    for _ in range(shape.max_depth + shape.budget):
+    nodes = torch.zeros(1, dtype=torch.long)  # the root first, then the best open nodes
+    for _ in range(shape.max_depth + shape.budget + 1):  # one batched draft forward per step
+        logits, staged = run_nodes(draft, cache, ctx, tree, nodes, shape, scoring, grammar)
+        tree.mark_run(nodes)
+        if shape.max_depth < 1 or shape.budget < 1:
+            break
+        expand(tree, nodes, logits, shape, params, scoring, staged)
         nodes = step_batch(tree, shape, gain)
         if nodes.numel() == 0:
             break
-        props, first = proposals(tree, nodes, shape, scoring)
-        bits = grammar.bitmask(nodes.tolist()) if grammar is not None else None  # (B, W) host
-        anc = ancestors(tree.parents, nodes)  # (B, D) node ids, all already run
-        anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
-        # the B nodes' K/V go to cache rows base + n_slots + i (their own mask columns); one upload:
-        # (B,) ids, (B,) positions, (B, D) ancestor columns [, (B,) proposals][, (B, W) grammar masks]
-        logits, positions, extra = draftstep.run(
-            draft,
-            cache,
-            tree.tokens[nodes],
-            ctx.root_pos + tree.depth[nodes],
-            base,
-            anc_cols,
-            *[t for t in (first, bits) if t is not None],
-        )
-        tree.mark_run(nodes)
-        expand(tree, nodes, logits, shape, params, scoring, staged_from(props, first, extra, positions + 1, bits))
     return tree
 
 
-def staged_from(
-    props: list, first: torch.Tensor | None, extra: list, child_pos: torch.Tensor, bits_host: torch.Tensor | None = None
-) -> Staged:
-    """`Staged` from a forward's staged extras, in order: [first proposals][, grammar masks]."""
+def run_nodes(draft, cache, ctx: DraftContext, tree: Tree, nodes: torch.Tensor, shape, scoring, grammar):
+    """The draft's forward over (B,) not-yet-run `nodes` -> ((B, V) logits, the `Staged` of their expansion).
+    The root (tree slot 0) comes from the pending run; later nodes' K/V go to cache rows base + n_slots + i
+    (their own mask columns), base = the root's row. One upload: (B,) ids, (B,) positions, (B, D) ancestor
+    columns [, (B,) first proposals][, (B, W) grammar masks]."""
+    props, first = proposals(tree, nodes, shape, scoring)
+    bits = grammar.bitmask(nodes.tolist()) if grammar is not None else None  # (B, W) host
+    staged = [t for t in (first, bits) if t is not None]
+    if tree.n_slots == 0:
+        logits, positions, extra = run_pending(draft, cache, ctx, *staged)
+        logits = logits[None]
+    else:
+        base = ctx.n_cached + len(ctx.pending) - 1
+        anc = ancestors(tree.parents, nodes)  # (B, D) node ids, all already run
+        anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
+        tokens, positions = tree.tokens[nodes], ctx.root_pos + tree.depth[nodes]
+        logits, positions, extra = draftstep.run(draft, cache, tokens, positions, base, anc_cols, *staged)
     moved = iter(extra)
     first_dev = next(moved) if first is not None else None
-    return Staged(props, first, first_dev, child_pos, next(moved, None), bits_host)
+    return logits, Staged(props, first, first_dev, positions + 1, next(moved, None), bits)

@@ -96,12 +96,6 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return top_p_filter(probs, params.top_p)
 
 
-def draft_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Draft scores used to rank tree nodes: log-softmax at the run temperature (greedy → T=1)."""
-    t = 1.0 if params.greedy else params.temperature
-    return torch.log_softmax(logits.float() / t, dim=-1)
-
-
 # ---- the counter-based hash: works on Python ints and on int64 tensors alike (values in [0, 2^32))
 
 
@@ -213,8 +207,3 @@ def race_choice(
             e = rows[a : a + step] if index is None else rows.index_select(0, index[a : a + step])
             out[a : a + step] = (probs / e).argmax(-1)
     return out
-
-
-def coupled_logprobs(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Draft log-probs (B, V) perturbed by the same race: log q - log E (argmax = the draft's race draw)."""
-    return logp - noise[:, : logp.shape[-1]].log()
