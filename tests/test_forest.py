@@ -19,7 +19,7 @@ from specexec_cli.core import forest as forest_mod
 from specexec_cli.core import kvcache
 from specexec_cli.core.draft import TreeShape
 from specexec_cli.core.engine import DecodeState, GenerationConfig, generate
-from specexec_cli.core.forest import Forest, Lane, drive
+from specexec_cli.core.forest import Forest, Lane
 from specexec_cli.core.sampling import SamplingParams
 from specexec_cli.core.tree import causal_mask
 from specexec_cli.session.loading import LoadOptions, load_models
@@ -84,6 +84,18 @@ def test_forward_many_equals_each_job_alone_in_one_stream(disk):
             assert torch.equal(x.keys[:, :, : x.length], y.keys[:, :, : y.length])
 
 
+def drive(lanes: list[Lane], forest: Forest):
+    """Drive `lanes` to their ends in one forest; yields (lane, event) as they come."""
+    for ln in lanes:
+        forest.add(ln)
+    while forest.lanes:
+        for ln, ev in forest.step():
+            if isinstance(ev, BaseException):
+                raise ev
+            if ev is not None:
+                yield ln, ev
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_forest_replies_equal_each_request_alone(disk, temperature):
     """Two to four requests, different prompts and seeds, interleaved in one forest with the budget
@@ -94,7 +106,7 @@ def test_forest_replies_equal_each_request_alone(disk, temperature):
     lanes = [lane(m, p, cfg_for(budget, temperature, s)) for p, s in zip(PROMPTS, seeds)]
     got = {id(ln): [] for ln in lanes}
     forest = Forest(m)
-    for ln, ev in drive(m, lanes, forest):
+    for ln, ev in drive(lanes, forest):
         got[id(ln)].extend(ev.tokens)
     for ln, (ids, st, _) in zip(lanes, refs):
         assert got[id(ln)] == ids

@@ -135,20 +135,5 @@ class Forest:
         return out
 
     def _fail(self, lane: Lane, exc: BaseException) -> tuple[Lane, BaseException]:
-        lane.settle(leaving=True)
-        if lane in self.lanes:
-            self.lanes.remove(lane)
+        self.remove(lane)
         return lane, exc
-
-
-def drive(m: Models, lanes: list[Lane], forest: Forest | None = None):
-    """Drive `lanes` to their ends in one forest; yields (lane, event) as they come (tests, bench)."""
-    forest = forest or Forest(m)
-    for lane in lanes:
-        forest.add(lane)
-    while forest.lanes:
-        for lane, ev in forest.step():
-            if isinstance(ev, BaseException):
-                raise ev
-            if ev is not None:
-                yield lane, ev
