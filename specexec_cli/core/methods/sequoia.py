@@ -32,6 +32,7 @@ from specexec_cli.core.sampling import SamplingParams, process_logits
 from specexec_cli.core.tree import causal_mask
 
 RANKS = 8  # K: sibling ranks measured and used by the DP
+DRAWS = 8  # T > 0: Monte-Carlo draws of the multi-step rule per calibration position
 MAX_DP_DEPTH = 32  # the DP's depth cap (deeper trees add ~nothing at measured acceptance rates)
 CALIBRATION_TOKENS = 512  # most recent context tokens used to measure the vector
 PROFILE_KEY = "sequoia_acceptance"
@@ -93,25 +94,23 @@ def _teacher_forced(model, ids: list[int]) -> torch.Tensor:
     return kvcache.forward(model, cache, torch.tensor(ids), torch.arange(len(ids)), mask).float().cpu()
 
 
-def measure_acceptance(
-    m, ids: list[int], params: SamplingParams, ranks: int = RANKS, draws: int = 8, seed: int = 0
-) -> tuple[float, ...]:
+def measure_acceptance(m, ids: list[int], params: SamplingParams) -> tuple[float, ...]:
     """Estimate a_1..a_K on the last CALIBRATION_TOKENS of `ids` (module docstring)."""
     ids = ids[-CALIBRATION_TOKENS:]
     p_logits, q_logits = _teacher_forced(m.target, ids), _teacher_forced(m.draft, ids)
-    counts = np.zeros(ranks)
+    counts = np.zeros(RANKS)
     if params.greedy:
-        top = torch.topk(q_logits, ranks, dim=-1).indices  # (n, K) draft ranks
+        top = torch.topk(q_logits, RANKS, dim=-1).indices  # (n, K) draft ranks
         hit = top == p_logits.argmax(-1, keepdim=True)  # (n, K)
         return tuple(float(x) for x in hit.float().mean(0))
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     p_all, q_all = process_logits(p_logits, params), process_logits(q_logits, params)
     for p, q in zip(p_all, q_all):
-        for _ in range(draws):
-            pick, _ = choose_child(p, q, sample_children(q, ranks, gen), gen)
+        for _ in range(DRAWS):
+            pick, _ = choose_child(p, q, sample_children(q, RANKS, gen), gen)
             if pick >= 0:
                 counts[pick] += 1
-    return tuple(float(x) for x in counts / (len(ids) * draws))
+    return tuple(float(x) for x in counts / (len(ids) * DRAWS))
 
 
 def sampling_key(params: SamplingParams) -> str:
