@@ -16,6 +16,7 @@ where EOS is the only token allowed. `allowed` and `apply` are pure steps on the
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,6 @@ import torch
 
 from specexec_cli.core.grammar import CompiledGrammar, pack
 
-_BATCH = None  # xgrammar.BatchGrammarMatcher shared by all runs (its own threads)
 # Fewer rows are filled in the calling thread: waking the batch's threads costs more than it saves
 # there, and torch's own CPU threads, idle meanwhile, then wake slowly (measured: a (4, 8)
 # log_softmax right after a threaded fill took ~12 ms instead of ~3 µs on a loaded 2-core host).
@@ -37,13 +37,12 @@ class GrammarDesync(RuntimeError):
     """The grammar refused a token that was committed: the masks and the parser disagree (a bug)."""
 
 
+@functools.cache
 def batch():
-    global _BATCH
-    if _BATCH is None:
-        import xgrammar
+    """The xgrammar.BatchGrammarMatcher shared by all runs (its own threads)."""
+    import xgrammar
 
-        _BATCH = xgrammar.BatchGrammarMatcher()
-    return _BATCH
+    return xgrammar.BatchGrammarMatcher()
 
 
 @dataclass
