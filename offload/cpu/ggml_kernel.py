@@ -17,8 +17,8 @@ Contract:
   $SPECX_GGUF_KERNEL not "off", the library built: the first use compiles `sources_of(SOURCE)` once
   per machine into $SPECX_CACHE/kernels, keyed by a hash of the sources, flags, compiler and CPU.
 - `kernel_status()`: None while the kernel is usable or untried, else why not (one line, never printed).
-- `PackedHead(weight, raw, qtype)`: the output layer as an nn.Linear over fp32 `weight` computing small
-  batches from `raw`, its GGUF bytes. `COST`: seconds per packed byte relative to Q4_1's (the planner's).
+- `PackedHead(weight, raw, qtype)`: the output layer, an nn.Linear over fp32 `weight` (`raw` dequantized) for
+  large batches, up to MAX_ROWS rows from `raw`, its GGUF bytes. `COST`: seconds per packed byte relative to Q4_1's.
 Threads: `threads()` at call time, torch's count unless a `host_ops_on_one_thread()` block holds it:
 inside, torch's small ops run on one thread while the kernels keep the earlier count on kernels/pool.c's
 workers; `torch_threads_back()` gives one large torch op the threads back.
@@ -165,13 +165,21 @@ def _library() -> ctypes.CDLL | None:
     return _STATE["lib"]
 
 
+def function(name: str, argtypes: list):
+    """The built library's C function `name`, returning int, its argument types declared; None without one."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return fn
+
+
 def enabled() -> bool:
-    """$SPECX_GGUF_KERNEL is not off and the library is built (building it on first call)."""
     return not turned_off() and _library() is not None
 
 
 def threads() -> int:
-    """The kernels' thread count now: the one held by `host_ops_on_one_thread`, else torch's."""
     return _STATE["held"] or torch.get_num_threads()
 
 
@@ -208,7 +216,6 @@ def torch_threads_back():
 
 
 def kernel_status() -> str | None:
-    """None while the kernel is usable (or untried); else one line on why it is not used."""
     if turned_off():
         return f"${ENV}=off: GGUF linears dequantize"
     return _STATE["broken"]
@@ -274,9 +281,6 @@ def linear(
 
 
 class PackedHead(nn.Linear):
-    """The output layer: `weight` (out, in) fp32 for large batches, `raw` GGUF bytes through the kernel
-    for up to MAX_ROWS rows (the same values: the weight is their dequantization)."""
-
     def __init__(self, weight: nn.Parameter, raw: torch.Tensor, qtype: int):
         nn.Module.__init__(self)
         self.out_features, self.in_features = weight.shape

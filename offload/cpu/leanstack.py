@@ -36,6 +36,8 @@ ENV = "SPECX_DECODE_STACK"   # auto (default) | off
 ROWWISE = 2                  # decode_stack.c's flag: every matmul row as a one-row call computes it
 ACT_SILU, ACT_GELU_TANH = 0, 1   # decode_stack.h's dims_t.act: Llama's SiLU, Gemma-3's GELU (tanh approximation)
 STACK_ROWS = 64              # rows per pass of a stack with no fp32 copy (the self-draft's frontier, small trees)
+_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+         ctypes.c_int]   # decode_stack_lanes(lanes, L, nl, dims, h, nthreads, flags)
 
 
 class _Seg(ctypes.Structure):     # decode_stack.c's seg_t: one matmul's packed weight (rows 0: unused)
@@ -64,14 +66,7 @@ class _Dims(ctypes.Structure):    # decode_stack.c's dims_t
 
 
 def _function():
-    lib = ggml_kernel._library()
-    if lib is None:
-        return None
-    fn = lib.decode_stack_lanes
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_int]
-    return fn
+    return ggml_kernel.function("decode_stack_lanes", _ARGS)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -220,8 +215,7 @@ def _fill(s: _Layer, p: dict) -> None:
     for name in ("qkv", "o", "gu", "down"):
         segs = p[name] if isinstance(p[name], list) else [p[name]]
         slots = getattr(s, name)
-        for i in range(len(slots) if isinstance(slots, ctypes.Array) else 1):   # unused slots: rows 0
-            slot = slots[i] if isinstance(slots, ctypes.Array) else slots
+        for i, slot in enumerate(slots if isinstance(slots, ctypes.Array) else [slots]):   # unused slots: rows 0
             raw, qtype, rowmap, rows = segs[i] if i < len(segs) else (None, 0, None, 0)
             slot.w, slot.map, slot.type, slot.rows = _ptr(raw), _ptr(rowmap), qtype, rows
 
@@ -280,8 +274,7 @@ class LeanStack:
         if attention_mask is None:
             return True
         m = attention_mask
-        return (m.dim() == 4 and m.dtype == torch.float32 and m.is_cpu and m.shape[0] == 1 and m.shape[1] == 1
-                and m.shape[2] == t and m.shape[3] == slabs[0].length + t)
+        return m.dtype == torch.float32 and m.is_cpu and tuple(m.shape) == (1, 1, t, slabs[0].length + t)
 
     def __call__(self, h: torch.Tensor, position_embeddings, attention_mask: torch.Tensor | None, cache):
         return self.run([(h, position_embeddings, attention_mask, cache)])[0]

@@ -17,26 +17,12 @@ import torch
 from offload.cpu import ggml_kernel
 
 WIDTHS = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}  # output dtypes the kernel writes
-_FN: dict = {}
-
-
-def _function():
-    """mxfp4_dequant_t of the built library, its ctypes signature declared once; None without a library."""
-    lib = ggml_kernel._library()
-    if lib is None:
-        return None
-    if lib not in _FN:
-        fn = lib.mxfp4_dequant_t
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
-        _FN[lib] = fn
-    return _FN[lib]
+_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2  # mxfp4_dequant_t's argument types
 
 
 def dequantize_t(
     blocks: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """(K, N) weight in `dtype` from one expert matrix's blocks (N, G, 16) and scales (N, G); None: not served."""
     if (
         dtype not in WIDTHS
         or blocks.dim() != 3
@@ -52,7 +38,7 @@ def dequantize_t(
     blocks, scales, table = blocks.contiguous(), scales.contiguous(), table.contiguous()
     out = torch.empty(32 * g, n, dtype=dtype)
     ptrs = (blocks.data_ptr(), scales.data_ptr(), table.data_ptr(), out.data_ptr())
-    rc = _function()(*ptrs, n, g, WIDTHS[dtype], ggml_kernel.threads())
+    rc = ggml_kernel.function("mxfp4_dequant_t", _ARGS)(*ptrs, n, g, WIDTHS[dtype], ggml_kernel.threads())
     if rc != 0:
         raise RuntimeError(f"mxfp4_dequant_t failed ({rc})")
     return out

@@ -50,14 +50,12 @@ class SlabCheck:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
             return False
-        if not isinstance(getattr(layer, "length", None), int):
-            return False
         return (
-            keys.dtype == torch.float32
+            isinstance(getattr(layer, "length", None), int)
+            and keys.dtype == torch.float32
             and keys.device.type == "cpu"
             and keys.dim() == 4
-            and keys.shape[0] == 1
-            and keys.shape[1] == self.hkv
+            and keys.shape[:2] == (1, self.hkv)
             and keys.shape[3] == self.hd
             and keys.is_contiguous()
             and values.shape == keys.shape
