@@ -175,7 +175,7 @@ def test_bad_flags_and_missing_hqq_are_one_line_errors(tmp_path, target, monkeyp
     _, res = run(tmp_path, target, "--draft", "self", "--draft-bits", "5", code=2)
     assert "--draft-bits must be auto, 4, 3 or 2" in res.stderr
     monkeypatch.setitem(__import__("sys").modules, "hqq.core.quantize", None)  # import fails
-    monkeypatch.setattr(lowbit, "_QUANTIZER", [])
+    lowbit.hqq_quantizer.cache_clear()
     with pytest.raises(OffloadError, match=r"pip install 'hqq>=0\.2\.8,<0\.3'"):
         lowbit.hqq_quantizer()
 

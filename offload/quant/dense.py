@@ -32,22 +32,16 @@ def dense_bytes(ckpt, i: int, elem: int) -> int:
     return sum(math.prod(ckpt.logical_shape(n)) * elem for n in packed if n.startswith(prefix))
 
 
-def _weight(mod: nn.Module) -> torch.Tensor:
-    if isinstance(mod, PackedLinear):
-        return mod.dequantized(mod.parts_device())
-    return mod.weight_now()
-
-
 @torch.no_grad()
 def densify(layer: nn.Module, pool, component: str = COMPONENT) -> int:
-    """Dequantize each packed linear of `layer` once into a counted buffer; the bytes added."""
     added = 0
     for _, mod in dense_linears(layer):
         if mod.dense is not None:
             continue
-        w = _weight(mod)  # (out, in), the compute dtype
-        if isinstance(mod, LowbitLinear):
-            w = w.to(mod.scale.dtype)
+        if isinstance(mod, PackedLinear):
+            w = mod.dequantized(mod.parts_device())  # (out, in), the compute dtype
+        else:
+            w = mod.weight_now().to(mod.scale.dtype)
         mod.dense = pool.empty(tuple(w.shape), w.dtype, component).copy_(w)  # contiguous (out, in)
         added += mod.dense.numel() * mod.dense.element_size()
     return added

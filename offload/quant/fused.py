@@ -67,7 +67,6 @@ def fused_status() -> str | None:
 
 
 def fused_linear(*args) -> torch.Tensor:
-    """`dequant_linear(*args)` compiled; the same function eagerly once compilation has failed."""
     if _STATE["broken"] is None:
         try:
             with warnings.catch_warnings():

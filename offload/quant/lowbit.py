@@ -12,12 +12,12 @@ Contract:
   `LowbitLinear` (or, where `blocks_serve`, a quant/lowbit_pack.py `KernelLowbitLinear`), device bytes
   counted in `pool` under "draft". `LowbitLinear` multiplies by `dense` once set (quant/dense.py), else
   per quant/fused.py's kernel_choice: fused, or the eager reference (HQQ's unpack, then the matmul).
-- `lowbit_weight_bytes(shape, bits, scale_bytes, blocks)`: device bytes of one quantized weight (the plan's).
 HQQ is optional (specx's `lowbit` extra); without it `hqq_quantizer()` raises an OffloadError naming the install.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -43,13 +43,9 @@ PACKING = {4: "4bit_u8", 3: "3bit_32", 2: "2bit_u8"}
 ROWS_PER_WORD = {4: 2, 3: 10, 2: 4}  # group rows packed into one stored element (uint8, int32, uint8)
 
 
-_QUANTIZER: list = []  # HQQ's Quantizer class once imported (every draft forward unpacks through it)
-
-
+@functools.cache  # every draft forward unpacks through it
 def hqq_quantizer():
     """HQQ's Quantizer (imported once, its import-time warnings silenced), or a one-line error."""
-    if _QUANTIZER:
-        return _QUANTIZER[0]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -59,7 +55,6 @@ def hqq_quantizer():
             "--draft-bits 3 and 2 quantize with HQQ, which is not installed; fix: "
             "pip install 'hqq>=0.2.8,<0.3' (specx's lowbit extra), or a small --draft DIR"
         ) from None
-    _QUANTIZER.append(Quantizer)
     return Quantizer
 
 
@@ -264,12 +259,11 @@ def lowbit_layer(skeleton: nn.Module, shard: Path, device: torch.device, compute
                     bits,
                 )
             parent, _, leaf = name.rpartition(".")
-            setattr(skeleton.get_submodule(parent) if parent else skeleton, leaf, sub)
+            setattr(skeleton.get_submodule(parent), leaf, sub)  # get_submodule(""): the skeleton itself
     for name, p in list(skeleton.named_parameters()):
         if p.is_meta:
             owner, _, leaf = name.rpartition(".")
-            mod = skeleton.get_submodule(owner) if owner else skeleton
-            setattr(mod, leaf, nn.Parameter(put(tensors[name], compute), requires_grad=False))
+            setattr(skeleton.get_submodule(owner), leaf, nn.Parameter(put(tensors[name], compute), requires_grad=False))
     _place_blocks(skeleton, put)
     return skeleton
 

@@ -26,6 +26,7 @@ SX3, SX2 = ggml_kernel.SX3, ggml_kernel.SX2
 TYPE_OF_BITS = {3: SX3, 2: SX2}
 BLOCKS = {t: ggml_kernel.BLOCKS[t] for t in (SX3, SX2)}  # values, bytes of one block (= one HQQ group)
 _BITS = {SX3: 3, SX2: 2}
+_HALF_BYTES = {3: 6, 2: 4}  # bytes of one half's field: 48 bits (3-bit), a u32 (2-bit)
 
 
 def _words(fields: torch.Tensor, width: int) -> torch.Tensor:
@@ -41,7 +42,6 @@ def _le_bytes(words: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, n_rows: int) -> torch.Tensor:
-    """HQQ (codes, scale, zero) of an (n_rows, K) weight -> its kernel blocks (see the contract)."""
     qtype = TYPE_OF_BITS[bits]
     values, nbytes = BLOCKS[qtype]
     q = codes.to(torch.int64).reshape(-1, values)  # (groups, group): one block each
@@ -51,11 +51,8 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
     d = s.to(torch.float16)
     m = (-zero.reshape(-1).float() * s).to(torch.float16)
     head = torch.stack([d, m], dim=1).view(torch.uint8)  # (groups, 4): fp16 d, fp16 m
-    halves = q.reshape(q.shape[0], -1, 2, 16)  # (groups, sub-blocks, half, 16)
-    if bits == 3:  # a 48-bit field per half: value j at bits 3j
-        body = _le_bytes(_words(halves, 3), 6).flatten(1)
-    else:
-        body = _le_bytes(_words(halves, 2), 4).flatten(1)  # a u32 per half: value j at bits 2j
+    halves = q.reshape(q.shape[0], -1, 2, 16)  # (groups, sub-blocks, half, 16): value j at bits `bits` * j
+    body = _le_bytes(_words(halves, bits), _HALF_BYTES[bits]).flatten(1)
     out = torch.cat([head, body], dim=1)
     assert out.shape[1] == nbytes
     return out.reshape(n_rows, -1).contiguous()
@@ -68,20 +65,17 @@ def _fields(words: torch.Tensor, width: int, n: int) -> torch.Tensor:
 
 
 def dequantize(raw: torch.Tensor, qtype: int, n_rows: int, k: int) -> torch.Tensor:
-    """The (n_rows, k) fp32 weight the kernel computes with (see the contract)."""
     values, nbytes = BLOCKS[qtype]
     blk = raw.reshape(-1, nbytes)
     dm = blk[:, :4].contiguous().view(torch.float16).float()  # (groups, 2)
     body = blk[:, 4:].to(torch.int64)
-    width, bits = (6, 3) if _BITS[qtype] == 3 else (4, 2)  # bytes, bits of one half's field
-    words = _words(body.reshape(blk.shape[0], -1, width), 8)  # (groups, halves): little-endian bytes
+    bits = _BITS[qtype]
+    words = _words(body.reshape(blk.shape[0], -1, _HALF_BYTES[bits]), 8)  # (groups, halves): little-endian bytes
     q = _fields(words, bits, 16).reshape(blk.shape[0], values).float()
     return (q * dm[:, :1] + dm[:, 1:]).reshape(n_rows, k)
 
 
 class KernelLowbitLinear(nn.Module):
-    """A substitute linear of kernel blocks (see the contract)."""
-
     def __init__(self, raw: torch.Tensor, qtype: int, out_features: int, in_features: int):
         super().__init__()
         self.register_buffer("packed", raw)  # (out, in / values * bytes) uint8 kernel blocks

@@ -34,11 +34,8 @@ def require_bnb() -> None:
         import bitsandbytes
     except ImportError:
         raise OffloadError("--dtype nf4 needs bitsandbytes; pip install 'bitsandbytes>=0.50.2'") from None
-    parts = []
-    for piece in bitsandbytes.__version__.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    if tuple(parts) < MIN_BNB:
+    pieces = bitsandbytes.__version__.split(".")[:3]  # "0.50.2.dev0" -> (0, 50, 2): each piece's digits
+    if tuple(int("".join(filter(str.isdigit, p)) or 0) for p in pieces) < MIN_BNB:
         raise OffloadError(
             f"bitsandbytes {bitsandbytes.__version__} is older than 0.50.2, which specx's NF4 "
             "path needs; pip install -U 'bitsandbytes>=0.50.2'"
@@ -76,13 +73,11 @@ class Nf4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import bitsandbytes as bnb
 
-        in_dtype = x.dtype
         bias = self.bias.to(self.compute_dtype) if self.bias is not None else None
         weight, state = self.weight, self.quant_state
         if x.device.type == "cpu" and needs_cpu_layout(state):
             weight, state = self._cpu_layout(weight)
-        out = bnb.matmul_4bit(x.to(self.compute_dtype), weight, bias=bias, quant_state=state)
-        return out.to(in_dtype)
+        return bnb.matmul_4bit(x.to(self.compute_dtype), weight, bias=bias, quant_state=state).to(x.dtype)
 
     def _cpu_layout(self, weight: torch.Tensor):
         """(weight, state) in bnb's AVX512-BF16 CPU layout, as Linear4bit.forward makes them; the state

@@ -7,9 +7,10 @@ Contract:
   index, `config.json` with `quantization_config` and (tokenizer=True) the source's tokenizer files. It
   is written into a temporary sibling, `specx-manifest.json` (file sizes, source fingerprint) LAST, then
   renamed into place: a directory without a matching manifest is never used.
-- `ensure_nf4_cache(src, progress, packing)` -> the cache directory for `src` under `cache_root()`,
-  (re)built when missing, partial or stale; its name's key covers the source files' names, sizes and
-  mtimes, the settings and the packing (`keyed_path`).
+- `ensure_nf4_cache(src, progress, packing)` -> the cache directory for `src` (a 16-bit Checkpoint or its
+  directory) under `cache_root()`, (re)built when missing, partial, stale or corrupt (with an OffloadNotice
+  when it existed); its name's key covers the source files' names, sizes and mtimes, the settings and the
+  packing (`keyed_path`).
 - `packing` (nf4.packing_for(device)): "standard" is bnb's serialized layout; nf4.CPU_PACKING stores the
   bytes in bnb's fused CPU kernel's layout (nf4.cpu_relayout), marked `"specx_packing"` in config.json.
 - `progress(done, total, what)` is called once per layer while quantizing.
@@ -106,8 +107,6 @@ def is_complete(out: Path, key: str | None = None) -> bool:
 
 
 def ensure_nf4_cache(src: Path, progress: Progress | None = None, packing: str = "standard") -> Path:
-    """The cache directory for `src` (the opened 16-bit Checkpoint or its directory); one that exists but
-    cannot be used is rebuilt with an OffloadNotice."""
     ckpt = src if isinstance(src, Checkpoint) else None
     src = ckpt.path if ckpt is not None else Path(src)
     out, key = cache_dir(src, packing), cache_key(src, packing)
@@ -235,8 +234,7 @@ def _publish(tmp: Path, out: Path, key: str | None) -> None:
             shutil.rmtree(tmp)
             return
         ours = out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).exists() or key is not None)
-        if not ours:
-            shutil.rmtree(tmp)
+        if not ours:  # write_quantized removes tmp
             raise OffloadError(f"{out}: exists and is not a specx 4-bit checkpoint; choose another directory")
         shutil.rmtree(out)
     try:
