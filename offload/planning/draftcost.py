@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from offload.planning.acceptance import tokens_per_pass
 from offload.planning.experts import pass_terms
-from offload.planning.membytes import arch_of, compute_bytes, draft_bytes, dtype_bytes, substitute_kernel
+from offload.planning.membytes import arch_of, compute_bytes, draft_bytes, dtype_bytes, kv_bytes, substitute_kernel
 from offload.planning.passcost import (
     DEQUANT_ELEMS, Device, dequant_elems, device_of, draft_step, interpolate, linear_weights, model_ctx, target_pass,
 )
@@ -256,7 +256,7 @@ def small_forward_bytes(da, draft_param_bytes: int, ctx: int, dc: int) -> tuple[
     """(weight, KV, dequantization) bytes of one forward of a small 16/32-bit draft: its parameters
     (an untied input embedding is only looked up, so left out), its own KV at the full context, none."""
     weight = draft_param_bytes - (0 if da.tied else da.vocab * da.hidden * dc)
-    return weight, 2 * da.layers * da.kv_heads * da.head_dim * ctx * dc, 0
+    return weight, kv_bytes(da, ctx, dc), 0
 
 
 def small_candidates(plan, target, draft, req, plan_memory) -> None:

@@ -59,7 +59,6 @@ def apart_seconds(ex: dict, i: int, n: int, dev, c: int) -> float:
 
 
 def transfer_seconds(nbytes: float, reads: int, rate: float, dev, disk: bool) -> float:
-    """Seconds a streamed part of a layer takes to arrive: bytes over `rate`, plus its read requests from disk."""
     if not rate:
         return 0.0
     return nbytes / rate + (reads * dev.disk_read_s if disk else 0.0)

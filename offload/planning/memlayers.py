@@ -41,18 +41,14 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
     packed = _packed(ck.config)
     for name, e in ck.tensors.items():
         rel = name[len(prefix) :]
-        if (
-            packed
-            and name.startswith(prefix)
-            and (not rel.endswith((".weight", ".bias")) or not e.dtype.is_floating_point)
-        ):
-            # AWQ/GPTQ/compressed-tensors parts (qweight, scales, ...) stream as stored (formats/qlinear.py)
+        if not name.startswith(prefix):
+            continue
+        # AWQ/GPTQ/compressed-tensors parts (qweight, scales, ...) stream as stored (formats/qlinear.py)
+        qparts = packed and (not rel.endswith((".weight", ".bias")) or not e.dtype.is_floating_point)
+        if qparts or rel.endswith(STORED_ENDINGS):
             out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
             continue
-        if name.startswith(prefix) and rel.endswith(STORED_ENDINGS):
-            out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
-            continue
-        if not name.startswith(prefix) or name.endswith("inv_freq") or not rel.endswith(PARAM_ENDINGS):
+        if name.endswith("inv_freq") or not rel.endswith(PARAM_ENDINGS):
             continue
         q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
         shape = (2 * e.shape[0],) if q and e.dtype == torch.uint8 else tuple(e.shape)

@@ -70,20 +70,15 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
     """(device, host) bytes of embeddings, final norm, lm_head and rotary buffers."""
     c = compute_bytes(req)
     table = a.vocab * a.hidden * c
-    shared = a.tied and "lm_head.weight" not in ck.tensors and emb == "device"
-    head = "model.embed_tokens.weight" if a.tied and "lm_head.weight" not in ck.tensors else "lm_head.weight"
+    tied = a.tied and "lm_head.weight" not in ck.tensors
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     served = head in ck.tensors and gguf_kernel_type(ck, head, req.device, compute_dtype(req))
     packed = ck.tensors[head].nbytes if served else 0
     if emb == "packed":  # both as their GGUF bytes (formats/packed_globals.py); a tied head shares the table's
-        table = ck.tensors["model.embed_tokens.weight"].nbytes
-        lm_head = 0 if head == "model.embed_tokens.weight" else packed
-        return {"embeddings": table, "final_norm": a.hidden * c, "lm_head": lm_head, "rotary": rotary_bytes(a)}, {}
-    dev = {
-        "embeddings": table if emb == "device" else 0,
-        "final_norm": a.hidden * c,
-        "lm_head": (0 if shared else table) + packed,
-        "rotary": rotary_bytes(a),
-    }
+        embeddings, lm_head = ck.tensors["model.embed_tokens.weight"].nbytes, 0 if tied else packed
+    else:
+        embeddings, lm_head = table if emb == "device" else 0, (0 if tied and emb == "device" else table) + packed
+    dev = {"embeddings": embeddings, "final_norm": a.hidden * c, "lm_head": lm_head, "rotary": rotary_bytes(a)}
     return dev, ({"embeddings": table} if emb == "host" else {})
 
 
@@ -133,11 +128,11 @@ def _place(lay: LayerSizes, r: int, req: PlanRequest, ram_budget: int) -> _Place
     return _Placement(resident, ram, disk, device, host)
 
 
-def _extra_slots(lay: LayerSizes, req: PlanRequest, pl: _Placement, dev: dict, host: dict, cap: int):
-    """CUDA: the device memory a fitting plan leaves over becomes more staging slots (up to one per
-    streamed layer, while the device and host totals fit): (placement, device, host, slots)."""
-    streamed, best = len(pl.ram) + len(pl.disk), (pl, dev, host, max(1, min(req.slots, len(pl.ram) + len(pl.disk))))
-    for n in range(req.slots + 1, streamed + 1):
+def _extra_slots(lay: LayerSizes, req: PlanRequest, best: tuple, cap: int):
+    """CUDA: the device memory a fitting plan `best` (placement, device, host, slots) leaves over becomes more
+    staging slots (up to one per streamed layer, while the device and host totals fit): the same tuple."""
+    pl, dev, host, _ = best
+    for n in range(req.slots + 1, len(pl.ram) + len(pl.disk) + 1):
         more = _place(lay, len(pl.resident), replace(req, slots=n), sum(lay.packed[i] for i in pl.ram))
         d = {**dev, **more.device}
         d["cuda_context"] = cuda_margin(d, True)
@@ -224,9 +219,10 @@ def _place_layers(lay: LayerSizes, req: PlanRequest, fixed: dict[str, int], ghos
         host = {**ghost, **pl.host}
         if sum(dev.values()) <= cap:
             break
+    slots = max(1, min(req.slots, len(pl.ram) + len(pl.disk) or 1))
     if req.device == "cuda" and (pl.ram or pl.disk) and sum(dev.values()) <= cap:
-        return _extra_slots(lay, req, pl, dev, host, cap)
-    return pl, dev, host, max(1, min(req.slots, len(pl.ram) + len(pl.disk) or 1))
+        return _extra_slots(lay, req, (pl, dev, host, slots), cap)
+    return pl, dev, host, slots
 
 
 def _plan_chunk(

@@ -218,8 +218,6 @@ def forward_floor(plan, dev: Device, n: int) -> float:
 
 
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
-    """PassTerms of one dense target pass of n tokens (see the contract); a mixture-of-experts plan is refused
-    (experts.pass_terms prices it)."""
     if getattr(plan, "experts", None):
         raise ValueError("a mixture-of-experts plan: experts.pass_terms prices its passes")
     ram, disk = set(plan.ram_layers), set(plan.disk_layers)
@@ -268,9 +266,6 @@ def draft_step(
     packed: int = 0,
     stack: bool = False,
 ) -> float:
-    """Seconds of one draft forward: max(bytes / memory bandwidth (dequantization traffic at its kernel's
-    rate, `packed` GGUF bytes at the GGUF kernel's), FLOPs / FLOP/s, the step floor: the one-call
-    stack's with `stack`)."""
     return max(
         (weight + kv) / dev.memory_bps + dequant / dev.dequant_rate(kernel) + packed / dev.dequant_rate(GGUF_KERNEL),
         flops / dev.flops(c),
