@@ -6,8 +6,7 @@ model: they validate (models.py), hand a `jobs.Job` to the worker and await its 
 only for a server-side failure; the middleware is guards.py's (`add_guards`). Streaming is SSE:
 headers within HEADER_GRACE, `data: {json}` chunks (each with the `specx` field), `data: [DONE]`, and
 a `: keep-alive` comment every `keepalive` seconds without one. A client that goes away cancels its
-job at once. `Clock` feeds the latency histograms and the access log; `DroppedTools` logs, once per
-start, a request whose tools the chat template cannot render. GET /v1/models/{id} takes `aliases`.
+job at once. GET /v1/models/{id} takes `aliases`.
 """
 
 from __future__ import annotations
@@ -137,13 +136,7 @@ class Format:
         return shapes.envelope("chat.completion.chunk", self.head, choice, specx, usage, self.usage)
 
     def opening(self) -> list[dict]:
-        idle = {
-            "spans": [],
-            "tokens_per_pass": 0.0,
-            "target_passes": 0,
-            "tokens_per_second": 0.0,
-            "completion_tokens": 0,
-        }
+        idle = dict(spans=[], tokens_per_pass=0.0, target_passes=0, tokens_per_second=0.0, completion_tokens=0)
         return [self._chunk(None, specx=idle, delta={"role": "assistant", "content": ""})] if self.chat else []
 
     def delta(self, item: Delta) -> dict:
@@ -171,11 +164,10 @@ class Format:
         return shapes.envelope("text_completion", self.head, choice, item.specx, item.usage)
 
 
-async def answer(worker, fmt: Format, req, request: Request, keepalive: float, on_done=None):
+async def answer(worker, fmt: Format, req, request: Request, keepalive: float, on_done=lambda req, rid: None):
     """Queue the request, then stream its reports (SSE) or wait for the whole answer. A stream waits
     at most HEADER_GRACE for its first report, so an idle server still answers a bad prompt with a 4xx.
     `on_done(req, request_id)` runs once the request is answered (DroppedTools.note)."""
-    on_done = on_done or (lambda req, rid: None)
     unsupported(req)
     job = Job(to_work(req), asyncio.get_running_loop(), "chat" if fmt.chat else "completions")
     job.request_id = fmt.request_id
@@ -184,34 +176,30 @@ async def answer(worker, fmt: Format, req, request: Request, keepalive: float, o
     worker.submit(job)
     gone = asyncio.create_task(watch_disconnect(job, request))
     try:
-        first = await next_report(job, gone, HEADER_GRACE if req.stream else None)
+        item = await next_report(job, gone, HEADER_GRACE if req.stream else None)
         if gone.done():
             return Response(status_code=499)  # the client left while queued
-        if not req.stream:
-            clock.saw(first)
-        if isinstance(first, Failed):
-            raise first.error
         if req.stream:  # from here starlette's StreamingResponse watches the client (sse cancels the job)
-            body = sse(job, fmt, first, clock, keepalive, lambda: on_done(req, fmt.request_id))
+            if isinstance(item, Failed):
+                raise item.error
+            body = sse(job, fmt, item, clock, keepalive, lambda: on_done(req, fmt.request_id))
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             )
-        while True:
-            item = await next_report(job, gone)
-            if item is None:
-                return Response(status_code=499)
+        while item is not None:  # None: the client left
             clock.saw(item)
             if isinstance(item, Failed):
                 raise item.error
             if isinstance(item, Done):
                 on_done(req, fmt.request_id)
                 return JSONResponse(fmt.body(item))
+            item = await next_report(job, gone)
+        return Response(status_code=499)
     finally:
         gone.cancel()
 
 
 async def watch_disconnect(job: Job, request: Request) -> None:
-    """Cancel the job once ASGI reports that the client disconnected."""
     try:
         while (await request.receive())["type"] != "http.disconnect":
             pass

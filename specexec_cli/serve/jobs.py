@@ -11,6 +11,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from specexec_cli.serve.models import APIError, Work
 
@@ -76,11 +77,4 @@ class Job:
 
 def spans(mask: list[bool]) -> list:
     """Run-length [[n, "draft"|"target"], ...] of a per-character origin mask."""
-    out: list = []
-    for is_draft in mask:
-        kind = "draft" if is_draft else "target"
-        if out and out[-1][1] == kind:
-            out[-1][0] += 1
-        else:
-            out.append([1, kind])
-    return out
+    return [[len(list(run)), "draft" if is_draft else "target"] for is_draft, run in groupby(mask)]

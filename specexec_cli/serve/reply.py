@@ -54,8 +54,6 @@ class Piece:
 
 
 class Reply:
-    """See the module docstring."""
-
     def __init__(
         self,
         tokenizer,
@@ -74,10 +72,6 @@ class Reply:
         self.entries: list | None = [] if logprobs is not None else None
         self.sent_entries = 0  # entries already attached to a piece
         self.parts: list[str] = []  # the content of a response not streamed (module docstring)
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop.stopped
 
     def feed(self, ev) -> Piece | None:
         text = str(ev.text)

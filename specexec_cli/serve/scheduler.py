@@ -59,9 +59,6 @@ class Ticket:
     slot: int = -1
     paused: list[int] | None = None  # the committed ids of a lane paused for a streamed request
 
-    def priority(self) -> tuple[bool, int]:
-        return not self.interactive, self.seq
-
     def events(self) -> Iterator[StepEvent]:
         try:
             while True:
@@ -121,8 +118,6 @@ UNPLANNED_PARALLEL = 2  # without a memory plan (nothing known of the room)
 
 
 class Scheduler:
-    """See the module docstring."""
-
     def __init__(self, session, parallel: int, metrics):
         self.session, self.models, self.metrics = session, session.models, metrics
         self.slots = [Slot(session.state)] + [Slot(DecodeState()) for _ in range(parallel - 1)]
@@ -144,7 +139,6 @@ class Scheduler:
     def open(
         self, full: list[int], cfg, gen, cancelled: Callable[[], bool], *, seq: int, interactive: bool, background: bool
     ) -> tuple[Iterator[StepEvent], int]:
-        """Wait for admission at the next pass boundary (module docstring)."""
         ticket = Ticket(list(full), cfg, gen, cancelled, interactive, background, seq)
         with self.cv:
             self.expected.discard(ticket.seq)
@@ -215,7 +209,7 @@ class Scheduler:
         """Admit in order (module docstring); a non-streamed ticket that waits (no slot free, or
         slots.waits) holds back the non-streamed ones after it."""
         held = False
-        for ticket in sorted(arrived, key=Ticket.priority):
+        for ticket in sorted(arrived, key=lambda t: (not t.interactive, t.seq)):
             if ticket.closed or ticket.cancelled():  # gone before it (re)joined: no prefill for nobody
                 self._refuse(ticket, END if ticket.lane is not None else Withdrawn("withdrawn"))
                 continue
@@ -265,8 +259,7 @@ class Scheduler:
         return [i]
 
     def _fit(self, full: list[int], k: int) -> tuple[int, float]:
-        """Slot k's worth for `full`: rows it reuses minus committed rows it would discard, then least
-        recently used first."""
+        """Slot k's worth for `full` (the largest wins)."""
         ids = self.slots[k].state.ids
         reuse = common_prefix(full, ids)
         return reuse - (len(ids) - reuse), -self.slots[k].used
@@ -292,8 +285,7 @@ class Scheduler:
         self.forest.add(lane)
 
     def _prepare(self, want: list[int], i: int) -> list[int]:
-        """Slot i made the best start for `want` (the rows it discards to the prompt cache, but a
-        background task's; slots.donor's prefix copied; the prompt cache's restore); the ids to prefill."""
+        """Slot i made the best start for `want` (its rows kept, a donor's prefix, a restore); the ids to prefill."""
         slot, cache = self.slots[i], self.session.prompt_cache
         if cache is not None and not slot.background:
             cache.keep(slot.state, want)

@@ -8,6 +8,8 @@ chat-style entries (`token_entry`); `completion_logprobs` converts a run of them
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 
 def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {
@@ -33,15 +35,12 @@ def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
     """Completions' logprobs of `entries`, the first token starting `offset` characters into the text."""
     if entries is None:
         return None
-    offsets = []
-    for entry in entries:
-        offsets.append(offset)
-        offset += len(entry["token"])
+    starts = list(accumulate((len(e["token"]) for e in entries), initial=offset))  # one more: the end
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
+        "text_offset": starts[:-1],
     }
 
 

@@ -57,8 +57,6 @@ def lost(slots: list[Slot], k: int, full: list[int], cache) -> int:
 
 
 def choose(slots: list[Slot], free: list[int], full: list[int], cache) -> tuple[int, int]:
-    """(slot index, rows lost) of the free slot a request for `full` takes (module docstring)."""
-
     def key(k: int) -> tuple:
         if lost(slots, k, full, cache):  # every free slot loses rows: the conversation left longest goes
             return False, False, 0, -slots[k].used
@@ -69,7 +67,6 @@ def choose(slots: list[Slot], free: list[int], full: list[int], cache) -> tuple[
 
 
 def donor(slots: list[Slot], i: int, full: list[int]) -> tuple[int, int]:
-    """(index, rows) of the sequence to copy `full`'s prefix from into slot i, or (-1, 0) (module docstring)."""
     own = reusable(full, slots[i].state)
     best, rows = -1, own + MIN_ROWS - 1
     for j, slot in enumerate(slots):
@@ -79,9 +76,5 @@ def donor(slots: list[Slot], i: int, full: list[int]) -> tuple[int, int]:
 
 
 def waits(slots: list[Slot], loss: int, background: bool) -> bool:
-    """Whether a background request that would lose `loss` rows waits (module docstring)."""
-    return (
-        background
-        and loss > 0
-        and any(s.ticket is not None and s.ticket.background and s.ticket.paused is None for s in slots)
-    )
+    busy = [s.ticket for s in slots if s.ticket is not None]
+    return background and loss > 0 and any(t.background and t.paused is None for t in busy)

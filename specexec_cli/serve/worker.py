@@ -116,8 +116,11 @@ class Worker:
             return
         self.state = "ready"
         self.on_ready()
-        self.scheduler, threads = None, 1
-        if self.parallel > 1 or self._forest_runs_it():   # requests decode through one forest (scheduler.py)
+        from specexec_cli.core.forest import FOREST_METHODS
+
+        threads = 1
+        forest = getattr(self.session.models, "target", None) is not None and self._method() in FOREST_METHODS
+        if self.parallel > 1 or forest:   # requests decode through one forest (scheduler.py)
             from specexec_cli.serve.scheduler import Scheduler
 
             self.scheduler = Scheduler(self.session, self.parallel, self.metrics)
@@ -137,15 +140,7 @@ class Worker:
         while not self.jobs.empty():  # refuse whatever queued behind the sentinel
             _, job = self.jobs.get()
             if job is not None:
-                job.emit(Failed(APIError(503, "the server is shutting down", type="server_error", code="unavailable")))
-                self._finished(job, "rejected", 0.0)
-
-    def _forest_runs_it(self) -> bool:
-        """The forest can run the session's method on its models (module docstring)."""
-        from specexec_cli.core.forest import FOREST_METHODS
-
-        models = self.session.models
-        return getattr(models, "target", None) is not None and self._method() in FOREST_METHODS
+                self._take(job)   # stopping: a 503
 
     def _method(self) -> str:
         """The method requests run with: the session's, or ar without a draft (core.methods.generate)."""
@@ -197,13 +192,10 @@ class Worker:
         t0, outcome = time.perf_counter(), "ok"
         try:
             outcome = "cancelled" if job.cancelled.is_set() else self._generate(job)
-        except APIError as exc:
-            self._end(job, Failed(exc))
-            outcome = "error"
         except Exception as exc:  # noqa: BLE001 - never a dead worker; OOM is a 400, else a logged 500 by id
             from specexec_cli.serve.guards import server_error
 
-            self._end(job, Failed(server_error(exc, job.request_id)))
+            self._end(job, Failed(exc if isinstance(exc, APIError) else server_error(exc, job.request_id)))
             outcome = "error"
         finally:
             with self.lock:
@@ -312,7 +304,7 @@ class Worker:
                 stats.add(ev)
                 piece = reply.feed(ev)
                 self._emit(job, piece, stats)
-                if reply.stopped:
+                if reply.stop.stopped:
                     finish = "stop"
                 elif ev.finish:
                     finish = FINISH.get(ev.finish, "length")
