@@ -175,14 +175,10 @@ class BodyLimit:
             return await send_error(
                 send, 413, error_body(f"request body is larger than {limit}", code="request_too_large")
             )
-        replayed = False
+        unread = [{"type": "http.request", "body": bytes(body), "more_body": False}]
 
         async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return unread.pop() if unread else await receive()
 
         await self.app(scope, replay, send)
 
@@ -235,14 +231,9 @@ class Observe:
                 seen["ended"] = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if scope["path"] not in QUIET_ROUTES:  # a response that never ended: the client left
-                log_access(
-                    seen["status"] if seen["ended"] else 499,
-                    where,
-                    rid,
-                    time.perf_counter() - t0,
-                    scope["state"].get("access") or {},
-                )
+            if scope["path"] not in QUIET_ROUTES:
+                status = seen["status"] if seen["ended"] else 499  # a response that never ended: the client left
+                log_access(status, where, rid, time.perf_counter() - t0, scope["state"].get("access") or {})
 
 
 def error_object(raw: bytes) -> dict:

@@ -56,7 +56,6 @@ def task_of(work: Work) -> str | None:
 
 
 def reply_limit(work: Work, default: int | None, task_caps: bool = False) -> tuple[int | None, str | None]:
-    """(most tokens the reply may have, None: to EOS or the context end; the background task or None)."""
     asked = work.max_tokens
     limit = default if asked is None else None if asked == -1 else asked
     task = task_of(work) if task_caps else None
@@ -67,7 +66,6 @@ def reply_limit(work: Work, default: int | None, task_caps: bool = False) -> tup
 
 
 def guard_on(work: Work, server: bool) -> bool:
-    """Whether the repetition guard watches this request (see the module docstring)."""
     if work.repetition_guard is not None:
         return work.repetition_guard
     from specexec_cli.core.sampling import GREEDY_BELOW

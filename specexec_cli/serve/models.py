@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOPS = 16
 MAX_LOGPROBS = 20  # top_logprobs (chat) and logprobs (completions) at most, as OpenAI
+# Parameters accepted only to be refused by name (unsupported()) when given with an effect, in this order:
+# a value in NO_EFFECT, else null/false/0/empty, has none.
+UNSUPPORTED = "presence_penalty frequency_penalty repetition_penalty logit_bias min_p best_of functions echo suffix"
+NO_EFFECT = {"repetition_penalty": (None, 1, 1.0), "best_of": (None, 1)}
 
 
 class APIError(Exception):
@@ -131,8 +135,6 @@ class SpecxFields(Strict):
 
 
 class Sampling(Strict):
-    """Fields both endpoints share."""
-
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=-1, le=2**31)  # -1: no limit; None: the default cap; 0 is refused
     temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
@@ -173,11 +175,6 @@ class CompletionRequest(Sampling):
     suffix: Any = None
 
 
-def _set(value) -> bool:
-    """True when an optional parameter is given with an effect (not null/false/0/empty)."""
-    return value not in (None, False, 0, 0.0, "", [], {})
-
-
 def unsupported(req: Sampling) -> None:
     """Raise a 400 for a parameter that would change the output and that specx does not implement."""
     for name in ("max_tokens", "max_completion_tokens"):
@@ -187,19 +184,8 @@ def unsupported(req: Sampling) -> None:
         check_messages(req.messages)
     if req.n not in (None, 1):
         raise APIError(400, f"n must be 1 (got {req.n}): one completion per request", param="n")
-    checks = [
-        ("presence_penalty", _set(req.presence_penalty)),
-        ("frequency_penalty", _set(req.frequency_penalty)),
-        ("repetition_penalty", req.repetition_penalty not in (None, 1, 1.0)),
-        ("logit_bias", _set(req.logit_bias)),
-        ("min_p", _set(req.min_p)),
-        ("best_of", req.best_of not in (None, 1)),
-        ("functions", _set(req.functions)),
-    ]
-    if isinstance(req, CompletionRequest):
-        checks += [("echo", _set(req.echo)), ("suffix", _set(req.suffix))]
-    for name, given in checks:
-        if given:
+    for name in UNSUPPORTED.split():  # echo and suffix: completions only (None on a chat request)
+        if getattr(req, name, None) not in NO_EFFECT.get(name, (None, False, 0, 0.0, "", [], {})):
             message = f"{name} is not supported by specx; remove it from the request"
             raise APIError(400, message, param=name, code="unsupported_parameter")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])

@@ -28,14 +28,6 @@ def gguf_stem(file_name: str) -> str:
     return bare or stem
 
 
-def _hub_snapshot(path: Path) -> str | None:
-    """`org/name` of a hub cache snapshot dir (`.../models--org--name/snapshots/<hash>`), else None."""
-    repo = path.parent.parent.name
-    if path.parent.name == "snapshots" and repo.startswith("models--"):
-        return repo[len("models--") :].replace("--", "/")
-    return None
-
-
 def _gguf_name(path: Path) -> str:
     """A GGUF file's name: its stem (see gguf_stem); an extension-less blob's general.name."""
     if path.suffix.lower() == ".gguf":
@@ -58,7 +50,11 @@ def model_id(target: str, resolved: Path | None = None) -> str:
         if path.resolve() == (DEMO_DIR / "target").resolve():
             return "specx-demo"
         if path.is_dir():
-            return _hub_snapshot(path.resolve()) or path.resolve().name
+            path = path.resolve()
+            repo = path.parent.parent.name
+            if path.parent.name == "snapshots" and repo.startswith("models--"):  # a hub cache snapshot
+                return repo[len("models--") :].replace("--", "/")
+            return path.name
         return _gguf_name(path)
     if resolved is not None and resolved.is_file() and resolved.suffix.lower() == ".gguf":
         return gguf_stem(resolved.name)  # an installed distribution's GGUF, named by its file
@@ -66,7 +62,6 @@ def model_id(target: str, resolved: Path | None = None) -> str:
 
 
 def aliases(target: str, resolved: Path | None, name: str) -> set[str]:
-    """Other ids that name the served model (see the module contract)."""
     ids = {target}
     for path in (Path(target).expanduser(), resolved):
         if path is not None and path.exists():

@@ -5,8 +5,9 @@ cannot be bound, raise `SpecxError` before anything binds (one line, exit 2). /h
 "loading" while the worker loads; a failed load prints one line and exits 2. SIGINT/SIGTERM: /health
 answers 503 "stopping", running generations end at their next target pass, queued ones are refused,
 the worker joins, the models close, exit 0; stopped while loading, it exits 0 at once
-(`stop_while_loading`). A request gets --max-new-tokens, limits.py's task caps and guard, and
-`serve_defaults`' sampling; the prompt cache is `cache_ram` bytes (None: from the plan; 0: none).
+(`stop_while_loading`). A request gets --max-new-tokens, limits.py's task caps and guard, and where it
+sets no sampling --temperature/--top-k/--top-p, then the target's generation defaults (generation_config.json,
+general.sampling.*), then llama-server's; the prompt cache is `cache_ram` bytes (None: from the plan; 0: none).
 """
 
 from __future__ import annotations
@@ -76,22 +77,15 @@ def make_loader(flags, opts, plan, cfg, system, cache_ram: int | None = None):
     """The worker's load(): models, the budget tuner, the prompt cache and a ChatSession -> (session, defaults)."""
 
     def load():
+        from specexec_cli.session.gendefaults import generation_of, merge, serve_sampling
         from specexec_cli.session.options import load_fitted
         from specexec_cli.session.prompt_cache import make_prompt_cache
 
         fitted = load_fitted(flags, opts, plan, cfg)
         session = fitted.chat_session(system, make_prompt_cache(fitted.models, plan, cache_ram))
-        return session, serve_defaults(flags, opts.target)
+        return session, merge(serve_sampling(generation_of(opts.target)), flags.temperature, flags.top_k, flags.top_p)
 
     return load
-
-
-def serve_defaults(flags, target):
-    """The SamplingParams of a request that sets none: --temperature/--top-k/--top-p where given, then
-    the target's generation defaults (generation_config.json, general.sampling.*), then llama-server's."""
-    from specexec_cli.session.gendefaults import generation_of, merge, serve_sampling
-
-    return merge(serve_sampling(generation_of(target)), flags.temperature, flags.top_k, flags.top_p)
 
 
 def run_server(flags, o: ServeOptions) -> int:
@@ -155,7 +149,7 @@ def serve_on(sock, flags, o: ServeOptions, opts, plan, cfg) -> int:
         aliases=aliases(target.name, target.path, name) | ({auto} - {name}),
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
-    server = GracefulServer(config, worker)
+    server = graceful_server(config, worker)
     failure: list[str] = []
 
     def failed(exc: BaseException) -> None:
@@ -208,17 +202,15 @@ def close_session(worker) -> None:
         close_models(session.models)
 
 
-class GracefulServer:
+def graceful_server(config, worker):
     """uvicorn.Server whose SIGINT/SIGTERM also stop the worker at a pass boundary, and which exits
     normally afterwards instead of re-raising the signal (exit code 0)."""
+    import uvicorn
 
-    def __new__(cls, config, worker):
-        import uvicorn
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            worker.shutdown()
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
 
-        class _Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                worker.shutdown()
-                super().handle_exit(sig, frame)
-                self._captured_signals.clear()
-
-        return _Server(config)
+    return _Server(config)

@@ -117,7 +117,6 @@ class Plan:
 
 
 def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
-    """The request's Plan on this model (see the module docstring); 400s name the field."""
     tools = work.tools if work.messages is not None and work.tool_choice != "none" else []
     forcing = work.tool_choice in ("required", "function")
     if tools and not (templated and toolcalls.renders_tools(tok)):
@@ -139,9 +138,8 @@ def plan(work: Work, tok, templated: bool, eos_ids=None) -> Plan:
         grammar = _compile(tok, eos_ids, "json_schema", schema, prefix, suffix, param, repeat)
     elif work.response_format is not None:
         kind, schema = work.response_format["type"], work.response_format.get("schema")
-        grammar = _compile(
-            tok, eos_ids, kind, schema, "", "", "response_format.json_schema.schema" if schema else "response_format"
-        )
+        param = "response_format.json_schema.schema" if schema else "response_format"
+        grammar = _compile(tok, eos_ids, kind, schema, "", "", param)
     else:
         grammar = None
     return Plan(tools or None, names, bool(tools) and forcing, grammar, None if work.parallel_tool_calls else 1)
