@@ -267,8 +267,7 @@ def stop_strings(model) -> tuple[str, ...]:
 
 
 def context_limit(*models) -> int:
-    limits = [getattr(m.config, "max_position_embeddings", None) or 2048 for m in models if m is not None]
-    return min(limits)
+    return min(getattr(m.config, "max_position_embeddings", None) or 2048 for m in models if m is not None)
 
 
 def quiet_transformers() -> None:

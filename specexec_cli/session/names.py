@@ -29,11 +29,10 @@ def is_demo(name: str | None) -> bool:
     """`name` means the demo pair: `demo` (when no such path exists) or the demo target's folder."""
     if name is None:
         return False
-    path = Path(name).expanduser()
-    if name == DEMO and not path.exists():
+    if is_demo_name(name):
         return True
     try:
-        return path.resolve() == (DEMO_DIR / "target").resolve()
+        return Path(name).expanduser().resolve() == (DEMO_DIR / "target").resolve()
     except OSError:
         return False
 
@@ -75,7 +74,7 @@ def resolve_path(name: str, flag: str) -> Path:
         raise SpecxError(f"{flag} {name}: is a file; pass the model directory that holds config.json, or a .gguf file")
     if is_demo(name):
         return DEMO_DIR / "target"
-    if name in BUNDLED and not path.exists():
+    if name in BUNDLED:
         return BUNDLED[name]
     blob = ollama_blob(name, flag)
     if blob is not None:
