@@ -176,6 +176,13 @@ def as_stored(info: TensorInfo, t: torch.Tensor) -> torch.Tensor:
     return flat.view(info.dtype).view(info.shape) if info.shape else flat.view(info.dtype).reshape(())
 
 
+def meta_param(info: TensorInfo) -> torch.nn.Parameter:
+    """The stored tensor `info` as a weightless (meta) parameter for the loader to bind (`qtype`: its flat bytes)."""
+    shape = (info.nbytes,) if info.qtype is not None else tuple(info.shape)
+    dtype = torch.uint8 if info.qtype is not None else info.dtype
+    return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
 def read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
     """Buffered read of `out.numel()` bytes at `offset` straight into a uint8 tensor."""
     mv = memoryview(out.numpy()).cast("B")

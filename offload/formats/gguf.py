@@ -61,7 +61,10 @@ class GgufReader:
         if arch not in GGUF_ARCHS:
             raise OffloadError(f"{first}: GGUF architecture {str(arch)[:40]!r} is not supported; supported: "
                                f"{', '.join(GGUF_ARCHS)}")
-        _check_split(parts, readers)
+        count = gguf_meta.value(head, "split.count")
+        if count is not None and int(count) != len(parts):
+            raise OffloadError(f"{first}: its metadata says {count} parts but {len(parts)} were found; download "
+                               "every part into the same folder with its original name")
         if gguf_meta.value(head, "tokenizer.ggml.model") is None or "tokenizer.ggml.tokens" not in head.fields:
             raise OffloadError(f"{first}: no tokenizer in its metadata (tokenizer.ggml.*); re-convert it with "
                                "llama.cpp's convert_hf_to_gguf.py from a model directory that has one")
@@ -71,20 +74,21 @@ class GgufReader:
         hf_names, shapes = gguf_gptoss.hf_params(config) if gptoss else _hf_params(config, arch, first)
         fused = gguf_moe.expert_names(config, shapes) if experts else {}
         hf_names.update(gguf_moe.legacy_names(fused))   # older Mixtral files: one tensor per expert
-        tensors, packed = {}, {}
+        tensors = {}
         for part, reader in zip(parts, readers):
             for t in reader.tensors:
                 if t.name in IGNORED:
                     continue
                 if t.name in fused:
                     for name, e in zip(fused[t.name], gguf_moe.slices(part, t, len(fused[t.name]))):
-                        _add(tensors, packed, name, part, e, config, arch, shapes)
+                        _add(tensors, name, part, e, config, arch, shapes)
                     continue
                 name = hf_names.get(t.name)
                 if name is None:
                     raise OffloadError(f"{part}: unexpected tensor {t.name!r} (not used by {arch}); the file does "
                                        "not match its metadata - re-download it")
-                _add(tensors, packed, name, part, t, config, arch, shapes)
+                _add(tensors, name, part, t, config, arch, shapes)
+        packed = {name: (name,) for name, info in tensors.items() if info.qtype is not None}
         cfg = dict(config.to_dict(), quantization_config={"quant_method": "gguf"})   # the plan's packed-format marker
         ckpt = Checkpoint(path=path, format="gguf", config=cfg, hf_config=config, tensors=tensors,
                           files=list(parts), reader=self, quant=_quant(head, tensors), packed=packed,
@@ -114,19 +118,10 @@ class GgufReader:
         return self.open(model.blob, ollama_params=model.params)
 
 
-def _add(tensors: dict, packed: dict, name: str, part: Path, t, config, arch: str, shapes: dict) -> None:
+def _add(tensors: dict, name: str, part: Path, t, config, arch: str, shapes: dict) -> None:
     if name in tensors:
         raise OffloadError(f"{part}: tensor {t.name!r} appears twice; the file is corrupt - re-download it")
     tensors[name] = gguf_moe.fit_shape(_info(name, part, t, config, arch), shapes.get(name))
-    if tensors[name].qtype is not None:
-        packed[name] = (name,)
-
-
-def _check_split(parts: list[Path], readers) -> None:
-    count = gguf_meta.value(readers[0], "split.count")
-    if count is not None and int(count) != len(parts):
-        raise OffloadError(f"{parts[0]}: its metadata says {count} parts but {len(parts)} were found; download "
-                           "every part into the same folder with its original name")
 
 
 def _config_dict(head, arch: str) -> dict:

@@ -23,6 +23,7 @@ from offload.arch.gptoss_experts import RoutedExperts
 from offload.errors import OffloadError
 from offload.formats import gguf_meta
 from offload.formats import gguf_quants as gq
+from offload.formats.base import meta_param
 
 ARCH = "gpt-oss"
 LIMIT = 7.0  # llama.cpp's SwiGLU clamp for gpt-oss (llm_graph: LLM_FFN_SWIGLU_OAI_MOE), alpha 1.702 as HF's
@@ -140,12 +141,9 @@ class GgufExperts(RoutedExperts):
         self.packed = {}  # name -> (ggml type, one expert's logical shape) for block-quantized tensors
         for name in self.names:
             info = infos[name]
-            if info.qtype is None:
-                p = torch.empty(info.shape, dtype=info.dtype, device="meta")
-            else:
-                p = torch.empty((info.nbytes,), dtype=torch.uint8, device="meta")  # flat bytes, as the loader binds
+            setattr(self, name, meta_param(info))
+            if info.qtype is not None:
                 self.packed[name] = (info.meta["ggml_type"], tuple(info.meta["shape"][1:]))
-            setattr(self, name, nn.Parameter(p, requires_grad=False))
 
     def parts(self, e: int) -> dict[str, torch.Tensor]:
         if self.source is not None:
@@ -172,7 +170,6 @@ class GgufExperts(RoutedExperts):
 
 
 def swap_gguf_experts(layers: nn.ModuleList, ckpt, compute_dtype: torch.dtype) -> None:
-    """Every decoder layer's experts (transformers' GptOssExperts, meta) become a GgufExperts over the file's."""
     for i, layer in enumerate(layers):
         prefix = f"model.layers.{i}.mlp.experts."
         infos = {n: ckpt.tensors[prefix + n] for n in GgufExperts.names}

@@ -137,9 +137,8 @@ def read_part(file: Path):
         raise OffloadError(f"{file}: cannot read ({exc.strerror}); check the path") from None
     if size < 24:
         raise OffloadError(f"{file}: {size} bytes, too short for a GGUF header; the file is truncated - re-download it")
-    reader_cls = _header_checked_reader()
     try:
-        return reader_cls(file)
+        return _header_checked_reader()(file)
     except OffloadError:
         raise
     except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError, OverflowError, MemoryError) as exc:

@@ -65,8 +65,7 @@ def _values(dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_t(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks (N, G, 16), scales (N, G) uint8 (one expert) -> (32 G, N) in `dtype`, the bits of
-    `dequantize(blocks, scales, dtype).t().contiguous()`: the C kernel where it is built, else that torch path."""
+    """blocks (N, G, 16), scales (N, G) uint8 (one expert) -> (32 G, N) in `dtype` (see the contract)."""
     if blocks.is_cpu and dtype in mxfp4_kernel.WIDTHS:
         out = mxfp4_kernel.dequantize_t(blocks, scales, _values(dtype), dtype)
         if out is not None:
@@ -135,6 +134,5 @@ class Mxfp4Experts(RoutedExperts):
 
 
 def swap_mxfp4_experts(layers: nn.ModuleList, compute_dtype: torch.dtype) -> None:
-    """Every decoder layer's experts (transformers' GptOssExperts, meta) become an Mxfp4Experts."""
     for layer in layers:
         layer.mlp.experts = Mxfp4Experts(layer.mlp.experts, compute_dtype)

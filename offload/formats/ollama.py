@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from offload.errors import OffloadError
@@ -27,13 +27,11 @@ _NAME = re.compile(rf"^(?:(?:{_PART}/)?{_PART}/)?{_PART}(?::[A-Za-z0-9][A-Za-z0-
 
 @dataclass(frozen=True)
 class OllamaModel:
-    name: str  # the name as the user wrote it
     blob: Path  # the GGUF file (blobs/sha256-<hex>)
-    params: dict = field(default_factory=dict)  # the params layer: temperature, top_k, top_p, stop, ...
+    params: dict  # the params layer: temperature, top_k, top_p, stop, ...
 
 
 def models_dir() -> Path:
-    """Where ollama keeps its models ($OLLAMA_MODELS, else ~/.ollama/models)."""
     env = os.environ.get("OLLAMA_MODELS")
     return Path(env).expanduser() if env else Path.home() / ".ollama" / "models"
 
@@ -84,4 +82,4 @@ def resolve(name: str) -> OllamaModel | None:
             except (OSError, ValueError, RecursionError):
                 got = {}
             params = got if isinstance(got, dict) else {}
-    return OllamaModel(name, blob, params)
+    return OllamaModel(blob, params)

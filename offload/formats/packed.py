@@ -7,8 +7,7 @@ present)` (the stored shapes config.json implies) and `dequant(q, parts, out_f, 
 (out_f, in_f) weight by torch ops, in place on the codes, maybe a transposed view (its peak is what
 planning/membytes.linear_dequant_bytes counts). `open` validates headers, parameters and the tensor
 set (validate.check_tensors), dtypes included. `load_weight` runs `dequant` torch.compile'd where
-gguf_quants.kernel_choice says so (the same values). `unpack_rows` / `unpack_cols`: int32 words ->
-their eight 4-bit fields along rows / columns.
+gguf_quants.kernel_choice says so (the same values).
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ _BLOCK = 8 << 20  # bytes copied (and hashed) per read
 
 
 def chunk_sets(files) -> dict[str, tuple[Path, ...]]:
-    """{model file name: its chunk paths in order} for every complete run of chunks in `files`."""
     runs: dict[str, dict[int, Path]] = {}
     for f in files:
         m = _CHUNK.match(Path(f).name)

@@ -16,16 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from offload.cpu import ggml_kernel
-from offload.formats.base import Checkpoint
+from offload.formats.base import Checkpoint, meta_param
 from offload.formats.gguf import _rows_to
 from offload.formats.gguf_quants import BLOCK
 from offload.formats.qfuse import fuse_siblings
-
-
-def _meta_param(info) -> nn.Parameter:
-    shape = (info.nbytes,) if info.qtype is not None else tuple(info.shape)
-    dtype = torch.uint8 if info.qtype is not None else info.dtype
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
 def gguf_kernel_type(ckpt, name: str, device, dtype: torch.dtype) -> int | None:
@@ -55,7 +49,7 @@ class PackedLinear(nn.Module):
         for stored in ckpt.stored_parts(hf_weight_name):
             attr = stored[len(base) + 1 :].replace(".", "_")
             self.parts[attr] = stored
-            setattr(self, attr, _meta_param(ckpt.tensors[stored]))
+            setattr(self, attr, meta_param(ckpt.tensors[stored]))
         self.bias = (
             nn.Parameter(torch.empty(self.out_features, device="meta"), requires_grad=False) if has_bias else None
         )
