@@ -72,15 +72,19 @@ class SlabLayer(CacheLayerMixin):
             keys.index_copy_(2, rows, key_states)  # (1, H, T, D) new rows at the device rows; whole slabs back
             values.index_copy_(2, rows, value_states)
             return keys, values
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        if end > self.keys.shape[-2]:
-            self._grow(end)
+        self._make_room(key_states, value_states, end)
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> None:
+        """Slabs allocated with at least `end` rows (rows [0, length) kept)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if end > self.keys.shape[-2]:
+            self._grow(end)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -143,18 +147,10 @@ class AliasLayer(SlabLayer):
     dtype = property(lambda self: self.base.dtype, lambda self, v: None)
     device = property(lambda self: self.base.device, lambda self, v: None)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        base, end = self.base, self.length + key_states.shape[-2]
-        if not base.is_initialized:
-            base.lazy_initialization(key_states, value_states)
-        if end > base.keys.shape[-2]:  # grow the target's slabs, keeping the draft's rows too
-            committed, base.length = base.length, self.length
-            base._grow(end)
-            base.length = committed
-        base.keys[:, :, self.length : end] = key_states
-        base.values[:, :, self.length : end] = value_states
-        self.length = end
-        return base.keys[:, :, :end], base.values[:, :, :end]
+    def _make_room(self, key_states: torch.Tensor, value_states: torch.Tensor, end: int) -> None:
+        committed, self.base.length = self.base.length, self.length  # a grown slab keeps the draft's rows too
+        self.base._make_room(key_states, value_states, end)
+        self.base.length = committed
 
 
 class SharedCache(Cache):
@@ -164,6 +160,7 @@ class SharedCache(Cache):
         super().__init__(layers=[])
         self.target = target
         self.start = 0  # committed rows the draft reads (the latest `follow`); new layers start there
+        self.write_rows = None  # always appended (a static-shape pass needs slabs of its own)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Rows the draft sees: its layers' length, or the followed start before its first pass."""
@@ -274,14 +271,9 @@ def forward(
 ) -> torch.Tensor:
     """One model pass over T new tokens ((T,) long ids and positions; mask (1, 1, T, past+T) or None:
     causal) -> (T, V) logits, (1, V) with `last_only`; their K/V appended to `cache`."""
-    device = model.device
-    ids_device = torch.device(getattr(model, "input_device", device))  # host embeddings: ids stay on the CPU
-    if ids_device == torch.device(device):
-        tokens, positions = upload(device, tokens, positions)  # one copy for both
-    else:
-        (positions,) = upload(device, positions)
+    tokens, positions = stage(model, tokens, positions)  # one copy for both (host embeddings: ids stay)
     if mask is not None:
-        assert mask.device == torch.device(device), "build masks on the model's device (tree.py)"
+        assert mask.device == torch.device(model.device), "build masks on the model's device (tree.py)"
         mask = mask.to(dtype=model_dtype(model))
     with torch.inference_mode():
         out = model(
