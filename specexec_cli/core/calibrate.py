@@ -122,10 +122,8 @@ def for_pair(
 
 def fresh(target, draft, sampling_key: str) -> Calibration:
     """Start this pair's calibration over from the built-in prior (what `specx profile` measures)."""
-    _PAIRS[(id(target), id(draft), sampling_key, False)] = cal = Calibration(
-        m0=builtin_prior(gap_features(sampling_key))
-    )
-    return cal
+    _PAIRS.pop((id(target), id(draft), sampling_key, False), None)
+    return for_pair(target, draft, sampling_key)
 
 
 def profile_prior(profile: str | None, sampling_key: str, stored: dict | None = None) -> torch.Tensor:

@@ -101,14 +101,12 @@ def commit_tree(st: DecodeState, tree, vt, acc, n_pending: int) -> None:
     keep = torch.tensor([0] + in_cache, dtype=torch.long)
     kvcache.compact(st.target_cache, st.target_len, st.target_len + keep)
     st.target_len += int(keep.numel())
-    if follow_target(st):   # a shared draft cache: its committed rows are the target's
-        st.ids.extend(acc.tokens)
-        return
-    base = st.draft_len + n_pending - 1  # draft cache row of the root
-    nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
-    run = tree.slot[nodes][tree.slot[nodes] >= 0]  # accepted nodes the draft already ran
-    kvcache.compact(st.draft_cache, base + 1, base + run)
-    st.draft_len = base + 1 + int(run.numel())
+    if not follow_target(st):   # a shared draft cache's committed rows are the target's
+        base = st.draft_len + n_pending - 1  # draft cache row of the root
+        nodes = vt.draft_ids[torch.tensor(in_cache, dtype=torch.long)]
+        run = tree.slot[nodes][tree.slot[nodes] >= 0]  # accepted nodes the draft already ran
+        kvcache.compact(st.draft_cache, base + 1, base + run)
+        st.draft_len = base + 1 + int(run.numel())
     st.ids.extend(acc.tokens)
 
 
