@@ -9,6 +9,7 @@ arenas while they fit `max_host_memory` (None: `free_ram`), the others are read 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from offload.sizes import format_bytes
 
@@ -24,7 +25,6 @@ class OffloadPlan:
     host_bytes: int
     device_bytes: int
     direct_io: bool | None = None  # set once the disk reader knows whether O_DIRECT works
-    notes: list[str] = field(default_factory=list)
     dense: list[int] = field(default_factory=list)  # resident layers whose packed linears are dequantized once
 
     @property
@@ -65,30 +65,16 @@ def plan_offload(
         raise ValueError(f"slots must be >= 1, got {slots}")
     device_budget = float("inf") if max_device_memory is None else max_device_memory
     host_budget = free_ram if max_host_memory is None else max_host_memory
-    resident: list[int] = []
-    used = 0
-    for i, nbytes in enumerate(layer_bytes):
-        if used + nbytes > device_budget:
-            break
-        resident.append(i)
-        used += nbytes
-    streamed = [i for i in range(len(layer_bytes)) if i not in set(resident)]
-    ram_layers: list[int] = []
-    host = 0
-    for i in streamed:
-        if host + layer_bytes[i] > host_budget:
-            break
-        ram_layers.append(i)
-        host += layer_bytes[i]
-    disk_layers = [i for i in streamed if i not in set(ram_layers)]
+    n_resident = _fitting(layer_bytes, device_budget)
+    resident, streamed = list(range(n_resident)), list(range(n_resident, len(layer_bytes)))
+    n_ram = _fitting([layer_bytes[i] for i in streamed], host_budget)
+    ram_layers, disk_layers = streamed[:n_ram], streamed[n_ram:]
+    used, host = sum(layer_bytes[:n_resident]), sum(layer_bytes[i] for i in ram_layers)
     slot_bytes = max((layer_bytes[i] for i in streamed), default=0)
-    return OffloadPlan(
-        resident=resident,
-        streamed=streamed,
-        ram_layers=ram_layers,
-        disk_layers=disk_layers,
-        layer_bytes=list(layer_bytes),
-        slots=slots,
-        host_bytes=host,
-        device_bytes=used + (slots * slot_bytes if streamed else 0),
-    )
+    device_bytes = used + (slots * slot_bytes if streamed else 0)
+    return OffloadPlan(resident, streamed, ram_layers, disk_layers, list(layer_bytes), slots, host, device_bytes)
+
+
+def _fitting(sizes: list[int], budget: float) -> int:
+    """How many leading `sizes` fit `budget` together (sizes are >= 0: the running total never falls)."""
+    return sum(1 for total in accumulate(sizes) if total <= budget)
