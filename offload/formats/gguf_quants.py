@@ -223,7 +223,6 @@ def dequantize(
 
 
 def kernel_choice(device: torch.device | str = "cuda") -> str:
-    """$SPECX_DEQUANT_KERNEL compiled | eager, or auto: compiled on CUDA, eager elsewhere."""
     want = os.environ.get(KERNEL_ENV, "auto").strip().lower()
     if want in ("compiled", "eager"):
         return want
