@@ -94,7 +94,6 @@ class WholeReads:
         self.bufs: list[torch.Tensor] = []
         self.pending: dict[int, tuple[Future, int]] = {}  # layer -> (its read, buffer index)
         self.given: int | None = None  # buffer index last handed out by take
-        self.bytes_read = 0
         self._thread: ThreadPoolExecutor | None = None
 
     def submit(self, layer: int, read: LayerRead) -> None:
@@ -109,7 +108,6 @@ class WholeReads:
     def _read(self, read: LayerRead, buf: torch.Tensor) -> None:
         for span in read.spans:
             self.reader.read_span(span, buf)
-        self.bytes_read += read.needed
 
     def take(self, layer: int) -> tuple[Future, torch.Tensor] | None:
         got = self.pending.pop(layer, None)

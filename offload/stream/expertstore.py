@@ -6,16 +6,16 @@ Contract:
   part, and reads its routed experts after the router chose them. CUDA and packed-linear checkpoints (NF4,
   AWQ/GPTQ/compressed-tensors: `streams_whole(config)`) stream whole layers.
 - `is_expert(name)`: a layer-relative name of one expert (`mlp.experts.3.w1.weight`) or of all fused
-  (`is_fused`: gpt-oss's (E, ...) tensors, GGUF's `ffn_*_exps`: expert e is row e, `slice_entry`).
+  (gpt-oss's (E, ...) tensors, GGUF's `ffn_*_exps`: expert e is row e).
 - `expert_layers(entries, specs, align)` -> {e: storage.DiskLayer} (pure: the plan sizes the cache with it);
   `split_layer`: (dense part, experts) of one disk layer; `held_experts(...)`: the loader's step.
-- `ExpertStore(reader, experts, capacity, pool, request_bytes, top_k)`: `capacity` LRU slots of `slot_bytes`
+- `ExpertStore(reader, experts, capacity, pool, top_k)`: `capacity` LRU slots of `slot_bytes`
   in one "expert_cache" buffer (`cache_capacity`: what the room holds, at least one layer's, at most all).
-  `fetch(layer, e)` -> (buffer, layout, read?); counters `reads`, `hits`, `bytes_read` (also the model's
+  `fetch(layer, e)` -> (buffer, layout, read?); counters `reads`, `bytes_read` (also the model's
   `stats.streamed_bytes_per_pass`). `stream(layer, es)`: each in order, a worker reading up to `capacity` - 1
   ahead; a pass of more than `top_k` experts that would miss enough in the next expert layer
   (expertbulk.worth_whole) has that layer read whole meanwhile (`layers_read_whole`). Reader threads avoid
-  torch kernels (`_repack`). `attach(i, layer, experts)`: an ExpertList binds expert e to its slot (only a
+  torch kernels (`_repack`). `attach(layers, stats)`: an ExpertList binds expert e to its slot (only a
   read re-binds); fused experts (RoutedExperts) get its parts as views.
 """
 
@@ -63,37 +63,25 @@ def is_expert(name: str) -> bool:
     return MARK in name
 
 
-def is_fused(name: str) -> bool:
-    return is_expert(name) and not name.split(MARK, 1)[1].split(".", 1)[0].isdigit()
-
-
-def expert_id(name: str) -> int:
-    return int(name.split(MARK, 1)[1].split(".", 1)[0])
-
-
-def slice_entry(entry: TensorEntry, e: int, n: int) -> TensorEntry:
-    """Expert e's row of a fused tensor of n experts (a block-quantized one, stored flat, stays flat)."""
-    step = entry.nbytes // n
-    shape = tuple(entry.shape[1:]) if entry.qtype is None else (step,)
-    return replace(entry, shape=shape, begin=entry.begin + e * step, end=entry.begin + (e + 1) * step)
-
-
 def _parts(entries: dict[str, TensorEntry], specs: dict[str, ParamSpec]) -> dict[int, dict[str, tuple]]:
-    """{expert id: {name: (its entry, its spec)}}: per-expert tensors as they are, fused ones sliced."""
+    """{expert id: {name: (its entry, its spec)}}: per-expert tensors as they are, fused ones sliced (expert e's
+    row; a block-quantized one, stored flat, stays flat)."""
     out: dict[int, dict[str, tuple]] = {}
     for name, sp in specs.items():
         if not is_expert(name):
             continue
-        if not is_fused(name):
-            out.setdefault(expert_id(name), {})[name] = (entries[name], sp)
+        entry, tail = entries[name], name.split(MARK, 1)[1].split(".", 1)[0]
+        if tail.isdigit():  # one expert's own tensor: `mlp.experts.3.w1.weight`
+            out.setdefault(int(tail), {})[name] = (entry, sp)
             continue
-        entry = entries[name]
         # the fused tensor's experts: its outer dimension (a GGUF's flat block bytes: its logical shape's)
         n = entry.meta["shape"][0] if entry.qtype is not None else sp.shape[0]
+        step = entry.nbytes // n
+        shape = tuple(entry.shape[1:]) if entry.qtype is None else (step,)
+        part_spec = ParamSpec(name, tuple(sp.shape[1:]) if entry.qtype is None else shape, sp.dtype, nf4=sp.nf4)
         for e in range(n):
-            part = slice_entry(entry, e, n)
-            shape = part.shape if entry.qtype is not None else tuple(sp.shape[1:])
-            out.setdefault(e, {})[name] = (part, ParamSpec(name, shape, sp.dtype, nf4=sp.nf4))
+            part = replace(entry, shape=shape, begin=entry.begin + e * step, end=entry.begin + (e + 1) * step)
+            out.setdefault(e, {})[name] = (part, part_spec)
     return out
 
 
@@ -102,8 +90,7 @@ def expert_layers(entries: dict[str, TensorEntry], specs: dict[str, ParamSpec], 
     for e, parts in sorted(_parts(entries, specs).items()):
         raw, spans = file_layout({n: entry for n, (entry, _) in parts.items()}, merge_gap=0)
         sp = [s for _, s in parts.values()]
-        convert = any(raw.slices[s.name].dtype != s.dtype for s in sp)
-        out[e] = DiskLayer(spans, raw, packed_layout(sp), sp, convert, align)
+        out[e] = DiskLayer(spans, raw, packed_layout(sp), sp, align)
     return out
 
 
@@ -114,9 +101,7 @@ def split_layer(
     experts = expert_layers(entries, {sp.name: sp for sp in specs}, align)
     keep = [sp for sp in specs if not is_expert(sp.name)] if experts else specs
     raw, spans = file_layout({sp.name: entries[sp.name] for sp in keep}, merge_gap=0 if experts else MERGE_GAP)
-    packed = packed_layout(keep)
-    convert = any(raw.slices[sp.name].dtype != packed.slices[sp.name].dtype for sp in keep)
-    return DiskLayer(spans, raw, packed, keep, convert, align), experts
+    return DiskLayer(spans, raw, packed_layout(keep), keep, align), experts
 
 
 def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool, reader, room):
@@ -141,7 +126,7 @@ def held_experts(index, disk, config, device, mode: str, capacity, memplan, pool
         per_layer = 1 + max(e for _, e in held)
         capacity = cache_capacity(per_layer, len(held), slot_bytes(held.values()), room)
     k = int(getattr(config, "num_experts_per_tok", None) or 1)
-    return dense, ExpertStore(DirectReader(reader.direct, reader.depth, reader.chunk), held, capacity, pool, top_k=k)
+    return dense, ExpertStore(reader, held, capacity, pool, top_k=k)
 
 
 def param_slot(layer: nn.Module, name: str) -> tuple[nn.Module, str, str]:
@@ -184,25 +169,25 @@ class ExpertStore:
         experts: dict[tuple[int, int], DiskLayer],
         capacity: int,
         pool: DevicePool,
-        request_bytes: int = REQUEST_BYTES,
         top_k: int = 1,
     ):
-        self.reader, self.experts = reader, experts
+        self.reader = DirectReader(reader.direct, reader.depth, reader.chunk)  # its own files, closed with it
+        self.experts = experts
         self.capacity = max(1, min(capacity, len(experts)))
         self.slot = slot_bytes(experts.values())
         self.cache = pool.alloc(self.capacity * self.slot, "expert_cache")
         raw = max((d.raw.nbytes for d in experts.values() if d.repack), default=0)
         self.scratch = aligned_empty(raw) if raw else None
         self.lru: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, e) -> slot, least recent first
-        self.reads = self.hits = self.bytes_read = 0
+        self.reads = self.bytes_read = 0
         self.stats = None  # an OffloadStats whose streamed_bytes_per_pass counts the spans read too
         self._worker: ThreadPoolExecutor | None = None  # stream's read-ahead thread, started on first use
         # a layer read whole, ahead, when the layer before routed to many experts (offload/stream/expertbulk.py)
         self.layer_reads, self._landing = layer_spans(experts)
         self._whole_at = {k: param_offsets(d, self._landing[k]) for k, d in experts.items() if d.repack}
-        self.whole_from = {i: whole_from(r, experts, i, request_bytes) for i, r in self.layer_reads.items()}
+        self.whole_from = {i: whole_from(r, experts, i, REQUEST_BYTES) for i, r in self.layer_reads.items()}
         nbytes = max(r.nbytes for r in self.layer_reads.values())
-        self.whole = WholeReads(reader, nbytes, lambda n: pool.alloc(n, "expert_readahead"))
+        self.whole = WholeReads(self.reader, nbytes, lambda n: pool.alloc(n, "expert_readahead"))
         self.layers_read_whole, self.top_k = 0, top_k
         self.per_layer = {i: sum(1 for li, _ in experts if li == i) for i in self.layer_reads}
         held = sorted(self.layer_reads)  # the next layer holding experts apart; after the last, the next pass's first
@@ -213,7 +198,6 @@ class ExpertStore:
         key, d = (layer, e), self.experts[(layer, e)]
         if key in self.lru:
             self.lru.move_to_end(key)
-            self.hits += 1
             return self.slot_view(self.lru[key]), d.layout, False
         s = self.lru.popitem(last=False)[1] if len(self.lru) >= self.capacity else len(self.lru)
         self.lru[key] = s
@@ -282,48 +266,37 @@ class ExpertStore:
     def slot_view(self, s: int) -> torch.Tensor:
         return self.cache[s * self.slot : (s + 1) * self.slot]
 
-    def attach(self, i: int, layer: nn.Module, experts: nn.Module) -> None:
-        if isinstance(experts, ExpertList):
-            experts.source = _Source(self, i, layer, experts)
-            return
-        if not isinstance(experts, RoutedExperts):
-            parent, attr, _ = param_slot(layer, next(n for n, m in layer.named_modules() if m is experts))
-            experts = RoutedExperts.from_hf(experts)
-            setattr(parent, attr, experts)
-        experts.source = _FusedSource(self, i)
+    def attach(self, layers: nn.ModuleList, stats) -> None:
+        """Every held layer's experts read through this store (`_Source`); `stats` counts the bytes read too."""
+        self.stats = stats
+        for i in sorted(self.layer_reads):
+            mlp = layers[i].mlp
+            if not isinstance(mlp.experts, (ExpertList, RoutedExperts)):  # transformers' fused module (gpt-oss)
+                mlp.experts = RoutedExperts.from_hf(mlp.experts)
+            mlp.experts.source = _Source(self, i, layers[i], mlp.experts)
 
 
 class _Source:
-    """Expert e of one layer with its parameters bound to its cache slot (ExpertList.source)."""
+    """Expert e of one layer from its cache slot: an ExpertList's child with its parameters bound there
+    (ExpertList.source; only a read re-binds), fused experts' {parameter name: its part} (RoutedExperts.source)."""
 
     def __init__(self, store: ExpertStore, i: int, layer: nn.Module, experts: nn.Module):
         self.store, self.i, self.experts = store, i, experts
-        self.params = {
-            e: [param_slot(layer, sp.name) for sp in d.specs] for (li, e), d in store.experts.items() if li == i
-        }
+        self.params = None  # fused experts: no child to bind
+        if isinstance(experts, ExpertList):
+            held = [(e, d) for (li, e), d in store.experts.items() if li == i]
+            self.params = {e: [param_slot(layer, sp.name) for sp in d.specs] for e, d in held}
 
-    def __call__(self, e: int) -> nn.Module:
+    def __call__(self, e: int):
         return self._bound(e, *self.store.fetch(self.i, e))
 
     def stream(self, es: list[int]):
         return (self._bound(e, *got) for e, got in zip(es, self.store.stream(self.i, es)))
 
-    def _bound(self, e: int, buf: torch.Tensor, layout, read: bool) -> nn.Module:
+    def _bound(self, e: int, buf: torch.Tensor, layout, read: bool):
+        if self.params is None:
+            return layout.parts(buf)
         if read:  # a hit's parameters still point at its slot
             for mod, attr, name in self.params[e]:
                 mod._parameters[attr] = nn.Parameter(layout.view(buf, name), requires_grad=False)
         return self.experts[e]
-
-
-class _FusedSource:
-    """Expert e of one layer as {parameter name: its part in the cache slot} (RoutedExperts.source)."""
-
-    def __init__(self, store: ExpertStore, i: int):
-        self.store, self.i = store, i
-
-    def __call__(self, e: int) -> dict[str, torch.Tensor]:
-        buf, layout, _ = self.store.fetch(self.i, e)
-        return layout.parts(buf)
-
-    def stream(self, es: list[int]):
-        return (layout.parts(buf) for buf, layout, _ in self.store.stream(self.i, es))

@@ -17,7 +17,7 @@ from offload.cpu.ggml_kernel import PackedHead
 from offload.formats import Checkpoint
 from offload.formats.packed_globals import EMBED, LeanHead, PackedEmbedding, head_name
 from offload.formats.qlinear import gguf_kernel_type
-from offload.stream.storage import DevicePool
+from offload.stream.devmem import DevicePool
 
 
 class HostEmbedding(nn.Module):
@@ -52,7 +52,6 @@ def _materialize(
 
 @torch.no_grad()
 def load_globals(index: Checkpoint, hf, config, device, dtype, pool: DevicePool, embeddings: str = "device"):
-    """(embed, norm, lm_head, rotary) materialized (module contract)."""
     base = hf.model
     norm = _materialize(base.norm, "model.norm.weight", index, dtype, pool, "final_norm", device)
     rotary = type(base.rotary_emb)(config).to(device)

@@ -27,10 +27,10 @@ from offload.quant.nf4 import Nf4Linear
 from offload.stream.placement import OffloadPlan, plan_offload
 from offload.formats.prequant import load_quant_state
 from offload.sizes import format_bytes
+from offload.stream.devmem import DevicePool
 from offload.stream.globals import load_globals
 from offload.stream.storage import (
     CPU_ALIGN,
-    DevicePool,
     DirectReader,
     DiskLayer,
     LayerLayout,
@@ -66,7 +66,7 @@ def accelerator_half(device=None) -> torch.dtype:
 def resolve_dtype(dtype, config, device: torch.device) -> tuple[torch.dtype, torch.dtype, bool]:
     """(storage dtype of non-quantized params, compute dtype, nf4?); a pre-quantized checkpoint
     with an explicit 16/32-bit dtype computes in that dtype (as transformers would)."""
-    if isinstance(dtype, str) and dtype.lower() == "nf4":
+    if wants_nf4(dtype):
         # NF4 linears; everything else (norms, embeddings) and the matmuls in the compute dtype:
         # bf16 on accelerators, fp32 on CPU (CPU bf16 matmuls without AVX512-BF16 are ~25x slower).
         compute = torch.float32 if device.type == "cpu" else accelerator_half(device)
@@ -74,12 +74,14 @@ def resolve_dtype(dtype, config, device: torch.device) -> tuple[torch.dtype, tor
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
-        if dtype.lower() not in _DTYPES:
-            raise OffloadError(f"unsupported dtype {dtype!r}; use float32, bfloat16, float16 or nf4")
-        dtype = _DTYPES[dtype.lower()]
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise OffloadError(f"unsupported dtype {dtype}; use float32, bfloat16, float16 or nf4")
+        dtype = _DTYPES.get(dtype.lower(), dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):  # a torch.dtype's repr is its str
+        raise OffloadError(f"unsupported dtype {dtype!r}; use float32, bfloat16, float16 or nf4")
     return dtype, dtype, False
+
+
+def wants_nf4(dtype) -> bool:
+    return isinstance(dtype, str) and dtype.lower() == "nf4"
 
 
 @dataclass
@@ -236,8 +238,7 @@ def _fill_layers(index, all_specs, specs, layouts, files, plan, subset, nf4, dev
     pinned_specs = [[sp for sp in s if nf4 and not sp.nf4] for s in all_specs]
     ram_region = aligned_empty(sum(plan.layer_bytes[i] for i in plan.ram_layers))
     ram_pinned = pins.pin(ram_region, "the RAM tier")
-    if pins.failures:
-        pins.notice("RAM-tier layers will stream through the smaller pinned staging ring (slower)")
+    pins.notice("RAM-tier layers will stream through the smaller pinned staging ring (slower)")
     offset, total = 0, len(specs)
     for i in range(total):
         if progress is not None:
@@ -257,7 +258,8 @@ def _fill_layers(index, all_specs, specs, layouts, files, plan, subset, nf4, dev
             fill_packed(index, prefix, specs[i], layouts[i], buf, device)
             ram[i] = (buf, layouts[i])
         else:
-            disk[i] = _disk_layer(specs[i], layouts[i], files[i], device)
+            raw, spans = files[i]
+            disk[i] = DiskLayer(spans, raw, layouts[i], specs[i], CPU_ALIGN if device.type == "cpu" else ARENA_ALIGN)
     if progress is not None:
         progress(total, total, "loaded")
     return resident, ram, disk, qstates, pinned, ram_pinned
@@ -299,18 +301,9 @@ def _from_memplan(memplan, layer_bytes: list[int], slots: int) -> OffloadPlan:
     """The layer placement the memory plan chose (it already checked every byte against the caps)."""
     if memplan.layer_bytes != layer_bytes:
         raise OffloadError("memory plan and loader disagree on layer sizes; this is a bug, please report it")
-    streamed = memplan.ram_layers + memplan.disk_layers
-    return OffloadPlan(
-        resident=list(memplan.resident),
-        streamed=streamed,
-        ram_layers=list(memplan.ram_layers),
-        disk_layers=list(memplan.disk_layers),
-        layer_bytes=list(layer_bytes),
-        slots=slots,
-        host_bytes=sum(layer_bytes[i] for i in memplan.ram_layers),
-        device_bytes=0,
-        dense=list(getattr(memplan, "dense_layers", [])),
-    )
+    ram, disk = list(memplan.ram_layers), list(memplan.disk_layers)
+    host, dense = sum(layer_bytes[i] for i in ram), list(getattr(memplan, "dense_layers", []))
+    return OffloadPlan(list(memplan.resident), ram + disk, ram, disk, list(layer_bytes), slots, host, 0, dense=dense)
 
 
 def _own_quant_state(state, pool: DevicePool) -> None:
@@ -329,10 +322,3 @@ def _fill_resident(
     host = buf if device.type == "cpu" else aligned_empty(layout.nbytes)  # CUDA: filled on the host, copied once
     fill_packed(index, prefix, specs, layout, host, device)
     return buf if host is buf else buf.copy_(host)
-
-
-def _disk_layer(specs, layout, file_lay, device) -> DiskLayer:
-    raw, spans = file_lay
-    # Packed nf4 bytes are streamed as stored; only a 16-bit dtype change needs a per-pass cast.
-    convert = any(raw.slices[sp.name].dtype != layout.slices[sp.name].dtype for sp in specs)
-    return DiskLayer(spans, raw, layout, specs, convert, CPU_ALIGN if device.type == "cpu" else ARENA_ALIGN)

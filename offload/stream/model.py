@@ -29,7 +29,7 @@ from offload.quant.dense import densify
 from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
 from offload.quant.quant_cache import ensure_nf4_cache
 from offload.stream.expertstore import param_slot
-from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype
+from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype, wants_nf4
 from offload.stream.multi import Lane, run_pass
 from offload.stream.placement import OffloadPlan
 from offload.stream.prefetch import Prefetcher
@@ -72,10 +72,8 @@ class OffloadedCausalLM(nn.Module):
                 self.layers[i].get_submodule(name.rsplit(".", 1)[0]).quant_state = state
         self._prelay_cpu(w)
         self.experts = w.experts  # disk layers' routed experts, read on demand (stream/expertstore.py)
-        for i in sorted({i for i, _ in w.experts.experts} if w.experts else ()):
-            w.experts.attach(i, self.layers[i], self.layers[i].mlp.experts)
         if w.experts:
-            w.experts.stats = self.stats
+            w.experts.attach(self.layers, self.stats)
         self.split = w.split  # experts="split": each expert served from its tier (stream/splitexperts.py)
         if w.split is not None:
             w.split.attach(self.layers)
@@ -251,18 +249,18 @@ class OffloadedCausalLM(nn.Module):
 def _open_checked(path, dtype, device: torch.device, progress) -> tuple[Checkpoint, str]:
     """(ckpt, packing): the checkpoint to stream (a 16-bit one's nf4 cache for nf4), checked, and its 4-bit packing."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)  # opened (validated) once
-    if _wants_nf4(dtype) and ckpt.format in PACKED_FORMATS:
+    if wants_nf4(dtype) and ckpt.format in PACKED_FORMATS:
         raise OffloadError(
             f"{ckpt.path}: already a 4-bit {ckpt.format} checkpoint; drop --dtype nf4 (its "
             "weights stream as stored) or point at a 16-bit checkpoint"
         )
-    if (_wants_nf4(dtype) or ckpt.format == "bnb-nf4") and ckpt.hf_config.model_type in MOE_FAMILIES:
+    if (wants_nf4(dtype) or ckpt.format == "bnb-nf4") and ckpt.hf_config.model_type in MOE_FAMILIES:
         # the 4-bit cache packs every 2-D layer tensor, MoE routers (raw parameters, no nn.Linear) too
         raise OffloadError(
             f"{ckpt.path}: NF4 is not supported for mixture-of-experts models "
             f"({ckpt.hf_config.model_type}) yet; use --dtype bf16, fp16 or fp32"
         )
-    if _wants_nf4(dtype) and ckpt.format != "bnb-nf4":
+    if wants_nf4(dtype) and ckpt.format != "bnb-nf4":
         # A 16-bit checkpoint: quantize once into the cache (or reuse it), then load that.
         ckpt = open_checkpoint(ensure_nf4_cache(ckpt, progress=progress, packing=packing_for(device)))
     path, config = ckpt.path, ckpt.hf_config
@@ -293,10 +291,6 @@ def _skeleton(ckpt: Checkpoint, dtype, device, nf4_compute) -> tuple[torch.dtype
     if ckpt.format == "gguf" and config.model_type == "gpt_oss":  # experts as stored: gate, up, down apart
         swap_gguf_experts(hf.model.layers, ckpt, compute_dtype)
     return storage_dtype, compute_dtype, nf4, hf
-
-
-def _wants_nf4(dtype) -> bool:
-    return isinstance(dtype, str) and dtype.lower() == "nf4"
 
 
 def _swap_nf4_linears(layers: nn.ModuleList, compute_dtype: torch.dtype, packed) -> None:

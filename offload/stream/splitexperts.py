@@ -73,27 +73,23 @@ class SplitExperts:
             if not isinstance(experts, (ExpertList, RoutedExperts)):  # transformers' fused module (gpt-oss)
                 experts = layer.mlp.experts = RoutedExperts.from_hf(experts)
             disk = experts.source if self.disk.get(i) else None  # the ExpertStore's, attached before
+            params: dict = {}  # ExpertList: where each expert's parameters bind (layer-relative)
             if isinstance(experts, ExpertList):
-                held = {e: self._bind(layer, buf, d, experts[e]) for e, (buf, d) in by_e.items()}
+                specs = [(e, d.specs) for e, (_, d) in by_e.items()]
+                specs += [(e, self.store.experts[(i, e)].specs) for e in self.disk.get(i, [])]
+                params = {e: [param_slot(layer, sp.name) for sp in sps] for e, sps in specs}
+                for e, (buf, d) in by_e.items():  # a held expert's child: bound to its buffer for good
+                    for mod, attr, name in params[e]:
+                        mod._parameters[attr] = nn.Parameter(d.packed.view(buf, name), requires_grad=False)
+                held = {e: experts[e] for e in by_e}
             else:
                 held = {e: d.packed.parts(buf) for e, (buf, d) in by_e.items()}
             tiers = experts.source = _Tiers(held, disk)
-            tiers.layer, tiers.store = i, self.store
+            tiers.layer, tiers.store, tiers.params = i, self.store, params
             tiers.host = {e: (buf, d.packed) for e, (buf, d) in by_e.items() if e not in self.cached.get(i, [])}
-            if isinstance(experts, ExpertList):  # where each uncached expert's parameters bind (layer-relative)
-                specs = [(e, d.specs) for e, (_, d) in by_e.items()]
-                specs += [(e, self.store.experts[(i, e)].specs) for e in self.disk.get(i, [])]
-                tiers.params = {e: [param_slot(layer, sp.name) for sp in sps] for e, sps in specs}
             block = SplitBlock(experts, self.cached.get(i, []), self.device)
             block.stream_from, block.staging = self.stream_from.get(i), self.staging
             layer.mlp.experts = block
-
-    @staticmethod
-    def _bind(layer: nn.Module, buf: torch.Tensor, d: DiskLayer, child: nn.Module) -> nn.Module:
-        for sp in d.specs:
-            mod, attr, _ = param_slot(layer, sp.name)
-            mod._parameters[attr] = nn.Parameter(d.packed.view(buf, sp.name), requires_grad=False)
-        return child
 
 
 def _layer_experts(index, i: int, specs) -> dict[int, DiskLayer]:
@@ -138,8 +134,7 @@ def load_split(
     if on_disk:  # top_k: a one-token pass reads only its routed experts, never a layer whole (expertbulk)
         per_layer = max(len(ids["gpu"][i]) + len(ids["ram"][i]) + len(ids["disk"][i]) for i in held)
         capacity = cache_capacity(per_layer, len(on_disk), slot_bytes(on_disk.values()), None)
-        reads = DirectReader(reader.direct, reader.depth, reader.chunk)
-        out.store = ExpertStore(reads, on_disk, capacity, host_pool, top_k=k)
+        out.store = ExpertStore(reader, on_disk, capacity, host_pool, top_k=k)
     planned = (getattr(memplan, "experts", None) or {}).get("stream_from")
     out.stream_from = {i: planned[i] if planned else DEFAULT_STREAM_FROM for i in held}
     sizes = [d.packed.nbytes for by_e in held.values() for _, d in by_e.values()]
@@ -189,8 +184,6 @@ class _Tiers:
 
 
 class Staging:
-    """The device staging area."""
-
     def __init__(self, pool: DevicePool, slot: int, slots: int):
         self.pool, self.slot, self.slots = pool, slot, slots
         self.buf: torch.Tensor | None = None

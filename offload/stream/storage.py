@@ -18,7 +18,7 @@ import math
 import os
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -215,7 +215,6 @@ def fill_packed(index: SafetensorsIndex, prefix: str, specs: list[ParamSpec], la
 
 
 def is_aligned(layout: LayerLayout, align: int = ARENA_ALIGN) -> bool:
-    """True when every tensor of `layout` starts on an `align` boundary."""
     return all(s.offset % align == 0 for s in layout.slices.values())
 
 
@@ -225,8 +224,12 @@ class DiskLayer:
     raw: LayerLayout           # views into the read buffer (file dtypes, file offsets)
     packed: LayerLayout        # aligned compute layout (cast / quantized where needed)
     specs: list[ParamSpec]
-    convert: bool              # a dtype cast is needed: the read buffer is never the compute buffer
     align: int = ARENA_ALIGN   # boundary the compute device needs its tensors on (CPU_ALIGN on a CPU)
+    convert: bool = field(init=False)  # a dtype cast is needed: the read buffer is never the compute buffer
+
+    def __post_init__(self):
+        # packed nf4 bytes stream as stored; only a 16-bit dtype change needs a per-pass cast
+        self.convert = any(self.raw.slices[sp.name].dtype != self.packed.slices[sp.name].dtype for sp in self.specs)
 
     @property
     def repack(self) -> bool:
@@ -259,13 +262,13 @@ class LayerStore:
 
     def __init__(self, device: torch.device, pool: DevicePool, slots: int,
                  ram: dict[int, tuple[torch.Tensor, LayerLayout]], disk: dict[int, DiskLayer],
-                 reader: DirectReader, host_slots: int | None = None, staging_bytes: int | None = None,
-                 pins: HostPins | None = None, ram_pinned: bool = True):
+                 reader: DirectReader, host_slots: int | None, staging_bytes: int | None, pins: HostPins,
+                 ram_pinned: bool):
         self.device, self.pool = device, pool
         self.ram, self.disk, self.reader = ram, disk, reader
         self.after_disk_read = None  # callable(layer, host buffer) after a disk read (CPU 4-bit layout)
-        self.pins = pins if pins is not None else HostPins(device)
-        self.pins.attach(self)
+        self.pins = pins
+        pins.attach(self)
         cuda = device.type == "cuda"
         self.ram_staged = cuda and bool(ram) and not ram_pinned   # RAM arena pageable: copy via the ring
         n_streamed = len(ram) + len(disk)
