@@ -16,8 +16,6 @@ from offload.stream.hostmem import ARENA_ALIGN, aligned_empty
 
 
 class DevicePool:
-    """Device bytes counted per component (module contract); `allocated` is their total."""
-
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.by_component: dict[str, int] = {}

@@ -36,7 +36,7 @@ def layer_spans(experts: dict[tuple[int, int], DiskLayer]) -> tuple[dict[int, La
     by_layer: dict[int, list[Span]] = {}
     for (i, _), d in experts.items():
         by_layer.setdefault(i, []).extend(d.spans)
-    reads, where = {}, {}
+    reads = {}
     for i, spans in by_layer.items():
         merged: list[list] = []  # [file, start, end, needed end]
         for s in sorted(spans, key=lambda s: (str(s.file), s.offset)):
@@ -50,8 +50,7 @@ def layer_spans(experts: dict[tuple[int, int], DiskLayer]) -> tuple[dict[int, La
             out.append(Span(f, start, align_up(end - start, IO_ALIGN), needed - start, off))
             off += out[-1].length
         reads[i] = LayerRead(out, off, sum(s.needed for s in out))
-    for (i, e), d in experts.items():
-        where[(i, e)] = [(_landing(reads[i].spans, s), s) for s in d.spans]
+    where = {(i, e): [(_landing(reads[i].spans, s), s) for s in d.spans] for (i, e), d in experts.items()}
     return reads, where
 
 

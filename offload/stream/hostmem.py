@@ -73,7 +73,7 @@ def _probe_launch() -> None:
 _STILL_PINNED: list = []  # buffers whose cudaHostUnregister failed: never unmapped while maybe registered
 
 
-def _unregister(entries: list, failures: list | None = None) -> None:
+def _unregister(entries: list, failures: list) -> None:
     """cudaHostUnregister every entry; a failure keeps its buffer for the process's life (unmapping registered
     memory is undefined) and adds one line to `failures`."""
     for ptr, buf in entries:
@@ -81,23 +81,18 @@ def _unregister(entries: list, failures: list | None = None) -> None:
         if rc != 0:
             clear_cuda_error()
             _STILL_PINNED.append(buf)
-            if failures is not None:
-                failures.append(f"could not unpin {buf.numel() / 2**30:.1f} GiB of host memory (cudaError {rc})")
+            failures.append(f"could not unpin {buf.numel() / 2**30:.1f} GiB of host memory (cudaError {rc})")
     entries.clear()
 
 
 class HostPins:
-    """Page-locked host regions of one owner; `release()` (or the owner's death) unregisters them."""
-
     def __init__(self, device: torch.device):
         self.enabled = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._entries: list[tuple[int, torch.Tensor]] = []  # (pointer, buffer kept alive until unpinned)
-        self._finalizer = None
         self.failures: list[str] = []  # one line per region left pageable
 
     def attach(self, owner) -> None:
-        if self._finalizer is None:
-            self._finalizer = weakref.finalize(owner, _unregister, self._entries, self.failures)
+        weakref.finalize(owner, _unregister, self._entries, self.failures)
 
     def notice(self, consequence: str) -> None:
         """One warning line for the latest failed registration and what it costs."""

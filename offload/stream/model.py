@@ -189,13 +189,11 @@ class OffloadedCausalLM(nn.Module):
         streamed = self.prefetcher.pass_()
         resident = set(self.plan.resident)
         for i in range(len(self.layers)):
-            if i in resident:
-                yield i
-                continue
-            lid, buf = next(streamed)
-            assert lid == i, f"prefetcher yielded layer {lid}, expected {i}"
-            self._bind(i, buf, self.store.layout(i))
-            self.stats.streamed_bytes_per_pass += self.store.link_bytes(i)
+            if i not in resident:
+                lid, buf = next(streamed)
+                assert lid == i, f"prefetcher yielded layer {lid}, expected {i}"
+                self._bind(i, buf, self.store.layout(i))
+                self.stats.streamed_bytes_per_pass += self.store.link_bytes(i)
             yield i
         for _ in streamed:  # resume once more: releases the last slot, queues the next pass
             raise AssertionError("prefetcher yielded more layers than the plan streams")

@@ -56,8 +56,6 @@ def tier_ids(order: list[tuple[int, int]], n_layers: int, gpu: int, ram: int) ->
 
 
 class SplitExperts:
-    """The split placement's experts of every sparse layer."""
-
     def __init__(self, device: torch.device, store: ExpertStore | None, host_pool: DevicePool):
         self.device, self.store, self.host_pool = device, store, host_pool
         self.held: dict[int, dict[int, tuple[torch.Tensor, DiskLayer]]] = {}  # layer -> e -> (buffer, expert)
@@ -231,8 +229,6 @@ class _Staged:
 
 
 class SplitBlock(nn.Module):
-    """A sparse block's experts computed where they live."""
-
     def __init__(self, inner: nn.Module, cached: list[int], device: torch.device):
         super().__init__()
         object.__setattr__(self, "inner", inner)  # unregistered: the layer's parameter names stay as stored
