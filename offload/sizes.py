@@ -18,7 +18,6 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """Parse a human byte size ("512MB", "1.5GiB", "1024") into bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"invalid size {text!r}: sizes cannot be negative")

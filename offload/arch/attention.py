@@ -34,19 +34,16 @@ _PREPARED: dict = {}  # (id(mask), groups, dtype) -> (weakref to the source mask
 
 
 def register() -> str:
-    """Make NAME known to transformers (attention and mask interfaces); returns NAME."""
     from transformers.masking_utils import sdpa_mask
 
     return register_as(NAME, gqa_attention_forward, sdpa_mask)
 
 
 def implementation(name: str) -> str:
-    """NAME in place of "sdpa" (registering it); any other implementation unchanged."""
     return register() if name == "sdpa" else name
 
 
 def padded(width: int) -> int:
-    """`width` rounded up to a multiple of ALIGN."""
     return -(-width // ALIGN) * ALIGN
 
 
@@ -79,7 +76,6 @@ def mask_bytes(
 
 
 def release() -> None:
-    """Drop every prepared mask (the end of a pass)."""
     _PREPARED.clear()
 
 

@@ -8,22 +8,18 @@ kernel makes, or None where that is not known to be the same call.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-_FLASH_CPU = None  # the op, looked up once (False: this torch has none)
 
-
+@functools.cache
 def flash_op():
-    """torch's CPU flash attention op (out, logsumexp, ...), looked up once; False where this torch has none."""
-    global _FLASH_CPU
-    if _FLASH_CPU is None:
-        _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
-    return _FLASH_CPU
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", False)
 
 
 def cpu_flash(q, k, v, mask, dropout, scaling, lse: bool = False):
-    """The CPU flash kernel called directly, as attention.py's `_sdpa` pinned to it calls it (minus the
-    per-layer dispatch): out, or (out, logsumexp) with `lse`; None where that is not the same call."""
+    """out, or (out, logsumexp) with `lse` (the contract); None where that is not the same call."""
     ok = (
         dropout == 0.0
         and q.dim() == 4

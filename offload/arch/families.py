@@ -7,7 +7,7 @@ Contract: `causal_lm_class(config)` returns the HF *ForCausalLM class for a `SUP
 implementation, `final_softcap` (Gemma-2: logits <- cap * tanh(logits / cap)) and the sliding-window
 layers. `window_mask(mask, q_pos, k_pos, window)` puts a sliding window on an additive 4-D mask by
 ABSOLUTE positions (HF returns caller-built 4-D tree masks unchanged). `restore_buffers` re-creates
-Gemma's non-persistent `embed_scale`.
+Gemma's non-persistent `embed_scale` (lost by `to_empty`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def causal_lm_class(config):
 
 
 def meta_model(config, where, fix: str = "fix or re-download it"):
-    """The HF causal LM of `config` built on the meta device (no memory); sizes it cannot be built
-    with are one OffloadError line naming `where` and `fix`."""
+    """The contract's OffloadError line names `where` and `fix`."""
     try:
         with torch.device("meta"):
             return causal_lm_class(config)(config)
@@ -80,7 +79,6 @@ class Family:
 
 
 def _attention(config) -> str:
-    """The attention implementation a family's layers run under (see Family.attn_implementation)."""
     if config.model_type == "gpt_oss":
         from offload.arch.gptoss import register
 
@@ -104,7 +102,6 @@ def apply_final_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor
 
 
 def restore_buffers(module: torch.nn.Module) -> None:
-    """Re-create non-persistent buffers lost by `to_empty` (Gemma-2's and Gemma-3's scaled embedding)."""
     for mod in module.modules():
         if hasattr(mod, "scalar_embed_scale") and hasattr(mod, "embed_scale"):
             mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=mod.weight.device)

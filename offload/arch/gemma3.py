@@ -24,7 +24,6 @@ class TypedRope(tuple):
 
 @lru_cache(maxsize=1)
 def causal_lm_class():
-    """The causal LM subclass (contract), built on first use (transformers imports lazily)."""
     from transformers import Gemma3ForCausalLM
     from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RMSNorm, Gemma3RotaryEmbedding
 
@@ -32,9 +31,8 @@ def causal_lm_class():
         def forward(self, x, position_ids, layer_type=None):
             if layer_type is not None:
                 return super().forward(x, position_ids, layer_type)
-            by_type = {}
-            for t in self.layer_types:  # sorted names of the layer types this config has
-                by_type[t] = super().forward(x, position_ids, t)
+            forward = super().forward
+            by_type = {t: forward(x, position_ids, t) for t in self.layer_types}  # this config's types, sorted
             rope = TypedRope(by_type.get("full_attention") or next(iter(by_type.values())))
             rope.by_type = by_type
             return rope

@@ -21,7 +21,6 @@ NAME = "specx_sinks"
 
 
 def register() -> str:
-    """Make NAME known to transformers (attention and mask interfaces); returns NAME."""
     from transformers.masking_utils import eager_mask
 
     from offload.arch.hfcompat import register_as

@@ -2,13 +2,12 @@
 
 Contract: `RoutedExperts` stands in for transformers' GptOssExperts (hidden (T, H), router indices
 (T, K), routing weights (T, K) -> (T, H)) where the experts are not four 3-D parameters bound whole:
-MXFP4 blocks (quant/mxfp4.py subclasses it) or experts read on demand (stream/expertstore.py sets
+MXFP4 blocks (formats/mxfp4.py subclasses it) or experts read on demand (stream/expertstore.py sets
 `source`; `source.stream(es)`, where it exists, reads ahead). `parts(e)` is {name: row e} of each fused
 tensor (`names`); `weights(parts)` -> (gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,))
 in the compute dtype. The math is transformers' "grouped_mm" path, so the outputs are its bits: per
 (token, slot) routed to e, y = gate(x W_gu + b_gu) W_d + b_d (GptOssExperts._apply_gate) times its
 routing weight, summed over the K slots; a slot whose index is E (computed elsewhere) adds zero.
-`from_hf(experts)` holds transformers' module's parameters.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ class RoutedExperts(nn.Module):
         return {name: getattr(self, name)[e] for name in self.names}
 
     def weights(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """(gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,)) of one expert."""
         return tuple(parts[n] for n in NAMES)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ def installed_name() -> str:
 
 
 def cache_kwargs(fn, cache) -> dict:
-    """`{name: cache}`, to splat into a call of `fn`: name `cache` or `past_key_values`, as `fn` takes it."""
     target = getattr(fn, "forward", fn)  # an nn.Module: look at its forward's signature
     return {_cache_name(getattr(target, "__func__", target)): cache}
 
@@ -48,12 +47,10 @@ def _output_name(cls) -> str:
 
 
 def output_cache_kwargs(cls, cache) -> dict:
-    """`{field: cache}` for a ModelOutput class whose cache field is `cache` or `past_key_values`."""
     return {_output_name(cls): cache}
 
 
 def register_as(name: str, forward, mask) -> str:
-    """Make `name` known to transformers, once: `forward` its attention function, `mask` its mask builder."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 

@@ -106,7 +106,6 @@ def skip_block(n_layers: int, n_skip: int) -> list[int]:
 def build_self_draft(
     target, progress: Callable[[int, int, str], None] | None = None, bits: int = 4, skip: list[int] | tuple = ()
 ):
-    """The self-draft of an OffloadedCausalLM `target` with `bits`-bit substitutes (see the contract)."""
     if not streamed_layers(target):
         return build_skip_draft(target, skip)
     layers = [i for i in check_self_draft(target, bits) if i not in set(skip)]
@@ -149,7 +148,6 @@ def skeleton(target, source=None, layers=(), dtype=None, **options):
 
 
 def build_skip_draft(target, skip):
-    """The layer-skip self-draft of a target whose every layer is resident (see the contract)."""
     n = len(target_layers(target))
     skip = sorted(set(int(i) for i in skip))
     if not skip:
@@ -175,7 +173,6 @@ def build_skip_draft(target, skip):
 
 
 def draft_head(head):
-    """The target's output layer as the draft reads it (cpu/ggml_kernel.PackedHead.for_draft)."""
     return head.for_draft() if isinstance(head, PackedHead) else head
 
 

@@ -68,7 +68,6 @@ def layer_influence(model, ids: torch.Tensor) -> list[float]:
 
 
 def skip_order(n_layers: int, influence: list[float] | None = None) -> list[int]:
-    """Layers 1..n-2 in the order a partial self-draft gives them up (see the contract)."""
     inner = list(range(1, n_layers - 1))
     if influence is not None:
         return sorted(inner, key=lambda i: (influence[i], i))
@@ -84,7 +83,6 @@ RULES = ("influence", "middle", "alternate")
 
 
 def rule_order(n_layers: int, rule: str, influence: list[float] | None = None) -> list[int]:
-    """Layers 1..n-2 in the order `rule` gives them up (see the contract)."""
     if rule not in RULES:
         raise ValueError(f"skip rule must be one of {', '.join(RULES)} (got {rule!r})")
     if rule != "alternate":
