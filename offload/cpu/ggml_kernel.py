@@ -171,7 +171,8 @@ def function(name: str, argtypes: list):
     if lib is None:
         return None
     fn = getattr(lib, name)
-    fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
     return fn
 
 

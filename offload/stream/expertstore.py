@@ -70,7 +70,8 @@ def _parts(entries: dict[str, TensorEntry], specs: dict[str, ParamSpec]) -> dict
     for name, sp in specs.items():
         if not is_expert(name):
             continue
-        entry, tail = entries[name], name.split(MARK, 1)[1].split(".", 1)[0]
+        entry = entries[name]
+        tail = name.split(MARK, 1)[1].split(".", 1)[0]
         if tail.isdigit():  # one expert's own tensor: `mlp.experts.3.w1.weight`
             out.setdefault(int(tail), {})[name] = (entry, sp)
             continue

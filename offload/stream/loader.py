@@ -302,8 +302,10 @@ def _from_memplan(memplan, layer_bytes: list[int], slots: int) -> OffloadPlan:
     if memplan.layer_bytes != layer_bytes:
         raise OffloadError("memory plan and loader disagree on layer sizes; this is a bug, please report it")
     ram, disk = list(memplan.ram_layers), list(memplan.disk_layers)
-    host, dense = sum(layer_bytes[i] for i in ram), list(getattr(memplan, "dense_layers", []))
-    return OffloadPlan(list(memplan.resident), ram + disk, ram, disk, list(layer_bytes), slots, host, 0, dense=dense)
+    host = sum(layer_bytes[i] for i in ram)
+    dense = list(getattr(memplan, "dense_layers", []))
+    resident = list(memplan.resident)
+    return OffloadPlan(resident, ram + disk, ram, disk, list(layer_bytes), slots, host, device_bytes=0, dense=dense)
 
 
 def _own_quant_state(state, pool: DevicePool) -> None:

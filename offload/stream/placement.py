@@ -66,10 +66,12 @@ def plan_offload(
     device_budget = float("inf") if max_device_memory is None else max_device_memory
     host_budget = free_ram if max_host_memory is None else max_host_memory
     n_resident = _fitting(layer_bytes, device_budget)
-    resident, streamed = list(range(n_resident)), list(range(n_resident, len(layer_bytes)))
+    resident = list(range(n_resident))
+    streamed = list(range(n_resident, len(layer_bytes)))
     n_ram = _fitting([layer_bytes[i] for i in streamed], host_budget)
     ram_layers, disk_layers = streamed[:n_ram], streamed[n_ram:]
-    used, host = sum(layer_bytes[:n_resident]), sum(layer_bytes[i] for i in ram_layers)
+    used = sum(layer_bytes[:n_resident])
+    host = sum(layer_bytes[i] for i in ram_layers)
     slot_bytes = max((layer_bytes[i] for i in streamed), default=0)
     device_bytes = used + (slots * slot_bytes if streamed else 0)
     return OffloadPlan(resident, streamed, ram_layers, disk_layers, list(layer_bytes), slots, host, device_bytes)

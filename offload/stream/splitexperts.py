@@ -83,7 +83,9 @@ class SplitExperts:
             else:
                 held = {e: d.packed.parts(buf) for e, (buf, d) in by_e.items()}
             tiers = experts.source = _Tiers(held, disk)
-            tiers.layer, tiers.store, tiers.params = i, self.store, params
+            tiers.layer = i
+            tiers.store = self.store
+            tiers.params = params
             tiers.host = {e: (buf, d.packed) for e, (buf, d) in by_e.items() if e not in self.cached.get(i, [])}
             block = SplitBlock(experts, self.cached.get(i, []), self.device)
             block.stream_from, block.staging = self.stream_from.get(i), self.staging

@@ -43,14 +43,16 @@ def describe(name: str) -> Info:
     except OffloadError as exc:
         cfg = config_json(path)
         qc = cfg.get("quantization_config")
-        family, layers, vocab = cfg.get("model_type"), cfg.get("num_hidden_layers"), cfg.get("vocab_size")
-        return Info(
-            path, None, family, layers, quant=qc if isinstance(qc, dict) else None, vocab=vocab, reason=str(exc)
-        )
+        family = cfg.get("model_type")
+        layers = cfg.get("num_hidden_layers")
+        quant = qc if isinstance(qc, dict) else None
+        return Info(path, None, family, layers, quant=quant, vocab=cfg.get("vocab_size"), reason=str(exc))
     cfg = ck.config.get("text_config") or ck.config
-    n, family, vocab = ck.num_layers, cfg.get("model_type"), cfg.get("vocab_size")
+    n = ck.num_layers
     layer_bytes = [ck.layer_bytes(i) for i in range(n)]
     total = sum(f.stat().st_size for f in ck.files)
+    family = cfg.get("model_type")
+    vocab = cfg.get("vocab_size")
     return Info(path, ck.format, family, n, layer_bytes, total, ck.quant, vocab, ck.chat_template, runnable=True)
 
 

@@ -34,7 +34,9 @@ def configure(
     plan: Callable[[dict], None] | None = None,
 ) -> None:
     """Route the messages to a front end's renderers (any left None keeps its current sink)."""
-    _SINKS.update({name: fn for name, fn in dict(notice=notice, error=error, plan=plan).items() if fn is not None})
+    for name, fn in (("notice", notice), ("error", error), ("plan", plan)):
+        if fn is not None:
+            _SINKS[name] = fn
 
 
 def notice(message: str) -> None:
