@@ -282,13 +282,11 @@ def expert_plan(
 
 
 def mode_seconds(a, plan, dev, n: int, ctx: int, c: int, mode: str) -> float:
-    """Modelled seconds of a pass of n tokens under plan.experts run in `mode` ("on-demand" or "layers")."""
     ex = {**plan.experts, **(plan.experts.get("on_demand") or {}), "mode": mode}
     return pass_terms(a, replace(plan, experts=ex), dev, n, ctx, c).seconds
 
 
 def chose_whole_layers(ex: dict | None) -> bool:
-    """expert_plan weighed experts apart against whole layers and chose whole layers."""
     return bool(ex) and "on_demand_tokens_per_second" in ex and ex["mode"] == "layers"
 
 

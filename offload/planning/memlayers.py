@@ -47,12 +47,10 @@ def layer_specs(ck: Checkpoint, i: int, storage: torch.dtype, nf4: bool) -> dict
         qparts = packed and (not rel.endswith((".weight", ".bias")) or not e.dtype.is_floating_point)
         if qparts or rel.endswith(STORED_ENDINGS):
             out[rel] = (ParamSpec(rel, tuple(e.shape), e.dtype), e)
-            continue
-        if name.endswith("inv_freq") or not rel.endswith(PARAM_ENDINGS):
-            continue
-        q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
-        shape = (2 * e.shape[0],) if q and e.dtype == torch.uint8 else tuple(e.shape)
-        out[rel] = (ParamSpec(rel, shape, torch.uint8 if q else storage, nf4=q), e)
+        elif rel.endswith(PARAM_ENDINGS):
+            q = nf4 and rel.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype == torch.uint8)
+            shape = (2 * e.shape[0],) if q and e.dtype == torch.uint8 else tuple(e.shape)
+            out[rel] = (ParamSpec(rel, shape, torch.uint8 if q else storage, nf4=q), e)
     if not out:
         raise OffloadError(f"{ck.root}: no tensors for model.layers.{i}; the checkpoint does not match config.json")
     return out

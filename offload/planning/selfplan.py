@@ -16,8 +16,9 @@ Contract:
 - Where every layer is resident, `skip_plan` plans the layer-skip self-draft (selfdraft/build.
   build_skip_draft: default_skip of the target's own layers left out, a shared KV cache, no bytes of its
   own; `substitute_bits` build.LAYER_SKIP, 0), modelled against plain decoding (draftcost.skip_spec).
-- `choose(a, req, plans)` picks the fitting (bits, plan) with the most modelled tokens/s (draftcost.py)
-  and returns every width's Candidate (the plan's `candidates` / `choice`, printed by `--dry-run`).
+- `choose(a, req, plans)` picks the fitting (bits, plan) with the most modelled tokens/s (draftcost.py; else
+  the last tried) and returns every width's Candidate, the best-fitting plan tried for it (the plan's
+  `candidates` / `choice`, printed by `--dry-run`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
             continue
         total = 0
         for name, e in ck.tensors.items():
-            if not name.startswith(prefix) or not name.endswith(("weight", "bias")) or name.endswith("inv_freq"):
+            if not name.startswith(prefix) or not name.endswith(("weight", "bias")):
                 continue
             quantized = name.endswith("_proj.weight") and (len(e.shape) == 2 or e.dtype.itemsize == 1)
             numel = math.prod(e.shape) * (2 if e.dtype.itemsize == 1 and quantized else 1)
@@ -96,7 +97,6 @@ def substitute_bytes(ck, arch, req, bits: int, nf4_layers) -> list[int]:
 
 
 def candidate_bits(req, prequant: bool, packed: bool = False) -> list[int]:
-    """`packed`: an AWQ/GPTQ/compressed-tensors target (already 4-bit: 3 or 2-bit substitutes only)."""
     if prequant:
         return []
     if req.draft_bits is not None:
@@ -141,8 +141,6 @@ def blocks_forward(a, req, bits: int, plan) -> tuple[float, int, bool] | None:
 
 
 def choose(a, req, plans: list[tuple[int, object]]) -> tuple[tuple[int, object], list]:
-    """The (bits, plan) with the most modelled tokens/s among those that fit (else the last tried),
-    and every width's draftcost.Candidate (one per width: the best-fitting plan tried for it)."""
     cands, pairs = {}, {}
     for bits, plan in plans:
         c = sweep(self_spec(a, req, bits, plan), costing_for(a, req), plan, req.budget_auto)  # best budget if auto
@@ -197,7 +195,6 @@ def plan_self_draft(target, req, nf4_layers, plan_with):
 
 
 def skip_plan(target, a, req, plan_with):
-    """Every layer resident: the plan of the layer-skip self-draft, its candidate and plain decoding's."""
     from offload.selfdraft.build import LAYER_SKIP
 
     plan = plan_with([0] * a.layers, None)  # no substitutes; its draft runs the target's (dequantizing) layers
