@@ -312,7 +312,8 @@ def activation_bytes(
     worst = max(verify, prefill_bytes(ta, req, chunk, c, deq, sampling_bytes(ta.vocab, 1, temperature)))
     if da is None:
         return worst
-    dc, beams, own = dtype_bytes(req.draft_dtype), req.max_beams, getattr(req, "self_draft", False)
+    dc, beams = dtype_bytes(req.draft_dtype), req.max_beams
+    own = getattr(req, "self_draft", False)
     kernel = substitute_kernel(req.draft_bits, dev) if own and req.draft_bits is not None else "none"
     ddeq = dequant_temp_bytes(da, kernel, req.draft_bits, dc, dev)
     if own:

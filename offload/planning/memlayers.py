@@ -169,7 +169,8 @@ def dequantize_once(
 ) -> tuple[Dense, Dense]:
     """What the plan dequantizes once in `room`: the resident layers, in order, whose linears (lay.dense) fit,
     each costing `slack` times its size (CUDA: the allocator's rounding); then HQQ substitutes."""
-    target, used = Dense([], 0), 0
+    target = Dense([], 0)
+    used = 0
     for i in resident:
         size = int(lay.dense[i] * slack)
         if size and used + size <= room:

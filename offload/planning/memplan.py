@@ -75,9 +75,11 @@ def _globals(ck: Checkpoint, a: Arch, req: PlanRequest, emb: str) -> tuple[dict[
     served = head in ck.tensors and gguf_kernel_type(ck, head, req.device, compute_dtype(req))
     packed = ck.tensors[head].nbytes if served else 0
     if emb == "packed":  # both as their GGUF bytes (formats/packed_globals.py); a tied head shares the table's
-        embeddings, lm_head = ck.tensors["model.embed_tokens.weight"].nbytes, 0 if tied else packed
+        embeddings = ck.tensors["model.embed_tokens.weight"].nbytes
+        lm_head = 0 if tied else packed
     else:
-        embeddings, lm_head = table if emb == "device" else 0, (0 if tied and emb == "device" else table) + packed
+        embeddings = table if emb == "device" else 0
+        lm_head = (0 if tied and emb == "device" else table) + packed
     dev = {"embeddings": embeddings, "final_norm": a.hidden * c, "lm_head": lm_head, "rotary": rotary_bytes(a)}
     return dev, ({"embeddings": table} if emb == "host" else {})
 

@@ -23,8 +23,10 @@ def split_seconds(ex: dict, i: int, n: int, dev, c: int) -> tuple[float, str]:
     eb, ew, k = ex["expert_bytes"][i], ex["expert_weights"][i], ex["top_k"]
     d = distinct_experts(n, k, ex["experts"])
     flops = 2.0 * n * k * ew  # every routed (token, expert) pair once
-    g, ram, on_disk = ex.get("hit", 0.0), ex.get("ram_experts", 0), ex.get("disk_experts", 0)
-    r, s = (1 - g) * ram / max(ram + on_disk, 1), (1 - g) * on_disk / max(ram + on_disk, 1)  # the tier shares
+    g = ex.get("hit", 0.0)  # the routed experts' share already on the card
+    ram, on_disk = ex.get("ram_experts", 0), ex.get("disk_experts", 0)
+    rest = max(ram + on_disk, 1)
+    r, s = (1 - g) * ram / rest, (1 - g) * on_disk / rest  # the RAM and disk shares of the rest
     on_gpu = max(d * g * eb / dev.memory_bps, g * flops / dev.flops(c))
     disk = d * s * eb / dev.disk_bps
     cpu = max(d * r * eb / ex["cpu_bps"], (1 - g) * flops / ex["cpu_flops"]) + disk
