@@ -43,9 +43,9 @@ def decode_to_stdout(
             try:
                 events = tuner.drive(models, state, ids, cfg) if tuner else generate(models, state, ids, cfg)
                 for ev in events:
+                    stats.add(ev)  # counted before shown: a Ctrl-C between keeps shown text's tokens counted
                     shown = stops.feed(ev.text)  # a stop string's cut loses the draft colouring
                     sink(shown, None if shown is ev.text else 0)
-                    stats.add(ev)
                     meter.step(stats, ev)
                     stats.streamed_bytes = streamed_bytes(models.target) - streamed0
                     if tuner is not None:
