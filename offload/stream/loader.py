@@ -1,19 +1,20 @@
 """Load-time placement: read the checkpoint into resident buffers, RAM arenas and disk plans.
 
-Contract: `load_weights(...)` takes a Checkpoint `open_checkpoint` validated, picks the placement
-(`plan_offload` or the caller's memory plan), checks host and device bytes against what is free BEFORE
-allocating (OffloadError otherwise), then fills resident layers into `DevicePool` buffers, RAM-tier layers
-into one page-aligned host region (page-locked on CUDA), and records file spans for disk layers. NF4
-layers stream only their packed weights; quant states and small tensors go to the device once
-("pinned"). `plan.dense`: resident layers dequantized once (the plan's, else `_dense_auto`). With
+Contract: `load_weights(..., opts)` (an OffloadOptions: from_pretrained's keywords) takes a Checkpoint
+`open_checkpoint` validated, picks the placement (`plan_offload` or the caller's memory plan), checks host and
+device bytes against what is free BEFORE allocating (OffloadError otherwise), then fills resident layers into
+`DevicePool` buffers, RAM-tier layers into one page-aligned host region (page-locked on CUDA), and records file
+spans for disk layers. NF4 layers stream only their packed weights; quant states and small tensors go to the
+device once ("pinned"). `plan.dense`: resident layers dequantized once (the plan's, else `_dense_auto`). With
 experts="split" every layer is resident with its dense part only (stream/splitexperts.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
+from typing import Any
 
 import psutil
 import torch
@@ -157,59 +158,64 @@ class Subset:
     shared: tuple  # (embed, norm, lm_head, rotary) modules to use as they are, by reference
 
 
+@dataclass(frozen=True)
+class OffloadOptions:
+    """OffloadedCausalLM.from_pretrained's keyword options, its defaults; `offload` is checked on construction."""
+
+    offload: str = "auto"  # layers' tiers: "none" (all resident), "ram", "disk" or "auto" (the budgets decide)
+    max_device_memory: int | None = None  # bytes of resident layers (None: the offload mode's, _budgets)
+    max_host_memory: int | None = None  # bytes of RAM-tier layers (None: the offload mode's, _budgets)
+    slots: int = 2  # device buffers the streamed layers rotate through
+    progress: Callable[[int, int, str], None] | None = None  # called (done, total, what) as layers load
+    host_slots: int | None = None  # buffers of the disk read-ahead ring (storage.staging_slots)
+    staging_bytes: int | None = None  # bytes that ring holds when host_slots is None (None: 1 GiB)
+    memplan: Any = None  # a planning.memplan.MemoryPlan fixing placement and embeddings (None: the budgets decide)
+    pool: DevicePool | None = None  # a DevicePool shared with the caller (None: one of its own)
+    subset: Subset | None = None  # load only its layers and share its globals (a self-draft's substitutes)
+    nf4_compute: torch.dtype | None = None  # a 4-bit load's compute dtype (None: fp32 on CPU, else bf16/fp16)
+    # routed experts of disk layers: "on-demand" (expertstore.py), "layers" (streamed with their layer), "split"
+    # (splitexperts.py) or "auto" (the memory plan's choice; without one, on demand where they can be)
+    experts: str = "auto"
+    expert_cache: int | None = None  # experts cached (split: on the device; on demand: in RAM; None: the plan's)
+
+    def __post_init__(self) -> None:
+        if self.offload not in ("none", "ram", "disk", "auto"):
+            raise OffloadError(f"offload must be none, ram, disk or auto, got {self.offload!r}")
+
+
 def load_weights(
-    index: Checkpoint,
-    hf,
-    device: torch.device,
-    storage_dtype: torch.dtype,
-    compute_dtype: torch.dtype,
-    nf4: bool,
-    offload: str,
-    max_dev,
-    max_host,
-    slots: int,
-    progress: Callable[[int, int, str], None] | None,
-    host_slots: int | None = None,
-    staging_bytes: int | None = None,
-    memplan=None,
-    pool: DevicePool | None = None,
-    subset: Subset | None = None,
-    experts: str = "auto",
-    expert_cache: int | None = None,
+    index: Checkpoint, hf, device: torch.device, storage_dtype, compute_dtype, nf4: bool, opts: OffloadOptions
 ) -> LoadedWeights:
-    """The options are OffloadedCausalLM.from_pretrained's (its docstring)."""
-    config, layers = index.hf_config, hf.model.layers
+    config, layers, subset = index.hf_config, hf.model.layers, opts.subset
     all_specs = [layer_specs(layer, storage_dtype) for layer in layers]
     # nf4: only the packed weights stream; the small rest is pinned on the device once.
     specs = [[sp for sp in s if sp.nf4 or not nf4] for s in all_specs]
-    splitting = subset is None and wants_split(experts, memplan)
+    splitting = subset is None and wants_split(opts.experts, opts.memplan)
     if splitting:  # the layers hold their dense parts only (resident), the experts their tiers (splitexperts.py)
         specs = [[sp for sp in s if not is_expert(sp.name)] for s in all_specs]
     layouts = [packed_layout(s) for s in specs]
     files = [file_layout({sp.name: index.get(f"model.layers.{i}.{sp.name}") for sp in s}) for i, s in enumerate(specs)]
     free_ram = psutil.virtual_memory().available
     layer_bytes = [lay.nbytes if subset is None or i in subset.layers else 0 for i, lay in enumerate(layouts)]
-    plan, room = _place(
-        index, layer_bytes, splitting, memplan, offload, device, compute_dtype, max_dev, max_host, free_ram, slots
-    )
-    pool = pool if pool is not None else DevicePool(device)
+    plan, room = _place(index, layer_bytes, splitting, opts, device, compute_dtype, free_ram)
+    pool = opts.pool if opts.pool is not None else DevicePool(device)
     if subset is not None:
         embed, norm, lm_head, rotary = subset.shared
     else:
-        embeddings = memplan.embeddings if memplan is not None else "device"
+        embeddings = opts.memplan.embeddings if opts.memplan is not None else "device"
         embed, norm, lm_head, rotary = load_globals(index, hf, config, device, compute_dtype, pool, embeddings)
     pins = HostPins(device)  # CUDA only: nothing is page-locked for --device cpu
     resident, ram, disk, qstates, pinned, ram_pinned = _fill_layers(
-        index, all_specs, specs, layouts, files, plan, subset, nf4, device, pool, pins, progress
+        index, all_specs, specs, layouts, files, plan, subset, nf4, device, pool, pins, opts.progress
     )
     reader = DirectReader()
     if disk:
         reader.probe(next(iter(disk.values())).spans[0].file)
         plan.direct_io = reader.direct
-    disk, held, split = _experts(
-        index, all_specs, disk, device, pool, reader, memplan, splitting, experts, expert_cache, room
+    disk, held, split = _experts(index, all_specs, disk, device, pool, reader, opts, splitting, room)
+    store = LayerStore(
+        device, pool, opts.slots, ram, disk, reader, opts.host_slots, opts.staging_bytes, pins, ram_pinned
     )
-    store = LayerStore(device, pool, slots, ram, disk, reader, host_slots, staging_bytes, pins, ram_pinned)
     for states in qstates.values():
         for state in states.values():
             _own_quant_state(state, pool)
@@ -217,14 +223,15 @@ def load_weights(
     return LoadedWeights(embed, norm, lm_head, rotary, plan, pool, store, resident, qstates, pinned, held, split)
 
 
-def _place(index, layer_bytes, splitting, memplan, offload, device, compute_dtype, max_dev, max_host, free_ram, slots):
+def _place(index, layer_bytes, splitting, opts: OffloadOptions, device, compute_dtype, free_ram):
     """(plan, room): the layers' placement, and the host bytes left for routed experts (None: the memory plan's)."""
+    max_dev, max_host, slots = opts.max_device_memory, opts.max_host_memory, opts.slots
     if splitting:  # every layer resident (dense parts only); room: the split experts' RAM tier
-        room = max_host if max_host is not None else 0 if offload == "disk" else int(free_ram * AUTO_RAM_FRACTION)
+        room = max_host if max_host is not None else 0 if opts.offload == "disk" else int(free_ram * AUTO_RAM_FRACTION)
         return OffloadPlan(list(range(len(layer_bytes))), [], [], [], layer_bytes, slots, 0, 0), room
-    if memplan is not None:
-        return _from_memplan(memplan, layer_bytes, slots), None
-    dev_budget, host_budget = _budgets(offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
+    if opts.memplan is not None:
+        return _from_memplan(opts.memplan, layer_bytes, slots), None
+    dev_budget, host_budget = _budgets(opts.offload, device, sum(layer_bytes), max_dev, max_host, free_ram)
     plan = plan_offload(layer_bytes, dev_budget, host_budget, free_ram, slots)
     room = max(0, host_budget - plan.host_bytes)  # host bytes the budget leaves for an expert cache
     _check_fits(plan, device, free_ram, index.path)
@@ -265,14 +272,14 @@ def _fill_layers(index, all_specs, specs, layouts, files, plan, subset, nf4, dev
     return resident, ram, disk, qstates, pinned, ram_pinned
 
 
-def _experts(index, all_specs, disk, device, pool, reader, memplan, splitting, experts, expert_cache, room):
+def _experts(index, all_specs, disk, device, pool, reader, opts: OffloadOptions, splitting, room):
     """(disk, held, split): the disk layers, their routed experts' store (on demand, or split's), the split experts."""
-    config = index.hf_config
+    config, memplan, cache = index.hf_config, opts.memplan, opts.expert_cache
     if not splitting:
-        disk, held = held_experts(index, disk, config, device, experts, expert_cache, memplan, pool, reader, room)
+        disk, held = held_experts(index, disk, config, device, opts.experts, cache, memplan, pool, reader, room)
         return disk, held, None
     e = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-    ids = split_ids(memplan, all_specs, index, expert_cache, room, e)
+    ids = split_ids(memplan, all_specs, index, cache, room, e)
     split = load_split(index, all_specs, device, pool, ids, reader, memplan)  # memplan: its stream_from
     return disk, split.store, split
 

@@ -1,16 +1,15 @@
 """OffloadedCausalLM: a HF causal LM (families.SUPPORTED) whose decoder layers stream.
 
-Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, offload, ...)` builds the HF model on
-meta, materializes the globals on the device and keeps each decoder layer in one buffer (storage.py)
-placed by the plan (placement.py, or the caller's memory plan). `model(...)` is ONE lane of multi.run_pass
-and returns a `CausalLMOutputWithPast` whose logits equal HF's (tree masks, arbitrary positions and a
-caller-owned cache included). Resident packed layers in `plan.dense` are dequantized once (quant/dense.py);
-MoE experts may be read apart (expertstore.py) or split by tier (splitexperts.py).
+Contract: `OffloadedCausalLM.from_pretrained(path, device, dtype, **options)` (loader.OffloadOptions) builds the
+HF model on meta, materializes the globals on the device and keeps each decoder layer in one buffer (storage.py)
+placed by the plan (placement.py, or the caller's memory plan). `model(...)` is ONE lane of multi.run_pass and
+returns a `CausalLMOutputWithPast` whose logits equal HF's (tree masks, arbitrary positions and a caller-owned
+cache included). Resident packed layers in `plan.dense` are dequantized once (quant/dense.py); MoE experts may
+be read apart (expertstore.py) or split by tier (splitexperts.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from offload.quant.dense import densify
 from offload.quant.nf4 import CPU_PACKING, Nf4Linear, cpu_relayout, needs_cpu_layout, packing_for
 from offload.quant.quant_cache import ensure_nf4_cache
 from offload.stream.expertstore import param_slot
-from offload.stream.loader import LoadedWeights, load_weights, resolve_dtype, wants_nf4
+from offload.stream.loader import LoadedWeights, OffloadOptions, load_weights, resolve_dtype, wants_nf4
 from offload.stream.multi import Lane, run_pass
 from offload.stream.placement import OffloadPlan
 from offload.stream.prefetch import Prefetcher
@@ -81,59 +80,18 @@ class OffloadedCausalLM(nn.Module):
         self.lean = LeanStack.build(self)  # every layer in one C call for small passes, where it applies
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        offload="auto",
-        max_device_memory: int | None = None,
-        max_host_memory: int | None = None,
-        slots: int = 2,
-        progress: Callable[[int, int, str], None] | None = None,
-        host_slots: int | None = None,
-        staging_bytes: int | None = None,
-        memplan=None,
-        pool=None,
-        subset=None,
-        nf4_compute: torch.dtype | None = None,
-        experts: str = "auto",
-        expert_cache: int | None = None,
-    ):
-        """host_slots / staging_bytes: the disk read-ahead ring (storage.staging_slots; default 1 GiB).
-        `memplan`: a planning.memplan.MemoryPlan fixing placement and embeddings (else the budgets decide);
-        `pool`: a DevicePool shared with the caller; `subset`: a loader.Subset (only those layers, shared
-        globals); `nf4_compute`: a 4-bit load's compute dtype (default: fp32 on CPU, else bf16/fp16);
-        `experts`: routed experts of disk layers "on-demand" (expertstore.py), "layers" (streamed with their
-        layer), "split" (splitexperts.py) or "auto" (the memory plan's choice; without one, on demand where
-        they can be); `expert_cache`: experts cached (split: on the device; on demand: in RAM; None: the plan's)."""
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, **options):
+        """`options`: loader.OffloadOptions' fields, by name (each field's comment says what it does)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if offload not in ("none", "ram", "disk", "auto"):
-            raise OffloadError(f"offload must be none, ram, disk or auto, got {offload!r}")
-        ckpt, packing = _open_checked(path, dtype, device, progress)
-        storage_dtype, compute_dtype, nf4, hf = _skeleton(ckpt, dtype, device, nf4_compute)
-        w = load_weights(
-            ckpt,
-            hf,
-            device,
-            storage_dtype,
-            compute_dtype,
-            nf4,
-            offload,
-            max_device_memory,
-            max_host_memory,
-            slots,
-            progress,
-            host_slots=host_slots,
-            staging_bytes=staging_bytes,
-            memplan=memplan,
-            pool=pool,
-            subset=subset,
-            experts=experts,
-            expert_cache=expert_cache,
-        )
+        if unknown := sorted(options.keys() - OffloadOptions.__dataclass_fields__.keys()):
+            valid = ", ".join(OffloadOptions.__dataclass_fields__)
+            raise TypeError(f"from_pretrained: unknown option(s) {', '.join(unknown)}; the options are {valid}")
+        opts = OffloadOptions(**options)
+        ckpt, packing = _open_checked(path, dtype, device, opts.progress)
+        storage_dtype, compute_dtype, nf4, hf = _skeleton(ckpt, dtype, device, opts.nf4_compute)
+        w = load_weights(ckpt, hf, device, storage_dtype, compute_dtype, nf4, opts)
         model = cls(ckpt.hf_config, device, compute_dtype, hf, w, packing)
         model.source = ckpt.path  # the checkpoint it was loaded from (the nf4 cache for a 16-bit one)
         model.checkpoint = ckpt  # its opened Checkpoint (formats.base)
