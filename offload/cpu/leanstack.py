@@ -127,13 +127,15 @@ def _multiplier(norm) -> torch.Tensor | None:
     return None
 
 
-def _streamable(layer) -> bool:
-    """Whether a STREAMED layer can run on the stack once bound: seven kernel-served GGUF linears, no bias."""
+def _streamed_parts(layer) -> dict | None:
+    """A STREAMED layer's parts before its bytes are bound ({"idx"}: `stream` binds the rest per pass), where it
+    can run on the stack once bound (seven kernel-served GGUF linears, no bias), else None."""
     if _kind(layer) is None:
-        return False
+        return None
     at, mlp = layer.self_attn, layer.mlp
     mods = (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    return all(getattr(m, "ggml_type", None) is not None and getattr(m, "bias", None) is None for m in mods)
+    ok = all(getattr(m, "ggml_type", None) is not None and getattr(m, "bias", None) is None for m in mods)
+    return {"idx": at.layer_idx} if ok else None
 
 
 def _streamed(model) -> frozenset:
@@ -189,8 +191,8 @@ def _layer_parts(layer) -> dict | None:
     return parts
 
 
-def why_not(model) -> str | None:
-    """One line on why `model` has no LeanStack, or None when it has one."""
+def _stack_parts(model) -> list[dict] | str:
+    """Each decoder layer's parts (`_layer_parts`, `_streamed_parts`), or one line on why `model` has no LeanStack."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "not a CPU fp32 model"
     reason = family_reason(model.config)
@@ -199,11 +201,18 @@ def why_not(model) -> str | None:
     if _function() is None:
         return ggml_kernel.kernel_status() or "the GGUF kernel library is not built"
     streamed = _streamed(model)
+    parts = []
     for i, layer in enumerate(model.layers):
-        ok = _streamable(layer) if i in streamed else _layer_parts(layer) is not None
-        if not ok:
+        parts.append(_streamed_parts(layer) if i in streamed else _layer_parts(layer))
+        if parts[-1] is None:
             return f"decoder layer {i} is not a Llama or Gemma-3 layer of kernel-served GGUF linears"
-    return None if streamed or any(map(_layer_parts, model.layers)) else "every decoder layer is skipped"
+    return parts if streamed or any(parts) else "every decoder layer is skipped"
+
+
+def why_not(model) -> str | None:
+    """One line on why `model` has no LeanStack, or None when it has one."""
+    parts = _stack_parts(model)
+    return parts if isinstance(parts, str) else None
 
 
 def _fill(s: _Layer, p: dict) -> None:
@@ -254,13 +263,12 @@ class LeanStack:
 
     @classmethod
     def build(cls, model) -> LeanStack | None:
-        if why_not(model) is not None:
+        parts = _stack_parts(model)
+        if isinstance(parts, str):
             return None
         streamed = _streamed(model)
-        if streamed:   # every layer kept; the streamed ones' pointers are bound per pass (`stream`)
-            return cls(model, [{"idx": layer.self_attn.layer_idx} if i in streamed else _layer_parts(layer)
-                               for i, layer in enumerate(model.layers)], streamed)
-        return cls(model, [p for p in map(_layer_parts, model.layers) if p])   # pass-throughs left out
+        # streamed: every layer kept, the streamed ones' pointers bound per pass (`stream`); else pass-throughs left out
+        return cls(model, parts if streamed else [p for p in parts if p], streamed)
 
     def serves(self, h: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> bool:
         if ggml_kernel.turned_off(ENV) or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
