@@ -2,16 +2,20 @@
 
 Contract: `measure(flags, max_tokens, progress)` plans and loads the target as `specx run` would with
 the same flags (session/options.plan_for_cli + load_planned), then times t_target(n) for n = 1, 2, 4,
-... up to min(max_tokens, 4096, the plan's largest pass) (`time_target`) and each draft a run could
+... up to min(max_tokens, 4096, the plan's largest pass) (`target_passes`) and each draft a run could
 take (`draft_configs`, each planned and loaded on its own): a tree-growth step and whole trees at
 TREE_BUDGETS (`time_draft`), and draft seconds per pass of real decoding (`time_draft_in_runs`); a
 mixture-of-experts target's `routing` (`count_routing`). It records the placement ([resident, RAM,
 disk] layers), resolved target path and dtype the timings hold for (session/profiles.profile_matches,
-offload/planning/draftcost.py). Nothing here prints; errors are SpecxError.
+offload/planning/draftcost.py), and under `floors` ({device: ...}, lifted to the profile's top level by
+profiler.build_profile) the per-forward floors passcost.Device prices: `floor_seconds` of a 1-token
+target pass (forward_floor_s) and of the first draft's step (step_floor_s), where `floor_measurable`.
+Nothing here prints; errors are SpecxError.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -31,6 +35,7 @@ WARMUP = 2  # untimed passes before each timed size (caches, allocator, page cac
 TREE_BUDGETS = (16, 64, 256, 1024)  # draft tree sizes timed (the dry run's budgets)
 SLOW_CALL = 2.0  # seconds: a call this slow is timed once (its noise is small against it)
 ROUTING_TOKENS = 256  # sample tokens whose routing a mixture-of-experts target's profile counts
+FLOOR_ROUNDS = 5  # profiled calls whose medians give a floor
 SAMPLE = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
 
 
@@ -56,22 +61,92 @@ def context_ids(tokenizer) -> list[int]:
     return (tokenizer(SAMPLE * 8)["input_ids"] * 4)[:CONTEXT_TOKENS]
 
 
-def time_target(models, n_values: list[int]) -> dict[int, float]:
-    """Seconds of one target pass over n new tokens on a CONTEXT_TOKENS-token cache (cropped back after each)."""
+def target_passes(models):
+    """pass_of(n): a call running one target pass over n new tokens on a CONTEXT_TOKENS-token cache
+    (cropped back after each)."""
     m, dtype = models.target, kvcache.model_dtype(models.target)
     ids = context_ids(models.tokenizer)
     cache, ctx = kvcache.new_cache(), len(ids)
     kvcache.forward(m, cache, torch.tensor(ids), torch.arange(ctx), causal_mask(0, ctx, dtype, m.device))
-    out = {}
-    for n in n_values:
+
+    def pass_of(n: int):
         toks = torch.tensor((ids * (n // max(ctx, 1) + 1))[:n])
 
         def one_pass():
             kvcache.forward(m, cache, toks, torch.arange(ctx, ctx + n), causal_mask(ctx, n, dtype, m.device))
             kvcache.crop(cache, ctx)
 
-        out[n] = median_time(one_pass)
-    return out
+        return one_pass
+
+    return pass_of
+
+
+def _wall(fn, dev: torch.device) -> float:
+    """Seconds of fn() on `dev`, the card's queue drained before and after on CUDA."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def busy_seconds(fn, dev: torch.device) -> tuple[float, float, int]:
+    """(seconds the device was busy during fn(), fn()'s wall seconds under the profiler, spans seen): the
+    union of the kernel and copy spans in torch.profiler's trace on CUDA; on a CPU the aten ops' spans (the
+    work, without the dispatch between ops; not the leaves alone: an op's own work beside its children, as
+    SDPA's beside its allocations, counts)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read as the profiler first starts: no start/stop lines on stderr
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        wall = _wall(fn, dev)
+    if dev.type == "cuda":
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.name.startswith("aten::")]  # nested spans merge below
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:  # union of intervals, in microseconds
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy / 1e6, wall, len(spans)
+
+
+def floor_seconds(fn, dev: torch.device, rounds: int = FLOOR_ROUNDS) -> dict | None:
+    """{floor_s, wall_s, busy_s} of fn() after one untimed call: medians over `rounds` calls of its wall
+    seconds, of the device's busy seconds in it (busy_seconds) and of their difference, at least 0. The
+    wall is an unprofiled call's on CUDA (profiling slows the host, not the card's kernels), the profiled
+    call's own on a CPU (whose op spans it slows alike). None where the trace holds no spans (no CUPTI)."""
+    fn()
+    rows = []
+    for _ in range(rounds):
+        busy, profiled, spans = busy_seconds(fn, dev)
+        if not spans:
+            return None
+        wall = _wall(fn, dev) if dev.type == "cuda" else profiled
+        rows.append((max(0.0, wall - busy), wall, busy))
+    return {k: round(statistics.median(r[i] for r in rows), 7) for i, k in enumerate(("floor_s", "wall_s", "busy_s"))}
+
+
+def floor_measurable(model, plan) -> bool:
+    """Whether a pass's busy spans hold all its work and transfers, so that wall - busy is its floor alone:
+    not where layers stream from disk or routed experts are read on demand or computed on the host (the
+    reads and the host's expert work are no spans), nor on a CPU where specx's C kernels multiply GGUF
+    blocks (offload/cpu: ctypes calls, no aten ops); on CUDA a copy over the link is a span."""
+    from offload.formats import ggml_kernel_enabled
+
+    if plan is not None and (plan.disk_layers or (plan.experts or {}).get("mode", "layers") != "layers"):
+        return False
+    if torch.device(model.device).type == "cuda":
+        return True
+    # a linear the kernel may serve: its GGUF type (PackedLinear, KernelLowbitLinear) or PackedHead's qtype
+    packed = any(getattr(m, "ggml_type", None) is not None or hasattr(m, "qtype") for m in model.modules())
+    return not (packed and ggml_kernel_enabled())
 
 
 def count_routing(models, tokens: int = ROUTING_TOKENS) -> dict | None:
@@ -106,9 +181,10 @@ def count_routing(models, tokens: int = ROUTING_TOKENS) -> dict | None:
     return dict(tokens=len(ids), experts=e, layers=layers, counts=[c for i in layers for c in counts[i].tolist()])
 
 
-def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
+def time_draft(models, budgets, beams: int, max_depth: int = 64, floor: bool = False) -> dict:
     """{step_seconds: one draft step over `beams` nodes, grow_seconds: {budget: one whole tree}, max_beams},
-    through core/draftstep.run (CUDA graphs replayed) over a draft cache reserved as a run's is."""
+    through core/draftstep.run (CUDA graphs replayed) over a draft cache reserved as a run's is; `floor`:
+    also `step_floor`, the step's floor_seconds (None where the trace held no spans)."""
     from specexec_cli.core.draft import grow_tree
 
     d, dtype = models.draft, kvcache.model_dtype(models.draft)
@@ -132,7 +208,10 @@ def time_draft(models, budgets, beams: int, max_depth: int = 64) -> dict:
             kvcache.crop(cache, ctx)
 
         grow[str(b)] = round(median_time(tree, 0.3, 5, 1), 6)
-    return dict(step_seconds=round(median_time(step), 6), grow_seconds=grow, max_beams=beams)
+    out = dict(step_seconds=round(median_time(step), 6), grow_seconds=grow, max_beams=beams)
+    if floor:
+        out["step_floor"] = floor_seconds(step, torch.device(d.device))
+    return out
 
 
 def time_draft_in_runs(models, budgets, beams: int, passes: int = 4) -> dict:
@@ -192,6 +271,7 @@ def measure(flags: dict, max_tokens: int, progress=None, calibration_tokens: int
         draft=flags.get("draft"),
         context_tokens=CONTEXT_TOKENS,
         draft_timings={},
+        floors={},
     )
     node_calibration = None
     # one ModelRef for every load: the target is resolved, opened and tokenized once
@@ -205,7 +285,11 @@ def measure(flags: dict, max_tokens: int, progress=None, calibration_tokens: int
                 ns = [1 << k for k in range(max(0, limit).bit_length()) if 1 << k <= limit]
                 if progress:
                     progress(0, len(configs) + 1, f"target passes, 1 to {ns[-1]} tokens")
-                out["target_seconds"] = {str(n): round(s, 6) for n, s in time_target(models, ns).items()}
+                pass_of = target_passes(models)
+                out["target_seconds"] = {str(n): round(median_time(pass_of(n)), 6) for n in ns}
+                dev = torch.device(models.target.device)
+                if floor_measurable(models.target, plan) and (f := floor_seconds(pass_of(1), dev)):
+                    out["floors"][dev.type] = dict(target=out["target"], **_named(f, "forward"))
                 out["placement"] = [len(plan.resident), len(plan.ram_layers), len(plan.disk_layers)] if plan else None
                 out["plan_dtype"] = plan_dtype(flags)
                 out["device"] = str(getattr(models.target, "device", flags.get("device", "auto")))
@@ -217,7 +301,11 @@ def measure(flags: dict, max_tokens: int, progress=None, calibration_tokens: int
                 if progress:
                     progress(i + 1, len(configs) + 1, f"draft trees ({key})")
                 budgets = [b for b in TREE_BUDGETS if b <= max(TREE_BUDGETS[0], max_tokens)]
-                out["draft_timings"][key] = time_draft(models, budgets, cfg.shape.max_beams)
+                first = not out["draft_timings"] and floor_measurable(models.draft, plan)
+                timing = time_draft(models, budgets, cfg.shape.max_beams, floor=first)
+                if step := timing.pop("step_floor", None):
+                    out["floors"].setdefault(torch.device(models.draft.device).type, {}).update(_named(step, "step"))
+                out["draft_timings"][key] = timing
                 out["draft_timings"][key]["pass_seconds"] = time_draft_in_runs(models, budgets, cfg.shape.max_beams)
         finally:
             close_models(models)
@@ -226,6 +314,11 @@ def measure(flags: dict, max_tokens: int, progress=None, calibration_tokens: int
         out["draft_step_seconds"], out["draft_grow_seconds"] = first["step_seconds"], first["grow_seconds"]
         out["max_beams"], out["max_depth"] = first["max_beams"], 64
     return out, node_calibration
+
+
+def _named(floor: dict, kind: str) -> dict:
+    """floor_seconds' {floor_s, wall_s, busy_s} as the profile's {kind_floor_s, kind_wall_s, kind_busy_s}."""
+    return {f"{kind}_{k}": v for k, v in floor.items()}
 
 
 def plan_dtype(flags: dict) -> str:

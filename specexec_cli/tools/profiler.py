@@ -220,8 +220,14 @@ def probe_hardware(folder: Path | None, disk_bytes: int = 256 << 20) -> dict:
 def build_profile(
     hardware: dict, models_part: dict | None, recommended: dict | None, node_calibration: dict | None = None
 ) -> dict:
-    """The profile dict; `node_calibration` (calprobe.py) is stored only when it was measured."""
+    """The profile dict; `node_calibration` (calprobe.py) is stored only when it was measured, and
+    `models_part`'s `floors` (modeltimes.measure) at the top level, where session/profiles.cost_device_for
+    reads them for any target, only when some floor was."""
     from specexec_cli import __version__
+
+    floors = (models_part or {}).get("floors")
+    if models_part is not None:
+        models_part = {k: v for k, v in models_part.items() if k != "floors"}
 
     prof = dict(
         schema=SCHEMA,
@@ -236,6 +242,8 @@ def build_profile(
     )
     if node_calibration:
         prof["node_calibration"] = node_calibration
+    if floors:
+        prof["floors"] = floors
     return prof
 
 

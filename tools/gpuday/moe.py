@@ -17,9 +17,10 @@ Contract (`moe(ctx)` returns the phase's JSON dict; `ctx` holds device, out, smo
   at a near tie (the whole-layer run's two logits within NEAR_TIE of its logits' standard deviation:
   bf16 on the CPU and on the card round differently); otherwise the phase fails (its data kept).
 - Floors: a pass of a tiny model (hidden 64: its kernels take microseconds) timed against its kernels'
-  time, floor = wall - kernels: the device's busy time in torch.profiler's trace (the union of its kernel
-  and copy spans) against the median wall time of unprofiled passes; on the CPU (smoke only) the leaf
-  aten ops' spans against the profiled pass's own wall time (profiling slows CPU ops, not a card's kernels). Three models: 80 dense Llama layers
+  time, floor = wall - kernels: the device's busy time in torch.profiler's trace (`specx profile`'s
+  modeltimes.busy_seconds: the union of its kernel and copy spans) against the median wall time of
+  unprofiled passes; on the CPU (smoke only) the aten ops' spans against the profiled pass's own wall
+  time (profiling slows CPU ops, not a card's kernels). Three models: 80 dense Llama layers
   resident (what passcost.PRIORS' 10 ms CUDA forward_floor_s states), and SHAPE's layers, experts and
   top-k tiny, resident and streamed from RAM, at the passes' n. A trace without kernels (no CUPTI) gives
   no floor (None), and the model keeps the prior's.
@@ -49,6 +50,7 @@ import torch
 
 from offload.planning.passcost import PRIORS
 from offload.stream.timing import device_seconds
+from specexec_cli.tools.modeltimes import busy_seconds
 from tools.gpuday import predict
 from tools.gpuday.phases import PhaseError
 
@@ -110,29 +112,6 @@ def write(path: Path, shape: dict, layers: int, dtype: torch.dtype, device: torc
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return path
-
-
-def busy_seconds(fn, dev: torch.device) -> tuple[float, float, int]:
-    """(seconds the device was busy during fn(), fn()'s wall seconds under the profiler, spans seen): the
-    union of the kernel and copy spans in torch.profiler's trace on CUDA; on a CPU the leaf aten ops' spans
-    (the work, without the dispatch around it)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        wall = device_seconds(fn, dev)
-    if dev.type == "cuda":
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    else:
-        events = [e for e in prof.events() if not e.cpu_children and e.name.startswith("aten::")]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    busy, end = 0.0, float("-inf")
-    for lo, hi in spans:  # union of intervals, in microseconds
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    return busy / 1e6, wall, len(spans)
 
 
 def _load(path: Path, dev: torch.device, dtype: torch.dtype, **kw):
