@@ -18,6 +18,7 @@ tests/test_moe_split_formats.py.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -34,12 +35,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 GB = 10**9
 
 
-def hf_ids(target) -> list[int]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
+def hf_ids(hf) -> list[int]:
+    """Transformers model `hf`'s greedy ids for PROMPT: N_NEW of them, no EOS stop."""
     ids = make_tokenizer()(PROMPT)["input_ids"]
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids) :].tolist()
 
 
@@ -47,7 +47,7 @@ def hf_ids(target) -> list[int]:
 def family(request, tmp_path_factory):
     """(name, target dir, transformers' greedy ids)."""
     target = make_moe(request.param, tmp_path_factory.mktemp(request.param) / "target", seed=3)
-    return request.param, target, hf_ids(target)
+    return request.param, target, hf_ids(transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32))
 
 
 def load(target, cache: int = 3, ram: int = 2, dtype=torch.float32, **kw):
@@ -108,6 +108,27 @@ def check_passes(m, ids=None) -> None:
         assert m.stats.streamed_bytes_per_pass == m.experts.bytes_read - before, n
 
 
+@contextmanager
+def split_model(target, **kw):
+    """load(target, **kw), its placement checked (check_placement); closed on leaving."""
+    m = load(target, **kw)
+    try:
+        check_placement(m)
+        yield m
+    finally:
+        m.close()
+
+
+def check_split(target, want: list[int], decode=_greedy, ids=None) -> None:
+    """The split decodes `want` (`decode`: greedy ids), reads disk experts and streams nothing else
+    (check_passes over `ids`); whole-layer streaming decodes `want` too."""
+    with split_model(target) as m:
+        assert decode(m) == want
+        assert m.experts.reads > 0
+        check_passes(m, ids)
+    assert greedy_layers(target, decode=decode) == want
+
+
 def greedy_layers(target, dtype=torch.float32, decode=_greedy) -> list[int]:
     from offload import OffloadedCausalLM
 
@@ -120,16 +141,7 @@ def greedy_layers(target, dtype=torch.float32, decode=_greedy) -> list[int]:
 
 
 def test_split_equals_hf_and_whole_layers(family):
-    name, target, want = family
-    m = load(target)
-    try:
-        check_placement(m)
-        assert _greedy(m) == want, name
-        assert m.experts.reads > 0
-        check_passes(m)
-    finally:
-        m.close()
-    assert greedy_layers(target) == want, name
+    check_split(family[1], family[2])
 
 
 def test_disk_tier_decoding_reads_only_its_routed_experts(family):
@@ -182,10 +194,14 @@ def test_rows_move_once_per_layer(family, monkeypatch):
         m.close()
 
 
-def streamed(target, from_tokens: int = 8, **kw):
-    """load() under a plan whose threshold streams passes of `from_tokens` or more (the prompt's prefill)."""
-    plan = SimpleNamespace(experts={"mode": "split", "stream_from": [from_tokens] * 64}, embeddings="device")
-    return load(target, memplan=plan, **kw)
+def check_streamed(target, want: list[int], monkeypatch) -> None:
+    """split_model() under a plan whose threshold streams passes of 8 tokens or more (the prompt's prefill):
+    greedy ids `want`, uncached experts copied into the staging area and read from disk (check_staged)."""
+    plan = SimpleNamespace(experts={"mode": "split", "stream_from": [8] * 64}, embeddings="device")
+    with split_model(target, memplan=plan) as m:
+        assert _greedy(m) == want
+        assert m.split.staging.copies > 0 and m.experts.reads > 0
+        check_staged(m, monkeypatch)
 
 
 def check_staged(m, monkeypatch) -> None:
@@ -216,15 +232,7 @@ def check_staged(m, monkeypatch) -> None:
 def test_large_pass_streams_its_experts_to_the_device(family, monkeypatch):
     """Passes of 8+ tokens (the prefill) compute every routed expert on the device, the uncached ones copied
     into the staging area; decoding's 1-token passes compute them on the CPU; greedy ids stay transformers'."""
-    name, target, want = family
-    m = streamed(target)
-    try:
-        check_placement(m)
-        assert _greedy(m) == want, name
-        assert m.split.staging.copies > 0 and m.experts.reads > 0
-        check_staged(m, monkeypatch)
-    finally:
-        m.close()
+    check_streamed(family[1], family[2], monkeypatch)
 
 
 def test_loader_follows_the_plans_ids(family):

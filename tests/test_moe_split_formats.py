@@ -11,12 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_tokenizer
 from tests.test_gguf_gpt_oss import built  # noqa: F401 - fixture
 from tests.test_gguf_moe_apart import case  # noqa: F401 - fixture
 from tests.test_moe_experts_apart import _greedy
-from tests.test_moe_families import N_NEW, PROMPT
-from tests.test_moe_split import check_passes, check_placement, check_staged, greedy_layers, load, streamed
+from tests.test_moe_split import check_split, check_streamed, greedy_layers, hf_ids, split_model
 
 
 @pytest.fixture(scope="module", params=["fp32", "mxfp4"])
@@ -30,36 +28,17 @@ def gpt_oss(request, tmp_path_factory):
     if request.param == "fp32":
         return request.param, source, hf_greedy(source)
     target = write_mxfp4(source, root / "target")
-    ids = make_tokenizer()(PROMPT)["input_ids"]
-    with torch.no_grad():
-        out = hf_dequantized(target).generate(
-            torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-    return request.param, target, out[0, len(ids) :].tolist()
+    return request.param, target, hf_ids(hf_dequantized(target))
 
 
 def test_gpt_oss_split_equals_hf_and_whole_layers(gpt_oss):
     """gpt-oss's fused experts (expert e: row e of each fused tensor; MXFP4 blocks and scales as stored) split."""
-    kind, target, want = gpt_oss
-    m = load(target)
-    try:
-        check_placement(m)
-        assert _greedy(m) == want, kind
-        check_passes(m)
-    finally:
-        m.close()
-    assert greedy_layers(target) == want, kind
+    check_split(gpt_oss[1], gpt_oss[2])
 
 
 def test_gpt_oss_large_pass_streams_its_experts(gpt_oss, monkeypatch):
     """gpt-oss's fused experts (MXFP4 as stored) streamed to the device for the prefill, as per-expert ones are."""
-    kind, target, want = gpt_oss
-    m = streamed(target)
-    try:
-        assert _greedy(m) == want, kind
-        check_staged(m, monkeypatch)
-    finally:
-        m.close()
+    check_streamed(gpt_oss[1], gpt_oss[2], monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,12 +47,8 @@ def test_gpt_oss_bf16_checkpoint_split_equals_whole_layers(tmp_path, dtype):
     from tests.test_gpt_oss import make_gpt_oss
 
     path = make_gpt_oss(tmp_path / "bf16", seed=0, dtype=torch.bfloat16)
-    m = load(path, dtype=dtype)
-    try:
-        check_placement(m)
+    with split_model(path, dtype=dtype) as m:
         got = _greedy(m)
-    finally:
-        m.close()
     assert got == greedy_layers(path, dtype)
 
 
@@ -85,15 +60,7 @@ def test_gguf_moe_split_equals_transformers_and_whole_layers(case):  # noqa: F81
     from tests.test_gguf_moe import byte_level_tokenizer
     from tests.test_gguf_moe_apart import greedy
 
-    name, kind, f, want = case
-    m = load(f)
-    try:
-        check_placement(m)
-        assert greedy(m) == want, (name, kind)
-        check_passes(m, byte_level_tokenizer()(GGUF_PROMPT)["input_ids"])
-    finally:
-        m.close()
-    assert greedy_layers(f, decode=greedy) == want, (name, kind)
+    check_split(case[2], case[3], greedy, byte_level_tokenizer()(GGUF_PROMPT)["input_ids"])
 
 
 @pytest.mark.slow
@@ -105,9 +72,5 @@ def test_gguf_gpt_oss_split_equals_transformers(built, kind):  # noqa: F811
 
     _kind(built, kind)
     f, want = built[3][kind], built[4][kind]
-    m = load(f)
-    try:
-        check_placement(m)
+    with split_model(f) as m:
         assert greedy(m) == want, kind
-    finally:
-        m.close()
