@@ -1,13 +1,13 @@
 """gpt-oss's experts computed one routed expert at a time, from expert e's slice of each fused tensor.
 
-Contract: `RoutedExperts` stands in for transformers' GptOssExperts (hidden (T, H), router indices
-(T, K), routing weights (T, K) -> (T, H)) where the experts are not four 3-D parameters bound whole:
-MXFP4 blocks (formats/mxfp4.py subclasses it) or experts read on demand (stream/expertstore.py sets
-`source`; `source.stream(es)`, where it exists, reads ahead). `parts(e)` is {name: row e} of each fused
-tensor (`names`); `weights(parts)` -> (gate_up (H, 2I), gate_up_bias (2I,), down (I, H), down_bias (H,))
-in the compute dtype. The math is transformers' "grouped_mm" path, so the outputs are its bits: per
-(token, slot) routed to e, y = gate(x W_gu + b_gu) W_d + b_d (GptOssExperts._apply_gate) times its
-routing weight, summed over the K slots; a slot whose index is E (computed elsewhere) adds zero.
+Contract: `RoutedExperts(experts, compute_dtype)` stands in for transformers' GptOssExperts `experts`
+(hidden (T, H), router indices (T, K), routing weights (T, K) -> (T, H)) where the experts are not four 3-D
+parameters bound whole: a format's stored blocks (formats/mxfp4.py, formats/gguf_gptoss.py subclass it) or
+experts read on demand (stream/expertstore.py sets `source`; `source.stream(es)`, where it exists, reads ahead).
+`parts(e)` is {name: row e} of each fused tensor (`names`); `weights(parts)` -> (gate_up (H, 2I), gate_up_bias
+(2I,), down (I, H), down_bias (H,)) in `compute_dtype`. The math is transformers' "grouped_mm" path, so the
+outputs are its bits: per (token, slot) routed to e, y = gate(x W_gu + b_gu) W_d + b_d (GptOssExperts._apply_gate)
+times its routing weight, summed over the K slots; a slot whose index is E (computed elsewhere) adds zero.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ class RoutedExperts(nn.Module):
     names = NAMES  # the fused tensors, [E, ...] each; expert e's part is row e
     source = None  # None: parts come from the parameters; else source(e) -> {name: expert e's part}
 
-    def __init__(self, num_experts: int, alpha: float, limit: float):
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype | None = None):
         super().__init__()
-        self.num_experts, self.alpha, self.limit = num_experts, alpha, limit
+        self.num_experts, self.alpha, self.limit = experts.num_experts, experts.alpha, experts.limit
+        self.compute_dtype = compute_dtype
 
     @classmethod
     def from_hf(cls, experts: nn.Module) -> RoutedExperts:
         """A 16/32-bit RoutedExperts holding transformers' GptOssExperts' parameters (same tensors)."""
-        out = cls(experts.num_experts, experts.alpha, experts.limit)
+        out = cls(experts)
         for name in NAMES:
             setattr(out, name, getattr(experts, name))
         return out

@@ -136,8 +136,7 @@ class GgufExperts(RoutedExperts):
     names = tuple(f"{p}_{s}" for p in ("gate", "up", "down") for s in ("weight", "bias"))
 
     def __init__(self, experts: nn.Module, infos: dict, compute_dtype: torch.dtype):
-        super().__init__(experts.num_experts, experts.alpha, experts.limit)
-        self.compute_dtype = compute_dtype
+        super().__init__(experts, compute_dtype)
         self.packed = {}  # name -> (ggml type, one expert's logical shape) for block-quantized tensors
         for name in self.names:
             info = infos[name]

@@ -114,8 +114,7 @@ class Mxfp4Experts(RoutedExperts):
     names = tuple(f"{p}_{s}" for p in ("gate_up_proj", "down_proj") for s in ("blocks", "scales", "bias"))
 
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype):
-        super().__init__(experts.num_experts, experts.alpha, experts.limit)
-        self.compute_dtype = compute_dtype
+        super().__init__(experts, compute_dtype)
         for proj in ("gate_up_proj", "down_proj"):
             for name, shape in stored_shapes(proj, tuple(getattr(experts, proj).shape)).items():
                 p = torch.empty(shape, dtype=torch.uint8, device="meta")
