@@ -170,6 +170,5 @@ class GgufExperts(RoutedExperts):
 
 def swap_gguf_experts(layers: nn.ModuleList, ckpt, compute_dtype: torch.dtype) -> None:
     for i, layer in enumerate(layers):
-        prefix = f"model.layers.{i}.mlp.experts."
-        infos = {n: ckpt.tensors[prefix + n] for n in GgufExperts.names}
+        infos = {n: ckpt.tensors[f"model.layers.{i}.mlp.experts.{n}"] for n in GgufExperts.names}
         layer.mlp.experts = GgufExperts(layer.mlp.experts, infos, compute_dtype)
