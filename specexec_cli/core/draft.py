@@ -27,7 +27,7 @@ from specexec_cli.core.calibrate import CHAIN_LEN, Calibration, chain_feature, c
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.sampling import RACE, PositionNoise, SamplingParams, one_thread
 from specexec_cli.core.transfers import to_host
-from specexec_cli.core.tree import Tree, ancestors, top_budget
+from specexec_cli.core.tree import Tree, top_budget
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,6 @@ def grow_tree(
     nodes = torch.zeros(1, dtype=torch.long)  # the root first, then the best open nodes
     for _ in range(shape.max_depth + shape.budget + 1):  # one batched draft forward per step
         logits, staged = run_nodes(draft, cache, ctx, tree, nodes, shape, scoring, grammar)
-        tree.mark_run(nodes)
         if shape.max_depth < 1 or shape.budget < 1:
             break
         expand(tree, nodes, logits, shape, params, scoring, staged)
@@ -290,11 +289,11 @@ def grow_tree(
     return tree
 
 
-def run_nodes(draft, cache, ctx: DraftContext, tree: Tree, nodes: torch.Tensor, shape, scoring, grammar):
-    """The draft's forward over (B,) not-yet-run `nodes` -> ((B, V) logits, the `Staged` of their expansion).
-    The root (tree slot 0) comes from the pending run; later nodes' K/V go to cache rows base + n_slots + i
-    (their own mask columns), base = the root's row. One upload: (B,) ids, (B,) positions, (B, D) ancestor
-    columns [, (B,) first proposals][, (B, W) grammar masks]."""
+def run_nodes(draft, cache, ctx: DraftContext, tree: Tree, nodes: torch.Tensor, shape=None, scoring=None, grammar=None):
+    """The draft's forward over (B,) not-yet-run `nodes`, marked run -> ((B, V) logits, the `Staged` of
+    their expansion). The root (tree slot 0) comes from the pending run; later nodes' K/V go to cache rows
+    base + n_slots + i (their own mask columns), base = the root's row. One upload: (B,) ids, (B,)
+    positions, (B, D) ancestor columns [, (B,) first proposals][, (B, W) grammar masks]."""
     props, first = proposals(tree, nodes, shape, scoring)
     bits = grammar.bitmask(nodes.tolist()) if grammar is not None else None  # (B, W) host
     staged = [t for t in (first, bits) if t is not None]
@@ -303,10 +302,10 @@ def run_nodes(draft, cache, ctx: DraftContext, tree: Tree, nodes: torch.Tensor, 
         logits = logits[None]
     else:
         base = ctx.n_cached + len(ctx.pending) - 1
-        anc = ancestors(tree.parents, nodes)  # (B, D) node ids, all already run
-        anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
         tokens, positions = tree.tokens[nodes], ctx.root_pos + tree.depth[nodes]
+        anc_cols = tree.ancestor_cols(nodes, base)
         logits, positions, extra = draftstep.run(draft, cache, tokens, positions, base, anc_cols, *staged)
+    tree.mark_run(nodes)
     moved = iter(extra)
     first_dev = next(moved) if first is not None else None
     return logits, Staged(props, first, first_dev, positions + 1, next(moved, None), bits)

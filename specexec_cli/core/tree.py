@@ -60,6 +60,12 @@ class Tree:
         self.slot[nodes] = torch.arange(self.n_slots, self.n_slots + nodes.numel())
         self.n_slots += int(nodes.numel())
 
+    def ancestor_cols(self, nodes: torch.Tensor, base: int) -> torch.Tensor:
+        """(B,) nodes -> (B, D) draft-cache columns of their proper ancestors (all run), -1 padded: a run
+        node's K/V sits at row base + slot, base = the root's row (slot 0)."""
+        anc = ancestors(self.parents, nodes)
+        return torch.where(anc >= 0, base + self.slot[anc.clamp(min=0)], anc)
+
 
 def ancestors(parents: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
     """(B,) node ids -> (B, D) their proper ancestors (parent first), padded with -1; D iterations."""

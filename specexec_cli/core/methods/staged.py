@@ -22,7 +22,7 @@ from specexec_cli.core import draftstep, kvcache
 from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, expand, step_batch
 from specexec_cli.core.engine import speculative_step
 from specexec_cli.core.ngram import NgramIndex
-from specexec_cli.core.tree import Tree, ancestors
+from specexec_cli.core.tree import Tree
 
 CHAIN_LEN = 8  # tokens proposed per node
 
@@ -70,8 +70,7 @@ def batch_rows(tree: Tree, nodes: torch.Tensor, chains: list[list[int]], base: i
     also the node and the chain's earlier tokens. Row r's own column is base + n_slots + r, where
     the step writes it (the draft cache's length)."""
     col0 = base + tree.n_slots  # first new column
-    anc = ancestors(tree.parents, nodes)
-    anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc).tolist()
+    anc_cols = tree.ancestor_cols(nodes, base).tolist()
     toks, pos, rows_anc = tree.tokens[nodes].tolist(), tree.depth[nodes].tolist(), list(anc_cols)
     col = col0 + nodes.numel()
     for i, chain in enumerate(chains):

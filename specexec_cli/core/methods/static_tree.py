@@ -1,7 +1,7 @@
 """Static token trees (chain, SpecInfer, Sequoia): one shape, filled level by level by the draft.
 
 Contract: a `Template` is a fixed tree shape, `parents[i]` < i (node 0 = root, parent -1), children
-in rank order. `grow_static` fills it with one batched draft forward per level (`draftstep.run`; tree
+in rank order. `grow_static` fills it with one batched draft forward per level (`draft.run_nodes`; tree
 mask over the cached prefix and the run ancestors); a node's children are
   - T = 0: the draft's top-k tokens, verified by the greedy walk `verify.accept_tree`;
   - T > 0: k tokens sampled WITHOUT replacement from the draft's processed q on the device (top k of
@@ -27,13 +27,12 @@ from functools import lru_cache
 
 import torch
 
-from specexec_cli.core import draftstep
-from specexec_cli.core.draft import DraftContext, run_pending, top_children
+from specexec_cli.core.draft import DraftContext, run_nodes, top_children
 from specexec_cli.core.engine import StepResult, ar_step, commit_tree, draft_context, new_noise
 from specexec_cli.core.methods.common import MethodSettings, accept_static, child_table
 from specexec_cli.core.sampling import CHILDREN, PositionNoise, SamplingParams, process_logits
 from specexec_cli.core.transfers import to_host
-from specexec_cli.core.tree import Tree, ancestors, subtree
+from specexec_cli.core.tree import Tree, subtree
 from specexec_cli.core.verify import accept_tree, target_pass
 
 
@@ -96,15 +95,15 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
     """Fill `tpl` to depth_cap → (Tree, {node: device q row}, T > 0 only, where `noise` is needed).
     Draft cache afterwards: prefix + pending + every node with slot >= 0, in slot order (as grow_tree)."""
     tree = Tree.new(ctx.pending[-1])
-    base = ctx.n_cached + len(ctx.pending) - 1  # cache row of the root = tree slot 0
     kids = tpl.children()
     qrows: dict[int, torch.Tensor] = {}
-    logits = run_pending(draft, cache, ctx)[0][None]  # (1, V) at the root
-    tree.mark_run(torch.zeros(1, dtype=torch.long))
-    if not params.greedy:  # the children's noise of every level in one block (each level slices it)
-        noise.block(ctx.root_pos + 1, depth_cap, logits.shape[-1], logits.device, CHILDREN)
-    frontier = [(0, 0)]  # (tree node, template node) pairs whose logits are in `logits`
+    frontier = [(0, 0)]  # (tree node, template node) pairs the draft runs next: the root, then non-leaves
     for depth in range(1, depth_cap + 1):
+        # one draft step per level (draft.run_nodes): the root from the pending run, then the level's
+        # (B,) tokens at root_pos + depth, each seeing the prefix and its run ancestors
+        logits = run_nodes(draft, cache, ctx, tree, torch.tensor([n for n, _ in frontier]))[0]  # (B, V)
+        if depth == 1 and not params.greedy:  # the children's noise of every level in one block (each level slices it)
+            noise.block(ctx.root_pos + 1, depth_cap, logits.shape[-1], logits.device, CHILDREN)
         nxt: list[tuple[int, int]] = []
         picks = pick_level(logits, [len(kids[t]) for _, t in frontier], params, noise, ctx.root_pos + depth)
         for (node, t), (toks, lp, q) in zip(frontier, picks):
@@ -116,14 +115,6 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
             nxt += [(int(i), c) for i, c in zip(ids, kids[t]) if kids[c] and depth < depth_cap]
         if not nxt:
             break
-        # one draft step over the next level's non-leaf nodes: (B,) tokens at root_pos + depth, each
-        # seeing the prefix and its (B, D) ancestors' columns (all run); their K/V go to cache rows
-        # base + n_slots + i (the cache's length), as in draft.grow_tree
-        nodes = torch.tensor([n for n, _ in nxt])
-        anc = ancestors(tree.parents, nodes)
-        anc_cols = torch.where(anc >= 0, base + tree.slot[anc.clamp(min=0)], anc)
-        logits = draftstep.run(draft, cache, tree.tokens[nodes], ctx.root_pos + tree.depth[nodes], base, anc_cols)[0]
-        tree.mark_run(nodes)
         frontier = nxt
     return tree, qrows
 
