@@ -82,12 +82,13 @@ class Staged:
     bits_host: torch.Tensor | None = None  # the same rows on the host (children checked there)
 
 
-def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor):
-    """The pending tokens, causally -> ((V,) logits at the root, its position, `extra` staged), on the device."""
-    tokens = torch.tensor(ctx.pending, dtype=torch.long)
-    positions = torch.arange(ctx.root_pos - len(ctx.pending) + 1, ctx.root_pos + 1)
-    logits, positions, extra = draftstep.run(draft, cache, tokens, positions, ctx.n_cached, None, *extra, causal=True)
-    return logits[-1], positions[-1:], extra
+def run_pending(draft, cache, ctx: DraftContext, *extra: torch.Tensor, after=()):
+    """The pending tokens, then `after` (tokens beyond the root), causally -> ((P, V) logits, (P,)
+    positions, `extra` staged), on the device."""
+    tokens = torch.tensor(ctx.pending + list(after), dtype=torch.long)
+    start = ctx.root_pos - len(ctx.pending) + 1
+    positions = torch.arange(start, start + tokens.numel())
+    return draftstep.run(draft, cache, tokens, positions, ctx.n_cached, None, *extra, causal=True)
 
 
 def proposals(tree: Tree, nodes: torch.Tensor, shape: TreeShape, scoring) -> tuple[list, torch.Tensor | None]:
@@ -299,7 +300,7 @@ def run_nodes(draft, cache, ctx: DraftContext, tree: Tree, nodes: torch.Tensor, 
     staged = [t for t in (first, bits) if t is not None]
     if tree.n_slots == 0:
         logits, positions, extra = run_pending(draft, cache, ctx, *staged)
-        logits = logits[None]
+        logits, positions = logits[-1:], positions[-1:]  # the root's
     else:
         base = ctx.n_cached + len(ctx.pending) - 1
         tokens, positions = tree.tokens[nodes], ctx.root_pos + tree.depth[nodes]

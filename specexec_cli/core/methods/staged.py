@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from specexec_cli.core import draftstep, kvcache
-from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, expand, step_batch
+from specexec_cli.core.draft import DraftContext, Scoring, TreeShape, expand, run_pending, step_batch
 from specexec_cli.core.engine import speculative_step
 from specexec_cli.core.ngram import NgramIndex
 from specexec_cli.core.tree import Tree
@@ -53,10 +53,7 @@ def commit_chains(tree: Tree, cache, start: int, kept: list[tuple[int, int]]) ->
 def first_forward(draft, cache, ctx: DraftContext, tree: Tree, shape, params, ngram: NgramIndex) -> None:
     """Pending tokens + the root's proposed chain, causally, in one forward; expand the root."""
     chain = ngram.propose(ngram.ids, min(CHAIN_LEN, shape.max_depth - 1))
-    toks = ctx.pending + chain
-    start_pos = ctx.root_pos - len(ctx.pending) + 1
-    positions = torch.arange(start_pos, start_pos + len(toks))
-    logits = draftstep.run(draft, cache, torch.tensor(toks), positions, ctx.n_cached, None, causal=True)[0]
+    logits = run_pending(draft, cache, ctx, after=chain)[0]
     base = ctx.n_cached + len(ctx.pending) - 1  # row of the root
     tree.mark_run(torch.zeros(1, dtype=torch.long))
     expand(tree, torch.zeros(1, dtype=torch.long), logits[len(ctx.pending) - 1][None], shape, params)

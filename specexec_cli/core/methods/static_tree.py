@@ -119,11 +119,6 @@ def grow_static(draft, cache, ctx: DraftContext, tpl: Template, depth_cap: int, 
     return tree, qrows
 
 
-def verify_pass(m, st, vt, *extra: torch.Tensor) -> list[torch.Tensor]:
-    """verify.target_pass over root + tree from the state: [(n, V) logits, (n,) positions, *extra]."""
-    return target_pass(m.target, st.target_cache, vt, st.target_len, len(st.ids) - 1, *extra)
-
-
 def static_step(m, st, cfg, gen, limit: int, tpl: Template):
     """Grow `tpl` with the draft, verify in one target pass, accept, trim caches → engine.StepResult."""
     n = len(st.ids)
@@ -136,12 +131,13 @@ def static_step(m, st, cfg, gen, limit: int, tpl: Template):
     tree, qrows = grow_static(m.draft, st.draft_cache, ctx, tpl, depth_cap, cfg.sampling, st.noise)
     vt = subtree(tree, torch.arange(1, tree.size))
     t1 = time.perf_counter()
+    # one target pass over root + tree; at T > 0 the child table (inner, kids) rides in its upload
+    table = [] if cfg.sampling.greedy else list(child_table(vt))
+    logits, positions, *table = target_pass(m.target, st.target_cache, vt, st.target_len, n - 1, *table)
     if cfg.sampling.greedy:
-        logits, positions = verify_pass(m, st, vt)
         acc = accept_tree(vt, logits, cfg.sampling, None, n, m.eos_ids, limit, depth=positions - (n - 1))
     else:  # VerifyTree index i holds draft node vt.draft_ids[i]; here they coincide (whole tree kept)
-        inner, kids = child_table(vt)
-        logits, positions, inner, kids = verify_pass(m, st, vt, inner, kids)  # one upload for all four
+        inner, kids = table
         q = torch.stack([qrows[i] for i in inner.tolist()]) if len(qrows) else logits.new_zeros(0, logits.shape[-1])
         acc = accept_static(
             vt, logits, cfg.sampling, st.noise, n, (positions - (n - 1), inner, kids), q, m.eos_ids, limit
