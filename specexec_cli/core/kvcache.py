@@ -187,20 +187,24 @@ def new_cache() -> SlabCache:
     return SlabCache()
 
 
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of `model`'s cache, from its config (text_config for wrappers)."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim
+
+
 def reserve(cache, model, rows: int, pool=None, component: str = "kv") -> None:
     """Allocate every layer's slabs for `rows` positions now (no-op if already allocated)."""
     if not isinstance(cache, SlabCache) or cache.layers:
         return
-    cfg = getattr(model.config, "text_config", None) or model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers, kv_heads, head_dim = kv_shape(model)
     cache.capacity, cache.component = rows, component
     if pool is not None:
         cache.alloc = lambda shape, dtype, device, comp: pool.empty(shape, dtype, comp)
         cache.release = lambda *ts: pool.free(component, *ts)
     dtype, device = model_dtype(model), model.device
-    for _ in range(cfg.num_hidden_layers):
+    for _ in range(layers):
         layer = SlabLayer(cache)
         layer.allocate((1, kv_heads, rows, head_dim), dtype, device)
         cache.layers.append(layer)

@@ -292,11 +292,8 @@ def token_bytes(model) -> int:
     """K and V bytes one position takes in `model`'s cache (all layers)."""
     if model is None:
         return 0
-    cfg = getattr(model.config, "text_config", None) or model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * kvcache.model_dtype(model).itemsize
+    layers, kv_heads, head_dim = kvcache.kv_shape(model)
+    return 2 * layers * kv_heads * head_dim * kvcache.model_dtype(model).itemsize
 
 
 def make_prompt_cache(models, plan, capacity: int | None) -> PromptCache | None:
