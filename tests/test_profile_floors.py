@@ -71,3 +71,31 @@ def test_measured_floors_are_what_the_plan_prices(tiny_pair, tmp_path):
     assert plan["choice"]["terms"]["floor"] == 0.0042
     row = next(line for line in res.output.splitlines() if line.strip("│┃ ").startswith("floor"))
     assert "0.0042" in row and f"measured ({host})" in row
+
+
+def test_cpu_gguf_kernel_target_writes_a_floor_only_with_the_kernel_off(tmp_path, monkeypatch):
+    """specx's C kernels are ctypes calls, no aten ops: with them multiplying the GGUF blocks the busy spans
+    miss the matmuls, and no floor is written; with SPECX_GGUF_KERNEL=off the layers' fp32 copies run as aten
+    ops and it is. A plan whose pass runs on the one-call stack prices the stack's floor, and says its source."""
+    pytest.importorskip("gguf")
+    from offload.formats import ggml_kernel_enabled
+    from tests.conftest import make_model
+    from tests.gguf_build import write_gguf
+
+    if not ggml_kernel_enabled():
+        pytest.skip("the GGUF CPU kernel is not built here")
+    f = write_gguf(make_model(tmp_path / "hf", seed=3, layers=2, hidden=256), tmp_path / "m" / "t-Q4_1.gguf", "Q4_1")
+    assert "floors" not in profile(tmp_path, f)
+    monkeypatch.setenv("SPECX_GGUF_KERNEL", "off")
+    prof = profile(tmp_path, f)
+    assert 0 <= prof["floors"]["cpu"]["forward_floor_s"] < prof["floors"]["cpu"]["forward_wall_s"]
+    monkeypatch.setenv("SPECX_GGUF_KERNEL", "auto")
+    path, stats = tmp_path / "prof.json", tmp_path / "stats.json"
+    path.write_text(json.dumps(dict(prof, hostname=socket.gethostname())))
+    args = ["run", "-p", "x", "--target", str(f), "--device", "cpu", "--dry-run", "--profile", str(path)]
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*args, "--stats-json", str(stats)])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(stats.read_text())["plan"]
+    assert plan["kernel"]["stack"] and plan["choice"]["terms"]["floor"] == plan["machine"]["stack_floor_s"]
+    row = next(line for line in res.output.splitlines() if line.strip("│┃ ").startswith("floor"))
+    assert "measured" not in row and "prior" in row
