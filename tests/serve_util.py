@@ -124,7 +124,9 @@ def raw_http(port: int, method: str, path: str, body=None, headers: dict | None 
 
 @contextmanager
 def app_server(app):
-    """Serve `app` with uvicorn on a free loopback port from a thread; yields the port."""
+    """Serve `app` with uvicorn on a free loopback port from a thread; yields the port. Enter it in a test's
+    body, not in a fixture: the app logs each request on stderr after answering it, and leaving joins the
+    thread, so the line is the test's captured output and never lands on pytest's own terminal output."""
     import uvicorn
 
     port = free_port()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -270,49 +271,55 @@ CALL_SCRIPT = ["Let me check. ", '<tool_call>\n{"name": "get_weather", ',
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
-@pytest.fixture(scope="module")
-def scripted():
+@contextmanager
+def scripted_server(session):
+    """The real worker, app and uvicorn (a thread of this process) over `session`; yields an OpenAI client.
+    Entered in the test's body, not a fixture: the server logs a request after answering it, and leaving joins
+    its thread, so that line lands in the test's captured output rather than on pytest's terminal."""
     from specexec_cli.serve.app import create_app
     from specexec_cli.serve.metrics import Metrics
     from specexec_cli.serve.worker import Worker
     from specexec_cli.session.gendefaults import GREEDY
     from tests.serve_util import app_server
 
-    session = ScriptedToolSession(CALL_SCRIPT)
     worker = Worker(lambda: (session, GREEDY), max_queue=4, metrics=Metrics())
     worker.start()
     while worker.state == "loading":
         time.sleep(0.01)
-    with app_server(create_app(worker, "m")) as port:
-        from openai import OpenAI
+    try:
+        with app_server(create_app(worker, "m")) as port:
+            from openai import OpenAI
 
-        yield session, OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
-    worker.shutdown()
+            yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
+    finally:
+        worker.shutdown()
 
 
-def test_auto_mode_returns_the_calls_the_model_wrote(scripted):
-    session, sdk = scripted
-    ask = [{"role": "user", "content": "weather and time?"}]
-    res = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL])
-    choice = res.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
-        ("get_weather", {"city": "rome", "days": 1}), ("get_time", {"zone": "utc"})]
-    assert '"name": "get_time"' in session.prompts[-1]  # the tools reached the template
-    chunks = list(sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], stream=True))
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls: dict[int, list[str]] = {}
-    for c in chunks:
-        for d in c.choices[0].delta.tool_calls or []:
-            calls.setdefault(d.index, ["", ""])
-            calls[d.index][0] += d.function.name or ""
-            calls[d.index][1] += d.function.arguments or ""
-    assert content == "Let me check. "
-    assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments)
-                                                  for c in choice.message.tool_calls]  # fmt: skip
-    one = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], parallel_tool_calls=False)
-    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
-    text = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], tool_choice="none")
-    assert text.choices[0].finish_reason == "stop" and text.choices[0].message.tool_calls is None
-    assert text.choices[0].message.content == "".join(CALL_SCRIPT)
-    assert '"name": "get_time"' not in session.prompts[-1]  # tool_choice none: no tools rendered
+def test_auto_mode_returns_the_calls_the_model_wrote():
+    session = ScriptedToolSession(CALL_SCRIPT)
+    with scripted_server(session) as sdk:
+        ask = [{"role": "user", "content": "weather and time?"}]
+        res = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL])
+        choice = res.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. "
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_weather", {"city": "rome", "days": 1}), ("get_time", {"zone": "utc"})]
+        assert '"name": "get_time"' in session.prompts[-1]  # the tools reached the template
+        chunks = list(sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls: dict[int, list[str]] = {}
+        for c in chunks:
+            for d in c.choices[0].delta.tool_calls or []:
+                calls.setdefault(d.index, ["", ""])
+                calls[d.index][0] += d.function.name or ""
+                calls[d.index][1] += d.function.arguments or ""
+        assert content == "Let me check. "
+        assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments)
+                                                      for c in choice.message.tool_calls]  # fmt: skip
+        one = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL],
+                                          parallel_tool_calls=False)
+        assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+        text = sdk.chat.completions.create(model="m", messages=ask, tools=[WEATHER, TIME_TOOL], tool_choice="none")
+        assert text.choices[0].finish_reason == "stop" and text.choices[0].message.tool_calls is None
+        assert text.choices[0].message.content == "".join(CALL_SCRIPT)
+        assert '"name": "get_time"' not in session.prompts[-1]  # tool_choice none: no tools rendered
