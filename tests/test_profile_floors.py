@@ -35,7 +35,7 @@ def test_profile_of_a_resident_model_writes_its_floors(tiny_pair, tmp_path):
     assert prof["models"]["placement"][1:] == [0, 0] and "floors" not in prof["models"]
     cpu = prof["floors"]["cpu"]
     assert cpu["target"] == str(tiny_pair[0])
-    for kind in ("forward", "step"):  # floor = wall - busy: the profiled call's own wall on a CPU
+    for kind in ("forward", "step"):  # floor = the share of the wall outside the ops, busy = the rest
         floor, wall, busy = cpu[f"{kind}_floor_s"], cpu[f"{kind}_wall_s"], cpu[f"{kind}_busy_s"]
         assert 0 <= floor < wall and busy > 0
 

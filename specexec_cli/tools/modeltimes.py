@@ -118,18 +118,20 @@ def busy_seconds(fn, dev: torch.device) -> tuple[float, float, int]:
 
 
 def floor_seconds(fn, dev: torch.device, rounds: int = FLOOR_ROUNDS) -> dict | None:
-    """{floor_s, wall_s, busy_s} of fn() after one untimed call: medians over `rounds` calls of its wall
-    seconds, of the device's busy seconds in it (busy_seconds) and of their difference, at least 0. The
-    wall is an unprofiled call's on CUDA (profiling slows the host, not the card's kernels), the profiled
-    call's own on a CPU (whose op spans it slows alike). None where the trace holds no spans (no CUPTI)."""
+    """{floor_s, wall_s, busy_s} of fn() after one untimed call: medians over `rounds` calls. wall_s is an
+    unprofiled call's seconds; on CUDA floor_s = wall - the kernel and copy spans (busy_seconds; profiling
+    slows the host, not the card). On a CPU the profiler slows the ops and the gaps between them alike, so
+    the profiled call gives the SHARE of its wall outside any op span: floor_s = wall x (1 - busy / profiled
+    wall), busy_s = wall - floor_s. None where the trace holds no spans (no CUPTI)."""
     fn()
     rows = []
     for _ in range(rounds):
         busy, profiled, spans = busy_seconds(fn, dev)
         if not spans:
             return None
-        wall = _wall(fn, dev) if dev.type == "cuda" else profiled
-        rows.append((max(0.0, wall - busy), wall, busy))
+        wall = _wall(fn, dev)
+        floor = wall - busy if dev.type == "cuda" else wall * (1 - busy / profiled)
+        rows.append((max(0.0, floor), wall, wall - max(0.0, floor)))
     return {k: round(statistics.median(r[i] for r in rows), 7) for i, k in enumerate(("floor_s", "wall_s", "busy_s"))}
 
 
