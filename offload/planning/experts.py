@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 from offload.planning.expertcost import apart_seconds, compute_seconds, distinct_experts, transfer_seconds
 from offload.planning.membytes import arch_of, compute_bytes, dtype_bytes
-from offload.planning.passcost import PassTerms, attention_seconds, device_of, forward_floor, linear_weights, model_ctx
+from offload.planning.passcost import PassTerms, attention_seconds, device_of, floor_term, linear_weights, model_ctx
 from offload.planning.request import STATIC_SLACK, cuda_margin, ram_cap
 from offload.planning.splitcost import split_seconds, stream_from
 from offload.stream.expertstore import cache_capacity, splits_experts, streams_whole
@@ -217,11 +217,12 @@ def pass_terms(a, plan, dev, n: int, ctx: int, c: int):
         total += max(transfer, layer_gemm + attn + ex_s)
         stream, gemm, experts = stream + transfer, gemm + layer_gemm, experts + ex_s
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), a.hidden * a.vocab * c / dev.memory_bps)
-    floor, attn_s = forward_floor(plan, dev, n), len(plan.layer_bytes) * attn
+    term = floor_term(plan, n)
+    floor, attn_s = getattr(dev, term), len(plan.layer_bytes) * attn
     bound = "stream" if stream > gemm + experts + attn_s else "experts" if experts > gemm else "compute"
     ran = "+".join(sorted(h for h in routed if h))
     return PassTerms(
-        n, ctx, stream, gemm, 0.0, attn_s, head, floor, floor + head + total, bound, dev.flops(c), experts, ran
+        n, ctx, stream, gemm, 0.0, attn_s, head, floor, floor + head + total, bound, dev.flops(c), experts, ran, term
     )
 
 

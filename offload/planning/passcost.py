@@ -10,7 +10,7 @@ Contract (a roofline per layer; every figure is modelled, each rate says where i
   MODEL_CTX_CAP tokens).
 - `target_pass(a, plan, dev, n, ctx, c, kernel)` -> PassTerms of one DENSE target pass of n tokens at ctx
   committed tokens, compute dtype c bytes: per layer max(transfer_i, compute_i), summed (layer i+1
-  streams while layer i computes), plus the head and one forward floor (`forward_floor`).
+  streams while layer i computes), plus the head and one forward floor (`floor_term` names which).
   transfer_i = its bytes over the link (RAM tier) or the disk, 0 if resident. compute_i = max(2 x linear
   weights x n FLOPs / FLOP/s, weight bytes / memory bandwidth) + dequantization traffic (weights x c x
   dequant_elems(kernel); none for nf4 up to NF4_GEMV_TOKENS) at the kernel's rate (`Device.dequant_bps`,
@@ -150,6 +150,7 @@ class PassTerms:
     flops: float = 0.0  # the matmul FLOP/s of the pass's compute dtype (Device.flops(c))
     experts: float = 0.0  # MoE: routed experts' seconds, by the distinct experts routed (planning/experts.py)
     routed: str = ""  # MoE: where the routed experts ran ("gpu", "cpu", "stream"; experts.pass_terms)
+    floor_term: str = "forward_floor_s"  # the Device term `floor` is (floor_term; "stack_floor_s": the stack's)
 
     def to_json(self) -> dict:
         return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -210,11 +211,16 @@ def attention_seconds(a, n: int, ctx: int, c: int, dev: Device) -> float:
     return 4 * n * keys * a.heads * a.head_dim / dev.flops(c) + 2 * keys * a.kv_heads * a.head_dim * c / dev.memory_bps
 
 
-def forward_floor(plan, dev: Device, n: int) -> float:
-    """The per-forward floor of a target pass of n tokens: the stack's where it runs the pass
-    (plan.kernel["stack"] and n within the kernel's rows), else the layer-by-layer forward's."""
+def floor_term(plan, n: int) -> str:
+    """The Device floor a target pass of n tokens pays: "stack_floor_s" where the one-call stack runs the
+    pass (plan.kernel["stack"] and n within the kernel's rows), else the layer-by-layer forward's."""
     k = getattr(plan, "kernel", None) or {}
-    return dev.stack_floor_s if k.get("stack") and n <= k.get("stack_rows", k.get("rows", 0)) else dev.forward_floor_s
+    return "stack_floor_s" if k.get("stack") and n <= k.get("stack_rows", k.get("rows", 0)) else "forward_floor_s"
+
+
+def forward_floor(plan, dev: Device, n: int) -> float:
+    """Seconds of the per-forward floor a target pass of n tokens pays (`floor_term`)."""
+    return getattr(dev, floor_term(plan, n))
 
 
 def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "none") -> PassTerms:
@@ -250,9 +256,12 @@ def target_pass(a, plan, dev: Device, n: int, ctx: int, c: int, kernel: str = "n
     layers = len(plan.layer_bytes)
     head_read = head_packed / dev.dequant_rate(GGUF_KERNEL) if head_packed else a.hidden * a.vocab * c / dev.memory_bps
     head = max(2 * n * a.hidden * a.vocab / dev.flops(c), head_read)
-    floor, attn_s = forward_floor(plan, dev, n), layers * attn
+    term = floor_term(plan, n)
+    floor, attn_s = getattr(dev, term), layers * attn
     bound = "stream" if stream > gemm_s + deq_s + attn_s else "compute"
-    return PassTerms(n, ctx, stream, gemm_s, deq_s, attn_s, head, floor, floor + head + total, bound, dev.flops(c))
+    return PassTerms(
+        n, ctx, stream, gemm_s, deq_s, attn_s, head, floor, floor + head + total, bound, dev.flops(c), floor_term=term
+    )
 
 
 def draft_step(

@@ -75,8 +75,6 @@ def _terms_table(plan: dict, choice: dict):
     experts = [("experts", t["experts"], "", f"distinct experts routed, on {t['routed']}")] if t.get("routed") else []
     link = f"{m.get('link_bps', 0) / 1e9:.0f}/{m.get('disk_bps', 0) / 1e9:.1f} GB/s"
     memory = f"{m.get('memory_bps', 0) / 1e9:.0f} GB/s"
-    # the one-call stack's floor where it ran the pass (passcost.forward_floor), else the layer-by-layer forward's
-    floor = "stack_floor_s" if t["floor"] == m.get("stack_floor_s") != m.get("forward_floor_s") else "forward_floor_s"
     rows = (
         ("stream", t["stream"], link, src.get("link_bps", "prior")),
         ("GEMM", t["gemm"], f"{flops / 1e12:.3g} TFLOP/s", src.get("flops16" if sixteen else "flops32", "prior")),
@@ -84,7 +82,7 @@ def _terms_table(plan: dict, choice: dict):
         ("attention", t["attention"], "", "at half the planned context"),
         *experts,
         ("head", t["head"], "", ""),
-        ("floor", t["floor"], "", src.get(floor, "prior")),
+        ("floor", t["floor"], "", src.get(t.get("floor_term", "forward_floor_s"), "prior")),
         ("pass", t["seconds"], "", "layers overlap: sum of max(stream, compute)"),
     )
     for name, secs, rate, where in rows:
