@@ -1,6 +1,6 @@
 """`specx profile` measures the per-forward floors passcost.Device prices (tools/modeltimes.floor_seconds):
-wall - busy of a 1-token target pass and of a draft step, written under the profile's `floors` where the
-busy spans hold all the work, and read back by the plan as measured figures."""
+the part of a 1-token target pass and of a draft step outside the device's work, written under the
+profile's `floors` where the busy spans hold all the work, and read back by the plan as measured figures."""
 
 from __future__ import annotations
 
